@@ -1,0 +1,183 @@
+// src/backend/stub/stub_backend.cpp — the CUDA backend of a build without CUDA.
+//
+// Built instead of backend/cuda when the toolkit is absent or -Dcuda=disabled, so the
+// rest of dp links the same way on every machine. device_count() is 0 (so
+// default_device_type() picks CPU virtual devices) and every other call throws a
+// dp::Error that says how to get CUDA support.
+#include <string>
+
+#include "backend/backend.h"
+#include "dp/core/error.h"
+
+namespace dp::backend {
+namespace {
+
+[[noreturn]] void unavailable(const char* op) {
+  DP_FAIL("dp was built without CUDA support: ", op,
+          "() needs a CUDA device. Rebuild with the CUDA toolkit, cuDNN and NCCL installed "
+          "(meson setup -Dcuda=enabled), or use CPU devices (dp::cpu(i), DP_DEVICE=cpu)");
+}
+
+class StubBackend final : public Backend {
+ public:
+  DeviceType type() const override { return DeviceType::CUDA; }
+  int device_count() override { return 0; }
+
+  void set_current_device(Device) override { unavailable("set_current_device"); }
+  void set_concurrent_devices(int) override { unavailable("set_concurrent_devices"); }
+  int threads_per_device(Device) override { unavailable("threads_per_device"); }
+  void synchronize(Device) override { unavailable("synchronize"); }
+  std::unique_ptr<Event> create_event(Device) override { unavailable("create_event"); }
+  void record_event(Event&, Device) override { unavailable("record_event"); }
+  void wait_event(Event&, Device) override { unavailable("wait_event"); }
+
+  void* allocate(Device, std::size_t) override { unavailable("allocate"); }
+  // noexcept: nothing can have been allocated by this backend, so there is nothing to free.
+  void deallocate(Device, void*, std::size_t) noexcept override {}
+  std::size_t memory_allocated(Device) override { unavailable("memory_allocated"); }
+  std::size_t max_memory_allocated(Device) override { unavailable("max_memory_allocated"); }
+  void reset_peak_memory(Device) override { unavailable("reset_peak_memory"); }
+  void copy(void*, Device, const void*, Device, std::size_t) override { unavailable("copy"); }
+  void copy_from_host(void*, Device, const void*, std::size_t) override {
+    unavailable("copy_from_host");
+  }
+  void copy_to_host(void*, const void*, Device, std::size_t) override {
+    unavailable("copy_to_host");
+  }
+  void memset_zero(void*, Device, std::size_t) override { unavailable("memset_zero"); }
+
+  void fill(Device, float*, std::int64_t, float) override { unavailable("fill"); }
+  void fill_i64(Device, std::int64_t*, std::int64_t, std::int64_t) override {
+    unavailable("fill_i64");
+  }
+  void arange(Device, float*, std::int64_t, float, float) override { unavailable("arange"); }
+  void arange_i64(Device, std::int64_t*, std::int64_t, std::int64_t, std::int64_t) override {
+    unavailable("arange_i64");
+  }
+  void cast_i64_to_f32(Device, const std::int64_t*, float*, std::int64_t) override {
+    unavailable("cast_i64_to_f32");
+  }
+  void cast_f32_to_i64(Device, const float*, std::int64_t*, std::int64_t) override {
+    unavailable("cast_f32_to_i64");
+  }
+  void unary(Device, UnaryOp, const float*, float*, std::int64_t) override {
+    unavailable("unary");
+  }
+  void affine(Device, const float*, float*, std::int64_t, float, float) override {
+    unavailable("affine");
+  }
+  void axpy(Device, float, const float*, float*, std::int64_t) override { unavailable("axpy"); }
+  void binary(Device, BinaryOp, const Indexer&, const float*, const float*, float*) override {
+    unavailable("binary");
+  }
+  void strided_copy(Device, const Indexer&, const float*, float*) override {
+    unavailable("strided_copy");
+  }
+
+  void fill_uniform(Device, float*, std::int64_t, float, float, std::uint64_t,
+                    std::uint64_t) override {
+    unavailable("fill_uniform");
+  }
+  void fill_normal(Device, float*, std::int64_t, float, float, std::uint64_t,
+                   std::uint64_t) override {
+    unavailable("fill_normal");
+  }
+  void dropout(Device, const float*, float*, float*, std::int64_t, float, std::uint64_t,
+               std::uint64_t) override {
+    unavailable("dropout");
+  }
+
+  void reduce(Device, ReduceOp, const float*, float*, std::int64_t, std::int64_t,
+              std::int64_t) override {
+    unavailable("reduce");
+  }
+  void argmax(Device, const float*, std::int64_t*, std::int64_t, std::int64_t,
+              std::int64_t) override {
+    unavailable("argmax");
+  }
+
+  void gemm(Device, bool, bool, std::int64_t, std::int64_t, std::int64_t, float, const float*,
+            std::int64_t, const float*, std::int64_t, float, float*, std::int64_t) override {
+    unavailable("gemm");
+  }
+
+  void log_softmax(Device, const float*, float*, std::int64_t, std::int64_t) override {
+    unavailable("log_softmax");
+  }
+  void log_softmax_backward(Device, const float*, const float*, float*, std::int64_t,
+                            std::int64_t) override {
+    unavailable("log_softmax_backward");
+  }
+  void nll_forward(Device, const float*, const std::int64_t*, float*, std::int64_t,
+                   std::int64_t) override {
+    unavailable("nll_forward");
+  }
+  void nll_backward(Device, const float*, const std::int64_t*, float*, std::int64_t,
+                    std::int64_t) override {
+    unavailable("nll_backward");
+  }
+
+  void conv2d_forward(Device, const Conv2dShape&, const float*, const float*, const float*,
+                      float*) override {
+    unavailable("conv2d_forward");
+  }
+  void conv2d_backward_data(Device, const Conv2dShape&, const float*, const float*,
+                            float*) override {
+    unavailable("conv2d_backward_data");
+  }
+  void conv2d_backward_weight(Device, const Conv2dShape&, const float*, const float*, float*,
+                              float*) override {
+    unavailable("conv2d_backward_weight");
+  }
+  void maxpool2d_forward(Device, const Pool2dShape&, const float*, float*,
+                         std::int64_t*) override {
+    unavailable("maxpool2d_forward");
+  }
+  void maxpool2d_backward(Device, const Pool2dShape&, const float*, const std::int64_t*,
+                          float*) override {
+    unavailable("maxpool2d_backward");
+  }
+  void avgpool2d_forward(Device, const Pool2dShape&, const float*, float*) override {
+    unavailable("avgpool2d_forward");
+  }
+  void avgpool2d_backward(Device, const Pool2dShape&, const float*, float*) override {
+    unavailable("avgpool2d_backward");
+  }
+
+  void batchnorm_forward_train(Device, std::int64_t, std::int64_t, std::int64_t, const float*,
+                               const float*, const float*, float, float, float*, float*,
+                               float*, float*, float*) override {
+    unavailable("batchnorm_forward_train");
+  }
+  void batchnorm_forward_eval(Device, std::int64_t, std::int64_t, std::int64_t, const float*,
+                              const float*, const float*, float, const float*, const float*,
+                              float*) override {
+    unavailable("batchnorm_forward_eval");
+  }
+  void batchnorm_backward(Device, std::int64_t, std::int64_t, std::int64_t, const float*,
+                          const float*, const float*, const float*, const float*, float*,
+                          float*, float*) override {
+    unavailable("batchnorm_backward");
+  }
+
+  void sgd_step(Device, float*, const float*, float*, std::int64_t, float, float, float, float,
+                bool, bool) override {
+    unavailable("sgd_step");
+  }
+  void adam_step(Device, float*, const float*, float*, float*, std::int64_t, float, float,
+                 float, float, float, bool, std::int64_t) override {
+    unavailable("adam_step");
+  }
+  std::int64_t count_nonfinite(Device, const float*, std::int64_t) override {
+    unavailable("count_nonfinite");
+  }
+};
+
+}  // namespace
+
+Backend& cuda_backend() {
+  static StubBackend backend;
+  return backend;
+}
+
+}  // namespace dp::backend
