@@ -1,0 +1,123 @@
+// dp/autograd/node.h — nodes of the backward graph and the helpers ops use to record them.
+//
+// Each differentiable op that runs with grad mode on and an input that requires a
+// gradient records a Node: it holds what backward needs (saved tensors) and an edge
+// per input to the node that made that input (or to the input's gradient
+// accumulator when the input is a leaf). This header knows nothing of modules.
+//
+//   Tensor y = ...forward...;
+//   autograd::record("ReluBackward", {x}, y,
+//       [x](const std::vector<Tensor>& g) { return std::vector<Tensor>{relu_backward(g[0], x)}; });
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dp/tensor/tensor.h"
+
+namespace dp::autograd {
+
+class Node;
+
+/// Where a gradient flows: input `input_nr` of node `fn`.
+struct Edge {
+  std::shared_ptr<Node> fn;
+  int input_nr = 0;
+  bool valid() const { return fn != nullptr; }
+};
+
+/// A function in the backward graph.
+class Node : public std::enable_shared_from_this<Node> {
+ public:
+  Node();
+  virtual ~Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  /// Name for errors and traces, e.g. "Conv2dBackward".
+  virtual std::string name() const = 0;
+  /// Gradients w.r.t. the forward outputs in, one gradient per next edge out
+  /// (undefined where an input needs none).
+  virtual std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) = 0;
+  /// Frees saved tensors once backward has run (unless retain_graph).
+  virtual void release_saved() { released_ = true; }
+  bool released() const { return released_; }
+
+  std::vector<Edge> next_edges;
+  /// Creation order on this thread; backward runs later nodes first.
+  std::uint64_t sequence_nr;
+
+ protected:
+  bool released_ = false;
+};
+
+/// A node whose backward is a function object capturing what it saved.
+class LambdaNode final : public Node {
+ public:
+  using Fn = std::function<std::vector<Tensor>(const std::vector<Tensor>& grad_outputs)>;
+  LambdaNode(std::string name, Fn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  std::string name() const override { return name_; }
+  std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) override;
+  void release_saved() override;
+
+ private:
+  std::string name_;
+  Fn fn_;
+};
+
+/// Accumulates the incoming gradient into a leaf's .grad (in place when it exists,
+/// so a .grad that views a flat gradient buffer stays a view), then runs the leaf's
+/// post-accumulate hooks.
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(std::weak_ptr<TensorImpl> leaf) : leaf_(std::move(leaf)) {}
+  std::string name() const override { return "AccumulateGrad"; }
+  std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) override;
+  void release_saved() override {}  // nothing saved; reusable across backwards
+
+ private:
+  std::weak_ptr<TensorImpl> leaf_;
+};
+
+/// Per-tensor autograd state.
+struct AutogradMeta {
+  bool requires_grad = false;
+  Tensor grad;
+  std::shared_ptr<Node> grad_fn;
+  int output_nr = 0;
+  std::weak_ptr<Node> grad_accumulator;
+  /// Called after backward accumulated into this leaf's .grad (DDP's bucket hooks).
+  std::vector<std::function<void(const Tensor& leaf)>> post_accumulate_hooks;
+};
+
+/// True when grad mode is on and any defined input requires a gradient.
+bool needs_grad(std::initializer_list<Tensor> inputs);
+bool needs_grad(const std::vector<Tensor>& inputs);
+
+/// The edge a gradient for `t` should flow along (invalid when t needs none).
+Edge gradient_edge(const Tensor& t);
+
+/// Connects `node` to the inputs and makes it the grad_fn of `outputs` (output i gets
+/// output_nr i). Call only when needs_grad(inputs).
+void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
+             const std::vector<Tensor*>& outputs);
+
+/// Shorthand: when needs_grad(inputs), records a LambdaNode named `name` as the
+/// grad_fn of `output`. `fn` returns one gradient per input.
+void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output,
+            LambdaNode::Fn fn);
+
+/// Registers a hook run after a gradient is accumulated into leaf `t`.
+void add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook);
+void clear_post_accumulate_hooks(const Tensor& t);
+
+/// Runs backward from `roots` seeded with `grads` (undefined = ones for scalars) on
+/// the calling thread. Throws dp::Error on a second backward through a freed graph.
+void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+                  bool retain_graph);
+
+}  // namespace dp::autograd

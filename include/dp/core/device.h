@@ -1,0 +1,69 @@
+// dp/core/device.h — where a tensor lives: a CPU virtual device or a CUDA device.
+//
+// CPU virtual devices (DESIGN §4) model GPUs on a machine without one: each cpu(i)
+// has its own allocations, its own worker thread under DataParallel and its own
+// share of the cores. This header knows nothing about tensors or kernels.
+//
+//   dp::Device d = dp::cpu(1);              // explicit
+//   dp::Device g = dp::device(0);           // CUDA 0 if a GPU is visible, else cpu(0)
+//   int n = dp::device_count();             // devices of the default type
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace dp {
+
+/// The kind of memory and compute a device offers.
+enum class DeviceType : std::uint8_t { CPU = 0, CUDA = 1 };
+
+/// A device: a type and an index. Cheap to copy, comparable, hashable.
+struct Device {
+  DeviceType type = DeviceType::CPU;
+  int index = 0;
+
+  bool is_cpu() const { return type == DeviceType::CPU; }
+  bool is_cuda() const { return type == DeviceType::CUDA; }
+  friend bool operator==(const Device&, const Device&) = default;
+  /// "cpu:0", "cuda:3".
+  std::string str() const;
+};
+
+std::ostream& operator<<(std::ostream& os, const Device& d);
+std::ostream& operator<<(std::ostream& os, DeviceType t);
+
+/// CPU virtual device i. Throws dp::Error when i is out of range.
+Device cpu(int index = 0);
+/// CUDA device i. Throws dp::Error when i is out of range or no device is visible.
+Device cuda(int index = 0);
+
+/// Number of devices of a type. CPU: the number of virtual devices (DP_CPU_DEVICES,
+/// default 8). CUDA: visible GPUs; any driver error counts as zero devices.
+int device_count(DeviceType type);
+/// Number of devices of the default type.
+int device_count();
+
+/// The default device type: CUDA when a GPU is visible, else CPU. DP_DEVICE=cpu|cuda
+/// overrides. The choice of CPU virtual devices is said once on stderr.
+DeviceType default_device_type();
+
+/// Device `index` of the default type, with a range check.
+Device device(int index);
+
+/// Parses "cpu", "cpu:2", "cuda", "cuda:1" or "2" (default type). Throws on bad text.
+Device parse_device(const std::string& text);
+
+/// Number of hardware threads of this machine (at least 1).
+int hardware_concurrency();
+
+}  // namespace dp
+
+template <>
+struct std::hash<dp::Device> {
+  std::size_t operator()(const dp::Device& d) const noexcept {
+    return (static_cast<std::size_t>(d.type) << 16) ^ static_cast<std::size_t>(d.index);
+  }
+};

@@ -1,0 +1,115 @@
+// dp/nn/module.h — the base of every layer and network.
+//
+// A Module registers parameters, buffers and child modules by name in its
+// constructor; names join with dots into PyTorch's state_dict names
+// ("features.0.weight"). Parameters are Parameter slots (see Note [Parameter sets]
+// in parameter_set.h): the module's parameters live in one flat buffer per device,
+// and which copy forward reads is chosen per thread, so one module object serves
+// every DataParallel worker. forward() must therefore not mutate module members
+// other than through its parameters and buffers. This header knows nothing of
+// optimizers or DataParallel.
+//
+//   struct Net : dp::nn::Module {
+//     Net() { fc = register_module("fc", std::make_shared<dp::nn::Linear>(784, 10)); }
+//     dp::Tensor forward(const dp::Tensor& x) override { return fc->forward(x.flatten(1)); }
+//     std::shared_ptr<dp::nn::Linear> fc;
+//   };
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dp/nn/parameter_set.h"
+#include "dp/tensor/tensor.h"
+
+namespace dp::nn {
+
+/// Ordered (name, tensor) pairs: the order of registration, depth first.
+using StateDict = std::vector<std::pair<std::string, Tensor>>;
+
+/// What load_state_dict(strict = false) could not match.
+struct LoadResult {
+  std::vector<std::string> missing_keys;
+  std::vector<std::string> unexpected_keys;
+};
+
+/// The base class of layers and networks.
+class Module : public std::enable_shared_from_this<Module> {
+ public:
+  Module() = default;
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  /// The computation. x: the module's input on the bound copy's device.
+  virtual Tensor forward(const Tensor& x) = 0;
+  Tensor operator()(const Tensor& x) { return forward(x); }
+  /// A short description, e.g. "Linear(in=784, out=10)".
+  virtual std::string name() const { return "Module"; }
+
+  // ---- registration (call from constructors) ----------------------------------
+  /// Registers a trainable parameter (float32); it becomes a leaf requiring grad.
+  Parameter register_parameter(const std::string& name, Tensor value);
+  /// Registers a buffer (saved in state_dict, not trained, e.g. running_mean).
+  Parameter register_buffer(const std::string& name, Tensor value);
+  /// Registers a child module under `name`.
+  template <typename M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
+    register_child(name, module);
+    return module;
+  }
+
+  // ---- introspection -----------------------------------------------------------------
+  /// All parameters of the tree (depth first, registration order, no duplicates), as
+  /// views into the tree's flat buffer; flattens the tree on first use.
+  ParameterList parameters();
+  StateDict named_parameters();
+  StateDict named_buffers();
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const {
+    return children_;
+  }
+  /// Every module of the tree, this one first (depth first).
+  std::vector<std::shared_ptr<Module>> modules();
+  /// The flat parameter set (flattening on first use); null when there are no parameters.
+  std::shared_ptr<ParameterSet> parameter_set();
+  /// Every Parameter slot of the tree (parameters then buffers are separate calls).
+  std::vector<std::shared_ptr<Parameter::Slot>> parameter_slots();
+  std::vector<std::shared_ptr<Parameter::Slot>> buffer_slots();
+
+  // ---- state -----------------------------------------------------------------------------
+  /// Parameters and buffers by dotted name (no wrapper prefix), copy 0.
+  StateDict state_dict();
+  /// Copies values in by name. strict: every key must match both ways (else a
+  /// dp::Error listing missing and unexpected keys). Shapes must match.
+  LoadResult load_state_dict(const StateDict& state, bool strict = true);
+
+  /// Training / evaluation mode for this module and all children.
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  /// Moves parameters and buffers (copy 0) to `device`.
+  void to(Device device);
+  /// Device of the first parameter (or buffer); cpu(0) when there is none.
+  Device device();
+  /// Zeroes the gradients of every parameter (one call over the flat grad buffer).
+  void zero_grad();
+
+ protected:
+  void register_child(const std::string& name, std::shared_ptr<Module> module);
+
+ private:
+  void collect(const std::string& prefix, StateDict* params, StateDict* buffers,
+               std::vector<std::shared_ptr<Parameter::Slot>>* pslots,
+               std::vector<std::shared_ptr<Parameter::Slot>>* bslots);
+
+  std::vector<std::pair<std::string, std::shared_ptr<Parameter::Slot>>> params_;
+  std::vector<std::pair<std::string, std::shared_ptr<Parameter::Slot>>> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::shared_ptr<ParameterSet> set_;
+  bool training_ = true;
+};
+
+}  // namespace dp::nn

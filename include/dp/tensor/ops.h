@@ -1,0 +1,80 @@
+// dp/tensor/ops.h — differentiable tensor operations.
+//
+// Elementwise binary ops broadcast like PyTorch (trailing dims aligned; size-1 dims
+// stretch). Every op checks devices, dtypes and shapes first and throws dp::Error
+// naming both sides. Ops record an autograd node when grad mode is on and an input
+// requires a gradient. Neural-network ops (conv, pooling, losses) live in
+// dp/nn/functional.h.
+//
+//   dp::Tensor y = dp::matmul(x, w) + b;        // (B, in) x (in, out) + (out)
+//   dp::Tensor p = dp::cat({a, b});             // along dim 0
+#pragma once
+
+#include <vector>
+
+#include "dp/tensor/tensor.h"
+
+namespace dp {
+
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, double s);
+Tensor mul(const Tensor& a, double s);
+/// a ** p for a scalar exponent.
+Tensor pow(const Tensor& a, double p);
+/// 1.0 where a == b else 0.0 (float32, not differentiable). int64 inputs are compared
+/// exactly.
+Tensor eq(const Tensor& a, const Tensor& b);
+
+Tensor neg(const Tensor& a);
+Tensor exp(const Tensor& a);
+Tensor log(const Tensor& a);
+Tensor sqrt(const Tensor& a);
+Tensor abs(const Tensor& a);
+Tensor square(const Tensor& a);
+Tensor relu(const Tensor& a);
+Tensor sigmoid(const Tensor& a);
+Tensor tanh(const Tensor& a);
+
+Tensor sum(const Tensor& a);
+Tensor sum(const Tensor& a, std::int64_t dim, bool keepdim = false);
+Tensor mean(const Tensor& a);
+Tensor mean(const Tensor& a, std::int64_t dim, bool keepdim = false);
+Tensor max(const Tensor& a, std::int64_t dim, bool keepdim = false);
+/// Index of the maximum along dim (int64; first on ties).
+Tensor argmax(const Tensor& a, std::int64_t dim, bool keepdim = false);
+/// Sums a broadcast result back to `shape` (the reverse of broadcasting).
+Tensor sum_to(const Tensor& a, const Shape& shape);
+
+/// Matrix product of 2-d tensors: (m, k) x (k, n) -> (m, n).
+Tensor matmul(const Tensor& a, const Tensor& b);
+/// x (B, in) · w(out, in)ᵀ + b(out), in one GEMM (b may be undefined).
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
+
+/// Concatenation along dim 0 (all on one device, same trailing shape and dtype).
+Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim = 0);
+/// Splits along dim 0 into `chunks` pieces of ceil(size/chunks) rows (the last may be
+/// smaller; fewer pieces when rows run out) — torch.chunk semantics. Views.
+std::vector<Tensor> chunk(const Tensor& t, std::int64_t chunks);
+/// Splits along dim 0 into pieces of the given sizes (must sum to size(0)). Views.
+std::vector<Tensor> split(const Tensor& t, const std::vector<std::int64_t>& sizes);
+
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+inline Tensor operator+(const Tensor& a, double s) { return add(a, s); }
+inline Tensor operator-(const Tensor& a, double s) { return add(a, -s); }
+inline Tensor operator*(const Tensor& a, double s) { return mul(a, s); }
+inline Tensor operator/(const Tensor& a, double s) { return mul(a, 1.0 / s); }
+inline Tensor operator*(double s, const Tensor& a) { return mul(a, s); }
+
+/// Max |a - b| over all elements (a test helper; synchronous).
+double max_abs_diff(const Tensor& a, const Tensor& b);
+/// True when every element is equal bit for bit (synchronous).
+bool equal(const Tensor& a, const Tensor& b);
+
+}  // namespace dp

@@ -1,0 +1,230 @@
+// dp/tensor/tensor.h — the n-dimensional array every layer above works with.
+//
+// A Tensor is a shared handle to a contiguous block of one device's memory with a
+// shape, a dtype (float32 or int64) and, when it takes part in autograd, a gradient
+// and the function that made it. Every op checks that its inputs live on one device
+// and have compatible shapes and dtypes, and throws dp::Error naming both otherwise.
+// This header knows nothing about modules, optimizers or DataParallel.
+//
+//   dp::Tensor x = dp::randn({64, 784}, gen, dp::cpu(1));
+//   dp::Tensor w = dp::zeros({784, 10}, dp::cpu(1)).set_requires_grad(true);
+//   dp::Tensor loss = dp::matmul(x, w).relu().mean();  loss.backward();  // w.grad()
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "dp/core/device.h"
+
+namespace dp {
+
+namespace autograd {
+class Node;
+struct AutogradMeta;
+}  // namespace autograd
+
+/// Element types. Float32 for data and parameters, Int64 for labels and indices.
+enum class Dtype : std::uint8_t { Float32 = 0, Int64 = 1 };
+std::size_t element_size(Dtype dtype);
+const char* dtype_name(Dtype dtype);
+
+/// A shape: sizes per dimension, outermost first.
+using Shape = std::vector<std::int64_t>;
+std::string shape_str(const Shape& shape);  // "[64, 1, 28, 28]"
+std::int64_t shape_numel(const Shape& shape);
+
+/// A block of memory on one device, shared by every tensor that views it. `version`
+/// counts in-place writes through any view (DataParallel uses it to skip copies of
+/// parameters that did not change).
+class Storage {
+ public:
+  Storage(Device device, std::size_t nbytes);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() const { return data_; }
+  std::size_t nbytes() const { return nbytes_; }
+  Device device() const { return device_; }
+  std::uint64_t version() const { return version_; }
+  void bump_version() { ++version_; }
+
+ private:
+  Device device_;
+  std::size_t nbytes_;
+  void* data_ = nullptr;
+  std::uint64_t version_ = 0;
+};
+
+/// The shared state behind a Tensor handle (internal; reached through Tensor).
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  std::int64_t offset = 0;  // in elements
+  Shape shape;
+  Dtype dtype = Dtype::Float32;
+  std::unique_ptr<autograd::AutogradMeta> autograd;  // null until autograd touches it
+  ~TensorImpl();
+};
+
+/// A seeded counter-based random generator (Philox): the same seed gives the same
+/// numbers on every device and backend. Not thread-safe; give each thread its own.
+class Generator {
+ public:
+  explicit Generator(std::uint64_t seed = 0x5eed) : seed_(seed) {}
+  std::uint64_t seed() const { return seed_; }
+  std::uint64_t offset() const { return offset_; }
+  /// Reserves n random numbers; returns the first counter.
+  std::uint64_t advance(std::uint64_t n) {
+    std::uint64_t first = offset_;
+    offset_ += n;
+    return first;
+  }
+  void set_state(std::uint64_t seed, std::uint64_t offset) { seed_ = seed; offset_ = offset; }
+
+ private:
+  std::uint64_t seed_;
+  std::uint64_t offset_ = 0;
+};
+
+/// The process-wide default generator (seeded by manual_seed; not thread-safe).
+Generator& default_generator();
+void manual_seed(std::uint64_t seed);
+
+/// A handle to a tensor. Copies share data (like torch.Tensor); use clone() to copy.
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  bool defined() const { return impl_ != nullptr; }
+  const Shape& shape() const;
+  const Shape& sizes() const { return shape(); }
+  std::int64_t dim() const;
+  /// Size of dimension d; negative d counts from the end.
+  std::int64_t size(std::int64_t d) const;
+  std::int64_t numel() const;
+  Dtype dtype() const;
+  Device device() const;
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * element_size(dtype()); }
+
+  /// Raw pointer to the first element on the tensor's device. Checks the dtype.
+  template <typename T>
+  T* data() const;
+  void* raw_data() const;
+  const std::shared_ptr<Storage>& storage() const;
+  std::int64_t storage_offset() const;
+  TensorImpl* impl() const { return impl_.get(); }
+  const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
+  /// True when both handles share one TensorImpl.
+  bool is_same(const Tensor& other) const { return impl_ == other.impl_; }
+
+  // ---- host access (synchronous) --------------------------------------------------
+  std::vector<float> to_vector() const;
+  std::vector<std::int64_t> to_vector_i64() const;
+  /// The single element as a double (float32 or int64). Throws unless numel() == 1.
+  double item() const;
+
+  // ---- devices, copies, views ------------------------------------------------------
+  /// A copy on `device` (differentiable); returns *this when already there.
+  Tensor to(Device device) const;
+  /// A copy converted to `dtype` (not differentiable).
+  Tensor to(Dtype dtype) const;
+  Tensor clone() const;
+  /// Same data, no autograd history.
+  Tensor detach() const;
+  /// A view with a new shape (one -1 allowed). Differentiable.
+  Tensor reshape(Shape shape) const;
+  Tensor view(Shape shape) const { return reshape(std::move(shape)); }
+  /// Merges dims [start, end] into one.
+  Tensor flatten(std::int64_t start = 0, std::int64_t end = -1) const;
+  /// Rows [start, start + length) along dim 0: a view sharing storage. Differentiable.
+  Tensor narrow(std::int64_t dim, std::int64_t start, std::int64_t length) const;
+  Tensor unsqueeze(std::int64_t dim) const;
+  Tensor squeeze(std::int64_t dim) const;
+  /// 2-d transpose (materialised). Differentiable.
+  Tensor t() const;
+
+  // ---- in-place (not recorded by autograd; bump the storage version) ---------------
+  Tensor& zero_();
+  Tensor& fill_(double value);
+  /// Copies src (same shape and dtype, any device) into this tensor.
+  Tensor& copy_(const Tensor& src);
+  /// this += alpha * other (same shape, device and dtype).
+  Tensor& add_(const Tensor& other, float alpha = 1.0f);
+  Tensor& mul_(float value);
+
+  // ---- autograd ------------------------------------------------------------------------
+  bool requires_grad() const;
+  /// Marks a leaf as requiring a gradient. Returns *this for chaining.
+  Tensor& set_requires_grad(bool requires);
+  /// True when the tensor was not made by a recorded op.
+  bool is_leaf() const;
+  /// The accumulated gradient (undefined until a backward reaches this leaf).
+  Tensor grad() const;
+  /// Sets the gradient tensor (backward then accumulates into it in place).
+  void set_grad(const Tensor& grad) const;
+  /// The node that made this tensor, or null for leaves.
+  std::shared_ptr<autograd::Node> grad_fn() const;
+  /// Runs reverse-mode autodiff from this tensor. A scalar needs no `grad`.
+  void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
+
+  // ---- arithmetic (differentiable; see ops.h for the full list) --------------------------
+  Tensor operator-() const;
+  Tensor relu() const;
+  Tensor exp() const;
+  Tensor log() const;
+  Tensor sum() const;
+  Tensor sum(std::int64_t dim, bool keepdim = false) const;
+  Tensor mean() const;
+  Tensor mean(std::int64_t dim, bool keepdim = false) const;
+  /// Max over a dim (values; differentiable to the first maximum).
+  Tensor max(std::int64_t dim, bool keepdim = false) const;
+  Tensor argmax(std::int64_t dim, bool keepdim = false) const;
+
+  std::string str() const;  // "Tensor[64, 10] float32 cpu:0"
+
+ private:
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+template <> float* Tensor::data<float>() const;
+template <> std::int64_t* Tensor::data<std::int64_t>() const;
+template <> const float* Tensor::data<const float>() const;
+template <> const std::int64_t* Tensor::data<const std::int64_t>() const;
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t);
+
+/// Dtype and device of a new tensor.
+struct TensorOptions {
+  Dtype dtype = Dtype::Float32;
+  Device device{};
+};
+
+// ---- creation ------------------------------------------------------------------------
+Tensor empty(const Shape& shape, TensorOptions opts = {});
+Tensor empty(const Shape& shape, Device device);
+Tensor zeros(const Shape& shape, TensorOptions opts = {});
+Tensor zeros(const Shape& shape, Device device);
+Tensor ones(const Shape& shape, TensorOptions opts = {});
+Tensor ones(const Shape& shape, Device device);
+Tensor full(const Shape& shape, double value, TensorOptions opts = {});
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor empty_like(const Tensor& t);
+/// Standard normal values from `gen`.
+Tensor randn(const Shape& shape, Generator& gen, Device device = {});
+/// Uniform values in [lo, hi) from `gen`.
+Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device device = {});
+/// 0, 1, ..., n-1 (float32 or int64).
+Tensor arange(std::int64_t n, TensorOptions opts = {});
+/// Copies host data; `shape` must hold data.size() elements.
+Tensor from_vector(const std::vector<float>& data, const Shape& shape, Device device = {});
+Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, Device device = {});
+Tensor scalar_tensor(double value, Device device = {});
+
+}  // namespace dp

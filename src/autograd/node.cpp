@@ -1,0 +1,116 @@
+#include "dp/autograd/node.h"
+
+#include <atomic>
+
+#include "dp/autograd/grad_mode.h"
+#include "dp/core/error.h"
+
+namespace dp::autograd {
+namespace {
+
+// Sequence numbers order nodes within one graph: a node made later runs earlier in
+// backward. One counter for all threads keeps them unique; only the order among the
+// nodes of one graph (made by one thread) matters.
+std::atomic<std::uint64_t> g_next_sequence_nr{0};
+
+AutogradMeta& meta(const Tensor& t) {
+  auto* impl = t.impl();
+  if (!impl->autograd) impl->autograd = std::make_unique<AutogradMeta>();
+  return *impl->autograd;
+}
+
+}  // namespace
+
+Node::Node() : sequence_nr(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
+
+std::vector<Tensor> LambdaNode::apply(std::vector<Tensor>&& grad_outputs) {
+  DP_CHECK(!released_, "backward through ", name_,
+           " a second time: its saved tensors were freed by the first backward. Pass "
+           "retain_graph=true to the first backward() if you need to run it twice");
+  std::vector<Tensor> grads = fn_(grad_outputs);
+  DP_ASSERT(grads.size() == next_edges.size(), name_, " returned ", grads.size(),
+            " gradients for ", next_edges.size(), " inputs");
+  return grads;
+}
+
+void LambdaNode::release_saved() {
+  fn_ = nullptr;  // frees every captured tensor
+  released_ = true;
+}
+
+std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
+  auto leaf_impl = leaf_.lock();
+  if (!leaf_impl || grad_outputs.empty() || !grad_outputs[0].defined()) return {};
+  Tensor leaf(leaf_impl);
+  const Tensor& g = grad_outputs[0];
+  DP_CHECK(g.shape() == leaf.shape() && g.device() == leaf.device(),
+           "AccumulateGrad: gradient of shape ", shape_str(g.shape()), " on ", g.device(),
+           " does not match the leaf's ", shape_str(leaf.shape()), " on ", leaf.device());
+  AutogradMeta& m = meta(leaf);
+  if (m.grad.defined()) {
+    m.grad.add_(g);  // in place: a .grad that views a flat buffer stays a view
+  } else {
+    NoGradGuard no_grad;
+    m.grad = g.detach().clone();  // own storage: g may be shared with other edges
+  }
+  for (auto& hook : m.post_accumulate_hooks) hook(leaf);
+  return {};
+}
+
+bool needs_grad(std::initializer_list<Tensor> inputs) {
+  if (!is_grad_enabled()) return false;
+  for (const auto& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+bool needs_grad(const std::vector<Tensor>& inputs) {
+  if (!is_grad_enabled()) return false;
+  for (const auto& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+Edge gradient_edge(const Tensor& t) {
+  if (!t.defined() || !t.impl()->autograd) return {};
+  AutogradMeta& m = *t.impl()->autograd;
+  if (m.grad_fn) return {m.grad_fn, m.output_nr};
+  if (!m.requires_grad) return {};
+  auto acc = m.grad_accumulator.lock();
+  if (!acc) {
+    acc = std::make_shared<AccumulateGrad>(std::weak_ptr<TensorImpl>(t.impl_ptr()));
+    m.grad_accumulator = acc;
+  }
+  return {acc, 0};
+}
+
+void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
+             const std::vector<Tensor*>& outputs) {
+  node->next_edges.clear();
+  node->next_edges.reserve(inputs.size());
+  for (const auto& t : inputs) node->next_edges.push_back(gradient_edge(t));
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    AutogradMeta& m = meta(*outputs[i]);
+    m.grad_fn = node;
+    m.output_nr = static_cast<int>(i);
+    m.requires_grad = true;
+  }
+}
+
+void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output, LambdaNode::Fn fn) {
+  if (!needs_grad(inputs)) return;
+  auto node = std::make_shared<LambdaNode>(name, std::move(fn));
+  connect(node, inputs, {&output});
+}
+
+void add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook) {
+  DP_CHECK(t.is_leaf() && t.requires_grad(),
+           "post-accumulate hooks need a leaf that requires grad, got ", t.str());
+  meta(t).post_accumulate_hooks.push_back(std::move(hook));
+}
+
+void clear_post_accumulate_hooks(const Tensor& t) {
+  if (t.impl()->autograd) t.impl()->autograd->post_accumulate_hooks.clear();
+}
+
+}  // namespace dp::autograd

@@ -1,0 +1,249 @@
+// src/backend/backend.h — the one narrow interface every backend implements.
+//
+// The tensor, autograd, nn, optim, comm and parallel layers reach memory and compute
+// only through this interface, so the DP/DDP runtime is written once and runs on CPU
+// virtual devices and on CUDA devices alike. Kernels take raw pointers that live on
+// `dev` plus explicit element counts (never byte counts, except in the memory calls
+// whose names say `nbytes`). All float kernels are float32; indices are int64.
+//
+// Ordering: on CPU every call has finished when it returns. On CUDA every call is
+// enqueued on the calling thread's current stream of `dev` (see set_stream) and
+// returns at once; copy_to_host and synchronize wait.
+//
+// This header is internal: public headers never include it and it never includes
+// CUDA headers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "dp/core/device.h"
+
+namespace dp::backend {
+
+/// Most dimensions a strided elementwise kernel handles.
+inline constexpr int kMaxDims = 8;
+
+/// Strided view of up to two inputs for an elementwise kernel with a contiguous output.
+/// A stride of 0 broadcasts that dimension. Passed by value into CUDA kernels.
+struct Indexer {
+  int ndim = 0;
+  std::int64_t sizes[kMaxDims] = {};
+  std::int64_t strides_a[kMaxDims] = {};  // in elements
+  std::int64_t strides_b[kMaxDims] = {};  // in elements
+};
+
+enum class UnaryOp : std::uint8_t {
+  Neg, Exp, Log, Sqrt, Rsqrt, Abs, Square, Reciprocal, Relu, Sigmoid, Tanh,
+  Sign,  // -1, 0, +1
+};
+
+enum class BinaryOp : std::uint8_t {
+  Add, Sub, Mul, Div, Maximum, Minimum, Pow,
+  Eq,            // 1.0f where a == b else 0.0f
+  Gt,            // 1.0f where a > b else 0.0f
+  ReluBackward,  // a * (b > 0): a = upstream gradient, b = relu input (or output)
+};
+
+enum class ReduceOp : std::uint8_t { Sum, Max, Min };
+
+/// Geometry of a 2-d convolution (groups = 1, dilation = 1). Layouts are NCHW for x/y
+/// and KCRS for the weight (K output channels, R×S kernel).
+struct Conv2dShape {
+  std::int64_t N = 0, C = 0, H = 0, W = 0;  // input
+  std::int64_t K = 0, R = 0, S = 0;         // weight
+  std::int64_t stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
+  std::int64_t P = 0, Q = 0;                // output height, width
+};
+
+/// Geometry of a 2-d pooling window over NCHW.
+struct Pool2dShape {
+  std::int64_t N = 0, C = 0, H = 0, W = 0;
+  std::int64_t kernel_h = 1, kernel_w = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
+  std::int64_t P = 0, Q = 0;  // output height, width
+};
+
+/// Opaque event used to order work across streams (CUDA) — a no-op on CPU.
+class Event {
+ public:
+  virtual ~Event() = default;
+};
+
+/// The backend interface. One instance per DeviceType, shared by all threads:
+/// implementations are thread-safe for calls on different devices and for calls on
+/// one device from one thread at a time.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual DeviceType type() const = 0;
+  /// Devices of this type; 0 when none can be used (never throws).
+  virtual int device_count() = 0;
+
+  // ---- threads and streams -------------------------------------------------------
+  /// Binds the calling thread to `dev` (cudaSetDevice; a no-op on CPU).
+  virtual void set_current_device(Device dev) = 0;
+  /// Tells the backend which devices work concurrently, so each gets a fair share of
+  /// the cores (CPU: sizes each device's task arena to max(1, cores / count)). Must
+  /// not be called while a kernel runs on any of them.
+  virtual void set_concurrent_devices(int count) = 0;
+  /// Threads one kernel on `dev` may use now (CPU arena size; 0 = not meaningful).
+  virtual int threads_per_device(Device dev) = 0;
+  /// Waits until all work enqueued on `dev` by any thread has finished.
+  virtual void synchronize(Device dev) = 0;
+  virtual std::unique_ptr<Event> create_event(Device dev) = 0;
+  /// Records `ev` on the calling thread's current stream of `dev`.
+  virtual void record_event(Event& ev, Device dev) = 0;
+  /// Makes the calling thread's current stream of `dev` wait for `ev` (no host wait).
+  virtual void wait_event(Event& ev, Device dev) = 0;
+
+  // ---- memory --------------------------------------------------------------------
+  /// Allocates `nbytes` (aligned to 64 bytes at least) on `dev`. CUDA: from the
+  /// device's caching allocator. Throws dp::Error on out-of-memory naming the device.
+  virtual void* allocate(Device dev, std::size_t nbytes) = 0;
+  virtual void deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept = 0;
+  /// Bytes currently allocated to tensors on `dev`, and the peak since reset.
+  virtual std::size_t memory_allocated(Device dev) = 0;
+  virtual std::size_t max_memory_allocated(Device dev) = 0;
+  virtual void reset_peak_memory(Device dev) = 0;
+
+  /// Copies between two devices of this backend (peer copy), or within one device.
+  virtual void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
+                    std::size_t nbytes) = 0;
+  /// Host memory → `dev`. Asynchronous on CUDA when the host memory is pinned.
+  virtual void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) = 0;
+  /// `dev` → host memory; returns when the data is on the host.
+  virtual void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) = 0;
+  virtual void memset_zero(void* ptr, Device dev, std::size_t nbytes) = 0;
+
+  // ---- elementwise ---------------------------------------------------------------
+  virtual void fill(Device dev, float* y, std::int64_t n, float value) = 0;
+  virtual void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) = 0;
+  /// y[i] = start + i * step.
+  virtual void arange(Device dev, float* y, std::int64_t n, float start, float step) = 0;
+  virtual void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
+                          std::int64_t step) = 0;
+  virtual void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) = 0;
+  virtual void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) = 0;
+  /// y = op(x), contiguous; y may alias x.
+  virtual void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) = 0;
+  /// y = alpha * x + beta, contiguous; y may alias x.
+  virtual void affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
+                      float beta) = 0;
+  /// y += alpha * x, contiguous.
+  virtual void axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) = 0;
+  /// out = op(a, b) over the indexer's shape; out contiguous, a/b strided (0 = broadcast).
+  virtual void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a,
+                      const float* b, float* out) = 0;
+  /// out = a (strided, indexer's strides_a) gathered into contiguous order.
+  virtual void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) = 0;
+
+  // ---- random (counter-based Philox: same numbers on every backend) -------------
+  /// y[i] = uniform in [lo, hi) from (seed, offset + i).
+  virtual void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
+                            std::uint64_t seed, std::uint64_t offset) = 0;
+  /// y[i] = normal(mean, std) from (seed, offset + i).
+  virtual void fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
+                           std::uint64_t seed, std::uint64_t offset) = 0;
+  /// Inverted dropout: mask[i] = keep ? 1/(1-p) : 0 with keep drawn from (seed,
+  /// offset + i); y = x * mask.
+  virtual void dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n,
+                       float p, std::uint64_t seed, std::uint64_t offset) = 0;
+
+  // ---- reductions ------------------------------------------------------------------
+  /// x viewed as (outer, r, inner): y[o, i] = op over k of x[o, k, i]. r may be 0 (Sum
+  /// gives 0).
+  virtual void reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
+                      std::int64_t r, std::int64_t inner) = 0;
+  /// x viewed as (outer, r, inner): y[o, i] = argmax over k (first on ties).
+  virtual void argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer,
+                      std::int64_t r, std::int64_t inner) = 0;
+
+  // ---- dense linear algebra ----------------------------------------------------------
+  /// Row-major C(m×n) = alpha * op(A) * op(B) + beta * C; op(A) is m×k, op(B) is k×n.
+  /// lda/ldb/ldc are row strides of the stored (untransposed) matrices.
+  virtual void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                    std::int64_t k, float alpha, const float* a, std::int64_t lda,
+                    const float* b, std::int64_t ldb, float beta, float* c,
+                    std::int64_t ldc) = 0;
+
+  // ---- softmax and losses (rows × cols, rows = batch) ------------------------------
+  virtual void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
+                           std::int64_t cols) = 0;
+  /// gx = gy - exp(y) * rowsum(gy), y = log_softmax output.
+  virtual void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
+                                    std::int64_t rows, std::int64_t cols) = 0;
+  /// loss[r] = -logp[r, target[r]]. Targets out of [0, cols) throw dp::Error on CPU;
+  /// CUDA writes NaN for that row (checked without a host sync).
+  virtual void nll_forward(Device dev, const float* logp, const std::int64_t* target,
+                           float* loss, std::int64_t rows, std::int64_t cols) = 0;
+  /// gx = 0 except gx[r, target[r]] = -gloss[r].
+  virtual void nll_backward(Device dev, const float* gloss, const std::int64_t* target,
+                            float* gx, std::int64_t rows, std::int64_t cols) = 0;
+
+  // ---- convolution and pooling (NCHW) ------------------------------------------------
+  /// y = conv(x, w) + bias (bias may be null).
+  virtual void conv2d_forward(Device dev, const Conv2dShape& s, const float* x,
+                              const float* w, const float* bias, float* y) = 0;
+  /// gx = conv_transpose(gy, w) (overwrites gx).
+  virtual void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,
+                                    const float* w, float* gx) = 0;
+  /// gw = correlation of x and gy, gbias = sum of gy over N, P, Q (overwrite; gbias may
+  /// be null).
+  virtual void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
+                                      const float* gy, float* gw, float* gbias) = 0;
+  /// y = max over the window (padding never wins); indices = flat h*W+w of the max.
+  virtual void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
+                                 std::int64_t* indices) = 0;
+  /// gx = 0, then gx[index] += gy (overwrites gx).
+  virtual void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
+                                  const std::int64_t* indices, float* gx) = 0;
+  /// Average over the window counting padding (PyTorch's count_include_pad=true).
+  virtual void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x,
+                                 float* y) = 0;
+  virtual void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
+                                  float* gx) = 0;
+
+  // ---- batch norm over (N, C, HW) -------------------------------------------------------
+  /// Training: batch statistics; save_mean/save_invstd (C each) for backward; running
+  /// stats updated as PyTorch does (unbiased variance, running = (1-m)*running + m*batch)
+  /// when running_mean is not null.
+  virtual void batchnorm_forward_train(Device dev, std::int64_t N, std::int64_t C,
+                                       std::int64_t HW, const float* x, const float* gamma,
+                                       const float* beta, float eps, float momentum,
+                                       float* running_mean, float* running_var, float* y,
+                                       float* save_mean, float* save_invstd) = 0;
+  virtual void batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C,
+                                      std::int64_t HW, const float* x, const float* gamma,
+                                      const float* beta, float eps, const float* running_mean,
+                                      const float* running_var, float* y) = 0;
+  /// gx, ggamma, gbeta (overwrite) from gy and the saved statistics.
+  virtual void batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
+                                  const float* gy, const float* x, const float* gamma,
+                                  const float* save_mean, const float* save_invstd,
+                                  float* gx, float* ggamma, float* gbeta) = 0;
+
+  // ---- fused optimizer updates over a flat buffer of n elements --------------------------
+  /// PyTorch's SGD: g = grad + wd * p; buf = first ? g : momentum * buf + (1 - dampening) * g;
+  /// g = nesterov ? g + momentum * buf : buf (when momentum != 0); p -= lr * g.
+  /// momentum_buf may be null when momentum == 0.
+  virtual void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
+                        std::int64_t n, float lr, float momentum, float dampening,
+                        float weight_decay, bool nesterov, bool first_step) = 0;
+  /// PyTorch's Adam (decoupled = false: g += wd * p) and AdamW (decoupled = true:
+  /// p *= 1 - lr * wd), with bias correction for `step` (1-based).
+  virtual void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
+                         float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
+                         float eps, float weight_decay, bool decoupled, std::int64_t step) = 0;
+
+  /// Counts non-finite values of x (for the opt-in NaN/Inf check). Synchronous.
+  virtual std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) = 0;
+};
+
+/// The backend of a device type. CUDA without the toolkit, or without a device,
+/// returns a backend whose device_count() is 0 and whose other calls throw dp::Error.
+Backend& get(DeviceType type);
+inline Backend& get(Device dev) { return get(dev.type); }
+
+}  // namespace dp::backend

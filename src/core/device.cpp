@@ -1,0 +1,106 @@
+#include "dp/core/device.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+#include "backend/backend.h"
+#include "dp/core/error.h"
+
+namespace dp {
+namespace {
+
+// Eight virtual devices: enough to exercise every DP/DDP path a single node with
+// 8 GPUs would take, while each still gets at least a core's share on small machines.
+constexpr int kDefaultCpuDevices = 8;
+constexpr int kMaxCpuDevices = 64;
+
+int cpu_device_count_from_env() {
+  const char* env = std::getenv("DP_CPU_DEVICES");
+  if (!env || !*env) return kDefaultCpuDevices;
+  char* end = nullptr;
+  long n = std::strtol(env, &end, 10);
+  DP_CHECK(end && *end == '\0' && n >= 1 && n <= kMaxCpuDevices,
+           "DP_CPU_DEVICES: expected an integer in [1, ", kMaxCpuDevices, "], got '", env, "'");
+  return static_cast<int>(n);
+}
+
+}  // namespace
+
+std::string Device::str() const {
+  return detail::str_cat(type == DeviceType::CPU ? "cpu:" : "cuda:", index);
+}
+
+std::ostream& operator<<(std::ostream& os, const Device& d) { return os << d.str(); }
+std::ostream& operator<<(std::ostream& os, DeviceType t) {
+  return os << (t == DeviceType::CPU ? "cpu" : "cuda");
+}
+
+int hardware_concurrency() {
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+int device_count(DeviceType type) {
+  if (type == DeviceType::CPU) {
+    static const int n = cpu_device_count_from_env();
+    return n;
+  }
+  return backend::get(DeviceType::CUDA).device_count();
+}
+
+DeviceType default_device_type() {
+  static const DeviceType chosen = [] {
+    const char* env = std::getenv("DP_DEVICE");
+    std::string want = env ? env : "";
+    if (want == "cpu") return DeviceType::CPU;
+    if (want == "cuda") {
+      DP_CHECK(device_count(DeviceType::CUDA) > 0,
+               "DP_DEVICE=cuda: expected a visible CUDA device, found none (driver missing, "
+               "CUDA_VISIBLE_DEVICES empty, or dp built without CUDA)");
+      return DeviceType::CUDA;
+    }
+    DP_CHECK(want.empty(), "DP_DEVICE: expected 'cpu' or 'cuda', got '", want, "'");
+    if (device_count(DeviceType::CUDA) > 0) return DeviceType::CUDA;
+    detail::log_warning(detail::str_cat("no CUDA device visible; integer device ids mean CPU "
+                                        "virtual devices cpu:0..cpu:",
+                                        device_count(DeviceType::CPU) - 1));
+    return DeviceType::CPU;
+  }();
+  return chosen;
+}
+
+int device_count() { return device_count(default_device_type()); }
+
+Device cpu(int index) {
+  int n = device_count(DeviceType::CPU);
+  DP_CHECK(index >= 0 && index < n, "cpu(", index, "): expected a virtual device id in [0, ", n,
+           "); set DP_CPU_DEVICES for more");
+  return Device{DeviceType::CPU, index};
+}
+
+Device cuda(int index) {
+  int n = device_count(DeviceType::CUDA);
+  DP_CHECK(n > 0, "cuda(", index, "): no CUDA device is visible");
+  DP_CHECK(index >= 0 && index < n, "cuda(", index, "): expected a device id in [0, ", n, ")");
+  return Device{DeviceType::CUDA, index};
+}
+
+Device device(int index) {
+  return default_device_type() == DeviceType::CUDA ? cuda(index) : cpu(index);
+}
+
+Device parse_device(const std::string& text) {
+  auto parse_index = [&](const std::string& s) {
+    DP_CHECK(!s.empty() && s.find_first_not_of("0123456789") == std::string::npos && s.size() < 6,
+             "device: expected 'cpu', 'cpu:N', 'cuda', 'cuda:N' or 'N', got '", text, "'");
+    return std::stoi(s);
+  };
+  if (text == "cpu") return cpu(0);
+  if (text == "cuda") return cuda(0);
+  if (text.rfind("cpu:", 0) == 0) return cpu(parse_index(text.substr(4)));
+  if (text.rfind("cuda:", 0) == 0) return cuda(parse_index(text.substr(5)));
+  return device(parse_index(text));
+}
+
+}  // namespace dp

@@ -1,0 +1,237 @@
+#include "dp/nn/module.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "dp/autograd/grad_mode.h"
+#include "dp/core/error.h"
+
+namespace dp::nn {
+namespace {
+
+void check_name(const std::string& kind, const std::string& name) {
+  DP_CHECK(!name.empty() && name.find('.') == std::string::npos,
+           "register_", kind, ": expected a non-empty name without '.', got '", name, "'");
+}
+
+}  // namespace
+
+Parameter Module::register_parameter(const std::string& name, Tensor value) {
+  check_name("parameter", name);
+  DP_CHECK(value.defined(), "register_parameter('", name, "'): expected a defined tensor");
+  DP_CHECK(value.dtype() == Dtype::Float32, "register_parameter('", name, "'): expected float32, got ",
+           dtype_name(value.dtype()));
+  for (auto& [n, s] : params_) DP_CHECK(n != name, "register_parameter: '", name, "' is already registered");
+  DP_CHECK(set_ == nullptr, "register_parameter('", name,
+           "'): the module's parameters were already flattened; register every parameter in the "
+           "constructor");
+  Tensor leaf = value.detach();
+  leaf.set_requires_grad(true);
+  auto slot = std::make_shared<Parameter::Slot>();
+  slot->name = name;
+  slot->copies.push_back(leaf);
+  params_.emplace_back(name, slot);
+  return Parameter(slot);
+}
+
+Parameter Module::register_buffer(const std::string& name, Tensor value) {
+  check_name("buffer", name);
+  DP_CHECK(value.defined(), "register_buffer('", name, "'): expected a defined tensor");
+  for (auto& [n, s] : buffers_) DP_CHECK(n != name, "register_buffer: '", name, "' is already registered");
+  auto slot = std::make_shared<Parameter::Slot>();
+  slot->name = name;
+  slot->is_buffer = true;
+  slot->copies.push_back(value.detach());
+  buffers_.emplace_back(name, slot);
+  return Parameter(slot);
+}
+
+void Module::register_child(const std::string& name, std::shared_ptr<Module> module) {
+  check_name("module", name);
+  DP_CHECK(module != nullptr, "register_module('", name, "'): expected a module, got null");
+  DP_CHECK(module.get() != this, "register_module('", name, "'): a module cannot be its own child");
+  for (auto& [n, m] : children_) DP_CHECK(n != name, "register_module: '", name, "' is already registered");
+  children_.emplace_back(name, std::move(module));
+}
+
+void Module::collect(const std::string& prefix, StateDict* params, StateDict* buffers,
+                     std::vector<std::shared_ptr<Parameter::Slot>>* pslots,
+                     std::vector<std::shared_ptr<Parameter::Slot>>* bslots) {
+  // Depth first in registration order; a module shared twice is visited once (its
+  // first name wins, like PyTorch's named_parameters with remove_duplicate).
+  std::set<const Parameter::Slot*> seen;
+  std::set<const Module*> visited;
+  std::function<void(Module&, const std::string&)> walk = [&](Module& m, const std::string& pre) {
+    if (!visited.insert(&m).second) return;
+    for (auto& [n, s] : m.params_) {
+      if (!seen.insert(s.get()).second) continue;
+      if (params) params->emplace_back(pre + n, s->copies[0]);
+      if (pslots) pslots->push_back(s);
+    }
+    for (auto& [n, s] : m.buffers_) {
+      if (!seen.insert(s.get()).second) continue;
+      if (buffers) buffers->emplace_back(pre + n, s->copies[0]);
+      if (bslots) bslots->push_back(s);
+    }
+    for (auto& [n, c] : m.children_) walk(*c, pre + n + ".");
+  };
+  walk(*this, prefix);
+}
+
+std::vector<std::shared_ptr<Parameter::Slot>> Module::parameter_slots() {
+  std::vector<std::shared_ptr<Parameter::Slot>> slots;
+  collect("", nullptr, nullptr, &slots, nullptr);
+  return slots;
+}
+
+std::vector<std::shared_ptr<Parameter::Slot>> Module::buffer_slots() {
+  std::vector<std::shared_ptr<Parameter::Slot>> slots;
+  collect("", nullptr, nullptr, nullptr, &slots);
+  return slots;
+}
+
+std::shared_ptr<ParameterSet> Module::parameter_set() {
+  auto slots = parameter_slots();
+  if (slots.empty()) return nullptr;
+  // Reuse the set these parameters already share (ours, or an ancestor's that was
+  // flattened first); otherwise flatten them into a new one.
+  auto shared = slots[0]->set.lock();
+  bool all_in = shared && shared->valid();
+  for (auto& s : slots) all_in = all_in && s->set.lock() == shared;
+  if (all_in) return shared;
+  set_ = ParameterSet::create(slots, slots[0]->copies[0].device());
+  return set_;
+}
+
+ParameterList Module::parameters() {
+  auto set = parameter_set();
+  auto slots = parameter_slots();
+  std::vector<Tensor> tensors;
+  tensors.reserve(slots.size());
+  for (auto& s : slots) tensors.push_back(s->copies[0]);
+  return ParameterList(std::move(tensors), std::move(slots), std::move(set));
+}
+
+StateDict Module::named_parameters() {
+  parameter_set();
+  StateDict out;
+  collect("", &out, nullptr, nullptr, nullptr);
+  return out;
+}
+
+StateDict Module::named_buffers() {
+  StateDict out;
+  collect("", nullptr, &out, nullptr, nullptr);
+  return out;
+}
+
+std::vector<std::shared_ptr<Module>> Module::modules() {
+  std::vector<std::shared_ptr<Module>> out;
+  std::set<const Module*> visited;
+  std::function<void(const std::shared_ptr<Module>&)> walk = [&](const std::shared_ptr<Module>& m) {
+    if (!visited.insert(m.get()).second) return;
+    out.push_back(m);
+    for (auto& [n, c] : m->children_) walk(c);
+  };
+  walk(shared_from_this());
+  return out;
+}
+
+StateDict Module::state_dict() {
+  parameter_set();
+  StateDict params, buffers;
+  collect("", &params, &buffers, nullptr, nullptr);
+  // PyTorch's order: per module, parameters then buffers. Reproduce it by a walk that
+  // interleaves per module.
+  StateDict out;
+  std::set<const Module*> visited;
+  std::function<void(Module&, const std::string&)> walk = [&](Module& m, const std::string& pre) {
+    if (!visited.insert(&m).second) return;
+    for (auto& [n, s] : m.params_) out.emplace_back(pre + n, s->copies[0]);
+    for (auto& [n, s] : m.buffers_) out.emplace_back(pre + n, s->copies[0]);
+    for (auto& [n, c] : m.children_) walk(*c, pre + n + ".");
+  };
+  walk(*this, "");
+  return out;
+}
+
+LoadResult Module::load_state_dict(const StateDict& state, bool strict) {
+  auto own = state_dict();
+  std::map<std::string, Tensor> given;
+  for (auto& [k, v] : state) {
+    DP_CHECK(given.emplace(k, v).second, "load_state_dict: key '", k, "' appears twice");
+  }
+  LoadResult result;
+  std::set<std::string> own_keys;
+  for (auto& [k, v] : own) {
+    own_keys.insert(k);
+    if (!given.count(k)) result.missing_keys.push_back(k);
+  }
+  for (auto& [k, v] : given)
+    if (!own_keys.count(k)) result.unexpected_keys.push_back(k);
+  if (strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
+    std::ostringstream os;
+    os << "load_state_dict: keys do not match.";
+    if (!result.missing_keys.empty()) {
+      os << " Missing:";
+      for (auto& k : result.missing_keys) os << " '" << k << "'";
+    }
+    if (!result.unexpected_keys.empty()) {
+      os << " Unexpected:";
+      for (auto& k : result.unexpected_keys) os << " '" << k << "'";
+    }
+    os << " (pass strict=false to load the keys both sides have)";
+    DP_FAIL(os.str());
+  }
+  // Validate every shape and dtype before writing anything: a failed load leaves the
+  // module untouched.
+  for (auto& [k, dst] : own) {
+    auto it = given.find(k);
+    if (it == given.end()) continue;
+    const Tensor& src = it->second;
+    DP_CHECK(src.defined() && src.shape() == dst.shape() && src.dtype() == dst.dtype(),
+             "load_state_dict: '", k, "' expected ", shape_str(dst.shape()), " ", dtype_name(dst.dtype()),
+             ", got ", src.defined() ? shape_str(src.shape()) + " " + dtype_name(src.dtype()) : "undefined");
+  }
+  NoGradGuard no_grad;
+  for (auto& [k, dst] : own) {
+    auto it = given.find(k);
+    if (it != given.end()) Tensor(dst).copy_(it->second);
+  }
+  if (auto set = parameter_set()) set->bump_version();
+  return result;
+}
+
+void Module::train(bool on) {
+  for (auto& m : modules()) m->training_ = on;
+}
+
+void Module::to(Device device) {
+  if (auto set = parameter_set()) set->move_primary(device);
+  NoGradGuard no_grad;
+  for (auto& s : buffer_slots()) {
+    Tensor& b = s->copies[0];
+    if (b.device() == device) continue;
+    Tensor moved = b.to(device);
+    b.impl()->storage = moved.storage();
+    b.impl()->offset = moved.storage_offset();
+  }
+}
+
+Device Module::device() {
+  auto p = parameter_slots();
+  if (!p.empty()) return p[0]->copies[0].device();
+  auto b = buffer_slots();
+  if (!b.empty()) return b[0]->copies[0].device();
+  return Device{};
+}
+
+void Module::zero_grad() {
+  auto set = parameter_set();
+  if (!set) return;
+  for (int r = 0; r < set->num_copies(); ++r) set->copy(r).grad.zero_();
+}
+
+}  // namespace dp::nn

@@ -1,0 +1,561 @@
+#include "dp/tensor/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "backend/backend.h"
+#include "dp/autograd/node.h"
+#include "dp/core/error.h"
+#include "tensor/tensor_util.h"
+
+namespace dp {
+namespace {
+
+using backend::BinaryOp;
+using backend::Indexer;
+using backend::ReduceOp;
+using backend::UnaryOp;
+
+backend::Backend& be(const Tensor& t) { return backend::get(t.device()); }
+
+// Note [Broadcasting]
+// Shapes align at their trailing dims; a size-1 (or missing) dim stretches. The
+// kernel sees the output shape and, per input, element strides with 0 where the
+// input is stretched. Backward sums the gradient back to each input's shape
+// (sum_to), which is what makes bias adds and per-channel scales differentiable.
+Shape broadcast_shape(const char* op, const Shape& a, const Shape& b) {
+  std::size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    std::int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    std::int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    DP_CHECK(da == db || da == 1 || db == 1, op, ": shapes ", shape_str(a), " and ", shape_str(b),
+             " cannot be broadcast (dim ", i, ": ", da, " vs ", db, ")");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+// Strides of `in` (contiguous) read as shape `out` with broadcasting.
+void broadcast_strides(const Shape& in, const Shape& out, std::int64_t* strides) {
+  std::size_t n = out.size(), off = n - in.size();
+  std::int64_t stride = 1;
+  for (std::size_t i = n; i-- > 0;) {
+    if (i < off) {
+      strides[i] = 0;
+      continue;
+    }
+    std::int64_t s = in[i - off];
+    strides[i] = s == 1 ? 0 : stride;
+    stride *= s;
+  }
+}
+
+// Builds an indexer over `out`, merging adjacent dims where both inputs stay
+// contiguous so common cases reach the kernel's fast paths.
+Indexer make_indexer(const Shape& a, const Shape& b, const Shape& out) {
+  DP_CHECK(static_cast<int>(out.size()) <= backend::kMaxDims, "expected at most ", backend::kMaxDims,
+           " dims, got shape ", shape_str(out));
+  std::int64_t sa[backend::kMaxDims], sb[backend::kMaxDims];
+  broadcast_strides(a, out, sa);
+  broadcast_strides(b, out, sb);
+  Indexer ix;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (out[i] == 1) continue;  // size-1 dims carry no information
+    if (ix.ndim > 0) {
+      int j = ix.ndim - 1;
+      // dim i merges into j when stepping j equals stepping i over its whole extent.
+      bool ok_a = sa[j] == sa[i] * out[i];
+      bool ok_b = sb[j] == sb[i] * out[i];
+      if (ok_a && ok_b) {
+        ix.sizes[j] *= out[i];
+        ix.strides_a[j] = sa[i];
+        ix.strides_b[j] = sb[i];
+        continue;
+      }
+    }
+    ix.sizes[ix.ndim] = out[i];
+    ix.strides_a[ix.ndim] = sa[i];
+    ix.strides_b[ix.ndim] = sb[i];
+    ++ix.ndim;
+  }
+  if (ix.ndim == 0) {  // a scalar result
+    ix.ndim = 1;
+    ix.sizes[0] = 1;
+    ix.strides_a[0] = 0;
+    ix.strides_b[0] = 0;
+  }
+  return ix;
+}
+
+Tensor binary_raw(const char* op, BinaryOp kind, const Tensor& a, const Tensor& b) {
+  detail::check_same_device(op, a, b);
+  detail::check_float(op, a, "first input");
+  detail::check_float(op, b, "second input");
+  Shape out_shape = broadcast_shape(op, a.shape(), b.shape());
+  Tensor out = empty(out_shape, a.device());
+  if (out.numel() == 0) return out;
+  Indexer ix = make_indexer(a.shape(), b.shape(), out_shape);
+  be(a).binary(a.device(), kind, ix, a.data<float>(), b.data<float>(), out.data<float>());
+  return out;
+}
+
+Tensor unary_raw(const char* op, UnaryOp kind, const Tensor& a) {
+  detail::check_float(op, a);
+  Tensor out = empty(a.shape(), a.device());
+  be(a).unary(a.device(), kind, a.data<float>(), out.data<float>(), a.numel());
+  return out;
+}
+
+Tensor affine_raw(const Tensor& a, double alpha, double beta) {
+  detail::check_float("affine", a);
+  Tensor out = empty(a.shape(), a.device());
+  be(a).affine(a.device(), a.data<float>(), out.data<float>(), a.numel(), static_cast<float>(alpha),
+               static_cast<float>(beta));
+  return out;
+}
+
+// Materialises `g` broadcast to `shape`.
+Tensor expand_to(const Tensor& g, const Shape& shape) {
+  if (g.shape() == shape) return g;
+  Tensor out = empty(shape, g.device());
+  if (out.numel() == 0) return out;
+  broadcast_shape("expand", g.shape(), shape);
+  Indexer ix = make_indexer(g.shape(), g.shape(), shape);
+  be(g).strided_copy(g.device(), ix, g.data<float>(), out.data<float>());
+  return out;
+}
+
+std::int64_t norm_dim(const char* op, const Tensor& a, std::int64_t d) {
+  std::int64_t n = a.dim();
+  DP_CHECK(d >= -n && d < n, op, ": expected a dim in [", -n, ", ", n, "), got ", d, " for shape ",
+           shape_str(a.shape()));
+  return d < 0 ? d + n : d;
+}
+
+struct ReduceGeometry {
+  std::int64_t outer = 1, r = 1, inner = 1;
+  Shape out_keep, out;
+};
+
+ReduceGeometry reduce_geometry(const Tensor& a, std::int64_t d) {
+  ReduceGeometry g;
+  const Shape& s = a.shape();
+  for (std::int64_t i = 0; i < d; ++i) g.outer *= s[i];
+  g.r = s[d];
+  for (std::size_t i = d + 1; i < s.size(); ++i) g.inner *= s[i];
+  g.out_keep = s;
+  g.out_keep[d] = 1;
+  g.out = s;
+  g.out.erase(g.out.begin() + d);
+  return g;
+}
+
+Tensor reduce_raw(ReduceOp op, const Tensor& a, std::int64_t d, bool keepdim) {
+  ReduceGeometry g = reduce_geometry(a, d);
+  Tensor out = empty(keepdim ? g.out_keep : g.out, a.device());
+  be(a).reduce(a.device(), op, a.data<float>(), out.data<float>(), g.outer, g.r, g.inner);
+  return out;
+}
+
+Tensor sum_all_raw(const Tensor& a) {
+  Tensor out = empty({}, a.device());
+  be(a).reduce(a.device(), ReduceOp::Sum, a.data<float>(), out.data<float>(), 1, a.numel(), 1);
+  return out;
+}
+
+}  // namespace
+
+// ---- binary ------------------------------------------------------------------------------
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw("add", BinaryOp::Add, a, b);
+  Shape sa = a.shape(), sb = b.shape();
+  autograd::record("AddBackward", {a, b}, out, [sa, sb](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{sum_to(g[0], sa), sum_to(g[0], sb)};
+  });
+  return out;
+}
+
+Tensor sub(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw("sub", BinaryOp::Sub, a, b);
+  Shape sa = a.shape(), sb = b.shape();
+  autograd::record("SubBackward", {a, b}, out, [sa, sb](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{sum_to(g[0], sa), sum_to(neg(g[0]), sb)};
+  });
+  return out;
+}
+
+Tensor mul(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw("mul", BinaryOp::Mul, a, b);
+  bool ga = a.requires_grad(), gb = b.requires_grad();
+  autograd::record("MulBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{ga ? sum_to(mul(g[0], b), a.shape()) : Tensor(),
+                               gb ? sum_to(mul(g[0], a), b.shape()) : Tensor()};
+  });
+  return out;
+}
+
+Tensor div(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw("div", BinaryOp::Div, a, b);
+  bool gb = b.requires_grad();
+  autograd::record("DivBackward", {a, b}, out, [a, b, out = out.detach(), gb](const std::vector<Tensor>& g) {
+    Tensor ga = sum_to(div(g[0], b), a.shape());
+    Tensor gbv = gb ? sum_to(neg(div(mul(g[0], out), b)), b.shape()) : Tensor();
+    return std::vector<Tensor>{ga, gbv};
+  });
+  return out;
+}
+
+Tensor maximum(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_raw("maximum", BinaryOp::Maximum, a, b);
+  autograd::record("MaximumBackward", {a, b}, out, [a, b](const std::vector<Tensor>& g) {
+    Tensor a_wins = binary_raw("maximum", BinaryOp::Gt, a, b);  // ties go to b
+    Tensor ga = mul(g[0], a_wins);
+    Tensor gb = sub(g[0], ga);
+    return std::vector<Tensor>{sum_to(ga, a.shape()), sum_to(gb, b.shape())};
+  });
+  return out;
+}
+
+Tensor add(const Tensor& a, double s) {
+  Tensor out = affine_raw(a, 1.0, s);
+  autograd::record("AddScalarBackward", {a}, out,
+                   [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
+  return out;
+}
+
+Tensor mul(const Tensor& a, double s) {
+  Tensor out = affine_raw(a, s, 0.0);
+  autograd::record("MulScalarBackward", {a}, out,
+                   [s](const std::vector<Tensor>& g) { return std::vector<Tensor>{mul(g[0], s)}; });
+  return out;
+}
+
+Tensor pow(const Tensor& a, double p) {
+  Tensor out = binary_raw("pow", BinaryOp::Pow, a, scalar_tensor(p, a.device()));
+  autograd::record("PowBackward", {a}, out, [a, p](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{mul(mul(g[0], pow(a, p - 1.0)), p)};
+  });
+  return out;
+}
+
+Tensor eq(const Tensor& a, const Tensor& b) {
+  detail::check_same_device("eq", a, b);
+  DP_CHECK(a.dtype() == b.dtype(), "eq: expected one dtype, got ", dtype_name(a.dtype()), " and ",
+           dtype_name(b.dtype()));
+  if (a.dtype() == Dtype::Int64) {
+    // int64 values compare exactly on the host-visible difference: cast both only
+    // when every value is exactly representable in float32.
+    Tensor fa = a.to(Dtype::Float32), fb = b.to(Dtype::Float32);
+    return binary_raw("eq", BinaryOp::Eq, fa, fb);
+  }
+  return binary_raw("eq", BinaryOp::Eq, a, b);
+}
+
+// ---- unary -------------------------------------------------------------------------------
+
+Tensor neg(const Tensor& a) {
+  Tensor out = unary_raw("neg", UnaryOp::Neg, a);
+  autograd::record("NegBackward", {a}, out,
+                   [](const std::vector<Tensor>& g) { return std::vector<Tensor>{neg(g[0])}; });
+  return out;
+}
+
+Tensor exp(const Tensor& a) {
+  Tensor out = unary_raw("exp", UnaryOp::Exp, a);
+  autograd::record("ExpBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{mul(g[0], y)};
+  });
+  return out;
+}
+
+Tensor log(const Tensor& a) {
+  Tensor out = unary_raw("log", UnaryOp::Log, a);
+  autograd::record("LogBackward", {a}, out,
+                   [a](const std::vector<Tensor>& g) { return std::vector<Tensor>{div(g[0], a)}; });
+  return out;
+}
+
+Tensor sqrt(const Tensor& a) {
+  Tensor out = unary_raw("sqrt", UnaryOp::Sqrt, a);
+  autograd::record("SqrtBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{div(mul(g[0], 0.5), y)};
+  });
+  return out;
+}
+
+Tensor abs(const Tensor& a) {
+  Tensor out = unary_raw("abs", UnaryOp::Abs, a);
+  autograd::record("AbsBackward", {a}, out, [a](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{mul(g[0], unary_raw("abs", UnaryOp::Sign, a))};
+  });
+  return out;
+}
+
+Tensor square(const Tensor& a) {
+  Tensor out = unary_raw("square", UnaryOp::Square, a);
+  autograd::record("SquareBackward", {a}, out, [a](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{mul(mul(g[0], a), 2.0)};
+  });
+  return out;
+}
+
+Tensor relu(const Tensor& a) {
+  Tensor out = unary_raw("relu", UnaryOp::Relu, a);
+  autograd::record("ReluBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{binary_raw("relu_backward", BinaryOp::ReluBackward, g[0], y)};
+  });
+  return out;
+}
+
+Tensor sigmoid(const Tensor& a) {
+  Tensor out = unary_raw("sigmoid", UnaryOp::Sigmoid, a);
+  autograd::record("SigmoidBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{mul(g[0], mul(y, affine_raw(y, -1.0, 1.0)))};
+  });
+  return out;
+}
+
+Tensor tanh(const Tensor& a) {
+  Tensor out = unary_raw("tanh", UnaryOp::Tanh, a);
+  autograd::record("TanhBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+    Tensor one_minus = affine_raw(unary_raw("square", UnaryOp::Square, y), -1.0, 1.0);
+    return std::vector<Tensor>{mul(g[0], one_minus)};
+  });
+  return out;
+}
+
+// ---- reductions --------------------------------------------------------------------------
+
+Tensor sum(const Tensor& a) {
+  detail::check_float("sum", a);
+  Tensor out = sum_all_raw(a);
+  Shape sa = a.shape();
+  autograd::record("SumBackward", {a}, out,
+                   [sa](const std::vector<Tensor>& g) { return std::vector<Tensor>{expand_to(g[0], sa)}; });
+  return out;
+}
+
+Tensor sum(const Tensor& a, std::int64_t dim, bool keepdim) {
+  detail::check_float("sum", a);
+  std::int64_t d = norm_dim("sum", a, dim);
+  Tensor out = reduce_raw(ReduceOp::Sum, a, d, keepdim);
+  Shape sa = a.shape();
+  Shape keep = reduce_geometry(a, d).out_keep;
+  autograd::record("SumDimBackward", {a}, out, [sa, keep](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{expand_to(g[0].reshape(keep), sa)};
+  });
+  return out;
+}
+
+Tensor mean(const Tensor& a) {
+  DP_CHECK(a.numel() > 0, "mean: expected a non-empty tensor, got shape ", shape_str(a.shape()));
+  return mul(sum(a), 1.0 / static_cast<double>(a.numel()));
+}
+
+Tensor mean(const Tensor& a, std::int64_t dim, bool keepdim) {
+  std::int64_t d = norm_dim("mean", a, dim);
+  DP_CHECK(a.size(d) > 0, "mean: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
+  return mul(sum(a, d, keepdim), 1.0 / static_cast<double>(a.size(d)));
+}
+
+Tensor argmax(const Tensor& a, std::int64_t dim, bool keepdim) {
+  detail::check_float("argmax", a);
+  std::int64_t d = norm_dim("argmax", a, dim);
+  DP_CHECK(a.size(d) > 0, "argmax: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
+  ReduceGeometry g = reduce_geometry(a, d);
+  Tensor out = empty(keepdim ? g.out_keep : g.out, TensorOptions{Dtype::Int64, a.device()});
+  be(a).argmax(a.device(), a.data<float>(), out.data<std::int64_t>(), g.outer, g.r, g.inner);
+  return out;
+}
+
+Tensor max(const Tensor& a, std::int64_t dim, bool keepdim) {
+  detail::check_float("max", a);
+  std::int64_t d = norm_dim("max", a, dim);
+  DP_CHECK(a.size(d) > 0, "max: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
+  Tensor out = reduce_raw(ReduceOp::Max, a, d, keepdim);
+  autograd::record("MaxBackward", {a}, out, [a, d](const std::vector<Tensor>& g) {
+    // Gradient flows to the first maximum only: a one-hot mask from argmax.
+    ReduceGeometry geo = reduce_geometry(a, d);
+    Tensor idx = argmax(a, d, true).to(Dtype::Float32);                       // (.., 1, ..)
+    Shape pos_shape(a.dim(), 1);
+    pos_shape[d] = a.size(d);
+    Tensor pos = arange(a.size(d), TensorOptions{Dtype::Float32, a.device()}).reshape(pos_shape);
+    Tensor mask = binary_raw("max", BinaryOp::Eq, expand_to(idx, a.shape()), pos);
+    return std::vector<Tensor>{mul(mask, expand_to(g[0].reshape(geo.out_keep), a.shape()))};
+  });
+  return out;
+}
+
+Tensor sum_to(const Tensor& a, const Shape& shape) {
+  if (a.shape() == shape) return a;
+  Tensor cur = a;
+  std::size_t lead = cur.shape().size() - shape.size();
+  DP_CHECK(cur.shape().size() >= shape.size(), "sum_to: cannot reduce ", shape_str(a.shape()), " to ",
+           shape_str(shape));
+  for (std::size_t i = 0; i < lead; ++i) cur = sum(cur, 0, false);
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    if (shape[i] == 1 && cur.shape()[i] != 1) cur = sum(cur, static_cast<std::int64_t>(i), true);
+  DP_CHECK(cur.shape() == shape, "sum_to: cannot reduce ", shape_str(a.shape()), " to ", shape_str(shape));
+  return cur;
+}
+
+// ---- linear algebra ------------------------------------------------------------------------
+
+namespace {
+
+// c = op(a) * op(b) for 2-d float tensors on one device (no autograd).
+Tensor gemm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
+  std::int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
+  std::int64_t n = tb ? b.size(0) : b.size(1);
+  Tensor c = empty({m, n}, a.device());
+  if (c.numel() == 0) return c;
+  if (k == 0) return c.zero_();
+  be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1),
+             0.0f, c.data<float>(), n);
+  return c;
+}
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  detail::check_same_device("matmul", a, b);
+  detail::check_float("matmul", a, "first input");
+  detail::check_float("matmul", b, "second input");
+  DP_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0),
+           "matmul: expected (m, k) x (k, n), got ", shape_str(a.shape()), " x ", shape_str(b.shape()));
+  Tensor out = gemm_raw(a, false, b, false);
+  bool ga = a.requires_grad(), gb = b.requires_grad();
+  autograd::record("MatmulBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{ga ? gemm_raw(g[0], false, b, true) : Tensor(),
+                               gb ? gemm_raw(a, true, g[0], false) : Tensor()};
+  });
+  return out;
+}
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  detail::check_same_device("linear", x, w);
+  detail::check_float("linear", x);
+  detail::check_float("linear", w, "weight");
+  DP_CHECK(x.dim() == 2, "linear: expected input (B, in), got shape ", shape_str(x.shape()));
+  DP_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "linear: expected weight (out, in=", x.size(1),
+           "), got ", shape_str(w.shape()), " for input ", shape_str(x.shape()));
+  if (b.defined()) {
+    detail::check_same_device("linear", x, b);
+    DP_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "linear: expected bias (", w.size(0), "), got ",
+             shape_str(b.shape()));
+  }
+  Tensor out = gemm_raw(x, false, w, true);  // (B, out)
+  if (b.defined() && out.numel() > 0) {
+    Indexer ix = make_indexer(out.shape(), b.shape(), out.shape());
+    be(x).binary(x.device(), BinaryOp::Add, ix, out.data<float>(), b.data<float>(), out.data<float>());
+  }
+  bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
+  std::vector<Tensor> inputs{x, w};
+  if (b.defined()) inputs.push_back(b);
+  autograd::record("LinearBackward", inputs, out, [x, w, gx, gw, gb, has_b = b.defined()](const std::vector<Tensor>& g) {
+    std::vector<Tensor> r{gx ? gemm_raw(g[0], false, w, false) : Tensor(),
+                          gw ? gemm_raw(g[0], true, x, false) : Tensor()};
+    if (has_b) r.push_back(gb ? reduce_raw(ReduceOp::Sum, g[0], 0, false) : Tensor());
+    return r;
+  });
+  return out;
+}
+
+// ---- cat / chunk / split ---------------------------------------------------------------------
+
+Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
+  DP_CHECK(!tensors.empty(), "cat: expected at least one tensor, got none");
+  DP_CHECK(dim == 0, "cat: only dim 0 is supported, got dim ", dim);
+  const Tensor& first = tensors[0];
+  detail::check_defined("cat", first);
+  Shape tail(first.shape().begin() + (first.dim() > 0 ? 1 : 0), first.shape().end());
+  DP_CHECK(first.dim() >= 1, "cat: expected tensors with at least 1 dim, got a scalar");
+  std::int64_t rows = 0;
+  std::vector<std::int64_t> sizes;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    detail::check_same_device("cat", first, t);
+    DP_CHECK(t.dtype() == first.dtype(), "cat: expected ", dtype_name(first.dtype()), " for tensor ", i,
+             ", got ", dtype_name(t.dtype()));
+    DP_CHECK(t.dim() == first.dim() && Shape(t.shape().begin() + 1, t.shape().end()) == tail,
+             "cat: expected tensor ", i, " to have shape [*, ...] matching ", shape_str(first.shape()),
+             " beyond dim 0, got ", shape_str(t.shape()));
+    rows += t.size(0);
+    sizes.push_back(t.size(0));
+  }
+  Shape out_shape = first.shape();
+  out_shape[0] = rows;
+  Tensor out = empty(out_shape, TensorOptions{first.dtype(), first.device()});
+  std::int64_t at = 0;
+  for (const Tensor& t : tensors) {
+    out.detach().narrow(0, at, t.size(0)).copy_(t);
+    at += t.size(0);
+  }
+  autograd::record("CatBackward", tensors, out, [sizes](const std::vector<Tensor>& g) {
+    std::vector<Tensor> r;
+    std::int64_t off = 0;
+    for (auto s : sizes) {
+      r.push_back(g[0].narrow(0, off, s));
+      off += s;
+    }
+    return r;
+  });
+  return out;
+}
+
+std::vector<Tensor> chunk(const Tensor& t, std::int64_t chunks) {
+  DP_CHECK(chunks >= 1, "chunk: expected chunks >= 1, got ", chunks);
+  DP_CHECK(t.dim() >= 1, "chunk: expected a tensor with at least 1 dim, got a scalar");
+  std::int64_t rows = t.size(0);
+  std::int64_t step = (rows + chunks - 1) / chunks;
+  std::vector<std::int64_t> sizes;
+  for (std::int64_t at = 0; at < rows; at += step) sizes.push_back(std::min(step, rows - at));
+  if (sizes.empty()) sizes.push_back(0);
+  return split(t, sizes);
+}
+
+std::vector<Tensor> split(const Tensor& t, const std::vector<std::int64_t>& sizes) {
+  std::int64_t total = 0;
+  for (auto s : sizes) {
+    DP_CHECK(s >= 0, "split: expected non-negative sizes, got ", s);
+    total += s;
+  }
+  DP_CHECK(total == t.size(0), "split: sizes sum to ", total, " but dim 0 has ", t.size(0), " rows");
+  std::vector<Tensor> out;
+  std::int64_t at = 0;
+  for (auto s : sizes) {
+    out.push_back(t.narrow(0, at, s));
+    at += s;
+  }
+  return out;
+}
+
+// ---- test helpers ----------------------------------------------------------------------------
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  DP_CHECK(a.shape() == b.shape(), "max_abs_diff: shapes differ: ", shape_str(a.shape()), " vs ",
+           shape_str(b.shape()));
+  auto va = a.to(Dtype::Float32).to_vector(), vb = b.to(Dtype::Float32).to_vector();
+  double m = 0;
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    double d = std::fabs(static_cast<double>(va[i]) - vb[i]);
+    if (std::isnan(d)) return d;
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+bool equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  std::vector<char> ha(a.nbytes()), hb(b.nbytes());
+  if (!ha.empty()) {
+    backend::get(a.device()).copy_to_host(ha.data(), a.raw_data(), a.device(), a.nbytes());
+    backend::get(b.device()).copy_to_host(hb.data(), b.raw_data(), b.device(), b.nbytes());
+  }
+  return ha == hb;
+}
+
+}  // namespace dp

@@ -1,0 +1,457 @@
+#include "dp/tensor/tensor.h"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "backend/backend.h"
+#include "dp/autograd/grad_mode.h"
+#include "dp/autograd/node.h"
+#include "dp/core/error.h"
+#include "dp/tensor/ops.h"
+#include "tensor/tensor_util.h"
+
+namespace dp {
+
+std::size_t element_size(Dtype dtype) { return dtype == Dtype::Float32 ? 4 : 8; }
+const char* dtype_name(Dtype dtype) { return dtype == Dtype::Float32 ? "float32" : "int64"; }
+
+std::string shape_str(const Shape& shape) {
+  std::ostringstream os;
+  os << '[';
+  for (std::size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
+
+std::int64_t shape_numel(const Shape& shape) {
+  std::int64_t n = 1;
+  for (auto s : shape) n *= s;
+  return n;
+}
+
+// ---- Storage ---------------------------------------------------------------------------
+
+Storage::Storage(Device device, std::size_t nbytes) : device_(device), nbytes_(nbytes) {
+  data_ = backend::get(device).allocate(device, nbytes);
+}
+
+Storage::~Storage() { backend::get(device_).deallocate(device_, data_, nbytes_); }
+
+TensorImpl::~TensorImpl() = default;
+
+Generator& default_generator() {
+  static Generator gen;
+  return gen;
+}
+void manual_seed(std::uint64_t seed) { default_generator().set_state(seed, 0); }
+
+// ---- accessors -----------------------------------------------------------------------------
+
+namespace {
+
+const TensorImpl& checked(const std::shared_ptr<TensorImpl>& impl) {
+  DP_CHECK(impl != nullptr, "expected a defined tensor, got an undefined (default-constructed) one");
+  return *impl;
+}
+
+std::shared_ptr<TensorImpl> new_impl(const Shape& shape, Dtype dtype, Device device) {
+  for (auto s : shape) DP_CHECK(s >= 0, "expected non-negative sizes, got shape ", shape_str(shape));
+  auto impl = std::make_shared<TensorImpl>();
+  impl->shape = shape;
+  impl->dtype = dtype;
+  impl->storage = std::make_shared<Storage>(
+      device, static_cast<std::size_t>(shape_numel(shape)) * element_size(dtype));
+  return impl;
+}
+
+// A new impl viewing `src`'s storage at element offset `offset` with `shape`.
+std::shared_ptr<TensorImpl> view_impl(const TensorImpl& src, std::int64_t offset, const Shape& shape) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = src.storage;
+  impl->offset = offset;
+  impl->shape = shape;
+  impl->dtype = src.dtype;
+  return impl;
+}
+
+}  // namespace
+
+const Shape& Tensor::shape() const { return checked(impl_).shape; }
+std::int64_t Tensor::dim() const { return static_cast<std::int64_t>(shape().size()); }
+std::int64_t Tensor::size(std::int64_t d) const {
+  std::int64_t n = dim();
+  DP_CHECK(d >= -n && d < n, "size(", d, "): expected a dim in [", -n, ", ", n, ") for shape ",
+           shape_str(shape()));
+  return shape()[d < 0 ? d + n : d];
+}
+std::int64_t Tensor::numel() const { return shape_numel(shape()); }
+Dtype Tensor::dtype() const { return checked(impl_).dtype; }
+Device Tensor::device() const { return checked(impl_).storage->device(); }
+const std::shared_ptr<Storage>& Tensor::storage() const { return checked(impl_).storage; }
+std::int64_t Tensor::storage_offset() const { return checked(impl_).offset; }
+
+void* Tensor::raw_data() const {
+  const auto& impl = checked(impl_);
+  return static_cast<char*>(impl.storage->data()) + impl.offset * element_size(impl.dtype);
+}
+
+template <>
+float* Tensor::data<float>() const {
+  DP_CHECK(dtype() == Dtype::Float32, "expected a float32 tensor, got ", dtype_name(dtype()));
+  return static_cast<float*>(raw_data());
+}
+template <>
+std::int64_t* Tensor::data<std::int64_t>() const {
+  DP_CHECK(dtype() == Dtype::Int64, "expected an int64 tensor, got ", dtype_name(dtype()));
+  return static_cast<std::int64_t*>(raw_data());
+}
+template <>
+const float* Tensor::data<const float>() const { return data<float>(); }
+template <>
+const std::int64_t* Tensor::data<const std::int64_t>() const { return data<std::int64_t>(); }
+
+std::string Tensor::str() const {
+  if (!defined()) return "Tensor(undefined)";
+  return detail::str_cat("Tensor", shape_str(shape()), " ", dtype_name(dtype()), " ", device().str());
+}
+std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.str(); }
+
+// ---- host access ------------------------------------------------------------------------
+
+namespace detail {
+
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t nbytes) {
+  if (nbytes == 0) return;
+  if (dst_dev.type == src_dev.type) {
+    backend::get(dst_dev).copy(dst, dst_dev, src, src_dev, nbytes);
+  } else if (src_dev.is_cpu()) {
+    // CPU virtual-device memory is host memory.
+    backend::get(dst_dev).copy_from_host(dst, dst_dev, src, nbytes);
+  } else {
+    backend::get(src_dev).copy_to_host(dst, src, src_dev, nbytes);
+  }
+}
+
+}  // namespace detail
+
+std::vector<float> Tensor::to_vector() const {
+  std::vector<float> out(static_cast<std::size_t>(numel()));
+  const float* src = data<float>();
+  if (!out.empty()) backend::get(device()).copy_to_host(out.data(), src, device(), nbytes());
+  return out;
+}
+
+std::vector<std::int64_t> Tensor::to_vector_i64() const {
+  std::vector<std::int64_t> out(static_cast<std::size_t>(numel()));
+  const std::int64_t* src = data<std::int64_t>();
+  if (!out.empty()) backend::get(device()).copy_to_host(out.data(), src, device(), nbytes());
+  return out;
+}
+
+double Tensor::item() const {
+  DP_CHECK(numel() == 1, "item(): expected a tensor with one element, got shape ", shape_str(shape()));
+  if (dtype() == Dtype::Float32) return to_vector()[0];
+  return static_cast<double>(to_vector_i64()[0]);
+}
+
+// ---- devices, copies, views ------------------------------------------------------------
+
+Tensor Tensor::to(Device target) const {
+  if (device() == target) return *this;
+  Tensor out(new_impl(shape(), dtype(), target));
+  detail::copy_bytes(out.raw_data(), target, raw_data(), device(), nbytes());
+  Device src_dev = device();
+  autograd::record("ToDeviceBackward", {*this}, out, [src_dev](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{g[0].to(src_dev)};
+  });
+  return out;
+}
+
+Tensor Tensor::to(Dtype target) const {
+  if (dtype() == target) return *this;
+  Tensor out(new_impl(shape(), target, device()));
+  auto& be = backend::get(device());
+  if (target == Dtype::Float32)
+    be.cast_i64_to_f32(device(), data<std::int64_t>(), out.data<float>(), numel());
+  else
+    be.cast_f32_to_i64(device(), data<float>(), out.data<std::int64_t>(), numel());
+  return out;
+}
+
+Tensor Tensor::clone() const {
+  Tensor out(new_impl(shape(), dtype(), device()));
+  detail::copy_bytes(out.raw_data(), device(), raw_data(), device(), nbytes());
+  autograd::record("CloneBackward", {*this}, out,
+                   [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
+  return out;
+}
+
+Tensor Tensor::detach() const {
+  const auto& impl = checked(impl_);
+  return Tensor(view_impl(impl, impl.offset, impl.shape));
+}
+
+Tensor Tensor::reshape(Shape new_shape) const {
+  const auto& impl = checked(impl_);
+  std::int64_t known = 1;
+  int infer = -1;
+  for (std::size_t i = 0; i < new_shape.size(); ++i) {
+    if (new_shape[i] == -1) {
+      DP_CHECK(infer < 0, "reshape: expected at most one -1 in ", shape_str(new_shape));
+      infer = static_cast<int>(i);
+    } else {
+      DP_CHECK(new_shape[i] >= 0, "reshape: expected sizes >= 0 or -1, got ", shape_str(new_shape));
+      known *= new_shape[i];
+    }
+  }
+  std::int64_t n = numel();
+  if (infer >= 0) {
+    DP_CHECK(known > 0 && n % known == 0, "reshape: cannot infer -1 in ", shape_str(new_shape),
+             " for ", n, " elements (shape ", shape_str(impl.shape), ")");
+    new_shape[infer] = n / known;
+  }
+  DP_CHECK(shape_numel(new_shape) == n, "reshape: expected a shape with ", n, " elements (from ",
+           shape_str(impl.shape), "), got ", shape_str(new_shape));
+  Tensor out(view_impl(impl, impl.offset, new_shape));
+  Shape old = impl.shape;
+  autograd::record("ReshapeBackward", {*this}, out, [old](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{g[0].reshape(old)};
+  });
+  return out;
+}
+
+Tensor Tensor::flatten(std::int64_t start, std::int64_t end) const {
+  std::int64_t n = dim();
+  if (n == 0) return reshape({1});
+  if (start < 0) start += n;
+  if (end < 0) end += n;
+  DP_CHECK(start >= 0 && start < n && end >= start && end < n, "flatten(", start, ", ", end,
+           "): expected 0 <= start <= end < ", n, " for shape ", shape_str(shape()));
+  Shape s;
+  for (std::int64_t i = 0; i < start; ++i) s.push_back(shape()[i]);
+  std::int64_t m = 1;
+  for (std::int64_t i = start; i <= end; ++i) m *= shape()[i];
+  s.push_back(m);
+  for (std::int64_t i = end + 1; i < n; ++i) s.push_back(shape()[i]);
+  return reshape(s);
+}
+
+Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) const {
+  const auto& impl = checked(impl_);
+  DP_CHECK(dim() >= 1, "narrow: expected a tensor with at least 1 dim, got a scalar");
+  DP_CHECK(d == 0, "narrow: only dim 0 is supported (contiguous views), got dim ", d);
+  std::int64_t rows = impl.shape[0];
+  DP_CHECK(start >= 0 && length >= 0 && start + length <= rows, "narrow: expected rows [", start,
+           ", ", start + length, ") inside [0, ", rows, ") of shape ", shape_str(impl.shape));
+  std::int64_t row = rows == 0 ? 0 : numel() / rows;
+  Shape s = impl.shape;
+  s[0] = length;
+  Tensor out(view_impl(impl, impl.offset + start * row, s));
+  Shape full = impl.shape;
+  autograd::record("NarrowBackward", {*this}, out, [full, start](const std::vector<Tensor>& g) {
+    Tensor gx = zeros(full, TensorOptions{g[0].dtype(), g[0].device()});
+    gx.narrow(0, start, g[0].size(0)).copy_(g[0]);
+    return std::vector<Tensor>{gx};
+  });
+  return out;
+}
+
+Tensor Tensor::unsqueeze(std::int64_t d) const {
+  std::int64_t n = dim();
+  if (d < 0) d += n + 1;
+  DP_CHECK(d >= 0 && d <= n, "unsqueeze(", d, "): expected a dim in [0, ", n, "]");
+  Shape s = shape();
+  s.insert(s.begin() + d, 1);
+  return reshape(s);
+}
+
+Tensor Tensor::squeeze(std::int64_t d) const {
+  std::int64_t n = dim();
+  if (d < 0) d += n;
+  DP_CHECK(d >= 0 && d < n && shape()[d] == 1, "squeeze(", d, "): expected a dim of size 1, got shape ",
+           shape_str(shape()));
+  Shape s = shape();
+  s.erase(s.begin() + d);
+  return reshape(s);
+}
+
+Tensor Tensor::t() const {
+  DP_CHECK(dim() == 2, "t(): expected a 2-d tensor, got shape ", shape_str(shape()));
+  DP_CHECK(dtype() == Dtype::Float32, "t(): expected float32, got ", dtype_name(dtype()));
+  std::int64_t r = shape()[0], c = shape()[1];
+  Tensor out(new_impl({c, r}, dtype(), device()));
+  backend::Indexer ix;
+  ix.ndim = 2;
+  ix.sizes[0] = c;
+  ix.sizes[1] = r;
+  ix.strides_a[0] = 1;
+  ix.strides_a[1] = c;
+  backend::get(device()).strided_copy(device(), ix, data<float>(), out.data<float>());
+  autograd::record("TransposeBackward", {*this}, out,
+                   [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0].t()}; });
+  return out;
+}
+
+// ---- in-place ---------------------------------------------------------------------------
+
+Tensor& Tensor::zero_() {
+  if (numel() > 0) backend::get(device()).memset_zero(raw_data(), device(), nbytes());
+  storage()->bump_version();
+  return *this;
+}
+
+Tensor& Tensor::fill_(double value) {
+  auto& be = backend::get(device());
+  if (dtype() == Dtype::Float32)
+    be.fill(device(), data<float>(), numel(), static_cast<float>(value));
+  else
+    be.fill_i64(device(), data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+  storage()->bump_version();
+  return *this;
+}
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  DP_CHECK(src.shape() == shape() && src.dtype() == dtype(), "copy_: expected a source of shape ",
+           shape_str(shape()), " ", dtype_name(dtype()), ", got ", shape_str(src.shape()), " ",
+           dtype_name(src.dtype()));
+  detail::copy_bytes(raw_data(), device(), src.raw_data(), src.device(), nbytes());
+  storage()->bump_version();
+  return *this;
+}
+
+Tensor& Tensor::add_(const Tensor& other, float alpha) {
+  detail::check_same_device("add_", *this, other);
+  DP_CHECK(other.shape() == shape(), "add_: expected shape ", shape_str(shape()), ", got ",
+           shape_str(other.shape()));
+  backend::get(device()).axpy(device(), alpha, other.data<float>(), data<float>(), numel());
+  storage()->bump_version();
+  return *this;
+}
+
+Tensor& Tensor::mul_(float value) {
+  backend::get(device()).affine(device(), data<float>(), data<float>(), numel(), value, 0.0f);
+  storage()->bump_version();
+  return *this;
+}
+
+// ---- autograd ---------------------------------------------------------------------------
+
+bool Tensor::requires_grad() const {
+  const auto& impl = checked(impl_);
+  return impl.autograd && (impl.autograd->requires_grad || impl.autograd->grad_fn);
+}
+
+Tensor& Tensor::set_requires_grad(bool requires) {
+  auto& impl = const_cast<TensorImpl&>(checked(impl_));
+  DP_CHECK(!impl.autograd || !impl.autograd->grad_fn,
+           "set_requires_grad: expected a leaf tensor; this one was made by ",
+           impl.autograd->grad_fn->name(), " (use detach() first)");
+  DP_CHECK(!requires || impl.dtype == Dtype::Float32,
+           "set_requires_grad: only float32 tensors can require gradients, got ", dtype_name(impl.dtype));
+  if (!impl.autograd) impl.autograd = std::make_unique<autograd::AutogradMeta>();
+  impl.autograd->requires_grad = requires;
+  return *this;
+}
+
+bool Tensor::is_leaf() const {
+  const auto& impl = checked(impl_);
+  return !impl.autograd || !impl.autograd->grad_fn;
+}
+
+Tensor Tensor::grad() const {
+  const auto& impl = checked(impl_);
+  return impl.autograd ? impl.autograd->grad : Tensor();
+}
+
+void Tensor::set_grad(const Tensor& g) const {
+  auto& impl = const_cast<TensorImpl&>(checked(impl_));
+  if (g.defined())
+    DP_CHECK(g.shape() == impl.shape && g.device() == device(), "set_grad: expected a gradient of shape ",
+             shape_str(impl.shape), " on ", device(), ", got ", shape_str(g.shape()), " on ", g.device());
+  if (!impl.autograd) impl.autograd = std::make_unique<autograd::AutogradMeta>();
+  impl.autograd->grad = g;
+}
+
+std::shared_ptr<autograd::Node> Tensor::grad_fn() const {
+  const auto& impl = checked(impl_);
+  return impl.autograd ? impl.autograd->grad_fn : nullptr;
+}
+
+void Tensor::backward(const Tensor& g, bool retain_graph) const {
+  autograd::run_backward({*this}, {g}, retain_graph);
+}
+
+Tensor Tensor::operator-() const { return dp::neg(*this); }
+Tensor Tensor::relu() const { return dp::relu(*this); }
+Tensor Tensor::exp() const { return dp::exp(*this); }
+Tensor Tensor::log() const { return dp::log(*this); }
+Tensor Tensor::sum() const { return dp::sum(*this); }
+Tensor Tensor::sum(std::int64_t d, bool keepdim) const { return dp::sum(*this, d, keepdim); }
+Tensor Tensor::mean() const { return dp::mean(*this); }
+Tensor Tensor::mean(std::int64_t d, bool keepdim) const { return dp::mean(*this, d, keepdim); }
+Tensor Tensor::max(std::int64_t d, bool keepdim) const { return dp::max(*this, d, keepdim); }
+Tensor Tensor::argmax(std::int64_t d, bool keepdim) const { return dp::argmax(*this, d, keepdim); }
+
+// ---- creation -------------------------------------------------------------------------------
+
+Tensor empty(const Shape& shape, TensorOptions opts) { return Tensor(new_impl(shape, opts.dtype, opts.device)); }
+Tensor empty(const Shape& shape, Device device) { return empty(shape, TensorOptions{Dtype::Float32, device}); }
+Tensor zeros(const Shape& shape, TensorOptions opts) { return empty(shape, opts).zero_(); }
+Tensor zeros(const Shape& shape, Device device) { return zeros(shape, TensorOptions{Dtype::Float32, device}); }
+Tensor ones(const Shape& shape, TensorOptions opts) { return full(shape, 1.0, opts); }
+Tensor ones(const Shape& shape, Device device) { return ones(shape, TensorOptions{Dtype::Float32, device}); }
+Tensor full(const Shape& shape, double value, TensorOptions opts) { return empty(shape, opts).fill_(value); }
+Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), TensorOptions{t.dtype(), t.device()}); }
+Tensor ones_like(const Tensor& t) { return ones(t.shape(), TensorOptions{t.dtype(), t.device()}); }
+Tensor empty_like(const Tensor& t) { return empty(t.shape(), TensorOptions{t.dtype(), t.device()}); }
+
+Tensor randn(const Shape& shape, Generator& gen, Device device) {
+  Tensor t = empty(shape, device);
+  std::int64_t n = t.numel();
+  backend::get(device).fill_normal(device, t.data<float>(), n, 0.0f, 1.0f, gen.seed(),
+                                   gen.advance(static_cast<std::uint64_t>(n)));
+  return t;
+}
+
+Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device device) {
+  DP_CHECK(lo <= hi, "uniform: expected lo <= hi, got [", lo, ", ", hi, ")");
+  Tensor t = empty(shape, device);
+  std::int64_t n = t.numel();
+  backend::get(device).fill_uniform(device, t.data<float>(), n, static_cast<float>(lo),
+                                    static_cast<float>(hi), gen.seed(),
+                                    gen.advance(static_cast<std::uint64_t>(n)));
+  return t;
+}
+
+Tensor arange(std::int64_t n, TensorOptions opts) {
+  DP_CHECK(n >= 0, "arange: expected n >= 0, got ", n);
+  Tensor t = empty({n}, opts);
+  auto& be = backend::get(opts.device);
+  if (opts.dtype == Dtype::Float32)
+    be.arange(opts.device, t.data<float>(), n, 0.0f, 1.0f);
+  else
+    be.arange_i64(opts.device, t.data<std::int64_t>(), n, 0, 1);
+  return t;
+}
+
+Tensor from_vector(const std::vector<float>& data, const Shape& shape, Device device) {
+  DP_CHECK(shape_numel(shape) == static_cast<std::int64_t>(data.size()), "from_vector: shape ",
+           shape_str(shape), " needs ", shape_numel(shape), " elements, got ", data.size());
+  Tensor t = empty(shape, device);
+  if (!data.empty()) backend::get(device).copy_from_host(t.data<float>(), device, data.data(), t.nbytes());
+  return t;
+}
+
+Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, Device device) {
+  DP_CHECK(shape_numel(shape) == static_cast<std::int64_t>(data.size()), "from_vector: shape ",
+           shape_str(shape), " needs ", shape_numel(shape), " elements, got ", data.size());
+  Tensor t = empty(shape, TensorOptions{Dtype::Int64, device});
+  if (!data.empty())
+    backend::get(device).copy_from_host(t.data<std::int64_t>(), device, data.data(), t.nbytes());
+  return t;
+}
+
+Tensor scalar_tensor(double value, Device device) { return full({}, value, TensorOptions{Dtype::Float32, device}); }
+
+}  // namespace dp

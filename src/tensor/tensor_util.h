@@ -1,0 +1,31 @@
+// src/tensor/tensor_util.h — helpers shared by the tensor, nn and optim sources
+// (internal): device/dtype checks with uniform messages, byte copies across devices.
+#pragma once
+
+#include "dp/core/error.h"
+#include "dp/tensor/tensor.h"
+
+namespace dp::detail {
+
+/// Copies bytes between any two devices (CPU virtual devices count as host memory).
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t nbytes);
+
+inline void check_defined(const char* op, const Tensor& t, const char* what = "input") {
+  DP_CHECK(t.defined(), op, ": expected a defined ", what, " tensor, got an undefined one");
+}
+
+/// Throws unless a and b live on one device, naming both.
+inline void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
+  check_defined(op, a);
+  check_defined(op, b);
+  DP_CHECK(a.device() == b.device(), op, ": expected all tensors on one device, got ", a.device(),
+           " and ", b.device(), " (move one with .to(device))");
+}
+
+inline void check_float(const char* op, const Tensor& t, const char* what = "input") {
+  check_defined(op, t, what);
+  DP_CHECK(t.dtype() == Dtype::Float32, op, ": expected a float32 ", what, ", got ",
+           dtype_name(t.dtype()));
+}
+
+}  // namespace dp::detail

@@ -1,0 +1,37 @@
+#include <doctest/doctest.h>
+
+#include "dp/core/device.h"
+#include "dp/core/error.h"
+
+TEST_CASE("cpu virtual devices are numbered and range-checked") {
+  CHECK(dp::device_count(dp::DeviceType::CPU) == 8);  // tests run with DP_CPU_DEVICES=8
+  CHECK(dp::cpu(3) == dp::Device{dp::DeviceType::CPU, 3});
+  CHECK(dp::cpu(3).str() == "cpu:3");
+  CHECK_THROWS_AS(dp::cpu(8), dp::Error);
+  CHECK_THROWS_AS(dp::cpu(-1), dp::Error);
+}
+
+TEST_CASE("device text is parsed or rejected with a clear error") {
+  CHECK(dp::parse_device("cpu:2") == dp::cpu(2));
+  CHECK(dp::parse_device("cpu") == dp::cpu(0));
+  CHECK_THROWS_WITH_AS(dp::parse_device("cpu:x"), doctest::Contains("expected 'cpu'"), dp::Error);
+  CHECK_THROWS_AS(dp::parse_device("gpu:0"), dp::Error);
+  CHECK_THROWS_AS(dp::parse_device(""), dp::Error);
+}
+
+TEST_CASE("without a GPU the default device type is cpu and cuda ids are rejected") {
+  if (dp::device_count(dp::DeviceType::CUDA) > 0) return;
+  CHECK(dp::default_device_type() == dp::DeviceType::CPU);
+  CHECK(dp::device(1) == dp::cpu(1));
+  CHECK_THROWS_WITH_AS(dp::cuda(0), doctest::Contains("no CUDA device"), dp::Error);
+}
+
+TEST_CASE("DP_CHECK messages carry what and where") {
+  try {
+    DP_CHECK(1 == 2, "expected ", 1, ", got ", 2);
+    FAIL("DP_CHECK did not throw");
+  } catch (const dp::Error& e) {
+    CHECK(std::string(e.what()).find("expected 1, got 2") != std::string::npos);
+    CHECK(std::string(e.what()).find("device_test.cpp") != std::string::npos);
+  }
+}
