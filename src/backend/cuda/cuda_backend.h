@@ -1,0 +1,249 @@
+// src/backend/cuda/cuda_backend.h — the CUDA implementation of backend::Backend.
+//
+// Internal to backend/cuda and to other CUDA code of dp (the NCCL communicator): it
+// includes CUDA headers, so no public header may include it. Besides the Backend
+// interface it exposes what such code needs: the calling thread's current stream per
+// device, a guard to change it, the cuBLAS/cuDNN handles and the caching allocator.
+//
+//   CudaBackend& cb = CudaBackend::instance();
+//   CudaStreamGuard guard(dev, comm_stream);   // this thread's ops on dev go to comm_stream
+//   cb.allocator(dev).record_stream(buf, comm_stream);
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/caching_allocator.h"
+
+namespace dp::backend {
+
+// Note [Process-lifetime CUDA objects]
+// The backend, its streams, handles and cached memory live until the process exits and
+// are never destroyed: static destructors run after the CUDA runtime may have begun to
+// unload, and cudaFree/cublasDestroy then fail or hang. The driver reclaims everything
+// at exit. (PyTorch makes the same choice for its streams and caching allocator.)
+
+// Note [CUDA streams of dp]
+// Each device has one default compute stream, created non-blocking (it never
+// synchronises with the legacy NULL stream) when the device is first used. Every
+// thread's current stream of a device is that default stream unless a CudaStreamGuard
+// on that thread says otherwise; every Backend call enqueues on the calling thread's
+// current stream of its device. DataParallel's main thread and the device's worker
+// therefore share one stream per device and need no events between them; a
+// communicator that runs collectives on its own stream orders them with events and
+// declares cross-stream buffers with CachingAllocator::record_stream.
+
+/// Event that orders work across streams and devices (timing disabled: cheaper).
+class CudaEvent final : public Event {
+ public:
+  /// Creates the event on `device` (which becomes the calling thread's current device).
+  explicit CudaEvent(int device);
+  ~CudaEvent() override;
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+
+  cudaEvent_t get() const { return event_; }
+  int device() const { return device_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+  int device_ = 0;
+};
+
+/// Makes `stream` the calling thread's current stream of `device` for the guard's
+/// lifetime (nullptr selects the default compute stream), then restores the previous one.
+class CudaStreamGuard {
+ public:
+  CudaStreamGuard(int device, cudaStream_t stream);
+  CudaStreamGuard(Device device, cudaStream_t stream) : CudaStreamGuard(device.index, stream) {}
+  ~CudaStreamGuard();
+  CudaStreamGuard(const CudaStreamGuard&) = delete;
+  CudaStreamGuard& operator=(const CudaStreamGuard&) = delete;
+
+ private:
+  int device_;
+  cudaStream_t previous_;
+};
+
+/// Exclusive use of a library handle of one device, already bound to the calling
+/// thread's current stream of that device. Holds the device's handle mutex.
+template <typename Handle>
+class HandleLease {
+ public:
+  HandleLease(std::unique_lock<std::mutex> lock, Handle h) : lock_(std::move(lock)), h_(h) {}
+  Handle get() const { return h_; }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+  Handle h_;
+};
+
+/// The CUDA backend: one per process (Note [Process-lifetime CUDA objects]).
+class CudaBackend final : public Backend {
+ public:
+  /// The process-wide instance; the same object as backend::get(DeviceType::CUDA) when
+  /// dp is built with CUDA.
+  static CudaBackend& instance();
+
+  // ---- CUDA-specific accessors (for backend/cuda and comm/nccl) -------------------
+  /// Makes `device` current on the calling thread; cudaSetDevice runs only when the
+  /// thread's cached device differs. All dp code switches devices through this.
+  void set_device(int device);
+  /// Forgets the thread's cached device: call after foreign code that may have called
+  /// cudaSetDevice (e.g. library initialisation).
+  static void invalidate_device_cache();
+  /// The calling thread's current stream of `device` (Note [CUDA streams of dp]).
+  cudaStream_t compute_stream(int device);
+  /// The device's default compute stream.
+  cudaStream_t default_stream(int device);
+  /// A new non-blocking stream on `device` owned by the backend until process exit
+  /// (lower `priority` numbers run first; 0 is the default priority).
+  cudaStream_t create_stream(int device, int priority = 0);
+  /// Handles bound to compute_stream(device); hold the lease for the duration of the call.
+  HandleLease<cublasHandle_t> cublas(int device);
+  HandleLease<cudnnHandle_t> cudnn(int device);
+  CachingAllocator& allocator(int device);
+  /// Whether FP32 GEMM/convolution may use TF32 tensor cores (DP_CUDA_ALLOW_TF32=1);
+  /// off by default so that CUDA results match the CPU backend to FP32 tolerance.
+  bool allow_tf32() const { return allow_tf32_; }
+  /// Scratch memory for the duration of one enqueued op: freed at scope exit, which is
+  /// safe because the block is only reused by later work on the same stream.
+  class Scratch {
+   public:
+    Scratch(CudaBackend& b, int device, std::size_t nbytes);
+    ~Scratch();
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    void* get() const { return ptr_; }
+
+   private:
+    CachingAllocator* alloc_;
+    void* ptr_;
+  };
+
+  // ---- Backend ---------------------------------------------------------------------
+  DeviceType type() const override { return DeviceType::CUDA; }
+  int device_count() override { return device_count_; }
+
+  void set_current_device(Device dev) override;
+  void set_concurrent_devices(int count) override;
+  int threads_per_device(Device dev) override;
+  void synchronize(Device dev) override;
+  std::unique_ptr<Event> create_event(Device dev) override;
+  void record_event(Event& ev, Device dev) override;
+  void wait_event(Event& ev, Device dev) override;
+
+  void* allocate(Device dev, std::size_t nbytes) override;
+  void deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept override;
+  std::size_t memory_allocated(Device dev) override;
+  std::size_t max_memory_allocated(Device dev) override;
+  void reset_peak_memory(Device dev) override;
+  void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
+            std::size_t nbytes) override;
+  void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override;
+  void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
+  void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
+
+  void fill(Device dev, float* y, std::int64_t n, float value) override;
+  void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
+  void arange(Device dev, float* y, std::int64_t n, float start, float step) override;
+  void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
+                  std::int64_t step) override;
+  void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) override;
+  void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) override;
+  void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) override;
+  void affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
+              float beta) override;
+  void axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) override;
+  void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a, const float* b,
+              float* out) override;
+  void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) override;
+
+  void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
+                    std::uint64_t seed, std::uint64_t offset) override;
+  void fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
+                   std::uint64_t seed, std::uint64_t offset) override;
+  void dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n, float p,
+               std::uint64_t seed, std::uint64_t offset) override;
+
+  void reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
+              std::int64_t r, std::int64_t inner) override;
+  void argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer, std::int64_t r,
+              std::int64_t inner) override;
+
+  void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+            std::int64_t k, float alpha, const float* a, std::int64_t lda, const float* b,
+            std::int64_t ldb, float beta, float* c, std::int64_t ldc) override;
+
+  void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
+                   std::int64_t cols) override;
+  void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
+                            std::int64_t rows, std::int64_t cols) override;
+  void nll_forward(Device dev, const float* logp, const std::int64_t* target, float* loss,
+                   std::int64_t rows, std::int64_t cols) override;
+  void nll_backward(Device dev, const float* gloss, const std::int64_t* target, float* gx,
+                    std::int64_t rows, std::int64_t cols) override;
+
+  void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                      const float* bias, float* y) override;
+  void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
+                            float* gx) override;
+  void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
+                              const float* gy, float* gw, float* gbias) override;
+  void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
+                         std::int64_t* indices) override;
+  void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
+                          const std::int64_t* indices, float* gx) override;
+  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override;
+  void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
+                          float* gx) override;
+
+  void batchnorm_forward_train(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
+                               const float* x, const float* gamma, const float* beta,
+                               float eps, float momentum, float* running_mean,
+                               float* running_var, float* y, float* save_mean,
+                               float* save_invstd) override;
+  void batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
+                              const float* x, const float* gamma, const float* beta, float eps,
+                              const float* running_mean, const float* running_var,
+                              float* y) override;
+  void batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
+                          const float* gy, const float* x, const float* gamma,
+                          const float* save_mean, const float* save_invstd, float* gx,
+                          float* ggamma, float* gbeta) override;
+
+  void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
+                std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
+                bool nesterov, bool first_step) override;
+  void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
+                 float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
+                 float eps, float weight_decay, bool decoupled, std::int64_t step) override;
+  std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) override;
+
+ private:
+  CudaBackend();
+  struct DeviceState;
+  /// Checks the device, makes it current, initialises it on first use; returns its
+  /// current stream for the calling thread.
+  cudaStream_t bind(Device dev);
+  DeviceState& state(int device);
+  void check_device(Device dev) const;
+  void enable_peer_access(int a, int b);
+  cudaEvent_t acquire_event(int device);
+  void release_event(int device, cudaEvent_t ev);
+
+  int device_count_ = 0;
+  bool allow_tf32_ = false;
+  std::unique_ptr<DeviceState[]> devices_;
+  std::unique_ptr<std::once_flag[]> peer_once_;  // device_count_ × device_count_
+  std::mutex streams_mu_;
+  std::vector<cudaStream_t> extra_streams_;
+};
+
+}  // namespace dp::backend

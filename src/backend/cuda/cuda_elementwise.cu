@@ -1,0 +1,367 @@
+// CUDA backend: fills, casts, unary/binary elementwise ops, strided copies, random fills,
+// the non-finite count and the fused optimizer updates.
+//
+// The per-element math comes from backend/functors.h, shared with the CPU backend; this
+// file only decides how a grid walks memory. Where the CPU backend writes a formula
+// inline (affine, axpy, the uniform range), the same formula is used here with explicit
+// round-to-nearest intrinsics so nvcc cannot contract it into an FMA: results then match
+// the CPU backend bitwise.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/functors.h"
+#include "dp/core/error.h"
+
+namespace dp::backend::cuda_kernels {
+namespace {
+
+using i64 = std::int64_t;
+
+/// Indexer with size-1 dims dropped and mutually contiguous neighbours merged (see
+/// Note [Collapsing strided dimensions] in the CPU backend), so most launches index
+/// with one or two divisions per element instead of eight.
+struct Collapsed {
+  Indexer ix;
+  i64 numel = 1;
+  bool contiguous = false;  // a and b both dense in output order: flat indexing
+};
+
+// ---- kernels ------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void fill_kernel(T* __restrict__ y, i64 n, T value) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = value;
+}
+
+__global__ void arange_kernel(float* __restrict__ y, i64 n, float start, float step) {
+  // start + float(i) * step, rounded like the CPU backend's loop (no FMA).
+  for (i64 i = global_thread(); i < n; i += grid_stride())
+    y[i] = __fadd_rn(start, __fmul_rn(static_cast<float>(i), step));
+}
+
+__global__ void arange_i64_kernel(i64* __restrict__ y, i64 n, i64 start, i64 step) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = start + i * step;
+}
+
+__global__ void cast_i64_to_f32_kernel(const i64* __restrict__ x, float* __restrict__ y, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = static_cast<float>(x[i]);
+}
+
+__global__ void cast_f32_to_i64_kernel(const float* __restrict__ x, i64* __restrict__ y, i64 n) {
+  // Truncates toward zero like static_cast on the CPU.
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = static_cast<i64>(x[i]);
+}
+
+// y may alias x: no __restrict__.
+template <typename F>
+__global__ void unary_kernel(F f, const float* x, float* y, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = f(x[i]);
+}
+
+__global__ void affine_kernel(const float* x, float* y, i64 n, float alpha, float beta) {
+  for (i64 i = global_thread(); i < n; i += grid_stride())
+    y[i] = __fadd_rn(__fmul_rn(alpha, x[i]), beta);
+}
+
+__global__ void axpy_kernel(float alpha, const float* x, float* y, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride())
+    y[i] = __fadd_rn(y[i], __fmul_rn(alpha, x[i]));
+}
+
+template <typename F>
+__global__ void binary_contiguous_kernel(F f, const float* a, const float* b, float* out, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) out[i] = f(a[i], b[i]);
+}
+
+/// Offsets into a and b of output element `i` (row-major over ix.sizes).
+__device__ __forceinline__ void strided_offsets(const Indexer& ix, i64 i, i64& oa, i64& ob) {
+  oa = 0;
+  ob = 0;
+#pragma unroll
+  for (int d = kMaxDims - 1; d >= 0; --d) {
+    if (d >= ix.ndim) continue;  // static indices keep ix in the parameter bank
+    const i64 size = ix.sizes[d];
+    const i64 q = i / size;
+    const i64 coord = i - q * size;
+    oa += coord * ix.strides_a[d];
+    ob += coord * ix.strides_b[d];
+    i = q;
+  }
+}
+
+template <typename F>
+__global__ void binary_strided_kernel(F f, const Indexer ix, const float* a, const float* b,
+                                      float* out, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    i64 oa, ob;
+    strided_offsets(ix, i, oa, ob);
+    out[i] = f(a[oa], b[ob]);
+  }
+}
+
+__global__ void strided_copy_kernel(const Indexer ix, const float* __restrict__ a,
+                                    float* __restrict__ out, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    i64 oa, ob;
+    strided_offsets(ix, i, oa, ob);
+    out[i] = a[oa];
+  }
+}
+
+__global__ void uniform_kernel(float* __restrict__ y, i64 n, float lo, float span,
+                               std::uint64_t seed, std::uint64_t offset) {
+  for (i64 i = global_thread(); i < n; i += grid_stride())
+    y[i] = __fadd_rn(lo, __fmul_rn(span, uniform_from(seed, offset + static_cast<std::uint64_t>(i))));
+}
+
+__global__ void normal_kernel(float* __restrict__ y, i64 n, float mean, float std,
+                              std::uint64_t seed, std::uint64_t offset) {
+  for (i64 i = global_thread(); i < n; i += grid_stride())
+    y[i] = __fadd_rn(mean, __fmul_rn(std, normal_from(seed, offset + static_cast<std::uint64_t>(i))));
+}
+
+__global__ void dropout_kernel(const float* x, float* y, float* mask, i64 n, float p,
+                               float scale, std::uint64_t seed, std::uint64_t offset) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    // Same draw and comparison as the CPU backend: keep when u >= p.
+    const bool keep = uniform_from(seed, offset + static_cast<std::uint64_t>(i)) >= p;
+    const float m = keep ? scale : 0.0f;
+    if (mask) mask[i] = m;
+    y[i] = x[i] * m;
+  }
+}
+
+__global__ void count_nonfinite_kernel(const float* __restrict__ x, i64 n,
+                                       unsigned long long* count) {
+  unsigned long long local = 0;
+  for (i64 i = global_thread(); i < n; i += grid_stride()) local += isfinite(x[i]) ? 0 : 1;
+  // One atomic per warp: integer adds commute, so the count is exact and deterministic.
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off /= 2) local += __shfl_xor_sync(0xffffffffu, local, off);
+  if (threadIdx.x % kWarp == 0 && local) atomicAdd(count, local);
+}
+
+__global__ void sgd_kernel(SgdUpdate upd, float* __restrict__ param, const float* __restrict__ grad,
+                           float* __restrict__ buf, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    float p = param[i];
+    upd(p, grad[i], buf ? buf + i : nullptr);
+    param[i] = p;
+  }
+}
+
+__global__ void adam_kernel(AdamUpdate upd, float* __restrict__ param,
+                            const float* __restrict__ grad, float* __restrict__ exp_avg,
+                            float* __restrict__ exp_avg_sq, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
+    upd(p, grad[i], m, v);
+    param[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+  }
+}
+
+// ---- host helpers -------------------------------------------------------------------------
+
+Collapsed collapse(const Indexer& in) {
+  DP_CHECK(in.ndim >= 0 && in.ndim <= kMaxDims, "elementwise: expected at most ", kMaxDims,
+           " dims, got ", in.ndim);
+  Collapsed c;
+  for (int d = 0; d < in.ndim; ++d) {
+    DP_CHECK(in.sizes[d] >= 0, "elementwise: expected non-negative sizes, got ", in.sizes[d],
+             " in dim ", d);
+    c.numel *= in.sizes[d];
+  }
+  if (c.numel == 0) return c;
+  Indexer& w = c.ix;
+  for (int d = 0; d < in.ndim; ++d) {
+    if (in.sizes[d] == 1) continue;
+    if (w.ndim > 0) {
+      const int last = w.ndim - 1;
+      if (w.strides_a[last] == in.strides_a[d] * in.sizes[d] &&
+          w.strides_b[last] == in.strides_b[d] * in.sizes[d]) {
+        w.sizes[last] *= in.sizes[d];
+        w.strides_a[last] = in.strides_a[d];
+        w.strides_b[last] = in.strides_b[d];
+        continue;
+      }
+    }
+    w.sizes[w.ndim] = in.sizes[d];
+    w.strides_a[w.ndim] = in.strides_a[d];
+    w.strides_b[w.ndim] = in.strides_b[d];
+    ++w.ndim;
+  }
+  if (w.ndim == 0) {  // all sizes 1: one element at offset 0
+    w.ndim = 1;
+    w.sizes[0] = 1;
+  }
+  c.contiguous = w.ndim == 1 && w.strides_a[0] == 1 && w.strides_b[0] == 1;
+  return c;
+}
+
+void check_count(i64 n, const char* op) {
+  DP_CHECK(n >= 0, op, ": expected a non-negative element count, got ", n);
+}
+
+}  // namespace
+
+// ---- launchers ------------------------------------------------------------------------------
+
+void fill(cudaStream_t stream, float* y, i64 n, float value) {
+  check_count(n, "fill");
+  if (n == 0) return;
+  fill_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, value);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void fill_i64(cudaStream_t stream, i64* y, i64 n, i64 value) {
+  check_count(n, "fill_i64");
+  if (n == 0) return;
+  fill_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, value);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void arange(cudaStream_t stream, float* y, i64 n, float start, float step) {
+  check_count(n, "arange");
+  if (n == 0) return;
+  arange_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, start, step);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void arange_i64(cudaStream_t stream, i64* y, i64 n, i64 start, i64 step) {
+  check_count(n, "arange_i64");
+  if (n == 0) return;
+  arange_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, start, step);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void cast_i64_to_f32(cudaStream_t stream, const i64* x, float* y, i64 n) {
+  check_count(n, "cast_i64_to_f32");
+  if (n == 0) return;
+  cast_i64_to_f32_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void cast_f32_to_i64(cudaStream_t stream, const float* x, i64* y, i64 n) {
+  check_count(n, "cast_f32_to_i64");
+  if (n == 0) return;
+  cast_f32_to_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void unary(cudaStream_t stream, UnaryOp op, const float* x, float* y, i64 n) {
+  check_count(n, "unary");
+  if (n == 0) return;
+  dispatch_unary(op, [&](auto f) {
+    unary_kernel<<<grid_for(n), kBlock, 0, stream>>>(f, x, y, n);
+  });
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void affine(cudaStream_t stream, const float* x, float* y, i64 n, float alpha, float beta) {
+  check_count(n, "affine");
+  if (n == 0) return;
+  affine_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n, alpha, beta);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void axpy(cudaStream_t stream, float alpha, const float* x, float* y, i64 n) {
+  check_count(n, "axpy");
+  if (n == 0) return;
+  axpy_kernel<<<grid_for(n), kBlock, 0, stream>>>(alpha, x, y, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const float* a, const float* b,
+            float* out) {
+  const Collapsed c = collapse(ix);
+  if (c.numel == 0) return;
+  const i64 n = c.numel;
+  dispatch_binary(op, [&](auto f) {
+    if (c.contiguous) {
+      binary_contiguous_kernel<<<grid_for(n), kBlock, 0, stream>>>(f, a, b, out, n);
+    } else {
+      binary_strided_kernel<<<grid_for(n), kBlock, 0, stream>>>(f, c.ix, a, b, out, n);
+    }
+  });
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void strided_copy(cudaStream_t stream, const Indexer& ix, const float* a, float* out) {
+  Indexer only_a = ix;
+  for (int d = 0; d < kMaxDims; ++d) only_a.strides_b[d] = 0;  // b unused: never blocks merging
+  Collapsed c = collapse(only_a);
+  if (c.numel == 0) return;
+  const i64 n = c.numel;
+  if (c.ix.ndim == 1 && c.ix.strides_a[0] == 1) {
+    DP_CUDA_CHECK(cudaMemcpyAsync(out, a, static_cast<std::size_t>(n) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, stream));
+    return;
+  }
+  strided_copy_kernel<<<grid_for(n), kBlock, 0, stream>>>(c.ix, a, out, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void fill_uniform(cudaStream_t stream, float* y, i64 n, float lo, float hi, std::uint64_t seed,
+                  std::uint64_t offset) {
+  check_count(n, "fill_uniform");
+  if (n == 0) return;
+  uniform_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, lo, hi - lo, seed, offset);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void fill_normal(cudaStream_t stream, float* y, i64 n, float mean, float std, std::uint64_t seed,
+                 std::uint64_t offset) {
+  check_count(n, "fill_normal");
+  if (n == 0) return;
+  normal_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, mean, std, seed, offset);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void dropout(cudaStream_t stream, const float* x, float* y, float* mask, i64 n, float p,
+             std::uint64_t seed, std::uint64_t offset) {
+  check_count(n, "dropout");
+  DP_CHECK(p >= 0.0f && p <= 1.0f, "dropout: expected a probability p in [0, 1], got ", p);
+  if (n == 0) return;
+  // p == 1 drops everything; 1/(1-p) would be inf and 0 * inf NaN.
+  const float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
+  dropout_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, mask, n, p, scale, seed, offset);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void count_nonfinite(cudaStream_t stream, const float* x, i64 n, unsigned long long* count) {
+  check_count(n, "count_nonfinite");
+  if (n == 0) return;
+  count_nonfinite_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, n, count);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void sgd_step(cudaStream_t stream, float* param, const float* grad, float* momentum_buf, i64 n,
+              float lr, float momentum, float dampening, float weight_decay, bool nesterov,
+              bool first_step) {
+  check_count(n, "sgd_step");
+  DP_CHECK(momentum == 0.0f || momentum_buf, "sgd_step: momentum ", momentum,
+           " needs a momentum buffer, got null");
+  if (n == 0) return;
+  const SgdUpdate upd{SgdParams{lr, momentum, dampening, weight_decay, nesterov, first_step}};
+  sgd_kernel<<<grid_for(n), kBlock, 0, stream>>>(upd, param, grad,
+                                                 momentum != 0.0f ? momentum_buf : nullptr, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void adam_step(cudaStream_t stream, float* param, const float* grad, float* exp_avg,
+               float* exp_avg_sq, i64 n, float lr, float beta1, float beta2, float eps,
+               float weight_decay, bool decoupled, i64 step) {
+  check_count(n, "adam_step");
+  DP_CHECK(step >= 1, "adam_step: expected a 1-based step, got ", step);
+  if (n == 0) return;
+  const AdamUpdate upd{make_adam_params(lr, beta1, beta2, eps, weight_decay, decoupled, step)};
+  adam_kernel<<<grid_for(n), kBlock, 0, stream>>>(upd, param, grad, exp_avg, exp_avg_sq, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dp::backend::cuda_kernels

@@ -1,0 +1,86 @@
+// src/backend/cuda/cuda_kernels.h — host launchers of dp's own CUDA kernels.
+//
+// Each launcher computes its grid, enqueues on the explicit `stream` (the caller has
+// already made the stream's device current), checks its preconditions and the launch.
+// Pointers live on that device; counts are elements. Internal to backend/cuda.
+//
+//   cuda_kernels::unary(stream, UnaryOp::Relu, x, y, n);
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/backend.h"
+
+namespace dp::backend::cuda_kernels {
+
+// ---- cuda_elementwise.cu --------------------------------------------------------------
+void fill(cudaStream_t stream, float* y, std::int64_t n, float value);
+void fill_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t value);
+void arange(cudaStream_t stream, float* y, std::int64_t n, float start, float step);
+void arange_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t start,
+                std::int64_t step);
+void cast_i64_to_f32(cudaStream_t stream, const std::int64_t* x, float* y, std::int64_t n);
+void cast_f32_to_i64(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t n);
+void unary(cudaStream_t stream, UnaryOp op, const float* x, float* y, std::int64_t n);
+void affine(cudaStream_t stream, const float* x, float* y, std::int64_t n, float alpha,
+            float beta);
+void axpy(cudaStream_t stream, float alpha, const float* x, float* y, std::int64_t n);
+void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const float* a, const float* b,
+            float* out);
+void strided_copy(cudaStream_t stream, const Indexer& ix, const float* a, float* out);
+void fill_uniform(cudaStream_t stream, float* y, std::int64_t n, float lo, float hi,
+                  std::uint64_t seed, std::uint64_t offset);
+void fill_normal(cudaStream_t stream, float* y, std::int64_t n, float mean, float std,
+                 std::uint64_t seed, std::uint64_t offset);
+void dropout(cudaStream_t stream, const float* x, float* y, float* mask, std::int64_t n,
+             float p, std::uint64_t seed, std::uint64_t offset);
+/// Adds the number of non-finite x[i] to *count (a device counter the caller zeroed).
+void count_nonfinite(cudaStream_t stream, const float* x, std::int64_t n,
+                     unsigned long long* count);
+void sgd_step(cudaStream_t stream, float* param, const float* grad, float* momentum_buf,
+              std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
+              bool nesterov, bool first_step);
+void adam_step(cudaStream_t stream, float* param, const float* grad, float* exp_avg,
+               float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2, float eps,
+               float weight_decay, bool decoupled, std::int64_t step);
+
+// ---- cuda_reduce.cu -----------------------------------------------------------------
+void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, std::int64_t outer,
+            std::int64_t r, std::int64_t inner);
+void argmax(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t outer,
+            std::int64_t r, std::int64_t inner);
+
+// ---- cuda_nn.cu -----------------------------------------------------------------------
+void log_softmax(cudaStream_t stream, const float* x, float* y, std::int64_t rows,
+                 std::int64_t cols);
+void log_softmax_backward(cudaStream_t stream, const float* gy, const float* y, float* gx,
+                          std::int64_t rows, std::int64_t cols);
+void nll_forward(cudaStream_t stream, const float* logp, const std::int64_t* target,
+                 float* loss, std::int64_t rows, std::int64_t cols);
+void nll_backward(cudaStream_t stream, const float* gloss, const std::int64_t* target,
+                  float* gx, std::int64_t rows, std::int64_t cols);
+void maxpool2d_forward(cudaStream_t stream, const Pool2dShape& s, const float* x, float* y,
+                       std::int64_t* indices);
+void maxpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* gy,
+                        const std::int64_t* indices, float* gx);
+void avgpool2d_forward(cudaStream_t stream, const Pool2dShape& s, const float* x, float* y);
+void avgpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* gy, float* gx);
+/// save_mean and save_invstd are required (C floats each).
+void batchnorm_forward_train(cudaStream_t stream, std::int64_t N, std::int64_t C,
+                             std::int64_t HW, const float* x, const float* gamma,
+                             const float* beta, float eps, float momentum, float* running_mean,
+                             float* running_var, float* y, float* save_mean,
+                             float* save_invstd);
+void batchnorm_forward_eval(cudaStream_t stream, std::int64_t N, std::int64_t C,
+                            std::int64_t HW, const float* x, const float* gamma,
+                            const float* beta, float eps, const float* running_mean,
+                            const float* running_var, float* y);
+void batchnorm_backward(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW,
+                        const float* gy, const float* x, const float* gamma,
+                        const float* save_mean, const float* save_invstd, float* gx,
+                        float* ggamma, float* gbeta, float* scratch);
+// (batchnorm_backward: `scratch` holds 2 * C floats valid until the enqueued work ends.)
+
+}  // namespace dp::backend::cuda_kernels

@@ -1,0 +1,405 @@
+// CUDA backend: log-softmax and NLL, max/avg pooling, batch norm.
+//
+// Pooling backward passes GATHER (each input element sums the outputs whose window
+// holds it) instead of scattering with atomicAdd: the sum order is fixed, so gradients
+// are bitwise reproducible run to run, which DP's fixed-order reduction relies on.
+// Batch norm computes per-channel statistics in one block per channel (two passes over
+// the data: mean, then centred variance, which does not cancel catastrophically), then
+// applies the normalisation in a separate grid over all elements.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_kernels.h"
+#include "dp/core/error.h"
+
+namespace dp::backend::cuda_kernels {
+namespace {
+
+using i64 = std::int64_t;
+
+constexpr int kRowsPerBlock = 8;  // warps (rows) per block of the softmax kernels
+constexpr int kStatBlock = 512;   // threads per channel in the batch-norm statistics
+
+// ---- kernels: softmax and NLL ------------------------------------------------------------
+
+// A warp per row: classification heads have 10–1000 columns, where a block per row
+// would leave most threads idle.
+__global__ void log_softmax_kernel(const float* __restrict__ x, float* __restrict__ y, i64 rows,
+                                   i64 cols) {
+  const i64 warps_total = static_cast<i64>(gridDim.x) * kRowsPerBlock;
+  for (i64 row = static_cast<i64>(blockIdx.x) * kRowsPerBlock + threadIdx.y; row < rows;
+       row += warps_total) {
+    const float* xr = x + row * cols;
+    float* yr = y + row * cols;
+    float mx = MaxOp::kIdentity;
+    for (i64 c = threadIdx.x; c < cols; c += kWarp) mx = MaxOp{}(mx, xr[c]);
+    mx = warp_reduce(mx, MaxOp{});
+    // A row of -inf (or an all-masked row) would give -inf - -inf = NaN; shift by 0.
+    const float shift = isinf(mx) ? 0.0f : mx;
+    float sum = 0.0f;
+    for (i64 c = threadIdx.x; c < cols; c += kWarp) sum += expf(xr[c] - shift);
+    sum = warp_reduce(sum, SumOp{});
+    const float lse = shift + logf(sum);
+    for (i64 c = threadIdx.x; c < cols; c += kWarp) yr[c] = xr[c] - lse;
+  }
+}
+
+__global__ void log_softmax_backward_kernel(const float* __restrict__ gy, const float* __restrict__ y,
+                                            float* __restrict__ gx, i64 rows, i64 cols) {
+  const i64 warps_total = static_cast<i64>(gridDim.x) * kRowsPerBlock;
+  for (i64 row = static_cast<i64>(blockIdx.x) * kRowsPerBlock + threadIdx.y; row < rows;
+       row += warps_total) {
+    const i64 base = row * cols;
+    float sum = 0.0f;
+    for (i64 c = threadIdx.x; c < cols; c += kWarp) sum += gy[base + c];
+    sum = warp_reduce(sum, SumOp{});
+    for (i64 c = threadIdx.x; c < cols; c += kWarp)
+      gx[base + c] = gy[base + c] - expf(y[base + c]) * sum;
+  }
+}
+
+__global__ void nll_forward_kernel(const float* __restrict__ logp, const i64* __restrict__ target,
+                                   float* __restrict__ loss, i64 rows, i64 cols) {
+  for (i64 r = global_thread(); r < rows; r += grid_stride()) {
+    const i64 t = target[r];
+    // An out-of-range target cannot throw from a kernel without a host sync: NaN
+    // poisons the loss, and the opt-in non-finite check names it.
+    loss[r] = (t >= 0 && t < cols) ? -logp[r * cols + t] : __int_as_float(0x7fc00000);
+  }
+}
+
+__global__ void nll_backward_kernel(const float* __restrict__ gloss, const i64* __restrict__ target,
+                                    float* __restrict__ gx, i64 rows, i64 cols) {
+  const i64 n = rows * cols;
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    const i64 r = i / cols, c = i - r * cols;
+    const i64 t = target[r];
+    float v = 0.0f;
+    if (t < 0 || t >= cols) v = __int_as_float(0x7fc00000);
+    else if (c == t) v = -gloss[r];
+    gx[i] = v;
+  }
+}
+
+// ---- kernels: pooling ------------------------------------------------------------------------
+
+__global__ void maxpool_forward_kernel(const Pool2dShape s, const float* __restrict__ x,
+                                       float* __restrict__ y, i64* __restrict__ indices) {
+  const i64 total = s.N * s.C * s.P * s.Q;
+  for (i64 t = global_thread(); t < total; t += grid_stride()) {
+    const i64 q = t % s.Q, p = (t / s.Q) % s.P, nc = t / (s.P * s.Q);
+    const float* xp = x + nc * s.H * s.W;
+    const i64 h0 = p * s.stride_h - s.pad_h, w0 = q * s.stride_w - s.pad_w;
+    float best = MaxOp::kIdentity;
+    i64 best_i = -1;
+    for (i64 kh = 0; kh < s.kernel_h; ++kh) {
+      const i64 h = h0 + kh;
+      if (h < 0 || h >= s.H) continue;  // padding never wins
+      for (i64 kw = 0; kw < s.kernel_w; ++kw) {
+        const i64 w = w0 + kw;
+        if (w < 0 || w >= s.W) continue;
+        const float v = xp[h * s.W + w];
+        // First maximum in window order; NaN wins (and stays), as in PyTorch.
+        if (best_i < 0 || v > best || (v != v && best == best)) {
+          best = v;
+          best_i = h * s.W + w;
+        }
+      }
+    }
+    y[t] = best;
+    indices[t] = best_i;
+  }
+}
+
+/// Output rows/cols whose window covers input coordinate h: [lo, hi).
+__device__ __forceinline__ void covering(i64 h, i64 pad, i64 kernel, i64 stride, i64 out,
+                                         i64& lo, i64& hi) {
+  const i64 hp = h + pad;  // coordinate in the padded input
+  lo = hp < kernel ? 0 : (hp - kernel) / stride + 1;
+  hi = hp / stride + 1;
+  if (hi > out) hi = out;
+}
+
+__global__ void maxpool_backward_kernel(const Pool2dShape s, const float* __restrict__ gy,
+                                        const i64* __restrict__ indices, float* __restrict__ gx) {
+  const i64 total = s.N * s.C * s.H * s.W;
+  for (i64 t = global_thread(); t < total; t += grid_stride()) {
+    const i64 w = t % s.W, h = (t / s.W) % s.H, nc = t / (s.H * s.W);
+    i64 p0, p1, q0, q1;
+    covering(h, s.pad_h, s.kernel_h, s.stride_h, s.P, p0, p1);
+    covering(w, s.pad_w, s.kernel_w, s.stride_w, s.Q, q0, q1);
+    const i64 self = h * s.W + w;
+    const i64 base = nc * s.P * s.Q;
+    float acc = 0.0f;
+    for (i64 p = p0; p < p1; ++p)
+      for (i64 q = q0; q < q1; ++q)
+        if (indices[base + p * s.Q + q] == self) acc += gy[base + p * s.Q + q];
+    gx[t] = acc;
+  }
+}
+
+/// PyTorch's divisor with count_include_pad: the window clipped to the padded input.
+__device__ __forceinline__ i64 avg_divisor(const Pool2dShape& s, i64 p, i64 q) {
+  const i64 h0 = p * s.stride_h - s.pad_h, w0 = q * s.stride_w - s.pad_w;
+  const i64 h1 = min(h0 + s.kernel_h, s.H + s.pad_h), w1 = min(w0 + s.kernel_w, s.W + s.pad_w);
+  return (h1 - h0) * (w1 - w0);
+}
+
+__global__ void avgpool_forward_kernel(const Pool2dShape s, const float* __restrict__ x,
+                                       float* __restrict__ y) {
+  const i64 total = s.N * s.C * s.P * s.Q;
+  for (i64 t = global_thread(); t < total; t += grid_stride()) {
+    const i64 q = t % s.Q, p = (t / s.Q) % s.P, nc = t / (s.P * s.Q);
+    const float* xp = x + nc * s.H * s.W;
+    const i64 h0 = p * s.stride_h - s.pad_h, w0 = q * s.stride_w - s.pad_w;
+    float acc = 0.0f;
+    for (i64 h = max(h0, i64{0}); h < min(h0 + s.kernel_h, s.H); ++h)
+      for (i64 w = max(w0, i64{0}); w < min(w0 + s.kernel_w, s.W); ++w) acc += xp[h * s.W + w];
+    y[t] = acc / static_cast<float>(avg_divisor(s, p, q));
+  }
+}
+
+__global__ void avgpool_backward_kernel(const Pool2dShape s, const float* __restrict__ gy,
+                                        float* __restrict__ gx) {
+  const i64 total = s.N * s.C * s.H * s.W;
+  for (i64 t = global_thread(); t < total; t += grid_stride()) {
+    const i64 w = t % s.W, h = (t / s.W) % s.H, nc = t / (s.H * s.W);
+    i64 p0, p1, q0, q1;
+    covering(h, s.pad_h, s.kernel_h, s.stride_h, s.P, p0, p1);
+    covering(w, s.pad_w, s.kernel_w, s.stride_w, s.Q, q0, q1);
+    const i64 base = nc * s.P * s.Q;
+    float acc = 0.0f;
+    for (i64 p = p0; p < p1; ++p)
+      for (i64 q = q0; q < q1; ++q)
+        acc += gy[base + p * s.Q + q] / static_cast<float>(avg_divisor(s, p, q));
+    gx[t] = acc;
+  }
+}
+
+// ---- kernels: batch norm ----------------------------------------------------------------------
+// x: (N, C, HW). Channel c's elements are N runs of HW contiguous floats.
+
+/// Sum over channel c of f(x) with the block's threads; every thread gets the result.
+template <typename F>
+__device__ float channel_sum(F f, i64 N, i64 C, i64 HW, i64 c, float* smem) {
+  float acc = 0.0f;
+  const i64 m = N * HW;
+  for (i64 j = threadIdx.x; j < m; j += blockDim.x) {
+    const i64 n = j / HW, k = j - n * HW;
+    acc += f((n * C + c) * HW + k);
+  }
+  return block_reduce(acc, SumOp{}, smem);
+}
+
+__global__ void bn_stats_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x, float eps,
+                                float momentum, float* running_mean, float* running_var,
+                                float* __restrict__ save_mean, float* __restrict__ save_invstd) {
+  __shared__ float smem[kWarp];
+  const i64 c = blockIdx.x;
+  const float count = static_cast<float>(N * HW);
+  const float mean = channel_sum([&](i64 i) { return x[i]; }, N, C, HW, c, smem) / count;
+  const float var =
+      channel_sum([&](i64 i) { const float d = x[i] - mean; return d * d; }, N, C, HW, c, smem) /
+      count;  // biased: used to normalise
+  if (threadIdx.x == 0) {
+    save_mean[c] = mean;
+    save_invstd[c] = rsqrtf(var + eps);
+    if (running_mean) {
+      // Unbiased variance for the running estimate, as PyTorch.
+      const float unbiased = count > 1.0f ? var * count / (count - 1.0f) : var;
+      running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mean;
+      running_var[c] = (1.0f - momentum) * running_var[c] + momentum * unbiased;
+    }
+  }
+}
+
+/// y = (x - mean[c]) * invstd[c] * gamma[c] + beta[c]; gamma/beta may be null (1, 0).
+/// `var_mode`: invstd holds a variance and eps is added (eval), else invstd directly.
+__global__ void bn_apply_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x,
+                                const float* __restrict__ mean, const float* __restrict__ scale,
+                                bool var_mode, float eps, const float* __restrict__ gamma,
+                                const float* __restrict__ beta, float* __restrict__ y) {
+  const i64 total = N * C * HW;
+  for (i64 i = global_thread(); i < total; i += grid_stride()) {
+    const i64 c = (i / HW) % C;
+    const float invstd = var_mode ? rsqrtf(scale[c] + eps) : scale[c];
+    const float g = gamma ? gamma[c] : 1.0f;
+    const float b = beta ? beta[c] : 0.0f;
+    y[i] = (x[i] - mean[c]) * invstd * g + b;
+  }
+}
+
+// sums[c] = Σ gy, sums[C + c] = Σ gy * xhat; also ggamma/gbeta when requested.
+__global__ void bn_backward_reduce_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ gy,
+                                          const float* __restrict__ x,
+                                          const float* __restrict__ save_mean,
+                                          const float* __restrict__ save_invstd,
+                                          float* __restrict__ sums, float* ggamma, float* gbeta) {
+  __shared__ float smem[kWarp];
+  const i64 c = blockIdx.x;
+  const float mean = save_mean[c], invstd = save_invstd[c];
+  const float sum_gy = channel_sum([&](i64 i) { return gy[i]; }, N, C, HW, c, smem);
+  const float sum_gy_xhat =
+      channel_sum([&](i64 i) { return gy[i] * (x[i] - mean) * invstd; }, N, C, HW, c, smem);
+  if (threadIdx.x == 0) {
+    sums[c] = sum_gy;
+    sums[C + c] = sum_gy_xhat;
+    if (gbeta) gbeta[c] = sum_gy;
+    if (ggamma) ggamma[c] = sum_gy_xhat;
+  }
+}
+
+// gx = gamma * invstd / M * (M * gy - Σgy - xhat * Σ(gy * xhat)).
+__global__ void bn_backward_apply_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ gy,
+                                         const float* __restrict__ x,
+                                         const float* __restrict__ gamma,
+                                         const float* __restrict__ save_mean,
+                                         const float* __restrict__ save_invstd,
+                                         const float* __restrict__ sums, float* __restrict__ gx) {
+  const i64 total = N * C * HW;
+  const float m = static_cast<float>(N * HW);
+  for (i64 i = global_thread(); i < total; i += grid_stride()) {
+    const i64 c = (i / HW) % C;
+    const float invstd = save_invstd[c];
+    const float xhat = (x[i] - save_mean[c]) * invstd;
+    const float g = gamma ? gamma[c] : 1.0f;
+    gx[i] = g * invstd / m * (m * gy[i] - sums[c] - xhat * sums[C + c]);
+  }
+}
+
+// ---- host helpers --------------------------------------------------------------------------
+
+void check_pool(const char* op, const Pool2dShape& s) {
+  DP_CHECK(s.N >= 0 && s.C >= 0 && s.H >= 0 && s.W >= 0 && s.P >= 0 && s.Q >= 0 &&
+               s.kernel_h > 0 && s.kernel_w > 0 && s.stride_h > 0 && s.stride_w > 0 &&
+               s.pad_h >= 0 && s.pad_w >= 0,
+           op, ": expected positive kernel and stride, non-negative sizes and padding; got N=",
+           s.N, " C=", s.C, " H=", s.H, " W=", s.W, " kernel=", s.kernel_h, "x", s.kernel_w,
+           " stride=", s.stride_h, "x", s.stride_w, " pad=", s.pad_h, "x", s.pad_w);
+}
+
+void check_bn(const char* op, i64 N, i64 C, i64 HW) {
+  DP_CHECK(N > 0 && C > 0 && HW > 0, op, ": expected positive (N, C, HW), got (", N, ", ", C,
+           ", ", HW, ")");
+  DP_CHECK(C <= 0x7fffffff, op, ": ", C, " channels exceed a grid");
+}
+
+void check_rows(const char* op, i64 rows, i64 cols) {
+  DP_CHECK(rows >= 0 && cols > 0, op, ": expected rows >= 0 and cols > 0, got (", rows, ", ",
+           cols, ")");
+}
+
+}  // namespace
+
+// ---- launchers -----------------------------------------------------------------------------
+
+void log_softmax(cudaStream_t stream, const float* x, float* y, i64 rows, i64 cols) {
+  check_rows("log_softmax", rows, cols);
+  if (rows == 0) return;
+  log_softmax_kernel<<<grid_for(rows, kRowsPerBlock), dim3(kWarp, kRowsPerBlock), 0, stream>>>(
+      x, y, rows, cols);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void log_softmax_backward(cudaStream_t stream, const float* gy, const float* y, float* gx,
+                          i64 rows, i64 cols) {
+  check_rows("log_softmax_backward", rows, cols);
+  if (rows == 0) return;
+  log_softmax_backward_kernel<<<grid_for(rows, kRowsPerBlock), dim3(kWarp, kRowsPerBlock), 0,
+                                stream>>>(gy, y, gx, rows, cols);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void nll_forward(cudaStream_t stream, const float* logp, const i64* target, float* loss, i64 rows,
+                 i64 cols) {
+  check_rows("nll_forward", rows, cols);
+  if (rows == 0) return;
+  nll_forward_kernel<<<grid_for(rows), kBlock, 0, stream>>>(logp, target, loss, rows, cols);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void nll_backward(cudaStream_t stream, const float* gloss, const i64* target, float* gx, i64 rows,
+                  i64 cols) {
+  check_rows("nll_backward", rows, cols);
+  if (rows == 0) return;
+  nll_backward_kernel<<<grid_for(rows * cols), kBlock, 0, stream>>>(gloss, target, gx, rows, cols);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void maxpool2d_forward(cudaStream_t stream, const Pool2dShape& s, const float* x, float* y,
+                       i64* indices) {
+  check_pool("maxpool2d_forward", s);
+  const i64 total = s.N * s.C * s.P * s.Q;
+  if (total == 0) return;
+  maxpool_forward_kernel<<<grid_for(total), kBlock, 0, stream>>>(s, x, y, indices);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void maxpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* gy,
+                        const i64* indices, float* gx) {
+  check_pool("maxpool2d_backward", s);
+  const i64 total = s.N * s.C * s.H * s.W;
+  if (total == 0) return;
+  maxpool_backward_kernel<<<grid_for(total), kBlock, 0, stream>>>(s, gy, indices, gx);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void avgpool2d_forward(cudaStream_t stream, const Pool2dShape& s, const float* x, float* y) {
+  check_pool("avgpool2d_forward", s);
+  const i64 total = s.N * s.C * s.P * s.Q;
+  if (total == 0) return;
+  avgpool_forward_kernel<<<grid_for(total), kBlock, 0, stream>>>(s, x, y);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void avgpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* gy, float* gx) {
+  check_pool("avgpool2d_backward", s);
+  const i64 total = s.N * s.C * s.H * s.W;
+  if (total == 0) return;
+  avgpool_backward_kernel<<<grid_for(total), kBlock, 0, stream>>>(s, gy, gx);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void batchnorm_forward_train(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* x,
+                             const float* gamma, const float* beta, float eps, float momentum,
+                             float* running_mean, float* running_var, float* y, float* save_mean,
+                             float* save_invstd) {
+  check_bn("batchnorm_forward_train", N, C, HW);
+  DP_CHECK(save_mean && save_invstd, "batchnorm_forward_train: save_mean and save_invstd are required");
+  DP_CHECK(!running_mean == !running_var,
+           "batchnorm_forward_train: expected both running_mean and running_var, or neither");
+  bn_stats_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
+      N, C, HW, x, eps, momentum, running_mean, running_var, save_mean, save_invstd);
+  DP_CUDA_CHECK_LAUNCH();
+  bn_apply_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N, C, HW, x, save_mean, save_invstd,
+                                                               false, eps, gamma, beta, y);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void batchnorm_forward_eval(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* x,
+                            const float* gamma, const float* beta, float eps,
+                            const float* running_mean, const float* running_var, float* y) {
+  check_bn("batchnorm_forward_eval", N, C, HW);
+  DP_CHECK(running_mean && running_var, "batchnorm_forward_eval: running statistics are required");
+  bn_apply_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N, C, HW, x, running_mean,
+                                                               running_var, true, eps, gamma, beta, y);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void batchnorm_backward(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* gy,
+                        const float* x, const float* gamma, const float* save_mean,
+                        const float* save_invstd, float* gx, float* ggamma, float* gbeta,
+                        float* scratch) {
+  check_bn("batchnorm_backward", N, C, HW);
+  bn_backward_reduce_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
+      N, C, HW, gy, x, save_mean, save_invstd, scratch, ggamma, gbeta);
+  DP_CUDA_CHECK_LAUNCH();
+  if (!gx) return;
+  bn_backward_apply_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(
+      N, C, HW, gy, x, gamma, save_mean, save_invstd, scratch, gx);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dp::backend::cuda_kernels

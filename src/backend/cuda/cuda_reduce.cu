@@ -1,0 +1,196 @@
+// CUDA backend: reductions over the middle axis of an (outer, r, inner) view, and argmax.
+//
+// Two layouts, two kernels each. inner == 1 (rows, the common case of a last-dim
+// reduction): a warp per row for short rows, a block per row for long ones. inner > 1
+// (columns): a 32-wide tile of inner positions per block, reads coalesced along inner,
+// the r axis split across the block's 8 rows of threads and combined in shared memory.
+// Every launch reduces in a fixed order, so results are deterministic run to run.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_kernels.h"
+#include "dp/core/error.h"
+
+namespace dp::backend::cuda_kernels {
+namespace {
+
+using i64 = std::int64_t;
+
+// Rows up to this length use a warp per row: a block per row would idle most threads.
+constexpr i64 kWarpRowMax = 1024;
+constexpr int kRowsPerBlock = 8;   // warps per block in the warp-per-row kernels
+constexpr int kColSplit = 8;       // threads along r per column in the column kernel
+constexpr unsigned kMaxGridY = 65535;
+
+// ---- kernels ------------------------------------------------------------------------------
+
+template <typename Op>
+__global__ void reduce_rows_warp_kernel(Op op, const float* __restrict__ x, float* __restrict__ y,
+                                        i64 rows, i64 r) {
+  const i64 warps_total = static_cast<i64>(gridDim.x) * kRowsPerBlock;
+  for (i64 row = static_cast<i64>(blockIdx.x) * kRowsPerBlock + threadIdx.y; row < rows;
+       row += warps_total) {
+    const float* xr = x + row * r;
+    float acc = Op::kIdentity;
+    for (i64 k = threadIdx.x; k < r; k += kWarp) acc = op(acc, xr[k]);
+    acc = warp_reduce(acc, op);
+    if (threadIdx.x == 0) y[row] = acc;
+  }
+}
+
+template <typename Op>
+__global__ void reduce_rows_block_kernel(Op op, const float* __restrict__ x, float* __restrict__ y,
+                                         i64 rows, i64 r) {
+  __shared__ float smem[kWarp];
+  for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float* xr = x + row * r;
+    float acc = Op::kIdentity;
+    for (i64 k = threadIdx.x; k < r; k += blockDim.x) acc = op(acc, xr[k]);
+    acc = block_reduce(acc, op, smem);
+    if (threadIdx.x == 0) y[row] = acc;
+  }
+}
+
+// Block (32, kColSplit); grid.x tiles inner, grid.y strides over outer.
+template <typename Op>
+__global__ void reduce_cols_kernel(Op op, const float* __restrict__ x, float* __restrict__ y,
+                                   i64 outer, i64 r, i64 inner) {
+  __shared__ float smem[kColSplit][kWarp + 1];  // +1: no bank conflicts on the transpose read
+  const i64 i = static_cast<i64>(blockIdx.x) * kWarp + threadIdx.x;
+  for (i64 o = blockIdx.y; o < outer; o += gridDim.y) {
+    float acc = Op::kIdentity;
+    if (i < inner) {
+      const float* xo = x + o * r * inner + i;
+      for (i64 k = threadIdx.y; k < r; k += kColSplit) acc = op(acc, xo[k * inner]);
+    }
+    smem[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && i < inner) {
+      float v = smem[0][threadIdx.x];
+#pragma unroll
+      for (int s = 1; s < kColSplit; ++s) v = op(v, smem[s][threadIdx.x]);
+      y[o * inner + i] = v;
+    }
+    __syncthreads();
+  }
+}
+
+/// (value, index) with "a beats b" of torch.argmax: larger value, NaN beats numbers,
+/// the smaller index on ties.
+__device__ __forceinline__ bool arg_better(float va, i64 ia, float vb, i64 ib) {
+  const bool na = va != va, nb = vb != vb;
+  if (na != nb) return na;
+  if (na || va == vb) return ia < ib;
+  return va > vb;
+}
+
+__global__ void argmax_rows_kernel(const float* __restrict__ x, i64* __restrict__ y, i64 rows,
+                                   i64 r) {
+  const i64 warps_total = static_cast<i64>(gridDim.x) * kRowsPerBlock;
+  for (i64 row = static_cast<i64>(blockIdx.x) * kRowsPerBlock + threadIdx.y; row < rows;
+       row += warps_total) {
+    const float* xr = x + row * r;
+    float best = -__builtin_huge_valf();
+    i64 best_i = r;  // sentinel: loses every tie against a real index
+    for (i64 k = threadIdx.x; k < r; k += kWarp) {
+      if (arg_better(xr[k], k, best, best_i)) {
+        best = xr[k];
+        best_i = k;
+      }
+    }
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off /= 2) {
+      const float ov = __shfl_xor_sync(0xffffffffu, best, off);
+      const i64 oi = __shfl_xor_sync(0xffffffffu, best_i, off);
+      if (arg_better(ov, oi, best, best_i)) {
+        best = ov;
+        best_i = oi;
+      }
+    }
+    if (threadIdx.x == 0) y[row] = best_i;
+  }
+}
+
+__global__ void argmax_cols_kernel(const float* __restrict__ x, i64* __restrict__ y, i64 outer,
+                                   i64 r, i64 inner) {
+  const i64 total = outer * inner;
+  for (i64 t = global_thread(); t < total; t += grid_stride()) {
+    const i64 o = t / inner, i = t - o * inner;
+    const float* xo = x + o * r * inner + i;
+    float best = xo[0];
+    i64 best_i = 0;
+    for (i64 k = 1; k < r; ++k) {
+      const float v = xo[k * inner];
+      if (arg_better(v, k, best, best_i)) {
+        best = v;
+        best_i = k;
+      }
+    }
+    y[t] = best_i;
+  }
+}
+
+// ---- host helpers -------------------------------------------------------------------------
+
+template <typename Op>
+void launch_reduce(cudaStream_t stream, Op op, const float* x, float* y, i64 outer, i64 r,
+                   i64 inner) {
+  if (r == 0) {  // empty reduction: the identity (0 for Sum, ∓inf for Max/Min)
+    fill(stream, y, outer * inner, Op::kIdentity);
+    return;
+  }
+  if (inner == 1) {
+    if (r <= kWarpRowMax) {
+      const unsigned blocks = grid_for(outer, kRowsPerBlock);
+      reduce_rows_warp_kernel<<<blocks, dim3(kWarp, kRowsPerBlock), 0, stream>>>(op, x, y, outer, r);
+    } else {
+      const unsigned blocks = outer < kMaxBlocks ? static_cast<unsigned>(outer) : kMaxBlocks;
+      reduce_rows_block_kernel<<<blocks, kBlock, 0, stream>>>(op, x, y, outer, r);
+    }
+  } else {
+    const i64 tiles = (inner + kWarp - 1) / kWarp;
+    DP_CHECK(tiles <= 0x7fffffff, "reduce: inner size ", inner, " too large");
+    const dim3 grid(static_cast<unsigned>(tiles),
+                    static_cast<unsigned>(outer < kMaxGridY ? outer : kMaxGridY));
+    reduce_cols_kernel<<<grid, dim3(kWarp, kColSplit), 0, stream>>>(op, x, y, outer, r, inner);
+  }
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void check_shape(const char* op, i64 outer, i64 r, i64 inner) {
+  DP_CHECK(outer >= 0 && r >= 0 && inner >= 0, op, ": expected non-negative (outer, r, inner), got (",
+           outer, ", ", r, ", ", inner, ")");
+}
+
+}  // namespace
+
+// ---- launchers ------------------------------------------------------------------------------
+
+void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, i64 outer, i64 r,
+            i64 inner) {
+  check_shape("reduce", outer, r, inner);
+  if (outer == 0 || inner == 0) return;
+  switch (op) {
+    case ReduceOp::Sum: launch_reduce(stream, SumOp{}, x, y, outer, r, inner); return;
+    case ReduceOp::Max: launch_reduce(stream, MaxOp{}, x, y, outer, r, inner); return;
+    case ReduceOp::Min: launch_reduce(stream, MinOp{}, x, y, outer, r, inner); return;
+  }
+  DP_FAIL("reduce: unknown ReduceOp ", static_cast<int>(op));
+}
+
+void argmax(cudaStream_t stream, const float* x, i64* y, i64 outer, i64 r, i64 inner) {
+  check_shape("argmax", outer, r, inner);
+  DP_CHECK(r > 0, "argmax: expected a non-empty reduced dimension, got size 0");
+  if (outer == 0 || inner == 0) return;
+  if (inner == 1) {
+    argmax_rows_kernel<<<grid_for(outer, kRowsPerBlock), dim3(kWarp, kRowsPerBlock), 0, stream>>>(
+        x, y, outer, r);
+  } else {
+    argmax_cols_kernel<<<grid_for(outer * inner), kBlock, 0, stream>>>(x, y, outer, r, inner);
+  }
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dp::backend::cuda_kernels
