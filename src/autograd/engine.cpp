@@ -8,6 +8,7 @@
 #include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
+#include "dp/tensor/ops.h"
 
 namespace dp::autograd {
 namespace {

@@ -342,15 +342,15 @@ bool Tensor::requires_grad() const {
   return impl.autograd && (impl.autograd->requires_grad || impl.autograd->grad_fn);
 }
 
-Tensor& Tensor::set_requires_grad(bool requires) {
+Tensor& Tensor::set_requires_grad(bool on) {
   auto& impl = const_cast<TensorImpl&>(checked(impl_));
   DP_CHECK(!impl.autograd || !impl.autograd->grad_fn,
            "set_requires_grad: expected a leaf tensor; this one was made by ",
            impl.autograd->grad_fn->name(), " (use detach() first)");
-  DP_CHECK(!requires || impl.dtype == Dtype::Float32,
+  DP_CHECK(!on || impl.dtype == Dtype::Float32,
            "set_requires_grad: only float32 tensors can require gradients, got ", dtype_name(impl.dtype));
   if (!impl.autograd) impl.autograd = std::make_unique<autograd::AutogradMeta>();
-  impl.autograd->requires_grad = requires;
+  impl.autograd->requires_grad = on;
   return *this;
 }
 

@@ -161,7 +161,7 @@ class Tensor {
   // ---- autograd ------------------------------------------------------------------------
   bool requires_grad() const;
   /// Marks a leaf as requiring a gradient. Returns *this for chaining.
-  Tensor& set_requires_grad(bool requires);
+  Tensor& set_requires_grad(bool on);
   /// True when the tensor was not made by a recorded op.
   bool is_leaf() const;
   /// The accumulated gradient (undefined until a backward reaches this leaf).

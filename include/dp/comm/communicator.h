@@ -1,0 +1,71 @@
+// dp/comm/communicator.h — collectives over the devices of one process.
+//
+// A Communicator connects N ranks, rank i being devices()[i]. Like NCCL with one
+// thread per GPU, every rank's own thread calls each collective with its rank; the
+// calls of one collective must be made by all ranks in the same order. Two
+// implementations: `local` for CPU virtual devices (shared memory, reduce-scatter +
+// all-gather, a fixed summation order, so results are bitwise identical on every
+// rank and run to run) and `nccl` for CUDA devices (enqueued on a per-device
+// communication stream ordered after the device's compute stream; no host wait).
+// This header knows nothing of modules, optimizers or DataParallel.
+//
+//   auto comm = dp::comm::make_communicator({dp::cpu(0), dp::cpu(1)});
+//   // on rank r's thread:
+//   comm->all_reduce(r, grad, grad, dp::comm::ReduceOp::Sum);
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dp/tensor/tensor.h"
+
+namespace dp::comm {
+
+enum class ReduceOp { Sum, Average };
+
+/// Collectives among the devices of one process (see the file comment).
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  /// "local" or "nccl".
+  virtual std::string backend_name() const = 0;
+  int size() const { return static_cast<int>(devices_.size()); }
+  const std::vector<Device>& devices() const { return devices_; }
+
+  /// recv = reduction of every rank's send. send and recv: same shape, float32, on
+  /// this rank's device; recv may be send (in place).
+  virtual void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  /// Every rank's data becomes root's data.
+  virtual void broadcast(int rank, const Tensor& data, int root) = 0;
+  /// Root's recv = reduction of every rank's send; recv is ignored on other ranks
+  /// (may be undefined there).
+  virtual void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) = 0;
+  /// recv (count n) on rank r = reduction of every rank's send[r*n, (r+1)*n).
+  virtual void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  /// recv[r*n, (r+1)*n) = rank r's send (count n) on every rank.
+  virtual void all_gather(int rank, const Tensor& send, const Tensor& recv) = 0;
+  /// Waits (host) until this rank's enqueued collectives have finished (no-op for local).
+  virtual void synchronize(int rank) = 0;
+
+  /// Releases every rank blocked in a collective with a dp::Error (used when one
+  /// worker fails, so the others never hang). The communicator stays unusable until
+  /// reset().
+  virtual void abort(const std::string& reason) = 0;
+  /// Makes an aborted communicator usable again (all ranks idle).
+  virtual void reset() = 0;
+
+ protected:
+  explicit Communicator(std::vector<Device> devices) : devices_(std::move(devices)) {}
+  std::vector<Device> devices_;
+};
+
+/// A communicator over `devices` (all CPU → local, all CUDA → nccl). Throws dp::Error
+/// for an empty or mixed list, duplicates, or CUDA without NCCL support.
+std::unique_ptr<Communicator> make_communicator(const std::vector<Device>& devices);
+
+/// The shared-memory communicator for CPU virtual devices.
+std::unique_ptr<Communicator> make_local_communicator(const std::vector<Device>& devices);
+
+}  // namespace dp::comm
