@@ -1,0 +1,153 @@
+// CPU backend: virtual devices, task arenas, memory and copies.
+#include "backend/cpu/cpu_backend.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "dp/core/error.h"
+
+namespace dp::backend {
+
+Backend& cpu_backend() { return cpu::cpu_backend_impl(); }
+
+namespace cpu {
+namespace {
+
+/// Alignment of every allocation: one cache line, and the widest (AVX-512) vector.
+constexpr std::size_t kAlignment = 64;
+
+/// On CPU every call has finished when it returns, so events order nothing.
+class CpuEvent final : public Event {};
+
+}  // namespace
+
+CpuBackend& cpu_backend_impl() {
+  static CpuBackend backend;
+  return backend;
+}
+
+CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Plain) {
+  const int n = dp::device_count(DeviceType::CPU);
+  devices_.reserve(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    devices_.push_back(std::make_unique<DeviceState>());
+    devices_.back()->conv.reset(new_conv_cache());
+  }
+  // Default: one device works at a time and gets every core (DESIGN §4).
+  resize_arenas(dp::hardware_concurrency());
+}
+
+CpuBackend::~CpuBackend() = default;
+
+int CpuBackend::device_count() { return static_cast<int>(devices_.size()); }
+
+DeviceState& CpuBackend::state(Device dev) {
+  DP_CHECK(dev.is_cpu() && dev.index >= 0 && dev.index < static_cast<int>(devices_.size()),
+           "cpu backend: expected a CPU device cpu:0..cpu:", devices_.size() - 1, ", got ",
+           dev.str());
+  return *devices_[static_cast<std::size_t>(dev.index)];
+}
+
+void CpuBackend::resize_arenas(int threads) {
+  for (auto& d : devices_) {
+    // A fresh arena rather than terminate()+initialize(): cheap, and never touches an
+    // arena some other thread might still hold a reference to between kernels.
+    d->arena = std::make_unique<tbb::task_arena>(threads);
+    d->threads.store(threads);
+  }
+}
+
+void CpuBackend::set_current_device(Device dev) { (void)state(dev); }
+
+void CpuBackend::set_concurrent_devices(int count) {
+  DP_CHECK(count >= 1, "set_concurrent_devices: expected a device count >= 1, got ", count);
+  std::lock_guard<std::mutex> lock(config_mu_);
+  resize_arenas(std::max(1, dp::hardware_concurrency() / count));
+}
+
+int CpuBackend::threads_per_device(Device dev) { return state(dev).threads.load(); }
+
+int CpuBackend::bind_omp_threads(Device dev) {
+  const int t = threads_per_device(dev);
+  omp_set_num_threads(t);
+  return t;
+}
+
+void CpuBackend::synchronize(Device dev) { (void)state(dev); }
+
+std::unique_ptr<Event> CpuBackend::create_event(Device dev) {
+  (void)state(dev);
+  return std::make_unique<CpuEvent>();
+}
+void CpuBackend::record_event(Event&, Device dev) { (void)state(dev); }
+void CpuBackend::wait_event(Event&, Device dev) { (void)state(dev); }
+
+// ---- memory -------------------------------------------------------------------------
+
+void* CpuBackend::allocate(Device dev, std::size_t nbytes) {
+  DeviceState& st = state(dev);
+  // aligned_alloc needs a size that is a multiple of the alignment; a zero-byte request
+  // still gets one line, so every allocation is a unique non-null pointer.
+  const std::size_t rounded = std::max(kAlignment, (nbytes + kAlignment - 1) / kAlignment * kAlignment);
+  DP_CHECK(rounded >= nbytes, "allocate on ", dev.str(), ": size ", nbytes, " bytes overflows");
+  void* p = std::aligned_alloc(kAlignment, rounded);
+  DP_CHECK(p != nullptr, "allocate on ", dev.str(), ": out of memory allocating ", nbytes,
+           " bytes (", st.allocated.load(), " bytes in use on this device); free tensors or "
+           "use a smaller batch");
+  const std::size_t now = st.allocated.fetch_add(nbytes) + nbytes;
+  std::size_t peak = st.peak.load();
+  while (now > peak && !st.peak.compare_exchange_weak(peak, now)) {
+  }
+  return p;
+}
+
+void CpuBackend::deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept {
+  if (!ptr) return;
+  std::free(ptr);
+  if (dev.is_cpu() && dev.index >= 0 && dev.index < static_cast<int>(devices_.size())) {
+    devices_[static_cast<std::size_t>(dev.index)]->allocated.fetch_sub(nbytes);
+  } else {
+    dp::detail::log_warning(dp::detail::str_cat("cpu backend: deallocate on invalid device ",
+                                                dev.str(), " (", nbytes, " bytes)"));
+  }
+}
+
+std::size_t CpuBackend::memory_allocated(Device dev) { return state(dev).allocated.load(); }
+std::size_t CpuBackend::max_memory_allocated(Device dev) { return state(dev).peak.load(); }
+void CpuBackend::reset_peak_memory(Device dev) {
+  DeviceState& st = state(dev);
+  st.peak.store(st.allocated.load());
+}
+
+// ---- copies ---------------------------------------------------------------------------
+// Virtual devices share the host's memory, but a copy between them really copies, as a
+// peer copy between GPUs would. memmove: a copy within one device may overlap.
+
+void CpuBackend::copy(void* dst, Device dst_dev, const void* src, Device src_dev,
+                      std::size_t nbytes) {
+  (void)state(dst_dev);
+  (void)state(src_dev);
+  if (nbytes == 0 || dst == src) return;
+  std::memmove(dst, src, nbytes);
+}
+
+void CpuBackend::copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) {
+  (void)state(dev);
+  if (nbytes) std::memcpy(dst, host_src, nbytes);
+}
+
+void CpuBackend::copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) {
+  (void)state(dev);
+  if (nbytes) std::memcpy(host_dst, src, nbytes);
+}
+
+void CpuBackend::memset_zero(void* ptr, Device dev, std::size_t nbytes) {
+  (void)state(dev);
+  if (nbytes) std::memset(ptr, 0, nbytes);
+}
+
+}  // namespace cpu
+}  // namespace dp::backend

@@ -1,0 +1,227 @@
+// src/backend/cpu/cpu_backend.h — the CPU backend: virtual devices on oneTBB + oneDNN.
+//
+// Each CPU virtual device cpu(i) (DESIGN §4) owns a tbb::task_arena sized to its share
+// of the cores, its own allocation counters and its own oneDNN primitive cache. Every
+// parallel loop of a kernel on cpu(i) runs inside arena i; every oneDNN call first sets
+// the calling thread's OpenMP team size to the same share, so N devices used from N
+// worker threads never oversubscribe the machine. Only the backend's own sources and
+// tests/benchmarks include this header; it knows nothing about tensors.
+//
+//   auto& be = static_cast<dp::backend::cpu::CpuBackend&>(dp::backend::get(dp::cpu(0)));
+//   be.set_concurrent_devices(2);                       // two devices, one core each
+//   be.parallel_for(dp::cpu(1), n, kSerialGrain, [&](std::int64_t b, std::int64_t e) { ... });
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include "backend/backend.h"
+
+namespace dp::backend::cpu {
+
+/// Elements below which a loop runs serially on the calling thread: about 32K floats
+/// (128 KiB) is where a TBB fork/join (a few microseconds) costs less than the work
+/// saved on a second core for a memory-bound loop, measured on the 2-core AVX-512 host.
+inline constexpr std::int64_t kSerialGrain = 32768;
+
+/// Layout policy for oneDNN convolutions (see the note at the top of cpu_gemm_conv.cpp).
+enum class ConvLayout : std::uint8_t {
+  Plain,    // NCHW/KCRS memory handed to oneDNN as is
+  Blocked,  // format_tag::any: oneDNN picks blocked layouts, we reorder in and out
+};
+
+/// Per-device oneDNN primitive cache; defined in cpu_gemm_conv.cpp (keeps dnnl.hpp out
+/// of this header).
+struct ConvCache;
+struct ConvCacheDeleter {
+  void operator()(ConvCache* cache) const noexcept;
+};
+/// A fresh, empty primitive cache for one device.
+ConvCache* new_conv_cache();
+
+/// Everything one CPU virtual device owns.
+struct DeviceState {
+  std::unique_ptr<tbb::task_arena> arena;
+  /// Arena size: the threads one kernel on this device may use.
+  std::atomic<int> threads{1};
+  std::atomic<std::size_t> allocated{0};
+  std::atomic<std::size_t> peak{0};
+  std::unique_ptr<ConvCache, ConvCacheDeleter> conv;
+};
+
+/// The CPU implementation of dp::backend::Backend (see backend.h for every contract).
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend();
+  ~CpuBackend() override;
+
+  DeviceType type() const override { return DeviceType::CPU; }
+  int device_count() override;
+
+  void set_current_device(Device dev) override;
+  void set_concurrent_devices(int count) override;
+  int threads_per_device(Device dev) override;
+  void synchronize(Device dev) override;
+  std::unique_ptr<Event> create_event(Device dev) override;
+  void record_event(Event& ev, Device dev) override;
+  void wait_event(Event& ev, Device dev) override;
+
+  void* allocate(Device dev, std::size_t nbytes) override;
+  void deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept override;
+  std::size_t memory_allocated(Device dev) override;
+  std::size_t max_memory_allocated(Device dev) override;
+  void reset_peak_memory(Device dev) override;
+  void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
+            std::size_t nbytes) override;
+  void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override;
+  void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
+  void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
+
+  void fill(Device dev, float* y, std::int64_t n, float value) override;
+  void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
+  void arange(Device dev, float* y, std::int64_t n, float start, float step) override;
+  void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
+                  std::int64_t step) override;
+  void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) override;
+  void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) override;
+  void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) override;
+  void affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
+              float beta) override;
+  void axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) override;
+  void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a, const float* b,
+              float* out) override;
+  void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) override;
+
+  void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
+                    std::uint64_t seed, std::uint64_t offset) override;
+  void fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
+                   std::uint64_t seed, std::uint64_t offset) override;
+  void dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n, float p,
+               std::uint64_t seed, std::uint64_t offset) override;
+
+  void reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
+              std::int64_t r, std::int64_t inner) override;
+  void argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer, std::int64_t r,
+              std::int64_t inner) override;
+
+  void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+            std::int64_t k, float alpha, const float* a, std::int64_t lda, const float* b,
+            std::int64_t ldb, float beta, float* c, std::int64_t ldc) override;
+
+  void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
+                   std::int64_t cols) override;
+  void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
+                            std::int64_t rows, std::int64_t cols) override;
+  void nll_forward(Device dev, const float* logp, const std::int64_t* target, float* loss,
+                   std::int64_t rows, std::int64_t cols) override;
+  void nll_backward(Device dev, const float* gloss, const std::int64_t* target, float* gx,
+                    std::int64_t rows, std::int64_t cols) override;
+
+  void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                      const float* bias, float* y) override;
+  void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
+                            float* gx) override;
+  void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
+                              const float* gy, float* gw, float* gbias) override;
+  void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
+                         std::int64_t* indices) override;
+  void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
+                          const std::int64_t* indices, float* gx) override;
+  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override;
+  void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
+                          float* gx) override;
+
+  void batchnorm_forward_train(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
+                               const float* x, const float* gamma, const float* beta, float eps,
+                               float momentum, float* running_mean, float* running_var,
+                               float* y, float* save_mean, float* save_invstd) override;
+  void batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
+                              const float* x, const float* gamma, const float* beta, float eps,
+                              const float* running_mean, const float* running_var,
+                              float* y) override;
+  void batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
+                          const float* gy, const float* x, const float* gamma,
+                          const float* save_mean, const float* save_invstd, float* gx,
+                          float* ggamma, float* gbeta) override;
+
+  void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
+                std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
+                bool nesterov, bool first_step) override;
+  void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
+                 float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
+                 float eps, float weight_decay, bool decoupled, std::int64_t step) override;
+
+  std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) override;
+
+  // ---- helpers shared by the backend's sources, tests and benchmarks -------------------
+
+  /// The state of `dev`; throws dp::Error when dev is not a valid CPU device.
+  DeviceState& state(Device dev);
+
+  /// Runs f(begin, end) over disjoint ranges covering [0, n) inside the arena of `dev`.
+  /// Runs f(0, n) on the calling thread when n <= grain or the device has one thread,
+  /// so tiny tensors pay nothing for parallelism. The ranges depend on scheduling: use
+  /// it only where each output element is computed independently of the split, and
+  /// parallel_chunks where a split decides a floating-point summation order.
+  template <typename F>
+  void parallel_for(Device dev, std::int64_t n, std::int64_t grain, F&& f) {
+    if (n <= 0) return;
+    DeviceState& st = state(dev);
+    if (n <= grain || st.threads.load(std::memory_order_relaxed) <= 1) {
+      f(std::int64_t{0}, n);
+      return;
+    }
+    st.arena->execute([&] {
+      tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, n, grain),
+                        [&](const tbb::blocked_range<std::int64_t>& r) { f(r.begin(), r.end()); });
+    });
+  }
+
+  /// Runs f(chunk) for chunk in [0, chunks) inside the arena of `dev`, one chunk per
+  /// task: the partition is fixed by the caller, so results never depend on scheduling.
+  template <typename F>
+  void parallel_chunks(Device dev, std::int64_t chunks, F&& f) {
+    if (chunks <= 0) return;
+    DeviceState& st = state(dev);
+    if (chunks == 1 || st.threads.load(std::memory_order_relaxed) <= 1) {
+      for (std::int64_t c = 0; c < chunks; ++c) f(c);
+      return;
+    }
+    st.arena->execute([&] {
+      tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, chunks, 1),
+                        [&](const tbb::blocked_range<std::int64_t>& r) {
+                          for (std::int64_t c = r.begin(); c < r.end(); ++c) f(c);
+                        });
+    });
+  }
+
+  /// Sets the calling thread's OpenMP team size to the device's share before a oneDNN
+  /// call (the ICV is per thread, so concurrent device threads get separate teams).
+  /// Returns the thread count set.
+  int bind_omp_threads(Device dev);
+
+  /// Chooses the oneDNN convolution layout (benchmarks compare both; the default is
+  /// the faster one measured here). Clears every device's primitive cache.
+  void set_conv_layout(ConvLayout layout);
+  ConvLayout conv_layout() const { return conv_layout_.load(); }
+
+ private:
+  void resize_arenas(int threads);
+
+  std::vector<std::unique_ptr<DeviceState>> devices_;
+  std::mutex config_mu_;  // guards set_concurrent_devices / set_conv_layout
+  std::atomic<ConvLayout> conv_layout_;
+};
+
+/// The process-wide CPU backend (same object as dp::backend::get(DeviceType::CPU)).
+CpuBackend& cpu_backend_impl();
+
+}  // namespace dp::backend::cpu

@@ -1,0 +1,200 @@
+// CPU backend: reductions over (outer, r, inner), argmax, count_nonfinite.
+//
+// Note [Deterministic reductions]
+// A float sum depends on its order, so the order must never depend on scheduling or on
+// the thread count. Work is cut into a grid of tasks fixed by the SHAPE alone: outer
+// rows × chunks of the reduced axis × blocks of the inner axis. Each task sums its
+// chunk serially in a fixed lane order; when the reduced axis was chunked, the partial
+// results are then combined chunk by chunk in index order. TBB only decides which core
+// runs which task, never what is added to what — results are bitwise identical run to
+// run and for any thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "dp/core/error.h"
+
+namespace dp::backend::cpu {
+namespace {
+
+using i64 = std::int64_t;
+
+/// Independent accumulators for a contiguous reduction: 16 floats = one AVX-512
+/// register (two AVX2 ones), so the lane loop vectorises without reassociation.
+constexpr int kLanes = 16;
+
+struct SumOp {
+  static constexpr float identity() { return 0.0f; }
+  static float combine(float a, float b) { return a + b; }
+};
+struct MaxOp {
+  static constexpr float identity() { return -std::numeric_limits<float>::infinity(); }
+  // NaN wins and stays (torch.max propagates NaN).
+  static float combine(float a, float b) { return (b > a || b != b) ? b : a; }
+};
+struct MinOp {
+  static constexpr float identity() { return std::numeric_limits<float>::infinity(); }
+  static float combine(float a, float b) { return (b < a || b != b) ? b : a; }
+};
+
+/// Reduces x[0..len) (contiguous) with a fixed lane order.
+template <typename Op>
+float reduce_contiguous(const float* __restrict x, i64 len) {
+  float lanes[kLanes];
+  for (int j = 0; j < kLanes; ++j) lanes[j] = Op::identity();
+  i64 i = 0;
+  for (; i + kLanes <= len; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] = Op::combine(lanes[j], x[i + j]);
+  for (int j = 0; i < len; ++i, ++j) lanes[j] = Op::combine(lanes[j], x[i]);
+  // Pairwise tree over the lanes: fixed, and more accurate than a running sum.
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] = Op::combine(lanes[j], lanes[j + width]);
+  return lanes[0];
+}
+
+/// acc[i] op= x[k * inner + i] for k in [0, kn), i in [0, ilen).
+template <typename Op>
+void reduce_strided(const float* __restrict x, i64 kn, i64 inner, i64 ilen, float* __restrict acc) {
+  for (i64 i = 0; i < ilen; ++i) acc[i] = Op::identity();
+  for (i64 k = 0; k < kn; ++k) {
+    const float* __restrict row = x + k * inner;
+    for (i64 i = 0; i < ilen; ++i) acc[i] = Op::combine(acc[i], row[i]);
+  }
+}
+
+/// The fixed task grid of Note [Deterministic reductions].
+struct ReduceGrid {
+  i64 rchunk = 0, nr = 0;  // reduced-axis chunk length and count
+  i64 iblock = 0, ni = 0;  // inner block length and count
+};
+
+ReduceGrid make_grid(i64 outer, i64 r, i64 inner) {
+  ReduceGrid g;
+  // Chunk the reduced axis only when outer × inner alone cannot keep several cores busy
+  // (fewer than 64 outputs) and there is enough work to split; the choice depends on
+  // the shape only.
+  const bool split_r = outer * inner < 64 && r * inner > kSerialGrain;
+  g.rchunk = split_r ? std::max<i64>(1, kSerialGrain / inner) : r;
+  g.nr = r == 0 ? 1 : (r + g.rchunk - 1) / g.rchunk;
+  // Inner blocks hold ~kSerialGrain elements of work each; 16-aligned for the vector loop.
+  const i64 want = std::max<i64>(kLanes, kSerialGrain / std::max<i64>(1, g.rchunk) / kLanes * kLanes);
+  g.iblock = std::min(inner, want);
+  g.ni = (inner + g.iblock - 1) / g.iblock;
+  return g;
+}
+
+template <typename Op>
+void reduce_impl(CpuBackend& be, Device dev, const float* x, float* y, i64 outer, i64 r, i64 inner) {
+  const ReduceGrid g = make_grid(outer, r, inner);
+  // With one chunk, tasks write y directly; otherwise into partial[o][c][i].
+  std::vector<float> partial(g.nr > 1 ? static_cast<std::size_t>(outer * g.nr * inner) : 0);
+  const i64 tasks = outer * g.nr * g.ni;
+  // A task is big enough by construction unless the whole problem is tiny.
+  const bool serial = outer * r * inner <= kSerialGrain;
+  auto run = [&](i64 t) {
+    const i64 ib = t % g.ni, c = (t / g.ni) % g.nr, o = t / (g.ni * g.nr);
+    const i64 k0 = c * g.rchunk, kn = std::min(r, k0 + g.rchunk) - k0;
+    const i64 i0 = ib * g.iblock, ilen = std::min(inner, i0 + g.iblock) - i0;
+    float* dst = g.nr > 1 ? partial.data() + (o * g.nr + c) * inner + i0 : y + o * inner + i0;
+    const float* src = x + (o * r + k0) * inner + i0;
+    if (inner == 1) {
+      dst[0] = reduce_contiguous<Op>(src, kn);
+    } else {
+      reduce_strided<Op>(src, kn, inner, ilen, dst);
+    }
+  };
+  if (serial) {
+    for (i64 t = 0; t < tasks; ++t) run(t);
+  } else {
+    be.parallel_chunks(dev, tasks, run);
+  }
+  if (g.nr > 1) {
+    // Combine the chunks in index order (few outputs by construction: serial).
+    for (i64 o = 0; o < outer; ++o) {
+      float* yo = y + o * inner;
+      const float* p = partial.data() + o * g.nr * inner;
+      for (i64 i = 0; i < inner; ++i) yo[i] = p[i];
+      for (i64 c = 1; c < g.nr; ++c)
+        for (i64 i = 0; i < inner; ++i) yo[i] = Op::combine(yo[i], p[c * inner + i]);
+    }
+  }
+}
+
+}  // namespace
+
+void CpuBackend::reduce(Device dev, ReduceOp op, const float* x, float* y, i64 outer, i64 r,
+                        i64 inner) {
+  DP_CHECK(outer >= 0 && r >= 0 && inner >= 0, "reduce: expected non-negative sizes, got (",
+           outer, ", ", r, ", ", inner, ")");
+  (void)state(dev);
+  if (outer == 0 || inner == 0) return;
+  DP_CHECK(r > 0 || op == ReduceOp::Sum,
+           "reduce: max/min over an empty dimension has no identity; expected r > 0, got r = 0");
+  switch (op) {
+    case ReduceOp::Sum: reduce_impl<SumOp>(*this, dev, x, y, outer, r, inner); return;
+    case ReduceOp::Max: reduce_impl<MaxOp>(*this, dev, x, y, outer, r, inner); return;
+    case ReduceOp::Min: reduce_impl<MinOp>(*this, dev, x, y, outer, r, inner); return;
+  }
+}
+
+void CpuBackend::argmax(Device dev, const float* x, i64* y, i64 outer, i64 r, i64 inner) {
+  DP_CHECK(outer >= 0 && r >= 0 && inner >= 0, "argmax: expected non-negative sizes, got (",
+           outer, ", ", r, ", ", inner, ")");
+  (void)state(dev);
+  if (outer == 0 || inner == 0) return;
+  DP_CHECK(r > 0, "argmax: expected a non-empty reduced dimension, got r = 0");
+  // Parallel over outputs only; each output scans its k in order, so "first max wins".
+  // A NaN counts as the maximum (torch.argmax); the first NaN wins.
+  auto better = [](float v, float best) { return v > best || (v != v && best == best); };
+  const i64 iblock = std::min<i64>(inner, 1024);  // bounded stack buffer of running maxima
+  const i64 ni = (inner + iblock - 1) / iblock;
+  const i64 grain = std::max<i64>(1, kSerialGrain / (r * iblock));
+  parallel_for(dev, outer * ni, grain, [&](i64 b, i64 e) {
+    float best[1024];
+    for (i64 t = b; t < e; ++t) {
+      const i64 o = t / ni, i0 = (t % ni) * iblock, ilen = std::min(inner, i0 + iblock) - i0;
+      const float* base = x + o * r * inner + i0;
+      i64* yo = y + o * inner + i0;
+      for (i64 i = 0; i < ilen; ++i) {
+        best[i] = base[i];
+        yo[i] = 0;
+      }
+      for (i64 k = 1; k < r; ++k) {
+        const float* row = base + k * inner;
+        for (i64 i = 0; i < ilen; ++i) {
+          if (better(row[i], best[i])) {
+            best[i] = row[i];
+            yo[i] = k;
+          }
+        }
+      }
+    }
+  });
+}
+
+std::int64_t CpuBackend::count_nonfinite(Device dev, const float* x, i64 n) {
+  (void)state(dev);
+  if (n <= 0) return 0;
+  const i64 chunks = (n + kSerialGrain - 1) / kSerialGrain;
+  std::vector<i64> counts(static_cast<std::size_t>(chunks), 0);
+  parallel_chunks(dev, chunks, [&](i64 c) {
+    const i64 b = c * kSerialGrain, e = std::min(n, b + kSerialGrain);
+    i64 cnt = 0;
+    for (i64 i = b; i < e; ++i) {
+      // Exponent all ones <=> Inf or NaN; integer test vectorises, std::isfinite may not.
+      std::uint32_t bits;
+      std::memcpy(&bits, x + i, sizeof bits);
+      cnt += (bits & 0x7f800000u) == 0x7f800000u;
+    }
+    counts[static_cast<std::size_t>(c)] = cnt;
+  });
+  i64 total = 0;
+  for (i64 c : counts) total += c;
+  return total;
+}
+
+}  // namespace dp::backend::cpu
