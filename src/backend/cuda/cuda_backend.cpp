@@ -1,0 +1,499 @@
+// CUDA backend: devices, streams, events, memory and copies, and the thin overrides that
+// hand each kernel call to its launcher (cuda_kernels.h) on the current stream.
+// GEMM and convolution live in cuda_blas_dnn.cpp.
+#include "backend/cuda/cuda_backend.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_kernels.h"
+#include "dp/core/error.h"
+
+namespace dp::backend {
+
+/// Lazily initialised state of one device (Note [CUDA streams of dp]).
+struct CudaBackend::DeviceState {
+  std::once_flag init;
+  cudaStream_t stream = nullptr;  // default compute stream
+  std::mutex handle_mu;           // guards the handles' bound stream during a call
+  cublasHandle_t cublas = nullptr;
+  cudnnHandle_t cudnn = nullptr;
+  std::unique_ptr<CachingAllocator> allocator;
+  std::mutex event_mu;
+  std::vector<cudaEvent_t> events;  // reusable events for cross-device ordering
+};
+
+namespace {
+
+// The calling thread's current device as dp last set it (-1: unknown) and its current
+// stream per device (null: the device's default compute stream). Threads are few (one
+// worker per device plus the caller), devices at most a few dozen.
+thread_local int tl_device = -1;
+thread_local std::vector<cudaStream_t> tl_streams;
+
+int probe_device_count() {
+  int n = 0;
+  // Any error (no driver, driver too old, CUDA_VISIBLE_DEVICES empty, no permission)
+  // means no usable device: dp then runs on CPU virtual devices.
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n < 0 ? 0 : n;
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, "1") == 0;
+}
+
+}  // namespace
+
+// ---- CudaEvent / CudaStreamGuard ------------------------------------------------------------
+
+CudaEvent::CudaEvent(int device) : device_(device) {
+  CudaBackend::instance().set_device(device);
+  DP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+}
+
+CudaEvent::~CudaEvent() {
+  // Destroying an event that is still pending is allowed: the driver frees it later.
+  if (event_) DP_CUDA_WARN(cudaEventDestroy(event_));
+}
+
+CudaStreamGuard::CudaStreamGuard(int device, cudaStream_t stream) : device_(device) {
+  DP_CHECK(device >= 0, "CudaStreamGuard: expected a device id >= 0, got ", device);
+  if (tl_streams.size() <= static_cast<std::size_t>(device)) tl_streams.resize(device + 1, nullptr);
+  previous_ = tl_streams[device];
+  tl_streams[device] = stream;
+}
+
+CudaStreamGuard::~CudaStreamGuard() { tl_streams[device_] = previous_; }
+
+// ---- CudaBackend: devices, streams, handles -------------------------------------------------
+
+CudaBackend& CudaBackend::instance() {
+  // Never destroyed: Note [Process-lifetime CUDA objects].
+  static CudaBackend* backend = new CudaBackend();
+  return *backend;
+}
+
+CudaBackend::CudaBackend()
+    : device_count_(probe_device_count()), allow_tf32_(env_flag("DP_CUDA_ALLOW_TF32")) {
+  devices_ = std::make_unique<DeviceState[]>(device_count_ > 0 ? device_count_ : 1);
+  const int pairs = device_count_ * device_count_;
+  peer_once_ = std::make_unique<std::once_flag[]>(pairs > 0 ? pairs : 1);
+}
+
+void CudaBackend::check_device(Device dev) const {
+  DP_CHECK(dev.type == DeviceType::CUDA, "CUDA backend: expected a CUDA device, got ", dev);
+  DP_CHECK(dev.index >= 0 && dev.index < device_count_, "CUDA backend: device ", dev,
+           " out of range: ", device_count_, " CUDA device(s) visible");
+}
+
+void CudaBackend::set_device(int device) {
+  if (tl_device == device) return;
+  DP_CUDA_CHECK(cudaSetDevice(device));
+  tl_device = device;
+}
+
+void CudaBackend::invalidate_device_cache() { tl_device = -1; }
+
+CudaBackend::DeviceState& CudaBackend::state(int device) {
+  DeviceState& st = devices_[device];
+  std::call_once(st.init, [&] {
+    set_device(device);
+    DP_CUDA_CHECK(cudaStreamCreateWithFlags(&st.stream, cudaStreamNonBlocking));
+    DP_CUBLAS_CHECK(cublasCreate(&st.cublas));
+    // Pure FP32 unless TF32 was asked for: results then match the CPU backend.
+    DP_CUBLAS_CHECK(cublasSetMathMode(st.cublas, allow_tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH
+                                                             : CUBLAS_DEFAULT_MATH));
+    DP_CUDNN_CHECK(cudnnCreate(&st.cudnn));
+    st.allocator = std::make_unique<CachingAllocator>(device);
+  });
+  return st;
+}
+
+cudaStream_t CudaBackend::default_stream(int device) {
+  DP_CHECK(device >= 0 && device < device_count_, "CUDA backend: device cuda:", device,
+           " out of range: ", device_count_, " CUDA device(s) visible");
+  return state(device).stream;
+}
+
+cudaStream_t CudaBackend::compute_stream(int device) {
+  if (static_cast<std::size_t>(device) < tl_streams.size() && tl_streams[device])
+    return tl_streams[device];
+  return default_stream(device);
+}
+
+cudaStream_t CudaBackend::bind(Device dev) {
+  check_device(dev);
+  set_device(dev.index);
+  return compute_stream(dev.index);
+}
+
+cudaStream_t CudaBackend::create_stream(int device, int priority) {
+  DP_CHECK(device >= 0 && device < device_count_, "create_stream: device cuda:", device,
+           " out of range");
+  state(device);
+  set_device(device);
+  cudaStream_t s = nullptr;
+  DP_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority));
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  extra_streams_.push_back(s);
+  return s;
+}
+
+HandleLease<cublasHandle_t> CudaBackend::cublas(int device) {
+  cudaStream_t s = compute_stream(device);
+  DeviceState& st = state(device);
+  std::unique_lock<std::mutex> lock(st.handle_mu);
+  DP_CUBLAS_CHECK(cublasSetStream(st.cublas, s));
+  return HandleLease<cublasHandle_t>(std::move(lock), st.cublas);
+}
+
+HandleLease<cudnnHandle_t> CudaBackend::cudnn(int device) {
+  cudaStream_t s = compute_stream(device);
+  DeviceState& st = state(device);
+  std::unique_lock<std::mutex> lock(st.handle_mu);
+  DP_CUDNN_CHECK(cudnnSetStream(st.cudnn, s));
+  return HandleLease<cudnnHandle_t>(std::move(lock), st.cudnn);
+}
+
+CachingAllocator& CudaBackend::allocator(int device) {
+  DP_CHECK(device >= 0 && device < device_count_, "allocator: device cuda:", device,
+           " out of range");
+  return *state(device).allocator;
+}
+
+CudaBackend::Scratch::Scratch(CudaBackend& b, int device, std::size_t nbytes)
+    : alloc_(&b.allocator(device)), ptr_(alloc_->allocate(nbytes, b.compute_stream(device))) {}
+
+CudaBackend::Scratch::~Scratch() { alloc_->deallocate(ptr_); }
+
+cudaEvent_t CudaBackend::acquire_event(int device) {
+  DeviceState& st = state(device);
+  {
+    std::lock_guard<std::mutex> lock(st.event_mu);
+    if (!st.events.empty()) {
+      cudaEvent_t ev = st.events.back();
+      st.events.pop_back();
+      return ev;
+    }
+  }
+  set_device(device);
+  cudaEvent_t ev = nullptr;
+  DP_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  return ev;
+}
+
+void CudaBackend::release_event(int device, cudaEvent_t ev) {
+  DeviceState& st = devices_[device];
+  std::lock_guard<std::mutex> lock(st.event_mu);
+  st.events.push_back(ev);
+}
+
+void CudaBackend::enable_peer_access(int a, int b) {
+  std::call_once(peer_once_[a * device_count_ + b], [&] {
+    int can = 0;
+    DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, a, b));
+    if (!can) return;  // cudaMemcpyPeerAsync still works, staged through the host
+    set_device(a);
+    const cudaError_t err = cudaDeviceEnablePeerAccess(b, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else if (err != cudaSuccess) {
+      // Too many peers (a limit of 8 per device on some systems) is not fatal: the copy
+      // falls back to staging. Say so once.
+      (void)cudaGetLastError();
+      dp::detail::log_warning(dp::detail::str_cat("cuda:", a, " cannot enable peer access to cuda:",
+                                                  b, " (", cudaGetErrorString(err),
+                                                  "); copies between them go through the host"));
+    }
+  });
+}
+
+// ---- Backend: threads and streams ------------------------------------------------------------
+
+void CudaBackend::set_current_device(Device dev) {
+  check_device(dev);
+  set_device(dev.index);
+}
+
+// Each GPU computes on its own SMs: there are no host cores to share out.
+void CudaBackend::set_concurrent_devices(int) {}
+int CudaBackend::threads_per_device(Device) { return 0; }
+
+void CudaBackend::synchronize(Device dev) {
+  check_device(dev);
+  set_device(dev.index);
+  DP_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+std::unique_ptr<Event> CudaBackend::create_event(Device dev) {
+  check_device(dev);
+  return std::make_unique<CudaEvent>(dev.index);
+}
+
+void CudaBackend::record_event(Event& ev, Device dev) {
+  auto* ce = dynamic_cast<CudaEvent*>(&ev);
+  DP_CHECK(ce, "record_event: expected an event created by the CUDA backend");
+  DP_CHECK(ce->device() == dev.index, "record_event: the event belongs to cuda:", ce->device(),
+           ", not to ", dev, " (an event is recorded on its own device's stream)");
+  cudaStream_t s = bind(dev);
+  DP_CUDA_CHECK(cudaEventRecord(ce->get(), s));
+}
+
+void CudaBackend::wait_event(Event& ev, Device dev) {
+  auto* ce = dynamic_cast<CudaEvent*>(&ev);
+  DP_CHECK(ce, "wait_event: expected an event created by the CUDA backend");
+  cudaStream_t s = bind(dev);  // may wait on another device's event: no host wait
+  DP_CUDA_CHECK(cudaStreamWaitEvent(s, ce->get(), 0));
+}
+
+// ---- Backend: memory ------------------------------------------------------------------------------
+
+void* CudaBackend::allocate(Device dev, std::size_t nbytes) {
+  cudaStream_t s = bind(dev);
+  return state(dev.index).allocator->allocate(nbytes, s);
+}
+
+void CudaBackend::deallocate(Device dev, void* ptr, std::size_t) noexcept {
+  if (!ptr) return;
+  if (dev.type != DeviceType::CUDA || dev.index < 0 || dev.index >= device_count_) {
+    dp::detail::log_warning(dp::detail::str_cat("deallocate: bad device ", dev, " — ignored"));
+    return;
+  }
+  try {
+    set_device(dev.index);
+  } catch (const std::exception& e) {
+    dp::detail::log_warning(e.what());
+  }
+  devices_[dev.index].allocator->deallocate(ptr);
+}
+
+std::size_t CudaBackend::memory_allocated(Device dev) {
+  check_device(dev);
+  return state(dev.index).allocator->allocated();
+}
+
+std::size_t CudaBackend::max_memory_allocated(Device dev) {
+  check_device(dev);
+  return state(dev.index).allocator->max_allocated();
+}
+
+void CudaBackend::reset_peak_memory(Device dev) {
+  check_device(dev);
+  state(dev.index).allocator->reset_peak();
+}
+
+// Note [Peer copies]
+// A copy between devices runs on the source device's current stream, ordered after
+// prior work on BOTH devices' current streams and before later work on both: the
+// source stream first waits for an event recorded on the destination stream (the
+// destination buffer may still be read by earlier destination work), then copies, then
+// the destination stream waits for an event recorded after the copy. No host wait; the
+// buffers stay owned by their allocation streams (Note [Caching allocator streams]).
+void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_dev,
+                       std::size_t nbytes) {
+  check_device(dst_dev);
+  check_device(src_dev);
+  if (nbytes == 0) return;
+  if (dst_dev == src_dev) {
+    cudaStream_t s = bind(dst_dev);
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  const int d = dst_dev.index, sdev = src_dev.index;
+  enable_peer_access(sdev, d);
+  enable_peer_access(d, sdev);
+  cudaStream_t dst_stream = bind(dst_dev);
+  cudaEvent_t dst_ready = acquire_event(d);
+  DP_CUDA_CHECK(cudaEventRecord(dst_ready, dst_stream));
+  cudaStream_t src_stream = bind(src_dev);
+  DP_CUDA_CHECK(cudaStreamWaitEvent(src_stream, dst_ready, 0));
+  release_event(d, dst_ready);  // the wait captured the record: the event is reusable
+  DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, d, src, sdev, nbytes, src_stream));
+  cudaEvent_t copied = acquire_event(sdev);
+  DP_CUDA_CHECK(cudaEventRecord(copied, src_stream));
+  DP_CUDA_CHECK(cudaStreamWaitEvent(dst_stream, copied, 0));
+  release_event(sdev, copied);
+}
+
+void CudaBackend::copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) {
+  if (nbytes == 0) return;
+  cudaStream_t s = bind(dev);
+  // Pinned source: truly asynchronous (the caller keeps it alive until the stream has
+  // passed this point). Pageable source: the runtime stages it before returning, so
+  // the caller may reuse it at once.
+  DP_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, nbytes, cudaMemcpyHostToDevice, s));
+}
+
+void CudaBackend::copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) {
+  if (nbytes == 0) return;
+  cudaStream_t s = bind(dev);
+  DP_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, nbytes, cudaMemcpyDeviceToHost, s));
+  DP_CUDA_CHECK(cudaStreamSynchronize(s));  // the contract: data is on the host at return
+}
+
+void CudaBackend::memset_zero(void* ptr, Device dev, std::size_t nbytes) {
+  if (nbytes == 0) return;
+  cudaStream_t s = bind(dev);
+  DP_CUDA_CHECK(cudaMemsetAsync(ptr, 0, nbytes, s));
+}
+
+// ---- Backend: kernels (launchers in cuda_kernels.h) ------------------------------------------------
+
+namespace k = cuda_kernels;
+
+void CudaBackend::fill(Device dev, float* y, std::int64_t n, float value) {
+  k::fill(bind(dev), y, n, value);
+}
+void CudaBackend::fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) {
+  k::fill_i64(bind(dev), y, n, value);
+}
+void CudaBackend::arange(Device dev, float* y, std::int64_t n, float start, float step) {
+  k::arange(bind(dev), y, n, start, step);
+}
+void CudaBackend::arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
+                             std::int64_t step) {
+  k::arange_i64(bind(dev), y, n, start, step);
+}
+void CudaBackend::cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) {
+  k::cast_i64_to_f32(bind(dev), x, y, n);
+}
+void CudaBackend::cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) {
+  k::cast_f32_to_i64(bind(dev), x, y, n);
+}
+void CudaBackend::unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) {
+  k::unary(bind(dev), op, x, y, n);
+}
+void CudaBackend::affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
+                         float beta) {
+  k::affine(bind(dev), x, y, n, alpha, beta);
+}
+void CudaBackend::axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) {
+  k::axpy(bind(dev), alpha, x, y, n);
+}
+void CudaBackend::binary(Device dev, BinaryOp op, const Indexer& ix, const float* a,
+                         const float* b, float* out) {
+  k::binary(bind(dev), op, ix, a, b, out);
+}
+void CudaBackend::strided_copy(Device dev, const Indexer& ix, const float* a, float* out) {
+  k::strided_copy(bind(dev), ix, a, out);
+}
+
+void CudaBackend::fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
+                               std::uint64_t seed, std::uint64_t offset) {
+  k::fill_uniform(bind(dev), y, n, lo, hi, seed, offset);
+}
+void CudaBackend::fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
+                              std::uint64_t seed, std::uint64_t offset) {
+  k::fill_normal(bind(dev), y, n, mean, std, seed, offset);
+}
+void CudaBackend::dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n,
+                          float p, std::uint64_t seed, std::uint64_t offset) {
+  k::dropout(bind(dev), x, y, mask, n, p, seed, offset);
+}
+
+void CudaBackend::reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
+                         std::int64_t r, std::int64_t inner) {
+  k::reduce(bind(dev), op, x, y, outer, r, inner);
+}
+void CudaBackend::argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer,
+                         std::int64_t r, std::int64_t inner) {
+  k::argmax(bind(dev), x, y, outer, r, inner);
+}
+
+void CudaBackend::log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
+                              std::int64_t cols) {
+  k::log_softmax(bind(dev), x, y, rows, cols);
+}
+void CudaBackend::log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
+                                       std::int64_t rows, std::int64_t cols) {
+  k::log_softmax_backward(bind(dev), gy, y, gx, rows, cols);
+}
+void CudaBackend::nll_forward(Device dev, const float* logp, const std::int64_t* target,
+                              float* loss, std::int64_t rows, std::int64_t cols) {
+  k::nll_forward(bind(dev), logp, target, loss, rows, cols);
+}
+void CudaBackend::nll_backward(Device dev, const float* gloss, const std::int64_t* target,
+                               float* gx, std::int64_t rows, std::int64_t cols) {
+  k::nll_backward(bind(dev), gloss, target, gx, rows, cols);
+}
+
+void CudaBackend::maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
+                                    std::int64_t* indices) {
+  k::maxpool2d_forward(bind(dev), s, x, y, indices);
+}
+void CudaBackend::maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
+                                     const std::int64_t* indices, float* gx) {
+  k::maxpool2d_backward(bind(dev), s, gy, indices, gx);
+}
+void CudaBackend::avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) {
+  k::avgpool2d_forward(bind(dev), s, x, y);
+}
+void CudaBackend::avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
+                                     float* gx) {
+  k::avgpool2d_backward(bind(dev), s, gy, gx);
+}
+
+void CudaBackend::batchnorm_forward_train(Device dev, std::int64_t N, std::int64_t C,
+                                          std::int64_t HW, const float* x, const float* gamma,
+                                          const float* beta, float eps, float momentum,
+                                          float* running_mean, float* running_var, float* y,
+                                          float* save_mean, float* save_invstd) {
+  k::batchnorm_forward_train(bind(dev), N, C, HW, x, gamma, beta, eps, momentum, running_mean,
+                             running_var, y, save_mean, save_invstd);
+}
+void CudaBackend::batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C,
+                                         std::int64_t HW, const float* x, const float* gamma,
+                                         const float* beta, float eps, const float* running_mean,
+                                         const float* running_var, float* y) {
+  k::batchnorm_forward_eval(bind(dev), N, C, HW, x, gamma, beta, eps, running_mean, running_var,
+                            y);
+}
+void CudaBackend::batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
+                                     const float* gy, const float* x, const float* gamma,
+                                     const float* save_mean, const float* save_invstd, float* gx,
+                                     float* ggamma, float* gbeta) {
+  cudaStream_t s = bind(dev);
+  DP_CHECK(C > 0, "batchnorm_backward: expected C > 0, got ", C);
+  Scratch sums(*this, dev.index, 2 * static_cast<std::size_t>(C) * sizeof(float));
+  k::batchnorm_backward(s, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta,
+                        static_cast<float*>(sums.get()));
+}
+
+void CudaBackend::sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
+                           std::int64_t n, float lr, float momentum, float dampening,
+                           float weight_decay, bool nesterov, bool first_step) {
+  k::sgd_step(bind(dev), param, grad, momentum_buf, n, lr, momentum, dampening, weight_decay,
+              nesterov, first_step);
+}
+void CudaBackend::adam_step(Device dev, float* param, const float* grad, float* exp_avg,
+                            float* exp_avg_sq, std::int64_t n, float lr, float beta1,
+                            float beta2, float eps, float weight_decay, bool decoupled,
+                            std::int64_t step) {
+  k::adam_step(bind(dev), param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps,
+               weight_decay, decoupled, step);
+}
+
+std::int64_t CudaBackend::count_nonfinite(Device dev, const float* x, std::int64_t n) {
+  cudaStream_t s = bind(dev);
+  if (n == 0) return 0;
+  Scratch counter(*this, dev.index, sizeof(unsigned long long));
+  auto* c = static_cast<unsigned long long*>(counter.get());
+  DP_CUDA_CHECK(cudaMemsetAsync(c, 0, sizeof(*c), s));
+  k::count_nonfinite(s, x, n, c);
+  unsigned long long host = 0;
+  DP_CUDA_CHECK(cudaMemcpyAsync(&host, c, sizeof(host), cudaMemcpyDeviceToHost, s));
+  DP_CUDA_CHECK(cudaStreamSynchronize(s));  // documented as synchronous
+  return static_cast<std::int64_t>(host);
+}
+
+// Declared in backend/backend.cpp.
+Backend& cuda_backend() { return CudaBackend::instance(); }
+
+}  // namespace dp::backend

@@ -1,0 +1,264 @@
+// CUDA backend: GEMM through cuBLAS, 2-d convolution through cuDNN.
+//
+// Note [Row-major GEMM on cuBLAS]
+// dp stores matrices row-major; cuBLAS reads column-major. A row-major M×N matrix with
+// row stride ld is, byte for byte, the column-major N×M matrix (its transpose) with
+// leading dimension ld. So C = op(A) op(B) in row-major is C^T = op(B)^T op(A)^T in
+// column-major: call cuBLAS with the operands swapped (B first), m and n swapped, and
+// each operand's own transpose flag unchanged.
+//
+// Note [cuDNN algorithm choice]
+// Each convolution shape gets a plan — descriptors plus one algorithm per direction —
+// built at its first use and cached per device. Algorithms come from the cudnnGet*_v7
+// heuristics (no benchmarking, so no host sync and no extra cudaMalloc even on the
+// first step), taking the first that succeeds, is DETERMINISTIC (DP promises bitwise
+// reproducible gradients), uses the requested math (pure FP32 unless
+// DP_CUDA_ALLOW_TF32=1) and needs at most kMaxWorkspace. The workspace comes from the
+// caching allocator on the current stream and is released right after the enqueue.
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "dp/core/error.h"
+
+namespace dp::backend {
+namespace {
+
+// Workspace cap for one convolution: large enough for the fast FFT/Winograd variants
+// of ResNet-sized layers, small enough not to crowd out activations on a 40 GB GPU.
+constexpr std::size_t kMaxWorkspace = std::size_t{1} << 30;
+// Heuristic results asked for per direction: more than cuDNN has algorithms.
+constexpr int kMaxAlgos = 16;
+
+int to_int(std::int64_t v, const char* what) {
+  DP_CHECK(v >= 0 && v <= INT_MAX, "conv2d: ", what, " = ", v,
+           " exceeds cuDNN's 32-bit limit; split the batch");
+  return static_cast<int>(v);
+}
+
+using ConvKey = std::array<std::int64_t, 13>;
+
+ConvKey key_of(const Conv2dShape& s) {
+  return {s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q};
+}
+
+/// Descriptors and chosen algorithms of one convolution shape on one device.
+struct ConvPlan {
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr, bias = nullptr;
+  cudnnFilterDescriptor_t w = nullptr;
+  cudnnConvolutionDescriptor_t conv = nullptr;
+  bool has_fwd = false, has_bwd_data = false, has_bwd_filter = false;
+  cudnnConvolutionFwdAlgo_t fwd{};
+  cudnnConvolutionBwdDataAlgo_t bwd_data{};
+  cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
+  std::size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
+  cudnnMathType_t fwd_math{}, bwd_data_math{}, bwd_filter_math{};
+
+  // Plans live as long as the process (Note [Process-lifetime CUDA objects]); the
+  // descriptors are host objects, so nothing leaks on the device.
+};
+
+/// The first usable heuristic result (Note [cuDNN algorithm choice]).
+template <typename Perf>
+const Perf* pick(const Perf* perf, int count, bool allow_tf32, const char* direction,
+                 const Conv2dShape& s) {
+  const Perf* fallback = nullptr;
+  for (int i = 0; i < count; ++i) {
+    const Perf& p = perf[i];
+    if (p.status != CUDNN_STATUS_SUCCESS || p.memory > kMaxWorkspace) continue;
+    if (p.determinism != CUDNN_DETERMINISTIC) continue;
+    const bool fp32 = p.mathType == CUDNN_FMA_MATH || p.mathType == CUDNN_DEFAULT_MATH;
+    if (allow_tf32 || fp32) return &p;
+    if (!fallback) fallback = &p;
+  }
+  DP_CHECK(fallback, "conv2d ", direction, ": cuDNN offers no deterministic algorithm within ",
+           kMaxWorkspace >> 20, " MiB of workspace for N=", s.N, " C=", s.C, " H=", s.H,
+           " W=", s.W, " K=", s.K, " R=", s.R, " S=", s.S);
+  return fallback;
+}
+
+class ConvPlanCache {
+ public:
+  /// The plan of `s` on `device`, with descriptors made; algorithms are chosen per
+  /// direction by the callers below on first use. Holds no lock after return: plans
+  /// are never erased, and each direction is filled once under mu_.
+  ConvPlan& get(int device, const Conv2dShape& s, bool allow_tf32) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& slot = plans_[{device, key_of(s)}];
+    if (!slot) slot = make_plan(s, allow_tf32);
+    return *slot;
+  }
+  std::mutex& mutex() { return mu_; }
+
+ private:
+  static std::unique_ptr<ConvPlan> make_plan(const Conv2dShape& s, bool allow_tf32) {
+    DP_CHECK(s.N > 0 && s.C > 0 && s.H > 0 && s.W > 0 && s.K > 0 && s.R > 0 && s.S > 0 &&
+                 s.stride_h > 0 && s.stride_w > 0 && s.pad_h >= 0 && s.pad_w >= 0,
+             "conv2d: expected positive sizes and strides, non-negative padding; got N=", s.N,
+             " C=", s.C, " H=", s.H, " W=", s.W, " K=", s.K, " R=", s.R, " S=", s.S);
+    auto p = std::make_unique<ConvPlan>();
+    DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->x));
+    DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
+    DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->bias));
+    DP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
+    DP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p->conv));
+    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+                                              to_int(s.N, "N"), to_int(s.C, "C"),
+                                              to_int(s.H, "H"), to_int(s.W, "W")));
+    DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
+                                              to_int(s.K, "K"), to_int(s.C, "C"),
+                                              to_int(s.R, "R"), to_int(s.S, "S")));
+    DP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(
+        p->conv, to_int(s.pad_h, "pad_h"), to_int(s.pad_w, "pad_w"),
+        to_int(s.stride_h, "stride_h"), to_int(s.stride_w, "stride_w"), 1, 1,
+        CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(
+        p->conv, allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
+    int n = 0, k = 0, h = 0, w = 0;
+    DP_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(p->conv, p->x, p->w, &n, &k, &h, &w));
+    DP_CHECK(n == s.N && k == s.K && h == s.P && w == s.Q, "conv2d: output shape (", s.N, ", ",
+             s.K, ", ", s.P, ", ", s.Q, ") does not match the geometry, which gives (", n, ", ",
+             k, ", ", h, ", ", w, ")");
+    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, k,
+                                              h, w));
+    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->bias, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, 1,
+                                              k, 1, 1));
+    return p;
+  }
+
+  std::mutex mu_;
+  std::map<std::pair<int, ConvKey>, std::unique_ptr<ConvPlan>> plans_;
+};
+
+ConvPlanCache& plan_cache() {
+  static ConvPlanCache* cache = new ConvPlanCache();  // process lifetime
+  return *cache;
+}
+
+}  // namespace
+
+// ---- GEMM ------------------------------------------------------------------------------------
+
+void CudaBackend::gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
+                       std::int64_t k, float alpha, const float* a, std::int64_t lda,
+                       const float* b, std::int64_t ldb, float beta, float* c,
+                       std::int64_t ldc) {
+  bind(dev);
+  DP_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm: expected non-negative m, n, k, got ", m, ", ", n,
+           ", ", k);
+  if (m == 0 || n == 0) return;
+  // Row strides of the stored (untransposed) matrices: A is m×k (k×m when transposed).
+  const std::int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
+  DP_CHECK(lda >= std::max<std::int64_t>(1, a_cols) && ldb >= std::max<std::int64_t>(1, b_cols) &&
+               ldc >= n,
+           "gemm: row strides too small: lda=", lda, " (need >= ", a_cols, "), ldb=", ldb,
+           " (need >= ", b_cols, "), ldc=", ldc, " (need >= ", n, ")");
+  auto h = cublas(dev.index);
+  // Note [Row-major GEMM on cuBLAS]. k == 0 gives C = beta * C, as in BLAS.
+  DP_CUBLAS_CHECK(cublasSgemm_64(h.get(), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                 trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b, ldb, a,
+                                 lda, &beta, c, ldc));
+}
+
+// ---- convolution -------------------------------------------------------------------------------
+
+void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                                 const float* bias, float* y) {
+  bind(dev);
+  ConvPlan& p = plan_cache().get(dev.index, s, allow_tf32_);
+  auto h = cudnn(dev.index);
+  {
+    std::lock_guard<std::mutex> lock(plan_cache().mutex());
+    if (!p.has_fwd) {
+      cudnnConvolutionFwdAlgoPerf_t perf[kMaxAlgos];
+      int count = 0;
+      DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h.get(), p.x, p.w, p.conv, p.y,
+                                                            kMaxAlgos, &count, perf));
+      const auto* best = pick(perf, count, allow_tf32_, "forward", s);
+      p.fwd = best->algo;
+      p.fwd_math = best->mathType;
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd_math));
+      DP_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h.get(), p.x, p.w, p.conv, p.y,
+                                                             p.fwd, &p.fwd_ws));
+      p.has_fwd = true;
+    }
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd_math));
+  }
+  Scratch ws(*this, dev.index, p.fwd_ws);
+  const float one = 1.0f, zero = 0.0f;
+  DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, x, p.w, w, p.conv, p.fwd, ws.get(),
+                                         p.fwd_ws, &zero, p.y, y));
+  if (bias) DP_CUDNN_CHECK(cudnnAddTensor(h.get(), &one, p.bias, bias, &one, p.y, y));
+}
+
+void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,
+                                       const float* w, float* gx) {
+  bind(dev);
+  ConvPlan& p = plan_cache().get(dev.index, s, allow_tf32_);
+  auto h = cudnn(dev.index);
+  {
+    std::lock_guard<std::mutex> lock(plan_cache().mutex());
+    if (!p.has_bwd_data) {
+      cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxAlgos];
+      int count = 0;
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, allow_tf32_ ? CUDNN_DEFAULT_MATH
+                                                                     : CUDNN_FMA_MATH));
+      DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h.get(), p.w, p.y, p.conv, p.x,
+                                                                 kMaxAlgos, &count, perf));
+      const auto* best = pick(perf, count, allow_tf32_, "backward data", s);
+      p.bwd_data = best->algo;
+      p.bwd_data_math = best->mathType;
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
+      DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(h.get(), p.w, p.y, p.conv, p.x,
+                                                                  p.bwd_data, &p.bwd_data_ws));
+      p.has_bwd_data = true;
+    }
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
+  }
+  Scratch ws(*this, dev.index, p.bwd_data_ws);
+  const float one = 1.0f, zero = 0.0f;
+  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, w, p.y, gy, p.conv, p.bwd_data,
+                                              ws.get(), p.bwd_data_ws, &zero, p.x, gx));
+}
+
+void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
+                                         const float* gy, float* gw, float* gbias) {
+  bind(dev);
+  ConvPlan& p = plan_cache().get(dev.index, s, allow_tf32_);
+  auto h = cudnn(dev.index);
+  {
+    std::lock_guard<std::mutex> lock(plan_cache().mutex());
+    if (!p.has_bwd_filter) {
+      cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxAlgos];
+      int count = 0;
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, allow_tf32_ ? CUDNN_DEFAULT_MATH
+                                                                     : CUDNN_FMA_MATH));
+      DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h.get(), p.x, p.y, p.conv, p.w,
+                                                                   kMaxAlgos, &count, perf));
+      const auto* best = pick(perf, count, allow_tf32_, "backward filter", s);
+      p.bwd_filter = best->algo;
+      p.bwd_filter_math = best->mathType;
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter_math));
+      DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+          h.get(), p.x, p.y, p.conv, p.w, p.bwd_filter, &p.bwd_filter_ws));
+      p.has_bwd_filter = true;
+    }
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter_math));
+  }
+  Scratch ws(*this, dev.index, p.bwd_filter_ws);
+  const float one = 1.0f, zero = 0.0f;
+  DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h.get(), &one, p.x, x, p.y, gy, p.conv,
+                                                p.bwd_filter, ws.get(), p.bwd_filter_ws, &zero,
+                                                p.w, gw));
+  if (gbias)
+    DP_CUDNN_CHECK(cudnnConvolutionBackwardBias(h.get(), &one, p.y, gy, &zero, p.bias, gbias));
+}
+
+}  // namespace dp::backend
