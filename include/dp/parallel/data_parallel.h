@@ -1,0 +1,169 @@
+// dp/parallel/data_parallel.h — the one-line change: train a module on every device.
+//
+// DataParallel splits each batch along dim 0 over its devices and runs forward and
+// backward on one persistent worker thread per device. Two designs, one switch:
+//  - Mode::DP (default): device 0 holds the only trained parameters; before a
+//    forward they are copied to transient replicas (only when they changed), and
+//    after backward every replica's gradient is summed onto device 0 in a fixed
+//    device order. The optimizer steps device 0.
+//  - Mode::DDP: every device keeps a persistent replica with its own optimizer
+//    state; gradients are all-reduced in buckets while backward still runs, and
+//    every replica applies the same gradient. No parameters are broadcast.
+// An optimizer built on model.parameters() (or net->parameters()) steps every
+// replica that needs it — see Note [Parameter sets] and docs/architecture.md.
+// Gradients are scaled so that the SUM over devices is the full-batch mean, so
+// uneven shards are weighted exactly and DP and DDP agree bit for bit on CPU.
+//
+//   dp::DataParallel model(net, {0, 1, 2, 3});                  // or {.mode = dp::Mode::DDP}
+//   dp::optim::Adam opt(model.parameters(), {.lr = 1e-3});
+//   opt.zero_grad(); dp::nn::cross_entropy(model(x), y).backward(); opt.step();
+#pragma once
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "dp/nn/module.h"
+#include "dp/parallel/stats.h"
+#include "dp/tensor/tensor.h"
+
+namespace dp {
+
+namespace comm {
+class Communicator;
+}
+namespace parallel {
+class WorkerPool;
+struct DdpReducer;
+}  // namespace parallel
+
+/// Which data-parallel design DataParallel runs.
+enum class Mode { DP, DDP };
+
+/// Options of DataParallel (designated-initialiser friendly).
+struct DataParallelOptions {
+  Mode mode = Mode::DP;
+  /// Index into the device list of the device that receives gathered outputs.
+  int output_device = 0;
+  /// Explicit rows per device (must sum to the batch size); empty = torch.chunk split.
+  std::vector<std::int64_t> chunk_sizes = {};
+  /// DDP: bucket size cap in MiB (PyTorch's bucket_cap_mb) and the smaller first bucket.
+  double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
+  /// DDP: copy device 0's buffers (BatchNorm running stats) to every replica before
+  /// each forward.
+  bool broadcast_buffers = true;
+  /// Opt-in: after backward, check gradients for NaN/Inf and name the parameter.
+  bool check_finite_grads = false;
+};
+
+/// A loss of (output, target) that returns the MEAN over its rows (e.g. cross_entropy).
+using LossFn = std::function<Tensor(const Tensor& output, const Tensor& target)>;
+
+/// Data-parallel training of one module over several devices (see the file comment).
+class DataParallel {
+ public:
+  /// Devices by integer id of the default type (CUDA when visible, else CPU virtual
+  /// devices); empty = every device of that type.
+  DataParallel(std::shared_ptr<nn::Module> net, std::vector<int> device_ids = {},
+               DataParallelOptions options = {});
+  DataParallel(std::shared_ptr<nn::Module> net, std::vector<int> device_ids, Mode mode)
+      : DataParallel(std::move(net), std::move(device_ids), DataParallelOptions{.mode = mode}) {}
+  /// Explicit devices, e.g. {dp::cpu(0), dp::cpu(1)}.
+  DataParallel(std::shared_ptr<nn::Module> net, std::vector<Device> devices,
+               DataParallelOptions options = {});
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  /// Scatters x over the devices, runs forward on every worker and gathers the
+  /// outputs onto the output device. Backward through the result runs each device's
+  /// part on its own worker and then reduces (DP) or all-reduces (DDP) the gradients.
+  Tensor forward(const Tensor& x);
+  Tensor operator()(const Tensor& x) { return forward(x); }
+
+  /// The faster path: every worker computes loss_fn on its own shard and runs
+  /// backward; no outputs are gathered. Returns the batch's mean loss (a scalar on
+  /// the output device, without autograd history).
+  Tensor forward_backward(const Tensor& x, const Tensor& target, const LossFn& loss_fn);
+
+  /// RAII guard for gradient accumulation: in DDP mode backward passes inside it
+  /// accumulate locally and start no collective; the first backward after it ends
+  /// all-reduces the accumulated sum (PyTorch's no_sync). DP mode accumulates on
+  /// device 0 anyway, so the guard changes nothing there.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DataParallel& dp);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DataParallel& dp_;
+    bool prev_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  /// The wrapped module's parameters (device 0's copy; optimizers step every copy).
+  nn::ParameterList parameters() { return net_->parameters(); }
+  /// Same names as the wrapped module (no "module." prefix).
+  nn::StateDict state_dict() { return net_->state_dict(); }
+  nn::LoadResult load_state_dict(const nn::StateDict& state, bool strict = true);
+  const std::shared_ptr<nn::Module>& module() const { return net_; }
+  void train(bool on = true) { net_->train(on); }
+  void eval() { net_->train(false); }
+  void zero_grad() { net_->zero_grad(); }
+
+  Mode mode() const { return options_.mode; }
+  const std::vector<Device>& devices() const { return devices_; }
+  Device output_device() const { return devices_[options_.output_device]; }
+  const DataParallelOptions& options() const { return options_; }
+  /// DDP: the buckets as [first, last) element ranges of the flat gradient buffer.
+  std::vector<std::pair<std::int64_t, std::int64_t>> buckets() const;
+
+  /// Phase timers per device since construction or reset_stats().
+  parallel::Stats stats() const;
+  void reset_stats();
+  /// The timeline recorder (enable it to record a Chrome/Perfetto trace).
+  parallel::Trace& trace() { return trace_; }
+
+ private:
+  void init(std::vector<Device> devices);
+  std::vector<std::int64_t> shard_sizes(std::int64_t rows) const;
+  void replicate(int rank);
+  void run_backward_on_workers(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads);
+  void worker_backward(int rank, const Tensor& root, const Tensor& grad);
+  bool begin_backward();
+  void end_backward(bool sync, bool failed);
+  void abort_step(const std::string& what);
+  void after_backward(int rank);
+  void check_finite(int rank);
+  void add_time(int rank, parallel::Phase p, parallel::Trace::Clock::time_point start,
+                std::string args = {});
+  std::uint64_t primary_version() const;
+
+  std::shared_ptr<nn::Module> net_;
+  std::shared_ptr<nn::ParameterSet> set_;
+  std::vector<std::shared_ptr<nn::Parameter::Slot>> buffers_;
+  std::vector<Device> devices_;
+  DataParallelOptions options_;
+  std::unique_ptr<parallel::WorkerPool> workers_;
+  std::unique_ptr<comm::Communicator> comm_;
+  std::unique_ptr<parallel::DdpReducer> reducer_;
+  std::unique_ptr<parallel::WorkerPool> comm_threads_;  // DDP: one "comm stream" per device
+  std::vector<std::string> param_names_;       // dotted names, in slot order
+  std::vector<std::uint64_t> synced_version_;  // primary version each replica holds
+  bool require_sync_ = true;
+  bool busy_ = false;
+
+  mutable std::mutex stats_mu_;
+  parallel::Stats stats_;
+  parallel::Trace trace_;
+};
+
+}  // namespace dp
