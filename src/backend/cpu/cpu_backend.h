@@ -173,8 +173,8 @@ class CpuBackend final : public Backend {
   /// parallel_chunks where a split decides a floating-point summation order.
   template <typename F>
   void parallel_for(Device dev, std::int64_t n, std::int64_t grain, F&& f) {
+    DeviceState& st = state(dev);  // checks the device even when there is no work
     if (n <= 0) return;
-    DeviceState& st = state(dev);
     if (n <= grain || st.threads.load(std::memory_order_relaxed) <= 1) {
       f(std::int64_t{0}, n);
       return;
@@ -189,8 +189,8 @@ class CpuBackend final : public Backend {
   /// task: the partition is fixed by the caller, so results never depend on scheduling.
   template <typename F>
   void parallel_chunks(Device dev, std::int64_t chunks, F&& f) {
-    if (chunks <= 0) return;
     DeviceState& st = state(dev);
+    if (chunks <= 0) return;
     if (chunks == 1 || st.threads.load(std::memory_order_relaxed) <= 1) {
       for (std::int64_t c = 0; c < chunks; ++c) f(c);
       return;

@@ -1,0 +1,897 @@
+// Tests of the CPU backend: every kernel against a naive double-precision reference
+// written here, on random inputs including edge sizes (0, 1, primes, above the
+// parallel grain), plus memory, copies, devices used concurrently and bad input.
+#include <doctest/doctest.h>
+#include <omp.h>
+
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/functors.h"
+#include "dp/core/device.h"
+#include "dp/core/error.h"
+
+namespace {
+
+using namespace dp::backend;
+using cpu::CpuBackend;
+using i64 = std::int64_t;
+using dp::Device;
+
+CpuBackend& be() { return cpu::cpu_backend_impl(); }
+Device dev0() { return dp::cpu(0); }
+
+std::vector<float> random_vec(i64 n, unsigned seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+/// Checks |got - want| <= atol + rtol * |want| elementwise; reports the first failure.
+void check_close(const std::vector<float>& got, const std::vector<double>& want, double rtol,
+                 double atol, const std::string& what) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+    if (!(err <= atol + rtol * std::abs(want[i]))) {
+      INFO(what, ": index ", i, " got ", got[i], " want ", want[i]);
+      CHECK(false);
+      return;
+    }
+  }
+}
+
+bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+const i64 kSizes[] = {0, 1, 7, 97, 100003};  // empty, one, small prime, prime, > grain
+
+}  // namespace
+
+// ---- random numbers ------------------------------------------------------------------------
+
+TEST_CASE("philox4x32-10 known answer (Random123 kat_vectors)") {
+  const Philox4 out = philox4x32(Philox4{{0, 0, 0, 0}}, 0, 0);
+  CHECK(out.v[0] == 0x6627e8d5u);
+  CHECK(out.v[1] == 0xe169c58du);
+  CHECK(out.v[2] == 0xbc57ac4cu);
+  CHECK(out.v[3] == 0x9b00dbd8u);
+  // Second Random123 vector: all-ones counter and key.
+  const Philox4 ones = philox4x32(Philox4{{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}},
+                                  0xffffffffu, 0xffffffffu);
+  CHECK(ones.v[0] == 0x408f276du);
+  CHECK(ones.v[1] == 0x41c83b0eu);
+  CHECK(ones.v[2] == 0xa20bc7c6u);
+  CHECK(ones.v[3] == 0x6d5451fdu);
+}
+
+TEST_CASE("uniform and normal fills: range, moments, counter addressing") {
+  const i64 n = 200000;
+  std::vector<float> u(n), z(n);
+  be().fill_uniform(dev0(), u.data(), n, 0.0f, 1.0f, 1234, 0);
+  be().fill_normal(dev0(), z.data(), n, 0.0f, 1.0f, 1234, 0);
+  double su = 0, sz = 0, szz = 0;
+  for (i64 i = 0; i < n; ++i) {
+    REQUIRE(u[i] >= 0.0f);
+    REQUIRE(u[i] < 1.0f);
+    REQUIRE(std::isfinite(z[i]));
+    su += u[i];
+    sz += z[i];
+    szz += double(z[i]) * z[i];
+  }
+  CHECK(su / n == doctest::Approx(0.5).epsilon(0.01));
+  CHECK(std::abs(sz / n) < 0.01);
+  CHECK(std::sqrt(szz / n - (sz / n) * (sz / n)) == doctest::Approx(1.0).epsilon(0.01));
+  // Element i depends only on (seed, offset + i): a fill at offset 10 is a shifted view.
+  std::vector<float> shifted(100);
+  be().fill_uniform(dev0(), shifted.data(), 100, 0.0f, 1.0f, 1234, 10);
+  CHECK(std::memcmp(shifted.data(), u.data() + 10, 100 * sizeof(float)) == 0);
+  CHECK(u[5] == uniform_from(1234, 5));
+  // A different seed gives different numbers; lo/hi rescale.
+  std::vector<float> other(100);
+  be().fill_uniform(dev0(), other.data(), 100, -2.0f, 2.0f, 99, 0);
+  CHECK(std::memcmp(other.data(), u.data(), 100 * sizeof(float)) != 0);
+  for (float v : other) CHECK((v >= -2.0f && v < 2.0f));
+}
+
+TEST_CASE("dropout keeps 1-p of the elements, scaled") {
+  const i64 n = 100003;
+  auto x = random_vec(n, 1);
+  std::vector<float> y(n), mask(n);
+  be().dropout(dev0(), x.data(), y.data(), mask.data(), n, 0.25f, 7, 0);
+  i64 kept = 0;
+  for (i64 i = 0; i < n; ++i) {
+    const bool keep = uniform_from(7, i) >= 0.25f;
+    REQUIRE(mask[i] == (keep ? 1.0f / 0.75f : 0.0f));
+    REQUIRE(y[i] == x[i] * mask[i]);
+    kept += keep;
+  }
+  CHECK(double(kept) / n == doctest::Approx(0.75).epsilon(0.01));
+  be().dropout(dev0(), x.data(), y.data(), mask.data(), n, 1.0f, 7, 0);
+  CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 0.0f; }));
+  CHECK_THROWS_AS(be().dropout(dev0(), x.data(), y.data(), mask.data(), n, 1.5f, 7, 0), dp::Error);
+}
+
+// ---- memory and copies ------------------------------------------------------------------------
+
+TEST_CASE("allocation: alignment, counters, peak, zero size, out of memory") {
+  const Device d = dp::cpu(1);
+  const std::size_t base = be().memory_allocated(d);
+  be().reset_peak_memory(d);
+  void* a = be().allocate(d, 1000);
+  void* b = be().allocate(d, 3);
+  void* z1 = be().allocate(d, 0);
+  void* z2 = be().allocate(d, 0);
+  CHECK(reinterpret_cast<std::uintptr_t>(a) % 64 == 0);
+  CHECK(reinterpret_cast<std::uintptr_t>(b) % 64 == 0);
+  CHECK(z1 != nullptr);
+  CHECK(z1 != z2);
+  CHECK(be().memory_allocated(d) == base + 1003);
+  CHECK(be().memory_allocated(dp::cpu(2)) == 0);  // counters are per device
+  be().deallocate(d, a, 1000);
+  CHECK(be().memory_allocated(d) == base + 3);
+  CHECK(be().max_memory_allocated(d) == base + 1003);
+  be().reset_peak_memory(d);
+  CHECK(be().max_memory_allocated(d) == base + 3);
+  be().deallocate(d, b, 3);
+  be().deallocate(d, z1, 0);
+  be().deallocate(d, z2, 0);
+  be().deallocate(d, nullptr, 0);
+  CHECK(be().memory_allocated(d) == base);
+  try {
+    (void)be().allocate(d, std::size_t{1} << 62);
+    FAIL("expected out of memory");
+  } catch (const dp::Error& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("cpu:1") != std::string::npos);
+    CHECK(msg.find(std::to_string(std::size_t{1} << 62)) != std::string::npos);
+  }
+  CHECK(be().memory_allocated(d) == base);
+}
+
+TEST_CASE("copies between devices and to/from host really copy") {
+  const i64 n = 1000;
+  auto host = random_vec(n, 3);
+  const std::size_t bytes = n * sizeof(float);
+  auto* a = static_cast<float*>(be().allocate(dp::cpu(0), bytes));
+  auto* b = static_cast<float*>(be().allocate(dp::cpu(1), bytes));
+  be().copy_from_host(a, dp::cpu(0), host.data(), bytes);
+  be().copy(b, dp::cpu(1), a, dp::cpu(0), bytes);
+  CHECK(a != b);
+  a[0] = 42.0f;  // b is independent memory
+  std::vector<float> back(n);
+  be().copy_to_host(back.data(), b, dp::cpu(1), bytes);
+  CHECK(bitwise_equal(back, host));
+  be().memset_zero(b, dp::cpu(1), bytes);
+  be().copy_to_host(back.data(), b, dp::cpu(1), bytes);
+  CHECK(std::all_of(back.begin(), back.end(), [](float v) { return v == 0.0f; }));
+  be().deallocate(dp::cpu(0), a, bytes);
+  be().deallocate(dp::cpu(1), b, bytes);
+}
+
+TEST_CASE("devices: count, bad ids, threads per device, events") {
+  CHECK(be().device_count() == dp::device_count(dp::DeviceType::CPU));
+  CHECK_THROWS_AS(be().fill(Device{dp::DeviceType::CPU, 1000}, nullptr, 0, 0.0f), dp::Error);
+  CHECK_THROWS_AS(be().threads_per_device(Device{dp::DeviceType::CUDA, 0}), dp::Error);
+  CHECK(be().threads_per_device(dev0()) == dp::hardware_concurrency());
+  auto ev = be().create_event(dev0());
+  be().record_event(*ev, dev0());
+  be().wait_event(*ev, dev0());
+  be().synchronize(dev0());
+  CHECK_THROWS_AS(be().set_concurrent_devices(0), dp::Error);
+}
+
+// ---- elementwise ------------------------------------------------------------------------------
+
+TEST_CASE("fill, arange, casts") {
+  for (i64 n : kSizes) {
+    std::vector<float> y(n + 1, -7.0f);
+    be().fill(dev0(), y.data(), n, 2.5f);
+    for (i64 i = 0; i < n; ++i) REQUIRE(y[i] == 2.5f);
+    CHECK(y[n] == -7.0f);  // no write past n
+    be().arange(dev0(), y.data(), n, 1.0f, 0.5f);
+    for (i64 i = 0; i < n; ++i) REQUIRE(y[i] == 1.0f + float(i) * 0.5f);
+    std::vector<i64> yi(n + 1, -1);
+    be().arange_i64(dev0(), yi.data(), n, 5, 3);
+    for (i64 i = 0; i < n; ++i) REQUIRE(yi[i] == 5 + 3 * i);
+    be().fill_i64(dev0(), yi.data(), n, 9);
+    for (i64 i = 0; i < n; ++i) REQUIRE(yi[i] == 9);
+    CHECK(yi[n] == -1);
+    auto x = random_vec(n, 4, -100.0f, 100.0f);
+    be().cast_f32_to_i64(dev0(), x.data(), yi.data(), n);
+    for (i64 i = 0; i < n; ++i) REQUIRE(yi[i] == static_cast<i64>(x[i]));
+    be().cast_i64_to_f32(dev0(), yi.data(), y.data(), n);
+    for (i64 i = 0; i < n; ++i) REQUIRE(y[i] == static_cast<float>(yi[i]));
+  }
+}
+
+TEST_CASE("unary ops against std:: math") {
+  struct Case {
+    UnaryOp op;
+    double (*ref)(double);
+    float lo, hi;
+  };
+  const Case cases[] = {
+      {UnaryOp::Neg, [](double x) { return -x; }, -3, 3},
+      {UnaryOp::Exp, [](double x) { return std::exp(x); }, -5, 5},
+      {UnaryOp::Log, [](double x) { return std::log(x); }, 0.01f, 10},
+      {UnaryOp::Sqrt, [](double x) { return std::sqrt(x); }, 0, 10},
+      {UnaryOp::Rsqrt, [](double x) { return 1 / std::sqrt(x); }, 0.01f, 10},
+      {UnaryOp::Abs, [](double x) { return std::abs(x); }, -3, 3},
+      {UnaryOp::Square, [](double x) { return x * x; }, -3, 3},
+      {UnaryOp::Reciprocal, [](double x) { return 1 / x; }, 0.1f, 3},
+      {UnaryOp::Relu, [](double x) { return x > 0 ? x : 0.0; }, -3, 3},
+      {UnaryOp::Sigmoid, [](double x) { return 1 / (1 + std::exp(-x)); }, -8, 8},
+      {UnaryOp::Tanh, [](double x) { return std::tanh(x); }, -4, 4},
+      {UnaryOp::Sign, [](double x) { return double((x > 0) - (x < 0)); }, -3, 3},
+  };
+  for (const Case& c : cases) {
+    for (i64 n : kSizes) {
+      auto x = random_vec(n, 5, c.lo, c.hi);
+      std::vector<float> y(n);
+      be().unary(dev0(), c.op, x.data(), y.data(), n);
+      std::vector<double> want(n);
+      for (i64 i = 0; i < n; ++i) want[i] = c.ref(x[i]);
+      check_close(y, want, 1e-6, 1e-7, "unary op " + std::to_string(int(c.op)));
+      // In place (y aliases x) gives the same.
+      be().unary(dev0(), c.op, x.data(), x.data(), n);
+      CHECK(bitwise_equal(x, y));
+    }
+  }
+  CHECK(apply_unary(UnaryOp::Relu, std::numeric_limits<float>::quiet_NaN()) !=
+        apply_unary(UnaryOp::Relu, std::numeric_limits<float>::quiet_NaN()));  // NaN kept
+}
+
+TEST_CASE("affine and axpy") {
+  for (i64 n : kSizes) {
+    auto x = random_vec(n, 6), y0 = random_vec(n, 7);
+    std::vector<float> y(n);
+    be().affine(dev0(), x.data(), y.data(), n, 2.0f, -1.0f);
+    for (i64 i = 0; i < n; ++i) REQUIRE(y[i] == 2.0f * x[i] + -1.0f);
+    y = y0;
+    be().axpy(dev0(), 0.5f, x.data(), y.data(), n);
+    for (i64 i = 0; i < n; ++i) REQUIRE(y[i] == y0[i] + 0.5f * x[i]);
+  }
+}
+
+namespace {
+
+double ref_binary(BinaryOp op, double a, double b) {
+  switch (op) {
+    case BinaryOp::Add: return a + b;
+    case BinaryOp::Sub: return a - b;
+    case BinaryOp::Mul: return a * b;
+    case BinaryOp::Div: return a / b;
+    case BinaryOp::Maximum: return std::max(a, b);
+    case BinaryOp::Minimum: return std::min(a, b);
+    case BinaryOp::Pow: return std::pow(a, b);
+    case BinaryOp::Eq: return a == b ? 1.0 : 0.0;
+    case BinaryOp::Gt: return a > b ? 1.0 : 0.0;
+    case BinaryOp::ReluBackward: return b > 0 ? a : 0.0;
+  }
+  return 0;
+}
+
+/// Runs binary over `sizes` with the given strides and checks every element against a
+/// naive multi-index walk.
+void check_binary(BinaryOp op, std::vector<i64> sizes, std::vector<i64> sa, std::vector<i64> sb,
+                  const std::vector<float>& a, const std::vector<float>& b) {
+  Indexer ix;
+  ix.ndim = static_cast<int>(sizes.size());
+  i64 n = 1;
+  for (int d = 0; d < ix.ndim; ++d) {
+    ix.sizes[d] = sizes[d];
+    ix.strides_a[d] = sa[d];
+    ix.strides_b[d] = sb[d];
+    n *= sizes[d];
+  }
+  std::vector<float> out(n);
+  be().binary(dev0(), op, ix, a.data(), b.data(), out.data());
+  std::vector<double> want(n);
+  for (i64 flat = 0; flat < n; ++flat) {
+    i64 rem = flat, oa = 0, ob = 0;
+    for (int d = ix.ndim - 1; d >= 0; --d) {
+      const i64 c = rem % sizes[d];
+      rem /= sizes[d];
+      oa += c * sa[d];
+      ob += c * sb[d];
+    }
+    want[flat] = ref_binary(op, a[oa], b[ob]);
+  }
+  check_close(out, want, 1e-6, 1e-7, "binary op " + std::to_string(int(op)));
+}
+
+}  // namespace
+
+TEST_CASE("binary: contiguous, scalar, row and channel broadcast, strided") {
+  const BinaryOp ops[] = {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div,
+                          BinaryOp::Maximum, BinaryOp::Minimum, BinaryOp::Pow, BinaryOp::Eq,
+                          BinaryOp::Gt, BinaryOp::ReluBackward};
+  for (BinaryOp op : ops) {
+    CAPTURE(int(op));
+    // Positive a for pow; b with repeats so Eq sees equal values.
+    auto a = random_vec(300000, 8, 0.1f, 2.0f);
+    auto b = random_vec(300000, 9, -2.0f, 2.0f);
+    for (i64 i = 0; i < 300000; i += 3) b[i] = a[i];
+    for (i64 n : kSizes) check_binary(op, {n}, {1}, {1}, a, b);             // same shape
+    check_binary(op, {100003}, {1}, {0}, a, b);                           // b scalar
+    check_binary(op, {100003}, {0}, {1}, a, b);                           // a scalar
+    check_binary(op, {}, {}, {}, a, b);                                   // 0-d
+    check_binary(op, {997, 101}, {101, 1}, {0, 1}, a, b);                 // bias add
+    check_binary(op, {16, 32, 196}, {32 * 196, 196, 1}, {0, 1, 0}, a, b); // per channel
+    check_binary(op, {301, 211}, {1, 301}, {211, 1}, a, b);               // a transposed
+    check_binary(op, {3, 1, 5, 7, 11}, {385, 385, 77, 11, 1}, {0, 0, 1, 5, 0}, a, b);
+    check_binary(op, {4, 0, 3}, {0, 3, 1}, {3, 3, 1}, a, b);              // empty
+    // 8 dims with broadcasting on both sides.
+    check_binary(op, {2, 3, 2, 3, 2, 3, 2, 3}, {0, 72, 36, 12, 6, 2, 1, 0},
+                 {108, 36, 0, 12, 0, 4, 0, 1}, a, b);
+  }
+}
+
+TEST_CASE("strided_copy gathers a transposed view") {
+  const i64 R = 517, C = 263;
+  auto a = random_vec(R * C, 10);
+  Indexer ix;
+  ix.ndim = 2;
+  ix.sizes[0] = C;
+  ix.sizes[1] = R;
+  ix.strides_a[0] = 1;
+  ix.strides_a[1] = C;
+  std::vector<float> out(R * C);
+  be().strided_copy(dev0(), ix, a.data(), out.data());
+  for (i64 c = 0; c < C; ++c)
+    for (i64 r = 0; r < R; ++r) REQUIRE(out[c * R + r] == a[r * C + c]);
+}
+
+// ---- reductions -----------------------------------------------------------------------------
+
+TEST_CASE("reduce sum/max/min over (outer, r, inner) against double references") {
+  const i64 shapes[][3] = {{1, 0, 1},    {3, 0, 4},   {1, 1, 1},      {1, 100003, 1},
+                           {5, 97, 1},   {3, 1000, 50}, {1, 256, 6400}, {1, 200000, 3},
+                           {2, 70001, 1}, {4096, 10, 1}, {7, 13, 1031}};
+  for (auto& sh : shapes) {
+    const i64 outer = sh[0], r = sh[1], inner = sh[2];
+    CAPTURE(outer);
+    CAPTURE(r);
+    CAPTURE(inner);
+    auto x = random_vec(outer * r * inner, 11, -1.0f, 2.0f);
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min}) {
+      if (r == 0 && op != ReduceOp::Sum) {
+        std::vector<float> y(outer * inner);
+        CHECK_THROWS_AS(be().reduce(dev0(), op, x.data(), y.data(), outer, r, inner), dp::Error);
+        continue;
+      }
+      std::vector<float> y(outer * inner, 123.0f), y2(outer * inner);
+      be().reduce(dev0(), op, x.data(), y.data(), outer, r, inner);
+      be().reduce(dev0(), op, x.data(), y2.data(), outer, r, inner);
+      CHECK(bitwise_equal(y, y2));  // deterministic run to run
+      std::vector<double> want(outer * inner);
+      double abs_sum_max = 0;
+      for (i64 o = 0; o < outer; ++o)
+        for (i64 i = 0; i < inner; ++i) {
+          double acc = op == ReduceOp::Sum ? 0.0 : x[o * r * inner + i], abs_sum = 0;
+          for (i64 k = 0; k < r; ++k) {
+            const double v = x[(o * r + k) * inner + i];
+            abs_sum += std::abs(v);
+            acc = op == ReduceOp::Sum ? acc + v : op == ReduceOp::Max ? std::max(acc, v) : std::min(acc, v);
+          }
+          want[o * inner + i] = acc;
+          abs_sum_max = std::max(abs_sum_max, abs_sum);
+        }
+      // A float sum of r terms errs by ~log2(r) ulps of the absolute sum (pairwise lanes).
+      check_close(y, want, 0, op == ReduceOp::Sum ? 1e-6 * abs_sum_max + 1e-6 : 0.0, "reduce");
+    }
+  }
+}
+
+TEST_CASE("reduce gives identical bits for 1 and for all threads") {
+  auto x = random_vec(1 * 300007 * 1, 12);
+  std::vector<float> all(1), one(1);
+  be().reduce(dev0(), ReduceOp::Sum, x.data(), all.data(), 1, 300007, 1);
+  be().set_concurrent_devices(64);  // one thread per device
+  be().reduce(dev0(), ReduceOp::Sum, x.data(), one.data(), 1, 300007, 1);
+  be().set_concurrent_devices(1);
+  CHECK(bitwise_equal(all, one));
+}
+
+TEST_CASE("argmax: first maximum on ties") {
+  const i64 outer = 3, r = 50, inner = 2001;
+  auto x = random_vec(outer * r * inner, 13);
+  for (auto& v : x) v = std::round(v * 3.0f);  // many ties
+  std::vector<i64> y(outer * inner);
+  be().argmax(dev0(), x.data(), y.data(), outer, r, inner);
+  for (i64 o = 0; o < outer; ++o)
+    for (i64 i = 0; i < inner; ++i) {
+      i64 best = 0;
+      for (i64 k = 1; k < r; ++k)
+        if (x[(o * r + k) * inner + i] > x[(o * r + best) * inner + i]) best = k;
+      REQUIRE(y[o * inner + i] == best);
+    }
+  const float row[] = {1, 5, 2, 5, 5};
+  i64 idx = -1;
+  be().argmax(dev0(), row, &idx, 1, 5, 1);
+  CHECK(idx == 1);
+  be().argmax(dev0(), row, &idx, 0, 5, 1);  // outer 0: nothing written
+  CHECK(idx == 1);
+}
+
+TEST_CASE("count_nonfinite") {
+  for (i64 n : kSizes) {
+    auto x = random_vec(n, 14);
+    i64 want = 0;
+    for (i64 i = 0; i < n; i += 1009) {
+      x[i] = (i % 2) ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+      ++want;
+    }
+    if (n > 1) {
+      x[n - 1] = -std::numeric_limits<float>::infinity();
+      want += ((n - 1) % 1009) != 0;
+    }
+    CHECK(be().count_nonfinite(dev0(), x.data(), n) == want);
+  }
+}
+
+// ---- GEMM ---------------------------------------------------------------------------------------
+
+TEST_CASE("gemm: all transposition combinations with padded leading dimensions") {
+  const i64 m = 37, n = 53, k = 71;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      CAPTURE(ta);
+      CAPTURE(tb);
+      const i64 lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5, ldc = n + 7;
+      auto a = random_vec((ta ? k : m) * lda, 15), b = random_vec((tb ? n : k) * ldb, 16);
+      auto c = random_vec(m * ldc, 17);
+      std::vector<double> want(c.begin(), c.end());
+      const float alpha = 1.5f, beta = -0.5f;
+      for (i64 i = 0; i < m; ++i)
+        for (i64 j = 0; j < n; ++j) {
+          double s = 0;
+          for (i64 p = 0; p < k; ++p)
+            s += double(ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
+          want[i * ldc + j] = alpha * s + beta * c[i * ldc + j];
+        }
+      be().gemm(dev0(), ta, tb, m, n, k, alpha, a.data(), lda, b.data(), ldb, beta, c.data(), ldc);
+      check_close(c, want, 1e-5, 1e-5, "gemm");
+    }
+}
+
+TEST_CASE("gemm edge sizes: k = 0 scales C, m = 0 is a no-op, bad ld throws") {
+  std::vector<float> c = {1, 2, std::numeric_limits<float>::quiet_NaN(), 4};
+  be().gemm(dev0(), false, false, 2, 2, 0, 1.0f, nullptr, 1, nullptr, 2, 0.0f, c.data(), 2);
+  CHECK(c == std::vector<float>{0, 0, 0, 0});
+  c = {1, 2, 3, 4};
+  be().gemm(dev0(), false, false, 2, 2, 0, 1.0f, nullptr, 1, nullptr, 2, 2.0f, c.data(), 2);
+  CHECK(c == std::vector<float>{2, 4, 6, 8});
+  be().gemm(dev0(), false, false, 0, 2, 3, 1.0f, nullptr, 3, nullptr, 2, 0.0f, c.data(), 2);
+  CHECK(c == std::vector<float>{2, 4, 6, 8});
+  CHECK_THROWS_AS(be().gemm(dev0(), false, false, 2, 2, 3, 1.0f, c.data(), 2, c.data(), 2, 0.0f,
+                            c.data(), 2),
+                  dp::Error);
+}
+
+TEST_CASE("gemm large (1x1-thread vs parallel paths) against reference rows") {
+  const i64 m = 256, n = 300, k = 513;
+  auto a = random_vec(m * k, 18), b = random_vec(k * n, 19);
+  std::vector<float> c(m * n);
+  be().gemm(dev0(), false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+  for (i64 i = 0; i < m; i += 17)
+    for (i64 j = 0; j < n; ++j) {
+      double s = 0;
+      for (i64 p = 0; p < k; ++p) s += double(a[i * k + p]) * b[p * n + j];
+      REQUIRE(std::abs(c[i * n + j] - s) <= 1e-4 * (1 + std::abs(s)));
+    }
+}
+
+// ---- convolution -----------------------------------------------------------------------------
+
+namespace {
+
+Conv2dShape conv_shape(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 sh, i64 sw, i64 ph, i64 pw) {
+  Conv2dShape s{N, C, H, W, K, R, S, sh, sw, ph, pw, 0, 0};
+  s.P = (H + 2 * ph - R) / sh + 1;
+  s.Q = (W + 2 * pw - S) / sw + 1;
+  return s;
+}
+
+void check_conv(const Conv2dShape& s, bool with_bias) {
+  auto x = random_vec(s.N * s.C * s.H * s.W, 20), w = random_vec(s.K * s.C * s.R * s.S, 21),
+       bias = random_vec(s.K, 22), gy = random_vec(s.N * s.K * s.P * s.Q, 23);
+  auto at_x = [&](i64 n, i64 c, i64 h, i64 ww) { return ((n * s.C + c) * s.H + h) * s.W + ww; };
+  auto at_w = [&](i64 k, i64 c, i64 r, i64 q) { return ((k * s.C + c) * s.R + r) * s.S + q; };
+  auto at_y = [&](i64 n, i64 k, i64 p, i64 q) { return ((n * s.K + k) * s.P + p) * s.Q + q; };
+  std::vector<double> y_ref(gy.size()), gx_ref(x.size()), gw_ref(w.size()), gb_ref(s.K);
+  for (i64 n = 0; n < s.N; ++n)
+    for (i64 k = 0; k < s.K; ++k)
+      for (i64 p = 0; p < s.P; ++p)
+        for (i64 q = 0; q < s.Q; ++q) {
+          double acc = with_bias ? bias[k] : 0.0;
+          const double g = gy[at_y(n, k, p, q)];
+          gb_ref[k] += g;
+          for (i64 c = 0; c < s.C; ++c)
+            for (i64 r = 0; r < s.R; ++r)
+              for (i64 t = 0; t < s.S; ++t) {
+                const i64 h = p * s.stride_h - s.pad_h + r, ww = q * s.stride_w - s.pad_w + t;
+                if (h < 0 || h >= s.H || ww < 0 || ww >= s.W) continue;
+                acc += double(x[at_x(n, c, h, ww)]) * w[at_w(k, c, r, t)];
+                gx_ref[at_x(n, c, h, ww)] += g * w[at_w(k, c, r, t)];
+                gw_ref[at_w(k, c, r, t)] += g * x[at_x(n, c, h, ww)];
+              }
+          y_ref[at_y(n, k, p, q)] = acc;
+        }
+  std::vector<float> y(gy.size()), gx(x.size(), 9.0f), gw(w.size(), 9.0f), gb(s.K, 9.0f);
+  be().conv2d_forward(dev0(), s, x.data(), w.data(), with_bias ? bias.data() : nullptr, y.data());
+  be().conv2d_backward_data(dev0(), s, gy.data(), w.data(), gx.data());
+  be().conv2d_backward_weight(dev0(), s, x.data(), gy.data(), gw.data(), with_bias ? gb.data() : nullptr);
+  check_close(y, y_ref, 1e-4, 1e-4, "conv forward");
+  check_close(gx, gx_ref, 1e-4, 1e-4, "conv backward data");
+  check_close(gw, gw_ref, 1e-4, 1e-3, "conv backward weight");
+  if (with_bias) check_close(gb, gb_ref, 1e-4, 1e-3, "conv backward bias");
+  // Deterministic run to run.
+  std::vector<float> gw2(w.size());
+  be().conv2d_backward_weight(dev0(), s, x.data(), gy.data(), gw2.data(), nullptr);
+  CHECK(bitwise_equal(gw, gw2));
+}
+
+}  // namespace
+
+TEST_CASE("conv2d forward / backward data / backward weight against naive loops") {
+  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked}) {
+    CAPTURE(int(layout));
+    be().set_conv_layout(layout);
+    check_conv(conv_shape(2, 3, 7, 9, 4, 3, 2, 2, 2, 1, 1), true);     // stride 2, non-square
+    check_conv(conv_shape(3, 5, 11, 8, 6, 3, 3, 1, 1, 1, 0), false);   // asymmetric padding
+    check_conv(conv_shape(4, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), true);  // CNN layer 1 (small N)
+    check_conv(conv_shape(2, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), true); // CNN layer 2 (small N)
+    check_conv(conv_shape(1, 2, 5, 5, 3, 1, 1, 1, 1, 0, 0), true);     // 1x1
+  }
+  be().set_conv_layout(cpu::ConvLayout::Plain);
+  Conv2dShape bad = conv_shape(1, 1, 5, 5, 1, 3, 3, 1, 1, 0, 0);
+  bad.P = 5;
+  std::vector<float> buf(100);
+  CHECK_THROWS_AS(be().conv2d_forward(dev0(), bad, buf.data(), buf.data(), nullptr, buf.data()), dp::Error);
+}
+
+// ---- pooling --------------------------------------------------------------------------------------
+
+namespace {
+Pool2dShape pool_shape(i64 N, i64 C, i64 H, i64 W, i64 k, i64 st, i64 pad) {
+  Pool2dShape s{N, C, H, W, k, k, st, st, pad, pad, 0, 0};
+  s.P = (H + 2 * pad - k) / st + 1;
+  s.Q = (W + 2 * pad - k) / st + 1;
+  return s;
+}
+}  // namespace
+
+TEST_CASE("max pooling with padding: forward, indices, ties, backward") {
+  for (const Pool2dShape& s : {pool_shape(2, 3, 7, 9, 3, 2, 1), pool_shape(8, 32, 28, 28, 2, 2, 0),
+                               pool_shape(1, 1, 5, 5, 2, 1, 1)}) {
+    auto x = random_vec(s.N * s.C * s.H * s.W, 24, -1.0f, 0.0f);  // negative: padding must not win
+    for (auto& v : x) v = std::round(v * 4.0f);                    // ties
+    std::vector<float> y(s.N * s.C * s.P * s.Q);
+    std::vector<i64> idx(y.size());
+    be().maxpool2d_forward(dev0(), s, x.data(), y.data(), idx.data());
+    auto gy = random_vec(y.size(), 25);
+    std::vector<double> gx_ref(x.size());
+    for (i64 pl = 0; pl < s.N * s.C; ++pl)
+      for (i64 p = 0; p < s.P; ++p)
+        for (i64 q = 0; q < s.Q; ++q) {
+          float best = -INFINITY;
+          i64 bi = -1;
+          for (i64 r = 0; r < s.kernel_h; ++r)
+            for (i64 t = 0; t < s.kernel_w; ++t) {
+              const i64 h = p * s.stride_h - s.pad_h + r, w = q * s.stride_w - s.pad_w + t;
+              if (h < 0 || h >= s.H || w < 0 || w >= s.W) continue;
+              if (x[pl * s.H * s.W + h * s.W + w] > best) {
+                best = x[pl * s.H * s.W + h * s.W + w];
+                bi = h * s.W + w;
+              }
+            }
+          const i64 o = (pl * s.P + p) * s.Q + q;
+          REQUIRE(y[o] == best);
+          REQUIRE(idx[o] == bi);
+          gx_ref[pl * s.H * s.W + bi] += gy[o];
+        }
+    std::vector<float> gx(x.size(), 5.0f);
+    be().maxpool2d_backward(dev0(), s, gy.data(), idx.data(), gx.data());
+    check_close(gx, gx_ref, 1e-6, 1e-6, "maxpool backward");
+  }
+}
+
+TEST_CASE("average pooling counting padding: forward and backward") {
+  for (const Pool2dShape& s : {pool_shape(2, 3, 7, 9, 3, 2, 1), pool_shape(4, 16, 14, 14, 2, 2, 0)}) {
+    auto x = random_vec(s.N * s.C * s.H * s.W, 26);
+    auto gy = random_vec(s.N * s.C * s.P * s.Q, 27);
+    std::vector<double> y_ref(gy.size()), gx_ref(x.size());
+    const double div = double(s.kernel_h * s.kernel_w);
+    for (i64 pl = 0; pl < s.N * s.C; ++pl)
+      for (i64 p = 0; p < s.P; ++p)
+        for (i64 q = 0; q < s.Q; ++q) {
+          const i64 o = (pl * s.P + p) * s.Q + q;
+          for (i64 r = 0; r < s.kernel_h; ++r)
+            for (i64 t = 0; t < s.kernel_w; ++t) {
+              const i64 h = p * s.stride_h - s.pad_h + r, w = q * s.stride_w - s.pad_w + t;
+              if (h < 0 || h >= s.H || w < 0 || w >= s.W) continue;
+              y_ref[o] += x[pl * s.H * s.W + h * s.W + w] / div;
+              gx_ref[pl * s.H * s.W + h * s.W + w] += gy[o] / div;
+            }
+        }
+    std::vector<float> y(gy.size()), gx(x.size(), 3.0f);
+    be().avgpool2d_forward(dev0(), s, x.data(), y.data());
+    be().avgpool2d_backward(dev0(), s, gy.data(), gx.data());
+    check_close(y, y_ref, 1e-5, 1e-6, "avgpool forward");
+    check_close(gx, gx_ref, 1e-5, 1e-6, "avgpool backward");
+  }
+}
+
+// ---- batch norm ------------------------------------------------------------------------------------
+
+TEST_CASE("batchnorm train / eval / backward against double references") {
+  const i64 N = 16, C = 5, HW = 49, M = N * HW;
+  auto x = random_vec(N * C * HW, 28, 1.0f, 3.0f);  // mean far from 0
+  auto gamma = random_vec(C, 29, 0.5f, 1.5f), beta = random_vec(C, 30);
+  auto gy = random_vec(x.size(), 31);
+  std::vector<float> rm(C, 0.1f), rv(C, 2.0f), y(x.size()), mean(C), invstd(C);
+  const float eps = 1e-5f, mom = 0.1f;
+  be().batchnorm_forward_train(dev0(), N, C, HW, x.data(), gamma.data(), beta.data(), eps, mom,
+                               rm.data(), rv.data(), y.data(), mean.data(), invstd.data());
+  std::vector<double> y_ref(x.size()), gx_ref(x.size()), mean_ref(C), invstd_ref(C), rm_ref(C),
+      rv_ref(C), gg_ref(C), gb_ref(C);
+  for (i64 c = 0; c < C; ++c) {
+    double s = 0, sq = 0;
+    for (i64 n = 0; n < N; ++n)
+      for (i64 i = 0; i < HW; ++i) s += x[(n * C + c) * HW + i];
+    const double mu = s / M;
+    for (i64 n = 0; n < N; ++n)
+      for (i64 i = 0; i < HW; ++i) sq += std::pow(x[(n * C + c) * HW + i] - mu, 2);
+    const double var = sq / M, is = 1 / std::sqrt(var + eps);
+    mean_ref[c] = mu;
+    invstd_ref[c] = is;
+    rm_ref[c] = 0.9 * 0.1 + 0.1 * mu;
+    rv_ref[c] = 0.9 * 2.0 + 0.1 * sq / (M - 1);
+    double sg = 0, sgx = 0;
+    for (i64 n = 0; n < N; ++n)
+      for (i64 i = 0; i < HW; ++i) {
+        const i64 j = (n * C + c) * HW + i;
+        const double xh = (x[j] - mu) * is;
+        y_ref[j] = gamma[c] * xh + beta[c];
+        sg += gy[j];
+        sgx += gy[j] * xh;
+      }
+    gb_ref[c] = sg;
+    gg_ref[c] = sgx;
+    for (i64 n = 0; n < N; ++n)
+      for (i64 i = 0; i < HW; ++i) {
+        const i64 j = (n * C + c) * HW + i;
+        const double xh = (x[j] - mu) * is;
+        gx_ref[j] = gamma[c] * is * (gy[j] - sg / M - xh * sgx / M);
+      }
+  }
+  check_close(y, y_ref, 1e-5, 1e-5, "bn train y");
+  check_close(mean, mean_ref, 1e-6, 0, "bn save_mean");
+  check_close(invstd, invstd_ref, 1e-6, 0, "bn save_invstd");
+  check_close(rm, rm_ref, 1e-6, 0, "bn running_mean");
+  check_close(rv, rv_ref, 1e-6, 0, "bn running_var");
+
+  std::vector<float> gx(x.size()), gg(C), gb(C);
+  be().batchnorm_backward(dev0(), N, C, HW, gy.data(), x.data(), gamma.data(), mean.data(),
+                          invstd.data(), gx.data(), gg.data(), gb.data());
+  check_close(gx, gx_ref, 1e-4, 1e-5, "bn backward gx");
+  check_close(gg, gg_ref, 1e-4, 1e-4, "bn backward ggamma");
+  check_close(gb, gb_ref, 1e-5, 1e-4, "bn backward gbeta");
+
+  std::vector<float> ye(x.size());
+  be().batchnorm_forward_eval(dev0(), N, C, HW, x.data(), gamma.data(), beta.data(), eps, rm.data(),
+                              rv.data(), ye.data());
+  std::vector<double> ye_ref(x.size());
+  for (i64 n = 0; n < N; ++n)
+    for (i64 c = 0; c < C; ++c)
+      for (i64 i = 0; i < HW; ++i) {
+        const i64 j = (n * C + c) * HW + i;
+        ye_ref[j] = gamma[c] * (x[j] - double(rm[c])) / std::sqrt(double(rv[c]) + eps) + beta[c];
+      }
+  check_close(ye, ye_ref, 1e-5, 1e-5, "bn eval");
+}
+
+// ---- softmax and NLL --------------------------------------------------------------------------------
+
+TEST_CASE("log_softmax forward/backward and nll") {
+  for (i64 cols : {1, 10, 1001}) {
+    const i64 rows = 67;
+    auto x = random_vec(rows * cols, 32, -20.0f, 20.0f);
+    auto gy = random_vec(rows * cols, 33);
+    std::vector<float> y(x.size()), gx(x.size());
+    be().log_softmax(dev0(), x.data(), y.data(), rows, cols);
+    be().log_softmax_backward(dev0(), gy.data(), y.data(), gx.data(), rows, cols);
+    std::vector<double> y_ref(x.size()), gx_ref(x.size());
+    for (i64 r = 0; r < rows; ++r) {
+      double mx = -INFINITY, s = 0, sg = 0;
+      for (i64 j = 0; j < cols; ++j) mx = std::max(mx, double(x[r * cols + j]));
+      for (i64 j = 0; j < cols; ++j) s += std::exp(x[r * cols + j] - mx);
+      for (i64 j = 0; j < cols; ++j) {
+        y_ref[r * cols + j] = x[r * cols + j] - mx - std::log(s);
+        sg += gy[r * cols + j];
+      }
+      for (i64 j = 0; j < cols; ++j)
+        gx_ref[r * cols + j] = gy[r * cols + j] - std::exp(y_ref[r * cols + j]) * sg;
+    }
+    check_close(y, y_ref, 1e-5, 1e-5, "log_softmax");
+    check_close(gx, gx_ref, 1e-4, 1e-5, "log_softmax backward");
+
+    std::vector<i64> target(rows);
+    for (i64 r = 0; r < rows; ++r) target[r] = (r * 7) % cols;
+    std::vector<float> loss(rows), gloss = random_vec(rows, 34), gxn(x.size(), 4.0f);
+    be().nll_forward(dev0(), y.data(), target.data(), loss.data(), rows, cols);
+    be().nll_backward(dev0(), gloss.data(), target.data(), gxn.data(), rows, cols);
+    for (i64 r = 0; r < rows; ++r) {
+      REQUIRE(loss[r] == -y[r * cols + target[r]]);
+      for (i64 j = 0; j < cols; ++j)
+        REQUIRE(gxn[r * cols + j] == (j == target[r] ? -gloss[r] : 0.0f));
+    }
+  }
+}
+
+TEST_CASE("nll with a target out of range throws naming the row and value") {
+  const std::vector<float> logp(3 * 4, -1.0f);
+  std::vector<float> loss(3);
+  for (i64 bad : {4, -1}) {
+    const std::vector<i64> target = {0, bad, 2};
+    try {
+      be().nll_forward(dev0(), logp.data(), target.data(), loss.data(), 3, 4);
+      FAIL("expected dp::Error");
+    } catch (const dp::Error& e) {
+      const std::string msg = e.what();
+      CHECK(msg.find("target[1] = " + std::to_string(bad)) != std::string::npos);
+      CHECK(msg.find("[0, 4)") != std::string::npos);
+    }
+    std::vector<float> gx(12);
+    CHECK_THROWS_AS(be().nll_backward(dev0(), loss.data(), target.data(), gx.data(), 3, 4), dp::Error);
+  }
+}
+
+// ---- optimizers -----------------------------------------------------------------------------
+
+TEST_CASE("sgd: hand-computed values for momentum, nesterov, dampening, weight decay") {
+  // p = 1, constant grad 0.5, lr = 0.1; values worked out by hand from torch.optim.SGD.
+  auto run = [](float momentum, float dampening, float wd, bool nesterov, int steps) {
+    float p = 1.0f, g = 0.5f, buf = 0.0f;
+    for (int s = 0; s < steps; ++s)
+      be().sgd_step(dev0(), &p, &g, momentum != 0 ? &buf : nullptr, 1, 0.1f, momentum, dampening,
+                    wd, nesterov, s == 0);
+    return p;
+  };
+  CHECK(run(0.0f, 0.0f, 0.0f, false, 2) == doctest::Approx(0.9).epsilon(1e-6));
+  CHECK(run(0.9f, 0.0f, 0.1f, false, 1) == doctest::Approx(0.94).epsilon(1e-6));
+  CHECK(run(0.9f, 0.0f, 0.1f, false, 2) == doctest::Approx(0.8266).epsilon(1e-6));
+  CHECK(run(0.9f, 0.0f, 0.1f, false, 3) == doctest::Approx(0.666274).epsilon(1e-6));
+  CHECK(run(0.9f, 0.0f, 0.1f, true, 1) == doctest::Approx(0.886).epsilon(1e-6));
+  CHECK(run(0.9f, 0.0f, 0.1f, true, 2) == doctest::Approx(0.725566).epsilon(1e-6));
+  CHECK(run(0.9f, 0.5f, 0.0f, false, 1) == doctest::Approx(0.95).epsilon(1e-6));  // no dampening at step 1
+  CHECK(run(0.9f, 0.5f, 0.0f, false, 2) == doctest::Approx(0.88).epsilon(1e-6));
+  // A large buffer runs the parallel path and agrees with the scalar functor.
+  const i64 n = 100003;
+  auto p = random_vec(n, 35), g = random_vec(n, 36), buf = random_vec(n, 37);
+  auto p0 = p, buf0 = buf;
+  be().sgd_step(dev0(), p.data(), g.data(), buf.data(), n, 0.01f, 0.9f, 0.1f, 1e-4f, true, false);
+  const SgdUpdate upd{SgdParams{0.01f, 0.9f, 0.1f, 1e-4f, true, false}};
+  for (i64 i = 0; i < n; ++i) {
+    upd(p0[i], g[i], &buf0[i]);
+    REQUIRE(p[i] == p0[i]);
+    REQUIRE(buf[i] == buf0[i]);
+  }
+  CHECK_THROWS_AS(be().sgd_step(dev0(), p.data(), g.data(), nullptr, n, 0.1f, 0.9f, 0, 0, false, true),
+                  dp::Error);
+}
+
+TEST_CASE("adam and adamw: hand-computed values for three steps") {
+  // p = 1, constant grad 0.5, lr = 0.1, betas (0.9, 0.999): with a constant gradient the
+  // bias-corrected step is exactly lr, so Adam gives 0.9, 0.8, 0.7; AdamW (wd = 0.1)
+  // first scales p by 1 - lr*wd = 0.99: 0.89, 0.7811, 0.673289.
+  auto run = [](float wd, bool decoupled, int steps) {
+    float p = 1.0f, g = 0.5f, m = 0.0f, v = 0.0f;
+    for (int s = 1; s <= steps; ++s)
+      be().adam_step(dev0(), &p, &g, &m, &v, 1, 0.1f, 0.9f, 0.999f, 1e-8f, wd, decoupled, s);
+    return p;
+  };
+  CHECK(run(0.0f, false, 1) == doctest::Approx(0.9).epsilon(1e-5));
+  CHECK(run(0.0f, false, 2) == doctest::Approx(0.8).epsilon(1e-5));
+  CHECK(run(0.0f, false, 3) == doctest::Approx(0.7).epsilon(1e-5));
+  CHECK(run(0.1f, true, 1) == doctest::Approx(0.89).epsilon(1e-5));
+  CHECK(run(0.1f, true, 2) == doctest::Approx(0.7811).epsilon(1e-5));
+  CHECK(run(0.1f, true, 3) == doctest::Approx(0.673289).epsilon(1e-5));
+  // Adam with L2 weight decay (g += wd * p), against a double evaluation of the formula.
+  double p = 1, m = 0, v = 0;
+  float pf = 1, gf = 0.5f, mf = 0, vf = 0;
+  for (int s = 1; s <= 3; ++s) {
+    const double g = 0.5 + 0.1 * p;
+    m = 0.9 * m + 0.1 * g;
+    v = 0.999 * v + 0.001 * g * g;
+    const double denom = std::sqrt(v) / std::sqrt(1 - std::pow(0.999, s)) + 1e-8;
+    p -= 0.1 / (1 - std::pow(0.9, s)) * m / denom;
+    be().adam_step(dev0(), &pf, &gf, &mf, &vf, 1, 0.1f, 0.9f, 0.999f, 1e-8f, 0.1f, false, s);
+    CHECK(pf == doctest::Approx(p).epsilon(1e-5));
+  }
+  CHECK(p == doctest::Approx(0.7).epsilon(1e-3));  // sanity: the step stays ~lr
+  CHECK_THROWS_AS(be().adam_step(dev0(), &pf, &gf, &mf, &vf, 1, 0.1f, 0.9f, 0.999f, 1e-8f, 0, false, 0),
+                  dp::Error);
+}
+
+// ---- devices used concurrently ----------------------------------------------------------------
+
+TEST_CASE("two devices used from two threads concurrently: correct and not oversubscribed") {
+  const int hw = dp::hardware_concurrency();
+  be().set_concurrent_devices(2);
+  const int per = std::max(1, hw / 2);
+  CHECK(be().threads_per_device(dp::cpu(0)) == per);
+  CHECK(be().threads_per_device(dp::cpu(1)) == per);
+
+  const i64 m = 128, n = 256, k = 192;
+  auto a = random_vec(m * k, 40), b = random_vec(k * n, 41);
+  const Conv2dShape cs = conv_shape(8, 16, 14, 14, 32, 3, 3, 1, 1, 1, 1);
+  auto x = random_vec(cs.N * cs.C * cs.H * cs.W, 42), w = random_vec(cs.K * cs.C * 9, 43);
+  auto big = random_vec(500000, 44);
+
+  struct Result {
+    std::vector<float> c, y;
+    float sum = 0;
+    int omp_team = 0, omp_max = 0, arena_conc = 0, loop_conc = 0;
+  };
+  auto work = [&](Device d, Result& res) {
+    res.c.assign(m * n, 0.0f);
+    res.y.assign(cs.N * cs.K * cs.P * cs.Q, 0.0f);
+    for (int it = 0; it < 5; ++it) {
+      be().gemm(d, false, false, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, res.c.data(), n);
+      be().conv2d_forward(d, cs, x.data(), w.data(), nullptr, res.y.data());
+      be().reduce(d, ReduceOp::Sum, big.data(), &res.sum, 1, 500000, 1);
+    }
+    // The OpenMP ICV oneDNN saw on this thread, and the team a region here really gets.
+    res.omp_max = omp_get_max_threads();
+#pragma omp parallel
+    {
+#pragma omp single
+      res.omp_team = omp_get_num_threads();
+    }
+    res.arena_conc = be().state(d).arena->max_concurrency();
+    // With one thread the loop runs on the calling thread; otherwise inside the arena.
+    be().parallel_for(d, 1 << 20, 1, [&](i64, i64) {
+      res.loop_conc = tbb::this_task_arena::max_concurrency();
+    });
+  };
+  Result serial, r0, r1;
+  be().set_concurrent_devices(1);
+  work(dp::cpu(0), serial);
+  be().set_concurrent_devices(2);
+  std::thread t0([&] { work(dp::cpu(0), r0); });
+  std::thread t1([&] { work(dp::cpu(1), r1); });
+  t0.join();
+  t1.join();
+  for (const Result* r : {&r0, &r1}) {
+    CHECK(r->omp_max == per);
+    CHECK(r->omp_team == per);
+    CHECK(r->arena_conc == per);
+    if (per > 1) CHECK(r->loop_conc == per);
+    check_close(r->c, std::vector<double>(serial.c.begin(), serial.c.end()), 1e-5, 1e-5, "gemm");
+    check_close(r->y, std::vector<double>(serial.y.begin(), serial.y.end()), 1e-5, 1e-5, "conv");
+    CHECK(r->sum == serial.sum);  // reduction order is fixed by shape, not threads
+  }
+  be().set_concurrent_devices(1);
+  CHECK(be().threads_per_device(dp::cpu(0)) == hw);  // one device gets every core
+  Result alone;
+  work(dp::cpu(0), alone);
+  CHECK(alone.omp_max == hw);
+  CHECK(alone.arena_conc == hw);
+  CHECK(alone.loop_conc == hw);
+}
