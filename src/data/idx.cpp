@@ -121,7 +121,7 @@ IdxArray parse_idx(const std::uint8_t* data, std::size_t size, const std::string
   const std::uint64_t got = size - header;
   DP_CHECK(got == data_bytes, "IDX file '", name, "' ",
            got < data_bytes ? "is truncated" : "has trailing bytes", ": dims ", dims_str(out.dims),
-           " of ", idx_dtype_name(out.dtype), " expect ", data_bytes, " data bytes after the ",
+           " of ", idx_dtype_name(out.dtype), " expected ", data_bytes, " data bytes after the ",
            header, "-byte header, got ", got);
 
   out.bytes.assign(data + header, data + size);

@@ -187,7 +187,7 @@ TEST_CASE("IDX errors name the file and say what was expected") {
     bad.push_back(0);  // one byte too many
     std::string msg = error_of([&] { dp::data::parse_idx(bad.data(), bad.size(), "t.idx"); });
     CHECK(has(msg, "trailing bytes"));
-    CHECK(has(msg, "expect 12 data bytes"));
+    CHECK(has(msg, "expected 12 data bytes"));
     CHECK(has(msg, "got 13"));
   }
   SUBCASE("dims whose product overflows") {
