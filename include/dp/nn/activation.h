@@ -1,0 +1,37 @@
+// dp/nn/activation.h — parameter-free elementwise activation layers.
+//
+// Thin Module wrappers over the differentiable ops of dp/tensor/ops.h, for use inside
+// Sequential. Knows nothing of parameters or DataParallel.
+//
+//   dp::nn::Sequential net(std::make_shared<dp::nn::Linear>(4, 8),
+//                          std::make_shared<dp::nn::ReLU>());
+#pragma once
+
+#include <string>
+
+#include "dp/nn/module.h"
+
+namespace dp::nn {
+
+/// max(x, 0) elementwise.
+class ReLU : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  std::string name() const override { return "ReLU()"; }
+};
+
+/// 1 / (1 + exp(−x)) elementwise.
+class Sigmoid : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  std::string name() const override { return "Sigmoid()"; }
+};
+
+/// tanh(x) elementwise.
+class Tanh : public Module {
+ public:
+  Tensor forward(const Tensor& x) override;
+  std::string name() const override { return "Tanh()"; }
+};
+
+}  // namespace dp::nn

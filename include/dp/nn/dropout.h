@@ -1,0 +1,56 @@
+// dp/nn/dropout.h — inverted dropout with one random stream per parameter-set copy.
+//
+// Note [Dropout generators]
+// A Generator is not thread-safe, and DataParallel runs one module object on several
+// worker threads at once, each bound to its own copy (ReplicaBinding). Dropout
+// therefore owns a fixed array of kMaxCopies generators and forward draws from
+// generators_[ReplicaBinding::current()], so concurrent workers never share one.
+// Generator r is seeded with mix(seed, r) (a SplitMix64 step), so every copy's stream
+// is deterministic for a given seed, and copies never repeat each other's masks. The
+// seed is taken from dp::default_generator() at construction (so dp::manual_seed
+// makes a run reproducible) unless given explicitly. Consequence: under
+// DataParallel each shard's mask comes from its device's stream, so masks differ
+// from single-device training with the same seed (as in PyTorch). Two threads bound
+// to the SAME copy must not run forward concurrently.
+//
+//   auto drop = std::make_shared<dp::nn::Dropout>(0.5);
+//   dp::Tensor y = (*drop)(x);          // training: zeros ~half, scales the rest by 2
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "dp/nn/module.h"
+
+namespace dp::nn {
+
+/// Zeroes elements with probability p while training and scales the rest by 1/(1 − p);
+/// identity in eval mode.
+class Dropout : public Module {
+ public:
+  /// Most copies (devices) a Dropout layer serves; see Note [Dropout generators].
+  static constexpr int kMaxCopies = 64;
+
+  /// p in [0, 1]. Without `seed`, one is drawn from dp::default_generator().
+  explicit Dropout(double p = 0.5, std::optional<std::uint64_t> seed = std::nullopt);
+
+  Tensor forward(const Tensor& x) override;
+  /// "Dropout(p=0.5)".
+  std::string name() const override;
+
+  double p() const { return p_; }
+  std::uint64_t seed() const { return seed_; }
+  /// Reseeds every copy's generator from `seed` (restarting their streams).
+  void set_seed(std::uint64_t seed);
+  /// The generator copy r draws from (0 ≤ r < kMaxCopies).
+  Generator& generator(int copy);
+
+ private:
+  double p_;
+  std::uint64_t seed_ = 0;
+  std::array<Generator, kMaxCopies> generators_;
+};
+
+}  // namespace dp::nn

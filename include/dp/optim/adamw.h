@@ -1,0 +1,29 @@
+// dp/optim/adamw.h — AdamW (Loshchilov & Hutter): Adam with decoupled weight decay,
+// PyTorch's torch.optim.AdamW formulas (p *= 1 − lr·wd before the Adam update).
+//
+//   dp::optim::AdamW opt(net->parameters(), {.lr = 1e-3});   // weight_decay 1e-2
+#pragma once
+
+#include <vector>
+
+#include "dp/optim/adam.h"
+
+namespace dp::optim {
+
+/// Hyper-parameters of AdamW: Adam's, with PyTorch's default weight_decay = 1e-2.
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+/// Adam with decoupled weight decay.
+class AdamW : public Adam {
+ public:
+  AdamW(nn::ParameterList params, AdamWOptions options = {});
+  AdamW(std::vector<Tensor> params, AdamWOptions options = {});
+};
+
+}  // namespace dp::optim

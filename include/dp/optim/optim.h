@@ -1,0 +1,10 @@
+// dp/optim/optim.h — every optimizer of dp.
+//
+//   #include "dp/optim/optim.h"
+//   dp::optim::Adam opt(net->parameters(), {.lr = 1e-3});
+#pragma once
+
+#include "dp/optim/adam.h"
+#include "dp/optim/adamw.h"
+#include "dp/optim/optimizer.h"
+#include "dp/optim/sgd.h"

@@ -1,0 +1,106 @@
+// dp/optim/optimizer.h — the base of every optimizer: fused updates over flat buffers.
+//
+// Note [Fused optimizer steps]
+// An optimizer is built over a ParameterList (see Note [Parameter sets]). It groups the
+// list's parameters into contiguous ranges of their set's flat buffers (adjacent
+// parameters merge; the whole set is one range) and keeps its state (momentum buffers,
+// exp_avg, …) flat, one buffer per state name and per copy of the set, laid out like
+// the ranges back to back. A step then calls ONE fused backend kernel per range and
+// copy on `copy(r).data` / `copy(r).grad` slices, via set->for_each_copy — so under
+// DataParallel's DDP mode each device's worker steps its own copy with its own state,
+// and no optimizer knows about DataParallel. State is allocated lazily on the copy's
+// device at its first step; a copy added later (DDP wrapping after some steps) starts
+// from a copy of the primary's state. Every parameter in a set is stepped, also one
+// whose gradient stayed zero (PyTorch would skip a parameter whose .grad is None).
+// A list of loose tensors (no set) is stepped one tensor at a time; tensors without
+// a gradient are skipped.
+//
+//   dp::optim::SGD opt(net->parameters(), {.lr = 0.1, .momentum = 0.9});
+//   opt.zero_grad();  loss.backward();  opt.step();
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dp/nn/module.h"
+#include "dp/nn/parameter_set.h"
+#include "dp/tensor/tensor.h"
+
+namespace dp::optim {
+
+/// Base class: range grouping, per-copy state, zero_grad, step driver, state_dict.
+class Optimizer {
+ public:
+  virtual ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// One update of every persistent copy of the parameters (see Note [Fused optimizer
+  /// steps]). Throws dp::Error when the parameters were re-flattened since construction.
+  void step();
+  /// Zeroes the gradients of every copy (one call per flat range and copy).
+  void zero_grad();
+
+  /// Number of completed steps.
+  std::int64_t step_count() const { return step_; }
+  /// The learning rate (schedulers change it between steps).
+  virtual double lr() const = 0;
+  virtual void set_lr(double lr) = 0;
+
+  /// The parameters this optimizer updates.
+  const nn::ParameterList& parameters() const { return params_; }
+
+  /// "step" (int64 scalar) and, once state exists, "state.<i>.<name>" for parameter i
+  /// of the list (its shape; values of copy 0), e.g. "state.0.exp_avg".
+  nn::StateDict state_dict();
+  /// Restores a state_dict() of an optimizer of the same kind over parameters of the
+  /// same shapes: copy 0's state is loaded and every other copy gets the same values.
+  /// Throws dp::Error naming missing/unexpected keys or a wrong shape.
+  void load_state_dict(const nn::StateDict& state);
+
+ protected:
+  /// `kind` names the optimizer in errors ("SGD", "Adam").
+  Optimizer(nn::ParameterList params, std::string kind);
+
+  /// Names of the per-element state buffers this optimizer keeps (may be empty).
+  virtual std::vector<std::string> state_names() const = 0;
+  /// Updates n elements in place on `dev`. state[k] points at state_names()[k]'s slice.
+  /// first: the state was just allocated (zeros) for this copy. step: 1-based step count.
+  virtual void update(Device dev, float* param, const float* grad, float* const* state,
+                      std::int64_t n, bool first, std::int64_t step) = 0;
+
+  const std::string& kind() const { return kind_; }
+
+ private:
+  /// A contiguous range [offset, offset + numel) of the set's flat buffers; its state
+  /// lives at [state_offset, state_offset + numel) of each state buffer.
+  struct Range {
+    std::int64_t offset = 0, numel = 0, state_offset = 0;
+  };
+  /// Per-copy state: one flat buffer per state name (empty until the first step).
+  struct CopyState {
+    std::vector<Tensor> buffers;
+    bool fresh = true;                // allocated as zeros and not stepped yet
+    std::weak_ptr<Storage> data;      // the copy's data buffer these states belong to
+  };
+
+  void check_valid() const;
+  void prepare_states();
+  void allocate_state(CopyState& st, Device dev, const Shape& shape);
+  void step_copy(int r);
+  void step_loose();
+  /// Copy 0's state slice of list entry i, shaped like the parameter.
+  Tensor state_view(std::size_t i, std::size_t k);
+
+  nn::ParameterList params_;
+  std::string kind_;
+  std::vector<Range> ranges_;
+  std::int64_t state_numel_ = 0;
+  std::vector<std::int64_t> entry_state_offset_;  // per list entry (set case)
+  std::vector<CopyState> states_;                 // per copy (set) or per tensor (loose)
+  std::int64_t step_ = 0;
+};
+
+}  // namespace dp::optim

@@ -1,0 +1,11 @@
+#include "dp/nn/flatten.h"
+
+#include "dp/core/error.h"
+
+namespace dp::nn {
+
+std::string Flatten::name() const {
+  return detail::str_cat("Flatten(start_dim=", start_, ", end_dim=", end_, ")");
+}
+
+}  // namespace dp::nn

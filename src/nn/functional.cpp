@@ -1,0 +1,518 @@
+#include "dp/nn/functional.h"
+
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "backend/backend.h"
+#include "dp/autograd/grad_mode.h"
+#include "dp/autograd/node.h"
+#include "dp/core/error.h"
+#include "dp/tensor/ops.h"
+
+namespace dp::nn {
+namespace {
+
+namespace be = dp::backend;
+
+void check_defined(const char* op, const char* what, const Tensor& t) {
+  DP_CHECK(t.defined(), op, ": expected ", what, " to be a defined tensor, got an undefined one");
+}
+
+void check_float(const char* op, const char* what, const Tensor& t) {
+  DP_CHECK(t.dtype() == Dtype::Float32, op, ": expected ", what, " to be float32, got ",
+           dtype_name(t.dtype()), " (", t.str(), ")");
+}
+
+void check_same_device(const char* op, const char* a_name, const Tensor& a, const char* b_name,
+                       const Tensor& b) {
+  DP_CHECK(a.device() == b.device(), op, ": ", a_name, " is on ", a.device(), " but ", b_name,
+           " is on ", b.device(), "; move both to one device with .to(device)");
+}
+
+/// A per-channel vector argument (gamma, bias, running stats): float32, (C), x's device.
+void check_channel_vector(const char* op, const char* what, const Tensor& t, const Tensor& x,
+                          std::int64_t C) {
+  check_float(op, what, t);
+  check_same_device(op, "input", x, what, t);
+  DP_CHECK(t.dim() == 1 && t.size(0) == C, op, ": expected ", what, " of shape [", C,
+           "] (one value per channel of input ", shape_str(x.shape()), "), got ",
+           shape_str(t.shape()));
+}
+
+/// True when a gradient for t has somewhere to go (t defined and needs one).
+bool needs(const Tensor& t) { return t.defined() && autograd::gradient_edge(t).valid(); }
+
+float* fptr(const Tensor& t) { return t.data<float>(); }
+float* fptr_or_null(const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; }
+
+/// An Indexer over n contiguous elements (both operands contiguous).
+be::Indexer flat_indexer(std::int64_t n) {
+  be::Indexer ix;
+  ix.ndim = 1;
+  ix.sizes[0] = n;
+  ix.strides_a[0] = 1;
+  ix.strides_b[0] = 1;
+  return ix;
+}
+
+/// A (n) tensor holding the single value of scalar tensor `s` times `factor`, on s's
+/// device without a host round trip (a broadcast copy, then a scale).
+Tensor broadcast_scalar(const Tensor& s, std::int64_t n, float factor) {
+  Device dev = s.device();
+  Tensor out = empty({n}, dev);
+  if (n == 0) return out;
+  be::Indexer ix;
+  ix.ndim = 1;
+  ix.sizes[0] = n;
+  ix.strides_a[0] = 0;  // stride 0: every output element reads the one value
+  auto& b = be::get(dev);
+  b.strided_copy(dev, ix, fptr(s), fptr(out));
+  if (factor != 1.0f) b.affine(dev, fptr(out), fptr(out), n, factor, 0.0f);
+  return out;
+}
+
+void check_grad_shape(const char* node, const Tensor& g, const Shape& shape) {
+  DP_ASSERT(g.shape() == shape, node, ": gradient ", shape_str(g.shape()), " does not match output ",
+            shape_str(shape));
+}
+
+// ---- pooling shared by max, average and adaptive average ---------------------------------
+
+be::Pool2dShape pool_shape(const char* op, const Tensor& x, std::int64_t kh, std::int64_t kw,
+                           std::int64_t sh, std::int64_t sw, std::int64_t ph, std::int64_t pw) {
+  check_defined(op, "input", x);
+  check_float(op, "input", x);
+  DP_CHECK(x.dim() == 4, op, ": expected a 4-d input (N, C, H, W), got ", shape_str(x.shape()));
+  DP_CHECK(kh >= 1 && kw >= 1, op, ": expected a kernel size >= 1, got ", kh, "x", kw);
+  DP_CHECK(sh >= 1 && sw >= 1, op, ": expected a stride >= 1, got ", sh, "x", sw);
+  DP_CHECK(ph >= 0 && pw >= 0 && 2 * ph <= kh && 2 * pw <= kw, op,
+           ": expected padding between 0 and half the kernel (", kh / 2, "), got ", ph);
+  be::Pool2dShape s;
+  s.N = x.size(0);
+  s.C = x.size(1);
+  s.H = x.size(2);
+  s.W = x.size(3);
+  s.kernel_h = kh;
+  s.kernel_w = kw;
+  s.stride_h = sh;
+  s.stride_w = sw;
+  s.pad_h = ph;
+  s.pad_w = pw;
+  DP_CHECK(s.H + 2 * ph >= kh && s.W + 2 * pw >= kw, op, ": the ", kh, "x", kw,
+           " window is larger than the padded input ", shape_str(x.shape()), " (padding ", ph,
+           "); use a smaller kernel or a larger input");
+  s.P = (s.H + 2 * ph - kh) / sh + 1;
+  s.Q = (s.W + 2 * pw - kw) / sw + 1;
+  return s;
+}
+
+Tensor avg_pool_impl(const char* op, const char* node, const Tensor& x, const be::Pool2dShape& s) {
+  Device dev = x.device();
+  Tensor y = empty({s.N, s.C, s.P, s.Q}, dev);
+  if (y.numel() > 0) be::get(dev).avgpool2d_forward(dev, s, fptr(x), fptr(y));
+  (void)op;
+  autograd::record(node, {x}, y, [s, dev, node](const std::vector<Tensor>& g) {
+    if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
+    check_grad_shape(node, g[0], {s.N, s.C, s.P, s.Q});
+    Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
+    if (gx.numel() > 0) be::get(dev).avgpool2d_backward(dev, s, fptr(g[0]), fptr(gx));
+    return std::vector<Tensor>{gx};
+  });
+  return y;
+}
+
+// ---- losses -------------------------------------------------------------------------------
+
+Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduction reduction,
+                double scale) {
+  check_defined(op, "target", target);
+  DP_CHECK(target.dtype() == Dtype::Int64, op, ": expected int64 class indices as target, got ",
+           dtype_name(target.dtype()), " (", target.str(), "); convert with .to(dp::Dtype::Int64)");
+  check_same_device(op, "input", logp, "target", target);
+  DP_CHECK(logp.dim() == 2, op, ": expected a 2-d input (B, C), got ", shape_str(logp.shape()));
+  const std::int64_t B = logp.size(0), C = logp.size(1);
+  DP_CHECK(target.dim() == 1 && target.size(0) == B, op, ": expected target of shape [", B,
+           "] (one class index per row of input ", shape_str(logp.shape()), "), got ",
+           shape_str(target.shape()));
+  DP_CHECK(reduction != Reduction::Mean || B > 0, op, ": the mean over an empty batch is undefined");
+  DP_CHECK(std::isfinite(scale), op, ": expected a finite scale, got ", scale);
+  Device dev = logp.device();
+  auto& b = be::get(dev);
+
+  Tensor losses = empty({B}, dev);
+  if (B > 0) b.nll_forward(dev, fptr(logp), target.data<std::int64_t>(), fptr(losses), B, C);
+
+  Tensor out;
+  float factor = static_cast<float>(scale);
+  if (reduction == Reduction::None) {
+    out = losses;
+    if (factor != 1.0f && B > 0) b.affine(dev, fptr(out), fptr(out), B, factor, 0.0f);
+  } else {
+    if (reduction == Reduction::Mean) factor = static_cast<float>(scale / static_cast<double>(B));
+    out = empty({}, dev);
+    b.reduce(dev, be::ReduceOp::Sum, fptr(losses), fptr(out), 1, B, 1);
+    if (factor != 1.0f) b.affine(dev, fptr(out), fptr(out), 1, factor, 0.0f);
+  }
+
+  autograd::record("NllLossBackward", {logp}, out,
+                   [target, B, C, factor, reduction, dev](const std::vector<Tensor>& g) {
+                     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
+                     auto& bk = be::get(dev);
+                     Tensor gloss;
+                     if (reduction == Reduction::None) {
+                       check_grad_shape("NllLossBackward", g[0], {B});
+                       gloss = empty({B}, dev);
+                       if (B > 0) bk.affine(dev, fptr(g[0]), fptr(gloss), B, factor, 0.0f);
+                     } else {
+                       DP_ASSERT(g[0].numel() == 1, "NllLossBackward: expected a scalar gradient");
+                       gloss = broadcast_scalar(g[0], B, factor);
+                     }
+                     Tensor gx = empty({B, C}, dev);
+                     if (B > 0) {
+                       bk.nll_backward(dev, fptr(gloss), target.data<std::int64_t>(), fptr(gx),
+                                       B, C);
+                     }
+                     return std::vector<Tensor>{gx};
+                   });
+  return out;
+}
+
+Tensor log_softmax_impl(const char* op, const Tensor& x) {
+  check_defined(op, "input", x);
+  check_float(op, "input", x);
+  DP_CHECK(x.dim() == 2, op, ": expected a 2-d input (B, C) (softmax over dim 1), got ",
+           shape_str(x.shape()), "; flatten the trailing dims first");
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  DP_CHECK(cols > 0 || rows == 0, op, ": expected at least one class, got ", shape_str(x.shape()));
+  Device dev = x.device();
+  Tensor y = empty(x.shape(), dev);
+  if (y.numel() > 0) be::get(dev).log_softmax(dev, fptr(x), fptr(y), rows, cols);
+  if (autograd::needs_grad({x})) {
+    // Saved without autograd history: the output's grad_fn must not own the output.
+    Tensor saved = y.detach();
+    autograd::record("LogSoftmaxBackward", {x}, y,
+                     [saved, rows, cols, dev](const std::vector<Tensor>& g) {
+                       if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
+                       check_grad_shape("LogSoftmaxBackward", g[0], {rows, cols});
+                       Tensor gx = empty({rows, cols}, dev);
+                       if (gx.numel() > 0) {
+                         be::get(dev).log_softmax_backward(dev, fptr(g[0]), fptr(saved),
+                                                           fptr(gx), rows, cols);
+                       }
+                       return std::vector<Tensor>{gx};
+                     });
+  }
+  return y;
+}
+
+}  // namespace
+
+// ---- convolution ------------------------------------------------------------------------
+
+Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+              std::int64_t padding) {
+  const char* op = "conv2d";
+  check_defined(op, "input", x);
+  check_defined(op, "weight", w);
+  check_float(op, "input", x);
+  check_float(op, "weight", w);
+  check_same_device(op, "input", x, "weight", w);
+  DP_CHECK(x.dim() == 4, "conv2d: expected a 4-d input (N, C, H, W), got ", shape_str(x.shape()));
+  DP_CHECK(w.dim() == 4, "conv2d: expected a 4-d weight (K, C, R, S), got ", shape_str(w.shape()));
+  DP_CHECK(x.size(1) == w.size(1), "conv2d: expected input (N, C=", w.size(1), ", H, W) to match weight's C=",
+           w.size(1), ", got ", shape_str(x.shape()), " (weight ", shape_str(w.shape()), ")");
+  if (b.defined()) {
+    check_float(op, "bias", b);
+    check_same_device(op, "input", x, "bias", b);
+    DP_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "conv2d: expected bias of shape [", w.size(0),
+             "] (one per output channel), got ", shape_str(b.shape()));
+  }
+  DP_CHECK(stride >= 1, "conv2d: expected stride >= 1, got ", stride);
+  DP_CHECK(padding >= 0, "conv2d: expected padding >= 0, got ", padding);
+
+  be::Conv2dShape s;
+  s.N = x.size(0);
+  s.C = x.size(1);
+  s.H = x.size(2);
+  s.W = x.size(3);
+  s.K = w.size(0);
+  s.R = w.size(2);
+  s.S = w.size(3);
+  s.stride_h = s.stride_w = stride;
+  s.pad_h = s.pad_w = padding;
+  DP_CHECK(s.H + 2 * padding >= s.R && s.W + 2 * padding >= s.S, "conv2d: the ", s.R, "x", s.S,
+           " kernel is larger than the padded input ", shape_str(x.shape()), " (padding ", padding,
+           "); use more padding or a larger input");
+  s.P = (s.H + 2 * padding - s.R) / stride + 1;
+  s.Q = (s.W + 2 * padding - s.S) / stride + 1;
+
+  Device dev = x.device();
+  Tensor y = empty({s.N, s.K, s.P, s.Q}, dev);
+  if (y.numel() > 0) be::get(dev).conv2d_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+
+  std::vector<Tensor> inputs{x, w};
+  if (b.defined()) inputs.push_back(b);
+  if (autograd::needs_grad(inputs)) {
+    const bool nx = needs(x), nw = needs(w), nb = needs(b), has_b = b.defined();
+    // Save only what backward reads: x for the weight/bias gradient, w for the input's.
+    Tensor xs = (nw || nb) ? x.detach() : Tensor();
+    Tensor ws = nx ? w.detach() : Tensor();
+    autograd::record("Conv2dBackward", inputs, y,
+                     [xs, ws, s, dev, nx, nw, nb, has_b](const std::vector<Tensor>& g) {
+                       std::vector<Tensor> grads(has_b ? 3 : 2);
+                       if (!g[0].defined()) return grads;
+                       check_grad_shape("Conv2dBackward", g[0], {s.N, s.K, s.P, s.Q});
+                       auto& bk = be::get(dev);
+                       const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
+                       if (nx) {
+                         Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
+                         if (empty_batch) {
+                           gx.zero_();
+                         } else {
+                           bk.conv2d_backward_data(dev, s, fptr(g[0]), fptr(ws), fptr(gx));
+                         }
+                         grads[0] = gx;
+                       }
+                       if (nw || nb) {
+                         Tensor gw = empty({s.K, s.C, s.R, s.S}, dev);
+                         Tensor gb = has_b ? empty({s.K}, dev) : Tensor();
+                         if (empty_batch) {
+                           gw.zero_();
+                           if (gb.defined()) gb.zero_();
+                         } else {
+                           bk.conv2d_backward_weight(dev, s, fptr(xs), fptr(g[0]), fptr(gw),
+                                                     fptr_or_null(gb));
+                         }
+                         if (nw) grads[1] = gw;
+                         if (nb) grads[2] = gb;
+                       }
+                       return grads;
+                     });
+  }
+  return y;
+}
+
+// ---- pooling -------------------------------------------------------------------------------
+
+Tensor max_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
+                  std::int64_t padding) {
+  if (stride <= 0) stride = kernel;
+  be::Pool2dShape s = pool_shape("max_pool2d", x, kernel, kernel, stride, stride, padding, padding);
+  Device dev = x.device();
+  Tensor y = empty({s.N, s.C, s.P, s.Q}, dev);
+  Tensor indices = empty({s.N, s.C, s.P, s.Q}, TensorOptions{Dtype::Int64, dev});
+  if (y.numel() > 0) {
+    be::get(dev).maxpool2d_forward(dev, s, fptr(x), fptr(y), indices.data<std::int64_t>());
+  }
+  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, indices](const std::vector<Tensor>& g) {
+    if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
+    check_grad_shape("MaxPool2dBackward", g[0], {s.N, s.C, s.P, s.Q});
+    Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
+    if (g[0].numel() > 0) {
+      be::get(dev).maxpool2d_backward(dev, s, fptr(g[0]), indices.data<std::int64_t>(), fptr(gx));
+    } else {
+      gx.zero_();
+    }
+    return std::vector<Tensor>{gx};
+  });
+  return y;
+}
+
+Tensor avg_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
+                  std::int64_t padding) {
+  if (stride <= 0) stride = kernel;
+  be::Pool2dShape s = pool_shape("avg_pool2d", x, kernel, kernel, stride, stride, padding, padding);
+  return avg_pool_impl("avg_pool2d", "AvgPool2dBackward", x, s);
+}
+
+Tensor adaptive_avg_pool2d_1x1(const Tensor& x) {
+  const char* op = "adaptive_avg_pool2d";
+  check_defined(op, "input", x);
+  DP_CHECK(x.dim() == 4, op, ": expected a 4-d input (N, C, H, W), got ", shape_str(x.shape()));
+  DP_CHECK(x.size(2) > 0 && x.size(3) > 0, op, ": expected H, W > 0, got ", shape_str(x.shape()));
+  // One window covering the whole plane is exactly the mean over H and W.
+  be::Pool2dShape s = pool_shape(op, x, x.size(2), x.size(3), x.size(2), x.size(3), 0, 0);
+  return avg_pool_impl(op, "AdaptiveAvgPool2dBackward", x, s);
+}
+
+// ---- batch norm ---------------------------------------------------------------------------
+
+Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
+                  const Tensor& running_mean, const Tensor& running_var, bool training,
+                  double momentum, double eps) {
+  const char* op = "batch_norm";
+  check_defined(op, "input", x);
+  check_float(op, "input", x);
+  DP_CHECK(x.dim() >= 2 && x.dim() <= 4, op, ": expected input (N, C), (N, C, L) or (N, C, H, W), got ",
+           shape_str(x.shape()));
+  const std::int64_t N = x.size(0), C = x.size(1);
+  const std::int64_t HW = C == 0 || N == 0 ? 0 : x.numel() / (N * C);
+  if (gamma.defined()) check_channel_vector(op, "weight (gamma)", gamma, x, C);
+  if (beta.defined()) check_channel_vector(op, "bias (beta)", beta, x, C);
+  DP_CHECK(running_mean.defined() == running_var.defined(), op,
+           ": expected both running_mean and running_var, or neither, got only one");
+  if (running_mean.defined()) {
+    check_channel_vector(op, "running_mean", running_mean, x, C);
+    check_channel_vector(op, "running_var", running_var, x, C);
+  }
+  DP_CHECK(eps > 0, op, ": expected eps > 0, got ", eps);
+  DP_CHECK(momentum >= 0 && momentum <= 1, op, ": expected momentum in [0, 1], got ", momentum);
+
+  Device dev = x.device();
+  auto& b = be::get(dev);
+  // Missing affine parameters act as scale 1, shift 0.
+  Tensor g_eff = gamma.defined() ? gamma : ones({C}, dev);
+  Tensor b_eff = beta.defined() ? beta : zeros({C}, dev);
+  Tensor y = empty(x.shape(), dev);
+  std::vector<Tensor> inputs{x};
+  if (gamma.defined()) inputs.push_back(gamma);
+  if (beta.defined()) inputs.push_back(beta);
+  const bool has_gamma = gamma.defined(), has_beta = beta.defined();
+
+  if (training) {
+    DP_CHECK(N * HW > 1, op, ": expected more than 1 value per channel when training, got input ",
+             shape_str(x.shape()), "; use a larger batch or call eval()");
+    Tensor save_mean = empty({C}, dev), save_invstd = empty({C}, dev);
+    b.batchnorm_forward_train(dev, N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff),
+                              static_cast<float>(eps), static_cast<float>(momentum),
+                              fptr_or_null(running_mean), fptr_or_null(running_var), fptr(y),
+                              fptr(save_mean), fptr(save_invstd));
+    if (running_mean.defined()) {
+      // Written through raw pointers: tell copies keyed on the version (DDP broadcast).
+      running_mean.storage()->bump_version();
+      running_var.storage()->bump_version();
+    }
+    if (autograd::needs_grad(inputs)) {
+      Tensor xs = x.detach(), gs = g_eff.detach();
+      autograd::record(
+          "BatchNormBackward", inputs, y,
+          [xs, gs, save_mean, save_invstd, N, C, HW, dev, has_gamma, has_beta](
+              const std::vector<Tensor>& g) {
+            std::vector<Tensor> grads(1 + has_gamma + has_beta);
+            if (!g[0].defined()) return grads;
+            check_grad_shape("BatchNormBackward", g[0], xs.shape());
+            Tensor gx = empty(xs.shape(), dev), gg = empty({C}, dev), gb = empty({C}, dev);
+            be::get(dev).batchnorm_backward(dev, N, C, HW, fptr(g[0]), fptr(xs), fptr(gs),
+                                            fptr(save_mean), fptr(save_invstd), fptr(gx),
+                                            fptr(gg), fptr(gb));
+            grads[0] = gx;
+            std::size_t i = 1;
+            if (has_gamma) grads[i++] = gg;
+            if (has_beta) grads[i++] = gb;
+            return grads;
+          });
+    }
+    return y;
+  }
+
+  DP_CHECK(running_mean.defined(), op,
+           ": evaluation mode normalises with running_mean and running_var; pass them, or use "
+           "training = true");
+  if (y.numel() > 0) {
+    b.batchnorm_forward_eval(dev, N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff),
+                             static_cast<float>(eps), fptr(running_mean), fptr(running_var),
+                             fptr(y));
+  }
+  if (autograd::needs_grad(inputs)) {
+    // The backend has no eval-mode backward; it is a per-channel affine map, so the
+    // gradients are a few tensor ops: y = gamma * (x - mean) * invstd + beta.
+    Tensor xs = x.detach(), gs = g_eff.detach();
+    Tensor rm = running_mean.detach().clone(), rv = running_var.detach().clone();
+    autograd::record(
+        "BatchNormEvalBackward", inputs, y,
+        [xs, gs, rm, rv, N, C, HW, eps, has_gamma, has_beta](const std::vector<Tensor>& g) {
+          std::vector<Tensor> grads(1 + has_gamma + has_beta);
+          if (!g[0].defined()) return grads;
+          NoGradGuard no_grad;
+          Tensor invstd = pow(add(rv, eps), -0.5);                  // (C)
+          Tensor gy = g[0].reshape({N, C, HW});
+          grads[0] = mul(gy, mul(gs, invstd).reshape({1, C, 1})).reshape(xs.shape());
+          std::size_t i = 1;
+          if (has_gamma) {
+            Tensor xhat = mul(sub(xs.reshape({N, C, HW}), rm.reshape({1, C, 1})),
+                              invstd.reshape({1, C, 1}));
+            grads[i++] = sum(sum(mul(gy, xhat), 2), 0);
+          }
+          if (has_beta) grads[i++] = sum(sum(gy, 2), 0);
+          return grads;
+        });
+  }
+  return y;
+}
+
+// ---- dropout --------------------------------------------------------------------------------
+
+Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
+  const char* op = "dropout";
+  check_defined(op, "input", x);
+  check_float(op, "input", x);
+  DP_CHECK(p >= 0.0 && p <= 1.0, "dropout: expected a probability p in [0, 1], got ", p);
+  if (!training || p == 0.0) return x;
+  if (p == 1.0) return mul(x, 0.0);  // everything dropped; still differentiable (zero gradient)
+  Device dev = x.device();
+  const std::int64_t n = x.numel();
+  Tensor y = empty(x.shape(), dev), mask = empty(x.shape(), dev);
+  const std::uint64_t offset = gen.advance(static_cast<std::uint64_t>(n));
+  if (n > 0) {
+    be::get(dev).dropout(dev, fptr(x), fptr(y), fptr(mask), n, static_cast<float>(p), gen.seed(),
+                         offset);
+  }
+  autograd::record("DropoutBackward", {x}, y, [mask, n, dev](const std::vector<Tensor>& g) {
+    if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
+    check_grad_shape("DropoutBackward", g[0], mask.shape());
+    Tensor gx = empty(mask.shape(), dev);
+    if (n > 0) be::get(dev).binary(dev, be::BinaryOp::Mul, flat_indexer(n), fptr(g[0]), fptr(mask), fptr(gx));
+    return std::vector<Tensor>{gx};
+  });
+  return y;
+}
+
+// ---- softmax and losses -------------------------------------------------------------------
+
+Tensor log_softmax(const Tensor& x) { return log_softmax_impl("log_softmax", x); }
+
+Tensor nll_loss(const Tensor& logp, const Tensor& target, Reduction reduction, double scale) {
+  check_defined("nll_loss", "input", logp);
+  check_float("nll_loss", "input (log-probabilities)", logp);
+  return nll_impl("nll_loss", logp, target, reduction, scale);
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction,
+                     double scale) {
+  // Target checks first: a wrong label tensor is the likelier mistake, and it should be
+  // named before any work is done.
+  check_defined("cross_entropy", "logits", logits);
+  check_float("cross_entropy", "logits", logits);
+  check_defined("cross_entropy", "target", target);
+  DP_CHECK(target.dtype() == Dtype::Int64, "cross_entropy: expected int64 class indices as target, got ",
+           dtype_name(target.dtype()), " (", target.str(), "); convert with .to(dp::Dtype::Int64)");
+  check_same_device("cross_entropy", "logits", logits, "target", target);
+  DP_CHECK(logits.dim() == 2, "cross_entropy: expected logits (B, C), got ", shape_str(logits.shape()));
+  DP_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), "cross_entropy: expected target of shape [",
+           logits.size(0), "] (one class index per row of logits ", shape_str(logits.shape()), "), got ",
+           shape_str(target.shape()));
+  return nll_impl("cross_entropy", log_softmax_impl("cross_entropy", logits), target, reduction, scale);
+}
+
+Tensor mse_loss(const Tensor& a, const Tensor& b, Reduction reduction, double scale) {
+  const char* op = "mse_loss";
+  check_defined(op, "input", a);
+  check_defined(op, "target", b);
+  check_float(op, "input", a);
+  check_float(op, "target", b);
+  check_same_device(op, "input", a, "target", b);
+  DP_CHECK(a.shape() == b.shape(), "mse_loss: expected input and target of one shape, got ",
+           shape_str(a.shape()), " and ", shape_str(b.shape()));
+  DP_CHECK(reduction != Reduction::Mean || a.numel() > 0, op, ": the mean over an empty input is undefined");
+  Tensor sq = square(sub(a, b));
+  Tensor out;
+  switch (reduction) {
+    case Reduction::Mean: out = mean(sq); break;
+    case Reduction::Sum: out = sum(sq); break;
+    case Reduction::None: out = sq; break;
+  }
+  return scale == 1.0 ? out : mul(out, scale);
+}
+
+}  // namespace dp::nn

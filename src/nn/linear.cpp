@@ -1,0 +1,32 @@
+#include "dp/nn/linear.h"
+
+#include "dp/core/error.h"
+#include "dp/nn/init.h"
+#include "dp/tensor/ops.h"
+
+namespace dp::nn {
+
+Linear::Linear(std::int64_t in_features, std::int64_t out_features, bool bias, Generator* gen)
+    : in_(in_features), out_(out_features) {
+  DP_CHECK(in_features > 0 && out_features > 0, "Linear: expected positive in and out features, got in=",
+           in_features, ", out=", out_features);
+  Tensor w = empty({out_, in_});
+  Tensor b = bias ? empty({out_}) : Tensor();
+  init::default_linear_init_(w, b, gen ? *gen : default_generator());
+  weight_ = register_parameter("weight", w);
+  if (bias) bias_ = register_parameter("bias", b);
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  DP_CHECK(x.defined(), "Linear: expected a defined input, got an undefined tensor");
+  DP_CHECK(x.dim() == 2 && x.size(1) == in_, "Linear: expected input (B, in=", in_, "), got ",
+           shape_str(x.shape()), x.dim() > 2 ? "; add a Flatten before this layer" : "");
+  return linear(x, weight_.get(), bias());
+}
+
+std::string Linear::name() const {
+  return detail::str_cat("Linear(in_features=", in_, ", out_features=", out_,
+                         ", bias=", bias_.defined() ? "true" : "false", ")");
+}
+
+}  // namespace dp::nn

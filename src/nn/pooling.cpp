@@ -1,0 +1,45 @@
+#include "dp/nn/pooling.h"
+
+#include "dp/core/error.h"
+#include "dp/nn/functional.h"
+
+namespace dp::nn {
+
+MaxPool2d::MaxPool2d(std::int64_t kernel_size, std::int64_t stride, std::int64_t padding)
+    : kernel_(kernel_size), stride_(stride <= 0 ? kernel_size : stride), padding_(padding) {
+  DP_CHECK(kernel_ > 0, "MaxPool2d: expected kernel_size > 0, got ", kernel_);
+  DP_CHECK(padding_ >= 0 && 2 * padding_ <= kernel_,
+           "MaxPool2d: expected padding between 0 and half the kernel, got ", padding_);
+}
+
+Tensor MaxPool2d::forward(const Tensor& x) { return max_pool2d(x, kernel_, stride_, padding_); }
+
+std::string MaxPool2d::name() const {
+  return detail::str_cat("MaxPool2d(kernel_size=", kernel_, ", stride=", stride_, ", padding=", padding_, ")");
+}
+
+AvgPool2d::AvgPool2d(std::int64_t kernel_size, std::int64_t stride, std::int64_t padding)
+    : kernel_(kernel_size), stride_(stride <= 0 ? kernel_size : stride), padding_(padding) {
+  DP_CHECK(kernel_ > 0, "AvgPool2d: expected kernel_size > 0, got ", kernel_);
+  DP_CHECK(padding_ >= 0 && 2 * padding_ <= kernel_,
+           "AvgPool2d: expected padding between 0 and half the kernel, got ", padding_);
+}
+
+Tensor AvgPool2d::forward(const Tensor& x) { return avg_pool2d(x, kernel_, stride_, padding_); }
+
+std::string AvgPool2d::name() const {
+  return detail::str_cat("AvgPool2d(kernel_size=", kernel_, ", stride=", stride_, ", padding=", padding_, ")");
+}
+
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(std::int64_t output_size)
+    : AdaptiveAvgPool2d(output_size, output_size) {}
+
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(std::int64_t output_h, std::int64_t output_w) {
+  DP_CHECK(output_h == 1 && output_w == 1,
+           "AdaptiveAvgPool2d: only output size 1x1 (global average pooling) is supported, got ",
+           output_h, "x", output_w, "; use AvgPool2d for other sizes");
+}
+
+Tensor AdaptiveAvgPool2d::forward(const Tensor& x) { return adaptive_avg_pool2d_1x1(x); }
+
+}  // namespace dp::nn

@@ -1,0 +1,328 @@
+#include "dp/optim/optimizer.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "backend/backend.h"
+#include "dp/core/error.h"
+
+namespace dp::optim {
+
+Optimizer::Optimizer(nn::ParameterList params, std::string kind)
+    : params_(std::move(params)), kind_(std::move(kind)) {
+  DP_CHECK(!params_.empty(), kind_, ": expected at least one parameter, got an empty list; pass "
+           "net->parameters() of a module that has parameters");
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& t = params_[i];
+    DP_CHECK(t.defined(), kind_, ": parameter ", i, " is an undefined tensor");
+    DP_CHECK(t.dtype() == Dtype::Float32, kind_, ": expected float32 parameters, got ",
+             dtype_name(t.dtype()), " for parameter ", i, " (", t.str(), ")");
+  }
+  const auto& set = params_.set();
+  if (!set) {
+    std::set<TensorImpl*> seen;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      DP_CHECK(seen.insert(params_[i].impl()).second, kind_, ": parameter ", i,
+               " appears twice in the list; pass each tensor once");
+    }
+    states_.resize(params_.size());
+    return;
+  }
+  check_valid();
+  const auto& slots = params_.slots();
+  DP_CHECK(slots.size() == params_.size(), kind_, ": the parameter list has ", params_.size(),
+           " tensors but ", slots.size(), " slots");
+
+  // Each entry's [offset, offset + numel) in the set's flat buffers.
+  std::vector<std::pair<std::int64_t, std::int64_t>> spans;
+  std::set<const nn::Parameter::Slot*> seen;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    const auto& slot = slots[i];
+    DP_CHECK(slot && slot->set.lock() == set && !slot->is_buffer, kind_, ": parameter ", i,
+             " does not belong to the list's parameter set");
+    DP_CHECK(seen.insert(slot.get()).second, kind_, ": parameter '", slot->name,
+             "' appears twice in the list; pass each parameter once");
+    spans.emplace_back(slot->offset, params_[i].numel());
+  }
+
+  entry_state_offset_.resize(slots.size());
+  if (seen.size() == set->size()) {
+    // The whole set: one range over the flat buffer (gaps for alignment, if any, hold
+    // zeros in data and grad and stay zero under every update we run).
+    ranges_.push_back(Range{0, set->numel(), 0});
+    state_numel_ = set->numel();
+    for (std::size_t i = 0; i < spans.size(); ++i) entry_state_offset_[i] = spans[i].first;
+  } else {
+    std::vector<std::pair<std::int64_t, std::int64_t>> sorted = spans;
+    std::sort(sorted.begin(), sorted.end());
+    for (const auto& [off, n] : sorted) {
+      if (!ranges_.empty() && ranges_.back().offset + ranges_.back().numel == off) {
+        ranges_.back().numel += n;  // adjacent in the flat buffer: one kernel call
+      } else {
+        ranges_.push_back(Range{off, n, state_numel_});
+      }
+      state_numel_ += n;
+    }
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      const std::int64_t off = spans[i].first;
+      auto it = std::upper_bound(ranges_.begin(), ranges_.end(), off,
+                                 [](std::int64_t o, const Range& r) { return o < r.offset; });
+      DP_ASSERT(it != ranges_.begin());
+      --it;
+      entry_state_offset_[i] = it->state_offset + (off - it->offset);
+    }
+  }
+  for (const Range& r : ranges_) {
+    DP_ASSERT(r.offset >= 0 && r.offset + r.numel <= set->numel(), "range [", r.offset, ", ",
+              r.offset + r.numel, ") outside the flat buffer of ", set->numel());
+  }
+}
+
+Optimizer::~Optimizer() = default;
+
+void Optimizer::check_valid() const {
+  const auto& set = params_.set();
+  DP_CHECK(!set || set->valid(), kind_,
+           ": parameters were re-flattened after this optimizer was built; build the "
+           "optimizer after wrapping the model (e.g. on model.parameters() of the "
+           "DataParallel wrapper)");
+}
+
+void Optimizer::allocate_state(CopyState& st, Device dev, const Shape& shape) {
+  const std::size_t k = state_names().size();
+  st.buffers.clear();
+  for (std::size_t i = 0; i < k; ++i) st.buffers.push_back(zeros(shape, dev));
+  st.fresh = true;
+}
+
+// Runs on the calling thread before the copies step concurrently: everything that
+// reads one copy's state to build another's happens here, never inside for_each_copy.
+void Optimizer::prepare_states() {
+  nn::ParameterSet& set = *params_.set();
+  const int nc = set.num_copies();
+  states_.resize(static_cast<std::size_t>(nc));
+  if (state_names().empty()) return;
+  // The primary moved (Module::to): its state moves with it.
+  CopyState& s0 = states_[0];
+  const Device d0 = set.copy(0).device;
+  if (!s0.buffers.empty() && s0.buffers[0].device() != d0) {
+    for (Tensor& b : s0.buffers) b = b.to(d0);
+  }
+  s0.data = set.copy(0).data.storage();
+  for (int r = 1; r < nc; ++r) {
+    const nn::ParameterCopy& copy = set.copy(r);
+    CopyState& st = states_[static_cast<std::size_t>(r)];
+    if (copy.transient) {
+      st = CopyState{};
+      continue;
+    }
+    // A copy whose buffers we have not seen (added after some steps, or re-added after
+    // drop_copies) starts from the primary's state; see Note [Fused optimizer steps].
+    const bool same_copy = !st.buffers.empty() && st.data.lock() == copy.data.storage();
+    if (same_copy) continue;
+    st = CopyState{};
+    st.data = copy.data.storage();
+    if (s0.buffers.empty()) continue;  // nothing stepped yet: allocated lazily as zeros
+    for (const Tensor& b : s0.buffers) {
+      Tensor c = empty(b.shape(), copy.device);
+      c.copy_(b);
+      st.buffers.push_back(c);
+    }
+    st.fresh = s0.fresh;
+  }
+}
+
+void Optimizer::step_copy(int r) {
+  nn::ParameterSet& set = *params_.set();
+  nn::ParameterCopy& copy = set.copy(r);
+  CopyState& st = states_[static_cast<std::size_t>(r)];
+  const std::size_t k = state_names().size();
+  if (k > 0 && st.buffers.empty()) allocate_state(st, copy.device, {state_numel_});
+  float* p = copy.data.data<float>();
+  const float* g = copy.grad.data<float>();
+  std::vector<float*> sp(k);
+  for (const Range& range : ranges_) {
+    for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>() + range.state_offset;
+    update(copy.device, p + range.offset, g + range.offset, sp.data(), range.numel, st.fresh, step_);
+  }
+  st.fresh = false;
+  copy.data.storage()->bump_version();
+}
+
+void Optimizer::step_loose() {
+  const std::size_t k = state_names().size();
+  std::vector<float*> sp(k);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& t = params_[i];
+    Tensor g = t.grad();
+    if (!g.defined()) continue;  // like PyTorch: a parameter without a gradient is skipped
+    DP_CHECK(g.shape() == t.shape() && g.device() == t.device() && g.dtype() == Dtype::Float32,
+             kind_, ": parameter ", i, " (", t.str(), ") has a gradient ", g.str(),
+             " of another shape, device or dtype");
+    CopyState& st = states_[i];
+    if (k > 0 && (st.buffers.empty() || st.buffers[0].device() != t.device())) {
+      allocate_state(st, t.device(), t.shape());
+    }
+    for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>();
+    update(t.device(), t.data<float>(), g.data<float>(), sp.data(), t.numel(), st.fresh, step_);
+    st.fresh = false;
+    t.storage()->bump_version();
+  }
+}
+
+void Optimizer::step() {
+  check_valid();
+  ++step_;
+  try {
+    if (const auto& set = params_.set()) {
+      prepare_states();
+      set->for_each_copy([this](int r) { step_copy(r); });
+      set->bump_version();
+    } else {
+      step_loose();
+    }
+  } catch (...) {
+    --step_;
+    throw;
+  }
+}
+
+void Optimizer::zero_grad() {
+  check_valid();
+  const auto& set = params_.set();
+  if (!set) {
+    for (const Tensor& t : params_) {
+      Tensor g = t.grad();
+      if (g.defined()) g.zero_();
+    }
+    return;
+  }
+  auto zero_copy = [this, &set](int r) {
+    nn::ParameterCopy& copy = set->copy(r);
+    float* g = copy.grad.data<float>();
+    auto& b = backend::get(copy.device);
+    for (const Range& range : ranges_) {
+      b.memset_zero(g + range.offset, copy.device, static_cast<std::size_t>(range.numel) * sizeof(float));
+    }
+    copy.grad.storage()->bump_version();
+  };
+  set->for_each_copy(zero_copy);
+  // DP mode's transient replicas are not run by for_each_copy; no worker runs now.
+  for (int r = 0; r < set->num_copies(); ++r) {
+    if (set->copy(r).transient) zero_copy(r);
+  }
+}
+
+Tensor Optimizer::state_view(std::size_t i, std::size_t k) {
+  const Tensor& p = params_[i];
+  if (!params_.set()) return states_[i].buffers[k];
+  return states_[0].buffers[k].narrow(0, entry_state_offset_[i], p.numel()).reshape(p.shape());
+}
+
+nn::StateDict Optimizer::state_dict() {
+  nn::StateDict sd;
+  sd.emplace_back("step", full({}, static_cast<double>(step_), TensorOptions{Dtype::Int64, Device{}}));
+  const auto names = state_names();
+  if (names.empty()) return sd;
+  const bool loose = !params_.set();
+  if (!loose && (states_.empty() || states_[0].buffers.empty())) return sd;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (loose && states_[i].buffers.empty()) continue;
+    for (std::size_t k = 0; k < names.size(); ++k) {
+      sd.emplace_back(detail::str_cat("state.", i, ".", names[k]), state_view(i, k));
+    }
+  }
+  return sd;
+}
+
+void Optimizer::load_state_dict(const nn::StateDict& state) {
+  check_valid();
+  const auto names = state_names();
+  std::map<std::string, Tensor> by_name;
+  for (const auto& [name, t] : state) by_name[name] = t;
+
+  auto it = by_name.find("step");
+  DP_CHECK(it != by_name.end() && it->second.defined() && it->second.numel() == 1, kind_,
+           ".load_state_dict: expected a scalar 'step' entry; is this an optimizer state_dict?");
+  const std::int64_t step = static_cast<std::int64_t>(it->second.item());
+  DP_CHECK(step >= 0, kind_, ".load_state_dict: expected step >= 0, got ", step);
+  by_name.erase(it);
+
+  // Which entries carry state, and every key accounted for.
+  const bool loose = !params_.set();
+  std::vector<bool> has(params_.size(), false);
+  std::vector<std::string> missing;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    std::size_t found = 0;
+    for (const auto& n : names) found += by_name.count(detail::str_cat("state.", i, ".", n));
+    has[i] = found > 0;
+    if (found > 0 && found < names.size()) {
+      for (const auto& n : names) {
+        std::string key = detail::str_cat("state.", i, ".", n);
+        if (!by_name.count(key)) missing.push_back(key);
+      }
+    }
+  }
+  const std::size_t with_state = static_cast<std::size_t>(std::count(has.begin(), has.end(), true));
+  if (!loose && with_state > 0 && with_state < params_.size()) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (!has[i]) missing.push_back(detail::str_cat("state.", i, ".*"));
+    }
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& [name, t] : by_name) {
+    bool known = false;
+    for (std::size_t i = 0; i < params_.size() && !known; ++i) {
+      for (const auto& n : names) known = known || name == detail::str_cat("state.", i, ".", n);
+    }
+    if (!known) unexpected.push_back(name);
+  }
+  if (!missing.empty() || !unexpected.empty()) {
+    std::string msg;
+    for (const auto& m : missing) msg += " " + m;
+    std::string un;
+    for (const auto& u : unexpected) un += " " + u;
+    DP_FAIL(kind_, ".load_state_dict: the state does not match this optimizer's ", params_.size(),
+            " parameters; missing:", missing.empty() ? " none" : msg, "; unexpected:",
+            unexpected.empty() ? " none" : un, " (was it saved by another optimizer type?)");
+  }
+  for (const auto& [name, t] : by_name) {
+    const std::size_t i = std::stoul(name.substr(6));  // after "state."
+    DP_CHECK(t.defined() && t.shape() == params_[i].shape() && t.dtype() == Dtype::Float32,
+             kind_, ".load_state_dict: expected '", name, "' of shape ",
+             shape_str(params_[i].shape()), " float32, got ", t.defined() ? t.str() : "undefined");
+  }
+
+  // Validated: now write.
+  step_ = step;
+  if (loose) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      states_[i] = CopyState{};
+      if (!has[i]) continue;
+      allocate_state(states_[i], params_[i].device(), params_[i].shape());
+      for (std::size_t k = 0; k < names.size(); ++k) {
+        states_[i].buffers[k].copy_(by_name.at(detail::str_cat("state.", i, ".", names[k])));
+      }
+      states_[i].fresh = false;
+    }
+    return;
+  }
+  nn::ParameterSet& set = *params_.set();
+  states_.assign(static_cast<std::size_t>(set.num_copies()), CopyState{});
+  if (with_state == 0 || names.empty()) return;
+  CopyState& s0 = states_[0];
+  allocate_state(s0, set.copy(0).device, {state_numel_});
+  s0.data = set.copy(0).data.storage();
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    for (std::size_t k = 0; k < names.size(); ++k) {
+      state_view(i, k).copy_(by_name.at(detail::str_cat("state.", i, ".", names[k])));
+    }
+  }
+  s0.fresh = false;
+  // Every other persistent copy is given the primary's state at the next step.
+  prepare_states();
+}
+
+}  // namespace dp::optim
