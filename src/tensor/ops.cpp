@@ -159,6 +159,21 @@ Tensor reduce_raw(ReduceOp op, const Tensor& a, std::int64_t d, bool keepdim) {
   return out;
 }
 
+// The three float32 limbs (bits 0-21, 22-43, 44-63) of an int64 tensor; see
+// Note [Exact int64 eq].
+std::vector<Tensor> int64_limbs(const Tensor& t) {
+  constexpr std::uint64_t kLimbMask = (std::uint64_t{1} << 22) - 1;  // 22 bits < float32's 24
+  std::vector<std::int64_t> v = t.to_vector_i64();
+  std::vector<float> limbs[3];
+  for (auto& l : limbs) l.reserve(v.size());
+  for (std::int64_t x : v) {
+    auto u = static_cast<std::uint64_t>(x);
+    for (int i = 0; i < 3; ++i) limbs[i].push_back(static_cast<float>((u >> (22 * i)) & kLimbMask));
+  }
+  return {from_vector(limbs[0], t.shape(), t.device()), from_vector(limbs[1], t.shape(), t.device()),
+          from_vector(limbs[2], t.shape(), t.device())};
+}
+
 Tensor sum_all_raw(const Tensor& a) {
   Tensor out = empty({}, a.device());
   be(a).reduce(a.device(), ReduceOp::Sum, a.data<float>(), out.data<float>(), 1, a.numel(), 1);
@@ -246,10 +261,17 @@ Tensor eq(const Tensor& a, const Tensor& b) {
   DP_CHECK(a.dtype() == b.dtype(), "eq: expected one dtype, got ", dtype_name(a.dtype()), " and ",
            dtype_name(b.dtype()));
   if (a.dtype() == Dtype::Int64) {
-    // int64 values compare exactly on the host-visible difference: cast both only
-    // when every value is exactly representable in float32.
-    Tensor fa = a.to(Dtype::Float32), fb = b.to(Dtype::Float32);
-    return binary_raw("eq", BinaryOp::Eq, fa, fb);
+    // Note [Exact int64 eq]: the backend compares float32 only, and a cast to float32
+    // rounds above 2^24 (2^24 + 1 would equal 2^24). Each int64 is split on the host into
+    // three limbs of at most 22 bits, each exact in float32; two values are equal iff
+    // every limb is. Labels and predictions are small, so the host copy is cheap.
+    std::vector<Tensor> la = int64_limbs(a), lb = int64_limbs(b);
+    Tensor out = binary_raw("eq", BinaryOp::Eq, la[0], lb[0]);
+    for (int i = 1; i < 3; ++i) {
+      Tensor limb_eq = binary_raw("eq", BinaryOp::Eq, la[i], lb[i]);
+      out = binary_raw("eq", BinaryOp::Mul, out, limb_eq);
+    }
+    return out;
   }
   return binary_raw("eq", BinaryOp::Eq, a, b);
 }
@@ -444,6 +466,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
            "), got ", shape_str(w.shape()), " for input ", shape_str(x.shape()));
   if (b.defined()) {
     detail::check_same_device("linear", x, b);
+    detail::check_float("linear", b, "bias");
     DP_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "linear: expected bias (", w.size(0), "), got ",
              shape_str(b.shape()));
   }
@@ -513,7 +536,8 @@ std::vector<Tensor> chunk(const Tensor& t, std::int64_t chunks) {
   std::int64_t step = (rows + chunks - 1) / chunks;
   std::vector<std::int64_t> sizes;
   for (std::int64_t at = 0; at < rows; at += step) sizes.push_back(std::min(step, rows - at));
-  if (sizes.empty()) sizes.push_back(0);
+  // torch.chunk keeps the count when there are no rows: `chunks` empty pieces.
+  if (rows == 0) sizes.assign(static_cast<std::size_t>(chunks), 0);
   return split(t, sizes);
 }
 

@@ -1,0 +1,366 @@
+// Tests for dp::Tensor (src/tensor/tensor.cpp): creation, shapes, views, devices,
+// dtype casts, in-place ops, host access and the errors each of them raises.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "dp/core/device.h"
+#include "dp/core/error.h"
+#include "dp/tensor/ops.h"
+#include "dp/tensor/tensor.h"
+
+namespace {
+
+// Device parameters for TEST_CASE_TEMPLATE. CPU virtual devices always exist (tests run
+// with DP_CPU_DEVICES=8); the CUDA case runs only where a GPU is visible.
+struct Cpu0 {
+  static bool available() { return true; }
+  static dp::Device device() { return dp::cpu(0); }
+};
+struct Cpu1 {
+  static bool available() { return true; }
+  static dp::Device device() { return dp::cpu(1); }
+};
+struct Cuda0 {
+  static bool available() { return dp::device_count(dp::DeviceType::CUDA) > 0; }
+  static dp::Device device() { return dp::cuda(0); }
+};
+#define DP_TEST_DEVICES Cpu0, Cpu1, Cuda0
+#define DP_SKIP_UNLESS_AVAILABLE(D) \
+  if (!D::available()) return
+
+using F = std::vector<float>;
+using I = std::vector<std::int64_t>;
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("creation functions give the requested shape, dtype, device and values", D,
+                   DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+
+  dp::Tensor z = dp::zeros({2, 3}, dev);
+  CHECK(z.shape() == dp::Shape{2, 3});
+  CHECK(z.dtype() == dp::Dtype::Float32);
+  CHECK(z.device() == dev);
+  CHECK(z.numel() == 6);
+  CHECK(z.nbytes() == 24);
+  CHECK(z.to_vector() == F(6, 0.0f));
+
+  CHECK(dp::ones({3}, dev).to_vector() == F{1, 1, 1});
+  CHECK(dp::full({2, 2}, 2.5, dp::TensorOptions{dp::Dtype::Float32, dev}).to_vector() == F(4, 2.5f));
+  dp::Tensor fi = dp::full({3}, -7, dp::TensorOptions{dp::Dtype::Int64, dev});
+  CHECK(fi.dtype() == dp::Dtype::Int64);
+  CHECK(fi.nbytes() == 24);
+  CHECK(fi.to_vector_i64() == I{-7, -7, -7});
+  CHECK(dp::zeros({2}, dp::TensorOptions{dp::Dtype::Int64, dev}).to_vector_i64() == I{0, 0});
+
+  CHECK(dp::arange(4, dp::TensorOptions{dp::Dtype::Float32, dev}).to_vector() == F{0, 1, 2, 3});
+  CHECK(dp::arange(3, dp::TensorOptions{dp::Dtype::Int64, dev}).to_vector_i64() == I{0, 1, 2});
+  CHECK(dp::arange(0, dp::TensorOptions{dp::Dtype::Int64, dev}).numel() == 0);
+
+  dp::Tensor v = dp::from_vector(F{1, 2, 3, 4, 5, 6}, {3, 2}, dev);
+  CHECK(v.shape() == dp::Shape{3, 2});
+  CHECK(v.to_vector() == F{1, 2, 3, 4, 5, 6});
+  dp::Tensor vi = dp::from_vector(I{5, -1}, {2}, dev);
+  CHECK(vi.dtype() == dp::Dtype::Int64);
+  CHECK(vi.to_vector_i64() == I{5, -1});
+
+  dp::Tensor s = dp::scalar_tensor(3.25, dev);
+  CHECK(s.dim() == 0);
+  CHECK(s.numel() == 1);
+  CHECK(s.item() == 3.25);
+
+  dp::Tensor like = dp::ones_like(vi);
+  CHECK(like.dtype() == dp::Dtype::Int64);
+  CHECK(like.device() == dev);
+  CHECK(like.to_vector_i64() == I{1, 1});
+  CHECK(dp::zeros_like(v).to_vector() == F(6, 0.0f));
+  CHECK(dp::empty_like(v).shape() == v.shape());
+
+  // Size-0 tensors are valid everywhere.
+  dp::Tensor e = dp::zeros({0, 4}, dev);
+  CHECK(e.numel() == 0);
+  CHECK(e.to_vector().empty());
+  CHECK(dp::from_vector(F{}, {0}, dev).numel() == 0);
+}
+
+TEST_CASE("creation rejects bad shapes and sizes") {
+  CHECK_THROWS_WITH_AS(dp::zeros({2, -3}), doctest::Contains("[2, -3]"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::from_vector(F{1, 2, 3}, {2, 2}), doctest::Contains("[2, 2]"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::from_vector(F{1, 2, 3}, {2, 2}), doctest::Contains("got 3"), dp::Error);
+  CHECK_THROWS_AS(dp::arange(-1), dp::Error);
+  dp::Generator gen(1);
+  CHECK_THROWS_AS(dp::uniform({2}, 1.0, 0.0, gen), dp::Error);
+}
+
+TEST_CASE("random creation is reproducible from the seed on every device") {
+  dp::Generator g1(42), g2(42);
+  dp::Tensor a = dp::randn({100}, g1, dp::cpu(0));
+  dp::Tensor b = dp::randn({100}, g2, dp::cpu(3));
+  CHECK(b.device() == dp::cpu(3));
+  CHECK(a.to_vector() == b.to_vector());
+  CHECK(g1.offset() == 100);
+  // The next draw continues the stream: it differs from the first.
+  dp::Tensor c = dp::randn({100}, g1, dp::cpu(0));
+  CHECK(c.to_vector() != a.to_vector());
+
+  dp::Generator g3(7);
+  auto u = dp::uniform({1000}, -2.0, 3.0, g3).to_vector();
+  double mean = 0;
+  for (float x : u) {
+    CHECK(x >= -2.0f);
+    CHECK(x < 3.0f);
+    mean += x;
+  }
+  CHECK(mean / 1000 == doctest::Approx(0.5).epsilon(0.1));
+
+  dp::manual_seed(9);
+  dp::Tensor m1 = dp::randn({8}, dp::default_generator());
+  dp::manual_seed(9);
+  dp::Tensor m2 = dp::randn({8}, dp::default_generator());
+  CHECK(dp::equal(m1, m2));
+}
+
+TEST_CASE("shape accessors, negative dims and printing") {
+  dp::Tensor t = dp::zeros({2, 3, 4});
+  CHECK(t.dim() == 3);
+  CHECK(t.size(0) == 2);
+  CHECK(t.size(-1) == 4);
+  CHECK(t.size(-3) == 2);
+  CHECK_THROWS_WITH_AS(t.size(3), doctest::Contains("[2, 3, 4]"), dp::Error);
+  CHECK_THROWS_AS(t.size(-4), dp::Error);
+  CHECK(t.str() == "Tensor[2, 3, 4] float32 cpu:0");
+  CHECK(dp::Tensor().str() == "Tensor(undefined)");
+  CHECK(dp::shape_str({}) == "[]");
+  CHECK(dp::shape_numel({}) == 1);
+  CHECK(dp::shape_numel({3, 0}) == 0);
+  CHECK(std::string(dp::dtype_name(dp::Dtype::Int64)) == "int64");
+  CHECK(dp::element_size(dp::Dtype::Float32) == 4);
+  CHECK(dp::element_size(dp::Dtype::Int64) == 8);
+
+  dp::Tensor undefined;
+  CHECK_FALSE(undefined.defined());
+  CHECK_THROWS_WITH_AS(undefined.shape(), doctest::Contains("undefined"), dp::Error);
+  CHECK_THROWS_AS(undefined.numel(), dp::Error);
+}
+
+TEST_CASE_TEMPLATE("reshape, flatten, unsqueeze and squeeze are views of the same storage", D,
+                   DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  dp::Tensor a = dp::from_vector(F{0, 1, 2, 3, 4, 5}, {2, 3}, dev);
+
+  dp::Tensor r = a.reshape({3, -1});
+  CHECK(r.shape() == dp::Shape{3, 2});
+  CHECK(r.storage() == a.storage());
+  CHECK(r.to_vector() == a.to_vector());
+  r.fill_(7);  // writes through the view are seen by the base
+  CHECK(a.to_vector() == F(6, 7.0f));
+
+  CHECK(a.view({6}).shape() == dp::Shape{6});
+  CHECK(a.reshape({-1}).shape() == dp::Shape{6});
+  CHECK(a.reshape({1, 2, 1, 3}).shape() == dp::Shape{1, 2, 1, 3});
+
+  dp::Tensor b = dp::zeros({2, 3, 4, 5}, dev);
+  CHECK(b.flatten().shape() == dp::Shape{120});
+  CHECK(b.flatten(1).shape() == dp::Shape{2, 60});
+  CHECK(b.flatten(1, 2).shape() == dp::Shape{2, 12, 5});
+  CHECK(b.flatten(-2, -1).shape() == dp::Shape{2, 3, 20});
+  CHECK(dp::scalar_tensor(1, dev).flatten().shape() == dp::Shape{1});
+  CHECK_THROWS_AS(b.flatten(2, 1), dp::Error);
+  CHECK_THROWS_AS(b.flatten(0, 4), dp::Error);
+
+  CHECK(a.unsqueeze(0).shape() == dp::Shape{1, 2, 3});
+  CHECK(a.unsqueeze(2).shape() == dp::Shape{2, 3, 1});
+  CHECK(a.unsqueeze(-1).shape() == dp::Shape{2, 3, 1});
+  CHECK(a.unsqueeze(1).squeeze(1).shape() == dp::Shape{2, 3});
+  CHECK(a.unsqueeze(-1).squeeze(-1).shape() == dp::Shape{2, 3});
+  CHECK_THROWS_WITH_AS(a.squeeze(0), doctest::Contains("[2, 3]"), dp::Error);
+  CHECK_THROWS_AS(a.unsqueeze(4), dp::Error);
+  CHECK_THROWS_AS(a.squeeze(5), dp::Error);
+
+  // Size-0 reshape.
+  CHECK(dp::zeros({0, 3}, dev).reshape({3, 0}).shape() == dp::Shape{3, 0});
+}
+
+TEST_CASE("bad reshapes name the source shape and the requested one") {
+  dp::Tensor a = dp::zeros({2, 3});
+  CHECK_THROWS_WITH_AS(a.reshape({4, 2}), doctest::Contains("[2, 3]"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.reshape({4, 2}), doctest::Contains("[4, 2]"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.reshape({4, -1}), doctest::Contains("[4, -1]"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.reshape({4, -1}), doctest::Contains("[2, 3]"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.reshape({-1, -1}), doctest::Contains("-1"), dp::Error);
+  CHECK_THROWS_AS(a.reshape({-2, -3}), dp::Error);
+  CHECK_THROWS_AS(a.reshape({0, -1}), dp::Error);
+}
+
+TEST_CASE_TEMPLATE("narrow is a view of rows; out-of-range rows and other dims are rejected", D,
+                   DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  dp::Tensor a = dp::from_vector(F{0, 1, 2, 3, 4, 5, 6, 7}, {4, 2}, dev);
+  dp::Tensor n = a.narrow(0, 1, 2);
+  CHECK(n.shape() == dp::Shape{2, 2});
+  CHECK(n.storage() == a.storage());
+  CHECK(n.storage_offset() == 2);
+  CHECK(n.to_vector() == F{2, 3, 4, 5});
+  // Narrow of a narrow adds offsets.
+  dp::Tensor nn = n.narrow(0, 1, 1);
+  CHECK(nn.storage_offset() == 4);
+  CHECK(nn.to_vector() == F{4, 5});
+  n.zero_();
+  CHECK(a.to_vector() == F{0, 1, 0, 0, 0, 0, 6, 7});
+  CHECK(a.narrow(0, 4, 0).numel() == 0);
+  CHECK(a.narrow(0, 0, 4).to_vector() == a.to_vector());
+
+  CHECK_THROWS_WITH_AS(a.narrow(0, 3, 2), doctest::Contains("[4, 2]"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.narrow(0, 3, 2), doctest::Contains("[3, 5)"), dp::Error);
+  CHECK_THROWS_AS(a.narrow(0, -1, 1), dp::Error);
+  CHECK_THROWS_AS(a.narrow(0, 0, -1), dp::Error);
+  CHECK_THROWS_WITH_AS(a.narrow(1, 0, 1), doctest::Contains("dim 1"), dp::Error);
+  CHECK_THROWS_AS(dp::scalar_tensor(1, dev).narrow(0, 0, 1), dp::Error);
+}
+
+TEST_CASE_TEMPLATE("t() transposes into new storage", D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  dp::Tensor a = dp::from_vector(F{1, 2, 3, 4, 5, 6}, {2, 3}, dev);
+  dp::Tensor t = a.t();
+  CHECK(t.shape() == dp::Shape{3, 2});
+  CHECK(t.to_vector() == F{1, 4, 2, 5, 3, 6});
+  CHECK(t.storage() != a.storage());
+  CHECK(t.t().to_vector() == a.to_vector());
+  CHECK(dp::zeros({0, 3}, dev).t().shape() == dp::Shape{3, 0});
+  CHECK_THROWS_WITH_AS(dp::zeros({2}, dev).t(), doctest::Contains("[2]"), dp::Error);
+  CHECK_THROWS_AS(dp::from_vector(I{1, 2}, {1, 2}, dev).t(), dp::Error);
+}
+
+TEST_CASE("to(device) copies across CPU virtual devices; the same device is a no-op") {
+  dp::Tensor a = dp::from_vector(F{1, 2, 3}, {3}, dp::cpu(0));
+  dp::Tensor b = a.to(dp::cpu(1));
+  CHECK(b.device() == dp::cpu(1));
+  CHECK(b.storage() != a.storage());
+  CHECK(b.to_vector() == F{1, 2, 3});
+  CHECK(a.to(dp::cpu(0)).is_same(a));
+  b.fill_(0);
+  CHECK(a.to_vector() == F{1, 2, 3});  // a real copy
+
+  dp::Tensor i = dp::from_vector(I{4, 5}, {2}, dp::cpu(2));
+  CHECK(i.to(dp::cpu(5)).to_vector_i64() == I{4, 5});
+  CHECK(i.to(dp::cpu(5)).dtype() == dp::Dtype::Int64);
+  CHECK(dp::zeros({0}, dp::cpu(0)).to(dp::cpu(1)).numel() == 0);
+}
+
+TEST_CASE_TEMPLATE("dtype casts truncate toward zero and keep the device", D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  dp::Tensor f = dp::from_vector(F{2.7f, -2.7f, 0.0f, 5.0f}, {2, 2}, dev);
+  dp::Tensor i = f.to(dp::Dtype::Int64);
+  CHECK(i.dtype() == dp::Dtype::Int64);
+  CHECK(i.device() == dev);
+  CHECK(i.shape() == dp::Shape{2, 2});
+  CHECK(i.to_vector_i64() == I{2, -2, 0, 5});
+  dp::Tensor back = i.to(dp::Dtype::Float32);
+  CHECK(back.to_vector() == F{2, -2, 0, 5});
+  CHECK(f.to(dp::Dtype::Float32).is_same(f));
+}
+
+TEST_CASE_TEMPLATE("in-place ops write through, bump the storage version and check inputs", D,
+                   DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  dp::Tensor a = dp::from_vector(F{1, 2, 3, 4}, {4}, dev);
+  std::uint64_t v0 = a.storage()->version();
+  a.mul_(2.0f);
+  CHECK(a.to_vector() == F{2, 4, 6, 8});
+  CHECK(a.storage()->version() == v0 + 1);
+  a.add_(dp::from_vector(F{1, 1, 1, 1}, {4}, dev), -0.5f);
+  CHECK(a.to_vector() == F{1.5f, 3.5f, 5.5f, 7.5f});
+  a.fill_(3);
+  CHECK(a.to_vector() == F(4, 3.0f));
+  a.zero_();
+  CHECK(a.to_vector() == F(4, 0.0f));
+  CHECK(a.storage()->version() == v0 + 4);
+
+  // copy_ from another device, into a view.
+  dp::Tensor src = dp::from_vector(F{9, 8}, {2}, dp::cpu(4));
+  a.narrow(0, 1, 2).copy_(src);
+  CHECK(a.to_vector() == F{0, 9, 8, 0});
+  CHECK(a.storage()->version() == v0 + 5);
+
+  dp::Tensor i = dp::from_vector(I{1, 2}, {2}, dev);
+  i.fill_(-4);
+  CHECK(i.to_vector_i64() == I{-4, -4});
+  i.zero_();
+  CHECK(i.to_vector_i64() == I{0, 0});
+
+  CHECK_THROWS_WITH_AS(a.copy_(dp::zeros({3}, dev)), doctest::Contains("[4]"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.copy_(dp::zeros({3}, dev)), doctest::Contains("[3]"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.copy_(dp::zeros({4}, dp::TensorOptions{dp::Dtype::Int64, dev})),
+                       doctest::Contains("int64"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.add_(dp::zeros({3}, dev)), doctest::Contains("[3]"), dp::Error);
+  CHECK_THROWS_AS(a.add_(dp::zeros({4}, dp::TensorOptions{dp::Dtype::Int64, dev})), dp::Error);
+  CHECK_THROWS_AS(i.mul_(2.0f), dp::Error);
+}
+
+TEST_CASE("add_ across devices names both devices") {
+  dp::Tensor a = dp::zeros({2}, dp::cpu(0));
+  dp::Tensor b = dp::zeros({2}, dp::cpu(1));
+  CHECK_THROWS_WITH_AS(a.add_(b), doctest::Contains("cpu:0"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.add_(b), doctest::Contains("cpu:1"), dp::Error);
+}
+
+TEST_CASE_TEMPLATE("host access checks dtype and element count", D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  dp::Tensor f = dp::from_vector(F{1.5f}, {1, 1}, dev);
+  CHECK(f.item() == 1.5);
+  dp::Tensor i = dp::from_vector(I{-3}, {1}, dev);
+  CHECK(i.item() == -3.0);
+  CHECK_THROWS_WITH_AS(dp::zeros({2}, dev).item(), doctest::Contains("[2]"), dp::Error);
+  CHECK_THROWS_AS(dp::zeros({0}, dev).item(), dp::Error);
+  CHECK_THROWS_WITH_AS(i.to_vector(), doctest::Contains("int64"), dp::Error);
+  CHECK_THROWS_WITH_AS(f.to_vector_i64(), doctest::Contains("float32"), dp::Error);
+  CHECK_THROWS_AS(i.data<float>(), dp::Error);
+  CHECK_THROWS_AS(f.data<std::int64_t>(), dp::Error);
+  CHECK(f.data<float>() != nullptr);
+}
+
+TEST_CASE("host pointers of a CPU tensor address its elements") {
+  dp::Tensor a = dp::from_vector(F{1, 2, 3, 4}, {4});
+  dp::Tensor v = a.narrow(0, 2, 2);
+  CHECK(v.data<float>() == a.data<float>() + 2);
+  v.data<float>()[0] = 10.0f;
+  CHECK(a.to_vector() == F{1, 2, 10, 4});
+  CHECK(v.raw_data() == static_cast<void*>(a.data<float>() + 2));
+}
+
+TEST_CASE("clone copies; detach shares; copies of a handle share") {
+  dp::Tensor a = dp::from_vector(F{1, 2}, {2});
+  dp::Tensor c = a.clone();
+  CHECK(c.storage() != a.storage());
+  c.fill_(0);
+  CHECK(a.to_vector() == F{1, 2});
+
+  dp::Tensor d = a.detach();
+  CHECK(d.storage() == a.storage());
+  CHECK_FALSE(d.is_same(a));
+  d.fill_(5);
+  CHECK(a.to_vector() == F{5, 5});
+
+  dp::Tensor h = a;
+  CHECK(h.is_same(a));
+}
+
+TEST_CASE("equal and max_abs_diff compare values") {
+  dp::Tensor a = dp::from_vector(F{1, 2, 3}, {3});
+  dp::Tensor b = dp::from_vector(F{1, 2.5f, 3}, {3}, dp::cpu(1));
+  CHECK(dp::equal(a, a.clone()));
+  CHECK_FALSE(dp::equal(a, b));
+  CHECK_FALSE(dp::equal(a, a.reshape({1, 3})));
+  CHECK_FALSE(dp::equal(a, a.to(dp::Dtype::Int64)));
+  CHECK(dp::max_abs_diff(a, b) == doctest::Approx(0.5));
+  CHECK_THROWS_WITH_AS(dp::max_abs_diff(a, dp::zeros({2})), doctest::Contains("[2]"), dp::Error);
+}
