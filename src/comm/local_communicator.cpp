@@ -1,0 +1,490 @@
+// The shared-memory communicator for CPU virtual devices (see local_communicator.h).
+#include "comm/local_communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+#include <unordered_set>
+
+#include "backend/cpu/cpu_backend.h"
+#include "dp/core/error.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DP_CPU_RELAX() _mm_pause()
+#else
+#define DP_CPU_RELAX() ((void)0)
+#endif
+
+namespace dp::comm {
+
+// Note [Fixed summation order]
+// Element i of a reduction is always ((x_0[i] + x_1[i]) + x_2[i]) + ... + x_{N-1}[i],
+// then (Average only) multiplied by 1.0f / N — whichever rank computes it and however
+// the slice is split among threads. Each element is computed independently, so the
+// partition of the buffer into per-rank slices and per-thread ranges never changes a
+// bit of the result: all ranks get the same bits, run after run. DataParallel relies on
+// it to keep DP (which sums on device 0 in the same order) and DDP bitwise identical.
+
+// Note [Local collective protocol]
+// Every collective starts with a rendezvous: each rank writes its Slot (buffer
+// pointers, count, root, op), arrives at the barrier and snapshots every slot; all
+// ranks then check that they called the same collective with the same count (so a
+// mismatch is an error on every rank, never a hang or an out-of-bounds read). The data
+// phases follow, each ended by a barrier, and a collective returns only once no other
+// rank can still read this rank's buffers (its inputs, recv or scratch). A rank never
+// writes into a buffer another rank may still read: when recv overlaps send (in
+// place), the reduced slice goes to the rank's scratch first.
+//
+// All-reduce, large: rank r reduces slice r (ceil(count / N) elements rounded up to a
+// cache line, so neighbouring writers never share a line) into its recv (out of
+// place) or scratch (in place); barrier; every rank copies the N reduced slices into
+// its recv; barrier. Each rank reads count/N of every input and copies count (N-1)/N:
+// the bandwidth-optimal reduce-scatter + all-gather.
+// All-reduce, small (count <= kSmallCount): every rank reduces the whole buffer in the
+// same fixed order (same bits, see above) into recv or scratch; barrier; copy scratch.
+// Two barriers instead of three: at these sizes the barriers are the cost.
+
+namespace {
+
+/// Spins of the barrier before sleeping in atomic::wait: about a microsecond, enough
+/// for ranks that arrive together, short enough not to steal a core from a rank that
+/// still works when virtual devices share the cores.
+constexpr int kBarrierSpins = 128;
+/// Elements per block of the fused reduction: 2048 floats (8 KiB) keep the block of
+/// the output in L1 while the N inputs stream through it.
+constexpr std::int64_t kReduceBlock = 2048;
+/// All-reduce sizes (elements) that take the two-barrier path (Note [Local collective
+/// protocol]): 16K floats (64 KiB) is where N full reductions stop costing less than a
+/// barrier round on the 2-core host.
+constexpr std::int64_t kSmallCount = 16384;
+/// Slices start on cache lines (64 bytes = 16 floats).
+constexpr std::int64_t kSliceAlign = 16;
+
+const char* kind_name(LocalCommunicator::Kind k) {
+  switch (k) {
+    case LocalCommunicator::Kind::AllReduce: return "all_reduce";
+    case LocalCommunicator::Kind::Broadcast: return "broadcast";
+    case LocalCommunicator::Kind::Reduce: return "reduce";
+    case LocalCommunicator::Kind::ReduceScatter: return "reduce_scatter";
+    case LocalCommunicator::Kind::AllGather: return "all_gather";
+  }
+  return "?";
+}
+
+const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+
+backend::cpu::CpuBackend& cpu() { return backend::cpu::cpu_backend_impl(); }
+
+bool overlaps(const float* a, std::int64_t na, const float* b, std::int64_t nb) {
+  if (na == 0 || nb == 0 || a == nullptr || b == nullptr) return false;
+  return a < b + nb && b < a + na;
+}
+
+void add_block(float* __restrict dst, const float* __restrict src, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+void scale_block(float* __restrict dst, float s, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) dst[i] *= s;
+}
+
+/// dst[i] = (src[0][off+i] + ... + src[N-1][off+i]) (* 1/N for Average) for i < n, in
+/// the fixed order of Note [Fixed summation order], on `dev`'s share of the cores. dst
+/// never aliases an input.
+void reduce_into(Device dev, const std::vector<const float*>& srcs, std::int64_t off,
+                 float* dst, std::int64_t n, ReduceOp op) {
+  if (n <= 0) return;
+  const float inv = 1.0f / static_cast<float>(srcs.size());
+  cpu().parallel_for(dev, n, backend::cpu::kSerialGrain, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t i0 = b; i0 < e; i0 += kReduceBlock) {
+      const std::int64_t len = std::min(kReduceBlock, e - i0);
+      std::memcpy(dst + i0, srcs[0] + off + i0, static_cast<std::size_t>(len) * sizeof(float));
+      for (std::size_t k = 1; k < srcs.size(); ++k) add_block(dst + i0, srcs[k] + off + i0, len);
+      if (op == ReduceOp::Average) scale_block(dst + i0, inv, len);
+    }
+  });
+}
+
+/// memcpy of n floats on `dev`'s share of the cores (a no-op when dst == src).
+void copy_floats(Device dev, float* dst, const float* src, std::int64_t n) {
+  if (n <= 0 || dst == src) return;
+  cpu().parallel_for(dev, n, backend::cpu::kSerialGrain, [&](std::int64_t b, std::int64_t e) {
+    std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b) * sizeof(float));
+  });
+}
+
+/// "" when t is a defined float32 tensor on `dev`, else why not.
+std::string tensor_problem(const Tensor& t, const char* name, Device dev) {
+  if (!t.defined()) return dp::detail::str_cat(name, " is undefined; pass a float32 tensor on ", dev);
+  if (t.dtype() != Dtype::Float32)
+    return dp::detail::str_cat(name, " has dtype ", dtype_name(t.dtype()),
+                           "; collectives take float32 tensors");
+  if (t.device() != dev)
+    return dp::detail::str_cat(name, " lives on ", t.device(), " but this rank's device is ", dev,
+                           "; move it with .to(", dev, ")");
+  return {};
+}
+
+/// Slice [off, off + len) of a count split into N fixed slices (len may be 0).
+struct SliceRange {
+  std::int64_t off;
+  std::int64_t len;
+};
+SliceRange slice_of(std::int64_t count, int n, int r) {
+  std::int64_t chunk = (count + n - 1) / n;
+  chunk = (chunk + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
+  const std::int64_t off = std::min(count, chunk * r);
+  return {off, std::min(chunk, count - off)};
+}
+
+std::vector<const float*> sends_of(const std::vector<LocalCommunicator::Slot>& slots) {
+  std::vector<const float*> v;
+  v.reserve(slots.size());
+  for (const auto& s : slots) v.push_back(s.send);
+  return v;
+}
+
+}  // namespace
+
+// ---- barrier ---------------------------------------------------------------------
+
+namespace detail {
+
+void Barrier::throw_if_aborted() const {
+  if (!aborted_.load(std::memory_order_acquire)) return;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(reason_mu_);
+    reason = reason_;
+  }
+  throw Error("collective aborted: " + reason +
+              " (call reset() once every rank has left the collective)");
+}
+
+void Barrier::arrive_and_wait() {
+  throw_if_aborted();
+  // Read the generation before arriving: the last arriver bumps it only after our
+  // fetch_add, so we can never miss the bump of our own round.
+  const std::uint32_t gen = generation_.load(std::memory_order_acquire);
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) == parties_ - 1) {
+    arrived_.store(0, std::memory_order_relaxed);  // published by the release below
+    generation_.fetch_add(1, std::memory_order_release);
+    generation_.notify_all();
+    return;
+  }
+  bool released = false;
+  for (int i = 0; i < kBarrierSpins; ++i) {
+    if (generation_.load(std::memory_order_acquire) != gen) {
+      released = true;
+      break;
+    }
+    DP_CPU_RELAX();
+  }
+  if (!released) {
+    while (generation_.load(std::memory_order_acquire) == gen)
+      generation_.wait(gen, std::memory_order_acquire);
+  }
+  throw_if_aborted();
+}
+
+void Barrier::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(reason_mu_);
+    if (!aborted_.load(std::memory_order_relaxed)) reason_ = reason;
+  }
+  aborted_.store(true, std::memory_order_release);
+  generation_.fetch_add(1, std::memory_order_release);
+  generation_.notify_all();
+}
+
+void Barrier::reset() {
+  std::lock_guard<std::mutex> lock(reason_mu_);
+  arrived_.store(0, std::memory_order_relaxed);
+  reason_.clear();
+  aborted_.store(false, std::memory_order_release);
+}
+
+}  // namespace detail
+
+// ---- communicator ----------------------------------------------------------------
+
+LocalCommunicator::LocalCommunicator(std::vector<Device> devices)
+    : Communicator(std::move(devices)),
+      barrier_(static_cast<int>(devices_.size())),
+      slots_(devices_.size()),
+      scratch_(devices_.size()) {
+  DP_CHECK(!devices_.empty(), "local communicator: expected at least one device, got none");
+  std::unordered_set<Device> seen;
+  const int available = dp::device_count(DeviceType::CPU);
+  for (const Device& d : devices_) {
+    DP_CHECK(d.is_cpu(), "local communicator: expected CPU virtual devices, got ", d,
+             "; use make_communicator for CUDA devices (NCCL)");
+    DP_CHECK(d.index >= 0 && d.index < available, "local communicator: ", d,
+             " is out of range (", available, " CPU virtual devices; set DP_CPU_DEVICES)");
+    DP_CHECK(seen.insert(d).second, "local communicator: device ", d,
+             " appears twice; each rank needs its own device");
+  }
+}
+
+LocalCommunicator::~LocalCommunicator() = default;
+
+void LocalCommunicator::check_rank(int rank, const char* what) const {
+  DP_CHECK(rank >= 0 && rank < size(), what, ": rank ", rank, " is out of range for a ",
+           "communicator of ", size(), " ranks (expected 0..", size() - 1, ")");
+}
+
+float* LocalCommunicator::scratch(int rank, std::int64_t n) {
+  Scratch& s = scratch_[static_cast<std::size_t>(rank)];
+  if (s.capacity < n) {
+    // Grows geometrically so buckets of changing sizes settle after a few calls. Only
+    // this rank's thread touches its scratch between collectives: the previous one
+    // ended with no other rank still reading it (Note [Local collective protocol]).
+    const std::int64_t cap = std::max(n, s.capacity * 2);
+    s.data.reset();  // free first: lowers the peak
+    s.data = std::unique_ptr<float[]>(new float[static_cast<std::size_t>(cap)]);
+    s.capacity = cap;
+  }
+  return s.data.get();
+}
+
+std::vector<LocalCommunicator::Slot> LocalCommunicator::rendezvous(int rank, Slot slot,
+                                                                   const char* what) {
+  slots_[static_cast<std::size_t>(rank)] = std::move(slot);
+  barrier_.arrive_and_wait();
+  std::vector<Slot> snap = slots_;
+
+  // Every rank evaluates the same snapshot, so every rank reaches the same verdict.
+  std::string problem;
+  const Slot& mine = snap[static_cast<std::size_t>(rank)];
+  if (mine.failed) {
+    problem = mine.error;
+  } else {
+    for (int r = 0; r < size() && problem.empty(); ++r) {
+      const Slot& s = snap[static_cast<std::size_t>(r)];
+      if (s.failed) problem = dp::detail::str_cat("rank ", r, " (", devices_[r], ") failed: ", s.error);
+    }
+  }
+  if (problem.empty()) {
+    const Slot& ref = snap[0];
+    for (int r = 1; r < size() && problem.empty(); ++r) {
+      const Slot& s = snap[static_cast<std::size_t>(r)];
+      const bool same_root = !(ref.kind == Kind::Broadcast || ref.kind == Kind::Reduce) ||
+                             s.root == ref.root;
+      const bool same_op = ref.kind == Kind::Broadcast || ref.kind == Kind::AllGather ||
+                           s.op == ref.op;
+      if (s.kind != ref.kind || s.count != ref.count || !same_root || !same_op) {
+        problem = dp::detail::str_cat(
+            "ranks disagree: rank 0 called ", kind_name(ref.kind), "(count ", ref.count,
+            ", root ", ref.root, ", op ", op_name(ref.op), "), rank ", r, " called ",
+            kind_name(s.kind), "(count ", s.count, ", root ", s.root, ", op ", op_name(s.op),
+            "); every rank must make the same collective calls in the same order with the "
+            "same sizes");
+      }
+    }
+  }
+  if (!problem.empty()) {
+    // Nobody leaves before everyone has read the slots: a rank that threw and entered
+    // its next collective would otherwise overwrite a slot still being read.
+    barrier_.arrive_and_wait();
+    DP_FAIL(what, " on rank ", rank, " (", devices_[rank], "): ", problem);
+  }
+  return snap;
+}
+
+void LocalCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& recv,
+                                   ReduceOp op) {
+  check_rank(rank, "all_reduce");
+  const Device dev = devices_[rank];
+  const int n = size();
+  Slot s;
+  s.kind = Kind::AllReduce;
+  s.op = op;
+  s.error = tensor_problem(send, "send", dev);
+  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
+  if (s.error.empty() && recv.numel() != send.numel())
+    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
+                              send.numel(), "; they must match");
+  s.failed = !s.error.empty();
+  std::int64_t count = 0;
+  if (!s.failed) {
+    count = send.numel();
+    s.count = count;
+    s.send = send.data<const float>();
+    s.recv = recv.data<float>();
+    const bool in_place = overlaps(s.send, count, s.recv, count);
+    const bool small = count <= kSmallCount;
+    if (in_place) s.scratch = scratch(rank, small ? count : slice_of(count, n, 0).len);
+  }
+  const std::vector<Slot> slots = rendezvous(rank, std::move(s), "all_reduce");
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const std::vector<const float*> sends = sends_of(slots);
+
+  if (count <= kSmallCount) {
+    float* dst = me.scratch != nullptr ? me.scratch : me.recv;
+    reduce_into(dev, sends, 0, dst, count, op);
+    barrier_.arrive_and_wait();  // every rank has finished reading every input
+    if (dst != me.recv) copy_floats(dev, me.recv, dst, count);
+    return;
+  }
+  // Reduce-scatter: slice `rank`, written where the other ranks will read it.
+  auto result_of = [&](int r) -> float* {
+    const Slot& sr = slots[static_cast<std::size_t>(r)];
+    return sr.scratch != nullptr ? sr.scratch : sr.recv + slice_of(count, n, r).off;
+  };
+  const SliceRange mine = slice_of(count, n, rank);
+  reduce_into(dev, sends, mine.off, result_of(rank), mine.len, op);
+  barrier_.arrive_and_wait();
+  // All-gather of the reduced slices (one's own too, when it went to scratch).
+  for (int k = 0; k < n; ++k) {
+    const int r = (rank + k) % n;  // start at different slices: spread the reads
+    const SliceRange sl = slice_of(count, n, r);
+    copy_floats(dev, me.recv + sl.off, result_of(r), sl.len);
+  }
+  barrier_.arrive_and_wait();  // no rank still reads this rank's recv or scratch
+}
+
+void LocalCommunicator::broadcast(int rank, const Tensor& data, int root) {
+  check_rank(rank, "broadcast");
+  const Device dev = devices_[rank];
+  Slot s;
+  s.kind = Kind::Broadcast;
+  s.root = root;
+  if (root < 0 || root >= size())
+    s.error = dp::detail::str_cat("root ", root, " is out of range (expected 0..", size() - 1, ")");
+  if (s.error.empty()) s.error = tensor_problem(data, "data", dev);
+  s.failed = !s.error.empty();
+  if (!s.failed) {
+    s.count = data.numel();
+    s.send = data.data<const float>();
+    s.recv = data.data<float>();
+  }
+  const std::vector<Slot> slots = rendezvous(rank, std::move(s), "broadcast");
+  if (rank != root)
+    copy_floats(dev, slots[static_cast<std::size_t>(rank)].recv,
+                slots[static_cast<std::size_t>(root)].send, slots[0].count);
+  barrier_.arrive_and_wait();  // root's data is no longer read
+}
+
+void LocalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv, int root,
+                               ReduceOp op) {
+  check_rank(rank, "reduce");
+  const Device dev = devices_[rank];
+  const int n = size();
+  Slot s;
+  s.kind = Kind::Reduce;
+  s.op = op;
+  s.root = root;
+  if (root < 0 || root >= n)
+    s.error = dp::detail::str_cat("root ", root, " is out of range (expected 0..", n - 1, ")");
+  if (s.error.empty()) s.error = tensor_problem(send, "send", dev);
+  if (s.error.empty() && rank == root) {
+    s.error = tensor_problem(recv, "recv (on the root)", dev);
+    if (s.error.empty() && recv.numel() != send.numel())
+      s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
+                                send.numel(), "; they must match");
+  }
+  s.failed = !s.error.empty();
+  std::int64_t count = 0;
+  if (!s.failed) {
+    count = send.numel();
+    s.count = count;
+    s.send = send.data<const float>();
+    if (rank == root) s.recv = recv.data<float>();
+    s.scratch = scratch(rank, slice_of(count, n, 0).len);
+  }
+  const std::vector<Slot> slots = rendezvous(rank, std::move(s), "reduce");
+  const Slot& rs = slots[static_cast<std::size_t>(root)];
+  // Each rank reduces its slice straight into root's recv, unless root works in place
+  // (its recv is its send, still read by the others): then into scratch first.
+  const bool via_scratch = overlaps(rs.send, count, rs.recv, count);
+  const SliceRange mine = slice_of(count, n, rank);
+  float* dst = via_scratch ? slots[static_cast<std::size_t>(rank)].scratch : rs.recv + mine.off;
+  reduce_into(dev, sends_of(slots), mine.off, dst, mine.len, op);
+  barrier_.arrive_and_wait();
+  if (!via_scratch) return;
+  if (rank == root) {
+    for (int r = 0; r < n; ++r) {
+      const SliceRange sl = slice_of(count, n, r);
+      copy_floats(dev, rs.recv + sl.off, slots[static_cast<std::size_t>(r)].scratch, sl.len);
+    }
+  }
+  barrier_.arrive_and_wait();  // root has read every scratch
+}
+
+void LocalCommunicator::reduce_scatter(int rank, const Tensor& send, const Tensor& recv,
+                                       ReduceOp op) {
+  check_rank(rank, "reduce_scatter");
+  const Device dev = devices_[rank];
+  const int n = size();
+  Slot s;
+  s.kind = Kind::ReduceScatter;
+  s.op = op;
+  s.error = tensor_problem(send, "send", dev);
+  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
+  if (s.error.empty() && send.numel() != recv.numel() * n)
+    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
+                              "; reduce_scatter needs send = ", n, " x recv (one recv-sized ",
+                              "block per rank)");
+  s.failed = !s.error.empty();
+  std::int64_t recv_count = 0;
+  if (!s.failed) {
+    recv_count = recv.numel();
+    s.count = send.numel();
+    s.send = send.data<const float>();
+    s.recv = recv.data<float>();
+    if (overlaps(s.send, s.count, s.recv, recv_count)) s.scratch = scratch(rank, recv_count);
+  }
+  const std::vector<Slot> slots = rendezvous(rank, std::move(s), "reduce_scatter");
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
+  float* dst = me.scratch != nullptr ? me.scratch : me.recv;
+  reduce_into(dev, sends_of(slots), recv_count * rank, dst, recv_count, op);
+  barrier_.arrive_and_wait();  // every input has been read
+  if (dst != me.recv) copy_floats(dev, me.recv, dst, recv_count);
+}
+
+void LocalCommunicator::all_gather(int rank, const Tensor& send, const Tensor& recv) {
+  check_rank(rank, "all_gather");
+  const Device dev = devices_[rank];
+  const int n = size();
+  Slot s;
+  s.kind = Kind::AllGather;
+  s.error = tensor_problem(send, "send", dev);
+  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
+  if (s.error.empty() && recv.numel() != send.numel() * n)
+    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
+                              "; all_gather needs recv = ", n, " x send");
+  if (s.error.empty()) {
+    const float* sp = send.data<const float>();
+    const float* rp = recv.data<const float>();
+    if (overlaps(sp, send.numel(), rp, recv.numel()) && sp != rp + send.numel() * rank)
+      s.error = dp::detail::str_cat("send overlaps recv but is not recv's block ", rank,
+                                "; in place, pass send = recv.narrow(0, ", rank, " * n, n)");
+  }
+  s.failed = !s.error.empty();
+  if (!s.failed) {
+    s.count = send.numel();
+    s.send = send.data<const float>();
+    s.recv = recv.data<float>();
+  }
+  const std::vector<Slot> slots = rendezvous(rank, std::move(s), "all_gather");
+  const std::int64_t count = slots[0].count;
+  float* out = slots[static_cast<std::size_t>(rank)].recv;
+  for (int k = 0; k < n; ++k) {
+    const int r = (rank + k) % n;
+    copy_floats(dev, out + count * r, slots[static_cast<std::size_t>(r)].send, count);
+  }
+  barrier_.arrive_and_wait();  // no rank still reads this rank's send
+}
+
+void LocalCommunicator::synchronize(int rank) { check_rank(rank, "synchronize"); }
+
+void LocalCommunicator::abort(const std::string& reason) { barrier_.abort(reason); }
+
+void LocalCommunicator::reset() { barrier_.reset(); }
+
+std::unique_ptr<Communicator> make_local_communicator(const std::vector<Device>& devices) {
+  return std::make_unique<LocalCommunicator>(devices);
+}
+
+}  // namespace dp::comm

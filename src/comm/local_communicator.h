@@ -1,0 +1,114 @@
+// src/comm/local_communicator.h — collectives among CPU virtual devices over shared memory.
+//
+// Internal header of the comm layer (users reach it through make_communicator /
+// make_local_communicator). Every rank is driven by its own thread; a collective is a
+// rendezvous on a lock-free barrier (Note [Local barrier]) after which each rank reads
+// the other ranks' buffers directly. All-reduce is reduce-scatter + all-gather: rank r
+// reduces slice r of the buffer in the fixed rank order 0..N-1, so results are bitwise
+// identical on every rank and from run to run (Note [Fixed summation order]). This header
+// knows nothing of modules, optimizers or DataParallel.
+//
+//   auto comm = std::make_unique<dp::comm::LocalCommunicator>(devices);
+//   // on rank r's thread:
+//   comm->all_reduce(r, grad, grad, dp::comm::ReduceOp::Sum);
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "dp/comm/communicator.h"
+
+namespace dp::comm {
+
+namespace detail {
+
+// Note [Local barrier]
+// A sense-less generation barrier: `arrived` counts ranks of the current round; the
+// last one resets it and bumps `generation` (release), the others wait for the bump
+// (acquire) — first a short spin, then std::atomic::wait, so a rank that waits long
+// sleeps in the kernel (futex) instead of burning a core that another virtual device
+// needs. No mutex is taken. abort() sets `aborted`, bumps `generation` and wakes every
+// waiter; a waiter that wakes (or a rank that arrives) with `aborted` set throws.
+// Release sequences of the acq_rel fetch_add on `arrived` make everything each rank
+// wrote before arriving visible to every rank that leaves the barrier.
+class Barrier {
+ public:
+  explicit Barrier(int parties) : parties_(parties) {}
+
+  /// Waits until all parties arrived. Throws dp::Error("collective aborted: ...") when
+  /// the barrier is (or becomes) aborted.
+  void arrive_and_wait();
+  /// Wakes every waiter with an error; sticky until reset().
+  void abort(const std::string& reason);
+  /// Clears the abort state and the arrival count (call only while no rank is inside).
+  void reset();
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  /// Throws when aborted.
+  void throw_if_aborted() const;
+
+ private:
+  const int parties_;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<std::uint32_t> generation_{0};
+  alignas(64) std::atomic<bool> aborted_{false};
+  mutable std::mutex reason_mu_;  // guards reason_ (abort path only, never the hot path)
+  std::string reason_;
+};
+
+}  // namespace detail
+
+/// The shared-memory communicator for CPU virtual devices (see the file comment).
+class LocalCommunicator final : public Communicator {
+ public:
+  /// Devices must be distinct, valid CPU devices (checked; throws dp::Error).
+  explicit LocalCommunicator(std::vector<Device> devices);
+  ~LocalCommunicator() override;
+
+  std::string backend_name() const override { return "local"; }
+  void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void broadcast(int rank, const Tensor& data, int root) override;
+  void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
+  void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void all_gather(int rank, const Tensor& send, const Tensor& recv) override;
+  /// No-op: every local collective has finished when it returns.
+  void synchronize(int rank) override;
+  void abort(const std::string& reason) override;
+  void reset() override;
+
+  /// What one rank publishes for a collective (public only for the .cpp's helpers).
+  enum class Kind : std::uint8_t { AllReduce, Broadcast, Reduce, ReduceScatter, AllGather };
+  struct alignas(64) Slot {
+    Kind kind = Kind::AllReduce;
+    ReduceOp op = ReduceOp::Sum;
+    int root = 0;
+    std::int64_t count = 0;  // elements of send (broadcast: data; all_gather: send)
+    const float* send = nullptr;
+    float* recv = nullptr;
+    float* scratch = nullptr;  // this rank's scratch, valid for this collective
+    bool failed = false;       // local validation failed; `error` says why
+    std::string error;
+  };
+
+ private:
+  /// Publishes `slot` as rank's entry, meets the other ranks and checks that every rank
+  /// called the same collective with the same count/root/op and valid buffers. Returns
+  /// a snapshot of all slots; throws dp::Error on every rank otherwise.
+  std::vector<Slot> rendezvous(int rank, Slot slot, const char* what);
+  /// Makes rank's scratch hold at least n floats; returns it.
+  float* scratch(int rank, std::int64_t n);
+  void check_rank(int rank, const char* what) const;
+
+  detail::Barrier barrier_;
+  std::vector<Slot> slots_;
+  struct Scratch {
+    std::unique_ptr<float[]> data;
+    std::int64_t capacity = 0;
+  };
+  std::vector<Scratch> scratch_;  // per rank; written only by its rank's thread
+};
+
+}  // namespace dp::comm
