@@ -1,0 +1,61 @@
+// Tests for dp/nn/dropout.h: masks deterministic per seed, one stream per bound copy,
+// 1/(1-p) scaling, identity in eval mode.
+#include <doctest/doctest.h>
+
+#include <memory>
+
+#include "dp/nn/dropout.h"
+#include "dp/nn/parameter_set.h"
+#include "dp/tensor/ops.h"
+#include "nn_test_util.h"
+
+using nn_test::F;
+namespace nn = dp::nn;
+
+TEST_CASE_TEMPLATE("Dropout: deterministic per seed, scaled, identity in eval", D, DP_NN_TEST_DEVICES) {
+  const dp::Device dev = D::device();
+  dp::Tensor x = dp::ones({50, 40}, dev);
+  auto ap = std::make_shared<nn::Dropout>(0.25, 7);  // train()/eval() need a shared_ptr
+  nn::Dropout& a = *ap;
+  nn::Dropout b(0.25, 7), c(0.25, 8);
+  F ya = a(x).to_vector();
+  CHECK(ya == b(x).to_vector());
+  CHECK(ya != c(x).to_vector());
+  CHECK(a(x).to_vector() != ya);  // the stream advances
+  int zeros = 0;
+  for (float v : ya) {
+    if (v == 0) ++zeros;
+    else CHECK(v == doctest::Approx(1 / 0.75));
+  }
+  CHECK(zeros / 2000.0 == doctest::Approx(0.25).epsilon(0.15));
+  a.eval();
+  CHECK(a(x).is_same(x));
+  CHECK(a.name() == "Dropout(p=0.25)");
+  CHECK_THROWS_AS(nn::Dropout(1.5), dp::Error);
+  a.set_seed(7);
+  a.train();
+  nn::Dropout fresh(0.25, 7);
+  CHECK(a(x).to_vector() == fresh(x).to_vector());  // set_seed restarts the streams
+}
+
+TEST_CASE("Dropout draws from a separate stream per bound copy") {
+  nn::Dropout d(0.5, 11), ref(0.5, 11);
+  dp::Tensor x = dp::ones({1000});
+  F c0 = d(x).to_vector();
+  F c1;
+  {
+    nn::ReplicaBinding bind(1);
+    c1 = d(x).to_vector();
+  }
+  CHECK(c0 != c1);
+  CHECK(c0 == ref(x).to_vector());  // copy 1's draw did not advance copy 0's stream
+  CHECK(d.generator(1).offset() == 1000);
+  CHECK_THROWS_AS(d.generator(nn::Dropout::kMaxCopies), dp::Error);
+  dp::manual_seed(3);
+  nn::Dropout s1(0.5);
+  dp::manual_seed(3);
+  nn::Dropout s2(0.5);
+  nn::Dropout s3(0.5);
+  CHECK(s1.seed() == s2.seed());
+  CHECK(s2.seed() != s3.seed());
+}

@@ -1,0 +1,110 @@
+// Tests for dp/nn/sequential.h and whole models: PyTorch-style names, state_dict round
+// trips, a residual block written by a user, gradients through a small CNN.
+#include <doctest/doctest.h>
+
+#include <memory>
+#include <set>
+
+#include "../autograd/gradcheck.h"
+#include "dp/nn/nn.h"
+#include "dp/tensor/ops.h"
+#include "nn_test_util.h"
+
+using dp_test::uniform_values;
+using nn_test::F;
+using nn_test::max_diff;
+namespace nn = dp::nn;
+
+namespace {
+
+std::shared_ptr<nn::Sequential> small_cnn(dp::Generator* gen) {
+  return std::make_shared<nn::Sequential>(
+      std::make_shared<nn::Conv2d>(1, 4, 3, 1, 1, true, gen), std::make_shared<nn::BatchNorm2d>(4),
+      std::make_shared<nn::ReLU>(), std::make_shared<nn::MaxPool2d>(2), std::make_shared<nn::Flatten>(),
+      std::make_shared<nn::Linear>(4 * 3 * 3, 5, true, gen));
+}
+
+/// out = relu(bn(conv(x)) + shortcut(x)), shortcut a 1×1 conv.
+struct ResidualBlock : nn::Module {
+  ResidualBlock(std::int64_t in, std::int64_t out) {
+    conv = register_module("conv", std::make_shared<nn::Conv2d>(in, out, 3, 1, 1, false));
+    bn = register_module("bn", std::make_shared<nn::BatchNorm2d>(out));
+    shortcut = register_module("shortcut", std::make_shared<nn::Conv2d>(in, out, 1, 1, 0, false));
+  }
+  dp::Tensor forward(const dp::Tensor& x) override {
+    return dp::relu((*bn)((*conv)(x)) + (*shortcut)(x));
+  }
+  std::shared_ptr<nn::Conv2d> conv;
+  std::shared_ptr<nn::BatchNorm2d> bn;
+  std::shared_ptr<nn::Conv2d> shortcut;
+};
+
+}  // namespace
+
+TEST_CASE("Sequential names children 0, 1, ... like PyTorch") {
+  dp::Generator gen(1);
+  auto net = small_cnn(&gen);
+  CHECK(net->size() == 6);
+  std::vector<std::string> names;
+  for (const auto& [n, t] : net->state_dict()) names.push_back(n);
+  CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
+                                          "1.running_var", "1.num_batches_tracked", "5.weight",
+                                          "5.bias"});
+  CHECK(net->name().rfind("Sequential(Conv2d(1, 4", 0) == 0);
+  CHECK(dynamic_cast<nn::ReLU*>((*net)[2].get()) != nullptr);
+  CHECK_THROWS_AS((*net)[6], dp::Error);
+
+  nn::Sequential built;
+  auto fc = built.push_back(std::make_shared<nn::Linear>(3, 2));
+  built.push_back(std::make_shared<nn::ReLU>());
+  CHECK(built.named_children()[1].first == "1");
+  CHECK(fc->in_features() == 3);
+  nn::Sequential listed{std::make_shared<nn::Linear>(3, 2), std::make_shared<nn::Tanh>()};
+  CHECK(listed.size() == 2);
+  CHECK(listed.forward(dp::zeros({4, 3})).shape() == dp::Shape{4, 2});
+  CHECK_THROWS_AS(built.push_back(std::shared_ptr<nn::Module>()), dp::Error);
+}
+
+TEST_CASE_TEMPLATE("a small CNN: forward, backward and a state_dict round trip", D, DP_NN_TEST_DEVICES) {
+  const dp::Device dev = D::device();
+  dp::Generator g1(1), g2(2);
+  auto a = small_cnn(&g1), b = small_cnn(&g2);
+  a->to(dev);
+  b->to(dev);
+  dp::Tensor x = dp::from_vector(uniform_values(3 * 1 * 6 * 6, -1, 1, 3), {3, 1, 6, 6}, dev);
+  dp::Tensor y = dp::from_vector(std::vector<std::int64_t>{0, 4, 2}, {3}, dev);
+  dp::Tensor loss = nn::cross_entropy((*a)(x), y);
+  loss.backward();
+  for (const auto& [n, p] : a->named_parameters()) {
+    INFO(n);
+    CHECK(p.grad().defined());
+  }
+  // Load a's state into b: same outputs in eval mode, same buffers.
+  b->load_state_dict(a->state_dict());
+  a->eval();
+  b->eval();
+  CHECK(max_diff((*a)(x).to_vector(), (*b)(x).to_vector()) == 0);
+  auto sa = a->state_dict(), sb = b->state_dict();
+  for (std::size_t i = 0; i < sa.size(); ++i) {
+    INFO(sa[i].first);
+    CHECK(dp::equal(sa[i].second, sb[i].second));
+  }
+}
+
+TEST_CASE("a user-written residual block trains end to end") {
+  auto block = std::make_shared<ResidualBlock>(2, 3);
+  std::set<std::string> names;
+  for (const auto& [n, t] : block->state_dict()) names.insert(n);
+  CHECK(names.count("conv.weight"));
+  CHECK(names.count("bn.running_var"));
+  CHECK(names.count("shortcut.weight"));
+  dp::Tensor x = dp::from_vector(uniform_values(2 * 2 * 4 * 4, -1, 1, 4), {2, 2, 4, 4});
+  dp::Tensor out = (*block)(x);
+  CHECK(out.shape() == dp::Shape{2, 3, 4, 4});
+  dp::sum(out).backward();
+  for (const auto& [n, p] : block->named_parameters()) {
+    INFO(n);
+    REQUIRE(p.grad().defined());
+    CHECK(dp::max_abs_diff(p.grad(), dp::zeros_like(p.grad())) > 0);
+  }
+}
