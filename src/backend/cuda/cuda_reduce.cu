@@ -137,7 +137,7 @@ __global__ void argmax_cols_kernel(const float* __restrict__ x, i64* __restrict_
 template <typename Op>
 void launch_reduce(cudaStream_t stream, Op op, const float* x, float* y, i64 outer, i64 r,
                    i64 inner) {
-  if (r == 0) {  // empty reduction: the identity (0 for Sum, ∓inf for Max/Min)
+  if (r == 0) {  // empty sum: 0 (reduce() rejects empty Max/Min, as the CPU backend)
     fill(stream, y, outer * inner, Op::kIdentity);
     return;
   }
@@ -171,6 +171,8 @@ void check_shape(const char* op, i64 outer, i64 r, i64 inner) {
 void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, i64 outer, i64 r,
             i64 inner) {
   check_shape("reduce", outer, r, inner);
+  DP_CHECK(r > 0 || op == ReduceOp::Sum,
+           "reduce: max/min over an empty dimension has no identity; expected r > 0, got r = 0");
   if (outer == 0 || inner == 0) return;
   switch (op) {
     case ReduceOp::Sum: launch_reduce(stream, SumOp{}, x, y, outer, r, inner); return;
