@@ -549,7 +549,7 @@ void check_conv(const Conv2dShape& s, bool with_bias) {
 }  // namespace
 
 TEST_CASE("conv2d forward / backward data / backward weight against naive loops") {
-  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked}) {
+  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Auto}) {
     CAPTURE(int(layout));
     be().set_conv_layout(layout);
     check_conv(conv_shape(2, 3, 7, 9, 4, 3, 2, 2, 2, 1, 1), true);     // stride 2, non-square
@@ -558,7 +558,6 @@ TEST_CASE("conv2d forward / backward data / backward weight against naive loops"
     check_conv(conv_shape(2, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), true); // CNN layer 2 (small N)
     check_conv(conv_shape(1, 2, 5, 5, 3, 1, 1, 1, 1, 0, 0), true);     // 1x1
   }
-  be().set_conv_layout(cpu::ConvLayout::Plain);
   Conv2dShape bad = conv_shape(1, 1, 5, 5, 1, 3, 3, 1, 1, 0, 0);
   bad.P = 5;
   std::vector<float> buf(100);

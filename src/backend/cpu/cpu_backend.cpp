@@ -29,7 +29,7 @@ CpuBackend& cpu_backend_impl() {
   return backend;
 }
 
-CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Plain) {
+CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   const int n = dp::device_count(DeviceType::CPU);
   devices_.reserve(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) {

@@ -36,6 +36,7 @@ inline constexpr std::int64_t kSerialGrain = 32768;
 enum class ConvLayout : std::uint8_t {
   Plain,    // NCHW/KCRS memory handed to oneDNN as is
   Blocked,  // format_tag::any: oneDNN picks blocked layouts, we reorder in and out
+  Auto,     // per shape and pass, the faster of the two as measured (the default)
 };
 
 /// Per-device oneDNN primitive cache; defined in cpu_gemm_conv.cpp (keeps dnnl.hpp out
