@@ -2,8 +2,20 @@
 //
 // Note [CPU convolution: measured choice]
 // Measured with bench/kernels_bench on the 2-core AVX-512 host for the Fashion-MNIST
-// CNN's convolutions (N=256, 3x3, pad 1), in GFLOP/s, 1 / 2 threads:
-//   MEASUREMENTS_PLACEHOLDER
+// CNN's convolutions (N=256, 3x3, pad 1), best of >= 3 runs, GFLOP/s at 1 thread. The
+// host was shared with parallel compiles (load ~13 on 2 cores), so absolute figures are
+// low and 2-thread figures were too noisy to rank; the 1-thread ratios were stable over
+// two runs:
+//                         fwd   bwd-data  bwd-weight
+//   1->32 28x28  nchw     2.7-6.0  5.2-7.0  1.4-1.8
+//                blocked  2.6-2.9  1.1      3.6-4.2
+//   32->64 14x14 nchw     9-14     8-13     9-11
+//                blocked  21-25    22-25    20-25
+//   our im2col + one batched dnnl_sgemm (fwd only): 1.6-1.9 and 5.0-6.7
+// So ConvLayout::Auto (the default) takes blocked layouts except forward and backward-
+// data with few input channels, where the plain path wins. (At 2 threads the plain
+// backward-weight of the 1-channel layer took seconds — a oneDNN gemm-conv reduction
+// that collapses under contention — one more reason it is never chosen.)
 // `Plain` hands NCHW/KCRS buffers to oneDNN as they are (oneDNN then runs its
 // im2col + sgemm implementation, or its direct JIT kernel for the 1-channel input);
 // `Blocked` lets oneDNN choose blocked layouts (format_tag::any) and reorders every
