@@ -1,6 +1,9 @@
 #include "dp/autograd/node.h"
 
 #include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
@@ -12,6 +15,17 @@ namespace {
 // backward. One counter for all threads keeps them unique; only the order among the
 // nodes of one graph (made by one thread) matters.
 std::atomic<std::uint64_t> g_next_sequence_nr{0};
+
+// Note [Concurrent accumulation]
+// DataParallel workers run backward on their own graphs at the same time, but graphs
+// that copy one master leaf to each worker's device (to(device)) all end in that leaf's
+// AccumulateGrad, and their forwards all ask for its accumulator. Both are serialized per
+// leaf by a mutex picked from the leaf's address. Hooks run outside it: a DDP hook may
+// wait for other workers, which may be waiting for this mutex.
+std::mutex& leaf_mutex(const void* leaf) {
+  static std::mutex stripes[64];  // more stripes than concurrent workers; collisions only slow down
+  return stripes[(reinterpret_cast<std::uintptr_t>(leaf) / alignof(std::max_align_t)) % 64];
+}
 
 AutogradMeta& meta(const Tensor& t) {
   auto* impl = t.impl();
@@ -47,11 +61,14 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
            "AccumulateGrad: gradient of shape ", shape_str(g.shape()), " on ", g.device(),
            " does not match the leaf's ", shape_str(leaf.shape()), " on ", leaf.device());
   AutogradMeta& m = meta(leaf);
-  if (m.grad.defined()) {
-    m.grad.add_(g);  // in place: a .grad that views a flat buffer stays a view
-  } else {
-    NoGradGuard no_grad;
-    m.grad = g.detach().clone();  // own storage: g may be shared with other edges
+  {
+    std::lock_guard<std::mutex> lock(leaf_mutex(leaf_impl.get()));  // Note [Concurrent accumulation]
+    if (m.grad.defined()) {
+      m.grad.add_(g);  // in place: a .grad that views a flat buffer stays a view
+    } else {
+      NoGradGuard no_grad;
+      m.grad = g.detach().clone();  // own storage: g may be shared with other edges
+    }
   }
   for (auto& hook : m.post_accumulate_hooks) hook(leaf);
   return {};
@@ -76,6 +93,7 @@ Edge gradient_edge(const Tensor& t) {
   AutogradMeta& m = *t.impl()->autograd;
   if (m.grad_fn) return {m.grad_fn, m.output_nr};
   if (!m.requires_grad) return {};
+  std::lock_guard<std::mutex> lock(leaf_mutex(t.impl()));  // Note [Concurrent accumulation]
   auto acc = m.grad_accumulator.lock();
   if (!acc) {
     acc = std::make_shared<AccumulateGrad>(std::weak_ptr<TensorImpl>(t.impl_ptr()));

@@ -1,0 +1,270 @@
+// Tests for the backward engine and gradient accumulation (src/autograd/engine.cpp,
+// src/autograd/node.cpp): accumulation across backwards and into views, retain_graph,
+// implicit gradients, diamonds, long chains and post-accumulate hooks.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dp/autograd/grad_mode.h"
+#include "dp/autograd/node.h"
+#include "dp/core/device.h"
+#include "dp/core/error.h"
+#include "dp/tensor/ops.h"
+#include "dp/tensor/tensor.h"
+
+namespace {
+
+using F = std::vector<float>;
+using dp::Tensor;
+
+Tensor leaf(const F& v, const dp::Shape& s, dp::Device dev = dp::cpu(0)) {
+  Tensor t = dp::from_vector(v, s, dev);
+  t.set_requires_grad(true);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("leaves, recorded results and requires_grad") {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor c = dp::from_vector(F{4, 5, 6}, {3});
+  CHECK(x.requires_grad());
+  CHECK(x.is_leaf());
+  CHECK(x.grad_fn() == nullptr);
+  CHECK_FALSE(x.grad().defined());
+  CHECK_FALSE(c.requires_grad());
+
+  Tensor y = x * c;
+  CHECK(y.requires_grad());
+  CHECK_FALSE(y.is_leaf());
+  REQUIRE(y.grad_fn() != nullptr);
+  CHECK(y.grad_fn()->name() == "MulBackward");
+  CHECK_FALSE((c * c).requires_grad());  // no input needs a gradient: nothing recorded
+  CHECK((c * c).grad_fn() == nullptr);
+
+  Tensor d = y.detach();
+  CHECK_FALSE(d.requires_grad());
+  CHECK(d.is_leaf());
+
+  x.set_requires_grad(false);
+  CHECK_FALSE(x.requires_grad());
+  CHECK_THROWS_WITH_AS(y.set_requires_grad(false), doctest::Contains("MulBackward"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::zeros({2}, dp::TensorOptions{dp::Dtype::Int64, {}}).set_requires_grad(true),
+                       doctest::Contains("int64"), dp::Error);
+}
+
+TEST_CASE("gradients accumulate into .grad over two backwards") {
+  Tensor x = leaf({1, -2, 3}, {3});
+  for (int i = 0; i < 2; ++i) dp::sum(dp::square(x)).backward();
+  CHECK(x.grad().to_vector() == F{4, -8, 12});  // 2 * (2x)
+  // The first backward owns a fresh .grad, not a view of some engine buffer.
+  Tensor g = x.grad();
+  dp::sum(x * 3.0).backward();
+  CHECK(x.grad().is_same(g));  // accumulated in place, same tensor
+  CHECK(g.to_vector() == F{7, -5, 15});
+  x.grad().zero_();
+  dp::sum(x).backward();
+  CHECK(x.grad().to_vector() == F{1, 1, 1});
+}
+
+TEST_CASE("a .grad that views a flat buffer is accumulated in place") {
+  Tensor buffer = dp::zeros({10});
+  Tensor x = leaf({1, 2, 3, 4}, {2, 2});
+  Tensor view = buffer.narrow(0, 3, 4).reshape({2, 2});
+  view.fill_(0.5);
+  x.set_grad(view);
+  dp::sum(x * x).backward();
+  CHECK(x.grad().storage() == buffer.storage());
+  CHECK(x.grad().storage_offset() == 3);
+  CHECK(buffer.to_vector() == F{0, 0, 0, 2.5f, 4.5f, 6.5f, 8.5f, 0, 0, 0});
+  dp::sum(x).backward();
+  CHECK(buffer.to_vector() == F{0, 0, 0, 3.5f, 5.5f, 7.5f, 9.5f, 0, 0, 0});
+
+  // The same on another virtual device, through a device copy in the graph.
+  Tensor buffer1 = dp::zeros({6}, dp::cpu(1));
+  Tensor w = leaf({1, 2}, {2}, dp::cpu(1));
+  w.set_grad(buffer1.narrow(0, 2, 2));
+  dp::sum(w.to(dp::cpu(0)) * dp::from_vector(F{3, 4}, {2})).backward();
+  CHECK(buffer1.to_vector() == F{0, 0, 3, 4, 0, 0});
+
+  CHECK_THROWS_WITH_AS(x.set_grad(dp::zeros({4})), doctest::Contains("[4]"), dp::Error);
+  CHECK_THROWS_WITH_AS(x.set_grad(dp::zeros({4})), doctest::Contains("[2, 2]"), dp::Error);
+  CHECK_THROWS_WITH_AS(x.set_grad(dp::zeros({2, 2}, dp::cpu(1))), doctest::Contains("cpu:1"), dp::Error);
+  x.set_grad(Tensor());
+  CHECK_FALSE(x.grad().defined());
+}
+
+TEST_CASE("a second backward through a freed graph names retain_graph; retain_graph keeps it") {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor y = dp::sum(dp::exp(x) * x);
+  y.backward();
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("retain_graph"), dp::Error);
+
+  Tensor z = dp::sum(dp::square(x));
+  x.grad().zero_();
+  z.backward(Tensor(), /*retain_graph=*/true);
+  z.backward(Tensor(), true);
+  z.backward();  // the last may free it
+  CHECK(x.grad().to_vector() == F{6, 12});
+  CHECK_THROWS_WITH_AS(z.backward(), doctest::Contains("retain_graph"), dp::Error);
+
+  // A freed subgraph reached from a new root also fails loudly.
+  Tensor h = dp::exp(x);
+  dp::sum(h).backward();
+  CHECK_THROWS_WITH_AS(dp::sum(h * 2.0).backward(), doctest::Contains("retain_graph"), dp::Error);
+}
+
+TEST_CASE("backward on a non-scalar needs an explicit gradient") {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor y = x * 2.0;
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("[3]"), dp::Error);
+  CHECK_THROWS_WITH_AS(y.backward(), doctest::Contains("scalar"), dp::Error);
+  y.backward(dp::from_vector(F{1, 10, 100}, {3}));
+  CHECK(x.grad().to_vector() == F{2, 20, 200});
+  CHECK_THROWS_WITH_AS(y.backward(dp::ones({2})), doctest::Contains("[2]"), dp::Error);
+  CHECK_THROWS_AS(y.backward(dp::ones({3}, dp::cpu(1))), dp::Error);
+
+  // A one-element non-0-d tensor is a scalar too.
+  Tensor s = dp::sum(x, 0, true);
+  CHECK(s.shape() == dp::Shape{1});
+  x.grad().zero_();
+  s.backward();
+  CHECK(x.grad().to_vector() == F{1, 1, 1});
+
+  Tensor c = dp::ones({1});
+  CHECK_THROWS_WITH_AS(c.backward(), doctest::Contains("does not require grad"), dp::Error);
+  CHECK_THROWS_AS(Tensor().backward(), dp::Error);
+}
+
+TEST_CASE("backward from a leaf accumulates the seed into its own .grad") {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor seed = dp::from_vector(F{3, 4}, {2});
+  x.backward(seed);
+  CHECK(x.grad().to_vector() == F{3, 4});
+  CHECK(x.grad().storage() != seed.storage());  // .grad never aliases the caller's seed
+  seed.fill_(0);
+  CHECK(x.grad().to_vector() == F{3, 4});
+}
+
+TEST_CASE("a diamond graph sums the gradients of both paths") {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor a = x * 2.0;
+  Tensor b = dp::exp(x);
+  Tensor y = dp::sum(a * b + a);  // y = Σ 2x e^x + 2x
+  y.backward();
+  auto g = x.grad().to_vector();
+  const F xs{1, 2, 3};
+  for (int i = 0; i < 3; ++i)
+    CHECK(g[i] == doctest::Approx(2 * std::exp(xs[i]) * (1 + xs[i]) + 2).epsilon(1e-5));
+
+  // x used twice by one op: mul(x, x) gives 2x; add(x, x) gives 2.
+  Tensor u = leaf({1, -3}, {2});
+  dp::sum(u * u + (u + u)).backward();
+  CHECK(u.grad().to_vector() == F{4, -4});
+
+  // Paths that meet only at the leaf, through different devices.
+  Tensor v = leaf({1, 2}, {2});
+  Tensor p1 = v.to(dp::cpu(1)) * 3.0;
+  Tensor p2 = v * 5.0;
+  dp::sum(p1.to(dp::cpu(0)) + p2).backward();
+  CHECK(v.grad().to_vector() == F{8, 8});
+}
+
+TEST_CASE("gradients do not flow through detach or into tensors that need none") {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor w = dp::from_vector(F{3, 4}, {2});
+  dp::sum(x * w + x.detach() * x.detach()).backward();
+  CHECK(x.grad().to_vector() == F{3, 4});
+  CHECK_FALSE(w.grad().defined());
+}
+
+TEST_CASE("a long chain of 10k ops runs backward and frees without overflowing the stack") {
+  auto run = [] {
+    Tensor x = leaf({1, 2}, {2});
+    Tensor one = dp::ones({2});
+    Tensor y = x;
+    for (int i = 0; i < 10000; ++i) y = (i % 2 == 0) ? y * one : y + 0.0;  // mul saves y: a deep chain
+    dp::sum(y).backward();
+    CHECK(x.grad().to_vector() == F{1, 1});
+
+    Tensor z = x;
+    for (int i = 0; i < 10000; ++i) z = z * one;
+    // Dropped without a backward: the whole unreleased chain is destroyed here.
+  };
+  run();
+  std::thread t(run);  // and on a worker thread, as DataParallel runs it
+  t.join();
+}
+
+TEST_CASE("post-accumulate hooks fire once per accumulation, after .grad is updated") {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor other = leaf({5}, {1});
+  int calls = 0;
+  std::vector<F> seen;
+  dp::autograd::add_post_accumulate_hook(x, [&](const Tensor& t) {
+    ++calls;
+    CHECK(t.is_same(x));
+    seen.push_back(t.grad().to_vector());
+  });
+  // x reaches the loss along three paths: still one accumulation per backward.
+  dp::sum(x * 2.0 + x * x + dp::exp(x) * 0.0 + other).backward();
+  CHECK(calls == 1);
+  REQUIRE(seen.size() == 1);
+  CHECK(seen[0] == F{4, 6});
+  dp::sum(x).backward();
+  CHECK(calls == 2);
+  CHECK(seen[1] == F{5, 7});
+  // A backward that does not reach x does not fire its hook.
+  dp::sum(other * 2.0).backward();
+  CHECK(calls == 2);
+
+  dp::autograd::clear_post_accumulate_hooks(x);
+  dp::sum(x).backward();
+  CHECK(calls == 2);
+
+  Tensor y = x * 2.0;
+  CHECK_THROWS_AS(dp::autograd::add_post_accumulate_hook(y, [](const Tensor&) {}), dp::Error);
+  CHECK_THROWS_AS(dp::autograd::add_post_accumulate_hook(dp::ones({1}), [](const Tensor&) {}), dp::Error);
+}
+
+TEST_CASE("a node runs only after every path into it has delivered its gradient") {
+  // y = (x * 2) feeds both a short path and a long one; y's node must see the sum.
+  Tensor x = leaf({1}, {1});
+  Tensor y = x * 2.0;
+  Tensor longp = y;
+  for (int i = 0; i < 50; ++i) longp = longp * 1.0;
+  dp::sum(y + longp * 3.0).backward();
+  CHECK(x.grad().item() == 8.0);
+}
+
+TEST_CASE("run_backward with several roots") {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor a = dp::sum(x * 2.0), b = dp::sum(x * x);
+  dp::autograd::run_backward({a, b}, {Tensor(), Tensor()}, false);
+  CHECK(x.grad().to_vector() == F{4, 6});
+  CHECK_THROWS_AS(dp::autograd::run_backward({a}, {}, false), dp::Error);
+}
+
+TEST_CASE("concurrent backwards from worker threads into one shared leaf all accumulate") {
+  // DataParallel's shape: the master parameter on cpu(0) is copied to each worker's device;
+  // every worker runs backward on its own graph, and all of them reach the same leaf.
+  constexpr int kWorkers = 4, kReps = 25;
+  constexpr std::int64_t kN = 1 << 16;  // large enough that a lost update would show
+  Tensor w = dp::zeros({kN});
+  w.set_requires_grad(true);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kWorkers; ++i) {
+    threads.emplace_back([&, i] {
+      for (int rep = 0; rep < kReps; ++rep) dp::sum(w.to(dp::cpu(i + 1)) * 1.0).backward();
+    });
+  }
+  for (auto& t : threads) t.join();
+  REQUIRE(w.grad().defined());
+  F g = w.grad().to_vector();
+  bool all = true;
+  for (float v : g) all = all && v == static_cast<float>(kWorkers * kReps);
+  CHECK(all);
+}
