@@ -279,14 +279,24 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
     }
     if (!known) unexpected.push_back(name);
   }
+  if (!unexpected.empty() && with_state == 0) {
+    // Foreign keys and none of ours: name what this optimizer expected.
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      for (const auto& n : names) missing.push_back(detail::str_cat("state.", i, ".", n));
+    }
+  }
   if (!missing.empty() || !unexpected.empty()) {
-    std::string msg;
-    for (const auto& m : missing) msg += " " + m;
-    std::string un;
-    for (const auto& u : unexpected) un += " " + u;
+    auto join = [](const std::vector<std::string>& keys) {
+      if (keys.empty()) return std::string(" none");
+      constexpr std::size_t kShown = 6;  // enough to recognise the pattern
+      std::string s;
+      for (std::size_t i = 0; i < keys.size() && i < kShown; ++i) s += " " + keys[i];
+      if (keys.size() > kShown) s += detail::str_cat(" … and ", keys.size() - kShown, " more");
+      return s;
+    };
     DP_FAIL(kind_, ".load_state_dict: the state does not match this optimizer's ", params_.size(),
-            " parameters; missing:", missing.empty() ? " none" : msg, "; unexpected:",
-            unexpected.empty() ? " none" : un, " (was it saved by another optimizer type?)");
+            " parameters; missing:", join(missing), "; unexpected:", join(unexpected),
+            " (was it saved by another optimizer type or for another model?)");
   }
   for (const auto& [name, t] : by_name) {
     const std::size_t i = std::stoul(name.substr(6));  // after "state."

@@ -1,0 +1,67 @@
+// Tests for dp/optim/sgd.h: three steps against PyTorch's formulas computed in double,
+// for plain SGD, momentum, dampening, Nesterov and weight decay; option checks.
+#include <doctest/doctest.h>
+
+#include "dp/optim/sgd.h"
+#include "optim_test_util.h"
+
+using namespace optim_test;
+
+namespace {
+
+void check_sgd(dp::Device dev, dp::optim::SGDOptions o) {
+  CAPTURE(o.momentum);
+  CAPTURE(o.dampening);
+  CAPTURE(o.weight_decay);
+  CAPTURE(o.nesterov);
+  auto net = tiny_net(dev);
+  auto params = net->parameters();
+  std::vector<D> p, buf;
+  for (const auto& t : params) {
+    p.push_back(to_double(t.to_vector()));
+    buf.emplace_back(static_cast<std::size_t>(t.numel()), 0.0);
+  }
+  dp::optim::SGD opt(params, o);
+  SgdRef ref{o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov};
+  for (int t = 0; t < 3; ++t) {
+    opt.zero_grad();
+    set_grads(params, t);
+    opt.step();
+    for (std::size_t k = 0; k < params.size(); ++k)
+      for (std::size_t i = 0; i < p[k].size(); ++i) ref.step(p[k][i], grad_value(k, i, t), buf[k][i], t == 0);
+  }
+  CHECK(opt.step_count() == 3);
+  for (std::size_t k = 0; k < params.size(); ++k) {
+    CAPTURE(k);
+    CHECK(params[k].device() == dev);
+    CHECK(max_rel_diff(params[k].to_vector(), p[k]) < 2e-6);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("SGD matches PyTorch's formulas over 3 steps", Dev, DP_OPTIM_TEST_DEVICES) {
+  const dp::Device dev = Dev::device();
+  check_sgd(dev, {.lr = 0.1});
+  check_sgd(dev, {.lr = 0.1, .momentum = 0.9});
+  check_sgd(dev, {.lr = 0.05, .momentum = 0.8, .dampening = 0.3});
+  check_sgd(dev, {.lr = 0.1, .momentum = 0.9, .nesterov = true});
+  check_sgd(dev, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true});
+  check_sgd(dev, {.lr = 0.2, .weight_decay = 0.1});
+  check_sgd(dev, {.lr = 0.05, .momentum = 0.5, .dampening = 0.5, .weight_decay = 0.2});
+}
+
+TEST_CASE("SGD rejects bad options") {
+  auto net = tiny_net(dp::cpu(0));
+  CHECK_THROWS_AS(dp::optim::SGD(net->parameters(), {.lr = -1}), dp::Error);
+  CHECK_THROWS_AS(dp::optim::SGD(net->parameters(), {.lr = 0.1, .momentum = -0.1}), dp::Error);
+  CHECK_THROWS_AS(dp::optim::SGD(net->parameters(), {.lr = 0.1, .weight_decay = -1}), dp::Error);
+  CHECK_THROWS_AS(dp::optim::SGD(net->parameters(), {.lr = 0.1, .nesterov = true}), dp::Error);
+  CHECK_THROWS_AS(dp::optim::SGD(net->parameters(), {.lr = 0.1, .momentum = 0.9, .dampening = 0.1,
+                                                     .nesterov = true}),
+                  dp::Error);
+  dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
+  opt.set_lr(0.5);
+  CHECK(opt.lr() == 0.5);
+  CHECK_THROWS_AS(opt.set_lr(-0.1), dp::Error);
+}
