@@ -54,9 +54,13 @@ class Cifar10Dataset : public Dataset {
   /// Builds the dataset from parsed records.
   explicit Cifar10Dataset(CifarRecords records, Options options = {});
 
+  /// Number of images N (50000 train, 10000 test for the real files).
   std::int64_t size() const override { return records_.count; }
+  /// (3, 32, 32).
   Shape example_shape() const override { return {kChannels, kSide, kSide}; }
+  /// 10.
   std::int64_t num_classes() const override { return kNumClasses; }
+  /// Scaled (and optionally normalised) float32 (B, 3, 32, 32) and int64 labels (B).
   Batch get_batch(std::span<const std::int64_t> indices) const override;
 
   static constexpr std::int64_t kNumClasses = 10;  ///< labels lie in [0, 10)

@@ -61,7 +61,9 @@ class DataLoader {
   DataLoader(std::shared_ptr<const Dataset> dataset, std::shared_ptr<Sampler> sampler,
              Options options = {});
 
+  /// Not copyable (a pass in flight would be ambiguous); hold it by value or pointer.
   DataLoader(const DataLoader&) = delete;
+  /// Not copyable.
   DataLoader& operator=(const DataLoader&) = delete;
 
   /// Number of batches per epoch.
@@ -104,8 +106,11 @@ class DataLoader::Iterator {
 
   /// An iterator already at the end.
   Iterator();
+  /// Takes over the pass (and its workers).
   Iterator(Iterator&& other) noexcept;
+  /// Ends this iterator's pass (joining its workers), then takes over other's.
   Iterator& operator=(Iterator&& other) noexcept;
+  /// Stops and joins the pass's workers; never throws.
   ~Iterator();
 
   /// The current batch (the iterator owns it; moving it out is allowed).

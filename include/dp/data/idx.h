@@ -77,12 +77,16 @@ class MnistDataset : public Dataset {
   /// `name` labels error messages. Same validation as the directory constructor.
   MnistDataset(IdxArray images, IdxArray labels, const std::string& name);
 
+  /// Number of images N.
   std::int64_t size() const override { return count_; }
+  /// (1, H, W): (1, 28, 28) for MNIST and Fashion-MNIST.
   Shape example_shape() const override { return {1, height_, width_}; }
+  /// 10.
   std::int64_t num_classes() const override { return kNumClasses; }
+  /// Pixels / 255 as float32 (B, 1, H, W) and labels as int64 (B), on cpu(0).
   Batch get_batch(std::span<const std::int64_t> indices) const override;
 
-  /// The raw label of example i (no range check beyond DP_CHECK on i).
+  /// The label of example i (throws dp::Error for i outside [0, size())).
   std::int64_t label(std::int64_t i) const;
 
   /// Labels must lie in [0, kNumClasses).

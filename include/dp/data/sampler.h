@@ -42,7 +42,9 @@ class SequentialSampler : public Sampler {
  public:
   /// Throws dp::Error for n < 0.
   explicit SequentialSampler(std::int64_t n);
+  /// 0, 1, ..., n-1.
   std::vector<std::int64_t> indices() const override;
+  /// n.
   std::int64_t size() const override { return n_; }
 
  private:
@@ -54,7 +56,9 @@ class RandomSampler : public Sampler {
  public:
   /// Throws dp::Error for n < 0.
   explicit RandomSampler(std::int64_t n, std::uint64_t seed = 0);
+  /// random_permutation(n, seed + epoch()).
   std::vector<std::int64_t> indices() const override;
+  /// n.
   std::int64_t size() const override { return n_; }
 
  private:
@@ -83,6 +87,7 @@ class DistributedSampler : public Sampler {
   /// Throws dp::Error for n < 0, num_replicas < 1, or rank outside [0, num_replicas).
   DistributedSampler(std::int64_t n, std::int64_t num_replicas, std::int64_t rank,
                      Options options = {});
+  /// This rank's indices for the current epoch (size() of them).
   std::vector<std::int64_t> indices() const override;
   /// Indices per rank per epoch: total_size() / num_replicas().
   std::int64_t size() const override { return num_samples_; }

@@ -41,9 +41,13 @@ class SyntheticDataset : public Dataset {
   /// shape, or a negative separation or noise.
   explicit SyntheticDataset(Options options = {});
 
+  /// options.size.
   std::int64_t size() const override { return options_.size; }
+  /// options.example_shape.
   Shape example_shape() const override { return options_.example_shape; }
+  /// options.num_classes.
   std::int64_t num_classes() const override { return options_.num_classes; }
+  /// Generates the examples `indices` (labels index % num_classes).
   Batch get_batch(std::span<const std::int64_t> indices) const override;
 
   /// The center of class c, flattened (example numel).

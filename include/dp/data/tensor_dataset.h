@@ -24,8 +24,11 @@ class TensorDataset : public Dataset {
   /// int64 with shape (N), and both have the same N.
   TensorDataset(Tensor data, Tensor targets);
 
+  /// N, the data tensor's first dim.
   std::int64_t size() const override { return count_; }
+  /// The data tensor's shape without its first dim.
   Shape example_shape() const override { return example_shape_; }
+  /// Copies of the rows `indices` of data and targets.
   Batch get_batch(std::span<const std::int64_t> indices) const override;
 
   /// The data tensor (N, ...) on cpu(0).
