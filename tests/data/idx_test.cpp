@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdio>
@@ -192,9 +193,10 @@ TEST_CASE("IDX errors name the file and say what was expected") {
   }
   SUBCASE("dims whose product overflows") {
     // float64, 3 dims of 0xffffffff: 2^96 * 8 bytes.
-    std::vector<std::uint8_t> bad = {0, 0, 0x0E, 3};
-    for (int d = 0; d < 3; ++d) bad.insert(bad.end(), {0xff, 0xff, 0xff, 0xff});
-    bad.insert(bad.end(), 64, 0);
+    std::vector<std::uint8_t> bad(4 + 12 + 64, 0);
+    bad[2] = 0x0E;
+    bad[3] = 3;
+    std::fill(bad.begin() + 4, bad.begin() + 16, std::uint8_t{0xff});
     const std::string msg = error_of([&] { dp::data::parse_idx(bad.data(), bad.size(), "o.idx"); });
     CHECK(has(msg, "overflow"));
     CHECK(has(msg, "o.idx"));
