@@ -119,7 +119,7 @@ void DataParallel::init(std::vector<Device> devices) {
     NoGradGuard no_grad;
     for (int r = 1; r < n; ++r) b->copies[r] = b->copies[0].to(devices_[r]).detach().clone();
   }
-  synced_version_.assign(n, primary_version());
+  synced_version_ = primary_version();
 
   // Optimizer steps run each copy on its own device's worker.
   set_->set_executor([this](int copies, const std::function<void(int)>& fn) {
@@ -235,17 +235,12 @@ nn::LoadResult DataParallel::load_state_dict(const nn::StateDict& state, bool st
 }
 
 // Copies what replica `rank` needs from device 0 before its forward. Runs on every
-// worker (collectives need every rank).
-void DataParallel::replicate(int rank) {
+// worker (collectives need every rank); the caller decides what to copy, once, so
+// every rank makes the same sequence of collectives.
+void DataParallel::replicate(int rank, bool sync_params) {
+  if (devices_.size() == 1) return;
   auto t0 = Clock::now();
-  int n = static_cast<int>(devices_.size());
-  if (n == 1) return;
-  std::uint64_t v = primary_version();
-  bool sync_params = synced_version_[rank] != v;  // same answer on every rank
-  if (sync_params) {
-    comm_->broadcast(rank, set_->copy(rank).data, 0);
-    synced_version_[rank] = v;
-  }
+  if (sync_params) comm_->broadcast(rank, set_->copy(rank).data, 0);
   bool sync_buffers = options_.mode == Mode::DP || options_.broadcast_buffers;
   if (sync_buffers) {
     for (auto& b : buffers_) {
@@ -256,6 +251,16 @@ void DataParallel::replicate(int rank) {
   if (options_.mode == Mode::DP && rank > 0) set_->copy(rank).grad.zero_();
   if (sync_params || sync_buffers) add_time(rank, Phase::Replicate, t0);
 }
+
+// Decides on the calling thread whether the replicas need device 0's parameters.
+bool DataParallel::begin_replicate() {
+  std::uint64_t v = primary_version();
+  bool sync = v != synced_version_;
+  synced_version_ = kUnsynced;  // stays so if the step fails half way
+  return sync;
+}
+
+void DataParallel::end_replicate() { synced_version_ = primary_version(); }
 
 // ---- forward ---------------------------------------------------------------------------------
 
@@ -276,13 +281,14 @@ Tensor DataParallel::forward(const Tensor& x) {
   std::vector<Tensor> outs(n);
   bool grad_mode = is_grad_enabled();
   Tensor input = x.detach();  // gradients do not flow back into DataParallel's input
+  bool sync_params = begin_replicate();
 
   try {
     workers_->run(
         [&](int r) {
           nn::ReplicaBinding bind(r);
           GradModeGuard grad_guard(grad_mode);
-          replicate(r);
+          replicate(r, sync_params);
           if (sizes[r] == 0) return;
           auto t0 = Clock::now();
           Tensor xr = input.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
@@ -296,6 +302,7 @@ Tensor DataParallel::forward(const Tensor& x) {
     comm_->reset();
     throw;
   }
+  end_replicate();
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.iterations;
@@ -364,6 +371,7 @@ Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, con
   for (int r = 1; r < n; ++r) offsets[r] = offsets[r - 1] + sizes[r - 1];
   std::vector<Tensor> losses(n);
   Tensor input = x.detach(), tgt = target.detach();
+  bool sync_params = begin_replicate();
   bool sync = begin_backward();
 
   try {
@@ -371,7 +379,7 @@ Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, con
         [&](int r) {
           nn::ReplicaBinding bind(r);
           GradModeGuard grad_guard(true);
-          replicate(r);
+          replicate(r, sync_params);
           if (sizes[r] > 0) {
             auto t0 = Clock::now();
             Tensor xr = input.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
@@ -399,6 +407,7 @@ Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, con
     throw;
   }
   end_backward(sync, /*failed=*/false);
+  end_replicate();
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.iterations;

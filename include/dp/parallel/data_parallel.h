@@ -135,7 +135,9 @@ class DataParallel {
  private:
   void init(std::vector<Device> devices);
   std::vector<std::int64_t> shard_sizes(std::int64_t rows) const;
-  void replicate(int rank);
+  void replicate(int rank, bool sync_params);
+  bool begin_replicate();
+  void end_replicate();
   void run_backward_on_workers(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads);
   void worker_backward(int rank, const Tensor& root, const Tensor& grad);
   bool begin_backward();
@@ -157,7 +159,8 @@ class DataParallel {
   std::unique_ptr<parallel::DdpReducer> reducer_;
   std::unique_ptr<parallel::WorkerPool> comm_threads_;  // DDP: one "comm stream" per device
   std::vector<std::string> param_names_;       // dotted names, in slot order
-  std::vector<std::uint64_t> synced_version_;  // primary version each replica holds
+  static constexpr std::uint64_t kUnsynced = ~std::uint64_t{0};
+  std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
   bool require_sync_ = true;
   bool busy_ = false;
 

@@ -1,0 +1,17 @@
+// dp/dp.h — the umbrella header: everything a training program needs.
+//
+//   #include <dp/dp.h>
+//   dp::DataParallel model(net, {0, 1, 2, 3});
+#pragma once
+
+#include "dp/autograd/grad_mode.h"
+#include "dp/comm/communicator.h"
+#include "dp/core/device.h"
+#include "dp/core/error.h"
+#include "dp/nn/nn.h"
+#include "dp/optim/optim.h"
+#include "dp/parallel/data_parallel.h"
+#include "dp/parallel/stats.h"
+#include "dp/parallel/worker_pool.h"
+#include "dp/tensor/ops.h"
+#include "dp/tensor/tensor.h"

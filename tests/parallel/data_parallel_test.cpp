@@ -1,0 +1,366 @@
+// DataParallel in DP and DDP modes against plain single-device training.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cmath>
+#include <chrono>
+#include <future>
+#include <stdexcept>
+#include <thread>
+
+#include "dp/dp.h"
+
+namespace {
+
+using dp::Tensor;
+
+// A small MLP whose parameters span several DDP buckets when the caps are tiny.
+std::shared_ptr<dp::nn::Sequential> make_mlp(std::uint64_t seed) {
+  dp::Generator gen(seed);
+  auto net = std::make_shared<dp::nn::Sequential>();
+  net->push_back(std::make_shared<dp::nn::Linear>(6, 16, true, &gen));
+  net->push_back(std::make_shared<dp::nn::ReLU>());
+  net->push_back(std::make_shared<dp::nn::Linear>(16, 8, true, &gen));
+  net->push_back(std::make_shared<dp::nn::ReLU>());
+  net->push_back(std::make_shared<dp::nn::Linear>(8, 3, true, &gen));
+  return net;
+}
+
+struct Batch {
+  Tensor x, y;
+};
+
+Batch make_batch(std::int64_t rows, std::uint64_t seed) {
+  dp::Generator gen(seed);
+  Tensor x = dp::randn({rows, 6}, gen, dp::cpu(0));
+  std::vector<std::int64_t> labels(rows);
+  for (std::int64_t i = 0; i < rows; ++i) labels[i] = (i * 7 + static_cast<std::int64_t>(seed)) % 3;
+  return {x, dp::from_vector(labels, {rows}, dp::cpu(0))};
+}
+
+Tensor loss_fn(const Tensor& out, const Tensor& y) { return dp::nn::cross_entropy(out, y); }
+
+enum class Path { Module, WorkerLoss };
+
+struct RunResult {
+  std::vector<float> params;
+  std::vector<double> losses;
+};
+
+// Trains `steps` Adam steps. devices empty = plain single-device training on cpu(0).
+RunResult train(std::vector<int> devices, dp::Mode mode, Path path, std::int64_t rows, int steps = 10,
+                dp::DataParallelOptions opts = {}) {
+  auto net = make_mlp(42);
+  RunResult res;
+  std::unique_ptr<dp::DataParallel> model;
+  if (!devices.empty()) {
+    opts.mode = mode;
+    std::vector<dp::Device> devs;
+    for (int d : devices) devs.push_back(dp::cpu(d));
+    model = std::make_unique<dp::DataParallel>(net, devs, opts);
+  }
+  dp::optim::Adam opt(model ? model->parameters() : net->parameters(), {.lr = 1e-2});
+  for (int s = 0; s < steps; ++s) {
+    Batch b = make_batch(rows, 100 + s);
+    opt.zero_grad();
+    Tensor loss;
+    if (!model) {
+      loss = loss_fn(net->forward(b.x), b.y);
+      loss.backward();
+    } else if (path == Path::Module) {
+      loss = loss_fn((*model)(b.x), b.y);
+      loss.backward();
+    } else {
+      loss = model->forward_backward(b.x, b.y, loss_fn);
+    }
+    res.losses.push_back(loss.item());
+    opt.step();
+  }
+  for (auto& [name, t] : net->state_dict()) {
+    auto v = t.to_vector();
+    res.params.insert(res.params.end(), v.begin(), v.end());
+  }
+  return res;
+}
+
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - b[i]));
+  return m;
+}
+
+// Summation order differs between one device (one GEMM over the batch) and several
+// (per-shard GEMMs, then a sum over devices), so results agree to float rounding,
+// amplified a little by 10 Adam steps.
+constexpr double kTolerance = 2e-5;
+
+}  // namespace
+
+TEST_CASE("single, DP and DDP on 1-4 CPU devices reach the same parameters after 10 Adam steps") {
+  for (std::int64_t rows : {16, 10, 2}) {  // even, uneven (10 on 4), smaller than 4 devices
+    RunResult ref = train({}, dp::Mode::DP, Path::Module, rows);
+    for (int n = 1; n <= 4; ++n) {
+      std::vector<int> devs;
+      for (int i = 0; i < n; ++i) devs.push_back(i);
+      for (Path path : {Path::Module, Path::WorkerLoss}) {
+        CAPTURE(rows);
+        CAPTURE(n);
+        CAPTURE(static_cast<int>(path));
+        RunResult dp_res = train(devs, dp::Mode::DP, path, rows);
+        RunResult ddp_res = train(devs, dp::Mode::DDP, path, rows);
+        CHECK(max_diff(dp_res.params, ref.params) < kTolerance);
+        CHECK(max_diff(ddp_res.params, ref.params) < kTolerance);
+        for (int s = 0; s < 10; ++s) CHECK(std::fabs(dp_res.losses[s] - ref.losses[s]) < kTolerance);
+        // The same arithmetic in both designs: bitwise identical on CPU devices.
+        CHECK(dp_res.params == ddp_res.params);
+      }
+    }
+  }
+}
+
+TEST_CASE("every mode is bitwise reproducible run to run") {
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+    RunResult a = train({0, 1, 2}, mode, Path::WorkerLoss, 13);
+    RunResult b = train({0, 1, 2}, mode, Path::WorkerLoss, 13);
+    CHECK(a.params == b.params);
+    CHECK(a.losses == b.losses);
+  }
+}
+
+TEST_CASE("DDP with tiny buckets (one per parameter) matches one big bucket bit for bit") {
+  dp::DataParallelOptions tiny{.bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6};
+  RunResult small = train({0, 1, 2, 3}, dp::Mode::DDP, Path::Module, 12, 5, tiny);
+  RunResult big = train({0, 1, 2, 3}, dp::Mode::DDP, Path::Module, 12, 5);
+  CHECK(small.params == big.params);
+}
+
+TEST_CASE("DDP buckets cover the flat buffer in reverse registration order, first bucket small") {
+  auto net = make_mlp(1);
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)},
+                         {.mode = dp::Mode::DDP, .bucket_cap_mb = 400.0 / (1 << 20), .first_bucket_mb = 40.0 / (1 << 20)});
+  auto b = model.buckets();
+  REQUIRE(b.size() >= 3);
+  std::int64_t total = model.parameters().set()->numel();
+  CHECK(b.front().second == total);  // the last parameters come first
+  CHECK(b.back().first == 0);
+  for (std::size_t i = 1; i < b.size(); ++i) CHECK(b[i].second == b[i - 1].first);  // contiguous
+  // The last layer's bias (3 floats) and weight (24) fit the 10-float first bucket
+  // only partly: a bucket never splits a parameter.
+  CHECK(b.front().second - b.front().first == 3);
+}
+
+TEST_CASE("DataParallel keeps state_dict names and device 0 owns the trained parameters") {
+  auto net = make_mlp(7);
+  auto names_before = net->state_dict();
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)});
+  auto names_after = model.state_dict();
+  REQUIRE(names_before.size() == names_after.size());
+  for (std::size_t i = 0; i < names_after.size(); ++i) CHECK(names_before[i].first == names_after[i].first);
+  CHECK(names_after[0].first == "0.weight");
+  CHECK(model.module() == net);
+  CHECK(net->device() == dp::cpu(0));
+}
+
+TEST_CASE("no_sync accumulation equals one big batch") {
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+    auto net_a = make_mlp(5), net_b = make_mlp(5);
+    dp::DataParallel a(net_a, {dp::cpu(0), dp::cpu(1)}, {.mode = mode});
+    dp::DataParallel b(net_b, {dp::cpu(0), dp::cpu(1)}, {.mode = mode});
+    Batch big = make_batch(16, 3);
+    // One big batch.
+    a.zero_grad();
+    a.forward_backward(big.x, big.y, loss_fn);
+    // Two halves: the first without sync; each half's loss is halved so the sum of
+    // gradients equals the big batch's mean.
+    b.zero_grad();
+    auto half_loss = [](const Tensor& o, const Tensor& y) { return dp::mul(loss_fn(o, y), 0.5); };
+    {
+      auto guard = b.no_sync();
+      b.forward_backward(big.x.narrow(0, 0, 8), big.y.narrow(0, 0, 8), half_loss);
+    }
+    b.forward_backward(big.x.narrow(0, 8, 8), big.y.narrow(0, 8, 8), half_loss);
+    auto ga = a.parameters().set()->copy(0).grad;
+    auto gb = b.parameters().set()->copy(0).grad;
+    CHECK(dp::max_abs_diff(ga, gb) < 1e-6);
+    if (mode == dp::Mode::DDP) {  // every replica holds the synchronised gradient
+      CHECK(dp::equal(b.parameters().set()->copy(1).grad.to(dp::cpu(0)), gb));
+    }
+  }
+}
+
+namespace {
+
+// Throws in forward on one device, once, when armed.
+struct Faulty : dp::nn::Module {
+  explicit Faulty(int bad_copy) : bad_copy(bad_copy) {
+    dp::Generator gen(9);
+    fc = register_module("fc", std::make_shared<dp::nn::Linear>(6, 3, true, &gen));
+  }
+  Tensor forward(const Tensor& x) override {
+    if (armed.load() && dp::nn::ReplicaBinding::current() == bad_copy) {
+      armed = false;
+      throw std::runtime_error("injected failure");
+    }
+    return fc->forward(x);
+  }
+  int bad_copy;
+  std::atomic<bool> armed{false};
+  std::shared_ptr<dp::nn::Linear> fc;
+};
+
+}  // namespace
+
+TEST_CASE("an exception in one worker reaches the caller naming the device; the next step is correct") {
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+    auto net = std::make_shared<Faulty>(2);
+    auto ref_net = std::make_shared<Faulty>(2);
+    dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = mode});
+    dp::DataParallel ref(ref_net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = mode});
+    dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+    dp::optim::SGD ref_opt(ref.parameters(), {.lr = 0.1});
+    Batch b = make_batch(9, 11);
+    net->armed = true;
+    auto fut = std::async(std::launch::async, [&] {
+      CHECK_THROWS_WITH_AS(model.forward_backward(b.x, b.y, loss_fn), doctest::Contains("cpu:2"), dp::Error);
+    });
+    REQUIRE(fut.wait_for(std::chrono::seconds(30)) == std::future_status::ready);  // no hang
+    fut.get();
+    // The failed step left no partial gradient behind once zeroed; the next step
+    // matches a run that never failed.
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    model.forward_backward(b.x, b.y, loss_fn);
+    ref.forward_backward(b.x, b.y, loss_fn);
+    opt.step();
+    ref_opt.step();
+    CHECK(dp::equal(model.parameters().set()->copy(0).data, ref.parameters().set()->copy(0).data));
+    // The module(x) path too.
+    net->armed = true;
+    CHECK_THROWS_WITH_AS(model(b.x), doctest::Contains("injected failure"), dp::Error);
+    Tensor out = model(b.x);
+    CHECK(out.size(0) == 9);
+  }
+}
+
+TEST_CASE("bad device lists and inputs are rejected with dp::Error") {
+  auto net = make_mlp(1);
+  CHECK_THROWS_WITH_AS(dp::DataParallel(net, std::vector<dp::Device>{}), doctest::Contains("empty"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::DataParallel(net, {dp::cpu(1), dp::cpu(1)}), doctest::Contains("twice"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::DataParallel(net, std::vector<int>{0, 99}), doctest::Contains("out of range"),
+                       dp::Error);
+  CHECK_THROWS_AS(dp::DataParallel(net, std::vector<int>{-1}), dp::Error);
+  CHECK_THROWS_AS(dp::DataParallel(net, {dp::cpu(0)}, {.output_device = 3}), dp::Error);
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)}, {.chunk_sizes = {3, 2}});
+  Batch b = make_batch(4, 1);
+  CHECK_THROWS_WITH_AS(model(b.x), doctest::Contains("chunk_sizes sum to 5"), dp::Error);
+  CHECK_THROWS_AS(model(Tensor()), dp::Error);
+  CHECK_THROWS_AS(model(dp::zeros({0, 6}, dp::cpu(0))), dp::Error);
+  CHECK_THROWS_AS(model.forward_backward(b.x, b.y.narrow(0, 0, 3), loss_fn), dp::Error);
+  // A wrong feature size fails inside a worker and is reported, not crashed on.
+  dp::DataParallel plain(make_mlp(1), {dp::cpu(0), dp::cpu(1)});
+  CHECK_THROWS_WITH_AS(plain(dp::zeros({4, 5}, dp::cpu(0))), doctest::Contains("linear"), dp::Error);
+  CHECK(plain(b.x).size(0) == 4);  // and it still works
+}
+
+TEST_CASE("explicit chunk sizes are honoured and weighted exactly") {
+  RunResult ref = train({}, dp::Mode::DP, Path::Module, 12, 3);
+  dp::DataParallelOptions opts{.chunk_sizes = {9, 0, 3}};
+  RunResult a = train({0, 1, 2}, dp::Mode::DDP, Path::WorkerLoss, 12, 3, opts);
+  CHECK(max_diff(a.params, ref.params) < kTolerance);
+}
+
+TEST_CASE("BatchNorm: DP keeps device 0's running stats, DDP broadcasts them; eval uses them") {
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+    dp::Generator gen(3);
+    auto net = std::make_shared<dp::nn::Sequential>();
+    net->push_back(std::make_shared<dp::nn::Conv2d>(1, 2, 3, 1, 1, true, &gen));
+    net->push_back(std::make_shared<dp::nn::BatchNorm2d>(2));
+    net->push_back(std::make_shared<dp::nn::Flatten>());
+    dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)}, {.mode = mode});
+    dp::Generator data_gen(8);
+    Tensor x = dp::randn({4, 1, 4, 4}, data_gen, dp::cpu(0));
+    model(x);
+    // Device 0's replica saw rows 0..1: the running mean equals a plain net's after
+    // one forward over those rows.
+    dp::Generator gen2(3);
+    auto plain = std::make_shared<dp::nn::Sequential>();
+    plain->push_back(std::make_shared<dp::nn::Conv2d>(1, 2, 3, 1, 1, true, &gen2));
+    plain->push_back(std::make_shared<dp::nn::BatchNorm2d>(2));
+    plain->push_back(std::make_shared<dp::nn::Flatten>());
+    plain->forward(x.narrow(0, 0, 2));
+    auto find = [](dp::nn::Module& m, const std::string& key) {
+      for (auto& [k, v] : m.state_dict())
+        if (k == key) return v;
+      FAIL("missing key ", key);
+      return Tensor();
+    };
+    for (const char* key : {"1.running_mean", "1.running_var"})
+      CHECK(dp::max_abs_diff(find(*net, key), find(*plain, key)) < 1e-6);
+
+    model.eval();
+    plain->eval();
+    CHECK(dp::max_abs_diff(model(x), plain->forward(x)) < 1e-5);
+  }
+}
+
+TEST_CASE("Dropout: each device draws its own mask, deterministically") {
+  auto make = [] {
+    dp::Generator gen(4);
+    auto net = std::make_shared<dp::nn::Sequential>();
+    net->push_back(std::make_shared<dp::nn::Linear>(6, 6, true, &gen));
+    net->push_back(std::make_shared<dp::nn::Dropout>(0.5, 77));
+    return net;
+  };
+  Batch b = make_batch(8, 2);
+  auto n1 = make(), n2 = make();
+  dp::DataParallel m1(n1, {dp::cpu(0), dp::cpu(1)}), m2(n2, {dp::cpu(0), dp::cpu(1)});
+  Tensor o1 = m1(b.x), o2 = m2(b.x);
+  CHECK(dp::equal(o1, o2));
+  auto v = o1.to_vector();
+  int zeros = 0;
+  for (float f : v) zeros += f == 0.0f;
+  CHECK(zeros > 0);
+  CHECK(zeros < static_cast<int>(v.size()));
+  m1.eval();
+  auto plain = make();
+  plain->eval();
+  CHECK(dp::max_abs_diff(m1(b.x), plain->forward(b.x)) < 1e-6);
+}
+
+TEST_CASE("phase stats and the trace are recorded per device") {
+  auto net = make_mlp(1);
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)}, {.mode = dp::Mode::DDP});
+  model.trace().enable(true);
+  dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+  Batch b = make_batch(8, 1);
+  for (int i = 0; i < 3; ++i) {
+    opt.zero_grad();
+    model.forward_backward(b.x, b.y, loss_fn);
+    opt.step();
+  }
+  auto s = model.stats();
+  CHECK(s.iterations == 3);
+  REQUIRE(s.devices.size() == 2);
+  for (auto& d : s.devices) {
+    CHECK(d[dp::parallel::Phase::Forward] > 0);
+    CHECK(d[dp::parallel::Phase::Backward] > 0);
+    CHECK(d[dp::parallel::Phase::Step] > 0);
+    CHECK(d.peak_memory_bytes > 0);
+  }
+  int comm_events = 0;
+  for (auto& e : model.trace().events()) comm_events += e.track.rfind("comm ", 0) == 0;
+  CHECK(comm_events >= 6);  // at least one bucket per device per step
+}
+
+TEST_CASE("the module is a plain single-device module again after DataParallel is destroyed") {
+  auto net = make_mlp(2);
+  { dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)}, {.mode = dp::Mode::DDP}); }
+  CHECK(net->parameters().set()->num_copies() == 1);
+  Batch b = make_batch(4, 1);
+  Tensor loss = loss_fn(net->forward(b.x), b.y);
+  loss.backward();
+  CHECK(loss.item() > 0);
+  dp::DataParallel again(net, {dp::cpu(0), dp::cpu(1)});
+  CHECK(again(b.x).size(0) == 4);
+}
