@@ -1,0 +1,93 @@
+// dp/io/checkpoint.h — module checkpoints and resumable training checkpoints.
+//
+// A module checkpoint is a safetensors file (see dp/io/safetensors.h) holding the
+// module's state_dict under PyTorch's dotted names, without any wrapper prefix: what
+// a plain net, DataParallel in DP mode and in DDP mode save is the same file, and it
+// loads into any of them (and into PyTorch with safetensors.torch.load_file).
+// A training checkpoint adds the optimizer's state (tensors under "optimizer."), the
+// loop position and random generator states (strings in "__metadata__"), so that a
+// resumed run is bitwise identical to an uninterrupted one. Writes are atomic (Note
+// [Atomic checkpoint writes]); loads validate everything before writing anything.
+// This header knows nothing of DataParallel: pass the wrapped module (*model.module())
+// or model.state_dict(); DataParallel's replicas pick loaded values up at the next
+// forward because a load bumps the parameter set's version.
+//
+//   dp::save(*net, "net.safetensors");
+//   dp::load(*net, "net.safetensors");                        // strict: names and shapes
+//   dp::TrainingState st{.step = 100, .epoch = 2, .batch = 17};
+//   dp::save_training_checkpoint("run.ckpt", *net, opt, st);
+//   dp::load_training_checkpoint("run.ckpt", *net, opt, st);  // st.step == 100 again
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dp/io/safetensors.h"
+#include "dp/nn/module.h"
+#include "dp/optim/optimizer.h"
+#include "dp/tensor/tensor.h"
+
+namespace dp {
+
+// ---- module checkpoints ------------------------------------------------------------------
+
+/// Saves module.state_dict() (copy 0, any device) to `path` atomically, with `metadata`
+/// in the header ("format": "pt" is always set).
+void save(nn::Module& module, const std::string& path, const io::Metadata& metadata = {});
+void save(const std::shared_ptr<nn::Module>& module, const std::string& path,
+          const io::Metadata& metadata = {});
+/// Saves named tensors (e.g. DataParallel::state_dict()) to `path` atomically.
+void save(const nn::StateDict& state, const std::string& path, const io::Metadata& metadata = {});
+
+/// Loads `path` into the module's parameters and buffers (copied to their devices).
+/// strict: the file's names must equal the module's state_dict names, else dp::Error
+/// listing the missing and the unexpected ones. strict = false loads the names both
+/// sides have and returns the rest. Every dtype and shape is checked ("expected
+/// [32, 1, 3, 3], got [32, 3, 3, 3] for 'features.0.weight'") and the file fully
+/// validated before any value is written: a failed load leaves the module untouched.
+/// The "optimizer." entries of a training checkpoint are ignored (not unexpected).
+nn::LoadResult load(nn::Module& module, const std::string& path, bool strict = true);
+nn::LoadResult load(const std::shared_ptr<nn::Module>& module, const std::string& path,
+                    bool strict = true);
+/// Loads `path` into the given tensors in place (by name, as for a module): e.g. a
+/// state_dict() whose tensors are views of a module's parameters.
+nn::LoadResult load(const nn::StateDict& into, const std::string& path, bool strict = true);
+/// Reads the tensors of `path` (host tensors on cpu(0), file order).
+nn::StateDict load(const std::string& path);
+
+// ---- training checkpoints ----------------------------------------------------------------
+
+/// Where a training loop is, and what else must be restored for an exact resume.
+struct TrainingState {
+  /// Optimizer steps taken so far (the loop's global step).
+  std::int64_t step = 0;
+  /// The epoch in progress (pass it to DataLoader::set_epoch when resuming).
+  std::int64_t epoch = 0;
+  /// Batches of `epoch` already consumed: the resumed loop skips this many.
+  std::int64_t batch = 0;
+  /// Extra generators (dropout, augmentation, …) saved and restored by name, in place.
+  /// dp::default_generator() is always saved and restored as well.
+  std::vector<std::pair<std::string, Generator*>> generators;
+  /// Free-form strings (run id, config hash, …), saved as "user.<key>" metadata.
+  std::map<std::string, std::string> metadata;
+};
+
+/// Saves module state (unprefixed names), optimizer.state_dict() (prefixed
+/// "optimizer."), its learning rate, `state` and dp::default_generator()'s state to
+/// one safetensors file at `path`, atomically.
+void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
+                              const TrainingState& state);
+
+/// Restores what save_training_checkpoint wrote: the module (strict), the optimizer
+/// (state and learning rate), dp::default_generator(), and fills state.step, .epoch,
+/// .batch and .metadata; every generator listed in state.generators is restored by
+/// name (dp::Error when the file has none of that name). Everything is validated
+/// first: on error, module, optimizer, generators and `state` are unchanged.
+void load_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
+                              TrainingState& state);
+
+}  // namespace dp

@@ -1,0 +1,285 @@
+// Module and training checkpoints on top of the safetensors format.
+#include "dp/io/checkpoint.h"
+
+#include <charconv>
+#include <map>
+#include <set>
+#include <sstream>
+#include <system_error>
+
+#include "dp/autograd/grad_mode.h"
+#include "dp/core/error.h"
+
+namespace dp {
+
+namespace {
+
+// Note [Training checkpoint layout]
+// One safetensors file: the module's state_dict under its own names (so the file is
+// also a plain module checkpoint, readable by PyTorch), the optimizer's state_dict
+// under "optimizer.", and in "__metadata__" (strings, decimal):
+//   dp.checkpoint = "training"           marks the layout
+//   dp.step / dp.epoch / dp.batch        the loop position
+//   dp.optimizer.lr                      shortest round-trip decimal of the double
+//   dp.rng.default, dp.rng.<name>        "<seed> <offset>" of each Generator (Philox:
+//                                        seed and counter are its whole state)
+//   user.<key>                           TrainingState::metadata
+constexpr const char* kOptPrefix = "optimizer.";
+constexpr const char* kKindKey = "dp.checkpoint";
+constexpr const char* kKindTraining = "training";
+constexpr const char* kRngPrefix = "dp.rng.";
+constexpr const char* kUserPrefix = "user.";
+
+bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
+
+bool is_training(const io::Metadata& m) {
+  auto it = m.find(kKindKey);
+  return it != m.end() && it->second == kKindTraining;
+}
+
+std::string join_keys(const std::vector<std::string>& keys) {
+  constexpr std::size_t kShown = 10;  // enough to see the pattern (a prefix, a renamed layer)
+  std::string s;
+  for (std::size_t i = 0; i < keys.size() && i < kShown; ++i) s += (i ? ", '" : "'") + keys[i] + "'";
+  if (keys.size() > kShown) s += detail::str_cat(" … and ", keys.size() - kShown, " more");
+  return s;
+}
+
+// Matches the file's tensors against `own` by name; validates names (strict), dtypes
+// and shapes. Returns the file's tensors to copy, by own's name, and what did not match.
+nn::LoadResult match(const nn::StateDict& own, const nn::StateDict& file, bool strict, const std::string& path,
+                     nn::StateDict* to_copy) {
+  std::map<std::string, const Tensor*> given;
+  for (const auto& [k, v] : file) given.emplace(k, &v);
+  nn::LoadResult result;
+  std::set<std::string> own_keys;
+  for (const auto& [k, v] : own) {
+    own_keys.insert(k);
+    if (!given.count(k)) result.missing_keys.push_back(k);
+  }
+  for (const auto& [k, v] : file)
+    if (!own_keys.count(k)) result.unexpected_keys.push_back(k);
+  if (strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
+    std::ostringstream os;
+    os << "load '" << path << "': the checkpoint's tensor names do not match the module's.";
+    if (!result.missing_keys.empty()) os << " Missing from the file: " << join_keys(result.missing_keys) << ".";
+    if (!result.unexpected_keys.empty())
+      os << " Unexpected (in the file, not in the module): " << join_keys(result.unexpected_keys) << ".";
+    os << " Pass strict=false to load the names both have.";
+    DP_FAIL(os.str());
+  }
+  std::vector<std::string> wrong;
+  for (const auto& [k, dst] : own) {
+    auto it = given.find(k);
+    if (it == given.end()) continue;
+    const Tensor& src = *it->second;
+    if (src.shape() != dst.shape() || src.dtype() != dst.dtype()) {
+      std::string exp = shape_str(dst.shape()), got = shape_str(src.shape());
+      if (src.dtype() != dst.dtype()) {
+        exp += detail::str_cat(" ", dtype_name(dst.dtype()));
+        got += detail::str_cat(" ", dtype_name(src.dtype()));
+      }
+      wrong.push_back(detail::str_cat("expected ", exp, ", got ", got, " for '", k, "'"));
+    }
+    to_copy->emplace_back(k, src);
+  }
+  if (!wrong.empty()) {
+    std::string msg = detail::str_cat("load '", path, "': ", wrong.size(), " tensor", wrong.size() > 1 ? "s do" : " does",
+                                      " not fit the module: ");
+    constexpr std::size_t kShown = 8;
+    for (std::size_t i = 0; i < wrong.size() && i < kShown; ++i) msg += (i ? "; " : "") + wrong[i];
+    if (wrong.size() > kShown) msg += detail::str_cat("; … and ", wrong.size() - kShown, " more");
+    DP_FAIL(msg, " (was it saved from another architecture?)");
+  }
+  return result;
+}
+
+// The tensors a module load considers: a training checkpoint's optimizer entries are
+// not the module's business.
+nn::StateDict module_part(io::SafetensorsFile& f) {
+  if (!is_training(f.metadata)) return std::move(f.tensors);
+  nn::StateDict out;
+  for (auto& [k, v] : f.tensors)
+    if (!starts_with(k, kOptPrefix)) out.emplace_back(k, std::move(v));
+  return out;
+}
+
+nn::LoadResult load_into_module(nn::Module& module, io::SafetensorsFile& f, bool strict, const std::string& path) {
+  nn::StateDict file = module_part(f);
+  nn::StateDict to_copy;
+  nn::LoadResult r = match(module.state_dict(), file, strict, path, &to_copy);
+  module.load_state_dict(to_copy, /*strict=*/false);  // copies and bumps the set's version
+  return r;
+}
+
+// ---- metadata numbers ------------------------------------------------------------------
+
+const std::string& meta_get(const io::Metadata& m, const std::string& key, const std::string& path) {
+  auto it = m.find(key);
+  DP_CHECK(it != m.end(), "load_training_checkpoint '", path, "': the metadata has no '", key,
+           "' entry: a corrupt or foreign checkpoint");
+  return it->second;
+}
+
+template <typename T>
+T parse_number(const std::string& s, const std::string& key, const std::string& path) {
+  T v{};
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  DP_CHECK(ec == std::errc() && end == s.data() + s.size() && !s.empty(), "load_training_checkpoint '", path,
+           "': metadata '", key, "' should be a number, got \"", s, "\"");
+  return v;
+}
+
+template <typename T>
+std::string format_number(T v) {
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);  // shortest round trip for doubles
+  DP_ASSERT(ec == std::errc());
+  return std::string(buf, end);
+}
+
+std::string generator_state(const Generator& g) {
+  return format_number(g.seed()) + " " + format_number(g.offset());
+}
+
+std::pair<std::uint64_t, std::uint64_t> parse_generator(const std::string& s, const std::string& key,
+                                                        const std::string& path) {
+  auto sp = s.find(' ');
+  DP_CHECK(sp != std::string::npos, "load_training_checkpoint '", path, "': metadata '", key,
+           "' should be \"<seed> <offset>\", got \"", s, "\"");
+  return {parse_number<std::uint64_t>(s.substr(0, sp), key, path),
+          parse_number<std::uint64_t>(s.substr(sp + 1), key, path)};
+}
+
+}  // namespace
+
+// ---- module checkpoints ------------------------------------------------------------------
+
+void save(nn::Module& module, const std::string& path, const io::Metadata& metadata) {
+  io::write_safetensors(path, module.state_dict(), metadata);
+}
+
+void save(const std::shared_ptr<nn::Module>& module, const std::string& path, const io::Metadata& metadata) {
+  DP_CHECK(module != nullptr, "save: null module");
+  save(*module, path, metadata);
+}
+
+void save(const nn::StateDict& state, const std::string& path, const io::Metadata& metadata) {
+  io::write_safetensors(path, state, metadata);
+}
+
+nn::LoadResult load(nn::Module& module, const std::string& path, bool strict) {
+  io::SafetensorsFile f = io::read_safetensors(path);
+  return load_into_module(module, f, strict, path);
+}
+
+nn::LoadResult load(const std::shared_ptr<nn::Module>& module, const std::string& path, bool strict) {
+  DP_CHECK(module != nullptr, "load: null module");
+  return load(*module, path, strict);
+}
+
+nn::LoadResult load(const nn::StateDict& into, const std::string& path, bool strict) {
+  io::SafetensorsFile f = io::read_safetensors(path);
+  nn::StateDict file = module_part(f);
+  std::set<std::string> names;
+  for (const auto& [k, v] : into) {
+    DP_CHECK(names.insert(k).second, "load: the target names '", k, "' twice");
+    DP_CHECK(v.defined(), "load: the target tensor '", k, "' is undefined");
+  }
+  nn::StateDict to_copy;
+  nn::LoadResult r = match(into, file, strict, path, &to_copy);
+  std::map<std::string, Tensor> src(to_copy.begin(), to_copy.end());
+  NoGradGuard no_grad;
+  for (const auto& [k, dst] : into) {
+    auto it = src.find(k);
+    if (it != src.end()) Tensor(dst).copy_(it->second);
+  }
+  return r;
+}
+
+nn::StateDict load(const std::string& path) { return io::read_safetensors(path).tensors; }
+
+// ---- training checkpoints ----------------------------------------------------------------
+
+void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
+                              const TrainingState& state) {
+  nn::StateDict tensors = module.state_dict();
+  for (const auto& [k, v] : tensors) {
+    DP_CHECK(!starts_with(k, kOptPrefix), "save_training_checkpoint: the module's state name '", k,
+             "' starts with '", kOptPrefix, "', which the checkpoint reserves for the optimizer; rename that child");
+  }
+  for (auto& [k, v] : optimizer.state_dict()) tensors.emplace_back(kOptPrefix + k, v);
+
+  io::Metadata meta;
+  meta[kKindKey] = kKindTraining;
+  meta["dp.step"] = format_number(state.step);
+  meta["dp.epoch"] = format_number(state.epoch);
+  meta["dp.batch"] = format_number(state.batch);
+  meta["dp.optimizer.lr"] = format_number(optimizer.lr());
+  meta[std::string(kRngPrefix) + "default"] = generator_state(default_generator());
+  for (const auto& [name, gen] : state.generators) {
+    DP_CHECK(gen != nullptr, "save_training_checkpoint: generator '", name, "' is null");
+    DP_CHECK(name != "default", "save_training_checkpoint: the generator name 'default' is reserved for "
+             "dp::default_generator(), which is always saved");
+    auto [it, fresh] = meta.emplace(kRngPrefix + name, generator_state(*gen));
+    DP_CHECK(fresh, "save_training_checkpoint: two generators are named '", name, "'");
+  }
+  for (const auto& [k, v] : state.metadata) meta[kUserPrefix + k] = v;
+  io::write_safetensors(path, tensors, meta);
+}
+
+void load_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
+                              TrainingState& state) {
+  io::SafetensorsFile f = io::read_safetensors(path);
+  DP_CHECK(is_training(f.metadata), "load_training_checkpoint '", path,
+           "': not a training checkpoint (no \"dp.checkpoint\": \"training\" metadata); a module "
+           "checkpoint written by dp::save loads with dp::load");
+  const io::Metadata& m = f.metadata;
+  // Parse every scalar first: nothing is written until all of it is known good.
+  const auto step = parse_number<std::int64_t>(meta_get(m, "dp.step", path), "dp.step", path);
+  const auto epoch = parse_number<std::int64_t>(meta_get(m, "dp.epoch", path), "dp.epoch", path);
+  const auto batch = parse_number<std::int64_t>(meta_get(m, "dp.batch", path), "dp.batch", path);
+  const auto lr = parse_number<double>(meta_get(m, "dp.optimizer.lr", path), "dp.optimizer.lr", path);
+  const std::string rng_default = std::string(kRngPrefix) + "default";
+  const auto def_rng = parse_generator(meta_get(m, rng_default, path), rng_default, path);
+  std::vector<std::pair<Generator*, std::pair<std::uint64_t, std::uint64_t>>> gens;
+  for (const auto& [name, gen] : state.generators) {
+    DP_CHECK(gen != nullptr, "load_training_checkpoint: generator '", name, "' is null");
+    const std::string key = kRngPrefix + name;
+    DP_CHECK(m.count(key), "load_training_checkpoint '", path, "': the checkpoint has no generator named '",
+             name, "' (was it saved with TrainingState::generators naming it?)");
+    gens.emplace_back(gen, parse_generator(m.at(key), key, path));
+  }
+  std::map<std::string, std::string> user;
+  for (const auto& [k, v] : m)
+    if (starts_with(k, kUserPrefix)) user[k.substr(std::string(kUserPrefix).size())] = v;
+
+  nn::StateDict opt_state;
+  for (const auto& [k, v] : f.tensors)
+    if (starts_with(k, kOptPrefix)) opt_state.emplace_back(k.substr(std::string(kOptPrefix).size()), v);
+  nn::StateDict to_copy;
+  match(module.state_dict(), module_part(f), /*strict=*/true, path, &to_copy);
+
+  // The optimizer validates its whole state before writing any of it; the module part
+  // is validated above. Keep the optimizer's old state in case the module copy fails.
+  nn::StateDict old_opt;
+  for (auto& [k, v] : optimizer.state_dict()) old_opt.emplace_back(k, v.clone());
+  const double old_lr = optimizer.lr();
+  optimizer.load_state_dict(opt_state);
+  try {
+    optimizer.set_lr(lr);
+    module.load_state_dict(to_copy, /*strict=*/false);
+  } catch (...) {
+    optimizer.load_state_dict(old_opt);
+    optimizer.set_lr(old_lr);
+    throw;
+  }
+  default_generator().set_state(def_rng.first, def_rng.second);
+  for (auto& [gen, st] : gens) gen->set_state(st.first, st.second);
+  state.step = step;
+  state.epoch = epoch;
+  state.batch = batch;
+  state.metadata = std::move(user);
+}
+
+}  // namespace dp

@@ -1,0 +1,518 @@
+// The safetensors format: a validating parser over a header, and an atomic writer.
+#include "dp/io/safetensors.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <nlohmann/json.hpp>
+
+#include "dp/core/error.h"
+
+namespace dp::io {
+
+// The data region is copied byte for byte into tensors: the host must store F32 and
+// I64 little-endian, as the format does.
+static_assert(std::endian::native == std::endian::little,
+              "dp's safetensors code assumes a little-endian host");
+
+namespace {
+
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+
+constexpr const char* kMetadataKey = "__metadata__";
+
+std::atomic<detail::WriteHook> g_write_hook{nullptr};
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+// ---- dtypes ---------------------------------------------------------------------------
+
+const char* st_dtype(Dtype d) { return d == Dtype::Float32 ? "F32" : "I64"; }
+
+// Every dtype the format defines; the ones dp cannot hold get a "not supported" error
+// rather than "unknown".
+bool is_safetensors_dtype(const std::string& s) {
+  static const std::set<std::string> known = {"BOOL", "U8",  "I8",  "F8_E5M2", "F8_E4M3", "F8_E8M0",
+                                              "F4",   "F6_E2M3", "F6_E3M2", "I16", "U16", "F16",
+                                              "BF16", "I32", "U32", "F32", "F64", "I64", "U64", "C64"};
+  return known.count(s) > 0;
+}
+
+std::string u64_list(std::uint64_t a, std::uint64_t b) { return dp::detail::str_cat("[", a, ", ", b, "]"); }
+
+std::string json_str(const json& j) {
+  std::string s = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  constexpr std::size_t kMax = 80;  // enough to recognise a value in an error message
+  if (s.size() > kMax) s = s.substr(0, kMax) + "…";
+  return s;
+}
+
+// Rejects duplicate keys at any depth (nlohmann keeps the last silently; a duplicate
+// tensor name is a corrupt or hostile file).
+struct DuplicateKeyCheck {
+  std::vector<std::set<std::string>> stack;
+  std::string duplicate;
+  int duplicate_depth = 0;
+  bool operator()(int depth, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start: stack.emplace_back(); break;
+      case json::parse_event_t::object_end:
+        if (!stack.empty()) stack.pop_back();
+        break;
+      case json::parse_event_t::key:
+        if (!stack.empty() && !stack.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
+          duplicate = parsed.get<std::string>();
+          duplicate_depth = depth;
+        }
+        break;
+      default: break;
+    }
+    return true;
+  }
+};
+
+std::uint64_t read_u64_le(const std::uint8_t* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// Checks the length field against the file size; returns N.
+std::uint64_t check_length(const std::uint8_t* first8, std::uint64_t file_size, const std::string& name) {
+  const std::uint64_t n = read_u64_le(first8);
+  DP_CHECK(n <= kMaxHeaderBytes, name, ": header length field says ", n, " bytes, more than the ",
+           kMaxHeaderBytes, "-byte limit: a corrupt file or not a safetensors file");
+  DP_CHECK(n <= file_size - 8, name, ": header length field says ", n, " bytes but the file holds only ",
+           file_size - 8, " after the 8-byte length: the file is truncated or not a safetensors file");
+  DP_CHECK(n >= 2, name, ": header length field says ", n,
+           " bytes, too short for a JSON object: a corrupt file or not a safetensors file");
+  return n;
+}
+
+std::uint64_t as_u64(const json& v, const std::string& what, const std::string& name, const std::string& tensor) {
+  DP_CHECK(v.is_number_unsigned(), name, ": ", what, " of '", tensor, "' must hold non-negative integers, got ",
+           json_str(v));
+  return v.get<std::uint64_t>();
+}
+
+// Parses and validates the JSON header against a data region of `data_size` bytes.
+SafetensorsInfo parse_header(const char* text, std::uint64_t n, std::uint64_t data_size, const std::string& name) {
+  SafetensorsInfo info;
+  info.header_bytes = n;
+  DP_CHECK(text[0] == '{', name, ": the header must be a JSON object starting with '{', got byte 0x", std::hex,
+           static_cast<int>(static_cast<unsigned char>(text[0])), std::dec,
+           ": a corrupt file or not a safetensors file");
+  DuplicateKeyCheck dup;
+  json header;
+  try {
+    header = json::parse(text, text + n, std::ref(dup));
+  } catch (const json::exception& e) {
+    DP_FAIL(name, ": the header (", n, " bytes) is not valid JSON: ", e.what());
+  }
+  DP_CHECK(dup.duplicate.empty(), name, ": the header names '", dup.duplicate, "' twice",
+           dup.duplicate_depth > 1 ? " inside one entry" : "", ": a corrupt file");
+  DP_CHECK(header.is_object(), name, ": the header must be a JSON object, got ", json_str(header));
+
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& key = it.key();
+    const json& v = it.value();
+    if (key == kMetadataKey) {
+      DP_CHECK(v.is_object(), name, ": \"__metadata__\" must be an object of strings, got ", json_str(v));
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        DP_CHECK(m.value().is_string(), name, ": \"__metadata__\" must map strings to strings; '", m.key(),
+                 "' holds ", json_str(m.value()));
+        info.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    DP_CHECK(v.is_object(), name, ": the entry of '", key, "' must be an object with dtype, shape and "
+             "data_offsets, got ", json_str(v));
+    for (auto f = v.begin(); f != v.end(); ++f) {
+      DP_CHECK(f.key() == "dtype" || f.key() == "shape" || f.key() == "data_offsets", name,
+               ": unexpected field '", f.key(), "' in the entry of '", key,
+               "' (expected exactly dtype, shape, data_offsets)");
+    }
+    for (const char* field : {"dtype", "shape", "data_offsets"}) {
+      DP_CHECK(v.contains(field), name, ": the entry of '", key, "' has no '", field,
+               "' field (expected dtype, shape, data_offsets)");
+    }
+    SafetensorsInfo::Entry e;
+    e.name = key;
+    // dtype
+    const json& dt = v["dtype"];
+    DP_CHECK(dt.is_string(), name, ": dtype of '", key, "' must be a string, got ", json_str(dt));
+    const std::string ds = dt.get<std::string>();
+    if (ds == "F32") {
+      e.dtype = Dtype::Float32;
+    } else if (ds == "I64") {
+      e.dtype = Dtype::Int64;
+    } else if (is_safetensors_dtype(ds)) {
+      DP_FAIL(name, ": dtype ", ds, " of '", key, "' is not supported by dp (only F32 and I64); convert the "
+              "tensor (e.g. to float32) before saving");
+    } else {
+      DP_FAIL(name, ": unknown dtype '", ds, "' for '", key, "' (dp reads F32 and I64)");
+    }
+    // shape
+    const json& sh = v["shape"];
+    DP_CHECK(sh.is_array(), name, ": shape of '", key, "' must be an array, got ", json_str(sh));
+    const std::uint64_t esize = element_size(e.dtype);
+    std::uint64_t bytes = esize;  // product so far, in bytes; checked against overflow
+    bool overflow = false;
+    for (const json& d : sh) {
+      const std::uint64_t dim = as_u64(d, "shape", name, key);
+      DP_CHECK(dim <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()), name,
+               ": shape of '", key, "' has an absurd dimension ", dim);
+      e.shape.push_back(static_cast<std::int64_t>(dim));
+      if (dim != 0 && bytes > std::numeric_limits<std::uint64_t>::max() / dim) overflow = true;
+      bytes *= dim;
+    }
+    // data_offsets
+    const json& off = v["data_offsets"];
+    DP_CHECK(off.is_array() && off.size() == 2, name, ": data_offsets of '", key,
+             "' must be [begin, end], got ", json_str(off));
+    e.begin = as_u64(off[0], "data_offsets", name, key);
+    e.end = as_u64(off[1], "data_offsets", name, key);
+    DP_CHECK(e.begin <= e.end, name, ": data_offsets ", u64_list(e.begin, e.end), " of '", key,
+             "' end before they begin");
+    // A zero dimension makes the tensor empty whatever the other dims say.
+    const bool empty = std::find(e.shape.begin(), e.shape.end(), 0) != e.shape.end();
+    DP_CHECK(empty || !overflow, name, ": shape ", shape_str(e.shape), " of '", key, "' overflows 64-bit sizes");
+    if (empty) bytes = 0;
+    DP_CHECK(e.end - e.begin == bytes, name, ": '", key, "' has shape ", shape_str(e.shape), " ", ds,
+             " = ", bytes, " bytes, but data_offsets ", u64_list(e.begin, e.end), " span ",
+             e.end - e.begin, " bytes");
+    DP_CHECK(e.end <= data_size, name, ": data_offsets ", u64_list(e.begin, e.end), " of '", key,
+             "' lie outside the data region of ", data_size, " bytes (is the file truncated?)");
+    info.entries.push_back(std::move(e));
+  }
+
+  // The entries must tile the data region exactly, like the reference implementation
+  // requires: no overlap (two tensors sharing bytes), no gap, nothing after the end.
+  std::sort(info.entries.begin(), info.entries.end(), [](const auto& a, const auto& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  std::uint64_t pos = 0;
+  const SafetensorsInfo::Entry* prev = nullptr;
+  for (const auto& e : info.entries) {
+    DP_CHECK(e.begin >= pos, name, ": data_offsets ", u64_list(e.begin, e.end), " of '", e.name,
+             "' overlap ", prev ? u64_list(prev->begin, prev->end) : "", " of '", prev ? prev->name : "",
+             "': a corrupt file");
+    DP_CHECK(e.begin == pos, name, ": bytes ", u64_list(pos, e.begin), " of the data region belong to no tensor",
+             " (gap before '", e.name, "'): a corrupt file");
+    pos = e.end;
+    prev = &e;
+  }
+  DP_CHECK(pos == data_size, name, ": data region size mismatch: the header describes ", pos,
+           " bytes of tensor data but the file holds ", data_size, " after the header",
+           pos < data_size ? " (trailing bytes: a corrupt file or a writer bug)" : "");
+  return info;
+}
+
+Tensor host_tensor(const SafetensorsInfo::Entry& e) {
+  return empty(e.shape, TensorOptions{e.dtype, Device{}});
+}
+
+// ---- files ----------------------------------------------------------------------------
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+
+ private:
+  int fd_;
+};
+
+// Reads exactly n bytes at `offset`; throws on errors and on a short file.
+void pread_all(int fd, void* buf, std::uint64_t n, std::uint64_t offset, const std::string& path) {
+  auto* p = static_cast<std::uint8_t*>(buf);
+  while (n > 0) {
+    constexpr std::uint64_t kChunk = std::uint64_t{1} << 30;  // stay below pread's SSIZE_MAX limits
+    ssize_t got = ::pread(fd, p, std::min(n, kChunk), static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    DP_CHECK(got >= 0, path, ": read failed: ", errno_text(errno));
+    DP_CHECK(got > 0, path, ": the file ended early (truncated while reading?)");
+    p += got;
+    n -= static_cast<std::uint64_t>(got);
+    offset += static_cast<std::uint64_t>(got);
+  }
+}
+
+struct OpenedFile {
+  int fd;
+  std::uint64_t size;
+  SafetensorsInfo info;
+};
+
+OpenedFile open_and_parse_header(const std::string& path, std::unique_ptr<Fd>& holder) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  DP_CHECK(fd >= 0, "cannot open checkpoint '", path, "': ", errno_text(errno));
+  holder = std::make_unique<Fd>(fd);
+  struct stat st {};
+  DP_CHECK(::fstat(fd, &st) == 0, path, ": stat failed: ", errno_text(errno));
+  DP_CHECK(S_ISREG(st.st_mode), path, ": not a regular file");
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  DP_CHECK(size >= 8, path, ": the file is ", size,
+           " bytes, shorter than the 8-byte header length: truncated or not a safetensors file");
+  std::uint8_t first8[8];
+  pread_all(fd, first8, 8, 0, path);
+  const std::uint64_t n = check_length(first8, size, path);
+  std::string text(n, '\0');
+  pread_all(fd, text.data(), n, 8, path);
+  return {fd, size, parse_header(text.data(), n, size - 8 - n, path)};
+}
+
+}  // namespace
+
+// ---- reading --------------------------------------------------------------------------
+
+SafetensorsFile parse_safetensors(const std::uint8_t* data, std::size_t size, const std::string& name) {
+  DP_CHECK(data != nullptr || size == 0, name, ": null data");
+  DP_CHECK(size >= 8, name, ": the file is ", size,
+           " bytes, shorter than the 8-byte header length: truncated or not a safetensors file");
+  const std::uint64_t n = check_length(data, size, name);
+  SafetensorsInfo info = parse_header(reinterpret_cast<const char*>(data + 8), n, size - 8 - n, name);
+  const std::uint8_t* region = data + 8 + n;
+  SafetensorsFile out;
+  out.metadata = std::move(info.metadata);
+  for (const auto& e : info.entries) {
+    Tensor t = host_tensor(e);
+    if (e.end > e.begin) std::memcpy(t.raw_data(), region + e.begin, e.end - e.begin);
+    out.tensors.emplace_back(e.name, std::move(t));
+  }
+  return out;
+}
+
+SafetensorsInfo read_safetensors_info(const std::string& path) {
+  std::unique_ptr<Fd> fd;
+  return open_and_parse_header(path, fd).info;
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  std::unique_ptr<Fd> fd;
+  OpenedFile f = open_and_parse_header(path, fd);
+  const std::uint64_t base = 8 + f.info.header_bytes;
+  SafetensorsFile out;
+  out.metadata = std::move(f.info.metadata);
+  for (const auto& e : f.info.entries) {
+    Tensor t = host_tensor(e);
+    pread_all(f.fd, t.raw_data(), e.end - e.begin, base + e.begin, path);
+    out.tensors.emplace_back(e.name, std::move(t));
+  }
+  return out;
+}
+
+// ---- writing --------------------------------------------------------------------------
+
+namespace {
+
+// The header (length field included) for tensors laid out back to back in order.
+std::string make_header(const nn::StateDict& tensors, const Metadata& metadata) {
+  ordered_json h = ordered_json::object();
+  ordered_json meta = ordered_json::object();
+  meta["format"] = "pt";  // what PyTorch's safetensors.torch writes; readers may check it
+  for (const auto& [k, v] : metadata) meta[k] = v;
+  h[kMetadataKey] = std::move(meta);
+  std::set<std::string> seen;
+  std::uint64_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    DP_CHECK(name != kMetadataKey, "save: '", kMetadataKey, "' is reserved and cannot name a tensor");
+    DP_CHECK(seen.insert(name).second, "save: the tensor name '", name, "' appears twice");
+    DP_CHECK(t.defined(), "save: the tensor '", name, "' is undefined");
+    ordered_json e = ordered_json::object();
+    e["dtype"] = st_dtype(t.dtype());
+    e["shape"] = t.shape();
+    e["data_offsets"] = {offset, offset + t.nbytes()};
+    offset += t.nbytes();
+    h[name] = std::move(e);
+  }
+  std::string text;
+  try {
+    text = h.dump();
+  } catch (const nlohmann::json::exception& e) {
+    DP_FAIL("save: cannot encode the header (are names and metadata valid UTF-8?): ", e.what());
+  }
+  // Pad with spaces so that the data region starts 8-byte aligned, as the reference
+  // implementation does (readers may map tensors in place).
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  std::uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + text;
+}
+
+// Feeds `sink(ptr, bytes)` the file's bytes: header, then every tensor's data, copying
+// one non-CPU tensor at a time to the host.
+template <typename Sink>
+void stream_file(const std::string& header, const nn::StateDict& tensors, Sink&& sink) {
+  sink(reinterpret_cast<const std::uint8_t*>(header.data()), header.size());
+  for (const auto& [name, t] : tensors) {
+    if (t.numel() == 0) continue;
+    Tensor host = t.device().is_cpu() ? t : t.detach().to(Device{});
+    sink(static_cast<const std::uint8_t*>(host.raw_data()), host.nbytes());
+  }
+}
+
+void write_all(int fd, const std::uint8_t* p, std::uint64_t n, const std::string& tmp) {
+  while (n > 0) {
+    constexpr std::uint64_t kMax = std::uint64_t{1} << 30;  // below write's SSIZE_MAX limits
+    ssize_t w = ::write(fd, p, std::min(n, kMax));
+    if (w < 0 && errno == EINTR) continue;
+    DP_CHECK(w > 0, "save: writing '", tmp, "' failed: ", errno_text(w < 0 ? errno : EIO),
+             " (disk full? the previous checkpoint is untouched)");
+    p += w;
+    n -= static_cast<std::uint64_t>(w);
+  }
+}
+
+std::string dir_of(const std::string& path) {
+  auto slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+std::string base_of(const std::string& path) {
+  auto slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DP_CHECK(fd >= 0, "save: cannot open directory '", dir, "' to fsync it: ", errno_text(errno));
+  Fd holder(fd);
+  // Some file systems cannot fsync a directory (EINVAL): the rename is then as durable
+  // as that file system makes it, nothing more can be done.
+  DP_CHECK(::fsync(fd) == 0 || errno == EINVAL, "save: fsync of directory '", dir, "' failed: ",
+           errno_text(errno));
+}
+
+// Note [Atomic checkpoint writes]
+// A checkpoint is written to "<file>.tmp.<pid>.<n>" in the target's directory (rename
+// is only atomic within one file system), written in full with write(2) (no user-space
+// buffer, so nothing to fflush), fsync'ed, closed, renamed over the target, and the
+// directory is fsync'ed so the rename itself survives a power loss. A process killed
+// at any point leaves the target either old or new. What it can leave is the
+// temporary: the next write of the same target removes temporaries whose writer
+// process no longer exists and that were not modified for kStaleAge (a live writer in
+// another PID namespace sharing the directory keeps touching its file).
+constexpr auto kStaleAge = std::chrono::minutes(10);
+
+void remove_stale_temporaries(const std::string& dir, const std::string& base) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return;
+  const std::string prefix = base + ".tmp.";
+  const auto now = std::chrono::system_clock::now();
+  while (dirent* ent = ::readdir(d)) {
+    std::string fname = ent->d_name;
+    if (fname.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string rest = fname.substr(prefix.size());  // "<pid>.<n>"
+    const auto dot = rest.find('.');
+    if (dot == std::string::npos || dot == 0) continue;
+    pid_t pid = 0;
+    try {
+      pid = static_cast<pid_t>(std::stol(rest.substr(0, dot)));
+    } catch (...) {
+      continue;
+    }
+    if (pid <= 0 || pid == ::getpid()) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // writer alive (or not ours to judge)
+    const std::string full = dir + "/" + fname;
+    struct stat st {};
+    if (::stat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    const auto mtime = std::chrono::system_clock::from_time_t(st.st_mtime);
+    if (now - mtime < kStaleAge) continue;
+    if (::unlink(full.c_str()) != 0) {
+      dp::detail::log_warning(dp::detail::str_cat("save: could not remove stale temporary '", full,
+                                                  "': ", errno_text(errno)));
+    }
+  }
+  ::closedir(d);
+}
+
+std::atomic<std::uint64_t> g_temp_counter{0};
+
+}  // namespace
+
+std::vector<std::uint8_t> serialize_safetensors(const nn::StateDict& tensors, const Metadata& metadata) {
+  const std::string header = make_header(tensors, metadata);
+  std::vector<std::uint8_t> out;
+  std::uint64_t total = header.size();
+  for (const auto& [n, t] : tensors) total += t.nbytes();
+  out.reserve(total);
+  stream_file(header, tensors,
+              [&](const std::uint8_t* p, std::size_t n) { out.insert(out.end(), p, p + n); });
+  return out;
+}
+
+void write_safetensors(const std::string& path, const nn::StateDict& tensors, const Metadata& metadata) {
+  DP_CHECK(!path.empty(), "save: empty path");
+  DP_CHECK(path.back() != '/', "save: '", path, "' names a directory; give a file name");
+  const std::string header = make_header(tensors, metadata);  // validates before any file is made
+  std::uint64_t total = header.size();
+  for (const auto& [n, t] : tensors) total += t.nbytes();
+
+  const std::string dir = dir_of(path);
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; fd < 0; ++attempt) {
+    tmp = dp::detail::str_cat(path, ".tmp.", ::getpid(), ".", g_temp_counter.fetch_add(1));
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    DP_CHECK(fd >= 0 || (errno == EEXIST && attempt < 100), "save: cannot create '", tmp, "': ",
+             errno_text(errno), " (does the directory '", dir, "' exist and is it writable?)");
+  }
+  Fd holder(fd);
+  try {
+    const detail::WriteHook hook = g_write_hook.load();
+    std::uint64_t written = 0;
+    stream_file(header, tensors, [&](const std::uint8_t* p, std::size_t n) {
+      // Chunks keep the hook's view fine-grained; the kernel sees large writes anyway.
+      constexpr std::size_t kChunk = std::size_t{8} << 20;
+      while (n > 0) {
+        const std::size_t c = std::min(n, kChunk);
+        write_all(fd, p, c, tmp);
+        p += c;
+        n -= c;
+        written += c;
+        if (hook) hook(written, total);
+      }
+    });
+    DP_CHECK(::fsync(fd) == 0, "save: fsync of '", tmp, "' failed: ", errno_text(errno));
+    DP_CHECK(::close(holder.release()) == 0, "save: closing '", tmp, "' failed: ", errno_text(errno));
+    DP_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "save: renaming '", tmp, "' to '", path,
+             "' failed: ", errno_text(errno));
+  } catch (...) {
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  fsync_dir(dir);
+  remove_stale_temporaries(dir, base_of(path));
+}
+
+namespace detail {
+void set_write_hook(WriteHook hook) { g_write_hook.store(hook); }
+}  // namespace detail
+
+}  // namespace dp::io
