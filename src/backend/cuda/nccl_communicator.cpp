@@ -74,7 +74,11 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override {
     for (std::size_t r = 0; r < ranks_.size(); ++r) {
       Rank& rk = ranks_[r];
-      cuda().set_device(devices_[r].index);
+      try {
+        cuda().set_device(devices_[r].index);
+      } catch (const std::exception& e) {
+        dp::detail::log_warning(dp::detail::str_cat("~NcclCommunicator: ", e.what()));
+      }
       if (rk.comm != nullptr) {
         // Finish what was enqueued before the communicator goes; never throw here.
         DP_CUDA_WARN(cudaStreamSynchronize(rk.stream));
@@ -173,9 +177,10 @@ class NcclCommunicator final : public Communicator {
     Rank& rk = ranks_[static_cast<std::size_t>(rank)];
     cuda().set_device(devices_[rank].index);
     // No lock while waiting: abort() must be able to take it and release this wait.
-    DP_CUDA_CHECK(cudaStreamSynchronize(rk.stream));
+    const cudaError_t waited = cudaStreamSynchronize(rk.stream);
     std::lock_guard<std::mutex> lock(rk.mu);
-    throw_if_aborted("synchronize", rank);
+    throw_if_aborted("synchronize", rank);  // an abort explains a failed wait best
+    DP_CUDA_CHECK(waited);
     ncclResult_t async = ncclSuccess;
     DP_NCCL_CHECK(ncclCommGetAsyncError(rk.comm, &async));
     DP_NCCL_CHECK(async);
@@ -193,7 +198,11 @@ class NcclCommunicator final : public Communicator {
       Rank& rk = ranks_[r];
       std::lock_guard<std::mutex> lock(rk.mu);
       if (rk.comm == nullptr) continue;
-      cuda().set_device(devices_[r].index);
+      try {
+        cuda().set_device(devices_[r].index);
+      } catch (const std::exception& e) {  // abort never throws: it runs on failure paths
+        dp::detail::log_warning(dp::detail::str_cat("nccl abort: ", e.what()));
+      }
       const ncclResult_t res = ncclCommAbort(rk.comm);
       if (res != ncclSuccess)
         dp::detail::log_warning(dp::detail::str_cat("ncclCommAbort on ", devices_[r],
