@@ -1,0 +1,392 @@
+// Module checkpoints (strict and not, errors, DP/DDP interchange) and training
+// checkpoints (bitwise-identical resume in single-device, DP and DDP modes).
+#include "dp/io/checkpoint.h"
+
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <memory>
+
+#include "dp/data/dataloader.h"
+#include "dp/data/synthetic.h"
+#include "dp/dp.h"
+#include "io_test_util.h"
+
+using io_test::contains;
+using io_test::error_of;
+using io_test::ScratchDir;
+
+namespace {
+
+using dp::Tensor;
+
+// A small CNN on (N, C, 8, 8): conv, batch norm (float and int64 buffers), pooling,
+// dropout (its own per-copy generators) and a linear head.
+struct SmallCNN : dp::nn::Module {
+  explicit SmallCNN(std::int64_t in_channels = 1, std::int64_t width = 4) {
+    features = register_module("features", std::make_shared<dp::nn::Sequential>());
+    features->push_back(std::make_shared<dp::nn::Conv2d>(in_channels, width, 3, 1, 1));
+    features->push_back(std::make_shared<dp::nn::BatchNorm2d>(width));
+    features->push_back(std::make_shared<dp::nn::ReLU>());
+    features->push_back(std::make_shared<dp::nn::MaxPool2d>(2));
+    drop = register_module("drop", std::make_shared<dp::nn::Dropout>(0.25));
+    head = register_module("head", std::make_shared<dp::nn::Linear>(width * 16, 10));
+  }
+  Tensor forward(const Tensor& x) override { return head->forward(drop->forward(features->forward(x)).flatten(1)); }
+  std::shared_ptr<dp::nn::Sequential> features;
+  std::shared_ptr<dp::nn::Dropout> drop;
+  std::shared_ptr<dp::nn::Linear> head;
+};
+
+bool bit_equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  Tensor x = a.to(dp::cpu(0)), y = b.to(dp::cpu(0));
+  return x.nbytes() == 0 || std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
+}
+
+bool bit_equal(const dp::nn::StateDict& a, const dp::nn::StateDict& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (a[i].first != b[i].first || !bit_equal(a[i].second, b[i].second)) return false;
+  }
+  return true;
+}
+
+dp::nn::StateDict snapshot(const dp::nn::StateDict& s) {
+  dp::nn::StateDict out;
+  for (auto& [k, v] : s) out.emplace_back(k, v.clone().detach());
+  return out;
+}
+
+// ---- a resumable training run -----------------------------------------------------------
+
+enum class Kind { Single, DP, DDP };
+
+constexpr std::int64_t kBatch = 16;
+constexpr std::int64_t kExamples = 64;  // 4 batches per epoch: 6 steps cross an epoch
+
+struct Run {
+  std::shared_ptr<SmallCNN> net;
+  std::unique_ptr<dp::DataParallel> model;
+  std::unique_ptr<dp::optim::Adam> opt;
+  std::unique_ptr<dp::data::DataLoader> loader;
+  dp::TrainingState state;
+
+  explicit Run(Kind kind) {
+    net = std::make_shared<SmallCNN>();
+    if (kind != Kind::Single) {
+      model = std::make_unique<dp::DataParallel>(
+          net, std::vector<dp::Device>{dp::cpu(0), dp::cpu(1)},
+          dp::DataParallelOptions{.mode = kind == Kind::DDP ? dp::Mode::DDP : dp::Mode::DP});
+    }
+    opt = std::make_unique<dp::optim::Adam>(model ? model->parameters() : net->parameters(),
+                                            dp::optim::AdamOptions{.lr = 1e-2, .weight_decay = 1e-4});
+    auto ds = std::make_shared<dp::data::SyntheticDataset>(
+        dp::data::SyntheticOptions{.size = kExamples, .example_shape = {1, 8, 8}, .seed = 5});
+    loader = std::make_unique<dp::data::DataLoader>(
+        ds, dp::data::DataLoaderOptions{.batch_size = kBatch, .shuffle = true, .seed = 7, .num_workers = 1});
+    // Dropout draws from the generator of the copy a worker is bound to.
+    for (int r = 0; r < 2; ++r) {
+      state.generators.emplace_back("drop." + std::to_string(r), &net->drop->generator(r));
+    }
+  }
+
+  void step(const dp::data::Batch& b) {
+    // Augmentation noise from the default generator: a resume must restore it too.
+    Tensor x = dp::add(b.data, dp::mul(dp::randn(b.data.shape(), dp::default_generator()), 0.05));
+    opt->zero_grad();
+    Tensor out = model ? (*model)(x) : net->forward(x);
+    dp::nn::cross_entropy(out, b.target).backward();
+    opt->step();
+  }
+
+  // Trains `steps` more steps from state.epoch / state.batch.
+  void train(int steps) {
+    int done = 0;
+    while (done < steps) {
+      loader->set_epoch(static_cast<std::uint64_t>(state.epoch));
+      auto it = loader->begin();
+      for (std::int64_t i = 0; i < state.batch; ++i) ++it;  // skip what was consumed
+      for (; it != loader->end() && done < steps; ++it) {
+        step(*it);
+        ++state.batch;
+        ++state.step;
+        ++done;
+      }
+      if (state.batch == loader->size()) {
+        ++state.epoch;
+        state.batch = 0;
+      }
+    }
+  }
+};
+
+struct Outcome {
+  dp::nn::StateDict params, opt_state;
+  std::uint64_t rng_offset;
+  dp::TrainingState state;
+};
+
+Outcome outcome(Run& r) {
+  return {snapshot(r.net->state_dict()), snapshot(r.opt->state_dict()), dp::default_generator().offset(), r.state};
+}
+
+void check_same(const Outcome& a, const Outcome& b) {
+  REQUIRE(a.params.size() == b.params.size());
+  for (std::size_t i = 0; i < a.params.size(); ++i) {
+    CAPTURE(a.params[i].first);
+    CHECK(bit_equal(a.params[i].second, b.params[i].second));
+  }
+  CHECK(bit_equal(a.opt_state, b.opt_state));
+  CHECK(a.rng_offset == b.rng_offset);
+  CHECK(a.state.step == b.state.step);
+  CHECK(a.state.epoch == b.state.epoch);
+  CHECK(a.state.batch == b.state.batch);
+}
+
+const char* kind_name(Kind k) { return k == Kind::Single ? "single" : k == Kind::DP ? "DP" : "DDP"; }
+
+}  // namespace
+
+TEST_CASE("a resumed run is bitwise identical to an uninterrupted one (single, DP, DDP)") {
+  for (Kind kind : {Kind::Single, Kind::DP, Kind::DDP}) {
+    for (int split : {3, 4}) {  // mid-epoch, and exactly at the epoch boundary
+      CAPTURE(kind_name(kind));
+      CAPTURE(split);
+      ScratchDir dir;
+      std::string path = dir.file("run.ckpt");
+
+      dp::manual_seed(1);
+      Run straight(kind);
+      straight.train(6);
+      Outcome want = outcome(straight);
+      CHECK(want.state.step == 6);
+      CHECK(want.state.epoch == 1);
+
+      dp::manual_seed(1);
+      Outcome half;
+      {
+        Run first(kind);
+        first.train(split);
+        first.state.metadata["run"] = "io-test";
+        dp::save_training_checkpoint(path, *first.net, *first.opt, first.state);
+        half = outcome(first);
+      }
+      // A fresh process, in effect: other seed, other initial weights, new optimizer.
+      dp::manual_seed(999);
+      Run second(kind);
+      dp::default_generator().advance(12345);
+      CHECK(!bit_equal(second.net->state_dict(), half.params));
+      dp::load_training_checkpoint(path, *second.net, *second.opt, second.state);
+      check_same(outcome(second), half);
+      CHECK(second.state.metadata.at("run") == "io-test");
+      CHECK(second.opt->step_count() == split);
+      second.train(6 - split);
+      check_same(outcome(second), want);
+      if (kind == Kind::DDP) {  // the replica applied the same updates from the loaded state
+        auto set = second.net->parameters().set();
+        REQUIRE(set->num_copies() == 2);
+        CHECK(bit_equal(set->copy(1).data, set->copy(0).data));
+      }
+    }
+  }
+}
+
+TEST_CASE("checkpoints from plain, DP and DDP are the same file and load into each other") {
+  ScratchDir dir;
+  dp::manual_seed(3);
+  Run ddp(Kind::DDP);
+  ddp.train(2);
+  const std::string a = dir.file("from_net"), b = dir.file("from_model");
+  dp::save(*ddp.net, a);
+  dp::save(ddp.model->state_dict(), b);
+  CHECK(io_test::read_bytes(a) == io_test::read_bytes(b));
+  auto names = dp::io::read_safetensors_info(a);
+  CHECK(names.entries.front().name == "features.0.weight");  // no "module." prefix
+
+  // DDP → plain.
+  auto plain = std::make_shared<SmallCNN>();
+  dp::load(plain, a);
+  CHECK(bit_equal(plain->state_dict(), ddp.net->state_dict()));
+
+  // plain → DP and DDP: the replicas pick the loaded values up at the next forward.
+  dp::Generator gen(11);
+  Tensor x = dp::randn({8, 1, 8, 8}, gen);
+  plain->eval();
+  Tensor want = plain->forward(x);
+  dp::save(*plain, a);
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+    auto net = std::make_shared<SmallCNN>();
+    dp::DataParallel model(net, std::vector<dp::Device>{dp::cpu(0), dp::cpu(1)}, {.mode = mode});
+    model.eval();
+    model(x);  // replicas exist and hold the old values
+    dp::load(*model.module(), a);
+    Tensor got = model(x);
+    CHECK(dp::max_abs_diff(got, want) < 1e-5);
+    auto set = net->parameters().set();
+    if (mode == dp::Mode::DDP) CHECK(bit_equal(set->copy(1).data, set->copy(0).data));
+    CHECK(bit_equal(net->state_dict(), plain->state_dict()));
+  }
+}
+
+TEST_CASE("strict loads name what is missing and unexpected; strict=false loads the intersection") {
+  ScratchDir dir;
+  auto src = std::make_shared<SmallCNN>();
+  dp::nn::StateDict partial;
+  for (auto& [k, v] : src->state_dict())
+    if (k.rfind("head.", 0) != 0) partial.emplace_back(k, v);
+  partial.emplace_back("extra.weight", dp::ones({3}));
+  std::string path = dir.file("partial");
+  dp::save(partial, path);
+
+  auto dst = std::make_shared<SmallCNN>();
+  auto before = snapshot(dst->state_dict());
+  std::string m = error_of([&] { dp::load(dst, path); });
+  CHECK(contains(m, "Missing from the file: 'head.weight', 'head.bias'"));
+  CHECK(contains(m, "Unexpected (in the file, not in the module): 'extra.weight'"));
+  CHECK(contains(m, path));
+  CHECK(bit_equal(dst->state_dict(), before));
+
+  dp::nn::LoadResult r = dp::load(dst, path, /*strict=*/false);
+  CHECK(r.missing_keys == std::vector<std::string>{"head.weight", "head.bias"});
+  CHECK(r.unexpected_keys == std::vector<std::string>{"extra.weight"});
+  auto now = dst->state_dict();
+  auto srcd = src->state_dict();
+  for (std::size_t i = 0; i < now.size(); ++i) {
+    CAPTURE(now[i].first);
+    bool from_file = now[i].first.rfind("head.", 0) != 0;
+    CHECK(bit_equal(now[i].second, from_file ? srcd[i].second : before[i].second));
+  }
+}
+
+TEST_CASE("a shape mismatch names the tensor and both shapes, and writes nothing") {
+  ScratchDir dir;
+  std::string path = dir.file("rgb");
+  struct Wide : dp::nn::Module {
+    Wide(std::int64_t in) {
+      features = register_module("features", std::make_shared<dp::nn::Sequential>());
+      features->push_back(std::make_shared<dp::nn::Conv2d>(in, 32, 3));
+      fc = register_module("fc", std::make_shared<dp::nn::Linear>(4, 2));
+    }
+    Tensor forward(const Tensor& x) override { return x; }
+    std::shared_ptr<dp::nn::Sequential> features;
+    std::shared_ptr<dp::nn::Linear> fc;
+  };
+  auto rgb = std::make_shared<Wide>(3);
+  dp::save(rgb, path);
+  auto gray = std::make_shared<Wide>(1);
+  auto before = snapshot(gray->state_dict());
+  std::string m = error_of([&] { dp::load(gray, path); });
+  CHECK(contains(m, "expected [32, 1, 3, 3], got [32, 3, 3, 3] for 'features.0.weight'"));
+  CHECK(bit_equal(gray->state_dict(), before));  // fc matched but was not written either
+  m = error_of([&] { dp::load(gray, path, /*strict=*/false); });
+  CHECK(contains(m, "for 'features.0.weight'"));
+  CHECK(bit_equal(gray->state_dict(), before));
+
+  // A dtype mismatch (float file tensor for the int64 counter).
+  auto bn = std::make_shared<dp::nn::BatchNorm2d>(2);
+  auto sd = bn->state_dict();
+  for (auto& [k, v] : sd)
+    if (k == "num_batches_tracked") v = dp::zeros({});
+  dp::save(sd, path);
+  CHECK(contains(error_of([&] { dp::load(bn, path); }), "expected [] int64, got [] float32 for 'num_batches_tracked'"));
+}
+
+TEST_CASE("a corrupt or truncated file leaves the module untouched") {
+  ScratchDir dir;
+  std::string path = dir.file("net");
+  auto src = std::make_shared<SmallCNN>();
+  dp::save(src, path);
+  auto bytes = io_test::read_bytes(path);
+  auto dst = std::make_shared<SmallCNN>();
+  auto before = snapshot(dst->state_dict());
+  for (std::size_t cut : {std::size_t{0}, std::size_t{5}, std::size_t{8}, std::size_t{40}, bytes.size() / 2,
+                          bytes.size() - 1}) {
+    CAPTURE(cut);
+    io_test::write_bytes(path, std::vector<std::uint8_t>(bytes.begin(), bytes.begin() + static_cast<long>(cut)));
+    CHECK(!error_of([&] { dp::load(dst, path); }).empty());
+    CHECK(bit_equal(dst->state_dict(), before));
+  }
+}
+
+TEST_CASE("load into a StateDict in place, and read a file's tensors") {
+  ScratchDir dir;
+  std::string path = dir.file("sd");
+  auto src = std::make_shared<SmallCNN>();
+  dp::save(src, path);
+  auto dst = std::make_shared<SmallCNN>();
+  dp::load(dst->state_dict(), path);  // views of dst's parameters and buffers
+  CHECK(bit_equal(dst->state_dict(), src->state_dict()));
+  auto tensors = dp::load(path);
+  CHECK(bit_equal(tensors, src->state_dict()));
+}
+
+TEST_CASE("training checkpoints: module view, validation, nothing changes on error") {
+  ScratchDir dir;
+  dp::manual_seed(4);
+  Run run(Kind::Single);
+  run.train(2);
+  std::string path = dir.file("train.ckpt");
+  run.state.metadata["config"] = "{\"lr\": 0.01}";
+  dp::save_training_checkpoint(path, *run.net, *run.opt, run.state);
+
+  auto info = dp::io::read_safetensors_info(path);
+  CHECK(info.metadata.at("dp.checkpoint") == "training");
+  CHECK(info.metadata.at("dp.step") == "2");
+  CHECK(info.metadata.at("user.config") == "{\"lr\": 0.01}");
+  bool has_opt = false;
+  for (auto& e : info.entries) has_opt = has_opt || e.name == "optimizer.state.0.exp_avg";
+  CHECK(has_opt);
+
+  // The module part alone loads with dp::load (optimizer entries ignored, strict).
+  auto plain = std::make_shared<SmallCNN>();
+  dp::load(plain, path);
+  CHECK(bit_equal(plain->state_dict(), run.net->state_dict()));
+
+  // A module checkpoint is not a training checkpoint.
+  std::string mod = dir.file("module");
+  dp::save(run.net, mod);
+  Run other(Kind::Single);
+  CHECK(contains(error_of([&] { dp::load_training_checkpoint(mod, *other.net, *other.opt, other.state); }),
+                 "not a training checkpoint"));
+
+  // Errors leave module, optimizer, generators and state untouched.
+  auto check_untouched = [&](const std::function<void()>& fn, const std::string& part) {
+    auto params = snapshot(other.net->state_dict());
+    auto opt = snapshot(other.opt->state_dict());
+    auto rng = dp::default_generator().offset();
+    auto step = other.state.step;
+    std::string m = error_of(fn);
+    CHECK_MESSAGE(contains(m, part), m);
+    CHECK(bit_equal(other.net->state_dict(), params));
+    CHECK(bit_equal(other.opt->state_dict(), opt));
+    CHECK(dp::default_generator().offset() == rng);
+    CHECK(other.state.step == step);
+  };
+  other.train(1);  // some optimizer state to protect
+  dp::Generator extra(1);
+  dp::TrainingState asks = other.state;
+  asks.generators.emplace_back("augment", &extra);
+  check_untouched([&] { dp::load_training_checkpoint(path, *other.net, *other.opt, asks); },
+                  "no generator named 'augment'");
+  // Another architecture.
+  auto wide = std::make_shared<SmallCNN>(1, 6);
+  dp::optim::SGD sgd(wide->parameters(), {.lr = 0.1, .momentum = 0.9});
+  CHECK(contains(error_of([&] { dp::load_training_checkpoint(path, *wide, sgd, other.state); }),
+                 "expected [6, 1, 3, 3], got [4, 1, 3, 3] for 'features.0.weight'"));
+  // Another optimizer type: the optimizer refuses before anything is written.
+  dp::optim::SGD sgd2(other.net->parameters(), {.lr = 0.1, .momentum = 0.9});
+  other.opt.reset();
+  {
+    auto params = snapshot(other.net->state_dict());
+    CHECK(!error_of([&] { dp::load_training_checkpoint(path, *other.net, sgd2, other.state); }).empty());
+    CHECK(bit_equal(other.net->state_dict(), params));
+  }
+  // Corrupt metadata.
+  auto f = dp::io::read_safetensors(path);
+  f.metadata["dp.step"] = "12x";
+  std::string bad = dir.file("bad.ckpt");
+  dp::io::write_safetensors(bad, f.tensors, f.metadata);
+  CHECK(contains(error_of([&] { dp::load_training_checkpoint(bad, *other.net, sgd2, other.state); }),
+                 "metadata 'dp.step' should be a number, got \"12x\""));
+}
