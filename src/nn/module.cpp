@@ -128,14 +128,19 @@ StateDict Module::named_buffers() {
 }
 
 std::vector<std::shared_ptr<Module>> Module::modules() {
+  // The root may live on the stack (not owned by a shared_ptr): it is returned only
+  // when it is shared; children always are.
   std::vector<std::shared_ptr<Module>> out;
-  std::set<const Module*> visited;
-  std::function<void(const std::shared_ptr<Module>&)> walk = [&](const std::shared_ptr<Module>& m) {
-    if (!visited.insert(m.get()).second) return;
-    out.push_back(m);
-    for (auto& [n, c] : m->children_) walk(c);
+  if (auto self = weak_from_this().lock()) out.push_back(self);
+  std::set<const Module*> visited{this};
+  std::function<void(Module&)> walk = [&](Module& m) {
+    for (auto& [n, c] : m.children_) {
+      if (!visited.insert(c.get()).second) continue;
+      out.push_back(c);
+      walk(*c);
+    }
   };
-  walk(shared_from_this());
+  walk(*this);
   return out;
 }
 
@@ -205,6 +210,7 @@ LoadResult Module::load_state_dict(const StateDict& state, bool strict) {
 }
 
 void Module::train(bool on) {
+  training_ = on;
   for (auto& m : modules()) m->training_ = on;
 }
 

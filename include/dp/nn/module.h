@@ -70,7 +70,8 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const {
     return children_;
   }
-  /// Every module of the tree, this one first (depth first).
+  /// Every module of the tree, depth first: this one first when it is owned by a
+  /// shared_ptr, then every descendant once.
   std::vector<std::shared_ptr<Module>> modules();
   /// The flat parameter set (flattening on first use); null when there are no parameters.
   std::shared_ptr<ParameterSet> parameter_set();

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Configures (once) and builds the release tree in build/. The CUDA backend is built
+# whenever the toolkit is found (nvcc on PATH or in /usr/local/cuda/bin).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+if [[ ! -f build/build.ninja ]]; then
+  meson setup build --buildtype=release --prefix="$root/build/prefix" "$@"
+fi
+ninja -C build

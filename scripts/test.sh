@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One command on a fresh Debian 12 machine: install, build (CUDA backend included
+# when the toolkit is present), run every test suite, check the installed library
+# from an out-of-tree program, then the sanitizer builds and the fuzzers.
+#   scripts/test.sh            everything (what CI runs)
+#   scripts/test.sh --quick    unit suites only
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+quick=0
+[[ "${1:-}" == "--quick" ]] && quick=1
+
+start=$(date +%s)
+step() { echo; echo "=== $* ($(( $(date +%s) - start )) s)"; }
+
+step "setup"
+scripts/setup.sh --test
+
+step "build (release)"
+scripts/build.sh
+
+step "unit, integration and sample tests"
+meson test -C build --print-errorlogs --num-processes 2
+
+if (( quick )); then exit 0; fi
+
+step "install + out-of-tree program via pkg-config"
+scripts/install_check.sh
+
+if [[ -x scripts/sanitize.sh ]]; then
+  step "sanitizers (ASan+UBSan, TSan)"
+  scripts/sanitize.sh
+fi
+if [[ -x scripts/fuzz.sh ]]; then
+  step "fuzzers"
+  scripts/fuzz.sh
+fi
+step "all checks passed"
