@@ -1,0 +1,344 @@
+// samples/fashion_mnist_cnn — the classic small CNN on Fashion-MNIST, on one device or
+// data-parallel (DP or DDP) over several.
+//
+//   fashion_mnist_cnn --epochs 3                                  # one device
+//   fashion_mnist_cnn --mode ddp --devices 0,1 --json             # DDP, one JSON object a line
+//
+// Recipe (the same as bench/pytorch/fashion_cnn_torch.py): Conv 1→32 3×3 pad 1, ReLU,
+// MaxPool 2; Conv 32→64 3×3 pad 1, ReLU, MaxPool 2; Flatten; Linear 3136→128, ReLU;
+// Linear 128→10; cross-entropy; Adam lr 1e-3; batch 256; pixels / 255.
+//
+// Output: a progress bar on a terminal, one line per epoch and a summary line; with
+// --json instead one object a line: {"type":"step"} every --log-every steps,
+// {"type":"epoch"} per epoch and {"type":"summary"} at the end. Exit codes: 0 success,
+// 1 a dp::Error (bad data directory, unavailable device, …), 2 bad flags.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "dp/data/dataloader.h"
+#include "dp/data/idx.h"
+#include "dp/dp.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+struct Config {
+  int epochs = 3;
+  std::int64_t batch = 256;
+  double lr = 1e-3;
+  std::uint64_t seed = 0;
+  std::string device = "auto";  // auto | cpu | cuda
+  std::int64_t max_steps = 0;   // 0 = no limit
+  std::string data;
+  bool json = false;
+  std::vector<int> devices = {0};
+  std::string mode = "single";        // single | dp | ddp
+  std::string path = "worker-loss";   // module | worker-loss
+  std::int64_t log_every = 10;
+  std::int64_t eval_batch = 1000;
+};
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string join(const std::vector<int>& v, const char* sep) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
+  return s;
+}
+
+// The network of the file comment. Every layer draws its initial values from `gen`,
+// in registration order, so one seed gives one set of parameters.
+std::shared_ptr<dp::nn::Sequential> make_cnn(dp::Generator& gen) {
+  using namespace dp::nn;
+  auto net = std::make_shared<Sequential>();
+  net->push_back(std::make_shared<Conv2d>(1, 32, 3, /*stride=*/1, /*padding=*/1, true, &gen));
+  net->push_back(std::make_shared<ReLU>());
+  net->push_back(std::make_shared<MaxPool2d>(2));  // (N, 32, 28, 28) → (N, 32, 14, 14)
+  net->push_back(std::make_shared<Conv2d>(32, 64, 3, 1, 1, true, &gen));
+  net->push_back(std::make_shared<ReLU>());
+  net->push_back(std::make_shared<MaxPool2d>(2));  // (N, 64, 14, 14) → (N, 64, 7, 7)
+  net->push_back(std::make_shared<Flatten>());     // → (N, 3136)
+  net->push_back(std::make_shared<Linear>(64 * 7 * 7, 128, true, &gen));
+  net->push_back(std::make_shared<ReLU>());
+  net->push_back(std::make_shared<Linear>(128, 10, true, &gen));
+  return net;
+}
+
+dp::Device make_device(const std::string& kind, int index) {
+  if (kind == "cpu") return dp::cpu(index);
+  if (kind == "cuda") return dp::cuda(index);
+  return dp::device(index);
+}
+
+// Fraction of `loader`'s examples the plain network classifies correctly, on `dev`.
+double evaluate(dp::nn::Module& net, dp::data::DataLoader& loader, dp::Device dev) {
+  dp::NoGradGuard no_grad;
+  net.eval();
+  std::int64_t correct = 0, total = 0;
+  for (auto& [x, y] : loader) {
+    dp::Tensor pred = net.forward(x.to(dev)).argmax(1);
+    correct += static_cast<std::int64_t>(dp::eq(pred, y.to(dev)).sum().item());
+    total += y.size(0);
+  }
+  net.train();
+  return total ? static_cast<double>(correct) / static_cast<double>(total) : 0.0;
+}
+
+// A one-line progress bar redrawn in place on a terminal.
+class ProgressBar {
+ public:
+  ProgressBar(bool on, int epoch, int epochs, std::int64_t total)
+      : on_(on), epoch_(epoch), epochs_(epochs), total_(total) {}
+  void update(std::int64_t done, double loss, double samples_per_sec) {
+    if (!on_) return;
+    constexpr int kWidth = 30;  // characters of bar; fits an 80-column terminal with the text
+    int filled = total_ > 0 ? static_cast<int>(kWidth * std::min(done, total_) / total_) : 0;
+    std::printf("\repoch %d/%d [%s%s] %lld/%lld loss %.4f %.0f samples/s ", epoch_, epochs_,
+                std::string(filled, '#').c_str(), std::string(kWidth - filled, '.').c_str(),
+                static_cast<long long>(done), static_cast<long long>(total_), loss,
+                samples_per_sec);
+    std::fflush(stdout);
+  }
+  void finish() {
+    if (!on_) return;
+    std::printf("\r%*s\r", 100, "");  // clear the bar; the epoch line replaces it
+    std::fflush(stdout);
+  }
+
+ private:
+  bool on_;
+  int epoch_, epochs_;
+  std::int64_t total_;
+};
+
+int run(const Config& cfg) {
+  const bool bar = !cfg.json && isatty(STDOUT_FILENO);
+  std::vector<dp::Device> devices;
+  for (int id : cfg.devices) devices.push_back(make_device(cfg.device, id));
+  const dp::Device dev0 = devices.front();
+
+  auto train_set = std::make_shared<dp::data::MnistDataset>(cfg.data, dp::data::Split::Train);
+  auto test_set = std::make_shared<dp::data::MnistDataset>(cfg.data, dp::data::Split::Test);
+  // One assembling thread: batches are cheap to build (784 bytes → floats per image),
+  // and on a small machine a second one would only take cores from the training.
+  dp::data::DataLoader train_loader(
+      train_set, {.batch_size = cfg.batch, .shuffle = true, .seed = cfg.seed, .num_workers = 1});
+  dp::data::DataLoader test_loader(test_set, {.batch_size = cfg.eval_batch, .num_workers = 1});
+
+  dp::manual_seed(cfg.seed);
+  dp::Generator gen(cfg.seed);
+  auto net = make_cnn(gen);
+  net->to(dev0);
+
+  std::unique_ptr<dp::DataParallel> model;
+  if (cfg.mode != "single") {
+    model = std::make_unique<dp::DataParallel>(
+        net, devices, dp::DataParallelOptions{.mode = cfg.mode == "ddp" ? dp::Mode::DDP : dp::Mode::DP});
+  }
+  dp::optim::Adam opt(model ? model->parameters() : net->parameters(), {.lr = cfg.lr});
+  auto loss_fn = [](const dp::Tensor& out, const dp::Tensor& y) {
+    return dp::nn::cross_entropy(out, y);
+  };
+
+  const json tags = {{"mode", cfg.mode}, {"devices", cfg.devices}};
+  if (!cfg.json) {
+    std::cout << "fashion_mnist_cnn: " << train_set->size() << " train / " << test_set->size()
+              << " test images from " << cfg.data << "; mode " << cfg.mode << " on";
+    for (auto d : devices) std::cout << ' ' << d.str();
+    std::cout << "; batch " << cfg.batch << ", Adam lr " << cfg.lr << ", seed " << cfg.seed
+              << std::endl;
+  }
+
+  std::int64_t step = 0;
+  double train_time = 0.0;  // seconds spent in training steps (no evaluation)
+  std::int64_t train_samples = 0;
+  double last_accuracy = 0.0, first_loss = NAN, last_loss = NAN;
+  int epochs_run = 0;
+  const std::int64_t steps_per_epoch = train_loader.size();
+
+  for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
+    if (cfg.max_steps > 0 && step >= cfg.max_steps) break;
+    train_loader.set_epoch(static_cast<std::uint64_t>(epoch - 1));
+    std::int64_t epoch_total = steps_per_epoch;
+    if (cfg.max_steps > 0) epoch_total = std::min(epoch_total, cfg.max_steps - step);
+    ProgressBar progress(bar, epoch, cfg.epochs, epoch_total);
+
+    double loss_sum = 0.0, epoch_time = 0.0;
+    std::int64_t epoch_samples = 0, epoch_steps = 0;
+    auto window_start = Clock::now();
+    std::int64_t window_samples = 0;
+    auto t_epoch = Clock::now();
+    for (auto& [x, y] : train_loader) {
+      if (cfg.max_steps > 0 && step >= cfg.max_steps) break;
+      opt.zero_grad();
+      dp::Tensor loss;
+      if (!model) {
+        loss = loss_fn(net->forward(x.to(dev0)), y.to(dev0));
+        loss.backward();
+      } else if (cfg.path == "module") {
+        loss = loss_fn((*model)(x), y);
+        loss.backward();
+      } else {
+        loss = model->forward_backward(x, y, loss_fn);
+      }
+      opt.step();
+      const double l = loss.item();  // synchronises the step
+      const std::int64_t rows = x.size(0);
+      ++step;
+      ++epoch_steps;
+      loss_sum += l * static_cast<double>(rows);
+      epoch_samples += rows;
+      window_samples += rows;
+      if (std::isnan(first_loss)) first_loss = l;
+      last_loss = l;
+      epoch_time = seconds_since(t_epoch);
+
+      const bool log_now = step == 1 || step % cfg.log_every == 0;
+      if (log_now || bar) {
+        const double window_s = seconds_since(window_start);
+        const double sps = window_s > 0 ? static_cast<double>(window_samples) / window_s : 0.0;
+        if (cfg.json && log_now) {
+          json rec = {{"type", "step"}, {"epoch", epoch},
+                      {"step", step},   {"loss", l},
+                      {"time_s", train_time + epoch_time},
+                      {"samples_per_sec", sps}};
+          rec.update(tags);
+          std::cout << rec.dump() << std::endl;
+        }
+        progress.update(epoch_steps, l, sps);
+        if (log_now) {
+          window_start = Clock::now();
+          window_samples = 0;
+        }
+      }
+    }
+    progress.finish();
+    train_time += epoch_time;
+    train_samples += epoch_samples;
+
+    auto t_eval = Clock::now();
+    last_accuracy = evaluate(*net, test_loader, dev0);
+    const double eval_s = seconds_since(t_eval);
+    const double train_loss = epoch_samples ? loss_sum / static_cast<double>(epoch_samples) : NAN;
+    const double sps = epoch_time > 0 ? static_cast<double>(epoch_samples) / epoch_time : 0.0;
+    ++epochs_run;
+    if (cfg.json) {
+      json rec = {{"type", "epoch"},      {"epoch", epoch},
+                  {"steps", epoch_steps}, {"train_loss", train_loss},
+                  {"test_accuracy", last_accuracy}, {"samples_per_sec", sps},
+                  {"train_s", epoch_time}, {"eval_s", eval_s}};
+      rec.update(tags);
+      std::cout << rec.dump() << std::endl;
+    } else {
+      std::printf("epoch %d/%d: train_loss %.4f  test_accuracy %.4f  %.0f samples/s  (%lld steps, %.1f s train, %.1f s eval)\n",
+                  epoch, cfg.epochs, train_loss, last_accuracy, sps,
+                  static_cast<long long>(epoch_steps), epoch_time, eval_s);
+      std::fflush(stdout);
+    }
+  }
+
+  const double mean_sps = train_time > 0 ? static_cast<double>(train_samples) / train_time : 0.0;
+  if (cfg.json) {
+    json rec = {{"type", "summary"},        {"epochs", epochs_run},
+                {"steps", step},            {"first_loss", first_loss},
+                {"final_loss", last_loss},  {"test_accuracy", last_accuracy},
+                {"samples_per_sec", mean_sps}, {"train_s", train_time},
+                {"batch", cfg.batch},       {"lr", cfg.lr},
+                {"seed", cfg.seed},         {"path", cfg.path}};
+    rec.update(tags);
+    if (model) {
+      // Mean milliseconds per iteration and phase, per device (see dp/parallel/stats.h).
+      dp::parallel::Stats st = model->stats();
+      json per_dev = json::array();
+      for (const auto& d : st.devices) {
+        json phases = json::object();
+        for (int p = 0; p < static_cast<int>(dp::parallel::Phase::kCount); ++p) {
+          phases[dp::parallel::phase_name(static_cast<dp::parallel::Phase>(p))] =
+              st.iterations ? d.ms[p] / static_cast<double>(st.iterations) : 0.0;
+        }
+        per_dev.push_back({{"device", d.device.str()}, {"ms_per_step", phases}});
+      }
+      rec["phases"] = per_dev;
+    }
+    std::cout << rec.dump() << std::endl;
+  } else {
+    std::printf("summary: mode %s devices %s: %d epoch(s), %lld steps, final test_accuracy %.4f, "
+                "%.0f samples/s over %.1f s of training\n",
+                cfg.mode.c_str(), join(cfg.devices, ",").c_str(), epochs_run,
+                static_cast<long long>(step), last_accuracy, mean_sps, train_time);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config cfg;
+  CLI::App app{"Train the classic small CNN on Fashion-MNIST with dp (one device, DP or DDP)."};
+  app.add_option("--epochs", cfg.epochs, "Passes over the training set")
+      ->check(CLI::Range(1, 100000))->capture_default_str();
+  app.add_option("--batch", cfg.batch, "Global batch size (split over the devices)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24))->capture_default_str();
+  app.add_option("--lr", cfg.lr, "Adam learning rate")
+      ->check(CLI::Range(1e-12, 10.0))->capture_default_str();
+  app.add_option("--seed", cfg.seed, "Seed of the initial parameters and the shuffling")
+      ->capture_default_str();
+  app.add_option("--device", cfg.device,
+                 "Device type: cpu (virtual devices), cuda, or auto (CUDA when visible)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
+  app.add_option("--max-steps", cfg.max_steps, "Stop after this many training steps (0 = no limit)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40))->capture_default_str();
+  app.add_option("--data", cfg.data, "Directory with the four Fashion-MNIST IDX files")
+      ->default_str(dp::data::default_fashion_mnist_dir().string());
+  app.add_flag("--json", cfg.json, "Print one JSON object per line instead of text");
+  app.add_option("--devices", cfg.devices, "Device ids, e.g. 0,1,2,3 (single mode: one id)")
+      ->delimiter(',')->check(CLI::Range(0, 1023))->default_str("0");
+  app.add_option("--mode", cfg.mode, "single (plain training), dp or ddp (DataParallel)")
+      ->check(CLI::IsMember({"single", "dp", "ddp"}))->capture_default_str();
+  app.add_option("--path", cfg.path,
+                 "dp/ddp: worker-loss (forward_backward, every worker computes its loss) "
+                 "or module (model(x) gathers the outputs, then loss.backward())")
+      ->check(CLI::IsMember({"module", "worker-loss"}))->capture_default_str();
+  app.add_option("--log-every", cfg.log_every, "JSON step record every N steps (and at step 1)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40))->capture_default_str();
+  app.add_option("--eval-batch", cfg.eval_batch, "Batch size of the test-set evaluation")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24))->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // app.exit prints help or the error; CLI11's own codes (100+) become the usual 2.
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+
+  if (cfg.data.empty()) cfg.data = dp::data::default_fashion_mnist_dir().string();
+  if (cfg.mode == "single" && cfg.devices.size() != 1) {
+    std::cerr << "--mode single trains on one device, got --devices " << join(cfg.devices, ",")
+              << "; pass one id or use --mode dp|ddp\n";
+    return 2;
+  }
+  try {
+    return run(cfg);
+  } catch (const dp::Error& e) {
+    std::cerr << "fashion_mnist_cnn: " << e.what() << '\n';
+    return 1;
+  }
+}
