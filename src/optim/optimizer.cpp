@@ -185,6 +185,10 @@ void Optimizer::step() {
     }
   } catch (...) {
     --step_;
+    // Some copies may have been updated (in part) before the failure: count it as a
+    // change, so DataParallel re-broadcasts device 0's parameters to the other
+    // replicas before the next forward instead of running on diverged copies.
+    if (const auto& set = params_.set()) set->bump_version();
     throw;
   }
 }

@@ -123,15 +123,22 @@ void DataParallel::init(std::vector<Device> devices) {
 
   // Optimizer steps run each copy on its own device's worker.
   set_->set_executor([this](int copies, const std::function<void(int)>& fn) {
-    workers_->run(
-        [&](int r) {
-          if (r >= copies) return;
-          nn::ReplicaBinding bind(r);
-          auto t0 = Clock::now();
-          fn(r);
-          add_time(r, Phase::Step, t0);
-        },
-        [this](int, const std::string& what) { abort_step(what); });
+    try {
+      workers_->run(
+          [&](int r) {
+            if (r >= copies) return;
+            nn::ReplicaBinding bind(r);
+            auto t0 = Clock::now();
+            fn(r);
+            add_time(r, Phase::Step, t0);
+          },
+          [this](int, const std::string& what) { abort_step(what); });
+    } catch (...) {
+      // abort_step() aborted the communicator; re-arm it, or every later step
+      // would fail with "collective aborted".
+      comm_->reset();
+      throw;
+    }
   });
 
   if (ddp) {
