@@ -22,6 +22,26 @@ constexpr std::size_t kAlignment = 64;
 /// On CPU every call has finished when it returns, so events order nothing.
 class CpuEvent final : public Event {};
 
+// Note [DP_CPU_THREADS]
+// DP_CPU_THREADS=<n> caps every device's arena and OpenMP team at n threads. With 1,
+// every kernel runs on the thread that calls it (parallel_for/parallel_chunks take
+// their serial path and oneDNN gets a team of one), so the only threads touching
+// tensor memory are dp's own workers. ThreadSanitizer cannot see the synchronisation
+// inside oneTBB and libgomp (they are not instrumented); scripts/sanitize.sh runs
+// the TSan suites with DP_CPU_THREADS=1 so that every report is about dp's code.
+// Also useful to pin a run to a fixed thread budget. Unset or empty: no cap.
+constexpr int kMaxCpuThreads = 4096;  // far above any host; rejects typos like 1e9
+
+int thread_cap_from_env() {
+  const char* env = std::getenv("DP_CPU_THREADS");
+  if (!env || !*env) return kMaxCpuThreads;
+  char* end = nullptr;
+  long n = std::strtol(env, &end, 10);
+  DP_CHECK(end && *end == '\0' && n >= 1 && n <= kMaxCpuThreads,
+           "DP_CPU_THREADS: expected an integer in [1, ", kMaxCpuThreads, "], got '", env, "'");
+  return static_cast<int>(n);
+}
+
 }  // namespace
 
 CpuBackend& cpu_backend_impl() {
@@ -52,6 +72,8 @@ DeviceState& CpuBackend::state(Device dev) {
 }
 
 void CpuBackend::resize_arenas(int threads) {
+  static const int cap = thread_cap_from_env();  // Note [DP_CPU_THREADS]
+  threads = std::min(threads, cap);
   for (auto& d : devices_) {
     // A fresh arena rather than terminate()+initialize(): cheap, and never touches an
     // arena some other thread might still hold a reference to between kernels.
