@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# scripts/sanitize.sh — the test suites under AddressSanitizer+UBSan and ThreadSanitizer.
+#
+#   scripts/sanitize.sh                      # both, CI defaults
+#   scripts/sanitize.sh --only tsan --tsan-suites "parallel comm"
+#
+# ASan+UBSan (build-asan): every suite. TSan (build-tsan): the runtime suites
+# (--tsan-suites, default: parallel comm autograd data optim nn). Both builds are
+# debugoptimized with -g1 (line tables: full stack traces, a faster compile than -g).
+# Only the test executables of the selected suites are built.
+#
+# TSan runs with DP_CPU_THREADS=1 (Note [DP_CPU_THREADS] in
+# src/backend/cpu/cpu_backend.cpp): oneTBB and libgomp are not instrumented, so TSan
+# cannot see their internal synchronisation; with one thread per device every kernel
+# runs on dp's own worker threads and each report is about dp's code. Suppressions
+# (scripts/sanitizers/*.supp) cover third-party code only, never dp's.
+#
+# Exit status: non-zero when any configure, build or test step fails. One summary
+# line per step ("sanitize: <step> OK|FAIL (<seconds> s)"), repeated at the end.
+set -u -o pipefail
+
+usage() {
+  cat <<USAGE
+usage: $0 [--only asan|tsan] [--tsan-suites "s1 s2 ..."] [--asan-suites "s1 ..."]
+          [--timeout-multiplier N] [--stress-configs N] [--jobs N]
+  --only                run one sanitizer (default: both)
+  --asan-suites         meson suites under ASan+UBSan (default: all)
+  --tsan-suites         meson suites under TSan (default: parallel comm autograd data optim nn)
+  --timeout-multiplier  meson test timeout multiplier (default: 4; sanitizers are slow)
+  --stress-configs      random configurations of stress_test (default: ASan 200, TSan 60)
+  --jobs                ninja -j (default: ninja's choice)
+USAGE
+}
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+only=""
+asan_suites=""
+tsan_suites="parallel comm autograd data optim nn"
+mult=4
+stress=""
+jobs=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --only) only="$2"; shift 2 ;;
+    --asan-suites) asan_suites="$2"; shift 2 ;;
+    --tsan-suites) tsan_suites="$2"; shift 2 ;;
+    --timeout-multiplier) mult="$2"; shift 2 ;;
+    --stress-configs) stress="$2"; shift 2 ;;
+    --jobs) jobs=(-j "$2"); shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "sanitize: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+case "$only" in ""|asan|tsan) ;; *) echo "sanitize: --only expects asan or tsan" >&2; exit 2 ;; esac
+
+cd "$root" || exit 2
+summary=()
+failed=0
+
+# step <name> <command...>: runs, times and records one step.
+step() {
+  local name="$1"; shift
+  local t0=$SECONDS
+  echo "sanitize: --- $name: $*"
+  "$@"
+  local rc=$?
+  local dt=$((SECONDS - t0))
+  local line
+  if [[ $rc -eq 0 ]]; then line="sanitize: $name OK ($dt s)"; else line="sanitize: $name FAIL (exit $rc, $dt s)"; failed=1; fi
+  echo "$line"
+  summary+=("$line")
+  return $rc
+}
+
+# configure <dir> <sanitizers>
+configure() {
+  local dir="$1" san="$2"
+  local opts=(-Db_sanitize="$san" -Db_lundef=false -Dbuildtype=debugoptimized -Dcuda=disabled
+              -Dsamples=false -Dtests=true -Dcpp_args=-g1)
+  if [[ -f "$dir/build.ninja" ]]; then
+    meson configure "$dir" "${opts[@]}" >/dev/null
+  else
+    meson setup "$dir" "${opts[@]}" >/dev/null
+  fi
+}
+
+# test_targets <dir> <suites...>: the executables the tests of those suites run.
+test_targets() {
+  local dir="$1"; shift
+  meson introspect --tests "$dir" | python3 -c '
+import json, os, sys
+root = os.path.realpath(sys.argv[1]); want = set(sys.argv[2:])
+out = set()
+for t in json.load(sys.stdin):
+    if want and not want.intersection(s.split(":")[-1] for s in t["suite"]): continue
+    out.add(os.path.relpath(os.path.realpath(t["cmd"][0]), root))
+print("\n".join(sorted(out)))' "$dir" "$@"
+}
+
+# build <dir> <suites...>
+build() {
+  local dir="$1"; shift
+  local targets
+  targets=$(test_targets "$dir" "$@") || return 1
+  # shellcheck disable=SC2086
+  ninja -C "$dir" "${jobs[@]}" $targets
+}
+
+# test_args <suites...>: meson test arguments selecting those suites.
+test_args() {
+  local s
+  printf '%s\n' --no-rebuild --print-errorlogs --timeout-multiplier "$mult"
+  for s in "$@"; do printf '%s\n' --suite "$s"; done
+}
+
+supp="$root/scripts/sanitizers"
+
+if [[ -z "$only" || "$only" == asan ]]; then
+  read -r -a suites <<<"$asan_suites"
+  if step "asan configure" configure build-asan address,undefined &&
+     step "asan build" build build-asan "${suites[@]}"; then
+    # LSan: leaks inside oneDNN/oneTBB/libgomp singletons are suppressed by name
+    # (lsan.supp); everything allocated by dp must be freed.
+    step "asan test" env \
+      ASAN_OPTIONS="detect_leaks=1:strict_init_order=1" \
+      LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0" \
+      UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsan.supp" \
+      DP_STRESS_CONFIGS="${stress:-200}" \
+      meson test -C build-asan $(test_args "${suites[@]}")
+  fi
+fi
+
+if [[ -z "$only" || "$only" == tsan ]]; then
+  read -r -a suites <<<"$tsan_suites"
+  if step "tsan configure" configure build-tsan thread &&
+     step "tsan build" build build-tsan "${suites[@]}"; then
+    step "tsan test" env \
+      TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$supp/tsan.supp" \
+      DP_CPU_THREADS=1 \
+      DP_STRESS_CONFIGS="${stress:-60}" \
+      meson test -C build-tsan $(test_args "${suites[@]}")
+  fi
+fi
+
+echo "sanitize: ===== summary"
+for l in "${summary[@]}"; do echo "$l"; done
+exit $failed
