@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend/backend.h"
 #include "comm/local_communicator.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
@@ -28,6 +29,13 @@ std::vector<dp::Device> cpus(int n) {
   std::vector<dp::Device> d;
   for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
   return d;
+}
+
+/// A communicator over cpu(0..n-1), with each device's share of the cores set as
+/// DataParallel sets it (n devices work concurrently).
+std::unique_ptr<Communicator> make_comm(int n) {
+  dp::backend::get(dp::cpu(0)).set_concurrent_devices(n);
+  return dp::comm::make_communicator(cpus(n));
 }
 
 /// Runs f(rank) on one thread per rank; returns each rank's exception (or null).
@@ -141,7 +149,7 @@ TEST_CASE("make_communicator rejects bad device lists and picks local for CPU") 
 
 TEST_CASE("all_reduce: every size, in and out of place, 1..8 devices, sum and average") {
   for (int n = 1; n <= 8; ++n) {
-    auto comm = dp::comm::make_communicator(cpus(n));
+    auto comm = make_comm(n);
     for (std::int64_t count : kSizes) {
       std::vector<std::vector<float>> in;
       for (int r = 0; r < n; ++r) in.push_back(rank_data(r, count));
@@ -176,7 +184,7 @@ TEST_CASE("all_reduce: every size, in and out of place, 1..8 devices, sum and av
 
 TEST_CASE("broadcast from every root, reduce to every root") {
   for (int n = 1; n <= 8; ++n) {
-    auto comm = dp::comm::make_communicator(cpus(n));
+    auto comm = make_comm(n);
     for (std::int64_t count : kSizes) {
       // Every root at small sizes; first and last root at the large one (time).
       std::vector<int> roots;
@@ -224,7 +232,7 @@ TEST_CASE("broadcast from every root, reduce to every root") {
 
 TEST_CASE("reduce_scatter and all_gather: every block size, in and out of place, 1..8 devices") {
   for (int n = 1; n <= 8; ++n) {
-    auto comm = dp::comm::make_communicator(cpus(n));
+    auto comm = make_comm(n);
     for (std::int64_t block : kBlockSizes) {
       const std::int64_t total = block * n;
       std::vector<std::vector<float>> in;
@@ -277,7 +285,7 @@ TEST_CASE("reduce_scatter and all_gather: every block size, in and out of place,
 
 TEST_CASE("random floats: every rank gets the fixed-order sum, bit for bit, run after run") {
   for (int n : {2, 3, 5, 8}) {
-    auto comm = dp::comm::make_communicator(cpus(n));
+    auto comm = make_comm(n);
     for (std::int64_t count : {std::int64_t{7}, std::int64_t{5000}, std::int64_t{1000003}}) {
       std::vector<std::vector<float>> in;
       for (int r = 0; r < n; ++r) in.push_back(random_floats(static_cast<std::uint32_t>(1000 * n + r), count));
@@ -319,7 +327,7 @@ TEST_CASE("random floats: every rank gets the fixed-order sum, bit for bit, run 
 
 TEST_CASE("100 back-to-back collectives of changing sizes keep the ranks in step") {
   const int n = 4;
-  auto comm = dp::comm::make_communicator(cpus(n));
+  auto comm = make_comm(n);
   const std::int64_t sizes[] = {1, 0, 17, 16384, 16385, 70001, 3, 250000};
   std::atomic<int> wrong{0};
   expect_ok(run_ranks(n, [&](int r) {
@@ -365,7 +373,7 @@ TEST_CASE("100 back-to-back collectives of changing sizes keep the ranks in step
 
 TEST_CASE("abort releases ranks blocked in a collective; reset makes it usable again") {
   const int n = 3;
-  auto comm = dp::comm::make_communicator(cpus(n));
+  auto comm = make_comm(n);
   std::atomic<int> waiting{0};
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::exception_ptr> errors(2);
@@ -406,7 +414,7 @@ TEST_CASE("abort releases ranks blocked in a collective; reset makes it usable a
 
 TEST_CASE("mismatched calls are an error on every rank, never a hang") {
   const int n = 3;
-  auto comm = dp::comm::make_communicator(cpus(n));
+  auto comm = make_comm(n);
   SUBCASE("different counts") {
     expect_all_threw(run_ranks(n, [&](int r) {
       dp::Tensor t = dp::ones({r == 1 ? 11 : 10}, dp::cpu(r));
@@ -463,7 +471,7 @@ TEST_CASE("mismatched calls are an error on every rank, never a hang") {
 }
 
 TEST_CASE("a bad rank is rejected at once") {
-  auto comm = dp::comm::make_communicator(cpus(2));
+  auto comm = make_comm(2);
   dp::Tensor t = dp::ones({4}, dp::cpu(0));
   CHECK_THROWS_WITH_AS(comm->all_reduce(2, t, t, ReduceOp::Sum),
                        doctest::Contains("rank 2 is out of range"), dp::Error);
