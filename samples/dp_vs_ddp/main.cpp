@@ -384,16 +384,16 @@ int main(int argc, char** argv) {
                  "N (device counts 1..N) or a list of counts like 1,2,4; default: every visible GPU, "
                  "or on CPU virtual devices min(4, max(2, cores))");
   app.add_option("--steps,--max-steps", a.steps, "timed steps per configuration")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(1, 1 << 30))
       ->capture_default_str();
   app.add_option("--warmup", a.warmup, "untimed warm-up steps per configuration")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(0, 1 << 30))
       ->capture_default_str();
   app.add_option("--batch", a.batch, "global batch size (split over the devices)")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(1, 1 << 30))
       ->capture_default_str();
   app.add_option("--seed", a.seed, "seed of the model and the data")->capture_default_str();
-  app.add_option("--lr", a.lr, "SGD learning rate (momentum 0.9)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr", a.lr, "SGD learning rate (momentum 0.9)")->check(CLI::Range(1e-9, 10.0))->capture_default_str();
   app.add_option("--path", a.path, "worker: model.forward_backward(x, y, loss); module: loss(model(x)).backward()")
       ->check(CLI::IsMember({"worker", "module"}))
       ->capture_default_str();
@@ -401,7 +401,7 @@ int main(int argc, char** argv) {
   app.add_option("--csv", a.csv, "also write the results as CSV to FILE");
   app.add_option("--trace", a.trace_dir, "write a Chrome/Perfetto trace per configuration into DIR");
   app.add_option("--trace-steps", a.trace_steps, "steps recorded in each trace (after the timed ones)")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(1, 1 << 30))
       ->capture_default_str();
   app.add_option("--plot", a.plot_dir, "draw PNG charts into DIR (needs gnuplot)");
   CLI11_PARSE(app, argc, argv);
