@@ -52,6 +52,7 @@ struct Config {
   std::string path = "worker-loss";   // module | worker-loss
   std::int64_t log_every = 10;
   std::int64_t eval_batch = 1000;
+  bool no_eval = false;  // benchmarks: time training only
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -235,7 +236,7 @@ int run(const Config& cfg) {
     train_samples += epoch_samples;
 
     auto t_eval = Clock::now();
-    last_accuracy = evaluate(*net, test_loader, dev0);
+    if (!cfg.no_eval) last_accuracy = evaluate(*net, test_loader, dev0);
     const double eval_s = seconds_since(t_eval);
     const double train_loss = epoch_samples ? loss_sum / static_cast<double>(epoch_samples) : NAN;
     const double sps = epoch_time > 0 ? static_cast<double>(epoch_samples) / epoch_time : 0.0;
@@ -243,13 +244,17 @@ int run(const Config& cfg) {
     if (cfg.json) {
       json rec = {{"type", "epoch"},      {"epoch", epoch},
                   {"steps", epoch_steps}, {"train_loss", train_loss},
-                  {"test_accuracy", last_accuracy}, {"samples_per_sec", sps},
-                  {"train_s", epoch_time}, {"eval_s", eval_s}};
+                  {"samples_per_sec", sps}, {"train_s", epoch_time}};
+      if (!cfg.no_eval) {
+        rec["test_accuracy"] = last_accuracy;
+        rec["eval_s"] = eval_s;
+      }
       rec.update(tags);
       std::cout << rec.dump() << std::endl;
     } else {
-      std::printf("epoch %d/%d: train_loss %.4f  test_accuracy %.4f  %.0f samples/s  (%lld steps, %.1f s train, %.1f s eval)\n",
-                  epoch, cfg.epochs, train_loss, last_accuracy, sps,
+      std::printf("epoch %d/%d: train_loss %.4f  test_accuracy %s  %.0f samples/s  (%lld steps, %.1f s train, %.1f s eval)\n",
+                  epoch, cfg.epochs, train_loss,
+                  cfg.no_eval ? "-" : std::to_string(last_accuracy).c_str(), sps,
                   static_cast<long long>(epoch_steps), epoch_time, eval_s);
       std::fflush(stdout);
     }
@@ -259,10 +264,11 @@ int run(const Config& cfg) {
   if (cfg.json) {
     json rec = {{"type", "summary"},        {"epochs", epochs_run},
                 {"steps", step},            {"first_loss", first_loss},
-                {"final_loss", last_loss},  {"test_accuracy", last_accuracy},
+                {"final_loss", last_loss},
                 {"samples_per_sec", mean_sps}, {"train_s", train_time},
                 {"batch", cfg.batch},       {"lr", cfg.lr},
                 {"seed", cfg.seed},         {"path", cfg.path}};
+    if (!cfg.no_eval) rec["test_accuracy"] = last_accuracy;
     rec.update(tags);
     if (model) {
       // Mean milliseconds per iteration and phase, per device (see dp/parallel/stats.h).
@@ -280,10 +286,11 @@ int run(const Config& cfg) {
     }
     std::cout << rec.dump() << std::endl;
   } else {
-    std::printf("summary: mode %s devices %s: %d epoch(s), %lld steps, final test_accuracy %.4f, "
+    std::printf("summary: mode %s devices %s: %d epoch(s), %lld steps, final test_accuracy %s, "
                 "%.0f samples/s over %.1f s of training\n",
                 cfg.mode.c_str(), join(cfg.devices, ",").c_str(), epochs_run,
-                static_cast<long long>(step), last_accuracy, mean_sps, train_time);
+                static_cast<long long>(step),
+                cfg.no_eval ? "-" : std::to_string(last_accuracy).c_str(), mean_sps, train_time);
   }
   return 0;
 }
@@ -321,6 +328,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40))->capture_default_str();
   app.add_option("--eval-batch", cfg.eval_batch, "Batch size of the test-set evaluation")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24))->capture_default_str();
+  app.add_flag("--no-eval", cfg.no_eval, "Skip the test-set evaluation (timing runs)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
