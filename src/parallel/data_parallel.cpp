@@ -470,6 +470,8 @@ bool DataParallel::begin_backward() {
           if (!red.wait_ready(r, b)) return;
           auto t0 = Clock::now();
           const auto& bk = red.buckets[b];
+          // Note [Finite gradient check]: before the all-reduce spreads it everywhere.
+          if (options_.check_finite_grads) check_finite(r, bk.lo, bk.hi);
           Tensor slice = set_->copy(r).grad.narrow(0, bk.lo, bk.hi - bk.lo);
           comm_->all_reduce(r, slice, slice, comm::ReduceOp::Sum);
           auto t1 = Clock::now();
@@ -500,13 +502,18 @@ void DataParallel::abort_step(const std::string& what) {
 void DataParallel::after_backward(int rank) {
   auto t0 = Clock::now();
   if (options_.mode == Mode::DP) {
+    // Note [Finite gradient check]: each replica's own gradient is checked before
+    // the reduction, so the error names the device the NaN/Inf came from; device 0
+    // checks the sum again (a sum of finite values can overflow).
+    const std::int64_t numel = set_->copy(rank).grad.numel();
+    if (options_.check_finite_grads) check_finite(rank, 0, numel);
     // Sum every replica's gradient onto device 0, in device order.
     if (devices_.size() > 1) {
       const Tensor& g = set_->copy(rank).grad;
       comm_->reduce(rank, g, rank == 0 ? g : Tensor(), 0, comm::ReduceOp::Sum);
       add_time(rank, Phase::Reduce, t0);
     }
-    if (options_.check_finite_grads && rank == 0) check_finite(0);
+    if (options_.check_finite_grads && rank == 0 && devices_.size() > 1) check_finite(0, 0, numel);
     return;
   }
   if (!require_sync_) return;
@@ -521,16 +528,19 @@ void DataParallel::after_backward(int rank) {
     stats_.devices[rank].ms[static_cast<int>(Phase::AllReduceHidden)] += std::max(0.0, total - exposed);
   }
   DP_CHECK(err.empty(), "all-reduce on ", devices_[rank], " failed: ", err);
-  if (options_.check_finite_grads) check_finite(rank);
+  if (options_.check_finite_grads) check_finite(rank, 0, set_->copy(rank).grad.numel());
 }
 
-void DataParallel::check_finite(int rank) {
+// Throws naming the first parameter inside [lo, hi) of rank's flat gradient that holds
+// a NaN or Inf. Buckets never split a parameter, so a range is whole parameters.
+void DataParallel::check_finite(int rank, std::int64_t lo, std::int64_t hi) {
   const Tensor& g = set_->copy(rank).grad;
   auto& be = backend::get(devices_[rank]);
-  if (be.count_nonfinite(devices_[rank], g.data<float>(), g.numel()) == 0) return;
+  if (be.count_nonfinite(devices_[rank], g.data<float>() + lo, hi - lo) == 0) return;
   const auto& slots = set_->slots();
   for (std::size_t i = 0; i < slots.size(); ++i) {
     std::int64_t cnt = slots[i]->copies[0].numel();
+    if (slots[i]->offset < lo || slots[i]->offset + cnt > hi) continue;
     if (be.count_nonfinite(devices_[rank], g.data<float>() + slots[i]->offset, cnt) > 0)
       DP_FAIL("non-finite gradient (NaN or Inf) in parameter '", param_names_[i], "' on ", devices_[rank],
               " — lower the learning rate, check the loss for log(0) or the data for NaN");

@@ -58,7 +58,9 @@ struct DataParallelOptions {
   /// DDP: copy device 0's buffers (BatchNorm running stats) to every replica before
   /// each forward.
   bool broadcast_buffers = true;
-  /// Opt-in: after backward, check gradients for NaN/Inf and name the parameter.
+  /// Opt-in: check gradients for NaN/Inf (each device's own gradient before it is
+  /// reduced or all-reduced, and the result after) and throw dp::Error naming the
+  /// parameter and the device.
   bool check_finite_grads = false;
 };
 
@@ -144,7 +146,7 @@ class DataParallel {
   void end_backward(bool sync, bool failed);
   void abort_step(const std::string& what);
   void after_backward(int rank);
-  void check_finite(int rank);
+  void check_finite(int rank, std::int64_t lo, std::int64_t hi);
   void add_time(int rank, parallel::Phase p, parallel::Trace::Clock::time_point start,
                 std::string args = {});
   std::uint64_t primary_version() const;
