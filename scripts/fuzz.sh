@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# scripts/fuzz.sh — build and run dp's libFuzzer targets (fuzz/*_fuzz.cpp).
+#
+#   scripts/fuzz.sh                       # every target, 30 s each (CI)
+#   scripts/fuzz.sh --time 600 --targets idx
+#
+# The library is built once with clang++-14 in build-fuzz (ASan+UBSan, with libFuzzer's
+# coverage instrumentation: -fsanitize=fuzzer-no-link), then each target is compiled
+# and linked against it with -fsanitize=fuzzer,address,undefined. Each target first
+# runs its seed corpus (fuzz/corpus/<target>/), then mutates for --time seconds. New
+# inputs go to build-fuzz/corpus/<target>/ (never into the repository); a crashing,
+# hanging or OOM input goes to build-fuzz/artifacts/<target>/ and fails the run.
+# Any parser input must give dp::Error: every other outcome (another exception, a
+# crash, a sanitizer report, > 10 s on one input, > 2 GiB RSS or one allocation
+# larger than that) is a finding.
+#
+# Exit status: non-zero on any build failure or finding. One summary line per step.
+set -u -o pipefail
+
+usage() {
+  cat <<USAGE
+usage: $0 [--time SECONDS] [--targets "idx cifar safetensors"] [--jobs N] [--build-only]
+  --time        seconds of fuzzing per target after the seed corpus (default: 30)
+  --targets     which fuzz/<name>_fuzz.cpp to build and run (default: all present)
+  --jobs        ninja -j (default: ninja's choice)
+  --build-only  build, then run only the seed corpora (no mutation)
+USAGE
+}
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+time_s=30
+targets=""
+jobs=()
+build_only=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --time) time_s="$2"; shift 2 ;;
+    --targets) targets="$2"; shift 2 ;;
+    --jobs) jobs=(-j "$2"); shift 2 ;;
+    --build-only) build_only=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "fuzz: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+cd "$root" || exit 2
+
+CXX_FUZZ="${CXX_FUZZ:-clang++-14}"
+command -v "$CXX_FUZZ" >/dev/null || { echo "fuzz: $CXX_FUZZ not found (apt install clang-14 libclang-rt-14-dev)"; exit 2; }
+if [[ -z "$targets" ]]; then
+  for f in fuzz/*_fuzz.cpp; do t="${f#fuzz/}"; targets+="${t%_fuzz.cpp} "; done
+fi
+
+bdir=build-fuzz
+summary=()
+failed=0
+step() {
+  local name="$1"; shift
+  local t0=$SECONDS
+  echo "fuzz: --- $name"
+  "$@"
+  local rc=$?
+  local dt=$((SECONDS - t0))
+  local line
+  if [[ $rc -eq 0 ]]; then line="fuzz: $name OK ($dt s)"; else line="fuzz: $name FAIL (exit $rc, $dt s)"; failed=1; fi
+  echo "$line"
+  summary+=("$line")
+  return $rc
+}
+
+san=(-fsanitize=address,undefined -fno-sanitize-recover=all)
+configure() {
+  local opts=(-Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized
+              -Dcuda=disabled -Dsamples=false -Dtests=false
+              "-Dcpp_args=-g1 -fsanitize=fuzzer-no-link -fno-sanitize-recover=all"
+              "-Dcpp_link_args=-fsanitize=fuzzer-no-link")
+  if [[ -f $bdir/build.ninja ]]; then
+    meson configure $bdir "${opts[@]}" >/dev/null
+  else
+    CXX="$CXX_FUZZ" meson setup $bdir "${opts[@]}" >/dev/null
+  fi
+}
+build_lib() { ninja -C $bdir "${jobs[@]}" src/libdp.so.0.1.0; }
+build_target() {
+  local t="$1"
+  "$CXX_FUZZ" -std=c++20 -O1 -g1 -fsanitize=fuzzer "${san[@]}" -Iinclude -Isrc "fuzz/${t}_fuzz.cpp" \
+    -o "$bdir/fuzz/${t}_fuzz" -L"$bdir/src" -ldp -Wl,-rpath,"$root/$bdir/src"
+}
+run_target() {
+  local t="$1"
+  local work="$bdir/corpus/$t" art="$bdir/artifacts/$t/"
+  mkdir -p "$work" "$art"
+  local args=(-rss_limit_mb=2048 -timeout=10 -artifact_prefix="$art" -print_final_stats=1)
+  if [[ $build_only -eq 1 ]]; then args+=(-runs=0); else args+=(-max_total_time="$time_s"); fi
+  # DP_CPU_THREADS=1: tensors are created on cpu(0) without oneTBB worker threads.
+  DP_CPU_THREADS=1 \
+  ASAN_OPTIONS="detect_leaks=1:allocator_may_return_null=0" \
+  UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
+    "$bdir/fuzz/${t}_fuzz" "${args[@]}" "$work" "fuzz/corpus/$t" 2>&1 | tail -n 25
+}
+
+if step "configure $bdir ($CXX_FUZZ)" configure && step "build libdp (fuzzer instrumentation)" build_lib; then
+  mkdir -p $bdir/fuzz
+  for t in $targets; do
+    if [[ ! -f "fuzz/${t}_fuzz.cpp" ]]; then
+      echo "fuzz: no fuzz/${t}_fuzz.cpp"; failed=1; summary+=("fuzz: $t MISSING"); continue
+    fi
+    [[ -d "fuzz/corpus/$t" ]] || { echo "fuzz: no seed corpus fuzz/corpus/$t"; failed=1; continue; }
+    step "build ${t}_fuzz" build_target "$t" && step "run ${t}_fuzz ($([[ $build_only -eq 1 ]] && echo seeds only || echo "${time_s} s"))" run_target "$t"
+  done
+fi
+
+echo "fuzz: ===== summary"
+for l in "${summary[@]}"; do echo "$l"; done
+exit $failed
