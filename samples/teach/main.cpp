@@ -209,7 +209,13 @@ void narrate_ddp(Narrator& n, const Run& r, const std::vector<ParamInfo>& params
     n.say("1. broadcast buffers — BatchNorm running statistics copied from " + devs[0].str() + ": " +
           per_device(tl, devs, "replicate"));
   else
-    n.say("1. broadcast buffers — this model has no buffers (no BatchNorm), so nothing moves.");
+    n.say("1. broadcast buffers — this model has no buffers (no BatchNorm), so by design nothing moves.");
+  double repl = 0;
+  for (auto& d : devs) repl = std::max(repl, tl.ms(worker(d), "replicate"));
+  if (!has_buffers && repl > 0)
+    n.say("   (Measured: this build of dp still broadcast " + devs[0].str() + "'s parameters to the replicas (up to " +
+          fmt(repl, 1) + " ms per worker) — the optimizer step bumps the parameter version and DataParallel\n"
+          "   re-syncs on it; DDP needs no such copy: its replicas took identical steps. A library issue.)");
   n.say("2. scatter, 3. forward — exactly as in DP: " + per_device(tl, devs, "forward") + " (forward)");
   n.say("4. backward — " + per_device(tl, devs, "backward"));
   n.say("   Gradients are grouped in " + std::to_string(r.buckets.size()) +
