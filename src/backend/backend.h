@@ -126,6 +126,10 @@ class Backend {
                           std::int64_t step) = 0;
   virtual void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) = 0;
   virtual void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) = 0;
+  /// out = (a == b) ? 1.0f : 0.0f over the indexer's shape, compared exactly as int64
+  /// (a, b strided with broadcasting; out contiguous).
+  virtual void eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
+                      float* out) = 0;
   /// y = op(x), contiguous; y may alias x.
   virtual void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) = 0;
   /// y = alpha * x + beta, contiguous; y may alias x.

@@ -159,21 +159,6 @@ Tensor reduce_raw(ReduceOp op, const Tensor& a, std::int64_t d, bool keepdim) {
   return out;
 }
 
-// The three float32 limbs (bits 0-21, 22-43, 44-63) of an int64 tensor; see
-// Note [Exact int64 eq].
-std::vector<Tensor> int64_limbs(const Tensor& t) {
-  constexpr std::uint64_t kLimbMask = (std::uint64_t{1} << 22) - 1;  // 22 bits < float32's 24
-  std::vector<std::int64_t> v = t.to_vector_i64();
-  std::vector<float> limbs[3];
-  for (auto& l : limbs) l.reserve(v.size());
-  for (std::int64_t x : v) {
-    auto u = static_cast<std::uint64_t>(x);
-    for (int i = 0; i < 3; ++i) limbs[i].push_back(static_cast<float>((u >> (22 * i)) & kLimbMask));
-  }
-  return {from_vector(limbs[0], t.shape(), t.device()), from_vector(limbs[1], t.shape(), t.device()),
-          from_vector(limbs[2], t.shape(), t.device())};
-}
-
 Tensor sum_all_raw(const Tensor& a) {
   Tensor out = empty({}, a.device());
   be(a).reduce(a.device(), ReduceOp::Sum, a.data<float>(), out.data<float>(), 1, a.numel(), 1);
@@ -261,16 +246,12 @@ Tensor eq(const Tensor& a, const Tensor& b) {
   DP_CHECK(a.dtype() == b.dtype(), "eq: expected one dtype, got ", dtype_name(a.dtype()), " and ",
            dtype_name(b.dtype()));
   if (a.dtype() == Dtype::Int64) {
-    // Note [Exact int64 eq]: the backend compares float32 only, and a cast to float32
-    // rounds above 2^24 (2^24 + 1 would equal 2^24). Each int64 is split on the host into
-    // three limbs of at most 22 bits, each exact in float32; two values are equal iff
-    // every limb is. Labels and predictions are small, so the host copy is cheap.
-    std::vector<Tensor> la = int64_limbs(a), lb = int64_limbs(b);
-    Tensor out = binary_raw("eq", BinaryOp::Eq, la[0], lb[0]);
-    for (int i = 1; i < 3; ++i) {
-      Tensor limb_eq = binary_raw("eq", BinaryOp::Eq, la[i], lb[i]);
-      out = binary_raw("eq", BinaryOp::Mul, out, limb_eq);
-    }
+    // int64 compares exactly on the device (a cast to float32 would round above 2^24).
+    Shape out_shape = broadcast_shape("eq", a.shape(), b.shape());
+    Tensor out = empty(out_shape, a.device());
+    if (out.numel() == 0) return out;
+    Indexer ix = make_indexer(a.shape(), b.shape(), out_shape);
+    be(a).eq_i64(a.device(), ix, a.data<std::int64_t>(), b.data<std::int64_t>(), out.data<float>());
     return out;
   }
   return binary_raw("eq", BinaryOp::Eq, a, b);

@@ -92,6 +92,8 @@ class CpuBackend final : public Backend {
   void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
                   std::int64_t step) override;
   void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) override;
+  void eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
+              float* out) override;
   void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) override;
   void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) override;
   void affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,

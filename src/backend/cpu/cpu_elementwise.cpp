@@ -155,6 +155,24 @@ void CpuBackend::cast_i64_to_f32(Device dev, const i64* x, float* y, i64 n) {
   });
 }
 
+void CpuBackend::eq_i64(Device dev, const Indexer& ix, const i64* a, const i64* b, float* out) {
+  // Labels against predictions: rarely large, so a plain per-element index walk.
+  i64 n = 1;
+  for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
+  parallel_for(dev, n, kSerialGrain, [&](i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) {
+      i64 rest = i, oa = 0, ob = 0;
+      for (int d = ix.ndim - 1; d >= 0; --d) {
+        i64 coord = rest % ix.sizes[d];
+        rest /= ix.sizes[d];
+        oa += coord * ix.strides_a[d];
+        ob += coord * ix.strides_b[d];
+      }
+      out[i] = a[oa] == b[ob] ? 1.0f : 0.0f;
+    }
+  });
+}
+
 void CpuBackend::cast_f32_to_i64(Device dev, const float* x, i64* y, i64 n) {
   parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
     const float* __restrict xx = x;

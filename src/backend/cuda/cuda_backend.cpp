@@ -361,6 +361,11 @@ void CudaBackend::arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::i
                              std::int64_t step) {
   k::arange_i64(bind(dev), y, n, start, step);
 }
+void CudaBackend::eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
+                         float* out) {
+  k::eq_i64(bind(dev), ix, a, b, out);
+}
+
 void CudaBackend::cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) {
   k::cast_i64_to_f32(bind(dev), x, y, n);
 }

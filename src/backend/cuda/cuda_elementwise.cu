@@ -102,6 +102,15 @@ __global__ void binary_strided_kernel(F f, const Indexer ix, const float* a, con
   }
 }
 
+__global__ void eq_i64_kernel(const Indexer ix, const i64* __restrict__ a, const i64* __restrict__ b,
+                              float* __restrict__ out, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    i64 oa, ob;
+    strided_offsets(ix, i, oa, ob);
+    out[i] = a[oa] == b[ob] ? 1.0f : 0.0f;
+  }
+}
+
 __global__ void strided_copy_kernel(const Indexer ix, const float* __restrict__ a,
                                     float* __restrict__ out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
@@ -243,6 +252,15 @@ void cast_i64_to_f32(cudaStream_t stream, const i64* x, float* y, i64 n) {
   check_count(n, "cast_i64_to_f32");
   if (n == 0) return;
   cast_i64_to_f32_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void eq_i64(cudaStream_t stream, const Indexer& ix, const i64* a, const i64* b, float* out) {
+  i64 n = 1;
+  for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
+  check_count(n, "eq_i64");
+  if (n == 0) return;
+  eq_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(ix, a, b, out, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 

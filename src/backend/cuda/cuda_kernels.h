@@ -22,6 +22,7 @@ void arange(cudaStream_t stream, float* y, std::int64_t n, float start, float st
 void arange_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t start,
                 std::int64_t step);
 void cast_i64_to_f32(cudaStream_t stream, const std::int64_t* x, float* y, std::int64_t n);
+void eq_i64(cudaStream_t stream, const Indexer& ix, const std::int64_t* a, const std::int64_t* b, float* out);
 void cast_f32_to_i64(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t n);
 void unary(cudaStream_t stream, UnaryOp op, const float* x, float* y, std::int64_t n);
 void affine(cudaStream_t stream, const float* x, float* y, std::int64_t n, float alpha,

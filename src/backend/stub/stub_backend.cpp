@@ -54,6 +54,9 @@ class StubBackend final : public Backend {
   void arange_i64(Device, std::int64_t*, std::int64_t, std::int64_t, std::int64_t) override {
     unavailable("arange_i64");
   }
+  void eq_i64(Device, const Indexer&, const std::int64_t*, const std::int64_t*, float*) override {
+    unavailable("eq_i64");
+  }
   void cast_i64_to_f32(Device, const std::int64_t*, float*, std::int64_t) override {
     unavailable("cast_i64_to_f32");
   }
