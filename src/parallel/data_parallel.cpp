@@ -119,7 +119,8 @@ void DataParallel::init(std::vector<Device> devices) {
     NoGradGuard no_grad;
     for (int r = 1; r < n; ++r) b->copies[r] = b->copies[0].to(devices_[r]).detach().clone();
   }
-  synced_version_ = primary_version();
+  storage_base_.assign(n, 0);
+  end_replicate();
 
   // Optimizer steps run each copy on its own device's worker.
   set_->set_executor([this](int copies, const std::function<void(int)>& fn) {
@@ -249,25 +250,47 @@ void DataParallel::replicate(int rank, bool sync_params) {
   auto t0 = Clock::now();
   if (sync_params) comm_->broadcast(rank, set_->copy(rank).data, 0);
   bool sync_buffers = options_.mode == Mode::DP || options_.broadcast_buffers;
+  bool moved = sync_params;
   if (sync_buffers) {
     for (auto& b : buffers_) {
       // int64 buffers (num_batches_tracked) are counters read from device 0 only.
-      if (b->copies[rank].dtype() == Dtype::Float32) comm_->broadcast(rank, b->copies[rank], 0);
+      if (b->copies[rank].dtype() != Dtype::Float32) continue;
+      comm_->broadcast(rank, b->copies[rank], 0);
+      moved = true;
     }
   }
   if (options_.mode == Mode::DP && rank > 0) set_->copy(rank).grad.zero_();
-  if (sync_params || sync_buffers) add_time(rank, Phase::Replicate, t0);
+  if (moved) add_time(rank, Phase::Replicate, t0, sync_params ? "\"parameters\": true" : "\"parameters\": false");
 }
 
-// Decides on the calling thread whether the replicas need device 0's parameters.
+// Note [When replicas are refreshed]
+// DP: the replicas are transient, so they need device 0's parameters whenever those
+// changed since the last forward (an optimizer step, a load, an in-place write).
+// DDP: every replica is stepped by the optimizer along with device 0, so they stay
+// equal without any copy; they need device 0's parameters only when the copies were
+// written unequally — a load or an in-place write into device 0's parameters, or a
+// failed step that updated some copies and not others. Every write through a tensor
+// or an optimizer step bumps the written buffer's storage version, so "written
+// unequally" is "storage versions moved by different amounts since the last sync".
+// Decided once on the calling thread, so every rank makes the same collectives.
 bool DataParallel::begin_replicate() {
-  std::uint64_t v = primary_version();
-  bool sync = v != synced_version_;
+  bool sync;
+  if (options_.mode == Mode::DP) {
+    sync = primary_version() != synced_version_;
+  } else {
+    sync = synced_version_ == kUnsynced;
+    std::uint64_t moved0 = set_->copy(0).data.storage()->version() - storage_base_[0];
+    for (int r = 1; r < set_->num_copies(); ++r)
+      sync = sync || set_->copy(r).data.storage()->version() - storage_base_[r] != moved0;
+  }
   synced_version_ = kUnsynced;  // stays so if the step fails half way
   return sync;
 }
 
-void DataParallel::end_replicate() { synced_version_ = primary_version(); }
+void DataParallel::end_replicate() {
+  synced_version_ = primary_version();
+  for (int r = 0; r < set_->num_copies(); ++r) storage_base_[r] = set_->copy(r).data.storage()->version();
+}
 
 // ---- forward ---------------------------------------------------------------------------------
 

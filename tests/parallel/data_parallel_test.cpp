@@ -364,3 +364,44 @@ TEST_CASE("the module is a plain single-device module again after DataParallel i
   dp::DataParallel again(net, {dp::cpu(0), dp::cpu(1)});
   CHECK(again(b.x).size(0) == 4);
 }
+
+TEST_CASE("DDP moves no parameters in steady state, but re-broadcasts after a load into device 0") {
+  auto net = make_mlp(3);
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = dp::Mode::DDP});
+  dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+  Batch b = make_batch(9, 4);
+  auto step = [&] {
+    opt.zero_grad();
+    model.forward_backward(b.x, b.y, loss_fn);
+    opt.step();
+  };
+  step();
+  model.reset_stats();
+  for (int i = 0; i < 3; ++i) step();
+  for (auto& d : model.stats().devices) CHECK(d[dp::parallel::Phase::Replicate] == 0.0);  // MLP: no buffers
+  auto set = model.parameters().set();
+  for (int r = 1; r < 3; ++r) CHECK(dp::equal(set->copy(r).data.to(dp::cpu(0)), set->copy(0).data));
+  // Loading new values into device 0 reaches every replica at the next forward.
+  auto fresh = make_mlp(99);
+  model.load_state_dict(fresh->state_dict());
+  model(b.x);
+  for (int r = 1; r < 3; ++r) CHECK(dp::equal(set->copy(r).data.to(dp::cpu(0)), set->copy(0).data));
+  CHECK(model.stats().devices[1][dp::parallel::Phase::Replicate] > 0.0);
+}
+
+TEST_CASE("DP copies parameters to the replicas only when they changed") {
+  auto net = make_mlp(3);
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)});
+  Batch b = make_batch(8, 4);
+  model(b.x);
+  model.reset_stats();
+  model(b.x);  // nothing changed: no copy
+  CHECK(model.stats().devices[1][dp::parallel::Phase::Replicate] == 0.0);
+  dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+  opt.zero_grad();
+  model.forward_backward(b.x, b.y, loss_fn);
+  opt.step();
+  model(b.x);  // stepped: copied
+  CHECK(model.stats().devices[1][dp::parallel::Phase::Replicate] > 0.0);
+  CHECK(dp::equal(model.parameters().set()->copy(1).data.to(dp::cpu(0)), model.parameters().set()->copy(0).data));
+}

@@ -163,6 +163,7 @@ class DataParallel {
   std::vector<std::string> param_names_;       // dotted names, in slot order
   static constexpr std::uint64_t kUnsynced = ~std::uint64_t{0};
   std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
+  std::vector<std::uint64_t> storage_base_;    // DDP: each copy's storage version at the last sync
   bool require_sync_ = true;
   bool busy_ = false;
 
