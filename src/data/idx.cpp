@@ -79,8 +79,15 @@ const char* idx_dtype_name(IdxDtype dtype) {
 }
 
 std::int64_t IdxArray::numel() const {
+  // A zero dim makes the product 0 whatever precedes it: parse_idx accepts
+  // [0xf8ffffff, 0xffffffff, 0] (no elements), whose running product would overflow
+  // (undefined behaviour; found by fuzz/idx_fuzz). Other sizes are checked.
+  for (std::int64_t d : dims)
+    if (d == 0) return 0;
   std::int64_t n = 1;
-  for (std::int64_t d : dims) n *= d;
+  for (std::int64_t d : dims)
+    DP_CHECK(d > 0 && !__builtin_mul_overflow(n, d, &n), "IdxArray: dims ", dims_str(dims),
+             " are negative or their product overflows int64");
   return n;
 }
 
