@@ -84,23 +84,32 @@ configure() {
   fi
 }
 
-# test_targets <dir> <suites...>: the executables the tests of those suites run.
+# test_targets <dir> <suites...>: the build targets the tests of those suites need
+# (their executables and whatever they depend on, e.g. a tool a script test runs).
 test_targets() {
   local dir="$1"; shift
-  meson introspect --tests "$dir" | python3 -c '
-import json, os, sys
-root = os.path.realpath(sys.argv[1]); want = set(sys.argv[2:])
+  python3 - "$dir" "$@" <<'PY'
+import json, os, subprocess, sys
+d = sys.argv[1]; root = os.path.realpath(d); want = set(sys.argv[2:])
+intro = lambda what: json.loads(subprocess.check_output(["meson", "introspect", what, d]))
+files = {t["id"]: t["filename"] for t in intro("--targets")}
 out = set()
-for t in json.load(sys.stdin):
+for t in intro("--tests"):
     if want and not want.intersection(s.split(":")[-1] for s in t["suite"]): continue
-    out.add(os.path.relpath(os.path.realpath(t["cmd"][0]), root))
-print("\n".join(sorted(out)))' "$dir" "$@"
+    exe = os.path.realpath(t["cmd"][0])
+    if exe.startswith(root + os.sep): out.add(os.path.relpath(exe, root))
+    for dep in t.get("depends", []):
+        for f in files.get(dep, []): out.add(os.path.relpath(os.path.realpath(f), root))
+print("\n".join(sorted(out)))
+PY
 }
 
 # build <dir> <suites...>
 build() {
   local dir="$1"; shift
   local targets
+  # Regenerate first, so tests added to a meson.build since the last run are listed.
+  ninja -C "$dir" build.ninja >/dev/null || return 1
   targets=$(test_targets "$dir" "$@") || return 1
   # shellcheck disable=SC2086
   ninja -C "$dir" "${jobs[@]}" $targets
