@@ -45,11 +45,37 @@ void CpuBackend::maxpool2d_forward(Device dev, const Pool2dShape& s, const float
                                    i64* indices) {
   check_pool_shape(s, "maxpool2d_forward");
   const i64 planes = s.N * s.C, hw = s.H * s.W, pq = s.P * s.Q;
+  // The 2×2, stride-2, unpadded window (every CNN's downsampling) is specialised: no
+  // clipping, four fixed loads. It measured about 4× fewer instructions per element
+  // than the general loop (callgrind, the Fashion-MNIST CNN's pools). Same rule: the
+  // first maximum in row-major order wins; a NaN wins and stays.
+  const bool two_by_two = s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 &&
+                          s.pad_h == 0 && s.pad_w == 0;
   parallel_for(dev, planes, plane_grain(pq * s.kernel_h * s.kernel_w), [&](i64 b, i64 e) {
     for (i64 pl = b; pl < e; ++pl) {
       const float* xp = x + pl * hw;
       float* yp = y + pl * pq;
       i64* ip = indices ? indices + pl * pq : nullptr;
+      if (two_by_two) {
+        for (i64 p = 0; p < s.P; ++p) {
+          const float* r0 = xp + 2 * p * s.W;
+          const float* r1 = r0 + s.W;
+          for (i64 q = 0; q < s.Q; ++q) {
+            const float v[4] = {r0[2 * q], r0[2 * q + 1], r1[2 * q], r1[2 * q + 1]};
+            float best = v[0];
+            int k = 0;
+            for (int j = 1; j < 4; ++j) {
+              if (v[j] > best || (v[j] != v[j] && best == best)) {
+                best = v[j];
+                k = j;
+              }
+            }
+            yp[p * s.Q + q] = best;
+            if (ip) ip[p * s.Q + q] = (2 * p + (k >> 1)) * s.W + 2 * q + (k & 1);
+          }
+        }
+        continue;
+      }
       for (i64 p = 0; p < s.P; ++p) {
         const i64 h0 = p * s.stride_h - s.pad_h;
         const i64 hs = std::max<i64>(h0, 0), he = std::min(h0 + s.kernel_h, s.H);
