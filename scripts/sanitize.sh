@@ -27,7 +27,7 @@ usage: $0 [--only asan|tsan] [--tsan-suites "s1 s2 ..."] [--asan-suites "s1 ..."
   --asan-suites         meson suites under ASan+UBSan (default: all)
   --tsan-suites         meson suites under TSan (default: parallel comm autograd data optim nn)
   --timeout-multiplier  meson test timeout multiplier (default: 4; sanitizers are slow)
-  --stress-configs      random configurations of stress_test (default: ASan 200, TSan 60)
+  --stress-configs      random configurations of stress_test (default: 300, its own default)
   --jobs                ninja -j (default: ninja's choice)
 USAGE
 }
@@ -134,7 +134,7 @@ if [[ -z "$only" || "$only" == asan ]]; then
       ASAN_OPTIONS="detect_leaks=1:strict_init_order=1" \
       LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0" \
       UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsan.supp" \
-      DP_STRESS_CONFIGS="${stress:-200}" \
+      DP_STRESS_CONFIGS="${stress:-300}" \
       meson test -C build-asan $(test_args "${suites[@]}")
   fi
 fi
@@ -146,7 +146,7 @@ if [[ -z "$only" || "$only" == tsan ]]; then
     step "tsan test" env \
       TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$supp/tsan.supp" \
       DP_CPU_THREADS=1 \
-      DP_STRESS_CONFIGS="${stress:-60}" \
+      DP_STRESS_CONFIGS="${stress:-300}" \
       meson test -C build-tsan $(test_args "${suites[@]}")
   fi
 fi
