@@ -44,9 +44,9 @@ std::vector<Device> devices_from_ids(const std::vector<int>& ids) {
 // gradients are then reduced (DP) or have been all-reduced during backward (DDP).
 class GatherBackward final : public autograd::Node {
  public:
-  GatherBackward(DataParallel* owner, std::vector<Tensor> outputs, std::vector<std::int64_t> sizes,
+  GatherBackward(std::vector<Tensor> outputs, std::vector<std::int64_t> sizes,
                  std::function<void(const std::vector<Tensor>&, const std::vector<Tensor>&)> run)
-      : owner_(owner), outputs_(std::move(outputs)), sizes_(std::move(sizes)), run_(std::move(run)) {}
+      : outputs_(std::move(outputs)), sizes_(std::move(sizes)), run_(std::move(run)) {}
   std::string name() const override { return "DataParallelGatherBackward"; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
     DP_CHECK(!released_, "backward through DataParallel's output a second time: the replicas' graphs "
@@ -61,7 +61,6 @@ class GatherBackward final : public autograd::Node {
   }
 
  private:
-  DataParallel* owner_;
   std::vector<Tensor> outputs_;
   std::vector<std::int64_t> sizes_;
   std::function<void(const std::vector<Tensor>&, const std::vector<Tensor>&)> run_;
@@ -362,8 +361,11 @@ Tensor DataParallel::forward(const Tensor& x) {
   add_time(options_.output_device, Phase::Gather, t0);
   if (needs_grad && grad_mode) {
     auto node = std::make_shared<GatherBackward>(
-        this, outs, live_sizes,
-        [this, sizes](const std::vector<Tensor>& roots, const std::vector<Tensor>& pieces) {
+        outs, live_sizes,
+        [this, alive = std::weak_ptr<int>(alive_), sizes](const std::vector<Tensor>& roots,
+                                                            const std::vector<Tensor>& pieces) {
+          DP_CHECK(!alive.expired(), "backward through an output of a DataParallel that was destroyed; "
+                   "keep the DataParallel alive until backward() has run");
           // Map the live pieces back onto ranks.
           int n = static_cast<int>(devices_.size());
           std::vector<Tensor> rr(n), gg(n);

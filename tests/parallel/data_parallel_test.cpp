@@ -405,3 +405,14 @@ TEST_CASE("DP copies parameters to the replicas only when they changed") {
   CHECK(model.stats().devices[1][dp::parallel::Phase::Replicate] > 0.0);
   CHECK(dp::equal(model.parameters().set()->copy(1).data.to(dp::cpu(0)), model.parameters().set()->copy(0).data));
 }
+
+TEST_CASE("backward after the DataParallel is gone is a clear error, not a crash") {
+  auto net = make_mlp(3);
+  Batch b = make_batch(4, 1);
+  Tensor loss;
+  {
+    dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)});
+    loss = loss_fn(model(b.x), b.y);
+  }
+  CHECK_THROWS_WITH_AS(loss.backward(), doctest::Contains("destroyed"), dp::Error);
+}

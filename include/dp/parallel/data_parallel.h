@@ -165,6 +165,7 @@ class DataParallel {
   std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
   std::vector<std::uint64_t> storage_base_;    // DDP: each copy's storage version at the last sync
   bool require_sync_ = true;
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
 
   mutable std::mutex stats_mu_;
