@@ -45,15 +45,16 @@ std::vector<Device> devices_from_ids(const std::vector<int>& ids) {
 class GatherBackward final : public autograd::Node {
  public:
   GatherBackward(std::vector<Tensor> outputs, std::vector<std::int64_t> sizes,
-                 std::function<void(const std::vector<Tensor>&, const std::vector<Tensor>&)> run)
+                 std::function<Tensor(const std::vector<Tensor>&, const std::vector<Tensor>&)> run)
       : outputs_(std::move(outputs)), sizes_(std::move(sizes)), run_(std::move(run)) {}
   std::string name() const override { return "DataParallelGatherBackward"; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
     DP_CHECK(!released_, "backward through DataParallel's output a second time: the replicas' graphs "
              "were freed by the first backward");
     std::vector<Tensor> pieces = split(grads[0].detach(), sizes_);
-    run_(outputs_, pieces);
-    return {};
+    Tensor input_grad = run_(outputs_, pieces);
+    if (next_edges.empty()) return {};
+    return {input_grad};
   }
   void release_saved() override {
     outputs_.clear();
@@ -63,7 +64,7 @@ class GatherBackward final : public autograd::Node {
  private:
   std::vector<Tensor> outputs_;
   std::vector<std::int64_t> sizes_;
-  std::function<void(const std::vector<Tensor>&, const std::vector<Tensor>&)> run_;
+  std::function<Tensor(const std::vector<Tensor>&, const std::vector<Tensor>&)> run_;
 };
 
 }  // namespace
@@ -309,7 +310,12 @@ Tensor DataParallel::forward(const Tensor& x) {
   for (int r = 1; r < n; ++r) offsets[r] = offsets[r - 1] + sizes[r - 1];
   std::vector<Tensor> outs(n);
   bool grad_mode = is_grad_enabled();
-  Tensor input = x.detach();  // gradients do not flow back into DataParallel's input
+  // Note [Scatter backward]: when x needs a gradient, each worker's shard becomes a
+  // leaf of that worker's graph; after the workers' backward, GatherBackward returns
+  // the shards' gradients, concatenated on x's device, along its edge to x.
+  Tensor input = x.detach();
+  bool input_grad = grad_mode && x.requires_grad();
+  std::vector<Tensor> shards(n);
   bool sync_params = begin_replicate();
 
   try {
@@ -321,6 +327,11 @@ Tensor DataParallel::forward(const Tensor& x) {
           if (sizes[r] == 0) return;
           auto t0 = Clock::now();
           Tensor xr = input.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
+          if (input_grad) {
+            if (xr.storage() == input.storage()) xr = xr.clone();  // own the leaf's storage
+            xr.set_requires_grad(true);
+            shards[r] = xr;
+          }
           add_time(r, Phase::Scatter, t0);
           t0 = Clock::now();
           outs[r] = net_->forward(xr);
@@ -360,10 +371,11 @@ Tensor DataParallel::forward(const Tensor& x) {
   }
   add_time(options_.output_device, Phase::Gather, t0);
   if (needs_grad && grad_mode) {
+    Device input_device = x.device();
     auto node = std::make_shared<GatherBackward>(
         outs, live_sizes,
-        [this, alive = std::weak_ptr<int>(alive_), sizes](const std::vector<Tensor>& roots,
-                                                            const std::vector<Tensor>& pieces) {
+        [this, alive = std::weak_ptr<int>(alive_), sizes, shards, input_device](
+            const std::vector<Tensor>& roots, const std::vector<Tensor>& pieces) -> Tensor {
           DP_CHECK(!alive.expired(), "backward through an output of a DataParallel that was destroyed; "
                    "keep the DataParallel alive until backward() has run");
           // Map the live pieces back onto ranks.
@@ -376,8 +388,18 @@ Tensor DataParallel::forward(const Tensor& x) {
               gg[r] = pieces[k++];
             }
           run_backward_on_workers(rr, gg);
+          if (!shards[0].defined()) return Tensor();
+          std::vector<Tensor> grads;
+          for (int r = 0; r < n; ++r) {
+            if (sizes[r] == 0) continue;
+            Tensor g = shards[r].grad();
+            grads.push_back(g.defined() ? g.to(input_device) : zeros(shards[r].shape(), input_device));
+          }
+          return grads.size() == 1 ? grads[0] : cat(grads);
         });
-    autograd::connect(node, {}, {&out});
+    std::vector<Tensor> node_inputs;
+    if (input_grad) node_inputs.push_back(x);
+    autograd::connect(node, node_inputs, {&out});
   }
   return out;
 }

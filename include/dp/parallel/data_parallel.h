@@ -84,7 +84,8 @@ class DataParallel {
   DataParallel& operator=(const DataParallel&) = delete;
 
   /// Scatters x over the devices, runs forward on every worker and gathers the
-  /// outputs onto the output device. Backward through the result runs each device's
+  /// outputs onto the output device. Gradients flow back to x when it requires them.
+  /// Backward through the result runs each device's
   /// part on its own worker and then reduces (DP) or all-reduces (DDP) the gradients.
   Tensor forward(const Tensor& x);
   Tensor operator()(const Tensor& x) { return forward(x); }
