@@ -29,10 +29,11 @@ scripts/install_check.sh
 
 if [[ -x scripts/sanitize.sh ]]; then
   step "sanitizers (ASan+UBSan, TSan)"
-  scripts/sanitize.sh
+  # TSan covers the threaded runtime: workers, comm threads, collectives, autograd, loader.
+  scripts/sanitize.sh --tsan-suites "parallel comm autograd data"
 fi
 if [[ -x scripts/fuzz.sh ]]; then
   step "fuzzers"
-  scripts/fuzz.sh
+  scripts/fuzz.sh --time 20
 fi
 step "all checks passed"
