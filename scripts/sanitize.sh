@@ -131,7 +131,7 @@ if [[ -z "$only" || "$only" == asan ]]; then
     # LSan: leaks inside oneDNN/oneTBB/libgomp singletons are suppressed by name
     # (lsan.supp); everything allocated by dp must be freed.
     step "asan test" env \
-      ASAN_OPTIONS="detect_leaks=1:strict_init_order=1" \
+      ASAN_OPTIONS="detect_leaks=1:strict_init_order=1:allocator_may_return_null=1" \
       LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0" \
       UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$supp/ubsan.supp" \
       DP_STRESS_CONFIGS="${stress:-300}" \

@@ -54,7 +54,7 @@ void check_close(const std::vector<float>& got, const std::vector<double>& want,
 }
 
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 const i64 kSizes[] = {0, 1, 7, 97, 100003};  // empty, one, small prime, prime, > grain
