@@ -29,8 +29,9 @@ scripts/install_check.sh
 
 if [[ -x scripts/sanitize.sh ]]; then
   step "sanitizers (ASan+UBSan, TSan)"
-  # TSan covers the threaded runtime: workers, comm threads, collectives, autograd, loader.
-  scripts/sanitize.sh --tsan-suites "parallel comm autograd data"
+  # ASan+UBSan: every suite. TSan: the threaded runtime (parallel, comm, autograd,
+  # data, optim, nn) with DP_CPU_THREADS=1 (see docs/RELIABILITY.md).
+  scripts/sanitize.sh
 fi
 if [[ -x scripts/fuzz.sh ]]; then
   step "fuzzers"
