@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gradcheck.h"
+#include "test_devices.h"
 #include "dp/autograd/node.h"
 #include "dp/core/device.h"
 #include "dp/tensor/ops.h"
@@ -13,21 +14,6 @@
 
 namespace {
 
-struct Cpu0 {
-  static bool available() { return true; }
-  static dp::Device device() { return dp::cpu(0); }
-};
-struct Cpu1 {
-  static bool available() { return true; }
-  static dp::Device device() { return dp::cpu(1); }
-};
-struct Cuda0 {
-  static bool available() { return dp::device_count(dp::DeviceType::CUDA) > 0; }
-  static dp::Device device() { return dp::cuda(0); }
-};
-#define DP_TEST_DEVICES Cpu0, Cpu1, Cuda0
-#define DP_SKIP_UNLESS_AVAILABLE(D) \
-  if (!D::available()) return
 
 using dp::Shape;
 using dp::Tensor;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "test_devices.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
@@ -12,23 +13,6 @@
 
 namespace {
 
-// Device parameters for TEST_CASE_TEMPLATE. CPU virtual devices always exist (tests run
-// with DP_CPU_DEVICES=8); the CUDA case runs only where a GPU is visible.
-struct Cpu0 {
-  static bool available() { return true; }
-  static dp::Device device() { return dp::cpu(0); }
-};
-struct Cpu1 {
-  static bool available() { return true; }
-  static dp::Device device() { return dp::cpu(1); }
-};
-struct Cuda0 {
-  static bool available() { return dp::device_count(dp::DeviceType::CUDA) > 0; }
-  static dp::Device device() { return dp::cuda(0); }
-};
-#define DP_TEST_DEVICES Cpu0, Cpu1, Cuda0
-#define DP_SKIP_UNLESS_AVAILABLE(D) \
-  if (!D::available()) return
 
 using F = std::vector<float>;
 using I = std::vector<std::int64_t>;
