@@ -8,19 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "test_devices.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
 #include "dp/tensor/tensor.h"
 
 namespace nn_test {
 
-struct Cpu0 {
-  static dp::Device device() { return dp::cpu(0); }
-};
-struct Cpu1 {
-  static dp::Device device() { return dp::cpu(1); }
-};
-#define DP_NN_TEST_DEVICES nn_test::Cpu0, nn_test::Cpu1
+#define DP_NN_TEST_DEVICES dp_test::Cpu0, dp_test::Cpu1
 
 using F = std::vector<float>;
 using I = std::vector<std::int64_t>;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "test_devices.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
 #include "dp/nn/nn.h"
@@ -16,13 +17,7 @@
 
 namespace optim_test {
 
-struct Cpu0 {
-  static dp::Device device() { return dp::cpu(0); }
-};
-struct Cpu1 {
-  static dp::Device device() { return dp::cpu(1); }
-};
-#define DP_OPTIM_TEST_DEVICES optim_test::Cpu0, optim_test::Cpu1
+#define DP_OPTIM_TEST_DEVICES dp_test::Cpu0, dp_test::Cpu1
 
 using D = std::vector<double>;
 
