@@ -426,41 +426,31 @@ Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, con
   std::vector<Tensor> losses(n);
   Tensor input = x.detach(), tgt = target.detach();
   bool sync_params = begin_replicate();
-  bool sync = begin_backward();
-
-  try {
-    workers_->run(
-        [&](int r) {
-          nn::ReplicaBinding bind(r);
-          GradModeGuard grad_guard(true);
-          replicate(r, sync_params);
-          if (sizes[r] > 0) {
-            auto t0 = Clock::now();
-            Tensor xr = input.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
-            Tensor yr = tgt.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
-            add_time(r, Phase::Scatter, t0);
-            t0 = Clock::now();
-            Tensor out = net_->forward(xr);
-            // Note [Loss scaling]: each shard's mean loss is weighted by its share of
-            // the batch, so the SUM over devices is the full-batch mean — exact for
-            // uneven shards, and the same arithmetic in DP and DDP.
-            Tensor loss = mul(loss_fn(out, yr), static_cast<double>(sizes[r]) / static_cast<double>(rows));
-            DP_CHECK(loss.numel() == 1, "DataParallel::forward_backward: the loss function must return a "
-                     "scalar, got ", loss.str());
-            add_time(r, Phase::Forward, t0);
-            t0 = Clock::now();
-            losses[r] = loss.detach();
-            loss.backward();
-            add_time(r, Phase::Backward, t0);
-          }
-          after_backward(r);
-        },
-        [this](int, const std::string& what) { abort_step(what); });
-  } catch (...) {
-    end_backward(sync, /*failed=*/true);
-    throw;
-  }
-  end_backward(sync, /*failed=*/false);
+  run_synced([&](int r) {
+    nn::ReplicaBinding bind(r);
+    GradModeGuard grad_guard(true);
+    replicate(r, sync_params);
+    if (sizes[r] > 0) {
+      auto t0 = Clock::now();
+      Tensor xr = input.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
+      Tensor yr = tgt.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
+      add_time(r, Phase::Scatter, t0);
+      t0 = Clock::now();
+      Tensor out = net_->forward(xr);
+      // Note [Loss scaling]: each shard's mean loss is weighted by its share of
+      // the batch, so the SUM over devices is the full-batch mean — exact for
+      // uneven shards, and the same arithmetic in DP and DDP.
+      Tensor loss = mul(loss_fn(out, yr), static_cast<double>(sizes[r]) / static_cast<double>(rows));
+      DP_CHECK(loss.numel() == 1, "DataParallel::forward_backward: the loss function must return a "
+               "scalar, got ", loss.str());
+      add_time(r, Phase::Forward, t0);
+      t0 = Clock::now();
+      losses[r] = loss.detach();
+      loss.backward();
+      add_time(r, Phase::Backward, t0);
+    }
+    after_backward(r);
+  });
   end_replicate();
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
@@ -480,20 +470,24 @@ Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, con
 // ---- backward ---------------------------------------------------------------------------------
 
 void DataParallel::run_backward_on_workers(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads) {
+  run_synced([&](int r) {
+    nn::ReplicaBinding bind(r);
+    if (roots[r].defined()) {
+      auto t0 = Clock::now();
+      GradModeGuard grad_guard(true);
+      autograd::run_backward({roots[r]}, {grads[r].to(devices_[r])}, false);
+      add_time(r, Phase::Backward, t0);
+    }
+    after_backward(r);
+  });
+}
+
+// Runs fn(rank) on every worker as a step whose gradients are synchronised: DDP's
+// comm threads are armed first, and a failure on any device aborts the step on all.
+void DataParallel::run_synced(const std::function<void(int)>& fn) {
   bool sync = begin_backward();
   try {
-    workers_->run(
-        [&](int r) {
-          nn::ReplicaBinding bind(r);
-          if (roots[r].defined()) {
-            auto t0 = Clock::now();
-            GradModeGuard grad_guard(true);
-            autograd::run_backward({roots[r]}, {grads[r].to(devices_[r])}, false);
-            add_time(r, Phase::Backward, t0);
-          }
-          after_backward(r);
-        },
-        [this](int, const std::string& what) { abort_step(what); });
+    workers_->run(fn, [this](int, const std::string& what) { abort_step(what); });
   } catch (...) {
     end_backward(sync, /*failed=*/true);
     throw;

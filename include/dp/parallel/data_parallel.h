@@ -143,6 +143,7 @@ class DataParallel {
   void end_replicate();
   void run_backward_on_workers(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads);
   void worker_backward(int rank, const Tensor& root, const Tensor& grad);
+  void run_synced(const std::function<void(int)>& fn);
   bool begin_backward();
   void end_backward(bool sync, bool failed);
   void abort_step(const std::string& what);
