@@ -108,10 +108,26 @@ class Backend {
   virtual std::size_t max_memory_allocated(Device dev) = 0;
   virtual void reset_peak_memory(Device dev) = 0;
 
+  // ---- pinned host memory -----------------------------------------------------------
+  /// Allocates `nbytes` (64-byte aligned at least) of page-locked host memory that this
+  /// backend's devices copy from asynchronously. CUDA: from a caching allocator of
+  /// cudaHostAlloc'ed blocks shared by every device; CPU: host memory, which virtual
+  /// devices read directly. Throws dp::Error when the memory cannot be had.
+  virtual void* allocate_pinned(std::size_t nbytes) = 0;
+  /// Returns memory from allocate_pinned. Safe right after enqueueing copies that read
+  /// it: CUDA reuses the block only once those copies have finished (Note [Pinned
+  /// block reuse] in backend/cuda/host_allocator.h). Never throws.
+  virtual void deallocate_pinned(void* ptr, std::size_t nbytes) noexcept = 0;
+  /// Bytes of pinned host memory handed out now.
+  virtual std::size_t pinned_memory_allocated() = 0;
+
   /// Copies between two devices of this backend (peer copy), or within one device.
   virtual void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
                     std::size_t nbytes) = 0;
-  /// Host memory → `dev`. Asynchronous on CUDA when the host memory is pinned.
+  /// Host memory → `dev`. On CUDA enqueued on the current stream; from pinned memory
+  /// (allocate_pinned, any offset) the host does not wait and the pinned block is kept
+  /// from reuse until the copy has finished; from pageable memory the runtime stages
+  /// the data before returning, so `host_src` may be reused at once.
   virtual void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) = 0;
   /// `dev` → host memory; returns when the data is on the host.
   virtual void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) = 0;
@@ -120,6 +136,8 @@ class Backend {
   // ---- elementwise ---------------------------------------------------------------
   virtual void fill(Device dev, float* y, std::int64_t n, float value) = 0;
   virtual void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) = 0;
+  /// y[i] += value (counters such as BatchNorm's num_batches_tracked; no host sync).
+  virtual void add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) = 0;
   /// y[i] = start + i * step.
   virtual void arange(Device dev, float* y, std::int64_t n, float start, float step) = 0;
   virtual void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
@@ -249,5 +267,8 @@ class Backend {
 /// returns a backend whose device_count() is 0 and whose other calls throw dp::Error.
 Backend& get(DeviceType type);
 inline Backend& get(Device dev) { return get(dev.type); }
+/// The backend that pins host memory for this process: CUDA when a device is
+/// visible (so CUDA copies from it are asynchronous), else the CPU backend.
+Backend& pinned_host_backend();
 
 }  // namespace dp::backend

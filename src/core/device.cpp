@@ -72,6 +72,13 @@ DeviceType default_device_type() {
 
 int device_count() { return device_count(default_device_type()); }
 
+std::size_t memory_allocated(Device dev) { return backend::get(dev).memory_allocated(dev); }
+std::size_t max_memory_allocated(Device dev) { return backend::get(dev).max_memory_allocated(dev); }
+void reset_peak_memory(Device dev) { backend::get(dev).reset_peak_memory(dev); }
+std::size_t pinned_memory_allocated() {
+  return backend::pinned_host_backend().pinned_memory_allocated();
+}
+
 Device cpu(int index) {
   int n = device_count(DeviceType::CPU);
   DP_CHECK(index >= 0 && index < n, "cpu(", index, "): expected a virtual device id in [0, ", n,

@@ -27,9 +27,9 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
                         training, momentum_, eps_);
   if (training) {
     // Counted like PyTorch (only used there when momentum is None, kept for
-    // state_dict compatibility). A host read of one int64: a tiny sync on CUDA.
-    Tensor count = num_batches_tracked_.get();  // a handle: fill_ writes the bound copy
-    count.fill_(count.item() + 1);
+    // state_dict compatibility), on the device: no host sync per layer per step.
+    Tensor count = num_batches_tracked_.get();  // a handle: add_ writes the bound copy
+    count.add_(1.0);
   }
   return y;
 }

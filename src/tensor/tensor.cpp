@@ -36,7 +36,18 @@ Storage::Storage(Device device, std::size_t nbytes) : device_(device), nbytes_(n
   data_ = backend::get(device).allocate(device, nbytes);
 }
 
-Storage::~Storage() { backend::get(device_).deallocate(device_, data_, nbytes_); }
+Storage::Storage(PinnedTag, std::size_t nbytes)
+    : device_(cpu(0)), nbytes_(nbytes), pinned_(true) {
+  data_ = backend::pinned_host_backend().allocate_pinned(nbytes);
+}
+
+Storage::~Storage() {
+  if (pinned_) {
+    backend::pinned_host_backend().deallocate_pinned(data_, nbytes_);
+  } else {
+    backend::get(device_).deallocate(device_, data_, nbytes_);
+  }
+}
 
 TensorImpl::~TensorImpl() = default;
 
@@ -179,6 +190,21 @@ Tensor Tensor::to(Dtype target) const {
   return out;
 }
 
+Tensor Tensor::pin_memory() const {
+  const auto& impl = checked(impl_);
+  DP_CHECK(impl.storage->device().is_cpu(), "pin_memory: expected a tensor in host memory (a cpu "
+           "device), got ", str(), "; only host tensors can be pinned");
+  if (impl.storage->pinned()) return *this;
+  auto out = std::make_shared<TensorImpl>();
+  out->shape = impl.shape;
+  out->dtype = impl.dtype;
+  out->storage = std::make_shared<Storage>(Storage::PinnedTag{}, nbytes());
+  if (nbytes() > 0) std::memcpy(out->storage->data(), raw_data(), nbytes());
+  return Tensor(std::move(out));
+}
+
+bool Tensor::is_pinned() const { return checked(impl_).storage->pinned(); }
+
 Tensor Tensor::clone() const {
   Tensor out(new_impl(shape(), dtype(), device()));
   detail::copy_bytes(out.raw_data(), device(), raw_data(), device(), nbytes());
@@ -307,6 +333,17 @@ Tensor& Tensor::fill_(double value) {
     be.fill(device(), data<float>(), numel(), static_cast<float>(value));
   else
     be.fill_i64(device(), data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+  storage()->bump_version();
+  return *this;
+}
+
+Tensor& Tensor::add_(double value) {
+  auto& be = backend::get(device());
+  if (dtype() == Dtype::Float32) {
+    be.affine(device(), data<float>(), data<float>(), numel(), 1.0f, static_cast<float>(value));
+  } else {
+    be.add_i64(device(), data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+  }
   storage()->bump_version();
   return *this;
 }

@@ -6,6 +6,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -363,6 +364,59 @@ TEST_CASE("caching allocator reuses blocks and does not grow in a loop") {
   }
   CHECK(g.b.memory_allocated(g.d) == base);
   CHECK(g.b.max_memory_allocated(g.d) <= base + (5u << 20) + 8192);
+}
+
+TEST_CASE("add_i64 adds in place exactly") {
+  compare([](Side& s) {
+    const i64 n = 70000;
+    std::vector<i64> v(static_cast<std::size_t>(n));
+    for (i64 i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = (i64{1} << 40) + i * 3 - 5;
+    auto a = s.up(v);
+    s.b.add_i64(s.d, a->l(), n, 7);
+    s.b.add_i64(s.d, a->l(), n, -(i64{1} << 35));
+    // Compared as exact int64 differences from the input (float would round them).
+    std::vector<i64> got = s.down<i64>(*a, static_cast<std::size_t>(n));
+    std::vector<float> diff(got.size());
+    for (std::size_t i = 0; i < got.size(); ++i) diff[i] = static_cast<float>(got[i] - v[i] + (i64{1} << 35));
+    return Outs{diff};
+  }, 0.0f, 0.0f, "add_i64");
+}
+
+// Note [Pinned block reuse]: a pinned block freed right after a copy out of it was
+// enqueued must not be handed out (and overwritten) before the copy has read it. The
+// copy is queued behind ~1 GiB of fills so that it is still pending when the host
+// frees and re-allocates; a block reused at once would deliver 2s instead of 1s.
+TEST_CASE("pinned host blocks are reused only after the copies that read them") {
+  Side g = cuda_side();
+  Backend& cb = g.b;
+  g.b.synchronize(g.d);
+  const std::size_t count = std::size_t{1} << 20, nbytes = count * sizeof(float);
+  const std::size_t pinned0 = cb.pinned_memory_allocated();
+  const i64 big = i64{1} << 26;
+  Buf slow(cb, g.d, static_cast<std::size_t>(big) * sizeof(float));
+  for (int offset : {0, 4096}) {  // a whole block, and a view inside one (a shard)
+    CAPTURE(offset);
+    auto* h = static_cast<float*>(cb.allocate_pinned(nbytes + 4096 * sizeof(float)));
+    CHECK(cb.pinned_memory_allocated() >= pinned0 + nbytes);
+    for (std::size_t i = 0; i < count + 4096; ++i) h[i] = 1.0f;
+    Buf dst(cb, g.d, nbytes);
+    for (int k = 0; k < 4; ++k) cb.fill(g.d, slow.f(), big, static_cast<float>(k));
+    cb.copy_from_host(dst.p, g.d, h + offset, nbytes);  // queued behind the fills
+    cb.deallocate_pinned(h, nbytes + 4096 * sizeof(float));
+    auto* h2 = static_cast<float*>(cb.allocate_pinned(nbytes + 4096 * sizeof(float)));
+    for (std::size_t i = 0; i < count + 4096; ++i) h2[i] = 2.0f;
+    const std::vector<float> got = g.down(dst, count);
+    CHECK(std::all_of(got.begin(), got.end(), [](float v) { return v == 1.0f; }));
+    cb.deallocate_pinned(h2, nbytes + 4096 * sizeof(float));
+  }
+  CHECK(cb.pinned_memory_allocated() == pinned0);
+  // Once the copies are done, a freed block is reused (the cache works).
+  g.b.synchronize(g.d);
+  void* a = cb.allocate_pinned(nbytes);
+  cb.deallocate_pinned(a, nbytes);
+  void* b = cb.allocate_pinned(nbytes);
+  CHECK(b == a);
+  cb.deallocate_pinned(b, nbytes);
 }
 
 TEST_CASE("peer copies between two devices") {

@@ -2,6 +2,7 @@
 // dtype casts, in-place ops, host access and the errors each of them raises.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -347,4 +348,84 @@ TEST_CASE("equal and max_abs_diff compare values") {
   CHECK_FALSE(dp::equal(a, a.to(dp::Dtype::Int64)));
   CHECK(dp::max_abs_diff(a, b) == doctest::Approx(0.5));
   CHECK_THROWS_WITH_AS(dp::max_abs_diff(a, dp::zeros({2})), doctest::Contains("[2]"), dp::Error);
+}
+
+TEST_CASE_TEMPLATE("add_(scalar) adds in place for float32 and int64", D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  dp::Tensor f = dp::from_vector(F{1.5f, -2, 0}, {3}, dev);
+  const std::uint64_t v0 = f.storage()->version();
+  f.add_(2.0);
+  CHECK(f.to_vector() == F{3.5f, 0, 2});
+  CHECK(f.storage()->version() == v0 + 1);
+  // int64 beyond float32's exact range: the add is done in int64.
+  dp::Tensor i = dp::from_vector(I{(std::int64_t{1} << 40) + 1, -3}, {2}, dev);
+  i.add_(1.0);
+  i.add_(-7.0);
+  CHECK(i.to_vector_i64() == I{(std::int64_t{1} << 40) - 5, -9});
+  dp::Tensor scalar = dp::zeros({}, dp::TensorOptions{dp::Dtype::Int64, dev});
+  for (int k = 0; k < 5; ++k) scalar.add_(1.0);
+  CHECK(scalar.item() == 5);
+}
+
+TEST_CASE_TEMPLATE("pin_memory copies into pinned host memory that copies to any device",
+                   D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  const std::size_t pinned0 = dp::pinned_memory_allocated();
+  const std::size_t host0 = dp::memory_allocated(dp::cpu(0));
+  {
+    dp::Tensor a = dp::from_vector(F{1, 2, 3, 4, 5, 6}, {3, 2});
+    CHECK_FALSE(a.is_pinned());
+    dp::Tensor p = a.pin_memory();
+    CHECK(p.is_pinned());
+    CHECK(p.device() == dp::cpu(0));
+    CHECK(p.shape() == a.shape());
+    CHECK(p.storage() != a.storage());
+    CHECK(p.to_vector() == a.to_vector());
+    CHECK(p.pin_memory().is_same(p));  // already pinned: no copy
+    // Pinned memory is host memory, not cpu(0)'s: only the pinned counter moves.
+    CHECK(dp::pinned_memory_allocated() == pinned0 + p.nbytes());
+    CHECK(dp::memory_allocated(dp::cpu(0)) == host0 + a.nbytes());
+
+    // A view pins only its rows; copies from a pinned view reach the device intact.
+    dp::Tensor rows = a.narrow(0, 1, 2).pin_memory();
+    CHECK(rows.to_vector() == F{3, 4, 5, 6});
+    CHECK(p.narrow(0, 1, 2).to(dev).to_vector() == F{3, 4, 5, 6});
+    dp::Tensor i = dp::from_vector(I{7, -8}, {2}).pin_memory();
+    CHECK(i.dtype() == dp::Dtype::Int64);
+    CHECK(i.to(dev).to_vector_i64() == I{7, -8});
+  }
+  CHECK(dp::pinned_memory_allocated() == pinned0);
+}
+
+TEST_CASE_TEMPLATE("a pinned buffer freed right after its copy is not overwritten under it",
+                   D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  // CUDA: the copy is asynchronous; the freed block must not be handed to the next
+  // pin_memory (and filled) before the copy has read it (Note [Pinned block reuse]).
+  const std::int64_t n = 1 << 20;
+  std::vector<dp::Tensor> on_device;
+  for (int k = 0; k < 6; ++k) {
+    dp::Tensor host = dp::full({n}, static_cast<double>(k)).pin_memory();
+    on_device.push_back(host.to(dev));
+  }  // each pinned batch is freed at the end of its iteration
+  for (int k = 0; k < 6; ++k) {
+    CAPTURE(k);
+    std::vector<float> v = on_device[static_cast<std::size_t>(k)].to_vector();
+    CHECK(std::all_of(v.begin(), v.end(), [k](float x) { return x == static_cast<float>(k); }));
+  }
+}
+
+TEST_CASE("memory statistics name bad devices") {
+  CHECK_THROWS_AS(dp::memory_allocated(dp::Device{dp::DeviceType::CPU, 99}), dp::Error);
+  const std::size_t before = dp::memory_allocated(dp::cpu(3));
+  dp::reset_peak_memory(dp::cpu(3));
+  {
+    dp::Tensor t = dp::zeros({1000}, dp::cpu(3));
+    CHECK(dp::memory_allocated(dp::cpu(3)) == before + 4000);
+  }
+  CHECK(dp::memory_allocated(dp::cpu(3)) == before);
+  CHECK(dp::max_memory_allocated(dp::cpu(3)) == before + 4000);
 }

@@ -9,6 +9,7 @@
 //   int n = dp::device_count();             // devices of the default type
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <ostream>
@@ -58,6 +59,16 @@ Device parse_device(const std::string& text);
 
 /// Number of hardware threads of this machine (at least 1).
 int hardware_concurrency();
+
+/// Bytes held by tensors on `dev` now (torch.cuda.memory_allocated); pinned host
+/// memory is not on any device and is counted by pinned_memory_allocated().
+std::size_t memory_allocated(Device dev);
+/// Peak of memory_allocated(dev) since the start or the last reset_peak_memory(dev).
+std::size_t max_memory_allocated(Device dev);
+/// Restarts max_memory_allocated(dev) from the current value.
+void reset_peak_memory(Device dev);
+/// Bytes of pinned host memory held by tensors now (Tensor::pin_memory).
+std::size_t pinned_memory_allocated();
 
 }  // namespace dp
 

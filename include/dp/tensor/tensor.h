@@ -43,7 +43,12 @@ std::int64_t shape_numel(const Shape& shape);
 /// parameters that did not change).
 class Storage {
  public:
+  /// Tag of the pinned-host-memory constructor.
+  struct PinnedTag {};
   Storage(Device device, std::size_t nbytes);
+  /// Page-locked host memory (device cpu(0)), the source of asynchronous copies to CUDA
+  /// devices; from backend::pinned_host_backend().
+  Storage(PinnedTag, std::size_t nbytes);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -51,6 +56,8 @@ class Storage {
   void* data() const { return data_; }
   std::size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
+  /// True for page-locked host memory (Tensor::pin_memory).
+  bool pinned() const { return pinned_; }
   std::uint64_t version() const { return version_; }
   void bump_version() { ++version_; }
 
@@ -59,6 +66,7 @@ class Storage {
   std::size_t nbytes_;
   void* data_ = nullptr;
   std::uint64_t version_ = 0;
+  bool pinned_ = false;
 };
 
 /// The shared state behind a Tensor handle (internal; reached through Tensor).
@@ -134,6 +142,13 @@ class Tensor {
   Tensor to(Device device) const;
   /// A copy converted to `dtype` (not differentiable).
   Tensor to(Dtype dtype) const;
+  /// A copy in pinned (page-locked) host memory, like torch's pin_memory(): copies
+  /// from it to a CUDA device do not make the host wait, so a DataLoader can stage the
+  /// next batch while the devices compute. Returns *this when already pinned; throws
+  /// dp::Error for a tensor that is not on the CPU. Not differentiable.
+  Tensor pin_memory() const;
+  /// True when the tensor's memory is pinned host memory.
+  bool is_pinned() const;
   Tensor clone() const;
   /// Same data, no autograd history.
   Tensor detach() const;
@@ -157,6 +172,9 @@ class Tensor {
   /// this += alpha * other (same shape, device and dtype).
   Tensor& add_(const Tensor& other, float alpha = 1.0f);
   Tensor& mul_(float value);
+  /// this += value, elementwise, for float32 and int64 tensors (counters); enqueued on
+  /// the device like any kernel, never read back to the host.
+  Tensor& add_(double value);
 
   // ---- autograd ------------------------------------------------------------------------
   bool requires_grad() const;

@@ -144,6 +144,28 @@ void CpuBackend::reset_peak_memory(Device dev) {
   st.peak.store(st.allocated.load());
 }
 
+// Pinned host memory: virtual devices read host memory directly, so "pinned" memory is
+// ordinary aligned host memory. It is counted apart from every device's allocations,
+// as page-locked host memory is apart from GPU memory: a batch pinned by a DataLoader
+// is on the host, not on cpu(0).
+void* CpuBackend::allocate_pinned(std::size_t nbytes) {
+  const std::size_t rounded = std::max(kAlignment, (nbytes + kAlignment - 1) / kAlignment * kAlignment);
+  DP_CHECK(rounded >= nbytes, "pinned host memory: size ", nbytes, " bytes overflows");
+  void* p = std::aligned_alloc(kAlignment, rounded);
+  DP_CHECK(p != nullptr, "pinned host memory: out of memory allocating ", nbytes, " bytes (",
+           pinned_allocated_.load(), " bytes pinned now)");
+  pinned_allocated_.fetch_add(nbytes);
+  return p;
+}
+
+void CpuBackend::deallocate_pinned(void* ptr, std::size_t nbytes) noexcept {
+  if (!ptr) return;
+  std::free(ptr);
+  pinned_allocated_.fetch_sub(nbytes);
+}
+
+std::size_t CpuBackend::pinned_memory_allocated() { return pinned_allocated_.load(); }
+
 // ---- copies ---------------------------------------------------------------------------
 // Virtual devices share the host's memory, but a copy between them really copies, as a
 // peer copy between GPUs would. memmove: a copy within one device may overlap.

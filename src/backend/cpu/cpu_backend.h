@@ -80,6 +80,9 @@ class CpuBackend final : public Backend {
   std::size_t memory_allocated(Device dev) override;
   std::size_t max_memory_allocated(Device dev) override;
   void reset_peak_memory(Device dev) override;
+  void* allocate_pinned(std::size_t nbytes) override;
+  void deallocate_pinned(void* ptr, std::size_t nbytes) noexcept override;
+  std::size_t pinned_memory_allocated() override;
   void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
             std::size_t nbytes) override;
   void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override;
@@ -88,6 +91,7 @@ class CpuBackend final : public Backend {
 
   void fill(Device dev, float* y, std::int64_t n, float value) override;
   void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
+  void add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
   void arange(Device dev, float* y, std::int64_t n, float start, float step) override;
   void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
                   std::int64_t step) override;
@@ -222,6 +226,7 @@ class CpuBackend final : public Backend {
   std::vector<std::unique_ptr<DeviceState>> devices_;
   std::mutex config_mu_;  // guards set_concurrent_devices / set_conv_layout
   std::atomic<ConvLayout> conv_layout_;
+  std::atomic<std::size_t> pinned_allocated_{0};
 };
 
 /// The process-wide CPU backend (same object as dp::backend::get(DeviceType::CPU)).

@@ -133,6 +133,13 @@ void CpuBackend::fill_i64(Device dev, i64* y, i64 n, i64 value) {
   });
 }
 
+void CpuBackend::add_i64(Device dev, i64* y, i64 n, i64 value) {
+  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
+    i64* __restrict yy = y;
+    for (i64 i = b; i < e; ++i) yy[i] += value;
+  });
+}
+
 void CpuBackend::arange(Device dev, float* y, i64 n, float start, float step) {
   parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
     float* __restrict yy = y;

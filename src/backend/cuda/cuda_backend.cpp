@@ -289,6 +289,15 @@ void CudaBackend::reset_peak_memory(Device dev) {
   state(dev.index).allocator->reset_peak();
 }
 
+void* CudaBackend::allocate_pinned(std::size_t nbytes) {
+  DP_CHECK(device_count_ > 0, "pinned host memory: expected a visible CUDA device, found none");
+  return host_alloc_.allocate(nbytes);
+}
+
+void CudaBackend::deallocate_pinned(void* ptr, std::size_t) noexcept { host_alloc_.deallocate(ptr); }
+
+std::size_t CudaBackend::pinned_memory_allocated() { return host_alloc_.allocated(); }
+
 // Note [Peer copies]
 // A copy between devices runs on the source device's current stream, ordered after
 // prior work on BOTH devices' current streams and before later work on both: the
@@ -325,10 +334,11 @@ void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_de
 void CudaBackend::copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) {
   if (nbytes == 0) return;
   cudaStream_t s = bind(dev);
-  // Pinned source: truly asynchronous (the caller keeps it alive until the stream has
-  // passed this point). Pageable source: the runtime stages it before returning, so
-  // the caller may reuse it at once.
+  // Pinned source: truly asynchronous; the event recorded after the copy keeps the
+  // block from reuse until the copy has read it (Note [Pinned block reuse]). Pageable
+  // source: the runtime stages it before returning, so it may be reused at once.
   DP_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, nbytes, cudaMemcpyHostToDevice, s));
+  host_alloc_.record_use(host_src, dev.index, s);
 }
 
 void CudaBackend::copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) {
@@ -353,6 +363,9 @@ void CudaBackend::fill(Device dev, float* y, std::int64_t n, float value) {
 }
 void CudaBackend::fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) {
   k::fill_i64(bind(dev), y, n, value);
+}
+void CudaBackend::add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) {
+  k::add_i64(bind(dev), y, n, value);
 }
 void CudaBackend::arange(Device dev, float* y, std::int64_t n, float start, float step) {
   k::arange(bind(dev), y, n, start, step);

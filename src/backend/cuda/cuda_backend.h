@@ -20,6 +20,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/caching_allocator.h"
+#include "backend/cuda/host_allocator.h"
 
 namespace dp::backend {
 
@@ -109,6 +110,8 @@ class CudaBackend final : public Backend {
   HandleLease<cublasHandle_t> cublas(int device);
   HandleLease<cudnnHandle_t> cudnn(int device);
   CachingAllocator& allocator(int device);
+  /// The pinned host memory allocator shared by every device.
+  HostAllocator& host_allocator() { return host_alloc_; }
   /// Whether FP32 GEMM/convolution may use TF32 tensor cores (DP_CUDA_ALLOW_TF32=1);
   /// off by default so that CUDA results match the CPU backend to FP32 tolerance.
   bool allow_tf32() const { return allow_tf32_; }
@@ -144,6 +147,9 @@ class CudaBackend final : public Backend {
   std::size_t memory_allocated(Device dev) override;
   std::size_t max_memory_allocated(Device dev) override;
   void reset_peak_memory(Device dev) override;
+  void* allocate_pinned(std::size_t nbytes) override;
+  void deallocate_pinned(void* ptr, std::size_t nbytes) noexcept override;
+  std::size_t pinned_memory_allocated() override;
   void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
             std::size_t nbytes) override;
   void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override;
@@ -152,6 +158,7 @@ class CudaBackend final : public Backend {
 
   void fill(Device dev, float* y, std::int64_t n, float value) override;
   void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
+  void add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
   void arange(Device dev, float* y, std::int64_t n, float start, float step) override;
   void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
                   std::int64_t step) override;
@@ -246,6 +253,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<std::once_flag[]> peer_once_;  // device_count_ × device_count_
   std::mutex streams_mu_;
   std::vector<cudaStream_t> extra_streams_;
+  HostAllocator host_alloc_;
 };
 
 }  // namespace dp::backend

@@ -36,6 +36,10 @@ __global__ void fill_kernel(T* __restrict__ y, i64 n, T value) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = value;
 }
 
+__global__ void add_i64_kernel(i64* __restrict__ y, i64 n, i64 value) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] += value;
+}
+
 __global__ void arange_kernel(float* __restrict__ y, i64 n, float start, float step) {
   // start + float(i) * step, rounded like the CPU backend's loop (no FMA).
   for (i64 i = global_thread(); i < n; i += grid_stride())
@@ -231,6 +235,13 @@ void fill_i64(cudaStream_t stream, i64* y, i64 n, i64 value) {
   check_count(n, "fill_i64");
   if (n == 0) return;
   fill_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, value);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void add_i64(cudaStream_t stream, i64* y, i64 n, i64 value) {
+  check_count(n, "add_i64");
+  if (n == 0) return;
+  add_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, value);
   DP_CUDA_CHECK_LAUNCH();
 }
 

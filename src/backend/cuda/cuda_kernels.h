@@ -18,6 +18,7 @@ namespace dp::backend::cuda_kernels {
 // ---- cuda_elementwise.cu --------------------------------------------------------------
 void fill(cudaStream_t stream, float* y, std::int64_t n, float value);
 void fill_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t value);
+void add_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t value);
 void arange(cudaStream_t stream, float* y, std::int64_t n, float start, float step);
 void arange_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t start,
                 std::int64_t step);

@@ -37,6 +37,9 @@ class StubBackend final : public Backend {
   std::size_t memory_allocated(Device) override { unavailable("memory_allocated"); }
   std::size_t max_memory_allocated(Device) override { unavailable("max_memory_allocated"); }
   void reset_peak_memory(Device) override { unavailable("reset_peak_memory"); }
+  void* allocate_pinned(std::size_t) override { unavailable("allocate_pinned"); }
+  void deallocate_pinned(void*, std::size_t) noexcept override {}
+  std::size_t pinned_memory_allocated() override { return 0; }
   void copy(void*, Device, const void*, Device, std::size_t) override { unavailable("copy"); }
   void copy_from_host(void*, Device, const void*, std::size_t) override {
     unavailable("copy_from_host");
@@ -49,6 +52,9 @@ class StubBackend final : public Backend {
   void fill(Device, float*, std::int64_t, float) override { unavailable("fill"); }
   void fill_i64(Device, std::int64_t*, std::int64_t, std::int64_t) override {
     unavailable("fill_i64");
+  }
+  void add_i64(Device, std::int64_t*, std::int64_t, std::int64_t) override {
+    unavailable("add_i64");
   }
   void arange(Device, float*, std::int64_t, float, float) override { unavailable("arange"); }
   void arange_i64(Device, std::int64_t*, std::int64_t, std::int64_t, std::int64_t) override {
