@@ -25,16 +25,20 @@ namespace detail {
 class LoaderRun {
  public:
   LoaderRun(std::shared_ptr<const Dataset> dataset, std::vector<std::int64_t> indices,
-            const DataLoaderOptions& options, std::uint64_t epoch)
+            const DataLoaderOptions& options, std::uint64_t epoch, std::int64_t start)
       : dataset_(std::move(dataset)),
         indices_(std::move(indices)),
         batch_size_(options.batch_size),
         epoch_(epoch),
-        window_(options.prefetch) {
+        window_(options.prefetch),
+        pin_memory_(options.pin_memory),
+        start_(start),
+        next_claim_(start),
+        next_consume_(start) {
     const auto n = static_cast<std::int64_t>(indices_.size());
     num_batches_ = options.drop_last ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
-    const int workers = static_cast<int>(
-        std::min<std::int64_t>(options.num_workers, std::min<std::int64_t>(window_, num_batches_)));
+    const int workers = static_cast<int>(std::min<std::int64_t>(
+        options.num_workers, std::min<std::int64_t>(window_, num_batches_ - start)));
     if (workers == 0) return;
     slots_.resize(static_cast<std::size_t>(window_));
     try {
@@ -50,6 +54,9 @@ class LoaderRun {
 
   LoaderRun(const LoaderRun&) = delete;
   LoaderRun& operator=(const LoaderRun&) = delete;
+
+  // The batch the pass started at.
+  std::int64_t start() const { return start_; }
 
   // Stores the next batch in `out` and returns true, or returns false at the end of the
   // pass. Throws dp::Error when assembling the batch failed.
@@ -93,8 +100,13 @@ class LoaderRun {
     const std::int64_t first = k * batch_size_;
     const std::int64_t count =
         std::min<std::int64_t>(batch_size_, static_cast<std::int64_t>(indices_.size()) - first);
-    return dataset_->get_batch(std::span<const std::int64_t>(
+    Batch batch = dataset_->get_batch(std::span<const std::int64_t>(
         indices_.data() + first, static_cast<std::size_t>(count)));
+    if (pin_memory_) {  // on this worker thread, off the consumer's critical path
+      batch.data = batch.data.pin_memory();
+      batch.target = batch.target.pin_memory();
+    }
+    return batch;
   }
 
   [[noreturn]] void fail(std::int64_t k, const std::exception_ptr& error) const {
@@ -156,14 +168,16 @@ class LoaderRun {
   std::int64_t batch_size_;
   std::uint64_t epoch_;
   std::int64_t window_;
+  bool pin_memory_;
+  std::int64_t start_;
   std::int64_t num_batches_ = 0;
 
   std::mutex mu_;
   std::condition_variable work_cv_;   // workers wait for room in the window
   std::condition_variable ready_cv_;  // the consumer waits for its slot
   std::vector<Slot> slots_;           // window_ slots, batch k in k % window_
-  std::int64_t next_claim_ = 0;       // guarded by mu_
-  std::int64_t next_consume_ = 0;     // written by the consumer under mu_
+  std::int64_t next_claim_;           // guarded by mu_
+  std::int64_t next_consume_;         // written by the consumer under mu_
   bool stop_ = false;                 // guarded by mu_
   std::vector<std::thread> threads_;
 };
@@ -211,11 +225,22 @@ std::int64_t DataLoader::size() const {
   return options_.drop_last ? n / b : (n + b - 1) / b;
 }
 
+void DataLoader::set_position(std::uint64_t epoch, std::int64_t batch) {
+  const std::int64_t n = size();
+  DP_CHECK(batch >= 0 && batch <= n, "DataLoader::set_position: expected a batch in [0, ", n,
+           "] (", n, " batches per epoch), got ", batch);
+  epoch_ = epoch;
+  start_batch_ = batch;
+}
+
 DataLoader::Iterator DataLoader::begin() {
   const std::uint64_t epoch = epoch_++;
+  const std::int64_t start = start_batch_;
+  start_batch_ = 0;
   sampler_->set_epoch(epoch);
   std::vector<std::int64_t> indices = sampler_->indices();
-  return Iterator(std::make_unique<detail::LoaderRun>(dataset_, std::move(indices), options_, epoch));
+  return Iterator(std::make_unique<detail::LoaderRun>(dataset_, std::move(indices), options_,
+                                                      epoch, start));
 }
 
 DataLoader::Iterator::Iterator() = default;
@@ -223,7 +248,8 @@ DataLoader::Iterator::Iterator(Iterator&& other) noexcept = default;
 DataLoader::Iterator& DataLoader::Iterator::operator=(Iterator&& other) noexcept = default;
 DataLoader::Iterator::~Iterator() = default;
 
-DataLoader::Iterator::Iterator(std::unique_ptr<detail::LoaderRun> run) : run_(std::move(run)) {
+DataLoader::Iterator::Iterator(std::unique_ptr<detail::LoaderRun> run)
+    : run_(std::move(run)), index_(run_->start() - 1) {
   advance();
 }
 

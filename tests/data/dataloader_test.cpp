@@ -252,3 +252,79 @@ TEST_CASE("DataLoader validates its options") {
   CHECK(empty.size() == 0);
   CHECK(empty.begin() == empty.end());
 }
+
+TEST_CASE("set_position resumes mid-epoch without assembling the skipped batches") {
+  auto inner = std::make_shared<dp::data::SyntheticDataset>(
+      dp::data::SyntheticOptions{.size = 250, .example_shape = {5}, .seed = 9});
+  const DataLoader::Options opts{.batch_size = 16, .shuffle = true, .seed = 4};
+  DataLoader ref_loader(inner, opts);
+  ref_loader.set_epoch(3);
+  const std::vector<Flat> ref = collect(ref_loader);
+  REQUIRE(ref.size() == 16);
+
+  for (int workers : {0, 1, 3}) {
+    for (std::int64_t start : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, std::int64_t{15}}) {
+      CAPTURE(workers);
+      CAPTURE(start);
+      auto ds = std::make_shared<TestDataset>(inner);
+      DataLoader::Options o = opts;
+      o.num_workers = workers;
+      DataLoader loader(ds, o);
+      loader.set_position(3, start);
+      CHECK(loader.start_batch() == start);
+      std::vector<Flat> got;
+      std::int64_t expect_index = start;
+      for (auto it = loader.begin(); it != loader.end(); ++it) {
+        CHECK(it.index() == expect_index++);
+        got.push_back({it->data.to_vector(), it->target.to_vector_i64()});
+      }
+      // Exactly the uninterrupted epoch's batches from `start` on, and only those were
+      // read from the dataset.
+      CHECK(got == std::vector<Flat>(ref.begin() + start, ref.end()));
+      CHECK(ds->calls.load() == 16 - start);
+      // The position applies to one pass: the next pass is epoch 4 from batch 0.
+      CHECK(loader.start_batch() == 0);
+      CHECK(loader.epoch() == 4);
+      ds->calls = 0;
+      CHECK(collect(loader).size() == 16);
+      CHECK(ds->calls.load() == 16);
+    }
+  }
+}
+
+TEST_CASE("set_position at the end of an epoch gives an empty pass; bad positions throw") {
+  auto ds = counting_dataset(10);
+  DataLoader loader(ds, {.batch_size = 4});  // 3 batches
+  loader.set_position(2, 3);
+  CHECK(loader.begin() == loader.end());
+  CHECK(loader.epoch() == 3);
+  CHECK_THROWS_WITH_AS(loader.set_position(0, 4), doctest::Contains("expected a batch in [0, 3]"),
+                       dp::Error);
+  CHECK_THROWS_WITH_AS(loader.set_position(0, -1), doctest::Contains("got -1"), dp::Error);
+  CHECK(loader.start_batch() == 0);  // a rejected position changes nothing
+  CHECK(loader.epoch() == 3);
+}
+
+TEST_CASE("pin_memory gives pinned batches with the same content") {
+  auto ds = std::make_shared<dp::data::SyntheticDataset>(
+      dp::data::SyntheticOptions{.size = 100, .example_shape = {2, 3}, .seed = 1});
+  DataLoader plain(ds, {.batch_size = 8, .shuffle = true, .seed = 2});
+  const std::vector<Flat> ref = collect(plain);
+  for (int workers : {0, 2}) {
+    CAPTURE(workers);
+    DataLoader pinned(ds, {.batch_size = 8, .shuffle = true, .seed = 2, .num_workers = workers,
+                           .pin_memory = true});
+    std::vector<Flat> got;
+    for (auto& [x, y] : pinned) {
+      CHECK(x.is_pinned());
+      CHECK(y.is_pinned());
+      CHECK(x.device() == dp::cpu(0));
+      got.push_back({x.to_vector(), y.to_vector_i64()});
+    }
+    CHECK(got == ref);
+  }
+  for (auto& [x, y] : plain) {
+    CHECK_FALSE(x.is_pinned());
+    CHECK_FALSE(y.is_pinned());
+  }
+}

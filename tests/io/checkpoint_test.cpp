@@ -104,10 +104,10 @@ struct Run {
   void train(int steps) {
     int done = 0;
     while (done < steps) {
-      loader->set_epoch(static_cast<std::uint64_t>(state.epoch));
-      auto it = loader->begin();
-      for (std::int64_t i = 0; i < state.batch; ++i) ++it;  // skip what was consumed
-      for (; it != loader->end() && done < steps; ++it) {
+      // Resume where the state says; consumed batches are not even assembled.
+      loader->set_position(static_cast<std::uint64_t>(state.epoch), state.batch);
+      for (auto it = loader->begin(); it != loader->end() && done < steps; ++it) {
+        CHECK(it.index() == state.batch);
         step(*it);
         ++state.batch;
         ++state.step;

@@ -470,3 +470,43 @@ TEST_CASE("DDP: parameters that get no gradient never block a bucket and stay co
   CHECK(dp::max_abs_diff(set->copy(0).data, ref->parameters().set()->copy(0).data) < 1e-6);
   for (int r = 1; r < 3; ++r) CHECK(dp::equal(set->copy(r).data.to(dp::cpu(0)), set->copy(0).data));
 }
+
+TEST_CASE("each shard goes from host memory straight to its device, pinned or not") {
+  // Devices cpu(1..3) with the batch in host memory: no device may ever hold more than
+  // its own shard of the input. A scatter that first moved the whole batch to the
+  // first device (a hop through device 0) would show the full batch in its peak.
+  for (bool pinned : {false, true}) {
+    for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+      CAPTURE(pinned);
+      CAPTURE(static_cast<int>(mode));
+      dp::Generator gen(5);
+      auto net = std::make_shared<dp::nn::Sequential>();
+      net->push_back(std::make_shared<dp::nn::Flatten>());
+      net->push_back(std::make_shared<dp::nn::Linear>(4096, 2, true, &gen));
+      std::vector<dp::Device> devs{dp::cpu(1), dp::cpu(2), dp::cpu(3)};
+      dp::DataParallel model(net, devs, {.mode = mode});
+      const std::int64_t rows = 96;  // 32 rows (512 KiB) per device
+      Tensor x = dp::randn({rows, 4096}, gen, dp::cpu(0));
+      Tensor y = dp::zeros({rows}, dp::TensorOptions{dp::Dtype::Int64, dp::cpu(0)});
+      if (pinned) {
+        x = x.pin_memory();
+        y = y.pin_memory();
+      }
+      const std::size_t shard_bytes = static_cast<std::size_t>(rows / 3) * 4096 * sizeof(float);
+      model.forward_backward(x, y, loss_fn);  // first step: replicas, buffers, caches
+      for (const dp::Device& d : devs) dp::reset_peak_memory(d);
+      std::vector<std::size_t> base;
+      for (const dp::Device& d : devs) base.push_back(dp::memory_allocated(d));
+      model.forward_backward(x, y, loss_fn);
+      for (std::size_t r = 0; r < devs.size(); ++r) {
+        CAPTURE(r);
+        const std::size_t peak = dp::max_memory_allocated(devs[r]) - base[r];
+        CHECK(peak >= shard_bytes);      // the shard was copied to this device...
+        CHECK(peak < 2 * shard_bytes);   // ...and nothing like the whole batch was
+      }
+      if (pinned) {
+        CHECK(x.is_pinned());  // the scatter read the pinned batch in place
+      }
+    }
+  }
+}

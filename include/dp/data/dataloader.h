@@ -6,7 +6,11 @@
 // timing, the worker count or the prefetch depth. Leaving a loop early stops and joins
 // the workers; an exception thrown while assembling batch k reaches the consumer as a
 // dp::Error when it arrives at batch k. This header knows nothing about nn, optim,
-// autograd or DataParallel: batches are host tensors on cpu(0).
+// autograd or DataParallel: batches are host tensors on cpu(0). With pin_memory the
+// workers also copy each batch into pinned host memory, so that its copies to CUDA
+// devices (DataParallel copies each shard straight to its device) do not make the host
+// wait. A resumed run starts mid-epoch with set_position(epoch, batch) and never
+// assembles the batches it skips.
 //
 //   dp::data::DataLoader loader(dataset, {.batch_size = 128, .shuffle = true, .seed = 7});
 //   for (std::uint64_t epoch = 0; epoch < 10; ++epoch) {
@@ -42,6 +46,10 @@ struct DataLoaderOptions {
   /// waiting ahead of the one the consumer holds (so at most min(num_workers, prefetch)
   /// workers are busy at once, and memory stays bounded).
   int prefetch = 2;
+  /// Copy every batch into pinned (page-locked) host memory on the worker thread
+  /// (torch's pin_memory), so host→CUDA copies of it are asynchronous. On a machine
+  /// without a CUDA device, pinned memory is ordinary host memory.
+  bool pin_memory = false;
 };
 
 /// Iterates a Dataset in batches (see the file comment). Not thread-safe itself: one
@@ -73,6 +81,14 @@ class DataLoader {
   void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
   /// The epoch the next begin() uses.
   std::uint64_t epoch() const { return epoch_; }
+  /// Makes the next pass start at batch `batch` of epoch `epoch` — resuming from a
+  /// checkpoint (TrainingState::epoch and ::batch). The skipped batches are never
+  /// assembled, and Iterator::index() counts from `batch`; later passes start at 0.
+  /// batch == size() is an epoch already finished (the pass yields nothing). Throws
+  /// dp::Error unless 0 <= batch <= size().
+  void set_position(std::uint64_t epoch, std::int64_t batch);
+  /// The batch the next begin() starts at (0 unless set_position set it).
+  std::int64_t start_batch() const { return start_batch_; }
 
   /// Starts a pass over the current epoch: snapshots the sampler's indices, starts the
   /// workers and waits for batch 0 (throws its dp::Error if assembling it failed).
@@ -92,6 +108,7 @@ class DataLoader {
   std::shared_ptr<Sampler> sampler_;
   Options options_;
   std::uint64_t epoch_ = 0;
+  std::int64_t start_batch_ = 0;
 };
 
 /// An input iterator over one pass; owns the pass's workers. Move-only. Destroying it

@@ -17,6 +17,7 @@
 //   dp::TrainingState st{.step = 100, .epoch = 2, .batch = 17};
 //   dp::save_training_checkpoint("run.ckpt", *net, opt, st);
 //   dp::load_training_checkpoint("run.ckpt", *net, opt, st);  // st.step == 100 again
+//   loader.set_position(st.epoch, st.batch);                  // continue at batch 17
 #pragma once
 
 #include <cstdint>
@@ -65,9 +66,10 @@ nn::StateDict load(const std::string& path);
 struct TrainingState {
   /// Optimizer steps taken so far (the loop's global step).
   std::int64_t step = 0;
-  /// The epoch in progress (pass it to DataLoader::set_epoch when resuming).
+  /// The epoch in progress (pass it to DataLoader::set_position when resuming).
   std::int64_t epoch = 0;
-  /// Batches of `epoch` already consumed: the resumed loop skips this many.
+  /// Batches of `epoch` already consumed: resume with
+  /// loader.set_position(state.epoch, state.batch).
   std::int64_t batch = 0;
   /// Extra generators (dropout, augmentation, …) saved and restored by name, in place.
   /// dp::default_generator() is always saved and restored as well.
