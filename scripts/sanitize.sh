@@ -4,10 +4,12 @@
 #   scripts/sanitize.sh                      # both, CI defaults
 #   scripts/sanitize.sh --only tsan --tsan-suites "parallel comm"
 #
-# ASan+UBSan (build-asan): every suite. TSan (build-tsan): the runtime suites
-# (--tsan-suites, default: parallel comm autograd data optim nn). Both builds are
-# debugoptimized with -g1 (line tables: full stack traces, a faster compile than -g).
-# Only the test executables of the selected suites are built.
+# ASan+UBSan (build-asan): every suite but `cuda` (these builds have no CUDA backend,
+# so that suite could only skip). TSan (build-tsan): the runtime suites (--tsan-suites,
+# default: parallel comm autograd data optim nn). The library is debugoptimized with
+# -g1 (line tables: full stack traces, a faster compile than -g); test programs are
+# compiled at -O0 (tests/meson.build). Only the test executables of the selected suites
+# are built.
 #
 # TSan runs with DP_CPU_THREADS=1 (Note [DP_CPU_THREADS] in
 # src/backend/cpu/cpu_backend.cpp): oneTBB and libgomp are not instrumented, so TSan
@@ -24,7 +26,7 @@ usage() {
 usage: $0 [--only asan|tsan] [--tsan-suites "s1 s2 ..."] [--asan-suites "s1 ..."]
           [--timeout-multiplier N] [--stress-configs N] [--jobs N]
   --only                run one sanitizer (default: both)
-  --asan-suites         meson suites under ASan+UBSan (default: all)
+  --asan-suites         meson suites under ASan+UBSan (default: all but cuda)
   --tsan-suites         meson suites under TSan (default: parallel comm autograd data optim nn)
   --timeout-multiplier  meson test timeout multiplier (default: 4; sanitizers are slow)
   --stress-configs      random configurations of stress_test (default: 300, its own default)
@@ -95,7 +97,9 @@ intro = lambda what: json.loads(subprocess.check_output(["meson", "introspect", 
 files = {t["id"]: t["filename"] for t in intro("--targets")}
 out = set()
 for t in intro("--tests"):
-    if want and not want.intersection(s.split(":")[-1] for s in t["suite"]): continue
+    suites = set(s.split(":")[-1] for s in t["suite"])
+    if want and not want.intersection(suites): continue
+    if not want and "cuda" in suites: continue  # no CUDA backend in sanitizer builds
     exe = os.path.realpath(t["cmd"][0])
     if exe.startswith(root + os.sep): out.add(os.path.relpath(exe, root))
     for dep in t.get("depends", []):
@@ -119,6 +123,7 @@ build() {
 test_args() {
   local s
   printf '%s\n' --no-rebuild --print-errorlogs --timeout-multiplier "$mult"
+  [[ $# -eq 0 ]] && printf '%s\n' --no-suite cuda
   for s in "$@"; do printf '%s\n' --suite "$s"; done
 }
 

@@ -19,6 +19,7 @@
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 #include "dp/tensor/tensor.h"
+#include "test_scale.h"
 
 using dp::comm::Communicator;
 using dp::comm::ReduceOp;
@@ -124,8 +125,10 @@ dp::Tensor on(int rank, const std::vector<float>& v) {
   return dp::from_vector(v, {static_cast<std::int64_t>(v.size())}, dp::cpu(rank));
 }
 
-const std::int64_t kSizes[] = {0, 1, 7, 1000003};       // whole buffers
-const std::int64_t kBlockSizes[] = {0, 1, 7, 131071};    // per-rank blocks (RS/AG)
+// Whole buffers: empty, tiny, and one above kSmallCount (the reduce-scatter path).
+const std::int64_t kSizes[] = {0, 1, 7, dp_test::kLargeCount};
+// Per-rank blocks (RS/AG): the largest spans several kReduceBlock blocks.
+const std::int64_t kBlockSizes[] = {0, 1, 7, dp_test::kLargeCount / 8 + 1};
 
 }  // namespace
 
@@ -286,7 +289,7 @@ TEST_CASE("reduce_scatter and all_gather: every block size, in and out of place,
 TEST_CASE("random floats: every rank gets the fixed-order sum, bit for bit, run after run") {
   for (int n : {2, 3, 5, 8}) {
     auto comm = make_comm(n);
-    for (std::int64_t count : {std::int64_t{7}, std::int64_t{5000}, std::int64_t{1000003}}) {
+    for (std::int64_t count : {std::int64_t{7}, std::int64_t{5000}, dp_test::kLargeCount}) {
       std::vector<std::vector<float>> in;
       for (int r = 0; r < n; ++r) in.push_back(random_floats(static_cast<std::uint32_t>(1000 * n + r), count));
       for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Average}) {
