@@ -140,9 +140,12 @@ int run(const Config& cfg) {
   auto test_set = std::make_shared<dp::data::MnistDataset>(cfg.data, dp::data::Split::Test);
   // One assembling thread: batches are cheap to build (784 bytes → floats per image),
   // and on a small machine a second one would only take cores from the training.
-  dp::data::DataLoader train_loader(
-      train_set, {.batch_size = cfg.batch, .shuffle = true, .seed = cfg.seed, .num_workers = 1});
-  dp::data::DataLoader test_loader(test_set, {.batch_size = cfg.eval_batch, .num_workers = 1});
+  // On GPUs the batches are pinned, so each shard's host→device copy is asynchronous.
+  const bool pin = dev0.is_cuda();
+  dp::data::DataLoader train_loader(train_set, {.batch_size = cfg.batch, .shuffle = true,
+                                                .seed = cfg.seed, .num_workers = 1, .pin_memory = pin});
+  dp::data::DataLoader test_loader(test_set,
+                                   {.batch_size = cfg.eval_batch, .num_workers = 1, .pin_memory = pin});
 
   dp::manual_seed(cfg.seed);
   dp::Generator gen(cfg.seed);

@@ -73,7 +73,10 @@ int main(int argc, char** argv) {
       std::cerr << "note: no --data DIR given: training on synthetic 3x32x32 data (10 Gaussian-blob classes), "
                    "not CIFAR-10\n";
     }
-    dp::data::DataLoader loader(dataset, {.batch_size = batch, .shuffle = true, .seed = seed, .drop_last = true});
+    // Pinned batches on GPUs: each shard's host→device copy is then asynchronous.
+    const bool pin = dp::default_device_type() == dp::DeviceType::CUDA;
+    dp::data::DataLoader loader(dataset, {.batch_size = batch, .shuffle = true, .seed = seed,
+                                          .drop_last = true, .pin_memory = pin});
     if (loader.size() == 0)
       throw std::invalid_argument("--batch " + std::to_string(batch) + " is larger than the dataset (" +
                                   std::to_string(dataset->size()) + " examples)");
