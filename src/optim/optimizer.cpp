@@ -187,8 +187,14 @@ void Optimizer::step() {
     --step_;
     // Some copies may have been updated (in part) before the failure: count it as a
     // change, so DataParallel re-broadcasts device 0's parameters to the other
-    // replicas before the next forward instead of running on diverged copies.
-    if (const auto& set = params_.set()) set->bump_version();
+    // replicas before the next forward instead of running on diverged copies. Their
+    // optimizer state follows device 0's too: forgetting every other copy's state
+    // makes the next prepare_states() copy it from the primary, so all replicas
+    // continue from one parameter vector AND one state.
+    if (const auto& set = params_.set()) {
+      set->bump_version();
+      for (std::size_t r = 1; r < states_.size(); ++r) states_[r] = CopyState{};
+    }
     throw;
   }
 }
