@@ -13,6 +13,17 @@
 namespace dp::data {
 namespace detail {
 
+// Note [Loader threads]
+// The assembling workers are dedicated std::threads, not oneTBB tasks. A worker spends
+// most of its life blocked: waiting for room in the prefetch window while the devices
+// compute. oneTBB's pool has cores − 1 threads shared by every task arena, and the CPU
+// backend's device arenas draw their kernel threads from it; a TBB thread parked in a
+// loader wait is one the kernels cannot have (on 2 cores, the only one: a one-device
+// run would lose half its cores while the window is full). TBB tasks handing batches
+// across threads would also hide their synchronisation from ThreadSanitizer, which
+// checks this file. So the workers are plain threads that sleep on a condition
+// variable, and the kernels a dataset runs inside get_batch still use the arenas.
+
 // Note [Deterministic prefetch]
 // Workers claim batch numbers from one counter, in increasing order, and only while the
 // claimed number stays inside the window [next_consume_, next_consume_ + prefetch). A

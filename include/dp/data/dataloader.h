@@ -1,7 +1,8 @@
 // dp/data/dataloader.h — batches of a dataset, assembled ahead of time on worker threads.
 //
 // A DataLoader cuts one epoch's sampler indices into batches and has background
-// workers assemble them into a bounded prefetch window. Batch k of an epoch is always
+// worker threads (dedicated threads, not oneTBB's compute pool: Note [Loader threads])
+// assemble them into a bounded prefetch window. Batch k of an epoch is always
 // dataset.get_batch(indices[k*B, (k+1)*B)): order and content never depend on thread
 // timing, the worker count or the prefetch depth. Leaving a loop early stops and joins
 // the workers; an exception thrown while assembling batch k reaches the consumer as a
