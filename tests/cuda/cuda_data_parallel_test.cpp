@@ -171,6 +171,13 @@ TEST_CASE("a batch on the CPU and one already on device 0 train the same") {
   CHECK(max_diff(run(false), run(true)) == 0.0);
 }
 
+TEST_CASE("pin_memory of a device tensor is a dp::Error naming the device") {
+  Tensor on_gpu = dp::zeros({4}, dp::cuda(0));
+  CHECK_THROWS_WITH_AS(on_gpu.pin_memory(), doctest::Contains("cuda:0"), dp::Error);
+  CHECK_FALSE(dp::zeros({4}).is_pinned());
+  CHECK(dp::zeros({4}).pin_memory().is_pinned());
+}
+
 int main(int argc, char** argv) {
   int n = 0;
   try {

@@ -47,14 +47,16 @@ void* HostAllocator::allocate(std::size_t nbytes) {
   if (auto it = free_.find(size); it != free_.end()) {
     char* p = it->second;
     free_.erase(it);
-    blocks_.at(p).in_use = true;
-    allocated_ += size;
+    Block& block = blocks_.at(p);
+    block.in_use = true;
+    block.requested = nbytes;
+    allocated_ += nbytes;
     return p;
   }
   void* p = nullptr;
   cudaError_t err = cudaHostAlloc(&p, size, cudaHostAllocPortable);
   if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();  // clear the sticky-free error before retrying
+    (void)cudaGetLastError();  // reset the thread's last error before retrying
     for (auto& [sz, block] : free_) {
       blocks_.erase(block);
       reserved_ -= sz;
@@ -72,8 +74,9 @@ void* HostAllocator::allocate(std::size_t nbytes) {
   }
   Block& block = blocks_[static_cast<const char*>(p)];
   block.size = size;
+  block.requested = nbytes;
   block.in_use = true;
-  allocated_ += size;
+  allocated_ += nbytes;
   reserved_ += size;
   return p;
 }
@@ -89,7 +92,7 @@ void HostAllocator::deallocate(void* ptr) noexcept {
   }
   Block& block = it->second;
   block.in_use = false;
-  allocated_ -= block.size;
+  allocated_ -= block.requested;
   char* base = static_cast<char*>(ptr);
   if (block.events.empty()) {
     free_.emplace(block.size, base);

@@ -58,13 +58,15 @@ class HostAllocator {
   /// Frees every cached block that no copy still reads.
   void empty_cache();
 
-  /// Bytes in blocks handed out now, and bytes pinned in total (incl. cached blocks).
+  /// Bytes requested by the owners of the blocks handed out now (as the CPU backend
+  /// counts them), and bytes pinned in total (size classes, incl. cached blocks).
   std::size_t allocated() const;
   std::size_t reserved() const;
 
  private:
   struct Block {
-    std::size_t size = 0;
+    std::size_t size = 0;       // the size class, what cudaHostAlloc pinned
+    std::size_t requested = 0;  // bytes asked for by the current owner
     bool in_use = false;
     std::vector<std::pair<int, cudaEvent_t>> events;  // (device, event) per recorded use
   };
