@@ -6,12 +6,13 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "cuda_test_main.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <iostream>
 #include <random>
 #include <vector>
 
@@ -436,18 +437,4 @@ TEST_CASE("peer copies between two devices") {
   CHECK(a.down(*back, x.size()) == x);
 }
 
-int main(int argc, char** argv) {
-  int n = 0;
-  try {
-    n = dp::backend::get(dp::DeviceType::CUDA).device_count();
-  } catch (const std::exception& e) {
-    std::cerr << "cuda_backend_test: " << e.what() << '\n';
-  }
-  if (n == 0) {
-    std::cerr << "cuda_backend_test: SKIP — no usable CUDA device (no GPU, no driver, "
-                 "CUDA_VISIBLE_DEVICES empty, or dp built without CUDA)\n";
-    return 77;  // Meson's exit code for a skipped test
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char** argv) { return dp_test::run_if_cuda("cuda_backend_test", argc, argv); }

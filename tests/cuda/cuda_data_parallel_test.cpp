@@ -9,10 +9,11 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "cuda_test_main.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <iostream>
 #include <memory>
 #include <vector>
 
@@ -178,18 +179,4 @@ TEST_CASE("pin_memory of a device tensor is a dp::Error naming the device") {
   CHECK(dp::zeros({4}).pin_memory().is_pinned());
 }
 
-int main(int argc, char** argv) {
-  int n = 0;
-  try {
-    n = dp::device_count(dp::DeviceType::CUDA);
-  } catch (const std::exception& e) {
-    std::cerr << "cuda_data_parallel_test: " << e.what() << '\n';
-  }
-  if (n == 0) {
-    std::cerr << "cuda_data_parallel_test: SKIP — no usable CUDA device (no GPU, no driver, "
-                 "CUDA_VISIBLE_DEVICES empty, or dp built without CUDA)\n";
-    return 77;  // Meson's exit code for a skipped test
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char** argv) { return dp_test::run_if_cuda("cuda_data_parallel_test", argc, argv); }
