@@ -110,8 +110,6 @@ class CudaBackend final : public Backend {
   HandleLease<cublasHandle_t> cublas(int device);
   HandleLease<cudnnHandle_t> cudnn(int device);
   CachingAllocator& allocator(int device);
-  /// The pinned host memory allocator shared by every device.
-  HostAllocator& host_allocator() { return host_alloc_; }
   /// Whether FP32 GEMM/convolution may use TF32 tensor cores (DP_CUDA_ALLOW_TF32=1);
   /// off by default so that CUDA results match the CPU backend to FP32 tolerance.
   bool allow_tf32() const { return allow_tf32_; }

@@ -131,15 +131,6 @@ bool HostAllocator::record_use(const void* ptr, int device, cudaStream_t stream)
   return true;
 }
 
-bool HostAllocator::owns(const void* ptr) const {
-  const char* p = static_cast<const char*>(ptr);
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = blocks_.upper_bound(p);
-  if (it == blocks_.begin()) return false;
-  --it;
-  return std::less_equal<const char*>()(p, it->first + it->second.size - 1);
-}
-
 bool HostAllocator::release_completed(Block& block) {
   // Copies on different streams finish in any order: query every event, keep the
   // incomplete ones, recycle the rest.

@@ -5,7 +5,7 @@
 // synchronises every device. A DataLoader pins one batch per step, so blocks are cached
 // and handed out again, like device memory in CachingAllocator. Internal header.
 //
-//   HostAllocator& h = backend.host_allocator();
+//   HostAllocator h;                   // CudaBackend owns one for the process
 //   void* p = h.allocate(nbytes);
 //   cudaMemcpyAsync(dev_ptr, p, nbytes, cudaMemcpyHostToDevice, stream);
 //   h.record_use(p, device, stream);   // p is not reused before this copy has finished
@@ -53,8 +53,6 @@ class HostAllocator {
   /// work enqueued on `stream` so far has finished. Returns false, doing nothing, for
   /// memory this allocator does not own (pageable memory needs no record).
   bool record_use(const void* ptr, int device, cudaStream_t stream);
-  /// True when `ptr` lies inside a block handed out by this allocator.
-  bool owns(const void* ptr) const;
   /// Frees every cached block that no copy still reads.
   void empty_cache();
 
