@@ -19,6 +19,5 @@
 #include "dp/optim/optim.h"
 #include "dp/parallel/data_parallel.h"
 #include "dp/parallel/stats.h"
-#include "dp/parallel/worker_pool.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"

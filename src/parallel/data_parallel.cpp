@@ -8,32 +8,46 @@
 #include "dp/autograd/node.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
-#include "dp/parallel/worker_pool.h"
 #include "dp/tensor/ops.h"
-#include "parallel/ddp_reducer.h"
+#include "parallel/phase_timer.h"
+#include "parallel/reducer.h"
+#include "parallel/worker_pool.h"
 
 namespace dp {
 
 using parallel::Phase;
-using Clock = parallel::Trace::Clock;
+using parallel::PhaseTimer;
 
 namespace {
 
 std::vector<Device> devices_from_ids(const std::vector<int>& ids) {
   DeviceType type = default_device_type();
+  int n = device_count(type);
   std::vector<Device> out;
   if (ids.empty()) {
-    int n = device_count(type);
     for (int i = 0; i < n; ++i) out.push_back(Device{type, i});
     return out;
   }
   for (int id : ids) {
-    int n = device_count(type);
     DP_CHECK(id >= 0 && id < n, "DataParallel: device id ", id, " is out of range: expected [0, ", n,
              ") ", type, " devices");
     out.push_back(Device{type, id});
   }
   return out;
+}
+
+void check_device_list(const std::vector<Device>& devices) {
+  DP_CHECK(!devices.empty(), "DataParallel: expected at least one device, got an empty list");
+  std::set<int> seen;
+  for (const Device& d : devices) {
+    DP_CHECK(d.type == devices[0].type, "DataParallel: expected devices of one type, got ", devices[0],
+             " and ", d);
+    int n = device_count(d.type);
+    DP_CHECK(d.index >= 0 && d.index < n, "DataParallel: device ", d, " is out of range: ", n, " ",
+             d.type, " devices exist");
+    DP_CHECK(seen.insert(d.index).second, "DataParallel: device ", d,
+             " appears twice in the device list; each device may be listed once");
+  }
 }
 
 // Note [Gather backward]
@@ -44,15 +58,14 @@ std::vector<Device> devices_from_ids(const std::vector<int>& ids) {
 // gradients are then reduced (DP) or have been all-reduced during backward (DDP).
 class GatherBackward final : public autograd::Node {
  public:
-  GatherBackward(std::vector<Tensor> outputs, std::vector<std::int64_t> sizes,
-                 std::function<Tensor(const std::vector<Tensor>&, const std::vector<Tensor>&)> run)
+  using Run = std::function<Tensor(const std::vector<Tensor>& roots, const std::vector<Tensor>& pieces)>;
+  GatherBackward(std::vector<Tensor> outputs, std::vector<std::int64_t> sizes, Run run)
       : outputs_(std::move(outputs)), sizes_(std::move(sizes)), run_(std::move(run)) {}
   std::string name() const override { return "DataParallelGatherBackward"; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
     DP_CHECK(!released_, "backward through DataParallel's output a second time: the replicas' graphs "
              "were freed by the first backward");
-    std::vector<Tensor> pieces = split(grads[0].detach(), sizes_);
-    Tensor input_grad = run_(outputs_, pieces);
+    Tensor input_grad = run_(outputs_, split(grads[0].detach(), sizes_));
     if (next_edges.empty()) return {};
     return {input_grad};
   }
@@ -64,10 +77,72 @@ class GatherBackward final : public autograd::Node {
  private:
   std::vector<Tensor> outputs_;
   std::vector<std::int64_t> sizes_;
-  std::function<Tensor(const std::vector<Tensor>&, const std::vector<Tensor>&)> run_;
+  Run run_;
 };
 
 }  // namespace
+
+struct DataParallel::ShardPlan {
+  std::int64_t rows = 0;
+  std::vector<std::int64_t> sizes, offsets;  // per rank; a rank may get 0 rows
+};
+
+// Note [Step scope]
+// Everything that runs the workers — forward, forward_backward, the backward through
+// a gathered output, and the optimizer's executor — is one Step. It owns the busy
+// flag (a second step from inside a worker would deadlock: it is an error instead),
+// the replicate bookkeeping (Note [When replicas are refreshed]), the reducer's
+// cycle for steps that run backward, and the one failure path: the first worker to
+// fail aborts the communicator and the reducer, so every other worker and comm
+// thread is released (Note [Root cause]); once all have returned, the comm threads
+// are joined, the communicator is re-armed and the exception reaches the caller.
+// The DataParallel is then usable again: the next step re-synchronises the replicas.
+class DataParallel::Step {
+ public:
+  struct Options {
+    bool replicate = false;  // a forward: replicas must hold device 0's parameters
+    bool backward = false;   // runs backward: the reducer's cycle is armed
+  };
+  Step(DataParallel& dp, const char* what, Options options) : dp_(dp), options_(options) {
+    DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
+    if (options_.replicate) sync_params_ = dp_.begin_replicate();
+    if (options_.backward) dp_.reducer_->prepare(dp_.options_.mode == Mode::DP || dp_.require_sync_);
+    dp_.busy_ = true;
+  }
+  ~Step() {
+    if (options_.backward) dp_.reducer_->end();
+    dp_.busy_ = false;
+  }
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
+
+  bool sync_params() const { return sync_params_; }
+
+  /// Runs fn(rank) on every worker, bound to its replica; one failure path.
+  void run(const std::function<void(int rank)>& fn) {
+    try {
+      dp_.workers_->run(
+          [&](int r) {
+            nn::ReplicaBinding bind(r);
+            fn(r);
+          },
+          [this](int r, const std::exception_ptr& e) { dp_.abort_step(r, e); });
+    } catch (...) {
+      if (options_.backward) dp_.reducer_->end();  // join the comm threads first
+      dp_.comm_->reset();
+      throw;
+    }
+    if (options_.replicate) {
+      dp_.end_replicate();
+      dp_.recorder_->count_iteration();
+    }
+  }
+
+ private:
+  DataParallel& dp_;
+  Options options_;
+  bool sync_params_ = false;
+};
 
 // ---- construction -------------------------------------------------------------------------
 
@@ -85,20 +160,13 @@ DataParallel::DataParallel(std::shared_ptr<nn::Module> net, std::vector<Device> 
 
 void DataParallel::init(std::vector<Device> devices) {
   DP_CHECK(net_ != nullptr, "DataParallel: expected a module, got null");
-  DP_CHECK(!devices.empty(), "DataParallel: expected at least one device, got an empty list");
-  std::set<int> seen;
-  for (const Device& d : devices) {
-    DP_CHECK(d.type == devices[0].type, "DataParallel: expected devices of one type, got ", devices[0],
-             " and ", d);
-    int n = device_count(d.type);
-    DP_CHECK(d.index >= 0 && d.index < n, "DataParallel: device ", d, " is out of range: ", n, " ",
-             d.type, " devices exist");
-    DP_CHECK(seen.insert(d.index).second, "DataParallel: device ", d,
-             " appears twice in the device list; each device may be listed once");
-  }
-  int n = static_cast<int>(devices.size());
+  check_device_list(devices);
+  const int n = static_cast<int>(devices.size());
   DP_CHECK(options_.output_device >= 0 && options_.output_device < n, "DataParallel: output_device ",
            options_.output_device, " is not an index into the ", n, " devices");
+  DP_CHECK(options_.bucket_cap_mb > 0 && options_.first_bucket_mb > 0,
+           "DataParallel: expected bucket_cap_mb and first_bucket_mb > 0, got ", options_.bucket_cap_mb, " and ",
+           options_.first_bucket_mb);
   devices_ = std::move(devices);
 
   net_->to(devices_[0]);
@@ -110,8 +178,9 @@ void DataParallel::init(std::vector<Device> devices) {
   for (auto& [name, t] : net_->named_parameters()) param_names_.push_back(name);
 
   backend::get(devices_[0]).set_concurrent_devices(n);
-  workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker");
+  recorder_ = std::make_unique<parallel::PhaseRecorder>(devices_);
   comm_ = comm::make_communicator(devices_);
+  workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker");
   bool ddp = options_.mode == Mode::DDP;
   for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!ddp);
   for (auto& b : buffers_) {
@@ -121,41 +190,45 @@ void DataParallel::init(std::vector<Device> devices) {
   }
   storage_base_.assign(n, 0);
   end_replicate();
+  make_reducer();
 
-  // Optimizer steps run each copy on its own device's worker.
+  // Optimizer steps (and zero_grad) run each copy on its own device's worker.
   set_->set_executor([this](int copies, const std::function<void(int)>& fn) {
-    try {
-      workers_->run(
-          [&](int r) {
-            if (r >= copies) return;
-            nn::ReplicaBinding bind(r);
-            auto t0 = Clock::now();
-            fn(r);
-            add_time(r, Phase::Step, t0);
-          },
-          [this](int, const std::string& what) { abort_step(what); });
-    } catch (...) {
-      // abort_step() aborted the communicator; re-arm it, or every later step
-      // would fail with "collective aborted".
-      comm_->reset();
-      throw;
-    }
+    Step step(*this, "the optimizer", {});
+    step.run([&](int r) {
+      if (r >= copies) return;
+      PhaseTimer t(*recorder_, r, Phase::Step);
+      fn(r);
+    });
   });
+}
 
-  if (ddp) {
+// DP reduces the whole gradient buffer onto device 0 after backward; DDP all-reduces
+// buckets while backward runs (Note [Gradient buckets]). Both go through the reducer.
+void DataParallel::make_reducer() {
+  const auto& slots = set_->slots();
+  std::vector<parallel::Bucket> buckets;
+  std::unique_ptr<parallel::GradSync> sync;
+  if (options_.mode == Mode::DDP) {
     std::vector<std::int64_t> numel;
-    for (auto& s : set_->slots()) numel.push_back(s->copies[0].numel());
-    reducer_ = std::make_unique<parallel::DdpReducer>(numel, n, options_.bucket_cap_mb,
-                                                      options_.first_bucket_mb);
-    auto& slots = set_->slots();
-    for (int r = 0; r < n; ++r)
-      for (int i = 0; i < static_cast<int>(slots.size()); ++i)
-        autograd::add_post_accumulate_hook(slots[i]->copies[r],
-                                           [red = reducer_.get(), r, i](const Tensor&) { red->mark_ready(r, i); });
-    comm_threads_ = std::make_unique<parallel::WorkerPool>(devices_, "comm");
+    for (auto& s : slots) numel.push_back(s->copies[0].numel());
+    buckets = parallel::assign_buckets(numel, parallel::mib_to_floats(options_.first_bucket_mb),
+                                       parallel::mib_to_floats(options_.bucket_cap_mb));
+    sync = parallel::make_all_reduce_sync(*comm_);
+  } else {
+    buckets = {parallel::Bucket{0, set_->numel(), 0, static_cast<int>(slots.size())}};
+    sync = parallel::make_reduce_to_root_sync(*comm_, 0);
   }
-  stats_.devices.resize(n);
-  for (int r = 0; r < n; ++r) stats_.devices[r].device = devices_[r];
+  reducer_ = std::make_unique<parallel::Reducer>(
+      devices_, std::move(buckets), std::move(sync), [this](int r) { return set_->copy(r).grad; }, *recorder_);
+  reducer_->set_failure_hook([this](int r, const std::exception_ptr& e) { abort_step(r, e); });
+  if (options_.check_finite_grads)
+    reducer_->set_check([this](int r, std::int64_t lo, std::int64_t hi) { check_finite(r, lo, hi); });
+  if (options_.mode != Mode::DDP) return;
+  for (int r = 0; r < static_cast<int>(devices_.size()); ++r)
+    for (int i = 0; i < static_cast<int>(slots.size()); ++i)
+      autograd::add_post_accumulate_hook(slots[i]->copies[r],
+                                         [red = reducer_.get(), r, i](const Tensor&) { red->mark_ready(r, i); });
 }
 
 DataParallel::~DataParallel() {
@@ -171,52 +244,38 @@ DataParallel::~DataParallel() {
   }
 }
 
-// ---- helpers ---------------------------------------------------------------------------------
+// ---- accessors -------------------------------------------------------------------------------
 
-std::uint64_t DataParallel::primary_version() const {
-  // The set's version counts optimizer steps and loads; the storage's counts in-place
-  // writes through parameter tensors. Both only grow, so their sum changes whenever
-  // either does.
-  return set_->version() + set_->copy(0).data.storage()->version();
-}
-
-void DataParallel::add_time(int rank, Phase p, Clock::time_point start, std::string args) {
-  auto end = Clock::now();
-  double ms = std::chrono::duration<double, std::milli>(end - start).count();
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_.devices[rank].ms[static_cast<int>(p)] += ms;
-  }
-  if (trace_.enabled()) {
-    const char* track = p == Phase::AllReduceHidden ? "comm " : "worker ";
-    trace_.record(track + devices_[rank].str(), parallel::phase_name(p), start, end, std::move(args));
-  }
-}
+parallel::Trace& DataParallel::trace() { return recorder_->trace(); }
 
 parallel::Stats DataParallel::stats() const {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  parallel::Stats s = stats_;
+  parallel::Stats s = recorder_->snapshot();
   for (auto& d : s.devices) d.peak_memory_bytes = backend::get(d.device).max_memory_allocated(d.device);
   return s;
 }
 
 void DataParallel::reset_stats() {
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  stats_.iterations = 0;
-  for (auto& d : stats_.devices) std::fill(std::begin(d.ms), std::end(d.ms), 0.0);
+  recorder_->reset();
   for (auto& d : devices_) backend::get(d).reset_peak_memory(d);
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::buckets() const {
   std::vector<std::pair<std::int64_t, std::int64_t>> out;
-  if (reducer_)
-    for (auto& b : reducer_->buckets) out.emplace_back(b.lo, b.hi);
+  if (options_.mode == Mode::DDP)
+    for (auto& b : reducer_->buckets()) out.emplace_back(b.lo, b.hi);
   return out;
 }
 
-std::vector<std::int64_t> DataParallel::shard_sizes(std::int64_t rows) const {
-  int n = static_cast<int>(devices_.size());
-  std::vector<std::int64_t> sizes;
+nn::LoadResult DataParallel::load_state_dict(const nn::StateDict& state, bool strict) {
+  // The replicas pick the new values up at the next forward (primary_version changed).
+  return net_->load_state_dict(state, strict);
+}
+
+// ---- scatter, replicate, gather --------------------------------------------------------------
+
+DataParallel::ShardPlan DataParallel::plan_shards(std::int64_t rows) const {
+  const int n = static_cast<int>(devices_.size());
+  ShardPlan plan{rows, {}, std::vector<std::int64_t>(n, 0)};
   if (!options_.chunk_sizes.empty()) {
     const auto& cs = options_.chunk_sizes;
     DP_CHECK(static_cast<int>(cs.size()) <= n, "DataParallel: ", cs.size(), " chunk_sizes for ", n,
@@ -227,31 +286,38 @@ std::vector<std::int64_t> DataParallel::shard_sizes(std::int64_t rows) const {
       total += c;
     }
     DP_CHECK(total == rows, "DataParallel: chunk_sizes sum to ", total, " but the batch has ", rows, " rows");
-    sizes = cs;
+    plan.sizes = cs;
   } else {
     std::int64_t step = (rows + n - 1) / n;  // torch.chunk: ceil-sized chunks
-    for (std::int64_t at = 0; at < rows; at += step) sizes.push_back(std::min(step, rows - at));
+    for (std::int64_t at = 0; at < rows; at += step) plan.sizes.push_back(std::min(step, rows - at));
   }
-  sizes.resize(n, 0);
-  return sizes;
+  plan.sizes.resize(n, 0);
+  for (int r = 1; r < n; ++r) plan.offsets[r] = plan.offsets[r - 1] + plan.sizes[r - 1];
+  return plan;
 }
 
-nn::LoadResult DataParallel::load_state_dict(const nn::StateDict& state, bool strict) {
-  nn::LoadResult r = net_->load_state_dict(state, strict);
-  // DDP replicas pick the new values up at the next forward (primary_version changed).
-  return r;
+// Note [Scatter backward]: when the input needs a gradient, each worker's shard is a
+// leaf of that worker's graph; after the workers' backward, GatherBackward returns
+// the leaves' gradients, concatenated on the input's device, along its edge.
+Tensor DataParallel::scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf) {
+  PhaseTimer t(*recorder_, rank, Phase::Scatter);
+  Tensor shard = src.narrow(0, plan.offsets[rank], plan.sizes[rank]).to(devices_[rank]);
+  if (as_leaf) {
+    if (shard.storage() == src.storage()) shard = shard.clone();  // the leaf owns its storage
+    shard.set_requires_grad(true);
+  }
+  return shard;
 }
 
 // Copies what replica `rank` needs from device 0 before its forward. Runs on every
-// worker (collectives need every rank); the caller decides what to copy, once, so
-// every rank makes the same sequence of collectives.
+// worker (collectives need every rank); the Step decided once what to copy, so every
+// rank makes the same sequence of collectives.
 void DataParallel::replicate(int rank, bool sync_params) {
   if (devices_.size() == 1) return;
-  auto t0 = Clock::now();
+  PhaseTimer t(*recorder_, rank, Phase::Replicate);
   if (sync_params) comm_->broadcast(rank, set_->copy(rank).data, 0);
-  bool sync_buffers = options_.mode == Mode::DP || options_.broadcast_buffers;
   bool moved = sync_params;
-  if (sync_buffers) {
+  if (options_.mode == Mode::DP || options_.broadcast_buffers) {
     for (auto& b : buffers_) {
       // int64 buffers (num_batches_tracked) are counters read from device 0 only.
       if (b->copies[rank].dtype() != Dtype::Float32) continue;
@@ -260,7 +326,194 @@ void DataParallel::replicate(int rank, bool sync_params) {
     }
   }
   if (options_.mode == Mode::DP && rank > 0) set_->copy(rank).grad.zero_();
-  if (moved) add_time(rank, Phase::Replicate, t0, sync_params ? "\"parameters\": true" : "\"parameters\": false");
+  if (!moved) return t.cancel();
+  t.set_args(sync_params ? "\"parameters\": true" : "\"parameters\": false");
+}
+
+// Copies the outputs onto the output device without recording: the replicas' graphs
+// stay with their workers (Note [Gather backward]).
+Tensor DataParallel::gather(const std::vector<Tensor>& outs, const ShardPlan& plan) {
+  PhaseTimer t(*recorder_, options_.output_device, Phase::Gather);
+  NoGradGuard no_grad;
+  std::vector<Tensor> moved;
+  for (int r = 0; r < static_cast<int>(devices_.size()); ++r) {
+    if (plan.sizes[r] == 0) continue;
+    DP_CHECK(outs[r].defined() && outs[r].dim() >= 1 && outs[r].size(0) == plan.sizes[r],
+             "DataParallel: the module's output on ", devices_[r], " must keep the batch in dim 0 (",
+             plan.sizes[r], " rows), got ", outs[r].str());
+    moved.push_back(outs[r].detach().to(output_device()));
+  }
+  return moved.size() == 1 ? moved[0].clone() : cat(moved);
+}
+
+// ---- the two forward paths -------------------------------------------------------------------
+
+Tensor DataParallel::forward(const Tensor& x) {
+  DP_CHECK(x.defined() && x.dim() >= 1 && x.size(0) >= 1,
+           "DataParallel: expected a batched input (N, ...) with N >= 1, got ",
+           x.defined() ? x.str() : "an undefined tensor");
+  Step step(*this, "forward", {.replicate = true});
+  const int n = static_cast<int>(devices_.size());
+  const ShardPlan plan = plan_shards(x.size(0));
+  const bool grad_mode = is_grad_enabled();
+  const bool input_grad = grad_mode && x.requires_grad();
+  const Tensor input = x.detach();
+  std::vector<Tensor> outs(n), leaves(n);
+  step.run([&](int r) {
+    GradModeGuard grad_guard(grad_mode);
+    replicate(r, step.sync_params());
+    if (plan.sizes[r] == 0) return;
+    Tensor xr = scatter(r, input, plan, input_grad);
+    if (input_grad) leaves[r] = xr;
+    PhaseTimer t(*recorder_, r, Phase::Forward);
+    outs[r] = net_->forward(xr);
+  });
+  Tensor out = gather(outs, plan);
+  bool needs_grad = std::any_of(outs.begin(), outs.end(), [](const Tensor& o) { return o.defined() && o.requires_grad(); });
+  if (grad_mode && needs_grad) connect_gather_backward(out, x, input_grad, outs, plan, std::move(leaves));
+  return out;
+}
+
+Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, const LossFn& loss_fn) {
+  DP_CHECK(x.defined() && x.dim() >= 1 && x.size(0) >= 1,
+           "DataParallel::forward_backward: expected a batched input (N, ...), got ",
+           x.defined() ? x.str() : "an undefined tensor");
+  DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == x.size(0),
+           "DataParallel::forward_backward: expected a target with ", x.size(0), " rows, got ",
+           target.defined() ? target.str() : "an undefined tensor");
+  DP_CHECK(loss_fn != nullptr, "DataParallel::forward_backward: expected a loss function");
+  Step step(*this, "forward_backward", {.replicate = true, .backward = true});
+  const int n = static_cast<int>(devices_.size());
+  const ShardPlan plan = plan_shards(x.size(0));
+  const Tensor input = x.detach(), tgt = target.detach();
+  std::vector<Tensor> losses(n);
+  step.run([&](int r) {
+    GradModeGuard grad_guard(true);
+    replicate(r, step.sync_params());
+    if (plan.sizes[r] > 0) losses[r] = worker_loss_backward(r, input, tgt, plan, loss_fn);
+    reducer_->finalize(r);
+  });
+  // The batch loss: the weighted shard losses summed in device order.
+  NoGradGuard no_grad;
+  Tensor total;
+  for (const Tensor& l : losses) {
+    if (!l.defined()) continue;
+    Tensor v = l.reshape({}).to(output_device());
+    total = total.defined() ? add(total, v) : v;
+  }
+  return total;
+}
+
+// One worker's shard of forward_backward; returns its weighted loss.
+Tensor DataParallel::worker_loss_backward(int rank, const Tensor& x, const Tensor& target, const ShardPlan& plan,
+                                          const LossFn& loss_fn) {
+  Tensor xr = scatter(rank, x, plan), yr = scatter(rank, target, plan);
+  Tensor loss;
+  {
+    PhaseTimer t(*recorder_, rank, Phase::Forward);
+    // Note [Loss scaling]: each shard's mean loss is weighted by its share of the
+    // batch, so the SUM over devices is the full-batch mean — exact for uneven
+    // shards, and the same arithmetic in DP and DDP.
+    double weight = static_cast<double>(plan.sizes[rank]) / static_cast<double>(plan.rows);
+    loss = mul(loss_fn(net_->forward(xr), yr), weight);
+    DP_CHECK(loss.numel() == 1, "DataParallel::forward_backward: the loss function must return a scalar, got ",
+             loss.str());
+  }
+  PhaseTimer t(*recorder_, rank, Phase::Backward);
+  loss.backward();
+  return loss.detach();
+}
+
+// ---- backward through a gathered output ------------------------------------------------------
+
+void DataParallel::connect_gather_backward(Tensor& out, const Tensor& x, bool input_grad,
+                                           const std::vector<Tensor>& outs, const ShardPlan& plan,
+                                           std::vector<Tensor> leaves) {
+  std::vector<Tensor> live;
+  std::vector<std::int64_t> live_sizes;
+  for (std::size_t r = 0; r < outs.size(); ++r)
+    if (plan.sizes[r] > 0) {
+      live.push_back(outs[r]);
+      live_sizes.push_back(plan.sizes[r]);
+    }
+  auto node = std::make_shared<GatherBackward>(
+      std::move(live), live_sizes,
+      [this, alive = std::weak_ptr<int>(alive_), sizes = plan.sizes, leaves = std::move(leaves),
+       input_device = x.device()](const std::vector<Tensor>& live_roots, const std::vector<Tensor>& pieces) {
+        DP_CHECK(!alive.expired(), "backward through an output of a DataParallel that was destroyed; "
+                 "keep the DataParallel alive until backward() has run");
+        std::vector<Tensor> roots(sizes.size()), grads(sizes.size());
+        for (std::size_t r = 0, k = 0; r < sizes.size(); ++r)
+          if (sizes[r] > 0) {
+            roots[r] = live_roots[k];
+            grads[r] = pieces[k++];
+          }
+        return backward_from_gather(roots, grads, leaves, input_device);
+      });
+  std::vector<Tensor> node_inputs;
+  if (input_grad) node_inputs.push_back(x);
+  autograd::connect(node, node_inputs, {&out});
+}
+
+// Runs each rank's part of backward on its own worker, then returns the input's
+// gradient (Note [Scatter backward]) when the input asked for one.
+Tensor DataParallel::backward_from_gather(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+                                          const std::vector<Tensor>& leaves, Device input_device) {
+  {
+    Step step(*this, "backward", {.backward = true});
+    step.run([&](int r) {
+      if (roots[r].defined()) {
+        PhaseTimer t(*recorder_, r, Phase::Backward);
+        GradModeGuard grad_guard(true);
+        autograd::run_backward({roots[r]}, {grads[r].to(devices_[r])}, false);
+      }
+      reducer_->finalize(r);
+    });
+  }
+  std::vector<Tensor> pieces;
+  for (const Tensor& leaf : leaves) {
+    if (!leaf.defined()) continue;
+    Tensor g = leaf.grad();
+    pieces.push_back(g.defined() ? g.to(input_device) : zeros(leaf.shape(), input_device));
+  }
+  if (pieces.empty()) return Tensor();
+  return pieces.size() == 1 ? pieces[0] : cat(pieces);
+}
+
+// ---- failures and checks ---------------------------------------------------------------------
+
+// The first failure on any worker or comm thread releases everyone else (Note [Step scope]).
+void DataParallel::abort_step(int rank, const std::exception_ptr& error) {
+  comm_->abort(detail::str_cat(devices_[rank], " failed: ", parallel::describe(error)));
+  reducer_->abort();
+}
+
+// Note [Finite gradient check]
+// Each device's own gradient is checked before it is combined (DP: before the reduce;
+// DDP: each bucket before its all-reduce), so the error names the device the NaN or
+// Inf came from; the combined result is checked again (a sum of finite values can
+// overflow). Buckets never split a parameter, so a range is whole parameters.
+void DataParallel::check_finite(int rank, std::int64_t lo, std::int64_t hi) {
+  const Tensor& g = set_->copy(rank).grad;
+  auto& be = backend::get(devices_[rank]);
+  if (be.count_nonfinite(devices_[rank], g.data<float>() + lo, hi - lo) == 0) return;
+  const auto& slots = set_->slots();
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    std::int64_t cnt = slots[i]->copies[0].numel();
+    if (slots[i]->offset < lo || slots[i]->offset + cnt > hi) continue;
+    if (be.count_nonfinite(devices_[rank], g.data<float>() + slots[i]->offset, cnt) > 0)
+      DP_FAIL("non-finite gradient (NaN or Inf) in parameter '", param_names_[i], "' on ", devices_[rank],
+              " — lower the learning rate, check the loss for log(0) or the data for NaN");
+  }
+}
+
+// ---- replica bookkeeping ---------------------------------------------------------------------
+
+std::uint64_t DataParallel::primary_version() const {
+  // The set's version counts optimizer steps and loads; the storage's counts in-place
+  // writes through parameter tensors. Both only grow, so their sum changes whenever
+  // either does.
+  return set_->version() + set_->copy(0).data.storage()->version();
 }
 
 // Note [When replicas are refreshed]
@@ -290,302 +543,6 @@ bool DataParallel::begin_replicate() {
 void DataParallel::end_replicate() {
   synced_version_ = primary_version();
   for (int r = 0; r < set_->num_copies(); ++r) storage_base_[r] = set_->copy(r).data.storage()->version();
-}
-
-// ---- forward ---------------------------------------------------------------------------------
-
-Tensor DataParallel::forward(const Tensor& x) {
-  DP_CHECK(x.defined() && x.dim() >= 1, "DataParallel: expected a batched input (N, ...), got ",
-           x.defined() ? x.str() : "an undefined tensor");
-  DP_CHECK(x.size(0) >= 1, "DataParallel: expected a batch with at least one row, got ", x.str());
-  DP_CHECK(!busy_, "DataParallel: forward called re-entrantly (from inside a worker?)");
-  busy_ = true;
-  struct Busy {
-    bool& b;
-    ~Busy() { b = false; }
-  } busy{busy_};
-  int n = static_cast<int>(devices_.size());
-  std::vector<std::int64_t> sizes = shard_sizes(x.size(0));
-  std::vector<std::int64_t> offsets(n, 0);
-  for (int r = 1; r < n; ++r) offsets[r] = offsets[r - 1] + sizes[r - 1];
-  std::vector<Tensor> outs(n);
-  bool grad_mode = is_grad_enabled();
-  // Note [Scatter backward]: when x needs a gradient, each worker's shard becomes a
-  // leaf of that worker's graph; after the workers' backward, GatherBackward returns
-  // the shards' gradients, concatenated on x's device, along its edge to x.
-  Tensor input = x.detach();
-  bool input_grad = grad_mode && x.requires_grad();
-  std::vector<Tensor> shards(n);
-  bool sync_params = begin_replicate();
-
-  try {
-    workers_->run(
-        [&](int r) {
-          nn::ReplicaBinding bind(r);
-          GradModeGuard grad_guard(grad_mode);
-          replicate(r, sync_params);
-          if (sizes[r] == 0) return;
-          auto t0 = Clock::now();
-          Tensor xr = input.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
-          if (input_grad) {
-            if (xr.storage() == input.storage()) xr = xr.clone();  // own the leaf's storage
-            xr.set_requires_grad(true);
-            shards[r] = xr;
-          }
-          add_time(r, Phase::Scatter, t0);
-          t0 = Clock::now();
-          outs[r] = net_->forward(xr);
-          add_time(r, Phase::Forward, t0);
-        },
-        [this](int, const std::string& what) { abort_step(what); });
-  } catch (...) {
-    comm_->reset();
-    throw;
-  }
-  end_replicate();
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    ++stats_.iterations;
-  }
-
-  // Gather onto the output device without recording: the replicas' graphs stay with
-  // their workers (Note [Gather backward]).
-  auto t0 = Clock::now();
-  std::vector<Tensor> live, moved;
-  std::vector<std::int64_t> live_sizes;
-  bool needs_grad = false;
-  for (int r = 0; r < n; ++r) {
-    if (sizes[r] == 0) continue;
-    DP_CHECK(outs[r].defined() && outs[r].dim() >= 1 && outs[r].size(0) == sizes[r],
-             "DataParallel: the module's output on ", devices_[r], " must keep the batch in dim 0 (",
-             sizes[r], " rows), got ", outs[r].str());
-    needs_grad = needs_grad || outs[r].requires_grad();
-    NoGradGuard no_grad;
-    moved.push_back(outs[r].detach().to(output_device()));
-    live_sizes.push_back(sizes[r]);
-  }
-  Tensor out;
-  {
-    NoGradGuard no_grad;
-    out = moved.size() == 1 ? moved[0].clone() : cat(moved);
-  }
-  add_time(options_.output_device, Phase::Gather, t0);
-  if (needs_grad && grad_mode) {
-    Device input_device = x.device();
-    auto node = std::make_shared<GatherBackward>(
-        outs, live_sizes,
-        [this, alive = std::weak_ptr<int>(alive_), sizes, shards, input_device](
-            const std::vector<Tensor>& roots, const std::vector<Tensor>& pieces) -> Tensor {
-          DP_CHECK(!alive.expired(), "backward through an output of a DataParallel that was destroyed; "
-                   "keep the DataParallel alive until backward() has run");
-          // Map the live pieces back onto ranks.
-          int n = static_cast<int>(devices_.size());
-          std::vector<Tensor> rr(n), gg(n);
-          std::size_t k = 0;
-          for (int r = 0; r < n; ++r)
-            if (sizes[r] > 0) {
-              rr[r] = roots[r];
-              gg[r] = pieces[k++];
-            }
-          run_backward_on_workers(rr, gg);
-          if (!shards[0].defined()) return Tensor();
-          std::vector<Tensor> grads;
-          for (int r = 0; r < n; ++r) {
-            if (sizes[r] == 0) continue;
-            Tensor g = shards[r].grad();
-            grads.push_back(g.defined() ? g.to(input_device) : zeros(shards[r].shape(), input_device));
-          }
-          return grads.size() == 1 ? grads[0] : cat(grads);
-        });
-    std::vector<Tensor> node_inputs;
-    if (input_grad) node_inputs.push_back(x);
-    autograd::connect(node, node_inputs, {&out});
-  }
-  return out;
-}
-
-Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, const LossFn& loss_fn) {
-  DP_CHECK(x.defined() && x.dim() >= 1 && x.size(0) >= 1,
-           "DataParallel::forward_backward: expected a batched input (N, ...), got ",
-           x.defined() ? x.str() : "an undefined tensor");
-  DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == x.size(0),
-           "DataParallel::forward_backward: expected a target with ", x.size(0), " rows, got ",
-           target.defined() ? target.str() : "an undefined tensor");
-  DP_CHECK(loss_fn != nullptr, "DataParallel::forward_backward: expected a loss function");
-  DP_CHECK(!busy_, "DataParallel: forward_backward called re-entrantly");
-  busy_ = true;
-  struct Busy {
-    bool& b;
-    ~Busy() { b = false; }
-  } busy{busy_};
-  int n = static_cast<int>(devices_.size());
-  std::int64_t rows = x.size(0);
-  std::vector<std::int64_t> sizes = shard_sizes(rows);
-  std::vector<std::int64_t> offsets(n, 0);
-  for (int r = 1; r < n; ++r) offsets[r] = offsets[r - 1] + sizes[r - 1];
-  std::vector<Tensor> losses(n);
-  Tensor input = x.detach(), tgt = target.detach();
-  bool sync_params = begin_replicate();
-  run_synced([&](int r) {
-    nn::ReplicaBinding bind(r);
-    GradModeGuard grad_guard(true);
-    replicate(r, sync_params);
-    if (sizes[r] > 0) {
-      auto t0 = Clock::now();
-      Tensor xr = input.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
-      Tensor yr = tgt.narrow(0, offsets[r], sizes[r]).to(devices_[r]);
-      add_time(r, Phase::Scatter, t0);
-      t0 = Clock::now();
-      Tensor out = net_->forward(xr);
-      // Note [Loss scaling]: each shard's mean loss is weighted by its share of
-      // the batch, so the SUM over devices is the full-batch mean — exact for
-      // uneven shards, and the same arithmetic in DP and DDP.
-      Tensor loss = mul(loss_fn(out, yr), static_cast<double>(sizes[r]) / static_cast<double>(rows));
-      DP_CHECK(loss.numel() == 1, "DataParallel::forward_backward: the loss function must return a "
-               "scalar, got ", loss.str());
-      add_time(r, Phase::Forward, t0);
-      t0 = Clock::now();
-      losses[r] = loss.detach();
-      loss.backward();
-      add_time(r, Phase::Backward, t0);
-    }
-    after_backward(r);
-  });
-  end_replicate();
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    ++stats_.iterations;
-  }
-  // The batch loss: the weighted shard losses summed in device order.
-  NoGradGuard no_grad;
-  Tensor total;
-  for (int r = 0; r < n; ++r) {
-    if (!losses[r].defined()) continue;
-    Tensor l = losses[r].reshape({}).to(output_device());
-    total = total.defined() ? add(total, l) : l;
-  }
-  return total;
-}
-
-// ---- backward ---------------------------------------------------------------------------------
-
-void DataParallel::run_backward_on_workers(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads) {
-  run_synced([&](int r) {
-    nn::ReplicaBinding bind(r);
-    if (roots[r].defined()) {
-      auto t0 = Clock::now();
-      GradModeGuard grad_guard(true);
-      autograd::run_backward({roots[r]}, {grads[r].to(devices_[r])}, false);
-      add_time(r, Phase::Backward, t0);
-    }
-    after_backward(r);
-  });
-}
-
-// Runs fn(rank) on every worker as a step whose gradients are synchronised: DDP's
-// comm threads are armed first, and a failure on any device aborts the step on all.
-void DataParallel::run_synced(const std::function<void(int)>& fn) {
-  bool sync = begin_backward();
-  try {
-    workers_->run(fn, [this](int, const std::string& what) { abort_step(what); });
-  } catch (...) {
-    end_backward(sync, /*failed=*/true);
-    throw;
-  }
-  end_backward(sync, /*failed=*/false);
-}
-
-// Note [Comm threads]
-// Each device has a comm thread, the CPU model of a CUDA communication stream: it
-// takes the device's buckets in index order, waits until each is complete and
-// all-reduces it, while the device's worker goes on with backward.
-bool DataParallel::begin_backward() {
-  if (!reducer_) return false;
-  reducer_->prepare();
-  reducer_->active.store(require_sync_);
-  if (!require_sync_) return false;
-  comm_threads_->launch(
-      [this](int r) {
-        auto& red = *reducer_;
-        for (int b = 0; b < static_cast<int>(red.buckets.size()); ++b) {
-          if (!red.wait_ready(r, b)) return;
-          auto t0 = Clock::now();
-          const auto& bk = red.buckets[b];
-          // Note [Finite gradient check]: before the all-reduce spreads it everywhere.
-          if (options_.check_finite_grads) check_finite(r, bk.lo, bk.hi);
-          Tensor slice = set_->copy(r).grad.narrow(0, bk.lo, bk.hi - bk.lo);
-          comm_->all_reduce(r, slice, slice, comm::ReduceOp::Sum);
-          auto t1 = Clock::now();
-          red.ranks[r].comm_ms.store(red.ranks[r].comm_ms.load() +
-                                     std::chrono::duration<double, std::milli>(t1 - t0).count());
-          if (trace_.enabled())
-            trace_.record("comm " + devices_[r].str(), "allreduce bucket " + std::to_string(b), t0, t1,
-                          "\"bytes\": " + std::to_string((bk.hi - bk.lo) * 4));
-        }
-      },
-      [this](int, const std::string& what) { abort_step(what); });
-  return true;
-}
-
-void DataParallel::end_backward(bool sync, bool failed) {
-  if (sync && failed)
-    for (int r = 0; r < static_cast<int>(devices_.size()); ++r) comm_threads_->wait(r);
-  if (reducer_) reducer_->active.store(false);
-  if (failed) comm_->reset();
-}
-
-void DataParallel::abort_step(const std::string& what) {
-  comm_->abort(what);
-  if (reducer_) reducer_->abort();
-}
-
-// Runs on worker `rank` once its backward is done.
-void DataParallel::after_backward(int rank) {
-  auto t0 = Clock::now();
-  if (options_.mode == Mode::DP) {
-    // Note [Finite gradient check]: each replica's own gradient is checked before
-    // the reduction, so the error names the device the NaN/Inf came from; device 0
-    // checks the sum again (a sum of finite values can overflow).
-    const std::int64_t numel = set_->copy(rank).grad.numel();
-    if (options_.check_finite_grads) check_finite(rank, 0, numel);
-    // Sum every replica's gradient onto device 0, in device order.
-    if (devices_.size() > 1) {
-      const Tensor& g = set_->copy(rank).grad;
-      comm_->reduce(rank, g, rank == 0 ? g : Tensor(), 0, comm::ReduceOp::Sum);
-      add_time(rank, Phase::Reduce, t0);
-    }
-    if (options_.check_finite_grads && rank == 0 && devices_.size() > 1) check_finite(0, 0, numel);
-    return;
-  }
-  if (!require_sync_) return;
-  reducer_->finish(rank);
-  std::string err = comm_threads_->wait(rank);
-  auto t1 = Clock::now();
-  double exposed = std::chrono::duration<double, std::milli>(t1 - t0).count();
-  double total = reducer_->ranks[rank].comm_ms.load();
-  add_time(rank, Phase::AllReduceExposed, t0);
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_.devices[rank].ms[static_cast<int>(Phase::AllReduceHidden)] += std::max(0.0, total - exposed);
-  }
-  DP_CHECK(err.empty(), "all-reduce on ", devices_[rank], " failed: ", err);
-  if (options_.check_finite_grads) check_finite(rank, 0, set_->copy(rank).grad.numel());
-}
-
-// Throws naming the first parameter inside [lo, hi) of rank's flat gradient that holds
-// a NaN or Inf. Buckets never split a parameter, so a range is whole parameters.
-void DataParallel::check_finite(int rank, std::int64_t lo, std::int64_t hi) {
-  const Tensor& g = set_->copy(rank).grad;
-  auto& be = backend::get(devices_[rank]);
-  if (be.count_nonfinite(devices_[rank], g.data<float>() + lo, hi - lo) == 0) return;
-  const auto& slots = set_->slots();
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    std::int64_t cnt = slots[i]->copies[0].numel();
-    if (slots[i]->offset < lo || slots[i]->offset + cnt > hi) continue;
-    if (be.count_nonfinite(devices_[rank], g.data<float>() + slots[i]->offset, cnt) > 0)
-      DP_FAIL("non-finite gradient (NaN or Inf) in parameter '", param_names_[i], "' on ", devices_[rank],
-              " — lower the learning rate, check the loss for log(0) or the data for NaN");
-  }
 }
 
 DataParallel::NoSyncGuard::NoSyncGuard(DataParallel& dp) : dp_(dp), prev_(dp.require_sync_) {

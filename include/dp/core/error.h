@@ -22,6 +22,13 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& msg) : std::runtime_error(msg) {}
 };
 
+/// Thrown by a collective that was released by Communicator::abort(): this rank did
+/// not fail, another one did. Runtimes use the type to report the root cause.
+class CollectiveAborted : public Error {
+ public:
+  explicit CollectiveAborted(const std::string& msg) : Error(msg) {}
+};
+
 namespace detail {
 
 /// Concatenates the streamable arguments into one string.

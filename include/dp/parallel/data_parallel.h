@@ -19,10 +19,9 @@
 //   opt.zero_grad(); dp::nn::cross_entropy(model(x), y).backward(); opt.step();
 #pragma once
 
-#include <atomic>
-#include <mutex>
-#include <string>
 #include <cstdint>
+#include <exception>
+#include <string>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -38,8 +37,9 @@ namespace comm {
 class Communicator;
 }
 namespace parallel {
+class PhaseRecorder;
+class Reducer;
 class WorkerPool;
-struct DdpReducer;
 }  // namespace parallel
 
 /// Which data-parallel design DataParallel runs.
@@ -133,24 +133,28 @@ class DataParallel {
   parallel::Stats stats() const;
   void reset_stats();
   /// The timeline recorder (enable it to record a Chrome/Perfetto trace).
-  parallel::Trace& trace() { return trace_; }
+  parallel::Trace& trace();
 
  private:
+  class Step;       // one step's scope: busy flag, replicate, reducer, failure path
+  struct ShardPlan;  // rows per device and where each starts
+
   void init(std::vector<Device> devices);
-  std::vector<std::int64_t> shard_sizes(std::int64_t rows) const;
-  void replicate(int rank, bool sync_params);
+  void make_reducer();
+  ShardPlan plan_shards(std::int64_t rows) const;
   bool begin_replicate();
   void end_replicate();
-  void run_backward_on_workers(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads);
-  void worker_backward(int rank, const Tensor& root, const Tensor& grad);
-  void run_synced(const std::function<void(int)>& fn);
-  bool begin_backward();
-  void end_backward(bool sync, bool failed);
-  void abort_step(const std::string& what);
-  void after_backward(int rank);
+  void replicate(int rank, bool sync_params);
+  Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);
+  Tensor gather(const std::vector<Tensor>& outs, const ShardPlan& plan);
+  void connect_gather_backward(Tensor& out, const Tensor& x, bool input_grad, const std::vector<Tensor>& outs,
+                               const ShardPlan& plan, std::vector<Tensor> leaves);
+  Tensor backward_from_gather(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+                              const std::vector<Tensor>& leaves, Device input_device);
+  Tensor worker_loss_backward(int rank, const Tensor& x, const Tensor& target, const ShardPlan& plan,
+                              const LossFn& loss_fn);
+  void abort_step(int rank, const std::exception_ptr& error);
   void check_finite(int rank, std::int64_t lo, std::int64_t hi);
-  void add_time(int rank, parallel::Phase p, parallel::Trace::Clock::time_point start,
-                std::string args = {});
   std::uint64_t primary_version() const;
 
   std::shared_ptr<nn::Module> net_;
@@ -158,21 +162,19 @@ class DataParallel {
   std::vector<std::shared_ptr<nn::Parameter::Slot>> buffers_;
   std::vector<Device> devices_;
   DataParallelOptions options_;
-  std::unique_ptr<parallel::WorkerPool> workers_;
+  std::vector<std::string> param_names_;  // dotted names, in slot order
+  // Destroyed bottom up: the reducer's comm threads go before the communicator and
+  // the recorder they use.
+  std::unique_ptr<parallel::PhaseRecorder> recorder_;
   std::unique_ptr<comm::Communicator> comm_;
-  std::unique_ptr<parallel::DdpReducer> reducer_;
-  std::unique_ptr<parallel::WorkerPool> comm_threads_;  // DDP: one "comm stream" per device
-  std::vector<std::string> param_names_;       // dotted names, in slot order
+  std::unique_ptr<parallel::WorkerPool> workers_;
+  std::unique_ptr<parallel::Reducer> reducer_;
   static constexpr std::uint64_t kUnsynced = ~std::uint64_t{0};
   std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
   std::vector<std::uint64_t> storage_base_;    // DDP: each copy's storage version at the last sync
   bool require_sync_ = true;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
-
-  mutable std::mutex stats_mu_;
-  parallel::Stats stats_;
-  parallel::Trace trace_;
 };
 
 }  // namespace dp
