@@ -158,7 +158,7 @@ void Barrier::throw_if_aborted() const {
     std::lock_guard<std::mutex> lock(reason_mu_);
     reason = reason_;
   }
-  throw Error("collective aborted: " + reason +
+  throw CollectiveAborted("collective aborted: " + reason +
               " (call reset() once every rank has left the collective)");
 }
 

@@ -571,3 +571,57 @@ TEST_CASE("after a failed optimizer step every DDP replica continues with device
     }
   }
 }
+
+TEST_CASE("the root cause reaches the caller with its device, the original exception nested") {
+  // In DDP the healthy ranks are blocked in an all-reduce when cpu:2 throws in its
+  // forward; they are released with dp::CollectiveAborted, which must not be what
+  // the caller sees.
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+    auto net = std::make_shared<Faulty>(2);
+    dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = mode});
+    Batch b = make_batch(9, 11);
+    net->armed = true;
+    bool caught = false;
+    try {
+      model.forward_backward(b.x, b.y, loss_fn);
+    } catch (const dp::Error& e) {
+      caught = true;
+      CHECK(std::string(e.what()) == "worker on cpu:2: injected failure");
+      try {
+        std::rethrow_if_nested(e);
+        FAIL("the original exception is not nested");
+      } catch (const dp::Error&) {
+        FAIL("the nested exception should be the module's own std::runtime_error");
+      } catch (const std::runtime_error& original) {
+        CHECK(std::string(original.what()) == "injected failure");
+      }
+    }
+    CHECK(caught);
+  }
+}
+
+TEST_CASE("a step started from inside a worker is an error, not a deadlock") {
+  struct Reentrant : dp::nn::Module {
+    Reentrant() {
+      dp::Generator gen(3);
+      fc = register_module("fc", std::make_shared<dp::nn::Linear>(6, 3, true, &gen));
+    }
+    Tensor forward(const Tensor& x) override {
+      if (outer && dp::nn::ReplicaBinding::current() == 1) (*outer)(x);
+      return fc->forward(x);
+    }
+    dp::DataParallel* outer = nullptr;
+    std::shared_ptr<dp::nn::Linear> fc;
+  };
+  auto net = std::make_shared<Reentrant>();
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)});
+  net->outer = &model;
+  Batch b = make_batch(4, 5);
+  auto fut = std::async(std::launch::async, [&] {
+    CHECK_THROWS_WITH_AS(model(b.x), doctest::Contains("while another step runs"), dp::Error);
+  });
+  REQUIRE(fut.wait_for(std::chrono::seconds(30)) == std::future_status::ready);
+  fut.get();
+  net->outer = nullptr;
+  CHECK(model(b.x).size(0) == 4);  // usable again
+}

@@ -256,8 +256,8 @@ class NcclCommunicator final : public Communicator {
   void throw_if_aborted(const char* what, int rank) const {
     if (!aborted_.load(std::memory_order_acquire)) return;
     std::lock_guard<std::mutex> lock(reason_mu_);
-    DP_FAIL("collective aborted: ", reason_, " (", what, " on ", devices_[rank],
-            "; call reset() once every rank has left the collective)");
+    throw CollectiveAborted(detail::str_cat("collective aborted: ", reason_, " (", what, " on ", devices_[rank],
+                                            "; call reset() once every rank has left the collective)"));
   }
 
   /// Orders `call` after the compute stream and the compute stream after it (Note

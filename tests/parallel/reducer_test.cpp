@@ -1,0 +1,370 @@
+// The Reducer alone: bucket assignment, the gradient cycle with a recording strategy,
+// overlap with backward, no_sync, unused parameters, failures without a hang, and the
+// two real strategies over the local communicator.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <thread>
+
+#include "dp/comm/communicator.h"
+#include "dp/core/error.h"
+#include "dp/tensor/ops.h"
+#include "parallel/reducer.h"
+
+namespace {
+
+using dp::Tensor;
+using dp::parallel::assign_buckets;
+using dp::parallel::Bucket;
+using dp::parallel::Reducer;
+
+std::vector<dp::Device> cpus(int n) {
+  std::vector<dp::Device> d;
+  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
+  return d;
+}
+
+// A strategy that records every call (rank, range, thread) and can be told to fail.
+class RecordingSync final : public dp::parallel::GradSync {
+ public:
+  struct Call {
+    int rank;
+    std::int64_t lo, hi;
+    std::thread::id thread;
+  };
+  RecordingSync(bool overlaps, std::vector<Tensor> grads) : overlaps_(overlaps), grads_(std::move(grads)) {}
+  const char* name() const override { return "recording"; }
+  bool overlaps_backward() const override { return overlaps_; }
+  void sync(int rank, const Tensor& grad) override {
+    std::int64_t lo = (grad.data<float>() - grads_[rank].data<float>());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      calls_.push_back({rank, lo, lo + grad.numel(), std::this_thread::get_id()});
+    }
+    count_.fetch_add(1);
+    count_.notify_all();
+    if (rank == fail_rank_) throw std::out_of_range("injected collective failure");
+  }
+  bool holds_result(int rank) const override { return rank == 0 || overlaps_; }
+
+  std::vector<Call> calls() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_;
+  }
+  std::vector<Call> calls_of(int rank) const {
+    std::vector<Call> out;
+    for (auto& c : calls())
+      if (c.rank == rank) out.push_back(c);
+    return out;
+  }
+  // Waits (bounded) until at least n calls were made; false on time-out.
+  bool wait_for_calls(int n) const {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (count_.load() < n)
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      else std::this_thread::sleep_for(std::chrono::microseconds(200));
+    return true;
+  }
+  int fail_rank_ = -1;
+
+ private:
+  bool overlaps_;
+  std::vector<Tensor> grads_;
+  mutable std::mutex mu_;
+  std::vector<Call> calls_;
+  std::atomic<int> count_{0};
+};
+
+// Three parameters of 4, 2 and 3 elements; caps of 3 elements give buckets
+// {param 2}, {param 1}, {param 0}.
+const std::vector<std::int64_t> kSizes = {4, 2, 3};
+
+struct Fixture {
+  int n;
+  std::vector<dp::Device> devices;
+  std::vector<Tensor> grads;
+  dp::parallel::PhaseRecorder recorder;
+  RecordingSync* sync = nullptr;
+  std::unique_ptr<Reducer> reducer;
+  std::vector<std::thread::id> workers;
+
+  Fixture(int ranks, bool overlaps, std::int64_t cap = 3)
+      : n(ranks), devices(cpus(ranks)), recorder(devices), workers(ranks) {
+    for (int r = 0; r < n; ++r) grads.push_back(dp::zeros({9}, devices[r]));
+    auto s = std::make_unique<RecordingSync>(overlaps, grads);
+    sync = s.get();
+    auto buckets = overlaps ? assign_buckets(kSizes, cap, cap) : std::vector<Bucket>{Bucket{0, 9, 0, 3}};
+    reducer = std::make_unique<Reducer>(devices, std::move(buckets), std::move(s),
+                                        [this](int r) { return grads[r]; }, recorder);
+  }
+  // Runs body(rank) on one thread per rank, as workers do, and joins them.
+  void on_workers(const std::function<void(int)>& body) {
+    std::vector<std::thread> ts;
+    for (int r = 0; r < n; ++r)
+      ts.emplace_back([&, r] {
+        workers[r] = std::this_thread::get_id();
+        body(r);
+      });
+    for (auto& t : ts) t.join();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("assign_buckets: reverse order, a small first bucket, whole parameters") {
+  // Parameters in registration order; backward produces the last ones first.
+  std::vector<std::int64_t> sizes = {100, 10, 10, 10, 50, 5};
+  auto b = assign_buckets(sizes, /*first_cap=*/20, /*cap=*/60);
+  REQUIRE(b.size() == 4);
+  // First bucket: param 5 (5); param 4 (50) would push it past 20.
+  CHECK(b[0] == Bucket{180, 185, 5, 1});
+  // Then the cap is 60: param 4 (50) + param 3 (10) = 60 fits, param 2 would not.
+  CHECK(b[1] == Bucket{120, 180, 3, 2});
+  CHECK(b[2] == Bucket{100, 120, 1, 2});
+  // Param 0 (100) is over the cap: a bucket of its own.
+  CHECK(b[3] == Bucket{0, 100, 0, 1});
+}
+
+TEST_CASE("assign_buckets: a parameter over the cap gets a bucket of its own") {
+  auto b = assign_buckets({10, 100, 10}, 15, 15);
+  REQUIRE(b.size() == 3);
+  CHECK(b[0] == Bucket{110, 120, 2, 1});
+  CHECK(b[1] == Bucket{10, 110, 1, 1});
+  CHECK(b[2] == Bucket{0, 10, 0, 1});
+  auto one = assign_buckets({3, 4, 5}, 1000, 1000);
+  REQUIRE(one.size() == 1);
+  CHECK(one[0] == Bucket{0, 12, 0, 3});
+  CHECK(assign_buckets({}, 1, 1).empty());
+}
+
+TEST_CASE("assign_buckets: random sizes are partitioned into contiguous capped runs") {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    int n = 1 + static_cast<int>(rng() % 30);
+    std::vector<std::int64_t> sizes(n);
+    for (auto& s : sizes) s = static_cast<std::int64_t>(rng() % 500);
+    std::int64_t first = 1 + rng() % 400, cap = 1 + rng() % 2000;
+    auto b = assign_buckets(sizes, first, cap);
+    std::int64_t total = std::accumulate(sizes.begin(), sizes.end(), std::int64_t{0});
+    std::int64_t hi = total;
+    int next_param = n;
+    for (std::size_t k = 0; k < b.size(); ++k) {
+      CHECK(b[k].hi == hi);  // contiguous, from the end of the buffer down
+      CHECK(b[k].first_param + b[k].num_params == next_param);
+      std::int64_t sum = 0;
+      for (int i = b[k].first_param; i < next_param; ++i) sum += sizes[i];
+      CHECK(b[k].hi - b[k].lo == sum);
+      std::int64_t limit = k == 0 ? first : cap;
+      CHECK((sum <= limit || b[k].num_params == 1));
+      hi = b[k].lo;
+      next_param = b[k].first_param;
+    }
+    CHECK(hi == 0);
+    CHECK(next_param == 0);
+  }
+}
+
+TEST_CASE("assign_buckets and mib_to_floats reject what cannot be a cap") {
+  CHECK_THROWS_WITH_AS(assign_buckets({1}, 0, 10), doctest::Contains("caps > 0"), dp::Error);
+  CHECK_THROWS_WITH_AS(assign_buckets({1}, 10, -1), doctest::Contains("caps > 0"), dp::Error);
+  CHECK_THROWS_WITH_AS(assign_buckets({1, -2}, 10, 10), doctest::Contains("parameter 1 has -2"), dp::Error);
+  CHECK(dp::parallel::mib_to_floats(1.0) == 262144);
+  CHECK(dp::parallel::mib_to_floats(1e-12) == 1);
+}
+
+TEST_CASE("overlapping strategy: every bucket once per rank, in order, on the comm thread") {
+  Fixture f(3, /*overlaps=*/true);
+  REQUIRE(f.reducer->buckets().size() == 3);
+  for (int step = 0; step < 2; ++step) {  // the cycle re-arms
+    f.reducer->prepare(true);
+    f.on_workers([&](int r) {
+      for (int i = 2; i >= 0; --i) f.reducer->mark_ready(r, i);  // backward order
+      f.reducer->finalize(r);
+    });
+    f.reducer->end();
+  }
+  for (int r = 0; r < 3; ++r) {
+    auto calls = f.sync->calls_of(r);
+    REQUIRE(calls.size() == 6);
+    for (int k = 0; k < 6; ++k) {
+      const Bucket& b = f.reducer->buckets()[k % 3];
+      CHECK(calls[k].lo == b.lo);
+      CHECK(calls[k].hi == b.hi);
+      CHECK(calls[k].thread != f.workers[r]);
+    }
+  }
+}
+
+TEST_CASE("a complete bucket is combined while backward still runs") {
+  Fixture f(2, true);
+  f.reducer->prepare(true);
+  std::atomic<bool> overlapped[2] = {false, false};
+  f.on_workers([&](int r) {
+    f.reducer->mark_ready(r, 2);  // bucket 0 is complete on this rank
+    // "Backward" goes on only once both ranks' bucket 0 was combined: the comm
+    // threads ran it before finalize (bounded wait, checked below).
+    overlapped[r] = f.sync->wait_for_calls(2);
+    f.reducer->mark_ready(r, 1);
+    f.reducer->mark_ready(r, 0);
+    f.reducer->finalize(r);
+  });
+  f.reducer->end();
+  CHECK(overlapped[0].load());
+  CHECK(overlapped[1].load());
+  CHECK(f.sync->calls().size() == 6);
+}
+
+TEST_CASE("parameters that got no gradient are released by finalize") {
+  Fixture f(2, true);
+  f.reducer->prepare(true);
+  f.on_workers([&](int r) {
+    f.reducer->mark_ready(r, 2);  // params 1 and 0 unused this step
+    f.reducer->finalize(r);
+  });
+  f.reducer->end();
+  CHECK(f.sync->calls_of(0).size() == 3);
+  CHECK(f.sync->calls_of(1).size() == 3);
+}
+
+TEST_CASE("no_sync: hooks count nothing and finalize combines nothing") {
+  Fixture f(2, true);
+  f.reducer->prepare(false);
+  f.on_workers([&](int r) {
+    for (int i = 2; i >= 0; --i) f.reducer->mark_ready(r, i);
+    f.reducer->finalize(r);
+  });
+  f.reducer->end();
+  CHECK(f.sync->calls().empty());
+}
+
+TEST_CASE("non-overlapping strategy: one collective over the whole buffer on the worker") {
+  Fixture f(3, /*overlaps=*/false);
+  std::vector<std::pair<int, std::int64_t>> checks;
+  std::mutex mu;
+  f.reducer->set_check([&](int r, std::int64_t lo, std::int64_t hi) {
+    std::lock_guard<std::mutex> lock(mu);
+    checks.push_back({r, hi - lo});
+  });
+  f.reducer->prepare(true);
+  f.on_workers([&](int r) { f.reducer->finalize(r); });
+  f.reducer->end();
+  for (int r = 0; r < 3; ++r) {
+    auto calls = f.sync->calls_of(r);
+    REQUIRE(calls.size() == 1);
+    CHECK(calls[0].lo == 0);
+    CHECK(calls[0].hi == 9);
+    CHECK(calls[0].thread == f.workers[r]);
+  }
+  // Every rank's own gradient is checked before, and the root's result after.
+  CHECK(checks.size() == 4);
+  CHECK(std::count(checks.begin(), checks.end(), std::pair<int, std::int64_t>{0, 9}) == 2);
+  auto stats = f.recorder.snapshot();
+  CHECK(stats.devices[1][dp::parallel::Phase::Reduce] > 0.0);
+}
+
+TEST_CASE("one rank: no comm thread and no collective, but the check still runs") {
+  Fixture f(1, true);
+  int checked = 0;
+  f.reducer->set_check([&](int, std::int64_t, std::int64_t) { ++checked; });
+  f.reducer->prepare(true);
+  for (int i = 2; i >= 0; --i) f.reducer->mark_ready(0, i);
+  f.reducer->finalize(0);
+  f.reducer->end();
+  CHECK(f.sync->calls().empty());
+  CHECK(checked == 4);  // three buckets, then the whole buffer
+  CHECK(f.recorder.snapshot().devices[0][dp::parallel::Phase::AllReduceExposed] == 0.0);
+}
+
+TEST_CASE("a failed collective reaches its worker typed; abort releases the others; no hang") {
+  Fixture f(2, true);
+  f.sync->fail_rank_ = 1;
+  std::atomic<int> hook_calls{0};
+  f.reducer->set_failure_hook([&](int r, const std::exception_ptr&) {
+    CHECK(r == 1);
+    hook_calls.fetch_add(1);
+    f.reducer->abort();  // what DataParallel does (it aborts the communicator too)
+  });
+  f.reducer->prepare(true);
+  std::exception_ptr errors[2];
+  f.on_workers([&](int r) {
+    try {
+      f.reducer->mark_ready(r, 2);
+      if (r == 1) f.sync->wait_for_calls(1);
+      f.reducer->mark_ready(r, 1);
+      f.reducer->mark_ready(r, 0);
+      f.reducer->finalize(r);
+    } catch (...) {
+      errors[r] = std::current_exception();
+    }
+  });
+  f.reducer->end();
+  CHECK(hook_calls.load() == 1);
+  CHECK_FALSE(errors[0]);
+  REQUIRE(errors[1]);
+  CHECK_THROWS_AS(std::rethrow_exception(errors[1]), std::out_of_range);
+  // Rank 1's comm thread stopped at its first bucket.
+  CHECK(f.sync->calls_of(1).size() == 1);
+  // Usable again.
+  f.sync->fail_rank_ = -1;
+  f.reducer->prepare(true);
+  f.on_workers([&](int r) { f.reducer->finalize(r); });
+  f.reducer->end();
+  CHECK(f.sync->calls_of(1).size() == 4);
+}
+
+TEST_CASE("a worker that fails before finalize: abort and end leave no thread behind") {
+  Fixture f(3, true);
+  for (int trial = 0; trial < 20; ++trial) {
+    f.reducer->prepare(true);
+    f.on_workers([&](int r) {
+      f.reducer->mark_ready(r, 2);
+      if (r == trial % 3) f.reducer->abort();  // this worker "threw" in backward
+      else f.reducer->finalize(r);
+    });
+    f.reducer->end();  // bounded: would hang here if a comm thread were left waiting
+  }
+  CHECK(f.sync->calls().size() <= 20 * 9);
+}
+
+TEST_CASE("the real strategies over the local communicator") {
+  auto devices = cpus(3);
+  auto comm = dp::comm::make_communicator(devices);
+  dp::parallel::PhaseRecorder recorder(devices);
+  std::vector<Tensor> grads;
+  for (int r = 0; r < 3; ++r)
+    grads.push_back(dp::full({9}, static_cast<double>(r + 1), {.device = devices[r]}));
+  SUBCASE("all-reduce: every rank holds the sum") {
+    Reducer red(devices, assign_buckets(kSizes, 3, 3), dp::parallel::make_all_reduce_sync(*comm),
+                [&](int r) { return grads[r]; }, recorder);
+    CHECK(std::string(red.strategy().name()) == "allreduce");
+    red.prepare(true);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 3; ++r)
+      ts.emplace_back([&, r] {
+        for (int i = 2; i >= 0; --i) red.mark_ready(r, i);
+        red.finalize(r);
+      });
+    for (auto& t : ts) t.join();
+    red.end();
+    for (int r = 0; r < 3; ++r) CHECK(grads[r].to_vector() == std::vector<float>(9, 6.0f));
+  }
+  SUBCASE("reduce to root: the root holds the sum, the others are unchanged") {
+    Reducer red(devices, {Bucket{0, 9, 0, 3}}, dp::parallel::make_reduce_to_root_sync(*comm, 0),
+                [&](int r) { return grads[r]; }, recorder);
+    red.prepare(true);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 3; ++r) ts.emplace_back([&, r] { red.finalize(r); });
+    for (auto& t : ts) t.join();
+    red.end();
+    CHECK(grads[0].to_vector() == std::vector<float>(9, 6.0f));
+    CHECK(grads[1].to_vector() == std::vector<float>(9, 2.0f));
+    CHECK(grads[2].to_vector() == std::vector<float>(9, 3.0f));
+  }
+  CHECK_THROWS_AS(dp::parallel::make_reduce_to_root_sync(*comm, 3), dp::Error);
+}

@@ -1,0 +1,181 @@
+// WorkerPool alone: one persistent thread per device, failures by type, no hang.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include "dp/core/error.h"
+#include "parallel/worker_pool.h"
+
+namespace {
+
+using dp::parallel::WorkerPool;
+
+std::vector<dp::Device> cpus(int n) {
+  std::vector<dp::Device> d;
+  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
+  return d;
+}
+
+struct UserError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Runs pool.run(fn) and returns what it threw (null if nothing).
+std::exception_ptr run_catching(WorkerPool& pool, const std::function<void(int)>& fn,
+                                const dp::parallel::ErrorHook& hook = nullptr) {
+  try {
+    pool.run(fn, hook);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("every rank runs once per run, on its own persistent thread") {
+  WorkerPool pool(cpus(3));
+  CHECK(pool.size() == 3);
+  std::vector<std::thread::id> first(3), second(3);
+  pool.run([&](int r) { first[r] = std::this_thread::get_id(); });
+  pool.run([&](int r) { second[r] = std::this_thread::get_id(); });
+  std::set<std::thread::id> distinct(first.begin(), first.end());
+  CHECK(distinct.size() == 3);
+  CHECK(distinct.count(std::this_thread::get_id()) == 0);
+  CHECK(first == second);
+}
+
+TEST_CASE("run returns only once every rank has finished") {
+  WorkerPool pool(cpus(2));
+  std::atomic<int> finished{0};
+  pool.run([&](int r) {
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    finished.fetch_add(1);
+  });
+  CHECK(finished.load() == 2);
+}
+
+TEST_CASE("a failure names the device and keeps the original exception nested") {
+  WorkerPool pool(cpus(3), "worker");
+  auto err = run_catching(pool, [](int r) {
+    if (r == 1) throw UserError("boom");
+  });
+  REQUIRE(err);
+  try {
+    std::rethrow_exception(err);
+  } catch (const dp::Error& e) {
+    CHECK(std::string(e.what()) == "worker on cpu:1: boom");
+    CHECK_THROWS_AS(std::rethrow_if_nested(e), UserError);
+  }
+  // The pool is usable again.
+  std::atomic<int> ran{0};
+  pool.run([&](int) { ran.fetch_add(1); });
+  CHECK(ran.load() == 3);
+}
+
+TEST_CASE("the root cause wins over ranks released by an aborted collective") {
+  WorkerPool pool(cpus(3), "worker");
+  SUBCASE("a real failure on a higher rank") {
+    auto err = run_catching(pool, [](int r) {
+      if (r == 0) throw dp::CollectiveAborted("collective aborted: cpu:2 failed");
+      if (r == 2) throw UserError("out of shapes");
+    });
+    CHECK_THROWS_WITH_AS(std::rethrow_exception(err), "worker on cpu:2: out of shapes", dp::Error);
+  }
+  SUBCASE("only aborts: the lowest aborted rank, still typed inside") {
+    auto err = run_catching(pool, [](int r) {
+      if (r > 0) throw dp::CollectiveAborted("collective aborted: from outside");
+    });
+    try {
+      std::rethrow_exception(err);
+    } catch (const dp::Error& e) {
+      CHECK(std::string(e.what()) == "worker on cpu:1: collective aborted: from outside");
+      CHECK_THROWS_AS(std::rethrow_if_nested(e), dp::CollectiveAborted);
+    }
+  }
+  SUBCASE("the lowest of several real failures") {
+    auto err = run_catching(pool, [](int r) {
+      if (r >= 1) throw UserError("rank " + std::to_string(r));
+    });
+    CHECK_THROWS_WITH_AS(std::rethrow_exception(err), "worker on cpu:1: rank 1", dp::Error);
+  }
+}
+
+TEST_CASE("the error hook runs on the failing thread before the other ranks finish") {
+  // Rank 0 waits until the hook has run; without the hook it would wait forever, so
+  // the wait is bounded and checked.
+  WorkerPool pool(cpus(2));
+  std::promise<void> hooked;
+  auto hooked_future = hooked.get_future().share();
+  std::atomic<bool> rank0_released{false};
+  std::thread::id hook_thread, failing_thread;
+  auto err = run_catching(
+      pool,
+      [&](int r) {
+        if (r == 1) {
+          failing_thread = std::this_thread::get_id();
+          throw UserError("first");
+        }
+        rank0_released = hooked_future.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+      },
+      [&](int r, const std::exception_ptr& e) {
+        CHECK(r == 1);
+        CHECK(dp::parallel::describe(e) == "first");
+        hook_thread = std::this_thread::get_id();
+        hooked.set_value();
+      });
+  CHECK(err);
+  CHECK(rank0_released.load());
+  CHECK(hook_thread == failing_thread);
+}
+
+TEST_CASE("launch and wait collect each rank's outcome") {
+  WorkerPool pool(cpus(3), "comm");
+  pool.launch([](int r) {
+    if (r == 2) throw 42;  // not a std::exception
+  });
+  CHECK_FALSE(pool.wait(0));
+  CHECK_FALSE(pool.wait(1));
+  auto e2 = pool.wait(2);
+  REQUIRE(e2);
+  CHECK(dp::parallel::describe(e2) == "unknown exception");
+  CHECK_FALSE(dp::parallel::is_collective_aborted(e2));
+  // A second wait on a collected rank returns at once with nothing.
+  CHECK_FALSE(pool.wait(2));
+  auto err = run_catching(pool, [](int r) {
+    if (r == 0) throw 7;
+  });
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(err), "comm on cpu:0: unknown exception", dp::Error);
+}
+
+TEST_CASE("describe and is_collective_aborted read exception_ptrs") {
+  CHECK(dp::parallel::describe(nullptr).empty());
+  CHECK_FALSE(dp::parallel::is_collective_aborted(nullptr));
+  auto aborted = std::make_exception_ptr(dp::CollectiveAborted("collective aborted: x"));
+  CHECK(dp::parallel::is_collective_aborted(aborted));
+  CHECK(dp::parallel::describe(aborted) == "collective aborted: x");
+  CHECK_FALSE(dp::parallel::is_collective_aborted(std::make_exception_ptr(dp::Error("plain"))));
+}
+
+TEST_CASE("an idle pool is destroyed promptly, a busy one after its task") {
+  auto t0 = std::chrono::steady_clock::now();
+  { WorkerPool pool(cpus(4)); }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  std::atomic<bool> done{false};
+  {
+    WorkerPool pool(cpus(2));
+    pool.launch([&](int r) {
+      if (r == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        done = true;
+      }
+    });
+  }  // the destructor joins: the launched task has finished
+  CHECK(done.load());
+}
