@@ -118,15 +118,16 @@ class DataParallel::Step {
 
   bool sync_params() const { return sync_params_; }
 
-  /// Runs fn(rank) on every worker, bound to its replica; one failure path.
-  void run(const std::function<void(int rank)>& fn) {
+  /// Runs fn(rank) for rank in [0, ranks) (default: every device), each bound to its
+  /// replica, rank 0 on the calling thread; one failure path.
+  void run(const std::function<void(int rank)>& fn, int ranks = -1) {
     try {
       dp_.workers_->run(
           [&](int r) {
             nn::ReplicaBinding bind(r);
             fn(r);
           },
-          [this](int r, const std::exception_ptr& e) { dp_.abort_step(r, e); });
+          [this](int r, const std::exception_ptr& e) { dp_.abort_step(r, e); }, ranks);
     } catch (...) {
       if (options_.backward) dp_.reducer_->end();  // join the comm threads first
       dp_.comm_->reset();
@@ -180,7 +181,7 @@ void DataParallel::init(std::vector<Device> devices) {
   backend::get(devices_[0]).set_concurrent_devices(n);
   recorder_ = std::make_unique<parallel::PhaseRecorder>(devices_);
   comm_ = comm::make_communicator(devices_);
-  workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker");
+  workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
   bool ddp = options_.mode == Mode::DDP;
   for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!ddp);
   for (auto& b : buffers_) {
@@ -192,14 +193,19 @@ void DataParallel::init(std::vector<Device> devices) {
   end_replicate();
   make_reducer();
 
-  // Optimizer steps (and zero_grad) run each copy on its own device's worker.
+  // Optimizer steps (and zero_grad) run each persistent copy on its own device's
+  // worker; DP's transient replicas are never stepped, so DP's step stays on rank 0.
   set_->set_executor([this](int copies, const std::function<void(int)>& fn) {
+    int ranks = 0;
+    for (int r = 0; r < copies; ++r)
+      if (!set_->copy(r).transient) ranks = r + 1;
     Step step(*this, "the optimizer", {});
-    step.run([&](int r) {
-      if (r >= copies) return;
-      PhaseTimer t(*recorder_, r, Phase::Step);
-      fn(r);
-    });
+    step.run(
+        [&](int r) {
+          PhaseTimer t(*recorder_, r, Phase::Step);
+          fn(r);
+        },
+        ranks);
   });
 }
 
@@ -250,12 +256,14 @@ parallel::Trace& DataParallel::trace() { return recorder_->trace(); }
 
 parallel::Stats DataParallel::stats() const {
   parallel::Stats s = recorder_->snapshot();
+  s.handoffs = workers_->handoffs() + reducer_->handoffs() - handoff_base_;
   for (auto& d : s.devices) d.peak_memory_bytes = backend::get(d.device).max_memory_allocated(d.device);
   return s;
 }
 
 void DataParallel::reset_stats() {
   recorder_->reset();
+  handoff_base_ = workers_->handoffs() + reducer_->handoffs();
   for (auto& d : devices_) backend::get(d).reset_peak_memory(d);
 }
 

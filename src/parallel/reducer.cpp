@@ -114,6 +114,8 @@ Reducer::Reducer(std::vector<Device> devices, std::vector<Bucket> buckets, std::
 
 Reducer::~Reducer() = default;
 
+std::int64_t Reducer::handoffs() const { return comm_threads_ ? comm_threads_->handoffs() : 0; }
+
 void Reducer::set_failure_hook(ErrorHook hook) { on_failure_ = std::move(hook); }
 
 void Reducer::prepare(bool sync) {

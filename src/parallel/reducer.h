@@ -91,6 +91,8 @@ class Reducer {
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   const GradSync& strategy() const { return *sync_; }
+  /// Tasks handed to the comm threads since construction.
+  std::int64_t handoffs() const;
   /// Runs before each bucket's collective on its rank, and after the cycle on every
   /// rank that holds the result (over the whole buffer). Unset: no check.
   void set_check(Check check) { check_ = std::move(check); }

@@ -6,6 +6,57 @@
 
 namespace dp::parallel {
 
+// Note [Hand-over]
+// Each worker owns a slot with two counters: `posted`, bumped by the caller to hand
+// over a task, and `finished`, set by the worker to the posted value once the task
+// is done. Whoever waits for a counter to move first spins briefly (kSpins pause
+// instructions: a few microseconds, about the gap between two phases of a small
+// step), then parks in a futex wait (std::atomic::wait). A hand-over is one store
+// and one notify of one thread — no shared mutex, no notify_all — and when the
+// other side is still spinning the notify makes no system call at all. The spin is
+// short so that a machine with more devices than cores loses little to it.
+namespace {
+
+constexpr int kSpins = 512;  // ~5-20 us of pause instructions, depending on the CPU
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Returns the counter's value once it differs from `old`.
+std::uint32_t await_change(const std::atomic<std::uint32_t>& counter, std::uint32_t old) {
+  for (int i = 0; i < kSpins; ++i) {
+    std::uint32_t v = counter.load(std::memory_order_acquire);
+    if (v != old) return v;
+    cpu_relax();
+  }
+  for (;;) {
+    counter.wait(old, std::memory_order_acquire);
+    std::uint32_t v = counter.load(std::memory_order_acquire);
+    if (v != old) return v;
+  }
+}
+
+}  // namespace
+
+struct WorkerPool::Slot {
+  std::thread thread;
+  // Written by the caller before `posted` is bumped, read by the worker after it saw
+  // the bump (release/acquire on `posted`). run() points at the caller's objects (it
+  // waits); launch() points at the slot's own copies.
+  const std::function<void(int)>* task = nullptr;
+  const ErrorHook* on_error = nullptr;
+  std::function<void(int)> owned_task;
+  ErrorHook owned_on_error;
+  std::exception_ptr error;  // written by the worker before `finished` is set
+  alignas(64) std::atomic<std::uint32_t> posted{0};
+  alignas(64) std::atomic<std::uint32_t> finished{0};
+};
+
 std::string describe(const std::exception_ptr& error) {
   if (!error) return {};
   try {
@@ -28,19 +79,26 @@ bool is_collective_aborted(const std::exception_ptr& error) {
   }
 }
 
-WorkerPool::WorkerPool(std::vector<Device> devices, std::string name)
-    : devices_(std::move(devices)), name_(std::move(name)), workers_(devices_.size()) {
-  for (int r = 0; r < size(); ++r) workers_[r].thread = std::thread([this, r] { loop(r); });
+WorkerPool::WorkerPool(std::vector<Device> devices, std::string name, bool caller_runs_rank0)
+    : devices_(std::move(devices)), name_(std::move(name)), caller_runs_rank0_(caller_runs_rank0) {
+  for (int r = 0; r < size(); ++r) slots_.push_back(std::make_unique<Slot>());
+  for (int r = caller_runs_rank0_ ? 1 : 0; r < size(); ++r)
+    slots_[r]->thread = std::thread([this, r] { loop(r); });
 }
 
 WorkerPool::~WorkerPool() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+  for (auto& s : slots_) {
+    if (!s->thread.joinable()) continue;
+    std::uint32_t p = s->posted.load(std::memory_order_relaxed);
+    while (s->finished.load(std::memory_order_acquire) != p) await_change(s->finished, s->finished.load());
   }
-  cv_task_.notify_all();
-  for (auto& w : workers_)
-    if (w.thread.joinable()) w.thread.join();
+  stop_.store(true, std::memory_order_release);
+  for (auto& s : slots_) {
+    if (!s->thread.joinable()) continue;
+    s->posted.fetch_add(1, std::memory_order_release);
+    s->posted.notify_one();
+    s->thread.join();
+  }
 }
 
 void WorkerPool::loop(int rank) {
@@ -51,65 +109,89 @@ void WorkerPool::loop(int rank) {
     detail::log_warning(detail::str_cat(name_, " on ", devices_[rank], ": cannot bind device: ", e.what()));
   }
   set_grad_enabled(true);
-  Worker& w = workers_[rank];
-  std::unique_lock<std::mutex> lock(mu_);
+  Slot& s = *slots_[rank];
+  std::uint32_t seen = 0;
   for (;;) {
-    cv_task_.wait(lock, [&] { return stop_ || w.has_task; });
-    if (!w.has_task) return;  // stop_ and nothing left to run
-    auto task = std::move(w.task);
-    auto on_error = std::move(w.on_error);
-    w.has_task = false;
-    lock.unlock();
-    std::exception_ptr error;
-    try {
-      task(rank);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    if (error && on_error) {
-      try {
-        on_error(rank, error);
-      } catch (const std::exception& e) {
-        detail::log_warning(detail::str_cat(name_, " on ", devices_[rank], ": error hook failed: ", e.what()));
-      }
-    }
-    lock.lock();
-    w.error = std::move(error);
-    w.done = true;
-    cv_done_.notify_all();
+    seen = await_change(s.posted, seen);
+    if (stop_.load(std::memory_order_acquire)) return;
+    s.error = execute(rank, *s.task, s.on_error);
+    s.finished.store(seen, std::memory_order_release);
+    s.finished.notify_one();
   }
+}
+
+std::exception_ptr WorkerPool::execute(int rank, const std::function<void(int)>& fn,
+                                       const ErrorHook* on_error) const {
+  std::exception_ptr error;
+  try {
+    fn(rank);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (error && on_error && *on_error) {
+    try {
+      (*on_error)(rank, error);
+    } catch (const std::exception& e) {
+      detail::log_warning(detail::str_cat(name_, " on ", devices_[rank], ": error hook failed: ", e.what()));
+    }
+  }
+  return error;
+}
+
+void WorkerPool::post(int rank, const std::function<void(int)>* fn, const ErrorHook* on_error) {
+  Slot& s = *slots_[rank];
+  DP_ASSERT(s.finished.load(std::memory_order_acquire) == s.posted.load(std::memory_order_relaxed),
+            "a task was handed to ", name_, " ", rank, " while its previous one still runs");
+  s.task = fn;
+  s.on_error = on_error;
+  s.posted.fetch_add(1, std::memory_order_release);
+  s.posted.notify_one();
+  handoffs_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void WorkerPool::launch(const std::function<void(int)>& fn, const ErrorHook& on_error) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& w : workers_) {
-      DP_ASSERT(w.done, "launch while a task is still running");
-      w.task = fn;
-      w.on_error = on_error;
-      w.has_task = true;
-      w.done = false;
-      w.error = nullptr;
-    }
+  DP_ASSERT(!caller_runs_rank0_, "launch() on a pool whose caller runs rank 0");
+  for (int r = 0; r < size(); ++r) {
+    Slot& s = *slots_[r];
+    DP_ASSERT(s.finished.load(std::memory_order_acquire) == s.posted.load(std::memory_order_relaxed),
+              "launch while a task is still running");
+    s.owned_task = fn;
+    s.owned_on_error = on_error;
+    post(r, &s.owned_task, &s.owned_on_error);
   }
-  cv_task_.notify_all();
 }
 
 std::exception_ptr WorkerPool::wait(int rank) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_done_.wait(lock, [&] { return workers_[rank].done; });
-  return std::exchange(workers_[rank].error, nullptr);
+  Slot& s = *slots_[rank];
+  const std::uint32_t p = s.posted.load(std::memory_order_relaxed);
+  std::uint32_t f = s.finished.load(std::memory_order_acquire);
+  while (f != p) f = await_change(s.finished, f);
+  return std::exchange(s.error, nullptr);
 }
 
-void WorkerPool::run(const std::function<void(int)>& fn, const ErrorHook& on_error) {
-  launch(fn, on_error);
-  std::vector<std::exception_ptr> errors(size());
-  bool failed = false;
-  for (int r = 0; r < size(); ++r) {
+void WorkerPool::run(const std::function<void(int)>& fn, const ErrorHook& on_error, int ranks) {
+  if (ranks < 0) ranks = size();
+  DP_ASSERT(ranks <= size());
+  const int first_posted = caller_runs_rank0_ ? 1 : 0;
+  for (int r = first_posted; r < ranks; ++r) post(r, &fn, &on_error);
+  std::vector<std::exception_ptr> errors(ranks);
+  if (caller_runs_rank0_ && ranks > 0) {
+    // Note [Rank 0 on the caller]: the caller binds device 0 (on CUDA it stays the
+    // calling thread's current device afterwards, as torch.cuda.set_device would).
+    try {
+      backend::get(devices_[0]).set_current_device(devices_[0]);
+      errors[0] = execute(0, fn, &on_error);
+    } catch (...) {
+      errors[0] = std::current_exception();
+      if (on_error) on_error(0, errors[0]);
+    }
+  }
+  bool failed = ranks > 0 && errors[0];
+  for (int r = first_posted; r < ranks; ++r) {
     errors[r] = wait(r);
     failed = failed || errors[r];
   }
-  if (failed) throw_root_cause(errors);
+  if (failed) throw_root_cause(errors, ranks);
 }
 
 // Note [Root cause]
@@ -120,9 +202,9 @@ void WorkerPool::run(const std::function<void(int)>& fn, const ErrorHook& on_err
 // abort (the communicator was aborted from outside) is the lowest aborted rank
 // reported. The original exception is nested inside the dp::Error thrown, as
 // PyTorch's ExceptionWrapper keeps the worker's traceback.
-void WorkerPool::throw_root_cause(const std::vector<std::exception_ptr>& errors) const {
+void WorkerPool::throw_root_cause(const std::vector<std::exception_ptr>& errors, int ranks) const {
   int root = -1;
-  for (int r = 0; r < size(); ++r) {
+  for (int r = 0; r < ranks; ++r) {
     if (!errors[r]) continue;
     if (root < 0 || (is_collective_aborted(errors[root]) && !is_collective_aborted(errors[r]))) root = r;
   }

@@ -179,3 +179,64 @@ TEST_CASE("an idle pool is destroyed promptly, a busy one after its task") {
   }  // the destructor joins: the launched task has finished
   CHECK(done.load());
 }
+
+TEST_CASE("caller_runs_rank0: rank 0 runs on the calling thread and is no hand-over") {
+  WorkerPool pool(cpus(3), "worker", /*caller_runs_rank0=*/true);
+  std::vector<std::thread::id> ids(3);
+  pool.run([&](int r) { ids[r] = std::this_thread::get_id(); });
+  CHECK(ids[0] == std::this_thread::get_id());
+  CHECK(ids[1] != ids[0]);
+  CHECK(ids[2] != ids[0]);
+  CHECK(ids[1] != ids[2]);
+  CHECK(pool.handoffs() == 2);
+  // A subset of ranks: only those run, only they are handed work.
+  std::vector<int> ran(3, 0);
+  pool.run([&](int r) { ran[r] += 1; }, nullptr, /*ranks=*/1);
+  CHECK(ran == std::vector<int>{1, 0, 0});
+  CHECK(pool.handoffs() == 2);
+  pool.run([&](int r) { ran[r] += 1; }, nullptr, /*ranks=*/2);
+  CHECK(ran == std::vector<int>{2, 1, 0});
+  CHECK(pool.handoffs() == 3);
+  // launch() needs a thread for every rank.
+  CHECK_THROWS(pool.launch([](int) {}));
+}
+
+TEST_CASE("caller_runs_rank0: a failure on the caller's share releases the others and is reported") {
+  WorkerPool pool(cpus(2), "worker", true);
+  std::promise<void> hooked;
+  auto hooked_future = hooked.get_future().share();
+  std::atomic<bool> released{false};
+  auto err = run_catching(
+      pool,
+      [&](int r) {
+        if (r == 0) throw UserError("caller's share");
+        released = hooked_future.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+      },
+      [&](int r, const std::exception_ptr&) {
+        CHECK(r == 0);
+        hooked.set_value();
+      });
+  CHECK(released.load());
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(err), "worker on cpu:0: caller's share", dp::Error);
+}
+
+TEST_CASE("hand-overs are counted per task given to a thread") {
+  WorkerPool pool(cpus(4), "comm");
+  pool.run([](int) {});
+  CHECK(pool.handoffs() == 4);
+  pool.launch([](int) {});
+  for (int r = 0; r < 4; ++r) pool.wait(r);
+  CHECK(pool.handoffs() == 8);
+}
+
+TEST_CASE("many quick runs in a row: no lost wake-up, no hang") {
+  for (bool inline0 : {false, true}) {
+    WorkerPool pool(cpus(3), "worker", inline0);
+    std::atomic<int> total{0};
+    auto fut = std::async(std::launch::async, [&] {
+      for (int i = 0; i < 20000; ++i) pool.run([&](int) { total.fetch_add(1, std::memory_order_relaxed); });
+    });
+    REQUIRE(fut.wait_for(std::chrono::seconds(120)) == std::future_status::ready);
+    CHECK(total.load() == 60000);
+  }
+}

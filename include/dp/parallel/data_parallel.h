@@ -175,6 +175,7 @@ class DataParallel {
   bool require_sync_ = true;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
+  std::int64_t handoff_base_ = 0;  // stats().handoffs counts from reset_stats()
 };
 
 }  // namespace dp

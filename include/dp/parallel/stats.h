@@ -46,6 +46,8 @@ struct DeviceStats {
 /// Stats of a DataParallel since construction or reset_stats().
 struct Stats {
   std::int64_t iterations = 0;  // forwards run
+  /// Tasks handed to worker and comm threads: each is a possible thread wake-up.
+  std::int64_t handoffs = 0;
   std::vector<DeviceStats> devices;
 };
 
