@@ -120,12 +120,12 @@ void ParameterSet::move_primary(Device device) {
   bump_version();
 }
 
-void ParameterSet::for_each_copy(const std::function<void(int)>& fn) {
+void ParameterSet::for_each_copy(const std::function<void(int)>& fn, CopyWork work) {
   auto run = [&](int r) {
     if (!copies_[r].transient) fn(r);
   };
   if (executor_) {
-    executor_(num_copies(), run);
+    executor_(num_copies(), work, run);
   } else {
     for (int r = 0; r < num_copies(); ++r) run(r);
   }

@@ -178,7 +178,7 @@ void Optimizer::step() {
   try {
     if (const auto& set = params_.set()) {
       prepare_states();
-      set->for_each_copy([this](int r) { step_copy(r); });
+      set->for_each_copy([this](int r) { step_copy(r); }, nn::CopyWork::Update);
       set->bump_version();
     } else {
       step_loose();

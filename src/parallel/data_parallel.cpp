@@ -137,6 +137,7 @@ class DataParallel::Step {
       dp_.end_replicate();
       dp_.recorder_->count_iteration();
     }
+    if (options_.backward) dp_.snapshot_grad_versions();
   }
 
  private:
@@ -165,6 +166,8 @@ void DataParallel::init(std::vector<Device> devices) {
   const int n = static_cast<int>(devices.size());
   DP_CHECK(options_.output_device >= 0 && options_.output_device < n, "DataParallel: output_device ",
            options_.output_device, " is not an index into the ", n, " devices");
+  DP_CHECK(options_.check_replicas_every >= 0, "DataParallel: expected check_replicas_every >= 0 (0 = never), got ",
+           options_.check_replicas_every);
   DP_CHECK(options_.bucket_cap_mb > 0 && options_.first_bucket_mb > 0,
            "DataParallel: expected bucket_cap_mb and first_bucket_mb > 0, got ", options_.bucket_cap_mb, " and ",
            options_.first_bucket_mb);
@@ -190,23 +193,83 @@ void DataParallel::init(std::vector<Device> devices) {
     for (int r = 1; r < n; ++r) b->copies[r] = b->copies[0].to(devices_[r]).detach().clone();
   }
   storage_base_.assign(n, 0);
+  grad_base_.assign(n, 0);
   end_replicate();
+  snapshot_grad_versions();
   make_reducer();
 
-  // Optimizer steps (and zero_grad) run each persistent copy on its own device's
-  // worker; DP's transient replicas are never stepped, so DP's step stays on rank 0.
-  set_->set_executor([this](int copies, const std::function<void(int)>& fn) {
-    int ranks = 0;
-    for (int r = 0; r < copies; ++r)
-      if (!set_->copy(r).transient) ranks = r + 1;
-    Step step(*this, "the optimizer", {});
+  set_->set_executor([this](int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
+    run_on_copies(copies, work, fn);
+  });
+}
+
+// Note [Gradient edits]
+// After a DDP backward every replica holds the same all-reduced gradient. A user who
+// edits gradients through parameters() — device 0's copy — between backward() and
+// step() (scaling, zeroing a layer, clipping by hand) edits copy 0 alone.
+// dp::nn::utils::clip_grad_norm_ / clip_grad_value_ act on every copy, so they need
+// nothing more; any other edit is caught by the grad buffers' storage versions: when
+// copy 0's moved by a different amount than a replica's since the gradients were
+// last synchronised, the optimizer step first broadcasts device 0's gradient buffer
+// to every replica (one call over the buffer, only in such a step), so every replica
+// applies the gradient the user sees. A step inside no_sync() would apply unequal
+// local gradients: it is refused.
+
+// The optimizer's executor: each persistent copy on its own device's worker; DP's
+// transient replicas are never stepped, so DP's step stays on rank 0.
+void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
+  const bool update = work == nn::CopyWork::Update;
+  const bool ddp = options_.mode == Mode::DDP && devices_.size() > 1;
+  DP_CHECK(!(update && ddp && !require_sync_),
+           "DataParallel: opt.step() inside no_sync(): each DDP replica holds only its own accumulated "
+           "gradient until the first backward after the guard all-reduces them; step after that backward");
+  const bool sync_grads = update && ddp && grads_edited_unequally();
+  int ranks = 0;
+  for (int r = 0; r < copies; ++r)
+    if (!set_->copy(r).transient) ranks = r + 1;
+  {
+    Step step(*this, update ? "the optimizer step" : "an update of every copy", {});
     step.run(
         [&](int r) {
           PhaseTimer t(*recorder_, r, Phase::Step);
+          if (sync_grads) comm_->broadcast(r, set_->copy(r).grad, 0);
           fn(r);
         },
         ranks);
-  });
+  }
+  snapshot_grad_versions();
+  if (update && options_.check_replicas_every > 0 && ++updates_ % options_.check_replicas_every == 0)
+    check_replicas();
+}
+
+bool DataParallel::grads_edited_unequally() const {
+  const std::uint64_t moved0 = set_->copy(0).grad.storage()->version() - grad_base_[0];
+  for (int r = 1; r < set_->num_copies(); ++r)
+    if (set_->copy(r).grad.storage()->version() - grad_base_[r] != moved0) return true;
+  return false;
+}
+
+void DataParallel::snapshot_grad_versions() {
+  for (int r = 0; r < set_->num_copies(); ++r) grad_base_[r] = set_->copy(r).grad.storage()->version();
+}
+
+void DataParallel::check_replicas() const {
+  if (options_.mode != Mode::DDP) return;
+  const auto& slots = set_->slots();
+  const Tensor& primary = set_->copy(0).data;
+  for (int r = 1; r < set_->num_copies(); ++r) {
+    NoGradGuard no_grad;
+    Tensor replica = set_->copy(r).data.to(devices_[0]);
+    if (equal(replica, primary)) continue;
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      std::int64_t n = slots[i]->copies[0].numel();
+      if (!equal(replica.narrow(0, slots[i]->offset, n), primary.narrow(0, slots[i]->offset, n)))
+        DP_FAIL("DataParallel: replica on ", devices_[r], " differs from ", devices_[0], " in parameter '",
+                param_names_[i], "' — a replica's memory was written outside dp (a raw pointer, another "
+                "module sharing the storage); load_state_dict() or an in-place write through parameters() "
+                "re-synchronises every replica at the next forward");
+    }
+  }
 }
 
 // DP reduces the whole gradient buffer onto device 0 after backward; DDP all-reduces

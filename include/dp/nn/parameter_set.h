@@ -74,6 +74,11 @@ class ReplicaBinding {
   int prev_;
 };
 
+/// What a for_each_copy() call does to the copies: an executor may treat an
+/// optimizer update differently (DataParallel checks that every replica is about to
+/// apply the same gradient).
+enum class CopyWork { Update, Other };
+
 /// The flat buffers of one copy of a parameter set.
 struct ParameterCopy {
   Device device;
@@ -117,8 +122,8 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Runs fn(r) for every persistent (non-transient) copy r — what an optimizer
   /// steps. Default: in order on the calling thread. DataParallel installs an
   /// executor that runs each copy on its device's worker thread.
-  void for_each_copy(const std::function<void(int copy)>& fn);
-  using Executor = std::function<void(int num_copies, const std::function<void(int)>& fn)>;
+  void for_each_copy(const std::function<void(int copy)>& fn, CopyWork work = CopyWork::Other);
+  using Executor = std::function<void(int num_copies, CopyWork work, const std::function<void(int)>& fn)>;
   void set_executor(Executor executor) { executor_ = std::move(executor); }
 
   /// Increments when the primary data is written by an optimizer step or a load.

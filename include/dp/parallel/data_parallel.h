@@ -62,6 +62,10 @@ struct DataParallelOptions {
   /// reduced or all-reduced, and the result after) and throw dp::Error naming the
   /// parameter and the device.
   bool check_finite_grads = false;
+  /// Opt-in (DDP): every N optimizer steps compare every replica's parameters with
+  /// device 0's, bitwise, and throw naming the first parameter and device that
+  /// differ (see check_replicas()). 0 = never.
+  int check_replicas_every = 0;
 };
 
 /// A loss of (output, target) that returns the MEAN over its rows (e.g. cross_entropy).
@@ -112,6 +116,13 @@ class DataParallel {
   };
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  /// DDP: throws dp::Error naming the first parameter and device whose replica differs
+  /// (bitwise) from device 0's. Replicas never drift in normal use — an optimizer
+  /// step inside no_sync() is refused, and gradient edits through parameters() reach
+  /// every replica (Note [Gradient edits]) — so a difference means memory was written
+  /// behind dp's back. DP keeps no persistent replicas: nothing to compare.
+  void check_replicas() const;
+
   /// The wrapped module's parameters (device 0's copy; optimizers step every copy).
   nn::ParameterList parameters() { return net_->parameters(); }
   /// Same names as the wrapped module (no "module." prefix).
@@ -153,6 +164,9 @@ class DataParallel {
                               const std::vector<Tensor>& leaves, Device input_device);
   Tensor worker_loss_backward(int rank, const Tensor& x, const Tensor& target, const ShardPlan& plan,
                               const LossFn& loss_fn);
+  void run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn);
+  bool grads_edited_unequally() const;
+  void snapshot_grad_versions();
   void abort_step(int rank, const std::exception_ptr& error);
   void check_finite(int rank, std::int64_t lo, std::int64_t hi);
   std::uint64_t primary_version() const;
@@ -172,6 +186,8 @@ class DataParallel {
   static constexpr std::uint64_t kUnsynced = ~std::uint64_t{0};
   std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
   std::vector<std::uint64_t> storage_base_;    // DDP: each copy's storage version at the last sync
+  std::vector<std::uint64_t> grad_base_;       // DDP: each copy's grad version after the last sync
+  std::int64_t updates_ = 0;                   // optimizer steps run (check_replicas_every)
   bool require_sync_ = true;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;

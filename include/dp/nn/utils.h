@@ -1,0 +1,36 @@
+// dp/nn/utils.h — gradient clipping, as torch.nn.utils spells it.
+//
+// Both functions act on EVERY copy of a parameter set: under DataParallel's DDP mode
+// each replica's gradient is clipped with the same factor, computed once from the
+// combined gradient, so replicas stay bitwise equal (Note [Gradient edits] in
+// src/parallel/data_parallel.cpp). Under DP and on one device they act on the one
+// gradient the optimizer steps. Knows nothing of DataParallel itself.
+//
+//   loss.backward();
+//   double norm = dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0);
+//   opt.step();
+#pragma once
+
+#include <limits>
+
+#include "dp/nn/parameter_set.h"
+
+namespace dp::nn::utils {
+
+/// The norm type of the max norm: clip_grad_norm_(params, 1.0, kInfNorm).
+inline constexpr double kInfNorm = std::numeric_limits<double>::infinity();
+
+/// Scales the gradients so that their total `norm_type`-norm (the norm of the
+/// per-parameter norms, as PyTorch computes it) is at most `max_norm`: each gradient
+/// is multiplied by min(1, max_norm / (total + 1e-6)). Returns the total norm before
+/// clipping. Parameters without a gradient are skipped. Throws dp::Error for
+/// max_norm < 0, norm_type <= 0, or — with error_if_nonfinite — a NaN/Inf total.
+/// The total is read on the host (on CUDA: one synchronisation, like .item()).
+double clip_grad_norm_(const ParameterList& params, double max_norm, double norm_type = 2.0,
+                       bool error_if_nonfinite = false);
+
+/// Clamps every gradient element into [-clip_value, clip_value]. Throws dp::Error for
+/// clip_value < 0.
+void clip_grad_value_(const ParameterList& params, double clip_value);
+
+}  // namespace dp::nn::utils
