@@ -127,9 +127,10 @@ TEST_CASE("an executor runs each copy's step on its own thread") {
   auto set = params.set();
   set->add_copy(dp::cpu(1), false);
   set->add_copy(dp::cpu(2), false);
-  int calls = 0;
-  set->set_executor([&calls](int n, const std::function<void(int)>& fn) {
+  int calls = 0, updates = 0;
+  set->set_executor([&calls, &updates](int n, dp::nn::CopyWork work, const std::function<void(int)>& fn) {
     ++calls;
+    updates += work == dp::nn::CopyWork::Update ? 1 : 0;
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) threads.emplace_back([&fn, r] { fn(r); });
     for (auto& t : threads) t.join();
@@ -142,6 +143,7 @@ TEST_CASE("an executor runs each copy's step on its own thread") {
     opt.step();
   }
   CHECK(calls == 6);  // 3 zero_grad + 3 step
+  CHECK(updates == 3);
   for (int r = 1; r < 3; ++r) CHECK(dp::equal(set->copy(r).data.to(dp::cpu(0)), set->copy(0).data));
   set->set_executor(nullptr);
 }
