@@ -1,14 +1,21 @@
 // Tests for dp/optim/lr_scheduler.h: every schedule's lr sequence (and OneCycleLR's
 // momentum) against what PyTorch prints — bit for bit, from lr_reference.h, which
-// scripts/make_lr_reference.py generates —, bad options and the state dict.
+// scripts/make_lr_reference.py generates —, bad options, and a resume from a training
+// checkpoint that continues the sequence exactly.
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include "dp/io/checkpoint.h"
 #include "dp/optim/optim.h"
+#include "dp/tensor/ops.h"
 #include "lr_reference.h"
 #include "optim_test_util.h"
 
@@ -304,4 +311,93 @@ TEST_CASE("load_state_dict restores the position; another kind is refused") {
   CHECK(contains(error_of([&] { c.load_state_dict(st); }), "expected a state saved by ExponentialLR, got one saved by StepLR"));
   st.base_lrs = {0.1, 0.2};
   CHECK(contains(error_of([&] { b.load_state_dict(st); }), "expected 1 parameter group(s)"));
+}
+
+// ---- resume from a training checkpoint -------------------------------------------------------------------
+
+namespace {
+
+/// A tiny training run: SGD with momentum under OneCycleLR, stepped per batch, next to
+/// a LinearLR warm-up + CosineAnnealingLR pair on an Adam, deterministic gradients.
+struct Run {
+  std::shared_ptr<dp::nn::Sequential> net = optim_test::tiny_net(dp::cpu(0), 3);
+  optim::SGD opt{net->parameters(), {.lr = 0.1}};
+  optim::OneCycleLR one_cycle{opt, {.max_lr = 0.2, .total_steps = 12, .anneal_strategy = optim::AnnealStrategy::Linear}};
+  dp::TrainingState state;
+  D lrs, momenta;
+
+  Run() { state.schedulers = {{"one_cycle", &one_cycle}}; }
+  void train(int steps) {
+    auto params = net->parameters();
+    for (int i = 0; i < steps; ++i) {
+      opt.zero_grad();
+      optim_test::set_grads(params.tensors(), static_cast<int>(state.step));
+      opt.step();
+      one_cycle.step();
+      ++state.step;
+      lrs.push_back(opt.lr());
+      momenta.push_back(*opt.momentum());
+    }
+  }
+};
+
+struct ScratchFile {
+  std::string path = (std::filesystem::temp_directory_path() /
+                      ("dp_lr_scheduler_test." + std::to_string(::getpid()) + ".ckpt")).string();
+  ~ScratchFile() { std::remove(path.c_str()); }
+};
+
+}  // namespace
+
+TEST_CASE("a training checkpoint carries the scheduler: the resumed lr sequence is exact") {
+  ScratchFile file;
+  Run straight;
+  straight.train(12);
+
+  Run first;
+  first.train(5);
+  dp::save_training_checkpoint(file.path, *first.net, first.opt, first.state);
+
+  Run second;  // fresh: its scheduler is at step 0, SGD's momentum at max_momentum
+  CHECK(second.one_cycle.last_epoch() == 0);
+  dp::load_training_checkpoint(file.path, *second.net, second.opt, second.state);
+  CHECK(second.state.step == 5);
+  CHECK(second.one_cycle.last_epoch() == 5);
+  CHECK(second.one_cycle.get_last_lr() == first.one_cycle.get_last_lr());
+  CHECK(second.opt.lr() == first.opt.lr());
+  CHECK(*second.opt.momentum() == *first.opt.momentum());
+  second.train(7);
+
+  D lrs = first.lrs, momenta = first.momenta;
+  lrs.insert(lrs.end(), second.lrs.begin(), second.lrs.end());
+  momenta.insert(momenta.end(), second.momenta.begin(), second.momenta.end());
+  check_exact(lrs, straight.lrs);
+  check_exact(momenta, straight.momenta);
+  auto want = straight.net->parameters(), got = second.net->parameters();
+  for (std::size_t k = 0; k < want.size(); ++k) CHECK(dp::equal(got[k], want[k]));
+  CHECK(contains(error_of([&] { second.one_cycle.step(); }), "tried to step"));
+}
+
+TEST_CASE("a checkpoint without the scheduler, or with another kind, is refused and changes nothing") {
+  ScratchFile file;
+  Run first;
+  first.train(3);
+  dp::TrainingState plain;
+  dp::save_training_checkpoint(file.path, *first.net, first.opt, plain);
+
+  Run second;
+  const double lr = second.opt.lr();
+  CHECK(contains(error_of([&] { dp::load_training_checkpoint(file.path, *second.net, second.opt, second.state); }),
+                 "no scheduler named 'one_cycle'"));
+  CHECK(second.opt.lr() == lr);
+  CHECK(second.one_cycle.last_epoch() == 0);
+
+  dp::save_training_checkpoint(file.path, *first.net, first.opt, first.state);
+  optim::StepLR step(second.opt, {.step_size = 2});
+  second.state.schedulers = {{"one_cycle", &step}};
+  CHECK(contains(error_of([&] { dp::load_training_checkpoint(file.path, *second.net, second.opt, second.state); }),
+                 "got one saved by OneCycleLR"));
+  CHECK(second.opt.lr() == lr);
+  CHECK(second.opt.step_count() == 0);
+  CHECK(step.last_epoch() == 0);
 }
