@@ -308,7 +308,8 @@ TEST_CASE("load_state_dict restores the position; another kind is refused") {
   CHECK(opt2.lr() == opt.lr());
 
   optim::ExponentialLR c(opt2, {.gamma = 0.9});
-  CHECK(contains(error_of([&] { c.load_state_dict(st); }), "expected a state saved by ExponentialLR, got one saved by StepLR"));
+  CHECK(contains(error_of([&] { c.load_state_dict(st); }),
+                 "expected a state saved by ExponentialLR, got one saved by StepLR"));
   st.base_lrs = {0.1, 0.2};
   CHECK(contains(error_of([&] { b.load_state_dict(st); }), "expected 1 parameter group(s)"));
 }
@@ -317,12 +318,13 @@ TEST_CASE("load_state_dict restores the position; another kind is refused") {
 
 namespace {
 
-/// A tiny training run: SGD with momentum under OneCycleLR, stepped per batch, next to
-/// a LinearLR warm-up + CosineAnnealingLR pair on an Adam, deterministic gradients.
+/// A tiny training run with deterministic gradients: SGD (momentum from the schedule)
+/// under a linear OneCycleLR stepped per batch.
 struct Run {
   std::shared_ptr<dp::nn::Sequential> net = optim_test::tiny_net(dp::cpu(0), 3);
   optim::SGD opt{net->parameters(), {.lr = 0.1}};
-  optim::OneCycleLR one_cycle{opt, {.max_lr = 0.2, .total_steps = 12, .anneal_strategy = optim::AnnealStrategy::Linear}};
+  optim::OneCycleLR one_cycle{
+      opt, {.max_lr = 0.2, .total_steps = 12, .anneal_strategy = optim::AnnealStrategy::Linear}};
   dp::TrainingState state;
   D lrs, momenta;
 
@@ -337,6 +339,32 @@ struct Run {
       ++state.step;
       lrs.push_back(opt.lr());
       momenta.push_back(*opt.momentum());
+    }
+  }
+};
+
+/// Adam under a LinearLR warm-up and a CosineAnnealingLR stepped together once per
+/// "epoch" of 3 batches: two named schedulers in one checkpoint.
+struct ChainRun {
+  std::shared_ptr<dp::nn::Sequential> net = optim_test::tiny_net(dp::cpu(0), 4);
+  optim::Adam opt{net->parameters(), {.lr = 0.01}};
+  optim::LinearLR warmup{opt, {.start_factor = 0.2, .total_iters = 3}};
+  optim::CosineAnnealingLR cosine{opt, {.T_max = 6, .eta_min = 1e-4}};
+  dp::TrainingState state;
+  D lrs;
+
+  ChainRun() { state.schedulers = {{"warmup", &warmup}, {"cosine", &cosine}}; }
+  void train(int epochs) {
+    auto params = net->parameters();
+    for (int e = 0; e < epochs; ++e, ++state.epoch) {
+      for (int b = 0; b < 3; ++b, ++state.step) {
+        opt.zero_grad();
+        optim_test::set_grads(params.tensors(), static_cast<int>(state.step));
+        opt.step();
+      }
+      warmup.step();
+      cosine.step();
+      lrs.push_back(opt.lr());
     }
   }
 };
@@ -376,6 +404,29 @@ TEST_CASE("a training checkpoint carries the scheduler: the resumed lr sequence 
   auto want = straight.net->parameters(), got = second.net->parameters();
   for (std::size_t k = 0; k < want.size(); ++k) CHECK(dp::equal(got[k], want[k]));
   CHECK(contains(error_of([&] { second.one_cycle.step(); }), "tried to step"));
+}
+
+TEST_CASE("two schedulers stepped per epoch resume exactly from one checkpoint (Adam)") {
+  ScratchFile file;
+  ChainRun straight;
+  straight.train(8);
+
+  ChainRun first;
+  first.train(3);
+  dp::save_training_checkpoint(file.path, *first.net, first.opt, first.state);
+  ChainRun second;
+  dp::load_training_checkpoint(file.path, *second.net, second.opt, second.state);
+  CHECK(second.state.epoch == 3);
+  CHECK(second.warmup.last_epoch() == 3);
+  CHECK(second.cosine.last_epoch() == 3);
+  CHECK(second.opt.step_count() == 9);
+  second.train(5);
+
+  D lrs = first.lrs;
+  lrs.insert(lrs.end(), second.lrs.begin(), second.lrs.end());
+  check_exact(lrs, straight.lrs);
+  auto want = straight.net->parameters(), got = second.net->parameters();
+  for (std::size_t k = 0; k < want.size(); ++k) CHECK(dp::equal(got[k], want[k]));
 }
 
 TEST_CASE("a checkpoint without the scheduler, or with another kind, is refused and changes nothing") {

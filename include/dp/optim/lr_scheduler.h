@@ -48,7 +48,8 @@ struct LRSchedulerState {
   std::vector<double> last_lrs;   ///< get_last_lr()
 };
 
-/// Base class (PyTorch's _LRScheduler). See Note [Scheduler steps].
+/// Base class (PyTorch's _LRScheduler). See Note [Scheduler steps]. It refers to its
+/// optimizer, which must outlive it.
 class LRScheduler {
  public:
   virtual ~LRScheduler();
