@@ -1,8 +1,10 @@
 // Module and training checkpoints on top of the safetensors format.
 #include "dp/io/checkpoint.h"
 
+#include <algorithm>
 #include <charconv>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <system_error>
@@ -21,6 +23,10 @@ namespace {
 //   dp.checkpoint = "training"           marks the layout
 //   dp.step / dp.epoch / dp.batch        the loop position
 //   dp.optimizer.lr                      shortest round-trip decimal of the double
+//   dp.optimizer.momentum                the same for Optimizer::momentum(), when it has one
+//   dp.scheduler.<name>.kind, .last_epoch, .base_lrs, .last_lrs
+//                                        optim::LRSchedulerState of TrainingState::schedulers
+//                                        (lists: space-separated decimals, one per group)
 //   dp.rng.default, dp.rng.<name>        "<seed> <offset>" of each Generator (Philox:
 //                                        seed and counter are its whole state)
 //   user.<key>                           TrainingState::metadata
@@ -28,6 +34,7 @@ constexpr const char* kOptPrefix = "optimizer.";
 constexpr const char* kKindKey = "dp.checkpoint";
 constexpr const char* kKindTraining = "training";
 constexpr const char* kRngPrefix = "dp.rng.";
+constexpr const char* kSchedPrefix = "dp.scheduler.";
 constexpr const char* kUserPrefix = "user.";
 
 bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
@@ -151,6 +158,49 @@ std::pair<std::uint64_t, std::uint64_t> parse_generator(const std::string& s, co
           parse_number<std::uint64_t>(s.substr(sp + 1), key, path)};
 }
 
+std::string format_list(const std::vector<double>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ' ';
+    s += format_number(v[i]);
+  }
+  return s;
+}
+
+std::vector<double> parse_list(const std::string& s, const std::string& key, const std::string& path) {
+  std::vector<double> v;
+  std::size_t begin = 0;
+  while (begin <= s.size()) {
+    const std::size_t end = std::min(s.find(' ', begin), s.size());
+    v.push_back(parse_number<double>(s.substr(begin, end - begin), key, path));
+    begin = end + 1;
+  }
+  return v;
+}
+
+void save_scheduler(io::Metadata& meta, const std::string& name, const optim::LRScheduler* sched) {
+  DP_CHECK(sched != nullptr, "save_training_checkpoint: scheduler '", name, "' is null");
+  const std::string key = kSchedPrefix + name;
+  DP_CHECK(!meta.count(key + ".kind"), "save_training_checkpoint: two schedulers are named '", name, "'");
+  const optim::LRSchedulerState st = sched->state_dict();
+  meta[key + ".kind"] = st.kind;
+  meta[key + ".last_epoch"] = format_number(st.last_epoch);
+  meta[key + ".base_lrs"] = format_list(st.base_lrs);
+  meta[key + ".last_lrs"] = format_list(st.last_lrs);
+}
+
+optim::LRSchedulerState parse_scheduler(const io::Metadata& m, const std::string& name, const std::string& path) {
+  const std::string key = kSchedPrefix + name;
+  DP_CHECK(m.count(key + ".kind"), "load_training_checkpoint '", path, "': the checkpoint has no scheduler named '",
+           name, "' (was it saved with TrainingState::schedulers naming it?)");
+  optim::LRSchedulerState st;
+  st.kind = m.at(key + ".kind");
+  st.last_epoch = parse_number<std::int64_t>(meta_get(m, key + ".last_epoch", path), key + ".last_epoch", path);
+  st.base_lrs = parse_list(meta_get(m, key + ".base_lrs", path), key + ".base_lrs", path);
+  st.last_lrs = parse_list(meta_get(m, key + ".last_lrs", path), key + ".last_lrs", path);
+  return st;
+}
+
 }  // namespace
 
 // ---- module checkpoints ------------------------------------------------------------------
@@ -216,6 +266,7 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
   meta["dp.epoch"] = format_number(state.epoch);
   meta["dp.batch"] = format_number(state.batch);
   meta["dp.optimizer.lr"] = format_number(optimizer.lr());
+  if (const auto m = optimizer.momentum()) meta["dp.optimizer.momentum"] = format_number(*m);
   meta[std::string(kRngPrefix) + "default"] = generator_state(default_generator());
   for (const auto& [name, gen] : state.generators) {
     DP_CHECK(gen != nullptr, "save_training_checkpoint: generator '", name, "' is null");
@@ -224,6 +275,7 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
     auto [it, fresh] = meta.emplace(kRngPrefix + name, generator_state(*gen));
     DP_CHECK(fresh, "save_training_checkpoint: two generators are named '", name, "'");
   }
+  for (const auto& [name, sched] : state.schedulers) save_scheduler(meta, name, sched);
   for (const auto& [k, v] : state.metadata) meta[kUserPrefix + k] = v;
   io::write_safetensors(path, tensors, meta);
 }
@@ -250,6 +302,15 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
              name, "' (was it saved with TrainingState::generators naming it?)");
     gens.emplace_back(gen, parse_generator(m.at(key), key, path));
   }
+  std::optional<double> momentum;
+  if (m.count("dp.optimizer.momentum") && optimizer.momentum()) {
+    momentum = parse_number<double>(m.at("dp.optimizer.momentum"), "dp.optimizer.momentum", path);
+  }
+  std::vector<std::pair<optim::LRScheduler*, optim::LRSchedulerState>> scheds;
+  for (const auto& [name, sched] : state.schedulers) {
+    DP_CHECK(sched != nullptr, "load_training_checkpoint: scheduler '", name, "' is null");
+    scheds.emplace_back(sched, parse_scheduler(m, name, path));
+  }
   std::map<std::string, std::string> user;
   for (const auto& [k, v] : m)
     if (starts_with(k, kUserPrefix)) user[k.substr(std::string(kUserPrefix).size())] = v;
@@ -265,13 +326,26 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
   nn::StateDict old_opt;
   for (auto& [k, v] : optimizer.state_dict()) old_opt.emplace_back(k, v.clone());
   const double old_lr = optimizer.lr();
-  optimizer.load_state_dict(opt_state);
+  const std::optional<double> old_momentum = optimizer.momentum();
+  std::vector<optim::LRSchedulerState> old_scheds;
+  for (auto& [sched, st] : scheds) old_scheds.push_back(sched->state_dict());
+  // The momentum first: whether SGD keeps a momentum buffer depends on it.
+  if (momentum) optimizer.set_momentum(*momentum);
+  try {
+    optimizer.load_state_dict(opt_state);
+  } catch (...) {
+    if (old_momentum) optimizer.set_momentum(*old_momentum);
+    throw;
+  }
   try {
     optimizer.set_lr(lr);
+    for (auto& [sched, st] : scheds) sched->load_state_dict(st);
     module.load_state_dict(to_copy, /*strict=*/false);
   } catch (...) {
+    if (old_momentum) optimizer.set_momentum(*old_momentum);
     optimizer.load_state_dict(old_opt);
     optimizer.set_lr(old_lr);
+    for (std::size_t i = 0; i < old_scheds.size(); ++i) scheds[i].first->load_state_dict(old_scheds[i]);
     throw;
   }
   default_generator().set_state(def_rng.first, def_rng.second);

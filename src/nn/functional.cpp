@@ -206,6 +206,141 @@ Tensor log_softmax_impl(const char* op, const Tensor& x) {
   return y;
 }
 
+// ---- losses with PyTorch's options (Note [Class-index losses] in dp/nn/functional.h) ----
+
+/// Checks the shapes, dtypes and devices of a class-index loss's arguments.
+/// `scores`: (B, C) logits or log-probabilities, named `what`.
+void check_class_loss(const char* op, const char* what, const Tensor& scores, const Tensor& target,
+                      const Tensor& weight, Reduction reduction, double scale) {
+  check_defined(op, what, scores);
+  check_float(op, what, scores);
+  check_defined(op, "target", target);
+  DP_CHECK(target.dtype() == Dtype::Int64, op, ": expected int64 class indices as target, got ",
+           dtype_name(target.dtype()), " (", target.str(), "); convert with .to(dp::Dtype::Int64)");
+  check_same_device(op, what, scores, "target", target);
+  DP_CHECK(scores.dim() == 2, op, ": expected ", what, " (B, C), got ", shape_str(scores.shape()));
+  const std::int64_t B = scores.size(0), C = scores.size(1);
+  DP_CHECK(target.dim() == 1 && target.size(0) == B, op, ": expected target of shape [", B,
+           "] (one class index per row of ", what, " ", shape_str(scores.shape()), "), got ",
+           shape_str(target.shape()));
+  if (weight.defined()) {
+    check_float(op, "weight", weight);
+    check_same_device(op, what, scores, "weight", weight);
+    DP_CHECK(weight.dim() == 1 && weight.size(0) == C, op, ": expected weight of shape [", C,
+             "] (one per class of ", what, " ", shape_str(scores.shape()), "), got ", shape_str(weight.shape()));
+  }
+  DP_CHECK(reduction != Reduction::Mean || B > 0, op, ": the mean over an empty batch is undefined");
+  DP_CHECK(std::isfinite(scale), op, ": expected a finite scale, got ", scale);
+}
+
+/// Checks every target of a tensor in host memory; returns whether a row is ignored.
+bool check_host_targets(const char* op, const Tensor& target, std::int64_t C, std::int64_t ignore_index) {
+  const std::int64_t* t = target.data<std::int64_t>();
+  bool ignored = false;
+  for (std::int64_t r = 0; r < target.numel(); ++r) {
+    if (t[r] == ignore_index) {
+      ignored = true;
+      continue;
+    }
+    DP_CHECK(t[r] >= 0 && t[r] < C, op, ": expected class indices in [0, ", C, ") or ignore_index (",
+             ignore_index, "), got target[", r, "] = ", t[r], "; check the labels and the model's output size");
+  }
+  return ignored;
+}
+
+/// The loss of Note [Class-index losses] from log-probabilities logp (B, C), as tensor
+/// ops: a coefficient matrix M (B, C) built from the target without autograd, rows =
+/// −Σ_c M[r, c]·logp[r, c], so that backward is mul's and sum's and every backend runs
+/// it. `poison`: make rows with a bad target NaN (the targets were not checked on the
+/// host).
+Tensor class_loss(const Tensor& logp, const Tensor& target, const Tensor& weight, std::int64_t ignore_index,
+                  double smoothing, Reduction reduction, double scale, bool poison) {
+  const std::int64_t B = logp.size(0), C = logp.size(1);
+  const Device dev = logp.device();
+  Tensor coef, row_weight, nan_rows;
+  {
+    NoGradGuard no_grad;
+    Tensor onehot = eq(target.reshape({B, 1}), arange(C, TensorOptions{Dtype::Int64, dev}).reshape({1, C}));
+    Tensor ignored = eq(target, from_vector(std::vector<std::int64_t>{ignore_index}, {}, dev));  // (B): 1 or 0
+    Tensor keep = add(mul(ignored, -1.0), 1.0).reshape({B, 1});
+    Tensor hit = mul(onehot, keep);  // the target's one-hot; ignored rows 0
+    if (weight.defined()) hit = mul(hit, weight.reshape({1, C}));
+    row_weight = sum(hit, 1);  // w_r
+    coef = hit;
+    if (smoothing > 0) {
+      Tensor spread = mul(weight.defined() ? weight.reshape({1, C}) : ones({1, C}, dev), keep);
+      coef = add(mul(hit, 1.0 - smoothing), mul(spread, smoothing / static_cast<double>(C)));
+    }
+    if (poison) {
+      // 0 / 1 = 0 where the target is a class or ignored, 0 / 0 = NaN where it is neither.
+      Tensor ok = maximum(sum(onehot, 1), ignored);
+      nan_rows = div(zeros({B}, dev), ok);
+    }
+  }
+  Tensor rows = neg(sum(mul(coef, logp), 1));
+  if (nan_rows.defined()) rows = add(rows, nan_rows);
+  Tensor out;
+  switch (reduction) {
+    case Reduction::Mean: out = div(sum(rows), sum(row_weight)); break;
+    case Reduction::Sum: out = sum(rows); break;
+    case Reduction::None: out = rows; break;
+  }
+  return scale == 1.0 ? out : mul(out, scale);
+}
+
+/// nll_loss and cross_entropy: the fused nll kernels when no option needs more (known
+/// only for targets in host memory), class_loss otherwise.
+Tensor class_loss_from(const char* op, const char* what, const Tensor& scores, bool logits, const Tensor& target,
+                       const Tensor& weight, std::int64_t ignore_index, double smoothing, Reduction reduction,
+                       double scale) {
+  check_class_loss(op, what, scores, target, weight, reduction, scale);
+  DP_CHECK(smoothing >= 0 && smoothing <= 1, op, ": expected label_smoothing in [0, 1], got ", smoothing);
+  const bool on_host = target.device().is_cpu();
+  const bool any_ignored = on_host ? check_host_targets(op, target, scores.size(1), ignore_index) : true;
+  Tensor logp = logits ? log_softmax_impl(op, scores) : scores;
+  if (on_host && !any_ignored && !weight.defined() && smoothing == 0) {
+    return nll_impl(op, logp, target, reduction, scale);
+  }
+  return class_loss(logp, target, weight, ignore_index, smoothing, reduction, scale, !on_host);
+}
+
+/// Checks an elementwise loss's two same-shaped float32 operands.
+void check_pair(const char* op, const Tensor& a, const Tensor& b, Reduction reduction) {
+  check_defined(op, "input", a);
+  check_defined(op, "target", b);
+  check_float(op, "input", a);
+  check_float(op, "target", b);
+  check_same_device(op, "input", a, "target", b);
+  DP_CHECK(a.shape() == b.shape(), op, ": expected input and target of one shape, got ", shape_str(a.shape()),
+           " and ", shape_str(b.shape()));
+  DP_CHECK(reduction != Reduction::Mean || a.numel() > 0, op, ": the mean over an empty input is undefined");
+}
+
+/// Mean over every element, sum, or the elements; times scale.
+Tensor reduce_loss(const Tensor& losses, Reduction reduction, double scale) {
+  Tensor out;
+  switch (reduction) {
+    case Reduction::Mean: out = mean(losses); break;
+    case Reduction::Sum: out = sum(losses); break;
+    case Reduction::None: out = losses; break;
+  }
+  return scale == 1.0 ? out : mul(out, scale);
+}
+
+/// A per-element weight of an elementwise loss: float32 on the input's device, and
+/// broadcasting to the input's shape without enlarging it.
+void check_elementwise_weight(const char* op, const char* what, const Tensor& w, const Tensor& x) {
+  check_float(op, what, w);
+  check_same_device(op, "input", x, what, w);
+  bool fits = w.dim() <= x.dim();
+  for (std::int64_t i = 1; fits && i <= w.dim(); ++i) {
+    const std::int64_t ws = w.size(-i), xs = x.size(-i);
+    fits = ws == xs || ws == 1;
+  }
+  DP_CHECK(fits, op, ": expected ", what, " broadcastable to the input's shape ", shape_str(x.shape()), ", got ",
+           shape_str(w.shape()));
+}
+
 }  // namespace
 
 // ---- convolution ------------------------------------------------------------------------
@@ -472,47 +607,69 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
 
 Tensor log_softmax(const Tensor& x) { return log_softmax_impl("log_softmax", x); }
 
-Tensor nll_loss(const Tensor& logp, const Tensor& target, Reduction reduction, double scale) {
-  check_defined("nll_loss", "input", logp);
-  check_float("nll_loss", "input (log-probabilities)", logp);
-  return nll_impl("nll_loss", logp, target, reduction, scale);
+Tensor nll_loss(const Tensor& logp, const Tensor& target, const NLLLossOptions& options) {
+  return class_loss_from("nll_loss", "input (log-probabilities)", logp, false, target, options.weight,
+                         options.ignore_index, 0.0, options.reduction, options.scale);
 }
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction,
-                     double scale) {
-  // Target checks first: a wrong label tensor is the likelier mistake, and it should be
-  // named before any work is done.
-  check_defined("cross_entropy", "logits", logits);
-  check_float("cross_entropy", "logits", logits);
-  check_defined("cross_entropy", "target", target);
-  DP_CHECK(target.dtype() == Dtype::Int64, "cross_entropy: expected int64 class indices as target, got ",
-           dtype_name(target.dtype()), " (", target.str(), "); convert with .to(dp::Dtype::Int64)");
-  check_same_device("cross_entropy", "logits", logits, "target", target);
-  DP_CHECK(logits.dim() == 2, "cross_entropy: expected logits (B, C), got ", shape_str(logits.shape()));
-  DP_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), "cross_entropy: expected target of shape [",
-           logits.size(0), "] (one class index per row of logits ", shape_str(logits.shape()), "), got ",
-           shape_str(target.shape()));
-  return nll_impl("cross_entropy", log_softmax_impl("cross_entropy", logits), target, reduction, scale);
+Tensor nll_loss(const Tensor& logp, const Tensor& target, Reduction reduction, double scale) {
+  return nll_loss(logp, target, NLLLossOptions{.reduction = reduction, .scale = scale});
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options) {
+  return class_loss_from("cross_entropy", "logits", logits, true, target, options.weight, options.ignore_index,
+                         options.label_smoothing, options.reduction, options.scale);
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction, double scale) {
+  return cross_entropy(logits, target, CrossEntropyOptions{.reduction = reduction, .scale = scale});
+}
+
+Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target,
+                                        const BCEWithLogitsOptions& options) {
+  const char* op = "binary_cross_entropy_with_logits";
+  check_pair(op, input, target, options.reduction);
+  if (options.weight.defined()) check_elementwise_weight(op, "weight", options.weight, input);
+  if (options.pos_weight.defined()) check_elementwise_weight(op, "pos_weight", options.pos_weight, input);
+  DP_CHECK(std::isfinite(options.scale), op, ": expected a finite scale, got ", options.scale);
+  // PyTorch's formula (ATen's binary_cross_entropy_with_logits): with m = max(−x, 0),
+  //   softplus(−x) = log(1 + exp(−x)) = log(exp(−m) + exp(−x − m)) + m   (no overflow)
+  //   loss = (1 − t)·x + (1 + (pos_weight − 1)·t)·softplus(−x),   times weight.
+  const Tensor& x = input;
+  const Tensor& t = target;
+  Tensor m = relu(neg(x));
+  Tensor softplus = add(log(add(exp(neg(m)), exp(sub(neg(x), m)))), m);
+  if (options.pos_weight.defined()) {
+    softplus = mul(add(mul(add(options.pos_weight.detach(), -1.0), t), 1.0), softplus);
+  }
+  Tensor loss = add(mul(add(mul(t, -1.0), 1.0), x), softplus);
+  if (options.weight.defined()) loss = mul(loss, options.weight.detach());
+  return reduce_loss(loss, options.reduction, options.scale);
 }
 
 Tensor mse_loss(const Tensor& a, const Tensor& b, Reduction reduction, double scale) {
-  const char* op = "mse_loss";
-  check_defined(op, "input", a);
-  check_defined(op, "target", b);
-  check_float(op, "input", a);
-  check_float(op, "target", b);
-  check_same_device(op, "input", a, "target", b);
-  DP_CHECK(a.shape() == b.shape(), "mse_loss: expected input and target of one shape, got ",
-           shape_str(a.shape()), " and ", shape_str(b.shape()));
-  DP_CHECK(reduction != Reduction::Mean || a.numel() > 0, op, ": the mean over an empty input is undefined");
-  Tensor sq = square(sub(a, b));
-  Tensor out;
-  switch (reduction) {
-    case Reduction::Mean: out = mean(sq); break;
-    case Reduction::Sum: out = sum(sq); break;
-    case Reduction::None: out = sq; break;
-  }
-  return scale == 1.0 ? out : mul(out, scale);
+  check_pair("mse_loss", a, b, reduction);
+  return reduce_loss(square(sub(a, b)), reduction, scale);
+}
+
+Tensor l1_loss(const Tensor& a, const Tensor& b, Reduction reduction, double scale) {
+  check_pair("l1_loss", a, b, reduction);
+  return reduce_loss(abs(sub(a, b)), reduction, scale);
+}
+
+Tensor smooth_l1_loss(const Tensor& a, const Tensor& b, Reduction reduction, double beta, double scale) {
+  const char* op = "smooth_l1_loss";
+  check_pair(op, a, b, reduction);
+  DP_CHECK(std::isfinite(beta) && beta >= 0, op, ": expected beta >= 0 (where the loss turns from quadratic "
+           "to linear), got ", beta);
+  if (beta == 0) return l1_loss(a, b, reduction, scale);  // PyTorch's special case
+  // With z = |a − b| and q = min(z, beta) = z − relu(z − beta):
+  //   0.5·q² / beta + (z − q)  =  0.5·z² / beta  (z < beta),  z − 0.5·beta  (z >= beta),
+  // and its derivative in z, q / beta·q' + 1 − q', is z / beta or 1 — PyTorch's.
+  Tensor z = abs(sub(a, b));
+  Tensor q = sub(z, relu(add(z, -beta)));
+  Tensor loss = add(mul(square(q), 0.5 / beta), sub(z, q));
+  return reduce_loss(loss, reduction, scale);
 }
 
 }  // namespace dp::nn

@@ -31,6 +31,11 @@ void Adam::set_lr(double lr) {
   options_.lr = lr;
 }
 
+void Adam::set_momentum(double beta1) {
+  DP_CHECK(beta1 >= 0 && beta1 < 1, kind(), ": expected beta1 in [0, 1), got ", beta1);
+  options_.beta1 = beta1;
+}
+
 std::vector<std::string> Adam::state_names() const { return {"exp_avg", "exp_avg_sq"}; }
 
 void Adam::update(Device dev, float* param, const float* grad, float* const* state,

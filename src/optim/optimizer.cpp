@@ -82,6 +82,11 @@ Optimizer::Optimizer(nn::ParameterList params, std::string kind)
 
 Optimizer::~Optimizer() = default;
 
+void Optimizer::set_momentum(double momentum) {
+  DP_FAIL(kind_, ": this optimizer has no momentum to set (got ", momentum,
+          "); use SGD, Adam or AdamW, or turn momentum cycling off in the scheduler");
+}
+
 void Optimizer::check_valid() const {
   const auto& set = params_.set();
   DP_CHECK(!set || set->valid(), kind_,

@@ -30,6 +30,13 @@ void SGD::set_lr(double lr) {
   options_.lr = lr;
 }
 
+void SGD::set_momentum(double momentum) {
+  DP_CHECK(momentum >= 0, "SGD: expected momentum >= 0, got ", momentum);
+  DP_CHECK(!options_.nesterov || momentum > 0, "SGD: nesterov momentum requires momentum > 0, got ",
+           momentum);
+  options_.momentum = momentum;
+}
+
 std::vector<std::string> SGD::state_names() const {
   if (options_.momentum == 0) return {};
   return {"momentum_buffer"};

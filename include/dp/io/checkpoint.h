@@ -17,6 +17,7 @@
 //   dp::TrainingState st{.step = 100, .epoch = 2, .batch = 17};
 //   dp::save_training_checkpoint("run.ckpt", *net, opt, st);
 //   dp::load_training_checkpoint("run.ckpt", *net, opt, st);  // st.step == 100 again
+//   // with a scheduler: st.schedulers = {{"lr", &sched}} on both sides
 //   loader.set_position(st.epoch, st.batch);                  // continue at batch 17
 #pragma once
 
@@ -29,6 +30,7 @@
 
 #include "dp/io/safetensors.h"
 #include "dp/nn/module.h"
+#include "dp/optim/lr_scheduler.h"
 #include "dp/optim/optimizer.h"
 #include "dp/tensor/tensor.h"
 
@@ -74,21 +76,27 @@ struct TrainingState {
   /// Extra generators (dropout, augmentation, …) saved and restored by name, in place.
   /// dp::default_generator() is always saved and restored as well.
   std::vector<std::pair<std::string, Generator*>> generators;
+  /// Learning-rate schedulers saved and restored by name, in place (optional): their
+  /// position and base lrs, so that the resumed run continues the lr sequence exactly.
+  /// Build them as in the saved run before loading; dp::Error when the file has no
+  /// scheduler of that name or one of another kind.
+  std::vector<std::pair<std::string, optim::LRScheduler*>> schedulers;
   /// Free-form strings (run id, config hash, …), saved as "user.<key>" metadata.
   std::map<std::string, std::string> metadata;
 };
 
 /// Saves module state (unprefixed names), optimizer.state_dict() (prefixed
-/// "optimizer."), its learning rate, `state` and dp::default_generator()'s state to
-/// one safetensors file at `path`, atomically.
+/// "optimizer."), its learning rate and momentum, `state` (with its schedulers) and
+/// dp::default_generator()'s state to one safetensors file at `path`, atomically.
 void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
                               const TrainingState& state);
 
 /// Restores what save_training_checkpoint wrote: the module (strict), the optimizer
-/// (state and learning rate), dp::default_generator(), and fills state.step, .epoch,
-/// .batch and .metadata; every generator listed in state.generators is restored by
-/// name (dp::Error when the file has none of that name). Everything is validated
-/// first: on error, module, optimizer, generators and `state` are unchanged.
+/// (state, learning rate and, when saved, momentum), dp::default_generator(), and fills
+/// state.step, .epoch, .batch and .metadata; every generator and scheduler listed in
+/// state.generators and state.schedulers is restored by name (dp::Error when the file
+/// has none of that name). Everything is validated first: on error, module, optimizer,
+/// generators, schedulers and `state` are unchanged.
 void load_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
                               TrainingState& state);
 

@@ -11,6 +11,7 @@
 //   dp::Tensor y = dp::nn::conv2d(x, w, b, /*stride=*/1, /*padding=*/1);   // (N, K, H, W)
 //   dp::Tensor loss = dp::nn::cross_entropy(logits, labels);              // mean over N
 //   dp::Tensor part = dp::nn::cross_entropy(logits, labels, dp::nn::Reduction::Sum, 1.0 / 256);
+//   dp::Tensor ls = dp::nn::cross_entropy(logits, labels, {.weight = w, .label_smoothing = 0.1});
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,7 @@ namespace dp::nn {
 enum class Reduction : std::uint8_t {
   Mean,  ///< sum / number of samples (PyTorch's default)
   Sum,   ///< sum over samples — with `scale`, a DataParallel shard's share of a mean
-  None,  ///< the per-sample losses, shape (N) (or the input's shape for mse_loss)
+  None,  ///< the per-sample losses, shape (N) (or the input's shape for elementwise losses)
 };
 
 // ---- convolution and pooling (NCHW) ----------------------------------------------------
@@ -72,21 +73,100 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& gen);
 /// log(softmax(x)) over dim 1 of x: (B, C), computed stably (max subtracted).
 Tensor log_softmax(const Tensor& x);
 
-/// Negative log-likelihood: loss[i] = −logp[i, target[i]], reduced, times `scale`.
-/// logp: (B, C) float32; target: (B) int64 in [0, C) (out of range → dp::Error on CPU;
-/// NaN loss on CUDA, which checks without a host synchronisation).
+// Note [Class-index losses]
+// nll_loss and cross_entropy follow PyTorch 1.13's F.nll_loss / F.cross_entropy. Row r
+// with target t = target[r] has the weight w_r = weight[t] (1 without `weight`), or 0
+// when t == ignore_index, and the loss
+//   −w_r·logp[r, t]                                                       (nll_loss)
+//   (1 − ε)·(−w_r·logp[r, t]) + ε/C·(−Σ_c weight[c]·logp[r, c])   (cross_entropy,
+//                                    label_smoothing ε; the second term 0 on ignored rows)
+// with logp = log_softmax(logits) for cross_entropy. Mean divides the sum by Σ_r w_r,
+// the summed weight of the rows not ignored (NaN when every row is ignored, as in
+// PyTorch); None gives every row's loss, 0 for ignored rows. Targets must be int64 in
+// [0, C) or equal ignore_index: on the CPU anything else throws dp::Error naming the
+// row before any work; on CUDA, which cannot throw without a host synchronisation, it
+// makes that row's loss NaN. `weight` is a constant: it gets no gradient.
+// A weighted or ignoring mean divides by a sum over the whole batch: a DataParallel
+// forward_backward, which weighs each shard's mean by its share of the rows, gives the
+// global value only without weights and ignored rows; otherwise compute the loss on
+// model(x)'s gathered output.
+
+/// Options of nll_loss (PyTorch's F.nll_loss keywords) and the `scale` of dp's shards.
+struct NLLLossOptions {
+  /// (C) float32 on the input's device: a weight per class; undefined = all 1.
+  Tensor weight{};
+  /// Rows whose target equals it contribute 0 and do not count in the mean.
+  std::int64_t ignore_index = -100;
+  Reduction reduction = Reduction::Mean;
+  /// Multiplies the reduced loss (DataParallel's shards: Sum with 1 / global batch).
+  double scale = 1.0;
+};
+
+/// Options of cross_entropy (PyTorch's F.cross_entropy keywords).
+struct CrossEntropyOptions {
+  /// (C) float32 on the input's device: a weight per class; undefined = all 1.
+  Tensor weight{};
+  /// Rows whose target equals it contribute 0 and do not count in the mean.
+  std::int64_t ignore_index = -100;
+  Reduction reduction = Reduction::Mean;
+  /// ε in [0, 1]: the target distribution is (1 − ε)·onehot + ε / C.
+  double label_smoothing = 0.0;
+  /// Multiplies the reduced loss (DataParallel's shards: Sum with 1 / global batch).
+  double scale = 1.0;
+};
+
+/// Negative log-likelihood of log-probabilities, with PyTorch's options (Note
+/// [Class-index losses]). logp: (B, C) float32; target: (B) int64.
+Tensor nll_loss(const Tensor& logp, const Tensor& target, const NLLLossOptions& options);
+/// nll_loss without class weights: loss[i] = −logp[i, target[i]] (0 where target[i] ==
+/// −100, PyTorch's default ignore_index), reduced, times `scale`.
 Tensor nll_loss(const Tensor& logp, const Tensor& target, Reduction reduction = Reduction::Mean,
                 double scale = 1.0);
 
+/// Cross entropy of raw scores, with PyTorch's options: class weights, ignore_index,
+/// label smoothing (Note [Class-index losses]). logits: (B, C) float32; target: (B)
+/// int64. Stable for large logits.
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options);
 /// Cross entropy of raw scores: nll_loss(log_softmax(logits), target, reduction, scale).
-/// Mean over the batch by default. Stable for large logits. DataParallel's workers use
+/// Mean over the batch by default (over the rows not ignored: target −100, PyTorch's
+/// default ignore_index, contributes nothing). DataParallel's workers use
 /// Reduction::Sum with scale = 1 / global_batch so that shard losses add up to the mean.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target,
                      Reduction reduction = Reduction::Mean, double scale = 1.0);
+
+/// Options of binary_cross_entropy_with_logits (PyTorch's keywords).
+struct BCEWithLogitsOptions {
+  /// A weight per element, broadcast to the input's shape; undefined = 1.
+  Tensor weight{};
+  /// A weight of the positive term per class, broadcast along the last dim (C) of the
+  /// input: > 1 raises recall; undefined = 1.
+  Tensor pos_weight{};
+  Reduction reduction = Reduction::Mean;
+  double scale = 1.0;
+};
+
+/// Binary cross entropy of raw scores x against targets t in [0, 1] (same shape,
+/// float32): −w·(p·t·log σ(x) + (1 − t)·log(1 − σ(x))) with p = pos_weight, computed
+/// stably as PyTorch does. Mean is over every element. Differentiable in x and t;
+/// weight and pos_weight get no gradient.
+Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target,
+                                        const BCEWithLogitsOptions& options = {});
 
 /// Squared error (a − b)², reduced, times `scale`. a and b: same shape, float32, one
 /// device. Mean is over every element (PyTorch's default).
 Tensor mse_loss(const Tensor& a, const Tensor& b, Reduction reduction = Reduction::Mean,
                 double scale = 1.0);
+
+/// Absolute error |a − b|, reduced, times `scale`; a and b as for mse_loss. The
+/// gradient at a == b is 0 (PyTorch's sign(0)).
+Tensor l1_loss(const Tensor& a, const Tensor& b, Reduction reduction = Reduction::Mean,
+               double scale = 1.0);
+
+/// Huber-like loss with PyTorch's beta: 0.5·z² / beta where z = |a − b| < beta, else
+/// z − 0.5·beta; beta == 0 is l1_loss, with its gradient 0 at a == b (PyTorch 1.13 gives
+/// −1 there; PyTorch 2 routes beta == 0 to l1_loss as dp does). a and b as for
+/// mse_loss; beta >= 0.
+Tensor smooth_l1_loss(const Tensor& a, const Tensor& b, Reduction reduction = Reduction::Mean,
+                      double beta = 1.0, double scale = 1.0);
 
 }  // namespace dp::nn

@@ -33,6 +33,9 @@ class Adam : public Optimizer {
 
   double lr() const override { return options_.lr; }
   void set_lr(double lr) override;
+  /// beta1, the momentum of the first moment (PyTorch's betas[0]).
+  std::optional<double> momentum() const override { return options_.beta1; }
+  void set_momentum(double beta1) override;
   const AdamOptions& options() const { return options_; }
 
  protected:

@@ -1,4 +1,4 @@
-// dp/optim/optim.h — every optimizer of dp.
+// dp/optim/optim.h — every optimizer and learning-rate scheduler of dp.
 //
 //   #include "dp/optim/optim.h"
 //   dp::optim::Adam opt(net->parameters(), {.lr = 1e-3});
@@ -6,5 +6,6 @@
 
 #include "dp/optim/adam.h"
 #include "dp/optim/adamw.h"
+#include "dp/optim/lr_scheduler.h"
 #include "dp/optim/optimizer.h"
 #include "dp/optim/sgd.h"

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,18 @@ class Optimizer {
   /// The learning rate (schedulers change it between steps).
   virtual double lr() const = 0;
   virtual void set_lr(double lr) = 0;
+  /// The momentum a cyclic scheduler varies (OneCycleLR): SGD's momentum, Adam's and
+  /// AdamW's beta1 — PyTorch's param_group['momentum'] or param_group['betas'][0].
+  /// nullopt for an optimizer without one.
+  virtual std::optional<double> momentum() const { return std::nullopt; }
+  /// Sets that momentum; throws dp::Error for an optimizer without one or a value its
+  /// options reject.
+  virtual void set_momentum(double momentum);
+  /// The learning rate the first scheduler attached to this optimizer found (PyTorch's
+  /// param_group['initial_lr']): later schedulers take it as their base lr. nullopt
+  /// until a scheduler is attached.
+  std::optional<double> initial_lr() const { return initial_lr_; }
+  void set_initial_lr(std::optional<double> lr) { initial_lr_ = lr; }
 
   /// The parameters this optimizer updates.
   const nn::ParameterList& parameters() const { return params_; }
@@ -101,6 +114,7 @@ class Optimizer {
   std::vector<std::int64_t> entry_state_offset_;  // per list entry (set case)
   std::vector<CopyState> states_;                 // per copy (set) or per tensor (loose)
   std::int64_t step_ = 0;
+  std::optional<double> initial_lr_;
 };
 
 }  // namespace dp::optim

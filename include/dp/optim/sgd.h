@@ -32,6 +32,11 @@ class SGD : public Optimizer {
 
   double lr() const override { return options_.lr; }
   void set_lr(double lr) override;
+  /// SGD's momentum. Setting a non-zero momentum on an SGD built without one starts
+  /// momentum buffers at the next step (from that step's gradient, as PyTorch does);
+  /// nesterov keeps requiring momentum > 0.
+  std::optional<double> momentum() const override { return options_.momentum; }
+  void set_momentum(double momentum) override;
   const SGDOptions& options() const { return options_; }
 
  protected:
