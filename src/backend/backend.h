@@ -84,6 +84,11 @@ class Event {
 /// The backend interface. One instance per DeviceType, shared by all threads:
 /// implementations are thread-safe for calls on different devices and for calls on
 /// one device from one thread at a time.
+///
+/// Every kernel has cases in the backend op table (tests/backend/op_cases.cpp), which
+/// compare it with the CPU backend and benchmark it. A new method does not compile in
+/// tests/backend/op_table_test.cpp until it is forwarded there; a new kernel then needs
+/// a dp_test::Kernel value and a case, or op_table_test fails.
 class Backend {
  public:
   virtual ~Backend() = default;
