@@ -1,254 +1,301 @@
-// kernels_bench — GEMM and convolution throughput of the CPU backend, in GFLOP/s.
+// kernels_bench — the backend op table (tests/backend/op_cases.h) timed on one device.
 //
-// Each case is validated against a naive double-precision evaluation at sampled output
-// points, warmed up, then timed; for 1 thread and for all cores (one device alone).
-// GFLOP/s = 2*m*n*k / t for GEMM and 2*N*K*P*Q*C*R*S / t for every convolution pass
-// (forward, backward data and backward weight do the same multiply-adds).
-// Convolutions run in both oneDNN layouts (plain NCHW and blocked with reorders) and,
-// for the forward pass, as our own batched im2col + one dnnl_sgemm, to justify the
-// choice recorded in Note [CPU convolution: measured choice] (cpu_gemm_conv.cpp).
+// The cases are the ones the tests run (ggml's test-backend-ops in perf mode): each is
+// built on the device, validated against the oracle, warmed up, then timed. Calls are
+// timed in batches of about kBatchMs with one synchronize per batch (so CUDA launches
+// queue up as in training), and the best batch's mean per call is reported: on a
+// shared machine the minimum is the reproducible figure.
+//   GFLOP/s = flops / time, flops = 2·m·n·k for GEMM and 2·N·K·P·Q·C·R·S for each
+//             convolution pass (forward, backward data and backward weight do the same
+//             multiply-adds); shown for those two only.
+//   GB/s    = bytes / time, bytes = every input read once + every output written once:
+//             the least memory traffic of the call, so it is comparable with the
+//             memory bandwidth.
+// The oracle is the CPU backend on cpu(0). Against a CUDA device it runs on all cores
+// (the comparison of cuda_backend_test, at training sizes). Against the CPU it runs at
+// one thread per device with plain oneDNN layouts, so validation checks the parallel
+// paths and the blocked layouts against the serial, plain ones; the CPU kernels
+// themselves are checked against naive references by tests/backend/cpu_backend_test.
 //
-//   kernels_bench            aligned table
-//   kernels_bench --json     one JSON array
+//   kernels_bench                        Perf cases on cpu:0, at 1 thread and all cores
+//   kernels_bench --json                 one JSON array instead of the table
+//   kernels_bench --filter gemm,conv2d   cases whose name contains either text
+//   kernels_bench --device cuda:0        the same cases on a GPU
+//   kernels_bench --conv-layouts         CPU convolutions in each oneDNN layout too
+//                                        (Note [CPU convolution: measured choice])
+//   kernels_bench --suite check|perf|all the tests' small cases are a quick smoke run
+//   kernels_bench --threads 1,2 --min-ms 300 --list
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <random>
+#include <exception>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cpu/cpu_backend.h"
 #include "dp/core/device.h"
+#include "op_cases.h"
 
 namespace {
 
-using dp::backend::Conv2dShape;
 using dp::backend::cpu::ConvLayout;
 using dp::backend::cpu::CpuBackend;
-using i64 = std::int64_t;
+using dp_test::Kernel;
+using dp_test::OpCase;
+using dp_test::OpRun;
 
-CpuBackend& be() { return dp::backend::cpu::cpu_backend_impl(); }
-const dp::Device kDev{dp::DeviceType::CPU, 0};
+/// Length of one timed batch: long enough that one synchronize and the clock reads
+/// are noise, short enough that several batches fit in --min-ms.
+constexpr double kBatchMs = 10.0;
+/// Most calls in one batch (a sub-microsecond call would otherwise run 10^5 times).
+constexpr int kMaxBatch = 10000;
 
-std::vector<float> random_vec(i64 n, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = dist(gen);
-  return v;
-}
-
-struct Row {
-  std::string kernel, shape, variant;
-  int threads;
-  double ms, gflops;
-  bool valid;
+struct Options {
+  bool json = false;
+  bool list = false;
+  bool conv_layouts = false;
+  std::vector<std::string> filters;
+  std::string device = "cpu:0";
+  std::string suite = "perf";
+  std::vector<int> threads;  // empty: 1 and all cores (CPU)
+  double min_ms = 300.0;     // timed milliseconds per row, at least
 };
 
-/// Warm up, then time `fn` for at least ~0.3 s (and at least 3 runs); best time in ms.
-/// Best rather than mean: on a shared 2-core box, the minimum is the reproducible figure.
-double time_ms(const std::function<void()>& fn) {
+struct Row {
+  std::string name, shape, variant;
+  int threads = 0;  // 0: not a CPU row
+  double ms = 0, gflops = 0, gbps = 0, max_abs_err = 0;
+  bool valid = false;
+  std::string first_bad;
+};
+
+void usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s [--json] [--list] [--filter TEXT[,TEXT...]] [--device cpu:0|cuda:0]\n"
+               "          [--suite perf|check|all] [--threads N[,N...]] [--conv-layouts]\n"
+               "          [--min-ms MS]\n",
+               argv0);
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string part; std::getline(in, part, ',');)
+    if (!part.empty()) out.push_back(part);
+  return out;
+}
+
+/// Parses argv into `o`; false on a bad argument.
+bool parse(int argc, char** argv, Options& o) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](std::string& out) {
+      if (i + 1 >= argc) return false;
+      out = argv[++i];
+      return true;
+    };
+    std::string v;
+    if (a == "--json") {
+      o.json = true;
+    } else if (a == "--list") {
+      o.list = true;
+    } else if (a == "--conv-layouts") {
+      o.conv_layouts = true;
+    } else if (a == "--filter" && value(v)) {
+      for (auto& f : split(v)) o.filters.push_back(f);
+    } else if (a == "--device" && value(v)) {
+      o.device = v;
+    } else if (a == "--suite" && value(v) && (v == "perf" || v == "check" || v == "all")) {
+      o.suite = v;
+    } else if (a == "--threads" && value(v)) {
+      for (auto& t : split(v)) o.threads.push_back(std::max(1, std::atoi(t.c_str())));
+    } else if (a == "--min-ms" && value(v)) {
+      o.min_ms = std::max(0.0, std::atof(v.c_str()));
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool selected(const OpCase& c, const Options& o) {
+  if (o.suite == "perf" && c.suite != dp_test::Suite::Perf) return false;
+  if (o.suite == "check" && c.suite != dp_test::Suite::Check) return false;
+  if (o.filters.empty()) return true;
+  const std::string name = c.full_name();
+  return std::any_of(o.filters.begin(), o.filters.end(),
+                     [&](const std::string& f) { return name.find(f) != std::string::npos; });
+}
+
+/// Warm up, then the best mean per call over batches, in ms (see the top of the file).
+double time_ms(OpRun& run, dp::backend::Backend& be, dp::Device dev, double min_ms) {
   using clock = std::chrono::steady_clock;
-  for (int i = 0; i < 2; ++i) fn();
+  auto since = [](clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+  };
+  for (int i = 0; i < 2; ++i) {  // first calls build oneDNN primitives and cuDNN plans
+    run.run();
+    be.synchronize(dev);
+  }
+  auto t0 = clock::now();
+  run.run();
+  be.synchronize(dev);
+  const double one = std::max(since(t0), 1e-4);
+  const int iters = std::clamp(static_cast<int>(kBatchMs / one), 1, kMaxBatch);
   double best = 1e30, total = 0;
-  int runs = 0;
-  while (runs < 3 || total < 300.0) {
-    const auto t0 = clock::now();
-    fn();
-    const double ms = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
-    best = std::min(best, ms);
+  for (int batches = 0; batches < 3 || total < min_ms; ++batches) {
+    t0 = clock::now();
+    for (int i = 0; i < iters; ++i) run.run();
+    be.synchronize(dev);
+    const double ms = since(t0);
+    best = std::min(best, ms / iters);
     total += ms;
-    ++runs;
   }
   return best;
 }
 
-bool close(double got, double want) { return std::abs(got - want) <= 1e-3 * (1.0 + std::abs(want)); }
-
-// ---- GEMM -----------------------------------------------------------------------------
-
-void bench_gemm(i64 m, i64 n, i64 k, bool ta, bool tb, int threads, std::vector<Row>& rows) {
-  auto a = random_vec(m * k, 1), b = random_vec(k * n, 2);
-  std::vector<float> c(m * n);
-  const i64 lda = ta ? m : k, ldb = tb ? k : n;
-  auto run = [&] { be().gemm(kDev, ta, tb, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(), n); };
-  run();
-  bool ok = true;
-  std::mt19937 gen(3);
-  for (int s = 0; s < 64; ++s) {
-    const i64 i = gen() % m, j = gen() % n;
-    double want = 0;
-    for (i64 p = 0; p < k; ++p)
-      want += double(ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
-    ok = ok && close(c[i * n + j], want);
+const char* layout_name(ConvLayout layout) {
+  switch (layout) {
+    case ConvLayout::Plain: return "onednn-nchw";
+    case ConvLayout::Blocked: return "onednn-blocked";
+    case ConvLayout::Auto: return "auto (default)";
   }
-  const double ms = time_ms(run);
-  char shape[96];
-  std::snprintf(shape, sizeof shape, "%lldx%lldx%lld %c%c", (long long)m, (long long)n, (long long)k,
-                ta ? 'T' : 'N', tb ? 'T' : 'N');
-  rows.push_back({"gemm", shape, "dnnl_sgemm", threads, ms, 2.0 * m * n * k / (ms * 1e6), ok});
+  return "?";
 }
 
-// ---- convolution ------------------------------------------------------------------------
-
-Conv2dShape conv_shape(i64 N, i64 C, i64 H, i64 W, i64 K) {
-  Conv2dShape s{N, C, H, W, K, 3, 3, 1, 1, 1, 1, 0, 0};
-  s.P = H;
-  s.Q = W;
-  return s;
+bool is_conv(Kernel k) {
+  return k == Kernel::Conv2dForward || k == Kernel::Conv2dBackwardData ||
+         k == Kernel::Conv2dBackwardWeight;
 }
 
-/// Our own forward: im2col of the whole batch into (C*R*S, N*P*Q), one sgemm
-/// W(K, CRS) x col -> (K, N*P*Q), then a transpose into NKPQ.
-struct Im2colConv {
-  Conv2dShape s;
-  std::vector<float> col, tmp;
-  explicit Im2colConv(const Conv2dShape& sh)
-      : s(sh), col(sh.C * sh.R * sh.S * sh.N * sh.P * sh.Q), tmp(sh.K * sh.N * sh.P * sh.Q) {}
-  void forward(const float* x, const float* w, float* y) {
-    const i64 npq = s.N * s.P * s.Q, pq = s.P * s.Q, crs = s.C * s.R * s.S;
-    be().parallel_for(kDev, crs, 1, [&](i64 b, i64 e) {
-      for (i64 row = b; row < e; ++row) {
-        const i64 c = row / (s.R * s.S), r = (row / s.S) % s.R, t = row % s.S;
-        float* dst = col.data() + row * npq;
-        for (i64 n = 0; n < s.N; ++n)
-          for (i64 p = 0; p < s.P; ++p) {
-            const i64 h = p * s.stride_h - s.pad_h + r;
-            for (i64 q = 0; q < s.Q; ++q) {
-              const i64 ww = q * s.stride_w - s.pad_w + t;
-              dst[n * pq + p * s.Q + q] = (h >= 0 && h < s.H && ww >= 0 && ww < s.W)
-                                              ? x[((n * s.C + c) * s.H + h) * s.W + ww]
-                                              : 0.0f;
-            }
-          }
-      }
-    });
-    be().gemm(kDev, false, false, s.K, npq, crs, 1.0f, w, crs, col.data(), npq, 0.0f, tmp.data(), npq);
-    be().parallel_for(kDev, s.N * s.K, 1, [&](i64 b, i64 e) {
-      for (i64 nk = b; nk < e; ++nk) {
-        const i64 n = nk / s.K, k = nk % s.K;
-        std::memcpy(y + nk * pq, tmp.data() + k * npq + n * pq, pq * sizeof(float));
-      }
-    });
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
   }
-};
+  return out + "\"";
+}
 
-void bench_conv(const Conv2dShape& s, const char* name, int threads, std::vector<Row>& rows) {
-  auto x = random_vec(s.N * s.C * s.H * s.W, 4), w = random_vec(s.K * s.C * s.R * s.S, 5),
-       bias = random_vec(s.K, 6), gy = random_vec(s.N * s.K * s.P * s.Q, 7);
-  std::vector<float> y(gy.size()), gx(x.size()), gw(w.size()), gb(s.K);
-  auto X = [&](i64 n, i64 c, i64 h, i64 ww) -> double {
-    return (h < 0 || h >= s.H || ww < 0 || ww >= s.W) ? 0.0 : x[((n * s.C + c) * s.H + h) * s.W + ww];
-  };
-  auto Wt = [&](i64 k, i64 c, i64 r, i64 t) -> double { return w[((k * s.C + c) * s.R + r) * s.S + t]; };
-  auto GY = [&](i64 n, i64 k, i64 p, i64 q) -> double {
-    return (p < 0 || p >= s.P || q < 0 || q >= s.Q) ? 0.0 : gy[((n * s.K + k) * s.P + p) * s.Q + q];
-  };
-  std::mt19937 gen(8);
-  auto check_y = [&](const std::vector<float>& out, bool with_bias) {
-    bool ok = true;
-    for (int smp = 0; smp < 64; ++smp) {
-      const i64 n = gen() % s.N, k = gen() % s.K, p = gen() % s.P, q = gen() % s.Q;
-      double want = with_bias ? bias[k] : 0.0;
-      for (i64 c = 0; c < s.C; ++c)
-        for (i64 r = 0; r < s.R; ++r)
-          for (i64 t = 0; t < s.S; ++t) want += X(n, c, p - s.pad_h + r, q - s.pad_w + t) * Wt(k, c, r, t);
-      ok = ok && close(out[((n * s.K + k) * s.P + p) * s.Q + q], want);
-    }
-    return ok;
-  };
-  const double flop = 2.0 * s.N * s.K * s.P * s.Q * s.C * s.R * s.S;
-  for (ConvLayout layout : {ConvLayout::Plain, ConvLayout::Blocked, ConvLayout::Auto}) {
-    be().set_conv_layout(layout);
-    const char* variant = layout == ConvLayout::Plain     ? "onednn-nchw"
-                          : layout == ConvLayout::Blocked ? "onednn-blocked"
-                                                          : "auto (default)";
-    // Forward.
-    auto fwd = [&] { be().conv2d_forward(kDev, s, x.data(), w.data(), bias.data(), y.data()); };
-    fwd();
-    bool ok = check_y(y, true);
-    double ms = time_ms(fwd);
-    rows.push_back({"conv fwd", name, variant, threads, ms, flop / (ms * 1e6), ok});
-    // Backward data (stride 1: gx[h, w] = sum over k, r, t of gy[h + pad - r, w + pad - t] * w).
-    auto bwd_d = [&] { be().conv2d_backward_data(kDev, s, gy.data(), w.data(), gx.data()); };
-    bwd_d();
-    ok = true;
-    for (int smp = 0; smp < 64; ++smp) {
-      const i64 n = gen() % s.N, c = gen() % s.C, h = gen() % s.H, ww = gen() % s.W;
-      double want = 0;
-      for (i64 k = 0; k < s.K; ++k)
-        for (i64 r = 0; r < s.R; ++r)
-          for (i64 t = 0; t < s.S; ++t) want += GY(n, k, h + s.pad_h - r, ww + s.pad_w - t) * Wt(k, c, r, t);
-      ok = ok && close(gx[((n * s.C + c) * s.H + h) * s.W + ww], want);
-    }
-    ms = time_ms(bwd_d);
-    rows.push_back({"conv bwd-data", name, variant, threads, ms, flop / (ms * 1e6), ok});
-    // Backward weight (+ bias).
-    auto bwd_w = [&] { be().conv2d_backward_weight(kDev, s, x.data(), gy.data(), gw.data(), gb.data()); };
-    bwd_w();
-    ok = true;
-    for (int smp = 0; smp < 16; ++smp) {
-      const i64 k = gen() % s.K, c = gen() % s.C, r = gen() % s.R, t = gen() % s.S;
-      double want = 0;
-      for (i64 n = 0; n < s.N; ++n)
-        for (i64 p = 0; p < s.P; ++p)
-          for (i64 q = 0; q < s.Q; ++q) want += X(n, c, p - s.pad_h + r, q - s.pad_w + t) * GY(n, k, p, q);
-      ok = ok && std::abs(gw[((k * s.C + c) * s.R + r) * s.S + t] - want) <= 1e-3 * (10.0 + std::abs(want));
-    }
-    ms = time_ms(bwd_w);
-    rows.push_back({"conv bwd-weight", name, variant, threads, ms, flop / (ms * 1e6), ok});
+void print_json(const std::vector<Row>& rows, const std::string& device) {
+  std::printf("[\n");
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    char gflops[32] = "null";
+    if (r.gflops > 0) std::snprintf(gflops, sizeof gflops, "%.2f", r.gflops);
+    std::printf("  {\"kernel\": %s, \"shape\": %s, \"variant\": %s, \"device\": %s, "
+                "\"threads\": %d, \"ms\": %.6f, \"gflops\": %s, \"gbps\": %.2f, "
+                "\"max_abs_err\": %.3g, \"valid\": %s}%s\n",
+                json_string(r.name).c_str(), json_string(r.shape).c_str(),
+                json_string(r.variant).c_str(), json_string(device).c_str(), r.threads, r.ms,
+                gflops, r.gbps, r.max_abs_err, r.valid ? "true" : "false",
+                i + 1 < rows.size() ? "," : "");
   }
-  be().set_conv_layout(ConvLayout::Auto);
-  Im2colConv im(s);
-  auto fwd = [&] { im.forward(x.data(), w.data(), y.data()); };
-  fwd();
-  const bool ok = check_y(y, false);
-  const double ms = time_ms(fwd);
-  rows.push_back({"conv fwd", name, "im2col+sgemm", threads, ms, flop / (ms * 1e6), ok});
+  std::printf("]\n");
+}
+
+void print_table(const std::vector<Row>& rows) {
+  std::size_t wn = 4, ws = 5, wv = 7;  // widths of "case", "shape", "variant"
+  for (const Row& r : rows) {
+    wn = std::max(wn, r.name.size());
+    ws = std::max(ws, r.shape.size());
+    wv = std::max(wv, r.variant.size());
+  }
+  const int n = static_cast<int>(wn), s = static_cast<int>(ws), v = static_cast<int>(wv);
+  std::printf("%-*s  %-*s  %-*s  %7s  %10s  %8s  %8s  %9s  %5s\n", n, "case", s, "shape", v,
+              "variant", "threads", "best ms", "GFLOP/s", "GB/s", "max err", "valid");
+  for (const Row& r : rows) {
+    char threads[16] = "-", gflops[32] = "-";
+    if (r.threads > 0) std::snprintf(threads, sizeof threads, "%d", r.threads);
+    if (r.gflops > 0) std::snprintf(gflops, sizeof gflops, "%.1f", r.gflops);
+    std::printf("%-*s  %-*s  %-*s  %7s  %10.4f  %8s  %8.1f  %9.2g  %5s\n", n, r.name.c_str(), s,
+                r.shape.c_str(), v, r.variant.empty() ? "-" : r.variant.c_str(), threads, r.ms,
+                gflops, r.gbps, r.max_abs_err, r.valid ? "yes" : "NO");
+  }
+  for (const Row& r : rows)
+    if (!r.valid)
+      std::fprintf(stderr, "invalid: %s %s [%s]: %s\n", r.name.c_str(), r.shape.c_str(),
+                   r.variant.c_str(), r.first_bad.c_str());
+}
+
+int run(const Options& o) {
+  const dp::Device dev = dp::parse_device(o.device);
+  dp::backend::Backend& be = dp::backend::get(dev);
+  CpuBackend& cpu = dp::backend::cpu::cpu_backend_impl();
+  const bool on_cpu = dev.type == dp::DeviceType::CPU;
+  const int hw = dp::hardware_concurrency();
+
+  std::vector<const OpCase*> cases;
+  for (const OpCase& c : dp_test::op_cases())
+    if (selected(c, o)) cases.push_back(&c);
+  if (o.list) {
+    for (const OpCase* c : cases) std::printf("%s\n", c->full_name().c_str());
+    return 0;
+  }
+  std::vector<int> threads = o.threads;
+  if (threads.empty()) threads = hw > 1 ? std::vector<int>{1, hw} : std::vector<int>{1};
+  if (!on_cpu) threads = {0};
+
+  std::vector<Row> rows;
+  for (const OpCase* c : cases) {
+    // The oracle's outputs (see the top of the file).
+    cpu.set_concurrent_devices(on_cpu ? hw : 1);
+    cpu.set_conv_layout(on_cpu ? ConvLayout::Plain : ConvLayout::Auto);
+    dp_test::Outputs want;
+    {
+      OpRun oracle(*c, dp::cpu(0));
+      oracle.run();
+      want = oracle.read();
+    }
+    std::vector<ConvLayout> layouts{ConvLayout::Auto};
+    if (on_cpu && o.conv_layouts && is_conv(c->kernel))
+      layouts = {ConvLayout::Plain, ConvLayout::Blocked, ConvLayout::Auto};
+    for (int t : threads) {
+      for (ConvLayout layout : layouts) {
+        // k concurrent devices get hw / k threads each; device 0 alone runs the case.
+        if (on_cpu) cpu.set_concurrent_devices(std::max(1, hw / t));
+        cpu.set_conv_layout(layout);
+        OpRun run(*c, be, dev);
+        run.run();
+        const dp_test::Comparison cmp = dp_test::compare(want, run.read(), c->tol);
+        const double ms = time_ms(run, be, dev, o.min_ms);
+        rows.push_back(Row{c->name, c->shape, layouts.size() > 1 ? layout_name(layout) : "",
+                           on_cpu ? be.threads_per_device(dev) : 0, ms,
+                           c->flops / (ms * 1e6), c->bytes / (ms * 1e6), cmp.max_abs_err, cmp.ok,
+                           cmp.first_bad});
+      }
+    }
+  }
+  cpu.set_concurrent_devices(1);
+  cpu.set_conv_layout(ConvLayout::Auto);
+
+  if (o.json) {
+    print_json(rows, o.device);
+  } else {
+    print_table(rows);
+  }
+  const bool all_valid =
+      std::all_of(rows.begin(), rows.end(), [](const Row& r) { return r.valid; });
+  return all_valid ? 0 : 1;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool json = argc > 1 && std::strcmp(argv[1], "--json") == 0;
-  const int hw = dp::hardware_concurrency();
-  std::vector<int> thread_counts = {1};
-  if (hw > 1) thread_counts.push_back(hw);
-  std::vector<Row> rows;
-  for (int t : thread_counts) {
-    // k concurrent devices get hw / k threads each; device 0 alone runs the kernels.
-    be().set_concurrent_devices(hw / t);
-    bench_gemm(512, 1024, 1024, false, false, t, rows);
-    bench_gemm(1024, 1024, 1024, false, false, t, rows);
-    bench_gemm(256, 128, 3136, false, true, t, rows);  // CNN fc1 forward (x W^T)
-    bench_gemm(128, 3136, 256, true, false, t, rows);  // CNN fc1 weight grad (gy^T x)
-    bench_gemm(256, 10, 128, false, true, t, rows);    // CNN fc2 forward: tiny
-    bench_conv(conv_shape(256, 1, 28, 28, 32), "N256 1->32 28x28 3x3", t, rows);
-    bench_conv(conv_shape(256, 32, 14, 14, 64), "N256 32->64 14x14 3x3", t, rows);
+  Options o;
+  if (!parse(argc, argv, o)) {
+    usage(argv[0]);
+    return 2;
   }
-  be().set_concurrent_devices(1);
-  bool all_ok = true;
-  if (json) {
-    std::printf("[\n");
-    for (std::size_t i = 0; i < rows.size(); ++i) {
-      const Row& r = rows[i];
-      std::printf("  {\"kernel\": \"%s\", \"shape\": \"%s\", \"variant\": \"%s\", \"threads\": %d, "
-                  "\"ms\": %.4f, \"gflops\": %.2f, \"valid\": %s}%s\n",
-                  r.kernel.c_str(), r.shape.c_str(), r.variant.c_str(), r.threads, r.ms, r.gflops,
-                  r.valid ? "true" : "false", i + 1 < rows.size() ? "," : "");
-    }
-    std::printf("]\n");
-  } else {
-    std::printf("%-16s %-24s %-15s %7s %10s %9s %6s\n", "kernel", "shape", "variant", "threads",
-                "best ms", "GFLOP/s", "valid");
-    for (const Row& r : rows)
-      std::printf("%-16s %-24s %-15s %7d %10.3f %9.1f %6s\n", r.kernel.c_str(), r.shape.c_str(),
-                  r.variant.c_str(), r.threads, r.ms, r.gflops, r.valid ? "yes" : "NO");
+  try {
+    return run(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kernels_bench: %s\n", e.what());
+    return 2;
   }
-  for (const Row& r : rows) all_ok = all_ok && r.valid;
-  return all_ok ? 0 : 1;
 }

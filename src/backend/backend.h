@@ -34,9 +34,16 @@ struct Indexer {
   std::int64_t strides_b[kMaxDims] = {};  // in elements
 };
 
+// Note [Op enum sentinels]
+// Each op enum ends with kCount, the number of ops: not an op itself (the backends
+// reject it). The op table (tests/backend/op_cases.cpp) has one row per op and
+// static_asserts its length against kCount, so a new op without a test and benchmark
+// case does not compile; op_table_test also checks at run time that every op is called.
+
 enum class UnaryOp : std::uint8_t {
   Neg, Exp, Log, Sqrt, Rsqrt, Abs, Square, Reciprocal, Relu, Sigmoid, Tanh,
   Sign,  // -1, 0, +1
+  kCount  // Note [Op enum sentinels]
 };
 
 enum class BinaryOp : std::uint8_t {
@@ -44,9 +51,13 @@ enum class BinaryOp : std::uint8_t {
   Eq,            // 1.0f where a == b else 0.0f
   Gt,            // 1.0f where a > b else 0.0f
   ReluBackward,  // a * (b > 0): a = upstream gradient, b = relu input (or output)
+  kCount         // Note [Op enum sentinels]
 };
 
-enum class ReduceOp : std::uint8_t { Sum, Max, Min };
+enum class ReduceOp : std::uint8_t {
+  Sum, Max, Min,
+  kCount  // Note [Op enum sentinels]
+};
 
 /// Geometry of a 2-d convolution (groups = 1, dilation = 1). Layouts are NCHW for x/y
 /// and KCRS for the weight (K output channels, R×S kernel).
@@ -73,6 +84,11 @@ class Event {
 /// The backend interface. One instance per DeviceType, shared by all threads:
 /// implementations are thread-safe for calls on different devices and for calls on
 /// one device from one thread at a time.
+///
+/// Every kernel has cases in the backend op table (tests/backend/op_cases.cpp), which
+/// compare it with the CPU backend and benchmark it. A new method does not compile in
+/// tests/backend/op_table_test.cpp until it is forwarded there; a new kernel then needs
+/// a dp_test::Kernel value and a case, or op_table_test fails.
 class Backend {
  public:
   virtual ~Backend() = default;

@@ -59,7 +59,7 @@ template <> struct Unary<UnaryOp::Sign> {
 };
 
 /// Calls f(Unary<op>{}) with the functor of a runtime op: one switch per kernel launch,
-/// none per element.
+/// none per element. Calls nothing for UnaryOp::kCount.
 template <typename F>
 DP_HD inline void dispatch_unary(UnaryOp op, F&& f) {
   switch (op) {
@@ -75,6 +75,7 @@ DP_HD inline void dispatch_unary(UnaryOp op, F&& f) {
     case UnaryOp::Sigmoid: f(Unary<UnaryOp::Sigmoid>{}); return;
     case UnaryOp::Tanh: f(Unary<UnaryOp::Tanh>{}); return;
     case UnaryOp::Sign: f(Unary<UnaryOp::Sign>{}); return;
+    case UnaryOp::kCount: return;  // not an op: callers check (Note [Op enum sentinels])
   }
 }
 
@@ -119,7 +120,7 @@ template <> struct Binary<BinaryOp::ReluBackward> {
   DP_HD float operator()(float a, float b) const { return b > 0.0f ? a : 0.0f; }
 };
 
-/// Calls f(Binary<op>{}) with the functor of a runtime op.
+/// Calls f(Binary<op>{}) with the functor of a runtime op; nothing for BinaryOp::kCount.
 template <typename F>
 DP_HD inline void dispatch_binary(BinaryOp op, F&& f) {
   switch (op) {
@@ -133,6 +134,7 @@ DP_HD inline void dispatch_binary(BinaryOp op, F&& f) {
     case BinaryOp::Eq: f(Binary<BinaryOp::Eq>{}); return;
     case BinaryOp::Gt: f(Binary<BinaryOp::Gt>{}); return;
     case BinaryOp::ReluBackward: f(Binary<BinaryOp::ReluBackward>{}); return;
+    case BinaryOp::kCount: return;  // not an op: callers check (Note [Op enum sentinels])
   }
 }
 

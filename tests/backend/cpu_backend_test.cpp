@@ -281,6 +281,7 @@ double ref_binary(BinaryOp op, double a, double b) {
     case BinaryOp::Eq: return a == b ? 1.0 : 0.0;
     case BinaryOp::Gt: return a > b ? 1.0 : 0.0;
     case BinaryOp::ReluBackward: return b > 0 ? a : 0.0;
+    case BinaryOp::kCount: break;
   }
   return 0;
 }

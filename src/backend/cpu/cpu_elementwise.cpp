@@ -193,6 +193,8 @@ void CpuBackend::cast_f32_to_i64(Device dev, const float* x, i64* y, i64 n) {
 // runtime overlap check.
 
 void CpuBackend::unary(Device dev, UnaryOp op, const float* x, float* y, i64 n) {
+  DP_CHECK(op < UnaryOp::kCount, "unary: expected a UnaryOp below kCount, got ",
+           static_cast<int>(op));
   dispatch_unary(op, [&](auto f) {
     parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
       for (i64 i = b; i < e; ++i) y[i] = f(x[i]);
@@ -214,6 +216,8 @@ void CpuBackend::axpy(Device dev, float alpha, const float* x, float* y, i64 n) 
 
 void CpuBackend::binary(Device dev, BinaryOp op, const Indexer& ix, const float* a,
                         const float* b, float* out) {
+  DP_CHECK(op < BinaryOp::kCount, "binary: expected a BinaryOp below kCount, got ",
+           static_cast<int>(op));
   const Walk w = collapse(ix);
   if (w.numel == 0) return;
   dispatch_binary(op, [&](auto f) {

@@ -12,6 +12,8 @@
 //   32->64 14x14 nchw     9-14     8-13     9-11
 //                blocked  21-25    22-25    20-25
 //   our im2col + one batched dnnl_sgemm (fwd only): 1.6-1.9 and 5.0-6.7
+// (`kernels_bench --conv-layouts --filter conv2d` reruns the layout rows; the im2col
+// variant has since left the benchmark.)
 // So ConvLayout::Auto (the default) takes blocked layouts except forward and backward-
 // data with few input channels, where the plain path wins. (At 2 threads the plain
 // backward-weight of the 1-channel layer took seconds — a oneDNN gemm-conv reduction

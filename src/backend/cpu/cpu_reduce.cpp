@@ -138,7 +138,9 @@ void CpuBackend::reduce(Device dev, ReduceOp op, const float* x, float* y, i64 o
     case ReduceOp::Sum: reduce_impl<SumOp>(*this, dev, x, y, outer, r, inner); return;
     case ReduceOp::Max: reduce_impl<MaxOp>(*this, dev, x, y, outer, r, inner); return;
     case ReduceOp::Min: reduce_impl<MinOp>(*this, dev, x, y, outer, r, inner); return;
+    case ReduceOp::kCount: break;
   }
+  DP_FAIL("reduce: expected a ReduceOp below kCount, got ", static_cast<int>(op));
 }
 
 void CpuBackend::argmax(Device dev, const float* x, i64* y, i64 outer, i64 r, i64 inner) {

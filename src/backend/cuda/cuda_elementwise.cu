@@ -284,6 +284,8 @@ void cast_f32_to_i64(cudaStream_t stream, const float* x, i64* y, i64 n) {
 
 void unary(cudaStream_t stream, UnaryOp op, const float* x, float* y, i64 n) {
   check_count(n, "unary");
+  DP_CHECK(op < UnaryOp::kCount, "unary: expected a UnaryOp below kCount, got ",
+           static_cast<int>(op));
   if (n == 0) return;
   dispatch_unary(op, [&](auto f) {
     unary_kernel<<<grid_for(n), kBlock, 0, stream>>>(f, x, y, n);
@@ -307,6 +309,8 @@ void axpy(cudaStream_t stream, float alpha, const float* x, float* y, i64 n) {
 
 void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const float* a, const float* b,
             float* out) {
+  DP_CHECK(op < BinaryOp::kCount, "binary: expected a BinaryOp below kCount, got ",
+           static_cast<int>(op));
   const Collapsed c = collapse(ix);
   if (c.numel == 0) return;
   const i64 n = c.numel;

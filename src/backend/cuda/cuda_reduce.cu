@@ -178,8 +178,9 @@ void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, i64 oute
     case ReduceOp::Sum: launch_reduce(stream, SumOp{}, x, y, outer, r, inner); return;
     case ReduceOp::Max: launch_reduce(stream, MaxOp{}, x, y, outer, r, inner); return;
     case ReduceOp::Min: launch_reduce(stream, MinOp{}, x, y, outer, r, inner); return;
+    case ReduceOp::kCount: break;
   }
-  DP_FAIL("reduce: unknown ReduceOp ", static_cast<int>(op));
+  DP_FAIL("reduce: expected a ReduceOp below kCount, got ", static_cast<int>(op));
 }
 
 void argmax(cudaStream_t stream, const float* x, i64* y, i64 outer, i64 r, i64 inner) {

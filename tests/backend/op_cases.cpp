@@ -1,0 +1,1058 @@
+// tests/backend/op_cases.cpp — the rows of the backend op table (see op_cases.h).
+//
+// Tolerances are against the CPU backend. Exact ({0, 0}) where both backends must give
+// the same bits: data movement, integer ops, comparisons, max/min, single IEEE
+// operations (+, -, *), the counter-based random numbers. Elsewhere they are the ones
+// the hand-written CUDA comparisons used before this table, verified on GPUs, and for
+// sums they grow with the number of terms (sum_tol).
+#include "op_cases.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <initializer_list>
+#include <iterator>
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+#include "dp/core/error.h"
+
+namespace dp_test {
+namespace {
+
+using dp::Device;
+using dp::backend::Backend;
+using dp::backend::BinaryOp;
+using dp::backend::Conv2dShape;
+using dp::backend::Indexer;
+using dp::backend::Pool2dShape;
+using dp::backend::ReduceOp;
+using dp::backend::UnaryOp;
+using i64 = std::int64_t;
+
+constexpr const char* kKernelNames[] = {
+    "fill", "fill_i64", "add_i64", "arange", "arange_i64", "cast_i64_to_f32",
+    "cast_f32_to_i64", "eq_i64",
+    "unary", "affine", "axpy", "binary", "strided_copy",
+    "fill_uniform", "fill_normal", "dropout",
+    "reduce", "argmax", "count_nonfinite",
+    "gemm",
+    "log_softmax", "log_softmax_backward", "nll_forward", "nll_backward",
+    "conv2d_forward", "conv2d_backward_data", "conv2d_backward_weight",
+    "maxpool2d_forward", "maxpool2d_backward", "avgpool2d_forward", "avgpool2d_backward",
+    "batchnorm_forward_train", "batchnorm_forward_eval", "batchnorm_backward",
+    "sgd_step", "adam_step",
+    "copy", "copy_from_host", "copy_to_host", "memset_zero"};
+static_assert(std::size(kKernelNames) == static_cast<std::size_t>(Kernel::kCount),
+              "one name per Kernel, in enum order");
+
+// ---- tolerances ------------------------------------------------------------------------
+
+/// libm functions (expf, logf, tanhf, powf), division and FMA contraction: CPU and CUDA
+/// differ by an ulp or two.
+constexpr Tolerance kUlps{2e-6, 1e-7};
+/// Elementwise a * x + b: one rounding more or less where CUDA contracts to an FMA.
+constexpr Tolerance kFma{2e-6, 1e-6};
+
+/// A float sum of `terms` products, added in a different order on each backend and
+/// thread count. Rounding errors add up like a random walk, so the absolute part grows
+/// as sqrt(terms); `base` holds up to 64 terms (GEMM and convolution were verified on
+/// GPUs at 1e-4 with 29 to 180 terms).
+Tolerance sum_tol(Tolerance base, double terms) {
+  return {base.rtol, base.atol * std::max(1.0, std::sqrt(terms / 64.0))};
+}
+constexpr Tolerance kGemmBase{1e-4, 1e-4};
+
+// ---- op enums: one row per value ---------------------------------------------------------
+// Note [Op enum sentinels] (backend.h): each array has one row per enum value, in enum
+// order, checked at compile time against kCount; every row becomes a case below.
+
+template <typename Row, std::size_t N>
+constexpr bool in_enum_order(const Row (&rows)[N]) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (static_cast<std::size_t>(rows[i].op) != i) return false;
+  return true;
+}
+
+/// A unary op, its input domain [lo, hi) and its tolerance.
+struct UnaryRow {
+  UnaryOp op;
+  const char* name;
+  float lo, hi;
+  Tolerance tol;
+};
+constexpr UnaryRow kUnaryRows[] = {
+    {UnaryOp::Neg, "neg", -3.0f, 3.0f, kExact},
+    {UnaryOp::Exp, "exp", -10.0f, 10.0f, kUlps},
+    {UnaryOp::Log, "log", 0.01f, 100.0f, kUlps},
+    {UnaryOp::Sqrt, "sqrt", 0.0f, 100.0f, kUlps},
+    {UnaryOp::Rsqrt, "rsqrt", 0.01f, 100.0f, kUlps},
+    {UnaryOp::Abs, "abs", -3.0f, 3.0f, kExact},
+    {UnaryOp::Square, "square", -3.0f, 3.0f, kExact},
+    {UnaryOp::Reciprocal, "reciprocal", 0.1f, 10.0f, kUlps},
+    {UnaryOp::Relu, "relu", -3.0f, 3.0f, kExact},
+    {UnaryOp::Sigmoid, "sigmoid", -20.0f, 20.0f, kUlps},
+    {UnaryOp::Tanh, "tanh", -10.0f, 10.0f, kUlps},
+    {UnaryOp::Sign, "sign", -3.0f, 3.0f, kExact},
+};
+static_assert(std::size(kUnaryRows) == static_cast<std::size_t>(UnaryOp::kCount),
+              "every UnaryOp needs a row in kUnaryRows (Note [Op enum sentinels])");
+static_assert(in_enum_order(kUnaryRows), "kUnaryRows must follow UnaryOp's order");
+
+/// A binary op, the domains of a and b, and its tolerance. `integers` draws whole
+/// numbers so that equality and ties occur.
+struct BinaryRow {
+  BinaryOp op;
+  const char* name;
+  float a_lo, a_hi, b_lo, b_hi;
+  bool integers;
+  Tolerance tol;
+};
+constexpr BinaryRow kBinaryRows[] = {
+    {BinaryOp::Add, "add", -3.0f, 3.0f, -3.0f, 3.0f, false, kExact},
+    {BinaryOp::Sub, "sub", -3.0f, 3.0f, -3.0f, 3.0f, false, kExact},
+    {BinaryOp::Mul, "mul", -3.0f, 3.0f, -3.0f, 3.0f, false, kExact},
+    {BinaryOp::Div, "div", -3.0f, 3.0f, 0.5f, 2.0f, false, kUlps},        // b away from 0
+    {BinaryOp::Maximum, "maximum", -3.0f, 3.0f, -3.0f, 3.0f, true, kExact},
+    {BinaryOp::Minimum, "minimum", -3.0f, 3.0f, -3.0f, 3.0f, true, kExact},
+    {BinaryOp::Pow, "pow", 0.1f, 3.0f, -2.0f, 2.0f, false, kUlps},        // positive bases
+    {BinaryOp::Eq, "eq", 0.0f, 4.0f, 0.0f, 4.0f, true, kExact},           // 1 pair in 4 equal
+    {BinaryOp::Gt, "gt", 0.0f, 4.0f, 0.0f, 4.0f, true, kExact},
+    {BinaryOp::ReluBackward, "relu_backward", -3.0f, 3.0f, -1.0f, 1.0f, false, kExact},
+};
+static_assert(std::size(kBinaryRows) == static_cast<std::size_t>(BinaryOp::kCount),
+              "every BinaryOp needs a row in kBinaryRows (Note [Op enum sentinels])");
+static_assert(in_enum_order(kBinaryRows), "kBinaryRows must follow BinaryOp's order");
+
+/// A reduction and its tolerance over `r` terms.
+struct ReduceRow {
+  ReduceOp op;
+  const char* name;
+  bool exact;  // max and min pick an element: no rounding
+};
+constexpr ReduceRow kReduceRows[] = {
+    {ReduceOp::Sum, "sum", false},
+    {ReduceOp::Max, "max", true},
+    {ReduceOp::Min, "min", true},
+};
+static_assert(std::size(kReduceRows) == static_cast<std::size_t>(ReduceOp::kCount),
+              "every ReduceOp needs a row in kReduceRows (Note [Op enum sentinels])");
+static_assert(in_enum_order(kReduceRows), "kReduceRows must follow ReduceOp's order");
+
+// ---- small helpers -------------------------------------------------------------------------
+
+/// Element count of the Check suite's flat cases: a prime above three times the CPU's
+/// parallel grain (kSerialGrain = 32768), so every TBB path and a partial last CUDA
+/// block run.
+constexpr i64 kCheckN = 100003;
+/// Element count of the Perf suite's flat cases: 16 Mi floats = 64 MiB per buffer, past
+/// every cache (32 MiB of L3 on the 2-core host, 50 MiB of L2 on an H100), so GB/s
+/// measures memory.
+constexpr i64 kPerfN = i64{1} << 24;
+
+/// Concatenates strings and integers. (std::string's operator+ with a literal on the
+/// left trips GCC 12's -Wrestrict false positive, GCC bug 105651.)
+template <typename... Parts>
+std::string cat(const Parts&... parts) {
+  std::string s;
+  auto append = [&s](const auto& part) {
+    if constexpr (std::is_integral_v<std::decay_t<decltype(part)>>) {
+      s += std::to_string(part);
+    } else {
+      s += part;
+    }
+  };
+  (append(parts), ...);
+  return s;
+}
+
+std::string dims(std::initializer_list<i64> d) {
+  std::string s;
+  for (i64 v : d) s += cat(s.empty() ? "" : "x", v);
+  return s;
+}
+std::string count(i64 n) { return cat("n=", n); }
+
+constexpr double kF = sizeof(float);
+constexpr double kL = sizeof(std::int64_t);
+
+Indexer indexer(std::initializer_list<i64> sizes, std::initializer_list<i64> strides_a,
+                std::initializer_list<i64> strides_b) {
+  Indexer ix;
+  ix.ndim = static_cast<int>(sizes.size());
+  std::copy(sizes.begin(), sizes.end(), ix.sizes);
+  std::copy(strides_a.begin(), strides_a.end(), ix.strides_a);
+  std::copy(strides_b.begin(), strides_b.end(), ix.strides_b);
+  return ix;
+}
+i64 numel(const Indexer& ix) {
+  i64 n = 1;
+  for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
+  return n;
+}
+/// Elements of an operand read through `strides` (broadcast dimensions count once):
+/// the size of the buffer it needs.
+i64 extent(const Indexer& ix, const i64* strides) {
+  i64 last = 0;
+  for (int d = 0; d < ix.ndim; ++d) last += (ix.sizes[d] - 1) * strides[d];
+  return last + 1;
+}
+
+Conv2dShape conv(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 stride_h, i64 stride_w,
+                 i64 pad_h, i64 pad_w) {
+  Conv2dShape s{N, C, H, W, K, R, S, stride_h, stride_w, pad_h, pad_w, 0, 0};
+  s.P = (H + 2 * pad_h - R) / stride_h + 1;
+  s.Q = (W + 2 * pad_w - S) / stride_w + 1;
+  return s;
+}
+std::string conv_name(const Conv2dShape& s) {
+  return cat("N", s.N, " ", s.C, "->", s.K, " ", dims({s.H, s.W}), " k", dims({s.R, s.S}), " s",
+             dims({s.stride_h, s.stride_w}), " p", dims({s.pad_h, s.pad_w}));
+}
+
+Pool2dShape pool(i64 N, i64 C, i64 H, i64 W, i64 kh, i64 kw, i64 sh, i64 sw, i64 ph, i64 pw) {
+  Pool2dShape s{N, C, H, W, kh, kw, sh, sw, ph, pw, 0, 0};
+  s.P = (H + 2 * ph - kh) / sh + 1;
+  s.Q = (W + 2 * pw - kw) / sw + 1;
+  return s;
+}
+std::string pool_name(const Pool2dShape& s) {
+  return cat("N", s.N, " C", s.C, " ", dims({s.H, s.W}), " k", dims({s.kernel_h, s.kernel_w}),
+             " s", dims({s.stride_h, s.stride_w}), " p", dims({s.pad_h, s.pad_w}));
+}
+
+/// FNV-1a: a case's inputs are a function of its name only.
+std::uint64_t fnv1a(const std::string& s) {
+  std::uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64-bit offset basis and prime
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+/// splitmix64's finaliser of seed + i: a counter-based generator, so element i of an
+/// input never depends on how the others were drawn, and it is cheap enough to fill
+/// the Perf suite's 16 MiB buffers in milliseconds.
+std::uint64_t mix(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// ---- the table -------------------------------------------------------------------------------
+
+/// Collects rows; `suite` applies to the rows added next.
+class Table {
+ public:
+  std::vector<OpCase> cases;
+  Suite suite = Suite::Check;
+
+  void add(Kernel kernel, std::string name, std::string shape, Tolerance tol, double flops,
+           double bytes, std::function<void(OpRun&)> build) {
+    cases.push_back(OpCase{kernel, std::move(name), std::move(shape), suite, tol, flops, bytes,
+                           std::move(build)});
+  }
+  void add(Kernel kernel, std::string shape, Tolerance tol, double flops, double bytes,
+           std::function<void(OpRun&)> build) {
+    add(kernel, kernel_name(kernel), std::move(shape), tol, flops, bytes, std::move(build));
+  }
+};
+
+// Each add_* appends the cases of one family at one size. Builders capture shapes by
+// value and device pointers into the call; the OpRun owns the memory.
+
+void add_fill(Table& t, i64 n) {
+  t.add(Kernel::Fill, count(n), kExact, 0, kF * n, [n](OpRun& r) {
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.fill(d, y, n, 3.5f); });
+  });
+}
+
+void add_integer_and_cast(Table& t, i64 n) {
+  t.add(Kernel::FillI64, count(n), kExact, 0, kL * n, [n](OpRun& r) {
+    std::int64_t* y = r.empty_i64(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.fill_i64(d, y, n, -7); });
+  });
+  t.add(Kernel::AddI64, count(n), kExact, 0, 2 * kL * n, [n](OpRun& r) {
+    // Values near 2^40: exact in int64 only, so a float detour would show.
+    std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+    for (i64 i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = (i64{1} << 40) + 3 * i - 5;
+    std::int64_t* y = r.upload(v);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.add_i64(d, y, n, 7); });
+  });
+  t.add(Kernel::Arange, count(n), kExact, 0, kF * n, [n](OpRun& r) {
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.arange(d, y, n, -2.0f, 0.25f); });
+  });
+  t.add(Kernel::ArangeI64, count(n), kExact, 0, kL * n, [n](OpRun& r) {
+    std::int64_t* y = r.empty_i64(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.arange_i64(d, y, n, -7, 3); });
+  });
+  t.add(Kernel::CastI64ToF32, count(n), kExact, 0, (kL + kF) * n, [n](OpRun& r) {
+    // Up to ±2^30: beyond float's 24-bit mantissa, so rounding to nearest is checked.
+    std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+    for (i64 i = 0; i < n; ++i)
+      v[static_cast<std::size_t>(i)] = static_cast<i64>(mix(static_cast<std::uint64_t>(i)) >> 33) -
+                                       (i64{1} << 30);
+    std::int64_t* x = r.upload(v);
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.cast_i64_to_f32(d, x, y, n); });
+  });
+  t.add(Kernel::CastF32ToI64, count(n), kExact, 0, (kF + kL) * n, [n](OpRun& r) {
+    float* x = r.uniform(n, -1e6f, 1e6f);  // fractional parts: truncation toward 0
+    std::int64_t* y = r.empty_i64(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.cast_f32_to_i64(d, x, y, n); });
+  });
+}
+
+void add_eq_i64(Table& t, i64 rows, i64 cols) {
+  const Indexer ix = indexer({rows, cols}, {cols, 1}, {0, 1});  // (R, C) == (C)
+  t.add(Kernel::EqI64, dims({rows, cols}) + " == " + std::to_string(cols), kExact, 0,
+        kL * (rows * cols + cols) + kF * rows * cols, [=](OpRun& r) {
+          auto to_i64 = [](const std::vector<float>& v) {
+            return std::vector<std::int64_t>(v.begin(), v.end());
+          };
+          const std::int64_t* a = r.upload(to_i64(r.host_uniform(rows * cols, 0, 4, true)));
+          const std::int64_t* b = r.upload(to_i64(r.host_uniform(cols, 0, 4, true)));
+          float* out = r.empty(rows * cols);
+          r.output("out", out, rows * cols);
+          r.set_call([=](Backend& be, Device d) { be.eq_i64(d, ix, a, b, out); });
+        });
+}
+
+void add_copies(Table& t, i64 n) {
+  const std::size_t nbytes = static_cast<std::size_t>(n) * sizeof(float);
+  t.add(Kernel::Copy, count(n), kExact, 0, 2 * kF * n, [=](OpRun& r) {
+    const float* x = r.uniform(n, -1, 1);
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.copy(y, d, x, d, nbytes); });
+  });
+  t.add(Kernel::MemsetZero, count(n), kExact, 0, kF * n, [=](OpRun& r) {
+    float* y = r.uniform(n, -1, 1);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.memset_zero(y, d, nbytes); });
+  });
+  t.add(Kernel::CopyFromHost, count(n) + " pinned", kExact, 0, 2 * kF * n, [=](OpRun& r) {
+    auto* host = static_cast<float*>(r.pinned(nbytes));
+    const std::vector<float> v = r.host_uniform(n, -1, 1);
+    std::memcpy(host, v.data(), nbytes);
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.copy_from_host(y, d, host, nbytes); });
+  });
+  t.add(Kernel::CopyToHost, count(n) + " pinned", kExact, 0, 2 * kF * n, [=](OpRun& r) {
+    const float* x = r.uniform(n, -1, 1);
+    auto* host = static_cast<float*>(r.pinned(nbytes));
+    std::fill(host, host + n, std::nanf(""));
+    r.output([=] { return Output{"host", std::vector<float>(host, host + n), {}}; });
+    r.set_call([=](Backend& b, Device d) { b.copy_to_host(host, x, d, nbytes); });
+  });
+}
+
+void add_unary(Table& t, const UnaryRow& u, i64 n) {
+  t.add(Kernel::Unary, cat("unary ", u.name), count(n), u.tol, 0, 2 * kF * n,
+        [=](OpRun& r) {
+          const float* x = r.uniform(n, u.lo, u.hi);
+          float* y = r.empty(n);
+          r.output("y", y, n);
+          r.set_call([=](Backend& b, Device d) { b.unary(d, u.op, x, y, n); });
+        });
+}
+
+void add_elementwise_misc(Table& t, i64 n) {
+  // y may alias x: tanh keeps repeated in-place calls (the benchmark's) finite.
+  t.add(Kernel::Unary, "unary tanh", count(n) + " in place", kUlps, 0, 2 * kF * n,
+        [=](OpRun& r) {
+          float* x = r.uniform(n, -3, 3);
+          r.output("x", x, n);
+          r.set_call([=](Backend& b, Device d) { b.unary(d, UnaryOp::Tanh, x, x, n); });
+        });
+  t.add(Kernel::Affine, count(n), kFma, 0, 2 * kF * n, [=](OpRun& r) {
+    const float* x = r.uniform(n, -3, 3);
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.affine(d, x, y, n, 1.5f, -0.25f); });
+  });
+  t.add(Kernel::Axpy, count(n), kFma, 0, 3 * kF * n, [=](OpRun& r) {
+    const float* x = r.uniform(n, -3, 3);
+    float* y = r.uniform(n, -3, 3);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.axpy(d, -0.75f, x, y, n); });
+  });
+}
+
+void add_binary(Table& t, const BinaryRow& row, const std::string& layout, const Indexer& ix) {
+  const i64 n = numel(ix), na = extent(ix, ix.strides_a), nb = extent(ix, ix.strides_b);
+  t.add(Kernel::Binary, cat("binary ", row.name), layout, row.tol, 0,
+        kF * (n + na + nb), [=](OpRun& r) {
+          const float* a = r.uniform(na, row.a_lo, row.a_hi, row.integers);
+          const float* b = r.uniform(nb, row.b_lo, row.b_hi, row.integers);
+          float* out = r.empty(n);
+          r.output("out", out, n);
+          r.set_call([=](Backend& be, Device d) { be.binary(d, row.op, ix, a, b, out); });
+        });
+}
+
+/// Every binary op over (R, C) with b of the same shape (the contiguous path), a row
+/// (C) and a column (R, 1): the broadcasts of bias adds and per-row scales.
+void add_binary_layouts(Table& t, const BinaryRow& row, i64 R, i64 C) {
+  add_binary(t, row, dims({R, C}) + " op " + dims({R, C}), indexer({R, C}, {C, 1}, {C, 1}));
+  add_binary(t, row, dims({R, C}) + " op " + std::to_string(C), indexer({R, C}, {C, 1}, {0, 1}));
+  add_binary(t, row, dims({R, C}) + " op " + dims({R, 1}), indexer({R, C}, {C, 1}, {1, 0}));
+}
+
+void add_strided_copy(Table& t, const std::string& what, const Indexer& ix) {
+  const i64 n = numel(ix), na = extent(ix, ix.strides_a);
+  t.add(Kernel::StridedCopy, what, kExact, 0, kF * (n + na), [=](OpRun& r) {
+    const float* a = r.uniform(na, -1, 1);
+    float* out = r.empty(n);
+    r.output("out", out, n);
+    r.set_call([=](Backend& b, Device d) { b.strided_copy(d, ix, a, out); });
+  });
+}
+
+void add_random(Table& t, i64 n) {
+  t.add(Kernel::FillUniform, count(n), kExact, 0, kF * n, [=](OpRun& r) {
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.fill_uniform(d, y, n, -1.0f, 3.0f, 1234, 77); });
+  });
+  // Box-Muller's logf/cosf differ by a few ulps between CPU and CUDA.
+  t.add(Kernel::FillNormal, count(n), {4e-6, 4e-6}, 0, kF * n, [=](OpRun& r) {
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.fill_normal(d, y, n, 0.5f, 2.0f, 42, 0); });
+  });
+  t.add(Kernel::Dropout, count(n) + " p=0.3", kExact, 0, 3 * kF * n, [=](OpRun& r) {
+    const float* x = r.uniform(n, -1, 1);
+    float* y = r.empty(n);
+    float* mask = r.empty(n);
+    r.output("y", y, n);
+    r.output("mask", mask, n);
+    r.set_call([=](Backend& b, Device d) { b.dropout(d, x, y, mask, n, 0.3f, 99, 5); });
+  });
+}
+
+void add_reduce(Table& t, const ReduceRow& row, i64 outer, i64 r, i64 inner) {
+  const Tolerance tol = row.exact ? kExact : sum_tol({1e-5, 1e-4}, static_cast<double>(r));
+  t.add(Kernel::Reduce, cat("reduce ", row.name), cat(dims({outer, r, inner}), " over dim 1"),
+        tol, 0, kF * (outer * r * inner + outer * inner), [=](OpRun& run) {
+          const float* x = run.uniform(outer * r * inner, -1, 1);
+          float* y = run.empty(outer * inner);
+          run.output("y", y, outer * inner);
+          run.set_call([=](Backend& b, Device d) { b.reduce(d, row.op, x, y, outer, r, inner); });
+        });
+}
+
+void add_argmax(Table& t, i64 outer, i64 r, i64 inner) {
+  t.add(Kernel::Argmax, cat(dims({outer, r, inner}), " over dim 1"), kExact, 0,
+        kF * outer * r * inner + kL * outer * inner, [=](OpRun& run) {
+          // Whole numbers in [0, 8): ties are common, and the first maximum must win.
+          const float* x = run.uniform(outer * r * inner, 0, 8, true);
+          std::int64_t* y = run.empty_i64(outer * inner);
+          run.output("y", y, outer * inner);
+          run.set_call([=](Backend& b, Device d) { b.argmax(d, x, y, outer, r, inner); });
+        });
+}
+
+void add_count_nonfinite(Table& t, i64 n, bool with_nonfinite) {
+  t.add(Kernel::CountNonfinite, count(n) + (with_nonfinite ? " 3 non-finite" : ""), kExact, 0,
+        kF * n, [=](OpRun& r) {
+          std::vector<float> v = r.host_uniform(n, -1, 1);
+          if (with_nonfinite) {
+            v[5] = std::nanf("");
+            v[static_cast<std::size_t>(n / 2)] = INFINITY;
+            v[static_cast<std::size_t>(n - 1)] = -INFINITY;
+          }
+          const float* x = r.upload(v);
+          auto result = std::make_shared<std::int64_t>(OpRun::kUnwritten);
+          r.output([result] { return Output{"count", {}, {*result}}; });
+          r.set_call([=](Backend& b, Device d) { *result = b.count_nonfinite(d, x, n); });
+        });
+}
+
+/// C(m×n) = alpha·op(A)·op(B) + beta·C with every leading dimension `pad` elements
+/// longer than its row; C's padding must come back untouched.
+void add_gemm(Table& t, i64 m, i64 n, i64 k, bool ta, bool tb, i64 pad, float alpha,
+              float beta, const std::string& note = "") {
+  const i64 lda = (ta ? m : k) + pad, ldb = (tb ? k : n) + pad, ldc = n + pad;
+  const i64 na = (ta ? k : m) * lda, nb = (tb ? n : k) * ldb, nc = m * ldc;
+  std::string shape = dims({m, n, k}) + " " + (ta ? "T" : "N") + (tb ? "T" : "N");
+  if (pad > 0) shape += " ld+" + std::to_string(pad);
+  if (!note.empty()) shape += " " + note;
+  t.add(Kernel::Gemm, shape, sum_tol(kGemmBase, static_cast<double>(k)), 2.0 * m * n * k,
+        kF * (m * k + k * n + (beta != 0.0f ? 2 : 1) * m * n), [=](OpRun& r) {
+          const float* a = r.uniform(na, -1, 1);
+          const float* b = r.uniform(nb, -1, 1);
+          float* c = r.uniform(nc, -1, 1);
+          r.output("c", c, nc);
+          r.set_call([=](Backend& be, Device d) {
+            be.gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+          });
+        });
+}
+
+void add_softmax_nll(Table& t, i64 rows, i64 cols) {
+  const std::string shape = dims({rows, cols});
+  const i64 rc = rows * cols;
+  t.add(Kernel::LogSoftmax, shape, {1e-5, 1e-5}, 0, 2 * kF * rc, [=](OpRun& r) {
+    const float* x = r.uniform(rc, -6, 6);
+    float* y = r.empty(rc);
+    r.output("y", y, rc);
+    r.set_call([=](Backend& b, Device d) { b.log_softmax(d, x, y, rows, cols); });
+  });
+  t.add(Kernel::LogSoftmaxBackward, shape, {1e-5, 1e-5}, 0, 3 * kF * rc, [=](OpRun& r) {
+    const float* gy = r.uniform(rc, -1, 1);
+    const float* y = r.uniform(rc, -5, 0);  // log-probabilities
+    float* gx = r.empty(rc);
+    r.output("gx", gx, rc);
+    r.set_call([=](Backend& b, Device d) { b.log_softmax_backward(d, gy, y, gx, rows, cols); });
+  });
+  auto targets = [rows, cols] {
+    std::vector<std::int64_t> v(static_cast<std::size_t>(rows));
+    for (i64 i = 0; i < rows; ++i) v[static_cast<std::size_t>(i)] = (i * 7) % cols;
+    return v;
+  };
+  t.add(Kernel::NllForward, shape, kExact, 0, (2 * kF + kL) * rows, [=](OpRun& r) {
+    const float* logp = r.uniform(rc, -5, 0);
+    const std::int64_t* target = r.upload(targets());
+    float* loss = r.empty(rows);
+    r.output("loss", loss, rows);
+    r.set_call([=](Backend& b, Device d) { b.nll_forward(d, logp, target, loss, rows, cols); });
+  });
+  t.add(Kernel::NllBackward, shape, kExact, 0, (kF + kL) * rows + kF * rc, [=](OpRun& r) {
+    const float* gloss = r.uniform(rows, -1, 1);
+    const std::int64_t* target = r.upload(targets());
+    float* gx = r.empty(rc);
+    r.output("gx", gx, rc);
+    r.set_call([=](Backend& b, Device d) { b.nll_backward(d, gloss, target, gx, rows, cols); });
+  });
+}
+
+/// The three passes of one convolution; without `bias`, only the passes that take
+/// one (forward and backward-weight), with a null bias.
+void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
+  const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = s.N * s.K * s.P * s.Q;
+  const double flops = 2.0 * s.N * s.K * s.P * s.Q * s.C * s.R * s.S;  // the same for all three
+  const std::string shape = conv_name(s) + (bias ? "" : " no bias");
+  const double nb = bias ? static_cast<double>(s.K) : 0.0;
+  t.add(Kernel::Conv2dForward, shape, sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S)),
+        flops, kF * (nx + nw + nb + ny), [=](OpRun& r) {
+          const float* x = r.uniform(nx, -1, 1);
+          const float* w = r.uniform(nw, -1, 1);
+          const float* b = bias ? r.uniform(s.K, -1, 1) : nullptr;
+          float* y = r.empty(ny);
+          r.output("y", y, ny);
+          r.set_call([=](Backend& be, Device d) { be.conv2d_forward(d, s, x, w, b, y); });
+        });
+  if (bias) t.add(Kernel::Conv2dBackwardData, conv_name(s),
+        sum_tol(kGemmBase, static_cast<double>(s.K * s.R * s.S)), flops, kF * (ny + nw + nx),
+        [=](OpRun& r) {
+          const float* gy = r.uniform(ny, -1, 1);
+          const float* w = r.uniform(nw, -1, 1);
+          float* gx = r.empty(nx);
+          r.output("gx", gx, nx);
+          r.set_call([=](Backend& be, Device d) { be.conv2d_backward_data(d, s, gy, w, gx); });
+        });
+  t.add(Kernel::Conv2dBackwardWeight, shape,
+        sum_tol(kGemmBase, static_cast<double>(s.N * s.P * s.Q)), flops, kF * (nx + ny + nw + nb),
+        [=](OpRun& r) {
+          const float* x = r.uniform(nx, -1, 1);
+          const float* gy = r.uniform(ny, -1, 1);
+          float* gw = r.empty(nw);
+          float* gb = bias ? r.empty(s.K) : nullptr;
+          r.output("gw", gw, nw);
+          if (bias) r.output("gbias", gb, s.K);
+          r.set_call(
+              [=](Backend& be, Device d) { be.conv2d_backward_weight(d, s, x, gy, gw, gb); });
+        });
+}
+
+/// Flat h*W + w indices of one element inside each pooling window (clipped to the
+/// input), as maxpool2d_forward would return for some input.
+std::vector<std::int64_t> window_indices(OpRun& r, const Pool2dShape& s) {
+  const i64 ny = s.N * s.C * s.P * s.Q;
+  const std::vector<float> u = r.host_uniform(2 * ny, 0, 1);
+  std::vector<std::int64_t> idx(static_cast<std::size_t>(ny));
+  for (i64 i = 0; i < ny; ++i) {
+    const i64 p = (i / s.Q) % s.P, q = i % s.Q;
+    const i64 h0 = std::max<i64>(0, p * s.stride_h - s.pad_h);
+    const i64 h1 = std::min(s.H, p * s.stride_h - s.pad_h + s.kernel_h);
+    const i64 w0 = std::max<i64>(0, q * s.stride_w - s.pad_w);
+    const i64 w1 = std::min(s.W, q * s.stride_w - s.pad_w + s.kernel_w);
+    const i64 h = std::min(h1 - 1, h0 + static_cast<i64>(u[2 * i] * (h1 - h0)));
+    const i64 w = std::min(w1 - 1, w0 + static_cast<i64>(u[2 * i + 1] * (w1 - w0)));
+    idx[static_cast<std::size_t>(i)] = h * s.W + w;
+  }
+  return idx;
+}
+
+void add_pool(Table& t, const Pool2dShape& s) {
+  const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
+  const std::string shape = pool_name(s);
+  // Overlapping windows add several gradients into one input, in a different order on
+  // each backend.
+  constexpr Tolerance kPoolTol{1e-6, 1e-6};
+  t.add(Kernel::MaxPool2dForward, shape, kExact, 0, kF * (nx + ny) + kL * ny, [=](OpRun& r) {
+    const float* x = r.uniform(nx, -1, 1);
+    float* y = r.empty(ny);
+    std::int64_t* idx = r.empty_i64(ny);
+    r.output("y", y, ny);
+    r.output("indices", idx, ny);
+    r.set_call([=](Backend& b, Device d) { b.maxpool2d_forward(d, s, x, y, idx); });
+  });
+  t.add(Kernel::MaxPool2dBackward, shape, kPoolTol, 0, kF * (ny + nx) + kL * ny, [=](OpRun& r) {
+    const float* gy = r.uniform(ny, -1, 1);
+    const std::int64_t* idx = r.upload(window_indices(r, s));
+    float* gx = r.empty(nx);
+    r.output("gx", gx, nx);
+    r.set_call([=](Backend& b, Device d) { b.maxpool2d_backward(d, s, gy, idx, gx); });
+  });
+  t.add(Kernel::AvgPool2dForward, shape, kPoolTol, 0, kF * (nx + ny), [=](OpRun& r) {
+    const float* x = r.uniform(nx, -1, 1);
+    float* y = r.empty(ny);
+    r.output("y", y, ny);
+    r.set_call([=](Backend& b, Device d) { b.avgpool2d_forward(d, s, x, y); });
+  });
+  t.add(Kernel::AvgPool2dBackward, shape, kPoolTol, 0, kF * (ny + nx), [=](OpRun& r) {
+    const float* gy = r.uniform(ny, -1, 1);
+    float* gx = r.empty(nx);
+    r.output("gx", gx, nx);
+    r.set_call([=](Backend& b, Device d) { b.avgpool2d_backward(d, s, gy, gx); });
+  });
+}
+
+void add_batchnorm(Table& t, i64 N, i64 C, i64 HW) {
+  const i64 n = N * C * HW;
+  const std::string shape = cat("N", N, " C", C, " HW", HW);
+  // Statistics are sums over N·HW values per channel.
+  const Tolerance tol = sum_tol({1e-4, 1e-5}, static_cast<double>(N * HW));
+  constexpr float kEps = 1e-5f, kMomentum = 0.1f;  // PyTorch's defaults
+  for (bool running : {true, false}) {
+    t.add(Kernel::BatchNormForwardTrain, shape + (running ? "" : " no running stats"), tol, 0,
+          kF * (2 * n + 8 * C), [=](OpRun& r) {
+            const float* x = r.uniform(n, -4, 4);
+            const float* gamma = r.uniform(C, 0.1f, 2);
+            const float* beta = r.uniform(C, -1, 1);
+            float* rmean = running ? r.uniform(C, -1, 1) : nullptr;
+            float* rvar = running ? r.uniform(C, 0.1f, 2) : nullptr;
+            float* y = r.empty(n);
+            float* mean = r.empty(C);
+            float* invstd = r.empty(C);
+            r.output("y", y, n);
+            r.output("save_mean", mean, C);
+            r.output("save_invstd", invstd, C);
+            if (running) {
+              r.output("running_mean", rmean, C);
+              r.output("running_var", rvar, C);
+            }
+            r.set_call([=](Backend& b, Device d) {
+              b.batchnorm_forward_train(d, N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar,
+                                        y, mean, invstd);
+            });
+          });
+  }
+  t.add(Kernel::BatchNormForwardEval, shape, {1e-4, 1e-5}, 0, kF * (2 * n + 4 * C),
+        [=](OpRun& r) {
+          const float* x = r.uniform(n, -4, 4);
+          const float* gamma = r.uniform(C, 0.1f, 2);
+          const float* beta = r.uniform(C, -1, 1);
+          const float* rmean = r.uniform(C, -1, 1);
+          const float* rvar = r.uniform(C, 0.1f, 2);
+          float* y = r.empty(n);
+          r.output("y", y, n);
+          r.set_call([=](Backend& b, Device d) {
+            b.batchnorm_forward_eval(d, N, C, HW, x, gamma, beta, kEps, rmean, rvar, y);
+          });
+        });
+  t.add(Kernel::BatchNormBackward, shape, tol, 0, kF * (3 * n + 5 * C), [=](OpRun& r) {
+    // The saved statistics are x's own (computed here in double), as after a forward.
+    const std::vector<float> xh = r.host_uniform(n, -4, 4);
+    std::vector<float> mean(static_cast<std::size_t>(C)), invstd(static_cast<std::size_t>(C));
+    for (i64 c = 0; c < C; ++c) {
+      double s = 0, ss = 0;
+      for (i64 i = 0; i < N; ++i)
+        for (i64 j = 0; j < HW; ++j) {
+          const double v = xh[static_cast<std::size_t>((i * C + c) * HW + j)];
+          s += v;
+          ss += v * v;
+        }
+      const double m = s / static_cast<double>(N * HW);
+      mean[static_cast<std::size_t>(c)] = static_cast<float>(m);
+      invstd[static_cast<std::size_t>(c)] =
+          static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(N * HW) - m * m + kEps));
+    }
+    const float* x = r.upload(xh);
+    const float* gy = r.uniform(n, -1, 1);
+    const float* gamma = r.uniform(C, 0.1f, 2);
+    const float* save_mean = r.upload(mean);
+    const float* save_invstd = r.upload(invstd);
+    float* gx = r.empty(n);
+    float* ggamma = r.empty(C);
+    float* gbeta = r.empty(C);
+    r.output("gx", gx, n);
+    r.output("ggamma", ggamma, C);
+    r.output("gbeta", gbeta, C);
+    r.set_call([=](Backend& b, Device d) {
+      b.batchnorm_backward(d, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta);
+    });
+  });
+}
+
+void add_optim(Table& t, i64 n, bool all_variants) {
+  constexpr Tolerance kOptimTol{1e-5, 1e-6};
+  struct Sgd {
+    const char* what;
+    float momentum;
+    bool nesterov, first_step;
+  };
+  std::vector<Sgd> sgds{{"momentum", 0.9f, false, false}};
+  if (all_variants)
+    sgds = {{"no momentum", 0.0f, false, false}, {"momentum first step", 0.9f, false, true},
+            {"momentum", 0.9f, false, false}, {"nesterov", 0.9f, true, false}};
+  for (const Sgd& v : sgds) {
+    const int buffers = v.momentum != 0.0f ? 3 : 2;  // param, grad (, momentum buffer)
+    t.add(Kernel::SgdStep, count(n) + " " + v.what, kOptimTol, 0,
+          kF * n * (buffers + buffers - 1), [=](OpRun& r) {
+            float* p = r.uniform(n, -1, 1);
+            const float* g = r.uniform(n, -1, 1);
+            float* buf = v.momentum != 0.0f ? r.uniform(n, -1, 1) : nullptr;
+            r.output("param", p, n);
+            if (buf) r.output("momentum_buf", buf, n);
+            r.set_call([=](Backend& b, Device d) {
+              b.sgd_step(d, p, g, buf, n, 0.1f, v.momentum, 0.1f, 1e-4f, v.nesterov, v.first_step);
+            });
+          });
+  }
+  for (bool decoupled : {false, true}) {
+    if (!all_variants && !decoupled) continue;
+    t.add(Kernel::AdamStep, count(n) + (decoupled ? " AdamW" : " Adam") + " step 3", kOptimTol, 0,
+          kF * n * 7, [=](OpRun& r) {
+            float* p = r.uniform(n, -1, 1);
+            const float* g = r.uniform(n, -1, 1);
+            float* m = r.uniform(n, -1, 1);
+            float* v = r.uniform(n, 0, 1);  // a second moment is non-negative
+            r.output("param", p, n);
+            r.output("exp_avg", m, n);
+            r.output("exp_avg_sq", v, n);
+            r.set_call([=](Backend& b, Device d) {
+              b.adam_step(d, p, g, m, v, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, decoupled, 3);
+            });
+          });
+  }
+}
+
+/// Small and odd shapes that reach every code path; the tests run these.
+void add_check_suite(Table& t) {
+  t.suite = Suite::Check;
+  add_fill(t, kCheckN);
+  add_integer_and_cast(t, kCheckN);
+  add_eq_i64(t, 331, 127);
+  add_copies(t, kCheckN);
+  for (const UnaryRow& u : kUnaryRows) add_unary(t, u, kCheckN);
+  add_elementwise_misc(t, kCheckN);
+  // 331 x 127 = 42037 elements: above the CPU's parallel grain.
+  for (const BinaryRow& b : kBinaryRows) add_binary_layouts(t, b, 331, 127);
+  // out (16, 11, 300) = a (16, 1, 300) + b (1, 11, 1): both sides broadcast, 3-d walk.
+  add_binary(t, kBinaryRows[0], "16x1x300 op 1x11x1",
+             indexer({16, 11, 300}, {300, 0, 1}, {0, 1, 0}));
+  add_strided_copy(t, "331x127 transposed", indexer({127, 331}, {1, 127}, {0, 0}));
+  add_strided_copy(t, count(kCheckN) + " contiguous", indexer({kCheckN}, {1}, {0}));
+  add_strided_copy(t, "8x33x70 permuted (2,0,1)",
+                   indexer({70, 8, 33}, {1, 33 * 70, 70}, {0, 0, 0}));
+  add_random(t, kCheckN);
+  for (const ReduceRow& row : kReduceRows) {
+    // Rows, long rows, a middle dimension, columns, and an empty reduction (sum only:
+    // max and min have no identity).
+    for (auto [outer, r, inner] : {std::array<i64, 3>{64, 10, 1}, {3, 5000, 1}, {8, 33, 70},
+                                   {1, 1000, 3}, {5, 0, 4}}) {
+      if (r == 0 && row.op != ReduceOp::Sum) continue;
+      add_reduce(t, row, outer, r, inner);
+    }
+  }
+  for (auto [outer, r, inner] : {std::array<i64, 3>{64, 10, 1}, {3, 5000, 1}, {8, 33, 70},
+                                 {1, 1000, 3}})
+    add_argmax(t, outer, r, inner);
+  add_count_nonfinite(t, kCheckN, true);
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) add_gemm(t, 33, 47, 29, ta, tb, 3, 0.5f, -1.25f);
+  add_softmax_nll(t, 67, 13);
+  add_conv(t, conv(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1));  // odd kernel, strides, padding
+  add_conv(t, conv(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1), false);
+  add_conv(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1));   // the CNN's 3x3 "same"
+  add_pool(t, pool(2, 3, 9, 8, 3, 2, 2, 2, 1, 1));  // padded, non-square window
+  add_pool(t, pool(2, 3, 8, 8, 2, 2, 2, 2, 0, 0));  // the CNN's 2x2/2 (CPU: its own path)
+  add_pool(t, pool(2, 3, 7, 7, 3, 3, 1, 1, 1, 1));  // overlapping windows
+  add_batchnorm(t, 6, 5, 49);
+  add_optim(t, kCheckN, true);
+}
+
+/// The training workloads' shapes (the Fashion-MNIST CNN at batch 256, the GEMMs of
+/// DESIGN §9); kernels_bench times these.
+void add_perf_suite(Table& t) {
+  t.suite = Suite::Perf;
+  const i64 n = kPerfN;
+  add_fill(t, n);
+  add_copies(t, n);
+  add_unary(t, kUnaryRows[static_cast<int>(UnaryOp::Relu)], n);
+  add_unary(t, kUnaryRows[static_cast<int>(UnaryOp::Exp)], n);
+  add_elementwise_misc(t, n);
+  constexpr i64 kSide = 4096;  // kSide^2 = kPerfN
+  const std::string square = dims({kSide, kSide});
+  add_binary(t, kBinaryRows[static_cast<int>(BinaryOp::Add)], square + " op " + square,
+             indexer({kSide, kSide}, {kSide, 1}, {kSide, 1}));
+  add_binary(t, kBinaryRows[static_cast<int>(BinaryOp::Mul)], square + " op " + dims({kSide}),
+             indexer({kSide, kSide}, {kSide, 1}, {0, 1}));
+  add_strided_copy(t, square + " transposed", indexer({kSide, kSide}, {1, kSide}, {0, 0}));
+  add_random(t, n);
+  add_reduce(t, kReduceRows[0], kSide, kSide, 1);  // row sums
+  add_reduce(t, kReduceRows[0], 1, kSide, kSide);  // column sums (a bias gradient)
+  add_argmax(t, kSide, kSide, 1);
+  add_count_nonfinite(t, n, false);
+  add_gemm(t, 512, 1024, 1024, false, false, 0, 1.0f, 0.0f);
+  add_gemm(t, 1024, 1024, 1024, false, false, 0, 1.0f, 0.0f);
+  add_gemm(t, 256, 128, 3136, false, true, 0, 1.0f, 0.0f, "(CNN fc1 forward)");
+  add_gemm(t, 128, 3136, 256, true, false, 0, 1.0f, 0.0f, "(CNN fc1 weight grad)");
+  add_gemm(t, 256, 10, 128, false, true, 0, 1.0f, 0.0f, "(CNN fc2 forward)");
+  add_softmax_nll(t, 256, 10);
+  add_softmax_nll(t, 4096, 1000);
+  add_conv(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1));
+  add_conv(t, conv(256, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1));
+  add_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
+  add_pool(t, pool(256, 64, 14, 14, 2, 2, 2, 2, 0, 0));
+  add_batchnorm(t, 256, 32, 784);
+  add_optim(t, n, false);
+}
+
+}  // namespace
+
+// ---- names ---------------------------------------------------------------------------------
+
+const char* kernel_name(Kernel k) {
+  DP_CHECK(k < Kernel::kCount, "kernel_name: expected a Kernel below kCount, got ",
+           static_cast<int>(k));
+  return kKernelNames[static_cast<int>(k)];
+}
+const char* op_name(UnaryOp op) {
+  DP_CHECK(op < UnaryOp::kCount, "op_name: bad UnaryOp ", static_cast<int>(op));
+  return kUnaryRows[static_cast<int>(op)].name;
+}
+const char* op_name(BinaryOp op) {
+  DP_CHECK(op < BinaryOp::kCount, "op_name: bad BinaryOp ", static_cast<int>(op));
+  return kBinaryRows[static_cast<int>(op)].name;
+}
+const char* op_name(ReduceOp op) {
+  DP_CHECK(op < ReduceOp::kCount, "op_name: bad ReduceOp ", static_cast<int>(op));
+  return kReduceRows[static_cast<int>(op)].name;
+}
+
+// ---- the table -----------------------------------------------------------------------------
+
+const std::vector<OpCase>& op_cases() {
+  static const std::vector<OpCase> cases = [] {
+    Table t;
+    add_check_suite(t);
+    add_perf_suite(t);
+    return std::move(t.cases);
+  }();
+  return cases;
+}
+
+std::vector<const OpCase*> op_cases(Suite suite) {
+  std::vector<const OpCase*> out;
+  for (const OpCase& c : op_cases())
+    if (c.suite == suite) out.push_back(&c);
+  return out;
+}
+
+// ---- OpRun ---------------------------------------------------------------------------------
+
+OpRun::OpRun(const OpCase& c, Backend& backend, Device dev)
+    : backend_(backend), dev_(dev), seed_(fnv1a(c.full_name())) {
+  try {
+    c.build(*this);
+    DP_CHECK(call_ != nullptr, "op case '", c.full_name(), "': its builder set no call");
+  } catch (...) {
+    release();  // the destructor does not run when a constructor throws
+    throw;
+  }
+}
+
+OpRun::~OpRun() { release(); }
+
+void OpRun::release() noexcept {
+  for (const Block& b : blocks_) {
+    if (b.pinned) {
+      backend_.deallocate_pinned(b.ptr, b.nbytes);
+    } else {
+      backend_.deallocate(dev_, b.ptr, b.nbytes);
+    }
+  }
+  blocks_.clear();
+}
+
+void OpRun::run() { call_(backend_, dev_); }
+
+Outputs OpRun::read() {
+  backend_.synchronize(dev_);
+  Outputs outs;
+  outs.reserve(readers_.size());
+  for (const auto& read : readers_) outs.push_back(read());
+  return outs;
+}
+
+void* OpRun::allocate(std::size_t nbytes) {
+  // At least one element, so that empty buffers still get a distinct valid pointer.
+  nbytes = std::max<std::size_t>(nbytes, sizeof(std::int64_t));
+  void* p = backend_.allocate(dev_, nbytes);
+  blocks_.push_back(Block{p, nbytes, false});
+  return p;
+}
+
+void* OpRun::pinned(std::size_t nbytes) {
+  void* p = backend_.allocate_pinned(nbytes);
+  blocks_.push_back(Block{p, nbytes, true});
+  return p;
+}
+
+std::vector<float> OpRun::host_uniform(i64 n, float lo, float hi, bool integers) {
+  // Each call draws from its own stream of the case's seed.
+  const std::uint64_t stream = mix(seed_ + 0x9e3779b97f4a7c15ull * ++next_stream_);
+  std::vector<float> v(static_cast<std::size_t>(std::max<i64>(n, 0)));
+  const double width = static_cast<double>(hi) - lo;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    // The top 53 bits as a double in [0, 1).
+    const double u = static_cast<double>(mix(stream + i) >> 11) * 0x1.0p-53;
+    float x = static_cast<float>(lo + u * width);
+    if (x >= hi) x = std::nextafter(hi, lo);  // rounding to float can reach hi
+    v[i] = integers ? std::floor(x) : x;
+  }
+  return v;
+}
+
+float* OpRun::uniform(i64 n, float lo, float hi, bool integers) {
+  return upload(host_uniform(n, lo, hi, integers));
+}
+
+float* OpRun::upload(const std::vector<float>& host) {
+  auto* p = static_cast<float*>(allocate(host.size() * sizeof(float)));
+  if (!host.empty()) backend_.copy_from_host(p, dev_, host.data(), host.size() * sizeof(float));
+  return p;
+}
+
+std::int64_t* OpRun::upload(const std::vector<std::int64_t>& host) {
+  auto* p = static_cast<std::int64_t*>(allocate(host.size() * sizeof(std::int64_t)));
+  if (!host.empty())
+    backend_.copy_from_host(p, dev_, host.data(), host.size() * sizeof(std::int64_t));
+  return p;
+}
+
+float* OpRun::empty(i64 n) {
+  return upload(std::vector<float>(static_cast<std::size_t>(n), std::nanf("")));
+}
+
+std::int64_t* OpRun::empty_i64(i64 n) {
+  return upload(std::vector<std::int64_t>(static_cast<std::size_t>(n), kUnwritten));
+}
+
+void OpRun::output(std::string name, const float* ptr, i64 n) {
+  readers_.push_back([this, name = std::move(name), ptr, n] {
+    Output o{name, std::vector<float>(static_cast<std::size_t>(n)), {}};
+    if (n > 0) backend_.copy_to_host(o.f32.data(), ptr, dev_, o.f32.size() * sizeof(float));
+    return o;
+  });
+}
+
+void OpRun::output(std::string name, const std::int64_t* ptr, i64 n) {
+  readers_.push_back([this, name = std::move(name), ptr, n] {
+    Output o{name, {}, std::vector<std::int64_t>(static_cast<std::size_t>(n))};
+    if (n > 0)
+      backend_.copy_to_host(o.i64.data(), ptr, dev_, o.i64.size() * sizeof(std::int64_t));
+    return o;
+  });
+}
+
+void OpRun::output(std::function<Output()> read_host) { readers_.push_back(std::move(read_host)); }
+
+// ---- comparisons ---------------------------------------------------------------------------
+
+namespace {
+
+std::string describe(const std::string& name, std::size_t i, double want, double got) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%s[%zu]: want %.9g, got %.9g", name.c_str(), i, want, got);
+  return buf;
+}
+
+}  // namespace
+
+Comparison compare(const Outputs& want, const Outputs& got, Tolerance tol) {
+  Comparison c;
+  auto fail = [&c](std::string what) {
+    if (c.bad++ == 0) c.first_bad = std::move(what);
+    c.ok = false;
+  };
+  if (want.size() != got.size()) {
+    fail(cat("expected ", want.size(), " outputs, got ", got.size()));
+    return c;
+  }
+  for (std::size_t k = 0; k < want.size(); ++k) {
+    const Output &w = want[k], &g = got[k];
+    if (w.name != g.name || w.f32.size() != g.f32.size() || w.i64.size() != g.i64.size()) {
+      fail(cat("output ", k, ": expected '", w.name, "' of ", w.f32.size() + w.i64.size(),
+               " elements, got '", g.name, "' of ", g.f32.size() + g.i64.size()));
+      continue;
+    }
+    for (std::size_t i = 0; i < w.f32.size(); ++i) {
+      const double a = w.f32[i], b = g.f32[i];
+      if (std::isnan(a) || std::isnan(b) || std::isinf(a) || std::isinf(b)) {
+        if (!(a == b || (std::isnan(a) && std::isnan(b)))) fail(describe(w.name, i, a, b));
+        continue;
+      }
+      const double err = std::abs(a - b);
+      c.max_abs_err = std::max(c.max_abs_err, err);
+      if (!(err <= tol.atol + tol.rtol * std::abs(a))) fail(describe(w.name, i, a, b));
+    }
+    for (std::size_t i = 0; i < w.i64.size(); ++i)
+      if (w.i64[i] != g.i64[i])
+        fail(cat(w.name, "[", i, "]: want ", w.i64[i], ", got ", g.i64[i]));
+  }
+  return c;
+}
+
+bool bitwise_equal(const Outputs& a, const Outputs& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t k = 0; k < a.size(); ++k) {
+    const Output &x = a[k], &y = b[k];
+    if (x.f32.size() != y.f32.size() || x.i64.size() != y.i64.size()) return false;
+    if (!x.f32.empty() &&
+        std::memcmp(x.f32.data(), y.f32.data(), x.f32.size() * sizeof(float)) != 0)
+      return false;
+    if (!x.i64.empty() &&
+        std::memcmp(x.i64.data(), y.i64.data(), x.i64.size() * sizeof(std::int64_t)) != 0)
+      return false;
+  }
+  return true;
+}
+
+std::string first_unwritten_or_nonfinite(const Outputs& outs) {
+  for (const Output& o : outs) {
+    for (std::size_t i = 0; i < o.f32.size(); ++i)
+      if (!std::isfinite(o.f32[i]))
+        return cat(o.name, "[", i, "] = ", std::to_string(o.f32[i]));
+    for (std::size_t i = 0; i < o.i64.size(); ++i)
+      if (o.i64[i] == OpRun::kUnwritten) return cat(o.name, "[", i, "] unwritten");
+  }
+  return {};
+}
+
+}  // namespace dp_test

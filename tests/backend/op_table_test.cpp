@@ -1,0 +1,407 @@
+// Every case of the backend op table (op_cases.h) on CPU virtual devices, and the
+// table's coverage: each Backend kernel and each value of the op enums is called by
+// some case. CI has no GPU, so this is where a broken case or a missing one shows; the
+// CUDA comparison of the same cases is tests/cuda/cuda_backend_test.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/backend.h"
+#include "dp/core/device.h"
+#include "op_cases.h"
+#include "test_scale.h"
+
+namespace {
+
+using dp::Device;
+using dp::backend::Backend;
+using dp::backend::BinaryOp;
+using dp::backend::Conv2dShape;
+using dp::backend::Event;
+using dp::backend::Indexer;
+using dp::backend::Pool2dShape;
+using dp::backend::ReduceOp;
+using dp::backend::UnaryOp;
+using dp_test::Kernel;
+using dp_test::OpCase;
+using dp_test::OpRun;
+using dp_test::Outputs;
+using dp_test::Suite;
+using i64 = std::int64_t;
+
+/// A call seen by RecordingBackend: the kernel, and its op for unary/binary/reduce
+/// (-1 otherwise).
+using Call = std::pair<Kernel, int>;
+
+/// Forwards every call to another backend and, while recording, notes each kernel
+/// call. It overrides every method of Backend, so a method added to the interface
+/// makes this class abstract and this file fail to compile until the method is
+/// forwarded here — and, if it is a kernel, named in dp_test::Kernel, which the
+/// coverage test below then requires a case for.
+class RecordingBackend final : public Backend {
+ public:
+  explicit RecordingBackend(Backend& inner) : in_(inner) {}
+
+  void start() {
+    calls_.clear();
+    recording_ = true;
+  }
+  std::set<Call> stop() {
+    recording_ = false;
+    return std::move(calls_);
+  }
+
+  dp::DeviceType type() const override { return in_.type(); }
+  int device_count() override { return in_.device_count(); }
+  void set_current_device(Device dev) override { in_.set_current_device(dev); }
+  void set_concurrent_devices(int count) override { in_.set_concurrent_devices(count); }
+  int threads_per_device(Device dev) override { return in_.threads_per_device(dev); }
+  void synchronize(Device dev) override { in_.synchronize(dev); }
+  std::unique_ptr<Event> create_event(Device dev) override { return in_.create_event(dev); }
+  void record_event(Event& ev, Device dev) override { in_.record_event(ev, dev); }
+  void wait_event(Event& ev, Device dev) override { in_.wait_event(ev, dev); }
+
+  void* allocate(Device dev, std::size_t nbytes) override { return in_.allocate(dev, nbytes); }
+  void deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept override {
+    in_.deallocate(dev, ptr, nbytes);
+  }
+  std::size_t memory_allocated(Device dev) override { return in_.memory_allocated(dev); }
+  std::size_t max_memory_allocated(Device dev) override { return in_.max_memory_allocated(dev); }
+  void reset_peak_memory(Device dev) override { in_.reset_peak_memory(dev); }
+  void* allocate_pinned(std::size_t nbytes) override { return in_.allocate_pinned(nbytes); }
+  void deallocate_pinned(void* ptr, std::size_t nbytes) noexcept override {
+    in_.deallocate_pinned(ptr, nbytes);
+  }
+  std::size_t pinned_memory_allocated() override { return in_.pinned_memory_allocated(); }
+
+  void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
+            std::size_t nbytes) override {
+    hit(Kernel::Copy);
+    in_.copy(dst, dst_dev, src, src_dev, nbytes);
+  }
+  void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override {
+    hit(Kernel::CopyFromHost);
+    in_.copy_from_host(dst, dev, host_src, nbytes);
+  }
+  void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override {
+    hit(Kernel::CopyToHost);
+    in_.copy_to_host(host_dst, src, dev, nbytes);
+  }
+  void memset_zero(void* ptr, Device dev, std::size_t nbytes) override {
+    hit(Kernel::MemsetZero);
+    in_.memset_zero(ptr, dev, nbytes);
+  }
+
+  void fill(Device dev, float* y, i64 n, float value) override {
+    hit(Kernel::Fill);
+    in_.fill(dev, y, n, value);
+  }
+  void fill_i64(Device dev, i64* y, i64 n, i64 value) override {
+    hit(Kernel::FillI64);
+    in_.fill_i64(dev, y, n, value);
+  }
+  void add_i64(Device dev, i64* y, i64 n, i64 value) override {
+    hit(Kernel::AddI64);
+    in_.add_i64(dev, y, n, value);
+  }
+  void arange(Device dev, float* y, i64 n, float start, float step) override {
+    hit(Kernel::Arange);
+    in_.arange(dev, y, n, start, step);
+  }
+  void arange_i64(Device dev, i64* y, i64 n, i64 start, i64 step) override {
+    hit(Kernel::ArangeI64);
+    in_.arange_i64(dev, y, n, start, step);
+  }
+  void cast_i64_to_f32(Device dev, const i64* x, float* y, i64 n) override {
+    hit(Kernel::CastI64ToF32);
+    in_.cast_i64_to_f32(dev, x, y, n);
+  }
+  void cast_f32_to_i64(Device dev, const float* x, i64* y, i64 n) override {
+    hit(Kernel::CastF32ToI64);
+    in_.cast_f32_to_i64(dev, x, y, n);
+  }
+  void eq_i64(Device dev, const Indexer& ix, const i64* a, const i64* b, float* out) override {
+    hit(Kernel::EqI64);
+    in_.eq_i64(dev, ix, a, b, out);
+  }
+  void unary(Device dev, UnaryOp op, const float* x, float* y, i64 n) override {
+    hit(Kernel::Unary, static_cast<int>(op));
+    in_.unary(dev, op, x, y, n);
+  }
+  void affine(Device dev, const float* x, float* y, i64 n, float alpha, float beta) override {
+    hit(Kernel::Affine);
+    in_.affine(dev, x, y, n, alpha, beta);
+  }
+  void axpy(Device dev, float alpha, const float* x, float* y, i64 n) override {
+    hit(Kernel::Axpy);
+    in_.axpy(dev, alpha, x, y, n);
+  }
+  void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a, const float* b,
+              float* out) override {
+    hit(Kernel::Binary, static_cast<int>(op));
+    in_.binary(dev, op, ix, a, b, out);
+  }
+  void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) override {
+    hit(Kernel::StridedCopy);
+    in_.strided_copy(dev, ix, a, out);
+  }
+
+  void fill_uniform(Device dev, float* y, i64 n, float lo, float hi, std::uint64_t seed,
+                    std::uint64_t offset) override {
+    hit(Kernel::FillUniform);
+    in_.fill_uniform(dev, y, n, lo, hi, seed, offset);
+  }
+  void fill_normal(Device dev, float* y, i64 n, float mean, float std, std::uint64_t seed,
+                   std::uint64_t offset) override {
+    hit(Kernel::FillNormal);
+    in_.fill_normal(dev, y, n, mean, std, seed, offset);
+  }
+  void dropout(Device dev, const float* x, float* y, float* mask, i64 n, float p,
+               std::uint64_t seed, std::uint64_t offset) override {
+    hit(Kernel::Dropout);
+    in_.dropout(dev, x, y, mask, n, p, seed, offset);
+  }
+
+  void reduce(Device dev, ReduceOp op, const float* x, float* y, i64 outer, i64 r,
+              i64 inner) override {
+    hit(Kernel::Reduce, static_cast<int>(op));
+    in_.reduce(dev, op, x, y, outer, r, inner);
+  }
+  void argmax(Device dev, const float* x, i64* y, i64 outer, i64 r, i64 inner) override {
+    hit(Kernel::Argmax);
+    in_.argmax(dev, x, y, outer, r, inner);
+  }
+
+  void gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
+            const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
+            i64 ldc) override {
+    hit(Kernel::Gemm);
+    in_.gemm(dev, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+
+  void log_softmax(Device dev, const float* x, float* y, i64 rows, i64 cols) override {
+    hit(Kernel::LogSoftmax);
+    in_.log_softmax(dev, x, y, rows, cols);
+  }
+  void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx, i64 rows,
+                            i64 cols) override {
+    hit(Kernel::LogSoftmaxBackward);
+    in_.log_softmax_backward(dev, gy, y, gx, rows, cols);
+  }
+  void nll_forward(Device dev, const float* logp, const i64* target, float* loss, i64 rows,
+                   i64 cols) override {
+    hit(Kernel::NllForward);
+    in_.nll_forward(dev, logp, target, loss, rows, cols);
+  }
+  void nll_backward(Device dev, const float* gloss, const i64* target, float* gx, i64 rows,
+                    i64 cols) override {
+    hit(Kernel::NllBackward);
+    in_.nll_backward(dev, gloss, target, gx, rows, cols);
+  }
+
+  void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                      const float* bias, float* y) override {
+    hit(Kernel::Conv2dForward);
+    in_.conv2d_forward(dev, s, x, w, bias, y);
+  }
+  void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
+                            float* gx) override {
+    hit(Kernel::Conv2dBackwardData);
+    in_.conv2d_backward_data(dev, s, gy, w, gx);
+  }
+  void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x, const float* gy,
+                              float* gw, float* gbias) override {
+    hit(Kernel::Conv2dBackwardWeight);
+    in_.conv2d_backward_weight(dev, s, x, gy, gw, gbias);
+  }
+  void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
+                         i64* indices) override {
+    hit(Kernel::MaxPool2dForward);
+    in_.maxpool2d_forward(dev, s, x, y, indices);
+  }
+  void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy, const i64* indices,
+                          float* gx) override {
+    hit(Kernel::MaxPool2dBackward);
+    in_.maxpool2d_backward(dev, s, gy, indices, gx);
+  }
+  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override {
+    hit(Kernel::AvgPool2dForward);
+    in_.avgpool2d_forward(dev, s, x, y);
+  }
+  void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy, float* gx) override {
+    hit(Kernel::AvgPool2dBackward);
+    in_.avgpool2d_backward(dev, s, gy, gx);
+  }
+
+  void batchnorm_forward_train(Device dev, i64 N, i64 C, i64 HW, const float* x,
+                               const float* gamma, const float* beta, float eps, float momentum,
+                               float* running_mean, float* running_var, float* y,
+                               float* save_mean, float* save_invstd) override {
+    hit(Kernel::BatchNormForwardTrain);
+    in_.batchnorm_forward_train(dev, N, C, HW, x, gamma, beta, eps, momentum, running_mean,
+                                running_var, y, save_mean, save_invstd);
+  }
+  void batchnorm_forward_eval(Device dev, i64 N, i64 C, i64 HW, const float* x,
+                              const float* gamma, const float* beta, float eps,
+                              const float* running_mean, const float* running_var,
+                              float* y) override {
+    hit(Kernel::BatchNormForwardEval);
+    in_.batchnorm_forward_eval(dev, N, C, HW, x, gamma, beta, eps, running_mean, running_var, y);
+  }
+  void batchnorm_backward(Device dev, i64 N, i64 C, i64 HW, const float* gy, const float* x,
+                          const float* gamma, const float* save_mean, const float* save_invstd,
+                          float* gx, float* ggamma, float* gbeta) override {
+    hit(Kernel::BatchNormBackward);
+    in_.batchnorm_backward(dev, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma,
+                           gbeta);
+  }
+
+  void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf, i64 n,
+                float lr, float momentum, float dampening, float weight_decay, bool nesterov,
+                bool first_step) override {
+    hit(Kernel::SgdStep);
+    in_.sgd_step(dev, param, grad, momentum_buf, n, lr, momentum, dampening, weight_decay,
+                 nesterov, first_step);
+  }
+  void adam_step(Device dev, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                 i64 n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                 bool decoupled, i64 step) override {
+    hit(Kernel::AdamStep);
+    in_.adam_step(dev, param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps, weight_decay,
+                  decoupled, step);
+  }
+
+  i64 count_nonfinite(Device dev, const float* x, i64 n) override {
+    hit(Kernel::CountNonfinite);
+    return in_.count_nonfinite(dev, x, n);
+  }
+
+ private:
+  void hit(Kernel k, int op = -1) {
+    if (recording_) calls_.insert({k, op});
+  }
+
+  Backend& in_;
+  bool recording_ = false;
+  std::set<Call> calls_;
+};
+
+Backend& cpu_backend() { return dp::backend::get(dp::DeviceType::CPU); }
+
+/// Builds `c` on `dev`, runs it once and reads its outputs.
+Outputs run_once(const OpCase& c, Device dev) {
+  OpRun run(c, dev);
+  run.run();
+  return run.read();
+}
+
+}  // namespace
+
+TEST_CASE("every Check case runs on cpu(0) and cpu(1): written, finite, bitwise repeatable") {
+  const auto cases = dp_test::op_cases(Suite::Check);
+  REQUIRE(!cases.empty());
+  for (const OpCase* c : cases) {
+    INFO(c->full_name());
+    const Outputs first = run_once(*c, dp::cpu(0));
+    REQUIRE(!first.empty());
+    // Outputs start as NaN (i64: kUnwritten), so this also finds elements not written.
+    CHECK(dp_test::first_unwritten_or_nonfinite(first) == "");
+    CHECK(dp_test::bitwise_equal(first, run_once(*c, dp::cpu(0))));
+    // A virtual device is a faithful copy: same arena size, same bits.
+    CHECK(dp_test::bitwise_equal(first, run_once(*c, dp::cpu(1))));
+  }
+}
+
+TEST_CASE("one thread per device agrees with all cores within each case's tolerance") {
+  // The CPU's parallel paths split sums differently from its serial ones, much as CUDA
+  // does: the case tolerances must hold here already.
+  Backend& be = cpu_backend();
+  std::vector<Outputs> all_cores;
+  const auto cases = dp_test::op_cases(Suite::Check);
+  for (const OpCase* c : cases) all_cores.push_back(run_once(*c, dp::cpu(0)));
+  be.set_concurrent_devices(dp::hardware_concurrency());  // one thread each
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const dp_test::Comparison cmp =
+        dp_test::compare(all_cores[i], run_once(*cases[i], dp::cpu(1)), cases[i]->tol);
+    INFO(cases[i]->full_name(), ": ", cmp.bad, " elements out of tolerance; first ", cmp.first_bad);
+    CHECK(cmp.ok);
+  }
+  be.set_concurrent_devices(1);
+}
+
+TEST_CASE("every Backend kernel and every op enum value has a case that calls it") {
+  RecordingBackend rec(cpu_backend());
+  std::set<Call> covered;
+  for (const OpCase* c : dp_test::op_cases(Suite::Check)) {
+    INFO(c->full_name());
+    OpRun run(*c, rec, dp::cpu(0));
+    rec.start();
+    run.run();
+    const std::set<Call> calls = rec.stop();
+    // The case calls the kernel it is filed under, and nothing else.
+    REQUIRE(calls.size() == 1);
+    CHECK(calls.begin()->first == c->kernel);
+    covered.insert(calls.begin(), calls.end());
+  }
+  auto has = [&covered](Kernel k, int op) { return covered.count({k, op}) > 0; };
+  for (int k = 0; k < static_cast<int>(Kernel::kCount); ++k) {
+    const auto kernel = static_cast<Kernel>(k);
+    if (kernel == Kernel::Unary || kernel == Kernel::Binary || kernel == Kernel::Reduce) continue;
+    const std::string name = dp_test::kernel_name(kernel);  // doctest prints a char* as a pointer
+    CHECK_MESSAGE(has(kernel, -1), "no Check case calls Backend::", name,
+                  " (add one to tests/backend/op_cases.cpp)");
+  }
+  for (int op = 0; op < static_cast<int>(UnaryOp::kCount); ++op)
+    CHECK_MESSAGE(has(Kernel::Unary, op), "no Check case for unary ",
+                  std::string(dp_test::op_name(static_cast<UnaryOp>(op))));
+  for (int op = 0; op < static_cast<int>(BinaryOp::kCount); ++op)
+    CHECK_MESSAGE(has(Kernel::Binary, op), "no Check case for binary ",
+                  std::string(dp_test::op_name(static_cast<BinaryOp>(op))));
+  for (int op = 0; op < static_cast<int>(ReduceOp::kCount); ++op)
+    CHECK_MESSAGE(has(Kernel::Reduce, op), "no Check case for reduce ",
+                  std::string(dp_test::op_name(static_cast<ReduceOp>(op))));
+}
+
+TEST_CASE("case names are unique, so --filter and the input seeds tell cases apart") {
+  std::set<std::string> names;
+  for (const OpCase& c : dp_test::op_cases()) {
+    CHECK_MESSAGE(names.insert(c.full_name()).second, "duplicate case ", c.full_name());
+    CHECK(c.kernel < Kernel::kCount);
+    CHECK(c.bytes > 0);
+  }
+}
+
+TEST_CASE("every Perf case builds, runs and writes finite outputs on cpu(0)") {
+  // kernels_bench validates these against the oracle; here they must at least run, so
+  // that a broken benchmark row is found without running the benchmark. Under a
+  // sanitizer their 64 MiB buffers take minutes; the Check cases run the same builders.
+  if (dp_test::kSanitized) {
+    MESSAGE("Perf cases not run under a sanitizer");
+    return;
+  }
+  for (const OpCase* c : dp_test::op_cases(Suite::Perf)) {
+    INFO(c->full_name());
+    CHECK(dp_test::first_unwritten_or_nonfinite(run_once(*c, dp::cpu(0))) == "");
+  }
+}
+
+TEST_CASE("compare honours the tolerance and reports the first bad element") {
+  const Outputs want{{"y", {1.0f, 2.0f, NAN}, {}}, {"i", {}, {7}}};
+  Outputs got = want;
+  CHECK(dp_test::compare(want, got, dp_test::kExact).ok);
+  got[0].f32[1] = 2.001f;
+  const dp_test::Comparison strict = dp_test::compare(want, got, {1e-6, 0});
+  CHECK_FALSE(strict.ok);
+  CHECK(strict.bad == 1);
+  CHECK(strict.first_bad.rfind("y[1]", 0) == 0);
+  CHECK(dp_test::compare(want, got, {1e-3, 0}).ok);
+  got[1].i64[0] = 8;
+  CHECK_FALSE(dp_test::compare(want, got, {1.0, 1.0}).ok);  // integers are exact
+  got = want;
+  got[0].f32[2] = 0.0f;  // NaN must stay NaN
+  CHECK_FALSE(dp_test::compare(want, got, {1.0, 1.0}).ok);
+}
