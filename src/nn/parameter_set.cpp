@@ -100,11 +100,6 @@ void ParameterSet::drop_copies() {
   for (auto& s : slots_) s->copies.resize(1);
 }
 
-void ParameterSet::sync_copy_from_primary(int r) {
-  DP_CHECK(r > 0 && r < num_copies(), "ParameterSet: cannot sync copy ", r);
-  copies_[r].data.copy_(copies_[0].data);
-}
-
 void ParameterSet::move_primary(Device device) {
   ParameterCopy& c = copies_[0];
   if (c.device == device) return;
