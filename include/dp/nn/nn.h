@@ -17,3 +17,4 @@
 #include "dp/nn/parameter_set.h"
 #include "dp/nn/pooling.h"
 #include "dp/nn/sequential.h"
+#include "dp/nn/state_dict.h"
