@@ -148,6 +148,9 @@ void Optimizer::step_copy(int r) {
     update(copy.device, p + range.offset, g + range.offset, sp.data(), range.numel, st.fresh, step_);
   }
   st.fresh = false;
+  // Moved by hand, once every range is stepped, not by mutable_data before: a copy whose
+  // update threw keeps its version, so DataParallel sees the copies were written
+  // unequally and re-syncs them (Note [Storage versions]).
   copy.data.storage()->bump_version();
 }
 
@@ -166,9 +169,9 @@ void Optimizer::step_loose() {
       allocate_state(st, t.device(), t.shape());
     }
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>();
-    update(t.device(), t.data<float>(), g.data<float>(), sp.data(), t.numel(), st.fresh, step_);
+    const float* gp = g.data<float>();
+    update(t.device(), t.mutable_data<float>(), gp, sp.data(), t.numel(), st.fresh, step_);
     st.fresh = false;
-    t.storage()->bump_version();
   }
 }
 
@@ -211,12 +214,11 @@ void Optimizer::zero_grad() {
   }
   auto zero_copy = [this, &set](int r) {
     nn::ParameterCopy& copy = set->copy(r);
-    float* g = copy.grad.data<float>();
     auto& b = backend::get(copy.device);
+    float* g = copy.grad.mutable_data<float>();
     for (const Range& range : ranges_) {
       b.memset_zero(g + range.offset, copy.device, static_cast<std::size_t>(range.numel) * sizeof(float));
     }
-    copy.grad.storage()->bump_version();
   };
   set->for_each_copy(zero_copy);
   // DP mode's transient replicas are not run by for_each_copy; no worker runs now.
