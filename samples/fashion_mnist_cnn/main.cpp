@@ -21,8 +21,6 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
-#include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 

@@ -1,7 +1,6 @@
 #include "dp/nn/functional.h"
 
 #include <cmath>
-#include <utility>
 #include <vector>
 
 #include "backend/backend.h"

@@ -1,6 +1,5 @@
 #include "dp/nn/module.h"
 
-#include <algorithm>
 #include <map>
 #include <set>
 

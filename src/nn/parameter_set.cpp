@@ -1,7 +1,6 @@
 #include "dp/nn/parameter_set.h"
 
 #include "dp/autograd/grad_mode.h"
-#include "dp/autograd/node.h"
 #include "dp/core/error.h"
 
 namespace dp::nn {

@@ -1,11 +1,9 @@
 #include "dp/tensor/tensor.h"
 
-#include <cmath>
 #include <cstring>
 #include <sstream>
 
 #include "backend/backend.h"
-#include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"

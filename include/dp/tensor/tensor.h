@@ -12,8 +12,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <initializer_list>
 #include <memory>
 #include <ostream>
 #include <string>
