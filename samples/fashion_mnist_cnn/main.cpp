@@ -21,8 +21,6 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
-#include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -130,171 +128,212 @@ class ProgressBar {
   std::int64_t total_;
 };
 
-int run(const Config& cfg) {
-  const bool bar = !cfg.json && isatty(STDOUT_FILENO);
+// Everything a run trains with: its devices, data, network, wrapper and optimizer.
+struct Session {
   std::vector<dp::Device> devices;
-  for (int id : cfg.devices) devices.push_back(make_device(cfg.device, id));
-  const dp::Device dev0 = devices.front();
+  std::shared_ptr<dp::data::MnistDataset> train_set, test_set;
+  std::unique_ptr<dp::data::DataLoader> train_loader, test_loader;
+  std::shared_ptr<dp::nn::Sequential> net;
+  std::unique_ptr<dp::DataParallel> model;  // null in single mode
+  std::unique_ptr<dp::optim::Adam> opt;
+};
 
-  auto train_set = std::make_shared<dp::data::MnistDataset>(cfg.data, dp::data::Split::Train);
-  auto test_set = std::make_shared<dp::data::MnistDataset>(cfg.data, dp::data::Split::Test);
+Session make_session(const Config& cfg) {
+  Session s;
+  for (int id : cfg.devices) s.devices.push_back(make_device(cfg.device, id));
+  const dp::Device dev0 = s.devices.front();
+  s.train_set = std::make_shared<dp::data::MnistDataset>(cfg.data, dp::data::Split::Train);
+  s.test_set = std::make_shared<dp::data::MnistDataset>(cfg.data, dp::data::Split::Test);
   // One assembling thread: batches are cheap to build (784 bytes → floats per image),
   // and on a small machine a second one would only take cores from the training.
   // On GPUs the batches are pinned, so each shard's host→device copy is asynchronous.
   const bool pin = dev0.is_cuda();
-  dp::data::DataLoader train_loader(train_set, {.batch_size = cfg.batch, .shuffle = true,
-                                                .seed = cfg.seed, .num_workers = 1, .pin_memory = pin});
-  dp::data::DataLoader test_loader(test_set,
-                                   {.batch_size = cfg.eval_batch, .num_workers = 1, .pin_memory = pin});
+  s.train_loader = std::make_unique<dp::data::DataLoader>(
+      s.train_set, dp::data::DataLoader::Options{.batch_size = cfg.batch, .shuffle = true, .seed = cfg.seed,
+                                                 .num_workers = 1, .pin_memory = pin});
+  s.test_loader = std::make_unique<dp::data::DataLoader>(
+      s.test_set, dp::data::DataLoader::Options{.batch_size = cfg.eval_batch, .num_workers = 1, .pin_memory = pin});
 
   dp::manual_seed(cfg.seed);
   dp::Generator gen(cfg.seed);
-  auto net = make_cnn(gen);
-  net->to(dev0);
-
-  std::unique_ptr<dp::DataParallel> model;
+  s.net = make_cnn(gen);
+  s.net->to(dev0);
   if (cfg.mode != "single") {
-    model = std::make_unique<dp::DataParallel>(
-        net, devices, dp::DataParallelOptions{.mode = cfg.mode == "ddp" ? dp::Mode::DDP : dp::Mode::DP});
+    s.model = std::make_unique<dp::DataParallel>(
+        s.net, s.devices, dp::DataParallelOptions{.mode = cfg.mode == "ddp" ? dp::Mode::DDP : dp::Mode::DP});
   }
-  dp::optim::Adam opt(model ? model->parameters() : net->parameters(), {.lr = cfg.lr});
-  auto loss_fn = [](const dp::Tensor& out, const dp::Tensor& y) {
-    return dp::nn::cross_entropy(out, y);
-  };
+  s.opt = std::make_unique<dp::optim::Adam>(s.model ? s.model->parameters() : s.net->parameters(),
+                                            dp::optim::AdamOptions{.lr = cfg.lr});
+  return s;
+}
 
-  const json tags = {{"mode", cfg.mode}, {"devices", cfg.devices}};
-  if (!cfg.json) {
-    std::cout << "fashion_mnist_cnn: " << train_set->size() << " train / " << test_set->size()
-              << " test images from " << cfg.data << "; mode " << cfg.mode << " on";
-    for (auto d : devices) std::cout << ' ' << d.str();
-    std::cout << "; batch " << cfg.batch << ", Adam lr " << cfg.lr << ", seed " << cfg.seed
-              << std::endl;
+dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
+
+// One optimizer step on batch (x, y); returns its loss (reading it synchronises the step).
+double train_step(Session& s, const std::string& path, const dp::Tensor& x, const dp::Tensor& y) {
+  s.opt->zero_grad();
+  dp::Tensor loss;
+  if (!s.model) {
+    const dp::Device dev0 = s.devices.front();
+    loss = loss_fn(s.net->forward(x.to(dev0)), y.to(dev0));
+    loss.backward();
+  } else if (path == "module") {
+    loss = loss_fn((*s.model)(x), y);
+    loss.backward();
+  } else {
+    loss = s.model->forward_backward(x, y, loss_fn);
   }
+  s.opt->step();
+  return loss.item();
+}
 
+// What the whole run has done so far.
+struct Totals {
   std::int64_t step = 0;
   double train_time = 0.0;  // seconds spent in training steps (no evaluation)
   std::int64_t train_samples = 0;
   double last_accuracy = 0.0, first_loss = NAN, last_loss = NAN;
   int epochs_run = 0;
-  const std::int64_t steps_per_epoch = train_loader.size();
+};
 
-  for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
-    if (cfg.max_steps > 0 && step >= cfg.max_steps) break;
-    train_loader.set_epoch(static_cast<std::uint64_t>(epoch - 1));
-    std::int64_t epoch_total = steps_per_epoch;
-    if (cfg.max_steps > 0) epoch_total = std::min(epoch_total, cfg.max_steps - step);
-    ProgressBar progress(bar, epoch, cfg.epochs, epoch_total);
+// What one epoch's training did.
+struct EpochStats {
+  double loss_sum = 0.0;  // loss × rows, summed over the steps
+  double time = 0.0;      // seconds of training
+  std::int64_t samples = 0, steps = 0;
+};
 
-    double loss_sum = 0.0, epoch_time = 0.0;
-    std::int64_t epoch_samples = 0, epoch_steps = 0;
-    auto window_start = Clock::now();
-    std::int64_t window_samples = 0;
-    auto t_epoch = Clock::now();
-    for (auto& [x, y] : train_loader) {
-      if (cfg.max_steps > 0 && step >= cfg.max_steps) break;
-      opt.zero_grad();
-      dp::Tensor loss;
-      if (!model) {
-        loss = loss_fn(net->forward(x.to(dev0)), y.to(dev0));
-        loss.backward();
-      } else if (cfg.path == "module") {
-        loss = loss_fn((*model)(x), y);
-        loss.backward();
-      } else {
-        loss = model->forward_backward(x, y, loss_fn);
-      }
-      opt.step();
-      const double l = loss.item();  // synchronises the step
-      const std::int64_t rows = x.size(0);
-      ++step;
-      ++epoch_steps;
-      loss_sum += l * static_cast<double>(rows);
-      epoch_samples += rows;
-      window_samples += rows;
-      if (std::isnan(first_loss)) first_loss = l;
-      last_loss = l;
-      epoch_time = seconds_since(t_epoch);
+// The "mode" and "devices" keys every JSON record carries.
+json tags(const Config& cfg) { return {{"mode", cfg.mode}, {"devices", cfg.devices}}; }
 
-      const bool log_now = step == 1 || step % cfg.log_every == 0;
-      if (log_now || bar) {
-        const double window_s = seconds_since(window_start);
-        const double sps = window_s > 0 ? static_cast<double>(window_samples) / window_s : 0.0;
-        if (cfg.json && log_now) {
-          json rec = {{"type", "step"}, {"epoch", epoch},
-                      {"step", step},   {"loss", l},
-                      {"time_s", train_time + epoch_time},
-                      {"samples_per_sec", sps}};
-          rec.update(tags);
-          std::cout << rec.dump() << std::endl;
-        }
-        progress.update(epoch_steps, l, sps);
-        if (log_now) {
-          window_start = Clock::now();
-          window_samples = 0;
-        }
-      }
-    }
-    progress.finish();
-    train_time += epoch_time;
-    train_samples += epoch_samples;
+void report_start(const Config& cfg, const Session& s) {
+  if (cfg.json) return;
+  std::cout << "fashion_mnist_cnn: " << s.train_set->size() << " train / " << s.test_set->size()
+            << " test images from " << cfg.data << "; mode " << cfg.mode << " on";
+  for (auto d : s.devices) std::cout << ' ' << d.str();
+  std::cout << "; batch " << cfg.batch << ", Adam lr " << cfg.lr << ", seed " << cfg.seed << std::endl;
+}
 
-    auto t_eval = Clock::now();
-    if (!cfg.no_eval) last_accuracy = evaluate(*net, test_loader, dev0);
-    const double eval_s = seconds_since(t_eval);
-    const double train_loss = epoch_samples ? loss_sum / static_cast<double>(epoch_samples) : NAN;
-    const double sps = epoch_time > 0 ? static_cast<double>(epoch_samples) / epoch_time : 0.0;
-    ++epochs_run;
-    if (cfg.json) {
-      json rec = {{"type", "epoch"},      {"epoch", epoch},
-                  {"steps", epoch_steps}, {"train_loss", train_loss},
-                  {"samples_per_sec", sps}, {"train_s", epoch_time}};
-      if (!cfg.no_eval) {
-        rec["test_accuracy"] = last_accuracy;
-        rec["eval_s"] = eval_s;
-      }
-      rec.update(tags);
-      std::cout << rec.dump() << std::endl;
-    } else {
-      std::printf("epoch %d/%d: train_loss %.4f  test_accuracy %s  %.0f samples/s  (%lld steps, %.1f s train, %.1f s eval)\n",
-                  epoch, cfg.epochs, train_loss,
-                  cfg.no_eval ? "-" : std::to_string(last_accuracy).c_str(), sps,
-                  static_cast<long long>(epoch_steps), epoch_time, eval_s);
-      std::fflush(stdout);
+void report_step(const Config& cfg, int epoch, std::int64_t step, double loss, double time_s, double sps) {
+  json rec = {{"type", "step"}, {"epoch", epoch},      {"step", step},
+              {"loss", loss},   {"time_s", time_s},    {"samples_per_sec", sps}};
+  rec.update(tags(cfg));
+  std::cout << rec.dump() << std::endl;
+}
+
+// Trains one epoch (up to --max-steps in all), logging steps and drawing the bar.
+EpochStats train_epoch(const Config& cfg, Session& s, int epoch, bool bar, Totals& tot) {
+  s.train_loader->set_epoch(static_cast<std::uint64_t>(epoch - 1));
+  std::int64_t epoch_total = s.train_loader->size();
+  if (cfg.max_steps > 0) epoch_total = std::min(epoch_total, cfg.max_steps - tot.step);
+  ProgressBar progress(bar, epoch, cfg.epochs, epoch_total);
+  EpochStats ep;
+  auto window_start = Clock::now();  // samples/s is measured over the steps since the last log
+  std::int64_t window_samples = 0;
+  const auto t_epoch = Clock::now();
+  for (auto& [x, y] : *s.train_loader) {
+    if (cfg.max_steps > 0 && tot.step >= cfg.max_steps) break;
+    const double l = train_step(s, cfg.path, x, y);
+    const std::int64_t rows = x.size(0);
+    ++tot.step;
+    ++ep.steps;
+    ep.loss_sum += l * static_cast<double>(rows);
+    ep.samples += rows;
+    window_samples += rows;
+    if (std::isnan(tot.first_loss)) tot.first_loss = l;
+    tot.last_loss = l;
+    ep.time = seconds_since(t_epoch);
+
+    const bool log_now = tot.step == 1 || tot.step % cfg.log_every == 0;
+    if (!log_now && !bar) continue;
+    const double window_s = seconds_since(window_start);
+    const double sps = window_s > 0 ? static_cast<double>(window_samples) / window_s : 0.0;
+    if (cfg.json && log_now) report_step(cfg, epoch, tot.step, l, tot.train_time + ep.time, sps);
+    progress.update(ep.steps, l, sps);
+    if (log_now) {
+      window_start = Clock::now();
+      window_samples = 0;
     }
   }
+  progress.finish();
+  tot.train_time += ep.time;
+  tot.train_samples += ep.samples;
+  return ep;
+}
 
-  const double mean_sps = train_time > 0 ? static_cast<double>(train_samples) / train_time : 0.0;
+void report_epoch(const Config& cfg, int epoch, const EpochStats& ep, double accuracy, double eval_s) {
+  const double train_loss = ep.samples ? ep.loss_sum / static_cast<double>(ep.samples) : NAN;
+  const double sps = ep.time > 0 ? static_cast<double>(ep.samples) / ep.time : 0.0;
   if (cfg.json) {
-    json rec = {{"type", "summary"},        {"epochs", epochs_run},
-                {"steps", step},            {"first_loss", first_loss},
-                {"final_loss", last_loss},
-                {"samples_per_sec", mean_sps}, {"train_s", train_time},
-                {"batch", cfg.batch},       {"lr", cfg.lr},
-                {"seed", cfg.seed},         {"path", cfg.path}};
-    if (!cfg.no_eval) rec["test_accuracy"] = last_accuracy;
-    rec.update(tags);
-    if (model) {
-      // Mean milliseconds per iteration and phase, per device (see dp/parallel/stats.h).
-      dp::parallel::Stats st = model->stats();
-      json per_dev = json::array();
-      for (const auto& d : st.devices) {
-        json phases = json::object();
-        for (int p = 0; p < static_cast<int>(dp::parallel::Phase::kCount); ++p) {
-          phases[dp::parallel::phase_name(static_cast<dp::parallel::Phase>(p))] =
-              st.iterations ? d.ms[p] / static_cast<double>(st.iterations) : 0.0;
-        }
-        per_dev.push_back({{"device", d.device.str()}, {"ms_per_step", phases}});
-      }
-      rec["phases"] = per_dev;
+    json rec = {{"type", "epoch"},      {"epoch", epoch},
+                {"steps", ep.steps},    {"train_loss", train_loss},
+                {"samples_per_sec", sps}, {"train_s", ep.time}};
+    if (!cfg.no_eval) {
+      rec["test_accuracy"] = accuracy;
+      rec["eval_s"] = eval_s;
     }
+    rec.update(tags(cfg));
+    std::cout << rec.dump() << std::endl;
+  } else {
+    std::printf("epoch %d/%d: train_loss %.4f  test_accuracy %s  %.0f samples/s  (%lld steps, %.1f s train, %.1f s eval)\n",
+                epoch, cfg.epochs, train_loss, cfg.no_eval ? "-" : std::to_string(accuracy).c_str(), sps,
+                static_cast<long long>(ep.steps), ep.time, eval_s);
+    std::fflush(stdout);
+  }
+}
+
+// Mean milliseconds per iteration and phase, per device (see dp/parallel/stats.h).
+json phase_breakdown(const dp::DataParallel& model) {
+  dp::parallel::Stats st = model.stats();
+  json per_dev = json::array();
+  for (const auto& d : st.devices) {
+    json phases = json::object();
+    for (int p = 0; p < static_cast<int>(dp::parallel::Phase::kCount); ++p) {
+      phases[dp::parallel::phase_name(static_cast<dp::parallel::Phase>(p))] =
+          st.iterations ? d.ms[p] / static_cast<double>(st.iterations) : 0.0;
+    }
+    per_dev.push_back({{"device", d.device.str()}, {"ms_per_step", phases}});
+  }
+  return per_dev;
+}
+
+void report_summary(const Config& cfg, const Totals& tot, const dp::DataParallel* model) {
+  const double mean_sps = tot.train_time > 0 ? static_cast<double>(tot.train_samples) / tot.train_time : 0.0;
+  if (cfg.json) {
+    json rec = {{"type", "summary"},           {"epochs", tot.epochs_run},
+                {"steps", tot.step},           {"first_loss", tot.first_loss},
+                {"final_loss", tot.last_loss},
+                {"samples_per_sec", mean_sps}, {"train_s", tot.train_time},
+                {"batch", cfg.batch},          {"lr", cfg.lr},
+                {"seed", cfg.seed},            {"path", cfg.path}};
+    if (!cfg.no_eval) rec["test_accuracy"] = tot.last_accuracy;
+    rec.update(tags(cfg));
+    if (model) rec["phases"] = phase_breakdown(*model);
     std::cout << rec.dump() << std::endl;
   } else {
     std::printf("summary: mode %s devices %s: %d epoch(s), %lld steps, final test_accuracy %s, "
                 "%.0f samples/s over %.1f s of training\n",
-                cfg.mode.c_str(), join(cfg.devices, ",").c_str(), epochs_run,
-                static_cast<long long>(step),
-                cfg.no_eval ? "-" : std::to_string(last_accuracy).c_str(), mean_sps, train_time);
+                cfg.mode.c_str(), join(cfg.devices, ",").c_str(), tot.epochs_run,
+                static_cast<long long>(tot.step),
+                cfg.no_eval ? "-" : std::to_string(tot.last_accuracy).c_str(), mean_sps, tot.train_time);
   }
+}
+
+int run(const Config& cfg) {
+  const bool bar = !cfg.json && isatty(STDOUT_FILENO);
+  Session s = make_session(cfg);
+  report_start(cfg, s);
+  Totals tot;
+  for (int epoch = 1; epoch <= cfg.epochs; ++epoch) {
+    if (cfg.max_steps > 0 && tot.step >= cfg.max_steps) break;
+    const EpochStats ep = train_epoch(cfg, s, epoch, bar, tot);
+    const auto t_eval = Clock::now();
+    if (!cfg.no_eval) tot.last_accuracy = evaluate(*s.net, *s.test_loader, s.devices.front());
+    const double eval_s = seconds_since(t_eval);
+    ++tot.epochs_run;
+    report_epoch(cfg, epoch, ep, tot.last_accuracy, eval_s);
+  }
+  report_summary(cfg, tot, s.model.get());
   return 0;
 }
 

@@ -7,8 +7,9 @@
 // whose names say `nbytes`). All float kernels are float32; indices are int64.
 //
 // Ordering: on CPU every call has finished when it returns. On CUDA every call is
-// enqueued on the calling thread's current stream of `dev` (see set_stream) and
-// returns at once; copy_to_host and synchronize wait.
+// enqueued on the calling thread's current stream of `dev` (the device's default
+// compute stream unless a CudaStreamGuard says otherwise; Note [CUDA streams of dp] in
+// cuda/cuda_backend.h) and returns at once; copy_to_host and synchronize wait.
 //
 // This header is internal: public headers never include it and it never includes
 // CUDA headers.

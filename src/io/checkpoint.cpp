@@ -44,61 +44,12 @@ bool is_training(const io::Metadata& m) {
   return it != m.end() && it->second == kKindTraining;
 }
 
-std::string join_keys(const std::vector<std::string>& keys) {
-  constexpr std::size_t kShown = 10;  // enough to see the pattern (a prefix, a renamed layer)
-  std::string s;
-  for (std::size_t i = 0; i < keys.size() && i < kShown; ++i) s += (i ? ", '" : "'") + keys[i] + "'";
-  if (keys.size() > kShown) s += detail::str_cat(" … and ", keys.size() - kShown, " more");
-  return s;
-}
-
-// Matches the file's tensors against `own` by name; validates names (strict), dtypes
-// and shapes. Returns the file's tensors to copy, by own's name, and what did not match.
-nn::LoadResult match(const nn::StateDict& own, const nn::StateDict& file, bool strict, const std::string& path,
-                     nn::StateDict* to_copy) {
-  std::map<std::string, const Tensor*> given;
-  for (const auto& [k, v] : file) given.emplace(k, &v);
-  nn::LoadResult result;
-  std::set<std::string> own_keys;
-  for (const auto& [k, v] : own) {
-    own_keys.insert(k);
-    if (!given.count(k)) result.missing_keys.push_back(k);
-  }
-  for (const auto& [k, v] : file)
-    if (!own_keys.count(k)) result.unexpected_keys.push_back(k);
-  if (strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
-    std::ostringstream os;
-    os << "load '" << path << "': the checkpoint's tensor names do not match the module's.";
-    if (!result.missing_keys.empty()) os << " Missing from the file: " << join_keys(result.missing_keys) << ".";
-    if (!result.unexpected_keys.empty())
-      os << " Unexpected (in the file, not in the module): " << join_keys(result.unexpected_keys) << ".";
-    os << " Pass strict=false to load the names both have.";
-    DP_FAIL(os.str());
-  }
-  std::vector<std::string> wrong;
-  for (const auto& [k, dst] : own) {
-    auto it = given.find(k);
-    if (it == given.end()) continue;
-    const Tensor& src = *it->second;
-    if (src.shape() != dst.shape() || src.dtype() != dst.dtype()) {
-      std::string exp = shape_str(dst.shape()), got = shape_str(src.shape());
-      if (src.dtype() != dst.dtype()) {
-        exp += detail::str_cat(" ", dtype_name(dst.dtype()));
-        got += detail::str_cat(" ", dtype_name(src.dtype()));
-      }
-      wrong.push_back(detail::str_cat("expected ", exp, ", got ", got, " for '", k, "'"));
-    }
-    to_copy->emplace_back(k, src);
-  }
-  if (!wrong.empty()) {
-    std::string msg = detail::str_cat("load '", path, "': ", wrong.size(), " tensor", wrong.size() > 1 ? "s do" : " does",
-                                      " not fit the module: ");
-    constexpr std::size_t kShown = 8;
-    for (std::size_t i = 0; i < wrong.size() && i < kShown; ++i) msg += (i ? "; " : "") + wrong[i];
-    if (wrong.size() > kShown) msg += detail::str_cat("; … and ", wrong.size() - kShown, " more");
-    DP_FAIL(msg, " (was it saved from another architecture?)");
-  }
-  return result;
+// Matches a file's tensors against `own` by name (nn::match_state_dict): validates
+// names (strict), dtypes and shapes before anything is written.
+nn::StateDictMatch match(const nn::StateDict& own, const nn::StateDict& file, bool strict,
+                         const std::string& path, const char* target = "the module") {
+  return nn::match_state_dict(
+      own, file, strict, {.what = detail::str_cat("load '", path, "'"), .target = target, .source = "the file"});
 }
 
 // The tensors a module load considers: a training checkpoint's optimizer entries are
@@ -112,11 +63,9 @@ nn::StateDict module_part(io::SafetensorsFile& f) {
 }
 
 nn::LoadResult load_into_module(nn::Module& module, io::SafetensorsFile& f, bool strict, const std::string& path) {
-  nn::StateDict file = module_part(f);
-  nn::StateDict to_copy;
-  nn::LoadResult r = match(module.state_dict(), file, strict, path, &to_copy);
-  module.load_state_dict(to_copy, /*strict=*/false);  // copies and bumps the set's version
-  return r;
+  nn::StateDictMatch m = match(module.state_dict(), module_part(f), strict, path);
+  module.load_state_dict(m.matched, /*strict=*/false);  // copies and bumps the set's version
+  return m.keys;
 }
 
 // ---- metadata numbers ------------------------------------------------------------------
@@ -230,21 +179,12 @@ nn::LoadResult load(const std::shared_ptr<nn::Module>& module, const std::string
 
 nn::LoadResult load(const nn::StateDict& into, const std::string& path, bool strict) {
   io::SafetensorsFile f = io::read_safetensors(path);
-  nn::StateDict file = module_part(f);
-  std::set<std::string> names;
-  for (const auto& [k, v] : into) {
-    DP_CHECK(names.insert(k).second, "load: the target names '", k, "' twice");
-    DP_CHECK(v.defined(), "load: the target tensor '", k, "' is undefined");
-  }
-  nn::StateDict to_copy;
-  nn::LoadResult r = match(into, file, strict, path, &to_copy);
-  std::map<std::string, Tensor> src(to_copy.begin(), to_copy.end());
+  // Also rejects a target that names a tensor twice or holds an undefined one.
+  nn::StateDictMatch m = match(into, module_part(f), strict, path, "the target");
+  std::map<std::string, Tensor> dst(into.begin(), into.end());
   NoGradGuard no_grad;
-  for (const auto& [k, dst] : into) {
-    auto it = src.find(k);
-    if (it != src.end()) Tensor(dst).copy_(it->second);
-  }
-  return r;
+  for (const auto& [k, src] : m.matched) dst.at(k).copy_(src);
+  return m.keys;
 }
 
 nn::StateDict load(const std::string& path) { return io::read_safetensors(path).tensors; }
@@ -318,8 +258,7 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
   nn::StateDict opt_state;
   for (const auto& [k, v] : f.tensors)
     if (starts_with(k, kOptPrefix)) opt_state.emplace_back(k.substr(std::string(kOptPrefix).size()), v);
-  nn::StateDict to_copy;
-  match(module.state_dict(), module_part(f), /*strict=*/true, path, &to_copy);
+  nn::StateDict to_copy = match(module.state_dict(), module_part(f), /*strict=*/true, path).matched;
 
   // The optimizer validates its whole state before writing any of it; the module part
   // is validated above. Keep the optimizer's old state in case the module copy fails.

@@ -1,7 +1,6 @@
 #include "dp/nn/functional.h"
 
 #include <cmath>
-#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
@@ -509,15 +508,12 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     DP_CHECK(N * HW > 1, op, ": expected more than 1 value per channel when training, got input ",
              shape_str(x.shape()), "; use a larger batch or call eval()");
     Tensor save_mean = empty({C}, dev), save_invstd = empty({C}, dev);
+    // The running statistics are updated in place (Note [Storage versions]).
+    float* rmean = running_mean.defined() ? running_mean.mutable_data<float>() : nullptr;
+    float* rvar = running_var.defined() ? running_var.mutable_data<float>() : nullptr;
     b.batchnorm_forward_train(dev, N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff),
-                              static_cast<float>(eps), static_cast<float>(momentum),
-                              fptr_or_null(running_mean), fptr_or_null(running_var), fptr(y),
-                              fptr(save_mean), fptr(save_invstd));
-    if (running_mean.defined()) {
-      // Written through raw pointers: tell copies keyed on the version (DDP broadcast).
-      running_mean.storage()->bump_version();
-      running_var.storage()->bump_version();
-    }
+                              static_cast<float>(eps), static_cast<float>(momentum), rmean, rvar,
+                              fptr(y), fptr(save_mean), fptr(save_invstd));
     if (autograd::needs_grad(inputs)) {
       Tensor xs = x.detach(), gs = g_eff.detach();
       autograd::record(

@@ -36,11 +36,11 @@ Tensor& uniform_(Tensor& t, double lo, double hi, Generator& gen) {
   // Reserve the counters even for an empty tensor's zero draws: the stream position
   // depends only on the sizes drawn, never on the device.
   const std::uint64_t offset = gen.advance(static_cast<std::uint64_t>(n));
+  float* p = t.mutable_data<float>();
   if (n > 0) {
-    backend::get(t.device()).fill_uniform(t.device(), t.data<float>(), n, static_cast<float>(lo),
+    backend::get(t.device()).fill_uniform(t.device(), p, n, static_cast<float>(lo),
                                           static_cast<float>(hi), gen.seed(), offset);
   }
-  t.storage()->bump_version();
   return t;
 }
 
@@ -49,11 +49,11 @@ Tensor& normal_(Tensor& t, double mean, double std, Generator& gen) {
   DP_CHECK(std >= 0, "init::normal_: expected std >= 0, got ", std);
   const std::int64_t n = t.numel();
   const std::uint64_t offset = gen.advance(static_cast<std::uint64_t>(n));
+  float* p = t.mutable_data<float>();
   if (n > 0) {
-    backend::get(t.device()).fill_normal(t.device(), t.data<float>(), n, static_cast<float>(mean),
+    backend::get(t.device()).fill_normal(t.device(), p, n, static_cast<float>(mean),
                                          static_cast<float>(std), gen.seed(), offset);
   }
-  t.storage()->bump_version();
   return t;
 }
 

@@ -1,9 +1,7 @@
 #include "dp/nn/module.h"
 
-#include <algorithm>
 #include <map>
 #include <set>
-#include <sstream>
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
@@ -164,49 +162,14 @@ StateDict Module::state_dict() {
 
 LoadResult Module::load_state_dict(const StateDict& state, bool strict) {
   auto own = state_dict();
-  std::map<std::string, Tensor> given;
-  for (auto& [k, v] : state) {
-    DP_CHECK(given.emplace(k, v).second, "load_state_dict: key '", k, "' appears twice");
-  }
-  LoadResult result;
-  std::set<std::string> own_keys;
-  for (auto& [k, v] : own) {
-    own_keys.insert(k);
-    if (!given.count(k)) result.missing_keys.push_back(k);
-  }
-  for (auto& [k, v] : given)
-    if (!own_keys.count(k)) result.unexpected_keys.push_back(k);
-  if (strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
-    std::ostringstream os;
-    os << "load_state_dict: keys do not match.";
-    if (!result.missing_keys.empty()) {
-      os << " Missing:";
-      for (auto& k : result.missing_keys) os << " '" << k << "'";
-    }
-    if (!result.unexpected_keys.empty()) {
-      os << " Unexpected:";
-      for (auto& k : result.unexpected_keys) os << " '" << k << "'";
-    }
-    os << " (pass strict=false to load the keys both sides have)";
-    DP_FAIL(os.str());
-  }
-  // Validate every shape and dtype before writing anything: a failed load leaves the
-  // module untouched.
-  for (auto& [k, dst] : own) {
-    auto it = given.find(k);
-    if (it == given.end()) continue;
-    const Tensor& src = it->second;
-    DP_CHECK(src.defined() && src.shape() == dst.shape() && src.dtype() == dst.dtype(),
-             "load_state_dict: '", k, "' expected ", shape_str(dst.shape()), " ", dtype_name(dst.dtype()),
-             ", got ", src.defined() ? shape_str(src.shape()) + " " + dtype_name(src.dtype()) : "undefined");
-  }
+  // Validates every name, shape and dtype before writing anything: a failed load
+  // leaves the module untouched.
+  StateDictMatch m = match_state_dict(own, state, strict);
+  std::map<std::string, Tensor> dst(own.begin(), own.end());
   NoGradGuard no_grad;
-  for (auto& [k, dst] : own) {
-    auto it = given.find(k);
-    if (it != given.end()) Tensor(dst).copy_(it->second);
-  }
+  for (auto& [k, src] : m.matched) dst.at(k).copy_(src);
   if (auto set = parameter_set()) set->bump_version();
-  return result;
+  return m.keys;
 }
 
 void Module::train(bool on) {

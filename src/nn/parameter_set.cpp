@@ -1,7 +1,6 @@
 #include "dp/nn/parameter_set.h"
 
 #include "dp/autograd/grad_mode.h"
-#include "dp/autograd/node.h"
 #include "dp/core/error.h"
 
 namespace dp::nn {
@@ -98,11 +97,6 @@ int ParameterSet::add_copy(Device device, bool transient) {
 void ParameterSet::drop_copies() {
   copies_.resize(1);
   for (auto& s : slots_) s->copies.resize(1);
-}
-
-void ParameterSet::sync_copy_from_primary(int r) {
-  DP_CHECK(r > 0 && r < num_copies(), "ParameterSet: cannot sync copy ", r);
-  copies_[r].data.copy_(copies_[0].data);
 }
 
 void ParameterSet::move_primary(Device device) {

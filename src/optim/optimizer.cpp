@@ -153,6 +153,9 @@ void Optimizer::step_copy(int r) {
     update(copy.device, p + range.offset, g + range.offset, sp.data(), range.numel, st.fresh, step_);
   }
   st.fresh = false;
+  // Moved by hand, once every range is stepped, not by mutable_data before: a copy whose
+  // update threw keeps its version, so DataParallel sees the copies were written
+  // unequally and re-syncs them (Note [Storage versions]).
   copy.data.storage()->bump_version();
 }
 
@@ -171,9 +174,9 @@ void Optimizer::step_loose() {
       allocate_state(st, t.device(), t.shape());
     }
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>();
-    update(t.device(), t.data<float>(), g.data<float>(), sp.data(), t.numel(), st.fresh, step_);
+    const float* gp = g.data<float>();
+    update(t.device(), t.mutable_data<float>(), gp, sp.data(), t.numel(), st.fresh, step_);
     st.fresh = false;
-    t.storage()->bump_version();
   }
 }
 
@@ -216,12 +219,11 @@ void Optimizer::zero_grad() {
   }
   auto zero_copy = [this, &set](int r) {
     nn::ParameterCopy& copy = set->copy(r);
-    float* g = copy.grad.data<float>();
     auto& b = backend::get(copy.device);
+    float* g = copy.grad.mutable_data<float>();
     for (const Range& range : ranges_) {
       b.memset_zero(g + range.offset, copy.device, static_cast<std::size_t>(range.numel) * sizeof(float));
     }
-    copy.grad.storage()->bump_version();
   };
   set->for_each_copy(zero_copy);
   // DP mode's transient replicas are not run by for_each_copy; no worker runs now.
@@ -255,70 +257,48 @@ nn::StateDict Optimizer::state_dict() {
 void Optimizer::load_state_dict(const nn::StateDict& state) {
   check_valid();
   const auto names = state_names();
-  std::map<std::string, Tensor> by_name;
-  for (const auto& [name, t] : state) by_name[name] = t;
-
-  auto it = by_name.find("step");
-  DP_CHECK(it != by_name.end() && it->second.defined() && it->second.numel() == 1, kind_,
-           ".load_state_dict: expected a scalar 'step' entry; is this an optimizer state_dict?");
-  const std::int64_t step = static_cast<std::int64_t>(it->second.item());
-  DP_CHECK(step >= 0, kind_, ".load_state_dict: expected step >= 0, got ", step);
-  by_name.erase(it);
-
-  // Which entries carry state, and every key accounted for.
-  const bool loose = !params_.set();
-  std::vector<bool> has(params_.size(), false);
-  std::vector<std::string> missing;
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    std::size_t found = 0;
-    for (const auto& n : names) found += by_name.count(detail::str_cat("state.", i, ".", n));
-    has[i] = found > 0;
-    if (found > 0 && found < names.size()) {
-      for (const auto& n : names) {
-        std::string key = detail::str_cat("state.", i, ".", n);
-        if (!by_name.count(key)) missing.push_back(key);
-      }
+  const Tensor* step_entry = nullptr;
+  nn::StateDict given;  // every entry but "step"
+  for (const auto& [name, t] : state) {
+    if (name == "step") {
+      step_entry = &t;
+    } else {
+      given.emplace_back(name, t);
     }
+  }
+  DP_CHECK(step_entry && step_entry->defined() && step_entry->numel() == 1, kind_,
+           ".load_state_dict: expected a scalar 'step' entry; is this an optimizer state_dict?");
+  const std::int64_t step = static_cast<std::int64_t>(step_entry->item());
+  DP_CHECK(step >= 0, kind_, ".load_state_dict: expected step >= 0, got ", step);
+
+  // Which parameters the state covers: those with any entry; in a parameter set all or
+  // none (a loose list may leave out parameters that never had a gradient). A state
+  // with entries but none of ours covers every parameter, so that the error names
+  // what this optimizer would have read.
+  const bool loose = !params_.set();
+  std::set<std::string> given_names;
+  for (const auto& [name, t] : given) given_names.insert(name);
+  std::vector<bool> has(params_.size(), false);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    for (const auto& n : names) has[i] = has[i] || given_names.count(detail::str_cat("state.", i, ".", n));
   }
   const std::size_t with_state = static_cast<std::size_t>(std::count(has.begin(), has.end(), true));
-  if (!loose && with_state > 0 && with_state < params_.size()) {
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (!has[i]) missing.push_back(detail::str_cat("state.", i, ".*"));
-    }
+  const bool foreign = with_state == 0 && !given.empty();
+  nn::StateDict expected;  // (name, the parameter whose shape and dtype it must have)
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const bool covered = has[i] || (!loose && with_state > 0) || foreign;
+    if (!covered) continue;
+    for (const auto& n : names) expected.emplace_back(detail::str_cat("state.", i, ".", n), params_[i]);
   }
-  std::vector<std::string> unexpected;
-  for (const auto& [name, t] : by_name) {
-    bool known = false;
-    for (std::size_t i = 0; i < params_.size() && !known; ++i) {
-      for (const auto& n : names) known = known || name == detail::str_cat("state.", i, ".", n);
-    }
-    if (!known) unexpected.push_back(name);
-  }
-  if (!unexpected.empty() && with_state == 0) {
-    // Foreign keys and none of ours: name what this optimizer expected.
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      for (const auto& n : names) missing.push_back(detail::str_cat("state.", i, ".", n));
-    }
-  }
-  if (!missing.empty() || !unexpected.empty()) {
-    auto join = [](const std::vector<std::string>& keys) {
-      if (keys.empty()) return std::string(" none");
-      constexpr std::size_t kShown = 6;  // enough to recognise the pattern
-      std::string s;
-      for (std::size_t i = 0; i < keys.size() && i < kShown; ++i) s += " " + keys[i];
-      if (keys.size() > kShown) s += detail::str_cat(" … and ", keys.size() - kShown, " more");
-      return s;
-    };
-    DP_FAIL(kind_, ".load_state_dict: the state does not match this optimizer's ", params_.size(),
-            " parameters; missing:", join(missing), "; unexpected:", join(unexpected),
-            " (was it saved by another optimizer type or for another model?)");
-  }
-  for (const auto& [name, t] : by_name) {
-    const std::size_t i = std::stoul(name.substr(6));  // after "state."
-    DP_CHECK(t.defined() && t.shape() == params_[i].shape() && t.dtype() == Dtype::Float32,
-             kind_, ".load_state_dict: expected '", name, "' of shape ",
-             shape_str(params_[i].shape()), " float32, got ", t.defined() ? t.str() : "undefined");
-  }
+  nn::StateDictMatch m = nn::match_state_dict(
+      expected, given, /*strict=*/true,
+      {.what = kind_ + ".load_state_dict",
+       .target = "this optimizer",
+       .source = "the state dict",
+       .fix_names = detail::str_cat("Was it saved by another optimizer type, or for other parameters than "
+                                    "these ", params_.size(), "?"),
+       .fix_shapes = "Was it saved for another model?"});
+  std::map<std::string, Tensor> by_name(m.matched.begin(), m.matched.end());
 
   // Validated: now write.
   step_ = step;

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "backend/backend.h"
 #include "dp/autograd/node.h"

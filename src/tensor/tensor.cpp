@@ -1,11 +1,9 @@
 #include "dp/tensor/tensor.h"
 
-#include <cmath>
 #include <cstring>
 #include <sstream>
 
 #include "backend/backend.h"
-#include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
@@ -321,30 +319,32 @@ Tensor Tensor::t() const {
 
 // ---- in-place ---------------------------------------------------------------------------
 
+// Each takes its written pointer with mutable_data / mutable_raw_data (Note [Storage
+// versions]) after every check that may throw, so a rejected call moves no version.
+
 Tensor& Tensor::zero_() {
-  if (numel() > 0) backend::get(device()).memset_zero(raw_data(), device(), nbytes());
-  storage()->bump_version();
+  void* p = mutable_raw_data();
+  if (numel() > 0) backend::get(device()).memset_zero(p, device(), nbytes());
   return *this;
 }
 
 Tensor& Tensor::fill_(double value) {
   auto& be = backend::get(device());
   if (dtype() == Dtype::Float32)
-    be.fill(device(), data<float>(), numel(), static_cast<float>(value));
+    be.fill(device(), mutable_data<float>(), numel(), static_cast<float>(value));
   else
-    be.fill_i64(device(), data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
-  storage()->bump_version();
+    be.fill_i64(device(), mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
   return *this;
 }
 
 Tensor& Tensor::add_(double value) {
   auto& be = backend::get(device());
   if (dtype() == Dtype::Float32) {
-    be.affine(device(), data<float>(), data<float>(), numel(), 1.0f, static_cast<float>(value));
+    float* p = mutable_data<float>();
+    be.affine(device(), p, p, numel(), 1.0f, static_cast<float>(value));
   } else {
-    be.add_i64(device(), data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+    be.add_i64(device(), mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
   }
-  storage()->bump_version();
   return *this;
 }
 
@@ -352,8 +352,8 @@ Tensor& Tensor::copy_(const Tensor& src) {
   DP_CHECK(src.shape() == shape() && src.dtype() == dtype(), "copy_: expected a source of shape ",
            shape_str(shape()), " ", dtype_name(dtype()), ", got ", shape_str(src.shape()), " ",
            dtype_name(src.dtype()));
-  detail::copy_bytes(raw_data(), device(), src.raw_data(), src.device(), nbytes());
-  storage()->bump_version();
+  const void* from = src.raw_data();
+  detail::copy_bytes(mutable_raw_data(), device(), from, src.device(), nbytes());
   return *this;
 }
 
@@ -361,14 +361,14 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
   detail::check_same_device("add_", *this, other);
   DP_CHECK(other.shape() == shape(), "add_: expected shape ", shape_str(shape()), ", got ",
            shape_str(other.shape()));
-  backend::get(device()).axpy(device(), alpha, other.data<float>(), data<float>(), numel());
-  storage()->bump_version();
+  const float* x = other.data<float>();
+  backend::get(device()).axpy(device(), alpha, x, mutable_data<float>(), numel());
   return *this;
 }
 
 Tensor& Tensor::mul_(float value) {
-  backend::get(device()).affine(device(), data<float>(), data<float>(), numel(), value, 0.0f);
-  storage()->bump_version();
+  float* p = mutable_data<float>();
+  backend::get(device()).affine(device(), p, p, numel(), value, 0.0f);
   return *this;
 }
 

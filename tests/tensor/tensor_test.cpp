@@ -11,6 +11,7 @@
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"
+#include "tensor/tensor_util.h"
 
 namespace {
 
@@ -288,6 +289,42 @@ TEST_CASE_TEMPLATE("in-place ops write through, bump the storage version and che
   CHECK_THROWS_WITH_AS(a.add_(dp::zeros({3}, dev)), doctest::Contains("[3]"), dp::Error);
   CHECK_THROWS_AS(a.add_(dp::zeros({4}, dp::TensorOptions{dp::Dtype::Int64, dev})), dp::Error);
   CHECK_THROWS_AS(i.mul_(2.0f), dp::Error);
+}
+
+TEST_CASE_TEMPLATE("a write through mutable_data bumps the storage version; data does not", D,
+                   DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  dp::Tensor a = dp::from_vector(F{1, 2, 3, 4}, {4}, dev);
+  dp::Tensor view = a.narrow(0, 2, 2);  // shares a's storage, and so its version
+  const std::uint64_t v0 = a.storage()->version();
+
+  // Reads (and the host copies built on them) leave the version alone.
+  CHECK(a.data<float>() != nullptr);
+  CHECK(a.data<const float>() == a.data<float>());
+  CHECK(a.raw_data() == static_cast<void*>(a.data<float>()));
+  CHECK(a.to_vector() == F{1, 2, 3, 4});
+  CHECK(a.storage()->version() == v0);
+
+  // A write through the mutable pointer of a view: one bump, seen by every view.
+  float* p = view.mutable_data<float>();
+  CHECK(p == a.data<float>() + 2);
+  CHECK(a.storage()->version() == v0 + 1);
+  dp::Tensor src = dp::from_vector(F{7, 9}, {2}, dev);
+  dp::detail::copy_bytes(p, dev, src.data<float>(), dev, 2 * sizeof(float));
+  CHECK(a.to_vector() == F{1, 2, 7, 9});
+  CHECK(view.storage()->version() == v0 + 1);
+
+  CHECK(a.mutable_raw_data() == static_cast<void*>(a.data<float>()));
+  CHECK(a.storage()->version() == v0 + 2);
+
+  // A rejected dtype moves nothing; int64 tensors have their own mutable pointer.
+  CHECK_THROWS_AS(a.mutable_data<std::int64_t>(), dp::Error);
+  CHECK(a.storage()->version() == v0 + 2);
+  dp::Tensor i = dp::from_vector(I{1, 2}, {2}, dev);
+  const std::uint64_t vi = i.storage()->version();
+  CHECK(i.mutable_data<std::int64_t>() == i.data<std::int64_t>());
+  CHECK(i.storage()->version() == vi + 1);
 }
 
 TEST_CASE("add_ across devices names both devices") {

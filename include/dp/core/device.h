@@ -1,8 +1,8 @@
 // dp/core/device.h — where a tensor lives: a CPU virtual device or a CUDA device.
 //
-// CPU virtual devices (DESIGN §4) model GPUs on a machine without one: each cpu(i)
-// has its own allocations, its own worker thread under DataParallel and its own
-// share of the cores. This header knows nothing about tensors or kernels.
+// CPU virtual devices (docs/architecture.md) model GPUs on a machine without one:
+// each cpu(i) has its own allocations, its own worker thread under DataParallel and
+// its own share of the cores. This header knows nothing about tensors or kernels.
 //
 //   dp::Device d = dp::cpu(1);              // explicit
 //   dp::Device g = dp::device(0);           // CUDA 0 if a GPU is visible, else cpu(0)

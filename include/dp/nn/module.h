@@ -22,18 +22,10 @@
 #include <vector>
 
 #include "dp/nn/parameter_set.h"
+#include "dp/nn/state_dict.h"
 #include "dp/tensor/tensor.h"
 
 namespace dp::nn {
-
-/// Ordered (name, tensor) pairs: the order of registration, depth first.
-using StateDict = std::vector<std::pair<std::string, Tensor>>;
-
-/// What load_state_dict(strict = false) could not match.
-struct LoadResult {
-  std::vector<std::string> missing_keys;
-  std::vector<std::string> unexpected_keys;
-};
 
 /// The base class of layers and networks.
 class Module : public std::enable_shared_from_this<Module> {
@@ -82,8 +74,9 @@ class Module : public std::enable_shared_from_this<Module> {
   // ---- state -----------------------------------------------------------------------------
   /// Parameters and buffers by dotted name (no wrapper prefix), copy 0.
   StateDict state_dict();
-  /// Copies values in by name. strict: every key must match both ways (else a
-  /// dp::Error listing missing and unexpected keys). Shapes must match.
+  /// Copies values in by name (match_state_dict in state_dict.h). strict: every key
+  /// must match both ways (else a dp::Error listing missing and unexpected keys).
+  /// Shapes and dtypes must match; everything is checked before anything is written.
   LoadResult load_state_dict(const StateDict& state, bool strict = true);
 
   /// Training / evaluation mode for this module and all children.

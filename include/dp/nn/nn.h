@@ -17,4 +17,5 @@
 #include "dp/nn/parameter_set.h"
 #include "dp/nn/pooling.h"
 #include "dp/nn/sequential.h"
+#include "dp/nn/state_dict.h"
 #include "dp/nn/utils.h"

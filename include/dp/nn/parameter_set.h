@@ -114,8 +114,6 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   int add_copy(Device device, bool transient);
   /// Drops every copy but the primary.
   void drop_copies();
-  /// Copies the primary's data into copy r (one call over the buffer).
-  void sync_copy_from_primary(int r);
   /// Moves the primary copy to `device` (data and grad; views rebound in place).
   void move_primary(Device device);
 

@@ -70,7 +70,8 @@ class Optimizer {
   nn::StateDict state_dict();
   /// Restores a state_dict() of an optimizer of the same kind over parameters of the
   /// same shapes: copy 0's state is loaded and every other copy gets the same values.
-  /// Throws dp::Error naming missing/unexpected keys or a wrong shape.
+  /// Throws dp::Error naming missing/unexpected keys or a wrong shape, before anything
+  /// is written (match_state_dict in dp/nn/state_dict.h).
   void load_state_dict(const nn::StateDict& state);
 
  protected:

@@ -12,11 +12,10 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <initializer_list>
 #include <memory>
 #include <ostream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dp/core/device.h"
@@ -38,9 +37,24 @@ using Shape = std::vector<std::int64_t>;
 std::string shape_str(const Shape& shape);  // "[64, 1, 28, 28]"
 std::int64_t shape_numel(const Shape& shape);
 
+// Note [Storage versions]
+// A Storage's version counts the writes into memory that other code may already hold:
+// in-place ops, init, an optimizer's update, a load. DataParallel compares versions to
+// decide when replicas must be refreshed from device 0 (Note [When replicas are
+// refreshed] in src/parallel/data_parallel.cpp): a write that does not move the
+// version leaves the replicas on stale values. Which accessor to write through:
+//  - Tensor::data<T>() / raw_data(): for reading, or for filling a tensor this code has
+//    just made and nobody else holds yet (an op's output). Never moves the version.
+//  - Tensor::mutable_data<T>() / mutable_raw_data(): for writing into an existing
+//    tensor in place. Moves the version when called, so take the pointer where the
+//    write is made, after the checks that may throw.
+//  - Storage::bump_version() by hand: only where the version must move once a write
+//    has completed and not before. Optimizer::step_copy is the one case: a copy whose
+//    update failed keeps its version, which is how DataParallel sees that the copies
+//    were written unequally.
+
 /// A block of memory on one device, shared by every tensor that views it. `version`
-/// counts in-place writes through any view (DataParallel uses it to skip copies of
-/// parameters that did not change).
+/// counts in-place writes through any view (Note [Storage versions]).
 class Storage {
  public:
   /// Tag of the pinned-host-memory constructor.
@@ -120,10 +134,27 @@ class Tensor {
   Device device() const;
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * element_size(dtype()); }
 
-  /// Raw pointer to the first element on the tensor's device. Checks the dtype.
+  /// Raw pointer to the first element on the tensor's device. Checks the dtype. For
+  /// reading, or for filling a tensor nobody else holds yet; it does not move the
+  /// storage version, so in-place writes use mutable_data (Note [Storage versions]).
   template <typename T>
   T* data() const;
   void* raw_data() const;
+  /// The same pointer, for writing into this tensor in place: checks the dtype, then
+  /// bumps the storage version, so that copies keyed on it (DataParallel's replicas)
+  /// see the write. Take it where the write is made (Note [Storage versions]).
+  template <typename T>
+  T* mutable_data() const {
+    static_assert(!std::is_const_v<T>, "mutable_data is for writing; read through data<const T>()");
+    T* p = data<T>();
+    storage()->bump_version();
+    return p;
+  }
+  void* mutable_raw_data() const {
+    void* p = raw_data();
+    storage()->bump_version();
+    return p;
+  }
   const std::shared_ptr<Storage>& storage() const;
   std::int64_t storage_offset() const;
   TensorImpl* impl() const { return impl_.get(); }
