@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 #include "dp/core/device.h"
 
@@ -64,6 +65,25 @@ struct Pool2dShape {
   std::int64_t P = 0, Q = 0;  // output height, width
 };
 
+/// A non-owning reference to a callable f(begin, end): lets a virtual call take any
+/// lambda without copying it or allocating (std::function may). Valid only during the
+/// call it is passed to.
+class RangeFn {
+ public:
+  template <typename F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, RangeFn>)
+  RangeFn(F&& f)  // NOLINT(google-explicit-constructor): passed as a plain lambda
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))),
+        call_([](void* obj, std::int64_t begin, std::int64_t end) {
+          (*static_cast<std::remove_reference_t<F>*>(obj))(begin, end);
+        }) {}
+  void operator()(std::int64_t begin, std::int64_t end) const { call_(obj_, begin, end); }
+
+ private:
+  void* obj_;
+  void (*call_)(void*, std::int64_t, std::int64_t);
+};
+
 /// Opaque event used to order work across streams (CUDA) — a no-op on CPU.
 class Event {
  public:
@@ -90,6 +110,14 @@ class Backend {
   virtual void set_concurrent_devices(int count) = 0;
   /// Threads one kernel on `dev` may use now (CPU arena size; 0 = not meaningful).
   virtual int threads_per_device(Device dev) = 0;
+  /// Runs host code f(begin, end) over disjoint ranges covering [0, n) with the host
+  /// threads that work for `dev` may use, for layers above that do host-side work on a
+  /// device's behalf (the local communicator's reductions and copies). CPU: inside the
+  /// device's task arena, so N devices never oversubscribe the cores, and serially on
+  /// the calling thread for small n. CUDA: f(0, n) on the calling thread. The split
+  /// depends on scheduling: use it only where every element is computed independently
+  /// of it. Returns when every range has run; rethrows what f throws.
+  virtual void host_parallel_for(Device dev, std::int64_t n, RangeFn f) = 0;
   /// Waits until all work enqueued on `dev` by any thread has finished.
   virtual void synchronize(Device dev) = 0;
   virtual std::unique_ptr<Event> create_event(Device dev) = 0;

@@ -6,7 +6,7 @@
 #include <new>
 #include <unordered_set>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend/backend.h"
 #include "dp/core/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -74,7 +74,8 @@ const char* kind_name(LocalCommunicator::Kind k) {
 
 const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
 
-backend::cpu::CpuBackend& cpu() { return backend::cpu::cpu_backend_impl(); }
+/// The CPU backend, through the narrow interface: host loops run in a device's arena.
+backend::Backend& cpu() { return backend::get(DeviceType::CPU); }
 
 bool overlaps(const float* a, std::int64_t na, const float* b, std::int64_t nb) {
   if (na == 0 || nb == 0 || a == nullptr || b == nullptr) return false;
@@ -90,13 +91,14 @@ void scale_block(float* __restrict dst, float s, std::int64_t n) {
 }
 
 /// dst[i] = (src[0][off+i] + ... + src[N-1][off+i]) (* 1/N for Average) for i < n, in
-/// the fixed order of Note [Fixed summation order], on `dev`'s share of the cores. dst
+/// the fixed order of Note [Fixed summation order], on `dev`'s share of the cores (split
+/// as the backend likes: every element is computed independently of the split). dst
 /// never aliases an input.
 void reduce_into(Device dev, const std::vector<const float*>& srcs, std::int64_t off,
                  float* dst, std::int64_t n, ReduceOp op) {
   if (n <= 0) return;
   const float inv = 1.0f / static_cast<float>(srcs.size());
-  cpu().parallel_for(dev, n, backend::cpu::kSerialGrain, [&](std::int64_t b, std::int64_t e) {
+  cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i0 = b; i0 < e; i0 += kReduceBlock) {
       const std::int64_t len = std::min(kReduceBlock, e - i0);
       std::memcpy(dst + i0, srcs[0] + off + i0, static_cast<std::size_t>(len) * sizeof(float));
@@ -109,7 +111,7 @@ void reduce_into(Device dev, const std::vector<const float*>& srcs, std::int64_t
 /// memcpy of n floats on `dev`'s share of the cores (a no-op when dst == src).
 void copy_floats(Device dev, float* dst, const float* src, std::int64_t n) {
   if (n <= 0 || dst == src) return;
-  cpu().parallel_for(dev, n, backend::cpu::kSerialGrain, [&](std::int64_t b, std::int64_t e) {
+  cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
     std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b) * sizeof(float));
   });
 }
