@@ -19,6 +19,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "core/device_runtime.h"
 #include "dp/core/device.h"
 
 namespace dp::backend {
@@ -92,14 +93,16 @@ class Event {
 
 /// The backend interface. One instance per DeviceType, shared by all threads:
 /// implementations are thread-safe for calls on different devices and for calls on
-/// one device from one thread at a time.
-class Backend {
+/// one device from one thread at a time. A backend is also the DeviceRuntime through
+/// which core answers dp::device_count(type) and the memory queries (Note [Device
+/// runtime registration] in backend.cpp).
+class Backend : public dp::detail::DeviceRuntime {
  public:
-  virtual ~Backend() = default;
+  ~Backend() override = default;
 
   virtual DeviceType type() const = 0;
   /// Devices of this type; 0 when none can be used (never throws).
-  virtual int device_count() = 0;
+  int device_count() override = 0;
 
   // ---- threads and streams -------------------------------------------------------
   /// Binds the calling thread to `dev` (cudaSetDevice; a no-op on CPU).
@@ -132,9 +135,9 @@ class Backend {
   virtual void* allocate(Device dev, std::size_t nbytes) = 0;
   virtual void deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept = 0;
   /// Bytes currently allocated to tensors on `dev`, and the peak since reset.
-  virtual std::size_t memory_allocated(Device dev) = 0;
-  virtual std::size_t max_memory_allocated(Device dev) = 0;
-  virtual void reset_peak_memory(Device dev) = 0;
+  std::size_t memory_allocated(Device dev) override = 0;
+  std::size_t max_memory_allocated(Device dev) override = 0;
+  void reset_peak_memory(Device dev) override = 0;
 
   // ---- pinned host memory -----------------------------------------------------------
   /// Allocates `nbytes` (64-byte aligned at least) of page-locked host memory that this
@@ -147,7 +150,7 @@ class Backend {
   /// block reuse] in backend/cuda/host_allocator.h). Never throws.
   virtual void deallocate_pinned(void* ptr, std::size_t nbytes) noexcept = 0;
   /// Bytes of pinned host memory handed out now.
-  virtual std::size_t pinned_memory_allocated() = 0;
+  std::size_t pinned_memory_allocated() override = 0;
 
   /// Copies between two devices of this backend (peer copy), or within one device.
   virtual void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
