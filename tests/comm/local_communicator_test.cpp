@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "comm/local_communicator.h"
+#include "comm/local/local_communicator.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 #include "dp/tensor/tensor.h"

@@ -1,4 +1,5 @@
-// src/comm/local_communicator.h — collectives among CPU virtual devices over shared memory.
+// src/comm/local/local_communicator.h — collectives among CPU virtual devices over
+// shared memory.
 //
 // Internal header of the comm layer (users reach it through make_communicator /
 // make_local_communicator). Every rank is driven by its own thread; a collective is a

@@ -3,6 +3,8 @@
 // Rank i is devices[i]; one ncclComm per device from ncclCommInitAll; every rank is
 // driven by its own thread (one thread per GPU, like Caffe's P2PSync or Marian's
 // thread pool). Nothing here waits on the host: see Note [NCCL stream ordering].
+// Built only with the CUDA backend (src/comm/nccl/meson.build), whose internal headers
+// it uses for streams and devices; nccl_stub.cpp stands in otherwise.
 #include <nccl.h>
 
 #include <atomic>

@@ -1,5 +1,5 @@
 // The shared-memory communicator for CPU virtual devices (see local_communicator.h).
-#include "comm/local_communicator.h"
+#include "comm/local/local_communicator.h"
 
 #include <algorithm>
 #include <cstring>
