@@ -257,9 +257,12 @@ class NcclCommunicator final : public Communicator {
   }
   void throw_if_aborted(const char* what, int rank) const {
     if (!aborted_.load(std::memory_order_acquire)) return;
-    std::lock_guard<std::mutex> lock(reason_mu_);
-    DP_FAIL("collective aborted: ", reason_, " (", what, " on ", devices_[rank],
-            "; call reset() once every rank has left the collective)");
+    std::string reason;
+    {
+      std::lock_guard<std::mutex> lock(reason_mu_);
+      reason = reason_;
+    }
+    throw_aborted(what, rank, reason);  // dp::CollectiveAborted
   }
 
   /// Orders `call` after the compute stream and the compute stream after it (Note
