@@ -12,6 +12,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "backend/backend.h"
@@ -23,6 +24,9 @@
 
 using dp::comm::Communicator;
 using dp::comm::ReduceOp;
+
+// Code that catches dp::Error keeps catching an abort.
+static_assert(std::is_base_of_v<dp::Error, dp::CollectiveAborted>);
 
 namespace {
 

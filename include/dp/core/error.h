@@ -32,6 +32,7 @@ class Error : public std::runtime_error {
 /// was released because another failed, whose own error is the root cause to report.
 class CollectiveAborted : public Error {
  public:
+  /// `msg` becomes what(); `reason` is the reason given to abort().
   CollectiveAborted(const std::string& msg, const std::string& reason)
       : Error(msg), reason_(std::make_shared<const std::string>(reason)) {}
   /// The reason given to abort().
