@@ -18,7 +18,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
+#include "core/device_runtime.h"
 #include "dp/core/device.h"
 
 namespace dp::backend {
@@ -76,6 +78,25 @@ struct Pool2dShape {
   std::int64_t P = 0, Q = 0;  // output height, width
 };
 
+/// A non-owning reference to a callable f(begin, end): lets a virtual call take any
+/// lambda without copying it or allocating (std::function may). Valid only during the
+/// call it is passed to.
+class RangeFn {
+ public:
+  template <typename F>
+    requires(!std::is_same_v<std::remove_cvref_t<F>, RangeFn>)
+  RangeFn(F&& f)  // NOLINT(google-explicit-constructor): passed as a plain lambda
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))),
+        call_([](void* obj, std::int64_t begin, std::int64_t end) {
+          (*static_cast<std::remove_reference_t<F>*>(obj))(begin, end);
+        }) {}
+  void operator()(std::int64_t begin, std::int64_t end) const { call_(obj_, begin, end); }
+
+ private:
+  void* obj_;
+  void (*call_)(void*, std::int64_t, std::int64_t);
+};
+
 /// Opaque event used to order work across streams (CUDA) — a no-op on CPU.
 class Event {
  public:
@@ -84,19 +105,21 @@ class Event {
 
 /// The backend interface. One instance per DeviceType, shared by all threads:
 /// implementations are thread-safe for calls on different devices and for calls on
-/// one device from one thread at a time.
+/// one device from one thread at a time. A backend is also the DeviceRuntime through
+/// which core answers dp::device_count(type) and the memory queries (Note [Device
+/// runtime registration] in backend.cpp).
 ///
 /// Every kernel has cases in the backend op table (tests/backend/op_cases.cpp), which
 /// compare it with the CPU backend and benchmark it. A new method does not compile in
 /// tests/backend/op_table_test.cpp until it is forwarded there; a new kernel then needs
 /// a dp_test::Kernel value and a case, or op_table_test fails.
-class Backend {
+class Backend : public dp::detail::DeviceRuntime {
  public:
-  virtual ~Backend() = default;
+  ~Backend() override = default;
 
   virtual DeviceType type() const = 0;
   /// Devices of this type; 0 when none can be used (never throws).
-  virtual int device_count() = 0;
+  int device_count() override = 0;
 
   // ---- threads and streams -------------------------------------------------------
   /// Binds the calling thread to `dev` (cudaSetDevice; a no-op on CPU).
@@ -107,6 +130,14 @@ class Backend {
   virtual void set_concurrent_devices(int count) = 0;
   /// Threads one kernel on `dev` may use now (CPU arena size; 0 = not meaningful).
   virtual int threads_per_device(Device dev) = 0;
+  /// Runs host code f(begin, end) over disjoint ranges covering [0, n) with the host
+  /// threads that work for `dev` may use, for layers above that do host-side work on a
+  /// device's behalf (the local communicator's reductions and copies). CPU: inside the
+  /// device's task arena, so N devices never oversubscribe the cores, and serially on
+  /// the calling thread for small n. CUDA: f(0, n) on the calling thread. The split
+  /// depends on scheduling: use it only where every element is computed independently
+  /// of it. Returns when every range has run; rethrows what f throws.
+  virtual void host_parallel_for(Device dev, std::int64_t n, RangeFn f) = 0;
   /// Waits until all work enqueued on `dev` by any thread has finished.
   virtual void synchronize(Device dev) = 0;
   virtual std::unique_ptr<Event> create_event(Device dev) = 0;
@@ -121,9 +152,9 @@ class Backend {
   virtual void* allocate(Device dev, std::size_t nbytes) = 0;
   virtual void deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept = 0;
   /// Bytes currently allocated to tensors on `dev`, and the peak since reset.
-  virtual std::size_t memory_allocated(Device dev) = 0;
-  virtual std::size_t max_memory_allocated(Device dev) = 0;
-  virtual void reset_peak_memory(Device dev) = 0;
+  std::size_t memory_allocated(Device dev) override = 0;
+  std::size_t max_memory_allocated(Device dev) override = 0;
+  void reset_peak_memory(Device dev) override = 0;
 
   // ---- pinned host memory -----------------------------------------------------------
   /// Allocates `nbytes` (64-byte aligned at least) of page-locked host memory that this
@@ -136,7 +167,7 @@ class Backend {
   /// block reuse] in backend/cuda/host_allocator.h). Never throws.
   virtual void deallocate_pinned(void* ptr, std::size_t nbytes) noexcept = 0;
   /// Bytes of pinned host memory handed out now.
-  virtual std::size_t pinned_memory_allocated() = 0;
+  std::size_t pinned_memory_allocated() override = 0;
 
   /// Copies between two devices of this backend (peer copy), or within one device.
   virtual void copy(void* dst, Device dst_dev, const void* src, Device src_dev,

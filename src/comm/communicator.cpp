@@ -20,6 +20,14 @@ std::string list_str(const std::vector<Device>& devices) {
 
 }  // namespace
 
+void Communicator::throw_aborted(const char* what, int rank, const std::string& reason) const {
+  throw CollectiveAborted(
+      dp::detail::str_cat(what, " on rank ", rank, " (", devices_[static_cast<std::size_t>(rank)],
+                          ") of the ", backend_name(), " communicator: collective aborted: ",
+                          reason, " (call reset() once every rank has left the collective)"),
+      reason);
+}
+
 std::unique_ptr<Communicator> make_communicator(const std::vector<Device>& devices) {
   DP_CHECK(!devices.empty(),
            "make_communicator: expected at least one device, got an empty list");

@@ -1,10 +1,11 @@
 #include "dp/core/device.h"
 
+#include <array>
+#include <atomic>
 #include <cstdlib>
-#include <mutex>
 #include <thread>
 
-#include "backend/backend.h"
+#include "core/device_runtime.h"
 #include "dp/core/error.h"
 
 namespace dp {
@@ -25,7 +26,34 @@ int cpu_device_count_from_env() {
   return static_cast<int>(n);
 }
 
+/// One slot per DeviceType, constant-initialised (null) before any code runs, so a
+/// registration at load time never races with the slots' own initialisation.
+constexpr std::size_t kDeviceTypes = 2;
+constinit std::array<std::atomic<detail::DeviceRuntimeGetter>, kDeviceTypes> g_runtimes{};
+
+std::size_t slot_of(DeviceType type) { return static_cast<std::size_t>(type); }
+
+/// The runtime that answers for dev's type; registered by the backend layer.
+detail::DeviceRuntime& runtime_of(Device dev) {
+  detail::DeviceRuntime* rt = detail::device_runtime(dev.type);
+  DP_ASSERT(rt != nullptr, "no device runtime registered for ", dev.type);
+  return *rt;
+}
+
 }  // namespace
+
+namespace detail {
+
+void register_device_runtime(DeviceType type, DeviceRuntimeGetter getter) {
+  g_runtimes[slot_of(type)].store(getter, std::memory_order_release);
+}
+
+DeviceRuntime* device_runtime(DeviceType type) {
+  DeviceRuntimeGetter get = g_runtimes[slot_of(type)].load(std::memory_order_acquire);
+  return get != nullptr ? &get() : nullptr;
+}
+
+}  // namespace detail
 
 std::string Device::str() const {
   return detail::str_cat(type == DeviceType::CPU ? "cpu:" : "cuda:", index);
@@ -46,7 +74,9 @@ int device_count(DeviceType type) {
     static const int n = cpu_device_count_from_env();
     return n;
   }
-  return backend::get(DeviceType::CUDA).device_count();
+  // Unregistered means no backend for the type is linked: no devices.
+  detail::DeviceRuntime* rt = detail::device_runtime(type);
+  return rt != nullptr ? rt->device_count() : 0;
 }
 
 DeviceType default_device_type() {
@@ -72,11 +102,19 @@ DeviceType default_device_type() {
 
 int device_count() { return device_count(default_device_type()); }
 
-std::size_t memory_allocated(Device dev) { return backend::get(dev).memory_allocated(dev); }
-std::size_t max_memory_allocated(Device dev) { return backend::get(dev).max_memory_allocated(dev); }
-void reset_peak_memory(Device dev) { backend::get(dev).reset_peak_memory(dev); }
+std::size_t memory_allocated(Device dev) { return runtime_of(dev).memory_allocated(dev); }
+std::size_t max_memory_allocated(Device dev) { return runtime_of(dev).max_memory_allocated(dev); }
+void reset_peak_memory(Device dev) { runtime_of(dev).reset_peak_memory(dev); }
+
 std::size_t pinned_memory_allocated() {
-  return backend::pinned_host_backend().pinned_memory_allocated();
+  // One runtime pins the host memory of this process (CUDA when a GPU is visible, else
+  // CPU); the others report 0, so the sum is what tensors hold.
+  std::size_t total = 0;
+  for (std::size_t t = 0; t < kDeviceTypes; ++t) {
+    if (detail::DeviceRuntime* rt = detail::device_runtime(static_cast<DeviceType>(t)))
+      total += rt->pinned_memory_allocated();
+  }
+  return total;
 }
 
 Device cpu(int index) {

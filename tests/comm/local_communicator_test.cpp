@@ -12,10 +12,11 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "backend/backend.h"
-#include "comm/local_communicator.h"
+#include "comm/local/local_communicator.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 #include "dp/tensor/tensor.h"
@@ -23,6 +24,9 @@
 
 using dp::comm::Communicator;
 using dp::comm::ReduceOp;
+
+// Code that catches dp::Error keeps catching an abort.
+static_assert(std::is_base_of_v<dp::Error, dp::CollectiveAborted>);
 
 namespace {
 
@@ -68,17 +72,42 @@ void expect_ok(const std::vector<std::exception_ptr>& errors) {
   }
 }
 
-/// Checks that every rank threw a dp::Error whose message contains `needle`.
+/// Checks that every rank threw a dp::Error whose message contains `needle` (a failure
+/// of its own, not dp::CollectiveAborted).
 void expect_all_threw(const std::vector<std::exception_ptr>& errors, const std::string& needle) {
   for (std::size_t r = 0; r < errors.size(); ++r) {
     CAPTURE(r);
     REQUIRE(errors[r]);
     try {
       std::rethrow_exception(errors[r]);
+    } catch (const dp::CollectiveAborted& e) {
+      FAIL("rank ", r, " threw dp::CollectiveAborted, expected a plain dp::Error: ", e.what());
     } catch (const dp::Error& e) {
       CHECK_MESSAGE(std::string(e.what()).find(needle) != std::string::npos, e.what());
     } catch (const std::exception& e) {
       FAIL("rank ", r, " threw a non-dp::Error: ", e.what());
+    }
+  }
+}
+
+/// Checks that every rank threw exactly dp::CollectiveAborted for `reason`, and that its
+/// message names the reason, the collective `what` and the rank.
+void expect_all_aborted(const std::vector<std::exception_ptr>& errors, const std::string& reason,
+                        const std::string& what) {
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    CAPTURE(r);
+    REQUIRE(errors[r]);
+    CHECK_THROWS_AS(std::rethrow_exception(errors[r]), dp::CollectiveAborted);
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const dp::CollectiveAborted& e) {
+      const std::string msg = e.what();
+      CHECK(e.reason() == reason);
+      CHECK_MESSAGE(msg.find("collective aborted: " + reason) != std::string::npos, msg);
+      CHECK_MESSAGE(msg.find(dp::detail::str_cat(what, " on rank ", r, " (cpu:", r, ")")) !=
+                        std::string::npos,
+                    msg);
+    } catch (...) {  // the type was reported by CHECK_THROWS_AS above
     }
   }
 }
@@ -374,7 +403,8 @@ TEST_CASE("100 back-to-back collectives of changing sizes keep the ranks in step
   CHECK(wrong.load() == 0);
 }
 
-TEST_CASE("abort releases ranks blocked in a collective; reset makes it usable again") {
+TEST_CASE("abort releases ranks blocked in a collective with CollectiveAborted; reset "
+          "makes it usable again") {
   const int n = 3;
   auto comm = make_comm(n);
   std::atomic<int> waiting{0};
@@ -398,14 +428,29 @@ TEST_CASE("abort releases ranks blocked in a collective; reset makes it usable a
   for (auto& t : ranks) t.join();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   CHECK(secs < 1.0);
-  expect_all_threw(errors, "collective aborted: worker on cpu:2 failed");
+  expect_all_aborted(errors, "worker on cpu:2 failed", "all_reduce");
 
-  // A rank entering a collective while aborted throws at once.
-  dp::Tensor t0 = dp::ones({4}, dp::cpu(0));
-  CHECK_THROWS_WITH_AS(comm->all_reduce(0, t0, t0, ReduceOp::Sum),
-                       doctest::Contains("collective aborted"), dp::Error);
+  // Every later call throws at once, naming its own collective and rank; a second
+  // abort keeps the first reason.
+  comm->abort("a later failure");
+  dp::Tensor t0 = dp::ones({6}, dp::cpu(0));
+  dp::Tensor r0 = dp::ones({2}, dp::cpu(0));
+  dp::Tensor g0 = dp::ones({18}, dp::cpu(0));
+  CHECK_THROWS_AS(comm->all_reduce(0, t0, t0, ReduceOp::Sum), dp::CollectiveAborted);
+  CHECK_THROWS_AS(comm->broadcast(0, t0, 0), dp::CollectiveAborted);
+  CHECK_THROWS_AS(comm->reduce(0, t0, t0, 0, ReduceOp::Sum), dp::CollectiveAborted);
+  CHECK_THROWS_AS(comm->reduce_scatter(0, t0, r0, ReduceOp::Sum), dp::CollectiveAborted);
+  CHECK_THROWS_AS(comm->all_gather(0, t0, g0), dp::CollectiveAborted);
+  CHECK_THROWS_AS(comm->synchronize(0), dp::CollectiveAborted);
+  CHECK_THROWS_WITH_AS(comm->broadcast(1, t0, 0),
+                       doctest::Contains("broadcast on rank 1 (cpu:1) of the local communicator: "
+                                         "collective aborted: worker on cpu:2 failed"),
+                       dp::CollectiveAborted);
+  // Bad input on an aborted communicator still says aborted (the state explains it).
+  CHECK_THROWS_AS(comm->all_reduce(0, t0, r0, ReduceOp::Sum), dp::CollectiveAborted);
 
   comm->reset();
+  comm->synchronize(0);
   std::vector<std::vector<float>> got(n);
   expect_ok(run_ranks(n, [&](int r) {
     dp::Tensor t = dp::full({5}, static_cast<double>(r + 1), {.device = dp::cpu(r)});
@@ -413,6 +458,50 @@ TEST_CASE("abort releases ranks blocked in a collective; reset makes it usable a
     got[static_cast<std::size_t>(r)] = t.to_vector();
   }));
   for (int r = 0; r < n; ++r) CHECK(got[static_cast<std::size_t>(r)] == std::vector<float>(5, 6.0f));
+}
+
+TEST_CASE("abort at any point of a stream of collectives releases every rank") {
+  const int n = 4;
+  auto comm = make_comm(n);
+  // Buffers outlive the threads: a rank released by the abort may leave while another
+  // still reads its buffers (Communicator::abort).
+  std::vector<dp::Tensor> bufs;
+  for (int r = 0; r < n; ++r) bufs.push_back(dp::ones({40000}, dp::cpu(r)));  // large path
+  std::atomic<int> started{0};
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.emplace_back([&, r] {
+      dp::Tensor& t = bufs[static_cast<std::size_t>(r)];
+      try {
+        for (int it = 0;; ++it) {  // ends only by the abort
+          ReduceOp op = it % 2 == 0 ? ReduceOp::Sum : ReduceOp::Average;
+          comm->all_reduce(r, t, t, op);
+          if (it == 0) ++started;
+          comm->broadcast(r, t, it % n);
+        }
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  while (started.load() < n) std::this_thread::yield();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  comm->abort("stop");
+  for (auto& t : ranks) t.join();
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    CAPTURE(r);
+    REQUIRE(errors[r]);
+    CHECK_THROWS_AS(std::rethrow_exception(errors[r]), dp::CollectiveAborted);
+  }
+  comm->reset();
+  std::vector<std::vector<float>> got(n);
+  expect_ok(run_ranks(n, [&](int r) {
+    dp::Tensor t = dp::full({7}, 2.0, {.device = dp::cpu(r)});
+    comm->all_reduce(r, t, t, ReduceOp::Sum);
+    got[static_cast<std::size_t>(r)] = t.to_vector();
+  }));
+  for (int r = 0; r < n; ++r) CHECK(got[static_cast<std::size_t>(r)] == std::vector<float>(7, 8.0f));
 }
 
 TEST_CASE("mismatched calls are an error on every rank, never a hang") {

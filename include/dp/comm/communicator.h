@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "dp/core/error.h"
 #include "dp/tensor/tensor.h"
 
 namespace dp::comm {
@@ -49,15 +50,21 @@ class Communicator {
   /// Waits (host) until this rank's enqueued collectives have finished (no-op for local).
   virtual void synchronize(int rank) = 0;
 
-  /// Releases every rank blocked in a collective with a dp::Error (used when one
-  /// worker fails, so the others never hang). The communicator stays unusable until
-  /// reset().
+  /// Releases every rank blocked in a collective with dp::CollectiveAborted naming
+  /// `reason` (used when one worker fails, so the others never hang). Until reset(),
+  /// every collective and synchronize() throws dp::CollectiveAborted too. Never throws.
+  /// Tensors passed to the collectives it interrupts must stay alive until every rank
+  /// has returned: a released rank may leave while another still reads its buffers.
   virtual void abort(const std::string& reason) = 0;
   /// Makes an aborted communicator usable again (all ranks idle).
   virtual void reset() = 0;
 
  protected:
   explicit Communicator(std::vector<Device> devices) : devices_(std::move(devices)) {}
+  /// Throws dp::CollectiveAborted for `what` ("all_reduce", ...) called on `rank` of a
+  /// communicator aborted with `reason`: the one message every implementation gives.
+  [[noreturn]] void throw_aborted(const char* what, int rank, const std::string& reason) const;
+
   std::vector<Device> devices_;
 };
 

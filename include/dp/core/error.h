@@ -1,14 +1,17 @@
-// dp/core/error.h — the one exception type of dp and the check macros.
+// dp/core/error.h — dp's exception types and the check macros.
 //
 // Every public entry point reports bad input by throwing dp::Error with what was
-// expected, what came, and how to fix it. This header knows nothing about tensors,
-// devices or backends.
+// expected, what came, and how to fix it. A failure that callers must tell apart has
+// its own type derived from dp::Error (dp::CollectiveAborted), so it travels as a type,
+// never as a string parsed later. This header knows nothing about tensors, devices or
+// backends.
 //
 //   DP_CHECK(x.dim() == 4, "conv2d: expected a 4-d input (N, C, H, W), got ", x.dim(), " dims");
 //   DP_ASSERT(offset <= size);             // internal invariant, on in release builds too
 //   try { ... } catch (const dp::Error& e) { std::cerr << e.what(); }
 #pragma once
 
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -22,11 +25,21 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& msg) : std::runtime_error(msg) {}
 };
 
-/// Thrown by a collective that was released by Communicator::abort(): this rank did
-/// not fail, another one did. Runtimes use the type to report the root cause.
+/// Thrown by a collective of a communicator that was aborted (Communicator::abort): to
+/// every rank blocked in a collective when abort() is called, and to every later call
+/// until reset(). what() names the collective, the rank and the reason given to
+/// abort(); reason() is that reason alone. A rank that gets it did not fail itself: it
+/// was released because another failed, whose own error is the root cause to report.
 class CollectiveAborted : public Error {
  public:
-  explicit CollectiveAborted(const std::string& msg) : Error(msg) {}
+  /// `msg` becomes what(); `reason` is the reason given to abort().
+  CollectiveAborted(const std::string& msg, const std::string& reason)
+      : Error(msg), reason_(std::make_shared<const std::string>(reason)) {}
+  /// The reason given to abort().
+  const std::string& reason() const noexcept { return *reason_; }
+
+ private:
+  std::shared_ptr<const std::string> reason_;  // shared: copying an exception never throws
 };
 
 namespace detail {

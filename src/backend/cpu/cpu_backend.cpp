@@ -92,6 +92,10 @@ void CpuBackend::set_concurrent_devices(int count) {
 
 int CpuBackend::threads_per_device(Device dev) { return state(dev).threads.load(); }
 
+void CpuBackend::host_parallel_for(Device dev, std::int64_t n, RangeFn f) {
+  parallel_for(dev, n, kSerialGrain, f);
+}
+
 int CpuBackend::bind_omp_threads(Device dev) {
   const int t = threads_per_device(dev);
   omp_set_num_threads(t);

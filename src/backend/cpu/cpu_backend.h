@@ -70,6 +70,7 @@ class CpuBackend final : public Backend {
   void set_current_device(Device dev) override;
   void set_concurrent_devices(int count) override;
   int threads_per_device(Device dev) override;
+  void host_parallel_for(Device dev, std::int64_t n, RangeFn f) override;
   void synchronize(Device dev) override;
   std::unique_ptr<Event> create_event(Device dev) override;
   void record_event(Event& ev, Device dev) override;

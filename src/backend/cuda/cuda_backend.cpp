@@ -226,6 +226,13 @@ void CudaBackend::set_current_device(Device dev) {
 void CudaBackend::set_concurrent_devices(int) {}
 int CudaBackend::threads_per_device(Device) { return 0; }
 
+// Host work on a GPU's behalf runs on the thread that drives the GPU: no host cores
+// are set aside per CUDA device.
+void CudaBackend::host_parallel_for(Device dev, std::int64_t n, RangeFn f) {
+  check_device(dev);
+  if (n > 0) f(0, n);
+}
+
 void CudaBackend::synchronize(Device dev) {
   check_device(dev);
   set_device(dev.index);

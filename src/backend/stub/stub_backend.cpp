@@ -26,6 +26,9 @@ class StubBackend final : public Backend {
   void set_current_device(Device) override { unavailable("set_current_device"); }
   void set_concurrent_devices(int) override { unavailable("set_concurrent_devices"); }
   int threads_per_device(Device) override { unavailable("threads_per_device"); }
+  void host_parallel_for(Device, std::int64_t, RangeFn) override {
+    unavailable("host_parallel_for");
+  }
   void synchronize(Device) override { unavailable("synchronize"); }
   std::unique_ptr<Event> create_event(Device) override { unavailable("create_event"); }
   void record_event(Event&, Device) override { unavailable("record_event"); }

@@ -1,4 +1,5 @@
-// src/comm/local_communicator.h — collectives among CPU virtual devices over shared memory.
+// src/comm/local/local_communicator.h — collectives among CPU virtual devices over
+// shared memory.
 //
 // Internal header of the comm layer (users reach it through make_communicator /
 // make_local_communicator). Every rank is driven by its own thread; a collective is a
@@ -32,23 +33,25 @@ namespace detail {
 // (acquire) — first a short spin, then std::atomic::wait, so a rank that waits long
 // sleeps in the kernel (futex) instead of burning a core that another virtual device
 // needs. No mutex is taken. abort() sets `aborted`, bumps `generation` and wakes every
-// waiter; a waiter that wakes (or a rank that arrives) with `aborted` set throws.
+// waiter; a waiter that wakes (or a rank that arrives) with `aborted` set returns false,
+// and the communicator throws dp::CollectiveAborted naming its collective and rank.
 // Release sequences of the acq_rel fetch_add on `arrived` make everything each rank
 // wrote before arriving visible to every rank that leaves the barrier.
 class Barrier {
  public:
   explicit Barrier(int parties) : parties_(parties) {}
 
-  /// Waits until all parties arrived. Throws dp::Error("collective aborted: ...") when
-  /// the barrier is (or becomes) aborted.
-  void arrive_and_wait();
-  /// Wakes every waiter with an error; sticky until reset().
+  /// Waits until all parties arrived; true then. False, at once or as soon as it
+  /// happens, when the barrier is (or becomes) aborted.
+  [[nodiscard]] bool arrive_and_wait();
+  /// Releases every waiter (their arrive_and_wait returns false); sticky until reset().
+  /// The first reason is kept.
   void abort(const std::string& reason);
   /// Clears the abort state and the arrival count (call only while no rank is inside).
   void reset();
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
-  /// Throws when aborted.
-  void throw_if_aborted() const;
+  /// The reason given to the first abort() since the last reset() ("" when none).
+  std::string reason() const;
 
  private:
   const int parties_;
@@ -74,7 +77,8 @@ class LocalCommunicator final : public Communicator {
   void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
   void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
   void all_gather(int rank, const Tensor& send, const Tensor& recv) override;
-  /// No-op: every local collective has finished when it returns.
+  /// Waits for nothing: every local collective has finished when it returns. Throws
+  /// dp::CollectiveAborted while the communicator is aborted, as every collective does.
   void synchronize(int rank) override;
   void abort(const std::string& reason) override;
   void reset() override;
@@ -98,6 +102,9 @@ class LocalCommunicator final : public Communicator {
   /// called the same collective with the same count/root/op and valid buffers. Returns
   /// a snapshot of all slots; throws dp::Error on every rank otherwise.
   std::vector<Slot> rendezvous(int rank, Slot slot, const char* what);
+  /// Meets the other ranks at the barrier; throws dp::CollectiveAborted for `what` on
+  /// `rank` when the communicator is (or becomes) aborted.
+  void sync(int rank, const char* what);
   /// Makes rank's scratch hold at least n floats; returns it.
   float* scratch(int rank, std::int64_t n);
   void check_rank(int rank, const char* what) const;

@@ -1,12 +1,12 @@
 // The shared-memory communicator for CPU virtual devices (see local_communicator.h).
-#include "comm/local_communicator.h"
+#include "comm/local/local_communicator.h"
 
 #include <algorithm>
 #include <cstring>
 #include <new>
 #include <unordered_set>
 
-#include "backend/cpu/cpu_backend.h"
+#include "backend/backend.h"
 #include "dp/core/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -74,7 +74,8 @@ const char* kind_name(LocalCommunicator::Kind k) {
 
 const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
 
-backend::cpu::CpuBackend& cpu() { return backend::cpu::cpu_backend_impl(); }
+/// The CPU backend, through the narrow interface: host loops run in a device's arena.
+backend::Backend& cpu() { return backend::get(DeviceType::CPU); }
 
 bool overlaps(const float* a, std::int64_t na, const float* b, std::int64_t nb) {
   if (na == 0 || nb == 0 || a == nullptr || b == nullptr) return false;
@@ -90,13 +91,14 @@ void scale_block(float* __restrict dst, float s, std::int64_t n) {
 }
 
 /// dst[i] = (src[0][off+i] + ... + src[N-1][off+i]) (* 1/N for Average) for i < n, in
-/// the fixed order of Note [Fixed summation order], on `dev`'s share of the cores. dst
+/// the fixed order of Note [Fixed summation order], on `dev`'s share of the cores (split
+/// as the backend likes: every element is computed independently of the split). dst
 /// never aliases an input.
 void reduce_into(Device dev, const std::vector<const float*>& srcs, std::int64_t off,
                  float* dst, std::int64_t n, ReduceOp op) {
   if (n <= 0) return;
   const float inv = 1.0f / static_cast<float>(srcs.size());
-  cpu().parallel_for(dev, n, backend::cpu::kSerialGrain, [&](std::int64_t b, std::int64_t e) {
+  cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i0 = b; i0 < e; i0 += kReduceBlock) {
       const std::int64_t len = std::min(kReduceBlock, e - i0);
       std::memcpy(dst + i0, srcs[0] + off + i0, static_cast<std::size_t>(len) * sizeof(float));
@@ -109,7 +111,7 @@ void reduce_into(Device dev, const std::vector<const float*>& srcs, std::int64_t
 /// memcpy of n floats on `dev`'s share of the cores (a no-op when dst == src).
 void copy_floats(Device dev, float* dst, const float* src, std::int64_t n) {
   if (n <= 0 || dst == src) return;
-  cpu().parallel_for(dev, n, backend::cpu::kSerialGrain, [&](std::int64_t b, std::int64_t e) {
+  cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
     std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b) * sizeof(float));
   });
 }
@@ -151,19 +153,13 @@ std::vector<const float*> sends_of(const std::vector<LocalCommunicator::Slot>& s
 
 namespace detail {
 
-void Barrier::throw_if_aborted() const {
-  if (!aborted_.load(std::memory_order_acquire)) return;
-  std::string reason;
-  {
-    std::lock_guard<std::mutex> lock(reason_mu_);
-    reason = reason_;
-  }
-  throw CollectiveAborted("collective aborted: " + reason +
-              " (call reset() once every rank has left the collective)");
+std::string Barrier::reason() const {
+  std::lock_guard<std::mutex> lock(reason_mu_);
+  return reason_;
 }
 
-void Barrier::arrive_and_wait() {
-  throw_if_aborted();
+bool Barrier::arrive_and_wait() {
+  if (aborted()) return false;
   // Read the generation before arriving: the last arriver bumps it only after our
   // fetch_add, so we can never miss the bump of our own round.
   const std::uint32_t gen = generation_.load(std::memory_order_acquire);
@@ -171,7 +167,7 @@ void Barrier::arrive_and_wait() {
     arrived_.store(0, std::memory_order_relaxed);  // published by the release below
     generation_.fetch_add(1, std::memory_order_release);
     generation_.notify_all();
-    return;
+    return !aborted();
   }
   bool released = false;
   for (int i = 0; i < kBarrierSpins; ++i) {
@@ -185,7 +181,7 @@ void Barrier::arrive_and_wait() {
     while (generation_.load(std::memory_order_acquire) == gen)
       generation_.wait(gen, std::memory_order_acquire);
   }
-  throw_if_aborted();
+  return !aborted();
 }
 
 void Barrier::abort(const std::string& reason) {
@@ -251,7 +247,7 @@ float* LocalCommunicator::scratch(int rank, std::int64_t n) {
 std::vector<LocalCommunicator::Slot> LocalCommunicator::rendezvous(int rank, Slot slot,
                                                                    const char* what) {
   slots_[static_cast<std::size_t>(rank)] = std::move(slot);
-  barrier_.arrive_and_wait();
+  sync(rank, what);
   std::vector<Slot> snap = slots_;
 
   // Every rank evaluates the same snapshot, so every rank reaches the same verdict.
@@ -286,7 +282,7 @@ std::vector<LocalCommunicator::Slot> LocalCommunicator::rendezvous(int rank, Slo
   if (!problem.empty()) {
     // Nobody leaves before everyone has read the slots: a rank that threw and entered
     // its next collective would otherwise overwrite a slot still being read.
-    barrier_.arrive_and_wait();
+    sync(rank, what);
     DP_FAIL(what, " on rank ", rank, " (", devices_[rank], "): ", problem);
   }
   return snap;
@@ -323,7 +319,7 @@ void LocalCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& r
   if (count <= kSmallCount) {
     float* dst = me.scratch != nullptr ? me.scratch : me.recv;
     reduce_into(dev, sends, 0, dst, count, op);
-    barrier_.arrive_and_wait();  // every rank has finished reading every input
+    sync(rank, "all_reduce");  // every rank has finished reading every input
     if (dst != me.recv) copy_floats(dev, me.recv, dst, count);
     return;
   }
@@ -334,14 +330,14 @@ void LocalCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& r
   };
   const SliceRange mine = slice_of(count, n, rank);
   reduce_into(dev, sends, mine.off, result_of(rank), mine.len, op);
-  barrier_.arrive_and_wait();
+  sync(rank, "all_reduce");
   // All-gather of the reduced slices (one's own too, when it went to scratch).
   for (int k = 0; k < n; ++k) {
     const int r = (rank + k) % n;  // start at different slices: spread the reads
     const SliceRange sl = slice_of(count, n, r);
     copy_floats(dev, me.recv + sl.off, result_of(r), sl.len);
   }
-  barrier_.arrive_and_wait();  // no rank still reads this rank's recv or scratch
+  sync(rank, "all_reduce");  // no rank still reads this rank's recv or scratch
 }
 
 void LocalCommunicator::broadcast(int rank, const Tensor& data, int root) {
@@ -363,7 +359,7 @@ void LocalCommunicator::broadcast(int rank, const Tensor& data, int root) {
   if (rank != root)
     copy_floats(dev, slots[static_cast<std::size_t>(rank)].recv,
                 slots[static_cast<std::size_t>(root)].send, slots[0].count);
-  barrier_.arrive_and_wait();  // root's data is no longer read
+  sync(rank, "broadcast");  // root's data is no longer read
 }
 
 void LocalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv, int root,
@@ -401,7 +397,7 @@ void LocalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv,
   const SliceRange mine = slice_of(count, n, rank);
   float* dst = via_scratch ? slots[static_cast<std::size_t>(rank)].scratch : rs.recv + mine.off;
   reduce_into(dev, sends_of(slots), mine.off, dst, mine.len, op);
-  barrier_.arrive_and_wait();
+  sync(rank, "reduce");
   if (!via_scratch) return;
   if (rank == root) {
     for (int r = 0; r < n; ++r) {
@@ -409,7 +405,7 @@ void LocalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv,
       copy_floats(dev, rs.recv + sl.off, slots[static_cast<std::size_t>(r)].scratch, sl.len);
     }
   }
-  barrier_.arrive_and_wait();  // root has read every scratch
+  sync(rank, "reduce");  // root has read every scratch
 }
 
 void LocalCommunicator::reduce_scatter(int rank, const Tensor& send, const Tensor& recv,
@@ -439,7 +435,7 @@ void LocalCommunicator::reduce_scatter(int rank, const Tensor& send, const Tenso
   const Slot& me = slots[static_cast<std::size_t>(rank)];
   float* dst = me.scratch != nullptr ? me.scratch : me.recv;
   reduce_into(dev, sends_of(slots), recv_count * rank, dst, recv_count, op);
-  barrier_.arrive_and_wait();  // every input has been read
+  sync(rank, "reduce_scatter");  // every input has been read
   if (dst != me.recv) copy_floats(dev, me.recv, dst, recv_count);
 }
 
@@ -474,10 +470,18 @@ void LocalCommunicator::all_gather(int rank, const Tensor& send, const Tensor& r
     const int r = (rank + k) % n;
     copy_floats(dev, out + count * r, slots[static_cast<std::size_t>(r)].send, count);
   }
-  barrier_.arrive_and_wait();  // no rank still reads this rank's send
+  sync(rank, "all_gather");  // no rank still reads this rank's send
 }
 
-void LocalCommunicator::synchronize(int rank) { check_rank(rank, "synchronize"); }
+void LocalCommunicator::sync(int rank, const char* what) {
+  if (!barrier_.arrive_and_wait()) throw_aborted(what, rank, barrier_.reason());
+}
+
+void LocalCommunicator::synchronize(int rank) {
+  check_rank(rank, "synchronize");
+  // Nothing is ever pending, but an aborted communicator says so here too, as NCCL's does.
+  if (barrier_.aborted()) throw_aborted("synchronize", rank, barrier_.reason());
+}
 
 void LocalCommunicator::abort(const std::string& reason) { barrier_.abort(reason); }
 

@@ -3,6 +3,8 @@
 // Rank i is devices[i]; one ncclComm per device from ncclCommInitAll; every rank is
 // driven by its own thread (one thread per GPU, like Caffe's P2PSync or Marian's
 // thread pool). Nothing here waits on the host: see Note [NCCL stream ordering].
+// Built only with the CUDA backend (src/comm/nccl/meson.build), whose internal headers
+// it uses for streams and devices; nccl_stub.cpp stands in otherwise.
 #include <nccl.h>
 
 #include <atomic>
@@ -255,9 +257,12 @@ class NcclCommunicator final : public Communicator {
   }
   void throw_if_aborted(const char* what, int rank) const {
     if (!aborted_.load(std::memory_order_acquire)) return;
-    std::lock_guard<std::mutex> lock(reason_mu_);
-    throw CollectiveAborted(detail::str_cat("collective aborted: ", reason_, " (", what, " on ", devices_[rank],
-                                            "; call reset() once every rank has left the collective)"));
+    std::string reason;
+    {
+      std::lock_guard<std::mutex> lock(reason_mu_);
+      reason = reason_;
+    }
+    throw_aborted(what, rank, reason);  // dp::CollectiveAborted
   }
 
   /// Orders `call` after the compute stream and the compute stream after it (Note
