@@ -83,14 +83,14 @@ TEST_CASE("the root cause wins over ranks released by an aborted collective") {
   WorkerPool pool(cpus(3), "worker");
   SUBCASE("a real failure on a higher rank") {
     auto err = run_catching(pool, [](int r) {
-      if (r == 0) throw dp::CollectiveAborted("collective aborted: cpu:2 failed");
+      if (r == 0) throw dp::CollectiveAborted("collective aborted: cpu:2 failed", "cpu:2 failed");
       if (r == 2) throw UserError("out of shapes");
     });
     CHECK_THROWS_WITH_AS(std::rethrow_exception(err), "worker on cpu:2: out of shapes", dp::Error);
   }
   SUBCASE("only aborts: the lowest aborted rank, still typed inside") {
     auto err = run_catching(pool, [](int r) {
-      if (r > 0) throw dp::CollectiveAborted("collective aborted: from outside");
+      if (r > 0) throw dp::CollectiveAborted("collective aborted: from outside", "from outside");
     });
     try {
       std::rethrow_exception(err);
@@ -157,7 +157,7 @@ TEST_CASE("launch and wait collect each rank's outcome") {
 TEST_CASE("describe and is_collective_aborted read exception_ptrs") {
   CHECK(dp::parallel::describe(nullptr).empty());
   CHECK_FALSE(dp::parallel::is_collective_aborted(nullptr));
-  auto aborted = std::make_exception_ptr(dp::CollectiveAborted("collective aborted: x"));
+  auto aborted = std::make_exception_ptr(dp::CollectiveAborted("collective aborted: x", "x"));
   CHECK(dp::parallel::is_collective_aborted(aborted));
   CHECK(dp::parallel::describe(aborted) == "collective aborted: x");
   CHECK_FALSE(dp::parallel::is_collective_aborted(std::make_exception_ptr(dp::Error("plain"))));
