@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <unordered_set>
 #include <thread>
 
 #include "dist/transport.h"
@@ -31,6 +32,12 @@ std::unique_lock<std::mutex> mpi_lock() {
   return g_serialize ? std::unique_lock<std::mutex>(g_mpi_mu)
                      : std::unique_lock<std::mutex>(g_mpi_mu, std::defer_lock);
 }
+
+// Every channel dp has open, so that finalisation can free them before MPI_Finalize
+// (MPI does not free communicators itself; one still owned by, say, a communicator
+// object the program keeps past finalize() would leak).
+std::mutex g_channels_mu;
+std::unordered_set<Channel*> g_channels;
 
 std::string mpi_error_string(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -180,7 +187,15 @@ WorldInfo transport_init() {
 bool transport_finalized() { return mpi_finalized(); }
 
 void transport_finalize(bool owns) {
-  if (!owns || !mpi_initialized() || mpi_finalized()) return;
+  if (!mpi_initialized() || mpi_finalized()) return;
+  {
+    std::lock_guard<std::mutex> guard(g_channels_mu);
+    auto lock = mpi_lock();
+    for (Channel* c : g_channels) {
+      if (c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);  // sets it to MPI_COMM_NULL
+    }
+  }
+  if (!owns) return;
   const int rc = MPI_Finalize();
   if (rc != MPI_SUCCESS) dp::detail::log_warning("MPI_Finalize failed: " + mpi_error_string(rc));
 }
@@ -192,10 +207,15 @@ void transport_abort(int code) {
 
 ChannelPtr open_channel(std::chrono::milliseconds timeout) {
   auto channel = std::shared_ptr<Channel>(new Channel, [](Channel* c) {
-    // A communicator still open at MPI_Finalize is fine; freeing it afterwards is not.
-    if (c->comm != MPI_COMM_NULL && mpi_initialized() && !mpi_finalized()) {
-      auto lock = mpi_lock();
-      MPI_Comm_free(&c->comm);
+    {
+      std::lock_guard<std::mutex> guard(g_channels_mu);
+      g_channels.erase(c);
+      // transport_finalize freed it already when MPI is finalised (by dp); freeing
+      // after MPI_Finalize (by the program) is not allowed.
+      if (c->comm != MPI_COMM_NULL && mpi_initialized() && !mpi_finalized()) {
+        auto lock = mpi_lock();
+        MPI_Comm_free(&c->comm);
+      }
     }
     delete c;
   });
@@ -208,10 +228,14 @@ ChannelPtr open_channel(std::chrono::milliseconds timeout) {
     channel->comm = MPI_COMM_NULL;  // the duplicate never completed: nothing to free
     return nullptr;
   }
-  // dp turns MPI's errors into dp::Error (then ends the job, Note [Fault policy])
-  // instead of MPI's default of aborting without saying which dp call failed.
-  auto lock = mpi_lock();
-  DP_MPI_CHECK(MPI_Comm_set_errhandler(channel->comm, MPI_ERRORS_RETURN));
+  {
+    // dp turns MPI's errors into dp::Error (then ends the job, Note [Fault policy])
+    // instead of MPI's default of aborting without saying which dp call failed.
+    auto lock = mpi_lock();
+    DP_MPI_CHECK(MPI_Comm_set_errhandler(channel->comm, MPI_ERRORS_RETURN));
+  }
+  std::lock_guard<std::mutex> guard(g_channels_mu);
+  g_channels.insert(channel.get());
   return channel;
 }
 

@@ -37,7 +37,8 @@ bool transport_available();
 WorldInfo transport_init();
 /// True when MPI_Finalize has been called (by dp or by the program).
 bool transport_finalized();
-/// MPI_Finalize, only when `owns` and not finalised yet.
+/// Frees every channel still open, then MPI_Finalize when `owns` (and MPI is not
+/// finalised yet). Channels freed here are skipped by their deleters.
 void transport_finalize(bool owns);
 /// MPI_Abort(MPI_COMM_WORLD, code) when MPI is up; std::_Exit(code) otherwise.
 [[noreturn]] void transport_abort(int code);
