@@ -304,6 +304,7 @@ std::vector<Header> ProcessGroup::rendezvous(Header mine, const char* what, bool
     recvs.push_back({r, &all[static_cast<std::size_t>(r)], sizeof(Header)});
   }
   run(kHeaderTag, sends, recvs, what, mine.seq, bounded);
+  for (Header& h : all) h.error[sizeof(h.error) - 1] = '\0';
 
   // Every process evaluates the same headers, so every process reaches the same verdict.
   std::string problem;
@@ -313,7 +314,7 @@ std::vector<Header> ProcessGroup::rendezvous(Header mine, const char* what, bool
     for (int r = 0; r < p && problem.empty(); ++r) {
       const Header& h = all[static_cast<std::size_t>(r)];
       if (h.failed)
-        problem = dp::detail::str_cat(who(r), " failed in ", describe(h), ": ", h.error);
+        problem = dp::detail::str_cat(who(r), " failed in ", kind_name(h.kind), ": ", h.error);
     }
   }
   const Header& ref = all[0];
