@@ -43,6 +43,15 @@ def main() -> int:
 
     env = dict(os.environ)
     exports = []
+    if "ASAN_OPTIONS" in env:
+        # Open MPI's libraries have no frame pointers: without slow unwinding a leak
+        # inside MPI_Init has a 2-frame stack that lsan.supp's `leak:MPI_Init` cannot
+        # match (scripts/sanitizers/lsan.supp).
+        env["ASAN_OPTIONS"] += ":fast_unwind_on_malloc=0"
+        exports += ["-x", "ASAN_OPTIONS"]
+    for var in ("LSAN_OPTIONS", "UBSAN_OPTIONS", "TSAN_OPTIONS"):
+        if var in env:
+            exports += ["-x", var]
     for kv in a.env:
         k, _, v = kv.partition("=")
         env[k] = v
