@@ -6,6 +6,7 @@
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/comm/communicator.h"
+#include "dp/comm/mpi_communicator.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
 #include "dp/data/dataloader.h"
@@ -14,6 +15,7 @@
 #include "dp/data/synthetic.h"
 #include "dp/data/tensor_dataset.h"
 #include "dp/data/sampler.h"
+#include "dp/dist/dist.h"
 #include "dp/io/checkpoint.h"
 #include "dp/nn/nn.h"
 #include "dp/optim/optim.h"

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "dp/core/error.h"
+#include "dp/dist/dist.h"
 
 namespace dp::data {
 namespace {
@@ -75,6 +76,9 @@ DistributedSampler::DistributedSampler(std::int64_t n, std::int64_t num_replicas
            num_replicas, ") for ", num_replicas, " replicas, got ", rank);
   num_samples_ = options_.drop_last ? n / num_replicas : (n + num_replicas - 1) / num_replicas;
 }
+
+DistributedSampler::DistributedSampler(std::int64_t n, Options options)
+    : DistributedSampler(n, dist::world_size(), dist::rank(), options) {}
 
 std::vector<std::int64_t> DistributedSampler::indices() const {
   std::vector<std::int64_t> all;

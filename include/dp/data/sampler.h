@@ -4,12 +4,14 @@
 // DistributedSampler gives each of R replicas a disjoint (up to padding) 1/R share with
 // PyTorch's semantics. Shuffling uses dp's own permutation (Fisher-Yates over a
 // splitmix64 stream): deterministic for a (seed, epoch) on every machine and rank, but
-// not the same order PyTorch would draw. This header knows nothing about tensors,
-// nn, optim or DataParallel.
+// not the same order PyTorch would draw. Without explicit replicas it takes the
+// processes of the job from dp::dist. This header knows nothing about tensors, nn,
+// optim or DataParallel.
 //
 //   dp::data::DistributedSampler s(60000, /*num_replicas=*/4, /*rank=*/1);
 //   s.set_epoch(3);
 //   std::vector<std::int64_t> mine = s.indices();   // 15000 indices for rank 1
+//   dp::data::DistributedSampler per_process(60000);  // (world_size, rank) of dp::dist
 #pragma once
 
 #include <cstdint>
@@ -87,6 +89,9 @@ class DistributedSampler : public Sampler {
   /// Throws dp::Error for n < 0, num_replicas < 1, or rank outside [0, num_replicas).
   DistributedSampler(std::int64_t n, std::int64_t num_replicas, std::int64_t rank,
                      Options options = {});
+  /// One replica per process of the job: num_replicas = dp::dist::world_size(), rank =
+  /// dp::dist::rank() (1 and 0 when not launched by mpirun). Throws dp::Error for n < 0.
+  explicit DistributedSampler(std::int64_t n, Options options = {});
   /// This rank's indices for the current epoch (size() of them).
   std::vector<std::int64_t> indices() const override;
   /// Indices per rank per epoch: total_size() / num_replicas().

@@ -1,0 +1,344 @@
+// dp::dist: the process group's life (init, finalise, abort) and its host-side
+// collectives (see dp/dist/dist.h).
+#include "dp/dist/dist.h"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+
+#include "dist/process_group.h"
+#include "dist/transport.h"
+#include "dp/core/error.h"
+
+namespace dp::dist {
+
+// Note [Thread level]
+// dp asks MPI for MPI_THREAD_MULTIPLE and accepts MPI_THREAD_SERIALIZED. MULTIPLE,
+// because dp's runtime calls collectives from more than one thread: the DDP reducer
+// all-reduces buckets on per-device communication threads while the workers run
+// backward, and the hierarchical design (DESIGN.md §5) reduces each local device's
+// slice across processes in parallel, each on its own group. Open MPI 4.1 (Debian's)
+// provides MULTIPLE. SERIALIZED is enough for correctness as long as no two threads
+// are inside MPI at once: with it, dp's transport takes a mutex around each of its MPI
+// calls (never around a whole collective, so concurrent collectives still progress);
+// a program that also calls MPI itself must then not do so while dp runs a
+// collective. SINGLE and FUNNELED are refused with dp::Error: dp's collectives do not
+// run on the main thread only. A program that calls MPI_Init itself gets SINGLE from
+// Open MPI: it should call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) instead, or
+// leave MPI's initialisation to dp.
+
+// Note [Fault policy]
+// A process that throws, or dies, must not leave the others hanging: the failing rank
+// prints its error and the job ends (MPI_Abort), or the others time out with a message
+// naming the missing rank. In detail:
+//  - A process killed by a signal, or exiting without MPI_Finalize (std::abort,
+//    _exit): mpirun (or srun) sees it and kills the other processes; the job's exit
+//    status is non-zero.
+//  - An exception that leaves main: dp's std::terminate handler (installed when the
+//    world has several processes) prints it with the rank and calls MPI_Abort.
+//  - Bad arguments to a collective (sizes, roots, different calls on different
+//    processes): dp::Error on every process, through the rendezvous (Note [Process
+//    collective protocol]); nothing has moved, the group stays usable.
+//  - A process that returns from main while the others are still in collectives: its
+//    exit-time rendezvous (finalize()) meets their collective and every process
+//    reports the mismatch; or, when they wait on another group, they time out. That
+//    rendezvous itself waits without a timeout: finishing long after the others (rank
+//    0 writing the final checkpoint) is legitimate.
+//  - A process that hangs, or waits in a different collective: the others give up
+//    after timeout() without progress, print which ranks were missing (node, pid), and
+//    end the job with MPI_Abort (exit status 124).
+//  - Communicator::abort() on the mpi communicator ends the job: MPI cannot release a
+//    process blocked in another process's collective, and nothing dp posted can be
+//    cancelled safely (its receives write into the caller's buffers).
+// dp never blocks inside MPI (Note [Waiting with a deadline], mpi_transport.cpp), which
+// is what makes the timeout possible.
+
+namespace {
+
+/// Timeout when DP_DIST_TIMEOUT is unset: 600 s, PyTorch's default for NCCL.
+constexpr std::chrono::milliseconds kDefaultTimeout{600'000};
+
+struct State {
+  std::mutex mu;  // init / finalize
+  std::atomic<bool> initialized{false};
+  std::atomic<bool> finalized{false};
+  bool uses_mpi = false;  // MPI initialised (by dp or the program) for this job
+  detail::WorldInfo info;
+  std::unique_ptr<detail::ProcessGroup> world;  // dp::dist's own collectives
+  std::terminate_handler previous_terminate = nullptr;
+};
+
+/// init() without the check that finalize() has not run: what the accessors call, so
+/// that rank() and world_size() still answer after finalize().
+void ensure_initialized();
+
+/// Never destroyed: collectives may run from other static destructors and from atexit.
+State& state() {
+  static State* s = new State;
+  return *s;
+}
+
+std::chrono::milliseconds timeout_from_env() {
+  const char* text = std::getenv("DP_DIST_TIMEOUT");
+  if (text == nullptr || *text == '\0') return kDefaultTimeout;
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(seconds >= 0)) {
+    dp::detail::log_warning(dp::detail::str_cat("DP_DIST_TIMEOUT=", text, " is not a number of ",
+                                                "seconds >= 0; using ", kDefaultTimeout.count() / 1000, " s"));
+    return kDefaultTimeout;
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0));
+}
+
+std::atomic<std::int64_t>& timeout_ms() {
+  static std::atomic<std::int64_t> ms{timeout_from_env().count()};
+  return ms;
+}
+
+/// True when a launcher started this process as part of a job: Open MPI's mpirun
+/// (OMPI_COMM_WORLD_SIZE), PMIx launchers such as srun --mpi=pmix or prterun
+/// (PMIX_RANK), and PMI-1/2 launchers such as MPICH's hydra or srun --mpi=pmi2
+/// (PMI_RANK). A plain `./train` is not (MPI would start as a singleton, slowly, for a
+/// world of one), so dp does not initialise MPI then.
+bool launched_by_launcher() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"})
+    if (std::getenv(var) != nullptr) return true;
+  return false;
+}
+
+std::string who_am_i() {
+  State& st = state();
+  if (st.info.size == 1) return "rank 0";  // st.info is set before anything can fail
+  const auto r = static_cast<std::size_t>(st.info.rank);
+  return dp::detail::str_cat("rank ", st.info.rank, " (", st.info.hosts[r], ", pid ",
+                             st.info.pids[r], ")");
+}
+
+void on_terminate() {
+  std::string what = "std::terminate was called";
+  if (std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      what = std::string("uncaught exception: ") + ex.what();
+    } catch (...) {
+      what = "uncaught exception of a type not derived from std::exception";
+    }
+  }
+  dp::dist::abort(what + "; ending the job");
+}
+
+void finalize_at_exit() {
+  try {
+    finalize();
+  } catch (const std::exception& e) {
+    dp::dist::abort(std::string("at exit: ") + e.what());
+  }
+}
+
+detail::ProcessGroup& world_group(const char* what) {
+  ensure_initialized();
+  State& st = state();
+  DP_CHECK(!st.finalized.load(std::memory_order_acquire) && st.world != nullptr, what,
+           ": dp::dist::finalize() has run (explicitly or at exit); no collective can be "
+           "made afterwards");
+  return *st.world;
+}
+
+detail::Reduction reduction_of(Op op) {
+  switch (op) {
+    case Op::Sum: return detail::Reduction::Sum;
+    case Op::Mean: return detail::Reduction::Mean;
+    case Op::Max: return detail::Reduction::Max;
+    case Op::Min: return detail::Reduction::Min;
+  }
+  DP_FAIL("dp::dist: unknown Op ", static_cast<int>(op));
+}
+
+void ensure_initialized() {
+  State& st = state();
+  if (st.initialized.load(std::memory_order_acquire)) return;
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (st.initialized.load(std::memory_order_relaxed)) return;
+  DP_CHECK(!st.finalized.load(), "dp::dist: used for the first time after dp::dist::finalize()");
+  timeout_ms();  // parse DP_DIST_TIMEOUT now: a bad value is reported at start-up
+  detail::ChannelPtr channel;
+  if (!st.uses_mpi && detail::transport_available() && launched_by_launcher()) {
+    st.info = detail::transport_init();
+    st.uses_mpi = true;
+    // Registered after MPI_Init, so it runs before the destructors of statics built
+    // earlier (none of which holds MPI state) and after those built later (which may).
+    std::atexit(finalize_at_exit);
+  }
+  if (st.uses_mpi) {
+    DP_CHECK(st.info.thread_serialized, "dp::dist::init: MPI provides ", st.info.thread_level,
+             " but dp needs at least MPI_THREAD_SERIALIZED (its collectives run on "
+             "communication threads, Note [Thread level]); call MPI_Init_thread with "
+             "MPI_THREAD_MULTIPLE instead of MPI_Init, or let dp initialise MPI");
+    channel = detail::open_channel(timeout());
+    if (channel == nullptr)
+      dp::dist::abort("dp::dist::init: the other processes did not join within the timeout",
+                      detail::kTimeoutExitCode);
+  }
+  st.world = std::make_unique<detail::ProcessGroup>(st.info, channel, "dp::dist's world");
+  if (st.info.size > 1) st.previous_terminate = std::set_terminate(on_terminate);
+  st.initialized.store(true, std::memory_order_release);
+}
+
+}  // namespace
+
+void init() {
+  State& st = state();
+  DP_CHECK(!st.finalized.load(std::memory_order_acquire), "dp::dist::init: called after ",
+           "dp::dist::finalize(); a process joins the job once");
+  ensure_initialized();
+}
+
+bool is_initialized() { return state().initialized.load(std::memory_order_acquire); }
+bool built_with_mpi() { return detail::transport_available(); }
+bool is_distributed() { return world_size() > 1; }
+
+int rank() {
+  ensure_initialized();
+  return state().info.rank;
+}
+int world_size() {
+  ensure_initialized();
+  return state().info.size;
+}
+int local_rank() {
+  ensure_initialized();
+  return state().info.local_rank;
+}
+int local_size() {
+  ensure_initialized();
+  return state().info.local_size;
+}
+bool is_main() { return rank() == 0; }
+
+std::string host_name(int r) {
+  ensure_initialized();
+  const detail::WorldInfo& info = state().info;
+  DP_CHECK(r >= 0 && r < info.size, "dp::dist::host_name: expected a rank in [0, ", info.size,
+           "), got ", r);
+  return info.hosts[static_cast<std::size_t>(r)];
+}
+
+void barrier() { world_group("dp::dist::barrier").barrier("dp::dist::barrier"); }
+
+double all_reduce(double value, Op op) {
+  all_reduce(std::span<double>(&value, 1), op);
+  return value;
+}
+
+std::int64_t all_reduce(std::int64_t value, Op op) {
+  all_reduce(std::span<std::int64_t>(&value, 1), op);
+  return value;
+}
+
+void all_reduce(std::span<double> values, Op op) {
+  const auto n = static_cast<std::int64_t>(values.size());
+  world_group("dp::dist::all_reduce")
+      .all_reduce<double>(values.data(), values.data(), n, reduction_of(op), "dp::dist::all_reduce");
+}
+
+void all_reduce(std::span<std::int64_t> values, Op op) {
+  const auto n = static_cast<std::int64_t>(values.size());
+  // Refused inside the collective so every process throws, not only the one that asked.
+  const std::string error =
+      op == Op::Mean ? "Op::Mean of int64 values would round; all_reduce a double with "
+                       "Op::Mean, or use Op::Sum and divide by world_size()"
+                     : "";
+  world_group("dp::dist::all_reduce")
+      .all_reduce<std::int64_t>(values.data(), values.data(), n, reduction_of(op),
+                                "dp::dist::all_reduce", error);
+}
+
+namespace detail {
+
+void broadcast_fixed(void* data, std::size_t bytes, int root) {
+  // The size stands for the type in the rendezvous: a double broadcast against an int
+  // is "processes disagree".
+  world_group("dp::dist::broadcast_object")
+      .broadcast(data, static_cast<std::int64_t>(bytes), root, "dp::dist::broadcast_object",
+                 static_cast<std::int64_t>(bytes));
+}
+
+void broadcast_sized(void* data, std::size_t bytes, std::size_t elem_size, int root,
+                     const std::function<void*(std::size_t)>& resize) {
+  world_group("dp::dist::broadcast_object")
+      .broadcast(data, static_cast<std::int64_t>(bytes), root, "dp::dist::broadcast_object",
+                 static_cast<std::int64_t>(elem_size), resize);
+}
+
+std::unique_ptr<ProcessGroup> new_world_group(const std::string& name) {
+  ensure_initialized();
+  State& st = state();
+  DP_CHECK(!st.finalized.load(), "dp::dist: cannot create ", name, " after dp::dist::finalize()");
+  ChannelPtr channel;
+  if (st.uses_mpi) {
+    channel = open_channel(dp::dist::timeout());
+    if (channel == nullptr)
+      dp::dist::abort(dp::detail::str_cat("creating ", name, ": the other processes did not take part ",
+                              "within the timeout (every process must create it)"),
+                      kTimeoutExitCode);
+  }
+  return std::make_unique<ProcessGroup>(st.info, std::move(channel), name);
+}
+
+bool finalized() { return state().finalized.load(std::memory_order_acquire); }
+
+}  // namespace detail
+
+std::string broadcast_object(std::string value, int root) {
+  detail::broadcast_sized(value.data(), value.size(), 1, root, [&value](std::size_t bytes) -> void* {
+    value.resize(bytes);
+    return value.data();
+  });
+  return value;
+}
+
+void set_timeout(std::chrono::milliseconds t) {
+  DP_CHECK(t.count() >= 0, "dp::dist::set_timeout: expected a timeout >= 0 (0: none), got ",
+           t.count(), " ms");
+  timeout_ms().store(t.count(), std::memory_order_relaxed);
+}
+
+std::chrono::milliseconds timeout() {
+  return std::chrono::milliseconds(timeout_ms().load(std::memory_order_relaxed));
+}
+
+void abort(const std::string& reason, int exit_code) {
+  // No lock and no init: abort is reached from init, finalize and the wait loop.
+  const std::string line = "dp::dist: " + who_am_i() + ": " + reason + "\n";
+  std::fflush(stdout);
+  std::fputs(line.c_str(), stderr);
+  std::fflush(stderr);
+  detail::transport_abort(exit_code);
+}
+
+void finalize() {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  // Nothing to do when init never ran; MPI still needs finalising when init started it
+  // but then failed (thread level).
+  if (st.finalized.load() || (!st.initialized.load() && !st.uses_mpi)) return;
+  st.finalized.store(true, std::memory_order_release);
+  if (st.world != nullptr && st.info.size > 1 && !detail::transport_finalized()) {
+    try {
+      st.world->finalize_rendezvous("dp::dist::finalize");
+    } catch (const std::exception& e) {
+      // The processes are out of step: MPI_Finalize would wait for ever.
+      dp::dist::abort(e.what());
+    }
+  }
+  st.world.reset();
+  if (st.uses_mpi) detail::transport_finalize(st.info.owns_mpi);
+  if (st.info.size > 1) std::set_terminate(st.previous_terminate);
+}
+
+}  // namespace dp::dist
