@@ -33,18 +33,20 @@ LAYERS = [
     ("backend/cpu", ["backend/cpu"], ["backend", "core"]),
     ("backend/cuda", ["backend/cuda"], ["backend", "core"]),
     ("backend/stub", ["backend/stub"], ["backend", "core"]),
+    ("dist", ["dist"], ["core"]),
     ("tensor+autograd", ["tensor", "autograd"], ["backend", "core"]),
     ("nn", ["nn"], ["tensor+autograd", "backend", "core"]),
     ("optim", ["optim"], ["nn", "tensor+autograd", "backend", "core"]),
     ("comm", ["comm"], ["tensor+autograd", "core"]),
     ("comm/local", ["comm/local"], ["comm", "tensor+autograd", "backend", "core"]),
+    ("comm/mpi", ["comm/mpi"], ["comm", "dist", "tensor+autograd", "core"]),
     ("comm/nccl", ["comm/nccl"],
      ["comm", "tensor+autograd", "backend/cuda", "backend", "core"]),
-    ("data", ["data"], ["tensor+autograd", "core"]),
+    ("data", ["data"], ["dist", "tensor+autograd", "core"]),
     ("io", ["io"], ["optim", "nn", "tensor+autograd", "core"]),
     ("parallel", ["parallel"], ["comm", "nn", "tensor+autograd", "backend", "core"]),
     ("dp.h", ["dp.h"],
-     ["parallel", "io", "data", "comm", "optim", "nn", "tensor+autograd", "core"]),
+     ["parallel", "io", "data", "comm", "dist", "optim", "nn", "tensor+autograd", "core"]),
 ]
 
 # Layers whose sources may include CUDA, cuDNN, cuBLAS or NCCL headers.
