@@ -193,7 +193,7 @@ void DataParallel::init(std::vector<Device> devices) {
   make_reducer();
 
   // Optimizer steps (and zero_grad) run each copy on its own device's worker.
-  set_->set_executor([this](int copies, const std::function<void(int)>& fn) {
+  set_->set_executor([this](int copies, const std::function<void(int)>& fn, nn::CopyWork) {
     Step step(*this, "the optimizer", {});
     step.run([&](int r) {
       if (r >= copies) return;
