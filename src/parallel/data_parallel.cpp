@@ -124,6 +124,7 @@ class DataParallel::Step {
       dp_.workers_->run(
           [&](int r) {
             nn::ReplicaBinding bind(r);
+            if (options_.backward) dp_.reducer_->begin(r);
             fn(r);
           },
           [this](int r, const std::exception_ptr& e) { dp_.abort_step(r, e); });
@@ -223,7 +224,7 @@ void DataParallel::make_reducer() {
       devices_, std::move(buckets), std::move(sync), [this](int r) { return set_->copy(r).grad; }, *recorder_);
   reducer_->set_failure_hook([this](int r, const std::exception_ptr& e) { abort_step(r, e); });
   if (options_.check_finite_grads)
-    reducer_->set_check([this](int r, std::int64_t lo, std::int64_t hi) { check_finite(r, lo, hi); });
+    reducer_->set_check([this](int r, const Tensor& g, std::int64_t offset) { check_finite(r, g, offset); });
   if (options_.mode != Mode::DDP) return;
   for (int r = 0; r < static_cast<int>(devices_.size()); ++r)
     for (int i = 0; i < static_cast<int>(slots.size()); ++i)
@@ -492,16 +493,19 @@ void DataParallel::abort_step(int rank, const std::exception_ptr& error) {
 // Each device's own gradient is checked before it is combined (DP: before the reduce;
 // DDP: each bucket before its all-reduce), so the error names the device the NaN or
 // Inf came from; the combined result is checked again (a sum of finite values can
-// overflow). Buckets never split a parameter, so a range is whole parameters.
-void DataParallel::check_finite(int rank, std::int64_t lo, std::int64_t hi) {
-  const Tensor& g = set_->copy(rank).grad;
+// overflow): what the strategy says the device holds, which may cut parameters (so a
+// parameter is checked where it overlaps the range).
+void DataParallel::check_finite(int rank, const Tensor& grad, std::int64_t offset) {
   auto& be = backend::get(devices_[rank]);
-  if (be.count_nonfinite(devices_[rank], g.data<float>() + lo, hi - lo) == 0) return;
+  const float* g = grad.data<float>();
+  const std::int64_t lo = offset, hi = offset + grad.numel();
+  if (be.count_nonfinite(devices_[rank], g, hi - lo) == 0) return;
   const auto& slots = set_->slots();
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    std::int64_t cnt = slots[i]->copies[0].numel();
-    if (slots[i]->offset < lo || slots[i]->offset + cnt > hi) continue;
-    if (be.count_nonfinite(devices_[rank], g.data<float>() + slots[i]->offset, cnt) > 0)
+    const std::int64_t a = std::max(lo, slots[i]->offset);
+    const std::int64_t b = std::min(hi, slots[i]->offset + slots[i]->copies[0].numel());
+    if (a >= b) continue;
+    if (be.count_nonfinite(devices_[rank], g + (a - lo), b - a) > 0)
       DP_FAIL("non-finite gradient (NaN or Inf) in parameter '", param_names_[i], "' on ", devices_[rank],
               " — lower the learning rate, check the loss for log(0) or the data for NaN");
   }

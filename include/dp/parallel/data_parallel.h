@@ -154,7 +154,7 @@ class DataParallel {
   Tensor worker_loss_backward(int rank, const Tensor& x, const Tensor& target, const ShardPlan& plan,
                               const LossFn& loss_fn);
   void abort_step(int rank, const std::exception_ptr& error);
-  void check_finite(int rank, std::int64_t lo, std::int64_t hi);
+  void check_finite(int rank, const Tensor& grad, std::int64_t offset);
   std::uint64_t primary_version() const;
 
   std::shared_ptr<nn::Module> net_;
