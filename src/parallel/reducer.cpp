@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/backend.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 
@@ -94,7 +95,12 @@ class ReduceScatterSync final : public GradSync {
       Tensor piece = grad.narrow(0, a - lo, b - a);
       comm_.reduce(rank, piece, rank == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
       // Stage 1: the piece was sent and belongs to another rank: zeros from now on.
-      if (rank != owner && g_.zero_sent) piece.zero_();
+      // Through the backend, not Tensor::zero_(): that bumps the buffer's storage
+      // version, which the worker's backward bumps concurrently.
+      if (rank != owner && g_.zero_sent) {
+        const Device dev = piece.device();
+        backend::get(dev).memset_zero(piece.data<float>(), dev, static_cast<std::size_t>(b - a) * sizeof(float));
+      }
     }
   }
 
