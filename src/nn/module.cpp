@@ -198,9 +198,7 @@ Device Module::device() {
 }
 
 void Module::zero_grad() {
-  auto set = parameter_set();
-  if (!set) return;
-  for (int r = 0; r < set->num_copies(); ++r) set->copy(r).grad.zero_();
+  if (auto set = parameter_set()) set->zero_grad();
 }
 
 }  // namespace dp::nn

@@ -1,5 +1,7 @@
 #include "dp/nn/parameter_set.h"
 
+#include <algorithm>
+
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 
@@ -50,7 +52,12 @@ ParameterSet::ParameterSet(std::vector<std::shared_ptr<Parameter::Slot>> slots, 
     numel_ += s->copies[0].numel();
     s->copies.resize(1);  // any earlier copies belonged to the old set
   }
-  ParameterCopy primary{device, empty({numel_}, device), zeros({numel_}, device)};
+  buffer_numel_ = numel_;
+  ParameterCopy primary;
+  primary.device = device;
+  primary.data = empty({numel_}, device);
+  primary.grad = zeros({numel_}, device);
+  primary.end = numel_;
   for (auto& s : slots_) {
     Tensor& p = s->copies[0];
     primary.data.detach().narrow(0, s->offset, p.numel()).copy_(p.reshape({p.numel()}));
@@ -72,6 +79,13 @@ const ParameterCopy& ParameterSet::copy(int r) const {
   return copies_[r];
 }
 
+Tensor ParameterCopy::owned_grad() const {
+  if (shard_grad.defined()) return shard_grad;
+  DP_CHECK(grad.defined(), "ParameterSet: copy on ", device, " has no gradient buffer");
+  if (begin == 0 && end == grad.numel()) return grad;
+  return grad.narrow(0, begin, end - begin);
+}
+
 void ParameterSet::bind_views(int r) {
   ParameterCopy& c = copies_[r];
   for (auto& s : slots_) {
@@ -84,9 +98,23 @@ void ParameterSet::bind_views(int r) {
   }
 }
 
+void ParameterSet::bind_grad_views(int r) {
+  const ParameterCopy& c = copies_[r];
+  for (auto& s : slots_) {
+    const Tensor& p = s->copies[r];
+    p.set_grad(c.grad.defined() ? view_of(c.grad, s->offset, p.shape()) : Tensor());
+  }
+}
+
 int ParameterSet::add_copy(Device device, bool transient) {
+  DP_CHECK(!sharded_, "ParameterSet: cannot add a copy to a sharded set; add every copy before shard()");
   NoGradGuard no_grad;
-  ParameterCopy c{device, empty({numel_}, device), zeros({numel_}, device), transient};
+  ParameterCopy c;
+  c.device = device;
+  c.data = empty({buffer_numel_}, device);
+  c.grad = zeros({buffer_numel_}, device);
+  c.transient = transient;
+  c.end = buffer_numel_;
   c.data.copy_(copies_[0].data);
   copies_.push_back(std::move(c));
   int r = num_copies() - 1;
@@ -95,22 +123,127 @@ int ParameterSet::add_copy(Device device, bool transient) {
 }
 
 void ParameterSet::drop_copies() {
+  unshard();
   copies_.resize(1);
   for (auto& s : slots_) s->copies.resize(1);
+}
+
+// Reallocates copy r's buffers with n elements (the tail zeros) and points every view
+// of copy r at them in place, so that handles, autograd hooks and .grad handles held
+// anywhere keep working.
+void ParameterSet::grow_buffers(int r, std::int64_t n) {
+  ParameterCopy& c = copies_[r];
+  NoGradGuard no_grad;
+  Tensor data = zeros({n}, c.device), grad = zeros({n}, c.device);
+  data.narrow(0, 0, c.data.numel()).copy_(c.data);
+  if (c.grad.defined()) grad.narrow(0, 0, c.grad.numel()).copy_(c.grad);
+  for (auto& s : slots_) {
+    const Tensor& p = s->copies[r];
+    rebind(*p.impl(), data, s->offset);
+    Tensor g = p.grad();
+    if (g.defined()) rebind(*g.impl(), grad, s->offset);
+  }
+  c.data = data;
+  c.grad = grad;
+  c.end = n;
+}
+
+void ParameterSet::shard(bool shard_grads) {
+  DP_CHECK(!sharded_, "ParameterSet: already sharded");
+  const int n = num_copies();
+  for (const auto& c : copies_)
+    DP_CHECK(!c.transient, "ParameterSet: cannot shard a set with transient copies (DP mode's replicas)");
+  // Note [Sharded parameter sets]: equal, aligned ranges over a zero-padded buffer.
+  std::int64_t len = (numel_ + n - 1) / n;
+  len = (len + kShardAlign - 1) / kShardAlign * kShardAlign;
+  const std::int64_t padded = std::max<std::int64_t>(len * n, buffer_numel_);
+  if (padded > buffer_numel_) {
+    for (int r = 0; r < n; ++r) grow_buffers(r, padded);
+    buffer_numel_ = padded;
+  }
+  NoGradGuard no_grad;
+  for (int r = 0; r < n; ++r) {
+    ParameterCopy& c = copies_[r];
+    c.begin = len * r;
+    c.end = len * (r + 1);
+  }
+  sharded_ = true;
+  shard_grads_ = shard_grads;
+  // Each copy's own range takes the gradient copy 0 holds there: the other copies'
+  // buffers are zeros, so the sum over copies stays the gradient.
+  ParameterCopy& c0 = copies_[0];
+  for (int r = 1; r < n; ++r) {
+    ParameterCopy& c = copies_[r];
+    const std::int64_t len = c.end - c.begin;
+    c.grad.narrow(0, c.begin, len).copy_(c0.grad.narrow(0, c.begin, len));
+    c0.grad.narrow(0, c.begin, len).zero_();
+  }
+  if (shard_grads)
+    for (int r = 0; r < n; ++r) release_grad(r);
+}
+
+void ParameterSet::unshard() {
+  if (!sharded_) return;
+  NoGradGuard no_grad;
+  const int n = num_copies();
+  for (int r = 0; r < n; ++r) acquire_grad(r);  // no-op unless sharded gradients
+  ParameterCopy& c0 = copies_[0];
+  for (int r = 1; r < n; ++r) {
+    const ParameterCopy& c = copies_[r];
+    c0.grad.narrow(0, c.begin, c.end - c.begin).copy_(c.owned_grad());
+  }
+  for (auto& c : copies_) {
+    c.begin = 0;
+    c.end = buffer_numel_;
+    c.shard_grad = Tensor();
+  }
+  sharded_ = false;
+  shard_grads_ = false;
+}
+
+void ParameterSet::acquire_grad(int r) {
+  ParameterCopy& c = copy(r);
+  if (c.grad.defined()) return;
+  NoGradGuard no_grad;
+  c.grad = zeros({buffer_numel_}, c.device);
+  if (c.shard_grad.defined()) c.grad.narrow(0, c.begin, c.end - c.begin).copy_(c.shard_grad);
+  c.shard_grad = Tensor();  // in the buffer now: one copy of the range, not two
+  bind_grad_views(r);
+}
+
+void ParameterSet::release_grad(int r) {
+  ParameterCopy& c = copy(r);
+  DP_CHECK(shard_grads_, "ParameterSet: release_grad needs a set sharded with shard_grads");
+  if (!c.grad.defined()) return;
+  NoGradGuard no_grad;
+  c.shard_grad = c.grad.narrow(0, c.begin, c.end - c.begin).clone();
+  c.grad = Tensor();
+  bind_grad_views(r);
+}
+
+void ParameterSet::zero_grad() {
+  for (auto& c : copies_) {
+    if (c.grad.defined()) c.grad.zero_();
+    if (c.shard_grad.defined()) c.shard_grad.zero_();
+  }
 }
 
 void ParameterSet::move_primary(Device device) {
   ParameterCopy& c = copies_[0];
   if (c.device == device) return;
   NoGradGuard no_grad;
-  Tensor data = c.data.to(device), grad = c.grad.to(device);
+  Tensor data = c.data.to(device);
+  Tensor grad = c.grad.defined() ? c.grad.to(device) : Tensor();
   for (auto& s : slots_) {
     Tensor& p = s->copies[0];
     rebind(*p.impl(), data, s->offset);
     Tensor g = p.grad();
     if (g.defined()) rebind(*g.impl(), grad, s->offset);
   }
-  c = ParameterCopy{device, data, grad, false};
+  c.device = device;
+  c.data = data;
+  c.grad = grad;
+  if (c.shard_grad.defined()) c.shard_grad = c.shard_grad.to(device);
   bump_version();
 }
 
@@ -119,7 +252,7 @@ void ParameterSet::for_each_copy(const std::function<void(int)>& fn, CopyWork wo
     if (!copies_[r].transient) fn(r);
   };
   if (executor_) {
-    executor_(num_copies(), work, run);
+    executor_(num_copies(), run, work);
   } else {
     for (int r = 0; r < num_copies(); ++r) run(r);
   }

@@ -44,6 +44,10 @@ void edit_every_copy(const ParameterList& params, const std::function<void(Tenso
     }
     return;
   }
+  // Each device of a sharded set holds only its range's gradient: a norm over copy 0
+  // would miss the others, and stage 2 holds no full gradient buffer at all.
+  DP_CHECK(!set->sharded(), "gradient clipping of a Sharded DataParallel's parameters is not supported yet; "
+           "use Mode::DDP (same result, bitwise) to clip gradients");
   auto ranges = flat_ranges(params);
   set->for_each_copy([&](int r) {
     for (const auto& [lo, hi] : ranges) {
@@ -60,6 +64,8 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
   DP_CHECK(norm_type > 0, "clip_grad_norm_: expected norm_type > 0 (2 for the Euclidean norm, "
            "dp::nn::utils::kInfNorm for the largest element), got ", norm_type);
   NoGradGuard no_grad;
+  DP_CHECK(!params.set() || !params.set()->sharded(), "clip_grad_norm_: gradient clipping of a Sharded "
+           "DataParallel's parameters is not supported yet; use Mode::DDP (same result, bitwise)");
   std::vector<Tensor> norms;
   for (const Tensor& p : params) {
     Tensor g = p.grad();

@@ -102,41 +102,89 @@ void Optimizer::allocate_state(CopyState& st, Device dev, const Shape& shape) {
   st.fresh = true;
 }
 
-// Runs on the calling thread before the copies step concurrently: everything that
-// reads one copy's state to build another's happens here, never inside for_each_copy.
-void Optimizer::prepare_states() {
+Optimizer::CopyState Optimizer::layout(const nn::ParameterCopy& copy) const {
+  CopyState st;
+  st.data = copy.data.storage();
+  st.begin = copy.begin;
+  st.end = copy.end;
+  for (const Range& r : ranges_) {
+    const std::int64_t lo = std::max(r.offset, copy.begin), hi = std::min(r.offset + r.numel, copy.end);
+    if (lo >= hi) continue;
+    st.ranges.push_back(Range{lo, hi - lo, st.numel});
+    st.numel += hi - lo;
+  }
+  return st;
+}
+
+// Copies every element both states cover from src into dst (any devices).
+void Optimizer::copy_state(CopyState& dst, const CopyState& src) {
+  for (const Range& d : dst.ranges) {
+    for (const Range& s : src.ranges) {
+      const std::int64_t lo = std::max(d.offset, s.offset), hi = std::min(d.offset + d.numel, s.offset + s.numel);
+      if (lo >= hi) continue;
+      for (std::size_t k = 0; k < dst.buffers.size(); ++k) {
+        dst.buffers[k]
+            .narrow(0, d.state_offset + (lo - d.offset), hi - lo)
+            .copy_(src.buffers[k].narrow(0, s.state_offset + (lo - s.offset), hi - lo));
+      }
+    }
+  }
+}
+
+// Note [Optimizer state layouts]
+// A copy's state covers the optimizer's ranges clipped to the copy's [begin, end) and
+// belongs to one data buffer. Before each step (on the calling thread, never inside
+// for_each_copy: building one copy's state reads others') every copy whose buffer or
+// range changed gets a new state, filled element by element from the states that
+// exist: the primary's where it has them (DDP wrapping after some steps: each new
+// copy starts from the primary's state), else the copy that held them (sharding
+// hands each copy its range of the primary's state; unsharding gathers every range
+// back into the primary; a load hands each copy its range of the loaded state).
+void Optimizer::rebuild_states(const std::vector<CopyState>& old, const std::vector<CopyState>& sources) {
   nn::ParameterSet& set = *params_.set();
   const int nc = set.num_copies();
-  states_.resize(static_cast<std::size_t>(nc));
-  if (state_names().empty()) return;
-  // The primary moved (Module::to): its state moves with it.
-  CopyState& s0 = states_[0];
-  const Device d0 = set.copy(0).device;
-  if (!s0.buffers.empty() && s0.buffers[0].device() != d0) {
-    for (Tensor& b : s0.buffers) b = b.to(d0);
-  }
-  s0.data = set.copy(0).data.storage();
-  for (int r = 1; r < nc; ++r) {
+  const std::size_t k = state_names().size();
+  std::vector<CopyState> next(static_cast<std::size_t>(nc));
+  std::vector<int> rebuilt;
+  for (int r = 0; r < nc; ++r) {
     const nn::ParameterCopy& copy = set.copy(r);
-    CopyState& st = states_[static_cast<std::size_t>(r)];
-    if (copy.transient) {
-      st = CopyState{};
-      continue;
+    if (copy.transient) continue;
+    CopyState want = layout(copy);
+    if (static_cast<std::size_t>(r) < old.size()) {
+      const CopyState& o = old[static_cast<std::size_t>(r)];
+      const bool same = o.data.lock() == copy.data.storage() && o.begin == want.begin && o.end == want.end &&
+                        (o.buffers.empty() || o.buffers[0].device() == copy.device);
+      if (same) {
+        next[static_cast<std::size_t>(r)] = o;
+        continue;
+      }
     }
-    // A copy whose buffers we have not seen (added after some steps, or re-added after
-    // drop_copies) starts from the primary's state; see Note [Fused optimizer steps].
-    const bool same_copy = !st.buffers.empty() && st.data.lock() == copy.data.storage();
-    if (same_copy) continue;
-    st = CopyState{};
-    st.data = copy.data.storage();
-    if (s0.buffers.empty()) continue;  // nothing stepped yet: allocated lazily as zeros
-    for (const Tensor& b : s0.buffers) {
-      Tensor c = empty(b.shape(), copy.device);
-      c.copy_(b);
-      st.buffers.push_back(c);
-    }
-    st.fresh = s0.fresh;
+    next[static_cast<std::size_t>(r)] = std::move(want);
+    rebuilt.push_back(r);
   }
+  const bool any = std::any_of(sources.begin(), sources.end(), [](const CopyState& s) { return !s.buffers.empty(); });
+  if (k > 0 && any) {
+    for (int r : rebuilt) {
+      CopyState& st = next[static_cast<std::size_t>(r)];
+      allocate_state(st, set.copy(r).device, {st.numel});
+      bool fresh = true;
+      // The primary (sources[0]) last: its values win where it has them.
+      for (std::size_t i = sources.size(); i-- > 0;) {
+        if (sources[i].buffers.empty()) continue;
+        copy_state(st, sources[i]);
+        fresh = fresh && sources[i].fresh;
+      }
+      st.fresh = fresh;
+    }
+  }
+  states_ = std::move(next);
+}
+
+// Runs on the calling thread before the copies step concurrently (Note [Optimizer
+// state layouts]).
+void Optimizer::prepare_states() {
+  const std::vector<CopyState> old = states_;
+  rebuild_states(old, old);
 }
 
 void Optimizer::step_copy(int r) {
@@ -144,13 +192,15 @@ void Optimizer::step_copy(int r) {
   nn::ParameterCopy& copy = set.copy(r);
   CopyState& st = states_[static_cast<std::size_t>(r)];
   const std::size_t k = state_names().size();
-  if (k > 0 && st.buffers.empty()) allocate_state(st, copy.device, {state_numel_});
+  if (k > 0 && st.buffers.empty()) allocate_state(st, copy.device, {st.numel});
   float* p = copy.data.data<float>();
-  const float* g = copy.grad.data<float>();
+  const Tensor owned = copy.owned_grad();  // element i of the buffers at [i - copy.begin]
+  const float* g = owned.data<float>();
   std::vector<float*> sp(k);
-  for (const Range& range : ranges_) {
+  for (const Range& range : st.ranges) {
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>() + range.state_offset;
-    update(copy.device, p + range.offset, g + range.offset, sp.data(), range.numel, st.fresh, step_);
+    update(copy.device, p + range.offset, g + (range.offset - copy.begin), sp.data(), range.numel, st.fresh,
+           step_);
   }
   st.fresh = false;
   // Moved by hand, once every range is stepped, not by mutable_data before: a copy whose
@@ -186,7 +236,7 @@ void Optimizer::step() {
   try {
     if (const auto& set = params_.set()) {
       prepare_states();
-      set->for_each_copy([this](int r) { step_copy(r); }, nn::CopyWork::Update);
+      set->for_each_copy([this](int r) { step_copy(r); }, nn::CopyWork::Step);
       set->bump_version();
     } else {
       step_loose();
@@ -198,10 +248,12 @@ void Optimizer::step() {
     // replicas before the next forward instead of running on diverged copies. Their
     // optimizer state follows device 0's too: forgetting every other copy's state
     // makes the next prepare_states() copy it from the primary, so all replicas
-    // continue from one parameter vector AND one state.
+    // continue from one parameter vector AND one state. A sharded set keeps every
+    // copy's state: it is the only state of that copy's range.
     if (const auto& set = params_.set()) {
       set->bump_version();
-      for (std::size_t r = 1; r < states_.size(); ++r) states_[r] = CopyState{};
+      if (!set->sharded())
+        for (std::size_t r = 1; r < states_.size(); ++r) states_[r] = CopyState{};
     }
     throw;
   }
@@ -220,9 +272,20 @@ void Optimizer::zero_grad() {
   auto zero_copy = [this, &set](int r) {
     nn::ParameterCopy& copy = set->copy(r);
     auto& b = backend::get(copy.device);
-    float* g = copy.grad.mutable_data<float>();
-    for (const Range& range : ranges_) {
-      b.memset_zero(g + range.offset, copy.device, static_cast<std::size_t>(range.numel) * sizeof(float));
+    if (copy.grad.defined()) {
+      float* g = copy.grad.mutable_data<float>();
+      for (const Range& range : ranges_) {
+        b.memset_zero(g + range.offset, copy.device, static_cast<std::size_t>(range.numel) * sizeof(float));
+      }
+    }
+    if (copy.shard_grad.defined()) {  // sharded gradients: the copy's range of the ranges
+      float* g = copy.shard_grad.mutable_data<float>();
+      for (const Range& range : ranges_) {
+        const std::int64_t lo = std::max(range.offset, copy.begin);
+        const std::int64_t hi = std::min(range.offset + range.numel, copy.end);
+        if (lo < hi)
+          b.memset_zero(g + (lo - copy.begin), copy.device, static_cast<std::size_t>(hi - lo) * sizeof(float));
+      }
     }
   };
   set->for_each_copy(zero_copy);
@@ -232,10 +295,26 @@ void Optimizer::zero_grad() {
   }
 }
 
-Tensor Optimizer::state_view(std::size_t i, std::size_t k) {
-  const Tensor& p = params_[i];
-  if (!params_.set()) return states_[i].buffers[k];
-  return states_[0].buffers[k].narrow(0, entry_state_offset_[i], p.numel()).reshape(p.shape());
+Tensor Optimizer::full_state(std::size_t k) {
+  if (states_.empty()) return Tensor();
+  const CopyState& s0 = states_[0];
+  if (!s0.buffers.empty() && s0.numel == state_numel_) return s0.buffers[k];  // ranges_' layout
+  if (std::all_of(states_.begin(), states_.end(), [](const CopyState& s) { return s.buffers.empty(); }))
+    return Tensor();
+  // Sharded: every copy holds its range; assemble them on the primary's device.
+  Tensor out = zeros({state_numel_}, params_.set()->copy(0).device);
+  for (const CopyState& st : states_) {
+    if (st.buffers.empty()) continue;
+    for (const Range& r : st.ranges) {
+      auto it = std::upper_bound(ranges_.begin(), ranges_.end(), r.offset,
+                                 [](std::int64_t o, const Range& g) { return o < g.offset; });
+      DP_ASSERT(it != ranges_.begin());
+      --it;
+      out.narrow(0, it->state_offset + (r.offset - it->offset), r.numel)
+          .copy_(st.buffers[k].narrow(0, r.state_offset, r.numel));
+    }
+  }
+  return out;
 }
 
 nn::StateDict Optimizer::state_dict() {
@@ -243,12 +322,22 @@ nn::StateDict Optimizer::state_dict() {
   sd.emplace_back("step", full({}, static_cast<double>(step_), TensorOptions{Dtype::Int64, Device{}}));
   const auto names = state_names();
   if (names.empty()) return sd;
-  const bool loose = !params_.set();
-  if (!loose && (states_.empty() || states_[0].buffers.empty())) return sd;
+  if (!params_.set()) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (states_[i].buffers.empty()) continue;
+      for (std::size_t k = 0; k < names.size(); ++k)
+        sd.emplace_back(detail::str_cat("state.", i, ".", names[k]), states_[i].buffers[k]);
+    }
+    return sd;
+  }
+  std::vector<Tensor> buffers;
+  for (std::size_t k = 0; k < names.size(); ++k) buffers.push_back(full_state(k));
+  if (!buffers[0].defined()) return sd;  // no step yet
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (loose && states_[i].buffers.empty()) continue;
+    const Tensor& p = params_[i];
     for (std::size_t k = 0; k < names.size(); ++k) {
-      sd.emplace_back(detail::str_cat("state.", i, ".", names[k]), state_view(i, k));
+      sd.emplace_back(detail::str_cat("state.", i, ".", names[k]),
+                      buffers[k].narrow(0, entry_state_offset_[i], p.numel()).reshape(p.shape()));
     }
   }
   return sd;
@@ -315,19 +404,29 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
     return;
   }
   nn::ParameterSet& set = *params_.set();
-  states_.assign(static_cast<std::size_t>(set.num_copies()), CopyState{});
-  if (with_state == 0 || names.empty()) return;
-  CopyState& s0 = states_[0];
-  allocate_state(s0, set.copy(0).device, {state_numel_});
-  s0.data = set.copy(0).data.storage();
+  if (with_state == 0 || names.empty()) {
+    rebuild_states({}, {});  // every copy starts afresh, allocated lazily
+    return;
+  }
+  // The loaded state in ranges_' layout on the primary's device; every copy takes
+  // its range of it (Note [Optimizer state layouts]).
+  CopyState loaded;
+  loaded.begin = 0;
+  loaded.end = set.buffer_numel();
+  loaded.ranges = ranges_;
+  loaded.numel = state_numel_;
+  allocate_state(loaded, set.copy(0).device, {state_numel_});
   for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
     for (std::size_t k = 0; k < names.size(); ++k) {
-      state_view(i, k).copy_(by_name.at(detail::str_cat("state.", i, ".", names[k])));
+      loaded.buffers[k]
+          .narrow(0, entry_state_offset_[i], p.numel())
+          .reshape(p.shape())
+          .copy_(by_name.at(detail::str_cat("state.", i, ".", names[k])));
     }
   }
-  s0.fresh = false;
-  // Every other persistent copy is given the primary's state at the next step.
-  prepare_states();
+  loaded.fresh = false;
+  rebuild_states({}, {loaded});
 }
 
 }  // namespace dp::optim

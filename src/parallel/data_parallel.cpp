@@ -82,6 +82,15 @@ class GatherBackward final : public autograd::Node {
 
 }  // namespace
 
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::DP: return "DP";
+    case Mode::DDP: return "DDP";
+    case Mode::Sharded: return "Sharded";
+  }
+  return "?";
+}
+
 struct DataParallel::ShardPlan {
   std::int64_t rows = 0;
   std::vector<std::int64_t> sizes, offsets;  // per rank; a rank may get 0 rows
@@ -91,7 +100,8 @@ struct DataParallel::ShardPlan {
 // Everything that runs the workers — forward, forward_backward, the backward through
 // a gathered output, and the optimizer's executor — is one Step. It owns the busy
 // flag (a second step from inside a worker would deadlock: it is an error instead),
-// the replicate bookkeeping (Note [When replicas are refreshed]), the reducer's
+// the replicate bookkeeping (Note [When replicas are refreshed]; a Sharded optimizer
+// step ends with every copy equal again, Note [Sharded step]), the reducer's
 // cycle for steps that run backward, and the one failure path: the first worker to
 // fail aborts the communicator and the reducer, so every other worker and comm
 // thread is released (Note [Root cause]); once all have returned, the comm threads
@@ -102,10 +112,11 @@ class DataParallel::Step {
   struct Options {
     bool replicate = false;  // a forward: replicas must hold device 0's parameters
     bool backward = false;   // runs backward: the reducer's cycle is armed
+    bool gather = false;     // a Sharded optimizer step: copies equal again afterwards
   };
   Step(DataParallel& dp, const char* what, Options options) : dp_(dp), options_(options) {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
-    if (options_.replicate) sync_params_ = dp_.begin_replicate();
+    if (options_.replicate || options_.gather) sync_params_ = dp_.begin_replicate();
     if (options_.backward) dp_.reducer_->prepare(dp_.options_.mode == Mode::DP || dp_.require_sync_);
     dp_.busy_ = true;
   }
@@ -125,6 +136,7 @@ class DataParallel::Step {
       dp_.workers_->run(
           [&](int r) {
             nn::ReplicaBinding bind(r);
+            if (options_.backward) dp_.reducer_->begin(r);
             fn(r);
           },
           [this](int r, const std::exception_ptr& e) { dp_.abort_step(r, e); }, ranks);
@@ -133,10 +145,8 @@ class DataParallel::Step {
       dp_.comm_->reset();
       throw;
     }
-    if (options_.replicate) {
-      dp_.end_replicate();
-      dp_.recorder_->count_iteration();
-    }
+    if (options_.replicate || options_.gather) dp_.end_replicate();
+    if (options_.replicate) dp_.recorder_->count_iteration();
     if (options_.backward) dp_.snapshot_grad_versions();
   }
 
@@ -171,6 +181,18 @@ void DataParallel::init(std::vector<Device> devices) {
   DP_CHECK(options_.bucket_cap_mb > 0 && options_.first_bucket_mb > 0,
            "DataParallel: expected bucket_cap_mb and first_bucket_mb > 0, got ", options_.bucket_cap_mb, " and ",
            options_.first_bucket_mb);
+  if (options_.mode == Mode::Sharded) {
+    const int stage = options_.shard_stage.value_or(2);
+    DP_CHECK(stage >= 1 && stage <= 3, "DataParallel: expected shard_stage 1 (optimizer state), 2 (and "
+             "gradients) or 3 (and parameters), got ", stage);
+    DP_CHECK(stage != 3, "DataParallel: shard_stage 3 (sharded parameters) is not implemented yet; use "
+             "shard_stage 1 or 2");
+    options_.shard_stage = stage;
+  } else {
+    DP_CHECK(!options_.shard_stage.has_value(), "DataParallel: shard_stage = ", *options_.shard_stage,
+             " was given with mode ", mode_name(options_.mode), "; it applies to Mode::Sharded only: pass "
+             ".mode = dp::Mode::Sharded or drop shard_stage");
+  }
   devices_ = std::move(devices);
 
   net_->to(devices_[0]);
@@ -185,8 +207,10 @@ void DataParallel::init(std::vector<Device> devices) {
   recorder_ = std::make_unique<parallel::PhaseRecorder>(devices_);
   comm_ = comm::make_communicator(devices_);
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
-  bool ddp = options_.mode == Mode::DDP;
-  for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!ddp);
+  const bool persistent = options_.mode != Mode::DP;
+  for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!persistent);
+  // One device owns everything: stage 2's separate gradient would only add memory.
+  if (options_.mode == Mode::Sharded) set_->shard(/*shard_grads=*/shard_stage() >= 2 && n > 1);
   for (auto& b : buffers_) {
     b->copies.resize(n);
     NoGradGuard no_grad;
@@ -198,7 +222,7 @@ void DataParallel::init(std::vector<Device> devices) {
   snapshot_grad_versions();
   make_reducer();
 
-  set_->set_executor([this](int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
+  set_->set_executor([this](int copies, const std::function<void(int)>& fn, nn::CopyWork work) {
     run_on_copies(copies, work, fn);
   });
 }
@@ -216,24 +240,33 @@ void DataParallel::init(std::vector<Device> devices) {
 // local gradients: it is refused.
 
 // The optimizer's executor: each persistent copy on its own device's worker; DP's
-// transient replicas are never stepped, so DP's step stays on rank 0.
+// transient replicas are never stepped, so DP's step stays on rank 0. A Sharded step
+// then gathers every device's updated range (Note [Sharded step]).
 void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
-  const bool update = work == nn::CopyWork::Update;
-  const bool ddp = options_.mode == Mode::DDP && devices_.size() > 1;
-  DP_CHECK(!(update && ddp && !require_sync_),
-           "DataParallel: opt.step() inside no_sync(): each DDP replica holds only its own accumulated "
-           "gradient until the first backward after the guard all-reduces them; step after that backward");
-  const bool sync_grads = update && ddp && grads_edited_unequally();
+  const bool update = work == nn::CopyWork::Step;
+  const bool replicas = options_.mode != Mode::DP && devices_.size() > 1;
+  DP_CHECK(!(update && replicas && !require_sync_),
+           "DataParallel: opt.step() inside no_sync(): each replica holds only its own accumulated "
+           "gradient until the first backward after the guard combines them; step after that backward");
+  const bool sync_grads = update && replicas && options_.mode == Mode::DDP && grads_edited_unequally();
+  const bool gather = update && replicas && options_.mode == Mode::Sharded;
   int ranks = 0;
   for (int r = 0; r < copies; ++r)
     if (!set_->copy(r).transient) ranks = r + 1;
   {
-    Step step(*this, update ? "the optimizer step" : "an update of every copy", {});
+    Step step(*this, update ? "the optimizer step" : "an update of every copy", {.gather = gather});
     step.run(
         [&](int r) {
-          PhaseTimer t(*recorder_, r, Phase::Step);
-          if (sync_grads) comm_->broadcast(r, set_->copy(r).grad, 0);
-          fn(r);
+          if (gather && step.sync_params()) {
+            PhaseTimer t(*recorder_, r, Phase::Replicate);
+            comm_->broadcast(r, set_->copy(r).data, 0);
+          }
+          {
+            PhaseTimer t(*recorder_, r, Phase::Step);
+            if (sync_grads) comm_->broadcast(r, set_->copy(r).grad, 0);
+            fn(r);
+          }
+          if (gather) gather_params(r);
         },
         ranks);
   }
@@ -250,11 +283,14 @@ bool DataParallel::grads_edited_unequally() const {
 }
 
 void DataParallel::snapshot_grad_versions() {
-  for (int r = 0; r < set_->num_copies(); ++r) grad_base_[r] = set_->copy(r).grad.storage()->version();
+  for (int r = 0; r < set_->num_copies(); ++r) {
+    const Tensor& g = set_->copy(r).grad;  // undefined while released (Sharded stage 2)
+    grad_base_[r] = g.defined() ? g.storage()->version() : 0;
+  }
 }
 
 void DataParallel::check_replicas() const {
-  if (options_.mode != Mode::DDP) return;
+  if (options_.mode == Mode::DP) return;
   const auto& slots = set_->slots();
   const Tensor& primary = set_->copy(0).data;
   for (int r = 1; r < set_->num_copies(); ++r) {
@@ -272,18 +308,53 @@ void DataParallel::check_replicas() const {
   }
 }
 
+// Note [Sharded step]
+// The optimizer updates each device's own range of its copy (Note [Sharded parameter
+// sets]); then every device all-gathers the updated ranges, still inside the
+// optimizer's step, so that when opt.step() returns every copy — device 0's, which
+// the module, state_dict() and checkpoints read — holds the new parameters. The
+// alternative, gathering lazily before the next forward, would leave device 0's
+// copy stale for N-1 ranges between the step and that forward, where users save
+// checkpoints and evaluate; it would save nothing, since the next forward needs the
+// parameters anyway. The ranges have equal lengths (padded), so the gather is one
+// all_gather in place over each copy's data buffer. If the copies were written
+// unequally since the last step (a load into device 0, a failed step), device 0's
+// parameters are broadcast first, as before a forward (Note [When replicas are
+// refreshed]). A failed step leaves the copies marked unsynced: device 0's
+// parameters win at the next forward, as in DDP.
+void DataParallel::gather_params(int rank) {
+  PhaseTimer t(*recorder_, rank, Phase::AllGather);
+  const nn::ParameterCopy& c = set_->copy(rank);
+  const std::int64_t len = c.end - c.begin;
+  const int n = static_cast<int>(devices_.size());
+  comm_->all_gather(rank, c.data.narrow(0, c.begin, len), c.data.narrow(0, 0, len * n));
+}
+
 // DP reduces the whole gradient buffer onto device 0 after backward; DDP all-reduces
-// buckets while backward runs (Note [Gradient buckets]). Both go through the reducer.
+// buckets while backward runs (Note [Gradient buckets]); Sharded reduce-scatters
+// them (Note [Sharded gradients]). All go through the reducer.
 void DataParallel::make_reducer() {
   const auto& slots = set_->slots();
   std::vector<parallel::Bucket> buckets;
   std::unique_ptr<parallel::GradSync> sync;
-  if (options_.mode == Mode::DDP) {
+  const bool overlapping = options_.mode != Mode::DP;
+  if (overlapping) {
     std::vector<std::int64_t> numel;
     for (auto& s : slots) numel.push_back(s->copies[0].numel());
     buckets = parallel::assign_buckets(numel, parallel::mib_to_floats(options_.first_bucket_mb),
                                        parallel::mib_to_floats(options_.bucket_cap_mb));
+  }
+  if (options_.mode == Mode::DDP) {
     sync = parallel::make_all_reduce_sync(*comm_);
+  } else if (options_.mode == Mode::Sharded) {
+    parallel::ShardedGrads g;
+    for (int r = 0; r < set_->num_copies(); ++r) g.shards.emplace_back(set_->copy(r).begin, set_->copy(r).end);
+    if (set_->shards_grads()) {
+      g.zero_sent = false;
+      g.before_backward = [this](int r) { set_->acquire_grad(r); };
+      g.after_sync = [this](int r) { set_->release_grad(r); };
+    }
+    sync = parallel::make_reduce_scatter_sync(*comm_, std::move(g));
   } else {
     buckets = {parallel::Bucket{0, set_->numel(), 0, static_cast<int>(slots.size())}};
     sync = parallel::make_reduce_to_root_sync(*comm_, 0);
@@ -292,8 +363,8 @@ void DataParallel::make_reducer() {
       devices_, std::move(buckets), std::move(sync), [this](int r) { return set_->copy(r).grad; }, *recorder_);
   reducer_->set_failure_hook([this](int r, const std::exception_ptr& e) { abort_step(r, e); });
   if (options_.check_finite_grads)
-    reducer_->set_check([this](int r, std::int64_t lo, std::int64_t hi) { check_finite(r, lo, hi); });
-  if (options_.mode != Mode::DDP) return;
+    reducer_->set_check([this](int r, const Tensor& g, std::int64_t offset) { check_finite(r, g, offset); });
+  if (!overlapping) return;
   for (int r = 0; r < static_cast<int>(devices_.size()); ++r)
     for (int i = 0; i < static_cast<int>(slots.size()); ++i)
       autograd::add_post_accumulate_hook(slots[i]->copies[r],
@@ -332,10 +403,19 @@ void DataParallel::reset_stats() {
 
 std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::buckets() const {
   std::vector<std::pair<std::int64_t, std::int64_t>> out;
-  if (options_.mode == Mode::DDP)
+  if (options_.mode != Mode::DP)
     for (auto& b : reducer_->buckets()) out.emplace_back(b.lo, b.hi);
   return out;
 }
+
+std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::shards() const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  if (options_.mode == Mode::Sharded)
+    for (int r = 0; r < set_->num_copies(); ++r) out.emplace_back(set_->copy(r).begin, set_->copy(r).end);
+  return out;
+}
+
+int DataParallel::shard_stage() const { return options_.mode == Mode::Sharded ? *options_.shard_stage : 0; }
 
 nn::LoadResult DataParallel::load_state_dict(const nn::StateDict& state, bool strict) {
   // The replicas pick the new values up at the next forward (primary_version changed).
@@ -561,18 +641,21 @@ void DataParallel::abort_step(int rank, const std::exception_ptr& error) {
 
 // Note [Finite gradient check]
 // Each device's own gradient is checked before it is combined (DP: before the reduce;
-// DDP: each bucket before its all-reduce), so the error names the device the NaN or
-// Inf came from; the combined result is checked again (a sum of finite values can
-// overflow). Buckets never split a parameter, so a range is whole parameters.
-void DataParallel::check_finite(int rank, std::int64_t lo, std::int64_t hi) {
-  const Tensor& g = set_->copy(rank).grad;
+// DDP and Sharded: each bucket before its collective), so the error names the device
+// the NaN or Inf came from; the combined result is checked again (a sum of finite
+// values can overflow): all of it, or in Sharded mode the device's own range, which
+// may cut parameters (so a parameter is checked where it overlaps the range).
+void DataParallel::check_finite(int rank, const Tensor& grad, std::int64_t offset) {
   auto& be = backend::get(devices_[rank]);
-  if (be.count_nonfinite(devices_[rank], g.data<float>() + lo, hi - lo) == 0) return;
+  const float* g = grad.data<float>();
+  const std::int64_t lo = offset, hi = offset + grad.numel();
+  if (be.count_nonfinite(devices_[rank], g, hi - lo) == 0) return;
   const auto& slots = set_->slots();
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    std::int64_t cnt = slots[i]->copies[0].numel();
-    if (slots[i]->offset < lo || slots[i]->offset + cnt > hi) continue;
-    if (be.count_nonfinite(devices_[rank], g.data<float>() + slots[i]->offset, cnt) > 0)
+    const std::int64_t a = std::max(lo, slots[i]->offset);
+    const std::int64_t b = std::min(hi, slots[i]->offset + slots[i]->copies[0].numel());
+    if (a >= b) continue;
+    if (be.count_nonfinite(devices_[rank], g + (a - lo), b - a) > 0)
       DP_FAIL("non-finite gradient (NaN or Inf) in parameter '", param_names_[i], "' on ", devices_[rank],
               " — lower the learning rate, check the loss for log(0) or the data for NaN");
   }
@@ -590,13 +673,15 @@ std::uint64_t DataParallel::primary_version() const {
 // Note [When replicas are refreshed]
 // DP: the replicas are transient, so they need device 0's parameters whenever those
 // changed since the last forward (an optimizer step, a load, an in-place write).
-// DDP: every replica is stepped by the optimizer along with device 0, so they stay
-// equal without any copy; they need device 0's parameters only when the copies were
-// written unequally — a load or an in-place write into device 0's parameters, or a
-// failed step that updated some copies and not others. Every write through a tensor
-// or an optimizer step bumps the written buffer's storage version, so "written
-// unequally" is "storage versions moved by different amounts since the last sync".
-// Decided once on the calling thread, so every rank makes the same collectives.
+// DDP and Sharded: every replica is stepped by the optimizer along with device 0 (a
+// Sharded step ends with an all-gather), so they stay equal without any copy; they
+// need device 0's parameters only when the copies were written unequally — a load or
+// an in-place write into device 0's parameters, or a failed step that updated some
+// copies and not others (or, Sharded, did not gather them: such a step leaves the
+// replicas marked unsynced). Every write through a tensor or an optimizer step bumps
+// the written buffer's storage version, so "written unequally" is "storage versions
+// moved by different amounts since the last sync". Decided once on the calling
+// thread, so every rank makes the same collectives.
 bool DataParallel::begin_replicate() {
   bool sync;
   if (options_.mode == Mode::DP) {

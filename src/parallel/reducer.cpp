@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "backend/backend.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 
@@ -52,8 +53,10 @@ class AllReduceSync final : public GradSync {
   explicit AllReduceSync(comm::Communicator& comm) : comm_(comm) {}
   const char* name() const override { return "allreduce"; }
   bool overlaps_backward() const override { return true; }
-  void sync(int rank, const Tensor& grad) override { comm_.all_reduce(rank, grad, grad, comm::ReduceOp::Sum); }
-  bool holds_result(int) const override { return true; }
+  void sync(int rank, const Tensor& grad, std::int64_t) override {
+    comm_.all_reduce(rank, grad, grad, comm::ReduceOp::Sum);
+  }
+  Held held(int, const Tensor& buffer) const override { return {0, buffer}; }
 
  private:
   comm::Communicator& comm_;
@@ -64,14 +67,58 @@ class ReduceToRootSync final : public GradSync {
   ReduceToRootSync(comm::Communicator& comm, int root) : comm_(comm), root_(root) {}
   const char* name() const override { return "reduce"; }
   bool overlaps_backward() const override { return false; }
-  void sync(int rank, const Tensor& grad) override {
+  void sync(int rank, const Tensor& grad, std::int64_t) override {
     comm_.reduce(rank, grad, rank == root_ ? grad : Tensor(), root_, comm::ReduceOp::Sum);
   }
-  bool holds_result(int rank) const override { return rank == root_; }
+  Held held(int rank, const Tensor& buffer) const override {
+    return rank == root_ ? Held{0, buffer} : Held{};
+  }
 
  private:
   comm::Communicator& comm_;
   int root_;
+};
+
+// Note [Sharded gradients].
+class ReduceScatterSync final : public GradSync {
+ public:
+  ReduceScatterSync(comm::Communicator& comm, ShardedGrads grads) : comm_(comm), g_(std::move(grads)) {}
+  const char* name() const override { return "reduce_scatter"; }
+  bool overlaps_backward() const override { return true; }
+
+  void sync(int rank, const Tensor& grad, std::int64_t offset) override {
+    const std::int64_t lo = offset, hi = offset + grad.numel();
+    for (int owner = 0; owner < static_cast<int>(g_.shards.size()); ++owner) {
+      const auto [begin, end] = g_.shards[static_cast<std::size_t>(owner)];
+      const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
+      if (a >= b) continue;
+      Tensor piece = grad.narrow(0, a - lo, b - a);
+      comm_.reduce(rank, piece, rank == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
+      // Stage 1: the piece was sent and belongs to another rank: zeros from now on.
+      // Through the backend, not Tensor::zero_(): that bumps the buffer's storage
+      // version, which the worker's backward bumps concurrently.
+      if (rank != owner && g_.zero_sent) {
+        const Device dev = piece.device();
+        backend::get(dev).memset_zero(piece.data<float>(), dev, static_cast<std::size_t>(b - a) * sizeof(float));
+      }
+    }
+  }
+
+  Held held(int rank, const Tensor& buffer) const override {
+    const auto [begin, end] = g_.shards[static_cast<std::size_t>(rank)];
+    return {begin, buffer.narrow(0, begin, end - begin)};
+  }
+
+  void begin(int rank) override {
+    if (g_.before_backward) g_.before_backward(rank);
+  }
+  void finish(int rank) override {
+    if (g_.after_sync) g_.after_sync(rank);
+  }
+
+ private:
+  comm::Communicator& comm_;
+  ShardedGrads g_;
 };
 
 }  // namespace
@@ -83,6 +130,17 @@ std::unique_ptr<GradSync> make_all_reduce_sync(comm::Communicator& comm) {
 std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int root) {
   DP_CHECK(root >= 0 && root < comm.size(), "reduce: root ", root, " is not a rank of ", comm.size());
   return std::make_unique<ReduceToRootSync>(comm, root);
+}
+
+std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads) {
+  DP_CHECK(static_cast<int>(grads.shards.size()) == comm.size(), "reduce_scatter: ", grads.shards.size(),
+           " shards for ", comm.size(), " ranks; expected one per rank");
+  for (std::size_t r = 0; r < grads.shards.size(); ++r) {
+    const auto [begin, end] = grads.shards[r];
+    DP_CHECK(0 <= begin && begin <= end && (r == 0 || grads.shards[r - 1].second <= begin),
+             "reduce_scatter: shard ", r, " [", begin, ", ", end, ") is inverted or overlaps the previous one");
+  }
+  return std::make_unique<ReduceScatterSync>(comm, std::move(grads));
 }
 
 // ---- the cycle -------------------------------------------------------------------------------
@@ -162,14 +220,16 @@ void Reducer::abort() {
 // sequence of collectives. The finite check runs before a bucket's collective, so
 // the error names the device the NaN came from before the sum spreads it.
 void Reducer::comm_loop(int rank) {
-  Tensor grad = grad_of_(rank);
+  Tensor grad;  // read once the worker's begin() has run: after the first bucket is ready
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     ranks_[rank].ready[b].wait(0, std::memory_order_acquire);
     if (aborted_.load(std::memory_order_acquire)) return;
+    if (!grad.defined()) grad = grad_of_(rank);
     const Bucket& bk = buckets_[b];
     auto t0 = Clock::now();
-    if (check_) check_(rank, bk.lo, bk.hi);
-    sync_->sync(rank, grad.narrow(0, bk.lo, bk.hi - bk.lo));
+    Tensor slice = grad.narrow(0, bk.lo, bk.hi - bk.lo);
+    if (check_) check_(rank, slice, bk.lo);
+    sync_->sync(rank, slice, bk.lo);
     auto t1 = Clock::now();
     ranks_[rank].comm_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
     if (recorder_.trace().enabled())
@@ -180,23 +240,32 @@ void Reducer::comm_loop(int rank) {
 
 void Reducer::finalize(int rank) {
   if (!active_.load(std::memory_order_acquire)) return;  // no_sync: accumulate only
-  const std::int64_t numel = grad_of_(rank).numel();
   const bool several = devices_.size() > 1;
   if (comm_threads_) {
     finalize_overlapped(rank);
   } else if (sync_->overlaps_backward()) {
     // One rank: nothing to combine, but the check sees the buckets as with several.
-    if (check_)
-      for (const Bucket& bk : buckets_) check_(rank, bk.lo, bk.hi);
+    if (check_) {
+      Tensor grad = grad_of_(rank);
+      for (const Bucket& bk : buckets_) check_(rank, grad.narrow(0, bk.lo, bk.hi - bk.lo), bk.lo);
+    }
   } else {
-    if (check_) check_(rank, 0, numel);
+    Tensor grad = grad_of_(rank);
+    if (check_) check_(rank, grad, 0);
     if (several) {
       PhaseTimer t(recorder_, rank, Phase::Reduce);
-      sync_->sync(rank, grad_of_(rank));
+      sync_->sync(rank, grad, 0);
     }
-    if (!several || !sync_->holds_result(rank)) return;  // nothing new to check
+    if (!several || !sync_->held(rank, grad).grad.defined()) {  // nothing new to check
+      sync_->finish(rank);
+      return;
+    }
   }
-  if (check_ && sync_->holds_result(rank)) check_(rank, 0, numel);
+  if (check_) {
+    GradSync::Held h = sync_->held(rank, grad_of_(rank));
+    if (h.grad.defined()) check_(rank, h.grad, h.offset);
+  }
+  sync_->finish(rank);
 }
 
 // Exposed time is what the worker waits for its comm thread after its own backward;

@@ -5,12 +5,13 @@
 // counting (the post-accumulate hook), the per-bucket collective on each rank's comm
 // thread, and finalize() at the end of each worker's backward. WHICH collective a
 // bucket runs is a GradSync strategy the reducer is given — a DP reduce to device 0,
-// a DDP all-reduce, and later a sharded reduce-scatter or a two-level reduce —
-// so adding a design touches one strategy and its test, never DataParallel's step.
+// a DDP all-reduce, a sharded reduce-scatter, later a two-level reduce — so adding
+// a design touches one strategy and its test, never DataParallel's step.
 // Knows nothing of modules or optimizers: a rank's gradient is a flat float32 buffer.
 //
 //   Reducer red(devices, assign_buckets(sizes, first, cap), make_all_reduce(comm), grad_of, rec);
 //   red.prepare(true);                // calling thread, before the workers' backward
+//   red.begin(r);                     // worker r, before its backward
 //   /* hook */ red.mark_ready(r, i);  // worker r: parameter i's gradient is final
 //   red.finalize(r);                  // worker r, after its backward; rethrows comm failures
 //   red.end();                        // calling thread, after every worker returned
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "dp/tensor/tensor.h"
@@ -58,16 +60,27 @@ std::int64_t mib_to_floats(double mib);
 class GradSync {
  public:
   virtual ~GradSync() = default;
-  /// For traces and errors: "allreduce", "reduce".
+  /// For traces and errors: "allreduce", "reduce", "reduce_scatter".
   virtual const char* name() const = 0;
   /// True: each bucket's collective runs on its rank's comm thread as soon as the
   /// bucket is ready, overlapping backward. False: one collective over the whole
   /// buffer, on the worker, once its backward is done.
   virtual bool overlaps_backward() const = 0;
-  /// Combines rank's slice `grad` (a bucket, or the whole buffer) with the other ranks'.
-  virtual void sync(int rank, const Tensor& grad) = 0;
-  /// Whether `rank` holds the combined gradient afterwards.
-  virtual bool holds_result(int rank) const = 0;
+  /// Combines rank's `grad` — elements [offset, offset + grad.numel()) of its flat
+  /// gradient buffer: a bucket, or the whole buffer — with the other ranks'.
+  virtual void sync(int rank, const Tensor& grad, std::int64_t offset) = 0;
+  /// What rank holds of the combined gradient once the cycle is over: `grad` holds
+  /// elements [offset, offset + grad.numel()) of the sum; undefined when nothing.
+  struct Held {
+    std::int64_t offset = 0;
+    Tensor grad;
+  };
+  /// `buffer` is rank's flat gradient buffer.
+  virtual Held held(int rank, const Tensor& buffer) const = 0;
+  /// Worker `rank`, before its backward (synced or not).
+  virtual void begin(int /*rank*/) {}
+  /// Worker `rank`, after a synced cycle succeeded (collectives done, result checked).
+  virtual void finish(int /*rank*/) {}
 };
 
 /// DDP: every rank ends with the sum of every rank's bucket.
@@ -75,13 +88,49 @@ std::unique_ptr<GradSync> make_all_reduce_sync(comm::Communicator& comm);
 /// DP: rank `root` ends with the sum; the other ranks' gradients are left as they were.
 std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int root);
 
+/// Where the sharded strategy puts each rank's summed range, and its hooks.
+struct ShardedGrads {
+  /// Rank r owns [shards[r].first, shards[r].second) of the flat buffer.
+  std::vector<std::pair<std::int64_t, std::int64_t>> shards;
+  /// Stage 1: each rank zeroes the pieces it sent to their owners (its buffer then
+  /// holds its own range's sum and zeros elsewhere). Stage 2 frees the buffer instead.
+  bool zero_sent = true;
+  /// Worker r, before every backward (synced or not): e.g. make its full gradient
+  /// buffer exist again (stage 2). May be empty.
+  std::function<void(int rank)> before_backward;
+  /// Worker r, after its synced cycle: e.g. free its full gradient buffer (stage 2).
+  /// May be empty.
+  std::function<void(int rank)> after_sync;
+};
+
+/// Note [Sharded gradients]
+/// Sharded data parallelism (ZeRO stages 1 and 2): rank r ends with the sum over
+/// ranks of its own range only. A bucket [lo, hi) is cut at the shard boundaries into
+/// pieces, and each piece is reduced onto the rank that owns it — a reduce-scatter
+/// with per-rank counts, as one reduce per piece (NCCL would group them). The
+/// Communicator's reduce_scatter takes equal counts, which a bucket of whole
+/// parameters cut by element-exact shards (Note [Sharded parameter sets]) does not
+/// have; padding every bucket to a multiple of the ranks (FSDP's layout) would give
+/// each rank a strided, not contiguous, range. A backward makes #buckets + at most
+/// N - 1 collectives (a bucket gains one piece per shard boundary inside it). Every
+/// element is summed in the fixed rank order of the local all-reduce, so the sum is
+/// bitwise DDP's. The owner's piece is reduced in place.
+/// Stage 1 (zero_sent): every other rank zeroes its piece once it was sent, so each
+/// rank's buffer holds the summed gradient on its own range and zeros elsewhere: a
+/// next backward without zero_grad accumulates onto it and its reduction stays exact.
+/// Stage 2: after the cycle after_sync moves the rank's range out of its buffer and
+/// frees the buffer; before_backward brings it back (zeros, the range restored), so
+/// gradients accumulate the same way.
+std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads);
+
 /// The gradient cycle (see the file comment and Note [Gradient buckets]).
 class Reducer {
  public:
   /// Rank r's flat gradient buffer.
   using GradOf = std::function<Tensor(int rank)>;
-  /// Checks [lo, hi) of rank's gradient; throws to fail the step (the finite check).
-  using Check = std::function<void(int rank, std::int64_t lo, std::int64_t hi)>;
+  /// Checks rank's gradient `grad`, elements [offset, offset + grad.numel()) of the
+  /// flat buffer; throws to fail the step (the finite check).
+  using Check = std::function<void(int rank, const Tensor& grad, std::int64_t offset)>;
 
   Reducer(std::vector<Device> devices, std::vector<Bucket> buckets, std::unique_ptr<GradSync> sync,
           GradOf grad_of, PhaseRecorder& recorder);
@@ -94,7 +143,7 @@ class Reducer {
   /// Tasks handed to the comm threads since construction.
   std::int64_t handoffs() const;
   /// Runs before each bucket's collective on its rank, and after the cycle on every
-  /// rank that holds the result (over the whole buffer). Unset: no check.
+  /// rank over what it holds of the result (GradSync::held). Unset: no check.
   void set_check(Check check) { check_ = std::move(check); }
   /// Called on a comm thread whose collective failed (e.g. to abort the communicator
   /// and the reducer, so that no other rank waits for this one).
@@ -103,6 +152,8 @@ class Reducer {
   /// Calling thread, before the workers' backward. `sync` false (no_sync): the
   /// gradients only accumulate locally; hooks count nothing, finalize does nothing.
   void prepare(bool sync);
+  /// Worker `rank`, before its backward (synced or not): the strategy's preparation.
+  void begin(int rank) { sync_->begin(rank); }
   /// The post-accumulate hook of parameter `param` on rank `rank`.
   void mark_ready(int rank, int param);
   /// Worker `rank`, after its backward: the buckets still pending (parameters that got

@@ -11,7 +11,9 @@ namespace dp::parallel {
 
 const char* phase_name(Phase p) {
   static const char* names[] = {"scatter", "replicate", "forward", "backward", "reduce",
-                                "allreduce_hidden", "allreduce_exposed", "step", "gather"};
+                                "allreduce_hidden", "allreduce_exposed", "step", "gather",
+                                "allgather"};
+  static_assert(sizeof(names) / sizeof(names[0]) == static_cast<int>(Phase::kCount), "a name per phase");
   return names[static_cast<int>(p)];
 }
 

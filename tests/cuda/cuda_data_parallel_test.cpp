@@ -1,10 +1,11 @@
 // tests/cuda/cuda_data_parallel_test.cpp — DataParallel end to end on CUDA devices.
 //
-// The DP/DDP runtime is tested in depth on CPU virtual devices (tests/parallel); this
-// binary checks the CUDA-specific paths on real GPUs: pinned batches from a DataLoader
-// scattered straight to every device, peer copies (DP replicate and reduce), the NCCL
-// communicator (DDP), the caching allocators' steady state, and agreement with the same
-// run on CPU virtual devices. It uses every visible device (up to 8). Without a CUDA device
+// The DP/DDP/Sharded runtime is tested in depth on CPU virtual devices (tests/parallel);
+// this binary checks the CUDA-specific paths on real GPUs: pinned batches from a
+// DataLoader scattered straight to every device, peer copies (DP replicate and reduce),
+// the NCCL communicator (DDP all-reduce; Sharded reduce per bucket piece and
+// all-gather), the caching allocators' steady state, and agreement with the same run on
+// CPU virtual devices. It uses every visible device (up to 8). Without a CUDA device
 // the binary exits 77, which Meson reports as SKIP.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -73,7 +74,7 @@ constexpr std::int64_t kBatch = 64;
 
 struct Run {
   std::vector<float> params;
-  std::vector<std::vector<float>> replicas;  // DDP: every copy's flat data
+  std::vector<std::vector<float>> replicas;  // DDP, Sharded: every copy's flat data
   std::vector<std::size_t> memory_step3, memory_end;
   std::size_t pinned_before = 0, pinned_after = 0;
   bool all_pinned = true;
@@ -82,10 +83,10 @@ struct Run {
 // Trains kSteps SGD-momentum steps with DataParallel over `devs` from a pinned loader.
 // SGD rather than Adam: its update is continuous in the gradient, so the CPU and CUDA
 // runs, whose float sums differ in order, stay within a tight tolerance.
-Run train(const std::vector<dp::Device>& devs, dp::Mode mode, bool worker_loss) {
+Run train(const std::vector<dp::Device>& devs, const dp::DataParallelOptions& options, bool worker_loss) {
   Run run;
   auto net = make_cnn(3);
-  dp::DataParallel model(net, devs, {.mode = mode});
+  dp::DataParallel model(net, devs, options);
   dp::optim::SGD opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
   dp::data::DataLoader loader(dataset(), {.batch_size = kBatch, .shuffle = true, .seed = 5,
                                           .pin_memory = true});
@@ -108,7 +109,7 @@ Run train(const std::vector<dp::Device>& devs, dp::Mode mode, bool worker_loss) 
   for (const dp::Device& d : devs) run.memory_end.push_back(dp::memory_allocated(d));
   run.pinned_after = dp::pinned_memory_allocated();
   run.params = flat_params(*net);
-  if (mode == dp::Mode::DDP) {
+  if (options.mode != dp::Mode::DP) {
     const auto set = model.parameters().set();
     for (int r = 0; r < set->num_copies(); ++r) run.replicas.push_back(set->copy(r).data.to_vector());
   }
@@ -117,18 +118,23 @@ Run train(const std::vector<dp::Device>& devs, dp::Mode mode, bool worker_loss) 
 
 }  // namespace
 
-TEST_CASE("DP and DDP on every GPU match the same run on CPU virtual devices") {
+TEST_CASE("DP, DDP and Sharded on every GPU match the same run on CPU virtual devices") {
   // The oracle is the CPU runtime with as many virtual devices: BatchNorm normalises
   // each device's shard, so the comparison needs the same shards, not one device.
   const auto gpus = cuda_devices();
   std::vector<dp::Device> cpus;
   for (std::size_t i = 0; i < gpus.size(); ++i) cpus.push_back(dp::cpu(static_cast<int>(i)));
-  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+  const dp::DataParallelOptions modes[] = {{.mode = dp::Mode::DP},
+                                           {.mode = dp::Mode::DDP},
+                                           {.mode = dp::Mode::Sharded, .shard_stage = 1},
+                                           {.mode = dp::Mode::Sharded, .shard_stage = 2}};
+  for (const auto& options : modes) {
     for (bool worker_loss : {false, true}) {
-      CAPTURE(static_cast<int>(mode));
+      CAPTURE(dp::mode_name(options.mode));
+      CAPTURE(options.shard_stage.value_or(0));
       CAPTURE(worker_loss);
-      const Run ref = train(cpus, mode, worker_loss);
-      const Run got = train(gpus, mode, worker_loss);
+      const Run ref = train(cpus, options, worker_loss);
+      const Run got = train(gpus, options, worker_loss);
       CHECK(got.all_pinned);
       CHECK(max_diff(got.params, ref.params) < 1e-4);
       // Steady state: after step 3 no device holds more memory (no per-step leak).
@@ -136,7 +142,8 @@ TEST_CASE("DP and DDP on every GPU match the same run on CPU virtual devices") {
         CAPTURE(r);
         CHECK(got.memory_end[r] == got.memory_step3[r]);
       }
-      // DDP replicas apply the same all-reduced gradient: bitwise equal to device 0.
+      // DDP replicas apply the same all-reduced gradient, Sharded replicas gather the
+      // same ranges: bitwise equal to device 0.
       for (std::size_t r = 1; r < got.replicas.size(); ++r) {
         CAPTURE(r);
         CHECK(max_diff(got.replicas[r], got.replicas[0]) == 0.0);

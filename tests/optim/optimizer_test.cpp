@@ -1,6 +1,7 @@
 // Tests for dp/optim/optimizer.h: flat-range grouping (whole set, partial lists, loose
-// tensors), per-copy state (copies added later start from the primary's state),
-// executors, zero_grad, state_dict round trips and the errors.
+// tensors), per-copy state (copies added later start from the primary's state; a
+// sharded set's copies step and keep state for their own range), executors,
+// zero_grad, state_dict round trips and the errors.
 #include <doctest/doctest.h>
 
 #include <thread>
@@ -128,9 +129,9 @@ TEST_CASE("an executor runs each copy's step on its own thread") {
   set->add_copy(dp::cpu(1), false);
   set->add_copy(dp::cpu(2), false);
   int calls = 0, updates = 0;
-  set->set_executor([&calls, &updates](int n, dp::nn::CopyWork work, const std::function<void(int)>& fn) {
+  set->set_executor([&calls, &updates](int n, const std::function<void(int)>& fn, dp::nn::CopyWork work) {
     ++calls;
-    updates += work == dp::nn::CopyWork::Update ? 1 : 0;
+    updates += work == dp::nn::CopyWork::Step ? 1 : 0;
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) threads.emplace_back([&fn, r] { fn(r); });
     for (auto& t : threads) t.join();
@@ -223,4 +224,82 @@ TEST_CASE_TEMPLATE("optimizer state_dict round trip continues identically", Dev,
   // SGD without momentum has only a step count.
   optim::SGD plain(pb, {.lr = 0.1});
   CHECK(plain.state_dict().size() == 1);
+}
+
+TEST_CASE("a sharded set: each copy steps only its range, keeping state for it alone") {
+  // Linear(8, 6) -> Linear(6, 4): 82 parameters; 3 copies own 32 elements each (28
+  // rounded up to 16), so the ranges cut through weights and copy 2 ends in padding.
+  auto make = [] {
+    dp::Generator gen(5);
+    return std::make_shared<dp::nn::Sequential>(std::make_shared<dp::nn::Linear>(8, 6, true, &gen),
+                                                std::make_shared<dp::nn::Linear>(6, 4, true, &gen));
+  };
+  auto make_opt = [](int kind, dp::nn::ParameterList p) -> std::unique_ptr<optim::Optimizer> {
+    if (kind == 0) return std::make_unique<optim::SGD>(p, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+    if (kind == 1) return std::make_unique<optim::Adam>(p, optim::AdamOptions{.lr = 0.01});
+    return std::make_unique<optim::AdamW>(p, optim::AdamWOptions{.lr = 0.01, .weight_decay = 0.1});
+  };
+  for (int kind = 0; kind < 3; ++kind) {
+    CAPTURE(kind);
+    auto net = make(), ref = make();
+    auto params = net->parameters();
+    auto set = params.set();
+    set->add_copy(dp::cpu(1), false);
+    set->add_copy(dp::cpu(2), false);
+    set->shard(/*shard_grads=*/false);
+    REQUIRE(set->numel() == 82);
+    REQUIRE(set->buffer_numel() == 96);
+    auto opt = make_opt(kind, params);
+    auto ref_opt = make_opt(kind, ref->parameters());
+    for (int t = 0; t < 3; ++t) {
+      opt->zero_grad();
+      ref_opt->zero_grad();
+      set_grads(params.tensors(), t);
+      set_grads(ref->parameters().tensors(), t);
+      for (int r = 1; r < 3; ++r) set->copy(r).grad.copy_(set->copy(0).grad);
+      std::vector<std::vector<float>> before;
+      for (int r = 0; r < 3; ++r) before.push_back(set->copy(r).data.to_vector());
+      opt->step();
+      ref_opt->step();
+      for (int r = 0; r < 3; ++r) {
+        const auto& c = set->copy(r);
+        auto now = c.data.to_vector();
+        for (std::int64_t i = 0; i < set->buffer_numel(); ++i)
+          if (i < c.begin || i >= c.end) CHECK(now[i] == before[r][i]);  // outside its range: untouched
+      }
+      // What DataParallel's all-gather does: every copy takes every copy's range.
+      for (int r = 0; r < 3; ++r)
+        for (int o = 0; o < 3; ++o) {
+          const auto& src = set->copy(o);
+          set->copy(r).data.narrow(0, src.begin, src.end - src.begin)
+              .copy_(src.data.narrow(0, src.begin, src.end - src.begin));
+        }
+      CHECK(dp::equal(set->copy(0).data.narrow(0, 0, 82), ref->parameters().set()->copy(0).data));
+    }
+    // The state_dict is the full state, assembled from the three ranges.
+    auto sd = opt->state_dict(), ref_sd = ref_opt->state_dict();
+    REQUIRE(sd.size() == ref_sd.size());
+    for (std::size_t i = 0; i < sd.size(); ++i) {
+      CHECK(sd[i].first == ref_sd[i].first);
+      CHECK(dp::equal(sd[i].second, ref_sd[i].second));
+    }
+    // A load hands each copy its range: one more step still matches.
+    auto again = make_opt(kind, params);
+    again->load_state_dict(ref_sd);
+    opt.reset();
+    again->zero_grad();
+    ref_opt->zero_grad();
+    set_grads(params.tensors(), 7);
+    set_grads(ref->parameters().tensors(), 7);
+    for (int r = 1; r < 3; ++r) set->copy(r).grad.copy_(set->copy(0).grad);
+    again->step();
+    ref_opt->step();
+    for (int o = 1; o < 3; ++o) {
+      const auto& src = set->copy(o);
+      set->copy(0).data.narrow(0, src.begin, src.end - src.begin)
+          .copy_(src.data.narrow(0, src.begin, src.end - src.begin));
+    }
+    CHECK(dp::equal(set->copy(0).data.narrow(0, 0, 82), ref->parameters().set()->copy(0).data));
+    set->drop_copies();
+  }
 }

@@ -1,6 +1,6 @@
 // The Reducer alone: bucket assignment, the gradient cycle with a recording strategy,
 // overlap with backward, no_sync, unused parameters, failures without a hang, and the
-// two real strategies over the local communicator.
+// three real strategies over the local communicator.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -11,6 +11,8 @@
 #include <random>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
@@ -41,8 +43,9 @@ class RecordingSync final : public dp::parallel::GradSync {
   RecordingSync(bool overlaps, std::vector<Tensor> grads) : overlaps_(overlaps), grads_(std::move(grads)) {}
   const char* name() const override { return "recording"; }
   bool overlaps_backward() const override { return overlaps_; }
-  void sync(int rank, const Tensor& grad) override {
+  void sync(int rank, const Tensor& grad, std::int64_t offset) override {
     std::int64_t lo = (grad.data<float>() - grads_[rank].data<float>());
+    CHECK(lo == offset);
     {
       std::lock_guard<std::mutex> lock(mu_);
       calls_.push_back({rank, lo, lo + grad.numel(), std::this_thread::get_id()});
@@ -51,7 +54,9 @@ class RecordingSync final : public dp::parallel::GradSync {
     count_.notify_all();
     if (rank == fail_rank_) throw std::out_of_range("injected collective failure");
   }
-  bool holds_result(int rank) const override { return rank == 0 || overlaps_; }
+  Held held(int rank, const Tensor& buffer) const override {
+    return rank == 0 || overlaps_ ? Held{0, buffer} : Held{};
+  }
 
   std::vector<Call> calls() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -247,9 +252,9 @@ TEST_CASE("non-overlapping strategy: one collective over the whole buffer on the
   Fixture f(3, /*overlaps=*/false);
   std::vector<std::pair<int, std::int64_t>> checks;
   std::mutex mu;
-  f.reducer->set_check([&](int r, std::int64_t lo, std::int64_t hi) {
+  f.reducer->set_check([&](int r, const Tensor& g, std::int64_t) {
     std::lock_guard<std::mutex> lock(mu);
-    checks.push_back({r, hi - lo});
+    checks.push_back({r, g.numel()});
   });
   f.reducer->prepare(true);
   f.on_workers([&](int r) { f.reducer->finalize(r); });
@@ -271,7 +276,7 @@ TEST_CASE("non-overlapping strategy: one collective over the whole buffer on the
 TEST_CASE("one rank: no comm thread and no collective, but the check still runs") {
   Fixture f(1, true);
   int checked = 0;
-  f.reducer->set_check([&](int, std::int64_t, std::int64_t) { ++checked; });
+  f.reducer->set_check([&](int, const Tensor&, std::int64_t) { ++checked; });
   f.reducer->prepare(true);
   for (int i = 2; i >= 0; --i) f.reducer->mark_ready(0, i);
   f.reducer->finalize(0);
@@ -366,5 +371,59 @@ TEST_CASE("the real strategies over the local communicator") {
     CHECK(grads[1].to_vector() == std::vector<float>(9, 2.0f));
     CHECK(grads[2].to_vector() == std::vector<float>(9, 3.0f));
   }
+  for (bool zero_sent : {true, false}) {
+    SUBCASE(zero_sent ? "reduce-scatter, stage 1: each rank holds its range's sum, zeros elsewhere"
+                      : "reduce-scatter, stage 2: each rank holds its range's sum; the hooks run") {
+      // Shards of 3 elements; bucket {param 0} = [0, 4) crosses the first boundary.
+      dp::parallel::ShardedGrads g;
+      g.shards = {{0, 3}, {3, 6}, {6, 9}};
+      g.zero_sent = zero_sent;
+      std::atomic<int> begun{0}, finished{0};
+      g.before_backward = [&](int) { begun.fetch_add(1); };
+      g.after_sync = [&](int r) {
+        CHECK(grads[r].to_vector()[3 * r] == 6.0f);  // after the collectives and the check
+        finished.fetch_add(1);
+      };
+      Reducer red(devices, assign_buckets(kSizes, 3, 3), dp::parallel::make_reduce_scatter_sync(*comm, g),
+                  [&](int r) { return grads[r]; }, recorder);
+      CHECK(std::string(red.strategy().name()) == "reduce_scatter");
+      std::mutex mu;
+      std::vector<std::tuple<int, std::int64_t, std::int64_t>> checks;  // rank, offset, numel
+      red.set_check([&](int r, const Tensor& t, std::int64_t off) {
+        std::lock_guard<std::mutex> lock(mu);
+        checks.emplace_back(r, off, t.numel());
+      });
+      red.prepare(true);
+      std::vector<std::thread> ts;
+      for (int r = 0; r < 3; ++r)
+        ts.emplace_back([&, r] {
+          red.begin(r);
+          for (int i = 2; i >= 0; --i) red.mark_ready(r, i);
+          red.finalize(r);
+        });
+      for (auto& t : ts) t.join();
+      red.end();
+      CHECK(begun.load() == 3);
+      CHECK(finished.load() == 3);
+      for (int r = 0; r < 3; ++r) {
+        auto v = grads[r].to_vector();
+        for (int i = 0; i < 9; ++i) {
+          const bool own = i / 3 == r;
+          CHECK(v[i] == (own ? 6.0f : zero_sent ? 0.0f : static_cast<float>(r + 1)));
+        }
+        // Three buckets checked before their collectives, then the rank's own range.
+        std::vector<std::pair<std::int64_t, std::int64_t>> mine;
+        for (auto& [cr, off, n] : checks)
+          if (cr == r) mine.emplace_back(off, n);
+        REQUIRE(mine.size() == 4);
+        CHECK(mine.back() == std::pair<std::int64_t, std::int64_t>{3 * r, 3});
+      }
+    }
+  }
   CHECK_THROWS_AS(dp::parallel::make_reduce_to_root_sync(*comm, 3), dp::Error);
+  dp::parallel::ShardedGrads two, overlapping;
+  two.shards = {{0, 3}, {3, 9}};
+  overlapping.shards = {{0, 4}, {3, 6}, {6, 9}};
+  CHECK_THROWS_AS(dp::parallel::make_reduce_scatter_sync(*comm, two), dp::Error);
+  CHECK_THROWS_AS(dp::parallel::make_reduce_scatter_sync(*comm, overlapping), dp::Error);
 }

@@ -1,6 +1,6 @@
-// Stress: random DP/DDP configurations with worker failures injected at random phases.
+// Stress: random DP/DDP/Sharded configurations with worker failures injected at random phases.
 //
-// Each configuration draws a device count (1-8), a mode, a path (module(x) + backward
+// Each configuration draws a device count (1-8), a mode (Sharded: stage 1 or 2), a path (module(x) + backward
 // on the caller, or forward_backward with the loss on the workers), a batch size
 // (tiny, uneven, smaller than the device count), a small random layer stack
 // (Linear/ReLU/Dropout or Conv2d/BatchNorm2d/ReLU/MaxPool2d/Dropout) and DDP bucket
@@ -12,7 +12,7 @@
 //  - a failure before the optimizer step left the parameters untouched;
 //  - the next step is correct: a reference DataParallel that never failed, loaded
 //    with the failed model's state, computes the same loss and parameters (and in
-//    DDP every replica holds the same parameters as device 0).
+//    DDP and Sharded every replica holds the same parameters as device 0).
 // DP_STRESS_CONFIGS overrides the number of configurations (the sanitizer runs use
 // fewer); DP_STRESS_SEED the seed. Both are printed with every failure.
 #include <doctest/doctest.h>
@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <future>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -118,6 +119,7 @@ class FaultySgd final : public dp::optim::Optimizer {
 struct Config {
   int devices = 1;
   dp::Mode mode = dp::Mode::DP;
+  int shard_stage = 0;  // Sharded: 1 or 2
   bool worker_loss = false;
   bool conv = false;
   int channels = 1, hw = 4, features = 4;
@@ -130,7 +132,9 @@ struct Config {
   std::vector<int> layers;  // layer codes, see build_net
   std::string str() const {
     std::ostringstream os;
-    os << devices << " devices, " << (mode == dp::Mode::DP ? "DP" : "DDP") << ", "
+    os << devices << " devices, " << dp::mode_name(mode);
+    if (mode == dp::Mode::Sharded) os << " stage " << shard_stage;
+    os << ", "
        << (worker_loss ? "forward_backward" : "module(x)") << ", " << (conv ? "conv" : "mlp")
        << " layers [";
     for (int l : layers) os << l << ' ';
@@ -145,7 +149,9 @@ Config draw(std::mt19937_64& rng) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   Config c;
   c.devices = pick(1, 8);
-  c.mode = pick(0, 1) ? dp::Mode::DDP : dp::Mode::DP;
+  const int mode = pick(0, 3);  // DP, DDP, Sharded stage 1, Sharded stage 2
+  c.mode = mode == 0 ? dp::Mode::DP : mode == 1 ? dp::Mode::DDP : dp::Mode::Sharded;
+  if (c.mode == dp::Mode::Sharded) c.shard_stage = mode - 1;
   c.worker_loss = pick(0, 1);
   c.conv = pick(0, 2) == 0;  // convolutions cost more: a third of the configurations
   c.net_seed = rng();
@@ -243,7 +249,10 @@ struct Rig {
     for (int d = 0; d < c.devices; ++d) devs.push_back(dp::cpu(d));
     model = std::make_unique<dp::DataParallel>(
         net, devs,
-        dp::DataParallelOptions{.mode = c.mode, .bucket_cap_mb = c.bucket_cap_mb,
+        dp::DataParallelOptions{.mode = c.mode,
+                                .shard_stage = c.mode == dp::Mode::Sharded ? std::optional<int>(c.shard_stage)
+                                                                           : std::nullopt,
+                                .bucket_cap_mb = c.bucket_cap_mb,
                                 .first_bucket_mb = c.first_bucket_mb});
     opt = std::make_unique<FaultySgd>(model->parameters(), 0.05, inj);
   }
@@ -330,7 +339,7 @@ constexpr double kTolerance = 1e-6;
 
 }  // namespace
 
-TEST_CASE("random DP/DDP configurations survive injected worker failures and stay correct") {
+TEST_CASE("random DP/DDP/Sharded configurations survive injected worker failures and stay correct") {
   const long configs = env_or("DP_STRESS_CONFIGS", kDefaultConfigs);
   const auto seed = static_cast<std::uint64_t>(env_or("DP_STRESS_SEED", static_cast<long>(kDefaultSeed)));
   std::mt19937_64 rng(seed);
@@ -353,7 +362,7 @@ TEST_CASE("random DP/DDP configurations survive injected worker failures and sta
         double lr = guarded(where.str(), [&] { return ref.step(d.x, d.y, Fault::None, -1); });
         CHECK(std::fabs(l - lr) <= kTolerance);
         CHECK(max_diff(flat_params(*rig.model, 0), flat_params(*ref.model, 0)) <= kTolerance);
-        if (c.mode == dp::Mode::DDP)
+        if (c.mode != dp::Mode::DP)
           for (int r = 1; r < c.devices; ++r)
             CHECK(max_diff(flat_params(*rig.model, r), flat_params(*rig.model, 0)) == 0);
         continue;

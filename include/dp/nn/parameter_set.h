@@ -4,11 +4,12 @@
 // A module tree's parameters form one ParameterSet. The set owns, per *copy*, a flat
 // data buffer and a flat gradient buffer on that copy's device; every parameter
 // tensor is a view into them. Copy 0 is the primary (the module's own parameters).
-// DataParallel's DDP mode adds one persistent copy per further device; DP mode's
-// replicas are transient copies refreshed before each forward. Because a parameter
-// is a slice of a buffer, replicate/broadcast, reduce, all-reduce, the optimizer
-// step and checkpoints are each one call over a buffer, and a DDP bucket is a
-// slice of the gradient buffer.
+// DataParallel's DDP and Sharded modes add one persistent copy per further device;
+// DP mode's replicas are transient copies refreshed before each forward. Because a
+// parameter is a slice of a buffer, replicate/broadcast, reduce, all-reduce, the
+// optimizer step and checkpoints are each one call over a buffer, and a DDP bucket
+// is a slice of the gradient buffer. A sharded set gives each copy a contiguous
+// range of the buffers to step (Note [Sharded parameter sets]).
 //
 // Which copy a module's forward uses is chosen per thread (ReplicaBinding): a worker
 // thread for device i binds copy i, so one module object serves every worker
@@ -74,19 +75,30 @@ class ReplicaBinding {
   int prev_;
 };
 
-/// What a for_each_copy() call does to the copies: an executor may treat an
-/// optimizer update differently (DataParallel checks that every replica is about to
-/// apply the same gradient).
-enum class CopyWork { Update, Other };
-
 /// The flat buffers of one copy of a parameter set.
 struct ParameterCopy {
   Device device;
-  Tensor data;  // (numel) float32, every parameter of this copy is a view into it
-  Tensor grad;  // (numel) float32, every parameter's .grad is a view into it
+  Tensor data;  // (buffer_numel) float32, every parameter of this copy is a view into it
+  Tensor grad;  // (buffer_numel) float32, every parameter's .grad is a view into it;
+                // undefined while released (sharded gradients, between backward passes)
   /// DP mode's replicas: refreshed from the primary before each forward, never
-  /// stepped by an optimizer. DDP copies are persistent (transient = false).
+  /// stepped by an optimizer. DDP and Sharded copies are persistent (transient = false).
   bool transient = false;
+  /// [begin, end): the range of the flat buffers an optimizer step of this copy
+  /// updates — all of them, except in a sharded set, where it is the copy's shard.
+  std::int64_t begin = 0, end = 0;
+  /// Sharded gradients: the summed gradient of [begin, end) ((end - begin) float32)
+  /// while `grad` is released (between backward passes). Undefined otherwise.
+  Tensor shard_grad;
+  /// The gradient an optimizer step of this copy reads: element i of the flat buffers
+  /// (begin <= i < end) is owned_grad()[i - begin]. shard_grad when defined, else grad.
+  Tensor owned_grad() const;
+};
+
+/// What the work given to ParameterSet::for_each_copy does to each copy.
+enum class CopyWork {
+  Step,       // an optimizer step: writes the data of [begin, end)
+  Gradients,  // zero_grad, clipping and the like: touches gradients (or state) only
 };
 
 /// All parameters of a module tree, flattened (see Note [Parameter sets]).
@@ -103,26 +115,68 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   ParameterSet(const ParameterSet&) = delete;
   ParameterSet& operator=(const ParameterSet&) = delete;
 
+  /// Elements of all parameters.
   std::int64_t numel() const { return numel_; }
+  /// Elements of every copy's flat buffers: numel(), or more once sharded (padding).
+  std::int64_t buffer_numel() const { return buffer_numel_; }
   std::size_t size() const { return slots_.size(); }
   const std::vector<std::shared_ptr<Parameter::Slot>>& slots() const { return slots_; }
 
   int num_copies() const { return static_cast<int>(copies_.size()); }
   ParameterCopy& copy(int r);
   const ParameterCopy& copy(int r) const;
-  /// Adds copy r on `device` with the primary's current values; returns r.
+  /// Adds copy r on `device` with the primary's current values; returns r. Throws
+  /// dp::Error on a sharded set (add every copy first).
   int add_copy(Device device, bool transient);
-  /// Drops every copy but the primary.
+  /// Drops every copy but the primary (unsharding first).
   void drop_copies();
   /// Moves the primary copy to `device` (data and grad; views rebound in place).
   void move_primary(Device device);
 
   /// Runs fn(r) for every persistent (non-transient) copy r — what an optimizer
   /// steps. Default: in order on the calling thread. DataParallel installs an
-  /// executor that runs each copy on its device's worker thread.
-  void for_each_copy(const std::function<void(int copy)>& fn, CopyWork work = CopyWork::Other);
-  using Executor = std::function<void(int num_copies, CopyWork work, const std::function<void(int)>& fn)>;
+  /// executor that runs each copy on its device's worker thread (and, after a Step
+  /// of a sharded set, gathers every copy's updated range into every copy).
+  void for_each_copy(const std::function<void(int copy)>& fn, CopyWork work = CopyWork::Gradients);
+  using Executor = std::function<void(int num_copies, const std::function<void(int)>& fn, CopyWork work)>;
   void set_executor(Executor executor) { executor_ = std::move(executor); }
+
+  /// Note [Sharded parameter sets]
+  /// shard() splits the flat buffers into num_copies() contiguous ranges of equal
+  /// length S, copy r owning [r*S, (r+1)*S) (clipped to the padded buffer): an
+  /// optimizer step of copy r updates only that range and keeps optimizer state only
+  /// for it. Ranges are element-exact, not whole parameters: one parameter may span
+  /// two copies, and every copy owns the same number of elements, however unequal the
+  /// parameters are (whole-parameter ranges would give one copy the MLP's 1024x1024
+  /// weight, 56% of the model). S is rounded up to kShardAlign elements (a cache
+  /// line, and aligned vector loads on a GPU), and the buffers are padded with zeros
+  /// to num_copies() * S, so that every range has the same length and an equal-count
+  /// all-gather reassembles the parameters. The padding belongs to no parameter: no
+  /// optimizer steps it and no gradient reaches it.
+  /// Whatever gradient copy 0 holds is handed out by range: copy r's buffer holds
+  /// copy 0's values on its own range and zeros elsewhere, so the sum over copies is
+  /// unchanged. With `shard_grads` (ZeRO stage 2) each copy keeps between backward
+  /// passes only the gradient of its range, in shard_grad, and a full gradient buffer
+  /// only while a backward needs it: acquire_grad before the backward, release_grad
+  /// once its buckets were reduced; the parameters' .grad are undefined between.
+  /// Throws dp::Error when already sharded or when a copy is transient.
+  void shard(bool shard_grads);
+  /// Undoes shard(): every copy steps all of the buffers again and has a full
+  /// gradient buffer; copy 0's gradient receives every other copy's range of its
+  /// owned gradient, so after a synced backward it holds the whole summed gradient.
+  void unshard();
+  bool sharded() const { return sharded_; }
+  bool shards_grads() const { return shard_grads_; }
+  static constexpr std::int64_t kShardAlign = 16;  // floats: 64 bytes
+  /// Sharded gradients: gives copy r a full gradient buffer — zeros, its own range
+  /// taking over shard_grad (freed), so that gradients keep accumulating — and points
+  /// copy r's .grad views at it. A no-op when copy r has one.
+  void acquire_grad(int r);
+  /// Sharded gradients: moves copy r's own range of its gradient buffer into
+  /// shard_grad and frees the buffer (copy r's .grad become undefined).
+  void release_grad(int r);
+  /// Zeroes every copy's gradients: full buffers that exist and shard gradients.
+  void zero_grad();
 
   /// Increments when the primary data is written by an optimizer step or a load.
   std::uint64_t version() const { return version_; }
@@ -134,9 +188,14 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
 
  private:
   void bind_views(int r);
+  void bind_grad_views(int r);
+  void grow_buffers(int r, std::int64_t n);
   std::vector<std::shared_ptr<Parameter::Slot>> slots_;
   std::vector<ParameterCopy> copies_;
   std::int64_t numel_ = 0;
+  std::int64_t buffer_numel_ = 0;
+  bool sharded_ = false;
+  bool shard_grads_ = false;
   std::uint64_t version_ = 0;
   bool valid_ = true;
   Executor executor_;

@@ -6,12 +6,17 @@
 // parameters merge; the whole set is one range) and keeps its state (momentum buffers,
 // exp_avg, …) flat, one buffer per state name and per copy of the set, laid out like
 // the ranges back to back. A step then calls ONE fused backend kernel per range and
-// copy on `copy(r).data` / `copy(r).grad` slices, via set->for_each_copy — so under
-// DataParallel's DDP mode each device's worker steps its own copy with its own state,
-// and no optimizer knows about DataParallel. State is allocated lazily on the copy's
-// device at its first step; a copy added later (DDP wrapping after some steps) starts
-// from a copy of the primary's state. Every parameter in a set is stepped, also one
-// whose gradient stayed zero (PyTorch would skip a parameter whose .grad is None).
+// copy on `copy(r).data` / `copy(r).owned_grad()` slices, via set->for_each_copy — so
+// under DataParallel's DDP mode each device's worker steps its own copy with its own
+// state, and no optimizer knows about DataParallel. A copy steps only the part of the
+// ranges inside its [begin, end): everything, except in a sharded set (Note [Sharded
+// parameter sets]), where each copy steps its shard and keeps state for it alone.
+// State is allocated lazily on the copy's device at its first step. Whenever a copy's
+// range or buffers change (DDP wrapping after some steps, sharding, unsharding, the
+// primary moving to another device, a load), its state is rebuilt from the states
+// that exist, element by element, the primary's first (Note [Optimizer state
+// layouts]). Every parameter in a set is stepped, also one whose gradient stayed zero
+// (PyTorch would skip a parameter whose .grad is None).
 // A list of loose tensors (no set) is stepped one tensor at a time; tensors without
 // a gradient are skipped.
 //
@@ -66,10 +71,11 @@ class Optimizer {
   const nn::ParameterList& parameters() const { return params_; }
 
   /// "step" (int64 scalar) and, once state exists, "state.<i>.<name>" for parameter i
-  /// of the list (its shape; values of copy 0), e.g. "state.0.exp_avg".
+  /// of the list (its shape; values of copy 0), e.g. "state.0.exp_avg". In a sharded
+  /// set the full tensors are assembled from every copy's shard (on copy 0's device).
   nn::StateDict state_dict();
   /// Restores a state_dict() of an optimizer of the same kind over parameters of the
-  /// same shapes: copy 0's state is loaded and every other copy gets the same values.
+  /// same shapes: every copy gets the values of its range (all of it, except sharded).
   /// Throws dp::Error naming missing/unexpected keys or a wrong shape, before anything
   /// is written (match_state_dict in dp/nn/state_dict.h).
   void load_state_dict(const nn::StateDict& state);
@@ -93,26 +99,36 @@ class Optimizer {
   struct Range {
     std::int64_t offset = 0, numel = 0, state_offset = 0;
   };
-  /// Per-copy state: one flat buffer per state name (empty until the first step).
+  /// Per-copy state: one flat buffer per state name (empty until the first step) over
+  /// the optimizer's ranges clipped to the copy's [begin, end).
   struct CopyState {
     std::vector<Tensor> buffers;
     bool fresh = true;                // allocated as zeros and not stepped yet
     std::weak_ptr<Storage> data;      // the copy's data buffer these states belong to
+    std::int64_t begin = 0, end = 0;  // the copy's range they cover
+    std::vector<Range> ranges;        // ranges_ clipped to it; state_offset into `buffers`
+    std::int64_t numel = 0;           // elements of each buffer
   };
 
   void check_valid() const;
   void prepare_states();
+  /// Keeps the states of `old` whose copy is unchanged, rebuilds the others from
+  /// `sources` (Note [Optimizer state layouts]).
+  void rebuild_states(const std::vector<CopyState>& old, const std::vector<CopyState>& sources);
+  CopyState layout(const nn::ParameterCopy& copy) const;
+  static void copy_state(CopyState& dst, const CopyState& src);
   void allocate_state(CopyState& st, Device dev, const Shape& shape);
   void step_copy(int r);
   void step_loose();
-  /// Copy 0's state slice of list entry i, shaped like the parameter.
-  Tensor state_view(std::size_t i, std::size_t k);
+  /// The full state buffer of name k in ranges_' layout: copy 0's when it holds all
+  /// of it, else assembled from every copy's (null when no state exists yet).
+  Tensor full_state(std::size_t k);
 
   nn::ParameterList params_;
   std::string kind_;
   std::vector<Range> ranges_;
   std::int64_t state_numel_ = 0;
-  std::vector<std::int64_t> entry_state_offset_;  // per list entry (set case)
+  std::vector<std::int64_t> entry_state_offset_;  // per list entry (set case), in ranges_' layout
   std::vector<CopyState> states_;                 // per copy (set) or per tensor (loose)
   std::int64_t step_ = 0;
   std::optional<double> initial_lr_;

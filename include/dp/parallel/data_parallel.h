@@ -1,7 +1,7 @@
 // dp/parallel/data_parallel.h — the one-line change: train a module on every device.
 //
 // DataParallel splits each batch along dim 0 over its devices and runs forward and
-// backward on one persistent worker thread per device. Two designs, one switch:
+// backward on one persistent worker thread per device. Three designs, one switch:
 //  - Mode::DP (default): device 0 holds the only trained parameters; before a
 //    forward they are copied to transient replicas (only when they changed), and
 //    after backward every replica's gradient is summed onto device 0 in a fixed
@@ -9,12 +9,18 @@
 //  - Mode::DDP: every device keeps a persistent replica with its own optimizer
 //    state; gradients are all-reduced in buckets while backward still runs, and
 //    every replica applies the same gradient. No parameters are broadcast.
+//  - Mode::Sharded (ZeRO): every device keeps a persistent replica but owns 1/N of
+//    the flat buffers; gradients are reduce-scattered in buckets while backward
+//    runs, each device steps only its range with only its range's optimizer state
+//    (stage 1), keeping only its range's gradient between steps (stage 2), and the
+//    updated ranges are all-gathered at the end of the optimizer step.
 // An optimizer built on model.parameters() (or net->parameters()) steps every
 // replica that needs it — see Note [Parameter sets] and docs/architecture.md.
 // Gradients are scaled so that the SUM over devices is the full-batch mean, so
-// uneven shards are weighted exactly and DP and DDP agree bit for bit on CPU.
+// uneven shards are weighted exactly and the three designs agree bit for bit on CPU.
 //
-//   dp::DataParallel model(net, {0, 1, 2, 3});                  // or {.mode = dp::Mode::DDP}
+//   dp::DataParallel model(net, {0, 1, 2, 3});   // or {.mode = dp::Mode::DDP}, or
+//                                                // {.mode = dp::Mode::Sharded, .shard_stage = 2}
 //   dp::optim::Adam opt(model.parameters(), {.lr = 1e-3});
 //   opt.zero_grad(); dp::nn::cross_entropy(model(x), y).backward(); opt.step();
 #pragma once
@@ -43,7 +49,9 @@ class WorkerPool;
 }  // namespace parallel
 
 /// Which data-parallel design DataParallel runs.
-enum class Mode { DP, DDP };
+enum class Mode { DP, DDP, Sharded };
+/// "DP", "DDP", "Sharded".
+const char* mode_name(Mode mode);
 
 /// Options of DataParallel (designated-initialiser friendly).
 struct DataParallelOptions {
@@ -52,15 +60,22 @@ struct DataParallelOptions {
   int output_device = 0;
   /// Explicit rows per device (must sum to the batch size); empty = torch.chunk split.
   std::vector<std::int64_t> chunk_sizes = {};
-  /// DDP: bucket size cap in MiB (PyTorch's bucket_cap_mb) and the smaller first bucket.
+  /// Sharded: the ZeRO stage. 1: optimizer state sharded (each device keeps state
+  /// for its 1/N of the parameters); 2: gradients too (each device keeps only its
+  /// range's summed gradient between steps; the parameters' .grad are undefined
+  /// then). Unset means 2; 3 (parameters sharded) is not implemented yet. Setting it
+  /// with another mode is an error.
+  std::optional<int> shard_stage = std::nullopt;
+  /// DDP and Sharded: bucket size cap in MiB (PyTorch's bucket_cap_mb) and the
+  /// smaller first bucket.
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;
-  /// DDP: copy device 0's buffers (BatchNorm running stats) to every replica before
-  /// each forward.
+  /// DDP and Sharded: copy device 0's buffers (BatchNorm running stats) to every
+  /// replica before each forward.
   bool broadcast_buffers = true;
   /// Opt-in: check gradients for NaN/Inf (each device's own gradient before it is
-  /// reduced or all-reduced, and the result after) and throw dp::Error naming the
-  /// parameter and the device.
+  /// reduced, all-reduced or reduce-scattered, and the result after) and throw
+  /// dp::Error naming the parameter and the device.
   bool check_finite_grads = false;
   /// Opt-in (DDP): every N optimizer steps compare every replica's parameters with
   /// device 0's, bitwise, and throw naming the first parameter and device that
@@ -89,8 +104,8 @@ class DataParallel {
 
   /// Scatters x over the devices, runs forward on every worker and gathers the
   /// outputs onto the output device. Gradients flow back to x when it requires them.
-  /// Backward through the result runs each device's
-  /// part on its own worker and then reduces (DP) or all-reduces (DDP) the gradients.
+  /// Backward through the result runs each device's part on its own worker and then
+  /// reduces (DP), all-reduces (DDP) or reduce-scatters (Sharded) the gradients.
   Tensor forward(const Tensor& x);
   Tensor operator()(const Tensor& x) { return forward(x); }
 
@@ -99,10 +114,11 @@ class DataParallel {
   /// the output device, without autograd history).
   Tensor forward_backward(const Tensor& x, const Tensor& target, const LossFn& loss_fn);
 
-  /// RAII guard for gradient accumulation: in DDP mode backward passes inside it
-  /// accumulate locally and start no collective; the first backward after it ends
-  /// all-reduces the accumulated sum (PyTorch's no_sync). DP mode accumulates on
-  /// device 0 anyway, so the guard changes nothing there.
+  /// RAII guard for gradient accumulation: in DDP and Sharded modes backward passes
+  /// inside it accumulate locally (Sharded stage 2 keeps the full gradient buffers
+  /// until then) and start no collective; the first backward after it ends combines
+  /// the accumulated sum (PyTorch's no_sync). DP mode accumulates on device 0
+  /// anyway, so the guard changes nothing there.
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(DataParallel& dp);
@@ -116,16 +132,18 @@ class DataParallel {
   };
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
-  /// DDP: throws dp::Error naming the first parameter and device whose replica differs
+  /// DDP and Sharded: throws dp::Error naming the first parameter and device whose replica differs
   /// (bitwise) from device 0's. Replicas never drift in normal use — an optimizer
   /// step inside no_sync() is refused, and gradient edits through parameters() reach
   /// every replica (Note [Gradient edits]) — so a difference means memory was written
   /// behind dp's back. DP keeps no persistent replicas: nothing to compare.
   void check_replicas() const;
 
-  /// The wrapped module's parameters (device 0's copy; optimizers step every copy).
+  /// The wrapped module's parameters (device 0's copy; optimizers step every copy,
+  /// in Sharded mode each its own range).
   nn::ParameterList parameters() { return net_->parameters(); }
-  /// Same names as the wrapped module (no "module." prefix).
+  /// Same names as the wrapped module (no "module." prefix). Full tensors in every
+  /// mode: a Sharded step all-gathers the parameters before it returns.
   nn::StateDict state_dict() { return net_->state_dict(); }
   nn::LoadResult load_state_dict(const nn::StateDict& state, bool strict = true);
   const std::shared_ptr<nn::Module>& module() const { return net_; }
@@ -137,8 +155,14 @@ class DataParallel {
   const std::vector<Device>& devices() const { return devices_; }
   Device output_device() const { return devices_[options_.output_device]; }
   const DataParallelOptions& options() const { return options_; }
-  /// DDP: the buckets as [first, last) element ranges of the flat gradient buffer.
+  /// DDP and Sharded: the buckets as [first, last) element ranges of the flat
+  /// gradient buffer (empty in DP mode).
   std::vector<std::pair<std::int64_t, std::int64_t>> buckets() const;
+  /// Sharded: the range [first, last) of the flat buffers each device owns (padded
+  /// to equal lengths, Note [Sharded parameter sets]); empty in the other modes.
+  std::vector<std::pair<std::int64_t, std::int64_t>> shards() const;
+  /// The ZeRO stage in Sharded mode, 0 in the others.
+  int shard_stage() const;
 
   /// Phase timers per device since construction or reset_stats().
   parallel::Stats stats() const;
@@ -167,8 +191,9 @@ class DataParallel {
   void run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn);
   bool grads_edited_unequally() const;
   void snapshot_grad_versions();
+  void gather_params(int rank);
   void abort_step(int rank, const std::exception_ptr& error);
-  void check_finite(int rank, std::int64_t lo, std::int64_t hi);
+  void check_finite(int rank, const Tensor& grad, std::int64_t offset);
   std::uint64_t primary_version() const;
 
   std::shared_ptr<nn::Module> net_;
@@ -185,7 +210,7 @@ class DataParallel {
   std::unique_ptr<parallel::Reducer> reducer_;
   static constexpr std::uint64_t kUnsynced = ~std::uint64_t{0};
   std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
-  std::vector<std::uint64_t> storage_base_;    // DDP: each copy's storage version at the last sync
+  std::vector<std::uint64_t> storage_base_;    // DDP/Sharded: each copy's storage version at the last sync
   std::vector<std::uint64_t> grad_base_;       // DDP: each copy's grad version after the last sync
   std::int64_t updates_ = 0;                   // optimizer steps run (check_replicas_every)
   bool require_sync_ = true;

@@ -1,10 +1,10 @@
 // dp/parallel/stats.h — phase timers and the timeline of DataParallel.
 //
-// Every phase of a DP or DDP step is timed per device (scatter, replicate or
-// broadcast, forward, backward, reduce or all-reduce, optimizer step, gather), and,
-// when tracing is on, recorded as an event on a named track ("worker cpu:1",
-// "comm cpu:1", "main") for a Chrome/Perfetto trace. This header knows nothing of
-// modules.
+// Every phase of a DP, DDP or Sharded step is timed per device (scatter, replicate or
+// broadcast, forward, backward, reduce, all-reduce or reduce-scatter, optimizer step,
+// all-gather, gather), and, when tracing is on, recorded as an event on a named track
+// ("worker cpu:1", "comm cpu:1", "main") for a Chrome/Perfetto trace. This header
+// knows nothing of modules.
 //
 //   auto s = model.stats();   // per-device milliseconds, summed since reset_stats()
 //   model.trace().write_chrome_json("dp.json");
@@ -27,10 +27,11 @@ enum class Phase : int {
   Forward,
   Backward,
   Reduce,           // DP: gradients summed onto device 0
-  AllReduceHidden,  // DDP: all-reduce time overlapped by backward
-  AllReduceExposed, // DDP: time backward waited for the all-reduce after finishing
+  AllReduceHidden,  // DDP: all-reduce time overlapped by backward (Sharded: reduce-scatter)
+  AllReduceExposed, // DDP: time backward waited for the all-reduce after finishing (Sharded: reduce-scatter)
   Step,             // optimizer update on this device
   Gather,           // outputs copied to the output device
+  AllGather,        // Sharded: the updated parameter ranges gathered after the step
   kCount
 };
 const char* phase_name(Phase p);
