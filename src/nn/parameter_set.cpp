@@ -226,6 +226,7 @@ void ParameterSet::zero_grad() {
     if (c.grad.defined()) c.grad.zero_();
     if (c.shard_grad.defined()) c.shard_grad.zero_();
   }
+  count_zero_grad();
 }
 
 void ParameterSet::move_primary(Device device) {

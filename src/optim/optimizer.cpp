@@ -293,6 +293,9 @@ void Optimizer::zero_grad() {
   for (int r = 0; r < set->num_copies(); ++r) {
     if (set->copy(r).transient) zero_copy(r);
   }
+  std::int64_t zeroed = 0;
+  for (const Range& range : ranges_) zeroed += range.numel;
+  if (zeroed == set->numel()) set->count_zero_grad();
 }
 
 Tensor Optimizer::full_state(std::size_t k) {

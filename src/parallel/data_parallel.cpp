@@ -117,7 +117,10 @@ class DataParallel::Step {
   Step(DataParallel& dp, const char* what, Options options) : dp_(dp), options_(options) {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
     if (options_.replicate || options_.gather) sync_params_ = dp_.begin_replicate();
-    if (options_.backward) dp_.reducer_->prepare(dp_.options_.mode == Mode::DP || dp_.require_sync_);
+    if (options_.backward) {
+      dp_.forget_combined_grads();
+      dp_.reducer_->prepare(dp_.options_.mode == Mode::DP || dp_.require_sync_);
+    }
     dp_.busy_ = true;
   }
   ~Step() {
@@ -147,7 +150,12 @@ class DataParallel::Step {
     }
     if (options_.replicate || options_.gather) dp_.end_replicate();
     if (options_.replicate) dp_.recorder_->count_iteration();
-    if (options_.backward) dp_.snapshot_grad_versions();
+    if (options_.backward) {
+      dp_.snapshot_grad_versions();
+      // Note [Accumulating after a combined backward]
+      dp_.grads_combined_ = dp_.options_.mode == Mode::DDP && dp_.require_sync_ && dp_.devices_.size() > 1;
+      dp_.zero_grad_count_ = dp_.set_->zero_grad_count();
+    }
   }
 
  private:
@@ -273,6 +281,22 @@ void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::funct
   snapshot_grad_versions();
   if (update && options_.check_replicas_every > 0 && ++updates_ % options_.check_replicas_every == 0)
     check_replicas();
+}
+
+// Note [Accumulating after a combined backward]
+// After a synced DDP backward every replica holds the SUM over devices. A second
+// backward without zero_grad() (gradient accumulation without no_sync) adds each
+// device's new local gradient to it, and a second all-reduce would then sum the old
+// sum N times. Before such a backward, every replica but device 0's forgets the
+// combined sum (zeroes its gradient), so the next all-reduce adds the old sum once:
+// the same numbers, in the same order, as DP's accumulation on device 0. Skipped
+// when the gradients were zeroed since (the usual loop), so it costs nothing there.
+void DataParallel::forget_combined_grads() {
+  if (!grads_combined_) return;
+  grads_combined_ = false;
+  if (set_->zero_grad_count() != zero_grad_count_) return;
+  NoGradGuard no_grad;
+  for (int r = 1; r < set_->num_copies(); ++r) set_->copy(r).grad.zero_();
 }
 
 bool DataParallel::grads_edited_unequally() const {

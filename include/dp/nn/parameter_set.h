@@ -177,6 +177,11 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   void release_grad(int r);
   /// Zeroes every copy's gradients: full buffers that exist and shard gradients.
   void zero_grad();
+  /// Counts the calls that zeroed every gradient of every copy (zero_grad(), an
+  /// optimizer's zero_grad over the whole set): a runtime can tell that gradients
+  /// it combined were cleared since.
+  std::uint64_t zero_grad_count() const { return zero_grad_count_; }
+  void count_zero_grad() { ++zero_grad_count_; }
 
   /// Increments when the primary data is written by an optimizer step or a load.
   std::uint64_t version() const { return version_; }
@@ -195,6 +200,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   std::int64_t numel_ = 0;
   std::int64_t buffer_numel_ = 0;
   bool sharded_ = false;
+  std::uint64_t zero_grad_count_ = 0;
   bool shard_grads_ = false;
   std::uint64_t version_ = 0;
   bool valid_ = true;

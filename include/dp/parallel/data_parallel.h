@@ -190,6 +190,7 @@ class DataParallel {
                               const LossFn& loss_fn);
   void run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn);
   bool grads_edited_unequally() const;
+  void forget_combined_grads();
   void snapshot_grad_versions();
   void gather_params(int rank);
   void abort_step(int rank, const std::exception_ptr& error);
@@ -213,6 +214,8 @@ class DataParallel {
   std::vector<std::uint64_t> storage_base_;    // DDP/Sharded: each copy's storage version at the last sync
   std::vector<std::uint64_t> grad_base_;       // DDP: each copy's grad version after the last sync
   std::int64_t updates_ = 0;                   // optimizer steps run (check_replicas_every)
+  bool grads_combined_ = false;                // DDP: the replicas hold the all-reduced sum
+  std::uint64_t zero_grad_count_ = 0;          // the set's zero_grad_count() when they did
   bool require_sync_ = true;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
