@@ -19,7 +19,7 @@ namespace dp::dist {
 // dp asks MPI for MPI_THREAD_MULTIPLE and accepts MPI_THREAD_SERIALIZED. MULTIPLE,
 // because dp's runtime calls collectives from more than one thread: the DDP reducer
 // all-reduces buckets on per-device communication threads while the workers run
-// backward, and the hierarchical design (DESIGN.md §5) reduces each local device's
+// backward, and the hierarchical design (docs/multi-node.md) reduces each local device's
 // slice across processes in parallel, each on its own group. Open MPI 4.1 (Debian's)
 // provides MULTIPLE. SERIALIZED is enough for correctness as long as no two threads
 // are inside MPI at once: with it, dp's transport takes a mutex around each of its MPI

@@ -797,7 +797,7 @@ void add_check_suite(Table& t) {
 }
 
 /// The training workloads' shapes (the Fashion-MNIST CNN at batch 256, the GEMMs of
-/// DESIGN §9); kernels_bench times these.
+/// docs/BENCHMARKS.md); kernels_bench times these.
 void add_perf_suite(Table& t) {
   t.suite = Suite::Perf;
   const i64 n = kPerfN;

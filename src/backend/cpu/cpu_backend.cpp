@@ -56,7 +56,7 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
     devices_.push_back(std::make_unique<DeviceState>());
     devices_.back()->conv.reset(new_conv_cache());
   }
-  // Default: one device works at a time and gets every core (DESIGN §4).
+  // Default: one device works at a time and gets every core (docs/architecture.md, "CPU virtual devices").
   resize_arenas(dp::hardware_concurrency());
 }
 

@@ -1,6 +1,6 @@
 // src/backend/cpu/cpu_backend.h — the CPU backend: virtual devices on oneTBB + oneDNN.
 //
-// Each CPU virtual device cpu(i) (DESIGN §4) owns a tbb::task_arena sized to its share
+// Each CPU virtual device cpu(i) (docs/architecture.md, "CPU virtual devices") owns a tbb::task_arena sized to its share
 // of the cores, its own allocation counters and its own oneDNN primitive cache. Every
 // parallel loop of a kernel on cpu(i) runs inside arena i; every oneDNN call first sets
 // the calling thread's OpenMP team size to the same share, so N devices used from N
