@@ -178,10 +178,8 @@ DataParallel::DataParallel(std::shared_ptr<nn::Module> net, std::vector<Device> 
   init(std::move(devices));
 }
 
-void DataParallel::init(std::vector<Device> devices) {
-  DP_CHECK(net_ != nullptr, "DataParallel: expected a module, got null");
-  check_device_list(devices);
-  const int n = static_cast<int>(devices.size());
+// Bad options fail before anything is built, each naming what was expected.
+void DataParallel::check_options(int n) {
   DP_CHECK(options_.output_device >= 0 && options_.output_device < n, "DataParallel: output_device ",
            options_.output_device, " is not an index into the ", n, " devices");
   DP_CHECK(options_.check_replicas_every >= 0, "DataParallel: expected check_replicas_every >= 0 (0 = never), got ",
@@ -201,6 +199,13 @@ void DataParallel::init(std::vector<Device> devices) {
              " was given with mode ", mode_name(options_.mode), "; it applies to Mode::Sharded only: pass "
              ".mode = dp::Mode::Sharded or drop shard_stage");
   }
+}
+
+void DataParallel::init(std::vector<Device> devices) {
+  DP_CHECK(net_ != nullptr, "DataParallel: expected a module, got null");
+  check_device_list(devices);
+  const int n = static_cast<int>(devices.size());
+  check_options(n);
   devices_ = std::move(devices);
 
   net_->to(devices_[0]);

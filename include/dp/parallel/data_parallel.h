@@ -175,6 +175,7 @@ class DataParallel {
   struct ShardPlan;  // rows per device and where each starts
 
   void init(std::vector<Device> devices);
+  void check_options(int n);
   void make_reducer();
   ShardPlan plan_shards(std::int64_t rows) const;
   bool begin_replicate();
