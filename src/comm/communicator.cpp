@@ -28,9 +28,12 @@ void Communicator::throw_aborted(const char* what, int rank, const std::string& 
       reason);
 }
 
-std::unique_ptr<Communicator> make_communicator(const std::vector<Device>& devices) {
+std::unique_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
+                                                const CommOptions& options) {
   DP_CHECK(!devices.empty(),
            "make_communicator: expected at least one device, got an empty list");
+  DP_CHECK(options.timeout.count() > 0, "make_communicator: expected a positive timeout, got ",
+           options.timeout.count(), " ms");
   std::unordered_set<Device> seen;
   for (const Device& d : devices) {
     DP_CHECK(d.type == devices[0].type, "make_communicator: expected devices of one type, got ",
@@ -39,7 +42,7 @@ std::unique_ptr<Communicator> make_communicator(const std::vector<Device>& devic
     DP_CHECK(seen.insert(d).second, "make_communicator: device ", d, " appears twice in ",
              list_str(devices), "; each rank needs its own device");
   }
-  if (devices[0].is_cuda()) return make_nccl_communicator(devices);
+  if (devices[0].is_cuda()) return make_nccl_communicator(devices, options);
   return make_local_communicator(devices);
 }
 

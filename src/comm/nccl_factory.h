@@ -15,6 +15,7 @@ namespace dp::comm {
 
 /// An NCCL communicator over distinct CUDA devices (rank i = devices[i]). Throws
 /// dp::Error when dp was built without NCCL.
-std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<Device>& devices);
+std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<Device>& devices,
+                                                     const CommOptions& options);
 
 }  // namespace dp::comm

@@ -184,6 +184,8 @@ void DataParallel::check_options(int n) {
            options_.output_device, " is not an index into the ", n, " devices");
   DP_CHECK(options_.check_replicas_every >= 0, "DataParallel: expected check_replicas_every >= 0 (0 = never), got ",
            options_.check_replicas_every);
+  DP_CHECK(options_.collective_timeout.count() > 0, "DataParallel: expected a positive collective_timeout, got ",
+           options_.collective_timeout.count(), " ms");
   DP_CHECK(options_.bucket_cap_mb > 0 && options_.first_bucket_mb > 0,
            "DataParallel: expected bucket_cap_mb and first_bucket_mb > 0, got ", options_.bucket_cap_mb, " and ",
            options_.first_bucket_mb);
@@ -218,7 +220,7 @@ void DataParallel::init(std::vector<Device> devices) {
 
   backend::get(devices_[0]).set_concurrent_devices(n);
   recorder_ = std::make_unique<parallel::PhaseRecorder>(devices_);
-  comm_ = comm::make_communicator(devices_);
+  comm_ = comm::make_communicator(devices_, {.timeout = options_.collective_timeout});
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
   const bool persistent = options_.mode != Mode::DP;
   for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!persistent);

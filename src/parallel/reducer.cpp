@@ -53,8 +53,15 @@ class AllReduceSync final : public GradSync {
   explicit AllReduceSync(comm::Communicator& comm) : comm_(comm) {}
   const char* name() const override { return "allreduce"; }
   bool overlaps_backward() const override { return true; }
+  // The compute stream waits for the buckets once, at join (Note [Deferred collectives]).
   void sync(int rank, const Tensor& grad, std::int64_t) override {
-    comm_.all_reduce(rank, grad, grad, comm::ReduceOp::Sum);
+    comm_.all_reduce_deferred(rank, grad, grad, comm::ReduceOp::Sum);
+  }
+  void join(int rank) override { comm_.join(rank); }
+  std::optional<std::pair<double, double>> device_times(int rank) override {
+    if (!comm_.times_on_device()) return std::nullopt;
+    const comm::Communicator::StreamTimes t = comm_.take_times(rank);
+    return std::make_pair(t.busy_ms, t.exposed_ms);
   }
   Held held(int, const Tensor& buffer) const override { return {0, buffer}; }
 
@@ -273,11 +280,19 @@ void Reducer::finalize(int rank) {
 void Reducer::finalize_overlapped(int rank) {
   std::exception_ptr error;
   double hidden_ms = 0;
+  std::optional<std::pair<double, double>> device;  // busy, exposed (earlier cycles)
   {
     PhaseTimer exposed(recorder_, rank, Phase::AllReduceExposed);
     release(rank);
     error = comm_threads_->wait(rank);
+    if (!error) sync_->join(rank);
+    device = sync_->device_times(rank);
+    if (device) exposed.cancel();  // the host saw only the enqueueing
     hidden_ms = std::max(0.0, ranks_[rank].comm_ms - exposed.elapsed_ms());
+  }
+  if (device) {  // Note [Collective timing]
+    recorder_.add_ms(rank, Phase::AllReduceExposed, device->second);
+    hidden_ms = std::max(0.0, device->first - device->second);
   }
   recorder_.add_ms(rank, Phase::AllReduceHidden, hidden_ms);
   if (error) std::rethrow_exception(error);

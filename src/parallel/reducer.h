@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -77,6 +78,13 @@ class GradSync {
   };
   /// `buffer` is rank's flat gradient buffer.
   virtual Held held(int rank, const Tensor& buffer) const = 0;
+  /// Worker `rank`, once its comm thread has issued every bucket: orders the rank's
+  /// later work after the collectives (Note [Deferred collectives]).
+  virtual void join(int /*rank*/) {}
+  /// Device-timed busy and exposed milliseconds of earlier cycles (Note [Collective
+  /// timing]), or nothing when the communicator finishes collectives on the host
+  /// (then the reducer times its comm threads).
+  virtual std::optional<std::pair<double, double>> device_times(int /*rank*/) { return std::nullopt; }
   /// Worker `rank`, before its backward (synced or not).
   virtual void begin(int /*rank*/) {}
   /// Worker `rank`, after a synced cycle succeeded (collectives done, result checked).

@@ -177,6 +177,32 @@ TEST_CASE("make_communicator rejects bad device lists and picks local for CPU") 
   CHECK(comm->devices()[1] == dp::cpu(5));
   CHECK_THROWS_AS(dp::comm::make_local_communicator({dp::Device{dp::DeviceType::CPU, 99}}),
                   dp::Error);
+  CHECK_THROWS_WITH_AS(dp::comm::make_communicator({dp::cpu(0)}, {.timeout = std::chrono::milliseconds(0)}),
+                       doctest::Contains("expected a positive timeout, got 0 ms"), dp::Error);
+}
+
+TEST_CASE("deferred collectives of a host-synchronous communicator finish in the call") {
+  // Note [Deferred collectives]: the local communicator has no stream to defer to, so
+  // the result is there when the call returns and join() has nothing to do.
+  const int n = 3;
+  auto comm = make_comm(n);
+  CHECK_FALSE(comm->times_on_device());
+  std::vector<std::vector<float>> in;
+  for (int r = 0; r < n; ++r) in.push_back(rank_data(r, 37));
+  const std::vector<float> sum = fixed_order_reduce(in, 0, 37, ReduceOp::Sum);
+  std::vector<std::vector<float>> all(n), root(n);
+  expect_ok(run_ranks(n, [&](int r) {
+    dp::Tensor a = on(r, in[static_cast<std::size_t>(r)]);
+    comm->all_reduce_deferred(r, a, a, ReduceOp::Sum);
+    all[static_cast<std::size_t>(r)] = a.to_vector();
+    dp::Tensor b = on(r, in[static_cast<std::size_t>(r)]);
+    comm->reduce_deferred(r, b, b, /*root=*/1, ReduceOp::Sum);
+    root[static_cast<std::size_t>(r)] = b.to_vector();
+    comm->join(r);
+    CHECK(comm->take_times(r).windows == 0);
+  }));
+  for (int r = 0; r < n; ++r) CHECK(bitwise_equal(all[static_cast<std::size_t>(r)], sum));
+  CHECK(bitwise_equal(root[1], sum));
 }
 
 TEST_CASE("all_reduce: every size, in and out of place, 1..8 devices, sum and average") {

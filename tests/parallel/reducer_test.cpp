@@ -8,6 +8,7 @@
 #include <chrono>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <thread>
@@ -57,8 +58,25 @@ class RecordingSync final : public dp::parallel::GradSync {
   Held held(int rank, const Tensor& buffer) const override {
     return rank == 0 || overlaps_ ? Held{0, buffer} : Held{};
   }
+  // join is recorded as a call with lo = hi = -1; finish as lo = hi = -2.
+  void join(int rank) override { record(rank, -1); }
+  void finish(int rank) override { record(rank, -2); }
+  std::optional<std::pair<double, double>> device_times(int) override { return device_times_; }
+  std::optional<std::pair<double, double>> device_times_;
 
+  void record(int rank, std::int64_t marker) {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_.push_back({rank, marker, marker, std::this_thread::get_id()});
+  }
+  // The collectives only, without join and finish markers.
   std::vector<Call> calls() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Call> out;
+    for (const Call& c : calls_)
+      if (c.lo >= 0) out.push_back(c);
+    return out;
+  }
+  std::vector<Call> all_calls() const {
     std::lock_guard<std::mutex> lock(mu_);
     return calls_;
   }
@@ -203,6 +221,44 @@ TEST_CASE("overlapping strategy: every bucket once per rank, in order, on the co
       CHECK(calls[k].hi == b.hi);
       CHECK(calls[k].thread != f.workers[r]);
     }
+  }
+}
+
+TEST_CASE("overlapping strategy: join once per rank after its last bucket, before finish") {
+  Fixture f(3, /*overlaps=*/true);
+  f.reducer->prepare(true);
+  f.on_workers([&](int r) {
+    for (int i = 2; i >= 0; --i) f.reducer->mark_ready(r, i);
+    f.reducer->finalize(r);
+  });
+  f.reducer->end();
+  for (int r = 0; r < 3; ++r) {
+    std::vector<std::int64_t> seq;
+    for (const auto& c : f.sync->all_calls())
+      if (c.rank == r) seq.push_back(c.lo < 0 ? c.lo : 0);
+    // three buckets, then the join (on the worker), then finish
+    CHECK(seq == std::vector<std::int64_t>{0, 0, 0, -1, -2});
+  }
+  // no_sync: no collective, so nothing to join
+  f.reducer->prepare(false);
+  f.on_workers([&](int r) { f.reducer->finalize(r); });
+  f.reducer->end();
+  CHECK(f.sync->all_calls().size() == 15);
+}
+
+TEST_CASE("device-timed collectives replace the host's enqueue time in the stats") {
+  Fixture f(2, /*overlaps=*/true);
+  f.sync->device_times_ = std::make_pair(5.0, 2.0);  // busy 5 ms, of which 2 exposed
+  f.reducer->prepare(true);
+  f.on_workers([&](int r) {
+    for (int i = 2; i >= 0; --i) f.reducer->mark_ready(r, i);
+    f.reducer->finalize(r);
+  });
+  f.reducer->end();
+  const dp::parallel::Stats s = f.recorder.snapshot();
+  for (int r = 0; r < 2; ++r) {
+    CHECK(s.devices[r][dp::parallel::Phase::AllReduceExposed] == doctest::Approx(2.0));
+    CHECK(s.devices[r][dp::parallel::Phase::AllReduceHidden] == doctest::Approx(3.0));
   }
 }
 

@@ -182,6 +182,8 @@ TEST_CASE("check_replicas_every checks after every N optimizer steps") {
   model.parameters().set()->copy(1).data.data<float>()[0] += 1.0f;  // raw write: no resync
   CHECK_THROWS_WITH_AS(step(), doctest::Contains("'0.weight'"), dp::Error);
   CHECK_THROWS_AS(dp::DataParallel(make_mlp(), cpus(2), {.check_replicas_every = -1}), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::DataParallel(make_mlp(), cpus(2), {.collective_timeout = std::chrono::milliseconds(-5)}),
+                       doctest::Contains("expected a positive collective_timeout, got -5 ms"), dp::Error);
 }
 
 TEST_CASE("clip_grad_norm_ follows PyTorch's formula and rejects bad arguments") {

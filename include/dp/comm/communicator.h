@@ -14,6 +14,7 @@
 //   comm->all_reduce(r, grad, grad, dp::comm::ReduceOp::Sum);
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,15 @@
 namespace dp::comm {
 
 enum class ReduceOp { Sum, Average };
+
+/// Options of a communicator.
+struct CommOptions {
+  /// A stream-ordered backend (NCCL) aborts every rank when one collective has not
+  /// completed on its device this long after it was enqueued (a peer failed or never
+  /// called it), naming the device and the collective; the local communicator's ranks
+  /// are released by abort() instead, which DataParallel calls on any failure.
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+};
 
 /// Collectives among the devices of one process (see the file comment).
 class Communicator {
@@ -50,6 +60,37 @@ class Communicator {
   /// Waits (host) until this rank's enqueued collectives have finished (no-op for local).
   virtual void synchronize(int rank) = 0;
 
+  /// Note [Deferred collectives]
+  /// all_reduce() orders the device's later compute work after the collective. A
+  /// gradient bucket's all-reduce must not: the compute stream would stall behind
+  /// each bucket while backward still has work to do. all_reduce_deferred() leaves
+  /// the compute stream running; join(rank) makes it wait, once, for every collective
+  /// the rank enqueued before (no host wait). Until join, the result must not be
+  /// read and the buffers must not be written by compute work. Host-synchronous
+  /// backends (local) finish the collective inside the call: there the two are
+  /// all_reduce() and a no-op.
+  virtual void all_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) {
+    all_reduce(rank, send, recv, op);
+  }
+  /// reduce() without ordering the compute stream after it (see above).
+  virtual void reduce_deferred(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) {
+    reduce(rank, send, recv, root, op);
+  }
+  /// Orders the rank's later compute work after its deferred collectives.
+  virtual void join(int /*rank*/) {}
+
+  /// Device time of the deferred collectives of completed join windows, read without
+  /// waiting (stream-ordered backends time them with events; host-synchronous ones
+  /// leave timing to the caller and return nothing).
+  struct StreamTimes {
+    double busy_ms = 0;     // the collectives' own time on the comm stream
+    double exposed_ms = 0;  // compute stream waiting at join() for them to finish
+    int windows = 0;        // join windows these figures cover
+  };
+  virtual bool times_on_device() const { return false; }
+  /// Moves out the figures of every window completed since the last call.
+  virtual StreamTimes take_times(int /*rank*/) { return {}; }
+
   /// Releases every rank blocked in a collective with dp::CollectiveAborted naming
   /// `reason` (used when one worker fails, so the others never hang). Until reset(),
   /// every collective and synchronize() throws dp::CollectiveAborted too. Never throws.
@@ -69,8 +110,9 @@ class Communicator {
 };
 
 /// A communicator over `devices` (all CPU → local, all CUDA → nccl). Throws dp::Error
-/// for an empty or mixed list, duplicates, or CUDA without NCCL support.
-std::unique_ptr<Communicator> make_communicator(const std::vector<Device>& devices);
+/// for an empty or mixed list, duplicates, a timeout <= 0, or CUDA without NCCL.
+std::unique_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
+                                                const CommOptions& options = {});
 
 /// The shared-memory communicator for CPU virtual devices.
 std::unique_ptr<Communicator> make_local_communicator(const std::vector<Device>& devices);

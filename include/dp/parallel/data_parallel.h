@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -81,6 +82,11 @@ struct DataParallelOptions {
   /// device 0's, bitwise, and throw naming the first parameter and device that
   /// differ (see check_replicas()). 0 = never.
   int check_replicas_every = 0;
+  /// CUDA (NCCL): a collective not completed this long after it was enqueued aborts
+  /// every device's communicator with an error naming the device and the collective
+  /// (Note [NCCL failures]); the next step then throws dp::CollectiveAborted instead
+  /// of hanging. CPU virtual devices are released at once by the failing worker.
+  std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
 };
 
 /// A loss of (output, target) that returns the MEAN over its rows (e.g. cross_entropy).

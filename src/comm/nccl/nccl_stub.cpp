@@ -5,7 +5,8 @@
 
 namespace dp::comm {
 
-std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<Device>& devices) {
+std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<Device>& devices,
+                                                     const CommOptions& /*options*/) {
   DP_FAIL("make_communicator: dp was built without NCCL, so a communicator over ",
           devices.size(), " CUDA device(s) cannot be made; rebuild with the CUDA toolkit ",
           "(meson setup -Dcuda=enabled) or use CPU virtual devices (dp::cpu(i))");
