@@ -3,10 +3,13 @@
 
 usage: check_dp_vs_ddp.py EXE WORKDIR
 
-Checks: one JSON object per configuration (single, DP and DDP on 1 and 2 devices)
-with every key and phase key; finite losses; the CSV; one trace per configuration,
-valid JSON, with one "thread_name" track per worker (and per comm thread in DDP);
-PNG charts when gnuplot is installed; bad flags exit non-zero.
+Checks: one JSON object per configuration (single, DP, DDP and Sharded stages 1 and 2
+on 1 and 2 devices; stage 3 rows when DataParallel takes it, else a printed note)
+with every key and phase key; finite losses; the memory split (its parts add up to
+the peak; Sharded keeps 1/N of the optimizer state per device and stage 2 less than
+stage 1 between steps); the CSV; one trace per configuration, valid JSON, with one
+"thread_name" track per worker (and per comm thread in DDP and Sharded); PNG charts
+when gnuplot is installed; bad flags exit non-zero.
 """
 import csv
 import json
@@ -17,10 +20,11 @@ import subprocess
 import sys
 
 PHASES = ["scatter", "replicate", "forward", "backward", "reduce", "allreduce_exposed",
-          "allreduce_hidden", "step", "gather"]
-KEYS = ["model", "mode", "devices", "device_kind", "global_batch", "steps", "warmup", "path",
-        "seconds", "samples_per_s", "speedup", "efficiency", "phase_ms_device0", "phase_ms_max",
-        "peak_memory_bytes", "loss_first", "loss_last", "trace"]
+          "allreduce_hidden", "step", "allgather", "gather"]
+KEYS = ["model", "mode", "shard_stage", "devices", "optimizer", "device_kind", "global_batch", "steps",
+        "warmup", "path", "seconds", "samples_per_s", "speedup", "efficiency", "phase_ms_device0",
+        "phase_ms_max", "peak_memory_bytes", "memory_bytes", "loss_first", "loss_last", "trace"]
+MEMORY = ["parameters", "gradients", "optimizer_state", "activations", "between_steps"]
 
 failures = []
 
@@ -38,7 +42,7 @@ def main():
     trace_dir, plot_dir = os.path.join(work, "traces"), os.path.join(work, "plots")
     csv_path = os.path.join(work, "results.csv")
     cmd = [exe, "--model", "cnn", "--devices", "1,2", "--batch", "32", "--steps", "3", "--warmup", "1",
-           "--json", "--csv", csv_path, "--trace", trace_dir, "--plot", plot_dir]
+           "--optimizer", "adam", "--json", "--csv", csv_path, "--trace", trace_dir, "--plot", plot_dir]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     sys.stderr.write(run.stderr)
     check(run.returncode == 0, f"exit status {run.returncode} of {' '.join(cmd)}")
@@ -50,11 +54,21 @@ def main():
                 objs.append(json.loads(line))
             except json.JSONDecodeError as e:
                 check(False, f"stdout line is not JSON ({e}): {line[:80]}")
-    configs = [(o.get("mode"), o.get("devices")) for o in objs]
-    check(configs == [("single", 1), ("DP", 1), ("DP", 2), ("DDP", 1), ("DDP", 2)],
-          f"configurations {configs}")
+    configs = [(o.get("mode"), o.get("shard_stage"), o.get("devices")) for o in objs]
+    want = [("single", 0, 1), ("DP", 0, 1), ("DP", 0, 2), ("DDP", 0, 1), ("DDP", 0, 2),
+            ("Sharded", 1, 1), ("Sharded", 1, 2), ("Sharded", 2, 1), ("Sharded", 2, 2)]
+    # Stage 3 (the default --stages includes it): rows when DataParallel takes it,
+    # else a note naming it on stderr.
+    stage3 = [("Sharded", 3, 1), ("Sharded", 3, 2)]
+    if ("Sharded", 3, 1) in configs:
+        want += stage3
+    else:
+        check("skipping Sharded-3" in run.stderr and "not implemented" in run.stderr,
+              "no stage 3 rows and no note saying why")
+    check(configs == want, f"configurations {configs}")
+    by_config = {(o.get("mode"), o.get("shard_stage"), o.get("devices")): o for o in objs}
     for o in objs:
-        name = f"{o.get('mode')}-{o.get('devices')}"
+        name = f"{o.get('mode')}{o.get('shard_stage') or ''}-{o.get('devices')}"
         for k in KEYS:
             check(k in o, f"{name}: key '{k}' missing")
         for group in ("phase_ms_device0", "phase_ms_max"):
@@ -66,11 +80,29 @@ def main():
             check(isinstance(o.get(k), float) and math.isfinite(o[k]), f"{name}: {k} = {o.get(k)}")
         check(len(o.get("peak_memory_bytes", [])) == o.get("devices"), f"{name}: peak memory per device")
         check(all(b > 0 for b in o.get("peak_memory_bytes", [0])), f"{name}: zero peak memory")
+        mem = o.get("memory_bytes", {})
+        for k in MEMORY:
+            check(len(mem.get(k, [])) == o.get("devices"), f"{name}: memory_bytes.{k} per device")
+        if all(len(mem.get(k, [])) == o.get("devices") for k in MEMORY):
+            for i in range(o["devices"]):
+                parts = [mem[k][i] for k in ("parameters", "gradients", "optimizer_state", "activations")]
+                # DP's replicas are never stepped: they hold no optimizer state.
+                nonzero = parts[:2] + parts[3:] if o["mode"] == "DP" and i > 0 else parts
+                check(all(v > 0 for v in nonzero), f"{name}: device {i}: a zero part in the split {parts}")
+                if o["mode"] == "DP" and i > 0:
+                    check(parts[2] == 0, f"{name}: device {i}: optimizer state on a DP replica {parts}")
+                check(sum(parts) == o["peak_memory_bytes"][i],
+                      f"{name}: device {i}: the parts {parts} do not add up to the peak {o['peak_memory_bytes'][i]}")
+                check(0 < mem["between_steps"][i] <= o["peak_memory_bytes"][i], f"{name}: device {i}: between steps")
         if o.get("mode") == "DDP" and o.get("devices") == 2:
             hid = o["phase_ms_max"]["allreduce_hidden"] + o["phase_ms_max"]["allreduce_exposed"]
             check(hid > 0, f"{name}: no all-reduce time recorded")
         if o.get("mode") == "DP" and o.get("devices") == 2:
             check(o["phase_ms_max"]["reduce"] > 0, f"{name}: no reduce time recorded")
+        if o.get("mode") == "Sharded" and o.get("devices") == 2:
+            rs = o["phase_ms_max"]["allreduce_hidden"] + o["phase_ms_max"]["allreduce_exposed"]
+            check(rs > 0, f"{name}: no reduce-scatter time recorded")
+            check(o["phase_ms_max"]["allgather"] > 0, f"{name}: no all-gather time recorded")
 
         # The trace: valid JSON, one named track per worker thread and comm thread.
         path = o.get("trace")
@@ -93,23 +125,41 @@ def main():
             else:
                 check(len(workers) == n, f"{name}: {len(workers)} worker tracks for {n} devices: {tracks}")
                 # One device has nothing to all-reduce: no comm thread, no comm track.
-                want = n if o["mode"] == "DDP" and n > 1 else 0
+                want = n if o["mode"] in ("DDP", "Sharded") and n > 1 else 0
                 check(len(comms) == want, f"{name}: comm tracks {comms}")
                 check("main" in tracks, f"{name}: no main track")
             check(any(e.get("ph") == "X" for e in events), f"{name}: trace has no events")
+
+    # Memory: Adam keeps two state tensors per parameter. DDP holds them whole on each
+    # device; Sharded splits them, so its devices' state adds up to DDP's one device.
+    ddp = by_config.get(("DDP", 0, 2))
+    if ddp and "memory_bytes" in ddp:
+        p_bytes = ddp["memory_bytes"]["parameters"][0]
+        check(ddp["memory_bytes"]["optimizer_state"] == [2 * p_bytes, 2 * p_bytes],
+              f"DDP-2: optimizer state {ddp['memory_bytes']['optimizer_state']}, parameters {p_bytes}")
+        for stage in (1, 2):
+            sh = by_config.get(("Sharded", stage, 2))
+            if sh and "memory_bytes" in sh:
+                state = sh["memory_bytes"]["optimizer_state"]
+                check(sum(state) == ddp["memory_bytes"]["optimizer_state"][0] and max(state) < sum(state),
+                      f"Sharded{stage}-2: optimizer state {state} is not DDP's split over 2 devices")
+        s1, s2 = by_config.get(("Sharded", 1, 2)), by_config.get(("Sharded", 2, 2))
+        if s1 and s2 and "memory_bytes" in s1 and "memory_bytes" in s2:
+            b1, b2 = s1["memory_bytes"]["between_steps"], s2["memory_bytes"]["between_steps"]
+            check(all(x > y for x, y in zip(b1, b2)), f"stage 2 holds no less than stage 1 between steps: {b1} vs {b2}")
 
     # CSV: a header and one row per configuration.
     if os.path.isfile(csv_path):
         with open(csv_path) as f:
             rows = list(csv.DictReader(f))
-        check(len(rows) == 5, f"CSV has {len(rows)} rows")
+        check(len(rows) == len(objs), f"CSV has {len(rows)} rows for {len(objs)} configurations")
         check(all(f"{p}_ms_dev0" in rows[0] for p in PHASES) if rows else False, "CSV phase columns")
     else:
         check(False, "no CSV written")
 
     # Charts: drawn by gnuplot when it is installed.
     if shutil.which("gnuplot"):
-        for png in ("throughput.png", "phases.png"):
+        for png in ("throughput.png", "phases.png", "memory.png"):
             p = os.path.join(plot_dir, png)
             ok = os.path.isfile(p) and open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
             check(ok, f"chart {p} missing or not a PNG")
@@ -118,7 +168,8 @@ def main():
 
     # Bad flags: a clear error and a non-zero exit.
     for bad in (["--model", "vgg"], ["--devices", "0"], ["--devices", "x"], ["--steps", "-1"],
-                ["--no-such-flag"]):
+                ["--no-such-flag"], ["--stages", "4"], ["--stages", "1,1"], ["--stages", "x"],
+                ["--stages", "1,"], ["--optimizer", "rmsprop"]):
         r = subprocess.run([exe] + bad, capture_output=True, text=True, timeout=60)
         check(r.returncode != 0, f"{bad} exited {r.returncode}")
         check(r.stderr.strip() != "", f"{bad} printed no error")

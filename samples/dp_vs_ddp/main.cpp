@@ -1,17 +1,21 @@
-// samples/dp_vs_ddp — single device, DP and DDP side by side on 1..N devices.
+// samples/dp_vs_ddp — the three designs side by side on 1..N devices: single device,
+// DP, DDP and Sharded (one row per ZeRO stage in --stages).
 //
 // For each configuration the same model (same seed, same synthetic batches) trains
 // `--warmup` untimed steps, then `--steps` timed ones. Reported: samples/s, speedup
 // over one device without DataParallel, scaling efficiency (speedup / devices), the
 // per-step phase breakdown from model.stats() (device 0 and the max over devices) and
-// peak memory per device. Optional outputs: --json (one object per configuration and
-// line), --csv FILE, --trace DIR (a Chrome/Perfetto trace per configuration, recorded
-// over --trace-steps extra steps) and --plot DIR (PNG charts through gnuplot).
+// peak memory per device, split into parameters, gradients, optimizer state and
+// activations (Note [Memory split]). Optional outputs: --json (one object per
+// configuration and line), --csv FILE, --trace DIR (a Chrome/Perfetto trace per
+// configuration, recorded over --trace-steps extra steps) and --plot DIR (PNG charts
+// through gnuplot: throughput, phases, memory).
 //
-//   dp_vs_ddp --model cnn --devices 1,2 --batch 256 --steps 20
+//   dp_vs_ddp --model mlp --devices 1,2,4 --optimizer adam --stages 1,2,3
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -19,10 +23,10 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "backend/backend.h"  // peak memory of the single-device run (no public API for it)
 #include "common/models.h"
 #include "common/util.h"
 #include "dp/dp.h"
@@ -45,9 +49,10 @@ constexpr PhaseInfo kPhases[] = {
     {Phase::Forward, "forward", "fwd"},
     {Phase::Backward, "backward", "bwd"},
     {Phase::Reduce, "reduce", "reduce"},
-    {Phase::AllReduceExposed, "allreduce_exposed", "AR exp"},
-    {Phase::AllReduceHidden, "allreduce_hidden", "AR hid"},
+    {Phase::AllReduceExposed, "allreduce_exposed", "AR/RS exp"},
+    {Phase::AllReduceHidden, "allreduce_hidden", "AR/RS hid"},
     {Phase::Step, "step", "step"},
+    {Phase::AllGather, "allgather", "AG"},
     {Phase::Gather, "gather", "gather"},
 };
 constexpr int kNumPhases = static_cast<int>(std::size(kPhases));
@@ -60,14 +65,47 @@ struct Args {
   std::int64_t batch = 256;
   std::uint64_t seed = 1;
   double lr = 0.01;
+  std::string optimizer = "sgd";
+  std::string stages = "1,2,3";
   std::string path = "worker";
   bool json = false;
   std::string csv, trace_dir, plot_dir;
   int trace_steps = 2;
 };
 
+// Note [Memory split]
+// The allocator counts every byte a device holds (dp::memory_allocated), not what the
+// bytes are for. The split attributes the known sizes and leaves the rest:
+//  - parameters: the bytes of the device's flat data buffer (its copy in the
+//    parameter set; DP's replicas too, they are kept between steps);
+//  - gradients: its flat gradient buffer, or, where a sharded set released it between
+//    steps (stage 2), the full buffer that every backward acquires again — so the
+//    peak holds a whole gradient, and only the between-steps figure shows the 1/N;
+//  - optimizer state: (state tensors per parameter, read from the optimizer's
+//    state_dict) x (parameter elements the device steps: all of them, its shard in
+//    Sharded mode, none on DP's replicas) x 4 bytes;
+//  - activations = peak - the three above: saved activations, outputs, the input
+//    shard and the collectives' workspace.
+// Peak and between-steps figures are counted from what the device held before the
+// configuration started (the sample's input batches live on device 0).
+struct Memory {
+  std::size_t params = 0, grads = 0, state = 0, activations = 0;
+  std::size_t peak = 0;           // max_memory_allocated over the timed steps
+  std::size_t between_steps = 0;  // memory_allocated after the last timed step
+};
+
+// A design as the tables name it: "single", "DP", "DDP", "Sharded-1", ...
+struct Design {
+  dp::Mode mode = dp::Mode::DP;
+  int stage = 0;  // Sharded only
+  std::string name() const {
+    return mode == dp::Mode::Sharded ? "Sharded-" + std::to_string(stage) : dp::mode_name(mode);
+  }
+};
+
 struct Result {
-  std::string mode;  // "single", "DP", "DDP"
+  std::string mode;  // "single", "DP", "DDP", "Sharded-<stage>"
+  int stage = 0;     // the ZeRO stage of a Sharded row, else 0
   int devices = 1;
   double seconds = 0;
   double samples_per_s = 0;
@@ -75,6 +113,7 @@ struct Result {
   double phase_dev0[kNumPhases] = {};
   double phase_max[kNumPhases] = {};
   std::vector<std::size_t> peak_memory;  // bytes per device
+  std::vector<Memory> memory;            // per device (Note [Memory split])
   double loss_first = 0, loss_last = 0;
   std::string trace_path;
 };
@@ -85,14 +124,54 @@ std::string trace_file(const Args& a, const std::string& mode, int n) {
   return (fs::path(a.trace_dir) / ("trace_" + a.model + "_" + mode + "_" + std::to_string(n) + ".json")).string();
 }
 
+std::unique_ptr<dp::optim::Optimizer> make_optimizer(const Args& a, const dp::nn::ParameterList& params) {
+  if (a.optimizer == "adam") return std::make_unique<dp::optim::Adam>(params, dp::optim::AdamOptions{.lr = a.lr});
+  return std::make_unique<dp::optim::SGD>(params, dp::optim::SGDOptions{.lr = a.lr, .momentum = 0.9});
+}
+
+std::string optimizer_label(const Args& a) {
+  return a.optimizer == "adam" ? "Adam(lr " + samples::fmt(a.lr, 4) + ")"
+                               : "SGD(lr " + samples::fmt(a.lr, 4) + ", momentum 0.9)";
+}
+
+// State tensors the optimizer keeps per parameter (SGD with momentum 1, Adam 2): the
+// names of parameter 0's entries in its state_dict ("state.0.exp_avg", ...).
+int state_tensors_per_parameter(dp::optim::Optimizer& opt) {
+  int k = 0;
+  for (const auto& [name, t] : opt.state_dict())
+    if (name.rfind("state.0.", 0) == 0) ++k;
+  return k;
+}
+
+std::size_t used_since(std::size_t now, std::size_t base) { return now > base ? now - base : 0; }
+
+// Note [Memory split] for the device of copy `r` of `set`.
+Memory split_memory(const dp::nn::ParameterSet& set, int r, int state_tensors, std::size_t peak,
+                    std::size_t between_steps) {
+  const dp::nn::ParameterCopy& c = set.copy(r);
+  Memory m;
+  m.peak = peak;
+  m.between_steps = between_steps;
+  m.params = c.data.defined() ? 4 * static_cast<std::size_t>(c.data.numel()) : 0;
+  if (c.grad.defined()) m.grads = 4 * static_cast<std::size_t>(c.grad.numel());
+  else if (set.shards_grads()) m.grads = 4 * static_cast<std::size_t>(set.buffer_numel());
+  const std::int64_t stepped = c.transient ? 0 : std::max<std::int64_t>(0, std::min(c.end, set.numel()) - c.begin);
+  m.state = 4 * static_cast<std::size_t>(state_tensors) * static_cast<std::size_t>(stepped);
+  const std::size_t known = m.params + m.grads + m.state;
+  m.activations = peak > known ? peak - known : 0;
+  return m;
+}
+
 // One device, no DataParallel: the baseline. Phases are timed here on the main thread.
 Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
   Result r;
   r.mode = "single";
   dp::Device dev = dp::device(0);
+  const std::size_t base = dp::memory_allocated(dev);
   auto net = samples::make_model(a.model, a.seed);
   net->to(dev);
-  dp::optim::SGD opt(net->parameters(), {.lr = a.lr, .momentum = 0.9});
+  auto optimizer = make_optimizer(a, net->parameters());
+  auto& opt = *optimizer;
   dp::parallel::Trace trace;
   double ms[kNumPhases] = {};
   auto since = [](Clock::time_point t0) {
@@ -125,13 +204,16 @@ Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
     return loss;
   };
   for (int i = 0; i < a.warmup; ++i) step(i, false).item();
-  dp::backend::get(dev).reset_peak_memory(dev);
+  dp::reset_peak_memory(dev);
   std::vector<dp::Tensor> losses;
   auto t0 = Clock::now();
   for (int i = 0; i < a.steps; ++i) losses.push_back(step(a.warmup + i, true));
   losses.back().item();  // waits for the device
   r.seconds = since(t0) / 1e3;
-  r.peak_memory = {dp::backend::get(dev).max_memory_allocated(dev)};
+  const std::size_t peak = used_since(dp::max_memory_allocated(dev), base);
+  r.peak_memory = {peak};
+  r.memory = {split_memory(*net->parameters().set(), 0, state_tensors_per_parameter(opt), peak,
+                           used_since(dp::memory_allocated(dev), base))};
   r.loss_first = losses.front().item();
   r.loss_last = losses.back().item();
   for (int p = 0; p < kNumPhases; ++p) r.phase_dev0[p] = r.phase_max[p] = ms[p] / a.steps;
@@ -144,14 +226,21 @@ Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
   return r;
 }
 
-// DataParallel in `mode` over devices 0..n-1; phases from model.stats().
-Result run_parallel(const Args& a, dp::Mode mode, int n, const std::vector<dp::data::Batch>& batches) {
+// DataParallel in `design` over devices 0..n-1; phases from model.stats().
+Result run_parallel(const Args& a, const Design& design, int n, const std::vector<dp::data::Batch>& batches) {
   Result r;
-  r.mode = mode == dp::Mode::DP ? "DP" : "DDP";
+  r.mode = design.name();
+  r.stage = design.stage;
   r.devices = n;
+  const std::vector<dp::Device> devices = samples::first_devices(n);
+  std::vector<std::size_t> base;
+  for (const dp::Device& d : devices) base.push_back(dp::memory_allocated(d));
   auto net = samples::make_model(a.model, a.seed);
-  dp::DataParallel model(net, samples::first_devices(n), {.mode = mode});
-  dp::optim::SGD opt(model.parameters(), {.lr = a.lr, .momentum = 0.9});
+  dp::DataParallelOptions options{.mode = design.mode};
+  if (design.mode == dp::Mode::Sharded) options.shard_stage = design.stage;
+  dp::DataParallel model(net, devices, options);
+  auto optimizer = make_optimizer(a, model.parameters());
+  auto& opt = *optimizer;
   int index = 0;
   auto step = [&](int i) {
     const auto& b = batches[i % batches.size()];
@@ -182,7 +271,22 @@ Result run_parallel(const Args& a, dp::Mode mode, int n, const std::vector<dp::d
     r.phase_dev0[p] = s.devices[0][kPhases[p].phase] / a.steps;
     for (auto& d : s.devices) r.phase_max[p] = std::max(r.phase_max[p], d[kPhases[p].phase] / a.steps);
   }
-  for (auto& d : s.devices) r.peak_memory.push_back(d.peak_memory_bytes);
+  const auto& set = *model.parameters().set();
+  std::vector<std::size_t> between;
+  for (int i = 0; i < n; ++i) between.push_back(used_since(dp::memory_allocated(devices[i]), base[i]));
+  const int state_tensors = state_tensors_per_parameter(opt);
+  for (int i = 0; i < n; ++i) {
+    const std::size_t peak = used_since(s.devices[i].peak_memory_bytes, base[i]);
+    int copy = -1;
+    for (int c = 0; c < set.num_copies(); ++c)
+      if (set.copy(c).device == s.devices[i].device) copy = c;
+    r.peak_memory.push_back(peak);
+    if (copy >= 0) {
+      r.memory.push_back(split_memory(set, copy, state_tensors, peak, between[i]));
+    } else {  // a device without a copy of the parameters (none today): all activations
+      r.memory.push_back({.activations = peak, .peak = peak, .between_steps = between[i]});
+    }
+  }
   r.loss_first = losses.front().item();
   r.loss_last = losses.back().item();
   if (!a.trace_dir.empty()) {
@@ -200,8 +304,10 @@ Result run_parallel(const Args& a, dp::Mode mode, int n, const std::vector<dp::d
 nlohmann::json to_json(const Args& a, const Result& r) {
   nlohmann::json j;
   j["model"] = a.model;
-  j["mode"] = r.mode;
+  j["mode"] = r.stage > 0 ? "Sharded" : r.mode;
+  j["shard_stage"] = r.stage;
   j["devices"] = r.devices;
+  j["optimizer"] = a.optimizer;
   j["device_kind"] = samples::device_kind();
   j["global_batch"] = a.batch;
   j["steps"] = a.steps;
@@ -219,6 +325,18 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   j["phase_ms_device0"] = d0;
   j["phase_ms_max"] = mx;
   j["peak_memory_bytes"] = r.peak_memory;
+  nlohmann::json mem;
+  auto field = [&](const char* key, std::size_t Memory::*f) {
+    std::vector<std::size_t> v;
+    for (const Memory& m : r.memory) v.push_back(m.*f);
+    mem[key] = v;
+  };
+  field("parameters", &Memory::params);
+  field("gradients", &Memory::grads);
+  field("optimizer_state", &Memory::state);
+  field("activations", &Memory::activations);
+  field("between_steps", &Memory::between_steps);
+  j["memory_bytes"] = mem;
   j["loss_first"] = r.loss_first;
   j["loss_last"] = r.loss_last;
   j["trace"] = r.trace_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.trace_path);
@@ -231,6 +349,35 @@ std::size_t max_other_memory(const Result& r) {
   return m;
 }
 
+std::string mb(std::size_t bytes) { return samples::fmt(bytes / 1e6, 2); }
+
+// The memory split of every design at the largest device count, one row per device.
+void print_memory(const std::vector<Result>& results) {
+  int n = 0;
+  for (auto& r : results) n = std::max(n, r.devices);
+  std::cout << "\npeak memory per device in MB (1 MB = 10^6 bytes) at " << n << " device(s), and the single "
+               "device; what the device held between steps in the last column\n";
+  samples::Table t({"mode", "device", "parameters", "gradients", "optim state", "activations", "peak",
+                    "between steps"});
+  for (auto& r : results) {
+    if (r.devices != n && r.mode != "single") continue;
+    for (std::size_t i = 0; i < r.memory.size(); ++i) {
+      const Memory& m = r.memory[i];
+      t.add({r.mode, std::to_string(i), mb(m.params), mb(m.grads), mb(m.state), mb(m.activations), mb(m.peak),
+             mb(m.between_steps)});
+    }
+  }
+  t.print(std::cout);
+  std::cout << "method: the allocator's peak (dp::max_memory_allocated over the timed steps) and its count "
+               "after the last step (dp::memory_allocated), less what the device held before the "
+               "configuration was built; parameters = the device's flat parameter buffer; gradients = its "
+               "flat gradient buffer (Sharded stage 2 frees it between steps but acquires a full one for "
+               "every backward, so the peak holds it); optimizer state = state tensors per parameter in the "
+               "optimizer's state_dict x elements the device steps (all; its 1/N shard in Sharded; none on "
+               "DP's replicas) x 4 bytes; activations = peak - the three (saved activations, outputs, the "
+               "input shard, collective workspace).\n";
+}
+
 void print_tables(const Args& a, const std::vector<Result>& results) {
   samples::Table t({"mode", "devices", "batch", "samples/s", "speedup", "efficiency", "ms/step",
                     "peak mem dev0", "peak mem max(others)"});
@@ -240,8 +387,9 @@ void print_tables(const Args& a, const std::vector<Result>& results) {
            samples::fmt(1e3 * r.seconds / a.steps, 1), samples::format_bytes(r.peak_memory[0]),
            r.peak_memory.size() > 1 ? samples::format_bytes(max_other_memory(r)) : "-"});
   t.print(std::cout);
-  std::cout << "\nper-step phases in ms, device 0 / max over devices "
-               "(AR = DDP all-reduce: exp = exposed after backward, hid = hidden under backward)\n";
+  std::cout << "\nper-step phases in ms, device 0 / max over devices (AR/RS = DDP's all-reduce or "
+               "Sharded's reduce-scatter: exp = exposed after backward, hid = hidden under backward; "
+               "AG = Sharded's all-gather of the updated ranges)\n";
   std::vector<std::string> head{"mode", "devices"};
   for (auto& p : kPhases) head.push_back(p.column);
   samples::Table ph(head);
@@ -252,42 +400,63 @@ void print_tables(const Args& a, const std::vector<Result>& results) {
     ph.add(row);
   }
   ph.print(std::cout);
+  print_memory(results);
 }
 
 void write_csv(const Args& a, const std::vector<Result>& results) {
   std::ofstream f(a.csv);
   if (!f) throw std::runtime_error("--csv: cannot open '" + a.csv + "' for writing");
-  f << "model,mode,devices,global_batch,steps,samples_per_s,speedup,efficiency";
+  f << "model,mode,shard_stage,devices,global_batch,steps,optimizer,samples_per_s,speedup,efficiency";
   for (auto& p : kPhases) f << "," << p.key << "_ms_dev0," << p.key << "_ms_max";
-  f << ",peak_mem_dev0_bytes,peak_mem_max_other_bytes,loss_first,loss_last\n";
+  f << ",peak_mem_dev0_bytes,peak_mem_max_other_bytes,params_dev0_bytes,grads_dev0_bytes,"
+       "optimizer_state_dev0_bytes,activations_dev0_bytes,between_steps_dev0_bytes,loss_first,loss_last\n";
   for (auto& r : results) {
-    f << a.model << "," << r.mode << "," << r.devices << "," << a.batch << "," << a.steps << ","
-      << r.samples_per_s << "," << r.speedup << "," << r.efficiency;
+    const Memory& m = r.memory[0];
+    f << a.model << "," << (r.stage > 0 ? "Sharded" : r.mode) << "," << r.stage << "," << r.devices << ","
+      << a.batch << "," << a.steps << "," << a.optimizer << "," << r.samples_per_s << "," << r.speedup << ","
+      << r.efficiency;
     for (int p = 0; p < kNumPhases; ++p) f << "," << r.phase_dev0[p] << "," << r.phase_max[p];
-    f << "," << r.peak_memory[0] << "," << max_other_memory(r) << "," << r.loss_first << "," << r.loss_last
+    f << "," << r.peak_memory[0] << "," << max_other_memory(r) << "," << m.params << "," << m.grads << ","
+      << m.state << "," << m.activations << "," << m.between_steps << "," << r.loss_first << "," << r.loss_last
       << "\n";
   }
   if (!f) throw std::runtime_error("--csv: writing '" + a.csv + "' failed");
 }
 
-// Charts through gnuplot: throughput vs devices per mode, and stacked phase bars.
+// Charts through gnuplot: throughput vs devices per design, stacked phase bars, and
+// stacked memory bars per design and device (at the largest device count).
 void write_plots(const Args& a, const std::vector<Result>& results) {
   fs::create_directories(a.plot_dir);
   fs::path dir(a.plot_dir);
   double single = 0;
-  std::map<int, std::pair<double, double>> by_n;  // devices → (DP, DDP) samples/s
+  std::vector<std::string> designs;                    // in run order, "single" left out
+  std::map<int, std::map<std::string, double>> by_n;  // devices → design → samples/s
+  int n_max = 1;
   for (auto& r : results) {
-    if (r.mode == "single") single = r.samples_per_s;
-    if (r.mode == "DP") by_n[r.devices].first = r.samples_per_s;
-    if (r.mode == "DDP") by_n[r.devices].second = r.samples_per_s;
+    n_max = std::max(n_max, r.devices);
+    if (r.mode == "single") {
+      single = r.samples_per_s;
+      continue;
+    }
+    if (std::find(designs.begin(), designs.end(), r.mode) == designs.end()) designs.push_back(r.mode);
+    by_n[r.devices][r.mode] = r.samples_per_s;
   }
   {
     std::ofstream f(dir / "throughput.dat");
-    f << "# devices DP DDP single\n";
-    for (auto& [n, v] : by_n) f << n << " " << v.first << " " << v.second << " " << single << "\n";
+    f << "# devices";
+    for (auto& d : designs) f << " " << d;
+    f << " single\n";
+    for (auto& [n, v] : by_n) {
+      f << n;
+      for (auto& d : designs) {
+        if (v.count(d)) f << " " << v.at(d);
+        else f << " NaN";
+      }
+      f << " " << single << "\n";
+    }
   }
   {
-    // Critical-path phases only: the hidden all-reduce overlaps backward.
+    // Critical-path phases only: the hidden all-reduce / reduce-scatter overlaps backward.
     std::ofstream f(dir / "phases.dat");
     f << "config";
     for (int p = 0; p < kNumPhases; ++p)
@@ -300,9 +469,21 @@ void write_plots(const Args& a, const std::vector<Result>& results) {
       f << "\n";
     }
   }
+  {
+    std::ofstream f(dir / "memory.dat");
+    f << "config parameters gradients optimizer_state activations\n";
+    for (auto& r : results) {
+      if (r.devices != n_max && r.mode != "single") continue;
+      for (std::size_t i = 0; i < r.memory.size(); ++i) {
+        const Memory& m = r.memory[i];
+        f << r.mode << ":d" << i << " " << m.params / 1e6 << " " << m.grads / 1e6 << " " << m.state / 1e6 << " "
+          << m.activations / 1e6 << "\n";
+      }
+    }
+  }
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
     std::cerr << "note: gnuplot is not installed, so no PNG charts were drawn; the data is in "
-              << (dir / "throughput.dat") << " and " << (dir / "phases.dat")
+              << (dir / "throughput.dat") << ", " << (dir / "phases.dat") << " and " << (dir / "memory.dat")
               << " (apt-get install gnuplot to get the charts)\n";
     return;
   }
@@ -312,34 +493,83 @@ void write_plots(const Args& a, const std::vector<Result>& results) {
     std::ofstream g(script);
     g << "set terminal pngcairo size 900,540 noenhanced\n"
       << "set datafile commentschars '#'\n"
+      << "set datafile missing 'NaN'\n"
       << "set output '" << (dir / "throughput.png").string() << "'\n"
       << "set title 'Throughput vs devices (" << title << ")'\n"
       << "set xlabel 'devices'\nset ylabel 'samples/s'\nset xtics 1\nset grid\nset key left top\n"
       << "set yrange [0:*]\n"
-      << "plot '" << (dir / "throughput.dat").string() << "' using 1:2 with linespoints lw 2 pt 7 title 'DP', "
-      << "'' using 1:3 with linespoints lw 2 pt 5 title 'DDP', "
-      << "'' using 1:4 with lines dt 2 lw 2 title 'single device (no wrapper)'\n"
+      << "plot ";
+    for (std::size_t d = 0; d < designs.size(); ++d)
+      g << (d == 0 ? "'" + (dir / "throughput.dat").string() + "'" : std::string("''")) << " using 1:" << d + 2
+        << " with linespoints lw 2 pt " << 5 + 2 * d << " title '" << designs[d] << "', ";
+    g << "'" << (dir / "throughput.dat").string() << "' using 1:" << designs.size() + 2
+      << " with lines dt 2 lw 2 title 'single device (no wrapper)'\n"
       << "set output '" << (dir / "phases.png").string() << "'\n"
       << "set title 'Per-step phases on device 0, critical path (" << title << ")'\n"
       << "unset xlabel\nset ylabel 'ms per step'\nset xtics rotate by -30\nset key outside right\n"
       << "set style data histograms\nset style histogram rowstacked\n"
       << "set style fill solid 0.85 border -1\nset boxwidth 0.7\n"
       << "plot for [i=2:" << kNumPhases << "] '" << (dir / "phases.dat").string()
-      << "' using i:xtic(1) title columnheader(i)\n";
+      << "' using i:xtic(1) title columnheader(i)\n"
+      << "set terminal pngcairo size 1100,540 noenhanced\n"
+      << "set output '" << (dir / "memory.png").string() << "'\n"
+      << "set title 'Peak memory per device, " << n_max << " devices (" << title << ", " << optimizer_label(a)
+      << ")'\n"
+      << "set ylabel 'MB (10^6 bytes)'\nset xtics rotate by -45 font ',9'\n"
+      << "plot for [i=2:5] '" << (dir / "memory.dat").string() << "' using i:xtic(1) title columnheader(i)\n";
   }
   std::string cmd = "gnuplot '" + script.string() + "'";
   if (std::system(cmd.c_str()) != 0) throw std::runtime_error("gnuplot failed on " + script.string());
-  if (!a.json) std::cout << "\ncharts: " << (dir / "throughput.png").string() << ", " << (dir / "phases.png").string() << "\n";
+  if (!a.json)
+    std::cout << "\ncharts: " << (dir / "throughput.png").string() << ", " << (dir / "phases.png").string() << ", "
+              << (dir / "memory.png").string() << "\n";
 }
 
-int run(const Args& a, const std::vector<int>& counts) {
+// The Sharded stages of --stages: a comma-separated list of 1..3, no repeats.
+std::vector<int> parse_stages(const std::string& text) {
+  std::vector<int> stages;
+  std::size_t at = 0;
+  while (at <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    if (item.size() != 1 || item[0] < '1' || item[0] > '3')
+      throw std::invalid_argument("--stages: expected ZeRO stages from 1 to 3 separated by commas (e.g. 1,2,3), "
+                                  "got '" + text + "'");
+    const int stage = item[0] - '0';
+    if (std::find(stages.begin(), stages.end(), stage) != stages.end())
+      throw std::invalid_argument("--stages: stage " + item + " appears twice in '" + text + "'");
+    stages.push_back(stage);
+    at = comma + 1;
+  }
+  return stages;
+}
+
+// True when DataParallel takes this design; a stage it reports as not implemented is
+// skipped with a note, any other refusal is an error.
+bool design_available(const Design& design) {
+  if (design.mode != dp::Mode::Sharded) return true;
+  try {
+    dp::DataParallel probe(samples::make_model("mlp", 1), samples::first_devices(1),
+                           {.mode = dp::Mode::Sharded, .shard_stage = design.stage});
+    return true;
+  } catch (const dp::Error& e) {
+    if (std::string(e.what()).find("not implemented") == std::string::npos) throw;
+    std::cerr << "note: skipping " << design.name() << ": DataParallel says: " << e.what() << "\n";
+    return false;
+  }
+}
+
+int run(const Args& a, const std::vector<int>& counts, const std::vector<int>& stages) {
   std::int64_t params = samples::make_model(a.model, a.seed)->parameters().set()->numel();
+  std::vector<Design> designs{{dp::Mode::DP, 0}, {dp::Mode::DDP, 0}};
+  for (int stage : stages) designs.push_back({dp::Mode::Sharded, stage});
+  std::erase_if(designs, [](const Design& d) { return !design_available(d); });
   if (!a.json) {
     std::cout << "dp_vs_ddp: model " << a.model << " (" << params << " parameters, "
               << samples::format_bytes(4.0 * params) << " of gradients), global batch " << a.batch << ", "
               << a.steps << " timed steps after " << a.warmup << " warm-up, "
               << (a.path == "worker" ? "model.forward_backward(x, y, loss)" : "loss(model(x)).backward()")
-              << ", SGD(lr " << a.lr << ", momentum 0.9), seed " << a.seed << "\n"
+              << ", " << optimizer_label(a) << ", seed " << a.seed << "\n"
               << "devices: " << samples::device_kind() << ", " << dp::hardware_concurrency()
               << " hardware threads\n\n";
   }
@@ -356,8 +586,8 @@ int run(const Args& a, const std::vector<int>& counts) {
     results.push_back(std::move(r));
   };
   finish(run_single(a, batches));
-  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP})
-    for (int n : counts) finish(run_parallel(a, mode, n, batches));
+  for (const Design& design : designs)
+    for (int n : counts) finish(run_parallel(a, design, n, batches));
   if (!a.json) print_tables(a, results);
   if (!a.csv.empty()) write_csv(a, results);
   if (!a.plot_dir.empty()) write_plots(a, results);
@@ -374,8 +604,8 @@ int run(const Args& a, const std::vector<int>& counts) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Single device, DP and DDP side by side on 1..N devices: throughput, scaling, "
-               "phase breakdown, memory; synthetic data, fixed seeds."};
+  CLI::App app{"Single device, DP, DDP and Sharded (ZeRO stages) side by side on 1..N devices: "
+               "throughput, scaling, phase breakdown, memory split; synthetic data, fixed seeds."};
   Args a;
   app.add_option("--model", a.model, "cnn (Fashion-MNIST CNN), mlp (784-1024-1024-10) or resnet18 (CIFAR)")
       ->check(CLI::IsMember({"cnn", "mlp", "resnet18"}))
@@ -393,7 +623,14 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 30))
       ->capture_default_str();
   app.add_option("--seed", a.seed, "seed of the model and the data")->capture_default_str();
-  app.add_option("--lr", a.lr, "SGD learning rate (momentum 0.9)")->check(CLI::Range(1e-9, 10.0))->capture_default_str();
+  app.add_option("--lr", a.lr, "learning rate")->check(CLI::Range(1e-9, 10.0))->capture_default_str();
+  app.add_option("--optimizer", a.optimizer, "sgd (momentum 0.9: one state tensor per parameter) or adam (two)")
+      ->check(CLI::IsMember({"sgd", "adam"}))
+      ->capture_default_str();
+  app.add_option("--stages", a.stages,
+                 "ZeRO stages of the Sharded rows, e.g. 1,2,3; a stage this build does not implement is "
+                 "skipped with a note")
+      ->capture_default_str();
   app.add_option("--path", a.path, "worker: model.forward_backward(x, y, loss); module: loss(model(x)).backward()")
       ->check(CLI::IsMember({"worker", "module"}))
       ->capture_default_str();
@@ -425,7 +662,8 @@ int main(int argc, char** argv) {
     if (a.batch < counts.back())
       throw std::invalid_argument("--batch " + std::to_string(a.batch) + " is smaller than " +
                                   std::to_string(counts.back()) + " devices; use a batch of at least one row per device");
-    return run(a, counts);
+    const std::vector<int> stages = a.stages.empty() ? std::vector<int>{} : parse_stages(a.stages);
+    return run(a, counts, stages);
   } catch (const std::invalid_argument& e) {
     std::cerr << "error: " << e.what() << "\nRun with --help for more information.\n";
     return 2;

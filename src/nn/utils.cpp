@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
@@ -19,6 +20,14 @@ Tensor norm_of(const Tensor& g, double p) {
   return pow(sum(pow(abs(flat), p)), 1.0 / p).reshape({1});
 }
 
+// |g|^p elementwise, the summand of a p-norm (|g| for the inf-norm, whose blocks take
+// the max instead of the sum).
+Tensor norm_terms(const Tensor& g, double p) {
+  if (p == 2.0) return square(g);
+  if (p == 1.0 || std::isinf(p)) return abs(g);
+  return pow(abs(g), p);
+}
+
 // The runs of the set's flat buffers that the list's parameters cover, merged: a
 // whole model's parameters are one run, so every copy is clipped in one call.
 std::vector<std::pair<std::int64_t, std::int64_t>> flat_ranges(const ParameterList& params) {
@@ -33,7 +42,83 @@ std::vector<std::pair<std::int64_t, std::int64_t>> flat_ranges(const ParameterLi
   return merged;
 }
 
-// Applies edit(view) to the list's gradients on every copy that an optimizer steps.
+// The list's ranges that copy r steps, as views of its owned gradient (the reduced
+// gradient of [begin, end) in a sharded set; the whole gradient buffer otherwise),
+// each with its first flat index, in ascending order.
+std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c,
+                                                          const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
+  std::vector<std::pair<std::int64_t, Tensor>> pieces;
+  Tensor owned;
+  for (const auto& [lo, hi] : ranges) {
+    const std::int64_t s = std::max(lo, c.begin), t = std::min(hi, c.end);
+    if (s >= t) continue;
+    if (!owned.defined()) owned = c.owned_grad();
+    pieces.emplace_back(s, owned.narrow(0, s - c.begin, t - s));
+  }
+  return pieces;
+}
+
+// Note [Clipping in blocks]
+// The total norm of a parameter set is the p-norm of every element of the list's
+// ranges (the same number as PyTorch's norm of per-parameter norms, rounded
+// differently). To make it the same bits whether one copy holds the whole gradient
+// (single device, DP, DDP) or each device holds its 1/N (Sharded), it is computed in
+// blocks fixed by the flat index alone: block k is [16k, 16k + 16) (kShardAlign, so a
+// shard boundary never cuts a block), clipped to the ranges. Each device reduces the
+// blocks it owns (one partial per block, every partial a reduction of the same
+// elements in the same order whatever N is), the partials travel to copy 0's device
+// in flat order — (N-1)/N · P/16 floats, 1/16 of a gradient exchange — and one final
+// reduction over that vector gives the total: the same vector, so the same bits, for
+// every design and every N.
+static_assert(ParameterSet::kShardAlign == 16, "Note [Clipping in blocks] assumes 16-element blocks");
+constexpr std::int64_t kBlock = ParameterSet::kShardAlign;
+
+// One partial per block of g, which starts at flat index `first`: (head, whole
+// blocks, tail), each the sum (max for the inf-norm) of its terms.
+Tensor block_partials(const Tensor& g, std::int64_t first, double p) {
+  const bool inf = std::isinf(p);
+  auto reduce_rows = [&](const Tensor& t, std::int64_t rows) {
+    Tensor m = norm_terms(t, p).reshape({rows, t.numel() / rows});
+    return inf ? max(m, 1) : sum(m, 1);
+  };
+  const std::int64_t n = g.numel();
+  const std::int64_t head = std::min(n, (kBlock - first % kBlock) % kBlock);
+  const std::int64_t body = (n - head) / kBlock * kBlock;
+  const std::int64_t tail = n - head - body;
+  std::vector<Tensor> parts;
+  if (head > 0) parts.push_back(reduce_rows(g.narrow(0, 0, head), 1));
+  if (body > 0) parts.push_back(reduce_rows(g.narrow(0, head, body), body / kBlock));
+  if (tail > 0) parts.push_back(reduce_rows(g.narrow(0, head + body, tail), 1));
+  return parts.size() == 1 ? parts[0] : cat(parts);
+}
+
+// The total norm of a set's gradients (Note [Clipping in blocks]), on the host.
+double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges, double p) {
+  std::vector<Tensor> partials(set.num_copies());
+  // Each copy on its own device (its worker under DataParallel). Unsharded, every
+  // persistent copy holds the same gradient: copy 0's is the one read.
+  set.for_each_copy([&](int r) {
+    if (!set.sharded() && r != 0) return;
+    std::vector<Tensor> parts;
+    for (const auto& [first, g] : owned_pieces(set.copy(r), ranges)) parts.push_back(block_partials(g, first, p));
+    if (!parts.empty()) partials[r] = parts.size() == 1 ? parts[0] : cat(parts);
+  });
+  // Copies own ascending ranges, so copy order is flat order.
+  const Device home = set.copy(0).device;
+  std::vector<Tensor> all;
+  for (const Tensor& t : partials)
+    if (t.defined()) all.push_back(t.device() == home ? t : t.to(home));
+  if (all.empty()) return 0.0;
+  Tensor v = all.size() == 1 ? all[0] : cat(all);
+  if (std::isinf(p)) return max(v, 0).item();
+  if (p == 2.0) return sqrt(sum(v)).item();
+  if (p == 1.0) return sum(v).item();
+  return pow(sum(v), 1.0 / p).item();
+}
+
+// Applies edit(view) to the list's gradients on every copy that an optimizer steps:
+// each copy's whole gradient, or in a sharded set the owned range, which is all an
+// optimizer step of that copy reads.
 void edit_every_copy(const ParameterList& params, const std::function<void(Tensor&)>& edit) {
   NoGradGuard no_grad;
   const auto& set = params.set();
@@ -44,36 +129,32 @@ void edit_every_copy(const ParameterList& params, const std::function<void(Tenso
     }
     return;
   }
-  // Each device of a sharded set holds only its range's gradient: a norm over copy 0
-  // would miss the others, and stage 2 holds no full gradient buffer at all.
-  DP_CHECK(!set->sharded(), "gradient clipping of a Sharded DataParallel's parameters is not supported yet; "
-           "use Mode::DDP (same result, bitwise) to clip gradients");
   auto ranges = flat_ranges(params);
   set->for_each_copy([&](int r) {
-    for (const auto& [lo, hi] : ranges) {
-      Tensor view = set->copy(r).grad.narrow(0, lo, hi - lo);
-      edit(view);
-    }
+    for (auto& [first, view] : owned_pieces(set->copy(r), ranges)) edit(view);
   });
 }
 
 }  // namespace
 
 double clip_grad_norm_(const ParameterList& params, double max_norm, double norm_type, bool error_if_nonfinite) {
-  DP_CHECK(max_norm >= 0, "clip_grad_norm_: expected max_norm >= 0, got ", max_norm);
+  DP_CHECK(max_norm >= 0, "clip_grad_norm_: expected max_norm >= 0 (infinity: only measure), got ", max_norm);
   DP_CHECK(norm_type > 0, "clip_grad_norm_: expected norm_type > 0 (2 for the Euclidean norm, "
            "dp::nn::utils::kInfNorm for the largest element), got ", norm_type);
   NoGradGuard no_grad;
-  DP_CHECK(!params.set() || !params.set()->sharded(), "clip_grad_norm_: gradient clipping of a Sharded "
-           "DataParallel's parameters is not supported yet; use Mode::DDP (same result, bitwise)");
-  std::vector<Tensor> norms;
-  for (const Tensor& p : params) {
-    Tensor g = p.grad();
-    if (g.defined() && g.numel() > 0) norms.push_back(norm_of(g.detach(), norm_type).to(params[0].device()));
+  double total = 0.0;
+  if (const auto& set = params.set()) {
+    total = set_norm(*set, flat_ranges(params), norm_type);
+  } else {
+    std::vector<Tensor> norms;
+    for (const Tensor& p : params) {
+      Tensor g = p.grad();
+      if (g.defined() && g.numel() > 0) norms.push_back(norm_of(g.detach(), norm_type).to(params[0].device()));
+    }
+    if (norms.empty()) return 0.0;
+    // As PyTorch: the norm of the per-parameter norms (the max of them for the inf-norm).
+    total = norm_of(cat(norms), norm_type).item();
   }
-  if (norms.empty()) return 0.0;
-  // As PyTorch: the norm of the per-parameter norms (the max of them for the inf-norm).
-  const double total = norm_of(cat(norms), norm_type).item();
   DP_CHECK(!error_if_nonfinite || std::isfinite(total), "clip_grad_norm_: the total norm of the gradients is ",
            total, "; check the loss and the data for NaN/Inf, or pass error_if_nonfinite = false");
   // In float32, as PyTorch computes clip_coef from a float32 total.

@@ -3,8 +3,13 @@
 // Both functions act on EVERY copy of a parameter set: under DataParallel's DDP mode
 // each replica's gradient is clipped with the same factor, computed once from the
 // combined gradient, so replicas stay bitwise equal (Note [Gradient edits] in
-// src/parallel/data_parallel.cpp). Under DP and on one device they act on the one
-// gradient the optimizer steps. Knows nothing of DataParallel itself.
+// src/parallel/data_parallel.cpp). In Sharded mode each device edits the range of
+// the reduced gradient it owns (ParameterCopy::owned_grad()), and the norm is
+// assembled from every device's range in flat order, so single device, DP, DDP and
+// Sharded (any stage, any device count) compute the same total norm, bit for bit
+// (Note [Clipping in blocks] in src/nn/utils.cpp). Under DP and on one device they
+// act on the one gradient the optimizer steps. Knows nothing of DataParallel itself.
+// Call them after a synchronised backward (not inside no_sync()).
 //
 //   loss.backward();
 //   double norm = dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0);
@@ -23,14 +28,17 @@ inline constexpr double kInfNorm = std::numeric_limits<double>::infinity();
 /// Scales the gradients so that their total `norm_type`-norm (the norm of the
 /// per-parameter norms, as PyTorch computes it) is at most `max_norm`: each gradient
 /// is multiplied by min(1, max_norm / (total + 1e-6)). Returns the total norm before
-/// clipping. Parameters without a gradient are skipped. Throws dp::Error for
-/// max_norm < 0, norm_type <= 0, or — with error_if_nonfinite — a NaN/Inf total.
-/// The total is read on the host (on CUDA: one synchronisation, like .item()).
+/// clipping. Loose tensors without a gradient are skipped; a parameter set's
+/// parameters always have one (zeros when backward did not reach them). Throws
+/// dp::Error for max_norm < 0 or NaN, norm_type <= 0 or NaN, or — with
+/// error_if_nonfinite — a NaN/Inf total. The total is read on the host (on CUDA: one
+/// synchronisation, like .item()).
 double clip_grad_norm_(const ParameterList& params, double max_norm, double norm_type = 2.0,
                        bool error_if_nonfinite = false);
 
-/// Clamps every gradient element into [-clip_value, clip_value]. Throws dp::Error for
-/// clip_value < 0.
+/// Clamps every gradient element into [-clip_value, clip_value] (in Sharded mode:
+/// every element of each device's owned gradient range). Throws dp::Error for
+/// clip_value < 0 or NaN.
 void clip_grad_value_(const ParameterList& params, double clip_value);
 
 }  // namespace dp::nn::utils
