@@ -105,6 +105,7 @@ int device_count() { return device_count(default_device_type()); }
 std::size_t memory_allocated(Device dev) { return runtime_of(dev).memory_allocated(dev); }
 std::size_t max_memory_allocated(Device dev) { return runtime_of(dev).max_memory_allocated(dev); }
 void reset_peak_memory(Device dev) { runtime_of(dev).reset_peak_memory(dev); }
+void empty_cache(Device dev) { runtime_of(dev).empty_cache(dev); }
 
 std::size_t pinned_memory_allocated() {
   // One runtime pins the host memory of this process (CUDA when a GPU is visible, else

@@ -30,6 +30,9 @@ class DeviceRuntime {
   virtual std::size_t memory_allocated(Device dev) = 0;
   virtual std::size_t max_memory_allocated(Device dev) = 0;
   virtual void reset_peak_memory(Device dev) = 0;
+  /// Returns cached, unused memory of `dev` to the driver (a no-op where nothing is
+  /// cached, as on CPU virtual devices).
+  virtual void empty_cache(Device /*dev*/) {}
   /// Bytes of pinned host memory this runtime has handed out now.
   virtual std::size_t pinned_memory_allocated() = 0;
 };

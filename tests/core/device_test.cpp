@@ -2,6 +2,7 @@
 
 #include "dp/core/device.h"
 #include "dp/core/error.h"
+#include "dp/tensor/tensor.h"
 
 TEST_CASE("cpu virtual devices are numbered and range-checked") {
   CHECK(dp::device_count(dp::DeviceType::CPU) == 8);  // tests run with DP_CPU_DEVICES=8
@@ -34,4 +35,13 @@ TEST_CASE("DP_CHECK messages carry what and where") {
     CHECK(std::string(e.what()).find("expected 1, got 2") != std::string::npos);
     CHECK(std::string(e.what()).find("device_test.cpp") != std::string::npos);
   }
+}
+
+TEST_CASE("empty_cache is a no-op on CPU virtual devices and checks the device") {
+  dp::Tensor t = dp::zeros({1024}, dp::cpu(0));
+  const std::size_t held = dp::memory_allocated(dp::cpu(0));
+  dp::empty_cache(dp::cpu(0));
+  CHECK(dp::memory_allocated(dp::cpu(0)) == held);
+  CHECK(t.to_vector().size() == 1024);
+  CHECK_THROWS_AS(dp::empty_cache(dp::Device{dp::DeviceType::CPU, 999}), dp::Error);
 }

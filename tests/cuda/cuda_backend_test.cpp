@@ -19,6 +19,7 @@
 
 #include "backend/backend.h"
 #include "dp/core/device.h"
+#include "dp/core/error.h"
 #include "op_cases.h"
 
 namespace {
@@ -110,6 +111,22 @@ TEST_CASE("caching allocator reuses blocks and does not grow in a loop") {
   }
   CHECK(g.b.memory_allocated(g.d) == base);
   CHECK(g.b.max_memory_allocated(g.d) <= base + (5u << 20) + 8192);
+}
+
+// Note [Out of memory inside a step]: an impossible request fails with a dp::Error
+// that says what is in use and cached; the cache is released only on an idle device,
+// and dp::empty_cache gives the cached blocks back.
+TEST_CASE("out of memory is a clear dp::Error; empty_cache returns the cache") {
+  Side g = cuda_side();
+  void* p = g.b.allocate(g.d, 64 << 20);
+  g.b.deallocate(g.d, p, 64 << 20);  // cached now
+  g.b.synchronize(g.d);
+  const std::size_t huge = std::size_t{1} << 50;  // 1 PiB
+  CHECK_THROWS_WITH_AS(g.b.allocate(g.d, huge), doctest::Contains("out of memory allocating"), dp::Error);
+  CHECK_THROWS_WITH_AS(g.b.allocate(g.d, huge), doctest::Contains("cached in free blocks"), dp::Error);
+  dp::empty_cache(g.d);
+  void* q = g.b.allocate(g.d, 1 << 20);  // the allocator still works afterwards
+  g.b.deallocate(g.d, q, 1 << 20);
 }
 
 // Note [Pinned block reuse]: a pinned block freed right after a copy out of it was

@@ -67,6 +67,10 @@ std::size_t memory_allocated(Device dev);
 std::size_t max_memory_allocated(Device dev);
 /// Restarts max_memory_allocated(dev) from the current value.
 void reset_peak_memory(Device dev);
+/// Returns the memory the caching allocator of `dev` keeps in free blocks to the
+/// driver (torch.cuda.empty_cache). Synchronises the device: call it between steps.
+/// A no-op on CPU virtual devices.
+void empty_cache(Device dev);
 /// Bytes of pinned host memory held by tensors now (Tensor::pin_memory).
 std::size_t pinned_memory_allocated();
 

@@ -1,5 +1,7 @@
 #include "backend/cuda/caching_allocator.h"
 
+#include <algorithm>
+
 #include <cstdint>
 #include <functional>
 #include <utility>
@@ -117,23 +119,30 @@ CachingAllocator::Block* CachingAllocator::malloc_segment(std::size_t segment_si
                                                           cudaStream_t stream, bool small) {
   void* ptr = nullptr;
   cudaError_t err = cudaMalloc(&ptr, segment_size);
+  bool busy = false;  // cached blocks were kept because the device was not idle
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();  // clear it: the retry decides
-    release_cached_blocks();
-    err = cudaMalloc(&ptr, segment_size);
+    busy = !release_cached_blocks(/*may_sync=*/false);
+    if (!busy) err = cudaMalloc(&ptr, segment_size);
   }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     std::size_t free_b = 0, total_b = 0;
     if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) (void)cudaGetLastError();
+    const std::size_t cached = reserved_ - allocated_;
     DP_FAIL("cuda:", device_, ": out of memory allocating ", request, " bytes (a ",
             mib(segment_size), " MiB segment): ", cudaGetErrorString(err), "; ",
-            mib(allocated_), " MiB in use by tensors, ", mib(reserved_),
-            " MiB reserved by dp, ", mib(free_b), " MiB free of ", mib(total_b),
+            mib(allocated_), " MiB in use by tensors, ", mib(reserved_), " MiB reserved by dp (",
+            mib(cached), " MiB of it cached in free blocks", busy ?
+            ", not released because work is still running on the device: freeing them "
+            "synchronises the device, which can hang while collectives wait for other "
+            "devices — call dp::empty_cache(dev) between steps" : "",
+            "), ", mib(free_b), " MiB free of ", mib(total_b),
             " MiB. Reduce the batch size per device or free tensors you keep");
   }
   reserved_ += segment_size;
   ++num_allocs_;
+  note_stream(stream);
   auto* block = new Block;
   block->ptr = static_cast<char*>(ptr);
   block->size = segment_size;
@@ -212,6 +221,11 @@ void CachingAllocator::record_stream(void* ptr, cudaStream_t stream) {
   for (cudaStream_t s : block->stream_uses)
     if (s == stream) return;
   block->stream_uses.push_back(stream);
+  note_stream(stream);
+}
+
+void CachingAllocator::note_stream(cudaStream_t stream) {
+  if (std::find(streams_.begin(), streams_.end(), stream) == streams_.end()) streams_.push_back(stream);
 }
 
 void CachingAllocator::free_block(Block* block) {
@@ -257,10 +271,27 @@ void CachingAllocator::process_events() {
   pending_.resize(kept);
 }
 
-void CachingAllocator::release_cached_blocks() {
-  // Only reached on out-of-memory and in empty_cache(): a host sync is acceptable there.
-  // Finish outstanding work so that pending blocks can be returned too.
-  DP_CUDA_CHECK(cudaDeviceSynchronize());
+// Note [Out of memory inside a step]
+// cudaFree synchronises the whole device. Inside a step an NCCL kernel may be waiting
+// for a peer device whose thread is itself about to launch its part; a device-wide
+// wait under this allocator's lock is then a known way to hang. So on out-of-memory
+// the cache is released only when every stream that used this allocator's blocks is
+// idle (cudaStreamQuery; no wait), and otherwise the allocation fails with a
+// dp::Error that says how much is cached and why it was kept. empty_cache(), called
+// by the user between steps, may synchronise.
+bool CachingAllocator::release_cached_blocks(bool may_sync) {
+  if (may_sync) {
+    DP_CUDA_CHECK(cudaDeviceSynchronize());  // pending blocks can be returned too
+  } else {
+    for (cudaStream_t s : streams_) {
+      const cudaError_t state = cudaStreamQuery(s);
+      if (state == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        return false;
+      }
+      DP_CUDA_CHECK(state);
+    }
+  }
   process_events();
   for (Pool* pool : {&small_pool_, &large_pool_}) {
     for (auto it = pool->begin(); it != pool->end();) {
@@ -275,11 +306,12 @@ void CachingAllocator::release_cached_blocks() {
       }
     }
   }
+  return true;
 }
 
 void CachingAllocator::empty_cache() {
   std::lock_guard<std::mutex> lock(mu_);
-  release_cached_blocks();
+  release_cached_blocks(/*may_sync=*/true);
 }
 
 cudaEvent_t CachingAllocator::get_event() {

@@ -41,15 +41,17 @@ class CachingAllocator {
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   /// A block of at least `nbytes` (rounded up to 512 bytes, 512-byte aligned) owned by
-  /// `stream`. On cudaErrorMemoryAllocation frees the cached blocks and retries once,
-  /// then throws dp::Error naming the device and the sizes.
+  /// `stream`. On cudaErrorMemoryAllocation frees the cached blocks and retries once
+  /// when the device is idle (Note [Out of memory inside a step]), then throws
+  /// dp::Error naming the device, the sizes and what is cached.
   void* allocate(std::size_t nbytes, cudaStream_t stream);
   /// Returns a block from allocate(); null is ignored. Never throws (logs misuse).
   void deallocate(void* ptr) noexcept;
   /// Declares that the block holding `ptr` is used on `stream` too (Note [Caching
   /// allocator streams]). `stream` must belong to this allocator's device.
   void record_stream(void* ptr, cudaStream_t stream);
-  /// Frees every cached block that is not in use (synchronises the device).
+  /// Frees every cached block that is not in use (synchronises the device: call it
+  /// between steps, never while collectives may wait for other devices).
   void empty_cache();
 
   /// Bytes in blocks handed out now, their peak since reset, and bytes cudaMalloc'ed.
@@ -73,7 +75,9 @@ class CachingAllocator {
   Block* split(Block* block, std::size_t size);
   void free_block(Block* block);
   void process_events();
-  void release_cached_blocks();
+  /// False (nothing freed) when may_sync is false and a stream still has work.
+  bool release_cached_blocks(bool may_sync);
+  void note_stream(cudaStream_t stream);
   cudaEvent_t get_event();
 
   const int device_;
@@ -83,6 +87,7 @@ class CachingAllocator {
   // Blocks freed while used on other streams, and the events that guard them.
   std::vector<std::pair<cudaEvent_t, Block*>> pending_;
   std::vector<cudaEvent_t> free_events_;
+  std::vector<cudaStream_t> streams_;  // every stream that owned or used a block
   std::size_t allocated_ = 0, peak_ = 0, reserved_ = 0, num_allocs_ = 0;
 };
 

@@ -296,6 +296,12 @@ void CudaBackend::reset_peak_memory(Device dev) {
   state(dev.index).allocator->reset_peak();
 }
 
+void CudaBackend::empty_cache(Device dev) {
+  check_device(dev);
+  set_device(dev.index);
+  state(dev.index).allocator->empty_cache();
+}
+
 void* CudaBackend::allocate_pinned(std::size_t nbytes) {
   DP_CHECK(device_count_ > 0, "pinned host memory: expected a visible CUDA device, found none");
   return host_alloc_.allocate(nbytes);

@@ -146,6 +146,7 @@ class CudaBackend final : public Backend {
   std::size_t memory_allocated(Device dev) override;
   std::size_t max_memory_allocated(Device dev) override;
   void reset_peak_memory(Device dev) override;
+  void empty_cache(Device dev) override;
   void* allocate_pinned(std::size_t nbytes) override;
   void deallocate_pinned(void* ptr, std::size_t nbytes) noexcept override;
   std::size_t pinned_memory_allocated() override;
