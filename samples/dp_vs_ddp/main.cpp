@@ -24,6 +24,7 @@
 
 #include "backend/backend.h"  // peak memory of the single-device run (no public API for it)
 #include "common/models.h"
+#include "common/options.h"
 #include "common/util.h"
 #include "dp/dp.h"
 
@@ -394,9 +395,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seed", a.seed, "seed of the model and the data")->capture_default_str();
   app.add_option("--lr", a.lr, "SGD learning rate (momentum 0.9)")->check(CLI::Range(1e-9, 10.0))->capture_default_str();
-  app.add_option("--path", a.path, "worker: model.forward_backward(x, y, loss); module: loss(model(x)).backward()")
-      ->check(CLI::IsMember({"worker", "module"}))
-      ->capture_default_str();
+  samples::add_path_option(app, a.path);
   app.add_flag("--json", a.json, "print one JSON object per configuration (one per line) instead of tables");
   app.add_option("--csv", a.csv, "also write the results as CSV to FILE");
   app.add_option("--trace", a.trace_dir, "write a Chrome/Perfetto trace per configuration into DIR");
