@@ -78,7 +78,7 @@ def main():
                                                      "fashion_mnist_cnn"))
     ap.add_argument("--compare", choices=["torch", "modes"], default="torch")
     ap.add_argument("--devices", default="0,1", help="devices of the dp/ddp runs (--compare modes)")
-    ap.add_argument("--path", default="worker-loss", choices=["worker-loss", "module"])
+    ap.add_argument("--path", default="worker", choices=["worker", "module"])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--batch", type=int, default=256)
@@ -95,7 +95,7 @@ def main():
         contenders = [("dp single", lambda: run_dp(args, "single", "0")),
                       ("pytorch", lambda: run_torch(args))]
     else:
-        contenders = [("single", lambda: run_dp(args, "single", args.devices.split(",")[0])),
+        contenders = [("single", lambda: run_dp(args, "single", "1")),  # one device: device 0
                       ("dp", lambda: run_dp(args, "dp", args.devices)),
                       ("ddp", lambda: run_dp(args, "ddp", args.devices))]
 

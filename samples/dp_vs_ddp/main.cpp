@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/models.h"
+#include "common/options.h"
 #include "common/util.h"
 #include "dp/dp.h"
 
@@ -631,9 +632,7 @@ int main(int argc, char** argv) {
                  "ZeRO stages of the Sharded rows, e.g. 1,2,3; a stage this build does not implement is "
                  "skipped with a note")
       ->capture_default_str();
-  app.add_option("--path", a.path, "worker: model.forward_backward(x, y, loss); module: loss(model(x)).backward()")
-      ->check(CLI::IsMember({"worker", "module"}))
-      ->capture_default_str();
+  samples::add_path_option(app, a.path);
   app.add_flag("--json", a.json, "print one JSON object per configuration (one per line) instead of tables");
   app.add_option("--csv", a.csv, "also write the results as CSV to FILE");
   app.add_option("--trace", a.trace_dir, "write a Chrome/Perfetto trace per configuration into DIR");

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "common/options.h"
+
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -45,9 +47,11 @@ struct Config {
   std::int64_t max_steps = 0;   // 0 = no limit
   std::string data;
   bool json = false;
-  std::vector<int> devices = {0};
-  std::string mode = "single";        // single | dp | ddp
-  std::string path = "worker-loss";   // module | worker-loss
+  std::string devices_spec = "1";     // --devices: N or a list of ids (samples/common/options.h)
+  std::vector<int> devices;           // the ids it names
+  std::string mode = "single";        // single | dp | ddp | sharded
+  int shard_stage = 2;                // --mode sharded: ZeRO stage
+  std::string path = "worker";        // worker | module
   std::int64_t log_every = 10;
   std::int64_t eval_batch = 1000;
   bool no_eval = false;  // benchmarks: time training only
@@ -160,7 +164,7 @@ Session make_session(const Config& cfg) {
   s.net->to(dev0);
   if (cfg.mode != "single") {
     s.model = std::make_unique<dp::DataParallel>(
-        s.net, s.devices, dp::DataParallelOptions{.mode = cfg.mode == "ddp" ? dp::Mode::DDP : dp::Mode::DP});
+        s.net, s.devices, samples::mode_options(cfg.mode, cfg.shard_stage));
   }
   s.opt = std::make_unique<dp::optim::Adam>(s.model ? s.model->parameters() : s.net->parameters(),
                                             dp::optim::AdamOptions{.lr = cfg.lr});
@@ -358,14 +362,10 @@ int main(int argc, char** argv) {
   app.add_option("--data", cfg.data, "Directory with the four Fashion-MNIST IDX files")
       ->default_str(dp::data::default_fashion_mnist_dir().string());
   app.add_flag("--json", cfg.json, "Print one JSON object per line instead of text");
-  app.add_option("--devices", cfg.devices, "Device ids, e.g. 0,1,2,3 (single mode: one id)")
-      ->delimiter(',')->check(CLI::Range(0, 1023))->default_str("0");
-  app.add_option("--mode", cfg.mode, "single (plain training), dp or ddp (DataParallel)")
-      ->check(CLI::IsMember({"single", "dp", "ddp"}))->capture_default_str();
-  app.add_option("--path", cfg.path,
-                 "dp/ddp: worker-loss (forward_backward, every worker computes its loss) "
-                 "or module (model(x) gathers the outputs, then loss.backward())")
-      ->check(CLI::IsMember({"module", "worker-loss"}))->capture_default_str();
+  samples::add_devices_option(app, cfg.devices_spec)->default_str("1");
+  samples::add_mode_option(app, cfg.mode, {"single", "dp", "ddp", "sharded"});
+  samples::add_shard_stage_option(app, cfg.shard_stage);
+  samples::add_path_option(app, cfg.path);
   app.add_option("--log-every", cfg.log_every, "JSON step record every N steps (and at step 1)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40))->capture_default_str();
   app.add_option("--eval-batch", cfg.eval_batch, "Batch size of the test-set evaluation")
@@ -380,9 +380,18 @@ int main(int argc, char** argv) {
   }
 
   if (cfg.data.empty()) cfg.data = dp::data::default_fashion_mnist_dir().string();
+  try {
+    const dp::DeviceType type = cfg.device == "cpu"    ? dp::DeviceType::CPU
+                                : cfg.device == "cuda" ? dp::DeviceType::CUDA
+                                                       : dp::default_device_type();
+    cfg.devices = samples::parse_device_ids(cfg.devices_spec, dp::device_count(type));
+  } catch (const std::invalid_argument& e) {
+    std::cerr << e.what() << "\n";
+    return 2;
+  }
   if (cfg.mode == "single" && cfg.devices.size() != 1) {
-    std::cerr << "--mode single trains on one device, got --devices " << join(cfg.devices, ",")
-              << "; pass one id or use --mode dp|ddp\n";
+    std::cerr << "--mode single trains on one device, got --devices " << cfg.devices_spec
+              << "; pass 1 or use --mode dp|ddp|sharded\n";
     return 2;
   }
   try {

@@ -63,7 +63,7 @@ def main():
     check(len(ls) == 3 and all(math.isfinite(v) for v in ls), f"CIFAR losses {ls}")
 
     for bad in (["--data", os.path.join(work, "no_such_dir"), "--max-steps", "1", "--batch", "2", "--devices", "2"],
-                ["--mode", "zero"], ["--batch", "-3"], ["--devices", "100000"], ["--frobnicate"]):
+                ["--mode", "zero"], ["--batch", "-3"], ["--devices", "100000"], ["--devices", "0,0"], ["--frobnicate"]):
         r = subprocess.run([exe, *bad], capture_output=True, text=True, timeout=120)
         check(r.returncode != 0 and r.stderr.strip(), f"{bad} exited {r.returncode}")
     r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "common/models.h"
+#include "common/options.h"
 #include "common/util.h"
 #include "dp/data/cifar10.h"
 #include "dp/data/dataloader.h"
@@ -24,17 +25,18 @@
 int main(int argc, char** argv) {
   CLI::App app{"ResNet-18 (CIFAR variant) trained with dp::DataParallel (DP or DDP) on CIFAR-10 or synthetic data."};
   std::string data_dir, mode = "ddp";
-  int steps = 100, ndev = 0, log_every = 1;
+  int steps = 100, log_every = 1, shard_stage = 2;
+  std::string devices_spec;
   std::int64_t batch = 128;
   double lr = 0.05;
   std::uint64_t seed = 1;
   bool json = false, overfit = false;
   app.add_option("--data", data_dir, "directory with CIFAR-10 binary batches (default: synthetic data)");
-  app.add_option("--mode", mode, "dp or ddp")->check(CLI::IsMember({"dp", "ddp"}))->capture_default_str();
+  samples::add_mode_option(app, mode, {"dp", "ddp", "sharded"});
+  samples::add_shard_stage_option(app, shard_stage);
   app.add_option("--max-steps", steps, "training steps")->check(CLI::Range(1, 1 << 30))->capture_default_str();
-  app.add_option("--batch", batch, "global batch size")->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  app.add_option("--devices", ndev, "number of devices (default: every GPU, or min(4, max(2, cores)) CPU virtual devices)")
-      ->check(CLI::Range(1, 1024));
+  samples::add_batch_option(app, batch);
+  samples::add_devices_option(app, devices_spec);
   app.add_option("--lr", lr, "SGD learning rate (momentum 0.9, weight decay 5e-4)")
       ->check(CLI::Range(1e-9, 10.0))
       ->capture_default_str();
@@ -45,16 +47,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
-    int available = dp::device_count();
-    bool cpu = dp::default_device_type() == dp::DeviceType::CPU;
-    if (ndev == 0) {
-      ndev = cpu ? std::min({available, 4, std::max(2, dp::hardware_concurrency())}) : available;
-      if (cpu && !json)
-        std::cerr << "note: no GPU visible: training on " << ndev << " CPU virtual devices (--devices to change)\n";
-    }
-    if (ndev > available)
-      throw std::invalid_argument("--devices " + std::to_string(ndev) + ": only " + std::to_string(available) + " " +
-                                  samples::device_kind() + " device(s) visible");
+    const auto ids = samples::parse_device_ids(devices_spec, dp::device_count());
+    const int ndev = static_cast<int>(ids.size());
+    std::vector<dp::Device> devices;
+    for (int id : ids) devices.push_back(dp::device(id));
     if (batch < ndev)
       throw std::invalid_argument("--batch " + std::to_string(batch) + " is smaller than " + std::to_string(ndev) +
                                   " devices");
@@ -82,7 +78,7 @@ int main(int argc, char** argv) {
                                   std::to_string(dataset->size()) + " examples)");
 
     auto net = std::make_shared<samples::ResNet18>(seed);
-    dp::DataParallel model(net, samples::first_devices(ndev), {.mode = mode == "ddp" ? dp::Mode::DDP : dp::Mode::DP});
+    dp::DataParallel model(net, devices, samples::mode_options(mode, shard_stage));
     dp::optim::SGD opt(model.parameters(), {.lr = lr, .momentum = 0.9, .weight_decay = 5e-4});
     auto loss_fn = [](const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); };
     if (!json)

@@ -1,13 +1,17 @@
-// samples/teach — a narrated walk through one DP step and one DDP step.
+// samples/teach — a narrated walk through a DP step, a DDP step and a Sharded step.
 //
-// The same Fashion-MNIST CNN, the same batch, the same devices (4 CPU virtual devices,
-// or the GPUs present): one iteration in each design, traced, then told phase by
-// phase — what moves where (tensor names, shapes, bytes, device → device) and when
-// (times from model.trace() and model.stats()) — and why the two designs move the
-// bytes they do. Both designs end with identical parameters.
+// The same Fashion-MNIST CNN, the same batch, the same devices (min(4, hardware
+// threads) CPU virtual devices, or the GPUs present): a few iterations in each design,
+// traced, and the median one told phase by phase — what moves where (tensor names,
+// shapes, bytes, device → device) and when (times from model.trace() and
+// model.stats()) — and why each design moves the bytes it does. The byte counts are
+// derived from first principles and checked against what the run reports (buckets,
+// shard ranges, the bytes recorded with each collective). The three designs end with
+// identical parameters.
 //
-//   teach                    # narration on stdout
-//   teach --trace teach.json # plus a Perfetto trace: DP and DDP as two processes
+//   teach                          # narration on stdout
+//   teach --iterations 9           # more iterations: a steadier median
+//   teach --trace teach.json       # plus a Perfetto trace: one process per design
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -20,6 +24,7 @@
 #include <vector>
 
 #include "common/models.h"
+#include "common/options.h"
 #include "common/util.h"
 #include "dp/dp.h"
 
@@ -96,25 +101,44 @@ std::string per_device(const Timeline& tl, const std::vector<dp::Device>& devs, 
   return s;
 }
 
-struct Run {
-  std::shared_ptr<dp::nn::Module> net;
+// One traced iteration.
+struct Iteration {
   Timeline tl;
   double loss = 0;
-  double iteration_ms = 0;
+  double ms = 0;
   dp::parallel::Stats stats;
+};
+
+struct Run {
+  dp::Mode mode = dp::Mode::DP;
+  std::shared_ptr<dp::nn::Module> net;
+  std::vector<Iteration> iters;
+  std::size_t median = 0;  // index into iters of the median iteration
   std::vector<std::pair<std::int64_t, std::int64_t>> buckets;
-  std::vector<float> params;  // after the traced step
+  std::vector<std::pair<std::int64_t, std::int64_t>> shards;
+  int stage = 0;
+  std::vector<float> params;  // after the last iteration
+
+  const Iteration& med() const { return iters[median]; }
+  std::vector<double> times() const {
+    std::vector<double> t;
+    for (auto& it : iters) t.push_back(it.ms);
+    return t;
+  }
 };
 
 dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
 
-// One warm-up iteration (untraced: first touches of memory and threads), then one
-// traced iteration.
-Run run(dp::Mode mode, const std::vector<dp::Device>& devs, const dp::data::Batch& warm,
-        const dp::data::Batch& batch) {
+// One warm-up iteration (untraced: first touches of memory and threads), then
+// `iterations` traced ones on the same batch; the median one is narrated.
+Run run(dp::Mode mode, int stage, const std::vector<dp::Device>& devs, const dp::data::Batch& warm,
+        const dp::data::Batch& batch, int iterations) {
   Run r;
+  r.mode = mode;
   r.net = samples::fashion_cnn(/*seed=*/7);
-  dp::DataParallel model(r.net, devs, {.mode = mode});
+  dp::DataParallelOptions opts{.mode = mode};
+  if (mode == dp::Mode::Sharded) opts.shard_stage = stage;
+  dp::DataParallel model(r.net, devs, opts);
   dp::optim::SGD opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
   auto step = [&](const dp::data::Batch& b) {
     opt.zero_grad();
@@ -123,19 +147,29 @@ Run run(dp::Mode mode, const std::vector<dp::Device>& devs, const dp::data::Batc
     return loss.item();
   };
   step(warm);
-  model.reset_stats();
-  model.trace().clear();
-  model.trace().enable(true);
-  auto t0 = dp::parallel::Trace::Clock::now();
-  r.loss = step(batch);
-  auto t1 = dp::parallel::Trace::Clock::now();
-  model.trace().record("main", "iteration", t0, t1);
-  model.trace().enable(false);
-  r.iteration_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
-  r.tl.events = model.trace().events();
-  r.tl.origin_us = r.tl.find("main", "iteration")[0].start_us;
-  r.stats = model.stats();
+  for (int k = 0; k < iterations; ++k) {
+    Iteration it;
+    model.reset_stats();
+    model.trace().clear();
+    model.trace().enable(true);
+    auto t0 = dp::parallel::Trace::Clock::now();
+    it.loss = step(batch);
+    auto t1 = dp::parallel::Trace::Clock::now();
+    model.trace().record("main", "iteration", t0, t1);
+    model.trace().enable(false);
+    it.ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    it.tl.events = model.trace().events();
+    it.tl.origin_us = it.tl.find("main", "iteration")[0].start_us;
+    it.stats = model.stats();
+    r.iters.push_back(std::move(it));
+  }
+  std::vector<std::size_t> order(r.iters.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](auto a, auto b) { return r.iters[a].ms < r.iters[b].ms; });
+  r.median = order[order.size() / 2];
   r.buckets = model.buckets();
+  r.shards = model.shards();
+  r.stage = model.shard_stage();
   for (auto& [name, t] : r.net->state_dict()) {
     if (t.dtype() != dp::Dtype::Float32) continue;
     auto v = t.to_vector();
@@ -144,11 +178,82 @@ Run run(dp::Mode mode, const std::vector<dp::Device>& devs, const dp::data::Batc
   return r;
 }
 
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// "12.3 ms (min 11.9, max 14.0 over 5)"
+std::string spread(const std::vector<double>& v) {
+  auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+  return fmt(median_of(v), 1) + " ms (min " + fmt(*lo, 1) + ", max " + fmt(*hi, 1) + " over " +
+         std::to_string(v.size()) + ")";
+}
+
+// The bytes a comm event recorded ("\"bytes\": 4096"), 0 when none.
+double recorded_bytes(const TraceEvent& e) {
+  auto pos = e.args.find("\"bytes\":");
+  return pos == std::string::npos ? 0.0 : std::stod(e.args.substr(pos + 8));
+}
+
+// The parameters (by name) that overlap [lo, hi) of the flat buffer, marking partial ones.
+std::string params_in(const std::vector<ParamInfo>& params, std::int64_t lo, std::int64_t hi, bool reverse) {
+  std::vector<std::string> names;
+  for (auto& p : params) {
+    std::int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.numel);
+    if (a >= b) continue;
+    bool whole = a == p.offset && b == p.offset + p.numel;
+    names.push_back(whole ? p.name
+                          : p.name + "[" + std::to_string(a - p.offset) + ":" + std::to_string(b - p.offset) + "]");
+  }
+  if (reverse) std::reverse(names.begin(), names.end());
+  std::string list;
+  for (auto& n : names) list += (list.empty() ? "" : ", ") + n;
+  return list.empty() ? "padding only" : list;
+}
+
+// How one bucket's collective went on every device: a fast device's comm thread starts
+// as soon as ITS gradients are ready, but the collective cannot finish before the
+// slowest device has joined — so the span splits into waiting for the others and the
+// collective's own work after the last device joined.
+struct BucketTiming {
+  bool found = true;
+  double first_start = 1e300, last_start = 0, end = 0;  // ms since the iteration began
+  double overlap = 1e300;  // least time any device's collective ran under its own backward
+  double exposed = 0;      // most time any device's collective ran after its backward ended
+  double waiting() const { return last_start - first_start; }
+  double work() const { return end - last_start; }
+};
+
+BucketTiming bucket_timing(const Timeline& tl, const std::vector<dp::Device>& devs, const std::string& event) {
+  BucketTiming t;
+  for (auto& d : devs) {
+    auto [s, e] = tl.when(comm(d), event);
+    auto bwd_end = tl.when(worker(d), "backward").second;
+    if (s < 0) return BucketTiming{.found = false};
+    t.overlap = std::min(t.overlap, std::max(0.0, std::min(e, bwd_end) - s));
+    t.exposed = std::max(t.exposed, std::max(0.0, e - std::max(s, bwd_end)));
+    t.first_start = std::min(t.first_start, s);
+    t.last_start = std::max(t.last_start, s);
+    t.end = std::max(t.end, e);
+  }
+  return t;
+}
+
+std::string timing_text(const BucketTiming& t) {
+  std::string when = t.overlap > 0 ? "under backward (overlap " + fmt(t.overlap, 1) + " ms" +
+                                         (t.exposed > 0 ? ", then " + fmt(t.exposed, 1) + " ms after it" : "") + ")"
+                                   : "after backward had finished (" + fmt(t.exposed, 1) + " ms exposed)";
+  return when + ", +" + fmt(t.first_start, 1) + " → +" + fmt(t.end, 1) + " ms: " + fmt(t.waiting(), 1) +
+         " ms waiting until the slowest device joined, " + fmt(t.work(), 1) + " ms of collective after that";
+}
+
 void narrate_dp(Narrator& n, const Run& r, const std::vector<ParamInfo>& params, const std::vector<dp::Device>& devs,
                 const dp::data::Batch& batch, double P) {
   const std::size_t N = devs.size();
-  const auto& tl = r.tl;
-  n.say("== DP (dp::Mode::DP): one iteration on " + std::to_string(N) + " devices ==");
+  const auto& tl = r.med().tl;
+  n.say("== DP (dp::Mode::DP): the median of " + std::to_string(r.iters.size()) + " iterations on " +
+        std::to_string(N) + " devices ==");
   n.say("Device 0 owns the only trained copy of the parameters. Each iteration it lends them out,");
   n.say("collects the gradients back, and steps alone.");
   n.say("");
@@ -160,6 +265,9 @@ void narrate_dp(Narrator& n, const Run& r, const std::vector<ParamInfo>& params,
           " B " + devs[0].str() + " → " + device_list(devs, 1));
   n.say("   " + std::to_string(N - 1) + " copies × " + format_bytes(P) + " = " + format_bytes((N - 1) * P) +
         " out of " + devs[0].str() + "; time per worker: " + per_device(tl, devs, "replicate"));
+  n.say("   " + devs[0].str() + " copies nothing itself, yet shows a replicate time: it is the source, so it");
+  n.say("   waits until every replica has arrived and finished reading its buffer (which must not change");
+  n.say("   before then); its time is the slowest copy plus the latest arrival.");
   auto x = batch.data;
   std::int64_t rows = x.size(0), shard = (rows + N - 1) / N;
   dp::Shape sshape = x.shape();
@@ -191,15 +299,16 @@ void narrate_dp(Narrator& n, const Run& r, const std::vector<ParamInfo>& params,
   n.say("6. step — the optimizer updates " + devs[0].str() + "'s parameters only (" +
         fmt(tl.ms(worker(devs[0]), "step"), 2) + " ms); replicas hold nothing worth keeping: they are");
   n.say("   refreshed by step 1 of the next iteration.");
-  n.say("   Whole iteration: " + fmt(r.iteration_ms, 1) + " ms, loss " + fmt(r.loss, 4) + ".");
+  n.say("   Iteration: " + spread(r.times()) + "; loss of the last " + fmt(r.iters.back().loss, 4) + ".");
   n.say("");
 }
 
 void narrate_ddp(Narrator& n, const Run& r, const std::vector<ParamInfo>& params, const std::vector<dp::Device>& devs,
                  double P, bool has_buffers, nlohmann::json& jbuckets) {
   const std::size_t N = devs.size();
-  const auto& tl = r.tl;
-  n.say("== DDP (dp::Mode::DDP): one iteration on " + std::to_string(N) + " devices ==");
+  const auto& tl = r.med().tl;
+  n.say("== DDP (dp::Mode::DDP): the median of " + std::to_string(r.iters.size()) + " iterations on " +
+        std::to_string(N) + " devices ==");
   n.say("Every device keeps its own persistent replica and its own optimizer state. Only gradients");
   n.say("move, and they move while backward is still running.");
   n.say("");
@@ -209,93 +318,186 @@ void narrate_ddp(Narrator& n, const Run& r, const std::vector<ParamInfo>& params
     n.say("1. broadcast buffers — BatchNorm running statistics copied from " + devs[0].str() + ": " +
           per_device(tl, devs, "replicate"));
   else
-    n.say("1. broadcast buffers — this model has no buffers (no BatchNorm), so by design nothing moves.");
-  double repl = 0;
-  for (auto& d : devs) repl = std::max(repl, tl.ms(worker(d), "replicate"));
-  if (!has_buffers && repl > 0)
-    n.say("   (Measured: this build of dp still broadcast " + devs[0].str() + "'s parameters to the replicas (up to " +
-          fmt(repl, 1) + " ms per worker) — the optimizer step bumps the parameter version and DataParallel\n"
-          "   re-syncs on it; DDP needs no such copy: its replicas took identical steps. A library issue.)");
+    n.say("1. broadcast buffers — this model has no buffers (no BatchNorm), so nothing moves.");
   n.say("2. scatter, 3. forward — exactly as in DP: " + per_device(tl, devs, "forward") + " (forward)");
   n.say("4. backward — " + per_device(tl, devs, "backward"));
   n.say("   Gradients are grouped in " + std::to_string(r.buckets.size()) +
         " bucket(s): slices of the flat gradient buffer in REVERSE registration order (backward");
   n.say("   produces the last layer's gradients first), a small first bucket so communication starts");
   n.say("   early, then up to 25 MB each. A device's comm thread all-reduces a bucket as soon as every");
-  n.say("   gradient in it is ready, while its worker goes on with backward:");
+  n.say("   gradient in it is ready on that device, while its worker goes on with backward:");
+  double recorded = 0;
+  for (auto& e : tl.events)
+    if (e.track == comm(devs[0]) && e.name.rfind("allreduce bucket ", 0) == 0) recorded += recorded_bytes(e);
   for (std::size_t b = 0; b < r.buckets.size(); ++b) {
     auto [lo, hi] = r.buckets[b];
-    std::vector<std::string> names;
-    for (auto it = params.rbegin(); it != params.rend(); ++it)
-      if (it->offset >= lo && it->offset + it->numel <= hi) names.push_back(it->name);
-    std::string list;
-    for (auto& s : names) list += (list.empty() ? "" : ", ") + s;
     double bytes = 4.0 * (hi - lo);
-    // Per device: how much of the bucket's all-reduce ran before that device's backward ended.
-    double overlap = 1e300, exposed = 0, start = 1e300, end = 0;
-    bool found = true;
-    for (auto& d : devs) {
-      auto [s, e] = tl.when(comm(d), "allreduce bucket " + std::to_string(b));
-      auto bwd_end = tl.when(worker(d), "backward").second;
-      if (s < 0) {
-        found = false;
-        break;
-      }
-      overlap = std::min(overlap, std::max(0.0, std::min(e, bwd_end) - s));
-      exposed = std::max(exposed, std::max(0.0, e - std::max(s, bwd_end)));
-      start = std::min(start, s);
-      end = std::max(end, e);
-    }
-    std::string head = "DDP bucket " + std::to_string(b) + " (params " + list + "; " + format_bytes(bytes) + ")";
-    if (!found) {
+    std::string head = "DDP bucket " + std::to_string(b) + " (params " + params_in(params, lo, hi, true) + "; " +
+                       format_bytes(bytes) + ")";
+    auto t = bucket_timing(tl, devs, "allreduce bucket " + std::to_string(b));
+    if (!t.found) {
       n.say("   " + head + ": not all-reduced (one device)");
       continue;
     }
-    std::string when = overlap > 0 ? "while backward still ran (overlap " + fmt(overlap, 1) + " ms" +
-                                         (exposed > 0 ? ", then " + fmt(exposed, 1) + " ms after it" : "") + ")"
-                                   : "after backward had finished (" + fmt(exposed, 1) + " ms exposed)";
-    n.say("   " + head + " all-reduced on all " + std::to_string(N) + " devices " + when + ", +" + fmt(start, 1) +
-          " → +" + fmt(end, 1) + " ms; each device sent and received 2(N-1)/N × " + format_bytes(bytes) + " = " +
-          format_bytes(2.0 * (N - 1) / N * bytes));
+    n.say("   " + head + " all-reduced " + timing_text(t) + "; each device sent and received 2(N-1)/N × " +
+          format_bytes(bytes) + " = " + format_bytes(2.0 * (N - 1) / N * bytes));
     jbuckets.push_back({{"index", b},
-                        {"params", names},
+                        {"params", params_in(params, lo, hi, true)},
                         {"bytes", bytes},
-                        {"start_ms", start},
-                        {"end_ms", end},
-                        {"overlap_ms", overlap},
-                        {"exposed_ms", exposed}});
+                        {"start_ms", t.first_start},
+                        {"last_join_ms", t.last_start},
+                        {"end_ms", t.end},
+                        {"waiting_ms", t.waiting()},
+                        {"overlap_ms", t.overlap},
+                        {"exposed_ms", t.exposed}});
   }
+  n.say("   A long bucket span is mostly waiting: the collective completes only when the slowest device");
+  n.say("   has produced that bucket's gradients, so a device that finished backward early sits in it.");
+  n.say("   The run recorded " + format_bytes(recorded) + " of gradient buckets on " + devs[0].str() +
+        " (P = " + format_bytes(P) + ": every gradient byte is in exactly one bucket).");
   double hidden = 0, exp = 0;
-  for (auto& d : r.stats.devices) {
+  for (auto& d : r.med().stats.devices) {
     hidden = std::max(hidden, d[dp::parallel::Phase::AllReduceHidden]);
     exp = std::max(exp, d[dp::parallel::Phase::AllReduceExposed]);
   }
   n.say("   stats(): all-reduce hidden under backward up to " + fmt(hidden, 1) + " ms, exposed (backward done,");
-  n.say("   waiting for the last bucket) up to " + fmt(exp, 1) + " ms per device.");
+  n.say("   waiting for the last bucket — including waiting for slower devices) up to " + fmt(exp, 1) +
+        " ms per device.");
   n.say("5. step — every device applies the same summed gradient to its own replica with its own momentum");
   n.say("   buffer, concurrently: " + per_device(tl, devs, "step") + ".");
-  n.say("   Whole iteration: " + fmt(r.iteration_ms, 1) + " ms, loss " + fmt(r.loss, 4) + ".");
+  n.say("   Iteration: " + spread(r.times()) + "; loss of the last " + fmt(r.iters.back().loss, 4) + ".");
   n.say("");
 }
 
-void write_trace(const std::string& path, const Run& dpr, const Run& ddpr) {
+// Per-device bytes of the Sharded collectives, from the ranges and the parameter count.
+struct ShardBytes {
+  std::vector<double> owned;     // elements of real parameters in device r's range
+  std::vector<double> rs_recv;   // reduce-scatter: the other devices' gradients for r's range
+  std::vector<double> rs_send;   // reduce-scatter: r's gradients for the other ranges
+  std::vector<double> ag_recv;   // all-gather: the other ranges (padded: equal lengths)
+  std::vector<double> ag_send;   // all-gather: r's range to each other device
+};
+
+ShardBytes shard_bytes(const std::vector<std::pair<std::int64_t, std::int64_t>>& shards, std::int64_t elems) {
+  ShardBytes b;
+  const double N = static_cast<double>(shards.size());
+  for (auto [lo, hi] : shards) {
+    double own = static_cast<double>(std::max<std::int64_t>(0, std::min(hi, elems) - lo));
+    double len = static_cast<double>(hi - lo);
+    b.owned.push_back(own);
+    b.rs_recv.push_back(4.0 * (N - 1) * own);
+    b.rs_send.push_back(4.0 * (static_cast<double>(elems) - own));
+    b.ag_recv.push_back(4.0 * (N - 1) * len);
+    b.ag_send.push_back(4.0 * (N - 1) * len);
+  }
+  return b;
+}
+
+void narrate_sharded(Narrator& n, const Run& r, const Run& ddp, const std::vector<ParamInfo>& params,
+                     const std::vector<dp::Device>& devs, double P, nlohmann::json& js) {
+  const std::size_t N = devs.size();
+  const auto& tl = r.med().tl;
+  const std::int64_t elems = static_cast<std::int64_t>(P / 4);
+  const std::int64_t S = r.shards.empty() ? 0 : r.shards[0].second - r.shards[0].first;
+  n.say("== Sharded (dp::Mode::Sharded, ZeRO stage " + std::to_string(r.stage) + "): the median of " +
+        std::to_string(r.iters.size()) + " iterations on " + std::to_string(N) + " devices ==");
+  n.say("Every device keeps a full replica of the parameters for forward and backward, as in DDP, but");
+  n.say("OWNS only a 1/N range of the flat buffers: only the owner keeps that range's optimizer state,");
+  n.say(std::string("steps it, and") + (r.stage >= 2 ? " (stage 2) keeps its summed gradient between steps."
+                                                     : " (stage 1) holds its summed gradient; other devices zero theirs."));
+  n.say("");
+  n.say("0. ranges — P = " + std::to_string(elems) + " floats; S = ceil(P/N) rounded up to 16 floats = " +
+        std::to_string(S) + "; the buffers are padded to N·S = " + std::to_string(S * static_cast<std::int64_t>(N)) +
+        " floats. A range may cut a parameter in two:");
+  for (std::size_t d = 0; d < r.shards.size(); ++d) {
+    auto [lo, hi] = r.shards[d];
+    n.say("     " + devs[d].str() + " owns [" + std::to_string(lo) + ", " + std::to_string(hi) +
+          "): " + params_in(params, lo, std::min(hi, elems), false) +
+          (hi > elems ? " + " + std::to_string(hi - std::max(lo, elems)) + " floats of padding" : ""));
+  }
+  n.say("1-3. scatter, forward, backward — as in DDP: " + per_device(tl, devs, "backward") + " (backward)");
+  n.say("4. reduce-scatter — the same buckets as DDP; when a bucket is ready on a device, its comm thread cuts");
+  n.say("   it at the range boundaries and each piece is REDUCED ONTO ITS OWNER (summed in device order):");
+  double recorded = 0;
+  for (auto& e : tl.events)
+    if (e.track == comm(devs[0]) && e.name.rfind("reduce_scatter bucket ", 0) == 0) recorded += recorded_bytes(e);
+  nlohmann::json jbuckets = nlohmann::json::array();
+  for (std::size_t b = 0; b < r.buckets.size(); ++b) {
+    auto [lo, hi] = r.buckets[b];
+    std::string pieces;
+    for (std::size_t d = 0; d < r.shards.size(); ++d) {
+      std::int64_t a = std::max(lo, r.shards[d].first), z = std::min(hi, r.shards[d].second);
+      if (a < z) pieces += (pieces.empty() ? "" : ", ") + format_bytes(4.0 * (z - a)) + " → " + devs[d].str();
+    }
+    auto t = bucket_timing(tl, devs, "reduce_scatter bucket " + std::to_string(b));
+    std::string head = "   bucket " + std::to_string(b) + " (" + format_bytes(4.0 * (hi - lo)) + "): " + pieces;
+    if (!t.found) {
+      n.say(head + " (not recorded)");
+      continue;
+    }
+    n.say(head + "; " + timing_text(t));
+    jbuckets.push_back({{"index", b}, {"bytes", 4.0 * (hi - lo)}, {"waiting_ms", t.waiting()},
+                        {"start_ms", t.first_start}, {"end_ms", t.end}});
+  }
+  auto sb = shard_bytes(r.shards, elems);
+  n.say("   Per device: it receives the other N-1 devices' gradients for its range, (N-1) × its owned");
+  n.say("   floats × 4 B, and sends its own gradients for every other range, (P - owned) × 4 B:");
+  for (std::size_t d = 0; d < N; ++d)
+    n.say("     " + devs[d].str() + ": receives " + format_bytes(sb.rs_recv[d]) + ", sends " +
+          format_bytes(sb.rs_send[d]));
+  n.say("   Checked against the run: the reduce-scatter buckets recorded on " + devs[0].str() + " hold " +
+        format_bytes(recorded) + (std::abs(recorded - P) < 0.5 ? " = P, as they must." : " — NOT P: a mismatch."));
+  n.say("5. step — each device steps only its S floats, with momentum state for those S floats only:");
+  n.say("   4·S = " + format_bytes(4.0 * S) + " of state per device instead of DDP's " + format_bytes(P) + "; " +
+        per_device(tl, devs, "step") + ".");
+  n.say("6. all-gather — still inside opt.step(), every device sends its updated range to the N-1 others");
+  n.say("   and receives theirs: (N-1)·S·4 B = " + format_bytes(sb.ag_recv.empty() ? 0 : sb.ag_recv[0]) +
+        " in and as much out per device (padding included); " + per_device(tl, devs, "allgather") + ".");
+  double total = sb.rs_recv.empty() ? 0 : sb.rs_recv[0] + sb.ag_recv[0];
+  n.say("   Total into " + devs[0].str() + ": reduce-scatter + all-gather = " + format_bytes(total) +
+        "; DDP's all-reduce moves 2(N-1)/N·P = " + format_bytes(2.0 * (N - 1) / N * P) +
+        ": the same bytes — an all-reduce IS a reduce-scatter followed by an all-gather, and Sharded");
+  n.say("   simply runs the optimizer step between the two halves, on 1/N of the parameters.");
+  std::size_t d1 = N > 1 ? 1 : 0;
+  double ddp_peak = static_cast<double>(ddp.med().stats.devices[d1].peak_memory_bytes);
+  double sh_peak = static_cast<double>(r.med().stats.devices[d1].peak_memory_bytes);
+  n.say("   Memory measured by the allocator, peak over the median iteration on " + devs[d1].str() + ": DDP " +
+        format_bytes(ddp_peak) + ", Sharded " + format_bytes(sh_peak) + " (momentum, and in stage 2 the gradient");
+  n.say("   between steps, shrink to 1/N; the full gradient buffer still exists during backward).");
+  n.say("   Iteration: " + spread(r.times()) + "; loss of the last " + fmt(r.iters.back().loss, 4) + ".");
+  n.say("");
+  nlohmann::json jshards = nlohmann::json::array();
+  for (auto [lo, hi] : r.shards) jshards.push_back({lo, hi});
+  js = {{"stage", r.stage},
+        {"shards", jshards},
+        {"param_elems", elems},
+        {"reduce_scatter_recv_bytes", sb.rs_recv},
+        {"reduce_scatter_send_bytes", sb.rs_send},
+        {"all_gather_recv_bytes", sb.ag_recv},
+        {"recorded_bucket_bytes", recorded},
+        {"buckets", jbuckets},
+        {"peak_memory_bytes_device1", {{"ddp", ddp_peak}, {"sharded", sh_peak}}}};
+}
+
+void write_trace(const std::string& path, const std::vector<const Run*>& runs) {
   nlohmann::json events = nlohmann::json::array();
   int pid = 1;
-  for (const Run* r : {&dpr, &ddpr}) {
+  for (const Run* r : runs) {
     events.push_back({{"ph", "M"}, {"pid", pid}, {"name", "process_name"},
-                      {"args", {{"name", pid == 1 ? "DP iteration" : "DDP iteration"}}}});
+                      {"args", {{"name", std::string(dp::mode_name(r->mode)) + " iteration (median)"}}}});
     std::map<std::string, int> tids;
-    for (auto& e : r->tl.events) tids.emplace(e.track, 0);
+    const auto& tl = r->med().tl;
+    for (auto& e : tl.events) tids.emplace(e.track, 0);
     int tid = 1;
     for (auto& [track, t] : tids) {
       t = tid++;
       events.push_back({{"ph", "M"}, {"pid", pid}, {"tid", t}, {"name", "thread_name"}, {"args", {{"name", track}}}});
     }
-    for (auto& e : r->tl.events) {
+    for (auto& e : tl.events) {
       nlohmann::json args = nlohmann::json::object();
       if (!e.args.empty()) args = nlohmann::json::parse("{" + e.args + "}", nullptr, false);
       events.push_back({{"ph", "X"}, {"pid", pid}, {"tid", tids[e.track]}, {"name", e.name},
-                        {"ts", e.start_us - r->tl.origin_us}, {"dur", e.dur_us}, {"args", args}});
+                        {"ts", e.start_us - tl.origin_us}, {"dur", e.dur_us}, {"args", args}});
     }
     ++pid;
   }
@@ -304,84 +506,124 @@ void write_trace(const std::string& path, const Run& dpr, const Run& ddpr) {
   if (!f) throw std::runtime_error("--trace: cannot write '" + path + "'");
 }
 
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) diff = std::max(diff, double(std::abs(a[i] - b[i])));
+  return diff;
+}
+
+std::string diff_text(double diff) {
+  return diff == 0 ? std::string("0 (bitwise identical)") : fmt(diff, 9);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"A narrated walk through one DP step and one DDP step: what moves where, and when."};
-  int ndev = 0;
+  CLI::App app{"A narrated walk through a DP, a DDP and a Sharded step: what moves where, and when."};
+  std::string devices_spec;
   std::int64_t batch_size = 64;
+  int iterations = 5;
+  int stage = 2;
   bool json = false;
   std::string trace_path;
-  app.add_option("--devices", ndev, "number of devices (default: 4 CPU virtual devices, or every GPU)")
-      ->check(CLI::Range(2, 1024));
-  app.add_option("--batch", batch_size, "global batch size")->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  app.add_flag("--json", json, "print one JSON object (the narration and the figures) instead of text");
-  app.add_option("--trace", trace_path, "write a Perfetto/Chrome trace of both iterations to FILE");
+  samples::add_devices_option(app, devices_spec, /*min=*/2);
+  samples::add_batch_option(app, batch_size);
+  app.add_option("--iterations", iterations, "traced iterations per design (the median one is narrated)")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  samples::add_shard_stage_option(app, stage);
+  samples::add_json_option(app, json, "print one JSON object (the narration and the figures) instead of text");
+  app.add_option("--trace", trace_path, "write a Perfetto/Chrome trace of each design's median iteration to FILE");
   CLI11_PARSE(app, argc, argv);
 
   try {
-    int available = dp::device_count();
-    if (ndev == 0) ndev = dp::default_device_type() == dp::DeviceType::CUDA ? available : std::min(4, available);
-    if (ndev > available || ndev < 2)
-      throw std::invalid_argument("--devices " + std::to_string(ndev) + ": " + std::to_string(available) + " " +
-                                  samples::device_kind() + " device(s) visible, at least 2 needed");
+    auto ids = samples::parse_device_ids(devices_spec, dp::device_count(), /*min=*/2);
+    const int ndev = static_cast<int>(ids.size());
     if (batch_size < ndev)
       throw std::invalid_argument("--batch " + std::to_string(batch_size) + " is smaller than " +
                                   std::to_string(ndev) + " devices");
-    auto devs = samples::first_devices(ndev);
+    std::vector<dp::Device> devs;
+    for (int id : ids) devs.push_back(dp::device(id));
     auto data = samples::synthetic_batches({1, 28, 28}, batch_size, 2, /*seed=*/3);
 
     Narrator n;
     n.json = json;
-    Run dpr = run(dp::Mode::DP, devs, data[0], data[1]);
-    Run ddpr = run(dp::Mode::DDP, devs, data[0], data[1]);
+    Run dpr = run(dp::Mode::DP, 0, devs, data[0], data[1], iterations);
+    Run ddpr = run(dp::Mode::DDP, 0, devs, data[0], data[1], iterations);
+    Run shr = run(dp::Mode::Sharded, stage, devs, data[0], data[1], iterations);
     auto params = param_infos(*dpr.net);
     double P = 0;
     for (auto& p : params) P += 4.0 * p.numel;
     const double N = ndev;
+    const bool cpu = samples::device_kind() == "cpu";
+    const int cores = dp::hardware_concurrency();
 
     n.say("teach: the Fashion-MNIST CNN on " + std::to_string(ndev) + " " +
-          (samples::device_kind() == "cpu" ? "CPU virtual devices (no GPU here: each has its own memory, worker "
-                                             "thread and share of the cores)"
-                                           : "GPUs") +
+          (cpu ? "CPU virtual devices (no GPU here: each has its own memory, worker thread and share of "
+                 "the cores)"
+               : "GPUs") +
           ", global batch " + std::to_string(batch_size) + ".");
+    if (cpu && ndev > cores)
+      n.say("Note: " + std::to_string(ndev) + " virtual devices on " + std::to_string(cores) +
+            " hardware thread(s) oversubscribe the machine: each device still gets one thread, so the "
+            "devices time-share the cores and every phase time below includes waiting for a core.");
     n.say("Its " + std::to_string(params.size()) + " parameter tensors live in ONE flat buffer per device: P = " +
           format_bytes(P) + " of parameters, and as much again of gradients.");
-    n.say("Each design runs one warm-up iteration, then one traced iteration from the same state on the");
-    n.say("same batch. Times are milliseconds since the traced iteration began (+t) or durations.");
+    n.say("Each design runs one warm-up iteration, then " + std::to_string(iterations) +
+          " traced iterations from the same state on the same batch; the one with the median time is told.");
+    n.say("Times are milliseconds since that iteration began (+t) or durations.");
     n.say("");
     narrate_dp(n, dpr, params, devs, data[1], P);
     bool has_buffers = !dpr.net->named_buffers().empty();
     nlohmann::json jbuckets = nlohmann::json::array();
     narrate_ddp(n, ddpr, params, devs, P, has_buffers, jbuckets);
+    nlohmann::json jsharded;
+    narrate_sharded(n, shr, ddpr, params, devs, P, jsharded);
 
-    double diff = 0;
-    for (std::size_t i = 0; i < dpr.params.size(); ++i)
-      diff = std::max(diff, double(std::abs(dpr.params[i] - ddpr.params[i])));
-    double dp_bytes_dev0 = 2 * (N - 1) * P, ddp_bytes_dev = 2 * (N - 1) / N * P;
+    double diff = max_diff(dpr.params, ddpr.params), diff_sh = max_diff(ddpr.params, shr.params);
+    double dp_bytes_dev0 = 2 * (N - 1) * P, dp_bytes_other = 2 * P, ddp_bytes_dev = 2 * (N - 1) / N * P;
     n.say("== Bytes moved per iteration, from first principles (N = " + std::to_string(ndev) +
           " devices, P = " + format_bytes(P) + ") ==");
-    n.say("DP : broadcast parameters (N-1)·P = " + format_bytes((N - 1) * P) + " + reduce gradients (N-1)·P = " +
-          format_bytes((N - 1) * P) + ", ALL through " + devs[0].str() + ": " + format_bytes(dp_bytes_dev0) +
-          " per iteration on one device's link,");
-    n.say("     growing linearly with N; and the reduce can only start after the slowest backward.");
-    n.say("DDP: no parameter broadcast (replicas persist and take identical steps); ring all-reduce of the");
-    n.say("     gradients: each device sends (and receives) 2(N-1)/N·P = " + format_bytes(ddp_bytes_dev) +
-          ": reduce-scatter (N-1 chunks of P/N) then all-gather (N-1 chunks), nearly constant in N and spread");
-    n.say("     evenly over all devices — no hub — and bucket by bucket while backward is still running.");
-    n.say("Measured here: DP iteration " + fmt(dpr.iteration_ms, 1) + " ms, DDP iteration " +
-          fmt(ddpr.iteration_ms, 1) + " ms.");
-    n.say("Same result: both designs scale each shard's loss so the SUM over devices is the full-batch mean");
-    n.say("and sum in the same device order, so after the step the parameters agree: max |DP − DDP| = " +
-          (diff == 0 ? std::string("0 (bitwise identical)") : fmt(diff, 9)) + ".");
+    n.say("DP : device 0 sends N-1 parameter copies (replicate, (N-1)·P = " + format_bytes((N - 1) * P) +
+          ") and receives N-1 gradient copies (reduce, (N-1)·P = " + format_bytes((N - 1) * P) + "): " +
+          format_bytes(dp_bytes_dev0) + " through " + devs[0].str() + ",");
+    n.say("     growing linearly with N, while every other device moves 2·P = " + format_bytes(dp_bytes_other) +
+          " (one copy in, one gradient out). The hub is device 0; and the reduce starts only after the");
+    n.say("     slowest backward.");
+    n.say("DDP: no parameter broadcast (replicas persist and take identical steps); a ring all-reduce of the");
+    n.say("     gradients: each device sends and receives 2(N-1)/N·P = " + format_bytes(ddp_bytes_dev) +
+          " (reduce-scatter: N-1 chunks of P/N, then all-gather: N-1 chunks), nearly constant in N,");
+    n.say("     the same on every device (no hub), and bucket by bucket while backward is still running.");
+    n.say("     (A tree reduce plus broadcast moves ~2P per link instead; either way no device carries N·P.)");
+    n.say("Sharded: the same 2(N-1)/N·P per device as DDP, split around the optimizer step (above).");
+    n.say("Measured here, per iteration: DP " + spread(dpr.times()) + ", DDP " + spread(ddpr.times()) +
+          ", Sharded " + spread(shr.times()) + ".");
+    auto range = [](const Run& r) {
+      auto t = r.times();
+      auto [lo, hi] = std::minmax_element(t.begin(), t.end());
+      return std::pair{*lo, *hi};
+    };
+    auto [dlo, dhi] = range(dpr);
+    auto [ulo, uhi] = range(ddpr);
+    if (dhi < ulo || uhi < dlo)
+      n.say("DP and DDP times do not overlap in these " + std::to_string(iterations) + " iterations: " +
+            (dhi < ulo ? std::string("DP") : std::string("DDP")) +
+            " was faster in every one of them — on this machine, this model and this batch only.");
+    else
+      n.say("DP's and DDP's times overlap: these " + std::to_string(iterations) +
+            " iterations do not say which design is faster here. Run more (--iterations) on a quiet machine, "
+            "or samples/dp_vs_ddp for throughput over many steps.");
+    n.say("Same result: every design scales each shard's loss so the SUM over devices is the full-batch mean");
+    n.say("and sums in the same device order, so the parameters agree: max |DP − DDP| = " + diff_text(diff) +
+          ", max |DDP − Sharded| = " + diff_text(diff_sh) + ".");
     if (!trace_path.empty()) {
-      write_trace(trace_path, dpr, ddpr);
+      write_trace(trace_path, {&dpr, &ddpr, &shr});
       n.say("Trace: " + trace_path + " (open in https://ui.perfetto.dev: one track per worker and comm thread).");
     }
     if (json) {
       auto phases = [&](const Run& r) {
         nlohmann::json j = nlohmann::json::array();
-        for (auto& d : r.stats.devices) {
+        for (auto& d : r.med().stats.devices) {
           nlohmann::json pd{{"device", d.device.str()}, {"peak_memory_bytes", d.peak_memory_bytes}};
           for (int p = 0; p < static_cast<int>(dp::parallel::Phase::kCount); ++p)
             pd[dp::parallel::phase_name(static_cast<dp::parallel::Phase>(p))] = d.ms[p];
@@ -389,20 +631,35 @@ int main(int argc, char** argv) {
         }
         return j;
       };
+      auto timing = [&](const Run& r) {
+        auto t = r.times();
+        return nlohmann::json{{"median_ms", median_of(t)},
+                              {"min_ms", *std::min_element(t.begin(), t.end())},
+                              {"max_ms", *std::max_element(t.begin(), t.end())},
+                              {"all_ms", t}};
+      };
+      jsharded["loss"] = shr.iters.back().loss;
+      jsharded["iteration"] = timing(shr);
+      jsharded["phase_ms"] = phases(shr);
       nlohmann::json out{{"sample", "teach"},
                          {"devices", ndev},
+                         {"hardware_threads", cores},
                          {"global_batch", batch_size},
+                         {"iterations", iterations},
                          {"param_bytes", P},
-                         {"dp", {{"loss", dpr.loss},
-                                 {"iteration_ms", dpr.iteration_ms},
+                         {"dp", {{"loss", dpr.iters.back().loss},
+                                 {"iteration", timing(dpr)},
                                  {"bytes_through_device0", dp_bytes_dev0},
+                                 {"bytes_other_device", dp_bytes_other},
                                  {"phase_ms", phases(dpr)}}},
-                         {"ddp", {{"loss", ddpr.loss},
-                                  {"iteration_ms", ddpr.iteration_ms},
+                         {"ddp", {{"loss", ddpr.iters.back().loss},
+                                  {"iteration", timing(ddpr)},
                                   {"bytes_per_device", ddp_bytes_dev},
                                   {"buckets", jbuckets},
                                   {"phase_ms", phases(ddpr)}}},
+                         {"sharded", jsharded},
                          {"max_param_diff", diff},
+                         {"max_param_diff_sharded", diff_sh},
                          {"trace", trace_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(trace_path)},
                          {"narration", n.lines}};
       std::cout << out.dump() << "\n";

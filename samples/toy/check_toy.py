@@ -31,7 +31,7 @@ def run(exe, *args):
 def main():
     exe = sys.argv[1]
     losses = {}
-    for mode in ("dp", "ddp"):
+    for mode in ("dp", "ddp", "sharded"):
         r = run(exe, "--mode", mode, "--max-steps", str(STEPS), "--json")
         check(r.returncode == 0, f"{mode}: exit status {r.returncode}")
         try:
@@ -52,12 +52,15 @@ def main():
     if len(losses.get("dp", [])) == len(losses.get("ddp", [])) == STEPS:
         check(all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(losses["dp"], losses["ddp"])),
               "DP and DDP losses differ")
+    if len(losses.get("ddp", [])) == len(losses.get("sharded", [])) == STEPS:
+        check(all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(losses["ddp"], losses["sharded"])),
+              "DDP and Sharded losses differ")
 
     r = run(exe, "--max-steps", "3")
     lines = [l for l in r.stdout.splitlines() if l.startswith("step ")]
     check(r.returncode == 0 and len(lines) == 3, f"text mode: {r.stdout!r}")
 
-    for bad in (["--mode", "fsdp"], ["--max-steps", "0"], ["--max-steps", "abc"], ["--bogus"]):
+    for bad in (["--mode", "fsdp"], ["--shard-stage", "3"], ["--max-steps", "0"], ["--max-steps", "abc"], ["--bogus"]):
         r = run(exe, *bad)
         check(r.returncode != 0 and r.stderr.strip(), f"{bad} exited {r.returncode}")
     r = run(exe, "--help")

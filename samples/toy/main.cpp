@@ -8,20 +8,22 @@
 #include <iostream>
 
 #include "common/models.h"
+#include "common/options.h"
 #include "dp/dp.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"ToyModel (10-10-5) trained with dp::DataParallel; prints the loss per step."};
   std::string mode = "dp";
-  int steps = 10;
+  int steps = 10, shard_stage = 2;
   bool json = false;
-  app.add_option("--mode", mode, "dp or ddp")->check(CLI::IsMember({"dp", "ddp"}))->capture_default_str();
+  samples::add_mode_option(app, mode, {"dp", "ddp", "sharded"});
+  samples::add_shard_stage_option(app, shard_stage);
   app.add_option("--max-steps", steps, "training steps")->check(CLI::Range(1, 1 << 30))->capture_default_str();
-  app.add_flag("--json", json, "print one JSON object instead of text");
+  samples::add_json_option(app, json, "print one JSON object instead of text");
   CLI11_PARSE(app, argc, argv);
   try {
     auto net = std::make_shared<samples::ToyModel>(/*seed=*/0);
-    dp::DataParallel model(net, {}, mode == "ddp" ? dp::Mode::DDP : dp::Mode::DP);  // every device
+    dp::DataParallel model(net, std::vector<int>{}, samples::mode_options(mode, shard_stage));  // every device
     dp::optim::SGD opt(model.parameters(), {.lr = 0.001});
     dp::Generator gen(42);
     dp::Tensor x = dp::randn({20, 10}, gen), y = dp::randn({20, 5}, gen);  // one batch of 20

@@ -40,17 +40,27 @@ void swap_elements(std::uint8_t* bytes, std::size_t count, std::size_t elem) {
   }
 }
 
+// How to point the loader at the data. An explicit directory always wins over
+// DP_DATA_DIR, so the variable is suggested only when `dir` is the default one (which
+// is where DP_DATA_DIR takes effect); otherwise it would be advice that changes nothing.
+std::string directory_hint(const std::filesystem::path& dir) {
+  if (dir == default_fashion_mnist_dir())
+    return "install dataset-fashion-mnist, or set DP_DATA_DIR to the directory holding the files";
+  return "pass the directory that holds them (an explicit directory is used as given; "
+         "DP_DATA_DIR only changes default_fashion_mnist_dir())";
+}
+
 // Picks "<dir>/<base>.gz" when present, else "<dir>/<base>"; errors when neither exists.
 std::filesystem::path find_file(const std::filesystem::path& dir, const std::string& base) {
   std::error_code ec;
   DP_CHECK(std::filesystem::is_directory(dir, ec), "MnistDataset: data directory '",
-           dir.string(), "' does not exist; expected a directory holding ", base,
-           "[.gz] (install dataset-fashion-mnist, or set DP_DATA_DIR)");
+           dir.string(), "' does not exist; expected a directory holding ", base, "[.gz] (",
+           directory_hint(dir), ")");
   const std::filesystem::path gz = dir / (base + ".gz");
   if (std::filesystem::exists(gz, ec)) return gz;
   const std::filesystem::path plain = dir / base;
   DP_CHECK(std::filesystem::exists(plain, ec), "MnistDataset: expected ", gz.string(), " or ",
-           plain.string(), ", found neither (a wrong directory? set DP_DATA_DIR)");
+           plain.string(), ", found neither (a wrong directory? ", directory_hint(dir), ")");
   return plain;
 }
 

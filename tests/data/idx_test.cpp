@@ -279,6 +279,38 @@ TEST_CASE("default_fashion_mnist_dir honours DP_DATA_DIR") {
   if (old) ::setenv("DP_DATA_DIR", saved.c_str(), 1);
 }
 
+TEST_CASE("an explicit directory wins over DP_DATA_DIR, and errors say so") {
+  const char* old = std::getenv("DP_DATA_DIR");
+  const std::string saved = old ? old : "";
+  TempDir data, other;
+  write_plain(data.path / "train-images-idx3-ubyte", dp::data::encode_idx(make_images(3, 28, 28)));
+  write_plain(data.path / "train-labels-idx1-ubyte", dp::data::encode_idx(make_labels(3)));
+  ::setenv("DP_DATA_DIR", data.path.c_str(), 1);
+
+  // The default directory follows DP_DATA_DIR and loads from it.
+  CHECK(dp::data::MnistDataset(dp::data::default_fashion_mnist_dir(), dp::data::Split::Train).size() == 3);
+
+  // An explicit directory is used as given: DP_DATA_DIR (which holds valid files) is not
+  // consulted, and the error does not suggest setting it.
+  std::string msg =
+      error_of([&] { dp::data::MnistDataset(other.path / "absent", dp::data::Split::Train); });
+  CHECK(has(msg, (other.path / "absent").string()));
+  CHECK(has(msg, "explicit directory is used as given"));
+  CHECK_FALSE(has(msg, "set DP_DATA_DIR"));
+  msg = error_of([&] { dp::data::MnistDataset(other.path, dp::data::Split::Train); });
+  CHECK(has(msg, "train-images-idx3-ubyte"));
+  CHECK_FALSE(has(msg, "set DP_DATA_DIR"));
+
+  // The default directory, missing: now setting DP_DATA_DIR is the advice that helps.
+  ::setenv("DP_DATA_DIR", (other.path / "absent").c_str(), 1);
+  msg = error_of(
+      [&] { dp::data::MnistDataset(dp::data::default_fashion_mnist_dir(), dp::data::Split::Train); });
+  CHECK(has(msg, "set DP_DATA_DIR"));
+
+  if (old) ::setenv("DP_DATA_DIR", saved.c_str(), 1);
+  else ::unsetenv("DP_DATA_DIR");
+}
+
 TEST_CASE("the real Fashion-MNIST files load") {
   const fs::path dir = "/usr/share/datasets/fashion-mnist";
   if (!fs::exists(dir / "train-images-idx3-ubyte.gz") && !fs::exists(dir / "train-images-idx3-ubyte")) {

@@ -92,6 +92,22 @@ def main():
     common = ["--max-steps", "20", "--epochs", "1", "--json", "--log-every", "5", "--data", data]
     check_run(binary, common + ["--mode", "ddp", "--devices", "0,1"], "ddp", [0, 1])
     check_run(binary, common + ["--mode", "single"], "single", [0])
+    # The shared option spellings (samples/common/options.h): a count, the module path, Sharded.
+    check_run(binary, common + ["--mode", "sharded", "--shard-stage", "1", "--devices", "2", "--path", "module"],
+              "sharded", [0, 1])
+
+    # Bad --devices, --path and --mode values: exit code 2 and a message naming the value.
+    for flags, needle in ((["--devices", "0"], "--devices 0"), (["--devices", "0,0"], "appears twice"),
+                          (["--devices", "x"], "'x' is not a number"), (["--devices", "0,99"], "out of range"),
+                          (["--path", "worker-loss"], "worker-loss"), (["--mode", "zero"], "zero"),
+                          (["--mode", "single", "--devices", "2"], "one device"),
+                          (["--shard-stage", "3"], "3")):
+        bad = subprocess.run([binary, "--max-steps", "1", "--data", data] + flags, capture_output=True, text=True,
+                             timeout=60)
+        check(bad.returncode == 2, f"{flags}: expected exit code 2, got {bad.returncode}")
+        check(needle in bad.stderr + bad.stdout, f"{flags}: message lacks {needle!r}: {bad.stderr!r}")
+    helptext = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60).stdout
+    check("worker" in helptext and "module" in helptext and "sharded" in helptext, "--help lacks the shared values")
 
     bad = subprocess.run([binary, "--epochs", "zero"], capture_output=True, text=True, timeout=60)
     check(bad.returncode == 2, f"bad flag: expected exit code 2, got {bad.returncode}")

@@ -71,7 +71,8 @@ class MnistDataset : public Dataset {
   /// Loads `dir`/{train,t10k}-images-idx3-ubyte[.gz] and the matching
   /// -labels-idx1-ubyte[.gz] (gzip is preferred when both exist). Throws dp::Error when
   /// a file is missing or malformed, the image and label counts differ, or a label is
-  /// outside [0, 10).
+  /// outside [0, 10). `dir` is used as given: DP_DATA_DIR changes only
+  /// default_fashion_mnist_dir(), so pass that to follow the variable.
   MnistDataset(const std::filesystem::path& dir, Split split);
   /// Builds the dataset from parsed arrays (images (N, H, W) uint8, labels (N) uint8);
   /// `name` labels error messages. Same validation as the directory constructor.

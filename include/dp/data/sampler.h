@@ -2,11 +2,15 @@
 //
 // Samplers produce the index list of one epoch; a DataLoader cuts it into batches.
 // DistributedSampler gives each of R replicas a disjoint (up to padding) 1/R share with
-// PyTorch's semantics. Shuffling uses dp's own permutation (Fisher-Yates over a
-// splitmix64 stream): deterministic for a (seed, epoch) on every machine and rank, but
-// not the same order PyTorch would draw. Without explicit replicas it takes the
-// processes of the job from dp::dist. This header knows nothing about tensors, nn,
-// optim or DataParallel.
+// PyTorch's semantics. It is for multi-process runs (one process per node under mpirun
+// or srun, docs/multi-node.md): without explicit replicas it takes the partition from
+// dp::dist (world_size() replicas, this process's rank(); 1 and 0 without a launcher).
+// Within one process DataParallel already splits each batch over the local devices, so
+// a single-process program needs none: DistributedSampler(n, 2, 0) there trains on half
+// of the data. Without shuffling the per-rank lists are exactly PyTorch's; shuffling
+// uses dp's own permutation (Fisher-Yates over a splitmix64 stream): deterministic for a
+// (seed, epoch) on every machine and rank, but not the order PyTorch would draw. This
+// header knows nothing about tensors, nn, optim or DataParallel.
 //
 //   dp::data::DistributedSampler s(60000, /*num_replicas=*/4, /*rank=*/1);
 //   s.set_epoch(3);

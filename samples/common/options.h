@@ -1,0 +1,154 @@
+// samples/common/options.h — the command-line options every sample spells the same way.
+//
+// One concept, one name, one set of values, one help text with the real default:
+//   --devices  N (devices 0..N-1) or a list of ids "0,2,3"      (training samples)
+//   --mode     single | dp | ddp | sharded (each sample lists the ones it runs)
+//   --shard-stage 1 | 2                                           (with --mode sharded)
+//   --path     worker (model.forward_backward) | module (loss(model(x)).backward())
+//   --batch, --json
+// (samples/dp_vs_ddp's --devices differs on purpose: it is the list of device COUNTS
+// it compares, "N" meaning 1..N.)
+//
+//   samples::add_devices_option(app, devices_spec);
+//   CLI11_PARSE(app, argc, argv);
+//   auto ids = samples::parse_device_ids(devices_spec, dp::device_count());
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/util.h"
+#include "dp/dp.h"
+
+namespace samples {
+
+/// The number of devices a sample uses when --devices is not given: every GPU, or
+/// min(4, hardware threads, visible) CPU virtual devices — never more devices than
+/// cores, so the default run does not oversubscribe the machine — and at least `min`.
+inline int default_device_count(int min = 1) {
+  const int available = dp::device_count();
+  if (dp::default_device_type() == dp::DeviceType::CUDA) return available;
+  return std::max(min, std::min({4, dp::hardware_concurrency(), available}));
+}
+
+/// Adds --devices (a count or a list of ids) with the default shown in --help.
+inline CLI::Option* add_devices_option(CLI::App& app, std::string& spec, int min = 1) {
+  if (spec.empty()) spec = std::to_string(default_device_count(min));
+  return app
+      .add_option("--devices", spec,
+                  "N (devices 0..N-1) or a list of device ids such as 0,2; default: every GPU, or "
+                  "min(4, hardware threads) CPU virtual devices")
+      ->capture_default_str();
+}
+
+/// The device ids of a --devices value: "N" means 0..N-1, "a,b,c" exactly those ids
+/// (distinct). Each must be a visible device; at least `min` of them. Throws
+/// std::invalid_argument naming what was expected.
+inline std::vector<int> parse_device_ids(const std::string& spec, int available, int min = 1) {
+  auto number = [&](const std::string& item) {
+    std::size_t used = 0;
+    int v = -1;
+    try {
+      v = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size())
+      throw std::invalid_argument("--devices: '" + item + "' is not a number (expected N or a list of ids like 0,1)");
+    return v;
+  };
+  const std::string visible = std::to_string(available) + " " + device_kind() +
+                              " device(s) are visible (set DP_CPU_DEVICES for more CPU virtual devices)";
+  std::vector<int> ids;
+  if (spec.find(',') == std::string::npos) {
+    const int n = number(spec);
+    if (n < min || n > available)
+      throw std::invalid_argument("--devices " + spec + ": expected a count in [" + std::to_string(min) + ", " +
+                                  std::to_string(available) + "]; " + visible);
+    for (int i = 0; i < n; ++i) ids.push_back(i);
+    return ids;
+  }
+  std::stringstream ss(spec);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const int id = number(item);
+    if (id < 0 || id >= available)
+      throw std::invalid_argument("--devices: id " + item + " is out of range [0, " + std::to_string(available) +
+                                  "); " + visible);
+    if (std::find(ids.begin(), ids.end(), id) != ids.end())
+      throw std::invalid_argument("--devices: id " + item + " appears twice in '" + spec + "'");
+    ids.push_back(id);
+  }
+  if (static_cast<int>(ids.size()) < min)
+    throw std::invalid_argument("--devices " + spec + ": expected at least " + std::to_string(min) +
+                                " device(s), got " + std::to_string(ids.size()));
+  return ids;
+}
+
+/// Adds --mode restricted to `allowed` (from single, dp, ddp, sharded).
+inline CLI::Option* add_mode_option(CLI::App& app, std::string& mode, const std::vector<std::string>& allowed) {
+  std::string list;
+  for (auto& m : allowed) list += (list.empty() ? "" : ", ") + m;
+  return app
+      .add_option("--mode", mode,
+                  "one of " + list +
+                      " (single: no DataParallel; dp, ddp, sharded: dp::Mode::DP, DDP, Sharded)")
+      ->check(CLI::IsMember(allowed))
+      ->capture_default_str();
+}
+
+/// dp::Mode of a --mode value other than "single".
+inline dp::Mode to_mode(const std::string& mode) {
+  if (mode == "ddp") return dp::Mode::DDP;
+  if (mode == "sharded") return dp::Mode::Sharded;
+  if (mode == "dp") return dp::Mode::DP;
+  throw std::invalid_argument("--mode " + mode + " is not a DataParallel mode (expected dp, ddp or sharded)");
+}
+
+/// DataParallelOptions for a --mode value and a --shard-stage (used in sharded mode only).
+inline dp::DataParallelOptions mode_options(const std::string& mode, int shard_stage) {
+  dp::DataParallelOptions o{.mode = to_mode(mode)};
+  if (o.mode == dp::Mode::Sharded) o.shard_stage = shard_stage;
+  return o;
+}
+
+/// Adds --shard-stage (1 or 2; ZeRO stage of --mode sharded).
+inline CLI::Option* add_shard_stage_option(CLI::App& app, int& stage) {
+  return app
+      .add_option("--shard-stage", stage,
+                  "ZeRO stage of the sharded design: 1 (optimizer state sharded) or 2 (gradients too)")
+      ->check(CLI::Range(1, 2))
+      ->capture_default_str();
+}
+
+/// Adds --path: worker (model.forward_backward: every worker computes the loss of its
+/// shard) or module (loss(model(x)).backward(): outputs gathered on the output device).
+inline CLI::Option* add_path_option(CLI::App& app, std::string& path) {
+  return app
+      .add_option("--path", path,
+                  "worker: model.forward_backward(x, y, loss), each worker computes its shard's loss; "
+                  "module: loss(model(x)).backward(), the outputs gathered first")
+      ->check(CLI::IsMember({"worker", "module"}))
+      ->capture_default_str();
+}
+
+/// Adds --batch (the global batch, split over the devices).
+template <typename Int>
+CLI::Option* add_batch_option(CLI::App& app, Int& batch) {
+  return app.add_option("--batch", batch, "global batch size (split over the devices)")
+      ->check(CLI::Range(Int{1}, Int{1} << 24))
+      ->capture_default_str();
+}
+
+/// Adds --json with a sample-specific description.
+inline CLI::Option* add_json_option(CLI::App& app, bool& json, const std::string& what) {
+  return app.add_flag("--json", json, what);
+}
+
+}  // namespace samples
