@@ -105,7 +105,12 @@ int device_count() { return device_count(default_device_type()); }
 std::size_t memory_allocated(Device dev) { return runtime_of(dev).memory_allocated(dev); }
 std::size_t max_memory_allocated(Device dev) { return runtime_of(dev).max_memory_allocated(dev); }
 void reset_peak_memory(Device dev) { runtime_of(dev).reset_peak_memory(dev); }
-void empty_cache(Device dev) { runtime_of(dev).empty_cache(dev); }
+void empty_cache(Device dev) {
+  const int count = device_count(dev.type);
+  DP_CHECK(dev.index >= 0 && dev.index < count, "empty_cache: expected a device of this process (", count, " ",
+           dev.is_cuda() ? "CUDA" : "CPU", " device(s)), got ", dev);
+  runtime_of(dev).empty_cache(dev);
+}
 
 std::size_t pinned_memory_allocated() {
   // One runtime pins the host memory of this process (CUDA when a GPU is visible, else
