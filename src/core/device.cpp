@@ -3,6 +3,7 @@
 #include <array>
 #include <atomic>
 #include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "core/device_runtime.h"
@@ -105,6 +106,31 @@ int device_count() { return device_count(default_device_type()); }
 std::size_t memory_allocated(Device dev) { return runtime_of(dev).memory_allocated(dev); }
 std::size_t max_memory_allocated(Device dev) { return runtime_of(dev).max_memory_allocated(dev); }
 void reset_peak_memory(Device dev) { runtime_of(dev).reset_peak_memory(dev); }
+namespace {
+
+// Note [TF32 policy]: PyTorch's defaults, or DP_CUDA_ALLOW_TF32 for both.
+struct Tf32 {
+  std::atomic<bool> matmul{false}, conv{true};
+  Tf32() {
+    if (const char* env = std::getenv("DP_CUDA_ALLOW_TF32"); env != nullptr && *env != '\0') {
+      const bool on = std::string(env) != "0";
+      matmul = on;
+      conv = on;
+    }
+  }
+};
+Tf32& tf32() {
+  static Tf32 t;
+  return t;
+}
+
+}  // namespace
+
+void set_allow_tf32_matmul(bool on) { tf32().matmul.store(on, std::memory_order_relaxed); }
+void set_allow_tf32_conv(bool on) { tf32().conv.store(on, std::memory_order_relaxed); }
+bool allow_tf32_matmul() { return tf32().matmul.load(std::memory_order_relaxed); }
+bool allow_tf32_conv() { return tf32().conv.load(std::memory_order_relaxed); }
+
 void empty_cache(Device dev) {
   const int count = device_count(dev.type);
   DP_CHECK(dev.index >= 0 && dev.index < count, "empty_cache: expected a device of this process (", count, " ",

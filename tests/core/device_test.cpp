@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include <cstdlib>
+
 #include "dp/core/device.h"
 #include "dp/core/error.h"
 #include "dp/tensor/tensor.h"
@@ -44,4 +46,18 @@ TEST_CASE("empty_cache is a no-op on CPU virtual devices and checks the device")
   CHECK(dp::memory_allocated(dp::cpu(0)) == held);
   CHECK(t.to_vector().size() == 1024);
   CHECK_THROWS_AS(dp::empty_cache(dp::Device{dp::DeviceType::CPU, 999}), dp::Error);
+}
+
+TEST_CASE("TF32 policy: PyTorch's defaults (matmul off, convolution on) and the setters") {
+  if (std::getenv("DP_CUDA_ALLOW_TF32") == nullptr) {
+    CHECK_FALSE(dp::allow_tf32_matmul());
+    CHECK(dp::allow_tf32_conv());
+  }
+  const bool mm = dp::allow_tf32_matmul(), conv = dp::allow_tf32_conv();
+  dp::set_allow_tf32_matmul(true);
+  dp::set_allow_tf32_conv(false);
+  CHECK(dp::allow_tf32_matmul());
+  CHECK_FALSE(dp::allow_tf32_conv());
+  dp::set_allow_tf32_matmul(mm);
+  dp::set_allow_tf32_conv(conv);
 }

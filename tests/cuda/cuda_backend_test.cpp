@@ -12,6 +12,7 @@
 #include "cuda_test_main.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -80,6 +81,10 @@ std::vector<float> randn(std::size_t n, unsigned seed) {
 }  // namespace
 
 TEST_CASE("every op case on cuda:0 matches cpu:0 within its tolerance") {
+  // The op table's tolerances are FP32's: pure FP32 math (Note [TF32 policy]).
+  const bool mm = dp::allow_tf32_matmul(), conv = dp::allow_tf32_conv();
+  dp::set_allow_tf32_matmul(false);
+  dp::set_allow_tf32_conv(false);
   const auto cases = dp_test::op_cases(dp_test::Suite::Check);
   REQUIRE(!cases.empty());
   for (const dp_test::OpCase* c : cases) {
@@ -91,6 +96,38 @@ TEST_CASE("every op case on cuda:0 matches cpu:0 within its tolerance") {
          ", atol ", c->tol.atol, "); first ", cmp.first_bad, "; max |error| ", cmp.max_abs_err);
     CHECK(cmp.ok);
   }
+  dp::set_allow_tf32_matmul(mm);
+  dp::set_allow_tf32_conv(conv);
+}
+
+// Note [TF32 policy]: with the switch off a GEMM is FP32 (error ~1e-6 of the FP64
+// product); on, tensor cores round the inputs to TF32 (error ~1e-3) — so the two
+// settings must give clearly different errors on an Ampere-or-newer GPU.
+TEST_CASE("TF32 policy: matmul is pure FP32 unless allowed, and TF32 when allowed") {
+  Side g = cuda_side();
+  const int n = 256;
+  const std::vector<float> a = randn(n * n, 11), b = randn(n * n, 12);
+  std::vector<double> ref(static_cast<std::size_t>(n) * n, 0.0);
+  for (int i = 0; i < n; ++i)
+    for (int k = 0; k < n; ++k)
+      for (int j = 0; j < n; ++j) ref[i * n + j] += double(a[i * n + k]) * double(b[k * n + j]);
+  auto run = [&](bool tf32) {
+    dp::set_allow_tf32_matmul(tf32);
+    auto A = g.up(a), B = g.up(b);
+    auto C = g.zeros(static_cast<std::size_t>(n) * n);
+    g.b.gemm(g.d, false, false, n, n, n, 1.0f, A->f(), n, B->f(), n, 0.0f, C->f(), n);
+    const std::vector<float> c = g.down(*C, static_cast<std::size_t>(n) * n);
+    double err = 0;  // relative to the size of a typical entry, sqrt(n)
+    for (std::size_t i = 0; i < c.size(); ++i) err = std::max(err, std::abs(c[i] - ref[i]) / std::sqrt(double(n)));
+    return err;
+  };
+  const bool before = dp::allow_tf32_matmul();
+  const double fp32 = run(false), tf32 = run(true);
+  dp::set_allow_tf32_matmul(before);
+  INFO("max error: FP32 ", fp32, ", TF32 ", tf32);
+  CHECK(fp32 < 1e-5);
+  CHECK(tf32 < 2e-2);
+  CHECK(tf32 > 10 * fp32);  // the tensor cores really ran
 }
 
 TEST_CASE("caching allocator reuses blocks and does not grow in a loop") {

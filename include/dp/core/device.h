@@ -71,6 +71,20 @@ void reset_peak_memory(Device dev);
 /// driver (torch.cuda.empty_cache). Synchronises the device: call it between steps.
 /// A no-op on CPU virtual devices.
 void empty_cache(Device dev);
+/// Note [TF32 policy]
+/// TF32 tensor-core math (Ampere and newer GPUs: products of 10-bit-mantissa inputs,
+/// FP32 accumulation) is ~8x faster than FP32 and agrees with it to about 1e-3
+/// relative. As in PyTorch, two switches decide where it may be used:
+/// matrix products (cuBLAS; torch.backends.cuda.matmul.allow_tf32, default OFF) and
+/// convolutions (cuDNN; torch.backends.cudnn.allow_tf32, default ON). With a switch off
+/// the backend uses pure FP32 and fails, rather than falling back, when cuDNN offers
+/// no FP32 algorithm. DP_CUDA_ALLOW_TF32=1 (or 0) at start-up turns both on (or off).
+/// CPU devices never use TF32. Thread-safe; a change applies to the next operation.
+void set_allow_tf32_matmul(bool on);
+void set_allow_tf32_conv(bool on);
+bool allow_tf32_matmul();
+bool allow_tf32_conv();
+
 /// Bytes of pinned host memory held by tensors now (Tensor::pin_memory).
 std::size_t pinned_memory_allocated();
 

@@ -44,11 +44,6 @@ int probe_device_count() {
   return n < 0 ? 0 : n;
 }
 
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v && std::strcmp(v, "1") == 0;
-}
-
 }  // namespace
 
 // ---- CudaEvent / CudaStreamGuard ------------------------------------------------------------
@@ -81,7 +76,7 @@ CudaBackend& CudaBackend::instance() {
 }
 
 CudaBackend::CudaBackend()
-    : device_count_(probe_device_count()), allow_tf32_(env_flag("DP_CUDA_ALLOW_TF32")) {
+    : device_count_(probe_device_count()) {
   devices_ = std::make_unique<DeviceState[]>(device_count_ > 0 ? device_count_ : 1);
   const int pairs = device_count_ * device_count_;
   peer_once_ = std::make_unique<std::once_flag[]>(pairs > 0 ? pairs : 1);
@@ -107,9 +102,7 @@ CudaBackend::DeviceState& CudaBackend::state(int device) {
     set_device(device);
     DP_CUDA_CHECK(cudaStreamCreateWithFlags(&st.stream, cudaStreamNonBlocking));
     DP_CUBLAS_CHECK(cublasCreate(&st.cublas));
-    // Pure FP32 unless TF32 was asked for: results then match the CPU backend.
-    DP_CUBLAS_CHECK(cublasSetMathMode(st.cublas, allow_tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH
-                                                             : CUBLAS_DEFAULT_MATH));
+    // The math mode is set per GEMM from dp::allow_tf32_matmul() (Note [TF32 policy]).
     DP_CUDNN_CHECK(cudnnCreate(&st.cudnn));
     st.allocator = std::make_unique<CachingAllocator>(device);
   });

@@ -110,9 +110,6 @@ class CudaBackend final : public Backend {
   HandleLease<cublasHandle_t> cublas(int device);
   HandleLease<cudnnHandle_t> cudnn(int device);
   CachingAllocator& allocator(int device);
-  /// Whether FP32 GEMM/convolution may use TF32 tensor cores (DP_CUDA_ALLOW_TF32=1);
-  /// off by default so that CUDA results match the CPU backend to FP32 tolerance.
-  bool allow_tf32() const { return allow_tf32_; }
   /// Scratch memory for the duration of one enqueued op: freed at scope exit, which is
   /// safe because the block is only reused by later work on the same stream.
   class Scratch {
@@ -248,7 +245,6 @@ class CudaBackend final : public Backend {
   void release_event(int device, cudaEvent_t ev);
 
   int device_count_ = 0;
-  bool allow_tf32_ = false;
   std::unique_ptr<DeviceState[]> devices_;
   std::unique_ptr<std::once_flag[]> peer_once_;  // device_count_ × device_count_
   std::mutex streams_mu_;

@@ -12,8 +12,10 @@
 // built at its first use and cached per device. Algorithms come from the cudnnGet*_v7
 // heuristics (no benchmarking, so no host sync and no extra cudaMalloc even on the
 // first step), taking the first that succeeds, is DETERMINISTIC (DP promises bitwise
-// reproducible gradients), uses the requested math (pure FP32 unless
-// DP_CUDA_ALLOW_TF32=1) and needs at most kMaxWorkspace. The workspace comes from the
+// reproducible gradients), uses the math the TF32 policy allows (Note [TF32 policy]
+// in dp/core/device.h: with TF32 off, CUDNN_FMA_MATH only — CUDNN_DEFAULT_MATH lets
+// Ampere use TF32 — and no fallback: a clear error instead) and needs at most
+// kMaxWorkspace. Plans are cached per (device, shape, policy). The workspace comes from the
 // caching allocator on the current stream and is released right after the enqueue.
 #include <algorithm>
 #include <array>
@@ -26,6 +28,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "dp/core/device.h"
 #include "dp/core/error.h"
 
 namespace dp::backend {
@@ -69,20 +72,19 @@ struct ConvPlan {
 template <typename Perf>
 const Perf* pick(const Perf* perf, int count, bool allow_tf32, const char* direction,
                  const Conv2dShape& s) {
-  const Perf* fallback = nullptr;
   for (int i = 0; i < count; ++i) {
     const Perf& p = perf[i];
     if (p.status != CUDNN_STATUS_SUCCESS || p.memory > kMaxWorkspace) continue;
     if (p.determinism != CUDNN_DETERMINISTIC) continue;
-    const bool fp32 = p.mathType == CUDNN_FMA_MATH || p.mathType == CUDNN_DEFAULT_MATH;
-    if (allow_tf32 || fp32) return &p;
-    if (!fallback) fallback = &p;
+    if (allow_tf32 || p.mathType == CUDNN_FMA_MATH) return &p;
   }
-  DP_CHECK(fallback, "conv2d ", direction, ": cuDNN offers no deterministic algorithm within ",
-           kMaxWorkspace >> 20, " MiB of workspace for N=", s.N, " C=", s.C, " H=", s.H,
-           " W=", s.W, " K=", s.K, " R=", s.R, " S=", s.S);
-  return fallback;
+  DP_FAIL("conv2d ", direction, ": cuDNN offers no deterministic ", allow_tf32 ? "" : "pure-FP32 ",
+          "algorithm within ", kMaxWorkspace >> 20, " MiB of workspace for N=", s.N, " C=", s.C,
+          " H=", s.H, " W=", s.W, " K=", s.K, " R=", s.R, " S=", s.S,
+          allow_tf32 ? "" : " (dp::set_allow_tf32_conv(true) allows TF32 algorithms)");
 }
+
+cudnnMathType_t requested_math(bool allow_tf32) { return allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH; }
 
 class ConvPlanCache {
  public:
@@ -91,7 +93,7 @@ class ConvPlanCache {
   /// are never erased, and each direction is filled once under mu_.
   ConvPlan& get(int device, const Conv2dShape& s, bool allow_tf32) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto& slot = plans_[{device, key_of(s)}];
+    auto& slot = plans_[{device, key_of(s), allow_tf32}];
     if (!slot) slot = make_plan(s, allow_tf32);
     return *slot;
   }
@@ -119,8 +121,7 @@ class ConvPlanCache {
         p->conv, to_int(s.pad_h, "pad_h"), to_int(s.pad_w, "pad_w"),
         to_int(s.stride_h, "stride_h"), to_int(s.stride_w, "stride_w"), 1, 1,
         CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(
-        p->conv, allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv, requested_math(allow_tf32)));
     int n = 0, k = 0, h = 0, w = 0;
     DP_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(p->conv, p->x, p->w, &n, &k, &h, &w));
     DP_CHECK(n == s.N && k == s.K && h == s.P && w == s.Q, "conv2d: output shape (", s.N, ", ",
@@ -134,7 +135,7 @@ class ConvPlanCache {
   }
 
   std::mutex mu_;
-  std::map<std::pair<int, ConvKey>, std::unique_ptr<ConvPlan>> plans_;
+  std::map<std::tuple<int, ConvKey, bool>, std::unique_ptr<ConvPlan>> plans_;
 };
 
 ConvPlanCache& plan_cache() {
@@ -161,6 +162,10 @@ void CudaBackend::gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, s
            "gemm: row strides too small: lda=", lda, " (need >= ", a_cols, "), ldb=", ldb,
            " (need >= ", b_cols, "), ldc=", ldc, " (need >= ", n, ")");
   auto h = cublas(dev.index);
+  // Note [TF32 policy]: the handle is the device's, so the mode is set per call (a
+  // host-side field write in cuBLAS).
+  DP_CUBLAS_CHECK(cublasSetMathMode(h.get(), allow_tf32_matmul() ? CUBLAS_TF32_TENSOR_OP_MATH
+                                                                 : CUBLAS_DEFAULT_MATH));
   // Note [Row-major GEMM on cuBLAS]. k == 0 gives C = beta * C, as in BLAS.
   DP_CUBLAS_CHECK(cublasSgemm_64(h.get(), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                                  trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b, ldb, a,
@@ -172,7 +177,8 @@ void CudaBackend::gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, s
 void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
                                  const float* bias, float* y) {
   bind(dev);
-  ConvPlan& p = plan_cache().get(dev.index, s, allow_tf32_);
+  const bool tf32 = allow_tf32_conv();
+  ConvPlan& p = plan_cache().get(dev.index, s, tf32);
   auto h = cudnn(dev.index);
   {
     std::lock_guard<std::mutex> lock(plan_cache().mutex());
@@ -181,7 +187,7 @@ void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* 
       int count = 0;
       DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h.get(), p.x, p.w, p.conv, p.y,
                                                             kMaxAlgos, &count, perf));
-      const auto* best = pick(perf, count, allow_tf32_, "forward", s);
+      const auto* best = pick(perf, count, tf32, "forward", s);
       p.fwd = best->algo;
       p.fwd_math = best->mathType;
       DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd_math));
@@ -201,18 +207,18 @@ void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* 
 void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,
                                        const float* w, float* gx) {
   bind(dev);
-  ConvPlan& p = plan_cache().get(dev.index, s, allow_tf32_);
+  const bool tf32 = allow_tf32_conv();
+  ConvPlan& p = plan_cache().get(dev.index, s, tf32);
   auto h = cudnn(dev.index);
   {
     std::lock_guard<std::mutex> lock(plan_cache().mutex());
     if (!p.has_bwd_data) {
       cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxAlgos];
       int count = 0;
-      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, allow_tf32_ ? CUDNN_DEFAULT_MATH
-                                                                     : CUDNN_FMA_MATH));
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
       DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h.get(), p.w, p.y, p.conv, p.x,
                                                                  kMaxAlgos, &count, perf));
-      const auto* best = pick(perf, count, allow_tf32_, "backward data", s);
+      const auto* best = pick(perf, count, tf32, "backward data", s);
       p.bwd_data = best->algo;
       p.bwd_data_math = best->mathType;
       DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
@@ -231,18 +237,18 @@ void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const f
 void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
                                          const float* gy, float* gw, float* gbias) {
   bind(dev);
-  ConvPlan& p = plan_cache().get(dev.index, s, allow_tf32_);
+  const bool tf32 = allow_tf32_conv();
+  ConvPlan& p = plan_cache().get(dev.index, s, tf32);
   auto h = cudnn(dev.index);
   {
     std::lock_guard<std::mutex> lock(plan_cache().mutex());
     if (!p.has_bwd_filter) {
       cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxAlgos];
       int count = 0;
-      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, allow_tf32_ ? CUDNN_DEFAULT_MATH
-                                                                     : CUDNN_FMA_MATH));
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
       DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h.get(), p.x, p.y, p.conv, p.w,
                                                                    kMaxAlgos, &count, perf));
-      const auto* best = pick(perf, count, allow_tf32_, "backward filter", s);
+      const auto* best = pick(perf, count, tf32, "backward filter", s);
       p.bwd_filter = best->algo;
       p.bwd_filter_math = best->mathType;
       DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter_math));
