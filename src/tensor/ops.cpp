@@ -232,6 +232,27 @@ Tensor mul(const Tensor& a, double s) {
   return out;
 }
 
+Tensor sub(double s, const Tensor& a) {
+  // fl(s - a) in one rounding: -1 * a is exact, so the affine's one add is the rounding.
+  Tensor out = affine_raw(a, -1.0, s);
+  autograd::record("RsubScalarBackward", {a}, out,
+                   [](const std::vector<Tensor>& g) { return std::vector<Tensor>{neg(g[0])}; });
+  return out;
+}
+
+Tensor div(double s, const Tensor& a) {
+  // PyTorch 1.13's Tensor.__rdiv__ is `self.reciprocal() * other`: the same two
+  // roundings here, with the multiply as a float32 binary op (an affine's `+ 0` would
+  // turn a -0 into +0).
+  Tensor r = unary_raw("div", UnaryOp::Reciprocal, a);
+  Tensor out = binary_raw("div", BinaryOp::Mul, r, scalar_tensor(s, a.device()));
+  autograd::record("RdivScalarBackward", {a}, out, [r, s](const std::vector<Tensor>& g) {
+    // d(s / a)/da = -s / a^2 = -(s * g) * r^2, in reciprocal's backward order.
+    return std::vector<Tensor>{neg(mul(mul(g[0], s), mul(r, r)))};
+  });
+  return out;
+}
+
 Tensor pow(const Tensor& a, double p) {
   Tensor out = binary_raw("pow", BinaryOp::Pow, a, scalar_tensor(p, a.device()));
   autograd::record("PowBackward", {a}, out, [a, p](const std::vector<Tensor>& g) {
@@ -300,6 +321,14 @@ Tensor square(const Tensor& a) {
   Tensor out = unary_raw("square", UnaryOp::Square, a);
   autograd::record("SquareBackward", {a}, out, [a](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{mul(mul(g[0], a), 2.0)};
+  });
+  return out;
+}
+
+Tensor reciprocal(const Tensor& a) {
+  Tensor out = unary_raw("reciprocal", UnaryOp::Reciprocal, a);
+  autograd::record("ReciprocalBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{neg(mul(g[0], mul(y, y)))};
   });
   return out;
 }

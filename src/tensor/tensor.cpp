@@ -420,7 +420,16 @@ void Tensor::backward(const Tensor& g, bool retain_graph) const {
 }
 
 Tensor Tensor::operator-() const { return dp::neg(*this); }
+Tensor Tensor::neg() const { return dp::neg(*this); }
+Tensor Tensor::square() const { return dp::square(*this); }
+Tensor Tensor::sqrt() const { return dp::sqrt(*this); }
+Tensor Tensor::abs() const { return dp::abs(*this); }
+Tensor Tensor::reciprocal() const { return dp::reciprocal(*this); }
 Tensor Tensor::relu() const { return dp::relu(*this); }
+Tensor Tensor::sigmoid() const { return dp::sigmoid(*this); }
+Tensor Tensor::tanh() const { return dp::tanh(*this); }
+Tensor Tensor::pow(double p) const { return dp::pow(*this, p); }
+Tensor Tensor::matmul(const Tensor& other) const { return dp::matmul(*this, other); }
 Tensor Tensor::exp() const { return dp::exp(*this); }
 Tensor Tensor::log() const { return dp::log(*this); }
 Tensor Tensor::sum() const { return dp::sum(*this); }

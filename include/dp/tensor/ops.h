@@ -8,6 +8,7 @@
 //
 //   dp::Tensor y = dp::matmul(x, w) + b;        // (B, in) x (in, out) + (out)
 //   dp::Tensor p = dp::cat({a, b});             // along dim 0
+//   dp::Tensor q = 1.0 - dp::sigmoid(z);        // scalars on either side
 #pragma once
 
 #include <vector>
@@ -23,6 +24,11 @@ Tensor div(const Tensor& a, const Tensor& b);
 Tensor maximum(const Tensor& a, const Tensor& b);
 Tensor add(const Tensor& a, double s);
 Tensor mul(const Tensor& a, double s);
+/// s - a, elementwise: one rounding, like PyTorch's `1.0 - t` (rsub).
+Tensor sub(double s, const Tensor& a);
+/// s / a, elementwise, computed as PyTorch 1.13 computes `2.0 / t`: reciprocal(a) * s,
+/// two float32 roundings (so it can differ from a true division by one ulp).
+Tensor div(double s, const Tensor& a);
 /// a ** p for a scalar exponent.
 Tensor pow(const Tensor& a, double p);
 /// 1.0 where a == b else 0.0 (float32, not differentiable). int64 inputs are compared
@@ -35,6 +41,8 @@ Tensor log(const Tensor& a);
 Tensor sqrt(const Tensor& a);
 Tensor abs(const Tensor& a);
 Tensor square(const Tensor& a);
+/// 1 / a.
+Tensor reciprocal(const Tensor& a);
 Tensor relu(const Tensor& a);
 Tensor sigmoid(const Tensor& a);
 Tensor tanh(const Tensor& a);
@@ -71,6 +79,10 @@ inline Tensor operator-(const Tensor& a, double s) { return add(a, -s); }
 inline Tensor operator*(const Tensor& a, double s) { return mul(a, s); }
 inline Tensor operator/(const Tensor& a, double s) { return mul(a, 1.0 / s); }
 inline Tensor operator*(double s, const Tensor& a) { return mul(a, s); }
+/// Scalars on the left, as in PyTorch: `1.0 + t`, `1.0 - t`, `2.0 / t`.
+inline Tensor operator+(double s, const Tensor& a) { return add(a, s); }
+inline Tensor operator-(double s, const Tensor& a) { return sub(s, a); }
+inline Tensor operator/(double s, const Tensor& a) { return div(s, a); }
 
 /// Max |a - b| over all elements (a test helper; synchronous).
 double max_abs_diff(const Tensor& a, const Tensor& b);

@@ -223,10 +223,25 @@ class Tensor {
   void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
 
   // ---- arithmetic (differentiable; see ops.h for the full list) --------------------------
+  // Members forward to the free functions of ops.h, so `x.square().sum()` and
+  // `dp::sum(dp::square(x))` are the same op:
+  //   dp::Tensor loss = (pred - y).square().mean();
+  //   dp::Tensor p = logits.sigmoid();  dp::Tensor h = x.matmul(w).tanh();
   Tensor operator-() const;
+  Tensor neg() const;
+  Tensor square() const;
+  Tensor sqrt() const;
+  Tensor abs() const;
+  Tensor reciprocal() const;
   Tensor relu() const;
+  Tensor sigmoid() const;
+  Tensor tanh() const;
   Tensor exp() const;
   Tensor log() const;
+  /// this ** p for a scalar exponent.
+  Tensor pow(double p) const;
+  /// Matrix product of 2-d tensors (dp::matmul).
+  Tensor matmul(const Tensor& other) const;
   Tensor sum() const;
   Tensor sum(std::int64_t dim, bool keepdim = false) const;
   Tensor mean() const;
