@@ -263,8 +263,13 @@ Tensor pow(const Tensor& a, double p) {
 
 Tensor eq(const Tensor& a, const Tensor& b) {
   detail::check_same_device("eq", a, b);
-  DP_CHECK(a.dtype() == b.dtype(), "eq: expected one dtype, got ", dtype_name(a.dtype()), " and ",
-           dtype_name(b.dtype()));
+  // Integer labels against integer predictions: int32 widens to int64 (exact), so
+  // int32 labels compare with argmax's int64 output as PyTorch's type promotion does.
+  const bool ints_a = a.dtype() != Dtype::Float32, ints_b = b.dtype() != Dtype::Float32;
+  DP_CHECK(ints_a == ints_b, "eq: expected one dtype (or int32 with int64), got ",
+           dtype_name(a.dtype()), " and ", dtype_name(b.dtype()));
+  if (a.dtype() == Dtype::Int32 || b.dtype() == Dtype::Int32)
+    return eq(a.to(Dtype::Int64), b.to(Dtype::Int64));
   if (a.dtype() == Dtype::Int64) {
     // int64 compares exactly on the device (a cast to float32 would round above 2^24).
     Shape out_shape = broadcast_shape("eq", a.shape(), b.shape());

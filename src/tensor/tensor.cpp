@@ -11,8 +11,23 @@
 
 namespace dp {
 
-std::size_t element_size(Dtype dtype) { return dtype == Dtype::Float32 ? 4 : 8; }
-const char* dtype_name(Dtype dtype) { return dtype == Dtype::Float32 ? "float32" : "int64"; }
+std::size_t element_size(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::Float32: return 4;
+    case Dtype::Int64: return 8;
+    case Dtype::Int32: return 4;
+  }
+  DP_FAIL("element_size: unknown dtype code ", static_cast<int>(dtype));
+}
+
+const char* dtype_name(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::Float32: return "float32";
+    case Dtype::Int64: return "int64";
+    case Dtype::Int32: return "int32";
+  }
+  return "unknown dtype";
+}
 
 std::string shape_str(const Shape& shape) {
   std::ostringstream os;
@@ -116,7 +131,14 @@ std::int64_t* Tensor::data<std::int64_t>() const {
   return static_cast<std::int64_t*>(raw_data());
 }
 template <>
+std::int32_t* Tensor::data<std::int32_t>() const {
+  DP_CHECK(dtype() == Dtype::Int32, "expected an int32 tensor, got ", dtype_name(dtype()));
+  return static_cast<std::int32_t*>(raw_data());
+}
+template <>
 const float* Tensor::data<const float>() const { return data<float>(); }
+template <>
+const std::int32_t* Tensor::data<const std::int32_t>() const { return data<std::int32_t>(); }
 template <>
 const std::int64_t* Tensor::data<const std::int64_t>() const { return data<std::int64_t>(); }
 
@@ -158,9 +180,17 @@ std::vector<std::int64_t> Tensor::to_vector_i64() const {
   return out;
 }
 
+std::vector<std::int32_t> Tensor::to_vector_i32() const {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(numel()));
+  const std::int32_t* src = data<std::int32_t>();
+  if (!out.empty()) backend::get(device()).copy_to_host(out.data(), src, device(), nbytes());
+  return out;
+}
+
 double Tensor::item() const {
   DP_CHECK(numel() == 1, "item(): expected a tensor with one element, got shape ", shape_str(shape()));
   if (dtype() == Dtype::Float32) return to_vector()[0];
+  if (dtype() == Dtype::Int32) return to_vector_i32()[0];
   return static_cast<double>(to_vector_i64()[0]);
 }
 
@@ -179,12 +209,21 @@ Tensor Tensor::to(Device target) const {
 
 Tensor Tensor::to(Dtype target) const {
   if (dtype() == target) return *this;
+  // float32 <-> int32 goes through int64: int32 -> int64 is exact and int64 -> float
+  // rounds the same value; float -> int64 truncates, then int64 -> int32 keeps the low
+  // bits, which is what a direct cast gives wherever that is defined.
+  if (dtype() != Dtype::Int64 && target != Dtype::Int64) return to(Dtype::Int64).to(target);
   Tensor out(new_impl(shape(), target, device()));
   auto& be = backend::get(device());
-  if (target == Dtype::Float32)
-    be.cast_i64_to_f32(device(), data<std::int64_t>(), out.data<float>(), numel());
+  const std::int64_t n = numel();
+  if (dtype() == Dtype::Float32)
+    be.cast_f32_to_i64(device(), data<float>(), out.data<std::int64_t>(), n);
+  else if (dtype() == Dtype::Int32)
+    be.cast_i32_to_i64(device(), data<std::int32_t>(), out.data<std::int64_t>(), n);
+  else if (target == Dtype::Float32)
+    be.cast_i64_to_f32(device(), data<std::int64_t>(), out.data<float>(), n);
   else
-    be.cast_f32_to_i64(device(), data<float>(), out.data<std::int64_t>(), numel());
+    be.cast_i64_to_i32(device(), data<std::int64_t>(), out.data<std::int32_t>(), n);
   return out;
 }
 
@@ -330,10 +369,16 @@ Tensor& Tensor::zero_() {
 
 Tensor& Tensor::fill_(double value) {
   auto& be = backend::get(device());
-  if (dtype() == Dtype::Float32)
+  if (dtype() == Dtype::Float32) {
     be.fill(device(), mutable_data<float>(), numel(), static_cast<float>(value));
-  else
+  } else if (dtype() == Dtype::Int64) {
     be.fill_i64(device(), mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+  } else {
+    // int32 has no fill kernel of its own: fill an int64 copy and narrow it.
+    Tensor wide = empty(shape(), TensorOptions{Dtype::Int64, device()});
+    be.fill_i64(device(), wide.data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+    be.cast_i64_to_i32(device(), wide.data<std::int64_t>(), mutable_data<std::int32_t>(), numel());
+  }
   return *this;
 }
 
@@ -342,8 +387,12 @@ Tensor& Tensor::add_(double value) {
   if (dtype() == Dtype::Float32) {
     float* p = mutable_data<float>();
     be.affine(device(), p, p, numel(), 1.0f, static_cast<float>(value));
-  } else {
+  } else if (dtype() == Dtype::Int64) {
     be.add_i64(device(), mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+  } else {
+    Tensor wide = to(Dtype::Int64);
+    be.add_i64(device(), wide.data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+    be.cast_i64_to_i32(device(), wide.data<std::int64_t>(), mutable_data<std::int32_t>(), numel());
   }
   return *this;
 }
@@ -472,6 +521,7 @@ Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device 
 
 Tensor arange(std::int64_t n, TensorOptions opts) {
   DP_CHECK(n >= 0, "arange: expected n >= 0, got ", n);
+  if (opts.dtype == Dtype::Int32) return arange(n, TensorOptions{Dtype::Int64, opts.device}).to(Dtype::Int32);
   Tensor t = empty({n}, opts);
   auto& be = backend::get(opts.device);
   if (opts.dtype == Dtype::Float32)
@@ -495,6 +545,15 @@ Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, De
   Tensor t = empty(shape, TensorOptions{Dtype::Int64, device});
   if (!data.empty())
     backend::get(device).copy_from_host(t.data<std::int64_t>(), device, data.data(), t.nbytes());
+  return t;
+}
+
+Tensor from_vector(const std::vector<std::int32_t>& data, const Shape& shape, Device device) {
+  DP_CHECK(shape_numel(shape) == static_cast<std::int64_t>(data.size()), "from_vector: shape ",
+           shape_str(shape), " needs ", shape_numel(shape), " elements, got ", data.size());
+  Tensor t = empty(shape, TensorOptions{Dtype::Int32, device});
+  if (!data.empty())
+    backend::get(device).copy_from_host(t.data<std::int32_t>(), device, data.data(), t.nbytes());
   return t;
 }
 

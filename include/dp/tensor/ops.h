@@ -31,8 +31,8 @@ Tensor sub(double s, const Tensor& a);
 Tensor div(double s, const Tensor& a);
 /// a ** p for a scalar exponent.
 Tensor pow(const Tensor& a, double p);
-/// 1.0 where a == b else 0.0 (float32, not differentiable). int64 inputs are compared
-/// exactly.
+/// 1.0 where a == b else 0.0 (float32, not differentiable). Integer inputs are compared
+/// exactly, int32 with int64 too (labels against argmax): `dp::eq(argmax(out, 1), y)`.
 Tensor eq(const Tensor& a, const Tensor& b);
 
 Tensor neg(const Tensor& a);

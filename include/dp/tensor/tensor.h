@@ -1,7 +1,7 @@
 // dp/tensor/tensor.h — the n-dimensional array every layer above works with.
 //
 // A Tensor is a shared handle to a contiguous block of one device's memory with a
-// shape, a dtype (float32 or int64) and, when it takes part in autograd, a gradient
+// shape, a dtype (float32, int64 or int32) and, when it takes part in autograd, a gradient
 // and the function that made it. Every op checks that its inputs live on one device
 // and have compatible shapes and dtypes, and throws dp::Error naming both otherwise.
 // This header knows nothing about modules, optimizers or DataParallel.
@@ -28,7 +28,13 @@ struct AutogradMeta;
 }  // namespace autograd
 
 /// Element types. Float32 for data and parameters, Int64 for labels and indices.
-enum class Dtype : std::uint8_t { Float32 = 0, Int64 = 1 };
+/// Int32 holds labels as many datasets store them: every label consumer (cross_entropy,
+/// nll_loss, one_hot, eq, index_select, TensorDataset) takes int32 with the same results
+/// as int64; other ops say they expect float32 or int64. `to(Dtype)` converts between
+/// all three:
+///   dp::Tensor y = dp::from_vector(std::vector<std::int32_t>{3, 0, 1}, {3});
+///   dp::Tensor loss = dp::nn::cross_entropy(logits, y);   // same as with y.to(Int64)
+enum class Dtype : std::uint8_t { Float32 = 0, Int64 = 1, Int32 = 2 };
 std::size_t element_size(Dtype dtype);
 const char* dtype_name(Dtype dtype);
 
@@ -165,13 +171,16 @@ class Tensor {
   // ---- host access (synchronous) --------------------------------------------------
   std::vector<float> to_vector() const;
   std::vector<std::int64_t> to_vector_i64() const;
-  /// The single element as a double (float32 or int64). Throws unless numel() == 1.
+  std::vector<std::int32_t> to_vector_i32() const;
+  /// The single element as a double (any dtype). Throws unless numel() == 1.
   double item() const;
 
   // ---- devices, copies, views ------------------------------------------------------
   /// A copy on `device` (differentiable); returns *this when already there.
   Tensor to(Device device) const;
-  /// A copy converted to `dtype` (not differentiable).
+  /// A copy converted to `dtype` (not differentiable), between any two of float32,
+  /// int64 and int32: float to integer truncates toward zero; int64 to int32 keeps the
+  /// low 32 bits (as PyTorch's .int()). Returns *this when the dtype is already `dtype`.
   Tensor to(Dtype dtype) const;
   /// A copy in pinned (page-locked) host memory, like torch's pin_memory(): copies
   /// from it to a CUDA device do not make the host wait, so a DataLoader can stage the
@@ -260,6 +269,8 @@ template <> float* Tensor::data<float>() const;
 template <> std::int64_t* Tensor::data<std::int64_t>() const;
 template <> const float* Tensor::data<const float>() const;
 template <> const std::int64_t* Tensor::data<const std::int64_t>() const;
+template <> std::int32_t* Tensor::data<std::int32_t>() const;
+template <> const std::int32_t* Tensor::data<const std::int32_t>() const;
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
@@ -284,11 +295,12 @@ Tensor empty_like(const Tensor& t);
 Tensor randn(const Shape& shape, Generator& gen, Device device = {});
 /// Uniform values in [lo, hi) from `gen`.
 Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device device = {});
-/// 0, 1, ..., n-1 (float32 or int64).
+/// 0, 1, ..., n-1 (any dtype).
 Tensor arange(std::int64_t n, TensorOptions opts = {});
 /// Copies host data; `shape` must hold data.size() elements.
 Tensor from_vector(const std::vector<float>& data, const Shape& shape, Device device = {});
 Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, Device device = {});
+Tensor from_vector(const std::vector<std::int32_t>& data, const Shape& shape, Device device = {});
 Tensor scalar_tensor(double value, Device device = {});
 
 }  // namespace dp
