@@ -70,7 +70,54 @@ def main():
 
 
 def indexing():
-    return []
+    out = []
+
+    def case(prefix, fn, x, doc):
+        y = fn(x)
+        up = torch.empty(y.shape).uniform_(0.5, 1.5)
+        out.append(floats(f"k{prefix}Input", x, f"{doc}: input"))
+        out.append(floats(f"k{prefix}Out", y, f"{doc}: output"))
+        out.append(floats(f"k{prefix}Upstream", up, f"{doc}: upstream gradient"))
+        out.append(floats(f"k{prefix}Grad", grad_of(fn, x, up), f"{doc}: d(sum(upstream * out))/d input"))
+
+    # gather along dim 1 of (3, 4); along dim 0 of (2, 3, 4) with a smaller index;
+    # along dim -1 with repeated positions.
+    g1 = torch.tensor([[0, 3], [1, 1], [2, 0]])
+    out.append(ints("kGather1Index", g1, "gather(x, 1, index) index"))
+    case("Gather1", lambda t: torch.gather(t, 1, g1), torch.randn(3, 4), "gather(x (3, 4), 1, index (3, 2))")
+    g2 = torch.tensor([[[1, 0, 1], [0, 0, 1]], [[1, 1, 0], [0, 1, 1]]])
+    out.append(ints("kGather2Index", g2, "gather(x, 0, index) index"))
+    case("Gather2", lambda t: torch.gather(t, 0, g2), torch.randn(2, 3, 4),
+         "gather(x (2, 3, 4), 0, index (2, 2, 3))")
+    g3 = torch.tensor([[[3, 3], [0, 2], [1, 1]], [[2, 0], [3, 3], [0, 0]]])
+    out.append(ints("kGather3Index", g3, "gather(x, -1, index) index"))
+    case("Gather3", lambda t: torch.gather(t, -1, g3), torch.randn(2, 3, 4),
+         "gather(x (2, 3, 4), -1, index (2, 3, 2))")
+    # index_select with repeats along dim 0; along the last dim; a single slice of dim 1.
+    s1 = torch.tensor([3, 0, 3, 1])
+    out.append(ints("kSelect1Index", s1, "index_select(x, 0, index) index"))
+    case("Select1", lambda t: torch.index_select(t, 0, s1), torch.randn(4, 5),
+         "index_select(x (4, 5), 0, index (4))")
+    s2 = torch.tensor([2, 2, 0], dtype=torch.int32)
+    out.append(ints("kSelect2Index", s2, "index_select(x, -1, index int32) index"))
+    case("Select2", lambda t: torch.index_select(t, -1, s2), torch.randn(2, 3, 4),
+         "index_select(x (2, 3, 4), -1, index int32 (3))")
+    s3 = torch.tensor([1])
+    out.append(ints("kSelect3Index", s3, "index_select(x, 1, index) index"))
+    case("Select3", lambda t: torch.index_select(t, 1, s3), torch.randn(2, 3, 4),
+         "index_select(x (2, 3, 4), 1, index (1))")
+    # narrow along inner dims, a negative start included.
+    case("Narrow1", lambda t: t.narrow(1, 1, 2), torch.randn(3, 4, 5), "x (3, 4, 5).narrow(1, 1, 2)")
+    case("Narrow2", lambda t: t.narrow(2, -3, 2), torch.randn(3, 4, 5), "x (3, 4, 5).narrow(2, -3, 2)")
+    # one_hot
+    import torch.nn.functional as F
+    l1 = torch.tensor([0, 2, 1, 2])
+    out.append(ints("kOneHot1Labels", l1, "one_hot labels"))
+    out.append(ints("kOneHot1", F.one_hot(l1), "one_hot(labels) (num_classes inferred)"))
+    l2 = torch.tensor([[1, 0], [3, 2]])
+    out.append(ints("kOneHot2Labels", l2, "one_hot labels"))
+    out.append(ints("kOneHot2", F.one_hot(l2, 5), "one_hot(labels, 5)"))
+    return out
 
 
 if __name__ == "__main__":

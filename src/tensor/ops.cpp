@@ -501,6 +501,134 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
   return out;
 }
 
+// ---- gather / index_select / one_hot -----------------------------------------------------------
+
+namespace {
+
+// An int64 copy of an index tensor (int32 widens; float is refused), on the index's device.
+Tensor index_as_i64(const char* op, const Tensor& index, const char* what = "index") {
+  detail::check_defined(op, index, what);
+  DP_CHECK(index.dtype() == Dtype::Int64 || index.dtype() == Dtype::Int32, op, ": expected an int64 or int32 ",
+           what, ", got ", dtype_name(index.dtype()), " (", index.str(), ")");
+  return index.to(Dtype::Int64);
+}
+
+// Throws unless every index lies in [0, bound), naming the first that does not. Reads
+// the values on the host (a wait on CUDA): a bad index must never reach a kernel.
+void check_index_range(const char* op, const Tensor& index64, std::int64_t bound, std::int64_t dim,
+                       const Shape& input_shape) {
+  const std::vector<std::int64_t> v = index64.to_vector_i64();
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    DP_CHECK(v[i] >= 0 && v[i] < bound, op, ": index ", v[i], " (at position ", i,
+             " of the index) is out of bounds for dim ", dim, " with size ", bound, " of input ",
+             shape_str(input_shape), "; expected indices in [0, ", bound, ")");
+  }
+}
+
+// Contiguous element strides of `shape`.
+std::vector<std::int64_t> contiguous_strides(const Shape& shape) {
+  std::vector<std::int64_t> st(shape.size());
+  std::int64_t s = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    st[i] = s;
+    s *= shape[i];
+  }
+  return st;
+}
+
+// The geometry of Note [Gather geometry] (backend.h): walk `out_shape`, read input
+// (contiguous `in_shape`) with the index's strides `index_strides` (0 = broadcast).
+Indexer gather_indexer(const Shape& out_shape, const Shape& in_shape, const std::vector<std::int64_t>& index_strides) {
+  DP_CHECK(static_cast<int>(out_shape.size()) <= backend::kMaxDims, "expected at most ", backend::kMaxDims,
+           " dims, got shape ", shape_str(out_shape));
+  const std::vector<std::int64_t> in_strides = contiguous_strides(in_shape);
+  Indexer ix;
+  ix.ndim = static_cast<int>(out_shape.size());
+  for (std::size_t i = 0; i < out_shape.size(); ++i) {
+    ix.sizes[i] = out_shape[i];
+    ix.strides_a[i] = in_strides[i];
+    ix.strides_b[i] = index_strides[i];
+  }
+  return ix;
+}
+
+// out = input gathered with `ix` along d, recorded with the scatter-add backward.
+Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64, const Indexer& ix, int d,
+                   const Shape& out_shape) {
+  Tensor out = empty(out_shape, input.device());
+  if (out.numel() > 0) be(input).gather(input.device(), ix, d, input.data<float>(), index64.data<std::int64_t>(),
+                                        out.data<float>());
+  Shape in_shape = input.shape();
+  autograd::record(node, {input}, out, [in_shape, index64, ix, d](const std::vector<Tensor>& g) {
+    Tensor gx = zeros(in_shape, g[0].device());
+    if (g[0].numel() > 0)
+      be(g[0]).scatter_add(g[0].device(), ix, d, g[0].data<float>(), index64.data<std::int64_t>(), gx.data<float>());
+    return std::vector<Tensor>{gx};
+  });
+  return out;
+}
+
+}  // namespace
+
+Tensor gather(const Tensor& input, std::int64_t dim, const Tensor& index) {
+  detail::check_float("gather", input);
+  Tensor idx = index_as_i64("gather", index);
+  detail::check_same_device("gather", input, idx);
+  // A scalar input gathers like a 1-element vector (torch.gather allows dim 0 / -1).
+  if (input.dim() == 0) return gather(input.reshape({1}), dim, idx.dim() == 0 ? idx.reshape({1}) : idx).reshape(idx.shape());
+  const std::int64_t d = norm_dim("gather", input, dim);
+  DP_CHECK(idx.dim() == input.dim(), "gather: expected an index with as many dims as the input (",
+           input.dim(), "), got index ", shape_str(idx.shape()), " for input ", shape_str(input.shape()));
+  for (std::int64_t i = 0; i < input.dim(); ++i) {
+    if (i == d) continue;
+    DP_CHECK(idx.size(i) <= input.size(i), "gather: expected index.size(", i, ") <= input.size(", i,
+             ") outside dim ", d, ", got index ", shape_str(idx.shape()), " for input ", shape_str(input.shape()));
+  }
+  check_index_range("gather", idx, input.size(d), d, input.shape());
+  Indexer ix = gather_indexer(idx.shape(), input.shape(), contiguous_strides(idx.shape()));
+  return gather_with("GatherBackward", input, idx, ix, static_cast<int>(d), idx.shape());
+}
+
+Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index) {
+  detail::check_float("index_select", input);
+  Tensor idx = index_as_i64("index_select", index);
+  detail::check_same_device("index_select", input, idx);
+  DP_CHECK(idx.dim() <= 1, "index_select: expected a 1-d index, got shape ", shape_str(idx.shape()));
+  if (input.dim() == 0) return index_select(input.reshape({1}), dim, idx).reshape(idx.dim() == 0 ? Shape{} : Shape{idx.numel()});
+  const std::int64_t d = norm_dim("index_select", input, dim);
+  check_index_range("index_select", idx, input.size(d), d, input.shape());
+  Shape out_shape = input.shape();
+  out_shape[d] = idx.numel();
+  std::vector<std::int64_t> idx_strides(out_shape.size(), 0);
+  idx_strides[d] = 1;  // index[c_d]; broadcast over every other dim
+  Indexer ix = gather_indexer(out_shape, input.shape(), idx_strides);
+  return gather_with("IndexSelectBackward", input, idx, ix, static_cast<int>(d), out_shape);
+}
+
+Tensor one_hot(const Tensor& labels, std::int64_t num_classes) {
+  Tensor y = index_as_i64("one_hot", labels, "labels");
+  DP_CHECK(num_classes >= -1, "one_hot: expected num_classes >= 0, or -1 to infer it, got ", num_classes);
+  const std::vector<std::int64_t> v = y.to_vector_i64();
+  if (num_classes == -1) {
+    DP_CHECK(!v.empty(), "one_hot: cannot infer num_classes from empty labels ", shape_str(y.shape()),
+             "; pass num_classes");
+    num_classes = *std::max_element(v.begin(), v.end()) + 1;
+  }
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    DP_CHECK(v[i] >= 0 && v[i] < num_classes, "one_hot: label ", v[i], " (at position ", i,
+             ") is outside [0, ", num_classes, "); expected class values in [0, num_classes)");
+  }
+  Shape out_shape = y.shape();
+  out_shape.push_back(num_classes);
+  Shape row(out_shape.size(), 1);
+  row.back() = num_classes;
+  // eq against 0..C-1 broadcast along a new last dim: exact for int64, then 0/1 to int64.
+  Tensor classes = arange(num_classes, TensorOptions{Dtype::Int64, y.device()}).reshape(row);
+  Shape col = y.shape();
+  col.push_back(1);
+  return eq(y.reshape(col), classes).to(Dtype::Int64);
+}
+
 // ---- cat / chunk / split ---------------------------------------------------------------------
 
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {

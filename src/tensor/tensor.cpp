@@ -300,21 +300,56 @@ Tensor Tensor::flatten(std::int64_t start, std::int64_t end) const {
   return reshape(s);
 }
 
+namespace {
+
+// Copies `outer` blocks of `block` elements from src (one every `src_stride` elements)
+// to dst (one every `dst_stride`), on one device: the slices of a narrow along an inner
+// dim. One backend copy per block keeps it exact for every dtype and backend.
+void copy_blocks(const Tensor& dst, std::int64_t dst_off, std::int64_t dst_stride, const Tensor& src,
+                 std::int64_t src_off, std::int64_t src_stride, std::int64_t outer, std::int64_t block) {
+  if (block == 0) return;
+  const std::size_t es = element_size(src.dtype());
+  auto* d = static_cast<char*>(dst.raw_data());
+  const auto* s = static_cast<const char*>(src.raw_data());
+  auto& be = backend::get(src.device());
+  for (std::int64_t o = 0; o < outer; ++o)
+    be.copy(d + (dst_off + o * dst_stride) * es, dst.device(), s + (src_off + o * src_stride) * es,
+            src.device(), static_cast<std::size_t>(block) * es);
+}
+
+}  // namespace
+
 Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) const {
   const auto& impl = checked(impl_);
-  DP_CHECK(dim() >= 1, "narrow: expected a tensor with at least 1 dim, got a scalar");
-  DP_CHECK(d == 0, "narrow: only dim 0 is supported (contiguous views), got dim ", d);
-  std::int64_t rows = impl.shape[0];
-  DP_CHECK(start >= 0 && length >= 0 && start + length <= rows, "narrow: expected rows [", start,
-           ", ", start + length, ") inside [0, ", rows, ") of shape ", shape_str(impl.shape));
-  std::int64_t row = rows == 0 ? 0 : numel() / rows;
+  const std::int64_t n = dim();
+  DP_CHECK(n >= 1, "narrow: expected a tensor with at least 1 dim, got a scalar");
+  DP_CHECK(d >= -n && d < n, "narrow: expected a dim in [", -n, ", ", n, "), got ", d, " for shape ",
+           shape_str(impl.shape));
+  if (d < 0) d += n;
+  const std::int64_t size = impl.shape[d];
+  // torch.narrow counts a negative start from the end of the dim.
+  DP_CHECK(start >= -size && start <= size, "narrow: expected start in [", -size, ", ", size, "] for dim ", d,
+           " of shape ", shape_str(impl.shape), ", got ", start);
+  if (start < 0) start += size;
+  DP_CHECK(length >= 0 && start + length <= size, "narrow: expected [", start, ", ", start + length,
+           ") inside [0, ", size, ") of dim ", d, " of shape ", shape_str(impl.shape));
+  std::int64_t outer = 1, inner = 1;
+  for (std::int64_t i = 0; i < d; ++i) outer *= impl.shape[i];
+  for (std::int64_t i = d + 1; i < n; ++i) inner *= impl.shape[i];
   Shape s = impl.shape;
-  s[0] = length;
-  Tensor out(view_impl(impl, impl.offset + start * row, s));
+  s[d] = length;
+  Tensor out;
+  if (outer == 1) {  // contiguous: a view, as PyTorch's
+    out = Tensor(view_impl(impl, impl.offset + start * inner, s));
+  } else {
+    out = Tensor(new_impl(s, impl.dtype, device()));
+    copy_blocks(out, 0, length * inner, *this, start * inner, size * inner, outer, length * inner);
+  }
   Shape full = impl.shape;
-  autograd::record("NarrowBackward", {*this}, out, [full, start](const std::vector<Tensor>& g) {
+  autograd::record("NarrowBackward", {*this}, out, [full, d, start, outer, inner](const std::vector<Tensor>& g) {
     Tensor gx = zeros(full, TensorOptions{g[0].dtype(), g[0].device()});
-    gx.narrow(0, start, g[0].size(0)).copy_(g[0]);
+    const std::int64_t len = g[0].size(d);
+    copy_blocks(gx, start * inner, full[d] * inner, g[0], 0, len * inner, outer, len * inner);
     return std::vector<Tensor>{gx};
   });
   return out;

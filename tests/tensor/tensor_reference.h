@@ -140,4 +140,322 @@ inline const std::vector<float> kTwoDivXGrad = {
     -0x1.94ce3e0000000p-2f, -0x1.6dd5940000000p-1f, -0x1.1749100000000p+0f, -0x1.80d1540000000p+2f,
     -0x1.cfe1320000000p+8f, -0x1.3b5cb00000000p-2f};
 
+/// gather(x, 1, index) index, shape [3, 2]
+inline const std::vector<std::int64_t> kGather1Index = {0, 3, 1, 1, 2, 0};
+
+/// gather(x (3, 4), 1, index (3, 2)): input, shape [3, 4]
+inline const std::vector<float> kGather1Input = {
+    -0x1.70b8aa0000000p-5f, 0x1.b964e20000000p-4f, 0x1.00220e0000000p+0f, 0x1.0e1a180000000p-2f,
+    -0x1.64f4ac0000000p-3f, -0x1.8a2ee80000000p-2f, 0x1.1ae6220000000p-6f, 0x1.1a8c5e0000000p-1f,
+    -0x1.7d90e40000000p-3f, 0x1.9d5cca0000000p-1f, 0x1.463db60000000p-1f, 0x1.2536dc0000000p-1f};
+
+/// gather(x (3, 4), 1, index (3, 2)): output, shape [3, 2]
+inline const std::vector<float> kGather1Out = {
+    -0x1.70b8aa0000000p-5f, 0x1.0e1a180000000p-2f, -0x1.8a2ee80000000p-2f, -0x1.8a2ee80000000p-2f,
+    0x1.463db60000000p-1f, -0x1.7d90e40000000p-3f};
+
+/// gather(x (3, 4), 1, index (3, 2)): upstream gradient, shape [3, 2]
+inline const std::vector<float> kGather1Upstream = {
+    0x1.4dbc080000000p-1f, 0x1.5c55280000000p-1f, 0x1.675a480000000p+0f, 0x1.b3eb9e0000000p-1f,
+    0x1.2f4cfe0000000p-1f, 0x1.79f32e0000000p-1f};
+
+/// gather(x (3, 4), 1, index (3, 2)): d(sum(upstream * out))/d input, shape [3, 4]
+inline const std::vector<float> kGather1Grad = {
+    0x1.4dbc080000000p-1f, 0x0.0p+0f, 0x0.0p+0f, 0x1.5c55280000000p-1f,
+    0x0.0p+0f, 0x1.20a80c0000000p+1f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.79f32e0000000p-1f, 0x0.0p+0f, 0x1.2f4cfe0000000p-1f, 0x0.0p+0f};
+
+/// gather(x, 0, index) index, shape [2, 2, 3]
+inline const std::vector<std::int64_t> kGather2Index = {1, 0, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1};
+
+/// gather(x (2, 3, 4), 0, index (2, 2, 3)): input, shape [2, 3, 4]
+inline const std::vector<float> kGather2Input = {
+    0x1.bea7fc0000000p-2f, -0x1.4bea8c0000000p-1f, -0x1.17cb4e0000000p-4f, -0x1.9852940000000p-1f,
+    0x1.20790c0000000p+0f, 0x1.47d79c0000000p-8f, 0x1.57f6ec0000000p-6f, -0x1.7cdade0000000p+0f,
+    0x1.1721ba0000000p+0f, -0x1.0989460000000p+1f, 0x1.4432f20000000p-1f, 0x1.e258920000000p-13f,
+    -0x1.36cab80000000p+0f, 0x1.b97d740000000p-1f, -0x1.d39b180000000p-1f, 0x1.eb70520000000p-10f,
+    0x1.3af2e40000000p+0f, -0x1.c994820000000p-2f, -0x1.c4bca20000000p-2f, -0x1.4b06620000000p+0f,
+    0x1.c6b6760000000p-1f, 0x1.578d4e0000000p-2f, -0x1.0533ce0000000p+0f, -0x1.24becc0000000p+0f};
+
+/// gather(x (2, 3, 4), 0, index (2, 2, 3)): output, shape [2, 2, 3]
+inline const std::vector<float> kGather2Out = {
+    -0x1.36cab80000000p+0f, -0x1.4bea8c0000000p-1f, -0x1.d39b180000000p-1f, 0x1.20790c0000000p+0f,
+    0x1.47d79c0000000p-8f, -0x1.c4bca20000000p-2f, -0x1.36cab80000000p+0f, 0x1.b97d740000000p-1f,
+    -0x1.17cb4e0000000p-4f, 0x1.20790c0000000p+0f, -0x1.c994820000000p-2f, -0x1.c4bca20000000p-2f};
+
+/// gather(x (2, 3, 4), 0, index (2, 2, 3)): upstream gradient, shape [2, 2, 3]
+inline const std::vector<float> kGather2Upstream = {
+    0x1.7d3ac80000000p+0f, 0x1.e739580000000p-1f, 0x1.4d360c0000000p-1f, 0x1.f9d9880000000p-1f,
+    0x1.fbf0ea0000000p-1f, 0x1.2c1b560000000p+0f, 0x1.57c1420000000p+0f, 0x1.36eef00000000p+0f,
+    0x1.d2d3d80000000p-1f, 0x1.0d409c0000000p+0f, 0x1.2c299e0000000p+0f, 0x1.1d3e940000000p+0f};
+
+/// gather(x (2, 3, 4), 0, index (2, 2, 3)): d(sum(upstream * out))/d input, shape [2, 3, 4]
+inline const std::vector<float> kGather2Grad = {
+    0x0.0p+0f, 0x1.e739580000000p-1f, 0x1.d2d3d80000000p-1f, 0x0.0p+0f,
+    0x1.0516b00000000p+1f, 0x1.fbf0ea0000000p-1f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.6a7e040000000p+1f, 0x1.36eef00000000p+0f, 0x1.4d360c0000000p-1f, 0x0.0p+0f,
+    0x0.0p+0f, 0x1.2c299e0000000p+0f, 0x1.24acf40000000p+1f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f};
+
+/// gather(x, -1, index) index, shape [2, 3, 2]
+inline const std::vector<std::int64_t> kGather3Index = {3, 3, 0, 2, 1, 1, 2, 0, 3, 3, 0, 0};
+
+/// gather(x (2, 3, 4), -1, index (2, 3, 2)): input, shape [2, 3, 4]
+inline const std::vector<float> kGather3Input = {
+    0x1.da09700000000p-3f, -0x1.0df8020000000p-1f, -0x1.5b08a80000000p+0f, -0x1.ea96b00000000p-5f,
+    0x1.6f760e0000000p+0f, -0x1.7f7a700000000p+0f, -0x1.21d28e0000000p+0f, 0x1.1f1de00000000p+1f,
+    0x1.59b1be0000000p-1f, 0x1.1307ae0000000p+1f, 0x1.59d9120000000p-2f, -0x1.53cb300000000p-5f,
+    -0x1.cda62a0000000p-3f, -0x1.c432be0000000p-3f, -0x1.99a2aa0000000p-3f, -0x1.b368920000000p-1f,
+    0x1.1bb4ac0000000p+0f, 0x1.fc6ef00000000p-2f, -0x1.18b4dc0000000p-2f, -0x1.81ef3c0000000p-2f,
+    0x1.acf61e0000000p-2f, 0x1.f1c69e0000000p-1f, -0x1.13fb120000000p+0f, -0x1.d0cc280000000p+0f};
+
+/// gather(x (2, 3, 4), -1, index (2, 3, 2)): output, shape [2, 3, 2]
+inline const std::vector<float> kGather3Out = {
+    -0x1.ea96b00000000p-5f, -0x1.ea96b00000000p-5f, 0x1.6f760e0000000p+0f, -0x1.21d28e0000000p+0f,
+    0x1.1307ae0000000p+1f, 0x1.1307ae0000000p+1f, -0x1.99a2aa0000000p-3f, -0x1.cda62a0000000p-3f,
+    -0x1.81ef3c0000000p-2f, -0x1.81ef3c0000000p-2f, 0x1.acf61e0000000p-2f, 0x1.acf61e0000000p-2f};
+
+/// gather(x (2, 3, 4), -1, index (2, 3, 2)): upstream gradient, shape [2, 3, 2]
+inline const std::vector<float> kGather3Upstream = {
+    0x1.05e7f00000000p+0f, 0x1.b3edec0000000p-1f, 0x1.06fee60000000p-1f, 0x1.71f7920000000p+0f,
+    0x1.84bd580000000p-1f, 0x1.3635640000000p+0f, 0x1.5c7a5c0000000p+0f, 0x1.7061d20000000p-1f,
+    0x1.7c5a380000000p+0f, 0x1.b15ee80000000p-1f, 0x1.07e42c0000000p-1f, 0x1.2b66800000000p+0f};
+
+/// gather(x (2, 3, 4), -1, index (2, 3, 2)): d(sum(upstream * out))/d input, shape [2, 3, 4]
+inline const std::vector<float> kGather3Grad = {
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x1.dfdee60000000p+0f,
+    0x1.06fee60000000p-1f, 0x0.0p+0f, 0x1.71f7920000000p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x1.f894100000000p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.7061d20000000p-1f, 0x0.0p+0f, 0x1.5c7a5c0000000p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x1.2a84d60000000p+1f,
+    0x1.af58960000000p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f};
+
+/// index_select(x, 0, index) index, shape [4]
+inline const std::vector<std::int64_t> kSelect1Index = {3, 0, 3, 1};
+
+/// index_select(x (4, 5), 0, index (4)): input, shape [4, 5]
+inline const std::vector<float> kSelect1Input = {
+    0x1.80f5c40000000p-1f, -0x1.64642a0000000p-2f, 0x1.80812c0000000p-4f, -0x1.80f0860000000p-1f,
+    -0x1.9fc9f60000000p-1f, 0x1.342cb20000000p-2f, 0x1.4a48060000000p-1f, -0x1.6613920000000p-2f,
+    -0x1.f136260000000p-4f, 0x1.ac6c780000000p-1f, -0x1.4f18300000000p-3f, 0x1.9b7e720000000p-6f,
+    0x1.ea214c0000000p-2f, 0x1.2c8a420000000p-1f, 0x1.0d5fec0000000p+1f, 0x1.374abe0000000p-1f,
+    -0x1.bb603e0000000p-2f, -0x1.c940fc0000000p-2f, -0x1.007a260000000p-1f, 0x1.5662a60000000p+0f};
+
+/// index_select(x (4, 5), 0, index (4)): output, shape [4, 5]
+inline const std::vector<float> kSelect1Out = {
+    0x1.374abe0000000p-1f, -0x1.bb603e0000000p-2f, -0x1.c940fc0000000p-2f, -0x1.007a260000000p-1f,
+    0x1.5662a60000000p+0f, 0x1.80f5c40000000p-1f, -0x1.64642a0000000p-2f, 0x1.80812c0000000p-4f,
+    -0x1.80f0860000000p-1f, -0x1.9fc9f60000000p-1f, 0x1.374abe0000000p-1f, -0x1.bb603e0000000p-2f,
+    -0x1.c940fc0000000p-2f, -0x1.007a260000000p-1f, 0x1.5662a60000000p+0f, 0x1.342cb20000000p-2f,
+    0x1.4a48060000000p-1f, -0x1.6613920000000p-2f, -0x1.f136260000000p-4f, 0x1.ac6c780000000p-1f};
+
+/// index_select(x (4, 5), 0, index (4)): upstream gradient, shape [4, 5]
+inline const std::vector<float> kSelect1Upstream = {
+    0x1.d002fc0000000p-1f, 0x1.1016380000000p+0f, 0x1.d8fe0c0000000p-1f, 0x1.61ee0a0000000p+0f,
+    0x1.7c842a0000000p-1f, 0x1.72010a0000000p+0f, 0x1.a5ec5c0000000p-1f, 0x1.73e5940000000p+0f,
+    0x1.043c780000000p-1f, 0x1.f623540000000p-1f, 0x1.3e91340000000p+0f, 0x1.2659680000000p+0f,
+    0x1.df1b480000000p-1f, 0x1.45382c0000000p+0f, 0x1.1801ca0000000p-1f, 0x1.fb1b040000000p-1f,
+    0x1.a79eaa0000000p-1f, 0x1.4e78c20000000p+0f, 0x1.b30a8e0000000p-1f, 0x1.4ea3880000000p+0f};
+
+/// index_select(x (4, 5), 0, index (4)): d(sum(upstream * out))/d input, shape [4, 5]
+inline const std::vector<float> kSelect1Grad = {
+    0x1.72010a0000000p+0f, 0x1.a5ec5c0000000p-1f, 0x1.73e5940000000p+0f, 0x1.043c780000000p-1f,
+    0x1.f623540000000p-1f, 0x1.fb1b040000000p-1f, 0x1.a79eaa0000000p-1f, 0x1.4e78c20000000p+0f,
+    0x1.b30a8e0000000p-1f, 0x1.4ea3880000000p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x1.1349580000000p+1f,
+    0x1.1b37d00000000p+1f, 0x1.dc0caa0000000p+0f, 0x1.53931c0000000p+1f, 0x1.4a42fa0000000p+0f};
+
+/// index_select(x, -1, index int32) index, shape [3]
+inline const std::vector<std::int64_t> kSelect2Index = {2, 2, 0};
+
+/// index_select(x (2, 3, 4), -1, index int32 (3)): input, shape [2, 3, 4]
+inline const std::vector<float> kSelect2Input = {
+    0x1.5d1f3a0000000p-1f, 0x1.ccd8ac0000000p-1f, -0x1.dc03ee0000000p-5f, 0x1.285ae40000000p+0f,
+    -0x1.e1075e0000000p+0f, 0x1.46b5080000000p-1f, 0x1.5a26b00000000p-1f, -0x1.a9b2d60000000p-1f,
+    0x1.12ef4a0000000p-1f, 0x1.2a30200000000p+0f, 0x1.4625260000000p+1f, 0x1.4b683e0000000p+0f,
+    -0x1.02de520000000p-2f, -0x1.5c42d60000000p-4f, 0x1.770a780000000p+0f, 0x1.ac28740000000p-3f,
+    -0x1.aad5fe0000000p-2f, 0x1.e73cca0000000p-3f, 0x1.759a9c0000000p-1f, -0x1.316c7c0000000p+0f,
+    0x1.8418080000000p+0f, -0x1.c554100000000p-2f, 0x1.236a480000000p+0f, -0x1.3c1c3e0000000p-2f};
+
+/// index_select(x (2, 3, 4), -1, index int32 (3)): output, shape [2, 3, 3]
+inline const std::vector<float> kSelect2Out = {
+    -0x1.dc03ee0000000p-5f, -0x1.dc03ee0000000p-5f, 0x1.5d1f3a0000000p-1f, 0x1.5a26b00000000p-1f,
+    0x1.5a26b00000000p-1f, -0x1.e1075e0000000p+0f, 0x1.4625260000000p+1f, 0x1.4625260000000p+1f,
+    0x1.12ef4a0000000p-1f, 0x1.770a780000000p+0f, 0x1.770a780000000p+0f, -0x1.02de520000000p-2f,
+    0x1.759a9c0000000p-1f, 0x1.759a9c0000000p-1f, -0x1.aad5fe0000000p-2f, 0x1.236a480000000p+0f,
+    0x1.236a480000000p+0f, 0x1.8418080000000p+0f};
+
+/// index_select(x (2, 3, 4), -1, index int32 (3)): upstream gradient, shape [2, 3, 3]
+inline const std::vector<float> kSelect2Upstream = {
+    0x1.3b45ec0000000p+0f, 0x1.562a8c0000000p+0f, 0x1.e12bb60000000p-1f, 0x1.18cf2e0000000p-1f,
+    0x1.70fae00000000p+0f, 0x1.77efe80000000p+0f, 0x1.6e70e60000000p-1f, 0x1.79df340000000p+0f,
+    0x1.1a5e5a0000000p+0f, 0x1.ba25680000000p-1f, 0x1.76b6460000000p+0f, 0x1.5654460000000p+0f,
+    0x1.7687380000000p+0f, 0x1.d260d80000000p-1f, 0x1.60bcd00000000p+0f, 0x1.0cd1380000000p+0f,
+    0x1.50555c0000000p+0f, 0x1.7077400000000p+0f};
+
+/// index_select(x (2, 3, 4), -1, index int32 (3)): d(sum(upstream * out))/d input, shape [2, 3, 4]
+inline const std::vector<float> kSelect2Grad = {
+    0x1.e12bb60000000p-1f, 0x0.0p+0f, 0x1.48b83c0000000p+1f, 0x0.0p+0f,
+    0x1.77efe80000000p+0f, 0x0.0p+0f, 0x1.fd62780000000p+0f, 0x0.0p+0f,
+    0x1.1a5e5a0000000p+0f, 0x0.0p+0f, 0x1.188bd40000000p+1f, 0x0.0p+0f,
+    0x1.5654460000000p+0f, 0x0.0p+0f, 0x1.29e47c0000000p+1f, 0x0.0p+0f,
+    0x1.60bcd00000000p+0f, 0x0.0p+0f, 0x1.2fdbd20000000p+1f, 0x0.0p+0f,
+    0x1.7077400000000p+0f, 0x0.0p+0f, 0x1.2e934a0000000p+1f, 0x0.0p+0f};
+
+/// index_select(x, 1, index) index, shape [1]
+inline const std::vector<std::int64_t> kSelect3Index = {1};
+
+/// index_select(x (2, 3, 4), 1, index (1)): input, shape [2, 3, 4]
+inline const std::vector<float> kSelect3Input = {
+    0x1.fb1ffa0000000p-4f, 0x1.e2f5f80000000p-1f, 0x1.6657920000000p-1f, -0x1.ccd2a60000000p-1f,
+    -0x1.5708120000000p+0f, 0x1.ef814a0000000p-1f, -0x1.4bfa800000000p-1f, 0x1.2822d60000000p-4f,
+    0x1.1707860000000p+0f, -0x1.42553a0000000p-4f, 0x1.ea61040000000p-1f, -0x1.c80b9a0000000p-3f,
+    -0x1.38657c0000000p-1f, 0x1.daaa5c0000000p-1f, -0x1.11f02e0000000p-2f, 0x1.2a030a0000000p+0f,
+    -0x1.dea04c0000000p-4f, 0x1.11cc6c0000000p+1f, -0x1.248b4e0000000p+0f, 0x1.eadcec0000000p+0f,
+    0x1.1cf2780000000p-3f, 0x1.8d0cf40000000p-1f, -0x1.e481060000000p-1f, -0x1.be12cc0000000p-2f};
+
+/// index_select(x (2, 3, 4), 1, index (1)): output, shape [2, 1, 4]
+inline const std::vector<float> kSelect3Out = {
+    -0x1.5708120000000p+0f, 0x1.ef814a0000000p-1f, -0x1.4bfa800000000p-1f, 0x1.2822d60000000p-4f,
+    -0x1.dea04c0000000p-4f, 0x1.11cc6c0000000p+1f, -0x1.248b4e0000000p+0f, 0x1.eadcec0000000p+0f};
+
+/// index_select(x (2, 3, 4), 1, index (1)): upstream gradient, shape [2, 1, 4]
+inline const std::vector<float> kSelect3Upstream = {
+    0x1.2cdae60000000p-1f, 0x1.1d1eb60000000p+0f, 0x1.78891e0000000p-1f, 0x1.42d2e20000000p-1f,
+    0x1.4900380000000p+0f, 0x1.04b62e0000000p+0f, 0x1.0765500000000p-1f, 0x1.5276ac0000000p+0f};
+
+/// index_select(x (2, 3, 4), 1, index (1)): d(sum(upstream * out))/d input, shape [2, 3, 4]
+inline const std::vector<float> kSelect3Grad = {
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.2cdae60000000p-1f, 0x1.1d1eb60000000p+0f, 0x1.78891e0000000p-1f, 0x1.42d2e20000000p-1f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.4900380000000p+0f, 0x1.04b62e0000000p+0f, 0x1.0765500000000p-1f, 0x1.5276ac0000000p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f};
+
+/// x (3, 4, 5).narrow(1, 1, 2): input, shape [3, 4, 5]
+inline const std::vector<float> kNarrow1Input = {
+    0x1.cee08c0000000p-2f, 0x1.2ed1760000000p-1f, 0x1.bb28060000000p-1f, -0x1.0650940000000p-1f,
+    0x1.35c9d20000000p+0f, -0x1.e2ee600000000p-2f, -0x1.c60ccc0000000p-3f, 0x1.1304b80000000p+1f,
+    0x1.f7419e0000000p-1f, 0x1.387a1e0000000p+0f, 0x1.7eb0580000000p-2f, -0x1.9111900000000p-1f,
+    0x1.625d360000000p-1f, -0x1.0ff6d80000000p+0f, -0x1.0cb1860000000p+0f, -0x1.04e6600000000p+0f,
+    0x1.65a1880000000p+0f, 0x1.9674940000000p-1f, 0x1.95f8fc0000000p-1f, -0x1.17f8760000000p-1f,
+    0x1.fd96800000000p+0f, -0x1.a95a920000000p+0f, 0x1.22657e0000000p+0f, 0x1.7d51020000000p+0f,
+    -0x1.8bc5820000000p-2f, 0x1.9986080000000p-1f, 0x1.8a43520000000p+0f, 0x1.cddedc0000000p-2f,
+    0x1.9d9ae60000000p+0f, -0x1.cc3b760000000p+0f, -0x1.0320000000000p-1f, 0x1.9a89ec0000000p-1f,
+    0x1.6b405c0000000p-1f, -0x1.14130a0000000p-2f, -0x1.0cc48c0000000p-4f, -0x1.552cd80000000p+0f,
+    -0x1.0bc1e40000000p+0f, 0x1.c4b6500000000p-1f, 0x1.0d44780000000p-1f, -0x1.3214d40000000p-1f,
+    0x1.274ac40000000p-1f, -0x1.a03dc60000000p-3f, -0x1.7fbe160000000p-1f, 0x1.ac05ac0000000p-1f,
+    0x1.d292880000000p-4f, -0x1.b13d8a0000000p-3f, 0x1.c765660000000p-4f, 0x1.ee07ea0000000p-1f,
+    -0x1.401e5e0000000p+0f, -0x1.50c70c0000000p-3f, -0x1.87a25c0000000p-1f, 0x1.71d1e60000000p+1f,
+    -0x1.50ce3a0000000p-1f, -0x1.ad64b80000000p-1f, -0x1.418d560000000p-3f, -0x1.aec2a60000000p-7f,
+    -0x1.35c9ac0000000p+1f, -0x1.aed2080000000p-3f, 0x1.2139500000000p-9f, 0x1.03e64c0000000p+1f};
+
+/// x (3, 4, 5).narrow(1, 1, 2): output, shape [3, 2, 5]
+inline const std::vector<float> kNarrow1Out = {
+    -0x1.e2ee600000000p-2f, -0x1.c60ccc0000000p-3f, 0x1.1304b80000000p+1f, 0x1.f7419e0000000p-1f,
+    0x1.387a1e0000000p+0f, 0x1.7eb0580000000p-2f, -0x1.9111900000000p-1f, 0x1.625d360000000p-1f,
+    -0x1.0ff6d80000000p+0f, -0x1.0cb1860000000p+0f, 0x1.9986080000000p-1f, 0x1.8a43520000000p+0f,
+    0x1.cddedc0000000p-2f, 0x1.9d9ae60000000p+0f, -0x1.cc3b760000000p+0f, -0x1.0320000000000p-1f,
+    0x1.9a89ec0000000p-1f, 0x1.6b405c0000000p-1f, -0x1.14130a0000000p-2f, -0x1.0cc48c0000000p-4f,
+    -0x1.b13d8a0000000p-3f, 0x1.c765660000000p-4f, 0x1.ee07ea0000000p-1f, -0x1.401e5e0000000p+0f,
+    -0x1.50c70c0000000p-3f, -0x1.87a25c0000000p-1f, 0x1.71d1e60000000p+1f, -0x1.50ce3a0000000p-1f,
+    -0x1.ad64b80000000p-1f, -0x1.418d560000000p-3f};
+
+/// x (3, 4, 5).narrow(1, 1, 2): upstream gradient, shape [3, 2, 5]
+inline const std::vector<float> kNarrow1Upstream = {
+    0x1.4a1d6a0000000p+0f, 0x1.04c0c80000000p+0f, 0x1.5812720000000p+0f, 0x1.68e36c0000000p+0f,
+    0x1.84cbaa0000000p-1f, 0x1.dbb3220000000p-1f, 0x1.51d7b60000000p-1f, 0x1.7ba21a0000000p+0f,
+    0x1.7359440000000p+0f, 0x1.05d5300000000p-1f, 0x1.77d8da0000000p+0f, 0x1.372f240000000p+0f,
+    0x1.4cff000000000p-1f, 0x1.6f15400000000p-1f, 0x1.e57ec40000000p-1f, 0x1.f94e960000000p-1f,
+    0x1.233ce00000000p-1f, 0x1.38f8e40000000p-1f, 0x1.11b9800000000p+0f, 0x1.a25a3c0000000p-1f,
+    0x1.6e88ac0000000p+0f, 0x1.e7dd820000000p-1f, 0x1.5847740000000p-1f, 0x1.5470220000000p+0f,
+    0x1.2ff5880000000p+0f, 0x1.9e44660000000p-1f, 0x1.2258c00000000p-1f, 0x1.8fc9b80000000p-1f,
+    0x1.433c1a0000000p+0f, 0x1.4efb260000000p-1f};
+
+/// x (3, 4, 5).narrow(1, 1, 2): d(sum(upstream * out))/d input, shape [3, 4, 5]
+inline const std::vector<float> kNarrow1Grad = {
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x1.4a1d6a0000000p+0f, 0x1.04c0c80000000p+0f, 0x1.5812720000000p+0f,
+    0x1.68e36c0000000p+0f, 0x1.84cbaa0000000p-1f, 0x1.dbb3220000000p-1f, 0x1.51d7b60000000p-1f,
+    0x1.7ba21a0000000p+0f, 0x1.7359440000000p+0f, 0x1.05d5300000000p-1f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x1.77d8da0000000p+0f, 0x1.372f240000000p+0f, 0x1.4cff000000000p-1f,
+    0x1.6f15400000000p-1f, 0x1.e57ec40000000p-1f, 0x1.f94e960000000p-1f, 0x1.233ce00000000p-1f,
+    0x1.38f8e40000000p-1f, 0x1.11b9800000000p+0f, 0x1.a25a3c0000000p-1f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x1.6e88ac0000000p+0f, 0x1.e7dd820000000p-1f, 0x1.5847740000000p-1f,
+    0x1.5470220000000p+0f, 0x1.2ff5880000000p+0f, 0x1.9e44660000000p-1f, 0x1.2258c00000000p-1f,
+    0x1.8fc9b80000000p-1f, 0x1.433c1a0000000p+0f, 0x1.4efb260000000p-1f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f};
+
+/// x (3, 4, 5).narrow(2, -3, 2): input, shape [3, 4, 5]
+inline const std::vector<float> kNarrow2Input = {
+    -0x1.3e3ffc0000000p+0f, 0x1.a90a3a0000000p-4f, -0x1.56c6220000000p+0f, -0x1.a0d7740000000p-2f,
+    0x1.2130b60000000p-1f, 0x1.5701c60000000p-3f, 0x1.a9a27a0000000p-4f, 0x1.0401ec0000000p-4f,
+    -0x1.8b37aa0000000p-2f, 0x1.4593a20000000p-1f, 0x1.93d2d80000000p+0f, -0x1.0df6100000000p-5f,
+    0x1.e757cc0000000p-2f, 0x1.315d620000000p+0f, -0x1.57c4fe0000000p-1f, 0x1.3a9d240000000p+0f,
+    -0x1.f313880000000p-1f, 0x1.d0eba80000000p+0f, 0x1.4404140000000p-3f, -0x1.0704440000000p+0f,
+    0x1.16a1720000000p+0f, -0x1.3f3be00000000p+1f, 0x1.b412920000000p-4f, -0x1.5d9e340000000p-1f,
+    -0x1.fe72560000000p-1f, -0x1.0bb4000000000p+0f, 0x1.7673e80000000p-1f, -0x1.61ef4e0000000p-2f,
+    0x1.d44a1e0000000p-2f, 0x1.054e240000000p-1f, 0x1.3e7f300000000p-1f, -0x1.9691640000000p-1f,
+    -0x1.9b79840000000p-1f, -0x1.05e02c0000000p-2f, -0x1.b587440000000p-10f, -0x1.e37a5e0000000p-1f,
+    0x1.0d611a0000000p-1f, -0x1.3c4d3c0000000p+0f, 0x1.61f41a0000000p-2f, 0x1.b9baac0000000p-1f,
+    -0x1.817c560000000p-1f, 0x1.ae39e60000000p-2f, 0x1.1812a60000000p-2f, 0x1.81545a0000000p-2f,
+    -0x1.820d940000000p+0f, -0x1.0220100000000p-1f, -0x1.da09000000000p-1f, 0x1.a87a860000000p-3f,
+    0x1.9729400000000p-1f, 0x1.1256b20000000p-1f, 0x1.4c18a80000000p+0f, 0x1.33568c0000000p+0f,
+    -0x1.25b3cc0000000p-1f, 0x1.75d7f60000000p-3f, 0x1.7023ea0000000p-8f, 0x1.9e25260000000p-2f,
+    -0x1.17cc540000000p-2f, 0x1.da0b2e0000000p+0f, 0x1.10b9740000000p+1f, 0x1.38dbbc0000000p-7f};
+
+/// x (3, 4, 5).narrow(2, -3, 2): output, shape [3, 4, 2]
+inline const std::vector<float> kNarrow2Out = {
+    -0x1.56c6220000000p+0f, -0x1.a0d7740000000p-2f, 0x1.0401ec0000000p-4f, -0x1.8b37aa0000000p-2f,
+    0x1.e757cc0000000p-2f, 0x1.315d620000000p+0f, 0x1.d0eba80000000p+0f, 0x1.4404140000000p-3f,
+    0x1.b412920000000p-4f, -0x1.5d9e340000000p-1f, -0x1.61ef4e0000000p-2f, 0x1.d44a1e0000000p-2f,
+    -0x1.9b79840000000p-1f, -0x1.05e02c0000000p-2f, -0x1.3c4d3c0000000p+0f, 0x1.61f41a0000000p-2f,
+    0x1.1812a60000000p-2f, 0x1.81545a0000000p-2f, 0x1.a87a860000000p-3f, 0x1.9729400000000p-1f,
+    -0x1.25b3cc0000000p-1f, 0x1.75d7f60000000p-3f, 0x1.da0b2e0000000p+0f, 0x1.10b9740000000p+1f};
+
+/// x (3, 4, 5).narrow(2, -3, 2): upstream gradient, shape [3, 4, 2]
+inline const std::vector<float> kNarrow2Upstream = {
+    0x1.2d7f480000000p+0f, 0x1.a926580000000p-1f, 0x1.805df40000000p-1f, 0x1.23d5f00000000p+0f,
+    0x1.6cdac80000000p+0f, 0x1.35fa080000000p+0f, 0x1.aa54f40000000p-1f, 0x1.d543c00000000p-1f,
+    0x1.010c0a0000000p+0f, 0x1.b19cf40000000p-1f, 0x1.2414e00000000p+0f, 0x1.48b0040000000p-1f,
+    0x1.e8d56a0000000p-1f, 0x1.3ce0c20000000p+0f, 0x1.31851c0000000p+0f, 0x1.361aa60000000p-1f,
+    0x1.50ba360000000p+0f, 0x1.019e960000000p+0f, 0x1.66f3360000000p+0f, 0x1.add0ea0000000p-1f,
+    0x1.246b7c0000000p+0f, 0x1.6283640000000p-1f, 0x1.6882d60000000p-1f, 0x1.2ce9b20000000p+0f};
+
+/// x (3, 4, 5).narrow(2, -3, 2): d(sum(upstream * out))/d input, shape [3, 4, 5]
+inline const std::vector<float> kNarrow2Grad = {
+    0x0.0p+0f, 0x0.0p+0f, 0x1.2d7f480000000p+0f, 0x1.a926580000000p-1f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x1.805df40000000p-1f,
+    0x1.23d5f00000000p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.6cdac80000000p+0f, 0x1.35fa080000000p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x1.aa54f40000000p-1f, 0x1.d543c00000000p-1f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x1.010c0a0000000p+0f, 0x1.b19cf40000000p-1f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x1.2414e00000000p+0f,
+    0x1.48b0040000000p-1f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.e8d56a0000000p-1f, 0x1.3ce0c20000000p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x1.31851c0000000p+0f, 0x1.361aa60000000p-1f, 0x0.0p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x1.50ba360000000p+0f, 0x1.019e960000000p+0f,
+    0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f, 0x1.66f3360000000p+0f,
+    0x1.add0ea0000000p-1f, 0x0.0p+0f, 0x0.0p+0f, 0x0.0p+0f,
+    0x1.246b7c0000000p+0f, 0x1.6283640000000p-1f, 0x0.0p+0f, 0x0.0p+0f,
+    0x0.0p+0f, 0x1.6882d60000000p-1f, 0x1.2ce9b20000000p+0f, 0x0.0p+0f};
+
+/// one_hot labels, shape [4]
+inline const std::vector<std::int64_t> kOneHot1Labels = {0, 2, 1, 2};
+
+/// one_hot(labels) (num_classes inferred), shape [4, 3]
+inline const std::vector<std::int64_t> kOneHot1 = {1, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 1};
+
+/// one_hot labels, shape [2, 2]
+inline const std::vector<std::int64_t> kOneHot2Labels = {1, 0, 3, 2};
+
+/// one_hot(labels, 5), shape [2, 2, 5]
+inline const std::vector<std::int64_t> kOneHot2 = {0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0};
+
 }  // namespace tensor_reference

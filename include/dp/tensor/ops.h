@@ -62,6 +62,30 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 /// x (B, in) · w(out, in)ᵀ + b(out), in one GEMM (b may be undefined).
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
 
+// ---- indexing ------------------------------------------------------------------------------
+// PyTorch's semantics; dims may be negative (counted from the end); indices are int64
+// or int32 and must lie in [0, size) (no negative indices, as in PyTorch): an index
+// outside throws dp::Error naming it, its position and the bound. The index values are
+// read on the host to check them (a copy and a wait on a CUDA device).
+//
+//   dp::Tensor picked = dp::gather(logp, 1, y.unsqueeze(1));     // (B, 1): logp[i, y[i]]
+//   dp::Tensor rows = dp::index_select(x, 0, perm);              // x[perm]
+//   dp::Tensor hot = dp::one_hot(y, 10);                         // (B, 10) int64
+
+/// torch.gather: out has index's shape and out[i][j][k] = input[i][index[i][j][k]][k]
+/// for dim = 1 (likewise for any dim). index has input's number of dims and
+/// index.size(d) <= input.size(d) for every d != dim. input is float32. Differentiable
+/// in input (backward adds the gradient into zeros at the gathered positions).
+Tensor gather(const Tensor& input, std::int64_t dim, const Tensor& index);
+/// torch.index_select: the slices index[0], index[1], ... of input along dim, in that
+/// order (repeats allowed); index is 1-d (or a scalar, giving a size-1 dim). input is
+/// float32. Differentiable in input (backward is index_add into zeros).
+Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index);
+/// torch.nn.functional.one_hot: int64 (..., num_classes) with a 1 at each label.
+/// labels: int64 or int32, values in [0, num_classes); num_classes = -1 takes
+/// max(labels) + 1 (labels must then be non-empty).
+Tensor one_hot(const Tensor& labels, std::int64_t num_classes = -1);
+
 /// Concatenation along dim 0 (all on one device, same trailing shape and dtype).
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim = 0);
 /// Splits along dim 0 into `chunks` pieces of ceil(size/chunks) rows (the last may be

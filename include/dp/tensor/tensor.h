@@ -197,7 +197,12 @@ class Tensor {
   Tensor view(Shape shape) const { return reshape(std::move(shape)); }
   /// Merges dims [start, end] into one.
   Tensor flatten(std::int64_t start = 0, std::int64_t end = -1) const;
-  /// Rows [start, start + length) along dim 0: a view sharing storage. Differentiable.
+  /// Elements [start, start + length) along `dim` (negative dims and a negative start
+  /// count from the end, as torch.narrow). Differentiable. Along dim 0, or when every
+  /// dim before `dim` has size 1, it is a view sharing storage like PyTorch's; along
+  /// any other dim it is a copy, since dp tensors are contiguous (writes into it do not
+  /// reach this tensor).
+  ///   dp::Tensor cols = x.narrow(1, 2, 3);   // x[:, 2:5]
   Tensor narrow(std::int64_t dim, std::int64_t start, std::int64_t length) const;
   Tensor unsqueeze(std::int64_t dim) const;
   Tensor squeeze(std::int64_t dim) const;
