@@ -54,7 +54,21 @@ Storage::Storage(PinnedTag, std::size_t nbytes)
   data_ = backend::pinned_host_backend().allocate_pinned(nbytes);
 }
 
+Storage::Storage(Device device, void* data, std::size_t nbytes, std::function<void(void*)> deleter)
+    : device_(device), nbytes_(nbytes), data_(data), external_(true), deleter_(std::move(deleter)) {}
+
 Storage::~Storage() {
+  if (external_) {
+    if (!deleter_) return;  // the caller keeps ownership
+    try {
+      deleter_(data_);
+    } catch (const std::exception& e) {
+      detail::log_warning(detail::str_cat("from_blob: the deleter threw (ignored): ", e.what()));
+    } catch (...) {
+      detail::log_warning("from_blob: the deleter threw a non-standard exception (ignored)");
+    }
+    return;
+  }
   if (pinned_) {
     backend::pinned_host_backend().deallocate_pinned(data_, nbytes_);
   } else {
@@ -590,6 +604,26 @@ Tensor from_vector(const std::vector<std::int32_t>& data, const Shape& shape, De
   if (!data.empty())
     backend::get(device).copy_from_host(t.data<std::int32_t>(), device, data.data(), t.nbytes());
   return t;
+}
+
+Tensor from_blob(void* data, const Shape& shape, Dtype dtype, Device device, std::function<void(void*)> deleter) {
+  DP_CHECK(data != nullptr, "from_blob: expected a non-null data pointer, got nullptr (shape ",
+           shape_str(shape), ")");
+  for (auto s : shape)
+    DP_CHECK(s >= 0, "from_blob: expected non-negative sizes, got shape ", shape_str(shape));
+  const std::size_t es = element_size(dtype);
+  DP_CHECK(reinterpret_cast<std::uintptr_t>(data) % es == 0, "from_blob: expected data aligned to ", es,
+           " bytes for ", dtype_name(dtype), ", got address ", data);
+  const int count = device_count(device.type);
+  DP_CHECK(device.index >= 0 && device.index < count, "from_blob: expected an existing device, got ",
+           device.str(), " (", count, " ", device.is_cpu() ? "CPU virtual" : "CUDA", " device",
+           count == 1 ? "" : "s", " here)");
+  auto impl = std::make_shared<TensorImpl>();
+  impl->shape = shape;
+  impl->dtype = dtype;
+  impl->storage = std::make_shared<Storage>(device, data, static_cast<std::size_t>(shape_numel(shape)) * es,
+                                            std::move(deleter));
+  return Tensor(std::move(impl));
 }
 
 Tensor scalar_tensor(double value, Device device) { return full({}, value, TensorOptions{Dtype::Float32, device}); }

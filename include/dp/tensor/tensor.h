@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -69,6 +70,10 @@ class Storage {
   /// Page-locked host memory (device cpu(0)), the source of asynchronous copies to CUDA
   /// devices; from backend::pinned_host_backend().
   Storage(PinnedTag, std::size_t nbytes);
+  /// Memory the caller owns (dp::from_blob): never freed by dp and not counted by
+  /// memory_allocated; `deleter` (if set) is called with `data` once, when the storage
+  /// dies. The caller has checked the arguments.
+  Storage(Device device, void* data, std::size_t nbytes, std::function<void(void*)> deleter);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -78,6 +83,8 @@ class Storage {
   Device device() const { return device_; }
   /// True for page-locked host memory (Tensor::pin_memory).
   bool pinned() const { return pinned_; }
+  /// True for memory wrapped by dp::from_blob.
+  bool external() const { return external_; }
   std::uint64_t version() const { return version_; }
   void bump_version() { ++version_; }
 
@@ -87,6 +94,8 @@ class Storage {
   void* data_ = nullptr;
   std::uint64_t version_ = 0;
   bool pinned_ = false;
+  bool external_ = false;
+  std::function<void(void*)> deleter_;
 };
 
 /// The shared state behind a Tensor handle (internal; reached through Tensor).
@@ -307,5 +316,23 @@ Tensor from_vector(const std::vector<float>& data, const Shape& shape, Device de
 Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, Device device = {});
 Tensor from_vector(const std::vector<std::int32_t>& data, const Shape& shape, Device device = {});
 Tensor scalar_tensor(double value, Device device = {});
+
+/// Wraps memory the caller owns as a tensor, without a copy (torch::from_blob): writes
+/// through the tensor are seen in `data` and the other way round. The tensor does not
+/// own the memory: dp never frees it, and it is not counted by memory_allocated. With
+/// a `deleter`, deleter(data) is called exactly once, when the last tensor sharing the
+/// memory (views, detach(), copies of the handle) dies; an exception from it is logged,
+/// never thrown. `data` must stay valid until then.
+///   std::vector<float> buf(6, 1.0f);
+///   dp::Tensor t = dp::from_blob(buf.data(), {2, 3});        // t and buf share memory
+///   dp::Tensor u = dp::from_blob(p, {n}, dp::Dtype::Int32, dp::cpu(0), [](void* q) { std::free(q); });
+/// Devices: every CPU virtual device cpu(k) is host memory, so host memory may be
+/// wrapped for any existing cpu(k) (the tensor then counts as cpu(k)'s: ops will not
+/// mix it with other devices' tensors). For cuda(k), `data` must be memory of that
+/// device (cudaMalloc'ed, or from another library); this is not checked. Throws
+/// dp::Error for a null `data`, a negative size, `data` not aligned to the element
+/// size, or a device that does not exist (any CUDA device in a build without CUDA).
+Tensor from_blob(void* data, const Shape& shape, Dtype dtype = Dtype::Float32, Device device = {},
+                 std::function<void(void*)> deleter = {});
 
 }  // namespace dp
