@@ -552,9 +552,53 @@ Indexer gather_indexer(const Shape& out_shape, const Shape& in_shape, const std:
   return ix;
 }
 
-// out = input gathered with `ix` along d, recorded with the scatter-add backward.
-Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64, const Indexer& ix, int d,
-                   const Shape& out_shape) {
+// Note [Integer gathers]
+// gather and index_select only move elements, so int64 and int32 inputs reuse the
+// float32 kernel on the same bytes: an int32 element is one float32-sized word, an
+// int64 element two (a trailing dim of 2 that the index does not step). The kernels
+// load and store these words without arithmetic, which copies their bits exactly (on
+// the CPU and on CUDA), whatever float value the bits would spell.
+
+// The float32 words of an integer tensor's elements, sharing its storage.
+Tensor as_words(const Tensor& t) {
+  auto impl = std::make_shared<TensorImpl>();
+  const std::int64_t per = static_cast<std::int64_t>(element_size(t.dtype()) / sizeof(float));
+  impl->storage = t.storage();
+  impl->offset = t.storage_offset() * per;
+  impl->shape = t.shape();
+  if (per == 2) impl->shape.push_back(2);
+  impl->dtype = Dtype::Float32;
+  return Tensor(std::move(impl));
+}
+
+// A tensor of `dtype` and `shape` over the words `w` made by the gather kernel.
+Tensor from_words(const Tensor& w, Dtype dtype, const Shape& shape) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = w.storage();
+  impl->offset = 0;
+  impl->shape = shape;
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+// out (out_shape) = input gathered along d by index64 read with `index_strides`; float32
+// records the scatter-add backward, integers go through Note [Integer gathers].
+Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64, const Shape& out_shape,
+                   std::vector<std::int64_t> index_strides, int d) {
+  if (input.dtype() != Dtype::Float32) {
+    Tensor words = as_words(input);
+    Shape out_words = out_shape;
+    if (words.dim() > input.dim()) {  // int64: two words per element, one index each
+      out_words.push_back(2);
+      index_strides.push_back(0);
+    }
+    Indexer ix = gather_indexer(out_words, words.shape(), index_strides);
+    Tensor out = empty(out_words, input.device());
+    if (out.numel() > 0)
+      be(input).gather(input.device(), ix, d, words.data<float>(), index64.data<std::int64_t>(), out.data<float>());
+    return from_words(out, input.dtype(), out_shape);
+  }
+  Indexer ix = gather_indexer(out_shape, input.shape(), index_strides);
   Tensor out = empty(out_shape, input.device());
   if (out.numel() > 0) be(input).gather(input.device(), ix, d, input.data<float>(), index64.data<std::int64_t>(),
                                         out.data<float>());
@@ -571,7 +615,7 @@ Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64,
 }  // namespace
 
 Tensor gather(const Tensor& input, std::int64_t dim, const Tensor& index) {
-  detail::check_float("gather", input);
+  detail::check_defined("gather", input);
   Tensor idx = index_as_i64("gather", index);
   detail::check_same_device("gather", input, idx);
   // A scalar input gathers like a 1-element vector (torch.gather allows dim 0 / -1).
@@ -585,12 +629,11 @@ Tensor gather(const Tensor& input, std::int64_t dim, const Tensor& index) {
              ") outside dim ", d, ", got index ", shape_str(idx.shape()), " for input ", shape_str(input.shape()));
   }
   check_index_range("gather", idx, input.size(d), d, input.shape());
-  Indexer ix = gather_indexer(idx.shape(), input.shape(), contiguous_strides(idx.shape()));
-  return gather_with("GatherBackward", input, idx, ix, static_cast<int>(d), idx.shape());
+  return gather_with("GatherBackward", input, idx, idx.shape(), contiguous_strides(idx.shape()), static_cast<int>(d));
 }
 
 Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index) {
-  detail::check_float("index_select", input);
+  detail::check_defined("index_select", input);
   Tensor idx = index_as_i64("index_select", index);
   detail::check_same_device("index_select", input, idx);
   DP_CHECK(idx.dim() <= 1, "index_select: expected a 1-d index, got shape ", shape_str(idx.shape()));
@@ -601,8 +644,7 @@ Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index) 
   out_shape[d] = idx.numel();
   std::vector<std::int64_t> idx_strides(out_shape.size(), 0);
   idx_strides[d] = 1;  // index[c_d]; broadcast over every other dim
-  Indexer ix = gather_indexer(out_shape, input.shape(), idx_strides);
-  return gather_with("IndexSelectBackward", input, idx, ix, static_cast<int>(d), out_shape);
+  return gather_with("IndexSelectBackward", input, idx, out_shape, std::move(idx_strides), static_cast<int>(d));
 }
 
 Tensor one_hot(const Tensor& labels, std::int64_t num_classes) {

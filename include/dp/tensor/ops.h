@@ -74,12 +74,14 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
 
 /// torch.gather: out has index's shape and out[i][j][k] = input[i][index[i][j][k]][k]
 /// for dim = 1 (likewise for any dim). index has input's number of dims and
-/// index.size(d) <= input.size(d) for every d != dim. input is float32. Differentiable
-/// in input (backward adds the gradient into zeros at the gathered positions).
+/// index.size(d) <= input.size(d) for every d != dim. input is float32, int64 or int32
+/// (values copied bit for bit). Differentiable in a float32 input (backward adds the
+/// gradient into zeros at the gathered positions).
 Tensor gather(const Tensor& input, std::int64_t dim, const Tensor& index);
 /// torch.index_select: the slices index[0], index[1], ... of input along dim, in that
 /// order (repeats allowed); index is 1-d (or a scalar, giving a size-1 dim). input is
-/// float32. Differentiable in input (backward is index_add into zeros).
+/// float32, int64 or int32 (`index_select(labels, 0, perm)`). Differentiable in a
+/// float32 input (backward is index_add into zeros).
 Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index);
 /// torch.nn.functional.one_hot: int64 (..., num_classes) with a 1 at each label.
 /// labels: int64 or int32, values in [0, num_classes); num_classes = -1 takes
