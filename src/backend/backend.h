@@ -192,6 +192,10 @@ class Backend : public dp::detail::DeviceRuntime {
                           std::int64_t step) = 0;
   virtual void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) = 0;
   virtual void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) = 0;
+  /// y[i] = x[i] widened (int32 labels to int64).
+  virtual void cast_i32_to_i64(Device dev, const std::int32_t* x, std::int64_t* y, std::int64_t n) = 0;
+  /// y[i] = x[i] narrowed to int32, modulo 2^32 (what PyTorch's .int() gives).
+  virtual void cast_i64_to_i32(Device dev, const std::int64_t* x, std::int32_t* y, std::int64_t n) = 0;
   /// out = (a == b) ? 1.0f : 0.0f over the indexer's shape, compared exactly as int64
   /// (a, b strided with broadcasting; out contiguous).
   virtual void eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
@@ -208,6 +212,24 @@ class Backend : public dp::detail::DeviceRuntime {
                       const float* b, float* out) = 0;
   /// out = a (strided, indexer's strides_a) gathered into contiguous order.
   virtual void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) = 0;
+
+  // Note [Gather geometry]
+  // gather and scatter_add walk the elements n of a contiguous tensor of shape ix.sizes
+  // (gather's output, scatter_add's source) with coordinates c. The element of the
+  // other tensor x that n pairs with is at
+  //   Σ_{d != dim} c_d · ix.strides_a[d]  +  index[Σ_d c_d · ix.strides_b[d]] · ix.strides_a[dim]
+  // (strides in elements). torch.gather is index strides = its own contiguous strides;
+  // index_select is a 1-d index with strides_b 0 outside `dim`. Every index must lie in
+  // [0, size of x along dim): the caller checks, the kernels do not.
+
+  /// out[n] = x[offset(n)] (Note [Gather geometry]).
+  virtual void gather(Device dev, const Indexer& ix, int dim, const float* x,
+                      const std::int64_t* index, float* out) = 0;
+  /// y[offset(n)] += src[n] (Note [Gather geometry]): the backward of gather and
+  /// index_select. CPU adds in element order (bitwise reproducible); CUDA uses atomics,
+  /// so repeated indices sum in an unspecified order.
+  virtual void scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
+                           const std::int64_t* index, float* y) = 0;
 
   // ---- random (counter-based Philox: same numbers on every backend) -------------
   /// y[i] = uniform in [lo, hi) from (seed, offset + i).

@@ -11,14 +11,15 @@ TensorDataset::TensorDataset(Tensor data, Tensor targets) {
            "TensorDataset: expected defined data and target tensors, got an undefined tensor");
   DP_CHECK(data.dtype() == Dtype::Float32 && data.dim() >= 1,
            "TensorDataset: expected float32 data with at least 1 dim (N, ...), got ", data.str());
-  DP_CHECK(targets.dtype() == Dtype::Int64 && targets.dim() == 1,
-           "TensorDataset: expected int64 targets of shape (N), got ", targets.str(),
+  DP_CHECK((targets.dtype() == Dtype::Int64 || targets.dtype() == Dtype::Int32) && targets.dim() == 1,
+           "TensorDataset: expected int64 or int32 targets of shape (N), got ", targets.str(),
            " (convert with .to(dp::Dtype::Int64))");
   DP_CHECK(data.size(0) == targets.size(0), "TensorDataset: data holds ", data.size(0),
            " examples but targets holds ", targets.size(0), "; expected the same N");
   const Device host = cpu(0);
   data_ = data.detach().to(host);
-  targets_ = targets.detach().to(host);
+  // Batches carry int64 targets (Dataset::allocate_batch): int32 labels widen here once.
+  targets_ = targets.detach().to(host).to(Dtype::Int64);
   count_ = data_.size(0);
   example_shape_.assign(data_.shape().begin() + 1, data_.shape().end());
 }

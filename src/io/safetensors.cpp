@@ -39,7 +39,14 @@ std::string errno_text(int err) { return std::strerror(err); }
 
 // ---- dtypes ---------------------------------------------------------------------------
 
-const char* st_dtype(Dtype d) { return d == Dtype::Float32 ? "F32" : "I64"; }
+const char* st_dtype(Dtype d) {
+  switch (d) {
+    case Dtype::Float32: return "F32";
+    case Dtype::Int64: return "I64";
+    case Dtype::Int32: return "I32";
+  }
+  DP_FAIL("safetensors: no format name for dtype code ", static_cast<int>(d));
+}
 
 // Every dtype the format defines; the ones dp cannot hold get a "not supported" error
 // rather than "unknown".
@@ -158,11 +165,13 @@ SafetensorsInfo parse_header(const char* text, std::uint64_t n, std::uint64_t da
       e.dtype = Dtype::Float32;
     } else if (ds == "I64") {
       e.dtype = Dtype::Int64;
+    } else if (ds == "I32") {
+      e.dtype = Dtype::Int32;
     } else if (is_safetensors_dtype(ds)) {
-      DP_FAIL(name, ": dtype ", ds, " of '", key, "' is not supported by dp (only F32 and I64); convert the "
-              "tensor (e.g. to float32) before saving");
+      DP_FAIL(name, ": dtype ", ds, " of '", key, "' is not supported by dp (only F32, I64 and I32); convert "
+              "the tensor (e.g. to float32) before saving");
     } else {
-      DP_FAIL(name, ": unknown dtype '", ds, "' for '", key, "' (dp reads F32 and I64)");
+      DP_FAIL(name, ": unknown dtype '", ds, "' for '", key, "' (dp reads F32, I64 and I32)");
     }
     // shape
     const json& sh = v["shape"];

@@ -214,8 +214,9 @@ void check_class_loss(const char* op, const char* what, const Tensor& scores, co
   check_defined(op, what, scores);
   check_float(op, what, scores);
   check_defined(op, "target", target);
-  DP_CHECK(target.dtype() == Dtype::Int64, op, ": expected int64 class indices as target, got ",
-           dtype_name(target.dtype()), " (", target.str(), "); convert with .to(dp::Dtype::Int64)");
+  DP_CHECK(target.dtype() == Dtype::Int64 || target.dtype() == Dtype::Int32, op,
+           ": expected int64 or int32 class indices as target, got ", dtype_name(target.dtype()), " (",
+           target.str(), "); convert with .to(dp::Dtype::Int64)");
   check_same_device(op, what, scores, "target", target);
   DP_CHECK(scores.dim() == 2, op, ": expected ", what, " (B, C), got ", shape_str(scores.shape()));
   const std::int64_t B = scores.size(0), C = scores.size(1);
@@ -289,10 +290,13 @@ Tensor class_loss(const Tensor& logp, const Tensor& target, const Tensor& weight
 
 /// nll_loss and cross_entropy: the fused nll kernels when no option needs more (known
 /// only for targets in host memory), class_loss otherwise.
-Tensor class_loss_from(const char* op, const char* what, const Tensor& scores, bool logits, const Tensor& target,
-                       const Tensor& weight, std::int64_t ignore_index, double smoothing, Reduction reduction,
-                       double scale) {
-  check_class_loss(op, what, scores, target, weight, reduction, scale);
+Tensor class_loss_from(const char* op, const char* what, const Tensor& scores, bool logits,
+                       const Tensor& target_in, const Tensor& weight, std::int64_t ignore_index, double smoothing,
+                       Reduction reduction, double scale) {
+  check_class_loss(op, what, scores, target_in, weight, reduction, scale);
+  // int32 labels widen once here (exact), so every path below sees int64 and gives the
+  // int64 results bit for bit.
+  const Tensor target = target_in.to(Dtype::Int64);
   DP_CHECK(smoothing >= 0 && smoothing <= 1, op, ": expected label_smoothing in [0, 1], got ", smoothing);
   const bool on_host = target.device().is_cpu();
   const bool any_ignored = on_host ? check_host_targets(op, target, scores.size(1), ignore_index) : true;

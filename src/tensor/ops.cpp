@@ -232,6 +232,27 @@ Tensor mul(const Tensor& a, double s) {
   return out;
 }
 
+Tensor sub(double s, const Tensor& a) {
+  // fl(s - a) in one rounding: -1 * a is exact, so the affine's one add is the rounding.
+  Tensor out = affine_raw(a, -1.0, s);
+  autograd::record("RsubScalarBackward", {a}, out,
+                   [](const std::vector<Tensor>& g) { return std::vector<Tensor>{neg(g[0])}; });
+  return out;
+}
+
+Tensor div(double s, const Tensor& a) {
+  // PyTorch 1.13's Tensor.__rdiv__ is `self.reciprocal() * other`: the same two
+  // roundings here, with the multiply as a float32 binary op (an affine's `+ 0` would
+  // turn a -0 into +0).
+  Tensor r = unary_raw("div", UnaryOp::Reciprocal, a);
+  Tensor out = binary_raw("div", BinaryOp::Mul, r, scalar_tensor(s, a.device()));
+  autograd::record("RdivScalarBackward", {a}, out, [r, s](const std::vector<Tensor>& g) {
+    // d(s / a)/da = -s / a^2 = -(s * g) * r^2, in reciprocal's backward order.
+    return std::vector<Tensor>{neg(mul(mul(g[0], s), mul(r, r)))};
+  });
+  return out;
+}
+
 Tensor pow(const Tensor& a, double p) {
   Tensor out = binary_raw("pow", BinaryOp::Pow, a, scalar_tensor(p, a.device()));
   autograd::record("PowBackward", {a}, out, [a, p](const std::vector<Tensor>& g) {
@@ -242,8 +263,13 @@ Tensor pow(const Tensor& a, double p) {
 
 Tensor eq(const Tensor& a, const Tensor& b) {
   detail::check_same_device("eq", a, b);
-  DP_CHECK(a.dtype() == b.dtype(), "eq: expected one dtype, got ", dtype_name(a.dtype()), " and ",
-           dtype_name(b.dtype()));
+  // Integer labels against integer predictions: int32 widens to int64 (exact), so
+  // int32 labels compare with argmax's int64 output as PyTorch's type promotion does.
+  const bool ints_a = a.dtype() != Dtype::Float32, ints_b = b.dtype() != Dtype::Float32;
+  DP_CHECK(ints_a == ints_b, "eq: expected one dtype (or int32 with int64), got ",
+           dtype_name(a.dtype()), " and ", dtype_name(b.dtype()));
+  if (a.dtype() == Dtype::Int32 || b.dtype() == Dtype::Int32)
+    return eq(a.to(Dtype::Int64), b.to(Dtype::Int64));
   if (a.dtype() == Dtype::Int64) {
     // int64 compares exactly on the device (a cast to float32 would round above 2^24).
     Shape out_shape = broadcast_shape("eq", a.shape(), b.shape());
@@ -300,6 +326,14 @@ Tensor square(const Tensor& a) {
   Tensor out = unary_raw("square", UnaryOp::Square, a);
   autograd::record("SquareBackward", {a}, out, [a](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{mul(mul(g[0], a), 2.0)};
+  });
+  return out;
+}
+
+Tensor reciprocal(const Tensor& a) {
+  Tensor out = unary_raw("reciprocal", UnaryOp::Reciprocal, a);
+  autograd::record("ReciprocalBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{neg(mul(g[0], mul(y, y)))};
   });
   return out;
 }
@@ -465,6 +499,176 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
     return r;
   });
   return out;
+}
+
+// ---- gather / index_select / one_hot -----------------------------------------------------------
+
+namespace {
+
+// An int64 copy of an index tensor (int32 widens; float is refused), on the index's device.
+Tensor index_as_i64(const char* op, const Tensor& index, const char* what = "index") {
+  detail::check_defined(op, index, what);
+  DP_CHECK(index.dtype() == Dtype::Int64 || index.dtype() == Dtype::Int32, op, ": expected an int64 or int32 ",
+           what, ", got ", dtype_name(index.dtype()), " (", index.str(), ")");
+  return index.to(Dtype::Int64);
+}
+
+// Throws unless every index lies in [0, bound), naming the first that does not. Reads
+// the values on the host (a wait on CUDA): a bad index must never reach a kernel.
+void check_index_range(const char* op, const Tensor& index64, std::int64_t bound, std::int64_t dim,
+                       const Shape& input_shape) {
+  const std::vector<std::int64_t> v = index64.to_vector_i64();
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    DP_CHECK(v[i] >= 0 && v[i] < bound, op, ": index ", v[i], " (at position ", i,
+             " of the index) is out of bounds for dim ", dim, " with size ", bound, " of input ",
+             shape_str(input_shape), "; expected indices in [0, ", bound, ")");
+  }
+}
+
+// Contiguous element strides of `shape`.
+std::vector<std::int64_t> contiguous_strides(const Shape& shape) {
+  std::vector<std::int64_t> st(shape.size());
+  std::int64_t s = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    st[i] = s;
+    s *= shape[i];
+  }
+  return st;
+}
+
+// The geometry of Note [Gather geometry] (backend.h): walk `out_shape`, read input
+// (contiguous `in_shape`) with the index's strides `index_strides` (0 = broadcast).
+Indexer gather_indexer(const Shape& out_shape, const Shape& in_shape, const std::vector<std::int64_t>& index_strides) {
+  DP_CHECK(static_cast<int>(out_shape.size()) <= backend::kMaxDims, "expected at most ", backend::kMaxDims,
+           " dims, got shape ", shape_str(out_shape));
+  const std::vector<std::int64_t> in_strides = contiguous_strides(in_shape);
+  Indexer ix;
+  ix.ndim = static_cast<int>(out_shape.size());
+  for (std::size_t i = 0; i < out_shape.size(); ++i) {
+    ix.sizes[i] = out_shape[i];
+    ix.strides_a[i] = in_strides[i];
+    ix.strides_b[i] = index_strides[i];
+  }
+  return ix;
+}
+
+// Note [Integer gathers]
+// gather and index_select only move elements, so int64 and int32 inputs reuse the
+// float32 kernel on the same bytes: an int32 element is one float32-sized word, an
+// int64 element two (a trailing dim of 2 that the index does not step). The kernels
+// load and store these words without arithmetic, which copies their bits exactly (on
+// the CPU and on CUDA), whatever float value the bits would spell.
+
+// The float32 words of an integer tensor's elements, sharing its storage.
+Tensor as_words(const Tensor& t) {
+  auto impl = std::make_shared<TensorImpl>();
+  const std::int64_t per = static_cast<std::int64_t>(element_size(t.dtype()) / sizeof(float));
+  impl->storage = t.storage();
+  impl->offset = t.storage_offset() * per;
+  impl->shape = t.shape();
+  if (per == 2) impl->shape.push_back(2);
+  impl->dtype = Dtype::Float32;
+  return Tensor(std::move(impl));
+}
+
+// A tensor of `dtype` and `shape` over the words `w` made by the gather kernel.
+Tensor from_words(const Tensor& w, Dtype dtype, const Shape& shape) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = w.storage();
+  impl->offset = 0;
+  impl->shape = shape;
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+// out (out_shape) = input gathered along d by index64 read with `index_strides`; float32
+// records the scatter-add backward, integers go through Note [Integer gathers].
+Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64, const Shape& out_shape,
+                   std::vector<std::int64_t> index_strides, int d) {
+  if (input.dtype() != Dtype::Float32) {
+    Tensor words = as_words(input);
+    Shape out_words = out_shape;
+    if (words.dim() > input.dim()) {  // int64: two words per element, one index each
+      out_words.push_back(2);
+      index_strides.push_back(0);
+    }
+    Indexer ix = gather_indexer(out_words, words.shape(), index_strides);
+    Tensor out = empty(out_words, input.device());
+    if (out.numel() > 0)
+      be(input).gather(input.device(), ix, d, words.data<float>(), index64.data<std::int64_t>(), out.data<float>());
+    return from_words(out, input.dtype(), out_shape);
+  }
+  Indexer ix = gather_indexer(out_shape, input.shape(), index_strides);
+  Tensor out = empty(out_shape, input.device());
+  if (out.numel() > 0) be(input).gather(input.device(), ix, d, input.data<float>(), index64.data<std::int64_t>(),
+                                        out.data<float>());
+  Shape in_shape = input.shape();
+  autograd::record(node, {input}, out, [in_shape, index64, ix, d](const std::vector<Tensor>& g) {
+    Tensor gx = zeros(in_shape, g[0].device());
+    if (g[0].numel() > 0)
+      be(g[0]).scatter_add(g[0].device(), ix, d, g[0].data<float>(), index64.data<std::int64_t>(), gx.data<float>());
+    return std::vector<Tensor>{gx};
+  });
+  return out;
+}
+
+}  // namespace
+
+Tensor gather(const Tensor& input, std::int64_t dim, const Tensor& index) {
+  detail::check_defined("gather", input);
+  Tensor idx = index_as_i64("gather", index);
+  detail::check_same_device("gather", input, idx);
+  // A scalar input gathers like a 1-element vector (torch.gather allows dim 0 / -1).
+  if (input.dim() == 0) return gather(input.reshape({1}), dim, idx.dim() == 0 ? idx.reshape({1}) : idx).reshape(idx.shape());
+  const std::int64_t d = norm_dim("gather", input, dim);
+  DP_CHECK(idx.dim() == input.dim(), "gather: expected an index with as many dims as the input (",
+           input.dim(), "), got index ", shape_str(idx.shape()), " for input ", shape_str(input.shape()));
+  for (std::int64_t i = 0; i < input.dim(); ++i) {
+    if (i == d) continue;
+    DP_CHECK(idx.size(i) <= input.size(i), "gather: expected index.size(", i, ") <= input.size(", i,
+             ") outside dim ", d, ", got index ", shape_str(idx.shape()), " for input ", shape_str(input.shape()));
+  }
+  check_index_range("gather", idx, input.size(d), d, input.shape());
+  return gather_with("GatherBackward", input, idx, idx.shape(), contiguous_strides(idx.shape()), static_cast<int>(d));
+}
+
+Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index) {
+  detail::check_defined("index_select", input);
+  Tensor idx = index_as_i64("index_select", index);
+  detail::check_same_device("index_select", input, idx);
+  DP_CHECK(idx.dim() <= 1, "index_select: expected a 1-d index, got shape ", shape_str(idx.shape()));
+  if (input.dim() == 0) return index_select(input.reshape({1}), dim, idx).reshape(idx.dim() == 0 ? Shape{} : Shape{idx.numel()});
+  const std::int64_t d = norm_dim("index_select", input, dim);
+  check_index_range("index_select", idx, input.size(d), d, input.shape());
+  Shape out_shape = input.shape();
+  out_shape[d] = idx.numel();
+  std::vector<std::int64_t> idx_strides(out_shape.size(), 0);
+  idx_strides[d] = 1;  // index[c_d]; broadcast over every other dim
+  return gather_with("IndexSelectBackward", input, idx, out_shape, std::move(idx_strides), static_cast<int>(d));
+}
+
+Tensor one_hot(const Tensor& labels, std::int64_t num_classes) {
+  Tensor y = index_as_i64("one_hot", labels, "labels");
+  DP_CHECK(num_classes >= -1, "one_hot: expected num_classes >= 0, or -1 to infer it, got ", num_classes);
+  const std::vector<std::int64_t> v = y.to_vector_i64();
+  if (num_classes == -1) {
+    DP_CHECK(!v.empty(), "one_hot: cannot infer num_classes from empty labels ", shape_str(y.shape()),
+             "; pass num_classes");
+    num_classes = *std::max_element(v.begin(), v.end()) + 1;
+  }
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    DP_CHECK(v[i] >= 0 && v[i] < num_classes, "one_hot: label ", v[i], " (at position ", i,
+             ") is outside [0, ", num_classes, "); expected class values in [0, num_classes)");
+  }
+  Shape out_shape = y.shape();
+  out_shape.push_back(num_classes);
+  Shape row(out_shape.size(), 1);
+  row.back() = num_classes;
+  // eq against 0..C-1 broadcast along a new last dim: exact for int64, then 0/1 to int64.
+  Tensor classes = arange(num_classes, TensorOptions{Dtype::Int64, y.device()}).reshape(row);
+  Shape col = y.shape();
+  col.push_back(1);
+  return eq(y.reshape(col), classes).to(Dtype::Int64);
 }
 
 // ---- cat / chunk / split ---------------------------------------------------------------------

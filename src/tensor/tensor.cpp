@@ -11,8 +11,23 @@
 
 namespace dp {
 
-std::size_t element_size(Dtype dtype) { return dtype == Dtype::Float32 ? 4 : 8; }
-const char* dtype_name(Dtype dtype) { return dtype == Dtype::Float32 ? "float32" : "int64"; }
+std::size_t element_size(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::Float32: return 4;
+    case Dtype::Int64: return 8;
+    case Dtype::Int32: return 4;
+  }
+  DP_FAIL("element_size: unknown dtype code ", static_cast<int>(dtype));
+}
+
+const char* dtype_name(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::Float32: return "float32";
+    case Dtype::Int64: return "int64";
+    case Dtype::Int32: return "int32";
+  }
+  return "unknown dtype";
+}
 
 std::string shape_str(const Shape& shape) {
   std::ostringstream os;
@@ -39,7 +54,21 @@ Storage::Storage(PinnedTag, std::size_t nbytes)
   data_ = backend::pinned_host_backend().allocate_pinned(nbytes);
 }
 
+Storage::Storage(Device device, void* data, std::size_t nbytes, std::function<void(void*)> deleter)
+    : device_(device), nbytes_(nbytes), data_(data), external_(true), deleter_(std::move(deleter)) {}
+
 Storage::~Storage() {
+  if (external_) {
+    if (!deleter_) return;  // the caller keeps ownership
+    try {
+      deleter_(data_);
+    } catch (const std::exception& e) {
+      detail::log_warning(detail::str_cat("from_blob: the deleter threw (ignored): ", e.what()));
+    } catch (...) {
+      detail::log_warning("from_blob: the deleter threw a non-standard exception (ignored)");
+    }
+    return;
+  }
   if (pinned_) {
     backend::pinned_host_backend().deallocate_pinned(data_, nbytes_);
   } else {
@@ -116,7 +145,14 @@ std::int64_t* Tensor::data<std::int64_t>() const {
   return static_cast<std::int64_t*>(raw_data());
 }
 template <>
+std::int32_t* Tensor::data<std::int32_t>() const {
+  DP_CHECK(dtype() == Dtype::Int32, "expected an int32 tensor, got ", dtype_name(dtype()));
+  return static_cast<std::int32_t*>(raw_data());
+}
+template <>
 const float* Tensor::data<const float>() const { return data<float>(); }
+template <>
+const std::int32_t* Tensor::data<const std::int32_t>() const { return data<std::int32_t>(); }
 template <>
 const std::int64_t* Tensor::data<const std::int64_t>() const { return data<std::int64_t>(); }
 
@@ -158,9 +194,17 @@ std::vector<std::int64_t> Tensor::to_vector_i64() const {
   return out;
 }
 
+std::vector<std::int32_t> Tensor::to_vector_i32() const {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(numel()));
+  const std::int32_t* src = data<std::int32_t>();
+  if (!out.empty()) backend::get(device()).copy_to_host(out.data(), src, device(), nbytes());
+  return out;
+}
+
 double Tensor::item() const {
   DP_CHECK(numel() == 1, "item(): expected a tensor with one element, got shape ", shape_str(shape()));
   if (dtype() == Dtype::Float32) return to_vector()[0];
+  if (dtype() == Dtype::Int32) return to_vector_i32()[0];
   return static_cast<double>(to_vector_i64()[0]);
 }
 
@@ -179,12 +223,21 @@ Tensor Tensor::to(Device target) const {
 
 Tensor Tensor::to(Dtype target) const {
   if (dtype() == target) return *this;
+  // float32 <-> int32 goes through int64: int32 -> int64 is exact and int64 -> float
+  // rounds the same value; float -> int64 truncates, then int64 -> int32 keeps the low
+  // bits, which is what a direct cast gives wherever that is defined.
+  if (dtype() != Dtype::Int64 && target != Dtype::Int64) return to(Dtype::Int64).to(target);
   Tensor out(new_impl(shape(), target, device()));
   auto& be = backend::get(device());
-  if (target == Dtype::Float32)
-    be.cast_i64_to_f32(device(), data<std::int64_t>(), out.data<float>(), numel());
+  const std::int64_t n = numel();
+  if (dtype() == Dtype::Float32)
+    be.cast_f32_to_i64(device(), data<float>(), out.data<std::int64_t>(), n);
+  else if (dtype() == Dtype::Int32)
+    be.cast_i32_to_i64(device(), data<std::int32_t>(), out.data<std::int64_t>(), n);
+  else if (target == Dtype::Float32)
+    be.cast_i64_to_f32(device(), data<std::int64_t>(), out.data<float>(), n);
   else
-    be.cast_f32_to_i64(device(), data<float>(), out.data<std::int64_t>(), numel());
+    be.cast_i64_to_i32(device(), data<std::int64_t>(), out.data<std::int32_t>(), n);
   return out;
 }
 
@@ -261,21 +314,56 @@ Tensor Tensor::flatten(std::int64_t start, std::int64_t end) const {
   return reshape(s);
 }
 
+namespace {
+
+// Copies `outer` blocks of `block` elements from src (one every `src_stride` elements)
+// to dst (one every `dst_stride`), on one device: the slices of a narrow along an inner
+// dim. One backend copy per block keeps it exact for every dtype and backend.
+void copy_blocks(const Tensor& dst, std::int64_t dst_off, std::int64_t dst_stride, const Tensor& src,
+                 std::int64_t src_off, std::int64_t src_stride, std::int64_t outer, std::int64_t block) {
+  if (block == 0) return;
+  const std::size_t es = element_size(src.dtype());
+  auto* d = static_cast<char*>(dst.raw_data());
+  const auto* s = static_cast<const char*>(src.raw_data());
+  auto& be = backend::get(src.device());
+  for (std::int64_t o = 0; o < outer; ++o)
+    be.copy(d + (dst_off + o * dst_stride) * es, dst.device(), s + (src_off + o * src_stride) * es,
+            src.device(), static_cast<std::size_t>(block) * es);
+}
+
+}  // namespace
+
 Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) const {
   const auto& impl = checked(impl_);
-  DP_CHECK(dim() >= 1, "narrow: expected a tensor with at least 1 dim, got a scalar");
-  DP_CHECK(d == 0, "narrow: only dim 0 is supported (contiguous views), got dim ", d);
-  std::int64_t rows = impl.shape[0];
-  DP_CHECK(start >= 0 && length >= 0 && start + length <= rows, "narrow: expected rows [", start,
-           ", ", start + length, ") inside [0, ", rows, ") of shape ", shape_str(impl.shape));
-  std::int64_t row = rows == 0 ? 0 : numel() / rows;
+  const std::int64_t n = dim();
+  DP_CHECK(n >= 1, "narrow: expected a tensor with at least 1 dim, got a scalar");
+  DP_CHECK(d >= -n && d < n, "narrow: expected a dim in [", -n, ", ", n, "), got ", d, " for shape ",
+           shape_str(impl.shape));
+  if (d < 0) d += n;
+  const std::int64_t size = impl.shape[d];
+  // torch.narrow counts a negative start from the end of the dim.
+  DP_CHECK(start >= -size && start <= size, "narrow: expected start in [", -size, ", ", size, "] for dim ", d,
+           " of shape ", shape_str(impl.shape), ", got ", start);
+  if (start < 0) start += size;
+  DP_CHECK(length >= 0 && start + length <= size, "narrow: expected [", start, ", ", start + length,
+           ") inside [0, ", size, ") of dim ", d, " of shape ", shape_str(impl.shape));
+  std::int64_t outer = 1, inner = 1;
+  for (std::int64_t i = 0; i < d; ++i) outer *= impl.shape[i];
+  for (std::int64_t i = d + 1; i < n; ++i) inner *= impl.shape[i];
   Shape s = impl.shape;
-  s[0] = length;
-  Tensor out(view_impl(impl, impl.offset + start * row, s));
+  s[d] = length;
+  Tensor out;
+  if (outer == 1) {  // contiguous: a view, as PyTorch's
+    out = Tensor(view_impl(impl, impl.offset + start * inner, s));
+  } else {
+    out = Tensor(new_impl(s, impl.dtype, device()));
+    copy_blocks(out, 0, length * inner, *this, start * inner, size * inner, outer, length * inner);
+  }
   Shape full = impl.shape;
-  autograd::record("NarrowBackward", {*this}, out, [full, start](const std::vector<Tensor>& g) {
+  autograd::record("NarrowBackward", {*this}, out, [full, d, start, outer, inner](const std::vector<Tensor>& g) {
     Tensor gx = zeros(full, TensorOptions{g[0].dtype(), g[0].device()});
-    gx.narrow(0, start, g[0].size(0)).copy_(g[0]);
+    const std::int64_t len = g[0].size(d);
+    copy_blocks(gx, start * inner, full[d] * inner, g[0], 0, len * inner, outer, len * inner);
     return std::vector<Tensor>{gx};
   });
   return out;
@@ -330,10 +418,16 @@ Tensor& Tensor::zero_() {
 
 Tensor& Tensor::fill_(double value) {
   auto& be = backend::get(device());
-  if (dtype() == Dtype::Float32)
+  if (dtype() == Dtype::Float32) {
     be.fill(device(), mutable_data<float>(), numel(), static_cast<float>(value));
-  else
+  } else if (dtype() == Dtype::Int64) {
     be.fill_i64(device(), mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+  } else {
+    // int32 has no fill kernel of its own: fill an int64 copy and narrow it.
+    Tensor wide = empty(shape(), TensorOptions{Dtype::Int64, device()});
+    be.fill_i64(device(), wide.data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+    be.cast_i64_to_i32(device(), wide.data<std::int64_t>(), mutable_data<std::int32_t>(), numel());
+  }
   return *this;
 }
 
@@ -342,8 +436,12 @@ Tensor& Tensor::add_(double value) {
   if (dtype() == Dtype::Float32) {
     float* p = mutable_data<float>();
     be.affine(device(), p, p, numel(), 1.0f, static_cast<float>(value));
-  } else {
+  } else if (dtype() == Dtype::Int64) {
     be.add_i64(device(), mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+  } else {
+    Tensor wide = to(Dtype::Int64);
+    be.add_i64(device(), wide.data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+    be.cast_i64_to_i32(device(), wide.data<std::int64_t>(), mutable_data<std::int32_t>(), numel());
   }
   return *this;
 }
@@ -420,7 +518,16 @@ void Tensor::backward(const Tensor& g, bool retain_graph) const {
 }
 
 Tensor Tensor::operator-() const { return dp::neg(*this); }
+Tensor Tensor::neg() const { return dp::neg(*this); }
+Tensor Tensor::square() const { return dp::square(*this); }
+Tensor Tensor::sqrt() const { return dp::sqrt(*this); }
+Tensor Tensor::abs() const { return dp::abs(*this); }
+Tensor Tensor::reciprocal() const { return dp::reciprocal(*this); }
 Tensor Tensor::relu() const { return dp::relu(*this); }
+Tensor Tensor::sigmoid() const { return dp::sigmoid(*this); }
+Tensor Tensor::tanh() const { return dp::tanh(*this); }
+Tensor Tensor::pow(double p) const { return dp::pow(*this, p); }
+Tensor Tensor::matmul(const Tensor& other) const { return dp::matmul(*this, other); }
 Tensor Tensor::exp() const { return dp::exp(*this); }
 Tensor Tensor::log() const { return dp::log(*this); }
 Tensor Tensor::sum() const { return dp::sum(*this); }
@@ -463,6 +570,7 @@ Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device 
 
 Tensor arange(std::int64_t n, TensorOptions opts) {
   DP_CHECK(n >= 0, "arange: expected n >= 0, got ", n);
+  if (opts.dtype == Dtype::Int32) return arange(n, TensorOptions{Dtype::Int64, opts.device}).to(Dtype::Int32);
   Tensor t = empty({n}, opts);
   auto& be = backend::get(opts.device);
   if (opts.dtype == Dtype::Float32)
@@ -487,6 +595,35 @@ Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, De
   if (!data.empty())
     backend::get(device).copy_from_host(t.data<std::int64_t>(), device, data.data(), t.nbytes());
   return t;
+}
+
+Tensor from_vector(const std::vector<std::int32_t>& data, const Shape& shape, Device device) {
+  DP_CHECK(shape_numel(shape) == static_cast<std::int64_t>(data.size()), "from_vector: shape ",
+           shape_str(shape), " needs ", shape_numel(shape), " elements, got ", data.size());
+  Tensor t = empty(shape, TensorOptions{Dtype::Int32, device});
+  if (!data.empty())
+    backend::get(device).copy_from_host(t.data<std::int32_t>(), device, data.data(), t.nbytes());
+  return t;
+}
+
+Tensor from_blob(void* data, const Shape& shape, Dtype dtype, Device device, std::function<void(void*)> deleter) {
+  DP_CHECK(data != nullptr, "from_blob: expected a non-null data pointer, got nullptr (shape ",
+           shape_str(shape), ")");
+  for (auto s : shape)
+    DP_CHECK(s >= 0, "from_blob: expected non-negative sizes, got shape ", shape_str(shape));
+  const std::size_t es = element_size(dtype);
+  DP_CHECK(reinterpret_cast<std::uintptr_t>(data) % es == 0, "from_blob: expected data aligned to ", es,
+           " bytes for ", dtype_name(dtype), ", got address ", data);
+  const int count = device_count(device.type);
+  DP_CHECK(device.index >= 0 && device.index < count, "from_blob: expected an existing device, got ",
+           device.str(), " (", count, " ", device.is_cpu() ? "CPU virtual" : "CUDA", " device",
+           count == 1 ? "" : "s", " here)");
+  auto impl = std::make_shared<TensorImpl>();
+  impl->shape = shape;
+  impl->dtype = dtype;
+  impl->storage = std::make_shared<Storage>(device, data, static_cast<std::size_t>(shape_numel(shape)) * es,
+                                            std::move(deleter));
+  return Tensor(std::move(impl));
 }
 
 Tensor scalar_tensor(double value, Device device) { return full({}, value, TensorOptions{Dtype::Float32, device}); }

@@ -35,8 +35,8 @@ using i64 = std::int64_t;
 
 constexpr const char* kKernelNames[] = {
     "fill", "fill_i64", "add_i64", "arange", "arange_i64", "cast_i64_to_f32",
-    "cast_f32_to_i64", "eq_i64",
-    "unary", "affine", "axpy", "binary", "strided_copy",
+    "cast_f32_to_i64", "eq_i64", "cast_i32_to_i64", "cast_i64_to_i32",
+    "unary", "affine", "axpy", "binary", "strided_copy", "gather", "scatter_add",
     "fill_uniform", "fill_normal", "dropout",
     "reduce", "argmax", "count_nonfinite",
     "gemm",
@@ -310,6 +310,62 @@ void add_integer_and_cast(Table& t, i64 n) {
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
     r.set_call([=](Backend& b, Device d) { b.cast_f32_to_i64(d, x, y, n); });
+  });
+}
+
+void add_int32_casts(Table& t, i64 n) {
+  // Values spread over the whole int32 range, negatives included, and int64 values
+  // beyond it: narrowing keeps the low 32 bits.
+  t.add(Kernel::CastI32ToI64, count(n), kExact, 0, (4 + kL) * n, [n](OpRun& r) {
+    std::vector<std::int32_t> v(static_cast<std::size_t>(n));
+    for (i64 i = 0; i < n; ++i)
+      v[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(mix(static_cast<std::uint64_t>(i)) >> 32);
+    const std::int32_t* x = r.upload(v);
+    std::int64_t* y = r.empty_i64(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.cast_i32_to_i64(d, x, y, n); });
+  });
+  t.add(Kernel::CastI64ToI32, count(n), kExact, 0, (kL + 4) * n, [n](OpRun& r) {
+    std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+    for (i64 i = 0; i < n; ++i)
+      v[static_cast<std::size_t>(i)] = static_cast<i64>(mix(static_cast<std::uint64_t>(i)) >> 20) -
+                                       (i64{1} << 43);
+    const std::int64_t* x = r.upload(v);
+    std::int32_t* y = r.upload(std::vector<std::int32_t>(static_cast<std::size_t>(n), -1));
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.cast_i64_to_i32(d, x, y, n); });
+  });
+}
+
+/// gather and scatter_add (Note [Gather geometry] in backend.h) on x (outer, r, inner)
+/// along dim 1: index (outer, m, inner) as torch.gather has it, or a 1-d index of m
+/// rows broadcast as index_select has it. Integer-valued sources keep scatter_add's
+/// sums exact in any order (CUDA adds with atomics).
+void add_gather(Table& t, i64 outer, i64 r_, i64 inner, i64 m, bool select) {
+  const Indexer ix = indexer({outer, m, inner}, {r_ * inner, inner, 1},
+                             select ? std::initializer_list<i64>{0, 1, 0}
+                                    : std::initializer_list<i64>{m * inner, inner, 1});
+  const i64 nidx = select ? m : outer * m * inner;
+  const i64 nout = outer * m * inner;
+  const std::string shape = dims({outer, r_, inner}) + (select ? " select " : " gather ") +
+                            std::to_string(m) + " on dim 1";
+  auto indices = [=](OpRun& r) {
+    std::vector<float> u = r.host_uniform(nidx, 0, static_cast<float>(r_), true);
+    return std::vector<std::int64_t>(u.begin(), u.end());
+  };
+  t.add(Kernel::Gather, shape, kExact, 0, kF * nout * 2 + kL * nidx, [=](OpRun& r) {
+    const float* x = r.uniform(outer * r_ * inner, -1, 1);
+    const std::int64_t* idx = r.upload(indices(r));
+    float* out = r.empty(nout);
+    r.output("out", out, nout);
+    r.set_call([=](Backend& b, Device d) { b.gather(d, ix, 1, x, idx, out); });
+  });
+  t.add(Kernel::ScatterAdd, shape, kExact, 0, kF * nout * 3 + kL * nidx, [=](OpRun& r) {
+    const float* src = r.uniform(nout, -4, 4, true);
+    const std::int64_t* idx = r.upload(indices(r));
+    float* y = r.uniform(outer * r_ * inner, -4, 4, true);
+    r.output("y", y, outer * r_ * inner);
+    r.set_call([=](Backend& b, Device d) { b.scatter_add(d, ix, 1, src, idx, y); });
   });
 }
 
@@ -757,6 +813,10 @@ void add_check_suite(Table& t) {
   add_fill(t, kCheckN);
   add_integer_and_cast(t, kCheckN);
   add_eq_i64(t, 331, 127);
+  add_int32_casts(t, kCheckN);
+  // 7 x 300 x 23 gathered to 7 x 211 x 23 = 33971 elements: above the parallel grain.
+  add_gather(t, 7, 300, 23, 211, false);
+  add_gather(t, 7, 300, 23, 211, true);
   add_copies(t, kCheckN);
   for (const UnaryRow& u : kUnaryRows) add_unary(t, u, kCheckN);
   add_elementwise_misc(t, kCheckN);
@@ -956,6 +1016,13 @@ std::int64_t* OpRun::upload(const std::vector<std::int64_t>& host) {
   return p;
 }
 
+std::int32_t* OpRun::upload(const std::vector<std::int32_t>& host) {
+  auto* p = static_cast<std::int32_t*>(allocate(host.size() * sizeof(std::int32_t)));
+  if (!host.empty())
+    backend_.copy_from_host(p, dev_, host.data(), host.size() * sizeof(std::int32_t));
+  return p;
+}
+
 float* OpRun::empty(i64 n) {
   return upload(std::vector<float>(static_cast<std::size_t>(n), std::nanf("")));
 }
@@ -978,6 +1045,14 @@ void OpRun::output(std::string name, const std::int64_t* ptr, i64 n) {
     if (n > 0)
       backend_.copy_to_host(o.i64.data(), ptr, dev_, o.i64.size() * sizeof(std::int64_t));
     return o;
+  });
+}
+
+void OpRun::output(std::string name, const std::int32_t* ptr, i64 n) {
+  readers_.push_back([this, name = std::move(name), ptr, n] {
+    std::vector<std::int32_t> host(static_cast<std::size_t>(n));
+    if (n > 0) backend_.copy_to_host(host.data(), ptr, dev_, host.size() * sizeof(std::int32_t));
+    return Output{name, {}, std::vector<std::int64_t>(host.begin(), host.end())};
   });
 }
 

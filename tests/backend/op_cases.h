@@ -40,7 +40,8 @@ namespace dp_test {
 /// a case.
 enum class Kernel : std::uint8_t {
   Fill, FillI64, AddI64, Arange, ArangeI64, CastI64ToF32, CastF32ToI64, EqI64,
-  Unary, Affine, Axpy, Binary, StridedCopy,
+  CastI32ToI64, CastI64ToI32,
+  Unary, Affine, Axpy, Binary, StridedCopy, Gather, ScatterAdd,
   FillUniform, FillNormal, Dropout,
   Reduce, Argmax, CountNonfinite,
   Gemm,
@@ -130,6 +131,7 @@ class OpRun {
   float* uniform(std::int64_t n, float lo, float hi, bool integers = false);
   float* upload(const std::vector<float>& host);
   std::int64_t* upload(const std::vector<std::int64_t>& host);
+  std::int32_t* upload(const std::vector<std::int32_t>& host);
   /// A buffer the call overwrites, filled with NaN (i64: kUnwritten) beforehand, so an
   /// element the kernel misses shows up in the output.
   float* empty(std::int64_t n);
@@ -139,6 +141,8 @@ class OpRun {
   /// Marks a device buffer as an output, read back by read().
   void output(std::string name, const float* ptr, std::int64_t n);
   void output(std::string name, const std::int64_t* ptr, std::int64_t n);
+  /// An int32 output, read back widened into Output::i64.
+  void output(std::string name, const std::int32_t* ptr, std::int64_t n);
   /// An output that lives on the host (a returned count, a copy to host).
   void output(std::function<Output()> read_host);
   /// The kernel call of the case.

@@ -129,6 +129,24 @@ class RecordingBackend final : public Backend {
     hit(Kernel::CastF32ToI64);
     in_.cast_f32_to_i64(dev, x, y, n);
   }
+  void cast_i32_to_i64(Device dev, const std::int32_t* x, i64* y, i64 n) override {
+    hit(Kernel::CastI32ToI64);
+    in_.cast_i32_to_i64(dev, x, y, n);
+  }
+  void cast_i64_to_i32(Device dev, const i64* x, std::int32_t* y, i64 n) override {
+    hit(Kernel::CastI64ToI32);
+    in_.cast_i64_to_i32(dev, x, y, n);
+  }
+  void gather(Device dev, const Indexer& ix, int dim, const float* x, const i64* index,
+              float* out) override {
+    hit(Kernel::Gather);
+    in_.gather(dev, ix, dim, x, index, out);
+  }
+  void scatter_add(Device dev, const Indexer& ix, int dim, const float* src, const i64* index,
+                   float* y) override {
+    hit(Kernel::ScatterAdd);
+    in_.scatter_add(dev, ix, dim, src, index, y);
+  }
   void eq_i64(Device dev, const Indexer& ix, const i64* a, const i64* b, float* out) override {
     hit(Kernel::EqI64);
     in_.eq_i64(dev, ix, a, b, out);

@@ -420,3 +420,22 @@ TEST_CASE("SIGKILL of a real 200 MB write at an arbitrary moment keeps a whole c
     CHECK(bit_equal(dp::io::read_safetensors(path).tensors, big));
   }
 }
+
+TEST_CASE("safetensors writes int32 tensors as I32 and reads them back bit for bit") {
+  const std::vector<std::int32_t> labels{7, -1, 2147483647, -2147483647 - 1, 0};
+  dp::nn::StateDict t = {{"y", dp::from_vector(labels, {5})}};
+  auto bytes = dp::io::serialize_safetensors(t, {});
+  std::string json = R"({"__metadata__":{"format":"pt"},"y":{"dtype":"I32","shape":[5],"data_offsets":[0,20]}})";
+  json.append((8 - json.size() % 8) % 8, ' ');
+  std::vector<std::uint8_t> expected = craft(json);
+  const auto* raw = reinterpret_cast<const std::uint8_t*>(labels.data());
+  expected.insert(expected.end(), raw, raw + 20);
+  CHECK(bytes == expected);
+  auto back = dp::io::parse_safetensors(bytes.data(), bytes.size());
+  REQUIRE(back.tensors.size() == 1);
+  CHECK(back.tensors[0].second.dtype() == dp::Dtype::Int32);
+  CHECK(back.tensors[0].second.to_vector_i32() == labels);
+  // An I32 entry whose byte span does not match its shape names both.
+  expect_bad(craft(R"({"a":{"dtype":"I32","shape":[3],"data_offsets":[0,8]}})", zeros_bytes(8)),
+             "'a' has shape [3] I32 = 12 bytes");
+}

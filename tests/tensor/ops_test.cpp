@@ -15,6 +15,7 @@
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"
+#include "tensor_reference.h"
 
 namespace {
 
@@ -607,4 +608,102 @@ TEST_CASE_TEMPLATE("sum_to reverses broadcasting", D, DP_TEST_DEVICES) {
   CHECK_THROWS_WITH_AS(dp::sum_to(x, {5}), doctest::Contains("[5]"), dp::Error);
   CHECK_THROWS_AS(dp::sum_to(x, {1, 2, 3, 4}), dp::Error);
   CHECK_THROWS_AS(dp::sum_to(x, {2, 3, 2}), dp::Error);
+}
+
+// ---- scalars on the left and members -------------------------------------------------------
+
+// Bit-for-bit equality of floats, NaN equal to NaN (-0 and +0 equal, as ==).
+void check_same_floats(const F& got, const F& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO("element ", i, ": got ", got[i], ", want ", want[i]);
+    CHECK((got[i] == want[i] || (std::isnan(got[i]) && std::isnan(want[i]))));
+  }
+}
+
+TEST_CASE_TEMPLATE("scalars on the left give PyTorch 1.13's float32 results bit for bit", D,
+                   DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  namespace ref = tensor_reference;
+  const dp::Device dev = D::device();
+  const std::int64_t n = static_cast<std::int64_t>(ref::kScalarX.size());
+  dp::Tensor x = dp::from_vector(ref::kScalarX, {n}, dev);
+  check_same_floats((2.0 / x).to_vector(), ref::kTwoDivX);
+  // -0.7 / x is reciprocal(x) * -0.7f in PyTorch: a true division differs by an ulp in
+  // about a quarter of these elements, so this pins the two-rounding formula.
+  check_same_floats((-0.7 / x).to_vector(), ref::kMinusPointSevenDivX);
+  check_same_floats((1.0 - x).to_vector(), ref::kOneMinusX);
+  check_same_floats((0.1 + x).to_vector(), ref::kPointOnePlusX);
+  CHECK(std::signbit((-2.0 / x).to_vector()[5]));  // -2 / inf is -0, as in PyTorch
+  check_same_floats(dp::div(-0.7, x).to_vector(), ref::kMinusPointSevenDivX);
+  check_same_floats(dp::sub(1.0, x).to_vector(), ref::kOneMinusX);
+  CHECK((1.0 - x).shape() == dp::Shape{n});
+  CHECK((2.0 / dp::zeros({0, 3}, dev)).shape() == dp::Shape{0, 3});
+}
+
+TEST_CASE_TEMPLATE("scalars on the left are differentiable", D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  namespace ref = tensor_reference;
+  const dp::Device dev = D::device();
+  // PyTorch's gradient of sum(upstream * 2.0 / x), on the finite inputs.
+  F xf(ref::kScalarX.begin() + 6, ref::kScalarX.end());
+  F up(ref::kScalarUpstream.begin() + 6, ref::kScalarUpstream.end());
+  const std::int64_t n = static_cast<std::int64_t>(xf.size());
+  dp::Tensor x = dp::from_vector(xf, {n}, dev).set_requires_grad(true);
+  dp::sum(dp::mul(2.0 / x, dp::from_vector(up, {n}, dev))).backward();
+  check_same_floats(x.grad().to_vector(), ref::kTwoDivXGrad);
+
+  dp::Tensor y = dp::from_vector(F{0.5f, -2.0f, 4.0f}, {3}, dev).set_requires_grad(true);
+  dp::sum(1.0 - y).backward();
+  CHECK(y.grad().to_vector() == F{-1, -1, -1});
+  dp::Tensor z = dp::from_vector(F{0.5f, -2.0f, 4.0f}, {3}, dev).set_requires_grad(true);
+  dp::sum(3.0 + z).backward();
+  CHECK(z.grad().to_vector() == F{1, 1, 1});
+  dp::Tensor w = dp::from_vector(F{0.5f, -2.0f, 4.0f}, {3}, dev).set_requires_grad(true);
+  dp::sum(w.reciprocal()).backward();
+  CHECK(w.grad().to_vector() == F{-4.0f, -0.25f, -0.0625f});
+}
+
+TEST_CASE("scalars on the left reject int64 tensors like the other float ops") {
+  dp::Tensor l = dp::from_vector(I{1, 2}, {2});
+  CHECK_THROWS_WITH_AS(1.0 - l, doctest::Contains("int64"), dp::Error);
+  CHECK_THROWS_WITH_AS(2.0 / l, doctest::Contains("int64"), dp::Error);
+  CHECK_THROWS_WITH_AS(1.0 + l, doctest::Contains("int64"), dp::Error);
+  CHECK_THROWS_AS(1.0 - dp::Tensor(), dp::Error);
+}
+
+TEST_CASE_TEMPLATE("math members are the free functions", D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  F v = random_values(12, 0.25f, 2.0f, 77);
+  for (std::size_t i = 0; i < v.size(); i += 3) v[i] = -v[i];
+  dp::Tensor a = dp::from_vector(v, {3, 4}, dev);
+  dp::Tensor pos = dp::abs(a);
+  CHECK(dp::equal(a.square(), dp::square(a)));
+  CHECK(dp::equal(a.exp(), dp::exp(a)));
+  CHECK(dp::equal(pos.log(), dp::log(pos)));
+  CHECK(dp::equal(pos.sqrt(), dp::sqrt(pos)));
+  CHECK(dp::equal(a.abs(), pos));
+  CHECK(dp::equal(a.neg(), dp::neg(a)));
+  CHECK(dp::equal(a.relu(), dp::relu(a)));
+  CHECK(dp::equal(a.sigmoid(), dp::sigmoid(a)));
+  CHECK(dp::equal(a.tanh(), dp::tanh(a)));
+  CHECK(dp::equal(a.reciprocal(), dp::reciprocal(a)));
+  CHECK(dp::equal(pos.pow(1.5), dp::pow(pos, 1.5)));
+  CHECK(dp::equal(a.sum(), dp::sum(a)));
+  CHECK(dp::equal(a.sum(1, true), dp::sum(a, 1, true)));
+  CHECK(dp::equal(a.sum(-1), dp::sum(a, 1)));
+  CHECK(dp::equal(a.mean(), dp::mean(a)));
+  CHECK(dp::equal(a.mean(0, true), dp::mean(a, 0, true)));
+  CHECK(dp::equal(a.max(1), dp::max(a, 1)));
+  CHECK(dp::equal(a.argmax(0), dp::argmax(a, 0)));
+  dp::Tensor b = dp::from_vector(random_values(8, -1, 1, 78), {4, 2}, dev);
+  CHECK(dp::equal(a.matmul(b), dp::matmul(a, b)));
+  CHECK(a.matmul(b).shape() == Shape{3, 2});
+  // Forwarding keeps autograd: d(sum(x^2))/dx = 2x.
+  dp::Tensor x = dp::from_vector(F{1, -2, 3}, {3}, dev).set_requires_grad(true);
+  x.square().sum().backward();
+  CHECK(x.grad().to_vector() == F{2, -4, 6});
+  CHECK_THROWS_WITH_AS(a.matmul(a), doctest::Contains("[3, 4] x [3, 4]"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::from_vector(I{1}, {1}).sqrt(), doctest::Contains("int64"), dp::Error);
 }

@@ -21,7 +21,8 @@ class TensorDataset : public Dataset {
  public:
   /// Keeps the tensors (copied to cpu(0) when they live elsewhere; detached from
   /// autograd). Throws dp::Error unless data is float32 with at least 1 dim, targets is
-  /// int64 with shape (N), and both have the same N.
+  /// int64 or int32 with shape (N), and both have the same N. int32 targets are widened
+  /// to int64 here, so batches always carry int64 targets.
   TensorDataset(Tensor data, Tensor targets);
 
   /// N, the data tensor's first dim.

@@ -4,7 +4,7 @@
 // header {"name": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...,
 // "__metadata__": {"format": "pt", ...}} (offsets relative to the first byte after the
 // header; the header is padded with spaces to a multiple of 8), then the raw
-// little-endian tensor bytes, back to back. dp reads and writes F32 and I64 tensors.
+// little-endian tensor bytes, back to back. dp reads and writes F32, I64 and I32 tensors.
 // Reading validates every field and says exactly what is wrong; writing goes through a
 // temporary file that is fsync'ed and renamed (see Note [Atomic checkpoint writes]).
 // This header knows nothing of modules' training, optimizers or DataParallel: it maps

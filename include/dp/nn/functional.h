@@ -82,10 +82,10 @@ Tensor log_softmax(const Tensor& x);
 //                                    label_smoothing ε; the second term 0 on ignored rows)
 // with logp = log_softmax(logits) for cross_entropy. Mean divides the sum by Σ_r w_r,
 // the summed weight of the rows not ignored (NaN when every row is ignored, as in
-// PyTorch); None gives every row's loss, 0 for ignored rows. Targets must be int64 in
-// [0, C) or equal ignore_index: on the CPU anything else throws dp::Error naming the
-// row before any work; on CUDA, which cannot throw without a host synchronisation, it
-// makes that row's loss NaN. `weight` is a constant: it gets no gradient.
+// PyTorch); None gives every row's loss, 0 for ignored rows. Targets (int64, or int32
+// with the same results) must be in [0, C) or equal ignore_index: on the CPU anything
+// else throws dp::Error naming the row before any work; on CUDA, which cannot throw
+// without a host synchronisation, it makes that row's loss NaN. `weight` is a constant: it gets no gradient.
 // A weighted or ignoring mean divides by a sum over the whole batch: a DataParallel
 // forward_backward, which weighs each shard's mean by its share of the rows, gives the
 // global value only without weights and ignored rows; otherwise compute the loss on
@@ -116,7 +116,7 @@ struct CrossEntropyOptions {
 };
 
 /// Negative log-likelihood of log-probabilities, with PyTorch's options (Note
-/// [Class-index losses]). logp: (B, C) float32; target: (B) int64.
+/// [Class-index losses]). logp: (B, C) float32; target: (B) int64 or int32.
 Tensor nll_loss(const Tensor& logp, const Tensor& target, const NLLLossOptions& options);
 /// nll_loss without class weights: loss[i] = −logp[i, target[i]] (0 where target[i] ==
 /// −100, PyTorch's default ignore_index), reduced, times `scale`.
@@ -125,7 +125,7 @@ Tensor nll_loss(const Tensor& logp, const Tensor& target, Reduction reduction = 
 
 /// Cross entropy of raw scores, with PyTorch's options: class weights, ignore_index,
 /// label smoothing (Note [Class-index losses]). logits: (B, C) float32; target: (B)
-/// int64. Stable for large logits.
+/// int64 or int32. Stable for large logits.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options);
 /// Cross entropy of raw scores: nll_loss(log_softmax(logits), target, reduction, scale).
 /// Mean over the batch by default (over the rows not ignored: target −100, PyTorch's

@@ -8,6 +8,7 @@
 //
 //   dp::Tensor y = dp::matmul(x, w) + b;        // (B, in) x (in, out) + (out)
 //   dp::Tensor p = dp::cat({a, b});             // along dim 0
+//   dp::Tensor q = 1.0 - dp::sigmoid(z);        // scalars on either side
 #pragma once
 
 #include <vector>
@@ -23,10 +24,15 @@ Tensor div(const Tensor& a, const Tensor& b);
 Tensor maximum(const Tensor& a, const Tensor& b);
 Tensor add(const Tensor& a, double s);
 Tensor mul(const Tensor& a, double s);
+/// s - a, elementwise: one rounding, like PyTorch's `1.0 - t` (rsub).
+Tensor sub(double s, const Tensor& a);
+/// s / a, elementwise, computed as PyTorch 1.13 computes `2.0 / t`: reciprocal(a) * s,
+/// two float32 roundings (so it can differ from a true division by one ulp).
+Tensor div(double s, const Tensor& a);
 /// a ** p for a scalar exponent.
 Tensor pow(const Tensor& a, double p);
-/// 1.0 where a == b else 0.0 (float32, not differentiable). int64 inputs are compared
-/// exactly.
+/// 1.0 where a == b else 0.0 (float32, not differentiable). Integer inputs are compared
+/// exactly, int32 with int64 too (labels against argmax): `dp::eq(argmax(out, 1), y)`.
 Tensor eq(const Tensor& a, const Tensor& b);
 
 Tensor neg(const Tensor& a);
@@ -35,6 +41,8 @@ Tensor log(const Tensor& a);
 Tensor sqrt(const Tensor& a);
 Tensor abs(const Tensor& a);
 Tensor square(const Tensor& a);
+/// 1 / a.
+Tensor reciprocal(const Tensor& a);
 Tensor relu(const Tensor& a);
 Tensor sigmoid(const Tensor& a);
 Tensor tanh(const Tensor& a);
@@ -54,6 +62,32 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 /// x (B, in) · w(out, in)ᵀ + b(out), in one GEMM (b may be undefined).
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
 
+// ---- indexing ------------------------------------------------------------------------------
+// PyTorch's semantics; dims may be negative (counted from the end); indices are int64
+// or int32 and must lie in [0, size) (no negative indices, as in PyTorch): an index
+// outside throws dp::Error naming it, its position and the bound. The index values are
+// read on the host to check them (a copy and a wait on a CUDA device).
+//
+//   dp::Tensor picked = dp::gather(logp, 1, y.unsqueeze(1));     // (B, 1): logp[i, y[i]]
+//   dp::Tensor rows = dp::index_select(x, 0, perm);              // x[perm]
+//   dp::Tensor hot = dp::one_hot(y, 10);                         // (B, 10) int64
+
+/// torch.gather: out has index's shape and out[i][j][k] = input[i][index[i][j][k]][k]
+/// for dim = 1 (likewise for any dim). index has input's number of dims and
+/// index.size(d) <= input.size(d) for every d != dim. input is float32, int64 or int32
+/// (values copied bit for bit). Differentiable in a float32 input (backward adds the
+/// gradient into zeros at the gathered positions).
+Tensor gather(const Tensor& input, std::int64_t dim, const Tensor& index);
+/// torch.index_select: the slices index[0], index[1], ... of input along dim, in that
+/// order (repeats allowed); index is 1-d (or a scalar, giving a size-1 dim). input is
+/// float32, int64 or int32 (`index_select(labels, 0, perm)`). Differentiable in a
+/// float32 input (backward is index_add into zeros).
+Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index);
+/// torch.nn.functional.one_hot: int64 (..., num_classes) with a 1 at each label.
+/// labels: int64 or int32, values in [0, num_classes); num_classes = -1 takes
+/// max(labels) + 1 (labels must then be non-empty).
+Tensor one_hot(const Tensor& labels, std::int64_t num_classes = -1);
+
 /// Concatenation along dim 0 (all on one device, same trailing shape and dtype).
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim = 0);
 /// Splits along dim 0 into `chunks` pieces of ceil(size/chunks) rows (the last may be
@@ -71,6 +105,10 @@ inline Tensor operator-(const Tensor& a, double s) { return add(a, -s); }
 inline Tensor operator*(const Tensor& a, double s) { return mul(a, s); }
 inline Tensor operator/(const Tensor& a, double s) { return mul(a, 1.0 / s); }
 inline Tensor operator*(double s, const Tensor& a) { return mul(a, s); }
+/// Scalars on the left, as in PyTorch: `1.0 + t`, `1.0 - t`, `2.0 / t`.
+inline Tensor operator+(double s, const Tensor& a) { return add(a, s); }
+inline Tensor operator-(double s, const Tensor& a) { return sub(s, a); }
+inline Tensor operator/(double s, const Tensor& a) { return div(s, a); }
 
 /// Max |a - b| over all elements (a test helper; synchronous).
 double max_abs_diff(const Tensor& a, const Tensor& b);

@@ -1,7 +1,7 @@
 // dp/tensor/tensor.h — the n-dimensional array every layer above works with.
 //
 // A Tensor is a shared handle to a contiguous block of one device's memory with a
-// shape, a dtype (float32 or int64) and, when it takes part in autograd, a gradient
+// shape, a dtype (float32, int64 or int32) and, when it takes part in autograd, a gradient
 // and the function that made it. Every op checks that its inputs live on one device
 // and have compatible shapes and dtypes, and throws dp::Error naming both otherwise.
 // This header knows nothing about modules, optimizers or DataParallel.
@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -28,7 +29,13 @@ struct AutogradMeta;
 }  // namespace autograd
 
 /// Element types. Float32 for data and parameters, Int64 for labels and indices.
-enum class Dtype : std::uint8_t { Float32 = 0, Int64 = 1 };
+/// Int32 holds labels as many datasets store them: every label consumer (cross_entropy,
+/// nll_loss, one_hot, eq, index_select, TensorDataset) takes int32 with the same results
+/// as int64; other ops say they expect float32 or int64. `to(Dtype)` converts between
+/// all three:
+///   dp::Tensor y = dp::from_vector(std::vector<std::int32_t>{3, 0, 1}, {3});
+///   dp::Tensor loss = dp::nn::cross_entropy(logits, y);   // same as with y.to(Int64)
+enum class Dtype : std::uint8_t { Float32 = 0, Int64 = 1, Int32 = 2 };
 std::size_t element_size(Dtype dtype);
 const char* dtype_name(Dtype dtype);
 
@@ -63,6 +70,10 @@ class Storage {
   /// Page-locked host memory (device cpu(0)), the source of asynchronous copies to CUDA
   /// devices; from backend::pinned_host_backend().
   Storage(PinnedTag, std::size_t nbytes);
+  /// Memory the caller owns (dp::from_blob): never freed by dp and not counted by
+  /// memory_allocated; `deleter` (if set) is called with `data` once, when the storage
+  /// dies. The caller has checked the arguments.
+  Storage(Device device, void* data, std::size_t nbytes, std::function<void(void*)> deleter);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -72,6 +83,8 @@ class Storage {
   Device device() const { return device_; }
   /// True for page-locked host memory (Tensor::pin_memory).
   bool pinned() const { return pinned_; }
+  /// True for memory wrapped by dp::from_blob.
+  bool external() const { return external_; }
   std::uint64_t version() const { return version_; }
   void bump_version() { ++version_; }
 
@@ -81,6 +94,8 @@ class Storage {
   void* data_ = nullptr;
   std::uint64_t version_ = 0;
   bool pinned_ = false;
+  bool external_ = false;
+  std::function<void(void*)> deleter_;
 };
 
 /// The shared state behind a Tensor handle (internal; reached through Tensor).
@@ -165,13 +180,16 @@ class Tensor {
   // ---- host access (synchronous) --------------------------------------------------
   std::vector<float> to_vector() const;
   std::vector<std::int64_t> to_vector_i64() const;
-  /// The single element as a double (float32 or int64). Throws unless numel() == 1.
+  std::vector<std::int32_t> to_vector_i32() const;
+  /// The single element as a double (any dtype). Throws unless numel() == 1.
   double item() const;
 
   // ---- devices, copies, views ------------------------------------------------------
   /// A copy on `device` (differentiable); returns *this when already there.
   Tensor to(Device device) const;
-  /// A copy converted to `dtype` (not differentiable).
+  /// A copy converted to `dtype` (not differentiable), between any two of float32,
+  /// int64 and int32: float to integer truncates toward zero; int64 to int32 keeps the
+  /// low 32 bits (as PyTorch's .int()). Returns *this when the dtype is already `dtype`.
   Tensor to(Dtype dtype) const;
   /// A copy in pinned (page-locked) host memory, like torch's pin_memory(): copies
   /// from it to a CUDA device do not make the host wait, so a DataLoader can stage the
@@ -188,7 +206,12 @@ class Tensor {
   Tensor view(Shape shape) const { return reshape(std::move(shape)); }
   /// Merges dims [start, end] into one.
   Tensor flatten(std::int64_t start = 0, std::int64_t end = -1) const;
-  /// Rows [start, start + length) along dim 0: a view sharing storage. Differentiable.
+  /// Elements [start, start + length) along `dim` (negative dims and a negative start
+  /// count from the end, as torch.narrow). Differentiable. Along dim 0, or when every
+  /// dim before `dim` has size 1, it is a view sharing storage like PyTorch's; along
+  /// any other dim it is a copy, since dp tensors are contiguous (writes into it do not
+  /// reach this tensor).
+  ///   dp::Tensor cols = x.narrow(1, 2, 3);   // x[:, 2:5]
   Tensor narrow(std::int64_t dim, std::int64_t start, std::int64_t length) const;
   Tensor unsqueeze(std::int64_t dim) const;
   Tensor squeeze(std::int64_t dim) const;
@@ -223,10 +246,25 @@ class Tensor {
   void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
 
   // ---- arithmetic (differentiable; see ops.h for the full list) --------------------------
+  // Members forward to the free functions of ops.h, so `x.square().sum()` and
+  // `dp::sum(dp::square(x))` are the same op:
+  //   dp::Tensor loss = (pred - y).square().mean();
+  //   dp::Tensor p = logits.sigmoid();  dp::Tensor h = x.matmul(w).tanh();
   Tensor operator-() const;
+  Tensor neg() const;
+  Tensor square() const;
+  Tensor sqrt() const;
+  Tensor abs() const;
+  Tensor reciprocal() const;
   Tensor relu() const;
+  Tensor sigmoid() const;
+  Tensor tanh() const;
   Tensor exp() const;
   Tensor log() const;
+  /// this ** p for a scalar exponent.
+  Tensor pow(double p) const;
+  /// Matrix product of 2-d tensors (dp::matmul).
+  Tensor matmul(const Tensor& other) const;
   Tensor sum() const;
   Tensor sum(std::int64_t dim, bool keepdim = false) const;
   Tensor mean() const;
@@ -245,6 +283,8 @@ template <> float* Tensor::data<float>() const;
 template <> std::int64_t* Tensor::data<std::int64_t>() const;
 template <> const float* Tensor::data<const float>() const;
 template <> const std::int64_t* Tensor::data<const std::int64_t>() const;
+template <> std::int32_t* Tensor::data<std::int32_t>() const;
+template <> const std::int32_t* Tensor::data<const std::int32_t>() const;
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
@@ -269,11 +309,30 @@ Tensor empty_like(const Tensor& t);
 Tensor randn(const Shape& shape, Generator& gen, Device device = {});
 /// Uniform values in [lo, hi) from `gen`.
 Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device device = {});
-/// 0, 1, ..., n-1 (float32 or int64).
+/// 0, 1, ..., n-1 (any dtype).
 Tensor arange(std::int64_t n, TensorOptions opts = {});
 /// Copies host data; `shape` must hold data.size() elements.
 Tensor from_vector(const std::vector<float>& data, const Shape& shape, Device device = {});
 Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, Device device = {});
+Tensor from_vector(const std::vector<std::int32_t>& data, const Shape& shape, Device device = {});
 Tensor scalar_tensor(double value, Device device = {});
+
+/// Wraps memory the caller owns as a tensor, without a copy (torch::from_blob): writes
+/// through the tensor are seen in `data` and the other way round. The tensor does not
+/// own the memory: dp never frees it, and it is not counted by memory_allocated. With
+/// a `deleter`, deleter(data) is called exactly once, when the last tensor sharing the
+/// memory (views, detach(), copies of the handle) dies; an exception from it is logged,
+/// never thrown. `data` must stay valid until then.
+///   std::vector<float> buf(6, 1.0f);
+///   dp::Tensor t = dp::from_blob(buf.data(), {2, 3});        // t and buf share memory
+///   dp::Tensor u = dp::from_blob(p, {n}, dp::Dtype::Int32, dp::cpu(0), [](void* q) { std::free(q); });
+/// Devices: every CPU virtual device cpu(k) is host memory, so host memory may be
+/// wrapped for any existing cpu(k) (the tensor then counts as cpu(k)'s: ops will not
+/// mix it with other devices' tensors). For cuda(k), `data` must be memory of that
+/// device (cudaMalloc'ed, or from another library); this is not checked. Throws
+/// dp::Error for a null `data`, a negative size, `data` not aligned to the element
+/// size, or a device that does not exist (any CUDA device in a build without CUDA).
+Tensor from_blob(void* data, const Shape& shape, Dtype dtype = Dtype::Float32, Device device = {},
+                 std::function<void(void*)> deleter = {});
 
 }  // namespace dp

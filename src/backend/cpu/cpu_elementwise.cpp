@@ -162,6 +162,22 @@ void CpuBackend::cast_i64_to_f32(Device dev, const i64* x, float* y, i64 n) {
   });
 }
 
+void CpuBackend::cast_i32_to_i64(Device dev, const std::int32_t* x, i64* y, i64 n) {
+  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
+    const std::int32_t* __restrict xx = x;
+    i64* __restrict yy = y;
+    for (i64 i = b; i < e; ++i) yy[i] = xx[i];
+  });
+}
+
+void CpuBackend::cast_i64_to_i32(Device dev, const i64* x, std::int32_t* y, i64 n) {
+  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
+    const i64* __restrict xx = x;
+    std::int32_t* __restrict yy = y;
+    for (i64 i = b; i < e; ++i) yy[i] = static_cast<std::int32_t>(xx[i]);  // modulo 2^32 (C++20)
+  });
+}
+
 void CpuBackend::eq_i64(Device dev, const Indexer& ix, const i64* a, const i64* b, float* out) {
   // Labels against predictions: rarely large, so a plain per-element index walk.
   i64 n = 1;
@@ -268,6 +284,57 @@ void CpuBackend::dropout(Device dev, const float* x, float* y, float* mask, i64 
       y[i] = x[i] * m;
     }
   });
+}
+
+// ---- gather / scatter_add (Note [Gather geometry] in backend.h) ----------------------------
+
+namespace {
+
+// Offsets of element n: `xo` into x without the gathered dim, `io` into the index.
+inline void gather_offsets(const Indexer& ix, int dim, i64 n, i64& xo, i64& io) {
+  xo = 0;
+  io = 0;
+  for (int d = ix.ndim - 1; d >= 0; --d) {
+    const i64 c = n % ix.sizes[d];
+    n /= ix.sizes[d];
+    if (d != dim) xo += c * ix.strides_a[d];
+    io += c * ix.strides_b[d];
+  }
+}
+
+i64 indexer_numel(const Indexer& ix) {
+  i64 n = 1;
+  for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
+  return n;
+}
+
+}  // namespace
+
+void CpuBackend::gather(Device dev, const Indexer& ix, int dim, const float* x, const i64* index,
+                        float* out) {
+  DP_CHECK(dim >= 0 && dim < ix.ndim, "gather: expected a dim in [0, ", ix.ndim, "), got ", dim);
+  const i64 n = indexer_numel(ix);
+  parallel_for(dev, n, kSerialGrain, [&](i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) {
+      i64 xo, io;
+      gather_offsets(ix, dim, i, xo, io);
+      out[i] = x[xo + index[io] * ix.strides_a[dim]];
+    }
+  });
+}
+
+void CpuBackend::scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
+                             const i64* index, float* y) {
+  DP_CHECK(dim >= 0 && dim < ix.ndim, "scatter_add: expected a dim in [0, ", ix.ndim, "), got ", dim);
+  const i64 n = indexer_numel(ix);
+  // One pass in element order on the calling thread: repeated indices add in a fixed
+  // order, so the gradients of gather and index_select are bitwise reproducible.
+  (void)state(dev);  // checks the device
+  for (i64 i = 0; i < n; ++i) {
+    i64 xo, io;
+    gather_offsets(ix, dim, i, xo, io);
+    y[xo + index[io] * ix.strides_a[dim]] += src[i];
+  }
 }
 
 }  // namespace dp::backend::cpu

@@ -391,6 +391,20 @@ void CudaBackend::cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, s
 void CudaBackend::cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) {
   k::cast_f32_to_i64(bind(dev), x, y, n);
 }
+void CudaBackend::cast_i32_to_i64(Device dev, const std::int32_t* x, std::int64_t* y, std::int64_t n) {
+  k::cast_i32_to_i64(bind(dev), x, y, n);
+}
+void CudaBackend::cast_i64_to_i32(Device dev, const std::int64_t* x, std::int32_t* y, std::int64_t n) {
+  k::cast_i64_to_i32(bind(dev), x, y, n);
+}
+void CudaBackend::gather(Device dev, const Indexer& ix, int dim, const float* x, const std::int64_t* index,
+                         float* out) {
+  k::gather(bind(dev), ix, dim, x, index, out);
+}
+void CudaBackend::scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
+                              const std::int64_t* index, float* y) {
+  k::scatter_add(bind(dev), ix, dim, src, index, y);
+}
 void CudaBackend::unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) {
   k::unary(bind(dev), op, x, y, n);
 }

@@ -170,6 +170,12 @@ class CudaBackend final : public Backend {
   void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a, const float* b,
               float* out) override;
   void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) override;
+  void cast_i32_to_i64(Device dev, const std::int32_t* x, std::int64_t* y, std::int64_t n) override;
+  void cast_i64_to_i32(Device dev, const std::int64_t* x, std::int32_t* y, std::int64_t n) override;
+  void gather(Device dev, const Indexer& ix, int dim, const float* x, const std::int64_t* index,
+              float* out) override;
+  void scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
+                   const std::int64_t* index, float* y) override;
 
   void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
                     std::uint64_t seed, std::uint64_t offset) override;

@@ -59,6 +59,46 @@ __global__ void cast_f32_to_i64_kernel(const float* __restrict__ x, i64* __restr
   for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = static_cast<i64>(x[i]);
 }
 
+__global__ void cast_i32_to_i64_kernel(const std::int32_t* __restrict__ x, i64* __restrict__ y, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = x[i];
+}
+
+__global__ void cast_i64_to_i32_kernel(const i64* __restrict__ x, std::int32_t* __restrict__ y, i64 n) {
+  // Keeps the low 32 bits, like static_cast on the CPU.
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = static_cast<std::int32_t>(x[i]);
+}
+
+// Offsets of element i (Note [Gather geometry] in backend.h): `xo` into x without the
+// gathered dim, `io` into the index.
+__device__ __forceinline__ void gather_offsets(const Indexer& ix, int dim, i64 i, i64& xo, i64& io) {
+  xo = 0;
+  io = 0;
+  for (int d = ix.ndim - 1; d >= 0; --d) {
+    const i64 c = i % ix.sizes[d];
+    i /= ix.sizes[d];
+    if (d != dim) xo += c * ix.strides_a[d];
+    io += c * ix.strides_b[d];
+  }
+}
+
+__global__ void gather_kernel(const Indexer ix, int dim, const float* __restrict__ x,
+                              const i64* __restrict__ index, float* __restrict__ out, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    i64 xo, io;
+    gather_offsets(ix, dim, i, xo, io);
+    out[i] = x[xo + index[io] * ix.strides_a[dim]];
+  }
+}
+
+__global__ void scatter_add_kernel(const Indexer ix, int dim, const float* __restrict__ src,
+                                   const i64* __restrict__ index, float* y, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    i64 xo, io;
+    gather_offsets(ix, dim, i, xo, io);
+    atomicAdd(y + xo + index[io] * ix.strides_a[dim], src[i]);
+  }
+}
+
 // y may alias x: no __restrict__.
 template <typename F>
 __global__ void unary_kernel(F f, const float* x, float* y, i64 n) {
@@ -272,6 +312,41 @@ void eq_i64(cudaStream_t stream, const Indexer& ix, const i64* a, const i64* b, 
   check_count(n, "eq_i64");
   if (n == 0) return;
   eq_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(ix, a, b, out, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void cast_i32_to_i64(cudaStream_t stream, const std::int32_t* x, i64* y, i64 n) {
+  check_count(n, "cast_i32_to_i64");
+  if (n == 0) return;
+  cast_i32_to_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void cast_i64_to_i32(cudaStream_t stream, const i64* x, std::int32_t* y, i64 n) {
+  check_count(n, "cast_i64_to_i32");
+  if (n == 0) return;
+  cast_i64_to_i32_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void gather(cudaStream_t stream, const Indexer& ix, int dim, const float* x, const i64* index, float* out) {
+  DP_CHECK(dim >= 0 && dim < ix.ndim, "gather: expected a dim in [0, ", ix.ndim, "), got ", dim);
+  i64 n = 1;
+  for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
+  check_count(n, "gather");
+  if (n == 0) return;
+  gather_kernel<<<grid_for(n), kBlock, 0, stream>>>(ix, dim, x, index, out, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+void scatter_add(cudaStream_t stream, const Indexer& ix, int dim, const float* src, const i64* index,
+                 float* y) {
+  DP_CHECK(dim >= 0 && dim < ix.ndim, "scatter_add: expected a dim in [0, ", ix.ndim, "), got ", dim);
+  i64 n = 1;
+  for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
+  check_count(n, "scatter_add");
+  if (n == 0) return;
+  scatter_add_kernel<<<grid_for(n), kBlock, 0, stream>>>(ix, dim, src, index, y, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 

@@ -25,6 +25,12 @@ void arange_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64
 void cast_i64_to_f32(cudaStream_t stream, const std::int64_t* x, float* y, std::int64_t n);
 void eq_i64(cudaStream_t stream, const Indexer& ix, const std::int64_t* a, const std::int64_t* b, float* out);
 void cast_f32_to_i64(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t n);
+void cast_i32_to_i64(cudaStream_t stream, const std::int32_t* x, std::int64_t* y, std::int64_t n);
+void cast_i64_to_i32(cudaStream_t stream, const std::int64_t* x, std::int32_t* y, std::int64_t n);
+void gather(cudaStream_t stream, const Indexer& ix, int dim, const float* x, const std::int64_t* index,
+            float* out);
+void scatter_add(cudaStream_t stream, const Indexer& ix, int dim, const float* src,
+                 const std::int64_t* index, float* y);
 void unary(cudaStream_t stream, UnaryOp op, const float* x, float* y, std::int64_t n);
 void affine(cudaStream_t stream, const float* x, float* y, std::int64_t n, float alpha,
             float beta);

@@ -72,6 +72,18 @@ class StubBackend final : public Backend {
   void cast_f32_to_i64(Device, const float*, std::int64_t*, std::int64_t) override {
     unavailable("cast_f32_to_i64");
   }
+  void cast_i32_to_i64(Device, const std::int32_t*, std::int64_t*, std::int64_t) override {
+    unavailable("cast_i32_to_i64");
+  }
+  void cast_i64_to_i32(Device, const std::int64_t*, std::int32_t*, std::int64_t) override {
+    unavailable("cast_i64_to_i32");
+  }
+  void gather(Device, const Indexer&, int, const float*, const std::int64_t*, float*) override {
+    unavailable("gather");
+  }
+  void scatter_add(Device, const Indexer&, int, const float*, const std::int64_t*, float*) override {
+    unavailable("scatter_add");
+  }
   void unary(Device, UnaryOp, const float*, float*, std::int64_t) override {
     unavailable("unary");
   }
