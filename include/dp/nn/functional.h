@@ -49,6 +49,15 @@ Tensor avg_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride = 0,
 /// Mean over H and W: (N, C, H, W) → (N, C, 1, 1) (adaptive average pooling to 1×1).
 Tensor adaptive_avg_pool2d_1x1(const Tensor& x);
 
+/// Adaptive average pooling to any output size, PyTorch's F.adaptive_avg_pool2d:
+/// output cell (i, j) is the mean of rows [floor(i·H/P), ceil((i+1)·H/P)) and columns
+/// [floor(j·W/Q), ceil((j+1)·W/Q)) of its plane — bins may differ in size and overlap,
+/// and P > H (or Q > W) repeats input cells. x: (N, C, H, W) float32 with H, W ≥ 1;
+/// returns (N, C, P, Q), P, Q ≥ 1. See Note [Adaptive pooling] for how it runs.
+///
+///   dp::Tensor y = dp::nn::adaptive_avg_pool2d(x, 3, 2);   // (N, C, 7, 5) → (N, C, 3, 2)
+Tensor adaptive_avg_pool2d(const Tensor& x, std::int64_t output_h, std::int64_t output_w);
+
 // ---- normalisation and regularisation ----------------------------------------------------
 
 /// Batch normalisation over (N, C, H, W) or (N, C), per channel C.
