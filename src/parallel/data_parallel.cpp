@@ -639,6 +639,21 @@ Tensor DataParallel::forward_backward(const std::vector<DataParallelInput>& inpu
   return run_forward_backward("forward_backward", inputs, target, shard_loss);
 }
 
+// Note [Exact shard losses]: the whole batch's denominator comes from the full target
+// here, before the scatter; each shard adds its rows' sum over it.
+Tensor DataParallel::forward_backward_exact(const std::vector<DataParallelInput>& inputs, const Tensor& target,
+                                            const nn::ShardableLoss& loss) {
+  const std::int64_t rows = check_inputs("forward_backward", inputs);
+  DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == rows,
+           "DataParallel::forward_backward: expected a target with ", rows, " rows, got ",
+           target.defined() ? target.str() : "an undefined tensor");
+  const double scale = 1.0 / loss.denominator(target);  // inf when every target is ignored: NaN loss
+  ShardLoss shard_loss = [&loss, scale](int, const Tensor& out, const Tensor& y) {
+    return loss.shard_loss(out, y, scale);
+  };
+  return run_forward_backward("forward_backward", inputs, target, shard_loss);
+}
+
 Tensor DataParallel::run_forward_backward(const char* what, const std::vector<DataParallelInput>& inputs,
                                           const Tensor& target, const ShardLoss& shard_loss) {
   const std::int64_t rows = check_inputs(what, inputs);

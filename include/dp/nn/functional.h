@@ -96,9 +96,10 @@ Tensor log_softmax(const Tensor& x);
 // row before any work; on CUDA, which cannot throw without a host synchronisation, it
 // makes that row's loss NaN. `weight` is a constant: it gets no gradient.
 // A weighted or ignoring mean divides by a sum over the whole batch: a DataParallel
-// forward_backward, which weighs each shard's mean by its share of the rows, gives the
-// global value only without weights and ignored rows; otherwise compute the loss on
-// model(x)'s gathered output.
+// forward_backward given a plain function weighs each shard's mean by its share of the
+// rows, which is the global value only without weights and ignored rows; given a loss
+// descriptor (dp::nn::CrossEntropyLoss, NLLLoss in dp/nn/loss.h) it divides every
+// shard's sum by the whole batch's Σ_r w_r and is exact (Note [Exact shard losses]).
 
 /// Options of nll_loss (PyTorch's F.nll_loss keywords) and the `scale` of dp's shards.
 struct NLLLossOptions {

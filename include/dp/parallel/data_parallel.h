@@ -35,6 +35,7 @@
 #include <optional>
 #include <vector>
 
+#include "dp/nn/loss.h"
 #include "dp/nn/module.h"
 #include "dp/parallel/stats.h"
 #include "dp/tensor/tensor.h"
@@ -105,7 +106,12 @@ struct DataParallelInput {
   bool replicated;
 };
 
-/// A loss of (output, target) that returns the MEAN over its rows (e.g. cross_entropy).
+/// A loss of (output, target) that MUST return the mean over its rows (e.g.
+/// cross_entropy with its defaults). forward_backward cannot see its reduction: it weighs
+/// each shard's value by the shard's share of the rows, which is the batch's mean only
+/// for a plain mean over rows. A Sum, a class-weighted or ignore_index mean, or a mean
+/// over elements of rows of unequal size come back WRONG (a Sum on 2 devices returns
+/// about half the sum). For those pass a loss descriptor (dp/nn/loss.h) instead.
 using LossFn = std::function<Tensor(const Tensor& output, const Tensor& target)>;
 
 /// Data-parallel training of one module over several devices (see the file comment).
@@ -153,8 +159,28 @@ class DataParallel {
 
   /// The faster path: every worker computes loss_fn on its own shard and runs
   /// backward; no outputs are gathered. Returns the batch's mean loss (a scalar on
-  /// the output device, without autograd history).
+  /// the output device, without autograd history). loss_fn must return its shard's
+  /// mean over rows (see LossFn); prefer a loss descriptor, which is exact always.
   Tensor forward_backward(const Tensor& x, const Tensor& target, const LossFn& loss_fn);
+
+  /// forward_backward with a loss descriptor of dp/nn/loss.h, whose reduction is known:
+  /// returns the whole batch's loss and leaves its gradients, for Mean, Sum, class
+  /// weights, ignore_index and label smoothing alike (Note [Exact shard losses]; equal
+  /// to one device's up to float rounding of the sums). Reduction::None is refused.
+  ///
+  ///   model.forward_backward(x, y, dp::nn::CrossEntropyLoss{.weight = w, .ignore_index = 0});
+  ///   model.forward_backward(x, y, dp::nn::MSELoss{.reduction = dp::nn::Reduction::Sum});
+  template <typename L>
+    requires std::constructible_from<nn::ShardableLoss, const L&>
+  Tensor forward_backward(const Tensor& x, const Tensor& target, const L& loss) {
+    return forward_backward_exact(std::vector<DataParallelInput>{x}, target, nn::ShardableLoss(loss));
+  }
+  /// The same for a module of several inputs: model.forward_backward({x, mask}, y, ce).
+  template <typename L>
+    requires std::constructible_from<nn::ShardableLoss, const L&>
+  Tensor forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target, const L& loss) {
+    return forward_backward_exact(inputs, target, nn::ShardableLoss(loss));
+  }
   /// The same for a module of several inputs, split as forward(inputs) splits them:
   /// model.forward_backward({x, mask}, y, loss_fn).
   Tensor forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target,
@@ -238,6 +264,8 @@ class DataParallel {
                                std::shared_ptr<InputGrads> input_grads);
   std::vector<Tensor> backward_from_gather(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
                                            const InputGrads& input_grads);
+  Tensor forward_backward_exact(const std::vector<DataParallelInput>& inputs, const Tensor& target,
+                                const nn::ShardableLoss& loss);
   Tensor run_forward_backward(const char* what, const std::vector<DataParallelInput>& inputs,
                               const Tensor& target, const ShardLoss& shard_loss);
   Tensor worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs, const Tensor& target,
