@@ -77,7 +77,8 @@ struct BCEWithLogitsLoss {
 // over the WHOLE batch (the class weights of the targets not ignored; their count
 // without weights; Note [Class-index losses]). D comes from the full target, known
 // before the scatter, so no shard needs another's numbers and no collective is
-// needed. Each shard's gradient is then exactly its part of the full gradient; the
+// needed (a class-weighted or ignoring Mean reads D back to the host: one small
+// reduction over the target, a synchronisation when the target is on a GPU). Each shard's gradient is then exactly its part of the full gradient; the
 // sums differ from one device's only by float rounding (sums in another order). When
 // every target is ignored D = 0 and the loss is NaN, as in PyTorch. Reduction::None has
 // no scalar to differentiate: refused.
