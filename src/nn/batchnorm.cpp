@@ -18,6 +18,8 @@ BatchNorm2d::BatchNorm2d(std::int64_t num_features, double eps, double momentum)
       register_buffer("num_batches_tracked", zeros({}, TensorOptions{Dtype::Int64, Device{}}));
 }
 
+BatchNorm2d::BatchNorm2d(const BatchNorm2dOptions& o) : BatchNorm2d(o.num_features(), o.eps(), o.momentum()) {}
+
 Tensor BatchNorm2d::forward(const Tensor& x) {
   DP_CHECK(x.defined(), "BatchNorm2d: expected a defined input, got an undefined tensor");
   DP_CHECK(x.dim() == 4 && x.size(1) == C_, "BatchNorm2d: expected input (N, C=", C_, ", H, W), got ",

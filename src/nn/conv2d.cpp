@@ -21,6 +21,13 @@ Conv2d::Conv2d(std::int64_t in_channels, std::int64_t out_channels, std::int64_t
   if (bias) bias_ = register_parameter("bias", b);
 }
 
+Conv2d::Conv2d(const Conv2dOptions& o, Generator* gen)
+    : Conv2d(o.in_channels(), o.out_channels(), o.kernel_size(), o.stride(), o.padding(), o.bias(), gen) {}
+
+Conv2dOptions Conv2d::options() const {
+  return Conv2dOptions(in_, out_, kernel_).stride(stride_).padding(padding_).bias(bias_.defined());
+}
+
 Tensor Conv2d::forward(const Tensor& x) {
   return conv2d(x, weight_.get(), bias(), stride_, padding_);
 }

@@ -474,6 +474,45 @@ Tensor adaptive_avg_pool2d_1x1(const Tensor& x) {
   return avg_pool_impl(op, "AdaptiveAvgPool2dBackward", x, s);
 }
 
+// Note [Adaptive pooling]
+// When P divides H and Q divides W, PyTorch's bins are the windows of an average pool
+// with kernel = stride = (H/P, W/Q): the pooling kernels run it. Otherwise the bins
+// differ in size and may overlap, and there is no backend kernel for that: the op is
+// one GEMM of the planes (N·C, H·W) with a pooling matrix M (H·W, P·Q), M[h·W + w,
+// i·Q + j] = 1 / (bin_h(i)·bin_w(j)) where (h, w) lies in bin (i, j), else 0, built on
+// the host. Backward is then matmul's, on every backend. The cost is H·W·P·Q per
+// plane instead of H·W; fine for the small maps adaptive pooling meets at a network's
+// head, and each output differs from PyTorch's sum-then-divide by float rounding only.
+Tensor adaptive_avg_pool2d(const Tensor& x, std::int64_t output_h, std::int64_t output_w) {
+  const char* op = "adaptive_avg_pool2d";
+  check_defined(op, "input", x);
+  check_float(op, "input", x);
+  DP_CHECK(x.dim() == 4, op, ": expected a 4-d input (N, C, H, W), got ", shape_str(x.shape()));
+  DP_CHECK(x.size(2) > 0 && x.size(3) > 0, op, ": expected H, W > 0, got ", shape_str(x.shape()));
+  DP_CHECK(output_h >= 1 && output_w >= 1, op, ": expected an output size >= 1, got ", output_h, "x", output_w);
+  const std::int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const std::int64_t P = output_h, Q = output_w;
+  if (H % P == 0 && W % Q == 0) {
+    be::Pool2dShape s = pool_shape(op, x, H / P, W / Q, H / P, W / Q, 0, 0);
+    return avg_pool_impl(op, "AdaptiveAvgPool2dBackward", x, s);
+  }
+  // PyTorch's bin of output index i over n inputs: [floor(i·n/out), ceil((i+1)·n/out)).
+  auto lo = [](std::int64_t i, std::int64_t n, std::int64_t out) { return i * n / out; };
+  auto hi = [](std::int64_t i, std::int64_t n, std::int64_t out) { return ((i + 1) * n + out - 1) / out; };
+  std::vector<float> m(static_cast<std::size_t>(H * W * P * Q), 0.0f);
+  for (std::int64_t i = 0; i < P; ++i) {
+    const std::int64_t h0 = lo(i, H, P), h1 = hi(i, H, P);
+    for (std::int64_t j = 0; j < Q; ++j) {
+      const std::int64_t w0 = lo(j, W, Q), w1 = hi(j, W, Q);
+      const float inv = static_cast<float>(1.0 / static_cast<double>((h1 - h0) * (w1 - w0)));
+      for (std::int64_t h = h0; h < h1; ++h)
+        for (std::int64_t w = w0; w < w1; ++w) m[static_cast<std::size_t>((h * W + w) * P * Q + i * Q + j)] = inv;
+    }
+  }
+  Tensor pool = from_vector(m, {H * W, P * Q}, x.device());
+  return matmul(x.reshape({N * C, H * W}), pool).reshape({N, C, P, Q});
+}
+
 // ---- batch norm ---------------------------------------------------------------------------
 
 Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,

@@ -17,6 +17,9 @@ Linear::Linear(std::int64_t in_features, std::int64_t out_features, bool bias, G
   if (bias) bias_ = register_parameter("bias", b);
 }
 
+Linear::Linear(const LinearOptions& o, Generator* gen)
+    : Linear(o.in_features(), o.out_features(), o.bias(), gen) {}
+
 Tensor Linear::forward(const Tensor& x) {
   DP_CHECK(x.defined(), "Linear: expected a defined input, got an undefined tensor");
   DP_CHECK(x.dim() == 2 && x.size(1) == in_, "Linear: expected input (B, in=", in_, "), got ",

@@ -14,7 +14,29 @@ void check_name(const std::string& kind, const std::string& name) {
            "register_", kind, ": expected a non-empty name without '.', got '", name, "'");
 }
 
+// The module whose default vector forward is calling its forward(x) on this thread:
+// when that forward(x) is the default too, the module overrides neither.
+thread_local const Module* t_single_input_call = nullptr;
+
 }  // namespace
+
+Tensor Module::forward(const Tensor& x) {
+  DP_CHECK(t_single_input_call != this, name(), ": the module overrides neither forward(const Tensor&) nor "
+           "forward(const std::vector<Tensor>&); override the one that fits its inputs");
+  return forward(std::vector<Tensor>{x});
+}
+
+Tensor Module::forward(const std::vector<Tensor>& inputs) {
+  DP_CHECK(inputs.size() == 1, name(), ": expected 1 input (its forward takes one tensor), got ", inputs.size(),
+           " inputs; a module of several inputs overrides forward(const std::vector<Tensor>&)");
+  const Module* outer = t_single_input_call;
+  t_single_input_call = this;
+  struct Restore {
+    const Module* prev;
+    ~Restore() { t_single_input_call = prev; }
+  } restore{outer};
+  return forward(inputs[0]);
+}
 
 Parameter Module::register_parameter(const std::string& name, Tensor value) {
   check_name("parameter", name);

@@ -63,6 +63,9 @@ ParameterSet::ParameterSet(std::vector<std::shared_ptr<Parameter::Slot>> slots, 
     primary.data.detach().narrow(0, s->offset, p.numel()).copy_(p.reshape({p.numel()}));
     rebind(*p.impl(), primary.data, s->offset);
     Tensor g = view_of(primary.grad, s->offset, p.shape());
+    // A backward before the first flattening (or into a child's earlier set) left a
+    // gradient on the leaf: it moves into the flat buffer instead of being dropped.
+    if (Tensor before = p.grad(); before.defined()) g.copy_(before);
     p.set_grad(g);
   }
   copies_.push_back(std::move(primary));

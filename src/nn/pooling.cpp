@@ -34,12 +34,17 @@ std::string AvgPool2d::name() const {
 AdaptiveAvgPool2d::AdaptiveAvgPool2d(std::int64_t output_size)
     : AdaptiveAvgPool2d(output_size, output_size) {}
 
-AdaptiveAvgPool2d::AdaptiveAvgPool2d(std::int64_t output_h, std::int64_t output_w) {
-  DP_CHECK(output_h == 1 && output_w == 1,
-           "AdaptiveAvgPool2d: only output size 1x1 (global average pooling) is supported, got ",
-           output_h, "x", output_w, "; use AvgPool2d for other sizes");
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(std::int64_t output_h, std::int64_t output_w)
+    : out_h_(output_h), out_w_(output_w) {
+  DP_CHECK(out_h_ >= 1 && out_w_ >= 1, "AdaptiveAvgPool2d: expected an output size >= 1, got ", out_h_, "x",
+           out_w_);
 }
 
-Tensor AdaptiveAvgPool2d::forward(const Tensor& x) { return adaptive_avg_pool2d_1x1(x); }
+Tensor AdaptiveAvgPool2d::forward(const Tensor& x) { return adaptive_avg_pool2d(x, out_h_, out_w_); }
+
+std::string AdaptiveAvgPool2d::name() const {
+  if (out_h_ == out_w_) return detail::str_cat("AdaptiveAvgPool2d(output_size=", out_h_, ")");
+  return detail::str_cat("AdaptiveAvgPool2d(output_size=(", out_h_, ", ", out_w_, "))");
+}
 
 }  // namespace dp::nn

@@ -4,7 +4,7 @@ namespace dp::optim {
 namespace {
 
 AdamOptions as_adam(const AdamWOptions& o) {
-  return AdamOptions{.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps,
+  return AdamOptions{.lr = o.lr, .betas = o.betas, .eps = o.eps,
                      .weight_decay = o.weight_decay};
 }
 

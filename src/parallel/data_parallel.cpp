@@ -58,16 +58,18 @@ void check_device_list(const std::vector<Device>& devices) {
 // gradients are then reduced (DP) or have been all-reduced during backward (DDP).
 class GatherBackward final : public autograd::Node {
  public:
-  using Run = std::function<Tensor(const std::vector<Tensor>& roots, const std::vector<Tensor>& pieces)>;
+  /// Returns the gradients of the node's inputs (those of DataParallel's inputs that
+  /// required one), in order.
+  using Run = std::function<std::vector<Tensor>(const std::vector<Tensor>& roots, const std::vector<Tensor>& pieces)>;
   GatherBackward(std::vector<Tensor> outputs, std::vector<std::int64_t> sizes, Run run)
       : outputs_(std::move(outputs)), sizes_(std::move(sizes)), run_(std::move(run)) {}
   std::string name() const override { return "DataParallelGatherBackward"; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
     DP_CHECK(!released_, "backward through DataParallel's output a second time: the replicas' graphs "
              "were freed by the first backward");
-    Tensor input_grad = run_(outputs_, split(grads[0].detach(), sizes_));
+    std::vector<Tensor> input_grads = run_(outputs_, split(grads[0].detach(), sizes_));
     if (next_edges.empty()) return {};
-    return {input_grad};
+    return input_grads;
   }
   void release_saved() override {
     outputs_.clear();
@@ -491,6 +493,18 @@ Tensor DataParallel::scatter(int rank, const Tensor& src, const ShardPlan& plan,
   return shard;
 }
 
+// A split input's rows for `rank`, or a replicated input whole on its device.
+Tensor DataParallel::scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf) {
+  if (!in.replicated) return scatter(rank, in.tensor, plan, as_leaf);
+  PhaseTimer t(*recorder_, rank, Phase::Scatter);
+  Tensor copy = in.tensor.to(devices_[rank]);
+  if (as_leaf) {
+    if (copy.storage() == in.tensor.storage()) copy = copy.clone();  // the leaf owns its storage
+    copy.set_requires_grad(true);
+  }
+  return copy;
+}
+
 // Copies what replica `rank` needs from device 0 before its forward. Runs on every
 // worker (collectives need every rank); the Step decided once what to copy, so every
 // rank makes the same sequence of collectives.
@@ -530,29 +544,80 @@ Tensor DataParallel::gather(const std::vector<Tensor>& outs, const ShardPlan& pl
 
 // ---- the two forward paths -------------------------------------------------------------------
 
+// The inputs that asked for gradients: each worker's piece of input k is a leaf of its
+// graph (Note [Scatter backward]); GatherBackward returns their gradients.
+struct DataParallel::InputGrads {
+  std::vector<Tensor> inputs;               // the caller's tensors: the node's edges
+  std::vector<bool> replicated;             // per entry of inputs
+  std::vector<std::vector<Tensor>> leaves;  // [entry][rank]
+};
+
+// Checks a forward's inputs; returns the batch's rows (the split inputs' size(0)).
+std::int64_t DataParallel::check_inputs(const char* what, const std::vector<DataParallelInput>& inputs) const {
+  DP_CHECK(!inputs.empty(), "DataParallel::", what, ": expected at least one input, got none");
+  std::int64_t rows = -1;
+  std::size_t first = 0;
+  for (std::size_t k = 0; k < inputs.size(); ++k) {
+    const Tensor& t = inputs[k].tensor;
+    DP_CHECK(t.defined(), "DataParallel::", what, ": input ", k, " is an undefined tensor");
+    if (inputs[k].replicated) continue;
+    DP_CHECK(t.dim() >= 1 && t.size(0) >= 1, "DataParallel::", what, ": input ", k,
+             " must be batched (N, ...) with N >= 1, got ", t.str(),
+             "; wrap an input that every device needs whole in dp::replicated(t)");
+    if (rows < 0) {
+      rows = t.size(0);
+      first = k;
+    }
+    DP_CHECK(t.size(0) == rows, "DataParallel::", what, ": every split input must have the same size(0), "
+             "input ", first, " has ", rows, " rows and input ", k, " has ", t.size(0), " (", t.str(),
+             "); wrap an input that every device needs whole in dp::replicated(t)");
+  }
+  DP_CHECK(rows >= 1, "DataParallel::", what, ": every input is replicated (0-d or dp::replicated), so "
+           "there is no batch to split; pass at least one batched input (N, ...)");
+  return rows;
+}
+
 Tensor DataParallel::forward(const Tensor& x) {
   DP_CHECK(x.defined() && x.dim() >= 1 && x.size(0) >= 1,
            "DataParallel: expected a batched input (N, ...) with N >= 1, got ",
            x.defined() ? x.str() : "an undefined tensor");
+  return forward(std::vector<DataParallelInput>{x});
+}
+
+Tensor DataParallel::forward(const std::vector<DataParallelInput>& in) {
+  const std::int64_t rows = check_inputs("forward", in);
   Step step(*this, "forward", {.replicate = true});
   const int n = static_cast<int>(devices_.size());
-  const ShardPlan plan = plan_shards(x.size(0));
+  const ShardPlan plan = plan_shards(rows);
   const bool grad_mode = is_grad_enabled();
-  const bool input_grad = grad_mode && x.requires_grad();
-  const Tensor input = x.detach();
-  std::vector<Tensor> outs(n), leaves(n);
+  auto input_grads = std::make_shared<InputGrads>();
+  std::vector<DataParallelInput> inputs;
+  std::vector<int> leaf_of(in.size(), -1);  // input k's entry in input_grads
+  for (std::size_t k = 0; k < in.size(); ++k) {
+    inputs.push_back(in[k]);
+    inputs.back().tensor = in[k].tensor.detach();
+    if (!grad_mode || !in[k].tensor.requires_grad()) continue;
+    leaf_of[k] = static_cast<int>(input_grads->inputs.size());
+    input_grads->inputs.push_back(in[k].tensor);
+    input_grads->replicated.push_back(in[k].replicated);
+    input_grads->leaves.emplace_back(n);
+  }
+  std::vector<Tensor> outs(n);
   step.run([&](int r) {
     GradModeGuard grad_guard(grad_mode);
     replicate(r, step.sync_params());
     if (plan.sizes[r] == 0) return;
-    Tensor xr = scatter(r, input, plan, input_grad);
-    if (input_grad) leaves[r] = xr;
+    std::vector<Tensor> xs;
+    for (std::size_t k = 0; k < inputs.size(); ++k) {
+      xs.push_back(scatter_input(r, inputs[k], plan, leaf_of[k] >= 0));
+      if (leaf_of[k] >= 0) input_grads->leaves[leaf_of[k]][r] = xs.back();
+    }
     PhaseTimer t(*recorder_, r, Phase::Forward);
-    outs[r] = net_->forward(xr);
+    outs[r] = xs.size() == 1 ? net_->forward(xs[0]) : net_->forward(xs);
   });
   Tensor out = gather(outs, plan);
   bool needs_grad = std::any_of(outs.begin(), outs.end(), [](const Tensor& o) { return o.defined() && o.requires_grad(); });
-  if (grad_mode && needs_grad) connect_gather_backward(out, x, input_grad, outs, plan, std::move(leaves));
+  if (grad_mode && needs_grad) connect_gather_backward(out, outs, plan, std::move(input_grads));
   return out;
 }
 
@@ -560,19 +625,53 @@ Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, con
   DP_CHECK(x.defined() && x.dim() >= 1 && x.size(0) >= 1,
            "DataParallel::forward_backward: expected a batched input (N, ...), got ",
            x.defined() ? x.str() : "an undefined tensor");
-  DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == x.size(0),
-           "DataParallel::forward_backward: expected a target with ", x.size(0), " rows, got ",
-           target.defined() ? target.str() : "an undefined tensor");
+  return forward_backward(std::vector<DataParallelInput>{x}, target, loss_fn);
+}
+
+Tensor DataParallel::forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target,
+                                      const LossFn& loss_fn) {
   DP_CHECK(loss_fn != nullptr, "DataParallel::forward_backward: expected a loss function");
-  Step step(*this, "forward_backward", {.replicate = true, .backward = true});
+  const std::int64_t rows = check_inputs("forward_backward", inputs);
+  // Note [Loss scaling]: each shard's mean loss is weighted by its share of the batch,
+  // so the SUM over devices is the full-batch mean — exact for uneven shards, and the
+  // same arithmetic in DP and DDP.
+  ShardLoss shard_loss = [&loss_fn, rows](int, const Tensor& out, const Tensor& y) {
+    return mul(loss_fn(out, y), static_cast<double>(y.size(0)) / static_cast<double>(rows));
+  };
+  return run_forward_backward("forward_backward", inputs, target, shard_loss);
+}
+
+// Note [Exact shard losses]: the whole batch's denominator comes from the full target
+// here, before the scatter; each shard adds its rows' sum over it.
+Tensor DataParallel::forward_backward_exact(const std::vector<DataParallelInput>& inputs, const Tensor& target,
+                                            const nn::ShardableLoss& loss) {
+  const std::int64_t rows = check_inputs("forward_backward", inputs);
+  DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == rows,
+           "DataParallel::forward_backward: expected a target with ", rows, " rows, got ",
+           target.defined() ? target.str() : "an undefined tensor");
+  const double scale = 1.0 / loss.denominator(target);  // inf when every target is ignored: NaN loss
+  ShardLoss shard_loss = [&loss, scale](int, const Tensor& out, const Tensor& y) {
+    return loss.shard_loss(out, y, scale);
+  };
+  return run_forward_backward("forward_backward", inputs, target, shard_loss);
+}
+
+Tensor DataParallel::run_forward_backward(const char* what, const std::vector<DataParallelInput>& inputs,
+                                          const Tensor& target, const ShardLoss& shard_loss) {
+  const std::int64_t rows = check_inputs(what, inputs);
+  DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == rows, "DataParallel::", what,
+           ": expected a target with ", rows, " rows, got ", target.defined() ? target.str() : "an undefined tensor");
+  Step step(*this, what, {.replicate = true, .backward = true});
   const int n = static_cast<int>(devices_.size());
-  const ShardPlan plan = plan_shards(x.size(0));
-  const Tensor input = x.detach(), tgt = target.detach();
+  const ShardPlan plan = plan_shards(rows);
+  std::vector<DataParallelInput> detached(inputs);
+  for (auto& in : detached) in.tensor = in.tensor.detach();
+  const Tensor tgt = target.detach();
   std::vector<Tensor> losses(n);
   step.run([&](int r) {
     GradModeGuard grad_guard(true);
     replicate(r, step.sync_params());
-    if (plan.sizes[r] > 0) losses[r] = worker_loss_backward(r, input, tgt, plan, loss_fn);
+    if (plan.sizes[r] > 0) losses[r] = worker_loss_backward(r, detached, tgt, plan, shard_loss);
     reducer_->finalize(r);
   });
   // The batch loss: the weighted shard losses summed in device order.
@@ -587,17 +686,16 @@ Tensor DataParallel::forward_backward(const Tensor& x, const Tensor& target, con
 }
 
 // One worker's shard of forward_backward; returns its weighted loss.
-Tensor DataParallel::worker_loss_backward(int rank, const Tensor& x, const Tensor& target, const ShardPlan& plan,
-                                          const LossFn& loss_fn) {
-  Tensor xr = scatter(rank, x, plan), yr = scatter(rank, target, plan);
+Tensor DataParallel::worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs,
+                                          const Tensor& target, const ShardPlan& plan, const ShardLoss& shard_loss) {
+  std::vector<Tensor> xs;
+  for (const auto& in : inputs) xs.push_back(scatter_input(rank, in, plan, false));
+  Tensor yr = scatter(rank, target, plan);
   Tensor loss;
   {
     PhaseTimer t(*recorder_, rank, Phase::Forward);
-    // Note [Loss scaling]: each shard's mean loss is weighted by its share of the
-    // batch, so the SUM over devices is the full-batch mean — exact for uneven
-    // shards, and the same arithmetic in DP and DDP.
-    double weight = static_cast<double>(plan.sizes[rank]) / static_cast<double>(plan.rows);
-    loss = mul(loss_fn(net_->forward(xr), yr), weight);
+    Tensor out = xs.size() == 1 ? net_->forward(xs[0]) : net_->forward(xs);
+    loss = shard_loss(rank, out, yr);
     DP_CHECK(loss.numel() == 1, "DataParallel::forward_backward: the loss function must return a scalar, got ",
              loss.str());
   }
@@ -608,9 +706,8 @@ Tensor DataParallel::worker_loss_backward(int rank, const Tensor& x, const Tenso
 
 // ---- backward through a gathered output ------------------------------------------------------
 
-void DataParallel::connect_gather_backward(Tensor& out, const Tensor& x, bool input_grad,
-                                           const std::vector<Tensor>& outs, const ShardPlan& plan,
-                                           std::vector<Tensor> leaves) {
+void DataParallel::connect_gather_backward(Tensor& out, const std::vector<Tensor>& outs, const ShardPlan& plan,
+                                           std::shared_ptr<InputGrads> input_grads) {
   std::vector<Tensor> live;
   std::vector<std::int64_t> live_sizes;
   for (std::size_t r = 0; r < outs.size(); ++r)
@@ -618,10 +715,11 @@ void DataParallel::connect_gather_backward(Tensor& out, const Tensor& x, bool in
       live.push_back(outs[r]);
       live_sizes.push_back(plan.sizes[r]);
     }
+  std::vector<Tensor> node_inputs = input_grads->inputs;
   auto node = std::make_shared<GatherBackward>(
       std::move(live), live_sizes,
-      [this, alive = std::weak_ptr<int>(alive_), sizes = plan.sizes, leaves = std::move(leaves),
-       input_device = x.device()](const std::vector<Tensor>& live_roots, const std::vector<Tensor>& pieces) {
+      [this, alive = std::weak_ptr<int>(alive_), sizes = plan.sizes, input_grads = std::move(input_grads)](
+          const std::vector<Tensor>& live_roots, const std::vector<Tensor>& pieces) {
         DP_CHECK(!alive.expired(), "backward through an output of a DataParallel that was destroyed; "
                  "keep the DataParallel alive until backward() has run");
         std::vector<Tensor> roots(sizes.size()), grads(sizes.size());
@@ -630,17 +728,17 @@ void DataParallel::connect_gather_backward(Tensor& out, const Tensor& x, bool in
             roots[r] = live_roots[k];
             grads[r] = pieces[k++];
           }
-        return backward_from_gather(roots, grads, leaves, input_device);
+        return backward_from_gather(roots, grads, *input_grads);
       });
-  std::vector<Tensor> node_inputs;
-  if (input_grad) node_inputs.push_back(x);
   autograd::connect(node, node_inputs, {&out});
 }
 
-// Runs each rank's part of backward on its own worker, then returns the input's
-// gradient (Note [Scatter backward]) when the input asked for one.
-Tensor DataParallel::backward_from_gather(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-                                          const std::vector<Tensor>& leaves, Device input_device) {
+// Runs each rank's part of backward on its own worker, then returns the gradients of
+// the inputs that asked for one (Note [Scatter backward]): a split input's is its
+// pieces concatenated, a replicated input's the sum of every device's, in device order.
+std::vector<Tensor> DataParallel::backward_from_gather(const std::vector<Tensor>& roots,
+                                                       const std::vector<Tensor>& grads,
+                                                       const InputGrads& input_grads) {
   {
     Step step(*this, "backward", {.backward = true});
     step.run([&](int r) {
@@ -652,14 +750,24 @@ Tensor DataParallel::backward_from_gather(const std::vector<Tensor>& roots, cons
       reducer_->finalize(r);
     });
   }
-  std::vector<Tensor> pieces;
-  for (const Tensor& leaf : leaves) {
-    if (!leaf.defined()) continue;
-    Tensor g = leaf.grad();
-    pieces.push_back(g.defined() ? g.to(input_device) : zeros(leaf.shape(), input_device));
+  std::vector<Tensor> out;
+  for (std::size_t k = 0; k < input_grads.inputs.size(); ++k) {
+    const Device dev = input_grads.inputs[k].device();
+    std::vector<Tensor> pieces;
+    for (const Tensor& leaf : input_grads.leaves[k]) {
+      if (!leaf.defined()) continue;
+      Tensor g = leaf.grad();
+      pieces.push_back(g.defined() ? g.to(dev) : zeros(leaf.shape(), dev));
+    }
+    Tensor g;
+    if (input_grads.replicated[k]) {
+      for (const Tensor& p : pieces) g = g.defined() ? add(g, p) : p;
+    } else {
+      g = pieces.size() == 1 ? pieces[0] : cat(pieces);
+    }
+    out.push_back(g);
   }
-  if (pieces.empty()) return Tensor();
-  return pieces.size() == 1 ? pieces[0] : cat(pieces);
+  return out;
 }
 
 // ---- failures and checks ---------------------------------------------------------------------

@@ -32,8 +32,8 @@ constexpr const char* kRegenerate = "regenerate it with `/usr/bin/python3 script
 constexpr int kSteps = 3;  // the script's STEPS
 
 // The script's hyperparameters (checked against the file's metadata).
-const optim::AdamOptions kAdam{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0};
-const optim::AdamWOptions kAdamW{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1};
+const optim::AdamOptions kAdam{.lr = 1e-3, .betas = {0.9, 0.999}, .eps = 1e-8, .weight_decay = 0.0};
+const optim::AdamWOptions kAdamW{.lr = 1e-3, .betas = {0.9, 0.999}, .eps = 1e-8, .weight_decay = 0.1};
 const optim::SGDOptions kSgd{.lr = 0.1, .momentum = 0.9, .dampening = 0.0, .weight_decay = 1e-2, .nesterov = false};
 
 // Note [Golden tolerances]
@@ -139,11 +139,11 @@ void expect_meta(const Golden& g, const std::string& key, double value) {
                 " but the test uses ", value, "; update one to match the other");
 }
 
-void expect_adam_meta(const Golden& g, const std::string& prefix, double lr, double beta1, double beta2,
+void expect_adam_meta(const Golden& g, const std::string& prefix, double lr, const optim::AdamBetas& betas,
                       double eps, double weight_decay) {
   expect_meta(g, prefix + ".lr", lr);
-  expect_meta(g, prefix + ".beta1", beta1);
-  expect_meta(g, prefix + ".beta2", beta2);
+  expect_meta(g, prefix + ".beta1", std::get<0>(betas));
+  expect_meta(g, prefix + ".beta2", std::get<1>(betas));
   expect_meta(g, prefix + ".eps", eps);
   expect_meta(g, prefix + ".weight_decay", weight_decay);
 }
@@ -274,13 +274,13 @@ TEST_CASE("golden: 3 optimizer steps on cpu(0) match PyTorch") {
   auto net = make_initialised_net(g);
 
   SUBCASE("Adam") {
-    expect_adam_meta(g, "adam", kAdam.lr, kAdam.beta1, kAdam.beta2, kAdam.eps, kAdam.weight_decay);
+    expect_adam_meta(g, "adam", kAdam.lr, kAdam.betas, kAdam.eps, kAdam.weight_decay);
     optim::Adam opt(net->parameters(), kAdam);
     for (int s = 0; s < kSteps; ++s) train_step(*net, opt, x, y);
     expect_state_close("Adam, 3 steps", "adam", *net, g);
   }
   SUBCASE("AdamW") {
-    expect_adam_meta(g, "adamw", kAdamW.lr, kAdamW.beta1, kAdamW.beta2, kAdamW.eps, kAdamW.weight_decay);
+    expect_adam_meta(g, "adamw", kAdamW.lr, kAdamW.betas, kAdamW.eps, kAdamW.weight_decay);
     optim::AdamW opt(net->parameters(), kAdamW);
     for (int s = 0; s < kSteps; ++s) train_step(*net, opt, x, y);
     expect_state_close("AdamW, 3 steps", "adamw", *net, g);
@@ -307,7 +307,7 @@ TEST_CASE("golden: 3 optimizer steps on cpu(0) match PyTorch") {
 TEST_CASE("golden: DataParallel on 2 devices matches PyTorch with per-shard BatchNorm") {
   const Golden& g = golden();
   expect_meta(g, "dp2.shards", 2);
-  expect_adam_meta(g, "adam", kAdam.lr, kAdam.beta1, kAdam.beta2, kAdam.eps, kAdam.weight_decay);
+  expect_adam_meta(g, "adam", kAdam.lr, kAdam.betas, kAdam.eps, kAdam.weight_decay);
   const Tensor& x = g.tensor("input");
   const Tensor& y = g.tensor("target");
   auto loss_fn = [](const Tensor& out, const Tensor& target) { return nn::cross_entropy(out, target); };

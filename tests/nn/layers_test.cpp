@@ -115,8 +115,8 @@ TEST_CASE_TEMPLATE("ReLU, Sigmoid, Tanh, Flatten and pooling layers", D, DP_NN_T
   dp::Tensor gap = nn::AdaptiveAvgPool2d(1)(xt);
   CHECK(gap.shape() == dp::Shape{2, 3, 1, 1});
   CHECK(gap.to_vector()[0] == doctest::Approx(nn_test::ref_pool2d(x, 6, 4, 4, 4, 4, 0, false)[0]));
-  CHECK(throws_with([] { nn::AdaptiveAvgPool2d(2); }, {"1x1"}));
-  CHECK(throws_with([] { nn::AdaptiveAvgPool2d(1, 3); }, {"1x3"}));
+  CHECK(throws_with([] { nn::AdaptiveAvgPool2d(0); }, {"output size >= 1", "0x0"}));
+  CHECK(throws_with([] { nn::AdaptiveAvgPool2d(1, -3); }, {"output size >= 1", "1x-3"}));
   CHECK_THROWS_AS(nn::MaxPool2d(2, 2, 2), dp::Error);
   CHECK(nn::MaxPool2d(2).name() == "MaxPool2d(kernel_size=2, stride=2, padding=0)");
 }

@@ -108,3 +108,33 @@ TEST_CASE("a user-written residual block trains end to end") {
     CHECK(dp::max_abs_diff(p.grad(), dp::zeros_like(p.grad())) > 0);
   }
 }
+
+TEST_CASE("gradients from a backward before the first parameters() survive the flattening") {
+  // Two identical trees: one flattened before backward, one only after it; then the
+  // outer tree is flattened again after its child was (re-flattening keeps them too).
+  auto make = [] {
+    dp::Generator gen(4);
+    return std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(3, 4, true, &gen), std::make_shared<nn::ReLU>(),
+                                            std::make_shared<nn::Linear>(4, 2, true, &gen));
+  };
+  auto early = make(), late = make();
+  early->parameters();
+  const dp::Tensor x = dp::from_vector(uniform_values(5 * 3, -1, 1, 8), {5, 3});
+  dp::sum((*early)(x)).backward();
+  dp::sum((*late)(x)).backward();
+  auto a = early->parameters(), b = late->parameters();
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(b[i].grad().defined());
+    CHECK(dp::equal(a[i].grad(), b[i].grad()));
+    CHECK(dp::max_abs_diff(b[i].grad(), dp::zeros_like(b[i].grad())) > 0);
+  }
+  auto child = std::make_shared<nn::Linear>(3, 2);
+  child->parameters();
+  dp::sum((*child)(x)).backward();
+  const dp::Tensor g = child->weight().grad().clone();
+  auto parent = std::make_shared<nn::Sequential>(child);
+  parent->parameters();  // a new set over the child's parameters
+  CHECK(dp::equal(child->weight().grad(), g));
+}

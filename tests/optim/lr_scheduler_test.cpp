@@ -200,7 +200,7 @@ TEST_CASE("OneCycleLR: cos and linear anneal, three phases, momentum and beta1 c
     want.back() = 0.01 / 25.0 / 1e4;
     check_exact(seq.lr, want);
     check_exact(seq.momentum, ref(lr_reference::kOneCycleLinear3Beta1));
-    CHECK(opt.options().beta2 == 0.999);  // only beta1 cycles
+    CHECK(std::get<1>(opt.options().betas) == 0.999);  // only beta1 cycles
   }
   {
     Opt o;
@@ -275,7 +275,7 @@ TEST_CASE("bad options name what was expected and what came") {
   optim::Adam adam(o.params, {.lr = 1e-3});
   CHECK(contains(error_of([&] { optim::OneCycleLR(adam, {.max_lr = 0.1, .total_steps = 10, .max_momentum = 1.0}); }),
                  "beta1 in [0, 1)"));
-  CHECK(adam.options().beta1 == 0.9);
+  CHECK(std::get<0>(adam.options().betas) == 0.9);
 
   // A schedule that gives a negative lr fails at that step and changes nothing.
   optim::LambdaLR neg(opt, [](std::int64_t e) { return 1.0 - 0.5 * static_cast<double>(e); });

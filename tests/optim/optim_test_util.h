@@ -46,6 +46,24 @@ inline void set_grads(const std::vector<dp::Tensor>& params, int t) {
   }
 }
 
+/// True when `fn` throws dp::Error whose message contains every one of `parts`.
+template <typename Fn>
+bool throws_with(Fn&& fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+  } catch (const dp::Error& e) {
+    const std::string msg = e.what();
+    for (const auto& p : parts) {
+      if (msg.find(p) == std::string::npos) {
+        MESSAGE("message lacks '", p, "': ", msg);
+        return false;
+      }
+    }
+    return true;
+  }
+  return false;
+}
+
 inline D to_double(const std::vector<float>& v) { return D(v.begin(), v.end()); }
 
 inline double max_rel_diff(const std::vector<float>& a, const D& b) {

@@ -13,7 +13,7 @@
 // from single-device training with the same seed (as in PyTorch). Two threads bound
 // to the SAME copy must not run forward concurrently.
 //
-//   auto drop = std::make_shared<dp::nn::Dropout>(0.5);
+//   auto drop = std::make_shared<dp::nn::Dropout>(0.5);   // or Dropout(DropoutOptions().p(0.5))
 //   dp::Tensor y = (*drop)(x);          // training: zeros ~half, scales the rest by 2
 #pragma once
 
@@ -26,6 +26,21 @@
 
 namespace dp::nn {
 
+/// Options of Dropout in libtorch's builder style: DropoutOptions().p(0.2), or
+/// DropoutOptions(0.2). (libtorch's `inplace` is not offered: dp's dropout always
+/// writes a new tensor.)
+class DropoutOptions {
+ public:
+  explicit DropoutOptions(double p = 0.5) : p_(p) {}
+
+  DropoutOptions& p(double v) { p_ = v; return *this; }
+  /// Probability of zeroing an element, in [0, 1]; default 0.5.
+  double p() const { return p_; }
+
+ private:
+  double p_;
+};
+
 /// Zeroes elements with probability p while training and scales the rest by 1/(1 − p);
 /// identity in eval mode.
 class Dropout : public Module {
@@ -35,6 +50,9 @@ class Dropout : public Module {
 
   /// p in [0, 1]. Without `seed`, one is drawn from dp::default_generator().
   explicit Dropout(double p = 0.5, std::optional<std::uint64_t> seed = std::nullopt);
+  /// The same from options: Dropout(DropoutOptions().p(0.2)).
+  explicit Dropout(const DropoutOptions& options, std::optional<std::uint64_t> seed = std::nullopt)
+      : Dropout(options.p(), seed) {}
 
   Tensor forward(const Tensor& x) override;
   /// "Dropout(p=0.5)".

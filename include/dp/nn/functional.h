@@ -49,6 +49,15 @@ Tensor avg_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride = 0,
 /// Mean over H and W: (N, C, H, W) → (N, C, 1, 1) (adaptive average pooling to 1×1).
 Tensor adaptive_avg_pool2d_1x1(const Tensor& x);
 
+/// Adaptive average pooling to any output size, PyTorch's F.adaptive_avg_pool2d:
+/// output cell (i, j) is the mean of rows [floor(i·H/P), ceil((i+1)·H/P)) and columns
+/// [floor(j·W/Q), ceil((j+1)·W/Q)) of its plane — bins may differ in size and overlap,
+/// and P > H (or Q > W) repeats input cells. x: (N, C, H, W) float32 with H, W ≥ 1;
+/// returns (N, C, P, Q), P, Q ≥ 1. See Note [Adaptive pooling] for how it runs.
+///
+///   dp::Tensor y = dp::nn::adaptive_avg_pool2d(x, 3, 2);   // (N, C, 7, 5) → (N, C, 3, 2)
+Tensor adaptive_avg_pool2d(const Tensor& x, std::int64_t output_h, std::int64_t output_w);
+
 // ---- normalisation and regularisation ----------------------------------------------------
 
 /// Batch normalisation over (N, C, H, W) or (N, C), per channel C.
@@ -87,9 +96,10 @@ Tensor log_softmax(const Tensor& x);
 // else throws dp::Error naming the row before any work; on CUDA, which cannot throw
 // without a host synchronisation, it makes that row's loss NaN. `weight` is a constant: it gets no gradient.
 // A weighted or ignoring mean divides by a sum over the whole batch: a DataParallel
-// forward_backward, which weighs each shard's mean by its share of the rows, gives the
-// global value only without weights and ignored rows; otherwise compute the loss on
-// model(x)'s gathered output.
+// forward_backward given a plain function weighs each shard's mean by its share of the
+// rows, which is the global value only without weights and ignored rows; given a loss
+// descriptor (dp::nn::CrossEntropyLoss, NLLLoss in dp/nn/loss.h) it divides every
+// shard's sum by the whole batch's Σ_r w_r and is exact (Note [Exact shard losses]).
 
 /// Options of nll_loss (PyTorch's F.nll_loss keywords) and the `scale` of dp's shards.
 struct NLLLossOptions {

@@ -7,6 +7,7 @@
 //
 //   auto fc = std::make_shared<dp::nn::Linear>(784, 10);
 //   dp::Tensor logits = (*fc)(x);          // x: (B, 784) → (B, 10)
+//   auto proj = std::make_shared<dp::nn::Linear>(dp::nn::LinearOptions(784, 10).bias(false));
 #pragma once
 
 #include <cstdint>
@@ -16,11 +17,31 @@
 
 namespace dp::nn {
 
+/// Options of Linear in libtorch's builder style: LinearOptions(784, 10).bias(false).
+class LinearOptions {
+ public:
+  LinearOptions(std::int64_t in_features, std::int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+
+  LinearOptions& bias(bool v) { bias_ = v; return *this; }
+
+  std::int64_t in_features() const { return in_features_; }
+  std::int64_t out_features() const { return out_features_; }
+  /// Default true.
+  bool bias() const { return bias_; }
+
+ private:
+  std::int64_t in_features_, out_features_;
+  bool bias_ = true;
+};
+
 /// y = x·Wᵀ + b over the last dim of a 2-d input (B, in).
 class Linear : public Module {
  public:
   /// weight (out, in), bias (out) unless !bias; initialised from `gen` (the default
   /// generator when null) as PyTorch does: kaiming_uniform(a = sqrt(5)), bias ±1/sqrt(in).
+  /// The same from options: Linear(LinearOptions(784, 10).bias(false)).
+  explicit Linear(const LinearOptions& options, Generator* gen = nullptr);
   Linear(std::int64_t in_features, std::int64_t out_features, bool bias = true,
          Generator* gen = nullptr);
 
@@ -34,6 +55,8 @@ class Linear : public Module {
   Tensor bias() const { return bias_.defined() ? bias_.get() : Tensor(); }
   std::int64_t in_features() const { return in_; }
   std::int64_t out_features() const { return out_; }
+  /// The options this layer was built with.
+  LinearOptions options() const { return LinearOptions(in_, out_).bias(bias_.defined()); }
 
  private:
   std::int64_t in_, out_;

@@ -14,8 +14,18 @@
 //     dp::Tensor forward(const dp::Tensor& x) override { return fc->forward(x.flatten(1)); }
 //     std::shared_ptr<dp::nn::Linear> fc;
 //   };
+//
+// A module whose forward takes several tensors overrides the vector form instead
+// (Note [Module inputs]) and is called as net(x, mask):
+//
+//   struct Masked : dp::nn::Module {
+//     using Module::forward;   // keeps net->forward(x) visible beside the override
+//     dp::Tensor forward(const std::vector<dp::Tensor>& in) override { return fc->forward(dp::mul(in[0], in[1])); }
+//     ...
+//   };
 #pragma once
 
+#include <concepts>
 #include <memory>
 #include <string>
 #include <utility>
@@ -35,9 +45,28 @@ class Module : public std::enable_shared_from_this<Module> {
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
-  /// The computation. x: the module's input on the bound copy's device.
-  virtual Tensor forward(const Tensor& x) = 0;
+  // Note [Module inputs]
+  // A module implements ONE of the two forwards. A single-input module overrides
+  // forward(const Tensor&) (every layer here); a module of several inputs overrides
+  // forward(const std::vector<Tensor>&). The defaults connect them: the vector form
+  // of a single-input module accepts exactly one input and calls forward(x); forward(x)
+  // of a several-input module passes {x} to the vector form (which may accept or
+  // refuse one input). A module that overrides neither throws dp::Error on its first
+  // call. net(a) calls forward(a); net(a, b, ...) calls forward({a, b, ...}).
+
+  /// The computation of a single-input module. x: on the bound copy's device.
+  virtual Tensor forward(const Tensor& x);
+  /// The computation of a module of several inputs, in order (e.g. {x, mask}). The
+  /// default accepts one input and calls forward(inputs[0]); anything else is a
+  /// dp::Error naming the module and the number of inputs.
+  virtual Tensor forward(const std::vector<Tensor>& inputs);
   Tensor operator()(const Tensor& x) { return forward(x); }
+  /// net(x, mask, ...): forward({x, mask, ...}).
+  template <typename... Rest>
+    requires(sizeof...(Rest) >= 1 && (std::convertible_to<const Rest&, const Tensor&> && ...))
+  Tensor operator()(const Tensor& first, const Rest&... rest) {
+    return forward(std::vector<Tensor>{first, rest...});
+  }
   /// A short description, e.g. "Linear(in=784, out=10)".
   virtual std::string name() const { return "Module"; }
 

@@ -13,6 +13,7 @@
 #include "dp/nn/functional.h"
 #include "dp/nn/init.h"
 #include "dp/nn/linear.h"
+#include "dp/nn/loss.h"
 #include "dp/nn/module.h"
 #include "dp/nn/parameter_set.h"
 #include "dp/nn/pooling.h"

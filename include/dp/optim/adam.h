@@ -5,19 +5,25 @@
 // AdamW (decoupled weight decay) is in dp/optim/adamw.h.
 //
 //   dp::optim::Adam opt(model.parameters(), {.lr = 1e-3});
+//   dp::optim::Adam opt(model.parameters(), {.lr = 1e-3, .betas = {0.9, 0.98}});
 #pragma once
 
+#include <tuple>
 #include <vector>
 
 #include "dp/optim/optimizer.h"
 
 namespace dp::optim {
 
-/// Hyper-parameters of Adam.
+/// (β1, β2) of Adam and AdamW, spelled as libtorch spells them: `.betas = {0.9, 0.98}`;
+/// read with std::get<0>(o.betas). Each must lie in [0, 1).
+using AdamBetas = std::tuple<double, double>;
+
+/// Hyper-parameters of Adam (designated-initialiser friendly, libtorch's names).
 struct AdamOptions {
   double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
+  /// (β1, β2): the decay rates of the first and second moments.
+  AdamBetas betas = {0.9, 0.999};
   double eps = 1e-8;
   double weight_decay = 0.0;
 };
@@ -26,15 +32,15 @@ struct AdamOptions {
 /// p −= lr · (m / (1 − β1ᵗ)) / (sqrt(v / (1 − β2ᵗ)) + eps).
 class Adam : public Optimizer {
  public:
-  /// Throws dp::Error on lr, eps or weight_decay < 0, betas outside [0, 1), and on an
-  /// empty parameter list.
+  /// Throws dp::Error on lr, eps or weight_decay < 0, either beta outside [0, 1) (the
+  /// message names which), and on an empty parameter list.
   Adam(nn::ParameterList params, AdamOptions options = {});
   Adam(std::vector<Tensor> params, AdamOptions options = {});
 
   double lr() const override { return options_.lr; }
   void set_lr(double lr) override;
-  /// beta1, the momentum of the first moment (PyTorch's betas[0]).
-  std::optional<double> momentum() const override { return options_.beta1; }
+  /// β1, the momentum of the first moment (PyTorch's betas[0]).
+  std::optional<double> momentum() const override { return std::get<0>(options_.betas); }
   void set_momentum(double beta1) override;
   const AdamOptions& options() const { return options_; }
 

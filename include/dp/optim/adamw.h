@@ -2,6 +2,7 @@
 // PyTorch's torch.optim.AdamW formulas (p *= 1 − lr·wd before the Adam update).
 //
 //   dp::optim::AdamW opt(net->parameters(), {.lr = 1e-3});   // weight_decay 1e-2
+//   dp::optim::AdamW opt(net->parameters(), {.lr = 3e-4, .betas = {0.9, 0.95}, .weight_decay = 0.1});
 #pragma once
 
 #include <vector>
@@ -13,8 +14,8 @@ namespace dp::optim {
 /// Hyper-parameters of AdamW: Adam's, with PyTorch's default weight_decay = 1e-2.
 struct AdamWOptions {
   double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
+  /// (β1, β2) as in AdamOptions.
+  AdamBetas betas = {0.9, 0.999};
   double eps = 1e-8;
   double weight_decay = 1e-2;
 };

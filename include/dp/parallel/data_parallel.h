@@ -23,8 +23,10 @@
 //                                                // {.mode = dp::Mode::Sharded, .shard_stage = 2}
 //   dp::optim::Adam opt(model.parameters(), {.lr = 1e-3});
 //   opt.zero_grad(); dp::nn::cross_entropy(model(x), y).backward(); opt.step();
+//   dp::Tensor out = model(x, mask);              // a module of two inputs: both split by rows
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -34,6 +36,7 @@
 #include <optional>
 #include <vector>
 
+#include "dp/nn/loss.h"
 #include "dp/nn/module.h"
 #include "dp/parallel/stats.h"
 #include "dp/tensor/tensor.h"
@@ -89,7 +92,32 @@ struct DataParallelOptions {
   std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
 };
 
-/// A loss of (output, target) that returns the MEAN over its rows (e.g. cross_entropy).
+/// Marks an input of DataParallel::forward that every device receives whole instead of
+/// a slice of its rows: a mask shared by every sample, a lookup table. A 0-d tensor is
+/// replicated without the mark.
+///
+///   model(x, dp::replicated(causal_mask));   // x split by rows, the (T, T) mask whole
+struct Replicated {
+  Tensor tensor;
+};
+inline Replicated replicated(Tensor t) { return Replicated{std::move(t)}; }
+
+/// One input of a several-input DataParallel forward: a tensor split along dim 0 like
+/// the batch (the default), or one replicated to every device (a 0-d tensor, or
+/// dp::replicated(t)).
+struct DataParallelInput {
+  DataParallelInput(Tensor t) : tensor(std::move(t)), replicated(tensor.defined() && tensor.dim() == 0) {}  // NOLINT
+  DataParallelInput(Replicated r) : tensor(std::move(r.tensor)), replicated(true) {}  // NOLINT
+  Tensor tensor;
+  bool replicated;
+};
+
+/// A loss of (output, target) that MUST return the mean over its rows (e.g.
+/// cross_entropy with its defaults). forward_backward cannot see its reduction: it weighs
+/// each shard's value by the shard's share of the rows, which is the batch's mean only
+/// for a plain mean over rows. A Sum, a class-weighted or ignore_index mean, or a mean
+/// over elements of rows of unequal size come back WRONG (a Sum on 2 devices returns
+/// about half the sum). For those pass a loss descriptor (dp/nn/loss.h) instead.
 using LossFn = std::function<Tensor(const Tensor& output, const Tensor& target)>;
 
 /// Data-parallel training of one module over several devices (see the file comment).
@@ -115,10 +143,54 @@ class DataParallel {
   Tensor forward(const Tensor& x);
   Tensor operator()(const Tensor& x) { return forward(x); }
 
+  /// A module of several inputs (Note [Module inputs] in dp/nn/module.h): every input
+  /// is split along dim 0 with the same rows per device — all must have the same
+  /// size(0), else dp::Error — except replicated ones (0-d, or dp::replicated(t)),
+  /// which every device receives whole. Gradients flow back to every input that
+  /// requires them (a replicated input's is the sum over devices, in device order).
+  ///
+  ///   dp::Tensor out = model(x, mask);                       // both (N, ...)
+  ///   dp::Tensor out = model.forward({x, dp::replicated(table)});
+  Tensor forward(const std::vector<DataParallelInput>& inputs);
+  template <typename... Rest>
+    requires(sizeof...(Rest) >= 1 && (std::constructible_from<DataParallelInput, const Rest&> && ...))
+  Tensor forward(const DataParallelInput& first, const Rest&... rest) {
+    return forward(std::vector<DataParallelInput>{first, DataParallelInput(rest)...});
+  }
+  template <typename... Rest>
+    requires(sizeof...(Rest) >= 1 && (std::constructible_from<DataParallelInput, const Rest&> && ...))
+  Tensor operator()(const DataParallelInput& first, const Rest&... rest) {
+    return forward(std::vector<DataParallelInput>{first, DataParallelInput(rest)...});
+  }
+
   /// The faster path: every worker computes loss_fn on its own shard and runs
   /// backward; no outputs are gathered. Returns the batch's mean loss (a scalar on
-  /// the output device, without autograd history).
+  /// the output device, without autograd history). loss_fn must return its shard's
+  /// mean over rows (see LossFn); prefer a loss descriptor, which is exact always.
   Tensor forward_backward(const Tensor& x, const Tensor& target, const LossFn& loss_fn);
+
+  /// forward_backward with a loss descriptor of dp/nn/loss.h, whose reduction is known:
+  /// returns the whole batch's loss and leaves its gradients, for Mean, Sum, class
+  /// weights, ignore_index and label smoothing alike (Note [Exact shard losses]; equal
+  /// to one device's up to float rounding of the sums). Reduction::None is refused.
+  ///
+  ///   model.forward_backward(x, y, dp::nn::CrossEntropyLoss{.weight = w, .ignore_index = 0});
+  ///   model.forward_backward(x, y, dp::nn::MSELoss{.reduction = dp::nn::Reduction::Sum});
+  template <typename L>
+    requires std::constructible_from<nn::ShardableLoss, const L&>
+  Tensor forward_backward(const Tensor& x, const Tensor& target, const L& loss) {
+    return forward_backward_exact(std::vector<DataParallelInput>{x}, target, nn::ShardableLoss(loss));
+  }
+  /// The same for a module of several inputs: model.forward_backward({x, mask}, y, ce).
+  template <typename L>
+    requires std::constructible_from<nn::ShardableLoss, const L&>
+  Tensor forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target, const L& loss) {
+    return forward_backward_exact(inputs, target, nn::ShardableLoss(loss));
+  }
+  /// The same for a module of several inputs, split as forward(inputs) splits them:
+  /// model.forward_backward({x, mask}, y, loss_fn).
+  Tensor forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target,
+                          const LossFn& loss_fn);
 
   /// RAII guard for gradient accumulation: in DDP and Sharded modes backward passes
   /// inside it accumulate locally (Sharded stage 2 keeps the full gradient buffers
@@ -187,14 +259,23 @@ class DataParallel {
   bool begin_replicate();
   void end_replicate();
   void replicate(int rank, bool sync_params);
+  using ShardLoss = std::function<Tensor(int rank, const Tensor& output, const Tensor& target)>;
+  struct InputGrads;  // the inputs that asked for gradients and their per-rank leaves
+
+  std::int64_t check_inputs(const char* what, const std::vector<DataParallelInput>& inputs) const;
   Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);
+  Tensor scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf);
   Tensor gather(const std::vector<Tensor>& outs, const ShardPlan& plan);
-  void connect_gather_backward(Tensor& out, const Tensor& x, bool input_grad, const std::vector<Tensor>& outs,
-                               const ShardPlan& plan, std::vector<Tensor> leaves);
-  Tensor backward_from_gather(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-                              const std::vector<Tensor>& leaves, Device input_device);
-  Tensor worker_loss_backward(int rank, const Tensor& x, const Tensor& target, const ShardPlan& plan,
-                              const LossFn& loss_fn);
+  void connect_gather_backward(Tensor& out, const std::vector<Tensor>& outs, const ShardPlan& plan,
+                               std::shared_ptr<InputGrads> input_grads);
+  std::vector<Tensor> backward_from_gather(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
+                                           const InputGrads& input_grads);
+  Tensor forward_backward_exact(const std::vector<DataParallelInput>& inputs, const Tensor& target,
+                                const nn::ShardableLoss& loss);
+  Tensor run_forward_backward(const char* what, const std::vector<DataParallelInput>& inputs,
+                              const Tensor& target, const ShardLoss& shard_loss);
+  Tensor worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs, const Tensor& target,
+                              const ShardPlan& plan, const ShardLoss& shard_loss);
   void run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn);
   bool grads_edited_unequally() const;
   void forget_combined_grads();
