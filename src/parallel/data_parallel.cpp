@@ -379,9 +379,20 @@ void DataParallel::make_reducer() {
     parallel::ShardedGrads g;
     for (int r = 0; r < set_->num_copies(); ++r) g.shards.emplace_back(set_->copy(r).begin, set_->copy(r).end);
     if (set_->shards_grads()) {
+      // Note [Detached gradients]: a synced backward reduce-scatters each parameter's
+      // gradient straight into its owners' range gradients; only no_sync passes
+      // accumulate into a full buffer, which the next synced backward combines and frees.
       g.zero_sent = false;
-      g.before_backward = [this](int r) { set_->acquire_grad(r); };
+      g.before_backward = [this](int r) {
+        if (!require_sync_) set_->acquire_grad(r);
+      };
       g.after_sync = [this](int r) { set_->release_grad(r); };
+      g.deliver = [this](int r, const Tensor& piece, std::int64_t offset) {
+        const nn::ParameterCopy& c = set_->copy(r);
+        NoGradGuard no_grad;
+        c.shard_grad.narrow(0, offset - c.begin, piece.numel()).add_(piece);
+      };
+      g.owned = [this](int r) { return set_->copy(r).owned_grad(); };
     }
     sync = parallel::make_reduce_scatter_sync(*comm_, std::move(g));
   } else {
@@ -394,10 +405,13 @@ void DataParallel::make_reducer() {
   if (options_.check_finite_grads)
     reducer_->set_check([this](int r, const Tensor& g, std::int64_t offset) { check_finite(r, g, offset); });
   if (!overlapping) return;
+  std::vector<std::pair<std::int64_t, std::int64_t>> layout;
+  for (auto& s : slots) layout.emplace_back(s->offset, s->copies[0].numel());
+  reducer_->set_param_layout(std::move(layout));
   for (int r = 0; r < static_cast<int>(devices_.size()); ++r)
     for (int i = 0; i < static_cast<int>(slots.size()); ++i)
-      autograd::add_post_accumulate_hook(slots[i]->copies[r],
-                                         [red = reducer_.get(), r, i](const Tensor&) { red->mark_ready(r, i); });
+      autograd::add_post_accumulate_hook(
+          slots[i]->copies[r], [red = reducer_.get(), r, i](const Tensor& leaf) { red->grad_ready(r, i, leaf); });
 }
 
 DataParallel::~DataParallel() {

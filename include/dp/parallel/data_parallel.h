@@ -67,7 +67,9 @@ struct DataParallelOptions {
   /// with another mode is an error.
   std::optional<int> shard_stage = std::nullopt;
   /// DDP and Sharded: bucket size cap in MiB (PyTorch's bucket_cap_mb) and the
-  /// smaller first bucket.
+  /// smaller first bucket. Sharded stage 2 holds no full gradient buffer during a
+  /// synced backward: the cap also bounds the gradients a device holds before they
+  /// are reduce-scattered into their owners' ranges (DeepSpeed's reduce_bucket_size).
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;
   /// DDP and Sharded: copy device 0's buffers (BatchNorm running stats) to every
