@@ -48,6 +48,16 @@ bool sole_owner(const Tensor& g) {
 
 }  // namespace
 
+namespace {
+thread_local const BackwardNodeHook::Fn* t_node_hook = nullptr;
+}  // namespace
+
+std::uint64_t peek_sequence_nr() { return g_next_sequence_nr.load(std::memory_order_relaxed); }
+
+BackwardNodeHook::BackwardNodeHook(Fn fn) : fn_(std::move(fn)), prev_(t_node_hook) { t_node_hook = &fn_; }
+BackwardNodeHook::~BackwardNodeHook() { t_node_hook = prev_; }
+const BackwardNodeHook::Fn* BackwardNodeHook::current() { return t_node_hook; }
+
 Node::Node() : sequence_nr(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
 
 std::vector<Tensor> LambdaNode::apply(std::vector<Tensor>&& grad_outputs) {

@@ -102,6 +102,7 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state an
   const MemoryRun ddp = measure({.mode = dp::Mode::DDP});
   const MemoryRun s1 = measure(sharded(1));
   const MemoryRun s2 = measure(sharded(2));
+  const MemoryRun s3 = measure(sharded(3));
   // The model, from first principles.
   const std::int64_t P = ddp.numel;
   REQUIRE(P == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10);
@@ -116,6 +117,7 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state an
   REQUIRE(s2.buckets.size() == 2);
   const std::int64_t B = s2.buckets[1].second - s2.buckets[1].first;
   CHECK(B == 784 * 1024 + 1024 + 1024 * 1024);
+  const std::int64_t U0 = 784 * 1024 + 1024, U = 1024 * 1024 + 1024;  // the first two units
 
   for (int r = 0; r < kDevices; ++r) {
     CAPTURE(r);
@@ -126,7 +128,10 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state an
     CHECK(s1.steady[r] == (2 * padded + 2 * own) * F);
     // Stage 2: full parameters, its range's gradient, the moments of its range.
     CHECK(s2.steady[r] == (padded + L + 2 * own) * F);
-    for (const MemoryRun* m : {&ddp, &s1, &s2}) CHECK(m->after_backward[r] == m->steady[r]);
+    // Stage 3: its range of the parameters and of the gradient, the moments of its range.
+    CHECK(s3.steady[r] == (L + L + 2 * own) * F);
+    for (const MemoryRun* m : {&ddp, &s1, &s2, &s3}) CHECK(m->after_backward[r] == m->steady[r]);
+    CHECK(double(s3.steady[r] - (L + 2 * own) * F) / double(P * F) == doctest::Approx(1.0 / kDevices).epsilon(1e-3));
     // Optimizer state ~ 1/N of DDP's (stage 1), gradients ~ 1/N (stage 2).
     CHECK(double(s1.steady[r] - 2 * padded * F) / double(2 * P * F) == doctest::Approx(1.0 / kDevices).epsilon(1e-3));
     CHECK(double(s2.steady[r] - (padded + 2 * own) * F) / double(P * F) ==
@@ -140,6 +145,16 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state an
     // Stage 2 holds no full gradient buffer (Note [Detached gradients]): the gradients
     // of the bucket not yet reduce-scattered, at most the big bucket's B elements.
     const std::int64_t peak_s2 = s2.steady[r] + B * F;
+    // Stage 3 (Note [Sharded parameters]): in backward one unit gathered at a time,
+    // beside that unit's gradients (earlier units' gradients were reduce-scattered
+    // first); in forward the current unit and the prefetched next one. The largest
+    // unit is the 1024x1024 layer (U elements), the forward's largest pair the first
+    // two layers (U + U0).
+    const std::int64_t peak_s3 = s3.steady[r] + std::max(2 * U, U + U0) * F;
+    CHECK(s3.peak[r] >= peak_s3);
+    CHECK(s3.peak[r] <= peak_s3 + kSlack);
+    CHECK(s2.peak[r] - s3.peak[r] >= peak_s2 - peak_s3 - kSlack);
+    CHECK(peak_s2 - peak_s3 - kSlack > 0);
     CHECK(ddp.peak[r] >= peak_ddp);
     CHECK(ddp.peak[r] <= peak_ddp + kSlack);
     CHECK(s1.peak[r] >= peak_s1);
@@ -152,6 +167,7 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state an
     CHECK(peak_s1 - peak_s2 - kSlack > 0);  // the margins are real: ~1.9 MB and ~11 MB
     CHECK(peak_ddp - peak_s1 - kSlack > 0);
     MESSAGE("cpu:", r, " steady bytes DDP ", ddp.steady[r], ", stage 1 ", s1.steady[r], ", stage 2 ", s2.steady[r],
-            "; peak DDP ", ddp.peak[r], ", stage 1 ", s1.peak[r], ", stage 2 ", s2.peak[r]);
+            ", stage 3 ", s3.steady[r], "; peak DDP ", ddp.peak[r], ", stage 1 ", s1.peak[r], ", stage 2 ",
+            s2.peak[r], ", stage 3 ", s3.peak[r]);
   }
 }

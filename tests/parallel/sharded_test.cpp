@@ -206,7 +206,6 @@ TEST_CASE("bad shard options are a clear dp::Error") {
     CHECK_THROWS_WITH_AS(dp::DataParallel(net, cpus(2), sharded(stage)), doctest::Contains("expected shard_stage 1"),
                          dp::Error);
   }
-  CHECK_THROWS_WITH_AS(dp::DataParallel(net, cpus(2), sharded(3)), doctest::Contains("not implemented"), dp::Error);
   CHECK_THROWS_WITH_AS(dp::DataParallel(net, cpus(2), {.mode = dp::Mode::DDP, .shard_stage = 1}),
                        doctest::Contains("Mode::Sharded only"), dp::Error);
   CHECK_THROWS_WITH_AS(dp::DataParallel(net, cpus(2), {.shard_stage = 2}), doctest::Contains("mode DP"), dp::Error);
