@@ -84,6 +84,7 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
   // Keep every node alive while the engine runs even if a released node drops edges.
   std::vector<std::shared_ptr<Node>> keep_alive(root_nodes);
 
+  const BackwardNodeHook::Fn* hook = BackwardNodeHook::current();
   while (!ready.empty()) {
     Node* node = ready.top();
     ready.pop();
@@ -92,7 +93,10 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     bool any = false;
     for (auto& g : in) any = any || g.defined();
     std::vector<Tensor> out;
-    if (any) out = node->apply(std::move(in));
+    if (any) {
+      if (hook) (*hook)(*node);
+      out = node->apply(std::move(in));
+    }
     for (std::size_t i = 0; i < node->next_edges.size(); ++i) {
       Edge& e = node->next_edges[i];
       if (!e.valid()) continue;

@@ -33,7 +33,30 @@ AutogradMeta& meta(const Tensor& t) {
   return *impl->autograd;
 }
 
+// Note [Adopting a gradient]
+// A leaf without a .grad takes the incoming gradient as its .grad. Usually that
+// gradient is a fresh tensor the engine holds alone (a weight's gradient made by its
+// node's backward): it becomes the .grad as it is, without the copy that would for a
+// moment hold the gradient twice — the peak that sharded gradients (ZeRO stage 2,
+// whose parameters have no .grad between passes) exist to lower. A gradient that
+// anything else may still read (another edge's, a view into a larger block) is
+// copied, so that accumulating into the .grad later never writes into it.
+bool sole_owner(const Tensor& g) {
+  return g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && g.storage_offset() == 0 &&
+         g.storage()->nbytes() == g.nbytes() && !g.impl()->autograd;
+}
+
 }  // namespace
+
+namespace {
+thread_local const BackwardNodeHook::Fn* t_node_hook = nullptr;
+}  // namespace
+
+std::uint64_t peek_sequence_nr() { return g_next_sequence_nr.load(std::memory_order_relaxed); }
+
+BackwardNodeHook::BackwardNodeHook(Fn fn) : fn_(std::move(fn)), prev_(t_node_hook) { t_node_hook = &fn_; }
+BackwardNodeHook::~BackwardNodeHook() { t_node_hook = prev_; }
+const BackwardNodeHook::Fn* BackwardNodeHook::current() { return t_node_hook; }
 
 Node::Node() : sequence_nr(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
 
@@ -65,6 +88,8 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
     std::lock_guard<std::mutex> lock(leaf_mutex(leaf_impl.get()));  // Note [Concurrent accumulation]
     if (m.grad.defined()) {
       m.grad.add_(g);  // in place: a .grad that views a flat buffer stays a view
+    } else if (sole_owner(g)) {
+      m.grad = g;  // Note [Adopting a gradient]
     } else {
       NoGradGuard no_grad;
       m.grad = g.detach().clone();  // own storage: g may be shared with other edges

@@ -127,6 +127,7 @@ std::shared_ptr<ParameterSet> Module::parameter_set() {
 
 ParameterList Module::parameters() {
   auto set = parameter_set();
+  if (set) set->gather_primary();  // Note [Sharded parameters]: readable until the next step
   auto slots = parameter_slots();
   std::vector<Tensor> tensors;
   tensors.reserve(slots.size());
@@ -135,7 +136,7 @@ ParameterList Module::parameters() {
 }
 
 StateDict Module::named_parameters() {
-  parameter_set();
+  if (auto set = parameter_set()) set->gather_primary();  // Note [Sharded parameters]
   StateDict out;
   collect("", &out, nullptr, nullptr, nullptr);
   return out;
@@ -165,7 +166,7 @@ std::vector<std::shared_ptr<Module>> Module::modules() {
 }
 
 StateDict Module::state_dict() {
-  parameter_set();
+  if (auto set = parameter_set()) set->gather_primary();  // Note [Sharded parameters]
   StateDict params, buffers;
   collect("", &params, &buffers, nullptr, nullptr);
   // PyTorch's order: per module, parameters then buffers. Reproduce it by a walk that

@@ -9,6 +9,7 @@ namespace dp::nn {
 namespace {
 
 thread_local int t_bound_copy = 0;
+thread_local bool t_bound = false;
 
 // Points `impl` at element `offset` of `buffer` without changing its handle identity,
 // so every existing Tensor handle of a parameter sees the flat storage.
@@ -26,14 +27,23 @@ Tensor view_of(const Tensor& buffer, std::int64_t offset, const Shape& shape) {
 const Tensor& Parameter::get() const {
   DP_CHECK(slot_ != nullptr, "Parameter: expected a registered parameter, got an empty one");
   int r = t_bound_copy;
-  if (r > 0 && r < static_cast<int>(slot_->copies.size()) && slot_->copies[r].defined())
-    return slot_->copies[r];
-  return slot_->copies[0];
+  if (!(r > 0 && r < static_cast<int>(slot_->copies.size()) && slot_->copies[r].defined())) r = 0;
+  if (slot_->unit >= 0) {  // Note [Sharded parameters]
+    if (auto set = slot_->set.lock()) set->on_unit_access(t_bound ? r : -1, slot_->unit);
+  }
+  return slot_->copies[r];
 }
 
-ReplicaBinding::ReplicaBinding(int copy) : prev_(t_bound_copy) { t_bound_copy = copy; }
-ReplicaBinding::~ReplicaBinding() { t_bound_copy = prev_; }
+ReplicaBinding::ReplicaBinding(int copy) : prev_(t_bound_copy), prev_bound_(t_bound) {
+  t_bound_copy = copy;
+  t_bound = true;
+}
+ReplicaBinding::~ReplicaBinding() {
+  t_bound_copy = prev_;
+  t_bound = prev_bound_;
+}
 int ReplicaBinding::current() { return t_bound_copy; }
+bool ReplicaBinding::bound() { return t_bound; }
 
 std::shared_ptr<ParameterSet> ParameterSet::create(std::vector<std::shared_ptr<Parameter::Slot>> slots,
                                                    Device device) {
@@ -87,6 +97,11 @@ Tensor ParameterCopy::owned_grad() const {
   DP_CHECK(grad.defined(), "ParameterSet: copy on ", device, " has no gradient buffer");
   if (begin == 0 && end == grad.numel()) return grad;
   return grad.narrow(0, begin, end - begin);
+}
+
+Tensor ParameterCopy::owned_data() const {
+  if (sharded_data || (begin == 0 && end == data.numel())) return data;
+  return data.narrow(0, begin, end - begin);
 }
 
 void ParameterSet::bind_views(int r) {
@@ -185,8 +200,128 @@ void ParameterSet::shard(bool shard_grads) {
     for (int r = 0; r < n; ++r) release_grad(r);
 }
 
+// Note [Sharded parameters].
+void ParameterSet::shard_params(std::vector<std::pair<std::int64_t, std::int64_t>> units) {
+  DP_CHECK(sharded_ && shard_grads_, "ParameterSet: shard_params needs a set sharded with shard_grads");
+  DP_CHECK(!shards_params_, "ParameterSet: parameters already sharded");
+  for (std::size_t u = 0; u < units.size(); ++u)
+    DP_CHECK(units[u].first < units[u].second && (u == 0 || units[u - 1].second <= units[u].first),
+             "ParameterSet: gather unit ", u, " [", units[u].first, ", ", units[u].second,
+             ") is empty or overlaps the previous one");
+  for (auto& s : slots_) {
+    const std::int64_t lo = s->offset, hi = s->offset + s->copies[0].numel();
+    s->unit = -1;
+    for (std::size_t u = 0; u < units.size(); ++u)
+      if (units[u].first <= lo && hi <= units[u].second) s->unit = static_cast<int>(u);
+    DP_CHECK(s->unit >= 0 || lo == hi, "ParameterSet: the parameter at [", lo, ", ", hi, ") lies in no gather unit");
+    if (s->unit < 0) s->unit = 0;  // an empty parameter: any unit holds it
+  }
+  NoGradGuard no_grad;
+  for (int r = 0; r < num_copies(); ++r) {
+    ParameterCopy& c = copies_[r];
+    Tensor own = c.data.narrow(0, c.begin, c.end - c.begin).clone();
+    c.units.clear();
+    for (const auto& [lo, hi] : units) {
+      Tensor t = empty({hi - lo}, c.device);
+      t.storage()->release();
+      c.units.push_back(t);
+    }
+    c.unit_versions.assign(units.size(), 0);
+    for (auto& s : slots_) rebind(*s->copies[r].impl(), c.units[s->unit], s->offset - units[s->unit].first);
+    c.data = own;  // the full buffer is freed here
+    c.sharded_data = true;
+  }
+  units_ = std::move(units);
+  shards_params_ = true;
+}
+
+void ParameterSet::gather_unit(int r, int u) {
+  ParameterCopy& c = copy(r);
+  Tensor& t = c.units[static_cast<std::size_t>(u)];
+  if (!t.storage()->released()) return;
+  t.storage()->materialize();
+  const auto [lo, hi] = units_[static_cast<std::size_t>(u)];
+  NoGradGuard no_grad;
+  for (const ParameterCopy& q : copies_) {
+    const std::int64_t a = std::max(lo, q.begin), b = std::min(hi, q.end);
+    if (a < b) t.narrow(0, a - lo, b - a).copy_(q.data.narrow(0, a - q.begin, b - a));
+  }
+  c.unit_versions[static_cast<std::size_t>(u)] = t.storage()->version();
+}
+
+void ParameterSet::release_unit(int r, int u) { copy(r).units[static_cast<std::size_t>(u)].storage()->release(); }
+
+void ParameterSet::release_units(int r) {
+  for (auto& t : copy(r).units) t.storage()->release();
+}
+
+bool ParameterSet::unit_gathered(int r, int u) const {
+  return !copy(r).units[static_cast<std::size_t>(u)].storage()->released();
+}
+
+void ParameterSet::gather_primary() {
+  if (!shards_params_) return;
+  for (int u = 0; u < static_cast<int>(units_.size()); ++u) gather_unit(0, u);
+}
+
+bool ParameterSet::scatter_primary() {
+  if (!shards_params_) return false;
+  ParameterCopy& c0 = copies_[0];
+  bool wrote = false;
+  NoGradGuard no_grad;
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const Tensor& t = c0.units[u];
+    if (t.storage()->released()) continue;
+    if (t.storage()->version() != c0.unit_versions[u]) {
+      const auto [lo, hi] = units_[u];
+      for (ParameterCopy& q : copies_) {
+        const std::int64_t a = std::max(lo, q.begin), b = std::min(hi, q.end);
+        if (a < b) q.data.narrow(0, a - q.begin, b - a).copy_(t.narrow(0, a - lo, b - a));
+      }
+      wrote = true;
+    }
+    t.storage()->release();
+  }
+  return wrote;
+}
+
+void ParameterSet::on_unit_access(int copy, int unit) {
+  if (copy < 0) {
+    if (!unit_gathered(0, unit)) gather_primary();
+  } else if (unit_hook_) {
+    unit_hook_(copy, unit);
+  } else {
+    gather_unit(copy, unit);
+  }
+}
+
+// Every copy gets a full buffer again, assembled from every copy's range.
+void ParameterSet::unshard_params() {
+  if (!shards_params_) return;
+  scatter_primary();  // edits made through copy 0 since it was gathered
+  NoGradGuard no_grad;
+  std::vector<Tensor> full;
+  for (ParameterCopy& c : copies_) {
+    Tensor t = zeros({buffer_numel_}, c.device);
+    for (const ParameterCopy& q : copies_) t.narrow(0, q.begin, q.end - q.begin).copy_(q.data);
+    full.push_back(t);
+  }
+  for (int r = 0; r < num_copies(); ++r) {
+    ParameterCopy& c = copies_[r];
+    for (auto& s : slots_) rebind(*s->copies[r].impl(), full[r], s->offset);
+    c.data = full[r];
+    c.units.clear();
+    c.unit_versions.clear();
+    c.sharded_data = false;
+  }
+  for (auto& s : slots_) s->unit = -1;
+  units_.clear();
+  shards_params_ = false;
+}
+
 void ParameterSet::unshard() {
   if (!sharded_) return;
+  unshard_params();
   NoGradGuard no_grad;
   const int n = num_copies();
   for (int r = 0; r < n; ++r) acquire_grad(r);  // no-op unless sharded gradients

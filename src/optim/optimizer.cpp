@@ -193,13 +193,14 @@ void Optimizer::step_copy(int r) {
   CopyState& st = states_[static_cast<std::size_t>(r)];
   const std::size_t k = state_names().size();
   if (k > 0 && st.buffers.empty()) allocate_state(st, copy.device, {st.numel});
-  float* p = copy.data.data<float>();
-  const Tensor owned = copy.owned_grad();  // element i of the buffers at [i - copy.begin]
+  const Tensor owned_p = copy.owned_data();  // element i of the buffers at [i - copy.begin]
+  float* p = owned_p.data<float>();
+  const Tensor owned = copy.owned_grad();
   const float* g = owned.data<float>();
   std::vector<float*> sp(k);
   for (const Range& range : st.ranges) {
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>() + range.state_offset;
-    update(copy.device, p + range.offset, g + (range.offset - copy.begin), sp.data(), range.numel, st.fresh,
+    update(copy.device, p + (range.offset - copy.begin), g + (range.offset - copy.begin), sp.data(), range.numel, st.fresh,
            step_);
   }
   st.fresh = false;

@@ -1,6 +1,9 @@
 #include "dp/parallel/data_parallel.h"
 
 #include <algorithm>
+#include <climits>
+#include <map>
+#include <optional>
 #include <set>
 
 #include "backend/backend.h"
@@ -93,6 +96,12 @@ const char* mode_name(Mode mode) {
   return "?";
 }
 
+// Note [Sharded parameters]
+struct DataParallel::UnitState {
+  std::vector<std::pair<std::uint64_t, int>> marks;  // (first sequence number, unit), ascending
+  int forward = -1, backward = -1;                   // the unit current in each pass
+};
+
 struct DataParallel::ShardPlan {
   std::int64_t rows = 0;
   std::vector<std::int64_t> sizes, offsets;  // per rank; a rank may get 0 rows
@@ -118,6 +127,9 @@ class DataParallel::Step {
   };
   Step(DataParallel& dp, const char* what, Options options) : dp_(dp), options_(options) {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
+    // Note [Sharded parameters]: device 0's parameters gathered for the user since the
+    // last step go back (written back to every range when they were edited).
+    dp_.set_->scatter_primary();
     if (options_.replicate || options_.gather) sync_params_ = dp_.begin_replicate();
     if (options_.backward) {
       dp_.forget_combined_grads();
@@ -141,6 +153,23 @@ class DataParallel::Step {
       dp_.workers_->run(
           [&](int r) {
             nn::ReplicaBinding bind(r);
+            if (!dp_.params_sharded()) {
+              if (options_.backward) dp_.reducer_->begin(r);
+              fn(r);
+              return;
+            }
+            // Note [Sharded parameters]: a forward records which unit each node was made
+            // under; a backward gathers them again node by node; whatever happens, the
+            // rank's units are released when its part of the step ends.
+            struct Leave {
+              DataParallel& dp;
+              int r;
+              ~Leave() { dp.leave_units(r); }
+            } leave{dp_, r};
+            if (options_.replicate) dp_.unit_state_[r].marks.clear();
+            std::optional<autograd::BackwardNodeHook> hook;
+            if (options_.backward)
+              hook.emplace([this, r](const autograd::Node& node) { dp_.backward_unit(r, node.sequence_nr); });
             if (options_.backward) dp_.reducer_->begin(r);
             fn(r);
           },
@@ -165,6 +194,106 @@ class DataParallel::Step {
   Options options_;
   bool sync_params_ = false;
 };
+
+// Note [Sharded parameters]
+// ZeRO stage 3 (FSDP): each device keeps only its range of the parameters (Note
+// [Sharded parameter sets]; Note [Sharded parameters] in dp/nn/parameter_set.h for the
+// buffers). The gather units are the net's top-level children, each a contiguous run
+// of the flat layout because parameters are flattened depth first in registration
+// order (parameters registered on the root itself form units of their own; a net
+// without children is one unit).
+// Forward: the first time a worker's forward reads a parameter of unit u
+// (Parameter::get, on the worker's thread), u is gathered for that device, every
+// other gathered unit but u + 1 is released, and u + 1 is gathered ahead (the
+// prefetch: on CPU virtual devices a copy, on GPUs the copies are enqueued and
+// overlap u's compute). The worker also records the autograd sequence number at
+// which u became current: every node made from then until the next unit belongs to u.
+// Backward: autograd calls a hook before each node (BackwardNodeHook); when the node
+// belongs to another unit than the one gathered, the device first waits until the
+// gradients already complete were reduce-scattered (so that no more than one unit's
+// gradients are held, the bound the memory test checks), releases the unit it leaves
+// and gathers the node's unit — after the leaving unit's last gradient was made
+// (FSDP's BACKWARD_POST order: one unit gathered at a time in backward, never two).
+// The last unit of a forward stays gathered into a forward_backward's backward, which
+// starts with it. Gradients take stage 2's detached path (Note [Detached gradients]),
+// with buckets that never straddle a unit; each rank's units are released when its
+// part of a step ends, failed or not.
+// The gather is a pull from every owner's range (ParameterSet::gather_unit): it needs
+// no rendezvous, so a device with no rows, or one that failed, never leaves another
+// waiting; a device copy per owner moves the bytes an all-gather would.
+// Between steps every device holds only its ranges. Reading device 0's parameters
+// gathers them (Module::parameters(), named_parameters(), state_dict(), or any access
+// through a Parameter on a user thread), and they stay gathered until the next step
+// begins; edits made through them then (load_state_dict, in-place writes) are
+// written back into every device's range, so device 0's values win, as in the other
+// modes. A tensor taken from them before that step and read after it is a clear
+// dp::Error (Note [Released storage]). An optimizer step updates each range in place
+// and gathers nothing; a failed one leaves the ranges it reached updated, the others
+// not, which no replica can contradict (each element has one owner).
+
+bool DataParallel::params_sharded() const { return set_->shards_params(); }
+
+std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::gather_units() const {
+  // Owner of each slot: the index of the top-level child that holds it, or -1-i for
+  // the root's own parameter i (a unit of its own).
+  std::map<const nn::Parameter::Slot*, int> owner;
+  int child = 0;
+  for (auto& [name, c] : net_->named_children()) {
+    for (auto& s : c->parameter_slots()) owner.emplace(s.get(), child);
+    ++child;
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> units;
+  int last = 0;
+  const auto& slots = set_->slots();
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    auto it = owner.find(slots[i].get());
+    const int who = it != owner.end() ? it->second : -1 - static_cast<int>(i);
+    const std::int64_t lo = slots[i]->offset, hi = lo + slots[i]->copies[0].numel();
+    if (hi == lo) continue;
+    if (!units.empty() && who == last && units.back().second == lo) {
+      units.back().second = hi;
+    } else {
+      units.emplace_back(lo, hi);
+    }
+    last = who;
+  }
+  return units;
+}
+
+// The unit hook: worker `rank`'s forward reads a parameter of `unit`.
+void DataParallel::enter_unit(int rank, int unit) {
+  UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
+  if (st.forward == unit) return;
+  st.marks.emplace_back(autograd::peek_sequence_nr(), unit);
+  st.forward = unit;
+  PhaseTimer t(*recorder_, rank, Phase::AllGather);
+  const int n = static_cast<int>(set_->units().size());
+  for (int u = 0; u < n; ++u)
+    if (u != unit && u != unit + 1 && set_->unit_gathered(rank, u)) set_->release_unit(rank, u);
+  set_->gather_unit(rank, unit);
+  if (unit + 1 < n) set_->gather_unit(rank, unit + 1);  // the prefetch
+}
+
+// The backward node hook of worker `rank`.
+void DataParallel::backward_unit(int rank, std::uint64_t sequence_nr) {
+  UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
+  auto it = std::upper_bound(st.marks.begin(), st.marks.end(), std::make_pair(sequence_nr, INT_MAX));
+  if (it == st.marks.begin()) return;  // made before any parameter was read
+  const int unit = std::prev(it)->second;
+  if (unit == st.backward) return;
+  if (st.backward >= 0) reducer_->wait_combined(rank);
+  PhaseTimer t(*recorder_, rank, Phase::AllGather);
+  for (int u = 0; u < static_cast<int>(set_->units().size()); ++u)
+    if (u != unit && set_->unit_gathered(rank, u)) set_->release_unit(rank, u);
+  set_->gather_unit(rank, unit);
+  st.backward = unit;
+}
+
+void DataParallel::leave_units(int rank) {
+  UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
+  st.forward = st.backward = -1;
+  set_->release_units(rank);
+}
 
 // ---- construction -------------------------------------------------------------------------
 
@@ -195,8 +324,6 @@ void DataParallel::check_options(int n) {
     const int stage = options_.shard_stage.value_or(2);
     DP_CHECK(stage >= 1 && stage <= 3, "DataParallel: expected shard_stage 1 (optimizer state), 2 (and "
              "gradients) or 3 (and parameters), got ", stage);
-    DP_CHECK(stage != 3, "DataParallel: shard_stage 3 (sharded parameters) is not implemented yet; use "
-             "shard_stage 1 or 2");
     options_.shard_stage = stage;
   } else {
     DP_CHECK(!options_.shard_stage.has_value(), "DataParallel: shard_stage = ", *options_.shard_stage,
@@ -228,6 +355,12 @@ void DataParallel::init(std::vector<Device> devices) {
   for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!persistent);
   // One device owns everything: stage 2's separate gradient would only add memory.
   if (options_.mode == Mode::Sharded) set_->shard(/*shard_grads=*/shard_stage() >= 2 && n > 1);
+  // One device owns every parameter: nothing to shard, stage 3 runs as stage 1.
+  if (options_.mode == Mode::Sharded && shard_stage() == 3 && n > 1) {
+    set_->shard_params(gather_units());
+    unit_state_.resize(static_cast<std::size_t>(n));
+    set_->set_unit_hook([this](int r, int u) { enter_unit(r, u); });
+  }
   for (auto& b : buffers_) {
     b->copies.resize(n);
     NoGradGuard no_grad;
@@ -266,7 +399,7 @@ void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::funct
            "DataParallel: opt.step() inside no_sync(): each replica holds only its own accumulated "
            "gradient until the first backward after the guard combines them; step after that backward");
   const bool sync_grads = update && replicas && options_.mode == Mode::DDP && grads_edited_unequally();
-  const bool gather = update && replicas && options_.mode == Mode::Sharded;
+  const bool gather = update && replicas && options_.mode == Mode::Sharded && !params_sharded();
   int ranks = 0;
   for (int r = 0; r < copies; ++r)
     if (!set_->copy(r).transient) ranks = r + 1;
@@ -323,7 +456,7 @@ void DataParallel::snapshot_grad_versions() {
 }
 
 void DataParallel::check_replicas() const {
-  if (options_.mode == Mode::DP) return;
+  if (options_.mode == Mode::DP || params_sharded()) return;
   const auto& slots = set_->slots();
   const Tensor& primary = set_->copy(0).data;
   for (int r = 1; r < set_->num_copies(); ++r) {
@@ -371,7 +504,28 @@ void DataParallel::make_reducer() {
   std::vector<parallel::Bucket> buckets;
   std::unique_ptr<parallel::GradSync> sync;
   const bool overlapping = options_.mode != Mode::DP;
-  if (overlapping) {
+  if (overlapping && params_sharded()) {
+    // Note [Sharded parameters]: buckets never straddle a unit; the last unit first.
+    const auto& units = set_->units();
+    std::int64_t first_cap = parallel::mib_to_floats(options_.first_bucket_mb);
+    for (std::size_t u = units.size(); u-- > 0;) {
+      std::vector<std::int64_t> numel;
+      int first = -1;
+      for (int i = 0; i < static_cast<int>(slots.size()); ++i)
+        if (slots[i]->unit == static_cast<int>(u)) {
+          if (first < 0) first = i;
+          numel.push_back(slots[i]->copies[0].numel());
+        }
+      if (first < 0) continue;
+      for (parallel::Bucket b : parallel::assign_buckets(numel, first_cap, parallel::mib_to_floats(options_.bucket_cap_mb))) {
+        b.lo += slots[first]->offset;
+        b.hi += slots[first]->offset;
+        b.first_param += first;
+        buckets.push_back(b);
+      }
+      first_cap = parallel::mib_to_floats(options_.bucket_cap_mb);
+    }
+  } else if (overlapping) {
     std::vector<std::int64_t> numel;
     for (auto& s : slots) numel.push_back(s->copies[0].numel());
     buckets = parallel::assign_buckets(numel, parallel::mib_to_floats(options_.first_bucket_mb),
@@ -383,9 +537,20 @@ void DataParallel::make_reducer() {
     parallel::ShardedGrads g;
     for (int r = 0; r < set_->num_copies(); ++r) g.shards.emplace_back(set_->copy(r).begin, set_->copy(r).end);
     if (set_->shards_grads()) {
+      // Note [Detached gradients]: a synced backward reduce-scatters each parameter's
+      // gradient straight into its owners' range gradients; only no_sync passes
+      // accumulate into a full buffer, which the next synced backward combines and frees.
       g.zero_sent = false;
-      g.before_backward = [this](int r) { set_->acquire_grad(r); };
+      g.before_backward = [this](int r) {
+        if (!require_sync_) set_->acquire_grad(r);
+      };
       g.after_sync = [this](int r) { set_->release_grad(r); };
+      g.deliver = [this](int r, const Tensor& piece, std::int64_t offset) {
+        const nn::ParameterCopy& c = set_->copy(r);
+        NoGradGuard no_grad;
+        c.shard_grad.narrow(0, offset - c.begin, piece.numel()).add_(piece);
+      };
+      g.owned = [this](int r) { return set_->copy(r).owned_grad(); };
     }
     sync = parallel::make_reduce_scatter_sync(*comm_, std::move(g));
   } else {
@@ -398,16 +563,20 @@ void DataParallel::make_reducer() {
   if (options_.check_finite_grads)
     reducer_->set_check([this](int r, const Tensor& g, std::int64_t offset) { check_finite(r, g, offset); });
   if (!overlapping) return;
+  std::vector<std::pair<std::int64_t, std::int64_t>> layout;
+  for (auto& s : slots) layout.emplace_back(s->offset, s->copies[0].numel());
+  reducer_->set_param_layout(std::move(layout));
   for (int r = 0; r < static_cast<int>(devices_.size()); ++r)
     for (int i = 0; i < static_cast<int>(slots.size()); ++i)
-      autograd::add_post_accumulate_hook(slots[i]->copies[r],
-                                         [red = reducer_.get(), r, i](const Tensor&) { red->mark_ready(r, i); });
+      autograd::add_post_accumulate_hook(
+          slots[i]->copies[r], [red = reducer_.get(), r, i](const Tensor& leaf) { red->grad_ready(r, i, leaf); });
 }
 
 DataParallel::~DataParallel() {
   // Hand the module back as a plain single-device module.
   try {
     set_->set_executor(nullptr);
+    set_->set_unit_hook(nullptr);
     for (auto& s : set_->slots()) autograd::clear_post_accumulate_hooks(s->copies[0]);
     set_->drop_copies();
     for (auto& b : buffers_) b->copies.resize(1);
@@ -822,6 +991,10 @@ std::uint64_t DataParallel::primary_version() const {
 // moved by different amounts since the last sync". Decided once on the calling
 // thread, so every rank makes the same collectives.
 bool DataParallel::begin_replicate() {
+  if (params_sharded()) {  // no replicas: each range has one owner (Note [Sharded parameters])
+    synced_version_ = kUnsynced;
+    return false;
+  }
   bool sync;
   if (options_.mode == Mode::DP) {
     sync = primary_version() != synced_version_;
@@ -841,6 +1014,10 @@ void DataParallel::end_replicate() {
 }
 
 DataParallel::NoSyncGuard::NoSyncGuard(DataParallel& dp) : dp_(dp), prev_(dp.require_sync_) {
+  DP_CHECK(!dp.params_sharded(), "DataParallel: no_sync() with shard_stage 3: the sharded parameters keep no "
+           "full gradient to accumulate into; accumulate by calling backward several times between "
+           "zero_grad() and step() instead (each backward adds its reduce-scattered gradient to the "
+           "owners' ranges), or use shard_stage 2");
   dp_.require_sync_ = false;
 }
 DataParallel::NoSyncGuard::~NoSyncGuard() { dp_.require_sync_ = prev_; }

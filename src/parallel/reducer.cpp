@@ -93,26 +93,20 @@ class ReduceScatterSync final : public GradSync {
   const char* name() const override { return "reduce_scatter"; }
   bool overlaps_backward() const override { return true; }
 
-  void sync(int rank, const Tensor& grad, std::int64_t offset) override {
-    const std::int64_t lo = offset, hi = offset + grad.numel();
-    for (int owner = 0; owner < static_cast<int>(g_.shards.size()); ++owner) {
-      const auto [begin, end] = g_.shards[static_cast<std::size_t>(owner)];
-      const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
-      if (a >= b) continue;
-      Tensor piece = grad.narrow(0, a - lo, b - a);
-      comm_.reduce(rank, piece, rank == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
-      // Stage 1: the piece was sent and belongs to another rank: zeros from now on.
-      // Through the backend, not Tensor::zero_(): that bumps the buffer's storage
-      // version, which the worker's backward bumps concurrently.
-      if (rank != owner && g_.zero_sent) {
-        const Device dev = piece.device();
-        backend::get(dev).memset_zero(piece.data<float>(), dev, static_cast<std::size_t>(b - a) * sizeof(float));
-      }
-    }
+  void sync(int rank, const Tensor& grad, std::int64_t offset) override { reduce_pieces(rank, grad, offset, false); }
+
+  // Note [Detached gradients].
+  void sync_detached(int rank, const Tensor& grad, std::int64_t offset) override {
+    DP_ASSERT(g_.deliver != nullptr, "detached gradients without ShardedGrads::deliver");
+    reduce_pieces(rank, grad, offset, true);
   }
 
   Held held(int rank, const Tensor& buffer) const override {
     const auto [begin, end] = g_.shards[static_cast<std::size_t>(rank)];
+    if (!buffer.defined()) {  // a detached cycle: the range's gradient is kept apart
+      DP_ASSERT(g_.owned != nullptr, "detached gradients without ShardedGrads::owned");
+      return {begin, g_.owned(rank)};
+    }
     return {begin, buffer.narrow(0, begin, end - begin)};
   }
 
@@ -124,6 +118,30 @@ class ReduceScatterSync final : public GradSync {
   }
 
  private:
+  // Cuts [offset, offset + grad.numel()) at the shard boundaries and reduces each
+  // piece onto its owner; a detached piece is then delivered to the owner's range.
+  void reduce_pieces(int rank, const Tensor& grad, std::int64_t offset, bool detached) {
+    const std::int64_t lo = offset, hi = offset + grad.numel();
+    for (int owner = 0; owner < static_cast<int>(g_.shards.size()); ++owner) {
+      const auto [begin, end] = g_.shards[static_cast<std::size_t>(owner)];
+      const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
+      if (a >= b) continue;
+      Tensor piece = grad.narrow(0, a - lo, b - a);
+      comm_.reduce(rank, piece, rank == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
+      if (detached) {
+        if (rank == owner) g_.deliver(rank, piece, a);
+        continue;  // the other ranks' pieces are freed with the gradient
+      }
+      // Stage 1: the piece was sent and belongs to another rank: zeros from now on.
+      // Through the backend, not Tensor::zero_(): that bumps the buffer's storage
+      // version, which the worker's backward bumps concurrently.
+      if (rank != owner && g_.zero_sent) {
+        const Device dev = piece.device();
+        backend::get(dev).memset_zero(piece.data<float>(), dev, static_cast<std::size_t>(b - a) * sizeof(float));
+      }
+    }
+  }
+
   comm::Communicator& comm_;
   ShardedGrads g_;
 };
@@ -156,6 +174,9 @@ struct Reducer::RankState {
   std::unique_ptr<std::atomic<int>[]> pending;  // parameters still to come, per bucket
   std::unique_ptr<std::atomic<int>[]> ready;    // 1 once the bucket may be combined
   double comm_ms = 0;  // written by the comm thread, read by the worker after wait()
+  bool detached = false;       // Note [Detached gradients]: set by the worker in begin()
+  std::vector<Tensor> stash;   // detached: gradients taken from the parameters, per parameter
+  std::atomic<int> combined{0};  // buckets the comm thread has combined this cycle
 };
 
 Reducer::Reducer(std::vector<Device> devices, std::vector<Bucket> buckets, std::unique_ptr<GradSync> sync,
@@ -192,11 +213,44 @@ void Reducer::prepare(bool sync) {
       r.ready[b].store(0, std::memory_order_relaxed);
     }
     r.comm_ms = 0;
+    r.combined.store(0, std::memory_order_relaxed);
   }
   active_.store(sync, std::memory_order_release);
   if (sync && comm_threads_) {
     comm_threads_->launch([this](int r) { comm_loop(r); }, on_failure_);
     armed_ = true;
+  }
+}
+
+void Reducer::begin(int rank) {
+  sync_->begin(rank);
+  RankState& st = ranks_[rank];
+  st.detached = active_.load(std::memory_order_acquire) && !grad_of_(rank).defined();
+  if (!st.detached) return;
+  DP_ASSERT(comm_threads_ != nullptr && params_.size() == bucket_of_param_.size(),
+            "a detached gradient cycle needs comm threads and the parameter layout");
+  st.stash.assign(params_.size(), Tensor());
+}
+
+void Reducer::grad_ready(int rank, int param, const Tensor& leaf) {
+  if (!active_.load(std::memory_order_acquire)) return;
+  RankState& st = ranks_[rank];
+  if (st.detached) {
+    st.stash[static_cast<std::size_t>(param)] = leaf.grad();
+    leaf.set_grad(Tensor());
+  }
+  mark_ready(rank, param);
+}
+
+void Reducer::wait_combined(int rank) {
+  if (!armed_) return;
+  RankState& st = ranks_[rank];
+  int need = 0;
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    if (st.ready[b].load(std::memory_order_acquire) != 0) need = static_cast<int>(b) + 1;
+  for (int c = st.combined.load(std::memory_order_acquire); c < need; c = st.combined.load(std::memory_order_acquire)) {
+    if (aborted_.load(std::memory_order_acquire)) return;
+    st.combined.wait(c, std::memory_order_acquire);
   }
 }
 
@@ -217,7 +271,11 @@ void Reducer::release(int rank) {
 
 void Reducer::abort() {
   aborted_.store(true, std::memory_order_release);
-  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) release(r);
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    release(r);
+    ranks_[r].combined.store(static_cast<int>(buckets_.size()), std::memory_order_release);
+    ranks_[r].combined.notify_all();
+  }
 }
 
 // Note [Comm threads]
@@ -231,17 +289,36 @@ void Reducer::comm_loop(int rank) {
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
     ranks_[rank].ready[b].wait(0, std::memory_order_acquire);
     if (aborted_.load(std::memory_order_acquire)) return;
-    if (!grad.defined()) grad = grad_of_(rank);
     const Bucket& bk = buckets_[b];
     auto t0 = Clock::now();
-    Tensor slice = grad.narrow(0, bk.lo, bk.hi - bk.lo);
-    if (check_) check_(rank, slice, bk.lo);
-    sync_->sync(rank, slice, bk.lo);
+    if (ranks_[rank].detached) {
+      sync_bucket_detached(rank, bk);
+    } else {
+      if (!grad.defined()) grad = grad_of_(rank);
+      Tensor slice = grad.narrow(0, bk.lo, bk.hi - bk.lo);
+      if (check_) check_(rank, slice, bk.lo);
+      sync_->sync(rank, slice, bk.lo);
+    }
+    ranks_[rank].combined.store(static_cast<int>(b) + 1, std::memory_order_release);
+    ranks_[rank].combined.notify_all();
     auto t1 = Clock::now();
     ranks_[rank].comm_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
     if (recorder_.trace().enabled())
       recorder_.comm_event(rank, std::string(sync_->name()) + " bucket " + std::to_string(b), t0, t1,
                            "\"bytes\": " + std::to_string((bk.hi - bk.lo) * 4));
+  }
+}
+
+// Note [Detached gradients]: each parameter of the bucket on its own, in index order
+// on every rank; each gradient is freed once combined.
+void Reducer::sync_bucket_detached(int rank, const Bucket& bk) {
+  RankState& st = ranks_[rank];
+  for (int i = bk.first_param; i < bk.first_param + bk.num_params; ++i) {
+    const auto [offset, numel] = params_[static_cast<std::size_t>(i)];
+    Tensor g = std::move(st.stash[static_cast<std::size_t>(i)]);
+    g = g.defined() ? g.reshape({numel}) : zeros({numel}, devices_[static_cast<std::size_t>(rank)]);
+    if (check_) check_(rank, g, offset);
+    sync_->sync_detached(rank, g, offset);
   }
 }
 
@@ -305,6 +382,7 @@ void Reducer::end() {
   }
   armed_ = false;
   active_.store(false, std::memory_order_release);
+  for (auto& r : ranks_) r.stash.clear();  // a failed detached cycle's gradients
 }
 
 }  // namespace dp::parallel

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "dp/core/error.h"
 #include "dp/tensor/tensor.h"
 #include "parallel/phase_timer.h"
 #include "parallel/worker_pool.h"
@@ -85,6 +86,13 @@ class GradSync {
   /// timing]), or nothing when the communicator finishes collectives on the host
   /// (then the reducer times its comm threads).
   virtual std::optional<std::pair<double, double>> device_times(int /*rank*/) { return std::nullopt; }
+  /// Note [Detached gradients]: combines one parameter's gradient `grad`, a tensor of
+  /// its own (no flat buffer behind it) holding elements [offset, offset +
+  /// grad.numel()) of the flat layout, and hands rank's part of the result to where
+  /// it is kept. Only strategies that keep no full gradient buffer take these.
+  virtual void sync_detached(int /*rank*/, const Tensor& /*grad*/, std::int64_t /*offset*/) {
+    DP_FAIL("gradient strategy '", name(), "' needs a flat gradient buffer; it got a detached gradient");
+  }
   /// Worker `rank`, before its backward (synced or not).
   virtual void begin(int /*rank*/) {}
   /// Worker `rank`, after a synced cycle succeeded (collectives done, result checked).
@@ -109,6 +117,13 @@ struct ShardedGrads {
   /// Worker r, after its synced cycle: e.g. free its full gradient buffer (stage 2).
   /// May be empty.
   std::function<void(int rank)> after_sync;
+  /// Detached gradients (Note [Detached gradients]): adds the summed `piece`,
+  /// elements [offset, offset + piece.numel()) of rank's own range, into the gradient
+  /// rank keeps for its range; runs on rank's comm thread. Needed for detached cycles.
+  std::function<void(int rank, const Tensor& piece, std::int64_t offset)> deliver;
+  /// Detached gradients: the gradient rank keeps for its own range (what held()
+  /// returns when rank has no full buffer).
+  std::function<Tensor(int rank)> owned;
 };
 
 /// Note [Sharded gradients]
@@ -130,6 +145,24 @@ struct ShardedGrads {
 /// frees the buffer; before_backward brings it back (zeros, the range restored), so
 /// gradients accumulate the same way.
 std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads);
+
+/// Note [Detached gradients]
+/// ZeRO stage 2 keeps no full gradient buffer during a synced backward: a parameter's
+/// gradient is the tensor its node's backward made, adopted as its .grad (Note
+/// [Adopting a gradient] in src/autograd/node.cpp); the post-accumulate hook takes it
+/// away from the parameter (grad_ready), and the rank's comm thread reduce-scatters
+/// it, parameter by parameter in bucket order, straight into the owners' range
+/// gradients (ShardedGrads::deliver adds the summed piece), then frees it. A rank
+/// thus holds at most the gradients of the buckets not yet combined — bounded by
+/// bucket_cap_mb, DeepSpeed's reduce_bucket_size — and never a buffer of the whole
+/// model. Buckets still decide when a collective starts (a bucket is combined once
+/// all its parameters are ready, in index order on every rank), so every rank makes
+/// the same sequence of collectives. A parameter with no gradient on a rank (unused
+/// in its forward, or no rows) sends zeros. Each element is still summed in the fixed
+/// rank order, and the sum lands on a zeroed range gradient (0 + s == s), so the
+/// result is bitwise what the flat-buffer path and DDP compute. A cycle is detached
+/// when the rank's gradient buffer (GradOf) is undefined at begin(): a backward
+/// after no_sync ones, which accumulated into a full buffer, takes the flat path.
 
 /// The gradient cycle (see the file comment and Note [Gradient buckets]).
 class Reducer {
@@ -160,10 +193,25 @@ class Reducer {
   /// Calling thread, before the workers' backward. `sync` false (no_sync): the
   /// gradients only accumulate locally; hooks count nothing, finalize does nothing.
   void prepare(bool sync);
-  /// Worker `rank`, before its backward (synced or not): the strategy's preparation.
-  void begin(int rank) { sync_->begin(rank); }
+  /// Worker `rank`, before its backward (synced or not): the strategy's preparation;
+  /// then, in a synced backward, the cycle is detached when rank has no gradient
+  /// buffer (Note [Detached gradients]).
+  void begin(int rank);
   /// The post-accumulate hook of parameter `param` on rank `rank`.
   void mark_ready(int rank, int param);
+  /// Note [Detached gradients]: element [offset, offset + numel) of the flat layout per
+  /// parameter, in registration order. Needed before any detached cycle.
+  void set_param_layout(std::vector<std::pair<std::int64_t, std::int64_t>> params) {
+    params_ = std::move(params);
+  }
+  /// The post-accumulate hook when gradients may be detached: in a detached cycle of
+  /// rank (rank's gradient buffer, grad_of(rank), is undefined), takes `leaf`'s .grad
+  /// away from it — the comm thread combines it and frees it — then marks it ready.
+  void grad_ready(int rank, int param, const Tensor& leaf);
+  /// Worker `rank`: waits until every bucket already complete on rank was combined
+  /// (or the cycle was aborted), so that no more than the gradients still being made
+  /// are held; a no-op when nothing runs on a comm thread.
+  void wait_combined(int rank);
   /// Worker `rank`, after its backward: the buckets still pending (parameters that got
   /// no gradient) become ready, the rank waits for its comm thread (or runs the
   /// whole-buffer collective), and the result is checked. Rethrows a comm failure.
@@ -177,6 +225,7 @@ class Reducer {
  private:
   struct RankState;
   void comm_loop(int rank);
+  void sync_bucket_detached(int rank, const Bucket& bk);
   void finalize_overlapped(int rank);
   void release(int rank);
 
@@ -189,6 +238,7 @@ class Reducer {
   Check check_;
   ErrorHook on_failure_;
   std::vector<RankState> ranks_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> params_;  // (offset, numel) per parameter
   std::unique_ptr<WorkerPool> comm_threads_;  // overlapping strategies with >1 rank
   std::atomic<bool> active_{false};           // hooks count only inside a synced backward
   std::atomic<bool> aborted_{false};

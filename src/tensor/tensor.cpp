@@ -57,6 +57,21 @@ Storage::Storage(PinnedTag, std::size_t nbytes)
 Storage::Storage(Device device, void* data, std::size_t nbytes, std::function<void(void*)> deleter)
     : device_(device), nbytes_(nbytes), data_(data), external_(true), deleter_(std::move(deleter)) {}
 
+void Storage::release() {
+  DP_CHECK(!pinned_, "Storage::release: pinned host memory cannot be released");
+  DP_CHECK(!external_, "Storage::release: memory wrapped by from_blob belongs to the caller and cannot be released");
+  if (released_) return;
+  backend::get(device_).deallocate(device_, data_, nbytes_);
+  data_ = nullptr;
+  released_ = true;
+}
+
+void Storage::materialize() {
+  if (!released_) return;
+  data_ = backend::get(device_).allocate(device_, nbytes_);
+  released_ = false;
+}
+
 Storage::~Storage() {
   if (external_) {
     if (!deleter_) return;  // the caller keeps ownership
@@ -69,6 +84,7 @@ Storage::~Storage() {
     }
     return;
   }
+  if (released_) return;
   if (pinned_) {
     backend::pinned_host_backend().deallocate_pinned(data_, nbytes_);
   } else {
@@ -131,6 +147,10 @@ std::int64_t Tensor::storage_offset() const { return checked(impl_).offset; }
 
 void* Tensor::raw_data() const {
   const auto& impl = checked(impl_);
+  DP_CHECK(!impl.storage->released(), "Tensor", shape_str(impl.shape), " on ", impl.storage->device(),
+           ": its memory was released (Note [Released storage]) — a parameter of a module trained with "
+           "DataParallel shard_stage 3 between uses; read parameters through net->state_dict(), "
+           "net->parameters() or named_parameters(), which gather them (see dp/parallel/data_parallel.h)");
   return static_cast<char*>(impl.storage->data()) + impl.offset * element_size(impl.dtype);
 }
 

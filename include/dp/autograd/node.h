@@ -115,6 +115,28 @@ void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output,
 void add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook);
 void clear_post_accumulate_hooks(const Tensor& t);
 
+/// The sequence number the next node made (on any thread) will get: nodes made after
+/// this call have numbers >= the result.
+std::uint64_t peek_sequence_nr();
+
+/// Called on the calling thread before each node a backward on that thread runs
+/// (DataParallel's sharded parameters gather a module's parameters there). RAII;
+/// nests, restoring the previous hook.
+class BackwardNodeHook {
+ public:
+  using Fn = std::function<void(const Node& node)>;
+  explicit BackwardNodeHook(Fn fn);
+  ~BackwardNodeHook();
+  BackwardNodeHook(const BackwardNodeHook&) = delete;
+  BackwardNodeHook& operator=(const BackwardNodeHook&) = delete;
+  /// The calling thread's hook (null when none).
+  static const Fn* current();
+
+ private:
+  Fn fn_;
+  const Fn* prev_;
+};
+
 /// Runs backward from `roots` seeded with `grads` (undefined = ones for scalars) on
 /// the calling thread. Throws dp::Error on a second backward through a freed graph.
 void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,

@@ -59,6 +59,7 @@ struct Parameter::Slot {
   bool is_buffer = false;           // buffers are per-copy tensors, not in the flat buffer
   std::weak_ptr<ParameterSet> set;  // owning set (parameters only)
   std::int64_t offset = 0;          // element offset in the flat buffers
+  int unit = -1;                    // sharded parameters: its gather unit, else -1
 };
 
 /// Selects, for the calling thread, which copy Parameter::get() returns. RAII.
@@ -70,9 +71,12 @@ class ReplicaBinding {
   ReplicaBinding& operator=(const ReplicaBinding&) = delete;
   /// The calling thread's bound copy (0 when none).
   static int current();
+  /// True inside a binding (a DataParallel worker), false on the user's threads.
+  static bool bound();
 
  private:
   int prev_;
+  bool prev_bound_;
 };
 
 /// The flat buffers of one copy of a parameter set.
@@ -93,6 +97,15 @@ struct ParameterCopy {
   /// The gradient an optimizer step of this copy reads: element i of the flat buffers
   /// (begin <= i < end) is owned_grad()[i - begin]. shard_grad when defined, else grad.
   Tensor owned_grad() const;
+  /// Sharded parameters (Note [Sharded parameters]): `data` holds only [begin, end),
+  /// and each gather unit u has its own buffer units[u] whose storage is released
+  /// except while gathered.
+  bool sharded_data = false;
+  std::vector<Tensor> units;
+  std::vector<std::uint64_t> unit_versions;  // units[u]'s storage version when gathered
+  /// The parameters an optimizer step of this copy writes: element i (begin <= i <
+  /// end) is owned_data()[i - begin].
+  Tensor owned_data() const;
 };
 
 /// What the work given to ParameterSet::for_each_copy does to each copy.
@@ -175,6 +188,43 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Sharded gradients: moves copy r's own range of its gradient buffer into
   /// shard_grad and frees the buffer (copy r's .grad become undefined).
   void release_grad(int r);
+  /// Note [Sharded parameters]
+  /// shard_params() (after shard(true)) keeps, per copy, only its own range of the
+  /// parameters (ParameterCopy::data becomes that range) and gives each *gather unit*
+  /// — a contiguous run [lo, hi) of the flat layout, e.g. one top-level child's
+  /// parameters — a buffer of its own per copy, released (Note [Released storage])
+  /// except while gathered. Every parameter view of copy r points into its unit's
+  /// buffer, so handles held anywhere (autograd's saved tensors too) see the values
+  /// whenever the unit is gathered, and a clear dp::Error when it is not.
+  /// gather_unit(r, u) allocates copy r's unit buffer and fills it from every copy's
+  /// range: a pull, one device copy per owner that has a piece of the unit — no
+  /// rendezvous, so a copy can gather whatever the others do (see
+  /// DataParallel's Note [Sharded parameters] for when units are gathered and
+  /// released). Parameter::get() reports each access to a unit: on a worker (a bound
+  /// thread) to the unit hook, which gathers; elsewhere (user code) it gathers every
+  /// unit of copy 0, as do gather_primary() and Module's parameters(),
+  /// named_parameters() and state_dict().
+  void shard_params(std::vector<std::pair<std::int64_t, std::int64_t>> units);
+  bool shards_params() const { return shards_params_; }
+  const std::vector<std::pair<std::int64_t, std::int64_t>>& units() const { return units_; }
+  void gather_unit(int r, int u);
+  void release_unit(int r, int u);
+  /// Releases every unit of copy r.
+  void release_units(int r);
+  bool unit_gathered(int r, int u) const;
+  /// Gathers every unit of copy 0 (user access between steps). A no-op unless sharded.
+  void gather_primary();
+  /// Writes every gathered unit of copy 0 that was written since it was gathered (a
+  /// load, an in-place edit) into every copy's range, then releases copy 0's units.
+  /// Returns whether anything was written back.
+  bool scatter_primary();
+  /// Called by Parameter::get() on a bound thread for a parameter of unit `unit` of
+  /// copy `copy`; unset: the unit is gathered.
+  using UnitHook = std::function<void(int copy, int unit)>;
+  void set_unit_hook(UnitHook hook) { unit_hook_ = std::move(hook); }
+  /// Parameter::get()'s report (internal): copy < 0 for an unbound thread.
+  void on_unit_access(int copy, int unit);
+
   /// Zeroes every copy's gradients: full buffers that exist and shard gradients.
   void zero_grad();
   /// Counts the calls that zeroed every gradient of every copy (zero_grad(), an
@@ -195,6 +245,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   void bind_views(int r);
   void bind_grad_views(int r);
   void grow_buffers(int r, std::int64_t n);
+  void unshard_params();
   std::vector<std::shared_ptr<Parameter::Slot>> slots_;
   std::vector<ParameterCopy> copies_;
   std::int64_t numel_ = 0;
@@ -202,6 +253,9 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   bool sharded_ = false;
   std::uint64_t zero_grad_count_ = 0;
   bool shard_grads_ = false;
+  bool shards_params_ = false;
+  std::vector<std::pair<std::int64_t, std::int64_t>> units_;
+  UnitHook unit_hook_;
   std::uint64_t version_ = 0;
   bool valid_ = true;
   Executor executor_;

@@ -13,7 +13,10 @@
 //    the flat buffers; gradients are reduce-scattered in buckets while backward
 //    runs, each device steps only its range with only its range's optimizer state
 //    (stage 1), keeping only its range's gradient between steps (stage 2), and the
-//    updated ranges are all-gathered at the end of the optimizer step.
+//    updated ranges are all-gathered at the end of the optimizer step. Stage 3 also
+//    keeps only its range of the parameters: each top-level child's parameters are
+//    gathered just before it runs forward (the next child's prefetched) and again
+//    for its backward, and released after use (see shard_stage below).
 // An optimizer built on model.parameters() (or net->parameters()) steps every
 // replica that needs it — see Note [Parameter sets] and docs/architecture.md.
 // Gradients are scaled so that the SUM over devices is the full-batch mean, so
@@ -67,11 +70,30 @@ struct DataParallelOptions {
   /// Sharded: the ZeRO stage. 1: optimizer state sharded (each device keeps state
   /// for its 1/N of the parameters); 2: gradients too (each device keeps only its
   /// range's summed gradient between steps; the parameters' .grad are undefined
-  /// then). Unset means 2; 3 (parameters sharded) is not implemented yet. Setting it
-  /// with another mode is an error.
+  /// then); 3: parameters too (FSDP): each device keeps its 1/N of the parameters;
+  /// a top-level child's parameters are gathered on every device just before the
+  /// child's forward and again for its backward, and released after. Unset means 2.
+  /// Setting it with another mode is an error. On one device stage 3 runs as stage 1.
+  ///
+  /// What the user sees of the parameters in stage 3 (Note [Sharded parameters] in
+  /// src/parallel/data_parallel.cpp): between steps no device holds them whole.
+  /// net->parameters(), model.parameters(), named_parameters() and state_dict()
+  /// (and so dp::save and training checkpoints) gather device 0's copy and return
+  /// full tensors, readable until DataParallel next runs (a forward, backward,
+  /// zero_grad or optimizer step), which first writes edits made through them (a
+  /// load, an in-place write) back into every device's range and then releases
+  /// them; a tensor kept from before and read after that is a dp::Error naming the
+  /// released memory, never stale values. So: take tensors from these calls when you
+  /// read them, not once for the whole run. Parameters used outside the top-level
+  /// child that owns them (weights shared between children) are not supported.
+  /// no_sync() is refused in stage 3 (it would need the full gradient the stage
+  /// exists to avoid): accumulate by running backward several times between
+  /// zero_grad() and step(), each adds to the owners' ranges.
   std::optional<int> shard_stage = std::nullopt;
   /// DDP and Sharded: bucket size cap in MiB (PyTorch's bucket_cap_mb) and the
-  /// smaller first bucket.
+  /// smaller first bucket. Sharded stage 2 holds no full gradient buffer during a
+  /// synced backward: the cap also bounds the gradients a device holds before they
+  /// are reduce-scattered into their owners' ranges (DeepSpeed's reduce_bucket_size).
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;
   /// DDP and Sharded: copy device 0's buffers (BatchNorm running stats) to every
@@ -192,7 +214,8 @@ class DataParallel {
   Tensor forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target,
                           const LossFn& loss_fn);
 
-  /// RAII guard for gradient accumulation: in DDP and Sharded modes backward passes
+  /// RAII guard for gradient accumulation (refused with shard_stage 3, which
+  /// accumulates without it): in DDP and Sharded modes backward passes
   /// inside it accumulate locally (Sharded stage 2 keeps the full gradient buffers
   /// until then) and start no collective; the first backward after it ends combines
   /// the accumulated sum (PyTorch's no_sync). DP mode accumulates on device 0
@@ -282,6 +305,11 @@ class DataParallel {
   void snapshot_grad_versions();
   void gather_params(int rank);
   void abort_step(int rank, const std::exception_ptr& error);
+  bool params_sharded() const;
+  std::vector<std::pair<std::int64_t, std::int64_t>> gather_units() const;
+  void enter_unit(int rank, int unit);
+  void backward_unit(int rank, std::uint64_t sequence_nr);
+  void leave_units(int rank);
   void check_finite(int rank, const Tensor& grad, std::int64_t offset);
   std::uint64_t primary_version() const;
 
@@ -307,6 +335,8 @@ class DataParallel {
   bool require_sync_ = true;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
+  struct UnitState;                   // Sharded stage 3, per rank (Note [Sharded parameters])
+  std::vector<UnitState> unit_state_;
   std::int64_t handoff_base_ = 0;  // stats().handoffs counts from reset_stats()
 };
 

@@ -88,6 +88,18 @@ class Storage {
   std::uint64_t version() const { return version_; }
   void bump_version() { ++version_; }
 
+  /// Note [Released storage]
+  /// A storage's memory can be given back to the device's allocator while every
+  /// tensor viewing it (autograd's saved tensors included) keeps its handle, and be
+  /// allocated again later at the same handles (contents undefined until written):
+  /// how DataParallel's sharded parameters (ZeRO stage 3) free a module's gathered
+  /// parameters between uses. Reading or writing a released storage through a tensor
+  /// is a dp::Error, never a dangling pointer. Not for pinned memory.
+  void release();
+  /// Allocates the memory of a released storage again; a no-op when it has memory.
+  void materialize();
+  bool released() const { return released_; }
+
  private:
   Device device_;
   std::size_t nbytes_;
@@ -96,6 +108,7 @@ class Storage {
   bool pinned_ = false;
   bool external_ = false;
   std::function<void(void*)> deleter_;
+  bool released_ = false;
 };
 
 /// The shared state behind a Tensor handle (internal; reached through Tensor).
