@@ -79,14 +79,17 @@ struct Args {
 // bytes are for. The split attributes the known sizes and leaves the rest:
 //  - parameters: the bytes of the device's flat data buffer (its copy in the
 //    parameter set; DP's replicas too, they are kept between steps);
-//  - gradients: its flat gradient buffer, or, where a sharded set released it between
-//    steps (stage 2), the full buffer that every backward acquires again — so the
-//    peak holds a whole gradient, and only the between-steps figure shows the 1/N;
+//  - gradients: its flat gradient buffer, or, where a sharded set keeps only its
+//    range's gradient (stages 2 and 3), that range: the per-parameter gradients a
+//    backward produces live only until their bucket is reduce-scattered, and count
+//    with the transient bytes below;
+//  - parameters in stage 3: the device's range; the gathered unit is transient;
 //  - optimizer state: (state tensors per parameter, read from the optimizer's
 //    state_dict) x (parameter elements the device steps: all of them, its shard in
 //    Sharded mode, none on DP's replicas) x 4 bytes;
 //  - activations = peak - the three above: saved activations, outputs, the input
-//    shard and the collectives' workspace.
+//    shard, the collectives' workspace, and in stages 2 and 3 the gradients in
+//    flight and the gathered parameters of a unit.
 // Peak and between-steps figures are counted from what the device held before the
 // configuration started (the sample's input batches live on device 0).
 struct Memory {
@@ -155,7 +158,7 @@ Memory split_memory(const dp::nn::ParameterSet& set, int r, int state_tensors, s
   m.between_steps = between_steps;
   m.params = c.data.defined() ? 4 * static_cast<std::size_t>(c.data.numel()) : 0;
   if (c.grad.defined()) m.grads = 4 * static_cast<std::size_t>(c.grad.numel());
-  else if (set.shards_grads()) m.grads = 4 * static_cast<std::size_t>(set.buffer_numel());
+  else if (c.shard_grad.defined()) m.grads = 4 * static_cast<std::size_t>(c.shard_grad.numel());
   const std::int64_t stepped = c.transient ? 0 : std::max<std::int64_t>(0, std::min(c.end, set.numel()) - c.begin);
   m.state = 4 * static_cast<std::size_t>(state_tensors) * static_cast<std::size_t>(stepped);
   const std::size_t known = m.params + m.grads + m.state;
@@ -371,12 +374,13 @@ void print_memory(const std::vector<Result>& results) {
   t.print(std::cout);
   std::cout << "method: the allocator's peak (dp::max_memory_allocated over the timed steps) and its count "
                "after the last step (dp::memory_allocated), less what the device held before the "
-               "configuration was built; parameters = the device's flat parameter buffer; gradients = its "
-               "flat gradient buffer (Sharded stage 2 frees it between steps but acquires a full one for "
-               "every backward, so the peak holds it); optimizer state = state tensors per parameter in the "
+               "configuration was built; parameters = the device's flat parameter buffer (Sharded stage 3: its "
+               "range); gradients = its flat gradient buffer (Sharded stages 2 and 3: its range's gradient); "
+               "optimizer state = state tensors per parameter in the "
                "optimizer's state_dict x elements the device steps (all; its 1/N shard in Sharded; none on "
                "DP's replicas) x 4 bytes; activations = peak - the three (saved activations, outputs, the "
-               "input shard, collective workspace).\n";
+               "input shard, collective workspace; in stages 2 and 3 also the gradients in flight and the "
+               "gathered unit).\n";
 }
 
 void print_tables(const Args& a, const std::vector<Result>& results) {
