@@ -19,11 +19,12 @@ void check_target(const char* name, const Tensor& target) {
 
 /// D of a class-index loss's Mean: Σ_r w_r over the rows not ignored (Note [Class-index
 /// losses]), from the whole batch's target, in float32 as the losses sum it.
-double class_denominator(const char* name, const Tensor& target, const Tensor& weight, std::int64_t ignore_index) {
-  check_target(name, target);
-  DP_CHECK(target.dtype() == Dtype::Int64 && target.dim() == 1, name,
-           ": expected int64 class indices of shape [B] as target, got ", target.str());
+double class_denominator(const char* name, const Tensor& labels, const Tensor& weight, std::int64_t ignore_index) {
+  check_target(name, labels);
+  DP_CHECK((labels.dtype() == Dtype::Int64 || labels.dtype() == Dtype::Int32) && labels.dim() == 1, name,
+           ": expected int64 or int32 class indices of shape [B] as target, got ", labels.str());
   NoGradGuard no_grad;
+  const Tensor target = labels.dtype() == Dtype::Int64 ? labels : labels.to(Dtype::Int64);
   const Device dev = target.device();
   const std::int64_t B = target.size(0);
   Tensor ignored = eq(target, from_vector(std::vector<std::int64_t>{ignore_index}, {}, dev));  // (B): 1 or 0

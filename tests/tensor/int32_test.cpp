@@ -15,6 +15,7 @@
 #include "dp/data/tensor_dataset.h"
 #include "dp/nn/functional.h"
 #include "dp/nn/linear.h"
+#include "dp/nn/loss.h"
 #include "dp/parallel/data_parallel.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"
@@ -183,6 +184,10 @@ TEST_CASE("DataParallel scatters int32 targets: the same loss and gradients as i
     dp::Tensor x = dp::randn({7, 4}, data);
     auto loss_fn = [](const dp::Tensor& out, const dp::Tensor& t) { return dp::nn::cross_entropy(out, t); };
     dp::Tensor fb = model.forward_backward(x, y, loss_fn);
+    // A loss descriptor computes its denominator from the whole target first.
+    const dp::nn::CrossEntropyLoss weighted{.weight = dp::from_vector(std::vector<float>{1, 2, 0.5f}, {3}),
+                                            .ignore_index = 1};
+    fb = fb + model.forward_backward(x, y, weighted);
     std::vector<float> grads;
     const dp::nn::StateDict params = net->named_parameters();
     for (const auto& [name, p] : params) {
