@@ -135,12 +135,19 @@ void edit_every_copy(const ParameterList& params, const std::function<void(Tenso
   });
 }
 
+void refuse_sharded_params(const ParameterList& params, const char* what) {
+  const auto& set = params.set();
+  DP_CHECK(!set || !set->shards_params(), what, ": the parameters are sharded (Sharded shard_stage 3), "
+           "which clipping does not support yet; use shard_stage 1 or 2, or DDP, to clip gradients");
+}
+
 }  // namespace
 
 double clip_grad_norm_(const ParameterList& params, double max_norm, double norm_type, bool error_if_nonfinite) {
   DP_CHECK(max_norm >= 0, "clip_grad_norm_: expected max_norm >= 0 (infinity: only measure), got ", max_norm);
   DP_CHECK(norm_type > 0, "clip_grad_norm_: expected norm_type > 0 (2 for the Euclidean norm, "
            "dp::nn::utils::kInfNorm for the largest element), got ", norm_type);
+  refuse_sharded_params(params, "clip_grad_norm_");
   NoGradGuard no_grad;
   double total = 0.0;
   if (const auto& set = params.set()) {
@@ -165,6 +172,7 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
 
 void clip_grad_value_(const ParameterList& params, double clip_value) {
   DP_CHECK(clip_value >= 0, "clip_grad_value_: expected clip_value >= 0, got ", clip_value);
+  refuse_sharded_params(params, "clip_grad_value_");
   edit_every_copy(params, [clip_value](Tensor& g) {
     Tensor lo = full({}, -clip_value, {.device = g.device()});
     // clamp(g, -c, c) = max(-max(-g, -c), -c)

@@ -232,3 +232,14 @@ TEST_CASE("clip_grad_norm_ with error_if_nonfinite names a NaN gradient held by 
                          doctest::Contains("total norm of the gradients is nan"), dp::Error);
   }
 }
+
+TEST_CASE("clipping refuses sharded parameters (stage 3) with a clear error") {
+  auto net = make_mlp();
+  dp::DataParallel model(net, cpus(2), sharded(3));
+  Batch b = make_batch(6, 4);
+  dp::nn::cross_entropy(model(b.x), b.y).backward();
+  CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0),
+                       doctest::Contains("use shard_stage 1 or 2, or DDP"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_value_(model.parameters(), 1.0),
+                       doctest::Contains("sharded (Sharded shard_stage 3)"), dp::Error);
+}

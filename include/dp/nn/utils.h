@@ -6,8 +6,9 @@
 // src/parallel/data_parallel.cpp). In Sharded mode each device edits the range of
 // the reduced gradient it owns (ParameterCopy::owned_grad()), and the norm is
 // assembled from every device's range in flat order, so single device, DP, DDP and
-// Sharded (any stage, any device count) compute the same total norm, bit for bit
-// (Note [Clipping in blocks] in src/nn/utils.cpp). Under DP and on one device they
+// Sharded (stages 1 and 2, any device count) compute the same total norm, bit for bit
+// (Note [Clipping in blocks] in src/nn/utils.cpp); stage 3 (sharded parameters) is
+// refused with a dp::Error for now. Under DP and on one device they
 // act on the one gradient the optimizer steps. Knows nothing of DataParallel itself.
 // Call them after a synchronised backward (not inside no_sync()).
 //
