@@ -361,11 +361,7 @@ void DataParallel::init(std::vector<Device> devices) {
     unit_state_.resize(static_cast<std::size_t>(n));
     set_->set_unit_hook([this](int r, int u) { enter_unit(r, u); });
   }
-  for (auto& b : buffers_) {
-    b->copies.resize(n);
-    NoGradGuard no_grad;
-    for (int r = 1; r < n; ++r) b->copies[r] = b->copies[0].to(devices_[r]).detach().clone();
-  }
+  coalesce_buffers();
   storage_base_.assign(n, 0);
   grad_base_.assign(n, 0);
   end_replicate();
@@ -674,6 +670,43 @@ Tensor DataParallel::scatter_input(int rank, const DataParallelInput& in, const 
   return copy;
 }
 
+// Note [Coalesced buffers]
+// A ResNet-50 has ~160 BatchNorm buffers; broadcast one by one they would cost as
+// many tiny collectives per step. So every device's float32 buffers live in one flat
+// tensor, and replicate() broadcasts it once. Device 0's buffers move into theirs in
+// place — the TensorImpl is pointed at the flat storage, as Module::to does — so every
+// handle to them (the module's, the user's) follows; the other devices' copies are
+// views into theirs. int64 counters (num_batches_tracked) stay apart: device 0's is
+// the one read.
+void DataParallel::coalesce_buffers() {
+  const int n = static_cast<int>(devices_.size());
+  NoGradGuard no_grad;
+  std::int64_t total = 0;
+  for (auto& b : buffers_)
+    if (b->copies[0].dtype() == Dtype::Float32) total += b->copies[0].numel();
+  buffer_flat_.clear();
+  for (int r = 0; r < n; ++r) {
+    Tensor flat = zeros({total}, devices_[r]);
+    std::int64_t offset = 0;
+    for (auto& b : buffers_) {
+      b->copies.resize(static_cast<std::size_t>(n));
+      const Tensor& src = b->copies[0];
+      Tensor& dst = b->copies[static_cast<std::size_t>(r)];
+      if (src.dtype() != Dtype::Float32) {
+        if (r > 0) dst = src.to(devices_[r]).detach().clone();
+        continue;
+      }
+      const std::int64_t numel = src.numel();
+      flat.narrow(0, offset, numel).copy_(src.reshape({numel}));
+      if (r > 0) dst = src.to(devices_[r]).detach().clone();  // a tensor of the right shape...
+      dst.impl()->storage = flat.storage();                    // ...moved into the flat buffer
+      dst.impl()->offset = flat.storage_offset() + offset;
+      offset += numel;
+    }
+    buffer_flat_.push_back(flat);
+  }
+}
+
 // Copies what replica `rank` needs from device 0 before its forward. Runs on every
 // worker (collectives need every rank); the Step decided once what to copy, so every
 // rank makes the same sequence of collectives.
@@ -682,13 +715,10 @@ void DataParallel::replicate(int rank, bool sync_params) {
   PhaseTimer t(*recorder_, rank, Phase::Replicate);
   if (sync_params) comm_->broadcast(rank, set_->copy(rank).data, 0);
   bool moved = sync_params;
-  if (options_.mode == Mode::DP || options_.broadcast_buffers) {
-    for (auto& b : buffers_) {
-      // int64 buffers (num_batches_tracked) are counters read from device 0 only.
-      if (b->copies[rank].dtype() != Dtype::Float32) continue;
-      comm_->broadcast(rank, b->copies[rank], 0);
-      moved = true;
-    }
+  const Tensor& buffers = buffer_flat_[static_cast<std::size_t>(rank)];
+  if ((options_.mode == Mode::DP || options_.broadcast_buffers) && buffers.numel() > 0) {
+    comm_->broadcast(rank, buffers, 0);  // Note [Coalesced buffers]
+    moved = true;
   }
   if (options_.mode == Mode::DP && rank > 0) set_->copy(rank).grad.zero_();
   if (!moved) return t.cancel();

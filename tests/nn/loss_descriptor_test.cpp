@@ -88,7 +88,7 @@ TEST_CASE("ShardableLoss: refused reductions and targets") {
   CHECK(throws_with([&] { nn::ShardableLoss(nn::CrossEntropyLoss{}).denominator(Tensor()); },
                     {"CrossEntropyLoss", "defined target"}));
   CHECK(throws_with([&] { nn::ShardableLoss(nn::CrossEntropyLoss{}).denominator(dp::zeros({5})); },
-                    {"CrossEntropyLoss", "int64 class indices"}));
+                    {"CrossEntropyLoss", "int64 or int32 class indices"}));
   CHECK(throws_with([&] { nn::ShardableLoss(nn::BCEWithLogitsLoss{.weight = dp::ones({5, 3})}).denominator(dp::zeros({5, 3})); },
                     {"BCEWithLogitsLoss", "spans the batch"}));
   // A weight with size 1 in dim 0 or fewer dims splits fine.

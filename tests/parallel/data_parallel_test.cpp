@@ -304,6 +304,44 @@ TEST_CASE("BatchNorm: DP keeps device 0's running stats, DDP broadcasts them; ev
   }
 }
 
+// Note [Coalesced buffers]: one flat buffer per device, one broadcast per forward,
+// and handles taken before wrapping follow device 0's buffers.
+TEST_CASE("BatchNorm buffers are coalesced: one storage per device, handles still live") {
+  dp::Generator gen(3);
+  auto net = std::make_shared<dp::nn::Sequential>();
+  net->push_back(std::make_shared<dp::nn::Conv2d>(1, 2, 3, 1, 1, true, &gen));
+  net->push_back(std::make_shared<dp::nn::BatchNorm2d>(2));
+  net->push_back(std::make_shared<dp::nn::BatchNorm2d>(2));
+  net->push_back(std::make_shared<dp::nn::Flatten>());
+  Tensor mean_before;
+  for (auto& [k, v] : net->named_buffers())
+    if (k == "1.running_mean") mean_before = v;
+  REQUIRE(mean_before.defined());
+  const std::vector<float> initial = mean_before.to_vector();
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = dp::Mode::DDP});
+  auto slots = net->buffer_slots();
+  for (int r = 0; r < 3; ++r) {
+    std::vector<const dp::Storage*> storages;
+    for (auto& s : slots)
+      if (s->copies[r].dtype() == dp::Dtype::Float32) storages.push_back(s->copies[r].storage().get());
+    REQUIRE(storages.size() == 4);  // running_mean and running_var of two BatchNorms
+    for (const dp::Storage* st : storages) CHECK(st == storages[0]);
+    CHECK(slots[0]->copies[r].device() == dp::cpu(r));
+  }
+  CHECK(mean_before.to_vector() == initial);  // values kept by the move
+  dp::Generator data_gen(8);
+  model(dp::randn({6, 1, 4, 4}, data_gen, dp::cpu(0)));
+  // Device 0's forward updated its running mean, seen through the old handle ...
+  CHECK(mean_before.to_vector() != initial);
+  CHECK(mean_before.storage() == slots[0]->copies[0].storage());
+  // ... and the next forward's broadcast brings every replica to device 0's values.
+  model(dp::randn({6, 1, 4, 4}, data_gen, dp::cpu(0)));
+  model.eval();
+  model(dp::randn({6, 1, 4, 4}, data_gen, dp::cpu(0)));  // eval: the broadcast only
+  for (auto& s : slots)
+    for (int r = 1; r < 3; ++r) CHECK(dp::equal(s->copies[r].to(dp::cpu(0)), s->copies[0]));
+}
+
 TEST_CASE("Dropout: each device draws its own mask, deterministically") {
   auto make = [] {
     dp::Generator gen(4);

@@ -282,6 +282,7 @@ class DataParallel {
   bool begin_replicate();
   void end_replicate();
   void replicate(int rank, bool sync_params);
+  void coalesce_buffers();
   using ShardLoss = std::function<Tensor(int rank, const Tensor& output, const Tensor& target)>;
   struct InputGrads;  // the inputs that asked for gradients and their per-rank leaves
 
@@ -316,6 +317,7 @@ class DataParallel {
   std::shared_ptr<nn::Module> net_;
   std::shared_ptr<nn::ParameterSet> set_;
   std::vector<std::shared_ptr<nn::Parameter::Slot>> buffers_;
+  std::vector<Tensor> buffer_flat_;  // per device: every float32 buffer (Note [Coalesced buffers])
   std::vector<Device> devices_;
   DataParallelOptions options_;
   std::vector<std::string> param_names_;  // dotted names, in slot order
