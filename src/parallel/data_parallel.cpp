@@ -697,10 +697,14 @@ void DataParallel::coalesce_buffers() {
         continue;
       }
       const std::int64_t numel = src.numel();
-      flat.narrow(0, offset, numel).copy_(src.reshape({numel}));
-      if (r > 0) dst = src.to(devices_[r]).detach().clone();  // a tensor of the right shape...
-      dst.impl()->storage = flat.storage();                    // ...moved into the flat buffer
-      dst.impl()->offset = flat.storage_offset() + offset;
+      Tensor slice = flat.narrow(0, offset, numel);
+      slice.copy_(src.reshape({numel}));
+      if (r > 0) {
+        dst = slice.reshape(src.shape());
+      } else {  // device 0's tensor itself moves into the flat buffer
+        dst.impl()->storage = flat.storage();
+        dst.impl()->offset = slice.storage_offset();
+      }
       offset += numel;
     }
     buffer_flat_.push_back(flat);

@@ -9,36 +9,11 @@
 #include <thread>
 
 #include "dp/dp.h"
+#include "mlp_fixture.h"
 
 namespace {
 
 using dp::Tensor;
-
-// A small MLP whose parameters span several DDP buckets when the caps are tiny.
-std::shared_ptr<dp::nn::Sequential> make_mlp(std::uint64_t seed) {
-  dp::Generator gen(seed);
-  auto net = std::make_shared<dp::nn::Sequential>();
-  net->push_back(std::make_shared<dp::nn::Linear>(6, 16, true, &gen));
-  net->push_back(std::make_shared<dp::nn::ReLU>());
-  net->push_back(std::make_shared<dp::nn::Linear>(16, 8, true, &gen));
-  net->push_back(std::make_shared<dp::nn::ReLU>());
-  net->push_back(std::make_shared<dp::nn::Linear>(8, 3, true, &gen));
-  return net;
-}
-
-struct Batch {
-  Tensor x, y;
-};
-
-Batch make_batch(std::int64_t rows, std::uint64_t seed) {
-  dp::Generator gen(seed);
-  Tensor x = dp::randn({rows, 6}, gen, dp::cpu(0));
-  std::vector<std::int64_t> labels(rows);
-  for (std::int64_t i = 0; i < rows; ++i) labels[i] = (i * 7 + static_cast<std::int64_t>(seed)) % 3;
-  return {x, dp::from_vector(labels, {rows}, dp::cpu(0))};
-}
-
-Tensor loss_fn(const Tensor& out, const Tensor& y) { return dp::nn::cross_entropy(out, y); }
 
 enum class Path { Module, WorkerLoss };
 
