@@ -40,10 +40,31 @@ class Communicator {
  public:
   virtual ~Communicator() = default;
 
-  /// "local" or "nccl".
+  /// "local", "nccl", "mpi" or "hierarchical".
   virtual std::string backend_name() const = 0;
   int size() const { return static_cast<int>(devices_.size()); }
   const std::vector<Device>& devices() const { return devices_; }
+
+  /// Note [World ranks]
+  /// A communicator may span the processes of a job (make_world_communicator). Its
+  /// size() ranks are still this process's devices, and the `rank` argument of every
+  /// call is still the local rank (the calling device's thread); but they are world
+  /// ranks [first_rank(), first_rank() + size()) of world_size() ranks in all — world
+  /// rank p * size() + i is local rank i of process p, every process having the same
+  /// number of devices. Everything else speaks world ranks: a root, the blocks of
+  /// reduce_scatter and all_gather (block w belongs to world rank w), and every
+  /// reduction, which runs over all world ranks. In one process world_size() ==
+  /// size() and first_rank() == 0, so code written for world ranks runs unchanged.
+  int world_size() const { return world_size_; }
+  int first_rank() const { return first_rank_; }
+  /// This process's ranks alone: collectives among its devices only (the communicator
+  /// itself when it spans one process).
+  virtual Communicator& local() { return *this; }
+  /// The peers of local rank `rank` across processes: local rank `rank` of every
+  /// process, one rank per process, numbered by process rank (a communicator whose
+  /// `rank` argument is dp::dist::rank()); null when the communicator spans one
+  /// process. Local rank `rank`'s thread alone calls it.
+  virtual Communicator* peers(int /*rank*/) { return nullptr; }
 
   /// recv = reduction of every rank's send. send and recv: same shape, float32, on
   /// this rank's device; recv may be send (in place).
@@ -101,18 +122,34 @@ class Communicator {
   virtual void reset() = 0;
 
  protected:
-  explicit Communicator(std::vector<Device> devices) : devices_(std::move(devices)) {}
+  explicit Communicator(std::vector<Device> devices)
+      : devices_(std::move(devices)), world_size_(static_cast<int>(devices_.size())) {}
+  /// A communicator spanning processes (Note [World ranks]).
+  Communicator(std::vector<Device> devices, int world_size, int first_rank)
+      : devices_(std::move(devices)), world_size_(world_size), first_rank_(first_rank) {}
   /// Throws dp::CollectiveAborted for `what` ("all_reduce", ...) called on `rank` of a
   /// communicator aborted with `reason`: the one message every implementation gives.
   [[noreturn]] void throw_aborted(const char* what, int rank, const std::string& reason) const;
 
   std::vector<Device> devices_;
+  int world_size_ = 0;
+  int first_rank_ = 0;
 };
 
 /// A communicator over `devices` (all CPU → local, all CUDA → nccl). Throws dp::Error
 /// for an empty or mixed list, duplicates, a timeout <= 0, or CUDA without NCCL.
 std::unique_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
                                                 const CommOptions& options = {});
+
+/// A communicator over `devices` of this process and the devices of every other
+/// process of the job (dp::dist; Note [World ranks]). Collective: every process calls
+/// it with its own devices, the same number and type on every process (dp::Error on
+/// every process otherwise). CPU devices: a hierarchical communicator (the local one
+/// within the process, the mpi one between processes); CUDA devices: one NCCL
+/// communicator over every device of the job. In a job of one process (not launched
+/// by mpirun, or built without MPI) it is make_communicator(devices, options).
+std::unique_ptr<Communicator> make_world_communicator(const std::vector<Device>& devices,
+                                                      const CommOptions& options = {});
 
 /// The shared-memory communicator for CPU virtual devices.
 std::unique_ptr<Communicator> make_local_communicator(const std::vector<Device>& devices);

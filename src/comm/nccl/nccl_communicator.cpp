@@ -25,6 +25,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "comm/nccl_factory.h"
+#include "comm/world_factory.h"
 #include "dp/core/error.h"
 
 static_assert(NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0),
@@ -770,6 +771,12 @@ std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<Device>& 
     DP_CHECK(seen.insert(d).second, "nccl communicator: device ", d, " appears twice");
   }
   return std::make_unique<NcclCommunicator>(devices, options);
+}
+
+std::unique_ptr<Communicator> make_nccl_world_communicator(const std::vector<Device>& devices,
+                                                           const CommOptions& /*options*/) {
+  DP_FAIL("make_world_communicator: NCCL across processes is not available yet (", devices.size(),
+          " CUDA device(s) per process)");
 }
 
 }  // namespace dp::comm
