@@ -166,15 +166,19 @@ void ParameterSet::grow_buffers(int r, std::int64_t n) {
   c.end = n;
 }
 
-void ParameterSet::shard(bool shard_grads) {
+void ParameterSet::shard(bool shard_grads, int world, int first) {
   DP_CHECK(!sharded_, "ParameterSet: already sharded");
-  const int n = num_copies();
+  const int local = num_copies();
+  if (world == 0) world = local;
+  DP_CHECK(first >= 0 && world >= first + local, "ParameterSet: shard: copies [", first, ", ", first + local,
+           ") are not ranges of ", world, " in all");
   for (const auto& c : copies_)
     DP_CHECK(!c.transient, "ParameterSet: cannot shard a set with transient copies (DP mode's replicas)");
   // Note [Sharded parameter sets]: equal, aligned ranges over a zero-padded buffer.
-  std::int64_t len = (numel_ + n - 1) / n;
+  const int n = local;
+  std::int64_t len = (numel_ + world - 1) / world;
   len = (len + kShardAlign - 1) / kShardAlign * kShardAlign;
-  const std::int64_t padded = std::max<std::int64_t>(len * n, buffer_numel_);
+  const std::int64_t padded = std::max<std::int64_t>(len * world, buffer_numel_);
   if (padded > buffer_numel_) {
     for (int r = 0; r < n; ++r) grow_buffers(r, padded);
     buffer_numel_ = padded;
@@ -182,8 +186,8 @@ void ParameterSet::shard(bool shard_grads) {
   NoGradGuard no_grad;
   for (int r = 0; r < n; ++r) {
     ParameterCopy& c = copies_[r];
-    c.begin = len * r;
-    c.end = len * (r + 1);
+    c.begin = len * (first + r);
+    c.end = len * (first + r + 1);
   }
   sharded_ = true;
   shard_grads_ = shard_grads;

@@ -11,6 +11,7 @@
 #include "dp/autograd/node.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
+#include "dp/dist/dist.h"
 #include "dp/tensor/ops.h"
 #include "parallel/phase_timer.h"
 #include "parallel/reducer.h"
@@ -349,12 +350,21 @@ void DataParallel::init(std::vector<Device> devices) {
 
   backend::get(devices_[0]).set_concurrent_devices(n);
   recorder_ = std::make_unique<parallel::PhaseRecorder>(devices_);
-  comm_ = comm::make_communicator(devices_, {.timeout = options_.collective_timeout});
+  comm_ = comm::make_world_communicator(devices_, {.timeout = options_.collective_timeout});
+  processes_ = comm_->world_size() / n;
+  process_ = comm_->first_rank() / n;
+  const int world = processes_ * n;
+  DP_CHECK(!(processes_ > 1 && options_.mode == Mode::Sharded && shard_stage() == 3),
+           "DataParallel: shard_stage 3 within one process only for now (its gathers pull from the other "
+           "devices' memory, which another process cannot reach); across ", processes_, " processes use "
+           "shard_stage 1 or 2");
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
+  sync_processes();
   const bool persistent = options_.mode != Mode::DP;
   for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!persistent);
   // One device owns everything: stage 2's separate gradient would only add memory.
-  if (options_.mode == Mode::Sharded) set_->shard(/*shard_grads=*/shard_stage() >= 2 && n > 1);
+  if (options_.mode == Mode::Sharded)
+    set_->shard(/*shard_grads=*/shard_stage() >= 2 && world > 1, world, comm_->first_rank());
   // One device owns every parameter: nothing to shard, stage 3 runs as stage 1.
   if (options_.mode == Mode::Sharded && shard_stage() == 3 && n > 1) {
     set_->shard_params(gather_units());
@@ -371,6 +381,53 @@ void DataParallel::init(std::vector<Device> devices) {
   set_->set_executor([this](int copies, const std::function<void(int)>& fn, nn::CopyWork work) {
     run_on_copies(copies, work, fn);
   });
+}
+
+// Note [Across processes]
+// Launched by mpirun, DataParallel spans every process of the job: the communicator
+// is a world communicator (Note [World ranks]) and world rank p * n + i is device i
+// of process p. Every process must construct it, in the same order, with the same
+// number of devices and the same module; construction then makes every process start
+// from process 0's parameters and buffers (sync_processes), as PyTorch's DDP does.
+// Each process passes its own batch (a DistributedSampler gives each its part), and
+// the loss keeps its meaning: gradients are scaled by each device's rows over the
+// GLOBAL batch's rows (one host all-reduce of the row count per step), so the sum over
+// every device of the job is the mean over the global batch — exact for batches that
+// differ between processes too. Per design:
+//  - DDP: the buckets' all-reduce runs over every device of the job (hierarchical:
+//    within the process, then across processes, then within again); buffers come
+//    from world rank 0 before each forward.
+//  - DP: each process reduces onto its device 0, the device 0s all-reduce among
+//    themselves (Note [DP across processes]) and each steps its own optimizer with
+//    the same sum: no parameter crosses a process boundary after construction; the
+//    replicas of a process are refreshed from its device 0 as in one process.
+//  - Sharded (stages 1 and 2): the flat buffers are cut into world-many ranges; each
+//    bucket's pieces are reduced onto their owners wherever they live, and the step
+//    ends with a world all-gather. Stage 3 is refused across processes: its gathers
+//    pull straight from the other devices' memory.
+// Every reduction sums a process's devices first, in device order, then the
+// processes in process order, so the three designs are bitwise identical to one
+// another for a given topology and every run of it is bitwise reproducible; against
+// one process with all the devices they agree to float rounding (the sums group
+// differently). A failure in one process ends the job (Note [Fault policy]).
+
+// Process 0's parameters and buffers, everywhere (Note [Across processes]); runs at
+// construction, before the replicas are made, on the calling thread (device 0's).
+void DataParallel::sync_processes() {
+  comm::Communicator* across = comm_->peers(0);
+  if (across == nullptr) return;
+  NoGradGuard no_grad;
+  across->broadcast(process_, set_->copy(0).data, 0);
+  for (auto& b : buffers_) {
+    Tensor t = b->copies[0];
+    if (t.dtype() != Dtype::Float32) continue;
+    across->broadcast(process_, t.reshape({t.numel()}), 0);  // a view: t receives it
+  }
+}
+
+// The rows of the job's batch: this process's `rows` plus every other process's.
+std::int64_t DataParallel::global_rows(std::int64_t rows) const {
+  return processes_ > 1 ? dist::all_reduce(rows, dist::Op::Sum) : rows;
 }
 
 // Note [Gradient edits]
@@ -488,8 +545,7 @@ void DataParallel::gather_params(int rank) {
   PhaseTimer t(*recorder_, rank, Phase::AllGather);
   const nn::ParameterCopy& c = set_->copy(rank);
   const std::int64_t len = c.end - c.begin;
-  const int n = static_cast<int>(devices_.size());
-  comm_->all_gather(rank, c.data.narrow(0, c.begin, len), c.data.narrow(0, 0, len * n));
+  comm_->all_gather(rank, c.data.narrow(0, c.begin, len), c.data.narrow(0, 0, len * comm_->world_size()));
 }
 
 // DP reduces the whole gradient buffer onto device 0 after backward; DDP all-reduces
@@ -531,7 +587,9 @@ void DataParallel::make_reducer() {
     sync = parallel::make_all_reduce_sync(*comm_);
   } else if (options_.mode == Mode::Sharded) {
     parallel::ShardedGrads g;
-    for (int r = 0; r < set_->num_copies(); ++r) g.shards.emplace_back(set_->copy(r).begin, set_->copy(r).end);
+    // Every world rank's range (Note [World ranks]): equal lengths, world rank w's at w * len.
+    const std::int64_t len = set_->copy(0).end - set_->copy(0).begin;
+    for (int w = 0; w < comm_->world_size(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
     if (set_->shards_grads()) {
       // Note [Detached gradients]: a synced backward reduce-scatters each parameter's
       // gradient straight into its owners' range gradients; only no_sync passes
@@ -717,7 +775,9 @@ void DataParallel::coalesce_buffers() {
 void DataParallel::replicate(int rank, bool sync_params) {
   if (devices_.size() == 1) return;
   PhaseTimer t(*recorder_, rank, Phase::Replicate);
-  if (sync_params) comm_->broadcast(rank, set_->copy(rank).data, 0);
+  // DP's device 0s hold the same parameters in every process (Note [Across
+  // processes]): its replicas are refreshed within the process.
+  if (sync_params) (options_.mode == Mode::DP ? comm_->local() : *comm_).broadcast(rank, set_->copy(rank).data, 0);
   bool moved = sync_params;
   const Tensor& buffers = buffer_flat_[static_cast<std::size_t>(rank)];
   if ((options_.mode == Mode::DP || options_.broadcast_buffers) && buffers.numel() > 0) {
@@ -805,6 +865,9 @@ Tensor DataParallel::forward(const std::vector<DataParallelInput>& in) {
     input_grads->replicated.push_back(in[k].replicated);
     input_grads->leaves.emplace_back(n);
   }
+  // Note [Across processes]: this process's share of the job's batch scales the
+  // gradient its backward brings.
+  const double grad_scale = processes_ > 1 ? static_cast<double>(rows) / static_cast<double>(global_rows(rows)) : 1.0;
   std::vector<Tensor> outs(n);
   step.run([&](int r) {
     GradModeGuard grad_guard(grad_mode);
@@ -820,7 +883,7 @@ Tensor DataParallel::forward(const std::vector<DataParallelInput>& in) {
   });
   Tensor out = gather(outs, plan);
   bool needs_grad = std::any_of(outs.begin(), outs.end(), [](const Tensor& o) { return o.defined() && o.requires_grad(); });
-  if (grad_mode && needs_grad) connect_gather_backward(out, outs, plan, std::move(input_grads));
+  if (grad_mode && needs_grad) connect_gather_backward(out, outs, plan, std::move(input_grads), grad_scale);
   return out;
 }
 
@@ -838,10 +901,14 @@ Tensor DataParallel::forward_backward(const std::vector<DataParallelInput>& inpu
   // Note [Loss scaling]: each shard's mean loss is weighted by its share of the batch,
   // so the SUM over devices is the full-batch mean — exact for uneven shards, and the
   // same arithmetic in DP and DDP.
-  ShardLoss shard_loss = [&loss_fn, rows](int, const Tensor& out, const Tensor& y) {
-    return mul(loss_fn(out, y), static_cast<double>(y.size(0)) / static_cast<double>(rows));
+  // Across processes the batch is the job's (Note [Across processes]).
+  const std::int64_t total = global_rows(rows);
+  ShardLoss shard_loss = [&loss_fn, total](int, const Tensor& out, const Tensor& y) {
+    return mul(loss_fn(out, y), static_cast<double>(y.size(0)) / static_cast<double>(total));
   };
-  return run_forward_backward("forward_backward", inputs, target, shard_loss);
+  Tensor loss = run_forward_backward("forward_backward", inputs, target, shard_loss);
+  // The loss of the batch this process passed (its share of the job's, rescaled).
+  return total == rows ? loss : mul(loss, static_cast<double>(total) / static_cast<double>(rows));
 }
 
 // Note [Exact shard losses]: the whole batch's denominator comes from the full target
@@ -852,11 +919,18 @@ Tensor DataParallel::forward_backward_exact(const std::vector<DataParallelInput>
   DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == rows,
            "DataParallel::forward_backward: expected a target with ", rows, " rows, got ",
            target.defined() ? target.str() : "an undefined tensor");
-  const double scale = 1.0 / loss.denominator(target);  // inf when every target is ignored: NaN loss
+  // inf when every target is ignored: NaN loss. Across processes, the job's batch.
+  // Sum's D is 1 whatever the batch; a Mean's adds up over the processes' batches.
+  const double mine = loss.denominator(target);
+  const bool add_up = processes_ > 1 && loss.reduction() != nn::Reduction::Sum;
+  const double denominator = add_up ? dist::all_reduce(mine, dist::Op::Sum) : mine;
+  const double scale = 1.0 / denominator;
   ShardLoss shard_loss = [&loss, scale](int, const Tensor& out, const Tensor& y) {
     return loss.shard_loss(out, y, scale);
   };
-  return run_forward_backward("forward_backward", inputs, target, shard_loss);
+  Tensor total = run_forward_backward("forward_backward", inputs, target, shard_loss);
+  // The loss of the batch this process passed (its share of the job's, rescaled).
+  return !add_up || mine == 0 ? total : mul(total, denominator / mine);
 }
 
 Tensor DataParallel::run_forward_backward(const char* what, const std::vector<DataParallelInput>& inputs,
@@ -910,7 +984,7 @@ Tensor DataParallel::worker_loss_backward(int rank, const std::vector<DataParall
 // ---- backward through a gathered output ------------------------------------------------------
 
 void DataParallel::connect_gather_backward(Tensor& out, const std::vector<Tensor>& outs, const ShardPlan& plan,
-                                           std::shared_ptr<InputGrads> input_grads) {
+                                           std::shared_ptr<InputGrads> input_grads, double grad_scale) {
   std::vector<Tensor> live;
   std::vector<std::int64_t> live_sizes;
   for (std::size_t r = 0; r < outs.size(); ++r)
@@ -921,8 +995,8 @@ void DataParallel::connect_gather_backward(Tensor& out, const std::vector<Tensor
   std::vector<Tensor> node_inputs = input_grads->inputs;
   auto node = std::make_shared<GatherBackward>(
       std::move(live), live_sizes,
-      [this, alive = std::weak_ptr<int>(alive_), sizes = plan.sizes, input_grads = std::move(input_grads)](
-          const std::vector<Tensor>& live_roots, const std::vector<Tensor>& pieces) {
+      [this, alive = std::weak_ptr<int>(alive_), sizes = plan.sizes, input_grads = std::move(input_grads),
+       grad_scale](const std::vector<Tensor>& live_roots, const std::vector<Tensor>& pieces) {
         DP_CHECK(!alive.expired(), "backward through an output of a DataParallel that was destroyed; "
                  "keep the DataParallel alive until backward() has run");
         std::vector<Tensor> roots(sizes.size()), grads(sizes.size());
@@ -931,7 +1005,7 @@ void DataParallel::connect_gather_backward(Tensor& out, const std::vector<Tensor
             roots[r] = live_roots[k];
             grads[r] = pieces[k++];
           }
-        return backward_from_gather(roots, grads, *input_grads);
+        return backward_from_gather(roots, grads, *input_grads, grad_scale);
       });
   autograd::connect(node, node_inputs, {&out});
 }
@@ -941,14 +1015,16 @@ void DataParallel::connect_gather_backward(Tensor& out, const std::vector<Tensor
 // pieces concatenated, a replicated input's the sum of every device's, in device order.
 std::vector<Tensor> DataParallel::backward_from_gather(const std::vector<Tensor>& roots,
                                                        const std::vector<Tensor>& grads,
-                                                       const InputGrads& input_grads) {
+                                                       const InputGrads& input_grads, double grad_scale) {
   {
     Step step(*this, "backward", {.backward = true});
     step.run([&](int r) {
       if (roots[r].defined()) {
         PhaseTimer t(*recorder_, r, Phase::Backward);
         GradModeGuard grad_guard(true);
-        autograd::run_backward({roots[r]}, {grads[r].to(devices_[r])}, false);
+        Tensor g = grads[r].to(devices_[r]);
+        if (grad_scale != 1.0) g = mul(g, grad_scale);
+        autograd::run_backward({roots[r]}, {g}, false);
       }
       reducer_->finalize(r);
     });

@@ -69,13 +69,24 @@ class AllReduceSync final : public GradSync {
   comm::Communicator& comm_;
 };
 
+// Note [DP across processes]
+// DP's root is local rank `root` of EVERY process: the devices of a process reduce
+// onto it, and the roots of all processes then all-reduce the sum among themselves
+// (comm.peers(root)), so each process's root holds the sum over every device of the
+// job and steps its own optimizer with it — the same update everywhere, with no
+// parameter broadcast between processes. Each element is summed over a process's
+// devices in device order, then over processes in process order: the order of the
+// hierarchical all-reduce (Note [Hierarchical collectives]), so DP stays bitwise DDP.
 class ReduceToRootSync final : public GradSync {
  public:
   ReduceToRootSync(comm::Communicator& comm, int root) : comm_(comm), root_(root) {}
   const char* name() const override { return "reduce"; }
   bool overlaps_backward() const override { return false; }
   void sync(int rank, const Tensor& grad, std::int64_t) override {
-    comm_.reduce(rank, grad, rank == root_ ? grad : Tensor(), root_, comm::ReduceOp::Sum);
+    comm_.local().reduce(rank, grad, rank == root_ ? grad : Tensor(), root_, comm::ReduceOp::Sum);
+    if (rank != root_) return;
+    if (comm::Communicator* across = comm_.peers(rank))
+      across->all_reduce(comm_.first_rank() / comm_.size(), grad, grad, comm::ReduceOp::Sum);
   }
   Held held(int rank, const Tensor& buffer) const override {
     return rank == root_ ? Held{0, buffer} : Held{};
@@ -102,7 +113,7 @@ class ReduceScatterSync final : public GradSync {
   }
 
   Held held(int rank, const Tensor& buffer) const override {
-    const auto [begin, end] = g_.shards[static_cast<std::size_t>(rank)];
+    const auto [begin, end] = g_.shards[static_cast<std::size_t>(comm_.first_rank() + rank)];
     if (!buffer.defined()) {  // a detached cycle: the range's gradient is kept apart
       DP_ASSERT(g_.owned != nullptr, "detached gradients without ShardedGrads::owned");
       return {begin, g_.owned(rank)};
@@ -120,22 +131,24 @@ class ReduceScatterSync final : public GradSync {
  private:
   // Cuts [offset, offset + grad.numel()) at the shard boundaries and reduces each
   // piece onto its owner; a detached piece is then delivered to the owner's range.
+  // Owners are world ranks (Note [World ranks]); `rank` is world rank me.
   void reduce_pieces(int rank, const Tensor& grad, std::int64_t offset, bool detached) {
     const std::int64_t lo = offset, hi = offset + grad.numel();
+    const int me = comm_.first_rank() + rank;
     for (int owner = 0; owner < static_cast<int>(g_.shards.size()); ++owner) {
       const auto [begin, end] = g_.shards[static_cast<std::size_t>(owner)];
       const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
       if (a >= b) continue;
       Tensor piece = grad.narrow(0, a - lo, b - a);
-      comm_.reduce(rank, piece, rank == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
+      comm_.reduce(rank, piece, me == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
       if (detached) {
-        if (rank == owner) g_.deliver(rank, piece, a);
+        if (me == owner) g_.deliver(rank, piece, a);
         continue;  // the other ranks' pieces are freed with the gradient
       }
       // Stage 1: the piece was sent and belongs to another rank: zeros from now on.
       // Through the backend, not Tensor::zero_(): that bumps the buffer's storage
       // version, which the worker's backward bumps concurrently.
-      if (rank != owner && g_.zero_sent) {
+      if (me != owner && g_.zero_sent) {
         const Device dev = piece.device();
         backend::get(dev).memset_zero(piece.data<float>(), dev, static_cast<std::size_t>(b - a) * sizeof(float));
       }
@@ -158,8 +171,8 @@ std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int
 }
 
 std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads) {
-  DP_CHECK(static_cast<int>(grads.shards.size()) == comm.size(), "reduce_scatter: ", grads.shards.size(),
-           " shards for ", comm.size(), " ranks; expected one per rank");
+  DP_CHECK(static_cast<int>(grads.shards.size()) == comm.world_size(), "reduce_scatter: ", grads.shards.size(),
+           " shards for ", comm.world_size(), " ranks; expected one per (world) rank");
   for (std::size_t r = 0; r < grads.shards.size(); ++r) {
     const auto [begin, end] = grads.shards[r];
     DP_CHECK(0 <= begin && begin <= end && (r == 0 || grads.shards[r - 1].second <= begin),

@@ -102,11 +102,13 @@ class GradSync {
 /// DDP: every rank ends with the sum of every rank's bucket.
 std::unique_ptr<GradSync> make_all_reduce_sync(comm::Communicator& comm);
 /// DP: rank `root` ends with the sum; the other ranks' gradients are left as they were.
+/// Across processes, local rank `root` of every process (Note [DP across processes]).
 std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int root);
 
 /// Where the sharded strategy puts each rank's summed range, and its hooks.
 struct ShardedGrads {
-  /// Rank r owns [shards[r].first, shards[r].second) of the flat buffer.
+  /// World rank w owns [shards[w].first, shards[w].second) of the flat buffer (one
+  /// entry per world rank: Note [World ranks]).
   std::vector<std::pair<std::int64_t, std::int64_t>> shards;
   /// Stage 1: each rank zeroes the pieces it sent to their owners (its buffer then
   /// holds its own range's sum and zeros elsewhere). Stage 2 frees the buffer instead.

@@ -172,8 +172,11 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// passes only the gradient of its range, in shard_grad, and a full gradient buffer
   /// only while a backward needs it: acquire_grad before the backward, release_grad
   /// once its buckets were reduced; the parameters' .grad are undefined between.
+  /// Across processes (Note [World ranks] in dp/comm/communicator.h) the ranges are
+  /// cut for `world` copies in all, this set's copy r owning world range `first` + r;
+  /// 0 (the default) means this set's copies are all there are.
   /// Throws dp::Error when already sharded or when a copy is transient.
-  void shard(bool shard_grads);
+  void shard(bool shard_grads, int world = 0, int first = 0);
   /// Undoes shard(): every copy steps all of the buffers again and has a full
   /// gradient buffer; copy 0's gradient receives every other copy's range of its
   /// owned gradient, so after a synced backward it holds the whole summed gradient.

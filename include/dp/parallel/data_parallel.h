@@ -21,6 +21,9 @@
 // replica that needs it — see Note [Parameter sets] and docs/architecture.md.
 // Gradients are scaled so that the SUM over devices is the full-batch mean, so
 // uneven shards are weighted exactly and the three designs agree bit for bit on CPU.
+// Launched by mpirun, the same program spans every process of the job: each process
+// passes its own batch and its own devices (the same number everywhere), and the
+// designs run over all of them (Note [Across processes], docs/multi-node.md).
 //
 //   dp::DataParallel model(net, {0, 1, 2, 3});   // or {.mode = dp::Mode::DDP}, or
 //                                                // {.mode = dp::Mode::Sharded, .shard_stage = 2}
@@ -265,6 +268,12 @@ class DataParallel {
   /// The ZeRO stage in Sharded mode, 0 in the others.
   int shard_stage() const;
 
+  /// Processes the model spans (Note [Across processes]): dp::dist::world_size() when
+  /// launched by mpirun, else 1; devices() are this process's.
+  int processes() const { return processes_; }
+  /// Replicas of the whole job: processes() * devices().size().
+  int world_devices() const { return processes_ * static_cast<int>(devices_.size()); }
+
   /// Phase timers per device since construction or reset_stats().
   parallel::Stats stats() const;
   void reset_stats();
@@ -287,13 +296,15 @@ class DataParallel {
   struct InputGrads;  // the inputs that asked for gradients and their per-rank leaves
 
   std::int64_t check_inputs(const char* what, const std::vector<DataParallelInput>& inputs) const;
+  std::int64_t global_rows(std::int64_t rows) const;
+  void sync_processes();
   Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);
   Tensor scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf);
   Tensor gather(const std::vector<Tensor>& outs, const ShardPlan& plan);
   void connect_gather_backward(Tensor& out, const std::vector<Tensor>& outs, const ShardPlan& plan,
-                               std::shared_ptr<InputGrads> input_grads);
+                               std::shared_ptr<InputGrads> input_grads, double grad_scale);
   std::vector<Tensor> backward_from_gather(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-                                           const InputGrads& input_grads);
+                                           const InputGrads& input_grads, double grad_scale);
   Tensor forward_backward_exact(const std::vector<DataParallelInput>& inputs, const Tensor& target,
                                 const nn::ShardableLoss& loss);
   Tensor run_forward_backward(const char* what, const std::vector<DataParallelInput>& inputs,
@@ -319,6 +330,8 @@ class DataParallel {
   std::vector<std::shared_ptr<nn::Parameter::Slot>> buffers_;
   std::vector<Tensor> buffer_flat_;  // per device: every float32 buffer (Note [Coalesced buffers])
   std::vector<Device> devices_;
+  int processes_ = 1;  // processes of the job the model spans (Note [Across processes])
+  int process_ = 0;    // this one's rank among them
   DataParallelOptions options_;
   std::vector<std::string> param_names_;  // dotted names, in slot order
   // Destroyed bottom up: the reducer's comm threads go before the communicator and
