@@ -191,6 +191,7 @@ void ParameterSet::shard(bool shard_grads, int world, int first) {
   }
   sharded_ = true;
   shard_grads_ = shard_grads;
+  shard_world_ = world;
   // Each copy's own range takes the gradient copy 0 holds there: the other copies'
   // buffers are zeros, so the sum over copies stays the gradient.
   ParameterCopy& c0 = copies_[0];
@@ -340,6 +341,7 @@ void ParameterSet::unshard() {
     c.shard_grad = Tensor();
   }
   sharded_ = false;
+  shard_world_ = 0;
   shard_grads_ = false;
 }
 

@@ -306,6 +306,11 @@ Tensor Optimizer::full_state(std::size_t k) {
   if (std::all_of(states_.begin(), states_.end(), [](const CopyState& s) { return s.buffers.empty(); }))
     return Tensor();
   // Sharded: every copy holds its range; assemble them on the primary's device.
+  const nn::ParameterSet& set = *params_.set();
+  DP_CHECK(set.shard_world() <= set.num_copies(), "Optimizer::state_dict: the optimizer state of a Sharded run "
+           "across processes is spread over ", set.shard_world(), " devices, ", set.num_copies(), " of them in this "
+           "process; gathering it from the other processes is not supported yet: save the model (dp::save, "
+           "parameters are whole on every process) or train with Mode::DDP to checkpoint the optimizer");
   Tensor out = zeros({state_numel_}, params_.set()->copy(0).device);
   for (const CopyState& st : states_) {
     if (st.buffers.empty()) continue;

@@ -185,7 +185,8 @@ class DataParallel::Step {
     if (options_.backward) {
       dp_.snapshot_grad_versions();
       // Note [Accumulating after a combined backward]
-      dp_.grads_combined_ = dp_.options_.mode == Mode::DDP && dp_.require_sync_ && dp_.devices_.size() > 1;
+      dp_.grads_combined_ = (dp_.options_.mode == Mode::DDP && dp_.require_sync_ && dp_.world_devices() > 1) ||
+                            (dp_.options_.mode == Mode::DP && dp_.processes_ > 1);
       dp_.zero_grad_count_ = dp_.set_->zero_grad_count();
     }
   }
@@ -479,7 +480,8 @@ void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::funct
 }
 
 // Note [Accumulating after a combined backward]
-// After a synced DDP backward every replica holds the SUM over devices. A second
+// After a synced DDP backward every replica holds the SUM over devices (across
+// processes, so does every process's device 0 in DP mode). A second
 // backward without zero_grad() (gradient accumulation without no_sync) adds each
 // device's new local gradient to it, and a second all-reduce would then sum the old
 // sum N times. Before such a backward, every replica but device 0's forgets the
@@ -491,7 +493,9 @@ void DataParallel::forget_combined_grads() {
   grads_combined_ = false;
   if (set_->zero_grad_count() != zero_grad_count_) return;
   NoGradGuard no_grad;
-  for (int r = 1; r < set_->num_copies(); ++r) set_->copy(r).grad.zero_();
+  // Across processes every process's device 0 holds the sum too (DP's as well, Note
+  // [DP across processes]): process 0's alone keeps it.
+  for (int r = process_ == 0 ? 1 : 0; r < set_->num_copies(); ++r) set_->copy(r).grad.zero_();
 }
 
 bool DataParallel::grads_edited_unequally() const {

@@ -177,6 +177,9 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// 0 (the default) means this set's copies are all there are.
   /// Throws dp::Error when already sharded or when a copy is transient.
   void shard(bool shard_grads, int world = 0, int first = 0);
+  /// The ranges the buffers were cut into: num_copies(), or more when the other
+  /// ranges belong to copies in other processes.
+  int shard_world() const { return shard_world_; }
   /// Undoes shard(): every copy steps all of the buffers again and has a full
   /// gradient buffer; copy 0's gradient receives every other copy's range of its
   /// owned gradient, so after a synced backward it holds the whole summed gradient.
@@ -256,6 +259,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   bool sharded_ = false;
   std::uint64_t zero_grad_count_ = 0;
   bool shard_grads_ = false;
+  int shard_world_ = 0;
   bool shards_params_ = false;
   std::vector<std::pair<std::int64_t, std::int64_t>> units_;
   UnitHook unit_hook_;
