@@ -74,7 +74,10 @@ namespace dp::comm {
 // the other processes throw naming it instead of waiting. A mismatch across processes
 // may show on some groups only (two sizes that split into the same first blocks): after
 // the process-level step the local ranks meet again (`between_processes`) and all throw
-// when any of them did. No data moves past a failed check; recv is unspecified.
+// when any of them did. No data moves past a failed check; recv is unspecified. The
+// price: two barriers of this communicator's own per collective (besides the local
+// collectives'), and, on the indices a broadcast or reduce does not route through, a
+// header exchange and empty messages, concurrent with the carrying index's transfer.
 //
 // Failures: abort() aborts the local communicator and the barrier (releasing local
 // threads), then ends the job with dp::dist::abort (Note [Fault policy]): a rank
