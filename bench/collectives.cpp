@@ -7,12 +7,24 @@
 //   collectives_bench --devices 4 --op all_reduce --minbytes 1K --maxbytes 256M
 //   collectives_bench --device cuda --devices 8 --json
 //
+// Across processes: started by mpirun (or srun) with several processes, every process
+// drives --devices local devices and the communicator is make_world_communicator's
+// (hierarchical for CPU virtual devices: Note [Hierarchical collectives]); the ranks,
+// roots and blocks are world ranks, N below is the world size (processes x devices),
+// and process 0 prints. On one machine (quick; the processes share the cores):
+//
+//   mpirun --oversubscribe --bind-to none -np 2 -x DP_CPU_DEVICES=8
+//          build/bench/collectives_bench --devices 2 --maxbytes 4M --iters 10
+//   (one command line). Processes sharing a few cores measure the protocol's costs,
+//   not a network: the waits between processes yield and then sleep (Note [Waiting with
+//   a deadline]), so rows vary from run to run there.
+//
 // Figures (Note [Bus bandwidth], after nccl-tests' doc/PERFORMANCE.md):
 //   size  = bytes of the whole buffer: all_reduce/broadcast/reduce: the buffer of one
 //           rank; reduce_scatter: the send buffer (N blocks); all_gather: the recv
 //           buffer (N blocks). count = elements per call (per-rank block for RS/AG).
-//   time  = mean wall time of one call, the slowest rank (host clock; on CUDA the
-//           timed loop ends with synchronize()).
+//   time  = mean wall time of one call, the slowest rank of every process (host
+//           clock; on CUDA the timed loop ends with synchronize()).
 //   algbw = size / time.
 //   busbw = algbw * factor, the bandwidth each link needs under the optimal
 //           algorithm, comparable across ops and device counts:
@@ -34,6 +46,7 @@
 #include "backend/backend.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
+#include "dp/dist/dist.h"
 #include "dp/tensor/tensor.h"
 
 namespace {
@@ -159,15 +172,17 @@ struct Buffers {
 
 class Bench {
  public:
-  Bench(const Options& o, Communicator& comm) : o_(o), comm_(comm), n_(comm.size()) {}
+  /// n_ counts world ranks: every local rank's buffers are laid out for all of them.
+  Bench(const Options& o, Communicator& comm) : o_(o), comm_(comm), n_(comm.world_size()) {}
 
   /// Runs `op` on `count` elements (per-rank block for RS/AG), in place or not.
   Measure run(const std::string& op, std::int64_t count, bool in_place) {
-    std::vector<double> seconds(static_cast<std::size_t>(n_), 0.0);
+    const int local = comm_.size();
+    std::vector<double> seconds(static_cast<std::size_t>(local), 0.0);
     std::atomic<std::int64_t> wrong{0};
-    std::vector<std::string> errors(static_cast<std::size_t>(n_));
+    std::vector<std::string> errors(static_cast<std::size_t>(local));
     std::vector<std::thread> threads;
-    for (int r = 0; r < n_; ++r) {
+    for (int r = 0; r < local; ++r) {
       threads.emplace_back([&, r] {
         try {
           const dp::Device dev = comm_.devices()[r];
@@ -194,16 +209,18 @@ class Bench {
       });
     }
     for (auto& t : threads) t.join();
-    for (int r = 0; r < n_; ++r)
+    for (int r = 0; r < local; ++r)
       DP_CHECK(errors[static_cast<std::size_t>(r)].empty(), op, " rank ", r, ": ",
                errors[static_cast<std::size_t>(r)]);
     Measure m;
-    const double t = *std::max_element(seconds.begin(), seconds.end()) / o_.iters;
+    // The slowest rank of the job (one process: the values themselves).
+    const double t = dp::dist::all_reduce(*std::max_element(seconds.begin(), seconds.end()),
+                                          dp::dist::Op::Max) / o_.iters;
     m.time_us = t * 1e6;
     const double bytes = static_cast<double>(size_bytes(op, count));
     m.algbw = t > 0 ? bytes / t / 1e9 : 0.0;
     m.busbw = m.algbw * bus_factor(op, n_);
-    m.wrong = wrong.load();
+    m.wrong = dp::dist::all_reduce(wrong.load(), dp::dist::Op::Sum);
     return m;
   }
 
@@ -214,8 +231,10 @@ class Bench {
   }
 
  private:
-  Buffers make_buffers(const std::string& op, int r, std::int64_t count, bool in_place) {
-    const dp::Device dev = comm_.devices()[r];
+  /// Local rank r's buffers; values and blocks are those of its world rank.
+  Buffers make_buffers(const std::string& op, int local_rank, std::int64_t count, bool in_place) {
+    const dp::Device dev = comm_.devices()[local_rank];
+    const int r = comm_.first_rank() + local_rank;
     Buffers b;
     if (op == "reduce_scatter") {
       b.send = dp::from_vector(rank_values(r, count * n_), {count * n_}, dev);
@@ -239,6 +258,7 @@ class Bench {
     return b;
   }
 
+  /// r: the local rank (roots are world rank 0).
   void call(const std::string& op, int r, const Buffers& b) {
     if (op == "all_reduce") comm_.all_reduce(r, b.send, b.recv, ReduceOp::Sum);
     else if (op == "broadcast") comm_.broadcast(r, b.send, 0);
@@ -248,7 +268,8 @@ class Bench {
   }
 
   /// Elements of this rank's result that differ from the exact expected values.
-  std::int64_t count_wrong(const std::string& op, int r, std::int64_t count, const Buffers& b) {
+  std::int64_t count_wrong(const std::string& op, int local_rank, std::int64_t count, const Buffers& b) {
+    const int r = comm_.first_rank() + local_rank;
     auto sum_at = [&](std::int64_t i) {
       float s = 0;
       for (int q = 0; q < n_; ++q) s += value(q, i);
@@ -290,7 +311,11 @@ int run(const Options& o) {
     devices.push_back(o.type == dp::DeviceType::CPU ? dp::cpu(i) : dp::cuda(i));
   // The ranks work concurrently: give each CPU virtual device its share of the cores.
   dp::backend::get(devices[0]).set_concurrent_devices(o.devices);
-  auto comm = dp::comm::make_communicator(devices);
+  // Under mpirun with several processes, the communicator over every process's devices;
+  // otherwise make_communicator's.
+  auto comm = dp::comm::make_world_communicator(devices);
+  const int world = comm->world_size();
+  const bool prints = dp::dist::is_main();
   Bench bench(o, *comm);
 
   std::vector<std::string> ops;
@@ -298,17 +323,18 @@ int run(const Options& o) {
     if (o.op == "all" || o.op == op) ops.push_back(op);
 
   std::ostringstream json;
-  json << "{\"backend\": \"" << comm->backend_name() << "\", \"devices\": " << o.devices
+  json << "{\"backend\": \"" << comm->backend_name() << "\", \"processes\": "
+       << dp::dist::world_size() << ", \"devices\": " << o.devices
        << ", \"threads_per_device\": " << dp::backend::get(devices[0]).threads_per_device(devices[0])
        << ", \"iters\": " << o.iters << ", \"warmup\": " << o.warmup << ", \"results\": [";
   bool first_json = true;
   std::int64_t total_wrong = 0;
   double busbw_sum = 0;
   int busbw_rows = 0;
-  if (!o.json) {
-    std::printf("# dp collectives: backend %s, %d devices (%s), %d thread(s) per device, "
-                "iters %d, warmup %d\n",
-                comm->backend_name().c_str(), o.devices,
+  if (!o.json && prints) {
+    std::printf("# dp collectives: backend %s, %d process(es) x %d devices (%s), %d thread(s) "
+                "per device, iters %d, warmup %d\n",
+                comm->backend_name().c_str(), dp::dist::world_size(), o.devices,
                 o.type == dp::DeviceType::CPU ? "cpu" : "cuda",
                 dp::backend::get(devices[0]).threads_per_device(devices[0]), o.iters, o.warmup);
   }
@@ -316,7 +342,7 @@ int run(const Options& o) {
     const bool blocked = op == "reduce_scatter" || op == "all_gather";
     const bool reduces = op == "all_reduce" || op == "reduce" || op == "reduce_scatter";
     const bool rooted = op == "broadcast" || op == "reduce";
-    if (!o.json) {
+    if (!o.json && prints) {
       std::printf("#\n# %s\n", op.c_str());
       std::printf("# %10s %12s %7s %6s %5s   %9s %8s %8s %6s   %9s %8s %8s %6s\n", "", "", "",
                   "", "", "out-of-place", "", "", "", "in-place", "", "", "");
@@ -329,7 +355,7 @@ int run(const Options& o) {
     }
     for (std::int64_t bytes = o.minbytes; bytes <= o.maxbytes; bytes *= o.step) {
       std::int64_t count = bytes / static_cast<std::int64_t>(sizeof(float));
-      if (blocked) count /= o.devices;  // per-rank block; the row shows the rounded size
+      if (blocked) count /= world;  // per-rank block; the row shows the rounded size
       const Measure oop = bench.run(op, count, false);
       const Measure ip = bench.run(op, count, true);
       total_wrong += oop.wrong + ip.wrong;
@@ -348,7 +374,7 @@ int run(const Options& o) {
                << ", \"wrong\": " << m.wrong << "}";
         json << "}";
         first_json = false;
-      } else {
+      } else if (prints) {
         std::printf("  %10lld %12lld %7s %6s %5d   %9s %8s %8s %6lld   %9s %8s %8s %6lld\n",
                     static_cast<long long>(size), static_cast<long long>(count), "float", redop,
                     root, fmt("%.2f", oop.time_us).c_str(), fmt("%.2f", oop.algbw).c_str(),
@@ -360,7 +386,9 @@ int run(const Options& o) {
       if (bytes == 0) break;  // 0 * step stays 0
     }
   }
-  if (o.json) {
+  if (!prints) {
+    // Only process 0 reports.
+  } else if (o.json) {
     json << "\n], \"wrong\": " << total_wrong << ", \"avg_busbw_gbs\": "
          << (busbw_rows ? busbw_sum / busbw_rows : 0.0) << "}\n";
     std::cout << json.str();

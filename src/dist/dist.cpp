@@ -292,6 +292,11 @@ std::unique_ptr<ProcessGroup> new_world_group(const std::string& name) {
 
 bool finalized() { return state().finalized.load(std::memory_order_acquire); }
 
+const WorldInfo& world_info() {
+  ensure_initialized();
+  return state().info;  // written once, before `initialized` is published
+}
+
 }  // namespace detail
 
 std::string broadcast_object(std::string value, int root) {

@@ -132,4 +132,8 @@ std::unique_ptr<ProcessGroup> new_world_group(const std::string& name);
 /// True once dp::dist::finalize() has run (collectives are refused from then on).
 bool finalized();
 
+/// The job's facts as the transport found them at init: ranks, nodes, and the thread
+/// level MPI provides (Note [Thread level]). Calls dp::dist::init().
+const WorldInfo& world_info();
+
 }  // namespace dp::dist::detail

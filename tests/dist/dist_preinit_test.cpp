@@ -2,7 +2,8 @@
 // mpirun by run_mpi.py):
 //   dist_preinit_test serialized  MPI_Init_thread(MPI_THREAD_SERIALIZED): dp works (it
 //                                 serialises its own MPI calls) and leaves MPI_Finalize
-//                                 to the program;
+//                                 to the program; a world communicator over 2 devices
+//                                 per process is refused (it needs MULTIPLE), over 1 works;
 //   dist_preinit_test single      MPI_Init (MPI_THREAD_SINGLE): dp::dist::init throws a
 //                                 dp::Error naming the levels, and the program can still
 //                                 finalise MPI and exit cleanly.
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "dp/comm/communicator.h"
 #include "dp/comm/mpi_communicator.h"
 #include "dp/core/error.h"
 #include "dp/dist/dist.h"
@@ -66,6 +68,27 @@ void serialized() {
   check(ok_a && ok_b, "concurrent collectives on two communicators");
   a.reset();
   b.reset();
+  // The hierarchical communicator's L ranks cross processes concurrently: with more
+  // than one device per process it needs MULTIPLE, and says so on every process; with
+  // one it works.
+  if (provided < MPI_THREAD_MULTIPLE) {
+    std::string msg = "(no exception)";
+    try {
+      (void)dp::comm::make_world_communicator({dp::cpu(0), dp::cpu(1)});
+    } catch (const dp::Error& e) {
+      msg = e.what();
+    }
+    check(msg.find("MPI provides MPI_THREAD_SERIALIZED") != std::string::npos &&
+              msg.find("needs MPI_THREAD_MULTIPLE") != std::string::npos,
+          "make_world_communicator refuses 2 devices per process without MULTIPLE:", msg);
+  }
+  auto world = dp::comm::make_world_communicator({dp::cpu(0)});
+  check(world->world_size() == size, "a world communicator of one device per process");
+  dp::Tensor ones = dp::ones({7}, dp::cpu(0));
+  world->all_reduce(0, ones, ones, dp::comm::ReduceOp::Sum);
+  check(ones.to_vector() == std::vector<float>(7, static_cast<float>(size)),
+        "all_reduce on it");
+  world.reset();
   dp::dist::finalize();  // dp's last rendezvous; MPI stays up: the program owns it
   int finalized = 1;
   MPI_Finalized(&finalized);

@@ -1,14 +1,578 @@
-// The hierarchical communicator (see src/comm/world_factory.h).
-#include "comm/world_factory.h"
+// The hierarchical communicator (see hierarchical_communicator.h and
+// src/comm/world_factory.h).
+#include "comm/hier/hierarchical_communicator.h"
 
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "backend/backend.h"
+#include "comm/mpi/mpi_communicator.h"
+#include "comm/world_factory.h"
+#include "dist/process_group.h"
 #include "dp/core/error.h"
+#include "dp/dist/dist.h"
 
 namespace dp::comm {
 
+// Note [Hierarchical collectives]
+// P processes, L CPU virtual devices each, W = P * L world ranks; world rank p * L + j
+// is local rank j of process p. Two levels: `local` (shared memory among the L devices
+// of a process, Note [Local collective protocol]) and, per local index j, the
+// process-level group of peers(j) (local rank j of every process, Note [Process
+// collective protocol]). Local rank j's thread alone drives peers(j), so the L groups
+// cross processes concurrently: that needs MPI_THREAD_MULTIPLE when L > 1 (Note
+// [Thread level]); the constructor refuses less, on every process. n = elements.
+//
+// What moves where (per process; "net" = between processes):
+//  - all_reduce (Horovod's): local reduce-scatter of the body (q = floor(n / L)
+//    elements per rank, rank j's block reduced straight into block j of its recv),
+//    process-level all-reduce of each block on peers(j), all in parallel, then a local
+//    all-gather in place. Uneven sizes: per-rank counts, no padding — the t = n mod L
+//    (< L) trailing elements ride with the last block: local rank L-1 sums them from
+//    every local rank's send (their pointers are in the agree slots) and all-reduces
+//    q + t elements on its peers; after the process-level step every rank copies them
+//    from rank L-1's recv. Net: 2 (P-1)/P * n/L per device, 2 (P-1)/P * n per process —
+//    each element crosses once, on one of L parallel links. No scratch, no copy of the
+//    whole buffer.
+//  - broadcast from world root w (process w / L, index w % L): peers(w % L) broadcasts
+//    over processes, then a local broadcast from index w % L. Net: n from the root.
+//  - reduce to world root w: local reduce onto index w % L (into the root's recv, or
+//    that rank's scratch on the other processes), then a process-level reduce on
+//    peers(w % L) to process w / L. Net: (P-1)/P * n per process (the group's
+//    reduce-scatter + gather).
+//  - reduce_scatter (m = recv elements): send's W blocks are reordered so that local
+//    rank j's chunk holds the blocks of world ranks q * L + j, q = 0..P-1 (a copy of
+//    send into scratch); local reduce-scatter of chunks (P m each); process-level
+//    reduce-scatter of the chunk on peers(j): process p keeps block p, the one of world
+//    rank p * L + j. Net: (P-1) m per device.
+//  - all_gather (m = send elements): process-level all-gather on peers(j) (P blocks:
+//    world ranks q * L + j), written as chunk j of a scratch; local all-gather of the
+//    chunks in place; then the P L blocks are copied into recv in world order. Net:
+//    (P-1) m per device — never the whole recv per device.
+// With L = 1 the local levels are identities and are skipped: the collective is the
+// process-level one straight on the caller's buffers.
+//
+// Order of sums: element i of every reduction is
+//   S_i = (...((s_0 + s_1) + s_2) + ... + s_{P-1}),  s_p = (...(x_{p,0} + x_{p,1}) + ...) + x_{p,L-1}
+// — over the local devices in local-rank order (the local communicator's order, Note
+// [Fixed summation order]; the tail of all_reduce is summed by hand in that same
+// order), then over processes in process order (Note [Deterministic process
+// collectives]). Both levels add with ReduceOp::Sum; Average is then S_i * (1.0f / W),
+// the same expression as the local and mpi communicators' Average, applied once by
+// whoever holds the finished sum. So all_reduce, a reduce of each piece onto its owner
+// and reduce_scatter give the same bits for the same topology (P, L), run after run; a
+// different topology is a different sum.
+//
+// Checks (every process fails alike): every collective starts with `agree`, a
+// rendezvous of the L local ranks on the communicator's own barrier in which each
+// publishes its call and its arguments' problems; all evaluate the same slots. Every
+// collective then makes exactly one call on every peers(j) — a zero-sized one on the
+// indices a broadcast or reduce does not route through — so every process-level group
+// sees every call and its rendezvous compares kind, sizes, root and op across
+// processes. When `agree` fails, each local rank makes that call carry the problem, so
+// the other processes throw naming it instead of waiting. A mismatch across processes
+// may show on some groups only (two sizes that split into the same first blocks): after
+// the process-level step the local ranks meet again (`between_processes`) and all throw
+// when any of them did. No data moves past a failed check; recv is unspecified. The
+// price: two barriers of this communicator's own per collective (besides the local
+// collectives'), and, on the indices a broadcast or reduce does not route through, a
+// header exchange and empty messages, concurrent with the carrying index's transfer.
+//
+// Failures: abort() aborts the local communicator and the barrier (releasing local
+// threads), then ends the job with dp::dist::abort (Note [Fault policy]): a rank
+// blocked in another process's collective cannot be released. A process that dies or
+// hangs makes the others time out in their process-level step (dp::dist::timeout()),
+// which ends the job with a message naming it.
+
+namespace {
+
+using dist::detail::ProcessGroup;
+using dist::detail::Reduction;
+
+backend::Backend& cpu() { return backend::get(DeviceType::CPU); }
+
+/// memcpy of n floats on `dev`'s share of the cores.
+void copy_floats(Device dev, float* dst, const float* src, std::int64_t n) {
+  if (n <= 0 || dst == src) return;
+  cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
+    std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b) * sizeof(float));
+  });
+}
+
+/// p[i] *= s: Average's last step (Note [Hierarchical collectives]).
+void scale_floats(Device dev, float* p, std::int64_t n, float s) {
+  if (n <= 0) return;
+  cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t i = b; i < e; ++i) p[i] *= s;
+  });
+}
+
+/// n floats at p as a tensor of `dev` (not owning them), for the local communicator.
+Tensor view_of(float* p, std::int64_t n, Device dev) {
+  if (n == 0) return empty({0}, dev);
+  return from_blob(p, {n}, Dtype::Float32, dev);
+}
+Tensor view_of(const float* p, std::int64_t n, Device dev) {
+  return view_of(const_cast<float*>(p), n, dev);
+}
+
+bool overlaps(const float* a, std::int64_t na, const float* b, std::int64_t nb) {
+  if (na == 0 || nb == 0 || a == nullptr || b == nullptr) return false;
+  return a < b + nb && b < a + na;
+}
+
+/// "" when t is a defined float32 tensor on `dev`, else why not.
+std::string tensor_problem(const Tensor& t, const char* name, Device dev) {
+  if (!t.defined()) return dp::detail::str_cat(name, " is undefined; pass a float32 tensor on ", dev);
+  if (t.dtype() != Dtype::Float32)
+    return dp::detail::str_cat(name, " has dtype ", dtype_name(t.dtype()),
+                               "; collectives take float32 tensors");
+  if (t.device() != dev)
+    return dp::detail::str_cat(name, " lives on ", t.device(), " but this rank's device is ", dev,
+                               "; move it with .to(", dev, ")");
+  return {};
+}
+
+const char* kind_name(HierarchicalCommunicator::Kind k) {
+  using Kind = HierarchicalCommunicator::Kind;
+  switch (k) {
+    case Kind::AllReduce: return "all_reduce";
+    case Kind::Broadcast: return "broadcast";
+    case Kind::Reduce: return "reduce";
+    case Kind::ReduceScatter: return "reduce_scatter";
+    case Kind::AllGather: return "all_gather";
+  }
+  return "?";
+}
+
+const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+
+std::string describe(const HierarchicalCommunicator::Slot& s) {
+  using Kind = HierarchicalCommunicator::Kind;
+  std::string d = dp::detail::str_cat(kind_name(s.kind), "(count ", s.count);
+  if (s.kind == Kind::Broadcast || s.kind == Kind::Reduce) d += dp::detail::str_cat(", root ", s.root);
+  if (s.kind != Kind::Broadcast && s.kind != Kind::AllGather) d += dp::detail::str_cat(", ", op_name(s.op));
+  return d + ")";
+}
+
+/// Every process's verdict on a step of the constructor that may fail on some only:
+/// dp::Error on every process when any failed (its own message where it failed).
+void agree_across_processes(const std::string& mine, const char* what) {
+  const std::int64_t failed = dist::all_reduce(std::int64_t{mine.empty() ? 0 : 1}, dist::Op::Max);
+  DP_CHECK(mine.empty(), mine);
+  DP_CHECK(failed == 0, what, ": another process failed (its own error says why); this process, rank ",
+           dist::rank(), ", was fine");
+}
+
+}  // namespace
+
+HierarchicalCommunicator::HierarchicalCommunicator(const std::vector<Device>& devices)
+    : Communicator(devices, dist::world_size() * static_cast<int>(devices.size()),
+                   dist::rank() * static_cast<int>(devices.size())),
+      processes_(dist::world_size()),
+      process_rank_(dist::rank()),
+      barrier_(static_cast<int>(devices.size())),
+      slots_(devices.size()),
+      outcomes_(devices.size()),
+      scratch_(devices.size()) {
+  const int l = size();
+  std::string problem;
+  try {
+    local_ = make_local_communicator(devices);
+  } catch (const Error& e) {
+    problem = e.what();
+  }
+  const dist::detail::WorldInfo& info = dist::detail::world_info();
+  if (problem.empty() && l > 1 && !info.thread_multiple)
+    problem = dp::detail::str_cat(
+        "make_world_communicator: MPI provides ", info.thread_level, " but ", l,
+        " local devices per process cross processes concurrently, one thread each, which "
+        "needs MPI_THREAD_MULTIPLE (Note [Thread level]); let dp initialise MPI (it asks "
+        "for MPI_THREAD_MULTIPLE), or call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) "
+        "with an MPI built with thread support, or use one device per process");
+  agree_across_processes(problem, "make_world_communicator");
+  // Every process creates its L groups in the same order (each is collective).
+  for (int j = 0; j < l; ++j)
+    peers_.push_back(std::make_unique<MpiCommunicator>(devices_[static_cast<std::size_t>(j)]));
+}
+
+HierarchicalCommunicator::~HierarchicalCommunicator() = default;
+
+void HierarchicalCommunicator::check_rank(int rank, const char* what) const {
+  DP_CHECK(rank >= 0 && rank < size(), what, ": rank ", rank, " is out of range: the rank "
+           "argument is the local rank (0..", size() - 1, " on each process), not the world rank");
+}
+
+Communicator* HierarchicalCommunicator::peers(int rank) {
+  check_rank(rank, "peers");
+  return peers_[static_cast<std::size_t>(rank)].get();
+}
+
+ProcessGroup& HierarchicalCommunicator::group(int rank) {
+  return peers_[static_cast<std::size_t>(rank)]->group();
+}
+
+float* HierarchicalCommunicator::scratch(int rank, std::int64_t n) {
+  Scratch& s = scratch_[static_cast<std::size_t>(rank)];
+  if (s.capacity < n) {
+    // Geometric growth: buckets of changing sizes settle after a few calls.
+    const std::int64_t cap = std::max(n, s.capacity * 2);
+    s.data.reset();  // free first: lowers the peak
+    s.data = std::unique_ptr<float[]>(new float[static_cast<std::size_t>(cap)]);
+    s.capacity = cap;
+  }
+  return s.data.get();
+}
+
+void HierarchicalCommunicator::sync(int rank, const char* what) {
+  if (!barrier_.arrive_and_wait()) throw_aborted(what, rank, barrier_.reason());
+}
+
+std::vector<HierarchicalCommunicator::Slot> HierarchicalCommunicator::agree(int rank, Slot slot,
+                                                                            const char* what) {
+  const Kind kind = slot.kind;
+  slots_[static_cast<std::size_t>(rank)] = std::move(slot);
+  sync(rank, what);
+  std::vector<Slot> snap = slots_;
+  // Every local rank evaluates the same snapshot, so every one reaches the same verdict.
+  std::string problem;
+  for (int r = 0; r < size() && problem.empty(); ++r) {
+    const Slot& s = snap[static_cast<std::size_t>(r)];
+    if (!s.error.empty())
+      problem = dp::detail::str_cat("local rank ", r, " (", devices_[static_cast<std::size_t>(r)],
+                                    ", world rank ", first_rank() + r, "): ", s.error);
+  }
+  const Slot& ref = snap[0];
+  for (int r = 1; r < size() && problem.empty(); ++r) {
+    const Slot& s = snap[static_cast<std::size_t>(r)];
+    const bool rooted = ref.kind == Kind::Broadcast || ref.kind == Kind::Reduce;
+    const bool reduces = ref.kind != Kind::Broadcast && ref.kind != Kind::AllGather;
+    if (s.kind != ref.kind || s.count != ref.count || (rooted && s.root != ref.root) ||
+        (reduces && s.op != ref.op))
+      problem = dp::detail::str_cat(
+          "local ranks disagree: local rank 0 called ", describe(ref), ", local rank ", r,
+          " called ", describe(s), "; every rank must make the same collective calls in the "
+          "same order with the same sizes");
+  }
+  if (problem.empty()) return snap;
+  // Nobody leaves before everyone has read the slots: a rank that threw and entered
+  // its next collective would otherwise overwrite a slot still being read.
+  sync(rank, what);
+  refuse(rank, kind, what, problem);
+}
+
+void HierarchicalCommunicator::refuse(int rank, Kind kind, const char* what,
+                                      const std::string& problem) {
+  // The same kind of call the other processes' rank `rank` makes, so their message
+  // names the collective; with `problem` set no data moves and every process throws.
+  ProcessGroup& g = group(rank);
+  switch (kind) {
+    case Kind::AllReduce:
+      g.all_reduce<float>(nullptr, nullptr, 0, Reduction::Sum, what, problem);
+      break;
+    case Kind::Broadcast:
+      g.broadcast(nullptr, 0, 0, what, sizeof(float), {}, problem);
+      break;
+    case Kind::Reduce:
+      g.reduce<float>(nullptr, nullptr, 0, 0, Reduction::Sum, what, problem);
+      break;
+    case Kind::ReduceScatter:
+      g.reduce_scatter<float>(nullptr, nullptr, 0, Reduction::Sum, what, problem);
+      break;
+    case Kind::AllGather:
+      g.all_gather<float>(nullptr, nullptr, 0, what, problem);
+      break;
+  }
+  DP_FAIL(what, " on local rank ", rank, ": ", problem);  // not reached: the group threw
+}
+
+template <typename Step>
+void HierarchicalCommunicator::between_processes(int rank, const char* what, Step&& step) {
+  std::exception_ptr failure;
+  std::string message;
+  try {
+    step();
+  } catch (const std::exception& e) {
+    failure = std::current_exception();
+    message = e.what();
+  } catch (...) {
+    failure = std::current_exception();
+    message = "an exception of a type not derived from std::exception";
+  }
+  outcomes_[static_cast<std::size_t>(rank)] = message;
+  sync(rank, what);
+  // outcomes_ is written again only after the next collective's agree barrier, which
+  // every rank reaches after reading it here.
+  if (failure) std::rethrow_exception(failure);
+  for (int r = 0; r < size(); ++r) {
+    const std::string& m = outcomes_[static_cast<std::size_t>(r)];
+    DP_CHECK(m.empty(), what, " on local rank ", rank, " (", devices_[static_cast<std::size_t>(rank)],
+             "): local rank ", r, " (", devices_[static_cast<std::size_t>(r)],
+             ") failed between processes: ", m);
+  }
+}
+
+// ---- collectives (Note [Hierarchical collectives]) ------------------------------------
+
+void HierarchicalCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& recv,
+                                          ReduceOp op) {
+  const char* what = "all_reduce (hierarchical)";
+  check_rank(rank, what);
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
+  Slot s;
+  s.kind = Kind::AllReduce;
+  s.op = op;
+  s.error = tensor_problem(send, "send", dev);
+  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
+  if (s.error.empty() && recv.numel() != send.numel())
+    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
+                                  send.numel(), "; they must match");
+  if (s.error.empty()) {
+    s.count = send.numel();
+    s.send = send.data<const float>();
+    s.recv = recv.data<float>();
+  }
+  const std::vector<Slot> slots = agree(rank, std::move(s), what);
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const int l = size();
+  const std::int64_t n = me.count;
+  const std::int64_t q = n / l;      // body block per local rank
+  const std::int64_t t = n - q * l;  // tail (< l), carried by the last rank
+  const bool last = rank == l - 1;
+  float* mine = me.recv + q * rank;  // this rank's reduced block (and the tail, when last)
+  const std::int64_t len = q + (last ? t : 0);
+
+  if (l > 1) {
+    if (last && t > 0) {
+      // The tail in the local communicator's order. Each element is read before it is
+      // written (in place, recv's tail is send's); no other rank reads this tail now,
+      // and none writes its own before the process-level step below is over.
+      for (std::int64_t i = q * l; i < n; ++i) {
+        float acc = slots[0].send[i];
+        for (int r = 1; r < l; ++r) acc += slots[static_cast<std::size_t>(r)].send[i];
+        me.recv[i] = acc;
+      }
+    }
+    if (q > 0)
+      local_->reduce_scatter(rank, view_of(me.send, q * l, dev), view_of(mine, q, dev), ReduceOp::Sum);
+  }
+  between_processes(rank, what, [&] {
+    group(rank).all_reduce<float>(l == 1 ? me.send : mine, mine, len, Reduction::Sum, what);
+    if (op == ReduceOp::Average) scale_floats(dev, mine, len, 1.0f / static_cast<float>(world_size()));
+  });
+  if (l == 1) return;
+  if (!last) copy_floats(dev, me.recv + q * l, slots[static_cast<std::size_t>(l - 1)].recv + q * l, t);
+  if (q > 0) {
+    // In place: send is recv's block `rank`. Its rendezvous also orders every rank's
+    // tail copy above before rank l-1 may return and reuse its recv.
+    local_->all_gather(rank, view_of(mine, q, dev), view_of(me.recv, q * l, dev));
+  } else {
+    sync(rank, what);  // rank l-1's tail has been copied by every rank
+  }
+}
+
+void HierarchicalCommunicator::broadcast(int rank, const Tensor& data, int root) {
+  const char* what = "broadcast (hierarchical)";
+  check_rank(rank, what);
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
+  Slot s;
+  s.kind = Kind::Broadcast;
+  s.root = root;
+  if (root < 0 || root >= world_size())
+    s.error = dp::detail::str_cat("root ", root, " is out of range (expected a world rank 0..",
+                                  world_size() - 1, ")");
+  if (s.error.empty()) s.error = tensor_problem(data, "data", dev);
+  if (s.error.empty()) {
+    s.count = data.numel();
+    s.recv = data.data<float>();
+    s.send = s.recv;
+  }
+  const std::vector<Slot> slots = agree(rank, std::move(s), what);
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const int l = size();
+  const int index = root % l;      // the root's local index
+  const int process = root / l;    // the root's process
+  const bool carrier = rank == index;
+  between_processes(rank, what, [&] {
+    // Zero bytes on the other indices: their groups still see (and check) the call.
+    group(rank).broadcast(carrier ? me.recv : nullptr,
+                          carrier ? me.count * static_cast<std::int64_t>(sizeof(float)) : 0,
+                          process, what, sizeof(float));
+  });
+  if (l > 1) local_->broadcast(rank, data, index);
+}
+
+void HierarchicalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv, int root,
+                                      ReduceOp op) {
+  const char* what = "reduce (hierarchical)";
+  check_rank(rank, what);
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
+  const bool world_root = root == first_rank() + rank;
+  Slot s;
+  s.kind = Kind::Reduce;
+  s.op = op;
+  s.root = root;
+  if (root < 0 || root >= world_size())
+    s.error = dp::detail::str_cat("root ", root, " is out of range (expected a world rank 0..",
+                                  world_size() - 1, ")");
+  if (s.error.empty()) s.error = tensor_problem(send, "send", dev);
+  if (s.error.empty() && world_root) {
+    s.error = tensor_problem(recv, "recv (on the root)", dev);
+    if (s.error.empty() && recv.numel() != send.numel())
+      s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
+                                    send.numel(), "; they must match");
+  }
+  if (s.error.empty()) {
+    s.count = send.numel();
+    s.send = send.data<const float>();
+    if (world_root) s.recv = recv.data<float>();
+  }
+  const std::vector<Slot> slots = agree(rank, std::move(s), what);
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const int l = size();
+  const int index = root % l;
+  const int process = root / l;
+  const bool carrier = rank == index;
+  const std::int64_t n = me.count;
+  // The carrier's partial sum over the local devices: the root's recv, or scratch on the
+  // other processes (send is never written). With one device it is send itself.
+  const float* partial = me.send;
+  if (l > 1) {
+    float* into = nullptr;
+    if (carrier) into = world_root ? me.recv : scratch(rank, n);
+    local_->reduce(rank, send, carrier ? view_of(into, n, dev) : Tensor(), index, ReduceOp::Sum);
+    partial = into;
+  }
+  between_processes(rank, what, [&] {
+    ProcessGroup& g = group(rank);
+    if (!carrier) {
+      g.reduce<float>(nullptr, nullptr, 0, process, Reduction::Sum, what);
+      return;
+    }
+    g.reduce<float>(partial, world_root ? me.recv : nullptr, n, process, Reduction::Sum, what);
+    if (world_root && op == ReduceOp::Average)
+      scale_floats(dev, me.recv, n, 1.0f / static_cast<float>(world_size()));
+  });
+}
+
+void HierarchicalCommunicator::reduce_scatter(int rank, const Tensor& send, const Tensor& recv,
+                                              ReduceOp op) {
+  const char* what = "reduce_scatter (hierarchical)";
+  check_rank(rank, what);
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
+  const int w = world_size();
+  Slot s;
+  s.kind = Kind::ReduceScatter;
+  s.op = op;
+  s.error = tensor_problem(send, "send", dev);
+  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
+  if (s.error.empty() && send.numel() != recv.numel() * w)
+    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
+                                  "; reduce_scatter needs send = ", w, " x recv (one recv-sized "
+                                  "block per world rank)");
+  if (s.error.empty()) {
+    s.count = recv.numel();
+    s.send = send.data<const float>();
+    s.recv = recv.data<float>();
+  }
+  const std::vector<Slot> slots = agree(rank, std::move(s), what);
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const int l = size();
+  const int p = processes_;
+  const std::int64_t m = me.count;
+  // The P blocks this rank reduces across processes: world ranks q * L + rank.
+  const float* chunk = me.send;
+  if (l > 1) {
+    float* x = scratch(rank, (static_cast<std::int64_t>(w) + p) * m);
+    float* y = x + static_cast<std::int64_t>(w) * m;
+    // x: send reordered so that chunk j (P blocks) holds world ranks q * L + j, q = 0..P-1.
+    for (int j = 0; j < l; ++j)
+      for (int q = 0; q < p; ++q)
+        copy_floats(dev, x + (static_cast<std::int64_t>(j) * p + q) * m,
+                    me.send + (static_cast<std::int64_t>(q) * l + j) * m, m);
+    local_->reduce_scatter(rank, view_of(x, static_cast<std::int64_t>(w) * m, dev),
+                           view_of(y, static_cast<std::int64_t>(p) * m, dev), ReduceOp::Sum);
+    chunk = y;
+  }
+  between_processes(rank, what, [&] {
+    group(rank).reduce_scatter<float>(chunk, me.recv, m, Reduction::Sum, what);
+    if (op == ReduceOp::Average) scale_floats(dev, me.recv, m, 1.0f / static_cast<float>(w));
+  });
+}
+
+void HierarchicalCommunicator::all_gather(int rank, const Tensor& send, const Tensor& recv) {
+  const char* what = "all_gather (hierarchical)";
+  check_rank(rank, what);
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
+  const int w = world_size();
+  const int me_world = first_rank() + rank;
+  Slot s;
+  s.kind = Kind::AllGather;
+  s.error = tensor_problem(send, "send", dev);
+  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
+  if (s.error.empty() && recv.numel() != send.numel() * w)
+    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
+                                  "; all_gather needs recv = ", w, " x send (one block per world rank)");
+  if (s.error.empty()) {
+    const float* sp = send.data<const float>();
+    const float* rp = recv.data<const float>();
+    if (overlaps(sp, send.numel(), rp, recv.numel()) && sp != rp + send.numel() * me_world)
+      s.error = dp::detail::str_cat("send overlaps recv but is not recv's block ", me_world,
+                                    " (this rank's world rank); in place, pass send = recv.narrow(0, ",
+                                    me_world, " * n, n)");
+  }
+  if (s.error.empty()) {
+    s.count = send.numel();
+    s.send = send.data<const float>();
+    s.recv = recv.data<float>();
+  }
+  const std::vector<Slot> slots = agree(rank, std::move(s), what);
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const int l = size();
+  const int p = processes_;
+  const std::int64_t m = me.count;
+  if (l == 1) {
+    // World rank q is process q: the process-level layout is the world layout.
+    between_processes(rank, what, [&] { group(rank).all_gather<float>(me.send, me.recv, m, what); });
+    return;
+  }
+  // z: chunk j (P blocks) = world ranks q * L + j, q = 0..P-1. This rank's own chunk
+  // comes from its peers; the local all-gather (in place) brings the other chunks.
+  const std::int64_t chunk = static_cast<std::int64_t>(p) * m;
+  float* z = scratch(rank, chunk * l);
+  float* own = z + chunk * rank;
+  between_processes(rank, what, [&] { group(rank).all_gather<float>(me.send, own, m, what); });
+  local_->all_gather(rank, view_of(own, chunk, dev), view_of(z, chunk * l, dev));
+  for (int j = 0; j < l; ++j)
+    for (int q = 0; q < p; ++q)
+      copy_floats(dev, me.recv + (static_cast<std::int64_t>(q) * l + j) * m,
+                  z + (static_cast<std::int64_t>(j) * p + q) * m, m);
+}
+
+void HierarchicalCommunicator::synchronize(int rank) {
+  check_rank(rank, "synchronize (hierarchical)");
+  if (barrier_.aborted()) throw_aborted("synchronize", rank, barrier_.reason());
+}
+
+void HierarchicalCommunicator::abort(const std::string& reason) {
+  // Release this process's ranks first (a dying job should not leave them spinning
+  // while MPI tears down), then end the job: MPI cannot release the other processes.
+  if (local_) local_->abort(reason);
+  barrier_.abort(reason);
+  dist::abort("the hierarchical communicator was aborted: " + reason + "; ending the job");
+}
+
+void HierarchicalCommunicator::reset() {
+  local_->reset();
+  barrier_.reset();
+}
+
 std::unique_ptr<Communicator> make_hierarchical_communicator(const std::vector<Device>& devices,
                                                              const CommOptions& /*options*/) {
-  DP_FAIL("make_world_communicator: a communicator over the CPU devices of several processes is not "
-          "available yet (", devices.size(), " device(s) per process)");
+  // options.timeout is for stream-ordered backends; the process-level steps are bounded
+  // by dp::dist::timeout() (Note [Fault policy]).
+  return std::make_unique<HierarchicalCommunicator>(devices);
 }
 
 }  // namespace dp::comm

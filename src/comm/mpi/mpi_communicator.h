@@ -48,6 +48,11 @@ class MpiCommunicator final : public Communicator {
   /// No-op: a communicator that was not aborted is always usable.
   void reset() override;
 
+  /// The process group underneath. The hierarchical communicator moves its slices
+  /// through it directly, handing over its own checks' verdict so that every process
+  /// fails alike (Note [Hierarchical collectives], src/comm/hier/).
+  dist::detail::ProcessGroup& group() { return *group_; }
+
  private:
   struct Setup;
   /// Opens the group and learns every process's device (collective).
