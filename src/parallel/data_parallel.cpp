@@ -351,7 +351,9 @@ void DataParallel::init(std::vector<Device> devices) {
 
   backend::get(devices_[0]).set_concurrent_devices(n);
   recorder_ = std::make_unique<parallel::PhaseRecorder>(devices_);
-  comm_ = comm::make_world_communicator(devices_, {.timeout = options_.collective_timeout});
+  const comm::CommOptions comm_options{.timeout = options_.collective_timeout};
+  comm_ = options_.span_processes ? comm::make_world_communicator(devices_, comm_options)
+                                  : comm::make_communicator(devices_, comm_options);
   processes_ = comm_->world_size() / n;
   process_ = comm_->first_rank() / n;
   const int world = processes_ * n;

@@ -12,7 +12,10 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <csignal>
+#include <cstdio>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -221,6 +224,92 @@ TEST_CASE("gradient accumulation with no_sync across processes") {
     const Run run = train(&d.options, Path::ForwardBackward, 2);
     CHECK(max_diff(run.params, ref.params) < 2e-5);
     CHECK(same_everywhere(run.params));
+  }
+}
+
+namespace {
+
+/// Steps [first, last) of the global batches on `model`: across processes each passes
+/// its own rows; a model within one process (processes() == 1) takes every row.
+void steps(dp::DataParallel& model, dp::optim::Optimizer& opt, int first, int last) {
+  for (int s = first; s < last; ++s) {
+    const std::int64_t rows = global_rows(s);
+    Batch b = make_batch(rows, 100 + static_cast<std::uint64_t>(s * 7));
+    const auto [lo, n] = model.processes() > 1 ? my_rows(rows) : std::pair<std::int64_t, std::int64_t>{0, rows};
+    opt.zero_grad();
+    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    opt.step();
+  }
+}
+
+std::string checkpoint_path(const char* what) {
+  // One file per job: process 0's pid names it, and every process learns it.
+  const std::string mine = dp::detail::str_cat("/tmp/dp_mpi_test_", ::getpid(), "_", what, ".ckpt");
+  return dist::broadcast_object(mine, 0);
+}
+
+}  // namespace
+
+TEST_CASE("a training checkpoint resumes on another topology: P x 2 devices <-> 1 x 2P") {
+  if (!dist::is_distributed()) return;
+  const int world = dist::world_size() * kLocal;
+  const dp::DataParallelOptions ddp{.mode = dp::Mode::DDP};
+  dp::DataParallelOptions alone = ddp;
+  alone.span_processes = false;
+  // The run without a break, across processes.
+  std::vector<float> straight;
+  {
+    auto net = make_mlp(kSeed);
+    dp::DataParallel model(net, local_devices(), ddp);
+    dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+    steps(model, opt, 0, kSteps);
+    straight = flat(net->state_dict());
+  }
+  const int half = kSteps / 2;
+  SUBCASE("P processes save, one process of 2P devices resumes") {
+    const std::string path = checkpoint_path("across");
+    auto net = make_mlp(kSeed);
+    dp::DataParallel model(net, local_devices(), ddp);
+    dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+    steps(model, opt, 0, half);
+    if (dist::is_main()) dp::save_training_checkpoint(path, *net, opt, {.step = half});
+    dist::barrier();
+    if (dist::is_main()) {
+      auto fresh = make_mlp(kSeed + 99);
+      dp::DataParallel single(fresh, local_devices(world), alone);
+      CHECK(single.processes() == 1);
+      dp::optim::Adam opt2(single.parameters(), {.lr = 1e-2});
+      dp::TrainingState st;
+      dp::load_training_checkpoint(path, *fresh, opt2, st);
+      CHECK(st.step == half);
+      steps(single, opt2, half, kSteps);
+      CHECK(max_diff(flat(fresh->state_dict()), straight) < 2e-5);
+      std::remove(path.c_str());
+    }
+    dist::barrier();
+  }
+  SUBCASE("one process of 2P devices saves, P processes resume") {
+    const std::string path = checkpoint_path("alone");
+    if (dist::is_main()) {
+      auto net = make_mlp(kSeed);
+      dp::DataParallel single(net, local_devices(world), alone);
+      dp::optim::Adam opt(single.parameters(), {.lr = 1e-2});
+      steps(single, opt, 0, half);
+      dp::save_training_checkpoint(path, *net, opt, {.step = half});
+    }
+    dist::barrier();
+    auto fresh = make_mlp(kSeed + 7);
+    dp::DataParallel model(fresh, local_devices(), ddp);
+    dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+    dp::TrainingState st;
+    dp::load_training_checkpoint(path, *fresh, opt, st);
+    CHECK(st.step == half);
+    steps(model, opt, half, kSteps);
+    const std::vector<float> p = flat(fresh->state_dict());
+    CHECK(max_diff(p, straight) < 2e-5);
+    CHECK(same_everywhere(p));
+    dist::barrier();
+    if (dist::is_main()) std::remove(path.c_str());
   }
 }
 

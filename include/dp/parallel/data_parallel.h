@@ -115,6 +115,12 @@ struct DataParallelOptions {
   /// (Note [NCCL failures]); the next step then throws dp::CollectiveAborted instead
   /// of hanging. CPU virtual devices are released at once by the failing worker.
   std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
+  /// Launched by mpirun (or srun), DataParallel spans every process of the job
+  /// (Note [Across processes]): construction is then collective, every process
+  /// passing the same number of devices. false keeps it within this process — a
+  /// model one process trains or evaluates alone (rank 0 resuming a checkpoint on
+  /// its own devices, say) — and nothing it does waits for the other processes.
+  bool span_processes = true;
 };
 
 /// Marks an input of DataParallel::forward that every device receives whole instead of
