@@ -152,9 +152,25 @@ Session make_session(const Config& cfg) {
   // and on a small machine a second one would only take cores from the training.
   // On GPUs the batches are pinned, so each shard's host→device copy is asynchronous.
   const bool pin = dev0.is_cuda();
-  s.train_loader = std::make_unique<dp::data::DataLoader>(
-      s.train_set, dp::data::DataLoader::Options{.batch_size = cfg.batch, .shuffle = true, .seed = cfg.seed,
-                                                 .num_workers = 1, .pin_memory = pin});
+  // Under mpirun each process reads its own part of every epoch (a DistributedSampler
+  // over the processes) and --batch stays the global batch: each process takes
+  // batch / processes rows of it, and DataParallel splits those over its devices.
+  const int procs = dp::dist::world_size();
+  if (procs == 1) {
+    s.train_loader = std::make_unique<dp::data::DataLoader>(
+        s.train_set, dp::data::DataLoader::Options{.batch_size = cfg.batch, .shuffle = true, .seed = cfg.seed,
+                                                   .num_workers = 1, .pin_memory = pin});
+  } else {
+    DP_CHECK(cfg.batch % procs == 0, "fashion_mnist_cnn: --batch ", cfg.batch, " is the global batch and must be a "
+             "multiple of the ", procs, " processes");
+    DP_CHECK(cfg.mode != "single", "fashion_mnist_cnn: --mode single under mpirun would train ", procs,
+             " separate models; pick dp, ddp or sharded");
+    auto sampler = std::make_shared<dp::data::DistributedSampler>(
+        s.train_set->size(), dp::data::DistributedSampler::Options{.shuffle = true, .seed = cfg.seed});
+    s.train_loader = std::make_unique<dp::data::DataLoader>(
+        s.train_set, sampler,
+        dp::data::DataLoader::Options{.batch_size = cfg.batch / procs, .num_workers = 1, .pin_memory = pin});
+  }
   s.test_loader = std::make_unique<dp::data::DataLoader>(
       s.test_set, dp::data::DataLoader::Options{.batch_size = cfg.eval_batch, .num_workers = 1, .pin_memory = pin});
 
@@ -371,6 +387,8 @@ int main(int argc, char** argv) {
   app.add_option("--eval-batch", cfg.eval_batch, "Batch size of the test-set evaluation")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24))->capture_default_str();
   app.add_flag("--no-eval", cfg.no_eval, "Skip the test-set evaluation (timing runs)");
+  // Under mpirun every process trains; process 0 alone reports.
+  if (!dp::dist::is_main() && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
