@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs the teach sample and checks its narration, figures and trace.
+"""Runs the teach sample and checks its narration, figures and trace (stage 3 to the byte).
 
 usage: check_teach.py EXE WORKDIR
 """
@@ -89,6 +89,61 @@ def main():
     rs_ag = sh["reduce_scatter_recv_bytes"][0] + sh["all_gather_recv_bytes"][0] if shards else 0
     check(abs(rs_ag - 2 * (N - 1) / N * P) <= 4 * 2 * (N - 1) * 16, "Sharded bytes differ from DDP's beyond padding")
 
+    # Stage 3: the gather units recomputed from the CNN's layer shapes, the bytes each
+    # gather and the reduce-scatter move per device, and the allocator's count between
+    # steps, which must be the parameters', gradient's and momentum's ranges exactly.
+    s3 = o.get("stage3", {})
+    check(s3.get("stage") == 3, f"stage 3 run: stage {s3.get('stage')}")
+    check(s3.get("shards") == shards, f"stage 3 shards {s3.get('shards')}")
+    layers = [("0", 32 * 1 * 3 * 3 + 32), ("3", 64 * 32 * 3 * 3 + 64), ("7", 3136 * 128 + 128), ("9", 128 * 10 + 10)]
+    units, lo = [], 0
+    for child, size in layers:
+        units.append((child, lo, lo + size))
+        lo += size
+    check(lo == elems, f"the CNN's layers hold {lo} floats, P says {elems}")
+    got_units = [(u.get("child"), u.get("lo"), u.get("hi")) for u in s3.get("units", [])]
+    check(got_units == units, f"gather units {got_units}, expected {units}")
+
+    def own(u_lo, u_hi, d):
+        return max(0, min(u_hi, shards[d][1]) - max(u_lo, shards[d][0])) if d < len(shards) else 0
+
+    fwd_in = [sum(4 * (hi - lo - own(lo, hi, d)) for _, lo, hi in units) for d in range(N)]
+    fwd_out = [sum(4 * (N - 1) * own(lo, hi, d) for _, lo, hi in units) for d in range(N)]
+    bwd_in = [sum(4 * (hi - lo - own(lo, hi, d)) for _, lo, hi in units[:-1]) for d in range(N)]
+    bwd_out = [sum(4 * (N - 1) * own(lo, hi, d) for _, lo, hi in units[:-1]) for d in range(N)]
+    rs_in = [4 * (N - 1) * w for w in owned]
+    rs_out = [4 * (elems - w) for w in owned]
+    check(s3.get("forward_gather_recv_bytes") == fwd_in, f"stage 3 forward gather bytes in {s3.get('forward_gather_recv_bytes')}")
+    check(s3.get("forward_gather_send_bytes") == fwd_out, "stage 3 forward gather bytes out")
+    check(s3.get("backward_gather_recv_bytes") == bwd_in, "stage 3 backward gather bytes in")
+    check(s3.get("backward_gather_send_bytes") == bwd_out, "stage 3 backward gather bytes out")
+    check(s3.get("reduce_scatter_recv_bytes") == rs_in and s3.get("reduce_scatter_send_bytes") == rs_out,
+          "stage 3 reduce-scatter bytes")
+    total_in = [fwd_in[d] + bwd_in[d] + rs_in[d] for d in range(N)]
+    total_out = [fwd_out[d] + bwd_out[d] + rs_out[d] for d in range(N)]
+    check(s3.get("total_recv_bytes") == total_in and s3.get("total_send_bytes") == total_out, "stage 3 totals")
+    # What leaves one device arrives at another; a ring all-gather of every unit moves the same.
+    check(sum(fwd_in) == sum(fwd_out) == (N - 1) * P, "stage 3 forward gathers do not move (N-1)·P in all")
+    last = 4 * (units[-1][2] - units[-1][1])
+    check(abs(sum(total_in) / N - (N - 1) / N * (3 * P - last)) < 1e-6, "stage 3 mean bytes per device")
+    check(s3.get("forward_gather_calls") == [len(units)] * N, f"forward gathers {s3.get('forward_gather_calls')}")
+    check(s3.get("backward_gather_calls") == [len(units)] * N, f"backward gathers {s3.get('backward_gather_calls')}")
+    check(s3.get("recorded_bucket_bytes") == P, f"stage 3 recorded reduce-scatter bytes {s3.get('recorded_bucket_bytes')}")
+    sizes = [4 * (hi - lo) for _, lo, hi in units]
+    check(s3.get("params_held_bytes") == 4 * S, "stage 3 parameters held")
+    check(s3.get("largest_unit_bytes") == max(sizes), "stage 3 largest unit")
+    pair = max(sizes[i] + (sizes[i + 1] if i + 1 < len(sizes) else 0) for i in range(len(sizes)))
+    check(s3.get("forward_gathered_peak_bytes") == pair, "stage 3 unit and prefetched successor")
+    between = [8 * S + 4 * w for w in owned]
+    check(s3.get("between_steps_expected_bytes") == between, "stage 3 expected memory between steps")
+    check(s3.get("between_steps_bytes") == between, f"the allocator's count between steps {s3.get('between_steps_bytes')}, "
+          f"first principles {between}")
+    check(s3.get("ddp_between_steps_bytes") == [3 * P] * N, f"DDP between steps {s3.get('ddp_between_steps_bytes')}")
+    peaks = s3.get("peak_bytes", [])
+    check(len(peaks) == N and all(between[d] + max(sizes) <= peaks[d] < s3["ddp_peak_bytes"][d] for d in range(N)),
+          f"stage 3 peaks {peaks}: expected above the between-steps count plus the largest unit, below DDP's")
+    check(o.get("max_param_diff_stage3", 1) == 0, f"DDP and stage 3 parameters differ by {o.get('max_param_diff_stage3')}")
+
     check(o.get("max_param_diff", 1) <= 1e-6, f"DP and DDP parameters differ by {o.get('max_param_diff')}")
     check(o.get("max_param_diff_sharded", 1) <= 1e-6,
           f"DDP and Sharded parameters differ by {o.get('max_param_diff_sharded')}")
@@ -97,8 +152,23 @@ def main():
                    "DDP bucket 0 (params 9.bias, 9.weight", "2(N-1)/N", "(N-1)·P", "through cpu:0",
                    "waiting until the slowest device joined", "copies nothing itself",
                    "cpu:0 owns [0, ", "REDUCED ONTO ITS OWNER", "all-gather", "= P, as they must",
-                   f"median of {iterations} iterations"):
+                   f"median of {iterations} iterations", "ZeRO stage 3"):
         check(phrase in text, f"narration lacks '{phrase}'")
+    # The stage-3 narration states the recomputed figures to the byte.
+    for d in range(N):
+        check(f"cpu:{d} holds [{shards[d][0]}, {shards[d][1]}): 4·S = {int(4 * S)} B" in text, f"stage 3: cpu:{d}'s range")
+        check(f"cpu:{d}: forward gathers in {int(fwd_in[d])} B" in text and f"out {int(fwd_out[d])} B" in text and
+              f"backward gathers in {int(bwd_in[d])} B" in text and f"total in {int(total_in[d])} B" in text and
+              f"out {int(total_out[d])} B" in text, f"stage 3: cpu:{d}'s bytes")
+        check(f"cpu:{d}: expected {int(between[d])} B" in text, f"stage 3: cpu:{d}'s memory between steps")
+    for i, (child, lo, hi) in enumerate(units):
+        check(f"unit {i} = child '{child}' ({child}.weight, {child}.bias) [{lo}, {hi}), {4 * (hi - lo)} B" in text,
+              f"stage 3: unit {i}")
+        ins = ", ".join(f"cpu:{d} in {int(4 * (hi - lo - own(lo, hi, d)))} B" for d in range(N))
+        check(f"unit {i} (" in text and ins in text, f"stage 3: unit {i}'s gather, '{ins}'")
+    check("DIFFERENT" not in text, "stage 3: the allocator disagrees with first principles")
+    check(f"at most {int(pair)} B" in text and f"largest child is '7' (unit 2, {int(max(sizes))} B" in text,
+          "stage 3: the gathered units' memory")
     check("ALL through" not in text and " won " not in text, "narration claims a winner or a single hub for DDP")
 
     # The trace: one process per design, one track per worker (and comm thread in DDP, Sharded).
@@ -109,7 +179,7 @@ def main():
         for e in t["traceEvents"]:
             if e.get("ph") == "M" and e.get("name") == "thread_name":
                 names.setdefault(e["pid"], []).append(e["args"]["name"])
-        for pid, comms in ((1, 0), (2, 4), (3, 4)):
+        for pid, comms in ((1, 0), (2, 4), (3, 4), (4, 4)):
             tracks = names.get(pid, [])
             check(sum(n.startswith("worker ") for n in tracks) == 4, f"process {pid} tracks {tracks}")
             check(sum(n.startswith("comm ") for n in tracks) == comms, f"process {pid} tracks {tracks}")
@@ -119,7 +189,8 @@ def main():
     # Text mode, stage 1, an explicit id list, and the default device count: never more
     # devices than hardware threads (no oversubscription by default), and --help says it.
     r = run(exe, "--devices", "0,2", "--batch", "8", "--iterations", "1", "--shard-stage", "1")
-    check(r.returncode == 0 and "== DDP" in r.stdout and "ZeRO stage 1" in r.stdout and "cpu:2" in r.stdout,
+    check(r.returncode == 0 and "== DDP" in r.stdout and "ZeRO stage 1" in r.stdout and "ZeRO stage 3" in r.stdout
+          and "cpu:2" in r.stdout,
           f"text mode, stage 1, ids 0,2: {r.returncode} {r.stderr[-300:]}")
     r = run(exe, "--batch", "8", "--iterations", "1", "--json")
     default_devices = json.loads(r.stdout).get("devices") if r.returncode == 0 else None

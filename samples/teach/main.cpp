@@ -1,4 +1,5 @@
-// samples/teach — a narrated walk through a DP step, a DDP step and a Sharded step.
+// samples/teach — a narrated walk through a DP step, a DDP step, a Sharded step
+// (ZeRO stage 1 or 2) and a stage-3 step.
 //
 // The same Fashion-MNIST CNN, the same batch, the same devices (min(4, hardware
 // threads) CPU virtual devices, or the GPUs present): a few iterations in each design,
@@ -6,8 +7,9 @@
 // shapes, bytes, device → device) and when (times from model.trace() and
 // model.stats()) — and why each design moves the bytes it does. The byte counts are
 // derived from first principles and checked against what the run reports (buckets,
-// shard ranges, the bytes recorded with each collective). The three designs end with
-// identical parameters.
+// shard ranges, the bytes recorded with each collective; in stage 3 the gather units,
+// the bytes each gather pulls and the allocator's count per device between steps).
+// The designs end with identical parameters.
 //
 //   teach                          # narration on stdout
 //   teach --iterations 9           # more iterations: a steadier median
@@ -118,6 +120,12 @@ struct Run {
   std::vector<std::pair<std::int64_t, std::int64_t>> shards;
   int stage = 0;
   std::vector<float> params;  // after the last iteration
+  // Stage 3: the gather units ([lo, hi) of the flat buffers, one per top-level child
+  // with parameters) and the allocator's counts per device, less what the device held
+  // before the run was built: between steps (after the last iteration) and the peak
+  // of the median iteration.
+  std::vector<std::pair<std::int64_t, std::int64_t>> units;
+  std::vector<double> between_bytes, peak_bytes;
 
   const Iteration& med() const { return iters[median]; }
   std::vector<double> times() const {
@@ -135,6 +143,8 @@ Run run(dp::Mode mode, int stage, const std::vector<dp::Device>& devs, const dp:
         const dp::data::Batch& batch, int iterations) {
   Run r;
   r.mode = mode;
+  std::vector<std::size_t> base;
+  for (const dp::Device& d : devs) base.push_back(dp::memory_allocated(d));
   r.net = samples::fashion_cnn(/*seed=*/7);
   dp::DataParallelOptions opts{.mode = mode};
   if (mode == dp::Mode::Sharded) opts.shard_stage = stage;
@@ -170,6 +180,13 @@ Run run(dp::Mode mode, int stage, const std::vector<dp::Device>& devs, const dp:
   r.buckets = model.buckets();
   r.shards = model.shards();
   r.stage = model.shard_stage();
+  // Read before anything touches the parameters: in stage 3 that gathers device 0's copy.
+  for (std::size_t d = 0; d < devs.size(); ++d) {
+    r.between_bytes.push_back(static_cast<double>(dp::memory_allocated(devs[d])) - static_cast<double>(base[d]));
+    r.peak_bytes.push_back(static_cast<double>(r.med().stats.devices[d].peak_memory_bytes) -
+                           static_cast<double>(base[d]));
+  }
+  if (auto set = r.net->parameter_set(); set && set->shards_params()) r.units = set->units();
   for (auto& [name, t] : r.net->state_dict()) {
     if (t.dtype() != dp::Dtype::Float32) continue;
     auto v = t.to_vector();
@@ -393,6 +410,33 @@ ShardBytes shard_bytes(const std::vector<std::pair<std::int64_t, std::int64_t>>&
   return b;
 }
 
+// Each reduce-scatter bucket of a Sharded run: its pieces, cut at the range
+// boundaries, and when it ran. Returns the bytes of buckets recorded on device 0.
+double narrate_reduce_scatter(Narrator& n, const Run& r, const std::vector<dp::Device>& devs, nlohmann::json& jbuckets) {
+  const auto& tl = r.med().tl;
+  double recorded = 0;
+  for (auto& e : tl.events)
+    if (e.track == comm(devs[0]) && e.name.rfind("reduce_scatter bucket ", 0) == 0) recorded += recorded_bytes(e);
+  for (std::size_t b = 0; b < r.buckets.size(); ++b) {
+    auto [lo, hi] = r.buckets[b];
+    std::string pieces;
+    for (std::size_t d = 0; d < r.shards.size(); ++d) {
+      std::int64_t a = std::max(lo, r.shards[d].first), z = std::min(hi, r.shards[d].second);
+      if (a < z) pieces += (pieces.empty() ? "" : ", ") + format_bytes(4.0 * (z - a)) + " → " + devs[d].str();
+    }
+    auto t = bucket_timing(tl, devs, "reduce_scatter bucket " + std::to_string(b));
+    std::string head = "   bucket " + std::to_string(b) + " (" + format_bytes(4.0 * (hi - lo)) + "): " + pieces;
+    if (!t.found) {
+      n.say(head + " (not recorded)");
+      continue;
+    }
+    n.say(head + "; " + timing_text(t));
+    jbuckets.push_back({{"index", b}, {"bytes", 4.0 * (hi - lo)}, {"waiting_ms", t.waiting()},
+                        {"start_ms", t.first_start}, {"end_ms", t.end}});
+  }
+  return recorded;
+}
+
 void narrate_sharded(Narrator& n, const Run& r, const Run& ddp, const std::vector<ParamInfo>& params,
                      const std::vector<dp::Device>& devs, double P, nlohmann::json& js) {
   const std::size_t N = devs.size();
@@ -418,27 +462,8 @@ void narrate_sharded(Narrator& n, const Run& r, const Run& ddp, const std::vecto
   n.say("1-3. scatter, forward, backward — as in DDP: " + per_device(tl, devs, "backward") + " (backward)");
   n.say("4. reduce-scatter — the same buckets as DDP; when a bucket is ready on a device, its comm thread cuts");
   n.say("   it at the range boundaries and each piece is REDUCED ONTO ITS OWNER (summed in device order):");
-  double recorded = 0;
-  for (auto& e : tl.events)
-    if (e.track == comm(devs[0]) && e.name.rfind("reduce_scatter bucket ", 0) == 0) recorded += recorded_bytes(e);
   nlohmann::json jbuckets = nlohmann::json::array();
-  for (std::size_t b = 0; b < r.buckets.size(); ++b) {
-    auto [lo, hi] = r.buckets[b];
-    std::string pieces;
-    for (std::size_t d = 0; d < r.shards.size(); ++d) {
-      std::int64_t a = std::max(lo, r.shards[d].first), z = std::min(hi, r.shards[d].second);
-      if (a < z) pieces += (pieces.empty() ? "" : ", ") + format_bytes(4.0 * (z - a)) + " → " + devs[d].str();
-    }
-    auto t = bucket_timing(tl, devs, "reduce_scatter bucket " + std::to_string(b));
-    std::string head = "   bucket " + std::to_string(b) + " (" + format_bytes(4.0 * (hi - lo)) + "): " + pieces;
-    if (!t.found) {
-      n.say(head + " (not recorded)");
-      continue;
-    }
-    n.say(head + "; " + timing_text(t));
-    jbuckets.push_back({{"index", b}, {"bytes", 4.0 * (hi - lo)}, {"waiting_ms", t.waiting()},
-                        {"start_ms", t.first_start}, {"end_ms", t.end}});
-  }
+  const double recorded = narrate_reduce_scatter(n, r, devs, jbuckets);
   auto sb = shard_bytes(r.shards, elems);
   n.say("   Per device: it receives the other N-1 devices' gradients for its range, (N-1) × its owned");
   n.say("   floats × 4 B, and sends its own gradients for every other range, (P - owned) × 4 B:");
@@ -479,12 +504,248 @@ void narrate_sharded(Narrator& n, const Run& r, const Run& ddp, const std::vecto
         {"peak_memory_bytes_device1", {{"ddp", ddp_peak}, {"sharded", sh_peak}}}};
 }
 
+// "1606144 B (1.5 MB)": exact, so that the narration can be checked to the byte.
+std::string exact_bytes(double bytes) {
+  return std::to_string(static_cast<std::int64_t>(bytes)) + " B (" + format_bytes(bytes) + ")";
+}
+
+// Elements of [lo, hi) that the range [a, b) holds.
+std::int64_t overlap(std::int64_t lo, std::int64_t hi, std::int64_t a, std::int64_t b) {
+  return std::max<std::int64_t>(0, std::min(hi, b) - std::max(lo, a));
+}
+
+// Per-device bytes of a stage-3 step, from the ranges and the gather units alone.
+// A gather of unit u is a pull (ParameterSet::gather_unit): device r receives the
+// pieces of u it does not own, 4·(|u| - own_r(u)) bytes, and sends its own piece to
+// each of the N-1 others, 4·(N-1)·own_r(u). Summed over devices both are (N-1)·4|u|:
+// on average (N-1)/N of the unit per device, what a ring all-gather moves.
+struct Stage3Bytes {
+  std::vector<double> fwd_recv, fwd_send;  // forward: every unit gathered once
+  std::vector<double> bwd_recv, bwd_send;  // backward: every unit but the last again
+  std::vector<double> rs_recv, rs_send;    // reduce-scatter of the gradients
+  std::vector<double> total_recv, total_send;
+};
+
+Stage3Bytes stage3_bytes(const std::vector<std::pair<std::int64_t, std::int64_t>>& shards,
+                         const std::vector<std::pair<std::int64_t, std::int64_t>>& units, std::int64_t elems) {
+  Stage3Bytes b;
+  const double N = static_cast<double>(shards.size());
+  const auto sb = shard_bytes(shards, elems);
+  for (std::size_t d = 0; d < shards.size(); ++d) {
+    double fr = 0, fs = 0, br = 0, bs = 0;
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const auto [lo, hi] = units[u];
+      const double own = static_cast<double>(overlap(lo, hi, shards[d].first, shards[d].second));
+      const double recv = 4.0 * (static_cast<double>(hi - lo) - own), send = 4.0 * (N - 1) * own;
+      fr += recv;
+      fs += send;
+      if (u + 1 < units.size()) {
+        br += recv;
+        bs += send;
+      }
+    }
+    b.fwd_recv.push_back(fr);
+    b.fwd_send.push_back(fs);
+    b.bwd_recv.push_back(br);
+    b.bwd_send.push_back(bs);
+    b.rs_recv.push_back(sb.rs_recv[d]);
+    b.rs_send.push_back(sb.rs_send[d]);
+    b.total_recv.push_back(fr + br + sb.rs_recv[d]);
+    b.total_send.push_back(fs + bs + sb.rs_send[d]);
+  }
+  return b;
+}
+
+// The child that holds a unit: the prefix of its first parameter's name ("7" of "7.weight").
+std::string child_of(const std::vector<ParamInfo>& params, std::int64_t lo) {
+  for (auto& p : params)
+    if (p.offset == lo) return p.name.substr(0, p.name.find('.'));
+  return "?";
+}
+
+void narrate_stage3(Narrator& n, const Run& r, const Run& ddp, const std::vector<ParamInfo>& params,
+                    const std::vector<dp::Device>& devs, double P, nlohmann::json& js) {
+  const std::size_t N = devs.size();
+  const auto& tl = r.med().tl;
+  const std::int64_t elems = static_cast<std::int64_t>(P / 4);
+  const std::int64_t S = r.shards.empty() ? 0 : r.shards[0].second - r.shards[0].first;
+  const std::size_t U = r.units.size();
+  n.say("== Sharded (dp::Mode::Sharded, ZeRO stage 3): the median of " + std::to_string(r.iters.size()) +
+        " iterations on " + std::to_string(N) + " devices ==");
+  n.say("Stage 3 shards the parameters too: between steps NO device holds them whole, each keeps only");
+  n.say("its own range (with that range's gradient and momentum). A top-level child's parameters are");
+  n.say("all-gathered on every device just before the child runs, forward and again backward, then freed.");
+  n.say("");
+  n.say("0. ranges — as in stage 2 (S = " + std::to_string(S) + " floats); now the PARAMETERS too live only there:");
+  std::vector<double> own;
+  for (std::size_t d = 0; d < r.shards.size(); ++d) {
+    auto [lo, hi] = r.shards[d];
+    own.push_back(static_cast<double>(overlap(0, elems, lo, hi)));
+    n.say("     " + devs[d].str() + " holds [" + std::to_string(lo) + ", " + std::to_string(hi) + "): 4·S = " +
+          exact_bytes(4.0 * S) + " of parameters (DDP: all of P = " + format_bytes(P) + ")");
+  }
+  n.say("1. gather units — one per top-level child with parameters, each a contiguous run of the flat buffer:");
+  double largest = 0, pair_peak = 0;
+  std::size_t largest_unit = 0;
+  nlohmann::json junits = nlohmann::json::array();
+  for (std::size_t u = 0; u < U; ++u) {
+    auto [lo, hi] = r.units[u];
+    const double bytes = 4.0 * static_cast<double>(hi - lo);
+    if (bytes > largest) {
+      largest = bytes;
+      largest_unit = u;
+    }
+    pair_peak = std::max(pair_peak, bytes + (u + 1 < U ? 4.0 * static_cast<double>(r.units[u + 1].second -
+                                                                                       r.units[u + 1].first)
+                                                        : 0.0));
+    std::string owners;
+    for (std::size_t d = 0; d < r.shards.size(); ++d) {
+      const std::int64_t o = overlap(lo, hi, r.shards[d].first, r.shards[d].second);
+      if (o > 0) owners += (owners.empty() ? "" : ", ") + devs[d].str() + " " + std::to_string(o) + " floats";
+    }
+    n.say("     unit " + std::to_string(u) + " = child '" + child_of(params, lo) + "' (" +
+          params_in(params, lo, hi, false) + ") [" + std::to_string(lo) + ", " + std::to_string(hi) + "), " +
+          exact_bytes(bytes) + "; owned by " + owners);
+    junits.push_back({{"child", child_of(params, lo)}, {"lo", lo}, {"hi", hi}, {"bytes", bytes}});
+  }
+  const auto b = stage3_bytes(r.shards, r.units, elems);
+  // The worker's gathers: before backward began on that worker they served the forward.
+  std::vector<int> fwd_events, bwd_events;
+  std::string fwd_ms, bwd_ms;
+  for (auto& d : devs) {
+    const double bwd_start = tl.when(worker(d), "backward").first;
+    int f = 0, k = 0;
+    double fm = 0, km = 0;
+    for (auto& e : tl.find(worker(d), "allgather")) {
+      if ((e.start_us - tl.origin_us) / 1e3 < bwd_start) {
+        ++f;
+        fm += e.dur_us / 1e3;
+      } else {
+        ++k;
+        km += e.dur_us / 1e3;
+      }
+    }
+    fwd_events.push_back(f);
+    bwd_events.push_back(k);
+    fwd_ms += (fwd_ms.empty() ? "" : ", ") + d.str() + " " + fmt(fm, 1) + " ms";
+    bwd_ms += (bwd_ms.empty() ? "" : ", ") + d.str() + " " + fmt(km, 1) + " ms";
+  }
+  n.say("2. forward — when a worker first reads a parameter of unit u it gathers u (already there when it");
+  n.say("   was prefetched), prefetches u+1 and releases u-1, so at most two units are held at once.");
+  n.say("   Each gather pulls the pieces a device does not own from their owners: per unit, a device");
+  n.say("   receives 4·(|u| - its piece) and sends its piece to the N-1 others; over all devices that is");
+  n.say("   (N-1)·|u|, i.e. (N-1)/N of the unit per device on average — a ring all-gather's traffic:");
+  for (std::size_t u = 0; u < U; ++u) {
+    auto [lo, hi] = r.units[u];
+    std::string per;
+    for (std::size_t d = 0; d < N; ++d) {
+      const double o = static_cast<double>(overlap(lo, hi, r.shards[d].first, r.shards[d].second));
+      per += (per.empty() ? "" : ", ") + devs[d].str() + " in " + std::to_string(static_cast<std::int64_t>(4.0 * (hi - lo - o))) +
+             " B";
+    }
+    const std::string before = u == 0 ? "first" : "prefetched with unit " + std::to_string(u - 1) + ";";
+    n.say("   before child '" + child_of(params, lo) + "': unit " + std::to_string(u) + " (" + before + " " +
+          (u + 1 < U ? "prefetches unit " + std::to_string(u + 1) : "nothing left to prefetch") +
+          (u > 0 ? ", releases unit " + std::to_string(u - 1) : "") + "): " + per + "; (N-1)/N·4|u| = " +
+          exact_bytes(4.0 * static_cast<double>(hi - lo) * static_cast<double>(N - 1) / static_cast<double>(N)) +
+          " on average");
+  }
+  n.say("   Forward gathers per device: " + fwd_ms + " (" + std::to_string(fwd_events[0]) +
+        " gather calls on " + devs[0].str() + ").");
+  n.say("3. backward — the units again, last first. The last unit is still held from the forward (the");
+  n.say("   same worker goes straight on to backward), so units " +
+        (U > 1 ? std::to_string(U - 2) + ".." + "0" : std::string("none")) + " are gathered again, one at a time:");
+  n.say("   leaving a unit waits until its gradients were reduce-scattered, releases it, then gathers the");
+  n.say("   next; the last one (unit 0) is released when the worker's part of the step ends. Same bytes per");
+  n.say("   unit as in forward. Backward gathers per device: " + bwd_ms + " (" + std::to_string(bwd_events[0]) +
+        " calls on " + devs[0].str() + ": the first finds the last unit still held and copies nothing).");
+  n.say("4. reduce-scatter — buckets never straddle a unit; each piece is summed onto its owner, straight");
+  n.say("   into the owner's range gradient; the full gradient buffer never exists:");
+  nlohmann::json jbuckets = nlohmann::json::array();
+  const double recorded = narrate_reduce_scatter(n, r, devs, jbuckets);
+  n.say("   The reduce-scatter buckets recorded on " + devs[0].str() + " hold " + format_bytes(recorded) +
+        (std::abs(recorded - P) < 0.5 ? " = P, as they must." : " — NOT P: a mismatch."));
+  n.say("5. step — each device updates its range in place: " + per_device(tl, devs, "step") +
+        ". Nothing is all-gathered after");
+  n.say("   the step: the next forward gathers each unit when it needs it.");
+  n.say("6. bytes per device in this step, from the ranges and units above (sent / received):");
+  for (std::size_t d = 0; d < N; ++d)
+    n.say("     " + devs[d].str() + ": forward gathers in " + exact_bytes(b.fwd_recv[d]) + ", out " +
+          exact_bytes(b.fwd_send[d]) + "; backward gathers in " + exact_bytes(b.bwd_recv[d]) + ", out " +
+          exact_bytes(b.bwd_send[d]) + "; reduce-scatter in " + exact_bytes(b.rs_recv[d]) + ", out " +
+          exact_bytes(b.rs_send[d]) + "; total in " + exact_bytes(b.total_recv[d]) + ", out " +
+          exact_bytes(b.total_send[d]));
+  double mean_in = 0;
+  for (double v : b.total_recv) mean_in += v / static_cast<double>(N);
+  const double last_unit = U > 0 ? 4.0 * static_cast<double>(r.units[U - 1].second - r.units[U - 1].first) : 0.0;
+  n.say("   Mean in per device " + exact_bytes(mean_in) + " = (N-1)/N·(P + (P - last unit) + P) = " +
+        exact_bytes((N - 1.0) / N * (3 * P - last_unit)) + "; the ZeRO paper's");
+  n.say("   3(N-1)/N·P = " + format_bytes(3.0 * (N - 1) / N * P) +
+        " gathers the last unit a second time, which dp keeps from forward to backward;");
+  n.say("   DDP's all-reduce moves 2(N-1)/N·P = " + format_bytes(2.0 * (N - 1) / N * P) +
+        ": stage 3 trades 1.5 times DDP's traffic for holding 1/N of the parameters.");
+  // Memory: what first principles predict between steps, against the allocator.
+  std::vector<double> expect;
+  for (std::size_t d = 0; d < N; ++d) expect.push_back(8.0 * S + 4.0 * own[d]);
+  n.say("7. memory per device — parameters held 4·S = " + exact_bytes(4.0 * S) + " (P/N, padded), plus while a");
+  n.say("   step runs the gathered units: the largest child is '" +
+        child_of(params, U > 0 ? r.units[largest_unit].first : 0) + "' (unit " + std::to_string(largest_unit) +
+        ", " + exact_bytes(largest) + "), held alone in backward; in forward");
+  n.say("   a unit and its prefetched successor are held together: at most " + exact_bytes(pair_peak) +
+        ". So parameters at most 4·S + " + format_bytes(pair_peak) + " = " + exact_bytes(4.0 * S + pair_peak) +
+        " per device, against DDP's P = " + format_bytes(P) + ".");
+  n.say("   Between steps, first principles: parameters 4·S + range gradient 4·S + momentum for the owned");
+  n.say("   floats 4·own; the allocator (dp::memory_allocated, less what the device held before):");
+  bool all_match = true;
+  for (std::size_t d = 0; d < N; ++d) {
+    const bool match = r.between_bytes[d] == expect[d];
+    all_match = all_match && match;
+    n.say("     " + devs[d].str() + ": expected " + exact_bytes(expect[d]) + ", allocator " +
+          exact_bytes(r.between_bytes[d]) + (match ? " — equal" : " — DIFFERENT") + "; peak in the step " +
+          format_bytes(r.peak_bytes[d]) + " (DDP: between steps " + format_bytes(ddp.between_bytes[d]) +
+          ", peak " + format_bytes(ddp.peak_bytes[d]) + ")");
+  }
+  n.say("   On " + devs[0].str() + " the peak is " + format_bytes(r.peak_bytes[0] - r.between_bytes[0]) +
+        " above the between-steps count: at most " + format_bytes(pair_peak) + " of it gathered parameters,");
+  n.say("   the rest the activations of the device's rows and a unit's gradients until they are reduce-scattered.");
+  n.say("   Iteration: " + spread(r.times()) + "; loss of the last " + fmt(r.iters.back().loss, 4) + ".");
+  n.say("");
+  nlohmann::json jshards = nlohmann::json::array();
+  for (auto [lo, hi] : r.shards) jshards.push_back({lo, hi});
+  js = {{"stage", r.stage},
+        {"shards", jshards},
+        {"units", junits},
+        {"forward_gather_recv_bytes", b.fwd_recv},
+        {"forward_gather_send_bytes", b.fwd_send},
+        {"backward_gather_recv_bytes", b.bwd_recv},
+        {"backward_gather_send_bytes", b.bwd_send},
+        {"reduce_scatter_recv_bytes", b.rs_recv},
+        {"reduce_scatter_send_bytes", b.rs_send},
+        {"total_recv_bytes", b.total_recv},
+        {"total_send_bytes", b.total_send},
+        {"forward_gather_calls", fwd_events},
+        {"backward_gather_calls", bwd_events},
+        {"recorded_bucket_bytes", recorded},
+        {"buckets", jbuckets},
+        {"params_held_bytes", 4.0 * S},
+        {"largest_unit_bytes", largest},
+        {"forward_gathered_peak_bytes", pair_peak},
+        {"between_steps_expected_bytes", expect},
+        {"between_steps_bytes", r.between_bytes},
+        {"between_steps_match", all_match},
+        {"peak_bytes", r.peak_bytes},
+        {"ddp_between_steps_bytes", ddp.between_bytes},
+        {"ddp_peak_bytes", ddp.peak_bytes}};
+}
+
 void write_trace(const std::string& path, const std::vector<const Run*>& runs) {
   nlohmann::json events = nlohmann::json::array();
   int pid = 1;
   for (const Run* r : runs) {
     events.push_back({{"ph", "M"}, {"pid", pid}, {"name", "process_name"},
-                      {"args", {{"name", std::string(dp::mode_name(r->mode)) + " iteration (median)"}}}});
+                      {"args", {{"name", std::string(dp::mode_name(r->mode)) +
+                                                      (r->stage > 0 ? " stage " + std::to_string(r->stage) : "") +
+                                                      " iteration (median)"}}}});
     std::map<std::string, int> tids;
     const auto& tl = r->med().tl;
     for (auto& e : tl.events) tids.emplace(e.track, 0);
@@ -519,7 +780,8 @@ std::string diff_text(double diff) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"A narrated walk through a DP, a DDP and a Sharded step: what moves where, and when."};
+  CLI::App app{"A narrated walk through a DP, a DDP, a Sharded (stage 1 or 2) and a stage-3 step: what moves "
+               "where, and when."};
   std::string devices_spec;
   std::int64_t batch_size = 64;
   int iterations = 5;
@@ -551,6 +813,7 @@ int main(int argc, char** argv) {
     Run dpr = run(dp::Mode::DP, 0, devs, data[0], data[1], iterations);
     Run ddpr = run(dp::Mode::DDP, 0, devs, data[0], data[1], iterations);
     Run shr = run(dp::Mode::Sharded, stage, devs, data[0], data[1], iterations);
+    Run sh3 = run(dp::Mode::Sharded, 3, devs, data[0], data[1], iterations);
     auto params = param_infos(*dpr.net);
     double P = 0;
     for (auto& p : params) P += 4.0 * p.numel;
@@ -579,8 +842,11 @@ int main(int argc, char** argv) {
     narrate_ddp(n, ddpr, params, devs, P, has_buffers, jbuckets);
     nlohmann::json jsharded;
     narrate_sharded(n, shr, ddpr, params, devs, P, jsharded);
+    nlohmann::json jstage3;
+    narrate_stage3(n, sh3, ddpr, params, devs, P, jstage3);
 
     double diff = max_diff(dpr.params, ddpr.params), diff_sh = max_diff(ddpr.params, shr.params);
+    double diff_sh3 = max_diff(ddpr.params, sh3.params);
     double dp_bytes_dev0 = 2 * (N - 1) * P, dp_bytes_other = 2 * P, ddp_bytes_dev = 2 * (N - 1) / N * P;
     n.say("== Bytes moved per iteration, from first principles (N = " + std::to_string(ndev) +
           " devices, P = " + format_bytes(P) + ") ==");
@@ -596,8 +862,12 @@ int main(int argc, char** argv) {
     n.say("     the same on every device (no hub), and bucket by bucket while backward is still running.");
     n.say("     (A tree reduce plus broadcast moves ~2P per link instead; either way no device carries N·P.)");
     n.say("Sharded: the same 2(N-1)/N·P per device as DDP, split around the optimizer step (above).");
+    n.say("Stage 3: about 3(N-1)/N·P per device (" + format_bytes(3.0 * (N - 1) / N * P) +
+          "): the parameters are gathered for forward and again for backward, and");
+    n.say("     the gradients reduce-scattered; no device ever holds all of them between steps.");
     n.say("Measured here, per iteration: DP " + spread(dpr.times()) + ", DDP " + spread(ddpr.times()) +
-          ", Sharded " + spread(shr.times()) + ".");
+          ", Sharded stage " + std::to_string(stage) + " " + spread(shr.times()) + ", stage 3 " +
+          spread(sh3.times()) + ".");
     auto range = [](const Run& r) {
       auto t = r.times();
       auto [lo, hi] = std::minmax_element(t.begin(), t.end());
@@ -615,9 +885,10 @@ int main(int argc, char** argv) {
             "or samples/dp_vs_ddp for throughput over many steps.");
     n.say("Same result: every design scales each shard's loss so the SUM over devices is the full-batch mean");
     n.say("and sums in the same device order, so the parameters agree: max |DP − DDP| = " + diff_text(diff) +
-          ", max |DDP − Sharded| = " + diff_text(diff_sh) + ".");
+          ", max |DDP − Sharded| = " + diff_text(diff_sh) + ", max |DDP − stage 3| = " + diff_text(diff_sh3) +
+          ".");
     if (!trace_path.empty()) {
-      write_trace(trace_path, {&dpr, &ddpr, &shr});
+      write_trace(trace_path, {&dpr, &ddpr, &shr, &sh3});
       n.say("Trace: " + trace_path + " (open in https://ui.perfetto.dev: one track per worker and comm thread).");
     }
     if (json) {
@@ -641,6 +912,9 @@ int main(int argc, char** argv) {
       jsharded["loss"] = shr.iters.back().loss;
       jsharded["iteration"] = timing(shr);
       jsharded["phase_ms"] = phases(shr);
+      jstage3["loss"] = sh3.iters.back().loss;
+      jstage3["iteration"] = timing(sh3);
+      jstage3["phase_ms"] = phases(sh3);
       nlohmann::json out{{"sample", "teach"},
                          {"devices", ndev},
                          {"hardware_threads", cores},
@@ -658,6 +932,8 @@ int main(int argc, char** argv) {
                                   {"buckets", jbuckets},
                                   {"phase_ms", phases(ddpr)}}},
                          {"sharded", jsharded},
+                         {"stage3", jstage3},
+                         {"max_param_diff_stage3", diff_sh3},
                          {"max_param_diff", diff},
                          {"max_param_diff_sharded", diff_sh},
                          {"trace", trace_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(trace_path)},

@@ -44,7 +44,11 @@ std::vector<std::pair<std::int64_t, std::int64_t>> flat_ranges(const ParameterLi
 
 // The list's ranges that copy r steps, as views of its owned gradient (the reduced
 // gradient of [begin, end) in a sharded set; the whole gradient buffer otherwise),
-// each with its first flat index, in ascending order.
+// each with its first flat index, in ascending order. Only owned_grad() is indexed,
+// and relative to `begin`: in stage 3 (Note [Sharded parameters]) a copy's `data`
+// holds only [begin, end) and its `grad` is released, so a flat index into either
+// is out of range there — nothing here reads the parameters at all, so clipping
+// gathers no unit on any device.
 std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c,
                                                           const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
   std::vector<std::pair<std::int64_t, Tensor>> pieces;
@@ -52,7 +56,11 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
   for (const auto& [lo, hi] : ranges) {
     const std::int64_t s = std::max(lo, c.begin), t = std::min(hi, c.end);
     if (s >= t) continue;
-    if (!owned.defined()) owned = c.owned_grad();
+    if (!owned.defined()) {
+      owned = c.owned_grad();
+      DP_ASSERT(owned.numel() == c.end - c.begin, "owned gradient of the copy on ", c.device, " has ",
+                owned.numel(), " elements for its range [", c.begin, ", ", c.end, ")");
+    }
     pieces.emplace_back(s, owned.narrow(0, s - c.begin, t - s));
   }
   return pieces;
@@ -70,6 +78,15 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // in flat order — (N-1)/N · P/16 floats, 1/16 of a gradient exchange — and one final
 // reduction over that vector gives the total: the same vector, so the same bits, for
 // every design and every N.
+// Stage 3 (sharded parameters) is the same computation: between backward and step
+// each device holds exactly the reduced gradient of its range, in shard_grad (the
+// full buffer is released, stage 2's detached path), and the blocks and the partials'
+// route do not depend on where the parameters live. Neither the norm nor the edit
+// reads a parameter, so clipping gathers no unit: what it costs is the partials'
+// exchange above, and each device scales or clamps its own range in place, which its
+// optimizer step then reads. (A list taken from model.parameters() in stage 3
+// gathers device 0's copy for the user until the next step; clipping does not need
+// that: the list kept from before the loop, as the optimizer keeps it, does as well.)
 static_assert(ParameterSet::kShardAlign == 16, "Note [Clipping in blocks] assumes 16-element blocks");
 constexpr std::int64_t kBlock = ParameterSet::kShardAlign;
 
@@ -135,19 +152,12 @@ void edit_every_copy(const ParameterList& params, const std::function<void(Tenso
   });
 }
 
-void refuse_sharded_params(const ParameterList& params, const char* what) {
-  const auto& set = params.set();
-  DP_CHECK(!set || !set->shards_params(), what, ": the parameters are sharded (Sharded shard_stage 3), "
-           "which clipping does not support yet; use shard_stage 1 or 2, or DDP, to clip gradients");
-}
-
 }  // namespace
 
 double clip_grad_norm_(const ParameterList& params, double max_norm, double norm_type, bool error_if_nonfinite) {
   DP_CHECK(max_norm >= 0, "clip_grad_norm_: expected max_norm >= 0 (infinity: only measure), got ", max_norm);
   DP_CHECK(norm_type > 0, "clip_grad_norm_: expected norm_type > 0 (2 for the Euclidean norm, "
            "dp::nn::utils::kInfNorm for the largest element), got ", norm_type);
-  refuse_sharded_params(params, "clip_grad_norm_");
   NoGradGuard no_grad;
   double total = 0.0;
   if (const auto& set = params.set()) {
@@ -172,7 +182,6 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
 
 void clip_grad_value_(const ParameterList& params, double clip_value) {
   DP_CHECK(clip_value >= 0, "clip_grad_value_: expected clip_value >= 0, got ", clip_value);
-  refuse_sharded_params(params, "clip_grad_value_");
   edit_every_copy(params, [clip_value](Tensor& g) {
     Tensor lo = full({}, -clip_value, {.device = g.device()});
     // clamp(g, -c, c) = max(-max(-g, -c), -c)

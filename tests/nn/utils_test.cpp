@@ -1,7 +1,8 @@
 // Gradient clipping (dp/nn/utils.h) in every design: Sharded stages 1 and 2 clip the
 // range of the reduced gradient each device owns and compute the same total norm as
 // DDP, bit for bit, so the parameters after several Adam steps are the same bits
-// (Note [Clipping in blocks]); bad arguments are refused.
+// (Note [Clipping in blocks]; stage 3 in tests/parallel/sharded_clip_test.cpp); bad
+// arguments are refused.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -193,7 +194,7 @@ TEST_CASE("clip_grad_value_ clamps each device's owned range of the reduced grad
 
 TEST_CASE("gradient clipping rejects bad arguments, in every design") {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  for (auto options : {dp::DataParallelOptions{}, ddp(), sharded(1), sharded(2)}) {
+  for (auto options : {dp::DataParallelOptions{}, ddp(), sharded(1), sharded(2), sharded(3)}) {
     auto net = make_mlp();
     dp::DataParallel model(net, cpus(2), options);
     Batch b = make_batch(6, 1);
@@ -231,15 +232,4 @@ TEST_CASE("clip_grad_norm_ with error_if_nonfinite names a NaN gradient held by 
     CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0, 2.0, true),
                          doctest::Contains("total norm of the gradients is nan"), dp::Error);
   }
-}
-
-TEST_CASE("clipping refuses sharded parameters (stage 3) with a clear error") {
-  auto net = make_mlp();
-  dp::DataParallel model(net, cpus(2), sharded(3));
-  Batch b = make_batch(6, 4);
-  dp::nn::cross_entropy(model(b.x), b.y).backward();
-  CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0),
-                       doctest::Contains("use shard_stage 1 or 2, or DDP"), dp::Error);
-  CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_value_(model.parameters(), 1.0),
-                       doctest::Contains("sharded (Sharded shard_stage 3)"), dp::Error);
 }

@@ -210,6 +210,10 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// thread) to the unit hook, which gathers; elsewhere (user code) it gathers every
   /// unit of copy 0, as do gather_primary() and Module's parameters(),
   /// named_parameters() and state_dict().
+  /// Code that works on a copy's range (an optimizer step, clipping) indexes only
+  /// owned_data() and owned_grad(), relative to `begin`: once the parameters are
+  /// sharded, `data` holds [begin, end) and not the flat buffer, and `grad` is
+  /// released between backward passes, so a flat index into either is out of range.
   void shard_params(std::vector<std::pair<std::int64_t, std::int64_t>> units);
   bool shards_params() const { return shards_params_; }
   const std::vector<std::pair<std::int64_t, std::int64_t>>& units() const { return units_; }

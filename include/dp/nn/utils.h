@@ -6,11 +6,12 @@
 // src/parallel/data_parallel.cpp). In Sharded mode each device edits the range of
 // the reduced gradient it owns (ParameterCopy::owned_grad()), and the norm is
 // assembled from every device's range in flat order, so single device, DP, DDP and
-// Sharded (stages 1 and 2, any device count) compute the same total norm, bit for bit
-// (Note [Clipping in blocks] in src/nn/utils.cpp); stage 3 (sharded parameters) is
-// refused with a dp::Error for now. Under DP and on one device they
-// act on the one gradient the optimizer steps. Knows nothing of DataParallel itself.
-// Call them after a synchronised backward (not inside no_sync()).
+// Sharded (any stage, any device count) compute the same total norm, bit for bit
+// (Note [Clipping in blocks] in src/nn/utils.cpp). They read no parameter: in stage 3
+// they gather nothing (pass the list kept from before the loop rather than a fresh
+// model.parameters(), which gathers device 0's copy for the user). Under DP and on
+// one device they act on the one gradient the optimizer steps. Knows nothing of
+// DataParallel itself. Call them after a synchronised backward (not inside no_sync()).
 //
 //   loss.backward();
 //   double norm = dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0);
