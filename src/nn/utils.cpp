@@ -161,6 +161,12 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
   NoGradGuard no_grad;
   double total = 0.0;
   if (const auto& set = params.set()) {
+    // A Sharded set across processes: the other processes' ranges (their partials)
+    // are not here, and this layer does not speak to processes.
+    DP_CHECK(set->shard_world() <= set->num_copies(), "clip_grad_norm_: the gradients are sharded over ",
+             set->shard_world(), " devices of several processes (Mode::Sharded under mpirun); the total norm "
+             "would need every process's ranges, which is not supported yet: clip with clip_grad_value_ "
+             "(element-wise, exact across processes) or train with Mode::DDP");
     total = set_norm(*set, flat_ranges(params), norm_type);
   } else {
     std::vector<Tensor> norms;

@@ -327,6 +327,16 @@ TEST_CASE("a different device count on one process fails on every process") {
   INFO(what);
 }
 
+TEST_CASE("clip_grad_norm_ of a Sharded run across processes is refused clearly") {
+  if (!dist::is_distributed()) return;
+  auto net = make_mlp(kSeed);
+  dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::Sharded, .shard_stage = 1});
+  auto params = model.parameters();
+  CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_norm_(params, 1.0), doctest::Contains("several processes"),
+                       dp::Error);
+  CHECK_NOTHROW(dp::nn::utils::clip_grad_value_(params, 1.0));
+}
+
 TEST_CASE("shard_stage 3 across processes is refused clearly") {
   if (!dist::is_distributed()) return;
   auto net = make_mlp(kSeed);
