@@ -1,5 +1,13 @@
 #include "parallel/worker_pool.h"
 
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <ctime>
+#endif
+
 #include "backend/backend.h"
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
@@ -11,11 +19,36 @@ namespace dp::parallel {
 // over a task, and `finished`, set by the worker to the posted value once the task
 // is done. Whoever waits for a counter to move first spins briefly (kSpins pause
 // instructions: a few microseconds, about the gap between two phases of a small
-// step), then parks in a futex wait (std::atomic::wait). A hand-over is one store
-// and one notify of one thread — no shared mutex, no notify_all — and when the
-// other side is still spinning the notify makes no system call at all. The spin is
-// short so that a machine with more devices than cores loses little to it.
+// step), then parks in a futex wait. A hand-over is one store and one wake of one
+// thread — no shared mutex, no notify_all. The spin is short so that a machine with
+// more devices than cores loses little to it.
+// On Linux the park is a futex wait on the counter itself, bounded (kParkLimitNs) and
+// re-checked, and every notify is a futex wake: a lost wake-up can cost at most one
+// bound, never a hang. std::atomic::wait/notify of GCC 12's libstdc++ keeps its own
+// waiter count to skip the wake system call, and a worker once stayed parked on a
+// counter that had moved (seen under ThreadSanitizer, whose scheduling widens races).
 namespace {
+
+#if defined(__linux__)
+constexpr long kParkLimitNs = 20'000'000;  // 20 ms
+static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t) &&
+              std::atomic<std::uint32_t>::is_always_lock_free, "a futex word is a plain 32-bit integer");
+
+void park(const std::atomic<std::uint32_t>& counter, std::uint32_t old) {
+  const timespec limit{0, kParkLimitNs};
+  // EAGAIN (moved already), EINTR and ETIMEDOUT all mean: look again.
+  syscall(SYS_futex, reinterpret_cast<const std::uint32_t*>(&counter), FUTEX_WAIT_PRIVATE, old, &limit,
+          nullptr, 0);
+}
+void wake(std::atomic<std::uint32_t>& counter) {
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&counter), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+}
+#else
+void park(const std::atomic<std::uint32_t>& counter, std::uint32_t old) {
+  counter.wait(old, std::memory_order_acquire);
+}
+void wake(std::atomic<std::uint32_t>& counter) { counter.notify_one(); }
+#endif
 
 constexpr int kSpins = 512;  // ~5-20 us of pause instructions, depending on the CPU
 
@@ -35,7 +68,7 @@ std::uint32_t await_change(const std::atomic<std::uint32_t>& counter, std::uint3
     cpu_relax();
   }
   for (;;) {
-    counter.wait(old, std::memory_order_acquire);
+    park(counter, old);
     std::uint32_t v = counter.load(std::memory_order_acquire);
     if (v != old) return v;
   }
@@ -96,7 +129,7 @@ WorkerPool::~WorkerPool() {
   for (auto& s : slots_) {
     if (!s->thread.joinable()) continue;
     s->posted.fetch_add(1, std::memory_order_release);
-    s->posted.notify_one();
+    wake(s->posted);
     s->thread.join();
   }
 }
@@ -116,7 +149,7 @@ void WorkerPool::loop(int rank) {
     if (stop_.load(std::memory_order_acquire)) return;
     s.error = execute(rank, *s.task, s.on_error);
     s.finished.store(seen, std::memory_order_release);
-    s.finished.notify_one();
+    wake(s.finished);
   }
 }
 
@@ -145,7 +178,7 @@ void WorkerPool::post(int rank, const std::function<void(int)>* fn, const ErrorH
   s.task = fn;
   s.on_error = on_error;
   s.posted.fetch_add(1, std::memory_order_release);
-  s.posted.notify_one();
+  wake(s.posted);
   handoffs_.fetch_add(1, std::memory_order_relaxed);
 }
 
