@@ -873,7 +873,10 @@ Tensor DataParallel::forward(const std::vector<DataParallelInput>& in) {
   }
   // Note [Across processes]: this process's share of the job's batch scales the
   // gradient its backward brings.
-  const double grad_scale = processes_ > 1 ? static_cast<double>(rows) / static_cast<double>(global_rows(rows)) : 1.0;
+  // No gradient, no scale: a forward under no_grad makes no collective for it.
+  const double grad_scale = processes_ > 1 && grad_mode
+                                ? static_cast<double>(rows) / static_cast<double>(global_rows(rows))
+                                : 1.0;
   std::vector<Tensor> outs(n);
   step.run([&](int r) {
     GradModeGuard grad_guard(grad_mode);

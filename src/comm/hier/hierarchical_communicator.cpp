@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "backend/backend.h"
+#include "comm/argument_checks.h"
 #include "comm/mpi/mpi_communicator.h"
 #include "comm/world_factory.h"
 #include "dist/process_group.h"
@@ -115,23 +116,6 @@ Tensor view_of(float* p, std::int64_t n, Device dev) {
 }
 Tensor view_of(const float* p, std::int64_t n, Device dev) {
   return view_of(const_cast<float*>(p), n, dev);
-}
-
-bool overlaps(const float* a, std::int64_t na, const float* b, std::int64_t nb) {
-  if (na == 0 || nb == 0 || a == nullptr || b == nullptr) return false;
-  return a < b + nb && b < a + na;
-}
-
-/// "" when t is a defined float32 tensor on `dev`, else why not.
-std::string tensor_problem(const Tensor& t, const char* name, Device dev) {
-  if (!t.defined()) return dp::detail::str_cat(name, " is undefined; pass a float32 tensor on ", dev);
-  if (t.dtype() != Dtype::Float32)
-    return dp::detail::str_cat(name, " has dtype ", dtype_name(t.dtype()),
-                               "; collectives take float32 tensors");
-  if (t.device() != dev)
-    return dp::detail::str_cat(name, " lives on ", t.device(), " but this rank's device is ", dev,
-                               "; move it with .to(", dev, ")");
-  return {};
 }
 
 const char* kind_name(HierarchicalCommunicator::Kind k) {

@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "backend/backend.h"
+#include "comm/argument_checks.h"
 #include "dp/core/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -77,11 +78,6 @@ const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
 /// The CPU backend, through the narrow interface: host loops run in a device's arena.
 backend::Backend& cpu() { return backend::get(DeviceType::CPU); }
 
-bool overlaps(const float* a, std::int64_t na, const float* b, std::int64_t nb) {
-  if (na == 0 || nb == 0 || a == nullptr || b == nullptr) return false;
-  return a < b + nb && b < a + na;
-}
-
 void add_block(float* __restrict dst, const float* __restrict src, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
@@ -114,18 +110,6 @@ void copy_floats(Device dev, float* dst, const float* src, std::int64_t n) {
   cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
     std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b) * sizeof(float));
   });
-}
-
-/// "" when t is a defined float32 tensor on `dev`, else why not.
-std::string tensor_problem(const Tensor& t, const char* name, Device dev) {
-  if (!t.defined()) return dp::detail::str_cat(name, " is undefined; pass a float32 tensor on ", dev);
-  if (t.dtype() != Dtype::Float32)
-    return dp::detail::str_cat(name, " has dtype ", dtype_name(t.dtype()),
-                           "; collectives take float32 tensors");
-  if (t.device() != dev)
-    return dp::detail::str_cat(name, " lives on ", t.device(), " but this rank's device is ", dev,
-                           "; move it with .to(", dev, ")");
-  return {};
 }
 
 /// Slice [off, off + len) of a count split into N fixed slices (len may be 0).
