@@ -1,38 +1,55 @@
 // CPU backend: GEMM (dnnl_sgemm) and 2-d convolution (oneDNN primitives).
 //
 // Note [CPU convolution: measured choice]
-// Measured with bench/kernels_bench on the 2-core AVX-512 host for the Fashion-MNIST
-// CNN's convolutions (N=256, 3x3, pad 1), best of >= 3 runs, GFLOP/s at 1 thread. The
-// host was shared with parallel compiles (load ~13 on 2 cores), so absolute figures are
-// low and 2-thread figures were too noisy to rank; the 1-thread ratios were stable over
-// two runs:
-//                         fwd   bwd-data  bwd-weight
-//   1->32 28x28  nchw     2.7-6.0  5.2-7.0  1.4-1.8
-//                blocked  2.6-2.9  1.1      3.6-4.2
-//   32->64 14x14 nchw     9-14     8-13     9-11
-//                blocked  21-25    22-25    20-25
-//   our im2col + one batched dnnl_sgemm (fwd only): 1.6-1.9 and 5.0-6.7
-// (`kernels_bench --conv-layouts --filter conv2d` reruns the layout rows; the im2col
-// variant has since left the benchmark.)
-// So ConvLayout::Auto (the default) takes blocked layouts except forward and backward-
-// data with few input channels, where the plain path wins. (At 2 threads the plain
-// backward-weight of the 1-channel layer took seconds — a oneDNN gemm-conv reduction
-// that collapses under contention — one more reason it is never chosen.)
-// `Plain` hands NCHW/KCRS buffers to oneDNN as they are (oneDNN then runs its
-// im2col + sgemm implementation, or its direct JIT kernel for the 1-channel input);
-// `Blocked` lets oneDNN choose blocked layouts (format_tag::any) and reorders every
-// input and output on each call, because our tensors are NCHW. Our own im2col +
-// dnnl_sgemm would be what `Plain` already runs inside oneDNN, so it is not kept.
+// oneDNN runs a convolution either on our plain NCHW/KCRS buffers (`Plain`: its
+// im2col + sgemm implementation, or a direct JIT kernel for 1-channel inputs) or in
+// blocked layouts of its own choosing (`Blocked`: format_tag::any, and we reorder every
+// input in and every output out on each call, because our tensors are NCHW). Which is
+// faster depends on the CPU, the shape, the pass and the thread count, and no fixed rule
+// held up: on the AVX-512 Xeon blocked won everything but the 1-channel layer's forward
+// and backward-data; on the AVX2 EPYC the 1-channel layer's backward-weight is about 2x
+// faster plain at one thread while blocked wins it at two, where plain collapses in a
+// gemm-conv reduction under contention. So ConvLayout::Auto measures, like cuDNN's
+// benchmark mode: on the first call of each (shape, pass, bias, thread count) it builds
+// both primitives, runs them alternately on the call's own buffers (kTrials each; every
+// output is overwritten by the final run), and keeps the faster by its best time.
+//
+// Reproducibility. The two layouts sum in different orders, so their results differ in
+// the last bits; a choice that changed from run to run would change results from run to
+// run. Hence:
+// - the choice is made once per process for every device (the table below is process-
+//   wide; a second device asking for a key being measured adopts the first's result),
+//   so DP, DDP and single-device runs in one process run the same kernels, and DP ==
+//   DDP stays bitwise;
+// - it is recorded in a file, ${XDG_CACHE_HOME:-$HOME/.cache}/dp/conv-layouts-v1.txt,
+//   one line per key (CPU model, oneDNN version, threads, shape, pass, bias) with the
+//   choice and both times; every later process on the machine reads the choice instead
+//   of measuring, so run N+1 computes bit for bit what run N did. Writers take an flock
+//   and re-read before appending, so concurrent processes agree on the first record.
+//   DP_CONV_LAYOUT_CACHE=<file> puts the file elsewhere, DP_CONV_LAYOUT_CACHE=off keeps
+//   choices in the process only (then only runs in one process are guaranteed equal);
+// - set_conv_layout(Plain | Blocked) (benchmarks, tests) bypasses the choice entirely.
+// Delete the file to re-measure (after a oneDNN upgrade the key changes by itself).
 //
 // Primitives are cached per device, keyed by shape, kind, layout and thread count
 // (oneDNN fixes its blocking for the thread count at creation). Each device's cache
 // has its own mutex and stream; different devices never share mutable oneDNN state
 // (scratchpads are owned by the cache entry, scratchpad_mode::user).
+#include <fcntl.h>
 #include <omp.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -53,7 +70,7 @@ dnnl::engine& cpu_engine() {
   return engine;
 }
 
-enum class ConvKind : std::uint8_t { Forward, BackwardData, BackwardWeight };
+using ConvKind = ConvPass;
 
 struct ConvKey {
   i64 dims[13];  // N C H W K R S stride_h stride_w pad_h pad_w P Q
@@ -99,6 +116,9 @@ struct ConvCache {
   std::mutex mu;
   dnnl::stream stream{cpu_engine()};
   std::unordered_map<ConvKey, std::unique_ptr<ConvEntry>, ConvKeyHash> entries;
+  /// ConvLayout::Auto keys (layout Auto) -> the layout chosen for them, so a step looks
+  /// the choice up here without touching the process-wide record.
+  std::unordered_map<ConvKey, ConvLayout, ConvKeyHash> chosen;
 };
 
 void ConvCacheDeleter::operator()(ConvCache* cache) const noexcept { delete cache; }
@@ -181,17 +201,6 @@ std::unique_ptr<ConvEntry> build_entry(const Conv2dShape& s, ConvKind kind, bool
   return e;
 }
 
-/// Resolves ConvLayout::Auto (Note [CPU convolution: measured choice]): blocked layouts
-/// win by ~2x once there are enough input channels to fill a 16-wide channel block; with
-/// a handful of input channels (the first layer) plain NCHW wins forward and backward-
-/// data, because the reorders of the large activations cost more than oneDNN saves.
-ConvLayout resolve_layout(ConvLayout layout, const Conv2dShape& s, ConvKind kind) {
-  constexpr i64 kFewChannels = 8;  // below half an AVX-512 channel block
-  if (layout != ConvLayout::Auto) return layout;
-  return s.C < kFewChannels && kind != ConvKind::BackwardWeight ? ConvLayout::Plain
-                                                                : ConvLayout::Blocked;
-}
-
 void check_conv_shape(const Conv2dShape& s, const char* op) {
   DP_CHECK(s.N >= 0 && s.C > 0 && s.H > 0 && s.W > 0 && s.K > 0 && s.R > 0 && s.S > 0 &&
                s.stride_h > 0 && s.stride_w > 0 && s.pad_h >= 0 && s.pad_w >= 0,
@@ -205,26 +214,23 @@ void check_conv_shape(const Conv2dShape& s, const char* op) {
            ", kernel ", s.R, "x", s.S, ", got (", s.P, ", ", s.Q, ")");
 }
 
-/// Looks up (or builds) the primitive and runs it on the given buffers, in the order
-/// the entry's args were added.
-void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias,
-              std::initializer_list<const void*> ptrs) {
-  DeviceState& st = be.state(dev);
-  const int threads = be.bind_omp_threads(dev);
-  ConvKey key{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q},
-              kind, bias, threads, resolve_layout(be.conv_layout(), s, kind)};
-  ConvCache& cache = *st.conv;
-  std::lock_guard<std::mutex> lock(cache.mu);  // one thread per device: uncontended
+/// The cached primitive for `key` on this device, built on first use.
+ConvEntry& find_entry(ConvCache& cache, const ConvKey& key, const Conv2dShape& s, Device dev) {
   auto it = cache.entries.find(key);
   if (it == cache.entries.end()) {
     try {
-      it = cache.entries.emplace(key, build_entry(s, kind, bias, key.layout)).first;
+      it = cache.entries.emplace(key, build_entry(s, key.kind, key.bias, key.layout)).first;
     } catch (const dnnl::error& err) {
       DP_FAIL("conv2d on ", dev.str(), ": oneDNN could not create a primitive for N=", s.N, " C=",
               s.C, " H=", s.H, " W=", s.W, " K=", s.K, " R=", s.R, " S=", s.S, ": ", err.what());
     }
   }
-  ConvEntry& e = *it->second;
+  return *it->second;
+}
+
+/// Runs the entry on the given buffers (in the order its args were added): reorders in,
+/// the primitive, reorders out, and waits.
+void execute_entry(ConvEntry& e, dnnl::stream& stream, std::initializer_list<const void*> ptrs) {
   std::unordered_map<int, memory> args;
   auto p = ptrs.begin();
   for (ConvArg& a : e.args) {
@@ -233,11 +239,234 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
   }
   args.emplace(DNNL_ARG_SCRATCHPAD, e.scratchpad);
   for (ConvArg& a : e.args)
-    if (!a.output && a.internal) a.reorder.execute(cache.stream, a.user, a.internal);
-  e.prim.execute(cache.stream, args);
+    if (!a.output && a.internal) a.reorder.execute(stream, a.user, a.internal);
+  e.prim.execute(stream, args);
   for (ConvArg& a : e.args)
-    if (a.output && a.internal) a.reorder.execute(cache.stream, a.internal, a.user);
-  cache.stream.wait();
+    if (a.output && a.internal) a.reorder.execute(stream, a.internal, a.user);
+  stream.wait();
+}
+
+// ---- the measured choice (Note [CPU convolution: measured choice]) ----------------------
+
+/// Alternating runs of each layout when measuring; the best of them decides. Three
+/// rounds: a run disturbed by another process is outvoted, and measuring the largest
+/// layer of the Fashion-MNIST CNN costs about as much as six training steps of it, once.
+constexpr int kTrials = 3;
+/// How much faster the other layout must run to overrule the prior: 10%, above the
+/// spread of best-of-3 times on a quiet machine (a few percent).
+constexpr double kClearWin = 1.1;
+/// Input channels below which the prior is the plain layout for forward and backward-
+/// data: half an AVX-512 channel block; the large activations' reorders cost more than
+/// blocking saves.
+constexpr i64 kFewChannels = 8;
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      std::string m = colon == std::string::npos ? line : line.substr(colon + 1);
+      m.erase(0, m.find_first_not_of(" \t"));
+      for (char& c : m)
+        if (c == ' ' || c == '|') c = '_';
+      return m;
+    }
+  return "unknown-cpu";
+}
+
+/// The record key of one call: everything that decides which layout is faster.
+std::string choice_key(const Conv2dShape& s, ConvKind kind, bool bias, int threads) {
+  static const std::string machine = [] {
+    const dnnl_version_t* v = dnnl_version();
+    return cpu_model() + "|onednn-" + std::to_string(v->major) + "." + std::to_string(v->minor) +
+           "." + std::to_string(v->patch);
+  }();
+  std::ostringstream k;
+  k << machine << "|t" << threads << "|N" << s.N << ",C" << s.C << ",H" << s.H << ",W" << s.W
+    << ",K" << s.K << ",R" << s.R << ",S" << s.S << ",st" << s.stride_h << "x" << s.stride_w
+    << ",pad" << s.pad_h << "x" << s.pad_w << "|"
+    << (kind == ConvKind::Forward ? "fwd" : kind == ConvKind::BackwardData ? "bwd-data" : "bwd-weight")
+    << (bias ? "+bias" : "");
+  return k.str();
+}
+
+/// Process-wide record of measured choices, mirrored in the cache file.
+class LayoutChoices {
+ public:
+  static LayoutChoices& get() {
+    static LayoutChoices choices;
+    return choices;
+  }
+
+  /// The recorded choice for `key`, or Auto.
+  ConvLayout find(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    load_once();
+    auto it = map_.find(key);
+    return it == map_.end() ? ConvLayout::Auto : it->second;
+  }
+
+  /// Records `measured` for `key` unless a choice is already recorded (by another device
+  /// of this process or another process): returns the choice that stands.
+  ConvLayout record(const std::string& key, ConvLayout measured, double ms_plain,
+                    double ms_blocked) {
+    std::lock_guard<std::mutex> lock(mu_);
+    load_once();
+    if (auto it = map_.find(key); it != map_.end()) return it->second;
+    ConvLayout chosen = measured;
+    if (!path_.empty()) chosen = append_to_file(key, measured, ms_plain, ms_blocked);
+    map_.emplace(key, chosen);
+    return chosen;
+  }
+
+ private:
+  LayoutChoices() {
+    const char* env = std::getenv("DP_CONV_LAYOUT_CACHE");
+    if (env && std::string(env) == "off") return;
+    if (env && *env) {
+      path_ = env;
+    } else if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) {
+      path_ = std::string(xdg) + "/dp/conv-layouts-v1.txt";
+    } else if (const char* home = std::getenv("HOME"); home && *home) {
+      path_ = std::string(home) + "/.cache/dp/conv-layouts-v1.txt";
+    }
+  }
+
+  static bool parse_line(const std::string& line, std::string& key, ConvLayout& layout) {
+    std::istringstream in(line);
+    std::string choice;
+    if (!(in >> key >> choice)) return false;
+    if (choice == "plain") {
+      layout = ConvLayout::Plain;
+    } else if (choice == "blocked") {
+      layout = ConvLayout::Blocked;
+    } else {
+      return false;
+    }
+    return true;
+  }
+
+  void read_all(std::istream& in) {
+    std::string key;
+    ConvLayout layout;
+    for (std::string line; std::getline(in, line);)
+      if (parse_line(line, key, layout)) map_.emplace(key, layout);  // first record stands
+  }
+
+  void load_once() {
+    if (loaded_ || path_.empty()) return;
+    loaded_ = true;
+    std::ifstream in(path_);
+    read_all(in);
+  }
+
+  /// Under an exclusive flock: re-reads the file (another process may have recorded the
+  /// key since), appends our line if it did not, returns the choice that stands. Any
+  /// failure leaves the choice in this process only.
+  ConvLayout append_to_file(const std::string& key, ConvLayout measured, double ms_plain,
+                            double ms_blocked) {
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(path_).parent_path(), ec);
+    const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      warn_once("cannot open");
+      return measured;
+    }
+    ConvLayout chosen = measured;
+    if (::flock(fd, LOCK_EX) == 0) {
+      std::string text;
+      char buf[4096];
+      ::lseek(fd, 0, SEEK_SET);
+      for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) text.append(buf, static_cast<std::size_t>(n));
+      std::istringstream in(text);
+      read_all(in);
+      if (auto it = map_.find(key); it != map_.end()) {
+        chosen = it->second;
+      } else {
+        std::ostringstream line;
+        line << key << ' ' << (measured == ConvLayout::Plain ? "plain" : "blocked") << " plain_ms="
+             << ms_plain << " blocked_ms=" << ms_blocked << '\n';
+        const std::string l = line.str();
+        if (::write(fd, l.data(), l.size()) != static_cast<ssize_t>(l.size())) warn_once("cannot write");
+      }
+      ::flock(fd, LOCK_UN);
+    } else {
+      warn_once("cannot lock");
+    }
+    ::close(fd);
+    return chosen;
+  }
+
+  void warn_once(const char* what) {
+    if (warned_) return;
+    warned_ = true;
+    dp::detail::log_warning(dp::detail::str_cat(
+        "conv2d: ", what, " the convolution layout record ", path_,
+        "; layouts measured in this process are used in it only (Note [CPU convolution: "
+        "measured choice]); set DP_CONV_LAYOUT_CACHE to a writable file"));
+  }
+
+  std::mutex mu_;
+  std::string path_;
+  bool loaded_ = false;
+  bool warned_ = false;
+  std::unordered_map<std::string, ConvLayout> map_;
+};
+
+/// Looks up (or builds) the primitive and runs it on the given buffers, in the order
+/// the entry's args were added. ConvLayout::Auto resolves to the recorded choice, or
+/// measures both layouts on these buffers first.
+void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias,
+              std::initializer_list<const void*> ptrs) {
+  DeviceState& st = be.state(dev);
+  const int threads = be.bind_omp_threads(dev);
+  ConvKey key{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q},
+              kind, bias, threads, be.conv_layout()};
+  ConvCache& cache = *st.conv;
+  std::lock_guard<std::mutex> lock(cache.mu);  // one thread per device: uncontended
+  if (key.layout == ConvLayout::Auto) {
+    auto known = cache.chosen.find(key);
+    if (known != cache.chosen.end()) {
+      key.layout = known->second;
+    } else {
+      const std::string record_key = choice_key(s, kind, bias, threads);
+      ConvLayout layout = LayoutChoices::get().find(record_key);
+      if (layout == ConvLayout::Auto) {
+        ConvKey plain = key, blocked = key;
+        plain.layout = ConvLayout::Plain;
+        blocked.layout = ConvLayout::Blocked;
+        ConvEntry& ep = find_entry(cache, plain, s, dev);
+        ConvEntry& eb = find_entry(cache, blocked, s, dev);
+        using clock = std::chrono::steady_clock;
+        auto time_one = [&](ConvEntry& e) {
+          const auto t0 = clock::now();
+          execute_entry(e, cache.stream, ptrs);
+          return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+        };
+        execute_entry(ep, cache.stream, ptrs);  // first runs touch scratchpads and code
+        execute_entry(eb, cache.stream, ptrs);
+        double best_plain = 1e300, best_blocked = 1e300;
+        for (int t = 0; t < kTrials; ++t) {
+          best_plain = std::min(best_plain, time_one(ep));
+          best_blocked = std::min(best_blocked, time_one(eb));
+        }
+        // The prior (blocked layouts fill a vector with channels once there are enough
+        // of them) yields only to a clear win: a measurement disturbed by other
+        // processes flips no close call.
+        const bool prior_blocked = s.C >= kFewChannels || kind == ConvKind::BackwardWeight;
+        const ConvLayout measured =
+            prior_blocked ? (best_plain * kClearWin < best_blocked ? ConvLayout::Plain : ConvLayout::Blocked)
+                          : (best_blocked * kClearWin < best_plain ? ConvLayout::Blocked : ConvLayout::Plain);
+        layout = LayoutChoices::get().record(record_key, measured, best_plain, best_blocked);
+        // The loser's primitive and its reorder buffers (tens of MB for a large
+        // activation) would never run again.
+        cache.entries.erase(layout == ConvLayout::Plain ? blocked : plain);
+      }
+      cache.chosen.emplace(key, layout);
+      key.layout = layout;
+    }
+  }
+  execute_entry(find_entry(cache, key, s, dev), cache.stream, ptrs);
 }
 
 }  // namespace
@@ -250,7 +479,14 @@ void CpuBackend::set_conv_layout(ConvLayout layout) {
   for (auto& d : devices_) {
     std::lock_guard<std::mutex> cl(d->conv->mu);
     d->conv->entries.clear();
+    d->conv->chosen.clear();
   }
+}
+
+ConvLayout CpuBackend::chosen_conv_layout(Device dev, const Conv2dShape& s, ConvPass pass,
+                                          bool bias) {
+  if (conv_layout() != ConvLayout::Auto) return conv_layout();
+  return LayoutChoices::get().find(choice_key(s, pass, bias, threads_per_device(dev)));
 }
 
 // ---- GEMM -----------------------------------------------------------------------------
