@@ -97,12 +97,6 @@ void CpuBackend::host_parallel_for(Device dev, std::int64_t n, RangeFn f) {
   parallel_for(dev, n, kSerialGrain, f);
 }
 
-int CpuBackend::bind_omp_threads(Device dev) {
-  const int t = threads_per_device(dev);
-  omp_set_num_threads(t);
-  return t;
-}
-
 void CpuBackend::synchronize(Device dev) { (void)state(dev); }
 
 std::unique_ptr<Event> CpuBackend::create_event(Device dev) {

@@ -2,9 +2,10 @@
 //
 // Each CPU virtual device cpu(i) (docs/architecture.md, "CPU virtual devices") owns a tbb::task_arena sized to its share
 // of the cores, its own allocation counters and its own oneDNN primitive cache. Every
-// parallel loop of a kernel on cpu(i) runs inside arena i; every oneDNN call first sets
-// the calling thread's OpenMP team size to the same share, so N devices used from N
-// worker threads never oversubscribe the machine. Only the backend's own sources and
+// parallel loop of a kernel on cpu(i) runs inside arena i, oneDNN's convolutions and
+// GEMMs included (single-threaded chunks: Note [oneDNN in the device's arena] in
+// cpu_gemm_conv.cpp), so N devices used from N worker threads never oversubscribe the
+// machine. Only the backend's own sources and
 // tests/benchmarks include this header; it knows nothing about tensors.
 //
 //   auto& be = static_cast<dp::backend::cpu::CpuBackend&>(dp::backend::get(dp::cpu(0)));
@@ -237,11 +238,6 @@ class CpuBackend final : public Backend {
                         });
     });
   }
-
-  /// Sets the calling thread's OpenMP team size to the device's share before a oneDNN
-  /// call (the ICV is per thread, so concurrent device threads get separate teams).
-  /// Returns the thread count set.
-  int bind_omp_threads(Device dev);
 
   /// Chooses the oneDNN convolution layout (benchmarks compare both; the default is
   /// the faster one measured here). Clears every device's primitive cache.

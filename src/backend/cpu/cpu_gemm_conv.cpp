@@ -73,20 +73,20 @@ dnnl::engine& cpu_engine() {
 using ConvKind = ConvPass;
 
 struct ConvKey {
-  i64 dims[13];  // N C H W K R S stride_h stride_w pad_h pad_w P Q
+  i64 dims[13];  // N C H W K R S stride_h stride_w pad_h pad_w P Q (of the chunk)
   ConvKind kind;
   bool bias;
-  int threads;
+  int slot;  // the chunk's index: every chunk has its own primitive, buffers and stream
   ConvLayout layout;
   bool operator==(const ConvKey& o) const {
     return std::memcmp(dims, o.dims, sizeof dims) == 0 && kind == o.kind && bias == o.bias &&
-           threads == o.threads && layout == o.layout;
+           slot == o.slot && layout == o.layout;
   }
 };
 
 struct ConvKeyHash {
   std::size_t operator()(const ConvKey& k) const noexcept {
-    std::size_t h = static_cast<std::size_t>(k.kind) * 31 + k.bias + static_cast<std::size_t>(k.threads) * 131 +
+    std::size_t h = static_cast<std::size_t>(k.kind) * 31 + k.bias + static_cast<std::size_t>(k.slot) * 131 +
                     static_cast<std::size_t>(k.layout) * 7;
     for (i64 d : k.dims) h = h * 1000003u ^ static_cast<std::size_t>(d);
     return h;
@@ -108,14 +108,16 @@ struct ConvEntry {
   dnnl::primitive prim;
   std::vector<ConvArg> args;
   memory scratchpad;
+  dnnl::stream stream{cpu_engine()};  // one per entry: chunks run on different threads
 };
 
 }  // namespace
 
 struct ConvCache {
-  std::mutex mu;
-  dnnl::stream stream{cpu_engine()};
+  std::mutex mu;  // guards the maps; an entry is used by one chunk task at a time
   std::unordered_map<ConvKey, std::unique_ptr<ConvEntry>, ConvKeyHash> entries;
+  /// Backward-weight partial sums of chunks 1.. (chunk 0 writes the output itself).
+  std::vector<std::vector<float>> partials;
   /// ConvLayout::Auto keys (layout Auto) -> the layout chosen for them, so a step looks
   /// the choice up here without touching the process-wide record.
   std::unordered_map<ConvKey, ConvLayout, ConvKeyHash> chosen;
@@ -230,9 +232,10 @@ ConvEntry& find_entry(ConvCache& cache, const ConvKey& key, const Conv2dShape& s
 
 /// Runs the entry on the given buffers (in the order its args were added): reorders in,
 /// the primitive, reorders out, and waits.
-void execute_entry(ConvEntry& e, dnnl::stream& stream, std::initializer_list<const void*> ptrs) {
+void execute_entry(ConvEntry& e, const void* const* ptrs) {
+  dnnl::stream& stream = e.stream;
   std::unordered_map<int, memory> args;
-  auto p = ptrs.begin();
+  const void* const* p = ptrs;
   for (ConvArg& a : e.args) {
     a.user.set_data_handle(const_cast<void*>(*p++));
     args.emplace(a.id, a.internal ? a.internal : a.user);
@@ -413,42 +416,142 @@ class LayoutChoices {
   std::unordered_map<std::string, ConvLayout> map_;
 };
 
-/// Looks up (or builds) the primitive and runs it on the given buffers, in the order
-/// the entry's args were added. ConvLayout::Auto resolves to the recorded choice, or
-/// measures both layouts on these buffers first.
+// Note [oneDNN in the device's arena]
+// Debian's oneDNN threads with OpenMP. Called with a team of the device's T threads, it
+// left OpenMP workers spinning (libgomp's default wait policy) for a while after every
+// convolution and GEMM, while the device's TBB arena ran the next kernels (ReLU, pooling,
+// the optimizer) on the same cores: three busy threads on two cores, and on a machine
+// shared with other work far worse (a step took 3x longer under load; perf showed a
+// third of all samples in libgomp's spin). The wait policy is read once, from the
+// environment, when libgomp loads, so the library cannot change it. Instead no OpenMP
+// team is made at all: each call is cut into chunks that run as tasks of the device's
+// arena, each chunk one single-threaded oneDNN call (omp_set_num_threads(1) on the
+// calling thread, then no worker exists to spin). Convolutions are cut along the batch
+// (forward and backward-data outputs are per sample; backward-weight chunks write
+// partial gradients that are summed in chunk order), GEMMs along the rows or columns of
+// C. The chunk count is a function of the shape and the device's thread count, so
+// results are reproducible run to run and equal on every device of a DP/DDP run.
+
+/// Every buffer of one convolution call; each pass uses its own subset.
+struct ConvBuffers {
+  const float* x = nullptr;
+  const float* w = nullptr;
+  const float* b = nullptr;
+  float* y = nullptr;
+  const float* gy = nullptr;
+  float* gx = nullptr;
+  float* gw = nullptr;
+  float* gb = nullptr;
+};
+
+/// Multiply-adds below which a call is not split: a chunk should outweigh a task
+/// hand-over (a few microseconds) by far; 2^20 MACs take ~20 us on one core.
+constexpr i64 kMinChunkMacs = i64{1} << 20;
+
+/// How many batch chunks a call on a device of `threads` threads runs (Note [oneDNN in
+/// the device's arena]): a function of the shape and the thread count only.
+int conv_chunks(const Conv2dShape& s, int threads) {
+  const i64 macs = s.N * s.K * s.P * s.Q * s.C * s.R * s.S;
+  if (threads <= 1 || s.N < 2 || macs < 2 * kMinChunkMacs) return 1;
+  return static_cast<int>(std::min<i64>({static_cast<i64>(threads), s.N, macs / kMinChunkMacs}));
+}
+
+/// Runs one convolution as `chunks` batch slices, one oneDNN primitive each on one
+/// thread, in the device's arena. Backward-weight sums the chunks' partial gradients in
+/// chunk order, so the result depends on the chunk count, never on scheduling.
+void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape& s, ConvKind kind,
+                bool bias, ConvLayout layout, int chunks, const ConvBuffers& buf) {
+  const i64 chw = s.C * s.H * s.W, kpq = s.K * s.P * s.Q, nw = s.K * s.C * s.R * s.S;
+  const bool partial = kind == ConvKind::BackwardWeight && chunks > 1;
+  if (partial) {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    if (cache.partials.size() < static_cast<std::size_t>(chunks - 1)) cache.partials.resize(chunks - 1);
+    for (int c = 0; c < chunks - 1; ++c) cache.partials[c].resize(static_cast<std::size_t>(nw + s.K));
+  }
+  be.parallel_chunks(dev, chunks, [&](i64 c) {
+    omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
+    const i64 n0 = s.N * c / chunks, n1 = s.N * (c + 1) / chunks;
+    Conv2dShape sc = s;
+    sc.N = n1 - n0;
+    const ConvKey key{{sc.N, sc.C, sc.H, sc.W, sc.K, sc.R, sc.S, sc.stride_h, sc.stride_w, sc.pad_h,
+                       sc.pad_w, sc.P, sc.Q},
+                      kind, bias, static_cast<int>(c), layout};
+    ConvEntry* e = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(cache.mu);
+      e = &find_entry(cache, key, sc, dev);
+    }
+    const void* ptrs[4] = {};
+    switch (kind) {
+      case ConvKind::Forward: {
+        int i = 0;
+        ptrs[i++] = buf.x + n0 * chw;
+        ptrs[i++] = buf.w;
+        if (bias) ptrs[i++] = buf.b;
+        ptrs[i++] = buf.y + n0 * kpq;
+        break;
+      }
+      case ConvKind::BackwardData:
+        ptrs[0] = buf.gy + n0 * kpq;
+        ptrs[1] = buf.w;
+        ptrs[2] = buf.gx + n0 * chw;
+        break;
+      case ConvKind::BackwardWeight: {
+        float* gw = c == 0 ? buf.gw : cache.partials[c - 1].data();
+        float* gb = c == 0 ? buf.gb : cache.partials[c - 1].data() + nw;
+        ptrs[0] = buf.x + n0 * chw;
+        ptrs[1] = buf.gy + n0 * kpq;
+        ptrs[2] = gw;
+        ptrs[3] = gb;
+        break;
+      }
+    }
+    execute_entry(*e, ptrs);
+  });
+  if (partial) {
+    for (int c = 1; c < chunks; ++c) {
+      const float* __restrict part = cache.partials[c - 1].data();
+      float* __restrict gw = buf.gw;
+      for (i64 i = 0; i < nw; ++i) gw[i] += part[i];
+      if (bias)
+        for (i64 i = 0; i < s.K; ++i) buf.gb[i] += part[nw + i];
+    }
+  }
+}
+
+/// Runs a convolution pass. ConvLayout::Auto resolves to the recorded choice, or
+/// measures both layouts on these buffers first (Note [CPU convolution: measured choice]).
 void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias,
-              std::initializer_list<const void*> ptrs) {
+              const ConvBuffers& buf) {
   DeviceState& st = be.state(dev);
-  const int threads = be.bind_omp_threads(dev);
-  ConvKey key{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q},
-              kind, bias, threads, be.conv_layout()};
+  const int threads = be.threads_per_device(dev);
+  const int chunks = conv_chunks(s, threads);
   ConvCache& cache = *st.conv;
-  std::lock_guard<std::mutex> lock(cache.mu);  // one thread per device: uncontended
-  if (key.layout == ConvLayout::Auto) {
-    auto known = cache.chosen.find(key);
-    if (known != cache.chosen.end()) {
-      key.layout = known->second;
-    } else {
+  ConvLayout layout = be.conv_layout();
+  if (layout == ConvLayout::Auto) {
+    const ConvKey auto_key{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h,
+                            s.pad_w, s.P, s.Q},
+                           kind, bias, threads, ConvLayout::Auto};
+    {
+      std::lock_guard<std::mutex> lock(cache.mu);
+      if (auto known = cache.chosen.find(auto_key); known != cache.chosen.end()) layout = known->second;
+    }
+    if (layout == ConvLayout::Auto) {
       const std::string record_key = choice_key(s, kind, bias, threads);
-      ConvLayout layout = LayoutChoices::get().find(record_key);
+      layout = LayoutChoices::get().find(record_key);
       if (layout == ConvLayout::Auto) {
-        ConvKey plain = key, blocked = key;
-        plain.layout = ConvLayout::Plain;
-        blocked.layout = ConvLayout::Blocked;
-        ConvEntry& ep = find_entry(cache, plain, s, dev);
-        ConvEntry& eb = find_entry(cache, blocked, s, dev);
         using clock = std::chrono::steady_clock;
-        auto time_one = [&](ConvEntry& e) {
+        auto time_one = [&](ConvLayout l) {
           const auto t0 = clock::now();
-          execute_entry(e, cache.stream, ptrs);
+          run_chunks(be, dev, cache, s, kind, bias, l, chunks, buf);
           return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
         };
-        execute_entry(ep, cache.stream, ptrs);  // first runs touch scratchpads and code
-        execute_entry(eb, cache.stream, ptrs);
+        (void)time_one(ConvLayout::Plain);  // first runs build primitives and touch buffers
+        (void)time_one(ConvLayout::Blocked);
         double best_plain = 1e300, best_blocked = 1e300;
         for (int t = 0; t < kTrials; ++t) {
-          best_plain = std::min(best_plain, time_one(ep));
-          best_blocked = std::min(best_blocked, time_one(eb));
+          best_plain = std::min(best_plain, time_one(ConvLayout::Plain));
+          best_blocked = std::min(best_blocked, time_one(ConvLayout::Blocked));
         }
         // The prior (blocked layouts fill a vector with channels once there are enough
         // of them) yields only to a clear win: a measurement disturbed by other
@@ -458,15 +561,20 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
             prior_blocked ? (best_plain * kClearWin < best_blocked ? ConvLayout::Plain : ConvLayout::Blocked)
                           : (best_blocked * kClearWin < best_plain ? ConvLayout::Blocked : ConvLayout::Plain);
         layout = LayoutChoices::get().record(record_key, measured, best_plain, best_blocked);
-        // The loser's primitive and its reorder buffers (tens of MB for a large
+        // The loser's primitives and their reorder buffers (tens of MB for a large
         // activation) would never run again.
-        cache.entries.erase(layout == ConvLayout::Plain ? blocked : plain);
+        const ConvLayout loser = layout == ConvLayout::Plain ? ConvLayout::Blocked : ConvLayout::Plain;
+        std::lock_guard<std::mutex> lock(cache.mu);
+        std::erase_if(cache.entries, [&](const auto& kv) {
+          return kv.first.layout == loser && kv.first.kind == kind && kv.first.bias == bias &&
+                 std::memcmp(kv.first.dims + 1, auto_key.dims + 1, sizeof(i64) * 12) == 0;
+        });
       }
-      cache.chosen.emplace(key, layout);
-      key.layout = layout;
+      std::lock_guard<std::mutex> lock(cache.mu);
+      cache.chosen.emplace(auto_key, layout);
     }
   }
-  execute_entry(find_entry(cache, key, s, dev), cache.stream, ptrs);
+  run_chunks(be, dev, cache, s, kind, bias, layout, chunks, buf);
 }
 
 }  // namespace
@@ -508,11 +616,34 @@ void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 
       for (i64 j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
     return;
   }
-  bind_omp_threads(dev);
-  const dnnl_status_t status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha,
-                                          a, lda, b, ldb, beta, c, ldc);
-  DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
-           static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
+  // Note [oneDNN in the device's arena]: C is cut into `chunks` slabs of whole rows (or
+  // columns, when there are more of them), each one single-threaded dnnl_sgemm in a task
+  // of the device's arena. Every element of C is still one dot product over all of k,
+  // so the split changes no sum; slab edges are multiples of 16 (the kernels' width).
+  const int threads = threads_per_device(dev);
+  const bool by_rows = m >= n;
+  const i64 extent = by_rows ? m : n;
+  constexpr i64 kAlign = 16;
+  const i64 chunks = threads <= 1 || m * n * k < 2 * kMinChunkMacs
+                         ? 1
+                         : std::min<i64>({threads, (extent + kAlign - 1) / kAlign, m * n * k / kMinChunkMacs});
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  parallel_chunks(dev, chunks, [&](i64 ch) {
+    omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
+    auto edge = [&](i64 i) { return std::min(extent, (extent * i / chunks + kAlign - 1) / kAlign * kAlign); };
+    const i64 lo = ch == 0 ? 0 : edge(ch), hi = ch + 1 == chunks ? extent : edge(ch + 1);
+    if (hi <= lo) return;
+    dnnl_status_t status;
+    if (by_rows) {
+      const float* as = trans_a ? a + lo : a + lo * lda;  // rows lo..hi of op(A)
+      status = dnnl_sgemm(ta, tb, hi - lo, n, k, alpha, as, lda, b, ldb, beta, c + lo * ldc, ldc);
+    } else {
+      const float* bs = trans_b ? b + lo * ldb : b + lo;  // columns lo..hi of op(B)
+      status = dnnl_sgemm(ta, tb, m, hi - lo, k, alpha, a, lda, bs, ldb, beta, c + lo, ldc);
+    }
+    DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
+             static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
+  });
 }
 
 // ---- convolution ------------------------------------------------------------------------
@@ -521,18 +652,23 @@ void CpuBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x
                                 const float* bias, float* y) {
   check_conv_shape(s, "conv2d_forward");
   if (s.N == 0) return;
-  if (bias) {
-    run_conv(*this, dev, s, ConvKind::Forward, true, {x, w, bias, y});
-  } else {
-    run_conv(*this, dev, s, ConvKind::Forward, false, {x, w, y});
-  }
+  ConvBuffers buf;
+  buf.x = x;
+  buf.w = w;
+  buf.b = bias;
+  buf.y = y;
+  run_conv(*this, dev, s, ConvKind::Forward, bias != nullptr, buf);
 }
 
 void CpuBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,
                                       const float* w, float* gx) {
   check_conv_shape(s, "conv2d_backward_data");
   if (s.N == 0) return;
-  run_conv(*this, dev, s, ConvKind::BackwardData, false, {gy, w, gx});
+  ConvBuffers buf;
+  buf.gy = gy;
+  buf.w = w;
+  buf.gx = gx;
+  run_conv(*this, dev, s, ConvKind::BackwardData, false, buf);
 }
 
 void CpuBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
@@ -543,11 +679,12 @@ void CpuBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const 
     if (gbias) std::memset(gbias, 0, static_cast<std::size_t>(s.K) * sizeof(float));
     return;
   }
-  if (gbias) {
-    run_conv(*this, dev, s, ConvKind::BackwardWeight, true, {x, gy, gw, gbias});
-  } else {
-    run_conv(*this, dev, s, ConvKind::BackwardWeight, false, {x, gy, gw});
-  }
+  ConvBuffers buf;
+  buf.x = x;
+  buf.gy = gy;
+  buf.gw = gw;
+  buf.gb = gbias;
+  run_conv(*this, dev, s, ConvKind::BackwardWeight, gbias != nullptr, buf);
 }
 
 }  // namespace dp::backend::cpu
