@@ -271,9 +271,9 @@ def main():
             check_torch_blas(args, best)
     tag = {False: "default", True: "best"}
     if args.compare == "torch":
-        contenders = [("dp single", lambda: run_dp(args, "single", "0"))]
+        contenders = [("dp single", lambda: run_dp(args, "single", "1"))]
         if args.baseline:
-            contenders.append(("dp before", lambda: run_dp(args, "single", "0", args.baseline)))
+            contenders.append(("dp before", lambda: run_dp(args, "single", "1", args.baseline)))
         contenders += [(f"torch {tag[b]}", lambda b=b: run_torch(args, b)) for b in envs]
     elif args.compare == "ddp":
         contenders = [("dp ddp", lambda: run_dp(args, "ddp", args.devices))]
