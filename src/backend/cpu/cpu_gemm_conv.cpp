@@ -7,12 +7,14 @@
 // input in and every output out on each call, because our tensors are NCHW). Which is
 // faster depends on the CPU, the shape, the pass and the thread count, and no fixed rule
 // held up: on the AVX-512 Xeon blocked won everything but the 1-channel layer's forward
-// and backward-data; on the AVX2 EPYC the 1-channel layer's backward-weight is about 2x
-// faster plain at one thread while blocked wins it at two, where plain collapses in a
-// gemm-conv reduction under contention. So ConvLayout::Auto measures, like cuDNN's
+// and backward-data; on the AVX2 EPYC the 1-channel layer's backward-weight runs 1.4-2x
+// faster plain (kernels_bench --conv-layouts), and the blocked forward of that layer
+// wins at two threads but not at one. So ConvLayout::Auto measures, like cuDNN's
 // benchmark mode: on the first call of each (shape, pass, bias, thread count) it builds
-// both primitives, runs them alternately on the call's own buffers (kTrials each; every
-// output is overwritten by the final run), and keeps the faster by its best time.
+// both primitives, runs them in back-to-back pairs on the call's own buffers (kTrials
+// pairs; every output is overwritten by the final run), and keeps the old rule's choice
+// (blocked, except forward and backward-data with few input channels) unless the other
+// layout wins clearly: 10% faster at best and in most pairs.
 //
 // Reproducibility. The two layouts sum in different orders, so their results differ in
 // the last bits; a choice that changed from run to run would change results from run to
@@ -251,10 +253,10 @@ void execute_entry(ConvEntry& e, const void* const* ptrs) {
 
 // ---- the measured choice (Note [CPU convolution: measured choice]) ----------------------
 
-/// Alternating runs of each layout when measuring; the best of them decides. Three
-/// rounds: a run disturbed by another process is outvoted, and measuring the largest
-/// layer of the Fashion-MNIST CNN costs about as much as six training steps of it, once.
-constexpr int kTrials = 3;
+/// Back-to-back pairs of runs (plain, blocked) when measuring. Five: two pairs disturbed
+/// by other processes are outvoted, and measuring the largest layer of the Fashion-MNIST
+/// CNN costs about what four training steps do, once per machine.
+constexpr int kTrials = 5;
 /// How much faster the other layout must run to overrule the prior: 10%, above the
 /// spread of best-of-3 times on a quiet machine (a few percent).
 constexpr double kClearWin = 1.1;
@@ -549,17 +551,23 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
         (void)time_one(ConvLayout::Plain);  // first runs build primitives and touch buffers
         (void)time_one(ConvLayout::Blocked);
         double best_plain = 1e300, best_blocked = 1e300;
+        int plain_wins = 0, blocked_wins = 0;  // clear wins within a back-to-back pair
         for (int t = 0; t < kTrials; ++t) {
-          best_plain = std::min(best_plain, time_one(ConvLayout::Plain));
-          best_blocked = std::min(best_blocked, time_one(ConvLayout::Blocked));
+          const double p = time_one(ConvLayout::Plain), b = time_one(ConvLayout::Blocked);
+          best_plain = std::min(best_plain, p);
+          best_blocked = std::min(best_blocked, b);
+          plain_wins += p * kClearWin < b;
+          blocked_wins += b * kClearWin < p;
         }
         // The prior (blocked layouts fill a vector with channels once there are enough
-        // of them) yields only to a clear win: a measurement disturbed by other
-        // processes flips no close call.
+        // of them) yields only to a clear win, in the best times and in most pairs: a
+        // time slice lost to another process slows one run of a pair, not most pairs.
         const bool prior_blocked = s.C >= kFewChannels || kind == ConvKind::BackwardWeight;
+        const bool plain_clear = best_plain * kClearWin < best_blocked && 2 * plain_wins > kTrials;
+        const bool blocked_clear = best_blocked * kClearWin < best_plain && 2 * blocked_wins > kTrials;
         const ConvLayout measured =
-            prior_blocked ? (best_plain * kClearWin < best_blocked ? ConvLayout::Plain : ConvLayout::Blocked)
-                          : (best_blocked * kClearWin < best_plain ? ConvLayout::Blocked : ConvLayout::Plain);
+            prior_blocked ? (plain_clear ? ConvLayout::Plain : ConvLayout::Blocked)
+                          : (blocked_clear ? ConvLayout::Blocked : ConvLayout::Plain);
         layout = LayoutChoices::get().record(record_key, measured, best_plain, best_blocked);
         // The loser's primitives and their reorder buffers (tens of MB for a large
         // activation) would never run again.
