@@ -8,8 +8,9 @@
 //   GFLOP/s = flops / time, flops = 2·m·n·k for GEMM and 2·N·K·P·Q·C·R·S for each
 //             convolution pass (forward, backward data and backward weight do the same
 //             multiply-adds); shown for those two only.
-//   cpu ms  = the process's CPU time per call in the same best batch (all threads): the
-//             figure to compare on a loaded machine, for 1-thread rows.
+//   cpu ms  = the least process CPU time per call over the batches (all threads): the
+//             figure to compare on a loaded machine, for 1-thread rows; equal to the
+//             wall time in a T-thread row, it says the threads shared one core.
 //   GB/s    = bytes / time, bytes = every input read once + every output written once:
 //             the least memory traffic of the call, so it is comparable with the
 //             memory bandwidth.
