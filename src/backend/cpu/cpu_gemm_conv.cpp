@@ -33,10 +33,11 @@
 // - set_conv_layout(Plain | Blocked) (benchmarks, tests) bypasses the choice entirely.
 // Delete the file to re-measure (after a oneDNN upgrade the key changes by itself).
 //
-// Primitives are cached per device, keyed by shape, kind, layout and thread count
-// (oneDNN fixes its blocking for the thread count at creation). Each device's cache
-// has its own mutex and stream; different devices never share mutable oneDNN state
-// (scratchpads are owned by the cache entry, scratchpad_mode::user).
+// Primitives are cached per device, keyed by the chunk's shape, kind, layout and chunk
+// index (Note [oneDNN in the device's arena]; every primitive is created and run on one
+// thread). Each entry has its own stream, scratchpad (scratchpad_mode::user) and reorder
+// buffers, so chunks of one call run concurrently and different devices never share
+// mutable oneDNN state.
 #include <fcntl.h>
 #include <omp.h>
 #include <sys/file.h>
@@ -531,6 +532,7 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
   ConvCache& cache = *st.conv;
   ConvLayout layout = be.conv_layout();
   if (layout == ConvLayout::Auto) {
+    // The whole call's shape; `slot` holds the device's thread count here.
     const ConvKey auto_key{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h,
                             s.pad_w, s.P, s.Q},
                            kind, bias, threads, ConvLayout::Auto};
