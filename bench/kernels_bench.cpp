@@ -8,6 +8,9 @@
 //   GFLOP/s = flops / time, flops = 2·m·n·k for GEMM and 2·N·K·P·Q·C·R·S for each
 //             convolution pass (forward, backward data and backward weight do the same
 //             multiply-adds); shown for those two only.
+//   cpu ms  = the least process CPU time per call over the batches (all threads): the
+//             figure to compare on a loaded machine, for 1-thread rows; equal to the
+//             wall time in a T-thread row, it says the threads shared one core.
 //   GB/s    = bytes / time, bytes = every input read once + every output written once:
 //             the least memory traffic of the call, so it is comparable with the
 //             memory bandwidth.
@@ -31,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <exception>
 #include <sstream>
 #include <string>
@@ -69,7 +73,7 @@ struct Options {
 struct Row {
   std::string name, shape, variant;
   int threads = 0;  // 0: not a CPU row
-  double ms = 0, gflops = 0, gbps = 0, max_abs_err = 0;
+  double ms = 0, cpu_ms = 0, gflops = 0, gbps = 0, max_abs_err = 0;
   bool valid = false;
   std::string first_bad;
 };
@@ -132,8 +136,22 @@ bool selected(const OpCase& c, const Options& o) {
                      [&](const std::string& f) { return name.find(f) != std::string::npos; });
 }
 
+/// CPU time of the whole process in ms: on a machine shared with builds, wall time
+/// measures the scheduler as much as the kernel, while a 1-thread kernel's CPU time per
+/// call barely moves with the load.
+double process_cpu_ms() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+}
+
+struct Timing {
+  double ms = 0;      // best wall-clock mean per call
+  double cpu_ms = 0;  // best process CPU time per call (all threads together)
+};
+
 /// Warm up, then the best mean per call over batches, in ms (see the top of the file).
-double time_ms(OpRun& run, dp::backend::Backend& be, dp::Device dev, double min_ms) {
+Timing time_ms(OpRun& run, dp::backend::Backend& be, dp::Device dev, double min_ms) {
   using clock = std::chrono::steady_clock;
   auto since = [](clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
@@ -147,16 +165,18 @@ double time_ms(OpRun& run, dp::backend::Backend& be, dp::Device dev, double min_
   be.synchronize(dev);
   const double one = std::max(since(t0), 1e-4);
   const int iters = std::clamp(static_cast<int>(kBatchMs / one), 1, kMaxBatch);
-  double best = 1e30, total = 0;
+  double best = 1e30, best_cpu = 1e30, total = 0;
   for (int batches = 0; batches < 3 || total < min_ms; ++batches) {
+    const double c0 = process_cpu_ms();
     t0 = clock::now();
     for (int i = 0; i < iters; ++i) run.run();
     be.synchronize(dev);
     const double ms = since(t0);
     best = std::min(best, ms / iters);
+    best_cpu = std::min(best_cpu, (process_cpu_ms() - c0) / iters);
     total += ms;
   }
-  return best;
+  return {best, best_cpu};
 }
 
 const char* layout_name(ConvLayout layout) {
@@ -189,10 +209,10 @@ void print_json(const std::vector<Row>& rows, const std::string& device) {
     char gflops[32] = "null";
     if (r.gflops > 0) std::snprintf(gflops, sizeof gflops, "%.2f", r.gflops);
     std::printf("  {\"kernel\": %s, \"shape\": %s, \"variant\": %s, \"device\": %s, "
-                "\"threads\": %d, \"ms\": %.6f, \"gflops\": %s, \"gbps\": %.2f, "
+                "\"threads\": %d, \"ms\": %.6f, \"cpu_ms\": %.6f, \"gflops\": %s, \"gbps\": %.2f, "
                 "\"max_abs_err\": %.3g, \"valid\": %s}%s\n",
                 json_string(r.name).c_str(), json_string(r.shape).c_str(),
-                json_string(r.variant).c_str(), json_string(device).c_str(), r.threads, r.ms,
+                json_string(r.variant).c_str(), json_string(device).c_str(), r.threads, r.ms, r.cpu_ms,
                 gflops, r.gbps, r.max_abs_err, r.valid ? "true" : "false",
                 i + 1 < rows.size() ? "," : "");
   }
@@ -207,14 +227,14 @@ void print_table(const std::vector<Row>& rows) {
     wv = std::max(wv, r.variant.size());
   }
   const int n = static_cast<int>(wn), s = static_cast<int>(ws), v = static_cast<int>(wv);
-  std::printf("%-*s  %-*s  %-*s  %7s  %10s  %8s  %8s  %9s  %5s\n", n, "case", s, "shape", v,
-              "variant", "threads", "best ms", "GFLOP/s", "GB/s", "max err", "valid");
+  std::printf("%-*s  %-*s  %-*s  %7s  %10s  %10s  %8s  %8s  %9s  %5s\n", n, "case", s, "shape", v,
+              "variant", "threads", "best ms", "cpu ms", "GFLOP/s", "GB/s", "max err", "valid");
   for (const Row& r : rows) {
     char threads[16] = "-", gflops[32] = "-";
     if (r.threads > 0) std::snprintf(threads, sizeof threads, "%d", r.threads);
     if (r.gflops > 0) std::snprintf(gflops, sizeof gflops, "%.1f", r.gflops);
-    std::printf("%-*s  %-*s  %-*s  %7s  %10.4f  %8s  %8.1f  %9.2g  %5s\n", n, r.name.c_str(), s,
-                r.shape.c_str(), v, r.variant.empty() ? "-" : r.variant.c_str(), threads, r.ms,
+    std::printf("%-*s  %-*s  %-*s  %7s  %10.4f  %10.4f  %8s  %8.1f  %9.2g  %5s\n", n, r.name.c_str(), s,
+                r.shape.c_str(), v, r.variant.empty() ? "-" : r.variant.c_str(), threads, r.ms, r.cpu_ms,
                 gflops, r.gbps, r.max_abs_err, r.valid ? "yes" : "NO");
   }
   for (const Row& r : rows)
@@ -263,9 +283,10 @@ int run(const Options& o) {
         OpRun run(*c, be, dev);
         run.run();
         const dp_test::Comparison cmp = dp_test::compare(want, run.read(), c->tol);
-        const double ms = time_ms(run, be, dev, o.min_ms);
+        const Timing tm = time_ms(run, be, dev, o.min_ms);
+        const double ms = tm.ms;
         rows.push_back(Row{c->name, c->shape, layouts.size() > 1 ? layout_name(layout) : "",
-                           on_cpu ? be.threads_per_device(dev) : 0, ms,
+                           on_cpu ? be.threads_per_device(dev) : 0, ms, tm.cpu_ms,
                            c->flops / (ms * 1e6), c->bytes / (ms * 1e6), cmp.max_abs_err, cmp.ok,
                            cmp.first_bad});
       }

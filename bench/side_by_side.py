@@ -4,8 +4,29 @@ measured in ONE run with the contenders alternating (A, B, A, B, ...) to cancel 
 
   # dp (one device) vs PyTorch (2 threads), same CNN, batch 256, Adam 1e-3:
   python3 bench/side_by_side.py --binary build-fm/samples/fashion_mnist_cnn/fashion_mnist_cnn
+  # dp DDP on 2 devices vs PyTorch DDP (gloo, 2 processes x 1 thread):
+  python3 bench/side_by_side.py --compare ddp
   # single vs DP vs DDP on 2 CPU virtual devices (same global batch):
   python3 bench/side_by_side.py --compare modes --devices 0,1
+  # MLP 784-1024-1024-10, batch 512, SGD: dp's step against the sgemm ceiling
+  python3 bench/side_by_side.py --compare mlp
+
+PyTorch runs twice per round: in the environment it is given ("default") and in the best
+one we know for it on this CPU ("best"), so a ratio against PyTorch is never against a
+handicapped PyTorch:
+  - its BLAS is checked: the library loaded for torch.mm must be OpenBLAS (Debian's
+    python3-torch otherwise falls back to the reference BLAS, ~3 GFLOP/s), and the
+    1024x1024 matmul rate is printed;
+  - OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning against the
+    other contender's or the other rank's threads;
+  - MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ large: glibc keeps
+    freed activations instead of an mmap/munmap and page faults per tensor per step
+    (dp's CPU backend caches its blocks itself and needs none of this);
+  - OPENBLAS_CORETYPE=SkylakeX, only on CPUs with AVX-512 (/proc/cpuinfo flag avx512f):
+    Debian's OpenBLAS misdetects some of them and runs its Haswell kernels;
+  - the same thread count on both sides (OMP_NUM_THREADS and torch.set_num_threads =
+    --threads; dp's device gets the same cores), and both pinned (taskset) to the same
+    CPUs 0..threads-1.
 
 Each dp run is `fashion_mnist_cnn --max-steps S --epochs 1 --json --log-every W --no-eval`; its
 step records carry the cumulative training time, so samples/s = (S - W) * batch /
@@ -19,6 +40,7 @@ on a shared machine, re-run when it is high.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,12 +56,90 @@ def loadavg():
         return float("nan")
 
 
-def run_dp(args, mode, devices):
-    cmd = [args.binary, "--max-steps", str(args.steps), "--epochs", "1", "--json",
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def pinned(args, cmd, cpus=None):
+    """cmd under taskset on CPUs 0..cpus-1 (default --threads), when --pin and taskset exist."""
+    n = cpus or args.threads
+    if not args.pin or n > (os.cpu_count() or 1) or not shutil.which("taskset"):
+        return cmd
+    return ["taskset", "-c", f"0-{n - 1}"] + cmd
+
+
+def torch_env(args, best, threads):
+    """PyTorch's environment: the inherited one ('default') or the best one (module doc)."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    if best:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        big = str(1 << 30)  # 1 GiB: above every activation of these models
+        env["MALLOC_MMAP_THRESHOLD_"] = big
+        env["MALLOC_TRIM_THRESHOLD_"] = big
+        env["MALLOC_TOP_PAD_"] = str(256 << 20)
+        if "avx512f" in cpu_flags():
+            env["OPENBLAS_CORETYPE"] = "SkylakeX"
+        else:
+            env.pop("OPENBLAS_CORETYPE", None)
+    return env
+
+
+BLAS_PROBE = r"""
+import json, time, torch
+torch.set_num_threads(%d)
+a = torch.randn(1024, 1024); b = torch.randn(1024, 1024)
+for _ in range(3): a @ b
+t = time.perf_counter(); n = 10
+for _ in range(n): a @ b
+dt = (time.perf_counter() - t) / n
+libs = sorted({l.split()[-1] for l in open("/proc/self/maps") if "blas" in l.lower() and ".so" in l})
+print(json.dumps({"gflops": 2 * 1024 ** 3 / dt / 1e9, "libs": libs, "torch": torch.__version__}))
+"""
+
+
+def check_torch_blas(args, best):
+    """Which BLAS torch.mm runs on, and how fast; exits when it is the reference BLAS."""
+    cmd = pinned(args, [args.torch_python, "-c", BLAS_PROBE % args.threads])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, best, args.threads))
+    if proc.returncode != 0:
+        sys.exit(f"torch BLAS probe failed: {proc.stderr}")
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    openblas = any("openblas" in lib for lib in rec["libs"])
+    print(f"torch {rec['torch']} ({'best' if best else 'default'} env): 1024x1024 matmul "
+          f"{rec['gflops']:.1f} GFLOP/s on {args.threads} threads; BLAS {', '.join(rec['libs']) or 'none found'}",
+          flush=True)
+    if not openblas and not args.allow_reference_blas:
+        sys.exit("torch is not using OpenBLAS (install libopenblas0-pthread, or pass "
+                 "--allow-reference-blas to compare anyway)")
+    return rec
+
+
+def run_dp(args, mode, devices, binary=None):
+    cmd = [binary or args.binary, "--max-steps", str(args.steps), "--epochs", "1", "--json",
            "--log-every", str(args.warmup), "--batch", str(args.batch), "--mode", mode,
            "--devices", devices, "--path", args.path, "--no-eval"]
     if args.data:
         cmd += ["--data", args.data]
+    cmd = pinned(args, cmd, os.cpu_count() if mode != "single" else None)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
@@ -58,13 +158,14 @@ def run_dp(args, mode, devices):
             "phases": summary.get("phases"), "cmd": " ".join(cmd)}
 
 
-def run_torch(args):
+def run_torch(args, best):
     script = os.path.join(HERE, "pytorch", "fashion_cnn_torch.py")
     cmd = [args.torch_python, script, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--batch", str(args.batch), "--threads", str(args.threads), "--json"]
     if args.data:
         cmd += ["--data", args.data]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = pinned(args, cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, best, args.threads))
     if proc.returncode != 0:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
     rec = [json.loads(l) for l in proc.stdout.splitlines() if l.strip()][-1]
@@ -72,11 +173,79 @@ def run_torch(args):
             "cmd": " ".join(cmd)}
 
 
+def run_torch_ddp(args, best):
+    """PyTorch DDP (gloo), --ddp-procs processes x 1 thread (bench/pytorch/ddp_gloo.py)."""
+    script = os.path.join(HERE, "pytorch", "ddp_gloo.py")
+    procs = len(args.devices.split(","))
+    cmd = [args.torch_python, script, "--procs", str(procs), "--threads", "1", "--batch", str(args.batch),
+           "--steps", str(args.steps - args.warmup), "--warmup", str(args.warmup)]
+    cmd = pinned(args, cmd, os.cpu_count())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, best, 1))
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    rec = [json.loads(l) for l in proc.stdout.splitlines() if l.strip().startswith("{")][-1]
+    return {"ms_per_step": rec["ms_per_step"], "samples_per_sec": rec["samples_per_sec"],
+            "cmd": " ".join(cmd)}
+
+
+# MLP 784-1024-1024-10: flops of one training step of B rows. Forward 2*B*sum(in*out);
+# backward twice that, less the first layer's input gradient (nobody needs it).
+MLP_LAYERS = [(784, 1024), (1024, 1024), (1024, 10)]
+
+
+def mlp_step_gflop(batch):
+    fwd = sum(2 * batch * i * o for i, o in MLP_LAYERS)
+    return (3 * fwd - 2 * batch * MLP_LAYERS[0][0] * MLP_LAYERS[0][1]) / 1e9
+
+
+def run_dp_mlp(args):
+    """dp's MLP step (samples/dp_vs_ddp --model mlp, single device, SGD momentum)."""
+    cmd = [os.path.join(args.build, "samples", "dp_vs_ddp", "dp_vs_ddp"), "--model", "mlp",
+           "--optimizer", "sgd", "--batch", str(args.batch), "--devices", "1",
+           "--steps", str(args.steps - args.warmup), "--warmup", str(args.warmup), "--json"]
+    cmd = pinned(args, cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("mode") == "single":
+                sps = rec["samples_per_s"]
+                ms = args.batch * 1e3 / sps
+                return {"ms_per_step": ms, "samples_per_sec": sps,
+                        "gflops": mlp_step_gflop(args.batch) * 1e3 / ms, "cmd": " ".join(cmd)}
+    sys.exit(f"no single-device record from {' '.join(cmd)}")
+
+
+def run_sgemm(args):
+    """The ceiling: dp's sgemm 512x1024x1024 on the same threads (bench/kernels_bench)."""
+    cmd = [os.path.join(args.build, "bench", "kernels_bench"), "--filter", "gemm 512x1024x1024",
+           "--threads", str(args.threads), "--min-ms", "300", "--json"]
+    cmd = pinned(args, cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    rows = json.loads(proc.stdout)
+    g = rows[0]["gflops"]
+    ms = mlp_step_gflop(args.batch) / g * 1e3  # the step if every flop ran at sgemm's rate
+    return {"ms_per_step": ms, "samples_per_sec": args.batch * 1e3 / ms, "gflops": g,
+            "cmd": " ".join(cmd)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--binary", default=os.path.join(ROOT, "build-fm", "samples", "fashion_mnist_cnn",
                                                      "fashion_mnist_cnn"))
-    ap.add_argument("--compare", choices=["torch", "modes"], default="torch")
+    ap.add_argument("--compare", choices=["torch", "ddp", "modes", "mlp"], default="torch")
+    ap.add_argument("--build", default="", help="build dir of --compare mlp (default: --binary's)")
+    ap.add_argument("--torch-env", choices=["default", "best", "both"], default="both",
+                    help="PyTorch's environment(s) (see the module doc)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="taskset every contender to the same CPUs")
+    ap.add_argument("--allow-reference-blas", action="store_true")
+    ap.add_argument("--baseline", default="", help="another fashion_mnist_cnn binary (e.g. an older "
+                    "build) run as one more contender, 'dp before' (--compare torch or ddp)")
     ap.add_argument("--devices", default="0,1", help="devices of the dp/ddp runs (--compare modes)")
     ap.add_argument("--path", default="worker", choices=["worker", "module"])
     ap.add_argument("--steps", type=int, default=60)
@@ -91,9 +260,28 @@ def main():
     if args.steps <= args.warmup:
         sys.exit("--steps must exceed --warmup")
 
+    if not args.build:
+        args.build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(args.binary))))
+    if args.compare == "mlp" and args.batch == 256 and "--batch" not in sys.argv:
+        args.batch = 512
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} CPUs); load {loadavg():.2f}", flush=True)
+    envs = {"default": [False], "best": [True], "both": [False, True]}[args.torch_env]
+    if args.compare in ("torch", "ddp"):
+        for best in envs:
+            check_torch_blas(args, best)
+    tag = {False: "default", True: "best"}
     if args.compare == "torch":
-        contenders = [("dp single", lambda: run_dp(args, "single", "0")),
-                      ("pytorch", lambda: run_torch(args))]
+        contenders = [("dp single", lambda: run_dp(args, "single", "1"))]
+        if args.baseline:
+            contenders.append(("dp before", lambda: run_dp(args, "single", "1", args.baseline)))
+        contenders += [(f"torch {tag[b]}", lambda b=b: run_torch(args, b)) for b in envs]
+    elif args.compare == "ddp":
+        contenders = [("dp ddp", lambda: run_dp(args, "ddp", args.devices))]
+        if args.baseline:
+            contenders.append(("dp before", lambda: run_dp(args, "ddp", args.devices, args.baseline)))
+        contenders += [(f"torch ddp {tag[b]}", lambda b=b: run_torch_ddp(args, b)) for b in envs]
+    elif args.compare == "mlp":
+        contenders = [("dp mlp", lambda: run_dp_mlp(args)), ("sgemm", lambda: run_sgemm(args))]
     else:
         contenders = [("single", lambda: run_dp(args, "single", "1")),  # one device: device 0
                       ("dp", lambda: run_dp(args, "dp", args.devices)),
@@ -111,7 +299,7 @@ def main():
 
     med = {name: statistics.median(x["samples_per_sec"] for x in runs) for name, runs in results.items()}
     names = [n for n, _ in contenders]
-    base = names[1] if args.compare == "torch" else names[0]
+    base = names[-1] if args.compare in ("torch", "ddp") else names[1] if args.compare == "mlp" else names[0]
     print()
     print(f"{'contender':12s} {'samples/s':>10s} {'ms/step':>9s} {'ratio':>7s}   (median of {args.rounds}; "
           f"steps {args.warmup + 1}..{args.steps} of batch {args.batch})")
@@ -122,8 +310,14 @@ def main():
         print(f"{name:12s} {med[name]:10.1f} {args.batch * 1e3 / med[name]:9.1f} {ratio:7.3f}")
         out["contenders"][name] = {"samples_per_sec": med[name], "ratio": ratio,
                                    "runs": results[name]}
-    if args.compare == "torch":
-        print(f"\ndp / torch samples/s = {med[names[0]] / med[names[1]]:.3f}  (>1: dp faster)")
+    if args.compare in ("torch", "ddp"):
+        print()
+        for n in names[1:]:
+            print(f"{names[0]} / {n} samples/s = {med[names[0]] / med[n]:.3f}  (>1: dp faster)")
+    elif args.compare == "mlp":
+        g = {n: statistics.median(x["gflops"] for x in results[n]) for n in names}
+        print(f"\ndp MLP step {g['dp mlp']:.1f} GFLOP/s ({mlp_step_gflop(args.batch):.3f} GFLOP/step) = "
+              f"{g['dp mlp'] / g['sgemm']:.3f} of the sgemm ceiling ({g['sgemm']:.1f} GFLOP/s, 512x1024x1024)")
     else:
         print(f"\nDP / single = {med['dp'] / med['single']:.3f}, DDP / single = {med['ddp'] / med['single']:.3f}")
     if args.json:

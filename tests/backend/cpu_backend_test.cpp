@@ -2,7 +2,6 @@
 // written here, on random inputs including edge sizes (0, 1, primes, above the
 // parallel grain), plus memory, copies, devices used concurrently and bad input.
 #include <doctest/doctest.h>
-#include <omp.h>
 
 #include <tbb/task_arena.h>
 
@@ -159,6 +158,35 @@ TEST_CASE("allocation: alignment, counters, peak, zero size, out of memory") {
     CHECK(msg.find("cpu:1") != std::string::npos);
     CHECK(msg.find(std::to_string(std::size_t{1} << 62)) != std::string::npos);
   }
+  CHECK(be().memory_allocated(d) == base);
+}
+
+TEST_CASE("caching allocator: large blocks are reused per device, counted as live bytes, emptied") {
+  // Note [CPU caching allocator]: 1 MiB is above the caching threshold.
+  const Device d = dp::cpu(3);
+  const std::size_t big = std::size_t{1} << 20, base = be().memory_allocated(d);
+  be().empty_cache();
+  CHECK(be().cached_bytes(d) == 0);
+  void* a = be().allocate(d, big);
+  CHECK(reinterpret_cast<std::uintptr_t>(a) % 64 == 0);
+  std::memset(a, 1, big);
+  be().deallocate(d, a, big);
+  CHECK(be().memory_allocated(d) == base);  // the cache is not counted as allocated
+  const std::size_t cached = be().cached_bytes(d);
+  if (cached == 0) return;  // an AddressSanitizer build caches nothing
+  CHECK(cached >= big);
+  CHECK(be().cached_bytes(dp::cpu(4)) == 0);  // caches are per device
+  void* other = be().allocate(dp::cpu(4), big);  // another device never gets d's block
+  CHECK(other != a);
+  void* b = be().allocate(d, big - 100);  // same size class: the cached block again
+  CHECK(b == a);
+  CHECK(be().cached_bytes(d) == 0);  // its only block is in use again
+  CHECK(be().memory_allocated(d) == base + big - 100);
+  be().deallocate(d, b, big - 100);
+  be().deallocate(dp::cpu(4), other, big);
+  be().empty_cache();
+  CHECK(be().cached_bytes(d) == 0);
+  CHECK(be().cached_bytes(dp::cpu(4)) == 0);
   CHECK(be().memory_allocated(d) == base);
 }
 
@@ -497,6 +525,46 @@ TEST_CASE("gemm large (1x1-thread vs parallel paths) against reference rows") {
     }
 }
 
+TEST_CASE("gemm split into per-thread slabs: every transpose, row and column splits, alpha, beta, ld") {
+  // Note [oneDNN in the device's arena]: large GEMMs run as slabs of C's rows (m >= n) or
+  // columns; both against a double reference, and equal to the one-thread call to float
+  // rounding. Odd sizes leave a slab edge off the 16-wide alignment.
+  const int hw = dp::hardware_concurrency();
+  for (auto [m, n] : {std::pair<i64, i64>{301, 67}, {67, 301}, {1, 4099}, {4099, 1}}) {
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        const i64 k = 2100;
+        const i64 lda = (ta ? m : k) + 3, ldb = (tb ? k : n) + 5, ldc = n + 2;
+        CAPTURE(m);
+        CAPTURE(n);
+        CAPTURE(ta);
+        CAPTURE(tb);
+        auto a = random_vec((ta ? k : m) * lda, 60), b = random_vec((tb ? n : k) * ldb, 61);
+        auto c0 = random_vec(m * ldc, 62);
+        std::vector<float> c = c0, c1 = c0;
+        be().set_concurrent_devices(1);  // all cores: the split path where the work allows
+        be().gemm(dev0(), ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 2.0f, c.data(), ldc);
+        be().set_concurrent_devices(hw);  // one thread: one call
+        be().gemm(dev0(), ta, tb, m, n, k, 0.5f, a.data(), lda, b.data(), ldb, 2.0f, c1.data(), ldc);
+        be().set_concurrent_devices(1);
+        for (i64 i = 0; i < m; ++i)
+          for (i64 j = 0; j < ldc; ++j) {
+            const float got = c[i * ldc + j];
+            if (j >= n) {  // padding columns of C are never written
+              REQUIRE(got == c0[i * ldc + j]);
+              continue;
+            }
+            double acc = 0;
+            for (i64 p = 0; p < k; ++p)
+              acc += double(ta ? a[p * lda + i] : a[i * lda + p]) * double(tb ? b[j * ldb + p] : b[p * ldb + j]);
+            const double want = 0.5 * acc + 2.0 * c0[i * ldc + j];
+            REQUIRE(std::abs(got - want) <= 1e-4 * (1 + std::abs(want)));
+            REQUIRE(std::abs(got - c1[i * ldc + j]) <= 1e-5 * (1 + std::abs(want)));
+          }
+      }
+  }
+}
+
 // ---- convolution -----------------------------------------------------------------------------
 
 namespace {
@@ -549,6 +617,56 @@ void check_conv(const Conv2dShape& s, bool with_bias) {
 
 }  // namespace
 
+TEST_CASE("conv2d: the measured layout choice is made once and computes what that layout computes") {
+  // Note [CPU convolution: measured choice]: Auto must give the bits of the layout it
+  // chose, on every call and every device, so results do not depend on when or where
+  // the choice was measured.
+  be().set_conv_layout(cpu::ConvLayout::Auto);
+  for (const Conv2dShape& s : {conv_shape(4, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1),
+                               conv_shape(3, 16, 10, 10, 24, 3, 3, 1, 1, 1, 1)}) {
+    auto x = random_vec(s.N * s.C * s.H * s.W, 50), w = random_vec(s.K * s.C * s.R * s.S, 51);
+    auto b = random_vec(s.K, 52), gy = random_vec(s.N * s.K * s.P * s.Q, 53);
+    auto run = [&](Device d, std::vector<float>& y, std::vector<float>& gx, std::vector<float>& gw,
+                   std::vector<float>& gb) {
+      y.assign(gy.size(), 0.0f);
+      gx.assign(x.size(), 0.0f);
+      gw.assign(w.size(), 0.0f);
+      gb.assign(b.size(), 0.0f);
+      be().conv2d_forward(d, s, x.data(), w.data(), b.data(), y.data());
+      be().conv2d_backward_data(d, s, gy.data(), w.data(), gx.data());
+      be().conv2d_backward_weight(d, s, x.data(), gy.data(), gw.data(), gb.data());
+    };
+    std::vector<float> y, gx, gw, gb, y2, gx2, gw2, gb2;
+    run(dev0(), y, gx, gw, gb);
+    const cpu::ConvLayout fwd = be().chosen_conv_layout(dev0(), s, cpu::ConvPass::Forward, true);
+    const cpu::ConvLayout bwd_data = be().chosen_conv_layout(dev0(), s, cpu::ConvPass::BackwardData, false);
+    const cpu::ConvLayout bwd_weight = be().chosen_conv_layout(dev0(), s, cpu::ConvPass::BackwardWeight, true);
+    for (cpu::ConvLayout l : {fwd, bwd_data, bwd_weight})
+      CHECK((l == cpu::ConvLayout::Plain || l == cpu::ConvLayout::Blocked));
+    run(dp::cpu(1), y2, gx2, gw2, gb2);  // another device: the same choice, the same bits
+    CHECK(bitwise_equal(y, y2));
+    CHECK(bitwise_equal(gx, gx2));
+    CHECK(bitwise_equal(gw, gw2));
+    CHECK(bitwise_equal(gb, gb2));
+    CHECK(be().chosen_conv_layout(dp::cpu(1), s, cpu::ConvPass::Forward, true) == fwd);
+    // Each pass forced to its chosen layout reproduces Auto's bits.
+    std::vector<float> ye(y.size()), gxe(gx.size()), gwe(gw.size()), gbe(gb.size());
+    be().set_conv_layout(fwd);
+    be().conv2d_forward(dev0(), s, x.data(), w.data(), b.data(), ye.data());
+    be().set_conv_layout(bwd_data);
+    be().conv2d_backward_data(dev0(), s, gy.data(), w.data(), gxe.data());
+    be().set_conv_layout(bwd_weight);
+    be().conv2d_backward_weight(dev0(), s, x.data(), gy.data(), gwe.data(), gbe.data());
+    be().set_conv_layout(cpu::ConvLayout::Auto);
+    CHECK(bitwise_equal(y, ye));
+    CHECK(bitwise_equal(gx, gxe));
+    CHECK(bitwise_equal(gw, gwe));
+    CHECK(bitwise_equal(gb, gbe));
+    // The recorded choice survives a cleared primitive cache (a new process reads it).
+    CHECK(be().chosen_conv_layout(dev0(), s, cpu::ConvPass::Forward, true) == fwd);
+  }
+}
+
 TEST_CASE("conv2d forward / backward data / backward weight against naive loops") {
   for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Auto}) {
     CAPTURE(int(layout));
@@ -558,6 +676,10 @@ TEST_CASE("conv2d forward / backward data / backward weight against naive loops"
     check_conv(conv_shape(4, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), true);  // CNN layer 1 (small N)
     check_conv(conv_shape(2, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), true); // CNN layer 2 (small N)
     check_conv(conv_shape(1, 2, 5, 5, 3, 1, 1, 1, 1, 0, 0), true);     // 1x1
+    // Enough work to run as batch chunks on a multi-thread device (Note [oneDNN in the
+    // device's arena]); 5 images split unevenly, backward-weight sums partials.
+    check_conv(conv_shape(5, 16, 14, 14, 32, 3, 3, 1, 1, 1, 1), true);
+    check_conv(conv_shape(7, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), false);
   }
   Conv2dShape bad = conv_shape(1, 1, 5, 5, 1, 3, 3, 1, 1, 0, 0);
   bad.P = 5;
@@ -608,6 +730,72 @@ TEST_CASE("max pooling with padding: forward, indices, ties, backward") {
     std::vector<float> gx(x.size(), 5.0f);
     be().maxpool2d_backward(dev0(), s, gy.data(), idx.data(), gx.data());
     check_close(gx, gx_ref, 1e-6, 1e-6, "maxpool backward");
+  }
+}
+
+TEST_CASE("2x2 max-pool fast path: NaN, infinities, ties, odd sizes, ceil mode, foreign indices") {
+  // Note [Branch-free 2x2 max-pool]: the vectorised path against a naive loop with the
+  // same rule (first maximum in row-major order; a NaN wins and the first NaN stays),
+  // for widths that exercise whole vectors and the scalar remainder.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (i64 W : {2, 5, 8, 9, 16, 17, 28}) {
+    for (i64 H : {2, 3, 6}) {
+      for (bool ceil_mode : {false, true}) {
+        Pool2dShape s = pool_shape(2, 3, H, W, 2, 2, 0);
+        if (ceil_mode) {  // a last window hanging over the edge when H or W is odd
+          s.P = (H + 1) / 2;
+          s.Q = (W + 1) / 2;
+        }
+        CAPTURE(H);
+        CAPTURE(W);
+        CAPTURE(ceil_mode);
+        auto x = random_vec(s.N * s.C * H * W, 40 + static_cast<unsigned>(W * 7 + H));
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          x[i] = std::round(x[i] * 2.0f);  // many ties
+          if (i % 11 == 3) x[i] = nan;
+          if (i % 13 == 5) x[i] = -inf;
+          if (i % 17 == 7) x[i] = inf;
+        }
+        std::vector<float> y(s.N * s.C * s.P * s.Q);
+        std::vector<i64> idx(y.size());
+        be().maxpool2d_forward(dev0(), s, x.data(), y.data(), idx.data());
+        std::vector<float> y_noidx(y.size());
+        be().maxpool2d_forward(dev0(), s, x.data(), y_noidx.data(), nullptr);
+        auto gy = random_vec(y.size(), 41);
+        std::vector<double> gx_ref(x.size());
+        for (i64 pl = 0; pl < s.N * s.C; ++pl)
+          for (i64 p = 0; p < s.P; ++p)
+            for (i64 q = 0; q < s.Q; ++q) {
+              float best = -inf;
+              i64 bi = std::min(2 * p, H - 1) * W + std::min(2 * q, W - 1);
+              for (i64 h = 2 * p; h < std::min(2 * p + 2, H); ++h)
+                for (i64 w = 2 * q; w < std::min(2 * q + 2, W); ++w) {
+                  const float v = x[pl * H * W + h * W + w];
+                  if (v > best || (std::isnan(v) && !std::isnan(best))) {
+                    best = v;
+                    bi = h * W + w;
+                  }
+                }
+              const i64 o = (pl * s.P + p) * s.Q + q;
+              REQUIRE(std::memcmp(&y[o], &best, sizeof best) == 0);
+              REQUIRE(std::memcmp(&y_noidx[o], &best, sizeof best) == 0);
+              REQUIRE(idx[o] == bi);
+              gx_ref[pl * H * W + bi] += gy[o];
+            }
+        std::vector<float> gx(x.size(), 5.0f);  // every element is overwritten
+        be().maxpool2d_backward(dev0(), s, gy.data(), idx.data(), gx.data());
+        check_close(gx, gx_ref, 0, 0, "maxpool 2x2 backward");
+        if (ceil_mode) continue;
+        // Indices outside their own window (not from maxpool2d_forward, but valid plane
+        // positions) take the general scatter and still land where they point.
+        idx[0] = H * W - 1;
+        std::vector<double> gx_ref2(x.size());
+        for (i64 o = 0; o < static_cast<i64>(idx.size()); ++o)
+          gx_ref2[(o / (s.P * s.Q)) * H * W + idx[o]] += gy[o];
+        be().maxpool2d_backward(dev0(), s, gy.data(), idx.data(), gx.data());
+        check_close(gx, gx_ref2, 1e-6, 1e-6, "maxpool 2x2 backward, foreign index");
+      }
+    }
   }
 }
 
@@ -764,6 +952,34 @@ TEST_CASE("nll with a target out of range throws naming the row and value") {
 
 // ---- optimizers -----------------------------------------------------------------------------
 
+TEST_CASE("sgd: the vectorised loops equal the shared functor bit for bit, every flag combination") {
+  // Note [Vectorised optimizer loops]: 16 instantiations against SgdUpdate applied one
+  // element at a time, over a length with a vector body, a remainder, and (at 2^17) a
+  // parallel split; NaN and infinities included.
+  for (i64 n : {i64{1037}, i64{1} << 17}) {
+    auto p0 = random_vec(n, 70), g = random_vec(n, 71), m0 = random_vec(n, 72);
+    p0[5] = std::numeric_limits<float>::quiet_NaN();
+    g[7] = std::numeric_limits<float>::infinity();
+    for (float momentum : {0.0f, 0.9f})
+      for (float wd : {0.0f, 0.01f})
+        for (bool nesterov : {false, true})
+          for (bool first : {false, true}) {
+            CAPTURE(n);
+            CAPTURE(momentum);
+            CAPTURE(wd);
+            CAPTURE(nesterov);
+            CAPTURE(first);
+            std::vector<float> p = p0, m = m0, pw = p0, mw = m0;
+            be().sgd_step(dev0(), p.data(), g.data(), momentum != 0 ? m.data() : nullptr, n, 0.05f,
+                          momentum, 0.1f, wd, nesterov, first);
+            const SgdUpdate upd{SgdParams{0.05f, momentum, 0.1f, wd, nesterov, first}};
+            for (i64 i = 0; i < n; ++i) upd(pw[i], g[i], momentum != 0 ? &mw[i] : nullptr);
+            CHECK(bitwise_equal(p, pw));
+            CHECK(bitwise_equal(m, mw));  // untouched without momentum
+          }
+  }
+}
+
 TEST_CASE("sgd: hand-computed values for momentum, nesterov, dampening, weight decay") {
   // p = 1, constant grad 0.5, lr = 0.1; values worked out by hand from torch.optim.SGD.
   auto run = [](float momentum, float dampening, float wd, bool nesterov, int steps) {
@@ -847,7 +1063,7 @@ TEST_CASE("two devices used from two threads concurrently: correct and not overs
   struct Result {
     std::vector<float> c, y;
     float sum = 0;
-    int omp_team = 0, omp_max = 0, arena_conc = 0, loop_conc = 0;
+    int arena_conc = 0, loop_conc = 0;
   };
   auto work = [&](Device d, Result& res) {
     res.c.assign(m * n, 0.0f);
@@ -857,13 +1073,8 @@ TEST_CASE("two devices used from two threads concurrently: correct and not overs
       be().conv2d_forward(d, cs, x.data(), w.data(), nullptr, res.y.data());
       be().reduce(d, ReduceOp::Sum, big.data(), &res.sum, 1, 500000, 1);
     }
-    // The OpenMP ICV oneDNN saw on this thread, and the team a region here really gets.
-    res.omp_max = omp_get_max_threads();
-#pragma omp parallel
-    {
-#pragma omp single
-      res.omp_team = omp_get_num_threads();
-    }
+    // oneDNN runs as single-threaded chunks inside the arena (Note [oneDNN in the
+    // device's arena]): the arena is the only source of parallelism to check.
     res.arena_conc = be().state(d).arena->max_concurrency();
     // With one thread the loop runs on the calling thread; otherwise inside the arena.
     be().parallel_for(d, 1 << 20, 1, [&](i64, i64) {
@@ -879,8 +1090,6 @@ TEST_CASE("two devices used from two threads concurrently: correct and not overs
   t0.join();
   t1.join();
   for (const Result* r : {&r0, &r1}) {
-    CHECK(r->omp_max == per);
-    CHECK(r->omp_team == per);
     CHECK(r->arena_conc == per);
     if (per > 1) CHECK(r->loop_conc == per);
     check_close(r->c, std::vector<double>(serial.c.begin(), serial.c.end()), 1e-5, 1e-5, "gemm");
@@ -891,7 +1100,6 @@ TEST_CASE("two devices used from two threads concurrently: correct and not overs
   CHECK(be().threads_per_device(dp::cpu(0)) == hw);  // one device gets every core
   Result alone;
   work(dp::cpu(0), alone);
-  CHECK(alone.omp_max == hw);
   CHECK(alone.arena_conc == hw);
   CHECK(alone.loop_conc == hw);
 }

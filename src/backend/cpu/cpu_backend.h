@@ -2,9 +2,10 @@
 //
 // Each CPU virtual device cpu(i) (docs/architecture.md, "CPU virtual devices") owns a tbb::task_arena sized to its share
 // of the cores, its own allocation counters and its own oneDNN primitive cache. Every
-// parallel loop of a kernel on cpu(i) runs inside arena i; every oneDNN call first sets
-// the calling thread's OpenMP team size to the same share, so N devices used from N
-// worker threads never oversubscribe the machine. Only the backend's own sources and
+// parallel loop of a kernel on cpu(i) runs inside arena i, oneDNN's convolutions and
+// GEMMs included (single-threaded chunks: Note [oneDNN in the device's arena] in
+// cpu_gemm_conv.cpp), so N devices used from N worker threads never oversubscribe the
+// machine. Only the backend's own sources and
 // tests/benchmarks include this header; it knows nothing about tensors.
 //
 //   auto& be = static_cast<dp::backend::cpu::CpuBackend&>(dp::backend::get(dp::cpu(0)));
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include <tbb/blocked_range.h>
@@ -36,8 +38,12 @@ inline constexpr std::int64_t kSerialGrain = 32768;
 enum class ConvLayout : std::uint8_t {
   Plain,    // NCHW/KCRS memory handed to oneDNN as is
   Blocked,  // format_tag::any: oneDNN picks blocked layouts, we reorder in and out
-  Auto,     // per shape and pass, the faster of the two as measured (the default)
+  Auto,     // per shape, pass and thread count, the faster of the two, measured on first
+            // use and recorded (Note [CPU convolution: measured choice]); the default
 };
+
+/// The three passes of a convolution.
+enum class ConvPass : std::uint8_t { Forward, BackwardData, BackwardWeight };
 
 /// Per-device oneDNN primitive cache; defined in cpu_gemm_conv.cpp (keeps dnnl.hpp out
 /// of this header).
@@ -48,6 +54,21 @@ struct ConvCacheDeleter {
 /// A fresh, empty primitive cache for one device.
 ConvCache* new_conv_cache();
 
+/// Freed large blocks of one device kept for reuse, by size class (Note [CPU caching
+/// allocator] in cpu_backend.cpp). Frees every cached block when destroyed.
+struct BlockCache {
+  BlockCache() = default;
+  BlockCache(const BlockCache&) = delete;
+  BlockCache& operator=(const BlockCache&) = delete;
+  ~BlockCache();
+  /// Frees every cached block; returns the bytes given back.
+  std::size_t release();
+
+  std::mutex mu;
+  std::unordered_map<std::size_t, std::vector<void*>> free;  // size class -> blocks
+  std::size_t cached_bytes = 0;
+};
+
 /// Everything one CPU virtual device owns.
 struct DeviceState {
   std::unique_ptr<tbb::task_arena> arena;
@@ -56,6 +77,7 @@ struct DeviceState {
   std::atomic<std::size_t> allocated{0};
   std::atomic<std::size_t> peak{0};
   std::unique_ptr<ConvCache, ConvCacheDeleter> conv;
+  BlockCache blocks;
 };
 
 /// The CPU implementation of dp::backend::Backend (see backend.h for every contract).
@@ -217,15 +239,18 @@ class CpuBackend final : public Backend {
     });
   }
 
-  /// Sets the calling thread's OpenMP team size to the device's share before a oneDNN
-  /// call (the ICV is per thread, so concurrent device threads get separate teams).
-  /// Returns the thread count set.
-  int bind_omp_threads(Device dev);
-
   /// Chooses the oneDNN convolution layout (benchmarks compare both; the default is
   /// the faster one measured here). Clears every device's primitive cache.
   void set_conv_layout(ConvLayout layout);
   ConvLayout conv_layout() const { return conv_layout_.load(); }
+  /// The layout ConvLayout::Auto runs for this call on `dev` (its thread count), or
+  /// Auto when it has not been chosen yet (Note [CPU convolution: measured choice]).
+  ConvLayout chosen_conv_layout(Device dev, const Conv2dShape& s, ConvPass pass, bool bias);
+
+  /// Bytes of freed blocks `dev` keeps for reuse (Note [CPU caching allocator]).
+  std::size_t cached_bytes(Device dev);
+  /// Gives every device's cached blocks back to the system.
+  void empty_cache();
 
  private:
   void resize_arenas(int threads);
