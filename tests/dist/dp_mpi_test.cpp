@@ -620,16 +620,22 @@ struct Bomb : dp::nn::Module {
   }
 };
 
+// Modes: "throw" / "kill" (DDP), "throw_stage3" (Sharded stage 3, hybrid), and
+// "hang_state_dict" / "hang_clip" (Sharded stage 2: the last process never takes part in
+// the optimizer's state_dict or clip_grad_norm_'s exchange; the others must time out).
 int run_fault(const std::string& mode) {
   auto net = make_mlp(kSeed);
   auto bomb = std::make_shared<Bomb>();
   net->push_back(bomb);
-  dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::DDP});
+  dp::DataParallelOptions options{.mode = dp::Mode::DDP};
+  if (mode == "throw_stage3") options = {.mode = dp::Mode::Sharded, .shard_stage = 3};
+  if (mode.rfind("hang_", 0) == 0) options = {.mode = dp::Mode::Sharded, .shard_stage = 2};
+  dp::DataParallel model(net, local_devices(), options);
   dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
   const bool victim = dist::rank() == dist::world_size() - 1;
   for (int s = 0; s < 6; ++s) {
     if (s == 3) {
-      if (mode == "throw") bomb->armed = true;
+      if (mode == "throw" || mode == "throw_stage3") bomb->armed = true;
       if (mode == "kill" && victim) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the others are in the step
         std::raise(SIGKILL);
@@ -640,6 +646,15 @@ int run_fault(const std::string& mode) {
     const auto [lo, n] = my_rows(rows);
     opt.zero_grad();
     model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    if (s == 3 && mode.rfind("hang_", 0) == 0) {
+      if (victim) {
+        std::this_thread::sleep_for(std::chrono::seconds(60));  // past the others' timeout
+      } else if (mode == "hang_state_dict") {
+        (void)opt.state_dict();
+      } else {
+        dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0);
+      }
+    }
     opt.step();
   }
   std::cout << "FAULT-TEST: rank " << dist::rank() << " got through the steps\n" << std::flush;
