@@ -587,7 +587,7 @@ TEST_CASE("per-device memory of stage 3 across processes by the allocator: 1/N o
     steady = since(false);
   }
   REQUIRE(P == 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10);
-  CHECK(L == (P + kLocal - 1) / kLocal / 16 * 16 + ((P + kLocal - 1) / kLocal % 16 ? 16 : 0));
+  CHECK(L == ((P + kLocal - 1) / kLocal + 15) / 16 * 16);  // ceil(P / N) rounded up to kShardAlign
   const std::int64_t U0 = 64 * 256 + 256, U = 256 * 256 + 256;  // the first two units
   for (int r = 0; r < kLocal; ++r) {
     CAPTURE(r);
