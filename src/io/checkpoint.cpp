@@ -192,13 +192,14 @@ nn::StateDict load(const std::string& path) { return io::read_safetensors(path).
 // ---- training checkpoints ----------------------------------------------------------------
 
 void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
-                              const TrainingState& state) {
+                              const TrainingState& state, bool write) {
   nn::StateDict tensors = module.state_dict();
   for (const auto& [k, v] : tensors) {
     DP_CHECK(!starts_with(k, kOptPrefix), "save_training_checkpoint: the module's state name '", k,
              "' starts with '", kOptPrefix, "', which the checkpoint reserves for the optimizer; rename that child");
   }
-  for (auto& [k, v] : optimizer.state_dict()) tensors.emplace_back(kOptPrefix + k, v);
+  for (auto& [k, v] : optimizer.state_dict()) tensors.emplace_back(kOptPrefix + k, v);  // may be collective
+  if (!write) return;
 
   io::Metadata meta;
   meta[kKindKey] = kKindTraining;

@@ -205,6 +205,15 @@ void ParameterSet::shard(bool shard_grads, int world, int first) {
     for (int r = 0; r < n; ++r) release_grad(r);
 }
 
+// Note [Ranges across processes].
+std::vector<std::vector<float>> ParameterSet::gather_processes(const std::vector<float>& mine) const {
+  if (!sharded_across_processes()) return {mine};
+  DP_CHECK(process_gather_ != nullptr, "ParameterSet: the set is sharded over ", shard_world_, " ranges, ",
+           num_copies(), " of them in this process, and no exchange with the other processes was installed; "
+           "shard across processes through dp::DataParallel");
+  return process_gather_(mine);
+}
+
 // Note [Sharded parameters].
 void ParameterSet::shard_params(std::vector<std::pair<std::int64_t, std::int64_t>> units) {
   DP_CHECK(sharded_ && shard_grads_, "ParameterSet: shard_params needs a set sharded with shard_grads");

@@ -87,6 +87,15 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // optimizer step then reads. (A list taken from model.parameters() in stage 3
 // gathers device 0's copy for the user until the next step; clipping does not need
 // that: the list kept from before the loop, as the optimizer keeps it, does as well.)
+// Across processes (stages 1 and 2; Note [Ranges across processes] in
+// dp/nn/parameter_set.h) a process holds the partials of its own devices' blocks only.
+// Processes own ascending runs of ranges, so each process's partials, concatenated in
+// process order (gather_processes: a collective every process makes, one host
+// exchange of P/16 floats in all), are again the vector in flat order, and the one
+// final reduction runs over the same vector on every process: the same bits as DDP's
+// norm across processes, which reduces that vector from copy 0's whole gradient.
+// Stage 3 across processes shards within each process only (its owners hold whole
+// sums of their ranges, Note [Stage 3 across processes]): nothing to exchange.
 static_assert(ParameterSet::kShardAlign == 16, "Note [Clipping in blocks] assumes 16-element blocks");
 constexpr std::int64_t kBlock = ParameterSet::kShardAlign;
 
@@ -125,6 +134,18 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
   std::vector<Tensor> all;
   for (const Tensor& t : partials)
     if (t.defined()) all.push_back(t.device() == home ? t : t.to(home));
+  if (set.sharded_across_processes()) {
+    // Note [Clipping in blocks]: the other processes' partials, in process order.
+    std::vector<float> mine;
+    for (const Tensor& t : all) {
+      const std::vector<float> part = t.to_vector();
+      mine.insert(mine.end(), part.begin(), part.end());
+    }
+    std::vector<float> every;
+    for (const std::vector<float>& part : set.gather_processes(mine)) every.insert(every.end(), part.begin(), part.end());
+    all.clear();
+    if (!every.empty()) all.push_back(from_vector(every, {static_cast<std::int64_t>(every.size())}, home));
+  }
   if (all.empty()) return 0.0;
   Tensor v = all.size() == 1 ? all[0] : cat(all);
   if (std::isinf(p)) return max(v, 0).item();
@@ -161,12 +182,6 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
   NoGradGuard no_grad;
   double total = 0.0;
   if (const auto& set = params.set()) {
-    // A Sharded set across processes: the other processes' ranges (their partials)
-    // are not here, and this layer does not speak to processes.
-    DP_CHECK(set->shard_world() <= set->num_copies(), "clip_grad_norm_: the gradients are sharded over ",
-             set->shard_world(), " devices of several processes (Mode::Sharded under mpirun); the total norm "
-             "would need every process's ranges, which is not supported yet: clip with clip_grad_value_ "
-             "(element-wise, exact across processes) or train with Mode::DDP");
     total = set_norm(*set, flat_ranges(params), norm_type);
   } else {
     std::vector<Tensor> norms;

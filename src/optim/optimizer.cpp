@@ -305,12 +305,9 @@ Tensor Optimizer::full_state(std::size_t k) {
   if (!s0.buffers.empty() && s0.numel == state_numel_) return s0.buffers[k];  // ranges_' layout
   if (std::all_of(states_.begin(), states_.end(), [](const CopyState& s) { return s.buffers.empty(); }))
     return Tensor();
-  // Sharded: every copy holds its range; assemble them on the primary's device.
   const nn::ParameterSet& set = *params_.set();
-  DP_CHECK(set.shard_world() <= set.num_copies(), "Optimizer::state_dict: the optimizer state of a Sharded run "
-           "across processes is spread over ", set.shard_world(), " devices, ", set.num_copies(), " of them in this "
-           "process; gathering it from the other processes is not supported yet: save the model (dp::save, "
-           "parameters are whole on every process) or train with Mode::DDP to checkpoint the optimizer");
+  if (set.sharded_across_processes()) return gathered_state(k);
+  // Sharded: every copy holds its range; assemble them on the primary's device.
   Tensor out = zeros({state_numel_}, params_.set()->copy(0).device);
   for (const CopyState& st : states_) {
     if (st.buffers.empty()) continue;
@@ -324,6 +321,36 @@ Tensor Optimizer::full_state(std::size_t k) {
     }
   }
   return out;
+}
+
+// Note [Optimizer state across processes]
+// A set sharded across processes (Note [Ranges across processes] in
+// dp/nn/parameter_set.h) holds here the state of this process's copies only. Each
+// copy's state is its ranges' slice of ranges_' layout, and ranges_' layout is the
+// flat order restricted to the ranges; copies own ascending ranges and processes own
+// ascending runs of copies. So this process's part is its copies' states
+// concatenated in copy order, and every process's part concatenated in process order
+// is the whole state in ranges_' layout — exactly the buffer one process holding
+// every range would assemble, bit for bit (values are copied, never combined). The
+// exchange is collective: every process calls state_dict() (or a checkpoint save
+// that calls it), each then holds the whole state.
+Tensor Optimizer::gathered_state(std::size_t k) {
+  const nn::ParameterSet& set = *params_.set();
+  std::vector<float> mine;
+  for (const CopyState& st : states_) {
+    if (st.buffers.empty()) {  // not stepped yet: the state it would start from
+      mine.insert(mine.end(), static_cast<std::size_t>(st.numel), 0.0f);
+      continue;
+    }
+    const std::vector<float> v = st.buffers[k].narrow(0, 0, st.numel).to_vector();
+    mine.insert(mine.end(), v.begin(), v.end());
+  }
+  std::vector<float> all;
+  for (const std::vector<float>& part : set.gather_processes(mine)) all.insert(all.end(), part.begin(), part.end());
+  DP_CHECK(static_cast<std::int64_t>(all.size()) == state_numel_, kind_, ".state_dict: the processes' optimizer "
+           "states add up to ", all.size(), " elements, expected ", state_numel_, ": was the optimizer built over "
+           "other parameters on another process?");
+  return from_vector(all, {state_numel_}, set.copy(0).device);
 }
 
 nn::StateDict Optimizer::state_dict() {

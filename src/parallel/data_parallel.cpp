@@ -357,19 +357,22 @@ void DataParallel::init(std::vector<Device> devices) {
   processes_ = comm_->world_size() / n;
   process_ = comm_->first_rank() / n;
   const int world = processes_ * n;
-  DP_CHECK(!(processes_ > 1 && options_.mode == Mode::Sharded && shard_stage() == 3),
-           "DataParallel: shard_stage 3 within one process only for now (its gathers pull from the other "
-           "devices' memory, which another process cannot reach); across ", processes_, " processes use "
-           "shard_stage 1 or 2");
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
   sync_processes();
   const bool persistent = options_.mode != Mode::DP;
   for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!persistent);
-  // One device owns everything: stage 2's separate gradient would only add memory.
-  if (options_.mode == Mode::Sharded)
+  // Stage 3 shards over this process's devices only (Note [Stage 3 across
+  // processes]); one device per process has nothing to shard parameters over, and
+  // stage 3 then runs as stage 2 (as stage 1 in one process: one device owns
+  // everything, and stage 2's separate gradient would only add memory).
+  const bool shard_params = options_.mode == Mode::Sharded && shard_stage() == 3 && n > 1;
+  if (shard_params)
+    set_->shard(/*shard_grads=*/true, n, 0);
+  else if (options_.mode == Mode::Sharded)
     set_->shard(/*shard_grads=*/shard_stage() >= 2 && world > 1, world, comm_->first_rank());
-  // One device owns every parameter: nothing to shard, stage 3 runs as stage 1.
-  if (options_.mode == Mode::Sharded && shard_stage() == 3 && n > 1) {
+  if (set_->sharded_across_processes())  // Note [Ranges across processes]
+    set_->set_process_gather([this](const std::vector<float>& mine) { return gather_processes(mine); });
+  if (shard_params) {
     set_->shard_params(gather_units());
     unit_state_.resize(static_cast<std::size_t>(n));
     set_->set_unit_hook([this](int r, int u) { enter_unit(r, u); });
@@ -406,13 +409,61 @@ void DataParallel::init(std::vector<Device> devices) {
 //    replicas of a process are refreshed from its device 0 as in one process.
 //  - Sharded (stages 1 and 2): the flat buffers are cut into world-many ranges; each
 //    bucket's pieces are reduced onto their owners wherever they live, and the step
-//    ends with a world all-gather. Stage 3 is refused across processes: its gathers
-//    pull straight from the other devices' memory.
+//    ends with a world all-gather. What needs every range — an optimizer's
+//    state_dict(), clip_grad_norm_'s total — exchanges the other processes' parts
+//    (Note [Ranges across processes] in dp/nn/parameter_set.h).
+//  - Sharded stage 3: hybrid, sharded within each process and replicated across
+//    processes (Note [Stage 3 across processes]).
 // Every reduction sums a process's devices first, in device order, then the
 // processes in process order, so the three designs are bitwise identical to one
 // another for a given topology and every run of it is bitwise reproducible; against
 // one process with all the devices they agree to float rounding (the sums group
 // differently). A failure in one process ends the job (Note [Fault policy]).
+
+// Note [Stage 3 across processes]
+// Stage 3's gathers are pulls from the other local devices' memory, with no rendezvous
+// (Note [Sharded parameters]): a device with no rows, or one that failed, never leaves
+// another waiting. Another process's memory cannot be pulled, and a world all-gather
+// per unit, in forward and again in backward, would put the whole model on the
+// network twice per step, on the critical path of every layer, with every device of
+// the job in lockstep at each unit. So across processes stage 3 is HYBRID sharding
+// (PyTorch FSDP's HYBRID_SHARD, ZeRO++'s hpZ): parameters, gradients and optimizer
+// state are sharded over the n devices of each process — device i of EVERY process
+// owns the same range i of n — and replicated across the processes:
+//  - gradients: each bucket's pieces are reduced onto their local owner (the local
+//    communicator), and the owner all-reduces its piece with the owners of the same
+//    range in the other processes (comm.peers(i), one rank per process): a local
+//    reduce-scatter, then an inter-process all-reduce per slice, as the hierarchical
+//    all-reduce does without its final local all-gather (ShardedGrads::hybrid);
+//  - the step: the owners of range i in every process step it with the same summed
+//    gradient and the same state, so the ranges stay equal without any exchange;
+//  - the gathers stay process-local pulls, exactly as in one process.
+// The price is memory: each device holds P/n of the parameters, gradients and state
+// instead of P/(K n) for K processes (plus, as in one process, the units gathered at
+// a time). The network carries per step what DDP's all-reduce carries (each process's
+// gradient once, split over its n devices' links), never a parameter.
+// Sums: each element is added over a process's devices in device order (the local
+// reduce), then over the processes in process order (the process-level all-reduce,
+// Note [Deterministic process collectives]) — the order of the hierarchical
+// collectives behind DDP, DP and stages 1-2 across processes (Note [Hierarchical
+// collectives]). So stage 3 across processes is bitwise equal to them, as stage 3 is
+// to DDP within one process. The shard world (DataParallel::shard_world(),
+// ParameterSet::shard_world()) is n: everything that needs every range — an
+// optimizer's state_dict(), clip_grad_norm_ — finds all of them in each process.
+// Edits through device 0's gathered parameters (a load) are written back into this
+// process's ranges only: as in DDP across processes (Note [When replicas are
+// refreshed]), every process must make them (each loads the checkpoint).
+
+// Every process's part of a set sharded across processes, in process order (Note
+// [Ranges across processes]): one dp::dist broadcast per process, on the calling
+// thread, bounded by dp::dist::timeout() (Note [Fault policy]).
+std::vector<std::vector<float>> DataParallel::gather_processes(const std::vector<float>& mine) const {
+  std::vector<std::vector<float>> out;
+  for (int p = 0; p < processes_; ++p) out.push_back(dist::broadcast_object(p == process_ ? mine : std::vector<float>{}, p));
+  return out;
+}
+
+int DataParallel::shard_world() const { return options_.mode == Mode::Sharded ? set_->shard_world() : 0; }
 
 // Process 0's parameters and buffers, everywhere (Note [Across processes]); runs at
 // construction, before the replicas are made, on the calling thread (device 0's).
@@ -593,9 +644,11 @@ void DataParallel::make_reducer() {
     sync = parallel::make_all_reduce_sync(*comm_);
   } else if (options_.mode == Mode::Sharded) {
     parallel::ShardedGrads g;
-    // Every world rank's range (Note [World ranks]): equal lengths, world rank w's at w * len.
+    // Every world rank's range (Note [World ranks]): equal lengths, world rank w's at w * len;
+    // stage 3 across processes: every local rank's (Note [Stage 3 across processes]).
     const std::int64_t len = set_->copy(0).end - set_->copy(0).begin;
-    for (int w = 0; w < comm_->world_size(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
+    g.hybrid = set_->shard_world() < comm_->world_size();
+    for (int w = 0; w < set_->shard_world(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
     if (set_->shards_grads()) {
       // Note [Detached gradients]: a synced backward reduce-scatters each parameter's
       // gradient straight into its owners' range gradients; only no_sync passes
@@ -637,6 +690,7 @@ DataParallel::~DataParallel() {
   try {
     set_->set_executor(nullptr);
     set_->set_unit_hook(nullptr);
+    set_->set_process_gather(nullptr);
     for (auto& s : set_->slots()) autograd::clear_post_accumulate_hooks(s->copies[0]);
     set_->drop_copies();
     for (auto& b : buffers_) b->copies.resize(1);

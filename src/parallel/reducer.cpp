@@ -113,7 +113,7 @@ class ReduceScatterSync final : public GradSync {
   }
 
   Held held(int rank, const Tensor& buffer) const override {
-    const auto [begin, end] = g_.shards[static_cast<std::size_t>(comm_.first_rank() + rank)];
+    const auto [begin, end] = g_.shards[static_cast<std::size_t>(me(rank))];
     if (!buffer.defined()) {  // a detached cycle: the range's gradient is kept apart
       DP_ASSERT(g_.owned != nullptr, "detached gradients without ShardedGrads::owned");
       return {begin, g_.owned(rank)};
@@ -129,18 +129,29 @@ class ReduceScatterSync final : public GradSync {
   }
 
  private:
+  // The shard index of local rank `rank`: its world rank (Note [World ranks]), or,
+  // hybrid, the local rank itself.
+  int me(int rank) const { return g_.hybrid ? rank : comm_.first_rank() + rank; }
+
   // Cuts [offset, offset + grad.numel()) at the shard boundaries and reduces each
   // piece onto its owner; a detached piece is then delivered to the owner's range.
-  // Owners are world ranks (Note [World ranks]); `rank` is world rank me.
+  // Owners are world ranks (Note [World ranks]), or local ranks when hybrid: the
+  // local reduce then the owners' all-reduce across processes add a process's devices
+  // in device order, then the processes in process order — the hierarchical reduce's
+  // order (Note [Hierarchical collectives]), so the sum is bitwise the world designs'.
   void reduce_pieces(int rank, const Tensor& grad, std::int64_t offset, bool detached) {
     const std::int64_t lo = offset, hi = offset + grad.numel();
-    const int me = comm_.first_rank() + rank;
+    const int me = this->me(rank);
+    comm::Communicator& comm = g_.hybrid ? comm_.local() : comm_;
     for (int owner = 0; owner < static_cast<int>(g_.shards.size()); ++owner) {
       const auto [begin, end] = g_.shards[static_cast<std::size_t>(owner)];
       const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
       if (a >= b) continue;
       Tensor piece = grad.narrow(0, a - lo, b - a);
-      comm_.reduce(rank, piece, me == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
+      comm.reduce(rank, piece, me == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
+      if (g_.hybrid && me == owner)
+        if (comm::Communicator* across = comm_.peers(rank))
+          across->all_reduce(comm_.first_rank() / comm_.size(), piece, piece, comm::ReduceOp::Sum);
       if (detached) {
         if (me == owner) g_.deliver(rank, piece, a);
         continue;  // the other ranks' pieces are freed with the gradient
@@ -171,8 +182,9 @@ std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int
 }
 
 std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads) {
-  DP_CHECK(static_cast<int>(grads.shards.size()) == comm.world_size(), "reduce_scatter: ", grads.shards.size(),
-           " shards for ", comm.world_size(), " ranks; expected one per (world) rank");
+  const int ranks = grads.hybrid ? comm.size() : comm.world_size();
+  DP_CHECK(static_cast<int>(grads.shards.size()) == ranks, "reduce_scatter: ", grads.shards.size(), " shards for ",
+           ranks, " ranks; expected one per ", grads.hybrid ? "local rank (hybrid sharding)" : "(world) rank");
   for (std::size_t r = 0; r < grads.shards.size(); ++r) {
     const auto [begin, end] = grads.shards[r];
     DP_CHECK(0 <= begin && begin <= end && (r == 0 || grads.shards[r - 1].second <= begin),

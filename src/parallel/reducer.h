@@ -110,6 +110,11 @@ struct ShardedGrads {
   /// World rank w owns [shards[w].first, shards[w].second) of the flat buffer (one
   /// entry per world rank: Note [World ranks]).
   std::vector<std::pair<std::int64_t, std::int64_t>> shards;
+  /// Hybrid sharding (Note [Stage 3 across processes] in data_parallel.cpp): `shards`
+  /// has one entry per LOCAL rank, the ranges are replicated in every process, and a
+  /// piece is reduced onto its local owner, which then all-reduces it with the owners
+  /// of the same range in the other processes (comm.peers(owner)).
+  bool hybrid = false;
   /// Stage 1: each rank zeroes the pieces it sent to their owners (its buffer then
   /// holds its own range's sum and zeros elsewhere). Stage 2 frees the buffer instead.
   bool zero_sent = true;

@@ -94,6 +94,8 @@ std::vector<Design> designs() {
   out.push_back({"Sharded stage 1", o});
   o.shard_stage = 2;
   out.push_back({"Sharded stage 2", o});
+  o.shard_stage = 3;
+  out.push_back({"Sharded stage 3", o});
   return out;
 }
 
@@ -327,21 +329,281 @@ TEST_CASE("a different device count on one process fails on every process") {
   INFO(what);
 }
 
-TEST_CASE("clip_grad_norm_ of a Sharded run across processes is refused clearly") {
-  if (!dist::is_distributed()) return;
-  auto net = make_mlp(kSeed);
-  dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::Sharded, .shard_stage = 1});
+namespace {
+
+dp::DataParallelOptions sharded(int stage) {
+  // Tiny buckets: many collectives per backward, pieces cut by the shard boundaries.
+  return {.mode = dp::Mode::Sharded, .shard_stage = stage, .bucket_cap_mb = 2e-4, .first_bucket_mb = 1e-4};
+}
+const dp::DataParallelOptions kDdp{.mode = dp::Mode::DDP, .bucket_cap_mb = 2e-4, .first_bucket_mb = 1e-4};
+
+struct Trained {
+  std::vector<float> params, state;  // the module's and the optimizer's state_dict, flattened
+  std::vector<double> norms;         // clip_grad_norm_'s totals, per step
+};
+
+/// kSteps Adam steps across processes from process 0's parameters; `clip` > 0 clips
+/// each step's gradients to that norm; `rows` > 0 fixes the global batch's rows.
+Trained train_opt(const dp::DataParallelOptions& options, double clip = 0, std::int64_t rows = 0) {
+  auto net = make_mlp(kSeed + static_cast<std::uint64_t>(dist::rank()));
+  dp::DataParallel model(net, local_devices(), options);
   auto params = model.parameters();
-  CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_norm_(params, 1.0), doctest::Contains("several processes"),
-                       dp::Error);
-  CHECK_NOTHROW(dp::nn::utils::clip_grad_value_(params, 1.0));
+  dp::optim::Adam opt(params, {.lr = 1e-2});
+  Trained t;
+  for (int s = 0; s < kSteps; ++s) {
+    const std::int64_t global = rows > 0 ? rows : global_rows(s);
+    Batch b = make_batch(global, 100 + static_cast<std::uint64_t>(s * 7));
+    const auto [lo, n] = my_rows(global);
+    opt.zero_grad();
+    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    if (clip > 0) t.norms.push_back(dp::nn::utils::clip_grad_norm_(params, clip));
+    opt.step();
+  }
+  t.params = flat(net->state_dict());
+  t.state = flat(opt.state_dict());  // collective for stages 1 and 2 across processes
+  return t;
 }
 
-TEST_CASE("shard_stage 3 across processes is refused clearly") {
-  if (!dist::is_distributed()) return;
+bool bitwise(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("stage 3 across processes is hybrid: sharded over the process's devices, replicated across processes") {
   auto net = make_mlp(kSeed);
-  CHECK_THROWS_WITH_AS(dp::DataParallel(net, local_devices(), {.mode = dp::Mode::Sharded, .shard_stage = 3}),
-                       doctest::Contains("shard_stage 3 within one process only"), dp::Error);
+  dp::DataParallel model(net, local_devices(), sharded(3));
+  CHECK(model.shard_stage() == 3);
+  CHECK(model.shard_world() == kLocal);
+  CHECK(net->parameter_set()->shard_world() == kLocal);
+  CHECK_FALSE(net->parameter_set()->sharded_across_processes());
+  const auto shards = model.shards();
+  REQUIRE(shards.size() == static_cast<std::size_t>(kLocal));
+  const std::int64_t len = shards[0].second - shards[0].first;
+  for (int i = 0; i < kLocal; ++i) {  // local ranges, the same in every process
+    CHECK(shards[static_cast<std::size_t>(i)].first == len * i);
+    CHECK(shards[static_cast<std::size_t>(i)].second == len * (i + 1));
+  }
+  // Uneven shards: the last range ends in padding.
+  CHECK(len * kLocal > net->parameter_set()->numel());
+  CHECK(len * (kLocal - 1) < net->parameter_set()->numel());
+  dp::DataParallel s1(make_mlp(kSeed), local_devices(), sharded(1));
+  CHECK(s1.shard_world() == model.world_devices());
+  dp::DataParallel ddp(make_mlp(kSeed), local_devices(), kDdp);
+  CHECK(ddp.shard_world() == 0);
+}
+
+TEST_CASE("stage 3 across processes is bitwise DDP across processes: parameters and optimizer state") {
+  // Uneven rows between processes and devices (global_rows), and a batch so small that
+  // the last process's second device gets no rows at all.
+  for (std::int64_t rows : {std::int64_t{0}, std::int64_t{kLocal} * dist::world_size() - 1}) {
+    CAPTURE(rows);
+    const Trained ddp = train_opt(kDdp, 0, rows);
+    const Trained s3 = train_opt(sharded(3), 0, rows);
+    CHECK(bitwise(s3.params, ddp.params));
+    CHECK(bitwise(s3.state, ddp.state));
+    CHECK(same_everywhere(s3.params));
+    CHECK(same_everywhere(s3.state));
+  }
+}
+
+TEST_CASE("the optimizer state_dict of a Sharded run across processes is the whole state, bitwise DDP's") {
+  const Trained ddp = train_opt(kDdp);
+  REQUIRE(ddp.state.size() == 2 * ddp.params.size());  // Adam's two moments per parameter
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    const Trained s = train_opt(sharded(stage));
+    CHECK(bitwise(s.params, ddp.params));
+    CHECK(bitwise(s.state, ddp.state));  // every process holds the whole state
+  }
+}
+
+TEST_CASE("a full optimizer state loads into a Sharded run across processes: each device keeps its range") {
+  const Trained ddp = train_opt(kDdp);
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    // A DDP run's state dict, loaded into a fresh Sharded run, comes back whole.
+    auto net = make_mlp(kSeed);
+    dp::DataParallel model(net, local_devices(), kDdp);
+    dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+    steps(model, opt, 0, 3);
+    const dp::nn::StateDict saved = opt.state_dict();
+    const dp::nn::StateDict saved_net = net->state_dict();
+    auto net2 = make_mlp(kSeed + 5);
+    dp::DataParallel sharded_model(net2, local_devices(), sharded(stage));
+    dp::optim::Adam opt2(sharded_model.parameters(), {.lr = 1e-2});
+    net2->load_state_dict(saved_net);
+    opt2.load_state_dict(saved);
+    CHECK(bitwise(flat(opt2.state_dict()), flat(saved)));
+    // And both continue alike, bit for bit.
+    steps(model, opt, 3, 6);
+    steps(sharded_model, opt2, 3, 6);
+    CHECK(bitwise(flat(net2->state_dict()), flat(net->state_dict())));
+    CHECK(bitwise(flat(opt2.state_dict()), flat(opt.state_dict())));
+  }
+}
+
+TEST_CASE("a Sharded training checkpoint resumes on another topology: P x 2 devices <-> 1 x 2P") {
+  if (!dist::is_distributed()) return;
+  const int world = dist::world_size() * kLocal;
+  const int half = kSteps / 2;
+  for (int stage : {1, 2}) {
+    CAPTURE(stage);
+    dp::DataParallelOptions alone = sharded(stage);
+    alone.span_processes = false;
+    std::vector<float> straight;
+    {
+      auto net = make_mlp(kSeed);
+      dp::DataParallel model(net, local_devices(), sharded(stage));
+      dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+      steps(model, opt, 0, kSteps);
+      straight = flat(net->state_dict());
+    }
+    SUBCASE("P processes save (collective), one process of 2P devices resumes") {
+      const std::string path = checkpoint_path("sharded_across");
+      auto net = make_mlp(kSeed);
+      dp::DataParallel model(net, local_devices(), sharded(stage));
+      dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+      steps(model, opt, 0, half);
+      const std::vector<float> state = flat(opt.state_dict());
+      // Every process takes part; process 0 writes.
+      dp::save_training_checkpoint(path, *net, opt, {.step = half}, /*write=*/dist::is_main());
+      dist::barrier();
+      if (dist::is_main()) {
+        auto fresh = make_mlp(kSeed + 99);
+        dp::DataParallel single(fresh, local_devices(world), alone);
+        CHECK(single.processes() == 1);
+        dp::optim::Adam opt2(single.parameters(), {.lr = 1e-2});
+        dp::TrainingState st;
+        dp::load_training_checkpoint(path, *fresh, opt2, st);
+        CHECK(st.step == half);
+        CHECK(bitwise(flat(opt2.state_dict()), state));  // the whole state, every shard's
+        steps(single, opt2, half, kSteps);
+        CHECK(max_diff(flat(fresh->state_dict()), straight) < 2e-5);
+        std::remove(path.c_str());
+      }
+      dist::barrier();
+    }
+    SUBCASE("one process of 2P devices saves, P processes resume") {
+      const std::string path = checkpoint_path("sharded_alone");
+      std::vector<float> state;
+      if (dist::is_main()) {
+        auto net = make_mlp(kSeed);
+        dp::DataParallel single(net, local_devices(world), alone);
+        dp::optim::Adam opt(single.parameters(), {.lr = 1e-2});
+        steps(single, opt, 0, half);
+        state = flat(opt.state_dict());
+        dp::save_training_checkpoint(path, *net, opt, {.step = half});
+      }
+      state = dist::broadcast_object(state, 0);
+      dist::barrier();
+      auto fresh = make_mlp(kSeed + 7);
+      dp::DataParallel model(fresh, local_devices(), sharded(stage));
+      dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+      dp::TrainingState st;
+      dp::load_training_checkpoint(path, *fresh, opt, st);
+      CHECK(st.step == half);
+      CHECK(bitwise(flat(opt.state_dict()), state));
+      steps(model, opt, half, kSteps);
+      const std::vector<float> p = flat(fresh->state_dict());
+      CHECK(max_diff(p, straight) < 2e-5);
+      CHECK(same_everywhere(p));
+      dist::barrier();
+      if (dist::is_main()) std::remove(path.c_str());
+    }
+  }
+}
+
+TEST_CASE("clip_grad_norm_ of a Sharded run across processes is bitwise DDP's: the norm and the parameters") {
+  // A max norm below the gradients' norm: every step clips.
+  const Trained ddp = train_opt(kDdp, 0.05);
+  REQUIRE(ddp.norms.size() == static_cast<std::size_t>(kSteps));
+  for (double n : ddp.norms) CHECK(n > 0.05);
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    const Trained s = train_opt(sharded(stage), 0.05);
+    REQUIRE(s.norms.size() == ddp.norms.size());
+    for (std::size_t i = 0; i < s.norms.size(); ++i) CHECK(s.norms[i] == ddp.norms[i]);
+    CHECK(bitwise(s.params, ddp.params));
+    CHECK(bitwise(s.state, ddp.state));
+    CHECK(same_everywhere(s.params));
+  }
+  // The inf-norm takes the same route.
+  auto net = make_mlp(kSeed);
+  dp::DataParallel model(net, local_devices(), sharded(2));
+  auto params = model.parameters();
+  const auto [lo, n] = my_rows(global_rows(0));
+  Batch b = make_batch(global_rows(0), 100);
+  model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+  const double inf = dp::nn::utils::clip_grad_norm_(params, 1e9, dp::nn::utils::kInfNorm);
+  CHECK(inf > 0);
+  CHECK(dist::all_reduce(inf, dist::Op::Max) == dist::all_reduce(inf, dist::Op::Min));
+}
+
+TEST_CASE("per-device memory of stage 3 across processes by the allocator: 1/N of the model per device") {
+  constexpr std::int64_t F = sizeof(float);
+  std::vector<std::size_t> base;
+  for (int r = 0; r < kLocal; ++r) base.push_back(dp::memory_allocated(dp::cpu(r)));
+  auto since = [&](bool peak) {
+    std::vector<std::int64_t> out;
+    for (int r = 0; r < kLocal; ++r) {
+      const dp::Device d = dp::cpu(r);
+      out.push_back(static_cast<std::int64_t>(peak ? dp::max_memory_allocated(d) : dp::memory_allocated(d)) -
+                    static_cast<std::int64_t>(base[static_cast<std::size_t>(r)]));
+    }
+    return out;
+  };
+  std::vector<std::int64_t> steady, peak;
+  std::int64_t P = 0, L = 0;
+  {
+    // 64-256-256-10: 85,002 parameters; units of 16,640, 65,792 and 2,570.
+    dp::Generator gen(3);
+    auto net = std::make_shared<dp::nn::Sequential>();
+    net->push_back(std::make_shared<dp::nn::Linear>(64, 256, true, &gen));
+    net->push_back(std::make_shared<dp::nn::ReLU>());
+    net->push_back(std::make_shared<dp::nn::Linear>(256, 256, true, &gen));
+    net->push_back(std::make_shared<dp::nn::ReLU>());
+    net->push_back(std::make_shared<dp::nn::Linear>(256, 10, true, &gen));
+    dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::Sharded, .shard_stage = 3});
+    auto params = model.parameters();
+    P = params.set()->numel();
+    dp::optim::Adam opt(params, {.lr = 1e-3});
+    params = {};  // model.parameters() gathered device 0's copy: let it go at the next step
+    L = model.shards()[0].second - model.shards()[0].first;
+    std::vector<std::int64_t> labels(16);
+    for (std::int64_t i = 0; i < 16; ++i) labels[static_cast<std::size_t>(i)] = i % 10;
+    dp::Generator data_gen(11);
+    auto step = [&] {
+      const Tensor x = dp::randn({16, 64}, data_gen, dp::cpu(0));
+      const Tensor y = dp::from_vector(labels, {16}, dp::cpu(0));
+      opt.zero_grad();
+      model.forward_backward(x, y, loss_fn);
+      opt.step();
+    };
+    step();  // allocates the optimizer state
+    for (int r = 0; r < kLocal; ++r) dp::reset_peak_memory(dp::cpu(r));
+    step();
+    peak = since(true);
+    steady = since(false);
+  }
+  REQUIRE(P == 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10);
+  CHECK(L == ((P + kLocal - 1) / kLocal + 15) / 16 * 16);  // ceil(P / N) rounded up to kShardAlign
+  const std::int64_t U0 = 64 * 256 + 256, U = 256 * 256 + 256;  // the first two units
+  for (int r = 0; r < kLocal; ++r) {
+    CAPTURE(r);
+    const std::int64_t own = std::min(P, (r + 1) * L) - r * L;
+    // Between steps: its range of the parameters and of the gradient, Adam's moments of
+    // its range — P/N of the model for this process's N devices, whatever the processes.
+    CHECK(steady[static_cast<std::size_t>(r)] == (L + L + 2 * own) * F);
+    // Peak: one or two units gathered besides (Note [Sharded parameters]); activations
+    // of 8 rows and temporaries are a few thousand floats.
+    const std::int64_t expected = steady[static_cast<std::size_t>(r)] + std::max(2 * U, U + U0) * F;
+    CHECK(peak[static_cast<std::size_t>(r)] >= expected);
+    CHECK(peak[static_cast<std::size_t>(r)] <= expected + 32 * 1024 * F);
+    MESSAGE("process ", dist::rank(), " cpu:", r, " steady ", steady[static_cast<std::size_t>(r)], " bytes, peak ",
+            peak[static_cast<std::size_t>(r)], " bytes, model ", P * F, " bytes");
+  }
+  CHECK(since(false) == std::vector<std::int64_t>(kLocal, 0));  // all returned with the model
 }
 
 // ---- failure scenarios (one per job, see run_mpi.py) --------------------------------
@@ -358,16 +620,22 @@ struct Bomb : dp::nn::Module {
   }
 };
 
+// Modes: "throw" / "kill" (DDP), "throw_stage3" (Sharded stage 3, hybrid), and
+// "hang_state_dict" / "hang_clip" (Sharded stage 2: the last process never takes part in
+// the optimizer's state_dict or clip_grad_norm_'s exchange; the others must time out).
 int run_fault(const std::string& mode) {
   auto net = make_mlp(kSeed);
   auto bomb = std::make_shared<Bomb>();
   net->push_back(bomb);
-  dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::DDP});
+  dp::DataParallelOptions options{.mode = dp::Mode::DDP};
+  if (mode == "throw_stage3") options = {.mode = dp::Mode::Sharded, .shard_stage = 3};
+  if (mode.rfind("hang_", 0) == 0) options = {.mode = dp::Mode::Sharded, .shard_stage = 2};
+  dp::DataParallel model(net, local_devices(), options);
   dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
   const bool victim = dist::rank() == dist::world_size() - 1;
   for (int s = 0; s < 6; ++s) {
     if (s == 3) {
-      if (mode == "throw") bomb->armed = true;
+      if (mode == "throw" || mode == "throw_stage3") bomb->armed = true;
       if (mode == "kill" && victim) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the others are in the step
         std::raise(SIGKILL);
@@ -378,6 +646,15 @@ int run_fault(const std::string& mode) {
     const auto [lo, n] = my_rows(rows);
     opt.zero_grad();
     model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    if (s == 3 && mode.rfind("hang_", 0) == 0) {
+      if (victim) {
+        std::this_thread::sleep_for(std::chrono::seconds(60));  // past the others' timeout
+      } else if (mode == "hang_state_dict") {
+        (void)opt.state_dict();
+      } else {
+        dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0);
+      }
+    }
     opt.step();
   }
   std::cout << "FAULT-TEST: rank " << dist::rank() << " got through the steps\n" << std::flush;

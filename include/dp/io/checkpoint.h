@@ -88,8 +88,13 @@ struct TrainingState {
 /// Saves module state (unprefixed names), optimizer.state_dict() (prefixed
 /// "optimizer."), its learning rate and momentum, `state` (with its schedulers) and
 /// dp::default_generator()'s state to one safetensors file at `path`, atomically.
+/// The optimizer of a Sharded run across processes (stages 1 and 2 under mpirun) holds
+/// only its process's shards and optimizer.state_dict() gathers the others: the save is
+/// then COLLECTIVE — every process calls it, with `write` true on one of them
+/// (dp::dist::is_main()), false on the others, which take part in the gathering and
+/// write nothing. The file holds the whole state and loads into any mode and topology.
 void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
-                              const TrainingState& state);
+                              const TrainingState& state, bool write = true);
 
 /// Restores what save_training_checkpoint wrote: the module (strict), the optimizer
 /// (state, learning rate and, when saved, momentum), dp::default_generator(), and fills

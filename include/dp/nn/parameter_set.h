@@ -180,6 +180,27 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// The ranges the buffers were cut into: num_copies(), or more when the other
   /// ranges belong to copies in other processes.
   int shard_world() const { return shard_world_; }
+  /// True when shard() gave ranges to copies in other processes: this process holds
+  /// only its own copies' ranges (Note [Ranges across processes]).
+  bool sharded_across_processes() const { return sharded_ && shard_world_ > num_copies(); }
+
+  /// Note [Ranges across processes]
+  /// A set sharded across processes keeps here only world ranges [first, first +
+  /// num_copies()); the other ranges (their optimizer state, their gradients) live in
+  /// the other processes. Code of this layer and above it that needs a value of every
+  /// range — an optimizer's state_dict, the total norm of clip_grad_norm_ — hands its
+  /// own part, in flat order, to gather_processes(), which returns every process's
+  /// part in process order, i.e. in flat order again (process p owns the contiguous
+  /// world ranges [p * num_copies(), (p + 1) * num_copies())). The parts may differ
+  /// in length. This layer does not speak to processes: the runtime that sharded the
+  /// set across them installs the exchange (DataParallel: dp::dist broadcasts, one
+  /// per process, bounded by dp::dist::timeout(), Note [Fault policy]). Collective:
+  /// every process must call it the same number of times, in the same order.
+  using ProcessGather = std::function<std::vector<std::vector<float>>(const std::vector<float>& mine)>;
+  void set_process_gather(ProcessGather gather) { process_gather_ = std::move(gather); }
+  /// Every process's part (see above); {mine} when the set does not span processes.
+  /// Throws dp::Error when it does and no exchange is installed.
+  std::vector<std::vector<float>> gather_processes(const std::vector<float>& mine) const;
   /// Undoes shard(): every copy steps all of the buffers again and has a full
   /// gradient buffer; copy 0's gradient receives every other copy's range of its
   /// owned gradient, so after a synced backward it holds the whole summed gradient.
@@ -270,6 +291,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   std::uint64_t version_ = 0;
   bool valid_ = true;
   Executor executor_;
+  ProcessGather process_gather_;
 };
 
 /// The parameters of a module tree: the primary copy's tensors plus their set.

@@ -34,7 +34,11 @@ inline constexpr double kInfNorm = std::numeric_limits<double>::infinity();
 /// parameters always have one (zeros when backward did not reach them). Throws
 /// dp::Error for max_norm < 0 or NaN, norm_type <= 0 or NaN, or — with
 /// error_if_nonfinite — a NaN/Inf total. The total is read on the host (on CUDA: one
-/// synchronisation, like .item()).
+/// synchronisation, like .item()). The gradients of a set sharded across processes
+/// (Mode::Sharded stages 1 and 2 under mpirun) are spread over the job: the call is
+/// then COLLECTIVE — every process makes it — and each process's partial norms are
+/// exchanged, so the total (and the clipping) is the same bits on every process, and
+/// the same as DDP's (Note [Clipping in blocks], src/nn/utils.cpp).
 double clip_grad_norm_(const ParameterList& params, double max_norm, double norm_type = 2.0,
                        bool error_if_nonfinite = false);
 

@@ -73,9 +73,16 @@ class Optimizer {
   /// "step" (int64 scalar) and, once state exists, "state.<i>.<name>" for parameter i
   /// of the list (its shape; values of copy 0), e.g. "state.0.exp_avg". In a sharded
   /// set the full tensors are assembled from every copy's shard (on copy 0's device).
+  /// A set sharded across processes (Mode::Sharded stages 1 and 2 under mpirun) holds
+  /// only this process's shards: the call is then COLLECTIVE — every process must make
+  /// it (or the checkpoint save that makes it), and each gets the whole state, the same
+  /// bits a single process holding every shard would assemble (Note [Optimizer state
+  /// across processes]). A process that never calls it leaves the others waiting until
+  /// dp::dist::timeout() ends the job.
   nn::StateDict state_dict();
   /// Restores a state_dict() of an optimizer of the same kind over parameters of the
-  /// same shapes: every copy gets the values of its range (all of it, except sharded).
+  /// same shapes: every copy gets the values of its range (all of it, except sharded;
+  /// across processes each process's copies take their ranges, nothing is exchanged).
   /// Throws dp::Error naming missing/unexpected keys or a wrong shape, before anything
   /// is written (match_state_dict in dp/nn/state_dict.h).
   void load_state_dict(const nn::StateDict& state);
@@ -123,6 +130,9 @@ class Optimizer {
   /// The full state buffer of name k in ranges_' layout: copy 0's when it holds all
   /// of it, else assembled from every copy's (null when no state exists yet).
   Tensor full_state(std::size_t k);
+  /// full_state of a set sharded across processes: collective (Note [Optimizer state
+  /// across processes]).
+  Tensor gathered_state(std::size_t k);
 
   nn::ParameterList params_;
   std::string kind_;

@@ -77,6 +77,11 @@ struct DataParallelOptions {
   /// a top-level child's parameters are gathered on every device just before the
   /// child's forward and again for its backward, and released after. Unset means 2.
   /// Setting it with another mode is an error. On one device stage 3 runs as stage 1.
+  /// Across processes (mpirun) stages 1 and 2 cut the buffers over every device of
+  /// the job; stage 3 is hybrid: sharded over each process's devices, replicated
+  /// across processes, so a device keeps 1/N of the parameters for its process's N
+  /// devices (with one device per process it runs as stage 2; Note [Stage 3 across
+  /// processes], shard_world()).
   ///
   /// What the user sees of the parameters in stage 3 (Note [Sharded parameters] in
   /// src/parallel/data_parallel.cpp): between steps no device holds them whole.
@@ -273,6 +278,11 @@ class DataParallel {
   std::vector<std::pair<std::int64_t, std::int64_t>> shards() const;
   /// The ZeRO stage in Sharded mode, 0 in the others.
   int shard_stage() const;
+  /// Sharded: the devices the flat buffers are cut over, one range each —
+  /// world_devices() for stages 1 and 2 (across processes too), devices().size() for
+  /// stage 3, which across processes shards within each process and replicates across
+  /// them (hybrid sharding, Note [Stage 3 across processes]); 0 in the other modes.
+  int shard_world() const;
 
   /// Processes the model spans (Note [Across processes]): dp::dist::world_size() when
   /// launched by mpirun, else 1; devices() are this process's.
@@ -304,6 +314,7 @@ class DataParallel {
   std::int64_t check_inputs(const char* what, const std::vector<DataParallelInput>& inputs) const;
   std::int64_t global_rows(std::int64_t rows) const;
   void sync_processes();
+  std::vector<std::vector<float>> gather_processes(const std::vector<float>& mine) const;
   Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);
   Tensor scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf);
   Tensor gather(const std::vector<Tensor>& outs, const ShardPlan& plan);
