@@ -9,9 +9,11 @@
 // activations (Note [Memory split]). Optional outputs: --json (one object per
 // configuration and line), --csv FILE, --trace DIR (a Chrome/Perfetto trace per
 // configuration, recorded over --trace-steps extra steps) and --plot DIR (PNG charts
-// through gnuplot: throughput, phases, memory).
+// through gnuplot: throughput, phases, memory). Runs unchanged under mpirun (Note
+// [Across processes in the benchmark]).
 //
 //   dp_vs_ddp --model mlp --devices 1,2,4 --optimizer adam --stages 1,2,3
+//   mpirun -np 2 --bind-to none dp_vs_ddp --model mlp --devices 1,2 --batch 256
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -24,6 +26,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -37,6 +40,27 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using dp::parallel::Phase;
 namespace fs = std::filesystem;
+namespace dist = dp::dist;
+using Collective = dp::comm::Communicator::Collective;
+constexpr int kCollectives = dp::comm::Communicator::ProcessTimes::kKinds;
+
+// Note [Across processes in the benchmark]
+// Under `mpirun -np K` --batch is the GLOBAL batch, as in fashion_mnist_cnn: process p
+// trains on rows [p B/K, (p+1) B/K) of every synthetic batch (its own part of the data)
+// and DataParallel splits those over its n devices: K x n devices in all, the same
+// global batches as one process would train. Each process times its own steps: its
+// samples/s = its rows x steps / its seconds, and the global figure is the sum over the
+// processes (they step in lockstep, so their times agree to the skew of the last
+// collective). The single-device baseline (speedup, and efficiency = speedup / world
+// devices) is process 0's device 0 alone on the whole global batch, while the others
+// wait for it. Phases: device 0 of process 0 / the max over every device of the job.
+// "x-proc" is the time the collectives spent crossing processes (Note [Inter-process
+// time], dp/comm/communicator.h): the DDP all-reduce's and Sharded's reduce-scatter and
+// all-gather's process-level steps, DP's all-reduce of device 0's sum, the buffer
+// broadcast — a part of the AR/RS, AG, reduce and repl/bcast columns, not added to
+// them (and, like them, including the wait for the slowest process). Process 0 prints
+// and writes the CSV and charts (its devices' memory split); every process writes its
+// own trace (suffix _p<rank>).
 
 // Phases in report order, with their JSON / CSV / table names.
 struct PhaseInfo {
@@ -110,9 +134,17 @@ struct Design {
 struct Result {
   std::string mode;  // "single", "DP", "DDP", "Sharded-<stage>"
   int stage = 0;     // the ZeRO stage of a Sharded row, else 0
-  int devices = 1;
-  double seconds = 0;
-  double samples_per_s = 0;
+  int devices = 1;   // per process
+  int processes = 1;
+  std::int64_t rows = 0;  // per process and step
+  double seconds = 0;     // this process's timed steps
+  double samples_per_s = 0;               // global: the sum of per_process
+  std::vector<double> per_process;        // samples/s of each process (Note [Across processes in the benchmark])
+  double xproc_dev0 = 0, xproc_max = 0;   // ms per step crossing processes
+  double xproc_ms[kCollectives] = {};     // device 0 of process 0, per collective, per step
+  double xproc_calls[kCollectives] = {};
+  double xproc_bytes[kCollectives] = {};
+  std::size_t peak_other = 0;             // peak memory, max over the job's devices but process 0's device 0
   double speedup = 0, efficiency = 0;
   double phase_dev0[kNumPhases] = {};
   double phase_max[kNumPhases] = {};
@@ -124,8 +156,10 @@ struct Result {
 
 dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
 
-std::string trace_file(const Args& a, const std::string& mode, int n) {
-  return (fs::path(a.trace_dir) / ("trace_" + a.model + "_" + mode + "_" + std::to_string(n) + ".json")).string();
+std::string trace_file(const Args& a, const std::string& mode, int n, int processes) {
+  const std::string rank = processes > 1 ? "_p" + std::to_string(dist::rank()) : "";
+  return (fs::path(a.trace_dir) / ("trace_" + a.model + "_" + mode + "_" + std::to_string(n) + rank + ".json"))
+      .string();
 }
 
 std::unique_ptr<dp::optim::Optimizer> make_optimizer(const Args& a, const dp::nn::ParameterList& params) {
@@ -140,11 +174,18 @@ std::string optimizer_label(const Args& a) {
 
 // State tensors the optimizer keeps per parameter (SGD with momentum 1, Adam 2): the
 // names of parameter 0's entries in its state_dict ("state.0.exp_avg", ...).
-int state_tensors_per_parameter(dp::optim::Optimizer& opt) {
-  int k = 0;
-  for (const auto& [name, t] : opt.state_dict())
-    if (name.rfind("state.0.", 0) == 0) ++k;
-  return k;
+// A Sharded optimizer's state_dict is collective across processes (every process calls
+// this at the same point); should it fail there, the count the optimizer is known to keep.
+int state_tensors_per_parameter(const Args& a, dp::optim::Optimizer& opt) {
+  try {
+    int k = 0;
+    for (const auto& [name, t] : opt.state_dict())
+      if (name.rfind("state.0.", 0) == 0) ++k;
+    return k;
+  } catch (const dp::Error&) {
+    if (!dist::is_distributed()) throw;
+    return a.optimizer == "adam" ? 2 : 1;
+  }
 }
 
 std::size_t used_since(std::size_t now, std::size_t base) { return now > base ? now - base : 0; }
@@ -214,9 +255,12 @@ Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
   for (int i = 0; i < a.steps; ++i) losses.push_back(step(a.warmup + i, true));
   losses.back().item();  // waits for the device
   r.seconds = since(t0) / 1e3;
+  r.rows = a.batch;
+  r.per_process = {static_cast<double>(a.batch) * a.steps / r.seconds};
+  r.samples_per_s = r.per_process[0];
   const std::size_t peak = used_since(dp::max_memory_allocated(dev), base);
   r.peak_memory = {peak};
-  r.memory = {split_memory(*net->parameters().set(), 0, state_tensors_per_parameter(opt), peak,
+  r.memory = {split_memory(*net->parameters().set(), 0, state_tensors_per_parameter(a, opt), peak,
                            used_since(dp::memory_allocated(dev), base))};
   r.loss_first = losses.front().item();
   r.loss_last = losses.back().item();
@@ -224,7 +268,7 @@ Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
   if (!a.trace_dir.empty()) {
     trace.enable(true);
     for (int i = 0; i < a.trace_steps; ++i) step(a.warmup + a.steps + i, false).item();
-    r.trace_path = trace_file(a, "single", 1);
+    r.trace_path = trace_file(a, "single", 1, 1);
     trace.write_chrome_json(r.trace_path);
   }
   return r;
@@ -243,6 +287,8 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
   dp::DataParallelOptions options{.mode = design.mode};
   if (design.mode == dp::Mode::Sharded) options.shard_stage = design.stage;
   dp::DataParallel model(net, devices, options);
+  r.processes = model.processes();
+  r.rows = batches.front().data.size(0);
   auto optimizer = make_optimizer(a, model.parameters());
   auto& opt = *optimizer;
   int index = 0;
@@ -265,6 +311,8 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
   };
   for (int i = 0; i < a.warmup; ++i) step(i).item();
   model.reset_stats();
+  dp::comm::Communicator& comm = model.communicator();
+  comm.reset_process_times();
   std::vector<dp::Tensor> losses;
   auto t0 = Clock::now();
   for (int i = 0; i < a.steps; ++i) losses.push_back(step(a.warmup + i));
@@ -275,10 +323,26 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
     r.phase_dev0[p] = s.devices[0][kPhases[p].phase] / a.steps;
     for (auto& d : s.devices) r.phase_max[p] = std::max(r.phase_max[p], d[kPhases[p].phase] / a.steps);
   }
+  // Note [Across processes in the benchmark]: every process's figure, and the job's maxima.
+  const int procs = r.processes;
+  r.per_process.assign(static_cast<std::size_t>(procs), 0.0);
+  r.per_process[static_cast<std::size_t>(model.processes() > 1 ? dist::rank() : 0)] =
+      static_cast<double>(r.rows) * a.steps / r.seconds;
+  for (int i = 0; i < n; ++i) {
+    const dp::comm::Communicator::ProcessTimes t = comm.process_times(i);
+    r.xproc_max = std::max(r.xproc_max, t.total_ms() / a.steps);
+    if (i > 0) continue;
+    r.xproc_dev0 = t.total_ms() / a.steps;
+    for (int k = 0; k < kCollectives; ++k) {
+      r.xproc_ms[k] = t.ms[k] / a.steps;
+      r.xproc_calls[k] = static_cast<double>(t.calls[k]) / a.steps;
+      r.xproc_bytes[k] = static_cast<double>(t.bytes[k]) / a.steps;
+    }
+  }
   const auto& set = *model.parameters().set();
   std::vector<std::size_t> between;
   for (int i = 0; i < n; ++i) between.push_back(used_since(dp::memory_allocated(devices[i]), base[i]));
-  const int state_tensors = state_tensors_per_parameter(opt);
+  const int state_tensors = state_tensors_per_parameter(a, opt);
   for (int i = 0; i < n; ++i) {
     const std::size_t peak = used_since(s.devices[i].peak_memory_bytes, base[i]);
     int copy = -1;
@@ -293,13 +357,32 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
   }
   r.loss_first = losses.front().item();
   r.loss_last = losses.back().item();
+  // This process's devices but (on process 0) device 0: the "others" of the job.
+  for (int i = dist::rank() == 0 ? 1 : 0; i < n; ++i) r.peak_other = std::max(r.peak_other, r.peak_memory[i]);
+  if (procs > 1) {
+    dist::all_reduce(std::span<double>(r.per_process), dist::Op::Sum);
+    std::vector<double> maxima(r.phase_max, r.phase_max + kNumPhases);
+    maxima.push_back(r.xproc_max);
+    maxima.push_back(static_cast<double>(r.peak_other));
+    dist::all_reduce(std::span<double>(maxima), dist::Op::Max);
+    std::copy(maxima.begin(), maxima.begin() + kNumPhases, r.phase_max);
+    r.xproc_max = maxima[kNumPhases];
+    r.peak_other = static_cast<std::size_t>(maxima[kNumPhases + 1]);
+    // The losses of the global batch: each process's rows weighted, over the job's rows.
+    double sums[] = {r.loss_first * static_cast<double>(r.rows), r.loss_last * static_cast<double>(r.rows)};
+    dist::all_reduce(std::span<double>(sums), dist::Op::Sum);
+    r.loss_first = sums[0] / static_cast<double>(a.batch);
+    r.loss_last = sums[1] / static_cast<double>(a.batch);
+  }
+  r.samples_per_s = 0;
+  for (double v : r.per_process) r.samples_per_s += v;
   if (!a.trace_dir.empty()) {
     model.trace().clear();
     model.trace().enable(true);
     index = 0;
     for (int i = 0; i < a.trace_steps; ++i) step(a.warmup + a.steps + i).item();
     model.trace().enable(false);
-    r.trace_path = trace_file(a, r.mode, n);
+    r.trace_path = trace_file(a, r.mode, n, procs);
     model.trace().write_chrome_json(r.trace_path);
   }
   return r;
@@ -311,6 +394,9 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   j["mode"] = r.stage > 0 ? "Sharded" : r.mode;
   j["shard_stage"] = r.stage;
   j["devices"] = r.devices;
+  j["processes"] = r.processes;
+  j["world_devices"] = r.devices * r.processes;
+  j["per_process_batch"] = r.rows;
   j["optimizer"] = a.optimizer;
   j["device_kind"] = samples::device_kind();
   j["global_batch"] = a.batch;
@@ -319,6 +405,7 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   j["path"] = a.path == "worker" ? "forward_backward" : "module";
   j["seconds"] = r.seconds;
   j["samples_per_s"] = r.samples_per_s;
+  j["samples_per_s_per_process"] = r.per_process;
   j["speedup"] = r.speedup;
   j["efficiency"] = r.efficiency;
   nlohmann::json d0, mx;
@@ -328,6 +415,13 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   }
   j["phase_ms_device0"] = d0;
   j["phase_ms_max"] = mx;
+  j["interprocess_ms_device0"] = r.xproc_dev0;
+  j["interprocess_ms_max"] = r.xproc_max;
+  nlohmann::json by;
+  for (int k = 0; k < kCollectives; ++k)
+    by[dp::comm::Communicator::collective_name(static_cast<Collective>(k))] = {
+        {"ms", r.xproc_ms[k]}, {"calls", r.xproc_calls[k]}, {"bytes", r.xproc_bytes[k]}};
+  j["interprocess_per_step_device0"] = by;
   j["peak_memory_bytes"] = r.peak_memory;
   nlohmann::json mem;
   auto field = [&](const char* key, std::size_t Memory::*f) {
@@ -347,11 +441,7 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   return j;
 }
 
-std::size_t max_other_memory(const Result& r) {
-  std::size_t m = 0;
-  for (std::size_t i = 1; i < r.peak_memory.size(); ++i) m = std::max(m, r.peak_memory[i]);
-  return m;
-}
+std::size_t max_other_memory(const Result& r) { return r.peak_other; }
 
 std::string mb(std::size_t bytes) { return samples::fmt(bytes / 1e6, 2); }
 
@@ -359,8 +449,9 @@ std::string mb(std::size_t bytes) { return samples::fmt(bytes / 1e6, 2); }
 void print_memory(const std::vector<Result>& results) {
   int n = 0;
   for (auto& r : results) n = std::max(n, r.devices);
-  std::cout << "\npeak memory per device in MB (1 MB = 10^6 bytes) at " << n << " device(s), and the single "
-               "device; what the device held between steps in the last column\n";
+  std::cout << "\npeak memory per device in MB (1 MB = 10^6 bytes) at " << n << " device(s)"
+            << (dist::world_size() > 1 ? " (process 0's)" : "")
+            << ", and the single device; what the device held between steps in the last column\n";
   samples::Table t({"mode", "device", "parameters", "gradients", "optim state", "activations", "peak",
                     "between steps"});
   for (auto& r : results) {
@@ -384,27 +475,81 @@ void print_memory(const std::vector<Result>& results) {
 }
 
 void print_tables(const Args& a, const std::vector<Result>& results) {
-  samples::Table t({"mode", "devices", "batch", "samples/s", "speedup", "efficiency", "ms/step",
-                    "peak mem dev0", "peak mem max(others)"});
-  for (auto& r : results)
-    t.add({r.mode, std::to_string(r.devices), std::to_string(a.batch), samples::fmt(r.samples_per_s, 1),
-           samples::fmt(r.speedup, 2) + "x", samples::fmt(100 * r.efficiency, 0) + "%",
-           samples::fmt(1e3 * r.seconds / a.steps, 1), samples::format_bytes(r.peak_memory[0]),
-           r.peak_memory.size() > 1 ? samples::format_bytes(max_other_memory(r)) : "-"});
-  t.print(std::cout);
-  std::cout << "\nper-step phases in ms, device 0 / max over devices (AR/RS = DDP's all-reduce or "
-               "Sharded's reduce-scatter: exp = exposed after backward, hid = hidden under backward; "
-               "AG = Sharded's all-gather of the updated ranges)\n";
+  const int procs = dist::world_size();
   std::vector<std::string> head{"mode", "devices"};
-  for (auto& p : kPhases) head.push_back(p.column);
-  samples::Table ph(head);
+  if (procs > 1) head.insert(head.end(), {"processes", "world devices"});
+  head.insert(head.end(), {"batch", "samples/s", "speedup", "efficiency", "ms/step", "peak mem dev0",
+                           "peak mem max(others)"});
+  samples::Table t(head);
+  for (auto& r : results) {
+    std::vector<std::string> row{r.mode, std::to_string(r.devices)};
+    if (procs > 1) row.insert(row.end(), {std::to_string(r.processes), std::to_string(r.devices * r.processes)});
+    row.insert(row.end(), {std::to_string(a.batch), samples::fmt(r.samples_per_s, 1),
+                           samples::fmt(r.speedup, 2) + "x", samples::fmt(100 * r.efficiency, 0) + "%",
+                           samples::fmt(1e3 * r.seconds / a.steps, 1), samples::format_bytes(r.peak_memory[0]),
+                           r.devices * r.processes > 1 ? samples::format_bytes(max_other_memory(r)) : "-"});
+    t.add(row);
+  }
+  t.print(std::cout);
+  if (procs > 1) {
+    // Note [Across processes in the benchmark]
+    std::cout << "\nsamples/s per process (" << procs << " processes, " << a.batch / procs
+              << " rows each per step; each process's rows x steps / its own time) and global = their sum; "
+                 "the single device is process 0's alone on the global batch of "
+              << a.batch << "\n";
+    std::vector<std::string> ph{"mode", "devices"};
+    for (int p = 0; p < procs; ++p) ph.push_back("process " + std::to_string(p));
+    ph.push_back("global");
+    samples::Table pt(ph);
+    for (auto& r : results) {
+      std::vector<std::string> row{r.mode, std::to_string(r.devices)};
+      for (int p = 0; p < procs; ++p)
+        row.push_back(r.processes == procs ? samples::fmt(r.per_process[static_cast<std::size_t>(p)], 1)
+                      : p == 0        ? samples::fmt(r.per_process[0], 1)
+                                      : "-");
+      row.push_back(samples::fmt(r.samples_per_s, 1));
+      pt.add(row);
+    }
+    pt.print(std::cout);
+  }
+  std::cout << "\nper-step phases in ms, device 0" << (procs > 1 ? " of process 0" : "")
+            << " / max over devices" << (procs > 1 ? " of every process" : "")
+            << " (AR/RS = DDP's all-reduce or "
+               "Sharded's reduce-scatter: exp = exposed after backward, hid = hidden under backward; "
+               "AG = Sharded's all-gather of the updated ranges"
+            << (procs > 1 ? "; x-proc = the part of AR/RS, AG, reduce and repl/bcast spent crossing processes, "
+                            "its own wait for the slowest process included: not added to them"
+                          : "")
+            << ")\n";
+  std::vector<std::string> phead{"mode", "devices"};
+  for (auto& p : kPhases) phead.push_back(p.column);
+  if (procs > 1) phead.push_back("x-proc");
+  samples::Table ph(phead);
   for (auto& r : results) {
     std::vector<std::string> row{r.mode, std::to_string(r.devices)};
     for (int p = 0; p < kNumPhases; ++p)
       row.push_back(samples::fmt(r.phase_dev0[p], 1) + "/" + samples::fmt(r.phase_max[p], 1));
+    if (procs > 1) row.push_back(samples::fmt(r.xproc_dev0, 1) + "/" + samples::fmt(r.xproc_max, 1));
     ph.add(row);
   }
   ph.print(std::cout);
+  if (procs > 1) {
+    std::cout << "\ncrossing processes per step on device 0 of process 0, by collective: ms / calls / MB "
+                 "(payload as nccl-tests' size, 1 MB = 10^6 bytes)\n";
+    std::vector<std::string> chead{"mode", "devices"};
+    for (int k = 0; k < kCollectives; ++k) chead.push_back(dp::comm::Communicator::collective_name(static_cast<Collective>(k)));
+    samples::Table ct(chead);
+    for (auto& r : results) {
+      if (r.processes == 1) continue;
+      std::vector<std::string> row{r.mode, std::to_string(r.devices)};
+      for (int k = 0; k < kCollectives; ++k)
+        row.push_back(r.xproc_calls[k] == 0 ? "-"
+                                            : samples::fmt(r.xproc_ms[k], 2) + " / " + samples::fmt(r.xproc_calls[k], 0) +
+                                                  " / " + samples::fmt(r.xproc_bytes[k] / 1e6, 2));
+      ct.add(row);
+    }
+    ct.print(std::cout);
+  }
   print_memory(results);
 }
 
@@ -414,7 +559,8 @@ void write_csv(const Args& a, const std::vector<Result>& results) {
   f << "model,mode,shard_stage,devices,global_batch,steps,optimizer,samples_per_s,speedup,efficiency";
   for (auto& p : kPhases) f << "," << p.key << "_ms_dev0," << p.key << "_ms_max";
   f << ",peak_mem_dev0_bytes,peak_mem_max_other_bytes,params_dev0_bytes,grads_dev0_bytes,"
-       "optimizer_state_dev0_bytes,activations_dev0_bytes,between_steps_dev0_bytes,loss_first,loss_last\n";
+       "optimizer_state_dev0_bytes,activations_dev0_bytes,between_steps_dev0_bytes,loss_first,loss_last,"
+       "processes,world_devices,per_process_batch,interprocess_ms_dev0,interprocess_ms_max\n";
   for (auto& r : results) {
     const Memory& m = r.memory[0];
     f << a.model << "," << (r.stage > 0 ? "Sharded" : r.mode) << "," << r.stage << "," << r.devices << ","
@@ -423,7 +569,8 @@ void write_csv(const Args& a, const std::vector<Result>& results) {
     for (int p = 0; p < kNumPhases; ++p) f << "," << r.phase_dev0[p] << "," << r.phase_max[p];
     f << "," << r.peak_memory[0] << "," << max_other_memory(r) << "," << m.params << "," << m.grads << ","
       << m.state << "," << m.activations << "," << m.between_steps << "," << r.loss_first << "," << r.loss_last
-      << "\n";
+      << "," << r.processes << "," << r.devices * r.processes << "," << r.rows << "," << r.xproc_dev0 << ","
+      << r.xproc_max << "\n";
   }
   if (!f) throw std::runtime_error("--csv: writing '" + a.csv + "' failed");
 }
@@ -551,6 +698,8 @@ std::vector<int> parse_stages(const std::string& text) {
 
 // True when DataParallel takes this design; a stage it reports as not implemented is
 // skipped with a note, any other refusal is an error.
+// Across processes (the probe is then collective and refuses alike on every process)
+// any refusal is a skip: a design may exist within a process only.
 bool design_available(const Design& design) {
   if (design.mode != dp::Mode::Sharded) return true;
   try {
@@ -558,8 +707,8 @@ bool design_available(const Design& design) {
                            {.mode = dp::Mode::Sharded, .shard_stage = design.stage});
     return true;
   } catch (const dp::Error& e) {
-    if (std::string(e.what()).find("not implemented") == std::string::npos) throw;
-    std::cerr << "note: skipping " << design.name() << ": DataParallel says: " << e.what() << "\n";
+    if (std::string(e.what()).find("not implemented") == std::string::npos && !dist::is_distributed()) throw;
+    if (dist::is_main()) std::cerr << "note: skipping " << design.name() << ": DataParallel says: " << e.what() << "\n";
     return false;
   }
 }
@@ -569,30 +718,55 @@ int run(const Args& a, const std::vector<int>& counts, const std::vector<int>& s
   std::vector<Design> designs{{dp::Mode::DP, 0}, {dp::Mode::DDP, 0}};
   for (int stage : stages) designs.push_back({dp::Mode::Sharded, stage});
   std::erase_if(designs, [](const Design& d) { return !design_available(d); });
+  const int procs = dist::world_size();
   if (!a.json) {
     std::cout << "dp_vs_ddp: model " << a.model << " (" << params << " parameters, "
-              << samples::format_bytes(4.0 * params) << " of gradients), global batch " << a.batch << ", "
+              << samples::format_bytes(4.0 * params) << " of gradients), global batch " << a.batch;
+    if (procs > 1)
+      std::cout << " (" << procs << " processes x " << a.batch / procs << " rows, each process its own rows)";
+    std::cout << ", "
               << a.steps << " timed steps after " << a.warmup << " warm-up, "
               << (a.path == "worker" ? "model.forward_backward(x, y, loss)" : "loss(model(x)).backward()")
               << ", " << optimizer_label(a) << ", seed " << a.seed << "\n"
               << "devices: " << samples::device_kind() << ", " << dp::hardware_concurrency()
               << " hardware threads\n\n";
   }
+  // Note [Across processes in the benchmark]: the global batches, and this process's rows of them.
   auto batches = samples::synthetic_batches(samples::example_shape(a.model), a.batch, 4, a.seed);
+  std::vector<dp::data::Batch> mine = batches;
+  if (procs > 1) {
+    const std::int64_t rows = a.batch / procs;
+    for (auto& b : mine) {
+      b.data = b.data.narrow(0, dist::rank() * rows, rows).clone();
+      b.target = b.target.narrow(0, dist::rank() * rows, rows).clone();
+    }
+  }
   if (!a.trace_dir.empty()) fs::create_directories(a.trace_dir);
   std::vector<Result> results;
   auto finish = [&](Result r) {
-    r.samples_per_s = a.batch * a.steps / r.seconds;
     double base = results.empty() ? r.samples_per_s : results.front().samples_per_s;
     r.speedup = r.samples_per_s / base;
-    r.efficiency = r.speedup / r.devices;
-    if (a.json) std::cout << to_json(a, r).dump() << std::endl;
-    else std::cerr << "  done: " << r.mode << " on " << r.devices << " device(s), " << samples::fmt(r.samples_per_s, 1) << " samples/s\n";
+    r.efficiency = r.speedup / (r.devices * r.processes);
+    if (dist::is_main()) {
+      if (a.json) std::cout << to_json(a, r).dump() << std::endl;
+      else std::cerr << "  done: " << r.mode << " on " << r.devices << " device(s)"
+                     << (r.processes > 1 ? " x " + std::to_string(r.processes) + " processes" : "") << ", "
+                     << samples::fmt(r.samples_per_s, 1) << " samples/s\n";
+    }
     results.push_back(std::move(r));
   };
-  finish(run_single(a, batches));
+  if (dist::is_main()) {
+    finish(run_single(a, batches));
+  } else {
+    // Process 0's device alone is the baseline; its figure reaches every process below.
+    Result r;
+    r.mode = "single";
+    results.push_back(r);
+  }
+  if (procs > 1) results.front().samples_per_s = dist::broadcast_object(results.front().samples_per_s, 0);
   for (const Design& design : designs)
-    for (int n : counts) finish(run_parallel(a, design, n, batches));
+    for (int n : counts) finish(run_parallel(a, design, n, mine));
+  if (!dist::is_main()) return 0;
   if (!a.json) print_tables(a, results);
   if (!a.csv.empty()) write_csv(a, results);
   if (!a.plot_dir.empty()) write_plots(a, results);
@@ -624,7 +798,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", a.warmup, "untimed warm-up steps per configuration")
       ->check(CLI::Range(0, 1 << 30))
       ->capture_default_str();
-  app.add_option("--batch", a.batch, "global batch size (split over the devices)")
+  app.add_option("--batch", a.batch,
+                 "global batch size (split over the devices; under mpirun over the processes first, each "
+                 "taking batch / processes rows)")
       ->check(CLI::Range(1, 1 << 30))
       ->capture_default_str();
   app.add_option("--seed", a.seed, "seed of the model and the data")->capture_default_str();
@@ -645,6 +821,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--plot", a.plot_dir, "draw PNG charts into DIR (needs gnuplot)");
   CLI11_PARSE(app, argc, argv);
+  // Under mpirun process 0 reports (Note [Across processes in the benchmark]).
+  if (!dist::is_main() && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
 
   try {
     int available = dp::device_count();
@@ -653,7 +831,8 @@ int main(int argc, char** argv) {
       int n = available;
       if (dp::default_device_type() == dp::DeviceType::CPU) {
         n = std::min({available, 4, std::max(2, dp::hardware_concurrency())});
-        std::cerr << "note: no GPU visible: running on CPU virtual devices (each gets cores / devices "
+        if (dist::is_main())
+          std::cerr << "note: no GPU visible: running on CPU virtual devices (each gets cores / devices "
                      "threads); default device counts 1.." << n << " (min(4, max(2, cores)) = " << n
                   << " on this machine with " << dp::hardware_concurrency()
                   << " hardware threads); pass --devices for others\n";
@@ -662,8 +841,15 @@ int main(int argc, char** argv) {
     } else {
       counts = samples::parse_device_counts(a.devices, available);
     }
-    if (a.batch < counts.back())
-      throw std::invalid_argument("--batch " + std::to_string(a.batch) + " is smaller than " +
+    const int procs = dist::world_size();
+    if (a.batch % procs != 0)
+      throw std::invalid_argument("--batch " + std::to_string(a.batch) + " is the global batch and must be a multiple "
+                                  "of the " + std::to_string(procs) + " processes");
+    if (a.batch / procs < counts.back())
+      throw std::invalid_argument("--batch " + std::to_string(a.batch) + " gives " +
+                                  (procs > 1 ? "each of the " + std::to_string(procs) + " processes " +
+                                                   std::to_string(a.batch / procs) + " rows, fewer than "
+                                             : std::string("fewer rows than ")) +
                                   std::to_string(counts.back()) + " devices; use a batch of at least one row per device");
     const std::vector<int> stages = a.stages.empty() ? std::vector<int>{} : parse_stages(a.stages);
     return run(a, counts, stages);

@@ -33,6 +33,18 @@ void Communicator::throw_aborted(const char* what, int rank, const std::string& 
       reason);
 }
 
+const char* Communicator::collective_name(Collective c) {
+  switch (c) {
+    case Collective::AllReduce: return "all_reduce";
+    case Collective::Broadcast: return "broadcast";
+    case Collective::Reduce: return "reduce";
+    case Collective::ReduceScatter: return "reduce_scatter";
+    case Collective::AllGather: return "all_gather";
+    case Collective::kCount: break;
+  }
+  return "?";
+}
+
 static void make_communicator_checks(const std::vector<Device>& devices, const CommOptions& options) {
   DP_CHECK(!devices.empty(),
            "make_communicator: expected at least one device, got an empty list");

@@ -56,6 +56,28 @@ namespace dp::dist {
 // dp never blocks inside MPI (Note [Waiting with a deadline], mpi_transport.cpp), which
 // is what makes the timeout possible.
 
+// Note [Uneven data]
+// dp does not shadow a process that has run out of batches (PyTorch's Join context
+// manager does, at the price of a collective per step to learn who is still there):
+// every process must run the same number of steps. What happens when one does not, say
+// process 1 runs one step fewer and returns from main:
+//  - its objects are destroyed (a DataParallel frees its communicator's channels), then
+//    its exit-time rendezvous (finalize()) waits on dp::dist's own group;
+//  - a training step of the others starts with a host all-reduce of the batch's rows on
+//    that same group (Note [Across processes], data_parallel.cpp), which meets the
+//    rendezvous: every process fails there alike with "rank 1 ... has left the job: it
+//    called finalize (the process is exiting) while rank 0 ... called all_reduce(...)"
+//    (process_group.cpp), the leaving one ends the job (MPI_Abort), within one
+//    exchange of messages, whatever the timeout;
+//  - a step whose first inter-process call is on a communicator's group instead (a
+//    forward under no_grad broadcasting buffers) waits there for the leaving process,
+//    which never comes: after the timeout it ends the job naming it ("timed out:
+//    nothing came from rank 1").
+// Never a hang, always the missing rank named; tests/dist/dp_uneven_mpi_test.cpp runs
+// both. The cure is in the data: DistributedSampler pads every share to one length (or
+// drop_last cuts them), or the processes agree on the step count first
+// (dp::dist::all_reduce(steps, dp::dist::Op::Min)).
+
 namespace {
 
 /// Timeout when DP_DIST_TIMEOUT is unset: 600 s, PyTorch's default for NCCL.

@@ -262,11 +262,56 @@ void* ProcessGroup::scratch(std::size_t bytes) {
   return scratch_.data();
 }
 
+// Note [Communicator timeouts]
+// A group's waits are bounded by dp::dist::timeout() (DP_DIST_TIMEOUT: the job's limit,
+// set by whoever launches it) and, when its owner set one, by the group's own limit
+// (a world communicator's CommOptions::timeout, which DataParallel fills from
+// DataParallelOptions::collective_timeout): a wait gives up at the stricter of the two,
+// 0 meaning "none" for either. Not "the communicator's replaces the job's": every
+// DataParallel passes a timeout (10 minutes unless told), so DP_DIST_TIMEOUT would then
+// bound none of their waits, and a job script could no longer tighten fault detection
+// for the whole program. So a communicator can only shorten the job's limit; to wait
+// longer than DP_DIST_TIMEOUT somewhere, raise DP_DIST_TIMEOUT. The message of a
+// timeout names the limit that fired and where it was set.
+
+void ProcessGroup::set_timeout(std::chrono::milliseconds timeout, std::string owner) {
+  DP_CHECK(timeout.count() >= 0, name_, ": expected a timeout >= 0 (0: none), got ", timeout.count(), " ms");
+  std::lock_guard<std::mutex> lock(mu_);
+  own_timeout_ = timeout;
+  timeout_owner_ = std::move(owner);
+}
+
+std::chrono::milliseconds ProcessGroup::timeout() const {
+  const std::chrono::milliseconds job = dp::dist::timeout();
+  if (own_timeout_.count() == 0) return job;
+  if (job.count() == 0) return own_timeout_;
+  return std::min(job, own_timeout_);
+}
+
+void ProcessGroup::record(Kind kind, std::chrono::steady_clock::time_point start, std::int64_t bytes) {
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  std::lock_guard<std::mutex> lock(timing_mu_);
+  Timing& t = timings_[static_cast<std::size_t>(kind)];
+  t.ms += ms;
+  t.calls += 1;
+  t.bytes += bytes;
+}
+
+ProcessGroup::Timings ProcessGroup::timings() const {
+  std::lock_guard<std::mutex> lock(timing_mu_);
+  return timings_;
+}
+
+void ProcessGroup::reset_timings() {
+  std::lock_guard<std::mutex> lock(timing_mu_);
+  timings_ = {};
+}
+
 void ProcessGroup::run(int tag, const std::vector<Transfer>& sends,
                        const std::vector<Transfer>& recvs, const char* what, std::int64_t seq,
                        bool bounded) {
   if (sends.empty() && recvs.empty()) return;
-  const auto limit = bounded ? dp::dist::timeout() : std::chrono::milliseconds(0);
+  const auto limit = bounded ? timeout() : std::chrono::milliseconds(0);
   std::vector<int> missing;
   try {
     missing = exchange(*channel_, tag, sends, recvs, limit);
@@ -280,13 +325,20 @@ void ProcessGroup::run(int tag, const std::vector<Transfer>& sends,
   std::string names;
   for (std::size_t i = 0; i < missing.size(); ++i)
     names += (i ? ", " : "") + who(missing[i]);
+  // Note [Communicator timeouts]: name the limit that fired.
+  const bool own = own_timeout_.count() > 0 && limit == own_timeout_ && limit != dp::dist::timeout();
+  const std::string raise =
+      own ? dp::detail::str_cat(timeout_owner_, ", ", static_cast<double>(limit.count()) / 1000.0,
+                                " s; the job's DP_DIST_TIMEOUT bounds it from above")
+          : std::string("DP_DIST_TIMEOUT seconds, or dp::dist::set_timeout");
   dp::dist::abort(
       dp::detail::str_cat(
           what, " (collective #", seq, " on ", name_, ") timed out: nothing came from ", names,
           " for ", static_cast<double>(limit.count()) / 1000.0,
-          " s — it crashed, hangs, or is in a different collective. Ending the job; if the "
-          "wait was legitimate (one process working alone for long), raise the timeout "
-          "(DP_DIST_TIMEOUT seconds, or dp::dist::set_timeout)"),
+          " s — it crashed, hangs, left (returned from main: its exit-time rendezvous is on "
+          "dp::dist's own group), or is in a different collective. Ending the job; if the "
+          "wait was legitimate (one process working alone for long), raise the timeout (",
+          raise, ")"),
       kTimeoutExitCode);
 }
 
@@ -320,6 +372,21 @@ std::vector<Header> ProcessGroup::rendezvous(Header mine, const char* what, bool
   const Header& ref = all[0];
   for (int r = 1; r < p && problem.empty(); ++r) {
     const Header& h = all[static_cast<std::size_t>(r)];
+    const auto finalize = static_cast<std::int32_t>(Kind::Finalize);
+    if ((h.kind == finalize) != (ref.kind == finalize)) {
+      // Note [Uneven data]: the usual cause is a process that ran out of batches.
+      const int gone = h.kind == finalize ? r : 0;
+      const int stayed = h.kind == finalize ? 0 : r;
+      const Header& call = h.kind == finalize ? ref : h;
+      problem = dp::detail::str_cat(
+          who(gone), " has left the job: it called finalize (the process is exiting) while ",
+          who(stayed), " called ", describe(call), ". Did one process run out of data and "
+          "stop early? Every process must make the same collective calls, so every process "
+          "must run the same number of steps: give each the same number of batches "
+          "(DistributedSampler pads or drop_last cuts every share to one length), or agree "
+          "on the count first (dp::dist::all_reduce(steps, dp::dist::Op::Min))");
+      break;
+    }
     if (h.seq != ref.seq) {
       problem = dp::detail::str_cat(
           "processes are out of step: ", who(0), " is at its collective #", ref.seq, " (",
@@ -342,8 +409,24 @@ std::vector<Header> ProcessGroup::rendezvous(Header mine, const char* what, bool
   return all;
 }
 
+namespace {
+
+/// Records one call into its group's timings on every path out of the call (Note
+/// [Process-level timings], process_group.h).
+struct CallTimer {
+  ProcessGroup* group;
+  void (ProcessGroup::*record)(Kind, std::chrono::steady_clock::time_point, std::int64_t);
+  Kind kind;
+  std::int64_t bytes = 0;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  ~CallTimer() { (group->*record)(kind, start, bytes); }
+};
+
+}  // namespace
+
 void ProcessGroup::barrier(const char* what) {
   std::lock_guard<std::mutex> lock(mu_);
+  CallTimer timer{this, &ProcessGroup::record, Kind::Barrier};
   check_usable(what);
   rendezvous(make_header(Kind::Barrier, Elem::Byte, 0, Reduction::Sum, 0, {}), what);
 }
@@ -358,6 +441,7 @@ template <typename T>
 void ProcessGroup::reduce_impl(Kind kind, const T* send, T* recv, std::int64_t count, int root,
                                Reduction op, const char* what, const std::string& error) {
   std::lock_guard<std::mutex> lock(mu_);
+  CallTimer timer{this, &ProcessGroup::record, kind};
   check_usable(what);
   std::string problem = error;
   if (problem.empty() && count < 0) problem = dp::detail::str_cat("count is ", count, "; expected >= 0");
@@ -367,6 +451,7 @@ void ProcessGroup::reduce_impl(Kind kind, const T* send, T* recv, std::int64_t c
     problem = "Mean of integers would round; reduce a floating-point value, or Sum and divide";
   const std::vector<Header> all = rendezvous(
       make_header(kind, elem_of<T>(), problem.empty() ? count : 0, op, root, problem), what);
+  timer.bytes = count * static_cast<std::int64_t>(sizeof(T)) * (kind == Kind::ReduceScatter ? size() : 1);
   const std::int64_t seq = all[static_cast<std::size_t>(rank())].seq;
   const int p = size();
   const int me = rank();
@@ -455,6 +540,7 @@ template <typename T>
 void ProcessGroup::all_gather(const T* send, T* recv, std::int64_t count, const char* what,
                               const std::string& error) {
   std::lock_guard<std::mutex> lock(mu_);
+  CallTimer timer{this, &ProcessGroup::record, Kind::AllGather};
   check_usable(what);
   std::string problem = error;
   if (problem.empty() && count < 0) problem = dp::detail::str_cat("count is ", count, "; expected >= 0");
@@ -470,6 +556,7 @@ void ProcessGroup::all_gather(const T* send, T* recv, std::int64_t count, const 
       make_header(Kind::AllGather, elem_of<T>(), problem.empty() ? count : 0, Reduction::Sum,
                   0, problem),
       what);
+  timer.bytes = count * static_cast<std::int64_t>(sizeof(T)) * p;
   copy_n(own, send, count);
   std::vector<Transfer> sends, recvs;
   for (int r = 0; r < p; ++r) {
@@ -485,6 +572,7 @@ void ProcessGroup::broadcast(void* data, std::int64_t bytes, int root, const cha
                              const std::function<void*(std::size_t)>& resize,
                              const std::string& error) {
   std::lock_guard<std::mutex> lock(mu_);
+  CallTimer timer{this, &ProcessGroup::record, Kind::Broadcast};
   check_usable(what);
   const int p = size();
   const int me = rank();
@@ -498,6 +586,7 @@ void ProcessGroup::broadcast(void* data, std::int64_t bytes, int root, const cha
   h.aux = elem_size;
   const std::vector<Header> all = rendezvous(h, what);
   const std::int64_t root_bytes = all[static_cast<std::size_t>(root)].count;
+  timer.bytes = root_bytes;
   std::vector<Transfer> sends, recvs;
   if (me == root) {
     for (int r = 0; r < p; ++r)

@@ -12,6 +12,8 @@
 //   group->all_reduce<float>(grad, grad, n, Reduction::Sum, "all_reduce");  // in place
 #pragma once
 
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -34,6 +36,9 @@ enum class Kind : std::int32_t {
 /// Exit code of a job ended by a timeout (as coreutils' timeout(1)).
 constexpr int kTimeoutExitCode = 124;
 
+/// The collective kinds a group times (indices of ProcessGroup::Timings).
+constexpr int kNumKinds = static_cast<int>(Kind::Custom) + 1;
+
 /// Every process of the job on one private channel (see the file comment). One
 /// collective at a time per group: calls from several threads are serialised, but
 /// their order must still be the same on every process.
@@ -46,6 +51,30 @@ class ProcessGroup {
   int size() const { return world_.size; }
   /// "rank 2 (node07, pid 1234)".
   std::string who(int rank) const;
+
+  /// This group's own limit on a wait without progress, besides dp::dist::timeout():
+  /// a wait gives up at the stricter of the two (Note [Communicator timeouts]). 0 (the
+  /// default) leaves dp::dist::timeout() alone. `owner` names where the limit was set,
+  /// for the timeout's message ("CommOptions::timeout"). Call before any collective.
+  void set_timeout(std::chrono::milliseconds timeout, std::string owner);
+  /// The limit a wait of this group has now (0: none).
+  std::chrono::milliseconds timeout() const;
+
+  /// Note [Process-level timings]
+  /// Wall time spent in this group's collectives, per Kind, from the moment a call
+  /// holds the group until it returns or throws: the rendezvous (which waits for the
+  /// slowest process), the transfers and the folds. bytes is the payload as
+  /// nccl-tests counts it (all_reduce, reduce: the buffer; reduce_scatter: send;
+  /// all_gather: recv; broadcast: root's bytes). Thread-safe; read while a collective
+  /// runs, it leaves that one out.
+  struct Timing {
+    double ms = 0;
+    std::int64_t calls = 0;
+    std::int64_t bytes = 0;
+  };
+  using Timings = std::array<Timing, kNumKinds>;
+  Timings timings() const;
+  void reset_timings();
 
   /// Returns once every process has called it.
   void barrier(const char* what);
@@ -113,6 +142,9 @@ class ProcessGroup {
   void* scratch(std::size_t bytes);
   void check_usable(const char* what) const;
 
+  /// Adds one call of `kind` that started at `start` to the timings.
+  void record(Kind kind, std::chrono::steady_clock::time_point start, std::int64_t bytes);
+
   template <typename T>
   void reduce_impl(Kind kind, const T* send, T* recv, std::int64_t count, int root,
                    Reduction op, const char* what, const std::string& error);
@@ -123,6 +155,10 @@ class ProcessGroup {
   std::mutex mu_;  // one collective at a time (guards seq_ and scratch_)
   std::int64_t seq_ = 0;
   std::vector<double> scratch_;
+  std::chrono::milliseconds own_timeout_{0};
+  std::string timeout_owner_;
+  mutable std::mutex timing_mu_;  // guards timings_ (taken briefly, never around a wait)
+  Timings timings_{};
 };
 
 /// A new group of every process on its own channel (collective: every process must

@@ -501,7 +501,7 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 // then gathers every device's updated range (Note [Sharded step]).
 void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
   const bool update = work == nn::CopyWork::Step;
-  const bool replicas = options_.mode != Mode::DP && devices_.size() > 1;
+  const bool replicas = options_.mode != Mode::DP && world_devices() > 1;
   DP_CHECK(!(update && replicas && !require_sync_),
            "DataParallel: opt.step() inside no_sync(): each replica holds only its own accumulated "
            "gradient until the first backward after the guard combines them; step after that backward");
@@ -833,7 +833,7 @@ void DataParallel::coalesce_buffers() {
 // worker (collectives need every rank); the Step decided once what to copy, so every
 // rank makes the same sequence of collectives.
 void DataParallel::replicate(int rank, bool sync_params) {
-  if (devices_.size() == 1) return;
+  if (world_devices() == 1) return;
   PhaseTimer t(*recorder_, rank, Phase::Replicate);
   // DP's device 0s hold the same parameters in every process (Note [Across
   // processes]): its replicas are refreshed within the process.

@@ -53,6 +53,7 @@ class AllReduceSync final : public GradSync {
   explicit AllReduceSync(comm::Communicator& comm) : comm_(comm) {}
   const char* name() const override { return "allreduce"; }
   bool overlaps_backward() const override { return true; }
+  int world_ranks() const override { return comm_.world_size(); }
   // The compute stream waits for the buckets once, at join (Note [Deferred collectives]).
   void sync(int rank, const Tensor& grad, std::int64_t) override {
     comm_.all_reduce_deferred(rank, grad, grad, comm::ReduceOp::Sum);
@@ -82,6 +83,7 @@ class ReduceToRootSync final : public GradSync {
   ReduceToRootSync(comm::Communicator& comm, int root) : comm_(comm), root_(root) {}
   const char* name() const override { return "reduce"; }
   bool overlaps_backward() const override { return false; }
+  int world_ranks() const override { return comm_.world_size(); }
   void sync(int rank, const Tensor& grad, std::int64_t) override {
     comm_.local().reduce(rank, grad, rank == root_ ? grad : Tensor(), root_, comm::ReduceOp::Sum);
     if (rank != root_) return;
@@ -103,6 +105,7 @@ class ReduceScatterSync final : public GradSync {
   ReduceScatterSync(comm::Communicator& comm, ShardedGrads grads) : comm_(comm), g_(std::move(grads)) {}
   const char* name() const override { return "reduce_scatter"; }
   bool overlaps_backward() const override { return true; }
+  int world_ranks() const override { return comm_.world_size(); }
 
   void sync(int rank, const Tensor& grad, std::int64_t offset) override { reduce_pieces(rank, grad, offset, false); }
 
@@ -218,8 +221,9 @@ Reducer::Reducer(std::vector<Device> devices, std::vector<Bucket> buckets, std::
     r.ready = std::make_unique<std::atomic<int>[]>(buckets_.size());
   }
   // Note [Comm threads]: each device's comm thread is the CPU model of a CUDA
-  // communication stream. A single rank has nothing to combine: no thread at all.
-  if (sync_->overlaps_backward() && devices_.size() > 1)
+  // communication stream. A single rank of the whole job has nothing to combine: no
+  // thread at all. One device per process still combines with the other processes.
+  if (sync_->overlaps_backward() && sync_->world_ranks() > 1)
     comm_threads_ = std::make_unique<WorkerPool>(devices_, "comm");
 }
 
@@ -349,7 +353,8 @@ void Reducer::sync_bucket_detached(int rank, const Bucket& bk) {
 
 void Reducer::finalize(int rank) {
   if (!active_.load(std::memory_order_acquire)) return;  // no_sync: accumulate only
-  const bool several = devices_.size() > 1;
+  // Several ranks of the whole job: one device per process still combines across processes.
+  const bool several = sync_->world_ranks() > 1;
   if (comm_threads_) {
     finalize_overlapped(rank);
   } else if (sync_->overlaps_backward()) {

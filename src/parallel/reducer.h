@@ -68,6 +68,9 @@ class GradSync {
   /// bucket is ready, overlapping backward. False: one collective over the whole
   /// buffer, on the worker, once its backward is done.
   virtual bool overlaps_backward() const = 0;
+  /// The ranks whose gradients it combines: every device of the job when its
+  /// communicator spans processes (Note [World ranks]).
+  virtual int world_ranks() const = 0;
   /// Combines rank's `grad` — elements [offset, offset + grad.numel()) of its flat
   /// gradient buffer: a bucket, or the whole buffer — with the other ranks'.
   virtual void sync(int rank, const Tensor& grad, std::int64_t offset) = 0;

@@ -555,7 +555,56 @@ TEST_CASE("make_world_communicator: a mismatched device count fails on every pro
   CHECK(comm->world_size() == 2 * procs);
 }
 
-// ---- the failure scenario (one per job, see meson.build) -------------------------------
+TEST_CASE("process_times: each local rank's time between processes, per collective") {
+  using C = Communicator::Collective;
+  const int procs = dist::world_size();
+  const int l = 2;
+  auto comm = world_comm(l);
+  const std::int64_t n = 1001;  // local rank 1 carries the tail: 500 and 501 elements
+  on_ranks(l, [&](int j) {
+    dp::Tensor x = dp::ones({n}, dp::cpu(j));
+    comm->all_reduce(j, x, x, ReduceOp::Sum);
+  });
+  comm->reset_process_times();
+  for (int j = 0; j < l; ++j) CHECK(comm->process_times(j).total_ms() == 0);
+  on_ranks(l, [&](int j) {
+    dp::Tensor x = dp::ones({n}, dp::cpu(j));
+    comm->all_reduce(j, x, x, ReduceOp::Sum);
+    comm->all_reduce(j, x, x, ReduceOp::Sum);
+    comm->broadcast(j, x, 1);  // world rank 1: process 0's local rank 1 carries it
+  });
+  for (int j = 0; j < l; ++j) {
+    const Communicator::ProcessTimes t = comm->process_times(j);
+    const auto ar = static_cast<std::size_t>(C::AllReduce);
+    const auto bc = static_cast<std::size_t>(C::Broadcast);
+    if (procs == 1) {  // the local communicator: nothing crosses a process
+      CHECK(t.total_ms() == 0);
+      CHECK(t.calls[ar] == 0);
+      continue;
+    }
+    CHECK(t.calls[ar] == 2);
+    CHECK(t.bytes[ar] == 2 * 4 * (j == 0 ? 500 : 501));
+    CHECK(t.calls[bc] == 1);  // the index that does not carry it still makes the call
+    CHECK(t.bytes[bc] == (j == 1 ? 4 * n : 0));
+    CHECK(t.ms[ar] > 0);
+    CHECK(t.calls[static_cast<std::size_t>(C::ReduceScatter)] == 0);
+    CHECK(t.total_ms() >= t.ms[ar] + t.ms[bc]);
+  }
+  if (procs > 1) CHECK_THROWS_AS((void)comm->process_times(l), dp::Error);
+  CHECK(std::string(Communicator::collective_name(C::ReduceScatter)) == "reduce_scatter");
+}
+
+TEST_CASE("CommOptions::timeout: a short one does not fire while every process takes part") {
+  dp::backend::get(dp::cpu(0)).set_concurrent_devices(2);
+  auto comm = dp::comm::make_world_communicator(cpus(2), {.timeout = std::chrono::milliseconds(2000)});
+  on_ranks(2, [&](int j) {
+    dp::Tensor x = dp::ones({4096}, dp::cpu(j));
+    for (int k = 0; k < 5; ++k) comm->all_reduce(j, x, x, ReduceOp::Average);
+    CHECK(x.to_vector()[0] == 1.0f);
+  });
+}
+
+// ---- the failure scenarios (one per job, see meson.build) ------------------------------
 
 namespace {
 
@@ -579,12 +628,33 @@ int run_fault_abort() {
   return 0;
 }
 
+/// The world communicator is made with CommOptions::timeout = 1 s while DP_DIST_TIMEOUT
+/// is far longer (meson.build sets 60 s): the last process sleeps instead of joining
+/// the second all_reduce, and the others must give up after 1 s, naming it and the
+/// communicator's limit (Note [Communicator timeouts]).
+int run_fault_comm_timeout() {
+  const int l = 2;
+  dp::backend::get(dp::cpu(0)).set_concurrent_devices(l);
+  auto comm = dp::comm::make_world_communicator(cpus(l), {.timeout = std::chrono::milliseconds(1000)});
+  const bool victim = dist::rank() == dist::world_size() - 1;
+  run_ranks(l, [&](int j) {
+    dp::Tensor x = dp::ones({1000}, dp::cpu(j));
+    comm->all_reduce(j, x, x, ReduceOp::Sum);
+    if (victim) std::this_thread::sleep_for(std::chrono::seconds(40));
+    comm->all_reduce(j, x, x, ReduceOp::Sum);
+    std::cout << "FAULT-TEST: rank " << dist::rank() << " local rank " << j
+              << " got through the collective\n" << std::flush;
+  });
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--fault=abort") return run_fault_abort();
+    if (arg == "--fault=comm_timeout") return run_fault_comm_timeout();
   }
   doctest::Context ctx;
   ctx.applyCommandLine(argc, argv);

@@ -44,6 +44,7 @@ class RecordingSync final : public dp::parallel::GradSync {
   RecordingSync(bool overlaps, std::vector<Tensor> grads) : overlaps_(overlaps), grads_(std::move(grads)) {}
   const char* name() const override { return "recording"; }
   bool overlaps_backward() const override { return overlaps_; }
+  int world_ranks() const override { return static_cast<int>(grads_.size()); }
   void sync(int rank, const Tensor& grad, std::int64_t offset) override {
     std::int64_t lo = (grad.data<float>() - grads_[rank].data<float>());
     CHECK(lo == offset);

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,7 +32,10 @@ struct CommOptions {
   /// A stream-ordered backend (NCCL) aborts every rank when one collective has not
   /// completed on its device this long after it was enqueued (a peer failed or never
   /// called it), naming the device and the collective; the local communicator's ranks
-  /// are released by abort() instead, which DataParallel calls on any failure.
+  /// are released by abort() instead, which DataParallel calls on any failure. The
+  /// hierarchical communicator (CPU devices across processes) ends the job when a wait
+  /// between processes makes no progress for this long or for dp::dist::timeout(),
+  /// whichever is shorter (Note [Communicator timeouts], src/dist/process_group.cpp).
   std::chrono::milliseconds timeout = std::chrono::minutes(10);
 };
 
@@ -111,6 +115,36 @@ class Communicator {
   virtual bool times_on_device() const { return false; }
   /// Moves out the figures of every window completed since the last call.
   virtual StreamTimes take_times(int /*rank*/) { return {}; }
+
+  /// Note [Inter-process time]
+  /// A communicator that spans processes over CPU devices (hierarchical, mpi) moves
+  /// its data between processes in process-level steps (Note [Hierarchical
+  /// collectives]), each on one local rank's thread. process_times(rank) says how long
+  /// local rank `rank`'s thread spent in them, per collective: the wall time of its
+  /// process-level calls, including the wait for the slowest process (a process that
+  /// arrives late makes the others' figure grow) and the zero-sized calls on the local
+  /// ranks a broadcast or reduce does not route through; the local levels are left
+  /// out. Thread-safe; a collective still running is left out. Every other
+  /// communicator returns zeros: within one process nothing crosses, and NCCL's world
+  /// communicator moves both levels in one ring on the device (time its collectives
+  /// with take_times()). The caller takes the difference of two readings or calls
+  /// reset_process_times() (DataParallel's reset_stats() does not).
+  enum class Collective : int { AllReduce, Broadcast, Reduce, ReduceScatter, AllGather, kCount };
+  struct ProcessTimes {
+    static constexpr int kKinds = static_cast<int>(Collective::kCount);
+    double ms[kKinds] = {};            // wall time in process-level steps
+    std::int64_t calls[kKinds] = {};   // process-level calls
+    std::int64_t bytes[kKinds] = {};   // their payload, counted as nccl-tests' "size"
+    double total_ms() const {
+      double t = 0;
+      for (double m : ms) t += m;
+      return t;
+    }
+  };
+  virtual ProcessTimes process_times(int /*rank*/) const { return {}; }
+  virtual void reset_process_times() {}
+  /// "all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather".
+  static const char* collective_name(Collective c);
 
   /// Releases every rank blocked in a collective with dp::CollectiveAborted naming
   /// `reason` (used when one worker fails, so the others never hang). Until reset(),

@@ -290,6 +290,14 @@ class DataParallel {
   /// Replicas of the whole job: processes() * devices().size().
   int world_devices() const { return processes_ * static_cast<int>(devices_.size()); }
 
+  /// The communicator among the devices (of every process, when it spans processes:
+  /// Note [World ranks], dp/comm/communicator.h). For reading: its process_times(i)
+  /// say how long device i's thread spent crossing processes (Note [Inter-process
+  /// time]), which stats() counts inside the all-reduce, reduce-scatter, all-gather,
+  /// reduce and replicate phases. Calling its collectives during a step is an error
+  /// nothing checks.
+  comm::Communicator& communicator() const { return *comm_; }
+
   /// Phase timers per device since construction or reset_stats().
   parallel::Stats stats() const;
   void reset_stats();

@@ -84,7 +84,14 @@ namespace dp::comm {
 // threads), then ends the job with dp::dist::abort (Note [Fault policy]): a rank
 // blocked in another process's collective cannot be released. A process that dies or
 // hangs makes the others time out in their process-level step (dp::dist::timeout()),
-// which ends the job with a message naming it.
+// which ends the job with a message naming it. The timeout there is the stricter of
+// dp::dist::timeout() and this communicator's CommOptions::timeout (Note [Communicator
+// timeouts]); the local levels need none, abort() releases them.
+//
+// Timing (Note [Inter-process time]): each peers(j) group records the wall time of its
+// calls, so process_times(j) is local rank j's time between processes — DDP's bucket
+// all-reduce, Sharded's reduce-scatter and all-gather, the buffer broadcast, and DP's
+// all-reduce of device 0's sum (which the reducer makes on peers(0) itself).
 
 namespace {
 
@@ -151,7 +158,8 @@ void agree_across_processes(const std::string& mine, const char* what) {
 
 }  // namespace
 
-HierarchicalCommunicator::HierarchicalCommunicator(const std::vector<Device>& devices)
+HierarchicalCommunicator::HierarchicalCommunicator(const std::vector<Device>& devices,
+                                                   std::chrono::milliseconds timeout)
     : Communicator(devices, dist::world_size() * static_cast<int>(devices.size()),
                    dist::rank() * static_cast<int>(devices.size())),
       processes_(dist::world_size()),
@@ -177,8 +185,20 @@ HierarchicalCommunicator::HierarchicalCommunicator(const std::vector<Device>& de
         "with an MPI built with thread support, or use one device per process");
   agree_across_processes(problem, "make_world_communicator");
   // Every process creates its L groups in the same order (each is collective).
-  for (int j = 0; j < l; ++j)
+  for (int j = 0; j < l; ++j) {
     peers_.push_back(std::make_unique<MpiCommunicator>(devices_[static_cast<std::size_t>(j)]));
+    peers_.back()->group().set_timeout(
+        timeout, "the world communicator's CommOptions::timeout (a DataParallel's collective_timeout)");
+  }
+}
+
+Communicator::ProcessTimes HierarchicalCommunicator::process_times(int rank) const {
+  check_rank(rank, "process_times (hierarchical)");
+  return process_times_of(peers_[static_cast<std::size_t>(rank)]->group());
+}
+
+void HierarchicalCommunicator::reset_process_times() {
+  for (auto& p : peers_) p->group().reset_timings();
 }
 
 HierarchicalCommunicator::~HierarchicalCommunicator() = default;
@@ -553,10 +573,11 @@ void HierarchicalCommunicator::reset() {
 }
 
 std::unique_ptr<Communicator> make_hierarchical_communicator(const std::vector<Device>& devices,
-                                                             const CommOptions& /*options*/) {
-  // options.timeout is for stream-ordered backends; the process-level steps are bounded
-  // by dp::dist::timeout() (Note [Fault policy]).
-  return std::make_unique<HierarchicalCommunicator>(devices);
+                                                             const CommOptions& options) {
+  // The process-level steps give up at the stricter of options.timeout and
+  // dp::dist::timeout() (Note [Communicator timeouts]); the local levels are released
+  // by abort() (Note [Fault policy]).
+  return std::make_unique<HierarchicalCommunicator>(devices, options.timeout);
 }
 
 }  // namespace dp::comm

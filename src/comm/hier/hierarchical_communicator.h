@@ -18,6 +18,7 @@
 //   comm->all_reduce(j, grad, grad, dp::comm::ReduceOp::Average);
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -41,7 +42,9 @@ class HierarchicalCommunicator final : public Communicator {
   /// CPU virtual devices, the same number on every process. Throws dp::Error on every
   /// process when one process's devices are bad, or when L > 1 and MPI does not provide
   /// MPI_THREAD_MULTIPLE (the L ranks cross processes concurrently).
-  explicit HierarchicalCommunicator(const std::vector<Device>& devices);
+  /// `timeout` (0: none) bounds the waits between processes together with
+  /// dp::dist::timeout(), the stricter winning (Note [Communicator timeouts]).
+  HierarchicalCommunicator(const std::vector<Device>& devices, std::chrono::milliseconds timeout);
   ~HierarchicalCommunicator() override;
 
   std::string backend_name() const override { return "hierarchical"; }
@@ -68,6 +71,9 @@ class HierarchicalCommunicator final : public Communicator {
   void abort(const std::string& reason) override;
   /// Resets the local communicator (a job whose communicator was aborted has ended).
   void reset() override;
+  /// Local rank `rank`'s process-level steps (Note [Inter-process time]).
+  ProcessTimes process_times(int rank) const override;
+  void reset_process_times() override;
 
   /// What one local rank publishes for a collective (public only for the .cpp's helpers).
   enum class Kind : std::uint8_t { AllReduce, Broadcast, Reduce, ReduceScatter, AllGather };

@@ -49,7 +49,34 @@ MpiCommunicator::Setup MpiCommunicator::open(Device device) {
   return s;
 }
 
+Communicator::ProcessTimes process_times_of(const ProcessGroup& group) {
+  using dist::detail::Kind;
+  const ProcessGroup::Timings t = group.timings();
+  Communicator::ProcessTimes out;
+  auto take = [&](Kind k, Communicator::Collective c) {
+    const ProcessGroup::Timing& from = t[static_cast<std::size_t>(k)];
+    const auto i = static_cast<std::size_t>(c);
+    out.ms[i] = from.ms;
+    out.calls[i] = from.calls;
+    out.bytes[i] = from.bytes;
+  };
+  take(Kind::AllReduce, Communicator::Collective::AllReduce);
+  take(Kind::Broadcast, Communicator::Collective::Broadcast);
+  take(Kind::Reduce, Communicator::Collective::Reduce);
+  take(Kind::ReduceScatter, Communicator::Collective::ReduceScatter);
+  take(Kind::AllGather, Communicator::Collective::AllGather);
+  return out;
+}
+
 MpiCommunicator::MpiCommunicator(Device device) : MpiCommunicator(open(device)) {}
+
+Communicator::ProcessTimes MpiCommunicator::process_times(int rank) const {
+  DP_CHECK(rank == group_->rank(), "process_times (mpi): rank ", rank, " was passed but this process is rank ",
+           group_->rank(), "; pass dp::dist::rank()");
+  return process_times_of(*group_);
+}
+
+void MpiCommunicator::reset_process_times() { group_->reset_timings(); }
 
 MpiCommunicator::MpiCommunicator(Setup setup)
     : Communicator(std::move(setup.devices)), group_(std::move(setup.group)) {}

@@ -47,6 +47,10 @@ class MpiCommunicator final : public Communicator {
   void abort(const std::string& reason) override;
   /// No-op: a communicator that was not aborted is always usable.
   void reset() override;
+  /// Time in this communicator's collectives (Note [Inter-process time]); `rank` is
+  /// this process's rank.
+  ProcessTimes process_times(int rank) const override;
+  void reset_process_times() override;
 
   /// The process group underneath. The hierarchical communicator moves its slices
   /// through it directly, handing over its own checks' verdict so that every process
@@ -64,5 +68,9 @@ class MpiCommunicator final : public Communicator {
 
   std::unique_ptr<dist::detail::ProcessGroup> group_;
 };
+
+/// A process group's timings as a communicator reports them (Note [Inter-process
+/// time]): barriers and the exit-time rendezvous are left out.
+Communicator::ProcessTimes process_times_of(const dist::detail::ProcessGroup& group);
 
 }  // namespace dp::comm
