@@ -134,11 +134,11 @@ class DataParallel::Step {
     if (options_.replicate || options_.gather) sync_params_ = dp_.begin_replicate();
     // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
     if (sync_params_ && dp_.deferred_gather()) dp_.mark_stale(false);
-    dp_.updating_ = options_.gather;
     if (options_.backward) {
       dp_.forget_combined_grads();
       dp_.reducer_->prepare(dp_.options_.mode == Mode::DP || dp_.require_sync_);
     }
+    dp_.updating_ = options_.gather;  // with busy_: the destructor resets both
     dp_.busy_ = true;
   }
   ~Step() {
