@@ -218,18 +218,8 @@ std::vector<std::vector<float>> ParameterSet::gather_processes(const std::vector
 void ParameterSet::shard_params(std::vector<std::pair<std::int64_t, std::int64_t>> units) {
   DP_CHECK(sharded_ && shard_grads_, "ParameterSet: shard_params needs a set sharded with shard_grads");
   DP_CHECK(!shards_params_, "ParameterSet: parameters already sharded");
-  for (std::size_t u = 0; u < units.size(); ++u)
-    DP_CHECK(units[u].first < units[u].second && (u == 0 || units[u - 1].second <= units[u].first),
-             "ParameterSet: gather unit ", u, " [", units[u].first, ", ", units[u].second,
-             ") is empty or overlaps the previous one");
-  for (auto& s : slots_) {
-    const std::int64_t lo = s->offset, hi = s->offset + s->copies[0].numel();
-    s->unit = -1;
-    for (std::size_t u = 0; u < units.size(); ++u)
-      if (units[u].first <= lo && hi <= units[u].second) s->unit = static_cast<int>(u);
-    DP_CHECK(s->unit >= 0 || lo == hi, "ParameterSet: the parameter at [", lo, ", ", hi, ") lies in no gather unit");
-    if (s->unit < 0) s->unit = 0;  // an empty parameter: any unit holds it
-  }
+  DP_CHECK(units_.empty(), "ParameterSet: shard_params on a set whose units are already tracked");
+  assign_units(units);
   NoGradGuard no_grad;
   for (int r = 0; r < num_copies(); ++r) {
     ParameterCopy& c = copies_[r];
@@ -247,6 +237,34 @@ void ParameterSet::shard_params(std::vector<std::pair<std::int64_t, std::int64_t
   }
   units_ = std::move(units);
   shards_params_ = true;
+}
+
+// Each slot's unit: the one whose run holds it; an empty parameter, any (unit 0).
+void ParameterSet::assign_units(const std::vector<std::pair<std::int64_t, std::int64_t>>& units) {
+  for (std::size_t u = 0; u < units.size(); ++u)
+    DP_CHECK(units[u].first < units[u].second && (u == 0 || units[u - 1].second <= units[u].first),
+             "ParameterSet: gather unit ", u, " [", units[u].first, ", ", units[u].second,
+             ") is empty or overlaps the previous one");
+  for (auto& s : slots_) {
+    const std::int64_t lo = s->offset, hi = s->offset + s->copies[0].numel();
+    s->unit = -1;
+    for (std::size_t u = 0; u < units.size(); ++u)
+      if (units[u].first <= lo && hi <= units[u].second) s->unit = static_cast<int>(u);
+    DP_CHECK(s->unit >= 0 || lo == hi, "ParameterSet: the parameter at [", lo, ", ", hi, ") lies in no gather unit");
+    if (s->unit < 0) s->unit = 0;  // an empty parameter: any unit holds it
+  }
+}
+
+// Note [Tracked units].
+void ParameterSet::track_units(std::vector<std::pair<std::int64_t, std::int64_t>> units) {
+  DP_CHECK(!shards_params_, "ParameterSet: track_units on a set whose parameters are sharded (their units "
+           "are tracked already)");
+  if (units.empty()) {
+    for (auto& s : slots_) s->unit = -1;
+  } else {
+    assign_units(units);
+  }
+  units_ = std::move(units);
 }
 
 void ParameterSet::gather_unit(int r, int u) {
@@ -301,17 +319,20 @@ bool ParameterSet::scatter_primary() {
 
 void ParameterSet::on_unit_access(int copy, int unit) {
   if (copy < 0) {
-    if (!unit_gathered(0, unit)) gather_primary();
+    if (shards_params_ && !unit_gathered(0, unit)) gather_primary();  // tracked units: copy 0 is whole
   } else if (unit_hook_) {
     unit_hook_(copy, unit);
-  } else {
+  } else if (shards_params_) {
     gather_unit(copy, unit);
   }
 }
 
 // Every copy gets a full buffer again, assembled from every copy's range.
 void ParameterSet::unshard_params() {
-  if (!shards_params_) return;
+  if (!shards_params_) {
+    track_units({});
+    return;
+  }
   scatter_primary();  // edits made through copy 0 since it was gathered
   NoGradGuard no_grad;
   std::vector<Tensor> full;

@@ -132,14 +132,18 @@ class DataParallel::Step {
     // last step go back (written back to every range when they were edited).
     dp_.set_->scatter_primary();
     if (options_.replicate || options_.gather) sync_params_ = dp_.begin_replicate();
+    // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
+    if (sync_params_ && dp_.deferred_gather()) dp_.mark_stale(false);
     if (options_.backward) {
       dp_.forget_combined_grads();
       dp_.reducer_->prepare(dp_.options_.mode == Mode::DP || dp_.require_sync_);
     }
+    dp_.updating_ = options_.gather;  // with busy_: the destructor resets both
     dp_.busy_ = true;
   }
   ~Step() {
     if (options_.backward) dp_.reducer_->end();
+    dp_.updating_ = false;
     dp_.busy_ = false;
   }
   Step(const Step&) = delete;
@@ -327,10 +331,16 @@ void DataParallel::check_options(int n) {
     DP_CHECK(stage >= 1 && stage <= 3, "DataParallel: expected shard_stage 1 (optimizer state), 2 (and "
              "gradients) or 3 (and parameters), got ", stage);
     options_.shard_stage = stage;
+    DP_CHECK(!(options_.shard_gather.has_value() && stage == 3), "DataParallel: shard_gather was given with "
+             "shard_stage 3, which gathers each top-level child's parameters just before it runs anyway; drop "
+             "shard_gather or use shard_stage 1 or 2");
   } else {
     DP_CHECK(!options_.shard_stage.has_value(), "DataParallel: shard_stage = ", *options_.shard_stage,
              " was given with mode ", mode_name(options_.mode), "; it applies to Mode::Sharded only: pass "
              ".mode = dp::Mode::Sharded or drop shard_stage");
+    DP_CHECK(!options_.shard_gather.has_value(), "DataParallel: shard_gather was given with mode ",
+             mode_name(options_.mode), "; it applies to Mode::Sharded stages 1 and 2 only: pass .mode = "
+             "dp::Mode::Sharded or drop shard_gather");
   }
 }
 
@@ -372,6 +382,15 @@ void DataParallel::init(std::vector<Device> devices) {
     set_->shard(/*shard_grads=*/shard_stage() >= 2 && world > 1, world, comm_->first_rank());
   if (set_->sharded_across_processes())  // Note [Ranges across processes]
     set_->set_process_gather([this](const std::vector<float>& mine) { return gather_processes(mine); });
+  if (options_.mode == Mode::Sharded && !shard_params && n > 1 &&
+      options_.shard_gather.value_or(ShardGather::AfterStep) == ShardGather::NextForward) {
+    DP_CHECK(processes_ == 1, "DataParallel: shard_gather = NextForward across ", processes_, " processes: "
+             "a device takes the ranges it lacks from the other devices' memory, and the other processes' "
+             "ranges are not in this one; use ShardGather::AfterStep (the default) across processes");
+    set_->track_units(gather_units());  // Note [Deferred gather]
+    stale_.assign(static_cast<std::size_t>(n), std::vector<char>(set_->units().size(), 0));
+    set_->set_unit_hook([this](int r, int u) { pull_unit(r, u); });
+  }
   if (shard_params) {
     set_->shard_params(gather_units());
     unit_state_.resize(static_cast<std::size_t>(n));
@@ -498,7 +517,8 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 
 // The optimizer's executor: each persistent copy on its own device's worker; DP's
 // transient replicas are never stepped, so DP's step stays on rank 0. A Sharded step
-// then gathers every device's updated range (Note [Sharded step]).
+// then gathers every device's updated range (Note [Sharded step]), or device 0's
+// alone (Note [Deferred gather]).
 void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
   const bool update = work == nn::CopyWork::Step;
   const bool replicas = options_.mode != Mode::DP && world_devices() > 1;
@@ -523,9 +543,10 @@ void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::funct
             if (sync_grads) comm_->broadcast(r, set_->copy(r).grad, 0);
             fn(r);
           }
-          if (gather) gather_params(r);
+          if (gather && !deferred_gather()) gather_params(r);
         },
         ranks);
+    if (gather && deferred_gather()) pull_primary();
   }
   snapshot_grad_versions();
   if (update && options_.check_replicas_every > 0 && ++updates_ % options_.check_replicas_every == 0)
@@ -573,9 +594,16 @@ void DataParallel::check_replicas() const {
     NoGradGuard no_grad;
     Tensor replica = set_->copy(r).data.to(devices_[0]);
     if (equal(replica, primary)) continue;
+    const nn::ParameterCopy& c = set_->copy(r);
     for (std::size_t i = 0; i < slots.size(); ++i) {
-      std::int64_t n = slots[i]->copies[0].numel();
-      if (!equal(replica.narrow(0, slots[i]->offset, n), primary.narrow(0, slots[i]->offset, n)))
+      std::int64_t lo = slots[i]->offset, hi = lo + slots[i]->copies[0].numel();
+      // Note [Deferred gather]: of a stale unit, only the replica's own range is current.
+      if (deferred_gather() && stale_[static_cast<std::size_t>(r)][static_cast<std::size_t>(slots[i]->unit)]) {
+        lo = std::max(lo, c.begin);
+        hi = std::max(lo, std::min(hi, c.end));
+      }
+      const std::int64_t n = hi - lo;
+      if (!equal(replica.narrow(0, lo, n), primary.narrow(0, lo, n)))
         DP_FAIL("DataParallel: replica on ", devices_[r], " differs from ", devices_[0], " in parameter '",
                 param_names_[i], "' — a replica's memory was written outside dp (a raw pointer, another "
                 "module sharing the storage); load_state_dict() or an in-place write through parameters() "
@@ -586,23 +614,95 @@ void DataParallel::check_replicas() const {
 
 // Note [Sharded step]
 // The optimizer updates each device's own range of its copy (Note [Sharded parameter
-// sets]); then every device all-gathers the updated ranges, still inside the
-// optimizer's step, so that when opt.step() returns every copy — device 0's, which
-// the module, state_dict() and checkpoints read — holds the new parameters. The
-// alternative, gathering lazily before the next forward, would leave device 0's
-// copy stale for N-1 ranges between the step and that forward, where users save
-// checkpoints and evaluate; it would save nothing, since the next forward needs the
-// parameters anyway. The ranges have equal lengths (padded), so the gather is one
-// all_gather in place over each copy's data buffer. If the copies were written
-// unequally since the last step (a load into device 0, a failed step), device 0's
-// parameters are broadcast first, as before a forward (Note [When replicas are
-// refreshed]). A failed step leaves the copies marked unsynced: device 0's
-// parameters win at the next forward, as in DDP.
+// sets]); then, with ShardGather::AfterStep (the default), every device all-gathers
+// the updated ranges, still inside the optimizer's step, so that when opt.step()
+// returns every copy — device 0's, which the module, state_dict() and checkpoints
+// read — holds the new parameters. The ranges have equal lengths (padded), so the
+// gather is one all_gather in place over each copy's data buffer. ShardGather::
+// NextForward leaves the other devices' copies to their next forward (Note [Deferred
+// gather]). If the copies were written unequally since the last step (a load into
+// device 0, a failed step), device 0's parameters are broadcast first, as before a
+// forward (Note [When replicas are refreshed]). A failed step leaves the copies
+// marked unsynced: device 0's parameters win at the next forward, as in DDP.
 void DataParallel::gather_params(int rank) {
   PhaseTimer t(*recorder_, rank, Phase::AllGather);
   const nn::ParameterCopy& c = set_->copy(rank);
   const std::int64_t len = c.end - c.begin;
   comm_->all_gather(rank, c.data.narrow(0, c.begin, len), c.data.narrow(0, 0, len * comm_->world_size()));
+}
+
+// Note [Deferred gather]
+// ShardGather::NextForward (stages 1 and 2, one process): the gather of the updated
+// ranges moves, for every device but device 0, from the end of the optimizer step
+// to the next forward, where each top-level child's ranges are taken just before the
+// child first uses them — the gather of unit u + 1 then follows the compute of unit
+// u instead of holding every device at the end of the step.
+// - Device 0's copy is what the user reads: the module's parameters, tensors kept
+//   from parameters() (the optimizer's own), state_dict(), checkpoints, clipping,
+//   an evaluation through net->forward on the user's thread. Nothing can intercept a
+//   read through a kept tensor, so device 0 never goes stale: when its own update is
+//   done and every other device's too (the workers joined), opt.step() copies the
+//   other ranges into device 0's copy (pull_primary) before it returns. Only the
+//   other devices' copies — which only DataParallel's workers read — are deferred.
+// - The units are the gather units of stage 3 (gather_units(): the net's top-level
+//   children), tracked by the set without sharding the data (Note [Tracked units]):
+//   Parameter::get() on worker r reports each access to unit u, and pull_unit(r, u)
+//   copies, when stale_[r][u], every other owner's piece of u from the owner's copy
+//   into copy r — a pull, as in stage 3, with no rendezvous: a device that fails, or
+//   has no rows, or never reaches a unit, leaves no other waiting. The pieces are the
+//   bytes the all-gather would have moved (the padding is zeros everywhere and never
+//   written), so the parameters stay bitwise AfterStep's and DDP's.
+// - The pull reads owner q's range of copy q while the owners only read it (in a
+//   forward, backward or clipping no one writes parameters) and writes ranges of copy
+//   r that only r reads; while an optimizer step runs (updating_) it takes nothing,
+//   since the owners are writing and the update reads only owned ranges. A unit stays
+//   stale until pulled, across any number of steps: a second step without a forward,
+//   a forward that fails before reaching the unit, or a forward that never uses it
+//   (its next user pulls the owners' latest values).
+// - A broadcast of device 0's parameters (after a load, an in-place edit or a failed
+//   step: Note [When replicas are refreshed]) makes every unit current. check_replicas()
+//   compares what a replica holds as current: its own range always, a stale unit's
+//   other pieces not.
+// - Across processes the other processes' ranges are not in this one's memory:
+//   NextForward is refused there.
+// On CPU virtual devices the pull runs on the worker itself, so it overlaps only the
+// other devices' compute; on GPUs the copies would go on the comm stream, one unit
+// ahead, and overlap the device's own compute (docs/dp-vs-ddp.md has the measurements).
+void DataParallel::pull_unit(int rank, int unit) {
+  std::vector<char>& stale = stale_[static_cast<std::size_t>(rank)];
+  if (updating_ || !stale[static_cast<std::size_t>(unit)]) return;
+  PhaseTimer t(*recorder_, rank, Phase::AllGather);
+  NoGradGuard no_grad;
+  const auto [lo, hi] = set_->units()[static_cast<std::size_t>(unit)];
+  const Tensor& mine = set_->copy(rank).data;
+  for (int q = 0; q < set_->num_copies(); ++q) {
+    if (q == rank) continue;
+    const nn::ParameterCopy& owner = set_->copy(q);
+    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
+  }
+  stale[static_cast<std::size_t>(unit)] = 0;
+}
+
+// Device 0's copy of every other owner's range, on the calling thread (device 0's)
+// once every update is done; the replicas go stale. Until it completes the copies
+// count as unsynced: a failure in between makes the next step broadcast device 0's.
+void DataParallel::pull_primary() {
+  PhaseTimer t(*recorder_, 0, Phase::AllGather);
+  synced_version_ = kUnsynced;
+  NoGradGuard no_grad;
+  const Tensor& primary = set_->copy(0).data;
+  for (int q = 1; q < set_->num_copies(); ++q) {
+    const nn::ParameterCopy& owner = set_->copy(q);
+    primary.narrow(0, owner.begin, owner.end - owner.begin)
+        .copy_(owner.data.narrow(0, owner.begin, owner.end - owner.begin));
+  }
+  mark_stale(true);
+  end_replicate();
+}
+
+void DataParallel::mark_stale(bool stale) {
+  for (std::size_t r = 1; r < stale_.size(); ++r) std::fill(stale_[r].begin(), stale_[r].end(), stale ? 1 : 0);
 }
 
 // DP reduces the whole gradient buffer onto device 0 after backward; DDP all-reduces

@@ -239,6 +239,15 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   bool shards_params() const { return shards_params_; }
   const std::vector<std::pair<std::int64_t, std::int64_t>>& units() const { return units_; }
   void gather_unit(int r, int u);
+  /// Note [Tracked units]
+  /// track_units() gives an unsharded set's parameters gather units without
+  /// sharding their data: every copy keeps its full buffer, and Parameter::get() on
+  /// a bound thread reports each access to the unit hook, which can bring the
+  /// copy's unit up to date just before it is used (DataParallel's deferred gather
+  /// of stages 1 and 2, Note [Deferred gather]). Accesses on unbound threads report
+  /// nothing: copy 0 is always whole. An empty list stops the tracking, as do
+  /// unshard() and drop_copies(). Throws dp::Error once shard_params() ran.
+  void track_units(std::vector<std::pair<std::int64_t, std::int64_t>> units);
   void release_unit(int r, int u);
   /// Releases every unit of copy r.
   void release_units(int r);
@@ -277,6 +286,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   void bind_grad_views(int r);
   void grow_buffers(int r, std::int64_t n);
   void unshard_params();
+  void assign_units(const std::vector<std::pair<std::int64_t, std::int64_t>>& units);
   std::vector<std::shared_ptr<Parameter::Slot>> slots_;
   std::vector<ParameterCopy> copies_;
   std::int64_t numel_ = 0;

@@ -63,6 +63,17 @@ enum class Mode { DP, DDP, Sharded };
 /// "DP", "DDP", "Sharded".
 const char* mode_name(Mode mode);
 
+/// Sharded stages 1 and 2: when the ranges each device stepped reach the other
+/// devices (Note [Sharded step], Note [Deferred gather]).
+enum class ShardGather {
+  /// Inside opt.step(), right after the update: one all-gather over each copy.
+  AfterStep,
+  /// Device 0 takes every range inside opt.step() (what the user reads is whole when
+  /// it returns); each other device takes each top-level child's ranges just before
+  /// its next forward first uses them, overlapping the forward of the children before.
+  NextForward,
+};
+
 /// Options of DataParallel (designated-initialiser friendly).
 struct DataParallelOptions {
   Mode mode = Mode::DP;
@@ -98,6 +109,14 @@ struct DataParallelOptions {
   /// exists to avoid): accumulate by running backward several times between
   /// zero_grad() and step(), each adds to the owners' ranges.
   std::optional<int> shard_stage = std::nullopt;
+  /// Sharded stages 1 and 2: when the updated ranges are gathered (ShardGather;
+  /// docs/dp-vs-ddp.md has the measurements behind the default). Unset means
+  /// AfterStep. Whichever is chosen, what the user reads (parameters(),
+  /// state_dict(), checkpoints) is whole when opt.step() returns, and the parameters
+  /// are bitwise the same. Setting it with another mode or stage 3 (which gathers
+  /// per top-level child anyway) is an error, as is NextForward across processes
+  /// (the other processes' ranges are not in this one's memory to take).
+  std::optional<ShardGather> shard_gather = std::nullopt;
   /// DDP and Sharded: bucket size cap in MiB (PyTorch's bucket_cap_mb) and the
   /// smaller first bucket. Sharded stage 2 holds no full gradient buffer during a
   /// synced backward: the cap also bounds the gradients a device holds before they
@@ -347,6 +366,10 @@ class DataParallel {
   void enter_unit(int rank, int unit);
   void backward_unit(int rank, std::uint64_t sequence_nr);
   void leave_units(int rank);
+  bool deferred_gather() const { return !stale_.empty(); }
+  void pull_unit(int rank, int unit);
+  void pull_primary();
+  void mark_stale(bool stale);
   void check_finite(int rank, const Tensor& grad, std::int64_t offset);
   std::uint64_t primary_version() const;
 
@@ -377,6 +400,10 @@ class DataParallel {
   bool busy_ = false;
   struct UnitState;                   // Sharded stage 3, per rank (Note [Sharded parameters])
   std::vector<UnitState> unit_state_;
+  // Sharded stages 1-2 with ShardGather::NextForward (Note [Deferred gather]):
+  // stale_[r][u] when copy r's unit u may hold other owners' old values; empty otherwise.
+  std::vector<std::vector<char>> stale_;
+  bool updating_ = false;  // an optimizer step runs: the owners' ranges are being written
   std::int64_t handoff_base_ = 0;  // stats().handoffs counts from reset_stats()
 };
 
