@@ -31,7 +31,7 @@ enum class Phase : int {
   AllReduceExposed, // DDP: time backward waited for the all-reduce after finishing (Sharded: reduce-scatter)
   Step,             // optimizer update on this device
   Gather,           // outputs copied to the output device
-  AllGather,        // Sharded: the updated parameter ranges gathered after the step
+  AllGather,        // Sharded: the updated ranges gathered after the step (ShardGather::NextForward: pulled per unit in the next forward); stage 3: the gather units
   kCount
 };
 const char* phase_name(Phase p);
