@@ -15,6 +15,14 @@
 
 namespace dp::backend::cuda_kernels {
 
+/// The inputs of sum_inputs: up to kMaxSumInputs device pointers, passed by value as a
+/// kernel argument (64 pointers = 512 bytes, well inside the 4 KiB parameter limit).
+inline constexpr int kMaxSumInputs = 64;
+struct SumInputs {
+  const float* ptr[kMaxSumInputs];
+  int count = 0;
+};
+
 // ---- cuda_elementwise.cu --------------------------------------------------------------
 void fill(cudaStream_t stream, float* y, std::int64_t n, float value);
 void fill_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t value);
@@ -57,6 +65,12 @@ void adam_step(cudaStream_t stream, float* param, const float* grad, float* exp_
 // ---- cuda_reduce.cu -----------------------------------------------------------------
 void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, std::int64_t outer,
             std::int64_t r, std::int64_t inner);
+/// dst[i] = ((in[0][i] + in[1][i]) + ...) + in[count-1][i], then * inv when `average`,
+/// for i < n: the fixed order of the local communicator (Note [Fixed summation order]),
+/// bitwise the same as its CPU loop. dst may be one of the inputs (each element is read
+/// before it is written); the inputs may live on other GPUs with peer access enabled.
+void sum_inputs(cudaStream_t stream, const SumInputs& in, float* dst, std::int64_t n, bool average,
+                float inv);
 void argmax(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t outer,
             std::int64_t r, std::int64_t inner);
 

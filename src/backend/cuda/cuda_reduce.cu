@@ -132,6 +132,38 @@ __global__ void argmax_cols_kernel(const float* __restrict__ x, i64* __restrict_
   }
 }
 
+// The copy communicator's sum (Note [CUDA copy communicator]): element i in the fixed
+// order of Note [Fixed summation order]; a float4 per thread when every pointer is
+// 16-byte aligned. No __restrict__: dst may be one of the inputs.
+__global__ void sum_inputs_vec4_kernel(SumInputs in, float* dst, i64 n4, bool average, float inv) {
+  for (i64 t = global_thread(); t < n4; t += grid_stride()) {
+    float4 acc = reinterpret_cast<const float4*>(in.ptr[0])[t];
+    for (int k = 1; k < in.count; ++k) {
+      const float4 v = reinterpret_cast<const float4*>(in.ptr[k])[t];
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    if (average) {
+      acc.x *= inv;
+      acc.y *= inv;
+      acc.z *= inv;
+      acc.w *= inv;
+    }
+    reinterpret_cast<float4*>(dst)[t] = acc;
+  }
+}
+
+__global__ void sum_inputs_kernel(SumInputs in, float* dst, i64 begin, i64 n, bool average, float inv) {
+  for (i64 i = begin + global_thread(); i < n; i += grid_stride()) {
+    float acc = in.ptr[0][i];
+    for (int k = 1; k < in.count; ++k) acc += in.ptr[k][i];
+    if (average) acc *= inv;
+    dst[i] = acc;
+  }
+}
+
 // ---- host helpers -------------------------------------------------------------------------
 
 template <typename Op>
@@ -181,6 +213,27 @@ void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, i64 oute
     case ReduceOp::kCount: break;
   }
   DP_FAIL("reduce: expected a ReduceOp below kCount, got ", static_cast<int>(op));
+}
+
+void sum_inputs(cudaStream_t stream, const SumInputs& in, float* dst, i64 n, bool average, float inv) {
+  DP_CHECK(in.count >= 1 && in.count <= kMaxSumInputs, "sum_inputs: expected 1 to ", kMaxSumInputs,
+           " inputs, got ", in.count);
+  DP_CHECK(n >= 0, "sum_inputs: expected n >= 0, got ", n);
+  if (n == 0) return;
+  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  bool vec = aligned(dst);
+  for (int k = 0; k < in.count; ++k) vec = vec && aligned(in.ptr[k]);
+  i64 done = 0;
+  if (vec && n >= 4) {
+    const i64 n4 = n / 4;
+    sum_inputs_vec4_kernel<<<grid_for(n4), kBlock, 0, stream>>>(in, dst, n4, average, inv);
+    DP_CUDA_CHECK_LAUNCH();
+    done = n4 * 4;
+  }
+  if (done < n) {
+    sum_inputs_kernel<<<grid_for(n - done), kBlock, 0, stream>>>(in, dst, done, n, average, inv);
+    DP_CUDA_CHECK_LAUNCH();
+  }
 }
 
 void argmax(cudaStream_t stream, const float* x, i64* y, i64 outer, i64 r, i64 inner) {
