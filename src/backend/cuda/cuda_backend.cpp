@@ -505,7 +505,14 @@ void CudaBackend::dropout(Device dev, const float* x, float* y, float* mask, std
 
 void CudaBackend::reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
                          std::int64_t r, std::int64_t inner) {
-  k::reduce(bind(dev), op, x, y, outer, r, inner);
+  cudaStream_t s = bind(dev);
+  const std::int64_t floats = outer >= 0 && r >= 0 && inner >= 0 ? k::reduce_scratch(outer, r, inner) : 0;
+  if (floats == 0) {
+    k::reduce(s, op, x, y, outer, r, inner, nullptr);
+    return;
+  }
+  Scratch parts(*this, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+  k::reduce(s, op, x, y, outer, r, inner, static_cast<float*>(parts.get()));
 }
 void CudaBackend::argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer,
                          std::int64_t r, std::int64_t inner) {
@@ -550,8 +557,18 @@ void CudaBackend::batchnorm_forward_train(Device dev, std::int64_t N, std::int64
                                           const float* beta, float eps, float momentum,
                                           float* running_mean, float* running_var, float* y,
                                           float* save_mean, float* save_invstd) {
-  k::batchnorm_forward_train(bind(dev), N, C, HW, x, gamma, beta, eps, momentum, running_mean,
-                             running_var, y, save_mean, save_invstd);
+  cudaStream_t s = bind(dev);
+  DP_CHECK(N > 0 && C > 0 && HW > 0, "batchnorm_forward_train: expected positive (N, C, HW), got (", N, ", ", C,
+           ", ", HW, ")");
+  const std::int64_t floats = k::batchnorm_forward_scratch(N, C, HW);
+  if (floats == 0) {
+    k::batchnorm_forward_train(s, N, C, HW, x, gamma, beta, eps, momentum, running_mean, running_var, y,
+                               save_mean, save_invstd, nullptr);
+    return;
+  }
+  Scratch parts(*this, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+  k::batchnorm_forward_train(s, N, C, HW, x, gamma, beta, eps, momentum, running_mean, running_var, y,
+                             save_mean, save_invstd, static_cast<float*>(parts.get()));
 }
 void CudaBackend::batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C,
                                          std::int64_t HW, const float* x, const float* gamma,
@@ -565,8 +582,10 @@ void CudaBackend::batchnorm_backward(Device dev, std::int64_t N, std::int64_t C,
                                      const float* save_mean, const float* save_invstd, float* gx,
                                      float* ggamma, float* gbeta) {
   cudaStream_t s = bind(dev);
-  DP_CHECK(C > 0, "batchnorm_backward: expected C > 0, got ", C);
-  Scratch sums(*this, dev.index, 2 * static_cast<std::size_t>(C) * sizeof(float));
+  DP_CHECK(N > 0 && C > 0 && HW > 0, "batchnorm_backward: expected positive (N, C, HW), got (", N, ", ", C, ", ",
+           HW, ")");
+  Scratch sums(*this, dev.index,
+               static_cast<std::size_t>(k::batchnorm_backward_scratch(N, C, HW)) * sizeof(float));
   k::batchnorm_backward(s, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta,
                         static_cast<float*>(sums.get()));
 }
