@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -13,7 +15,6 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
 #include "comm/argument_checks.h"
-#include "comm/local/local_communicator.h"
 #include "dp/core/error.h"
 
 namespace dp::comm {
@@ -29,9 +30,10 @@ namespace dp::comm {
 // same inputs, and every rank gets the same bits.
 //
 // Protocol. Every rank's thread calls each collective (the Communicator contract). A
-// collective is a few phases separated by host rendezvous on the local communicator's
-// barrier (Note [Local barrier]); the rendezvous exchange pointers and order the host
-// calls, never GPU work, and nothing waits on the host for the GPU:
+// collective is a few phases separated by host rendezvous on a barrier (a mutex and a
+// condition variable: this communicator tests, it does not race the local one's
+// lock-free barrier); the rendezvous exchange pointers and order the host calls,
+// never GPU work, and nothing waits on the host for the GPU:
 //   phase 0  rank r records `ready` on its compute stream (its inputs are enqueued
 //            there), makes its comm stream wait for it, publishes its slot (buffers,
 //            count, root, op, scratch, or why its arguments are bad); rendezvous, where
@@ -107,6 +109,55 @@ const char* kind_name(Kind k) {
 }
 
 const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+
+/// A generation barrier that abort() releases: arrive_and_wait returns false once the
+/// barrier is aborted (sticky until reset(), which is called with no rank inside).
+class Barrier {
+ public:
+  explicit Barrier(int parties) : parties_(parties) {}
+  [[nodiscard]] bool arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (aborted_) return false;
+    const std::uint64_t gen = generation_;
+    if (++arrived_ == parties_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return true;
+    }
+    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+    return generation_ != gen;  // released by the last arrival, even if an abort followed
+  }
+  void abort(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_) reason_ = reason;
+    aborted_ = true;
+    cv_.notify_all();
+  }
+  void reset() {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = false;
+    arrived_ = 0;
+    reason_.clear();
+  }
+  bool aborted() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return aborted_;
+  }
+  std::string reason() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return reason_;
+  }
+
+ private:
+  const int parties_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+  bool aborted_ = false;
+  std::string reason_;
+};
 
 class CopyCommunicator final : public Communicator {
  public:
@@ -558,7 +609,7 @@ class CopyCommunicator final : public Communicator {
     finish(rank, c, deferred);
   }
 
-  detail::Barrier barrier_;
+  Barrier barrier_;
   std::vector<Slot> slots_;   // slot r written by rank r before a rendezvous only
   std::vector<Rank> ranks_;   // rank r's entry used by rank r's thread only
 };
