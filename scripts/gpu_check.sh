@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA GPU, build dp with CUDA, run the CUDA
-# suites (the op table against the CPU oracle, the allocator, DP/DDP/Sharded against
-# CPU virtual devices), the collectives benchmark and dp_vs_ddp, and write one report
-# (markdown + JSON) naming the GPU, the driver and the CUDA, cuDNN and NCCL versions.
+# suites (the op table against the CPU oracle, the allocator, DP/DDP/Sharded 1-3
+# against CPU virtual devices, the communicators against the local one), each twice:
+# on the GPUs as they are and with DP_CUDA_DEVICES_PER_GPU=4 (four dp devices per
+# GPU, the CUDA copy communicator; so one GPU checks the whole multi-device runtime),
+# then the collectives benchmark and dp_vs_ddp, and write one report (markdown + JSON)
+# naming the GPU, the driver and the CUDA, cuDNN and NCCL versions.
 #
 #   scripts/gpu_check.sh                 # report in gpu-check/ (build in build-gpu/)
 #   scripts/gpu_check.sh --out DIR       # report elsewhere
@@ -19,7 +22,7 @@ while (($#)); do
   case "$1" in
     --out) out=$(realpath -m "$2"); shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (expected --out DIR, --quick)" >&2; exit 2 ;;
   esac
 done
@@ -71,13 +74,18 @@ if [[ ! -f $build/build.ninja ]]; then
   run configure meson setup "$build" -Dcuda=enabled --buildtype=release
 fi
 run build ninja -C "$build"
-run "cuda suites" meson test -C "$build" --suite cuda --print-errorlogs
+# tests/cuda/meson.build registers every CUDA binary twice: as is, and *_4_per_gpu.
+run "cuda suites (as is and 4 dp devices per GPU)" meson test -C "$build" --suite cuda --print-errorlogs
 run "all suites" meson test -C "$build" --print-errorlogs --num-processes 4
 
 # ---- benchmarks ------------------------------------------------------------------
 if ((!quick)); then
   run "kernels" "$build/bench/kernels_bench" --device cuda:0
   run "collectives" "$build/bench/collectives_bench" --device cuda --devices "$gpu_count" --json
+  run "collectives, 4 dp devices per GPU" env DP_CUDA_DEVICES_PER_GPU=4 \
+    "$build/bench/collectives_bench" --device cuda --devices "$((4 * gpu_count))" --json
+  run "dp_vs_ddp cnn, 4 dp devices per GPU" env DP_CUDA_DEVICES_PER_GPU=4 \
+    "$build/samples/dp_vs_ddp/dp_vs_ddp" --model cnn --devices "1,$((4 * gpu_count))" --stages 1,2,3 --json
   for model in mlp cnn resnet18; do
     run "dp_vs_ddp $model" "$build/samples/dp_vs_ddp/dp_vs_ddp" --model "$model" --devices "1,$gpu_count" \
       --json --trace "$out/trace-$model" --plot "$out/plot-$model"

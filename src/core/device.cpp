@@ -131,6 +131,22 @@ void set_allow_tf32_conv(bool on) { tf32().conv.store(on, std::memory_order_rela
 bool allow_tf32_matmul() { return tf32().matmul.load(std::memory_order_relaxed); }
 bool allow_tf32_conv() { return tf32().conv.load(std::memory_order_relaxed); }
 
+namespace {
+
+// Note [cuDNN benchmark]: off unless DP_CUDNN_BENCHMARK says otherwise.
+std::atomic<bool>& cudnn_benchmark_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* env = std::getenv("DP_CUDNN_BENCHMARK");
+    return env != nullptr && *env != '\0' && std::string(env) != "0";
+  }()};
+  return flag;
+}
+
+}  // namespace
+
+void set_cudnn_benchmark(bool on) { cudnn_benchmark_flag().store(on, std::memory_order_relaxed); }
+bool cudnn_benchmark() { return cudnn_benchmark_flag().load(std::memory_order_relaxed); }
+
 void empty_cache(Device dev) {
   const int count = device_count(dev.type);
   DP_CHECK(dev.index >= 0 && dev.index < count, "empty_cache: expected a device of this process (", count, " ",

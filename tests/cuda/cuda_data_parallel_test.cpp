@@ -5,8 +5,10 @@
 // DataLoader scattered straight to every device, peer copies (DP replicate and reduce),
 // the NCCL communicator (DDP all-reduce; Sharded reduce per bucket piece and
 // all-gather), the caching allocators' steady state, and agreement with the same run on
-// CPU virtual devices. It uses every visible device (up to 8). Without a CUDA device
-// the binary exits 77, which Meson reports as SKIP.
+// CPU virtual devices. It uses every visible device (up to 8): with
+// DP_CUDA_DEVICES_PER_GPU=k (meson registers a run with k = 4) one GPU carries several
+// dp devices and the collectives go through the CUDA copy communicator (Note [Logical
+// CUDA devices]). Without a CUDA device the binary exits 77, which Meson reports as SKIP.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -127,7 +129,8 @@ TEST_CASE("DP, DDP and Sharded on every GPU match the same run on CPU virtual de
   const dp::DataParallelOptions modes[] = {{.mode = dp::Mode::DP},
                                            {.mode = dp::Mode::DDP},
                                            {.mode = dp::Mode::Sharded, .shard_stage = 1},
-                                           {.mode = dp::Mode::Sharded, .shard_stage = 2}};
+                                           {.mode = dp::Mode::Sharded, .shard_stage = 2},
+                                           {.mode = dp::Mode::Sharded, .shard_stage = 3}};
   for (const auto& options : modes) {
     for (bool worker_loss : {false, true}) {
       CAPTURE(dp::mode_name(options.mode));

@@ -85,6 +85,19 @@ void set_allow_tf32_conv(bool on);
 bool allow_tf32_matmul();
 bool allow_tf32_conv();
 
+/// Note [cuDNN benchmark]
+/// Like torch.backends.cudnn.benchmark: when on, the first use of a convolution shape
+/// on a device times cuDNN's algorithms on the real tensors (cudnnFind*AlgorithmEx,
+/// which synchronises the device once per shape and direction) and keeps the fastest
+/// deterministic one allowed by the TF32 policy; when off (the default), cuDNN's
+/// heuristics choose without running anything. Either way the choice is cached per
+/// (device, shape), results stay bitwise reproducible run to run for a given choice,
+/// and the choice itself may differ between benchmarked runs. DP_CUDNN_BENCHMARK=1 at
+/// start-up turns it on. CPU devices ignore it. Thread-safe; applies to shapes first
+/// used after the change.
+void set_cudnn_benchmark(bool on);
+bool cudnn_benchmark();
+
 /// Bytes of pinned host memory held by tensors now (Tensor::pin_memory).
 std::size_t pinned_memory_allocated();
 

@@ -16,7 +16,8 @@ namespace dp::backend {
 /// Lazily initialised state of one device (Note [CUDA streams of dp]).
 struct CudaBackend::DeviceState {
   std::once_flag init;
-  cudaStream_t stream = nullptr;  // default compute stream
+  cudaStream_t stream = nullptr;   // default compute stream
+  cudaStream_t inbound = nullptr;  // copies from other devices (Note [Peer copies])
   std::mutex handle_mu;           // guards the handles' bound stream during a call
   cublasHandle_t cublas = nullptr;
   cudnnHandle_t cudnn = nullptr;
@@ -76,10 +77,17 @@ CudaBackend& CudaBackend::instance() {
 }
 
 CudaBackend::CudaBackend()
-    : device_count_(probe_device_count()) {
+    : map_(LogicalDeviceMap::from_env(probe_device_count())), device_count_(map_.count()) {
   devices_ = std::make_unique<DeviceState[]>(device_count_ > 0 ? device_count_ : 1);
-  const int pairs = device_count_ * device_count_;
+  const int gpus = map_.physical_count();
+  const int pairs = gpus * gpus;
   peer_once_ = std::make_unique<std::once_flag[]>(pairs > 0 ? pairs : 1);
+  peer_ok_ = std::make_unique<bool[]>(pairs > 0 ? pairs : 1);
+  if (map_.logical() && gpus > 0)
+    dp::detail::log_warning(dp::detail::str_cat(
+        kDevicesPerGpuEnv, "=", map_.per_gpu(), ": ", device_count_, " dp CUDA devices on ", gpus,
+        " GPU(s), cuda:i on GPU i / ", map_.per_gpu(),
+        "; collectives use the CUDA copy communicator, not NCCL (Note [Logical CUDA devices])"));
 }
 
 void CudaBackend::check_device(Device dev) const {
@@ -89,9 +97,10 @@ void CudaBackend::check_device(Device dev) const {
 }
 
 void CudaBackend::set_device(int device) {
-  if (tl_device == device) return;
-  DP_CUDA_CHECK(cudaSetDevice(device));
-  tl_device = device;
+  const int gpu = map_.physical(device);  // checks the range
+  if (tl_device == gpu) return;
+  DP_CUDA_CHECK(cudaSetDevice(gpu));
+  tl_device = gpu;
 }
 
 void CudaBackend::invalidate_device_cache() { tl_device = -1; }
@@ -101,6 +110,7 @@ CudaBackend::DeviceState& CudaBackend::state(int device) {
   std::call_once(st.init, [&] {
     set_device(device);
     DP_CUDA_CHECK(cudaStreamCreateWithFlags(&st.stream, cudaStreamNonBlocking));
+    DP_CUDA_CHECK(cudaStreamCreateWithFlags(&st.inbound, cudaStreamNonBlocking));
     DP_CUBLAS_CHECK(cublasCreate(&st.cublas));
     // The math mode is set per GEMM from dp::allow_tf32_matmul() (Note [TF32 policy]).
     DP_CUDNN_CHECK(cudnnCreate(&st.cudnn));
@@ -135,7 +145,7 @@ cudaStream_t CudaBackend::create_stream(int device, int priority) {
   cudaStream_t s = nullptr;
   DP_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority));
   std::lock_guard<std::mutex> lock(streams_mu_);
-  extra_streams_.push_back(s);
+  extra_streams_.emplace_back(device, s);
   return s;
 }
 
@@ -188,24 +198,29 @@ void CudaBackend::release_event(int device, cudaEvent_t ev) {
   st.events.push_back(ev);
 }
 
-void CudaBackend::enable_peer_access(int a, int b) {
-  std::call_once(peer_once_[a * device_count_ + b], [&] {
+bool CudaBackend::enable_peer_access(int a, int b) {
+  const int pa = map_.physical(a), pb = map_.physical(b);
+  if (pa == pb) return true;  // two dp devices of one GPU (Note [Logical CUDA devices])
+  const int pair = pa * map_.physical_count() + pb;
+  std::call_once(peer_once_[pair], [&] {
     int can = 0;
-    DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, a, b));
+    DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, pa, pb));
     if (!can) return;  // cudaMemcpyPeerAsync still works, staged through the host
     set_device(a);
-    const cudaError_t err = cudaDeviceEnablePeerAccess(b, 0);
-    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    const cudaError_t err = cudaDeviceEnablePeerAccess(pb, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled || err == cudaSuccess) {
       (void)cudaGetLastError();
-    } else if (err != cudaSuccess) {
+      peer_ok_[pair] = true;
+    } else {
       // Too many peers (a limit of 8 per device on some systems) is not fatal: the copy
       // falls back to staging. Say so once.
       (void)cudaGetLastError();
-      dp::detail::log_warning(dp::detail::str_cat("cuda:", a, " cannot enable peer access to cuda:",
-                                                  b, " (", cudaGetErrorString(err),
+      dp::detail::log_warning(dp::detail::str_cat("GPU ", pa, " cannot enable peer access to GPU ", pb, " (",
+                                                  cudaGetErrorString(err),
                                                   "); copies between them go through the host"));
     }
   });
+  return peer_ok_[pair];
 }
 
 // ---- Backend: threads and streams ------------------------------------------------------------
@@ -229,7 +244,22 @@ void CudaBackend::host_parallel_for(Device dev, std::int64_t n, RangeFn f) {
 void CudaBackend::synchronize(Device dev) {
   check_device(dev);
   set_device(dev.index);
-  DP_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!map_.logical()) {
+    DP_CUDA_CHECK(cudaDeviceSynchronize());
+    return;
+  }
+  // A GPU shared by several dp devices: only this device's streams (Note [Logical CUDA
+  // devices]); the legacy stream is not used by dp.
+  DeviceState& st = state(dev.index);
+  DP_CUDA_CHECK(cudaStreamSynchronize(st.stream));
+  DP_CUDA_CHECK(cudaStreamSynchronize(st.inbound));
+  std::vector<cudaStream_t> mine;
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    for (const auto& [d, s] : extra_streams_)
+      if (d == dev.index) mine.push_back(s);
+  }
+  for (cudaStream_t s : mine) DP_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 std::unique_ptr<Event> CudaBackend::create_event(Device dev) {
@@ -305,12 +335,30 @@ void CudaBackend::deallocate_pinned(void* ptr, std::size_t) noexcept { host_allo
 std::size_t CudaBackend::pinned_memory_allocated() { return host_alloc_.allocated(); }
 
 // Note [Peer copies]
-// A copy between devices runs on the source device's current stream, ordered after
-// prior work on BOTH devices' current streams and before later work on both: the
-// source stream first waits for an event recorded on the destination stream (the
-// destination buffer may still be read by earlier destination work), then copies, then
-// the destination stream waits for an event recorded after the copy. No host wait; the
-// buffers stay owned by their allocation streams (Note [Caching allocator streams]).
+// A copy between two devices is pulled by the destination, on its inbound stream, and
+// never makes either device's compute stream wait for the other's earlier work:
+//   1. `src_ready` is recorded on the source's current stream (the producer of the
+//      bytes, e.g. the H2D copy of a batch, is enqueued there) and the destination's
+//      inbound stream waits for it;
+//   2. the bytes are copied on the inbound stream into a staging block allocated on
+//      that stream — not into `dst`: `dst` was allocated on the destination's compute
+//      stream and may be a block that the destination's previous step still reads, so
+//      writing it directly would have to wait for that step first;
+//   3. `copied` is recorded on the inbound stream; the source's stream waits for it
+//      (later source work may overwrite or free the bytes only after they were read:
+//      the wait covers this copy and earlier inbound copies, which depend on nothing
+//      but their own sources), and so does the destination's compute stream, which
+//      then copies staging → dst (device-local bandwidth, a few percent of the peer
+//      copy) in its own order, after its own earlier work;
+//   4. the staging block is declared used by the compute stream and freed: the
+//      allocator reuses it only after that copy (Note [Caching allocator streams]).
+// So scattering a batch on cuda:0 to seven devices runs seven copies concurrently on
+// seven inbound streams, and cuda:0's stream waits for the copies alone — never for
+// another device's previous step, which the earlier scheme (copy on the source
+// stream after waiting for an event on the destination stream, PyTorch's copy_
+// barrier) made it do. The same holds the other way for gathers to cuda:0. Two
+// devices of one GPU (Note [Logical CUDA devices]) take the same path with a plain
+// device-to-device cudaMemcpyAsync. No host wait anywhere.
 void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_dev,
                        std::size_t nbytes) {
   check_device(dst_dev);
@@ -322,19 +370,38 @@ void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_de
     return;
   }
   const int d = dst_dev.index, sdev = src_dev.index;
-  enable_peer_access(sdev, d);
-  enable_peer_access(d, sdev);
-  cudaStream_t dst_stream = bind(dst_dev);
-  cudaEvent_t dst_ready = acquire_event(d);
-  DP_CUDA_CHECK(cudaEventRecord(dst_ready, dst_stream));
+  const int dst_gpu = map_.physical(d), src_gpu = map_.physical(sdev);
+  if (dst_gpu != src_gpu) enable_peer_access(d, sdev);
   cudaStream_t src_stream = bind(src_dev);
-  DP_CUDA_CHECK(cudaStreamWaitEvent(src_stream, dst_ready, 0));
-  release_event(d, dst_ready);  // the wait captured the record: the event is reusable
-  DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, d, src, sdev, nbytes, src_stream));
-  cudaEvent_t copied = acquire_event(sdev);
-  DP_CUDA_CHECK(cudaEventRecord(copied, src_stream));
-  DP_CUDA_CHECK(cudaStreamWaitEvent(dst_stream, copied, 0));
-  release_event(sdev, copied);
+  cudaEvent_t src_ready = acquire_event(sdev);
+  DP_CUDA_CHECK(cudaEventRecord(src_ready, src_stream));
+  DeviceState& dst_state = state(d);
+  cudaStream_t dst_stream = bind(dst_dev);
+  cudaStream_t inbound = dst_state.inbound;
+  DP_CUDA_CHECK(cudaStreamWaitEvent(inbound, src_ready, 0));
+  release_event(sdev, src_ready);  // the wait captured the record: the event is reusable
+  CachingAllocator& alloc = *dst_state.allocator;
+  void* staging = alloc.allocate(nbytes, inbound);
+  // From here the staging block must be freed on every path: the allocator's
+  // deallocate never throws, and the stream declarations below only add uses.
+  try {
+    if (dst_gpu == src_gpu) {
+      DP_CUDA_CHECK(cudaMemcpyAsync(staging, src, nbytes, cudaMemcpyDeviceToDevice, inbound));
+    } else {
+      DP_CUDA_CHECK(cudaMemcpyPeerAsync(staging, dst_gpu, src, src_gpu, nbytes, inbound));
+    }
+    cudaEvent_t copied = acquire_event(d);
+    DP_CUDA_CHECK(cudaEventRecord(copied, inbound));
+    DP_CUDA_CHECK(cudaStreamWaitEvent(src_stream, copied, 0));
+    DP_CUDA_CHECK(cudaStreamWaitEvent(dst_stream, copied, 0));
+    release_event(d, copied);
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, staging, nbytes, cudaMemcpyDeviceToDevice, dst_stream));
+    alloc.record_stream(staging, dst_stream);
+  } catch (...) {
+    alloc.deallocate(staging);
+    throw;
+  }
+  alloc.deallocate(staging);
 }
 
 void CudaBackend::copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) {
@@ -438,7 +505,14 @@ void CudaBackend::dropout(Device dev, const float* x, float* y, float* mask, std
 
 void CudaBackend::reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
                          std::int64_t r, std::int64_t inner) {
-  k::reduce(bind(dev), op, x, y, outer, r, inner);
+  cudaStream_t s = bind(dev);
+  const std::int64_t floats = outer >= 0 && r >= 0 && inner >= 0 ? k::reduce_scratch(outer, r, inner) : 0;
+  if (floats == 0) {
+    k::reduce(s, op, x, y, outer, r, inner, nullptr);
+    return;
+  }
+  Scratch parts(*this, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+  k::reduce(s, op, x, y, outer, r, inner, static_cast<float*>(parts.get()));
 }
 void CudaBackend::argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer,
                          std::int64_t r, std::int64_t inner) {
@@ -483,8 +557,18 @@ void CudaBackend::batchnorm_forward_train(Device dev, std::int64_t N, std::int64
                                           const float* beta, float eps, float momentum,
                                           float* running_mean, float* running_var, float* y,
                                           float* save_mean, float* save_invstd) {
-  k::batchnorm_forward_train(bind(dev), N, C, HW, x, gamma, beta, eps, momentum, running_mean,
-                             running_var, y, save_mean, save_invstd);
+  cudaStream_t s = bind(dev);
+  DP_CHECK(N > 0 && C > 0 && HW > 0, "batchnorm_forward_train: expected positive (N, C, HW), got (", N, ", ", C,
+           ", ", HW, ")");
+  const std::int64_t floats = k::batchnorm_forward_scratch(N, C, HW);
+  if (floats == 0) {
+    k::batchnorm_forward_train(s, N, C, HW, x, gamma, beta, eps, momentum, running_mean, running_var, y,
+                               save_mean, save_invstd, nullptr);
+    return;
+  }
+  Scratch parts(*this, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+  k::batchnorm_forward_train(s, N, C, HW, x, gamma, beta, eps, momentum, running_mean, running_var, y,
+                             save_mean, save_invstd, static_cast<float*>(parts.get()));
 }
 void CudaBackend::batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C,
                                          std::int64_t HW, const float* x, const float* gamma,
@@ -498,8 +582,10 @@ void CudaBackend::batchnorm_backward(Device dev, std::int64_t N, std::int64_t C,
                                      const float* save_mean, const float* save_invstd, float* gx,
                                      float* ggamma, float* gbeta) {
   cudaStream_t s = bind(dev);
-  DP_CHECK(C > 0, "batchnorm_backward: expected C > 0, got ", C);
-  Scratch sums(*this, dev.index, 2 * static_cast<std::size_t>(C) * sizeof(float));
+  DP_CHECK(N > 0 && C > 0 && HW > 0, "batchnorm_backward: expected positive (N, C, HW), got (", N, ", ", C, ", ",
+           HW, ")");
+  Scratch sums(*this, dev.index,
+               static_cast<std::size_t>(k::batchnorm_backward_scratch(N, C, HW)) * sizeof(float));
   k::batchnorm_backward(s, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta,
                         static_cast<float*>(sums.get()));
 }

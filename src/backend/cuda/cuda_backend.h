@@ -16,11 +16,13 @@
 
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.h"
 #include "backend/cuda/caching_allocator.h"
 #include "backend/cuda/host_allocator.h"
+#include "backend/logical_devices.h"
 
 namespace dp::backend {
 
@@ -39,6 +41,28 @@ namespace dp::backend {
 // therefore share one stream per device and need no events between them; a
 // communicator that runs collectives on its own stream orders them with events and
 // declares cross-stream buffers with CachingAllocator::record_stream.
+
+// Note [Logical CUDA devices]
+// DP_CUDA_DEVICES_PER_GPU=k makes every physical GPU carry k dp devices: cuda:i runs
+// on GPU i / k (backend/logical_devices.h, tested on CPU), so the whole multi-device
+// runtime — DP, DDP, Sharded, with their streams, events, peer copies and collectives
+// — runs on a machine with one GPU. A logical device owns everything a GPU would
+// give it alone: its compute stream and the inbound stream of Note [Peer copies],
+// its cuBLAS and cuDNN handles (so k workers never serialise on one handle mutex),
+// its caching allocator (so memory_allocated(cuda:i) counts cuda:i's tensors alone)
+// and its event pool. What it shares is the GPU itself: SMs, memory capacity (the
+// allocators' cudaMalloc draw on one pool; an out-of-memory message names the GPU's
+// free memory) and the current-device state of a thread, which set_device keeps as
+// the physical id. Differences from k real GPUs, each deliberate:
+//   - synchronize(cuda:i) waits for cuda:i's own streams, not for the whole GPU
+//     (cudaDeviceSynchronize would also wait for its k-1 siblings);
+//   - a copy between two devices of one GPU is a device-to-device cudaMemcpyAsync
+//     ordered like a peer copy (Note [Peer copies]);
+//   - NCCL refuses two ranks on one GPU in a communicator ("duplicate GPU"), so a
+//     device list that shares a GPU gets the CUDA copy communicator instead
+//     (Note [CUDA copy communicator], src/comm/nccl/copy_communicator.cpp).
+// Timings on logical devices measure k workers contending for one GPU: they test
+// correctness and ordering, not scaling. k = 1 (the default) changes nothing.
 
 /// Event that orders work across streams and devices (timing disabled: cheaper).
 class CudaEvent final : public Event {
@@ -93,9 +117,18 @@ class CudaBackend final : public Backend {
   static CudaBackend& instance();
 
   // ---- CUDA-specific accessors (for backend/cuda and comm/nccl) -------------------
-  /// Makes `device` current on the calling thread; cudaSetDevice runs only when the
-  /// thread's cached device differs. All dp code switches devices through this.
+  /// Makes `device`'s GPU current on the calling thread; cudaSetDevice runs only when
+  /// the thread's cached GPU differs. All dp code switches devices through this, with
+  /// dp device indices (Note [Logical CUDA devices]).
   void set_device(int device);
+  /// How dp devices map onto physical GPUs (DP_CUDA_DEVICES_PER_GPU).
+  const LogicalDeviceMap& device_map() const { return map_; }
+  /// The physical GPU of dp device `device` (what CUDA calls take as a device id).
+  int physical_device(int device) const { return map_.physical(device); }
+  /// Enables direct access from `a`'s GPU to `b`'s memory (dp device indices) once;
+  /// true when kernels on `a` may read `b`'s memory (always for one GPU), false when
+  /// the GPUs cannot peer (copies between them are then staged by the driver).
+  bool enable_peer_access(int a, int b);
   /// Forgets the thread's cached device: call after foreign code that may have called
   /// cudaSetDevice (e.g. library initialisation).
   static void invalidate_device_cache();
@@ -246,15 +279,16 @@ class CudaBackend final : public Backend {
   cudaStream_t bind(Device dev);
   DeviceState& state(int device);
   void check_device(Device dev) const;
-  void enable_peer_access(int a, int b);
   cudaEvent_t acquire_event(int device);
   void release_event(int device, cudaEvent_t ev);
 
-  int device_count_ = 0;
+  const LogicalDeviceMap map_;
+  const int device_count_ = 0;                   // dp devices: map_.count()
   std::unique_ptr<DeviceState[]> devices_;
-  std::unique_ptr<std::once_flag[]> peer_once_;  // device_count_ × device_count_
+  std::unique_ptr<std::once_flag[]> peer_once_;  // physical GPUs × physical GPUs
+  std::unique_ptr<bool[]> peer_ok_;              // written once under peer_once_
   std::mutex streams_mu_;
-  std::vector<cudaStream_t> extra_streams_;
+  std::vector<std::pair<int, cudaStream_t>> extra_streams_;  // (dp device, stream)
   HostAllocator host_alloc_;
 };
 

@@ -17,6 +17,14 @@
 // Ampere use TF32 — and no fallback: a clear error instead) and needs at most
 // kMaxWorkspace. Plans are cached per (device, shape, policy). The workspace comes from the
 // caching allocator on the current stream and is released right after the enqueue.
+// With dp::set_cudnn_benchmark(true) (Note [cuDNN benchmark], dp/core/device.h) the
+// candidates come from cudnnFind*AlgorithmEx instead, timed on the call's own tensors
+// (it writes only the output, which the call then overwrites), sorted fastest first,
+// and filtered by the same rules. It synchronises the device, once per shape and
+// direction, so it runs without the cache's mutex: another device's thread must be
+// able to enqueue its part of a collective that this device's stream waits for. A
+// plan's fields need no lock of their own: the device's cuDNN handle lease, held for
+// the whole call, serialises every use of that device's plans.
 #include <algorithm>
 #include <array>
 #include <climits>
@@ -91,13 +99,12 @@ class ConvPlanCache {
   /// The plan of `s` on `device`, with descriptors made; algorithms are chosen per
   /// direction by the callers below on first use. Holds no lock after return: plans
   /// are never erased, and each direction is filled once under mu_.
-  ConvPlan& get(int device, const Conv2dShape& s, bool allow_tf32) {
+  ConvPlan& get(int device, const Conv2dShape& s, bool allow_tf32, bool benchmark) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto& slot = plans_[{device, key_of(s), allow_tf32}];
+    auto& slot = plans_[{device, key_of(s), allow_tf32, benchmark}];
     if (!slot) slot = make_plan(s, allow_tf32);
     return *slot;
   }
-  std::mutex& mutex() { return mu_; }
 
  private:
   static std::unique_ptr<ConvPlan> make_plan(const Conv2dShape& s, bool allow_tf32) {
@@ -135,12 +142,20 @@ class ConvPlanCache {
   }
 
   std::mutex mu_;
-  std::map<std::tuple<int, ConvKey, bool>, std::unique_ptr<ConvPlan>> plans_;
+  std::map<std::tuple<int, ConvKey, bool, bool>, std::unique_ptr<ConvPlan>> plans_;
 };
 
 ConvPlanCache& plan_cache() {
   static ConvPlanCache* cache = new ConvPlanCache();  // process lifetime
   return *cache;
+}
+
+/// Workspace offered to cudnnFind*AlgorithmEx: kMaxWorkspace, or half of the GPU's
+/// free memory when less (the search must not fail the step with out-of-memory).
+std::size_t find_workspace_bytes() {
+  std::size_t free_b = 0, total_b = 0;
+  DP_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return std::min(kMaxWorkspace, free_b / 2);
 }
 
 }  // namespace
@@ -177,16 +192,23 @@ void CudaBackend::gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, s
 void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
                                  const float* bias, float* y) {
   bind(dev);
-  const bool tf32 = allow_tf32_conv();
-  ConvPlan& p = plan_cache().get(dev.index, s, tf32);
-  auto h = cudnn(dev.index);
+  const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
+  ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
+  auto h = cudnn(dev.index);  // serialises the use of this device's plans
   {
-    std::lock_guard<std::mutex> lock(plan_cache().mutex());
     if (!p.has_fwd) {
       cudnnConvolutionFwdAlgoPerf_t perf[kMaxAlgos];
       int count = 0;
-      DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h.get(), p.x, p.w, p.conv, p.y,
-                                                            kMaxAlgos, &count, perf));
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
+      if (benchmark) {
+        const std::size_t bytes = find_workspace_bytes();
+        Scratch ws(*this, dev.index, bytes);
+        DP_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithmEx(h.get(), p.x, x, p.w, w, p.conv, p.y, y, kMaxAlgos,
+                                                              &count, perf, ws.get(), bytes));
+      } else {
+        DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h.get(), p.x, p.w, p.conv, p.y, kMaxAlgos, &count,
+                                                              perf));
+      }
       const auto* best = pick(perf, count, tf32, "forward", s);
       p.fwd = best->algo;
       p.fwd_math = best->mathType;
@@ -207,17 +229,23 @@ void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* 
 void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,
                                        const float* w, float* gx) {
   bind(dev);
-  const bool tf32 = allow_tf32_conv();
-  ConvPlan& p = plan_cache().get(dev.index, s, tf32);
-  auto h = cudnn(dev.index);
+  const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
+  ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
+  auto h = cudnn(dev.index);  // serialises the use of this device's plans
   {
-    std::lock_guard<std::mutex> lock(plan_cache().mutex());
     if (!p.has_bwd_data) {
       cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxAlgos];
       int count = 0;
       DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
-      DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h.get(), p.w, p.y, p.conv, p.x,
-                                                                 kMaxAlgos, &count, perf));
+      if (benchmark) {
+        const std::size_t bytes = find_workspace_bytes();
+        Scratch ws(*this, dev.index, bytes);
+        DP_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(h.get(), p.w, w, p.y, gy, p.conv, p.x, gx,
+                                                                   kMaxAlgos, &count, perf, ws.get(), bytes));
+      } else {
+        DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h.get(), p.w, p.y, p.conv, p.x, kMaxAlgos,
+                                                                   &count, perf));
+      }
       const auto* best = pick(perf, count, tf32, "backward data", s);
       p.bwd_data = best->algo;
       p.bwd_data_math = best->mathType;
@@ -237,17 +265,23 @@ void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const f
 void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
                                          const float* gy, float* gw, float* gbias) {
   bind(dev);
-  const bool tf32 = allow_tf32_conv();
-  ConvPlan& p = plan_cache().get(dev.index, s, tf32);
-  auto h = cudnn(dev.index);
+  const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
+  ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
+  auto h = cudnn(dev.index);  // serialises the use of this device's plans
   {
-    std::lock_guard<std::mutex> lock(plan_cache().mutex());
     if (!p.has_bwd_filter) {
       cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxAlgos];
       int count = 0;
       DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
-      DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h.get(), p.x, p.y, p.conv, p.w,
-                                                                   kMaxAlgos, &count, perf));
+      if (benchmark) {
+        const std::size_t bytes = find_workspace_bytes();
+        Scratch ws(*this, dev.index, bytes);
+        DP_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(h.get(), p.x, x, p.y, gy, p.conv, p.w, gw,
+                                                                     kMaxAlgos, &count, perf, ws.get(), bytes));
+      } else {
+        DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h.get(), p.x, p.y, p.conv, p.w, kMaxAlgos,
+                                                                     &count, perf));
+      }
       const auto* best = pick(perf, count, tf32, "backward filter", s);
       p.bwd_filter = best->algo;
       p.bwd_filter_math = best->mathType;

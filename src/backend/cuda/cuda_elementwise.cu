@@ -12,6 +12,7 @@
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/kernel_plan.h"
 #include "backend/functors.h"
 #include "dp/core/error.h"
 
@@ -120,46 +121,53 @@ __global__ void binary_contiguous_kernel(F f, const float* a, const float* b, fl
   for (i64 i = global_thread(); i < n; i += grid_stride()) out[i] = f(a[i], b[i]);
 }
 
-/// Offsets into a and b of output element `i` (row-major over ix.sizes).
-__device__ __forceinline__ void strided_offsets(const Indexer& ix, i64 i, i64& oa, i64& ob) {
+/// Offsets into a and b of output element `i` (row-major over ix.sizes), with the index
+/// math in I: int32 where kernel_plan::strided_fits_i32 says n and every offset fit (a
+/// 64-bit division costs several 32-bit ones, and this loop is all divisions), else
+/// int64.
+template <typename I>
+__device__ __forceinline__ void strided_offsets(const Indexer& ix, I i, I& oa, I& ob) {
   oa = 0;
   ob = 0;
 #pragma unroll
   for (int d = kMaxDims - 1; d >= 0; --d) {
     if (d >= ix.ndim) continue;  // static indices keep ix in the parameter bank
-    const i64 size = ix.sizes[d];
-    const i64 q = i / size;
-    const i64 coord = i - q * size;
-    oa += coord * ix.strides_a[d];
-    ob += coord * ix.strides_b[d];
+    const I size = static_cast<I>(ix.sizes[d]);
+    const I q = i / size;
+    const I coord = i - q * size;
+    oa += coord * static_cast<I>(ix.strides_a[d]);
+    ob += coord * static_cast<I>(ix.strides_b[d]);
     i = q;
   }
 }
 
-template <typename F>
+// The loop counters stay i64 (the last step may pass INT32_MAX); the index is I.
+template <typename I, typename F>
 __global__ void binary_strided_kernel(F f, const Indexer ix, const float* a, const float* b,
                                       float* out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
-    i64 oa, ob;
-    strided_offsets(ix, i, oa, ob);
+    I oa, ob;
+    strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
     out[i] = f(a[oa], b[ob]);
   }
 }
 
+template <typename I>
 __global__ void eq_i64_kernel(const Indexer ix, const i64* __restrict__ a, const i64* __restrict__ b,
                               float* __restrict__ out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
-    i64 oa, ob;
-    strided_offsets(ix, i, oa, ob);
+    I oa, ob;
+    strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
     out[i] = a[oa] == b[ob] ? 1.0f : 0.0f;
   }
 }
 
+template <typename I>
 __global__ void strided_copy_kernel(const Indexer ix, const float* __restrict__ a,
                                     float* __restrict__ out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
-    i64 oa, ob;
-    strided_offsets(ix, i, oa, ob);
+    I oa, ob;
+    strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
     out[i] = a[oa];
   }
 }
@@ -219,6 +227,17 @@ __global__ void adam_kernel(AdamUpdate upd, float* __restrict__ param,
 }
 
 // ---- host helpers -------------------------------------------------------------------------
+
+/// Calls f(I{}) with I = int32 when the strided kernel's indices over ix fit
+/// (kernel_plan::strided_fits_i32), else int64.
+template <typename F>
+void with_strided_index(const Indexer& ix, i64 n, F&& f) {
+  if (kernel_plan::strided_fits_i32(ix, n)) {
+    f(std::int32_t{0});
+  } else {
+    f(i64{0});
+  }
+}
 
 Collapsed collapse(const Indexer& in) {
   DP_CHECK(in.ndim >= 0 && in.ndim <= kMaxDims, "elementwise: expected at most ", kMaxDims,
@@ -311,7 +330,9 @@ void eq_i64(cudaStream_t stream, const Indexer& ix, const i64* a, const i64* b, 
   for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
   check_count(n, "eq_i64");
   if (n == 0) return;
-  eq_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(ix, a, b, out, n);
+  with_strided_index(ix, n, [&](auto zero) {
+    eq_i64_kernel<decltype(zero)><<<grid_for(n), kBlock, 0, stream>>>(ix, a, b, out, n);
+  });
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -393,7 +414,9 @@ void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const float* a,
     if (c.contiguous) {
       binary_contiguous_kernel<<<grid_for(n), kBlock, 0, stream>>>(f, a, b, out, n);
     } else {
-      binary_strided_kernel<<<grid_for(n), kBlock, 0, stream>>>(f, c.ix, a, b, out, n);
+      with_strided_index(c.ix, n, [&](auto zero) {
+        binary_strided_kernel<decltype(zero)><<<grid_for(n), kBlock, 0, stream>>>(f, c.ix, a, b, out, n);
+      });
     }
   });
   DP_CUDA_CHECK_LAUNCH();
@@ -410,7 +433,9 @@ void strided_copy(cudaStream_t stream, const Indexer& ix, const float* a, float*
                                   cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  strided_copy_kernel<<<grid_for(n), kBlock, 0, stream>>>(c.ix, a, out, n);
+  with_strided_index(c.ix, n, [&](auto zero) {
+    strided_copy_kernel<decltype(zero)><<<grid_for(n), kBlock, 0, stream>>>(c.ix, a, out, n);
+  });
   DP_CUDA_CHECK_LAUNCH();
 }
 

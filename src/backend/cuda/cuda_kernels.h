@@ -15,6 +15,14 @@
 
 namespace dp::backend::cuda_kernels {
 
+/// The inputs of sum_inputs: up to kMaxSumInputs device pointers, passed by value as a
+/// kernel argument (64 pointers = 512 bytes, well inside the 4 KiB parameter limit).
+inline constexpr int kMaxSumInputs = 64;
+struct SumInputs {
+  const float* ptr[kMaxSumInputs];
+  int count = 0;
+};
+
 // ---- cuda_elementwise.cu --------------------------------------------------------------
 void fill(cudaStream_t stream, float* y, std::int64_t n, float value);
 void fill_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t value);
@@ -55,8 +63,17 @@ void adam_step(cudaStream_t stream, float* param, const float* grad, float* exp_
                float weight_decay, bool decoupled, std::int64_t step);
 
 // ---- cuda_reduce.cu -----------------------------------------------------------------
+/// Scratch floats reduce() needs for (outer, r, inner): outer * S when a row reduction
+/// is split over S > 1 blocks per row (Note [Split reductions]), else 0.
+std::int64_t reduce_scratch(std::int64_t outer, std::int64_t r, std::int64_t inner);
 void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, std::int64_t outer,
-            std::int64_t r, std::int64_t inner);
+            std::int64_t r, std::int64_t inner, float* scratch);
+/// dst[i] = ((in[0][i] + in[1][i]) + ...) + in[count-1][i], then * inv when `average`,
+/// for i < n: the fixed order of the local communicator (Note [Fixed summation order]),
+/// bitwise the same as its CPU loop. dst may be one of the inputs (each element is read
+/// before it is written); the inputs may live on other GPUs with peer access enabled.
+void sum_inputs(cudaStream_t stream, const SumInputs& in, float* dst, std::int64_t n, bool average,
+                float inv);
 void argmax(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t outer,
             std::int64_t r, std::int64_t inner);
 
@@ -80,7 +97,11 @@ void batchnorm_forward_train(cudaStream_t stream, std::int64_t N, std::int64_t C
                              std::int64_t HW, const float* x, const float* gamma,
                              const float* beta, float eps, float momentum, float* running_mean,
                              float* running_var, float* y, float* save_mean,
-                             float* save_invstd);
+                             float* save_invstd, float* scratch);
+/// Scratch floats batchnorm_forward_train needs for (N, C, HW): 2 * C * S when the
+/// statistics are split over S > 1 blocks per channel, else 0 (scratch may be null).
+std::int64_t batchnorm_forward_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
+/// Scratch floats batchnorm_backward needs: 2 * C (the sums) + 2 * C * S when split.
 void batchnorm_forward_eval(cudaStream_t stream, std::int64_t N, std::int64_t C,
                             std::int64_t HW, const float* x, const float* gamma,
                             const float* beta, float eps, const float* running_mean,
@@ -89,6 +110,7 @@ void batchnorm_backward(cudaStream_t stream, std::int64_t N, std::int64_t C, std
                         const float* gy, const float* x, const float* gamma,
                         const float* save_mean, const float* save_invstd, float* gx,
                         float* ggamma, float* gbeta, float* scratch);
+std::int64_t batchnorm_backward_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
 // (batchnorm_backward: `scratch` holds 2 * C floats valid until the enqueued work ends.)
 
 }  // namespace dp::backend::cuda_kernels

@@ -3,15 +3,18 @@
 // Pooling backward passes GATHER (each input element sums the outputs whose window
 // holds it) instead of scattering with atomicAdd: the sum order is fixed, so gradients
 // are bitwise reproducible run to run, which DP's fixed-order reduction relies on.
-// Batch norm computes per-channel statistics in one block per channel (two passes over
-// the data: mean, then centred variance, which does not cancel catastrophically), then
-// applies the normalisation in a separate grid over all elements.
+// Batch norm computes per-channel statistics (two passes over the data: mean, then
+// centred variance, which does not cancel catastrophically) in one block per channel
+// when the channels fill the GPU, else in S blocks per channel whose partials a second
+// pass adds in a fixed order (Note [Split reductions], cuda_reduce.cu); then it applies
+// the normalisation in a separate grid over all elements.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/kernel_plan.h"
 #include "dp/core/error.h"
 
 namespace dp::backend::cuda_kernels {
@@ -84,21 +87,47 @@ __global__ void nll_backward_kernel(const float* __restrict__ gloss, const i64* 
 }
 
 // ---- kernels: pooling ------------------------------------------------------------------------
+// Index math in I: int32 where kernel_plan::pool_fits_i32 says every index fits (64-bit
+// division costs several times a 32-bit one, and these kernels are mostly index
+// math), int64 otherwise. PoolDims<I> is the shape in I. The loop counter stays i64:
+// its last step may pass INT32_MAX before the test ends the loop.
 
-__global__ void maxpool_forward_kernel(const Pool2dShape s, const float* __restrict__ x,
+template <typename I>
+struct PoolDims {
+  I N, C, H, W, P, Q, kh, kw, sh, sw, ph, pw;
+  explicit PoolDims(const Pool2dShape& s)
+      : N(static_cast<I>(s.N)), C(static_cast<I>(s.C)), H(static_cast<I>(s.H)), W(static_cast<I>(s.W)),
+        P(static_cast<I>(s.P)), Q(static_cast<I>(s.Q)), kh(static_cast<I>(s.kernel_h)),
+        kw(static_cast<I>(s.kernel_w)), sh(static_cast<I>(s.stride_h)), sw(static_cast<I>(s.stride_w)),
+        ph(static_cast<I>(s.pad_h)), pw(static_cast<I>(s.pad_w)) {}
+};
+
+/// First index and stride of a grid-stride loop in I (the loop bound fits in I).
+template <typename I>
+__device__ __forceinline__ I first_index() {
+  return static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x);
+}
+template <typename I>
+__device__ __forceinline__ I index_stride() {
+  return static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x);
+}
+
+template <typename I>
+__global__ void maxpool_forward_kernel(const PoolDims<I> s, const float* __restrict__ x,
                                        float* __restrict__ y, i64* __restrict__ indices) {
-  const i64 total = s.N * s.C * s.P * s.Q;
-  for (i64 t = global_thread(); t < total; t += grid_stride()) {
-    const i64 q = t % s.Q, p = (t / s.Q) % s.P, nc = t / (s.P * s.Q);
-    const float* xp = x + nc * s.H * s.W;
-    const i64 h0 = p * s.stride_h - s.pad_h, w0 = q * s.stride_w - s.pad_w;
+  const I total = s.N * s.C * s.P * s.Q;
+  for (i64 t64 = first_index<I>(); t64 < total; t64 += index_stride<I>()) {
+    const I t = static_cast<I>(t64);
+    const I q = t % s.Q, p = (t / s.Q) % s.P, nc = t / (s.P * s.Q);
+    const float* xp = x + static_cast<i64>(nc) * s.H * s.W;
+    const I h0 = p * s.sh - s.ph, w0 = q * s.sw - s.pw;
     float best = MaxOp::kIdentity;
-    i64 best_i = -1;
-    for (i64 kh = 0; kh < s.kernel_h; ++kh) {
-      const i64 h = h0 + kh;
+    I best_i = -1;
+    for (I kh = 0; kh < s.kh; ++kh) {
+      const I h = h0 + kh;
       if (h < 0 || h >= s.H) continue;  // padding never wins
-      for (i64 kw = 0; kw < s.kernel_w; ++kw) {
-        const i64 w = w0 + kw;
+      for (I kw = 0; kw < s.kw; ++kw) {
+        const I w = w0 + kw;
         if (w < 0 || w >= s.W) continue;
         const float v = xp[h * s.W + w];
         // First maximum in window order; NaN wins (and stays), as in PyTorch.
@@ -114,65 +143,72 @@ __global__ void maxpool_forward_kernel(const Pool2dShape s, const float* __restr
 }
 
 /// Output rows/cols whose window covers input coordinate h: [lo, hi).
-__device__ __forceinline__ void covering(i64 h, i64 pad, i64 kernel, i64 stride, i64 out,
-                                         i64& lo, i64& hi) {
-  const i64 hp = h + pad;  // coordinate in the padded input
+template <typename I>
+__device__ __forceinline__ void covering(I h, I pad, I kernel, I stride, I out, I& lo, I& hi) {
+  const I hp = h + pad;  // coordinate in the padded input
   lo = hp < kernel ? 0 : (hp - kernel) / stride + 1;
   hi = hp / stride + 1;
   if (hi > out) hi = out;
 }
 
-__global__ void maxpool_backward_kernel(const Pool2dShape s, const float* __restrict__ gy,
+template <typename I>
+__global__ void maxpool_backward_kernel(const PoolDims<I> s, const float* __restrict__ gy,
                                         const i64* __restrict__ indices, float* __restrict__ gx) {
-  const i64 total = s.N * s.C * s.H * s.W;
-  for (i64 t = global_thread(); t < total; t += grid_stride()) {
-    const i64 w = t % s.W, h = (t / s.W) % s.H, nc = t / (s.H * s.W);
-    i64 p0, p1, q0, q1;
-    covering(h, s.pad_h, s.kernel_h, s.stride_h, s.P, p0, p1);
-    covering(w, s.pad_w, s.kernel_w, s.stride_w, s.Q, q0, q1);
+  const I total = s.N * s.C * s.H * s.W;
+  for (i64 t64 = first_index<I>(); t64 < total; t64 += index_stride<I>()) {
+    const I t = static_cast<I>(t64);
+    const I w = t % s.W, h = (t / s.W) % s.H, nc = t / (s.H * s.W);
+    I p0, p1, q0, q1;
+    covering(h, s.ph, s.kh, s.sh, s.P, p0, p1);
+    covering(w, s.pw, s.kw, s.sw, s.Q, q0, q1);
     const i64 self = h * s.W + w;
-    const i64 base = nc * s.P * s.Q;
+    const I base = nc * s.P * s.Q;
     float acc = 0.0f;
-    for (i64 p = p0; p < p1; ++p)
-      for (i64 q = q0; q < q1; ++q)
+    for (I p = p0; p < p1; ++p)
+      for (I q = q0; q < q1; ++q)
         if (indices[base + p * s.Q + q] == self) acc += gy[base + p * s.Q + q];
     gx[t] = acc;
   }
 }
 
 /// PyTorch's divisor with count_include_pad: the window clipped to the padded input.
-__device__ __forceinline__ i64 avg_divisor(const Pool2dShape& s, i64 p, i64 q) {
-  const i64 h0 = p * s.stride_h - s.pad_h, w0 = q * s.stride_w - s.pad_w;
-  const i64 h1 = min(h0 + s.kernel_h, s.H + s.pad_h), w1 = min(w0 + s.kernel_w, s.W + s.pad_w);
+template <typename I>
+__device__ __forceinline__ I avg_divisor(const PoolDims<I>& s, I p, I q) {
+  const I h0 = p * s.sh - s.ph, w0 = q * s.sw - s.pw;
+  const I h1 = min(h0 + s.kh, s.H + s.ph), w1 = min(w0 + s.kw, s.W + s.pw);
   return (h1 - h0) * (w1 - w0);
 }
 
-__global__ void avgpool_forward_kernel(const Pool2dShape s, const float* __restrict__ x,
+template <typename I>
+__global__ void avgpool_forward_kernel(const PoolDims<I> s, const float* __restrict__ x,
                                        float* __restrict__ y) {
-  const i64 total = s.N * s.C * s.P * s.Q;
-  for (i64 t = global_thread(); t < total; t += grid_stride()) {
-    const i64 q = t % s.Q, p = (t / s.Q) % s.P, nc = t / (s.P * s.Q);
-    const float* xp = x + nc * s.H * s.W;
-    const i64 h0 = p * s.stride_h - s.pad_h, w0 = q * s.stride_w - s.pad_w;
+  const I total = s.N * s.C * s.P * s.Q;
+  for (i64 t64 = first_index<I>(); t64 < total; t64 += index_stride<I>()) {
+    const I t = static_cast<I>(t64);
+    const I q = t % s.Q, p = (t / s.Q) % s.P, nc = t / (s.P * s.Q);
+    const float* xp = x + static_cast<i64>(nc) * s.H * s.W;
+    const I h0 = p * s.sh - s.ph, w0 = q * s.sw - s.pw;
     float acc = 0.0f;
-    for (i64 h = max(h0, i64{0}); h < min(h0 + s.kernel_h, s.H); ++h)
-      for (i64 w = max(w0, i64{0}); w < min(w0 + s.kernel_w, s.W); ++w) acc += xp[h * s.W + w];
+    for (I h = max(h0, I{0}); h < min(h0 + s.kh, s.H); ++h)
+      for (I w = max(w0, I{0}); w < min(w0 + s.kw, s.W); ++w) acc += xp[h * s.W + w];
     y[t] = acc / static_cast<float>(avg_divisor(s, p, q));
   }
 }
 
-__global__ void avgpool_backward_kernel(const Pool2dShape s, const float* __restrict__ gy,
+template <typename I>
+__global__ void avgpool_backward_kernel(const PoolDims<I> s, const float* __restrict__ gy,
                                         float* __restrict__ gx) {
-  const i64 total = s.N * s.C * s.H * s.W;
-  for (i64 t = global_thread(); t < total; t += grid_stride()) {
-    const i64 w = t % s.W, h = (t / s.W) % s.H, nc = t / (s.H * s.W);
-    i64 p0, p1, q0, q1;
-    covering(h, s.pad_h, s.kernel_h, s.stride_h, s.P, p0, p1);
-    covering(w, s.pad_w, s.kernel_w, s.stride_w, s.Q, q0, q1);
-    const i64 base = nc * s.P * s.Q;
+  const I total = s.N * s.C * s.H * s.W;
+  for (i64 t64 = first_index<I>(); t64 < total; t64 += index_stride<I>()) {
+    const I t = static_cast<I>(t64);
+    const I w = t % s.W, h = (t / s.W) % s.H, nc = t / (s.H * s.W);
+    I p0, p1, q0, q1;
+    covering(h, s.ph, s.kh, s.sh, s.P, p0, p1);
+    covering(w, s.pw, s.kw, s.sw, s.Q, q0, q1);
+    const I base = nc * s.P * s.Q;
     float acc = 0.0f;
-    for (i64 p = p0; p < p1; ++p)
-      for (i64 q = q0; q < q1; ++q)
+    for (I p = p0; p < p1; ++p)
+      for (I q = q0; q < q1; ++q)
         acc += gy[base + p * s.Q + q] / static_cast<float>(avg_divisor(s, p, q));
     gx[t] = acc;
   }
@@ -181,16 +217,31 @@ __global__ void avgpool_backward_kernel(const Pool2dShape s, const float* __rest
 // ---- kernels: batch norm ----------------------------------------------------------------------
 // x: (N, C, HW). Channel c's elements are N runs of HW contiguous floats.
 
-/// Sum over channel c of f(x) with the block's threads; every thread gets the result.
+/// Sum of f(flat index) over elements [b, e) of channel c's N * HW (in (n, k) order) with
+/// the block's threads; every thread gets the result. The order is fixed by the block
+/// size and the part: bitwise reproducible.
 template <typename F>
-__device__ float channel_sum(F f, i64 N, i64 C, i64 HW, i64 c, float* smem) {
+__device__ float channel_part_sum(F f, i64 C, i64 HW, i64 c, i64 b, i64 e, float* smem) {
   float acc = 0.0f;
-  const i64 m = N * HW;
-  for (i64 j = threadIdx.x; j < m; j += blockDim.x) {
+  for (i64 j = b + threadIdx.x; j < e; j += blockDim.x) {
     const i64 n = j / HW, k = j - n * HW;
     acc += f((n * C + c) * HW + k);
   }
   return block_reduce(acc, SumOp{}, smem);
+}
+
+/// Sum over all of channel c (one block per channel).
+template <typename F>
+__device__ float channel_sum(F f, i64 N, i64 C, i64 HW, i64 c, float* smem) {
+  return channel_part_sum(f, C, HW, c, 0, N * HW, smem);
+}
+
+/// The S partials of a split reduction, added in index order (the second pass of
+/// Note [Split reductions]); every thread that calls it gets the same bits.
+__device__ __forceinline__ float sum_parts(const float* __restrict__ parts, int S) {
+  float acc = parts[0];
+  for (int s = 1; s < S; ++s) acc += parts[s];
+  return acc;
 }
 
 __global__ void bn_stats_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x, float eps,
@@ -208,6 +259,49 @@ __global__ void bn_stats_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ 
     save_invstd[c] = rsqrtf(var + eps);
     if (running_mean) {
       // Unbiased variance for the running estimate, as PyTorch.
+      const float unbiased = count > 1.0f ? var * count / (count - 1.0f) : var;
+      running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mean;
+      running_var[c] = (1.0f - momentum) * running_var[c] + momentum * unbiased;
+    }
+  }
+}
+
+// The split statistics (Note [Split reductions]): grid (S, C), block (s, c) takes
+// part s of channel c. Pass 1: sums of x. Pass 2: every block recomputes the mean from
+// the S partials (same order, same bits) and sums (x - mean)^2. Then bn_finalize.
+__global__ void bn_partial_sum_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x,
+                                      float* __restrict__ part_sum) {
+  __shared__ float smem[kWarp];
+  const int S = static_cast<int>(gridDim.x), sp = static_cast<int>(blockIdx.x);
+  const i64 c = blockIdx.y;
+  const kernel_plan::Part pt = kernel_plan::part_of(N * HW, S, sp);
+  const float v = channel_part_sum([&](i64 i) { return x[i]; }, C, HW, c, pt.begin, pt.end, smem);
+  if (threadIdx.x == 0) part_sum[c * S + sp] = v;
+}
+
+__global__ void bn_partial_var_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x,
+                                      const float* __restrict__ part_sum, float* __restrict__ part_sq) {
+  __shared__ float smem[kWarp];
+  const int S = static_cast<int>(gridDim.x), sp = static_cast<int>(blockIdx.x);
+  const i64 c = blockIdx.y;
+  const float mean = sum_parts(part_sum + c * S, S) / static_cast<float>(N * HW);
+  const kernel_plan::Part pt = kernel_plan::part_of(N * HW, S, sp);
+  const float v = channel_part_sum([&](i64 i) { const float d = x[i] - mean; return d * d; }, C, HW, c,
+                                   pt.begin, pt.end, smem);
+  if (threadIdx.x == 0) part_sq[c * S + sp] = v;
+}
+
+__global__ void bn_finalize_kernel(i64 N, i64 C, i64 HW, int S, const float* __restrict__ part_sum,
+                                   const float* __restrict__ part_sq, float eps, float momentum,
+                                   float* running_mean, float* running_var, float* __restrict__ save_mean,
+                                   float* __restrict__ save_invstd) {
+  const float count = static_cast<float>(N * HW);
+  for (i64 c = global_thread(); c < C; c += grid_stride()) {
+    const float mean = sum_parts(part_sum + c * S, S) / count;
+    const float var = sum_parts(part_sq + c * S, S) / count;  // biased: used to normalise
+    save_mean[c] = mean;
+    save_invstd[c] = rsqrtf(var + eps);
+    if (running_mean) {
       const float unbiased = count > 1.0f ? var * count / (count - 1.0f) : var;
       running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * mean;
       running_var[c] = (1.0f - momentum) * running_var[c] + momentum * unbiased;
@@ -251,6 +345,38 @@ __global__ void bn_backward_reduce_kernel(i64 N, i64 C, i64 HW, const float* __r
   }
 }
 
+// The split backward reduction: grid (S, C); part[c * S + s] = Σ gy and
+// part[C * S + c * S + s] = Σ gy * xhat over part s of channel c; then
+// bn_backward_finalize adds the S partials in order.
+__global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ gy,
+                                           const float* __restrict__ x, const float* __restrict__ save_mean,
+                                           const float* __restrict__ save_invstd, float* __restrict__ part) {
+  __shared__ float smem[kWarp];
+  const int S = static_cast<int>(gridDim.x), sp = static_cast<int>(blockIdx.x);
+  const i64 c = blockIdx.y;
+  const float mean = save_mean[c], invstd = save_invstd[c];
+  const kernel_plan::Part pt = kernel_plan::part_of(N * HW, S, sp);
+  const float a = channel_part_sum([&](i64 i) { return gy[i]; }, C, HW, c, pt.begin, pt.end, smem);
+  const float b = channel_part_sum([&](i64 i) { return gy[i] * (x[i] - mean) * invstd; }, C, HW, c, pt.begin,
+                                   pt.end, smem);
+  if (threadIdx.x == 0) {
+    part[c * S + sp] = a;
+    part[C * S + c * S + sp] = b;
+  }
+}
+
+__global__ void bn_backward_finalize_kernel(i64 C, int S, const float* __restrict__ part,
+                                            float* __restrict__ sums, float* ggamma, float* gbeta) {
+  for (i64 c = global_thread(); c < C; c += grid_stride()) {
+    const float sum_gy = sum_parts(part + c * S, S);
+    const float sum_gy_xhat = sum_parts(part + C * S + c * S, S);
+    sums[c] = sum_gy;
+    sums[C + c] = sum_gy_xhat;
+    if (gbeta) gbeta[c] = sum_gy;
+    if (ggamma) ggamma[c] = sum_gy_xhat;
+  }
+}
+
 // gx = gamma * invstd / M * (M * gy - Σgy - xhat * Σ(gy * xhat)).
 __global__ void bn_backward_apply_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ gy,
                                          const float* __restrict__ x,
@@ -278,6 +404,17 @@ void check_pool(const char* op, const Pool2dShape& s) {
            op, ": expected positive kernel and stride, non-negative sizes and padding; got N=",
            s.N, " C=", s.C, " H=", s.H, " W=", s.W, " kernel=", s.kernel_h, "x", s.kernel_w,
            " stride=", s.stride_h, "x", s.stride_w, " pad=", s.pad_h, "x", s.pad_w);
+}
+
+/// Calls f(I{}) with I = int32 when the pooling shape's indices fit (kernel_plan), else
+/// int64.
+template <typename F>
+void with_pool_index(const Pool2dShape& s, F&& f) {
+  if (kernel_plan::pool_fits_i32(s)) {
+    f(std::int32_t{0});
+  } else {
+    f(i64{0});
+  }
 }
 
 void check_bn(const char* op, i64 N, i64 C, i64 HW) {
@@ -333,7 +470,10 @@ void maxpool2d_forward(cudaStream_t stream, const Pool2dShape& s, const float* x
   check_pool("maxpool2d_forward", s);
   const i64 total = s.N * s.C * s.P * s.Q;
   if (total == 0) return;
-  maxpool_forward_kernel<<<grid_for(total), kBlock, 0, stream>>>(s, x, y, indices);
+  with_pool_index(s, [&](auto zero) {
+    using I = decltype(zero);
+    maxpool_forward_kernel<I><<<grid_for(total), kBlock, 0, stream>>>(PoolDims<I>(s), x, y, indices);
+  });
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -342,7 +482,10 @@ void maxpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* 
   check_pool("maxpool2d_backward", s);
   const i64 total = s.N * s.C * s.H * s.W;
   if (total == 0) return;
-  maxpool_backward_kernel<<<grid_for(total), kBlock, 0, stream>>>(s, gy, indices, gx);
+  with_pool_index(s, [&](auto zero) {
+    using I = decltype(zero);
+    maxpool_backward_kernel<I><<<grid_for(total), kBlock, 0, stream>>>(PoolDims<I>(s), gy, indices, gx);
+  });
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -350,7 +493,10 @@ void avgpool2d_forward(cudaStream_t stream, const Pool2dShape& s, const float* x
   check_pool("avgpool2d_forward", s);
   const i64 total = s.N * s.C * s.P * s.Q;
   if (total == 0) return;
-  avgpool_forward_kernel<<<grid_for(total), kBlock, 0, stream>>>(s, x, y);
+  with_pool_index(s, [&](auto zero) {
+    using I = decltype(zero);
+    avgpool_forward_kernel<I><<<grid_for(total), kBlock, 0, stream>>>(PoolDims<I>(s), x, y);
+  });
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -358,24 +504,52 @@ void avgpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* 
   check_pool("avgpool2d_backward", s);
   const i64 total = s.N * s.C * s.H * s.W;
   if (total == 0) return;
-  avgpool_backward_kernel<<<grid_for(total), kBlock, 0, stream>>>(s, gy, gx);
+  with_pool_index(s, [&](auto zero) {
+    using I = decltype(zero);
+    avgpool_backward_kernel<I><<<grid_for(total), kBlock, 0, stream>>>(PoolDims<I>(s), gy, gx);
+  });
   DP_CUDA_CHECK_LAUNCH();
 }
 
 void batchnorm_forward_train(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* x,
                              const float* gamma, const float* beta, float eps, float momentum,
                              float* running_mean, float* running_var, float* y, float* save_mean,
-                             float* save_invstd) {
+                             float* save_invstd, float* scratch) {
   check_bn("batchnorm_forward_train", N, C, HW);
   DP_CHECK(save_mean && save_invstd, "batchnorm_forward_train: save_mean and save_invstd are required");
   DP_CHECK(!running_mean == !running_var,
            "batchnorm_forward_train: expected both running_mean and running_var, or neither");
-  bn_stats_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
-      N, C, HW, x, eps, momentum, running_mean, running_var, save_mean, save_invstd);
-  DP_CUDA_CHECK_LAUNCH();
+  const int S = kernel_plan::bn_splits(N, C, HW);
+  if (S == 1) {
+    bn_stats_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
+        N, C, HW, x, eps, momentum, running_mean, running_var, save_mean, save_invstd);
+    DP_CUDA_CHECK_LAUNCH();
+  } else {
+    DP_CHECK(scratch != nullptr, "batchnorm_forward_train: expected scratch of 2 * C * ", S, " floats");
+    float* part_sum = scratch;
+    float* part_sq = scratch + C * S;
+    const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(C));  // C < kTargetBlocks when S > 1
+    bn_partial_sum_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, x, part_sum);
+    DP_CUDA_CHECK_LAUNCH();
+    bn_partial_var_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, x, part_sum, part_sq);
+    DP_CUDA_CHECK_LAUNCH();
+    bn_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(N, C, HW, S, part_sum, part_sq, eps, momentum,
+                                                           running_mean, running_var, save_mean, save_invstd);
+    DP_CUDA_CHECK_LAUNCH();
+  }
   bn_apply_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N, C, HW, x, save_mean, save_invstd,
                                                                false, eps, gamma, beta, y);
   DP_CUDA_CHECK_LAUNCH();
+}
+
+i64 batchnorm_forward_scratch(i64 N, i64 C, i64 HW) {
+  const int S = kernel_plan::bn_splits(N, C, HW);
+  return S == 1 ? 0 : 2 * C * S;
+}
+
+i64 batchnorm_backward_scratch(i64 N, i64 C, i64 HW) {
+  const int S = kernel_plan::bn_splits(N, C, HW);
+  return 2 * C + (S == 1 ? 0 : 2 * C * S);
 }
 
 void batchnorm_forward_eval(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* x,
@@ -393,9 +567,19 @@ void batchnorm_backward(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* 
                         const float* save_invstd, float* gx, float* ggamma, float* gbeta,
                         float* scratch) {
   check_bn("batchnorm_backward", N, C, HW);
-  bn_backward_reduce_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
-      N, C, HW, gy, x, save_mean, save_invstd, scratch, ggamma, gbeta);
-  DP_CUDA_CHECK_LAUNCH();
+  const int S = kernel_plan::bn_splits(N, C, HW);
+  if (S == 1) {
+    bn_backward_reduce_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
+        N, C, HW, gy, x, save_mean, save_invstd, scratch, ggamma, gbeta);
+    DP_CUDA_CHECK_LAUNCH();
+  } else {
+    float* part = scratch + 2 * C;
+    const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(C));  // C < kTargetBlocks when S > 1
+    bn_backward_partial_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, gy, x, save_mean, save_invstd, part);
+    DP_CUDA_CHECK_LAUNCH();
+    bn_backward_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(C, S, part, scratch, ggamma, gbeta);
+    DP_CUDA_CHECK_LAUNCH();
+  }
   if (!gx) return;
   bn_backward_apply_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(
       N, C, HW, gy, x, gamma, save_mean, save_invstd, scratch, gx);

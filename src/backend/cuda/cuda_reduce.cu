@@ -5,12 +5,24 @@
 // (columns): a 32-wide tile of inner positions per block, reads coalesced along inner,
 // the r axis split across the block's 8 rows of threads and combined in shared memory.
 // Every launch reduces in a fixed order, so results are deterministic run to run.
+//
+// Note [Split reductions]
+// One block per row (or per BatchNorm channel) leaves most of the GPU idle when there
+// are few rows: a sum over a whole tensor ran on one SM of 132. Such a reduction is
+// split over S blocks per row (kernel_plan::row_splits / bn_splits: about 256 blocks
+// in all, at least 4096 elements each, at most 64 per row), each writing the partial
+// of its contiguous part of the row; a second pass combines the S partials of a row
+// in index order. No float atomics: the order of every addition depends only on the
+// shape (S is a function of the sizes, never of the GPU or of timing), so results are
+// bitwise the same run to run. They differ from the one-block order in the last bits,
+// which the CPU oracle tests' tolerances cover.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/kernel_plan.h"
 #include "dp/core/error.h"
 
 namespace dp::backend::cuda_kernels {
@@ -51,6 +63,22 @@ __global__ void reduce_rows_block_kernel(Op op, const float* __restrict__ x, flo
     acc = block_reduce(acc, op, smem);
     if (threadIdx.x == 0) y[row] = acc;
   }
+}
+
+// The first pass of a split row reduction (Note [Split reductions]): grid (S, rows),
+// block (s, row) reduces part s of the row into part[row * S + s].
+template <typename Op>
+__global__ void reduce_rows_split_kernel(Op op, const float* __restrict__ x, float* __restrict__ part,
+                                         i64 r) {
+  __shared__ float smem[kWarp];
+  const int S = static_cast<int>(gridDim.x), sp = static_cast<int>(blockIdx.x);
+  const i64 row = blockIdx.y;
+  const kernel_plan::Part pt = kernel_plan::part_of(r, S, sp);
+  const float* xr = x + row * r;
+  float acc = Op::kIdentity;
+  for (i64 k = pt.begin + threadIdx.x; k < pt.end; k += blockDim.x) acc = op(acc, xr[k]);
+  acc = block_reduce(acc, op, smem);
+  if (threadIdx.x == 0) part[row * S + sp] = acc;
 }
 
 // Block (32, kColSplit); grid.x tiles inner, grid.y strides over outer.
@@ -132,11 +160,43 @@ __global__ void argmax_cols_kernel(const float* __restrict__ x, i64* __restrict_
   }
 }
 
+// The copy communicator's sum (Note [CUDA copy communicator]): element i in the fixed
+// order of Note [Fixed summation order]; a float4 per thread when every pointer is
+// 16-byte aligned. No __restrict__: dst may be one of the inputs.
+__global__ void sum_inputs_vec4_kernel(SumInputs in, float* dst, i64 n4, bool average, float inv) {
+  for (i64 t = global_thread(); t < n4; t += grid_stride()) {
+    float4 acc = reinterpret_cast<const float4*>(in.ptr[0])[t];
+    for (int k = 1; k < in.count; ++k) {
+      const float4 v = reinterpret_cast<const float4*>(in.ptr[k])[t];
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    if (average) {
+      acc.x *= inv;
+      acc.y *= inv;
+      acc.z *= inv;
+      acc.w *= inv;
+    }
+    reinterpret_cast<float4*>(dst)[t] = acc;
+  }
+}
+
+__global__ void sum_inputs_kernel(SumInputs in, float* dst, i64 begin, i64 n, bool average, float inv) {
+  for (i64 i = begin + global_thread(); i < n; i += grid_stride()) {
+    float acc = in.ptr[0][i];
+    for (int k = 1; k < in.count; ++k) acc += in.ptr[k][i];
+    if (average) acc *= inv;
+    dst[i] = acc;
+  }
+}
+
 // ---- host helpers -------------------------------------------------------------------------
 
 template <typename Op>
 void launch_reduce(cudaStream_t stream, Op op, const float* x, float* y, i64 outer, i64 r,
-                   i64 inner) {
+                   i64 inner, float* scratch) {
   if (r == 0) {  // empty sum: 0 (reduce() rejects empty Max/Min, as the CPU backend)
     fill(stream, y, outer * inner, Op::kIdentity);
     return;
@@ -145,6 +205,14 @@ void launch_reduce(cudaStream_t stream, Op op, const float* x, float* y, i64 out
     if (r <= kWarpRowMax) {
       const unsigned blocks = grid_for(outer, kRowsPerBlock);
       reduce_rows_warp_kernel<<<blocks, dim3(kWarp, kRowsPerBlock), 0, stream>>>(op, x, y, outer, r);
+    } else if (const int S = kernel_plan::row_splits(outer, r); S > 1) {
+      DP_CHECK(scratch != nullptr, "reduce: expected scratch of ", outer * S, " floats");
+      // outer < kTargetBlocks when S > 1: the rows fit in grid.y.
+      reduce_rows_split_kernel<<<dim3(static_cast<unsigned>(S), static_cast<unsigned>(outer)), kBlock, 0,
+                                 stream>>>(op, x, scratch, r);
+      DP_CUDA_CHECK_LAUNCH();
+      reduce_rows_warp_kernel<<<grid_for(outer, kRowsPerBlock), dim3(kWarp, kRowsPerBlock), 0, stream>>>(
+          op, scratch, y, outer, S);
     } else {
       const unsigned blocks = outer < kMaxBlocks ? static_cast<unsigned>(outer) : kMaxBlocks;
       reduce_rows_block_kernel<<<blocks, kBlock, 0, stream>>>(op, x, y, outer, r);
@@ -168,19 +236,46 @@ void check_shape(const char* op, i64 outer, i64 r, i64 inner) {
 
 // ---- launchers ------------------------------------------------------------------------------
 
+i64 reduce_scratch(i64 outer, i64 r, i64 inner) {
+  if (inner != 1 || r <= kWarpRowMax || outer <= 0) return 0;
+  const int S = kernel_plan::row_splits(outer, r);
+  return S > 1 ? outer * S : 0;
+}
+
 void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, i64 outer, i64 r,
-            i64 inner) {
+            i64 inner, float* scratch) {
   check_shape("reduce", outer, r, inner);
   DP_CHECK(r > 0 || op == ReduceOp::Sum,
            "reduce: max/min over an empty dimension has no identity; expected r > 0, got r = 0");
   if (outer == 0 || inner == 0) return;
   switch (op) {
-    case ReduceOp::Sum: launch_reduce(stream, SumOp{}, x, y, outer, r, inner); return;
-    case ReduceOp::Max: launch_reduce(stream, MaxOp{}, x, y, outer, r, inner); return;
-    case ReduceOp::Min: launch_reduce(stream, MinOp{}, x, y, outer, r, inner); return;
+    case ReduceOp::Sum: launch_reduce(stream, SumOp{}, x, y, outer, r, inner, scratch); return;
+    case ReduceOp::Max: launch_reduce(stream, MaxOp{}, x, y, outer, r, inner, scratch); return;
+    case ReduceOp::Min: launch_reduce(stream, MinOp{}, x, y, outer, r, inner, scratch); return;
     case ReduceOp::kCount: break;
   }
   DP_FAIL("reduce: expected a ReduceOp below kCount, got ", static_cast<int>(op));
+}
+
+void sum_inputs(cudaStream_t stream, const SumInputs& in, float* dst, i64 n, bool average, float inv) {
+  DP_CHECK(in.count >= 1 && in.count <= kMaxSumInputs, "sum_inputs: expected 1 to ", kMaxSumInputs,
+           " inputs, got ", in.count);
+  DP_CHECK(n >= 0, "sum_inputs: expected n >= 0, got ", n);
+  if (n == 0) return;
+  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  bool vec = aligned(dst);
+  for (int k = 0; k < in.count; ++k) vec = vec && aligned(in.ptr[k]);
+  i64 done = 0;
+  if (vec && n >= 4) {
+    const i64 n4 = n / 4;
+    sum_inputs_vec4_kernel<<<grid_for(n4), kBlock, 0, stream>>>(in, dst, n4, average, inv);
+    DP_CUDA_CHECK_LAUNCH();
+    done = n4 * 4;
+  }
+  if (done < n) {
+    sum_inputs_kernel<<<grid_for(n - done), kBlock, 0, stream>>>(in, dst, done, n, average, inv);
+    DP_CUDA_CHECK_LAUNCH();
+  }
 }
 
 void argmax(cudaStream_t stream, const float* x, i64* y, i64 outer, i64 r, i64 inner) {

@@ -31,6 +31,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "comm/nccl/copy_communicator.h"
 #include "comm/nccl/watchdog.h"
 #include "comm/nccl_factory.h"
 #include "comm/world_factory.h"
@@ -1076,6 +1077,14 @@ void check_nccl_devices(const std::vector<Device>& devices, const char* who) {
   }
 }
 
+/// True when two of `devices` (checked CUDA devices) run on one GPU (Note [Logical
+/// CUDA devices]): NCCL would refuse them ("duplicate GPU").
+bool shares_gpu(const std::vector<Device>& devices) {
+  std::vector<int> ids;
+  for (const Device& d : devices) ids.push_back(d.index);
+  return cuda().device_map().shares_gpu(ids);
+}
+
 /// Every process learns whether every process got through `step`; throws dp::Error
 /// on every process otherwise (its own error where it failed). Collective.
 void agree(const std::string& mine, const char* step) {
@@ -1090,6 +1099,7 @@ void agree(const std::string& mine, const char* step) {
 std::unique_ptr<Communicator> make_nccl_communicator(const std::vector<Device>& devices,
                                                      const CommOptions& options) {
   check_nccl_devices(devices, "make_communicator");
+  if (shares_gpu(devices)) return make_copy_communicator(devices, options);  // Note [CUDA copy communicator]
   const int n = static_cast<int>(devices.size());
   auto family = std::make_shared<Family>();
   family->description = dp::detail::str_cat("the nccl communicator over ", n, " devices");
@@ -1119,6 +1129,10 @@ std::unique_ptr<Communicator> make_nccl_world_communicator(const std::vector<Dev
   std::string mine;
   try {
     check_nccl_devices(devices, "make_world_communicator");
+    DP_CHECK(!shares_gpu(devices), "make_world_communicator: devices ", devices.front(), " .. ",
+             devices.back(), " share GPUs (", backend::kDevicesPerGpuEnv, "=",
+             cuda().device_map().per_gpu(), "); across processes only NCCL is used, which needs one rank per GPU: ",
+             "unset ", backend::kDevicesPerGpuEnv, " or run one process (Note [CUDA copy communicator])");
   } catch (const std::exception& e) {
     mine = e.what();
   }
