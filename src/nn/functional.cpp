@@ -71,6 +71,17 @@ Tensor broadcast_scalar(const Tensor& s, std::int64_t n, float factor) {
   return out;
 }
 
+/// ReluBackward of the upstream gradient g at the ReLU's output y (same shape,
+/// contiguous, as every gradient a node receives): g where y > 0, else 0.
+Tensor relu_backward(const Tensor& g, const Tensor& y) {
+  Device dev = y.device();
+  Tensor out = empty(y.shape(), dev);
+  if (out.numel() > 0)
+    be::get(dev).binary(dev, be::BinaryOp::ReluBackward, flat_indexer(out.numel()), fptr(g), fptr(y),
+                        fptr(out));
+  return out;
+}
+
 void check_grad_shape(const char* node, const Tensor& g, const Shape& shape) {
   DP_ASSERT(g.shape() == shape, node, ": gradient ", shape_str(g.shape()), " does not match output ",
             shape_str(shape));
@@ -348,9 +359,13 @@ void check_elementwise_weight(const char* op, const char* what, const Tensor& w,
 
 // ---- convolution ------------------------------------------------------------------------
 
-Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
-              std::int64_t padding) {
-  const char* op = "conv2d";
+namespace {
+
+/// conv2d, and conv2d_relu when `relu` (Note [Convolution + ReLU] in
+/// src/backend/cpu/cpu_gemm_conv.cpp).
+Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                   std::int64_t padding, bool relu) {
+  const char* op = relu ? "conv2d_relu" : "conv2d";
   check_defined(op, "input", x);
   check_defined(op, "weight", w);
   check_float(op, "input", x);
@@ -387,7 +402,13 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t st
 
   Device dev = x.device();
   Tensor y = empty({s.N, s.K, s.P, s.Q}, dev);
-  if (y.numel() > 0) be::get(dev).conv2d_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+  if (y.numel() > 0) {
+    if (relu) {
+      be::get(dev).conv2d_relu_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+    } else {
+      be::get(dev).conv2d_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+    }
+  }
 
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
@@ -396,11 +417,16 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t st
     // Save only what backward reads: x for the weight/bias gradient, w for the input's.
     Tensor xs = (nw || nb) ? x.detach() : Tensor();
     Tensor ws = nx ? w.detach() : Tensor();
-    autograd::record("Conv2dBackward", inputs, y,
-                     [xs, ws, s, dev, nx, nw, nb, has_b](const std::vector<Tensor>& g) {
+    // The ReLU's mask is the output > 0, as ReluBackward reads it from the same output.
+    Tensor ys = relu ? y.detach() : Tensor();
+    autograd::record(relu ? "Conv2dReluBackward" : "Conv2dBackward", inputs, y,
+                     [xs, ws, ys, s, dev, nx, nw, nb, has_b, relu](const std::vector<Tensor>& gin) {
                        std::vector<Tensor> grads(has_b ? 3 : 2);
-                       if (!g[0].defined()) return grads;
-                       check_grad_shape("Conv2dBackward", g[0], {s.N, s.K, s.P, s.Q});
+                       if (!gin[0].defined()) return grads;
+                       check_grad_shape(relu ? "Conv2dReluBackward" : "Conv2dBackward", gin[0],
+                                        {s.N, s.K, s.P, s.Q});
+                       const Tensor gy = relu ? relu_backward(gin[0], ys) : gin[0];
+                       const std::vector<Tensor> g{gy};
                        auto& bk = be::get(dev);
                        const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
                        if (nx) {
@@ -429,6 +455,18 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t st
                      });
   }
   return y;
+}
+
+}  // namespace
+
+Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+              std::int64_t padding) {
+  return conv2d_impl(x, w, b, stride, padding, /*relu=*/false);
+}
+
+Tensor conv2d_relu(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                   std::int64_t padding) {
+  return conv2d_impl(x, w, b, stride, padding, /*relu=*/true);
 }
 
 // ---- pooling -------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 #include "dp/nn/sequential.h"
 
 #include <string>
+#include <typeinfo>
 
 #include "dp/core/error.h"
+#include "dp/nn/activation.h"
+#include "dp/nn/conv2d.h"
 
 namespace dp::nn {
 
@@ -17,9 +20,21 @@ void Sequential::push_back_module(std::shared_ptr<Module> module) {
   modules_.push_back(std::move(module));
 }
 
+// A Conv2d followed by a ReLU runs as one op, Conv2d::forward_relu (Note [Convolution +
+// ReLU] in src/backend/cpu/cpu_gemm_conv.cpp): the same bits without the ReLU's pass.
+// Only the exact types qualify: a subclass may override forward.
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  for (const auto& m : modules_) y = m->forward(y);
+  for (std::size_t i = 0; i < modules_.size(); ++i) {
+    Module& m = *modules_[i];
+    if (i + 1 < modules_.size() && typeid(m) == typeid(Conv2d) &&
+        typeid(*modules_[i + 1]) == typeid(ReLU)) {
+      y = static_cast<Conv2d&>(m).forward_relu(y);
+      ++i;
+      continue;
+    }
+    y = m.forward(y);
+  }
   return y;
 }
 
