@@ -6,6 +6,8 @@
 #include "dp/core/error.h"
 #include "dp/nn/activation.h"
 #include "dp/nn/conv2d.h"
+#include "dp/nn/functional.h"
+#include "dp/nn/pooling.h"
 
 namespace dp::nn {
 
@@ -21,19 +23,29 @@ void Sequential::push_back_module(std::shared_ptr<Module> module) {
 }
 
 // A Conv2d followed by a ReLU runs as one op, Conv2d::forward_relu (Note [Convolution +
-// ReLU] in src/backend/cpu/cpu_gemm_conv.cpp): the same bits without the ReLU's pass.
-// Only the exact types qualify: a subclass may override forward.
+// ReLU] in src/backend/cpu/cpu_gemm_conv.cpp), and with a MaxPool2d after them as
+// conv2d_relu_max_pool2d (Note [ReLU mask through max-pool] in src/nn/functional.cpp):
+// the same bits without the ReLU's passes. Only the exact types qualify: a subclass
+// may override forward.
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  for (std::size_t i = 0; i < modules_.size(); ++i) {
-    Module& m = *modules_[i];
-    if (i + 1 < modules_.size() && typeid(m) == typeid(Conv2d) &&
-        typeid(*modules_[i + 1]) == typeid(ReLU)) {
-      y = static_cast<Conv2d&>(m).forward_relu(y);
-      ++i;
+  const std::size_t n = modules_.size();
+  auto is = [&](std::size_t i, const std::type_info& t) { return i < n && typeid(*modules_[i]) == t; };
+  for (std::size_t i = 0; i < n; ++i) {
+    if (is(i, typeid(Conv2d)) && is(i + 1, typeid(ReLU))) {
+      auto& conv = static_cast<Conv2d&>(*modules_[i]);
+      if (is(i + 2, typeid(MaxPool2d))) {
+        const auto& pool = static_cast<const MaxPool2d&>(*modules_[i + 2]);
+        y = conv2d_relu_max_pool2d(y, conv.weight(), conv.bias(), conv.stride(), conv.padding(),
+                                   pool.kernel_size(), pool.stride(), pool.padding());
+        i += 2;
+      } else {
+        y = conv.forward_relu(y);
+        ++i;
+      }
       continue;
     }
-    y = m.forward(y);
+    y = modules_[i]->forward(y);
   }
   return y;
 }
