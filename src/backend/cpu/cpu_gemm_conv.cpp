@@ -481,7 +481,7 @@ struct ConvBuffers {
 //   AVX2). So only a direct JIT implementation is fused, and only where the post-op
 //   leaves the implementation and layouts unchanged (build_entry checks both); any
 //   other entry is the plain convolution, and its chunk applies Unary<Relu> in place
-//   right after it (vectorised; no second activation, no second pass over the call);
+//   right after it (vectorised, in the chunk's task; no second activation);
 // - eltwise_relu is not exact: the gemm path writes alpha * x = -0.0f for a negative x
 //   where Unary<Relu> writes +0.0f. eltwise_clip to [0, +inf) writes +0.0f, and equals
 //   Unary<Relu> on every non-NaN float (-0.0f apart: oneDNN's max gives +0.0f, ours
@@ -491,7 +491,9 @@ struct ConvBuffers {
 //   remains: a NaN made from finite inputs (products overflowing to +inf and -inf in
 //   one sum) becomes 0 where the unfused path keeps it.
 // Backward (nn::conv2d_relu) masks the upstream gradient by the output > 0, as
-// ReluBackward does with the same output, then runs the convolution's backward.
+// ReluBackward does with the same output, then runs the convolution's backward;
+// nn::conv2d_relu_max_pool2d masks the pooled gradient instead (Note [ReLU mask
+// through max-pool] in src/nn/functional.cpp).
 
 /// False when any of the n floats is a NaN or an infinity (all exponent bits set).
 bool all_finite(const float* p, i64 n) {
