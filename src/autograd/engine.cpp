@@ -3,7 +3,6 @@
 // engine keeps no shared state.
 #include <queue>
 #include <unordered_map>
-#include <unordered_set>
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
@@ -34,6 +33,7 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
   NoGradGuard no_grad;  // backward itself is never recorded
 
   std::unordered_map<Node*, std::vector<Tensor>> inputs;  // gradients waiting per node
+  inputs.reserve(64);
   std::vector<std::shared_ptr<Node>> root_nodes;
   for (std::size_t i = 0; i < roots.size(); ++i) {
     const Tensor& r = roots[i];
@@ -56,12 +56,14 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     root_nodes.push_back(e.fn);
   }
 
-  // Count, for every reachable node, how many edges point at it.
+  // Count, for every reachable node, how many edges point at it. A node is seen once
+  // it has an entry (one map, not a map and a set: every entry is an allocation, and a
+  // small model's step is dominated by such fixed costs).
   std::unordered_map<Node*, int> deps;
-  std::unordered_set<Node*> seen;
+  deps.reserve(64);  // a small graph's nodes without rehashing
   std::vector<Node*> stack;
   for (auto& n : root_nodes)
-    if (seen.insert(n.get()).second) stack.push_back(n.get());
+    if (deps.try_emplace(n.get(), 0).second) stack.push_back(n.get());
   while (!stack.empty()) {
     Node* n = stack.back();
     stack.pop_back();
@@ -70,8 +72,9 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
              "to the first backward() if you need to run it twice");
     for (auto& e : n->next_edges) {
       if (!e.valid()) continue;
-      ++deps[e.fn.get()];
-      if (seen.insert(e.fn.get()).second) stack.push_back(e.fn.get());
+      auto [it, fresh] = deps.try_emplace(e.fn.get(), 0);
+      ++it->second;
+      if (fresh) stack.push_back(e.fn.get());
     }
   }
 

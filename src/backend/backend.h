@@ -278,6 +278,13 @@ class Backend : public dp::detail::DeviceRuntime {
   /// y = conv(x, w) + bias (bias may be null).
   virtual void conv2d_forward(Device dev, const Conv2dShape& s, const float* x,
                               const float* w, const float* bias, float* y) = 0;
+  /// y = relu(conv(x, w) + bias): conv2d_forward followed by Unary<Relu> in place,
+  /// bit for bit; a backend may fuse the two (Note [Convolution + ReLU]).
+  virtual void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x,
+                                   const float* w, const float* bias, float* y) {
+    conv2d_forward(dev, s, x, w, bias, y);
+    unary(dev, UnaryOp::Relu, y, y, s.N * s.K * s.P * s.Q);
+  }
   /// gx = conv_transpose(gy, w) (overwrites gx).
   virtual void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,
                                     const float* w, float* gx) = 0;

@@ -32,6 +32,10 @@ Tensor Conv2d::forward(const Tensor& x) {
   return conv2d(x, weight_.get(), bias(), stride_, padding_);
 }
 
+Tensor Conv2d::forward_relu(const Tensor& x) {
+  return conv2d_relu(x, weight_.get(), bias(), stride_, padding_);
+}
+
 std::string Conv2d::name() const {
   return detail::str_cat("Conv2d(", in_, ", ", out_, ", kernel_size=", kernel_, ", stride=", stride_,
                          ", padding=", padding_, ", bias=", bias_.defined() ? "true" : "false", ")");

@@ -71,6 +71,17 @@ Tensor broadcast_scalar(const Tensor& s, std::int64_t n, float factor) {
   return out;
 }
 
+/// ReluBackward of the upstream gradient g at the ReLU's output y (same shape,
+/// contiguous, as every gradient a node receives): g where y > 0, else 0.
+Tensor relu_backward(const Tensor& g, const Tensor& y) {
+  Device dev = y.device();
+  Tensor out = empty(y.shape(), dev);
+  if (out.numel() > 0)
+    be::get(dev).binary(dev, be::BinaryOp::ReluBackward, flat_indexer(out.numel()), fptr(g), fptr(y),
+                        fptr(out));
+  return out;
+}
+
 void check_grad_shape(const char* node, const Tensor& g, const Shape& shape) {
   DP_ASSERT(g.shape() == shape, node, ": gradient ", shape_str(g.shape()), " does not match output ",
             shape_str(shape));
@@ -348,9 +359,15 @@ void check_elementwise_weight(const char* op, const char* what, const Tensor& w,
 
 // ---- convolution ------------------------------------------------------------------------
 
-Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
-              std::int64_t padding) {
-  const char* op = "conv2d";
+namespace {
+
+/// conv2d, and conv2d_relu when `relu` (Note [Convolution + ReLU] in
+/// src/backend/cpu/cpu_gemm_conv.cpp). `mask` false: the backward leaves the ReLU's
+/// mask to the one consumer of the output, which applied it already (Note [ReLU mask
+/// through max-pool]).
+Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                   std::int64_t padding, bool relu, bool mask = true) {
+  const char* op = relu ? "conv2d_relu" : "conv2d";
   check_defined(op, "input", x);
   check_defined(op, "weight", w);
   check_float(op, "input", x);
@@ -387,7 +404,13 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t st
 
   Device dev = x.device();
   Tensor y = empty({s.N, s.K, s.P, s.Q}, dev);
-  if (y.numel() > 0) be::get(dev).conv2d_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+  if (y.numel() > 0) {
+    if (relu) {
+      be::get(dev).conv2d_relu_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+    } else {
+      be::get(dev).conv2d_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+    }
+  }
 
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
@@ -396,11 +419,17 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t st
     // Save only what backward reads: x for the weight/bias gradient, w for the input's.
     Tensor xs = (nw || nb) ? x.detach() : Tensor();
     Tensor ws = nx ? w.detach() : Tensor();
-    autograd::record("Conv2dBackward", inputs, y,
-                     [xs, ws, s, dev, nx, nw, nb, has_b](const std::vector<Tensor>& g) {
+    // The ReLU's mask is the output > 0, as ReluBackward reads it from the same output.
+    const bool masked = relu && mask;
+    Tensor ys = masked ? y.detach() : Tensor();
+    autograd::record(relu ? "Conv2dReluBackward" : "Conv2dBackward", inputs, y,
+                     [xs, ws, ys, s, dev, nx, nw, nb, has_b, relu, masked](const std::vector<Tensor>& gin) {
                        std::vector<Tensor> grads(has_b ? 3 : 2);
-                       if (!g[0].defined()) return grads;
-                       check_grad_shape("Conv2dBackward", g[0], {s.N, s.K, s.P, s.Q});
+                       if (!gin[0].defined()) return grads;
+                       check_grad_shape(relu ? "Conv2dReluBackward" : "Conv2dBackward", gin[0],
+                                        {s.N, s.K, s.P, s.Q});
+                       const Tensor gy = masked ? relu_backward(gin[0], ys) : gin[0];
+                       const std::vector<Tensor> g{gy};
                        auto& bk = be::get(dev);
                        const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
                        if (nx) {
@@ -431,10 +460,36 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t st
   return y;
 }
 
+}  // namespace
+
+Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+              std::int64_t padding) {
+  return conv2d_impl(x, w, b, stride, padding, /*relu=*/false);
+}
+
+Tensor conv2d_relu(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                   std::int64_t padding) {
+  return conv2d_impl(x, w, b, stride, padding, /*relu=*/true);
+}
+
 // ---- pooling -------------------------------------------------------------------------------
 
-Tensor max_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
-                  std::int64_t padding) {
+namespace {
+
+// Note [ReLU mask through max-pool]
+// Max-pool's backward routes each window's gradient to the input its maximum came
+// from, and that input's value IS the window's output. So masking the input gradient
+// by input > 0 (ReluBackward after max-pool backward) gives what masking each window's
+// gradient by output > 0 first gives, bit for bit: where the mask holds, the same
+// gradients are summed in the same order; where it does not, both write +0 (NaN
+// included: NaN > 0 is false on both sides). For relu -> max-pool the mask then runs
+// over the pooled gradient, a quarter of the elements for 2x2 windows, and the
+// convolution's activation need not be kept for backward.
+
+/// max_pool2d; `relu_mask`: the input is a ReLU's output whose backward skips its mask,
+/// applied here to the pooled gradient instead (Note [ReLU mask through max-pool]).
+Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride, std::int64_t padding,
+                       bool relu_mask) {
   if (stride <= 0) stride = kernel;
   be::Pool2dShape s = pool_shape("max_pool2d", x, kernel, kernel, stride, stride, padding, padding);
   Device dev = x.device();
@@ -443,18 +498,35 @@ Tensor max_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
   if (y.numel() > 0) {
     be::get(dev).maxpool2d_forward(dev, s, fptr(x), fptr(y), indices.data<std::int64_t>());
   }
-  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, indices](const std::vector<Tensor>& g) {
+  Tensor ys = relu_mask ? y.detach() : Tensor();
+  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, indices, ys](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape("MaxPool2dBackward", g[0], {s.N, s.C, s.P, s.Q});
+    const Tensor gy = ys.defined() ? relu_backward(g[0], ys) : g[0];
     Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
-    if (g[0].numel() > 0) {
-      be::get(dev).maxpool2d_backward(dev, s, fptr(g[0]), indices.data<std::int64_t>(), fptr(gx));
+    if (gy.numel() > 0) {
+      be::get(dev).maxpool2d_backward(dev, s, fptr(gy), indices.data<std::int64_t>(), fptr(gx));
     } else {
       gx.zero_();
     }
     return std::vector<Tensor>{gx};
   });
   return y;
+}
+
+}  // namespace
+
+Tensor max_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
+                  std::int64_t padding) {
+  return max_pool2d_impl(x, kernel, stride, padding, /*relu_mask=*/false);
+}
+
+Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                              std::int64_t padding, std::int64_t pool_kernel, std::int64_t pool_stride,
+                              std::int64_t pool_padding) {
+  // The convolution's output has one consumer, the pool, whose backward masks.
+  const Tensor y = conv2d_impl(x, w, b, stride, padding, /*relu=*/true, /*mask=*/false);
+  return max_pool2d_impl(y, pool_kernel, pool_stride, pool_padding, /*relu_mask=*/true);
 }
 
 Tensor avg_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,

@@ -1,8 +1,13 @@
 #include "dp/nn/sequential.h"
 
 #include <string>
+#include <typeinfo>
 
 #include "dp/core/error.h"
+#include "dp/nn/activation.h"
+#include "dp/nn/conv2d.h"
+#include "dp/nn/functional.h"
+#include "dp/nn/pooling.h"
 
 namespace dp::nn {
 
@@ -17,9 +22,31 @@ void Sequential::push_back_module(std::shared_ptr<Module> module) {
   modules_.push_back(std::move(module));
 }
 
+// A Conv2d followed by a ReLU runs as one op, Conv2d::forward_relu (Note [Convolution +
+// ReLU] in src/backend/cpu/cpu_gemm_conv.cpp), and with a MaxPool2d after them as
+// conv2d_relu_max_pool2d (Note [ReLU mask through max-pool] in src/nn/functional.cpp):
+// the same bits without the ReLU's passes. Only the exact types qualify: a subclass
+// may override forward.
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  for (const auto& m : modules_) y = m->forward(y);
+  const std::size_t n = modules_.size();
+  auto is = [&](std::size_t i, const std::type_info& t) { return i < n && typeid(*modules_[i]) == t; };
+  for (std::size_t i = 0; i < n; ++i) {
+    if (is(i, typeid(Conv2d)) && is(i + 1, typeid(ReLU))) {
+      auto& conv = static_cast<Conv2d&>(*modules_[i]);
+      if (is(i + 2, typeid(MaxPool2d))) {
+        const auto& pool = static_cast<const MaxPool2d&>(*modules_[i + 2]);
+        y = conv2d_relu_max_pool2d(y, conv.weight(), conv.bias(), conv.stride(), conv.padding(),
+                                   pool.kernel_size(), pool.stride(), pool.padding());
+        i += 2;
+      } else {
+        y = conv.forward_relu(y);
+        ++i;
+      }
+      continue;
+    }
+    y = modules_[i]->forward(y);
+  }
   return y;
 }
 

@@ -221,9 +221,10 @@ Reducer::Reducer(std::vector<Device> devices, std::vector<Bucket> buckets, std::
     r.ready = std::make_unique<std::atomic<int>[]>(buckets_.size());
   }
   // Note [Comm threads]: each device's comm thread is the CPU model of a CUDA
-  // communication stream. A single rank of the whole job has nothing to combine: no
-  // thread at all. One device per process still combines with the other processes.
-  if (sync_->overlaps_backward() && sync_->world_ranks() > 1)
+  // communication stream. A single rank of the whole job has nothing to combine (one
+  // device per process still combines with the other processes), and a single bucket
+  // nothing to overlap (Note [One bucket, no comm thread]): no thread at all.
+  if (sync_->overlaps_backward() && sync_->world_ranks() > 1 && buckets_.size() > 1)
     comm_threads_ = std::make_unique<WorkerPool>(devices_, "comm");
 }
 
@@ -256,8 +257,8 @@ void Reducer::begin(int rank) {
   RankState& st = ranks_[rank];
   st.detached = active_.load(std::memory_order_acquire) && !grad_of_(rank).defined();
   if (!st.detached) return;
-  DP_ASSERT(comm_threads_ != nullptr && params_.size() == bucket_of_param_.size(),
-            "a detached gradient cycle needs comm threads and the parameter layout");
+  DP_ASSERT(sync_->overlaps_backward() && params_.size() == bucket_of_param_.size(),
+            "a detached gradient cycle needs an overlapping strategy and the parameter layout");
   st.stash.assign(params_.size(), Tensor());
 }
 
@@ -320,14 +321,7 @@ void Reducer::comm_loop(int rank) {
     if (aborted_.load(std::memory_order_acquire)) return;
     const Bucket& bk = buckets_[b];
     auto t0 = Clock::now();
-    if (ranks_[rank].detached) {
-      sync_bucket_detached(rank, bk);
-    } else {
-      if (!grad.defined()) grad = grad_of_(rank);
-      Tensor slice = grad.narrow(0, bk.lo, bk.hi - bk.lo);
-      if (check_) check_(rank, slice, bk.lo);
-      sync_->sync(rank, slice, bk.lo);
-    }
+    sync_bucket(rank, bk, grad);
     ranks_[rank].combined.store(static_cast<int>(b) + 1, std::memory_order_release);
     ranks_[rank].combined.notify_all();
     auto t1 = Clock::now();
@@ -336,6 +330,18 @@ void Reducer::comm_loop(int rank) {
       recorder_.comm_event(rank, std::string(sync_->name()) + " bucket " + std::to_string(b), t0, t1,
                            "\"bytes\": " + std::to_string((bk.hi - bk.lo) * 4));
   }
+}
+
+/// One bucket's finite check and collective; `grad` caches rank's flat gradient buffer.
+void Reducer::sync_bucket(int rank, const Bucket& bk, Tensor& grad) {
+  if (ranks_[rank].detached) {
+    sync_bucket_detached(rank, bk);
+    return;
+  }
+  if (!grad.defined()) grad = grad_of_(rank);
+  Tensor slice = grad.narrow(0, bk.lo, bk.hi - bk.lo);
+  if (check_) check_(rank, slice, bk.lo);
+  sync_->sync(rank, slice, bk.lo);
 }
 
 // Note [Detached gradients]: each parameter of the bucket on its own, in index order
@@ -357,6 +363,8 @@ void Reducer::finalize(int rank) {
   const bool several = sync_->world_ranks() > 1;
   if (comm_threads_) {
     finalize_overlapped(rank);
+  } else if (sync_->overlaps_backward() && several) {
+    finalize_inline(rank);
   } else if (sync_->overlaps_backward()) {
     // One rank: nothing to combine, but the check sees the buckets as with several.
     if (check_) {
@@ -403,6 +411,39 @@ void Reducer::finalize_overlapped(int rank) {
   }
   recorder_.add_ms(rank, Phase::AllReduceHidden, hidden_ms);
   if (error) std::rethrow_exception(error);
+}
+
+// Note [One bucket, no comm thread]
+// A comm thread earns its hand-overs (a launch per backward, a wake-up per bucket, a
+// wait at the end) by running a bucket's collective while backward computes the next
+// buckets. With one bucket there is no next bucket: it is complete only when backward
+// is, and the worker would wait for its comm thread anyway. So a reducer with one
+// bucket makes no comm threads, and each worker runs the bucket's check and
+// collective itself in finalize: the same collectives in the same order on the same
+// data, hence the same bits, without the hand-overs (a small model's DDP step).
+void Reducer::finalize_inline(int rank) {
+  PhaseTimer exposed(recorder_, rank, Phase::AllReduceExposed);
+  try {
+    Tensor grad;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      const auto t0 = Clock::now();
+      sync_bucket(rank, buckets_[b], grad);
+      if (recorder_.trace().enabled())  // on the comm track, as a comm thread's would be
+        recorder_.comm_event(rank, std::string(sync_->name()) + " bucket " + std::to_string(b), t0,
+                             Clock::now(),
+                             "\"bytes\": " + std::to_string((buckets_[b].hi - buckets_[b].lo) * 4));
+    }
+    sync_->join(rank);
+  } catch (...) {
+    // As a failed comm thread does: the other ranks must not wait in a collective.
+    if (on_failure_) on_failure_(rank, std::current_exception());
+    throw;
+  }
+  if (auto device = sync_->device_times(rank)) {  // Note [Collective timing]
+    exposed.cancel();
+    recorder_.add_ms(rank, Phase::AllReduceExposed, device->second);
+    recorder_.add_ms(rank, Phase::AllReduceHidden, std::max(0.0, device->first - device->second));
+  }
 }
 
 void Reducer::end() {

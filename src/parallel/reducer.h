@@ -235,6 +235,8 @@ class Reducer {
  private:
   struct RankState;
   void comm_loop(int rank);
+  void sync_bucket(int rank, const Bucket& bk, Tensor& grad);
+  void finalize_inline(int rank);
   void sync_bucket_detached(int rank, const Bucket& bk);
   void finalize_overlapped(int rank);
   void release(int rank);

@@ -687,6 +687,44 @@ TEST_CASE("conv2d forward / backward data / backward weight against naive loops"
   CHECK_THROWS_AS(be().conv2d_forward(dev0(), bad, buf.data(), buf.data(), nullptr, buf.data()), dp::Error);
 }
 
+TEST_CASE("conv2d_relu_forward: conv2d_forward then Unary<Relu>, bit for bit, NaN and infinity included") {
+  // Note [Convolution + ReLU]: the fused post-op must store exactly what the separate
+  // ReLU pass stores; a NaN or an infinity in the input, weight or bias runs unfused,
+  // so a NaN still propagates.
+  const Unary<UnaryOp::Relu> relu;
+  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Auto}) {
+    CAPTURE(int(layout));
+    be().set_conv_layout(layout);
+    for (const Conv2dShape& s : {conv_shape(9, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1),    // CNN layer 1
+                                 conv_shape(6, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1),   // CNN layer 2
+                                 conv_shape(2, 3, 7, 9, 4, 3, 2, 2, 2, 1, 1)}) {    // stride 2
+      for (int poison = 0; poison < 4; ++poison) {  // none, NaN in x, +inf in w, NaN in bias
+        for (bool with_bias : {true, false}) {
+          CAPTURE(s.C);
+          CAPTURE(poison);
+          CAPTURE(with_bias);
+          auto x = random_vec(s.N * s.C * s.H * s.W, 60), w = random_vec(s.K * s.C * s.R * s.S, 61);
+          auto b = random_vec(s.K, 62);
+          // A sample of zeros: sums of signed zero products, without bias.
+          std::fill(x.begin(), x.begin() + s.C * s.H * s.W, 0.0f);
+          if (poison == 1) x[x.size() - 3] = std::numeric_limits<float>::quiet_NaN();
+          if (poison == 2) w[1] = std::numeric_limits<float>::infinity();
+          if (poison == 3 && with_bias) b[0] = std::numeric_limits<float>::quiet_NaN();
+          const float* bp = with_bias ? b.data() : nullptr;
+          std::vector<float> y(s.N * s.K * s.P * s.Q, 7.0f), y_fused(y.size(), 7.0f);
+          be().conv2d_forward(dev0(), s, x.data(), w.data(), bp, y.data());
+          for (float& v : y) v = relu(v);
+          be().conv2d_relu_forward(dev0(), s, x.data(), w.data(), bp, y_fused.data());
+          CHECK(bitwise_equal(y, y_fused));
+          if (poison == 1 || poison == 2 || (poison == 3 && with_bias))
+            CHECK(std::any_of(y_fused.begin(), y_fused.end(), [](float v) { return std::isnan(v); }));
+        }
+      }
+    }
+  }
+  be().set_conv_layout(cpu::ConvLayout::Auto);
+}
+
 // ---- pooling --------------------------------------------------------------------------------------
 
 namespace {
@@ -976,6 +1014,40 @@ TEST_CASE("sgd: the vectorised loops equal the shared functor bit for bit, every
             for (i64 i = 0; i < n; ++i) upd(pw[i], g[i], momentum != 0 ? &mw[i] : nullptr);
             CHECK(bitwise_equal(p, pw));
             CHECK(bitwise_equal(m, mw));  // untouched without momentum
+          }
+  }
+}
+
+TEST_CASE("adam: the vectorised loops equal the shared functor bit for bit, every flag combination") {
+  // Note [Vectorised optimizer loops]: Adam, AdamW and Adam with weight decay, several
+  // steps (bias corrections) and beta1 on both sides of lerp's 0.5 switch, against
+  // AdamUpdate applied one element at a time; sizes around the vector width and above
+  // the parallel grain, a NaN and infinities included.
+  for (i64 n : {i64{1}, i64{7}, i64{33}, i64{70001}}) {
+    const auto p0 = random_vec(n, 80, -2.0f, 2.0f), m0 = random_vec(n, 81), v0 = random_vec(n, 82, 0.0f, 1.0f);
+    auto g = random_vec(n, 83);
+    if (n > 7) {
+      g[3] = std::numeric_limits<float>::quiet_NaN();
+      g[5] = std::numeric_limits<float>::infinity();
+      g[6] = -std::numeric_limits<float>::infinity();
+    }
+    for (bool decoupled : {false, true})
+      for (float wd : {0.0f, 0.01f})
+        for (float beta1 : {0.9f, 0.3f})
+          for (i64 step : {i64{1}, i64{2}, i64{1000}}) {
+            CAPTURE(n);
+            CAPTURE(decoupled);
+            CAPTURE(wd);
+            CAPTURE(beta1);
+            CAPTURE(step);
+            std::vector<float> p = p0, m = m0, v = v0, pw = p0, mw = m0, vw = v0;
+            be().adam_step(dev0(), p.data(), g.data(), m.data(), v.data(), n, 1e-3f, beta1, 0.999f, 1e-8f,
+                           wd, decoupled, step);
+            const AdamUpdate upd{make_adam_params(1e-3f, beta1, 0.999f, 1e-8f, wd, decoupled, step)};
+            for (i64 i = 0; i < n; ++i) upd(pw[i], g[i], mw[i], vw[i]);
+            CHECK(bitwise_equal(p, pw));
+            CHECK(bitwise_equal(m, mw));
+            CHECK(bitwise_equal(v, vw));
           }
   }
 }

@@ -66,6 +66,76 @@ TEST_CASE("conv2d gives gradients only to inputs that need one") {
   CHECK(w.grad().shape() == w.shape());
 }
 
+TEST_CASE_TEMPLATE("conv2d_relu: relu(conv2d) bit for bit, forward and every gradient", D, DP_NN_TEST_DEVICES) {
+  // Note [Convolution + ReLU]: the fused op replaces the pair, so it must compute the
+  // pair's bits, its gradients included (the mask is the output > 0 in both).
+  const dp::Device dev = D::device();
+  struct Cfg { std::int64_t N, C, H, K, stride, pad; bool bias; };
+  for (Cfg c : {Cfg{5, 1, 28, 32, 1, 1, true}, Cfg{3, 32, 14, 64, 1, 1, true}, Cfg{2, 3, 9, 4, 2, 0, false}}) {
+    CAPTURE(c.C);
+    auto make = [&](std::uint64_t seed, dp::Shape shape) {
+      std::int64_t n = 1;
+      for (auto d : shape) n *= d;
+      dp::Tensor t = dp::from_vector(uniform_values(n, -1, 1, seed), shape, dev);
+      t.set_requires_grad(true);
+      return t;
+    };
+    dp::Tensor x = make(20, {c.N, c.C, c.H, c.H}), w = make(21, {c.K, c.C, 3, 3});
+    dp::Tensor b = c.bias ? make(22, {c.K}) : dp::Tensor();
+    dp::Tensor x2 = make(20, {c.N, c.C, c.H, c.H}), w2 = make(21, {c.K, c.C, 3, 3});
+    dp::Tensor b2 = c.bias ? make(22, {c.K}) : dp::Tensor();
+    dp::Tensor y = dp::relu(nn::conv2d(x, w, b, c.stride, c.pad));
+    dp::Tensor y2 = nn::conv2d_relu(x2, w2, b2, c.stride, c.pad);
+    REQUIRE(y.shape() == y2.shape());
+    CHECK(nn_test::bitwise_equal(y.to_vector(), y2.to_vector()));
+    // A weighted sum, so that every output's gradient differs.
+    dp::Tensor gw = dp::from_vector(uniform_values(y.numel(), -1, 1, 23), y.shape(), dev);
+    dp::sum(dp::mul(y, gw)).backward();
+    dp::sum(dp::mul(y2, gw)).backward();
+    CHECK(nn_test::bitwise_equal(x.grad().to_vector(), x2.grad().to_vector()));
+    CHECK(nn_test::bitwise_equal(w.grad().to_vector(), w2.grad().to_vector()));
+    if (c.bias) CHECK(nn_test::bitwise_equal(b.grad().to_vector(), b2.grad().to_vector()));
+  }
+}
+
+TEST_CASE_TEMPLATE("conv2d_relu_max_pool2d: the three ops bit for bit, overlapping windows and NaN included", D,
+                   DP_NN_TEST_DEVICES) {
+  // Note [ReLU mask through max-pool]: the mask applied to the pooled gradient must
+  // give the unfused gradients exactly, also where windows overlap (sums) and where a
+  // NaN wins a window.
+  const dp::Device dev = D::device();
+  struct Cfg { std::int64_t N, C, H, K, pk, ps, pp; bool nan; };
+  for (Cfg c : {Cfg{4, 1, 28, 32, 2, 0, 0, false}, Cfg{3, 32, 14, 64, 2, 2, 0, false},
+                Cfg{2, 3, 11, 5, 3, 2, 1, false}, Cfg{2, 3, 11, 5, 3, 1, 1, true}}) {
+    CAPTURE(c.C);
+    CAPTURE(c.pk);
+    CAPTURE(c.nan);
+    auto make = [&](std::uint64_t seed, dp::Shape shape, bool nan) {
+      std::int64_t n = 1;
+      for (auto d : shape) n *= d;
+      auto v = uniform_values(n, -1, 1, seed);
+      if (nan) v[v.size() / 2] = std::nanf("");
+      dp::Tensor t = dp::from_vector(v, shape, dev);
+      t.set_requires_grad(true);
+      return t;
+    };
+    dp::Tensor x = make(30, {c.N, c.C, c.H, c.H}, c.nan), w = make(31, {c.K, c.C, 3, 3}, false);
+    dp::Tensor b = make(32, {c.K}, false);
+    dp::Tensor x2 = make(30, {c.N, c.C, c.H, c.H}, c.nan), w2 = make(31, {c.K, c.C, 3, 3}, false);
+    dp::Tensor b2 = make(32, {c.K}, false);
+    dp::Tensor y = nn::max_pool2d(dp::relu(nn::conv2d(x, w, b, 1, 1)), c.pk, c.ps, c.pp);
+    dp::Tensor y2 = nn::conv2d_relu_max_pool2d(x2, w2, b2, 1, 1, c.pk, c.ps, c.pp);
+    REQUIRE(y.shape() == y2.shape());
+    CHECK(nn_test::bitwise_equal(y.to_vector(), y2.to_vector()));
+    dp::Tensor gw = dp::from_vector(uniform_values(y.numel(), -1, 1, 33), y.shape(), dev);
+    dp::sum(dp::mul(y, gw)).backward();
+    dp::sum(dp::mul(y2, gw)).backward();
+    CHECK(nn_test::bitwise_equal(x.grad().to_vector(), x2.grad().to_vector()));
+    CHECK(nn_test::bitwise_equal(w.grad().to_vector(), w2.grad().to_vector()));
+    CHECK(nn_test::bitwise_equal(b.grad().to_vector(), b2.grad().to_vector()));
+  }
+}
+
 TEST_CASE("conv2d rejects bad input with clear messages") {
   dp::Tensor x = dp::zeros({8, 1, 28, 28});
   dp::Tensor w = dp::zeros({4, 3, 3, 3});

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,6 +27,12 @@ inline double max_diff(const F& a, const F& b) {
   double m = 0;
   for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
   return m;
+}
+
+/// True when a and b hold the same floats bit for bit (NaN payloads and signed zeros
+/// included).
+inline bool bitwise_equal(const F& a, const F& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 /// True when `fn` throws dp::Error whose message contains every one of `parts`.

@@ -91,6 +91,29 @@ TEST_CASE_TEMPLATE("a small CNN: forward, backward and a state_dict round trip",
   }
 }
 
+TEST_CASE("Sequential runs Conv2d + ReLU as one op with the pair's bits") {
+  // Note [Convolution + ReLU]: Sequential fuses the pair; calling the modules one by
+  // one does not. Both must give the same output and gradients, bit for bit.
+  dp::Generator gen(7);
+  auto net = std::make_shared<nn::Sequential>(
+      std::make_shared<nn::Conv2d>(1, 8, 3, 1, 1, true, &gen), std::make_shared<nn::ReLU>(),
+      std::make_shared<nn::MaxPool2d>(2), std::make_shared<nn::Conv2d>(8, 16, 3, 1, 1, false, &gen),
+      std::make_shared<nn::ReLU>(), std::make_shared<nn::Flatten>(),
+      std::make_shared<nn::Linear>(16 * 14 * 14, 3, true, &gen));
+  dp::Tensor x = dp::from_vector(uniform_values(4 * 28 * 28, -1, 1, 9), {4, 1, 28, 28});
+  dp::Tensor y_fused = net->forward(x);
+  dp::sum(y_fused).backward();
+  std::vector<F> fused_grads;
+  for (auto& p : net->parameters()) fused_grads.push_back(p.grad().to_vector());
+  net->zero_grad();
+  dp::Tensor y = x;
+  for (const auto& m : *net) y = m->forward(y);
+  dp::sum(y).backward();
+  CHECK(nn_test::bitwise_equal(y.to_vector(), y_fused.to_vector()));
+  std::size_t i = 0;
+  for (auto& p : net->parameters()) CHECK(nn_test::bitwise_equal(p.grad().to_vector(), fused_grads[i++]));
+}
+
 TEST_CASE("a user-written residual block trains end to end") {
   auto block = std::make_shared<ResidualBlock>(2, 3);
   std::set<std::string> names;

@@ -66,6 +66,9 @@ class Conv2d : public Module {
 
   /// x: (N, in, H, W) → (N, out, P, Q), P = (H + 2·padding − kernel) / stride + 1.
   Tensor forward(const Tensor& x) override;
+  /// relu(forward(x)) as one op (nn::conv2d_relu): what Sequential runs for a Conv2d
+  /// followed by a ReLU.
+  Tensor forward_relu(const Tensor& x);
   /// "Conv2d(1, 32, kernel_size=3, stride=1, padding=1, bias=true)".
   std::string name() const override;
 

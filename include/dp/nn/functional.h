@@ -35,6 +35,21 @@ enum class Reduction : std::uint8_t {
 Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b = Tensor(),
               std::int64_t stride = 1, std::int64_t padding = 0);
 
+/// relu(conv2d(x, w, b, stride, padding)) as one op: bit for bit the two ops' output
+/// and gradients, without the ReLU's separate pass and activation where the backend
+/// fuses them (CPU: Note [Convolution + ReLU]). nn::Sequential uses it for a Conv2d
+/// followed by a ReLU.
+Tensor conv2d_relu(const Tensor& x, const Tensor& w, const Tensor& b = Tensor(),
+                   std::int64_t stride = 1, std::int64_t padding = 0);
+
+/// max_pool2d(conv2d_relu(x, w, b, stride, padding), pool_kernel, pool_stride,
+/// pool_padding), bit for bit, with the ReLU's backward mask applied to the pooled
+/// gradient (Note [ReLU mask through max-pool] in src/nn/functional.cpp).
+/// nn::Sequential uses it for Conv2d, ReLU, MaxPool2d.
+Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                              std::int64_t padding, std::int64_t pool_kernel, std::int64_t pool_stride = 0,
+                              std::int64_t pool_padding = 0);
+
 /// Max pooling over kernel×kernel windows. stride ≤ 0 means stride = kernel (PyTorch's
 /// default); padding ≤ kernel / 2 and never wins. x: (N, C, H, W). Gradient flows to
 /// the first maximum of each window.

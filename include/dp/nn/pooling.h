@@ -21,6 +21,10 @@ class MaxPool2d : public Module {
   explicit MaxPool2d(std::int64_t kernel_size, std::int64_t stride = 0, std::int64_t padding = 0);
   Tensor forward(const Tensor& x) override;
   std::string name() const override;
+  std::int64_t kernel_size() const { return kernel_; }
+  /// As given: ≤ 0 means stride = kernel_size.
+  std::int64_t stride() const { return stride_; }
+  std::int64_t padding() const { return padding_; }
 
  private:
   std::int64_t kernel_, stride_, padding_;

@@ -163,6 +163,8 @@ class CpuBackend final : public Backend {
 
   void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
                       const float* bias, float* y) override;
+  void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                           const float* bias, float* y) override;
   void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
                             float* gx) override;
   void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,

@@ -51,6 +51,32 @@ SgdRange pick_sgd(bool momentum, bool first, bool nesterov) {
   return momentum ? pick_sgd<kDecay, true>(first, nesterov) : pick_sgd<kDecay, false>(false, false);
 }
 
+// Adam (Note [Vectorised optimizer loops]): one loop per mode, decoupled (AdamW: p is
+// always scaled, as AdamUpdate does), coupled with weight decay, or coupled without.
+// The square root is what kept this loop scalar: under -fmath-errno GCC must call
+// sqrtf for a negative argument to set errno, so it emits a test and a call per
+// element. errno means nothing to an optimizer step (v >= 0 unless it is NaN), and
+// this file alone is built with -fno-math-errno (src/backend/cpu/meson.build); sqrtps
+// and divps round exactly as sqrtf and '/' do, so the bits are the functor's.
+template <bool kDecoupled, bool kDecay>
+void adam_range(const AdamParams& in, float* __restrict p, const float* __restrict g,
+                float* __restrict m, float* __restrict v, std::int64_t b, std::int64_t e) {
+  AdamParams s = in;
+  s.decoupled = kDecoupled;
+  s.weight_decay = kDecoupled || kDecay ? in.weight_decay : 0.0f;
+  const AdamUpdate upd{s};
+  for (std::int64_t i = b; i < e; ++i) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    upd(pi, g[i], mi, vi);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+using AdamRange = void (*)(const AdamParams&, float*, const float*, float*, float*, std::int64_t,
+                           std::int64_t);
+
 }  // namespace
 
 void CpuBackend::sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
@@ -72,10 +98,13 @@ void CpuBackend::adam_step(Device dev, float* param, const float* grad, float* e
                            float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
                            float eps, float weight_decay, bool decoupled, std::int64_t step) {
   DP_CHECK(step >= 1, "adam_step: expected a 1-based step count, got ", step);
-  const AdamUpdate upd{make_adam_params(lr, beta1, beta2, eps, weight_decay, decoupled, step)};
+  const AdamParams ap = make_adam_params(lr, beta1, beta2, eps, weight_decay, decoupled, step);
+  const AdamRange range = decoupled              ? &adam_range<true, true>
+                          : weight_decay != 0.0f ? &adam_range<false, true>
+                                                 : &adam_range<false, false>;
   // ~4x the memory traffic of an axpy per element: a quarter of the serial grain.
   parallel_for(dev, n, kSerialGrain / 4, [=](std::int64_t b, std::int64_t e) {
-    for (std::int64_t i = b; i < e; ++i) upd(param[i], grad[i], exp_avg[i], exp_avg_sq[i]);
+    range(ap, param, grad, exp_avg, exp_avg_sq, b, e);
   });
 }
 
