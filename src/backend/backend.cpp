@@ -1,5 +1,12 @@
 #include "backend/backend.h"
 
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "dp/core/error.h"
+
 namespace dp::backend {
 
 // Defined by backend/cpu and by backend/cuda (or backend/stub when CUDA is absent).
@@ -14,6 +21,62 @@ Backend& pinned_host_backend() {
   // Probed once: the device count of a process does not change.
   static Backend& backend = cuda_backend().device_count() > 0 ? cuda_backend() : cpu_backend();
   return backend;
+}
+
+// ---- profiler ranges (Note [Profiler ranges]) ---------------------------------------
+
+bool parse_ranges_flag(const char* value) {
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "0") == 0) return false;
+  if (std::strcmp(value, "1") == 0) return true;
+  dp::detail::log_warning(dp::detail::str_cat("DP_NVTX=\"", value,
+                                              "\" is not 0 or 1: profiler ranges stay off (set DP_NVTX=1 to name "
+                                              "dp's phases and collectives in nsys)"));
+  return false;
+}
+
+// Dynamic initialisation: code running before libdp's initialisers sees ranges off.
+std::atomic<bool> profiler_ranges_on{parse_ranges_flag(std::getenv("DP_NVTX"))};
+
+void set_ranges_enabled(bool on) noexcept { profiler_ranges_on.store(on, std::memory_order_relaxed); }
+
+namespace {
+std::atomic<RangeObserver*> range_observer{nullptr};
+}  // namespace
+
+void set_range_observer(RangeObserver* observer) noexcept {
+  range_observer.store(observer, std::memory_order_release);
+}
+
+void ScopedRange::open(Device dev, const char* name) {
+  if (RangeObserver* o = range_observer.load(std::memory_order_acquire))
+    o->push(dev, name);
+  else
+    get(dev).range_push(dev, name);
+  dev_ = dev;
+  open_ = true;
+}
+
+void ScopedRange::open_sized(Device dev, const char* who, const char* what, std::size_t nbytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double size = static_cast<double>(nbytes);
+  int unit = 0;
+  while (size >= 1024.0 && unit + 1 < static_cast<int>(std::size(kUnits))) {
+    size /= 1024.0;
+    ++unit;
+  }
+  char name[128];  // "<who> <what> <size>": two short literals and a number
+  if (unit == 0)
+    std::snprintf(name, sizeof name, "%s %s %zu B", who, what, nbytes);
+  else
+    std::snprintf(name, sizeof name, "%s %s %.2f %s", who, what, size, kUnits[unit]);
+  open(dev, name);
+}
+
+void ScopedRange::close() noexcept {
+  if (RangeObserver* o = range_observer.load(std::memory_order_acquire))
+    o->pop(dev_);
+  else
+    get(dev_).range_pop(dev_);
 }
 
 namespace {

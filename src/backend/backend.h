@@ -15,6 +15,7 @@
 // CUDA headers.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -145,6 +146,13 @@ class Backend : public dp::detail::DeviceRuntime {
   virtual void record_event(Event& ev, Device dev) = 0;
   /// Makes the calling thread's current stream of `dev` wait for `ev` (no host wait).
   virtual void wait_event(Event& ev, Device dev) = 0;
+
+  // ---- profiler ranges (Note [Profiler ranges]) -------------------------------------
+  /// Opens a named range on the calling thread (CUDA: nvtxRangePushA; CPU: nothing).
+  /// `name` is copied. Called through ScopedRange, which skips it when ranges are off.
+  virtual void range_push(Device dev, const char* name) = 0;
+  /// Closes the calling thread's innermost range. Never throws.
+  virtual void range_pop(Device dev) noexcept = 0;
 
   // ---- memory --------------------------------------------------------------------
   /// Allocates `nbytes` (aligned to 64 bytes at least) on `dev`. CUDA: from the
@@ -338,6 +346,74 @@ class Backend : public dp::detail::DeviceRuntime {
 
   /// Counts non-finite values of x (for the opt-in NaN/Inf check). Synchronous.
   virtual std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) = 0;
+};
+
+// Note [Profiler ranges]
+// dp names its phases and collectives for a profiler's timeline: with DP_NVTX=1 in the
+// environment (read once, when libdp is loaded) or after set_ranges_enabled(true),
+// every PhaseTimer (forward, backward, reduce, step, ...: src/parallel/phase_timer.h)
+// opens a range named after its phase on the worker's thread, and the NCCL and CUDA
+// copy communicators open one around each collective, named with the collective and
+// its size ("nccl all_reduce 4.00 MiB", "cuda-copy reduce 512.00 KiB"). On CUDA a
+// range is an NVTX range (nvtx3, header-only in the toolkit) in the domain "dp", so
+//   DP_NVTX=1 nsys profile -t cuda,nvtx,osrt -o dp_step ./train ...
+// shows them as rows of each worker thread above its kernels; `nsys stats -r
+// nvtx_sum dp_step.nsys-rep` totals them. Without a profiler attached the NVTX calls
+// return at once. On CPU ranges do nothing (the Chrome trace, DataParallel's
+// enable_trace, shows CPU phases). When ranges are off, which is the default, a range
+// costs one relaxed load of a flag and one branch that is never taken (no string is
+// built, no virtual call made): cheap enough to leave in every collective.
+// A range is opened and closed on one thread (NVTX ranges are per thread), which
+// ScopedRange's scope guarantees.
+
+/// The switch of Note [Profiler ranges]; false until libdp's initialisation reads DP_NVTX.
+extern std::atomic<bool> profiler_ranges_on;
+
+/// Whether ranges are on (Note [Profiler ranges]).
+inline bool ranges_enabled() noexcept { return profiler_ranges_on.load(std::memory_order_relaxed); }
+/// Turns ranges on or off for the whole process; ranges open at the call still close.
+void set_ranges_enabled(bool on) noexcept;
+/// DP_NVTX's meaning: unset, "" or "0" off, "1" on; anything else is off with a warning
+/// naming the value.
+bool parse_ranges_flag(const char* value);
+
+/// Receives ranges instead of the backends while installed (tests): push(dev, name),
+/// pop(dev), on the thread that opened the range.
+class RangeObserver {
+ public:
+  virtual ~RangeObserver() = default;
+  virtual void push(Device dev, const char* name) = 0;
+  virtual void pop(Device dev) noexcept = 0;
+};
+/// Installs `observer` (null: the backends again). Not while a range is open.
+void set_range_observer(RangeObserver* observer) noexcept;
+
+/// One range on the calling thread, from construction to destruction, when ranges are
+/// on (Note [Profiler ranges]); nothing otherwise.
+///   { backend::ScopedRange r(dev, "nccl", "all_reduce", nbytes); enqueue(...); }
+class ScopedRange {
+ public:
+  /// A range called `name` (a string that outlives the push: it is copied there).
+  ScopedRange(Device dev, const char* name) {
+    if (ranges_enabled()) open(dev, name);
+  }
+  /// A range called "<who> <what> <size>", the size in B, KiB, MiB or GiB.
+  ScopedRange(Device dev, const char* who, const char* what, std::size_t nbytes) {
+    if (ranges_enabled()) open_sized(dev, who, what, nbytes);
+  }
+  ~ScopedRange() {
+    if (open_) close();
+  }
+  ScopedRange(const ScopedRange&) = delete;
+  ScopedRange& operator=(const ScopedRange&) = delete;
+
+ private:
+  void open(Device dev, const char* name);
+  void open_sized(Device dev, const char* who, const char* what, std::size_t nbytes);
+  void close() noexcept;
+
+  Device dev_{};
+  bool open_ = false;
 };
 
 /// The backend of a device type. CUDA without the toolkit, or without a device,

@@ -33,6 +33,15 @@ void Communicator::throw_aborted(const char* what, int rank, const std::string& 
       reason);
 }
 
+CollectiveGroup::~CollectiveGroup() {
+  if (comm_ == nullptr) return;
+  try {  // a failure path: the group must still close (Note [Grouped collectives])
+    comm_->group_end(rank_);
+  } catch (const std::exception& e) {  // destructors never throw
+    detail::log_warning(detail::str_cat("group_end on rank ", rank_, " while unwinding: ", e.what()));
+  }
+}
+
 const char* Communicator::collective_name(Collective c) {
   switch (c) {
     case Collective::AllReduce: return "all_reduce";

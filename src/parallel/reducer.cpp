@@ -146,12 +146,26 @@ class ReduceScatterSync final : public GradSync {
     const std::int64_t lo = offset, hi = offset + grad.numel();
     const int me = this->me(rank);
     comm::Communicator& comm = g_.hybrid ? comm_.local() : comm_;
+    // One group for the bucket's reduces: one launch on NCCL, not one per piece (Note
+    // [Grouped collectives]). Nothing may touch a piece until the group ends, so what
+    // follows a piece's reduce (across processes, delivery, zeroing) comes after it.
+    struct Piece {
+      Tensor t;
+      std::int64_t a;
+      int owner;
+    };
+    std::vector<Piece> pieces;
+    comm::CollectiveGroup group(comm, rank);
     for (int owner = 0; owner < static_cast<int>(g_.shards.size()); ++owner) {
       const auto [begin, end] = g_.shards[static_cast<std::size_t>(owner)];
       const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
       if (a >= b) continue;
       Tensor piece = grad.narrow(0, a - lo, b - a);
       comm.reduce(rank, piece, me == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
+      pieces.push_back({std::move(piece), a, owner});
+    }
+    group.end();
+    for (const auto& [piece, a, owner] : pieces) {
       if (g_.hybrid && me == owner)
         if (comm::Communicator* across = comm_.peers(rank))
           across->all_reduce(comm_.first_rank() / comm_.size(), piece, piece, comm::ReduceOp::Sum);
@@ -164,7 +178,7 @@ class ReduceScatterSync final : public GradSync {
       // version, which the worker's backward bumps concurrently.
       if (me != owner && g_.zero_sent) {
         const Device dev = piece.device();
-        backend::get(dev).memset_zero(piece.data<float>(), dev, static_cast<std::size_t>(b - a) * sizeof(float));
+        backend::get(dev).memset_zero(piece.data<float>(), dev, static_cast<std::size_t>(piece.numel()) * sizeof(float));
       }
     }
   }

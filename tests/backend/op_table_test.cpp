@@ -64,6 +64,8 @@ class RecordingBackend final : public Backend {
   std::unique_ptr<Event> create_event(Device dev) override { return in_.create_event(dev); }
   void record_event(Event& ev, Device dev) override { in_.record_event(ev, dev); }
   void wait_event(Event& ev, Device dev) override { in_.wait_event(ev, dev); }
+  void range_push(Device dev, const char* name) override { in_.range_push(dev, name); }
+  void range_pop(Device dev) noexcept override { in_.range_pop(dev); }
   // A host loop over a device's share of the cores (used by the local communicator),
   // not a device kernel: forwarded, not recorded.
   void host_parallel_for(Device dev, std::int64_t n, dp::backend::RangeFn f) override {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dp/core/error.h"
@@ -104,6 +105,22 @@ class Communicator {
   /// Orders the rank's later compute work after its deferred collectives.
   virtual void join(int /*rank*/) {}
 
+  /// Note [Grouped collectives]
+  /// group_start(rank) ... group_end(rank) lets a stream-ordered backend launch the
+  /// collectives that rank's thread calls in between together: NCCL fuses them into
+  /// one launch (ncclGroupStart/ncclGroupEnd), where each would otherwise be a launch
+  /// of its own (a Sharded bucket's per-owner reduces). Results are those of the same
+  /// calls made one by one, and every other communicator (local, mpi, hierarchical,
+  /// cuda-copy) runs each call at once, so there the pair does nothing. In between,
+  /// rank's thread calls only this communicator's collectives (not local()'s or
+  /// peers()'s: NCCL's group belongs to the thread), every rank calls the same ones in
+  /// the same order, and nothing reads their results or enqueues compute work on their
+  /// buffers: on NCCL they are launched at group_end, where a plain collective also
+  /// orders the compute stream after itself. Pairs nest (the outermost launches). Each
+  /// group_start needs its group_end on every path, failures included (CollectiveGroup).
+  virtual void group_start(int /*rank*/) {}
+  virtual void group_end(int /*rank*/) {}
+
   /// Device time of the deferred collectives of completed join windows, read without
   /// waiting (stream-ordered backends time them with events; host-synchronous ones
   /// leave timing to the caller and return nothing).
@@ -168,6 +185,23 @@ class Communicator {
   std::vector<Device> devices_;
   int world_size_ = 0;
   int first_rank_ = 0;
+};
+
+/// A group of rank's collectives (Note [Grouped collectives]) from construction to
+/// end(), or to destruction on a failure path (which logs what group_end throws).
+///   { CollectiveGroup g(comm, rank); comm.reduce(rank, a, ...); comm.reduce(rank, b, ...); g.end(); }
+class CollectiveGroup {
+ public:
+  CollectiveGroup(Communicator& comm, int rank) : comm_(&comm), rank_(rank) { comm.group_start(rank); }
+  ~CollectiveGroup();
+  CollectiveGroup(const CollectiveGroup&) = delete;
+  CollectiveGroup& operator=(const CollectiveGroup&) = delete;
+  /// Ends the group: on NCCL, launches its collectives; throws what group_end throws.
+  void end() { std::exchange(comm_, nullptr)->group_end(rank_); }
+
+ private:
+  Communicator* comm_;
+  int rank_;
 };
 
 /// A communicator over `devices` (all CPU → local, all CUDA → nccl). Throws dp::Error

@@ -97,6 +97,9 @@ class CpuBackend final : public Backend {
   std::unique_ptr<Event> create_event(Device dev) override;
   void record_event(Event& ev, Device dev) override;
   void wait_event(Event& ev, Device dev) override;
+  // Nothing on CPU: the Chrome trace shows CPU phases (Note [Profiler ranges]).
+  void range_push(Device, const char*) override {}
+  void range_pop(Device) noexcept override {}
 
   void* allocate(Device dev, std::size_t nbytes) override;
   void deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept override;

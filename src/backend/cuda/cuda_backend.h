@@ -170,6 +170,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<Event> create_event(Device dev) override;
   void record_event(Event& ev, Device dev) override;
   void wait_event(Event& ev, Device dev) override;
+  void range_push(Device dev, const char* name) override;
+  void range_pop(Device dev) noexcept override;
 
   void* allocate(Device dev, std::size_t nbytes) override;
   void deallocate(Device dev, void* ptr, std::size_t nbytes) noexcept override;

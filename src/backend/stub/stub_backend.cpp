@@ -33,6 +33,9 @@ class StubBackend final : public Backend {
   std::unique_ptr<Event> create_event(Device) override { unavailable("create_event"); }
   void record_event(Event&, Device) override { unavailable("record_event"); }
   void wait_event(Event&, Device) override { unavailable("wait_event"); }
+  // Ranges name work; a build without CUDA has none to name (Note [Profiler ranges]).
+  void range_push(Device, const char*) override {}
+  void range_pop(Device) noexcept override {}
 
   void* allocate(Device, std::size_t) override { unavailable("allocate"); }
   // noexcept: nothing can have been allocated by this backend, so there is nothing to free.

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
@@ -236,6 +237,9 @@ class CopyCommunicator final : public Communicator {
       s.send = data.data<const float>();
       s.recv = data.data<float>();
     }
+    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad.
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "broadcast",
+                              static_cast<std::size_t>(s.count) * sizeof(float));
     Call c = begin(rank, std::move(s), "broadcast", {data});
     if (rank != root) {
       const Slot& src = c.slots[static_cast<std::size_t>(root)];
@@ -270,6 +274,9 @@ class CopyCommunicator final : public Communicator {
       if (s.recv != own && overlaps(s.send, send.numel(), s.recv, s.count))
         s.error = "recv overlaps send other than as this rank's block of it; pass that block or a separate buffer";
     }
+    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad (size: all blocks).
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "reduce_scatter",
+                              static_cast<std::size_t>(s.count) * sizeof(float) * static_cast<std::size_t>(size()));
     Call c = begin(rank, std::move(s), "reduce_scatter", {send, recv});
     const std::int64_t n = c.me().count;
     ck::SumInputs in;
@@ -303,6 +310,9 @@ class CopyCommunicator final : public Communicator {
       if (s.send != own && overlaps(s.send, s.count, s.recv, recv.numel()))
         s.error = "send overlaps recv other than as this rank's block of it; pass that block or a separate buffer";
     }
+    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad (size: all blocks).
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "all_gather",
+                              static_cast<std::size_t>(s.count) * sizeof(float) * static_cast<std::size_t>(size()));
     Call c = begin(rank, std::move(s), "all_gather", {send, recv});
     const std::int64_t n = c.me().count;
     for (int k = 0; k < size(); ++k) {
@@ -540,6 +550,9 @@ class CopyCommunicator final : public Communicator {
         s.error = "recv partly overlaps send; pass the same tensor (in place) or a separate buffer";
       slice = slice_of(s.count, size(), rank).len;
     }
+    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad.
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "all_reduce",
+                              static_cast<std::size_t>(s.count) * sizeof(float));
     Call c = begin(rank, std::move(s), "all_reduce", {send, recv}, slice);
     const std::int64_t count = c.me().count;
     // Phase 1: slice `rank` of every send, summed into this rank's scratch.
@@ -593,6 +606,9 @@ class CopyCommunicator final : public Communicator {
           s.error = "recv partly overlaps send; pass the same tensor (in place) or a separate buffer";
       }
     }
+    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad.
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "reduce",
+                              static_cast<std::size_t>(s.count) * sizeof(float));
     Call c = begin(rank, std::move(s), "reduce", {send, rank == root ? recv : Tensor()});
     if (rank == root) {
       ck::SumInputs in;

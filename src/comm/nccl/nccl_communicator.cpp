@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "comm/nccl/copy_communicator.h"
@@ -538,7 +539,7 @@ class NcclCommunicator final : public Communicator {
     const std::size_t recv_count = static_cast<std::size_t>(recv.numel());
     const void* sp = send.raw_data();
     void* rp = recv.raw_data();
-    enqueue(rank, {"reduce_scatter", recv_count, false, send, recv}, [&](ncclComm_t c, cudaStream_t s) {
+    enqueue(rank, {"reduce_scatter", recv_count, false, send, recv, world_size()}, [&](ncclComm_t c, cudaStream_t s) {
       return ncclReduceScatter(sp, rp, recv_count, ncclFloat, to_nccl(op), c, s);
     });
   }
@@ -554,7 +555,7 @@ class NcclCommunicator final : public Communicator {
     const std::size_t send_count = static_cast<std::size_t>(send.numel());
     const void* sp = send.raw_data();
     void* rp = recv.raw_data();
-    enqueue(rank, {"all_gather", send_count, false, send, recv}, [&](ncclComm_t c, cudaStream_t s) {
+    enqueue(rank, {"all_gather", send_count, false, send, recv, world_size()}, [&](ncclComm_t c, cudaStream_t s) {
       return ncclAllGather(sp, rp, send_count, ncclFloat, c, s);
     });
   }
@@ -580,6 +581,61 @@ class NcclCommunicator final : public Communicator {
       rk.open = Window{};
     }
     DP_CUDA_CHECK(cudaStreamWaitEvent(compute, rk.joined, 0));
+  }
+
+  // Note [Grouped collectives] in communicator.h; Note [NCCL groups] for how.
+  void group_start(int rank) override {
+    check_rank(rank, "group_start");
+    Rank& rk = slot(rank);
+    if (rk.group.depth > 0) {  // nested: the outermost pair launches
+      ++rk.group.depth;
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(rk.mu);
+      throw_if_aborted("group_start", rank);
+      rk.busy = true;
+    }
+    const ncclResult_t res = ncclGroupStart();
+    if (res != ncclSuccess) {
+      leave(rank);
+      DP_FAIL("ncclGroupStart on ", label(rank - layout_.first_arg), " failed: ", ncclGetErrorString(res));
+    }
+    rk.group = Group{};
+    rk.group.depth = 1;
+  }
+
+  void group_end(int rank) override {
+    check_rank(rank, "group_end");
+    Rank& rk = slot(rank);
+    DP_CHECK(rk.group.depth > 0, "group_end on ", label(rank - layout_.first_arg), " without a group_start");
+    if (--rk.group.depth > 0) return;
+    const Group g = std::exchange(rk.group, Group{});
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(rk.mu);
+      comm = rk.comm;  // busy since group_start: abort() left it alone
+    }
+    ncclResult_t result = ncclSuccess;
+    try {
+      backend::ScopedRange range(devices_[rank], "nccl", "group_end", g.bytes);  // Note [Profiler ranges]
+      result = wait_issued(comm, ncclGroupEnd(), rank, "group_end");
+      if (g.span_end != nullptr && result == ncclSuccess) DP_CUDA_CHECK(cudaEventRecord(g.span_end, rk.stream));
+    } catch (...) {
+      leave(rank);
+      throw;
+    }
+    leave(rank);
+    throw_if_aborted("group_end", rank);
+    DP_CHECK(result == ncclSuccess, "a group of ", g.calls, " collectives (", g.what == nullptr ? "none" : g.what,
+             ", ", g.count, " floats) on ", label(rank - layout_.first_arg),
+             " failed: ", ncclGetErrorString(result), " (NCCL_DEBUG=WARN prints NCCL's reason)");
+    if (g.calls == 0) return;
+    if (g.any_deferred && g.any_plain) {  // the plain ones join the compute stream anyway
+      std::lock_guard<std::mutex> lock(rk.mu);
+      rk.deferred = true;  // so join() closes the timing window the deferred ones opened
+    }
+    after_issue(rank, Call{g.what, g.count, /*deferred=*/!g.any_plain, Tensor(), Tensor()});
   }
 
   bool times_on_device() const override { return true; }
@@ -733,6 +789,31 @@ class NcclCommunicator final : public Communicator {
     cudaEvent_t arrived = nullptr;  // compute stream at join()
   };
 
+  // Note [NCCL groups]
+  // Between group_start and group_end (Note [Grouped collectives]) the NCCL calls only
+  // join the thread's group: NCCL launches them all at ncclGroupEnd, which on a
+  // non-blocking communicator may return ncclInProgress and is then polled like any
+  // call (wait_issued, Note [NCCL failures]). So the per-call steps of enqueue that
+  // must follow the launch move to group_end: the `done` event handed to the watchdog
+  // (one for the group, named after its first collective, counting all its floats),
+  // the compute stream's wait after plain collectives, and the end of the timing span
+  // of deferred ones (one span from the first deferred call to the launch). The steps
+  // before the call stay per call: each records `ready` on the compute stream and
+  // makes the comm stream wait for it, and since NCCL enqueues the group's kernel on
+  // the comm stream only at ncclGroupEnd, that kernel follows every one of those
+  // waits. The rank is `busy` from group_start to group_end, so abort() never aborts
+  // the comm under a thread whose group holds it; an abort meanwhile is seen by
+  // group_end's polling, and leave() then aborts the comm.
+  struct Group {
+    int depth = 0;                 // open group_start calls; 0 = not grouping
+    int calls = 0;                 // collectives issued in the group (count > 0)
+    const char* what = nullptr;    // the first one's name (a string literal)
+    std::size_t count = 0;         // their floats
+    std::size_t bytes = 0;         // their nccl-tests sizes, for the profiler range
+    bool any_deferred = false, any_plain = false;
+    cudaEvent_t span_end = nullptr;  // the open timing span's end, when deferred
+  };
+
   struct Rank {
     ncclComm_t comm = nullptr;      // null once aborted
     cudaStream_t stream = nullptr;  // owned by the backend, shared by the family
@@ -750,6 +831,7 @@ class NcclCommunicator final : public Communicator {
     std::deque<Window> closed;      // joined, not yet read
     std::vector<cudaEvent_t> free_timing;
     StreamTimes done_times;         // figures of windows already read
+    Group group;                    // Note [NCCL groups]; the rank's thread only
   };
 
   /// What enqueue needs to know of a collective besides the NCCL call itself.
@@ -758,6 +840,7 @@ class NcclCommunicator final : public Communicator {
     std::size_t count;  // elements; 0 enqueues nothing (the same on every rank)
     bool deferred;
     Tensor a, b;        // the buffers the collective reads or writes (may be undefined)
+    int blocks = 1;     // count x blocks = nccl-tests' size (reduce_scatter, all_gather)
   };
 
   Rank& slot(int rank) { return ranks_[static_cast<std::size_t>(rank - layout_.first_arg)]; }
@@ -892,14 +975,17 @@ class NcclCommunicator final : public Communicator {
   template <typename F>
   void enqueue(int rank, Call c, F&& call) {
     Rank& rk = slot(rank);
+    const bool grouped = rk.group.depth > 0;  // Note [NCCL groups]
     ncclComm_t comm = nullptr;
     {
       std::lock_guard<std::mutex> lock(rk.mu);
       throw_if_aborted(c.what, rank);
       if (c.count == 0) return;
       comm = rk.comm;
-      rk.busy = true;
+      rk.busy = true;  // already, in a group
     }
+    const std::size_t bytes = c.count * sizeof(float) * static_cast<std::size_t>(c.blocks);
+    backend::ScopedRange range(devices_[rank], "nccl", c.what, bytes);  // Note [Profiler ranges]
     ncclResult_t result = ncclSuccess;
     try {
       backend::CudaBackend& cb = cuda();
@@ -912,20 +998,37 @@ class NcclCommunicator final : public Communicator {
       if (c.deferred) {
         for (const Tensor* t : {&c.a, &c.b})
           if (t->defined()) cb.allocator(dev).record_stream(t->storage()->data(), rk.stream);
-        span = {timing_event(rk), timing_event(rk)};
-        rk.open.spans.push_back(span);  // recycled with the window, whatever happens
-        DP_CUDA_CHECK(cudaEventRecord(span.first, rk.stream));
+        if (!grouped || rk.group.span_end == nullptr) {  // a group has one span
+          span = {timing_event(rk), timing_event(rk)};
+          rk.open.spans.push_back(span);  // recycled with the window, whatever happens
+          DP_CUDA_CHECK(cudaEventRecord(span.first, rk.stream));
+          if (grouped) rk.group.span_end = span.second;
+        }
       }
-      result = wait_issued(comm, call(comm, rk.stream), rank, c.what);
-      if (span.second != nullptr && result == ncclSuccess) DP_CUDA_CHECK(cudaEventRecord(span.second, rk.stream));
+      result = call(comm, rk.stream);
+      if (grouped) {
+        // Queued in the thread's group; group_end polls the launch.
+        if (result == ncclInProgress) result = ncclSuccess;
+      } else {
+        result = wait_issued(comm, result, rank, c.what);
+        if (span.second != nullptr && result == ncclSuccess) DP_CUDA_CHECK(cudaEventRecord(span.second, rk.stream));
+      }
     } catch (...) {
-      leave(rank);
+      if (!grouped) leave(rank);  // in a group the rank stays busy until group_end
       throw;
     }
-    leave(rank);
+    if (!grouped) leave(rank);
     throw_if_aborted(c.what, rank);
     DP_CHECK(result == ncclSuccess, c.what, " on ", label(rank - layout_.first_arg), " (", c.count,
              " floats) failed: ", ncclGetErrorString(result), " (NCCL_DEBUG=WARN prints NCCL's reason)");
+    if (grouped) {
+      Group& g = rk.group;
+      if (g.calls++ == 0) g.what = c.what;
+      g.count += c.count;
+      g.bytes += bytes;
+      (c.deferred ? g.any_deferred : g.any_plain) = true;
+      return;
+    }
     after_issue(rank, c);
   }
 
