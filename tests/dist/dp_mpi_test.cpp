@@ -35,6 +35,13 @@ using dp::Tensor;
 
 namespace {
 
+// A training state at `step` (the other fields default).
+dp::TrainingState at_step(std::int64_t step) {
+  dp::TrainingState st;
+  st.step = step;
+  return st;
+}
+
 constexpr int kLocal = 2;  // devices per process
 constexpr int kSteps = 10;
 constexpr std::uint64_t kSeed = 1234;
@@ -274,7 +281,7 @@ TEST_CASE("a training checkpoint resumes on another topology: P x 2 devices <-> 
     dp::DataParallel model(net, local_devices(), ddp);
     dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
     steps(model, opt, 0, half);
-    if (dist::is_main()) dp::save_training_checkpoint(path, *net, opt, {.step = half});
+    if (dist::is_main()) dp::save_training_checkpoint(path, *net, opt, at_step(half));
     dist::barrier();
     if (dist::is_main()) {
       auto fresh = make_mlp(kSeed + 99);
@@ -297,7 +304,7 @@ TEST_CASE("a training checkpoint resumes on another topology: P x 2 devices <-> 
       dp::DataParallel single(net, local_devices(world), alone);
       dp::optim::Adam opt(single.parameters(), {.lr = 1e-2});
       steps(single, opt, 0, half);
-      dp::save_training_checkpoint(path, *net, opt, {.step = half});
+      dp::save_training_checkpoint(path, *net, opt, at_step(half));
     }
     dist::barrier();
     auto fresh = make_mlp(kSeed + 7);
@@ -467,7 +474,7 @@ TEST_CASE("a Sharded training checkpoint resumes on another topology: P x 2 devi
       steps(model, opt, 0, half);
       const std::vector<float> state = flat(opt.state_dict());
       // Every process takes part; process 0 writes.
-      dp::save_training_checkpoint(path, *net, opt, {.step = half}, /*write=*/dist::is_main());
+      dp::save_training_checkpoint(path, *net, opt, at_step(half), /*write=*/dist::is_main());
       dist::barrier();
       if (dist::is_main()) {
         auto fresh = make_mlp(kSeed + 99);
@@ -493,7 +500,7 @@ TEST_CASE("a Sharded training checkpoint resumes on another topology: P x 2 devi
         dp::optim::Adam opt(single.parameters(), {.lr = 1e-2});
         steps(single, opt, 0, half);
         state = flat(opt.state_dict());
-        dp::save_training_checkpoint(path, *net, opt, {.step = half});
+        dp::save_training_checkpoint(path, *net, opt, at_step(half));
       }
       state = dist::broadcast_object(state, 0);
       dist::barrier();
