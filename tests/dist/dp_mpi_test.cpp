@@ -63,16 +63,6 @@ std::pair<std::int64_t, std::int64_t> my_rows(std::int64_t rows) {
   return {lo, base + (r < extra ? 1 : 0)};
 }
 
-std::vector<float> flat(const dp::nn::StateDict& sd) {
-  std::vector<float> out;
-  for (auto& [name, t] : sd) {
-    if (t.dtype() != dp::Dtype::Float32) continue;
-    auto v = t.to_vector();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
 double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
   if (a.size() != b.size()) return INFINITY;
   double m = 0;

@@ -1,12 +1,15 @@
-// tests/parallel/mlp_fixture.h — the small MLP and batches the DataParallel suites share.
+// tests/parallel/mlp_fixture.h — the small MLP, batches and helpers the DataParallel suites share.
 //
 // 6-16-8-3: 275 parameters in three Linear layers. With tiny bucket caps they span
 // several DDP buckets; on 4 devices the Sharded ranges (80 elements, a multiple of
 // 16) cut through weights and gather units. Labels are deterministic in (row, seed).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "dp/dp.h"
@@ -38,5 +41,41 @@ Batch make_batch(std::int64_t rows, std::uint64_t seed, std::int64_t features = 
 }
 
 dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
+
+/// Every float tensor of `sd`, concatenated in the state dict's order.
+inline std::vector<float> flat(const dp::nn::StateDict& sd) {
+  std::vector<float> out;
+  for (auto& [name, t] : sd) {
+    if (t.dtype() != dp::Dtype::Float32) continue;
+    auto v = t.to_vector();
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+/// cpu(0..n-1).
+inline std::vector<dp::Device> cpus(int n) {
+  std::vector<dp::Device> d;
+  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
+  return d;
+}
+
+/// SGD whose update throws once on cpu:1, when armed, after updating half its range:
+/// a worker failing mid-step.
+class FaultySgd final : public dp::optim::Optimizer {
+ public:
+  explicit FaultySgd(dp::nn::ParameterList params) : Optimizer(std::move(params), "FaultySgd") {}
+  double lr() const override { return 0.1; }
+  void set_lr(double) override {}
+  std::atomic<bool> armed{false};
+
+ protected:
+  std::vector<std::string> state_names() const override { return {}; }
+  void update(dp::Device dev, float* p, const float* g, float* const*, std::int64_t n, bool, std::int64_t) override {
+    for (std::int64_t i = 0; i < n / 2; ++i) p[i] -= 0.1f * g[i];
+    if (dev.index == 1 && armed.exchange(false)) throw std::runtime_error("injected optimizer failure");
+    for (std::int64_t i = n / 2; i < n; ++i) p[i] -= 0.1f * g[i];
+  }
+};
 
 }  // namespace

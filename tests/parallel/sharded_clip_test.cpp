@@ -20,12 +20,6 @@ namespace {
 using dp::Tensor;
 using dp::nn::utils::kInfNorm;
 
-std::vector<dp::Device> cpus(int n) {
-  std::vector<dp::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
-  return d;
-}
-
 dp::DataParallelOptions ddp() { return {.mode = dp::Mode::DDP}; }
 dp::DataParallelOptions stage3() { return {.mode = dp::Mode::Sharded, .shard_stage = 3}; }
 

@@ -20,22 +20,6 @@ namespace {
 
 using dp::Tensor;
 
-std::vector<float> flat(const dp::nn::StateDict& sd) {
-  std::vector<float> out;
-  for (auto& [name, t] : sd) {
-    if (t.dtype() != dp::Dtype::Float32) continue;
-    auto v = t.to_vector();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
-std::vector<dp::Device> cpus(int n) {
-  std::vector<dp::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
-  return d;
-}
-
 dp::DataParallelOptions sharded(int stage, dp::DataParallelOptions o = {}) {
   o.mode = dp::Mode::Sharded;
   o.shard_stage = stage;

@@ -41,26 +41,10 @@ std::unique_ptr<dp::optim::Optimizer> make_opt(Opt kind, dp::nn::ParameterList p
   return nullptr;
 }
 
-std::vector<float> flat(const dp::nn::StateDict& sd) {
-  std::vector<float> out;
-  for (auto& [name, t] : sd) {
-    if (t.dtype() != dp::Dtype::Float32) continue;
-    auto v = t.to_vector();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
 struct RunResult {
   std::vector<float> params, opt_state;
   std::vector<double> losses;
 };
-
-std::vector<dp::Device> cpus(int n) {
-  std::vector<dp::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
-  return d;
-}
 
 // Trains `steps` steps on n CPU devices (n = 0: plain single-device training).
 RunResult train(int n, dp::DataParallelOptions opts, Path path, std::int64_t rows, int steps = 10,
@@ -400,23 +384,6 @@ struct Faulty : dp::nn::Module {
   }
   std::atomic<bool> armed{false};
   std::shared_ptr<dp::nn::Linear> fc;
-};
-
-// SGD whose update throws once on cpu:1 after updating half its range.
-class FaultySgd final : public dp::optim::Optimizer {
- public:
-  explicit FaultySgd(dp::nn::ParameterList params) : Optimizer(std::move(params), "FaultySgd") {}
-  double lr() const override { return 0.1; }
-  void set_lr(double) override {}
-  std::atomic<bool> armed{false};
-
- protected:
-  std::vector<std::string> state_names() const override { return {}; }
-  void update(dp::Device dev, float* p, const float* g, float* const*, std::int64_t n, bool, std::int64_t) override {
-    for (std::int64_t i = 0; i < n / 2; ++i) p[i] -= 0.1f * g[i];
-    if (dev.index == 1 && armed.exchange(false)) throw std::runtime_error("injected optimizer failure");
-    for (std::int64_t i = n / 2; i < n; ++i) p[i] -= 0.1f * g[i];
-  }
 };
 
 }  // namespace
