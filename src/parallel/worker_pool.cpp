@@ -1,14 +1,7 @@
 #include "parallel/worker_pool.h"
 
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <ctime>
-#endif
-
 #include "backend/backend.h"
+#include "core/parking.h"
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 
@@ -19,60 +12,13 @@ namespace dp::parallel {
 // over a task, and `finished`, set by the worker to the posted value once the task
 // is done. Whoever waits for a counter to move first spins briefly (kSpins pause
 // instructions: a few microseconds, about the gap between two phases of a small
-// step), then parks in a futex wait. A hand-over is one store and one wake of one
-// thread — no shared mutex, no notify_all. The spin is short so that a machine with
-// more devices than cores loses little to it.
-// On Linux the park is a futex wait on the counter itself, bounded (kParkLimitNs) and
-// re-checked, and every notify is a futex wake: a lost wake-up can cost at most one
-// bound, never a hang. std::atomic::wait/notify of GCC 12's libstdc++ keeps its own
-// waiter count to skip the wake system call, and a worker once stayed parked on a
-// counter that had moved (seen under ThreadSanitizer, whose scheduling widens races).
+// step), then parks (Note [Parking] in core/parking.h). A hand-over is one store and,
+// only when the other thread is parked, one wake of that thread — no shared mutex, no
+// notify_all, and no system call at all between threads that are both spinning. The
+// spin is short so that a machine with more devices than cores loses little to it.
 namespace {
 
-#if defined(__linux__)
-constexpr long kParkLimitNs = 20'000'000;  // 20 ms
-static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t) &&
-              std::atomic<std::uint32_t>::is_always_lock_free, "a futex word is a plain 32-bit integer");
-
-void park(const std::atomic<std::uint32_t>& counter, std::uint32_t old) {
-  const timespec limit{0, kParkLimitNs};
-  // EAGAIN (moved already), EINTR and ETIMEDOUT all mean: look again.
-  syscall(SYS_futex, reinterpret_cast<const std::uint32_t*>(&counter), FUTEX_WAIT_PRIVATE, old, &limit,
-          nullptr, 0);
-}
-void wake(std::atomic<std::uint32_t>& counter) {
-  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&counter), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
-}
-#else
-void park(const std::atomic<std::uint32_t>& counter, std::uint32_t old) {
-  counter.wait(old, std::memory_order_acquire);
-}
-void wake(std::atomic<std::uint32_t>& counter) { counter.notify_one(); }
-#endif
-
-constexpr int kSpins = 512;  // ~5-20 us of pause instructions, depending on the CPU
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-// Returns the counter's value once it differs from `old`.
-std::uint32_t await_change(const std::atomic<std::uint32_t>& counter, std::uint32_t old) {
-  for (int i = 0; i < kSpins; ++i) {
-    std::uint32_t v = counter.load(std::memory_order_acquire);
-    if (v != old) return v;
-    cpu_relax();
-  }
-  for (;;) {
-    park(counter, old);
-    std::uint32_t v = counter.load(std::memory_order_acquire);
-    if (v != old) return v;
-  }
-}
+constexpr int kSpins = 512;  // ~5-30 us of pause instructions, depending on the CPU
 
 }  // namespace
 
@@ -86,8 +32,8 @@ struct WorkerPool::Slot {
   std::function<void(int)> owned_task;
   ErrorHook owned_on_error;
   std::exception_ptr error;  // written by the worker before `finished` is set
-  alignas(64) std::atomic<std::uint32_t> posted{0};
-  alignas(64) std::atomic<std::uint32_t> finished{0};
+  detail::ParkingWord posted;
+  detail::ParkingWord finished;
 };
 
 std::string describe(const std::exception_ptr& error) {
@@ -122,14 +68,13 @@ WorkerPool::WorkerPool(std::vector<Device> devices, std::string name, bool calle
 WorkerPool::~WorkerPool() {
   for (auto& s : slots_) {
     if (!s->thread.joinable()) continue;
-    std::uint32_t p = s->posted.load(std::memory_order_relaxed);
-    while (s->finished.load(std::memory_order_acquire) != p) await_change(s->finished, s->finished.load());
+    const std::uint32_t p = s->posted.load(std::memory_order_relaxed);
+    for (std::uint32_t f = s->finished.load(); f != p;) f = s->finished.await_change(f, kSpins);
   }
   stop_.store(true, std::memory_order_release);
   for (auto& s : slots_) {
     if (!s->thread.joinable()) continue;
-    s->posted.fetch_add(1, std::memory_order_release);
-    wake(s->posted);
+    s->posted.bump();
     s->thread.join();
   }
 }
@@ -145,11 +90,10 @@ void WorkerPool::loop(int rank) {
   Slot& s = *slots_[rank];
   std::uint32_t seen = 0;
   for (;;) {
-    seen = await_change(s.posted, seen);
+    seen = s.posted.await_change(seen, kSpins);
     if (stop_.load(std::memory_order_acquire)) return;
     s.error = execute(rank, *s.task, s.on_error);
-    s.finished.store(seen, std::memory_order_release);
-    wake(s.finished);
+    s.finished.set(seen);
   }
 }
 
@@ -177,8 +121,7 @@ void WorkerPool::post(int rank, const std::function<void(int)>* fn, const ErrorH
             "a task was handed to ", name_, " ", rank, " while its previous one still runs");
   s.task = fn;
   s.on_error = on_error;
-  s.posted.fetch_add(1, std::memory_order_release);
-  wake(s.posted);
+  s.posted.bump();
   handoffs_.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -198,7 +141,7 @@ std::exception_ptr WorkerPool::wait(int rank) {
   Slot& s = *slots_[rank];
   const std::uint32_t p = s.posted.load(std::memory_order_relaxed);
   std::uint32_t f = s.finished.load(std::memory_order_acquire);
-  while (f != p) f = await_change(s.finished, f);
+  while (f != p) f = s.finished.await_change(f, kSpins);
   return std::exchange(s.error, nullptr);
 }
 

@@ -2,6 +2,7 @@
 #include "comm/local/local_communicator.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <new>
 #include <unordered_set>
@@ -10,12 +11,6 @@
 #include "comm/argument_checks.h"
 #include "dp/core/error.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define DP_CPU_RELAX() _mm_pause()
-#else
-#define DP_CPU_RELAX() ((void)0)
-#endif
 
 namespace dp::comm {
 
@@ -48,10 +43,10 @@ namespace dp::comm {
 
 namespace {
 
-/// Spins of the barrier before sleeping in atomic::wait: about a microsecond, enough
+/// Spins of the barrier before parking (Note [Parking]): a few microseconds, enough
 /// for ranks that arrive together, short enough not to steal a core from a rank that
 /// still works when virtual devices share the cores.
-constexpr int kBarrierSpins = 128;
+constexpr int kBarrierSpins = 256;
 /// Elements per block of the fused reduction: 2048 floats (8 KiB) keep the block of
 /// the output in L1 while the N inputs stream through it.
 constexpr std::int64_t kReduceBlock = 2048;
@@ -148,23 +143,11 @@ bool Barrier::arrive_and_wait() {
   // fetch_add, so we can never miss the bump of our own round.
   const std::uint32_t gen = generation_.load(std::memory_order_acquire);
   if (arrived_.fetch_add(1, std::memory_order_acq_rel) == parties_ - 1) {
-    arrived_.store(0, std::memory_order_relaxed);  // published by the release below
-    generation_.fetch_add(1, std::memory_order_release);
-    generation_.notify_all();
+    arrived_.store(0, std::memory_order_relaxed);  // published by the bump
+    generation_.bump(INT_MAX);
     return !aborted();
   }
-  bool released = false;
-  for (int i = 0; i < kBarrierSpins; ++i) {
-    if (generation_.load(std::memory_order_acquire) != gen) {
-      released = true;
-      break;
-    }
-    DP_CPU_RELAX();
-  }
-  if (!released) {
-    while (generation_.load(std::memory_order_acquire) == gen)
-      generation_.wait(gen, std::memory_order_acquire);
-  }
+  generation_.await_change(gen, kBarrierSpins);
   return !aborted();
 }
 
@@ -174,8 +157,7 @@ void Barrier::abort(const std::string& reason) {
     if (!aborted_.load(std::memory_order_relaxed)) reason_ = reason;
   }
   aborted_.store(true, std::memory_order_release);
-  generation_.fetch_add(1, std::memory_order_release);
-  generation_.notify_all();
+  generation_.bump(INT_MAX);
 }
 
 void Barrier::reset() {

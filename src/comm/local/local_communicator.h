@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "core/parking.h"
 #include "dp/comm/communicator.h"
 
 namespace dp::comm {
@@ -30,9 +31,10 @@ namespace detail {
 // Note [Local barrier]
 // A sense-less generation barrier: `arrived` counts ranks of the current round; the
 // last one resets it and bumps `generation` (release), the others wait for the bump
-// (acquire) — first a short spin, then std::atomic::wait, so a rank that waits long
-// sleeps in the kernel (futex) instead of burning a core that another virtual device
-// needs. No mutex is taken. abort() sets `aborted`, bumps `generation` and wakes every
+// (acquire) — first a short spin, then a park (Note [Parking] in core/parking.h), so a
+// rank that waits long sleeps in the kernel instead of burning a core that another
+// virtual device needs, and the last arriver makes a wake system call only when some
+// rank is parked. No mutex is taken. abort() sets `aborted`, bumps `generation` and wakes every
 // waiter; a waiter that wakes (or a rank that arrives) with `aborted` set returns false,
 // and the communicator throws dp::CollectiveAborted naming its collective and rank.
 // Release sequences of the acq_rel fetch_add on `arrived` make everything each rank
@@ -56,7 +58,7 @@ class Barrier {
  private:
   const int parties_;
   alignas(64) std::atomic<int> arrived_{0};
-  alignas(64) std::atomic<std::uint32_t> generation_{0};
+  dp::detail::ParkingWord generation_;
   alignas(64) std::atomic<bool> aborted_{false};
   mutable std::mutex reason_mu_;  // guards reason_ (abort path only, never the hot path)
   std::string reason_;
