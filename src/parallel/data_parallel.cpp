@@ -814,6 +814,7 @@ parallel::Stats DataParallel::stats() const {
 void DataParallel::reset_stats() {
   recorder_->reset();
   handoff_base_ = workers_->handoffs() + reducer_->handoffs();
+  comm_->reset_process_times();
   for (auto& d : devices_) backend::get(d).reset_peak_memory(d);
 }
 

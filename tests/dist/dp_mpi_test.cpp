@@ -171,6 +171,36 @@ TEST_CASE("the job spans every process: world_devices, processes, the shards ove
   CHECK(len * model.world_devices() >= net->parameter_set()->numel());
 }
 
+TEST_CASE("reset_stats() also resets the time spent between processes") {
+  auto net = make_mlp(kSeed);
+  dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::DDP});
+  dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+  auto [x, y] = make_batch(global_rows(0) / dist::world_size() + 1, 7);
+  auto step = [&] {
+    opt.zero_grad();
+    model.forward_backward(x, y, loss_fn);
+    opt.step();
+  };
+  step();
+  const auto crossed = [&] {
+    double ms = 0;
+    std::int64_t calls = 0;
+    for (int i = 0; i < kLocal; ++i) {
+      const auto t = model.communicator().process_times(i);
+      ms += t.total_ms();
+      for (std::int64_t c : t.calls) calls += c;
+    }
+    return std::make_pair(ms, calls);
+  };
+  // One process: nothing crosses (zeros before and after). Several: the DDP all-reduce did.
+  if (dist::world_size() > 1) CHECK(crossed().second > 0);
+  model.reset_stats();
+  CHECK(crossed().first == 0.0);
+  CHECK(crossed().second == 0);
+  step();
+  if (dist::world_size() > 1) CHECK(crossed().second > 0);
+}
+
 TEST_CASE("every process starts from process 0's parameters") {
   auto net = make_mlp(kSeed + static_cast<std::uint64_t>(dist::rank()));
   dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::DDP});

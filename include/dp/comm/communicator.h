@@ -145,7 +145,7 @@ class Communicator {
   /// communicator returns zeros: within one process nothing crosses, and NCCL's world
   /// communicator moves both levels in one ring on the device (time its collectives
   /// with take_times()). The caller takes the difference of two readings or calls
-  /// reset_process_times() (DataParallel's reset_stats() does not).
+  /// reset_process_times() (DataParallel's reset_stats() calls it).
   enum class Collective : int { AllReduce, Broadcast, Reduce, ReduceScatter, AllGather, kCount };
   struct ProcessTimes {
     static constexpr int kKinds = static_cast<int>(Collective::kCount);

@@ -313,8 +313,8 @@ class DataParallel {
   /// Note [World ranks], dp/comm/communicator.h). For reading: its process_times(i)
   /// say how long device i's thread spent crossing processes (Note [Inter-process
   /// time]), which stats() counts inside the all-reduce, reduce-scatter, all-gather,
-  /// reduce and replicate phases. Calling its collectives during a step is an error
-  /// nothing checks.
+  /// reduce and replicate phases; reset_stats() resets them too. Calling its
+  /// collectives during a step is an error nothing checks.
   comm::Communicator& communicator() const { return *comm_; }
 
   /// Phase timers per device since construction or reset_stats().
