@@ -13,6 +13,7 @@
 #include "cuda_test_main.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -201,6 +202,35 @@ TEST_CASE("ranks that disagree fail alike with a dp::Error, and the communicator
     CHECK(ok.to_vector()[4] == static_cast<float>(n));
   });
   for (int f : failed) CHECK(f == 1);
+}
+
+TEST_CASE("a rank that never calls makes the others time out naming it; reset() makes it usable again") {
+  const int n = rank_count();
+  if (n < 2 || !shares_gpu()) return;  // the NCCL communicator's watchdog is tested elsewhere
+  auto devs = devices_of(dp::DeviceType::CUDA, n);
+  auto comm = dp::comm::make_communicator(devs, {.timeout = std::chrono::milliseconds(300)});
+  std::vector<std::string> errors(static_cast<std::size_t>(n));
+  on_ranks(n, [&](int r) {
+    if (r == n - 1) return;  // the missing rank
+    Tensor x = dp::ones({16}, devs[static_cast<std::size_t>(r)]);
+    try {
+      comm->all_reduce(r, x, x, ReduceOp::Sum);
+    } catch (const dp::CollectiveAborted& e) {
+      errors[static_cast<std::size_t>(r)] = e.what();
+    }
+  });
+  for (int r = 0; r + 1 < n; ++r) {
+    CAPTURE(errors[static_cast<std::size_t>(r)]);
+    CHECK(errors[static_cast<std::size_t>(r)].find("timed out") != std::string::npos);
+    CHECK(errors[static_cast<std::size_t>(r)].find("rank(s) " + std::to_string(n - 1)) != std::string::npos);
+  }
+  comm->reset();
+  on_ranks(n, [&](int r) {
+    Tensor ok = dp::ones({5}, devs[static_cast<std::size_t>(r)]);
+    comm->all_reduce(r, ok, ok, ReduceOp::Sum);
+    comm->synchronize(r);
+    CHECK(ok.to_vector()[4] == static_cast<float>(n));
+  });
 }
 
 TEST_CASE("a device-to-device copy leaves the source stream free of the destination's work") {

@@ -32,8 +32,10 @@ enum class ReduceOp { Sum, Average };
 struct CommOptions {
   /// A stream-ordered backend (NCCL) aborts every rank when one collective has not
   /// completed on its device this long after it was enqueued (a peer failed or never
-  /// called it), naming the device and the collective; the local communicator's ranks
-  /// are released by abort() instead, which DataParallel calls on any failure. The
+  /// called it), naming the device and the collective; the CUDA copy communicator (dp
+  /// devices sharing a GPU) aborts when a rank waits this long in a rendezvous, naming
+  /// the ranks that never came; the local communicator's ranks are released by
+  /// abort() instead, which DataParallel calls on any failure. The
   /// hierarchical communicator (CPU devices across processes) ends the job when a wait
   /// between processes makes no progress for this long or for dp::dist::timeout(),
   /// whichever is shorter (Note [Communicator timeouts], src/dist/process_group.cpp).

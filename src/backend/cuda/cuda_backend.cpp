@@ -100,6 +100,7 @@ void CudaBackend::check_device(Device dev) const {
 
 void CudaBackend::set_device(int device) {
   const int gpu = map_.physical(device);  // checks the range
+  cuda_detail::note_thread_device(device, gpu);  // errors name the dp device
   if (tl_device == gpu) return;
   DP_CUDA_CHECK(cudaSetDevice(gpu));
   tl_device = gpu;

@@ -10,7 +10,15 @@ const char* base_name(const char* path) {
   return slash ? slash + 1 : path;
 }
 
+thread_local int tl_dp_device = -1;
+thread_local int tl_gpu = -1;
+
 }  // namespace
+
+void note_thread_device(int dp_device, int gpu) noexcept {
+  tl_dp_device = dp_device;
+  tl_gpu = gpu;
+}
 
 int current_device_or_minus_one() noexcept {
   int dev = -1;
@@ -20,11 +28,16 @@ int current_device_or_minus_one() noexcept {
 
 std::string format_error(const char* lib, int code, const char* text, const char* stmt,
                          const char* file, int line) {
-  const int dev = current_device_or_minus_one();
+  std::string where;
+  const int gpu = current_device_or_minus_one();
+  if (tl_dp_device >= 0 && tl_gpu == gpu) {
+    where = dp::detail::str_cat("cuda:", tl_dp_device);
+    if (tl_dp_device != gpu) where += dp::detail::str_cat(" (GPU ", gpu, ")");
+  } else {
+    where = gpu >= 0 ? dp::detail::str_cat("cuda:", gpu) : std::string("cuda:?");
+  }
   return dp::detail::str_cat(lib, " error ", code, " (", text ? text : "unknown", ") in `",
-                             stmt, "` on ", dev >= 0 ? "cuda:" : "cuda:?",
-                             dev >= 0 ? std::to_string(dev) : std::string(), " [",
-                             base_name(file), ":", line, "]");
+                             stmt, "` on ", where, " [", base_name(file), ":", line, "]");
 }
 
 void throw_cuda(cudaError_t err, const char* stmt, const char* file, int line) {

@@ -24,7 +24,14 @@ namespace dp::backend::cuda_detail {
 /// The calling thread's current CUDA device, or -1 when even that query fails.
 int current_device_or_minus_one() noexcept;
 
-/// Builds "<lib> error <code> (<text>) in `<stmt>` on cuda:<dev> [file:line]".
+/// Records the dp device the calling thread works for now and its physical GPU
+/// (CudaBackend::set_device calls it), so that an error names the dp device — which,
+/// with logical devices (Note [Logical CUDA devices]), is not the GPU's index.
+void note_thread_device(int dp_device, int gpu) noexcept;
+
+/// Builds "<lib> error <code> (<text>) in `<stmt>` on cuda:<dev> [file:line]", where
+/// <dev> is the dp device last noted on this thread ("cuda:5 (GPU 1)" when it is a
+/// logical device of another index than its GPU), else the runtime's current device.
 std::string format_error(const char* lib, int code, const char* text, const char* stmt,
                          const char* file, int line);
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <cstdint>
@@ -68,6 +69,11 @@ namespace dp::comm {
 // involved must have peer access (checked at construction); copies between GPUs are
 // cudaMemcpyPeerAsync. Across processes the NCCL world communicator stays the only
 // one: make_world_communicator refuses devices that share a GPU.
+// Timeout: a rank that waits in a rendezvous longer than CommOptions::timeout aborts
+// the communicator, naming the ranks that never came (a peer that failed without
+// DataParallel's abort, or a caller that skipped the collective): every waiting rank
+// then throws dp::CollectiveAborted with that reason, as the NCCL communicator's
+// watchdog ends a collective that never completes. Only host threads can wait here.
 // Timing: times_on_device() is false; callers time collectives on the host, as for
 // the local communicator. A collective costs 2 or 3 host rendezvous (microseconds),
 // which is what the local communicator pays too; this communicator exists to test the
@@ -112,33 +118,45 @@ const char* kind_name(Kind k) {
 const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
 
 /// A generation barrier that abort() releases: arrive_and_wait returns false once the
-/// barrier is aborted (sticky until reset(), which is called with no rank inside).
+/// barrier is aborted (sticky until reset(), which is called with no rank inside), or
+/// when the ranks it waits for have not all arrived within `timeout`: the waiter then
+/// aborts it, naming the ranks that never came, which releases every other waiter too.
 class Barrier {
  public:
-  explicit Barrier(int parties) : parties_(parties) {}
-  [[nodiscard]] bool arrive_and_wait() {
+  Barrier(int parties, std::chrono::milliseconds timeout)
+      : parties_(parties), timeout_(timeout), here_(static_cast<std::size_t>(parties), false) {}
+  [[nodiscard]] bool arrive_and_wait(int rank, const char* what, const Device& dev) {
     std::unique_lock<std::mutex> lock(mu_);
     if (aborted_) return false;
     const std::uint64_t gen = generation_;
+    here_[static_cast<std::size_t>(rank)] = true;
     if (++arrived_ == parties_) {
       arrived_ = 0;
+      std::fill(here_.begin(), here_.end(), false);
       ++generation_;
       cv_.notify_all();
       return true;
     }
-    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+    if (!cv_.wait_for(lock, timeout_, [&] { return generation_ != gen || aborted_; })) {
+      std::string missing;
+      for (int r = 0; r < parties_; ++r)
+        if (!here_[static_cast<std::size_t>(r)]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      abort_locked(dp::detail::str_cat("copy communicator: ", what, " timed out on ", dev, " after ",
+                                       timeout_.count(), " ms waiting for rank(s) ", missing,
+                                       " (did a peer fail, or never call it?)"));
+      return false;
+    }
     return generation_ != gen;  // released by the last arrival, even if an abort followed
   }
   void abort(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!aborted_) reason_ = reason;
-    aborted_ = true;
-    cv_.notify_all();
+    abort_locked(reason);
   }
   void reset() {
     std::lock_guard<std::mutex> lock(mu_);
     aborted_ = false;
     arrived_ = 0;
+    std::fill(here_.begin(), here_.end(), false);
     reason_.clear();
   }
   bool aborted() const {
@@ -151,10 +169,18 @@ class Barrier {
   }
 
  private:
+  void abort_locked(const std::string& reason) {
+    if (!aborted_) reason_ = reason;
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
   const int parties_;
+  const std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   int arrived_ = 0;
+  std::vector<bool> here_;  // which ranks arrived in the current round
   std::uint64_t generation_ = 0;
   bool aborted_ = false;
   std::string reason_;
@@ -162,9 +188,8 @@ class Barrier {
 
 class CopyCommunicator final : public Communicator {
  public:
-  CopyCommunicator(const std::vector<Device>& devices, const CommOptions& /*options: no timeout applies,
-                   Note [CUDA copy communicator]*/)
-      : Communicator(devices), barrier_(static_cast<int>(devices.size())), slots_(devices.size()),
+  CopyCommunicator(const std::vector<Device>& devices, const CommOptions& options)
+      : Communicator(devices), barrier_(static_cast<int>(devices.size()), options.timeout), slots_(devices.size()),
         ranks_(devices.size()) {
     DP_CHECK(size() <= ck::kMaxSumInputs, "copy communicator: expected at most ", ck::kMaxSumInputs,
              " devices, got ", size());
@@ -410,7 +435,7 @@ class CopyCommunicator final : public Communicator {
   /// Meets every rank; dp::CollectiveAborted when the communicator is (or becomes)
   /// aborted.
   void sync(int rank, const char* what) {
-    if (!barrier_.arrive_and_wait()) throw_aborted(what, rank, barrier_.reason());
+    if (!barrier_.arrive_and_wait(rank, what, devices_[rank])) throw_aborted(what, rank, barrier_.reason());
   }
 
   /// Phase 0: records `ready`, publishes `slot` (with a scratch block of `scratch_floats`
