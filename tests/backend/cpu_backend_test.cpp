@@ -690,7 +690,10 @@ TEST_CASE("conv2d forward / backward data / backward weight against naive loops"
 TEST_CASE("conv2d_relu_forward: conv2d_forward then Unary<Relu>, bit for bit, NaN and infinity included") {
   // Note [Convolution + ReLU]: the fused post-op must store exactly what the separate
   // ReLU pass stores; a NaN or an infinity in the input, weight or bias runs unfused,
-  // so a NaN still propagates.
+  // so a NaN still propagates. Poison 4 makes products overflow both ways in one sum:
+  // kernels that round each product (no FMA) then make a NaN, which the fused op must
+  // keep too; with FMA (the product is never rounded alone) the sum stays +-inf. Either
+  // way fused and unfused agree bit for bit.
   const Unary<UnaryOp::Relu> relu;
   for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Auto}) {
     CAPTURE(int(layout));
@@ -698,7 +701,7 @@ TEST_CASE("conv2d_relu_forward: conv2d_forward then Unary<Relu>, bit for bit, Na
     for (const Conv2dShape& s : {conv_shape(9, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1),    // CNN layer 1
                                  conv_shape(6, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1),   // CNN layer 2
                                  conv_shape(2, 3, 7, 9, 4, 3, 2, 2, 2, 1, 1)}) {    // stride 2
-      for (int poison = 0; poison < 4; ++poison) {  // none, NaN in x, +inf in w, NaN in bias
+      for (int poison = 0; poison < 5; ++poison) {  // none, NaN in x, +inf in w, NaN in bias, overflow
         for (bool with_bias : {true, false}) {
           CAPTURE(s.C);
           CAPTURE(poison);
@@ -710,6 +713,12 @@ TEST_CASE("conv2d_relu_forward: conv2d_forward then Unary<Relu>, bit for bit, Na
           if (poison == 1) x[x.size() - 3] = std::numeric_limits<float>::quiet_NaN();
           if (poison == 2) w[1] = std::numeric_limits<float>::infinity();
           if (poison == 3 && with_bias) b[0] = std::numeric_limits<float>::quiet_NaN();
+          if (poison == 4) {
+            // The last image all 3e38 (finite); output channel 0's weights +-2 alternating
+            // over its terms: products of 6e38 of both signs in each of its sums.
+            std::fill(x.end() - s.C * s.H * s.W, x.end(), 3e38f);
+            for (i64 i = 0; i < s.C * s.R * s.S; ++i) w[static_cast<std::size_t>(i)] = i % 2 == 0 ? 2.0f : -2.0f;
+          }
           const float* bp = with_bias ? b.data() : nullptr;
           std::vector<float> y(s.N * s.K * s.P * s.Q, 7.0f), y_fused(y.size(), 7.0f);
           be().conv2d_forward(dev0(), s, x.data(), w.data(), bp, y.data());

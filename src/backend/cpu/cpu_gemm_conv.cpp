@@ -44,11 +44,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -487,23 +489,40 @@ struct ConvBuffers {
 //   Unary<Relu> on every non-NaN float (-0.0f apart: oneDNN's max gives +0.0f, ours
 //   keeps -0.0f; a sum that starts from +0.0f never yields -0.0f);
 // - both post-ops turn NaN into 0, where Unary<Relu> (and PyTorch) propagate it. So a
-//   chunk whose input, weight or bias holds a NaN or an infinity runs unfused. What
-//   remains: a NaN made from finite inputs (products overflowing to +inf and -inf in
-//   one sum) becomes 0 where the unfused path keeps it.
+//   chunk runs unfused when its input, weight or bias holds a NaN or an infinity, and
+//   also when a NaN could be made from finite values: a product overflowing to -inf
+//   in a sum that already reached +inf (or the reverse) — possible where a kernel
+//   rounds each product before adding it (no FMA; with FMA the chain stays +-inf, but
+//   nothing here depends on the ISA oneDNN picks). Every product and every
+//   partial sum of an output is bounded by max|b| + C·R·S · max|w| · max|x|; the
+//   chunk is fused only when that bound is below FLT_MAX / 2 (room for rounding), so
+//   no infinity, hence no NaN, can arise in a fused chunk. The maxima come from the
+//   same pass that looks for NaN (the bits of |v| order like |v|), so the fused op
+//   equals the unfused pair on every input.
 // Backward (nn::conv2d_relu) masks the upstream gradient by the output > 0, as
 // ReluBackward does with the same output, then runs the convolution's backward;
 // nn::conv2d_relu_max_pool2d masks the pooled gradient instead (Note [ReLU mask
 // through max-pool] in src/nn/functional.cpp).
 
-/// False when any of the n floats is a NaN or an infinity (all exponent bits set).
-bool all_finite(const float* p, i64 n) {
-  std::uint32_t bad = 0;
+/// The largest |v| of n floats as the bits of |v|, which order like |v| for finite
+/// values and put an infinity (0x7f800000) above them and a NaN above that. Branch-free:
+/// the loop vectorises.
+std::uint32_t max_abs_bits(const float* p, i64 n) {
+  std::uint32_t m = 0;
   for (i64 i = 0; i < n; ++i) {
     std::uint32_t u;
     std::memcpy(&u, p + i, sizeof u);
-    bad |= (u & 0x7f800000u) == 0x7f800000u;  // branch-free: the loop vectorises
+    m = std::max(m, u & 0x7fffffffu);
   }
-  return bad == 0;
+  return m;
+}
+
+/// |v| from max_abs_bits, as a double (+inf for an infinity or a NaN).
+double abs_of_bits(std::uint32_t bits) {
+  if (bits >= 0x7f800000u) return std::numeric_limits<double>::infinity();
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 /// Multiply-adds below which a call is not split: a chunk should outweigh a task
@@ -530,16 +549,19 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
     if (cache.partials.size() < static_cast<std::size_t>(chunks - 1)) cache.partials.resize(chunks - 1);
     for (int c = 0; c < chunks - 1; ++c) cache.partials[c].resize(static_cast<std::size_t>(nw + s.K));
   }
-  // Note [Convolution + ReLU]: the weight and bias are checked once per call, each
-  // chunk's input slice in its task.
-  const bool params_finite =
-      !relu || (all_finite(buf.w, s.K * s.C * s.R * s.S) && (!bias || all_finite(buf.b, s.K)));
+  // Note [Convolution + ReLU]: the weight and bias are bounded once per call, each
+  // chunk's input slice in its task; a bound that is not finite never fuses.
+  const double max_w = relu ? abs_of_bits(max_abs_bits(buf.w, s.K * s.C * s.R * s.S)) : 0.0;
+  const double max_b = relu && bias ? abs_of_bits(max_abs_bits(buf.b, s.K)) : 0.0;
+  const double terms = static_cast<double>(s.C * s.R * s.S);
   be.parallel_chunks(dev, chunks, [&](i64 c) {
     omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
     const i64 n0 = s.N * c / chunks, n1 = s.N * (c + 1) / chunks;
     Conv2dShape sc = s;
     sc.N = n1 - n0;
-    const bool try_fused = relu && params_finite && all_finite(buf.x + n0 * chw, sc.N * chw);
+    const bool try_fused =
+        relu && max_b + terms * max_w * abs_of_bits(max_abs_bits(buf.x + n0 * chw, sc.N * chw)) <
+                    static_cast<double>(std::numeric_limits<float>::max()) / 2;
     const ConvKey key{{sc.N, sc.C, sc.H, sc.W, sc.K, sc.R, sc.S, sc.stride_h, sc.stride_w, sc.pad_h,
                        sc.pad_w, sc.P, sc.Q},
                       kind, bias, static_cast<int>(c), layout, try_fused};
