@@ -20,10 +20,11 @@
 //              --threads;
 //   matmul     the oneDNN matmul primitive (plain row-major memory, transposes as
 //              strides), created once, the same team.
-// The ways alternate batch by batch (dp, sgemm, matmul, dp, ...), each batch about
-// kBatchMs of calls after one untimed call (so the caches hold the way's own data, not
-// the last way's); a way's time is its best batch's mean per call (on a shared machine
-// the minimum is the reproducible figure), and its median batch is shown too.
+// The ways alternate batch by batch (dp, sgemm, matmul, then sgemm, matmul, dp, ...:
+// each round starts one way later, so no way always follows the same one), each batch
+// about kBatchMs of calls after one untimed call (so the caches hold the way's own data,
+// not the last way's); a way's time is its best batch's mean per call (on a shared
+// machine the minimum is the reproducible figure), and its median batch is shown too.
 // Every way's output is checked against dp's before timing.
 //   GFLOP/s  = 2·m·n·k / time
 //   ceiling  = Σ 2·m·n·k / Σ (the least time of each GEMM over the ways): the step's
@@ -35,8 +36,8 @@
 // steps it) with momentum 0.9, not the first step, so it reads p, g and the momentum
 // buffer and writes p and the buffer: 5 · 4 · n bytes. Alternating with it:
 //   stream     a loop with the same access pattern (read p, g, buf; write p, buf) and
-//              next to no arithmetic, over the same arrays in the same parallel_for:
-//              the memory roof of that pattern and footprint;
+//              one add, over the same arrays in the same parallel_for, SSE or AVX2 as
+//              the CPU allows: the memory roof of that pattern and footprint;
 //   memcpy     memcpy of 10 · n bytes (the same 20 · n bytes read + written) in the
 //              same parallel_for on the same threads; its footprint (8 · 2.5 · n bytes)
 //              is larger than the update's (4 · 3 · n), which matters when the update's
@@ -47,6 +48,7 @@
 //   mlp_ceiling                          all cores, about 300 ms per way and case
 //   mlp_ceiling --threads 2 --min-ms 500 --batch 512
 //   mlp_ceiling --json                   one JSON object instead of the tables
+//   mlp_ceiling --only sgd               the SGD rows alone (--only gemm: the GEMMs)
 //
 // OpenMP's idle workers spin for a while after a team's call; those spins would fall on
 // the next way's batch. So the program runs with OMP_WAIT_POLICY=PASSIVE unless it is
@@ -96,6 +98,7 @@ struct Options {
   int threads = 0;  // 0: all cores
   i64 batch = 512;
   double min_ms = 300.0;  // timed milliseconds per way and case, at least
+  bool gemms = true, sgd = true;  // --only gemm | sgd
 };
 
 struct Gemm {
@@ -145,7 +148,8 @@ void time_alternating(std::vector<WayTiming>& out, const std::vector<std::functi
   const int iters = std::clamp(static_cast<int>(kBatchMs / one), 1, kMaxBatch);
   std::vector<double> total(ways.size(), 0.0);
   for (int round = 0; round < 3 || *std::min_element(total.begin(), total.end()) < min_ms; ++round) {
-    for (std::size_t w = 0; w < ways.size(); ++w) {
+    for (std::size_t j = 0; j < ways.size(); ++j) {
+      const std::size_t w = (static_cast<std::size_t>(round) + j) % ways.size();  // each way in every place
       ways[w]();  // untimed: the caches hold this way's data, not the last way's
       t0 = clock::now();
       for (int i = 0; i < iters; ++i) ways[w]();
@@ -248,6 +252,17 @@ std::vector<GemmRow> run_gemms(CpuBackend& be, const Options& o) {
   return rows;
 }
 
+/// The update's access pattern with one add: p and buf swap, buf adds g (bounded values).
+/// Built for AVX2 too, as sgd_step is (Note [Vectorised optimizer loops]).
+__attribute__((target_clones("avx2", "default"))) void stream_range(float* __restrict p, const float* __restrict g,
+                                                                      float* __restrict buf, i64 b, i64 e) {
+  for (i64 i = b; i < e; ++i) {
+    const float pi = p[i];
+    p[i] = buf[i];
+    buf[i] = pi + g[i];
+  }
+}
+
 std::vector<WayTiming> run_sgd(CpuBackend& be, const Options& o, i64 n) {
   const dp::Device dev = dp::cpu(0);
   DeviceBuffer p(be, n), g(be, n), buf(be, n), src(be, 5 * n / 2), dst(be, 5 * n / 2);
@@ -261,16 +276,7 @@ std::vector<WayTiming> run_sgd(CpuBackend& be, const Options& o, i64 n) {
   float* bp = buf.data();
   auto sgd = [&] { be.sgd_step(dev, pp, gp, bp, n, 1e-4f, 0.9f, 0.0f, 0.0f, false, false); };
   auto stream = [&] {
-    be.parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-      float* __restrict p2 = pp;
-      const float* __restrict g2 = gp;
-      float* __restrict b2 = bp;
-      for (i64 i = b; i < e; ++i) {  // bounded values: p and buf swap, buf adds g
-        const float pi = p2[i];
-        p2[i] = b2[i];
-        b2[i] = pi + g2[i];
-      }
-    });
+    be.parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) { stream_range(pp, gp, bp, b, e); });
   };
   const i64 copy_n = 5 * n / 2;  // 10·n bytes
   float* s = src.data();
@@ -289,8 +295,8 @@ std::vector<WayTiming> run_sgd(CpuBackend& be, const Options& o, i64 n) {
 
 struct Summary {
   double flops = 0, ceiling_ms = 0, dp_ms = 0;
-  double ceiling_gflops() const { return flops / (ceiling_ms * 1e6); }
-  double dp_gflops() const { return flops / (dp_ms * 1e6); }
+  double ceiling_gflops() const { return ceiling_ms > 0 ? flops / (ceiling_ms * 1e6) : 0.0; }
+  double dp_gflops() const { return dp_ms > 0 ? flops / (dp_ms * 1e6) : 0.0; }
 };
 
 Summary summarize(const std::vector<GemmRow>& rows) {
@@ -342,33 +348,37 @@ void print_json(const Options& o, int threads, const std::vector<GemmRow>& rows,
 
 void print_table(const Options& o, int threads, const std::vector<GemmRow>& rows,
                  const std::vector<WayTiming>& sgd, i64 n) {
-  std::printf("MLP 784-1024-1024-10, batch %lld: the step's GEMMs in order, %d threads "
-              "(GFLOP/s of the best batch; median in brackets)\n",
-              static_cast<long long>(o.batch), threads);
-  std::printf("%-16s  %-22s  %17s  %17s  %17s  %9s\n", "gemm", "op shape (m x n x k)", "dp", "sgemm", "matmul",
-              "max err");
-  for (const GemmRow& r : rows) {
-    std::printf("%-16s  %-22s", r.g.name.c_str(), shape_of(r.g).c_str());
-    double err = 0;
-    for (const WayTiming& t : r.ways) {
-      std::printf("  %8.1f (%6.1f)", r.g.flops() / (t.best_ms * 1e6), r.g.flops() / (t.median_ms * 1e6));
-      err = std::max(err, t.max_rel_err);
+  if (!rows.empty()) {
+    std::printf("MLP 784-1024-1024-10, batch %lld: the step's GEMMs in order, %d threads "
+                "(GFLOP/s of the best batch; median in brackets)\n",
+                static_cast<long long>(o.batch), threads);
+    std::printf("%-16s  %-22s  %17s  %17s  %17s  %9s\n", "gemm", "op shape (m x n x k)", "dp", "sgemm",
+                "matmul", "max err");
+    for (const GemmRow& r : rows) {
+      std::printf("%-16s  %-22s", r.g.name.c_str(), shape_of(r.g).c_str());
+      double err = 0;
+      for (const WayTiming& t : r.ways) {
+        std::printf("  %8.1f (%6.1f)", r.g.flops() / (t.best_ms * 1e6), r.g.flops() / (t.median_ms * 1e6));
+        err = std::max(err, t.max_rel_err);
+      }
+      std::printf("  %9.2g\n", err);
     }
-    std::printf("  %9.2g\n", err);
+    const Summary s = summarize(rows);
+    std::printf("\nstep GEMMs %.3f GFLOP: ceiling (best way per GEMM) %.1f GFLOP/s, %.3f ms; "
+                "dp's way %.1f GFLOP/s, %.3f ms (%.3f of the ceiling)\n\n",
+                s.flops / 1e9, s.ceiling_gflops(), s.ceiling_ms, s.dp_gflops(), s.dp_ms,
+                s.ceiling_ms / s.dp_ms);
   }
-  const Summary s = summarize(rows);
-  std::printf("\nstep GEMMs %.3f GFLOP: ceiling (best way per GEMM) %.1f GFLOP/s, %.3f ms; "
-              "dp's way %.1f GFLOP/s, %.3f ms (%.3f of the ceiling)\n",
-              s.flops / 1e9, s.ceiling_gflops(), s.ceiling_ms, s.dp_gflops(), s.dp_ms,
-              s.ceiling_ms / s.dp_ms);
-  const double bytes = 20.0 * static_cast<double>(n);
-  std::printf("\nSGD momentum step over %lld parameters, %.1f MB read + written per call\n",
-              static_cast<long long>(n), bytes / 1e6);
-  std::printf("%-10s  %10s  %10s  %8s  %8s\n", "way", "best ms", "median ms", "GB/s", "ratio");
-  for (const WayTiming& t : sgd)
-    std::printf("%-10s  %10.4f  %10.4f  %8.1f  %8.3f\n", t.way.c_str(), t.best_ms, t.median_ms,
-                bytes / (t.best_ms * 1e6), sgd[0].best_ms > 0 ? t.best_ms / sgd[0].best_ms : 0.0);
-  std::printf("(ratio: sgd_step's GB/s over the row's, i.e. the row's time / sgd_step's)\n");
+  if (!sgd.empty()) {
+    const double bytes = 20.0 * static_cast<double>(n);
+    std::printf("SGD momentum step over %lld parameters, %.1f MB read + written per call, %d threads\n",
+                static_cast<long long>(n), bytes / 1e6, threads);
+    std::printf("%-10s  %10s  %10s  %8s  %8s\n", "way", "best ms", "median ms", "GB/s", "ratio");
+    for (const WayTiming& t : sgd)
+      std::printf("%-10s  %10.4f  %10.4f  %8.1f  %8.3f\n", t.way.c_str(), t.best_ms, t.median_ms,
+                  bytes / (t.best_ms * 1e6), t.best_ms / sgd[0].best_ms);
+    std::printf("(ratio: sgd_step's GB/s over the row's, i.e. the row's time / sgd_step's)\n");
+  }
 }
 
 bool parse(int argc, char** argv, Options& o) {
@@ -381,6 +391,11 @@ bool parse(int argc, char** argv, Options& o) {
       o.threads = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--batch" && has_value) {
       o.batch = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--only" && has_value) {
+      const std::string v = argv[++i];
+      if (v != "gemm" && v != "sgd") return false;
+      o.gemms = v == "gemm";
+      o.sgd = v == "sgd";
     } else if (a == "--min-ms" && has_value) {
       o.min_ms = std::max(0.0, std::atof(argv[++i]));
     } else {
@@ -400,7 +415,7 @@ int main(int argc, char** argv) {
   }
   Options o;
   if (!parse(argc, argv, o)) {
-    std::fprintf(stderr, "usage: %s [--json] [--threads N] [--batch B] [--min-ms MS]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s [--json] [--threads N] [--batch B] [--min-ms MS] [--only gemm|sgd]\n", argv[0]);
     return 2;
   }
   try {
@@ -409,9 +424,9 @@ int main(int argc, char** argv) {
     const int t = o.threads > 0 ? o.threads : hw;
     be.set_concurrent_devices(std::max(1, hw / t));  // cpu(0)'s arena: hw / (hw / t) threads
     const int threads = be.threads_per_device(dp::cpu(0));
-    const std::vector<GemmRow> rows = run_gemms(be, o);
+    const std::vector<GemmRow> rows = o.gemms ? run_gemms(be, o) : std::vector<GemmRow>{};
     const i64 n = parameter_count();
-    const std::vector<WayTiming> sgd = run_sgd(be, o, n);
+    const std::vector<WayTiming> sgd = o.sgd ? run_sgd(be, o, n) : std::vector<WayTiming>{};
     if (o.json) {
       print_json(o, threads, rows, sgd, n);
     } else {
