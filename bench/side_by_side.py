@@ -8,7 +8,7 @@ measured in ONE run with the contenders alternating (A, B, A, B, ...) to cancel 
   python3 bench/side_by_side.py --compare ddp
   # single vs DP vs DDP on 2 CPU virtual devices (same global batch):
   python3 bench/side_by_side.py --compare modes --devices 0,1
-  # MLP 784-1024-1024-10, batch 512, SGD: dp's step against the sgemm ceiling
+  # MLP 784-1024-1024-10, batch 512, SGD: dp's step against the GEMM ceiling of its shapes
   python3 bench/side_by_side.py --compare mlp
 
 PyTorch runs twice per round: in the environment it is given ("default") and in the best
@@ -27,6 +27,16 @@ handicapped PyTorch:
   - the same thread count on both sides (OMP_NUM_THREADS and torch.set_num_threads =
     --threads; dp's device gets the same cores), and both pinned (taskset) to the same
     CPUs 0..threads-1.
+
+--compare mlp sets dp's MLP step (samples/dp_vs_ddp --model mlp --optimizer sgd --devices
+1) against the ceiling of its GEMMs: the eight GEMMs a step issues, each timed as dp runs
+it, as one dnnl_sgemm call and as oneDNN's matmul primitive (bench/mlp_ceiling, which
+alternates them) and as torch.mm (bench/pytorch/mlp_gemms_torch.py, PyTorch's best
+environment, when --torch-python has torch); per round, ceiling = sum of flops / sum over
+the GEMMs of the least time any of them took, and dp's step GFLOP/s = the same flops /
+its whole step's time (so everything else the step does counts against it). The old
+figure, kernels_bench's "gemm 512x1024x1024" (N,N, dp's way) is printed too, labelled.
+mlp_ceiling's SGD rows (the update vs a stream loop and memcpy) are printed with it.
 
 Each dp run is `fashion_mnist_cnn --max-steps S --epochs 1 --json --log-every W --no-eval`; its
 step records carry the cumulative training time, so samples/s = (S - W) * batch /
@@ -218,8 +228,117 @@ def run_dp_mlp(args):
     sys.exit(f"no single-device record from {' '.join(cmd)}")
 
 
+def mlp_gemms(batch):
+    """The step's GEMMs in order, as bench/mlp_ceiling.cpp lists them (row-major, C = op(A) op(B))."""
+    names = ["fc1", "fc2", "fc3"]
+    out = [{"name": f"{names[l]} forward", "ta": False, "tb": True, "m": batch, "n": o, "k": i}
+           for l, (i, o) in enumerate(MLP_LAYERS)]
+    for l in (2, 1, 0):
+        i, o = MLP_LAYERS[l]
+        if l > 0:  # the first layer's input gradient is never computed
+            out.append({"name": f"{names[l]} grad input", "ta": False, "tb": False, "m": batch, "n": i, "k": o})
+        out.append({"name": f"{names[l]} grad weight", "ta": True, "tb": False, "m": o, "n": i, "k": batch})
+    return out
+
+
+def gemm_flops(g):
+    return 2 * g["m"] * g["n"] * g["k"]
+
+
+def gemm_result(args, ms_by_name, extra):
+    """A contender's record from per-GEMM times: the step's GEMMs alone at these rates."""
+    ms = sum(ms_by_name[g["name"]] for g in mlp_gemms(args.batch))
+    flops = sum(gemm_flops(g) for g in mlp_gemms(args.batch))
+    rec = {"ms_per_step": ms, "samples_per_sec": args.batch * 1e3 / ms, "gflops": flops / (ms * 1e6)}
+    rec.update(extra)
+    return rec
+
+
+def run_mlp_ceiling(args):
+    """bench/mlp_ceiling: the step's GEMMs as dp, dnnl_sgemm and the matmul primitive run them."""
+    cmd = [os.path.join(args.build, "bench", "mlp_ceiling"), "--threads", str(args.threads),
+           "--batch", str(args.batch), "--min-ms", "300", "--json"]
+    cmd = pinned(args, cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    rec = json.loads(proc.stdout)
+    want = [(g["name"], g["ta"], g["tb"], g["m"], g["n"], g["k"]) for g in mlp_gemms(args.batch)]
+    got = [(g["name"], g["ta"], g["tb"], g["m"], g["n"], g["k"]) for g in rec["gemms"]]
+    if got != want:
+        sys.exit(f"mlp_ceiling's GEMMs differ from this script's list:\n{got}\n{want}")
+    ways = {g["name"]: {w: v["ms"] for w, v in g["ways"].items()} for g in rec["gemms"]}
+    best = {name: min(v.values()) for name, v in ways.items()}
+    return gemm_result(args, best, {"ways": ways, "sgd": rec["sgd"], "cmd": " ".join(cmd)})
+
+
+def run_torch_gemms(args):
+    """torch.mm on the same GEMMs, PyTorch's best environment (bench/pytorch/mlp_gemms_torch.py)."""
+    script = os.path.join(HERE, "pytorch", "mlp_gemms_torch.py")
+    cmd = [args.torch_python, script, "--threads", str(args.threads), "--min-ms", "300",
+           "--gemms", json.dumps(mlp_gemms(args.batch))]
+    cmd = pinned(args, cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, True, args.threads))
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    ms = {name: v["ms"] for name, v in rec["gemms"].items()}
+    return gemm_result(args, ms, {"ways": {name: {"torch": v} for name, v in ms.items()},
+                                  "cmd": " ".join(cmd)})
+
+
+def torch_importable(args):
+    proc = subprocess.run([args.torch_python, "-c", "import torch"], capture_output=True, text=True)
+    return proc.returncode == 0
+
+
+def report_mlp(args, results):
+    """Per GEMM and way the median GFLOP/s; per round the ceiling; dp's step against it."""
+    gemms = mlp_gemms(args.batch)
+    flops = sum(gemm_flops(g) for g in gemms)
+    sources = [n for n in ("gemms", "torch gemms") if n in results]
+    rounds = len(results["dp mlp"])
+    ceilings, ratios = [], []
+    for r in range(rounds):
+        best = 0.0
+        for g in gemms:
+            best += min(ms for n in sources for ms in results[n][r]["ways"][g["name"]].values())
+        ceilings.append(flops / (best * 1e6))
+        ratios.append(results["dp mlp"][r]["gflops"] / ceilings[-1])
+    ways = [w for n in sources for w in results[n][0]["ways"][gemms[0]["name"]]]
+    print(f"\nGFLOP/s per GEMM, median of {rounds} rounds (each the best batch of its run), {args.threads} threads:")
+    print(f"{'gemm':16s} {'op shape (m x n x k)':22s}" + "".join(f" {w:>8s}" for w in ways) + "    best")
+    for g in gemms:
+        row, top = [], 0.0
+        for n in sources:
+            for w in results[n][0]["ways"][g["name"]]:
+                gf = statistics.median(gemm_flops(g) / (x["ways"][g["name"]][w] * 1e6) for x in results[n])
+                row.append(gf)
+                top = max(top, gf)
+        shape = f"{'T' if g['ta'] else 'N'},{'T' if g['tb'] else 'N'} {g['m']}x{g['n']}x{g['k']}"
+        print(f"{g['name']:16s} {shape:22s}" + "".join(f" {x:8.1f}" for x in row) + f"  {top:6.1f}")
+    dp_g = statistics.median(x["gflops"] for x in results["dp mlp"])
+    ceil = statistics.median(ceilings)
+    print(f"\nceiling: {flops / 1e9:.3f} GFLOP of GEMMs per step at the best way per GEMM and round = "
+          f"{ceil:.1f} GFLOP/s (median; rounds {', '.join(f'{c:.1f}' for c in ceilings)})")
+    print(f"dp MLP step {dp_g:.1f} GFLOP/s ({mlp_step_gflop(args.batch):.3f} GFLOP/step) = "
+          f"{dp_g / ceil:.3f} of the ceiling (per round {', '.join(f'{x:.3f}' for x in ratios)}; target >= 0.85)")
+    if "sgemm 512^3" in results:
+        old = statistics.median(x["gflops"] for x in results["sgemm 512^3"])
+        print(f"(old figure, kept for continuity: kernels_bench 'gemm 512x1024x1024' (N,N, dp's way) "
+              f"{old:.1f} GFLOP/s; dp's step = {dp_g / old:.3f} of it)")
+    sgd = [x["sgd"] for x in results["gemms"]]
+    gb = {w: statistics.median(s["bytes"] / (s["ways"][w]["ms"] * 1e6) for s in sgd) for w in sgd[0]["ways"]}
+    print(f"\nSGD momentum step, {sgd[0]['params']} parameters, {sgd[0]['bytes'] / 1e6:.1f} MB read + written: "
+          + ", ".join(f"{w} {v:.1f} GB/s" for w, v in gb.items()))
+    print(f"sgd_step / stream = {gb['sgd_step'] / gb['stream']:.3f}, sgd_step / memcpy = "
+          f"{gb['sgd_step'] / gb['memcpy']:.3f}  (median of {rounds}; bench/mlp_ceiling.cpp defines both)")
+    return {"ceiling_gflops": ceil, "dp_gflops": dp_g, "ratio": dp_g / ceil, "ratios": ratios,
+            "ceilings": ceilings, "sgd_gbps": gb}
+
+
 def run_sgemm(args):
-    """The ceiling: dp's sgemm 512x1024x1024 on the same threads (bench/kernels_bench)."""
+    """The old ceiling: dp's sgemm 512x1024x1024 (N,N) on the same threads (bench/kernels_bench)."""
     cmd = [os.path.join(args.build, "bench", "kernels_bench"), "--filter", "gemm 512x1024x1024",
            "--threads", str(args.threads), "--min-ms", "300", "--json"]
     cmd = pinned(args, cmd)
@@ -281,7 +400,13 @@ def main():
             contenders.append(("dp before", lambda: run_dp(args, "ddp", args.devices, args.baseline)))
         contenders += [(f"torch ddp {tag[b]}", lambda b=b: run_torch_ddp(args, b)) for b in envs]
     elif args.compare == "mlp":
-        contenders = [("dp mlp", lambda: run_dp_mlp(args)), ("sgemm", lambda: run_sgemm(args))]
+        contenders = [("dp mlp", lambda: run_dp_mlp(args)), ("gemms", lambda: run_mlp_ceiling(args))]
+        if torch_importable(args):
+            check_torch_blas(args, True)
+            contenders.append(("torch gemms", lambda: run_torch_gemms(args)))
+        else:
+            print(f"{args.torch_python} has no torch: the ceiling is oneDNN's alone", flush=True)
+        contenders.append(("sgemm 512^3", lambda: run_sgemm(args)))
     else:
         contenders = [("single", lambda: run_dp(args, "single", "1")),  # one device: device 0
                       ("dp", lambda: run_dp(args, "dp", args.devices)),
@@ -315,9 +440,7 @@ def main():
         for n in names[1:]:
             print(f"{names[0]} / {n} samples/s = {med[names[0]] / med[n]:.3f}  (>1: dp faster)")
     elif args.compare == "mlp":
-        g = {n: statistics.median(x["gflops"] for x in results[n]) for n in names}
-        print(f"\ndp MLP step {g['dp mlp']:.1f} GFLOP/s ({mlp_step_gflop(args.batch):.3f} GFLOP/step) = "
-              f"{g['dp mlp'] / g['sgemm']:.3f} of the sgemm ceiling ({g['sgemm']:.1f} GFLOP/s, 512x1024x1024)")
+        out["mlp"] = report_mlp(args, results)
     else:
         print(f"\nDP / single = {med['dp'] / med['single']:.3f}, DDP / single = {med['ddp'] / med['single']:.3f}")
     if args.json:

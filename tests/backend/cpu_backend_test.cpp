@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -562,6 +563,36 @@ TEST_CASE("gemm split into per-thread slabs: every transpose, row and column spl
             REQUIRE(std::abs(got - c1[i * ldc + j]) <= 1e-5 * (1 + std::abs(want)));
           }
       }
+  }
+}
+
+TEST_CASE("gemm with B's rows 2 KiB apart: the copied B gives the same bits as an unaliased one") {
+  // Note [GEMM: B rows 4 KiB apart]: ldb = 512·j copies op(B) before the call; the same
+  // values with ldb + 16 (not copied) must give every element bit for bit, at one
+  // thread and at all cores, by rows and by columns.
+  const int hw = dp::hardware_concurrency();
+  for (auto [m, n, k] : {std::tuple<i64, i64, i64>{512, 1024, 1024}, {512, 1024, 10}, {1024, 300, 257},
+                         {130, 512, 64}}) {
+    for (int devices : {1, hw}) {
+      CAPTURE(m);
+      CAPTURE(n);
+      CAPTURE(devices);
+      const i64 ldb = (n + 511) / 512 * 512, ld2 = ldb + 16;
+      auto a = random_vec(m * k, 70), b = random_vec(k * ldb, 71);
+      std::vector<float> b2(static_cast<std::size_t>(k * ld2));
+      for (i64 p = 0; p < k; ++p) std::copy_n(b.begin() + p * ldb, n, b2.begin() + p * ld2);
+      std::vector<float> c(m * n), c2(m * n);
+      be().set_concurrent_devices(devices);
+      be().gemm(dev0(), false, false, m, n, k, 1.0f, a.data(), k, b.data(), ldb, 0.0f, c.data(), n);
+      be().gemm(dev0(), false, false, m, n, k, 1.0f, a.data(), k, b2.data(), ld2, 0.0f, c2.data(), n);
+      be().set_concurrent_devices(1);
+      REQUIRE(std::memcmp(c.data(), c2.data(), c.size() * sizeof(float)) == 0);
+      for (i64 j = 0; j < n; j += 37) {  // and it is the product
+        double s = 0;
+        for (i64 p = 0; p < k; ++p) s += double(a[(m - 1) * k + p]) * b[p * ldb + j];
+        REQUIRE(std::abs(c[(m - 1) * n + j] - s) <= 1e-4 * (1 + std::abs(s)));
+      }
+    }
   }
 }
 

@@ -50,6 +50,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -700,6 +701,36 @@ ConvLayout CpuBackend::chosen_conv_layout(Device dev, const Conv2dShape& s, Conv
 
 // ---- GEMM -----------------------------------------------------------------------------
 
+// Note [GEMM: B rows 4 KiB apart]
+// A row-major B that is not transposed and whose rows lie a multiple of 2 KiB apart
+// (ldb = 512, 1024, 2048 floats: every Linear with 512·j input features, in its
+// input-gradient GEMM dX = dY W) made oneDNN's single-threaded sgemm run at half speed
+// on the AVX2 EPYC: in the MLP 784-1024-1024-10 at batch 512, dY W of the middle
+// layer ran at 76-85 GFLOP/s as two column slabs against 150-163 for one dnnl_sgemm
+// call with its own threads (bench/mlp_ceiling). One thread, 512x512x1024 from a
+// B with ldb 1024 ran at 43 GFLOP/s, from the same values with ldb 1040 at 89.
+// Strides that are multiples of 4 KiB map a column of B onto the same few sets of
+// the 32 KiB L1 (64 sets of 64 bytes repeat every 4 KiB), so the kernel's reads of B
+// evict each other; the multithreaded driver packs B first and never sees it.
+// So such a chunk first copies the part of B it reads (k rows of its slab's columns)
+// into a buffer whose row stride is an odd multiple of 64 bytes, and multiplies from
+// that. The copy holds the same values and oneDNN's kernel choice does not depend on
+// ldb, so every element is computed as before, bit for bit (cpu_backend_test checks
+// this). Copying k·w floats costs little beside 2·rows·w·k flops when a chunk has
+// kPadMinRows rows or more; below that the copy is skipped.
+
+/// Leading dimensions of B (in floats) that are a multiple of this alias in L1.
+constexpr i64 kAliasFloats = 512;  // 2 KiB
+/// Rows of C a chunk must have for the copy of B to pay (Note [GEMM: B rows 4 KiB apart]):
+/// the copy moves 8 bytes per element of B, the GEMM does 2·rows flops per element.
+constexpr i64 kPadMinRows = 128;
+
+/// A row stride of at least `w` floats that is an odd multiple of 64 bytes (16 floats).
+i64 unaliased_ld(i64 w) {
+  const i64 ld = (w + 15) / 16 * 16;
+  return (ld / 16) % 2 == 0 ? ld + 16 : ld;
+}
+
 void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
                       const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
                       i64 ldc) {
@@ -729,18 +760,32 @@ void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 
                          ? 1
                          : std::min<i64>({threads, (extent + kAlign - 1) / kAlign, m * n * k / kMinChunkMacs});
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  // Note [GEMM: B rows 4 KiB apart]: a function of the shape and the chunk count only.
+  const bool copy_b = !trans_b && ldb % kAliasFloats == 0 && (by_rows ? m / chunks : m) >= kPadMinRows;
   parallel_chunks(dev, chunks, [&](i64 ch) {
     omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
     auto edge = [&](i64 i) { return std::min(extent, (extent * i / chunks + kAlign - 1) / kAlign * kAlign); };
     const i64 lo = ch == 0 ? 0 : edge(ch), hi = ch + 1 == chunks ? extent : edge(ch + 1);
     if (hi <= lo) return;
+    // op(B)'s columns this chunk reads: all of them by rows, its slab by columns.
+    const i64 b_lo = by_rows ? 0 : lo, b_w = by_rows ? n : hi - lo;
+    const float* bs = trans_b ? b + b_lo * ldb : b + b_lo;
+    i64 bs_ld = ldb;
+    std::unique_ptr<float, std::function<void(float*)>> copy;
+    if (copy_b) {
+      bs_ld = unaliased_ld(b_w);
+      const std::size_t bytes = static_cast<std::size_t>(k * bs_ld) * sizeof(float);
+      copy = {static_cast<float*>(allocate(dev, bytes)), [this, dev, bytes](float* p) { deallocate(dev, p, bytes); }};
+      for (i64 p = 0; p < k; ++p)
+        std::memcpy(copy.get() + p * bs_ld, bs + p * ldb, static_cast<std::size_t>(b_w) * sizeof(float));
+      bs = copy.get();
+    }
     dnnl_status_t status;
     if (by_rows) {
       const float* as = trans_a ? a + lo : a + lo * lda;  // rows lo..hi of op(A)
-      status = dnnl_sgemm(ta, tb, hi - lo, n, k, alpha, as, lda, b, ldb, beta, c + lo * ldc, ldc);
+      status = dnnl_sgemm(ta, tb, hi - lo, n, k, alpha, as, lda, bs, bs_ld, beta, c + lo * ldc, ldc);
     } else {
-      const float* bs = trans_b ? b + lo * ldb : b + lo;  // columns lo..hi of op(B)
-      status = dnnl_sgemm(ta, tb, m, hi - lo, k, alpha, a, lda, bs, ldb, beta, c + lo, ldc);
+      status = dnnl_sgemm(ta, tb, m, hi - lo, k, alpha, a, lda, bs, bs_ld, beta, c + lo, ldc);
     }
     DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
              static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
