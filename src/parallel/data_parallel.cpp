@@ -213,8 +213,12 @@ class DataParallel::Step {
 // Forward: the first time a worker's forward reads a parameter of unit u
 // (Parameter::get, on the worker's thread), u is gathered for that device, every
 // other gathered unit but u + 1 is released, and u + 1 is gathered ahead (the
-// prefetch: on CPU virtual devices a copy, on GPUs the copies are enqueued and
-// overlap u's compute). The worker also records the autograd sequence number at
+// prefetch: on CPU virtual devices a copy; on GPUs peer copies on the device's
+// inbound stream, which start at once (Note [Copy fences]), but the compute stream's
+// wait for them is enqueued with u's, before u's kernels: u's compute waits for the
+// transfers of u and u + 1, and what overlaps u's compute is the transfer of u + 2,
+// issued when the host reaches u + 1 — a prefetch one unit deeper than needed, to
+// measure on GPUs). The worker also records the autograd sequence number at
 // which u became current: every node made from then until the next unit belongs to u.
 // Backward: autograd calls a hook before each node (BackwardNodeHook); when the node
 // belongs to another unit than the one gathered, the device first waits until the
@@ -671,8 +675,11 @@ void DataParallel::gather_params(int rank) {
 // - Across processes the other processes' ranges are not in this one's memory:
 //   NextForward is refused there.
 // On CPU virtual devices the pull runs on the worker itself, so it overlaps only the
-// other devices' compute; on GPUs the copies would go on the comm stream, one unit
-// ahead, and overlap the device's own compute (docs/dp-vs-ddp.md has the measurements).
+// other devices' compute; on GPUs the pull's peer copies run on the device's inbound
+// stream (Note [Peer copies], after the owners' fences: Note [Copy fences]) and its
+// compute stream waits for them where the unit is first read — nothing pulls ahead,
+// so a unit's transfer overlaps only the compute already queued before it
+// (docs/dp-vs-ddp.md has the CPU measurements).
 void DataParallel::pull_unit(int rank, int unit) {
   std::vector<char>& stale = stale_[static_cast<std::size_t>(rank)];
   if (updating_ || !stale[static_cast<std::size_t>(unit)]) return;
