@@ -101,4 +101,33 @@ const Registrar registrar;
 
 }  // namespace
 
+// ---- CopyFences (Note [Copy fences]) ----------------------------------------------------
+
+namespace {
+thread_local const CopyFences* tl_fences = nullptr;
+}  // namespace
+
+CopyFences::CopyFences(const std::vector<Device>& devices) : devices_(devices) {
+  for (const Device& d : devices_) events_.push_back(get(d).create_event(d));
+}
+
+CopyFences::~CopyFences() = default;
+
+void CopyFences::record() {
+  recorded_ = false;  // a record that fails half way leaves no stale fence in use
+  for (std::size_t i = 0; i < devices_.size(); ++i) get(devices_[i]).record_event(*events_[i], devices_[i]);
+  recorded_ = true;
+}
+
+Event* CopyFences::current(Device dev) {
+  const CopyFences* f = tl_fences;
+  if (f == nullptr || !f->recorded_) return nullptr;
+  for (std::size_t i = 0; i < f->devices_.size(); ++i)
+    if (f->devices_[i] == dev) return f->events_[i].get();
+  return nullptr;
+}
+
+CopyFences::Scope::Scope(const CopyFences& fences) : prev_(tl_fences) { tl_fences = &fences; }
+CopyFences::Scope::~Scope() { tl_fences = prev_; }
+
 }  // namespace dp::backend

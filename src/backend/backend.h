@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "core/device_runtime.h"
 #include "dp/core/device.h"
@@ -414,6 +415,66 @@ class ScopedRange {
 
   Device dev_{};
   bool open_ = false;
+};
+
+// Note [Copy fences]
+// A copy between two CUDA devices orders itself after the source's producer by an
+// event recorded on the source's current stream when the copy is called (Note [Peer
+// copies] in cuda/cuda_backend.cpp). Inside a step that is too late a point: by then
+// the source's stream may also hold a wait for a collective — a plain one, or join()
+// of deferred ones, or a Sharded bucket's reduce — whose completion needs the
+// destination's own collective, which the destination issues only after the work
+// that follows the copy. The copy then waits for the collective, the collective for
+// the destination's stream, and that stream for the copy: every GPU involved hangs
+// until the NCCL watchdog aborts the step. It happens whenever one worker is ahead of
+// another, e.g. device 0 has enqueued its whole forward, backward and join() before
+// worker r copies its shard of a batch that lies on device 0, or pulls (ZeRO stage 3,
+// Note [Sharded parameters]) a unit from owner 0.
+// The data that workers copy between devices during a step — the batch, the gradient
+// pieces of the gathered output, the owners' parameter ranges — were all written
+// before the step began. So DataParallel records a CopyFences at the start of each
+// step's run, on the calling thread (every worker idle, everything that wrote those
+// data enqueued), and wraps those copies in a CopyFences::Scope: a copy from a
+// fenced device then orders after the source's fence instead of after the source's
+// current position, which holds no work of this step and hence no wait for any of
+// its collectives. Copies outside a scope (a user's module moving its own tensors,
+// gathers on the calling thread after the workers returned) keep the current-position
+// rule. On CPU copies are synchronous and fences are never consulted.
+
+/// Per-device points after which the sources of scoped copies are not written (Note
+/// [Copy fences]). One thread records; any thread may read inside a Scope.
+///   CopyFences fences(devices);   // once
+///   fences.record();              // calling thread, at the start of every step
+///   { CopyFences::Scope s(fences); dst.copy_(src_on_other_device); }   // a worker
+class CopyFences {
+ public:
+  /// One event per device (created now), none recorded yet.
+  explicit CopyFences(const std::vector<Device>& devices);
+  ~CopyFences();
+  CopyFences(const CopyFences&) = delete;
+  CopyFences& operator=(const CopyFences&) = delete;
+  /// Records every device's fence on the calling thread's current stream of it.
+  void record();
+  /// The fence of `dev` in the calling thread's innermost Scope: null when there is
+  /// no scope, `dev` is not fenced, or its fence was never recorded.
+  static Event* current(Device dev);
+
+  /// Makes `fences` the calling thread's for the scope's lifetime (nests).
+  class Scope {
+   public:
+    explicit Scope(const CopyFences& fences);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    const CopyFences* prev_;
+  };
+
+ private:
+  std::vector<Device> devices_;
+  std::vector<std::unique_ptr<Event>> events_;
+  bool recorded_ = false;
 };
 
 /// The backend of a device type. CUDA without the toolkit, or without a device,

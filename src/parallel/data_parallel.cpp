@@ -155,6 +155,8 @@ class DataParallel::Step {
   /// replica, rank 0 on the calling thread; one failure path.
   void run(const std::function<void(int rank)>& fn, int ranks = -1) {
     try {
+      // Note [Copy fences]: every worker is idle and what its copies read is enqueued.
+      dp_.fences_->record();
       dp_.workers_->run(
           [&](int r) {
             nn::ReplicaBinding bind(r);
@@ -211,8 +213,12 @@ class DataParallel::Step {
 // Forward: the first time a worker's forward reads a parameter of unit u
 // (Parameter::get, on the worker's thread), u is gathered for that device, every
 // other gathered unit but u + 1 is released, and u + 1 is gathered ahead (the
-// prefetch: on CPU virtual devices a copy, on GPUs the copies are enqueued and
-// overlap u's compute). The worker also records the autograd sequence number at
+// prefetch: on CPU virtual devices a copy; on GPUs peer copies on the device's
+// inbound stream, which start at once (Note [Copy fences]), but the compute stream's
+// wait for them is enqueued with u's, before u's kernels: u's compute waits for the
+// transfers of u and u + 1, and what overlaps u's compute is the transfer of u + 2,
+// issued when the host reaches u + 1 — a prefetch one unit deeper than needed, to
+// measure on GPUs). The worker also records the autograd sequence number at
 // which u became current: every node made from then until the next unit belongs to u.
 // Backward: autograd calls a hook before each node (BackwardNodeHook); when the node
 // belongs to another unit than the one gathered, the device first waits until the
@@ -273,6 +279,7 @@ void DataParallel::enter_unit(int rank, int unit) {
   st.marks.emplace_back(autograd::peek_sequence_nr(), unit);
   st.forward = unit;
   PhaseTimer t(*recorder_, rank, Phase::AllGather);
+  backend::CopyFences::Scope fenced(*fences_);  // the owners' ranges predate the step (Note [Copy fences])
   const int n = static_cast<int>(set_->units().size());
   for (int u = 0; u < n; ++u)
     if (u != unit && u != unit + 1 && set_->unit_gathered(rank, u)) set_->release_unit(rank, u);
@@ -289,6 +296,7 @@ void DataParallel::backward_unit(int rank, std::uint64_t sequence_nr) {
   if (unit == st.backward) return;
   if (st.backward >= 0) reducer_->wait_combined(rank);
   PhaseTimer t(*recorder_, rank, Phase::AllGather);
+  backend::CopyFences::Scope fenced(*fences_);  // Note [Copy fences]
   for (int u = 0; u < static_cast<int>(set_->units().size()); ++u)
     if (u != unit && set_->unit_gathered(rank, u)) set_->release_unit(rank, u);
   set_->gather_unit(rank, unit);
@@ -368,6 +376,7 @@ void DataParallel::init(std::vector<Device> devices) {
   process_ = comm_->first_rank() / n;
   const int world = processes_ * n;
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
+  fences_ = std::make_unique<backend::CopyFences>(devices_);
   sync_processes();
   const bool persistent = options_.mode != Mode::DP;
   for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!persistent);
@@ -666,12 +675,16 @@ void DataParallel::gather_params(int rank) {
 // - Across processes the other processes' ranges are not in this one's memory:
 //   NextForward is refused there.
 // On CPU virtual devices the pull runs on the worker itself, so it overlaps only the
-// other devices' compute; on GPUs the copies would go on the comm stream, one unit
-// ahead, and overlap the device's own compute (docs/dp-vs-ddp.md has the measurements).
+// other devices' compute; on GPUs the pull's peer copies run on the device's inbound
+// stream (Note [Peer copies], after the owners' fences: Note [Copy fences]) and its
+// compute stream waits for them where the unit is first read — nothing pulls ahead,
+// so a unit's transfer overlaps only the compute already queued before it
+// (docs/dp-vs-ddp.md has the CPU measurements).
 void DataParallel::pull_unit(int rank, int unit) {
   std::vector<char>& stale = stale_[static_cast<std::size_t>(rank)];
   if (updating_ || !stale[static_cast<std::size_t>(unit)]) return;
   PhaseTimer t(*recorder_, rank, Phase::AllGather);
+  backend::CopyFences::Scope fenced(*fences_);  // the owners' ranges predate the step (Note [Copy fences])
   NoGradGuard no_grad;
   const auto [lo, hi] = set_->units()[static_cast<std::size_t>(unit)];
   const Tensor& mine = set_->copy(rank).data;
@@ -869,6 +882,7 @@ DataParallel::ShardPlan DataParallel::plan_shards(std::int64_t rows) const {
 // the leaves' gradients, concatenated on the input's device, along its edge.
 Tensor DataParallel::scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf) {
   PhaseTimer t(*recorder_, rank, Phase::Scatter);
+  backend::CopyFences::Scope fenced(*fences_);  // the batch predates the step (Note [Copy fences])
   Tensor shard = src.narrow(0, plan.offsets[rank], plan.sizes[rank]).to(devices_[rank]);
   if (as_leaf) {
     if (shard.storage() == src.storage()) shard = shard.clone();  // the leaf owns its storage
@@ -881,6 +895,7 @@ Tensor DataParallel::scatter(int rank, const Tensor& src, const ShardPlan& plan,
 Tensor DataParallel::scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf) {
   if (!in.replicated) return scatter(rank, in.tensor, plan, as_leaf);
   PhaseTimer t(*recorder_, rank, Phase::Scatter);
+  backend::CopyFences::Scope fenced(*fences_);  // Note [Copy fences]
   Tensor copy = in.tensor.to(devices_[rank]);
   if (as_leaf) {
     if (copy.storage() == in.tensor.storage()) copy = copy.clone();  // the leaf owns its storage
@@ -1186,7 +1201,11 @@ std::vector<Tensor> DataParallel::backward_from_gather(const std::vector<Tensor>
       if (roots[r].defined()) {
         PhaseTimer t(*recorder_, r, Phase::Backward);
         GradModeGuard grad_guard(true);
-        Tensor g = grads[r].to(devices_[r]);
+        Tensor g;
+        {
+          backend::CopyFences::Scope fenced(*fences_);  // made before the step (Note [Copy fences])
+          g = grads[r].to(devices_[r]);
+        }
         if (grad_scale != 1.0) g = mul(g, grad_scale);
         autograd::run_backward({roots[r]}, {g}, false);
       }

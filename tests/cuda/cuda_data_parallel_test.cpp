@@ -15,9 +15,11 @@
 #include "cuda_test_main.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "dp/dp.h"
@@ -180,6 +182,76 @@ TEST_CASE("a batch on the CPU and one already on device 0 train the same") {
     return flat_params(*net);
   };
   CHECK(max_diff(run(false), run(true)) == 0.0);
+}
+
+namespace {
+// Its workers on devices other than device 0 sleep before their forward reads a
+// parameter, so that device 0 has enqueued its whole forward, backward and the wait
+// for its collectives before any other device copies a parameter range from it.
+struct LateStarter : dp::nn::Module {
+  LateStarter() {
+    dp::Generator gen(21);
+    fc1 = register_module("fc1", std::make_shared<dp::nn::Linear>(3 * 8 * 8, 32, true, &gen));
+    fc2 = register_module("fc2", std::make_shared<dp::nn::Linear>(32, 10, true, &gen));
+  }
+  Tensor forward(const Tensor& x) override {
+    if (late && x.device() != first) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    return fc2->forward(dp::relu(fc1->forward(x.reshape({x.size(0), 3 * 8 * 8}))));
+  }
+  bool late = false;
+  dp::Device first = dp::cuda(0);
+  std::shared_ptr<dp::nn::Linear> fc1, fc2;
+};
+}  // namespace
+
+// Note [Copy fences]: a worker that copies from device 0 (a batch on device 0, a
+// stage 3 unit, a deferred gather's pull) once device 0's stream already waits for a
+// collective that needs that worker must not order its copy after that wait — on
+// NCCL that was a hang until the watchdog's timeout. Here device 0 always finishes
+// enqueueing its step first; a hang fails the step after collective_timeout.
+TEST_CASE("a worker that starts late never deadlocks a step on device 0's collectives") {
+  const auto devs = cuda_devices();
+  if (devs.size() < 2) return;  // nothing to copy between
+  std::vector<dp::Device> cpus;
+  for (std::size_t i = 0; i < devs.size(); ++i) cpus.push_back(dp::cpu(static_cast<int>(i)));
+  const dp::DataParallelOptions modes[] = {
+      {.mode = dp::Mode::DDP},
+      {.mode = dp::Mode::Sharded, .shard_stage = 1},
+      {.mode = dp::Mode::Sharded, .shard_stage = 1, .shard_gather = dp::ShardGather::NextForward},
+      {.mode = dp::Mode::Sharded, .shard_stage = 3}};
+  for (dp::DataParallelOptions options : modes) {
+    CAPTURE(dp::mode_name(options.mode));
+    CAPTURE(options.shard_stage.value_or(0));
+    options.bucket_cap_mb = 0.004;  // several buckets: comm threads, deferred collectives
+    options.first_bucket_mb = 0.001;
+    options.collective_timeout = std::chrono::seconds(20);
+    auto run = [&](const std::vector<dp::Device>& on, bool late) {
+      auto net = std::make_shared<LateStarter>();
+      net->first = on[0];
+      dp::DataParallel model(net, on, options);
+      net->late = late;
+      dp::optim::SGD opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
+      dp::Generator gen(6);
+      for (int s = 0; s < 3; ++s) {
+        Tensor x = dp::randn({kBatch, 3, 8, 8}, gen, dp::cpu(0)).to(on[0]);
+        std::vector<std::int64_t> labels(static_cast<std::size_t>(kBatch));
+        for (std::int64_t i = 0; i < kBatch; ++i) labels[static_cast<std::size_t>(i)] = (i * 7 + s) % 10;
+        Tensor y = dp::from_vector(labels, {kBatch}).to(on[0]);
+        opt.zero_grad();
+        if (s % 2 == 0) {
+          model.forward_backward(x, y, loss_fn);
+        } else {
+          loss_fn(model(x), y).backward();
+        }
+        opt.step();
+      }
+      return flat_params(*net);
+    };
+    const std::vector<float> ref = run(cpus, false);
+    std::vector<float> got;
+    REQUIRE_NOTHROW(got = run(devs, true));
+    CHECK(max_diff(got, ref) < 1e-4);
+  }
 }
 
 TEST_CASE("pin_memory of a device tensor is a dp::Error naming the device") {

@@ -49,6 +49,9 @@
 
 namespace dp {
 
+namespace backend {
+class CopyFences;
+}
 namespace comm {
 class Communicator;
 }
@@ -388,6 +391,9 @@ class DataParallel {
   std::unique_ptr<comm::Communicator> comm_;
   std::unique_ptr<parallel::WorkerPool> workers_;
   std::unique_ptr<parallel::Reducer> reducer_;
+  // Recorded at the start of every step's run; the workers' copies between devices
+  // order after them (Note [Copy fences] in src/backend/backend.h).
+  std::unique_ptr<backend::CopyFences> fences_;
   static constexpr std::uint64_t kUnsynced = ~std::uint64_t{0};
   std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
   std::vector<std::uint64_t> storage_base_;    // DDP/Sharded: each copy's storage version at the last sync

@@ -366,7 +366,10 @@ std::size_t CudaBackend::pinned_memory_allocated() { return host_alloc_.allocate
 // never makes either device's compute stream wait for the other's earlier work:
 //   1. `src_ready` is recorded on the source's current stream (the producer of the
 //      bytes, e.g. the H2D copy of a batch, is enqueued there) and the destination's
-//      inbound stream waits for it;
+//      inbound stream waits for it; inside a CopyFences::Scope the inbound stream
+//      waits for the source's fence instead, recorded when the step began (Note
+//      [Copy fences] in backend.h: the current position may wait for a collective
+//      that needs the destination, a deadlock);
 //   2. the bytes are copied on the inbound stream into a staging block allocated on
 //      that stream — not into `dst`: `dst` was allocated on the destination's compute
 //      stream and may be a block that the destination's previous step still reads, so
@@ -400,13 +403,25 @@ void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_de
   const int dst_gpu = map_.physical(d), src_gpu = map_.physical(sdev);
   if (dst_gpu != src_gpu) enable_peer_access(d, sdev);
   cudaStream_t src_stream = bind(src_dev);
-  cudaEvent_t src_ready = acquire_event(sdev);
-  DP_CUDA_CHECK(cudaEventRecord(src_ready, src_stream));
+  // Note [Copy fences]: inside a DataParallel step, after the fence recorded when the
+  // step began, not after the source's current position (which may wait for a
+  // collective that needs this destination's later work).
+  Event* fence = CopyFences::current(src_dev);
+  cudaEvent_t src_ready = nullptr;
+  if (fence != nullptr) {
+    auto* ce = dynamic_cast<CudaEvent*>(fence);
+    DP_CHECK(ce != nullptr && ce->device() == sdev, "copy: the copy fence of ", src_dev,
+             " is not a CUDA event of that device");
+    src_ready = ce->get();
+  } else {
+    src_ready = acquire_event(sdev);
+    DP_CUDA_CHECK(cudaEventRecord(src_ready, src_stream));
+  }
   DeviceState& dst_state = state(d);
   cudaStream_t dst_stream = bind(dst_dev);
   cudaStream_t inbound = dst_state.inbound;
   DP_CUDA_CHECK(cudaStreamWaitEvent(inbound, src_ready, 0));
-  release_event(sdev, src_ready);  // the wait captured the record: the event is reusable
+  if (fence == nullptr) release_event(sdev, src_ready);  // the wait captured the record: reusable
   CachingAllocator& alloc = *dst_state.allocator;
   void* staging = alloc.allocate(nbytes, inbound);
   // From here the staging block must be freed on every path: the allocator's
