@@ -28,9 +28,15 @@ namespace {
 // therefore also compiled for AVX2 (target_clones: the loader picks the clone the CPU
 // runs). Eight lanes do the same IEEE multiplies and adds as four, and AVX2 brings no
 // FMA (that is the separate "fma" target, and this file is built with
-// -ffp-contract=off besides), so every clone computes the same bits.
+// -ffp-contract=off besides), so every clone computes the same bits. Sanitizer builds
+// have no clones (src/backend/cpu/meson.build says why).
+#if defined(DP_SGD_TARGET_CLONES)
+#define DP_SGD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DP_SGD_CLONES
+#endif
 template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
-__attribute__((target_clones("avx2", "default"))) void sgd_range(const SgdParams& in, float* __restrict p, const float* __restrict g,
+DP_SGD_CLONES void sgd_range(const SgdParams& in, float* __restrict p, const float* __restrict g,
                float* __restrict buf, std::int64_t b, std::int64_t e) {
   const SgdUpdate upd{SgdParams{in.lr, kMomentum ? in.momentum : 0.0f, in.dampening,
                                 kDecay ? in.weight_decay : 0.0f, kNesterov, kFirst}};
