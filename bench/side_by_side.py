@@ -9,6 +9,7 @@ measured in ONE run with the contenders alternating (A, B, A, B, ...) to cancel 
   # single vs DP vs DDP on 2 CPU virtual devices (same global batch):
   python3 bench/side_by_side.py --compare modes --devices 0,1
   # MLP 784-1024-1024-10, batch 512, SGD: dp's step against the GEMM ceiling of its shapes
+  # and against PyTorch's own step (best environment)
   python3 bench/side_by_side.py --compare mlp
 
 PyTorch runs twice per round: in the environment it is given ("default") and in the best
@@ -287,6 +288,20 @@ def run_torch_gemms(args):
                                   "cmd": " ".join(cmd)})
 
 
+def run_torch_mlp(args):
+    """PyTorch's own MLP step, best environment (bench/pytorch/mlp_torch.py)."""
+    script = os.path.join(HERE, "pytorch", "mlp_torch.py")
+    cmd = [args.torch_python, script, "--batch", str(args.batch), "--threads", str(args.threads),
+           "--steps", str(args.steps - args.warmup), "--warmup", str(args.warmup)]
+    cmd = pinned(args, cmd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, True, args.threads))
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"ms_per_step": rec["ms_per_step"], "samples_per_sec": rec["samples_per_sec"],
+            "gflops": rec["gflops"], "cmd": " ".join(cmd)}
+
+
 def torch_importable(args):
     proc = subprocess.run([args.torch_python, "-c", "import torch"], capture_output=True, text=True)
     return proc.returncode == 0
@@ -323,6 +338,11 @@ def report_mlp(args, results):
           f"{ceil:.1f} GFLOP/s (median; rounds {', '.join(f'{c:.1f}' for c in ceilings)})")
     print(f"dp MLP step {dp_g:.1f} GFLOP/s ({mlp_step_gflop(args.batch):.3f} GFLOP/step) = "
           f"{dp_g / ceil:.3f} of the ceiling (per round {', '.join(f'{x:.3f}' for x in ratios)}; target >= 0.85)")
+    if "torch mlp" in results:
+        t_g = statistics.median(x["gflops"] for x in results["torch mlp"])
+        t_ratios = [results["torch mlp"][r]["gflops"] / ceilings[r] for r in range(rounds)]
+        print(f"PyTorch's MLP step (best env) {t_g:.1f} GFLOP/s = {t_g / ceil:.3f} of the ceiling (per round "
+              f"{', '.join(f'{x:.3f}' for x in t_ratios)}); dp / PyTorch = {dp_g / t_g:.3f}")
     if "sgemm 512^3" in results:
         old = statistics.median(x["gflops"] for x in results["sgemm 512^3"])
         print(f"(old figure, kept for continuity: kernels_bench 'gemm 512x1024x1024' (N,N, dp's way) "
@@ -404,6 +424,7 @@ def main():
         if torch_importable(args):
             check_torch_blas(args, True)
             contenders.append(("torch gemms", lambda: run_torch_gemms(args)))
+            contenders.append(("torch mlp", lambda: run_torch_mlp(args)))
         else:
             print(f"{args.torch_python} has no torch: the ceiling is oneDNN's alone", flush=True)
         contenders.append(("sgemm 512^3", lambda: run_sgemm(args)))
