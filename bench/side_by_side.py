@@ -144,6 +144,14 @@ def check_torch_blas(args, best):
     return rec
 
 
+def check_run(cmd, env=None):
+    """Runs cmd (output captured); exits naming the command and its stderr when it fails."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    return proc
+
+
 def run_dp(args, mode, devices, binary=None):
     cmd = [binary or args.binary, "--max-steps", str(args.steps), "--epochs", "1", "--json",
            "--log-every", str(args.warmup), "--batch", str(args.batch), "--mode", mode,
@@ -151,9 +159,7 @@ def run_dp(args, mode, devices, binary=None):
     if args.data:
         cmd += ["--data", args.data]
     cmd = pinned(args, cmd, os.cpu_count() if mode != "single" else None)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    proc = check_run(cmd)
     steps = {}
     summary = {}
     for line in proc.stdout.splitlines():
@@ -176,9 +182,7 @@ def run_torch(args, best):
     if args.data:
         cmd += ["--data", args.data]
     cmd = pinned(args, cmd)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, best, args.threads))
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    proc = check_run(cmd, env=torch_env(args, best, args.threads))
     rec = [json.loads(l) for l in proc.stdout.splitlines() if l.strip()][-1]
     return {"ms_per_step": rec["ms_per_step"], "samples_per_sec": rec["samples_per_sec"],
             "cmd": " ".join(cmd)}
@@ -191,9 +195,7 @@ def run_torch_ddp(args, best):
     cmd = [args.torch_python, script, "--procs", str(procs), "--threads", "1", "--batch", str(args.batch),
            "--steps", str(args.steps - args.warmup), "--warmup", str(args.warmup)]
     cmd = pinned(args, cmd, os.cpu_count())
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, best, 1))
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    proc = check_run(cmd, env=torch_env(args, best, 1))
     rec = [json.loads(l) for l in proc.stdout.splitlines() if l.strip().startswith("{")][-1]
     return {"ms_per_step": rec["ms_per_step"], "samples_per_sec": rec["samples_per_sec"],
             "cmd": " ".join(cmd)}
@@ -215,9 +217,7 @@ def run_dp_mlp(args):
            "--optimizer", "sgd", "--batch", str(args.batch), "--devices", "1",
            "--steps", str(args.steps - args.warmup), "--warmup", str(args.warmup), "--json"]
     cmd = pinned(args, cmd)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    proc = check_run(cmd)
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
             rec = json.loads(line)
@@ -260,9 +260,7 @@ def run_mlp_ceiling(args):
     cmd = [os.path.join(args.build, "bench", "mlp_ceiling"), "--threads", str(args.threads),
            "--batch", str(args.batch), "--min-ms", "300", "--json"]
     cmd = pinned(args, cmd)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    proc = check_run(cmd)
     rec = json.loads(proc.stdout)
     want = [(g["name"], g["ta"], g["tb"], g["m"], g["n"], g["k"]) for g in mlp_gemms(args.batch)]
     got = [(g["name"], g["ta"], g["tb"], g["m"], g["n"], g["k"]) for g in rec["gemms"]]
@@ -279,9 +277,7 @@ def run_torch_gemms(args):
     cmd = [args.torch_python, script, "--threads", str(args.threads), "--min-ms", "300",
            "--gemms", json.dumps(mlp_gemms(args.batch))]
     cmd = pinned(args, cmd)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, True, args.threads))
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    proc = check_run(cmd, env=torch_env(args, True, args.threads))
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     ms = {name: v["ms"] for name, v in rec["gemms"].items()}
     return gemm_result(args, ms, {"ways": {name: {"torch": v} for name, v in ms.items()},
@@ -294,9 +290,7 @@ def run_torch_mlp(args):
     cmd = [args.torch_python, script, "--batch", str(args.batch), "--threads", str(args.threads),
            "--steps", str(args.steps - args.warmup), "--warmup", str(args.warmup)]
     cmd = pinned(args, cmd)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=torch_env(args, True, args.threads))
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    proc = check_run(cmd, env=torch_env(args, True, args.threads))
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"ms_per_step": rec["ms_per_step"], "samples_per_sec": rec["samples_per_sec"],
             "gflops": rec["gflops"], "cmd": " ".join(cmd)}
@@ -362,9 +356,7 @@ def run_sgemm(args):
     cmd = [os.path.join(args.build, "bench", "kernels_bench"), "--filter", "gemm 512x1024x1024",
            "--threads", str(args.threads), "--min-ms", "300", "--json"]
     cmd = pinned(args, cmd)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr}")
+    proc = check_run(cmd)
     rows = json.loads(proc.stdout)
     g = rows[0]["gflops"]
     ms = mlp_step_gflop(args.batch) / g * 1e3  # the step if every flop ran at sgemm's rate
