@@ -195,6 +195,17 @@ std::vector<Result> run(const Options& o, std::vector<Config>& configs) {
 
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
+  std::string names;  // every configuration's name, for --only
+  bool known = o.only.empty();
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP})
+    for (bool worker_loss : {false, true}) {
+      names += (names.empty() ? "\"" : ", \"") + config_name(mode, worker_loss) + "\"";
+      known = known || o.only == config_name(mode, worker_loss);
+    }
+  if (!known) {
+    std::fprintf(stderr, "--only: expected one of %s, got \"%s\"\n%s", names.c_str(), o.only.c_str(), kUsage);
+    return 2;
+  }
   int max_devices = *std::max_element(o.devices.begin(), o.devices.end());
   if (max_devices > dp::device_count(dp::DeviceType::CPU)) {
     std::fprintf(stderr, "overhead: %d CPU virtual devices requested, %d exist (set DP_CPU_DEVICES)\n",

@@ -14,6 +14,9 @@
 namespace dp::comm {
 
 /// True when the float ranges [a, a + na) and [b, b + nb) share an element.
+/// "sum" or "avg", as the communicators' mismatch messages name a reduction.
+inline const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+
 inline bool overlaps(const float* a, std::int64_t na, const float* b, std::int64_t nb) {
   if (na == 0 || nb == 0 || a == nullptr || b == nullptr) return false;
   return a < b + nb && b < a + na;

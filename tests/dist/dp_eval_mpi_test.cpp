@@ -54,16 +54,6 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 
 bool same_as_rank0(const std::vector<float>& v) { return same_bits(dist::broadcast_object(v, 0), v); }
 
-std::vector<float> flat_params(dp::nn::Module& net) {
-  std::vector<float> out;
-  for (auto& [name, t] : net.state_dict()) {
-    if (t.dtype() != dp::Dtype::Float32) continue;
-    auto v = t.to_vector();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
 /// A DDP BatchNorm model after 3 steps on each process's own rows.
 struct Trained {
   std::shared_ptr<dp::nn::Sequential> net;
@@ -157,7 +147,7 @@ TEST_CASE("one device per process: every design combines gradients across proces
       (void)model.forward_backward(b.x, b.y, loss_fn);
       opt.step();
     }
-    const std::vector<float> p = flat_params(*net);
+    const std::vector<float> p = flat(net->state_dict());
     CHECK_MESSAGE(same_as_rank0(p), c.name, ": parameters differ between processes");
     if (reference.empty()) {
       reference = p;

@@ -26,16 +26,6 @@ namespace {
 constexpr int kSteps = 3;
 constexpr std::int64_t kRows = 8;  // per process and step
 
-std::vector<float> flat_params(dp::nn::Module& net) {
-  std::vector<float> out;
-  for (auto& [name, t] : net.state_dict()) {
-    if (t.dtype() != dp::Dtype::Float32) continue;
-    auto v = t.to_vector();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
 int run(const std::string& mode) {
   auto net = make_mlp(7);
   const dp::Mode design = mode == "dp_module" ? dp::Mode::DP : dp::Mode::DDP;
@@ -64,7 +54,7 @@ int run(const std::string& mode) {
     std::cout << "UNEVEN-TEST: rank " << dist::rank() << " leaves after " << steps << " steps\n" << std::flush;
     return 0;  // the last process returns early: main's normal exit
   }
-  const std::vector<float> mine = flat_params(*net);
+  const std::vector<float> mine = flat(net->state_dict());
   const std::vector<float> rank0 = dist::broadcast_object(mine, 0);
   const bool same = mine.size() == rank0.size() &&
                     std::memcmp(mine.data(), rank0.data(), mine.size() * sizeof(float)) == 0;

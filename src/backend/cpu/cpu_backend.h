@@ -259,6 +259,9 @@ class CpuBackend final : public Backend {
 
  private:
   void resize_arenas(int threads);
+  // conv2d_forward and conv2d_relu_forward (Note [Convolution + ReLU]).
+  void conv_forward(Device dev, const Conv2dShape& s, const float* x, const float* w, const float* bias,
+                    float* y, bool relu);
 
   std::vector<std::unique_ptr<DeviceState>> devices_;
   std::mutex config_mu_;  // guards set_concurrent_devices / set_conv_layout

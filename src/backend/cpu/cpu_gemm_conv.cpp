@@ -796,26 +796,24 @@ void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 
 
 void CpuBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
                                 const float* bias, float* y) {
-  check_conv_shape(s, "conv2d_forward");
-  if (s.N == 0) return;
-  ConvBuffers buf;
-  buf.x = x;
-  buf.w = w;
-  buf.b = bias;
-  buf.y = y;
-  run_conv(*this, dev, s, ConvKind::Forward, bias != nullptr, buf);
+  conv_forward(dev, s, x, w, bias, y, /*relu=*/false);
 }
 
 void CpuBackend::conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x,
                                      const float* w, const float* bias, float* y) {
-  check_conv_shape(s, "conv2d_relu_forward");
+  conv_forward(dev, s, x, w, bias, y, /*relu=*/true);
+}
+
+void CpuBackend::conv_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                              const float* bias, float* y, bool relu) {
+  check_conv_shape(s, relu ? "conv2d_relu_forward" : "conv2d_forward");
   if (s.N == 0) return;
   ConvBuffers buf;
   buf.x = x;
   buf.w = w;
   buf.b = bias;
   buf.y = y;
-  run_conv(*this, dev, s, ConvKind::Forward, bias != nullptr, buf, /*relu=*/true);
+  run_conv(*this, dev, s, ConvKind::Forward, bias != nullptr, buf, relu);
 }
 
 void CpuBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,

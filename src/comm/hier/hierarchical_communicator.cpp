@@ -125,19 +125,7 @@ Tensor view_of(const float* p, std::int64_t n, Device dev) {
   return view_of(const_cast<float*>(p), n, dev);
 }
 
-const char* kind_name(HierarchicalCommunicator::Kind k) {
-  using Kind = HierarchicalCommunicator::Kind;
-  switch (k) {
-    case Kind::AllReduce: return "all_reduce";
-    case Kind::Broadcast: return "broadcast";
-    case Kind::Reduce: return "reduce";
-    case Kind::ReduceScatter: return "reduce_scatter";
-    case Kind::AllGather: return "all_gather";
-  }
-  return "?";
-}
-
-const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+const char* kind_name(HierarchicalCommunicator::Kind k) { return Communicator::collective_name(k); }
 
 std::string describe(const HierarchicalCommunicator::Slot& s) {
   using Kind = HierarchicalCommunicator::Kind;
@@ -287,6 +275,8 @@ void HierarchicalCommunicator::refuse(int rank, Kind kind, const char* what,
     case Kind::AllGather:
       g.all_gather<float>(nullptr, nullptr, 0, what, problem);
       break;
+    case Kind::kCount:
+      break;  // not a collective
   }
   DP_FAIL(what, " on local rank ", rank, ": ", problem);  // not reached: the group threw
 }

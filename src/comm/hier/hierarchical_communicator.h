@@ -76,7 +76,7 @@ class HierarchicalCommunicator final : public Communicator {
   void reset_process_times() override;
 
   /// What one local rank publishes for a collective (public only for the .cpp's helpers).
-  enum class Kind : std::uint8_t { AllReduce, Broadcast, Reduce, ReduceScatter, AllGather };
+  using Kind = Collective;
   struct Slot {
     Kind kind = Kind::AllReduce;
     ReduceOp op = ReduceOp::Sum;

@@ -57,18 +57,7 @@ constexpr std::int64_t kSmallCount = 16384;
 /// Slices start on cache lines (64 bytes = 16 floats).
 constexpr std::int64_t kSliceAlign = 16;
 
-const char* kind_name(LocalCommunicator::Kind k) {
-  switch (k) {
-    case LocalCommunicator::Kind::AllReduce: return "all_reduce";
-    case LocalCommunicator::Kind::Broadcast: return "broadcast";
-    case LocalCommunicator::Kind::Reduce: return "reduce";
-    case LocalCommunicator::Kind::ReduceScatter: return "reduce_scatter";
-    case LocalCommunicator::Kind::AllGather: return "all_gather";
-  }
-  return "?";
-}
-
-const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+const char* kind_name(LocalCommunicator::Kind k) { return Communicator::collective_name(k); }
 
 /// The CPU backend, through the narrow interface: host loops run in a device's arena.
 backend::Backend& cpu() { return backend::get(DeviceType::CPU); }

@@ -86,7 +86,7 @@ class LocalCommunicator final : public Communicator {
   void reset() override;
 
   /// What one rank publishes for a collective (public only for the .cpp's helpers).
-  enum class Kind : std::uint8_t { AllReduce, Broadcast, Reduce, ReduceScatter, AllGather };
+  using Kind = Collective;
   struct alignas(64) Slot {
     Kind kind = Kind::AllReduce;
     ReduceOp op = ReduceOp::Sum;

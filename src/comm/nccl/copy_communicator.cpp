@@ -102,20 +102,9 @@ Slice slice_of(std::int64_t count, int n, int r) {
   return {off, std::min(per, count - off)};
 }
 
-enum class Kind { AllReduce, Broadcast, Reduce, ReduceScatter, AllGather };
+using Kind = Communicator::Collective;
 
-const char* kind_name(Kind k) {
-  switch (k) {
-    case Kind::AllReduce: return "all_reduce";
-    case Kind::Broadcast: return "broadcast";
-    case Kind::Reduce: return "reduce";
-    case Kind::ReduceScatter: return "reduce_scatter";
-    case Kind::AllGather: return "all_gather";
-  }
-  return "?";
-}
-
-const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+const char* kind_name(Kind k) { return Communicator::collective_name(k); }
 
 /// A generation barrier that abort() releases: arrive_and_wait returns false once the
 /// barrier is aborted (sticky until reset(), which is called with no rank inside), or
