@@ -130,6 +130,13 @@ class ReduceScatterSync final : public GradSync {
   void finish(int rank) override {
     if (g_.after_sync) g_.after_sync(rank);
   }
+  // Note [Deferred reduce-scatter]: the compute stream waits here, once.
+  void join(int rank) override { (g_.hybrid ? comm_.local() : comm_).join(rank); }
+  std::optional<std::pair<double, double>> device_times(int rank) override {
+    if (g_.hybrid || !comm_.times_on_device()) return std::nullopt;  // hybrid: plain reduces
+    const comm::Communicator::StreamTimes t = comm_.take_times(rank);
+    return std::make_pair(t.busy_ms, t.exposed_ms);
+  }
 
  private:
   // The shard index of local rank `rank`: its world rank (Note [World ranks]), or,
@@ -142,6 +149,11 @@ class ReduceScatterSync final : public GradSync {
   // local reduce then the owners' all-reduce across processes add a process's devices
   // in device order, then the processes in process order — the hierarchical reduce's
   // order (Note [Hierarchical collectives]), so the sum is bitwise the world designs'.
+  // Note [Deferred reduce-scatter]: the reduces are deferred, like DDP's all-reduce,
+  // and what follows them (delivery, zeroing) runs after them on the comm stream, so
+  // the compute stream waits once, at join, not after every bucket. Hybrid sharding
+  // keeps plain reduces: its all-reduce across processes runs on another communicator,
+  // which a deferred reduce's result would reach unordered.
   void reduce_pieces(int rank, const Tensor& grad, std::int64_t offset, bool detached) {
     const std::int64_t lo = offset, hi = offset + grad.numel();
     const int me = this->me(rank);
@@ -161,25 +173,38 @@ class ReduceScatterSync final : public GradSync {
       const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
       if (a >= b) continue;
       Tensor piece = grad.narrow(0, a - lo, b - a);
-      comm.reduce(rank, piece, me == owner ? piece : Tensor(), owner, comm::ReduceOp::Sum);
+      const Tensor& recv = me == owner ? piece : Tensor();
+      if (g_.hybrid) {
+        comm.reduce(rank, piece, recv, owner, comm::ReduceOp::Sum);
+      } else {
+        comm.reduce_deferred(rank, piece, recv, owner, comm::ReduceOp::Sum);
+      }
       pieces.push_back({std::move(piece), a, owner});
     }
     group.end();
-    for (const auto& [piece, a, owner] : pieces) {
-      if (g_.hybrid && me == owner)
-        if (comm::Communicator* across = comm_.peers(rank))
-          across->all_reduce(comm_.first_rank() / comm_.size(), piece, piece, comm::ReduceOp::Sum);
-      if (detached) {
-        if (me == owner) g_.deliver(rank, piece, a);
-        continue;  // the other ranks' pieces are freed with the gradient
+    auto follow_up = [&] {
+      for (const auto& [piece, a, owner] : pieces) {
+        if (g_.hybrid && me == owner)
+          if (comm::Communicator* across = comm_.peers(rank))
+            across->all_reduce(comm_.first_rank() / comm_.size(), piece, piece, comm::ReduceOp::Sum);
+        if (detached) {
+          if (me == owner) g_.deliver(rank, piece, a);
+          continue;  // the other ranks' pieces are freed with the gradient
+        }
+        // Stage 1: the piece was sent and belongs to another rank: zeros from now on.
+        // Through the backend, not Tensor::zero_(): that bumps the buffer's storage
+        // version, which the worker's backward bumps concurrently.
+        if (me != owner && g_.zero_sent) {
+          const Device dev = piece.device();
+          backend::get(dev).memset_zero(piece.data<float>(), dev,
+                                        static_cast<std::size_t>(piece.numel()) * sizeof(float));
+        }
       }
-      // Stage 1: the piece was sent and belongs to another rank: zeros from now on.
-      // Through the backend, not Tensor::zero_(): that bumps the buffer's storage
-      // version, which the worker's backward bumps concurrently.
-      if (me != owner && g_.zero_sent) {
-        const Device dev = piece.device();
-        backend::get(dev).memset_zero(piece.data<float>(), dev, static_cast<std::size_t>(piece.numel()) * sizeof(float));
-      }
+    };
+    if (g_.hybrid) {
+      follow_up();
+    } else {
+      comm.after_deferred(rank, follow_up);  // Note [Work after deferred collectives]
     }
   }
 

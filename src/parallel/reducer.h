@@ -129,7 +129,9 @@ struct ShardedGrads {
   std::function<void(int rank)> after_sync;
   /// Detached gradients (Note [Detached gradients]): adds the summed `piece`,
   /// elements [offset, offset + piece.numel()) of rank's own range, into the gradient
-  /// rank keeps for its range; runs on rank's comm thread. Needed for detached cycles.
+  /// rank keeps for its range; runs on rank's comm thread, on the stream of its
+  /// collectives (Note [Work after deferred collectives] in dp/comm/communicator.h).
+  /// Needed for detached cycles.
   std::function<void(int rank, const Tensor& piece, std::int64_t offset)> deliver;
   /// Detached gradients: the gradient rank keeps for its own range (what held()
   /// returns when rank has no full buffer).
@@ -147,7 +149,8 @@ struct ShardedGrads {
 /// each rank a strided, not contiguous, range. A backward makes #buckets + at most
 /// N - 1 collectives (a bucket gains one piece per shard boundary inside it). Every
 /// element is summed in the fixed rank order of the local all-reduce, so the sum is
-/// bitwise DDP's. The owner's piece is reduced in place.
+/// bitwise DDP's. The owner's piece is reduced in place. The reduces are deferred
+/// (Note [Deferred reduce-scatter] in reducer.cpp): the compute stream waits at join.
 /// Stage 1 (zero_sent): every other rank zeroes its piece once it was sent, so each
 /// rank's buffer holds the summed gradient on its own range and zeros elsewhere: a
 /// next backward without zero_grad accumulates onto it and its reduction stays exact.

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <utility>
 
+#include "dp/autograd/grad_mode.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
@@ -483,4 +484,146 @@ TEST_CASE("the real strategies over the local communicator") {
   overlapping.shards = {{0, 4}, {3, 6}, {6, 9}};
   CHECK_THROWS_AS(dp::parallel::make_reduce_scatter_sync(*comm, two), dp::Error);
   CHECK_THROWS_AS(dp::parallel::make_reduce_scatter_sync(*comm, overlapping), dp::Error);
+}
+
+namespace {
+
+// The local communicator seen as a stream-ordered one would be used (Note [Deferred
+// collectives], Note [Work after deferred collectives]): it records which reduces were
+// deferred, when the work that follows them runs, and the joins.
+class StreamOrderedRecorder final : public dp::comm::Communicator {
+ public:
+  explicit StreamOrderedRecorder(std::vector<dp::Device> devices)
+      : Communicator(devices), inner_(dp::comm::make_communicator(devices)), ranks_(devices.size()) {}
+  std::string backend_name() const override { return "recorder"; }
+  void all_reduce(int rank, const Tensor& s, const Tensor& r, dp::comm::ReduceOp op) override {
+    inner_->all_reduce(rank, s, r, op);
+  }
+  void broadcast(int rank, const Tensor& d, int root) override { inner_->broadcast(rank, d, root); }
+  void reduce(int rank, const Tensor& s, const Tensor& r, int root, dp::comm::ReduceOp op) override {
+    ++ranks_[rank].plain;
+    inner_->reduce(rank, s, r, root, op);
+  }
+  void reduce_deferred(int rank, const Tensor& s, const Tensor& r, int root, dp::comm::ReduceOp op) override {
+    PerRank& me = ranks_[rank];
+    ++me.deferred;
+    inner_->reduce(rank, s, r, root, op);
+    if (root != rank) me.sent.push_back(s);
+  }
+  void reduce_scatter(int rank, const Tensor& s, const Tensor& r, dp::comm::ReduceOp op) override {
+    inner_->reduce_scatter(rank, s, r, op);
+  }
+  void all_gather(int rank, const Tensor& s, const Tensor& r) override { inner_->all_gather(rank, s, r); }
+  void synchronize(int rank) override { inner_->synchronize(rank); }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+  void reset() override { inner_->reset(); }
+  void group_start(int rank) override { ++ranks_[rank].depth; }
+  void group_end(int rank) override { --ranks_[rank].depth; }
+  void join(int rank) override {
+    PerRank& me = ranks_[rank];
+    CHECK(me.depth == 0);
+    ++me.joins;
+    me.joined_after_work = me.works;
+  }
+  void after_deferred(int rank, const std::function<void()>& work) override {
+    PerRank& me = ranks_[rank];
+    CHECK(me.depth == 0);  // after the group that launched the reduces
+    me.work_joins.push_back(me.joins);  // joins before this work: it must precede the cycle's join
+    ++me.works;
+    for (const Tensor& t : me.sent) me.sent_before.push_back(t.to_vector());
+    t_in_work = true;
+    work();
+    t_in_work = false;
+    for (const Tensor& t : me.sent) me.sent_after.push_back(t.to_vector());
+    me.sent.clear();
+  }
+
+  struct PerRank {
+    int plain = 0, deferred = 0, works = 0, joins = 0, joined_after_work = -1, depth = 0;
+    std::vector<int> work_joins;
+    std::vector<Tensor> sent;  // pieces sent since the last work
+    std::vector<std::vector<float>> sent_before, sent_after;
+  };
+  const PerRank& of(int rank) const { return ranks_[rank]; }
+  static thread_local bool t_in_work;
+
+ private:
+  std::unique_ptr<dp::comm::Communicator> inner_;
+  std::vector<PerRank> ranks_;  // each touched by its rank's threads only, one at a time
+};
+thread_local bool StreamOrderedRecorder::t_in_work = false;
+
+}  // namespace
+
+TEST_CASE("reduce-scatter on a stream-ordered communicator: deferred reduces, follow-up after them, one join") {
+  auto devices = cpus(3);
+  StreamOrderedRecorder comm(devices);
+  dp::parallel::PhaseRecorder recorder(devices);
+  for (bool detached : {false, true}) {
+    CAPTURE(detached);
+    std::vector<Tensor> grads, owned;
+    for (int r = 0; r < 3; ++r) {
+      grads.push_back(dp::full({9}, static_cast<double>(r + 1), {.device = devices[r]}));
+      owned.push_back(dp::zeros({3}, devices[r]));
+    }
+    dp::parallel::ShardedGrads g;
+    g.shards = {{0, 3}, {3, 6}, {6, 9}};
+    g.zero_sent = !detached;
+    std::atomic<int> delivered{0}, outside{0};
+    g.deliver = [&](int r, const Tensor& piece, std::int64_t offset) {
+      if (!StreamOrderedRecorder::t_in_work) outside.fetch_add(1);
+      dp::NoGradGuard no_grad;
+      owned[r].narrow(0, offset - 3 * r, piece.numel()).add_(piece);
+      delivered.fetch_add(1);
+    };
+    g.owned = [&](int r) { return owned[r]; };
+    Reducer red(devices, assign_buckets(kSizes, 3, 3), dp::parallel::make_reduce_scatter_sync(comm, g),
+                [&](int r) { return detached ? Tensor() : grads[r]; }, recorder);
+    std::vector<std::pair<std::int64_t, std::int64_t>> layout = {{0, 4}, {4, 2}, {6, 3}};
+    red.set_param_layout(layout);
+    const int joins_before = comm.of(0).joins;
+    const std::size_t works_before = comm.of(0).work_joins.size();
+    red.prepare(true);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 3; ++r)
+      ts.emplace_back([&, r] {
+        red.begin(r);
+        for (int i = 2; i >= 0; --i) {
+          if (detached) {
+            Tensor leaf = dp::zeros({layout[static_cast<std::size_t>(i)].second}, devices[r]).set_requires_grad(true);
+            leaf.set_grad(dp::full({layout[static_cast<std::size_t>(i)].second}, static_cast<double>(r + 1),
+                                   {.device = devices[r]}));
+            red.grad_ready(r, i, leaf);
+          } else {
+            red.mark_ready(r, i);
+          }
+        }
+        red.finalize(r);
+      });
+    for (auto& t : ts) t.join();
+    red.end();
+    for (int r = 0; r < 3; ++r) {
+      const auto& st = comm.of(r);
+      CHECK(st.plain == 0);
+      CHECK(st.deferred > 0);
+      CHECK(st.joins == joins_before + 1);  // one wait, at the end of the cycle
+      CHECK(st.joined_after_work == st.works);
+      REQUIRE(st.work_joins.size() > works_before);
+      for (std::size_t w = works_before; w < st.work_joins.size(); ++w) CHECK(st.work_joins[w] == joins_before);
+      if (!detached) {
+        // Each sent piece held the rank's gradient until the work after its reduce zeroed it.
+        REQUIRE(st.sent_before.size() == st.sent_after.size());
+        for (std::size_t p = 0; p < st.sent_before.size(); ++p) {
+          CHECK(std::all_of(st.sent_before[p].begin(), st.sent_before[p].end(), [&](float x) { return x == r + 1; }));
+          CHECK(std::all_of(st.sent_after[p].begin(), st.sent_after[p].end(), [](float x) { return x == 0; }));
+        }
+        auto v = grads[r].to_vector();
+        for (int i = 0; i < 9; ++i) CHECK(v[i] == (i / 3 == r ? 6.0f : 0.0f));
+      } else {
+        CHECK(owned[r].to_vector() == std::vector<float>(3, 6.0f));
+      }
+    }
+    if (detached) CHECK(delivered.load() > 0);
+    CHECK(outside.load() == 0);  // every delivery ran as work after the deferred reduces
+  }
 }

@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -106,6 +107,19 @@ class Communicator {
   }
   /// Orders the rank's later compute work after its deferred collectives.
   virtual void join(int /*rank*/) {}
+  /// Note [Work after deferred collectives]
+  /// What a deferred collective's result feeds before join — a reduced gradient piece
+  /// added into the range gradient its owner keeps, a sent piece zeroed (Note [Sharded
+  /// gradients]) — may not run on the compute stream: that would make it wait for the
+  /// collective, the stall the deferral avoids. after_deferred(rank, work) runs `work`
+  /// on rank's thread at once, with rank's device's current stream being the one its
+  /// collectives run on: what `work` enqueues on that device follows every collective
+  /// the rank enqueued before (reading their results, writing their buffers) and is
+  /// covered by join(rank) as they are. `work` may use only memory that outlives the
+  /// join or that those collectives already read (it is declared to their stream), and
+  /// must not call this communicator. Host-synchronous backends finish collectives
+  /// inside the call: there it is work().
+  virtual void after_deferred(int /*rank*/, const std::function<void()>& work) { work(); }
 
   /// Note [Grouped collectives]
   /// group_start(rank) ... group_end(rank) lets a stream-ordered backend launch the

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <cstdint>
 #include <string>
@@ -351,6 +352,21 @@ class CopyCommunicator final : public Communicator {
     cb.set_device(dev);
     DP_CUDA_CHECK(cudaEventRecord(rk.done, rk.stream));
     DP_CUDA_CHECK(cudaStreamWaitEvent(cb.compute_stream(dev), rk.done, 0));
+  }
+
+  // Note [Work after deferred collectives] in communicator.h: on the comm stream, which
+  // finish() left past every read of the rank's buffers.
+  void after_deferred(int rank, const std::function<void()>& work) override {
+    check_rank(rank, "after_deferred");
+    throw_if_aborted("after_deferred", rank);
+    Rank& rk = ranks_[static_cast<std::size_t>(rank)];
+    const int dev = devices_[rank].index;
+    cuda().set_device(dev);
+    {
+      backend::CudaStreamGuard on_comm(dev, rk.stream);
+      work();
+    }
+    rk.deferred = true;  // join() orders the compute stream after the work too
   }
 
   void synchronize(int rank) override {

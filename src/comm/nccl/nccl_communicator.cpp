@@ -20,6 +20,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -581,6 +582,32 @@ class NcclCommunicator final : public Communicator {
       rk.open = Window{};
     }
     DP_CUDA_CHECK(cudaStreamWaitEvent(compute, rk.joined, 0));
+  }
+
+  // Note [Work after deferred collectives] in communicator.h: on the comm stream, timed
+  // as a span of the open window, so the window's exposed time reaches its end.
+  void after_deferred(int rank, const std::function<void()>& work) override {
+    check_rank(rank, "after_deferred");
+    Rank& rk = slot(rank);
+    DP_ASSERT(rk.group.depth == 0, "after_deferred on ", label(rank - layout_.first_arg),
+              " inside a collective group: the group's collectives are not enqueued yet");
+    {
+      std::lock_guard<std::mutex> lock(rk.mu);
+      throw_if_aborted("after_deferred", rank);
+    }
+    backend::CudaBackend& cb = cuda();
+    const int dev = devices_[rank].index;
+    cb.set_device(dev);
+    const std::pair<cudaEvent_t, cudaEvent_t> span{timing_event(rk), timing_event(rk)};
+    rk.open.spans.push_back(span);  // recycled with the window, whatever happens
+    DP_CUDA_CHECK(cudaEventRecord(span.first, rk.stream));
+    {
+      backend::CudaStreamGuard on_comm(dev, rk.stream);
+      work();
+    }
+    DP_CUDA_CHECK(cudaEventRecord(span.second, rk.stream));
+    std::lock_guard<std::mutex> lock(rk.mu);
+    rk.deferred = true;  // join() orders the compute stream after the work too
   }
 
   // Note [Grouped collectives] in communicator.h; Note [NCCL groups] for how.
