@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "dp/core/error.h"
@@ -100,6 +101,31 @@ struct Registrar {
 const Registrar registrar;
 
 }  // namespace
+
+// ---- copies ahead (Note [Copies ahead]) --------------------------------------------------
+
+namespace {
+/// The default: the arguments, for a copy made when finished.
+struct LaterCopy final : PendingCopy {
+  const void* src;
+  Device src_dev;
+  std::size_t nbytes;
+  bool done = false;
+  LaterCopy(const void* s, Device d, std::size_t n) : src(s), src_dev(d), nbytes(n) {}
+};
+}  // namespace
+
+std::unique_ptr<PendingCopy> Backend::copy_ahead(Device, const void* src, Device src_dev, std::size_t nbytes) {
+  return std::make_unique<LaterCopy>(src, src_dev, nbytes);
+}
+
+void Backend::finish_copy(PendingCopy& p, void* dst, Device dst_dev) {
+  auto* later = dynamic_cast<LaterCopy*>(&p);
+  DP_CHECK(later != nullptr, "finish_copy: the copy was not started by copy_ahead of this backend (", dst_dev, ")");
+  DP_CHECK(!later->done, "finish_copy: the copy to ", dst_dev, " was finished already");
+  copy(dst, dst_dev, later->src, later->src_dev, later->nbytes);
+  later->done = true;
+}
 
 // ---- CopyFences (Note [Copy fences]) ----------------------------------------------------
 

@@ -105,6 +105,13 @@ class Event {
   virtual ~Event() = default;
 };
 
+/// A copy started by Backend::copy_ahead, to be finished by Backend::finish_copy or
+/// dropped (Note [Copies ahead]). Destroying it never throws.
+class PendingCopy {
+ public:
+  virtual ~PendingCopy() = default;
+};
+
 /// The backend interface. One instance per DeviceType, shared by all threads:
 /// implementations are thread-safe for calls on different devices and for calls on
 /// one device from one thread at a time. A backend is also the DeviceRuntime through
@@ -181,6 +188,24 @@ class Backend : public dp::detail::DeviceRuntime {
   /// Copies between two devices of this backend (peer copy), or within one device.
   virtual void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
                     std::size_t nbytes) = 0;
+  /// Note [Copies ahead]
+  /// copy() makes the destination's stream wait for the bytes at once: what the
+  /// destination enqueues next runs after the transfer. A prefetch (ZeRO stage 3's
+  /// next unit, Note [Sharded parameters]) must not: the destination computes the
+  /// current unit while the next one arrives. copy_ahead() starts the transfer of
+  /// `nbytes` from `src` (on `src_dev`) towards `dst_dev` and returns at once;
+  /// finish_copy(p, dst) later puts the bytes into `dst` (on `dst_dev`, allocated by
+  /// then), ordered after them on the destination's current stream. Dropping `p`
+  /// unfinished cancels nothing already started and leaks nothing. The source bytes
+  /// must not change until then (the source's stream is ordered after the transfer).
+  /// The default keeps the arguments and copies at finish_copy — what a backend with
+  /// synchronous copies (CPU) should do: nothing could overlap the copy there, and no
+  /// staging memory is held in between. CUDA transfers into a staging block on the
+  /// destination's inbound stream at once (Note [Peer copies]) and copies staging →
+  /// dst on the destination's stream at finish_copy.
+  virtual std::unique_ptr<PendingCopy> copy_ahead(Device dst_dev, const void* src, Device src_dev,
+                                                  std::size_t nbytes);
+  virtual void finish_copy(PendingCopy& p, void* dst, Device dst_dev);
   /// Host memory → `dev`. On CUDA enqueued on the current stream; from pinned memory
   /// (allocate_pinned, any offset) the host does not wait and the pinned block is kept
   /// from reuse until the copy has finished; from pageable memory the runtime stages

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "backend/backend.h"
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 
@@ -225,6 +226,7 @@ void ParameterSet::shard_params(std::vector<std::pair<std::int64_t, std::int64_t
     ParameterCopy& c = copies_[r];
     Tensor own = c.data.narrow(0, c.begin, c.end - c.begin).clone();
     c.units.clear();
+    c.ahead.clear();
     for (const auto& [lo, hi] : units) {
       Tensor t = empty({hi - lo}, c.device);
       t.storage()->release();
@@ -273,18 +275,53 @@ void ParameterSet::gather_unit(int r, int u) {
   if (!t.storage()->released()) return;
   t.storage()->materialize();
   const auto [lo, hi] = units_[static_cast<std::size_t>(u)];
-  NoGradGuard no_grad;
-  for (const ParameterCopy& q : copies_) {
-    const std::int64_t a = std::max(lo, q.begin), b = std::min(hi, q.end);
-    if (a < b) t.narrow(0, a - lo, b - a).copy_(q.data.narrow(0, a - q.begin, b - a));
+  if (c.ahead.size() == c.units.size() && !c.ahead[static_cast<std::size_t>(u)].empty()) {
+    // Its pieces are on their way (gather_unit_ahead): they land now.
+    std::vector<ParameterCopy::UnitPiece> pieces = std::move(c.ahead[static_cast<std::size_t>(u)]);
+    c.ahead[static_cast<std::size_t>(u)].clear();
+    backend::Backend& be = backend::get(c.device);
+    for (const ParameterCopy::UnitPiece& p : pieces)
+      be.finish_copy(*p.copy, t.data<float>() + p.at, c.device);
+    t.storage()->bump_version();  // written behind the tensor's back: as copy_ would
+  } else {
+    NoGradGuard no_grad;
+    for (const ParameterCopy& q : copies_) {
+      const std::int64_t a = std::max(lo, q.begin), b = std::min(hi, q.end);
+      if (a < b) t.narrow(0, a - lo, b - a).copy_(q.data.narrow(0, a - q.begin, b - a));
+    }
   }
   c.unit_versions[static_cast<std::size_t>(u)] = t.storage()->version();
 }
 
-void ParameterSet::release_unit(int r, int u) { copy(r).units[static_cast<std::size_t>(u)].storage()->release(); }
+void ParameterSet::gather_unit_ahead(int r, int u) {
+  ParameterCopy& c = copy(r);
+  const auto i = static_cast<std::size_t>(u);
+  if (!c.units[i].storage()->released()) return;
+  if (c.ahead.size() != c.units.size()) c.ahead.assign(c.units.size(), {});
+  if (!c.ahead[i].empty()) return;
+  const auto [lo, hi] = units_[i];
+  std::vector<ParameterCopy::UnitPiece> pieces;
+  for (const ParameterCopy& q : copies_) {
+    const std::int64_t a = std::max(lo, q.begin), b = std::min(hi, q.end);
+    if (a >= b) continue;
+    const float* src = q.data.data<float>() + (a - q.begin);
+    pieces.push_back({a - lo, b - a,
+                      backend::get(c.device).copy_ahead(c.device, src, q.device,
+                                                        static_cast<std::size_t>(b - a) * sizeof(float))});
+  }
+  c.ahead[i] = std::move(pieces);
+}
+
+void ParameterSet::release_unit(int r, int u) {
+  ParameterCopy& c = copy(r);
+  if (static_cast<std::size_t>(u) < c.ahead.size()) c.ahead[static_cast<std::size_t>(u)].clear();
+  c.units[static_cast<std::size_t>(u)].storage()->release();
+}
 
 void ParameterSet::release_units(int r) {
-  for (auto& t : copy(r).units) t.storage()->release();
+  ParameterCopy& c = copy(r);
+  c.ahead.clear();
+  for (auto& t : c.units) t.storage()->release();
 }
 
 bool ParameterSet::unit_gathered(int r, int u) const {
@@ -346,6 +383,7 @@ void ParameterSet::unshard_params() {
     for (auto& s : slots_) rebind(*s->copies[r].impl(), full[r], s->offset);
     c.data = full[r];
     c.units.clear();
+    c.ahead.clear();
     c.unit_versions.clear();
     c.sharded_data = false;
   }

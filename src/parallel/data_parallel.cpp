@@ -212,14 +212,15 @@ class DataParallel::Step {
 // without children is one unit).
 // Forward: the first time a worker's forward reads a parameter of unit u
 // (Parameter::get, on the worker's thread), u is gathered for that device, every
-// other gathered unit but u + 1 is released, and u + 1 is gathered ahead (the
-// prefetch: on CPU virtual devices a copy; on GPUs peer copies on the device's
-// inbound stream, which start at once (Note [Copy fences]), but the compute stream's
-// wait for them is enqueued with u's, before u's kernels: u's compute waits for the
-// transfers of u and u + 1, and what overlaps u's compute is the transfer of u + 2,
-// issued when the host reaches u + 1 — a prefetch one unit deeper than needed, to
-// measure on GPUs). The worker also records the autograd sequence number at
-// which u became current: every node made from then until the next unit belongs to u.
+// other gathered unit but u + 1 is released, and u + 1 is started on its way (the
+// prefetch, ParameterSet::gather_unit_ahead, Note [Copies ahead] in backend.h: on
+// GPUs peer copies into staging blocks on the device's inbound stream, which start
+// at once (Note [Copy fences]) and which the compute stream waits for only when u + 1
+// becomes current and its pieces land in its buffer; so u's compute waits for u's
+// transfers alone and overlaps u + 1's. On CPU virtual devices, whose copies are
+// synchronous, the pieces are copied when they land). The worker also records the
+// autograd sequence number at which u became current: every node made from then
+// until the next unit belongs to u.
 // Backward: autograd calls a hook before each node (BackwardNodeHook); when the node
 // belongs to another unit than the one gathered, the device first waits until the
 // gradients already complete were reduce-scattered (so that no more than one unit's
@@ -282,9 +283,9 @@ void DataParallel::enter_unit(int rank, int unit) {
   backend::CopyFences::Scope fenced(*fences_);  // the owners' ranges predate the step (Note [Copy fences])
   const int n = static_cast<int>(set_->units().size());
   for (int u = 0; u < n; ++u)
-    if (u != unit && u != unit + 1 && set_->unit_gathered(rank, u)) set_->release_unit(rank, u);
+    if (u != unit && u != unit + 1) set_->release_unit(rank, u);  // gathered or on its way
   set_->gather_unit(rank, unit);
-  if (unit + 1 < n) set_->gather_unit(rank, unit + 1);  // the prefetch
+  if (unit + 1 < n) set_->gather_unit_ahead(rank, unit + 1);  // the prefetch (Note [Copies ahead])
 }
 
 // The backward node hook of worker `rank`.
@@ -298,7 +299,7 @@ void DataParallel::backward_unit(int rank, std::uint64_t sequence_nr) {
   PhaseTimer t(*recorder_, rank, Phase::AllGather);
   backend::CopyFences::Scope fenced(*fences_);  // Note [Copy fences]
   for (int u = 0; u < static_cast<int>(set_->units().size()); ++u)
-    if (u != unit && set_->unit_gathered(rank, u)) set_->release_unit(rank, u);
+    if (u != unit) set_->release_unit(rank, u);  // gathered or on its way
   set_->gather_unit(rank, unit);
   st.backward = unit;
 }

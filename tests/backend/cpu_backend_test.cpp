@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -160,6 +161,33 @@ TEST_CASE("allocation: alignment, counters, peak, zero size, out of memory") {
     CHECK(msg.find(std::to_string(std::size_t{1} << 62)) != std::string::npos);
   }
   CHECK(be().memory_allocated(d) == base);
+}
+
+TEST_CASE("copies ahead: the bytes land at finish_copy; finishing twice or a foreign copy is an error") {
+  // Note [Copies ahead]: on CPU the copy is made when it lands, and nothing is held meanwhile.
+  const Device src_dev = dp::cpu(1), dst_dev = dp::cpu(2);
+  std::vector<float> src(1000), dst(1000, -1.0f);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i) * 0.5f;
+  const std::size_t before = be().memory_allocated(dst_dev);
+  std::unique_ptr<PendingCopy> p = be().copy_ahead(dst_dev, src.data(), src_dev, 600 * sizeof(float));
+  REQUIRE(p != nullptr);
+  CHECK(be().memory_allocated(dst_dev) == before);
+  be().finish_copy(*p, dst.data() + 100, dst_dev);
+  for (std::size_t i = 0; i < dst.size(); ++i) {
+    CAPTURE(i);
+    CHECK(dst[i] == (i >= 100 && i < 700 ? src[i - 100] : -1.0f));
+  }
+  CHECK_THROWS_AS(be().finish_copy(*p, dst.data(), dst_dev), dp::Error);
+  struct Foreign final : PendingCopy {};
+  Foreign f;
+  CHECK_THROWS_AS(be().finish_copy(f, dst.data(), dst_dev), dp::Error);
+  // Dropped unfinished: nothing is copied, nothing is left allocated.
+  std::vector<float> untouched(10, 7.0f);
+  {
+    std::unique_ptr<PendingCopy> q = be().copy_ahead(dst_dev, src.data(), src_dev, 10 * sizeof(float));
+  }
+  CHECK(untouched == std::vector<float>(10, 7.0f));
+  CHECK(be().memory_allocated(dst_dev) == before);
 }
 
 TEST_CASE("caching allocator: large blocks are reused per device, counted as live bytes, emptied") {

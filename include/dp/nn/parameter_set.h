@@ -29,6 +29,10 @@
 
 #include "dp/tensor/tensor.h"
 
+namespace dp::backend {
+class PendingCopy;
+}  // namespace dp::backend
+
 namespace dp::nn {
 
 class ParameterSet;
@@ -103,6 +107,13 @@ struct ParameterCopy {
   bool sharded_data = false;
   std::vector<Tensor> units;
   std::vector<std::uint64_t> unit_versions;  // units[u]'s storage version when gathered
+  /// units[u]'s pieces on their way (ParameterSet::gather_unit_ahead): where each
+  /// lands in the unit and its copy, finished when u is gathered. Empty otherwise.
+  struct UnitPiece {
+    std::int64_t at = 0, numel = 0;
+    std::shared_ptr<backend::PendingCopy> copy;
+  };
+  std::vector<std::vector<UnitPiece>> ahead;
   /// The parameters an optimizer step of this copy writes: element i (begin <= i <
   /// end) is owned_data()[i - begin].
   Tensor owned_data() const;
@@ -239,6 +250,11 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   bool shards_params() const { return shards_params_; }
   const std::vector<std::pair<std::int64_t, std::int64_t>>& units() const { return units_; }
   void gather_unit(int r, int u);
+  /// Starts copy r's pieces of unit u on their way without gathering it (Note [Copies
+  /// ahead] in src/backend/backend.h): gather_unit(r, u) then only lands them, and
+  /// what copy r computes meanwhile does not wait for them. The prefetch of stage 3.
+  /// A no-op when u is gathered or already on its way; release_unit drops it.
+  void gather_unit_ahead(int r, int u);
   /// Note [Tracked units]
   /// track_units() gives an unsharded set's parameters gather units without
   /// sharding their data: every copy keeps its full buffer, and Parameter::get() on

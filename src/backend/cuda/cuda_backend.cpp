@@ -5,7 +5,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include <nvtx3/nvToolsExt.h>
 
@@ -399,6 +401,11 @@ void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_de
     DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, s));
     return;
   }
+  land_peer_copy(dst, dst_dev, start_peer_copy(dst_dev, src, src_dev, nbytes), nbytes);
+}
+
+CudaBackend::InFlight CudaBackend::start_peer_copy(Device dst_dev, const void* src, Device src_dev,
+                                                   std::size_t nbytes) {
   const int d = dst_dev.index, sdev = src_dev.index;
   const int dst_gpu = map_.physical(d), src_gpu = map_.physical(sdev);
   if (dst_gpu != src_gpu) enable_peer_access(d, sdev);
@@ -418,32 +425,102 @@ void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_de
     DP_CUDA_CHECK(cudaEventRecord(src_ready, src_stream));
   }
   DeviceState& dst_state = state(d);
-  cudaStream_t dst_stream = bind(dst_dev);
+  (void)bind(dst_dev);  // the destination initialised and current
   cudaStream_t inbound = dst_state.inbound;
   DP_CUDA_CHECK(cudaStreamWaitEvent(inbound, src_ready, 0));
   if (fence == nullptr) release_event(sdev, src_ready);  // the wait captured the record: reusable
   CachingAllocator& alloc = *dst_state.allocator;
-  void* staging = alloc.allocate(nbytes, inbound);
-  // From here the staging block must be freed on every path: the allocator's
-  // deallocate never throws, and the stream declarations below only add uses.
+  InFlight f;
+  f.staging = alloc.allocate(nbytes, inbound);
+  // From here the staging block must be given back on every path: the allocator's
+  // deallocate never throws, and the stream declarations only add uses.
   try {
     if (dst_gpu == src_gpu) {
-      DP_CUDA_CHECK(cudaMemcpyAsync(staging, src, nbytes, cudaMemcpyDeviceToDevice, inbound));
+      DP_CUDA_CHECK(cudaMemcpyAsync(f.staging, src, nbytes, cudaMemcpyDeviceToDevice, inbound));
     } else {
-      DP_CUDA_CHECK(cudaMemcpyPeerAsync(staging, dst_gpu, src, src_gpu, nbytes, inbound));
+      DP_CUDA_CHECK(cudaMemcpyPeerAsync(f.staging, dst_gpu, src, src_gpu, nbytes, inbound));
     }
-    cudaEvent_t copied = acquire_event(d);
-    DP_CUDA_CHECK(cudaEventRecord(copied, inbound));
-    DP_CUDA_CHECK(cudaStreamWaitEvent(src_stream, copied, 0));
-    DP_CUDA_CHECK(cudaStreamWaitEvent(dst_stream, copied, 0));
-    release_event(d, copied);
-    DP_CUDA_CHECK(cudaMemcpyAsync(dst, staging, nbytes, cudaMemcpyDeviceToDevice, dst_stream));
-    alloc.record_stream(staging, dst_stream);
+    f.copied = acquire_event(d);
+    DP_CUDA_CHECK(cudaEventRecord(f.copied, inbound));
+    DP_CUDA_CHECK(cudaStreamWaitEvent(src_stream, f.copied, 0));
   } catch (...) {
-    alloc.deallocate(staging);
+    drop_peer_copy(dst_dev, f);
     throw;
   }
-  alloc.deallocate(staging);
+  return f;
+}
+
+void CudaBackend::land_peer_copy(void* dst, Device dst_dev, InFlight f, std::size_t nbytes) {
+  const int d = dst_dev.index;
+  CachingAllocator& alloc = *state(d).allocator;
+  try {
+    cudaStream_t dst_stream = bind(dst_dev);
+    DP_CUDA_CHECK(cudaStreamWaitEvent(dst_stream, f.copied, 0));
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, f.staging, nbytes, cudaMemcpyDeviceToDevice, dst_stream));
+    alloc.record_stream(f.staging, dst_stream);
+  } catch (...) {
+    drop_peer_copy(dst_dev, f);
+    throw;
+  }
+  drop_peer_copy(dst_dev, f);  // the waits captured `copied`; the block's uses are declared
+}
+
+void CudaBackend::drop_peer_copy(Device dst_dev, InFlight f) noexcept {
+  const int d = dst_dev.index;
+  // The staging block was written on the inbound stream only (and read on the
+  // destination's stream once landed, declared): stream-ordered reuse is safe.
+  state(d).allocator->deallocate(f.staging);
+  if (f.copied == nullptr) return;
+  try {
+    release_event(d, f.copied);
+  } catch (const std::exception& e) {  // only the pool's growth can fail: the event leaks
+    dp::detail::log_warning(
+        dp::detail::str_cat("copy to ", dst_dev, ": an event could not go back to its pool: ", e.what()));
+  }
+}
+
+// Note [Copies ahead] in backend.h: the transfer starts now; the destination's stream
+// waits for it, and the staging → dst copy is enqueued there, only at finish_copy.
+// Within one device there is no transfer to overlap: the copy is made at finish_copy.
+struct CudaBackend::AheadCopy final : PendingCopy {
+  CudaBackend* backend = nullptr;
+  Device dst_dev;
+  const void* src = nullptr;  // one device: the source, copied at finish_copy
+  std::size_t nbytes = 0;
+  InFlight f;                 // two devices: the transfer under way
+  bool finished = false;
+  ~AheadCopy() override {
+    if (!finished && f.staging != nullptr) backend->drop_peer_copy(dst_dev, f);
+  }
+};
+
+std::unique_ptr<PendingCopy> CudaBackend::copy_ahead(Device dst_dev, const void* src, Device src_dev,
+                                                     std::size_t nbytes) {
+  check_device(dst_dev);
+  check_device(src_dev);
+  auto p = std::make_unique<AheadCopy>();
+  p->backend = this;
+  p->dst_dev = dst_dev;
+  p->nbytes = nbytes;
+  if (dst_dev == src_dev || nbytes == 0) {
+    p->src = src;
+  } else {
+    p->f = start_peer_copy(dst_dev, src, src_dev, nbytes);
+  }
+  return p;
+}
+
+void CudaBackend::finish_copy(PendingCopy& pending, void* dst, Device dst_dev) {
+  auto* p = dynamic_cast<AheadCopy*>(&pending);
+  DP_CHECK(p != nullptr && p->backend == this, "finish_copy: the copy was not started by copy_ahead of the CUDA backend");
+  DP_CHECK(p->dst_dev == dst_dev, "finish_copy: the copy was started towards ", p->dst_dev, ", not ", dst_dev);
+  DP_CHECK(!p->finished, "finish_copy: the copy to ", dst_dev, " was finished already");
+  p->finished = true;  // from here the transfer is given back by land_peer_copy, whatever happens
+  if (p->f.staging == nullptr) {
+    if (p->nbytes > 0) DP_CUDA_CHECK(cudaMemcpyAsync(dst, p->src, p->nbytes, cudaMemcpyDeviceToDevice, bind(dst_dev)));
+    return;
+  }
+  land_peer_copy(dst, dst_dev, std::exchange(p->f, InFlight{}), p->nbytes);
 }
 
 void CudaBackend::copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) {

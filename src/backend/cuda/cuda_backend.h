@@ -184,6 +184,9 @@ class CudaBackend final : public Backend {
   std::size_t pinned_memory_allocated() override;
   void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
             std::size_t nbytes) override;
+  std::unique_ptr<PendingCopy> copy_ahead(Device dst_dev, const void* src, Device src_dev,
+                                          std::size_t nbytes) override;
+  void finish_copy(PendingCopy& p, void* dst, Device dst_dev) override;
   void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override;
   void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
   void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
@@ -283,6 +286,19 @@ class CudaBackend final : public Backend {
   void check_device(Device dev) const;
   cudaEvent_t acquire_event(int device);
   void release_event(int device, cudaEvent_t ev);
+  /// Steps 1-3 of Note [Peer copies] up to the destination's wait: the bytes in a
+  /// staging block of the inbound stream, `copied` recorded after them.
+  struct InFlight {
+    void* staging = nullptr;
+    cudaEvent_t copied = nullptr;
+  };
+  InFlight start_peer_copy(Device dst_dev, const void* src, Device src_dev, std::size_t nbytes);
+  /// The rest: the destination's stream waits for `copied` and copies staging → dst;
+  /// the staging block and the event are given back on every path.
+  void land_peer_copy(void* dst, Device dst_dev, InFlight f, std::size_t nbytes);
+  /// Gives back an in-flight copy that will not land. Never throws.
+  void drop_peer_copy(Device dst_dev, InFlight f) noexcept;
+  struct AheadCopy;  // Note [Copies ahead]
 
   const LogicalDeviceMap map_;
   const int device_count_ = 0;                   // dp devices: map_.count()
