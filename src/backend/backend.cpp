@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "dp/core/error.h"
 
@@ -105,26 +106,39 @@ const Registrar registrar;
 // ---- copies ahead (Note [Copies ahead]) --------------------------------------------------
 
 namespace {
-/// The default: the arguments, for a copy made when finished.
-struct LaterCopy final : PendingCopy {
-  const void* src;
-  Device src_dev;
-  std::size_t nbytes;
+/// The default: the bytes as they were when the copy started, in a block of the
+/// destination, until they land or the copy is dropped.
+struct SnapshotCopy final : PendingCopy {
+  Backend* backend = nullptr;
+  Device dst_dev;
+  void* staging = nullptr;
+  std::size_t nbytes = 0;
   bool done = false;
-  LaterCopy(const void* s, Device d, std::size_t n) : src(s), src_dev(d), nbytes(n) {}
+  ~SnapshotCopy() override {
+    if (staging != nullptr) backend->deallocate(dst_dev, staging, nbytes);
+  }
 };
 }  // namespace
 
-std::unique_ptr<PendingCopy> Backend::copy_ahead(Device, const void* src, Device src_dev, std::size_t nbytes) {
-  return std::make_unique<LaterCopy>(src, src_dev, nbytes);
+std::unique_ptr<PendingCopy> Backend::copy_ahead(Device dst_dev, const void* src, Device src_dev, std::size_t nbytes) {
+  auto p = std::make_unique<SnapshotCopy>();
+  p->backend = this;
+  p->dst_dev = dst_dev;
+  p->staging = allocate(dst_dev, nbytes);
+  p->nbytes = nbytes;
+  copy(p->staging, dst_dev, src, src_dev, nbytes);
+  return p;
 }
 
-void Backend::finish_copy(PendingCopy& p, void* dst, Device dst_dev) {
-  auto* later = dynamic_cast<LaterCopy*>(&p);
-  DP_CHECK(later != nullptr, "finish_copy: the copy was not started by copy_ahead of this backend (", dst_dev, ")");
-  DP_CHECK(!later->done, "finish_copy: the copy to ", dst_dev, " was finished already");
-  copy(dst, dst_dev, later->src, later->src_dev, later->nbytes);
-  later->done = true;
+void Backend::finish_copy(PendingCopy& pending, void* dst, Device dst_dev) {
+  auto* p = dynamic_cast<SnapshotCopy*>(&pending);
+  DP_CHECK(p != nullptr && p->backend == this, "finish_copy: the copy was not started by copy_ahead of this backend (",
+           dst_dev, ")");
+  DP_CHECK(p->dst_dev == dst_dev, "finish_copy: the copy was started towards ", p->dst_dev, ", not ", dst_dev);
+  DP_CHECK(!p->done, "finish_copy: the copy to ", dst_dev, " was finished already");
+  p->done = true;
+  copy(dst, dst_dev, p->staging, dst_dev, p->nbytes);
+  deallocate(dst_dev, std::exchange(p->staging, nullptr), p->nbytes);
 }
 
 // ---- CopyFences (Note [Copy fences]) ----------------------------------------------------

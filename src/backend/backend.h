@@ -198,11 +198,13 @@ class Backend : public dp::detail::DeviceRuntime {
   /// then), ordered after them on the destination's current stream. Dropping `p`
   /// unfinished cancels nothing already started and leaks nothing. The source bytes
   /// must not change until then (the source's stream is ordered after the transfer).
-  /// The default keeps the arguments and copies at finish_copy — what a backend with
-  /// synchronous copies (CPU) should do: nothing could overlap the copy there, and no
-  /// staging memory is held in between. CUDA transfers into a staging block on the
-  /// destination's inbound stream at once (Note [Peer copies]) and copies staging →
-  /// dst on the destination's stream at finish_copy.
+  /// The bytes landed are those `src` held when the copy started, on every backend:
+  /// the default (CPU) copies them into a staging block of `dst_dev` at once (counted
+  /// as the destination's memory until they land or the copy is dropped) and from
+  /// there into `dst` at finish_copy — so the CPU tests see what a GPU would land,
+  /// stale bytes included. CUDA transfers into a staging block on the destination's
+  /// inbound stream at once (Note [Peer copies]) and copies staging → dst on the
+  /// destination's stream at finish_copy; within one device it copies at finish_copy.
   virtual std::unique_ptr<PendingCopy> copy_ahead(Device dst_dev, const void* src, Device src_dev,
                                                   std::size_t nbytes);
   virtual void finish_copy(PendingCopy& p, void* dst, Device dst_dev);

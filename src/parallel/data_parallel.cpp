@@ -5,6 +5,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "backend/backend.h"
 #include "dp/autograd/grad_mode.h"
@@ -143,6 +144,7 @@ class DataParallel::Step {
   }
   ~Step() {
     if (options_.backward) dp_.reducer_->end();
+    dp_.drop_pulls_ahead();  // a unit the forward never reached: pulled afresh when it is
     dp_.updating_ = false;
     dp_.busy_ = false;
   }
@@ -399,6 +401,7 @@ void DataParallel::init(std::vector<Device> devices) {
              "ranges are not in this one; use ShardGather::AfterStep (the default) across processes");
     set_->track_units(gather_units());  // Note [Deferred gather]
     stale_.assign(static_cast<std::size_t>(n), std::vector<char>(set_->units().size(), 0));
+    pull_ahead_.assign(static_cast<std::size_t>(n), std::vector<std::vector<nn::ParameterCopy::UnitPiece>>(set_->units().size()));
     set_->set_unit_hook([this](int r, int u) { pull_unit(r, u); });
   }
   if (shard_params) {
@@ -689,13 +692,41 @@ void DataParallel::pull_unit(int rank, int unit) {
   NoGradGuard no_grad;
   const auto [lo, hi] = set_->units()[static_cast<std::size_t>(unit)];
   const Tensor& mine = set_->copy(rank).data;
+  auto& ahead = pull_ahead_[static_cast<std::size_t>(rank)];
+  if (!ahead[static_cast<std::size_t>(unit)].empty()) {  // started by the previous unit's pull: it lands
+    backend::Backend& be = backend::get(mine.device());
+    for (const nn::ParameterCopy::UnitPiece& p : std::exchange(ahead[static_cast<std::size_t>(unit)], {}))
+      be.finish_copy(*p.copy, mine.data<float>() + p.at, mine.device());
+    mine.storage()->bump_version();  // written behind the tensor's back: as copy_ would
+  } else {
+    for (int q = 0; q < set_->num_copies(); ++q) {
+      if (q == rank) continue;
+      const nn::ParameterCopy& owner = set_->copy(q);
+      const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+      if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
+    }
+  }
+  stale[static_cast<std::size_t>(unit)] = 0;
+  // The next unit's pieces start now (Note [Copies ahead]): on GPUs they travel while
+  // this unit computes.
+  const auto next = static_cast<std::size_t>(unit) + 1;
+  if (next >= stale.size() || !stale[next] || !ahead[next].empty()) return;
+  const auto [nlo, nhi] = set_->units()[next];
   for (int q = 0; q < set_->num_copies(); ++q) {
     if (q == rank) continue;
     const nn::ParameterCopy& owner = set_->copy(q);
-    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
-    if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
+    const std::int64_t a = std::max(nlo, owner.begin), b = std::min(nhi, owner.end);
+    if (a >= b) continue;
+    ahead[next].push_back({a, b - a,
+                           backend::get(mine.device())
+                               .copy_ahead(mine.device(), owner.data.data<float>() + a, owner.device,
+                                           static_cast<std::size_t>(b - a) * sizeof(float))});
   }
-  stale[static_cast<std::size_t>(unit)] = 0;
+}
+
+void DataParallel::drop_pulls_ahead() {
+  for (auto& units : pull_ahead_)
+    for (auto& pieces : units) pieces.clear();
 }
 
 // Device 0's copy of every other owner's range, on the calling thread (device 0's)
@@ -716,6 +747,7 @@ void DataParallel::pull_primary() {
 }
 
 void DataParallel::mark_stale(bool stale) {
+  drop_pulls_ahead();  // what they carry may no longer be the owners' values
   for (std::size_t r = 1; r < stale_.size(); ++r) std::fill(stale_[r].begin(), stale_[r].end(), stale ? 1 : 0);
 }
 

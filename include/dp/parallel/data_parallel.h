@@ -409,6 +409,10 @@ class DataParallel {
   // Sharded stages 1-2 with ShardGather::NextForward (Note [Deferred gather]):
   // stale_[r][u] when copy r's unit u may hold other owners' old values; empty otherwise.
   std::vector<std::vector<char>> stale_;
+  // pull_ahead_[r][u]: the pieces of copy r's unit u started ahead of its pull (Note
+  // [Deferred gather]); dropped whenever staleness is reset and at the end of a step.
+  std::vector<std::vector<std::vector<nn::ParameterCopy::UnitPiece>>> pull_ahead_;
+  void drop_pulls_ahead();
   bool updating_ = false;  // an optimizer step runs: the owners' ranges are being written
   std::int64_t handoff_base_ = 0;  // stats().handoffs counts from reset_stats()
 };
