@@ -260,47 +260,58 @@ TEST_CASE("a worker that starts late never deadlocks a step on device 0's collec
 // If every bucket's collective started only after the last backward kernel, the compute
 // stream would wait for all of them and nothing would be hidden: hidden > 0 on the
 // device timeline proves that some bucket's all-reduce ran while backward still did.
-TEST_CASE("DDP's all-reduce overlaps backward on the device timeline") {
+// DDP's all-reduce and Sharded's reduce-scatter (deferred, its delivery and zeroing
+// after it on the comm stream: Note [Deferred reduce-scatter]) both leave the compute
+// stream running until join.
+TEST_CASE("DDP's all-reduce and Sharded's reduce-scatter overlap backward on the device timeline") {
   const auto devs = cuda_devices();
   if (devs.size() < 2) return;
-  dp::Generator gen(5);
-  auto net = std::make_shared<dp::nn::Sequential>();
-  net->push_back(std::make_shared<dp::nn::Linear>(512, 2048, true, &gen));
-  for (int i = 0; i < 6; ++i) {  // 6 x 16 MiB of gradients: many 4 MiB buckets
+  const std::vector<dp::DataParallelOptions> configs = {
+      {.mode = dp::Mode::DDP, .bucket_cap_mb = 4.0},
+      {.mode = dp::Mode::Sharded, .shard_stage = 1, .bucket_cap_mb = 4.0},
+      {.mode = dp::Mode::Sharded, .shard_stage = 2, .bucket_cap_mb = 4.0}};
+  for (const dp::DataParallelOptions& options : configs) {
+    CAPTURE(static_cast<int>(options.mode));
+    CAPTURE(options.shard_stage.value_or(0));
+    dp::Generator gen(5);
+    auto net = std::make_shared<dp::nn::Sequential>();
+    net->push_back(std::make_shared<dp::nn::Linear>(512, 2048, true, &gen));
+    for (int i = 0; i < 6; ++i) {  // 6 x 16 MiB of gradients: many 4 MiB buckets
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      net->push_back(std::make_shared<dp::nn::Linear>(2048, 2048, true, &gen));
+    }
     net->push_back(std::make_shared<dp::nn::ReLU>());
-    net->push_back(std::make_shared<dp::nn::Linear>(2048, 2048, true, &gen));
-  }
-  net->push_back(std::make_shared<dp::nn::ReLU>());
-  net->push_back(std::make_shared<dp::nn::Linear>(2048, 10, true, &gen));
-  dp::DataParallel model(net, devs, {.mode = dp::Mode::DDP, .bucket_cap_mb = 4.0});
-  REQUIRE(model.buckets().size() >= 4);
-  dp::optim::SGD opt(model.parameters(), {.lr = 1e-3});
-  const std::int64_t rows = 256 * static_cast<std::int64_t>(devs.size());
-  Tensor x = dp::randn({rows, 512}, gen, devs[0]);
-  std::vector<std::int64_t> labels(static_cast<std::size_t>(rows));
-  for (std::int64_t i = 0; i < rows; ++i) labels[static_cast<std::size_t>(i)] = i % 10;
-  Tensor y = dp::from_vector(labels, {rows}, devs[0]);
-  auto step = [&] {
-    opt.zero_grad();
-    model.forward_backward(x, y, [](const Tensor& o, const Tensor& t) { return dp::nn::cross_entropy(o, t); });
-    opt.step();
-  };
-  for (int i = 0; i < 3; ++i) step();
-  for (const auto& d : devs) dp::backend::get(d).synchronize(d);
-  model.reset_stats();
-  for (int i = 0; i < 10; ++i) step();
-  for (const auto& d : devs) dp::backend::get(d).synchronize(d);
-  step();  // device times are read one step late, without waiting
-  const dp::parallel::Stats st = model.stats();
-  const bool device_timed = model.communicator().times_on_device();
-  INFO("communicator: " << model.communicator().backend_name() << (device_timed ? " (device-timed)" : " (host-timed)"));
-  for (const auto& d : st.devices) {
-    CAPTURE(d.device);
-    CHECK(d[dp::parallel::Phase::Backward] > 0.0);
-    CHECK(d[dp::parallel::Phase::AllReduceHidden] > 0.0);
-    if (device_timed) {
-      // Most of the all-reduce is hidden: the exposed tail is less than the hidden part.
-      CHECK(d[dp::parallel::Phase::AllReduceExposed] < d[dp::parallel::Phase::AllReduceHidden]);
+    net->push_back(std::make_shared<dp::nn::Linear>(2048, 10, true, &gen));
+    dp::DataParallel model(net, devs, options);
+    REQUIRE(model.buckets().size() >= 4);
+    dp::optim::SGD opt(model.parameters(), {.lr = 1e-3});
+    const std::int64_t rows = 256 * static_cast<std::int64_t>(devs.size());
+    Tensor x = dp::randn({rows, 512}, gen, devs[0]);
+    std::vector<std::int64_t> labels(static_cast<std::size_t>(rows));
+    for (std::int64_t i = 0; i < rows; ++i) labels[static_cast<std::size_t>(i)] = i % 10;
+    Tensor y = dp::from_vector(labels, {rows}, devs[0]);
+    auto step = [&] {
+      opt.zero_grad();
+      model.forward_backward(x, y, [](const Tensor& o, const Tensor& t) { return dp::nn::cross_entropy(o, t); });
+      opt.step();
+    };
+    for (int i = 0; i < 3; ++i) step();
+    for (const auto& d : devs) dp::backend::get(d).synchronize(d);
+    model.reset_stats();
+    for (int i = 0; i < 10; ++i) step();
+    for (const auto& d : devs) dp::backend::get(d).synchronize(d);
+    step();  // device times are read one step late, without waiting
+    const dp::parallel::Stats st = model.stats();
+    const bool device_timed = model.communicator().times_on_device();
+    INFO("communicator: " << model.communicator().backend_name() << (device_timed ? " (device-timed)" : " (host-timed)"));
+    for (const auto& d : st.devices) {
+      CAPTURE(d.device);
+      CHECK(d[dp::parallel::Phase::Backward] > 0.0);
+      CHECK(d[dp::parallel::Phase::AllReduceHidden] > 0.0);
+      if (device_timed) {
+        // Most of the collective time is hidden: the exposed tail is less than the hidden part.
+        CHECK(d[dp::parallel::Phase::AllReduceExposed] < d[dp::parallel::Phase::AllReduceHidden]);
+      }
     }
   }
 }
