@@ -289,7 +289,13 @@ void Optimizer::zero_grad() {
       }
     }
   };
-  set->for_each_copy(zero_copy);
+  // Note [Small work inline]: below this, one thread zeroes every copy's gradients in
+  // less time than a hand-over to every worker (about 5 us; memset writes ~10 GB/s).
+  constexpr std::size_t kInlineZeroBytes = 64 * 1024;
+  std::size_t bytes = 0;
+  for (const Range& range : ranges_) bytes += static_cast<std::size_t>(range.numel) * sizeof(float);
+  bytes *= static_cast<std::size_t>(set->num_copies());
+  set->for_each_copy(zero_copy, bytes <= kInlineZeroBytes ? nn::CopyWork::SmallGradients : nn::CopyWork::Gradients);
   // DP mode's transient replicas are not run by for_each_copy; no worker runs now.
   for (int r = 0; r < set->num_copies(); ++r) {
     if (set->copy(r).transient) zero_copy(r);

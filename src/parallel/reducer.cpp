@@ -392,7 +392,14 @@ void Reducer::sync_bucket_detached(int rank, const Bucket& bk) {
     Tensor g = std::move(st.stash[static_cast<std::size_t>(i)]);
     g = g.defined() ? g.reshape({numel}) : zeros({numel}, devices_[static_cast<std::size_t>(rank)]);
     if (check_) check_(rank, g, offset);
-    sync_->sync_detached(rank, g, offset);
+    try {
+      sync_->sync_detached(rank, g, offset);
+    } catch (...) {
+      // Communicator::abort: another rank may still read g; end() frees it, once every
+      // comm thread has returned.
+      st.stash[static_cast<std::size_t>(i)] = std::move(g);
+      throw;
+    }
   }
 }
 

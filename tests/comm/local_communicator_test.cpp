@@ -530,6 +530,40 @@ TEST_CASE("abort at any point of a stream of collectives releases every rank") {
   for (int r = 0; r < n; ++r) CHECK(got[static_cast<std::size_t>(r)] == std::vector<float>(7, 8.0f));
 }
 
+TEST_CASE("a rank released by an abort returns only once no rank still reads its buffers") {
+  // Note [Leaving an aborted collective]: the root of a broadcast reads nothing, so it
+  // waits at the closing barrier while the other rank still copies its data; an abort
+  // then releases it. It must not return before the copy is done: its caller would
+  // free or overwrite the data under the reader. Here it overwrites it at once.
+  const int n = 2;
+  auto comm = make_comm(n);
+  const std::int64_t count = (dp_test::kSanitized ? std::int64_t{4} : std::int64_t{32}) << 20;  // 128 MiB: a long copy
+  dp::Tensor data = dp::full({count}, 1.0, {.device = dp::cpu(0)});
+  dp::Tensor recv = dp::zeros({count}, dp::cpu(1));
+  std::atomic<int> entered{0};
+  std::thread aborter([&] {
+    while (entered.load() < n) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the root is at its barrier by now
+    comm->abort("stop");
+  });
+  auto errors = run_ranks(n, [&](int r) {
+    entered.fetch_add(1);
+    try {
+      comm->broadcast(r, r == 0 ? data : recv, 0);
+    } catch (const dp::CollectiveAborted&) {
+      if (r == 0) std::fill_n(data.mutable_data<float>(), count, -1.0f);  // what a caller may do now
+      throw;
+    }
+  });
+  aborter.join();
+  // Whether the abort came before or after the copy, rank 1 never saw the root's later writes.
+  const float* got = recv.data<float>();
+  std::int64_t seen_later = 0;
+  for (std::int64_t i = 0; i < count; ++i) seen_later += got[i] == -1.0f ? 1 : 0;
+  CHECK(seen_later == 0);
+  comm->reset();
+}
+
 TEST_CASE("mismatched calls are an error on every rank, never a hang") {
   const int n = 3;
   auto comm = make_comm(n);

@@ -638,3 +638,61 @@ TEST_CASE("a step started from inside a worker is an error, not a deadlock") {
   net->outer = nullptr;
   CHECK(model(b.x).size(0) == 4);  // usable again
 }
+
+TEST_CASE("zero_grad of a small model zeroes every copy on the calling thread; a large one on the workers") {
+  // Note [Small work inline].
+  for (const bool small : {true, false}) {
+    CAPTURE(small);
+    dp::Generator gen(4);
+    auto net = std::make_shared<dp::nn::Sequential>();
+    const std::int64_t width = small ? 8 : 2048;  // 83 parameters (332 B a copy); 20,483 (80 KiB a copy)
+    net->push_back(std::make_shared<dp::nn::Linear>(6, width, true, &gen));
+    net->push_back(std::make_shared<dp::nn::ReLU>());
+    net->push_back(std::make_shared<dp::nn::Linear>(width, 3, true, &gen));
+    for (dp::Mode mode : {dp::Mode::DDP, dp::Mode::Sharded}) {
+      CAPTURE(static_cast<int>(mode));
+      dp::DataParallel model(net, cpus(3), {.mode = mode});
+      dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+      Batch b = make_batch(6, 2);
+      model.forward_backward(b.x, b.y, loss_fn);
+      auto set = net->parameters().set();
+      bool any_nonzero = false;
+      for (int r = 0; r < 3; ++r)
+        for (float g : set->copy(r).owned_grad().to_vector()) any_nonzero |= g != 0.0f;
+      REQUIRE(any_nonzero);
+      model.reset_stats();
+      opt.zero_grad();
+      const std::int64_t handoffs = model.stats().handoffs;
+      CAPTURE(handoffs);
+      CHECK((handoffs == 0) == small);
+      for (int r = 0; r < 3; ++r)
+        for (float g : set->copy(r).owned_grad().to_vector()) CHECK(g == 0.0f);
+      // The step after it is the usual one: gradients the same as a fresh model's.
+      opt.step();
+      model.forward_backward(b.x, b.y, loss_fn);
+    }
+  }
+}
+
+TEST_CASE("zero_grad from inside a worker is an error, also for a small model") {
+  struct ZeroesInForward : dp::nn::Module {
+    ZeroesInForward() {
+      dp::Generator gen(3);
+      fc = register_module("fc", std::make_shared<dp::nn::Linear>(6, 3, true, &gen));
+    }
+    Tensor forward(const Tensor& x) override {
+      if (opt && dp::nn::ReplicaBinding::current() == 1) opt->zero_grad();
+      return fc->forward(x);
+    }
+    dp::optim::SGD* opt = nullptr;
+    std::shared_ptr<dp::nn::Linear> fc;
+  };
+  auto net = std::make_shared<ZeroesInForward>();
+  dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)}, {.mode = dp::Mode::DDP});
+  dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+  net->opt = &opt;
+  Batch b = make_batch(4, 5);
+  CHECK_THROWS_WITH_AS(model(b.x), doctest::Contains("while another step runs"), dp::Error);
+  net->opt = nullptr;
+  CHECK(model(b.x).size(0) == 4);  // usable again
+}

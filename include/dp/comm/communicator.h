@@ -183,7 +183,8 @@ class Communicator {
   /// `reason` (used when one worker fails, so the others never hang). Until reset(),
   /// every collective and synchronize() throws dp::CollectiveAborted too. Never throws.
   /// Tensors passed to the collectives it interrupts must stay alive until every rank
-  /// has returned: a released rank may leave while another still reads its buffers.
+  /// has returned: a released rank may leave while another still reads its buffers
+  /// (the local communicator waits for that: Note [Leaving an aborted collective]).
   virtual void abort(const std::string& reason) = 0;
   /// Makes an aborted communicator usable again (all ranks idle).
   virtual void reset() = 0;

@@ -123,6 +123,10 @@ struct ParameterCopy {
 enum class CopyWork {
   Step,       // an optimizer step: writes the data of [begin, end)
   Gradients,  // zero_grad, clipping and the like: touches gradients (or state) only
+  // Gradients, and so little work (zeroing a few KiB) that one thread does every
+  // copy's in less time than waking the copies' workers: an executor may run it on
+  // the calling thread (Note [Small work inline] in src/parallel/data_parallel.cpp).
+  SmallGradients,
 };
 
 /// All parameters of a module tree, flattened (see Note [Parameter sets]).

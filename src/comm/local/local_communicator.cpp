@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstring>
 #include <new>
+#include <thread>
 #include <unordered_set>
 
 #include "backend/backend.h"
@@ -164,7 +165,8 @@ LocalCommunicator::LocalCommunicator(std::vector<Device> devices)
     : Communicator(std::move(devices)),
       barrier_(static_cast<int>(devices_.size())),
       slots_(devices_.size()),
-      scratch_(devices_.size()) {
+      scratch_(devices_.size()),
+      in_(devices_.size(), 0) {
   DP_CHECK(!devices_.empty(), "local communicator: expected at least one device, got none");
   std::unordered_set<Device> seen;
   const int available = dp::device_count(DeviceType::CPU);
@@ -246,6 +248,7 @@ std::vector<LocalCommunicator::Slot> LocalCommunicator::rendezvous(int rank, Slo
 void LocalCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& recv,
                                    ReduceOp op) {
   check_rank(rank, "all_reduce");
+  Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   const int n = size();
   Slot s;
@@ -297,6 +300,7 @@ void LocalCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& r
 
 void LocalCommunicator::broadcast(int rank, const Tensor& data, int root) {
   check_rank(rank, "broadcast");
+  Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   Slot s;
   s.kind = Kind::Broadcast;
@@ -320,6 +324,7 @@ void LocalCommunicator::broadcast(int rank, const Tensor& data, int root) {
 void LocalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv, int root,
                                ReduceOp op) {
   check_rank(rank, "reduce");
+  Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   const int n = size();
   Slot s;
@@ -366,6 +371,7 @@ void LocalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv,
 void LocalCommunicator::reduce_scatter(int rank, const Tensor& send, const Tensor& recv,
                                        ReduceOp op) {
   check_rank(rank, "reduce_scatter");
+  Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   const int n = size();
   Slot s;
@@ -396,6 +402,7 @@ void LocalCommunicator::reduce_scatter(int rank, const Tensor& send, const Tenso
 
 void LocalCommunicator::all_gather(int rank, const Tensor& send, const Tensor& recv) {
   check_rank(rank, "all_gather");
+  Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   const int n = size();
   Slot s;
@@ -428,8 +435,34 @@ void LocalCommunicator::all_gather(int rank, const Tensor& send, const Tensor& r
   sync(rank, "all_gather");  // no rank still reads this rank's send
 }
 
+// Note [Leaving an aborted collective]
+// An abort releases every rank waiting at the barrier, but another rank may be past
+// its last barrier and still in a data phase, reading this rank's send or writing its
+// recv. A released rank that returned at once would let its caller free those buffers
+// under that reader (the stress test's injected failures did, under ThreadSanitizer).
+// So every rank counts itself in `inside_` for the whole collective call, and an
+// aborted rank counts itself out and waits until the count is zero: every rank still
+// inside is in a bounded data phase or at a barrier, which the abort releases, so the
+// wait ends — no rank that never came (a failed worker) is waited for.
+LocalCommunicator::Inside::Inside(LocalCommunicator& c, int rank) : c_(c), rank_(rank) {
+  c_.inside_.fetch_add(1, std::memory_order_acq_rel);
+  c_.in_[static_cast<std::size_t>(rank)] = 1;
+}
+
+void LocalCommunicator::Inside::leave() noexcept { c_.count_out(rank_); }
+
+void LocalCommunicator::count_out(int rank) noexcept {
+  char& in = in_[static_cast<std::size_t>(rank)];
+  if (in == 0) return;
+  in = 0;
+  inside_.fetch_sub(1, std::memory_order_acq_rel);  // releases this rank's reads and writes
+}
+
 void LocalCommunicator::sync(int rank, const char* what) {
-  if (!barrier_.arrive_and_wait()) throw_aborted(what, rank, barrier_.reason());
+  if (barrier_.arrive_and_wait()) return;
+  count_out(rank);
+  while (inside_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+  throw_aborted(what, rank, barrier_.reason());
 }
 
 void LocalCommunicator::synchronize(int rank) {

@@ -105,8 +105,25 @@ class LocalCommunicator final : public Communicator {
   /// a snapshot of all slots; throws dp::Error on every rank otherwise.
   std::vector<Slot> rendezvous(int rank, Slot slot, const char* what);
   /// Meets the other ranks at the barrier; throws dp::CollectiveAborted for `what` on
-  /// `rank` when the communicator is (or becomes) aborted.
+  /// `rank` when the communicator is (or becomes) aborted, once no rank can still
+  /// touch this rank's buffers (Note [Leaving an aborted collective]).
   void sync(int rank, const char* what);
+  /// Counts rank in `inside_` for one collective call (Note [Leaving an aborted
+  /// collective]); leave() is idempotent.
+  class Inside {
+   public:
+    Inside(LocalCommunicator& c, int rank);
+    ~Inside() { leave(); }
+    Inside(const Inside&) = delete;
+    Inside& operator=(const Inside&) = delete;
+    void leave() noexcept;
+
+   private:
+    LocalCommunicator& c_;
+    int rank_;
+  };
+  /// Takes rank out of `inside_` if it is counted there.
+  void count_out(int rank) noexcept;
   /// Makes rank's scratch hold at least n floats; returns it.
   float* scratch(int rank, std::int64_t n);
   void check_rank(int rank, const char* what) const;
@@ -118,6 +135,8 @@ class LocalCommunicator final : public Communicator {
     std::int64_t capacity = 0;
   };
   std::vector<Scratch> scratch_;  // per rank; written only by its rank's thread
+  std::atomic<int> inside_{0};    // ranks inside a collective call
+  std::vector<char> in_;          // in_[r]: rank r is counted in inside_ (r's thread only)
 };
 
 }  // namespace dp::comm
