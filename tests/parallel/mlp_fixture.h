@@ -7,14 +7,37 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dp/dp.h"
 
 namespace {
+
+/// Three top-level children (three gather units in stage 3), the middle one used only
+/// while `use_mid`; `after_forward` (if set) runs on the worker at the end of forward.
+struct ThreeLinear : dp::nn::Module {
+  explicit ThreeLinear(std::uint64_t seed) {
+    dp::Generator gen(seed);
+    fc1 = register_module("fc1", std::make_shared<dp::nn::Linear>(6, 8, true, &gen));
+    mid = register_module("mid", std::make_shared<dp::nn::Linear>(8, 8, true, &gen));
+    fc3 = register_module("fc3", std::make_shared<dp::nn::Linear>(8, 3, true, &gen));
+  }
+  dp::Tensor forward(const dp::Tensor& x) override {
+    dp::Tensor h = fc1->forward(x).relu();
+    if (use_mid) h = mid->forward(h).relu();
+    dp::Tensor y = fc3->forward(h);
+    if (after_forward) after_forward();
+    return y;
+  }
+  bool use_mid = true;  // set between steps
+  std::function<void()> after_forward;
+  std::shared_ptr<dp::nn::Linear> fc1, mid, fc3;
+};
 
 std::shared_ptr<dp::nn::Sequential> make_mlp(std::uint64_t seed) {
   dp::Generator gen(seed);
@@ -54,6 +77,17 @@ inline std::vector<float> flat(const dp::nn::StateDict& sd) {
 }
 
 /// cpu(0..n-1).
+/// One training step of `model` and of its reference `ref` on the same batch:
+/// zero_grad, forward_backward, step — the lockstep comparisons of the suites.
+inline void step_both(dp::DataParallel& model, dp::optim::Optimizer& opt, dp::DataParallel& ref,
+                      dp::optim::Optimizer& ref_opt, const Batch& b) {
+  for (auto [m, o] : {std::pair{&model, &opt}, std::pair{&ref, &ref_opt}}) {
+    o->zero_grad();
+    m->forward_backward(b.x, b.y, loss_fn);
+    o->step();
+  }
+}
+
 inline std::vector<dp::Device> cpus(int n) {
   std::vector<dp::Device> d;
   for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));

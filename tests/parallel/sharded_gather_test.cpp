@@ -359,33 +359,12 @@ TEST_CASE("NextForward: a failed optimizer step; device 0's parameters win, ever
   }
 }
 
-namespace {
-
-// Three children; the middle one is used on some steps only. A step that skips it
-// leaves its pieces started ahead (Note [Copies ahead], taken when fc1 was pulled);
-// they must never land after the owners updated the range.
-struct SometimesMid : dp::nn::Module {
-  SometimesMid() {
-    dp::Generator gen(13);
-    fc1 = register_module("fc1", std::make_shared<dp::nn::Linear>(6, 8, true, &gen));
-    mid = register_module("mid", std::make_shared<dp::nn::Linear>(8, 8, true, &gen));
-    fc3 = register_module("fc3", std::make_shared<dp::nn::Linear>(8, 3, true, &gen));
-  }
-  Tensor forward(const Tensor& x) override {
-    Tensor h = fc1->forward(x).relu();
-    if (use_mid) h = mid->forward(h).relu();
-    return fc3->forward(h);
-  }
-  bool use_mid = true;  // set by the test between steps
-  std::shared_ptr<dp::nn::Linear> fc1, mid, fc3;
-};
-
-}  // namespace
-
 TEST_CASE("NextForward: a child skipped by some forwards never receives pieces taken before an update") {
   for (int stage : {1, 2}) {
     CAPTURE(stage);
-    auto net = std::make_shared<SometimesMid>(), ref_net = std::make_shared<SometimesMid>();
+    // A step that skips mid leaves its pieces started ahead (Note [Copies ahead], taken
+    // when fc1 was pulled); they must never land after the owners updated the range.
+    auto net = std::make_shared<ThreeLinear>(13), ref_net = std::make_shared<ThreeLinear>(13);
     dp::DataParallel model(net, cpus(3), sharded(stage, dp::ShardGather::NextForward));
     dp::DataParallel ref(ref_net, cpus(3), {.mode = dp::Mode::DDP});
     dp::optim::Adam opt(model.parameters(), {.lr = 0.05});
@@ -393,13 +372,7 @@ TEST_CASE("NextForward: a child skipped by some forwards never receives pieces t
     for (int s = 0; s < 6; ++s) {
       CAPTURE(s);
       net->use_mid = ref_net->use_mid = s % 3 == 0;  // used, skipped twice, used, ...
-      Batch b = make_batch(9, 40 + static_cast<std::uint64_t>(s));
-      opt.zero_grad();
-      ref_opt.zero_grad();
-      model.forward_backward(b.x, b.y, loss_fn);
-      ref.forward_backward(b.x, b.y, loss_fn);
-      opt.step();
-      ref_opt.step();
+      step_both(model, opt, ref, ref_opt, make_batch(9, 40 + static_cast<std::uint64_t>(s)));
       CHECK(flat(net->state_dict()) == flat(ref_net->state_dict()));
     }
     CHECK(flat(opt.state_dict()) == flat(ref_opt.state_dict()));
