@@ -598,33 +598,47 @@ TEST_CASE("gemm split into per-thread slabs: every transpose, row and column spl
   }
 }
 
-TEST_CASE("gemm with B's rows 2 KiB apart: the copied B gives the same bits as an unaliased one") {
-  // Note [GEMM: B rows 4 KiB apart]: ldb = 512·j copies op(B) before the call; the same
-  // values with ldb + 16 (not copied) must give every element bit for bit, at one
-  // thread and at all cores, by rows and by columns.
+TEST_CASE("gemm with operand rows 2 KiB apart: the copied slabs give the same bits as unaliased operands") {
+  // Note [GEMM: operand rows 4 KiB apart]: lda, ldb = 512·j copy the slab of B (split by
+  // columns) or of a transposed A (split by rows) before the call; the same values with
+  // lda, ldb + 16 (never copied) must give every element bit for bit, for every transpose,
+  // at one thread and at all cores, by rows and by columns.
   const int hw = dp::hardware_concurrency();
-  for (auto [m, n, k] : {std::tuple<i64, i64, i64>{512, 1024, 1024}, {512, 1024, 10}, {1024, 300, 257},
-                         {130, 512, 64}}) {
-    for (int devices : {1, hw}) {
-      CAPTURE(m);
-      CAPTURE(n);
-      CAPTURE(devices);
-      const i64 ldb = (n + 511) / 512 * 512, ld2 = ldb + 16;
-      auto a = random_vec(m * k, 70), b = random_vec(k * ldb, 71);
-      std::vector<float> b2(static_cast<std::size_t>(k * ld2));
-      for (i64 p = 0; p < k; ++p) std::copy_n(b.begin() + p * ldb, n, b2.begin() + p * ld2);
-      std::vector<float> c(m * n), c2(m * n);
-      be().set_concurrent_devices(devices);
-      be().gemm(dev0(), false, false, m, n, k, 1.0f, a.data(), k, b.data(), ldb, 0.0f, c.data(), n);
-      be().gemm(dev0(), false, false, m, n, k, 1.0f, a.data(), k, b2.data(), ld2, 0.0f, c2.data(), n);
-      be().set_concurrent_devices(1);
-      REQUIRE(std::memcmp(c.data(), c2.data(), c.size() * sizeof(float)) == 0);
-      for (i64 j = 0; j < n; j += 37) {  // and it is the product
-        double s = 0;
-        for (i64 p = 0; p < k; ++p) s += double(a[(m - 1) * k + p]) * b[p * ldb + j];
-        REQUIRE(std::abs(c[(m - 1) * n + j] - s) <= 1e-4 * (1 + std::abs(s)));
-      }
-    }
+  for (auto [m, n, k] : {std::tuple<i64, i64, i64>{512, 1024, 1024}, {1024, 512, 300}, {512, 1024, 10},
+                         {1024, 300, 257}, {130, 512, 64}, {300, 1024, 130}}) {
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (int devices : {1, hw}) {
+          CAPTURE(m);
+          CAPTURE(n);
+          CAPTURE(k);
+          CAPTURE(ta);
+          CAPTURE(tb);
+          CAPTURE(devices);
+          const i64 a_rows = ta ? k : m, a_w = ta ? m : k, b_rows = tb ? n : k, b_w = tb ? k : n;
+          const i64 lda = (a_w + 511) / 512 * 512, ldb = (b_w + 511) / 512 * 512;
+          auto a = random_vec(a_rows * lda, 70), b = random_vec(b_rows * ldb, 71);
+          // The same values at strides that never alias.
+          auto restride = [](const std::vector<float>& v, i64 rows, i64 w, i64 ld, i64 ld2) {
+            std::vector<float> out(static_cast<std::size_t>(rows * ld2));
+            for (i64 r = 0; r < rows; ++r) std::copy_n(v.begin() + r * ld, w, out.begin() + r * ld2);
+            return out;
+          };
+          const auto a2 = restride(a, a_rows, a_w, lda, lda + 16), b2 = restride(b, b_rows, b_w, ldb, ldb + 16);
+          std::vector<float> c(m * n), c2(m * n);
+          be().set_concurrent_devices(devices);
+          be().gemm(dev0(), ta, tb, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(), n);
+          be().gemm(dev0(), ta, tb, m, n, k, 1.0f, a2.data(), lda + 16, b2.data(), ldb + 16, 0.0f, c2.data(), n);
+          be().set_concurrent_devices(1);
+          REQUIRE(std::memcmp(c.data(), c2.data(), c.size() * sizeof(float)) == 0);
+          for (i64 i : {i64{0}, m - 1})  // and it is the product
+            for (i64 j = 0; j < n; j += 37) {
+              double s = 0;
+              for (i64 p = 0; p < k; ++p)
+                s += double(ta ? a[p * lda + i] : a[i * lda + p]) * double(tb ? b[j * ldb + p] : b[p * ldb + j]);
+              REQUIRE(std::abs(c[i * n + j] - s) <= 1e-4 * (1 + std::abs(s)));
+            }
+        }
   }
 }
 

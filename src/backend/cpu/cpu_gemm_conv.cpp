@@ -701,28 +701,39 @@ ConvLayout CpuBackend::chosen_conv_layout(Device dev, const Conv2dShape& s, Conv
 
 // ---- GEMM -----------------------------------------------------------------------------
 
-// Note [GEMM: B rows 4 KiB apart]
-// A row-major B that is not transposed and whose rows lie a multiple of 2 KiB apart
-// (ldb = 512, 1024, 2048 floats: every Linear with 512·j input features, in its
-// input-gradient GEMM dX = dY W) made oneDNN's single-threaded sgemm run at half speed
-// on the AVX2 EPYC: in the MLP 784-1024-1024-10 at batch 512, dY W of the middle
-// layer ran at 76-85 GFLOP/s as two column slabs against 150-163 for one dnnl_sgemm
-// call with its own threads (bench/mlp_ceiling). One thread, 512x512x1024 from a
-// B with ldb 1024 ran at 43 GFLOP/s, from the same values with ldb 1040 at 89.
-// Strides that are multiples of 4 KiB map a column of B onto the same few sets of
-// the 32 KiB L1 (64 sets of 64 bytes repeat every 4 KiB), so the kernel's reads of B
-// evict each other; the multithreaded driver packs B first and never sees it.
-// So such a chunk first copies the part of B it reads (k rows of its slab's columns)
-// into a buffer whose row stride is an odd multiple of 64 bytes, and multiplies from
-// that. The copy holds the same values and oneDNN's kernel choice does not depend on
-// ldb, so every element is computed as before, bit for bit (cpu_backend_test checks
-// this). Copying k·w floats costs little beside 2·rows·w·k flops when a chunk has
-// kPadMinRows rows or more; below that the copy is skipped.
+// Note [GEMM: operand rows 4 KiB apart]
+// A row-major B whose rows lie a multiple of 2 KiB apart (ldb = 512, 1024, 2048
+// floats: every Linear with 512·j input features, in its input-gradient GEMM dX = dY W)
+// made oneDNN's single-threaded sgemm run at half speed on the AVX2 EPYC: in the MLP
+// 784-1024-1024-10 at batch 512, dY W of the middle layer ran at 76-85 GFLOP/s as two
+// column slabs against 150-163 for one dnnl_sgemm call with its own threads
+// (bench/mlp_ceiling). One thread, 512x512x1024 from a B with ldb 1024 ran at 43
+// GFLOP/s, from the same values with ldb 1040 at 89. Strides that are multiples of 4
+// KiB map a column of B onto the same few sets of the 32 KiB L1 (64 sets of 64 bytes
+// repeat every 4 KiB), so the kernel's reads of B evict each other; the multithreaded
+// driver packs B first and never sees it.
+// The same holds, less sharply, for the other operand a split cuts: a transposed B cut
+// into column slabs (the forward y = x Wᵀ of a layer with 1024 inputs, two slabs of
+// 512x1024x1024: 168 GFLOP/s with ldb 1024, 177 with 1040) and a transposed A cut into
+// row slabs (the weight gradient dW = dYᵀ X of a layer with 1024 outputs, two slabs of
+// 1024x1024x512: 177 with lda 1024, 184 with 1040). An operand every chunk reads whole
+// gains 0-3 % from the same padding, less than copying it once per chunk costs, and one
+// thread reading whole operands sees no difference (512x1024x1024 at 91 GFLOP/s either
+// way).
+// So a chunk first copies the slab it alone reads (B's columns when C is cut by
+// columns, a transposed A's columns when C is cut by rows) into a buffer whose row
+// stride is an odd multiple of 64 bytes, and multiplies from that. The copy holds the
+// same values and oneDNN's kernel choice does not depend on the leading dimensions, so
+// every element is computed as before, bit for bit (cpu_backend_test checks this for
+// every transpose). The copy moves 8 bytes per element of the slab, which the chunk
+// uses in 2·w flops (w: the rows of C, for B; the columns, for A): it is made when
+// w >= kPadMinRows and skipped below.
 
-/// Leading dimensions of B (in floats) that are a multiple of this alias in L1.
+/// Leading dimensions (in floats) that are a multiple of this alias in L1.
 constexpr i64 kAliasFloats = 512;  // 2 KiB
-/// Rows of C a chunk must have for the copy of B to pay (Note [GEMM: B rows 4 KiB apart]):
-/// the copy moves 8 bytes per element of B, the GEMM does 2·rows flops per element.
+/// Rows (for a copy of B) or columns (of A) of C a chunk must have for the copy to pay
+/// (Note [GEMM: operand rows 4 KiB apart]): the copy moves 8 bytes per element, the GEMM
+/// does 2·rows (2·columns) flops per element.
 constexpr i64 kPadMinRows = 128;
 
 /// A row stride of at least `w` floats that is an odd multiple of 64 bytes (16 floats).
@@ -760,33 +771,44 @@ void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 
                          ? 1
                          : std::min<i64>({threads, (extent + kAlign - 1) / kAlign, m * n * k / kMinChunkMacs});
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
-  // Note [GEMM: B rows 4 KiB apart]: a function of the shape and the chunk count only.
-  const bool copy_b = !trans_b && ldb % kAliasFloats == 0 && (by_rows ? m / chunks : m) >= kPadMinRows;
+  // Note [GEMM: operand rows 4 KiB apart]: a function of the shape and the chunk count only.
+  const bool copy_b = !by_rows && ldb % kAliasFloats == 0 && m >= kPadMinRows;
+  const bool copy_a = by_rows && trans_a && lda % kAliasFloats == 0 && n >= kPadMinRows;
   parallel_chunks(dev, chunks, [&](i64 ch) {
     omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
     auto edge = [&](i64 i) { return std::min(extent, (extent * i / chunks + kAlign - 1) / kAlign * kAlign); };
     const i64 lo = ch == 0 ? 0 : edge(ch), hi = ch + 1 == chunks ? extent : edge(ch + 1);
     if (hi <= lo) return;
+    using Copy = std::unique_ptr<float, std::function<void(float*)>>;
+    // `rows` rows of `width` floats, `ld` apart, into a buffer whose stride does not alias.
+    auto unaliased_copy = [&](const float* src, i64 ld, i64 rows, i64 width, i64& copy_ld) {
+      copy_ld = unaliased_ld(width);
+      const std::size_t bytes = static_cast<std::size_t>(rows * copy_ld) * sizeof(float);
+      Copy copy{static_cast<float*>(allocate(dev, bytes)), [this, dev, bytes](float* p) { deallocate(dev, p, bytes); }};
+      for (i64 r = 0; r < rows; ++r)
+        std::memcpy(copy.get() + r * copy_ld, src + r * ld, static_cast<std::size_t>(width) * sizeof(float));
+      return copy;
+    };
     // op(B)'s columns this chunk reads: all of them by rows, its slab by columns.
     const i64 b_lo = by_rows ? 0 : lo, b_w = by_rows ? n : hi - lo;
     const float* bs = trans_b ? b + b_lo * ldb : b + b_lo;
     i64 bs_ld = ldb;
-    std::unique_ptr<float, std::function<void(float*)>> copy;
-    if (copy_b) {
-      bs_ld = unaliased_ld(b_w);
-      const std::size_t bytes = static_cast<std::size_t>(k * bs_ld) * sizeof(float);
-      copy = {static_cast<float*>(allocate(dev, bytes)), [this, dev, bytes](float* p) { deallocate(dev, p, bytes); }};
-      for (i64 p = 0; p < k; ++p)
-        std::memcpy(copy.get() + p * bs_ld, bs + p * ldb, static_cast<std::size_t>(b_w) * sizeof(float));
-      bs = copy.get();
+    Copy b_copy;
+    if (copy_b) {  // stored as k rows of b_w, or (transposed) b_w rows of k
+      b_copy = trans_b ? unaliased_copy(bs, ldb, b_w, k, bs_ld) : unaliased_copy(bs, ldb, k, b_w, bs_ld);
+      bs = b_copy.get();
     }
-    dnnl_status_t status;
-    if (by_rows) {
-      const float* as = trans_a ? a + lo : a + lo * lda;  // rows lo..hi of op(A)
-      status = dnnl_sgemm(ta, tb, hi - lo, n, k, alpha, as, lda, bs, bs_ld, beta, c + lo * ldc, ldc);
-    } else {
-      status = dnnl_sgemm(ta, tb, m, hi - lo, k, alpha, a, lda, bs, bs_ld, beta, c + lo, ldc);
+    // op(A)'s rows this chunk reads: its slab by rows, all of them by columns.
+    const i64 a_lo = by_rows ? lo : 0, a_h = by_rows ? hi - lo : m;
+    const float* as = trans_a ? a + a_lo : a + a_lo * lda;
+    i64 as_ld = lda;
+    Copy a_copy;
+    if (copy_a) {  // transposed: stored as k rows of a_h
+      a_copy = unaliased_copy(as, lda, k, a_h, as_ld);
+      as = a_copy.get();
     }
+    const dnnl_status_t status =
+        dnnl_sgemm(ta, tb, a_h, b_w, k, alpha, as, as_ld, bs, bs_ld, beta, c + a_lo * ldc + b_lo, ldc);
     DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
              static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
   });
