@@ -295,6 +295,31 @@ class Backend : public dp::detail::DeviceRuntime {
                     std::int64_t k, float alpha, const float* a, std::int64_t lda,
                     const float* b, std::int64_t ldb, float beta, float* c,
                     std::int64_t ldc) = 0;
+  /// y(m×n) = x(m×k) · w(n×k)ᵀ + bias (bias: n floats, or null), then relu when `relu`:
+  /// gemm (alpha 1, beta 0; k == 0 gives the bias alone), the bias add (Binary<Add>)
+  /// and Unary<Relu> in place, bit for bit. A backend may apply the bias and the ReLU
+  /// to each slab of y while it is still in cache (Note [Linear epilogue]).
+  virtual void linear_forward(Device dev, std::int64_t m, std::int64_t n, std::int64_t k,
+                              const float* x, const float* w, const float* bias, float* y,
+                              bool relu) {
+    if (m == 0 || n == 0) return;
+    if (k == 0) {
+      fill(dev, y, m * n, 0.0f);
+    } else {
+      gemm(dev, false, true, m, n, k, 1.0f, x, k, w, k, 0.0f, y, n);
+    }
+    if (bias) {
+      Indexer ix;  // y (m, n) + bias broadcast over the rows
+      ix.ndim = 2;
+      ix.sizes[0] = m;
+      ix.sizes[1] = n;
+      ix.strides_a[0] = n;
+      ix.strides_a[1] = 1;
+      ix.strides_b[1] = 1;
+      binary(dev, BinaryOp::Add, ix, y, bias, y);
+    }
+    if (relu) unary(dev, UnaryOp::Relu, y, y, m * n);
+  }
 
   // ---- softmax and losses (rows × cols, rows = batch) ------------------------------
   virtual void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,

@@ -20,11 +20,20 @@ Linear::Linear(std::int64_t in_features, std::int64_t out_features, bool bias, G
 Linear::Linear(const LinearOptions& o, Generator* gen)
     : Linear(o.in_features(), o.out_features(), o.bias(), gen) {}
 
-Tensor Linear::forward(const Tensor& x) {
+void Linear::check_input(const Tensor& x) const {
   DP_CHECK(x.defined(), "Linear: expected a defined input, got an undefined tensor");
   DP_CHECK(x.dim() == 2 && x.size(1) == in_, "Linear: expected input (B, in=", in_, "), got ",
            shape_str(x.shape()), x.dim() > 2 ? "; add a Flatten before this layer" : "");
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  check_input(x);
   return linear(x, weight_.get(), bias());
+}
+
+Tensor Linear::forward_relu(const Tensor& x) {
+  check_input(x);
+  return linear_relu(x, weight_.get(), bias());
 }
 
 std::string Linear::name() const {

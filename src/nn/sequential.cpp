@@ -7,6 +7,7 @@
 #include "dp/nn/activation.h"
 #include "dp/nn/conv2d.h"
 #include "dp/nn/functional.h"
+#include "dp/nn/linear.h"
 #include "dp/nn/pooling.h"
 
 namespace dp::nn {
@@ -24,9 +25,10 @@ void Sequential::push_back_module(std::shared_ptr<Module> module) {
 
 // A Conv2d followed by a ReLU runs as one op, Conv2d::forward_relu (Note [Convolution +
 // ReLU] in src/backend/cpu/cpu_gemm_conv.cpp), and with a MaxPool2d after them as
-// conv2d_relu_max_pool2d (Note [ReLU mask through max-pool] in src/nn/functional.cpp):
-// the same bits without the ReLU's passes. Only the exact types qualify: a subclass
-// may override forward.
+// conv2d_relu_max_pool2d (Note [ReLU mask through max-pool] in src/nn/functional.cpp);
+// a Linear followed by a ReLU as Linear::forward_relu (Note [Linear epilogue]): the
+// same bits without the ReLU's passes. Only the exact types qualify: a subclass may
+// override forward.
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
   const std::size_t n = modules_.size();
@@ -43,6 +45,11 @@ Tensor Sequential::forward(const Tensor& x) {
         y = conv.forward_relu(y);
         ++i;
       }
+      continue;
+    }
+    if (is(i, typeid(Linear)) && is(i + 1, typeid(ReLU))) {
+      y = static_cast<Linear&>(*modules_[i]).forward_relu(y);
+      ++i;
       continue;
     }
     y = modules_[i]->forward(y);

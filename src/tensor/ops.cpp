@@ -471,35 +471,52 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  detail::check_same_device("linear", x, w);
-  detail::check_float("linear", x);
-  detail::check_float("linear", w, "weight");
-  DP_CHECK(x.dim() == 2, "linear: expected input (B, in), got shape ", shape_str(x.shape()));
-  DP_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "linear: expected weight (out, in=", x.size(1),
+namespace {
+
+// linear, and linear_relu when `relu`: one backend call computes the product, the bias
+// and the ReLU (Note [Linear epilogue] in src/backend/cpu/cpu_gemm_conv.cpp).
+Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu) {
+  const char* op = relu ? "linear_relu" : "linear";
+  detail::check_same_device(op, x, w);
+  detail::check_float(op, x);
+  detail::check_float(op, w, "weight");
+  DP_CHECK(x.dim() == 2, op, ": expected input (B, in), got shape ", shape_str(x.shape()));
+  DP_CHECK(w.dim() == 2 && w.size(1) == x.size(1), op, ": expected weight (out, in=", x.size(1),
            "), got ", shape_str(w.shape()), " for input ", shape_str(x.shape()));
   if (b.defined()) {
-    detail::check_same_device("linear", x, b);
-    detail::check_float("linear", b, "bias");
-    DP_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "linear: expected bias (", w.size(0), "), got ",
+    detail::check_same_device(op, x, b);
+    detail::check_float(op, b, "bias");
+    DP_CHECK(b.dim() == 1 && b.size(0) == w.size(0), op, ": expected bias (", w.size(0), "), got ",
              shape_str(b.shape()));
   }
-  Tensor out = gemm_raw(x, false, w, true);  // (B, out)
-  if (b.defined() && out.numel() > 0) {
-    Indexer ix = make_indexer(out.shape(), b.shape(), out.shape());
-    be(x).binary(x.device(), BinaryOp::Add, ix, out.data<float>(), b.data<float>(), out.data<float>());
+  const std::int64_t m = x.size(0), n = w.size(0), k = x.size(1);
+  Tensor out = empty({m, n}, x.device());  // (B, out)
+  if (out.numel() > 0) {
+    be(x).linear_forward(x.device(), m, n, k, x.data<float>(), w.data<float>(),
+                         b.defined() ? b.data<float>() : nullptr, out.data<float>(), relu);
   }
   bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
-  autograd::record("LinearBackward", inputs, out, [x, w, gx, gw, gb, has_b = b.defined()](const std::vector<Tensor>& g) {
-    std::vector<Tensor> r{gx ? gemm_raw(g[0], false, w, false) : Tensor(),
-                          gw ? gemm_raw(g[0], true, x, false) : Tensor()};
-    if (has_b) r.push_back(gb ? reduce_raw(ReduceOp::Sum, g[0], 0, false) : Tensor());
-    return r;
-  });
+  // The ReLU's mask is the output > 0, as ReluBackward reads it from relu's output.
+  Tensor ys = relu ? out.detach() : Tensor();
+  autograd::record(relu ? "LinearReluBackward" : "LinearBackward", inputs, out,
+                   [x, w, ys, gx, gw, gb, has_b = b.defined()](const std::vector<Tensor>& g) {
+                     const Tensor gy =
+                         ys.defined() ? binary_raw("relu_backward", BinaryOp::ReluBackward, g[0], ys) : g[0];
+                     std::vector<Tensor> r{gx ? gemm_raw(gy, false, w, false) : Tensor(),
+                                           gw ? gemm_raw(gy, true, x, false) : Tensor()};
+                     if (has_b) r.push_back(gb ? reduce_raw(ReduceOp::Sum, gy, 0, false) : Tensor());
+                     return r;
+                   });
   return out;
 }
+
+}  // namespace
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) { return linear_impl(x, w, b, false); }
+
+Tensor linear_relu(const Tensor& x, const Tensor& w, const Tensor& b) { return linear_impl(x, w, b, true); }
 
 // ---- gather / index_select / one_hot -----------------------------------------------------------
 

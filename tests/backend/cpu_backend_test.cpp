@@ -642,6 +642,54 @@ TEST_CASE("gemm with operand rows 2 KiB apart: the copied slabs give the same bi
   }
 }
 
+TEST_CASE("linear_forward: gemm, the bias add and the ReLU, bit for bit, NaN and infinity included") {
+  // Note [Linear epilogue]: each chunk of the GEMM adds the bias and clips its slab in
+  // place; y must be what gemm, then Binary<Add> with the bias broadcast over rows, then
+  // Unary<Relu> give — the backend's own kernels (Backend's default linear_forward) and
+  // the functors — for row and column splits, at one thread and at all cores.
+  const int hw = dp::hardware_concurrency();
+  const Binary<BinaryOp::Add> add;
+  const Unary<UnaryOp::Relu> relu;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (auto [m, n, k] : {std::tuple<i64, i64, i64>{512, 1024, 784}, {512, 10, 1024}, {67, 301, 130},
+                         {301, 67, 2100}, {1, 4099, 33}, {4099, 1, 5}, {3, 5, 0}}) {
+    for (int poison = 0; poison < 4; ++poison)  // none, NaN in x, +inf in w, NaN in the bias
+      for (bool with_bias : {true, false})
+        for (bool with_relu : {true, false})
+          for (int devices : {1, hw}) {
+            CAPTURE(m);
+            CAPTURE(n);
+            CAPTURE(k);
+            CAPTURE(poison);
+            CAPTURE(with_bias);
+            CAPTURE(with_relu);
+            CAPTURE(devices);
+            auto x = random_vec(m * k, 80), w = random_vec(n * k, 81), b = random_vec(n, 82);
+            if (poison == 1 && k > 0) x[static_cast<std::size_t>((m / 2) * k)] = nan;
+            if (poison == 2 && k > 0) w[static_cast<std::size_t>((n - 1) * k)] = inf;
+            if (poison == 3) b[static_cast<std::size_t>(n / 2)] = nan;
+            const float* bp = with_bias ? b.data() : nullptr;
+            std::vector<float> want(m * n, 7.0f), by_kernels(m * n, 7.0f), got(m * n, 7.0f);
+            be().set_concurrent_devices(devices);
+            be().gemm(dev0(), false, true, m, n, k, 1.0f, x.data(), std::max<i64>(1, k), w.data(),
+                      std::max<i64>(1, k), 0.0f, want.data(), n);
+            for (i64 i = 0; i < m; ++i)
+              for (i64 j = 0; j < n; ++j) {
+                float& v = want[static_cast<std::size_t>(i * n + j)];
+                if (with_bias) v = add(v, b[static_cast<std::size_t>(j)]);
+                if (with_relu) v = relu(v);
+              }
+            be().Backend::linear_forward(dev0(), m, n, k, x.data(), w.data(), bp, by_kernels.data(), with_relu);
+            be().linear_forward(dev0(), m, n, k, x.data(), w.data(), bp, got.data(), with_relu);
+            be().set_concurrent_devices(1);
+            REQUIRE(bitwise_equal(want, by_kernels));
+            REQUIRE(bitwise_equal(want, got));
+            if ((poison == 1 && k > 0) || (poison == 3 && with_bias))  // a NaN survives the ReLU
+              CHECK(std::any_of(got.begin(), got.end(), [](float v) { return std::isnan(v); }));
+          }
+  }
+}
+
 // ---- convolution -----------------------------------------------------------------------------
 
 namespace {

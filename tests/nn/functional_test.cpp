@@ -2,7 +2,9 @@
 // its backward against central differences, and the errors for bad input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "../autograd/gradcheck.h"
@@ -96,6 +98,61 @@ TEST_CASE_TEMPLATE("conv2d_relu: relu(conv2d) bit for bit, forward and every gra
     CHECK(nn_test::bitwise_equal(w.grad().to_vector(), w2.grad().to_vector()));
     if (c.bias) CHECK(nn_test::bitwise_equal(b.grad().to_vector(), b2.grad().to_vector()));
   }
+}
+
+TEST_CASE_TEMPLATE("linear_relu: relu(linear) bit for bit, forward and every gradient, NaN included", D,
+                   DP_NN_TEST_DEVICES) {
+  // Note [Linear epilogue]: the fused op replaces the pair, so it must compute the
+  // pair's bits and gradients (the mask is the output > 0 in both). The shapes split
+  // the GEMM by rows and by columns; k = 0 gives relu(bias); a NaN must propagate.
+  const dp::Device dev = D::device();
+  struct Cfg { std::int64_t m, k, n; bool bias; int nan_at; };
+  for (Cfg c : {Cfg{64, 784, 256, true, -1}, Cfg{256, 64, 10, true, 5}, Cfg{7, 33, 300, false, 0},
+                Cfg{5, 0, 4, true, -1}, Cfg{0, 6, 3, true, -1}}) {
+    CAPTURE(c.m);
+    CAPTURE(c.k);
+    CAPTURE(c.n);
+    auto make = [&](std::uint64_t seed, dp::Shape shape, int nan_at = -1) {
+      std::int64_t n = 1;
+      for (auto d : shape) n *= d;
+      auto v = uniform_values(n, -1, 1, seed);
+      if (nan_at >= 0 && nan_at < n) v[static_cast<std::size_t>(nan_at)] = std::numeric_limits<float>::quiet_NaN();
+      dp::Tensor t = dp::from_vector(v, shape, dev);
+      t.set_requires_grad(true);
+      return t;
+    };
+    dp::Tensor x = make(30, {c.m, c.k}, c.nan_at), w = make(31, {c.n, c.k});
+    dp::Tensor b = c.bias ? make(32, {c.n}) : dp::Tensor();
+    dp::Tensor x2 = make(30, {c.m, c.k}, c.nan_at), w2 = make(31, {c.n, c.k});
+    dp::Tensor b2 = c.bias ? make(32, {c.n}) : dp::Tensor();
+    dp::Tensor y = dp::relu(dp::linear(x, w, b));
+    dp::Tensor y2 = dp::linear_relu(x2, w2, b2);
+    REQUIRE(y.shape() == y2.shape());
+    const auto yv = y2.to_vector();
+    CHECK(nn_test::bitwise_equal(y.to_vector(), yv));
+    if (c.nan_at >= 0) CHECK(std::any_of(yv.begin(), yv.end(), [](float v) { return std::isnan(v); }));
+    dp::Tensor gw = dp::from_vector(uniform_values(y.numel(), -1, 1, 33), y.shape(), dev);
+    dp::sum(dp::mul(y, gw)).backward();
+    dp::sum(dp::mul(y2, gw)).backward();
+    REQUIRE(x2.grad().defined());
+    CHECK(nn_test::bitwise_equal(x.grad().to_vector(), x2.grad().to_vector()));
+    CHECK(nn_test::bitwise_equal(w.grad().to_vector(), w2.grad().to_vector()));
+    if (c.bias) CHECK(nn_test::bitwise_equal(b.grad().to_vector(), b2.grad().to_vector()));
+  }
+}
+
+TEST_CASE("linear_relu rejects what linear rejects, naming itself") {
+  dp::Tensor x = dp::zeros({4, 3}), w = dp::zeros({5, 3});
+  CHECK_THROWS_WITH_AS(dp::linear_relu(x, dp::zeros({5, 2}), dp::Tensor()), doctest::Contains("linear_relu"),
+                       dp::Error);
+  CHECK_THROWS_WITH_AS(dp::linear_relu(x, dp::zeros({5, 2}), dp::Tensor()), doctest::Contains("[5, 2]"),
+                       dp::Error);
+  CHECK_THROWS_WITH_AS(dp::linear_relu(x, w, dp::zeros({4})), doctest::Contains("[4]"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::linear_relu(dp::zeros({2, 2, 3}), w, dp::Tensor()), doctest::Contains("[2, 2, 3]"),
+                       dp::Error);
+  CHECK_THROWS_WITH_AS(dp::linear_relu(x.to(dp::Dtype::Int64), w, dp::Tensor()), doctest::Contains("int64"),
+                       dp::Error);
+  CHECK_THROWS_AS(dp::linear_relu(dp::Tensor(), w, dp::Tensor()), dp::Error);
 }
 
 TEST_CASE_TEMPLATE("conv2d_relu_max_pool2d: the three ops bit for bit, overlapping windows and NaN included", D,

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "../autograd/gradcheck.h"
+#include "dp/autograd/node.h"
 #include "dp/nn/nn.h"
 #include "dp/tensor/ops.h"
 #include "nn_test_util.h"
@@ -102,6 +103,30 @@ TEST_CASE("Sequential runs Conv2d + ReLU as one op with the pair's bits") {
       std::make_shared<nn::Linear>(16 * 14 * 14, 3, true, &gen));
   dp::Tensor x = dp::from_vector(uniform_values(4 * 28 * 28, -1, 1, 9), {4, 1, 28, 28});
   dp::Tensor y_fused = net->forward(x);
+  dp::sum(y_fused).backward();
+  std::vector<F> fused_grads;
+  for (auto& p : net->parameters()) fused_grads.push_back(p.grad().to_vector());
+  net->zero_grad();
+  dp::Tensor y = x;
+  for (const auto& m : *net) y = m->forward(y);
+  dp::sum(y).backward();
+  CHECK(nn_test::bitwise_equal(y.to_vector(), y_fused.to_vector()));
+  std::size_t i = 0;
+  for (auto& p : net->parameters()) CHECK(nn_test::bitwise_equal(p.grad().to_vector(), fused_grads[i++]));
+}
+
+TEST_CASE("Sequential runs Linear + ReLU as one op with the pair's bits") {
+  // Note [Linear epilogue]: the MLP's hidden layers run as linear_relu; a ReLU after a
+  // ReLU runs alone. Same output and gradients.
+  dp::Generator gen(8);
+  auto net = std::make_shared<nn::Sequential>(
+      std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(784, 64, true, &gen), std::make_shared<nn::ReLU>(),
+      std::make_shared<nn::Linear>(64, 32, false, &gen), std::make_shared<nn::ReLU>(), std::make_shared<nn::ReLU>(),
+      std::make_shared<nn::Linear>(32, 10, true, &gen), std::make_shared<nn::ReLU>());
+  dp::Tensor x = dp::from_vector(uniform_values(16 * 28 * 28, -1, 1, 10), {16, 1, 28, 28});
+  dp::Tensor y_fused = net->forward(x);
+  REQUIRE(y_fused.grad_fn() != nullptr);
+  CHECK(y_fused.grad_fn()->name() == "LinearReluBackward");
   dp::sum(y_fused).backward();
   std::vector<F> fused_grads;
   for (auto& p : net->parameters()) fused_grads.push_back(p.grad().to_vector());

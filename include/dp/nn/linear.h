@@ -47,6 +47,9 @@ class Linear : public Module {
 
   /// x: (B, in) → (B, out).
   Tensor forward(const Tensor& x) override;
+  /// relu(forward(x)) as one op (linear_relu): what Sequential runs for a Linear
+  /// followed by a ReLU.
+  Tensor forward_relu(const Tensor& x);
   /// "Linear(in_features=784, out_features=10, bias=true)".
   std::string name() const override;
 
@@ -59,6 +62,8 @@ class Linear : public Module {
   LinearOptions options() const { return LinearOptions(in_, out_).bias(bias_.defined()); }
 
  private:
+  void check_input(const Tensor& x) const;
+
   std::int64_t in_, out_;
   Parameter weight_, bias_;
 };

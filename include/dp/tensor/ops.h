@@ -61,6 +61,10 @@ Tensor sum_to(const Tensor& a, const Shape& shape);
 Tensor matmul(const Tensor& a, const Tensor& b);
 /// x (B, in) · w(out, in)ᵀ + b(out), in one GEMM (b may be undefined).
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
+/// relu(linear(x, w, b)) as one op: the same output and gradients bit for bit, with the
+/// bias and the ReLU applied while the GEMM's output is in cache (CPU: Note [Linear
+/// epilogue]). nn::Sequential uses it for a Linear followed by a ReLU.
+Tensor linear_relu(const Tensor& x, const Tensor& w, const Tensor& b);
 
 // ---- indexing ------------------------------------------------------------------------------
 // PyTorch's semantics; dims may be negative (counted from the end); indices are int64

@@ -154,6 +154,8 @@ class CpuBackend final : public Backend {
   void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
             std::int64_t k, float alpha, const float* a, std::int64_t lda, const float* b,
             std::int64_t ldb, float beta, float* c, std::int64_t ldc) override;
+  void linear_forward(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* x,
+                      const float* w, const float* bias, float* y, bool relu) override;
 
   void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
                    std::int64_t cols) override;
@@ -259,6 +261,16 @@ class CpuBackend final : public Backend {
 
  private:
   void resize_arenas(int threads);
+  /// What a chunk of a GEMM applies to its slab of C after its product (Note [Linear
+  /// epilogue]): C += bias (per column; null: none), then relu.
+  struct GemmEpilogue {
+    const float* bias = nullptr;
+    bool relu = false;
+  };
+  // gemm, and linear_forward with an epilogue.
+  void gemm_chunked(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,
+                    float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta,
+                    float* c, std::int64_t ldc, const GemmEpilogue* epilogue);
   // conv2d_forward and conv2d_relu_forward (Note [Convolution + ReLU]).
   void conv_forward(Device dev, const Conv2dShape& s, const float* x, const float* w, const float* bias,
                     float* y, bool relu);

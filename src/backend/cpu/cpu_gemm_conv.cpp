@@ -742,9 +742,66 @@ i64 unaliased_ld(i64 w) {
   return (ld / 16) % 2 == 0 ? ld + 16 : ld;
 }
 
+// Note [Linear epilogue]
+// A Linear's forward is a GEMM, then the bias added to every row, then (in a Sequential
+// whose Linear a ReLU follows) the ReLU: three passes over y, the last two reading
+// back from L3 or memory what the GEMM just wrote. Here each chunk of the GEMM adds
+// the bias and clips its own slab of y right after its dnnl_sgemm, while the slab is
+// still in its core's cache, and no other task runs for them. Every element goes
+// through the same float operations as the separate ops — the GEMM's value, then
+// Binary<Add> with the bias, then Unary<Relu> — so y is the same bit for bit (NaN
+// included: relu keeps it; cpu_backend_test checks this). In the MLP 784-1024-1024-10
+// at batch 512 the bias add was 1.3 % and the ReLU 0.6 % of the step's CPU samples.
+
+namespace {
+
+/// C's rows [0, rows) × columns [0, cols) of one chunk += bias (columns col0..), then
+/// relu: the element ops of Binary<Add> and Unary<Relu>, branch-free per variant.
+template <bool kBias, bool kRelu>
+void epilogue_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* bias) {
+  const Binary<BinaryOp::Add> add;
+  const Unary<UnaryOp::Relu> relu;
+  for (i64 i = 0; i < rows; ++i) {
+    float* row = c + i * ldc;
+    for (i64 j = 0; j < cols; ++j) {
+      float v = row[j];
+      if constexpr (kBias) v = add(v, bias[j]);
+      if constexpr (kRelu) v = relu(v);
+      row[j] = v;
+    }
+  }
+}
+
+void apply_epilogue(const float* bias, bool relu, float* c, i64 ldc, i64 rows, i64 cols, i64 col0) {
+  if (bias) {
+    if (relu) {
+      epilogue_rows<true, true>(c, ldc, rows, cols, bias + col0);
+    } else {
+      epilogue_rows<true, false>(c, ldc, rows, cols, bias + col0);
+    }
+  } else if (relu) {
+    epilogue_rows<false, true>(c, ldc, rows, cols, nullptr);
+  }
+}
+
+}  // namespace
+
+void CpuBackend::linear_forward(Device dev, i64 m, i64 n, i64 k, const float* x, const float* w,
+                                const float* bias, float* y, bool relu) {
+  const GemmEpilogue ep{bias, relu};
+  gemm_chunked(dev, false, true, m, n, k, 1.0f, x, std::max<i64>(1, k), w, std::max<i64>(1, k), 0.0f, y,
+               std::max<i64>(1, n), &ep);
+}
+
 void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
                       const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
                       i64 ldc) {
+  gemm_chunked(dev, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, nullptr);
+}
+
+void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
+                              const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
+                              i64 ldc, const GemmEpilogue* epilogue) {
   DP_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm: expected non-negative m, n, k, got ", m, ", ", n,
            ", ", k);
   // Row-major storage: A is m×k (or k×m when transposed), so its row length is k (or m).
@@ -757,6 +814,7 @@ void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 
   if (k == 0) {  // C = beta * C; beta == 0 overwrites (NaN in C must not survive)
     for (i64 i = 0; i < m; ++i)
       for (i64 j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, c, ldc, m, n, 0);
     return;
   }
   // Note [oneDNN in the device's arena]: C is cut into `chunks` slabs of whole rows (or
@@ -811,6 +869,7 @@ void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 
         dnnl_sgemm(ta, tb, a_h, b_w, k, alpha, as, as_ld, bs, bs_ld, beta, c + a_lo * ldc + b_lo, ldc);
     DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
              static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
+    if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, c + a_lo * ldc + b_lo, ldc, a_h, b_w, b_lo);
   });
 }
 
