@@ -141,6 +141,16 @@ void Backend::finish_copy(PendingCopy& pending, void* dst, Device dst_dev) {
   deallocate(dst_dev, std::exchange(p->staging, nullptr), p->nbytes);
 }
 
+void Backend::maxpool2d_2x2_forward(Device dev, const Pool2dShape&, const float*, float*, std::uint8_t*) {
+  DP_CHECK(false, "maxpool2d_2x2_forward: the backend of ", dev,
+           " has no byte-index max-pool; expected a caller to check has_maxpool2d_2x2_bytes() first");
+}
+
+void Backend::maxpool2d_2x2_backward(Device dev, const Pool2dShape&, const float*, const std::uint8_t*, float*) {
+  DP_CHECK(false, "maxpool2d_2x2_backward: the backend of ", dev,
+           " has no byte-index max-pool; expected a caller to check has_maxpool2d_2x2_bytes() first");
+}
+
 // ---- CopyFences (Note [Copy fences]) ----------------------------------------------------
 
 namespace {

@@ -359,6 +359,18 @@ class Backend : public dp::detail::DeviceRuntime {
   /// gx = 0, then gx[index] += gy (overwrites gx).
   virtual void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
                                   const std::int64_t* indices, float* gx) = 0;
+  /// Whether maxpool2d_2x2_forward/backward exist (Note [Max-pool winners in a byte]).
+  virtual bool has_maxpool2d_2x2_bytes() const { return false; }
+  /// The 2x2, stride-2, unpadded max-pool whose windows all lie inside the input
+  /// (2P <= H, 2Q <= W): y as maxpool2d_forward computes it, and per output the
+  /// winner's place in its window as one byte, 0..3 in row-major order, in `where`
+  /// (N·C·P·Q bytes) instead of an int64 flat index. Throws for any other shape.
+  virtual void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
+                                     std::uint8_t* where);
+  /// gx (every element written: the window's gradient at its winner, zero elsewhere)
+  /// from `where` as maxpool2d_2x2_forward wrote it; what maxpool2d_backward computes.
+  virtual void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy,
+                                      const std::uint8_t* where, float* gx);
   /// Average over the window counting padding (PyTorch's count_include_pad=true).
   virtual void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x,
                                  float* y) = 0;

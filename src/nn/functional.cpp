@@ -493,19 +493,36 @@ Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride
   if (stride <= 0) stride = kernel;
   be::Pool2dShape s = pool_shape("max_pool2d", x, kernel, kernel, stride, stride, padding, padding);
   Device dev = x.device();
+  auto& bk = be::get(dev);
   Tensor y = empty({s.N, s.C, s.P, s.Q}, dev);
-  Tensor indices = empty({s.N, s.C, s.P, s.Q}, TensorOptions{Dtype::Int64, dev});
-  if (y.numel() > 0) {
-    be::get(dev).maxpool2d_forward(dev, s, fptr(x), fptr(y), indices.data<std::int64_t>());
+  // The winners: one byte each for 2x2 windows where the backend has them (Note
+  // [Max-pool winners in a byte] in src/backend/cpu/cpu_nn.cpp), held as int32 words
+  // (four bytes a word; no tensor dtype is a byte); an int64 flat index otherwise.
+  const bool bytes = bk.has_maxpool2d_2x2_bytes() && s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 &&
+                     s.stride_w == 2 && s.pad_h == 0 && s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W;
+  const std::int64_t outputs = y.numel();
+  Tensor winners = bytes ? empty({(outputs + 3) / 4}, TensorOptions{Dtype::Int32, dev})
+                         : empty({s.N, s.C, s.P, s.Q}, TensorOptions{Dtype::Int64, dev});
+  auto places = [](const Tensor& w) { return reinterpret_cast<std::uint8_t*>(w.data<std::int32_t>()); };
+  if (outputs > 0) {
+    if (bytes) {
+      bk.maxpool2d_2x2_forward(dev, s, fptr(x), fptr(y), places(winners));
+    } else {
+      bk.maxpool2d_forward(dev, s, fptr(x), fptr(y), winners.data<std::int64_t>());
+    }
   }
   Tensor ys = relu_mask ? y.detach() : Tensor();
-  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, indices, ys](const std::vector<Tensor>& g) {
+  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, winners, bytes, places, ys](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape("MaxPool2dBackward", g[0], {s.N, s.C, s.P, s.Q});
     const Tensor gy = ys.defined() ? relu_backward(g[0], ys) : g[0];
     Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
     if (gy.numel() > 0) {
-      be::get(dev).maxpool2d_backward(dev, s, fptr(gy), indices.data<std::int64_t>(), fptr(gx));
+      if (bytes) {
+        be::get(dev).maxpool2d_2x2_backward(dev, s, fptr(gy), places(winners), fptr(gx));
+      } else {
+        be::get(dev).maxpool2d_backward(dev, s, fptr(gy), winners.data<std::int64_t>(), fptr(gx));
+      }
     } else {
       gx.zero_();
     }

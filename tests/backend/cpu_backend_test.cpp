@@ -812,6 +812,40 @@ TEST_CASE("conv2d forward / backward data / backward weight against naive loops"
   CHECK_THROWS_AS(be().conv2d_forward(dev0(), bad, buf.data(), buf.data(), nullptr, buf.data()), dp::Error);
 }
 
+TEST_CASE("max_abs_bits: the largest |v| as bits, infinity above numbers and NaN above that, any length") {
+  // Note [Scan clones]: whichever clone the CPU runs, the value of the plain loop.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  auto bits_of = [](float v) {
+    std::uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    return u & 0x7fffffffu;
+  };
+  auto v = random_vec(300, 90, -2.0f, 2.0f);
+  for (i64 n : {0, 1, 7, 15, 16, 17, 33, 64, 100, 299}) {
+    for (i64 start : {0, 1, 3}) {
+      CAPTURE(n);
+      CAPTURE(start);
+      for (int poison = 0; poison < 5; ++poison) {
+        std::vector<float> x(v.begin() + start, v.begin() + start + n);
+        if (n > 0) {
+          const std::size_t at = static_cast<std::size_t>(n - 1 - (n / 3));
+          if (poison == 1) x[at] = -inf;
+          if (poison == 2) x[at] = -nan;
+          if (poison == 3) x[at] = -5.0f;  // the largest |v|, negative
+          if (poison == 4) std::fill(x.begin(), x.end(), -0.0f);
+        }
+        std::uint32_t want = 0;
+        for (float f : x) want = std::max(want, bits_of(f));
+        CHECK(cpu::max_abs_bits(x.data(), n) == want);
+        if (n > 0 && poison == 1) CHECK(want == 0x7f800000u);
+        if (n > 0 && poison == 2) CHECK(want > 0x7f800000u);
+        if (n > 0 && poison == 3) CHECK(want == bits_of(5.0f));
+        if (n > 0 && poison == 4) CHECK(want == 0u);
+      }
+    }
+  }
+}
+
 TEST_CASE("conv2d_relu_forward: conv2d_forward then Unary<Relu>, bit for bit, NaN and infinity included") {
   // Note [Convolution + ReLU]: the fused post-op must store exactly what the separate
   // ReLU pass stores; a NaN or an infinity in the input, weight or bias runs unfused,
@@ -908,9 +942,10 @@ TEST_CASE("max pooling with padding: forward, indices, ties, backward") {
 TEST_CASE("2x2 max-pool fast path: NaN, infinities, ties, odd sizes, ceil mode, foreign indices") {
   // Note [Branch-free 2x2 max-pool]: the vectorised path against a naive loop with the
   // same rule (first maximum in row-major order; a NaN wins and the first NaN stays),
-  // for widths that exercise whole vectors and the scalar remainder.
+  // for widths that exercise whole vectors, the overlapping last vector of a row (Q = 5,
+  // 7, 9, 14) and rows narrower than a vector.
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-  for (i64 W : {2, 5, 8, 9, 16, 17, 28}) {
+  for (i64 W : {2, 5, 8, 9, 14, 16, 17, 28}) {
     for (i64 H : {2, 3, 6}) {
       for (bool ceil_mode : {false, true}) {
         Pool2dShape s = pool_shape(2, 3, H, W, 2, 2, 0);
@@ -969,6 +1004,67 @@ TEST_CASE("2x2 max-pool fast path: NaN, infinities, ties, odd sizes, ceil mode, 
       }
     }
   }
+}
+
+TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient bit for bit; other shapes throw") {
+  // Note [Max-pool winners in a byte]: place k of a window is flat index
+  // row0 + 2q + (k / 2) * W + k % 2; y and gx equal maxpool2d_forward/backward's, for
+  // whole vectors, the overlapping last vector and rows narrower than a vector, with
+  // NaN, infinities and ties, at one thread and at all cores.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const int hw = dp::hardware_concurrency();
+  for (i64 W : {2, 3, 5, 8, 9, 14, 16, 17, 28}) {
+    for (i64 H : {2, 3, 6, 14}) {
+      for (int devices : {1, hw}) {
+        const Pool2dShape s = pool_shape(3, 5, H, W, 2, 2, 0);
+        CAPTURE(H);
+        CAPTURE(W);
+        CAPTURE(devices);
+        auto x = random_vec(s.N * s.C * H * W, 50 + static_cast<unsigned>(W * 7 + H));
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          x[i] = std::round(x[i] * 2.0f);  // many ties
+          if (i % 11 == 3) x[i] = nan;
+          if (i % 13 == 5) x[i] = -inf;
+          if (i % 17 == 7) x[i] = inf;
+        }
+        const std::size_t outputs = static_cast<std::size_t>(s.N * s.C * s.P * s.Q);
+        std::vector<float> y(outputs, 7.0f), y_bytes(outputs, 7.0f);
+        std::vector<i64> idx(outputs);
+        std::vector<std::uint8_t> where(outputs, 0xff);
+        auto gy = random_vec(static_cast<i64>(outputs), 51);
+        std::vector<float> gx(x.size(), 7.0f), gx_bytes(x.size(), 7.0f);
+        be().set_concurrent_devices(devices);
+        be().maxpool2d_forward(dev0(), s, x.data(), y.data(), idx.data());
+        be().maxpool2d_2x2_forward(dev0(), s, x.data(), y_bytes.data(), where.data());
+        be().maxpool2d_backward(dev0(), s, gy.data(), idx.data(), gx.data());
+        be().maxpool2d_2x2_backward(dev0(), s, gy.data(), where.data(), gx_bytes.data());
+        be().set_concurrent_devices(1);
+        REQUIRE(bitwise_equal(y, y_bytes));
+        REQUIRE(bitwise_equal(gx, gx_bytes));
+        for (i64 o = 0; o < static_cast<i64>(outputs); ++o) {
+          const i64 q = o % s.Q, p = (o / s.Q) % s.P;
+          const std::uint8_t k = where[static_cast<std::size_t>(o)];
+          REQUIRE(k < 4);
+          REQUIRE(idx[static_cast<std::size_t>(o)] == 2 * p * W + 2 * q + (k / 2) * W + k % 2);
+        }
+      }
+    }
+  }
+  std::vector<float> buf(64);
+  std::vector<std::uint8_t> where(64);
+  Pool2dShape padded = pool_shape(1, 1, 6, 6, 2, 2, 1);
+  CHECK_THROWS_WITH_AS(be().maxpool2d_2x2_forward(dev0(), padded, buf.data(), buf.data(), where.data()),
+                       doctest::Contains("padding 1x1"), dp::Error);
+  Pool2dShape three = pool_shape(1, 1, 6, 6, 3, 3, 0);
+  CHECK_THROWS_WITH_AS(be().maxpool2d_2x2_backward(dev0(), three, buf.data(), where.data(), buf.data()),
+                       doctest::Contains("kernel 3x3"), dp::Error);
+  Pool2dShape ceil_mode = pool_shape(1, 1, 5, 5, 2, 2, 0);
+  ceil_mode.P = ceil_mode.Q = 3;  // a last window hanging over the edge
+  CHECK_THROWS_AS(be().maxpool2d_2x2_forward(dev0(), ceil_mode, buf.data(), buf.data(), where.data()), dp::Error);
+  // A backend without the byte path says so instead of computing anything.
+  const Pool2dShape ok = pool_shape(1, 1, 4, 4, 2, 2, 0);
+  CHECK_THROWS_WITH_AS(be().Backend::maxpool2d_2x2_forward(dev0(), ok, buf.data(), buf.data(), where.data()),
+                       doctest::Contains("has_maxpool2d_2x2_bytes"), dp::Error);
 }
 
 TEST_CASE("average pooling counting padding: forward and backward") {

@@ -42,6 +42,11 @@ enum class ConvLayout : std::uint8_t {
             // use and recorded (Note [CPU convolution: measured choice]); the default
 };
 
+/// The largest |v| of n floats as the bits of |v|, which order like |v| for finite
+/// values and put an infinity (0x7f800000) above them and a NaN above that. Branch-free,
+/// vectorised, with ISA clones (cpu_scan.cpp, Note [Scan clones]).
+std::uint32_t max_abs_bits(const float* p, std::int64_t n);
+
 /// The three passes of a convolution.
 enum class ConvPass : std::uint8_t { Forward, BackwardData, BackwardWeight };
 
@@ -178,6 +183,11 @@ class CpuBackend final : public Backend {
                          std::int64_t* indices) override;
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
                           const std::int64_t* indices, float* gx) override;
+  bool has_maxpool2d_2x2_bytes() const override { return true; }
+  void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
+                             std::uint8_t* where) override;
+  void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy, const std::uint8_t* where,
+                              float* gx) override;
   void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override;
   void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
                           float* gx) override;

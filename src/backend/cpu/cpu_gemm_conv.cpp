@@ -505,19 +505,6 @@ struct ConvBuffers {
 // nn::conv2d_relu_max_pool2d masks the pooled gradient instead (Note [ReLU mask
 // through max-pool] in src/nn/functional.cpp).
 
-/// The largest |v| of n floats as the bits of |v|, which order like |v| for finite
-/// values and put an infinity (0x7f800000) above them and a NaN above that. Branch-free:
-/// the loop vectorises.
-std::uint32_t max_abs_bits(const float* p, i64 n) {
-  std::uint32_t m = 0;
-  for (i64 i = 0; i < n; ++i) {
-    std::uint32_t u;
-    std::memcpy(&u, p + i, sizeof u);
-    m = std::max(m, u & 0x7fffffffu);
-  }
-  return m;
-}
-
 /// |v| from max_abs_bits, as a double (+inf for an infinity or a NaN).
 double abs_of_bits(std::uint32_t bits) {
   if (bits >= 0x7f800000u) return std::numeric_limits<double>::infinity();

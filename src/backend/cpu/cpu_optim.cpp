@@ -30,7 +30,7 @@ namespace {
 // FMA (that is the separate "fma" target, and this file is built with
 // -ffp-contract=off besides), so every clone computes the same bits. Sanitizer builds
 // have no clones (src/backend/cpu/meson.build says why).
-#if defined(DP_SGD_TARGET_CLONES)
+#if defined(DP_CPU_TARGET_CLONES)
 #define DP_SGD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define DP_SGD_CLONES
