@@ -151,6 +151,12 @@ void Backend::maxpool2d_2x2_backward(Device dev, const Pool2dShape&, const float
            " has no byte-index max-pool; expected a caller to check has_maxpool2d_2x2_bytes() first");
 }
 
+void Backend::conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape&, const float*, const float*,
+                                             const float*, float*, std::uint8_t*) {
+  DP_CHECK(false, "conv2d_relu_maxpool2x2_forward: the backend of ", dev,
+           " has no fused convolution + max-pool; expected a caller to check has_conv2d_relu_maxpool2x2() first");
+}
+
 // ---- CopyFences (Note [Copy fences]) ----------------------------------------------------
 
 namespace {

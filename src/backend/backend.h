@@ -371,6 +371,15 @@ class Backend : public dp::detail::DeviceRuntime {
   /// from `where` as maxpool2d_2x2_forward wrote it; what maxpool2d_backward computes.
   virtual void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy,
                                       const std::uint8_t* where, float* gx);
+  /// Whether conv2d_relu_maxpool2x2_forward exists.
+  virtual bool has_conv2d_relu_maxpool2x2() const { return false; }
+  /// conv2d_relu_forward, then maxpool2d_2x2_forward over its (N, K, P, Q) output with
+  /// windows 2x2, stride 2 (y: (N, K, P / 2, Q / 2); `where`: one byte per output), bit
+  /// for bit, without holding the convolution's output: each group of images is pooled
+  /// right after it is convolved (CPU: Note [Convolution, ReLU and max-pool in one
+  /// pass]). Needs P, Q >= 2.
+  virtual void conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                                              const float* bias, float* y, std::uint8_t* where);
   /// Average over the window counting padding (PyTorch's count_include_pad=true).
   virtual void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x,
                                  float* y) = 0;

@@ -361,13 +361,9 @@ void check_elementwise_weight(const char* op, const char* what, const Tensor& w,
 
 namespace {
 
-/// conv2d, and conv2d_relu when `relu` (Note [Convolution + ReLU] in
-/// src/backend/cpu/cpu_gemm_conv.cpp). `mask` false: the backward leaves the ReLU's
-/// mask to the one consumer of the output, which applied it already (Note [ReLU mask
-/// through max-pool]).
-Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
-                   std::int64_t padding, bool relu, bool mask = true) {
-  const char* op = relu ? "conv2d_relu" : "conv2d";
+/// The checked geometry of a convolution of x (N, C, H, W) by w (K, C, R, S).
+be::Conv2dShape conv_shape_of(const char* op, const Tensor& x, const Tensor& w, const Tensor& b,
+                              std::int64_t stride, std::int64_t padding) {
   check_defined(op, "input", x);
   check_defined(op, "weight", w);
   check_float(op, "input", x);
@@ -401,7 +397,47 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
            "); use more padding or a larger input");
   s.P = (s.H + 2 * padding - s.R) / stride + 1;
   s.Q = (s.W + 2 * padding - s.S) / stride + 1;
+  return s;
+}
 
+/// A convolution's input, weight and bias gradients from the gradient of its output
+/// (N, K, P, Q); xs / ws: the saved input and weight (undefined where not needed).
+std::vector<Tensor> conv_backward(const be::Conv2dShape& s, Device dev, const Tensor& xs, const Tensor& ws,
+                                  const Tensor& gy, bool nx, bool nw, bool nb, bool has_b) {
+  std::vector<Tensor> grads(has_b ? 3 : 2);
+  auto& bk = be::get(dev);
+  const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
+  if (nx) {
+    Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
+    if (empty_batch) {
+      gx.zero_();
+    } else {
+      bk.conv2d_backward_data(dev, s, fptr(gy), fptr(ws), fptr(gx));
+    }
+    grads[0] = gx;
+  }
+  if (nw || nb) {
+    Tensor gw = empty({s.K, s.C, s.R, s.S}, dev);
+    Tensor gb = has_b ? empty({s.K}, dev) : Tensor();
+    if (empty_batch) {
+      gw.zero_();
+      if (gb.defined()) gb.zero_();
+    } else {
+      bk.conv2d_backward_weight(dev, s, fptr(xs), fptr(gy), fptr(gw), fptr_or_null(gb));
+    }
+    if (nw) grads[1] = gw;
+    if (nb) grads[2] = gb;
+  }
+  return grads;
+}
+
+/// conv2d, and conv2d_relu when `relu` (Note [Convolution + ReLU] in
+/// src/backend/cpu/cpu_gemm_conv.cpp). `mask` false: the backward leaves the ReLU's
+/// mask to the one consumer of the output, which applied it already (Note [ReLU mask
+/// through max-pool]).
+Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                   std::int64_t padding, bool relu, bool mask = true) {
+  const be::Conv2dShape s = conv_shape_of(relu ? "conv2d_relu" : "conv2d", x, w, b, stride, padding);
   Device dev = x.device();
   Tensor y = empty({s.N, s.K, s.P, s.Q}, dev);
   if (y.numel() > 0) {
@@ -422,39 +458,55 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
     // The ReLU's mask is the output > 0, as ReluBackward reads it from the same output.
     const bool masked = relu && mask;
     Tensor ys = masked ? y.detach() : Tensor();
-    autograd::record(relu ? "Conv2dReluBackward" : "Conv2dBackward", inputs, y,
-                     [xs, ws, ys, s, dev, nx, nw, nb, has_b, relu, masked](const std::vector<Tensor>& gin) {
-                       std::vector<Tensor> grads(has_b ? 3 : 2);
-                       if (!gin[0].defined()) return grads;
-                       check_grad_shape(relu ? "Conv2dReluBackward" : "Conv2dBackward", gin[0],
-                                        {s.N, s.K, s.P, s.Q});
+    const char* node = relu ? "Conv2dReluBackward" : "Conv2dBackward";
+    autograd::record(node, inputs, y,
+                     [xs, ws, ys, s, dev, nx, nw, nb, has_b, masked, node](const std::vector<Tensor>& gin) {
+                       if (!gin[0].defined()) return std::vector<Tensor>(has_b ? 3 : 2);
+                       check_grad_shape(node, gin[0], {s.N, s.K, s.P, s.Q});
                        const Tensor gy = masked ? relu_backward(gin[0], ys) : gin[0];
-                       const std::vector<Tensor> g{gy};
-                       auto& bk = be::get(dev);
-                       const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
-                       if (nx) {
-                         Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
-                         if (empty_batch) {
-                           gx.zero_();
-                         } else {
-                           bk.conv2d_backward_data(dev, s, fptr(g[0]), fptr(ws), fptr(gx));
-                         }
-                         grads[0] = gx;
+                       return conv_backward(s, dev, xs, ws, gy, nx, nw, nb, has_b);
+                     });
+  }
+  return y;
+}
+
+/// conv2d_relu_max_pool2d with a 2x2, stride-2, unpadded pool, as one backend op that
+/// never holds the convolution's output (Note [Convolution, ReLU and max-pool in one
+/// pass] in src/backend/cpu/cpu_gemm_conv.cpp). Backward: the pooled gradient masked
+/// by the pooled output > 0 (Note [ReLU mask through max-pool]), routed to each
+/// window's winner, then the convolution's backward — the separate ops' steps.
+Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                           std::int64_t padding) {
+  const be::Conv2dShape s = conv_shape_of("conv2d_relu_max_pool2d", x, w, b, stride, padding);
+  const be::Pool2dShape ps{s.N, s.K, s.P, s.Q, 2, 2, 2, 2, 0, 0, s.P / 2, s.Q / 2};
+  Device dev = x.device();
+  Tensor y = empty({s.N, s.K, ps.P, ps.Q}, dev);
+  // One byte per output, held as int32 words (Note [Max-pool winners in a byte]).
+  Tensor winners = empty({(y.numel() + 3) / 4}, TensorOptions{Dtype::Int32, dev});
+  auto places = [](const Tensor& t) { return reinterpret_cast<std::uint8_t*>(t.data<std::int32_t>()); };
+  if (y.numel() > 0) {
+    be::get(dev).conv2d_relu_maxpool2x2_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y),
+                                                places(winners));
+  }
+  std::vector<Tensor> inputs{x, w};
+  if (b.defined()) inputs.push_back(b);
+  if (autograd::needs_grad(inputs)) {
+    const bool nx = needs(x), nw = needs(w), nb = needs(b), has_b = b.defined();
+    Tensor xs = (nw || nb) ? x.detach() : Tensor();
+    Tensor ws = nx ? w.detach() : Tensor();
+    Tensor ys = y.detach();
+    autograd::record("Conv2dReluMaxPool2dBackward", inputs, y,
+                     [xs, ws, ys, winners, places, s, ps, dev, nx, nw, nb, has_b](const std::vector<Tensor>& gin) {
+                       if (!gin[0].defined()) return std::vector<Tensor>(has_b ? 3 : 2);
+                       check_grad_shape("Conv2dReluMaxPool2dBackward", gin[0], {ps.N, ps.C, ps.P, ps.Q});
+                       const Tensor gp = relu_backward(gin[0], ys);
+                       Tensor gy = empty({s.N, s.K, s.P, s.Q}, dev);
+                       if (gp.numel() > 0) {
+                         be::get(dev).maxpool2d_2x2_backward(dev, ps, fptr(gp), places(winners), fptr(gy));
+                       } else {
+                         gy.zero_();
                        }
-                       if (nw || nb) {
-                         Tensor gw = empty({s.K, s.C, s.R, s.S}, dev);
-                         Tensor gb = has_b ? empty({s.K}, dev) : Tensor();
-                         if (empty_batch) {
-                           gw.zero_();
-                           if (gb.defined()) gb.zero_();
-                         } else {
-                           bk.conv2d_backward_weight(dev, s, fptr(xs), fptr(g[0]), fptr(gw),
-                                                     fptr_or_null(gb));
-                         }
-                         if (nw) grads[1] = gw;
-                         if (nb) grads[2] = gb;
-                       }
-                       return grads;
+                       return conv_backward(s, dev, xs, ws, gy, nx, nw, nb, has_b);
                      });
   }
   return y;
@@ -541,6 +593,12 @@ Tensor max_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
 Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
                               std::int64_t padding, std::int64_t pool_kernel, std::int64_t pool_stride,
                               std::int64_t pool_padding) {
+  if (pool_stride <= 0) pool_stride = pool_kernel;
+  if (pool_kernel == 2 && pool_stride == 2 && pool_padding == 0 && x.defined() && w.defined() &&
+      be::get(x.device()).has_conv2d_relu_maxpool2x2()) {
+    const be::Conv2dShape s = conv_shape_of("conv2d_relu_max_pool2d", x, w, b, stride, padding);
+    if (s.P >= 2 && s.Q >= 2) return conv2d_relu_pool2x2(x, w, b, stride, padding);
+  }
   // The convolution's output has one consumer, the pool, whose backward masks.
   const Tensor y = conv2d_impl(x, w, b, stride, padding, /*relu=*/true, /*mask=*/false);
   return max_pool2d_impl(y, pool_kernel, pool_stride, pool_padding, /*relu_mask=*/true);

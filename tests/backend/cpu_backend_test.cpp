@@ -820,7 +820,7 @@ TEST_CASE("max_abs_bits: the largest |v| as bits, infinity above numbers and NaN
     std::memcpy(&u, &v, sizeof u);
     return u & 0x7fffffffu;
   };
-  auto v = random_vec(300, 90, -2.0f, 2.0f);
+  auto v = random_vec(310, 90, -2.0f, 2.0f);  // room for the largest start + n
   for (i64 n : {0, 1, 7, 15, 16, 17, 33, 64, 100, 299}) {
     for (i64 start : {0, 1, 3}) {
       CAPTURE(n);
@@ -891,6 +891,60 @@ TEST_CASE("conv2d_relu_forward: conv2d_forward then Unary<Relu>, bit for bit, Na
     }
   }
   be().set_conv_layout(cpu::ConvLayout::Auto);
+}
+
+TEST_CASE("conv2d_relu_maxpool2x2_forward: conv2d_relu_forward then the 2x2 max-pool, bit for bit") {
+  // Note [Convolution, ReLU and max-pool in one pass]: groups of images are convolved
+  // and pooled one after another; the pooled output and the winners' places must be
+  // those of the two ops over the whole batch, for every layout, at one thread and at
+  // all cores, with groups smaller than a chunk (64 images of 100 KB), an odd output
+  // (its last row and column unpooled) and the poisons that keep a chunk unfused.
+  const int hw = dp::hardware_concurrency();
+  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Auto}) {
+    be().set_conv_layout(layout);
+    for (const Conv2dShape& s : {conv_shape(64, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1),   // CNN layer 1
+                                 conv_shape(9, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1),   // CNN layer 2
+                                 conv_shape(5, 3, 13, 11, 8, 3, 3, 1, 1, 1, 1)}) {  // odd P and Q
+      for (int poison = 0; poison < 3; ++poison) {  // none, NaN in x, +inf in the bias
+        for (int devices : {1, hw}) {
+          CAPTURE(int(layout));
+          CAPTURE(s.N);
+          CAPTURE(s.C);
+          CAPTURE(poison);
+          CAPTURE(devices);
+          auto x = random_vec(s.N * s.C * s.H * s.W, 63), w = random_vec(s.K * s.C * s.R * s.S, 64);
+          auto b = random_vec(s.K, 65);
+          if (poison == 1) x[x.size() / 2 + 5] = std::numeric_limits<float>::quiet_NaN();
+          if (poison == 2) b[1] = std::numeric_limits<float>::infinity();
+          const Pool2dShape ps{s.N, s.K, s.P, s.Q, 2, 2, 2, 2, 0, 0, s.P / 2, s.Q / 2};
+          const std::size_t outputs = static_cast<std::size_t>(ps.N * ps.C * ps.P * ps.Q);
+          std::vector<float> conv(static_cast<std::size_t>(s.N * s.K * s.P * s.Q)), y(outputs, 7.0f),
+              y_fused(outputs, 7.0f);
+          std::vector<std::uint8_t> where(outputs, 0xff), where_fused(outputs, 0xee);
+          be().set_concurrent_devices(devices);
+          be().conv2d_relu_forward(dev0(), s, x.data(), w.data(), b.data(), conv.data());
+          be().maxpool2d_2x2_forward(dev0(), ps, conv.data(), y.data(), where.data());
+          be().conv2d_relu_maxpool2x2_forward(dev0(), s, x.data(), w.data(), b.data(), y_fused.data(),
+                                              where_fused.data());
+          be().set_concurrent_devices(1);
+          REQUIRE(bitwise_equal(y, y_fused));
+          REQUIRE(where == where_fused);
+          if (poison > 0) CHECK(std::any_of(y_fused.begin(), y_fused.end(), [](float v) { return !std::isfinite(v); }));
+        }
+      }
+    }
+  }
+  be().set_conv_layout(cpu::ConvLayout::Auto);
+  std::vector<float> buf(1024);
+  std::vector<std::uint8_t> where(64);
+  const Conv2dShape too_small = conv_shape(1, 1, 3, 3, 1, 3, 3, 1, 1, 0, 0);  // a 1x1 output
+  CHECK_THROWS_WITH_AS(be().conv2d_relu_maxpool2x2_forward(dev0(), too_small, buf.data(), buf.data(), nullptr,
+                                                           buf.data(), where.data()),
+                       doctest::Contains("1x1"), dp::Error);
+  const Conv2dShape ok = conv_shape(1, 1, 4, 4, 1, 3, 3, 1, 1, 1, 1);
+  CHECK_THROWS_WITH_AS(be().Backend::conv2d_relu_maxpool2x2_forward(dev0(), ok, buf.data(), buf.data(), nullptr,
+                                                                    buf.data(), where.data()),
+                       doctest::Contains("has_conv2d_relu_maxpool2x2"), dp::Error);
 }
 
 // ---- pooling --------------------------------------------------------------------------------------

@@ -92,6 +92,25 @@ TEST_CASE_TEMPLATE("a small CNN: forward, backward and a state_dict round trip",
   }
 }
 
+namespace {
+
+// The output and parameter gradients of net's forward (y_fused, computed from x) equal
+// bit for bit those of calling its modules one by one, which fuses nothing.
+void check_same_as_one_by_one(nn::Sequential& net, const dp::Tensor& x, const dp::Tensor& y_fused) {
+  dp::sum(y_fused).backward();
+  std::vector<F> fused_grads;
+  for (auto& p : net.parameters()) fused_grads.push_back(p.grad().to_vector());
+  net.zero_grad();
+  dp::Tensor y = x;
+  for (const auto& m : net) y = m->forward(y);
+  dp::sum(y).backward();
+  CHECK(nn_test::bitwise_equal(y.to_vector(), y_fused.to_vector()));
+  std::size_t i = 0;
+  for (auto& p : net.parameters()) CHECK(nn_test::bitwise_equal(p.grad().to_vector(), fused_grads[i++]));
+}
+
+}  // namespace
+
 TEST_CASE("Sequential runs Conv2d + ReLU as one op with the pair's bits") {
   // Note [Convolution + ReLU]: Sequential fuses the pair; calling the modules one by
   // one does not. Both must give the same output and gradients, bit for bit.
@@ -103,16 +122,7 @@ TEST_CASE("Sequential runs Conv2d + ReLU as one op with the pair's bits") {
       std::make_shared<nn::Linear>(16 * 14 * 14, 3, true, &gen));
   dp::Tensor x = dp::from_vector(uniform_values(4 * 28 * 28, -1, 1, 9), {4, 1, 28, 28});
   dp::Tensor y_fused = net->forward(x);
-  dp::sum(y_fused).backward();
-  std::vector<F> fused_grads;
-  for (auto& p : net->parameters()) fused_grads.push_back(p.grad().to_vector());
-  net->zero_grad();
-  dp::Tensor y = x;
-  for (const auto& m : *net) y = m->forward(y);
-  dp::sum(y).backward();
-  CHECK(nn_test::bitwise_equal(y.to_vector(), y_fused.to_vector()));
-  std::size_t i = 0;
-  for (auto& p : net->parameters()) CHECK(nn_test::bitwise_equal(p.grad().to_vector(), fused_grads[i++]));
+  check_same_as_one_by_one(*net, x, y_fused);
 }
 
 TEST_CASE("Sequential runs Linear + ReLU as one op with the pair's bits") {
@@ -127,16 +137,7 @@ TEST_CASE("Sequential runs Linear + ReLU as one op with the pair's bits") {
   dp::Tensor y_fused = net->forward(x);
   REQUIRE(y_fused.grad_fn() != nullptr);
   CHECK(y_fused.grad_fn()->name() == "LinearReluBackward");
-  dp::sum(y_fused).backward();
-  std::vector<F> fused_grads;
-  for (auto& p : net->parameters()) fused_grads.push_back(p.grad().to_vector());
-  net->zero_grad();
-  dp::Tensor y = x;
-  for (const auto& m : *net) y = m->forward(y);
-  dp::sum(y).backward();
-  CHECK(nn_test::bitwise_equal(y.to_vector(), y_fused.to_vector()));
-  std::size_t i = 0;
-  for (auto& p : net->parameters()) CHECK(nn_test::bitwise_equal(p.grad().to_vector(), fused_grads[i++]));
+  check_same_as_one_by_one(*net, x, y_fused);
 }
 
 TEST_CASE("a user-written residual block trains end to end") {

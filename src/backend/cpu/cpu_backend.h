@@ -47,6 +47,12 @@ enum class ConvLayout : std::uint8_t {
 /// vectorised, with ISA clones (cpu_scan.cpp, Note [Scan clones]).
 std::uint32_t max_abs_bits(const float* p, std::int64_t n);
 
+/// Planes [begin, end) of a 2x2, stride-2, unpadded max-pool whose windows lie inside
+/// the input, with byte places (Note [Max-pool winners in a byte]), on the calling
+/// thread: what maxpool2d_2x2_forward runs per task. s.N is not read.
+void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, std::int64_t begin,
+                        std::int64_t end);
+
 /// The three passes of a convolution.
 enum class ConvPass : std::uint8_t { Forward, BackwardData, BackwardWeight };
 
@@ -184,6 +190,9 @@ class CpuBackend final : public Backend {
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
                           const std::int64_t* indices, float* gx) override;
   bool has_maxpool2d_2x2_bytes() const override { return true; }
+  bool has_conv2d_relu_maxpool2x2() const override { return true; }
+  void conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                                      const float* bias, float* y, std::uint8_t* where) override;
   void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
                              std::uint8_t* where) override;
   void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy, const std::uint8_t* where,

@@ -144,6 +144,20 @@ void maxpool_2x2_row(const float* __restrict r0, const float* __restrict r1, flo
   }
 }
 
+/// Four windows' input gradients (top-left, top-right, bottom-left, bottom-right of
+/// each, one window per lane) interleaved into two rows of eight inputs.
+inline void store_windows(f32x4 tl, f32x4 tr, f32x4 bl, f32x4 br, float* __restrict top,
+                          float* __restrict bottom) {
+  const f32x4 top0 = __builtin_shufflevector(tl, tr, 0, 4, 1, 5);
+  const f32x4 top1 = __builtin_shufflevector(tl, tr, 2, 6, 3, 7);
+  const f32x4 bot0 = __builtin_shufflevector(bl, br, 0, 4, 1, 5);
+  const f32x4 bot1 = __builtin_shufflevector(bl, br, 2, 6, 3, 7);
+  std::memcpy(top, &top0, sizeof top0);
+  std::memcpy(top + 4, &top1, sizeof top1);
+  std::memcpy(bottom, &bot0, sizeof bot0);
+  std::memcpy(bottom + 4, &bot1, sizeof bot1);
+}
+
 /// One plane of a 2x2/stride-2 max-pool's input gradient, written once: gp gets gy at
 /// each window's recorded winner and zero elsewhere (rows and columns no window covers
 /// included). Returns false, having written nothing of use, when an index lies outside
@@ -179,14 +193,7 @@ bool tile_2x2_backward(const Pool2dShape& s, const float* __restrict gyp, const 
       const f32x4 tl = select(off == 0, g, zero), tr = select(off == 1, g, zero);
       const f32x4 bl = select(off == wv, g, zero), br = select(off == wv + 1, g, zero);
       outside |= ~((off == 0) | (off == 1) | (off == wv) | (off == wv + 1));
-      const f32x4 top0 = __builtin_shufflevector(tl, tr, 0, 4, 1, 5);
-      const f32x4 top1 = __builtin_shufflevector(tl, tr, 2, 6, 3, 7);
-      const f32x4 bot0 = __builtin_shufflevector(bl, br, 0, 4, 1, 5);
-      const f32x4 bot1 = __builtin_shufflevector(bl, br, 2, 6, 3, 7);
-      std::memcpy(g0 + 2 * q, &top0, sizeof top0);
-      std::memcpy(g0 + 2 * q + 4, &top1, sizeof top1);
-      std::memcpy(g1 + 2 * q, &bot0, sizeof bot0);
-      std::memcpy(g1 + 2 * q + 4, &bot1, sizeof bot1);
+      store_windows(tl, tr, bl, br, g0 + 2 * q, g1 + 2 * q);
     };
     for (; q + 4 <= s.Q; q += 4) four(q);
     if (q < s.Q && s.Q >= 4) {  // the last four windows again, as in maxpool_2x2_row
@@ -228,14 +235,7 @@ void tile_2x2_backward_bytes(const Pool2dShape& s, const float* __restrict gyp, 
       const f32x4 g = load4(gr + q);
       const f32x4 tl = select(place == c0, g, zero), tr = select(place == c1, g, zero);
       const f32x4 bl = select(place == c2, g, zero), br = select(place == c3, g, zero);
-      const f32x4 top0 = __builtin_shufflevector(tl, tr, 0, 4, 1, 5);
-      const f32x4 top1 = __builtin_shufflevector(tl, tr, 2, 6, 3, 7);
-      const f32x4 bot0 = __builtin_shufflevector(bl, br, 0, 4, 1, 5);
-      const f32x4 bot1 = __builtin_shufflevector(bl, br, 2, 6, 3, 7);
-      std::memcpy(g0 + 2 * q, &top0, sizeof top0);
-      std::memcpy(g0 + 2 * q + 4, &top1, sizeof top1);
-      std::memcpy(g1 + 2 * q, &bot0, sizeof bot0);
-      std::memcpy(g1 + 2 * q + 4, &bot1, sizeof bot1);
+      store_windows(tl, tr, bl, br, g0 + 2 * q, g1 + 2 * q);
     };
     i64 q = 0;
     for (; q + 4 <= s.Q; q += 4) four(q);
@@ -256,11 +256,15 @@ void tile_2x2_backward_bytes(const Pool2dShape& s, const float* __restrict gyp, 
   for (i64 i = 2 * s.P * W; i < s.H * W; ++i) gp[i] = 0.0f;  // an odd last row
 }
 
-/// Whether `s` is the window maxpool2d_2x2_forward/backward take (Note [Max-pool
-/// winners in a byte]).
-bool is_2x2_inside(const Pool2dShape& s) {
-  return s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 && s.pad_h == 0 &&
-         s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W;
+/// Throws unless `s` is valid and the window maxpool2d_2x2_forward/backward take (Note
+/// [Max-pool winners in a byte]).
+void check_2x2_inside(const Pool2dShape& s, const char* op) {
+  check_pool_shape(s, op);
+  DP_CHECK(s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 && s.pad_h == 0 &&
+               s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W,
+           op, ": expected a 2x2 window, stride 2, no padding, every window inside the input; got kernel ",
+           s.kernel_h, "x", s.kernel_w, ", stride ", s.stride_h, "x", s.stride_w, ", padding ", s.pad_h, "x",
+           s.pad_w, ", output ", s.P, "x", s.Q, " of ", s.H, "x", s.W);
 }
 
 /// Planes per task so a task holds at least ~kSerialGrain elements of work.
@@ -353,31 +357,28 @@ void CpuBackend::maxpool2d_backward(Device dev, const Pool2dShape& s, const floa
 // between the passes. y and the input gradient are those of maxpool2d_forward and
 // maxpool2d_backward bit for bit (cpu_backend_test).
 
+void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, i64 begin, i64 end) {
+  const i64 hw = s.H * s.W, pq = s.P * s.Q;
+  for (i64 pl = begin; pl < end; ++pl) {
+    const float* xp = x + pl * hw;
+    for (i64 p = 0; p < s.P; ++p) {
+      const float* r0 = xp + 2 * p * s.W;
+      const i64 o = pl * pq + p * s.Q;
+      maxpool_2x2_row(r0, r0 + s.W, y + o, nullptr, where + o, s.Q, s.W, 2 * p * s.W);
+    }
+  }
+}
+
 void CpuBackend::maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
                                        std::uint8_t* where) {
-  check_pool_shape(s, "maxpool2d_2x2_forward");
-  DP_CHECK(is_2x2_inside(s), "maxpool2d_2x2_forward: expected a 2x2 window, stride 2, no padding, every window "
-           "inside the input; got kernel ", s.kernel_h, "x", s.kernel_w, ", stride ", s.stride_h, "x", s.stride_w,
-           ", padding ", s.pad_h, "x", s.pad_w, ", output ", s.P, "x", s.Q, " of ", s.H, "x", s.W);
-  const i64 planes = s.N * s.C, hw = s.H * s.W, pq = s.P * s.Q;
-  parallel_for(dev, planes, plane_grain(pq * 4), [&](i64 b, i64 e) {
-    for (i64 pl = b; pl < e; ++pl) {
-      const float* xp = x + pl * hw;
-      for (i64 p = 0; p < s.P; ++p) {
-        const float* r0 = xp + 2 * p * s.W;
-        const i64 o = pl * pq + p * s.Q;
-        maxpool_2x2_row(r0, r0 + s.W, y + o, nullptr, where + o, s.Q, s.W, 2 * p * s.W);
-      }
-    }
-  });
+  check_2x2_inside(s, "maxpool2d_2x2_forward");
+  parallel_for(dev, s.N * s.C, plane_grain(s.P * s.Q * 4),
+               [&](i64 b, i64 e) { maxpool_2x2_planes(s, x, y, where, b, e); });
 }
 
 void CpuBackend::maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy,
                                         const std::uint8_t* where, float* gx) {
-  check_pool_shape(s, "maxpool2d_2x2_backward");
-  DP_CHECK(is_2x2_inside(s), "maxpool2d_2x2_backward: expected a 2x2 window, stride 2, no padding, every window "
-           "inside the input; got kernel ", s.kernel_h, "x", s.kernel_w, ", stride ", s.stride_h, "x", s.stride_w,
-           ", padding ", s.pad_h, "x", s.pad_w, ", output ", s.P, "x", s.Q, " of ", s.H, "x", s.W);
+  check_2x2_inside(s, "maxpool2d_2x2_backward");
   const i64 planes = s.N * s.C, hw = s.H * s.W, pq = s.P * s.Q;
   parallel_for(dev, planes, plane_grain(hw + pq), [&](i64 b, i64 e) {
     for (i64 pl = b; pl < e; ++pl) tile_2x2_backward_bytes(s, gy + pl * pq, where + pl * pq, gx + pl * hw);
