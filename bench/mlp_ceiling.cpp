@@ -2,9 +2,11 @@
 // memory speed.
 //
 // The MLP of samples/common/models.h (784-1024-1024-10, batch B, SGD with momentum)
-// issues eight CpuBackend::gemm calls per step, all row-major with alpha 1, beta 0
-// (linear() and its backward in src/tensor/ops.cpp; the first layer's input gradient is
-// never computed: the input needs none):
+// issues eight GEMMs per step, all row-major with alpha 1, beta 0 (linear() and its
+// backward in src/tensor/ops.cpp: the forwards through CpuBackend::linear_forward,
+// which adds the bias and ReLU to each chunk's slab after the same GEMM, Note [Linear
+// epilogue]; the backwards through CpuBackend::gemm; the first layer's input gradient
+// is never computed: the input needs none):
 //   fc1 forward     y = x Wᵀ     N,T  m=B     n=1024  k=784
 //   fc2 forward     y = x Wᵀ     N,T  m=B     n=1024  k=1024
 //   fc3 forward     y = x Wᵀ     N,T  m=B     n=10    k=1024
