@@ -39,6 +39,11 @@ its whole step's time (so everything else the step does counts against it). The 
 figure, kernels_bench's "gemm 512x1024x1024" (N,N, dp's way) is printed too, labelled.
 mlp_ceiling's SGD rows (the update vs a stream loop and memcpy) are printed with it.
 
+--compare torch also prints dp's CNN step as a fraction of the machine's measured FMA
+peak: bench/fma_peak (independent multiply-add chains in the widest vectors the CPU
+has) on the same pinned CPUs, before and after the rounds, the better of the two; the
+step's flops are counted per layer (cnn_step_gflop: 6.40 GFLOP at batch 256).
+
 Each dp run is `fashion_mnist_cnn --max-steps S --epochs 1 --json --log-every W --no-eval`; its
 step records carry the cumulative training time, so samples/s = (S - W) * batch /
 (time_s[S] - time_s[W]) — the first W steps are warm-up. The PyTorch script times the
@@ -204,6 +209,27 @@ def run_torch_ddp(args, best):
 # MLP 784-1024-1024-10: flops of one training step of B rows. Forward 2*B*sum(in*out);
 # backward twice that, less the first layer's input gradient (nobody needs it).
 MLP_LAYERS = [(784, 1024), (1024, 1024), (1024, 10)]
+
+
+def cnn_step_gflop(batch):
+    """Flops of one Fashion-MNIST CNN training step (docs/BENCHMARKS.md): the forward,
+    twice its GEMM-like work back (input and weight gradients) except conv1's input
+    gradient, which is never computed."""
+    conv1 = 2 * batch * 32 * 28 * 28 * 9
+    conv2 = 2 * batch * 64 * 14 * 14 * 32 * 9
+    fc1 = 2 * batch * 3136 * 128
+    fc2 = 2 * batch * 128 * 10
+    return (conv1 + conv2 + fc1 + fc2 + 2 * (conv2 + fc1 + fc2) + conv1) / 1e9
+
+
+def fma_peak(args):
+    """bench/fma_peak on the CPUs dp runs on: the measured fp32 multiply-add peak
+    (GFLOP/s), or None where it was not built."""
+    exe = os.path.join(args.build, "bench", "fma_peak")
+    if not os.path.exists(exe):
+        return None
+    proc = check_run(pinned(args, [exe, "--threads", str(args.threads), "--json"]))
+    return json.loads(proc.stdout.strip().splitlines()[-1])["gflops"]
 
 
 def mlp_step_gflop(batch):
@@ -425,6 +451,9 @@ def main():
                       ("dp", lambda: run_dp(args, "dp", args.devices)),
                       ("ddp", lambda: run_dp(args, "ddp", args.devices))]
 
+    # The measured FMA peak before and after the rounds (the best of the two): the
+    # CNN step's fraction of it (--compare torch).
+    peaks = [fma_peak(args)] if args.compare == "torch" else []
     results = {name: [] for name, _ in contenders}
     for r in range(args.rounds):
         for name, fn in contenders:
@@ -452,6 +481,16 @@ def main():
         print()
         for n in names[1:]:
             print(f"{names[0]} / {n} samples/s = {med[names[0]] / med[n]:.3f}  (>1: dp faster)")
+    if peaks and peaks[0] is not None:
+        peaks.append(fma_peak(args))
+        peak = max(peaks)
+        gflop = cnn_step_gflop(args.batch)
+        ms = args.batch * 1e3 / med[names[0]]
+        out["fma_peak_gflops"] = peak
+        out["fraction_of_fma_peak"] = gflop / ms * 1e3 / peak
+        print(f"dp's step {gflop:.2f} GFLOP / {ms:.1f} ms = {gflop / ms * 1e3:.1f} GFLOP/s = "
+              f"{100 * out['fraction_of_fma_peak']:.1f} % of the measured FMA peak, {peak:.1f} GFLOP/s on "
+              f"{args.threads} threads (bench/fma_peak; {', '.join(f'{p:.1f}' for p in peaks)})")
     elif args.compare == "mlp":
         out["mlp"] = report_mlp(args, results)
     else:
