@@ -80,6 +80,14 @@ struct Pool2dShape {
   std::int64_t P = 0, Q = 0;  // output height, width
 };
 
+/// A 2x2, stride-2, unpadded pool whose windows all lie inside the input (2P <= H,
+/// 2Q <= W): non-overlapping windows that tile the input but for an odd last row or
+/// column — what the 2x2 max-pool kernels and maxpool2d_2x2_* take.
+inline bool is_2x2_tiling(const Pool2dShape& s) {
+  return s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 && s.pad_h == 0 &&
+         s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W;
+}
+
 /// A non-owning reference to a callable f(begin, end): lets a virtual call take any
 /// lambda without copying it or allocating (std::function may). Valid only during the
 /// call it is passed to.

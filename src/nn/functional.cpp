@@ -400,36 +400,58 @@ be::Conv2dShape conv_shape_of(const char* op, const Tensor& x, const Tensor& w, 
   return s;
 }
 
-/// A convolution's input, weight and bias gradients from the gradient of its output
-/// (N, K, P, Q); xs / ws: the saved input and weight (undefined where not needed).
-std::vector<Tensor> conv_backward(const be::Conv2dShape& s, Device dev, const Tensor& xs, const Tensor& ws,
-                                  const Tensor& gy, bool nx, bool nw, bool nb, bool has_b) {
-  std::vector<Tensor> grads(has_b ? 3 : 2);
-  auto& bk = be::get(dev);
-  const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
-  if (nx) {
-    Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
-    if (empty_batch) {
-      gx.zero_();
-    } else {
-      bk.conv2d_backward_data(dev, s, fptr(gy), fptr(ws), fptr(gx));
-    }
-    grads[0] = gx;
+/// What a convolution's backward keeps of x, w and b: only what it reads (x for the
+/// weight and bias gradients, w for the input's), and which gradients are wanted.
+struct ConvSaved {
+  be::Conv2dShape s;
+  Device dev;
+  Tensor xs, ws;
+  bool nx = false, nw = false, nb = false, has_b = false;
+
+  ConvSaved(const be::Conv2dShape& shape, const Tensor& x, const Tensor& w, const Tensor& b)
+      : s(shape), dev(x.device()), nx(needs(x)), nw(needs(w)), nb(needs(b)), has_b(b.defined()) {
+    if (nw || nb) xs = x.detach();
+    if (nx) ws = w.detach();
   }
-  if (nw || nb) {
-    Tensor gw = empty({s.K, s.C, s.R, s.S}, dev);
-    Tensor gb = has_b ? empty({s.K}, dev) : Tensor();
-    if (empty_batch) {
-      gw.zero_();
-      if (gb.defined()) gb.zero_();
-    } else {
-      bk.conv2d_backward_weight(dev, s, fptr(xs), fptr(gy), fptr(gw), fptr_or_null(gb));
+
+  /// No gradient for any input (an undefined upstream gradient).
+  std::vector<Tensor> none() const { return std::vector<Tensor>(has_b ? 3 : 2); }
+
+  /// The input, weight and bias gradients from the gradient gy (N, K, P, Q) of the
+  /// convolution's output.
+  std::vector<Tensor> backward(const Tensor& gy) const {
+    std::vector<Tensor> grads = none();
+    auto& bk = be::get(dev);
+    const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
+    if (nx) {
+      Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
+      if (empty_batch) {
+        gx.zero_();
+      } else {
+        bk.conv2d_backward_data(dev, s, fptr(gy), fptr(ws), fptr(gx));
+      }
+      grads[0] = gx;
     }
-    if (nw) grads[1] = gw;
-    if (nb) grads[2] = gb;
+    if (nw || nb) {
+      Tensor gw = empty({s.K, s.C, s.R, s.S}, dev);
+      Tensor gb = has_b ? empty({s.K}, dev) : Tensor();
+      if (empty_batch) {
+        gw.zero_();
+        if (gb.defined()) gb.zero_();
+      } else {
+        bk.conv2d_backward_weight(dev, s, fptr(xs), fptr(gy), fptr(gw), fptr_or_null(gb));
+      }
+      if (nw) grads[1] = gw;
+      if (nb) grads[2] = gb;
+    }
+    return grads;
   }
-  return grads;
-}
+};
+
+/// A block of n max-pool winner places, one byte each, held as int32 words (four bytes
+/// a word; no tensor dtype is a byte): Note [Max-pool winners in a byte].
+Tensor empty_places(std::int64_t n, Device dev) { return empty({(n + 3) / 4}, TensorOptions{Dtype::Int32, dev}); }
+std::uint8_t* places_of(const Tensor& t) { return reinterpret_cast<std::uint8_t*>(t.data<std::int32_t>()); }
 
 /// conv2d, and conv2d_relu when `relu` (Note [Convolution + ReLU] in
 /// src/backend/cpu/cpu_gemm_conv.cpp). `mask` false: the backward leaves the ReLU's
@@ -451,21 +473,14 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
   if (autograd::needs_grad(inputs)) {
-    const bool nx = needs(x), nw = needs(w), nb = needs(b), has_b = b.defined();
-    // Save only what backward reads: x for the weight/bias gradient, w for the input's.
-    Tensor xs = (nw || nb) ? x.detach() : Tensor();
-    Tensor ws = nx ? w.detach() : Tensor();
     // The ReLU's mask is the output > 0, as ReluBackward reads it from the same output.
-    const bool masked = relu && mask;
-    Tensor ys = masked ? y.detach() : Tensor();
+    Tensor ys = relu && mask ? y.detach() : Tensor();
     const char* node = relu ? "Conv2dReluBackward" : "Conv2dBackward";
-    autograd::record(node, inputs, y,
-                     [xs, ws, ys, s, dev, nx, nw, nb, has_b, masked, node](const std::vector<Tensor>& gin) {
-                       if (!gin[0].defined()) return std::vector<Tensor>(has_b ? 3 : 2);
-                       check_grad_shape(node, gin[0], {s.N, s.K, s.P, s.Q});
-                       const Tensor gy = masked ? relu_backward(gin[0], ys) : gin[0];
-                       return conv_backward(s, dev, xs, ws, gy, nx, nw, nb, has_b);
-                     });
+    autograd::record(node, inputs, y, [saved = ConvSaved(s, x, w, b), ys, node](const std::vector<Tensor>& gin) {
+      if (!gin[0].defined()) return saved.none();
+      check_grad_shape(node, gin[0], {saved.s.N, saved.s.K, saved.s.P, saved.s.Q});
+      return saved.backward(ys.defined() ? relu_backward(gin[0], ys) : gin[0]);
+    });
   }
   return y;
 }
@@ -481,32 +496,27 @@ Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, st
   const be::Pool2dShape ps{s.N, s.K, s.P, s.Q, 2, 2, 2, 2, 0, 0, s.P / 2, s.Q / 2};
   Device dev = x.device();
   Tensor y = empty({s.N, s.K, ps.P, ps.Q}, dev);
-  // One byte per output, held as int32 words (Note [Max-pool winners in a byte]).
-  Tensor winners = empty({(y.numel() + 3) / 4}, TensorOptions{Dtype::Int32, dev});
-  auto places = [](const Tensor& t) { return reinterpret_cast<std::uint8_t*>(t.data<std::int32_t>()); };
+  Tensor winners = empty_places(y.numel(), dev);
   if (y.numel() > 0) {
     be::get(dev).conv2d_relu_maxpool2x2_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y),
-                                                places(winners));
+                                                places_of(winners));
   }
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
   if (autograd::needs_grad(inputs)) {
-    const bool nx = needs(x), nw = needs(w), nb = needs(b), has_b = b.defined();
-    Tensor xs = (nw || nb) ? x.detach() : Tensor();
-    Tensor ws = nx ? w.detach() : Tensor();
-    Tensor ys = y.detach();
     autograd::record("Conv2dReluMaxPool2dBackward", inputs, y,
-                     [xs, ws, ys, winners, places, s, ps, dev, nx, nw, nb, has_b](const std::vector<Tensor>& gin) {
-                       if (!gin[0].defined()) return std::vector<Tensor>(has_b ? 3 : 2);
+                     [saved = ConvSaved(s, x, w, b), ys = y.detach(), winners, ps](const std::vector<Tensor>& gin) {
+                       if (!gin[0].defined()) return saved.none();
                        check_grad_shape("Conv2dReluMaxPool2dBackward", gin[0], {ps.N, ps.C, ps.P, ps.Q});
                        const Tensor gp = relu_backward(gin[0], ys);
-                       Tensor gy = empty({s.N, s.K, s.P, s.Q}, dev);
+                       Tensor gy = empty({ps.N, ps.C, ps.H, ps.W}, saved.dev);
                        if (gp.numel() > 0) {
-                         be::get(dev).maxpool2d_2x2_backward(dev, ps, fptr(gp), places(winners), fptr(gy));
+                         be::get(saved.dev).maxpool2d_2x2_backward(saved.dev, ps, fptr(gp), places_of(winners),
+                                                                   fptr(gy));
                        } else {
                          gy.zero_();
                        }
-                       return conv_backward(s, dev, xs, ws, gy, nx, nw, nb, has_b);
+                       return saved.backward(gy);
                      });
   }
   return y;
@@ -548,30 +558,27 @@ Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride
   auto& bk = be::get(dev);
   Tensor y = empty({s.N, s.C, s.P, s.Q}, dev);
   // The winners: one byte each for 2x2 windows where the backend has them (Note
-  // [Max-pool winners in a byte] in src/backend/cpu/cpu_nn.cpp), held as int32 words
-  // (four bytes a word; no tensor dtype is a byte); an int64 flat index otherwise.
-  const bool bytes = bk.has_maxpool2d_2x2_bytes() && s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 &&
-                     s.stride_w == 2 && s.pad_h == 0 && s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W;
+  // [Max-pool winners in a byte] in src/backend/cpu/cpu_nn.cpp); an int64 flat index
+  // otherwise.
+  const bool bytes = bk.has_maxpool2d_2x2_bytes() && be::is_2x2_tiling(s);
   const std::int64_t outputs = y.numel();
-  Tensor winners = bytes ? empty({(outputs + 3) / 4}, TensorOptions{Dtype::Int32, dev})
-                         : empty({s.N, s.C, s.P, s.Q}, TensorOptions{Dtype::Int64, dev});
-  auto places = [](const Tensor& w) { return reinterpret_cast<std::uint8_t*>(w.data<std::int32_t>()); };
+  Tensor winners = bytes ? empty_places(outputs, dev) : empty({s.N, s.C, s.P, s.Q}, TensorOptions{Dtype::Int64, dev});
   if (outputs > 0) {
     if (bytes) {
-      bk.maxpool2d_2x2_forward(dev, s, fptr(x), fptr(y), places(winners));
+      bk.maxpool2d_2x2_forward(dev, s, fptr(x), fptr(y), places_of(winners));
     } else {
       bk.maxpool2d_forward(dev, s, fptr(x), fptr(y), winners.data<std::int64_t>());
     }
   }
   Tensor ys = relu_mask ? y.detach() : Tensor();
-  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, winners, bytes, places, ys](const std::vector<Tensor>& g) {
+  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, winners, bytes, ys](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape("MaxPool2dBackward", g[0], {s.N, s.C, s.P, s.Q});
     const Tensor gy = ys.defined() ? relu_backward(g[0], ys) : g[0];
     Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
     if (gy.numel() > 0) {
       if (bytes) {
-        be::get(dev).maxpool2d_2x2_backward(dev, s, fptr(gy), places(winners), fptr(gx));
+        be::get(dev).maxpool2d_2x2_backward(dev, s, fptr(gy), places_of(winners), fptr(gx));
       } else {
         be::get(dev).maxpool2d_backward(dev, s, fptr(gy), winners.data<std::int64_t>(), fptr(gx));
       }

@@ -281,6 +281,12 @@ void check_conv_shape(const Conv2dShape& s, const char* op) {
 }
 
 /// The cached primitive for `key` on this device, built on first use.
+/// The key of convolution `s` (a chunk's or a group's shape) in a ConvCache.
+ConvKey conv_key(const Conv2dShape& s, ConvKind kind, bool bias, int slot, ConvLayout layout, bool relu = false) {
+  return ConvKey{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q},
+                 kind, bias, slot, layout, relu};
+}
+
 ConvEntry& find_entry(ConvCache& cache, const ConvKey& key, const Conv2dShape& s, Device dev) {
   auto it = cache.entries.find(key);
   if (it == cache.entries.end()) {
@@ -617,11 +623,27 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
                        static_cast<double>(std::numeric_limits<float>::max()) / 2;
   };
   auto entry_for = [&](const Conv2dShape& sc, i64 c, bool try_fused) -> ConvEntry& {
-    const ConvKey key{{sc.N, sc.C, sc.H, sc.W, sc.K, sc.R, sc.S, sc.stride_h, sc.stride_w, sc.pad_h,
-                       sc.pad_w, sc.P, sc.Q},
-                      kind, bias, static_cast<int>(c), layout, try_fused};
+    const ConvKey key = conv_key(sc, kind, bias, static_cast<int>(c), layout, try_fused);
     std::lock_guard<std::mutex> lock(cache.mu);
     return find_entry(cache, key, sc, dev);
+  };
+  // The forward of images [n0, n0 + n) into y, chunk c's primitive for n images, then
+  // the ReLU in place where the post-op did not apply it (Note [Convolution + ReLU]).
+  auto forward = [&](i64 c, i64 n0, i64 n, float* __restrict y) {
+    Conv2dShape sc = s;
+    sc.N = n;
+    ConvEntry& e = entry_for(sc, c, relu_fuses(n0, n));
+    const void* ptrs[4] = {};
+    int i = 0;
+    ptrs[i++] = buf.x + n0 * chw;
+    ptrs[i++] = buf.w;
+    if (bias) ptrs[i++] = buf.b;
+    ptrs[i++] = y;
+    execute_entry(e, ptrs);
+    if (relu && !e.relu_fused) {
+      const Unary<UnaryOp::Relu> f;
+      for (i64 j = 0, m = n * kpq; j < m; ++j) y[j] = f(y[j]);
+    }
   };
   // Whether n images convolve as their groups of g do: the same oneDNN implementation
   // for the call on all n and for the calls on g and on n % g of them.
@@ -629,9 +651,7 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
     auto impl = [&](i64 images) -> const std::string& {
       Conv2dShape sc = s;
       sc.N = images;
-      const ConvKey key{{sc.N, sc.C, sc.H, sc.W, sc.K, sc.R, sc.S, sc.stride_h, sc.stride_w, sc.pad_h,
-                         sc.pad_w, sc.P, sc.Q},
-                        ConvKind::Forward, bias, 0, layout, false};
+      const ConvKey key = conv_key(sc, ConvKind::Forward, bias, 0, layout);
       std::lock_guard<std::mutex> lock(cache.mu);
       auto it = cache.forward_impls.find(key);
       if (it == cache.forward_impls.end()) it = cache.forward_impls.emplace(key, forward_impl(sc, bias, layout)).first;
@@ -665,39 +685,23 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
       const i64 pq = (s.P / 2) * (s.Q / 2);
       const Pool2dShape ps{0, s.K, s.P, s.Q, 2, 2, 2, 2, 0, 0, s.P / 2, s.Q / 2};
       for (i64 g0 = n0; g0 < n1; g0 += step) {
-        Conv2dShape sg = s;
-        sg.N = std::min(step, n1 - g0);
-        const bool try_fused = relu_fuses(g0, sg.N);
-        ConvEntry& e = entry_for(sg, c, try_fused);
-        const void* ptrs[4] = {};
-        int i = 0;
-        ptrs[i++] = buf.x + g0 * chw;
-        ptrs[i++] = buf.w;
-        if (bias) ptrs[i++] = buf.b;
-        ptrs[i++] = out;
-        execute_entry(e, ptrs);
-        if (relu && !e.relu_fused) {
-          const Unary<UnaryOp::Relu> f;
-          for (i64 j = 0, n = sg.N * kpq; j < n; ++j) out[j] = f(out[j]);
-        }
-        maxpool_2x2_planes(ps, out, buf.pooled + g0 * s.K * pq, buf.where + g0 * s.K * pq, 0, sg.N * s.K);
+        const i64 n = std::min(step, n1 - g0);
+        forward(c, g0, n, out);
+        maxpool_2x2_planes(ps, out, buf.pooled + g0 * s.K * pq, buf.where + g0 * s.K * pq, 0, n * s.K);
       }
+      return;
+    }
+    if (kind == ConvKind::Forward) {
+      forward(c, n0, n1 - n0, buf.y + n0 * kpq);
       return;
     }
     Conv2dShape sc = s;
     sc.N = n1 - n0;
-    const bool try_fused = relu_fuses(n0, sc.N);
-    ConvEntry* e = &entry_for(sc, c, try_fused);
+    ConvEntry& e = entry_for(sc, c, false);
     const void* ptrs[4] = {};
     switch (kind) {
-      case ConvKind::Forward: {
-        int i = 0;
-        ptrs[i++] = buf.x + n0 * chw;
-        ptrs[i++] = buf.w;
-        if (bias) ptrs[i++] = buf.b;
-        ptrs[i++] = buf.y + n0 * kpq;
-        break;
-      }
+      case ConvKind::Forward:
+        break;  // above
       case ConvKind::BackwardData:
         ptrs[0] = buf.gy + n0 * kpq;
         ptrs[1] = buf.w;
@@ -713,12 +717,7 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
         break;
       }
     }
-    execute_entry(*e, ptrs);
-    if (relu && !e->relu_fused) {
-      float* __restrict y = buf.y + n0 * kpq;
-      const Unary<UnaryOp::Relu> f;
-      for (i64 i = 0, n = sc.N * kpq; i < n; ++i) y[i] = f(y[i]);
-    }
+    execute_entry(e, ptrs);
   });
   if (partial) {
     for (int c = 1; c < chunks; ++c) {
@@ -742,9 +741,7 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
   ConvLayout layout = be.conv_layout();
   if (layout == ConvLayout::Auto) {
     // The whole call's shape; `slot` holds the device's thread count here.
-    const ConvKey auto_key{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h,
-                            s.pad_w, s.P, s.Q},
-                           kind, bias, threads, ConvLayout::Auto};
+    const ConvKey auto_key = conv_key(s, kind, bias, threads, ConvLayout::Auto);
     {
       std::lock_guard<std::mutex> lock(cache.mu);
       if (auto known = cache.chosen.find(auto_key); known != cache.chosen.end()) layout = known->second;
@@ -1006,12 +1003,8 @@ void CpuBackend::conv_forward(Device dev, const Conv2dShape& s, const float* x, 
                               const float* bias, float* y, bool relu) {
   check_conv_shape(s, relu ? "conv2d_relu_forward" : "conv2d_forward");
   if (s.N == 0) return;
-  ConvBuffers buf;
-  buf.x = x;
-  buf.w = w;
-  buf.b = bias;
-  buf.y = y;
-  run_conv(*this, dev, s, ConvKind::Forward, bias != nullptr, buf, relu);
+  run_conv(*this, dev, s, ConvKind::Forward, bias != nullptr, ConvBuffers{.x = x, .w = w, .b = bias, .y = y},
+           relu);
 }
 
 void CpuBackend::conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
@@ -1020,13 +1013,8 @@ void CpuBackend::conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape& s
   DP_CHECK(s.P >= 2 && s.Q >= 2, "conv2d_relu_maxpool2x2_forward: expected a convolution output of at least 2x2 "
            "for the 2x2 max-pool, got ", s.P, "x", s.Q);
   if (s.N == 0) return;
-  ConvBuffers buf;
-  buf.x = x;
-  buf.w = w;
-  buf.b = bias;
-  buf.pooled = y;
-  buf.where = where;
-  run_conv(*this, dev, s, ConvKind::Forward, bias != nullptr, buf, /*relu=*/true);
+  run_conv(*this, dev, s, ConvKind::Forward, bias != nullptr,
+           ConvBuffers{.x = x, .w = w, .b = bias, .pooled = y, .where = where}, /*relu=*/true);
 }
 
 void CpuBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,

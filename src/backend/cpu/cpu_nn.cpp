@@ -260,9 +260,7 @@ void tile_2x2_backward_bytes(const Pool2dShape& s, const float* __restrict gyp, 
 /// [Max-pool winners in a byte]).
 void check_2x2_inside(const Pool2dShape& s, const char* op) {
   check_pool_shape(s, op);
-  DP_CHECK(s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 && s.pad_h == 0 &&
-               s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W,
-           op, ": expected a 2x2 window, stride 2, no padding, every window inside the input; got kernel ",
+  DP_CHECK(is_2x2_tiling(s), op, ": expected a 2x2 window, stride 2, no padding, every window inside the input; got kernel ",
            s.kernel_h, "x", s.kernel_w, ", stride ", s.stride_h, "x", s.stride_w, ", padding ", s.pad_h, "x",
            s.pad_w, ", output ", s.P, "x", s.Q, " of ", s.H, "x", s.W);
 }
@@ -282,9 +280,7 @@ void CpuBackend::maxpool2d_forward(Device dev, const Pool2dShape& s, const float
   // clipping, four fixed loads, selects instead of branches (Note [Branch-free 2x2
   // max-pool]). Only when every window lies inside the input (ceil mode's last window
   // may hang over the edge) and a plane's flat indices fit in 32 bits.
-  const bool two_by_two = s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 &&
-                          s.pad_h == 0 && s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W &&
-                          hw < (i64{1} << 31);
+  const bool two_by_two = is_2x2_tiling(s) && hw < (i64{1} << 31);
   parallel_for(dev, planes, plane_grain(pq * s.kernel_h * s.kernel_w), [&](i64 b, i64 e) {
     for (i64 pl = b; pl < e; ++pl) {
       const float* xp = x + pl * hw;
@@ -330,8 +326,7 @@ void CpuBackend::maxpool2d_backward(Device dev, const Pool2dShape& s, const floa
   const i64 planes = s.N * s.C, hw = s.H * s.W, pq = s.P * s.Q;
   // Non-overlapping 2x2 windows tile the input: each input element gets its window's
   // gradient or zero, written once (Note [Branch-free 2x2 max-pool]).
-  const bool two_by_two = s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 &&
-                          s.pad_h == 0 && s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W;
+  const bool two_by_two = is_2x2_tiling(s);
   parallel_for(dev, planes, plane_grain(hw + pq), [&](i64 b, i64 e) {
     for (i64 pl = b; pl < e; ++pl) {
       float* gp = gx + pl * hw;
