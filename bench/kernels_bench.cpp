@@ -23,7 +23,11 @@
 //   kernels_bench                        Perf cases on cpu:0, at 1 thread and all cores
 //   kernels_bench --json                 one JSON array instead of the table
 //   kernels_bench --filter gemm,conv2d   cases whose name contains either text
-//   kernels_bench --device cuda:0        the same cases on a GPU
+//   kernels_bench --device cuda:0        the same cases on a GPU, in FP32 (TF32 off)
+//   kernels_bench --device cuda:0 --tf32 matrix products and convolutions may use TF32
+//                                        (PyTorch's allow_tf32); they are then validated
+//                                        with tolerances 2^13 wider (TF32 keeps 10 of
+//                                        FP32's 23 mantissa bits)
 //   kernels_bench --conv-layouts         CPU convolutions in each oneDNN layout too
 //                                        (Note [CPU convolution: measured choice])
 //   kernels_bench --suite check|perf|all the tests' small cases are a quick smoke run
@@ -63,6 +67,7 @@ struct Options {
   bool json = false;
   bool list = false;
   bool conv_layouts = false;
+  bool tf32 = false;
   std::vector<std::string> filters;
   std::string device = "cpu:0";
   std::string suite = "perf";
@@ -82,7 +87,7 @@ void usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--json] [--list] [--filter TEXT[,TEXT...]] [--device cpu:0|cuda:0]\n"
                "          [--suite perf|check|all] [--threads N[,N...]] [--conv-layouts]\n"
-               "          [--min-ms MS]\n",
+               "          [--min-ms MS] [--tf32]\n",
                argv0);
 }
 
@@ -110,6 +115,8 @@ bool parse(int argc, char** argv, Options& o) {
       o.list = true;
     } else if (a == "--conv-layouts") {
       o.conv_layouts = true;
+    } else if (a == "--tf32") {
+      o.tf32 = true;
     } else if (a == "--filter" && value(v)) {
       for (auto& f : split(v)) o.filters.push_back(f);
     } else if (a == "--device" && value(v)) {
@@ -249,6 +256,10 @@ int run(const Options& o) {
   CpuBackend& cpu = dp::backend::cpu::cpu_backend_impl();
   const bool on_cpu = dev.type == dp::DeviceType::CPU;
   const int hw = dp::hardware_concurrency();
+  // The table times FP32 kernels against an FP32 oracle: TF32 only when asked for.
+  const bool tf32_matmul = dp::allow_tf32_matmul(), tf32_conv = dp::allow_tf32_conv();
+  dp::set_allow_tf32_matmul(o.tf32);
+  dp::set_allow_tf32_conv(o.tf32);
 
   std::vector<const OpCase*> cases;
   for (const OpCase& c : dp_test::op_cases())
@@ -282,7 +293,12 @@ int run(const Options& o) {
         cpu.set_conv_layout(layout);
         OpRun run(*c, be, dev);
         run.run();
-        const dp_test::Comparison cmp = dp_test::compare(want, run.read(), c->tol);
+        dp_test::Tolerance tol = c->tol;
+        if (o.tf32 && (is_conv(c->kernel) || c->name.rfind("gemm", 0) == 0 || c->name.rfind("linear", 0) == 0)) {
+          tol.rtol *= 8192;  // 2^(23 - 10): the unit roundoff of TF32 over FP32's
+          tol.atol *= 8192;
+        }
+        const dp_test::Comparison cmp = dp_test::compare(want, run.read(), tol);
         const Timing tm = time_ms(run, be, dev, o.min_ms);
         const double ms = tm.ms;
         rows.push_back(Row{c->name, c->shape, layouts.size() > 1 ? layout_name(layout) : "",
@@ -294,6 +310,8 @@ int run(const Options& o) {
   }
   cpu.set_concurrent_devices(1);
   cpu.set_conv_layout(ConvLayout::Auto);
+  dp::set_allow_tf32_matmul(tf32_matmul);
+  dp::set_allow_tf32_conv(tf32_conv);
 
   if (o.json) {
     print_json(rows, o.device);

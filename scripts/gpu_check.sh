@@ -10,6 +10,14 @@
 #   scripts/gpu_check.sh                 # report in gpu-check/ (build in build-gpu/)
 #   scripts/gpu_check.sh --out DIR       # report elsewhere
 #   scripts/gpu_check.sh --quick         # suites only, no benchmarks
+#   scripts/gpu_check.sh --bundle DIR    # no build: run a bundle of scripts/gpu_bundle.sh
+#                                        # (for GPU machines with no compiler or Meson)
+#
+# DP_GPU_CHECK_STEP_TIMEOUT=S stops any one step after S seconds (it then fails).
+# With --bundle the CUDA suites run through scripts/run_bundle_tests.py, the CPU suites
+# are left to the build machine, the CUDA libraries are looked for on this machine
+# (the loader's cache, /usr/local/cuda*, Python's nvidia-* wheels), and where python3
+# has a CUDA PyTorch, bench/pytorch/gpu_step_torch.py times the same steps beside dp.
 #
 # Exit status: 0 when every suite passed, 1 when one failed (the report says which),
 # 77 when no GPU is visible. Nothing here needs the network.
@@ -18,12 +26,14 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 out="$root/gpu-check"
 quick=0
+bundle=""
 while (($#)); do
   case "$1" in
     --out) out=$(realpath -m "$2"); shift 2 ;;
     --quick) quick=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
-    *) echo "gpu_check: unknown argument '$1' (expected --out DIR, --quick)" >&2; exit 2 ;;
+    --bundle) bundle=$(realpath "$2"); shift 2 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    *) echo "gpu_check: unknown argument '$1' (expected --out DIR, --quick, --bundle DIR)" >&2; exit 2 ;;
   esac
 done
 
@@ -41,7 +51,9 @@ run() {  # run NAME CMD...: logs, times and records one step
   local name=$1; shift
   local t0=$SECONDS
   echo "=== $name: $*" | tee -a "$log"
-  if "$@" >>"$log" 2>&1; then
+  local limit=()   # DP_GPU_CHECK_STEP_TIMEOUT=S: no step runs longer than S seconds
+  [[ -n ${DP_GPU_CHECK_STEP_TIMEOUT:-} ]] && limit=(timeout "$DP_GPU_CHECK_STEP_TIMEOUT")
+  if "${limit[@]}" "$@" >>"$log" 2>&1; then
     results+=("$name|ok|$((SECONDS - t0))")
   else
     results+=("$name|FAILED (rc $?)|$((SECONDS - t0))")
@@ -63,33 +75,78 @@ hdr_ver() {  # hdr_ver FILE MAJOR MINOR PATCH: "M.m.p" from #defines
   for k in "$2" "$3" "$4"; do v+=("$(sed -n "s/^#define $k \([0-9]*\).*/\1/p" "$f" | head -1)"); done
   echo "${v[0]:-?}.${v[1]:-?}.${v[2]:-?}"
 }
+lib_ver() {  # lib_ver SONAME: the version in the file name the loader's cache points at
+  local p
+  p=$(ldconfig -p 2>/dev/null | awk -v n="$1" '$1 == n {print $NF; exit}')
+  [[ -n $p ]] && basename "$(readlink -f "$p")" | sed -n 's/.*\.so\.\([0-9.]*\)$/\1/p'
+}
 cudnn_ver=$(hdr_ver "$inc/cudnn_version.h" CUDNN_MAJOR CUDNN_MINOR CUDNN_PATCHLEVEL)
 nccl_ver=$(hdr_ver "$inc/nccl.h" NCCL_MAJOR NCCL_MINOR NCCL_PATCH)
+# No headers (a bundle's machine): the libraries' own file names say it.
+[[ $cudnn_ver == unknown ]] && cudnn_ver="$(lib_ver libcudnn.so.9) (library)"
+[[ $nccl_ver == unknown ]] && nccl_ver="$(lib_ver libnccl.so.2) (library)"
+
 cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
 echo "GPU: $gpu_name x$gpu_count, driver $driver, CUDA $cuda_ver, cuDNN $cudnn_ver, NCCL $nccl_ver; CPU: $cpu" | tee -a "$log"
 
 # ---- build and suites ------------------------------------------------------------
-build=build-gpu
-if [[ ! -f $build/build.ninja ]]; then
-  run configure meson setup "$build" -Dcuda=enabled --buildtype=release
+if [[ -n $bundle ]]; then
+  [[ -f $bundle/tests.json ]] || { echo "gpu_check: $bundle is no bundle of scripts/gpu_bundle.sh" >&2; exit 2; }
+  build=$bundle
+  # The CUDA libraries dp links (by soname), wherever this machine keeps them.
+  libdirs=("$bundle/lib")
+  for so in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcudnn.so.9 libnccl.so.2; do
+    ldconfig -p 2>/dev/null | grep -q "$so" && continue
+    hit=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /usr/lib/python3*/ /usr/local/lib/python3*/ \
+            /opt/*/.venv/lib/python3*/site-packages/nvidia -name "$so" 2>/dev/null | head -1)
+    if [[ -n $hit ]]; then libdirs+=("$(dirname "$hit")"); else echo "gpu_check: $so not found" | tee -a "$log"; fi
+  done
+  LD_LIBRARY_PATH=$(IFS=:; echo "${libdirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export LD_LIBRARY_PATH
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >>"$log"
+  run "cuda suites (as is and 4 dp devices per GPU)" python3 "$root/scripts/run_bundle_tests.py" "$bundle" \
+    --suite cuda --log "$out/tests.txt" --timeout-multiplier "${DP_GPU_CHECK_TIMEOUT_MULTIPLIER:-1}"
+else
+  build=build-gpu
+  if [[ ! -f $build/build.ninja ]]; then
+    run configure meson setup "$build" -Dcuda=enabled --buildtype=release
+  fi
+  run build ninja -C "$build"
+  # tests/cuda/meson.build registers every CUDA binary twice: as is, and *_4_per_gpu.
+  run "cuda suites (as is and 4 dp devices per GPU)" meson test -C "$build" --suite cuda --print-errorlogs
+  run "all suites" meson test -C "$build" --print-errorlogs --num-processes 4
 fi
-run build ninja -C "$build"
-# tests/cuda/meson.build registers every CUDA binary twice: as is, and *_4_per_gpu.
-run "cuda suites (as is and 4 dp devices per GPU)" meson test -C "$build" --suite cuda --print-errorlogs
-run "all suites" meson test -C "$build" --print-errorlogs --num-processes 4
 
 # ---- benchmarks ------------------------------------------------------------------
 if ((!quick)); then
   run "kernels" "$build/bench/kernels_bench" --device cuda:0
+  run "kernels, TF32" "$build/bench/kernels_bench" --device cuda:0 --tf32 --filter gemm,conv2d
+  run "overhead (ToyModel)" "$build/bench/overhead_bench" --devices 1
+  run "overhead (ToyModel), 4 dp devices per GPU" env DP_CUDA_DEVICES_PER_GPU=4 \
+    "$build/bench/overhead_bench" --devices "1,2,$((4 * gpu_count))"
   run "collectives" "$build/bench/collectives_bench" --device cuda --devices "$gpu_count" --json
   run "collectives, 4 dp devices per GPU" env DP_CUDA_DEVICES_PER_GPU=4 \
     "$build/bench/collectives_bench" --device cuda --devices "$((4 * gpu_count))" --json
   run "dp_vs_ddp cnn, 4 dp devices per GPU" env DP_CUDA_DEVICES_PER_GPU=4 \
     "$build/samples/dp_vs_ddp/dp_vs_ddp" --model cnn --devices "1,$((4 * gpu_count))" --stages 1,2,3 --json
+  plot=()
   for model in mlp cnn resnet18; do
+    command -v gnuplot >/dev/null && plot=(--plot "$out/plot-$model")
     run "dp_vs_ddp $model" "$build/samples/dp_vs_ddp/dp_vs_ddp" --model "$model" --devices "1,$gpu_count" \
-      --json --trace "$out/trace-$model" --plot "$out/plot-$model"
+      --json --trace "$out/trace-$model" "${plot[@]}"
   done
+  # PyTorch's step beside dp's on the same GPU (same models, batch 256, SGD), where
+  # python3 has a CUDA PyTorch: its default and its best (cuDNN benchmark), and dp's
+  # single-device step with and without DP_CUDNN_BENCHMARK.
+  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    run "torch step, default" python3 "$root/bench/pytorch/gpu_step_torch.py"
+    run "torch step, cudnn.benchmark" python3 "$root/bench/pytorch/gpu_step_torch.py" --benchmark
+    for model in mlp cnn resnet18; do
+      run "dp single $model, cudnn benchmark" env DP_CUDNN_BENCHMARK=1 "$build/samples/dp_vs_ddp/dp_vs_ddp" \
+        --model "$model" --devices 1 --steps 50 --warmup 10 --json
+      run "dp single $model" "$build/samples/dp_vs_ddp/dp_vs_ddp" --model "$model" --devices 1 --steps 50 --warmup 10 --json
+    done
+  fi
 fi
 
 # ---- the report --------------------------------------------------------------------

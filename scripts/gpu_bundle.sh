@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Packs a built tree into a relocatable bundle that runs on a GPU machine with no
+# compiler, Meson, oneTBB, oneDNN or Open MPI installed: every executable and shared
+# library of the build (object files left out, layout kept so RPATHs hold), the test
+# list (Meson's intro-tests.json) with the paths it was built at, and the shared
+# libraries they load that a bare CUDA machine may lack (oneTBB, oneDNN, Open MPI and
+# what those load). CUDA's own libraries, the driver and the C/C++ runtime are left
+# out: the GPU machine has its own, and scripts/gpu_check.sh --bundle finds them.
+#
+#   scripts/gpu_bundle.sh                      # build-gpu -> .gpu-bundle
+#   scripts/gpu_bundle.sh BUILD_DIR DEST_DIR
+#
+# Then, on the GPU machine, from a checkout of the same commit:
+#   scripts/gpu_check.sh --bundle DEST_DIR
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=$(realpath "${1:-$root/build-gpu}")
+dest=$(realpath -m "${2:-$root/.gpu-bundle}")
+[[ -f $build/meson-info/intro-tests.json ]] ||
+  { echo "gpu_bundle: $build is not a configured Meson build (no meson-info/intro-tests.json)" >&2; exit 2; }
+[[ $dest != "$build" && $dest != / ]] || { echo "gpu_bundle: refusing to write the bundle over $dest" >&2; exit 2; }
+
+rm -rf "$dest"
+mkdir -p "$dest/lib"
+is_elf() { [[ -f $1 && ! -L $1 ]] && [[ $(head -c 4 "$1" | od -An -c | tr -d ' ') == '177ELF' ]]; }
+
+# Executables and shared objects of the build, outside the per-target object folders.
+while IFS= read -r -d '' f; do
+  rel=${f#"$build"/}
+  if [[ -L $f ]]; then
+    mkdir -p "$dest/$(dirname "$rel")"; cp -P "$f" "$dest/$rel"   # libdp.so -> libdp.so.0 ...
+  elif is_elf "$f"; then
+    mkdir -p "$dest/$(dirname "$rel")"; cp -p "$f" "$dest/$rel"
+  fi
+done < <(find "$build" \( -name '*.p' -o -name 'meson-*' \) -prune -o \( -type f -o -type l \) -print0)
+cp "$build/meson-info/intro-tests.json" "$dest/tests.json"
+printf '{"build": "%s", "source": "%s"}\n' "$build" "$root" >"$dest/origin.json"
+
+# Shared libraries a bare CUDA machine may not have.
+keep_out='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libcudnn|libnccl|libnvrtc|libnvJitLink)'
+while IFS= read -r -d '' f; do
+  is_elf "$f" || continue
+  ldd "$f" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+done < <(find "$dest" -path "$dest/lib" -prune -o -type f -print0) | sort -u |
+while read -r name path; do
+  [[ $name =~ $keep_out || $path == "$build"/* || $path == "$dest"/* ]] && continue
+  [[ -e $dest/lib/$name ]] || cp -L "$path" "$dest/lib/$name"
+done
+echo "gpu_bundle: $(find "$dest" -type f | wc -l) files, $(du -sh "$dest" | cut -f1) in $dest"
+echo "gpu_bundle: libraries carried: $(ls "$dest/lib" | tr '\n' ' ')"
