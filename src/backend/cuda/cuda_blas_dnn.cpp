@@ -36,6 +36,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_kernels.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
 
@@ -264,7 +265,7 @@ void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const f
 
 void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
                                          const float* gy, float* gw, float* gbias) {
-  bind(dev);
+  cudaStream_t compute = bind(dev);
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
   ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
@@ -297,8 +298,16 @@ void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const
   DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h.get(), &one, p.x, x, p.y, gy, p.conv,
                                                 p.bwd_filter, ws.get(), p.bwd_filter_ws, &zero,
                                                 p.w, gw));
-  if (gbias)
-    DP_CUDNN_CHECK(cudnnConvolutionBackwardBias(h.get(), &one, p.y, gy, &zero, p.bias, gbias));
+  if (gbias) {  // dp's channel sums, not cudnnConvolutionBackwardBias (Note [Convolution bias gradient])
+    const std::int64_t HW = s.P * s.Q;
+    const std::int64_t floats = cuda_kernels::channel_sums_scratch(s.N, s.K, HW);
+    if (floats == 0) {
+      cuda_kernels::channel_sums(compute, s.N, s.K, HW, gy, gbias, nullptr);
+    } else {
+      Scratch parts(*this, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+      cuda_kernels::channel_sums(compute, s.N, s.K, HW, gy, gbias, static_cast<float*>(parts.get()));
+    }
+  }
 }
 
 }  // namespace dp::backend

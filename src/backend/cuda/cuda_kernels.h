@@ -111,6 +111,11 @@ void batchnorm_backward(cudaStream_t stream, std::int64_t N, std::int64_t C, std
                         const float* save_mean, const float* save_invstd, float* gx,
                         float* ggamma, float* gbeta, float* scratch);
 std::int64_t batchnorm_backward_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
+/// out[c] = sum of x[n, c, k] over n < N, k < HW (x: (N, C, HW)): a convolution's bias
+/// gradient (Note [Convolution bias gradient]). `scratch`: channel_sums_scratch floats.
+void channel_sums(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW, const float* x,
+                  float* out, float* scratch);
+std::int64_t channel_sums_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
 // (batchnorm_backward: `scratch` holds 2 * C floats valid until the enqueued work ends.)
 
 }  // namespace dp::backend::cuda_kernels
