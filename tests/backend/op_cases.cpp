@@ -851,6 +851,7 @@ void add_check_suite(Table& t) {
   add_conv(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1));   // the CNN's 3x3 "same"
   add_pool(t, pool(2, 3, 9, 8, 3, 2, 2, 2, 1, 1));  // padded, non-square window
   add_pool(t, pool(2, 3, 8, 8, 2, 2, 2, 2, 0, 0));  // the CNN's 2x2/2 (CPU: its own path)
+  add_pool(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0));  // 2x2/2 on odd sizes: the last row and column in no window
   add_pool(t, pool(2, 3, 7, 7, 3, 3, 1, 1, 1, 1));  // overlapping windows
   add_batchnorm(t, 6, 5, 49);
   add_optim(t, kCheckN, true);
