@@ -126,7 +126,7 @@ test_args() {
   printf '%s\n' --no-rebuild --print-errorlogs --timeout-multiplier "$mult"
   # docs: the snippets are separate programs compiled without the sanitizer flags, so
   # they cannot load an instrumented libdp; the release run compiles and runs them.
-  [[ $# -eq 0 ]] && printf '%s\n' --no-suite cuda --no-suite docs
+  [[ $# -eq 0 ]] && printf '%s\n' --no-suite cuda --no-suite docs --no-suite scripts
   for s in "$@"; do printf '%s\n' --suite "$s"; done
 }
 
