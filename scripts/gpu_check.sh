@@ -17,7 +17,7 @@
 # With --bundle the CUDA suites run through scripts/run_bundle_tests.py, the CPU suites
 # are left to the build machine, the CUDA libraries are looked for on this machine
 # (the loader's cache, /usr/local/cuda*, Python's nvidia-* wheels), and where python3
-# has a CUDA PyTorch, bench/pytorch/gpu_step_torch.py times the same steps beside dp.
+# has a CUDA PyTorch, bench/gpu_side_by_side.py times the same steps beside dp's.
 #
 # Exit status: 0 when every suite passed, 1 when one failed (the report says which),
 # 77 when no GPU is visible. Nothing here needs the network.
@@ -135,17 +135,12 @@ if ((!quick)); then
     run "dp_vs_ddp $model" "$build/samples/dp_vs_ddp/dp_vs_ddp" --model "$model" --devices "1,$gpu_count" \
       --json --trace "$out/trace-$model" "${plot[@]}"
   done
-  # PyTorch's step beside dp's on the same GPU (same models, batch 256, SGD), where
-  # python3 has a CUDA PyTorch: its default and its best (cuDNN benchmark), and dp's
-  # single-device step with and without DP_CUDNN_BENCHMARK.
+  # PyTorch's step beside dp's on the same GPU (same models, batch 256, SGD), alternating,
+  # where python3 has a CUDA PyTorch: its default and its best (cuDNN benchmark), and
+  # dp's single-device step with and without DP_CUDNN_BENCHMARK.
   if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    run "torch step, default" python3 "$root/bench/pytorch/gpu_step_torch.py"
-    run "torch step, cudnn.benchmark" python3 "$root/bench/pytorch/gpu_step_torch.py" --benchmark
-    for model in mlp cnn resnet18; do
-      run "dp single $model, cudnn benchmark" env DP_CUDNN_BENCHMARK=1 "$build/samples/dp_vs_ddp/dp_vs_ddp" \
-        --model "$model" --devices 1 --steps 50 --warmup 10 --json
-      run "dp single $model" "$build/samples/dp_vs_ddp/dp_vs_ddp" --model "$model" --devices 1 --steps 50 --warmup 10 --json
-    done
+    run "dp vs PyTorch, alternating" python3 "$root/bench/gpu_side_by_side.py" \
+      --binary "$build/samples/dp_vs_ddp/dp_vs_ddp" --rounds 2 --steps 50 --warmup 10 --dp-env
   fi
 fi
 
