@@ -18,13 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-failures = []
-
-
-def check(cond, what):
-    print(("ok     " if cond else "FAILED ") + what, flush=True)
-    if not cond:
-        failures.append(what)
+from checks import check, failures
 
 
 def run(cmd, **kw):

@@ -7,13 +7,7 @@ import sys
 import tempfile
 
 script = os.path.join(sys.argv[1], "scripts", "gpu_profile.sh")
-failures = []
-
-
-def check(cond, what):
-    print(("ok     " if cond else "FAILED ") + what, flush=True)
-    if not cond:
-        failures.append(what)
+from checks import check, finish
 
 
 def run(*args):
@@ -55,5 +49,4 @@ with tempfile.TemporaryDirectory() as tmp:
     check(p.returncode == 2 and "positive integers" in p.stdout, f"--launches 0: {p.stdout.strip()}")
     p = run("--frobnicate")
     check(p.returncode == 2 and "unknown argument" in p.stdout, f"an unknown argument: {p.stdout.strip()}")
-print(f"{len(failures)} failed")
-sys.exit(1 if failures else 0)
+finish()

@@ -7,13 +7,7 @@ import sys
 
 source, binary = sys.argv[1], sys.argv[2]
 script = os.path.join(source, "bench", "gpu_side_by_side.py")
-failures = []
-
-
-def check(cond, what):
-    print(("ok     " if cond else "FAILED ") + what, flush=True)
-    if not cond:
-        failures.append(what)
+from checks import check, finish
 
 
 def run(*args):
@@ -31,5 +25,4 @@ p = run("--binary", binary, "--torch-python", "/bin/false")
 check(p.returncode == 77 and "has no CUDA PyTorch" in p.stdout, f"no CUDA PyTorch: skip (exit {p.returncode})")
 p = run("--bogus")
 check(p.returncode == 2, f"an unknown argument (exit {p.returncode})")
-print(f"{len(failures)} failed")
-sys.exit(1 if failures else 0)
+finish()

@@ -177,7 +177,7 @@ __global__ void maxpool_backward_kernel(const PoolDims<I> s, const float* __rest
 // one window: a thread per window writes its kh x kw cells, the winner 0 + gy (the sum
 // the general kernel forms, so -0 becomes +0 there as well) and the rest 0. It reads
 // each index and gradient once instead of once per cell, with no division per cell:
-// the general kernel below ran conv1's pool gradient (25.7 MB) at a third of an H100's
+// the general kernel above ran conv1's pool gradient (25.7 MB) at a third of an H100's
 // memory speed.
 template <typename I>
 __global__ void maxpool_backward_tiled_kernel(const PoolDims<I> s, const float* __restrict__ gy,
