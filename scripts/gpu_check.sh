@@ -156,6 +156,12 @@ fi
   echo "| step | result | seconds |"
   echo "|---|---|---|"
   for r in "${results[@]}"; do IFS='|' read -r n s t <<<"$r"; echo "| $n | $s | $t |"; done
+  if grep -q '^=== dp vs PyTorch, alternating' "$log"; then
+    echo
+    echo '```'
+    awk '/^=== dp vs PyTorch, alternating/ {f = 1; next} /^=== / {f = 0} f && !/^round /' "$log"
+    echo '```'
+  fi
   echo
   echo "Full output: log.txt. Benchmark JSON lines are in log.txt after each '=== ' header."
 } >"$out/report.md"
