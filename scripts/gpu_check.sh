@@ -17,7 +17,8 @@
 # With --bundle the CUDA suites run through scripts/run_bundle_tests.py, the CPU suites
 # are left to the build machine, the CUDA libraries are looked for on this machine
 # (the loader's cache, /usr/local/cuda*, Python's nvidia-* wheels), and where python3
-# has a CUDA PyTorch, bench/gpu_side_by_side.py times the same steps beside dp's.
+# has a CUDA PyTorch, bench/gpu_side_by_side.py times the same steps beside dp's;
+# where ncu is there, scripts/gpu_profile.sh gives the CNN's and MLP's GPU time per kernel.
 #
 # Exit status: 0 when every suite passed, 1 when one failed (the report says which),
 # 77 when no GPU is visible. Nothing here needs the network.
@@ -32,7 +33,7 @@ while (($#)); do
     --out) out=$(realpath -m "$2"); shift 2 ;;
     --quick) quick=1; shift ;;
     --bundle) bundle=$(realpath "$2"); shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (expected --out DIR, --quick, --bundle DIR)" >&2; exit 2 ;;
   esac
 done
@@ -135,6 +136,11 @@ if ((!quick)); then
     run "dp_vs_ddp $model" "$build/samples/dp_vs_ddp/dp_vs_ddp" --model "$model" --devices "1,$gpu_count" \
       --json --trace "$out/trace-$model" "${plot[@]}"
   done
+  # GPU time per kernel of the CNN's and the MLP's steps, where Nsight Compute is there.
+  if command -v ncu >/dev/null || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu >/dev/null 2>&1; then
+    run "profile (ncu), cnn and mlp" "$root/scripts/gpu_profile.sh" --build "$build" --models cnn,mlp \
+      --out "$out/profile"
+  fi
   # PyTorch's step beside dp's on the same GPU (same models, batch 256, SGD), alternating,
   # where python3 has a CUDA PyTorch: its default and its best (cuDNN benchmark), and
   # dp's single-device step with and without DP_CUDNN_BENCHMARK.
