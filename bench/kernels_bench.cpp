@@ -294,7 +294,7 @@ int run(const Options& o) {
         OpRun run(*c, be, dev);
         run.run();
         dp_test::Tolerance tol = c->tol;
-        if (o.tf32 && (is_conv(c->kernel) || c->name.rfind("gemm", 0) == 0 || c->name.rfind("linear", 0) == 0)) {
+        if (o.tf32 && (is_conv(c->kernel) || c->kernel == Kernel::Gemm)) {
           tol.rtol *= 8192;  // 2^(23 - 10): the unit roundoff of TF32 over FP32's
           tol.atol *= 8192;
         }

@@ -40,6 +40,20 @@ std::vector<float> random_vec(i64 n, unsigned seed, float lo = -1.0f, float hi =
   return v;
 }
 
+/// Pooling input that stresses the winner rule: values in steps of 0.5 (many ties),
+/// with NaN, -inf and +inf sprinkled at fixed strides.
+std::vector<float> pool_input(i64 n, unsigned seed) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  auto x = random_vec(n, seed);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = std::round(x[i] * 2.0f);  // many ties
+    if (i % 11 == 3) x[i] = nan;
+    if (i % 13 == 5) x[i] = -inf;
+    if (i % 17 == 7) x[i] = inf;
+  }
+  return x;
+}
+
 /// Checks |got - want| <= atol + rtol * |want| elementwise; reports the first failure.
 void check_close(const std::vector<float>& got, const std::vector<double>& want, double rtol,
                  double atol, const std::string& what) {
@@ -998,7 +1012,7 @@ TEST_CASE("2x2 max-pool fast path: NaN, infinities, ties, odd sizes, ceil mode, 
   // same rule (first maximum in row-major order; a NaN wins and the first NaN stays),
   // for widths that exercise whole vectors, the overlapping last vector of a row (Q = 5,
   // 7, 9, 14) and rows narrower than a vector.
-  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const float inf = std::numeric_limits<float>::infinity();
   for (i64 W : {2, 5, 8, 9, 14, 16, 17, 28}) {
     for (i64 H : {2, 3, 6}) {
       for (bool ceil_mode : {false, true}) {
@@ -1010,13 +1024,7 @@ TEST_CASE("2x2 max-pool fast path: NaN, infinities, ties, odd sizes, ceil mode, 
         CAPTURE(H);
         CAPTURE(W);
         CAPTURE(ceil_mode);
-        auto x = random_vec(s.N * s.C * H * W, 40 + static_cast<unsigned>(W * 7 + H));
-        for (std::size_t i = 0; i < x.size(); ++i) {
-          x[i] = std::round(x[i] * 2.0f);  // many ties
-          if (i % 11 == 3) x[i] = nan;
-          if (i % 13 == 5) x[i] = -inf;
-          if (i % 17 == 7) x[i] = inf;
-        }
+        auto x = pool_input(s.N * s.C * H * W, 40 + static_cast<unsigned>(W * 7 + H));
         std::vector<float> y(s.N * s.C * s.P * s.Q);
         std::vector<i64> idx(y.size());
         be().maxpool2d_forward(dev0(), s, x.data(), y.data(), idx.data());
@@ -1065,7 +1073,6 @@ TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient b
   // row0 + 2q + (k / 2) * W + k % 2; y and gx equal maxpool2d_forward/backward's, for
   // whole vectors, the overlapping last vector and rows narrower than a vector, with
   // NaN, infinities and ties, at one thread and at all cores.
-  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   const int hw = dp::hardware_concurrency();
   for (i64 W : {2, 3, 5, 8, 9, 14, 16, 17, 28}) {
     for (i64 H : {2, 3, 6, 14}) {
@@ -1074,13 +1081,7 @@ TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient b
         CAPTURE(H);
         CAPTURE(W);
         CAPTURE(devices);
-        auto x = random_vec(s.N * s.C * H * W, 50 + static_cast<unsigned>(W * 7 + H));
-        for (std::size_t i = 0; i < x.size(); ++i) {
-          x[i] = std::round(x[i] * 2.0f);  // many ties
-          if (i % 11 == 3) x[i] = nan;
-          if (i % 13 == 5) x[i] = -inf;
-          if (i % 17 == 7) x[i] = inf;
-        }
+        auto x = pool_input(s.N * s.C * H * W, 50 + static_cast<unsigned>(W * 7 + H));
         const std::size_t outputs = static_cast<std::size_t>(s.N * s.C * s.P * s.Q);
         std::vector<float> y(outputs, 7.0f), y_bytes(outputs, 7.0f);
         std::vector<i64> idx(outputs);

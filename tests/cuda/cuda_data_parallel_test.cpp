@@ -80,19 +80,20 @@ constexpr std::int64_t kBatch = 64;
 // The comparisons with the CPU runs are of FP32 arithmetic: TF32, which convolutions
 // may use by default (dp::allow_tf32_conv, like torch.backends.cudnn.allow_tf32),
 // rounds their products to 10 mantissa bits (on an H100 the CNN below then ends 1.4e-4
-// from the CPU run after kSteps). Turned off for the guard's life, then restored.
-struct Fp32Only {
+// from the CPU run after kSteps). The guard sets the TF32 policy for its life, then
+// restores it; Tf32Policy(false, false) is FP32 throughout.
+struct Tf32Policy {
   bool matmul = dp::allow_tf32_matmul(), conv = dp::allow_tf32_conv();
-  Fp32Only() {
-    dp::set_allow_tf32_matmul(false);
-    dp::set_allow_tf32_conv(false);
+  Tf32Policy(bool allow_matmul, bool allow_conv) {
+    dp::set_allow_tf32_matmul(allow_matmul);
+    dp::set_allow_tf32_conv(allow_conv);
   }
-  ~Fp32Only() {
+  ~Tf32Policy() {
     dp::set_allow_tf32_matmul(matmul);
     dp::set_allow_tf32_conv(conv);
   }
-  Fp32Only(const Fp32Only&) = delete;
-  Fp32Only& operator=(const Fp32Only&) = delete;
+  Tf32Policy(const Tf32Policy&) = delete;
+  Tf32Policy& operator=(const Tf32Policy&) = delete;
 };
 
 struct Run {
@@ -165,7 +166,7 @@ TEST_CASE("DP, DDP and Sharded on every GPU match the same run on CPU virtual de
   const auto gpus = cuda_devices();
   std::vector<dp::Device> cpus;
   for (std::size_t i = 0; i < gpus.size(); ++i) cpus.push_back(dp::cpu(static_cast<int>(i)));
-  Fp32Only fp32;
+  Tf32Policy fp32(false, false);
   const dp::DataParallelOptions modes[] = {{.mode = dp::Mode::DP},
                                            {.mode = dp::Mode::DDP},
                                            {.mode = dp::Mode::Sharded, .shard_stage = 1},
@@ -208,12 +209,10 @@ TEST_CASE("with TF32 convolutions (the default) DDP ends near the FP32 run") {
   const auto gpus = cuda_devices();
   std::vector<dp::Device> cpus;
   for (std::size_t i = 0; i < gpus.size(); ++i) cpus.push_back(dp::cpu(static_cast<int>(i)));
-  const bool before = dp::allow_tf32_conv();
-  dp::set_allow_tf32_conv(true);
   const dp::DataParallelOptions ddp{.mode = dp::Mode::DDP};
-  const Run got = train(gpus, ddp, false);
-  dp::set_allow_tf32_conv(before);
   const Run ref = train(cpus, ddp, false);
+  const Tf32Policy tf32(/*allow_matmul=*/false, /*allow_conv=*/true);  // PyTorch's defaults
+  const Run got = train(gpus, ddp, false);
   CHECK(max_diff(got.params, ref.params) < 5e-3);
 }
 

@@ -300,13 +300,9 @@ void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const
                                                 p.w, gw));
   if (gbias) {  // dp's channel sums, not cudnnConvolutionBackwardBias (Note [Convolution bias gradient])
     const std::int64_t HW = s.P * s.Q;
-    const std::int64_t floats = cuda_kernels::channel_sums_scratch(s.N, s.K, HW);
-    if (floats == 0) {
-      cuda_kernels::channel_sums(compute, s.N, s.K, HW, gy, gbias, nullptr);
-    } else {
-      Scratch parts(*this, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
-      cuda_kernels::channel_sums(compute, s.N, s.K, HW, gy, gbias, static_cast<float*>(parts.get()));
-    }
+    Scratch parts(*this, dev.index,
+                  static_cast<std::size_t>(cuda_kernels::channel_sums_scratch(s.N, s.K, HW)) * sizeof(float));
+    cuda_kernels::channel_sums(compute, s.N, s.K, HW, gy, gbias, static_cast<float*>(parts.get()));
   }
 }
 
