@@ -196,7 +196,7 @@ const char* layout_name(ConvLayout layout) {
 }
 
 bool is_conv(Kernel k) {
-  return k == Kernel::Conv2dForward || k == Kernel::Conv2dBackwardData ||
+  return k == Kernel::Conv2dForward || k == Kernel::Conv2dReluForward || k == Kernel::Conv2dBackwardData ||
          k == Kernel::Conv2dBackwardWeight;
 }
 

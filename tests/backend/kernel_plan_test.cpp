@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace kp = dp::backend::kernel_plan;
 
@@ -72,4 +73,54 @@ TEST_CASE("32-bit index dispatch") {
   CHECK(kp::pool_fits_i32(s));  // 205 M input elements
   s.N = 4096;                   // 3.3 G input elements
   CHECK_FALSE(kp::pool_fits_i32(s));
+}
+
+TEST_CASE("FastDivider: n / d and n % d as the division gives them, over the whole int32 range") {
+  // Divisors: small ones, the CNN's and ResNet's planes and channel counts, powers of two
+  // and their neighbours, and the largest.
+  std::vector<std::uint32_t> divisors;
+  for (std::uint32_t d = 1; d <= 300; ++d) divisors.push_back(d);
+  for (std::uint32_t d : {784u, 196u, 1024u, 3136u, 12544u, 50176u, 65535u, 65536u, 65537u, 1000003u, 0x40000000u,
+                          0x40000001u, 0x7ffffffeu, 0x7fffffffu})
+    divisors.push_back(d);
+  for (int b = 1; b < 31; ++b) {
+    divisors.push_back((1u << b) - 1);
+    divisors.push_back((1u << b) + 1);
+  }
+  // Dividends: the edges of every quotient near 0 and near INT32_MAX, and a stride
+  // through the range.
+  std::uint64_t checked = 0, wrong = 0;
+  for (std::uint32_t d : divisors) {
+    const kp::FastDivider f(d);
+    auto check = [&](std::uint64_t n) {
+      if (n > 0x7fffffffu) return;
+      const auto n32 = static_cast<std::uint32_t>(n);
+      ++checked;
+      if (f.div(n32) != n32 / d || f.mod(n32) != n32 % d) {
+        if (++wrong <= 5) FAIL_CHECK("d=" << d << " n=" << n32 << ": got " << f.div(n32) << ", " << f.mod(n32));
+      }
+    };
+    for (std::uint64_t n = 0; n < 4096; ++n) check(n);
+    for (std::uint64_t q = 1; q < 4096; ++q) {  // around the first multiples of d
+      check(q * d - 1);
+      check(q * d);
+    }
+    for (std::uint64_t n = 0x7fffffffu - 4096; n <= 0x7fffffffu; ++n) check(n);
+    const std::uint64_t top = 0x7fffffffu / d * d;  // around the last multiples of d
+    for (std::uint64_t k = 0; k < 64 && top >= k * d + 1; ++k) {
+      check(top - k * d);
+      check(top - k * d - 1);
+    }
+    for (std::uint64_t n = 12345; n <= 0x7fffffffu; n += 1'000'003) check(n);
+  }
+  CHECK(wrong == 0);
+  CHECK(checked > 1'000'000);
+}
+
+TEST_CASE("FastDivider: fast_divisible names the ranges it holds for") {
+  CHECK(kp::fast_divisible(0x80000000LL, 784));  // dividends up to INT32_MAX
+  CHECK_FALSE(kp::fast_divisible(0x80000001LL, 784));
+  CHECK_FALSE(kp::fast_divisible(100, 0));
+  CHECK_FALSE(kp::fast_divisible(100, 0x80000000LL));
+  CHECK(kp::fast_divisible(0, 1));
 }

@@ -41,7 +41,7 @@ constexpr const char* kKernelNames[] = {
     "reduce", "argmax", "count_nonfinite",
     "gemm",
     "log_softmax", "log_softmax_backward", "nll_forward", "nll_backward",
-    "conv2d_forward", "conv2d_backward_data", "conv2d_backward_weight",
+    "conv2d_forward", "conv2d_relu_forward", "conv2d_backward_data", "conv2d_backward_weight",
     "maxpool2d_forward", "maxpool2d_backward", "avgpool2d_forward", "avgpool2d_backward",
     "batchnorm_forward_train", "batchnorm_forward_eval", "batchnorm_backward",
     "sgd_step", "adam_step",
@@ -610,6 +610,16 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
           r.output("y", y, ny);
           r.set_call([=](Backend& be, Device d) { be.conv2d_forward(d, s, x, w, b, y); });
         });
+  // Half the inputs of the sum are negative, so about half the outputs are clipped.
+  t.add(Kernel::Conv2dReluForward, shape, sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S)),
+        flops, kF * (nx + nw + nb + ny), [=](OpRun& r) {
+          const float* x = r.uniform(nx, -1, 1);
+          const float* w = r.uniform(nw, -1, 1);
+          const float* b = bias ? r.uniform(s.K, -1, 1) : nullptr;
+          float* y = r.empty(ny);
+          r.output("y", y, ny);
+          r.set_call([=](Backend& be, Device d) { be.conv2d_relu_forward(d, s, x, w, b, y); });
+        });
   if (bias) t.add(Kernel::Conv2dBackwardData, conv_name(s),
         sum_tol(kGemmBase, static_cast<double>(s.K * s.R * s.S)), flops, kF * (ny + nw + nx),
         [=](OpRun& r) {
@@ -687,21 +697,23 @@ void add_pool(Table& t, const Pool2dShape& s) {
   });
 }
 
-void add_batchnorm(Table& t, i64 N, i64 C, i64 HW) {
+/// `shift`: every (N, C, HW) tensor starts that many floats into its buffer, as a view
+/// may (CUDA: the kernels' unaligned path, Note [Per-channel maps]).
+void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0) {
   const i64 n = N * C * HW;
-  const std::string shape = cat("N", N, " C", C, " HW", HW);
+  const std::string shape = cat("N", N, " C", C, " HW", HW) + (shift ? cat(" at +", shift) : std::string());
   // Statistics are sums over N·HW values per channel.
   const Tolerance tol = sum_tol({1e-4, 1e-5}, static_cast<double>(N * HW));
   constexpr float kEps = 1e-5f, kMomentum = 0.1f;  // PyTorch's defaults
   for (bool running : {true, false}) {
     t.add(Kernel::BatchNormForwardTrain, shape + (running ? "" : " no running stats"), tol, 0,
           kF * (2 * n + 8 * C), [=](OpRun& r) {
-            const float* x = r.uniform(n, -4, 4);
+            const float* x = r.uniform(n + shift, -4, 4) + shift;
             const float* gamma = r.uniform(C, 0.1f, 2);
             const float* beta = r.uniform(C, -1, 1);
             float* rmean = running ? r.uniform(C, -1, 1) : nullptr;
             float* rvar = running ? r.uniform(C, 0.1f, 2) : nullptr;
-            float* y = r.empty(n);
+            float* y = r.empty(n + shift) + shift;
             float* mean = r.empty(C);
             float* invstd = r.empty(C);
             r.output("y", y, n);
@@ -719,12 +731,12 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW) {
   }
   t.add(Kernel::BatchNormForwardEval, shape, {1e-4, 1e-5}, 0, kF * (2 * n + 4 * C),
         [=](OpRun& r) {
-          const float* x = r.uniform(n, -4, 4);
+          const float* x = r.uniform(n + shift, -4, 4) + shift;
           const float* gamma = r.uniform(C, 0.1f, 2);
           const float* beta = r.uniform(C, -1, 1);
           const float* rmean = r.uniform(C, -1, 1);
           const float* rvar = r.uniform(C, 0.1f, 2);
-          float* y = r.empty(n);
+          float* y = r.empty(n + shift) + shift;
           r.output("y", y, n);
           r.set_call([=](Backend& b, Device d) {
             b.batchnorm_forward_eval(d, N, C, HW, x, gamma, beta, kEps, rmean, rvar, y);
@@ -747,12 +759,14 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW) {
       invstd[static_cast<std::size_t>(c)] =
           static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(N * HW) - m * m + kEps));
     }
-    const float* x = r.upload(xh);
-    const float* gy = r.uniform(n, -1, 1);
+    std::vector<float> xs(static_cast<std::size_t>(shift), 0.0f);
+    xs.insert(xs.end(), xh.begin(), xh.end());
+    const float* x = r.upload(xs) + shift;
+    const float* gy = r.uniform(n + shift, -1, 1) + shift;
     const float* gamma = r.uniform(C, 0.1f, 2);
     const float* save_mean = r.upload(mean);
     const float* save_invstd = r.upload(invstd);
-    float* gx = r.empty(n);
+    float* gx = r.empty(n + shift) + shift;
     float* ggamma = r.empty(C);
     float* gbeta = r.empty(C);
     r.output("gx", gx, n);
@@ -854,6 +868,9 @@ void add_check_suite(Table& t) {
   add_pool(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0));  // 2x2/2 on odd sizes: the last row and column in no window
   add_pool(t, pool(2, 3, 7, 7, 3, 3, 1, 1, 1, 1));  // overlapping windows
   add_batchnorm(t, 6, 5, 49);
+  add_batchnorm(t, 4, 3, 64);     // HW % 4 == 0 (CUDA: four elements a thread)
+  add_batchnorm(t, 4, 3, 64, 1);  // the same, not 16-byte aligned
+  add_batchnorm(t, 5, 7, 1);      // 1x1 planes
   add_optim(t, kCheckN, true);
 }
 
@@ -891,6 +908,8 @@ void add_perf_suite(Table& t) {
   add_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
   add_pool(t, pool(256, 64, 14, 14, 2, 2, 2, 2, 0, 0));
   add_batchnorm(t, 256, 32, 784);
+  add_batchnorm(t, 256, 64, 1024);  // ResNet-18 (CIFAR) at batch 256: its first stage
+  add_batchnorm(t, 256, 512, 16);   // and its last
   add_optim(t, n, false);
 }
 

@@ -46,7 +46,7 @@ enum class Kernel : std::uint8_t {
   Reduce, Argmax, CountNonfinite,
   Gemm,
   LogSoftmax, LogSoftmaxBackward, NllForward, NllBackward,
-  Conv2dForward, Conv2dBackwardData, Conv2dBackwardWeight,
+  Conv2dForward, Conv2dReluForward, Conv2dBackwardData, Conv2dBackwardWeight,
   MaxPool2dForward, MaxPool2dBackward, AvgPool2dForward, AvgPool2dBackward,
   BatchNormForwardTrain, BatchNormForwardEval, BatchNormBackward,
   SgdStep, AdamStep,

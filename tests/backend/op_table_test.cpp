@@ -233,6 +233,11 @@ class RecordingBackend final : public Backend {
     hit(Kernel::Conv2dForward);
     in_.conv2d_forward(dev, s, x, w, bias, y);
   }
+  void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                           const float* bias, float* y) override {
+    hit(Kernel::Conv2dReluForward);
+    in_.conv2d_relu_forward(dev, s, x, w, bias, y);
+  }
   void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
                             float* gx) override {
     hit(Kernel::Conv2dBackwardData);

@@ -242,6 +242,8 @@ class CudaBackend final : public Backend {
 
   void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
                       const float* bias, float* y) override;
+  void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
+                           const float* bias, float* y) override;
   void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
                             float* gx) override;
   void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
@@ -282,6 +284,9 @@ class CudaBackend final : public Backend {
   /// Checks the device, makes it current, initialises it on first use; returns its
   /// current stream for the calling thread.
   cudaStream_t bind(Device dev);
+  /// conv2d_forward, and conv2d_relu_forward when `relu`.
+  void conv_forward(Device dev, const Conv2dShape& s, const float* x, const float* w, const float* bias, float* y,
+                    bool relu);
   DeviceState& state(int device);
   void check_device(Device dev) const;
   cudaEvent_t acquire_event(int device);

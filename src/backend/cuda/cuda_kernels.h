@@ -116,6 +116,11 @@ std::int64_t batchnorm_backward_scratch(std::int64_t N, std::int64_t C, std::int
 void channel_sums(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW, const float* x,
                   float* out, float* scratch);
 std::int64_t channel_sums_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
+/// y[n, c, k] = y[n, c, k] + bias[c], then relu when `relu` (bias may be null: the ReLU
+/// alone), in place over y: (N, C, HW) — a convolution's bias and ReLU in one pass
+/// (Note [Per-channel maps]).
+void bias_relu(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW, const float* bias, bool relu,
+               float* y);
 // (batchnorm_backward: `scratch` holds 2 * C floats valid until the enqueued work ends.)
 
 }  // namespace dp::backend::cuda_kernels
