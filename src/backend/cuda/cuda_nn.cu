@@ -262,30 +262,14 @@ __device__ float channel_part_sum(F f, i64 C, i64 HW, i64 c, i64 b, i64 e, float
     i64 n = j / HW, k = j - n * HW;
     const i64 plane = C * HW;
     const i64 base = c * HW;
-    auto next = [&] {
+    for (; j < e; j += step) {
+      acc += f(n * plane + base + k);
       n += step_n;
       k += step_k;
       if (k >= HW) {
         k -= HW;
         ++n;
       }
-    };
-    // Four elements' loads in flight before their four adds, which keep their order:
-    // one dependent load at a time held these sums to ~65 % of the memory's speed.
-    constexpr int kAhead = 4;
-    for (; j + (kAhead - 1) * step < e; j += kAhead * step) {
-      float v[kAhead];
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) {
-        v[u] = f(n * plane + base + k);
-        next();
-      }
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) acc += v[u];
-    }
-    for (; j < e; j += step) {
-      acc += f(n * plane + base + k);
-      next();
     }
   }
   return block_reduce(acc, SumOp{}, smem);
