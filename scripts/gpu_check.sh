@@ -13,7 +13,8 @@
 #   scripts/gpu_check.sh --bundle DIR    # no build: run a bundle of scripts/gpu_bundle.sh
 #                                        # (for GPU machines with no compiler or Meson)
 #
-# DP_GPU_CHECK_STEP_TIMEOUT=S stops any one step after S seconds (it then fails).
+# DP_GPU_CHECK_STEP_TIMEOUT=S stops any one step after S seconds (it then fails; the
+# dp-vs-PyTorch step, three models and four contenders a round, gets 3 S).
 # With --bundle the CUDA suites run through scripts/run_bundle_tests.py, the CPU suites
 # are left to the build machine, the CUDA libraries are looked for on this machine
 # (the loader's cache, /usr/local/cuda*, Python's nvidia-* wheels), and where python3
@@ -33,7 +34,7 @@ while (($#)); do
     --out) out=$(realpath -m "$2"); shift 2 ;;
     --quick) quick=1; shift ;;
     --bundle) bundle=$(realpath "$2"); shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR == 1 { next } /^#/ { print; next } { exit }' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (expected --out DIR, --quick, --bundle DIR)" >&2; exit 2 ;;
   esac
 done
@@ -48,12 +49,14 @@ log="$out/log.txt"
 status=0
 results=()   # "name|ok|seconds"
 
-run() {  # run NAME CMD...: logs, times and records one step
+run() {  # run [--steps K] NAME CMD...: logs, times and records one step (worth K steps' time)
+  local weight=1
+  if [[ $1 == --steps ]]; then weight=$2; shift 2; fi
   local name=$1; shift
   local t0=$SECONDS
   echo "=== $name: $*" | tee -a "$log"
-  local limit=()   # DP_GPU_CHECK_STEP_TIMEOUT=S: no step runs longer than S seconds
-  [[ -n ${DP_GPU_CHECK_STEP_TIMEOUT:-} ]] && limit=(timeout "$DP_GPU_CHECK_STEP_TIMEOUT")
+  local limit=()   # DP_GPU_CHECK_STEP_TIMEOUT=S: no step runs longer than K * S seconds
+  [[ -n ${DP_GPU_CHECK_STEP_TIMEOUT:-} ]] && limit=(timeout "$((DP_GPU_CHECK_STEP_TIMEOUT * weight))")
   if "${limit[@]}" "$@" >>"$log" 2>&1; then
     results+=("$name|ok|$((SECONDS - t0))")
   else
@@ -145,7 +148,9 @@ if ((!quick)); then
   # where python3 has a CUDA PyTorch: its default and its best (cuDNN benchmark), and
   # dp's single-device step with and without DP_CUDNN_BENCHMARK.
   if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    run "dp vs PyTorch, alternating" python3 "$root/bench/gpu_side_by_side.py" \
+    # Two rounds of three models and four contenders, each PyTorch one a fresh process:
+    # about 150 s a round on an H100 machine, so it counts as three steps.
+    run --steps 3 "dp vs PyTorch, alternating" python3 "$root/bench/gpu_side_by_side.py" \
       --binary "$build/samples/dp_vs_ddp/dp_vs_ddp" --rounds 2 --steps 50 --warmup 10 --dp-env
   fi
 fi
