@@ -601,25 +601,25 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
   const double flops = 2.0 * s.N * s.K * s.P * s.Q * s.C * s.R * s.S;  // the same for all three
   const std::string shape = conv_name(s) + (bias ? "" : " no bias");
   const double nb = bias ? static_cast<double>(s.K) : 0.0;
-  t.add(Kernel::Conv2dForward, shape, sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S)),
-        flops, kF * (nx + nw + nb + ny), [=](OpRun& r) {
-          const float* x = r.uniform(nx, -1, 1);
-          const float* w = r.uniform(nw, -1, 1);
-          const float* b = bias ? r.uniform(s.K, -1, 1) : nullptr;
-          float* y = r.empty(ny);
-          r.output("y", y, ny);
-          r.set_call([=](Backend& be, Device d) { be.conv2d_forward(d, s, x, w, b, y); });
-        });
-  // Half the inputs of the sum are negative, so about half the outputs are clipped.
-  t.add(Kernel::Conv2dReluForward, shape, sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S)),
-        flops, kF * (nx + nw + nb + ny), [=](OpRun& r) {
-          const float* x = r.uniform(nx, -1, 1);
-          const float* w = r.uniform(nw, -1, 1);
-          const float* b = bias ? r.uniform(s.K, -1, 1) : nullptr;
-          float* y = r.empty(ny);
-          r.output("y", y, ny);
-          r.set_call([=](Backend& be, Device d) { be.conv2d_relu_forward(d, s, x, w, b, y); });
-        });
+  // The forward, and the forward with its ReLU: the inputs' sums are about half
+  // negative, so about half the outputs are clipped.
+  for (bool relu : {false, true}) {
+    t.add(relu ? Kernel::Conv2dReluForward : Kernel::Conv2dForward, shape,
+          sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S)), flops, kF * (nx + nw + nb + ny), [=](OpRun& r) {
+            const float* x = r.uniform(nx, -1, 1);
+            const float* w = r.uniform(nw, -1, 1);
+            const float* b = bias ? r.uniform(s.K, -1, 1) : nullptr;
+            float* y = r.empty(ny);
+            r.output("y", y, ny);
+            r.set_call([=](Backend& be, Device d) {
+              if (relu) {
+                be.conv2d_relu_forward(d, s, x, w, b, y);
+              } else {
+                be.conv2d_forward(d, s, x, w, b, y);
+              }
+            });
+          });
+  }
   if (bias) t.add(Kernel::Conv2dBackwardData, conv_name(s),
         sum_tol(kGemmBase, static_cast<double>(s.K * s.R * s.S)), flops, kF * (ny + nw + nx),
         [=](OpRun& r) {
