@@ -13,8 +13,8 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_common.cuh"
-#include "backend/functors.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/functors.h"
 #include "backend/kernel_plan.h"
 #include "dp/core/error.h"
 
