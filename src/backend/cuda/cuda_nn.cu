@@ -354,34 +354,17 @@ __global__ void bn_finalize_kernel(i64 N, i64 C, i64 HW, int S, const float* __r
   }
 }
 
-/// y = (x - mean[c]) * invstd[c] * gamma[c] + beta[c]; gamma/beta may be null (1, 0).
-/// `var_mode`: invstd holds a variance and eps is added (eval), else invstd directly.
-__global__ void bn_apply_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x,
-                                const float* __restrict__ mean, const float* __restrict__ scale,
-                                bool var_mode, float eps, const float* __restrict__ gamma,
-                                const float* __restrict__ beta, float* __restrict__ y) {
-  const i64 total = N * C * HW;
-  for (i64 i = global_thread(); i < total; i += grid_stride()) {
-    const i64 c = (i / HW) % C;
-    const float invstd = var_mode ? rsqrtf(scale[c] + eps) : scale[c];
-    const float g = gamma ? gamma[c] : 1.0f;
-    const float b = beta ? beta[c] : 0.0f;
-    y[i] = (x[i] - mean[c]) * invstd * g + b;
-  }
-}
-
 // ---- kernels: per-channel maps ---------------------------------------------------------
 // Note [Per-channel maps]
 // Batch norm's normalisation and input gradient, and a convolution's bias (+ ReLU),
-// touch each element of an (N, C, HW) tensor once with constants of its channel. The
-// grid-stride kernels above find the channel as (i / HW) % C in 64 bits, a software
-// division per element that held batch norm's forward on an H100 at a third of the
-// memory's speed. channel_map_kernel takes V = 4 consecutive elements as one float4
+// touch each element of an (N, C, HW) tensor once with constants of its channel.
+// Finding the channel as (i / HW) % C in 64 bits, a software division per element,
+// held batch norm's forward on an H100 at a third of the memory's speed. channel_map_kernel takes V = 4 consecutive elements as one float4
 // when HW % 4 == 0 and every pointer is 16-byte aligned (the four share a channel),
 // else V = 1, and finds the channel of item t as (t / (HW / V)) % C with FastDivider
-// (Note [Division by a runtime constant] in kernel_plan.h). Each element goes through
-// the same float expression as in the 64-bit kernels, which remain for tensors of 2^31
-// items or more.
+// (Note [Division by a runtime constant] in kernel_plan.h). Tensors of 2^31 items or
+// more take a 64-bit grid-stride loop with the same Op, so each element goes through
+// one float expression whichever kernel runs.
 
 struct ChannelIndex {
   kernel_plan::FastDivider plane;     // items per (n, c) plane: HW / V
@@ -409,29 +392,41 @@ __global__ void channel_map_kernel(std::uint32_t items, ChannelIndex ix, const f
   }
 }
 
-/// Launches channel_map_kernel over the (N, C, HW) tensor; false (nothing launched)
-/// when it has 2^31 items or more, for the caller's 64-bit kernel.
+/// channel_map_kernel for tensors of 2^31 items or more: 64-bit indices, one element a
+/// thread, the channel by division.
 template <typename Op>
-bool channel_map(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* a, const float* b, float* out,
+__global__ void channel_map_wide_kernel(i64 total, i64 HW, i64 C, const float* a, const float* __restrict__ b,
+                                        float* out, Op op) {
+  for (i64 i = global_thread(); i < total; i += grid_stride()) {
+    out[i] = op.at((i / HW) % C)(a[i], Op::kInputs == 2 ? b[i] : 0.0f);
+  }
+}
+
+/// out = op.at(c)(a, b) over the (N, C, HW) tensor (Note [Per-channel maps]).
+template <typename Op>
+void channel_map(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* a, const float* b, float* out,
                  const Op& op) {
   const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   const bool vec = HW % 4 == 0 && aligned(a) && (Op::kInputs == 1 || aligned(b)) && aligned(out);
   const int V = vec ? 4 : 1;
   const i64 items = N * C * HW / V;
-  if (!kernel_plan::fast_divisible(items, HW / V) || !kernel_plan::fast_divisible(items, C)) return false;
-  const ChannelIndex ix{kernel_plan::FastDivider(static_cast<std::uint32_t>(HW / V)),
-                        kernel_plan::FastDivider(static_cast<std::uint32_t>(C))};
-  const auto n = static_cast<std::uint32_t>(items);
-  if (vec) {
-    channel_map_kernel<4><<<grid_for(items), kBlock, 0, stream>>>(n, ix, a, b, out, op);
+  if (!kernel_plan::fast_divisible(items, HW / V) || !kernel_plan::fast_divisible(items, C)) {
+    channel_map_wide_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N * C * HW, HW, C, a, b, out, op);
   } else {
-    channel_map_kernel<1><<<grid_for(items), kBlock, 0, stream>>>(n, ix, a, b, out, op);
+    const ChannelIndex ix{kernel_plan::FastDivider(static_cast<std::uint32_t>(HW / V)),
+                          kernel_plan::FastDivider(static_cast<std::uint32_t>(C))};
+    const auto n = static_cast<std::uint32_t>(items);
+    if (vec) {
+      channel_map_kernel<4><<<grid_for(items), kBlock, 0, stream>>>(n, ix, a, b, out, op);
+    } else {
+      channel_map_kernel<1><<<grid_for(items), kBlock, 0, stream>>>(n, ix, a, b, out, op);
+    }
   }
   DP_CUDA_CHECK_LAUNCH();
-  return true;
 }
 
-/// bn_apply_kernel's expression: y = (x - mean[c]) * invstd * gamma[c] + beta[c].
+/// y = (x - mean[c]) * invstd[c] * gamma[c] + beta[c]; gamma/beta may be null (1, 0).
+/// `var_mode`: scale holds a variance and eps is added (eval), else invstd directly.
 struct BnApplyOp {
   static constexpr int kInputs = 1;
   const float* mean;
@@ -444,15 +439,16 @@ struct BnApplyOp {
     float mean, invstd, g, b;
     __device__ __forceinline__ float operator()(float x, float) const { return (x - mean) * invstd * g + b; }
   };
-  __device__ __forceinline__ At at(std::uint32_t c) const {
+  __device__ __forceinline__ At at(i64 c) const {
     return {mean[c], var_mode ? rsqrtf(scale[c] + eps) : scale[c], gamma ? gamma[c] : 1.0f, beta ? beta[c] : 0.0f};
   }
 };
 
-/// bn_backward_apply_kernel's expression (a = gy, b = x).
+/// gx = gamma * invstd / M * (M * gy - Σgy - xhat * Σ(gy * xhat)) (a = gy, b = x, M = N * HW;
+/// sums[c] = Σgy, sums[C + c] = Σ(gy * xhat)).
 struct BnBackwardApplyOp {
   static constexpr int kInputs = 2;
-  std::uint32_t C;
+  i64 C;
   float m;  // N * HW
   const float* gamma;
   const float* save_mean;
@@ -465,7 +461,7 @@ struct BnBackwardApplyOp {
       return g * invstd / m * (m * gy - sum_gy - xhat * sum_gy_xhat);
     }
   };
-  __device__ __forceinline__ At at(std::uint32_t c) const {
+  __device__ __forceinline__ At at(i64 c) const {
     return {gamma ? gamma[c] : 1.0f, save_invstd[c], save_mean[c], m, sums[c], sums[C + c]};
   }
 };
@@ -484,17 +480,8 @@ struct BiasReluOp {
       return relu ? Unary<UnaryOp::Relu>{}(v) : v;
     }
   };
-  __device__ __forceinline__ At at(std::uint32_t c) const { return {bias ? bias[c] : 0.0f, bias != nullptr, relu}; }
+  __device__ __forceinline__ At at(i64 c) const { return {bias ? bias[c] : 0.0f, bias != nullptr, relu}; }
 };
-
-/// The 64-bit fallback of BiasReluOp.
-__global__ void bias_relu_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ bias, bool relu, float* y) {
-  const i64 total = N * C * HW;
-  for (i64 i = global_thread(); i < total; i += grid_stride()) {
-    const BiasReluOp::At f{bias ? bias[(i / HW) % C] : 0.0f, bias != nullptr, relu};
-    y[i] = f(y[i], 0.0f);
-  }
-}
 
 // sums[c] = Σ gy, sums[C + c] = Σ gy * xhat; also ggamma/gbeta when requested.
 __global__ void bn_backward_reduce_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ gy,
@@ -564,24 +551,6 @@ __global__ void channel_sum_kernel(i64 N, i64 C, i64 HW, const float* __restrict
 
 __global__ void channel_sum_finalize_kernel(i64 C, int S, const float* __restrict__ part, float* __restrict__ out) {
   for (i64 c = global_thread(); c < C; c += grid_stride()) out[c] = sum_parts(part + c * S, S);
-}
-
-// gx = gamma * invstd / M * (M * gy - Σgy - xhat * Σ(gy * xhat)).
-__global__ void bn_backward_apply_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ gy,
-                                         const float* __restrict__ x,
-                                         const float* __restrict__ gamma,
-                                         const float* __restrict__ save_mean,
-                                         const float* __restrict__ save_invstd,
-                                         const float* __restrict__ sums, float* __restrict__ gx) {
-  const i64 total = N * C * HW;
-  const float m = static_cast<float>(N * HW);
-  for (i64 i = global_thread(); i < total; i += grid_stride()) {
-    const i64 c = (i / HW) % C;
-    const float invstd = save_invstd[c];
-    const float xhat = (x[i] - save_mean[c]) * invstd;
-    const float g = gamma ? gamma[c] : 1.0f;
-    gx[i] = g * invstd / m * (m * gy[i] - sums[c] - xhat * sums[C + c]);
-  }
 }
 
 // ---- host helpers --------------------------------------------------------------------------
@@ -733,10 +702,7 @@ void batchnorm_forward_train(cudaStream_t stream, i64 N, i64 C, i64 HW, const fl
                                                            running_mean, running_var, save_mean, save_invstd);
     DP_CUDA_CHECK_LAUNCH();
   }
-  if (channel_map(stream, N, C, HW, x, nullptr, y, BnApplyOp{save_mean, save_invstd, false, eps, gamma, beta})) return;
-  bn_apply_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N, C, HW, x, save_mean, save_invstd,
-                                                               false, eps, gamma, beta, y);
-  DP_CUDA_CHECK_LAUNCH();
+  channel_map(stream, N, C, HW, x, nullptr, y, BnApplyOp{save_mean, save_invstd, false, eps, gamma, beta});
 }
 
 i64 batchnorm_forward_scratch(i64 N, i64 C, i64 HW) {
@@ -782,12 +748,7 @@ void batchnorm_forward_eval(cudaStream_t stream, i64 N, i64 C, i64 HW, const flo
                             const float* running_mean, const float* running_var, float* y) {
   check_bn("batchnorm_forward_eval", N, C, HW);
   DP_CHECK(running_mean && running_var, "batchnorm_forward_eval: running statistics are required");
-  if (channel_map(stream, N, C, HW, x, nullptr, y, BnApplyOp{running_mean, running_var, true, eps, gamma, beta})) {
-    return;
-  }
-  bn_apply_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N, C, HW, x, running_mean,
-                                                               running_var, true, eps, gamma, beta, y);
-  DP_CUDA_CHECK_LAUNCH();
+  channel_map(stream, N, C, HW, x, nullptr, y, BnApplyOp{running_mean, running_var, true, eps, gamma, beta});
 }
 
 void batchnorm_backward(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* gy,
@@ -809,20 +770,14 @@ void batchnorm_backward(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* 
     DP_CUDA_CHECK_LAUNCH();
   }
   if (!gx) return;
-  const BnBackwardApplyOp op{static_cast<std::uint32_t>(C), static_cast<float>(N * HW), gamma, save_mean,
-                             save_invstd, scratch};
-  if (channel_map(stream, N, C, HW, gy, x, gx, op)) return;
-  bn_backward_apply_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(
-      N, C, HW, gy, x, gamma, save_mean, save_invstd, scratch, gx);
-  DP_CUDA_CHECK_LAUNCH();
+  channel_map(stream, N, C, HW, gy, x, gx,
+              BnBackwardApplyOp{C, static_cast<float>(N * HW), gamma, save_mean, save_invstd, scratch});
 }
 
 void bias_relu(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* bias, bool relu, float* y) {
   DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "bias_relu: expected (N, C, HW) >= 0, got (", N, ", ", C, ", ", HW, ")");
   if (N == 0 || C == 0 || HW == 0 || (!bias && !relu)) return;
-  if (channel_map(stream, N, C, HW, y, nullptr, y, BiasReluOp{bias, relu})) return;
-  bias_relu_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N, C, HW, bias, relu, y);
-  DP_CUDA_CHECK_LAUNCH();
+  channel_map(stream, N, C, HW, y, nullptr, y, BiasReluOp{bias, relu});
 }
 
 }  // namespace dp::backend::cuda_kernels
