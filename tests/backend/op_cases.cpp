@@ -894,6 +894,7 @@ void add_perf_suite(Table& t) {
   add_random(t, n);
   add_reduce(t, kReduceRows[0], kSide, kSide, 1);  // row sums
   add_reduce(t, kReduceRows[0], 1, kSide, kSide);  // column sums (a bias gradient)
+  add_reduce(t, kReduceRows[0], 1, 512, 1024);     // the MLP's bias gradient at batch 512
   add_argmax(t, kSide, kSide, 1);
   add_count_nonfinite(t, n, false);
   add_gemm(t, 512, 1024, 1024, false, false, 0, 1.0f, 0.0f);

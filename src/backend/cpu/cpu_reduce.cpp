@@ -56,15 +56,30 @@ float reduce_contiguous(const float* __restrict x, i64 len) {
   return lanes[0];
 }
 
-/// acc[i] op= x[k * inner + i] for k in [0, kn), i in [0, ilen).
+/// acc[i] op= x[k * inner + i] for k in [0, kn), i in [0, ilen). Four rows per pass over
+/// acc: the same combines in the same order (row by row, left to right), with a quarter
+/// of the loads and stores of acc (1x512x1024, a Linear's bias gradient at batch 512:
+/// 97 -> 137 GB/s in cache, bench/kernels_bench).
 template <typename Op>
 void reduce_strided(const float* __restrict x, i64 kn, i64 inner, i64 ilen, float* __restrict acc) {
   for (i64 i = 0; i < ilen; ++i) acc[i] = Op::identity();
-  for (i64 k = 0; k < kn; ++k) {
+  i64 k = 0;
+  for (; k + 4 <= kn; k += 4) {
+    const float* __restrict r0 = x + k * inner;
+    const float* __restrict r1 = r0 + inner;
+    const float* __restrict r2 = r1 + inner;
+    const float* __restrict r3 = r2 + inner;
+    for (i64 i = 0; i < ilen; ++i)
+      acc[i] = Op::combine(Op::combine(Op::combine(Op::combine(acc[i], r0[i]), r1[i]), r2[i]), r3[i]);
+  }
+  for (; k < kn; ++k) {
     const float* __restrict row = x + k * inner;
     for (i64 i = 0; i < ilen; ++i) acc[i] = Op::combine(acc[i], row[i]);
   }
 }
+
+/// Longest run of a row one task of a column reduction reads (floats: 4 KiB).
+constexpr i64 kMaxRun = 1024;
 
 /// The fixed task grid of Note [Deterministic reductions].
 struct ReduceGrid {
@@ -81,8 +96,14 @@ ReduceGrid make_grid(i64 outer, i64 r, i64 inner) {
   g.rchunk = split_r ? std::max<i64>(1, kSerialGrain / inner) : r;
   g.nr = r == 0 ? 1 : (r + g.rchunk - 1) / g.rchunk;
   // Inner blocks hold ~kSerialGrain elements of work each; 16-aligned for the vector loop.
+  // A column reduction (inner > 1) reads each row's block as one run: runs of a few
+  // cache lines every row stride are where hardware prefetchers give up (1x4096x4096 with
+  // 16-float blocks: 16 GB/s; with 1024: 47), so a block is also at least a quarter of
+  // the row, up to kMaxRun (Note [Deterministic reductions]: a column's sum is the same
+  // whatever the block).
   const i64 want = std::max<i64>(kLanes, kSerialGrain / std::max<i64>(1, g.rchunk) / kLanes * kLanes);
-  g.iblock = std::min(inner, want);
+  const i64 run = std::min<i64>(kMaxRun, (inner / 4 + kLanes - 1) / kLanes * kLanes);
+  g.iblock = std::min(inner, std::max(want, run));
   g.ni = (inner + g.iblock - 1) / g.iblock;
   return g;
 }
