@@ -237,6 +237,26 @@ TEST_CASE("caching allocator: large blocks are reused per device, counted as liv
   CHECK(be().memory_allocated(d) == base);
 }
 
+TEST_CASE("huge pages: blocks of 2 MiB and more start on a 2 MiB boundary, smaller ones on a line") {
+  // Note [Huge pages for large blocks]: the alignment is what lets the kernel back the
+  // block's whole 2 MiB pages with huge pages; whether it does is the kernel's choice.
+  const Device d = dp::cpu(5);
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  for (const std::size_t bytes : {kHuge, kHuge + 12345, 3 * kHuge + 64, kHuge - 64, std::size_t{300} << 10}) {
+    CAPTURE(bytes);
+    void* p = be().allocate(d, bytes);
+    REQUIRE(p != nullptr);
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    CHECK(addr % 64 == 0);
+    if (bytes >= kHuge) CHECK(addr % kHuge == 0);
+    std::memset(p, 0x5a, bytes);  // every byte of the block is the caller's
+    CHECK(static_cast<unsigned char*>(p)[bytes - 1] == 0x5a);
+    be().deallocate(d, p, bytes);
+  }
+  be().empty_cache();
+  CHECK(be().memory_allocated(d) == 0);
+}
+
 TEST_CASE("copies between devices and to/from host really copy") {
   const i64 n = 1000;
   auto host = random_vec(n, 3);

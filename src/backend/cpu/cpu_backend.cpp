@@ -2,6 +2,7 @@
 #include "backend/cpu/cpu_backend.h"
 
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <bit>
@@ -157,6 +158,27 @@ std::size_t block_size(std::size_t nbytes) {
   return (r + step - 1) / step * step;
 }
 
+// Note [Huge pages for large blocks]
+// Debian's kernels back anonymous memory with 2 MiB pages only where a program asks
+// (transparent_hugepage=madvise). A step's large blocks are streamed whole, again and
+// again: 4 KiB pages cost a TLB miss every 4 KiB (the L2 TLB reaches 12 MiB on the
+// EPYCs here; the MLP 784-1024-1024-10 at batch 512 keeps ~40 MiB live). So a block of
+// at least one huge page is aligned to 2 MiB and its whole huge pages are marked
+// MADV_HUGEPAGE. Nothing else changes: the size is not rounded up (the tail past the
+// last whole huge page keeps small pages), the cache keeps the block, and where the
+// kernel has THP off or no huge page free, madvise changes nothing or fails, and the
+// block simply keeps small pages. MLP step (dp_vs_ddp --model mlp --optimizer sgd,
+// 8 alternating runs on the Zen 5 machine): 12.43 -> 12.33 ms; the CNN's: no change.
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+
+void* system_alloc(std::size_t size) {
+  if (size < kHugePage) return std::aligned_alloc(kAlignment, size);
+  void* p = nullptr;  // posix_memalign: no size-multiple rule, unlike aligned_alloc
+  if (::posix_memalign(&p, kHugePage, size) != 0) return nullptr;
+  (void)::madvise(p, size / kHugePage * kHugePage, MADV_HUGEPAGE);  // advice only
+  return p;
+}
+
 }  // namespace
 
 BlockCache::~BlockCache() { release(); }
@@ -187,10 +209,10 @@ void* CpuBackend::allocate(Device dev, std::size_t nbytes) {
       st.blocks.cached_bytes -= size;
     }
   }
-  if (!p) p = std::aligned_alloc(kAlignment, size);
+  if (!p) p = system_alloc(size);
   if (!p && kCacheBlocks) {  // the caches may hold what the system lacks
     empty_cache();
-    p = std::aligned_alloc(kAlignment, size);
+    p = system_alloc(size);
   }
   DP_CHECK(p != nullptr, "allocate on ", dev.str(), ": out of memory allocating ", nbytes,
            " bytes (", st.allocated.load(), " bytes in use on this device); free tensors or "
