@@ -212,13 +212,18 @@ DP_HD constexpr float uniform_from(std::uint64_t seed, std::uint64_t index) {
 
 inline constexpr float kTwoPi = 6.28318530717958647692f;
 
+/// Box-Muller on two words of a Philox block (lanes 0 and 1): a standard normal.
+DP_HD inline float normal_from_words(std::uint32_t w0, std::uint32_t w1) {
+  const float u1 = uniform_open0(w0);
+  const float u2 = uniform_open1(w1);
+  return ::sqrtf(-2.0f * ::logf(u1)) * ::cosf(kTwoPi * u2);
+}
+
 /// Standard normal for element `index` under `seed` by Box-Muller on lanes 0 and 1.
 /// CPU and CUDA agree to a few ulps (their logf/cosf may round differently).
 DP_HD inline float normal_from(std::uint64_t seed, std::uint64_t index) {
   const Philox4 r = philox_block(seed, index);
-  const float u1 = uniform_open0(r.v[0]);
-  const float u2 = uniform_open1(r.v[1]);
-  return ::sqrtf(-2.0f * ::logf(u1)) * ::cosf(kTwoPi * u2);
+  return normal_from_words(r.v[0], r.v[1]);
 }
 
 // ---- fused optimizer updates ----------------------------------------------------------

@@ -122,6 +122,42 @@ TEST_CASE("uniform and normal fills: range, moments, counter addressing") {
   for (float v : other) CHECK((v >= -2.0f && v < 2.0f));
 }
 
+TEST_CASE("random fills and dropout: every element is the scalar functor's, bit for bit") {
+  // Note [Vectorised random fills]: the tiled, vectorised loops (whichever ISA clone the
+  // loader picked) against uniform_from / normal_from one element at a time, from an
+  // offset whose counters cross 2^32 (the counter's high word changes mid-tile), over
+  // lengths that end inside a tile, on one thread and on all cores.
+  const int hw = dp::hardware_concurrency();
+  const std::uint64_t offset = (std::uint64_t{1} << 32) - 300;
+  for (int devices : {hw, 1})
+    for (i64 n : {i64{1}, i64{255}, i64{257}, i64{70001}}) {
+      CAPTURE(devices);
+      CAPTURE(n);
+      be().set_concurrent_devices(devices);
+      std::vector<float> u(n), z(n), y(n), mask(n);
+      const auto x = random_vec(n, 5);
+      be().fill_uniform(dev0(), u.data(), n, -1.5f, 2.5f, 77, offset);
+      be().fill_normal(dev0(), z.data(), n, 0.25f, 3.0f, 78, offset);
+      be().dropout(dev0(), x.data(), y.data(), mask.data(), n, 0.4f, 79, offset);
+      be().set_concurrent_devices(1);
+      const float scale = 1.0f / (1.0f - 0.4f);
+      i64 bad_u = 0, bad_z = 0, bad_d = 0;
+      for (i64 i = 0; i < n; ++i) {
+        const std::uint64_t c = offset + static_cast<std::uint64_t>(i);
+        const float want_u = -1.5f + 4.0f * uniform_from(77, c);
+        const float want_z = 0.25f + 3.0f * normal_from(78, c);
+        const float m = uniform_from(79, c) >= 0.4f ? scale : 0.0f;
+        bad_u += std::memcmp(&u[i], &want_u, sizeof(float)) != 0;
+        bad_z += std::memcmp(&z[i], &want_z, sizeof(float)) != 0;
+        const float want_y = x[i] * m;
+        bad_d += mask[i] != m || std::memcmp(&y[i], &want_y, sizeof(float)) != 0;
+      }
+      CHECK(bad_u == 0);
+      CHECK(bad_z == 0);
+      CHECK(bad_d == 0);
+    }
+}
+
 TEST_CASE("dropout keeps 1-p of the elements, scaled") {
   const i64 n = 100003;
   auto x = random_vec(n, 1);

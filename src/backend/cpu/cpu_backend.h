@@ -47,6 +47,18 @@ enum class ConvLayout : std::uint8_t {
 /// vectorised, with ISA clones (cpu_scan.cpp, Note [Scan clones]).
 std::uint32_t max_abs_bits(const float* p, std::int64_t n);
 
+/// Elements [begin, end) of fill_uniform, fill_normal and dropout, on the calling
+/// thread (cpu_random.cpp, Note [Vectorised random fills]): element i is
+/// lo + (hi - lo) * uniform_from(seed, offset + i), mean + std * normal_from(seed,
+/// offset + i), and x[i] * (uniform_from(seed, offset + i) >= p ? scale : 0) (into
+/// mask[i] too when mask is not null), bit for bit.
+void uniform_range(float* y, std::int64_t begin, std::int64_t end, float lo, float hi, std::uint64_t seed,
+                   std::uint64_t offset);
+void normal_range(float* y, std::int64_t begin, std::int64_t end, float mean, float std, std::uint64_t seed,
+                  std::uint64_t offset);
+void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, std::int64_t end, float p,
+                   float scale, std::uint64_t seed, std::uint64_t offset);
+
 /// Planes [begin, end) of a 2x2, stride-2, unpadded max-pool whose windows lie inside
 /// the input, with byte places (Note [Max-pool winners in a byte]), on the calling
 /// thread: what maxpool2d_2x2_forward runs per task. s.N is not read.

@@ -256,19 +256,15 @@ void CpuBackend::strided_copy(Device dev, const Indexer& ix, const float* a, flo
 
 void CpuBackend::fill_uniform(Device dev, float* y, i64 n, float lo, float hi,
                               std::uint64_t seed, std::uint64_t offset) {
-  const float span = hi - lo;
+  // Note [Vectorised random fills]: the loops are in cpu_random.cpp.
   parallel_for(dev, n, kSerialGrain / 8, [=](i64 b, i64 e) {  // ~8x the work per element
-    for (i64 i = b; i < e; ++i)
-      y[i] = lo + span * uniform_from(seed, offset + static_cast<std::uint64_t>(i));
+    uniform_range(y, b, e, lo, hi, seed, offset);
   });
 }
 
 void CpuBackend::fill_normal(Device dev, float* y, i64 n, float mean, float std,
                              std::uint64_t seed, std::uint64_t offset) {
-  parallel_for(dev, n, kSerialGrain / 8, [=](i64 b, i64 e) {
-    for (i64 i = b; i < e; ++i)
-      y[i] = mean + std * normal_from(seed, offset + static_cast<std::uint64_t>(i));
-  });
+  parallel_for(dev, n, kSerialGrain / 8, [=](i64 b, i64 e) { normal_range(y, b, e, mean, std, seed, offset); });
 }
 
 void CpuBackend::dropout(Device dev, const float* x, float* y, float* mask, i64 n, float p,
@@ -277,12 +273,7 @@ void CpuBackend::dropout(Device dev, const float* x, float* y, float* mask, i64 
   // p == 1 drops everything; 1/(1-p) would be inf and 0 * inf NaN.
   const float scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
   parallel_for(dev, n, kSerialGrain / 8, [=](i64 b, i64 e) {
-    for (i64 i = b; i < e; ++i) {
-      const bool keep = uniform_from(seed, offset + static_cast<std::uint64_t>(i)) >= p;
-      const float m = keep ? scale : 0.0f;
-      if (mask) mask[i] = m;
-      y[i] = x[i] * m;
-    }
+    dropout_range(x, y, mask, b, e, p, scale, seed, offset);
   });
 }
 
