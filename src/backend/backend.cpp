@@ -146,7 +146,8 @@ void Backend::maxpool2d_2x2_forward(Device dev, const Pool2dShape&, const float*
            " has no byte-index max-pool; expected a caller to check has_maxpool2d_2x2_bytes() first");
 }
 
-void Backend::maxpool2d_2x2_backward(Device dev, const Pool2dShape&, const float*, const std::uint8_t*, float*) {
+void Backend::maxpool2d_2x2_backward(Device dev, const Pool2dShape&, const float*, const std::uint8_t*, const float*,
+                                     float*) {
   DP_CHECK(false, "maxpool2d_2x2_backward: the backend of ", dev,
            " has no byte-index max-pool; expected a caller to check has_maxpool2d_2x2_bytes() first");
 }

@@ -377,8 +377,12 @@ class Backend : public dp::detail::DeviceRuntime {
                                      std::uint8_t* where);
   /// gx (every element written: the window's gradient at its winner, zero elsewhere)
   /// from `where` as maxpool2d_2x2_forward wrote it; what maxpool2d_backward computes.
+  /// relu_y, when not null, is this pool's output over a ReLU's output (N·C·P·Q): each
+  /// window's gradient is then masked first, relu_y > 0 ? gy : 0, in the same pass — bit
+  /// for bit binary(ReluBackward, gy, relu_y) followed by this backward (Note [ReLU mask
+  /// through max-pool] in src/nn/functional.cpp).
   virtual void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy,
-                                      const std::uint8_t* where, float* gx);
+                                      const std::uint8_t* where, const float* relu_y, float* gx);
   /// Whether conv2d_relu_maxpool2x2_forward exists.
   virtual bool has_conv2d_relu_maxpool2x2() const { return false; }
   /// conv2d_relu_forward, then maxpool2d_2x2_forward over its (N, K, P, Q) output with

@@ -1143,15 +1143,28 @@ TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient b
         std::vector<i64> idx(outputs);
         std::vector<std::uint8_t> where(outputs, 0xff);
         auto gy = random_vec(static_cast<i64>(outputs), 51);
-        std::vector<float> gx(x.size(), 7.0f), gx_bytes(x.size(), 7.0f);
+        if (outputs > 2) gy[1] = std::numeric_limits<float>::quiet_NaN();  // a NaN gradient, masked or not
+        std::vector<float> gx(x.size(), 7.0f), gx_bytes(x.size(), 7.0f), gx_masked(x.size(), 7.0f);
         be().set_concurrent_devices(devices);
         be().maxpool2d_forward(dev0(), s, x.data(), y.data(), idx.data());
         be().maxpool2d_2x2_forward(dev0(), s, x.data(), y_bytes.data(), where.data());
         be().maxpool2d_backward(dev0(), s, gy.data(), idx.data(), gx.data());
-        be().maxpool2d_2x2_backward(dev0(), s, gy.data(), where.data(), gx_bytes.data());
+        be().maxpool2d_2x2_backward(dev0(), s, gy.data(), where.data(), nullptr, gx_bytes.data());
+        // With a ReLU's mask (the pool's outputs hold negatives, zeros, NaN and
+        // infinities): the binary ReluBackward, then the unmasked backward.
+        be().maxpool2d_2x2_backward(dev0(), s, gy.data(), where.data(), y_bytes.data(), gx_masked.data());
         be().set_concurrent_devices(1);
         REQUIRE(bitwise_equal(y, y_bytes));
         REQUIRE(bitwise_equal(gx, gx_bytes));
+        std::vector<float> gy_masked(outputs), gx_want(x.size(), 7.0f);
+        Indexer flat;
+        flat.ndim = 1;
+        flat.sizes[0] = static_cast<i64>(outputs);
+        flat.strides_a[0] = flat.strides_b[0] = 1;
+        be().binary(dev0(), BinaryOp::ReluBackward, flat, gy.data(), y_bytes.data(), gy_masked.data());
+        be().maxpool2d_2x2_backward(dev0(), s, gy_masked.data(), where.data(), nullptr, gx_want.data());
+        REQUIRE(bitwise_equal(gx_masked, gx_want));
+        REQUIRE(std::count_if(y_bytes.begin(), y_bytes.end(), [](float v) { return !(v > 0.0f); }) > 0);
         for (i64 o = 0; o < static_cast<i64>(outputs); ++o) {
           const i64 q = o % s.Q, p = (o / s.Q) % s.P;
           const std::uint8_t k = where[static_cast<std::size_t>(o)];
@@ -1167,7 +1180,7 @@ TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient b
   CHECK_THROWS_WITH_AS(be().maxpool2d_2x2_forward(dev0(), padded, buf.data(), buf.data(), where.data()),
                        doctest::Contains("padding 1x1"), dp::Error);
   Pool2dShape three = pool_shape(1, 1, 6, 6, 3, 3, 0);
-  CHECK_THROWS_WITH_AS(be().maxpool2d_2x2_backward(dev0(), three, buf.data(), where.data(), buf.data()),
+  CHECK_THROWS_WITH_AS(be().maxpool2d_2x2_backward(dev0(), three, buf.data(), where.data(), nullptr, buf.data()),
                        doctest::Contains("kernel 3x3"), dp::Error);
   Pool2dShape ceil_mode = pool_shape(1, 1, 5, 5, 2, 2, 0);
   ceil_mode.P = ceil_mode.Q = 3;  // a last window hanging over the edge

@@ -208,7 +208,7 @@ class CpuBackend final : public Backend {
   void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
                              std::uint8_t* where) override;
   void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy, const std::uint8_t* where,
-                              float* gx) override;
+                              const float* relu_y, float* gx) override;
   void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override;
   void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
                           float* gx) override;

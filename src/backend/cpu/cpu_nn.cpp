@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/functors.h"
 #include "dp/core/error.h"
 
 namespace dp::backend::cpu {
@@ -217,9 +218,12 @@ bool tile_2x2_backward(const Pool2dShape& s, const float* __restrict gyp, const 
 }
 
 /// One plane of the input gradient from byte places (maxpool2d_2x2_backward): gp gets
-/// gy at each window's place and zero elsewhere, every element written once.
+/// gy at each window's place and zero elsewhere, every element written once. kMask:
+/// gy masked by the pool's output yp first, yp > 0 ? gy : 0 (Binary<ReluBackward>).
+template <bool kMask>
 void tile_2x2_backward_bytes(const Pool2dShape& s, const float* __restrict gyp, const std::uint8_t* __restrict wp,
-                             float* __restrict gp) {
+                             const float* __restrict yp, float* __restrict gp) {
+  const Binary<BinaryOp::ReluBackward> relu_backward;
   const i64 W = s.W;
   const f32x4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
   const i32x4 c0 = {0, 0, 0, 0}, c1 = c0 + 1, c2 = c0 + 2, c3 = c0 + 3;
@@ -228,11 +232,13 @@ void tile_2x2_backward_bytes(const Pool2dShape& s, const float* __restrict gyp, 
     float* __restrict g1 = g0 + W;
     const std::uint8_t* __restrict pr = wp + p * s.Q;
     const float* __restrict gr = gyp + p * s.Q;
+    const float* __restrict yr = kMask ? yp + p * s.Q : nullptr;
     auto four = [&](i64 q) {
       u8x4 bytes;
       std::memcpy(&bytes, pr + q, sizeof bytes);
       const i32x4 place = __builtin_convertvector(bytes, i32x4);
-      const f32x4 g = load4(gr + q);
+      f32x4 g = load4(gr + q);
+      if constexpr (kMask) g = select(load4(yr + q) > zero, g, zero);  // false for NaN, as y > 0
       const f32x4 tl = select(place == c0, g, zero), tr = select(place == c1, g, zero);
       const f32x4 bl = select(place == c2, g, zero), br = select(place == c3, g, zero);
       store_windows(tl, tr, bl, br, g0 + 2 * q, g1 + 2 * q);
@@ -245,7 +251,7 @@ void tile_2x2_backward_bytes(const Pool2dShape& s, const float* __restrict gyp, 
     }
     for (; q < s.Q; ++q) {
       const std::uint8_t k = pr[q];
-      const float g = gr[q];
+      const float g = kMask ? relu_backward(gr[q], yr[q]) : gr[q];
       g0[2 * q] = k == 0 ? g : 0.0f;
       g0[2 * q + 1] = k == 1 ? g : 0.0f;
       g1[2 * q] = k == 2 ? g : 0.0f;
@@ -372,11 +378,17 @@ void CpuBackend::maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const f
 }
 
 void CpuBackend::maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy,
-                                        const std::uint8_t* where, float* gx) {
+                                        const std::uint8_t* where, const float* relu_y, float* gx) {
   check_2x2_inside(s, "maxpool2d_2x2_backward");
   const i64 planes = s.N * s.C, hw = s.H * s.W, pq = s.P * s.Q;
   parallel_for(dev, planes, plane_grain(hw + pq), [&](i64 b, i64 e) {
-    for (i64 pl = b; pl < e; ++pl) tile_2x2_backward_bytes(s, gy + pl * pq, where + pl * pq, gx + pl * hw);
+    for (i64 pl = b; pl < e; ++pl) {
+      if (relu_y) {
+        tile_2x2_backward_bytes<true>(s, gy + pl * pq, where + pl * pq, relu_y + pl * pq, gx + pl * hw);
+      } else {
+        tile_2x2_backward_bytes<false>(s, gy + pl * pq, where + pl * pq, nullptr, gx + pl * hw);
+      }
+    }
   });
 }
 
