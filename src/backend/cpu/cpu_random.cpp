@@ -36,17 +36,22 @@ namespace {
 /// Elements per tile: the words of one tile stay in L1 between the rounds and their use.
 constexpr int kTile = 256;
 
-/// Lanes 0 (and 1, when w1) of the Philox blocks of elements first .. first + count - 1.
-inline void philox_words(std::uint64_t seed, std::uint64_t first, int count, std::uint32_t* __restrict w0,
-                         std::uint32_t* __restrict w1) {
-  if (w1) {
+/// Runs body(t, count, w0, w1) for the tiles of [begin, end): w0 (and w1 when kTwoWords)
+/// hold lanes 0 (and 1) of the Philox blocks of elements t .. t + count - 1. Always
+/// inlined: only code inlined into a clone is compiled for the clone's ISA.
+template <bool kTwoWords, typename Body>
+[[gnu::always_inline]] inline void for_each_tile(std::int64_t begin, std::int64_t end, std::uint64_t seed,
+                                                 std::uint64_t offset, Body body) {
+  std::uint32_t w0[kTile], w1[kTwoWords ? kTile : 1];  // w1 unused unless kTwoWords
+  for (std::int64_t t = begin; t < end; t += kTile) {
+    const int count = static_cast<int>(std::min<std::int64_t>(kTile, end - t));
+    const std::uint64_t first = offset + static_cast<std::uint64_t>(t);
     for (int j = 0; j < count; ++j) {
       const Philox4 r = philox_block(seed, first + static_cast<std::uint64_t>(j));
       w0[j] = r.v[0];
-      w1[j] = r.v[1];
+      if constexpr (kTwoWords) w1[j] = r.v[1];
     }
-  } else {
-    for (int j = 0; j < count; ++j) w0[j] = philox_block(seed, first + static_cast<std::uint64_t>(j)).v[0];
+    body(t, count, w0, w1);
   }
 }
 
@@ -55,38 +60,28 @@ inline void philox_words(std::uint64_t seed, std::uint64_t first, int count, std
 DP_RANDOM_CLONES void uniform_range(float* y, std::int64_t begin, std::int64_t end, float lo, float hi,
                                     std::uint64_t seed, std::uint64_t offset) {
   const float span = hi - lo;
-  std::uint32_t w0[kTile];
-  for (std::int64_t t = begin; t < end; t += kTile) {
-    const int count = static_cast<int>(std::min<std::int64_t>(kTile, end - t));
-    philox_words(seed, offset + static_cast<std::uint64_t>(t), count, w0, nullptr);
-    float* __restrict out = y + t;
-    for (int j = 0; j < count; ++j) out[j] = lo + span * uniform_open1(w0[j]);
-  }
+  for_each_tile<false>(begin, end, seed, offset, [=](std::int64_t t, int count, const std::uint32_t* w0, auto) {
+    for (int j = 0; j < count; ++j) y[t + j] = lo + span * uniform_open1(w0[j]);
+  });
 }
 
 DP_RANDOM_CLONES void normal_range(float* y, std::int64_t begin, std::int64_t end, float mean, float std,
                                    std::uint64_t seed, std::uint64_t offset) {
-  std::uint32_t w0[kTile], w1[kTile];
-  for (std::int64_t t = begin; t < end; t += kTile) {
-    const int count = static_cast<int>(std::min<std::int64_t>(kTile, end - t));
-    philox_words(seed, offset + static_cast<std::uint64_t>(t), count, w0, w1);
-    float* __restrict out = y + t;
-    for (int j = 0; j < count; ++j) out[j] = mean + std * normal_from_words(w0[j], w1[j]);
-  }
+  for_each_tile<true>(begin, end, seed, offset, [=](std::int64_t t, int count, const std::uint32_t* w0,
+                                                     const std::uint32_t* w1) {
+    for (int j = 0; j < count; ++j) y[t + j] = mean + std * normal_from_words(w0[j], w1[j]);
+  });
 }
 
 DP_RANDOM_CLONES void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, std::int64_t end,
                                     float p, float scale, std::uint64_t seed, std::uint64_t offset) {
-  std::uint32_t w0[kTile];
-  for (std::int64_t t = begin; t < end; t += kTile) {
-    const int count = static_cast<int>(std::min<std::int64_t>(kTile, end - t));
-    philox_words(seed, offset + static_cast<std::uint64_t>(t), count, w0, nullptr);
+  for_each_tile<false>(begin, end, seed, offset, [=](std::int64_t t, int count, const std::uint32_t* w0, auto) {
     for (int j = 0; j < count; ++j) {
       const float m = uniform_open1(w0[j]) >= p ? scale : 0.0f;
       if (mask) mask[t + j] = m;
       y[t + j] = x[t + j] * m;
     }
-  }
+  });
 }
 
 }  // namespace dp::backend::cpu
