@@ -668,6 +668,37 @@ TEST_CASE("gemm split into per-thread slabs: every transpose, row and column spl
   }
 }
 
+TEST_CASE("gemm cut into column slabs that fit L2: the same bits as one call on one thread") {
+  // Note [GEMM: column slabs that fit L2]: a wide C (m < n) runs as several slabs per
+  // thread; every element is still one dot product over all of k, so the product equals
+  // the single call's bit for bit, for every transpose, aliasing strides (copied slabs)
+  // and padded ones, odd widths included.
+  const int hw = dp::hardware_concurrency();
+  for (auto [m, n, k] : {std::tuple<i64, i64, i64>{512, 1024, 1024}, {512, 1024, 784}, {256, 2000, 700},
+                         {200, 1030, 2048}}) {
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (i64 pad : {0, 3}) {
+          CAPTURE(m);
+          CAPTURE(n);
+          CAPTURE(k);
+          CAPTURE(ta);
+          CAPTURE(tb);
+          CAPTURE(pad);
+          const i64 a_rows = ta ? k : m, a_w = ta ? m : k, b_rows = tb ? n : k, b_w = tb ? k : n;
+          const i64 lda = a_w + pad, ldb = b_w + pad;
+          auto a = random_vec(a_rows * lda, 80), b = random_vec(b_rows * ldb, 81);
+          std::vector<float> c(m * n, 7.0f), c1(m * n, -7.0f);
+          be().set_concurrent_devices(1);  // all cores: several column slabs per thread
+          be().gemm(dev0(), ta, tb, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(), n);
+          be().set_concurrent_devices(hw);  // one thread: one call
+          be().gemm(dev0(), ta, tb, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c1.data(), n);
+          be().set_concurrent_devices(1);
+          REQUIRE(std::memcmp(c.data(), c1.data(), c.size() * sizeof(float)) == 0);
+        }
+  }
+}
+
 TEST_CASE("gemm with operand rows 2 KiB apart: the copied slabs give the same bits as unaliased operands") {
   // Note [GEMM: operand rows 4 KiB apart]: lda, ldb = 512·j copy the slab of B (split by
   // columns) or of a transposed A (split by rows) before the call; the same values with

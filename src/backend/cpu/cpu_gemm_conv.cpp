@@ -856,6 +856,51 @@ i64 unaliased_ld(i64 w) {
   return (ld / 16) % 2 == 0 ? ld + 16 : ld;
 }
 
+// Note [GEMM: column slabs that fit L2]
+// Cut by columns (m < n: the forward y = x Wᵀ and the input gradient dX = dY W of a
+// layer wider than the batch), each chunk multiplies all of A by its slab of op(B), k x
+// w floats, which it packs, and first copies when B's rows alias (Note [GEMM: operand
+// rows 4 KiB apart]). One slab per thread made that slab 2 MiB for the MLP
+// 784-1024-1024-10 at batch 512 on 2 threads (k = 1024, w = 512): twice a Zen 5 core's
+// L2, so the copy and the packing went through L3 while the step's other data competed
+// for it. Slabs of at most half the L2 (w = 128 there), several per thread, took the
+// step from 13.8 to 13.4 ms (medians of 24 pairs of 8-step blocks, the two ways
+// alternating in one process): 2.6-3.2 %; slabs of 256 gained 2.6 %, of 64 1.4 %, and
+// the same cut of the row splits (dW = dYᵀ X, each chunk reading all of B) nothing. So
+// a column split takes slabs of at most half the L2 and at least kMinColumnSlab
+// columns, in a multiple of the thread count (equal slabs per thread); row splits keep
+// a chunk per thread. Every element of C is the same dot product over all of k in any
+// slab (oneDNN's kernels do not block k by the slab's width), so the chunk count
+// changes no bits (cpu_backend_test: one thread against these splits, bit for bit).
+
+/// The narrowest column slab a split makes (Note [GEMM: column slabs that fit L2]).
+constexpr i64 kMinColumnSlab = 128;
+
+/// Bytes of a core's L2 cache (1 MiB when the system does not say).
+i64 l2_bytes() {
+  static const i64 bytes = [] {
+    const long b = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return b >= (64 << 10) ? static_cast<i64>(b) : i64{1} << 20;
+  }();
+  return bytes;
+}
+
+/// How many slabs a GEMM of m x n x k runs as on a device of `threads` threads (Note
+/// [oneDNN in the device's arena], Note [GEMM: column slabs that fit L2]): a function
+/// of the shape, the thread count and the L2's size only.
+i64 gemm_chunks(i64 m, i64 n, i64 k, int threads) {
+  if (threads <= 1 || m * n * k < 2 * kMinChunkMacs) return 1;
+  constexpr i64 kAlign = 16;  // slab edges: the kernels' width
+  const i64 extent = m >= n ? m : n;
+  i64 want = threads;
+  if (m < n) {
+    const i64 widest = std::max(kMinColumnSlab, l2_bytes() / 2 / (k * static_cast<i64>(sizeof(float))) / kAlign * kAlign);
+    const i64 slabs = (n + widest - 1) / widest;
+    want = std::max<i64>(1, (slabs + threads - 1) / threads) * threads;
+  }
+  return std::min<i64>({want, (extent + kAlign - 1) / kAlign, m * n * k / kMinChunkMacs});
+}
+
 // Note [Linear epilogue]
 // A Linear's forward is a GEMM, then the bias added to every row, then (in a Sequential
 // whose Linear a ReLU follows) the ReLU: three passes over y, the last two reading
@@ -935,13 +980,10 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   // columns, when there are more of them), each one single-threaded dnnl_sgemm in a task
   // of the device's arena. Every element of C is still one dot product over all of k,
   // so the split changes no sum; slab edges are multiples of 16 (the kernels' width).
-  const int threads = threads_per_device(dev);
   const bool by_rows = m >= n;
   const i64 extent = by_rows ? m : n;
   constexpr i64 kAlign = 16;
-  const i64 chunks = threads <= 1 || m * n * k < 2 * kMinChunkMacs
-                         ? 1
-                         : std::min<i64>({threads, (extent + kAlign - 1) / kAlign, m * n * k / kMinChunkMacs});
+  const i64 chunks = gemm_chunks(m, n, k, threads_per_device(dev));
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
   // Note [GEMM: operand rows 4 KiB apart]: a function of the shape and the chunk count only.
   const bool copy_b = !by_rows && ldb % kAliasFloats == 0 && m >= kPadMinRows;
