@@ -864,9 +864,10 @@ i64 unaliased_ld(i64 w) {
 // 784-1024-1024-10 at batch 512 on 2 threads (k = 1024, w = 512): twice a Zen 5 core's
 // L2, so the copy and the packing went through L3 while the step's other data competed
 // for it. Slabs of at most half the L2 (w = 128 there), several per thread, took the
-// step from 13.8 to 13.4 ms (medians of 24 pairs of 8-step blocks, the two ways
-// alternating in one process): 2.6-3.2 %; slabs of 256 gained 2.6 %, of 64 1.4 %, and
-// the same cut of the row splits (dW = dYᵀ X, each chunk reading all of B) nothing. So
+// step from 14.11 to 13.50 ms (medians of 10 runs of dp_vs_ddp, the builds
+// alternating); in one process, the two cuts alternating by blocks of 8 steps, slabs of
+// 128 gained 2.6-3.2 %, of 256 2.6 %, of 64 1.4 %, and the same cut of the row splits
+// (dW = dYᵀ X, each chunk reading all of B) nothing. So
 // a column split takes slabs of at most half the L2 and at least kMinColumnSlab
 // columns, in a multiple of the thread count (equal slabs per thread); row splits keep
 // a chunk per thread. Every element of C is the same dot product over all of k in any
