@@ -25,7 +25,42 @@ void accumulate(Tensor& slot, const Tensor& g) {
   }
 }
 
+// What grad_sink needs of the backward running on this thread: the node it runs, the
+// edges still to come per node, and the gradients waiting per node.
+struct Running {
+  Node* node = nullptr;
+  const std::unordered_map<Node*, int>* deps = nullptr;
+  const std::unordered_map<Node*, std::vector<Tensor>>* inputs = nullptr;
+};
+thread_local Running t_running;
+
+// Sets t_running for one node's apply, restoring the previous (a backward inside a
+// backward function runs its own graph).
+class RunningScope {
+ public:
+  explicit RunningScope(Running r) : prev_(t_running) { t_running = r; }
+  ~RunningScope() { t_running = prev_; }
+  RunningScope(const RunningScope&) = delete;
+  RunningScope& operator=(const RunningScope&) = delete;
+
+ private:
+  Running prev_;
+};
+
 }  // namespace
+
+GradSink grad_sink(int input_nr) {
+  const Running& r = t_running;
+  if (r.node == nullptr || input_nr < 0 || static_cast<std::size_t>(input_nr) >= r.node->next_edges.size()) return {};
+  Node* next = r.node->next_edges[static_cast<std::size_t>(input_nr)].fn.get();
+  auto* acc = dynamic_cast<AccumulateGrad*>(next);
+  if (acc == nullptr) return {};
+  // Note [Gradients added in place]: this edge must be the leaf's last one to come and
+  // no earlier edge may have delivered a gradient, so nothing is summed with it.
+  auto d = r.deps->find(next);
+  if (d == r.deps->end() || d->second != 1 || r.inputs->count(next) != 0) return {};
+  return acc->sink();
+}
 
 void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph) {
   DP_CHECK(roots.size() == grads.size(), "backward: expected one gradient per root, got ", grads.size(),
@@ -98,6 +133,7 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
     std::vector<Tensor> out;
     if (any) {
       if (hook) (*hook)(*node);
+      RunningScope running({node, &deps, &inputs});
       out = node->apply(std::move(in));
     }
     for (std::size_t i = 0; i < node->next_edges.size(); ++i) {

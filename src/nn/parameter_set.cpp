@@ -4,6 +4,7 @@
 
 #include "backend/backend.h"
 #include "dp/autograd/grad_mode.h"
+#include "dp/autograd/node.h"
 #include "dp/core/error.h"
 
 namespace dp::nn {
@@ -439,6 +440,18 @@ void ParameterSet::zero_grad() {
     if (c.shard_grad.defined()) c.shard_grad.zero_();
   }
   count_zero_grad();
+}
+
+void ParameterSet::count_zero_grad() {
+  ++zero_grad_count_;
+  // Only a .grad that still views its copy's flat buffer was zeroed with it.
+  for (const auto& slot : slots_)
+    for (std::size_t r = 0; r < slot->copies.size() && r < copies_.size(); ++r) {
+      const Tensor& p = slot->copies[r];
+      if (!p.defined() || !copies_[r].grad.defined()) continue;
+      const Tensor g = p.grad();
+      if (g.defined() && g.storage() == copies_[r].grad.storage()) autograd::mark_grad_zeroed(p);
+    }
 }
 
 void ParameterSet::move_primary(Device device) {

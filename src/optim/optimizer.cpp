@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "backend/backend.h"
+#include "dp/autograd/node.h"
 #include "dp/core/error.h"
 
 namespace dp::optim {
@@ -266,7 +267,10 @@ void Optimizer::zero_grad() {
   if (!set) {
     for (const Tensor& t : params_) {
       Tensor g = t.grad();
-      if (g.defined()) g.zero_();
+      if (g.defined()) {
+        g.zero_();
+        autograd::mark_grad_zeroed(t);
+      }
     }
     return;
   }

@@ -454,6 +454,23 @@ Tensor gemm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
   return c;
 }
 
+// The gradient op(a) * op(b) for input `input_nr` of the node running this backward:
+// added into that leaf's .grad when the engine lends it (Note [Gradients added in
+// place]), else a fresh tensor.
+Tensor grad_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, int input_nr) {
+  autograd::GradSink sink = autograd::grad_sink(input_nr);
+  if (!sink) return gemm_raw(a, ta, b, tb);
+  const Tensor& c = sink.grad();
+  const std::int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
+  const std::int64_t n = tb ? b.size(0) : b.size(1);
+  DP_ASSERT(c.dim() == 2 && c.size(0) == m && c.size(1) == n && c.device() == a.device(), "grad_gemm: sink ",
+            c.str(), " for a (", m, ", ", n, ") product");
+  if (c.numel() > 0 && k > 0)
+    be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), 1.0f,
+               c.mutable_data<float>(), n);
+  return c;
+}
+
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
@@ -465,8 +482,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   Tensor out = gemm_raw(a, false, b, false);
   bool ga = a.requires_grad(), gb = b.requires_grad();
   autograd::record("MatmulBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
-    return std::vector<Tensor>{ga ? gemm_raw(g[0], false, b, true) : Tensor(),
-                               gb ? gemm_raw(a, true, g[0], false) : Tensor()};
+    return std::vector<Tensor>{ga ? grad_gemm(g[0], false, b, true, 0) : Tensor(),
+                               gb ? grad_gemm(a, true, g[0], false, 1) : Tensor()};
   });
   return out;
 }
@@ -504,8 +521,8 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
                    [x, w, ys, gx, gw, gb, has_b = b.defined()](const std::vector<Tensor>& g) {
                      const Tensor gy =
                          ys.defined() ? binary_raw("relu_backward", BinaryOp::ReluBackward, g[0], ys) : g[0];
-                     std::vector<Tensor> r{gx ? gemm_raw(gy, false, w, false) : Tensor(),
-                                           gw ? gemm_raw(gy, true, x, false) : Tensor()};
+                     std::vector<Tensor> r{gx ? grad_gemm(gy, false, w, false, 0) : Tensor(),
+                                           gw ? grad_gemm(gy, true, x, false, 1) : Tensor()};
                      if (has_b) r.push_back(gb ? reduce_raw(ReduceOp::Sum, gy, 0, false) : Tensor());
                      return r;
                    });

@@ -4,6 +4,8 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -95,6 +97,96 @@ TEST_CASE("a .grad that views a flat buffer is accumulated in place") {
   CHECK_THROWS_WITH_AS(x.set_grad(dp::zeros({2, 2}, dp::cpu(1))), doctest::Contains("cpu:1"), dp::Error);
   x.set_grad(Tensor());
   CHECK_FALSE(x.grad().defined());
+}
+
+TEST_CASE("a weight's gradient is added in place into a zeroed .grad: the same bits, no temporary") {
+  // Note [Gradients added in place]. x has an all-zero column and the upstream gradient
+  // is negative, so that column of dW sums -0 products: added to +0 it must be +0.
+  const std::int64_t B = 8, in = 512, out = 512;
+  dp::Generator gen(5);
+  Tensor x = dp::randn({B, in}, gen);
+  {
+    F xv = x.to_vector();
+    for (std::int64_t r = 0; r < B; ++r) xv[static_cast<std::size_t>(r * in + 7)] = 0.0f;
+    x = dp::from_vector(xv, {B, in});
+  }
+  Tensor w = dp::randn({out, in}, gen), b = dp::randn({out}, gen);
+  w.set_requires_grad(true);
+  b.set_requires_grad(true);
+  const Tensor c = dp::mul(dp::abs(dp::randn({B, out}, gen)), -1.0) + (-0.5);  // negative
+  Tensor buffer = dp::zeros({out * in + out + 16});
+  w.set_grad(buffer.narrow(0, 16, out * in).reshape({out, in}));
+  b.set_grad(buffer.narrow(0, 16 + out * in, out));
+  auto loss = [&] { return dp::sum(dp::linear(x, w, b) * c); };
+  auto bits = [](const Tensor& t) {
+    std::vector<std::uint32_t> v(static_cast<std::size_t>(t.numel()));
+    std::memcpy(v.data(), t.data<float>(), v.size() * sizeof(float));
+    return v;
+  };
+
+  // The usual path: zeroed but not marked, so backward makes dW and adds it.
+  buffer.zero_();
+  dp::reset_peak_memory(dp::cpu(0));
+  std::size_t before = dp::memory_allocated(dp::cpu(0));
+  loss().backward();
+  const std::size_t usual_peak = dp::max_memory_allocated(dp::cpu(0)) - before;
+  const auto usual = bits(w.grad());
+  CHECK(usual_peak >= w.nbytes());  // the fresh dW
+
+  // Marked as zeroed (zero_grad does this): the GEMM adds into the .grad itself.
+  buffer.zero_();
+  dp::autograd::mark_grad_zeroed(w);
+  dp::autograd::mark_grad_zeroed(b);
+  Tensor l = loss();
+  dp::reset_peak_memory(dp::cpu(0));
+  before = dp::memory_allocated(dp::cpu(0));
+  l.backward();
+  CHECK(dp::max_memory_allocated(dp::cpu(0)) - before < w.nbytes() / 4);  // no dW beside .grad
+  CHECK(w.grad().storage() == buffer.storage());
+  CHECK(w.grad().storage_offset() == 16);
+  const auto in_place = bits(w.grad());
+  CHECK(in_place == usual);
+  for (std::int64_t o = 0; o < out; ++o) CHECK(in_place[static_cast<std::size_t>(o * in + 7)] == 0u);  // +0
+
+  // A .grad edited by hand after zero_grad: the product is added to what is there.
+  buffer.zero_();
+  dp::autograd::mark_grad_zeroed(w);
+  w.grad().fill_(1.0);
+  loss().backward();
+  const F edited = w.grad().to_vector();
+  bool added = true;
+  for (std::size_t i = 0; i < edited.size(); ++i) {
+    float once;
+    std::memcpy(&once, &usual[i], sizeof once);
+    added = added && std::abs(edited[i] - (1.0f + once)) <= 1e-6f * (1.0f + std::abs(once));
+  }
+  CHECK(added);
+
+  // A second backward without zero_grad accumulates as usual: dW + dW.
+  buffer.zero_();
+  loss().backward();
+  loss().backward();
+  const F twice = w.grad().to_vector();
+  bool doubled = true;
+  for (std::size_t i = 0; i < twice.size(); ++i) {
+    float once;
+    std::memcpy(&once, &usual[i], sizeof once);
+    doubled = doubled && twice[i] == once + once;
+  }
+  CHECK(doubled);
+
+  // A weight used twice in one graph: the two gradients are summed first, then added.
+  buffer.zero_();
+  dp::autograd::mark_grad_zeroed(w);
+  (loss() + loss()).backward();
+  F sum_of_two = w.grad().to_vector();
+  bool summed = true;
+  for (std::size_t i = 0; i < sum_of_two.size(); ++i) {
+    float once;
+    std::memcpy(&once, &usual[i], sizeof once);
+    summed = summed && sum_of_two[i] == once + once;
+  }
+  CHECK(summed);
 }
 
 TEST_CASE("a second backward through a freed graph names retain_graph; retain_graph keeps it") {

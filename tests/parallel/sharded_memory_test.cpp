@@ -98,7 +98,7 @@ dp::DataParallelOptions sharded(int stage) { return {.mode = dp::Mode::Sharded, 
 
 }  // namespace
 
-TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state and peak below the previous one") {
+TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state below the previous one, peaks as modelled") {
   const MemoryRun ddp = measure({.mode = dp::Mode::DDP});
   const MemoryRun s1 = measure(sharded(1));
   const MemoryRun s2 = measure(sharded(2));
@@ -106,7 +106,6 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state an
   // The model, from first principles.
   const std::int64_t P = ddp.numel;
   REQUIRE(P == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10);
-  const std::int64_t W = 1024 * 1024;  // the largest parameter (the 1024x1024 weight)
   REQUIRE(s1.shards.size() == kDevices);
   const std::int64_t L = s1.shards[0].second - s1.shards[0].first;  // ceil(P / 4) rounded up to 16
   CHECK(L == 465936);
@@ -137,11 +136,12 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state an
     CHECK(double(s2.steady[r] - (padded + 2 * own) * F) / double(P * F) ==
           doctest::Approx(1.0 / kDevices).epsilon(1e-3));
 
-    // Peaks over a step. DDP and stage 1 hold the full gradient buffer through backward
-    // and, while the 1024x1024 weight's gradient is accumulated into it, that gradient
-    // once more as backward made it.
-    const std::int64_t peak_ddp = ddp.steady[r] + W * F;
-    const std::int64_t peak_s1 = s1.steady[r] + W * F;
+    // Peaks over a step. DDP and stage 1 hold the full gradient buffer through backward,
+    // zeroed, and each weight's gradient is added into it as its GEMM makes it (Note
+    // [Gradients added in place]): no gradient exists a second time, so beyond the
+    // activations their peak is their steady state.
+    const std::int64_t peak_ddp = ddp.steady[r];
+    const std::int64_t peak_s1 = s1.steady[r];
     // Stage 2 holds no full gradient buffer (Note [Detached gradients]): the gradients
     // of the bucket not yet reduce-scattered, at most the big bucket's B elements.
     const std::int64_t peak_s2 = s2.steady[r] + B * F;
@@ -161,11 +161,17 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state an
     CHECK(s1.peak[r] <= peak_s1 + kSlack);
     CHECK(s2.peak[r] >= peak_s2);
     CHECK(s2.peak[r] <= peak_s2 + kSlack);
-    // Each below the previous one by the expected margin, activations aside.
+    // DDP above stage 1 by the expected margin (~11 MB), activations aside. Stage 2
+    // holds less between steps than stage 1 but, with the default 25 MiB cap, its big
+    // bucket holds all but the last layer's gradients (B elements) until it is
+    // reduce-scattered: more than the padded - L elements of full gradient buffer it
+    // saves, so it peaks above stage 1 by the difference (~1.8 MB). A smaller bucket cap
+    // lowers that peak; stage 3 lowers it further with its parameters.
     CHECK(ddp.peak[r] - s1.peak[r] >= peak_ddp - peak_s1 - kSlack);
-    CHECK(s1.peak[r] - s2.peak[r] >= peak_s1 - peak_s2 - kSlack);
-    CHECK(peak_s1 - peak_s2 - kSlack > 0);  // the margins are real: ~1.9 MB and ~11 MB
     CHECK(peak_ddp - peak_s1 - kSlack > 0);
+    CHECK(s2.steady[r] < s1.steady[r]);
+    CHECK(s2.peak[r] - s1.peak[r] >= (B - (padded - L)) * F - kSlack);
+    CHECK(s2.peak[r] - s1.peak[r] <= (B - (padded - L)) * F + kSlack);
     MESSAGE("cpu:", r, " steady bytes DDP ", ddp.steady[r], ", stage 1 ", s1.steady[r], ", stage 2 ", s2.steady[r],
             ", stage 3 ", s3.steady[r], "; peak DDP ", ddp.peak[r], ", stage 1 ", s1.peak[r], ", stage 2 ",
             s2.peak[r], ", stage 3 ", s3.peak[r]);

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,23 @@ class LambdaNode final : public Node {
   Fn fn_;
 };
 
+/// A leaf's .grad lent to the node that computes the leaf's gradient, which adds the
+/// gradient into it in place and returns it (Note [Gradients added in place]). Holds
+/// the leaf's accumulation lock while it lives. Empty when the node must return a
+/// fresh gradient as usual.
+class GradSink {
+ public:
+  GradSink() = default;
+  explicit operator bool() const { return grad_.defined(); }
+  /// The leaf's .grad, every element +0: add the gradient into it (beta = 1).
+  const Tensor& grad() const { return grad_; }
+
+ private:
+  friend class AccumulateGrad;
+  Tensor grad_;
+  std::unique_lock<std::mutex> lock_;
+};
+
 /// Accumulates the incoming gradient into a leaf's .grad (in place when it exists,
 /// so a .grad that views a flat gradient buffer stays a view), then runs the leaf's
 /// post-accumulate hooks.
@@ -78,9 +96,13 @@ class AccumulateGrad final : public Node {
   std::string name() const override { return "AccumulateGrad"; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) override;
   void release_saved() override {}  // nothing saved; reusable across backwards
+  /// The leaf's .grad to add the gradient into, when it is known to hold only +0 (Note
+  /// [Gradients added in place]); empty otherwise.
+  GradSink sink();
 
  private:
   std::weak_ptr<TensorImpl> leaf_;
+  const TensorImpl* lent_ = nullptr;  // the .grad a sink lent, until apply sees it back
 };
 
 /// Per-tensor autograd state.
@@ -92,6 +114,8 @@ struct AutogradMeta {
   std::weak_ptr<Node> grad_accumulator;
   /// Called after backward accumulated into this leaf's .grad (DDP's bucket hooks).
   std::vector<std::function<void(const Tensor& leaf)>> post_accumulate_hooks;
+  /// .grad holds only +0 since a zero_grad (Note [Gradients added in place]).
+  bool grad_zeroed = false;
 };
 
 /// True when grad mode is on and any defined input requires a gradient.
@@ -110,6 +134,15 @@ void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& input
 /// grad_fn of `output`. `fn` returns one gradient per input.
 void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output,
             LambdaNode::Fn fn);
+
+/// Called by a node's backward function while the engine runs it on this thread: the
+/// .grad of the leaf that the node's input `input_nr` is, lent for the node to add its
+/// gradient into and return (Note [Gradients added in place]); empty unless this
+/// edge is the leaf's only one in the graph and its .grad is known to be all +0.
+GradSink grad_sink(int input_nr);
+
+/// Records that leaf `t`'s .grad was just filled with +0 (zero_grad).
+void mark_grad_zeroed(const Tensor& t);
 
 /// Registers a hook run after a gradient is accumulated into leaf `t`.
 void add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook);

@@ -291,7 +291,8 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// optimizer's zero_grad over the whole set): a runtime can tell that gradients
   /// it combined were cleared since.
   std::uint64_t zero_grad_count() const { return zero_grad_count_; }
-  void count_zero_grad() { ++zero_grad_count_; }
+  /// Also marks every copy's parameters' .grad as all +0 (Note [Gradients added in place]).
+  void count_zero_grad();
 
   /// Increments when the primary data is written by an optimizer step or a load.
   std::uint64_t version() const { return version_; }
