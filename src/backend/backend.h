@@ -329,6 +329,32 @@ class Backend : public dp::detail::DeviceRuntime {
     if (relu) unary(dev, UnaryOp::Relu, y, y, m * n);
   }
 
+  /// gx(m×n) = gy(m×k) · w(k×n) (a Linear's input gradient; w is the weight, out × in),
+  /// then, when relu_y is given, masked by that ReLU output (m×n) as its backward
+  /// masks it: Binary<ReluBackward>(gx, relu_y) in place, bit for bit. A backend may
+  /// mask each slab of gx while it is still in cache (Note [ReLU mask in the input
+  /// gradient]).
+  virtual void linear_backward_input(Device dev, std::int64_t m, std::int64_t n, std::int64_t k,
+                                     const float* gy, const float* w, const float* relu_y, float* gx) {
+    if (m == 0 || n == 0) return;
+    if (k == 0) {
+      fill(dev, gx, m * n, 0.0f);
+    } else {
+      gemm(dev, false, false, m, n, k, 1.0f, gy, k, w, n, 0.0f, gx, n);
+    }
+    if (relu_y) {
+      Indexer ix;  // gx and relu_y, both (m, n) contiguous
+      ix.ndim = 2;
+      ix.sizes[0] = m;
+      ix.sizes[1] = n;
+      ix.strides_a[0] = n;
+      ix.strides_a[1] = 1;
+      ix.strides_b[0] = n;
+      ix.strides_b[1] = 1;
+      binary(dev, BinaryOp::ReluBackward, ix, gx, relu_y, gx);
+    }
+  }
+
   // ---- softmax and losses (rows × cols, rows = batch) ------------------------------
   virtual void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
                            std::int64_t cols) = 0;

@@ -179,6 +179,8 @@ class CpuBackend final : public Backend {
             std::int64_t ldb, float beta, float* c, std::int64_t ldc) override;
   void linear_forward(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* x,
                       const float* w, const float* bias, float* y, bool relu) override;
+  void linear_backward_input(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* gy,
+                             const float* w, const float* relu_y, float* gx) override;
 
   void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
                    std::int64_t cols) override;
@@ -297,6 +299,7 @@ class CpuBackend final : public Backend {
   struct GemmEpilogue {
     const float* bias = nullptr;
     bool relu = false;
+    const float* relu_y = nullptr;  // mask C by this ReLU output, laid out as C (rows ldc apart)
   };
   // gemm, and linear_forward with an epilogue.
   void gemm_chunked(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,

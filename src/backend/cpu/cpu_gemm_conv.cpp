@@ -932,7 +932,23 @@ void epilogue_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* bias) {
   }
 }
 
-void apply_epilogue(const float* bias, bool relu, float* c, i64 ldc, i64 rows, i64 cols, i64 col0) {
+/// C's rows [0, rows) × columns [0, cols) of one chunk, masked by the ReLU output y
+/// (rows ldy apart): the element op of Binary<ReluBackward>.
+void mask_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* y, i64 ldy) {
+  const Binary<BinaryOp::ReluBackward> mask;
+  for (i64 i = 0; i < rows; ++i) {
+    float* row = c + i * ldc;
+    const float* yrow = y + i * ldy;
+    for (i64 j = 0; j < cols; ++j) row[j] = mask(row[j], yrow[j]);
+  }
+}
+
+/// The chunk of C at rows row0.., columns col0.. (rows × cols, C's rows ldc apart).
+/// relu_y: a ReLU output laid out as C, to mask C by (Note [ReLU mask in the input gradient]).
+void apply_epilogue(const float* bias, bool relu, const float* relu_y, float* c, i64 ldc, i64 row0, i64 rows,
+                    i64 col0, i64 cols) {
+  c += row0 * ldc + col0;
+  if (relu_y) mask_rows(c, ldc, rows, cols, relu_y + row0 * ldc + col0, ldc);
   if (bias) {
     if (relu) {
       epilogue_rows<true, true>(c, ldc, rows, cols, bias + col0);
@@ -951,6 +967,14 @@ void CpuBackend::linear_forward(Device dev, i64 m, i64 n, i64 k, const float* x,
   const GemmEpilogue ep{bias, relu};
   gemm_chunked(dev, false, true, m, n, k, 1.0f, x, std::max<i64>(1, k), w, std::max<i64>(1, k), 0.0f, y,
                std::max<i64>(1, n), &ep);
+}
+
+void CpuBackend::linear_backward_input(Device dev, i64 m, i64 n, i64 k, const float* gy, const float* w,
+                                       const float* relu_y, float* gx) {
+  // Note [ReLU mask in the input gradient]: each chunk masks its slab after its GEMM.
+  const GemmEpilogue ep{.relu_y = relu_y};
+  gemm_chunked(dev, false, false, m, n, k, 1.0f, gy, std::max<i64>(1, k), w, std::max<i64>(1, n), 0.0f, gx,
+               std::max<i64>(1, n), relu_y ? &ep : nullptr);
 }
 
 void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
@@ -974,7 +998,7 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   if (k == 0) {  // C = beta * C; beta == 0 overwrites (NaN in C must not survive)
     for (i64 i = 0; i < m; ++i)
       for (i64 j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
-    if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, c, ldc, m, n, 0);
+    if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, 0, m, 0, n);
     return;
   }
   // Note [oneDNN in the device's arena]: C is cut into `chunks` slabs of whole rows (or
@@ -1026,7 +1050,8 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
         dnnl_sgemm(ta, tb, a_h, b_w, k, alpha, as, as_ld, bs, bs_ld, beta, c + a_lo * ldc + b_lo, ldc);
     DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
              static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
-    if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, c + a_lo * ldc + b_lo, ldc, a_h, b_w, b_lo);
+    if (epilogue)
+      apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, a_lo, a_h, b_lo, b_w);
   });
 }
 
