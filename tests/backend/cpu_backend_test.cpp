@@ -327,6 +327,27 @@ TEST_CASE("devices: count, bad ids, threads per device, events") {
 
 // ---- elementwise ------------------------------------------------------------------------------
 
+TEST_CASE("memset_zero: every byte of small and of large (threaded) blocks, nothing beyond") {
+  // Blocks of 1 MiB and more are cleared in 256 KiB pieces over the device's threads;
+  // odd lengths and an unaligned start leave a partial last piece.
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1000}, (std::size_t{1} << 20) - 1,
+                        std::size_t{1} << 20, (std::size_t{3} << 20) + 12345}) {
+    for (int devices : {1, dp::hardware_concurrency()}) {
+      CAPTURE(n);
+      CAPTURE(devices);
+      std::vector<unsigned char> buf(n + 64, 0xAB);
+      be().set_concurrent_devices(devices);
+      be().memset_zero(buf.data() + 3, dev0(), n);
+      be().set_concurrent_devices(1);
+      REQUIRE(std::all_of(buf.begin(), buf.begin() + 3, [](unsigned char v) { return v == 0xAB; }));
+      REQUIRE(std::all_of(buf.begin() + 3, buf.begin() + 3 + static_cast<std::ptrdiff_t>(n),
+                          [](unsigned char v) { return v == 0; }));
+      REQUIRE(std::all_of(buf.begin() + 3 + static_cast<std::ptrdiff_t>(n), buf.end(),
+                          [](unsigned char v) { return v == 0xAB; }));
+    }
+  }
+}
+
 TEST_CASE("fill, arange, casts") {
   for (i64 n : kSizes) {
     std::vector<float> y(n + 1, -7.0f);

@@ -311,8 +311,22 @@ void CpuBackend::copy_to_host(void* host_dst, const void* src, Device dev, std::
 }
 
 void CpuBackend::memset_zero(void* ptr, Device dev, std::size_t nbytes) {
-  (void)state(dev);
-  if (nbytes) std::memset(ptr, 0, nbytes);
+  // Large blocks (a model's gradients in zero_grad: 7.5 MB for the MLP 784-1024-1024-10)
+  // in pieces over the device's threads: one core's stores do not reach the memory's
+  // write bandwidth, and the other threads would idle meanwhile.
+  constexpr std::size_t kPiece = std::size_t{256} << 10;
+  if (nbytes < 4 * kPiece) {
+    (void)state(dev);
+    if (nbytes) std::memset(ptr, 0, nbytes);
+    return;
+  }
+  char* p = static_cast<char*>(ptr);
+  const auto pieces = static_cast<std::int64_t>((nbytes + kPiece - 1) / kPiece);
+  parallel_for(dev, pieces, 1, [=](std::int64_t b, std::int64_t e) {
+    const std::size_t lo = static_cast<std::size_t>(b) * kPiece;
+    const std::size_t hi = std::min(nbytes, static_cast<std::size_t>(e) * kPiece);
+    std::memset(p + lo, 0, hi - lo);
+  });
 }
 
 }  // namespace cpu
