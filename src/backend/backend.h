@@ -331,19 +331,12 @@ class Backend : public dp::detail::DeviceRuntime {
 
   /// gx(m×n) = gy(m×k) · w(k×n) (a Linear's input gradient; w is the weight, out × in),
   /// then, when relu_y is given, masked by that ReLU output (m×n) as its backward
-  /// masks it: Binary<ReluBackward>(gx, relu_y) in place, bit for bit; when
-  /// gx_col_sums is given, also gx's column sums (n floats: the masked layer's bias
-  /// gradient) as reduce(Sum) over (1, m, n) gives them, bit for bit. A backend may
-  /// mask and sum each slab of gx while it is still in cache (Note [ReLU mask in the
-  /// input gradient]).
+  /// masks it: Binary<ReluBackward>(gx, relu_y) in place, bit for bit. A backend may
+  /// mask each slab of gx while it is still in cache (Note [ReLU mask in the input
+  /// gradient]).
   virtual void linear_backward_input(Device dev, std::int64_t m, std::int64_t n, std::int64_t k,
-                                     const float* gy, const float* w, const float* relu_y, float* gx,
-                                     float* gx_col_sums) {
-    if (n == 0) return;
-    if (m == 0) {
-      if (gx_col_sums) fill(dev, gx_col_sums, n, 0.0f);
-      return;
-    }
+                                     const float* gy, const float* w, const float* relu_y, float* gx) {
+    if (m == 0 || n == 0) return;
     if (k == 0) {
       fill(dev, gx, m * n, 0.0f);
     } else {
@@ -360,7 +353,6 @@ class Backend : public dp::detail::DeviceRuntime {
       ix.strides_b[1] = 1;
       binary(dev, BinaryOp::ReluBackward, ix, gx, relu_y, gx);
     }
-    if (gx_col_sums) reduce(dev, ReduceOp::Sum, gx, gx_col_sums, 1, m, n);
   }
 
   // ---- softmax and losses (rows × cols, rows = batch) ------------------------------

@@ -502,12 +502,9 @@ namespace {
 // uses the gradient as it is. Anything else — the gradient summed with another path's,
 // another thread — misses the note and masks as before, which changes nothing: the
 // mask applied twice is the mask applied once. The same element op on the same values
-// gives the same bits (tested against the unfused ops). The slab in cache also yields
-// the masked gradient's column sums, the linear_relu's bias gradient, where a chunk
-// holds whole columns and reduce would add them row after row (the same adds in the
-// same order); the note carries them. MLP 784-1024-1024-10, batch 512 on the Zen 5
-// EPYC: the two ReLU backward passes were 1.2 % of the step's CPU samples, the bias
-// sums 0.7 %.
+// gives the same bits (tested against the unfused ops). MLP 784-1024-1024-10, batch
+// 512 on the Zen 5 EPYC: the two ReLU backward passes were 1.2 % of the step's CPU
+// samples.
 
 constexpr const char* kLinearReluBackward = "LinearReluBackward";
 
@@ -516,19 +513,15 @@ constexpr const char* kLinearReluBackward = "LinearReluBackward";
 struct MaskedGrad {
   std::weak_ptr<TensorImpl> grad;
   const Storage* by = nullptr;
-  Tensor col_sums;  // the masked gradient's column sums: that layer's bias gradient
 };
 thread_local MaskedGrad t_masked_grad;
 
-// True, with the note's column sums moved to *col_sums, when g is the gradient a
-// Linear's backward masked with y's storage. A note about y is used up either way: only
-// the backward of y's linear_relu could read it, and it holds device memory.
-bool masked_by(const Tensor& g, const Tensor& y, Tensor* col_sums) {
-  if (t_masked_grad.by != y.storage().get()) return false;
+// True (and the note is used up) when g is the gradient a Linear's backward masked
+// with y's storage.
+bool masked_by(const Tensor& g, const Tensor& y) {
   const std::shared_ptr<TensorImpl> noted = t_masked_grad.grad.lock();
-  const bool hit = noted != nullptr && noted == g.impl_ptr();
-  if (hit) *col_sums = std::move(t_masked_grad.col_sums);
-  t_masked_grad = {};
+  const bool hit = noted != nullptr && noted == g.impl_ptr() && t_masked_grad.by == y.storage().get();
+  if (hit) t_masked_grad = {};
   return hit;
 }
 
@@ -569,24 +562,21 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
   const bool mask_gx = gx && is_linear_relu_output(x);  // Note [ReLU mask in the input gradient]
   autograd::record(relu ? kLinearReluBackward : "LinearBackward", inputs, out,
                    [x, w, ys, gx, gw, gb, mask_gx, has_b = b.defined()](const std::vector<Tensor>& g) {
-                     Tensor gy_sums;  // gy's column sums, when the next Linear made them
-                     const Tensor gy = ys.defined() && !masked_by(g[0], ys, &gy_sums)
+                     const Tensor gy = ys.defined() && !masked_by(g[0], ys)
                                            ? binary_raw("relu_backward", BinaryOp::ReluBackward, g[0], ys)
                                            : g[0];
                      Tensor dx;
                      if (mask_gx) {
                        dx = empty(x.shape(), x.device());
-                       Tensor sums = empty({x.size(1)}, x.device());
-                       be(x).linear_backward_input(x.device(), x.size(0), x.size(1), w.size(0), gy.data<float>(),
-                                                   w.data<float>(), x.data<float>(), dx.data<float>(),
-                                                   sums.data<float>());
-                       t_masked_grad = {dx.impl_ptr(), x.storage().get(), std::move(sums)};
+                       if (dx.numel() > 0)
+                         be(x).linear_backward_input(x.device(), x.size(0), x.size(1), w.size(0), gy.data<float>(),
+                                                     w.data<float>(), x.data<float>(), dx.data<float>());
+                       t_masked_grad = {dx.impl_ptr(), x.storage().get()};
                      } else if (gx) {
                        dx = grad_gemm(gy, false, w, false, 0);
                      }
                      std::vector<Tensor> r{dx, gw ? grad_gemm(gy, true, x, false, 1) : Tensor()};
-                     if (has_b && gb) r.push_back(gy_sums.defined() ? gy_sums : reduce_raw(ReduceOp::Sum, gy, 0, false));
-                     else if (has_b) r.emplace_back();
+                     if (has_b) r.push_back(gb ? reduce_raw(ReduceOp::Sum, gy, 0, false) : Tensor());
                      return r;
                    });
   return out;

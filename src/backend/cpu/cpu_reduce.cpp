@@ -147,11 +147,6 @@ void reduce_impl(CpuBackend& be, Device dev, const float* x, float* y, i64 outer
 
 }  // namespace
 
-bool column_sums_row_by_row(i64 r, i64 inner) {
-  const ReduceGrid g = make_grid(1, r, inner);
-  return inner > 1 && g.nr == 1;  // reduce_strided over all r rows of each column
-}
-
 void CpuBackend::reduce(Device dev, ReduceOp op, const float* x, float* y, i64 outer, i64 r,
                         i64 inner) {
   DP_CHECK(outer >= 0 && r >= 0 && inner >= 0, "reduce: expected non-negative sizes, got (",
