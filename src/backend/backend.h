@@ -303,6 +303,20 @@ class Backend : public dp::detail::DeviceRuntime {
                     std::int64_t k, float alpha, const float* a, std::int64_t lda,
                     const float* b, std::int64_t ldb, float beta, float* c,
                     std::int64_t ldc) = 0;
+  /// The Indexer of a binary op over a contiguous (m, n) `a` and a `b` whose rows lie
+  /// b_row_stride apart (0: one row broadcast over all of a's).
+  static Indexer rows_by_cols(std::int64_t m, std::int64_t n, std::int64_t b_row_stride) {
+    Indexer ix;
+    ix.ndim = 2;
+    ix.sizes[0] = m;
+    ix.sizes[1] = n;
+    ix.strides_a[0] = n;
+    ix.strides_a[1] = 1;
+    ix.strides_b[0] = b_row_stride;
+    ix.strides_b[1] = 1;
+    return ix;
+  }
+
   /// y(m×n) = x(m×k) · w(n×k)ᵀ + bias (bias: n floats, or null), then relu when `relu`:
   /// gemm (alpha 1, beta 0; k == 0 gives the bias alone), the bias add (Binary<Add>)
   /// and Unary<Relu> in place, bit for bit. A backend may apply the bias and the ReLU
@@ -316,16 +330,7 @@ class Backend : public dp::detail::DeviceRuntime {
     } else {
       gemm(dev, false, true, m, n, k, 1.0f, x, k, w, k, 0.0f, y, n);
     }
-    if (bias) {
-      Indexer ix;  // y (m, n) + bias broadcast over the rows
-      ix.ndim = 2;
-      ix.sizes[0] = m;
-      ix.sizes[1] = n;
-      ix.strides_a[0] = n;
-      ix.strides_a[1] = 1;
-      ix.strides_b[1] = 1;
-      binary(dev, BinaryOp::Add, ix, y, bias, y);
-    }
+    if (bias) binary(dev, BinaryOp::Add, rows_by_cols(m, n, 0), y, bias, y);  // bias broadcast over the rows
     if (relu) unary(dev, UnaryOp::Relu, y, y, m * n);
   }
 
@@ -342,17 +347,7 @@ class Backend : public dp::detail::DeviceRuntime {
     } else {
       gemm(dev, false, false, m, n, k, 1.0f, gy, k, w, n, 0.0f, gx, n);
     }
-    if (relu_y) {
-      Indexer ix;  // gx and relu_y, both (m, n) contiguous
-      ix.ndim = 2;
-      ix.sizes[0] = m;
-      ix.sizes[1] = n;
-      ix.strides_a[0] = n;
-      ix.strides_a[1] = 1;
-      ix.strides_b[0] = n;
-      ix.strides_b[1] = 1;
-      binary(dev, BinaryOp::ReluBackward, ix, gx, relu_y, gx);
-    }
+    if (relu_y) binary(dev, BinaryOp::ReluBackward, rows_by_cols(m, n, n), gx, relu_y, gx);
   }
 
   // ---- softmax and losses (rows × cols, rows = batch) ------------------------------

@@ -148,45 +148,35 @@ TEST_CASE("a weight's gradient is added in place into a zeroed .grad: the same b
   CHECK(in_place == usual);
   for (std::int64_t o = 0; o < out; ++o) CHECK(in_place[static_cast<std::size_t>(o * in + 7)] == 0u);  // +0
 
+  // The .grad against the usual path's dW, element by element.
+  auto grad_vs_usual = [&](auto ok) {
+    const F got = w.grad().to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      float once;
+      std::memcpy(&once, &usual[i], sizeof once);
+      if (!ok(got[i], once)) return false;
+    }
+    return true;
+  };
+
   // A .grad edited by hand after zero_grad: the product is added to what is there.
   buffer.zero_();
   dp::autograd::mark_grad_zeroed(w);
   w.grad().fill_(1.0);
   loss().backward();
-  const F edited = w.grad().to_vector();
-  bool added = true;
-  for (std::size_t i = 0; i < edited.size(); ++i) {
-    float once;
-    std::memcpy(&once, &usual[i], sizeof once);
-    added = added && std::abs(edited[i] - (1.0f + once)) <= 1e-6f * (1.0f + std::abs(once));
-  }
-  CHECK(added);
+  CHECK(grad_vs_usual([](float got, float once) { return std::abs(got - (1.0f + once)) <= 1e-6f * (1.0f + std::abs(once)); }));
 
   // A second backward without zero_grad accumulates as usual: dW + dW.
   buffer.zero_();
   loss().backward();
   loss().backward();
-  const F twice = w.grad().to_vector();
-  bool doubled = true;
-  for (std::size_t i = 0; i < twice.size(); ++i) {
-    float once;
-    std::memcpy(&once, &usual[i], sizeof once);
-    doubled = doubled && twice[i] == once + once;
-  }
-  CHECK(doubled);
+  CHECK(grad_vs_usual([](float got, float once) { return got == once + once; }));
 
   // A weight used twice in one graph: the two gradients are summed first, then added.
   buffer.zero_();
   dp::autograd::mark_grad_zeroed(w);
   (loss() + loss()).backward();
-  F sum_of_two = w.grad().to_vector();
-  bool summed = true;
-  for (std::size_t i = 0; i < sum_of_two.size(); ++i) {
-    float once;
-    std::memcpy(&once, &usual[i], sizeof once);
-    summed = summed && sum_of_two[i] == once + once;
-  }
-  CHECK(summed);
+  CHECK(grad_vs_usual([](float got, float once) { return got == once + once; }));
 }
 
 TEST_CASE("a second backward through a freed graph names retain_graph; retain_graph keeps it") {
