@@ -93,7 +93,7 @@ void LambdaNode::release_saved() {
 // accumulated into; a write through other paths between a zero_grad and a backward
 // (rare: an edit of .grad by hand) would leave it set, and then the product is still
 // added to what is there — the right sum, rounded as one GEMM with beta = 1 rounds it.
-// MLP step: -2.2 % on the Zen 5 EPYC (docs/BENCHMARKS.md).
+// MLP step: -2.6 % on the Zen 5 EPYC (docs/BENCHMARKS.md, "A fifth look").
 
 GradSink AccumulateGrad::sink() {
   GradSink s;
