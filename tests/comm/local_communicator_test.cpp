@@ -486,6 +486,26 @@ TEST_CASE("abort releases ranks blocked in a collective with CollectiveAborted; 
   for (int r = 0; r < n; ++r) CHECK(got[static_cast<std::size_t>(r)] == std::vector<float>(5, 6.0f));
 }
 
+TEST_CASE("a barrier aborted while a rank arrives never parks it for good") {
+  // The abort may land at any point of arrive_and_wait (before, between its reads, while
+  // it waits): the rank must return false every time. A hang here is the failure (the
+  // suite's timeout).
+  for (int i = 0; i < 20000; ++i) {
+    dp::comm::detail::Barrier barrier(2);
+    std::atomic<bool> go{false};
+    std::thread aborter([&] {
+      while (!go.load(std::memory_order_acquire)) {
+      }
+      barrier.abort("injected");
+    });
+    go.store(true, std::memory_order_release);
+    const bool released = barrier.arrive_and_wait();
+    aborter.join();
+    REQUIRE_FALSE(released);
+    REQUIRE(barrier.reason() == "injected");
+  }
+}
+
 TEST_CASE("abort at any point of a stream of collectives releases every rank") {
   const int n = 4;
   auto comm = make_comm(n);

@@ -128,10 +128,15 @@ std::string Barrier::reason() const {
 }
 
 bool Barrier::arrive_and_wait() {
-  if (aborted()) return false;
   // Read the generation before arriving: the last arriver bumps it only after our
-  // fetch_add, so we can never miss the bump of our own round.
+  // fetch_add, so we can never miss the bump of our own round. Look for an abort only
+  // after that read: an abort that came before it is seen here (its flag is stored
+  // before its bump), one that comes after it bumps the generation away from `gen` and
+  // ends the wait. Looked for before the read, an abort landing between the two went
+  // unseen and its bump was already in `gen`: the rank parked for good (a sharded
+  // test's injected failure hung that way under ASan).
   const std::uint32_t gen = generation_.load(std::memory_order_acquire);
+  if (aborted()) return false;
   if (arrived_.fetch_add(1, std::memory_order_acq_rel) == parties_ - 1) {
     arrived_.store(0, std::memory_order_relaxed);  // published by the bump
     generation_.bump(INT_MAX);
