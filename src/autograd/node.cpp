@@ -104,7 +104,7 @@ GradSink AccumulateGrad::sink() {
   if (!m.grad_zeroed || !m.grad.defined() || m.grad.dtype() != Dtype::Float32)
     return s;
   m.grad_zeroed = false;  // written from here on
-  lent_ = m.grad.impl();
+  ++lent_;
   s.grad_ = m.grad;
   s.lock_ = std::move(lock);
   return s;
@@ -128,8 +128,10 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
   AutogradMeta& m = meta(leaf);
   {
     std::lock_guard<std::mutex> lock(leaf_mutex(leaf_impl.get()));  // Note [Concurrent accumulation]
-    const bool added_in_place = lent_ != nullptr && g.impl() == lent_ && m.grad.defined() && m.grad.impl() == lent_;
-    lent_ = nullptr;
+    // The .grad itself coming back from a lent sink (other threads' graphs may end here
+    // too, with gradients of their own, in any order: Note [Concurrent accumulation]).
+    const bool added_in_place = lent_ > 0 && m.grad.defined() && g.impl() == m.grad.impl();
+    if (added_in_place) --lent_;
     m.grad_zeroed = false;
     if (added_in_place) {
       // Note [Gradients added in place]: the node already added it into .grad.

@@ -3,6 +3,7 @@
 // implicit gradients, diamonds, long chains and post-accumulate hooks.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -177,6 +178,51 @@ TEST_CASE("a weight's gradient is added in place into a zeroed .grad: the same b
   dp::autograd::mark_grad_zeroed(w);
   (loss() + loss()).backward();
   CHECK(grad_vs_usual([](float got, float once) { return got == once + once; }));
+}
+
+TEST_CASE("a .grad lent on one thread while other threads' graphs accumulate into the same leaf") {
+  // Note [Gradients added in place] with Note [Concurrent accumulation]: the graph on
+  // the leaf's own device multiplies by the leaf itself (its edge reaches the
+  // accumulator: a sink, held through a long GEMM), the others through copies (their
+  // gradients are added as they arrive, while the sink is out). Small integers keep every
+  // sum exact in any order: .grad must be the sum of all of them.
+  constexpr int kThreads = 4, kReps = 20;
+  const std::int64_t in = 64, out = 48;
+  std::vector<Tensor> xs;
+  for (int t = 0; t < kThreads; ++t) {
+    const std::int64_t rows = t == 0 ? 8192 : 16;
+    F v(static_cast<std::size_t>(rows * in));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>((i * 7 + static_cast<std::size_t>(t) * 3) % 5);
+    xs.push_back(dp::from_vector(v, {rows, in}, dp::cpu(t)));
+  }
+  F want(static_cast<std::size_t>(out * in), 0.0f);  // d sum(x wᵀ) / dw: x's column sums in every row
+  for (const Tensor& x : xs) {
+    const F xv = x.to_vector();
+    for (std::int64_t b = 0; b < x.size(0); ++b)
+      for (std::int64_t j = 0; j < in; ++j)
+        for (std::int64_t o = 0; o < out; ++o)
+          want[static_cast<std::size_t>(o * in + j)] += xv[static_cast<std::size_t>(b * in + j)];
+  }
+  Tensor w = dp::zeros({out, in});
+  w.set_requires_grad(true);
+  w.set_grad(dp::zeros({out, in}));
+  for (int rep = 0; rep < kReps; ++rep) {
+    w.grad().zero_();
+    dp::autograd::mark_grad_zeroed(w);
+    std::atomic<bool> go{false};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t)
+      threads.emplace_back([&, t] {
+        const Tensor wt = t == 0 ? w : w.to(dp::cpu(t));
+        if (t != 0)
+          while (!go.load()) std::this_thread::yield();
+        const Tensor loss = dp::sum(dp::linear(xs[static_cast<std::size_t>(t)], wt, Tensor()));
+        if (t == 0) go.store(true);  // the others run while thread 0's backward holds the sink
+        loss.backward();
+      });
+    for (auto& th : threads) th.join();
+    REQUIRE(w.grad().to_vector() == want);
+  }
 }
 
 TEST_CASE("a second backward through a freed graph names retain_graph; retain_graph keeps it") {

@@ -102,7 +102,7 @@ class AccumulateGrad final : public Node {
 
  private:
   std::weak_ptr<TensorImpl> leaf_;
-  const TensorImpl* lent_ = nullptr;  // the .grad a sink lent, until apply sees it back
+  int lent_ = 0;  // sinks lent whose gradient apply has not seen back (under the leaf's lock)
 };
 
 /// Per-tensor autograd state.
