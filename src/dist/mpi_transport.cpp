@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -201,6 +203,14 @@ void transport_finalize(bool owns) {
 }
 
 void transport_abort(int code) {
+  // One caller ends the process. Several threads of one process can time out in the
+  // same collective at once (each local rank of a hierarchical communicator waits for
+  // its peer), and two concurrent MPI_Abort calls corrupted Open MPI's heap ("double
+  // free or corruption" in CI, the job then hanging): later callers wait for the end.
+  static std::atomic<bool> ending{false};
+  if (ending.exchange(true, std::memory_order_acq_rel)) {
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
   if (mpi_initialized() && !mpi_finalized()) MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);  // MPI_Abort should not return; if it does, still end this process
 }
