@@ -442,15 +442,25 @@ Tensor sum_to(const Tensor& a, const Shape& shape) {
 
 namespace {
 
-// c = op(a) * op(b) for 2-d float tensors on one device (no autograd).
+// c (m×n) = op(a) * op(b) + beta * c for 2-d float tensors on one device (no autograd).
+void gemm_into(const Tensor& a, bool ta, const Tensor& b, bool tb, float beta, const Tensor& c, float* out) {
+  const std::int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
+  const std::int64_t n = tb ? b.size(0) : b.size(1);
+  DP_ASSERT(c.dim() == 2 && c.size(0) == m && c.size(1) == n && c.device() == a.device(), "gemm: output ",
+            c.str(), " for a (", m, ", ", n, ") product");
+  if (c.numel() == 0) return;
+  if (k == 0) {  // nothing to add; beta 0 overwrites
+    if (beta == 0.0f) be(a).fill(a.device(), out, c.numel(), 0.0f);
+    return;
+  }
+  be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), beta,
+             out, n);
+}
+
+// c = op(a) * op(b), a fresh tensor.
 Tensor gemm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
-  std::int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
-  std::int64_t n = tb ? b.size(0) : b.size(1);
-  Tensor c = empty({m, n}, a.device());
-  if (c.numel() == 0) return c;
-  if (k == 0) return c.zero_();
-  be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1),
-             0.0f, c.data<float>(), n);
+  Tensor c = empty({ta ? a.size(1) : a.size(0), tb ? b.size(0) : b.size(1)}, a.device());
+  if (c.numel() > 0) gemm_into(a, ta, b, tb, 0.0f, c, c.data<float>());
   return c;
 }
 
@@ -461,13 +471,7 @@ Tensor grad_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, int input_n
   autograd::GradSink sink = autograd::grad_sink(input_nr);
   if (!sink) return gemm_raw(a, ta, b, tb);
   const Tensor& c = sink.grad();
-  const std::int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
-  const std::int64_t n = tb ? b.size(0) : b.size(1);
-  DP_ASSERT(c.dim() == 2 && c.size(0) == m && c.size(1) == n && c.device() == a.device(), "grad_gemm: sink ",
-            c.str(), " for a (", m, ", ", n, ") product");
-  if (c.numel() > 0 && k > 0)
-    be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), 1.0f,
-               c.mutable_data<float>(), n);
+  if (c.numel() > 0 && (ta ? a.size(0) : a.size(1)) > 0) gemm_into(a, ta, b, tb, 1.0f, c, c.mutable_data<float>());
   return c;
 }
 
@@ -528,7 +532,8 @@ bool masked_by(const Tensor& g, const Tensor& y) {
 // x is output 0 of a linear_relu (its ReLU's output, which its backward masks by).
 bool is_linear_relu_output(const Tensor& x) {
   const std::shared_ptr<autograd::Node> fn = x.grad_fn();
-  return fn != nullptr && x.impl()->autograd->output_nr == 0 && fn->name() == kLinearReluBackward;
+  const auto* node = dynamic_cast<const autograd::LambdaNode*>(fn.get());
+  return node != nullptr && x.impl()->autograd->output_nr == 0 && node->is(kLinearReluBackward);
 }
 
 // linear, and linear_relu when `relu`: one backend call computes the product, the bias

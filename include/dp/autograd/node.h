@@ -62,6 +62,8 @@ class LambdaNode final : public Node {
   using Fn = std::function<std::vector<Tensor>(const std::vector<Tensor>& grad_outputs)>;
   LambdaNode(std::string name, Fn fn) : name_(std::move(name)), fn_(std::move(fn)) {}
   std::string name() const override { return name_; }
+  /// name() == n, without a copy of the name.
+  bool is(const char* n) const { return name_ == n; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) override;
   void release_saved() override;
 

@@ -877,6 +877,9 @@ i64 unaliased_ld(i64 w) {
 // slab (oneDNN's kernels do not block k by the slab's width), so the chunk count
 // changes no bits (cpu_backend_test: one thread against these splits, bit for bit).
 
+/// GEMM slab edges are multiples of this (the kernels' width).
+constexpr i64 kAlign = 16;
+
 /// The narrowest column slab a split makes (Note [GEMM: column slabs that fit L2]).
 constexpr i64 kMinColumnSlab = 128;
 
@@ -894,7 +897,6 @@ i64 l2_bytes() {
 /// of the shape, the thread count and the L2's size only.
 i64 gemm_chunks(i64 m, i64 n, i64 k, int threads) {
   if (threads <= 1 || m * n * k < 2 * kMinChunkMacs) return 1;
-  constexpr i64 kAlign = 16;  // slab edges: the kernels' width
   const i64 extent = m >= n ? m : n;
   i64 want = threads;
   if (m < n) {
@@ -936,12 +938,12 @@ void epilogue_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* bias) {
 }
 
 /// C's rows [0, rows) × columns [0, cols) of one chunk, masked by the ReLU output y
-/// (rows ldy apart): the element op of Binary<ReluBackward>.
-void mask_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* y, i64 ldy) {
+/// (laid out as C): the element op of Binary<ReluBackward>.
+void mask_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* y) {
   const Binary<BinaryOp::ReluBackward> mask;
   for (i64 i = 0; i < rows; ++i) {
     float* row = c + i * ldc;
-    const float* yrow = y + i * ldy;
+    const float* yrow = y + i * ldc;
     for (i64 j = 0; j < cols; ++j) row[j] = mask(row[j], yrow[j]);
   }
 }
@@ -951,7 +953,7 @@ void mask_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* y, i64 ldy) {
 void apply_epilogue(const float* bias, bool relu, const float* relu_y, float* c, i64 ldc, i64 row0, i64 rows,
                     i64 col0, i64 cols) {
   c += row0 * ldc + col0;
-  if (relu_y) mask_rows(c, ldc, rows, cols, relu_y + row0 * ldc + col0, ldc);
+  if (relu_y) mask_rows(c, ldc, rows, cols, relu_y + row0 * ldc + col0);
   if (bias) {
     if (relu) {
       epilogue_rows<true, true>(c, ldc, rows, cols, bias + col0);
@@ -1010,7 +1012,6 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   // so the split changes no sum; slab edges are multiples of 16 (the kernels' width).
   const bool by_rows = m >= n;
   const i64 extent = by_rows ? m : n;
-  constexpr i64 kAlign = 16;
   const i64 chunks = gemm_chunks(m, n, k, threads_per_device(dev));
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
   // Note [GEMM: operand rows 4 KiB apart]: a function of the shape and the chunk count only.
