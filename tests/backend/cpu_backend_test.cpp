@@ -812,6 +812,50 @@ TEST_CASE("linear_forward: gemm, the bias add and the ReLU, bit for bit, NaN and
   }
 }
 
+TEST_CASE("linear_epilogue: every variant, width and start against the functors, element by element") {
+  // Note [Epilogue clones]: the loop the loader picked for this CPU (AVX-512, AVX2 or
+  // the baseline) must give what the separate ops give: every row width 0..40 (each
+  // vector tail), a slab starting one float past C's row (unaligned), rows wider
+  // apart than the slab (ldc > cols, the columns between left alone), and values
+  // that tell the ops apart: NaN, ±infinity, ±0, the bias's -0 on a -0.
+  const Binary<BinaryOp::Add> add;
+  const Unary<UnaryOp::Relu> relu;
+  const Binary<BinaryOp::ReluBackward> mask;
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> special{nan, inf, -inf, 0.0f, -0.0f, 1.5f, -2.5f, 1e-40f, -1e-40f};
+  std::mt19937 rng(7);
+  auto value = [&] {  // a special value one time in three
+    return rng() % 3 == 0 ? special[rng() % special.size()] : std::uniform_real_distribution<float>(-2, 2)(rng);
+  };
+  const i64 rows = 3;
+  for (i64 cols = 0; cols <= 40; ++cols)
+    for (i64 start : {i64{0}, i64{1}})
+      for (int variant = 0; variant < 5; ++variant) {  // bias+relu, bias, relu, mask, mask+bias+relu
+        CAPTURE(cols);
+        CAPTURE(start);
+        CAPTURE(variant);
+        const bool with_bias = variant == 0 || variant == 1 || variant == 4;
+        const bool with_relu = variant == 0 || variant == 2 || variant == 4;
+        const bool with_mask = variant >= 3;
+        const i64 ldc = start + cols + 5;
+        std::vector<float> c(static_cast<std::size_t>(rows * ldc)), y(c.size()), bias(static_cast<std::size_t>(cols + 1));
+        for (float& v : c) v = value();
+        for (float& v : y) v = value();
+        for (float& v : bias) v = value();
+        std::vector<float> want = c;
+        for (i64 i = 0; i < rows; ++i)
+          for (i64 j = start; j < start + cols; ++j) {
+            float& v = want[static_cast<std::size_t>(i * ldc + j)];
+            if (with_mask) v = mask(v, y[static_cast<std::size_t>(i * ldc + j)]);
+            if (with_bias) v = add(v, bias[static_cast<std::size_t>(j - start)]);
+            if (with_relu) v = relu(v);
+          }
+        cpu::linear_epilogue(c.data() + start, ldc, rows, cols, with_bias ? bias.data() : nullptr, with_relu,
+                             with_mask ? y.data() + start : nullptr);
+        REQUIRE(bitwise_equal(want, c));
+      }
+}
+
 TEST_CASE("linear_backward_input: gemm, then the ReLU's mask, bit for bit, NaN and infinity included") {
   // Note [ReLU mask in the input gradient]: each chunk of dY W masks its slab by the ReLU
   // output y; gx must be what gemm, then Binary<ReluBackward>(gx, y) give — the

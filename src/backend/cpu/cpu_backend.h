@@ -47,6 +47,14 @@ enum class ConvLayout : std::uint8_t {
 /// vectorised, with ISA clones (cpu_scan.cpp, Note [Scan clones]).
 std::uint32_t max_abs_bits(const float* p, std::int64_t n);
 
+/// Rows [0, rows) x columns [0, cols) of C (rows ldc apart) after a Linear's GEMM:
+/// masked by the ReLU output relu_y (laid out as C) when it is not null, then + bias (per
+/// column) when it is not null, then relu when asked — the element ops of
+/// Binary<ReluBackward>, Binary<Add> and Unary<Relu>, bit for bit, vectorised with ISA
+/// clones (cpu_epilogue.cpp, Note [Epilogue clones]).
+void linear_epilogue(float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols, const float* bias, bool relu,
+                     const float* relu_y);
+
 /// Elements [begin, end) of fill_uniform, fill_normal and dropout, on the calling
 /// thread (cpu_random.cpp, Note [Vectorised random fills]): element i is
 /// lo + (hi - lo) * uniform_from(seed, offset + i), mean + std * normal_from(seed,

@@ -917,52 +917,16 @@ i64 gemm_chunks(i64 m, i64 n, i64 k, int threads) {
 // Binary<Add> with the bias, then Unary<Relu> — so y is the same bit for bit (NaN
 // included: relu keeps it; cpu_backend_test checks this). In the MLP 784-1024-1024-10
 // at batch 512 the bias add was 1.3 % and the ReLU 0.6 % of the step's CPU samples.
+// The loops are in cpu_epilogue.cpp, with ISA clones (Note [Epilogue clones]).
 
 namespace {
-
-/// C's rows [0, rows) × columns [0, cols) of one chunk += bias (columns col0..), then
-/// relu: the element ops of Binary<Add> and Unary<Relu>, branch-free per variant.
-template <bool kBias, bool kRelu>
-void epilogue_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* bias) {
-  const Binary<BinaryOp::Add> add;
-  const Unary<UnaryOp::Relu> relu;
-  for (i64 i = 0; i < rows; ++i) {
-    float* row = c + i * ldc;
-    for (i64 j = 0; j < cols; ++j) {
-      float v = row[j];
-      if constexpr (kBias) v = add(v, bias[j]);
-      if constexpr (kRelu) v = relu(v);
-      row[j] = v;
-    }
-  }
-}
-
-/// C's rows [0, rows) × columns [0, cols) of one chunk, masked by the ReLU output y
-/// (laid out as C): the element op of Binary<ReluBackward>.
-void mask_rows(float* c, i64 ldc, i64 rows, i64 cols, const float* y) {
-  const Binary<BinaryOp::ReluBackward> mask;
-  for (i64 i = 0; i < rows; ++i) {
-    float* row = c + i * ldc;
-    const float* yrow = y + i * ldc;
-    for (i64 j = 0; j < cols; ++j) row[j] = mask(row[j], yrow[j]);
-  }
-}
 
 /// The chunk of C at rows row0.., columns col0.. (rows × cols, C's rows ldc apart).
 /// relu_y: a ReLU output laid out as C, to mask C by (Note [ReLU mask in the input gradient]).
 void apply_epilogue(const float* bias, bool relu, const float* relu_y, float* c, i64 ldc, i64 row0, i64 rows,
                     i64 col0, i64 cols) {
-  c += row0 * ldc + col0;
-  if (relu_y) mask_rows(c, ldc, rows, cols, relu_y + row0 * ldc + col0);
-  if (bias) {
-    if (relu) {
-      epilogue_rows<true, true>(c, ldc, rows, cols, bias + col0);
-    } else {
-      epilogue_rows<true, false>(c, ldc, rows, cols, bias + col0);
-    }
-  } else if (relu) {
-    epilogue_rows<false, true>(c, ldc, rows, cols, nullptr);
-  }
+  linear_epilogue(c + row0 * ldc + col0, ldc, rows, cols, bias ? bias + col0 : nullptr, relu,
+                  relu_y ? relu_y + row0 * ldc + col0 : nullptr);
 }
 
 }  // namespace
