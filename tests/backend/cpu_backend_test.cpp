@@ -689,6 +689,55 @@ TEST_CASE("gemm split into per-thread slabs: every transpose, row and column spl
   }
 }
 
+TEST_CASE("gemm with a small k: products summed by fma in k order, at any split") {
+  // Note [GEMMs with a small k]: for k <= kSmallK, B not transposed, alpha 1, beta 0,
+  // each element of C is fma(a[i,k-1], b[k-1,j], ... fma(a[i,0], b[0,j], +0)) — the
+  // same at one thread and at all cores, with padded leading dimensions, every width
+  // (vector blocks and tails) and a transposed A; where the CPU has no FMA oneDNN runs
+  // it and only the tolerance check applies. The ReLU mask on the same pass:
+  // linear_backward_input's test (its 512x1024x10 and 4099x1x5).
+  const int hw = dp::hardware_concurrency();
+  const bool fma_loop = __builtin_cpu_supports("fma");
+  for (i64 k : {i64{1}, i64{2}, i64{5}, i64{10}, cpu::kSmallK})
+    for (auto [m, n] : {std::pair<i64, i64>{512, 1024}, {7, 1}, {33, 15}, {65, 16}, {3, 17}, {130, 63}, {1, 64},
+                        {9, 65}, {300, 1000}})
+      for (bool ta : {false, true})
+        for (int devices : {1, hw}) {
+          CAPTURE(k);
+          CAPTURE(m);
+          CAPTURE(n);
+          CAPTURE(ta);
+          CAPTURE(devices);
+          const i64 lda = (ta ? m : k) + 3, ldb = n + 5, ldc = n + 2;
+          auto a = random_vec((ta ? k : m) * lda, 60), b = random_vec(k * ldb, 61);
+          std::vector<float> c(static_cast<std::size_t>(m * ldc), 9.0f);
+          be().set_concurrent_devices(devices);
+          be().gemm(dev0(), ta, false, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c.data(), ldc);
+          be().set_concurrent_devices(1);
+          i64 padding_touched = 0, far = 0, other_bits = 0;
+          for (i64 i = 0; i < m; ++i)
+            for (i64 j = 0; j < ldc; ++j) {
+              const float got = c[static_cast<std::size_t>(i * ldc + j)];
+              if (j >= n) {  // the padding between rows is left alone
+                padding_touched += got != 9.0f;
+                continue;
+              }
+              float want = 0.0f;
+              double exact = 0.0;
+              for (i64 p = 0; p < k; ++p) {
+                const float av = ta ? a[static_cast<std::size_t>(p * lda + i)] : a[static_cast<std::size_t>(i * lda + p)];
+                want = std::fma(av, b[static_cast<std::size_t>(p * ldb + j)], want);
+                exact += double(av) * double(b[static_cast<std::size_t>(p * ldb + j)]);
+              }
+              far += !(std::abs(got - exact) <= 1e-5 * (1 + std::abs(exact)));
+              other_bits += fma_loop && std::memcmp(&got, &want, sizeof got) != 0;
+            }
+          CHECK(padding_touched == 0);
+          CHECK(far == 0);
+          CHECK(other_bits == 0);
+        }
+}
+
 TEST_CASE("gemm cut into column slabs that fit L2: the same bits as one call on one thread") {
   // Note [GEMM: column slabs that fit L2]: a wide C (m < n) runs as several slabs per
   // thread; every element is still one dot product over all of k, so the product equals

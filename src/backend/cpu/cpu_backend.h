@@ -55,6 +55,18 @@ std::uint32_t max_abs_bits(const float* p, std::int64_t n);
 void linear_epilogue(float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols, const float* bias, bool relu,
                      const float* relu_y);
 
+/// The largest inner dimension CpuBackend::gemm runs in small_k_gemm.
+inline constexpr std::int64_t kSmallK = 16;
+
+/// Rows [0, rows) of C (ldc apart; all n columns) = op(A)'s rows [0, rows) times B,
+/// for k <= kSmallK, B not transposed, alpha 1 and beta 0 — each element the products
+/// summed by std::fma in k order from +0 — then masked by the ReLU output relu_y (laid
+/// out as C) when it is not null, as linear_epilogue masks. op(A)'s row i is
+/// a[i * lda + p] (a[p * lda + i] when trans_a). Vectorised with ISA clones
+/// (cpu_small_gemm.cpp, Note [GEMMs with a small k]).
+void small_k_gemm(bool trans_a, std::int64_t rows, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
+                  const float* b, std::int64_t ldb, float* c, std::int64_t ldc, const float* relu_y);
+
 /// Elements [begin, end) of fill_uniform, fill_normal and dropout, on the calling
 /// thread (cpu_random.cpp, Note [Vectorised random fills]): element i is
 /// lo + (hi - lo) * uniform_from(seed, offset + i), mean + std * normal_from(seed,

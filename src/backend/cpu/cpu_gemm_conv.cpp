@@ -907,6 +907,16 @@ i64 gemm_chunks(i64 m, i64 n, i64 k, int threads) {
   return std::min<i64>({want, (extent + kAlign - 1) / kAlign, m * n * k / kMinChunkMacs});
 }
 
+/// Elements of C a chunk of a small-k product writes at least (Note [GEMMs with a small k]).
+constexpr i64 kSmallKChunkElems = i64{1} << 16;
+
+/// Whether this CPU multiplies and adds in one rounding in hardware (Note [GEMMs with a
+/// small k]): elsewhere std::fma is a libm call, and oneDNN runs those products.
+bool small_k_gemm_fits() {
+  static const bool fma = __builtin_cpu_supports("fma");
+  return fma;
+}
+
 // Note [Linear epilogue]
 // A Linear's forward is a GEMM, then the bias added to every row, then (in a Sequential
 // whose Linear a ReLU follows) the ReLU: three passes over y, the last two reading
@@ -968,6 +978,18 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
     for (i64 i = 0; i < m; ++i)
       for (i64 j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
     if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, 0, m, 0, n);
+    return;
+  }
+  // Note [GEMMs with a small k]: rows of C in order, each finished in one pass.
+  if (k <= kSmallK && !trans_b && alpha == 1.0f && beta == 0.0f &&
+      (!epilogue || (!epilogue->bias && !epilogue->relu)) && small_k_gemm_fits()) {
+    const i64 chunks = std::clamp<i64>(m * n / kSmallKChunkElems, 1, std::min<i64>(m, threads_per_device(dev)));
+    const float* relu_y = epilogue ? epilogue->relu_y : nullptr;
+    parallel_chunks(dev, chunks, [&](i64 ch) {
+      const i64 lo = m * ch / chunks, hi = m * (ch + 1) / chunks;
+      small_k_gemm(trans_a, hi - lo, n, k, trans_a ? a + lo : a + lo * lda, lda, b, ldb, c + lo * ldc, ldc,
+                   relu_y ? relu_y + lo * ldc : nullptr);
+    });
     return;
   }
   // Note [oneDNN in the device's arena]: C is cut into `chunks` slabs of whole rows (or
