@@ -39,8 +39,9 @@ namespace dp::backend::cpu {
 namespace {
 
 /// Columns [j0, j0 + w) of one row of C: the sums in k order, then the mask by yrow.
-/// Always inlined (only code inlined into a clone is compiled for the clone's ISA);
-/// w is a compile-time width for the vectorised blocks and kAny for the tail.
+/// Always inlined (only code inlined into a clone is compiled for the clone's ISA).
+/// kWidth: the block's width, fixed for the vectorised blocks; 0 for the tail, whose
+/// width is w (at most 16).
 template <std::int64_t kWidth>
 [[gnu::always_inline]] inline void row_block(const float* ai, std::int64_t k, const float* b, std::int64_t ldb,
                                              std::int64_t j0, std::int64_t w, float* __restrict crow,
