@@ -47,6 +47,16 @@ enum class ConvLayout : std::uint8_t {
 /// vectorised, with ISA clones (cpu_scan.cpp, Note [Scan clones]).
 std::uint32_t max_abs_bits(const float* p, std::int64_t n);
 
+/// The ISA clones of the loops below that the optimizer-loop library builds
+/// (src/backend/cpu/meson.build): x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA) and the
+/// baseline, one picked by the loader for the CPU at hand; none where the build has no
+/// clones (sanitizer builds).
+#if defined(DP_CPU_TARGET_CLONES)
+#define DP_CPU_V4_V3_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DP_CPU_V4_V3_CLONES
+#endif
+
 /// Rows [0, rows) x columns [0, cols) of C (rows ldc apart) after a Linear's GEMM:
 /// masked by the ReLU output relu_y (laid out as C) when it is not null, then + bias (per
 /// column) when it is not null, then relu when asked — the element ops of

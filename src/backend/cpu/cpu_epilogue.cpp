@@ -23,11 +23,6 @@ namespace dp::backend::cpu {
 // operation per element, and this file is built with -ffp-contract=off), so every
 // clone writes the bits of the others (cpu_backend_test compares the epilogues with
 // the separate ops element by element, NaN and infinities included).
-#if defined(DP_CPU_TARGET_CLONES)
-#define DP_EPILOGUE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DP_EPILOGUE_CLONES
-#endif
 
 namespace {
 
@@ -63,7 +58,7 @@ template <bool kBias, bool kRelu>
 
 }  // namespace
 
-DP_EPILOGUE_CLONES void linear_epilogue(float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols,
+DP_CPU_V4_V3_CLONES void linear_epilogue(float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols,
                                         const float* bias, bool relu, const float* relu_y) {
   if (relu_y) mask_rows(c, ldc, rows, cols, relu_y);
   if (bias) {

@@ -25,11 +25,6 @@ namespace dp::backend::cpu {
 // built with -ffp-contract=off; logf and cosf stay glibc's scalar calls), so every
 // clone writes the bits that uniform_from and normal_from give (cpu_backend_test checks
 // element by element, across a 2^32 counter boundary).
-#if defined(DP_CPU_TARGET_CLONES)
-#define DP_RANDOM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DP_RANDOM_CLONES
-#endif
 
 namespace {
 
@@ -57,7 +52,7 @@ template <bool kTwoWords, typename Body>
 
 }  // namespace
 
-DP_RANDOM_CLONES void uniform_range(float* y, std::int64_t begin, std::int64_t end, float lo, float hi,
+DP_CPU_V4_V3_CLONES void uniform_range(float* y, std::int64_t begin, std::int64_t end, float lo, float hi,
                                     std::uint64_t seed, std::uint64_t offset) {
   const float span = hi - lo;
   for_each_tile<false>(begin, end, seed, offset, [=](std::int64_t t, int count, const std::uint32_t* w0, auto) {
@@ -65,7 +60,7 @@ DP_RANDOM_CLONES void uniform_range(float* y, std::int64_t begin, std::int64_t e
   });
 }
 
-DP_RANDOM_CLONES void normal_range(float* y, std::int64_t begin, std::int64_t end, float mean, float std,
+DP_CPU_V4_V3_CLONES void normal_range(float* y, std::int64_t begin, std::int64_t end, float mean, float std,
                                    std::uint64_t seed, std::uint64_t offset) {
   for_each_tile<true>(begin, end, seed, offset, [=](std::int64_t t, int count, const std::uint32_t* w0,
                                                      const std::uint32_t* w1) {
@@ -73,7 +68,7 @@ DP_RANDOM_CLONES void normal_range(float* y, std::int64_t begin, std::int64_t en
   });
 }
 
-DP_RANDOM_CLONES void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, std::int64_t end,
+DP_CPU_V4_V3_CLONES void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, std::int64_t end,
                                     float p, float scale, std::uint64_t seed, std::uint64_t offset) {
   for_each_tile<false>(begin, end, seed, offset, [=](std::int64_t t, int count, const std::uint32_t* w0, auto) {
     for (int j = 0; j < count; ++j) {

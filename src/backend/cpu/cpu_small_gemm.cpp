@@ -30,11 +30,6 @@ namespace dp::backend::cpu {
 // see small_k_gemm_fits). So any chunking gives the bits of one call on one thread;
 // the bits are this loop's, not oneDNN's (cpu_backend_test checks both against a
 // double-precision product and the chunkings against each other).
-#if defined(DP_CPU_TARGET_CLONES)
-#define DP_SMALL_K_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DP_SMALL_K_CLONES
-#endif
 
 namespace {
 
@@ -65,7 +60,7 @@ template <std::int64_t kWidth>
 
 }  // namespace
 
-DP_SMALL_K_CLONES void small_k_gemm(bool trans_a, std::int64_t rows, std::int64_t n, std::int64_t k,
+DP_CPU_V4_V3_CLONES void small_k_gemm(bool trans_a, std::int64_t rows, std::int64_t n, std::int64_t k,
                                     const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float* c,
                                     std::int64_t ldc, const float* relu_y) {
   constexpr std::int64_t kBlock = 64;  // four AVX-512 accumulators
