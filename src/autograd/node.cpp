@@ -22,6 +22,9 @@ std::atomic<std::uint64_t> g_next_sequence_nr{0};
 // AccumulateGrad, and their forwards all ask for its accumulator. Both are serialized per
 // leaf by a mutex picked from the leaf's address. Hooks run outside it: a DDP hook may
 // wait for other workers, which may be waiting for this mutex.
+// Note [Gradients written over zeros]: set while this thread writes into a leaf's .grad.
+thread_local bool t_gradient_write = false;
+
 std::mutex& leaf_mutex(const void* leaf) {
   static std::mutex stripes[64];  // more stripes than concurrent workers; collisions only slow down
   return stripes[(reinterpret_cast<std::uintptr_t>(leaf) / alignof(std::max_align_t)) % 64];
@@ -95,6 +98,33 @@ void LambdaNode::release_saved() {
 // added to what is there — the right sum, rounded as one GEMM with beta = 1 rounds it.
 // MLP step: -2.6 % on the Zen 5 EPYC (docs/BENCHMARKS.md, "A fifth look").
 
+// Note [Gradients written over zeros]
+// Adding into a .grad of +0 (beta = 1) still reads the .grad: zero_grad wrote it at
+// the start of the step, the forward has pushed it out of the caches since, and the
+// GEMM reads it back from memory — 7.5 MB per MLP step, most of the difference between
+// the weight gradients' time in a step and alone. When the .grad is known to hold only
+// +0 the node writes its product over it (beta = 0) instead. Known, not assumed: the
+// per-leaf mark above is cleared by the engine's own writes into that leaf, but a write
+// made through another tensor on the same storage (an edit by hand of this or another
+// .grad in a flat buffer, a second optimizer's zero_grad of other parameters, a
+// reallocation) would not clear it. So every in-place write moves its storage's write
+// epoch (Storage::bump_version, reached through mutable_data), except the engine's
+// writes into a leaf's .grad, made under a GradientWriteScope and tracked by the mark:
+// zero_grad records the epoch with the mark, and the sink writes over the .grad only
+// when the epoch is still the recorded one; otherwise it adds, as before. (A write
+// through data() into a tensor others hold breaks Note [Storage versions] and is not
+// seen.) The bits are those of the addition: the GEMMs start their sums from +0
+// (oneDNN's kernels and the small-k products on the CPU, cuBLAS on CUDA), so a product
+// is never -0 and +0 + product == product; engine_test checks this bit for bit with -0
+// products, through oneDNN's kernels and the small-k loop. MLP 784-1024-1024-10 step:
+// -0.9 % on the Zen 5 EPYC (docs/BENCHMARKS.md, "A seventh look").
+
+GradientWriteScope::GradientWriteScope() : outer_(!t_gradient_write) { t_gradient_write = true; }
+GradientWriteScope::~GradientWriteScope() {
+  if (outer_) t_gradient_write = false;
+}
+bool in_gradient_write_scope() { return t_gradient_write; }
+
 GradSink AccumulateGrad::sink() {
   GradSink s;
   auto leaf_impl = leaf_.lock();
@@ -105,6 +135,7 @@ GradSink AccumulateGrad::sink() {
     return s;
   m.grad_zeroed = false;  // written from here on
   ++lent_;
+  s.zeros_ = m.grad.storage()->write_epoch() == m.zeroed_epoch;  // Note [Gradients written over zeros]
   s.grad_ = m.grad;
   s.lock_ = std::move(lock);
   return s;
@@ -115,6 +146,7 @@ void mark_grad_zeroed(const Tensor& t) {
   std::lock_guard<std::mutex> lock(leaf_mutex(t.impl()));  // Note [Concurrent accumulation]
   AutogradMeta& m = *t.impl()->autograd;
   m.grad_zeroed = m.grad.defined();
+  if (m.grad_zeroed) m.zeroed_epoch = m.grad.storage()->write_epoch();  // Note [Gradients written over zeros]
 }
 
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
@@ -136,7 +168,8 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
     if (added_in_place) {
       // Note [Gradients added in place]: the node already added it into .grad.
     } else if (m.grad.defined()) {
-      m.grad.add_(g);  // in place: a .grad that views a flat buffer stays a view
+      GradientWriteScope scope;  // tracked by this leaf's mark (Note [Gradients written over zeros])
+      m.grad.add_(g);            // in place: a .grad that views a flat buffer stays a view
     } else if (sole_owner(g)) {
       m.grad = g;  // Note [Adopting a gradient]
     } else {

@@ -466,12 +466,16 @@ Tensor gemm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
 
 // The gradient op(a) * op(b) for input `input_nr` of the node running this backward:
 // added into that leaf's .grad when the engine lends it (Note [Gradients added in
-// place]), else a fresh tensor.
+// place]), written over it when the .grad is known to hold only +0 (Note [Gradients
+// written over zeros]), else a fresh tensor.
 Tensor grad_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, int input_nr) {
   autograd::GradSink sink = autograd::grad_sink(input_nr);
   if (!sink) return gemm_raw(a, ta, b, tb);
   const Tensor& c = sink.grad();
-  if (c.numel() > 0 && (ta ? a.size(0) : a.size(1)) > 0) gemm_into(a, ta, b, tb, 1.0f, c, c.mutable_data<float>());
+  if (c.numel() > 0 && (ta ? a.size(0) : a.size(1)) > 0) {
+    autograd::GradientWriteScope scope;
+    gemm_into(a, ta, b, tb, sink.zeros() ? 0.0f : 1.0f, c, c.mutable_data<float>());
+  }
   return c;
 }
 

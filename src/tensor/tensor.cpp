@@ -57,6 +57,12 @@ Storage::Storage(PinnedTag, std::size_t nbytes)
 Storage::Storage(Device device, void* data, std::size_t nbytes, std::function<void(void*)> deleter)
     : device_(device), nbytes_(nbytes), data_(data), external_(true), deleter_(std::move(deleter)) {}
 
+void Storage::bump_version() {
+  ++version_;
+  // Note [Gradients written over zeros] in src/autograd/node.cpp.
+  if (!autograd::in_gradient_write_scope()) write_epoch_.fetch_add(1, std::memory_order_relaxed);
+}
+
 void Storage::release() {
   DP_CHECK(!pinned_, "Storage::release: pinned host memory cannot be released");
   DP_CHECK(!external_, "Storage::release: memory wrapped by from_blob belongs to the caller and cannot be released");
@@ -70,6 +76,7 @@ void Storage::materialize() {
   if (!released_) return;
   data_ = backend::get(device_).allocate(device_, nbytes_);
   released_ = false;
+  write_epoch_.fetch_add(1, std::memory_order_relaxed);  // contents undefined again
 }
 
 Storage::~Storage() {

@@ -122,6 +122,46 @@ TEST_CASE("transient copies are not stepped, but their gradients are zeroed") {
   for (float g : set->copy(0).grad.to_vector()) CHECK(g == 0);
 }
 
+TEST_CASE("after zero_grad a weight's gradient is written over its zeros; an edit of .grad after zero_grad is kept") {
+  // Note [Gradients written over zeros], through the optimizer's zero_grad of a flat set.
+  auto net = tiny_net(dp::cpu(0));
+  auto params = net->parameters();  // 0.weight, 0.bias, 1.weight, 1.bias: one flat buffer
+  optim::SGD opt(params, {.lr = 0.1});
+  const dp::Tensor x =
+      dp::from_vector(std::vector<float>{0.5f, -1.0f, 2.0f, 1.5f, 0.25f, -0.75f, -2.0f, 1.0f, 0.5f, 3.0f, -1.5f, 0.125f}, {4, 3});
+  auto loss = [&] {
+    const dp::Tensor y = net->forward(x);
+    return dp::sum(y * y);
+  };
+  opt.zero_grad();
+  loss().backward();
+  std::vector<std::vector<float>> want;
+  for (const auto& t : params) want.push_back(t.grad().to_vector());
+
+  // A value put into the .grad without the API (outside Note [Storage versions]) is
+  // written over: the zeros were known, the GEMM did not read them.
+  opt.zero_grad();
+  params[0].grad().data<float>()[0] = 7.0f;
+  loss().backward();
+  for (std::size_t k = 0; k < params.size(); ++k) CHECK(params[k].grad().to_vector() == want[k]);
+
+  // An edit through the API after zero_grad: the gradient is added to it.
+  opt.zero_grad();
+  params[0].grad().add_(dp::ones({2, 3}));
+  loss().backward();
+  const std::vector<float> got = params[0].grad().to_vector();
+  for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == doctest::Approx(1.0f + want[0][i]).epsilon(1e-6));
+
+  // An edit of another parameter's .grad on the same buffer: kept, and every other
+  // gradient is still exactly the usual one.
+  opt.zero_grad();
+  params[1].grad().fill_(2.0);
+  loss().backward();
+  for (std::size_t k : {0u, 2u, 3u}) CHECK(params[k].grad().to_vector() == want[k]);
+  const std::vector<float> bias = params[1].grad().to_vector();
+  for (std::size_t i = 0; i < bias.size(); ++i) CHECK(bias[i] == 2.0f + want[1][i]);
+}
+
 TEST_CASE("an executor runs each copy's step on its own thread") {
   auto net = tiny_net(dp::cpu(0));
   auto params = net->parameters();

@@ -80,14 +80,37 @@ class GradSink {
  public:
   GradSink() = default;
   explicit operator bool() const { return grad_.defined(); }
-  /// The leaf's .grad, every element +0: add the gradient into it (beta = 1).
+  /// The leaf's .grad: add the gradient into it (beta = 1), or, when zeros(), write
+  /// the gradient over it (beta = 0). Write under a GradientWriteScope.
   const Tensor& grad() const { return grad_; }
+  /// True when the .grad is known to hold only +0: zero_grad filled it and nothing has
+  /// written into its storage since but the engine's writes into other leaves' .grad
+  /// (Note [Gradients written over zeros]).
+  bool zeros() const { return zeros_; }
 
  private:
   friend class AccumulateGrad;
   Tensor grad_;
+  bool zeros_ = false;
   std::unique_lock<std::mutex> lock_;
 };
+
+/// While alive, in-place writes made on this thread leave Storage::write_epoch() where
+/// it is: for the engine's writes into a leaf's .grad, which it tracks per leaf (Note
+/// [Gradients written over zeros]). Nests; not for other code.
+class GradientWriteScope {
+ public:
+  GradientWriteScope();
+  ~GradientWriteScope();
+  GradientWriteScope(const GradientWriteScope&) = delete;
+  GradientWriteScope& operator=(const GradientWriteScope&) = delete;
+
+ private:
+  bool outer_;
+};
+
+/// True while a GradientWriteScope is open on this thread.
+bool in_gradient_write_scope();
 
 /// Accumulates the incoming gradient into a leaf's .grad (in place when it exists,
 /// so a .grad that views a flat gradient buffer stays a view), then runs the leaf's
@@ -116,8 +139,11 @@ struct AutogradMeta {
   std::weak_ptr<Node> grad_accumulator;
   /// Called after backward accumulated into this leaf's .grad (DDP's bucket hooks).
   std::vector<std::function<void(const Tensor& leaf)>> post_accumulate_hooks;
-  /// .grad holds only +0 since a zero_grad (Note [Gradients added in place]).
+  /// .grad holds only +0 since a zero_grad (Note [Gradients added in place]), unless
+  /// its storage's write epoch has moved from zeroed_epoch (Note [Gradients written
+  /// over zeros]).
   bool grad_zeroed = false;
+  std::uint64_t zeroed_epoch = 0;
 };
 
 /// True when grad mode is on and any defined input requires a gradient.

@@ -11,6 +11,7 @@
 //   dp::Tensor loss = dp::matmul(x, w).relu().mean();  loss.backward();  // w.grad()
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -86,7 +87,15 @@ class Storage {
   /// True for memory wrapped by dp::from_blob.
   bool external() const { return external_; }
   std::uint64_t version() const { return version_; }
-  void bump_version() { ++version_; }
+  /// Moves the version, and the write epoch unless a GradientWriteScope is open on
+  /// this thread.
+  void bump_version();
+  /// Counts the in-place writes, as the version does, except those the autograd engine
+  /// makes into a leaf's .grad under a GradientWriteScope (it tracks those per leaf), and
+  /// the reallocations of a released storage: a .grad zeroed at write epoch e still
+  /// holds only +0 at epoch e unless its own leaf was written (Note [Gradients written
+  /// over zeros] in src/autograd/node.cpp).
+  std::uint64_t write_epoch() const { return write_epoch_.load(std::memory_order_relaxed); }
 
   /// Note [Released storage]
   /// A storage's memory can be given back to the device's allocator while every
@@ -105,6 +114,7 @@ class Storage {
   std::size_t nbytes_;
   void* data_ = nullptr;
   std::uint64_t version_ = 0;
+  std::atomic<std::uint64_t> write_epoch_{0};
   bool pinned_ = false;
   bool external_ = false;
   std::function<void(void*)> deleter_;
