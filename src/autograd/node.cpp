@@ -117,7 +117,7 @@ void LambdaNode::release_saved() {
 // (oneDNN's kernels and the small-k products on the CPU, cuBLAS on CUDA), so a product
 // is never -0 and +0 + product == product; engine_test checks this bit for bit with -0
 // products, through oneDNN's kernels and the small-k loop. MLP 784-1024-1024-10 step:
-// -0.9 % on the Zen 5 EPYC (docs/BENCHMARKS.md, "A seventh look").
+// -0.7 to -0.8 % on the Zen 5 EPYC (docs/BENCHMARKS.md, "A seventh look").
 
 GradientWriteScope::GradientWriteScope() : outer_(!t_gradient_write) { t_gradient_write = true; }
 GradientWriteScope::~GradientWriteScope() {
