@@ -813,6 +813,68 @@ TEST_CASE("gemm with operand rows 2 KiB apart: the copied slabs give the same bi
   }
 }
 
+TEST_CASE("transpose_copy: every element moved, the padding left alone, at every block and tail") {
+  // cpu_transpose.cpp: 8x8 blocks transposed in registers, then the columns and rows
+  // that do not fill a block one by one.
+  for (i64 rows : {1, 7, 8, 9, 16, 33, 130})
+    for (i64 cols : {1, 5, 8, 13, 64, 785}) {
+      CAPTURE(rows);
+      CAPTURE(cols);
+      const i64 lds = cols + 3, ldd = rows + 5;
+      const auto src = random_vec(rows * lds, 90);
+      std::vector<float> dst(static_cast<std::size_t>(cols * ldd), 42.0f);
+      cpu::transpose_copy(src.data(), lds, rows, cols, dst.data(), ldd);
+      i64 wrong = 0, padding_touched = 0;
+      for (i64 c = 0; c < cols; ++c)
+        for (i64 r = 0; r < ldd; ++r) {
+          const float got = dst[static_cast<std::size_t>(c * ldd + r)];
+          if (r >= rows) padding_touched += got != 42.0f;
+          else wrong += std::memcmp(&got, &src[static_cast<std::size_t>(r * lds + c)], sizeof got) != 0;
+        }
+      CHECK(wrong == 0);
+      CHECK(padding_touched == 0);
+    }
+}
+
+TEST_CASE("gemm with a transposed B: the bits of the untransposed product, at one thread and at all cores") {
+  // Note [GEMM: a transposed B multiplied untransposed]: with m >= 256 and n, k >= 32,
+  // C = A Bᵀ is computed as A times an untransposed copy of Bᵀ, so it must be, bit for
+  // bit, what gemm gives for the same values stored untransposed — by rows (m >= n: one
+  // copy shared by the chunks) and by columns (a copy per slab), with padded, aliasing
+  // and odd strides, tails that fill no 8x8 block. Where oneDNN's N,T kernels sum in
+  // another order than its N,N ones (556x585x1280 and 806x127x1024 on an AVX-512 EPYC)
+  // the old path gave other bits; and it is the product.
+  const int hw = dp::hardware_concurrency();
+  for (auto [m, n, k] : {std::tuple<i64, i64, i64>{556, 585, 1280}, {806, 127, 1024}, {512, 1024, 784},
+                         {300, 37, 45}, {256, 33, 1000}, {1030, 1024, 131}}) {
+    for (i64 ldb : {k, k + 3, (k + 511) / 512 * 512})
+      for (int devices : {1, hw}) {
+        CAPTURE(m);
+        CAPTURE(n);
+        CAPTURE(k);
+        CAPTURE(ldb);
+        CAPTURE(devices);
+        const auto a = random_vec(m * k, 91), b = random_vec(n * ldb, 92);
+        std::vector<float> bt(static_cast<std::size_t>(k * n));  // the same values, k rows of n
+        for (i64 j = 0; j < n; ++j)
+          for (i64 p = 0; p < k; ++p) bt[static_cast<std::size_t>(p * n + j)] = b[static_cast<std::size_t>(j * ldb + p)];
+        std::vector<float> c(static_cast<std::size_t>(m * n), 5.0f), c_nn(static_cast<std::size_t>(m * n), -5.0f);
+        be().set_concurrent_devices(devices);
+        be().gemm(dev0(), false, true, m, n, k, 1.0f, a.data(), k, b.data(), ldb, 0.0f, c.data(), n);
+        be().gemm(dev0(), false, false, m, n, k, 1.0f, a.data(), k, bt.data(), n, 0.0f, c_nn.data(), n);
+        be().set_concurrent_devices(1);
+        REQUIRE(std::memcmp(c.data(), c_nn.data(), c.size() * sizeof(float)) == 0);
+        for (i64 i : {i64{0}, m - 1})
+          for (i64 j = 0; j < n; j += 13) {
+            double s = 0;
+            for (i64 p = 0; p < k; ++p)
+              s += double(a[static_cast<std::size_t>(i * k + p)]) * double(b[static_cast<std::size_t>(j * ldb + p)]);
+            REQUIRE(std::abs(c[static_cast<std::size_t>(i * n + j)] - s) <= 1e-4 * (1 + std::abs(s)));
+          }
+      }
+  }
+}
+
 TEST_CASE("linear_forward: gemm, the bias add and the ReLU, bit for bit, NaN and infinity included") {
   // Note [Linear epilogue]: each chunk of the GEMM adds the bias and clips its slab in
   // place; y must be what gemm, then Binary<Add> with the bias broadcast over rows, then

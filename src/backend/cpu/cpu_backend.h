@@ -77,6 +77,12 @@ inline constexpr std::int64_t kSmallK = 16;
 void small_k_gemm(bool trans_a, std::int64_t rows, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                   const float* b, std::int64_t ldb, float* c, std::int64_t ldc, const float* relu_y);
 
+/// dst's rows [0, cols) (ldd floats apart) = the columns of src's rows [0, rows) (lds
+/// apart): dst[c * ldd + r] = src[r * lds + c]. In 8x8 blocks transposed in registers,
+/// with ISA clones (cpu_transpose.cpp).
+void transpose_copy(const float* src, std::int64_t lds, std::int64_t rows, std::int64_t cols, float* dst,
+                    std::int64_t ldd);
+
 /// Elements [begin, end) of fill_uniform, fill_normal and dropout, on the calling
 /// thread (cpu_random.cpp, Note [Vectorised random fills]): element i is
 /// lo + (hi - lo) * uniform_from(seed, offset + i), mean + std * normal_from(seed,

@@ -850,6 +850,38 @@ constexpr i64 kAliasFloats = 512;  // 2 KiB
 /// does 2·rows (2·columns) flops per element.
 constexpr i64 kPadMinRows = 128;
 
+// Note [GEMM: a transposed B multiplied untransposed]
+// A Linear's forward, y = x Wᵀ, is a GEMM whose B is transposed (N,T), and oneDNN's
+// single-threaded sgemm runs N,T products slower than the same products from B stored
+// untransposed (N,N): on the Zen 5 EPYC (AVX-512, one core), 512x128x1024 — one column
+// slab of the MLP 784-1024-1024-10's middle forward — at 238 against 251 GFLOP/s,
+// 512x128x784 at 237 against 250, a whole 1024x1024 weight at m = 256 at 215 against
+// 248, with the same bits in every one (each from a copy made beforehand). So where C
+// has at least kUntransposeMinRows rows and op(B) is at least kUntransposeMinWidth wide
+// both ways, B is first copied transposed — 8x8 blocks transposed in registers
+// (cpu_transpose.cpp), into a buffer whose row stride does not alias (Note [GEMM:
+// operand rows 4 KiB apart]) — and multiplied N,N: cut by columns, each chunk copies
+// its own slab, k rows of its width, while it is about to pack it; cut by rows, the
+// chunks first copy all of B together, each a share of its rows, and then all read the
+// one copy. With the copy counted, through CpuBackend::gemm: 1024x1024 weights at m =
+// 256 9 % faster on one thread and on two, m = 512 5 %; the CNN's Linear(3136, 128) at
+// m = 128 and 256 12-23 % and 6-13 %; k = n = 784 at m = 128-192 2-4 % slower on one
+// thread (2-3 % faster on two); products with a thousand rows or more (1024x512x512,
+// 2048x1024x1024) within 1 % either way. Below 128 rows the results were mixed
+// (1024x1024 at m = 64 20 % faster, 784x784 5 % slower), and with n or k of 10-16 the
+// untransposed product itself ran slower (512x10x1024 at 114 against 121 GFLOP/s). In the MLP step at batch 512: -2.0 to -3.0 % (the two
+// paths alternating in one process by blocks of 8 steps, 30 pairs, three runs).
+// The bits are oneDNN's N,N product of the copy: the same as N,T's for the MLP's and
+// most shapes, not for all (in a survey of 300 random shapes with m >= 256, two — e.g.
+// 556x585x1280 — summed in another order), so cpu_backend_test checks the forward
+// against gemm of the same values stored untransposed, bit for bit, at one thread and
+// at all cores.
+
+/// C's rows from which a transposed B is multiplied from an untransposed copy (Note
+/// [GEMM: a transposed B multiplied untransposed]), and op(B)'s narrowest width there.
+constexpr i64 kUntransposeMinRows = 128;
+constexpr i64 kUntransposeMinWidth = 32;
+
 /// A row stride of at least `w` floats that is an odd multiple of 64 bytes (16 floats).
 i64 unaliased_ld(i64 w) {
   const i64 ld = (w + 15) / 16 * 16;
@@ -873,9 +905,16 @@ i64 unaliased_ld(i64 w) {
 // rows 3.8 % slower. So
 // a column split takes slabs of at most half the L2 and at least kMinColumnSlab
 // columns, in a multiple of the thread count (equal slabs per thread); row splits keep
-// a chunk per thread. Every element of C is the same dot product over all of k in any
-// slab (oneDNN's kernels do not block k by the slab's width), so the chunk count
-// changes no bits (cpu_backend_test: one thread against these splits, bit for bit).
+// a chunk per thread. Every element of C is one dot product over all of k in any slab,
+// and for the shapes cpu_backend_test checks (the MLP's and the CNN's among them) oneDNN
+// sums it in the same order whatever the slab's width, so the chunk count changes no
+// bits there. oneDNN does not promise this for every shape: in a survey of 200 random
+// shapes through CpuBackend::gemm (m 256-1155, n and k 32-1531), 15 gave other bits on
+// two threads than on one, for B transposed and for B not, all of them large (m >=
+// 780, k >= 850), with B transposed before Note [GEMM: a transposed B multiplied
+// untransposed] as after it. A device's thread count is part of its
+// configuration, so DP, DDP and the sharded designs over the same devices still agree
+// bit for bit; a device with other threads may round such products differently.
 
 /// GEMM slab edges are multiples of this (the kernels' width).
 constexpr i64 kAlign = 16;
@@ -1001,19 +1040,39 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   const i64 chunks = gemm_chunks(m, n, k, threads_per_device(dev));
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
   // Note [GEMM: operand rows 4 KiB apart]: a function of the shape and the chunk count only.
-  const bool copy_b = !by_rows && ldb % kAliasFloats == 0 && m >= kPadMinRows;
+  // Note [GEMM: a transposed B multiplied untransposed]: also a function of the shape only.
+  const bool untranspose_b = trans_b && m >= kUntransposeMinRows && n >= kUntransposeMinWidth &&
+                             k >= kUntransposeMinWidth;
+  const bool copy_b = !untranspose_b && !by_rows && ldb % kAliasFloats == 0 && m >= kPadMinRows;
   const bool copy_a = by_rows && trans_a && lda % kAliasFloats == 0 && n >= kPadMinRows;
+  using Copy = std::unique_ptr<float, std::function<void(float*)>>;
+  auto scratch = [&](i64 floats) {
+    const std::size_t bytes = static_cast<std::size_t>(floats) * sizeof(float);
+    return Copy{static_cast<float*>(allocate(dev, bytes)), [this, dev, bytes](float* p) { deallocate(dev, p, bytes); }};
+  };
+  // Cut by rows, every chunk reads all of op(B): one untransposed copy, made by the
+  // chunks together (each the rows of B it is given), before any of them multiplies.
+  Copy shared_bt;
+  i64 shared_bt_ld = 0;
+  if (untranspose_b && by_rows) {
+    shared_bt_ld = unaliased_ld(n);
+    shared_bt = scratch(k * shared_bt_ld);
+    const i64 parts = std::min<i64>(threads_per_device(dev), (n + 7) / 8);
+    parallel_chunks(dev, parts, [&](i64 p) {
+      const i64 r0 = n * p / parts / 8 * 8, r1 = p + 1 == parts ? n : n * (p + 1) / parts / 8 * 8;
+      transpose_copy(b + r0 * ldb, ldb, r1 - r0, k, shared_bt.get() + r0, shared_bt_ld);
+    });
+  }
+  const char tb_call = untranspose_b ? 'N' : tb;
   parallel_chunks(dev, chunks, [&](i64 ch) {
     omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
     auto edge = [&](i64 i) { return std::min(extent, (extent * i / chunks + kAlign - 1) / kAlign * kAlign); };
     const i64 lo = ch == 0 ? 0 : edge(ch), hi = ch + 1 == chunks ? extent : edge(ch + 1);
     if (hi <= lo) return;
-    using Copy = std::unique_ptr<float, std::function<void(float*)>>;
     // `rows` rows of `width` floats, `ld` apart, into a buffer whose stride does not alias.
     auto unaliased_copy = [&](const float* src, i64 ld, i64 rows, i64 width, i64& copy_ld) {
       copy_ld = unaliased_ld(width);
-      const std::size_t bytes = static_cast<std::size_t>(rows * copy_ld) * sizeof(float);
-      Copy copy{static_cast<float*>(allocate(dev, bytes)), [this, dev, bytes](float* p) { deallocate(dev, p, bytes); }};
+      Copy copy = scratch(rows * copy_ld);
       for (i64 r = 0; r < rows; ++r)
         std::memcpy(copy.get() + r * copy_ld, src + r * ld, static_cast<std::size_t>(width) * sizeof(float));
       return copy;
@@ -1023,6 +1082,15 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
     const float* bs = trans_b ? b + b_lo * ldb : b + b_lo;
     i64 bs_ld = ldb;
     Copy b_copy;
+    if (untranspose_b && by_rows) {
+      bs = shared_bt.get();
+      bs_ld = shared_bt_ld;
+    } else if (untranspose_b) {  // this chunk's b_w rows of k, as k rows of b_w
+      bs_ld = unaliased_ld(b_w);
+      b_copy = scratch(k * bs_ld);
+      transpose_copy(b + b_lo * ldb, ldb, b_w, k, b_copy.get(), bs_ld);
+      bs = b_copy.get();
+    }
     if (copy_b) {  // stored as k rows of b_w, or (transposed) b_w rows of k
       b_copy = trans_b ? unaliased_copy(bs, ldb, b_w, k, bs_ld) : unaliased_copy(bs, ldb, k, b_w, bs_ld);
       bs = b_copy.get();
@@ -1037,7 +1105,7 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
       as = a_copy.get();
     }
     const dnnl_status_t status =
-        dnnl_sgemm(ta, tb, a_h, b_w, k, alpha, as, as_ld, bs, bs_ld, beta, c + a_lo * ldc + b_lo, ldc);
+        dnnl_sgemm(ta, tb_call, a_h, b_w, k, alpha, as, as_ld, bs, bs_ld, beta, c + a_lo * ldc + b_lo, ldc);
     DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
              static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
     if (epilogue)
