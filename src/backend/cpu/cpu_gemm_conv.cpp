@@ -869,8 +869,9 @@ constexpr i64 kPadMinRows = 128;
 // thread (2-3 % faster on two); products with a thousand rows or more (1024x512x512,
 // 2048x1024x1024) within 1 % either way. Below 128 rows the results were mixed
 // (1024x1024 at m = 64 20 % faster, 784x784 5 % slower), and with n or k of 10-16 the
-// untransposed product itself ran slower (512x10x1024 at 114 against 121 GFLOP/s). In the MLP step at batch 512: -2.0 to -3.0 % (the two
-// paths alternating in one process by blocks of 8 steps, 30 pairs, three runs).
+// untransposed product itself ran slower (512x10x1024 at 114 against 121 GFLOP/s).
+// In the MLP step at batch 512: -1.9 to -3.0 % (the two paths alternating in one
+// process by blocks of 8 steps, 30 pairs, three runs).
 // The bits are oneDNN's N,N product of the copy: the same as N,T's for the MLP's and
 // most shapes, not for all (in a survey of 300 random shapes with m >= 256, two — e.g.
 // 556x585x1280 — summed in another order), so cpu_backend_test checks the forward
