@@ -78,8 +78,8 @@ void small_k_gemm(bool trans_a, std::int64_t rows, std::int64_t n, std::int64_t 
                   const float* b, std::int64_t ldb, float* c, std::int64_t ldc, const float* relu_y);
 
 /// dst's rows [0, cols) (ldd floats apart) = the columns of src's rows [0, rows) (lds
-/// apart): dst[c * ldd + r] = src[r * lds + c]. In 8x8 blocks transposed in registers,
-/// with ISA clones (cpu_transpose.cpp).
+/// apart): dst[c * ldd + r] = src[r * lds + c]. In 8x8 blocks transposed in AVX2
+/// registers where the CPU has them (cpu_transpose.cpp).
 void transpose_copy(const float* src, std::int64_t lds, std::int64_t rows, std::int64_t cols, float* dst,
                     std::int64_t ldd);
 

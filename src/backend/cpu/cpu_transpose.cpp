@@ -1,10 +1,11 @@
-// CPU backend: a float matrix copied transposed, in 8x8 blocks transposed in registers
-// (Note [GEMM: the forward's weight slab transposed]).
-//
-// Built with the optimizer loops (src/backend/cpu/meson.build): with ISA clones where
-// the build allows them, chosen by the loader for the CPU at hand.
+// CPU backend: a float matrix copied transposed, in 8x8 blocks transposed in AVX2
+// registers where the CPU has them (Note [GEMM: a transposed B multiplied
+// untransposed]).
 #include <cstdint>
-#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "backend/cpu/cpu_backend.h"
 
@@ -12,45 +13,58 @@ namespace dp::backend::cpu {
 
 namespace {
 
-using V8 = float __attribute__((vector_size(32)));
+/// dst[c * ldd + r] = src[r * lds + c] for r, c in [r0, r1) x [c0, c1), one by one.
+void transpose_scalar(const float* src, std::int64_t lds, std::int64_t r0, std::int64_t r1, std::int64_t c0,
+                      std::int64_t c1, float* dst, std::int64_t ldd) {
+  for (std::int64_t r = r0; r < r1; ++r)
+    for (std::int64_t c = c0; c < c1; ++c) dst[c * ldd + r] = src[r * lds + c];
+}
 
-/// dst's rows [0, 8) (ldd apart) = columns [0, 8) of src's rows [0, 8) (lds apart).
-/// Always inlined (only code inlined into a clone is compiled for the clone's ISA).
-[[gnu::always_inline]] inline void transpose8x8(const float* src, std::int64_t lds, float* dst, std::int64_t ldd) {
-  V8 a[8];
-  for (int i = 0; i < 8; ++i) std::memcpy(&a[i], src + i * lds, sizeof(V8));
-  // Pairs of rows interleaved, then pairs of pairs, then the halves swapped across.
-  V8 t[8], s[8];
+#if defined(__x86_64__)
+/// dst's rows [0, 8) (ldd apart) = columns [0, 8) of src's rows [0, 8) (lds apart):
+/// pairs of rows interleaved, then pairs of pairs, then the 128-bit halves exchanged.
+/// Intrinsics, not vector extensions: GCC 12 compiled the generic shuffles of the same
+/// steps into spills through the stack, 1.4-2x slower.
+[[gnu::target("avx2"), gnu::always_inline]] inline void transpose8x8_avx2(const float* src, std::int64_t lds,
+                                                                          float* dst, std::int64_t ldd) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(src + i * lds);
+  __m256 t[8];
   for (int i = 0; i < 4; ++i) {
-    t[2 * i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[2 * i + 1] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    t[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
   }
+  __m256 s[8];
   for (int h = 0; h < 2; ++h)
     for (int i = 0; i < 2; ++i) {
-      s[4 * h + 2 * i] = __builtin_shufflevector(t[4 * h + i], t[4 * h + i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-      s[4 * h + 2 * i + 1] = __builtin_shufflevector(t[4 * h + i], t[4 * h + i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+      s[4 * h + 2 * i] = _mm256_shuffle_ps(t[4 * h + i], t[4 * h + i + 2], 0x44);
+      s[4 * h + 2 * i + 1] = _mm256_shuffle_ps(t[4 * h + i], t[4 * h + i + 2], 0xEE);
     }
   for (int i = 0; i < 4; ++i) {
-    const V8 lo = __builtin_shufflevector(s[i], s[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-    const V8 hi = __builtin_shufflevector(s[i], s[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
-    std::memcpy(dst + i * ldd, &lo, sizeof(V8));
-    std::memcpy(dst + (i + 4) * ldd, &hi, sizeof(V8));
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
   }
 }
 
+[[gnu::target("avx2")]] void transpose_avx2(const float* src, std::int64_t lds, std::int64_t rows, std::int64_t cols,
+                                            float* dst, std::int64_t ldd) {
+  const std::int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (std::int64_t r = 0; r < rows8; r += 8)
+    for (std::int64_t c = 0; c < cols8; c += 8) transpose8x8_avx2(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+  transpose_scalar(src, lds, 0, rows8, cols8, cols, dst, ldd);
+  transpose_scalar(src, lds, rows8, rows, 0, cols, dst, ldd);
+}
+#endif
+
 }  // namespace
 
-DP_CPU_V4_V3_CLONES
 void transpose_copy(const float* src, std::int64_t lds, std::int64_t rows, std::int64_t cols, float* dst,
                     std::int64_t ldd) {
-  const std::int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
-  for (std::int64_t r = 0; r < rows8; r += 8) {
-    for (std::int64_t c = 0; c < cols8; c += 8) transpose8x8(src + r * lds + c, lds, dst + c * ldd + r, ldd);
-    for (std::int64_t c = cols8; c < cols; ++c)
-      for (std::int64_t i = r; i < r + 8; ++i) dst[c * ldd + i] = src[i * lds + c];
-  }
-  for (std::int64_t r = rows8; r < rows; ++r)
-    for (std::int64_t c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return transpose_avx2(src, lds, rows, cols, dst, ldd);
+#endif
+  transpose_scalar(src, lds, 0, rows, 0, cols, dst, ldd);
 }
 
 }  // namespace dp::backend::cpu
