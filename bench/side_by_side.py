@@ -491,9 +491,9 @@ def main():
         print(f"dp's step {gflop:.2f} GFLOP / {ms:.1f} ms = {gflop / ms * 1e3:.1f} GFLOP/s = "
               f"{100 * out['fraction_of_fma_peak']:.1f} % of the measured FMA peak, {peak:.1f} GFLOP/s on "
               f"{args.threads} threads (bench/fma_peak; {', '.join(f'{p:.1f}' for p in peaks)})")
-    elif args.compare == "mlp":
+    if args.compare == "mlp":
         out["mlp"] = report_mlp(args, results)
-    else:
+    elif args.compare == "modes":
         print(f"\nDP / single = {med['dp'] / med['single']:.3f}, DDP / single = {med['ddp'] / med['single']:.3f}")
     if args.json:
         print(json.dumps(out))
