@@ -875,6 +875,41 @@ TEST_CASE("gemm with a transposed B: the bits of the untransposed product, at on
   }
 }
 
+TEST_CASE("gemm copies of an operand stay under 32 MiB: a larger B is read where it lies") {
+  // kMaxOperandCopyFloats (Note [GEMM: a transposed B multiplied untransposed]): the
+  // copies a GEMM makes come from the device's allocator, which counts them; a B of 4
+  // MiB split by rows is copied (one untransposed copy, all of it), one of 32.5 MiB
+  // (8.5 M floats) is not, nor is one of 8.6 M floats that one thread would copy whole
+  // — while the same product on all cores copies slabs of it, each far under the bound. Each result is checked
+  // against the product where it is cheap to.
+  const int hw = dp::hardware_concurrency();
+  auto peak_of = [&](int devices, i64 m, i64 n, i64 k) {
+    const auto a = random_vec(m * k, 93), b = random_vec(n * k, 94);
+    std::vector<float> c(static_cast<std::size_t>(m * n));
+    be().set_concurrent_devices(devices);
+    const std::size_t before = dp::memory_allocated(dev0());
+    dp::reset_peak_memory(dev0());
+    be().gemm(dev0(), false, true, m, n, k, 1.0f, a.data(), k, b.data(), k, 0.0f, c.data(), n);
+    const std::size_t peak = dp::max_memory_allocated(dev0()) - before;
+    be().set_concurrent_devices(1);
+    for (i64 i : {i64{0}, m - 1})
+      for (i64 j : {i64{0}, n / 2, n - 1}) {
+        double s = 0;
+        for (i64 p = 0; p < k; ++p) s += double(a[static_cast<std::size_t>(i * k + p)]) * double(b[static_cast<std::size_t>(j * k + p)]);
+        CHECK(std::abs(c[static_cast<std::size_t>(i * n + j)] - s) <= 1e-4 * (1 + std::abs(s)));
+      }
+    return peak;
+  };
+  CHECK(peak_of(1, 2048, 1024, 1024) >= std::size_t{1024} * 1024 * sizeof(float));  // copied
+  CHECK(peak_of(1, 2304, 2048, 4160) == 0);   // by rows, B = 8.5 M floats: not copied
+  CHECK(peak_of(hw, 512, 4096, 2100) == 0);   // one thread, one slab of 8.6 M floats: not copied
+  if (hw > 1) {
+    const std::size_t slabs = peak_of(1, 512, 4096, 2100);  // all cores: slabs of it are
+    CHECK(slabs > 0);
+    CHECK(slabs <= std::size_t(hw) * 2100 * 512 * sizeof(float));
+  }
+}
+
 TEST_CASE("linear_forward: gemm, the bias add and the ReLU, bit for bit, NaN and infinity included") {
   // Note [Linear epilogue]: each chunk of the GEMM adds the bias and clips its slab in
   // place; y must be what gemm, then Binary<Add> with the bias broadcast over rows, then

@@ -863,7 +863,9 @@ constexpr i64 kPadMinRows = 128;
 // operand rows 4 KiB apart]) — and multiplied N,N: cut by columns, each chunk copies
 // its own slab, k rows of its width, while it is about to pack it; cut by rows, the
 // chunks first copy all of B together, each a share of its rows, and then all read the
-// one copy. With the copy counted, through CpuBackend::gemm: 1024x1024 weights at m =
+// one copy — unless that copy would exceed kMaxOperandCopyFloats (a whole large weight
+// on one thread, or shared by row splits), when B is multiplied N,T where it lies.
+// With the copy counted, through CpuBackend::gemm: 1024x1024 weights at m =
 // 256 9 % faster on one thread and on two, m = 512 5 %; the CNN's Linear(3136, 128) at
 // m = 128 and 256 12-23 % and 6-13 %; k = n = 784 at m = 128-192 2-4 % slower on one
 // thread (2-3 % faster on two); products with a thousand rows or more (1024x512x512,
@@ -882,6 +884,14 @@ constexpr i64 kPadMinRows = 128;
 /// [GEMM: a transposed B multiplied untransposed]), and op(B)'s narrowest width there.
 constexpr i64 kUntransposeMinRows = 128;
 constexpr i64 kUntransposeMinWidth = 32;
+
+/// The most floats a GEMM copies an operand into (Note [GEMM: operand rows 4 KiB apart],
+/// Note [GEMM: a transposed B multiplied untransposed]): a chunk's slab, or the copy of
+/// B that row splits share. 32 MiB: far above any slab a split makes on several threads
+/// (half an L2, or 128 columns of k), but on one thread a slab is all of B, and a
+/// weight-sized temporary per call would double a large layer's memory; beyond it the
+/// operand is read where it lies.
+constexpr i64 kMaxOperandCopyFloats = i64{8} << 20;
 
 /// A row stride of at least `w` floats that is an odd multiple of 64 bytes (16 floats).
 i64 unaliased_ld(i64 w) {
@@ -1042,10 +1052,15 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
   // Note [GEMM: operand rows 4 KiB apart]: a function of the shape and the chunk count only.
   // Note [GEMM: a transposed B multiplied untransposed]: also a function of the shape only.
+  // Each copy of an operand (a chunk's slab, or the one shared by row splits) is bounded.
+  const i64 b_copy_floats = by_rows ? k * n : k * ((n + chunks - 1) / chunks + kAlign);
+  const i64 a_copy_floats = k * ((m + chunks - 1) / chunks + kAlign);
   const bool untranspose_b = trans_b && m >= kUntransposeMinRows && n >= kUntransposeMinWidth &&
-                             k >= kUntransposeMinWidth;
-  const bool copy_b = !untranspose_b && !by_rows && ldb % kAliasFloats == 0 && m >= kPadMinRows;
-  const bool copy_a = by_rows && trans_a && lda % kAliasFloats == 0 && n >= kPadMinRows;
+                             k >= kUntransposeMinWidth && b_copy_floats <= kMaxOperandCopyFloats;
+  const bool copy_b = !untranspose_b && !by_rows && ldb % kAliasFloats == 0 && m >= kPadMinRows &&
+                      b_copy_floats <= kMaxOperandCopyFloats;
+  const bool copy_a = by_rows && trans_a && lda % kAliasFloats == 0 && n >= kPadMinRows &&
+                      a_copy_floats <= kMaxOperandCopyFloats;
   using Copy = std::unique_ptr<float, std::function<void(float*)>>;
   auto scratch = [&](i64 floats) {
     const std::size_t bytes = static_cast<std::size_t>(floats) * sizeof(float);
