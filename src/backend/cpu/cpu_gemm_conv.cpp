@@ -1050,9 +1050,10 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   const i64 extent = by_rows ? m : n;
   const i64 chunks = gemm_chunks(m, n, k, threads_per_device(dev));
   const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
-  // Note [GEMM: operand rows 4 KiB apart]: a function of the shape and the chunk count only.
-  // Note [GEMM: a transposed B multiplied untransposed]: also a function of the shape only.
-  // Each copy of an operand (a chunk's slab, or the one shared by row splits) is bounded.
+  // Note [GEMM: operand rows 4 KiB apart], Note [GEMM: a transposed B multiplied
+  // untransposed]: which operand is copied, and how, is a function of the shape and the
+  // chunk count only; each copy (a chunk's slab, or the one row splits share) is bounded
+  // by kMaxOperandCopyFloats.
   const i64 b_copy_floats = by_rows ? k * n : k * ((n + chunks - 1) / chunks + kAlign);
   const i64 a_copy_floats = k * ((m + chunks - 1) / chunks + kAlign);
   const bool untranspose_b = trans_b && m >= kUntransposeMinRows && n >= kUntransposeMinWidth &&
