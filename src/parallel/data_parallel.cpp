@@ -68,6 +68,9 @@ class GatherBackward final : public autograd::Node {
   using Run = std::function<std::vector<Tensor>(const std::vector<Tensor>& roots, const std::vector<Tensor>& pieces)>;
   GatherBackward(std::vector<Tensor> outputs, std::vector<std::int64_t> sizes, Run run)
       : outputs_(std::move(outputs)), sizes_(std::move(sizes)), run_(std::move(run)) {}
+  /// Expires when the replicas' graphs can no longer be run: the node was destroyed,
+  /// or a backward through it released them (Note [Forwards before a backward]).
+  std::weak_ptr<const int> graph_alive() const { return graph_alive_; }
   std::string name() const override { return "DataParallelGatherBackward"; }
   std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
     DP_CHECK(!released_, "backward through DataParallel's output a second time: the replicas' graphs "
@@ -78,10 +81,12 @@ class GatherBackward final : public autograd::Node {
   }
   void release_saved() override {
     outputs_.clear();
+    graph_alive_.reset();
     released_ = true;
   }
 
  private:
+  std::shared_ptr<const int> graph_alive_ = std::make_shared<const int>(0);
   std::vector<Tensor> outputs_;
   std::vector<std::int64_t> sizes_;
   Run run_;
@@ -98,10 +103,15 @@ const char* mode_name(Mode mode) {
   return "?";
 }
 
-// Note [Sharded parameters]
+// Note [Sharded parameters], Note [Forwards before a backward]
 struct DataParallel::UnitState {
-  std::vector<std::pair<std::uint64_t, int>> marks;  // (first sequence number, unit), ascending
-  int forward = -1, backward = -1;                   // the unit current in each pass
+  struct Mark {
+    std::uint64_t sequence_nr;  // the first node made under `unit`
+    int unit;                   // -1: a forward starts, no unit yet
+    std::uint64_t forward;      // the forward that made it (DataParallel::forwards_)
+  };
+  std::vector<Mark> marks;          // ascending sequence numbers
+  int forward = -1, backward = -1;  // the unit current in each pass
 };
 
 struct DataParallel::ShardPlan {
@@ -133,6 +143,7 @@ class DataParallel::Step {
     // last step go back (written back to every range when they were edited).
     dp_.set_->scatter_primary();
     if (options_.replicate || options_.gather) sync_params_ = dp_.begin_replicate();
+    if (options_.replicate && dp_.params_sharded()) dp_.forget_dead_forwards();
     // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
     if (sync_params_ && dp_.deferred_gather()) dp_.mark_stale(false);
     if (options_.backward) {
@@ -163,7 +174,12 @@ class DataParallel::Step {
           [&](int r) {
             nn::ReplicaBinding bind(r);
             if (!dp_.params_sharded()) {
-              if (options_.backward) dp_.reducer_->begin(r);
+              if (options_.backward) {
+                // Note [Forwards before a backward]: a DP replica's gradient is what this
+                // backward alone brings; the last one's was reduced onto device 0.
+                if (dp_.options_.mode == Mode::DP && r > 0) dp_.set_->copy(r).grad.zero_();
+                dp_.reducer_->begin(r);
+              }
               fn(r);
               return;
             }
@@ -175,7 +191,8 @@ class DataParallel::Step {
               int r;
               ~Leave() { dp.leave_units(r); }
             } leave{dp_, r};
-            if (options_.replicate) dp_.unit_state_[r].marks.clear();
+            if (options_.replicate)  // nodes made before the forward's first unit belong to none
+              dp_.unit_state_[r].marks.push_back({autograd::peek_sequence_nr(), -1, dp_.forwards_});
             std::optional<autograd::BackwardNodeHook> hook;
             if (options_.backward)
               hook.emplace([this, r](const autograd::Node& node) { dp_.backward_unit(r, node.sequence_nr); });
@@ -279,7 +296,7 @@ std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::gather_units() 
 void DataParallel::enter_unit(int rank, int unit) {
   UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
   if (st.forward == unit) return;
-  st.marks.emplace_back(autograd::peek_sequence_nr(), unit);
+  st.marks.push_back({autograd::peek_sequence_nr(), unit, forwards_});
   st.forward = unit;
   PhaseTimer t(*recorder_, rank, Phase::AllGather);
   backend::CopyFences::Scope fenced(*fences_);  // the owners' ranges predate the step (Note [Copy fences])
@@ -293,10 +310,11 @@ void DataParallel::enter_unit(int rank, int unit) {
 // The backward node hook of worker `rank`.
 void DataParallel::backward_unit(int rank, std::uint64_t sequence_nr) {
   UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
-  auto it = std::upper_bound(st.marks.begin(), st.marks.end(), std::make_pair(sequence_nr, INT_MAX));
+  auto it = std::upper_bound(st.marks.begin(), st.marks.end(), sequence_nr,
+                             [](std::uint64_t nr, const UnitState::Mark& m) { return nr < m.sequence_nr; });
   if (it == st.marks.begin()) return;  // made before any parameter was read
-  const int unit = std::prev(it)->second;
-  if (unit == st.backward) return;
+  const int unit = std::prev(it)->unit;
+  if (unit < 0 || unit == st.backward) return;
   if (st.backward >= 0) reducer_->wait_combined(rank);
   PhaseTimer t(*recorder_, rank, Phase::AllGather);
   backend::CopyFences::Scope fenced(*fences_);  // Note [Copy fences]
@@ -304,6 +322,42 @@ void DataParallel::backward_unit(int rank, std::uint64_t sequence_nr) {
     if (u != unit) set_->release_unit(rank, u);  // gathered or on its way
   set_->gather_unit(rank, unit);
   st.backward = unit;
+}
+
+// Note [Forwards before a backward]
+// A loop may run several forwards before one backward (a siamese or contrastive loss:
+// loss(model(x1)) + loss(model(x2))), or backward each output separately, or keep
+// evaluating between. Every pattern must give what one device gives.
+// - DP: each backward through a gathered output (one per forward) reduces every
+//   replica's gradient buffer onto device 0. So a replica's buffer must hold what
+//   that backward brought and nothing older: it is zeroed on the worker at the start
+//   of every step that runs backward (not at the forward, which a second backward
+//   without a forward between would skip: the first one's gradient then reached
+//   device 0 twice). DDP and Sharded need nothing new: Note [Accumulating after a
+//   combined backward] covers a second backward there.
+// - Sharded stage 3 finds a node's unit by its sequence number (Note [Sharded
+//   parameters]). The marks of every forward whose graph can still be run are kept,
+//   each starting with a mark of no unit (what a forward makes before its first
+//   parameter belongs to no unit), so a backward through any earlier forward finds
+//   its units. A forward's graph stays runnable while its gathered output's
+//   GatherBackward lives and has not been run (graph_alive()); at the start of each
+//   forward the marks of the others (forward_backward's, those under no_grad, those
+//   already backpropagated) are dropped, so the marks stay bounded by the graphs the
+//   user holds. FSDP offers two ways to serve such a backward: keep each unit gathered
+//   while a graph needs it, or gather it again in the backward. Stage 3 gathers again,
+//   as it already does for a single forward: the memory stays one unit gathered at a
+//   time (the bound the memory test checks) whatever the number of forwards, and the
+//   price is one more gather per unit and forward — the bytes a second forward's
+//   gather moved anyway. Keeping the units instead would hold every unit of every
+//   live forward: the whole model, which is what stage 3 exists to avoid.
+void DataParallel::forget_dead_forwards() {
+  std::erase_if(live_forwards_, [](const auto& f) { return f.second.expired(); });
+  for (UnitState& st : unit_state_)
+    std::erase_if(st.marks, [this](const UnitState::Mark& m) {
+      return std::none_of(live_forwards_.begin(), live_forwards_.end(),
+                          [&m](const auto& f) { return f.first == m.forward; });
+    });
+  ++forwards_;
 }
 
 void DataParallel::leave_units(int rank) {
@@ -1006,7 +1060,6 @@ void DataParallel::replicate(int rank, bool sync_params) {
     comm_->broadcast(rank, buffers, 0);  // Note [Coalesced buffers]
     moved = true;
   }
-  if (options_.mode == Mode::DP && rank > 0) set_->copy(rank).grad.zero_();
   if (!moved) return t.cancel();
   t.set_args(sync_params ? "\"parameters\": true" : "\"parameters\": false");
 }
@@ -1232,6 +1285,7 @@ void DataParallel::connect_gather_backward(Tensor& out, const std::vector<Tensor
           }
         return backward_from_gather(roots, grads, *input_grads, grad_scale);
       });
+  if (params_sharded()) live_forwards_.emplace_back(forwards_, node->graph_alive());
   autograd::connect(node, node_inputs, {&out});
 }
 

@@ -369,6 +369,7 @@ class DataParallel {
   void enter_unit(int rank, int unit);
   void backward_unit(int rank, std::uint64_t sequence_nr);
   void leave_units(int rank);
+  void forget_dead_forwards();
   bool deferred_gather() const { return !stale_.empty(); }
   void pull_unit(int rank, int unit);
   void pull_primary();
@@ -406,6 +407,10 @@ class DataParallel {
   bool busy_ = false;
   struct UnitState;                   // Sharded stage 3, per rank (Note [Sharded parameters])
   std::vector<UnitState> unit_state_;
+  // Stage 3 (Note [Forwards before a backward]): the forward running or last run, and
+  // the forwards whose graphs can still be run backward, each with its node's token.
+  std::uint64_t forwards_ = 0;
+  std::vector<std::pair<std::uint64_t, std::weak_ptr<const int>>> live_forwards_;
   // Sharded stages 1-2 with ShardGather::NextForward (Note [Deferred gather]):
   // stale_[r][u] when copy r's unit u may hold other owners' old values; empty otherwise.
   std::vector<std::vector<char>> stale_;

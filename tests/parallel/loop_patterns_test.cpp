@@ -1,0 +1,190 @@
+// Loops that run several forwards per backward, or several backwards per forward pair,
+// in every design: the parameters after two SGD steps equal one device's to float
+// rounding, and DP, DDP and Sharded stages 1-3 equal one another bit for bit (Note
+// [Forwards before a backward]). The uneven batch (7 rows) splits 4+3 and 3+3+1.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include "mlp_fixture.h"
+
+namespace {
+
+enum class Pattern {
+  TwoForwardsOneBackward,    // loss(model(x1)) + loss(model(x2)), one backward: a siamese loss
+  TwoForwardsTwoBackwards,   // a = model(x1); b = model(x2); loss(a).backward(); loss(b).backward()
+  ThreeForwardsOneBackward,  // three outputs summed into one loss
+  BackwardsInReverse,        // two forwards, the second one's backward first
+  EvalBetween,               // a forward, an evaluation forward under no_grad, then the backward
+  OutputReused,              // one output in two losses, backward once
+};
+
+const char* name(Pattern p) {
+  switch (p) {
+    case Pattern::TwoForwardsOneBackward: return "two forwards, one backward";
+    case Pattern::TwoForwardsTwoBackwards: return "two forwards, two backwards";
+    case Pattern::ThreeForwardsOneBackward: return "three forwards, one backward";
+    case Pattern::BackwardsInReverse: return "two forwards, backwards in reverse order";
+    case Pattern::EvalBetween: return "forward, no_grad forward, backward";
+    case Pattern::OutputReused: return "one output in two losses";
+  }
+  return "?";
+}
+
+// Whether the pattern runs one backward cycle per step (a single GatherBackward).
+bool single_backward(Pattern p) { return p == Pattern::EvalBetween || p == Pattern::OutputReused; }
+
+using Forward = std::function<dp::Tensor(const dp::Tensor&)>;
+
+// One step of the pattern's loop body through `forward` (the plain net or the wrapper).
+void body(Pattern p, const Forward& forward, std::uint64_t seed) {
+  const Batch b1 = make_batch(7, seed), b2 = make_batch(7, seed + 100), b3 = make_batch(7, seed + 200);
+  switch (p) {
+    case Pattern::TwoForwardsOneBackward: {
+      dp::Tensor a = forward(b1.x), b = forward(b2.x);
+      (loss_fn(a, b1.y) + loss_fn(b, b2.y)).backward();
+      break;
+    }
+    case Pattern::TwoForwardsTwoBackwards: {
+      dp::Tensor a = forward(b1.x), b = forward(b2.x);
+      loss_fn(a, b1.y).backward();
+      loss_fn(b, b2.y).backward();
+      break;
+    }
+    case Pattern::ThreeForwardsOneBackward: {
+      dp::Tensor a = forward(b1.x), b = forward(b2.x), c = forward(b3.x);
+      (loss_fn(a, b1.y) + loss_fn(b, b2.y) + loss_fn(c, b3.y)).backward();
+      break;
+    }
+    case Pattern::BackwardsInReverse: {
+      dp::Tensor a = forward(b1.x), b = forward(b2.x);
+      loss_fn(b, b2.y).backward();
+      loss_fn(a, b1.y).backward();
+      break;
+    }
+    case Pattern::EvalBetween: {
+      dp::Tensor a = forward(b1.x);
+      {
+        dp::NoGradGuard no_grad;
+        (void)forward(b2.x);
+      }
+      loss_fn(a, b1.y).backward();
+      break;
+    }
+    case Pattern::OutputReused: {
+      dp::Tensor a = forward(b1.x);
+      (loss_fn(a, b1.y) + loss_fn(a, b2.y)).backward();
+      break;
+    }
+  }
+}
+
+// Two SGD steps of `p`; devices == 0: the plain net on cpu(0), no wrapper.
+std::vector<float> train(Pattern p, int devices, dp::DataParallelOptions options = {}) {
+  auto net = std::make_shared<ThreeLinear>(11);
+  std::optional<dp::DataParallel> model;
+  Forward forward = [&net](const dp::Tensor& x) { return net->forward(x); };
+  if (devices > 0) {
+    model.emplace(net, cpus(devices), options);
+    forward = [&model](const dp::Tensor& x) { return (*model)(x); };
+  }
+  dp::optim::SGD opt(net->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (std::uint64_t step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    body(p, forward, step);
+    opt.step();
+  }
+  return flat(net->state_dict());
+}
+
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - b[i]));
+  return m;
+}
+
+struct Design {
+  std::string name;
+  dp::DataParallelOptions options;
+};
+
+std::vector<Design> designs() {
+  std::vector<Design> out{{"DP", {.mode = dp::Mode::DP}}, {"DDP", {.mode = dp::Mode::DDP}}};
+  for (int stage : {1, 2, 3})
+    out.push_back({"Sharded " + std::to_string(stage), {.mode = dp::Mode::Sharded, .shard_stage = stage}});
+  // Tiny buckets: a bucket per parameter, so backward's collectives interleave with it.
+  out.push_back({"DDP, tiny buckets", {.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}});
+  out.push_back({"Sharded 3, tiny buckets",
+                 {.mode = dp::Mode::Sharded, .shard_stage = 3, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}});
+  return out;
+}
+
+// One device against several: per-shard GEMMs and the sum over devices round
+// differently. Parameters are O(0.5) and two momentum steps move them by O(0.1): a few
+// float32 ulps of the gradients' sums, far below this.
+constexpr double kTolerance = 2e-6;
+
+}  // namespace
+
+TEST_CASE("every loop pattern gives one device's parameters in every design, the designs bit for bit") {
+  for (Pattern p : {Pattern::TwoForwardsOneBackward, Pattern::TwoForwardsTwoBackwards,
+                    Pattern::ThreeForwardsOneBackward, Pattern::BackwardsInReverse, Pattern::EvalBetween,
+                    Pattern::OutputReused}) {
+    const std::vector<float> single = train(p, 0);
+    for (int n : {2, 3}) {
+      std::optional<std::vector<float>> first;
+      for (const Design& d : designs()) {
+        const std::string pattern = name(p);
+        CAPTURE(pattern);
+        CAPTURE(n);
+        CAPTURE(d.name);
+        const std::vector<float> got = train(p, n, d.options);
+        CHECK(max_diff(got, single) < kTolerance);
+        if (!first) first = got;
+        // The README's promise: DP and DDP bitwise always; Sharded bitwise with them
+        // for one backward per step — with several, each stage adds the earlier
+        // passes' sum at its own point (Note [Forwards before a backward]).
+        const bool is_sharded = d.options.mode == dp::Mode::Sharded;
+        if (!is_sharded || single_backward(p)) CHECK(got == *first);
+      }
+    }
+  }
+}
+
+TEST_CASE("stage 3 keeps a forward's units findable while its graph lives, and drops them after") {
+  // Forwards whose outputs are dropped unused (an evaluation with grad enabled) must not
+  // confuse a later backward, nor grow without bound.
+  auto net = std::make_shared<ThreeLinear>(11);
+  dp::DataParallel model(net, cpus(2), {.mode = dp::Mode::Sharded, .shard_stage = 3});
+  dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
+  auto ref_net = std::make_shared<ThreeLinear>(11);
+  dp::optim::SGD ref_opt(ref_net->parameters(), {.lr = 0.1});
+  for (int step = 0; step < 3; ++step) {
+    const Batch b = make_batch(7, static_cast<std::uint64_t>(step));
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    for (int i = 0; i < 20; ++i) (void)model(b.x);  // outputs dropped: their graphs die
+    dp::Tensor kept = model(b.x);
+    for (int i = 0; i < 5; ++i) (void)model(b.x);
+    loss_fn(kept, b.y).backward();
+    loss_fn(ref_net->forward(b.x), b.y).backward();
+    opt.step();
+    ref_opt.step();
+  }
+  CHECK(max_diff(flat(net->state_dict()), flat(ref_net->state_dict())) < kTolerance);
+}
+
+TEST_CASE("a second backward through the same output is a clear error in every design") {
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    auto net = std::make_shared<ThreeLinear>(11);
+    dp::DataParallel model(net, cpus(2), d.options);
+    const Batch b = make_batch(7, 1);
+    dp::Tensor loss = loss_fn(model(b.x), b.y);
+    loss.backward();
+    CHECK_THROWS_WITH_AS(loss.backward(), doctest::Contains("a second time"), dp::Error);
+  }
+}
