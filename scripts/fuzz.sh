@@ -3,6 +3,13 @@
 #
 #   scripts/fuzz.sh                       # every target, 30 s each (CI)
 #   scripts/fuzz.sh --time 600 --targets idx
+#   scripts/fuzz.sh --loops 20000         # the differential loop fuzzer's long mode
+#
+# --loops N runs tests/parallel/loop_fuzz (Note [Loop fuzzer]; the release build in
+# build/, made by scripts/build.sh when missing) on N programs past the range CI runs
+# (CI: `meson test` runs programs 0..999 in one process and 0..99 under mpirun), then
+# N/10 of them under mpirun -np 2 when mpirun is there, and nothing else. A divergence
+# prints the program as C++ and fails the run.
 #
 # The library is built once with clang++-14 in build-fuzz (ASan+UBSan, with libFuzzer's
 # coverage instrumentation: -fsanitize=fuzzer-no-link), then each target is compiled
@@ -19,11 +26,12 @@ set -u -o pipefail
 
 usage() {
   cat <<USAGE
-usage: $0 [--time SECONDS] [--targets "idx cifar safetensors"] [--jobs N] [--build-only]
+usage: $0 [--time SECONDS] [--targets "idx cifar safetensors"] [--jobs N] [--build-only] [--loops N]
   --time        seconds of fuzzing per target after the seed corpus (default: 30)
   --targets     which fuzz/<name>_fuzz.cpp to build and run (default: all present)
   --jobs        ninja -j (default: ninja's choice)
   --build-only  build, then run only the seed corpora (no mutation)
+  --loops       run the differential loop fuzzer on N programs instead (long mode)
 USAGE
 }
 
@@ -32,17 +40,36 @@ time_s=30
 targets=""
 jobs=()
 build_only=0
+loops=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --time) time_s="$2"; shift 2 ;;
     --targets) targets="$2"; shift 2 ;;
     --jobs) jobs=(-j "$2"); shift 2 ;;
     --build-only) build_only=1; shift ;;
+    --loops) loops="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "fuzz: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
   esac
 done
 cd "$root" || exit 2
+
+if [[ "$loops" != 0 ]]; then
+  [[ "$loops" =~ ^[0-9]+$ ]] || { echo "fuzz: --loops expects a count of programs, got '$loops'" >&2; exit 2; }
+  [[ -x build/tests/parallel/loop_fuzz ]] || scripts/build.sh >/dev/null || exit 2
+  ninja -C build tests/parallel/loop_fuzz >/dev/null || exit 2
+  first=1000  # CI runs 0..999
+  echo "fuzz: loop programs $first..$((first + loops - 1)), one process"
+  DP_CPU_DEVICES=8 build/tests/parallel/loop_fuzz --seeds "$first:$((first + loops))" || exit 1
+  if command -v mpirun >/dev/null; then
+    n=$(( loops / 10 > 0 ? loops / 10 : 1 ))
+    echo "fuzz: loop programs $first..$((first + n - 1)), mpirun -np 2"
+    root_flag=(); [[ $(id -u) -eq 0 ]] && root_flag=(--allow-run-as-root)
+    mpirun "${root_flag[@]}" --oversubscribe --bind-to none -np 2 -x DP_CPU_DEVICES=8 \
+      build/tests/parallel/loop_fuzz --seeds "$first:$((first + n))" || exit 1
+  fi
+  exit 0
+fi
 
 CXX_FUZZ="${CXX_FUZZ:-clang++-14}"
 command -v "$CXX_FUZZ" >/dev/null || { echo "fuzz: $CXX_FUZZ not found (apt install clang-14 libclang-rt-14-dev)"; exit 2; }

@@ -403,10 +403,26 @@ void Reducer::sync_bucket_detached(int rank, const Bucket& bk) {
   }
 }
 
+// Note [Combined gradients are writes]
+// The collectives write the combined sums into the gradient buffers through raw
+// pointers (a reduce into the owner's range, an all-reduce in place, stage 1's zeroing
+// of the pieces sent), which move neither the buffer's version nor its write epoch. A
+// device whose own backward wrote nothing into a .grad (no rows in this pass, or a
+// parameter its forward did not use) still carries the mark zero_grad left, with the
+// epoch it recorded: its next backward would then write its product OVER the sum
+// instead of adding to it (Note [Gradients written over zeros]) — a silent loss of the
+// earlier passes' gradient, found by the loop fuzzer (stage 1, a device with no rows
+// in the first of two backward passes). So once a pass is combined each rank declares
+// its buffer written, on its own worker, after its collectives completed.
 void Reducer::finalize(int rank) {
   if (!active_.load(std::memory_order_acquire)) return;  // no_sync: accumulate only
   // Several ranks of the whole job: one device per process still combines across processes.
   const bool several = sync_->world_ranks() > 1;
+  auto written = [&] {
+    if (!several) return;
+    const Tensor g = grad_of_(rank);  // undefined while released (stage 2)
+    if (g.defined()) g.storage()->bump_version();
+  };
   if (comm_threads_) {
     finalize_overlapped(rank);
   } else if (sync_->overlaps_backward() && several) {
@@ -425,6 +441,7 @@ void Reducer::finalize(int rank) {
       sync_->sync(rank, grad, 0);
     }
     if (!several || !sync_->held(rank, grad).grad.defined()) {  // nothing new to check
+      written();
       sync_->finish(rank);
       return;
     }
@@ -433,6 +450,7 @@ void Reducer::finalize(int rank) {
     GradSync::Held h = sync_->held(rank, grad_of_(rank));
     if (h.grad.defined()) check_(rank, h.grad, h.offset);
   }
+  written();
   sync_->finish(rank);
 }
 

@@ -188,3 +188,31 @@ TEST_CASE("a second backward through the same output is a clear error in every d
     CHECK_THROWS_WITH_AS(loss.backward(), doctest::Contains("a second time"), dp::Error);
   }
 }
+
+TEST_CASE("a device with no rows in the first of two backward passes keeps the combined sum") {
+  // Note [Combined gradients are writes]: the device's .grad still carried zero_grad's
+  // mark, and its second backward wrote over the sum the first pass left in it.
+  auto two_passes = [](int devices, std::optional<dp::DataParallelOptions> options, std::int64_t first_rows,
+                       std::int64_t second_rows) {
+    auto net = std::make_shared<ThreeLinear>(5);
+    std::optional<dp::DataParallel> model;
+    if (options) model.emplace(net, cpus(devices), *options);
+    dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
+    auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
+    opt.zero_grad();
+    const Batch a = make_batch(first_rows, 1), b = make_batch(second_rows, 2);
+    loss_fn(forward(a.x), a.y).backward();
+    loss_fn(forward(b.x), b.y).backward();
+    opt.step();
+    return flat(net->state_dict());
+  };
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    // One row on two devices: device 1 has none in the first pass.
+    CHECK(max_diff(two_passes(2, d.options, 1, 2), two_passes(1, std::nullopt, 1, 2)) < kTolerance);
+    // Device 0 has none (explicit chunk sizes), three devices.
+    dp::DataParallelOptions o = d.options;
+    o.chunk_sizes = {0, 2, 1};
+    CHECK(max_diff(two_passes(3, o, 3, 3), two_passes(1, std::nullopt, 3, 3)) < kTolerance);
+  }
+}

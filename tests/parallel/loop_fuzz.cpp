@@ -1,0 +1,557 @@
+// tests/parallel/loop_fuzz.cpp — the differential loop fuzzer (Note [Loop fuzzer]).
+//
+//   loop_fuzz --seeds 0:200              # programs 0..199, one process (CI: a fixed range)
+//   loop_fuzz --seed 17 --verbose        # one program, printed, with every comparison
+//   mpirun -np 2 loop_fuzz --seeds 0:20  # the same programs across processes
+//
+// Exit status 0 when every program ran alike in every design, 1 on the first
+// divergence (printed as a C++ reproduction, shrunk in one process), 2 on bad usage.
+//
+// Note [Loop fuzzer]
+// A random training program is drawn from a small grammar — the steps of a loop, each
+// a few micro-batches of 1-3 forwards through the wrapper (some under NoGradGuard, an
+// output detached or used in two losses, losses summed or backpropagated one by one,
+// or forward_backward), no_sync around a micro-batch, zero_grad skipped (gradients
+// accumulate across steps), clip_grad_norm_, a scheduler step, an eval()/train()
+// evaluation, uneven batches, one of three models (an MLP; with Dropout; a CNN with
+// BatchNorm) on 1-4 devices — and run on one device and in DP, DDP and Sharded stages
+// 1-3. After every step each design's state_dict is compared:
+//  - with one device's, to float rounding, where the model allows it (Dropout draws
+//    per device and BatchNorm normalises per shard, so on several devices those two
+//    compare with DP only); the tolerance: each step's gradient is a sum over at most
+//    a few dozen rows that the designs group differently, so it differs by at most
+//    ~R·2^-24 relative (R = rows summed, ≤ 40: ≤ 2.4e-6); the update moves it by lr ≤
+//    0.1 and momentum (≤ 0.9) carries it ~10 steps: kStepTolerance = 4e-6 per step
+//    taken, relative to max(1, |value|);
+//  - with DP's on the same devices, bit for bit where the README promises it (no
+//    no_sync so far, and Sharded only while every step had one backward), else to the
+//    same tolerance.
+// A design that refuses a program (stage 3 refuses no_sync) must refuse it with a
+// dp::Error that says why; anything else it throws is a finding. Across processes
+// each process passes its own rows of a global batch and its reference trains one
+// device on the whole global batch.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dp/dp.h"
+
+namespace {
+
+constexpr double kStepTolerance = 4e-6;
+constexpr int kClasses = 3;
+
+// ---- the grammar ----------------------------------------------------------------------------
+
+enum class Model { Mlp, MlpDropout, CnnBatchNorm };
+const char* model_name(Model m) {
+  switch (m) {
+    case Model::Mlp: return "Model::Mlp";
+    case Model::MlpDropout: return "Model::MlpDropout";
+    case Model::CnnBatchNorm: return "Model::CnnBatchNorm";
+  }
+  return "?";
+}
+
+struct Micro {
+  int forwards = 1;           // through the wrapper, with grad (1-3)
+  int eval_after = -1;        // >= 0: a forward under NoGradGuard after that forward
+  bool detach_last = false;   // the last output's loss is computed on output.detach()
+  bool reuse_first = false;   // the first output also enters a second loss
+  bool separate = false;      // one backward per loss instead of one over their sum
+  bool forward_backward = false;  // model.forward_backward instead (one forward)
+  bool no_sync = false;       // the micro-batch runs inside model.no_sync()
+  int rows = 4;               // per process
+  int batch = 0;              // the first batch id; forward k uses batch + k
+};
+
+struct StepSpec {
+  bool zero_grad = true;
+  std::vector<Micro> micros;
+  double clip = 0;            // > 0: clip_grad_norm_(params, clip) before the step
+  bool scheduler = false;     // StepLR(step_size 1, gamma 0.5) steps after opt.step()
+  bool evaluate = false;      // eval(), a no_grad forward, train() after the step
+};
+
+struct Program {
+  std::uint64_t seed = 0;
+  Model model = Model::Mlp;
+  int devices = 1;
+  double lr = 0.05, momentum = 0, weight_decay = 0;
+  bool nesterov = false;
+  std::vector<StepSpec> steps;
+};
+
+Program generate(std::uint64_t seed) {
+  std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + 1);
+  auto pick = [&](int lo, int hi) { return static_cast<int>(std::uniform_int_distribution<int>(lo, hi)(rng)); };
+  auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
+  Program p;
+  p.seed = seed;
+  p.model = static_cast<Model>(pick(0, 2));
+  p.devices = pick(1, 4);
+  p.lr = chance(0.5) ? 0.05 : 0.1;
+  p.momentum = chance(0.5) ? 0.9 : 0.0;
+  p.nesterov = p.momentum > 0 && chance(0.3);
+  p.weight_decay = chance(0.3) ? 1e-2 : 0.0;
+  int batch = 0;
+  const int steps = pick(2, 4);
+  for (int s = 0; s < steps; ++s) {
+    StepSpec st;
+    st.zero_grad = s == 0 || chance(0.85);
+    const int micros = pick(1, 3);
+    for (int m = 0; m < micros; ++m) {
+      Micro mi;
+      mi.rows = pick(1, 13);
+      mi.batch = batch;
+      if (chance(0.2)) {
+        mi.forward_backward = true;
+      } else {
+        mi.forwards = pick(1, 3);
+        if (chance(0.2)) mi.eval_after = pick(0, mi.forwards - 1);
+        mi.detach_last = mi.forwards > 1 && chance(0.2);
+        mi.reuse_first = chance(0.15);
+        mi.separate = !mi.reuse_first && chance(0.4);
+      }
+      mi.no_sync = m + 1 < micros && chance(0.3);  // the last micro-batch synchronises
+      batch += 4;
+      st.micros.push_back(mi);
+    }
+    if (chance(0.25)) st.clip = chance(0.5) ? 0.5 : 5.0;
+    st.scheduler = chance(0.2);
+    st.evaluate = chance(0.2);
+    p.steps.push_back(st);
+  }
+  return p;
+}
+
+// ---- the models and data --------------------------------------------------------------------
+
+std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed) {
+  dp::Generator gen(seed);
+  auto net = std::make_shared<dp::nn::Sequential>();
+  switch (kind) {
+    case Model::Mlp:
+    case Model::MlpDropout:
+      net->push_back(std::make_shared<dp::nn::Linear>(6, 12, true, &gen));
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      if (kind == Model::MlpDropout) net->push_back(std::make_shared<dp::nn::Dropout>(0.3, seed + 7));
+      net->push_back(std::make_shared<dp::nn::Linear>(12, 8, true, &gen));
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      net->push_back(std::make_shared<dp::nn::Linear>(8, kClasses, true, &gen));
+      break;
+    case Model::CnnBatchNorm:
+      net->push_back(std::make_shared<dp::nn::Conv2d>(dp::nn::Conv2dOptions(1, 3, 3), &gen));
+      net->push_back(std::make_shared<dp::nn::BatchNorm2d>(3));
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      net->push_back(std::make_shared<dp::nn::Flatten>());
+      net->push_back(std::make_shared<dp::nn::Linear>(3 * 4 * 4, kClasses, true, &gen));
+      break;
+  }
+  return net;
+}
+
+struct Batch {
+  dp::Tensor x, y;
+};
+
+// Batch `id` of the program: `rows` rows of each of `processes` processes; the part of
+// process `part` (or the whole global batch when part < 0).
+Batch make_batch(const Program& p, int id, int rows, int processes, int part) {
+  const std::int64_t global = static_cast<std::int64_t>(rows) * processes;
+  dp::Generator gen(p.seed * 1000003 + static_cast<std::uint64_t>(id));
+  dp::Tensor x = p.model == Model::CnnBatchNorm ? dp::randn({global, 1, 6, 6}, gen, dp::cpu(0))
+                                                : dp::randn({global, 6}, gen, dp::cpu(0));
+  std::vector<std::int64_t> labels(static_cast<std::size_t>(global));
+  for (std::int64_t i = 0; i < global; ++i)
+    labels[static_cast<std::size_t>(i)] = static_cast<std::int64_t>((p.seed + 13 * id + 7 * i) % kClasses);
+  dp::Tensor y = dp::from_vector(labels, {global}, dp::cpu(0));
+  if (part < 0) return {x, y};
+  return {x.narrow(0, part * rows, rows).clone(), y.narrow(0, part * rows, rows).clone()};
+}
+
+// ---- the designs ----------------------------------------------------------------------------
+
+struct Design {
+  std::string name, spelling;  // spelling: the options as C++
+  dp::DataParallelOptions options;
+};
+
+std::vector<Design> designs() {
+  std::vector<Design> out{
+      {"DP", "{.mode = dp::Mode::DP}", {.mode = dp::Mode::DP}},
+      {"DDP", "{.mode = dp::Mode::DDP}", {.mode = dp::Mode::DDP}},
+      {"DDP (a bucket per parameter)", "{.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}",
+       {.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}}};
+  for (int stage : {1, 2, 3})
+    out.push_back({"Sharded stage " + std::to_string(stage),
+                   "{.mode = dp::Mode::Sharded, .shard_stage = " + std::to_string(stage) + "}",
+                   {.mode = dp::Mode::Sharded, .shard_stage = stage}});
+  return out;
+}
+
+// ---- running a program ----------------------------------------------------------------------
+
+struct Trace {
+  std::vector<std::vector<float>> states;  // the state_dict after each step
+  std::vector<std::string> names;          // "name[i]" for each element
+  std::string refused;                     // a dp::Error's message when the design refused
+};
+
+std::vector<float> flat_state(dp::nn::Module& net, std::vector<std::string>* names) {
+  std::vector<float> out;
+  for (auto& [name, t] : net.state_dict()) {
+    if (t.dtype() != dp::Dtype::Float32) continue;
+    auto v = t.to_vector();
+    for (std::size_t i = 0; names && i < v.size(); ++i) names->push_back(name + "[" + std::to_string(i) + "]");
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+dp::Tensor loss_of(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
+
+// Runs `p` with `design` (nullptr: one device, no wrapper, on the global batch).
+Trace run(const Program& p, const Design* design) {
+  const int processes = design ? dp::dist::world_size() : 1;
+  const int part = design && processes > 1 ? dp::dist::rank() : -1;
+  auto net = make_model(p.model, p.seed);
+  std::optional<dp::DataParallel> model;
+  Trace trace;
+  std::vector<dp::Device> devices;
+  for (int i = 0; i < p.devices; ++i) devices.push_back(dp::cpu(i));
+  if (design) model.emplace(net, devices, design->options);
+  dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
+  dp::optim::SGD opt(params, {.lr = p.lr, .momentum = p.momentum, .weight_decay = p.weight_decay,
+                              .nesterov = p.nesterov});
+  dp::optim::StepLR sched(opt, {.step_size = 1, .gamma = 0.5});
+  auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
+  auto batch = [&](int id, int rows) { return make_batch(p, id, rows, dp::dist::world_size(), part); };
+  try {
+    for (const StepSpec& st : p.steps) {
+      if (st.zero_grad) opt.zero_grad();
+      for (const Micro& mi : st.micros) {
+        std::optional<dp::DataParallel::NoSyncGuard> guard;
+        if (mi.no_sync && model) guard.emplace(*model);
+        if (mi.forward_backward) {
+          const Batch b = batch(mi.batch, mi.rows);
+          if (model) {
+            model->forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss{});
+          } else {
+            loss_of(net->forward(b.x), b.y).backward();
+          }
+          continue;
+        }
+        std::vector<dp::Tensor> losses;
+        dp::Tensor first_out;
+        for (int k = 0; k < mi.forwards; ++k) {
+          const Batch b = batch(mi.batch + k, mi.rows);
+          dp::Tensor out = forward(b.x);
+          if (k == 0) first_out = out;
+          if (k == mi.eval_after) {
+            dp::NoGradGuard no_grad;
+            (void)forward(batch(mi.batch + 3, mi.rows).x);
+          }
+          if (k + 1 == mi.forwards && mi.detach_last) out = out.detach();
+          losses.push_back(loss_of(out, b.y));
+        }
+        if (mi.reuse_first) losses.push_back(loss_of(first_out, batch(mi.batch + 1, mi.rows).y));
+        if (mi.separate) {
+          for (auto& l : losses)
+            if (l.requires_grad()) l.backward();
+        } else {
+          dp::Tensor total = losses[0];
+          for (std::size_t i = 1; i < losses.size(); ++i) total = total + losses[i];
+          if (total.requires_grad()) total.backward();
+        }
+      }
+      if (st.clip > 0) dp::nn::utils::clip_grad_norm_(params, st.clip);
+      opt.step();
+      if (st.scheduler) sched.step();
+      if (st.evaluate) {
+        net->train(false);
+        {
+          dp::NoGradGuard no_grad;
+          (void)forward(batch(900, 5).x);
+        }
+        net->train(true);
+      }
+      trace.states.push_back(flat_state(*net, trace.names.empty() ? &trace.names : nullptr));
+    }
+  } catch (const dp::Error& e) {
+    if (!design) throw;  // one device refuses nothing
+    trace.refused = e.what();
+  }
+  return trace;
+}
+
+// ---- judging --------------------------------------------------------------------------------
+
+// Whether `design` must equal DP bit for bit after step s (the README's promise).
+bool bitwise_promised(const Program& p, const Design& d, std::size_t s) {
+  for (std::size_t i = 0; i <= s; ++i) {
+    int cycles = 0;
+    for (const Micro& mi : p.steps[i].micros) {
+      if (mi.no_sync && p.devices * dp::dist::world_size() > 1) return false;
+      cycles += mi.forward_backward ? 1 : mi.forwards - (mi.detach_last ? 1 : 0);
+    }
+    if (!p.steps[i].zero_grad && i > 0) ++cycles;  // the last step's sum is accumulated onto
+    if (d.options.mode == dp::Mode::Sharded && cycles > 1) return false;
+  }
+  return true;
+}
+
+// Whether one device's run is comparable: Dropout draws per device and BatchNorm
+// normalises per shard.
+bool single_comparable(const Program& p) { return p.model == Model::Mlp || p.devices * dp::dist::world_size() == 1; }
+
+bool uses_no_sync(const Program& p) {
+  for (const StepSpec& st : p.steps)
+    for (const Micro& mi : st.micros)
+      if (mi.no_sync) return true;
+  return false;
+}
+
+// An expected refusal: its message must say what was refused and why.
+bool expected_refusal(const Program& p, const Design& d, const std::string& what) {
+  const bool stage3 = d.options.mode == dp::Mode::Sharded && d.options.shard_stage == 3 && p.devices > 1;
+  return stage3 && uses_no_sync(p) && what.find("no_sync() with shard_stage 3") != std::string::npos;
+}
+
+struct Finding {
+  std::string design, spelling, what;
+  std::size_t step = 0;
+};
+
+std::optional<Finding> compare(const Program& p, const Trace& want, const Trace& got, const Design& d,
+                               const char* against, bool bitwise) {
+  for (std::size_t s = 0; s < got.states.size(); ++s) {
+    const auto& a = got.states[s];
+    const auto& b = want.states[s];
+    const bool exact = bitwise && bitwise_promised(p, d, s);
+    const double tol = kStepTolerance * static_cast<double>(s + 1);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const double diff = std::fabs(double(a[i]) - double(b[i]));
+      const bool bad = exact ? !(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))
+                             : !(diff <= tol * std::max(1.0, std::fabs(double(b[i]))));
+      if (!bad) continue;
+      std::ostringstream os;
+      os.precision(9);
+      os << d.name << " on " << p.devices << " device(s) differs from " << against << " after step " << s << " in "
+         << got.names[i] << ": " << a[i] << " vs " << b[i] << " (" << (exact ? "bitwise promised" : "tolerance ")
+         << (exact ? "" : std::to_string(tol)) << ")";
+      return Finding{d.name, d.spelling, os.str(), s};
+    }
+  }
+  return std::nullopt;
+}
+
+// Runs every design of `p`; the first finding, if any. `only`: that design alone.
+std::optional<Finding> check(const Program& p, const std::string& only = "", bool verbose = false) {
+  std::optional<Trace> single;
+  if (single_comparable(p)) single = run(p, nullptr);
+  std::optional<Trace> dp_trace;
+  for (const Design& d : designs()) {
+    if (!only.empty() && d.name != only && d.name != "DP") continue;
+    Trace t;
+    try {
+      t = run(p, &d);
+    } catch (const std::exception& e) {
+      return Finding{d.name, d.spelling, d.name + " threw something other than a dp::Error: " + e.what()};
+    }
+    if (!t.refused.empty()) {
+      if (verbose) std::printf("  %s refused: %s\n", d.name.c_str(), t.refused.c_str());
+      if (expected_refusal(p, d, t.refused)) continue;
+      return Finding{d.name, d.spelling, d.name + " refused the program: " + t.refused};
+    }
+    if (expected_refusal(p, d, "no_sync() with shard_stage 3"))
+      return Finding{d.name, d.spelling, d.name + " ran no_sync with stage 3 instead of refusing it clearly"};
+    if (single)
+      if (auto f = compare(p, *single, t, d, "one device", false)) return f;
+    if (d.name == "DP") {
+      dp_trace = t;
+    } else if (dp_trace) {
+      if (auto f = compare(p, *dp_trace, t, d, "DP", true)) return f;
+    }
+    if (verbose) std::printf("  %s: alike\n", d.name.c_str());
+  }
+  return std::nullopt;
+}
+
+// ---- the reproduction -----------------------------------------------------------------------
+
+std::string cpp(const Program& p, const std::string& spelling) {
+  std::ostringstream os;
+  os << "// Helpers (make_model, batch) as in tests/parallel/loop_fuzz.cpp; program seed " << p.seed << ".\n";
+  os << "auto net = make_model(" << model_name(p.model) << ", " << p.seed << ");\n";
+  os << "dp::DataParallel model(net, {";
+  for (int i = 0; i < p.devices; ++i) os << (i ? ", " : "") << "dp::cpu(" << i << ")";
+  os << "}, " << spelling << ");\n";
+  os << "dp::optim::SGD opt(model.parameters(), {.lr = " << p.lr << ", .momentum = " << p.momentum
+     << ", .weight_decay = " << p.weight_decay << ", .nesterov = " << (p.nesterov ? "true" : "false") << "});\n";
+  os << "dp::optim::StepLR sched(opt, {.step_size = 1, .gamma = 0.5});\n";
+  for (std::size_t s = 0; s < p.steps.size(); ++s) {
+    const StepSpec& st = p.steps[s];
+    os << "// step " << s << "\n";
+    if (st.zero_grad) os << "opt.zero_grad();\n";
+    for (const Micro& mi : st.micros) {
+      os << "{\n";
+      if (mi.no_sync) os << "  auto guard = model.no_sync();\n";
+      if (mi.forward_backward) {
+        os << "  auto b = batch(" << mi.batch << ", " << mi.rows << ");\n";
+        os << "  model.forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss{});\n}\n";
+        continue;
+      }
+      std::vector<std::string> losses;
+      for (int k = 0; k < mi.forwards; ++k) {
+        os << "  auto b" << k << " = batch(" << mi.batch + k << ", " << mi.rows << ");\n";
+        os << "  auto o" << k << " = model(b" << k << ".x)" << (k + 1 == mi.forwards && mi.detach_last ? ".detach()" : "")
+           << ";\n";
+        if (k == mi.eval_after)
+          os << "  { dp::NoGradGuard g; (void)model(batch(" << mi.batch + 3 << ", " << mi.rows << ").x); }\n";
+        losses.push_back("dp::nn::cross_entropy(o" + std::to_string(k) + ", b" + std::to_string(k) + ".y)");
+      }
+      if (mi.reuse_first)
+        losses.push_back("dp::nn::cross_entropy(o0, batch(" + std::to_string(mi.batch + 1) + ", " +
+                         std::to_string(mi.rows) + ").y)");
+      const bool last_detached = mi.detach_last;
+      if (mi.separate) {
+        for (std::size_t i = 0; i < losses.size(); ++i)
+          if (!(last_detached && static_cast<int>(i) == mi.forwards - 1)) os << "  " << losses[i] << ".backward();\n";
+      } else {
+        os << "  (";
+        for (std::size_t i = 0; i < losses.size(); ++i) os << (i ? " + " : "") << losses[i];
+        os << ").backward();\n";
+      }
+      os << "}\n";
+    }
+    if (st.clip > 0) os << "dp::nn::utils::clip_grad_norm_(model.parameters(), " << st.clip << ");\n";
+    os << "opt.step();\n";
+    if (st.scheduler) os << "sched.step();\n";
+    if (st.evaluate) os << "model.eval(); { dp::NoGradGuard g; (void)model(batch(900, 5).x); } model.train();\n";
+  }
+  return os.str();
+}
+
+// Greedy shrinking: drop steps, micro-batches, forwards and features while the same
+// design still diverges.
+Program shrink(Program p, const std::string& design) {
+  auto still = [&](const Program& q) { return check(q, design).has_value(); };
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    std::vector<Program> candidates;
+    for (std::size_t s = 0; s < p.steps.size() && p.steps.size() > 1; ++s) {
+      Program q = p;
+      q.steps.erase(q.steps.begin() + static_cast<std::ptrdiff_t>(s));
+      q.steps[0].zero_grad = true;
+      candidates.push_back(q);
+    }
+    for (std::size_t s = 0; s < p.steps.size(); ++s) {
+      const StepSpec& st = p.steps[s];
+      for (std::size_t m = 0; m < st.micros.size() && st.micros.size() > 1; ++m) {
+        Program q = p;
+        q.steps[s].micros.erase(q.steps[s].micros.begin() + static_cast<std::ptrdiff_t>(m));
+        q.steps[s].micros.back().no_sync = false;
+        candidates.push_back(q);
+      }
+      auto with = [&](auto edit) {
+        Program q = p;
+        if (edit(q.steps[s])) candidates.push_back(q);
+      };
+      with([](StepSpec& t) { return std::exchange(t.clip, 0.0) > 0; });
+      with([](StepSpec& t) { return std::exchange(t.scheduler, false); });
+      with([](StepSpec& t) { return std::exchange(t.evaluate, false); });
+      with([&](StepSpec& t) { return s > 0 && !std::exchange(t.zero_grad, true); });
+      for (std::size_t m = 0; m < st.micros.size(); ++m) {
+        auto micro = [&](auto edit) {
+          Program q = p;
+          if (edit(q.steps[s].micros[m])) candidates.push_back(q);
+        };
+        micro([](Micro& mi) { return mi.forwards > 1 && (mi.detach_last = false, mi.eval_after = -1, --mi.forwards, true); });
+        micro([](Micro& mi) { return std::exchange(mi.no_sync, false); });
+        micro([](Micro& mi) { return std::exchange(mi.reuse_first, false); });
+        micro([](Micro& mi) { return std::exchange(mi.detach_last, false); });
+        micro([](Micro& mi) { return std::exchange(mi.eval_after, -1) >= 0; });
+        micro([](Micro& mi) { return std::exchange(mi.separate, false); });
+        micro([](Micro& mi) { return mi.rows > 1 && (mi.rows = std::max(1, mi.rows / 2), true); });
+      }
+    }
+    if (p.devices > 2) {
+      Program q = p;
+      --q.devices;
+      candidates.push_back(q);
+    }
+    for (const Program& q : candidates)
+      if (still(q)) {
+        p = q;
+        progress = true;
+        break;
+      }
+  }
+  return p;
+}
+
+int usage(const char* argv0) {
+  std::fprintf(stderr, "usage: %s [--seeds A:B | --seed N] [--verbose] [--no-shrink]\n", argv0);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::uint64_t first = 0, last = 50;
+  bool verbose = false, shrink_it = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--seeds" && i + 1 < argc) {
+      const std::string r = argv[++i];
+      const auto colon = r.find(':');
+      if (colon == std::string::npos) return usage(argv[0]);
+      first = std::stoull(r.substr(0, colon));
+      last = std::stoull(r.substr(colon + 1));
+    } else if (a == "--seed" && i + 1 < argc) {
+      first = std::stoull(argv[++i]);
+      last = first + 1;
+    } else if (a == "--verbose") {
+      verbose = true;
+    } else if (a == "--no-shrink") {
+      shrink_it = false;
+    } else {
+      return usage(argv[0]);
+    }
+  }
+  dp::dist::init();
+  const bool multi = dp::dist::world_size() > 1;
+  const bool main_process = dp::dist::is_main();
+  for (std::uint64_t seed = first; seed < last; ++seed) {
+    Program p = generate(seed);
+    if (verbose && main_process) std::printf("program %llu:\n%s", static_cast<unsigned long long>(seed), cpp(p, "{...}").c_str());
+    std::optional<Finding> f = check(p, "", verbose && main_process);
+    if (!f) continue;
+    // Across processes every process must make the same collectives: no shrinking there.
+    if (shrink_it && !multi) {
+      p = shrink(p, f->design);
+      if (auto again = check(p, f->design)) f = again;
+    }
+    std::fprintf(stderr, "loop_fuzz: program %llu%s: %s\n\n%s\n", static_cast<unsigned long long>(seed),
+                 multi ? (" (process " + std::to_string(dp::dist::rank()) + ")").c_str() : "",
+                 f->what.c_str(), cpp(p, f->spelling).c_str());
+    return 1;
+  }
+  if (main_process)
+    std::printf("loop_fuzz: programs %llu..%llu ran alike in every design (%d process%s)\n",
+                static_cast<unsigned long long>(first), static_cast<unsigned long long>(last - 1),
+                dp::dist::world_size(), multi ? "es" : "");
+  return 0;
+}
