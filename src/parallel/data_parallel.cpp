@@ -147,6 +147,7 @@ class DataParallel::Step {
     // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
     if (sync_params_ && dp_.deferred_gather()) dp_.mark_stale(false);
     if (options_.backward) {
+      dp_.check_sharded_grads_unedited("a backward");
       dp_.forget_combined_grads();
       dp_.reducer_->prepare(dp_.options_.mode == Mode::DP || dp_.require_sync_);
     }
@@ -577,10 +578,19 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 // dp::nn::utils::clip_grad_norm_ / clip_grad_value_ act on every copy, so they need
 // nothing more; any other edit is caught by the grad buffers' storage versions: when
 // copy 0's moved by a different amount than a replica's since the gradients were
-// last synchronised, the optimizer step first broadcasts device 0's gradient buffer
-// to every replica (one call over the buffer, only in such a step), so every replica
-// applies the gradient the user sees. A step inside no_sync() would apply unequal
+// last synchronised, the next update of every copy — the optimizer step, or a clip or
+// zero_grad before it — first broadcasts device 0's gradient buffer to every replica
+// (one call over the buffer, only then), so every replica applies the gradient the
+// user sees. (Only at the step, as it once was, an edit followed by clip_grad_norm_
+// escaped: the clip scaled each copy's own gradient, and the versions it snapshotted
+// after its update moved equally from then on — replicas drifted, silently.) A step inside no_sync() would apply unequal
 // local gradients: it is refused.
+// In Sharded mode every device keeps the summed gradient of its own range alone
+// (stage 1 in place, zeros elsewhere; stages 2 and 3 keep no .grad at all), so what
+// device 0's .grad shows is the sum on device 0's range and zeros on the others: an
+// edit through it could not reach the owners of those ranges. A step after such an
+// edit (the grad buffer's version moved since backward, clipping's own writes aside)
+// is refused, naming the two clip functions, which act on every range.
 
 // The optimizer's executor: each persistent copy on its own device's worker; DP's
 // transient replicas are never stepped, so DP's step stays on rank 0. A Sharded step
@@ -594,18 +604,23 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 // copy's device's stream, the one its worker uses), under the same busy check. The
 // gradient versions are snapshotted as after any update of every copy.
 void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
-  if (work == nn::CopyWork::SmallGradients) {
+  const bool replicas = options_.mode != Mode::DP && world_devices() > 1;
+  // Note [Gradient edits]: before ANY update of every copy, not just the step — a clip
+  // after an edit by hand would otherwise scale unequal gradients, and its snapshot
+  // would then hide the edit from the step (the replicas drifted: the loop fuzzer).
+  const bool sync_grads = replicas && options_.mode == Mode::DDP && require_sync_ && grads_edited_unequally();
+  note_sharded_grad_edits();
+  if (work == nn::CopyWork::SmallGradients && !sync_grads) {
     DP_CHECK(!busy_, "DataParallel: an update of every copy called while another step runs (from inside a worker?)");
     for (int r = 0; r < copies; ++r) fn(r);
     snapshot_grad_versions();
     return;
   }
   const bool update = work == nn::CopyWork::Step;
-  const bool replicas = options_.mode != Mode::DP && world_devices() > 1;
   DP_CHECK(!(update && replicas && !require_sync_),
            "DataParallel: opt.step() inside no_sync(): each replica holds only its own accumulated "
            "gradient until the first backward after the guard combines them; step after that backward");
-  const bool sync_grads = update && replicas && options_.mode == Mode::DDP && grads_edited_unequally();
+  if (update) check_sharded_grads_unedited("opt.step()");
   const bool gather = update && replicas && options_.mode == Mode::Sharded && !params_sharded();
   int ranks = 0;
   for (int r = 0; r < copies; ++r)
@@ -652,6 +667,32 @@ void DataParallel::forget_combined_grads() {
   for (int r = process_ == 0 ? 1 : 0; r < set_->num_copies(); ++r) set_->copy(r).grad.zero_();
 }
 
+// Note [Gradient edits]: Sharded ranges cannot take an edit made through device 0's
+// .grad. An edit is noticed at the next update of every copy or backward (whichever
+// comes first: a clip's snapshot would hide it from the step) and stands until a
+// zero_grad of the whole set.
+void DataParallel::note_sharded_grad_edits() {
+  if (options_.mode != Mode::Sharded || world_devices() == 1) return;
+  const Tensor& grad0 = set_->copy(0).grad;  // undefined in stages 2 and 3 between steps
+  if (!grad0.defined() || grad0.storage()->version() == grad_base_[0]) return;
+  // A zero_grad of the whole set since (module.zero_grad() does not come through here)
+  // leaves every range zero everywhere: device 0's later edits then travel with its
+  // piece of the next reduce, as DDP's do.
+  if (set_->zero_grad_count() != snapshot_zero_grad_count_) return;
+  grads_edited_by_hand_ = true;
+  edited_zero_grad_count_ = set_->zero_grad_count();
+}
+
+void DataParallel::check_sharded_grads_unedited(const char* what) {
+  note_sharded_grad_edits();
+  if (grads_edited_by_hand_ && set_->zero_grad_count() != edited_zero_grad_count_) grads_edited_by_hand_ = false;
+  DP_CHECK(!grads_edited_by_hand_, "DataParallel (Sharded): ", what,
+           " after the gradients were edited through parameters() by hand: device 0 holds the summed "
+           "gradient of its own range only (zeros elsewhere), so the edit cannot reach the ranges the other "
+           "devices own; use dp::nn::utils::clip_grad_norm_ / clip_grad_value_ (they act on every range), "
+           "scale the loss instead, or use Mode::DDP");
+}
+
 bool DataParallel::grads_edited_unequally() const {
   const std::uint64_t moved0 = set_->copy(0).grad.storage()->version() - grad_base_[0];
   for (int r = 1; r < set_->num_copies(); ++r)
@@ -660,6 +701,7 @@ bool DataParallel::grads_edited_unequally() const {
 }
 
 void DataParallel::snapshot_grad_versions() {
+  snapshot_zero_grad_count_ = set_->zero_grad_count();
   for (int r = 0; r < set_->num_copies(); ++r) {
     const Tensor& g = set_->copy(r).grad;  // undefined while released (Sharded stage 2)
     grad_base_[r] = g.defined() ? g.storage()->version() : 0;

@@ -12,10 +12,12 @@
 // a few micro-batches of 1-3 forwards through the wrapper (some under NoGradGuard, an
 // output detached or used in two losses, losses summed or backpropagated one by one,
 // or forward_backward), no_sync around a micro-batch, zero_grad skipped (gradients
-// accumulate across steps), clip_grad_norm_, a scheduler step, an eval()/train()
-// evaluation, uneven batches, one of three models (an MLP; with Dropout; a CNN with
-// BatchNorm) on 1-4 devices — and run on one device and in DP, DDP and Sharded stages
-// 1-3. After every step each design's state_dict is compared:
+// accumulate across steps), parameters scaled in place and .grad halved by hand,
+// clip_grad_norm_, a scheduler step, an eval()/train() evaluation, the state_dict
+// scaled and loaded back, uneven batches, SGD (momentum, Nesterov, weight decay),
+// Adam or AdamW, one of three models (an MLP; with Dropout; a CNN with BatchNorm) on
+// 1-4 devices — and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2
+// with the deferred gather too). After every step each design's state_dict is compared:
 //  - with one device's, to float rounding, where the model allows it (Dropout draws
 //    per device and BatchNorm normalises per shard, so on several devices those two
 //    compare with DP only); the tolerance: each step's gradient is a sum over at most
@@ -76,17 +78,23 @@ struct Micro {
 };
 
 struct StepSpec {
+  bool edit_params = false;   // parameters scaled in place through parameters() first
   bool zero_grad = true;
   std::vector<Micro> micros;
+  bool edit_grads = false;    // every .grad halved by hand before clipping and the step
   double clip = 0;            // > 0: clip_grad_norm_(params, clip) before the step
   bool scheduler = false;     // StepLR(step_size 1, gamma 0.5) steps after opt.step()
   bool evaluate = false;      // eval(), a no_grad forward, train() after the step
+  bool reload = false;        // state_dict() scaled by 0.99, loaded back, after the step
 };
+
+enum class Optim { Sgd, Adam, AdamW };
 
 struct Program {
   std::uint64_t seed = 0;
   Model model = Model::Mlp;
   int devices = 1;
+  Optim optim = Optim::Sgd;
   double lr = 0.05, momentum = 0, weight_decay = 0;
   bool nesterov = false;
   std::vector<StepSpec> steps;
@@ -100,7 +108,8 @@ Program generate(std::uint64_t seed) {
   p.seed = seed;
   p.model = static_cast<Model>(pick(0, 2));
   p.devices = pick(1, 4);
-  p.lr = chance(0.5) ? 0.05 : 0.1;
+  p.optim = static_cast<Optim>(pick(0, 2) == 0 ? 0 : pick(0, 2));
+  p.lr = p.optim == Optim::Sgd ? (chance(0.5) ? 0.05 : 0.1) : 0.01;
   p.momentum = chance(0.5) ? 0.9 : 0.0;
   p.nesterov = p.momentum > 0 && chance(0.3);
   p.weight_decay = chance(0.3) ? 1e-2 : 0.0;
@@ -108,6 +117,7 @@ Program generate(std::uint64_t seed) {
   const int steps = pick(2, 4);
   for (int s = 0; s < steps; ++s) {
     StepSpec st;
+    st.edit_params = chance(0.1);
     st.zero_grad = s == 0 || chance(0.85);
     const int micros = pick(1, 3);
     for (int m = 0; m < micros; ++m) {
@@ -127,9 +137,11 @@ Program generate(std::uint64_t seed) {
       batch += 4;
       st.micros.push_back(mi);
     }
+    st.edit_grads = chance(0.1);
     if (chance(0.25)) st.clip = chance(0.5) ? 0.5 : 5.0;
     st.scheduler = chance(0.2);
     st.evaluate = chance(0.2);
+    st.reload = chance(0.1);
     p.steps.push_back(st);
   }
   return p;
@@ -151,7 +163,9 @@ std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed) {
       net->push_back(std::make_shared<dp::nn::Linear>(8, kClasses, true, &gen));
       break;
     case Model::CnnBatchNorm:
-      net->push_back(std::make_shared<dp::nn::Conv2d>(dp::nn::Conv2dOptions(1, 3, 3), &gen));
+      // No bias before BatchNorm (as usual): its gradient would be rounding noise around
+      // an exact 0, which Adam scales up to ±lr and no tolerance could compare.
+      net->push_back(std::make_shared<dp::nn::Conv2d>(dp::nn::Conv2dOptions(1, 3, 3).bias(false), &gen));
       net->push_back(std::make_shared<dp::nn::BatchNorm2d>(3));
       net->push_back(std::make_shared<dp::nn::ReLU>());
       net->push_back(std::make_shared<dp::nn::Flatten>());
@@ -197,6 +211,13 @@ std::vector<Design> designs() {
     out.push_back({"Sharded stage " + std::to_string(stage),
                    "{.mode = dp::Mode::Sharded, .shard_stage = " + std::to_string(stage) + "}",
                    {.mode = dp::Mode::Sharded, .shard_stage = stage}});
+  // The deferred gather exists in one process only (refused across processes).
+  if (dp::dist::world_size() == 1)
+    for (int stage : {1, 2})
+      out.push_back({"Sharded stage " + std::to_string(stage) + ", NextForward",
+                     "{.mode = dp::Mode::Sharded, .shard_stage = " + std::to_string(stage) +
+                         ", .shard_gather = dp::ShardGather::NextForward}",
+                     {.mode = dp::Mode::Sharded, .shard_stage = stage, .shard_gather = dp::ShardGather::NextForward}});
   return out;
 }
 
@@ -232,13 +253,30 @@ Trace run(const Program& p, const Design* design) {
   for (int i = 0; i < p.devices; ++i) devices.push_back(dp::cpu(i));
   if (design) model.emplace(net, devices, design->options);
   dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
-  dp::optim::SGD opt(params, {.lr = p.lr, .momentum = p.momentum, .weight_decay = p.weight_decay,
-                              .nesterov = p.nesterov});
+  std::unique_ptr<dp::optim::Optimizer> optimizer;
+  switch (p.optim) {
+    case Optim::Sgd:
+      optimizer = std::make_unique<dp::optim::SGD>(
+          params, dp::optim::SGDOptions{.lr = p.lr, .momentum = p.momentum, .weight_decay = p.weight_decay,
+                                        .nesterov = p.nesterov});
+      break;
+    case Optim::Adam:
+      optimizer = std::make_unique<dp::optim::Adam>(params, dp::optim::AdamOptions{.lr = p.lr, .weight_decay = p.weight_decay});
+      break;
+    case Optim::AdamW:
+      optimizer = std::make_unique<dp::optim::AdamW>(params, dp::optim::AdamWOptions{.lr = p.lr});
+      break;
+  }
+  dp::optim::Optimizer& opt = *optimizer;
   dp::optim::StepLR sched(opt, {.step_size = 1, .gamma = 0.5});
   auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
   auto batch = [&](int id, int rows) { return make_batch(p, id, rows, dp::dist::world_size(), part); };
   try {
     for (const StepSpec& st : p.steps) {
+      if (st.edit_params) {
+        dp::NoGradGuard no_grad;
+        for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
+      }
       if (st.zero_grad) opt.zero_grad();
       for (const Micro& mi : st.micros) {
         std::optional<dp::DataParallel::NoSyncGuard> guard;
@@ -275,6 +313,16 @@ Trace run(const Program& p, const Design* design) {
           if (total.requires_grad()) total.backward();
         }
       }
+      if (st.edit_grads) {
+        dp::NoGradGuard no_grad;
+        for (dp::Tensor t : (model ? model->parameters() : net->parameters())) {
+          dp::Tensor g = t.grad();
+          // Stages 2 and 3 keep no .grad between backward and step (documented): a
+          // program that edits gradients by hand cannot be written for them.
+          if (!g.defined()) throw dp::Error("no .grad to edit by hand (Sharded stage 2 and 3 keep none)");
+          g.mul_(0.5f);
+        }
+      }
       if (st.clip > 0) dp::nn::utils::clip_grad_norm_(params, st.clip);
       opt.step();
       if (st.scheduler) sched.step();
@@ -285,6 +333,16 @@ Trace run(const Program& p, const Design* design) {
           (void)forward(batch(900, 5).x);
         }
         net->train(true);
+      }
+      if (st.reload) {
+        dp::nn::StateDict sd = model ? model->state_dict() : net->state_dict();
+        dp::nn::StateDict scaled;
+        for (auto& [name, t] : sd) scaled.emplace_back(name, t.dtype() == dp::Dtype::Float32 ? dp::mul(t, 0.99) : t.clone());
+        if (model) {
+          model->load_state_dict(scaled);
+        } else {
+          net->load_state_dict(scaled);
+        }
       }
       trace.states.push_back(flat_state(*net, trace.names.empty() ? &trace.names : nullptr));
     }
@@ -325,7 +383,12 @@ bool uses_no_sync(const Program& p) {
 // An expected refusal: its message must say what was refused and why.
 bool expected_refusal(const Program& p, const Design& d, const std::string& what) {
   const bool stage3 = d.options.mode == dp::Mode::Sharded && d.options.shard_stage == 3 && p.devices > 1;
-  return stage3 && uses_no_sync(p) && what.find("no_sync() with shard_stage 3") != std::string::npos;
+  if (stage3 && uses_no_sync(p) && what.find("no_sync() with shard_stage 3") != std::string::npos) return true;
+  // Sharded keeps no whole gradient on device 0: stages 2 and 3 no .grad at all, stage 1
+  // its own range's; an edit by hand is refused (Note [Gradient edits]).
+  const bool sharded = d.options.mode == dp::Mode::Sharded && p.devices * dp::dist::world_size() > 1;
+  return sharded && (what.find("no .grad to edit by hand") != std::string::npos ||
+                     what.find("edited through parameters() by hand") != std::string::npos);
 }
 
 struct Finding {
@@ -374,7 +437,7 @@ std::optional<Finding> check(const Program& p, const std::string& only = "", boo
       if (expected_refusal(p, d, t.refused)) continue;
       return Finding{d.name, d.spelling, d.name + " refused the program: " + t.refused};
     }
-    if (expected_refusal(p, d, "no_sync() with shard_stage 3"))
+    if (expected_refusal(p, d, "no_sync() with shard_stage 3") && uses_no_sync(p))
       return Finding{d.name, d.spelling, d.name + " ran no_sync with stage 3 instead of refusing it clearly"};
     if (single)
       if (auto f = compare(p, *single, t, d, "one device", false)) return f;
@@ -397,12 +460,23 @@ std::string cpp(const Program& p, const std::string& spelling) {
   os << "dp::DataParallel model(net, {";
   for (int i = 0; i < p.devices; ++i) os << (i ? ", " : "") << "dp::cpu(" << i << ")";
   os << "}, " << spelling << ");\n";
-  os << "dp::optim::SGD opt(model.parameters(), {.lr = " << p.lr << ", .momentum = " << p.momentum
-     << ", .weight_decay = " << p.weight_decay << ", .nesterov = " << (p.nesterov ? "true" : "false") << "});\n";
+  switch (p.optim) {
+    case Optim::Sgd:
+      os << "dp::optim::SGD opt(model.parameters(), {.lr = " << p.lr << ", .momentum = " << p.momentum
+         << ", .weight_decay = " << p.weight_decay << ", .nesterov = " << (p.nesterov ? "true" : "false") << "});\n";
+      break;
+    case Optim::Adam:
+      os << "dp::optim::Adam opt(model.parameters(), {.lr = " << p.lr << ", .weight_decay = " << p.weight_decay
+         << "});\n";
+      break;
+    case Optim::AdamW: os << "dp::optim::AdamW opt(model.parameters(), {.lr = " << p.lr << "});\n"; break;
+  }
   os << "dp::optim::StepLR sched(opt, {.step_size = 1, .gamma = 0.5});\n";
   for (std::size_t s = 0; s < p.steps.size(); ++s) {
     const StepSpec& st = p.steps[s];
     os << "// step " << s << "\n";
+    if (st.edit_params)
+      os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }\n";
     if (st.zero_grad) os << "opt.zero_grad();\n";
     for (const Micro& mi : st.micros) {
       os << "{\n";
@@ -435,10 +509,15 @@ std::string cpp(const Program& p, const std::string& spelling) {
       }
       os << "}\n";
     }
+    if (st.edit_grads)
+      os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.grad().mul_(0.5f); }\n";
     if (st.clip > 0) os << "dp::nn::utils::clip_grad_norm_(model.parameters(), " << st.clip << ");\n";
     os << "opt.step();\n";
     if (st.scheduler) os << "sched.step();\n";
     if (st.evaluate) os << "model.eval(); { dp::NoGradGuard g; (void)model(batch(900, 5).x); } model.train();\n";
+    if (st.reload)
+      os << "{ dp::nn::StateDict sd; for (auto& [n, t] : model.state_dict()) sd.emplace_back(n, t.dtype() == "
+            "dp::Dtype::Float32 ? dp::mul(t, 0.99) : t.clone()); model.load_state_dict(sd); }\n";
   }
   return os.str();
 }
@@ -472,6 +551,9 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.clip, 0.0) > 0; });
       with([](StepSpec& t) { return std::exchange(t.scheduler, false); });
       with([](StepSpec& t) { return std::exchange(t.evaluate, false); });
+      with([](StepSpec& t) { return std::exchange(t.edit_params, false); });
+      with([](StepSpec& t) { return std::exchange(t.edit_grads, false); });
+      with([](StepSpec& t) { return std::exchange(t.reload, false); });
       with([&](StepSpec& t) { return s > 0 && !std::exchange(t.zero_grad, true); });
       for (std::size_t m = 0; m < st.micros.size(); ++m) {
         auto micro = [&](auto edit) {

@@ -216,3 +216,50 @@ TEST_CASE("a device with no rows in the first of two backward passes keeps the c
     CHECK(max_diff(two_passes(3, o, 3, 3), two_passes(1, std::nullopt, 3, 3)) < kTolerance);
   }
 }
+
+TEST_CASE("an edit of .grad by hand, then clip_grad_norm_: DDP's replicas apply it, Sharded refuses it") {
+  // Note [Gradient edits]: the clip's update of every copy used to hide the edit from
+  // the step, and DDP's replicas stepped their unedited gradients.
+  auto edit_clip_step = [](std::optional<dp::DataParallelOptions> options) {
+    auto net = std::make_shared<ThreeLinear>(3);
+    std::optional<dp::DataParallel> model;
+    if (options) model.emplace(net, cpus(2), *options);
+    dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
+    const Batch b = make_batch(8, 4);
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      loss_fn(model ? (*model)(b.x) : net->forward(b.x), b.y).backward();
+      {
+        dp::NoGradGuard no_grad;
+        for (dp::Tensor p : net->parameters()) {
+          dp::Tensor g = p.grad();
+          g.mul_(0.25f);
+        }
+      }
+      dp::nn::utils::clip_grad_norm_(net->parameters(), 0.05);  // clips: the norm is larger
+      opt.step();
+    }
+    if (model && model->mode() == dp::Mode::DDP) model->check_replicas();  // throws on drift
+    return flat(net->state_dict());
+  };
+  const std::vector<float> single = edit_clip_step(std::nullopt);
+  CHECK(max_diff(edit_clip_step(dp::DataParallelOptions{.mode = dp::Mode::DDP}), single) < kTolerance);
+  CHECK(max_diff(edit_clip_step(dp::DataParallelOptions{.mode = dp::Mode::DP}), single) < kTolerance);
+  CHECK_THROWS_WITH_AS(edit_clip_step(dp::DataParallelOptions{.mode = dp::Mode::Sharded, .shard_stage = 1}),
+                       doctest::Contains("edited through parameters() by hand"), dp::Error);
+  // A zero_grad after the edit discards it: the next step is accepted.
+  auto net = std::make_shared<ThreeLinear>(3);
+  dp::DataParallel model(net, cpus(2), {.mode = dp::Mode::Sharded, .shard_stage = 1});
+  dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
+  const Batch b = make_batch(8, 4);
+  loss_fn(model(b.x), b.y).backward();
+  {
+    dp::NoGradGuard no_grad;
+    dp::Tensor g = net->parameters()[0].grad();
+    g.mul_(2.0f);
+  }
+  dp::nn::utils::clip_grad_norm_(net->parameters(), 0.05);
+  opt.zero_grad();
+  loss_fn(model(b.x), b.y).backward();
+  CHECK_NOTHROW(opt.step());
+}

@@ -87,7 +87,11 @@ struct DataParallelOptions {
   /// Sharded: the ZeRO stage. 1: optimizer state sharded (each device keeps state
   /// for its 1/N of the parameters); 2: gradients too (each device keeps only its
   /// range's summed gradient between steps; the parameters' .grad are undefined
-  /// then); 3: parameters too (FSDP): each device keeps its 1/N of the parameters;
+  /// then); in stage 1 the .grad of device 0's parameters (what parameters() shows)
+  /// hold the summed gradient on device 0's range and zeros on the others', so read
+  /// gradients through clip_grad_norm_'s return value, not by hand, and an
+  /// optimizer step after an edit of .grad by hand is a dp::Error (Note [Gradient
+  /// edits]); 3: parameters too (FSDP): each device keeps its 1/N of the parameters;
   /// a top-level child's parameters are gathered on every device just before the
   /// child's forward and again for its backward, and released after. Unset means 2.
   /// Setting it with another mode is an error. On one device stage 3 runs as stage 1.
@@ -360,6 +364,8 @@ class DataParallel {
                               const ShardPlan& plan, const ShardLoss& shard_loss);
   void run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn);
   bool grads_edited_unequally() const;
+  void note_sharded_grad_edits();
+  void check_sharded_grads_unedited(const char* what);
   void forget_combined_grads();
   void snapshot_grad_versions();
   void gather_params(int rank);
@@ -403,6 +409,11 @@ class DataParallel {
   bool grads_combined_ = false;                // DDP: the replicas hold the all-reduced sum
   std::uint64_t zero_grad_count_ = 0;          // the set's zero_grad_count() when they did
   bool require_sync_ = true;
+  // Sharded: device 0's .grad was edited by hand, noticed while the set's
+  // zero_grad_count() was this (Note [Gradient edits]).
+  bool grads_edited_by_hand_ = false;
+  std::uint64_t edited_zero_grad_count_ = 0;
+  std::uint64_t snapshot_zero_grad_count_ = 0;  // the set's zero_grad_count() at snapshot_grad_versions
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
   struct UnitState;                   // Sharded stage 3, per rank (Note [Sharded parameters])
