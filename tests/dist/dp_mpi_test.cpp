@@ -63,13 +63,6 @@ std::pair<std::int64_t, std::int64_t> my_rows(std::int64_t rows) {
   return {lo, base + (r < extra ? 1 : 0)};
 }
 
-double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(static_cast<double>(a[i]) - b[i]));
-  return m;
-}
-
 enum class Path { ForwardBackward, Module };
 
 struct Design {

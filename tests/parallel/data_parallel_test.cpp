@@ -58,13 +58,6 @@ RunResult train(std::vector<int> devices, dp::Mode mode, Path path, std::int64_t
   return res;
 }
 
-double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - b[i]));
-  return m;
-}
-
 // Summation order differs between one device (one GEMM over the batch) and several
 // (per-shard GEMMs, then a sum over devices), so results agree to float rounding,
 // amplified a little by 10 Adam steps.

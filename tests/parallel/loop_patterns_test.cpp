@@ -99,13 +99,6 @@ std::vector<float> train(Pattern p, int devices, dp::DataParallelOptions options
   return flat(net->state_dict());
 }
 
-double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - b[i]));
-  return m;
-}
-
 struct Design {
   std::string name;
   dp::DataParallelOptions options;

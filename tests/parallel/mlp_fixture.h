@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -74,6 +75,18 @@ inline std::vector<float> flat(const dp::nn::StateDict& sd) {
     out.insert(out.end(), v.begin(), v.end());
   }
   return out;
+}
+
+/// The largest |a[i] - b[i]| — infinity when a NaN appears on either side (std::max
+/// would skip it, and a comparison with a tolerance would pass) or the sizes differ.
+inline double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(double(a[i]) - double(b[i]));
+    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
+  }
+  return m;
 }
 
 /// cpu(0..n-1).

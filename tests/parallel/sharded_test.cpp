@@ -81,13 +81,6 @@ dp::DataParallelOptions sharded(int stage, dp::DataParallelOptions o = {}) {
   return o;
 }
 
-double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - b[i]));
-  return m;
-}
-
 // One device against several: per-shard GEMMs and a sum over devices round differently.
 constexpr double kTolerance = 2e-5;
 
