@@ -53,6 +53,29 @@ namespace {
 constexpr double kStepTolerance = 4e-6;
 constexpr int kClasses = 3;
 
+// The cross entropies a micro-batch's losses use (PyTorch's keywords). Across processes
+// the wrapper's forward path scales each process's gradient by its share of the global
+// rows, the convention for a mean loss (as DDP's averaging), so a sum there is not one
+// device's sum: the module path uses the first entry then, forward_backward any (its
+// loss descriptors are exact in every topology).
+struct LossKind {
+  const char* spelling;  // the options in C++
+  dp::nn::Reduction reduction = dp::nn::Reduction::Mean;
+  std::int64_t ignore_index = -100;
+  double label_smoothing = 0.0;
+  bool weighted = false;  // class weights {1, 2, 0.5}
+};
+const LossKind kLosses[] = {
+    {"{}"},
+    {"{.reduction = dp::nn::Reduction::Sum}", dp::nn::Reduction::Sum},
+    {"{.ignore_index = 1}", dp::nn::Reduction::Mean, 1},
+    {"{.label_smoothing = 0.1}", dp::nn::Reduction::Mean, -100, 0.1},
+    {"{.weight = class_weights()}", dp::nn::Reduction::Mean, -100, 0.0, true},
+};
+constexpr int kLossKinds = 5;
+
+dp::Tensor class_weights() { return dp::from_vector(std::vector<float>{1.0f, 2.0f, 0.5f}, {kClasses}, dp::cpu(0)); }
+
 // ---- the grammar ----------------------------------------------------------------------------
 
 enum class Model { Mlp, MlpDropout, CnnBatchNorm };
@@ -73,6 +96,7 @@ struct Micro {
   bool separate = false;      // one backward per loss instead of one over their sum
   bool forward_backward = false;  // model.forward_backward instead (one forward)
   bool no_sync = false;       // the micro-batch runs inside model.no_sync()
+  int loss = 0;               // kLosses[loss]: the reduction, class weights, ignore_index, smoothing
   int rows = 4;               // per process
   int batch = 0;              // the first batch id; forward k uses batch + k
 };
@@ -126,7 +150,9 @@ Program generate(std::uint64_t seed) {
       mi.batch = batch;
       if (chance(0.2)) {
         mi.forward_backward = true;
+        if (chance(0.5)) mi.loss = pick(1, kLossKinds - 1);
       } else {
+        if (chance(0.3) && dp::dist::world_size() == 1) mi.loss = pick(1, kLossKinds - 1);
         mi.forwards = pick(1, 3);
         if (chance(0.2)) mi.eval_after = pick(0, mi.forwards - 1);
         mi.detach_last = mi.forwards > 1 && chance(0.2);
@@ -240,7 +266,22 @@ std::vector<float> flat_state(dp::nn::Module& net, std::vector<std::string>* nam
   return out;
 }
 
-dp::Tensor loss_of(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
+dp::Tensor loss_of(const dp::Tensor& out, const dp::Tensor& y, int kind = 0) {
+  const LossKind& k = kLosses[kind];
+  return dp::nn::cross_entropy(out, y,
+                               dp::nn::CrossEntropyOptions{.weight = k.weighted ? class_weights().to(out.device()) : dp::Tensor(),
+                                                           .ignore_index = k.ignore_index,
+                                                           .reduction = k.reduction,
+                                                           .label_smoothing = k.label_smoothing});
+}
+
+dp::nn::CrossEntropyLoss descriptor(int kind) {
+  const LossKind& k = kLosses[kind];
+  return dp::nn::CrossEntropyLoss{.weight = k.weighted ? class_weights() : dp::Tensor(),
+                                  .ignore_index = k.ignore_index,
+                                  .reduction = k.reduction,
+                                  .label_smoothing = k.label_smoothing};
+}
 
 // Runs `p` with `design` (nullptr: one device, no wrapper, on the global batch).
 Trace run(const Program& p, const Design* design) {
@@ -284,9 +325,9 @@ Trace run(const Program& p, const Design* design) {
         if (mi.forward_backward) {
           const Batch b = batch(mi.batch, mi.rows);
           if (model) {
-            model->forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss{});
+            model->forward_backward(b.x, b.y, descriptor(mi.loss));
           } else {
-            loss_of(net->forward(b.x), b.y).backward();
+            loss_of(net->forward(b.x), b.y, mi.loss).backward();
           }
           continue;
         }
@@ -301,9 +342,9 @@ Trace run(const Program& p, const Design* design) {
             (void)forward(batch(mi.batch + 3, mi.rows).x);
           }
           if (k + 1 == mi.forwards && mi.detach_last) out = out.detach();
-          losses.push_back(loss_of(out, b.y));
+          losses.push_back(loss_of(out, b.y, mi.loss));
         }
-        if (mi.reuse_first) losses.push_back(loss_of(first_out, batch(mi.batch + 1, mi.rows).y));
+        if (mi.reuse_first) losses.push_back(loss_of(first_out, batch(mi.batch + 1, mi.rows).y, mi.loss));
         if (mi.separate) {
           for (auto& l : losses)
             if (l.requires_grad()) l.backward();
@@ -405,8 +446,8 @@ std::optional<Finding> compare(const Program& p, const Trace& want, const Trace&
     const double tol = kStepTolerance * static_cast<double>(s + 1);
     for (std::size_t i = 0; i < a.size(); ++i) {
       const double diff = std::fabs(double(a[i]) - double(b[i]));
-      const bool bad = exact ? !(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))
-                             : !(diff <= tol * std::max(1.0, std::fabs(double(b[i]))));
+      const bool both_nan = std::isnan(a[i]) && std::isnan(b[i]);  // a mean over no rows, on both sides
+      const bool bad = !both_nan && (exact ? a[i] != b[i] : !(diff <= tol * std::max(1.0, std::fabs(double(b[i])))));
       if (!bad) continue;
       std::ostringstream os;
       os.precision(9);
@@ -483,21 +524,22 @@ std::string cpp(const Program& p, const std::string& spelling) {
       if (mi.no_sync) os << "  auto guard = model.no_sync();\n";
       if (mi.forward_backward) {
         os << "  auto b = batch(" << mi.batch << ", " << mi.rows << ");\n";
-        os << "  model.forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss{});\n}\n";
+        os << "  model.forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss" << kLosses[mi.loss].spelling << ");\n}\n";
         continue;
       }
       std::vector<std::string> losses;
+      const std::string opts = mi.loss == 0 ? "" : std::string(", dp::nn::CrossEntropyOptions") + kLosses[mi.loss].spelling;
       for (int k = 0; k < mi.forwards; ++k) {
         os << "  auto b" << k << " = batch(" << mi.batch + k << ", " << mi.rows << ");\n";
         os << "  auto o" << k << " = model(b" << k << ".x)" << (k + 1 == mi.forwards && mi.detach_last ? ".detach()" : "")
            << ";\n";
         if (k == mi.eval_after)
           os << "  { dp::NoGradGuard g; (void)model(batch(" << mi.batch + 3 << ", " << mi.rows << ").x); }\n";
-        losses.push_back("dp::nn::cross_entropy(o" + std::to_string(k) + ", b" + std::to_string(k) + ".y)");
+        losses.push_back("dp::nn::cross_entropy(o" + std::to_string(k) + ", b" + std::to_string(k) + ".y" + opts + ")");
       }
       if (mi.reuse_first)
         losses.push_back("dp::nn::cross_entropy(o0, batch(" + std::to_string(mi.batch + 1) + ", " +
-                         std::to_string(mi.rows) + ").y)");
+                         std::to_string(mi.rows) + ").y" + opts + ")");
       const bool last_detached = mi.detach_last;
       if (mi.separate) {
         for (std::size_t i = 0; i < losses.size(); ++i)
@@ -566,6 +608,7 @@ Program shrink(Program p, const std::string& design) {
         micro([](Micro& mi) { return std::exchange(mi.detach_last, false); });
         micro([](Micro& mi) { return std::exchange(mi.eval_after, -1) >= 0; });
         micro([](Micro& mi) { return std::exchange(mi.separate, false); });
+        micro([](Micro& mi) { return std::exchange(mi.loss, 0) != 0; });
         micro([](Micro& mi) { return mi.rows > 1 && (mi.rows = std::max(1, mi.rows / 2), true); });
       }
     }
