@@ -3,7 +3,9 @@
 // names the device, and the DataParallel trains on as if the step had not happened.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <exception>
 #include <functional>
 #include <future>
@@ -206,6 +208,49 @@ TEST_CASE("a worker's exception reaches the caller with its own type, in every m
         }
       }
     }
+  }
+}
+
+namespace {
+
+/// SGD whose update throws MyError once on cpu:1 when armed: a failing optimizer step.
+class ThrowingSgd final : public dp::optim::Optimizer {
+ public:
+  explicit ThrowingSgd(dp::nn::ParameterList params) : Optimizer(std::move(params), "ThrowingSgd") {}
+  double lr() const override { return 0.1; }
+  void set_lr(double) override {}
+  std::atomic<bool> armed{false};
+
+ protected:
+  std::vector<std::string> state_names() const override { return {}; }
+  void update(dp::Device dev, float* p, const float* g, float* const*, std::int64_t n, bool, std::int64_t) override {
+    if (dev.index == 1 && armed.exchange(false)) throw MyError("optimizer failure", 9);
+    for (std::int64_t i = 0; i < n; ++i) p[i] -= 0.1f * g[i];
+  }
+};
+
+}  // namespace
+
+TEST_CASE("an optimizer step that throws on one device's copy: the caller gets the type, the next step runs") {
+  // DDP and Sharded step every device's copy on its worker (DP steps device 0 only).
+  const Batch b = batch();
+  for (const Setup& s : setups()) {
+    if (s.opts.mode == dp::Mode::DP) continue;
+    CAPTURE(std::string(s.name));
+    auto net = std::make_shared<Thrower>(3);
+    dp::DataParallel model(net, kDevices, s.opts);
+    ThrowingSgd opt(model.parameters());
+    opt.zero_grad();
+    model.forward_backward(b.x, b.y, loss_fn);
+    opt.armed = true;
+    const Caught c = catch_from([&] { opt.step(); });
+    CHECK(c.type == "MyError");
+    CHECK(c.code == 9);
+    CHECK(c.device == dp::cpu(1));
+    opt.zero_grad();
+    Tensor loss = model.forward_backward(b.x, b.y, loss_fn);
+    CHECK_NOTHROW(opt.step());
+    CHECK(std::isfinite(loss.item<float>()));
   }
 }
 
