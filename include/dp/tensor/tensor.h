@@ -213,7 +213,12 @@ class Tensor {
   /// unless numel() == 1.
   ///   std::int64_t correct = (out.argmax(1) == y).sum().item<std::int64_t>();
   template <typename T>
-  T item() const;
+  T item() const {
+    // Only the specialisations below exist: any other T is a compile error here,
+    // not an undefined symbol at link time.
+    static_assert(sizeof(T) == 0, "item<T>(): T must be float, double, std::int64_t, std::int32_t or bool");
+    return T();
+  }
 
   // ---- devices, copies, views ------------------------------------------------------
   /// A copy on `device` (differentiable); returns *this when already there.
