@@ -3,11 +3,13 @@
 #include "dp/dist/dist.h"
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "dist/process_group.h"
 #include "dist/transport.h"
@@ -105,16 +107,51 @@ State& state() {
 
 std::chrono::milliseconds timeout_from_env() {
   const char* text = std::getenv("DP_DIST_TIMEOUT");
-  if (text == nullptr || *text == '\0') return kDefaultTimeout;
-  char* end = nullptr;
-  const double seconds = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !(seconds >= 0)) {
-    dp::detail::log_warning(dp::detail::str_cat("DP_DIST_TIMEOUT=", text, " is not a number of ",
-                                                "seconds >= 0; using ", kDefaultTimeout.count() / 1000, " s"));
-    return kDefaultTimeout;
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0));
+  if (text == nullptr || *text == '\0') return kDefaultTimeout;  // empty is unset, as for DP_CPU_DEVICES
+  return detail::parse_timeout_seconds(text);
 }
+
+}  // namespace
+
+// Note [DP_DIST_TIMEOUT]
+// The job's timeout in seconds: digits, optionally a '.' and more digits ("600",
+// "0.5", "1.25"), from 0.001 to 10^9; "0" waits forever (as set_timeout(0)). Anything
+// else is a dp::Error at the first use of dp::dist (or of a DataParallel, which asks
+// for the timeout), as an invalid DP_CPU_DEVICES is: a typo such as "10s", "10m",
+// "-5", "1e3" or " 60" must not leave a job on a limit nobody chose (it used to fall
+// back to 600 s with a warning that scrolls away on a cluster's stderr). Units and
+// exponents are refused rather than guessed. The bounds: below 1 ms the value would
+// round to 0, which means "no timeout", the opposite of what a tiny value asks for;
+// above 10^9 s (31 years) is past any job, and deadlines of now + timeout in
+// steady_clock nanoseconds stay far inside int64 (2^63 ns is 292 years). An empty
+// value counts as unset (600 s), as an empty DP_CPU_DEVICES does.
+std::chrono::milliseconds detail::parse_timeout_seconds(const std::string& text) {
+  constexpr double kMaxSeconds = 1e9;
+  auto refuse = [&text](const char* why) {
+    DP_FAIL("DP_DIST_TIMEOUT: expected a number of seconds such as 600 or 0.5 (digits, an optional fraction, "
+            "no unit; 0 waits forever), from 0.001 to 1e9, got '",
+            text, "' (", why, ")");
+  };
+  std::size_t i = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
+  const std::size_t whole_digits = i;
+  std::size_t fraction_digits = 0;
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i, ++fraction_digits;
+    if (fraction_digits == 0) refuse("no digit after the '.'");
+  }
+  if (whole_digits == 0) refuse("not a number of seconds >= 0");
+  if (i != text.size()) refuse("unexpected characters");
+  const double seconds = std::strtod(text.c_str(), nullptr);  // the checked form parses whole
+  if (seconds == 0.0) return std::chrono::milliseconds(0);
+  if (seconds > kMaxSeconds) refuse("too long");
+  const auto ms = static_cast<std::int64_t>(std::llround(seconds * 1000.0));
+  if (ms == 0) refuse("below 1 ms, which would mean no timeout");
+  return std::chrono::milliseconds(ms);
+}
+
+namespace {
 
 std::atomic<std::int64_t>& timeout_ms() {
   static std::atomic<std::int64_t> ms{timeout_from_env().count()};

@@ -36,6 +36,10 @@ enum class Kind : std::int32_t {
 /// Exit code of a job ended by a timeout (as coreutils' timeout(1)).
 constexpr int kTimeoutExitCode = 124;
 
+/// The timeout a DP_DIST_TIMEOUT value asks for (Note [DP_DIST_TIMEOUT] in dist.cpp);
+/// 0 for "0" (wait forever). Throws dp::Error naming the value for any other form.
+std::chrono::milliseconds parse_timeout_seconds(const std::string& text);
+
 /// The collective kinds a group times (indices of ProcessGroup::Timings).
 constexpr int kNumKinds = static_cast<int>(Kind::Custom) + 1;
 

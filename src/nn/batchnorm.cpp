@@ -36,8 +36,8 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   return y;
 }
 
-std::string BatchNorm2d::name() const {
-  return detail::str_cat("BatchNorm2d(", C_, ", eps=", eps_, ", momentum=", momentum_, ")");
+std::string BatchNorm2d::extra_repr() const {
+  return detail::str_cat(C_, ", eps=", eps_, ", momentum=", momentum_);
 }
 
 }  // namespace dp::nn

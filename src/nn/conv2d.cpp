@@ -36,9 +36,9 @@ Tensor Conv2d::forward_relu(const Tensor& x) {
   return conv2d_relu(x, weight_.get(), bias(), stride_, padding_);
 }
 
-std::string Conv2d::name() const {
-  return detail::str_cat("Conv2d(", in_, ", ", out_, ", kernel_size=", kernel_, ", stride=", stride_,
-                         ", padding=", padding_, ", bias=", bias_.defined() ? "true" : "false", ")");
+std::string Conv2d::extra_repr() const {
+  return detail::str_cat(in_, ", ", out_, ", kernel_size=", kernel_, ", stride=", stride_,
+                         ", padding=", padding_, ", bias=", bias_.defined() ? "true" : "false");
 }
 
 }  // namespace dp::nn

@@ -4,8 +4,8 @@
 
 namespace dp::nn {
 
-std::string Flatten::name() const {
-  return detail::str_cat("Flatten(start_dim=", start_, ", end_dim=", end_, ")");
+std::string Flatten::extra_repr() const {
+  return detail::str_cat("start_dim=", start_, ", end_dim=", end_);
 }
 
 }  // namespace dp::nn

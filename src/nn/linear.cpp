@@ -36,9 +36,9 @@ Tensor Linear::forward_relu(const Tensor& x) {
   return linear_relu(x, weight_.get(), bias());
 }
 
-std::string Linear::name() const {
-  return detail::str_cat("Linear(in_features=", in_, ", out_features=", out_,
-                         ", bias=", bias_.defined() ? "true" : "false", ")");
+std::string Linear::extra_repr() const {
+  return detail::str_cat("in_features=", in_, ", out_features=", out_,
+                         ", bias=", bias_.defined() ? "true" : "false");
 }
 
 }  // namespace dp::nn

@@ -1,7 +1,13 @@
 #include "dp/nn/module.h"
 
+#include <cxxabi.h>
+
+#include <cstdlib>
 #include <map>
+#include <memory>
 #include <set>
+#include <sstream>
+#include <typeinfo>
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
@@ -19,6 +25,49 @@ void check_name(const std::string& kind, const std::string& name) {
 thread_local const Module* t_single_input_call = nullptr;
 
 }  // namespace
+
+std::string Module::name() const { return type_name() + "(" + extra_repr() + ")"; }
+
+std::string Module::type_name() const {
+  const char* mangled = typeid(*this).name();
+  int status = 0;
+  std::unique_ptr<char, void (*)(void*)> demangled(abi::__cxa_demangle(mangled, nullptr, nullptr, &status),
+                                                  std::free);
+  std::string full = status == 0 && demangled ? demangled.get() : mangled;
+  // "dp::nn::Linear" -> "Linear", "(anonymous namespace)::Net" -> "Net"; qualifiers
+  // inside template arguments stay ("Block<dp::nn::ReLU>").
+  const std::size_t args = full.find('<');
+  const std::size_t colons = full.rfind("::", args);
+  return colons == std::string::npos ? full : full.substr(colons + 2);
+}
+
+std::string Module::repr() const {
+  if (children_.empty()) return name();
+  // PyTorch's layout: the settings, then one "(name): child" line per child, each of
+  // the child's own lines indented two more spaces.
+  std::ostringstream os;
+  os << type_name() << "(\n";
+  auto put_indented = [&os](const std::string& text) {
+    for (char c : text) {
+      os << c;
+      if (c == '\n') os << "  ";
+    }
+  };
+  if (std::string extra = extra_repr(); !extra.empty()) {
+    os << "  ";
+    put_indented(extra);
+    os << "\n";
+  }
+  for (const auto& [n, child] : children_) {
+    os << "  (" << n << "): ";
+    put_indented(child->repr());
+    os << "\n";
+  }
+  os << ")";
+  return os.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const Module& module) { return os << module.repr(); }
 
 Tensor Module::forward(const Tensor& x) {
   DP_CHECK(t_single_input_call != this, name(), ": the module overrides neither forward(const Tensor&) nor "
@@ -133,6 +182,13 @@ ParameterList Module::parameters() {
   tensors.reserve(slots.size());
   for (auto& s : slots) tensors.push_back(s->copies[0]);
   return ParameterList(std::move(tensors), std::move(slots), std::move(set));
+}
+
+std::int64_t Module::num_parameters() {
+  // Shapes alone: nothing is gathered or flattened to count.
+  std::int64_t n = 0;
+  for (const auto& s : parameter_slots()) n += s->copies[0].numel();
+  return n;
 }
 
 StateDict Module::named_parameters() {

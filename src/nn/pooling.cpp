@@ -14,8 +14,8 @@ MaxPool2d::MaxPool2d(std::int64_t kernel_size, std::int64_t stride, std::int64_t
 
 Tensor MaxPool2d::forward(const Tensor& x) { return max_pool2d(x, kernel_, stride_, padding_); }
 
-std::string MaxPool2d::name() const {
-  return detail::str_cat("MaxPool2d(kernel_size=", kernel_, ", stride=", stride_, ", padding=", padding_, ")");
+std::string MaxPool2d::extra_repr() const {
+  return detail::str_cat("kernel_size=", kernel_, ", stride=", stride_, ", padding=", padding_);
 }
 
 AvgPool2d::AvgPool2d(std::int64_t kernel_size, std::int64_t stride, std::int64_t padding)
@@ -27,8 +27,8 @@ AvgPool2d::AvgPool2d(std::int64_t kernel_size, std::int64_t stride, std::int64_t
 
 Tensor AvgPool2d::forward(const Tensor& x) { return avg_pool2d(x, kernel_, stride_, padding_); }
 
-std::string AvgPool2d::name() const {
-  return detail::str_cat("AvgPool2d(kernel_size=", kernel_, ", stride=", stride_, ", padding=", padding_, ")");
+std::string AvgPool2d::extra_repr() const {
+  return detail::str_cat("kernel_size=", kernel_, ", stride=", stride_, ", padding=", padding_);
 }
 
 AdaptiveAvgPool2d::AdaptiveAvgPool2d(std::int64_t output_size)
@@ -42,9 +42,9 @@ AdaptiveAvgPool2d::AdaptiveAvgPool2d(std::int64_t output_h, std::int64_t output_
 
 Tensor AdaptiveAvgPool2d::forward(const Tensor& x) { return adaptive_avg_pool2d(x, out_h_, out_w_); }
 
-std::string AdaptiveAvgPool2d::name() const {
-  if (out_h_ == out_w_) return detail::str_cat("AdaptiveAvgPool2d(output_size=", out_h_, ")");
-  return detail::str_cat("AdaptiveAvgPool2d(output_size=(", out_h_, ", ", out_w_, "))");
+std::string AdaptiveAvgPool2d::extra_repr() const {
+  if (out_h_ == out_w_) return detail::str_cat("output_size=", out_h_);
+  return detail::str_cat("output_size=(", out_h_, ", ", out_w_, ")");
 }
 
 }  // namespace dp::nn

@@ -13,13 +13,19 @@
 namespace dp::nn {
 
 Sequential::Sequential(std::initializer_list<std::shared_ptr<Module>> modules) {
-  for (const auto& m : modules) push_back_module(m);
+  for (const auto& m : modules) push_back(m);
 }
 
-void Sequential::push_back_module(std::shared_ptr<Module> module) {
-  DP_CHECK(module != nullptr, "Sequential: expected a module, got a null pointer at index ",
-           modules_.size());
-  register_child(std::to_string(modules_.size()), module);
+Sequential::Sequential(Named modules) {
+  for (const auto& [name, m] : modules) push_back(name, m);
+}
+
+// Every child is a layer: a child registered through Module::register_module that
+// forward skipped would hold parameters that are trained by nothing but weight decay.
+void Sequential::register_child(const std::string& name, std::shared_ptr<Module> module) {
+  DP_CHECK(module != nullptr, "Sequential: expected a module, got a null pointer for layer ", modules_.size(),
+           " ('", name, "')");
+  Module::register_child(name, module);
   modules_.push_back(std::move(module));
 }
 

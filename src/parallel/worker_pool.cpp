@@ -1,9 +1,15 @@
 #include "parallel/worker_pool.h"
 
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <typeinfo>
+
 #include "backend/backend.h"
 #include "core/parking.h"
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
+#include "dp/parallel/data_parallel.h"
 
 namespace dp::parallel {
 
@@ -44,6 +50,45 @@ std::string describe(const std::exception_ptr& error) {
     return e.what();
   } catch (...) {
     return "unknown exception";
+  }
+}
+
+bool is_plain_error(const std::exception_ptr& error) {
+  if (!error) return false;
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    return typeid(e) == typeid(Error);
+  } catch (...) {
+    return false;
+  }
+}
+
+namespace {
+
+// The failures rethrown lately, for dp::failed_device. Kept process-wide, not per
+// thread: a handler may store the exception_ptr and ask from another thread. Holding
+// the exception_ptr keeps the object alive, so an address is never reused while it is
+// remembered.
+constexpr std::size_t kRememberedFailures = 64;  // as documented in data_parallel.h
+
+struct Failure {
+  std::exception_ptr error;
+  Device device;
+};
+
+std::mutex g_failures_mu;
+std::deque<Failure> g_failures;  // newest last
+
+}  // namespace
+
+void remember_failure(const std::exception_ptr& error, Device device) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(g_failures_mu);
+    if (g_failures.size() == kRememberedFailures) g_failures.pop_front();
+    g_failures.push_back({error, device});
+  } catch (...) {
+    // Out of memory here: the root cause must still reach the caller, without its device.
   }
 }
 
@@ -176,8 +221,12 @@ void WorkerPool::run(const std::function<void(int)>& fn, const ErrorHook& on_err
 // Those ranks only failed because another one did, so the error reported is the
 // lowest rank whose exception is of another type; only when every failure is an
 // abort (the communicator was aborted from outside) is the lowest aborted rank
-// reported. The original exception is nested inside the dp::Error thrown, as
-// PyTorch's ExceptionWrapper keeps the worker's traceback.
+// reported. What the caller gets is that rank's own exception (Note [Errors keep
+// their type] in dp/parallel/data_parallel.h): the same object, whatever its type,
+// except a plain dp::Error, which becomes a dp::Error "<name> on <device>: <message>"
+// with the original nested (as PyTorch's ExceptionWrapper keeps the worker's
+// traceback) — the same type with the device in its message. The rank's device is
+// remembered with the exception for dp::failed_device().
 void WorkerPool::throw_root_cause(const std::vector<std::exception_ptr>& errors, int ranks) const {
   int root = -1;
   for (int r = 0; r < ranks; ++r) {
@@ -185,11 +234,38 @@ void WorkerPool::throw_root_cause(const std::vector<std::exception_ptr>& errors,
     if (root < 0 || (is_collective_aborted(errors[root]) && !is_collective_aborted(errors[r]))) root = r;
   }
   DP_ASSERT(root >= 0);
-  try {
-    std::rethrow_exception(errors[root]);
-  } catch (...) {
-    std::throw_with_nested(Error(detail::str_cat(name_, " on ", devices_[root], ": ", describe(errors[root]))));
+  std::exception_ptr thrown = errors[root];
+  if (is_plain_error(errors[root])) {
+    try {
+      std::rethrow_exception(errors[root]);
+    } catch (...) {
+      try {
+        std::throw_with_nested(Error(detail::str_cat(name_, " on ", devices_[root], ": ", describe(errors[root]))));
+      } catch (...) {
+        thrown = std::current_exception();
+      }
+    }
   }
+  remember_failure(thrown, devices_[root]);
+  std::rethrow_exception(thrown);
 }
 
 }  // namespace dp::parallel
+
+namespace dp {
+
+// Matched by identity: std::rethrow_exception throws the stored object itself in
+// libstdc++ and libc++, so std::current_exception() inside the caller's handler equals
+// the exception_ptr remembered (the standard also allows a copy, which MSVC makes;
+// there this would answer std::nullopt).
+std::optional<Device> failed_device(const std::exception_ptr& error) {
+  if (!error) return std::nullopt;
+  std::lock_guard<std::mutex> lock(parallel::g_failures_mu);
+  for (auto it = parallel::g_failures.rbegin(); it != parallel::g_failures.rend(); ++it)
+    if (it->error == error) return it->device;
+  return std::nullopt;
+}
+
+std::optional<Device> failed_device() { return failed_device(std::current_exception()); }
+
+}  // namespace dp

@@ -4,8 +4,8 @@
 // in that device's task arena) and waits for work on its own slot: a short spin,
 // then a futex wait, so an idle pool costs no CPU and a busy one hands work over
 // without waking anyone else (Note [Hand-over]). run() gives one function to every
-// rank, waits for all of them and rethrows the root-cause failure (Note [Root
-// cause]). With `caller_runs_rank0` the calling thread runs rank 0's share itself,
+// rank, waits for all of them and rethrows the root-cause failure with its own
+// type (Note [Root cause]). With `caller_runs_rank0` the calling thread runs rank 0's share itself,
 // so a one-device step hands nothing over at all. This header knows nothing of
 // modules or collectives beyond the CollectiveAborted type.
 //
@@ -35,6 +35,10 @@ using ErrorHook = std::function<void(int rank, const std::exception_ptr& error)>
 std::string describe(const std::exception_ptr& error);
 /// True when the exception is a dp::CollectiveAborted: an echo of another rank's failure.
 bool is_collective_aborted(const std::exception_ptr& error);
+/// True when the exception's type is dp::Error itself, not a subclass or another type.
+bool is_plain_error(const std::exception_ptr& error);
+/// Remembers that `error` was rethrown from a worker on `device` (dp::failed_device).
+void remember_failure(const std::exception_ptr& error, Device device) noexcept;
 
 /// Persistent worker threads, one per device (see the file comment).
 class WorkerPool {
@@ -51,9 +55,9 @@ class WorkerPool {
   const std::vector<Device>& devices() const { return devices_; }
 
   /// Runs fn(rank) for rank in [0, ranks) (default: every rank) concurrently and waits
-  /// for all of them. If any threw, throws dp::Error "<name> on <device>: <message>"
-  /// for the root cause, with the original exception nested (std::rethrow_if_nested
-  /// recovers it).
+  /// for all of them. If any threw, rethrows the root cause's exception as it was
+  /// thrown, or for a plain dp::Error a dp::Error "<name> on <device>: <message>" with
+  /// the original nested (Note [Root cause]); dp::failed_device() names its device.
   void run(const std::function<void(int rank)>& fn, const ErrorHook& on_error = nullptr, int ranks = -1);
 
   /// Starts fn(rank) on every rank's thread and returns at once; wait() collects each

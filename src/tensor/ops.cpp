@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "backend/backend.h"
 #include "dp/autograd/node.h"
@@ -280,6 +281,83 @@ Tensor eq(const Tensor& a, const Tensor& b) {
     return out;
   }
   return binary_raw("eq", BinaryOp::Eq, a, b);
+}
+
+// ---- comparisons (Note [Comparison results] in ops.h) -----------------------------------
+
+namespace {
+
+// The ordering comparisons take float32 only: an int64 above 2^24 has no exact float32,
+// and the backend compares integers for equality alone.
+void check_ordering(const char* op, const Tensor& a, const Tensor& b) {
+  detail::check_same_device(op, a, b);
+  DP_CHECK(a.dtype() == Dtype::Float32 && b.dtype() == Dtype::Float32, op, ": expected float32 tensors, got ",
+           dtype_name(a.dtype()), " and ", dtype_name(b.dtype()),
+           "; integer tensors compare with == and != only (for an order, convert with .to(dp::Dtype::Float32))");
+}
+
+// An integer tensor against a scalar: the scalar as an int64 when it is a whole number
+// inside int64's range; std::nullopt when no integer equals it.
+std::optional<Tensor> integer_scalar(const Tensor& a, double s) {
+  constexpr double kTwo63 = 9223372036854775808.0;  // 2^63, exact
+  if (!(s == std::nearbyint(s) && s >= -kTwo63 && s < kTwo63)) return std::nullopt;
+  return full({}, s, TensorOptions{Dtype::Int64, a.device()});
+}
+
+}  // namespace
+
+Tensor ne(const Tensor& a, const Tensor& b) {
+  return affine_raw(eq(a, b), -1.0, 1.0);  // 1 - (a == b): exact on 0 and 1; NaN != NaN holds
+}
+
+Tensor gt(const Tensor& a, const Tensor& b) {
+  check_ordering("gt (>)", a, b);
+  return binary_raw("gt (>)", BinaryOp::Gt, a, b);
+}
+
+Tensor lt(const Tensor& a, const Tensor& b) {
+  check_ordering("lt (<)", a, b);
+  broadcast_shape("lt (<)", a.shape(), b.shape());  // the shapes named in the caller's order
+  return binary_raw("lt (<)", BinaryOp::Gt, b, a);
+}
+
+Tensor ge(const Tensor& a, const Tensor& b) {
+  check_ordering("ge (>=)", a, b);
+  // a > b and a == b never both hold, so their sum is 0 or 1, and 0 where either is NaN.
+  return binary_raw("ge (>=)", BinaryOp::Add, binary_raw("ge (>=)", BinaryOp::Gt, a, b),
+                    binary_raw("ge (>=)", BinaryOp::Eq, a, b));
+}
+
+Tensor le(const Tensor& a, const Tensor& b) {
+  check_ordering("le (<=)", a, b);
+  broadcast_shape("le (<=)", a.shape(), b.shape());
+  return ge(b, a);
+}
+
+Tensor eq(const Tensor& a, double s) {
+  detail::check_defined("eq (==)", a);
+  if (a.dtype() == Dtype::Float32) return eq(a, scalar_tensor(s, a.device()));
+  std::optional<Tensor> si = integer_scalar(a, s);
+  return si ? eq(a, *si) : zeros(a.shape(), a.device());
+}
+
+Tensor ne(const Tensor& a, double s) { return affine_raw(eq(a, s), -1.0, 1.0); }
+
+Tensor gt(const Tensor& a, double s) {
+  detail::check_defined("gt (>)", a);
+  return gt(a, scalar_tensor(s, a.device()));
+}
+Tensor lt(const Tensor& a, double s) {
+  detail::check_defined("lt (<)", a);
+  return lt(a, scalar_tensor(s, a.device()));
+}
+Tensor ge(const Tensor& a, double s) {
+  detail::check_defined("ge (>=)", a);
+  return ge(a, scalar_tensor(s, a.device()));
+}
+Tensor le(const Tensor& a, double s) {
+  detail::check_defined("le (<=)", a);
+  return le(a, scalar_tensor(s, a.device()));
 }
 
 // ---- unary -------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 #include "dp/tensor/tensor.h"
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "backend/backend.h"
@@ -187,7 +189,6 @@ std::string Tensor::str() const {
   if (!defined()) return "Tensor(undefined)";
   return detail::str_cat("Tensor", shape_str(shape()), " ", dtype_name(dtype()), " ", device().str());
 }
-std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.str(); }
 
 // ---- host access ------------------------------------------------------------------------
 
@@ -233,6 +234,55 @@ double Tensor::item() const {
   if (dtype() == Dtype::Float32) return to_vector()[0];
   if (dtype() == Dtype::Int32) return to_vector_i32()[0];
   return static_cast<double>(to_vector_i64()[0]);
+}
+
+namespace {
+
+/// The single element of `t` as an integer type: int64 exactly, a float only when it
+/// is finite and inside I's range (static_cast of anything else is undefined).
+template <typename I>
+I integer_item(const Tensor& t, const char* name) {
+  DP_CHECK(t.numel() == 1, "item<", name, ">(): expected a tensor with one element, got shape ",
+           shape_str(t.shape()));
+  // [lo, hi) bounds as doubles: both powers of two, exact.
+  const double lo = static_cast<double>(std::numeric_limits<I>::min());
+  const double hi = -lo;
+  if (t.dtype() == Dtype::Float32) {
+    const double v = t.to_vector()[0];
+    DP_CHECK(std::isfinite(v) && v >= lo && v < hi, "item<", name, ">(): the value ", v,
+             " has no ", name, " (NaN, infinite or out of range)");
+    return static_cast<I>(v);
+  }
+  const std::int64_t v = t.dtype() == Dtype::Int64 ? t.to_vector_i64()[0] : t.to_vector_i32()[0];
+  DP_CHECK(v >= std::numeric_limits<I>::min() && v <= std::numeric_limits<I>::max(), "item<", name,
+           ">(): the value ", v, " is out of ", name, "'s range");
+  return static_cast<I>(v);
+}
+
+}  // namespace
+
+template <>
+double Tensor::item<double>() const {
+  return item();
+}
+template <>
+float Tensor::item<float>() const {
+  DP_CHECK(numel() == 1, "item<float>(): expected a tensor with one element, got shape ", shape_str(shape()));
+  if (dtype() == Dtype::Float32) return to_vector()[0];
+  return static_cast<float>(dtype() == Dtype::Int64 ? static_cast<double>(to_vector_i64()[0]) : to_vector_i32()[0]);
+}
+template <>
+std::int64_t Tensor::item<std::int64_t>() const {
+  return integer_item<std::int64_t>(*this, "int64_t");
+}
+template <>
+std::int32_t Tensor::item<std::int32_t>() const {
+  return integer_item<std::int32_t>(*this, "int32_t");
+}
+template <>
+bool Tensor::item<bool>() const {
+  DP_CHECK(numel() == 1, "item<bool>(): expected a tensor with one element, got shape ", shape_str(shape()));
+  return item() != 0.0;  // NaN is true, as a C++ conversion and torch's item<bool>() say
 }
 
 // ---- devices, copies, views ------------------------------------------------------------
@@ -563,6 +613,18 @@ Tensor Tensor::mean() const { return dp::mean(*this); }
 Tensor Tensor::mean(std::int64_t d, bool keepdim) const { return dp::mean(*this, d, keepdim); }
 Tensor Tensor::max(std::int64_t d, bool keepdim) const { return dp::max(*this, d, keepdim); }
 Tensor Tensor::argmax(std::int64_t d, bool keepdim) const { return dp::argmax(*this, d, keepdim); }
+Tensor Tensor::eq(const Tensor& other) const { return dp::eq(*this, other); }
+Tensor Tensor::ne(const Tensor& other) const { return dp::ne(*this, other); }
+Tensor Tensor::gt(const Tensor& other) const { return dp::gt(*this, other); }
+Tensor Tensor::lt(const Tensor& other) const { return dp::lt(*this, other); }
+Tensor Tensor::ge(const Tensor& other) const { return dp::ge(*this, other); }
+Tensor Tensor::le(const Tensor& other) const { return dp::le(*this, other); }
+Tensor Tensor::eq(double value) const { return dp::eq(*this, value); }
+Tensor Tensor::ne(double value) const { return dp::ne(*this, value); }
+Tensor Tensor::gt(double value) const { return dp::gt(*this, value); }
+Tensor Tensor::lt(double value) const { return dp::lt(*this, value); }
+Tensor Tensor::ge(double value) const { return dp::ge(*this, value); }
+Tensor Tensor::le(double value) const { return dp::le(*this, value); }
 
 // ---- creation -------------------------------------------------------------------------------
 
@@ -592,6 +654,45 @@ Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device 
   backend::get(device).fill_uniform(device, t.data<float>(), n, static_cast<float>(lo),
                                     static_cast<float>(hi), gen.seed(),
                                     gen.advance(static_cast<std::uint64_t>(n)));
+  return t;
+}
+
+Tensor randn(const Shape& shape, Device device) { return randn(shape, default_generator(), device); }
+
+Tensor rand(const Shape& shape, Device device) { return rand(shape, default_generator(), device); }
+Tensor rand(const Shape& shape, Generator& gen, Device device) { return uniform(shape, 0.0, 1.0, gen, device); }
+
+Tensor normal(double mean, double std, const Shape& shape, Device device) {
+  return normal(mean, std, shape, default_generator(), device);
+}
+Tensor normal(double mean, double std, const Shape& shape, Generator& gen, Device device) {
+  DP_CHECK(std::isfinite(mean) && std::isfinite(std) && std >= 0.0,
+           "normal: expected a finite mean and a finite std >= 0, got mean ", mean, ", std ", std);
+  Tensor t = empty(shape, device);
+  std::int64_t n = t.numel();
+  backend::get(device).fill_normal(device, t.data<float>(), n, static_cast<float>(mean), static_cast<float>(std),
+                                   gen.seed(), gen.advance(static_cast<std::uint64_t>(n)));
+  return t;
+}
+
+Tensor randint(std::int64_t low, std::int64_t high, const Shape& shape, Device device) {
+  return randint(low, high, shape, default_generator(), device);
+}
+Tensor randint(std::int64_t high, const Shape& shape, Device device) { return randint(0, high, shape, device); }
+
+// Each value is floor(u * span) for one float32 uniform u = k / 2^24 (k < 2^24), made
+// as uniform(0, span) makes it (0 + span * u, one rounding). With span <= 2^24 that
+// product rounds to at most span - 1: its distance below span, span * 2^-24, is more
+// than half the float spacing just below span (equal to it, exactly representable, when
+// span is a power of two). So the values stay in [low, high) on every backend.
+Tensor randint(std::int64_t low, std::int64_t high, const Shape& shape, Generator& gen, Device device) {
+  constexpr std::int64_t kMaxSpan = std::int64_t{1} << 24;  // a float32 uniform's resolution
+  constexpr std::int64_t kExactInDouble = std::int64_t{1} << 53;  // low is added as a double
+  DP_CHECK(low < high && static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low) <= kMaxSpan,
+           "randint: expected low < high with high - low <= 2^24, got [", low, ", ", high, ")");
+  DP_CHECK(low >= -kExactInDouble && low <= kExactInDouble, "randint: expected |low| <= 2^53, got ", low);
+  Tensor t = uniform(shape, 0.0, static_cast<double>(high - low), gen, device).to(Dtype::Int64);
+  if (low != 0) t.add_(static_cast<double>(low));
   return t;
 }
 

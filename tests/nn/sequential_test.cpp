@@ -187,3 +187,67 @@ TEST_CASE("gradients from a backward before the first parameters() survive the f
   parent->parameters();  // a new set over the child's parameters
   CHECK(dp::equal(child->weight().grad(), g));
 }
+
+TEST_CASE("Sequential with names: state_dict keys by name, layers run in order") {
+  dp::Generator gen(4);
+  auto fc1 = std::make_shared<nn::Linear>(6, 16, true, &gen);
+  auto fc2 = std::make_shared<nn::Linear>(16, 3, true, &gen);
+  auto net = std::make_shared<nn::Sequential>(
+      nn::Sequential::Named{{"fc1", fc1}, {"act", std::make_shared<nn::ReLU>()}, {"fc2", fc2}});
+  CHECK(net->size() == 3);
+  std::vector<std::string> names;
+  for (const auto& [n, t] : net->state_dict()) names.push_back(n);
+  CHECK(names == std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"});
+  // A braced list of pairs reads as the named constructor too.
+  nn::Sequential braced({{"a", std::make_shared<nn::ReLU>()}, {"b", std::make_shared<nn::Tanh>()}});
+  CHECK(braced.named_children()[1].first == "b");
+  dp::Tensor x = dp::randn({4, 6}, gen);
+  CHECK(dp::equal((*net)(x), (*fc2)(dp::relu((*fc1)(x)))));
+  // push_back with a name appends after the named layers.
+  net->push_back("out", std::make_shared<nn::Sigmoid>());
+  CHECK(net->named_children().back().first == "out");
+  CHECK(dp::equal((*net)(x), dp::sigmoid((*fc2)(dp::relu((*fc1)(x))))));
+}
+
+TEST_CASE("Sequential refuses bad names and null layers") {
+  auto relu = [] { return std::make_shared<nn::ReLU>(); };
+  CHECK_THROWS_WITH_AS(nn::Sequential(nn::Sequential::Named{{"a", relu()}, {"a", relu()}}),
+                       doctest::Contains("'a' is already registered"), dp::Error);
+  CHECK_THROWS_WITH_AS(nn::Sequential(nn::Sequential::Named{{"a.b", relu()}}), doctest::Contains("without '.'"),
+                       dp::Error);
+  CHECK_THROWS_WITH_AS(nn::Sequential(nn::Sequential::Named{{"", relu()}}), doctest::Contains("non-empty name"),
+                       dp::Error);
+  CHECK_THROWS_WITH_AS(nn::Sequential(nn::Sequential::Named{{"fc", nullptr}}),
+                       doctest::Contains("null pointer for layer 0 ('fc')"), dp::Error);
+  nn::Sequential s;
+  CHECK_THROWS_AS(s.push_back(std::shared_ptr<nn::Linear>()), dp::Error);
+  CHECK(s.empty());
+}
+
+TEST_CASE("register_module on a Sequential appends a layer that forward runs") {
+  // torch.nn.Sequential.add_module appends a layer; a registered child that forward
+  // skipped would be trained by nothing.
+  dp::Generator gen(6);
+  auto net = std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(4, 5, true, &gen));
+  auto extra = net->register_module("extra", std::make_shared<nn::Linear>(5, 2, true, &gen));
+  CHECK(net->size() == 2);
+  CHECK((*net)[1] == extra);
+  dp::Tensor x = dp::randn({3, 4}, gen);
+  dp::Tensor y = (*net)(x);
+  CHECK(y.shape() == dp::Shape{3, 2});
+  CHECK(dp::equal(y, (*extra)((*(*net)[0])(x))));
+  // Its parameters get gradients.
+  y.sum().backward();
+  CHECK(extra->weight().grad().defined());
+  // A subclass that registers its layers in its constructor gets them run too.
+  struct Stack : nn::Sequential {
+    Stack() {
+      register_module("first", std::make_shared<nn::Linear>(4, 4));
+      register_module("act", std::make_shared<nn::ReLU>());
+    }
+  };
+  Stack st;
+  CHECK(st.size() == 2);
+  CHECK(st.forward(x).shape() == dp::Shape{3, 4});
+  CHECK((st.forward(x) < 0.0).sum().item<float>() == 0.0f);  // the ReLU ran last
+}

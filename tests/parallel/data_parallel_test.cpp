@@ -168,7 +168,7 @@ struct Faulty : dp::nn::Module {
   Tensor forward(const Tensor& x) override {
     if (armed.load() && dp::nn::ReplicaBinding::current() == bad_copy) {
       armed = false;
-      throw std::runtime_error("injected failure");
+      throw dp::Error("injected failure");
     }
     return fc->forward(x);
   }
@@ -541,7 +541,7 @@ class FlakyMomentum final : public dp::optim::Optimizer {
     const std::int64_t half = n / 2;
     for (std::int64_t i = 0; i < half; ++i) one(i);
     int armed = dev.index;
-    if (fail_device.compare_exchange_strong(armed, -1)) throw std::runtime_error("injected");
+    if (fail_device.compare_exchange_strong(armed, -1)) throw dp::Error("injected");
     for (std::int64_t i = half; i < n; ++i) one(i);
   }
 };
@@ -581,7 +581,9 @@ TEST_CASE("after a failed optimizer step every DDP replica continues with device
 TEST_CASE("the root cause reaches the caller with its device, the original exception nested") {
   // In DDP the healthy ranks are blocked in an all-reduce when cpu:2 throws in its
   // forward; they are released with dp::CollectiveAborted, which must not be what
-  // the caller sees.
+  // the caller sees. A plain dp::Error comes back naming its device, the original
+  // nested (Note [Errors keep their type]; tests/parallel/error_type_test.cpp has the
+  // other types).
   for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
     auto net = std::make_shared<Faulty>(2);
     dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = mode});
@@ -593,12 +595,13 @@ TEST_CASE("the root cause reaches the caller with its device, the original excep
     } catch (const dp::Error& e) {
       caught = true;
       CHECK(std::string(e.what()) == "worker on cpu:2: injected failure");
+      CHECK(dp::failed_device() == dp::cpu(2));
       try {
         std::rethrow_if_nested(e);
         FAIL("the original exception is not nested");
-      } catch (const dp::Error&) {
-        FAIL("the nested exception should be the module's own std::runtime_error");
-      } catch (const std::runtime_error& original) {
+      } catch (const dp::CollectiveAborted&) {
+        FAIL("the nested exception should be the module's own, not an abort");
+      } catch (const dp::Error& original) {
         CHECK(std::string(original.what()) == "injected failure");
       }
     }

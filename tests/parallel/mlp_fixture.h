@@ -120,7 +120,7 @@ class FaultySgd final : public dp::optim::Optimizer {
   std::vector<std::string> state_names() const override { return {}; }
   void update(dp::Device dev, float* p, const float* g, float* const*, std::int64_t n, bool, std::int64_t) override {
     for (std::int64_t i = 0; i < n / 2; ++i) p[i] -= 0.1f * g[i];
-    if (dev.index == 1 && armed.exchange(false)) throw std::runtime_error("injected optimizer failure");
+    if (dev.index == 1 && armed.exchange(false)) throw dp::Error("injected optimizer failure");
     for (std::int64_t i = n / 2; i < n; ++i) p[i] -= 0.1f * g[i];
   }
 };

@@ -246,7 +246,7 @@ struct Faulty : dp::nn::Module {
     Tensor h = fc1->forward(x).relu();
     if (armed.load() && dp::nn::ReplicaBinding::current() == 2) {
       armed = false;
-      throw std::runtime_error("injected failure");
+      throw dp::Error("injected failure");
     }
     return fc2->forward(h);
   }

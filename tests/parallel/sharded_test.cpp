@@ -371,7 +371,7 @@ struct Faulty : dp::nn::Module {
   Tensor forward(const Tensor& x) override {
     if (armed.load() && dp::nn::ReplicaBinding::current() == 2) {
       armed = false;
-      throw std::runtime_error("injected failure");
+      throw dp::Error("injected failure");
     }
     return fc->forward(x);
   }

@@ -76,7 +76,7 @@ struct FaultPoint : dp::nn::Module {
   std::string name() const override { return "FaultPoint"; }
   Tensor forward(const Tensor& x) override {
     int dev = x.device().index;
-    if (inj->fire(Fault::Forward, dev)) throw std::runtime_error("injected forward failure");
+    if (inj->fire(Fault::Forward, dev)) throw dp::Error("injected forward failure");
     Tensor y;
     {
       dp::NoGradGuard no_grad;
@@ -84,7 +84,7 @@ struct FaultPoint : dp::nn::Module {
     }
     auto inj_copy = inj;
     dp::autograd::record("FaultPointBackward", {x}, y, [inj_copy, dev](const std::vector<Tensor>& g) {
-      if (inj_copy->fire(Fault::Backward, dev)) throw std::runtime_error("injected backward failure");
+      if (inj_copy->fire(Fault::Backward, dev)) throw dp::Error("injected backward failure");
       return std::vector<Tensor>{g[0]};
     });
     return y;
@@ -107,7 +107,7 @@ class FaultySgd final : public dp::optim::Optimizer {
     // Update half the range first: a failure then leaves a partially stepped copy.
     std::int64_t half = n / 2;
     for (std::int64_t i = 0; i < half; ++i) param[i] -= static_cast<float>(lr_) * grad[i];
-    if (inj_->fire(Fault::Optimizer, dev.index)) throw std::runtime_error("injected optimizer failure");
+    if (inj_->fire(Fault::Optimizer, dev.index)) throw dp::Error("injected optimizer failure");
     for (std::int64_t i = half; i < n; ++i) param[i] -= static_cast<float>(lr_) * grad[i];
   }
 
@@ -267,7 +267,7 @@ struct Rig {
   // One training step; returns the loss.
   double step(const Tensor& x, const Tensor& y, Fault fault, int fault_device) {
     auto loss_fn = [this](const Tensor& out, const Tensor& tgt) {
-      if (inj->fire(Fault::Loss, out.device().index)) throw std::runtime_error("injected loss failure");
+      if (inj->fire(Fault::Loss, out.device().index)) throw dp::Error("injected loss failure");
       return dp::nn::cross_entropy(out, tgt);
     };
     inj->device = fault_device;

@@ -111,7 +111,10 @@ std::vector<T> broadcast_object(std::vector<T> value, int root = 0) {
 
 /// How long a process waits in a collective for the others before it prints which
 /// ranks are missing and ends the job (Note [Fault policy]). 0 waits forever. Default:
-/// DP_DIST_TIMEOUT (seconds, may be fractional) or 600 s, PyTorch's NCCL default. Raise
+/// DP_DIST_TIMEOUT or 600 s, PyTorch's NCCL default. DP_DIST_TIMEOUT is a number of
+/// seconds: digits with an optional fraction ("600", "0.5"), from 0.001 to 1e9, or 0
+/// to wait forever; any other value ("10s", "-5", "1e3", "abc") is a dp::Error at the
+/// first use of dp::dist, and an empty one counts as unset. Raise
 /// it when one rank legitimately works alone for long (e.g. writes a large checkpoint)
 /// while the others wait in a collective.
 void set_timeout(std::chrono::milliseconds timeout);

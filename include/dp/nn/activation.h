@@ -17,21 +17,18 @@ namespace dp::nn {
 class ReLU : public Module {
  public:
   Tensor forward(const Tensor& x) override;
-  std::string name() const override { return "ReLU()"; }
 };
 
 /// 1 / (1 + exp(−x)) elementwise.
 class Sigmoid : public Module {
  public:
   Tensor forward(const Tensor& x) override;
-  std::string name() const override { return "Sigmoid()"; }
 };
 
 /// tanh(x) elementwise.
 class Tanh : public Module {
  public:
   Tensor forward(const Tensor& x) override;
-  std::string name() const override { return "Tanh()"; }
 };
 
 }  // namespace dp::nn

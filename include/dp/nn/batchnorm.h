@@ -53,8 +53,8 @@ class BatchNorm2d : public Module {
 
   /// x: (N, C, H, W) → same shape. Training needs more than one value per channel.
   Tensor forward(const Tensor& x) override;
-  /// "BatchNorm2d(32, eps=1e-05, momentum=0.1)".
-  std::string name() const override;
+  /// "32, eps=1e-05, momentum=0.1": name() is "BatchNorm2d(32, eps=1e-05, momentum=0.1)".
+  std::string extra_repr() const override;
 
   const Tensor& weight() const { return weight_.get(); }
   const Tensor& bias() const { return bias_.get(); }

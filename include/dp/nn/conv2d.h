@@ -69,8 +69,9 @@ class Conv2d : public Module {
   /// relu(forward(x)) as one op (nn::conv2d_relu): what Sequential runs for a Conv2d
   /// followed by a ReLU.
   Tensor forward_relu(const Tensor& x);
+  /// "1, 32, kernel_size=3, stride=1, padding=1, bias=true": name() is
   /// "Conv2d(1, 32, kernel_size=3, stride=1, padding=1, bias=true)".
-  std::string name() const override;
+  std::string extra_repr() const override;
 
   const Tensor& weight() const { return weight_.get(); }
   Tensor bias() const { return bias_.defined() ? bias_.get() : Tensor(); }

@@ -18,7 +18,8 @@ class Flatten : public Module {
   explicit Flatten(std::int64_t start_dim = 1, std::int64_t end_dim = -1)
       : start_(start_dim), end_(end_dim) {}
   Tensor forward(const Tensor& x) override { return x.flatten(start_, end_); }
-  std::string name() const override;
+  /// "start_dim=1, end_dim=-1".
+  std::string extra_repr() const override;
 
  private:
   std::int64_t start_, end_;

@@ -50,8 +50,9 @@ class Linear : public Module {
   /// relu(forward(x)) as one op (linear_relu): what Sequential runs for a Linear
   /// followed by a ReLU.
   Tensor forward_relu(const Tensor& x);
+  /// "in_features=784, out_features=10, bias=true": name() is
   /// "Linear(in_features=784, out_features=10, bias=true)".
-  std::string name() const override;
+  std::string extra_repr() const override;
 
   /// The bound copy's weight (out, in) and bias (out; undefined without bias).
   const Tensor& weight() const { return weight_.get(); }

@@ -26,6 +26,8 @@
 #pragma once
 
 #include <concepts>
+#include <cstdint>
+#include <ostream>
 #include <memory>
 #include <string>
 #include <utility>
@@ -67,15 +69,31 @@ class Module : public std::enable_shared_from_this<Module> {
   Tensor operator()(const Tensor& first, const Rest&... rest) {
     return forward(std::vector<Tensor>{first, rest...});
   }
-  /// A short description, e.g. "Linear(in=784, out=10)".
-  virtual std::string name() const { return "Module"; }
+  /// A one-line description, e.g. "Linear(in_features=784, out_features=10, bias=true)":
+  /// by default type_name() + "(" + extra_repr() + ")". Error messages name modules by it.
+  virtual std::string name() const;
+  /// The class name without namespaces ("Linear", "Net"), from the dynamic type.
+  virtual std::string type_name() const;
+  /// The module's own settings as PyTorch's extra_repr() gives them, without its
+  /// children: "in_features=784, out_features=10, bias=true"; empty by default.
+  /// Override it to show a custom module's settings in name() and repr().
+  virtual std::string extra_repr() const { return {}; }
+  /// The module tree as PyTorch prints a module: name() for a module without children,
+  /// else the type, then each child as "(name): repr" on its own line, indented:
+  ///   Sequential(
+  ///     (fc1): Linear(in_features=6, out_features=16, bias=true)
+  ///     (act): ReLU()
+  ///   )
+  /// `std::cout << *net` prints the same.
+  std::string repr() const;
 
   // ---- registration (call from constructors) ----------------------------------
   /// Registers a trainable parameter (float32); it becomes a leaf requiring grad.
   Parameter register_parameter(const std::string& name, Tensor value);
   /// Registers a buffer (saved in state_dict, not trained, e.g. running_mean).
   Parameter register_buffer(const std::string& name, Tensor value);
-  /// Registers a child module under `name`.
+  /// Registers a child module under `name`. On a Sequential it also appends the child
+  /// as its next layer (as torch.nn.Sequential.add_module does).
   template <typename M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
     register_child(name, module);
@@ -86,6 +104,9 @@ class Module : public std::enable_shared_from_this<Module> {
   /// All parameters of the tree (depth first, registration order, no duplicates), as
   /// views into the tree's flat buffer; flattens the tree on first use.
   ParameterList parameters();
+  /// Elements in the tree's parameters (not its buffers), each parameter once: what
+  /// PyTorch users write as sum(p.numel() for p in net.parameters()).
+  std::int64_t num_parameters();
   StateDict named_parameters();
   StateDict named_buffers();
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const {
@@ -121,7 +142,9 @@ class Module : public std::enable_shared_from_this<Module> {
   void zero_grad();
 
  protected:
-  void register_child(const std::string& name, std::shared_ptr<Module> module);
+  /// Adds a child under `name` (checked: non-empty, no '.', not taken). Virtual so that
+  /// a container can also give the child a role (Sequential appends it as a layer).
+  virtual void register_child(const std::string& name, std::shared_ptr<Module> module);
 
  private:
   void collect(const std::string& prefix, StateDict* params, StateDict* buffers,
@@ -134,5 +157,8 @@ class Module : public std::enable_shared_from_this<Module> {
   std::shared_ptr<ParameterSet> set_;
   bool training_ = true;
 };
+
+/// Prints module.repr(): `std::cout << *net`.
+std::ostream& operator<<(std::ostream& os, const Module& module);
 
 }  // namespace dp::nn

@@ -339,6 +339,12 @@ class ParameterList {
   const Tensor& operator[](std::size_t i) const { return tensors_[i]; }
   auto begin() const { return tensors_.begin(); }
   auto end() const { return tensors_.end(); }
+  /// Mutable elements, so that `for (auto& p : net->parameters()) p.fill_(0.0);` compiles
+  /// as in libtorch: an in-place op writes into the module's parameter. Assigning
+  /// another tensor to an element changes this list only, never the module.
+  Tensor& operator[](std::size_t i) { return tensors_[i]; }
+  auto begin() { return tensors_.begin(); }
+  auto end() { return tensors_.end(); }
   const std::vector<Tensor>& tensors() const { return tensors_; }
   operator const std::vector<Tensor>&() const { return tensors_; }  // NOLINT
   const std::vector<std::shared_ptr<Parameter::Slot>>& slots() const { return slots_; }

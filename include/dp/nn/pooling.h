@@ -20,7 +20,8 @@ class MaxPool2d : public Module {
  public:
   explicit MaxPool2d(std::int64_t kernel_size, std::int64_t stride = 0, std::int64_t padding = 0);
   Tensor forward(const Tensor& x) override;
-  std::string name() const override;
+  /// "kernel_size=2, stride=2, padding=0".
+  std::string extra_repr() const override;
   std::int64_t kernel_size() const { return kernel_; }
   /// As given: ≤ 0 means stride = kernel_size.
   std::int64_t stride() const { return stride_; }
@@ -35,7 +36,8 @@ class AvgPool2d : public Module {
  public:
   explicit AvgPool2d(std::int64_t kernel_size, std::int64_t stride = 0, std::int64_t padding = 0);
   Tensor forward(const Tensor& x) override;
-  std::string name() const override;
+  /// "kernel_size=2, stride=2, padding=0".
+  std::string extra_repr() const override;
 
  private:
   std::int64_t kernel_, stride_, padding_;
@@ -49,8 +51,8 @@ class AdaptiveAvgPool2d : public Module {
   explicit AdaptiveAvgPool2d(std::int64_t output_size = 1);
   AdaptiveAvgPool2d(std::int64_t output_h, std::int64_t output_w);
   Tensor forward(const Tensor& x) override;
-  /// "AdaptiveAvgPool2d(output_size=1)", or "AdaptiveAvgPool2d(output_size=(3, 2))".
-  std::string name() const override;
+  /// "output_size=1", or "output_size=(3, 2)".
+  std::string extra_repr() const override;
   std::int64_t output_h() const { return out_h_; }
   std::int64_t output_w() const { return out_w_; }
 

@@ -30,6 +30,26 @@
 //   dp::optim::Adam opt(model.parameters(), {.lr = 1e-3});
 //   opt.zero_grad(); dp::nn::cross_entropy(model(x), y).backward(); opt.step();
 //   dp::Tensor out = model(x, mask);              // a module of two inputs: both split by rows
+//
+// Note [Errors keep their type]
+// An exception thrown on a worker (the module's forward, the loss, backward, an
+// optimizer step run per device) reaches the caller of model(x), backward(),
+// forward_backward or opt.step() as the exception the worker threw, so a handler for
+// its type fires, as PyTorch re-raises a worker's exception type:
+//  - your own types, std:: types (std::bad_alloc, std::out_of_range ...), subclasses
+//    of dp::Error (dp::CollectiveAborted) and non-std values (`throw 42`) arrive as
+//    the very object thrown (std::rethrow_exception);
+//  - a plain dp::Error (dp's own checks: a shape, a dtype, a device) arrives as a
+//    dp::Error whose what() starts with the device, "worker on cpu:1: linear:
+//    expected ...", the original nested inside it (std::rethrow_if_nested).
+// Either way dp::failed_device() names the device inside the handler. When several
+// devices fail, the error reported is the root cause: the lowest device whose
+// exception is not a dp::CollectiveAborted, never a device that was only released
+// from a collective because another one failed (Note [Root cause] in
+// src/parallel/worker_pool.cpp). The other workers stop cleanly and the DataParallel
+// is usable for the next step.
+//   try { model.forward_backward(x, y, loss_fn); }
+//   catch (const MyError& e) { std::cerr << e.what() << " on " << dp::failed_device().value() << "\n"; }
 #pragma once
 
 #include <concepts>
@@ -60,6 +80,16 @@ class PhaseRecorder;
 class Reducer;
 class WorkerPool;
 }  // namespace parallel
+
+/// Inside a catch block: the device whose worker threw the exception being handled, when
+/// a DataParallel step rethrew it from that worker (Note [Errors keep their type]);
+/// std::nullopt for an exception that did not come from a worker, or outside a catch
+/// block. The exception is matched by identity, so any
+/// handler of it works, `catch (MyError&)`, `catch (int)` or `catch (...)`.
+std::optional<Device> failed_device();
+/// The same for a stored exception (std::current_exception() kept for later). The last
+/// 64 failures rethrown by the process are remembered; an older one gives std::nullopt.
+std::optional<Device> failed_device(const std::exception_ptr& error);
 
 /// Which data-parallel design DataParallel runs.
 enum class Mode { DP, DDP, Sharded };

@@ -35,6 +35,39 @@ Tensor pow(const Tensor& a, double p);
 /// exactly, int32 with int64 too (labels against argmax): `dp::eq(argmax(out, 1), y)`.
 Tensor eq(const Tensor& a, const Tensor& b);
 
+// ---- comparisons ---------------------------------------------------------------------------
+// Note [Comparison results]
+// dp has no bool dtype: a comparison gives float32 1.0f where it holds and 0.0f where
+// not, so that sum() counts and mean() is a fraction, as PyTorch's bool tensors do
+// once summed:
+//   std::int64_t correct = (out.argmax(1) == y).sum().item<std::int64_t>();
+//   dp::Tensor mask = x > 0.5;                     // float32 0/1, x's shape
+// Shapes broadcast as for add; both sides on one device (else dp::Error naming both).
+// Not differentiable. NaN compares as IEEE says: every comparison false but !=.
+// == and != take float32 with float32, or integers (int64, int32) with integers,
+// compared exactly; the ordering comparisons (<, <=, >, >=) take float32 only (an
+// int64 label above 2^24 has no exact float32): convert with .to(dp::Dtype::Float32).
+// A scalar on either side is a float32 value for a float32 tensor; against an integer
+// tensor, == and != compare exactly (a non-integral scalar equals nothing).
+
+/// a != b, elementwise (Note [Comparison results]).
+Tensor ne(const Tensor& a, const Tensor& b);
+/// a > b, elementwise (Note [Comparison results]).
+Tensor gt(const Tensor& a, const Tensor& b);
+/// a < b, elementwise (Note [Comparison results]).
+Tensor lt(const Tensor& a, const Tensor& b);
+/// a >= b, elementwise (Note [Comparison results]).
+Tensor ge(const Tensor& a, const Tensor& b);
+/// a <= b, elementwise (Note [Comparison results]).
+Tensor le(const Tensor& a, const Tensor& b);
+/// The same against a scalar s on the right: a == s, a != s, a > s, ...
+Tensor eq(const Tensor& a, double s);
+Tensor ne(const Tensor& a, double s);
+Tensor gt(const Tensor& a, double s);
+Tensor lt(const Tensor& a, double s);
+Tensor ge(const Tensor& a, double s);
+Tensor le(const Tensor& a, double s);
+
 Tensor neg(const Tensor& a);
 Tensor exp(const Tensor& a);
 Tensor log(const Tensor& a);
@@ -113,6 +146,27 @@ inline Tensor operator*(double s, const Tensor& a) { return mul(a, s); }
 inline Tensor operator+(double s, const Tensor& a) { return add(a, s); }
 inline Tensor operator-(double s, const Tensor& a) { return sub(s, a); }
 inline Tensor operator/(double s, const Tensor& a) { return div(s, a); }
+
+/// Comparisons give float32 0/1 tensors (Note [Comparison results]).
+inline Tensor operator==(const Tensor& a, const Tensor& b) { return eq(a, b); }
+inline Tensor operator!=(const Tensor& a, const Tensor& b) { return ne(a, b); }
+inline Tensor operator>(const Tensor& a, const Tensor& b) { return gt(a, b); }
+inline Tensor operator<(const Tensor& a, const Tensor& b) { return lt(a, b); }
+inline Tensor operator>=(const Tensor& a, const Tensor& b) { return ge(a, b); }
+inline Tensor operator<=(const Tensor& a, const Tensor& b) { return le(a, b); }
+inline Tensor operator==(const Tensor& a, double s) { return eq(a, s); }
+inline Tensor operator!=(const Tensor& a, double s) { return ne(a, s); }
+inline Tensor operator>(const Tensor& a, double s) { return gt(a, s); }
+inline Tensor operator<(const Tensor& a, double s) { return lt(a, s); }
+inline Tensor operator>=(const Tensor& a, double s) { return ge(a, s); }
+inline Tensor operator<=(const Tensor& a, double s) { return le(a, s); }
+/// A scalar on the left: `0.5 < x` is `x > 0.5`.
+inline Tensor operator==(double s, const Tensor& a) { return eq(a, s); }
+inline Tensor operator!=(double s, const Tensor& a) { return ne(a, s); }
+inline Tensor operator>(double s, const Tensor& a) { return lt(a, s); }
+inline Tensor operator<(double s, const Tensor& a) { return gt(a, s); }
+inline Tensor operator>=(double s, const Tensor& a) { return le(a, s); }
+inline Tensor operator<=(double s, const Tensor& a) { return ge(a, s); }
 
 /// Max |a - b| over all elements (a test helper; synchronous).
 double max_abs_diff(const Tensor& a, const Tensor& b);

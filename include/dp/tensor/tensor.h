@@ -206,6 +206,19 @@ class Tensor {
   std::vector<std::int32_t> to_vector_i32() const;
   /// The single element as a double (any dtype). Throws unless numel() == 1.
   double item() const;
+  /// The single element as T, as libtorch's item<T>(): float, double, std::int64_t,
+  /// std::int32_t or bool (true when non-zero). An int64 tensor's element reaches
+  /// item<std::int64_t>() exactly; a float converts as static_cast would, except that a
+  /// NaN, an infinity or a value out of T's range is a dp::Error. Throws dp::Error
+  /// unless numel() == 1.
+  ///   std::int64_t correct = (out.argmax(1) == y).sum().item<std::int64_t>();
+  template <typename T>
+  T item() const {
+    // Only the specialisations below exist: any other T is a compile error here,
+    // not an undefined symbol at link time.
+    static_assert(sizeof(T) == 0, "item<T>(): T must be float, double, std::int64_t, std::int32_t or bool");
+    return T();
+  }
 
   // ---- devices, copies, views ------------------------------------------------------
   /// A copy on `device` (differentiable); returns *this when already there.
@@ -296,6 +309,21 @@ class Tensor {
   Tensor max(std::int64_t dim, bool keepdim = false) const;
   Tensor argmax(std::int64_t dim, bool keepdim = false) const;
 
+  // ---- comparisons (not differentiable; ops.h: 1.0f where true, else 0.0f) -------------
+  // The operators of ops.h as members, like torch's t.eq(u), t.gt(0.5).
+  Tensor eq(const Tensor& other) const;
+  Tensor ne(const Tensor& other) const;
+  Tensor gt(const Tensor& other) const;
+  Tensor lt(const Tensor& other) const;
+  Tensor ge(const Tensor& other) const;
+  Tensor le(const Tensor& other) const;
+  Tensor eq(double value) const;
+  Tensor ne(double value) const;
+  Tensor gt(double value) const;
+  Tensor lt(double value) const;
+  Tensor ge(double value) const;
+  Tensor le(double value) const;
+
   std::string str() const;  // "Tensor[64, 10] float32 cpu:0"
 
  private:
@@ -308,7 +336,22 @@ template <> const float* Tensor::data<const float>() const;
 template <> const std::int64_t* Tensor::data<const std::int64_t>() const;
 template <> std::int32_t* Tensor::data<std::int32_t>() const;
 template <> const std::int32_t* Tensor::data<const std::int32_t>() const;
+template <> float Tensor::item<float>() const;
+template <> double Tensor::item<double>() const;
+template <> std::int64_t Tensor::item<std::int64_t>() const;
+template <> std::int32_t Tensor::item<std::int32_t>() const;
+template <> bool Tensor::item<bool>() const;
 
+/// Prints the values as libtorch does, then a line naming the type and shape:
+///    0.1000  0.2000  0.3000
+///    0.4000  0.5000  0.6000
+///   [ CPUFloatType{2,3} ]
+/// One column for a 1-d tensor, one matrix per leading index "(i,.,.) =" beyond 2-d.
+/// A tensor of more than 1000 elements is summarised as PyTorch's print does: the
+/// first and last 3 entries of each dim around "...". A device other than cpu:0 or
+/// cuda:0 is named in the last line ("[ CPUFloatType{2,3} on cpu:1 ]"). The values
+/// are read to the host (a wait on a CUDA device). t.str() is the one-line summary
+/// ("Tensor[2, 3] float32 cpu:0") that error messages use.
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
 /// Dtype and device of a new tensor.
@@ -332,6 +375,28 @@ Tensor empty_like(const Tensor& t);
 Tensor randn(const Shape& shape, Generator& gen, Device device = {});
 /// Uniform values in [lo, hi) from `gen`.
 Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device device = {});
+
+// Random tensors as libtorch makes them: each has a form drawing from
+// dp::default_generator() (which dp::manual_seed seeds) and one taking a Generator.
+// Float32, except randint (int64, as torch.randint).
+//   dp::manual_seed(0);
+//   dp::Tensor x = dp::randn({20, 10});                    // like torch::randn({20, 10})
+//   dp::Tensor y = dp::randint(0, 10, {20}, dp::cpu(1));   // labels in [0, 10) on cpu:1
+
+/// Standard normal values from dp::default_generator().
+Tensor randn(const Shape& shape, Device device = {});
+/// Uniform values in [0, 1).
+Tensor rand(const Shape& shape, Device device = {});
+Tensor rand(const Shape& shape, Generator& gen, Device device = {});
+/// Normal values of mean `mean` and standard deviation `std` (>= 0 and finite).
+Tensor normal(double mean, double std, const Shape& shape, Device device = {});
+Tensor normal(double mean, double std, const Shape& shape, Generator& gen, Device device = {});
+/// Uniform integers in [low, high), int64. high - low must lie in [1, 2^24]: each value
+/// comes from one float32 uniform draw.
+Tensor randint(std::int64_t low, std::int64_t high, const Shape& shape, Device device = {});
+Tensor randint(std::int64_t low, std::int64_t high, const Shape& shape, Generator& gen, Device device = {});
+/// randint(0, high, shape, device).
+Tensor randint(std::int64_t high, const Shape& shape, Device device = {});
 /// 0, 1, ..., n-1 (any dtype).
 Tensor arange(std::int64_t n, TensorOptions opts = {});
 /// Copies host data; `shape` must hold data.size() elements.
