@@ -503,3 +503,39 @@ TEST_CASE("training checkpoints restore every generator the module registered, a
   CHECK(generator_states(*dst) == gens);
   CHECK(bit_equal(dst->state_dict(), src->state_dict()));
 }
+
+TEST_CASE("a flipped bit in a module or training checkpoint is an error naming the tensor; nothing is loaded") {
+  ScratchDir dir;
+  dp::manual_seed(8);
+  Run run(Kind::Single);
+  run.train(1);
+  auto flip = [&](const std::string& path, const std::string& tensor) {
+    auto info = dp::io::read_safetensors_info(path);
+    auto bytes = io_test::read_bytes(path);
+    for (const auto& e : info.entries) {
+      if (e.name != tensor) continue;
+      bytes[8 + info.header_bytes + (e.begin + e.end) / 2] ^= 0x10;
+      io_test::write_bytes(path, bytes);
+      return;
+    }
+    FAIL("no tensor " << tensor);
+  };
+  std::string mod = dir.file("checkpoint.safetensors");
+  dp::save(run.net, mod);
+  flip(mod, "head.weight");
+  auto dst = std::make_shared<SmallCNN>();
+  auto before = snapshot(dst->state_dict());
+  std::string m = error_of([&] { dp::load(dst, mod); });
+  CHECK_MESSAGE(contains(m, mod + ": tensor 'head.weight' fails its checksum (stored "), m);
+  CHECK(contains(m, "the file is corrupt"));
+  CHECK(bit_equal(dst->state_dict(), before));
+
+  std::string train = dir.file("run.ckpt");
+  dp::save_training_checkpoint(train, *run.net, *run.opt, run.state);
+  flip(train, "optimizer.state.0.exp_avg_sq");
+  Run other(Kind::Single);
+  auto opt_before = snapshot(other.opt->state_dict());
+  m = error_of([&] { dp::load_training_checkpoint(train, *other.net, *other.opt, other.state); });
+  CHECK_MESSAGE(contains(m, train + ": tensor 'optimizer.state.0.exp_avg_sq' fails its checksum"), m);
+  CHECK(bit_equal(other.opt->state_dict(), opt_before));
+}

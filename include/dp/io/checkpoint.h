@@ -43,7 +43,8 @@ namespace dp {
 // ---- module checkpoints ------------------------------------------------------------------
 
 /// Saves module.state_dict() (copy 0, any device) to `path` atomically, with `metadata`
-/// in the header ("format": "pt" is always set).
+/// in the header ("format": "pt" is always set) and each tensor's CRC-32
+/// ("dp.crc32.<name>").
 void save(nn::Module& module, const std::string& path, const io::Metadata& metadata = {});
 void save(const std::shared_ptr<nn::Module>& module, const std::string& path,
           const io::Metadata& metadata = {});
@@ -55,7 +56,9 @@ void save(const nn::StateDict& state, const std::string& path, const io::Metadat
 /// listing the missing and the unexpected ones. strict = false loads the names both
 /// sides have and returns the rest. Every dtype and shape is checked ("expected
 /// [32, 1, 3, 3], got [32, 3, 3, 3] for 'features.0.weight'") and the file fully
-/// validated before any value is written: a failed load leaves the module untouched.
+/// validated before any value is written, every tensor's checksum included (a file
+/// without checksums, such as PyTorch's, loads unverified): a failed load leaves the
+/// module untouched.
 /// The "optimizer." entries of a training checkpoint are ignored (not unexpected).
 nn::LoadResult load(nn::Module& module, const std::string& path, bool strict = true);
 nn::LoadResult load(const std::shared_ptr<nn::Module>& module, const std::string& path,
@@ -93,7 +96,8 @@ struct TrainingState {
 /// Saves module state (unprefixed names), optimizer.state_dict() (prefixed
 /// "optimizer."), its learning rate and momentum, `state` (with its schedulers and
 /// generators), dp::default_generator()'s state and the state of every generator of
-/// module.named_generators() to one safetensors file at `path`, atomically. Under mpirun the generators saved
+/// module.named_generators() to one safetensors file at `path`, atomically, with a
+/// CRC-32 per tensor (Note [Tensor checksums]). Under mpirun the generators saved
 /// are the writing process's: a run whose processes seed differently restores
 /// process 0's streams everywhere.
 /// The optimizer of a Sharded run across processes (stages 1 and 2 under mpirun) holds
@@ -112,8 +116,10 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
 /// name). The module's generators must match the file's both ways (dp::Error naming
 /// the missing and unexpected ones); a file written before dp saved them (no
 /// "dp.checkpoint_version") loads with a warning and leaves them as they are (Note
-/// [Checkpoints without module generators], checkpoint.cpp). Everything is validated first: on error, module, optimizer,
-/// generators, schedulers and `state` are unchanged.
+/// [Checkpoints without module generators], checkpoint.cpp). Every tensor's checksum
+/// is verified (dp::Error naming the tensor and the file when one fails). Everything
+/// is validated first: on error, module, optimizer, generators, schedulers and
+/// `state` are unchanged.
 void load_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
                               TrainingState& state);
 
