@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,7 +12,6 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -522,38 +522,50 @@ void fsync_dir(const std::string& dir) {
 // buffer, so nothing to fflush), fsync'ed, closed, renamed over the target, and the
 // directory is fsync'ed so the rename itself survives a power loss. A process killed
 // at any point leaves the target either old or new. What it can leave is the
-// temporary: the next write of the same target removes temporaries whose writer
-// process no longer exists and that were not modified for kStaleAge (a live writer in
-// another PID namespace sharing the directory keeps touching its file).
-constexpr auto kStaleAge = std::chrono::minutes(10);
+// temporary, as large as the checkpoint (twenty kill -9s once left 848 MB). So the
+// next write of the same target, before it writes anything, removes every temporary
+// of that target whose writer is gone:
+//  - its pid no longer exists here (kill(pid, 0) fails with ESRCH); a live pid keeps
+//    its file, even one reused by an unrelated process (harmless: it waits for the
+//    next write after that process ends);
+//  - and nobody holds the file's lock: a writer holds flock(LOCK_EX) on its temporary
+//    from creation to rename, and the kernel drops the lock when the writer dies.
+//    The lock protects a live writer whose pid means nothing here: one in another PID
+//    namespace (a container) sharing the directory.
+// A writer takes its lock just after creating the file; a cleaner that removed it in
+// between (possible only across PID namespaces) is seen by the writer (the file has
+// no link any more) and the writer starts over with a new name.
 
 void remove_stale_temporaries(const std::string& dir, const std::string& base) {
   DIR* d = ::opendir(dir.c_str());
   if (!d) return;
   const std::string prefix = base + ".tmp.";
-  const auto now = std::chrono::system_clock::now();
   while (dirent* ent = ::readdir(d)) {
     std::string fname = ent->d_name;
     if (fname.compare(0, prefix.size(), prefix) != 0) continue;
     const std::string rest = fname.substr(prefix.size());  // "<pid>.<n>"
     const auto dot = rest.find('.');
     if (dot == std::string::npos || dot == 0) continue;
-    pid_t pid = 0;
-    try {
-      pid = static_cast<pid_t>(std::stol(rest.substr(0, dot)));
-    } catch (...) {
-      continue;
-    }
-    if (pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // writer alive (or not ours to judge)
+    const std::string pid_text = rest.substr(0, dot), n_text = rest.substr(dot + 1);
+    const auto digits = [](const std::string& t) {
+      return !t.empty() && t.size() <= 19 && std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    if (!digits(pid_text) || !digits(n_text)) continue;  // not a name dp makes: not ours
+    const long long pid_value = std::stoll(pid_text);
+    if (pid_value <= 0 || pid_value > std::numeric_limits<pid_t>::max()) continue;
+    const auto pid = static_cast<pid_t>(pid_value);
+    if (pid == ::getpid()) continue;  // another thread of this process may be writing it
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
     const std::string full = dir + "/" + fname;
+    const int fd = ::open(full.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) continue;
+    Fd holder(fd);
     struct stat st {};
-    if (::stat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
-    const auto mtime = std::chrono::system_clock::from_time_t(st.st_mtime);
-    if (now - mtime < kStaleAge) continue;
-    if (::unlink(full.c_str()) != 0) {
-      dp::detail::log_warning(dp::detail::str_cat("save: could not remove stale temporary '", full,
-                                                  "': ", errno_text(errno)));
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) continue;  // a live writer holds it
+    if (::unlink(full.c_str()) != 0 && errno != ENOENT) {
+      dp::detail::log_warning(dp::detail::str_cat("save: could not remove the temporary '", full,
+                                                  "' of a writer that is gone: ", errno_text(errno)));
     }
   }
   ::closedir(d);
@@ -590,6 +602,8 @@ void write_safetensors(const std::string& path, const nn::StateDict& tensors, co
   for (const auto& [n, t] : tensors) total += t.nbytes();
 
   const std::string dir = dir_of(path);
+  // Before anything is written: the space dead writers hold may be what this write needs.
+  remove_stale_temporaries(dir, base_of(path));
   std::string tmp;
   int fd = -1;
   for (int attempt = 0; fd < 0; ++attempt) {
@@ -597,8 +611,21 @@ void write_safetensors(const std::string& path, const nn::StateDict& tensors, co
     fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     DP_CHECK(fd >= 0 || (errno == EEXIST && attempt < 100), "save: cannot create '", tmp, "': ",
              errno_text(errno), " (does the directory '", dir, "' exist and is it writable?)");
+    if (fd < 0) continue;
+    // Note [Atomic checkpoint writes]: the lock says a writer is alive (best effort: a
+    // file system without flock leaves the pid rule alone to protect the file); a file
+    // removed before the lock was taken is given up for a new one.
+    struct stat st {};
+    if (::flock(fd, LOCK_EX) == 0 && ::fstat(fd, &st) == 0 && st.st_nlink == 0) {
+      ::close(fd);
+      fd = -1;
+      DP_CHECK(attempt < 100, "save: the temporary '", tmp, "' keeps disappearing as it is created");
+    }
   }
   Fd holder(fd);
+  // The lock lives as long as any descriptor of the file: this one holds it past the
+  // close below, until the temporary is renamed (or removed on an error).
+  Fd lock_holder(::dup(fd));
   try {
     const detail::WriteHook hook = g_write_hook.load();
     std::uint64_t written = 0;
@@ -631,7 +658,6 @@ void write_safetensors(const std::string& path, const nn::StateDict& tensors, co
     throw;
   }
   fsync_dir(dir);
-  remove_stale_temporaries(dir, base_of(path));
 }
 
 namespace detail {

@@ -5,10 +5,13 @@
 #include <doctest/doctest.h>
 
 #include <poll.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -369,14 +372,54 @@ TEST_CASE("SIGKILL of a writer paused mid-write keeps the previous checkpoint; s
   CHECK(bit_equal(dp::io::read_safetensors(path).tensors, old));
   CHECK(temporaries(dir) == tmps);  // the dead writer's temporary remains…
 
-  // …until a later write finds it old enough (its writer is dead).
-  dp::io::write_safetensors(path, old);
-  CHECK(temporaries(dir) == tmps);  // still fresh: kept (a writer elsewhere might own it)
-  std::filesystem::last_write_time(dir.path() / tmps[0],
-                                   std::filesystem::file_time_type::clock::now() - std::chrono::hours(1));
+  // …until the next write of the target removes it (its writer is gone).
   dp::io::write_safetensors(path, old);
   CHECK(temporaries(dir).empty());
   CHECK(bit_equal(dp::io::read_safetensors(path).tensors, old));
+}
+
+TEST_CASE("a write removes its target's temporaries of dead writers, never a live writer's") {
+  ScratchDir dir;
+  std::string path = dir.file("ckpt.safetensors");
+  // A pid that cannot be running: a child that has exited and been reaped.
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  auto make = [&](const std::string& name) {
+    io_test::write_bytes(dir.file(name), std::vector<std::uint8_t>(4096, 7));
+    return name;
+  };
+  const std::string dead = make(dp::detail::str_cat("ckpt.safetensors.tmp.", child, ".0"));
+  const std::string dead2 = make(dp::detail::str_cat("ckpt.safetensors.tmp.", child, ".17"));
+  const std::string live = make(dp::detail::str_cat("ckpt.safetensors.tmp.", ::getppid(), ".3"));
+  const std::string mine = make(dp::detail::str_cat("ckpt.safetensors.tmp.", ::getpid(), ".999999"));
+  // A dead pid whose file is locked: a live writer in another PID namespace.
+  const std::string locked = make(dp::detail::str_cat("ckpt.safetensors.tmp.", child, ".5"));
+  const int lock_fd = ::open(dir.file(locked).c_str(), O_RDONLY);
+  REQUIRE(lock_fd >= 0);
+  REQUIRE(::flock(lock_fd, LOCK_EX) == 0);
+  // Not dp's names, or another target's: never touched.
+  const std::string foreign = make("ckpt.safetensors.tmp.notapid.1");
+  const std::string other = make(dp::detail::str_cat("other.safetensors.tmp.", child, ".0"));
+
+  dp::io::write_safetensors(path, sample_tensors());
+  auto left = temporaries(dir);
+  std::sort(left.begin(), left.end());
+  std::vector<std::string> want = {live, mine, locked, foreign, other};
+  std::sort(want.begin(), want.end());
+  CHECK(left == want);  // `dead` and `dead2` are gone
+  CHECK(bit_equal(dp::io::read_safetensors(path).tensors, sample_tensors()));
+
+  // Once the lock is released, the next write removes that one too.
+  ::close(lock_fd);
+  dp::io::write_safetensors(path, sample_tensors());
+  left = temporaries(dir);
+  std::sort(left.begin(), left.end());
+  want = {live, mine, foreign, other};
+  std::sort(want.begin(), want.end());
+  CHECK(left == want);
 }
 
 TEST_CASE("SIGKILL of a real 200 MB write at an arbitrary moment keeps a whole checkpoint") {

@@ -91,11 +91,12 @@ std::vector<std::uint8_t> serialize_safetensors(const nn::StateDict& tensors,
                                                 const Metadata& metadata = {});
 
 /// Writes `tensors`, `metadata` and the tensors' checksums (computed as the bytes are
-/// written, then filled into the header) to `path` atomically: a temporary file in the same
-/// directory is written in full, flushed and fsync'ed, renamed over `path`, and the
+/// written, then filled into the header) to `path` atomically: a temporary file in the
+/// same directory is written in full, flushed and fsync'ed, renamed over `path`, and the
 /// directory is fsync'ed. A crash at any point leaves either the previous file or the
-/// new one, never a mix (a stray "<file>.tmp.<pid>.<n>" may remain after a crash;
-/// strays of dead processes untouched for 10 minutes are removed by the next write).
+/// new one, never a mix (a stray "<file>.tmp.<pid>.<n>" may remain after a crash: the
+/// next write of the same target, before writing, removes those whose process no
+/// longer exists and whose lock no writer holds; never a live writer's).
 /// Throws dp::Error (naming the path and errno text) on I/O errors; the target is then
 /// untouched and the temporary removed.
 void write_safetensors(const std::string& path, const nn::StateDict& tensors,
