@@ -11,6 +11,7 @@
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
+#include "dp/dist/dist.h"
 
 namespace dp {
 
@@ -266,12 +267,22 @@ nn::StateDict load(const std::string& path) { return io::read_safetensors(path).
 
 void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
                               const TrainingState& state, bool write) {
-  nn::StateDict tensors = module.state_dict();
-  for (const auto& [k, v] : tensors) {
-    DP_CHECK(!starts_with(k, kOptPrefix), "save_training_checkpoint: the module's state name '", k,
-             "' starts with '", kOptPrefix, "', which the checkpoint reserves for the optimizer; rename that child");
+  nn::StateDict tensors;
+  {
+    // Across processes a Sharded optimizer's state_dict gathers every process's
+    // shards (and the module's may finish a deferred gather of the parameters): a
+    // process calling this alone meets the others in another collective, or times
+    // out. Whatever fails there names the save and its rule.
+    dist::CollectiveScope scope(
+        "save_training_checkpoint (collective for a Sharded optimizer across processes: every process must "
+        "call it, write = true on one, false on the others)");
+    tensors = module.state_dict();
+    for (const auto& [k, v] : tensors) {
+      DP_CHECK(!starts_with(k, kOptPrefix), "save_training_checkpoint: the module's state name '", k,
+               "' starts with '", kOptPrefix, "', which the checkpoint reserves for the optimizer; rename that child");
+    }
+    for (auto& [k, v] : optimizer.state_dict()) tensors.emplace_back(kOptPrefix + k, v);
   }
-  for (auto& [k, v] : optimizer.state_dict()) tensors.emplace_back(kOptPrefix + k, v);  // may be collective
   if (!write) return;
 
   io::Metadata meta;
