@@ -97,7 +97,7 @@ struct TrainingState {
 /// "optimizer."), its learning rate and momentum, `state` (with its schedulers and
 /// generators), dp::default_generator()'s state and the state of every generator of
 /// module.named_generators() to one safetensors file at `path`, atomically, with a
-/// CRC-32 per tensor (Note [Tensor checksums]). Under mpirun the generators saved
+/// CRC-32 per tensor (Note [Tensor checksums], safetensors.cpp). Under mpirun the generators saved
 /// are the writing process's: a run whose processes seed differently restores
 /// process 0's streams everywhere.
 /// The optimizer of a Sharded run across processes (stages 1 and 2 under mpirun) holds
