@@ -366,6 +366,21 @@ std::string broadcast_object(std::string value, int root) {
   return value;
 }
 
+namespace {
+thread_local const CollectiveScope* t_collective_scope = nullptr;
+}  // namespace
+
+CollectiveScope::CollectiveScope(std::string what) : what_(std::move(what)), outer_(t_collective_scope) {
+  t_collective_scope = this;
+}
+
+CollectiveScope::~CollectiveScope() { t_collective_scope = outer_; }
+
+const std::string& CollectiveScope::current() {
+  static const std::string none;
+  return t_collective_scope ? t_collective_scope->what_ : none;
+}
+
 void set_timeout(std::chrono::milliseconds t) {
   DP_CHECK(t.count() >= 0, "dp::dist::set_timeout: expected a timeout >= 0 (0: none), got ",
            t.count(), " ms");

@@ -130,7 +130,23 @@ std::string describe(const Header& h) {
            : dp::detail::str_cat(", ", elem_name(h.elem));
   if (has_op(h.kind)) s += dp::detail::str_cat(", ", op_name(h.op));
   if (has_root(h.kind)) s += dp::detail::str_cat(", root ", h.root);
-  return s + ")";
+  s += ")";
+  if (h.context[0] != '\0') s += dp::detail::str_cat(" inside ", h.context);
+  return s;
+}
+
+/// " inside <scope>" for this thread's CollectiveScope, "" outside one.
+std::string local_context() {
+  const std::string& c = CollectiveScope::current();
+  return c.empty() ? std::string() : " inside " + c;
+}
+
+/// Copies `text` into a fixed field, NUL-terminated, "..." marking a cut.
+template <std::size_t N>
+void put_text(char (&field)[N], const std::string& text) {
+  const std::size_t n = std::min(text.size(), N - 1);
+  std::memcpy(field, text.data(), n);
+  if (n < text.size()) std::memcpy(field + n - 3, "...", 3);
 }
 
 Header make_header(Kind kind, Elem elem, std::int64_t count, Reduction op, int root,
@@ -143,10 +159,9 @@ Header make_header(Kind kind, Elem elem, std::int64_t count, Reduction op, int r
   h.root = root;
   if (!error.empty()) {
     h.failed = 1;
-    const std::size_t n = std::min(error.size(), sizeof(h.error) - 1);
-    std::memcpy(h.error, error.data(), n);
-    if (n < error.size()) std::memcpy(h.error + n - 3, "...", 3);
+    put_text(h.error, error);
   }
+  put_text(h.context, CollectiveScope::current());
   return h;
 }
 
@@ -318,7 +333,7 @@ void ProcessGroup::run(int tag, const std::vector<Transfer>& sends,
   } catch (const std::exception& e) {
     // Receives may still be posted into the caller's buffers: this process cannot go
     // on, and the others wait for its messages. End the job (Note [Fault policy]).
-    dp::dist::abort(dp::detail::str_cat(what, " (collective #", seq, " on ", name_, "): ",
+    dp::dist::abort(dp::detail::str_cat(what, " (collective #", seq, " on ", name_, ")", local_context(), ": ",
                                         e.what(), "; ending the job"));
   }
   if (missing.empty()) return;
@@ -333,7 +348,7 @@ void ProcessGroup::run(int tag, const std::vector<Transfer>& sends,
           : std::string("DP_DIST_TIMEOUT seconds, or dp::dist::set_timeout");
   dp::dist::abort(
       dp::detail::str_cat(
-          what, " (collective #", seq, " on ", name_, ") timed out: nothing came from ", names,
+          what, " (collective #", seq, " on ", name_, ")", local_context(), " timed out: nothing came from ", names,
           " for ", static_cast<double>(limit.count()) / 1000.0,
           " s — it crashed, hangs, left (returned from main: its exit-time rendezvous is on "
           "dp::dist's own group), or is in a different collective. Ending the job; if the "
@@ -356,7 +371,10 @@ std::vector<Header> ProcessGroup::rendezvous(Header mine, const char* what, bool
     recvs.push_back({r, &all[static_cast<std::size_t>(r)], sizeof(Header)});
   }
   run(kHeaderTag, sends, recvs, what, mine.seq, bounded);
-  for (Header& h : all) h.error[sizeof(h.error) - 1] = '\0';
+  for (Header& h : all) {
+    h.error[sizeof(h.error) - 1] = '\0';
+    h.context[sizeof(h.context) - 1] = '\0';
+  }
 
   // Every process evaluates the same headers, so every process reaches the same verdict.
   std::string problem;
@@ -405,7 +423,11 @@ std::vector<Header> ProcessGroup::rendezvous(Header mine, const char* what, bool
           "the same order, with the same sizes");
     }
   }
-  if (!problem.empty()) DP_FAIL(what, " on ", who(me), ": ", problem);
+  if (!problem.empty()) {
+    // This process's scope, unless the problem already shows it with this call.
+    const std::string scope = local_context();
+    DP_FAIL(what, problem.find(scope) == std::string::npos ? scope : std::string(), " on ", who(me), ": ", problem);
+  }
   return all;
 }
 

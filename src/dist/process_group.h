@@ -131,6 +131,7 @@ class ProcessGroup {
     std::int32_t failed = 0;
     std::int32_t reserved = 0;
     char error[208] = {};    // why this process's arguments are bad (truncated)
+    char context[160] = {};  // the caller's CollectiveScope, if any (truncated)
   };
 
  private:

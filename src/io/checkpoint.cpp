@@ -11,6 +11,7 @@
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
+#include "dp/dist/dist.h"
 
 namespace dp {
 
@@ -29,11 +30,30 @@ namespace {
 //                                        (lists: space-separated decimals, one per group)
 //   dp.rng.default, dp.rng.<name>        "<seed> <offset>" of each Generator (Philox:
 //                                        seed and counter are its whole state)
+//   dp.module_rng.<dotted name>          the same for every generator the module tree
+//                                        registered (Module::named_generators, Note
+//                                        [Module generators]): "drop.generator.1"
+//   dp.checkpoint_version = "2"          files with module generators; version 1 (the
+//                                        key absent) came before them
 //   user.<key>                           TrainingState::metadata
+//
+// Note [Checkpoints without module generators]
+// A version-2 file must hold exactly the module's generators: one missing or one the
+// module lacks is a dp::Error naming them, as a missing or unexpected tensor is (it
+// means another architecture: a Dropout has no tensors, so only its generators tell).
+// A version-1 file, written before dp saved them, still loads: the module's
+// generators keep their state and a warning says that the resumed random masks then
+// differ from the uninterrupted run's (unless TrainingState::generators named them
+// when saving and loading, the only way it had). That is what a PyTorch user expects
+// of an older checkpoint: torch.load keeps reading it, and PyTorch never restored
+// random state the file does not hold.
 constexpr const char* kOptPrefix = "optimizer.";
 constexpr const char* kKindKey = "dp.checkpoint";
 constexpr const char* kKindTraining = "training";
 constexpr const char* kRngPrefix = "dp.rng.";
+constexpr const char* kModuleRngPrefix = "dp.module_rng.";
+constexpr const char* kVersionKey = "dp.checkpoint_version";
+constexpr std::int64_t kVersion = 2;
 constexpr const char* kSchedPrefix = "dp.scheduler.";
 constexpr const char* kUserPrefix = "user.";
 
@@ -150,6 +170,60 @@ optim::LRSchedulerState parse_scheduler(const io::Metadata& m, const std::string
   return st;
 }
 
+using GeneratorStates = std::vector<std::pair<Generator*, std::pair<std::uint64_t, std::uint64_t>>>;
+
+std::string name_list(const std::vector<std::string>& names) {
+  constexpr std::size_t kShown = 8;  // enough to recognise the layer; the count says the rest
+  std::string s;
+  for (std::size_t i = 0; i < names.size() && i < kShown; ++i) s += detail::str_cat(i ? ", " : "", "'", names[i], "'");
+  if (names.size() > kShown) s += detail::str_cat(" and ", names.size() - kShown, " more");
+  return s;
+}
+
+// The states of the module's generators in the file, checked both ways (Note
+// [Checkpoints without module generators]); nothing is written here.
+GeneratorStates parse_module_generators(const io::Metadata& m, nn::Module& module, const std::string& path) {
+  const auto own = module.named_generators();
+  std::int64_t version = 1;
+  if (m.count(kVersionKey)) version = parse_number<std::int64_t>(m.at(kVersionKey), kVersionKey, path);
+  DP_CHECK(version >= 1 && version <= kVersion, "load_training_checkpoint '", path, "': checkpoint version ", version,
+           " is not one this dp reads (1 to ", kVersion, "): written by a newer dp?");
+  GeneratorStates out;
+  if (version < 2) {
+    if (!own.empty()) {
+      detail::log_warning(detail::str_cat(
+          "load_training_checkpoint '", path, "': the file predates saved module generators (checkpoint version 1); ",
+          own.size(), " generator(s) of the module, '", own.front().first,
+          "' first, keep their current state, so the resumed run's random masks differ from the uninterrupted "
+          "run's unless TrainingState::generators names them. Save again to store them."));
+    }
+    return out;
+  }
+  std::vector<std::string> missing, unexpected;
+  std::set<std::string> names;
+  for (const auto& [name, gen] : own) {
+    names.insert(name);
+    const std::string key = kModuleRngPrefix + name;
+    auto it = m.find(key);
+    if (it == m.end()) {
+      missing.push_back(name);
+      continue;
+    }
+    out.emplace_back(gen, parse_generator(it->second, key, path));
+  }
+  const std::string prefix = kModuleRngPrefix;
+  for (auto it = m.lower_bound(prefix); it != m.end() && starts_with(it->first, prefix); ++it) {
+    if (!names.count(it->first.substr(prefix.size()))) unexpected.push_back(it->first.substr(prefix.size()));
+  }
+  std::string problem;
+  if (!missing.empty()) problem += detail::str_cat(" Missing from the file: ", name_list(missing), ".");
+  if (!unexpected.empty())
+    problem += detail::str_cat(" Unexpected (in the file, not in the module): ", name_list(unexpected), ".");
+  DP_CHECK(problem.empty(), "load_training_checkpoint '", path,
+           "': the module's random generators do not match the file's (another architecture?).", problem);
+  return out;
+}
+
 }  // namespace
 
 // ---- module checkpoints ------------------------------------------------------------------
@@ -193,12 +267,22 @@ nn::StateDict load(const std::string& path) { return io::read_safetensors(path).
 
 void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
                               const TrainingState& state, bool write) {
-  nn::StateDict tensors = module.state_dict();
-  for (const auto& [k, v] : tensors) {
-    DP_CHECK(!starts_with(k, kOptPrefix), "save_training_checkpoint: the module's state name '", k,
-             "' starts with '", kOptPrefix, "', which the checkpoint reserves for the optimizer; rename that child");
+  nn::StateDict tensors;
+  {
+    // Across processes a Sharded optimizer's state_dict gathers every process's
+    // shards (and the module's may finish a deferred gather of the parameters): a
+    // process calling this alone meets the others in another collective, or times
+    // out. Whatever fails there names the save and its rule.
+    dist::CollectiveScope scope(
+        "save_training_checkpoint (collective for a Sharded optimizer across processes: every process must "
+        "call it, write = true on one, false on the others)");
+    tensors = module.state_dict();
+    for (const auto& [k, v] : tensors) {
+      DP_CHECK(!starts_with(k, kOptPrefix), "save_training_checkpoint: the module's state name '", k,
+               "' starts with '", kOptPrefix, "', which the checkpoint reserves for the optimizer; rename that child");
+    }
+    for (auto& [k, v] : optimizer.state_dict()) tensors.emplace_back(kOptPrefix + k, v);
   }
-  for (auto& [k, v] : optimizer.state_dict()) tensors.emplace_back(kOptPrefix + k, v);  // may be collective
   if (!write) return;
 
   io::Metadata meta;
@@ -216,6 +300,8 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
     auto [it, fresh] = meta.emplace(kRngPrefix + name, generator_state(*gen));
     DP_CHECK(fresh, "save_training_checkpoint: two generators are named '", name, "'");
   }
+  meta[kVersionKey] = format_number(kVersion);
+  for (const auto& [name, gen] : module.named_generators()) meta[kModuleRngPrefix + name] = generator_state(*gen);
   for (const auto& [name, sched] : state.schedulers) save_scheduler(meta, name, sched);
   for (const auto& [k, v] : state.metadata) meta[kUserPrefix + k] = v;
   io::write_safetensors(path, tensors, meta);
@@ -243,6 +329,7 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
              name, "' (was it saved with TrainingState::generators naming it?)");
     gens.emplace_back(gen, parse_generator(m.at(key), key, path));
   }
+  const auto module_gens = parse_module_generators(m, module, path);
   std::optional<double> momentum;
   if (m.count("dp.optimizer.momentum") && optimizer.momentum()) {
     momentum = parse_number<double>(m.at("dp.optimizer.momentum"), "dp.optimizer.momentum", path);
@@ -290,6 +377,7 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
   }
   default_generator().set_state(def_rng.first, def_rng.second);
   for (auto& [gen, st] : gens) gen->set_state(st.first, st.second);
+  for (auto& [gen, st] : module_gens) gen->set_state(st.first, st.second);
   state.step = step;
   state.epoch = epoch;
   state.batch = batch;

@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,11 +12,13 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
-#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <set>
 #include <nlohmann/json.hpp>
+#include <tbb/parallel_for.h>
+#include <zlib.h>
 
 #include "dp/core/error.h"
 
@@ -36,6 +39,67 @@ constexpr const char* kMetadataKey = "__metadata__";
 std::atomic<detail::WriteHook> g_write_hook{nullptr};
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+// ---- checksums ------------------------------------------------------------------------
+
+// Note [Tensor checksums]
+// Each tensor's bytes get a CRC-32 (zlib's: the ISO-HDLC polynomial of gzip and PNG)
+// in the metadata as "dp.crc32.<name>" = 8 lowercase hex digits. Why CRC-32 and not a
+// 64-bit hash: it catches what a checkpoint meets — flipped bits and torn or zeroed
+// blocks — with guarantees (every error burst of up to 32 bits, every 1- and 2-bit
+// error in a tensor under 2^31 bits long), and random damage beyond that slips through
+// with probability 2^-32, negligible for accidents (it is no defence against
+// tampering, which no unkeyed checksum is); and anyone can check it without dp
+// (Python: zlib.crc32(array.tobytes())). zlib's table-driven CRC runs at about 4 GB/s
+// per core; large tensors are cut into 1 MiB pieces summed on every core and joined
+// with crc32_combine (the same value as one pass). The writer cannot know the sums
+// before the bytes pass, and the header comes first: it writes the header with
+// zeros, computes the sums as the data streams out, then writes the header again in
+// place — the same length, since every sum is 8 digits (Note [Atomic checkpoint
+// writes] still holds: the temporary is complete before it is renamed). Readers
+// verify every tensor that has a sum and name the first that fails; a file without
+// sums (Python's safetensors writes none) loads unverified. Verifying costs one CRC
+// pass over the bytes read (docs/RELIABILITY.md gives the measured figure).
+constexpr std::size_t kCrcPiece = std::size_t{1} << 20;  // pieces worth a task each
+
+std::uint32_t crc32_of(const std::uint8_t* p, std::size_t n) {
+  if (n < 4 * kCrcPiece) return static_cast<std::uint32_t>(::crc32_z(0, p, n));
+  const std::size_t pieces = (n + kCrcPiece - 1) / kCrcPiece;
+  std::vector<uLong> sums(pieces);
+  tbb::parallel_for(std::size_t{0}, pieces, [&](std::size_t i) {
+    const std::size_t len = std::min(kCrcPiece, n - i * kCrcPiece);
+    sums[i] = ::crc32_z(0, p + i * kCrcPiece, len);
+  });
+  uLong crc = sums[0];
+  for (std::size_t i = 1; i < pieces; ++i) {
+    const std::size_t len = std::min(kCrcPiece, n - i * kCrcPiece);
+    crc = ::crc32_combine(crc, sums[i], static_cast<z_off_t>(len));
+  }
+  return static_cast<std::uint32_t>(crc);
+}
+
+// The CRC-32 of a followed by b, from their sums and b's length.
+std::uint32_t crc32_append(std::uint32_t a, std::uint32_t b, std::size_t b_len) {
+  return static_cast<std::uint32_t>(::crc32_combine(a, b, static_cast<z_off_t>(b_len)));
+}
+
+std::string crc_hex(std::uint32_t crc) {
+  char buf[9];
+  std::snprintf(buf, sizeof buf, "%08x", crc);
+  return buf;
+}
+
+bool is_checksum_key(const std::string& key) {
+  return key.compare(0, std::strlen(kChecksumPrefix), kChecksumPrefix) == 0;
+}
+
+void verify_checksum(const SafetensorsInfo::Entry& e, const std::uint8_t* bytes, const std::string& name) {
+  if (!e.has_crc32) return;
+  const std::uint32_t got = crc32_of(bytes, e.end - e.begin);
+  DP_CHECK(got == e.crc32, name, ": tensor '", e.name, "' fails its checksum (stored ", crc_hex(e.crc32),
+           ", computed ", crc_hex(got), "): the file is corrupt; restore it from a copy, or load an earlier "
+           "checkpoint");
+}
 
 // ---- dtypes ---------------------------------------------------------------------------
 
@@ -207,6 +271,21 @@ SafetensorsInfo parse_header(const char* text, std::uint64_t n, std::uint64_t da
     info.entries.push_back(std::move(e));
   }
 
+  // Note [Tensor checksums]: a sum must be well-formed; a tensor without one is
+  // simply not verified.
+  for (auto& e : info.entries) {
+    auto it = info.metadata.find(kChecksumPrefix + e.name);
+    if (it == info.metadata.end()) continue;
+    const std::string& v = it->second;
+    const bool hex = v.size() == 8 && std::all_of(v.begin(), v.end(), [](char c) {
+      return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+    });
+    DP_CHECK(hex, name, ": metadata '", it->first, "' should be 8 hex digits (a CRC-32), got \"", v,
+             "\": a corrupt file");
+    e.has_crc32 = true;
+    e.crc32 = static_cast<std::uint32_t>(std::stoul(v, nullptr, 16));
+  }
+
   // The entries must tile the data region exactly, like the reference implementation
   // requires: no overlap (two tensors sharing bytes), no gap, nothing after the end.
   std::sort(info.entries.begin(), info.entries.end(), [](const auto& a, const auto& b) {
@@ -306,6 +385,7 @@ SafetensorsFile parse_safetensors(const std::uint8_t* data, std::size_t size, co
   const std::uint8_t* region = data + 8 + n;
   SafetensorsFile out;
   out.metadata = std::move(info.metadata);
+  for (const auto& e : info.entries) verify_checksum(e, region + e.begin, name);  // before any copy
   for (const auto& e : info.entries) {
     Tensor t = host_tensor(e);
     if (e.end > e.begin) std::memcpy(t.raw_data(), region + e.begin, e.end - e.begin);
@@ -328,6 +408,7 @@ SafetensorsFile read_safetensors(const std::string& path) {
   for (const auto& e : f.info.entries) {
     Tensor t = host_tensor(e);
     pread_all(f.fd, t.raw_data(), e.end - e.begin, base + e.begin, path);
+    verify_checksum(e, static_cast<const std::uint8_t*>(t.raw_data()), path);
     out.tensors.emplace_back(e.name, std::move(t));
   }
   return out;
@@ -337,12 +418,17 @@ SafetensorsFile read_safetensors(const std::string& path) {
 
 namespace {
 
-// The header (length field included) for tensors laid out back to back in order.
-std::string make_header(const nn::StateDict& tensors, const Metadata& metadata) {
+// The header (length field included) for tensors laid out back to back in order,
+// with crcs[i] as tensor i's checksum (Note [Tensor checksums]). The header's length
+// does not depend on the sums' values.
+std::string make_header(const nn::StateDict& tensors, const Metadata& metadata, const std::vector<std::uint32_t>& crcs) {
+  DP_ASSERT(crcs.size() == tensors.size());
   ordered_json h = ordered_json::object();
   ordered_json meta = ordered_json::object();
   meta["format"] = "pt";  // what PyTorch's safetensors.torch writes; readers may check it
-  for (const auto& [k, v] : metadata) meta[k] = v;
+  for (const auto& [k, v] : metadata)
+    if (!is_checksum_key(k)) meta[k] = v;  // dp's own: recomputed below
+  for (std::size_t i = 0; i < tensors.size(); ++i) meta[kChecksumPrefix + tensors[i].first] = crc_hex(crcs[i]);
   h[kMetadataKey] = std::move(meta);
   std::set<std::string> seen;
   std::uint64_t offset = 0;
@@ -372,15 +458,15 @@ std::string make_header(const nn::StateDict& tensors, const Metadata& metadata) 
   return out + text;
 }
 
-// Feeds `sink(ptr, bytes)` the file's bytes: header, then every tensor's data, copying
-// one non-CPU tensor at a time to the host.
+// Feeds `sink(i, ptr, bytes)` every tensor's data in order (i: the tensor's index),
+// copying one non-CPU tensor at a time to the host.
 template <typename Sink>
-void stream_file(const std::string& header, const nn::StateDict& tensors, Sink&& sink) {
-  sink(reinterpret_cast<const std::uint8_t*>(header.data()), header.size());
-  for (const auto& [name, t] : tensors) {
+void stream_tensors(const nn::StateDict& tensors, Sink&& sink) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i].second;
     if (t.numel() == 0) continue;
     Tensor host = t.device().is_cpu() ? t : t.detach().to(Device{});
-    sink(static_cast<const std::uint8_t*>(host.raw_data()), host.nbytes());
+    sink(i, static_cast<const std::uint8_t*>(host.raw_data()), host.nbytes());
   }
 }
 
@@ -393,6 +479,18 @@ void write_all(int fd, const std::uint8_t* p, std::uint64_t n, const std::string
              " (disk full? the previous checkpoint is untouched)");
     p += w;
     n -= static_cast<std::uint64_t>(w);
+  }
+}
+
+void pwrite_all(int fd, const std::uint8_t* p, std::uint64_t n, std::uint64_t offset, const std::string& tmp) {
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(offset));
+    if (w < 0 && errno == EINTR) continue;
+    DP_CHECK(w > 0, "save: writing '", tmp, "' failed: ", errno_text(w < 0 ? errno : EIO),
+             " (disk full? the previous checkpoint is untouched)");
+    p += w;
+    n -= static_cast<std::uint64_t>(w);
+    offset += static_cast<std::uint64_t>(w);
   }
 }
 
@@ -424,38 +522,50 @@ void fsync_dir(const std::string& dir) {
 // buffer, so nothing to fflush), fsync'ed, closed, renamed over the target, and the
 // directory is fsync'ed so the rename itself survives a power loss. A process killed
 // at any point leaves the target either old or new. What it can leave is the
-// temporary: the next write of the same target removes temporaries whose writer
-// process no longer exists and that were not modified for kStaleAge (a live writer in
-// another PID namespace sharing the directory keeps touching its file).
-constexpr auto kStaleAge = std::chrono::minutes(10);
+// temporary, as large as the checkpoint (twenty kill -9s once left 848 MB). So the
+// next write of the same target, before it writes anything, removes every temporary
+// of that target whose writer is gone:
+//  - its pid no longer exists here (kill(pid, 0) fails with ESRCH); a live pid keeps
+//    its file, even one reused by an unrelated process (harmless: it waits for the
+//    next write after that process ends);
+//  - and nobody holds the file's lock: a writer holds flock(LOCK_EX) on its temporary
+//    from creation to rename, and the kernel drops the lock when the writer dies.
+//    The lock protects a live writer whose pid means nothing here: one in another PID
+//    namespace (a container) sharing the directory.
+// A writer takes its lock just after creating the file; a cleaner that removed it in
+// between (possible only across PID namespaces) is seen by the writer (the file has
+// no link any more) and the writer starts over with a new name.
 
 void remove_stale_temporaries(const std::string& dir, const std::string& base) {
   DIR* d = ::opendir(dir.c_str());
   if (!d) return;
   const std::string prefix = base + ".tmp.";
-  const auto now = std::chrono::system_clock::now();
   while (dirent* ent = ::readdir(d)) {
     std::string fname = ent->d_name;
     if (fname.compare(0, prefix.size(), prefix) != 0) continue;
     const std::string rest = fname.substr(prefix.size());  // "<pid>.<n>"
     const auto dot = rest.find('.');
     if (dot == std::string::npos || dot == 0) continue;
-    pid_t pid = 0;
-    try {
-      pid = static_cast<pid_t>(std::stol(rest.substr(0, dot)));
-    } catch (...) {
-      continue;
-    }
-    if (pid <= 0 || pid == ::getpid()) continue;
-    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // writer alive (or not ours to judge)
+    const std::string pid_text = rest.substr(0, dot), n_text = rest.substr(dot + 1);
+    const auto digits = [](const std::string& t) {
+      return !t.empty() && t.size() <= 19 && std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    if (!digits(pid_text) || !digits(n_text)) continue;  // not a name dp makes: not ours
+    const long long pid_value = std::stoll(pid_text);
+    if (pid_value <= 0 || pid_value > std::numeric_limits<pid_t>::max()) continue;
+    const auto pid = static_cast<pid_t>(pid_value);
+    if (pid == ::getpid()) continue;  // another thread of this process may be writing it
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
     const std::string full = dir + "/" + fname;
+    const int fd = ::open(full.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) continue;
+    Fd holder(fd);
     struct stat st {};
-    if (::stat(full.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
-    const auto mtime = std::chrono::system_clock::from_time_t(st.st_mtime);
-    if (now - mtime < kStaleAge) continue;
-    if (::unlink(full.c_str()) != 0) {
-      dp::detail::log_warning(dp::detail::str_cat("save: could not remove stale temporary '", full,
-                                                  "': ", errno_text(errno)));
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) continue;  // a live writer holds it
+    if (::unlink(full.c_str()) != 0 && errno != ENOENT) {
+      dp::detail::log_warning(dp::detail::str_cat("save: could not remove the temporary '", full,
+                                                  "' of a writer that is gone: ", errno_text(errno)));
     }
   }
   ::closedir(d);
@@ -466,24 +576,34 @@ std::atomic<std::uint64_t> g_temp_counter{0};
 }  // namespace
 
 std::vector<std::uint8_t> serialize_safetensors(const nn::StateDict& tensors, const Metadata& metadata) {
-  const std::string header = make_header(tensors, metadata);
-  std::vector<std::uint8_t> out;
-  std::uint64_t total = header.size();
+  std::vector<std::uint32_t> crcs(tensors.size(), 0);
+  const std::string placeholder = make_header(tensors, metadata, crcs);  // validates first
+  std::vector<std::uint8_t> out(placeholder.begin(), placeholder.end());
+  std::uint64_t total = placeholder.size();
   for (const auto& [n, t] : tensors) total += t.nbytes();
   out.reserve(total);
-  stream_file(header, tensors,
-              [&](const std::uint8_t* p, std::size_t n) { out.insert(out.end(), p, p + n); });
+  stream_tensors(tensors, [&](std::size_t i, const std::uint8_t* p, std::size_t n) {
+    crcs[i] = crc32_of(p, n);
+    out.insert(out.end(), p, p + n);
+  });
+  const std::string header = make_header(tensors, metadata, crcs);
+  DP_ASSERT(header.size() == placeholder.size());
+  std::copy(header.begin(), header.end(), out.begin());
   return out;
 }
 
 void write_safetensors(const std::string& path, const nn::StateDict& tensors, const Metadata& metadata) {
   DP_CHECK(!path.empty(), "save: empty path");
   DP_CHECK(path.back() != '/', "save: '", path, "' names a directory; give a file name");
-  const std::string header = make_header(tensors, metadata);  // validates before any file is made
-  std::uint64_t total = header.size();
+  std::vector<std::uint32_t> crcs(tensors.size(), 0);
+  // Validates before any file is made; the sums are filled in after the data.
+  const std::string placeholder = make_header(tensors, metadata, crcs);
+  std::uint64_t total = placeholder.size();
   for (const auto& [n, t] : tensors) total += t.nbytes();
 
   const std::string dir = dir_of(path);
+  // Before anything is written: the space dead writers hold may be what this write needs.
+  remove_stale_temporaries(dir, base_of(path));
   std::string tmp;
   int fd = -1;
   for (int attempt = 0; fd < 0; ++attempt) {
@@ -491,23 +611,44 @@ void write_safetensors(const std::string& path, const nn::StateDict& tensors, co
     fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     DP_CHECK(fd >= 0 || (errno == EEXIST && attempt < 100), "save: cannot create '", tmp, "': ",
              errno_text(errno), " (does the directory '", dir, "' exist and is it writable?)");
+    if (fd < 0) continue;
+    // Note [Atomic checkpoint writes]: the lock says a writer is alive (best effort: a
+    // file system without flock leaves the pid rule alone to protect the file); a file
+    // removed before the lock was taken is given up for a new one.
+    struct stat st {};
+    if (::flock(fd, LOCK_EX) == 0 && ::fstat(fd, &st) == 0 && st.st_nlink == 0) {
+      ::close(fd);
+      fd = -1;
+      DP_CHECK(attempt < 100, "save: the temporary '", tmp, "' keeps disappearing as it is created");
+    }
   }
   Fd holder(fd);
+  // The lock lives as long as any descriptor of the file: this one holds it past the
+  // close below, until the temporary is renamed (or removed on an error).
+  Fd lock_holder(::dup(fd));
   try {
     const detail::WriteHook hook = g_write_hook.load();
     std::uint64_t written = 0;
-    stream_file(header, tensors, [&](const std::uint8_t* p, std::size_t n) {
-      // Chunks keep the hook's view fine-grained; the kernel sees large writes anyway.
+    auto put = [&](const std::uint8_t* p, std::size_t n, std::uint32_t* crc) {
+      // Chunks keep the hook's view fine-grained (the kernel sees large writes anyway)
+      // and each chunk's sum is taken while it is in cache.
       constexpr std::size_t kChunk = std::size_t{8} << 20;
       while (n > 0) {
         const std::size_t c = std::min(n, kChunk);
+        if (crc) *crc = crc32_append(*crc, crc32_of(p, c), c);
         write_all(fd, p, c, tmp);
         p += c;
         n -= c;
         written += c;
         if (hook) hook(written, total);
       }
-    });
+    };
+    put(reinterpret_cast<const std::uint8_t*>(placeholder.data()), placeholder.size(), nullptr);
+    stream_tensors(tensors, [&](std::size_t i, const std::uint8_t* p, std::size_t n) { put(p, n, &crcs[i]); });
+    // Note [Tensor checksums]: the header again, now with the sums, over the first one.
+    const std::string header = make_header(tensors, metadata, crcs);
+    DP_ASSERT(header.size() == placeholder.size());
+    pwrite_all(fd, reinterpret_cast<const std::uint8_t*>(header.data()), header.size(), 0, tmp);
     DP_CHECK(::fsync(fd) == 0, "save: fsync of '", tmp, "' failed: ", errno_text(errno));
     DP_CHECK(::close(holder.release()) == 0, "save: closing '", tmp, "' failed: ", errno_text(errno));
     DP_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, "save: renaming '", tmp, "' to '", path,
@@ -517,7 +658,6 @@ void write_safetensors(const std::string& path, const nn::StateDict& tensors, co
     throw;
   }
   fsync_dir(dir);
-  remove_stale_temporaries(dir, base_of(path));
 }
 
 namespace detail {

@@ -18,6 +18,7 @@ std::uint64_t mix(std::uint64_t seed, std::uint64_t copy) {
 
 Dropout::Dropout(double p, std::optional<std::uint64_t> seed) : p_(p) {
   DP_CHECK(p >= 0.0 && p <= 1.0, "Dropout: expected a probability p in [0, 1], got ", p);
+  register_generators("generator", generators_);
   if (seed) {
     set_seed(*seed);
   } else {

@@ -117,6 +117,52 @@ Parameter Module::register_buffer(const std::string& name, Tensor value) {
   return Parameter(slot);
 }
 
+// Note [Module generators]
+// A module that draws random numbers in forward (Dropout, a noise layer) owns its
+// Generators, and a bitwise resume must restore their states, not only the weights.
+// Modules register them by name like buffers (register_generator), so whoever walks
+// the tree (a training checkpoint: Note [Training checkpoint layout] in
+// src/io/checkpoint.cpp) finds every stream under a stable dotted name, without the
+// user listing them. A Generator is two integers (Philox: seed and counter), so it is
+// kept out of state_dict(): state_dict holds tensors that travel between devices and
+// frameworks, and a module checkpoint (dp::save) stays the file PyTorch writes. The
+// registry keeps pointers to members; a Module is neither copyable nor movable, so
+// they stay valid for the module's life.
+
+void Module::register_generator(const std::string& name, Generator& generator) {
+  check_name("generator", name);
+  for (auto& [n, g] : generators_) {
+    DP_CHECK(n != name, "register_generator: '", name, "' is already registered");
+    DP_CHECK(g != &generator, "register_generator('", name, "'): this generator is already registered as '", n,
+             "'");
+  }
+  generators_.emplace_back(name, &generator);
+}
+
+void Module::register_generators(const std::string& name, std::span<Generator> generators) {
+  check_name("generator", name);
+  const std::string prefix = name + ".";
+  for (auto& [n, g] : generators_) {
+    DP_CHECK(n != name && n.compare(0, prefix.size(), prefix) != 0, "register_generators: '", name,
+             "' is already registered");
+  }
+  for (std::size_t i = 0; i < generators.size(); ++i) generators_.emplace_back(prefix + std::to_string(i), &generators[i]);
+}
+
+std::vector<std::pair<std::string, Generator*>> Module::named_generators() {
+  std::vector<std::pair<std::string, Generator*>> out;
+  std::set<const Generator*> seen;
+  std::set<const Module*> visited;
+  std::function<void(Module&, const std::string&)> walk = [&](Module& m, const std::string& pre) {
+    if (!visited.insert(&m).second) return;
+    for (auto& [n, g] : m.generators_)
+      if (seen.insert(g).second) out.emplace_back(pre + n, g);
+    for (auto& [n, c] : m.children_) walk(*c, pre + n + ".");
+  };
+  walk(*this, "");
+  return out;
+}
+
 void Module::register_child(const std::string& name, std::shared_ptr<Module> module) {
   check_name("module", name);
   DP_CHECK(module != nullptr, "register_module('", name, "'): expected a module, got null");

@@ -129,6 +129,41 @@ TEST_CASE("barrier: nobody leaves before everyone arrived") {
   for (int i = 0; i < 20; ++i) dist::barrier();
 }
 
+TEST_CASE("CollectiveScope: nests per thread; a disagreement names the scope of each side's call") {
+  CHECK(dist::CollectiveScope::current().empty());
+  {
+    dist::CollectiveScope outer("outer call");
+    CHECK(dist::CollectiveScope::current() == "outer call");
+    {
+      dist::CollectiveScope inner("inner call");
+      CHECK(dist::CollectiveScope::current() == "inner call");
+      std::string other_thread = "unset";
+      std::thread([&] { other_thread = dist::CollectiveScope::current(); }).join();
+      CHECK(other_thread.empty());
+    }
+    CHECK(dist::CollectiveScope::current() == "outer call");
+  }
+  CHECK(dist::CollectiveScope::current().empty());
+  if (dist::world_size() < 2) return;
+  // Rank 0 broadcasts inside a scope while the others enter a barrier: every process
+  // throws, naming rank 0's scope; the group stays usable.
+  std::string m;
+  try {
+    if (dist::rank() == 0) {
+      dist::CollectiveScope scope("a collective library call");
+      (void)dist::broadcast_object(std::int64_t{1}, 0);
+    } else {
+      dist::barrier();
+    }
+  } catch (const dp::Error& e) {
+    m = e.what();
+  }
+  CHECK_MESSAGE(m.find("called broadcast(count 8 bytes of 8-byte elements, root 0) inside a collective library call") !=
+                    std::string::npos,
+                m);
+  dist::barrier();
+}
+
 TEST_CASE("broadcast_object: scalars, structs, strings and vectors from any root") {
   const int p = dist::world_size();
   const int r = dist::rank();

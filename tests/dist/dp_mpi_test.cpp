@@ -643,13 +643,18 @@ struct Bomb : dp::nn::Module {
 // Modes: "throw" / "kill" (DDP), "throw_stage3" (Sharded stage 3, hybrid), and
 // "hang_state_dict" / "hang_clip" (Sharded stage 2: the last process never takes part in
 // the optimizer's state_dict or clip_grad_norm_'s exchange; the others must time out).
+// "save_alone" / "save_alone_wait" (Sharded stage 2): only process 0 calls the
+// collective save_training_checkpoint while the others wait in dp::dist::barrier()
+// (which meets its gathering: every process fails at once) or in no collective
+// (process 0 times out); the messages must name the save and its rule.
 int run_fault(const std::string& mode) {
   auto net = make_mlp(kSeed);
   auto bomb = std::make_shared<Bomb>();
   net->push_back(bomb);
   dp::DataParallelOptions options{.mode = dp::Mode::DDP};
   if (mode == "throw_stage3") options = {.mode = dp::Mode::Sharded, .shard_stage = 3};
-  if (mode.rfind("hang_", 0) == 0) options = {.mode = dp::Mode::Sharded, .shard_stage = 2};
+  if (mode.rfind("hang_", 0) == 0 || mode.rfind("save_alone", 0) == 0)
+    options = {.mode = dp::Mode::Sharded, .shard_stage = 2};
   dp::DataParallel model(net, local_devices(), options);
   dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
   const bool victim = dist::rank() == dist::world_size() - 1;
@@ -666,6 +671,19 @@ int run_fault(const std::string& mode) {
     const auto [lo, n] = my_rows(rows);
     opt.zero_grad();
     model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    if (s == 3 && mode.rfind("save_alone", 0) == 0) {
+      if (dist::is_main()) {
+        dp::TrainingState st;
+        st.step = s;
+        // Not checkpoint_path(): its broadcast would be the collective that fails.
+        const std::string path = dp::detail::str_cat("/tmp/dp_mpi_test_", ::getpid(), "_save_alone.ckpt");
+        dp::save_training_checkpoint(path, *net, opt, st);
+      } else if (mode == "save_alone_wait") {
+        std::this_thread::sleep_for(std::chrono::seconds(60));  // past process 0's timeout
+      } else {
+        dist::barrier();  // the usual `if (is_main()) save(...); barrier();`
+      }
+    }
     if (s == 3 && mode.rfind("hang_", 0) == 0) {
       if (victim) {
         std::this_thread::sleep_for(std::chrono::seconds(60));  // past the others' timeout

@@ -1,5 +1,6 @@
 // Module checkpoints (strict and not, errors, DP/DDP interchange) and training
-// checkpoints (bitwise-identical resume in single-device, DP and DDP modes).
+// checkpoints (bitwise-identical resume in single-device, DP, DDP and Sharded modes,
+// every module generator restored without the user naming it).
 #include "dp/io/checkpoint.h"
 
 #include <doctest/doctest.h>
@@ -60,7 +61,16 @@ dp::nn::StateDict snapshot(const dp::nn::StateDict& s) {
 
 // ---- a resumable training run -----------------------------------------------------------
 
-enum class Kind { Single, DP, DDP };
+enum class Kind { Single, DP, DDP, Sharded2, Sharded3 };
+
+dp::DataParallelOptions options_of(Kind kind) {
+  switch (kind) {
+    case Kind::DP: return {.mode = dp::Mode::DP};
+    case Kind::DDP: return {.mode = dp::Mode::DDP};
+    case Kind::Sharded2: return {.mode = dp::Mode::Sharded, .shard_stage = 2};
+    default: return {.mode = dp::Mode::Sharded, .shard_stage = 3};
+  }
+}
 
 constexpr std::int64_t kBatch = 16;
 constexpr std::int64_t kExamples = 64;  // 4 batches per epoch: 6 steps cross an epoch
@@ -75,9 +85,8 @@ struct Run {
   explicit Run(Kind kind) {
     net = std::make_shared<SmallCNN>();
     if (kind != Kind::Single) {
-      model = std::make_unique<dp::DataParallel>(
-          net, std::vector<dp::Device>{dp::cpu(0), dp::cpu(1)},
-          dp::DataParallelOptions{.mode = kind == Kind::DDP ? dp::Mode::DDP : dp::Mode::DP});
+      model = std::make_unique<dp::DataParallel>(net, std::vector<dp::Device>{dp::cpu(0), dp::cpu(1)},
+                                                 options_of(kind));
     }
     opt = std::make_unique<dp::optim::Adam>(model ? model->parameters() : net->parameters(),
                                             dp::optim::AdamOptions{.lr = 1e-2, .weight_decay = 1e-4});
@@ -85,10 +94,7 @@ struct Run {
         dp::data::SyntheticOptions{.size = kExamples, .example_shape = {1, 8, 8}, .seed = 5});
     loader = std::make_unique<dp::data::DataLoader>(
         ds, dp::data::DataLoaderOptions{.batch_size = kBatch, .shuffle = true, .seed = 7, .num_workers = 1});
-    // Dropout draws from the generator of the copy a worker is bound to.
-    for (int r = 0; r < 2; ++r) {
-      state.generators.emplace_back("drop." + std::to_string(r), &net->drop->generator(r));
-    }
+    // No generator is listed: Dropout's per-copy streams travel by themselves.
   }
 
   void step(const dp::data::Batch& b) {
@@ -121,14 +127,24 @@ struct Run {
   }
 };
 
+using GeneratorStates = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
+
+GeneratorStates generator_states(dp::nn::Module& m) {
+  GeneratorStates out;
+  for (auto& [name, g] : m.named_generators()) out.emplace_back(g->seed(), g->offset());
+  return out;
+}
+
 struct Outcome {
   dp::nn::StateDict params, opt_state;
   std::uint64_t rng_offset;
+  GeneratorStates module_rngs;
   dp::TrainingState state;
 };
 
 Outcome outcome(Run& r) {
-  return {snapshot(r.net->state_dict()), snapshot(r.opt->state_dict()), dp::default_generator().offset(), r.state};
+  return {snapshot(r.net->state_dict()), snapshot(r.opt->state_dict()), dp::default_generator().offset(),
+          generator_states(*r.net), r.state};
 }
 
 void check_same(const Outcome& a, const Outcome& b) {
@@ -139,19 +155,29 @@ void check_same(const Outcome& a, const Outcome& b) {
   }
   CHECK(bit_equal(a.opt_state, b.opt_state));
   CHECK(a.rng_offset == b.rng_offset);
+  CHECK(a.module_rngs == b.module_rngs);
   CHECK(a.state.step == b.state.step);
   CHECK(a.state.epoch == b.state.epoch);
   CHECK(a.state.batch == b.state.batch);
 }
 
-const char* kind_name(Kind k) { return k == Kind::Single ? "single" : k == Kind::DP ? "DP" : "DDP"; }
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::Single: return "single";
+    case Kind::DP: return "DP";
+    case Kind::DDP: return "DDP";
+    case Kind::Sharded2: return "Sharded stage 2";
+    default: return "Sharded stage 3";
+  }
+}
 
 }  // namespace
 
-TEST_CASE("a resumed run is bitwise identical to an uninterrupted one (single, DP, DDP)") {
-  for (Kind kind : {Kind::Single, Kind::DP, Kind::DDP}) {
+TEST_CASE("a resumed run is bitwise identical to an uninterrupted one (single, DP, DDP, Sharded 2 and 3)") {
+  for (Kind kind : {Kind::Single, Kind::DP, Kind::DDP, Kind::Sharded2, Kind::Sharded3}) {
     for (int split : {3, 4}) {  // mid-epoch, and exactly at the epoch boundary
-      CAPTURE(kind_name(kind));
+      const std::string mode = kind_name(kind);
+      CAPTURE(mode);
       CAPTURE(split);
       ScratchDir dir;
       std::string path = dir.file("run.ckpt");
@@ -177,6 +203,7 @@ TEST_CASE("a resumed run is bitwise identical to an uninterrupted one (single, D
       Run second(kind);
       dp::default_generator().advance(12345);
       CHECK(!bit_equal(second.net->state_dict(), half.params));
+      CHECK(generator_states(*second.net) != half.module_rngs);
       dp::load_training_checkpoint(path, *second.net, *second.opt, second.state);
       check_same(outcome(second), half);
       CHECK(second.state.metadata.at("run") == "io-test");
@@ -389,4 +416,126 @@ TEST_CASE("training checkpoints: module view, validation, nothing changes on err
   dp::io::write_safetensors(bad, f.tensors, f.metadata);
   CHECK(contains(error_of([&] { dp::load_training_checkpoint(bad, *other.net, sgd2, other.state); }),
                  "metadata 'dp.step' should be a number, got \"12x\""));
+}
+
+TEST_CASE("training checkpoints restore every generator the module registered, and check them both ways") {
+  ScratchDir dir;
+  // A module with a generator of its own besides a Dropout's.
+  struct Noisy : dp::nn::Module {
+    Noisy() {
+      register_generator("noise", noise);
+      drop = register_module("drop", std::make_shared<dp::nn::Dropout>(0.5));
+      fc = register_module("fc", std::make_shared<dp::nn::Linear>(4, 2));
+    }
+    Tensor forward(const Tensor& x) override {
+      return fc->forward(drop->forward(dp::add(x, dp::randn(x.shape(), noise))));
+    }
+    dp::Generator noise{77};
+    std::shared_ptr<dp::nn::Dropout> drop;
+    std::shared_ptr<dp::nn::Linear> fc;
+  };
+  dp::manual_seed(5);
+  auto src = std::make_shared<Noisy>();
+  dp::optim::SGD opt(src->parameters(), {.lr = 0.1});
+  src->forward(dp::ones({3, 4}));
+  {
+    dp::nn::ReplicaBinding bind(1);  // copy 1's stream moves too
+    src->forward(dp::ones({5, 4}));
+  }
+  dp::TrainingState st;
+  st.step = 1;
+  std::string path = dir.file("noisy.ckpt");
+  dp::save_training_checkpoint(path, *src, opt, st);
+  auto info = dp::io::read_safetensors_info(path);
+  CHECK(info.metadata.at("dp.checkpoint_version") == "2");
+  CHECK(info.metadata.at("dp.module_rng.noise") == "77 32");  // 12 + 20 numbers drawn
+  CHECK(info.metadata.count("dp.module_rng.drop.generator.1") == 1);
+  CHECK(info.metadata.count("dp.module_rng.drop.generator.63") == 1);
+
+  dp::manual_seed(6);  // other Dropout seeds
+  auto dst = std::make_shared<Noisy>();
+  dst->noise.set_state(1, 2);
+  dp::optim::SGD opt2(dst->parameters(), {.lr = 0.1});
+  CHECK(generator_states(*dst) != generator_states(*src));
+  dp::TrainingState st2;
+  dp::load_training_checkpoint(path, *dst, opt2, st2);
+  CHECK(generator_states(*dst) == generator_states(*src));
+  CHECK(dst->drop->generator(1).offset() == 20);
+
+  // A file lacking a generator the module has, or holding one it lacks: an error
+  // naming it, and nothing written.
+  auto f = dp::io::read_safetensors(path);
+  auto rewrite = [&](const dp::io::Metadata& meta) {
+    std::string p = dir.file("edited.ckpt");
+    dp::io::write_safetensors(p, f.tensors, meta);
+    return p;
+  };
+  auto untouched = [&](const std::string& p, const std::string& part) {
+    dst->noise.set_state(3, 4);
+    auto gens = generator_states(*dst);
+    auto params = snapshot(dst->state_dict());
+    std::string m = error_of([&] { dp::load_training_checkpoint(p, *dst, opt2, st2); });
+    CHECK_MESSAGE(contains(m, part), m);
+    CHECK(generator_states(*dst) == gens);
+    CHECK(bit_equal(dst->state_dict(), params));
+  };
+  dp::io::Metadata meta = f.metadata;
+  meta.erase("dp.module_rng.drop.generator.5");
+  untouched(rewrite(meta), "Missing from the file: 'drop.generator.5'");
+  meta = f.metadata;
+  meta["dp.module_rng.extra.generator.0"] = "1 2";
+  untouched(rewrite(meta), "Unexpected (in the file, not in the module): 'extra.generator.0'");
+  meta = f.metadata;
+  meta["dp.module_rng.noise"] = "77";
+  untouched(rewrite(meta), "metadata 'dp.module_rng.noise' should be \"<seed> <offset>\", got \"77\"");
+  meta = f.metadata;
+  meta["dp.checkpoint_version"] = "3";
+  untouched(rewrite(meta), "checkpoint version 3 is not one this dp reads");
+
+  // A file written before module generators were saved (version 1) still loads; the
+  // module's generators keep their state (Note [Checkpoints without module generators]).
+  meta.clear();
+  for (auto& [k, v] : f.metadata)
+    if (k != "dp.checkpoint_version" && k.rfind("dp.module_rng.", 0) != 0) meta[k] = v;
+  dst->noise.set_state(3, 4);
+  auto gens = generator_states(*dst);
+  CHECK(error_of([&] { dp::load_training_checkpoint(rewrite(meta), *dst, opt2, st2); }).empty());
+  CHECK(generator_states(*dst) == gens);
+  CHECK(bit_equal(dst->state_dict(), src->state_dict()));
+}
+
+TEST_CASE("a flipped bit in a module or training checkpoint is an error naming the tensor; nothing is loaded") {
+  ScratchDir dir;
+  dp::manual_seed(8);
+  Run run(Kind::Single);
+  run.train(1);
+  auto flip = [&](const std::string& path, const std::string& tensor) {
+    auto info = dp::io::read_safetensors_info(path);
+    auto bytes = io_test::read_bytes(path);
+    for (const auto& e : info.entries) {
+      if (e.name != tensor) continue;
+      bytes[8 + info.header_bytes + (e.begin + e.end) / 2] ^= 0x10;
+      io_test::write_bytes(path, bytes);
+      return;
+    }
+    FAIL("no tensor " << tensor);
+  };
+  std::string mod = dir.file("checkpoint.safetensors");
+  dp::save(run.net, mod);
+  flip(mod, "head.weight");
+  auto dst = std::make_shared<SmallCNN>();
+  auto before = snapshot(dst->state_dict());
+  std::string m = error_of([&] { dp::load(dst, mod); });
+  CHECK_MESSAGE(contains(m, mod + ": tensor 'head.weight' fails its checksum (stored "), m);
+  CHECK(contains(m, "the file is corrupt"));
+  CHECK(bit_equal(dst->state_dict(), before));
+
+  std::string train = dir.file("run.ckpt");
+  dp::save_training_checkpoint(train, *run.net, *run.opt, run.state);
+  flip(train, "optimizer.state.0.exp_avg_sq");
+  Run other(Kind::Single);
+  auto opt_before = snapshot(other.opt->state_dict());
+  m = error_of([&] { dp::load_training_checkpoint(train, *other.net, *other.opt, other.state); });
+  CHECK_MESSAGE(contains(m, train + ": tensor 'optimizer.state.0.exp_avg_sq' fails its checksum"), m);
+  CHECK(bit_equal(other.opt->state_dict(), opt_before));
 }

@@ -6,7 +6,8 @@ Usage: safetensors_interop.py <path to safetensors_tool>
 1. dp -> Python: the tool saves a small CNN with dp::save and prints its state_dict
    as JSON; safetensors.numpy.load_file must read the same names, dtypes, shapes and
    values (exactly), and the header must follow the format (length, 8-byte padding,
-   "format": "pt" metadata).
+   "format": "pt" metadata); dp's "dp.crc32.<name>" metadata must be zlib.crc32 of
+   each tensor's bytes, and a bit flipped in a tensor must make dp's load fail naming it.
 2. Python -> dp: safetensors.numpy.save_file writes values of the CNN's shapes; the
    tool loads them strictly and prints what it loaded, which must equal them exactly.
 3. Python -> dp, mismatching: a file missing a tensor and one with a wrong shape make
@@ -20,6 +21,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import zlib
 
 try:
     import numpy as np
@@ -86,6 +88,22 @@ def main():
         header = json.loads(raw[8:8 + n])
         total = sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items() if k != "__metadata__")
         check(8 + n + total == len(raw), "the data region is exactly the tensors' bytes")
+        # dp's per-tensor checksums are zlib's CRC-32 of the bytes: checkable without dp.
+        for name, arr in got.items():
+            want = f"{zlib.crc32(arr.tobytes()):08x}"
+            check(meta.get(f"dp.crc32.{name}") == want,
+                  f"dp.crc32.{name} = {meta.get(f'dp.crc32.{name}')}, zlib.crc32 gives {want}")
+
+        # 1b. A flipped bit in a tensor dp wrote: dp names the tensor and the file.
+        entry = header["classifier.1.weight"]
+        flipped = bytearray(raw)
+        flipped[8 + n + entry["data_offsets"][0] + 5] ^= 0x04
+        path1b = os.path.join(d, "flipped.safetensors")
+        with open(path1b, "wb") as f:
+            f.write(flipped)
+        r = run_tool(tool, "load", path1b, expect_ok=False)
+        check(r.returncode == 1 and f"{path1b}: tensor 'classifier.1.weight' fails its checksum" in r.stderr,
+              f"flipped bit reported: {r.returncode} {r.stderr!r}")
 
         # 2. Python -> dp (strict).
         rng = np.random.default_rng(7)

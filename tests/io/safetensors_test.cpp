@@ -5,11 +5,15 @@
 #include <doctest/doctest.h>
 
 #include <poll.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -70,6 +74,11 @@ dp::nn::StateDict sample_tensors() {
           {"bn.running_var", dp::ones({5})}};
 }
 
+dp::io::Metadata without_checksums(dp::io::Metadata m) {
+  std::erase_if(m, [](const auto& kv) { return kv.first.rfind(dp::io::kChecksumPrefix, 0) == 0; });
+  return m;
+}
+
 std::vector<std::string> temporaries(const ScratchDir& dir) {
   std::vector<std::string> out;
   for (auto& e : std::filesystem::directory_iterator(dir.path())) {
@@ -85,7 +94,9 @@ TEST_CASE("safetensors layout: LE length, padded JSON header, contiguous data in
   dp::nn::StateDict t = {{"a", dp::from_vector(std::vector<float>{1.0f, -2.0f}, {2})},
                          {"b", dp::from_vector(std::vector<std::int64_t>{5}, {1, 1})}};
   auto bytes = dp::io::serialize_safetensors(t, {{"epoch", "3"}});
-  std::string json = R"({"__metadata__":{"format":"pt","epoch":"3"},)"
+  // The CRC-32s as Python computes them: zlib.crc32(struct.pack('<ff', 1, -2)), …
+  std::string json = R"({"__metadata__":{"format":"pt","epoch":"3","dp.crc32.a":"c3872656",)"
+                     R"("dp.crc32.b":"2dc2d10d"},)"
                      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                      R"("b":{"dtype":"I64","shape":[1,1],"data_offsets":[8,16]}})";
   json.append((8 - json.size() % 8) % 8, ' ');
@@ -107,14 +118,15 @@ TEST_CASE("safetensors round trip in memory and through a file, bit for bit") {
   auto bytes = dp::io::serialize_safetensors(t, meta);
   auto mem = dp::io::parse_safetensors(bytes.data(), bytes.size());
   CHECK(bit_equal(mem.tensors, t));
-  CHECK(mem.metadata == meta);
+  CHECK(without_checksums(mem.metadata) == meta);
+  CHECK(mem.metadata.at("dp.crc32.empty") == "00000000");
 
   std::string path = dir.file("t.safetensors");
   dp::io::write_safetensors(path, t, meta);
   CHECK(io_test::read_bytes(path) == bytes);
   auto file = dp::io::read_safetensors(path);
   CHECK(bit_equal(file.tensors, t));
-  CHECK(file.metadata == meta);
+  CHECK(without_checksums(file.metadata) == meta);
   for (auto& [n, x] : file.tensors) CHECK(x.device() == dp::cpu(0));
 
   auto info = dp::io::read_safetensors_info(path);
@@ -360,14 +372,54 @@ TEST_CASE("SIGKILL of a writer paused mid-write keeps the previous checkpoint; s
   CHECK(bit_equal(dp::io::read_safetensors(path).tensors, old));
   CHECK(temporaries(dir) == tmps);  // the dead writer's temporary remains…
 
-  // …until a later write finds it old enough (its writer is dead).
-  dp::io::write_safetensors(path, old);
-  CHECK(temporaries(dir) == tmps);  // still fresh: kept (a writer elsewhere might own it)
-  std::filesystem::last_write_time(dir.path() / tmps[0],
-                                   std::filesystem::file_time_type::clock::now() - std::chrono::hours(1));
+  // …until the next write of the target removes it (its writer is gone).
   dp::io::write_safetensors(path, old);
   CHECK(temporaries(dir).empty());
   CHECK(bit_equal(dp::io::read_safetensors(path).tensors, old));
+}
+
+TEST_CASE("a write removes its target's temporaries of dead writers, never a live writer's") {
+  ScratchDir dir;
+  std::string path = dir.file("ckpt.safetensors");
+  // A pid that cannot be running: a child that has exited and been reaped.
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  auto make = [&](const std::string& name) {
+    io_test::write_bytes(dir.file(name), std::vector<std::uint8_t>(4096, 7));
+    return name;
+  };
+  const std::string dead = make(dp::detail::str_cat("ckpt.safetensors.tmp.", child, ".0"));
+  const std::string dead2 = make(dp::detail::str_cat("ckpt.safetensors.tmp.", child, ".17"));
+  const std::string live = make(dp::detail::str_cat("ckpt.safetensors.tmp.", ::getppid(), ".3"));
+  const std::string mine = make(dp::detail::str_cat("ckpt.safetensors.tmp.", ::getpid(), ".999999"));
+  // A dead pid whose file is locked: a live writer in another PID namespace.
+  const std::string locked = make(dp::detail::str_cat("ckpt.safetensors.tmp.", child, ".5"));
+  const int lock_fd = ::open(dir.file(locked).c_str(), O_RDONLY);
+  REQUIRE(lock_fd >= 0);
+  REQUIRE(::flock(lock_fd, LOCK_EX) == 0);
+  // Not dp's names, or another target's: never touched.
+  const std::string foreign = make("ckpt.safetensors.tmp.notapid.1");
+  const std::string other = make(dp::detail::str_cat("other.safetensors.tmp.", child, ".0"));
+
+  dp::io::write_safetensors(path, sample_tensors());
+  auto left = temporaries(dir);
+  std::sort(left.begin(), left.end());
+  std::vector<std::string> want = {live, mine, locked, foreign, other};
+  std::sort(want.begin(), want.end());
+  CHECK(left == want);  // `dead` and `dead2` are gone
+  CHECK(bit_equal(dp::io::read_safetensors(path).tensors, sample_tensors()));
+
+  // Once the lock is released, the next write removes that one too.
+  ::close(lock_fd);
+  dp::io::write_safetensors(path, sample_tensors());
+  left = temporaries(dir);
+  std::sort(left.begin(), left.end());
+  want = {live, mine, foreign, other};
+  std::sort(want.begin(), want.end());
+  CHECK(left == want);
 }
 
 TEST_CASE("SIGKILL of a real 200 MB write at an arbitrary moment keeps a whole checkpoint") {
@@ -425,7 +477,8 @@ TEST_CASE("safetensors writes int32 tensors as I32 and reads them back bit for b
   const std::vector<std::int32_t> labels{7, -1, 2147483647, -2147483647 - 1, 0};
   dp::nn::StateDict t = {{"y", dp::from_vector(labels, {5})}};
   auto bytes = dp::io::serialize_safetensors(t, {});
-  std::string json = R"({"__metadata__":{"format":"pt"},"y":{"dtype":"I32","shape":[5],"data_offsets":[0,20]}})";
+  std::string json = R"({"__metadata__":{"format":"pt","dp.crc32.y":"ae4c00f9"},)"
+                     R"("y":{"dtype":"I32","shape":[5],"data_offsets":[0,20]}})";
   json.append((8 - json.size() % 8) % 8, ' ');
   std::vector<std::uint8_t> expected = craft(json);
   const auto* raw = reinterpret_cast<const std::uint8_t*>(labels.data());
@@ -438,4 +491,105 @@ TEST_CASE("safetensors writes int32 tensors as I32 and reads them back bit for b
   // An I32 entry whose byte span does not match its shape names both.
   expect_bad(craft(R"({"a":{"dtype":"I32","shape":[3],"data_offsets":[0,8]}})", zeros_bytes(8)),
              "'a' has shape [3] I32 = 12 bytes");
+}
+
+namespace {
+
+// A plain bitwise CRC-32 (reflected polynomial 0xEDB88320, as zlib and Python's
+// zlib.crc32): the reference the library's table-driven, pieced sums must equal.
+std::uint32_t reference_crc32(const std::uint8_t* p, std::size_t n) {
+  std::uint32_t c = 0xffffffffu;
+  for (std::size_t i = 0; i < n; ++i) {
+    c ^= p[i];
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xedb88320u & (0u - (c & 1u)));
+  }
+  return ~c;
+}
+
+std::string hex8(std::uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof buf, "%08x", v);
+  return buf;
+}
+
+}  // namespace
+
+TEST_CASE("every tensor's CRC-32 is in the metadata; large tensors' sums (pieced, chunked) are the plain CRC") {
+  ScratchDir dir;
+  dp::Generator gen(8);
+  // 12 MB + 4 bytes: several 8 MB write chunks and 1 MiB pieces, with a short tail.
+  dp::nn::StateDict t = {{"big", dp::randn({3'000'001}, gen)}, {"small", dp::randn({3, 5}, gen)},
+                         {"none", dp::zeros({0})}};
+  std::string path = dir.file("sums.safetensors");
+  dp::io::write_safetensors(path, t, {{"dp.crc32.big", "deadbeef"}});  // dp's key: replaced
+  auto bytes = dp::io::serialize_safetensors(t);
+  CHECK(io_test::read_bytes(path) == bytes);  // the file path and the memory path agree
+  auto info = dp::io::read_safetensors_info(path);
+  REQUIRE(info.entries.size() == 3);
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    CAPTURE(t[i].first);
+    const auto& e = info.entries[i];
+    CHECK(e.has_crc32);
+    const std::uint32_t want = reference_crc32(static_cast<const std::uint8_t*>(t[i].second.raw_data()),
+                                               t[i].second.nbytes());
+    CHECK(e.crc32 == want);
+    CHECK(info.metadata.at("dp.crc32." + t[i].first) == hex8(want));
+  }
+  CHECK(bit_equal(dp::io::read_safetensors(path).tensors, t));
+}
+
+TEST_CASE("a flipped data bit fails the checksum of its tensor, naming the tensor and the file") {
+  ScratchDir dir;
+  auto t = sample_tensors();
+  std::string path = dir.file("flip.safetensors");
+  dp::io::write_safetensors(path, t);
+  const auto good = io_test::read_bytes(path);
+  const auto info = dp::io::read_safetensors_info(path);
+  for (const auto& e : info.entries) {
+    if (e.end == e.begin) continue;  // "empty": no byte to flip
+    for (std::uint64_t at : {e.begin, (e.begin + e.end) / 2, e.end - 1}) {
+      for (int bit : {0, 7}) {
+        CAPTURE(e.name);
+        CAPTURE(at);
+        auto bad = good;
+        bad[8 + info.header_bytes + at] ^= static_cast<std::uint8_t>(1u << bit);
+        io_test::write_bytes(path, bad);
+        std::string m = error_of([&] { dp::io::read_safetensors(path); });
+        CHECK_MESSAGE(contains(m, path + ": tensor '" + e.name + "' fails its checksum (stored " + hex8(e.crc32) +
+                                      ", computed "),
+                      m);
+        CHECK(contains(m, "the file is corrupt"));
+        m = error_of([&] { dp::io::parse_safetensors(bad.data(), bad.size(), "mem"); });
+        CHECK(contains(m, "mem: tensor '" + e.name + "' fails its checksum"));
+      }
+    }
+  }
+  // A malformed sum is refused; a tensor without one loads unverified.
+  CHECK(bit_equal(dp::io::parse_safetensors(good.data(), good.size()).tensors, t));
+  std::string h = R"({"__metadata__":{"dp.crc32.x":"12345"},"x":{"dtype":"F32","shape":[],"data_offsets":[0,4]}})";
+  expect_bad(craft(h + std::string((8 - h.size() % 8) % 8, ' '), zeros_bytes(4)),
+             "metadata 'dp.crc32.x' should be 8 hex digits (a CRC-32), got \"12345\"");
+}
+
+TEST_CASE("a file without checksums (as Python's safetensors writes) loads unverified") {
+  ScratchDir dir;
+  std::string h = R"({"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  h.append((8 - h.size() % 8) % 8, ' ');
+  float v[2] = {1.5f, -3.0f};
+  std::vector<std::uint8_t> data(reinterpret_cast<std::uint8_t*>(v), reinterpret_cast<std::uint8_t*>(v) + 8);
+  std::string path = dir.file("python.safetensors");
+  io_test::write_bytes(path, craft(h, data));
+  auto f = dp::io::read_safetensors(path);
+  REQUIRE(f.tensors.size() == 1);
+  CHECK(f.tensors[0].second.to_vector() == std::vector<float>{1.5f, -3.0f});
+  CHECK(!dp::io::read_safetensors_info(path).entries[0].has_crc32);
+  // Without a sum nothing can tell a flipped bit: the value simply differs.
+  auto flipped = craft(h, data);
+  flipped.back() ^= 0x01;
+  io_test::write_bytes(path, flipped);
+  CHECK(dp::io::read_safetensors(path).tensors[0].second.to_vector() != std::vector<float>{1.5f, -3.0f});
+  io_test::write_bytes(path, craft(h, data));
+  // Written again by dp, it gains its sum.
+  dp::io::write_safetensors(path, f.tensors, f.metadata);
+  CHECK(dp::io::read_safetensors_info(path).entries[0].has_crc32);
 }

@@ -44,7 +44,7 @@ LAYERS = [
     ("comm/nccl", ["comm/nccl"],
      ["comm", "dist", "tensor+autograd", "backend/cuda", "backend", "core"]),
     ("data", ["data"], ["dist", "tensor+autograd", "core"]),
-    ("io", ["io"], ["optim", "nn", "tensor+autograd", "core"]),
+    ("io", ["io"], ["optim", "nn", "dist", "tensor+autograd", "core"]),
     ("parallel", ["parallel"], ["comm", "dist", "nn", "tensor+autograd", "backend", "core"]),
     ("dp.h", ["dp.h"],
      ["parallel", "io", "data", "comm", "dist", "optim", "nn", "tensor+autograd", "core"]),

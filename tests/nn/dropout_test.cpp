@@ -59,3 +59,45 @@ TEST_CASE("Dropout draws from a separate stream per bound copy") {
   CHECK(s1.seed() == s2.seed());
   CHECK(s2.seed() != s3.seed());
 }
+
+TEST_CASE("a module tree names every generator it owns: Dropout's copies, a member, shared children once") {
+  struct Noisy : nn::Module {
+    Noisy() {
+      register_generator("noise", noise);
+      drop = register_module("drop", std::make_shared<nn::Dropout>(0.5, 3));
+    }
+    dp::Generator noise{42};
+    std::shared_ptr<nn::Dropout> drop;
+  };
+  struct Net : nn::Module {
+    Net() {
+      auto shared = std::make_shared<Noisy>();
+      a = register_module("a", shared);
+      b = register_module("b", shared);  // the same module twice: listed under "a" only
+      head = register_module("head", std::make_shared<nn::Dropout>(0.1, 4));
+    }
+    std::shared_ptr<Noisy> a, b;
+    std::shared_ptr<nn::Dropout> head;
+  };
+  Net net;
+  auto gens = net.named_generators();
+  REQUIRE(gens.size() == 1 + 2 * nn::Dropout::kMaxCopies);
+  CHECK(gens[0].first == "a.noise");
+  CHECK(gens[0].second == &net.a->noise);
+  CHECK(gens[1].first == "a.drop.generator.0");
+  CHECK(gens[2].first == "a.drop.generator.1");
+  CHECK(gens[2].second == &net.a->drop->generator(1));
+  CHECK(gens[1 + nn::Dropout::kMaxCopies].first == "head.generator.0");
+  CHECK(gens.back().first == "head.generator.63");
+  CHECK(gens.back().second == &net.head->generator(nn::Dropout::kMaxCopies - 1));
+
+  // Names follow register_buffer's rules; a generator registers once.
+  nn::Module m;
+  dp::Generator g1, g2;
+  m.register_generator("g", g1);
+  CHECK_THROWS_WITH_AS(m.register_generator("g", g2), doctest::Contains("'g' is already registered"), dp::Error);
+  CHECK_THROWS_WITH_AS(m.register_generator("h", g1), doctest::Contains("already registered as 'g'"), dp::Error);
+  CHECK_THROWS_WITH_AS(m.register_generator("a.b", g2), doctest::Contains("without '.'"), dp::Error);
+  CHECK_THROWS_WITH_AS(m.register_generators("g", std::span<dp::Generator>(&g2, 1)),
+                       doctest::Contains("'g' is already registered"), dp::Error);
+}

@@ -11,7 +11,9 @@
 // workers also copy each batch into pinned host memory, so that its copies to CUDA
 // devices (DataParallel copies each shard straight to its device) do not make the host
 // wait. A resumed run starts mid-epoch with set_position(epoch, batch) and never
-// assembles the batches it skips.
+// assembles the batches it skips. A loader owns no random generator: a shuffled
+// epoch's order is a pure function of (seed, epoch) (RandomSampler,
+// DistributedSampler), so (epoch, batch) is all a checkpoint needs to resume it.
 //
 //   dp::data::DataLoader loader(dataset, {.batch_size = 128, .shuffle = true, .seed = 7});
 //   for (std::uint64_t epoch = 0; epoch < 10; ++epoch) {

@@ -109,6 +109,28 @@ std::vector<T> broadcast_object(std::vector<T> value, int root = 0) {
   return value;
 }
 
+/// Names what the calling thread is doing while it makes process collectives, for
+/// their error messages: a collective that times out or finds the processes at odds
+/// says "inside <what>" on this process, and the others' messages say what this
+/// process was inside. For a call that is collective without looking it, e.g. a
+/// checkpoint save that gathers every process's optimizer shards. Thread-local,
+/// nestable (the innermost names the call); does not start the process group.
+///
+///   dp::dist::CollectiveScope scope("save_training_checkpoint (collective: …)");
+class CollectiveScope {
+ public:
+  explicit CollectiveScope(std::string what);
+  ~CollectiveScope();
+  CollectiveScope(const CollectiveScope&) = delete;
+  CollectiveScope& operator=(const CollectiveScope&) = delete;
+  /// The innermost scope's text on this thread; "" outside any scope.
+  static const std::string& current();
+
+ private:
+  std::string what_;
+  const CollectiveScope* outer_;
+};
+
 /// How long a process waits in a collective for the others before it prints which
 /// ranks are missing and ends the job (Note [Fault policy]). 0 waits forever. Default:
 /// DP_DIST_TIMEOUT or 600 s, PyTorch's NCCL default. DP_DIST_TIMEOUT is a number of

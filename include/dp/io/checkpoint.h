@@ -5,9 +5,13 @@
 // a plain net, DataParallel in DP mode and in DDP mode save is the same file, and it
 // loads into any of them (and into PyTorch with safetensors.torch.load_file).
 // A training checkpoint adds the optimizer's state (tensors under "optimizer."), the
-// loop position and random generator states (strings in "__metadata__"), so that a
-// resumed run is bitwise identical to an uninterrupted one. Writes are atomic (Note
-// [Atomic checkpoint writes]); loads validate everything before writing anything.
+// loop position and random generator states (strings in "__metadata__"): the default
+// generator, every generator the module tree registered (each Dropout's per-copy
+// streams; Module::named_generators) and any the user lists. A resumed run is then
+// bitwise identical to an uninterrupted one with nothing named by hand. A DataLoader
+// holds no generator: its order is a pure function of (seed, epoch), so the epoch and
+// batch in TrainingState are its whole state. Writes are atomic (Note [Atomic
+// checkpoint writes]); loads validate everything before writing anything.
 // This header knows nothing of DataParallel: pass the wrapped module (*model.module())
 // or model.state_dict(); DataParallel's replicas pick loaded values up at the next
 // forward because a load bumps the parameter set's version.
@@ -39,7 +43,8 @@ namespace dp {
 // ---- module checkpoints ------------------------------------------------------------------
 
 /// Saves module.state_dict() (copy 0, any device) to `path` atomically, with `metadata`
-/// in the header ("format": "pt" is always set).
+/// in the header ("format": "pt" is always set) and each tensor's CRC-32
+/// ("dp.crc32.<name>").
 void save(nn::Module& module, const std::string& path, const io::Metadata& metadata = {});
 void save(const std::shared_ptr<nn::Module>& module, const std::string& path,
           const io::Metadata& metadata = {});
@@ -51,7 +56,9 @@ void save(const nn::StateDict& state, const std::string& path, const io::Metadat
 /// listing the missing and the unexpected ones. strict = false loads the names both
 /// sides have and returns the rest. Every dtype and shape is checked ("expected
 /// [32, 1, 3, 3], got [32, 3, 3, 3] for 'features.0.weight'") and the file fully
-/// validated before any value is written: a failed load leaves the module untouched.
+/// validated before any value is written, every tensor's checksum included (a file
+/// without checksums, such as PyTorch's, loads unverified): a failed load leaves the
+/// module untouched.
 /// The "optimizer." entries of a training checkpoint are ignored (not unexpected).
 nn::LoadResult load(nn::Module& module, const std::string& path, bool strict = true);
 nn::LoadResult load(const std::shared_ptr<nn::Module>& module, const std::string& path,
@@ -73,8 +80,9 @@ struct TrainingState {
   /// Batches of `epoch` already consumed: resume with
   /// loader.set_position(state.epoch, state.batch).
   std::int64_t batch = 0;
-  /// Extra generators (dropout, augmentation, …) saved and restored by name, in place.
-  /// dp::default_generator() is always saved and restored as well.
+  /// Generators outside the module (augmentation, …) saved and restored by name, in
+  /// place. dp::default_generator() and every generator the module registered
+  /// (Dropout's included) are always saved and restored: do not list those.
   std::vector<std::pair<std::string, Generator*>> generators;
   /// Learning-rate schedulers saved and restored by name, in place (optional): their
   /// position and base lrs, so that the resumed run continues the lr sequence exactly.
@@ -86,8 +94,12 @@ struct TrainingState {
 };
 
 /// Saves module state (unprefixed names), optimizer.state_dict() (prefixed
-/// "optimizer."), its learning rate and momentum, `state` (with its schedulers) and
-/// dp::default_generator()'s state to one safetensors file at `path`, atomically.
+/// "optimizer."), its learning rate and momentum, `state` (with its schedulers and
+/// generators), dp::default_generator()'s state and the state of every generator of
+/// module.named_generators() to one safetensors file at `path`, atomically, with a
+/// CRC-32 per tensor (Note [Tensor checksums], safetensors.cpp). Under mpirun the generators saved
+/// are the writing process's: a run whose processes seed differently restores
+/// process 0's streams everywhere.
 /// The optimizer of a Sharded run across processes (stages 1 and 2 under mpirun) holds
 /// only its process's shards and optimizer.state_dict() gathers the others: the save is
 /// then COLLECTIVE — every process calls it, with `write` true on one of them
@@ -97,11 +109,17 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
                               const TrainingState& state, bool write = true);
 
 /// Restores what save_training_checkpoint wrote: the module (strict), the optimizer
-/// (state, learning rate and, when saved, momentum), dp::default_generator(), and fills
-/// state.step, .epoch, .batch and .metadata; every generator and scheduler listed in
-/// state.generators and state.schedulers is restored by name (dp::Error when the file
-/// has none of that name). Everything is validated first: on error, module, optimizer,
-/// generators, schedulers and `state` are unchanged.
+/// (state, learning rate and, when saved, momentum), dp::default_generator(), every
+/// generator the module registered, and fills state.step, .epoch, .batch and
+/// .metadata; every generator and scheduler listed in state.generators and
+/// state.schedulers is restored by name (dp::Error when the file has none of that
+/// name). The module's generators must match the file's both ways (dp::Error naming
+/// the missing and unexpected ones); a file written before dp saved them (no
+/// "dp.checkpoint_version") loads with a warning and leaves them as they are (Note
+/// [Checkpoints without module generators], checkpoint.cpp). Every tensor's checksum
+/// is verified (dp::Error naming the tensor and the file when one fails). Everything
+/// is validated first: on error, module, optimizer, generators, schedulers and
+/// `state` are unchanged.
 void load_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
                               TrainingState& state);
 

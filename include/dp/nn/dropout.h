@@ -11,7 +11,9 @@
 // makes a run reproducible) unless given explicitly. Consequence: under
 // DataParallel each shard's mask comes from its device's stream, so masks differ
 // from single-device training with the same seed (as in PyTorch). Two threads bound
-// to the SAME copy must not run forward concurrently.
+// to the SAME copy must not run forward concurrently. The generators are registered
+// as "generator.0" … "generator.63" (Note [Module generators] in module.cpp), so a
+// training checkpoint restores every copy's stream by itself ("drop.generator.1").
 //
 //   auto drop = std::make_shared<dp::nn::Dropout>(0.5);   // or Dropout(DropoutOptions().p(0.5))
 //   dp::Tensor y = (*drop)(x);          // training: zeros ~half, scales the rest by 2

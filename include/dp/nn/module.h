@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <ostream>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -92,6 +93,14 @@ class Module : public std::enable_shared_from_this<Module> {
   Parameter register_parameter(const std::string& name, Tensor value);
   /// Registers a buffer (saved in state_dict, not trained, e.g. running_mean).
   Parameter register_buffer(const std::string& name, Tensor value);
+  /// Registers a random generator the module owns (a member, so it lives as long as
+  /// the module), so that training checkpoints save and restore its stream without
+  /// the user naming it (Note [Module generators]). Its name joins the tree's dotted
+  /// names: "noise" in child "enc" is "enc.noise" in named_generators().
+  void register_generator(const std::string& name, Generator& generator);
+  /// Registers an array of generators as "<name>.0", "<name>.1", … (Dropout's per-copy
+  /// streams: "generator.0" … "generator.63").
+  void register_generators(const std::string& name, std::span<Generator> generators);
   /// Registers a child module under `name`. On a Sequential it also appends the child
   /// as its next layer (as torch.nn.Sequential.add_module does).
   template <typename M>
@@ -112,6 +121,10 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const {
     return children_;
   }
+  /// Every registered generator of the tree by dotted name ("features.3.generator.1"),
+  /// depth first in registration order like state_dict(); a module or generator
+  /// reached twice is listed once, under its first name.
+  std::vector<std::pair<std::string, Generator*>> named_generators();
   /// Every module of the tree, depth first: this one first when it is owned by a
   /// shared_ptr, then every descendant once.
   std::vector<std::shared_ptr<Module>> modules();
@@ -154,6 +167,7 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<std::pair<std::string, std::shared_ptr<Parameter::Slot>>> params_;
   std::vector<std::pair<std::string, std::shared_ptr<Parameter::Slot>>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::vector<std::pair<std::string, Generator*>> generators_;
   std::shared_ptr<ParameterSet> set_;
   bool training_ = true;
 };
