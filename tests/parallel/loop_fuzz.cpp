@@ -14,7 +14,9 @@
 // or forward_backward), no_sync around a micro-batch, zero_grad skipped (gradients
 // accumulate across steps), parameters scaled in place and .grad halved by hand,
 // clip_grad_norm_, a scheduler step, an eval()/train() evaluation, the state_dict
-// scaled and loaded back, uneven batches, SGD (momentum, Nesterov, weight decay),
+// scaled and loaded back, a training checkpoint saved and resumed into fresh objects
+// (one process), five cross entropies (mean, sum, ignore_index, label smoothing,
+// class weights), uneven batches, SGD (momentum, Nesterov, weight decay),
 // Adam or AdamW, one of three models (an MLP; with Dropout; a CNN with BatchNorm) on
 // 1-4 devices — and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2
 // with the deferred gather too). After every step each design's state_dict is compared:
@@ -25,6 +27,8 @@
 //    ~R·2^-24 relative (R = rows summed, ≤ 40: ≤ 2.4e-6); the update moves it by lr ≤
 //    0.1 and momentum (≤ 0.9) carries it ~10 steps: kStepTolerance = 4e-6 per step
 //    taken, relative to max(1, |value|);
+//  - with the same design run without the resumes, bit for bit (a resumed run is the
+//    uninterrupted one, Dropout's per-device streams included);
 //  - with DP's on the same devices, bit for bit where the README promises it (no
 //    no_sync so far, and Sharded only while every step had one backward), else to the
 //    same tolerance.
@@ -37,6 +41,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -45,6 +50,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "dp/dp.h"
 
@@ -110,6 +117,7 @@ struct StepSpec {
   bool scheduler = false;     // StepLR(step_size 1, gamma 0.5) steps after opt.step()
   bool evaluate = false;      // eval(), a no_grad forward, train() after the step
   bool reload = false;        // state_dict() scaled by 0.99, loaded back, after the step
+  bool resume = false;        // a training checkpoint saved, loaded into fresh objects (one process)
 };
 
 enum class Optim { Sgd, Adam, AdamW };
@@ -123,6 +131,13 @@ struct Program {
   bool nesterov = false;
   std::vector<StepSpec> steps;
 };
+
+// A checkpoint keeps no gradients (as PyTorch's): the step after a resume starts with
+// zero_grad, as a resumed loop does; so does the first step.
+void normalize(Program& p) {
+  for (std::size_t s = 0; s < p.steps.size(); ++s)
+    if (s == 0 || p.steps[s - 1].resume) p.steps[s].zero_grad = true;
+}
 
 Program generate(std::uint64_t seed) {
   std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + 1);
@@ -168,8 +183,10 @@ Program generate(std::uint64_t seed) {
     st.scheduler = chance(0.2);
     st.evaluate = chance(0.2);
     st.reload = chance(0.1);
+    st.resume = dp::dist::world_size() == 1 && s + 1 < steps && chance(0.15);
     p.steps.push_back(st);
   }
+  normalize(p);
   return p;
 }
 
@@ -284,36 +301,69 @@ dp::nn::CrossEntropyLoss descriptor(int kind) {
 }
 
 // Runs `p` with `design` (nullptr: one device, no wrapper, on the global batch).
-Trace run(const Program& p, const Design* design) {
-  const int processes = design ? dp::dist::world_size() : 1;
-  const int part = design && processes > 1 ? dp::dist::rank() : -1;
-  auto net = make_model(p.model, p.seed);
+// What a run trains with; a resume builds a fresh one and loads the checkpoint into it.
+struct Objects {
+  std::shared_ptr<dp::nn::Module> net;
   std::optional<dp::DataParallel> model;
-  Trace trace;
+  std::unique_ptr<dp::optim::Optimizer> optimizer;
+  std::unique_ptr<dp::optim::StepLR> sched;
+};
+
+std::unique_ptr<Objects> build(const Program& p, const Design* design) {
+  auto o = std::make_unique<Objects>();
+  o->net = make_model(p.model, p.seed);
   std::vector<dp::Device> devices;
   for (int i = 0; i < p.devices; ++i) devices.push_back(dp::cpu(i));
-  if (design) model.emplace(net, devices, design->options);
-  dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
-  std::unique_ptr<dp::optim::Optimizer> optimizer;
+  if (design) o->model.emplace(o->net, devices, design->options);
+  dp::nn::ParameterList params = o->model ? o->model->parameters() : o->net->parameters();
   switch (p.optim) {
     case Optim::Sgd:
-      optimizer = std::make_unique<dp::optim::SGD>(
+      o->optimizer = std::make_unique<dp::optim::SGD>(
           params, dp::optim::SGDOptions{.lr = p.lr, .momentum = p.momentum, .weight_decay = p.weight_decay,
                                         .nesterov = p.nesterov});
       break;
     case Optim::Adam:
-      optimizer = std::make_unique<dp::optim::Adam>(params, dp::optim::AdamOptions{.lr = p.lr, .weight_decay = p.weight_decay});
+      o->optimizer = std::make_unique<dp::optim::Adam>(params, dp::optim::AdamOptions{.lr = p.lr, .weight_decay = p.weight_decay});
       break;
     case Optim::AdamW:
-      optimizer = std::make_unique<dp::optim::AdamW>(params, dp::optim::AdamWOptions{.lr = p.lr});
+      o->optimizer = std::make_unique<dp::optim::AdamW>(params, dp::optim::AdamWOptions{.lr = p.lr});
       break;
   }
-  dp::optim::Optimizer& opt = *optimizer;
-  dp::optim::StepLR sched(opt, {.step_size = 1, .gamma = 0.5});
-  auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
+  o->sched = std::make_unique<dp::optim::StepLR>(*o->optimizer, dp::optim::StepLROptions{.step_size = 1, .gamma = 0.5});
+  return o;
+}
+
+// A training checkpoint of `o` after `step` steps, loaded into fresh objects (one process).
+std::unique_ptr<Objects> resume(const Program& p, const Design* design, Objects& o, std::int64_t step) {
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("dp_loop_fuzz_" + std::to_string(::getpid()) + ".ckpt")).string();
+  dp::TrainingState saved{.step = step, .schedulers = {{"lr", o.sched.get()}}};
+  dp::save_training_checkpoint(path, *o.net, *o.optimizer, saved);
+  std::unique_ptr<Objects> fresh = build(p, design);
+  dp::TrainingState loaded{.schedulers = {{"lr", fresh->sched.get()}}};
+  dp::load_training_checkpoint(path, *fresh->net, *fresh->optimizer, loaded);
+  std::filesystem::remove(path);
+  if (loaded.step != step) throw std::runtime_error("the checkpoint's step did not come back");
+  return fresh;
+}
+
+// Runs `p` with `design` (nullptr: one device, no wrapper, on the global batch);
+// `resumes`: whether the steps that ask for it save and resume from a checkpoint.
+Trace run(const Program& p, const Design* design, bool resumes = true) {
+  const int processes = design ? dp::dist::world_size() : 1;
+  const int part = design && processes > 1 ? dp::dist::rank() : -1;
+  Trace trace;
+  std::unique_ptr<Objects> cur = build(p, design);
   auto batch = [&](int id, int rows) { return make_batch(p, id, rows, dp::dist::world_size(), part); };
   try {
-    for (const StepSpec& st : p.steps) {
+    for (std::size_t step = 0; step < p.steps.size(); ++step) {
+      const StepSpec& st = p.steps[step];
+      auto& net = cur->net;
+      auto& model = cur->model;
+      dp::optim::Optimizer& opt = *cur->optimizer;
+      dp::optim::StepLR& sched = *cur->sched;
+      dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
+      auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
       if (st.edit_params) {
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
@@ -386,6 +436,7 @@ Trace run(const Program& p, const Design* design) {
         }
       }
       trace.states.push_back(flat_state(*net, trace.names.empty() ? &trace.names : nullptr));
+      if (st.resume && resumes) cur = resume(p, design, *cur, static_cast<std::int64_t>(step) + 1);
     }
   } catch (const dp::Error& e) {
     if (!design) throw;  // one device refuses nothing
@@ -460,6 +511,25 @@ std::optional<Finding> compare(const Program& p, const Trace& want, const Trace&
   return std::nullopt;
 }
 
+bool resumes(const Program& p) {
+  return std::any_of(p.steps.begin(), p.steps.end(), [](const StepSpec& st) { return st.resume; });
+}
+
+std::optional<Finding> compare_exact(const Trace& got, const Trace& want, const Design& d, const Program& p,
+                                     const char* against) {
+  for (std::size_t s = 0; s < got.states.size() && s < want.states.size(); ++s)
+    for (std::size_t i = 0; i < got.states[s].size(); ++i) {
+      const float a = got.states[s][i], b = want.states[s][i];
+      if (a == b || (std::isnan(a) && std::isnan(b))) continue;
+      std::ostringstream os;
+      os.precision(9);
+      os << d.name << " on " << p.devices << " device(s) differs from " << against << " after step " << s << " in "
+         << got.names[i] << ": " << a << " vs " << b << " (bitwise promised)";
+      return Finding{d.name, d.spelling, os.str(), s};
+    }
+  return std::nullopt;
+}
+
 // Runs every design of `p`; the first finding, if any. `only`: that design alone.
 std::optional<Finding> check(const Program& p, const std::string& only = "", bool verbose = false) {
   std::optional<Trace> single;
@@ -482,6 +552,10 @@ std::optional<Finding> check(const Program& p, const std::string& only = "", boo
       return Finding{d.name, d.spelling, d.name + " ran no_sync with stage 3 instead of refusing it clearly"};
     if (single)
       if (auto f = compare(p, *single, t, d, "one device", false)) return f;
+    if (resumes(p)) {  // the README: a resumed run is bitwise the uninterrupted one
+      const Trace straight = run(p, &d, /*resumes=*/false);
+      if (auto f = compare_exact(t, straight, d, p, "the same run without the resumes")) return f;
+    }
     if (d.name == "DP") {
       dp_trace = t;
     } else if (dp_trace) {
@@ -557,6 +631,9 @@ std::string cpp(const Program& p, const std::string& spelling) {
     os << "opt.step();\n";
     if (st.scheduler) os << "sched.step();\n";
     if (st.evaluate) os << "model.eval(); { dp::NoGradGuard g; (void)model(batch(900, 5).x); } model.train();\n";
+    if (st.resume)
+      os << "// save_training_checkpoint (with the scheduler), then a fresh net, DataParallel, optimizer and "
+            "scheduler built as above and load_training_checkpoint into them\n";
     if (st.reload)
       os << "{ dp::nn::StateDict sd; for (auto& [n, t] : model.state_dict()) sd.emplace_back(n, t.dtype() == "
             "dp::Dtype::Float32 ? dp::mul(t, 0.99) : t.clone()); model.load_state_dict(sd); }\n";
@@ -596,6 +673,7 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.edit_params, false); });
       with([](StepSpec& t) { return std::exchange(t.edit_grads, false); });
       with([](StepSpec& t) { return std::exchange(t.reload, false); });
+      with([](StepSpec& t) { return std::exchange(t.resume, false); });
       with([&](StepSpec& t) { return s > 0 && !std::exchange(t.zero_grad, true); });
       for (std::size_t m = 0; m < st.micros.size(); ++m) {
         auto micro = [&](auto edit) {
@@ -617,6 +695,7 @@ Program shrink(Program p, const std::string& design) {
       --q.devices;
       candidates.push_back(q);
     }
+    for (Program& q : candidates) normalize(q);
     for (const Program& q : candidates)
       if (still(q)) {
         p = q;
