@@ -156,6 +156,7 @@ class DataParallel::Step {
   }
   ~Step() {
     if (options_.backward) dp_.reducer_->end();
+    dp_.carry_sums_ = false;  // Note [Accumulating after a combined backward]
     dp_.drop_pulls_ahead();  // a unit the forward never reached: pulled afresh when it is
     dp_.updating_ = false;
     dp_.busy_ = false;
@@ -212,7 +213,7 @@ class DataParallel::Step {
       dp_.snapshot_grad_versions();
       // Note [Accumulating after a combined backward]
       dp_.grads_combined_ = (dp_.options_.mode == Mode::DDP && dp_.require_sync_ && dp_.world_devices() > 1) ||
-                            (dp_.options_.mode == Mode::DP && dp_.processes_ > 1);
+                            (dp_.options_.mode == Mode::DP && dp_.processes_ > 1) || dp_.sharded_sums_in_dp_order();
       dp_.zero_grad_count_ = dp_.set_->zero_grad_count();
     }
   }
@@ -334,8 +335,8 @@ void DataParallel::backward_unit(int rank, std::uint64_t sequence_nr) {
 //   that backward brought and nothing older: it is zeroed on the worker at the start
 //   of every step that runs backward (not at the forward, which a second backward
 //   without a forward between would skip: the first one's gradient then reached
-//   device 0 twice). DDP and Sharded need nothing new: Note [Accumulating after a
-//   combined backward] covers a second backward there.
+//   device 0 twice). DDP and Sharded need nothing more than Note [Accumulating after
+//   a combined backward], which covers any second backward.
 // - Sharded stage 3 finds a node's unit by its sequence number (Note [Sharded
 //   parameters]). The marks of every forward whose graph can still be run are kept,
 //   each starting with a mark of no unit (what a forward makes before its first
@@ -657,11 +658,44 @@ void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::funct
 // combined sum (zeroes its gradient), so the next all-reduce adds the old sum once:
 // the same numbers, in the same order, as DP's accumulation on device 0. Skipped
 // when the gradients were zeroed since (the usual loop), so it costs nothing there.
+// Sharded (one process, CPU devices: where the sums are in device order and the
+// designs promise each other's bits) keeps the sum of each range on its owner, and a
+// second reduce-scatter would add it at the owner's place in the order: the owner's
+// piece, not device 0's first. So the earlier sum moves to where DP has it, the start
+// of device 0's contribution: stage 1 copies every other owner's summed range into
+// device 0's gradient buffer (zeros there until now) and zeroes the owner's, which is
+// then DDP's state exactly; stages 2 and 3, whose synced passes keep no full buffer
+// (Note [Detached gradients]), carry it instead — device 0 adds the owner's sum into
+// each piece it sends (piece + S == S + piece, as device 0's accumulation adds), and
+// the owner's range takes the result in place of adding it. Every element then sums
+// (S + g_0) + g_1 + ... + g_{N-1}, DP's and DDP's order, bit for bit. The price is a
+// copy of the other owners' ranges (stage 1) or a read of them piece by piece
+// (stages 2, 3), in a backward that follows a combined one without zero_grad only.
+bool DataParallel::sharded_sums_in_dp_order() const {
+  return options_.mode == Mode::Sharded && require_sync_ && processes_ == 1 && devices_.size() > 1 &&
+         devices_[0].is_cpu();
+}
+
 void DataParallel::forget_combined_grads() {
   if (!grads_combined_) return;
   grads_combined_ = false;
   if (set_->zero_grad_count() != zero_grad_count_) return;
   NoGradGuard no_grad;
+  if (options_.mode == Mode::Sharded) {
+    if (set_->shards_grads()) {
+      carry_sums_ = require_sync_;  // a no_sync pass accumulates into the owners' buffers instead
+      return;
+    }
+    const Tensor& grad0 = set_->copy(0).grad;
+    for (int r = 1; r < set_->num_copies(); ++r) {
+      const nn::ParameterCopy& c = set_->copy(r);
+      const std::int64_t lo = std::min(c.begin, set_->numel()), n = std::min(c.end, set_->numel()) - lo;
+      if (n <= 0) continue;
+      grad0.narrow(0, lo, n).copy_(c.grad.narrow(0, lo, n));
+      c.grad.narrow(0, lo, n).zero_();
+    }
+    return;
+  }
   // Across processes every process's device 0 holds the sum too (DP's as well, Note
   // [DP across processes]): process 0's alone keeps it.
   for (int r = process_ == 0 ? 1 : 0; r < set_->num_copies(); ++r) set_->copy(r).grad.zero_();
@@ -916,7 +950,18 @@ void DataParallel::make_reducer() {
       g.deliver = [this](int r, const Tensor& piece, std::int64_t offset) {
         const nn::ParameterCopy& c = set_->copy(r);
         NoGradGuard no_grad;
-        c.shard_grad.narrow(0, offset - c.begin, piece.numel()).add_(piece);
+        Tensor range = c.shard_grad.narrow(0, offset - c.begin, piece.numel());
+        if (carry_sums_) {
+          range.copy_(piece);  // the sum carried the earlier one (Note [Accumulating after a combined backward])
+        } else {
+          range.add_(piece);
+        }
+      };
+      g.carry_in = [this](int r, Tensor& piece, std::int64_t offset, int owner) {
+        if (!carry_sums_ || r != 0) return;  // Note [Accumulating after a combined backward]
+        const nn::ParameterCopy& c = set_->copy(owner);
+        NoGradGuard no_grad;
+        piece.add_(c.shard_grad.narrow(0, offset - c.begin, piece.numel()).to(piece.device()));
       };
       g.owned = [this](int r) { return set_->copy(r).owned_grad(); };
     }

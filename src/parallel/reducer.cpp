@@ -173,6 +173,7 @@ class ReduceScatterSync final : public GradSync {
       const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
       if (a >= b) continue;
       Tensor piece = grad.narrow(0, a - lo, b - a);
+      if (detached && g_.carry_in) g_.carry_in(rank, piece, a, owner);
       const Tensor& recv = me == owner ? piece : Tensor();
       if (g_.hybrid) {
         comm.reduce(rank, piece, recv, owner, comm::ReduceOp::Sum);

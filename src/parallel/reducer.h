@@ -133,6 +133,11 @@ struct ShardedGrads {
   /// collectives (Note [Work after deferred collectives] in dp/comm/communicator.h).
   /// Needed for detached cycles.
   std::function<void(int rank, const Tensor& piece, std::int64_t offset)> deliver;
+  /// Detached gradients, optional: called with each piece of rank's gradient before it
+  /// is reduced onto `owner` (world rank), `offset` its first element in the flat
+  /// buffer; may add into the piece (Note [Accumulating after a combined backward] in
+  /// data_parallel.cpp). Runs on rank's comm thread.
+  std::function<void(int rank, Tensor& piece, std::int64_t offset, int owner)> carry_in;
   /// Detached gradients: the gradient rank keeps for its own range (what held()
   /// returns when rank has no full buffer).
   std::function<Tensor(int rank)> owned;

@@ -40,7 +40,7 @@ struct ThreeLinear : dp::nn::Module {
   std::shared_ptr<dp::nn::Linear> fc1, mid, fc3;
 };
 
-std::shared_ptr<dp::nn::Sequential> make_mlp(std::uint64_t seed) {
+inline std::shared_ptr<dp::nn::Sequential> make_mlp(std::uint64_t seed) {
   dp::Generator gen(seed);
   auto net = std::make_shared<dp::nn::Sequential>();
   net->push_back(std::make_shared<dp::nn::Linear>(6, 16, true, &gen));
@@ -55,7 +55,7 @@ struct Batch {
   dp::Tensor x, y;
 };
 
-Batch make_batch(std::int64_t rows, std::uint64_t seed, std::int64_t features = 6, std::int64_t classes = 3) {
+inline Batch make_batch(std::int64_t rows, std::uint64_t seed, std::int64_t features = 6, std::int64_t classes = 3) {
   dp::Generator gen(seed);
   dp::Tensor x = dp::randn({rows, features}, gen, dp::cpu(0));
   std::vector<std::int64_t> labels(static_cast<std::size_t>(rows));
@@ -64,7 +64,7 @@ Batch make_batch(std::int64_t rows, std::uint64_t seed, std::int64_t features = 
   return {x, dp::from_vector(labels, {rows}, dp::cpu(0))};
 }
 
-dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
+inline dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
 
 /// Every float tensor of `sd`, concatenated in the state dict's order.
 inline std::vector<float> flat(const dp::nn::StateDict& sd) {

@@ -397,6 +397,7 @@ class DataParallel {
   void note_sharded_grad_edits();
   void check_sharded_grads_unedited(const char* what);
   void forget_combined_grads();
+  bool sharded_sums_in_dp_order() const;
   void snapshot_grad_versions();
   void gather_params(int rank);
   void abort_step(int rank, const std::exception_ptr& error);
@@ -437,6 +438,9 @@ class DataParallel {
   std::vector<std::uint64_t> grad_base_;       // DDP: each copy's grad version after the last sync
   std::int64_t updates_ = 0;                   // optimizer steps run (check_replicas_every)
   bool grads_combined_ = false;                // DDP: the replicas hold the all-reduced sum
+  // Sharded stages 2 and 3: this backward's pieces carry the owners' earlier sums (Note
+  // [Accumulating after a combined backward]); set before the step's workers run.
+  bool carry_sums_ = false;
   std::uint64_t zero_grad_count_ = 0;          // the set's zero_grad_count() when they did
   bool require_sync_ = true;
   // Sharded: device 0's .grad was edited by hand, noticed while the set's
