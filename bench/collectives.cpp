@@ -19,7 +19,8 @@
 //   not a network: the waits between processes yield and then sleep (Note [Waiting with
 //   a deadline]), so rows vary from run to run there.
 //
-// Figures (Note [Bus bandwidth], after nccl-tests' doc/PERFORMANCE.md):
+// Note [Bus bandwidth]
+// The figures, after nccl-tests' doc/PERFORMANCE.md:
 //   size  = bytes of the whole buffer: all_reduce/broadcast/reduce: the buffer of one
 //           rank; reduce_scatter: the send buffer (N blocks); all_gather: the recv
 //           buffer (N blocks). count = elements per call (per-rank block for RS/AG).

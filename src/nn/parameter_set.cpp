@@ -30,7 +30,7 @@ const Tensor& Parameter::get() const {
   DP_CHECK(slot_ != nullptr, "Parameter: expected a registered parameter, got an empty one");
   int r = t_bound_copy;
   if (!(r > 0 && r < static_cast<int>(slot_->copies.size()) && slot_->copies[r].defined())) r = 0;
-  if (slot_->unit >= 0) {  // Note [Sharded parameters]
+  if (slot_->unit >= 0) {  // Note [Sharded parameter buffers]
     if (auto set = slot_->set.lock()) set->on_unit_access(t_bound ? r : -1, slot_->unit);
   }
   return slot_->copies[r];
@@ -216,7 +216,7 @@ std::vector<std::vector<float>> ParameterSet::gather_processes(const std::vector
   return process_gather_(mine);
 }
 
-// Note [Sharded parameters].
+// Note [Sharded parameter buffers].
 void ParameterSet::shard_params(std::vector<std::pair<std::int64_t, std::int64_t>> units) {
   DP_CHECK(sharded_ && shard_grads_, "ParameterSet: shard_params needs a set sharded with shard_grads");
   DP_CHECK(!shards_params_, "ParameterSet: parameters already sharded");

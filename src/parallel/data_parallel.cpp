@@ -226,7 +226,7 @@ class DataParallel::Step {
 
 // Note [Sharded parameters]
 // ZeRO stage 3 (FSDP): each device keeps only its range of the parameters (Note
-// [Sharded parameter sets]; Note [Sharded parameters] in dp/nn/parameter_set.h for the
+// [Sharded parameter sets]; Note [Sharded parameter buffers] in dp/nn/parameter_set.h for the
 // buffers). The gather units are the net's top-level children, each a contiguous run
 // of the flat layout because parameters are flattened depth first in registration
 // order (parameters registered on the root itself form units of their own; a net
@@ -1064,7 +1064,8 @@ DataParallel::ShardPlan DataParallel::plan_shards(std::int64_t rows) const {
   return plan;
 }
 
-// Note [Scatter backward]: when the input needs a gradient, each worker's shard is a
+// Note [Scatter backward]
+// When the input needs a gradient, each worker's shard is a
 // leaf of that worker's graph; after the workers' backward, GatherBackward returns
 // the leaves' gradients, concatenated on the input's device, along its edge.
 Tensor DataParallel::scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf) {
@@ -1263,7 +1264,8 @@ Tensor DataParallel::forward_backward(const std::vector<DataParallelInput>& inpu
                                       const LossFn& loss_fn) {
   DP_CHECK(loss_fn != nullptr, "DataParallel::forward_backward: expected a loss function");
   const std::int64_t rows = check_inputs("forward_backward", inputs);
-  // Note [Loss scaling]: each shard's mean loss is weighted by its share of the batch,
+  // Note [Loss scaling]
+  // Each shard's mean loss is weighted by its share of the batch,
   // so the SUM over devices is the full-batch mean — exact for uneven shards, and the
   // same arithmetic in DP and DDP.
   // Across processes the batch is the job's (Note [Across processes]).

@@ -149,7 +149,8 @@ class ReduceScatterSync final : public GradSync {
   // local reduce then the owners' all-reduce across processes add a process's devices
   // in device order, then the processes in process order — the hierarchical reduce's
   // order (Note [Hierarchical collectives]), so the sum is bitwise the world designs'.
-  // Note [Deferred reduce-scatter]: the reduces are deferred, like DDP's all-reduce,
+  // Note [Deferred reduce-scatter]
+  // The reduces are deferred, like DDP's all-reduce,
   // and what follows them (delivery, zeroing) runs after them on the comm stream, so
   // the compute stream waits once, at join, not after every bucket. Hybrid sharding
   // keeps plain reduces: its all-reduce across processes runs on another communicator,

@@ -197,7 +197,8 @@ void WorkerPool::run(const std::function<void(int)>& fn, const ErrorHook& on_err
   for (int r = first_posted; r < ranks; ++r) post(r, &fn, &on_error);
   std::vector<std::exception_ptr> errors(ranks);
   if (caller_runs_rank0_ && ranks > 0) {
-    // Note [Rank 0 on the caller]: the caller binds device 0 (on CUDA it stays the
+    // Note [Rank 0 on the caller]
+    // The caller binds device 0 (on CUDA it stays the
     // calling thread's current device afterwards, as torch.cuda.set_device would).
     try {
       backend::get(devices_[0]).set_current_device(devices_[0]);

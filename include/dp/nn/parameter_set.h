@@ -101,7 +101,7 @@ struct ParameterCopy {
   /// The gradient an optimizer step of this copy reads: element i of the flat buffers
   /// (begin <= i < end) is owned_grad()[i - begin]. shard_grad when defined, else grad.
   Tensor owned_grad() const;
-  /// Sharded parameters (Note [Sharded parameters]): `data` holds only [begin, end),
+  /// Sharded parameters (Note [Sharded parameter buffers]): `data` holds only [begin, end),
   /// and each gather unit u has its own buffer units[u] whose storage is released
   /// except while gathered.
   bool sharded_data = false;
@@ -230,7 +230,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Sharded gradients: moves copy r's own range of its gradient buffer into
   /// shard_grad and frees the buffer (copy r's .grad become undefined).
   void release_grad(int r);
-  /// Note [Sharded parameters]
+  /// Note [Sharded parameter buffers]
   /// shard_params() (after shard(true)) keeps, per copy, only its own range of the
   /// parameters (ParameterCopy::data becomes that range) and gives each *gather unit*
   /// — a contiguous run [lo, hi) of the flat layout, e.g. one top-level child's
