@@ -96,7 +96,7 @@ void LambdaNode::release_saved() {
 // accumulated into; a write through other paths between a zero_grad and a backward
 // (rare: an edit of .grad by hand) would leave it set, and then the product is still
 // added to what is there — the right sum, rounded as one GEMM with beta = 1 rounds it.
-// MLP step: -2.6 % on the Zen 5 EPYC (docs/BENCHMARKS.md, "A fifth look").
+// Measured in docs/benchmarks/log.md, "A fifth look".
 
 // Note [Gradients written over zeros]
 // Adding into a .grad of +0 (beta = 1) still reads the .grad: zero_grad wrote it at
@@ -116,8 +116,8 @@ void LambdaNode::release_saved() {
 // seen.) The bits are those of the addition: the GEMMs start their sums from +0
 // (oneDNN's kernels and the small-k products on the CPU, cuBLAS on CUDA), so a product
 // is never -0 and +0 + product == product; engine_test checks this bit for bit with -0
-// products, through oneDNN's kernels and the small-k loop. MLP 784-1024-1024-10 step:
-// -0.7 to -0.8 % on the Zen 5 EPYC (docs/BENCHMARKS.md, "A seventh look").
+// products, through oneDNN's kernels and the small-k loop. Measured in
+// docs/benchmarks/log.md, "A seventh look".
 
 GradientWriteScope::GradientWriteScope() : outer_(!t_gradient_write) { t_gradient_write = true; }
 GradientWriteScope::~GradientWriteScope() {
