@@ -106,7 +106,8 @@ configure() {
     CXX="$CXX_FUZZ" meson setup $bdir "${opts[@]}" >/dev/null
   fi
 }
-build_lib() { ninja -C $bdir "${jobs[@]}" src/libdp.so.0.1.0; }
+# By target name: the file name carries the version (src/libdp.so.X.Y.Z).
+build_lib() { meson compile -C $bdir "${jobs[@]}" dp; }
 build_target() {
   local t="$1"
   "$CXX_FUZZ" -std=c++20 -O1 -g1 -fsanitize=fuzzer "${san[@]}" -Iinclude -Isrc "fuzz/${t}_fuzz.cpp" \

@@ -28,7 +28,7 @@ is_elf() { [[ -f $1 && ! -L $1 ]] && [[ $(head -c 4 "$1" | od -An -c | tr -d ' '
 while IFS= read -r -d '' f; do
   rel=${f#"$build"/}
   if [[ -L $f ]]; then
-    mkdir -p "$dest/$(dirname "$rel")"; cp -P "$f" "$dest/$rel"   # libdp.so -> libdp.so.0 ...
+    mkdir -p "$dest/$(dirname "$rel")"; cp -P "$f" "$dest/$rel"   # libdp.so -> libdp.so.0.2 ...
   elif is_elf "$f"; then
     mkdir -p "$dest/$(dirname "$rel")"; cp -p "$f" "$dest/$rel"
   fi

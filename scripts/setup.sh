@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what dp needs on Debian 12 (as root), skipping what is already there.
 #   scripts/setup.sh            build + demo dependencies
-#   scripts/setup.sh --test     also test tools (clang-14 for fuzzing, Python packages)
+#   scripts/setup.sh --test     also test tools (clang-14 for fuzzing, cmake for the install
+#                               check's find_package(dp) build, Python packages)
 set -euo pipefail
 
 want_test=0
@@ -12,7 +13,7 @@ pkgs=(meson ninja-build pkg-config g++ libtbb-dev doctest-dev libdnnl-dev zlib1g
       nlohmann-json3-dev libcli11-dev dataset-fashion-mnist gnuplot-nox python3
       openmpi-bin libopenmpi-dev)
 if (( want_test )); then
-  pkgs+=(clang-14 libclang-rt-14-dev python3-numpy)
+  pkgs+=(clang-14 libclang-rt-14-dev python3-numpy cmake)
 fi
 
 missing=()

@@ -26,7 +26,7 @@ meson test -C build --print-errorlogs --num-processes 2
 
 if (( quick )); then exit 0; fi
 
-step "install + out-of-tree program via pkg-config"
+step "install + out-of-tree program via pkg-config and via CMake find_package(dp)"
 scripts/install_check.sh
 
 if [[ -x scripts/sanitize.sh ]]; then

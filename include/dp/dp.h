@@ -23,3 +23,4 @@
 #include "dp/parallel/stats.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"
+#include "dp/version.h"

@@ -1,9 +1,17 @@
-// Built outside the source tree against the installed library (scripts/install_check.sh).
+// Built outside the source tree against the installed library (scripts/install_check.sh),
+// once with pkg-config and once with CMake's find_package(dp).
 #include <dp/dp.h>
 
+#include <cstring>
 #include <iostream>
 
 int main() {
+  // The headers' version and the loaded libdp's must be the same release.
+  std::cout << "dp " << dp::version() << " (headers " << DP_VERSION_STRING << ")\n";
+  if (std::strcmp(dp::version(), DP_VERSION_STRING) != 0) {
+    std::cerr << "the loaded libdp is not the release of the headers\n";
+    return 1;
+  }
   auto net = std::make_shared<dp::nn::Sequential>();
   net->push_back(std::make_shared<dp::nn::Linear>(4, 8));
   net->push_back(std::make_shared<dp::nn::ReLU>());

@@ -6,6 +6,37 @@
 namespace dp::optim {
 namespace {
 
+// Note [Deprecated beta1 and beta2]
+// dp 0.1 spelled Adam's decay rates as two fields, beta1 and beta2; 0.2 has libtorch's
+// betas tuple and keeps the old names for one release, so that code written for 0.1
+// compiles (with a warning) and trains the same. Old code gives the old fields and
+// leaves betas at its default, so a given old field replaces its half of betas here,
+// once, and the options the optimizer keeps hold betas only: options(), set_momentum
+// and the schedulers see one value. betas cannot tell "left at its default" from "set
+// to it", so a half at its default yields; a half set to anything else that disagrees
+// with the old field is an error, not a silent choice.
+//
+// The deprecation is on DeprecatedBeta's constructor from double, not on the fields:
+// GCC 12 warns of a [[deprecated]] field at every braced AdamOptions passed to a
+// function (`Adam opt(params, {.lr = 1e-3})`, where the field is only defaulted), and
+// Clang at every implicit copy, so every user would see the warning. On the
+// constructor it fires exactly where a number is given to beta1 or beta2.
+AdamOptions resolved(AdamOptions o, const char* kind) {
+  const AdamBetas defaults = AdamOptions{}.betas;
+  const auto take = [&](const DeprecatedBeta& old, double& half, double def, const char* name, int index) {
+    if (!old.value) return;
+    DP_CHECK(half == def || half == *old.value, kind, ": expected the deprecated ", name,
+             " to agree with betas[", index, "], got ", name, " = ", *old.value, " and betas[", index,
+             "] = ", half, "; give betas = {beta1, beta2} only");
+    half = *old.value;
+  };
+  take(o.beta1, std::get<0>(o.betas), std::get<0>(defaults), "beta1", 0);
+  take(o.beta2, std::get<1>(o.betas), std::get<1>(defaults), "beta2", 1);
+  o.beta1 = DeprecatedBeta{};
+  o.beta2 = DeprecatedBeta{};
+  return o;
+}
+
 const AdamOptions& checked(const AdamOptions& o, const char* kind) {
   DP_CHECK(o.lr >= 0, kind, ": expected lr >= 0, got ", o.lr);
   DP_CHECK(o.eps >= 0, kind, ": expected eps >= 0, got ", o.eps);
@@ -28,7 +59,9 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions options)
     : Adam(nn::ParameterList(std::move(params), {}, nullptr), options, false, "Adam") {}
 
 Adam::Adam(nn::ParameterList params, AdamOptions options, bool decoupled, const char* kind)
-    : Optimizer(std::move(params), kind), options_(checked(options, kind)), decoupled_(decoupled) {}
+    : Optimizer(std::move(params), kind),
+      options_(checked(resolved(options, kind), kind)),
+      decoupled_(decoupled) {}
 
 void Adam::set_lr(double lr) {
   DP_CHECK(lr >= 0, kind(), ": expected lr >= 0, got ", lr);

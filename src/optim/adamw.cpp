@@ -4,8 +4,8 @@ namespace dp::optim {
 namespace {
 
 AdamOptions as_adam(const AdamWOptions& o) {
-  return AdamOptions{.lr = o.lr, .betas = o.betas, .eps = o.eps,
-                     .weight_decay = o.weight_decay};
+  return AdamOptions{.lr = o.lr, .betas = o.betas, .beta1 = o.beta1, .beta2 = o.beta2,
+                     .eps = o.eps, .weight_decay = o.weight_decay};
 }
 
 }  // namespace

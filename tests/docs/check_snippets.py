@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Compiles every fenced C++ block of the documentation and runs the complete programs.
 
-usage: check_snippets.py --root SRC --lib LIBDP --work DIR [--jobs N] [--run-timeout S]
-                         [--docs FILE.md ...] --cxx COMPILER [ARGS...]
+usage: check_snippets.py --root SRC --lib LIBDP --work DIR [--include DIR ...] [--jobs N]
+                         [--run-timeout S] [--docs FILE.md ...] --cxx COMPILER [ARGS...]
        check_snippets.py --self-test --root SRC --lib LIBDP --work DIR --cxx COMPILER...
 
 Blocks are found by extract_snippets.py (which documents the ```cpp info strings).
@@ -10,7 +10,9 @@ Fragments are compiled (-fsyntax-only) after a prelude; programs are compiled, l
 against the built libdp and run with a time limit, from a scratch directory. A program
 that exits 77 (e.g. its data set is not installed) counts as skipped. The test fails
 when any block fails, and when no block at all is found (a broken extractor must not
-pass). Exit status: 0 all passed, 1 a failure, 77 everything skipped.
+pass). --include adds a folder of headers after SRC/include: the build tree's include/,
+which holds the generated dp/version.h. Exit status: 0 all passed, 1 a failure, 77
+everything skipped.
 """
 import argparse
 import concurrent.futures
@@ -37,7 +39,7 @@ def check_one(s, args, work):
     src = os.path.join(work, s.name + ".cpp")
     with open(src, "w", encoding="utf-8") as f:
         f.write(extract_snippets.to_cpp(s))
-    inc = ["-I", os.path.join(args.root, "include")]
+    inc = [f"-I{d}" for d in [os.path.join(args.root, "include")] + args.include]
     if s.kind == "fragment":
         cmd = args.cxx + CXXFLAGS + inc + ["-fsyntax-only", src]
     else:
@@ -121,6 +123,7 @@ def main():
     p.add_argument("--root", required=True)
     p.add_argument("--lib", required=True)
     p.add_argument("--work", required=True)
+    p.add_argument("--include", action="append", default=[])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--run-timeout", type=float, default=60)
     p.add_argument("--docs", nargs="*", default=DEFAULT_DOCS)

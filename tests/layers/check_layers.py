@@ -9,6 +9,8 @@ printed as file:line and the edge. Also checked:
   - CUDA-family headers appear only in the layers that may use them (CUDA_LAYERS);
   - .cu/.cuh files live only in src/backend/cuda/;
   - every folder under src/ and include/dp/ belongs to a layer;
+  - a header Meson generates from include/dp/X.h.in (dp/version.h) is checked, and
+    included, as include/dp/X.h;
   - the table itself has no cycle, and docs/architecture.md's "Include edges" section
     holds the same table (print it with --table).
 
@@ -28,7 +30,7 @@ import tempfile
 # always include itself. Only direct edges count, so list every layer a layer's files
 # include by name (an include of a lower layer's header is allowed only if listed).
 LAYERS = [
-    ("core", ["core"], []),
+    ("core", ["core", "version.h"], []),
     ("backend", ["backend"], ["core"]),
     ("backend/cpu", ["backend/cpu"], ["backend", "core"]),
     ("backend/cuda", ["backend/cuda"], ["backend", "core"]),
@@ -60,6 +62,8 @@ CUDA_HEADER = re.compile(
     r"|nvtx3|driver_types|vector_types|thrust|cub|nv)([_./]|$)")
 INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"]+)[>"]')
 SOURCE_EXT = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
+# A public header written by Meson's configure_file into the build tree's include/dp/.
+GENERATED_EXT = ".h.in"
 DOC = "docs/architecture.md"
 DOC_SECTION = "## Include edges"
 HERE = "tests/layers/check_layers.py"
@@ -132,14 +136,18 @@ def source_files(root):
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames.sort()
             for fn in sorted(filenames):
+                full = os.path.join(dirpath, fn)
                 if fn.endswith(SOURCE_EXT):
-                    full = os.path.join(dirpath, fn)
                     yield (os.path.relpath(full, root), os.path.relpath(full, base), public)
+                elif public and fn.endswith(GENERATED_EXT):
+                    # Its layer is that of the header it becomes: version.h.in -> version.h.
+                    yield (os.path.relpath(full, root), os.path.relpath(full, base)[:-3], public)
 
 
 def resolve(root, target):
     """Layer-relative path of a quoted include, and whether it is public; None if not found."""
-    if target.startswith("dp/") and os.path.isfile(os.path.join(root, "include", target)):
+    if target.startswith("dp/") and (os.path.isfile(os.path.join(root, "include", target)) or
+                                     os.path.isfile(os.path.join(root, "include", target + ".in"))):
         return target[len("dp/"):], True
     if os.path.isfile(os.path.join(root, "src", target)):
         return target, False
@@ -238,12 +246,17 @@ def self_test():
         "src/nn/kernel.cu": ("", "src/nn/kernel.cu: a .cu/.cuh file outside"),
         "src/widgets/w.cpp": ("", "src/widgets/w.cpp: belongs to no layer"),
         "src/data/bad.cpp": ('#include "missing.h"\n', 'src/data/bad.cpp:1: #include "missing.h"'),
+        "include/dp/core/gen_bad.h.in": ('#include "dp/nn/x.h"\n',
+                                         "include/dp/core/gen_bad.h.in:1: core -> nn"),
     }
     fine = {
         "src/backend/backend.h": '#include "dp/core/device.h"\n',
         "src/backend/cpu/cpu_backend.h": '#include "backend/backend.h"\n',
         "include/dp/core/device.h": "// #include <cuda_runtime.h> in a comment is fine\n",
         "src/comm/nccl/ok.cpp": '#include <nccl.h>\n/*\n#include "parallel/x.h"\n*/\n',
+        "include/dp/core/gen.h.in": "#define DP_GEN @VALUE@\n",
+        "src/core/uses_gen.cpp": '#include "dp/core/gen.h"\n',
+        "include/dp/nn/x.h": '#include "dp/core/gen.h"\n',
     }
     tmp = tempfile.mkdtemp(prefix="check_layers_")
     try:

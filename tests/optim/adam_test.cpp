@@ -68,3 +68,70 @@ TEST_CASE("Adam options: PyTorch defaults and range checks") {
   dp::optim::AdamW w(net->parameters());
   CHECK(w.options().weight_decay == 1e-2);
 }
+
+namespace {
+
+// Parameters of tiny_net after three steps of `Opt` with `o` and set_grads' gradients.
+template <typename Opt, typename Options>
+std::vector<std::vector<float>> after_three_steps(Options o) {
+  auto net = tiny_net(dp::cpu(0));
+  auto params = net->parameters();
+  Opt opt(params, o);
+  for (int t = 0; t < 3; ++t) {
+    opt.zero_grad();
+    set_grads(params, t);
+    opt.step();
+  }
+  std::vector<std::vector<float>> out;
+  for (const auto& p : params) out.push_back(p.to_vector());
+  return out;
+}
+
+}  // namespace
+
+// dp 0.1's spelling, kept for the 0.2 release (Note [Deprecated beta1 and beta2]): this
+// test uses it on purpose, so the deprecation warning is silenced here only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST_CASE("Adam and AdamW: the deprecated beta1/beta2 train as betas does, and a conflict is an error") {
+  using dp::optim::Adam;
+  using dp::optim::AdamOptions;
+  using dp::optim::AdamW;
+  using dp::optim::AdamWOptions;
+  // Bitwise the same parameters: the old fields become betas before the first step.
+  CHECK(after_three_steps<Adam>(AdamOptions{.lr = 1e-2, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6}) ==
+        after_three_steps<Adam>(AdamOptions{.lr = 1e-2, .betas = {0.8, 0.99}, .eps = 1e-6}));
+  CHECK(after_three_steps<AdamW>(AdamWOptions{.lr = 1e-2, .beta1 = 0.7, .beta2 = 0.95, .weight_decay = 0.1}) ==
+        after_three_steps<AdamW>(AdamWOptions{.lr = 1e-2, .betas = {0.7, 0.95}, .weight_decay = 0.1}));
+  // One old field alone replaces its half; the other keeps its default.
+  CHECK(after_three_steps<Adam>(AdamOptions{.lr = 1e-2, .beta1 = 0.5}) ==
+        after_three_steps<Adam>(AdamOptions{.lr = 1e-2, .betas = {0.5, 0.999}}));
+  // And it does change the training (the comparisons above could not pass by ignoring it).
+  CHECK(after_three_steps<Adam>(AdamOptions{.lr = 1e-2, .beta1 = 0.5}) !=
+        after_three_steps<Adam>(AdamOptions{.lr = 1e-2}));
+
+  auto net = tiny_net(dp::cpu(0));
+  // The optimizer keeps betas only: momentum() and options() read the given value.
+  Adam adam(net->parameters(), {.lr = 1e-3, .beta1 = 0.8, .beta2 = 0.99});
+  CHECK(adam.options().betas == dp::optim::AdamBetas{0.8, 0.99});
+  CHECK(adam.momentum() == 0.8);
+  CHECK_FALSE(adam.options().beta1.value.has_value());
+  CHECK_FALSE(adam.options().beta2.value.has_value());
+  // Assigned as a member, as 0.1's code could.
+  AdamWOptions o;
+  o.beta2 = 0.9;
+  AdamW adamw(net->parameters(), o);
+  CHECK(adamw.options().betas == dp::optim::AdamBetas{0.9, 0.9});
+  CHECK(adamw.options().weight_decay == 1e-2);
+
+  // Both spellings given: the same values are accepted, different ones refused.
+  CHECK_NOTHROW(Adam(net->parameters(), {.betas = {0.8, 0.99}, .beta1 = 0.8, .beta2 = 0.99}));
+  CHECK(throws_with([&] { Adam(net->parameters(), {.betas = {0.7, 0.999}, .beta1 = 0.8}); },
+                    {"Adam", "deprecated beta1", "betas[0]", "0.8", "0.7", "give betas = {beta1, beta2} only"}));
+  CHECK(throws_with([&] { AdamW(net->parameters(), {.betas = {0.9, 0.99}, .beta2 = 0.95}); },
+                    {"AdamW", "deprecated beta2", "betas[1]", "0.95", "0.99"}));
+  // A value out of range is refused as for betas.
+  CHECK(throws_with([&] { Adam(net->parameters(), {.beta1 = 1.0}); }, {"Adam", "betas[0] (beta1) in [0, 1)"}));
+  CHECK(throws_with([&] { AdamW(net->parameters(), {.beta2 = -0.5}); }, {"AdamW", "betas[1] (beta2) in [0, 1)"}));
+}
+#pragma GCC diagnostic pop

@@ -8,6 +8,7 @@
 //   dp::optim::Adam opt(model.parameters(), {.lr = 1e-3, .betas = {0.9, 0.98}});
 #pragma once
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -19,11 +20,31 @@ namespace dp::optim {
 /// read with std::get<0>(o.betas). Each must lie in [0, 1).
 using AdamBetas = std::tuple<double, double>;
 
+/// The type of AdamOptions' deprecated beta1 and beta2, dp 0.1's spelling of betas,
+/// kept for the 0.2 release only so that `{.lr = 1e-3, .beta1 = 0.8}` still compiles
+/// and takes effect. Giving it a number is what is deprecated (the compiler's warning
+/// says "use betas"); options that leave it out compile without a warning. The
+/// attribute sits on the constructor, not the field: on a field, GCC and Clang warn at
+/// every brace-initialised AdamOptions and every copy (Note [Deprecated beta1 and
+/// beta2] in src/optim/adam.cpp).
+struct DeprecatedBeta {
+  constexpr DeprecatedBeta() = default;
+  [[deprecated("use betas = {beta1, beta2}")]] constexpr DeprecatedBeta(double v) : value(v) {}
+  /// The number given, if any.
+  std::optional<double> value;
+};
+
 /// Hyper-parameters of Adam (designated-initialiser friendly, libtorch's names).
 struct AdamOptions {
   double lr = 1e-3;
   /// (β1, β2): the decay rates of the first and second moments.
   AdamBetas betas = {0.9, 0.999};
+  /// Deprecated, removed after 0.2: betas' halves as dp 0.1 spelled them. A given one
+  /// replaces its half of betas when the optimizer is built; a half of betas set to
+  /// another value than both its default and this one is a dp::Error. An optimizer's
+  /// options() hold betas only (these read back unset).
+  DeprecatedBeta beta1 = {};
+  DeprecatedBeta beta2 = {};
   double eps = 1e-8;
   double weight_decay = 0.0;
 };
@@ -33,7 +54,8 @@ struct AdamOptions {
 class Adam : public Optimizer {
  public:
   /// Throws dp::Error on lr, eps or weight_decay < 0, either beta outside [0, 1) (the
-  /// message names which), and on an empty parameter list.
+  /// message names which), a deprecated beta1/beta2 that disagrees with betas, and on an
+  /// empty parameter list.
   Adam(nn::ParameterList params, AdamOptions options = {});
   Adam(std::vector<Tensor> params, AdamOptions options = {});
 

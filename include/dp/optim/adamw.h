@@ -16,6 +16,9 @@ struct AdamWOptions {
   double lr = 1e-3;
   /// (β1, β2) as in AdamOptions.
   AdamBetas betas = {0.9, 0.999};
+  /// Deprecated, removed after 0.2: as in AdamOptions.
+  DeprecatedBeta beta1 = {};
+  DeprecatedBeta beta2 = {};
   double eps = 1e-8;
   double weight_decay = 1e-2;
 };
