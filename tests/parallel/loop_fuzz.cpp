@@ -250,11 +250,13 @@ std::vector<Design> designs() {
       {"DP", "{.mode = dp::Mode::DP}", {.mode = dp::Mode::DP}},
       {"DDP", "{.mode = dp::Mode::DDP}", {.mode = dp::Mode::DDP}},
       {"DDP (a bucket per parameter)", "{.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}",
-       {.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}},
-      // Each replica keeps its own BatchNorm statistics; training normalises by the
-      // batch's, so the parameters are still DP's.
-      {"DDP (broadcast_buffers = false)", "{.mode = dp::Mode::DDP, .broadcast_buffers = false}",
-       {.mode = dp::Mode::DDP, .broadcast_buffers = false}}};
+       {.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}}};
+  // Each replica keeps its own BatchNorm statistics; training normalises by the batch's,
+  // so the parameters are still DP's, and device 0's statistics too in one process
+  // (across processes each process's device 0 keeps its own, by design).
+  if (dp::dist::world_size() == 1)
+    out.push_back({"DDP (broadcast_buffers = false)", "{.mode = dp::Mode::DDP, .broadcast_buffers = false}",
+                   {.mode = dp::Mode::DDP, .broadcast_buffers = false}});
   for (int stage : {1, 2, 3})
     out.push_back({"Sharded stage " + std::to_string(stage),
                    "{.mode = dp::Mode::Sharded, .shard_stage = " + std::to_string(stage) + "}",
