@@ -8,8 +8,8 @@
 #      dp::dp), with CMAKE_PREFIX_PATH at the staged prefix (which also shows the CMake
 #      package finds its files from its own place, not from the configured prefix).
 # Both programs print dp::version() and check it equals the headers' DP_VERSION_STRING;
-# the script checks that number is dp.pc's. Then find_package's version rule: an older
-# minor of the same major and a range are met; a newer minor, the next major and 99
+# the script checks that number is dp.pc's. Then find_package's version rule: no
+# version, an older minor of the same major and a range are met; a newer minor, the next major and 99
 # are refused by dp's dpConfigVersion.cmake (its file named as considered, not just
 # missing). Usage: install_check.sh [BUILD_DIR] (default build/). Needs cmake
 # (scripts/setup.sh --test).
@@ -60,7 +60,7 @@ grep -qx "dp $version (headers $version)" <<<"$out" || fail "the program did not
 
 # ---- find_package's version rule (same major, not older than asked) -----------------
 IFS=. read -r major minor _ <<<"$version"
-accepted=("$major.0...<$((major + 1))")
+accepted=("" "$major.0...<$((major + 1))")  # "": find_package(dp CONFIG REQUIRED)
 (( minor > 0 )) && accepted+=("$major.$((minor - 1))")
 refused=("99" "$((major + 1))" "$major.$((minor + 1))")
 n=0
@@ -78,4 +78,4 @@ for want in "${refused[@]}"; do
   grep -q "dpConfig.cmake, version: $version" <<<"$log" ||
     { echo "$log"; fail "find_package(dp $want) failed without considering the staged dp $version"; }
 done
-echo "find_package(dp VERSION): ${accepted[*]} met; ${refused[*]} refused"
+echo "find_package(dp [VERSION]): no version, ${accepted[*]:1} met; ${refused[*]} refused"
