@@ -726,9 +726,16 @@ Program shrink(Program p, const std::string& design) {
   return p;
 }
 
-int usage(const char* argv0) {
-  std::fprintf(stderr, "usage: %s [--seeds A:B | --seed N] [--verbose] [--no-shrink]\n", argv0);
+int usage(const char* argv0, const std::string& why) {
+  std::fprintf(stderr, "%s: %s\nusage: %s [--seeds A:B (A < B) | --seed N] [--verbose] [--no-shrink]\n", argv0,
+               why.c_str(), argv0);
   return 2;
+}
+
+// A program number: digits only (std::stoull would take "-1", "+3" or "7x").
+std::optional<std::uint64_t> parse_seed(const std::string& s) {
+  if (s.empty() || s.size() > 18 || s.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoull(s);
 }
 
 }  // namespace
@@ -741,18 +748,23 @@ int main(int argc, char** argv) {
     if (a == "--seeds" && i + 1 < argc) {
       const std::string r = argv[++i];
       const auto colon = r.find(':');
-      if (colon == std::string::npos) return usage(argv[0]);
-      first = std::stoull(r.substr(0, colon));
-      last = std::stoull(r.substr(colon + 1));
+      const auto a_seed = colon == std::string::npos ? std::nullopt : parse_seed(r.substr(0, colon));
+      const auto b_seed = colon == std::string::npos ? std::nullopt : parse_seed(r.substr(colon + 1));
+      if (!a_seed || !b_seed || *a_seed >= *b_seed)
+        return usage(argv[0], "--seeds expects A:B, two program numbers with A < B, got '" + r + "'");
+      first = *a_seed;
+      last = *b_seed;
     } else if (a == "--seed" && i + 1 < argc) {
-      first = std::stoull(argv[++i]);
+      const auto n = parse_seed(argv[++i]);
+      if (!n) return usage(argv[0], std::string("--seed expects a program number, got '") + argv[i] + "'");
+      first = *n;
       last = first + 1;
     } else if (a == "--verbose") {
       verbose = true;
     } else if (a == "--no-shrink") {
       shrink_it = false;
     } else {
-      return usage(argv[0]);
+      return usage(argv[0], "unknown or incomplete argument '" + a + "'");
     }
   }
   dp::dist::init();
