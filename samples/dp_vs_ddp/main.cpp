@@ -492,7 +492,7 @@ void print_tables(const Args& a, const std::vector<Result>& results) {
   }
   t.print(std::cout);
   if (procs > 1) {
-    // Note [Across processes in the benchmark]
+    // The per-process table (Note [Across processes in the benchmark]).
     std::cout << "\nsamples/s per process (" << procs << " processes, " << a.batch / procs
               << " rows each per step; each process's rows x steps / its own time) and global = their sum; "
                  "the single device is process 0's alone on the global batch of "

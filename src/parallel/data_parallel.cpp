@@ -211,7 +211,7 @@ class DataParallel::Step {
     if (options_.replicate) dp_.recorder_->count_iteration();
     if (options_.backward) {
       dp_.snapshot_grad_versions();
-      // Note [Accumulating after a combined backward]
+      // Combined gradients (Note [Accumulating after a combined backward]).
       dp_.grads_combined_ = (dp_.options_.mode == Mode::DDP && dp_.require_sync_ && dp_.world_devices() > 1) ||
                             (dp_.options_.mode == Mode::DP && dp_.processes_ > 1) || dp_.sharded_sums_in_dp_order();
       dp_.zero_grad_count_ = dp_.set_->zero_grad_count();

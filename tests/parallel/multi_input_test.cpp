@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "dp/dp.h"
+#include "mlp_fixture.h"
 
 namespace {
 
@@ -32,11 +33,11 @@ struct MaskedNet : dp::nn::Module {
   std::shared_ptr<dp::nn::Linear> fc1, fc2;
 };
 
-struct Batch {
+struct MaskedBatch {
   Tensor x, mask, y;
 };
 
-Batch make_batch(std::int64_t rows, std::uint64_t seed) {
+MaskedBatch make_masked_batch(std::int64_t rows, std::uint64_t seed) {
   dp::Generator gen(seed);
   Tensor x = dp::randn({rows, 6}, gen, dp::cpu(0));
   std::vector<float> m(static_cast<std::size_t>(rows * 6));
@@ -44,28 +45,6 @@ Batch make_batch(std::int64_t rows, std::uint64_t seed) {
   std::vector<std::int64_t> labels(rows);
   for (std::int64_t i = 0; i < rows; ++i) labels[i] = (i * 7 + static_cast<std::int64_t>(seed)) % 3;
   return {x, dp::from_vector(m, {rows, 6}, dp::cpu(0)), dp::from_vector(labels, {rows}, dp::cpu(0))};
-}
-
-Tensor loss_fn(const Tensor& out, const Tensor& y) { return dp::nn::cross_entropy(out, y); }
-
-std::vector<float> flat_params(dp::nn::Module& net) {
-  std::vector<float> out;
-  for (auto& [name, t] : net.state_dict()) {
-    auto v = t.to_vector();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
-// As mlp_fixture.h's (not included here: its Batch has no mask): infinity on a NaN.
-double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const double d = std::fabs(double(a[i]) - double(b[i]));
-    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
-  }
-  return m;
 }
 
 // Per-shard GEMMs and the sum over devices round differently from one GEMM over the
@@ -92,7 +71,7 @@ Run train(int n, dp::Mode mode, Path path, std::int64_t rows) {
   dp::optim::SGD opt(net->parameters(), {.lr = 0.1, .momentum = 0.9});
   Run res;
   for (int s = 0; s < 4; ++s) {
-    Batch b = make_batch(rows, 10 + s);
+    MaskedBatch b = make_masked_batch(rows, 10 + s);
     opt.zero_grad();
     Tensor x = b.x.clone().set_requires_grad(true), mask = b.mask.clone().set_requires_grad(true);
     Tensor loss;
@@ -113,7 +92,7 @@ Run train(int n, dp::Mode mode, Path path, std::int64_t rows) {
     res.losses.push_back(loss.item());
     opt.step();
   }
-  res.params = flat_params(*net);
+  res.params = flat(net->state_dict());
   return res;
 }
 
@@ -162,7 +141,7 @@ TEST_CASE("replicated inputs: every device gets them whole; their gradient is su
     CAPTURE(mode_name(mode));
     auto net = std::make_shared<MaskedNet>(7), ref_net = std::make_shared<MaskedNet>(7);
     dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = mode});
-    Batch b = make_batch(8, 3);
+    MaskedBatch b = make_masked_batch(8, 3);
     dp::Generator gen(5);
     Tensor scale_host = dp::randn({8}, gen, dp::cpu(0));
     Tensor scale = scale_host.clone().set_requires_grad(true);
@@ -186,7 +165,7 @@ TEST_CASE("replicated inputs: every device gets them whole; their gradient is su
 TEST_CASE("several inputs: bad cases are clear errors and the model stays usable") {
   auto net = std::make_shared<MaskedNet>(1);
   dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)});
-  Batch b = make_batch(6, 1);
+  MaskedBatch b = make_masked_batch(6, 1);
   auto throws_with = [](auto&& fn, std::initializer_list<std::string> parts) {
     try {
       fn();

@@ -20,6 +20,7 @@
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
 #include "parallel/reducer.h"
+#include "mlp_fixture.h"
 
 namespace {
 
@@ -27,12 +28,6 @@ using dp::Tensor;
 using dp::parallel::assign_buckets;
 using dp::parallel::Bucket;
 using dp::parallel::Reducer;
-
-std::vector<dp::Device> cpus(int n) {
-  std::vector<dp::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
-  return d;
-}
 
 // A strategy that records every call (rank, range, thread) and can be told to fail.
 class RecordingSync final : public dp::parallel::GradSync {

@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "dp/dp.h"
+#include "mlp_fixture.h"
 
 namespace {
 
@@ -21,24 +22,12 @@ std::shared_ptr<dp::nn::Sequential> make_mlp() {
   return net;
 }
 
-struct Batch {
-  Tensor x, y;
-};
-
-Batch make_batch(std::int64_t rows, std::uint64_t seed) {
+Batch make_scaled_batch(std::int64_t rows, std::uint64_t seed) {
   dp::Generator gen(seed);
   Tensor x = dp::randn({rows, 6}, gen, dp::cpu(0));
   std::vector<std::int64_t> labels(rows);
   for (std::int64_t i = 0; i < rows; ++i) labels[i] = (i * 5 + static_cast<std::int64_t>(seed)) % 3;
   return {mul(x, 3.0), dp::from_vector(labels, {rows}, dp::cpu(0))};
-}
-
-Tensor loss_fn(const Tensor& out, const Tensor& y) { return dp::nn::cross_entropy(out, y); }
-
-std::vector<dp::Device> cpus(int n) {
-  std::vector<dp::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
-  return d;
 }
 
 // Every replica's flat parameter buffer equals device 0's, bit for bit.
@@ -57,7 +46,7 @@ Tensor train(dp::Mode mode, int n, const Edit& edit, bool check_each_step = true
   dp::DataParallel model(net, cpus(n), {.mode = mode});
   dp::optim::SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9});
   for (int s = 0; s < 5; ++s) {
-    Batch b = make_batch(10, 7 + s);
+    Batch b = make_scaled_batch(10, 7 + s);
     opt.zero_grad();
     loss_fn(model(b.x), b.y).backward();
     edit(model.parameters());
@@ -115,7 +104,7 @@ TEST_CASE("an unedited DDP step broadcasts no gradient") {
   auto net = make_mlp();
   dp::DataParallel model(net, cpus(2), {.mode = dp::Mode::DDP});
   dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
-  Batch b = make_batch(8, 3);
+  Batch b = make_scaled_batch(8, 3);
   auto& set = *model.parameters().set();
   opt.zero_grad();
   loss_fn(model(b.x), b.y).backward();
@@ -130,7 +119,7 @@ TEST_CASE("opt.step() inside a DDP no_sync guard is refused and changes nothing"
   auto net = make_mlp();
   dp::DataParallel model(net, cpus(2), {.mode = dp::Mode::DDP});
   dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
-  Batch b = make_batch(8, 3);
+  Batch b = make_scaled_batch(8, 3);
   opt.zero_grad();
   Tensor before = model.parameters().set()->copy(0).data.clone();
   {
@@ -170,7 +159,7 @@ TEST_CASE("check_replicas_every checks after every N optimizer steps") {
   auto net = make_mlp();
   dp::DataParallel model(net, cpus(2), {.mode = dp::Mode::DDP, .check_replicas_every = 2});
   dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
-  Batch b = make_batch(8, 3);
+  Batch b = make_scaled_batch(8, 3);
   auto step = [&] {
     opt.zero_grad();
     loss_fn(model(b.x), b.y).backward();
@@ -189,7 +178,7 @@ TEST_CASE("check_replicas_every checks after every N optimizer steps") {
 TEST_CASE("clip_grad_norm_ follows PyTorch's formula and rejects bad arguments") {
   auto net = make_mlp();
   auto params = net->parameters();
-  Batch b = make_batch(10, 1);
+  Batch b = make_scaled_batch(10, 1);
   loss_fn(net->forward(b.x), b.y).backward();
   for (double p : {1.0, 2.0, 3.0, dp::nn::utils::kInfNorm}) {
     CAPTURE(p);
@@ -234,7 +223,7 @@ TEST_CASE("two synced backward passes without zero_grad accumulate as DP does (b
       dp::optim::SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9});
       for (int s = 0; s < 3; ++s) {
         opt.zero_grad();
-        Batch a = make_batch(9, 11 + s), b = make_batch(9, 21 + s), c = make_batch(9, 31 + s);
+        Batch a = make_scaled_batch(9, 11 + s), b = make_scaled_batch(9, 21 + s), c = make_scaled_batch(9, 31 + s);
         loss_fn(model(a.x), a.y).backward();
         if (no_sync_between) {
           auto guard = model.no_sync();

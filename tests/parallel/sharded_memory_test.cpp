@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dp/dp.h"
+#include "mlp_fixture.h"
 
 namespace {
 
@@ -21,12 +22,6 @@ constexpr std::int64_t F = sizeof(float);
 // hidden layers, their gradients, the loss): about 50K floats; the slack allows 128K.
 constexpr std::int64_t kSlack = 128 * 1024 * F;
 
-std::vector<dp::Device> cpus(int n) {
-  std::vector<dp::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
-  return d;
-}
-
 // Per-device bytes held by the allocator, relative to a baseline.
 std::vector<std::int64_t> bytes_since(const std::vector<std::size_t>& base, bool peak = false) {
   std::vector<std::int64_t> out;
@@ -37,8 +32,6 @@ std::vector<std::int64_t> bytes_since(const std::vector<std::size_t>& base, bool
   }
   return out;
 }
-
-Tensor loss_fn(const Tensor& out, const Tensor& y) { return dp::nn::cross_entropy(out, y); }
 
 struct MemoryRun {
   std::vector<std::int64_t> steady;          // after opt.step(): parameters, gradients, state

@@ -30,6 +30,7 @@
 
 #include "dp/autograd/node.h"
 #include "dp/dp.h"
+#include "mlp_fixture.h"
 
 namespace {
 
@@ -93,9 +94,9 @@ struct FaultPoint : dp::nn::Module {
 };
 
 // Plain SGD whose update throws on the armed device (a failing optimizer kernel).
-class FaultySgd final : public dp::optim::Optimizer {
+class InjectedSgd final : public dp::optim::Optimizer {
  public:
-  FaultySgd(dp::nn::ParameterList params, double lr, std::shared_ptr<Injector> inj)
+  InjectedSgd(dp::nn::ParameterList params, double lr, std::shared_ptr<Injector> inj)
       : Optimizer(std::move(params), "FaultySgd"), lr_(lr), inj_(std::move(inj)) {}
   double lr() const override { return lr_; }
   void set_lr(double lr) override { lr_ = lr; }
@@ -240,7 +241,7 @@ struct Rig {
   std::shared_ptr<Injector> inj = std::make_shared<Injector>();
   std::shared_ptr<dp::nn::Sequential> net;
   std::unique_ptr<dp::DataParallel> model;
-  std::unique_ptr<FaultySgd> opt;
+  std::unique_ptr<InjectedSgd> opt;
   const Config* cfg = nullptr;
 
   explicit Rig(const Config& c) : cfg(&c) {
@@ -254,7 +255,7 @@ struct Rig {
                                                                            : std::nullopt,
                                 .bucket_cap_mb = c.bucket_cap_mb,
                                 .first_bucket_mb = c.first_bucket_mb});
-    opt = std::make_unique<FaultySgd>(model->parameters(), 0.05, inj);
+    opt = std::make_unique<InjectedSgd>(model->parameters(), 0.05, inj);
   }
 
   // Restarts every Dropout stream, so a step's masks do not depend on what a failed
@@ -308,26 +309,6 @@ std::vector<float> flat_params(const dp::DataParallel& m, int copy) {
     return out;
   }
   return m.module()->parameter_set()->copy(copy).data.to_vector();
-}
-
-std::vector<float> flat_state(dp::nn::Module& net) {
-  std::vector<float> out;
-  for (auto& [name, t] : net.state_dict()) {
-    if (t.dtype() != dp::Dtype::Float32) continue;
-    auto v = t.to_vector();
-    out.insert(out.end(), v.begin(), v.end());
-  }
-  return out;
-}
-
-double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    double d = std::fabs(double(a[i]) - b[i]);
-    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
-  }
-  return m;
 }
 
 struct Data {
@@ -408,7 +389,7 @@ TEST_CASE("random DP/DDP/Sharded configurations survive injected worker failures
         dp::NoGradGuard no_grad;
         ref.model->load_state_dict(rig.net->state_dict());
       }
-      REQUIRE(max_diff(flat_state(*rig.net), flat_state(*ref.net)) == 0);
+      REQUIRE(max_diff(flat(rig.net->state_dict()), flat(ref.net->state_dict())) == 0);
     }
   }
   MESSAGE("stress: ", configs, " configurations, ", failures_injected, " failures armed, ", failures_seen,

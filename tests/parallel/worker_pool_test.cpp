@@ -12,16 +12,11 @@
 #include "dp/core/error.h"
 #include "dp/parallel/data_parallel.h"
 #include "parallel/worker_pool.h"
+#include "mlp_fixture.h"
 
 namespace {
 
 using dp::parallel::WorkerPool;
-
-std::vector<dp::Device> cpus(int n) {
-  std::vector<dp::Device> d;
-  for (int i = 0; i < n; ++i) d.push_back(dp::cpu(i));
-  return d;
-}
 
 struct UserError : std::runtime_error {
   using std::runtime_error::runtime_error;
