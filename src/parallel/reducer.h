@@ -9,7 +9,7 @@
 // a design touches one strategy and its test, never DataParallel's step.
 // Knows nothing of modules or optimizers: a rank's gradient is a flat float32 buffer.
 //
-//   Reducer red(devices, assign_buckets(sizes, first, cap), make_all_reduce(comm), grad_of, rec);
+//   Reducer red(devices, assign_buckets(sizes, first, cap), make_all_reduce_sync(comm), grad_of, rec);
 //   red.prepare(true);                // calling thread, before the workers' backward
 //   red.begin(r);                     // worker r, before its backward
 //   /* hook */ red.mark_ready(r, i);  // worker r: parameter i's gradient is final
