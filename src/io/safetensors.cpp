@@ -15,6 +15,8 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <iterator>
+#include <optional>
 #include <set>
 #include <nlohmann/json.hpp>
 #include <tbb/parallel_for.h>
@@ -103,13 +105,35 @@ void verify_checksum(const SafetensorsInfo::Entry& e, const std::uint8_t* bytes,
 
 // ---- dtypes ---------------------------------------------------------------------------
 
+// dp's dtypes and their names in the format: the one place a new dtype is added.
+struct FormatDtype {
+  Dtype dtype;
+  const char* name;
+};
+constexpr FormatDtype kFormatDtypes[] = {
+    {Dtype::Float32, "F32"},
+    {Dtype::Int64, "I64"},
+    {Dtype::Int32, "I32"},
+};
+
 const char* st_dtype(Dtype d) {
-  switch (d) {
-    case Dtype::Float32: return "F32";
-    case Dtype::Int64: return "I64";
-    case Dtype::Int32: return "I32";
-  }
-  DP_FAIL("safetensors: no format name for dtype code ", static_cast<int>(d));
+  for (const FormatDtype& f : kFormatDtypes)
+    if (f.dtype == d) return f.name;
+  DP_FAIL("safetensors: no format name for dtype ", dtype_name(d));
+}
+
+std::optional<Dtype> dp_dtype(const std::string& s) {
+  for (const FormatDtype& f : kFormatDtypes)
+    if (s == f.name) return f.dtype;
+  return std::nullopt;
+}
+
+// "F32, I64 and I32": the format names dp reads, for messages.
+std::string dp_dtype_list() {
+  std::string out;
+  const std::size_t n = std::size(kFormatDtypes);
+  for (std::size_t i = 0; i < n; ++i) out += std::string(i == 0 ? "" : i + 1 == n ? " and " : ", ") + kFormatDtypes[i].name;
+  return out;
 }
 
 // Every dtype the format defines; the ones dp cannot hold get a "not supported" error
@@ -225,17 +249,13 @@ SafetensorsInfo parse_header(const char* text, std::uint64_t n, std::uint64_t da
     const json& dt = v["dtype"];
     DP_CHECK(dt.is_string(), name, ": dtype of '", key, "' must be a string, got ", json_str(dt));
     const std::string ds = dt.get<std::string>();
-    if (ds == "F32") {
-      e.dtype = Dtype::Float32;
-    } else if (ds == "I64") {
-      e.dtype = Dtype::Int64;
-    } else if (ds == "I32") {
-      e.dtype = Dtype::Int32;
+    if (std::optional<Dtype> d = dp_dtype(ds)) {
+      e.dtype = *d;
     } else if (is_safetensors_dtype(ds)) {
-      DP_FAIL(name, ": dtype ", ds, " of '", key, "' is not supported by dp (only F32, I64 and I32); convert "
-              "the tensor (e.g. to float32) before saving");
+      DP_FAIL(name, ": dtype ", ds, " of '", key, "' is not supported by dp (only ", dp_dtype_list(),
+              "); convert the tensor (e.g. to float32) before saving");
     } else {
-      DP_FAIL(name, ": unknown dtype '", ds, "' for '", key, "' (dp reads F32, I64 and I32)");
+      DP_FAIL(name, ": unknown dtype '", ds, "' for '", key, "' (dp reads ", dp_dtype_list(), ")");
     }
     // shape
     const json& sh = v["shape"];
