@@ -9,6 +9,7 @@
 #include "dp/comm/mpi_communicator.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
+#include "dp/core/half.h"
 #include "dp/data/dataloader.h"
 #include "dp/data/idx.h"
 #include "dp/data/cifar10.h"
