@@ -15,6 +15,7 @@
 #include "dp/data/cifar10.h"
 #include "dp/data/synthetic.h"
 #include "dp/data/tensor_dataset.h"
+#include "dp/data/text.h"
 #include "dp/data/sampler.h"
 #include "dp/dist/dist.h"
 #include "dp/io/checkpoint.h"

@@ -15,9 +15,11 @@ const char* split_name(Split split) { return split == Split::Train ? "train" : "
 Batch Dataset::allocate_batch(std::int64_t count) const {
   Shape shape = example_shape();
   shape.insert(shape.begin(), count);
+  Shape target = target_shape();
+  target.insert(target.begin(), count);
   Batch batch;
-  batch.data = empty(shape, TensorOptions{Dtype::Float32, cpu(0)});
-  batch.target = empty({count}, TensorOptions{Dtype::Int64, cpu(0)});
+  batch.data = empty(shape, TensorOptions{example_dtype(), cpu(0)});
+  batch.target = empty(target, TensorOptions{Dtype::Int64, cpu(0)});
   return batch;
 }
 
