@@ -127,6 +127,34 @@ Tensor expand_to(const Tensor& g, const Shape& shape) {
   return out;
 }
 
+}  // namespace
+
+Tensor Tensor::expand(const Shape& shape) const {
+  const auto n = static_cast<std::int64_t>(shape.size());
+  DP_CHECK(n >= dim(), "expand: expected at least ", dim(), " sizes for shape ", shape_str(this->shape()), ", got ",
+           shape_str(shape));
+  Shape target = shape;
+  const std::int64_t lead = n - dim();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t own = i >= lead ? this->shape()[static_cast<std::size_t>(i - lead)] : 1;
+    auto& want = target[static_cast<std::size_t>(i)];
+    DP_CHECK(want != -1 || i >= lead, "expand: -1 at new leading dim ", i, " of ", shape_str(shape),
+             "; expected a size there");
+    if (want == -1) want = own;
+    DP_CHECK(want >= 0 && (own == want || own == 1), "expand: cannot expand shape ", shape_str(this->shape()),
+             " to ", shape_str(shape), ": dim ", i, " has size ", own, ", expected it to be 1 or ", want);
+  }
+  detail::check_float("expand", *this);
+  Tensor out = expand_to(*this, target);
+  if (out.impl() == impl()) out = out.detach();  // the same shape: a new handle on the same storage
+  Shape from = this->shape();
+  autograd::record("ExpandBackward", {*this}, out,
+                   [from](const std::vector<Tensor>& g) { return std::vector<Tensor>{sum_to(g[0], from)}; });
+  return out;
+}
+
+namespace {
+
 std::int64_t norm_dim(const char* op, const Tensor& a, std::int64_t d) {
   std::int64_t n = a.dim();
   DP_CHECK(d >= -n && d < n, op, ": expected a dim in [", -n, ", ", n, "), got ", d, " for shape ",
@@ -887,32 +915,46 @@ Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
   return out;
 }
 
-std::vector<Tensor> chunk(const Tensor& t, std::int64_t chunks) {
+std::vector<Tensor> chunk(const Tensor& t, std::int64_t chunks, std::int64_t dim) {
   DP_CHECK(chunks >= 1, "chunk: expected chunks >= 1, got ", chunks);
   DP_CHECK(t.dim() >= 1, "chunk: expected a tensor with at least 1 dim, got a scalar");
-  std::int64_t rows = t.size(0);
-  std::int64_t step = (rows + chunks - 1) / chunks;
+  dim = norm_dim("chunk", t, dim);
+  const std::int64_t rows = t.size(dim);
+  const std::int64_t step = (rows + chunks - 1) / chunks;
   std::vector<std::int64_t> sizes;
   for (std::int64_t at = 0; at < rows; at += step) sizes.push_back(std::min(step, rows - at));
-  // torch.chunk keeps the count when there are no rows: `chunks` empty pieces.
+  // torch.chunk keeps the count when the dim is empty: `chunks` empty pieces.
   if (rows == 0) sizes.assign(static_cast<std::size_t>(chunks), 0);
-  return split(t, sizes);
+  return split(t, sizes, dim);
 }
 
-std::vector<Tensor> split(const Tensor& t, const std::vector<std::int64_t>& sizes) {
+std::vector<Tensor> split(const Tensor& t, const std::vector<std::int64_t>& sizes, std::int64_t dim) {
+  DP_CHECK(t.dim() >= 1, "split: expected a tensor with at least 1 dim, got a scalar");
+  dim = norm_dim("split", t, dim);
   std::int64_t total = 0;
   for (auto s : sizes) {
     DP_CHECK(s >= 0, "split: expected non-negative sizes, got ", s);
     total += s;
   }
-  DP_CHECK(total == t.size(0), "split: sizes sum to ", total, " but dim 0 has ", t.size(0), " rows");
+  DP_CHECK(total == t.size(dim), "split: sizes sum to ", total, " but dim ", dim, " has ", t.size(dim),
+           dim == 0 ? " rows" : " elements", " (shape ", shape_str(t.shape()), ")");
   std::vector<Tensor> out;
   std::int64_t at = 0;
   for (auto s : sizes) {
-    out.push_back(t.narrow(0, at, s));
+    out.push_back(t.narrow(dim, at, s));
     at += s;
   }
   return out;
+}
+
+std::vector<Tensor> split(const Tensor& t, std::int64_t split_size, std::int64_t dim) {
+  DP_CHECK(split_size >= 1, "split: expected a split_size >= 1, got ", split_size);
+  DP_CHECK(t.dim() >= 1, "split: expected a tensor with at least 1 dim, got a scalar");
+  dim = norm_dim("split", t, dim);
+  std::vector<std::int64_t> sizes;
+  for (std::int64_t at = 0; at < t.size(dim); at += split_size) sizes.push_back(std::min(split_size, t.size(dim) - at));
+  if (sizes.empty()) sizes.push_back(0);  // torch.split of an empty dim: one empty piece
+  return split(t, sizes, dim);
 }
 
 // ---- test helpers ----------------------------------------------------------------------------

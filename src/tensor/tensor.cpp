@@ -482,6 +482,70 @@ Tensor Tensor::t() const {
   return out;
 }
 
+Tensor Tensor::permute(const std::vector<std::int64_t>& dims) const {
+  const std::int64_t n = dim();
+  DP_CHECK(static_cast<std::int64_t>(dims.size()) == n, "permute: expected ", n, " dims for shape ",
+           shape_str(shape()), ", got ", dims.size());
+  DP_CHECK(n <= backend::kMaxDims, "permute: expected at most ", backend::kMaxDims, " dims, got ", n);
+  std::vector<std::int64_t> perm(dims.size());
+  std::vector<bool> seen(dims.size(), false);
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    std::int64_t d = dims[i];
+    DP_CHECK(d >= -n && d < n, "permute: dim ", d, " at position ", i, " is out of range for shape ",
+             shape_str(shape()), "; expected a dim in [", -n, ", ", n, ")");
+    if (d < 0) d += n;
+    DP_CHECK(!seen[static_cast<std::size_t>(d)], "permute: dim ", d, " appears twice; expected a permutation of 0..",
+             n - 1);
+    seen[static_cast<std::size_t>(d)] = true;
+    perm[i] = d;
+  }
+  DP_CHECK(dtype() == Dtype::Float32, "permute: expected float32, got ", dtype_name(dtype()));
+  Shape out_shape(dims.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) out_shape[i] = shape()[static_cast<std::size_t>(perm[i])];
+  Tensor out(new_impl(out_shape, dtype(), device()));
+  if (out.numel() > 0) {
+    // Row-major strides of the source, read in the result's order; adjacent result dims
+    // that stay adjacent in the source merge, so an identity permute is one plain copy.
+    std::vector<std::int64_t> in_stride(perm.size(), 1);
+    for (std::int64_t i = n - 2; i >= 0; --i) in_stride[i] = in_stride[i + 1] * shape()[i + 1];
+    backend::Indexer ix;
+    for (std::size_t i = 0; i < perm.size(); ++i) {
+      const std::int64_t size = out_shape[i], stride = in_stride[static_cast<std::size_t>(perm[i])];
+      if (size == 1) continue;
+      if (ix.ndim > 0 && ix.strides_a[ix.ndim - 1] == stride * size) {
+        ix.sizes[ix.ndim - 1] *= size;
+        ix.strides_a[ix.ndim - 1] = stride;
+        continue;
+      }
+      ix.sizes[ix.ndim] = size;
+      ix.strides_a[ix.ndim] = stride;
+      ++ix.ndim;
+    }
+    if (ix.ndim == 0) {
+      ix.ndim = 1;
+      ix.sizes[0] = 1;
+    }
+    backend::get(device()).strided_copy(device(), ix, data<float>(), out.data<float>());
+  }
+  std::vector<std::int64_t> inverse(perm.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<std::int64_t>(i);
+  autograd::record("PermuteBackward", {*this}, out, [inverse](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{g[0].permute(inverse)};
+  });
+  return out;
+}
+
+Tensor Tensor::transpose(std::int64_t d0, std::int64_t d1) const {
+  const std::int64_t n = dim();
+  DP_CHECK(n >= 1, "transpose: expected a tensor with at least 1 dim, got a scalar");
+  DP_CHECK(d0 >= -n && d0 < n && d1 >= -n && d1 < n, "transpose(", d0, ", ", d1, "): expected dims in [", -n, ", ",
+           n, ") for shape ", shape_str(shape()));
+  std::vector<std::int64_t> perm(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) perm[static_cast<std::size_t>(i)] = i;
+  std::swap(perm[static_cast<std::size_t>(d0 < 0 ? d0 + n : d0)], perm[static_cast<std::size_t>(d1 < 0 ? d1 + n : d1)]);
+  return permute(perm);
+}
+
 // ---- in-place ---------------------------------------------------------------------------
 
 // Each takes its written pointer with mutable_data / mutable_raw_data (Note [Storage

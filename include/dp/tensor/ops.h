@@ -127,11 +127,16 @@ Tensor one_hot(const Tensor& labels, std::int64_t num_classes = -1);
 
 /// Concatenation along dim 0 (all on one device, same trailing shape and dtype).
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim = 0);
-/// Splits along dim 0 into `chunks` pieces of ceil(size/chunks) rows (the last may be
-/// smaller; fewer pieces when rows run out) — torch.chunk semantics. Views.
-std::vector<Tensor> chunk(const Tensor& t, std::int64_t chunks);
-/// Splits along dim 0 into pieces of the given sizes (must sum to size(0)). Views.
-std::vector<Tensor> split(const Tensor& t, const std::vector<std::int64_t>& sizes);
+/// Splits along `dim` into `chunks` pieces of ceil(size/chunks) (the last may be
+/// smaller; fewer pieces when the dim runs out) — torch.chunk semantics. Pieces are
+/// narrow()s: views along dim 0, copies along later dims. Differentiable.
+std::vector<Tensor> chunk(const Tensor& t, std::int64_t chunks, std::int64_t dim = 0);
+/// Splits along `dim` into pieces of the given sizes (must sum to the dim's size), as
+/// torch.split with a list. Differentiable.
+std::vector<Tensor> split(const Tensor& t, const std::vector<std::int64_t>& sizes, std::int64_t dim = 0);
+/// Splits along `dim` into pieces of `split_size` (the last may be smaller), as
+/// torch.split with an int: q, k, v = split(qkv, C, 2).
+std::vector<Tensor> split(const Tensor& t, std::int64_t split_size, std::int64_t dim);
 
 inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
 inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }

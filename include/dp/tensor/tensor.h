@@ -45,6 +45,18 @@ using Shape = std::vector<std::int64_t>;
 std::string shape_str(const Shape& shape);  // "[64, 1, 28, 28]"
 std::int64_t shape_numel(const Shape& shape);
 
+// Note [Contiguous tensors]
+// Every dp tensor is contiguous in row-major order: shape, dtype and an element offset
+// into its storage, no strides. Views exist where that layout allows one — reshape/view,
+// flatten, unsqueeze/squeeze, and narrow() along dim 0 (or after size-1 dims) — and share
+// storage as PyTorch's do. Everything PyTorch returns as a strided view is materialised
+// here: permute, transpose, t(), expand and narrow along a later dim each make a new
+// contiguous tensor in one strided pass (one read and one write of the result's bytes),
+// so writes into the result do not reach the source. What this buys: every kernel reads
+// plain arrays, and contiguous() is free. What it costs: attention's head split
+// (view + permute) copies q, k and v once per forward, which is what PyTorch's
+// .contiguous() after permute costs too.
+
 // Note [Storage versions]
 // A Storage's version counts the writes into memory that other code may already hold:
 // in-place ops, init, an optimizer's update, a load. DataParallel compares versions to
@@ -253,6 +265,22 @@ class Tensor {
   Tensor squeeze(std::int64_t dim) const;
   /// 2-d transpose (materialised). Differentiable.
   Tensor t() const;
+  /// Dims reordered: dim i of the result is dim dims[i] of this tensor (torch.permute;
+  /// negative dims count from the end). Differentiable. Materialised: dp tensors are
+  /// contiguous, so this is a copy (one strided pass over the data), not a view, and
+  /// writes into it do not reach this tensor (Note [Contiguous tensors]).
+  ///   dp::Tensor heads = qkv.view({B, T, H, D}).permute({0, 2, 1, 3});  // (B, H, T, D)
+  Tensor permute(const std::vector<std::int64_t>& dims) const;
+  /// Dims d0 and d1 swapped (torch.transpose; materialised as permute). Differentiable.
+  Tensor transpose(std::int64_t d0, std::int64_t d1) const;
+  /// This tensor: every dp tensor is contiguous (Note [Contiguous tensors]). Kept so that
+  /// code written for PyTorch reads the same.
+  Tensor contiguous() const { return *this; }
+  /// Broadcast to `shape` (torch.expand: size-1 dims grow, new leading dims are added,
+  /// -1 keeps a size). Differentiable: the gradient sums over the broadcast dims.
+  /// Materialised (Note [Contiguous tensors]); elementwise ops broadcast by themselves,
+  /// without one.
+  Tensor expand(const Shape& shape) const;
 
   // ---- in-place (not recorded by autograd; bump the storage version) ---------------
   Tensor& zero_();

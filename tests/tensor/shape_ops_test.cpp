@@ -1,0 +1,168 @@
+// tests/tensor/shape_ops_test.cpp — permute, transpose, expand, contiguous, and chunk /
+// split along any dim: values against index arithmetic, gradients against central
+// differences, and every bad input.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "../autograd/gradcheck.h"
+#include "dp/core/error.h"
+#include "dp/tensor/ops.h"
+#include "dp/tensor/tensor.h"
+
+namespace {
+
+using dp::Shape;
+using dp::Tensor;
+
+// 0, 1, 2, ... in a tensor of `shape`: each value is its own row-major index.
+Tensor iota(const Shape& shape) {
+  std::vector<float> v(static_cast<std::size_t>(dp::shape_numel(shape)));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i);
+  return dp::from_vector(v, shape);
+}
+
+std::string error_of(const auto& f) {
+  try {
+    f();
+  } catch (const dp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("permute: element [i0, i1, ...] of the result is the source at the permuted index") {
+  const Shape shape{2, 3, 4, 5};
+  Tensor x = iota(shape);
+  for (const std::vector<std::int64_t>& perm :
+       std::vector<std::vector<std::int64_t>>{{0, 2, 1, 3}, {3, 2, 1, 0}, {1, 3, 0, 2}, {0, 1, 2, 3}, {0, 1, 3, 2}}) {
+    CAPTURE(perm[0] * 1000 + perm[1] * 100 + perm[2] * 10 + perm[3]);
+    Tensor y = x.permute(perm);
+    Shape want;
+    for (auto d : perm) want.push_back(shape[static_cast<std::size_t>(d)]);
+    REQUIRE(y.shape() == want);
+    const std::vector<float> out = y.to_vector();
+    std::size_t k = 0;
+    std::int64_t idx[4];
+    for (idx[0] = 0; idx[0] < want[0]; ++idx[0])
+      for (idx[1] = 0; idx[1] < want[1]; ++idx[1])
+        for (idx[2] = 0; idx[2] < want[2]; ++idx[2])
+          for (idx[3] = 0; idx[3] < want[3]; ++idx[3], ++k) {
+            std::int64_t src[4];
+            for (int i = 0; i < 4; ++i) src[perm[static_cast<std::size_t>(i)]] = idx[i];
+            const std::int64_t flat = ((src[0] * 3 + src[1]) * 4 + src[2]) * 5 + src[3];
+            REQUIRE(out[k] == static_cast<float>(flat));
+          }
+  }
+  // Negative dims, size-1 dims, a scalar's empty permutation, an empty tensor.
+  CHECK(x.permute({-4, -2, -3, -1}).to_vector() == x.permute({0, 2, 1, 3}).to_vector());
+  Tensor ones = iota({1, 3, 1, 2});
+  CHECK(ones.permute({3, 1, 2, 0}).shape() == Shape{2, 3, 1, 1});
+  CHECK(ones.permute({3, 1, 2, 0}).to_vector() == std::vector<float>{0, 2, 4, 1, 3, 5});
+  CHECK(dp::from_vector(std::vector<float>{7}, {}).permute({}).item() == 7.0f);
+  CHECK(dp::zeros({0, 3}).permute({1, 0}).shape() == Shape{3, 0});
+  // A copy: writing into the result leaves the source alone (Note [Contiguous tensors]).
+  Tensor y = x.permute({1, 0, 2, 3});
+  y.fill_(-1);
+  CHECK(x.to_vector()[1] == 1.0f);
+}
+
+TEST_CASE("transpose(d0, d1) swaps two dims; t() and contiguous() agree") {
+  Tensor x = iota({2, 3, 4});
+  Tensor y = x.transpose(1, 2);
+  CHECK(y.shape() == Shape{2, 4, 3});
+  CHECK(y.to_vector() == x.permute({0, 2, 1}).to_vector());
+  CHECK(x.transpose(-1, 0).to_vector() == x.permute({2, 1, 0}).to_vector());
+  CHECK(x.transpose(1, 1).to_vector() == x.to_vector());
+  Tensor m = iota({3, 5});
+  CHECK(m.transpose(0, 1).to_vector() == m.t().to_vector());
+  CHECK(x.contiguous().impl() == x.impl());
+}
+
+TEST_CASE("expand broadcasts size-1 and new leading dims; its gradient sums them back") {
+  Tensor x = dp::from_vector(std::vector<float>{1, 2, 3}, {3, 1});
+  Tensor y = x.expand({2, 3, 4});
+  CHECK(y.shape() == Shape{2, 3, 4});
+  const std::vector<float> v = y.to_vector();
+  for (std::size_t b = 0; b < 2; ++b)
+    for (std::size_t i = 0; i < 3; ++i)
+      for (std::size_t j = 0; j < 4; ++j) CHECK(v[(b * 3 + i) * 4 + j] == static_cast<float>(i + 1));
+  CHECK(x.expand({-1, 2}).shape() == Shape{3, 2});
+  CHECK(x.expand({3, 1}).to_vector() == x.to_vector());
+
+  x.set_requires_grad(true);
+  Tensor w = iota({2, 3, 4});
+  dp::sum(dp::mul(x.expand({2, 3, 4}), w)).backward();
+  // d/dx_i = sum over b, j of w[b, i, j]
+  std::vector<float> want(3, 0.0f);
+  const std::vector<float> wv = w.to_vector();
+  for (std::size_t b = 0; b < 2; ++b)
+    for (std::size_t i = 0; i < 3; ++i)
+      for (std::size_t j = 0; j < 4; ++j) want[i] += wv[(b * 3 + i) * 4 + j];
+  CHECK(x.grad().to_vector() == want);
+  // Expanding to the same shape gives a new handle, so its graph node is not the source's.
+  Tensor same = x.expand({3, 1});
+  CHECK(same.impl() != x.impl());
+}
+
+TEST_CASE("gradients of permute, transpose and expand match central differences") {
+  const auto v = dp_test::away_from_zero(24, 5);
+  Tensor x = dp::from_vector(v, {2, 3, 4});
+  CHECK(dp_test::gradcheck_mismatches([](const auto& in) { return in[0].permute({2, 0, 1}); }, {x}).empty());
+  CHECK(dp_test::gradcheck_mismatches([](const auto& in) { return in[0].transpose(0, 2).tanh(); }, {x}).empty());
+  Tensor s = dp::from_vector(dp_test::away_from_zero(4, 6), {1, 4});
+  CHECK(dp_test::gradcheck_mismatches([](const auto& in) { return in[0].expand({3, 2, 4}); }, {s}).empty());
+}
+
+TEST_CASE("chunk and split along any dim, with gradients") {
+  Tensor x = iota({2, 7, 3});
+  std::vector<Tensor> c = dp::chunk(x, 3, 1);
+  REQUIRE(c.size() == 3);
+  CHECK(c[0].shape() == Shape{2, 3, 3});
+  CHECK(c[2].shape() == Shape{2, 1, 3});
+  CHECK(c[1].to_vector() == x.narrow(1, 3, 3).to_vector());
+  CHECK(dp::chunk(x, 2, -1).size() == 2);
+  CHECK(dp::chunk(x, 2, -1)[1].shape() == Shape{2, 7, 1});
+  std::vector<Tensor> s = dp::split(x, {4, 0, 3}, 1);
+  REQUIRE(s.size() == 3);
+  CHECK(s[1].numel() == 0);
+  CHECK(s[2].to_vector() == x.narrow(1, 4, 3).to_vector());
+  std::vector<Tensor> q = dp::split(iota({2, 4, 9}), 3, 2);  // q, k, v of a fused projection
+  REQUIRE(q.size() == 3);
+  CHECK(q[2].to_vector() == iota({2, 4, 9}).narrow(2, 6, 3).to_vector());
+  CHECK(dp::split(iota({2, 5}), 2, 1).back().shape() == Shape{2, 1});
+  // Along dim 0 the old spellings keep their meaning.
+  CHECK(dp::chunk(x, 2).size() == 2);
+  CHECK(dp::split(x, std::vector<std::int64_t>{1, 1}).size() == 2);
+
+  Tensor g = dp::from_vector(dp_test::away_from_zero(24, 7), {2, 4, 3});
+  CHECK(dp_test::gradcheck_mismatches(
+            [](const auto& in) {
+              auto parts = dp::split(in[0], 2, 1);
+              return dp::add(dp::mul(parts[0], 2.0), parts[1].tanh());
+            },
+            {g})
+            .empty());
+}
+
+TEST_CASE("shape ops: bad input names what was expected and what came") {
+  Tensor x = iota({2, 3, 4});
+  CHECK(error_of([&] { (void)x.permute({0, 1}); }).find("expected 3 dims") != std::string::npos);
+  CHECK(error_of([&] { (void)x.permute({0, 1, 1}); }).find("appears twice") != std::string::npos);
+  CHECK(error_of([&] { (void)x.permute({0, 1, 3}); }).find("dim 3 at position 2 is out of range") !=
+        std::string::npos);
+  CHECK(error_of([&] { (void)dp::arange(4, {dp::Dtype::Int64}).permute({0}); }).find("expected float32") !=
+        std::string::npos);
+  CHECK(error_of([&] { (void)x.transpose(0, 3); }).find("expected dims in [-3, 3)") != std::string::npos);
+  CHECK(error_of([&] { (void)x.expand({3, 4}); }).find("at least 3 sizes") != std::string::npos);
+  CHECK(error_of([&] { (void)x.expand({2, 5, 4}); }).find("dim 1 has size 3, expected it to be 1 or 5") !=
+        std::string::npos);
+  CHECK(error_of([&] { (void)x.expand({-1, 2, 3, 4}); }).find("-1 at new leading dim 0") != std::string::npos);
+  CHECK(error_of([&] { (void)dp::chunk(x, 2, 3); }).find("chunk: expected a dim in [-3, 3), got 3") !=
+        std::string::npos);
+  CHECK(error_of([&] { (void)dp::split(x, {1, 1}, 1); }).find("sum to 2 but dim 1 has 3") != std::string::npos);
+  CHECK(error_of([&] { (void)dp::split(x, 0, 1); }).find("split_size >= 1, got 0") != std::string::npos);
+}
