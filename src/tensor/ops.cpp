@@ -587,12 +587,41 @@ Tensor grad_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, int input_n
 
 }  // namespace
 
-Tensor matmul(const Tensor& a, const Tensor& b) {
-  detail::check_same_device("matmul", a, b);
-  detail::check_float("matmul", a, "first input");
-  detail::check_float("matmul", b, "second input");
-  DP_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0),
-           "matmul: expected (m, k) x (k, n), got ", shape_str(a.shape()), " x ", shape_str(b.shape()));
+namespace {
+
+// c[i] = op(a[i]) * op(b[i]) for (batch, rows, cols) float tensors on one device: one GEMM
+// per matrix pair (no autograd).
+Tensor bmm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
+  const std::int64_t batch = a.size(0);
+  const std::int64_t m = ta ? a.size(2) : a.size(1), k = ta ? a.size(1) : a.size(2);
+  const std::int64_t n = tb ? b.size(1) : b.size(2);
+  Tensor c = empty({batch, m, n}, a.device());
+  if (c.numel() == 0) return c;
+  if (k == 0) return c.zero_();
+  const float* pa = a.data<float>();
+  const float* pb = b.data<float>();
+  float* pc = c.data<float>();
+  const std::int64_t sa = a.size(1) * a.size(2), sb = b.size(1) * b.size(2);
+  for (std::int64_t i = 0; i < batch; ++i)
+    be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, pa + i * sa, a.size(2), pb + i * sb, b.size(2), 0.0f,
+               pc + i * m * n, n);
+  return c;
+}
+
+// (batch, m, k) x (batch, k, n), differentiable.
+Tensor bmm(const Tensor& a, const Tensor& b) {
+  Tensor out = bmm_raw(a, false, b, false);
+  const bool ga = a.requires_grad(), gb = b.requires_grad();
+  autograd::record("BmmBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{ga ? bmm_raw(g[0], false, b, true) : Tensor(),
+                               gb ? bmm_raw(a, true, g[0], false) : Tensor()};
+  });
+  return out;
+}
+
+// (m, k) x (k, n): the 2-d product, its gradients written into the leaves' .grad where
+// the engine lends them.
+Tensor matmul_2d(const Tensor& a, const Tensor& b) {
   Tensor out = gemm_raw(a, false, b, false);
   bool ga = a.requires_grad(), gb = b.requires_grad();
   autograd::record("MatmulBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
@@ -600,6 +629,48 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
                                gb ? grad_gemm(a, true, g[0], false, 1) : Tensor()};
   });
   return out;
+}
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  detail::check_same_device("matmul", a, b);
+  detail::check_float("matmul", a, "first input");
+  detail::check_float("matmul", b, "second input");
+  DP_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul: expected operands with at least 1 dim, got ",
+           shape_str(a.shape()), " x ", shape_str(b.shape()));
+  const std::int64_t k_a = a.size(a.dim() - 1), k_b = b.dim() == 1 ? b.size(0) : b.size(b.dim() - 2);
+  DP_CHECK(k_a == k_b, "matmul: expected (..., m, k) x (..., k, n) with the same k, got ", shape_str(a.shape()), " x ",
+           shape_str(b.shape()), " (k ", k_a, " vs ", k_b, ")");
+  if (a.dim() == 2 && b.dim() == 2) return matmul_2d(a, b);
+  if (a.dim() == 1 && b.dim() == 1) return matmul_2d(a.unsqueeze(0), b.unsqueeze(1)).reshape({});  // a dot
+  if (a.dim() == 1) return matmul(a.unsqueeze(0), b).squeeze(-2);
+  if (b.dim() == 1) return matmul(a, b.unsqueeze(1)).squeeze(-1);
+  const std::int64_t m = a.size(a.dim() - 2), n = b.size(b.dim() - 1);
+  Shape a_batch(a.shape().begin(), a.shape().end() - 2), b_batch(b.shape().begin(), b.shape().end() - 2);
+  if (b.dim() == 2) {  // every row of every batch times one matrix: one GEMM
+    Shape out_shape = a_batch;
+    out_shape.push_back(m);
+    out_shape.push_back(n);
+    return matmul_2d(a.reshape({shape_numel(a_batch) * m, k_a}), b).reshape(out_shape);
+  }
+  Shape batch;
+  try {
+    batch = broadcast_shape("matmul", a_batch, b_batch);
+  } catch (const Error&) {
+    DP_FAIL("matmul: the batch dims of ", shape_str(a.shape()), " and ", shape_str(b.shape()),
+            " do not broadcast (", shape_str(a_batch), " vs ", shape_str(b_batch), ")");
+  }
+  auto full = [&](const Tensor& t, std::int64_t r, std::int64_t c) {
+    Shape s = batch;
+    s.push_back(r);
+    s.push_back(c);
+    return (t.shape() == s ? t : t.expand(s)).reshape({shape_numel(batch), r, c});
+  };
+  Shape out_shape = batch;
+  out_shape.push_back(m);
+  out_shape.push_back(n);
+  return bmm(full(a, m, k_a), full(b, k_a, n)).reshape(out_shape);
 }
 
 namespace {

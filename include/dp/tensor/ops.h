@@ -90,7 +90,13 @@ Tensor argmax(const Tensor& a, std::int64_t dim, bool keepdim = false);
 /// Sums a broadcast result back to `shape` (the reverse of broadcasting).
 Tensor sum_to(const Tensor& a, const Shape& shape);
 
-/// Matrix product of 2-d tensors: (m, k) x (k, n) -> (m, n).
+/// Matrix product with torch.matmul's rules: (m, k) x (k, n) -> (m, n); a 1-d operand
+/// is a row (first) or a column (second) vector whose dim is dropped from the result;
+/// with more dims, the leading ones are batch dims that broadcast: (..., m, k) x
+/// (..., k, n) -> (broadcast(...), m, n), e.g. attention's (B, H, T, D) x (B, H, D, T).
+/// A batch of inputs times one (k, n) matrix is one GEMM over all their rows; other
+/// batches run one GEMM per matrix pair. Differentiable (a broadcast operand's
+/// gradient is summed back to its shape).
 Tensor matmul(const Tensor& a, const Tensor& b);
 /// x (B, in) · w(out, in)ᵀ + b(out), in one GEMM (b may be undefined).
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
