@@ -22,18 +22,28 @@ Linear::Linear(const LinearOptions& o, Generator* gen)
 
 void Linear::check_input(const Tensor& x) const {
   DP_CHECK(x.defined(), "Linear: expected a defined input, got an undefined tensor");
-  DP_CHECK(x.dim() == 2 && x.size(1) == in_, "Linear: expected input (B, in=", in_, "), got ",
-           shape_str(x.shape()), x.dim() > 2 ? "; add a Flatten before this layer" : "");
+  DP_CHECK(x.dim() >= 1 && x.size(x.dim() - 1) == in_, "Linear: expected input (..., in=", in_, "), got ",
+           shape_str(x.shape()), x.dim() == 4 ? "; an (N, C, H, W) input wants a Flatten before this layer" : "");
+}
+
+// Over the last dim of any input, as torch.nn.Linear: (..., in) is viewed as rows
+// (n, in), one GEMM, and viewed back as (..., out).
+template <class F>
+Tensor over_rows(const Tensor& x, std::int64_t in, std::int64_t out, F&& f) {
+  if (x.dim() == 2) return f(x);
+  Shape shape = x.shape();
+  shape.back() = out;
+  return f(x.reshape({x.numel() / in, in})).reshape(shape);
 }
 
 Tensor Linear::forward(const Tensor& x) {
   check_input(x);
-  return linear(x, weight_.get(), bias());
+  return over_rows(x, in_, out_, [&](const Tensor& rows) { return linear(rows, weight_.get(), bias()); });
 }
 
 Tensor Linear::forward_relu(const Tensor& x) {
   check_input(x);
-  return linear_relu(x, weight_.get(), bias());
+  return over_rows(x, in_, out_, [&](const Tensor& rows) { return linear_relu(rows, weight_.get(), bias()); });
 }
 
 std::string Linear::extra_repr() const {

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "dp/tensor/tensor.h"
 
@@ -96,6 +97,28 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& gen);
 
 /// log(softmax(x)) over dim 1 of x: (B, C), computed stably (max subtracted).
 Tensor log_softmax(const Tensor& x);
+
+/// log(softmax(x)) along `dim` (negative counts from the end), any number of dims.
+Tensor log_softmax(const Tensor& x, std::int64_t dim);
+/// softmax along `dim` (torch.softmax): exp(x - max) / sum, computed stably.
+/// Differentiable.
+Tensor softmax(const Tensor& x, std::int64_t dim);
+
+// ---- transformer ops ---------------------------------------------------------------------
+
+/// torch.nn.functional.layer_norm: normalises over the trailing dims `normalized_shape`
+/// of `input` (mean and biased variance per row, in float), then scales by `weight` and
+/// shifts by `bias` (each of shape normalized_shape; undefined: none). Differentiable.
+///   dp::Tensor h = dp::nn::layer_norm(x, {C}, ln_w, ln_b);   // x: (B, T, C)
+Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight = Tensor(),
+                  const Tensor& bias = Tensor(), double eps = 1e-5);
+
+/// torch.nn.functional.embedding: the rows `input` (int64 or int32 ids of any shape, each
+/// in [0, V)) of `weight` (V, D): (input..., D). The gradient adds each position's row
+/// gradient into weight's row (index_add: in position order on the CPU, bitwise
+/// reproducible); the row padding_idx (negative: counted from the end) gets no
+/// gradient, as PyTorch's.
+Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::int64_t> padding_idx = std::nullopt);
 
 // Note [Class-index losses]
 // nll_loss and cross_entropy follow PyTorch 1.13's F.nll_loss / F.cross_entropy. Row r

@@ -35,7 +35,7 @@ class LinearOptions {
   bool bias_ = true;
 };
 
-/// y = x·Wᵀ + b over the last dim of a 2-d input (B, in).
+/// y = x·Wᵀ + b over the last dim of the input: (B, in), or (..., in) as torch.nn.Linear.
 class Linear : public Module {
  public:
   /// weight (out, in), bias (out) unless !bias; initialised from `gen` (the default
@@ -45,7 +45,7 @@ class Linear : public Module {
   Linear(std::int64_t in_features, std::int64_t out_features, bool bias = true,
          Generator* gen = nullptr);
 
-  /// x: (B, in) → (B, out).
+  /// x: (B, in) → (B, out); (..., in) → (..., out).
   Tensor forward(const Tensor& x) override;
   /// relu(forward(x)) as one op (linear_relu): what Sequential runs for a Linear
   /// followed by a ReLU.

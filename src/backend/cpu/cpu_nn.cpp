@@ -576,8 +576,10 @@ void CpuBackend::log_softmax(Device dev, const float* x, float* y, i64 rows, i64
       if (std::isinf(mx) && mx < 0) mx = 0.0f;
       double sum = 0.0;
       for (i64 j = 0; j < cols; ++j) sum += std::exp(static_cast<double>(xr[j] - mx));
-      const float lse = mx + static_cast<float>(std::log(sum));
-      for (i64 j = 0; j < cols; ++j) yr[j] = xr[j] - lse;
+      // (x - max) - log(sum), as PyTorch: x - (max + log(sum)) would round the sum to
+      // max's magnitude first, losing log(sum)'s low bits for large logits.
+      const float log_sum = static_cast<float>(std::log(sum));
+      for (i64 j = 0; j < cols; ++j) yr[j] = (xr[j] - mx) - log_sum;
     }
   });
 }

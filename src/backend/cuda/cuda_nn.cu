@@ -45,8 +45,9 @@ __global__ void log_softmax_kernel(const float* __restrict__ x, float* __restric
     float sum = 0.0f;
     for (i64 c = threadIdx.x; c < cols; c += kWarp) sum += expf(xr[c] - shift);
     sum = warp_reduce(sum, SumOp{});
-    const float lse = shift + logf(sum);
-    for (i64 c = threadIdx.x; c < cols; c += kWarp) yr[c] = xr[c] - lse;
+    // (x - max) - log(sum), as the CPU kernel (large logits keep log(sum)'s low bits).
+    const float log_sum = logf(sum);
+    for (i64 c = threadIdx.x; c < cols; c += kWarp) yr[c] = (xr[c] - shift) - log_sum;
   }
 }
 

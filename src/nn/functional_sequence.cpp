@@ -1,0 +1,104 @@
+// The functional ops of sequence models (dp/nn/functional.h): softmax and log_softmax
+// along any dim, layer_norm, embedding. They compose the tensor layer's differentiable
+// ops, so their gradients come from those ops' backward functions.
+#include <optional>
+#include <utility>
+
+#include "dp/autograd/grad_mode.h"
+#include "dp/autograd/node.h"
+#include "dp/core/error.h"
+#include "dp/nn/functional.h"
+#include "dp/tensor/ops.h"
+
+namespace dp::nn {
+
+namespace {
+
+std::int64_t checked_dim(const char* op, const Tensor& x, std::int64_t dim) {
+  DP_CHECK(x.defined(), op, ": expected a defined input, got an undefined tensor");
+  const std::int64_t n = x.dim();
+  DP_CHECK(n >= 1, op, ": expected an input with at least 1 dim, got a scalar");
+  DP_CHECK(dim >= -n && dim < n, op, ": expected a dim in [", -n, ", ", n, "), got ", dim, " for shape ",
+           shape_str(x.shape()));
+  return dim < 0 ? dim + n : dim;
+}
+
+// log_softmax over the last dim of x as rows of the 2-d kernel.
+Tensor log_softmax_last(const Tensor& x) {
+  const std::int64_t cols = x.size(x.dim() - 1);
+  const std::int64_t rows = cols == 0 ? 0 : x.numel() / cols;
+  return log_softmax(x.reshape({rows, cols})).reshape(x.shape());
+}
+
+}  // namespace
+
+Tensor log_softmax(const Tensor& x, std::int64_t dim) {
+  const std::int64_t d = checked_dim("log_softmax", x, dim);
+  const std::int64_t last = x.dim() - 1;
+  if (d == last) return log_softmax_last(x);
+  return log_softmax_last(x.transpose(d, last)).transpose(d, last);
+}
+
+Tensor softmax(const Tensor& x, std::int64_t dim) {
+  (void)checked_dim("softmax", x, dim);
+  return exp(log_softmax(x, dim));
+}
+
+Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
+                  double eps) {
+  DP_CHECK(input.defined(), "layer_norm: expected a defined input, got an undefined tensor");
+  DP_CHECK(input.dtype() == Dtype::Float32, "layer_norm: expected a float32 input, got ", input.str());
+  const auto k = static_cast<std::int64_t>(normalized_shape.size());
+  DP_CHECK(k >= 1 && k <= input.dim() &&
+               Shape(input.shape().end() - k, input.shape().end()) == normalized_shape,
+           "layer_norm: expected an input whose trailing dims are normalized_shape ", shape_str(normalized_shape),
+           ", got ", shape_str(input.shape()));
+  DP_CHECK(eps >= 0, "layer_norm: expected eps >= 0, got ", eps);
+  for (const auto& [name, t] : {std::pair{"weight", weight}, std::pair{"bias", bias}}) {
+    DP_CHECK(!t.defined() || (t.shape() == normalized_shape && t.device() == input.device()), "layer_norm: expected ",
+             name, " of shape ", shape_str(normalized_shape), " on ", input.device().str(), ", got ", t.str());
+  }
+  const std::int64_t cols = shape_numel(normalized_shape);
+  const std::int64_t rows = cols == 0 ? 0 : input.numel() / cols;
+  Tensor x = input.reshape({rows, cols});
+  Tensor centered = sub(x, mean(x, 1, true));
+  Tensor var = mean(mul(centered, centered), 1, true);  // biased, as PyTorch's
+  Tensor y = div(centered, sqrt(add(var, eps)));
+  if (weight.defined()) y = mul(y, weight.reshape({cols}));
+  if (bias.defined()) y = add(y, bias.reshape({cols}));
+  return y.reshape(input.shape());
+}
+
+Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::int64_t> padding) {
+  DP_CHECK(input.defined() && weight.defined(), "embedding: expected defined input and weight tensors");
+  DP_CHECK(input.dtype() == Dtype::Int64 || input.dtype() == Dtype::Int32,
+           "embedding: expected int64 or int32 ids, got ", input.str());
+  DP_CHECK(weight.dim() == 2 && weight.dtype() == Dtype::Float32, "embedding: expected a float32 weight (V, D), got ",
+           weight.str());
+  const std::int64_t V = weight.size(0), D = weight.size(1);
+  std::int64_t padding_idx = -1;  // none
+  if (padding) {
+    DP_CHECK(*padding >= -V && *padding < V, "embedding: expected padding_idx in [", -V, ", ", V, "), got ", *padding);
+    padding_idx = *padding < 0 ? *padding + V : *padding;  // PyTorch counts a negative one from the end
+  }
+  Tensor ids = input.reshape({input.numel()});
+  Tensor rows;
+  {
+    NoGradGuard no_grad;  // the gradient is EmbeddingBackward's (padding_idx)
+    rows = index_select(weight, 0, ids);
+  }
+  Shape out_shape = input.shape();
+  out_shape.push_back(D);
+  Tensor out = rows.reshape(out_shape);
+  if (autograd::needs_grad({weight})) {
+    Tensor ids64 = ids.to(Dtype::Int64);
+    autograd::record("EmbeddingBackward", {weight}, out, [ids64, V, D, padding_idx](const std::vector<Tensor>& g) {
+      Tensor gw = index_add(zeros({V, D}, g[0].device()), 0, ids64, g[0].reshape({ids64.numel(), D}));
+      if (padding_idx >= 0) gw.narrow(0, padding_idx, 1).zero_();
+      return std::vector<Tensor>{gw};
+    });
+  }
+  return out;
+}
+
+}  // namespace dp::nn

@@ -1,0 +1,170 @@
+// tests/nn/sequence_test.cpp — the sequence-model ops and layers against PyTorch
+// (sequence_reference.h): softmax / log_softmax along a dim, layer_norm, embedding with
+// padding_idx, Linear over (B, T, C); the layers' parameters and state-dict names; bad
+// input.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dp/core/error.h"
+#include "dp/nn/embedding.h"
+#include "dp/nn/functional.h"
+#include "dp/nn/linear.h"
+#include "dp/nn/normalization.h"
+#include "dp/tensor/ops.h"
+#include "sequence_reference.h"
+
+namespace {
+
+using dp::Shape;
+using dp::Tensor;
+namespace ref = sequence_reference;
+
+double max_diff(const Tensor& t, const std::vector<float>& want) {
+  const std::vector<float> got = t.to_vector();
+  if (got.size() != want.size()) return INFINITY;
+  double m = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double d = std::fabs(double(got[i]) - double(want[i]));
+    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
+  }
+  return m;
+}
+
+// sum(f(x) * up) backward; returns f(x) and x's gradient.
+std::pair<Tensor, Tensor> run(const std::vector<float>& x, const Shape& shape, const std::vector<float>& up,
+                              const auto& f) {
+  Tensor leaf = dp::from_vector(x, shape).set_requires_grad(true);
+  Tensor y = f(leaf);
+  dp::sum(dp::mul(y, dp::from_vector(up, y.shape()))).backward();
+  return {y, leaf.grad()};
+}
+
+std::string error_of(const auto& f) {
+  try {
+    f();
+  } catch (const dp::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("softmax and log_softmax along any dim match PyTorch") {
+  auto [s1, g1] = run(ref::kSoftmaxX, {2, 3, 4}, ref::kSoftmaxUp, [](const Tensor& x) { return dp::nn::softmax(x, 1); });
+  CHECK(max_diff(s1, ref::kSoftmax1Out) < 1e-6);
+  CHECK(max_diff(g1, ref::kSoftmax1Grad) < 1e-6);
+  auto [l0, h0] = run(ref::kSoftmaxX, {2, 3, 4}, ref::kSoftmaxUp, [](const Tensor& x) { return dp::nn::log_softmax(x, 0); });
+  CHECK(max_diff(l0, ref::kLogSoftmax0Out) < 1e-5);
+  CHECK(max_diff(h0, ref::kLogSoftmax0Grad) < 1e-5);
+  auto [sl, gl] = run(ref::kSoftmaxX, {2, 3, 4}, ref::kSoftmaxUp, [](const Tensor& x) { return dp::nn::softmax(x, -1); });
+  CHECK(max_diff(sl, ref::kSoftmaxLastOut) < 1e-6);
+  CHECK(max_diff(gl, ref::kSoftmaxLastGrad) < 1e-6);
+  // Rows sum to one; huge logits stay finite (max subtracted).
+  Tensor big = dp::from_vector(std::vector<float>{1000, 1001, 999, -1000}, {2, 2});
+  Tensor p = dp::nn::softmax(big, 1);
+  const std::vector<float> pv = p.to_vector();
+  CHECK(std::isfinite(pv[0]));
+  CHECK(std::fabs(pv[0] + pv[1] - 1.0f) < 1e-6);
+  CHECK(dp::nn::softmax(big, 0).shape() == Shape{2, 2});
+}
+
+TEST_CASE("layer_norm matches PyTorch: output and the gradients of input, weight and bias") {
+  Tensor w = dp::from_vector(ref::kLayerNormW, {8}).set_requires_grad(true);
+  Tensor b = dp::from_vector(ref::kLayerNormB, {8}).set_requires_grad(true);
+  auto [y, gx] = run(ref::kLayerNormX, {2, 3, 8}, ref::kLayerNormUp,
+                     [&](const Tensor& x) { return dp::nn::layer_norm(x, {8}, w, b, 1e-5); });
+  CHECK(max_diff(y, ref::kLayerNormOut) < 2e-6);
+  CHECK(max_diff(gx, ref::kLayerNormGradX) < 1e-5);
+  CHECK(max_diff(w.grad(), ref::kLayerNormGradW) < 1e-5);
+  CHECK(max_diff(b.grad(), ref::kLayerNormGradB) < 1e-5);
+
+  // The module: PyTorch's parameter names, ones and zeros to start, the same output.
+  dp::nn::LayerNorm ln(Shape{8});
+  const auto sd = ln.state_dict();
+  REQUIRE(sd.size() == 2);
+  CHECK(sd[0].first == "weight");
+  CHECK(sd[1].first == "bias");
+  CHECK(dp::sum(ln.weight()).item() == 8.0f);
+  CHECK(dp::sum(dp::abs(ln.bias())).item() == 0.0f);
+  ln.weight().copy_(dp::from_vector(ref::kLayerNormW, {8}));
+  ln.bias().copy_(dp::from_vector(ref::kLayerNormB, {8}));
+  CHECK(max_diff(ln(dp::from_vector(ref::kLayerNormX, {2, 3, 8})), ref::kLayerNormOut) < 2e-6);
+  CHECK(dp::nn::LayerNorm(dp::nn::LayerNormOptions({8}).bias(false)).state_dict().size() == 1);
+  CHECK(dp::nn::LayerNorm(dp::nn::LayerNormOptions({8}).elementwise_affine(false)).state_dict().empty());
+  CHECK(ln.name() == "LayerNorm([8], eps=1e-05, elementwise_affine=true)");
+}
+
+TEST_CASE("embedding matches PyTorch; the padding row gets no gradient") {
+  Tensor w = dp::from_vector(ref::kEmbeddingWeight, {7, 3}).set_requires_grad(true);
+  Tensor ids = dp::from_vector(ref::kEmbeddingIds, {2, 3});
+  Tensor y = dp::nn::embedding(ids, w, 2);
+  CHECK(y.shape() == Shape{2, 3, 3});
+  CHECK(max_diff(y, ref::kEmbeddingOut) == 0);
+  dp::sum(dp::mul(y, dp::from_vector(ref::kEmbeddingUp, {2, 3, 3}))).backward();
+  CHECK(max_diff(w.grad(), ref::kEmbeddingGrad) == 0);  // sums of the same values in the same order
+  // Without padding_idx row 2 gets its gradient; a negative padding_idx counts from the end.
+  Tensor w2 = dp::from_vector(ref::kEmbeddingWeight, {7, 3}).set_requires_grad(true);
+  dp::sum(dp::nn::embedding(ids, w2)).backward();
+  CHECK(w2.grad().narrow(0, 2, 1).sum().item() == 3.0f);
+  Tensor w3 = dp::from_vector(ref::kEmbeddingWeight, {7, 3}).set_requires_grad(true);
+  dp::sum(dp::nn::embedding(ids, w3, -2)).backward();  // row 5
+  CHECK(w3.grad().narrow(0, 5, 1).sum().item() == 0.0f);
+  CHECK(w3.grad().narrow(0, 2, 1).sum().item() == 3.0f);
+
+  // The module: N(0, 1) rows, the padding row zeroed, PyTorch's parameter name.
+  dp::Generator gen(7);
+  dp::nn::Embedding emb(dp::nn::EmbeddingOptions(50, 16).padding_idx(0), &gen);
+  REQUIRE(emb.state_dict().size() == 1);
+  CHECK(emb.state_dict()[0].first == "weight");
+  CHECK(emb.weight().shape() == Shape{50, 16});
+  CHECK(dp::sum(dp::abs(emb.weight().narrow(0, 0, 1))).item() == 0.0f);
+  const std::vector<float> wv = emb.weight().to_vector();
+  double mean = 0, sq = 0;
+  for (std::size_t i = 16; i < wv.size(); ++i) {
+    mean += wv[i];
+    sq += double(wv[i]) * wv[i];
+  }
+  mean /= double(wv.size() - 16);
+  CHECK(std::fabs(mean) < 0.15);
+  CHECK(std::fabs(sq / double(wv.size() - 16) - 1.0) < 0.2);
+  CHECK(emb(dp::from_vector(std::vector<std::int64_t>{3, 0}, {2})).shape() == Shape{2, 16});
+  CHECK(emb.name() == "Embedding(50, 16, padding_idx=0)");
+}
+
+TEST_CASE("Linear applies over the last dim of (B, T, C), as PyTorch's") {
+  dp::nn::Linear lin(4, 5);
+  Tensor weight = lin.weight();  // a handle: copy_ writes the parameter
+  weight.copy_(dp::from_vector(ref::kLinear3dW, {5, 4}));
+  lin.bias().copy_(dp::from_vector(ref::kLinear3dB, {5}));
+  auto [y, gx] = run(ref::kLinear3dX, {2, 3, 4}, ref::kLinear3dUp, [&](const Tensor& x) { return lin(x); });
+  CHECK(y.shape() == Shape{2, 3, 5});
+  CHECK(max_diff(y, ref::kLinear3dOut) < 1e-6);
+  CHECK(max_diff(gx, ref::kLinear3dGradX) < 1e-6);
+  CHECK(max_diff(lin.weight().grad(), ref::kLinear3dGradW) < 1e-5);
+  CHECK(max_diff(lin.bias().grad(), ref::kLinear3dGradB) < 1e-5);
+  CHECK(lin(dp::zeros({4})).shape() == Shape{5});
+}
+
+TEST_CASE("sequence ops: bad input") {
+  Tensor x = dp::zeros({2, 3});
+  CHECK(error_of([&] { (void)dp::nn::softmax(x, 2); }).find("softmax: expected a dim in [-2, 2), got 2") !=
+        std::string::npos);
+  CHECK(error_of([&] { (void)dp::nn::layer_norm(x, {4}); }).find("trailing dims are normalized_shape [4]") !=
+        std::string::npos);
+  CHECK(error_of([&] { (void)dp::nn::layer_norm(x, {3}, dp::ones({4})); }).find("weight of shape [3]") !=
+        std::string::npos);
+  Tensor w = dp::zeros({5, 2});
+  CHECK(error_of([&] { (void)dp::nn::embedding(x, w); }).find("int64 or int32 ids") != std::string::npos);
+  Tensor ids = dp::from_vector(std::vector<std::int64_t>{1, 5}, {2});
+  CHECK(error_of([&] { (void)dp::nn::embedding(ids, w); }).find("5") != std::string::npos);
+  CHECK(error_of([&] { (void)dp::nn::embedding(ids.narrow(0, 0, 1), w, 5); }).find("padding_idx in [-5, 5), got 5") !=
+        std::string::npos);
+  CHECK(error_of([] { dp::nn::Embedding e(0, 3); }).find("positive num_embeddings") != std::string::npos);
+  CHECK(error_of([] { dp::nn::LayerNorm l(Shape{}); }).find("non-empty normalized_shape") != std::string::npos);
+  dp::nn::Linear lin(4, 5);
+  CHECK(error_of([&] { (void)lin(dp::zeros({2, 3, 5})); }).find("(..., in=4)") != std::string::npos);
+}
