@@ -15,12 +15,14 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "comm/argument_checks.h"
 #include "core/parking.h"
 #include "dp/comm/communicator.h"
 
@@ -74,11 +76,6 @@ class LocalCommunicator final : public Communicator {
   ~LocalCommunicator() override;
 
   std::string backend_name() const override { return "local"; }
-  void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
-  void broadcast(int rank, const Tensor& data, int root) override;
-  void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
-  void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
-  void all_gather(int rank, const Tensor& send, const Tensor& recv) override;
   /// Waits for nothing: every local collective has finished when it returns. Throws
   /// dp::CollectiveAborted while the communicator is aborted, as every collective does.
   void synchronize(int rank) override;
@@ -86,18 +83,25 @@ class LocalCommunicator final : public Communicator {
   void reset() override;
 
   /// What one rank publishes for a collective (public only for the .cpp's helpers).
+  /// Buffers are bytes: the data path moves element_size(call.dtype) per element and
+  /// adds through the dtype's summation (Note [Collective dtypes]).
   using Kind = Collective;
   struct alignas(64) Slot {
-    Kind kind = Kind::AllReduce;
-    ReduceOp op = ReduceOp::Sum;
-    int root = 0;
-    std::int64_t count = 0;  // elements of send (broadcast: data; all_gather: send)
-    const float* send = nullptr;
-    float* recv = nullptr;
-    float* scratch = nullptr;  // this rank's scratch, valid for this collective
-    bool failed = false;       // local validation failed; `error` says why
-    std::string error;
+    CallShape call;  // count: elements of send (broadcast: data; all_gather: send)
+    const std::byte* send = nullptr;
+    std::byte* recv = nullptr;
+    std::byte* scratch = nullptr;  // this rank's scratch, valid for this collective
+    std::string error;             // non-empty: this rank's call was refused, why
   };
+
+ protected:
+  void do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void do_broadcast(int rank, const Tensor& data, int root) override;
+  void do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
+  void do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void do_all_gather(int rank, const Tensor& send, const Tensor& recv) override;
+  /// Publishes the problem in rank's slot: every rank throws dp::Error naming it.
+  void refuse(int rank, Collective kind, const std::string& problem) override;
 
  private:
   /// Publishes `slot` as rank's entry, meets the other ranks and checks that every rank
@@ -124,15 +128,14 @@ class LocalCommunicator final : public Communicator {
   };
   /// Takes rank out of `inside_` if it is counted there.
   void count_out(int rank) noexcept;
-  /// Makes rank's scratch hold at least n floats; returns it.
-  float* scratch(int rank, std::int64_t n);
-  void check_rank(int rank, const char* what) const;
+  /// Makes rank's scratch hold at least `bytes` bytes; returns it.
+  std::byte* scratch(int rank, std::size_t bytes);
 
   detail::Barrier barrier_;
   std::vector<Slot> slots_;
   struct Scratch {
-    std::unique_ptr<float[]> data;
-    std::int64_t capacity = 0;
+    std::unique_ptr<std::byte[]> data;
+    std::size_t capacity = 0;  // bytes
   };
   std::vector<Scratch> scratch_;  // per rank; written only by its rank's thread
   std::atomic<int> inside_{0};    // ranks inside a collective call

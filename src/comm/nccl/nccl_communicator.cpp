@@ -174,19 +174,19 @@ constexpr std::chrono::milliseconds kAbortGrace{2000};
 
 ncclRedOp_t to_nccl(ReduceOp op) { return op == ReduceOp::Sum ? ncclSum : ncclAvg; }
 
-backend::CudaBackend& cuda() { return backend::CudaBackend::instance(); }
-
-/// "" when t is a defined float32 tensor on `dev`, else why not.
-std::string tensor_problem(const Tensor& t, const char* name, Device dev) {
-  if (!t.defined()) return dp::detail::str_cat(name, " is undefined; pass a float32 tensor on ", dev);
-  if (t.dtype() != Dtype::Float32)
-    return dp::detail::str_cat(name, " has dtype ", dtype_name(t.dtype()),
-                               "; collectives take float32 tensors");
-  if (t.device() != dev)
-    return dp::detail::str_cat(name, " lives on ", t.device(), " but this rank's device is ",
-                               dev, "; move it with .to(", dev, ")");
-  return {};
+/// The NCCL type of a dtype (Note [Collective dtypes]): every dtype dp has. Reductions
+/// take only the summable ones, which the front checks before any call comes here.
+ncclDataType_t to_nccl(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::Float32: return ncclFloat32;
+    case Dtype::Int64: return ncclInt64;
+    case Dtype::Int32: return ncclInt32;
+    // bf16 / fp16: ncclBfloat16 / ncclFloat16 here (and a Summand in summation.h).
+  }
+  DP_FAIL("nccl communicator: no NCCL type for dtype code ", static_cast<int>(dtype));
 }
+
+backend::CudaBackend& cuda() { return backend::CudaBackend::instance(); }
 
 /// Logs a failed NCCL call on a cleanup path (never throws).
 void warn_nccl(ncclResult_t res, const char* what, Device dev) {
@@ -393,6 +393,7 @@ class NcclCommunicator final : public Communicator {
         options_(options),
         family_(std::move(family)),
         ranks_(static_cast<std::size_t>(layout_.slots)) {
+    set_rank_range({layout_.first_arg, layout_.slots, layout_.first_nccl, layout_.rank_hint, false});
     backend::CudaBackend& cb = cuda();
     for (int s = 0; s < layout_.slots; ++s) {
       Rank& rk = ranks_[static_cast<std::size_t>(s)];
@@ -503,64 +504,6 @@ class NcclCommunicator final : public Communicator {
     return peers_[static_cast<std::size_t>(rank - layout_.first_arg)].get();
   }
 
-  void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
-    all_reduce_impl(rank, send, recv, op, /*deferred=*/false);
-  }
-  void all_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
-    all_reduce_impl(rank, send, recv, op, /*deferred=*/true);
-  }
-
-  void broadcast(int rank, const Tensor& data, int root) override {
-    check_rank(rank, "broadcast");
-    check_root(root, "broadcast");
-    check_tensor(data, "data", devices_[rank], "broadcast");
-    const std::size_t count = static_cast<std::size_t>(data.numel());
-    void* p = data.raw_data();
-    enqueue(rank, {"broadcast", count, false, data, Tensor()}, [&](ncclComm_t c, cudaStream_t s) {
-      return ncclBroadcast(p, p, count, ncclFloat, root, c, s);
-    });
-  }
-
-  void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override {
-    reduce_impl(rank, send, recv, root, op, /*deferred=*/false);
-  }
-  void reduce_deferred(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override {
-    reduce_impl(rank, send, recv, root, op, /*deferred=*/true);
-  }
-
-  void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
-    check_rank(rank, "reduce_scatter");
-    const Device dev = devices_[rank];
-    check_tensor(send, "send", dev, "reduce_scatter");
-    check_tensor(recv, "recv", dev, "reduce_scatter");
-    // World-rank blocks (Note [World ranks]): NCCL's own layout.
-    DP_CHECK(send.numel() == recv.numel() * world_size(), "reduce_scatter on ", dev, ": recv has ",
-             recv.numel(), " elements and send ", send.numel(), "; reduce_scatter needs send = ",
-             world_size(), " (world size) x recv");
-    const std::size_t recv_count = static_cast<std::size_t>(recv.numel());
-    const void* sp = send.raw_data();
-    void* rp = recv.raw_data();
-    enqueue(rank, {"reduce_scatter", recv_count, false, send, recv, world_size()}, [&](ncclComm_t c, cudaStream_t s) {
-      return ncclReduceScatter(sp, rp, recv_count, ncclFloat, to_nccl(op), c, s);
-    });
-  }
-
-  void all_gather(int rank, const Tensor& send, const Tensor& recv) override {
-    check_rank(rank, "all_gather");
-    const Device dev = devices_[rank];
-    check_tensor(send, "send", dev, "all_gather");
-    check_tensor(recv, "recv", dev, "all_gather");
-    DP_CHECK(recv.numel() == send.numel() * world_size(), "all_gather on ", dev, ": recv has ",
-             recv.numel(), " elements and send ", send.numel(), "; all_gather needs recv = ",
-             world_size(), " (world size) x send");
-    const std::size_t send_count = static_cast<std::size_t>(send.numel());
-    const void* sp = send.raw_data();
-    void* rp = recv.raw_data();
-    enqueue(rank, {"all_gather", send_count, false, send, recv, world_size()}, [&](ncclComm_t c, cudaStream_t s) {
-      return ncclAllGather(sp, rp, send_count, ncclFloat, c, s);
-    });
-  }
-
   void join(int rank) override {
     check_rank(rank, "join");
     Rank& rk = slot(rank);
@@ -655,14 +598,14 @@ class NcclCommunicator final : public Communicator {
     leave(rank);
     throw_if_aborted("group_end", rank);
     DP_CHECK(result == ncclSuccess, "a group of ", g.calls, " collectives (", g.what == nullptr ? "none" : g.what,
-             ", ", g.count, " floats) on ", label(rank - layout_.first_arg),
+             ", ", g.count, " elements) on ", label(rank - layout_.first_arg),
              " failed: ", ncclGetErrorString(result), " (NCCL_DEBUG=WARN prints NCCL's reason)");
     if (g.calls == 0) return;
     if (g.any_deferred && g.any_plain) {  // the plain ones join the compute stream anyway
       std::lock_guard<std::mutex> lock(rk.mu);
       rk.deferred = true;  // so join() closes the timing window the deferred ones opened
     }
-    after_issue(rank, Call{g.what, g.count, /*deferred=*/!g.any_plain, Tensor(), Tensor()});
+    after_issue(rank, Call{g.what, g.count, Dtype::Float32, /*deferred=*/!g.any_plain, Tensor(), Tensor()});
   }
 
   bool times_on_device() const override { return true; }
@@ -802,6 +745,48 @@ class NcclCommunicator final : public Communicator {
     rk.free_events.push_back(static_cast<cudaEvent_t>(const_cast<void*>(token)));
   }
 
+ protected:
+  void do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    all_reduce_impl(rank, send, recv, op, /*deferred=*/false);
+  }
+  void do_all_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    all_reduce_impl(rank, send, recv, op, /*deferred=*/true);
+  }
+  void do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override {
+    reduce_impl(rank, send, recv, root, op, /*deferred=*/false);
+  }
+  void do_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override {
+    reduce_impl(rank, send, recv, root, op, /*deferred=*/true);
+  }
+
+  void do_broadcast(int rank, const Tensor& data, int root) override {
+    const std::size_t count = static_cast<std::size_t>(data.numel());
+    void* p = data.raw_data();
+    const ncclDataType_t type = to_nccl(data.dtype());
+    enqueue(rank, {"broadcast", count, data.dtype(), false, data, Tensor()}, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclBroadcast(p, p, count, type, root, c, s);
+    });
+  }
+
+  void do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
+    // World-rank blocks (Note [World ranks]): NCCL's own layout.
+    const std::size_t recv_count = static_cast<std::size_t>(recv.numel());
+    const void* sp = send.raw_data();
+    void* rp = recv.raw_data();
+    const ncclDataType_t type = to_nccl(send.dtype());
+    enqueue(rank, {"reduce_scatter", recv_count, send.dtype(), false, send, recv, world_size()},
+            [&](ncclComm_t c, cudaStream_t s) { return ncclReduceScatter(sp, rp, recv_count, type, to_nccl(op), c, s); });
+  }
+
+  void do_all_gather(int rank, const Tensor& send, const Tensor& recv) override {
+    const std::size_t send_count = static_cast<std::size_t>(send.numel());
+    const void* sp = send.raw_data();
+    void* rp = recv.raw_data();
+    const ncclDataType_t type = to_nccl(send.dtype());
+    enqueue(rank, {"all_gather", send_count, send.dtype(), false, send, recv, world_size()},
+            [&](ncclComm_t c, cudaStream_t s) { return ncclAllGather(sp, rp, send_count, type, c, s); });
+  }
+
  private:
   /// Note [Collective timing]
   /// Host clocks see only how long enqueueing took. A deferred collective is timed on
@@ -822,7 +807,7 @@ class NcclCommunicator final : public Communicator {
   // non-blocking communicator may return ncclInProgress and is then polled like any
   // call (wait_issued, Note [NCCL failures]). So the per-call steps of enqueue that
   // must follow the launch move to group_end: the `done` event handed to the watchdog
-  // (one for the group, named after its first collective, counting all its floats),
+  // (one for the group, named after its first collective, counting all its elements),
   // the compute stream's wait after plain collectives, and the end of the timing span
   // of deferred ones (one span from the first deferred call to the launch). The steps
   // before the call stay per call: each records `ready` on the compute stream and
@@ -835,7 +820,7 @@ class NcclCommunicator final : public Communicator {
     int depth = 0;                 // open group_start calls; 0 = not grouping
     int calls = 0;                 // collectives issued in the group (count > 0)
     const char* what = nullptr;    // the first one's name (a string literal)
-    std::size_t count = 0;         // their floats
+    std::size_t count = 0;         // their elements
     std::size_t bytes = 0;         // their nccl-tests sizes, for the profiler range
     bool any_deferred = false, any_plain = false;
     cudaEvent_t span_end = nullptr;  // the open timing span's end, when deferred
@@ -865,6 +850,7 @@ class NcclCommunicator final : public Communicator {
   struct Call {
     const char* what;
     std::size_t count;  // elements; 0 enqueues nothing (the same on every rank)
+    Dtype dtype;
     bool deferred;
     Tensor a, b;        // the buffers the collective reads or writes (may be undefined)
     int blocks = 1;     // count x blocks = nccl-tests' size (reduce_scatter, all_gather)
@@ -874,39 +860,23 @@ class NcclCommunicator final : public Communicator {
   int nccl_rank(int rank) const { return layout_.first_nccl + (rank - layout_.first_arg); }
 
   void all_reduce_impl(int rank, const Tensor& send, const Tensor& recv, ReduceOp op, bool deferred) {
-    check_rank(rank, "all_reduce");
-    const Device dev = devices_[rank];
-    check_tensor(send, "send", dev, "all_reduce");
-    check_tensor(recv, "recv", dev, "all_reduce");
-    DP_CHECK(recv.numel() == send.numel(), "all_reduce on ", dev, ": recv has ", recv.numel(),
-             " elements but send has ", send.numel(), "; they must match");
     const std::size_t count = static_cast<std::size_t>(send.numel());
     const void* sp = send.raw_data();
     void* rp = recv.raw_data();
-    enqueue(rank, {"all_reduce", count, deferred, send, recv}, [&](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(sp, rp, count, ncclFloat, to_nccl(op), c, s);
+    const ncclDataType_t type = to_nccl(send.dtype());
+    enqueue(rank, {"all_reduce", count, send.dtype(), deferred, send, recv}, [&](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(sp, rp, count, type, to_nccl(op), c, s);
     });
   }
 
   void reduce_impl(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op, bool deferred) {
-    check_rank(rank, "reduce");
-    check_root(root, "reduce");
-    const Device dev = devices_[rank];
-    check_tensor(send, "send", dev, "reduce");
     const bool is_root = nccl_rank(rank) == root;  // roots are world ranks
-    void* rp = nullptr;  // NCCL ignores recvbuff on non-root ranks
-    if (is_root) {
-      check_tensor(recv, "recv (on the root)", dev, "reduce");
-      DP_CHECK(recv.numel() == send.numel(), "reduce on ", dev, ": recv has ", recv.numel(),
-               " elements but send has ", send.numel(), "; they must match");
-      rp = recv.raw_data();
-    }
+    void* rp = is_root ? recv.raw_data() : nullptr;  // NCCL ignores recvbuff on non-root ranks
     const std::size_t count = static_cast<std::size_t>(send.numel());
     const void* sp = send.raw_data();
-    enqueue(rank, {"reduce", count, deferred, send, is_root ? recv : Tensor()},
-            [&](ncclComm_t c, cudaStream_t s) {
-              return ncclReduce(sp, rp, count, ncclFloat, to_nccl(op), root, c, s);
-            });
+    const ncclDataType_t type = to_nccl(send.dtype());
+    enqueue(rank, {"reduce", count, send.dtype(), deferred, send, is_root ? recv : Tensor()},
+            [&](ncclComm_t c, cudaStream_t s) { return ncclReduce(sp, rp, count, type, to_nccl(op), root, c, s); });
   }
 
   /// Waits (polling, bounded by the timeout) until slot s's comm stream is idle.
@@ -929,21 +899,6 @@ class NcclCommunicator final : public Communicator {
     return state == cudaSuccess;
   }
 
-  void check_rank(int rank, const char* what) const {
-    const int first = layout_.first_arg, last = layout_.first_arg + layout_.slots - 1;
-    DP_CHECK(rank >= first && rank <= last, what, ": rank ", rank, " is not one of this process's ranks of the ",
-             layout_.name, " nccl communicator (expected ", first == last ? dp::detail::str_cat(first)
-                                                                            : dp::detail::str_cat(first, "..", last),
-             layout_.rank_hint, ")");
-  }
-  void check_root(int root, const char* what) const {
-    DP_CHECK(root >= 0 && root < world_size(), what, ": root ", root, " is out of range (expected a world rank 0..",
-             world_size() - 1, ")");
-  }
-  static void check_tensor(const Tensor& t, const char* name, Device dev, const char* what) {
-    const std::string problem = tensor_problem(t, name, dev);
-    DP_CHECK(problem.empty(), what, " on ", dev, ": ", problem);
-  }
   std::string abort_reason() const {
     std::lock_guard<std::mutex> lock(reason_mu_);
     return reason_;
@@ -1011,7 +966,7 @@ class NcclCommunicator final : public Communicator {
       comm = rk.comm;
       rk.busy = true;  // already, in a group
     }
-    const std::size_t bytes = c.count * sizeof(float) * static_cast<std::size_t>(c.blocks);
+    const std::size_t bytes = c.count * element_size(c.dtype) * static_cast<std::size_t>(c.blocks);
     backend::ScopedRange range(devices_[rank], "nccl", c.what, bytes);  // Note [Profiler ranges]
     ncclResult_t result = ncclSuccess;
     try {
@@ -1047,7 +1002,7 @@ class NcclCommunicator final : public Communicator {
     if (!grouped) leave(rank);
     throw_if_aborted(c.what, rank);
     DP_CHECK(result == ncclSuccess, c.what, " on ", label(rank - layout_.first_arg), " (", c.count,
-             " floats) failed: ", ncclGetErrorString(result), " (NCCL_DEBUG=WARN prints NCCL's reason)");
+             " elements) failed: ", ncclGetErrorString(result), " (NCCL_DEBUG=WARN prints NCCL's reason)");
     if (grouped) {
       Group& g = rk.group;
       if (g.calls++ == 0) g.what = c.what;
