@@ -64,18 +64,21 @@ inline bool same_call(const CallShape& a, const CallShape& b) {
 }
 
 /// The verdict of a rendezvous on `rank`, the same words on every rank: "" when every
-/// rank's arguments passed (`error(r)` empty) and every rank made the same call as rank
-/// 0 (`shape(r)`); else this rank's own problem, another rank's ("<who(r)> failed:
-/// ..."), or the first disagreement. `who(r)` names rank r ("rank 2 (cpu:2)").
-template <typename Error, typename Shape, typename Who>
-std::string rendezvous_problem(int rank, int ranks, const Error& error, const Shape& shape, const Who& who) {
-  if (!error(rank).empty()) return error(rank);
+/// rank's arguments passed (slots[r].error empty) and every rank made the same call as
+/// rank 0 (slots[r].call, a CallShape); else this rank's own problem, another rank's
+/// ("<who(r)> failed: ..."), or the first disagreement. `who(r)` names rank r ("rank 2
+/// (cpu:2)").
+template <typename Slot, typename Who>
+std::string rendezvous_problem(int rank, const std::vector<Slot>& slots, const Who& who) {
+  auto at = [&](int r) -> const Slot& { return slots[static_cast<std::size_t>(r)]; };
+  const int ranks = static_cast<int>(slots.size());
+  if (!at(rank).error.empty()) return at(rank).error;
   for (int r = 0; r < ranks; ++r)
-    if (!error(r).empty()) return dp::detail::str_cat(who(r), " failed: ", error(r));
+    if (!at(r).error.empty()) return dp::detail::str_cat(who(r), " failed: ", at(r).error);
   for (int r = 1; r < ranks; ++r) {
-    if (same_call(shape(0), shape(r))) continue;
-    return dp::detail::str_cat("ranks disagree: ", who(0), " called ", describe(shape(0)), ", ", who(r), " called ",
-                               describe(shape(r)), "; every rank must make the same collective calls in the same ",
+    if (same_call(at(0).call, at(r).call)) continue;
+    return dp::detail::str_cat("ranks disagree: ", who(0), " called ", describe(at(0).call), ", ", who(r), " called ",
+                               describe(at(r).call), "; every rank must make the same collective calls in the same ",
                                "order with the same sizes");
   }
   return {};

@@ -687,7 +687,8 @@ TEST_CASE("checked collectives: every bad argument fails every rank with a messa
   expect("all_gather: recv dtype differs from send", 1, "recv has dtype int32 but send has float32; they must match",
          [&](int r) {
            comm->all_gather(r, dp::zeros({4}, dev(r)),
-                            dp::zeros({12}, {.dtype = r == 1 ? dp::Dtype::Int32 : dp::Dtype::Float32, .device = dev(r)}));
+                            dp::zeros({12}, {.dtype = r == 1 ? dp::Dtype::Int32 : dp::Dtype::Float32,
+                                             .device = dev(r)}));
          });
   expect("reduce_scatter: an integer dtype", 2,
          "send has dtype int32, which reduce_scatter does not take on the local communicator (it takes float32)",
@@ -790,7 +791,8 @@ TEST_CASE("collective dtypes: int64 and int32 broadcast and all_gather move ever
       // In place: send is this rank's block of recv.
       dp::Tensor all32 = dp::zeros({count * n}, {.dtype = dp::Dtype::Int32, .device = dp::cpu(r)});
       if (count > 0)
-        std::memcpy(all32.mutable_data<std::int32_t>() + count * r, mine32.data(), mine32.size() * sizeof(std::int32_t));
+        std::memcpy(all32.mutable_data<std::int32_t>() + count * r, mine32.data(),
+                    mine32.size() * sizeof(std::int32_t));
       comm->all_gather(r, all32.narrow(0, count * r, count), all32);
       gathered32[static_cast<std::size_t>(r)] = all32.to_vector_i32();
     }));

@@ -705,7 +705,8 @@ TEST_CASE("world communicator dtypes: int64 broadcast and all_gather, integer re
         comm->all_gather(j, dp::from_vector(mine, {count}, dp::cpu(j)), all);
         gathered[static_cast<std::size_t>(j)] = all.to_vector_i64();
       });
-      std::vector<std::int64_t> want_bcast(static_cast<std::size_t>(count)), want(static_cast<std::size_t>(count * w_all));
+      std::vector<std::int64_t> want_bcast(static_cast<std::size_t>(count));
+      std::vector<std::int64_t> want(static_cast<std::size_t>(count * w_all));
       std::vector<std::int32_t> want32(static_cast<std::size_t>(count));
       for (std::int64_t i = 0; i < count; ++i) {
         want_bcast[static_cast<std::size_t>(i)] = big(root, i);

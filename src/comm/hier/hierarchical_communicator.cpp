@@ -215,18 +215,6 @@ ProcessGroup& HierarchicalCommunicator::group(int rank) {
   return peers_[static_cast<std::size_t>(rank)]->group();
 }
 
-std::byte* HierarchicalCommunicator::scratch(int rank, std::size_t bytes) {
-  Scratch& s = scratch_[static_cast<std::size_t>(rank)];
-  if (s.capacity < bytes) {
-    // Geometric growth: buckets of changing sizes settle after a few calls.
-    const std::size_t cap = std::max(bytes, s.capacity * 2);
-    s.data.reset();  // free first: lowers the peak
-    s.data = std::unique_ptr<std::byte[]>(new std::byte[cap]);
-    s.capacity = cap;
-  }
-  return s.data.get();
-}
-
 void HierarchicalCommunicator::sync(int rank, const char* what) {
   if (!barrier_.arrive_and_wait()) throw_aborted(what, rank, barrier_.reason());
 }
@@ -239,9 +227,7 @@ std::vector<HierarchicalCommunicator::Slot> HierarchicalCommunicator::agree(int 
   std::vector<Slot> snap = slots_;
   // Every local rank evaluates the same snapshot, so every one reaches the same verdict.
   const std::string problem = rendezvous_problem(
-      rank, size(), [&](int r) -> const std::string& { return snap[static_cast<std::size_t>(r)].error; },
-      [&](int r) -> const CallShape& { return snap[static_cast<std::size_t>(r)].call; },
-      [&](int r) {
+      rank, snap, [&](int r) {
         return dp::detail::str_cat("local rank ", r, " (", devices_[static_cast<std::size_t>(r)], ", world rank ",
                                    first_rank() + r, ")");
       });

@@ -116,7 +116,7 @@ class HierarchicalCommunicator final : public Communicator {
   /// Meets the other local ranks; throws dp::CollectiveAborted when aborted.
   void sync(int rank, const char* what);
   /// Rank's scratch of at least `bytes` bytes (only rank's thread touches it between calls).
-  std::byte* scratch(int rank, std::size_t bytes);
+  std::byte* scratch(int rank, std::size_t bytes) { return scratch_[static_cast<std::size_t>(rank)].reserve(bytes); }
   dist::detail::ProcessGroup& group(int rank);
 
   const int processes_;     // P
@@ -126,11 +126,7 @@ class HierarchicalCommunicator final : public Communicator {
   detail::Barrier barrier_;       // the local ranks' own rendezvous (agree, settle)
   std::vector<Slot> slots_;       // per local rank, read after agree's barrier
   std::vector<std::string> outcomes_;  // per local rank: its process-level step's error
-  struct Scratch {
-    std::unique_ptr<std::byte[]> data;
-    std::size_t capacity = 0;  // bytes
-  };
-  std::vector<Scratch> scratch_;  // per local rank
+  std::vector<detail::ScratchBuffer> scratch_;  // per local rank
 };
 
 }  // namespace dp::comm

@@ -154,6 +154,16 @@ std::string Barrier::reason() const {
   return reason_;
 }
 
+std::byte* ScratchBuffer::reserve(std::size_t bytes) {
+  if (capacity_ < bytes) {
+    const std::size_t cap = std::max(bytes, capacity_ * 2);
+    data_.reset();  // free first: lowers the peak
+    data_ = std::unique_ptr<std::byte[]>(new std::byte[cap]);
+    capacity_ = cap;
+  }
+  return data_.get();
+}
+
 bool Barrier::arrive_and_wait() {
   // Read the generation before arriving: the last arriver bumps it only after our
   // fetch_add, so we can never miss the bump of our own round. Look for an abort only
@@ -214,30 +224,15 @@ LocalCommunicator::LocalCommunicator(std::vector<Device> devices)
 
 LocalCommunicator::~LocalCommunicator() = default;
 
-std::byte* LocalCommunicator::scratch(int rank, std::size_t bytes) {
-  Scratch& s = scratch_[static_cast<std::size_t>(rank)];
-  if (s.capacity < bytes) {
-    // Grows geometrically so buckets of changing sizes settle after a few calls. Only
-    // this rank's thread touches its scratch between collectives: the previous one
-    // ended with no other rank still reading it (Note [Local collective protocol]).
-    const std::size_t cap = std::max(bytes, s.capacity * 2);
-    s.data.reset();  // free first: lowers the peak
-    s.data = std::unique_ptr<std::byte[]>(new std::byte[cap]);
-    s.capacity = cap;
-  }
-  return s.data.get();
-}
-
 std::vector<LocalCommunicator::Slot> LocalCommunicator::rendezvous(int rank, Slot slot,
                                                                    const char* what) {
   slots_[static_cast<std::size_t>(rank)] = std::move(slot);
   sync(rank, what);
   std::vector<Slot> snap = slots_;
   // Every rank evaluates the same snapshot, so every rank reaches the same verdict.
-  const std::string problem = rendezvous_problem(
-      rank, size(), [&](int r) -> const std::string& { return snap[static_cast<std::size_t>(r)].error; },
-      [&](int r) -> const CallShape& { return snap[static_cast<std::size_t>(r)].call; },
-      [&](int r) { return dp::detail::str_cat("rank ", r, " (", devices_[static_cast<std::size_t>(r)], ")"); });
+  const std::string problem = rendezvous_problem(rank, snap, [&](int r) {
+    return dp::detail::str_cat("rank ", r, " (", devices_[static_cast<std::size_t>(r)], ")");
+  });
   if (!problem.empty()) {
     // Nobody leaves before everyone has read the slots: a rank that threw and entered
     // its next collective would otherwise overwrite a slot still being read.

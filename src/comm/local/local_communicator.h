@@ -66,6 +66,20 @@ class Barrier {
   std::string reason_;
 };
 
+/// A rank's host scratch: grows geometrically, so buckets of changing sizes settle
+/// after a few calls, and frees the old block before allocating the new one (a lower
+/// peak). Touched by its rank's thread only, between collectives that no other rank
+/// still reads it in.
+class ScratchBuffer {
+ public:
+  /// At least `bytes` bytes (aligned for any element type), kept across calls.
+  std::byte* reserve(std::size_t bytes);
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  std::size_t capacity_ = 0;
+};
+
 }  // namespace detail
 
 /// The shared-memory communicator for CPU virtual devices (see the file comment).
@@ -128,16 +142,14 @@ class LocalCommunicator final : public Communicator {
   };
   /// Takes rank out of `inside_` if it is counted there.
   void count_out(int rank) noexcept;
-  /// Makes rank's scratch hold at least `bytes` bytes; returns it.
-  std::byte* scratch(int rank, std::size_t bytes);
+  /// Rank's scratch of at least `bytes` bytes: only rank's thread touches it between
+  /// collectives, the previous one having ended with no other rank still reading it
+  /// (Note [Local collective protocol]).
+  std::byte* scratch(int rank, std::size_t bytes) { return scratch_[static_cast<std::size_t>(rank)].reserve(bytes); }
 
   detail::Barrier barrier_;
   std::vector<Slot> slots_;
-  struct Scratch {
-    std::unique_ptr<std::byte[]> data;
-    std::size_t capacity = 0;  // bytes
-  };
-  std::vector<Scratch> scratch_;  // per rank; written only by its rank's thread
+  std::vector<detail::ScratchBuffer> scratch_;  // per rank; written only by its rank's thread
   std::atomic<int> inside_{0};    // ranks inside a collective call
   std::vector<char> in_;          // in_[r]: rank r is counted in inside_ (r's thread only)
 };

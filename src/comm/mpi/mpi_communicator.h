@@ -4,8 +4,8 @@
 // dp/comm/mpi_communicator.h). One rank per process; each collective, its arguments
 // checked by Communicator's front (Note [Checked collectives]), hands (pointer, count)
 // buffers to a dp::dist process group on a channel of its own, which does the
-// rendezvous, the rank-order reduction and the timeout (src/dist/process_group.h). This header knows nothing of MPI's types, of
-// modules, optimizers or DataParallel.
+// rendezvous, the rank-order reduction and the timeout (src/dist/process_group.h).
+// This header knows nothing of MPI's types, of modules, optimizers or DataParallel.
 //
 //   dp::comm::MpiCommunicator comm(dp::cpu(0));          // on every process
 //   comm.all_reduce(comm.process_rank(), g, g, dp::comm::ReduceOp::Sum);

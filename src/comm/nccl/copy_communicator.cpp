@@ -440,10 +440,9 @@ class CopyCommunicator final : public Communicator {
     sync(rank, what);
     c.slots = slots_;
     // Every rank judges the same snapshot, so every rank reaches the same verdict.
-    const std::string problem = rendezvous_problem(
-        rank, size(), [&](int r) -> const std::string& { return c.slots[static_cast<std::size_t>(r)].error; },
-        [&](int r) -> const CallShape& { return c.slots[static_cast<std::size_t>(r)].call; },
-        [&](int r) { return dp::detail::str_cat("rank ", r, " (", devices_[static_cast<std::size_t>(r)], ")"); });
+    const std::string problem = rendezvous_problem(rank, c.slots, [&](int r) {
+      return dp::detail::str_cat("rank ", r, " (", devices_[static_cast<std::size_t>(r)], ")");
+    });
     if (!problem.empty()) {
       // Nobody leaves before everyone has read the slots (a rank entering its next
       // collective would overwrite one still being read).

@@ -79,7 +79,8 @@ NcclCommunicator::~NcclCommunicator() {
   }
 }
 
-void NcclCommunicator::adopt(std::unique_ptr<NcclCommunicator> local, std::vector<std::unique_ptr<NcclCommunicator>> peers) {
+void NcclCommunicator::adopt(std::unique_ptr<NcclCommunicator> local,
+                             std::vector<std::unique_ptr<NcclCommunicator>> peers) {
   owner_ = true;
   local_ = std::move(local);
   peers_ = std::move(peers);

@@ -214,8 +214,8 @@ Splits make_split_members(const std::vector<Device>& devices, const std::vector<
                          "; peers(j) has one rank per process: pass dp::dist::rank()"};
       for (int q = 0; q < processes; ++q)
         peer_layout.devices.push_back(dp::cuda(static_cast<int>(index[static_cast<std::size_t>(q * n + s)])));
-      out.peers.push_back(std::make_unique<NcclCommunicator>(std::move(peer_layout), options, family,
-                                                             std::vector<cudaStream_t>{streams[static_cast<std::size_t>(s)]}));
+      const std::vector<cudaStream_t> stream{streams[static_cast<std::size_t>(s)]};
+      out.peers.push_back(std::make_unique<NcclCommunicator>(std::move(peer_layout), options, family, stream));
     }
   } catch (const std::exception& e) {
     mine = e.what();
