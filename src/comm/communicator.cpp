@@ -1,4 +1,5 @@
-// make_communicator: picks the local or the NCCL communicator for a device list.
+// Communicator's checking front (Note [Checked collectives]) and make_communicator, which
+// picks the local or the NCCL communicator for a device list.
 #include "dp/comm/communicator.h"
 
 #include <cstddef>
@@ -66,8 +67,9 @@ class ArgumentCheck {
     }
     return *this;
   }
-  /// recv is a tensor (above) of send's dtype with `blocks` x send's elements (all_reduce,
-  /// reduce: 1); or send has `blocks` x recv's (reduce_scatter: blocks < 0 stands for that).
+  /// recv is a tensor (above) of send's dtype, of the collective's size: send's elements
+  /// (all_reduce, reduce), world_size() x send's (all_gather), send's / world_size()
+  /// (reduce_scatter).
   ArgumentCheck& matches(const Tensor& send, const Tensor& recv, const char* recv_name) {
     tensor(recv, recv_name);
     if (!problem_.empty()) return *this;
