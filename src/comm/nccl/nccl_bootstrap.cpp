@@ -54,59 +54,51 @@ ncclConfig_t nonblocking_config() {
   return config;
 }
 
-}  // namespace
-
-/// Makes ranks first .. first + devices.size() - 1 of `nranks`, one per device, from
-/// `id` — one group, as one thread creates them all (the calls would otherwise wait
-/// for peers that the same thread has not created yet). Never throws.
-Made init_ranks(const std::vector<Device>& devices, int nranks, int first, const ncclUniqueId& id,
-                std::chrono::milliseconds timeout) {
-  std::vector<ncclComm_t> comms(devices.size(), nullptr);
-  ncclConfig_t config = nonblocking_config();
+/// One grouped creation of n comms — comms[i] on devices[i], made by create(i,
+/// &comms[i]) — polled to the end (finish_creation); `what` names the NCCL call. One
+/// group, as one thread creates them all (the calls would otherwise wait for peers that
+/// the same thread has not created yet). Never throws.
+template <typename Create>
+Made create_grouped(std::size_t n, const std::vector<Device>& devices, const char* what,
+                    std::chrono::milliseconds timeout, Create&& create) {
+  std::vector<ncclComm_t> comms(n, nullptr);
   ncclResult_t error = ncclGroupStart();
   if (error != ncclSuccess)
     return {{}, dp::detail::str_cat("ncclGroupStart failed: ", ncclGetErrorString(error))};
-  for (std::size_t i = 0; i < devices.size() && error == ncclSuccess; ++i) {
+  for (std::size_t i = 0; i < n && error == ncclSuccess; ++i) {
     try {
       cuda().set_device(devices[i].index);
     } catch (const std::exception&) {
       error = ncclUnhandledCudaError;  // the group must still be closed below
       break;
     }
-    const ncclResult_t res =
-        ncclCommInitRankConfig(&comms[i], nranks, id, first + static_cast<int>(i), &config);
+    const ncclResult_t res = create(i, &comms[i]);
     if (res != ncclSuccess && res != ncclInProgress) error = res;
   }
   const ncclResult_t ended = ncclGroupEnd();
   backend::CudaBackend::invalidate_device_cache();  // NCCL called cudaSetDevice
   if (error == ncclSuccess && ended != ncclSuccess && ended != ncclInProgress) error = ended;
-  return finish_creation(std::move(comms), devices, error, "ncclCommInitRankConfig", timeout);
+  return finish_creation(std::move(comms), devices, error, what, timeout);
 }
 
-/// Splits every parent (parents[i] on devices[i]) with colors[i] and keys[i], grouped.
-/// Every rank of the parents' communicator must call it. Never throws.
+}  // namespace
+
+Made init_ranks(const std::vector<Device>& devices, int nranks, int first, const ncclUniqueId& id,
+                std::chrono::milliseconds timeout) {
+  ncclConfig_t config = nonblocking_config();
+  return create_grouped(devices.size(), devices, "ncclCommInitRankConfig", timeout,
+                        [&](std::size_t i, ncclComm_t* comm) {
+                          return ncclCommInitRankConfig(comm, nranks, id, first + static_cast<int>(i), &config);
+                        });
+}
+
 Made split_ranks(const std::vector<ncclComm_t>& parents, const std::vector<Device>& devices,
                  const std::vector<int>& colors, const std::vector<int>& keys,
                  std::chrono::milliseconds timeout) {
-  std::vector<ncclComm_t> comms(parents.size(), nullptr);
   ncclConfig_t config = nonblocking_config();
-  ncclResult_t error = ncclGroupStart();
-  if (error != ncclSuccess)
-    return {{}, dp::detail::str_cat("ncclGroupStart failed: ", ncclGetErrorString(error))};
-  for (std::size_t i = 0; i < parents.size() && error == ncclSuccess; ++i) {
-    try {
-      cuda().set_device(devices[i].index);
-    } catch (const std::exception&) {
-      error = ncclUnhandledCudaError;
-      break;
-    }
-    const ncclResult_t res = ncclCommSplit(parents[i], colors[i], keys[i], &comms[i], &config);
-    if (res != ncclSuccess && res != ncclInProgress) error = res;
-  }
-  const ncclResult_t ended = ncclGroupEnd();
-  backend::CudaBackend::invalidate_device_cache();
-  if (error == ncclSuccess && ended != ncclSuccess && ended != ncclInProgress) error = ended;
-  return finish_creation(std::move(comms), devices, error, "ncclCommSplit", timeout);
+  return create_grouped(parents.size(), devices, "ncclCommSplit", timeout, [&](std::size_t i, ncclComm_t* comm) {
+    return ncclCommSplit(parents[i], colors[i], keys[i], comm, &config);
+  });
 }
 
 }  // namespace dp::comm::nccl

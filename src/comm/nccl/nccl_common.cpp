@@ -22,34 +22,35 @@ void warn_nccl(ncclResult_t res, const char* what, Device dev) {
     dp::detail::log_warning(dp::detail::str_cat(what, " on ", dev, " failed: ", ncclGetErrorString(res)));
 }
 
-void abort_comms(const CommList& comms) {
-  if (comms.empty()) return;
-  const bool grouped = comms.size() > 1 && ncclGroupStart() == ncclSuccess;
-  for (const auto& [c, dev] : comms) {
-    try {
-      cuda().set_device(dev.index);
-    } catch (const std::exception& e) {  // abort never throws: it runs on failure paths
-      dp::detail::log_warning(dp::detail::str_cat("nccl abort: ", e.what()));
-    }
-    warn_nccl(ncclCommAbort(c), "ncclCommAbort", dev);
-  }
-  if (grouped) warn_nccl(ncclGroupEnd(), "ncclGroupEnd (abort)", comms.front().second);
-  backend::CudaBackend::invalidate_device_cache();  // NCCL may have called cudaSetDevice
-}
+namespace {
 
-void destroy_comms(const CommList& comms) {
+/// Calls `call` (ncclCommAbort, ncclCommDestroy) on every comm from one thread,
+/// grouped as NCCL requires; `name` for the logs. Never throws: it runs on failure
+/// and cleanup paths.
+template <typename Call>
+void on_every_comm(const CommList& comms, const char* name, const char* group_name, Call&& call) {
   if (comms.empty()) return;
   const bool grouped = comms.size() > 1 && ncclGroupStart() == ncclSuccess;
   for (const auto& [c, dev] : comms) {
     try {
       cuda().set_device(dev.index);
     } catch (const std::exception& e) {
-      dp::detail::log_warning(dp::detail::str_cat("~NcclCommunicator: ", e.what()));
+      dp::detail::log_warning(dp::detail::str_cat(name, " on ", dev, ": ", e.what()));
     }
-    warn_nccl(ncclCommDestroy(c), "ncclCommDestroy", dev);
+    warn_nccl(call(c), name, dev);
   }
-  if (grouped) warn_nccl(ncclGroupEnd(), "ncclGroupEnd (destroy)", comms.front().second);
-  backend::CudaBackend::invalidate_device_cache();
+  if (grouped) warn_nccl(ncclGroupEnd(), group_name, comms.front().second);
+  backend::CudaBackend::invalidate_device_cache();  // NCCL may have called cudaSetDevice
+}
+
+}  // namespace
+
+void abort_comms(const CommList& comms) {
+  on_every_comm(comms, "ncclCommAbort", "ncclGroupEnd (abort)", [](ncclComm_t c) { return ncclCommAbort(c); });
+}
+
+void destroy_comms(const CommList& comms) {
+  on_every_comm(comms, "ncclCommDestroy", "ncclGroupEnd (destroy)", [](ncclComm_t c) { return ncclCommDestroy(c); });
 }
 
 }  // namespace dp::comm::nccl
