@@ -1,7 +1,7 @@
 // src/comm/nccl_factory.h — the comm layer's one door to the NCCL communicator.
 //
 // make_communicator reaches NCCL only through this declaration, so the comm layer
-// compiles without CUDA headers. It is defined in src/comm/nccl/nccl_communicator.cpp
+// compiles without CUDA headers. It is defined in src/comm/nccl/nccl_world.cpp
 // when dp is built with CUDA, and in src/comm/nccl/nccl_stub.cpp (which throws)
 // otherwise; src/comm/nccl/meson.build picks one. Internal header.
 #pragma once

@@ -24,7 +24,7 @@ std::unique_ptr<Communicator> make_hierarchical_communicator(const std::vector<D
 /// communicator over every device of the job, world rank = process * local devices +
 /// local index (the unique id made on process 0 and broadcast by dp::dist), with
 /// local() and peers(j) split from it at construction (Note [NCCL across processes],
-/// src/comm/nccl/nccl_communicator.cpp). Bad devices (not CUDA, out of range,
+/// src/comm/nccl/nccl_world.cpp). Bad devices (not CUDA, out of range,
 /// duplicated) or a failed initialisation throw dp::Error on every process. Any abort
 /// of it ends the job (Note [NCCL failures]).
 std::unique_ptr<Communicator> make_nccl_world_communicator(const std::vector<Device>& devices,

@@ -651,3 +651,182 @@ TEST_CASE("a bad rank is rejected at once") {
   CHECK_THROWS_AS(comm->synchronize(5), dp::Error);
   comm->synchronize(0);
 }
+
+// Note [Checked collectives]: every bad argument, one test each, reported on every
+// rank (the bad one names its problem, the others name the bad rank), with one message
+// shape on every rank: the collective, the rank and its device, the communicator.
+TEST_CASE("checked collectives: every bad argument fails every rank with a message naming it") {
+  const int n = 3;
+  auto comm = make_comm(n);
+  // Runs f on every rank; all must throw a plain dp::Error; rank `bad` must name
+  // `needle` and the others that rank.
+  auto expect = [&](const char* label, int bad, const std::string& needle, const std::function<void(int)>& f) {
+    CAPTURE(label);
+    const std::vector<std::exception_ptr> errors = run_ranks(n, f);
+    expect_all_threw(errors, needle);
+    for (int r = 0; r < n; ++r) {
+      if (r == bad) continue;
+      CAPTURE(r);
+      expect_all_threw({errors[static_cast<std::size_t>(r)]},
+                       dp::detail::str_cat("rank ", bad, " (cpu:", bad, ") failed"));
+    }
+  };
+  auto dev = [](int r) { return dp::cpu(r); };
+  expect("all_reduce: recv size", 1, "recv has 9 elements but send has 8", [&](int r) {
+    comm->all_reduce(r, dp::zeros({8}, dev(r)), dp::zeros({r == 1 ? 9 : 8}, dev(r)), ReduceOp::Sum);
+  });
+  expect("all_reduce: undefined recv", 2, "recv is undefined; pass a tensor on cpu:2", [&](int r) {
+    dp::Tensor t = dp::zeros({8}, dev(r));
+    comm->all_reduce(r, t, r == 2 ? dp::Tensor() : t, ReduceOp::Sum);
+  });
+  expect("all_reduce: recv dtype differs from send", 0, "recv has dtype int32", [&](int r) {
+    dp::Tensor t = dp::zeros({8}, dev(r));
+    comm->all_reduce(r, t, r == 0 ? dp::zeros({8}, {.dtype = dp::Dtype::Int32, .device = dev(r)}) : t,
+                     ReduceOp::Sum);
+  });
+  expect("all_gather: recv dtype differs from send", 1, "recv has dtype int32 but send has float32; they must match",
+         [&](int r) {
+           comm->all_gather(r, dp::zeros({4}, dev(r)),
+                            dp::zeros({12}, {.dtype = r == 1 ? dp::Dtype::Int32 : dp::Dtype::Float32,
+                                             .device = dev(r)}));
+         });
+  expect("reduce_scatter: an integer dtype", 2,
+         "send has dtype int32, which reduce_scatter does not take on the local communicator (it takes float32)",
+         [&](int r) {
+           const dp::Dtype d = r == 2 ? dp::Dtype::Int32 : dp::Dtype::Float32;
+           comm->reduce_scatter(r, dp::zeros({6}, {.dtype = d, .device = dev(r)}),
+                                dp::zeros({2}, {.dtype = d, .device = dev(r)}), ReduceOp::Sum);
+         });
+  expect("reduce: root out of range", 1, "root -1 is out of range (expected a world rank 0..2)", [&](int r) {
+    dp::Tensor t = dp::zeros({4}, dev(r));
+    comm->reduce(r, t, t, r == 1 ? -1 : 0, ReduceOp::Sum);
+  });
+  expect("reduce: the root's recv size", 0, "recv has 5 elements but send has 4", [&](int r) {
+    comm->reduce(r, dp::zeros({4}, dev(r)), r == 0 ? dp::zeros({5}, dev(r)) : dp::Tensor(), 0, ReduceOp::Sum);
+  });
+  expect("reduce: the root's recv on another device", 0, "recv (on the root) lives on cpu:1", [&](int r) {
+    comm->reduce(r, dp::zeros({4}, dev(r)), r == 0 ? dp::zeros({4}, dev(1)) : dp::Tensor(), 0, ReduceOp::Sum);
+  });
+  expect("all_gather: block sizes", 1, "all_gather needs recv = 3 x send", [&](int r) {
+    comm->all_gather(r, dp::zeros({4}, dev(r)), dp::zeros({r == 1 ? 11 : 12}, dev(r)));
+  });
+  expect("all_gather: send overlaps recv but is not its own block", 2, "is not recv's block 2", [&](int r) {
+    dp::Tensor all = dp::zeros({12}, dev(r));
+    comm->all_gather(r, all.narrow(0, r == 2 ? 0 : 4 * r, 4), all);
+  });
+  expect("broadcast: data on another device", 1, "data lives on cpu:2 but this rank's device is cpu:1", [&](int r) {
+    comm->broadcast(r, dp::zeros({4}, dev(r == 1 ? 2 : r)), 0);
+  });
+  // Arguments each fine on their own rank, but the ranks' calls differ in dtype.
+  expect_all_threw(run_ranks(n, [&](int r) {
+    comm->broadcast(r, dp::zeros({4}, {.dtype = r == 1 ? dp::Dtype::Int64 : dp::Dtype::Float32, .device = dev(r)}), 0);
+  }), "ranks disagree: rank 0 (cpu:0) called broadcast(count 4, float32, root 0), rank 1 (cpu:1) called "
+      "broadcast(count 4, int64, root 0)");
+  // The message starts where the call was made.
+  const std::vector<std::exception_ptr> errors = run_ranks(n, [&](int r) {
+    comm->all_reduce(r, dp::zeros({8}, dev(r)), dp::zeros({r == 1 ? 9 : 8}, dev(r)), ReduceOp::Sum);
+  });
+  expect_all_threw({errors[1]}, "all_reduce on rank 1 (cpu:1) of the local communicator: recv has 9 elements");
+  // After every refusal the ranks are still in step.
+  std::vector<std::vector<float>> got(n);
+  expect_ok(run_ranks(n, [&](int r) {
+    dp::Tensor t = dp::ones({5}, dev(r));
+    comm->all_reduce(r, t, t, ReduceOp::Sum);
+    got[static_cast<std::size_t>(r)] = t.to_vector();
+  }));
+  for (int r = 0; r < n; ++r) CHECK(got[static_cast<std::size_t>(r)] == std::vector<float>(5, 3.0f));
+}
+
+TEST_CASE("checked collectives: a bad rank throws at once, naming the collective and the ranks") {
+  auto comm = make_comm(2);
+  dp::Tensor t = dp::ones({4}, dp::cpu(0));
+  CHECK_THROWS_WITH_AS(comm->reduce_scatter(-1, t, dp::ones({2}, dp::cpu(0)), ReduceOp::Sum),
+                       doctest::Contains("reduce_scatter: rank -1 is out of range for the local communicator "
+                                         "(expected 0..1)"),
+                       dp::Error);
+  CHECK_THROWS_WITH_AS(comm->all_reduce_deferred(2, t, t, ReduceOp::Sum),
+                       doctest::Contains("all_reduce: rank 2 is out of range"), dp::Error);
+  CHECK_THROWS_WITH_AS(comm->reduce_deferred(7, t, t, 0, ReduceOp::Sum),
+                       doctest::Contains("reduce: rank 7 is out of range"), dp::Error);
+  CHECK_THROWS_WITH_AS(comm->all_gather(3, t, t), doctest::Contains("all_gather: rank 3 is out of range"),
+                       dp::Error);
+}
+
+// The dtype table of Note [Collective dtypes], as the local communicator fills it.
+TEST_CASE("collective dtypes: the local communicator moves every dtype and reduces float32") {
+  auto comm = make_comm(2);
+  for (dp::Dtype d : {dp::Dtype::Float32, dp::Dtype::Int64, dp::Dtype::Int32}) {
+    CAPTURE(dp::dtype_name(d));
+    CHECK(comm->supports(Communicator::Collective::Broadcast, d));
+    CHECK(comm->supports(Communicator::Collective::AllGather, d));
+    const bool reduces = d == dp::Dtype::Float32;
+    CHECK(comm->supports(Communicator::Collective::AllReduce, d) == reduces);
+    CHECK(comm->supports(Communicator::Collective::Reduce, d) == reduces);
+    CHECK(comm->supports(Communicator::Collective::ReduceScatter, d) == reduces);
+  }
+}
+
+TEST_CASE("collective dtypes: int64 and int32 broadcast and all_gather move every bit") {
+  const int n = 3;
+  auto comm = make_comm(n);
+  // Values no float holds exactly: a float path would change them.
+  auto big = [](int r, std::int64_t i) { return (std::int64_t{1} << 53) + 1 + r * 1000003 + i * 7; };
+  for (std::int64_t count : {std::int64_t{0}, std::int64_t{1}, std::int64_t{37}, dp_test::kLargeCount / 4 + 3}) {
+    CAPTURE(count);
+    std::vector<std::vector<std::int64_t>> bcast(n), gathered(n);
+    std::vector<std::vector<std::int32_t>> gathered32(n);
+    expect_ok(run_ranks(n, [&](int r) {
+      std::vector<std::int64_t> mine(static_cast<std::size_t>(count));
+      std::vector<std::int32_t> mine32(static_cast<std::size_t>(count));
+      for (std::int64_t i = 0; i < count; ++i) {
+        mine[static_cast<std::size_t>(i)] = big(r, i);
+        mine32[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(-(r * 100000 + i));
+      }
+      dp::Tensor data = dp::from_vector(mine, {count}, dp::cpu(r));
+      comm->broadcast(r, data, 1);
+      bcast[static_cast<std::size_t>(r)] = data.to_vector_i64();
+      dp::Tensor all = dp::zeros({count * n}, {.dtype = dp::Dtype::Int64, .device = dp::cpu(r)});
+      comm->all_gather(r, dp::from_vector(mine, {count}, dp::cpu(r)), all);
+      gathered[static_cast<std::size_t>(r)] = all.to_vector_i64();
+      // In place: send is this rank's block of recv.
+      dp::Tensor all32 = dp::zeros({count * n}, {.dtype = dp::Dtype::Int32, .device = dp::cpu(r)});
+      if (count > 0)
+        std::memcpy(all32.mutable_data<std::int32_t>() + count * r, mine32.data(),
+                    mine32.size() * sizeof(std::int32_t));
+      comm->all_gather(r, all32.narrow(0, count * r, count), all32);
+      gathered32[static_cast<std::size_t>(r)] = all32.to_vector_i32();
+    }));
+    std::vector<std::int64_t> want_bcast(static_cast<std::size_t>(count)), want(static_cast<std::size_t>(count * n));
+    std::vector<std::int32_t> want32(static_cast<std::size_t>(count * n));
+    for (std::int64_t i = 0; i < count; ++i) {
+      want_bcast[static_cast<std::size_t>(i)] = big(1, i);
+      for (int q = 0; q < n; ++q) {
+        want[static_cast<std::size_t>(q * count + i)] = big(q, i);
+        want32[static_cast<std::size_t>(q * count + i)] = static_cast<std::int32_t>(-(q * 100000 + i));
+      }
+    }
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(bcast[static_cast<std::size_t>(r)] == want_bcast);
+      CHECK(gathered[static_cast<std::size_t>(r)] == want);
+      CHECK(gathered32[static_cast<std::size_t>(r)] == want32);
+    }
+  }
+}
+
+TEST_CASE("collective dtypes: an integer reduction is a dp::Error naming the dtypes reductions take") {
+  const int n = 2;
+  auto comm = make_comm(n);
+  for (dp::Dtype d : {dp::Dtype::Int64, dp::Dtype::Int32}) {
+    CAPTURE(dp::dtype_name(d));
+    const std::string taken = dp::detail::str_cat("has dtype ", dp::dtype_name(d), ", which ");
+    expect_all_threw(run_ranks(n, [&](int r) {
+      dp::Tensor t = dp::ones({4}, {.dtype = d, .device = dp::cpu(r)});
+      comm->all_reduce(r, t, t, ReduceOp::Sum);
+    }), taken + "all_reduce does not take on the local communicator (it takes float32)");
+    expect_all_threw(run_ranks(n, [&](int r) {
+      dp::Tensor t = dp::ones({4}, {.dtype = d, .device = dp::cpu(r)});
+      comm->reduce(r, t, t, 0, ReduceOp::Average);
+    }), taken + "reduce does not take");
+  }
+}

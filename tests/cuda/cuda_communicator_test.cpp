@@ -183,6 +183,63 @@ TEST_CASE("reduce, broadcast, reduce_scatter and all_gather match the CPU") {
   }
 }
 
+// Note [Collective dtypes]: NCCL and the copy communicator move int64 and int32 bit for
+// bit (the same values as the CPU), and refuse an integer reduction with a dp::Error on
+// the calling thread (nccl) or on every rank (cuda-copy) before any rank waits.
+TEST_CASE("int64 and int32 broadcast and all_gather move every bit; integer reductions are refused") {
+  const int n = rank_count();
+  if (n < 2) return;
+  auto devs = devices_of(dp::DeviceType::CUDA, n);
+  auto comm = dp::comm::make_communicator(devs);
+  // Values no float holds exactly: a float path would change them.
+  auto big = [](int r, std::int64_t i) { return (std::int64_t{1} << 53) + 1 + r * 1000003 + i * 7; };
+  for (std::int64_t count : kSizes) {
+    CAPTURE(count);
+    std::vector<std::vector<std::int64_t>> bcast(static_cast<std::size_t>(n)), gathered(static_cast<std::size_t>(n));
+    std::vector<std::vector<std::int32_t>> gathered32(static_cast<std::size_t>(n));
+    on_ranks(n, [&](int r) {
+      const dp::Device d = devs[static_cast<std::size_t>(r)];
+      std::vector<std::int64_t> mine(static_cast<std::size_t>(count));
+      std::vector<std::int32_t> mine32(static_cast<std::size_t>(count));
+      for (std::int64_t i = 0; i < count; ++i) {
+        mine[static_cast<std::size_t>(i)] = big(r, i);
+        mine32[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(-(r * 100000 + i));
+      }
+      Tensor b = dp::from_vector(mine, {count}, d);
+      comm->broadcast(r, b, 1);
+      Tensor all = dp::zeros({count * n}, {.dtype = dp::Dtype::Int64, .device = d});
+      comm->all_gather(r, dp::from_vector(mine, {count}, d), all);
+      Tensor all32 = dp::zeros({count * n}, {.dtype = dp::Dtype::Int32, .device = d});
+      comm->all_gather(r, dp::from_vector(mine32, {count}, d), all32);
+      comm->synchronize(r);
+      bcast[static_cast<std::size_t>(r)] = b.to_vector_i64();
+      gathered[static_cast<std::size_t>(r)] = all.to_vector_i64();
+      gathered32[static_cast<std::size_t>(r)] = all32.to_vector_i32();
+    });
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      for (std::int64_t i = 0; i < count; ++i) {
+        REQUIRE(bcast[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)] == big(1, i));
+        for (int q = 0; q < n; ++q) {
+          const auto at = static_cast<std::size_t>(q * count + i);
+          REQUIRE(gathered[static_cast<std::size_t>(r)][at] == big(q, i));
+          REQUIRE(gathered32[static_cast<std::size_t>(r)][at] == static_cast<std::int32_t>(-(q * 100000 + i)));
+        }
+      }
+    }
+  }
+  std::vector<std::string> errors(static_cast<std::size_t>(n));
+  on_ranks(n, [&](int r) {
+    Tensor x = dp::ones({4}, {.dtype = dp::Dtype::Int64, .device = devs[static_cast<std::size_t>(r)]});
+    try {
+      comm->all_reduce(r, x, x, ReduceOp::Sum);
+    } catch (const dp::Error& e) {
+      errors[static_cast<std::size_t>(r)] = e.what();
+    }
+  });
+  for (const std::string& e : errors) CHECK_MESSAGE(e.find("all_reduce does not take") != std::string::npos, e);
+}
+
 TEST_CASE("ranks that disagree fail alike with a dp::Error, and the communicator stays usable") {
   const int n = rank_count();
   if (n < 2 || !shares_gpu()) return;  // NCCL would hang: mismatches are the caller's contract there

@@ -293,6 +293,49 @@ TEST_CASE("mpi communicator: every collective against locally computed values") 
   comm->synchronize(r);
 }
 
+// Note [Collective dtypes]: the mpi communicator moves int64 whole (broadcast and
+// all_gather) and int32 by broadcast; no process group carries int32 for all_gather.
+TEST_CASE("mpi communicator: int64 broadcast and all_gather, int32 broadcast") {
+  const int p = dist::world_size();
+  const int r = dist::rank();
+  auto comm = dp::comm::make_mpi_communicator(dp::cpu(0));
+  using Kind = dp::comm::Communicator::Collective;
+  CHECK(comm->supports(Kind::Broadcast, dp::Dtype::Int32));
+  CHECK(comm->supports(Kind::AllGather, dp::Dtype::Int64));
+  CHECK_FALSE(comm->supports(Kind::AllGather, dp::Dtype::Int32));
+  CHECK_FALSE(comm->supports(Kind::Reduce, dp::Dtype::Int64));
+  // Values no float holds exactly: a float path would change them.
+  auto big = [](int k, std::int64_t i) { return (std::int64_t{1} << 53) + 1 + k * 1000003 + i * 7; };
+  for (std::int64_t n : {0, 1, 9}) {
+    CAPTURE(n);
+    std::vector<std::int64_t> mine(static_cast<std::size_t>(n)), want_b(static_cast<std::size_t>(n)), want_g;
+    std::vector<std::int32_t> mine32(static_cast<std::size_t>(n)), want32(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      mine[static_cast<std::size_t>(i)] = big(r, i);
+      want_b[static_cast<std::size_t>(i)] = big(p - 1, i);
+      mine32[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(-(r * 1000 + i));
+      want32[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(-((p - 1) * 1000 + i));
+    }
+    for (int k = 0; k < p; ++k)
+      for (std::int64_t i = 0; i < n; ++i) want_g.push_back(big(k, i));
+    dp::Tensor b = dp::from_vector(mine, {n}, dp::cpu(0));
+    comm->broadcast(r, b, p - 1);
+    CHECK(b.to_vector_i64() == want_b);
+    dp::Tensor b32 = dp::from_vector(mine32, {n}, dp::cpu(0));
+    comm->broadcast(r, b32, p - 1);
+    CHECK(b32.to_vector_i32() == want32);
+    dp::Tensor all = dp::zeros({n * p}, {.dtype = dp::Dtype::Int64, .device = dp::cpu(0)});
+    comm->all_gather(r, dp::from_vector(mine, {n}, dp::cpu(0)), all);
+    CHECK(all.to_vector_i64() == want_g);
+  }
+  // int32 all_gather between processes: every process throws, naming what it takes.
+  dp::Tensor x32 = dp::zeros({2}, {.dtype = dp::Dtype::Int32, .device = dp::cpu(0)});
+  const std::string e = error_of([&] {
+    comm->all_gather(r, x32, dp::zeros({2 * p}, {.dtype = dp::Dtype::Int32, .device = dp::cpu(0)}));
+  });
+  CHECK_MESSAGE(contains(e, "which all_gather does not take on the mpi communicator (it takes float32, int64)"), e);
+}
+
 TEST_CASE("mpi communicator: the same bits as the local communicator over P devices") {
   // A process-level sum over P processes equals the shared-memory sum over P virtual
   // devices in one process, bit for bit (both add in rank order).

@@ -663,3 +663,92 @@ int main(int argc, char** argv) {
   if (dist::is_distributed()) ctx.setOption("no-colors", true);
   return ctx.run();
 }
+
+// Note [Collective dtypes] across processes: int64 crosses whole (broadcast and
+// all_gather), int32 is broadcast but not all-gathered between processes (no process
+// group type carries it), and no integer dtype is reduced.
+TEST_CASE("world communicator dtypes: int64 broadcast and all_gather, integer reductions refused") {
+  const int procs = dist::world_size();
+  const int p = dist::rank();
+  // Values no float holds exactly: a float path would change them.
+  auto big = [](int w, std::int64_t i) { return (std::int64_t{1} << 53) + 1 + w * 1000003 + i * 7; };
+  for (int l : kLocalCounts) {
+    CAPTURE(l);
+    auto comm = world_comm(l);
+    const int w_all = procs * l;
+    using Kind = Communicator::Collective;
+    CHECK(comm->supports(Kind::Broadcast, dp::Dtype::Int32));
+    CHECK(comm->supports(Kind::AllGather, dp::Dtype::Int64));
+    CHECK(comm->supports(Kind::AllGather, dp::Dtype::Int32) == (procs == 1));
+    CHECK_FALSE(comm->supports(Kind::AllReduce, dp::Dtype::Int64));
+    CHECK(comm->supports(Kind::ReduceScatter, dp::Dtype::Float32));
+    for (std::int64_t count : {std::int64_t{0}, std::int64_t{1}, std::int64_t{13}}) {
+      CAPTURE(count);
+      const int root = w_all - 1;
+      std::vector<std::vector<std::int64_t>> bcast(static_cast<std::size_t>(l)), gathered(static_cast<std::size_t>(l));
+      std::vector<std::vector<std::int32_t>> bcast32(static_cast<std::size_t>(l));
+      on_ranks(l, [&](int j) {
+        const int me = p * l + j;
+        std::vector<std::int64_t> mine(static_cast<std::size_t>(count));
+        std::vector<std::int32_t> mine32(static_cast<std::size_t>(count));
+        for (std::int64_t i = 0; i < count; ++i) {
+          mine[static_cast<std::size_t>(i)] = big(me, i);
+          mine32[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(-(me * 1000 + i));
+        }
+        dp::Tensor data = dp::from_vector(mine, {count}, dp::cpu(j));
+        comm->broadcast(j, data, root);
+        bcast[static_cast<std::size_t>(j)] = data.to_vector_i64();
+        dp::Tensor data32 = dp::from_vector(mine32, {count}, dp::cpu(j));
+        comm->broadcast(j, data32, root);
+        bcast32[static_cast<std::size_t>(j)] = data32.to_vector_i32();
+        dp::Tensor all = dp::zeros({count * w_all}, {.dtype = dp::Dtype::Int64, .device = dp::cpu(j)});
+        comm->all_gather(j, dp::from_vector(mine, {count}, dp::cpu(j)), all);
+        gathered[static_cast<std::size_t>(j)] = all.to_vector_i64();
+      });
+      std::vector<std::int64_t> want_bcast(static_cast<std::size_t>(count));
+      std::vector<std::int64_t> want(static_cast<std::size_t>(count * w_all));
+      std::vector<std::int32_t> want32(static_cast<std::size_t>(count));
+      for (std::int64_t i = 0; i < count; ++i) {
+        want_bcast[static_cast<std::size_t>(i)] = big(root, i);
+        want32[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(-(root * 1000 + i));
+        for (int q = 0; q < w_all; ++q) want[static_cast<std::size_t>(q * count + i)] = big(q, i);
+      }
+      for (int j = 0; j < l; ++j) {
+        CAPTURE(j);
+        CHECK(bcast[static_cast<std::size_t>(j)] == want_bcast);
+        CHECK(bcast32[static_cast<std::size_t>(j)] == want32);
+        CHECK(gathered[static_cast<std::size_t>(j)] == want);
+      }
+    }
+    // An int64 all-reduce: a dp::Error on every rank naming the dtype reductions take.
+    const std::vector<std::string> errors = run_ranks(l, [&](int j) {
+      dp::Tensor t = dp::ones({4}, {.dtype = dp::Dtype::Int64, .device = dp::cpu(j)});
+      comm->all_reduce(j, t, t, ReduceOp::Sum);
+    });
+    for (const std::string& e : errors) {
+      CHECK_MESSAGE(contains(e, "threw:"), e);
+      CHECK_MESSAGE(contains(e, "has dtype int64, which all_reduce does not take"), e);
+      CHECK_MESSAGE(contains(e, "(it takes float32)"), e);
+    }
+    if (procs > 1) {
+      // int32 between processes: all_gather refuses it on every rank of every process.
+      const std::vector<std::string> e32 = run_ranks(l, [&](int j) {
+        dp::Tensor t = dp::ones({2}, {.dtype = dp::Dtype::Int32, .device = dp::cpu(j)});
+        comm->all_gather(j, t, dp::zeros({2 * w_all}, {.dtype = dp::Dtype::Int32, .device = dp::cpu(j)}));
+      });
+      for (const std::string& e : e32) {
+        CHECK_MESSAGE(contains(e, "threw:"), e);
+        CHECK_MESSAGE(contains(e, "which all_gather does not take on the hierarchical communicator "
+                                  "(it takes float32, int64)"), e);
+      }
+    }
+    // Still in step after the refusals.
+    std::vector<std::vector<float>> sums(static_cast<std::size_t>(l));
+    on_ranks(l, [&](int j) {
+      dp::Tensor t = dp::ones({3}, dp::cpu(j));
+      comm->all_reduce(j, t, t, ReduceOp::Sum);
+      sums[static_cast<std::size_t>(j)] = t.to_vector();
+    });
+    for (const auto& v : sums) CHECK(v == std::vector<float>(3, static_cast<float>(w_all)));
+  }
+}

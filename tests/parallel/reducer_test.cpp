@@ -491,24 +491,24 @@ class StreamOrderedRecorder final : public dp::comm::Communicator {
   explicit StreamOrderedRecorder(std::vector<dp::Device> devices)
       : Communicator(devices), inner_(dp::comm::make_communicator(devices)), ranks_(devices.size()) {}
   std::string backend_name() const override { return "recorder"; }
-  void all_reduce(int rank, const Tensor& s, const Tensor& r, dp::comm::ReduceOp op) override {
+  void do_all_reduce(int rank, const Tensor& s, const Tensor& r, dp::comm::ReduceOp op) override {
     inner_->all_reduce(rank, s, r, op);
   }
-  void broadcast(int rank, const Tensor& d, int root) override { inner_->broadcast(rank, d, root); }
-  void reduce(int rank, const Tensor& s, const Tensor& r, int root, dp::comm::ReduceOp op) override {
+  void do_broadcast(int rank, const Tensor& d, int root) override { inner_->broadcast(rank, d, root); }
+  void do_reduce(int rank, const Tensor& s, const Tensor& r, int root, dp::comm::ReduceOp op) override {
     ++ranks_[rank].plain;
     inner_->reduce(rank, s, r, root, op);
   }
-  void reduce_deferred(int rank, const Tensor& s, const Tensor& r, int root, dp::comm::ReduceOp op) override {
+  void do_reduce_deferred(int rank, const Tensor& s, const Tensor& r, int root, dp::comm::ReduceOp op) override {
     PerRank& me = ranks_[rank];
     ++me.deferred;
     inner_->reduce(rank, s, r, root, op);
     if (root != rank) me.sent.push_back(s);
   }
-  void reduce_scatter(int rank, const Tensor& s, const Tensor& r, dp::comm::ReduceOp op) override {
+  void do_reduce_scatter(int rank, const Tensor& s, const Tensor& r, dp::comm::ReduceOp op) override {
     inner_->reduce_scatter(rank, s, r, op);
   }
-  void all_gather(int rank, const Tensor& s, const Tensor& r) override { inner_->all_gather(rank, s, r); }
+  void do_all_gather(int rank, const Tensor& s, const Tensor& r) override { inner_->all_gather(rank, s, r); }
   void synchronize(int rank) override { inner_->synchronize(rank); }
   void abort(const std::string& reason) override { inner_->abort(reason); }
   void reset() override { inner_->reset(); }

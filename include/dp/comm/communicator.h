@@ -74,18 +74,37 @@ class Communicator {
   /// process. Local rank `rank`'s thread alone calls it.
   virtual Communicator* peers(int /*rank*/) { return nullptr; }
 
-  /// recv = reduction of every rank's send. send and recv: same shape, float32, on
+  /// Note [Checked collectives]
+  /// The collectives below are the same non-virtual functions for every communicator:
+  /// each checks its arguments once, here in the base class, with one set of messages
+  /// (the collective, the rank and its device, what was expected and what came), then
+  /// calls the implementation's do_* with arguments that passed. The checks: `rank` is
+  /// one this process's threads call with (rank_range()); every tensor is defined and
+  /// on the rank's device; send and recv share one dtype, which the collective takes
+  /// here (supports(), Note [Collective dtypes]); sizes match (reduce_scatter: send =
+  /// world_size() blocks of recv; all_gather: recv = world_size() blocks of send); a
+  /// root is a world rank; an all_gather's send that overlaps recv is this rank's own
+  /// block of it. A rank out of range throws dp::Error on the calling thread at once
+  /// (unless the implementation can still tell its peers). Any other bad argument
+  /// goes to refuse(): a communicator whose ranks meet in a rendezvous (local,
+  /// hierarchical, mpi, cuda-copy) makes every rank throw dp::Error naming it, so the
+  /// others never wait for a rank that left; the others (nccl) throw on the calling
+  /// thread. An implementation checks only what is its own (the cuda-copy
+  /// communicator's overlap rules) and what needs every rank's arguments (that the
+  /// ranks made the same call).
+
+  /// recv = reduction of every rank's send. send and recv: same shape and dtype, on
   /// this rank's device; recv may be send (in place).
-  virtual void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op);
   /// Every rank's data becomes root's data.
-  virtual void broadcast(int rank, const Tensor& data, int root) = 0;
+  void broadcast(int rank, const Tensor& data, int root);
   /// Root's recv = reduction of every rank's send; recv is ignored on other ranks
   /// (may be undefined there).
-  virtual void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) = 0;
+  void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op);
   /// recv (count n) on rank r = reduction of every rank's send[r*n, (r+1)*n).
-  virtual void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op);
   /// recv[r*n, (r+1)*n) = rank r's send (count n) on every rank.
-  virtual void all_gather(int rank, const Tensor& send, const Tensor& recv) = 0;
+  void all_gather(int rank, const Tensor& send, const Tensor& recv);
   /// Waits (host) until this rank's enqueued collectives have finished (no-op for local).
   virtual void synchronize(int rank) = 0;
 
@@ -97,14 +116,10 @@ class Communicator {
   /// the rank enqueued before (no host wait). Until join, the result must not be
   /// read and the buffers must not be written by compute work. Host-synchronous
   /// backends (local) finish the collective inside the call: there the two are
-  /// all_reduce() and a no-op.
-  virtual void all_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) {
-    all_reduce(rank, send, recv, op);
-  }
+  /// all_reduce() and a no-op. Checked as all_reduce (Note [Checked collectives]).
+  void all_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, ReduceOp op);
   /// reduce() without ordering the compute stream after it (see above).
-  virtual void reduce_deferred(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) {
-    reduce(rank, send, recv, root, op);
-  }
+  void reduce_deferred(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op);
   /// Orders the rank's later compute work after its deferred collectives.
   virtual void join(int /*rank*/) {}
   /// Note [Work after deferred collectives]
@@ -179,6 +194,20 @@ class Communicator {
   /// "all_reduce", "broadcast", "reduce", "reduce_scatter", "all_gather".
   static const char* collective_name(Collective c);
 
+  /// Note [Collective dtypes]
+  /// Broadcast and all_gather move bytes (element_size() per element); all_reduce,
+  /// reduce and reduce_scatter also add, so they take a dtype only where a summation
+  /// for it exists (src/comm/summation.h: a storage type accumulated in float, Sum and
+  /// Average alike; today float32 alone). Integer dtypes are moved, never reduced, on
+  /// every communicator: a sum of labels or indices is no training collective, an
+  /// Average of them has no integer answer, and one rule everywhere keeps a model's
+  /// behaviour the same on CPU and GPU. A call with a dtype its collective does not
+  /// take is a dp::Error naming the dtypes it takes. A new floating dtype (bf16, fp16)
+  /// is a row in each table (a summand, an NCCL and an MPI type), not a code path.
+  /// True when collective `kind` takes tensors of `dtype` on this communicator. The
+  /// default: movement takes every dtype, reductions the summable ones.
+  virtual bool supports(Collective kind, Dtype dtype) const;
+
   /// Releases every rank blocked in a collective with dp::CollectiveAborted naming
   /// `reason` (used when one worker fails, so the others never hang). Until reset(),
   /// every collective and synchronize() throws dp::CollectiveAborted too. Never throws.
@@ -191,10 +220,61 @@ class Communicator {
 
  protected:
   explicit Communicator(std::vector<Device> devices)
-      : devices_(std::move(devices)), world_size_(static_cast<int>(devices_.size())) {}
+      : devices_(std::move(devices)), world_size_(static_cast<int>(devices_.size())),
+        callers_{0, world_size_, 0, {}, false} {}
   /// A communicator spanning processes (Note [World ranks]).
   Communicator(std::vector<Device> devices, int world_size, int first_rank)
-      : devices_(std::move(devices)), world_size_(world_size), first_rank_(first_rank) {}
+      : devices_(std::move(devices)), world_size_(world_size), first_rank_(first_rank),
+        callers_{0, static_cast<int>(devices_.size()), first_rank, {}, false} {}
+
+  /// The collectives themselves, called by the public ones with arguments that passed
+  /// the checks (Note [Checked collectives]): `rank` is one of this process's, the
+  /// tensors are defined, on rank's device, of one dtype that supports() allows, with
+  /// matching sizes, and `root` is a world rank. The deferred ones default to the plain
+  /// ones (host-synchronous backends).
+  virtual void do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  virtual void do_broadcast(int rank, const Tensor& data, int root) = 0;
+  virtual void do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) = 0;
+  virtual void do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) = 0;
+  virtual void do_all_gather(int rank, const Tensor& send, const Tensor& recv) = 0;
+  virtual void do_all_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) {
+    do_all_reduce(rank, send, recv, op);
+  }
+  virtual void do_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) {
+    do_reduce(rank, send, recv, root, op);
+  }
+  /// A call of `kind` on `rank` whose arguments failed the checks for `problem`. A
+  /// communicator whose ranks meet in a rendezvous overrides it to make every rank
+  /// throw dp::Error naming the problem (the others must not wait for this one); when
+  /// it returns, the caller throws dp::Error on this thread alone (the default).
+  /// `rank` is one of this process's ranks unless rank_range().refuse_out_of_range.
+  virtual void refuse(int /*rank*/, Collective /*kind*/, const std::string& /*problem*/) {}
+
+  /// The `rank` arguments this process's threads pass (Note [World ranks]): ranks
+  /// first .. first + count - 1, of world ranks first_world ...; by default every
+  /// rank 0..size()-1, at first_rank(). `hint` ends the out-of-range message ("; pass
+  /// dp::dist::rank()"); refuse_out_of_range hands a bad rank to refuse() too (a
+  /// communicator of one rank per process can still tell its peers).
+  struct RankRange {
+    int first = 0;
+    int count = 0;
+    int first_world = 0;
+    std::string hint;
+    bool refuse_out_of_range = false;
+  };
+  void set_rank_range(RankRange range) { callers_ = std::move(range); }
+  const RankRange& rank_range() const { return callers_; }
+  /// The world rank of the thread that passes `rank`.
+  int world_rank_of(int rank) const { return callers_.first_world + (rank - callers_.first); }
+  /// "rank 2 is out of range for the local communicator (expected 0..1)", or "" for a
+  /// rank of this process.
+  std::string rank_problem(int rank) const;
+  /// Throws dp::Error for `what` ("synchronize", ...) unless `rank` is one of this
+  /// process's ranks.
+  void check_rank(int rank, const char* what) const;
+  /// "all_reduce on rank 1 (cpu:1) of the local communicator": where a call was made,
+  /// the start of every message about it.
+  std::string call_site(const char* what, int rank) const;
   /// Throws dp::CollectiveAborted for `what` ("all_reduce", ...) called on `rank` of a
   /// communicator aborted with `reason`: the one message every implementation gives.
   [[noreturn]] void throw_aborted(const char* what, int rank, const std::string& reason) const;
@@ -202,6 +282,15 @@ class Communicator {
   std::vector<Device> devices_;
   int world_size_ = 0;
   int first_rank_ = 0;
+
+ private:
+  /// Admits a call of `kind` on `rank` whose other arguments have `problem` ("" when
+  /// none), or refuses it (Note [Checked collectives]); throws when refused.
+  void admit(Collective kind, int rank, const std::string& problem);
+  /// Throws (or refuses, see RankRange) unless `rank` is one of this process's ranks.
+  void admit_rank(Collective kind, int rank);
+
+  RankRange callers_;
 };
 
 /// A group of rank's collectives (Note [Grouped collectives]) from construction to

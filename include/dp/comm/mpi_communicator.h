@@ -2,9 +2,10 @@
 //
 // The mpi communicator connects every process started by mpirun (or srun), one rank
 // per process: rank = dp::dist::rank(), size() = dp::dist::world_size(), devices()[r] =
-// the CPU device process r named. It moves float32 CPU tensors with the collectives of
-// dp/comm/communicator.h; each process calls them from one thread at a time with its
-// own rank. Sums run in rank order, so results are bitwise identical on every process
+// the CPU device process r named. It moves CPU tensors with the collectives of
+// dp/comm/communicator.h (every dtype for broadcast, float32 and int64 for all_gather,
+// float32 for the reductions: Note [Collective dtypes]); each process calls them from
+// one thread at a time with its own rank. Sums run in rank order, so results are bitwise identical on every process
 // and from run to run for a fixed process count (Note [Deterministic process
 // collectives]). abort() ends the whole job (Note [Fault policy], src/dist/dist.cpp).
 // Not launched by mpirun, or built without MPI, it is a communicator of one rank whose

@@ -8,6 +8,7 @@
 
 #include "backend/backend.h"
 #include "comm/argument_checks.h"
+#include "comm/summation.h"
 #include "comm/mpi/mpi_communicator.h"
 #include "comm/world_factory.h"
 #include "dist/process_group.h"
@@ -65,9 +66,11 @@ namespace dp::comm {
 // and reduce_scatter give the same bits for the same topology (P, L), run after run; a
 // different topology is a different sum.
 //
-// Checks (every process fails alike): every collective starts with `agree`, a
-// rendezvous of the L local ranks on the communicator's own barrier in which each
-// publishes its call and its arguments' problems; all evaluate the same slots. Every
+// Checks (every process fails alike): each rank's arguments are checked by the front
+// (Note [Checked collectives]), which hands a bad call to refuse(); every collective,
+// refused or not, starts with `agree`, a rendezvous of the L local ranks on the
+// communicator's own barrier in which each publishes its call (collective, dtype,
+// count, root, op) or its arguments' problem; all evaluate the same slots. Every
 // collective then makes exactly one call on every peers(j) — a zero-sized one on the
 // indices a broadcast or reduce does not route through — so every process-level group
 // sees every call and its rendezvous compares kind, sizes, root and op across
@@ -100,39 +103,45 @@ using dist::detail::Reduction;
 
 backend::Backend& cpu() { return backend::get(DeviceType::CPU); }
 
-/// memcpy of n floats on `dev`'s share of the cores.
-void copy_floats(Device dev, float* dst, const float* src, std::int64_t n) {
+/// memcpy of n elements of `size` bytes on `dev`'s share of the cores.
+void copy_elements(Device dev, std::byte* dst, const std::byte* src, std::int64_t n, std::size_t size) {
   if (n <= 0 || dst == src) return;
   cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
-    std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b) * sizeof(float));
+    std::memcpy(dst + static_cast<std::size_t>(b) * size, src + static_cast<std::size_t>(b) * size,
+                static_cast<std::size_t>(e - b) * size);
   });
 }
 
-/// p[i] *= s: Average's last step (Note [Hierarchical collectives]).
-void scale_floats(Device dev, float* p, std::int64_t n, float s) {
+/// p[i] *= s in T's accumulation type: Average's last step (Note [Hierarchical collectives]).
+template <typename T>
+void scale(Device dev, T* p, std::int64_t n, typename Summand<T>::Acc s) {
   if (n <= 0) return;
   cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
-    for (std::int64_t i = b; i < e; ++i) p[i] *= s;
+    for (std::int64_t i = b; i < e; ++i) p[i] = Summand<T>::store(Summand<T>::load(p[i]) * s);
   });
 }
 
-/// n floats at p as a tensor of `dev` (not owning them), for the local communicator.
-Tensor view_of(float* p, std::int64_t n, Device dev) {
-  if (n == 0) return empty({0}, dev);
-  return from_blob(p, {n}, Dtype::Float32, dev);
-}
-Tensor view_of(const float* p, std::int64_t n, Device dev) {
-  return view_of(const_cast<float*>(p), n, dev);
+/// 1 / W in T's accumulation type: the factor of an Average over W world ranks.
+template <typename T>
+typename Summand<T>::Acc inverse(int w) {
+  using Acc = typename Summand<T>::Acc;
+  return Acc(1) / static_cast<Acc>(w);
 }
 
-const char* kind_name(HierarchicalCommunicator::Kind k) { return Communicator::collective_name(k); }
+/// n elements of `dtype` at p as a tensor of `dev` (not owning them), for the local
+/// communicator.
+Tensor view_of(const std::byte* p, std::int64_t n, Dtype dtype, Device dev) {
+  if (n == 0) return empty({0}, {.dtype = dtype, .device = dev});
+  return from_blob(const_cast<std::byte*>(p), {n}, dtype, dev);
+}
 
-std::string describe(const HierarchicalCommunicator::Slot& s) {
-  using Kind = HierarchicalCommunicator::Kind;
-  std::string d = dp::detail::str_cat(kind_name(s.kind), "(count ", s.count);
-  if (s.kind == Kind::Broadcast || s.kind == Kind::Reduce) d += dp::detail::str_cat(", root ", s.root);
-  if (s.kind != Kind::Broadcast && s.kind != Kind::AllGather) d += dp::detail::str_cat(", ", op_name(s.op));
-  return d + ")";
+template <typename T>
+T* typed(std::byte* p) {
+  return reinterpret_cast<T*>(p);
+}
+template <typename T>
+const T* typed(const std::byte* p) {
+  return reinterpret_cast<const T*>(p);
 }
 
 /// Every process's verdict on a step of the constructor that may fail on some only:
@@ -157,6 +166,8 @@ HierarchicalCommunicator::HierarchicalCommunicator(const std::vector<Device>& de
       outcomes_(devices.size()),
       scratch_(devices.size()) {
   const int l = size();
+  set_rank_range({0, l, first_rank(), "; the rank argument is the local rank, the same range on each process, "
+                  "not the world rank", false});
   std::string problem;
   try {
     local_ = make_local_communicator(devices);
@@ -191,9 +202,8 @@ void HierarchicalCommunicator::reset_process_times() {
 
 HierarchicalCommunicator::~HierarchicalCommunicator() = default;
 
-void HierarchicalCommunicator::check_rank(int rank, const char* what) const {
-  DP_CHECK(rank >= 0 && rank < size(), what, ": rank ", rank, " is out of range: the rank "
-           "argument is the local rank (0..", size() - 1, " on each process), not the world rank");
+bool HierarchicalCommunicator::supports(Collective kind, Dtype dtype) const {
+  return process_level_supports(kind, dtype);
 }
 
 Communicator* HierarchicalCommunicator::peers(int rank) {
@@ -205,80 +215,36 @@ ProcessGroup& HierarchicalCommunicator::group(int rank) {
   return peers_[static_cast<std::size_t>(rank)]->group();
 }
 
-float* HierarchicalCommunicator::scratch(int rank, std::int64_t n) {
-  Scratch& s = scratch_[static_cast<std::size_t>(rank)];
-  if (s.capacity < n) {
-    // Geometric growth: buckets of changing sizes settle after a few calls.
-    const std::int64_t cap = std::max(n, s.capacity * 2);
-    s.data.reset();  // free first: lowers the peak
-    s.data = std::unique_ptr<float[]>(new float[static_cast<std::size_t>(cap)]);
-    s.capacity = cap;
-  }
-  return s.data.get();
-}
-
 void HierarchicalCommunicator::sync(int rank, const char* what) {
   if (!barrier_.arrive_and_wait()) throw_aborted(what, rank, barrier_.reason());
 }
 
 std::vector<HierarchicalCommunicator::Slot> HierarchicalCommunicator::agree(int rank, Slot slot,
                                                                             const char* what) {
-  const Kind kind = slot.kind;
+  const Kind kind = slot.call.kind;
   slots_[static_cast<std::size_t>(rank)] = std::move(slot);
   sync(rank, what);
   std::vector<Slot> snap = slots_;
   // Every local rank evaluates the same snapshot, so every one reaches the same verdict.
-  std::string problem;
-  for (int r = 0; r < size() && problem.empty(); ++r) {
-    const Slot& s = snap[static_cast<std::size_t>(r)];
-    if (!s.error.empty())
-      problem = dp::detail::str_cat("local rank ", r, " (", devices_[static_cast<std::size_t>(r)],
-                                    ", world rank ", first_rank() + r, "): ", s.error);
-  }
-  const Slot& ref = snap[0];
-  for (int r = 1; r < size() && problem.empty(); ++r) {
-    const Slot& s = snap[static_cast<std::size_t>(r)];
-    const bool rooted = ref.kind == Kind::Broadcast || ref.kind == Kind::Reduce;
-    const bool reduces = ref.kind != Kind::Broadcast && ref.kind != Kind::AllGather;
-    if (s.kind != ref.kind || s.count != ref.count || (rooted && s.root != ref.root) ||
-        (reduces && s.op != ref.op))
-      problem = dp::detail::str_cat(
-          "local ranks disagree: local rank 0 called ", describe(ref), ", local rank ", r,
-          " called ", describe(s), "; every rank must make the same collective calls in the "
-          "same order with the same sizes");
-  }
+  const std::string problem = rendezvous_problem(
+      rank, snap, [&](int r) {
+        return dp::detail::str_cat("local rank ", r, " (", devices_[static_cast<std::size_t>(r)], ", world rank ",
+                                   first_rank() + r, ")");
+      });
   if (problem.empty()) return snap;
   // Nobody leaves before everyone has read the slots: a rank that threw and entered
   // its next collective would otherwise overwrite a slot still being read.
   sync(rank, what);
-  refuse(rank, kind, what, problem);
+  // The same kind of call the other processes' rank `rank` makes, carrying the
+  // problem: every process throws naming it.
+  refuse_on_group(group(rank), kind, what, problem);
 }
 
-void HierarchicalCommunicator::refuse(int rank, Kind kind, const char* what,
-                                      const std::string& problem) {
-  // The same kind of call the other processes' rank `rank` makes, so their message
-  // names the collective; with `problem` set no data moves and every process throws.
-  ProcessGroup& g = group(rank);
-  switch (kind) {
-    case Kind::AllReduce:
-      g.all_reduce<float>(nullptr, nullptr, 0, Reduction::Sum, what, problem);
-      break;
-    case Kind::Broadcast:
-      g.broadcast(nullptr, 0, 0, what, sizeof(float), {}, problem);
-      break;
-    case Kind::Reduce:
-      g.reduce<float>(nullptr, nullptr, 0, 0, Reduction::Sum, what, problem);
-      break;
-    case Kind::ReduceScatter:
-      g.reduce_scatter<float>(nullptr, nullptr, 0, Reduction::Sum, what, problem);
-      break;
-    case Kind::AllGather:
-      g.all_gather<float>(nullptr, nullptr, 0, what, problem);
-      break;
-    case Kind::kCount:
-      break;  // not a collective
-  }
-  DP_FAIL(what, " on local rank ", rank, ": ", problem);  // not reached: the group threw
+void HierarchicalCommunicator::refuse(int rank, Collective kind, const std::string& problem) {
+  Slot s;
+  s.call.kind = kind;
+  s.error = problem;
+  (void)agree(rank, std::move(s), dp::detail::str_cat(collective_name(kind), " (hierarchical)").c_str());
 }
 
 template <typename Step>
@@ -308,33 +274,33 @@ void HierarchicalCommunicator::between_processes(int rank, const char* what, Ste
 }
 
 // ---- collectives (Note [Hierarchical collectives]) ------------------------------------
+// Each do_* publishes its call in agree, then runs the data path of its dtype's storage
+// type (Note [Collective dtypes]); the front admitted only dtypes that cross processes.
 
-void HierarchicalCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& recv,
-                                          ReduceOp op) {
+void HierarchicalCommunicator::do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) {
   const char* what = "all_reduce (hierarchical)";
-  check_rank(rank, what);
-  const Device dev = devices_[static_cast<std::size_t>(rank)];
   Slot s;
-  s.kind = Kind::AllReduce;
-  s.op = op;
-  s.error = tensor_problem(send, "send", dev);
-  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-  if (s.error.empty() && recv.numel() != send.numel())
-    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
-                                  send.numel(), "; they must match");
-  if (s.error.empty()) {
-    s.count = send.numel();
-    s.send = send.data<const float>();
-    s.recv = recv.data<float>();
-  }
+  s.call = {Kind::AllReduce, send.dtype(), op, 0, send.numel()};
+  s.send = static_cast<const std::byte*>(send.raw_data());
+  s.recv = static_cast<std::byte*>(recv.raw_data());
   const std::vector<Slot> slots = agree(rank, std::move(s), what);
+  with_process_summand(send.dtype(), [&]<typename T>() { all_reduce_as<T>(rank, slots, op, what); });
+}
+
+template <typename T>
+void HierarchicalCommunicator::all_reduce_as(int rank, const std::vector<Slot>& slots, ReduceOp op,
+                                             const char* what) {
+  using Acc = typename Summand<T>::Acc;
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
   const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const Dtype dtype = me.call.dtype;
   const int l = size();
-  const std::int64_t n = me.count;
+  const std::int64_t n = me.call.count;
   const std::int64_t q = n / l;      // body block per local rank
   const std::int64_t t = n - q * l;  // tail (< l), carried by the last rank
   const bool last = rank == l - 1;
-  float* mine = me.recv + q * rank;  // this rank's reduced block (and the tail, when last)
+  T* recv = typed<T>(me.recv);
+  T* mine = recv + q * rank;  // this rank's reduced block (and the tail, when last)
   const std::int64_t len = q + (last ? t : 0);
 
   if (l > 1) {
@@ -343,205 +309,174 @@ void HierarchicalCommunicator::all_reduce(int rank, const Tensor& send, const Te
       // written (in place, recv's tail is send's); no other rank reads this tail now,
       // and none writes its own before the process-level step below is over.
       for (std::int64_t i = q * l; i < n; ++i) {
-        float acc = slots[0].send[i];
-        for (int r = 1; r < l; ++r) acc += slots[static_cast<std::size_t>(r)].send[i];
-        me.recv[i] = acc;
+        Acc acc = Summand<T>::load(typed<T>(slots[0].send)[i]);
+        for (int r = 1; r < l; ++r) acc += Summand<T>::load(typed<T>(slots[static_cast<std::size_t>(r)].send)[i]);
+        recv[i] = Summand<T>::store(acc);
       }
     }
     if (q > 0)
-      local_->reduce_scatter(rank, view_of(me.send, q * l, dev), view_of(mine, q, dev), ReduceOp::Sum);
+      local_->reduce_scatter(rank, view_of(me.send, q * l, dtype, dev),
+                             view_of(reinterpret_cast<std::byte*>(mine), q, dtype, dev), ReduceOp::Sum);
   }
   between_processes(rank, what, [&] {
-    group(rank).all_reduce<float>(l == 1 ? me.send : mine, mine, len, Reduction::Sum, what);
-    if (op == ReduceOp::Average) scale_floats(dev, mine, len, 1.0f / static_cast<float>(world_size()));
+    group(rank).all_reduce<T>(l == 1 ? typed<T>(me.send) : mine, mine, len, Reduction::Sum, what);
+    if (op == ReduceOp::Average) scale<T>(dev, mine, len, inverse<T>(world_size()));
   });
   if (l == 1) return;
-  if (!last) copy_floats(dev, me.recv + q * l, slots[static_cast<std::size_t>(l - 1)].recv + q * l, t);
+  if (!last) {
+    const T* tail = typed<T>(slots[static_cast<std::size_t>(l - 1)].recv) + q * l;
+    std::copy(tail, tail + t, recv + q * l);
+  }
   if (q > 0) {
     // In place: send is recv's block `rank`. Its rendezvous also orders every rank's
     // tail copy above before rank l-1 may return and reuse its recv.
-    local_->all_gather(rank, view_of(mine, q, dev), view_of(me.recv, q * l, dev));
+    local_->all_gather(rank, view_of(reinterpret_cast<std::byte*>(mine), q, dtype, dev),
+                       view_of(me.recv, q * l, dtype, dev));
   } else {
     sync(rank, what);  // rank l-1's tail has been copied by every rank
   }
 }
 
-void HierarchicalCommunicator::broadcast(int rank, const Tensor& data, int root) {
+void HierarchicalCommunicator::do_broadcast(int rank, const Tensor& data, int root) {
   const char* what = "broadcast (hierarchical)";
-  check_rank(rank, what);
-  const Device dev = devices_[static_cast<std::size_t>(rank)];
   Slot s;
-  s.kind = Kind::Broadcast;
-  s.root = root;
-  if (root < 0 || root >= world_size())
-    s.error = dp::detail::str_cat("root ", root, " is out of range (expected a world rank 0..",
-                                  world_size() - 1, ")");
-  if (s.error.empty()) s.error = tensor_problem(data, "data", dev);
-  if (s.error.empty()) {
-    s.count = data.numel();
-    s.recv = data.data<float>();
-    s.send = s.recv;
-  }
+  s.call = {Kind::Broadcast, data.dtype(), ReduceOp::Sum, root, data.numel()};
+  s.recv = static_cast<std::byte*>(data.raw_data());
+  s.send = s.recv;
   const std::vector<Slot> slots = agree(rank, std::move(s), what);
   const Slot& me = slots[static_cast<std::size_t>(rank)];
   const int l = size();
   const int index = root % l;      // the root's local index
   const int process = root / l;    // the root's process
   const bool carrier = rank == index;
+  const auto elem = static_cast<std::int64_t>(element_size(me.call.dtype));
   between_processes(rank, what, [&] {
     // Zero bytes on the other indices: their groups still see (and check) the call.
-    group(rank).broadcast(carrier ? me.recv : nullptr,
-                          carrier ? me.count * static_cast<std::int64_t>(sizeof(float)) : 0,
-                          process, what, sizeof(float));
+    group(rank).broadcast(carrier ? me.recv : nullptr, carrier ? me.call.count * elem : 0, process, what, elem);
   });
   if (l > 1) local_->broadcast(rank, data, index);
 }
 
-void HierarchicalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv, int root,
-                                      ReduceOp op) {
+void HierarchicalCommunicator::do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) {
   const char* what = "reduce (hierarchical)";
-  check_rank(rank, what);
-  const Device dev = devices_[static_cast<std::size_t>(rank)];
-  const bool world_root = root == first_rank() + rank;
   Slot s;
-  s.kind = Kind::Reduce;
-  s.op = op;
-  s.root = root;
-  if (root < 0 || root >= world_size())
-    s.error = dp::detail::str_cat("root ", root, " is out of range (expected a world rank 0..",
-                                  world_size() - 1, ")");
-  if (s.error.empty()) s.error = tensor_problem(send, "send", dev);
-  if (s.error.empty() && world_root) {
-    s.error = tensor_problem(recv, "recv (on the root)", dev);
-    if (s.error.empty() && recv.numel() != send.numel())
-      s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
-                                    send.numel(), "; they must match");
-  }
-  if (s.error.empty()) {
-    s.count = send.numel();
-    s.send = send.data<const float>();
-    if (world_root) s.recv = recv.data<float>();
-  }
+  s.call = {Kind::Reduce, send.dtype(), op, root, send.numel()};
+  s.send = static_cast<const std::byte*>(send.raw_data());
+  if (root == first_rank() + rank) s.recv = static_cast<std::byte*>(recv.raw_data());
   const std::vector<Slot> slots = agree(rank, std::move(s), what);
+  with_process_summand(send.dtype(), [&]<typename T>() { reduce_as<T>(rank, slots, send, op, what); });
+}
+
+template <typename T>
+void HierarchicalCommunicator::reduce_as(int rank, const std::vector<Slot>& slots, const Tensor& send, ReduceOp op,
+                                         const char* what) {
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
   const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const int root = me.call.root;
+  const bool world_root = root == first_rank() + rank;
   const int l = size();
   const int index = root % l;
   const int process = root / l;
   const bool carrier = rank == index;
-  const std::int64_t n = me.count;
+  const std::int64_t n = me.call.count;
   // The carrier's partial sum over the local devices: the root's recv, or scratch on the
   // other processes (send is never written). With one device it is send itself.
-  const float* partial = me.send;
+  const T* partial = typed<T>(me.send);
   if (l > 1) {
-    float* into = nullptr;
-    if (carrier) into = world_root ? me.recv : scratch(rank, n);
-    local_->reduce(rank, send, carrier ? view_of(into, n, dev) : Tensor(), index, ReduceOp::Sum);
-    partial = into;
+    std::byte* into = nullptr;
+    if (carrier) into = world_root ? me.recv : scratch(rank, static_cast<std::size_t>(n) * sizeof(T));
+    local_->reduce(rank, send, carrier ? view_of(into, n, me.call.dtype, dev) : Tensor(), index, ReduceOp::Sum);
+    partial = typed<T>(static_cast<const std::byte*>(into));
   }
   between_processes(rank, what, [&] {
     ProcessGroup& g = group(rank);
     if (!carrier) {
-      g.reduce<float>(nullptr, nullptr, 0, process, Reduction::Sum, what);
+      g.reduce<T>(nullptr, nullptr, 0, process, Reduction::Sum, what);
       return;
     }
-    g.reduce<float>(partial, world_root ? me.recv : nullptr, n, process, Reduction::Sum, what);
-    if (world_root && op == ReduceOp::Average)
-      scale_floats(dev, me.recv, n, 1.0f / static_cast<float>(world_size()));
+    T* out = world_root ? typed<T>(me.recv) : nullptr;
+    g.reduce<T>(partial, out, n, process, Reduction::Sum, what);
+    if (world_root && op == ReduceOp::Average) scale<T>(dev, out, n, inverse<T>(world_size()));
   });
 }
 
-void HierarchicalCommunicator::reduce_scatter(int rank, const Tensor& send, const Tensor& recv,
-                                              ReduceOp op) {
+void HierarchicalCommunicator::do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) {
   const char* what = "reduce_scatter (hierarchical)";
-  check_rank(rank, what);
-  const Device dev = devices_[static_cast<std::size_t>(rank)];
-  const int w = world_size();
   Slot s;
-  s.kind = Kind::ReduceScatter;
-  s.op = op;
-  s.error = tensor_problem(send, "send", dev);
-  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-  if (s.error.empty() && send.numel() != recv.numel() * w)
-    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
-                                  "; reduce_scatter needs send = ", w, " x recv (one recv-sized "
-                                  "block per world rank)");
-  if (s.error.empty()) {
-    s.count = recv.numel();
-    s.send = send.data<const float>();
-    s.recv = recv.data<float>();
-  }
+  s.call = {Kind::ReduceScatter, send.dtype(), op, 0, recv.numel()};
+  s.send = static_cast<const std::byte*>(send.raw_data());
+  s.recv = static_cast<std::byte*>(recv.raw_data());
   const std::vector<Slot> slots = agree(rank, std::move(s), what);
   const Slot& me = slots[static_cast<std::size_t>(rank)];
+  with_process_summand(send.dtype(), [&]<typename T>() { reduce_scatter_as<T>(rank, me, op, what); });
+}
+
+template <typename T>
+void HierarchicalCommunicator::reduce_scatter_as(int rank, const Slot& me, ReduceOp op, const char* what) {
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
+  const int w = world_size();
   const int l = size();
   const int p = processes_;
-  const std::int64_t m = me.count;
+  const std::int64_t m = me.call.count;
   // The P blocks this rank reduces across processes: world ranks q * L + rank.
-  const float* chunk = me.send;
+  const T* chunk = typed<T>(me.send);
   if (l > 1) {
-    float* x = scratch(rank, (static_cast<std::int64_t>(w) + p) * m);
-    float* y = x + static_cast<std::int64_t>(w) * m;
+    T* x = typed<T>(scratch(rank, static_cast<std::size_t>((static_cast<std::int64_t>(w) + p) * m) * sizeof(T)));
+    T* y = x + static_cast<std::int64_t>(w) * m;
     // x: send reordered so that chunk j (P blocks) holds world ranks q * L + j, q = 0..P-1.
     for (int j = 0; j < l; ++j)
       for (int q = 0; q < p; ++q)
-        copy_floats(dev, x + (static_cast<std::int64_t>(j) * p + q) * m,
-                    me.send + (static_cast<std::int64_t>(q) * l + j) * m, m);
-    local_->reduce_scatter(rank, view_of(x, static_cast<std::int64_t>(w) * m, dev),
-                           view_of(y, static_cast<std::int64_t>(p) * m, dev), ReduceOp::Sum);
+        copy_elements(dev, reinterpret_cast<std::byte*>(x + (static_cast<std::int64_t>(j) * p + q) * m),
+                      reinterpret_cast<const std::byte*>(chunk + (static_cast<std::int64_t>(q) * l + j) * m), m,
+                      sizeof(T));
+    local_->reduce_scatter(rank, view_of(reinterpret_cast<std::byte*>(x), static_cast<std::int64_t>(w) * m,
+                                         me.call.dtype, dev),
+                           view_of(reinterpret_cast<std::byte*>(y), static_cast<std::int64_t>(p) * m, me.call.dtype,
+                                   dev),
+                           ReduceOp::Sum);
     chunk = y;
   }
   between_processes(rank, what, [&] {
-    group(rank).reduce_scatter<float>(chunk, me.recv, m, Reduction::Sum, what);
-    if (op == ReduceOp::Average) scale_floats(dev, me.recv, m, 1.0f / static_cast<float>(w));
+    group(rank).reduce_scatter<T>(chunk, typed<T>(me.recv), m, Reduction::Sum, what);
+    if (op == ReduceOp::Average) scale<T>(dev, typed<T>(me.recv), m, inverse<T>(w));
   });
 }
 
-void HierarchicalCommunicator::all_gather(int rank, const Tensor& send, const Tensor& recv) {
+void HierarchicalCommunicator::do_all_gather(int rank, const Tensor& send, const Tensor& recv) {
   const char* what = "all_gather (hierarchical)";
-  check_rank(rank, what);
-  const Device dev = devices_[static_cast<std::size_t>(rank)];
-  const int w = world_size();
-  const int me_world = first_rank() + rank;
   Slot s;
-  s.kind = Kind::AllGather;
-  s.error = tensor_problem(send, "send", dev);
-  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-  if (s.error.empty() && recv.numel() != send.numel() * w)
-    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
-                                  "; all_gather needs recv = ", w, " x send (one block per world rank)");
-  if (s.error.empty()) {
-    const float* sp = send.data<const float>();
-    const float* rp = recv.data<const float>();
-    if (overlaps(sp, send.numel(), rp, recv.numel()) && sp != rp + send.numel() * me_world)
-      s.error = dp::detail::str_cat("send overlaps recv but is not recv's block ", me_world,
-                                    " (this rank's world rank); in place, pass send = recv.narrow(0, ",
-                                    me_world, " * n, n)");
-  }
-  if (s.error.empty()) {
-    s.count = send.numel();
-    s.send = send.data<const float>();
-    s.recv = recv.data<float>();
-  }
+  s.call = {Kind::AllGather, send.dtype(), ReduceOp::Sum, 0, send.numel()};
+  s.send = static_cast<const std::byte*>(send.raw_data());
+  s.recv = static_cast<std::byte*>(recv.raw_data());
   const std::vector<Slot> slots = agree(rank, std::move(s), what);
   const Slot& me = slots[static_cast<std::size_t>(rank)];
+  with_process_type(send.dtype(), [&]<typename T>() { all_gather_as<T>(rank, me, what); });
+}
+
+template <typename T>
+void HierarchicalCommunicator::all_gather_as(int rank, const Slot& me, const char* what) {
+  const Device dev = devices_[static_cast<std::size_t>(rank)];
   const int l = size();
   const int p = processes_;
-  const std::int64_t m = me.count;
+  const std::int64_t m = me.call.count;
   if (l == 1) {
     // World rank q is process q: the process-level layout is the world layout.
-    between_processes(rank, what, [&] { group(rank).all_gather<float>(me.send, me.recv, m, what); });
+    between_processes(rank, what, [&] { group(rank).all_gather<T>(typed<T>(me.send), typed<T>(me.recv), m, what); });
     return;
   }
   // z: chunk j (P blocks) = world ranks q * L + j, q = 0..P-1. This rank's own chunk
   // comes from its peers; the local all-gather (in place) brings the other chunks.
   const std::int64_t chunk = static_cast<std::int64_t>(p) * m;
-  float* z = scratch(rank, chunk * l);
-  float* own = z + chunk * rank;
-  between_processes(rank, what, [&] { group(rank).all_gather<float>(me.send, own, m, what); });
-  local_->all_gather(rank, view_of(own, chunk, dev), view_of(z, chunk * l, dev));
+  std::byte* zb = scratch(rank, static_cast<std::size_t>(chunk * l) * sizeof(T));
+  T* z = typed<T>(zb);
+  T* own = z + chunk * rank;
+  between_processes(rank, what, [&] { group(rank).all_gather<T>(typed<T>(me.send), own, m, what); });
+  local_->all_gather(rank, view_of(reinterpret_cast<std::byte*>(own), chunk, me.call.dtype, dev),
+                     view_of(zb, chunk * l, me.call.dtype, dev));
   for (int j = 0; j < l; ++j)
     for (int q = 0; q < p; ++q)
-      copy_floats(dev, me.recv + (static_cast<std::int64_t>(q) * l + j) * m,
-                  z + (static_cast<std::int64_t>(j) * p + q) * m, m);
+      copy_elements(dev, me.recv + static_cast<std::size_t>((static_cast<std::int64_t>(q) * l + j) * m) * sizeof(T),
+                    reinterpret_cast<const std::byte*>(z + (static_cast<std::int64_t>(j) * p + q) * m), m, sizeof(T));
 }
 
 void HierarchicalCommunicator::synchronize(int rank) {

@@ -19,11 +19,13 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "comm/argument_checks.h"
 #include "comm/local/local_communicator.h"
 #include "dp/comm/communicator.h"
 
@@ -54,15 +56,9 @@ class HierarchicalCommunicator final : public Communicator {
   /// ranked by process). Throws dp::Error for a rank out of range.
   Communicator* peers(int rank) override;
 
-  /// `rank` is the local rank; roots and blocks are world ranks (Note [World ranks]).
-  /// Bad arguments on any rank of any process: dp::Error on every rank of every process
-  /// (except a `rank` out of range, which throws on the calling thread alone: it has no
-  /// slot to report through). recv's contents are unspecified after an error.
-  void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
-  void broadcast(int rank, const Tensor& data, int root) override;
-  void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
-  void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
-  void all_gather(int rank, const Tensor& send, const Tensor& recv) override;
+  /// Broadcast: every dtype; all_gather and the reductions: what crosses processes
+  /// (process_level_supports, src/comm/mpi/mpi_communicator.h).
+  bool supports(Collective kind, Dtype dtype) const override;
   /// Waits for nothing: every collective has finished when it returns.
   void synchronize(int rank) override;
   /// Releases the local ranks (the local communicator's abort), then ends the whole
@@ -78,14 +74,24 @@ class HierarchicalCommunicator final : public Communicator {
   /// What one local rank publishes for a collective (public only for the .cpp's helpers).
   using Kind = Collective;
   struct Slot {
-    Kind kind = Kind::AllReduce;
-    ReduceOp op = ReduceOp::Sum;
-    int root = 0;
-    std::int64_t count = 0;  // all_reduce/reduce/broadcast: elements; RS: recv; AG: send
-    const float* send = nullptr;
-    float* recv = nullptr;   // broadcast: data
+    CallShape call;          // count: all_reduce/reduce/broadcast: elements; RS: recv; AG: send
+    const std::byte* send = nullptr;
+    std::byte* recv = nullptr;   // broadcast: data
     std::string error;       // why this rank's arguments are bad ("" when they are fine)
   };
+
+ protected:
+  /// `rank` is the local rank; roots and blocks are world ranks (Note [World ranks]).
+  /// Bad arguments on any rank of any process: dp::Error on every rank of every process
+  /// (except a `rank` out of range, which throws on the calling thread alone: it has no
+  /// slot to report through). recv's contents are unspecified after an error.
+  void do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void do_broadcast(int rank, const Tensor& data, int root) override;
+  void do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
+  void do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void do_all_gather(int rank, const Tensor& send, const Tensor& recv) override;
+  /// Publishes the problem in agree: every rank of every process throws naming it.
+  void refuse(int rank, Collective kind, const std::string& problem) override;
 
  private:
   /// Publishes `slot`, meets the other local ranks and checks that all called the same
@@ -93,20 +99,25 @@ class HierarchicalCommunicator final : public Communicator {
   /// local rank hands the problem to its process-level group (so every process throws
   /// too) and throws dp::Error.
   std::vector<Slot> agree(int rank, Slot slot, const char* what);
-  /// Makes rank's process-level group call `kind` carrying `problem`: every process
-  /// throws dp::Error naming it. Never returns.
-  [[noreturn]] void refuse(int rank, Kind kind, const char* what, const std::string& problem);
   /// Runs rank's process-level step `step`, then meets the other local ranks: when the
   /// step threw on any of them, every local rank throws (the failed one its own
   /// exception), so none goes on into a local phase the others will not join.
   template <typename Step>
   void between_processes(int rank, const char* what, Step&& step);
+  /// The data paths, for storage type T (Note [Collective dtypes]).
+  template <typename T>
+  void all_reduce_as(int rank, const std::vector<Slot>& slots, ReduceOp op, const char* what);
+  template <typename T>
+  void reduce_as(int rank, const std::vector<Slot>& slots, const Tensor& send, ReduceOp op, const char* what);
+  template <typename T>
+  void reduce_scatter_as(int rank, const Slot& me, ReduceOp op, const char* what);
+  template <typename T>
+  void all_gather_as(int rank, const Slot& me, const char* what);
   /// Meets the other local ranks; throws dp::CollectiveAborted when aborted.
   void sync(int rank, const char* what);
-  /// Rank's scratch of at least n floats (only rank's thread touches it between calls).
-  float* scratch(int rank, std::int64_t n);
+  /// Rank's scratch of at least `bytes` bytes (only rank's thread touches it between calls).
+  std::byte* scratch(int rank, std::size_t bytes) { return scratch_[static_cast<std::size_t>(rank)].reserve(bytes); }
   dist::detail::ProcessGroup& group(int rank);
-  void check_rank(int rank, const char* what) const;
 
   const int processes_;     // P
   const int process_rank_;  // p
@@ -115,11 +126,7 @@ class HierarchicalCommunicator final : public Communicator {
   detail::Barrier barrier_;       // the local ranks' own rendezvous (agree, settle)
   std::vector<Slot> slots_;       // per local rank, read after agree's barrier
   std::vector<std::string> outcomes_;  // per local rank: its process-level step's error
-  struct Scratch {
-    std::unique_ptr<float[]> data;
-    std::int64_t capacity = 0;
-  };
-  std::vector<Scratch> scratch_;  // per local rank
+  std::vector<detail::ScratchBuffer> scratch_;  // per local rank
 };
 
 }  // namespace dp::comm

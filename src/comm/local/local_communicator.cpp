@@ -5,11 +5,13 @@
 #include <climits>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <thread>
 #include <unordered_set>
 
 #include "backend/backend.h"
 #include "comm/argument_checks.h"
+#include "comm/summation.h"
 #include "dp/core/error.h"
 
 
@@ -17,7 +19,8 @@ namespace dp::comm {
 
 // Note [Fixed summation order]
 // Element i of a reduction is always ((x_0[i] + x_1[i]) + x_2[i]) + ... + x_{N-1}[i],
-// then (Average only) multiplied by 1.0f / N — whichever rank computes it and however
+// then (Average only) multiplied by 1.0f / N, in the dtype's accumulation type (float
+// for floating dtypes; the result is rounded to the storage type once) — whichever rank computes it and however
 // the slice is split among threads. Each element is computed independently, so the
 // partition of the buffer into per-rank slices and per-thread ranges never changes a
 // bit of the result: all ranks get the same bits, run after run. DataParallel relies on
@@ -25,9 +28,12 @@ namespace dp::comm {
 
 // Note [Local collective protocol]
 // Every collective starts with a rendezvous: each rank writes its Slot (buffer
-// pointers, count, root, op), arrives at the barrier and snapshots every slot; all
-// ranks then check that they called the same collective with the same count (so a
-// mismatch is an error on every rank, never a hang or an out-of-bounds read). The data
+// pointers and its CallShape: collective, dtype, count, root, op — or the problem the
+// front found in its arguments, Note [Checked collectives]), arrives at the barrier
+// and snapshots every slot; all ranks then check that they called the same collective
+// with the same dtype and count (so a mismatch is an error on every rank, never a hang
+// or an out-of-bounds read). Buffers are bytes, elements element_size(dtype) of them,
+// and reductions add through the dtype's Summand (Note [Collective dtypes]). The data
 // phases follow, each ended by a barrier, and a collective returns only once no other
 // rank can still read this rank's buffers (its inputs, recv or scratch). A rank never
 // writes into a buffer another rank may still read: when recv overlaps send (in
@@ -38,7 +44,7 @@ namespace dp::comm {
 // place) or scratch (in place); barrier; every rank copies the N reduced slices into
 // its recv; barrier. Each rank reads count/N of every input and copies count (N-1)/N:
 // the bandwidth-optimal reduce-scatter + all-gather.
-// All-reduce, small (count <= kSmallCount): every rank reduces the whole buffer in the
+// All-reduce, small (at most kSmallBytes): every rank reduces the whole buffer in the
 // same fixed order (same bits, see above) into recv or scratch; barrier; copy scratch.
 // Two barriers instead of three: at these sizes the barriers are the cost.
 
@@ -51,69 +57,90 @@ constexpr int kBarrierSpins = 256;
 /// Elements per block of the fused reduction: 2048 floats (8 KiB) keep the block of
 /// the output in L1 while the N inputs stream through it.
 constexpr std::int64_t kReduceBlock = 2048;
-/// All-reduce sizes (elements) that take the two-barrier path (Note [Local collective
-/// protocol]): 16K floats (64 KiB) is where N full reductions stop costing less than a
-/// barrier round on the 2-core host.
-constexpr std::int64_t kSmallCount = 16384;
+/// All-reduce sizes (bytes) that take the two-barrier path (Note [Local collective
+/// protocol]): 64 KiB (16K floats), about where N full reductions of the buffer stop
+/// costing less than one more barrier round; bench/collectives_bench's all_reduce rows
+/// on both sides of it are what to rerun when tuning it.
+constexpr std::size_t kSmallBytes = 64 * 1024;
 /// Slices start on cache lines (64 bytes = 16 floats).
-constexpr std::int64_t kSliceAlign = 16;
-
-const char* kind_name(LocalCommunicator::Kind k) { return Communicator::collective_name(k); }
+constexpr std::int64_t kSliceAlignBytes = 64;
 
 /// The CPU backend, through the narrow interface: host loops run in a device's arena.
 backend::Backend& cpu() { return backend::get(DeviceType::CPU); }
 
-void add_block(float* __restrict dst, const float* __restrict src, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
-}
-
-void scale_block(float* __restrict dst, float s, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) dst[i] *= s;
-}
-
 /// dst[i] = (src[0][off+i] + ... + src[N-1][off+i]) (* 1/N for Average) for i < n, in
-/// the fixed order of Note [Fixed summation order], on `dev`'s share of the cores (split
-/// as the backend likes: every element is computed independently of the split). dst
-/// never aliases an input.
-void reduce_into(Device dev, const std::vector<const float*>& srcs, std::int64_t off,
-                 float* dst, std::int64_t n, ReduceOp op) {
-  if (n <= 0) return;
-  const float inv = 1.0f / static_cast<float>(srcs.size());
+/// the fixed order of Note [Fixed summation order], accumulated as Summand<T> says, on
+/// `dev`'s share of the cores (split as the backend likes: every element is computed
+/// independently of the split). dst never aliases an input.
+template <typename T>
+void reduce_typed(Device dev, const std::vector<const std::byte*>& srcs, std::int64_t off, T* dst,
+                  std::int64_t n, ReduceOp op) {
+  using Acc = typename Summand<T>::Acc;
+  const Acc inv = Acc(1) / static_cast<Acc>(srcs.size());
+  auto src = [&](std::size_t k, std::int64_t i) { return reinterpret_cast<const T*>(srcs[k]) + off + i; };
   cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t i0 = b; i0 < e; i0 += kReduceBlock) {
       const std::int64_t len = std::min(kReduceBlock, e - i0);
-      std::memcpy(dst + i0, srcs[0] + off + i0, static_cast<std::size_t>(len) * sizeof(float));
-      for (std::size_t k = 1; k < srcs.size(); ++k) add_block(dst + i0, srcs[k] + off + i0, len);
-      if (op == ReduceOp::Average) scale_block(dst + i0, inv, len);
+      auto block = [&](Acc* acc) {
+        sum_first<T>(acc, src(0, i0), len);
+        for (std::size_t k = 1; k < srcs.size(); ++k) sum_add<T>(acc, src(k, i0), len);
+        if (op == ReduceOp::Average) sum_scale<T>(acc, inv, len);
+        sum_store<T>(dst + i0, acc, len);
+      };
+      if constexpr (std::is_same_v<Acc, T>) {
+        block(dst + i0);  // accumulates in place: float32's exact operations
+      } else {
+        Acc acc[kReduceBlock];
+        block(acc);
+      }
     }
   });
 }
 
-/// memcpy of n floats on `dev`'s share of the cores (a no-op when dst == src).
-void copy_floats(Device dev, float* dst, const float* src, std::int64_t n) {
+/// reduce_typed for `dtype` (summable: the front admits nothing else).
+void reduce_into(Device dev, Dtype dtype, const std::vector<const std::byte*>& srcs, std::int64_t off,
+                 std::byte* dst, std::int64_t n, ReduceOp op) {
+  if (n <= 0) return;
+  const bool summed = with_summand(dtype, [&]<typename T>() {
+    reduce_typed<T>(dev, srcs, off, reinterpret_cast<T*>(dst), n, op);
+  });
+  DP_ASSERT(summed, "local communicator: no summation for ", dtype_name(dtype));
+}
+
+/// memcpy of n elements of `size` bytes on `dev`'s share of the cores (a no-op when
+/// dst == src).
+void copy_elements(Device dev, std::byte* dst, const std::byte* src, std::int64_t n, std::size_t size) {
   if (n <= 0 || dst == src) return;
   cpu().host_parallel_for(dev, n, [&](std::int64_t b, std::int64_t e) {
-    std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b) * sizeof(float));
+    std::memcpy(dst + static_cast<std::size_t>(b) * size, src + static_cast<std::size_t>(b) * size,
+                static_cast<std::size_t>(e - b) * size);
   });
 }
 
-/// Slice [off, off + len) of a count split into N fixed slices (len may be 0).
+/// Slice [off, off + len) of a count split into N fixed slices (len may be 0), in
+/// elements of `size` bytes; slices start on cache lines.
 struct SliceRange {
   std::int64_t off;
   std::int64_t len;
 };
-SliceRange slice_of(std::int64_t count, int n, int r) {
+SliceRange slice_of(std::int64_t count, int n, int r, std::size_t size) {
+  const std::int64_t align = std::max<std::int64_t>(1, kSliceAlignBytes / static_cast<std::int64_t>(size));
   std::int64_t chunk = (count + n - 1) / n;
-  chunk = (chunk + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
+  chunk = (chunk + align - 1) / align * align;
   const std::int64_t off = std::min(count, chunk * r);
   return {off, std::min(chunk, count - off)};
 }
 
-std::vector<const float*> sends_of(const std::vector<LocalCommunicator::Slot>& slots) {
-  std::vector<const float*> v;
+std::vector<const std::byte*> sends_of(const std::vector<LocalCommunicator::Slot>& slots) {
+  std::vector<const std::byte*> v;
   v.reserve(slots.size());
   for (const auto& s : slots) v.push_back(s.send);
   return v;
+}
+
+/// The bytes of n elements of the call's dtype.
+std::size_t bytes_of(const CallShape& c, std::int64_t n) {
+  return static_cast<std::size_t>(n) * element_size(c.dtype);
 }
 
 }  // namespace
@@ -125,6 +152,16 @@ namespace detail {
 std::string Barrier::reason() const {
   std::lock_guard<std::mutex> lock(reason_mu_);
   return reason_;
+}
+
+std::byte* ScratchBuffer::reserve(std::size_t bytes) {
+  if (capacity_ < bytes) {
+    const std::size_t cap = std::max(bytes, capacity_ * 2);
+    data_.reset();  // free first: lowers the peak
+    data_ = std::unique_ptr<std::byte[]>(new std::byte[cap]);
+    capacity_ = cap;
+  }
+  return data_.get();
 }
 
 bool Barrier::arrive_and_wait() {
@@ -187,255 +224,154 @@ LocalCommunicator::LocalCommunicator(std::vector<Device> devices)
 
 LocalCommunicator::~LocalCommunicator() = default;
 
-void LocalCommunicator::check_rank(int rank, const char* what) const {
-  DP_CHECK(rank >= 0 && rank < size(), what, ": rank ", rank, " is out of range for a ",
-           "communicator of ", size(), " ranks (expected 0..", size() - 1, ")");
-}
-
-float* LocalCommunicator::scratch(int rank, std::int64_t n) {
-  Scratch& s = scratch_[static_cast<std::size_t>(rank)];
-  if (s.capacity < n) {
-    // Grows geometrically so buckets of changing sizes settle after a few calls. Only
-    // this rank's thread touches its scratch between collectives: the previous one
-    // ended with no other rank still reading it (Note [Local collective protocol]).
-    const std::int64_t cap = std::max(n, s.capacity * 2);
-    s.data.reset();  // free first: lowers the peak
-    s.data = std::unique_ptr<float[]>(new float[static_cast<std::size_t>(cap)]);
-    s.capacity = cap;
-  }
-  return s.data.get();
-}
-
 std::vector<LocalCommunicator::Slot> LocalCommunicator::rendezvous(int rank, Slot slot,
                                                                    const char* what) {
   slots_[static_cast<std::size_t>(rank)] = std::move(slot);
   sync(rank, what);
   std::vector<Slot> snap = slots_;
-
   // Every rank evaluates the same snapshot, so every rank reaches the same verdict.
-  std::string problem;
-  const Slot& mine = snap[static_cast<std::size_t>(rank)];
-  if (mine.failed) {
-    problem = mine.error;
-  } else {
-    for (int r = 0; r < size() && problem.empty(); ++r) {
-      const Slot& s = snap[static_cast<std::size_t>(r)];
-      if (s.failed) problem = dp::detail::str_cat("rank ", r, " (", devices_[r], ") failed: ", s.error);
-    }
-  }
-  if (problem.empty()) {
-    const Slot& ref = snap[0];
-    for (int r = 1; r < size() && problem.empty(); ++r) {
-      const Slot& s = snap[static_cast<std::size_t>(r)];
-      const bool same_root = !(ref.kind == Kind::Broadcast || ref.kind == Kind::Reduce) ||
-                             s.root == ref.root;
-      const bool same_op = ref.kind == Kind::Broadcast || ref.kind == Kind::AllGather ||
-                           s.op == ref.op;
-      if (s.kind != ref.kind || s.count != ref.count || !same_root || !same_op) {
-        problem = dp::detail::str_cat(
-            "ranks disagree: rank 0 called ", kind_name(ref.kind), "(count ", ref.count,
-            ", root ", ref.root, ", op ", op_name(ref.op), "), rank ", r, " called ",
-            kind_name(s.kind), "(count ", s.count, ", root ", s.root, ", op ", op_name(s.op),
-            "); every rank must make the same collective calls in the same order with the "
-            "same sizes");
-      }
-    }
-  }
+  const std::string problem = rendezvous_problem(rank, snap, [&](int r) {
+    return dp::detail::str_cat("rank ", r, " (", devices_[static_cast<std::size_t>(r)], ")");
+  });
   if (!problem.empty()) {
     // Nobody leaves before everyone has read the slots: a rank that threw and entered
     // its next collective would otherwise overwrite a slot still being read.
     sync(rank, what);
-    DP_FAIL(what, " on rank ", rank, " (", devices_[rank], "): ", problem);
+    DP_FAIL(call_site(what, rank), ": ", problem);
   }
   return snap;
 }
 
-void LocalCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& recv,
-                                   ReduceOp op) {
-  check_rank(rank, "all_reduce");
+void LocalCommunicator::refuse(int rank, Collective kind, const std::string& problem) {
+  Inside inside(*this, rank);  // Note [Leaving an aborted collective]
+  Slot s;
+  s.call.kind = kind;
+  s.error = problem;
+  (void)rendezvous(rank, std::move(s), collective_name(kind));  // throws on every rank
+}
+
+void LocalCommunicator::do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) {
   Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   const int n = size();
   Slot s;
-  s.kind = Kind::AllReduce;
-  s.op = op;
-  s.error = tensor_problem(send, "send", dev);
-  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-  if (s.error.empty() && recv.numel() != send.numel())
-    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
-                              send.numel(), "; they must match");
-  s.failed = !s.error.empty();
-  std::int64_t count = 0;
-  if (!s.failed) {
-    count = send.numel();
-    s.count = count;
-    s.send = send.data<const float>();
-    s.recv = recv.data<float>();
-    const bool in_place = overlaps(s.send, count, s.recv, count);
-    const bool small = count <= kSmallCount;
-    if (in_place) s.scratch = scratch(rank, small ? count : slice_of(count, n, 0).len);
-  }
+  s.call = {Kind::AllReduce, send.dtype(), op, 0, send.numel()};
+  const std::int64_t count = s.call.count;
+  const std::size_t bytes = bytes_of(s.call, count);
+  const std::size_t es = element_size(s.call.dtype);
+  s.send = static_cast<const std::byte*>(send.raw_data());
+  s.recv = static_cast<std::byte*>(recv.raw_data());
+  const bool small = bytes <= kSmallBytes;
+  if (overlaps(s.send, bytes, s.recv, bytes))  // in place
+    s.scratch = scratch(rank, small ? bytes : bytes_of(s.call, slice_of(count, n, 0, es).len));
   const std::vector<Slot> slots = rendezvous(rank, std::move(s), "all_reduce");
   const Slot& me = slots[static_cast<std::size_t>(rank)];
-  const std::vector<const float*> sends = sends_of(slots);
+  const std::vector<const std::byte*> sends = sends_of(slots);
 
-  if (count <= kSmallCount) {
-    float* dst = me.scratch != nullptr ? me.scratch : me.recv;
-    reduce_into(dev, sends, 0, dst, count, op);
+  if (small) {
+    std::byte* dst = me.scratch != nullptr ? me.scratch : me.recv;
+    reduce_into(dev, me.call.dtype, sends, 0, dst, count, op);
     sync(rank, "all_reduce");  // every rank has finished reading every input
-    if (dst != me.recv) copy_floats(dev, me.recv, dst, count);
+    if (dst != me.recv) copy_elements(dev, me.recv, dst, count, es);
     return;
   }
   // Reduce-scatter: slice `rank`, written where the other ranks will read it.
-  auto result_of = [&](int r) -> float* {
+  auto result_of = [&](int r) -> std::byte* {
     const Slot& sr = slots[static_cast<std::size_t>(r)];
-    return sr.scratch != nullptr ? sr.scratch : sr.recv + slice_of(count, n, r).off;
+    return sr.scratch != nullptr ? sr.scratch : sr.recv + slice_of(count, n, r, es).off * es;
   };
-  const SliceRange mine = slice_of(count, n, rank);
-  reduce_into(dev, sends, mine.off, result_of(rank), mine.len, op);
+  const SliceRange mine = slice_of(count, n, rank, es);
+  reduce_into(dev, me.call.dtype, sends, mine.off, result_of(rank), mine.len, op);
   sync(rank, "all_reduce");
   // All-gather of the reduced slices (one's own too, when it went to scratch).
   for (int k = 0; k < n; ++k) {
     const int r = (rank + k) % n;  // start at different slices: spread the reads
-    const SliceRange sl = slice_of(count, n, r);
-    copy_floats(dev, me.recv + sl.off, result_of(r), sl.len);
+    const SliceRange sl = slice_of(count, n, r, es);
+    copy_elements(dev, me.recv + sl.off * es, result_of(r), sl.len, es);
   }
   sync(rank, "all_reduce");  // no rank still reads this rank's recv or scratch
 }
 
-void LocalCommunicator::broadcast(int rank, const Tensor& data, int root) {
-  check_rank(rank, "broadcast");
+void LocalCommunicator::do_broadcast(int rank, const Tensor& data, int root) {
   Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   Slot s;
-  s.kind = Kind::Broadcast;
-  s.root = root;
-  if (root < 0 || root >= size())
-    s.error = dp::detail::str_cat("root ", root, " is out of range (expected 0..", size() - 1, ")");
-  if (s.error.empty()) s.error = tensor_problem(data, "data", dev);
-  s.failed = !s.error.empty();
-  if (!s.failed) {
-    s.count = data.numel();
-    s.send = data.data<const float>();
-    s.recv = data.data<float>();
-  }
+  s.call = {Kind::Broadcast, data.dtype(), ReduceOp::Sum, root, data.numel()};
+  s.send = static_cast<const std::byte*>(data.raw_data());
+  s.recv = static_cast<std::byte*>(data.raw_data());
   const std::vector<Slot> slots = rendezvous(rank, std::move(s), "broadcast");
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
   if (rank != root)
-    copy_floats(dev, slots[static_cast<std::size_t>(rank)].recv,
-                slots[static_cast<std::size_t>(root)].send, slots[0].count);
+    copy_elements(dev, me.recv, slots[static_cast<std::size_t>(root)].send, me.call.count,
+                  element_size(me.call.dtype));
   sync(rank, "broadcast");  // root's data is no longer read
 }
 
-void LocalCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv, int root,
-                               ReduceOp op) {
-  check_rank(rank, "reduce");
+void LocalCommunicator::do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) {
   Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   const int n = size();
   Slot s;
-  s.kind = Kind::Reduce;
-  s.op = op;
-  s.root = root;
-  if (root < 0 || root >= n)
-    s.error = dp::detail::str_cat("root ", root, " is out of range (expected 0..", n - 1, ")");
-  if (s.error.empty()) s.error = tensor_problem(send, "send", dev);
-  if (s.error.empty() && rank == root) {
-    s.error = tensor_problem(recv, "recv (on the root)", dev);
-    if (s.error.empty() && recv.numel() != send.numel())
-      s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
-                                send.numel(), "; they must match");
-  }
-  s.failed = !s.error.empty();
-  std::int64_t count = 0;
-  if (!s.failed) {
-    count = send.numel();
-    s.count = count;
-    s.send = send.data<const float>();
-    if (rank == root) s.recv = recv.data<float>();
-    s.scratch = scratch(rank, slice_of(count, n, 0).len);
-  }
+  s.call = {Kind::Reduce, send.dtype(), op, root, send.numel()};
+  const std::int64_t count = s.call.count;
+  const std::size_t es = element_size(s.call.dtype);
+  s.send = static_cast<const std::byte*>(send.raw_data());
+  if (rank == root) s.recv = static_cast<std::byte*>(recv.raw_data());
+  s.scratch = scratch(rank, bytes_of(s.call, slice_of(count, n, 0, es).len));
   const std::vector<Slot> slots = rendezvous(rank, std::move(s), "reduce");
   const Slot& rs = slots[static_cast<std::size_t>(root)];
+  const std::size_t bytes = bytes_of(rs.call, count);
   // Each rank reduces its slice straight into root's recv, unless root works in place
   // (its recv is its send, still read by the others): then into scratch first.
-  const bool via_scratch = overlaps(rs.send, count, rs.recv, count);
-  const SliceRange mine = slice_of(count, n, rank);
-  float* dst = via_scratch ? slots[static_cast<std::size_t>(rank)].scratch : rs.recv + mine.off;
-  reduce_into(dev, sends_of(slots), mine.off, dst, mine.len, op);
+  const bool via_scratch = overlaps(rs.send, bytes, rs.recv, bytes);
+  const SliceRange mine = slice_of(count, n, rank, es);
+  std::byte* dst = via_scratch ? slots[static_cast<std::size_t>(rank)].scratch : rs.recv + mine.off * es;
+  reduce_into(dev, rs.call.dtype, sends_of(slots), mine.off, dst, mine.len, op);
   sync(rank, "reduce");
   if (!via_scratch) return;
   if (rank == root) {
     for (int r = 0; r < n; ++r) {
-      const SliceRange sl = slice_of(count, n, r);
-      copy_floats(dev, rs.recv + sl.off, slots[static_cast<std::size_t>(r)].scratch, sl.len);
+      const SliceRange sl = slice_of(count, n, r, es);
+      copy_elements(dev, rs.recv + sl.off * es, slots[static_cast<std::size_t>(r)].scratch, sl.len, es);
     }
   }
   sync(rank, "reduce");  // root has read every scratch
 }
 
-void LocalCommunicator::reduce_scatter(int rank, const Tensor& send, const Tensor& recv,
-                                       ReduceOp op) {
-  check_rank(rank, "reduce_scatter");
+void LocalCommunicator::do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) {
   Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
-  const int n = size();
   Slot s;
-  s.kind = Kind::ReduceScatter;
-  s.op = op;
-  s.error = tensor_problem(send, "send", dev);
-  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-  if (s.error.empty() && send.numel() != recv.numel() * n)
-    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
-                              "; reduce_scatter needs send = ", n, " x recv (one recv-sized ",
-                              "block per rank)");
-  s.failed = !s.error.empty();
-  std::int64_t recv_count = 0;
-  if (!s.failed) {
-    recv_count = recv.numel();
-    s.count = send.numel();
-    s.send = send.data<const float>();
-    s.recv = recv.data<float>();
-    if (overlaps(s.send, s.count, s.recv, recv_count)) s.scratch = scratch(rank, recv_count);
-  }
+  s.call = {Kind::ReduceScatter, send.dtype(), op, 0, send.numel()};
+  const std::int64_t recv_count = recv.numel();
+  const std::size_t es = element_size(s.call.dtype);
+  s.send = static_cast<const std::byte*>(send.raw_data());
+  s.recv = static_cast<std::byte*>(recv.raw_data());
+  if (overlaps(s.send, send.nbytes(), s.recv, recv.nbytes())) s.scratch = scratch(rank, recv.nbytes());
   const std::vector<Slot> slots = rendezvous(rank, std::move(s), "reduce_scatter");
   const Slot& me = slots[static_cast<std::size_t>(rank)];
-  float* dst = me.scratch != nullptr ? me.scratch : me.recv;
-  reduce_into(dev, sends_of(slots), recv_count * rank, dst, recv_count, op);
+  std::byte* dst = me.scratch != nullptr ? me.scratch : me.recv;
+  reduce_into(dev, me.call.dtype, sends_of(slots), recv_count * rank, dst, recv_count, op);
   sync(rank, "reduce_scatter");  // every input has been read
-  if (dst != me.recv) copy_floats(dev, me.recv, dst, recv_count);
+  if (dst != me.recv) copy_elements(dev, me.recv, dst, recv_count, es);
 }
 
-void LocalCommunicator::all_gather(int rank, const Tensor& send, const Tensor& recv) {
-  check_rank(rank, "all_gather");
+void LocalCommunicator::do_all_gather(int rank, const Tensor& send, const Tensor& recv) {
   Inside inside(*this, rank);  // Note [Leaving an aborted collective]
   const Device dev = devices_[rank];
   const int n = size();
   Slot s;
-  s.kind = Kind::AllGather;
-  s.error = tensor_problem(send, "send", dev);
-  if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-  if (s.error.empty() && recv.numel() != send.numel() * n)
-    s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
-                              "; all_gather needs recv = ", n, " x send");
-  if (s.error.empty()) {
-    const float* sp = send.data<const float>();
-    const float* rp = recv.data<const float>();
-    if (overlaps(sp, send.numel(), rp, recv.numel()) && sp != rp + send.numel() * rank)
-      s.error = dp::detail::str_cat("send overlaps recv but is not recv's block ", rank,
-                                "; in place, pass send = recv.narrow(0, ", rank, " * n, n)");
-  }
-  s.failed = !s.error.empty();
-  if (!s.failed) {
-    s.count = send.numel();
-    s.send = send.data<const float>();
-    s.recv = recv.data<float>();
-  }
+  s.call = {Kind::AllGather, send.dtype(), ReduceOp::Sum, 0, send.numel()};
+  s.send = static_cast<const std::byte*>(send.raw_data());
+  s.recv = static_cast<std::byte*>(recv.raw_data());
   const std::vector<Slot> slots = rendezvous(rank, std::move(s), "all_gather");
-  const std::int64_t count = slots[0].count;
-  float* out = slots[static_cast<std::size_t>(rank)].recv;
+  const Slot& me = slots[static_cast<std::size_t>(rank)];
+  const std::int64_t count = me.call.count;
+  const std::size_t es = element_size(me.call.dtype);
   for (int k = 0; k < n; ++k) {
     const int r = (rank + k) % n;
-    copy_floats(dev, out + count * r, slots[static_cast<std::size_t>(r)].send, count);
+    copy_elements(dev, me.recv + static_cast<std::size_t>(count * r) * es, slots[static_cast<std::size_t>(r)].send,
+                  count, es);
   }
   sync(rank, "all_gather");  // no rank still reads this rank's send
 }

@@ -15,12 +15,14 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "comm/argument_checks.h"
 #include "core/parking.h"
 #include "dp/comm/communicator.h"
 
@@ -64,6 +66,20 @@ class Barrier {
   std::string reason_;
 };
 
+/// A rank's host scratch: grows geometrically, so buckets of changing sizes settle
+/// after a few calls, and frees the old block before allocating the new one (a lower
+/// peak). Touched by its rank's thread only, between collectives that no other rank
+/// still reads it in.
+class ScratchBuffer {
+ public:
+  /// At least `bytes` bytes (aligned for any element type), kept across calls.
+  std::byte* reserve(std::size_t bytes);
+
+ private:
+  std::unique_ptr<std::byte[]> data_;
+  std::size_t capacity_ = 0;
+};
+
 }  // namespace detail
 
 /// The shared-memory communicator for CPU virtual devices (see the file comment).
@@ -74,11 +90,6 @@ class LocalCommunicator final : public Communicator {
   ~LocalCommunicator() override;
 
   std::string backend_name() const override { return "local"; }
-  void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
-  void broadcast(int rank, const Tensor& data, int root) override;
-  void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
-  void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
-  void all_gather(int rank, const Tensor& send, const Tensor& recv) override;
   /// Waits for nothing: every local collective has finished when it returns. Throws
   /// dp::CollectiveAborted while the communicator is aborted, as every collective does.
   void synchronize(int rank) override;
@@ -86,18 +97,25 @@ class LocalCommunicator final : public Communicator {
   void reset() override;
 
   /// What one rank publishes for a collective (public only for the .cpp's helpers).
+  /// Buffers are bytes: the data path moves element_size(call.dtype) per element and
+  /// adds through the dtype's summation (Note [Collective dtypes]).
   using Kind = Collective;
   struct alignas(64) Slot {
-    Kind kind = Kind::AllReduce;
-    ReduceOp op = ReduceOp::Sum;
-    int root = 0;
-    std::int64_t count = 0;  // elements of send (broadcast: data; all_gather: send)
-    const float* send = nullptr;
-    float* recv = nullptr;
-    float* scratch = nullptr;  // this rank's scratch, valid for this collective
-    bool failed = false;       // local validation failed; `error` says why
-    std::string error;
+    CallShape call;  // count: elements of send (broadcast: data; all_gather: send)
+    const std::byte* send = nullptr;
+    std::byte* recv = nullptr;
+    std::byte* scratch = nullptr;  // this rank's scratch, valid for this collective
+    std::string error;             // non-empty: this rank's call was refused, why
   };
+
+ protected:
+  void do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void do_broadcast(int rank, const Tensor& data, int root) override;
+  void do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
+  void do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void do_all_gather(int rank, const Tensor& send, const Tensor& recv) override;
+  /// Publishes the problem in rank's slot: every rank throws dp::Error naming it.
+  void refuse(int rank, Collective kind, const std::string& problem) override;
 
  private:
   /// Publishes `slot` as rank's entry, meets the other ranks and checks that every rank
@@ -124,17 +142,14 @@ class LocalCommunicator final : public Communicator {
   };
   /// Takes rank out of `inside_` if it is counted there.
   void count_out(int rank) noexcept;
-  /// Makes rank's scratch hold at least n floats; returns it.
-  float* scratch(int rank, std::int64_t n);
-  void check_rank(int rank, const char* what) const;
+  /// Rank's scratch of at least `bytes` bytes: only rank's thread touches it between
+  /// collectives, the previous one having ended with no other rank still reading it
+  /// (Note [Local collective protocol]).
+  std::byte* scratch(int rank, std::size_t bytes) { return scratch_[static_cast<std::size_t>(rank)].reserve(bytes); }
 
   detail::Barrier barrier_;
   std::vector<Slot> slots_;
-  struct Scratch {
-    std::unique_ptr<float[]> data;
-    std::int64_t capacity = 0;
-  };
-  std::vector<Scratch> scratch_;  // per rank; written only by its rank's thread
+  std::vector<detail::ScratchBuffer> scratch_;  // per rank; written only by its rank's thread
   std::atomic<int> inside_{0};    // ranks inside a collective call
   std::vector<char> in_;          // in_[r]: rank r is counted in inside_ (r's thread only)
 };

@@ -71,101 +71,95 @@ Communicator::ProcessTimes process_times_of(const ProcessGroup& group) {
 MpiCommunicator::MpiCommunicator(Device device) : MpiCommunicator(open(device)) {}
 
 Communicator::ProcessTimes MpiCommunicator::process_times(int rank) const {
-  DP_CHECK(rank == group_->rank(), "process_times (mpi): rank ", rank, " was passed but this process is rank ",
-           group_->rank(), "; pass dp::dist::rank()");
+  check_rank(rank, "process_times (mpi)");
   return process_times_of(*group_);
 }
 
 void MpiCommunicator::reset_process_times() { group_->reset_timings(); }
 
 MpiCommunicator::MpiCommunicator(Setup setup)
-    : Communicator(std::move(setup.devices)), group_(std::move(setup.group)) {}
+    : Communicator(std::move(setup.devices)), group_(std::move(setup.group)) {
+  const int me = group_->rank();
+  set_rank_range({me, 1, me, "; the mpi communicator has one rank per process: pass dp::dist::rank()",
+                  /*refuse_out_of_range=*/true});
+}
 
 MpiCommunicator::~MpiCommunicator() = default;
 
 int MpiCommunicator::process_rank() const { return group_->rank(); }
 
-std::string MpiCommunicator::problem(int rank, const Tensor& t, const char* name) const {
-  const int me = group_->rank();
-  if (rank != me)
-    return dp::detail::str_cat("rank ", rank, " was passed but this process is rank ", me,
-                               "; the mpi communicator has one rank per process: pass "
-                               "dp::dist::rank()");
-  const Device dev = devices_[static_cast<std::size_t>(me)];
-  if (!t.defined()) return dp::detail::str_cat(name, " is undefined; pass a float32 tensor on ", dev);
-  if (t.dtype() != Dtype::Float32)
-    return dp::detail::str_cat(name, " has dtype ", dtype_name(t.dtype()),
-                               "; collectives take float32 tensors");
-  if (t.device() != dev)
-    return dp::detail::str_cat(name, " lives on ", t.device(), " but this process's device is ",
-                               dev, "; move it with .to(", dev, ")");
-  return {};
+bool process_level_supports(Communicator::Collective kind, Dtype dtype) {
+  using Kind = Communicator::Collective;
+  if (kind == Kind::Broadcast) return true;
+  if (kind == Kind::AllGather) return with_process_type(dtype, []<typename T>() {});
+  return with_process_summand(dtype, []<typename T>() {});
 }
 
-void MpiCommunicator::all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) {
-  std::string err = problem(rank, send, "send");
-  if (err.empty()) err = problem(rank, recv, "recv");
-  if (err.empty() && recv.numel() != send.numel())
-    err = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ", send.numel(),
-                              "; they must match");
-  const bool ok = err.empty();
-  group_->all_reduce<float>(ok ? send.data<const float>() : nullptr, ok ? recv.data<float>() : nullptr,
-                            ok ? send.numel() : 0, reduction_of(op), "all_reduce (mpi)", err);
-}
+bool MpiCommunicator::supports(Collective kind, Dtype dtype) const { return process_level_supports(kind, dtype); }
 
-void MpiCommunicator::broadcast(int rank, const Tensor& data, int root) {
-  const std::string err = problem(rank, data, "data");
-  const bool ok = err.empty();
-  group_->broadcast(ok ? data.data<float>() : nullptr,
-                    ok ? static_cast<std::int64_t>(data.nbytes()) : 0, root, "broadcast (mpi)",
-                    sizeof(float), {}, err);
-}
-
-void MpiCommunicator::reduce(int rank, const Tensor& send, const Tensor& recv, int root,
-                             ReduceOp op) {
-  std::string err = problem(rank, send, "send");
-  if (err.empty() && rank == root) {
-    err = problem(rank, recv, "recv (on the root)");
-    if (err.empty() && recv.numel() != send.numel())
-      err = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ",
-                                send.numel(), "; they must match");
+void refuse_on_group(ProcessGroup& g, Communicator::Collective kind, const char* what, const std::string& problem) {
+  // The same kind of call the other processes make, so their message names the
+  // collective; with `problem` set no data moves and every process throws.
+  using Kind = Communicator::Collective;
+  switch (kind) {
+    case Kind::AllReduce: g.all_reduce<float>(nullptr, nullptr, 0, Reduction::Sum, what, problem); break;
+    case Kind::Broadcast: g.broadcast(nullptr, 0, 0, what, sizeof(float), {}, problem); break;
+    case Kind::Reduce: g.reduce<float>(nullptr, nullptr, 0, 0, Reduction::Sum, what, problem); break;
+    case Kind::ReduceScatter: g.reduce_scatter<float>(nullptr, nullptr, 0, Reduction::Sum, what, problem); break;
+    case Kind::AllGather: g.all_gather<float>(nullptr, nullptr, 0, what, problem); break;
+    case Kind::kCount: break;  // not a collective
   }
-  const bool ok = err.empty();
-  group_->reduce<float>(ok ? send.data<const float>() : nullptr,
-                        ok && rank == root ? recv.data<float>() : nullptr,
-                        ok ? send.numel() : 0, root, reduction_of(op), "reduce (mpi)", err);
+  DP_FAIL(what, ": ", problem);  // not reached: the group threw
 }
 
-void MpiCommunicator::reduce_scatter(int rank, const Tensor& send, const Tensor& recv,
-                                     ReduceOp op) {
-  std::string err = problem(rank, send, "send");
-  if (err.empty()) err = problem(rank, recv, "recv");
-  if (err.empty() && send.numel() != recv.numel() * size())
-    err = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
-                              "; reduce_scatter needs send = ", size(), " x recv (one "
-                              "recv-sized block per process)");
-  const bool ok = err.empty();
-  group_->reduce_scatter<float>(ok ? send.data<const float>() : nullptr,
-                                ok ? recv.data<float>() : nullptr, ok ? recv.numel() : 0,
-                                reduction_of(op), "reduce_scatter (mpi)", err);
+namespace {
+
+/// "all_reduce (mpi)": the name the group's messages give a call.
+std::string mpi_name(Communicator::Collective kind) {
+  return dp::detail::str_cat(Communicator::collective_name(kind), " (mpi)");
 }
 
-void MpiCommunicator::all_gather(int rank, const Tensor& send, const Tensor& recv) {
-  std::string err = problem(rank, send, "send");
-  if (err.empty()) err = problem(rank, recv, "recv");
-  if (err.empty() && recv.numel() != send.numel() * size())
-    err = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
-                              "; all_gather needs recv = ", size(), " x send");
-  const bool ok = err.empty();
-  group_->all_gather<float>(ok ? send.data<const float>() : nullptr,
-                            ok ? recv.data<float>() : nullptr, ok ? send.numel() : 0,
-                            "all_gather (mpi)", err);
+}  // namespace
+
+void MpiCommunicator::refuse(int /*rank*/, Collective kind, const std::string& problem) {
+  refuse_on_group(*group_, kind, mpi_name(kind).c_str(), problem);
 }
 
-void MpiCommunicator::synchronize(int rank) {
-  DP_CHECK(rank == group_->rank(), "synchronize (mpi): rank ", rank,
-           " was passed but this process is rank ", group_->rank());
+void MpiCommunicator::do_all_reduce(int /*rank*/, const Tensor& send, const Tensor& recv, ReduceOp op) {
+  const std::string what = mpi_name(Collective::AllReduce);
+  with_process_summand(send.dtype(), [&]<typename T>() {
+    group_->all_reduce<T>(send.data<const T>(), recv.data<T>(), send.numel(), reduction_of(op), what.c_str());
+  });
 }
+
+void MpiCommunicator::do_broadcast(int /*rank*/, const Tensor& data, int root) {
+  group_->broadcast(data.raw_data(), static_cast<std::int64_t>(data.nbytes()), root,
+                    mpi_name(Collective::Broadcast).c_str(), static_cast<std::int64_t>(element_size(data.dtype())));
+}
+
+void MpiCommunicator::do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) {
+  const std::string what = mpi_name(Collective::Reduce);
+  with_process_summand(send.dtype(), [&]<typename T>() {
+    group_->reduce<T>(send.data<const T>(), rank == root ? recv.data<T>() : nullptr, send.numel(), root,
+                      reduction_of(op), what.c_str());
+  });
+}
+
+void MpiCommunicator::do_reduce_scatter(int /*rank*/, const Tensor& send, const Tensor& recv, ReduceOp op) {
+  const std::string what = mpi_name(Collective::ReduceScatter);
+  with_process_summand(send.dtype(), [&]<typename T>() {
+    group_->reduce_scatter<T>(send.data<const T>(), recv.data<T>(), recv.numel(), reduction_of(op), what.c_str());
+  });
+}
+
+void MpiCommunicator::do_all_gather(int /*rank*/, const Tensor& send, const Tensor& recv) {
+  const std::string what = mpi_name(Collective::AllGather);
+  with_process_type(send.dtype(), [&]<typename T>() {
+    group_->all_gather<T>(send.data<const T>(), recv.data<T>(), send.numel(), what.c_str());
+  });
+}
+
+void MpiCommunicator::synchronize(int rank) { check_rank(rank, "synchronize (mpi)"); }
 
 void MpiCommunicator::abort(const std::string& reason) {
   dist::abort("the mpi communicator was aborted: " + reason + "; ending the job");

@@ -1,20 +1,22 @@
 // src/comm/mpi/mpi_communicator.h — the communicator among the processes of a job.
 //
 // Internal header of the comm layer (users reach it through make_mpi_communicator,
-// dp/comm/mpi_communicator.h). One rank per process; each collective checks its
-// tensors, then hands (pointer, count) buffers to a dp::dist process group on a
-// channel of its own, which does the rendezvous, the rank-order reduction and the
-// timeout (src/dist/process_group.h). This header knows nothing of MPI's types, of
-// modules, optimizers or DataParallel.
+// dp/comm/mpi_communicator.h). One rank per process; each collective, its arguments
+// checked by Communicator's front (Note [Checked collectives]), hands (pointer, count)
+// buffers to a dp::dist process group on a channel of its own, which does the
+// rendezvous, the rank-order reduction and the timeout (src/dist/process_group.h).
+// This header knows nothing of MPI's types, of modules, optimizers or DataParallel.
 //
 //   dp::comm::MpiCommunicator comm(dp::cpu(0));          // on every process
 //   comm.all_reduce(comm.process_rank(), g, g, dp::comm::ReduceOp::Sum);
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "comm/summation.h"
 #include "dp/comm/communicator.h"
 
 namespace dp::dist::detail {
@@ -34,12 +36,10 @@ class MpiCommunicator final : public Communicator {
   std::string backend_name() const override { return "mpi"; }
   /// This process's rank (dp::dist::rank()): the `rank` argument of every collective.
   int process_rank() const;
+  /// Broadcast: every dtype; all_gather and the reductions: the dtypes a process group
+  /// carries (process_level_supports).
+  bool supports(Collective kind, Dtype dtype) const override;
 
-  void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
-  void broadcast(int rank, const Tensor& data, int root) override;
-  void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
-  void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
-  void all_gather(int rank, const Tensor& send, const Tensor& recv) override;
   /// No-op: every collective has finished when it returns.
   void synchronize(int rank) override;
   /// Ends the whole job (MPI_Abort) after printing `reason`: MPI cannot release the
@@ -57,17 +57,67 @@ class MpiCommunicator final : public Communicator {
   /// fails alike (Note [Hierarchical collectives], src/comm/hier/).
   dist::detail::ProcessGroup& group() { return *group_; }
 
+ protected:
+  void do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void do_broadcast(int rank, const Tensor& data, int root) override;
+  void do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override;
+  void do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override;
+  void do_all_gather(int rank, const Tensor& send, const Tensor& recv) override;
+  /// Makes the group's call carry the problem: every process throws dp::Error naming
+  /// it (a bad rank too: this process's one rank is known).
+  void refuse(int rank, Collective kind, const std::string& problem) override;
+
  private:
   struct Setup;
   /// Opens the group and learns every process's device (collective).
   static Setup open(Device device);
   explicit MpiCommunicator(Setup setup);
-  /// "" when rank is this process's rank and t is a float32 tensor on this process's
-  /// device; else what is wrong and how to fix it.
-  std::string problem(int rank, const Tensor& t, const char* name) const;
 
   std::unique_ptr<dist::detail::ProcessGroup> group_;
 };
+
+/// Calls f.template operator()<T>() with T the element type a process group carries
+/// `dtype` as (float32: float, int64: std::int64_t) and returns true; false when no
+/// process-group type carries it (int32: all_gather refuses it rather than mix it up
+/// with float32 between processes). A new dtype is a case here and an instantiation
+/// in src/dist/process_group.cpp (Note [Collective dtypes]).
+template <typename F>
+bool with_process_type(Dtype dtype, F&& f) {
+  switch (dtype) {
+    case Dtype::Float32:
+      f.template operator()<float>();
+      return true;
+    case Dtype::Int64:
+      f.template operator()<std::int64_t>();
+      return true;
+    default:
+      return false;
+  }
+}
+
+/// with_process_type for the dtypes a reduction also adds (summation.h): f<T> with T a
+/// process-group type that has a Summand.
+template <typename F>
+bool with_process_summand(Dtype dtype, F&& f) {
+  bool called = false;
+  with_process_type(dtype, [&]<typename T>() {
+    if constexpr (Summand<T>::kSummable) {
+      f.template operator()<T>();
+      called = true;
+    }
+  });
+  return called;
+}
+
+/// What crosses processes through a process group: broadcast moves bytes (any dtype),
+/// all_gather the process-group types, reductions those that are also summable. The
+/// mpi and hierarchical communicators' supports().
+bool process_level_supports(Communicator::Collective kind, Dtype dtype);
+
+/// Makes `group` call `kind` carrying `problem` ("what" names the call): every process
+/// throws dp::Error naming it; no data moves. Never returns.
+[[noreturn]] void refuse_on_group(dist::detail::ProcessGroup& group, Communicator::Collective kind,
+                                  const char* what, const std::string& problem);
 
 /// A process group's timings as a communicator reports them (Note [Inter-process
 /// time]): barriers and the exit-time rendezvous are left out.

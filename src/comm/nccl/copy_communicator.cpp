@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -104,8 +105,6 @@ Slice slice_of(std::int64_t count, int n, int r) {
 }
 
 using Kind = Communicator::Collective;
-
-const char* kind_name(Kind k) { return Communicator::collective_name(k); }
 
 /// A generation barrier that abort() releases: arrive_and_wait returns false once the
 /// barrier is aborted (sticky until reset(), which is called with no rank inside), or
@@ -226,40 +225,53 @@ class CopyCommunicator final : public Communicator {
 
   std::string backend_name() const override { return "cuda-copy"; }
 
-  void all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
+  void synchronize(int rank) override {
+    check_rank(rank, "synchronize");
+    throw_if_aborted("synchronize", rank);
+    cuda().set_device(devices_[rank].index);
+    DP_CUDA_CHECK(cudaStreamSynchronize(ranks_[static_cast<std::size_t>(rank)].stream));
+  }
+
+  void abort(const std::string& reason) override { barrier_.abort(reason); }
+  void reset() override {
+    barrier_.reset();
+    for (Rank& rk : ranks_) rk.deferred = false;
+  }
+
+ protected:
+  void do_all_reduce(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
     all_reduce_impl(rank, send, recv, op, false);
   }
-  void all_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
+  void do_all_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
     all_reduce_impl(rank, send, recv, op, true);
   }
-  void reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override {
+  void do_reduce(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override {
     reduce_impl(rank, send, recv, root, op, false);
   }
-  void reduce_deferred(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override {
+  void do_reduce_deferred(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op) override {
     reduce_impl(rank, send, recv, root, op, true);
   }
 
-  void broadcast(int rank, const Tensor& data, int root) override {
-    check_rank(rank, "broadcast");
+  /// Publishes the problem in phase 0: every rank throws dp::Error naming it.
+  void refuse(int rank, Collective kind, const std::string& problem) override {
     Slot s;
-    s.kind = Kind::Broadcast;
-    s.root = root;
-    s.error = tensor_problem(data, "data", devices_[rank]);
-    if (s.error.empty() && (root < 0 || root >= size()))
-      s.error = dp::detail::str_cat("root ", root, " is out of range (expected 0..", size() - 1, ")");
-    if (s.error.empty()) {
-      s.count = data.numel();
-      s.send = data.data<const float>();
-      s.recv = data.data<float>();
-    }
-    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad.
-    backend::ScopedRange range(devices_[rank], "cuda-copy", "broadcast",
-                              static_cast<std::size_t>(s.count) * sizeof(float));
+    s.call.kind = kind;
+    s.error = problem;
+    (void)begin(rank, std::move(s), collective_name(kind), {});
+  }
+
+  void do_broadcast(int rank, const Tensor& data, int root) override {
+    Slot s;
+    s.call = {Kind::Broadcast, data.dtype(), ReduceOp::Sum, root, data.numel()};
+    s.send = static_cast<const std::byte*>(data.raw_data());
+    s.recv = static_cast<std::byte*>(data.raw_data());
+    // Note [Profiler ranges].
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "broadcast", data.nbytes());
     Call c = begin(rank, std::move(s), "broadcast", {data});
     if (rank != root) {
       const Slot& src = c.slots[static_cast<std::size_t>(root)];
       wait(rank, root, &Rank::ready);
-      copy_floats(rank, root, c.me().recv, src.send, c.me().count);
+      copy_bytes(rank, root, c.me().recv, src.send, data.nbytes());
     }
     record(rank, &Rank::e1);
     sync(rank, "broadcast");
@@ -268,72 +280,46 @@ class CopyCommunicator final : public Communicator {
     finish(rank, c, false);
   }
 
-  void reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
-    check_rank(rank, "reduce_scatter");
-    const Device dev = devices_[rank];
+  void do_reduce_scatter(int rank, const Tensor& send, const Tensor& recv, ReduceOp op) override {
     Slot s;
-    s.kind = Kind::ReduceScatter;
-    s.op = op;
-    s.error = tensor_problem(send, "send", dev);
-    if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-    if (s.error.empty() && send.numel() != recv.numel() * size())
-      s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
-                                    "; reduce_scatter needs send = ", size(), " x recv");
-    if (s.error.empty()) {
-      s.count = recv.numel();
-      s.send = send.data<const float>();
-      s.recv = recv.data<float>();
-      // recv may be this rank's own block of send (in place), nothing else of it: the
-      // other blocks are read by the other ranks while recv is written.
-      const float* own = s.send + rank * s.count;
-      if (s.recv != own && overlaps(s.send, send.numel(), s.recv, s.count))
-        s.error = "recv overlaps send other than as this rank's block of it; pass that block or a separate buffer";
-    }
-    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad (size: all blocks).
-    backend::ScopedRange range(devices_[rank], "cuda-copy", "reduce_scatter",
-                              static_cast<std::size_t>(s.count) * sizeof(float) * static_cast<std::size_t>(size()));
+    s.call = {Kind::ReduceScatter, send.dtype(), op, 0, recv.numel()};
+    s.send = static_cast<const std::byte*>(send.raw_data());
+    s.recv = static_cast<std::byte*>(recv.raw_data());
+    // recv may be this rank's own block of send (in place), nothing else of it: the
+    // other blocks are read by the other ranks while recv is written.
+    const std::byte* own = s.send + rank * recv.nbytes();
+    if (s.recv != own && overlaps(s.send, send.nbytes(), s.recv, recv.nbytes()))
+      s.error = "recv overlaps send other than as this rank's block of it; pass that block or a separate buffer";
+    // Note [Profiler ranges] (size: all blocks).
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "reduce_scatter", send.nbytes());
     Call c = begin(rank, std::move(s), "reduce_scatter", {send, recv});
-    const std::int64_t n = c.me().count;
+    const std::int64_t n = c.me().call.count;
     ck::SumInputs in;
     in.count = size();
     for (int j = 0; j < size(); ++j) {
       wait(rank, j, &Rank::ready);
-      in.ptr[j] = c.slots[static_cast<std::size_t>(j)].send + rank * n;
+      in.ptr[j] = floats(c.slots[static_cast<std::size_t>(j)].send) + rank * n;
     }
-    sum(rank, in, c.me().recv, n, op);
+    sum(rank, in, floats(c.me().recv), n, op);
     record(rank, &Rank::e1);
     sync(rank, "reduce_scatter");
     for (int j = 0; j < size(); ++j) wait(rank, j, &Rank::e1);  // every rank read this send
     finish(rank, c, false);
   }
 
-  void all_gather(int rank, const Tensor& send, const Tensor& recv) override {
-    check_rank(rank, "all_gather");
-    const Device dev = devices_[rank];
+  void do_all_gather(int rank, const Tensor& send, const Tensor& recv) override {
     Slot s;
-    s.kind = Kind::AllGather;
-    s.error = tensor_problem(send, "send", dev);
-    if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-    if (s.error.empty() && recv.numel() != send.numel() * size())
-      s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements and send ", send.numel(),
-                                    "; all_gather needs recv = ", size(), " x send");
-    if (s.error.empty()) {
-      s.count = send.numel();
-      s.send = send.data<const float>();
-      s.recv = recv.data<float>();
-      const float* own = s.recv + rank * s.count;
-      if (s.send != own && overlaps(s.send, s.count, s.recv, recv.numel()))
-        s.error = "send overlaps recv other than as this rank's block of it; pass that block or a separate buffer";
-    }
-    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad (size: all blocks).
-    backend::ScopedRange range(devices_[rank], "cuda-copy", "all_gather",
-                              static_cast<std::size_t>(s.count) * sizeof(float) * static_cast<std::size_t>(size()));
+    s.call = {Kind::AllGather, send.dtype(), ReduceOp::Sum, 0, send.numel()};
+    s.send = static_cast<const std::byte*>(send.raw_data());
+    s.recv = static_cast<std::byte*>(recv.raw_data());
+    // Note [Profiler ranges] (size: all blocks).
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "all_gather", recv.nbytes());
     Call c = begin(rank, std::move(s), "all_gather", {send, recv});
-    const std::int64_t n = c.me().count;
+    const std::size_t block = send.nbytes();
     for (int k = 0; k < size(); ++k) {
       const int j = (rank + k) % size();  // start at different blocks: spread the reads
       wait(rank, j, &Rank::ready);
-      copy_floats(rank, j, c.me().recv + j * n, c.slots[static_cast<std::size_t>(j)].send, n);
+      copy_bytes(rank, j, c.me().recv + j * block, c.slots[static_cast<std::size_t>(j)].send, block);
     }
     record(rank, &Rank::e1);
     sync(rank, "all_gather");
@@ -341,6 +327,7 @@ class CopyCommunicator final : public Communicator {
     finish(rank, c, false);
   }
 
+ public:
   void join(int rank) override {
     check_rank(rank, "join");
     throw_if_aborted("join", rank);
@@ -369,19 +356,6 @@ class CopyCommunicator final : public Communicator {
     rk.deferred = true;  // join() orders the compute stream after the work too
   }
 
-  void synchronize(int rank) override {
-    check_rank(rank, "synchronize");
-    throw_if_aborted("synchronize", rank);
-    cuda().set_device(devices_[rank].index);
-    DP_CUDA_CHECK(cudaStreamSynchronize(ranks_[static_cast<std::size_t>(rank)].stream));
-  }
-
-  void abort(const std::string& reason) override { barrier_.abort(reason); }
-  void reset() override {
-    barrier_.reset();
-    for (Rank& rk : ranks_) rk.deferred = false;
-  }
-
  private:
   struct Rank {
     cudaStream_t stream = nullptr;  // comm stream (highest priority), the backend's
@@ -394,12 +368,9 @@ class CopyCommunicator final : public Communicator {
 
   /// What one rank publishes (phase 0).
   struct Slot {
-    Kind kind = Kind::AllReduce;
-    ReduceOp op = ReduceOp::Sum;
-    int root = 0;
-    std::int64_t count = 0;
-    const float* send = nullptr;
-    float* recv = nullptr;
+    CallShape call;  // count: all_reduce/reduce/broadcast: elements; RS: recv; AG: send
+    const std::byte* send = nullptr;
+    std::byte* recv = nullptr;
     float* scratch = nullptr;
     std::string error;  // non-empty: this rank's arguments are bad
   };
@@ -427,11 +398,6 @@ class CopyCommunicator final : public Communicator {
     std::vector<Tensor> buffers;  // this rank's buffers, declared when deferred
     const Slot& me() const { return slots[static_cast<std::size_t>(rank)]; }
   };
-
-  void check_rank(int rank, const char* what) const {
-    DP_CHECK(rank >= 0 && rank < size(), what, ": rank ", rank, " is out of range for a communicator of ",
-             size(), " ranks (expected 0..", size() - 1, ")");
-  }
 
   void throw_if_aborted(const char* what, int rank) const {
     if (barrier_.aborted()) throw_aborted(what, rank, barrier_.reason());
@@ -474,30 +440,14 @@ class CopyCommunicator final : public Communicator {
     sync(rank, what);
     c.slots = slots_;
     // Every rank judges the same snapshot, so every rank reaches the same verdict.
-    std::string problem;
-    for (int r = 0; r < size() && problem.empty(); ++r) {
-      const Slot& s = c.slots[static_cast<std::size_t>(r)];
-      if (!s.error.empty())
-        problem = r == rank ? s.error : dp::detail::str_cat("rank ", r, " (", devices_[r], ") failed: ", s.error);
-    }
-    const Slot& ref = c.slots[0];
-    for (int r = 1; r < size() && problem.empty(); ++r) {
-      const Slot& s = c.slots[static_cast<std::size_t>(r)];
-      const bool rooted = ref.kind == Kind::Broadcast || ref.kind == Kind::Reduce;
-      const bool reducing = ref.kind != Kind::Broadcast && ref.kind != Kind::AllGather;
-      if (s.kind != ref.kind || s.count != ref.count || (rooted && s.root != ref.root) ||
-          (reducing && s.op != ref.op))
-        problem = dp::detail::str_cat("ranks disagree: rank 0 called ", kind_name(ref.kind), "(count ", ref.count,
-                                      ", root ", ref.root, ", op ", op_name(ref.op), "), rank ", r, " called ",
-                                      kind_name(s.kind), "(count ", s.count, ", root ", s.root, ", op ",
-                                      op_name(s.op), "); every rank must make the same collective calls in the ",
-                                      "same order with the same sizes");
-    }
+    const std::string problem = rendezvous_problem(rank, c.slots, [&](int r) {
+      return dp::detail::str_cat("rank ", r, " (", devices_[static_cast<std::size_t>(r)], ")");
+    });
     if (!problem.empty()) {
       // Nobody leaves before everyone has read the slots (a rank entering its next
       // collective would overwrite one still being read).
       sync(rank, what);
-      DP_FAIL(what, " on rank ", rank, " (", devices_[rank], ", copy communicator): ", problem);
+      DP_FAIL(call_site(what, rank), ": ", problem);
     }
     return c;
   }
@@ -536,14 +486,13 @@ class CopyCommunicator final : public Communicator {
     DP_CUDA_CHECK(cudaEventRecord(rk.*which, rk.stream));
   }
 
-  /// n floats from rank `from`'s memory to rank `rank`'s, on rank's comm stream.
-  void copy_floats(int rank, int from, float* dst, const float* src, std::int64_t n) {
-    if (n <= 0 || dst == src) return;
+  /// `bytes` bytes from rank `from`'s memory to rank `rank`'s, on rank's comm stream.
+  void copy_bytes(int rank, int from, std::byte* dst, const std::byte* src, std::size_t bytes) {
+    if (bytes == 0 || dst == src) return;
     CudaBackend& cb = cuda();
     const int dev = devices_[rank].index, src_dev = devices_[from].index;
     cb.set_device(dev);
     cudaStream_t s = ranks_[static_cast<std::size_t>(rank)].stream;
-    const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(float);
     const int gpu = cb.physical_device(dev), src_gpu = cb.physical_device(src_dev);
     if (gpu == src_gpu) {
       DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
@@ -551,6 +500,12 @@ class CopyCommunicator final : public Communicator {
       DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, gpu, src, src_gpu, bytes, s));
     }
   }
+
+  /// A reduction's buffer as the sum kernel reads it: reductions take float32 alone
+  /// here (the default supports(), Note [Collective dtypes]); a bf16 sum is a kernel of
+  /// cuda_kernels.h for that storage type, picked by dtype in sum().
+  static const float* floats(const std::byte* p) { return reinterpret_cast<const float*>(p); }
+  static float* floats(std::byte* p) { return reinterpret_cast<float*>(p); }
 
   /// dst = fixed-order sum of `in` (Average: * 1.0f / N, computed as the CPU does).
   void sum(int rank, const ck::SumInputs& in, float* dst, std::int64_t n, ReduceOp op) {
@@ -561,37 +516,24 @@ class CopyCommunicator final : public Communicator {
   }
 
   void all_reduce_impl(int rank, const Tensor& send, const Tensor& recv, ReduceOp op, bool deferred) {
-    check_rank(rank, "all_reduce");
-    const Device dev = devices_[rank];
     Slot s;
-    s.kind = Kind::AllReduce;
-    s.op = op;
-    s.error = tensor_problem(send, "send", dev);
-    if (s.error.empty()) s.error = tensor_problem(recv, "recv", dev);
-    if (s.error.empty() && recv.numel() != send.numel())
-      s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ", send.numel(),
-                                    "; they must match");
-    std::int64_t slice = 0;
-    if (s.error.empty()) {
-      s.count = send.numel();
-      s.send = send.data<const float>();
-      s.recv = recv.data<float>();
-      if (s.recv != s.send && overlaps(s.send, s.count, s.recv, s.count))
-        s.error = "recv partly overlaps send; pass the same tensor (in place) or a separate buffer";
-      slice = slice_of(s.count, size(), rank).len;
-    }
-    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad.
-    backend::ScopedRange range(devices_[rank], "cuda-copy", "all_reduce",
-                              static_cast<std::size_t>(s.count) * sizeof(float));
+    s.call = {Kind::AllReduce, send.dtype(), op, 0, send.numel()};
+    s.send = static_cast<const std::byte*>(send.raw_data());
+    s.recv = static_cast<std::byte*>(recv.raw_data());
+    if (s.recv != s.send && overlaps(s.send, send.nbytes(), s.recv, recv.nbytes()))
+      s.error = "recv partly overlaps send; pass the same tensor (in place) or a separate buffer";
+    const std::int64_t slice = slice_of(s.call.count, size(), rank).len;
+    // Note [Profiler ranges].
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "all_reduce", send.nbytes());
     Call c = begin(rank, std::move(s), "all_reduce", {send, recv}, slice);
-    const std::int64_t count = c.me().count;
+    const std::int64_t count = c.me().call.count;
     // Phase 1: slice `rank` of every send, summed into this rank's scratch.
     const Slice mine = slice_of(count, size(), rank);
     ck::SumInputs in;
     in.count = size();
     for (int j = 0; j < size(); ++j) {
       wait(rank, j, &Rank::ready);
-      in.ptr[j] = c.slots[static_cast<std::size_t>(j)].send + mine.off;
+      in.ptr[j] = floats(c.slots[static_cast<std::size_t>(j)].send) + mine.off;
     }
     sum(rank, in, c.me().scratch, mine.len, op);
     record(rank, &Rank::e1);
@@ -601,7 +543,9 @@ class CopyCommunicator final : public Communicator {
       const int j = (rank + k) % size();  // start at different slices: spread the reads
       const Slice sl = slice_of(count, size(), j);
       wait(rank, j, &Rank::e1);
-      copy_floats(rank, j, c.me().recv + sl.off, c.slots[static_cast<std::size_t>(j)].scratch, sl.len);
+      copy_bytes(rank, j, reinterpret_cast<std::byte*>(floats(c.me().recv) + sl.off),
+                 reinterpret_cast<const std::byte*>(c.slots[static_cast<std::size_t>(j)].scratch),
+                 static_cast<std::size_t>(sl.len) * sizeof(float));
     }
     record(rank, &Rank::e2);
     sync(rank, "all_reduce");
@@ -610,44 +554,27 @@ class CopyCommunicator final : public Communicator {
   }
 
   void reduce_impl(int rank, const Tensor& send, const Tensor& recv, int root, ReduceOp op, bool deferred) {
-    check_rank(rank, "reduce");
-    const Device dev = devices_[rank];
     Slot s;
-    s.kind = Kind::Reduce;
-    s.op = op;
-    s.root = root;
-    s.error = tensor_problem(send, "send", dev);
-    if (s.error.empty() && (root < 0 || root >= size()))
-      s.error = dp::detail::str_cat("root ", root, " is out of range (expected 0..", size() - 1, ")");
-    if (s.error.empty() && rank == root) {
-      s.error = tensor_problem(recv, "recv (on the root)", dev);
-      if (s.error.empty() && recv.numel() != send.numel())
-        s.error = dp::detail::str_cat("recv has ", recv.numel(), " elements but send has ", send.numel(),
-                                      "; they must match");
+    s.call = {Kind::Reduce, send.dtype(), op, root, send.numel()};
+    s.send = static_cast<const std::byte*>(send.raw_data());
+    if (rank == root) {
+      s.recv = static_cast<std::byte*>(recv.raw_data());
+      // Each element is read by every input before it is written: recv may be send
+      // (in place), but not a shifted view of it.
+      if (s.recv != s.send && overlaps(s.send, send.nbytes(), s.recv, recv.nbytes()))
+        s.error = "recv partly overlaps send; pass the same tensor (in place) or a separate buffer";
     }
-    if (s.error.empty()) {
-      s.count = send.numel();
-      s.send = send.data<const float>();
-      if (rank == root) {
-        s.recv = recv.data<float>();
-        // Each element is read by every input before it is written: recv may be send
-        // (in place), but not a shifted view of it.
-        if (s.recv != s.send && overlaps(s.send, s.count, s.recv, s.count))
-          s.error = "recv partly overlaps send; pass the same tensor (in place) or a separate buffer";
-      }
-    }
-    // Note [Profiler ranges]; 0 bytes when this rank's arguments are bad.
-    backend::ScopedRange range(devices_[rank], "cuda-copy", "reduce",
-                              static_cast<std::size_t>(s.count) * sizeof(float));
+    // Note [Profiler ranges].
+    backend::ScopedRange range(devices_[rank], "cuda-copy", "reduce", send.nbytes());
     Call c = begin(rank, std::move(s), "reduce", {send, rank == root ? recv : Tensor()});
     if (rank == root) {
       ck::SumInputs in;
       in.count = size();
       for (int j = 0; j < size(); ++j) {
         wait(rank, j, &Rank::ready);
-        in.ptr[j] = c.slots[static_cast<std::size_t>(j)].send;
+        in.ptr[j] = floats(c.slots[static_cast<std::size_t>(j)].send);
       }
-      sum(rank, in, c.me().recv, c.me().count, op);
+      sum(rank, in, floats(c.me().recv), c.me().call.count, op);
     }
     record(rank, &Rank::e1);
     sync(rank, "reduce");

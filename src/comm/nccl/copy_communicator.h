@@ -2,7 +2,7 @@
 // CUDA devices that share GPUs (DP_CUDA_DEVICES_PER_GPU > 1), where NCCL cannot go.
 //
 // Internal to the comm layer; declared without CUDA types so that the factory in
-// nccl_communicator.cpp reaches it through one function. make_communicator picks it
+// nccl_world.cpp reaches it through one function. make_communicator picks it
 // for a CUDA device list in which two devices share a GPU (Note [CUDA copy
 // communicator], copy_communicator.cpp).
 #pragma once

@@ -1,4 +1,4 @@
-// The collective watchdog (see watchdog.h; Note [NCCL failures] in nccl_communicator.cpp).
+// The collective watchdog (see watchdog.h; Note [NCCL failures] in nccl_communicator.h).
 #include "comm/nccl/watchdog.h"
 
 #include <exception>

@@ -2,7 +2,7 @@
 //
 // A collective enqueued on a device stream completes later, or never (a peer failed
 // before calling it). The Watchdog keeps, per watched rank, the collectives enqueued
-// and not yet seen complete, and decides (Note [NCCL failures], nccl_communicator.cpp):
+// and not yet seen complete, and decides (Note [NCCL failures], nccl_communicator.h):
 //   - a collective still running `timeout` after it was enqueued, a collective that
 //     failed, or an asynchronous error of a rank's communicator → abort every rank,
 //     once, with a reason naming the rank's device and the collective;
