@@ -1,7 +1,9 @@
 // The functional ops of sequence models (dp/nn/functional.h): softmax and log_softmax
 // along any dim, layer_norm, embedding. They compose the tensor layer's differentiable
 // ops, so their gradients come from those ops' backward functions.
+#include <cmath>
 #include <optional>
+#include <vector>
 #include <utility>
 
 #include "dp/autograd/grad_mode.h"
@@ -99,6 +101,42 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
     });
   }
   return out;
+}
+
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
+                                    double dropout_p, bool is_causal, std::optional<double> scale, bool mask_is_keep,
+                                    Generator* gen) {
+  const char* op = "scaled_dot_product_attention";
+  DP_CHECK(q.defined() && k.defined() && v.defined(), op, ": expected defined q, k and v");
+  DP_CHECK(q.dim() >= 2 && k.dim() >= 2 && v.dim() >= 2, op, ": expected q, k, v with at least 2 dims "
+           "(..., L, E), (..., S, E), (..., S, Ev), got ", shape_str(q.shape()), ", ", shape_str(k.shape()), ", ",
+           shape_str(v.shape()));
+  const std::int64_t E = q.size(q.dim() - 1), S = k.size(k.dim() - 2), L = q.size(q.dim() - 2);
+  DP_CHECK(k.size(k.dim() - 1) == E, op, ": expected q and k with the same last dim E, got ", shape_str(q.shape()),
+           " and ", shape_str(k.shape()));
+  DP_CHECK(v.size(v.dim() - 2) == S, op, ": expected k and v with the same number of keys S, got ",
+           shape_str(k.shape()), " and ", shape_str(v.shape()));
+  DP_CHECK(!(is_causal && attn_mask.defined()), op, ": expected either attn_mask or is_causal, got both");
+  DP_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": expected dropout_p in [0, 1], got ", dropout_p);
+  const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
+  Tensor scores = mul(matmul(q, k.transpose(-2, -1)), s);  // (..., L, S)
+  Tensor additive;
+  if (is_causal) {
+    // 0 where key j <= query i, -inf after: PyTorch's top-left aligned causal mask.
+    std::vector<float> m(static_cast<std::size_t>(L * S), 0.0f);
+    for (std::int64_t i = 0; i < L; ++i)
+      for (std::int64_t j = i + 1; j < S; ++j) m[static_cast<std::size_t>(i * S + j)] = -INFINITY;
+    additive = from_vector(m, {L, S}, q.device());
+  } else if (attn_mask.defined()) {
+    DP_CHECK(attn_mask.dtype() == Dtype::Float32 && attn_mask.device() == q.device(), op,
+             ": expected a float32 attn_mask on ", q.device().str(), ", got ", attn_mask.str());
+    // A 0/1 keep-mask becomes additive through log: log 1 = 0, log 0 = -inf, exactly.
+    additive = mask_is_keep ? log(attn_mask.detach()) : attn_mask;
+  }
+  if (additive.defined()) scores = add(scores, additive);
+  Tensor weights = softmax(scores, -1);
+  if (dropout_p > 0.0) weights = dropout(weights, dropout_p, true, gen ? *gen : default_generator());
+  return matmul(weights, v);
 }
 
 }  // namespace dp::nn

@@ -168,3 +168,49 @@ TEST_CASE("sequence ops: bad input") {
   dp::nn::Linear lin(4, 5);
   CHECK(error_of([&] { (void)lin(dp::zeros({2, 3, 5})); }).find("(..., in=4)") != std::string::npos);
 }
+
+TEST_CASE("scaled_dot_product_attention matches PyTorch: causal with gradients, masks, cross-attention") {
+  Tensor q = dp::from_vector(ref::kSdpaQ, {2, 3, 5, 4}).set_requires_grad(true);
+  Tensor k = dp::from_vector(ref::kSdpaK, {2, 3, 5, 4}).set_requires_grad(true);
+  Tensor v = dp::from_vector(ref::kSdpaV, {2, 3, 5, 6}).set_requires_grad(true);
+  Tensor y = dp::nn::scaled_dot_product_attention(q, k, v, Tensor(), 0.0, /*is_causal=*/true);
+  CHECK(y.shape() == Shape{2, 3, 5, 6});
+  CHECK(max_diff(y, ref::kSdpaCausalOut) < 2e-6);
+  dp::sum(dp::mul(y, dp::from_vector(ref::kSdpaUp, {2, 3, 5, 6}))).backward();
+  CHECK(max_diff(q.grad(), ref::kSdpaCausalGradQ) < 1e-5);
+  CHECK(max_diff(k.grad(), ref::kSdpaCausalGradK) < 1e-5);
+  CHECK(max_diff(v.grad(), ref::kSdpaCausalGradV) < 1e-5);
+
+  Tensor qd = q.detach(), kd = k.detach(), vd = v.detach();
+  Tensor keep = dp::from_vector(ref::kSdpaKeep, {5, 5});
+  CHECK(max_diff(dp::nn::scaled_dot_product_attention(qd, kd, vd, keep, 0.0, false, std::nullopt, true),
+                 ref::kSdpaKeepOut) < 2e-6);
+  Tensor add = dp::from_vector(ref::kSdpaAdd, {3, 5, 5});
+  CHECK(max_diff(dp::nn::scaled_dot_product_attention(qd, kd, vd, add), ref::kSdpaAddOut) < 2e-6);
+  CHECK(max_diff(dp::nn::scaled_dot_product_attention(qd.narrow(2, 0, 3), kd, vd, Tensor(), 0.0, false, 0.3),
+                 ref::kSdpaCrossOut) < 2e-6);
+  // Causal equals the explicit keep-mask of the lower triangle.
+  std::vector<float> tril(25, 0.0f);
+  for (int i = 0; i < 5; ++i)
+    for (int j = 0; j <= i; ++j) tril[static_cast<std::size_t>(i * 5 + j)] = 1.0f;
+  CHECK(dp::nn::scaled_dot_product_attention(qd, kd, vd, dp::from_vector(tril, {5, 5}), 0.0, false, std::nullopt, true)
+            .to_vector() == dp::nn::scaled_dot_product_attention(qd, kd, vd, Tensor(), 0.0, true).to_vector());
+  // Dropout of every weight leaves zeros; of none, the plain result.
+  dp::Generator gen(1);
+  CHECK(dp::sum(dp::abs(dp::nn::scaled_dot_product_attention(qd, kd, vd, Tensor(), 1.0, true, std::nullopt, false, &gen)))
+            .item() == 0.0f);
+}
+
+TEST_CASE("scaled_dot_product_attention: bad input") {
+  Tensor q = dp::zeros({2, 5, 4}), k = dp::zeros({2, 5, 4}), v = dp::zeros({2, 5, 3});
+  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(q, dp::zeros({2, 5, 3}), v); })
+            .find("same last dim E") != std::string::npos);
+  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(q, k, dp::zeros({2, 4, 3})); })
+            .find("same number of keys S") != std::string::npos);
+  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(q, k, v, dp::zeros({5, 5}), 0.0, true); })
+            .find("either attn_mask or is_causal") != std::string::npos);
+  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(q, k, v, Tensor(), 1.5); })
+            .find("dropout_p in [0, 1], got 1.5") != std::string::npos);
+  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(dp::zeros({4}), k, v); })
+            .find("at least 2 dims") != std::string::npos);
+}

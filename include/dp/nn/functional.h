@@ -120,6 +120,22 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
 /// gradient, as PyTorch's.
 Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::int64_t> padding_idx = std::nullopt);
 
+/// torch.nn.functional.scaled_dot_product_attention, in PyTorch's argument order:
+/// softmax(q kᵀ · scale + mask) v over q (B..., L, E), k (B..., S, E), v (B..., S, Ev)
+/// -> (B..., L, Ev); batch dims broadcast as in matmul. scale defaults to 1/sqrt(E).
+/// attn_mask (broadcastable to (B..., L, S)) is either additive (float: added to the
+/// scores, -inf masks) or a 0/1 keep-mask as dp's comparisons make (pass
+/// mask_is_keep = true: 1 attends, 0 is masked — PyTorch's boolean mask). is_causal
+/// masks every key after its query (position j > i), as PyTorch's top-left causal mask;
+/// it and attn_mask are exclusive, as in PyTorch. dropout_p drops attention weights
+/// (use 0 in evaluation) with `gen`. A row whose every key is masked gives NaN, as
+/// PyTorch's math path does. This is the math path: it holds the (L, S) weights of
+/// every head, O(L·S) memory. Differentiable in q, k, v.
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& attn_mask = Tensor(), double dropout_p = 0.0,
+                                    bool is_causal = false, std::optional<double> scale = std::nullopt,
+                                    bool mask_is_keep = false, Generator* gen = nullptr);
+
 // Note [Class-index losses]
 // nll_loss and cross_entropy follow PyTorch 1.13's F.nll_loss / F.cross_entropy. Row r
 // with target t = target[r] has the weight w_r = weight[t] (1 without `weight`), or 0
