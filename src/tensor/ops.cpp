@@ -920,6 +920,36 @@ Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index) 
   return gather_with("IndexSelectBackward", input, idx, out_shape, std::move(idx_strides), static_cast<int>(d));
 }
 
+Tensor index_add(const Tensor& input, std::int64_t dim, const Tensor& index, const Tensor& source) {
+  detail::check_defined("index_add", input);
+  detail::check_float("index_add", input, "input");
+  detail::check_float("index_add", source, "source");
+  Tensor idx = index_as_i64("index_add", index);
+  detail::check_same_device("index_add", input, idx);
+  detail::check_same_device("index_add", input, source);
+  DP_CHECK(idx.dim() <= 1, "index_add: expected a 1-d index, got shape ", shape_str(idx.shape()));
+  DP_CHECK(input.dim() >= 1, "index_add: expected an input with at least 1 dim, got a scalar");
+  const std::int64_t d = norm_dim("index_add", input, dim);
+  Shape want = input.shape();
+  want[d] = idx.numel();
+  DP_CHECK(source.shape() == want, "index_add: expected source of shape ", shape_str(want), " (input ",
+           shape_str(input.shape()), " with ", idx.numel(), " slices along dim ", d, "), got ",
+           shape_str(source.shape()));
+  check_index_range("index_add", idx, input.size(d), d, input.shape());
+  Tensor out = input.detach().clone();
+  if (source.numel() > 0) {
+    std::vector<std::int64_t> idx_strides(want.size(), 0);
+    idx_strides[d] = 1;
+    Indexer ix = gather_indexer(want, input.shape(), idx_strides);
+    be(out).scatter_add(out.device(), ix, static_cast<int>(d), source.data<float>(), idx.data<std::int64_t>(),
+                        out.data<float>());
+  }
+  autograd::record("IndexAddBackward", {input, source}, out, [d, idx](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{g[0], index_select(g[0], d, idx)};
+  });
+  return out;
+}
+
 Tensor one_hot(const Tensor& labels, std::int64_t num_classes) {
   Tensor y = index_as_i64("one_hot", labels, "labels");
   DP_CHECK(num_classes >= -1, "one_hot: expected num_classes >= 0, or -1 to infer it, got ", num_classes);

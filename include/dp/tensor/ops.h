@@ -126,6 +126,13 @@ Tensor gather(const Tensor& input, std::int64_t dim, const Tensor& index);
 /// float32, int64 or int32 (`index_select(labels, 0, perm)`). Differentiable in a
 /// float32 input (backward is index_add into zeros).
 Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index);
+/// torch.index_add: a copy of input with source's slices added along dim at index:
+/// out.select(dim, index[i]) += source.select(dim, i). input and source float32, the same
+/// shape but along dim, where source has index.numel() slices; index 1-d. Repeated
+/// indices add up, in index order on the CPU (bitwise reproducible); on CUDA with atomic
+/// adds (their order, and so the last bits, may vary run to run). Differentiable in
+/// input and source.
+Tensor index_add(const Tensor& input, std::int64_t dim, const Tensor& index, const Tensor& source);
 /// torch.nn.functional.one_hot: int64 (..., num_classes) with a 1 at each label.
 /// labels: int64 or int32, values in [0, num_classes); num_classes = -1 takes
 /// max(labels) + 1 (labels must then be non-empty).
