@@ -454,7 +454,7 @@ Tensor empty_places(std::int64_t n, Device dev) { return empty({(n + 3) / 4}, Te
 std::uint8_t* places_of(const Tensor& t) { return reinterpret_cast<std::uint8_t*>(t.data<std::int32_t>()); }
 
 /// conv2d, and conv2d_relu when `relu` (Note [Convolution + ReLU] in
-/// src/backend/cpu/cpu_gemm_conv.cpp). `mask` false: the backward leaves the ReLU's
+/// src/backend/cpu/cpu_conv.cpp). `mask` false: the backward leaves the ReLU's
 /// mask to the one consumer of the output, which applied it already (Note [ReLU mask
 /// through max-pool]).
 Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
@@ -487,7 +487,7 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
 
 /// conv2d_relu_max_pool2d with a 2x2, stride-2, unpadded pool, as one backend op that
 /// never holds the convolution's output (Note [Convolution, ReLU and max-pool in one
-/// pass] in src/backend/cpu/cpu_gemm_conv.cpp). Backward: the pooled gradient masked
+/// pass] in src/backend/cpu/cpu_conv.cpp). Backward: the pooled gradient masked
 /// by the pooled output > 0 (Note [ReLU mask through max-pool]), routed to each
 /// window's winner, then the convolution's backward — the separate ops' steps.
 Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
@@ -550,8 +550,8 @@ namespace {
 // convolution's activation need not be kept for backward. Where the backend keeps the
 // 2x2 winners in bytes, its backward applies the mask to each window as it routes it
 // (maxpool2d_2x2_backward's relu_y), so the masked pooled gradient is never written
-// and read back: on the Zen 5 EPYC that pass was 2.7 % of the Fashion-MNIST CNN's
-// CPU samples.
+// and read back (what that pass cost: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// "ReLU mask through max-pool").
 
 /// max_pool2d; `relu_mask`: the input is a ReLU's output whose backward skips its mask,
 /// applied here to the pooled gradient instead (Note [ReLU mask through max-pool]).

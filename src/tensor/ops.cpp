@@ -619,7 +619,7 @@ bool is_linear_relu_output(const Tensor& x) {
 }
 
 // linear, and linear_relu when `relu`: one backend call computes the product, the bias
-// and the ReLU (Note [Linear epilogue] in src/backend/cpu/cpu_gemm_conv.cpp).
+// and the ReLU (Note [Linear epilogue] in src/backend/cpu/cpu_gemm.cpp).
 Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu) {
   const char* op = relu ? "linear_relu" : "linear";
   detail::check_same_device(op, x, w);

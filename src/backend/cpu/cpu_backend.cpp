@@ -167,8 +167,8 @@ std::size_t block_size(std::size_t nbytes) {
 // MADV_HUGEPAGE. Nothing else changes: the size is not rounded up (the tail past the
 // last whole huge page keeps small pages), the cache keeps the block, and where the
 // kernel has THP off or no huge page free, madvise changes nothing or fails, and the
-// block simply keeps small pages. MLP step (dp_vs_ddp --model mlp --optimizer sgd,
-// 8 alternating runs on the Zen 5 machine): 12.43 -> 12.33 ms; the CNN's: no change.
+// block simply keeps small pages. The MLP's step gains a little, the CNN's nothing
+// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Huge pages for large blocks").
 constexpr std::size_t kHugePage = std::size_t{2} << 20;
 
 void* system_alloc(std::size_t size) {

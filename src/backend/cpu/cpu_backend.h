@@ -4,7 +4,7 @@
 // of the cores, its own allocation counters and its own oneDNN primitive cache. Every
 // parallel loop of a kernel on cpu(i) runs inside arena i, oneDNN's convolutions and
 // GEMMs included (single-threaded chunks: Note [oneDNN in the device's arena] in
-// cpu_gemm_conv.cpp), so N devices used from N worker threads never oversubscribe the
+// cpu_backend.h), so N devices used from N worker threads never oversubscribe the
 // machine. Only the backend's own sources and
 // tests/benchmarks include this header; it knows nothing about tensors.
 //
@@ -34,7 +34,7 @@ namespace dp::backend::cpu {
 /// saved on a second core for a memory-bound loop, measured on the 2-core AVX-512 host.
 inline constexpr std::int64_t kSerialGrain = 32768;
 
-/// Layout policy for oneDNN convolutions (see the note at the top of cpu_gemm_conv.cpp).
+/// Layout policy for oneDNN convolutions (Note [CPU convolution: measured choice] in cpu_conv.cpp).
 enum class ConvLayout : std::uint8_t {
   Plain,    // NCHW/KCRS memory handed to oneDNN as is
   Blocked,  // format_tag::any: oneDNN picks blocked layouts, we reorder in and out
@@ -101,10 +101,31 @@ void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, st
 void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, std::int64_t begin,
                         std::int64_t end);
 
+// Note [oneDNN in the device's arena]
+// Debian's oneDNN threads with OpenMP. Called with a team of the device's T threads, it
+// left OpenMP workers spinning (libgomp's default wait policy) for a while after every
+// convolution and GEMM, while the device's TBB arena ran the next kernels (ReLU, pooling,
+// the optimizer) on the same cores: three busy threads on two cores, and on a machine
+// shared with other work far worse (perf showed much of the step spent in libgomp's
+// spin). The wait policy is read once, from the
+// environment, when libgomp loads, so the library cannot change it. Instead no OpenMP
+// team is made at all: each call is cut into chunks that run as tasks of the device's
+// arena, each chunk one single-threaded oneDNN call (omp_set_num_threads(1) on the
+// calling thread, then no worker exists to spin). Convolutions are cut along the batch
+// (forward and backward-data outputs are per sample; backward-weight chunks write
+// partial gradients that are summed in chunk order), GEMMs along the rows or columns of
+// C. The chunk count is a function of the shape and the device's thread count, so
+// results are reproducible run to run and equal on every device of a DP/DDP run.
+
+/// Multiply-adds below which a GEMM or a convolution is not cut into chunks (Note
+/// [oneDNN in the device's arena]): a chunk should outweigh a task hand-over (a few
+/// microseconds) by far, and 2^20 multiply-adds take tens of microseconds on one core.
+inline constexpr std::int64_t kMinChunkMacs = std::int64_t{1} << 20;
+
 /// The three passes of a convolution.
 enum class ConvPass : std::uint8_t { Forward, BackwardData, BackwardWeight };
 
-/// Per-device oneDNN primitive cache; defined in cpu_gemm_conv.cpp (keeps dnnl.hpp out
+/// Per-device oneDNN primitive cache; defined in cpu_conv.cpp (keeps dnnl.hpp out
 /// of this header).
 struct ConvCache;
 struct ConvCacheDeleter {

@@ -539,9 +539,9 @@ __global__ void bn_backward_finalize_kernel(i64 C, int S, const float* __restric
 // Note [Convolution bias gradient]
 // gbias[c] = Σ_n Σ_hw gy[n, c, hw]: the batch-norm reduction's shape, so the same plan
 // (bn_splits) and the same fixed-order block sums. cuDNN's cudnnConvolutionBackwardBias
-// took 177 us for the CNN's conv1 gradient (256 x 32 x 28 x 28, 25.7 MB) on an H100,
-// more than the convolution's own three passes; this reads the 25.7 MB once, at about
-// the memory's speed (~10 us).
+// took longer for the CNN's conv1 gradient (256 x 32 x 28 x 28, 25.7 MB) than the
+// convolution's own three passes; this reads the gradient once, at about the memory's
+// speed (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Convolution bias gradient").
 __global__ void channel_sum_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x, float* __restrict__ out) {
   __shared__ float smem[kWarp];
   const i64 c = blockIdx.x;
