@@ -25,6 +25,52 @@ Backend& pinned_host_backend() {
   return backend;
 }
 
+// ---- the op list and the kernel table (Note [The op list] in ops.h) -------------------
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::F32: return "float32";
+    case DType::I64: return "int64";
+    case DType::I32: return "int32";
+    case DType::kCount: break;
+  }
+  return "an unknown dtype";
+}
+
+void visit_dtype_failed(DType dt) {
+  DP_FAIL("backend: expected a dtype below ", kDTypeCount, ", got ", static_cast<int>(dt));
+}
+
+const char* op_name(Op op) {
+  switch (op) {
+#define DP_OP_NAME(name, str, Args) \
+  case Op::name:                    \
+    return str;
+    DP_BACKEND_OPS(DP_OP_NAME)
+#undef DP_OP_NAME
+    case Op::kCount: break;
+  }
+  return "an unknown op";
+}
+
+void Backend::register_kernel(Op op, DType dt, KernelFn fn) {
+  DP_ASSERT(op < Op::kCount && dt < DType::kCount, "register_kernel: op ", static_cast<int>(op), " or dtype ",
+            static_cast<int>(dt), " out of range");
+  kernels_[static_cast<int>(op)][static_cast<int>(dt)] = fn;
+}
+
+void Backend::missing_kernel(Op op, DType dt) const {
+  std::string have;
+  if (op < Op::kCount)
+    for (int d = 0; d < kDTypeCount; ++d)
+      if (kernels_[static_cast<int>(op)][d] != nullptr)
+        have += detail::str_cat(have.empty() ? "" : ", ", dtype_name(static_cast<DType>(d)));
+  const char* device_type = type() == DeviceType::CPU ? "cpu" : "cuda";
+  DP_FAIL("backend op ", op_name(op), " has no ", dtype_name(dt), " kernel on ", device_type,
+          " devices (", have.empty() ? "no dtype has one" : "it has " + have,
+          "); convert the tensors to a supported dtype, or register a kernel for the pair");
+}
+
 // ---- profiler ranges (Note [Profiler ranges]) ---------------------------------------
 
 bool parse_ranges_flag(const char* value) {

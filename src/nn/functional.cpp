@@ -66,8 +66,8 @@ Tensor broadcast_scalar(const Tensor& s, std::int64_t n, float factor) {
   ix.sizes[0] = n;
   ix.strides_a[0] = 0;  // stride 0: every output element reads the one value
   auto& b = be::get(dev);
-  b.strided_copy(dev, ix, fptr(s), fptr(out));
-  if (factor != 1.0f) b.affine(dev, fptr(out), fptr(out), n, factor, 0.0f);
+  b.run<be::Op::StridedCopy>(dev, be::DType::F32, {ix, fptr(s), fptr(out)});
+  if (factor != 1.0f) b.run<be::Op::Affine>(dev, be::DType::F32, {fptr(out), fptr(out), n, factor, 0.0f});
   return out;
 }
 
@@ -77,8 +77,8 @@ Tensor relu_backward(const Tensor& g, const Tensor& y) {
   Device dev = y.device();
   Tensor out = empty(y.shape(), dev);
   if (out.numel() > 0)
-    be::get(dev).binary(dev, be::BinaryOp::ReluBackward, flat_indexer(out.numel()), fptr(g), fptr(y),
-                        fptr(out));
+    be::get(dev).run<be::Op::Binary>(
+        dev, be::DType::F32, {be::BinaryOp::ReluBackward, flat_indexer(out.numel()), fptr(g), fptr(y), fptr(out)});
   return out;
 }
 
@@ -157,12 +157,12 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
   float factor = static_cast<float>(scale);
   if (reduction == Reduction::None) {
     out = losses;
-    if (factor != 1.0f && B > 0) b.affine(dev, fptr(out), fptr(out), B, factor, 0.0f);
+    if (factor != 1.0f && B > 0) b.run<be::Op::Affine>(dev, be::DType::F32, {fptr(out), fptr(out), B, factor, 0.0f});
   } else {
     if (reduction == Reduction::Mean) factor = static_cast<float>(scale / static_cast<double>(B));
     out = empty({}, dev);
-    b.reduce(dev, be::ReduceOp::Sum, fptr(losses), fptr(out), 1, B, 1);
-    if (factor != 1.0f) b.affine(dev, fptr(out), fptr(out), 1, factor, 0.0f);
+    b.run<be::Op::Reduce>(dev, be::DType::F32, {be::ReduceOp::Sum, fptr(losses), fptr(out), 1, B, 1});
+    if (factor != 1.0f) b.run<be::Op::Affine>(dev, be::DType::F32, {fptr(out), fptr(out), 1, factor, 0.0f});
   }
 
   autograd::record("NllLossBackward", {logp}, out,
@@ -173,7 +173,8 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
                      if (reduction == Reduction::None) {
                        check_grad_shape("NllLossBackward", g[0], {B});
                        gloss = empty({B}, dev);
-                       if (B > 0) bk.affine(dev, fptr(g[0]), fptr(gloss), B, factor, 0.0f);
+                       if (B > 0)
+                         bk.run<be::Op::Affine>(dev, be::DType::F32, {fptr(g[0]), fptr(gloss), B, factor, 0.0f});
                      } else {
                        DP_ASSERT(g[0].numel() == 1, "NllLossBackward: expected a scalar gradient");
                        gloss = broadcast_scalar(g[0], B, factor);
@@ -795,7 +796,9 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape("DropoutBackward", g[0], mask.shape());
     Tensor gx = empty(mask.shape(), dev);
-    if (n > 0) be::get(dev).binary(dev, be::BinaryOp::Mul, flat_indexer(n), fptr(g[0]), fptr(mask), fptr(gx));
+    if (n > 0)
+      be::get(dev).run<be::Op::Binary>(dev, be::DType::F32,
+                                       {be::BinaryOp::Mul, flat_indexer(n), fptr(g[0]), fptr(mask), fptr(gx)});
     return std::vector<Tensor>{gx};
   });
   return y;

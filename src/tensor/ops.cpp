@@ -18,6 +18,8 @@ using backend::ReduceOp;
 using backend::UnaryOp;
 
 backend::Backend& be(const Tensor& t) { return backend::get(t.device()); }
+using backend::DType;
+using backend::Op;
 
 // Note [Broadcasting]
 // Shapes align at their trailing dims; a size-1 (or missing) dim stretches. The
@@ -97,22 +99,23 @@ Tensor binary_raw(const char* op, BinaryOp kind, const Tensor& a, const Tensor& 
   Tensor out = empty(out_shape, a.device());
   if (out.numel() == 0) return out;
   Indexer ix = make_indexer(a.shape(), b.shape(), out_shape);
-  be(a).binary(a.device(), kind, ix, a.data<float>(), b.data<float>(), out.data<float>());
+  be(a).run<Op::Binary>(a.device(), DType::F32, {kind, ix, a.data<float>(), b.data<float>(), out.data<float>()});
   return out;
 }
 
 Tensor unary_raw(const char* op, UnaryOp kind, const Tensor& a) {
   detail::check_float(op, a);
   Tensor out = empty(a.shape(), a.device());
-  be(a).unary(a.device(), kind, a.data<float>(), out.data<float>(), a.numel());
+  be(a).run<Op::Unary>(a.device(), DType::F32, {kind, a.data<float>(), out.data<float>(), a.numel()});
   return out;
 }
 
 Tensor affine_raw(const Tensor& a, double alpha, double beta) {
   detail::check_float("affine", a);
   Tensor out = empty(a.shape(), a.device());
-  be(a).affine(a.device(), a.data<float>(), out.data<float>(), a.numel(), static_cast<float>(alpha),
-               static_cast<float>(beta));
+  be(a).run<Op::Affine>(a.device(), DType::F32,
+                        {a.data<float>(), out.data<float>(), a.numel(), static_cast<float>(alpha),
+                         static_cast<float>(beta)});
   return out;
 }
 
@@ -123,7 +126,7 @@ Tensor expand_to(const Tensor& g, const Shape& shape) {
   if (out.numel() == 0) return out;
   broadcast_shape("expand", g.shape(), shape);
   Indexer ix = make_indexer(g.shape(), g.shape(), shape);
-  be(g).strided_copy(g.device(), ix, g.data<float>(), out.data<float>());
+  be(g).run<Op::StridedCopy>(g.device(), DType::F32, {ix, g.data<float>(), out.data<float>()});
   return out;
 }
 
@@ -155,13 +158,14 @@ ReduceGeometry reduce_geometry(const Tensor& a, std::int64_t d) {
 Tensor reduce_raw(ReduceOp op, const Tensor& a, std::int64_t d, bool keepdim) {
   ReduceGeometry g = reduce_geometry(a, d);
   Tensor out = empty(keepdim ? g.out_keep : g.out, a.device());
-  be(a).reduce(a.device(), op, a.data<float>(), out.data<float>(), g.outer, g.r, g.inner);
+  be(a).run<Op::Reduce>(a.device(), DType::F32, {op, a.data<float>(), out.data<float>(), g.outer, g.r, g.inner});
   return out;
 }
 
 Tensor sum_all_raw(const Tensor& a) {
   Tensor out = empty({}, a.device());
-  be(a).reduce(a.device(), ReduceOp::Sum, a.data<float>(), out.data<float>(), 1, a.numel(), 1);
+  be(a).run<Op::Reduce>(a.device(), DType::F32,
+                        {ReduceOp::Sum, a.data<float>(), out.data<float>(), 1, a.numel(), 1});
   return out;
 }
 
@@ -277,7 +281,8 @@ Tensor eq(const Tensor& a, const Tensor& b) {
     Tensor out = empty(out_shape, a.device());
     if (out.numel() == 0) return out;
     Indexer ix = make_indexer(a.shape(), b.shape(), out_shape);
-    be(a).eq_i64(a.device(), ix, a.data<std::int64_t>(), b.data<std::int64_t>(), out.data<float>());
+    be(a).run<Op::Binary>(a.device(), DType::I64,
+                          {BinaryOp::Eq, ix, a.data<std::int64_t>(), b.data<std::int64_t>(), out.data<float>()});
     return out;
   }
   return binary_raw("eq", BinaryOp::Eq, a, b);
@@ -481,7 +486,8 @@ Tensor argmax(const Tensor& a, std::int64_t dim, bool keepdim) {
   DP_CHECK(a.size(d) > 0, "argmax: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
   ReduceGeometry g = reduce_geometry(a, d);
   Tensor out = empty(keepdim ? g.out_keep : g.out, TensorOptions{Dtype::Int64, a.device()});
-  be(a).argmax(a.device(), a.data<float>(), out.data<std::int64_t>(), g.outer, g.r, g.inner);
+  be(a).run<Op::Argmax>(a.device(), DType::F32,
+                        {a.data<float>(), out.data<std::int64_t>(), g.outer, g.r, g.inner});
   return out;
 }
 
@@ -528,7 +534,7 @@ void gemm_into(const Tensor& a, bool ta, const Tensor& b, bool tb, float beta, c
             c.str(), " for a (", m, ", ", n, ") product");
   if (c.numel() == 0) return;
   if (k == 0) {  // nothing to add; beta 0 overwrites
-    if (beta == 0.0f) be(a).fill(a.device(), out, c.numel(), 0.0f);
+    if (beta == 0.0f) be(a).run<Op::Fill>(a.device(), DType::F32, {out, c.numel(), 0.0f});
     return;
   }
   be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), beta,
@@ -769,18 +775,24 @@ Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64,
     Indexer ix = gather_indexer(out_words, words.shape(), index_strides);
     Tensor out = empty(out_words, input.device());
     if (out.numel() > 0)
-      be(input).gather(input.device(), ix, d, words.data<float>(), index64.data<std::int64_t>(), out.data<float>());
+      be(input).run<Op::Gather>(input.device(), DType::F32,
+                                {ix, static_cast<int>(d), words.data<float>(), index64.data<std::int64_t>(),
+                                 out.data<float>()});
     return from_words(out, input.dtype(), out_shape);
   }
   Indexer ix = gather_indexer(out_shape, input.shape(), index_strides);
   Tensor out = empty(out_shape, input.device());
-  if (out.numel() > 0) be(input).gather(input.device(), ix, d, input.data<float>(), index64.data<std::int64_t>(),
-                                        out.data<float>());
+  if (out.numel() > 0)
+    be(input).run<Op::Gather>(input.device(), DType::F32,
+                              {ix, static_cast<int>(d), input.data<float>(), index64.data<std::int64_t>(),
+                               out.data<float>()});
   Shape in_shape = input.shape();
   autograd::record(node, {input}, out, [in_shape, index64, ix, d](const std::vector<Tensor>& g) {
     Tensor gx = zeros(in_shape, g[0].device());
     if (g[0].numel() > 0)
-      be(g[0]).scatter_add(g[0].device(), ix, d, g[0].data<float>(), index64.data<std::int64_t>(), gx.data<float>());
+      be(g[0]).run<Op::ScatterAdd>(g[0].device(), DType::F32,
+                                   {ix, static_cast<int>(d), g[0].data<float>(), index64.data<std::int64_t>(),
+                                    gx.data<float>()});
     return std::vector<Tensor>{gx};
   });
   return out;

@@ -27,18 +27,17 @@ using dp::Device;
 using dp::backend::Backend;
 using dp::backend::BinaryOp;
 using dp::backend::Conv2dShape;
+using dp::backend::DType;
 using dp::backend::Indexer;
+using dp::backend::Op;
 using dp::backend::Pool2dShape;
 using dp::backend::ReduceOp;
 using dp::backend::UnaryOp;
 using i64 = std::int64_t;
 
+/// The names of the Kernels after the table's ops (those are named by op_name).
 constexpr const char* kKernelNames[] = {
-    "fill", "fill_i64", "add_i64", "arange", "arange_i64", "cast_i64_to_f32",
-    "cast_f32_to_i64", "eq_i64", "cast_i32_to_i64", "cast_i64_to_i32",
-    "unary", "affine", "axpy", "binary", "strided_copy", "gather", "scatter_add",
     "fill_uniform", "fill_normal", "dropout",
-    "reduce", "argmax", "count_nonfinite",
     "gemm",
     "log_softmax", "log_softmax_backward", "nll_forward", "nll_backward",
     "conv2d_forward", "conv2d_relu_forward", "conv2d_backward_data", "conv2d_backward_weight",
@@ -46,8 +45,8 @@ constexpr const char* kKernelNames[] = {
     "batchnorm_forward_train", "batchnorm_forward_eval", "batchnorm_backward",
     "sgd_step", "adam_step",
     "copy", "copy_from_host", "copy_to_host", "memset_zero"};
-static_assert(std::size(kKernelNames) == static_cast<std::size_t>(Kernel::kCount),
-              "one name per Kernel, in enum order");
+static_assert(std::size(kKernelNames) + dp::backend::kOpCount == static_cast<std::size_t>(Kernel::kCount),
+              "one name per Kernel after the ops, in enum order");
 
 // ---- tolerances ------------------------------------------------------------------------
 
@@ -248,10 +247,14 @@ class Table {
   std::vector<OpCase> cases;
   Suite suite = Suite::Check;
 
+  void add(Kernel kernel, DType dtype, std::string name, std::string shape, Tolerance tol, double flops,
+           double bytes, std::function<void(OpRun&)> build) {
+    cases.push_back(OpCase{kernel, dtype, std::move(name), std::move(shape), suite, tol, flops, bytes,
+                           std::move(build)});
+  }
   void add(Kernel kernel, std::string name, std::string shape, Tolerance tol, double flops,
            double bytes, std::function<void(OpRun&)> build) {
-    cases.push_back(OpCase{kernel, std::move(name), std::move(shape), suite, tol, flops, bytes,
-                           std::move(build)});
+    add(kernel, DType::F32, std::move(name), std::move(shape), tol, flops, bytes, std::move(build));
   }
   void add(Kernel kernel, std::string shape, Tolerance tol, double flops, double bytes,
            std::function<void(OpRun&)> build) {
@@ -266,35 +269,35 @@ void add_fill(Table& t, i64 n) {
   t.add(Kernel::Fill, count(n), kExact, 0, kF * n, [n](OpRun& r) {
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.fill(d, y, n, 3.5f); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Fill>(d, DType::F32, {y, n, 3.5f}); });
   });
 }
 
 void add_integer_and_cast(Table& t, i64 n) {
-  t.add(Kernel::FillI64, count(n), kExact, 0, kL * n, [n](OpRun& r) {
+  t.add(Kernel::Fill, DType::I64, "fill_i64", count(n), kExact, 0, kL * n, [n](OpRun& r) {
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.fill_i64(d, y, n, -7); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Fill>(d, DType::I64, {y, n, i64{-7}}); });
   });
-  t.add(Kernel::AddI64, count(n), kExact, 0, 2 * kL * n, [n](OpRun& r) {
+  t.add(Kernel::AddScalar, DType::I64, "add_i64", count(n), kExact, 0, 2 * kL * n, [n](OpRun& r) {
     // Values near 2^40: exact in int64 only, so a float detour would show.
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));
     for (i64 i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = (i64{1} << 40) + 3 * i - 5;
     std::int64_t* y = r.upload(v);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.add_i64(d, y, n, 7); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::AddScalar>(d, DType::I64, {y, n, i64{7}}); });
   });
   t.add(Kernel::Arange, count(n), kExact, 0, kF * n, [n](OpRun& r) {
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.arange(d, y, n, -2.0f, 0.25f); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Arange>(d, DType::F32, {y, n, -2.0f, 0.25f}); });
   });
-  t.add(Kernel::ArangeI64, count(n), kExact, 0, kL * n, [n](OpRun& r) {
+  t.add(Kernel::Arange, DType::I64, "arange_i64", count(n), kExact, 0, kL * n, [n](OpRun& r) {
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.arange_i64(d, y, n, -7, 3); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Arange>(d, DType::I64, {y, n, i64{-7}, i64{3}}); });
   });
-  t.add(Kernel::CastI64ToF32, count(n), kExact, 0, (kL + kF) * n, [n](OpRun& r) {
+  t.add(Kernel::Cast, DType::F32, "cast_i64_to_f32", count(n), kExact, 0, (kL + kF) * n, [n](OpRun& r) {
     // Up to ±2^30: beyond float's 24-bit mantissa, so rounding to nearest is checked.
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));
     for (i64 i = 0; i < n; ++i)
@@ -303,29 +306,29 @@ void add_integer_and_cast(Table& t, i64 n) {
     std::int64_t* x = r.upload(v);
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.cast_i64_to_f32(d, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::F32, {x, DType::I64, y, n}); });
   });
-  t.add(Kernel::CastF32ToI64, count(n), kExact, 0, (kF + kL) * n, [n](OpRun& r) {
+  t.add(Kernel::Cast, DType::I64, "cast_f32_to_i64", count(n), kExact, 0, (kF + kL) * n, [n](OpRun& r) {
     float* x = r.uniform(n, -1e6f, 1e6f);  // fractional parts: truncation toward 0
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.cast_f32_to_i64(d, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::I64, {x, DType::F32, y, n}); });
   });
 }
 
 void add_int32_casts(Table& t, i64 n) {
   // Values spread over the whole int32 range, negatives included, and int64 values
   // beyond it: narrowing keeps the low 32 bits.
-  t.add(Kernel::CastI32ToI64, count(n), kExact, 0, (4 + kL) * n, [n](OpRun& r) {
+  t.add(Kernel::Cast, DType::I64, "cast_i32_to_i64", count(n), kExact, 0, (4 + kL) * n, [n](OpRun& r) {
     std::vector<std::int32_t> v(static_cast<std::size_t>(n));
     for (i64 i = 0; i < n; ++i)
       v[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(mix(static_cast<std::uint64_t>(i)) >> 32);
     const std::int32_t* x = r.upload(v);
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.cast_i32_to_i64(d, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::I64, {x, DType::I32, y, n}); });
   });
-  t.add(Kernel::CastI64ToI32, count(n), kExact, 0, (kL + 4) * n, [n](OpRun& r) {
+  t.add(Kernel::Cast, DType::I32, "cast_i64_to_i32", count(n), kExact, 0, (kL + 4) * n, [n](OpRun& r) {
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));
     for (i64 i = 0; i < n; ++i)
       v[static_cast<std::size_t>(i)] = static_cast<i64>(mix(static_cast<std::uint64_t>(i)) >> 20) -
@@ -333,11 +336,11 @@ void add_int32_casts(Table& t, i64 n) {
     const std::int64_t* x = r.upload(v);
     std::int32_t* y = r.upload(std::vector<std::int32_t>(static_cast<std::size_t>(n), -1));
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.cast_i64_to_i32(d, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::I32, {x, DType::I64, y, n}); });
   });
 }
 
-/// gather and scatter_add (Note [Gather geometry] in backend.h) on x (outer, r, inner)
+/// gather and scatter_add (Note [Gather geometry] in ops.h) on x (outer, r, inner)
 /// along dim 1: index (outer, m, inner) as torch.gather has it, or a 1-d index of m
 /// rows broadcast as index_select has it. Integer-valued sources keep scatter_add's
 /// sums exact in any order (CUDA adds with atomics).
@@ -358,20 +361,20 @@ void add_gather(Table& t, i64 outer, i64 r_, i64 inner, i64 m, bool select) {
     const std::int64_t* idx = r.upload(indices(r));
     float* out = r.empty(nout);
     r.output("out", out, nout);
-    r.set_call([=](Backend& b, Device d) { b.gather(d, ix, 1, x, idx, out); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Gather>(d, DType::F32, {ix, 1, x, idx, out}); });
   });
   t.add(Kernel::ScatterAdd, shape, kExact, 0, kF * nout * 3 + kL * nidx, [=](OpRun& r) {
     const float* src = r.uniform(nout, -4, 4, true);
     const std::int64_t* idx = r.upload(indices(r));
     float* y = r.uniform(outer * r_ * inner, -4, 4, true);
     r.output("y", y, outer * r_ * inner);
-    r.set_call([=](Backend& b, Device d) { b.scatter_add(d, ix, 1, src, idx, y); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::ScatterAdd>(d, DType::F32, {ix, 1, src, idx, y}); });
   });
 }
 
 void add_eq_i64(Table& t, i64 rows, i64 cols) {
   const Indexer ix = indexer({rows, cols}, {cols, 1}, {0, 1});  // (R, C) == (C)
-  t.add(Kernel::EqI64, dims({rows, cols}) + " == " + std::to_string(cols), kExact, 0,
+  t.add(Kernel::Binary, DType::I64, "eq_i64", dims({rows, cols}) + " == " + std::to_string(cols), kExact, 0,
         kL * (rows * cols + cols) + kF * rows * cols, [=](OpRun& r) {
           auto to_i64 = [](const std::vector<float>& v) {
             return std::vector<std::int64_t>(v.begin(), v.end());
@@ -380,7 +383,7 @@ void add_eq_i64(Table& t, i64 rows, i64 cols) {
           const std::int64_t* b = r.upload(to_i64(r.host_uniform(cols, 0, 4, true)));
           float* out = r.empty(rows * cols);
           r.output("out", out, rows * cols);
-          r.set_call([=](Backend& be, Device d) { be.eq_i64(d, ix, a, b, out); });
+          r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, DType::I64, {BinaryOp::Eq, ix, a, b, out}); });
         });
 }
 
@@ -420,7 +423,7 @@ void add_unary(Table& t, const UnaryRow& u, i64 n) {
           const float* x = r.uniform(n, u.lo, u.hi);
           float* y = r.empty(n);
           r.output("y", y, n);
-          r.set_call([=](Backend& b, Device d) { b.unary(d, u.op, x, y, n); });
+          r.set_call([=](Backend& b, Device d) { b.run<Op::Unary>(d, DType::F32, {u.op, x, y, n}); });
         });
 }
 
@@ -430,19 +433,19 @@ void add_elementwise_misc(Table& t, i64 n) {
         [=](OpRun& r) {
           float* x = r.uniform(n, -3, 3);
           r.output("x", x, n);
-          r.set_call([=](Backend& b, Device d) { b.unary(d, UnaryOp::Tanh, x, x, n); });
+          r.set_call([=](Backend& b, Device d) { b.run<Op::Unary>(d, DType::F32, {UnaryOp::Tanh, x, x, n}); });
         });
   t.add(Kernel::Affine, count(n), kFma, 0, 2 * kF * n, [=](OpRun& r) {
     const float* x = r.uniform(n, -3, 3);
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.affine(d, x, y, n, 1.5f, -0.25f); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Affine>(d, DType::F32, {x, y, n, 1.5f, -0.25f}); });
   });
   t.add(Kernel::Axpy, count(n), kFma, 0, 3 * kF * n, [=](OpRun& r) {
     const float* x = r.uniform(n, -3, 3);
     float* y = r.uniform(n, -3, 3);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.axpy(d, -0.75f, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Axpy>(d, DType::F32, {-0.75f, x, y, n}); });
   });
 }
 
@@ -454,7 +457,7 @@ void add_binary(Table& t, const BinaryRow& row, const std::string& layout, const
           const float* b = r.uniform(nb, row.b_lo, row.b_hi, row.integers);
           float* out = r.empty(n);
           r.output("out", out, n);
-          r.set_call([=](Backend& be, Device d) { be.binary(d, row.op, ix, a, b, out); });
+          r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, DType::F32, {row.op, ix, a, b, out}); });
         });
 }
 
@@ -472,7 +475,7 @@ void add_strided_copy(Table& t, const std::string& what, const Indexer& ix) {
     const float* a = r.uniform(na, -1, 1);
     float* out = r.empty(n);
     r.output("out", out, n);
-    r.set_call([=](Backend& b, Device d) { b.strided_copy(d, ix, a, out); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::StridedCopy>(d, DType::F32, {ix, a, out}); });
   });
 }
 
@@ -505,7 +508,9 @@ void add_reduce(Table& t, const ReduceRow& row, i64 outer, i64 r, i64 inner) {
           const float* x = run.uniform(outer * r * inner, -1, 1);
           float* y = run.empty(outer * inner);
           run.output("y", y, outer * inner);
-          run.set_call([=](Backend& b, Device d) { b.reduce(d, row.op, x, y, outer, r, inner); });
+          run.set_call([=](Backend& b, Device d) {
+            b.run<Op::Reduce>(d, DType::F32, {row.op, x, y, outer, r, inner});
+          });
         });
 }
 
@@ -516,7 +521,7 @@ void add_argmax(Table& t, i64 outer, i64 r, i64 inner) {
           const float* x = run.uniform(outer * r * inner, 0, 8, true);
           std::int64_t* y = run.empty_i64(outer * inner);
           run.output("y", y, outer * inner);
-          run.set_call([=](Backend& b, Device d) { b.argmax(d, x, y, outer, r, inner); });
+          run.set_call([=](Backend& b, Device d) { b.run<Op::Argmax>(d, DType::F32, {x, y, outer, r, inner}); });
         });
 }
 
@@ -532,7 +537,7 @@ void add_count_nonfinite(Table& t, i64 n, bool with_nonfinite) {
           const float* x = r.upload(v);
           auto result = std::make_shared<std::int64_t>(OpRun::kUnwritten);
           r.output([result] { return Output{"count", {}, {*result}}; });
-          r.set_call([=](Backend& b, Device d) { *result = b.count_nonfinite(d, x, n); });
+          r.set_call([=](Backend& b, Device d) { b.run<Op::CountNonfinite>(d, DType::F32, {x, n, result.get()}); });
         });
 }
 
@@ -921,7 +926,9 @@ void add_perf_suite(Table& t) {
 const char* kernel_name(Kernel k) {
   DP_CHECK(k < Kernel::kCount, "kernel_name: expected a Kernel below kCount, got ",
            static_cast<int>(k));
-  return kKernelNames[static_cast<int>(k)];
+  const int i = static_cast<int>(k);
+  return i < dp::backend::kOpCount ? dp::backend::op_name(static_cast<dp::backend::Op>(i))
+                                   : kKernelNames[i - dp::backend::kOpCount];
 }
 const char* op_name(UnaryOp op) {
   DP_CHECK(op < UnaryOp::kCount, "op_name: bad UnaryOp ", static_cast<int>(op));

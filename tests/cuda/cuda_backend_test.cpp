@@ -184,7 +184,8 @@ TEST_CASE("pinned host blocks are reused only after the copies that read them") 
     CHECK(cb.pinned_memory_allocated() >= pinned0 + nbytes);
     for (std::size_t i = 0; i < count + 4096; ++i) h[i] = 1.0f;
     Buf dst(cb, g.d, nbytes);
-    for (int k = 0; k < 4; ++k) cb.fill(g.d, slow.f(), big, static_cast<float>(k));
+    for (int k = 0; k < 4; ++k)
+      cb.run<dp::backend::Op::Fill>(g.d, dp::backend::DType::F32, {slow.f(), big, static_cast<float>(k)});
     cb.copy_from_host(dst.p, g.d, h + offset, nbytes);  // queued behind the fills
     cb.deallocate_pinned(h, nbytes + 4096 * sizeof(float));
     auto* h2 = static_cast<float*>(cb.allocate_pinned(nbytes + 4096 * sizeof(float)));

@@ -60,6 +60,8 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   }
   // Default: one device works at a time and gets every core (docs/architecture.md, "CPU virtual devices").
   resize_arenas(dp::hardware_concurrency());
+  register_elementwise_kernels();
+  register_reduce_kernels();
 }
 
 CpuBackend::~CpuBackend() = default;

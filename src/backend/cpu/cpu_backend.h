@@ -195,41 +195,12 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
   void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
 
-  void fill(Device dev, float* y, std::int64_t n, float value) override;
-  void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
-  void add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
-  void arange(Device dev, float* y, std::int64_t n, float start, float step) override;
-  void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
-                  std::int64_t step) override;
-  void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) override;
-  void eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
-              float* out) override;
-  void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) override;
-  void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) override;
-  void affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
-              float beta) override;
-  void axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) override;
-  void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a, const float* b,
-              float* out) override;
-  void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) override;
-  void cast_i32_to_i64(Device dev, const std::int32_t* x, std::int64_t* y, std::int64_t n) override;
-  void cast_i64_to_i32(Device dev, const std::int64_t* x, std::int32_t* y, std::int64_t n) override;
-  void gather(Device dev, const Indexer& ix, int dim, const float* x, const std::int64_t* index,
-              float* out) override;
-  void scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
-                   const std::int64_t* index, float* y) override;
-
   void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
                     std::uint64_t seed, std::uint64_t offset) override;
   void fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
                    std::uint64_t seed, std::uint64_t offset) override;
   void dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n, float p,
                std::uint64_t seed, std::uint64_t offset) override;
-
-  void reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
-              std::int64_t r, std::int64_t inner) override;
-  void argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer, std::int64_t r,
-              std::int64_t inner) override;
 
   void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
             std::int64_t k, float alpha, const float* a, std::int64_t lda, const float* b,
@@ -292,8 +263,6 @@ class CpuBackend final : public Backend {
                  float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
                  float eps, float weight_decay, bool decoupled, std::int64_t step) override;
 
-  std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) override;
-
   // ---- helpers shared by the backend's sources, tests and benchmarks -------------------
 
   /// The state of `dev`; throws dp::Error when dev is not a valid CPU device.
@@ -350,6 +319,10 @@ class CpuBackend final : public Backend {
   void empty_cache();
 
  private:
+  // The kernel table's entries (Note [The op list] in ops.h), by source file; the
+  // constructor calls each once.
+  void register_elementwise_kernels();  // cpu_elementwise.cpp
+  void register_reduce_kernels();       // cpu_reduce.cpp
   void resize_arenas(int threads);
   /// What a chunk of a GEMM applies to its slab of C after its product (Note [Linear
   /// epilogue]): C += bias (per column; null: none), then relu.

@@ -620,7 +620,7 @@ void CpuBackend::nll_backward(Device dev, const float* gloss, const i64* target,
                               i64 cols) {
   DP_CHECK(rows >= 0 && cols >= 0, "nll_backward: expected non-negative sizes, got ", rows, "x", cols);
   check_targets(target, rows, cols, "nll_backward");
-  fill(dev, gx, rows * cols, 0.0f);
+  run<Op::Fill>(dev, DType::F32, {gx, rows * cols, 0.0f});
   for (i64 r = 0; r < rows; ++r) gx[r * cols + target[r]] = -gloss[r];
 }
 
