@@ -258,6 +258,287 @@ struct CountNonfiniteArgs {
   std::int64_t* count;
 };
 
+// ---- random (counter-based Philox: same numbers on every backend) ----------------------
+
+/// y[i] = uniform in [lo, hi) from (seed, offset + i).
+struct FillUniformArgs {
+  void* y;
+  std::int64_t n;
+  float lo;
+  float hi;
+  std::uint64_t seed;
+  std::uint64_t offset;
+};
+/// y[i] = normal(mean, std) from (seed, offset + i).
+struct FillNormalArgs {
+  void* y;
+  std::int64_t n;
+  float mean;
+  float std;
+  std::uint64_t seed;
+  std::uint64_t offset;
+};
+/// Inverted dropout: mask[i] = keep ? 1/(1-p) : 0 with keep drawn from (seed, offset +
+/// i); y = x * mask.
+struct DropoutArgs {
+  const void* x;
+  void* y;
+  void* mask;
+  std::int64_t n;
+  float p;
+  std::uint64_t seed;
+  std::uint64_t offset;
+};
+
+// ---- dense linear algebra --------------------------------------------------------------
+
+/// What follows a GEMM on every element of C, in this order (each step only when given):
+/// masked by a ReLU output laid out as C (relu_y > 0 ? c : 0, Binary<ReluBackward>), plus
+/// a bias per column (Binary<Add>), then relu (Unary<Relu>) — bit for bit those ops run
+/// after the GEMM. A backend may apply them to each slab of C while it is in cache
+/// (CPU: Note [Linear epilogue]); one that does not runs the ops.
+struct GemmEpilogue {
+  const void* bias = nullptr;    // n values, or null
+  bool relu = false;
+  const void* relu_y = nullptr;  // laid out as C (rows ldc apart), or null
+  bool empty() const { return bias == nullptr && !relu && relu_y == nullptr; }
+};
+/// Row-major C(m×n) = alpha * op(A) * op(B) + beta * C, then the epilogue; op(A) is m×k,
+/// op(B) is k×n. lda/ldb/ldc are row strides of the stored (untransposed) matrices. With
+/// an epilogue, ldc == n. A Linear's forward is (N,T) with bias and relu, its input
+/// gradient (N,N) with relu_y.
+struct GemmArgs {
+  bool trans_a;
+  bool trans_b;
+  std::int64_t m;
+  std::int64_t n;
+  std::int64_t k;
+  float alpha;
+  const void* a;
+  std::int64_t lda;
+  const void* b;
+  std::int64_t ldb;
+  float beta;
+  void* c;
+  std::int64_t ldc;
+  GemmEpilogue epilogue;
+};
+
+// ---- softmax and losses (rows × cols, rows = batch) ------------------------------------
+
+struct LogSoftmaxArgs {
+  const void* x;
+  void* y;
+  std::int64_t rows;
+  std::int64_t cols;
+};
+/// gx = gy - exp(y) * rowsum(gy), y = log_softmax output.
+struct LogSoftmaxBackwardArgs {
+  const void* gy;
+  const void* y;
+  void* gx;
+  std::int64_t rows;
+  std::int64_t cols;
+};
+/// loss[r] = -logp[r, target[r]]. Targets out of [0, cols) throw dp::Error on CPU; CUDA
+/// writes NaN for that row (checked without a host sync).
+struct NllForwardArgs {
+  const void* logp;
+  const std::int64_t* target;
+  void* loss;
+  std::int64_t rows;
+  std::int64_t cols;
+};
+/// gx = 0 except gx[r, target[r]] = -gloss[r].
+struct NllBackwardArgs {
+  const void* gloss;
+  const std::int64_t* target;
+  void* gx;
+  std::int64_t rows;
+  std::int64_t cols;
+};
+
+// ---- convolution and pooling (NCHW) ------------------------------------------------------
+
+/// y = conv(x, w) + bias (bias may be null), then relu when `relu`: bit for bit the
+/// convolution followed by Unary<Relu> in place; a backend may fuse the two (Note
+/// [Convolution + ReLU]).
+struct Conv2dArgs {
+  Conv2dShape s;
+  const void* x;
+  const void* w;
+  const void* bias;
+  void* y;
+  bool relu;
+};
+/// gx = conv_transpose(gy, w) (overwrites gx).
+struct Conv2dBackwardDataArgs {
+  Conv2dShape s;
+  const void* gy;
+  const void* w;
+  void* gx;
+};
+/// gw = correlation of x and gy, gbias = sum of gy over N, P, Q (overwrite; gbias may be
+/// null).
+struct Conv2dBackwardWeightArgs {
+  Conv2dShape s;
+  const void* x;
+  const void* gy;
+  void* gw;
+  void* gbias;
+};
+/// y = max over the window (padding never wins); indices (int64) = flat h*W+w of the max.
+struct MaxPool2dArgs {
+  Pool2dShape s;
+  const void* x;
+  void* y;
+  std::int64_t* indices;
+};
+/// gx = 0, then gx[index] += gy (overwrites gx).
+struct MaxPool2dBackwardArgs {
+  Pool2dShape s;
+  const void* gy;
+  const std::int64_t* indices;
+  void* gx;
+};
+// Note [Fused ops a backend may offer]
+// Some ops are fusions of others that one backend runs faster and another need not
+// have: the 2x2 max-pool keeping its winners in bytes (Note [Max-pool winners in a
+// byte]) and the convolution, ReLU and that pool in one pass (Note [Convolution, ReLU
+// and max-pool in one pass]). They are ops of the list like any other, but only the
+// backends that gain from them register kernels; a caller asks the table
+// (be.supports(op, dtype)) and otherwise runs the ops they fuse, which every backend
+// has, with the same results bit for bit.
+
+/// A 2x2, stride-2, unpadded max-pool whose windows all lie inside the input (2P <= H,
+/// 2Q <= W; is_2x2_tiling): y as MaxPool2d computes it, and per output the winner's place
+/// in its window as one byte, 0..3 in row-major order, in `where` (N·C·P·Q bytes) instead
+/// of an int64 flat index. Throws for any other shape. Note [Fused ops a backend may
+/// offer].
+struct MaxPool2x2Args {
+  Pool2dShape s;
+  const void* x;
+  void* y;
+  std::uint8_t* where;
+};
+/// gx (every element written: the window's gradient at its winner, zero elsewhere) from
+/// `where` as MaxPool2x2 wrote it; what MaxPool2dBackward computes. relu_y, when not null,
+/// is this pool's output over a ReLU's output (N·C·P·Q): each window's gradient is then
+/// masked first, relu_y > 0 ? gy : 0, in the same pass — bit for bit Binary<ReluBackward>
+/// (gy, relu_y) followed by this backward (Note [ReLU mask through max-pool] in
+/// src/nn/functional.cpp).
+struct MaxPool2x2BackwardArgs {
+  Pool2dShape s;
+  const void* gy;
+  const std::uint8_t* where;
+  const void* relu_y;
+  void* gx;
+};
+/// Conv2d with relu, then MaxPool2x2 over its (N, K, P, Q) output (y: (N, K, P / 2, Q /
+/// 2); `where`: one byte per output), bit for bit, without holding the convolution's
+/// output. Needs P, Q >= 2. Note [Fused ops a backend may offer].
+struct Conv2dReluMaxPool2x2Args {
+  Conv2dShape s;
+  const void* x;
+  const void* w;
+  const void* bias;
+  void* y;
+  std::uint8_t* where;
+};
+
+/// Average over the window counting padding (PyTorch's count_include_pad=true).
+struct AvgPool2dArgs {
+  Pool2dShape s;
+  const void* x;
+  void* y;
+};
+struct AvgPool2dBackwardArgs {
+  Pool2dShape s;
+  const void* gy;
+  void* gx;
+};
+
+// ---- batch norm over (N, C, HW) --------------------------------------------------------------
+
+/// Training: batch statistics; save_mean/save_invstd (C each) for backward; running stats
+/// updated as PyTorch does (unbiased variance, running = (1-m)*running + m*batch) when
+/// running_mean is not null.
+struct BatchNormTrainArgs {
+  std::int64_t N;
+  std::int64_t C;
+  std::int64_t HW;
+  const void* x;
+  const void* gamma;
+  const void* beta;
+  float eps;
+  float momentum;
+  void* running_mean;
+  void* running_var;
+  void* y;
+  void* save_mean;
+  void* save_invstd;
+};
+struct BatchNormEvalArgs {
+  std::int64_t N;
+  std::int64_t C;
+  std::int64_t HW;
+  const void* x;
+  const void* gamma;
+  const void* beta;
+  float eps;
+  const void* running_mean;
+  const void* running_var;
+  void* y;
+};
+/// gx, ggamma, gbeta (overwrite) from gy and the saved statistics.
+struct BatchNormBackwardArgs {
+  std::int64_t N;
+  std::int64_t C;
+  std::int64_t HW;
+  const void* gy;
+  const void* x;
+  const void* gamma;
+  const void* save_mean;
+  const void* save_invstd;
+  void* gx;
+  void* ggamma;
+  void* gbeta;
+};
+
+// ---- fused optimizer updates over a flat buffer of n elements ------------------------------
+
+/// PyTorch's SGD: g = grad + wd * p; buf = first ? g : momentum * buf + (1 - dampening) *
+/// g; g = nesterov ? g + momentum * buf : buf (when momentum != 0); p -= lr * g.
+/// momentum_buf may be null when momentum == 0.
+struct SgdStepArgs {
+  void* param;
+  const void* grad;
+  void* momentum_buf;
+  std::int64_t n;
+  float lr;
+  float momentum;
+  float dampening;
+  float weight_decay;
+  bool nesterov;
+  bool first_step;
+};
+/// PyTorch's Adam (decoupled = false: g += wd * p) and AdamW (decoupled = true: p *= 1 -
+/// lr * wd), with bias correction for `step` (1-based).
+struct AdamStepArgs {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  std::int64_t n;
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  bool decoupled;
+  std::int64_t step;
+};
+
 // Note [Op list order]
 // Grouped as the op table's cases are; the order is the Op enum's, so appending keeps
 // existing values.
@@ -276,7 +557,30 @@ struct CountNonfiniteArgs {
   X(ScatterAdd, "scatter_add", ScatterAddArgs)                \
   X(Reduce, "reduce", ReduceArgs)                             \
   X(Argmax, "argmax", ArgmaxArgs)                             \
-  X(CountNonfinite, "count_nonfinite", CountNonfiniteArgs)
+  X(CountNonfinite, "count_nonfinite", CountNonfiniteArgs)                  \
+  X(FillUniform, "fill_uniform", FillUniformArgs)                          \
+  X(FillNormal, "fill_normal", FillNormalArgs)                             \
+  X(Dropout, "dropout", DropoutArgs)                                       \
+  X(Gemm, "gemm", GemmArgs)                                                \
+  X(LogSoftmax, "log_softmax", LogSoftmaxArgs)                             \
+  X(LogSoftmaxBackward, "log_softmax_backward", LogSoftmaxBackwardArgs)    \
+  X(NllForward, "nll_forward", NllForwardArgs)                             \
+  X(NllBackward, "nll_backward", NllBackwardArgs)                          \
+  X(Conv2d, "conv2d", Conv2dArgs)                                          \
+  X(Conv2dBackwardData, "conv2d_backward_data", Conv2dBackwardDataArgs)    \
+  X(Conv2dBackwardWeight, "conv2d_backward_weight", Conv2dBackwardWeightArgs) \
+  X(MaxPool2d, "maxpool2d_forward", MaxPool2dArgs)                         \
+  X(MaxPool2dBackward, "maxpool2d_backward", MaxPool2dBackwardArgs)        \
+  X(AvgPool2d, "avgpool2d_forward", AvgPool2dArgs)                         \
+  X(AvgPool2dBackward, "avgpool2d_backward", AvgPool2dBackwardArgs)        \
+  X(BatchNormTrain, "batchnorm_forward_train", BatchNormTrainArgs)         \
+  X(BatchNormEval, "batchnorm_forward_eval", BatchNormEvalArgs)            \
+  X(BatchNormBackward, "batchnorm_backward", BatchNormBackwardArgs)        \
+  X(SgdStep, "sgd_step", SgdStepArgs)                                      \
+  X(AdamStep, "adam_step", AdamStepArgs)                                   \
+  X(MaxPool2x2, "maxpool2d_2x2_forward", MaxPool2x2Args)                   \
+  X(MaxPool2x2Backward, "maxpool2d_2x2_backward", MaxPool2x2BackwardArgs)  \
+  X(Conv2dReluMaxPool2x2, "conv2d_relu_maxpool2x2_forward", Conv2dReluMaxPool2x2Args)
 
 /// The ops of DP_BACKEND_OPS.
 enum class Op : std::uint8_t {

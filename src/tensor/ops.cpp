@@ -537,8 +537,9 @@ void gemm_into(const Tensor& a, bool ta, const Tensor& b, bool tb, float beta, c
     if (beta == 0.0f) be(a).run<Op::Fill>(a.device(), DType::F32, {out, c.numel(), 0.0f});
     return;
   }
-  be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), beta,
-             out, n);
+  be(a).run<Op::Gemm>(
+      a.device(), DType::F32,
+      {ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), beta, out, n, {}});
 }
 
 // c = op(a) * op(b), a fresh tensor.
@@ -643,8 +644,12 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
   const std::int64_t m = x.size(0), n = w.size(0), k = x.size(1);
   Tensor out = empty({m, n}, x.device());  // (B, out)
   if (out.numel() > 0) {
-    be(x).linear_forward(x.device(), m, n, k, x.data<float>(), w.data<float>(),
-                         b.defined() ? b.data<float>() : nullptr, out.data<float>(), relu);
+    // The Linear's forward y = x·wᵀ + b, then relu (GemmEpilogue; Note [Linear epilogue]).
+    const std::int64_t ld_k = std::max<std::int64_t>(1, k), ld_n = std::max<std::int64_t>(1, n);
+    const backend::GemmEpilogue ep{b.defined() ? b.data<float>() : nullptr, relu, nullptr};
+    be(x).run<Op::Gemm>(x.device(), DType::F32,
+                        {false, true, m, n, k, 1.0f, x.data<float>(), ld_k, w.data<float>(), ld_k, 0.0f,
+                         out.data<float>(), ld_n, ep});
   }
   bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
   if (!autograd::needs_grad({x, w, b})) return out;
@@ -661,9 +666,15 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
                      Tensor dx;
                      if (mask_gx) {
                        dx = empty(x.shape(), x.device());
-                       if (dx.numel() > 0)
-                         be(x).linear_backward_input(x.device(), x.size(0), x.size(1), w.size(0), gy.data<float>(),
-                                                     w.data<float>(), x.data<float>(), dx.data<float>());
+                       if (dx.numel() > 0) {
+                         // dx = gy·w masked by x > 0 (GemmEpilogue::relu_y).
+                         const std::int64_t mm = x.size(0), nn = x.size(1), kk = w.size(0);
+                         const std::int64_t ld_k = std::max<std::int64_t>(1, kk), ld_n = std::max<std::int64_t>(1, nn);
+                         const backend::GemmEpilogue ep{nullptr, false, x.data<float>()};
+                         be(x).run<Op::Gemm>(x.device(), DType::F32,
+                                             {false, false, mm, nn, kk, 1.0f, gy.data<float>(), ld_k, w.data<float>(),
+                                              ld_n, 0.0f, dx.data<float>(), ld_n, ep});
+                       }
                        t_masked_grad = {dx.impl_ptr(), x.storage().get()};
                      } else if (gx) {
                        dx = grad_gemm(gy, false, w, false, 0);

@@ -645,8 +645,9 @@ Tensor empty_like(const Tensor& t) { return empty(t.shape(), TensorOptions{t.dty
 Tensor randn(const Shape& shape, Generator& gen, Device device) {
   Tensor t = empty(shape, device);
   std::int64_t n = t.numel();
-  backend::get(device).fill_normal(device, t.data<float>(), n, 0.0f, 1.0f, gen.seed(),
-                                   gen.advance(static_cast<std::uint64_t>(n)));
+  backend::get(device).run<backend::Op::FillNormal>(
+      device, backend::DType::F32,
+      {t.data<float>(), n, 0.0f, 1.0f, gen.seed(), gen.advance(static_cast<std::uint64_t>(n))});
   return t;
 }
 
@@ -654,9 +655,10 @@ Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device 
   DP_CHECK(lo <= hi, "uniform: expected lo <= hi, got [", lo, ", ", hi, ")");
   Tensor t = empty(shape, device);
   std::int64_t n = t.numel();
-  backend::get(device).fill_uniform(device, t.data<float>(), n, static_cast<float>(lo),
-                                    static_cast<float>(hi), gen.seed(),
-                                    gen.advance(static_cast<std::uint64_t>(n)));
+  backend::get(device).run<backend::Op::FillUniform>(
+      device, backend::DType::F32,
+      {t.data<float>(), n, static_cast<float>(lo), static_cast<float>(hi), gen.seed(),
+       gen.advance(static_cast<std::uint64_t>(n))});
   return t;
 }
 
@@ -673,8 +675,10 @@ Tensor normal(double mean, double std, const Shape& shape, Generator& gen, Devic
            "normal: expected a finite mean and a finite std >= 0, got mean ", mean, ", std ", std);
   Tensor t = empty(shape, device);
   std::int64_t n = t.numel();
-  backend::get(device).fill_normal(device, t.data<float>(), n, static_cast<float>(mean), static_cast<float>(std),
-                                   gen.seed(), gen.advance(static_cast<std::uint64_t>(n)));
+  backend::get(device).run<backend::Op::FillNormal>(
+      device, backend::DType::F32,
+      {t.data<float>(), n, static_cast<float>(mean), static_cast<float>(std), gen.seed(),
+       gen.advance(static_cast<std::uint64_t>(n))});
   return t;
 }
 

@@ -34,9 +34,8 @@
 namespace dp_test {
 
 /// Every kernel entry point of dp::backend::Backend (memory and stream management
-/// aside). First the ops of the kernel table, generated from DP_BACKEND_OPS (Note [The
-/// op list] in backend/ops.h) so that Kernel::X is Op::X; then the compute methods still
-/// virtual, named after the method; then the copies. op_table_test checks that each is
+/// aside): the ops of the kernel table, generated from DP_BACKEND_OPS (Note [The op
+/// list] in backend/ops.h) so that Kernel::X is Op::X, then the copies. op_table_test checks that each is
 /// called by some case, and for the table's ops that every (op, dtype) the CPU backend
 /// registers is; its recording backend overrides every Backend method, so a method
 /// added to the interface does not compile there until it is forwarded, listed here and
@@ -45,13 +44,6 @@ enum class Kernel : std::uint8_t {
 #define DP_TEST_KERNEL(name, str, Args) name,
   DP_BACKEND_OPS(DP_TEST_KERNEL)
 #undef DP_TEST_KERNEL
-  FillUniform, FillNormal, Dropout,
-  Gemm,
-  LogSoftmax, LogSoftmaxBackward, NllForward, NllBackward,
-  Conv2dForward, Conv2dReluForward, Conv2dBackwardData, Conv2dBackwardWeight,
-  MaxPool2dForward, MaxPool2dBackward, AvgPool2dForward, AvgPool2dBackward,
-  BatchNormForwardTrain, BatchNormForwardEval, BatchNormBackward,
-  SgdStep, AdamStep,
   Copy, CopyFromHost, CopyToHost, MemsetZero,
   kCount  // Note [Op enum sentinels] in ops.h
 };
@@ -108,6 +100,13 @@ struct OpCase {
 
   std::string full_name() const { return name + " " + shape; }
 };
+
+/// Whether `be` has the kernel case `c` calls: false only for a table op the backend
+/// registers no kernel for (Note [Fused ops a backend may offer] in backend/ops.h).
+inline bool runs_on(const OpCase& c, const dp::backend::Backend& be) {
+  const int k = static_cast<int>(c.kernel);
+  return k >= dp::backend::kOpCount || be.supports(static_cast<dp::backend::Op>(k), c.dtype);
+}
 
 /// The whole table, Check cases first; built once.
 const std::vector<OpCase>& op_cases();

@@ -195,73 +195,75 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
   void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
 
+  // The float32 kernels of these ops (Note [The op list] in ops.h) are these members,
+  // registered through method_kernels.h; tests call them directly too.
   void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
-                    std::uint64_t seed, std::uint64_t offset) override;
+                    std::uint64_t seed, std::uint64_t offset);
   void fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
-                   std::uint64_t seed, std::uint64_t offset) override;
+                   std::uint64_t seed, std::uint64_t offset);
   void dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n, float p,
-               std::uint64_t seed, std::uint64_t offset) override;
+               std::uint64_t seed, std::uint64_t offset);
 
   void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
             std::int64_t k, float alpha, const float* a, std::int64_t lda, const float* b,
-            std::int64_t ldb, float beta, float* c, std::int64_t ldc) override;
+            std::int64_t ldb, float beta, float* c, std::int64_t ldc);
+  /// The Gemm op: gemm with the epilogue applied per chunk (Note [Linear epilogue]).
+  void gemm_with_epilogue(Device dev, const GemmArgs& a);
   void linear_forward(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* x,
-                      const float* w, const float* bias, float* y, bool relu) override;
+                      const float* w, const float* bias, float* y, bool relu);
   void linear_backward_input(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* gy,
-                             const float* w, const float* relu_y, float* gx) override;
+                             const float* w, const float* relu_y, float* gx);
 
   void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
-                   std::int64_t cols) override;
+                   std::int64_t cols);
   void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
-                            std::int64_t rows, std::int64_t cols) override;
+                            std::int64_t rows, std::int64_t cols);
   void nll_forward(Device dev, const float* logp, const std::int64_t* target, float* loss,
-                   std::int64_t rows, std::int64_t cols) override;
+                   std::int64_t rows, std::int64_t cols);
   void nll_backward(Device dev, const float* gloss, const std::int64_t* target, float* gx,
-                    std::int64_t rows, std::int64_t cols) override;
+                    std::int64_t rows, std::int64_t cols);
 
   void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                      const float* bias, float* y) override;
+                      const float* bias, float* y);
   void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                           const float* bias, float* y) override;
+                           const float* bias, float* y);
   void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
-                            float* gx) override;
+                            float* gx);
   void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
-                              const float* gy, float* gw, float* gbias) override;
+                              const float* gy, float* gw, float* gbias);
   void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
-                         std::int64_t* indices) override;
+                         std::int64_t* indices);
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
-                          const std::int64_t* indices, float* gx) override;
-  bool has_maxpool2d_2x2_bytes() const override { return true; }
-  bool has_conv2d_relu_maxpool2x2() const override { return true; }
+                          const std::int64_t* indices, float* gx);
+  // Fusions only this backend offers (Note [Fused ops a backend may offer] in ops.h).
   void conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                                      const float* bias, float* y, std::uint8_t* where) override;
-  void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
-                             std::uint8_t* where) override;
+                                      const float* bias, float* y, std::uint8_t* where);
+  void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y, std::uint8_t* where);
   void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy, const std::uint8_t* where,
-                              const float* relu_y, float* gx) override;
-  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override;
+                              const float* relu_y, float* gx);
+  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y);
   void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
-                          float* gx) override;
+                          float* gx);
 
   void batchnorm_forward_train(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                                const float* x, const float* gamma, const float* beta, float eps,
                                float momentum, float* running_mean, float* running_var,
-                               float* y, float* save_mean, float* save_invstd) override;
+                               float* y, float* save_mean, float* save_invstd);
   void batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                               const float* x, const float* gamma, const float* beta, float eps,
                               const float* running_mean, const float* running_var,
-                              float* y) override;
+                              float* y);
   void batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                           const float* gy, const float* x, const float* gamma,
                           const float* save_mean, const float* save_invstd, float* gx,
-                          float* ggamma, float* gbeta) override;
+                          float* ggamma, float* gbeta);
 
   void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
                 std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
-                bool nesterov, bool first_step) override;
+                bool nesterov, bool first_step);
   void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
                  float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
-                 float eps, float weight_decay, bool decoupled, std::int64_t step) override;
+                 float eps, float weight_decay, bool decoupled, std::int64_t step);
 
   // ---- helpers shared by the backend's sources, tests and benchmarks -------------------
 
@@ -323,6 +325,7 @@ class CpuBackend final : public Backend {
   // constructor calls each once.
   void register_elementwise_kernels();  // cpu_elementwise.cpp
   void register_reduce_kernels();       // cpu_reduce.cpp
+  void register_method_kernels();       // method_kernels.h, cpu_backend.cpp
   void resize_arenas(int threads);
   /// What a chunk of a GEMM applies to its slab of C after its product (Note [Linear
   /// epilogue]): C += bias (per column; null: none), then relu.

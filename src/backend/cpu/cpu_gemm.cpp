@@ -191,6 +191,14 @@ void CpuBackend::linear_backward_input(Device dev, i64 m, i64 n, i64 k, const fl
                std::max<i64>(1, n), relu_y ? &ep : nullptr);
 }
 
+void CpuBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
+  const GemmEpilogue ep{static_cast<const float*>(a.epilogue.bias), a.epilogue.relu,
+                        static_cast<const float*>(a.epilogue.relu_y)};
+  gemm_chunked(dev, a.trans_a, a.trans_b, a.m, a.n, a.k, a.alpha, static_cast<const float*>(a.a), a.lda,
+               static_cast<const float*>(a.b), a.ldb, a.beta, static_cast<float*>(a.c), a.ldc,
+               a.epilogue.empty() ? nullptr : &ep);
+}
+
 void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
                       const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
                       i64 ldc) {

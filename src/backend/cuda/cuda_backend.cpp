@@ -13,6 +13,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/method_kernels.h"
 #include "dp/core/error.h"
 
 namespace dp::backend {
@@ -777,6 +778,7 @@ void CudaBackend::register_kernels() {
   register_typed<Op::Reduce, CudaBackend, &reduce_f32>(DType::F32);
   register_typed<Op::Argmax, CudaBackend, &argmax_f32>(DType::F32);
   register_typed<Op::CountNonfinite, CudaBackend, &count_nonfinite_f32>(DType::F32);
+  for (const MethodKernel& m : method_kernels<CudaBackend>()) register_kernel(m.op, DType::F32, m.fn);
 }
 
 // Declared in backend/backend.cpp.

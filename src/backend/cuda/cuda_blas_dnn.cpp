@@ -288,6 +288,17 @@ void CudaBackend::gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, s
                                  lda, &beta, c, ldc));
 }
 
+// The epilogue as the separate ops (Backend::gemm_epilogue_by_ops): a fused cuBLASLt
+// epilogue would sum the bias in another order.
+void CudaBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
+  if (!a.epilogue.empty()) {
+    gemm_epilogue_by_ops(dev, a);
+    return;
+  }
+  gemm(dev, a.trans_a, a.trans_b, a.m, a.n, a.k, a.alpha, static_cast<const float*>(a.a), a.lda,
+       static_cast<const float*>(a.b), a.ldb, a.beta, static_cast<float*>(a.c), a.ldc);
+}
+
 // ---- convolution -------------------------------------------------------------------------------
 
 void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
