@@ -196,8 +196,7 @@ const char* layout_name(ConvLayout layout) {
 }
 
 bool is_conv(Kernel k) {
-  return k == Kernel::Conv2dForward || k == Kernel::Conv2dReluForward || k == Kernel::Conv2dBackwardData ||
-         k == Kernel::Conv2dBackwardWeight;
+  return k == Kernel::Conv2d || k == Kernel::Conv2dBackwardData || k == Kernel::Conv2dBackwardWeight;
 }
 
 std::string json_string(const std::string& s) {
@@ -263,7 +262,7 @@ int run(const Options& o) {
 
   std::vector<const OpCase*> cases;
   for (const OpCase& c : dp_test::op_cases())
-    if (selected(c, o)) cases.push_back(&c);
+    if (selected(c, o) && dp_test::runs_on(c, be)) cases.push_back(&c);
   if (o.list) {
     for (const OpCase* c : cases) std::printf("%s\n", c->full_name().c_str());
     return 0;

@@ -1,5 +1,6 @@
 #include "backend/backend.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +24,72 @@ Backend& pinned_host_backend() {
   // Probed once: the device count of a process does not change.
   static Backend& backend = cuda_backend().device_count() > 0 ? cuda_backend() : cpu_backend();
   return backend;
+}
+
+// ---- the op list and the kernel table (Note [The op list] in ops.h) -------------------
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::F32: return "float32";
+    case DType::I64: return "int64";
+    case DType::I32: return "int32";
+    case DType::kCount: break;
+  }
+  return "an unknown dtype";
+}
+
+void visit_dtype_failed(DType dt) {
+  DP_FAIL("backend: expected a dtype below ", kDTypeCount, ", got ", static_cast<int>(dt));
+}
+
+const char* op_name(Op op) {
+  switch (op) {
+#define DP_OP_NAME(name, str, Args) \
+  case Op::name:                    \
+    return str;
+    DP_BACKEND_OPS(DP_OP_NAME)
+#undef DP_OP_NAME
+    case Op::kCount: break;
+  }
+  return "an unknown op";
+}
+
+void Backend::gemm_epilogue_by_ops(Device dev, const GemmArgs& a) {
+  DP_CHECK(a.epilogue.empty() || a.ldc == std::max<std::int64_t>(1, a.n),
+           "gemm: an epilogue needs a contiguous C (ldc == n), got ldc=", a.ldc, " for n=", a.n);
+  if (a.m == 0 || a.n == 0) return;
+  const std::int64_t mn = a.m * a.n;
+  void* c = a.c;
+  if (a.k == 0 && a.beta == 0.0f) {
+    run<Op::Fill>(dev, DType::F32, {c, mn, 0.0f});
+  } else {
+    GemmArgs plain = a;
+    plain.epilogue = GemmEpilogue{};
+    run<Op::Gemm>(dev, DType::F32, plain);
+  }
+  const GemmEpilogue& ep = a.epilogue;
+  if (ep.relu_y)
+    run<Op::Binary>(dev, DType::F32, {BinaryOp::ReluBackward, rows_by_cols(a.m, a.n, a.n), c, ep.relu_y, c});
+  if (ep.bias) run<Op::Binary>(dev, DType::F32, {BinaryOp::Add, rows_by_cols(a.m, a.n, 0), c, ep.bias, c});
+  if (ep.relu) run<Op::Unary>(dev, DType::F32, {UnaryOp::Relu, c, c, mn});
+}
+
+void Backend::register_kernel(Op op, DType dt, KernelFn fn) {
+  DP_ASSERT(op < Op::kCount && dt < DType::kCount, "register_kernel: op ", static_cast<int>(op), " or dtype ",
+            static_cast<int>(dt), " out of range");
+  kernels_[static_cast<int>(op)][static_cast<int>(dt)] = fn;
+}
+
+void Backend::missing_kernel(Op op, DType dt) const {
+  std::string have;
+  if (op < Op::kCount)
+    for (int d = 0; d < kDTypeCount; ++d)
+      if (kernels_[static_cast<int>(op)][d] != nullptr)
+        have += detail::str_cat(have.empty() ? "" : ", ", dtype_name(static_cast<DType>(d)));
+  const char* device_type = type() == DeviceType::CPU ? "cpu" : "cuda";
+  DP_FAIL("backend op ", op_name(op), " has no ", dtype_name(dt), " kernel on ", device_type,
+          " devices (", have.empty() ? "no dtype has one" : "it has " + have,
+          "); convert the tensors to a supported dtype, or register a kernel for the pair");
 }
 
 // ---- profiler ranges (Note [Profiler ranges]) ---------------------------------------
@@ -141,22 +208,6 @@ void Backend::finish_copy(PendingCopy& pending, void* dst, Device dst_dev) {
   deallocate(dst_dev, std::exchange(p->staging, nullptr), p->nbytes);
 }
 
-void Backend::maxpool2d_2x2_forward(Device dev, const Pool2dShape&, const float*, float*, std::uint8_t*) {
-  DP_CHECK(false, "maxpool2d_2x2_forward: the backend of ", dev,
-           " has no byte-index max-pool; expected a caller to check has_maxpool2d_2x2_bytes() first");
-}
-
-void Backend::maxpool2d_2x2_backward(Device dev, const Pool2dShape&, const float*, const std::uint8_t*, const float*,
-                                     float*) {
-  DP_CHECK(false, "maxpool2d_2x2_backward: the backend of ", dev,
-           " has no byte-index max-pool; expected a caller to check has_maxpool2d_2x2_bytes() first");
-}
-
-void Backend::conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape&, const float*, const float*,
-                                             const float*, float*, std::uint8_t*) {
-  DP_CHECK(false, "conv2d_relu_maxpool2x2_forward: the backend of ", dev,
-           " has no fused convolution + max-pool; expected a caller to check has_conv2d_relu_maxpool2x2() first");
-}
 
 // ---- CopyFences (Note [Copy fences]) ----------------------------------------------------
 

@@ -22,67 +22,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend/ops.h"
 #include "core/device_runtime.h"
 #include "dp/core/device.h"
 
 namespace dp::backend {
 
-/// Most dimensions a strided elementwise kernel handles.
-inline constexpr int kMaxDims = 8;
-
-/// Strided view of up to two inputs for an elementwise kernel with a contiguous output.
-/// A stride of 0 broadcasts that dimension. Passed by value into CUDA kernels.
-struct Indexer {
-  int ndim = 0;
-  std::int64_t sizes[kMaxDims] = {};
-  std::int64_t strides_a[kMaxDims] = {};  // in elements
-  std::int64_t strides_b[kMaxDims] = {};  // in elements
-};
-
-// Note [Op enum sentinels]
-// Each op enum ends with kCount, the number of ops: not an op itself (the backends
-// reject it). The op table (tests/backend/op_cases.cpp) has one row per op and
-// static_asserts its length against kCount, so a new op without a test and benchmark
-// case does not compile; op_table_test also checks at run time that every op is called.
-
-enum class UnaryOp : std::uint8_t {
-  Neg, Exp, Log, Sqrt, Rsqrt, Abs, Square, Reciprocal, Relu, Sigmoid, Tanh,
-  Sign,  // -1, 0, +1
-  kCount  // Note [Op enum sentinels]
-};
-
-enum class BinaryOp : std::uint8_t {
-  Add, Sub, Mul, Div, Maximum, Minimum, Pow,
-  Eq,            // 1.0f where a == b else 0.0f
-  Gt,            // 1.0f where a > b else 0.0f
-  ReluBackward,  // a * (b > 0): a = upstream gradient, b = relu input (or output)
-  kCount         // Note [Op enum sentinels]
-};
-
-enum class ReduceOp : std::uint8_t {
-  Sum, Max, Min,
-  kCount  // Note [Op enum sentinels]
-};
-
-/// Geometry of a 2-d convolution (groups = 1, dilation = 1). Layouts are NCHW for x/y
-/// and KCRS for the weight (K output channels, R×S kernel).
-struct Conv2dShape {
-  std::int64_t N = 0, C = 0, H = 0, W = 0;  // input
-  std::int64_t K = 0, R = 0, S = 0;         // weight
-  std::int64_t stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
-  std::int64_t P = 0, Q = 0;                // output height, width
-};
-
-/// Geometry of a 2-d pooling window over NCHW.
-struct Pool2dShape {
-  std::int64_t N = 0, C = 0, H = 0, W = 0;
-  std::int64_t kernel_h = 1, kernel_w = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
-  std::int64_t P = 0, Q = 0;  // output height, width
-};
-
 /// A 2x2, stride-2, unpadded pool whose windows all lie inside the input (2P <= H,
 /// 2Q <= W): non-overlapping windows that tile the input but for an odd last row or
-/// column — what the 2x2 max-pool kernels and maxpool2d_2x2_* take.
+/// column — what the 2x2 max-pool kernels and the MaxPool2x2 ops take.
 inline bool is_2x2_tiling(const Pool2dShape& s) {
   return s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 && s.pad_h == 0 &&
          s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W;
@@ -126,8 +74,12 @@ class PendingCopy {
 /// which core answers dp::device_count(type) and the memory queries (Note [Device
 /// runtime registration] in backend.cpp).
 ///
+/// Compute goes through the kernel table: run<Op::X>(dev, dtype, args) with the ops of
+/// DP_BACKEND_OPS (Note [The op list] in ops.h); the virtual methods are devices,
+/// memory, streams, events and copies, and the compute entries not yet in the list.
 /// Every kernel has cases in the backend op table (tests/backend/op_cases.cpp), which
-/// compare it with the CPU backend and benchmark it. A new method does not compile in
+/// compare it with the CPU backend and benchmark it: op_table_test fails for a
+/// registered (op, dtype) without a case. A new method does not compile in
 /// tests/backend/op_table_test.cpp until it is forwarded there; a new kernel then needs
 /// a dp_test::Kernel value and a case, or op_table_test fails.
 class Backend : public dp::detail::DeviceRuntime {
@@ -225,84 +177,6 @@ class Backend : public dp::detail::DeviceRuntime {
   virtual void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) = 0;
   virtual void memset_zero(void* ptr, Device dev, std::size_t nbytes) = 0;
 
-  // ---- elementwise ---------------------------------------------------------------
-  virtual void fill(Device dev, float* y, std::int64_t n, float value) = 0;
-  virtual void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) = 0;
-  /// y[i] += value (counters such as BatchNorm's num_batches_tracked; no host sync).
-  virtual void add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) = 0;
-  /// y[i] = start + i * step.
-  virtual void arange(Device dev, float* y, std::int64_t n, float start, float step) = 0;
-  virtual void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
-                          std::int64_t step) = 0;
-  virtual void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) = 0;
-  virtual void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) = 0;
-  /// y[i] = x[i] widened (int32 labels to int64).
-  virtual void cast_i32_to_i64(Device dev, const std::int32_t* x, std::int64_t* y, std::int64_t n) = 0;
-  /// y[i] = x[i] narrowed to int32, modulo 2^32 (what PyTorch's .int() gives).
-  virtual void cast_i64_to_i32(Device dev, const std::int64_t* x, std::int32_t* y, std::int64_t n) = 0;
-  /// out = (a == b) ? 1.0f : 0.0f over the indexer's shape, compared exactly as int64
-  /// (a, b strided with broadcasting; out contiguous).
-  virtual void eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
-                      float* out) = 0;
-  /// y = op(x), contiguous; y may alias x.
-  virtual void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) = 0;
-  /// y = alpha * x + beta, contiguous; y may alias x.
-  virtual void affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
-                      float beta) = 0;
-  /// y += alpha * x, contiguous.
-  virtual void axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) = 0;
-  /// out = op(a, b) over the indexer's shape; out contiguous, a/b strided (0 = broadcast).
-  virtual void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a,
-                      const float* b, float* out) = 0;
-  /// out = a (strided, indexer's strides_a) gathered into contiguous order.
-  virtual void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) = 0;
-
-  // Note [Gather geometry]
-  // gather and scatter_add walk the elements n of a contiguous tensor of shape ix.sizes
-  // (gather's output, scatter_add's source) with coordinates c. The element of the
-  // other tensor x that n pairs with is at
-  //   Σ_{d != dim} c_d · ix.strides_a[d]  +  index[Σ_d c_d · ix.strides_b[d]] · ix.strides_a[dim]
-  // (strides in elements). torch.gather is index strides = its own contiguous strides;
-  // index_select is a 1-d index with strides_b 0 outside `dim`. Every index must lie in
-  // [0, size of x along dim): the caller checks, the kernels do not.
-
-  /// out[n] = x[offset(n)] (Note [Gather geometry]).
-  virtual void gather(Device dev, const Indexer& ix, int dim, const float* x,
-                      const std::int64_t* index, float* out) = 0;
-  /// y[offset(n)] += src[n] (Note [Gather geometry]): the backward of gather and
-  /// index_select. CPU adds in element order (bitwise reproducible); CUDA uses atomics,
-  /// so repeated indices sum in an unspecified order.
-  virtual void scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
-                           const std::int64_t* index, float* y) = 0;
-
-  // ---- random (counter-based Philox: same numbers on every backend) -------------
-  /// y[i] = uniform in [lo, hi) from (seed, offset + i).
-  virtual void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
-                            std::uint64_t seed, std::uint64_t offset) = 0;
-  /// y[i] = normal(mean, std) from (seed, offset + i).
-  virtual void fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
-                           std::uint64_t seed, std::uint64_t offset) = 0;
-  /// Inverted dropout: mask[i] = keep ? 1/(1-p) : 0 with keep drawn from (seed,
-  /// offset + i); y = x * mask.
-  virtual void dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n,
-                       float p, std::uint64_t seed, std::uint64_t offset) = 0;
-
-  // ---- reductions ------------------------------------------------------------------
-  /// x viewed as (outer, r, inner): y[o, i] = op over k of x[o, k, i]. r may be 0 (Sum
-  /// gives 0).
-  virtual void reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
-                      std::int64_t r, std::int64_t inner) = 0;
-  /// x viewed as (outer, r, inner): y[o, i] = argmax over k (first on ties).
-  virtual void argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer,
-                      std::int64_t r, std::int64_t inner) = 0;
-
-  // ---- dense linear algebra ----------------------------------------------------------
-  /// Row-major C(m×n) = alpha * op(A) * op(B) + beta * C; op(A) is m×k, op(B) is k×n.
-  /// lda/ldb/ldc are row strides of the stored (untransposed) matrices.
-  virtual void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
-                    std::int64_t k, float alpha, const float* a, std::int64_t lda,
-                    const float* b, std::int64_t ldb, float beta, float* c,
-                    std::int64_t ldc) = 0;
   /// The Indexer of a binary op over a contiguous (m, n) `a` and a `b` whose rows lie
   /// b_row_stride apart (0: one row broadcast over all of a's).
   static Indexer rows_by_cols(std::int64_t m, std::int64_t n, std::int64_t b_row_stride) {
@@ -317,142 +191,65 @@ class Backend : public dp::detail::DeviceRuntime {
     return ix;
   }
 
-  /// y(m×n) = x(m×k) · w(n×k)ᵀ + bias (bias: n floats, or null), then relu when `relu`:
-  /// gemm (alpha 1, beta 0; k == 0 gives the bias alone), the bias add (Binary<Add>)
-  /// and Unary<Relu> in place, bit for bit. A backend may apply the bias and the ReLU
-  /// to each slab of y while it is still in cache (Note [Linear epilogue]).
-  virtual void linear_forward(Device dev, std::int64_t m, std::int64_t n, std::int64_t k,
-                              const float* x, const float* w, const float* bias, float* y,
-                              bool relu) {
-    if (m == 0 || n == 0) return;
-    if (k == 0) {
-      fill(dev, y, m * n, 0.0f);
-    } else {
-      gemm(dev, false, true, m, n, k, 1.0f, x, k, w, k, 0.0f, y, n);
-    }
-    if (bias) binary(dev, BinaryOp::Add, rows_by_cols(m, n, 0), y, bias, y);  // bias broadcast over the rows
-    if (relu) unary(dev, UnaryOp::Relu, y, y, m * n);
-  }
-
-  /// gx(m×n) = gy(m×k) · w(k×n) (a Linear's input gradient; w is the weight, out × in),
-  /// then, when relu_y is given, masked by that ReLU output (m×n) as its backward
-  /// masks it: Binary<ReluBackward>(gx, relu_y) in place, bit for bit. A backend may
-  /// mask each slab of gx while it is still in cache (Note [ReLU mask in the input
-  /// gradient]).
-  virtual void linear_backward_input(Device dev, std::int64_t m, std::int64_t n, std::int64_t k,
-                                     const float* gy, const float* w, const float* relu_y, float* gx) {
-    if (m == 0 || n == 0) return;
-    if (k == 0) {
-      fill(dev, gx, m * n, 0.0f);
-    } else {
-      gemm(dev, false, false, m, n, k, 1.0f, gy, k, w, n, 0.0f, gx, n);
-    }
-    if (relu_y) binary(dev, BinaryOp::ReluBackward, rows_by_cols(m, n, n), gx, relu_y, gx);
-  }
-
-  // ---- softmax and losses (rows × cols, rows = batch) ------------------------------
-  virtual void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
-                           std::int64_t cols) = 0;
-  /// gx = gy - exp(y) * rowsum(gy), y = log_softmax output.
-  virtual void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
-                                    std::int64_t rows, std::int64_t cols) = 0;
-  /// loss[r] = -logp[r, target[r]]. Targets out of [0, cols) throw dp::Error on CPU;
-  /// CUDA writes NaN for that row (checked without a host sync).
-  virtual void nll_forward(Device dev, const float* logp, const std::int64_t* target,
-                           float* loss, std::int64_t rows, std::int64_t cols) = 0;
-  /// gx = 0 except gx[r, target[r]] = -gloss[r].
-  virtual void nll_backward(Device dev, const float* gloss, const std::int64_t* target,
-                            float* gx, std::int64_t rows, std::int64_t cols) = 0;
-
-  // ---- convolution and pooling (NCHW) ------------------------------------------------
-  /// y = conv(x, w) + bias (bias may be null).
-  virtual void conv2d_forward(Device dev, const Conv2dShape& s, const float* x,
-                              const float* w, const float* bias, float* y) = 0;
-  /// y = relu(conv(x, w) + bias): conv2d_forward followed by Unary<Relu> in place,
-  /// bit for bit; a backend may fuse the two (Note [Convolution + ReLU]).
-  virtual void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x,
-                                   const float* w, const float* bias, float* y) {
-    conv2d_forward(dev, s, x, w, bias, y);
-    unary(dev, UnaryOp::Relu, y, y, s.N * s.K * s.P * s.Q);
-  }
-  /// gx = conv_transpose(gy, w) (overwrites gx).
-  virtual void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,
-                                    const float* w, float* gx) = 0;
-  /// gw = correlation of x and gy, gbias = sum of gy over N, P, Q (overwrite; gbias may
-  /// be null).
-  virtual void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
-                                      const float* gy, float* gw, float* gbias) = 0;
-  /// y = max over the window (padding never wins); indices = flat h*W+w of the max.
-  virtual void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
-                                 std::int64_t* indices) = 0;
-  /// gx = 0, then gx[index] += gy (overwrites gx).
-  virtual void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
-                                  const std::int64_t* indices, float* gx) = 0;
-  /// Whether maxpool2d_2x2_forward/backward exist (Note [Max-pool winners in a byte]).
-  virtual bool has_maxpool2d_2x2_bytes() const { return false; }
-  /// The 2x2, stride-2, unpadded max-pool whose windows all lie inside the input
-  /// (2P <= H, 2Q <= W): y as maxpool2d_forward computes it, and per output the
-  /// winner's place in its window as one byte, 0..3 in row-major order, in `where`
-  /// (N·C·P·Q bytes) instead of an int64 flat index. Throws for any other shape.
-  virtual void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
-                                     std::uint8_t* where);
-  /// gx (every element written: the window's gradient at its winner, zero elsewhere)
-  /// from `where` as maxpool2d_2x2_forward wrote it; what maxpool2d_backward computes.
-  /// relu_y, when not null, is this pool's output over a ReLU's output (N·C·P·Q): each
-  /// window's gradient is then masked first, relu_y > 0 ? gy : 0, in the same pass — bit
-  /// for bit binary(ReluBackward, gy, relu_y) followed by this backward (Note [ReLU mask
-  /// through max-pool] in src/nn/functional.cpp).
-  virtual void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy,
-                                      const std::uint8_t* where, const float* relu_y, float* gx);
-  /// Whether conv2d_relu_maxpool2x2_forward exists.
-  virtual bool has_conv2d_relu_maxpool2x2() const { return false; }
-  /// conv2d_relu_forward, then maxpool2d_2x2_forward over its (N, K, P, Q) output with
-  /// windows 2x2, stride 2 (y: (N, K, P / 2, Q / 2); `where`: one byte per output), bit
-  /// for bit, without holding the convolution's output: each group of images is pooled
-  /// right after it is convolved (CPU: Note [Convolution, ReLU and max-pool in one
-  /// pass]). Needs P, Q >= 2.
-  virtual void conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                                              const float* bias, float* y, std::uint8_t* where);
-  /// Average over the window counting padding (PyTorch's count_include_pad=true).
-  virtual void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x,
-                                 float* y) = 0;
-  virtual void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
-                                  float* gx) = 0;
-
-  // ---- batch norm over (N, C, HW) -------------------------------------------------------
-  /// Training: batch statistics; save_mean/save_invstd (C each) for backward; running
-  /// stats updated as PyTorch does (unbiased variance, running = (1-m)*running + m*batch)
-  /// when running_mean is not null.
-  virtual void batchnorm_forward_train(Device dev, std::int64_t N, std::int64_t C,
-                                       std::int64_t HW, const float* x, const float* gamma,
-                                       const float* beta, float eps, float momentum,
-                                       float* running_mean, float* running_var, float* y,
-                                       float* save_mean, float* save_invstd) = 0;
-  virtual void batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C,
-                                      std::int64_t HW, const float* x, const float* gamma,
-                                      const float* beta, float eps, const float* running_mean,
-                                      const float* running_var, float* y) = 0;
-  /// gx, ggamma, gbeta (overwrite) from gy and the saved statistics.
-  virtual void batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
-                                  const float* gy, const float* x, const float* gamma,
-                                  const float* save_mean, const float* save_invstd,
-                                  float* gx, float* ggamma, float* gbeta) = 0;
-
-  // ---- fused optimizer updates over a flat buffer of n elements --------------------------
-  /// PyTorch's SGD: g = grad + wd * p; buf = first ? g : momentum * buf + (1 - dampening) * g;
-  /// g = nesterov ? g + momentum * buf : buf (when momentum != 0); p -= lr * g.
-  /// momentum_buf may be null when momentum == 0.
-  virtual void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
-                        std::int64_t n, float lr, float momentum, float dampening,
-                        float weight_decay, bool nesterov, bool first_step) = 0;
-  /// PyTorch's Adam (decoupled = false: g += wd * p) and AdamW (decoupled = true:
-  /// p *= 1 - lr * wd), with bias correction for `step` (1-based).
-  virtual void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
-                         float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
-                         float eps, float weight_decay, bool decoupled, std::int64_t step) = 0;
+  /// The Gemm op as separate ops: the GEMM without its epilogue (through the table),
+  /// then Binary<ReluBackward> by relu_y, Binary<Add> of the bias and Unary<Relu>, each
+  /// over all of C (ldc == n). What a backend without a fused epilogue runs, and what
+  /// the fused ones are tested against, bit for bit.
+  void gemm_epilogue_by_ops(Device dev, const GemmArgs& a);
 
   /// Counts non-finite values of x (for the opt-in NaN/Inf check). Synchronous.
-  virtual std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) = 0;
+  std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) {
+    std::int64_t count = 0;
+    run<Op::CountNonfinite>(dev, DType::F32, {x, n, &count});
+    return count;
+  }
+
+  // ---- the kernel table (Note [The op list] in ops.h) --------------------------------
+  /// A registered kernel: `args` points to the OpArgs of its op; `dt` is the dtype it
+  /// was called with (a kernel registered for several dtypes may read it).
+  using KernelFn = void (*)(Backend& be, Device dev, DType dt, const void* args);
+
+  /// Runs op on `dev` with element type `dt`: one table lookup and one indirect call.
+  /// Throws dp::Error naming the op, the dtype and the device type when this backend
+  /// has no kernel for the pair.
+  template <Op op>
+  void run(Device dev, DType dt, const OpArgs<op>& args) {
+    launch(op, dt, dev, &args);
+  }
+  /// run() with the op known only at run time; `args` points to its OpArgs.
+  void launch(Op op, DType dt, Device dev, const void* args) {
+    const KernelFn fn = kernel(op, dt);
+    if (fn == nullptr) missing_kernel(op, dt);
+    fn(*this, dev, dt, args);
+  }
+  /// The kernel registered for (op, dt), or null.
+  KernelFn kernel(Op op, DType dt) const {
+    const auto o = static_cast<unsigned>(op), d = static_cast<unsigned>(dt);
+    return o < static_cast<unsigned>(kOpCount) && d < static_cast<unsigned>(kDTypeCount) ? kernels_[o][d]
+                                                                                          : nullptr;
+  }
+  /// Whether (op, dt) has a kernel here.
+  bool supports(Op op, DType dt) const { return kernel(op, dt) != nullptr; }
+
+ protected:
+  /// Registers fn for (op, dt), replacing what was there (backends call this from their
+  /// constructors; a test's wrapping backend may install its own).
+  void register_kernel(Op op, DType dt, KernelFn fn);
+  /// Registers the typed kernel F(B&, Device, const OpArgs<op>&) of backend type B for
+  /// (op, dt):
+  ///   register_typed<Op::Unary, CpuBackend, &cpu::unary<float>>(DType::F32);
+  template <Op op, typename B, void (*F)(B&, Device, const OpArgs<op>&)>
+  void register_typed(DType dt) {
+    register_kernel(op, dt, [](Backend& be, Device dev, DType, const void* args) {
+      F(static_cast<B&>(be), dev, *static_cast<const OpArgs<op>*>(args));
+    });
+  }
+  /// Throws the error of a call with no kernel: op, dtype, device type and the dtypes
+  /// that op has here. A backend may say more (the stub: how to get CUDA).
+  [[noreturn]] virtual void missing_kernel(Op op, DType dt) const;
+
+ private:
+  KernelFn kernels_[kOpCount][kDTypeCount] = {};
 };
 
 // Note [Profiler ranges]

@@ -30,6 +30,38 @@ namespace dp::backend {
 // propagates it (relu, maximum, minimum).
 
 /// y = op(x) for one element; specialised per UnaryOp below.
+// Note [Storage types]
+// Elementwise math runs in float whatever a tensor stores: a kernel over storage type T
+// widens each value it loads to acc_t<T> (float), applies the float functors below, and
+// rounds what it stores back to T. For T = float both steps are the identity, so the
+// float32 kernels compile to the plain loops they always were; a 16-bit dtype adds its
+// two conversions (AccOf, load_acc, store_acc) and its kernels are instantiations.
+
+/// The type elementwise math of storage type T runs in.
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <typename T>
+using acc_t = typename AccOf<T>::type;
+
+template <typename T>
+DP_HD inline acc_t<T> load_acc(T v) {
+  return static_cast<acc_t<T>>(v);
+}
+template <typename T>
+DP_HD inline T store_acc(acc_t<T> v) {
+  return static_cast<T>(v);
+}
+
+/// A float functor F (a Unary<...> or Binary<...>) over storage type T.
+template <typename T, typename F>
+struct OnStorage {
+  F f;
+  DP_HD T operator()(T x) const { return store_acc<T>(f(load_acc(x))); }
+  DP_HD T operator()(T a, T b) const { return store_acc<T>(f(load_acc(a), load_acc(b))); }
+};
+
 template <UnaryOp Op>
 struct Unary;
 

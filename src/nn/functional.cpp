@@ -66,8 +66,8 @@ Tensor broadcast_scalar(const Tensor& s, std::int64_t n, float factor) {
   ix.sizes[0] = n;
   ix.strides_a[0] = 0;  // stride 0: every output element reads the one value
   auto& b = be::get(dev);
-  b.strided_copy(dev, ix, fptr(s), fptr(out));
-  if (factor != 1.0f) b.affine(dev, fptr(out), fptr(out), n, factor, 0.0f);
+  b.run<be::Op::StridedCopy>(dev, be::DType::F32, {ix, fptr(s), fptr(out)});
+  if (factor != 1.0f) b.run<be::Op::Affine>(dev, be::DType::F32, {fptr(out), fptr(out), n, factor, 0.0f});
   return out;
 }
 
@@ -77,8 +77,8 @@ Tensor relu_backward(const Tensor& g, const Tensor& y) {
   Device dev = y.device();
   Tensor out = empty(y.shape(), dev);
   if (out.numel() > 0)
-    be::get(dev).binary(dev, be::BinaryOp::ReluBackward, flat_indexer(out.numel()), fptr(g), fptr(y),
-                        fptr(out));
+    be::get(dev).run<be::Op::Binary>(
+        dev, be::DType::F32, {be::BinaryOp::ReluBackward, flat_indexer(out.numel()), fptr(g), fptr(y), fptr(out)});
   return out;
 }
 
@@ -120,13 +120,13 @@ be::Pool2dShape pool_shape(const char* op, const Tensor& x, std::int64_t kh, std
 Tensor avg_pool_impl(const char* op, const char* node, const Tensor& x, const be::Pool2dShape& s) {
   Device dev = x.device();
   Tensor y = empty({s.N, s.C, s.P, s.Q}, dev);
-  if (y.numel() > 0) be::get(dev).avgpool2d_forward(dev, s, fptr(x), fptr(y));
+  if (y.numel() > 0) be::get(dev).run<be::Op::AvgPool2d>(dev, be::DType::F32, {s, fptr(x), fptr(y)});
   (void)op;
   autograd::record(node, {x}, y, [s, dev, node](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape(node, g[0], {s.N, s.C, s.P, s.Q});
     Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
-    if (gx.numel() > 0) be::get(dev).avgpool2d_backward(dev, s, fptr(g[0]), fptr(gx));
+    if (gx.numel() > 0) be::get(dev).run<be::Op::AvgPool2dBackward>(dev, be::DType::F32, {s, fptr(g[0]), fptr(gx)});
     return std::vector<Tensor>{gx};
   });
   return y;
@@ -151,18 +151,19 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
   auto& b = be::get(dev);
 
   Tensor losses = empty({B}, dev);
-  if (B > 0) b.nll_forward(dev, fptr(logp), target.data<std::int64_t>(), fptr(losses), B, C);
+  if (B > 0)
+    b.run<be::Op::NllForward>(dev, be::DType::F32, {fptr(logp), target.data<std::int64_t>(), fptr(losses), B, C});
 
   Tensor out;
   float factor = static_cast<float>(scale);
   if (reduction == Reduction::None) {
     out = losses;
-    if (factor != 1.0f && B > 0) b.affine(dev, fptr(out), fptr(out), B, factor, 0.0f);
+    if (factor != 1.0f && B > 0) b.run<be::Op::Affine>(dev, be::DType::F32, {fptr(out), fptr(out), B, factor, 0.0f});
   } else {
     if (reduction == Reduction::Mean) factor = static_cast<float>(scale / static_cast<double>(B));
     out = empty({}, dev);
-    b.reduce(dev, be::ReduceOp::Sum, fptr(losses), fptr(out), 1, B, 1);
-    if (factor != 1.0f) b.affine(dev, fptr(out), fptr(out), 1, factor, 0.0f);
+    b.run<be::Op::Reduce>(dev, be::DType::F32, {be::ReduceOp::Sum, fptr(losses), fptr(out), 1, B, 1});
+    if (factor != 1.0f) b.run<be::Op::Affine>(dev, be::DType::F32, {fptr(out), fptr(out), 1, factor, 0.0f});
   }
 
   autograd::record("NllLossBackward", {logp}, out,
@@ -173,15 +174,16 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
                      if (reduction == Reduction::None) {
                        check_grad_shape("NllLossBackward", g[0], {B});
                        gloss = empty({B}, dev);
-                       if (B > 0) bk.affine(dev, fptr(g[0]), fptr(gloss), B, factor, 0.0f);
+                       if (B > 0)
+                         bk.run<be::Op::Affine>(dev, be::DType::F32, {fptr(g[0]), fptr(gloss), B, factor, 0.0f});
                      } else {
                        DP_ASSERT(g[0].numel() == 1, "NllLossBackward: expected a scalar gradient");
                        gloss = broadcast_scalar(g[0], B, factor);
                      }
                      Tensor gx = empty({B, C}, dev);
                      if (B > 0) {
-                       bk.nll_backward(dev, fptr(gloss), target.data<std::int64_t>(), fptr(gx),
-                                       B, C);
+                       bk.run<be::Op::NllBackward>(dev, be::DType::F32,
+                                                   {fptr(gloss), target.data<std::int64_t>(), fptr(gx), B, C});
                      }
                      return std::vector<Tensor>{gx};
                    });
@@ -197,7 +199,7 @@ Tensor log_softmax_impl(const char* op, const Tensor& x) {
   DP_CHECK(cols > 0 || rows == 0, op, ": expected at least one class, got ", shape_str(x.shape()));
   Device dev = x.device();
   Tensor y = empty(x.shape(), dev);
-  if (y.numel() > 0) be::get(dev).log_softmax(dev, fptr(x), fptr(y), rows, cols);
+  if (y.numel() > 0) be::get(dev).run<be::Op::LogSoftmax>(dev, be::DType::F32, {fptr(x), fptr(y), rows, cols});
   if (autograd::needs_grad({x})) {
     // Saved without autograd history: the output's grad_fn must not own the output.
     Tensor saved = y.detach();
@@ -207,8 +209,8 @@ Tensor log_softmax_impl(const char* op, const Tensor& x) {
                        check_grad_shape("LogSoftmaxBackward", g[0], {rows, cols});
                        Tensor gx = empty({rows, cols}, dev);
                        if (gx.numel() > 0) {
-                         be::get(dev).log_softmax_backward(dev, fptr(g[0]), fptr(saved),
-                                                           fptr(gx), rows, cols);
+                         be::get(dev).run<be::Op::LogSoftmaxBackward>(dev, be::DType::F32,
+                                                                      {fptr(g[0]), fptr(saved), fptr(gx), rows, cols});
                        }
                        return std::vector<Tensor>{gx};
                      });
@@ -428,7 +430,7 @@ struct ConvSaved {
       if (empty_batch) {
         gx.zero_();
       } else {
-        bk.conv2d_backward_data(dev, s, fptr(gy), fptr(ws), fptr(gx));
+        bk.run<be::Op::Conv2dBackwardData>(dev, be::DType::F32, {s, fptr(gy), fptr(ws), fptr(gx)});
       }
       grads[0] = gx;
     }
@@ -439,7 +441,7 @@ struct ConvSaved {
         gw.zero_();
         if (gb.defined()) gb.zero_();
       } else {
-        bk.conv2d_backward_weight(dev, s, fptr(xs), fptr(gy), fptr(gw), fptr_or_null(gb));
+        bk.run<be::Op::Conv2dBackwardWeight>(dev, be::DType::F32, {s, fptr(xs), fptr(gy), fptr(gw), fptr_or_null(gb)});
       }
       if (nw) grads[1] = gw;
       if (nb) grads[2] = gb;
@@ -454,7 +456,7 @@ Tensor empty_places(std::int64_t n, Device dev) { return empty({(n + 3) / 4}, Te
 std::uint8_t* places_of(const Tensor& t) { return reinterpret_cast<std::uint8_t*>(t.data<std::int32_t>()); }
 
 /// conv2d, and conv2d_relu when `relu` (Note [Convolution + ReLU] in
-/// src/backend/cpu/cpu_gemm_conv.cpp). `mask` false: the backward leaves the ReLU's
+/// src/backend/cpu/cpu_conv.cpp). `mask` false: the backward leaves the ReLU's
 /// mask to the one consumer of the output, which applied it already (Note [ReLU mask
 /// through max-pool]).
 Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
@@ -464,9 +466,9 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
   Tensor y = empty({s.N, s.K, s.P, s.Q}, dev);
   if (y.numel() > 0) {
     if (relu) {
-      be::get(dev).conv2d_relu_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+      be::get(dev).run<be::Op::Conv2d>(dev, be::DType::F32, {s, fptr(x), fptr(w), fptr_or_null(b), fptr(y), true});
     } else {
-      be::get(dev).conv2d_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y));
+      be::get(dev).run<be::Op::Conv2d>(dev, be::DType::F32, {s, fptr(x), fptr(w), fptr_or_null(b), fptr(y), false});
     }
   }
 
@@ -487,7 +489,7 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
 
 /// conv2d_relu_max_pool2d with a 2x2, stride-2, unpadded pool, as one backend op that
 /// never holds the convolution's output (Note [Convolution, ReLU and max-pool in one
-/// pass] in src/backend/cpu/cpu_gemm_conv.cpp). Backward: the pooled gradient masked
+/// pass] in src/backend/cpu/cpu_conv.cpp). Backward: the pooled gradient masked
 /// by the pooled output > 0 (Note [ReLU mask through max-pool]), routed to each
 /// window's winner, then the convolution's backward — the separate ops' steps.
 Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
@@ -498,8 +500,8 @@ Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, st
   Tensor y = empty({s.N, s.K, ps.P, ps.Q}, dev);
   Tensor winners = empty_places(y.numel(), dev);
   if (y.numel() > 0) {
-    be::get(dev).conv2d_relu_maxpool2x2_forward(dev, s, fptr(x), fptr(w), fptr_or_null(b), fptr(y),
-                                                places_of(winners));
+    be::get(dev).run<be::Op::Conv2dReluMaxPool2x2>(
+        dev, be::DType::F32, {s, fptr(x), fptr(w), fptr_or_null(b), fptr(y), places_of(winners)});
   }
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
@@ -512,8 +514,8 @@ Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, st
                        // through max-pool]).
                        Tensor gy = empty({ps.N, ps.C, ps.H, ps.W}, saved.dev);
                        if (gin[0].numel() > 0) {
-                         be::get(saved.dev).maxpool2d_2x2_backward(saved.dev, ps, fptr(gin[0]), places_of(winners),
-                                                                   fptr(ys), fptr(gy));
+                         be::get(saved.dev).run<be::Op::MaxPool2x2Backward>(
+                             saved.dev, be::DType::F32, {ps, fptr(gin[0]), places_of(winners), fptr(ys), fptr(gy)});
                        } else {
                          gy.zero_();
                        }
@@ -549,9 +551,9 @@ namespace {
 // over the pooled gradient, a quarter of the elements for 2x2 windows, and the
 // convolution's activation need not be kept for backward. Where the backend keeps the
 // 2x2 winners in bytes, its backward applies the mask to each window as it routes it
-// (maxpool2d_2x2_backward's relu_y), so the masked pooled gradient is never written
-// and read back: on the Zen 5 EPYC that pass was 2.7 % of the Fashion-MNIST CNN's
-// CPU samples.
+// (MaxPool2x2Backward's relu_y), so the masked pooled gradient is never written
+// and read back (what that pass cost: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// "ReLU mask through max-pool").
 
 /// max_pool2d; `relu_mask`: the input is a ReLU's output whose backward skips its mask,
 /// applied here to the pooled gradient instead (Note [ReLU mask through max-pool]).
@@ -565,14 +567,14 @@ Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride
   // The winners: one byte each for 2x2 windows where the backend has them (Note
   // [Max-pool winners in a byte] in src/backend/cpu/cpu_nn.cpp); an int64 flat index
   // otherwise.
-  const bool bytes = bk.has_maxpool2d_2x2_bytes() && be::is_2x2_tiling(s);
+  const bool bytes = bk.supports(be::Op::MaxPool2x2, be::DType::F32) && be::is_2x2_tiling(s);
   const std::int64_t outputs = y.numel();
   Tensor winners = bytes ? empty_places(outputs, dev) : empty({s.N, s.C, s.P, s.Q}, TensorOptions{Dtype::Int64, dev});
   if (outputs > 0) {
     if (bytes) {
-      bk.maxpool2d_2x2_forward(dev, s, fptr(x), fptr(y), places_of(winners));
+      bk.run<be::Op::MaxPool2x2>(dev, be::DType::F32, {s, fptr(x), fptr(y), places_of(winners)});
     } else {
-      bk.maxpool2d_forward(dev, s, fptr(x), fptr(y), winners.data<std::int64_t>());
+      bk.run<be::Op::MaxPool2d>(dev, be::DType::F32, {s, fptr(x), fptr(y), winners.data<std::int64_t>()});
     }
   }
   Tensor ys = relu_mask ? y.detach() : Tensor();
@@ -582,10 +584,12 @@ Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride
     Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
     if (g[0].numel() > 0) {
       if (bytes) {  // the byte path masks in the same pass
-        be::get(dev).maxpool2d_2x2_backward(dev, s, fptr(g[0]), places_of(winners), fptr_or_null(ys), fptr(gx));
+        be::get(dev).run<be::Op::MaxPool2x2Backward>(
+            dev, be::DType::F32, {s, fptr(g[0]), places_of(winners), fptr_or_null(ys), fptr(gx)});
       } else {
         const Tensor gy = ys.defined() ? relu_backward(g[0], ys) : g[0];
-        be::get(dev).maxpool2d_backward(dev, s, fptr(gy), winners.data<std::int64_t>(), fptr(gx));
+        be::get(dev).run<be::Op::MaxPool2dBackward>(dev, be::DType::F32,
+                                                    {s, fptr(gy), winners.data<std::int64_t>(), fptr(gx)});
       }
     } else {
       gx.zero_();
@@ -607,7 +611,7 @@ Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b,
                               std::int64_t pool_padding) {
   if (pool_stride <= 0) pool_stride = pool_kernel;
   if (pool_kernel == 2 && pool_stride == 2 && pool_padding == 0 && x.defined() && w.defined() &&
-      be::get(x.device()).has_conv2d_relu_maxpool2x2()) {
+      be::get(x.device()).supports(be::Op::Conv2dReluMaxPool2x2, be::DType::F32)) {
     const be::Conv2dShape s = conv_shape_of("conv2d_relu_max_pool2d", x, w, b, stride, padding);
     if (s.P >= 2 && s.Q >= 2) return conv2d_relu_pool2x2(x, w, b, stride, padding);
   }
@@ -713,9 +717,10 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     // The running statistics are updated in place (Note [Storage versions]).
     float* rmean = running_mean.defined() ? running_mean.mutable_data<float>() : nullptr;
     float* rvar = running_var.defined() ? running_var.mutable_data<float>() : nullptr;
-    b.batchnorm_forward_train(dev, N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff),
-                              static_cast<float>(eps), static_cast<float>(momentum), rmean, rvar,
-                              fptr(y), fptr(save_mean), fptr(save_invstd));
+    b.run<be::Op::BatchNormTrain>(
+        dev, be::DType::F32,
+        {N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff), static_cast<float>(eps), static_cast<float>(momentum), rmean,
+         rvar, fptr(y), fptr(save_mean), fptr(save_invstd)});
     if (autograd::needs_grad(inputs)) {
       Tensor xs = x.detach(), gs = g_eff.detach();
       autograd::record(
@@ -726,9 +731,9 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
             if (!g[0].defined()) return grads;
             check_grad_shape("BatchNormBackward", g[0], xs.shape());
             Tensor gx = empty(xs.shape(), dev), gg = empty({C}, dev), gb = empty({C}, dev);
-            be::get(dev).batchnorm_backward(dev, N, C, HW, fptr(g[0]), fptr(xs), fptr(gs),
-                                            fptr(save_mean), fptr(save_invstd), fptr(gx),
-                                            fptr(gg), fptr(gb));
+            be::get(dev).run<be::Op::BatchNormBackward>(dev, be::DType::F32,
+                                                        {N, C, HW, fptr(g[0]), fptr(xs), fptr(gs), fptr(save_mean),
+                                                         fptr(save_invstd), fptr(gx), fptr(gg), fptr(gb)});
             grads[0] = gx;
             std::size_t i = 1;
             if (has_gamma) grads[i++] = gg;
@@ -743,9 +748,9 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
            ": evaluation mode normalises with running_mean and running_var; pass them, or use "
            "training = true");
   if (y.numel() > 0) {
-    b.batchnorm_forward_eval(dev, N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff),
-                             static_cast<float>(eps), fptr(running_mean), fptr(running_var),
-                             fptr(y));
+    b.run<be::Op::BatchNormEval>(dev, be::DType::F32,
+                                 {N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff), static_cast<float>(eps),
+                                  fptr(running_mean), fptr(running_var), fptr(y)});
   }
   if (autograd::needs_grad(inputs)) {
     // The backend has no eval-mode backward; it is a per-channel affine map, so the
@@ -788,14 +793,16 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
   Tensor y = empty(x.shape(), dev), mask = empty(x.shape(), dev);
   const std::uint64_t offset = gen.advance(static_cast<std::uint64_t>(n));
   if (n > 0) {
-    be::get(dev).dropout(dev, fptr(x), fptr(y), fptr(mask), n, static_cast<float>(p), gen.seed(),
-                         offset);
+    be::get(dev).run<be::Op::Dropout>(dev, be::DType::F32,
+                                      {fptr(x), fptr(y), fptr(mask), n, static_cast<float>(p), gen.seed(), offset});
   }
   autograd::record("DropoutBackward", {x}, y, [mask, n, dev](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape("DropoutBackward", g[0], mask.shape());
     Tensor gx = empty(mask.shape(), dev);
-    if (n > 0) be::get(dev).binary(dev, be::BinaryOp::Mul, flat_indexer(n), fptr(g[0]), fptr(mask), fptr(gx));
+    if (n > 0)
+      be::get(dev).run<be::Op::Binary>(dev, be::DType::F32,
+                                       {be::BinaryOp::Mul, flat_indexer(n), fptr(g[0]), fptr(mask), fptr(gx)});
     return std::vector<Tensor>{gx};
   });
   return y;

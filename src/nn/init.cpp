@@ -38,8 +38,9 @@ Tensor& uniform_(Tensor& t, double lo, double hi, Generator& gen) {
   const std::uint64_t offset = gen.advance(static_cast<std::uint64_t>(n));
   float* p = t.mutable_data<float>();
   if (n > 0) {
-    backend::get(t.device()).fill_uniform(t.device(), p, n, static_cast<float>(lo),
-                                          static_cast<float>(hi), gen.seed(), offset);
+    backend::get(t.device())
+        .run<backend::Op::FillUniform>(t.device(), backend::DType::F32,
+                                       {p, n, static_cast<float>(lo), static_cast<float>(hi), gen.seed(), offset});
   }
   return t;
 }
@@ -51,8 +52,9 @@ Tensor& normal_(Tensor& t, double mean, double std, Generator& gen) {
   const std::uint64_t offset = gen.advance(static_cast<std::uint64_t>(n));
   float* p = t.mutable_data<float>();
   if (n > 0) {
-    backend::get(t.device()).fill_normal(t.device(), p, n, static_cast<float>(mean),
-                                         static_cast<float>(std), gen.seed(), offset);
+    backend::get(t.device())
+        .run<backend::Op::FillNormal>(t.device(), backend::DType::F32,
+                                      {p, n, static_cast<float>(mean), static_cast<float>(std), gen.seed(), offset});
   }
   return t;
 }

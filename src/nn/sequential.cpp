@@ -30,7 +30,7 @@ void Sequential::register_child(const std::string& name, std::shared_ptr<Module>
 }
 
 // A Conv2d followed by a ReLU runs as one op, Conv2d::forward_relu (Note [Convolution +
-// ReLU] in src/backend/cpu/cpu_gemm_conv.cpp), and with a MaxPool2d after them as
+// ReLU] in src/backend/cpu/cpu_conv.cpp), and with a MaxPool2d after them as
 // conv2d_relu_max_pool2d (Note [ReLU mask through max-pool] in src/nn/functional.cpp);
 // a Linear followed by a ReLU as Linear::forward_relu (Note [Linear epilogue]): the
 // same bits without the ReLU's passes. Only the exact types qualify: a subclass may

@@ -77,10 +77,11 @@ std::vector<std::string> Adam::state_names() const { return {"exp_avg", "exp_avg
 
 void Adam::update(Device dev, float* param, const float* grad, float* const* state,
                   std::int64_t n, bool /*first*/, std::int64_t step) {
-  backend::get(dev).adam_step(dev, param, grad, state[0], state[1], n,
-                              static_cast<float>(options_.lr), static_cast<float>(std::get<0>(options_.betas)),
-                              static_cast<float>(std::get<1>(options_.betas)), static_cast<float>(options_.eps),
-                              static_cast<float>(options_.weight_decay), decoupled_, step);
+  backend::get(dev).run<backend::Op::AdamStep>(
+      dev, backend::DType::F32,
+      {param, grad, state[0], state[1], n, static_cast<float>(options_.lr),
+       static_cast<float>(std::get<0>(options_.betas)), static_cast<float>(std::get<1>(options_.betas)),
+       static_cast<float>(options_.eps), static_cast<float>(options_.weight_decay), decoupled_, step});
 }
 
 }  // namespace dp::optim

@@ -44,10 +44,11 @@ std::vector<std::string> SGD::state_names() const {
 
 void SGD::update(Device dev, float* param, const float* grad, float* const* state,
                  std::int64_t n, bool first, std::int64_t /*step*/) {
-  backend::get(dev).sgd_step(dev, param, grad, options_.momentum != 0 ? state[0] : nullptr, n,
-                             static_cast<float>(options_.lr), static_cast<float>(options_.momentum),
-                             static_cast<float>(options_.dampening),
-                             static_cast<float>(options_.weight_decay), options_.nesterov, first);
+  backend::get(dev).run<backend::Op::SgdStep>(
+      dev, backend::DType::F32,
+      {param, grad, options_.momentum != 0 ? state[0] : nullptr, n, static_cast<float>(options_.lr),
+       static_cast<float>(options_.momentum), static_cast<float>(options_.dampening),
+       static_cast<float>(options_.weight_decay), options_.nesterov, first});
 }
 
 }  // namespace dp::optim

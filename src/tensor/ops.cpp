@@ -18,6 +18,8 @@ using backend::ReduceOp;
 using backend::UnaryOp;
 
 backend::Backend& be(const Tensor& t) { return backend::get(t.device()); }
+using backend::DType;
+using backend::Op;
 
 // Note [Broadcasting]
 // Shapes align at their trailing dims; a size-1 (or missing) dim stretches. The
@@ -97,22 +99,23 @@ Tensor binary_raw(const char* op, BinaryOp kind, const Tensor& a, const Tensor& 
   Tensor out = empty(out_shape, a.device());
   if (out.numel() == 0) return out;
   Indexer ix = make_indexer(a.shape(), b.shape(), out_shape);
-  be(a).binary(a.device(), kind, ix, a.data<float>(), b.data<float>(), out.data<float>());
+  be(a).run<Op::Binary>(a.device(), DType::F32, {kind, ix, a.data<float>(), b.data<float>(), out.data<float>()});
   return out;
 }
 
 Tensor unary_raw(const char* op, UnaryOp kind, const Tensor& a) {
   detail::check_float(op, a);
   Tensor out = empty(a.shape(), a.device());
-  be(a).unary(a.device(), kind, a.data<float>(), out.data<float>(), a.numel());
+  be(a).run<Op::Unary>(a.device(), DType::F32, {kind, a.data<float>(), out.data<float>(), a.numel()});
   return out;
 }
 
 Tensor affine_raw(const Tensor& a, double alpha, double beta) {
   detail::check_float("affine", a);
   Tensor out = empty(a.shape(), a.device());
-  be(a).affine(a.device(), a.data<float>(), out.data<float>(), a.numel(), static_cast<float>(alpha),
-               static_cast<float>(beta));
+  be(a).run<Op::Affine>(a.device(), DType::F32,
+                        {a.data<float>(), out.data<float>(), a.numel(), static_cast<float>(alpha),
+                         static_cast<float>(beta)});
   return out;
 }
 
@@ -123,7 +126,7 @@ Tensor expand_to(const Tensor& g, const Shape& shape) {
   if (out.numel() == 0) return out;
   broadcast_shape("expand", g.shape(), shape);
   Indexer ix = make_indexer(g.shape(), g.shape(), shape);
-  be(g).strided_copy(g.device(), ix, g.data<float>(), out.data<float>());
+  be(g).run<Op::StridedCopy>(g.device(), DType::F32, {ix, g.data<float>(), out.data<float>()});
   return out;
 }
 
@@ -183,13 +186,14 @@ ReduceGeometry reduce_geometry(const Tensor& a, std::int64_t d) {
 Tensor reduce_raw(ReduceOp op, const Tensor& a, std::int64_t d, bool keepdim) {
   ReduceGeometry g = reduce_geometry(a, d);
   Tensor out = empty(keepdim ? g.out_keep : g.out, a.device());
-  be(a).reduce(a.device(), op, a.data<float>(), out.data<float>(), g.outer, g.r, g.inner);
+  be(a).run<Op::Reduce>(a.device(), DType::F32, {op, a.data<float>(), out.data<float>(), g.outer, g.r, g.inner});
   return out;
 }
 
 Tensor sum_all_raw(const Tensor& a) {
   Tensor out = empty({}, a.device());
-  be(a).reduce(a.device(), ReduceOp::Sum, a.data<float>(), out.data<float>(), 1, a.numel(), 1);
+  be(a).run<Op::Reduce>(a.device(), DType::F32,
+                        {ReduceOp::Sum, a.data<float>(), out.data<float>(), 1, a.numel(), 1});
   return out;
 }
 
@@ -305,7 +309,8 @@ Tensor eq(const Tensor& a, const Tensor& b) {
     Tensor out = empty(out_shape, a.device());
     if (out.numel() == 0) return out;
     Indexer ix = make_indexer(a.shape(), b.shape(), out_shape);
-    be(a).eq_i64(a.device(), ix, a.data<std::int64_t>(), b.data<std::int64_t>(), out.data<float>());
+    be(a).run<Op::Binary>(a.device(), DType::I64,
+                          {BinaryOp::Eq, ix, a.data<std::int64_t>(), b.data<std::int64_t>(), out.data<float>()});
     return out;
   }
   return binary_raw("eq", BinaryOp::Eq, a, b);
@@ -509,7 +514,8 @@ Tensor argmax(const Tensor& a, std::int64_t dim, bool keepdim) {
   DP_CHECK(a.size(d) > 0, "argmax: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
   ReduceGeometry g = reduce_geometry(a, d);
   Tensor out = empty(keepdim ? g.out_keep : g.out, TensorOptions{Dtype::Int64, a.device()});
-  be(a).argmax(a.device(), a.data<float>(), out.data<std::int64_t>(), g.outer, g.r, g.inner);
+  be(a).run<Op::Argmax>(a.device(), DType::F32,
+                        {a.data<float>(), out.data<std::int64_t>(), g.outer, g.r, g.inner});
   return out;
 }
 
@@ -556,11 +562,12 @@ void gemm_into(const Tensor& a, bool ta, const Tensor& b, bool tb, float beta, c
             c.str(), " for a (", m, ", ", n, ") product");
   if (c.numel() == 0) return;
   if (k == 0) {  // nothing to add; beta 0 overwrites
-    if (beta == 0.0f) be(a).fill(a.device(), out, c.numel(), 0.0f);
+    if (beta == 0.0f) be(a).run<Op::Fill>(a.device(), DType::F32, {out, c.numel(), 0.0f});
     return;
   }
-  be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), beta,
-             out, n);
+  be(a).run<Op::Gemm>(
+      a.device(), DType::F32,
+      {ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), beta, out, n, {}});
 }
 
 // c = op(a) * op(b), a fresh tensor.
@@ -603,8 +610,8 @@ Tensor bmm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
   float* pc = c.data<float>();
   const std::int64_t sa = a.size(1) * a.size(2), sb = b.size(1) * b.size(2);
   for (std::int64_t i = 0; i < batch; ++i)
-    be(a).gemm(a.device(), ta, tb, m, n, k, 1.0f, pa + i * sa, a.size(2), pb + i * sb, b.size(2), 0.0f,
-               pc + i * m * n, n);
+    be(a).run<Op::Gemm>(a.device(), DType::F32,
+                        {ta, tb, m, n, k, 1.0f, pa + i * sa, a.size(2), pb + i * sb, b.size(2), 0.0f, pc + i * m * n, n, {}});
   return c;
 }
 
@@ -718,7 +725,7 @@ bool is_linear_relu_output(const Tensor& x) {
 }
 
 // linear, and linear_relu when `relu`: one backend call computes the product, the bias
-// and the ReLU (Note [Linear epilogue] in src/backend/cpu/cpu_gemm_conv.cpp).
+// and the ReLU (Note [Linear epilogue] in src/backend/cpu/cpu_gemm.cpp).
 Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu) {
   const char* op = relu ? "linear_relu" : "linear";
   detail::check_same_device(op, x, w);
@@ -736,8 +743,12 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
   const std::int64_t m = x.size(0), n = w.size(0), k = x.size(1);
   Tensor out = empty({m, n}, x.device());  // (B, out)
   if (out.numel() > 0) {
-    be(x).linear_forward(x.device(), m, n, k, x.data<float>(), w.data<float>(),
-                         b.defined() ? b.data<float>() : nullptr, out.data<float>(), relu);
+    // The Linear's forward y = x·wᵀ + b, then relu (GemmEpilogue; Note [Linear epilogue]).
+    const std::int64_t ld_k = std::max<std::int64_t>(1, k), ld_n = std::max<std::int64_t>(1, n);
+    const backend::GemmEpilogue ep{b.defined() ? b.data<float>() : nullptr, relu, nullptr};
+    be(x).run<Op::Gemm>(x.device(), DType::F32,
+                        {false, true, m, n, k, 1.0f, x.data<float>(), ld_k, w.data<float>(), ld_k, 0.0f,
+                         out.data<float>(), ld_n, ep});
   }
   bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
   if (!autograd::needs_grad({x, w, b})) return out;
@@ -754,9 +765,15 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
                      Tensor dx;
                      if (mask_gx) {
                        dx = empty(x.shape(), x.device());
-                       if (dx.numel() > 0)
-                         be(x).linear_backward_input(x.device(), x.size(0), x.size(1), w.size(0), gy.data<float>(),
-                                                     w.data<float>(), x.data<float>(), dx.data<float>());
+                       if (dx.numel() > 0) {
+                         // dx = gy·w masked by x > 0 (GemmEpilogue::relu_y).
+                         const std::int64_t mm = x.size(0), nn = x.size(1), kk = w.size(0);
+                         const std::int64_t ld_k = std::max<std::int64_t>(1, kk), ld_n = std::max<std::int64_t>(1, nn);
+                         const backend::GemmEpilogue ep{nullptr, false, x.data<float>()};
+                         be(x).run<Op::Gemm>(x.device(), DType::F32,
+                                             {false, false, mm, nn, kk, 1.0f, gy.data<float>(), ld_k, w.data<float>(),
+                                              ld_n, 0.0f, dx.data<float>(), ld_n, ep});
+                       }
                        t_masked_grad = {dx.impl_ptr(), x.storage().get()};
                      } else if (gx) {
                        dx = grad_gemm(gy, false, w, false, 0);
@@ -868,18 +885,24 @@ Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64,
     Indexer ix = gather_indexer(out_words, words.shape(), index_strides);
     Tensor out = empty(out_words, input.device());
     if (out.numel() > 0)
-      be(input).gather(input.device(), ix, d, words.data<float>(), index64.data<std::int64_t>(), out.data<float>());
+      be(input).run<Op::Gather>(input.device(), DType::F32,
+                                {ix, static_cast<int>(d), words.data<float>(), index64.data<std::int64_t>(),
+                                 out.data<float>()});
     return from_words(out, input.dtype(), out_shape);
   }
   Indexer ix = gather_indexer(out_shape, input.shape(), index_strides);
   Tensor out = empty(out_shape, input.device());
-  if (out.numel() > 0) be(input).gather(input.device(), ix, d, input.data<float>(), index64.data<std::int64_t>(),
-                                        out.data<float>());
+  if (out.numel() > 0)
+    be(input).run<Op::Gather>(input.device(), DType::F32,
+                              {ix, static_cast<int>(d), input.data<float>(), index64.data<std::int64_t>(),
+                               out.data<float>()});
   Shape in_shape = input.shape();
   autograd::record(node, {input}, out, [in_shape, index64, ix, d](const std::vector<Tensor>& g) {
     Tensor gx = zeros(in_shape, g[0].device());
     if (g[0].numel() > 0)
-      be(g[0]).scatter_add(g[0].device(), ix, d, g[0].data<float>(), index64.data<std::int64_t>(), gx.data<float>());
+      be(g[0]).run<Op::ScatterAdd>(g[0].device(), DType::F32,
+                                   {ix, static_cast<int>(d), g[0].data<float>(), index64.data<std::int64_t>(),
+                                    gx.data<float>()});
     return std::vector<Tensor>{gx};
   });
   return out;
@@ -941,8 +964,8 @@ Tensor index_add(const Tensor& input, std::int64_t dim, const Tensor& index, con
     std::vector<std::int64_t> idx_strides(want.size(), 0);
     idx_strides[d] = 1;
     Indexer ix = gather_indexer(want, input.shape(), idx_strides);
-    be(out).scatter_add(out.device(), ix, static_cast<int>(d), source.data<float>(), idx.data<std::int64_t>(),
-                        out.data<float>());
+    be(out).run<Op::ScatterAdd>(out.device(), DType::F32,
+                                {ix, static_cast<int>(d), source.data<float>(), idx.data<std::int64_t>(), out.data<float>()});
   }
   autograd::record("IndexAddBackward", {input, source}, out, [d, idx](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{g[0], index_select(g[0], d, idx)};

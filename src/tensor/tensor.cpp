@@ -305,16 +305,8 @@ Tensor Tensor::to(Dtype target) const {
   // bits, which is what a direct cast gives wherever that is defined.
   if (dtype() != Dtype::Int64 && target != Dtype::Int64) return to(Dtype::Int64).to(target);
   Tensor out(new_impl(shape(), target, device()));
-  auto& be = backend::get(device());
-  const std::int64_t n = numel();
-  if (dtype() == Dtype::Float32)
-    be.cast_f32_to_i64(device(), data<float>(), out.data<std::int64_t>(), n);
-  else if (dtype() == Dtype::Int32)
-    be.cast_i32_to_i64(device(), data<std::int32_t>(), out.data<std::int64_t>(), n);
-  else if (target == Dtype::Float32)
-    be.cast_i64_to_f32(device(), data<std::int64_t>(), out.data<float>(), n);
-  else
-    be.cast_i64_to_i32(device(), data<std::int64_t>(), out.data<std::int32_t>(), n);
+  backend::get(device()).run<backend::Op::Cast>(
+      device(), detail::kernel_dtype(target), {raw_data(), detail::kernel_dtype(dtype()), out.raw_data(), numel()});
   return out;
 }
 
@@ -476,7 +468,8 @@ Tensor Tensor::t() const {
   ix.sizes[1] = r;
   ix.strides_a[0] = 1;
   ix.strides_a[1] = c;
-  backend::get(device()).strided_copy(device(), ix, data<float>(), out.data<float>());
+  backend::get(device()).run<backend::Op::StridedCopy>(device(), backend::DType::F32,
+                                                      {ix, data<float>(), out.data<float>()});
   autograd::record("TransposeBackward", {*this}, out,
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0].t()}; });
   return out;
@@ -525,7 +518,8 @@ Tensor Tensor::permute(const std::vector<std::int64_t>& dims) const {
       ix.ndim = 1;
       ix.sizes[0] = 1;
     }
-    backend::get(device()).strided_copy(device(), ix, data<float>(), out.data<float>());
+    backend::get(device()).run<backend::Op::StridedCopy>(device(), backend::DType::F32,
+                                                         {ix, data<float>(), out.data<float>()});
   }
   std::vector<std::int64_t> inverse(perm.size());
   for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<std::int64_t>(i);
@@ -558,31 +552,40 @@ Tensor& Tensor::zero_() {
 }
 
 Tensor& Tensor::fill_(double value) {
+  using backend::DType;
+  using backend::Op;
   auto& be = backend::get(device());
   if (dtype() == Dtype::Float32) {
-    be.fill(device(), mutable_data<float>(), numel(), static_cast<float>(value));
+    be.run<Op::Fill>(device(), DType::F32, {mutable_data<float>(), numel(), static_cast<float>(value)});
   } else if (dtype() == Dtype::Int64) {
-    be.fill_i64(device(), mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+    be.run<Op::Fill>(device(), DType::I64,
+                     {mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value)});
   } else {
     // int32 has no fill kernel of its own: fill an int64 copy and narrow it.
     Tensor wide = empty(shape(), TensorOptions{Dtype::Int64, device()});
-    be.fill_i64(device(), wide.data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
-    be.cast_i64_to_i32(device(), wide.data<std::int64_t>(), mutable_data<std::int32_t>(), numel());
+    be.run<Op::Fill>(device(), DType::I64, {wide.data<std::int64_t>(), numel(), static_cast<std::int64_t>(value)});
+    be.run<Op::Cast>(device(), DType::I32,
+                     {wide.data<std::int64_t>(), DType::I64, mutable_data<std::int32_t>(), numel()});
   }
   return *this;
 }
 
 Tensor& Tensor::add_(double value) {
+  using backend::DType;
+  using backend::Op;
   auto& be = backend::get(device());
   if (dtype() == Dtype::Float32) {
     float* p = mutable_data<float>();
-    be.affine(device(), p, p, numel(), 1.0f, static_cast<float>(value));
+    be.run<Op::Affine>(device(), DType::F32, {p, p, numel(), 1.0f, static_cast<float>(value)});
   } else if (dtype() == Dtype::Int64) {
-    be.add_i64(device(), mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
+    be.run<Op::AddScalar>(device(), DType::I64,
+                          {mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value)});
   } else {
     Tensor wide = to(Dtype::Int64);
-    be.add_i64(device(), wide.data<std::int64_t>(), numel(), static_cast<std::int64_t>(value));
-    be.cast_i64_to_i32(device(), wide.data<std::int64_t>(), mutable_data<std::int32_t>(), numel());
+    be.run<Op::AddScalar>(device(), DType::I64,
+                          {wide.data<std::int64_t>(), numel(), static_cast<std::int64_t>(value)});
+    be.run<Op::Cast>(device(), DType::I32,
+                     {wide.data<std::int64_t>(), DType::I64, mutable_data<std::int32_t>(), numel()});
   }
   return *this;
 }
@@ -601,13 +604,14 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
   DP_CHECK(other.shape() == shape(), "add_: expected shape ", shape_str(shape()), ", got ",
            shape_str(other.shape()));
   const float* x = other.data<float>();
-  backend::get(device()).axpy(device(), alpha, x, mutable_data<float>(), numel());
+  backend::get(device()).run<backend::Op::Axpy>(device(), backend::DType::F32,
+                                               {alpha, x, mutable_data<float>(), numel()});
   return *this;
 }
 
 Tensor& Tensor::mul_(float value) {
   float* p = mutable_data<float>();
-  backend::get(device()).affine(device(), p, p, numel(), value, 0.0f);
+  backend::get(device()).run<backend::Op::Affine>(device(), backend::DType::F32, {p, p, numel(), value, 0.0f});
   return *this;
 }
 
@@ -706,8 +710,9 @@ Tensor empty_like(const Tensor& t) { return empty(t.shape(), TensorOptions{t.dty
 Tensor randn(const Shape& shape, Generator& gen, Device device) {
   Tensor t = empty(shape, device);
   std::int64_t n = t.numel();
-  backend::get(device).fill_normal(device, t.data<float>(), n, 0.0f, 1.0f, gen.seed(),
-                                   gen.advance(static_cast<std::uint64_t>(n)));
+  backend::get(device).run<backend::Op::FillNormal>(
+      device, backend::DType::F32,
+      {t.data<float>(), n, 0.0f, 1.0f, gen.seed(), gen.advance(static_cast<std::uint64_t>(n))});
   return t;
 }
 
@@ -715,9 +720,10 @@ Tensor uniform(const Shape& shape, double lo, double hi, Generator& gen, Device 
   DP_CHECK(lo <= hi, "uniform: expected lo <= hi, got [", lo, ", ", hi, ")");
   Tensor t = empty(shape, device);
   std::int64_t n = t.numel();
-  backend::get(device).fill_uniform(device, t.data<float>(), n, static_cast<float>(lo),
-                                    static_cast<float>(hi), gen.seed(),
-                                    gen.advance(static_cast<std::uint64_t>(n)));
+  backend::get(device).run<backend::Op::FillUniform>(
+      device, backend::DType::F32,
+      {t.data<float>(), n, static_cast<float>(lo), static_cast<float>(hi), gen.seed(),
+       gen.advance(static_cast<std::uint64_t>(n))});
   return t;
 }
 
@@ -734,8 +740,10 @@ Tensor normal(double mean, double std, const Shape& shape, Generator& gen, Devic
            "normal: expected a finite mean and a finite std >= 0, got mean ", mean, ", std ", std);
   Tensor t = empty(shape, device);
   std::int64_t n = t.numel();
-  backend::get(device).fill_normal(device, t.data<float>(), n, static_cast<float>(mean), static_cast<float>(std),
-                                   gen.seed(), gen.advance(static_cast<std::uint64_t>(n)));
+  backend::get(device).run<backend::Op::FillNormal>(
+      device, backend::DType::F32,
+      {t.data<float>(), n, static_cast<float>(mean), static_cast<float>(std), gen.seed(),
+       gen.advance(static_cast<std::uint64_t>(n))});
   return t;
 }
 
@@ -766,9 +774,10 @@ Tensor arange(std::int64_t n, TensorOptions opts) {
   Tensor t = empty({n}, opts);
   auto& be = backend::get(opts.device);
   if (opts.dtype == Dtype::Float32)
-    be.arange(opts.device, t.data<float>(), n, 0.0f, 1.0f);
+    be.run<backend::Op::Arange>(opts.device, backend::DType::F32, {t.data<float>(), n, 0.0f, 1.0f});
   else
-    be.arange_i64(opts.device, t.data<std::int64_t>(), n, 0, 1);
+    be.run<backend::Op::Arange>(opts.device, backend::DType::I64,
+                                {t.data<std::int64_t>(), n, std::int64_t{0}, std::int64_t{1}});
   return t;
 }
 

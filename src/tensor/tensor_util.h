@@ -2,10 +2,18 @@
 // (internal): device/dtype checks with uniform messages, byte copies across devices.
 #pragma once
 
+#include "backend/ops.h"
 #include "dp/core/error.h"
 #include "dp/tensor/tensor.h"
 
 namespace dp::detail {
+
+// A tensor's dtype indexes the backend's kernel table as it is (Note [The op list]).
+static_assert(static_cast<int>(Dtype::Float32) == static_cast<int>(backend::DType::F32) &&
+              static_cast<int>(Dtype::Int64) == static_cast<int>(backend::DType::I64) &&
+              static_cast<int>(Dtype::Int32) == static_cast<int>(backend::DType::I32));
+/// The backend's name for `dtype`.
+constexpr backend::DType kernel_dtype(Dtype dtype) { return static_cast<backend::DType>(dtype); }
 
 /// Copies bytes between any two devices (CPU virtual devices count as host memory).
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t nbytes);

@@ -27,27 +27,19 @@ using dp::Device;
 using dp::backend::Backend;
 using dp::backend::BinaryOp;
 using dp::backend::Conv2dShape;
+using dp::backend::DType;
 using dp::backend::Indexer;
+using dp::backend::Op;
 using dp::backend::Pool2dShape;
 using dp::backend::ReduceOp;
 using dp::backend::UnaryOp;
 using i64 = std::int64_t;
 
+/// The names of the Kernels after the table's ops (those are named by op_name).
 constexpr const char* kKernelNames[] = {
-    "fill", "fill_i64", "add_i64", "arange", "arange_i64", "cast_i64_to_f32",
-    "cast_f32_to_i64", "eq_i64", "cast_i32_to_i64", "cast_i64_to_i32",
-    "unary", "affine", "axpy", "binary", "strided_copy", "gather", "scatter_add",
-    "fill_uniform", "fill_normal", "dropout",
-    "reduce", "argmax", "count_nonfinite",
-    "gemm",
-    "log_softmax", "log_softmax_backward", "nll_forward", "nll_backward",
-    "conv2d_forward", "conv2d_relu_forward", "conv2d_backward_data", "conv2d_backward_weight",
-    "maxpool2d_forward", "maxpool2d_backward", "avgpool2d_forward", "avgpool2d_backward",
-    "batchnorm_forward_train", "batchnorm_forward_eval", "batchnorm_backward",
-    "sgd_step", "adam_step",
     "copy", "copy_from_host", "copy_to_host", "memset_zero"};
-static_assert(std::size(kKernelNames) == static_cast<std::size_t>(Kernel::kCount),
-              "one name per Kernel, in enum order");
+static_assert(std::size(kKernelNames) + dp::backend::kOpCount == static_cast<std::size_t>(Kernel::kCount),
+              "one name per Kernel after the ops, in enum order");
 
 // ---- tolerances ------------------------------------------------------------------------
 
@@ -248,10 +240,14 @@ class Table {
   std::vector<OpCase> cases;
   Suite suite = Suite::Check;
 
+  void add(Kernel kernel, DType dtype, std::string name, std::string shape, Tolerance tol, double flops,
+           double bytes, std::function<void(OpRun&)> build) {
+    cases.push_back(OpCase{kernel, dtype, std::move(name), std::move(shape), suite, tol, flops, bytes,
+                           std::move(build)});
+  }
   void add(Kernel kernel, std::string name, std::string shape, Tolerance tol, double flops,
            double bytes, std::function<void(OpRun&)> build) {
-    cases.push_back(OpCase{kernel, std::move(name), std::move(shape), suite, tol, flops, bytes,
-                           std::move(build)});
+    add(kernel, DType::F32, std::move(name), std::move(shape), tol, flops, bytes, std::move(build));
   }
   void add(Kernel kernel, std::string shape, Tolerance tol, double flops, double bytes,
            std::function<void(OpRun&)> build) {
@@ -266,35 +262,35 @@ void add_fill(Table& t, i64 n) {
   t.add(Kernel::Fill, count(n), kExact, 0, kF * n, [n](OpRun& r) {
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.fill(d, y, n, 3.5f); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Fill>(d, DType::F32, {y, n, 3.5f}); });
   });
 }
 
 void add_integer_and_cast(Table& t, i64 n) {
-  t.add(Kernel::FillI64, count(n), kExact, 0, kL * n, [n](OpRun& r) {
+  t.add(Kernel::Fill, DType::I64, "fill_i64", count(n), kExact, 0, kL * n, [n](OpRun& r) {
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.fill_i64(d, y, n, -7); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Fill>(d, DType::I64, {y, n, i64{-7}}); });
   });
-  t.add(Kernel::AddI64, count(n), kExact, 0, 2 * kL * n, [n](OpRun& r) {
+  t.add(Kernel::AddScalar, DType::I64, "add_i64", count(n), kExact, 0, 2 * kL * n, [n](OpRun& r) {
     // Values near 2^40: exact in int64 only, so a float detour would show.
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));
     for (i64 i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = (i64{1} << 40) + 3 * i - 5;
     std::int64_t* y = r.upload(v);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.add_i64(d, y, n, 7); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::AddScalar>(d, DType::I64, {y, n, i64{7}}); });
   });
   t.add(Kernel::Arange, count(n), kExact, 0, kF * n, [n](OpRun& r) {
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.arange(d, y, n, -2.0f, 0.25f); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Arange>(d, DType::F32, {y, n, -2.0f, 0.25f}); });
   });
-  t.add(Kernel::ArangeI64, count(n), kExact, 0, kL * n, [n](OpRun& r) {
+  t.add(Kernel::Arange, DType::I64, "arange_i64", count(n), kExact, 0, kL * n, [n](OpRun& r) {
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.arange_i64(d, y, n, -7, 3); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Arange>(d, DType::I64, {y, n, i64{-7}, i64{3}}); });
   });
-  t.add(Kernel::CastI64ToF32, count(n), kExact, 0, (kL + kF) * n, [n](OpRun& r) {
+  t.add(Kernel::Cast, DType::F32, "cast_i64_to_f32", count(n), kExact, 0, (kL + kF) * n, [n](OpRun& r) {
     // Up to ±2^30: beyond float's 24-bit mantissa, so rounding to nearest is checked.
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));
     for (i64 i = 0; i < n; ++i)
@@ -303,29 +299,29 @@ void add_integer_and_cast(Table& t, i64 n) {
     std::int64_t* x = r.upload(v);
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.cast_i64_to_f32(d, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::F32, {x, DType::I64, y, n}); });
   });
-  t.add(Kernel::CastF32ToI64, count(n), kExact, 0, (kF + kL) * n, [n](OpRun& r) {
+  t.add(Kernel::Cast, DType::I64, "cast_f32_to_i64", count(n), kExact, 0, (kF + kL) * n, [n](OpRun& r) {
     float* x = r.uniform(n, -1e6f, 1e6f);  // fractional parts: truncation toward 0
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.cast_f32_to_i64(d, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::I64, {x, DType::F32, y, n}); });
   });
 }
 
 void add_int32_casts(Table& t, i64 n) {
   // Values spread over the whole int32 range, negatives included, and int64 values
   // beyond it: narrowing keeps the low 32 bits.
-  t.add(Kernel::CastI32ToI64, count(n), kExact, 0, (4 + kL) * n, [n](OpRun& r) {
+  t.add(Kernel::Cast, DType::I64, "cast_i32_to_i64", count(n), kExact, 0, (4 + kL) * n, [n](OpRun& r) {
     std::vector<std::int32_t> v(static_cast<std::size_t>(n));
     for (i64 i = 0; i < n; ++i)
       v[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(mix(static_cast<std::uint64_t>(i)) >> 32);
     const std::int32_t* x = r.upload(v);
     std::int64_t* y = r.empty_i64(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.cast_i32_to_i64(d, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::I64, {x, DType::I32, y, n}); });
   });
-  t.add(Kernel::CastI64ToI32, count(n), kExact, 0, (kL + 4) * n, [n](OpRun& r) {
+  t.add(Kernel::Cast, DType::I32, "cast_i64_to_i32", count(n), kExact, 0, (kL + 4) * n, [n](OpRun& r) {
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));
     for (i64 i = 0; i < n; ++i)
       v[static_cast<std::size_t>(i)] = static_cast<i64>(mix(static_cast<std::uint64_t>(i)) >> 20) -
@@ -333,11 +329,11 @@ void add_int32_casts(Table& t, i64 n) {
     const std::int64_t* x = r.upload(v);
     std::int32_t* y = r.upload(std::vector<std::int32_t>(static_cast<std::size_t>(n), -1));
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.cast_i64_to_i32(d, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::I32, {x, DType::I64, y, n}); });
   });
 }
 
-/// gather and scatter_add (Note [Gather geometry] in backend.h) on x (outer, r, inner)
+/// gather and scatter_add (Note [Gather geometry] in ops.h) on x (outer, r, inner)
 /// along dim 1: index (outer, m, inner) as torch.gather has it, or a 1-d index of m
 /// rows broadcast as index_select has it. Integer-valued sources keep scatter_add's
 /// sums exact in any order (CUDA adds with atomics).
@@ -358,20 +354,20 @@ void add_gather(Table& t, i64 outer, i64 r_, i64 inner, i64 m, bool select) {
     const std::int64_t* idx = r.upload(indices(r));
     float* out = r.empty(nout);
     r.output("out", out, nout);
-    r.set_call([=](Backend& b, Device d) { b.gather(d, ix, 1, x, idx, out); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Gather>(d, DType::F32, {ix, 1, x, idx, out}); });
   });
   t.add(Kernel::ScatterAdd, shape, kExact, 0, kF * nout * 3 + kL * nidx, [=](OpRun& r) {
     const float* src = r.uniform(nout, -4, 4, true);
     const std::int64_t* idx = r.upload(indices(r));
     float* y = r.uniform(outer * r_ * inner, -4, 4, true);
     r.output("y", y, outer * r_ * inner);
-    r.set_call([=](Backend& b, Device d) { b.scatter_add(d, ix, 1, src, idx, y); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::ScatterAdd>(d, DType::F32, {ix, 1, src, idx, y}); });
   });
 }
 
 void add_eq_i64(Table& t, i64 rows, i64 cols) {
   const Indexer ix = indexer({rows, cols}, {cols, 1}, {0, 1});  // (R, C) == (C)
-  t.add(Kernel::EqI64, dims({rows, cols}) + " == " + std::to_string(cols), kExact, 0,
+  t.add(Kernel::Binary, DType::I64, "eq_i64", dims({rows, cols}) + " == " + std::to_string(cols), kExact, 0,
         kL * (rows * cols + cols) + kF * rows * cols, [=](OpRun& r) {
           auto to_i64 = [](const std::vector<float>& v) {
             return std::vector<std::int64_t>(v.begin(), v.end());
@@ -380,7 +376,7 @@ void add_eq_i64(Table& t, i64 rows, i64 cols) {
           const std::int64_t* b = r.upload(to_i64(r.host_uniform(cols, 0, 4, true)));
           float* out = r.empty(rows * cols);
           r.output("out", out, rows * cols);
-          r.set_call([=](Backend& be, Device d) { be.eq_i64(d, ix, a, b, out); });
+          r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, DType::I64, {BinaryOp::Eq, ix, a, b, out}); });
         });
 }
 
@@ -420,7 +416,7 @@ void add_unary(Table& t, const UnaryRow& u, i64 n) {
           const float* x = r.uniform(n, u.lo, u.hi);
           float* y = r.empty(n);
           r.output("y", y, n);
-          r.set_call([=](Backend& b, Device d) { b.unary(d, u.op, x, y, n); });
+          r.set_call([=](Backend& b, Device d) { b.run<Op::Unary>(d, DType::F32, {u.op, x, y, n}); });
         });
 }
 
@@ -430,19 +426,19 @@ void add_elementwise_misc(Table& t, i64 n) {
         [=](OpRun& r) {
           float* x = r.uniform(n, -3, 3);
           r.output("x", x, n);
-          r.set_call([=](Backend& b, Device d) { b.unary(d, UnaryOp::Tanh, x, x, n); });
+          r.set_call([=](Backend& b, Device d) { b.run<Op::Unary>(d, DType::F32, {UnaryOp::Tanh, x, x, n}); });
         });
   t.add(Kernel::Affine, count(n), kFma, 0, 2 * kF * n, [=](OpRun& r) {
     const float* x = r.uniform(n, -3, 3);
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.affine(d, x, y, n, 1.5f, -0.25f); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Affine>(d, DType::F32, {x, y, n, 1.5f, -0.25f}); });
   });
   t.add(Kernel::Axpy, count(n), kFma, 0, 3 * kF * n, [=](OpRun& r) {
     const float* x = r.uniform(n, -3, 3);
     float* y = r.uniform(n, -3, 3);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.axpy(d, -0.75f, x, y, n); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Axpy>(d, DType::F32, {-0.75f, x, y, n}); });
   });
 }
 
@@ -454,7 +450,7 @@ void add_binary(Table& t, const BinaryRow& row, const std::string& layout, const
           const float* b = r.uniform(nb, row.b_lo, row.b_hi, row.integers);
           float* out = r.empty(n);
           r.output("out", out, n);
-          r.set_call([=](Backend& be, Device d) { be.binary(d, row.op, ix, a, b, out); });
+          r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, DType::F32, {row.op, ix, a, b, out}); });
         });
 }
 
@@ -472,7 +468,7 @@ void add_strided_copy(Table& t, const std::string& what, const Indexer& ix) {
     const float* a = r.uniform(na, -1, 1);
     float* out = r.empty(n);
     r.output("out", out, n);
-    r.set_call([=](Backend& b, Device d) { b.strided_copy(d, ix, a, out); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::StridedCopy>(d, DType::F32, {ix, a, out}); });
   });
 }
 
@@ -480,13 +476,13 @@ void add_random(Table& t, i64 n) {
   t.add(Kernel::FillUniform, count(n), kExact, 0, kF * n, [=](OpRun& r) {
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.fill_uniform(d, y, n, -1.0f, 3.0f, 1234, 77); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::FillUniform>(d, DType::F32, {y, n, -1.0f, 3.0f, 1234, 77}); });
   });
   // Box-Muller's logf/cosf differ by a few ulps between CPU and CUDA.
   t.add(Kernel::FillNormal, count(n), {4e-6, 4e-6}, 0, kF * n, [=](OpRun& r) {
     float* y = r.empty(n);
     r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) { b.fill_normal(d, y, n, 0.5f, 2.0f, 42, 0); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::FillNormal>(d, DType::F32, {y, n, 0.5f, 2.0f, 42, 0}); });
   });
   t.add(Kernel::Dropout, count(n) + " p=0.3", kExact, 0, 3 * kF * n, [=](OpRun& r) {
     const float* x = r.uniform(n, -1, 1);
@@ -494,7 +490,7 @@ void add_random(Table& t, i64 n) {
     float* mask = r.empty(n);
     r.output("y", y, n);
     r.output("mask", mask, n);
-    r.set_call([=](Backend& b, Device d) { b.dropout(d, x, y, mask, n, 0.3f, 99, 5); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Dropout>(d, DType::F32, {x, y, mask, n, 0.3f, 99, 5}); });
   });
 }
 
@@ -505,7 +501,9 @@ void add_reduce(Table& t, const ReduceRow& row, i64 outer, i64 r, i64 inner) {
           const float* x = run.uniform(outer * r * inner, -1, 1);
           float* y = run.empty(outer * inner);
           run.output("y", y, outer * inner);
-          run.set_call([=](Backend& b, Device d) { b.reduce(d, row.op, x, y, outer, r, inner); });
+          run.set_call([=](Backend& b, Device d) {
+            b.run<Op::Reduce>(d, DType::F32, {row.op, x, y, outer, r, inner});
+          });
         });
 }
 
@@ -516,7 +514,7 @@ void add_argmax(Table& t, i64 outer, i64 r, i64 inner) {
           const float* x = run.uniform(outer * r * inner, 0, 8, true);
           std::int64_t* y = run.empty_i64(outer * inner);
           run.output("y", y, outer * inner);
-          run.set_call([=](Backend& b, Device d) { b.argmax(d, x, y, outer, r, inner); });
+          run.set_call([=](Backend& b, Device d) { b.run<Op::Argmax>(d, DType::F32, {x, y, outer, r, inner}); });
         });
 }
 
@@ -532,7 +530,7 @@ void add_count_nonfinite(Table& t, i64 n, bool with_nonfinite) {
           const float* x = r.upload(v);
           auto result = std::make_shared<std::int64_t>(OpRun::kUnwritten);
           r.output([result] { return Output{"count", {}, {*result}}; });
-          r.set_call([=](Backend& b, Device d) { *result = b.count_nonfinite(d, x, n); });
+          r.set_call([=](Backend& b, Device d) { b.run<Op::CountNonfinite>(d, DType::F32, {x, n, result.get()}); });
         });
 }
 
@@ -552,7 +550,7 @@ void add_gemm(Table& t, i64 m, i64 n, i64 k, bool ta, bool tb, i64 pad, float al
           float* c = r.uniform(nc, -1, 1);
           r.output("c", c, nc);
           r.set_call([=](Backend& be, Device d) {
-            be.gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+            be.run<Op::Gemm>(d, DType::F32, {ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, {}});
           });
         });
 }
@@ -564,14 +562,14 @@ void add_softmax_nll(Table& t, i64 rows, i64 cols) {
     const float* x = r.uniform(rc, -6, 6);
     float* y = r.empty(rc);
     r.output("y", y, rc);
-    r.set_call([=](Backend& b, Device d) { b.log_softmax(d, x, y, rows, cols); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::LogSoftmax>(d, DType::F32, {x, y, rows, cols}); });
   });
   t.add(Kernel::LogSoftmaxBackward, shape, {1e-5, 1e-5}, 0, 3 * kF * rc, [=](OpRun& r) {
     const float* gy = r.uniform(rc, -1, 1);
     const float* y = r.uniform(rc, -5, 0);  // log-probabilities
     float* gx = r.empty(rc);
     r.output("gx", gx, rc);
-    r.set_call([=](Backend& b, Device d) { b.log_softmax_backward(d, gy, y, gx, rows, cols); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::LogSoftmaxBackward>(d, DType::F32, {gy, y, gx, rows, cols}); });
   });
   auto targets = [rows, cols] {
     std::vector<std::int64_t> v(static_cast<std::size_t>(rows));
@@ -583,14 +581,14 @@ void add_softmax_nll(Table& t, i64 rows, i64 cols) {
     const std::int64_t* target = r.upload(targets());
     float* loss = r.empty(rows);
     r.output("loss", loss, rows);
-    r.set_call([=](Backend& b, Device d) { b.nll_forward(d, logp, target, loss, rows, cols); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::NllForward>(d, DType::F32, {logp, target, loss, rows, cols}); });
   });
   t.add(Kernel::NllBackward, shape, kExact, 0, (kF + kL) * rows + kF * rc, [=](OpRun& r) {
     const float* gloss = r.uniform(rows, -1, 1);
     const std::int64_t* target = r.upload(targets());
     float* gx = r.empty(rc);
     r.output("gx", gx, rc);
-    r.set_call([=](Backend& b, Device d) { b.nll_backward(d, gloss, target, gx, rows, cols); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::NllBackward>(d, DType::F32, {gloss, target, gx, rows, cols}); });
   });
 }
 
@@ -604,20 +602,14 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
   // The forward, and the forward with its ReLU: the inputs' sums are about half
   // negative, so about half the outputs are clipped.
   for (bool relu : {false, true}) {
-    t.add(relu ? Kernel::Conv2dReluForward : Kernel::Conv2dForward, shape,
+    t.add(Kernel::Conv2d, DType::F32, relu ? "conv2d_relu_forward" : "conv2d_forward", shape,
           sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S)), flops, kF * (nx + nw + nb + ny), [=](OpRun& r) {
             const float* x = r.uniform(nx, -1, 1);
             const float* w = r.uniform(nw, -1, 1);
             const float* b = bias ? r.uniform(s.K, -1, 1) : nullptr;
             float* y = r.empty(ny);
             r.output("y", y, ny);
-            r.set_call([=](Backend& be, Device d) {
-              if (relu) {
-                be.conv2d_relu_forward(d, s, x, w, b, y);
-              } else {
-                be.conv2d_forward(d, s, x, w, b, y);
-              }
-            });
+            r.set_call([=](Backend& be, Device d) { be.run<Op::Conv2d>(d, DType::F32, {s, x, w, b, y, relu}); });
           });
   }
   if (bias) t.add(Kernel::Conv2dBackwardData, conv_name(s),
@@ -627,7 +619,7 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
           const float* w = r.uniform(nw, -1, 1);
           float* gx = r.empty(nx);
           r.output("gx", gx, nx);
-          r.set_call([=](Backend& be, Device d) { be.conv2d_backward_data(d, s, gy, w, gx); });
+          r.set_call([=](Backend& be, Device d) { be.run<Op::Conv2dBackwardData>(d, DType::F32, {s, gy, w, gx}); });
         });
   t.add(Kernel::Conv2dBackwardWeight, shape,
         sum_tol(kGemmBase, static_cast<double>(s.N * s.P * s.Q)), flops, kF * (nx + ny + nw + nb),
@@ -638,8 +630,9 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
           float* gb = bias ? r.empty(s.K) : nullptr;
           r.output("gw", gw, nw);
           if (bias) r.output("gbias", gb, s.K);
-          r.set_call(
-              [=](Backend& be, Device d) { be.conv2d_backward_weight(d, s, x, gy, gw, gb); });
+          r.set_call([=](Backend& be, Device d) {
+            be.run<Op::Conv2dBackwardWeight>(d, DType::F32, {s, x, gy, gw, gb});
+          });
         });
 }
 
@@ -662,38 +655,99 @@ std::vector<std::int64_t> window_indices(OpRun& r, const Pool2dShape& s) {
   return idx;
 }
 
+/// A buffer of n bytes (rounded up to whole int32 words, each filled with `fill`), read
+/// back as int32 words: the byte places of the 2x2 max-pool (Note [Max-pool winners in a
+/// byte]).
+std::uint8_t* byte_buffer(OpRun& r, const std::string& name, i64 n, std::int32_t fill, bool output = true) {
+  const i64 words = (n + 3) / 4;
+  std::int32_t* p = r.upload(std::vector<std::int32_t>(static_cast<std::size_t>(words), fill));
+  if (output) r.output(name, p, words);
+  return reinterpret_cast<std::uint8_t*>(p);
+}
+
+/// The fusions only some backends offer (Note [Fused ops a backend may offer] in
+/// ops.h): the 2x2 max-pool with byte places, its backward (with and without the ReLU
+/// mask), and the convolution, ReLU and pool in one pass.
+void add_fused_pool(Table& t, const Pool2dShape& s) {
+  const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
+  const std::string shape = pool_name(s);
+  t.add(Kernel::MaxPool2x2, shape, kExact, 0, kF * (nx + ny) + ny, [=](OpRun& r) {
+    const float* x = r.uniform(nx, -1, 1);
+    float* y = r.empty(ny);
+    std::uint8_t* where = byte_buffer(r, "where", ny, -1);
+    r.output("y", y, ny);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::MaxPool2x2>(d, DType::F32, {s, x, y, where}); });
+  });
+  for (bool masked : {false, true}) {
+    t.add(Kernel::MaxPool2x2Backward, DType::F32, "maxpool2d_2x2_backward", shape + (masked ? " relu mask" : ""),
+          kExact, 0, kF * (ny * (masked ? 2 : 1) + nx) + ny, [=](OpRun& r) {
+            const float* gy = r.uniform(ny, -1, 1);
+            // Places 0..3 in bytes, packed four to a word.
+            const std::vector<float> u = r.host_uniform(ny, 0, 4, true);
+            std::vector<std::int32_t> words(static_cast<std::size_t>((ny + 3) / 4), 0);
+            for (i64 i = 0; i < ny; ++i)
+              words[static_cast<std::size_t>(i / 4)] |= static_cast<std::int32_t>(u[static_cast<std::size_t>(i)])
+                                                        << (8 * (i % 4));
+            const auto* where = reinterpret_cast<const std::uint8_t*>(r.upload(words));
+            const float* relu_y = masked ? r.uniform(ny, -1, 1) : nullptr;
+            float* gx = r.empty(nx);
+            r.output("gx", gx, nx);
+            r.set_call([=](Backend& b, Device d) {
+              b.run<Op::MaxPool2x2Backward>(d, DType::F32, {s, gy, where, relu_y, gx});
+            });
+          });
+  }
+}
+
+void add_fused_conv_pool(Table& t, const Conv2dShape& s) {
+  const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = s.N * s.K * (s.P / 2) * (s.Q / 2);
+  const double flops = 2.0 * s.N * s.K * s.P * s.Q * s.C * s.R * s.S;
+  t.add(Kernel::Conv2dReluMaxPool2x2, conv_name(s), sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S)), flops,
+        kF * (nx + nw + s.K + ny) + ny, [=](OpRun& r) {
+          const float* x = r.uniform(nx, -1, 1);
+          const float* w = r.uniform(nw, -1, 1);
+          const float* b = r.uniform(s.K, -1, 1);
+          float* y = r.empty(ny);
+          std::uint8_t* where = byte_buffer(r, "where", ny, -1);
+          r.output("y", y, ny);
+          r.set_call([=](Backend& be, Device d) {
+            be.run<Op::Conv2dReluMaxPool2x2>(d, DType::F32, {s, x, w, b, y, where});
+          });
+        });
+}
+
 void add_pool(Table& t, const Pool2dShape& s) {
   const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
   const std::string shape = pool_name(s);
   // Overlapping windows add several gradients into one input, in a different order on
   // each backend.
   constexpr Tolerance kPoolTol{1e-6, 1e-6};
-  t.add(Kernel::MaxPool2dForward, shape, kExact, 0, kF * (nx + ny) + kL * ny, [=](OpRun& r) {
+  t.add(Kernel::MaxPool2d, shape, kExact, 0, kF * (nx + ny) + kL * ny, [=](OpRun& r) {
     const float* x = r.uniform(nx, -1, 1);
     float* y = r.empty(ny);
     std::int64_t* idx = r.empty_i64(ny);
     r.output("y", y, ny);
     r.output("indices", idx, ny);
-    r.set_call([=](Backend& b, Device d) { b.maxpool2d_forward(d, s, x, y, idx); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::MaxPool2d>(d, DType::F32, {s, x, y, idx}); });
   });
   t.add(Kernel::MaxPool2dBackward, shape, kPoolTol, 0, kF * (ny + nx) + kL * ny, [=](OpRun& r) {
     const float* gy = r.uniform(ny, -1, 1);
     const std::int64_t* idx = r.upload(window_indices(r, s));
     float* gx = r.empty(nx);
     r.output("gx", gx, nx);
-    r.set_call([=](Backend& b, Device d) { b.maxpool2d_backward(d, s, gy, idx, gx); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::MaxPool2dBackward>(d, DType::F32, {s, gy, idx, gx}); });
   });
-  t.add(Kernel::AvgPool2dForward, shape, kPoolTol, 0, kF * (nx + ny), [=](OpRun& r) {
+  t.add(Kernel::AvgPool2d, shape, kPoolTol, 0, kF * (nx + ny), [=](OpRun& r) {
     const float* x = r.uniform(nx, -1, 1);
     float* y = r.empty(ny);
     r.output("y", y, ny);
-    r.set_call([=](Backend& b, Device d) { b.avgpool2d_forward(d, s, x, y); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::AvgPool2d>(d, DType::F32, {s, x, y}); });
   });
   t.add(Kernel::AvgPool2dBackward, shape, kPoolTol, 0, kF * (ny + nx), [=](OpRun& r) {
     const float* gy = r.uniform(ny, -1, 1);
     float* gx = r.empty(nx);
     r.output("gx", gx, nx);
-    r.set_call([=](Backend& b, Device d) { b.avgpool2d_backward(d, s, gy, gx); });
+    r.set_call([=](Backend& b, Device d) { b.run<Op::AvgPool2dBackward>(d, DType::F32, {s, gy, gx}); });
   });
 }
 
@@ -706,8 +760,8 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0) {
   const Tolerance tol = sum_tol({1e-4, 1e-5}, static_cast<double>(N * HW));
   constexpr float kEps = 1e-5f, kMomentum = 0.1f;  // PyTorch's defaults
   for (bool running : {true, false}) {
-    t.add(Kernel::BatchNormForwardTrain, shape + (running ? "" : " no running stats"), tol, 0,
-          kF * (2 * n + 8 * C), [=](OpRun& r) {
+    t.add(Kernel::BatchNormTrain, shape + (running ? "" : " no running stats"), tol, 0, kF * (2 * n + 8 * C),
+          [=](OpRun& r) {
             const float* x = r.uniform(n + shift, -4, 4) + shift;
             const float* gamma = r.uniform(C, 0.1f, 2);
             const float* beta = r.uniform(C, -1, 1);
@@ -724,24 +778,23 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0) {
               r.output("running_var", rvar, C);
             }
             r.set_call([=](Backend& b, Device d) {
-              b.batchnorm_forward_train(d, N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar,
-                                        y, mean, invstd);
+              b.run<Op::BatchNormTrain>(d, DType::F32,
+                                        {N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar, y, mean, invstd});
             });
           });
   }
-  t.add(Kernel::BatchNormForwardEval, shape, {1e-4, 1e-5}, 0, kF * (2 * n + 4 * C),
-        [=](OpRun& r) {
-          const float* x = r.uniform(n + shift, -4, 4) + shift;
-          const float* gamma = r.uniform(C, 0.1f, 2);
-          const float* beta = r.uniform(C, -1, 1);
-          const float* rmean = r.uniform(C, -1, 1);
-          const float* rvar = r.uniform(C, 0.1f, 2);
-          float* y = r.empty(n + shift) + shift;
-          r.output("y", y, n);
-          r.set_call([=](Backend& b, Device d) {
-            b.batchnorm_forward_eval(d, N, C, HW, x, gamma, beta, kEps, rmean, rvar, y);
-          });
-        });
+  t.add(Kernel::BatchNormEval, shape, {1e-4, 1e-5}, 0, kF * (2 * n + 4 * C), [=](OpRun& r) {
+    const float* x = r.uniform(n + shift, -4, 4) + shift;
+    const float* gamma = r.uniform(C, 0.1f, 2);
+    const float* beta = r.uniform(C, -1, 1);
+    const float* rmean = r.uniform(C, -1, 1);
+    const float* rvar = r.uniform(C, 0.1f, 2);
+    float* y = r.empty(n + shift) + shift;
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) {
+      b.run<Op::BatchNormEval>(d, DType::F32, {N, C, HW, x, gamma, beta, kEps, rmean, rvar, y});
+    });
+  });
   t.add(Kernel::BatchNormBackward, shape, tol, 0, kF * (3 * n + 5 * C), [=](OpRun& r) {
     // The saved statistics are x's own (computed here in double), as after a forward.
     const std::vector<float> xh = r.host_uniform(n, -4, 4);
@@ -773,7 +826,7 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0) {
     r.output("ggamma", ggamma, C);
     r.output("gbeta", gbeta, C);
     r.set_call([=](Backend& b, Device d) {
-      b.batchnorm_backward(d, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta);
+      b.run<Op::BatchNormBackward>(d, DType::F32, {N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta});
     });
   });
 }
@@ -799,7 +852,8 @@ void add_optim(Table& t, i64 n, bool all_variants) {
             r.output("param", p, n);
             if (buf) r.output("momentum_buf", buf, n);
             r.set_call([=](Backend& b, Device d) {
-              b.sgd_step(d, p, g, buf, n, 0.1f, v.momentum, 0.1f, 1e-4f, v.nesterov, v.first_step);
+              b.run<Op::SgdStep>(d, DType::F32,
+                                 {p, g, buf, n, 0.1f, v.momentum, 0.1f, 1e-4f, v.nesterov, v.first_step});
             });
           });
   }
@@ -815,7 +869,7 @@ void add_optim(Table& t, i64 n, bool all_variants) {
             r.output("exp_avg", m, n);
             r.output("exp_avg_sq", v, n);
             r.set_call([=](Backend& b, Device d) {
-              b.adam_step(d, p, g, m, v, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, decoupled, 3);
+              b.run<Op::AdamStep>(d, DType::F32, {p, g, m, v, n, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, decoupled, 3});
             });
           });
   }
@@ -866,6 +920,9 @@ void add_check_suite(Table& t) {
   add_pool(t, pool(2, 3, 9, 8, 3, 2, 2, 2, 1, 1));  // padded, non-square window
   add_pool(t, pool(2, 3, 8, 8, 2, 2, 2, 2, 0, 0));  // the CNN's 2x2/2 (CPU: its own path)
   add_pool(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0));  // 2x2/2 on odd sizes: the last row and column in no window
+  add_fused_pool(t, pool(2, 3, 8, 8, 2, 2, 2, 2, 0, 0));
+  add_fused_pool(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0));
+  add_fused_conv_pool(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1));
   add_pool(t, pool(2, 3, 7, 7, 3, 3, 1, 1, 1, 1));  // overlapping windows
   add_batchnorm(t, 6, 5, 49);
   add_batchnorm(t, 4, 3, 64);     // HW % 4 == 0 (CUDA: four elements a thread)
@@ -908,6 +965,8 @@ void add_perf_suite(Table& t) {
   add_conv(t, conv(256, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1));
   add_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
   add_pool(t, pool(256, 64, 14, 14, 2, 2, 2, 2, 0, 0));
+  add_fused_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
+  add_fused_conv_pool(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1));
   add_batchnorm(t, 256, 32, 784);
   add_batchnorm(t, 256, 64, 1024);  // ResNet-18 (CIFAR) at batch 256: its first stage
   add_batchnorm(t, 256, 512, 16);   // and its last
@@ -921,7 +980,9 @@ void add_perf_suite(Table& t) {
 const char* kernel_name(Kernel k) {
   DP_CHECK(k < Kernel::kCount, "kernel_name: expected a Kernel below kCount, got ",
            static_cast<int>(k));
-  return kKernelNames[static_cast<int>(k)];
+  const int i = static_cast<int>(k);
+  return i < dp::backend::kOpCount ? dp::backend::op_name(static_cast<dp::backend::Op>(i))
+                                   : kKernelNames[i - dp::backend::kOpCount];
 }
 const char* op_name(UnaryOp op) {
   DP_CHECK(op < UnaryOp::kCount, "op_name: bad UnaryOp ", static_cast<int>(op));

@@ -34,27 +34,28 @@
 namespace dp_test {
 
 /// Every kernel entry point of dp::backend::Backend (memory and stream management
-/// aside), named after its method. op_table_test checks that each is called by some
-/// case; its recording backend overrides every Backend method, so a method added to
-/// the interface does not compile there until it is forwarded, listed here and given
-/// a case.
+/// aside): the ops of the kernel table, generated from DP_BACKEND_OPS (Note [The op
+/// list] in backend/ops.h) so that Kernel::X is Op::X, then the copies. op_table_test checks that each is
+/// called by some case, and for the table's ops that every (op, dtype) the CPU backend
+/// registers is; its recording backend overrides every Backend method, so a method
+/// added to the interface does not compile there until it is forwarded, listed here and
+/// given a case.
 enum class Kernel : std::uint8_t {
-  Fill, FillI64, AddI64, Arange, ArangeI64, CastI64ToF32, CastF32ToI64, EqI64,
-  CastI32ToI64, CastI64ToI32,
-  Unary, Affine, Axpy, Binary, StridedCopy, Gather, ScatterAdd,
-  FillUniform, FillNormal, Dropout,
-  Reduce, Argmax, CountNonfinite,
-  Gemm,
-  LogSoftmax, LogSoftmaxBackward, NllForward, NllBackward,
-  Conv2dForward, Conv2dReluForward, Conv2dBackwardData, Conv2dBackwardWeight,
-  MaxPool2dForward, MaxPool2dBackward, AvgPool2dForward, AvgPool2dBackward,
-  BatchNormForwardTrain, BatchNormForwardEval, BatchNormBackward,
-  SgdStep, AdamStep,
+#define DP_TEST_KERNEL(name, str, Args) name,
+  DP_BACKEND_OPS(DP_TEST_KERNEL)
+#undef DP_TEST_KERNEL
   Copy, CopyFromHost, CopyToHost, MemsetZero,
-  kCount  // Note [Op enum sentinels] in backend.h
+  kCount  // Note [Op enum sentinels] in ops.h
 };
 
-/// The Backend method's name: "conv2d_backward_data".
+/// The Kernel of a table op: the same name and value.
+constexpr Kernel kernel_of(dp::backend::Op op) { return static_cast<Kernel>(op); }
+#define DP_TEST_KERNEL_CHECK(name, str, Args) \
+  static_assert(kernel_of(dp::backend::Op::name) == Kernel::name, "Kernel must list the ops first, in order");
+DP_BACKEND_OPS(DP_TEST_KERNEL_CHECK)
+#undef DP_TEST_KERNEL_CHECK
+
+/// The op's name (dp::backend::op_name) or the Backend method's: "conv2d_backward_data".
 const char* kernel_name(Kernel k);
 /// Lower-case op names: "exp", "relu_backward", "sum".
 const char* op_name(dp::backend::UnaryOp op);
@@ -87,6 +88,7 @@ class OpRun;
 /// One row of the table.
 struct OpCase {
   Kernel kernel = Kernel::kCount;
+  dp::backend::DType dtype = dp::backend::DType::F32;  // the element type a table op is called with
   std::string name;   // the kernel, with its op where it has one: "unary exp"
   std::string shape;  // "331x127 op 127", "33x47x29 NT ld+3"
   Suite suite = Suite::Check;
@@ -98,6 +100,13 @@ struct OpCase {
 
   std::string full_name() const { return name + " " + shape; }
 };
+
+/// Whether `be` has the kernel case `c` calls: false only for a table op the backend
+/// registers no kernel for (Note [Fused ops a backend may offer] in backend/ops.h).
+inline bool runs_on(const OpCase& c, const dp::backend::Backend& be) {
+  const int k = static_cast<int>(c.kernel);
+  return k >= dp::backend::kOpCount || be.supports(static_cast<dp::backend::Op>(k), c.dtype);
+}
 
 /// The whole table, Check cases first; built once.
 const std::vector<OpCase>& op_cases();

@@ -7,11 +7,13 @@
 #include <cmath>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "backend/backend.h"
 #include "dp/core/device.h"
+#include "dp/core/error.h"
 #include "op_cases.h"
 #include "test_scale.h"
 
@@ -21,6 +23,9 @@ using dp::Device;
 using dp::backend::Backend;
 using dp::backend::BinaryOp;
 using dp::backend::Conv2dShape;
+using dp::backend::DType;
+using dp::backend::Op;
+using dp::backend::OpArgs;
 using dp::backend::Event;
 using dp::backend::Indexer;
 using dp::backend::Pool2dShape;
@@ -33,9 +38,9 @@ using dp_test::Outputs;
 using dp_test::Suite;
 using i64 = std::int64_t;
 
-/// A call seen by RecordingBackend: the kernel, and its op for unary/binary/reduce
-/// (-1 otherwise).
-using Call = std::pair<Kernel, int>;
+/// A call seen by RecordingBackend: the kernel, its op for unary/binary/reduce (-1
+/// otherwise), and the dtype a table op was called with (float32 for the others).
+using Call = std::tuple<Kernel, int, DType>;
 
 /// Forwards every call to another backend and, while recording, notes each kernel
 /// call. It overrides every method of Backend, so a method added to the interface
@@ -44,7 +49,7 @@ using Call = std::pair<Kernel, int>;
 /// coverage test below then requires a case for.
 class RecordingBackend final : public Backend {
  public:
-  explicit RecordingBackend(Backend& inner) : in_(inner) {}
+  explicit RecordingBackend(Backend& inner) : in_(inner) { wrap_every_op(); }
 
   void start() {
     calls_.clear();
@@ -103,216 +108,32 @@ class RecordingBackend final : public Backend {
     in_.memset_zero(ptr, dev, nbytes);
   }
 
-  void fill(Device dev, float* y, i64 n, float value) override {
-    hit(Kernel::Fill);
-    in_.fill(dev, y, n, value);
-  }
-  void fill_i64(Device dev, i64* y, i64 n, i64 value) override {
-    hit(Kernel::FillI64);
-    in_.fill_i64(dev, y, n, value);
-  }
-  void add_i64(Device dev, i64* y, i64 n, i64 value) override {
-    hit(Kernel::AddI64);
-    in_.add_i64(dev, y, n, value);
-  }
-  void arange(Device dev, float* y, i64 n, float start, float step) override {
-    hit(Kernel::Arange);
-    in_.arange(dev, y, n, start, step);
-  }
-  void arange_i64(Device dev, i64* y, i64 n, i64 start, i64 step) override {
-    hit(Kernel::ArangeI64);
-    in_.arange_i64(dev, y, n, start, step);
-  }
-  void cast_i64_to_f32(Device dev, const i64* x, float* y, i64 n) override {
-    hit(Kernel::CastI64ToF32);
-    in_.cast_i64_to_f32(dev, x, y, n);
-  }
-  void cast_f32_to_i64(Device dev, const float* x, i64* y, i64 n) override {
-    hit(Kernel::CastF32ToI64);
-    in_.cast_f32_to_i64(dev, x, y, n);
-  }
-  void cast_i32_to_i64(Device dev, const std::int32_t* x, i64* y, i64 n) override {
-    hit(Kernel::CastI32ToI64);
-    in_.cast_i32_to_i64(dev, x, y, n);
-  }
-  void cast_i64_to_i32(Device dev, const i64* x, std::int32_t* y, i64 n) override {
-    hit(Kernel::CastI64ToI32);
-    in_.cast_i64_to_i32(dev, x, y, n);
-  }
-  void gather(Device dev, const Indexer& ix, int dim, const float* x, const i64* index,
-              float* out) override {
-    hit(Kernel::Gather);
-    in_.gather(dev, ix, dim, x, index, out);
-  }
-  void scatter_add(Device dev, const Indexer& ix, int dim, const float* src, const i64* index,
-                   float* y) override {
-    hit(Kernel::ScatterAdd);
-    in_.scatter_add(dev, ix, dim, src, index, y);
-  }
-  void eq_i64(Device dev, const Indexer& ix, const i64* a, const i64* b, float* out) override {
-    hit(Kernel::EqI64);
-    in_.eq_i64(dev, ix, a, b, out);
-  }
-  void unary(Device dev, UnaryOp op, const float* x, float* y, i64 n) override {
-    hit(Kernel::Unary, static_cast<int>(op));
-    in_.unary(dev, op, x, y, n);
-  }
-  void affine(Device dev, const float* x, float* y, i64 n, float alpha, float beta) override {
-    hit(Kernel::Affine);
-    in_.affine(dev, x, y, n, alpha, beta);
-  }
-  void axpy(Device dev, float alpha, const float* x, float* y, i64 n) override {
-    hit(Kernel::Axpy);
-    in_.axpy(dev, alpha, x, y, n);
-  }
-  void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a, const float* b,
-              float* out) override {
-    hit(Kernel::Binary, static_cast<int>(op));
-    in_.binary(dev, op, ix, a, b, out);
-  }
-  void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) override {
-    hit(Kernel::StridedCopy);
-    in_.strided_copy(dev, ix, a, out);
-  }
-
-  void fill_uniform(Device dev, float* y, i64 n, float lo, float hi, std::uint64_t seed,
-                    std::uint64_t offset) override {
-    hit(Kernel::FillUniform);
-    in_.fill_uniform(dev, y, n, lo, hi, seed, offset);
-  }
-  void fill_normal(Device dev, float* y, i64 n, float mean, float std, std::uint64_t seed,
-                   std::uint64_t offset) override {
-    hit(Kernel::FillNormal);
-    in_.fill_normal(dev, y, n, mean, std, seed, offset);
-  }
-  void dropout(Device dev, const float* x, float* y, float* mask, i64 n, float p,
-               std::uint64_t seed, std::uint64_t offset) override {
-    hit(Kernel::Dropout);
-    in_.dropout(dev, x, y, mask, n, p, seed, offset);
-  }
-
-  void reduce(Device dev, ReduceOp op, const float* x, float* y, i64 outer, i64 r,
-              i64 inner) override {
-    hit(Kernel::Reduce, static_cast<int>(op));
-    in_.reduce(dev, op, x, y, outer, r, inner);
-  }
-  void argmax(Device dev, const float* x, i64* y, i64 outer, i64 r, i64 inner) override {
-    hit(Kernel::Argmax);
-    in_.argmax(dev, x, y, outer, r, inner);
-  }
-
-  void gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
-            const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
-            i64 ldc) override {
-    hit(Kernel::Gemm);
-    in_.gemm(dev, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  }
-
-  void log_softmax(Device dev, const float* x, float* y, i64 rows, i64 cols) override {
-    hit(Kernel::LogSoftmax);
-    in_.log_softmax(dev, x, y, rows, cols);
-  }
-  void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx, i64 rows,
-                            i64 cols) override {
-    hit(Kernel::LogSoftmaxBackward);
-    in_.log_softmax_backward(dev, gy, y, gx, rows, cols);
-  }
-  void nll_forward(Device dev, const float* logp, const i64* target, float* loss, i64 rows,
-                   i64 cols) override {
-    hit(Kernel::NllForward);
-    in_.nll_forward(dev, logp, target, loss, rows, cols);
-  }
-  void nll_backward(Device dev, const float* gloss, const i64* target, float* gx, i64 rows,
-                    i64 cols) override {
-    hit(Kernel::NllBackward);
-    in_.nll_backward(dev, gloss, target, gx, rows, cols);
-  }
-
-  void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                      const float* bias, float* y) override {
-    hit(Kernel::Conv2dForward);
-    in_.conv2d_forward(dev, s, x, w, bias, y);
-  }
-  void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                           const float* bias, float* y) override {
-    hit(Kernel::Conv2dReluForward);
-    in_.conv2d_relu_forward(dev, s, x, w, bias, y);
-  }
-  void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
-                            float* gx) override {
-    hit(Kernel::Conv2dBackwardData);
-    in_.conv2d_backward_data(dev, s, gy, w, gx);
-  }
-  void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x, const float* gy,
-                              float* gw, float* gbias) override {
-    hit(Kernel::Conv2dBackwardWeight);
-    in_.conv2d_backward_weight(dev, s, x, gy, gw, gbias);
-  }
-  void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
-                         i64* indices) override {
-    hit(Kernel::MaxPool2dForward);
-    in_.maxpool2d_forward(dev, s, x, y, indices);
-  }
-  void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy, const i64* indices,
-                          float* gx) override {
-    hit(Kernel::MaxPool2dBackward);
-    in_.maxpool2d_backward(dev, s, gy, indices, gx);
-  }
-  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override {
-    hit(Kernel::AvgPool2dForward);
-    in_.avgpool2d_forward(dev, s, x, y);
-  }
-  void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy, float* gx) override {
-    hit(Kernel::AvgPool2dBackward);
-    in_.avgpool2d_backward(dev, s, gy, gx);
-  }
-
-  void batchnorm_forward_train(Device dev, i64 N, i64 C, i64 HW, const float* x,
-                               const float* gamma, const float* beta, float eps, float momentum,
-                               float* running_mean, float* running_var, float* y,
-                               float* save_mean, float* save_invstd) override {
-    hit(Kernel::BatchNormForwardTrain);
-    in_.batchnorm_forward_train(dev, N, C, HW, x, gamma, beta, eps, momentum, running_mean,
-                                running_var, y, save_mean, save_invstd);
-  }
-  void batchnorm_forward_eval(Device dev, i64 N, i64 C, i64 HW, const float* x,
-                              const float* gamma, const float* beta, float eps,
-                              const float* running_mean, const float* running_var,
-                              float* y) override {
-    hit(Kernel::BatchNormForwardEval);
-    in_.batchnorm_forward_eval(dev, N, C, HW, x, gamma, beta, eps, running_mean, running_var, y);
-  }
-  void batchnorm_backward(Device dev, i64 N, i64 C, i64 HW, const float* gy, const float* x,
-                          const float* gamma, const float* save_mean, const float* save_invstd,
-                          float* gx, float* ggamma, float* gbeta) override {
-    hit(Kernel::BatchNormBackward);
-    in_.batchnorm_backward(dev, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma,
-                           gbeta);
-  }
-
-  void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf, i64 n,
-                float lr, float momentum, float dampening, float weight_decay, bool nesterov,
-                bool first_step) override {
-    hit(Kernel::SgdStep);
-    in_.sgd_step(dev, param, grad, momentum_buf, n, lr, momentum, dampening, weight_decay,
-                 nesterov, first_step);
-  }
-  void adam_step(Device dev, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                 i64 n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                 bool decoupled, i64 step) override {
-    hit(Kernel::AdamStep);
-    in_.adam_step(dev, param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps, weight_decay,
-                  decoupled, step);
-  }
-
-  i64 count_nonfinite(Device dev, const float* x, i64 n) override {
-    hit(Kernel::CountNonfinite);
-    return in_.count_nonfinite(dev, x, n);
-  }
-
  private:
-  void hit(Kernel k, int op = -1) {
-    if (recording_) calls_.insert({k, op});
+  void hit(Kernel k, int op = -1, DType dtype = DType::F32) {
+    if (recording_) calls_.insert({k, op, dtype});
+  }
+
+  /// The kernel this backend registers for `op`: notes the call (with the sub-op of
+  /// unary, binary and reduce), then runs the inner backend's kernel.
+  template <Op op>
+  static void record(Backend& self, Device dev, DType dt, const void* args) {
+    auto& rec = static_cast<RecordingBackend&>(self);
+    int sub = -1;
+    if constexpr (op == Op::Unary || op == Op::Binary || op == Op::Reduce)
+      sub = static_cast<int>(static_cast<const OpArgs<op>*>(args)->op);
+    rec.hit(dp_test::kernel_of(op), sub, dt);
+    rec.in_.launch(op, dt, dev, args);
+  }
+  /// Registers record<op> for every dtype the inner backend has a kernel for.
+  template <Op op>
+  void wrap() {
+    for (int d = 0; d < dp::backend::kDTypeCount; ++d)
+      if (in_.supports(op, static_cast<DType>(d))) register_kernel(op, static_cast<DType>(d), &record<op>);
+  }
+  void wrap_every_op() {
+#define DP_WRAP_OP(name, str, Args) wrap<Op::name>();
+    DP_BACKEND_OPS(DP_WRAP_OP)
+#undef DP_WRAP_OP
   }
 
   Backend& in_;
@@ -374,10 +195,30 @@ TEST_CASE("every Backend kernel and every op enum value has a case that calls it
     const std::set<Call> calls = rec.stop();
     // The case calls the kernel it is filed under, and nothing else.
     REQUIRE(calls.size() == 1);
-    CHECK(calls.begin()->first == c->kernel);
+    CHECK(std::get<0>(*calls.begin()) == c->kernel);
+    CHECK(std::get<2>(*calls.begin()) == c->dtype);
     covered.insert(calls.begin(), calls.end());
   }
-  auto has = [&covered](Kernel k, int op) { return covered.count({k, op}) > 0; };
+  auto has = [&covered](Kernel k, int op) {
+    for (const Call& c : covered)
+      if (std::get<0>(c) == k && std::get<1>(c) == op) return true;
+    return false;
+  };
+  auto has_dtype = [&covered](Kernel k, DType dt) {
+    for (const Call& c : covered)
+      if (std::get<0>(c) == k && std::get<2>(c) == dt) return true;
+    return false;
+  };
+  // Every (op, dtype) of the kernel table has a case (Note [The op list] in ops.h).
+  for (int o = 0; o < dp::backend::kOpCount; ++o)
+    for (int d = 0; d < dp::backend::kDTypeCount; ++d) {
+      const auto op = static_cast<Op>(o);
+      const auto dt = static_cast<DType>(d);
+      if (!cpu_backend().supports(op, dt)) continue;
+      CHECK_MESSAGE(has_dtype(dp_test::kernel_of(op), dt), "no Check case calls op ",
+                    std::string(dp::backend::op_name(op)), " with dtype ", std::string(dp::backend::dtype_name(dt)),
+                    " (add one to tests/backend/op_cases.cpp)");
+    }
   for (int k = 0; k < static_cast<int>(Kernel::kCount); ++k) {
     const auto kernel = static_cast<Kernel>(k);
     if (kernel == Kernel::Unary || kernel == Kernel::Binary || kernel == Kernel::Reduce) continue;
@@ -394,6 +235,24 @@ TEST_CASE("every Backend kernel and every op enum value has a case that calls it
   for (int op = 0; op < static_cast<int>(ReduceOp::kCount); ++op)
     CHECK_MESSAGE(has(Kernel::Reduce, op), "no Check case for reduce ",
                   std::string(dp_test::op_name(static_cast<ReduceOp>(op))));
+}
+
+TEST_CASE("an (op, dtype) with no kernel is a dp::Error naming the op, the dtype and the device type") {
+  Backend& be = cpu_backend();
+  REQUIRE_FALSE(be.supports(Op::Unary, DType::I32));
+  std::vector<std::int32_t> x(4, 1), y(4, 0);
+  std::string what;
+  try {
+    be.run<Op::Unary>(dp::cpu(0), DType::I32, {UnaryOp::Neg, x.data(), y.data(), 4});
+  } catch (const dp::Error& e) {
+    what = e.what();
+  }
+  INFO(what);
+  CHECK(what.find("unary") != std::string::npos);
+  CHECK(what.find("int32") != std::string::npos);
+  CHECK(what.find("cpu") != std::string::npos);
+  CHECK(what.find("float32") != std::string::npos);  // the dtype it does have
+  CHECK(y == std::vector<std::int32_t>(4, 0));
 }
 
 TEST_CASE("case names are unique, so --filter and the input seeds tell cases apart") {

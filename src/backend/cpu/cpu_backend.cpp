@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "backend/method_kernels.h"
 #include "dp/core/error.h"
 
 namespace dp::backend {
@@ -60,6 +61,33 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   }
   // Default: one device works at a time and gets every core (docs/architecture.md, "CPU virtual devices").
   resize_arenas(dp::hardware_concurrency());
+  register_elementwise_kernels();
+  register_reduce_kernels();
+  register_method_kernels();
+}
+
+namespace {
+
+void maxpool2x2(CpuBackend& be, Device dev, const MaxPool2x2Args& a) {
+  be.maxpool2d_2x2_forward(dev, a.s, static_cast<const float*>(a.x), static_cast<float*>(a.y), a.where);
+}
+void maxpool2x2_backward(CpuBackend& be, Device dev, const MaxPool2x2BackwardArgs& a) {
+  be.maxpool2d_2x2_backward(dev, a.s, static_cast<const float*>(a.gy), a.where, static_cast<const float*>(a.relu_y),
+                            static_cast<float*>(a.gx));
+}
+void conv2d_relu_maxpool2x2(CpuBackend& be, Device dev, const Conv2dReluMaxPool2x2Args& a) {
+  be.conv2d_relu_maxpool2x2_forward(dev, a.s, static_cast<const float*>(a.x), static_cast<const float*>(a.w),
+                                    static_cast<const float*>(a.bias), static_cast<float*>(a.y), a.where);
+}
+
+}  // namespace
+
+void CpuBackend::register_method_kernels() {
+  for (const MethodKernel& k : method_kernels<CpuBackend>()) register_kernel(k.op, DType::F32, k.fn);
+  // Note [Fused ops a backend may offer]: this backend's own.
+  register_typed<Op::MaxPool2x2, CpuBackend, &maxpool2x2>(DType::F32);
+  register_typed<Op::MaxPool2x2Backward, CpuBackend, &maxpool2x2_backward>(DType::F32);
+  register_typed<Op::Conv2dReluMaxPool2x2, CpuBackend, &conv2d_relu_maxpool2x2>(DType::F32);
 }
 
 CpuBackend::~CpuBackend() = default;
@@ -167,8 +195,8 @@ std::size_t block_size(std::size_t nbytes) {
 // MADV_HUGEPAGE. Nothing else changes: the size is not rounded up (the tail past the
 // last whole huge page keeps small pages), the cache keeps the block, and where the
 // kernel has THP off or no huge page free, madvise changes nothing or fails, and the
-// block simply keeps small pages. MLP step (dp_vs_ddp --model mlp --optimizer sgd,
-// 8 alternating runs on the Zen 5 machine): 12.43 -> 12.33 ms; the CNN's: no change.
+// block simply keeps small pages. The MLP's step gains a little, the CNN's nothing
+// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Huge pages for large blocks").
 constexpr std::size_t kHugePage = std::size_t{2} << 20;
 
 void* system_alloc(std::size_t size) {

@@ -4,7 +4,7 @@
 // of the cores, its own allocation counters and its own oneDNN primitive cache. Every
 // parallel loop of a kernel on cpu(i) runs inside arena i, oneDNN's convolutions and
 // GEMMs included (single-threaded chunks: Note [oneDNN in the device's arena] in
-// cpu_gemm_conv.cpp), so N devices used from N worker threads never oversubscribe the
+// cpu_backend.h), so N devices used from N worker threads never oversubscribe the
 // machine. Only the backend's own sources and
 // tests/benchmarks include this header; it knows nothing about tensors.
 //
@@ -34,7 +34,7 @@ namespace dp::backend::cpu {
 /// saved on a second core for a memory-bound loop, measured on the 2-core AVX-512 host.
 inline constexpr std::int64_t kSerialGrain = 32768;
 
-/// Layout policy for oneDNN convolutions (see the note at the top of cpu_gemm_conv.cpp).
+/// Layout policy for oneDNN convolutions (Note [CPU convolution: measured choice] in cpu_conv.cpp).
 enum class ConvLayout : std::uint8_t {
   Plain,    // NCHW/KCRS memory handed to oneDNN as is
   Blocked,  // format_tag::any: oneDNN picks blocked layouts, we reorder in and out
@@ -101,10 +101,31 @@ void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, st
 void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, std::int64_t begin,
                         std::int64_t end);
 
+// Note [oneDNN in the device's arena]
+// Debian's oneDNN threads with OpenMP. Called with a team of the device's T threads, it
+// left OpenMP workers spinning (libgomp's default wait policy) for a while after every
+// convolution and GEMM, while the device's TBB arena ran the next kernels (ReLU, pooling,
+// the optimizer) on the same cores: three busy threads on two cores, and on a machine
+// shared with other work far worse (perf showed much of the step spent in libgomp's
+// spin). The wait policy is read once, from the
+// environment, when libgomp loads, so the library cannot change it. Instead no OpenMP
+// team is made at all: each call is cut into chunks that run as tasks of the device's
+// arena, each chunk one single-threaded oneDNN call (omp_set_num_threads(1) on the
+// calling thread, then no worker exists to spin). Convolutions are cut along the batch
+// (forward and backward-data outputs are per sample; backward-weight chunks write
+// partial gradients that are summed in chunk order), GEMMs along the rows or columns of
+// C. The chunk count is a function of the shape and the device's thread count, so
+// results are reproducible run to run and equal on every device of a DP/DDP run.
+
+/// Multiply-adds below which a GEMM or a convolution is not cut into chunks (Note
+/// [oneDNN in the device's arena]): a chunk should outweigh a task hand-over (a few
+/// microseconds) by far, and 2^20 multiply-adds take tens of microseconds on one core.
+inline constexpr std::int64_t kMinChunkMacs = std::int64_t{1} << 20;
+
 /// The three passes of a convolution.
 enum class ConvPass : std::uint8_t { Forward, BackwardData, BackwardWeight };
 
-/// Per-device oneDNN primitive cache; defined in cpu_gemm_conv.cpp (keeps dnnl.hpp out
+/// Per-device oneDNN primitive cache; defined in cpu_conv.cpp (keeps dnnl.hpp out
 /// of this header).
 struct ConvCache;
 struct ConvCacheDeleter {
@@ -174,104 +195,75 @@ class CpuBackend final : public Backend {
   void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
   void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
 
-  void fill(Device dev, float* y, std::int64_t n, float value) override;
-  void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
-  void add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
-  void arange(Device dev, float* y, std::int64_t n, float start, float step) override;
-  void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
-                  std::int64_t step) override;
-  void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) override;
-  void eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
-              float* out) override;
-  void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) override;
-  void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) override;
-  void affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
-              float beta) override;
-  void axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) override;
-  void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a, const float* b,
-              float* out) override;
-  void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) override;
-  void cast_i32_to_i64(Device dev, const std::int32_t* x, std::int64_t* y, std::int64_t n) override;
-  void cast_i64_to_i32(Device dev, const std::int64_t* x, std::int32_t* y, std::int64_t n) override;
-  void gather(Device dev, const Indexer& ix, int dim, const float* x, const std::int64_t* index,
-              float* out) override;
-  void scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
-                   const std::int64_t* index, float* y) override;
-
+  // The float32 kernels of these ops (Note [The op list] in ops.h) are these members,
+  // registered through method_kernels.h; tests call them directly too.
   void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
-                    std::uint64_t seed, std::uint64_t offset) override;
+                    std::uint64_t seed, std::uint64_t offset);
   void fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
-                   std::uint64_t seed, std::uint64_t offset) override;
+                   std::uint64_t seed, std::uint64_t offset);
   void dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n, float p,
-               std::uint64_t seed, std::uint64_t offset) override;
-
-  void reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
-              std::int64_t r, std::int64_t inner) override;
-  void argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer, std::int64_t r,
-              std::int64_t inner) override;
+               std::uint64_t seed, std::uint64_t offset);
 
   void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
             std::int64_t k, float alpha, const float* a, std::int64_t lda, const float* b,
-            std::int64_t ldb, float beta, float* c, std::int64_t ldc) override;
+            std::int64_t ldb, float beta, float* c, std::int64_t ldc);
+  /// The Gemm op: gemm with the epilogue applied per chunk (Note [Linear epilogue]).
+  void gemm_with_epilogue(Device dev, const GemmArgs& a);
   void linear_forward(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* x,
-                      const float* w, const float* bias, float* y, bool relu) override;
+                      const float* w, const float* bias, float* y, bool relu);
   void linear_backward_input(Device dev, std::int64_t m, std::int64_t n, std::int64_t k, const float* gy,
-                             const float* w, const float* relu_y, float* gx) override;
+                             const float* w, const float* relu_y, float* gx);
 
   void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
-                   std::int64_t cols) override;
+                   std::int64_t cols);
   void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
-                            std::int64_t rows, std::int64_t cols) override;
+                            std::int64_t rows, std::int64_t cols);
   void nll_forward(Device dev, const float* logp, const std::int64_t* target, float* loss,
-                   std::int64_t rows, std::int64_t cols) override;
+                   std::int64_t rows, std::int64_t cols);
   void nll_backward(Device dev, const float* gloss, const std::int64_t* target, float* gx,
-                    std::int64_t rows, std::int64_t cols) override;
+                    std::int64_t rows, std::int64_t cols);
 
   void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                      const float* bias, float* y) override;
+                      const float* bias, float* y);
   void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                           const float* bias, float* y) override;
+                           const float* bias, float* y);
   void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
-                            float* gx) override;
+                            float* gx);
   void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
-                              const float* gy, float* gw, float* gbias) override;
+                              const float* gy, float* gw, float* gbias);
   void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
-                         std::int64_t* indices) override;
+                         std::int64_t* indices);
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
-                          const std::int64_t* indices, float* gx) override;
-  bool has_maxpool2d_2x2_bytes() const override { return true; }
-  bool has_conv2d_relu_maxpool2x2() const override { return true; }
+                          const std::int64_t* indices, float* gx);
+  // Fusions only this backend offers (Note [Fused ops a backend may offer] in ops.h).
   void conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                                      const float* bias, float* y, std::uint8_t* where) override;
-  void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
-                             std::uint8_t* where) override;
+                                      const float* bias, float* y, std::uint8_t* where);
+  void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y, std::uint8_t* where);
   void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy, const std::uint8_t* where,
-                              const float* relu_y, float* gx) override;
-  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override;
+                              const float* relu_y, float* gx);
+  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y);
   void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
-                          float* gx) override;
+                          float* gx);
 
   void batchnorm_forward_train(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                                const float* x, const float* gamma, const float* beta, float eps,
                                float momentum, float* running_mean, float* running_var,
-                               float* y, float* save_mean, float* save_invstd) override;
+                               float* y, float* save_mean, float* save_invstd);
   void batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                               const float* x, const float* gamma, const float* beta, float eps,
                               const float* running_mean, const float* running_var,
-                              float* y) override;
+                              float* y);
   void batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                           const float* gy, const float* x, const float* gamma,
                           const float* save_mean, const float* save_invstd, float* gx,
-                          float* ggamma, float* gbeta) override;
+                          float* ggamma, float* gbeta);
 
   void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
                 std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
-                bool nesterov, bool first_step) override;
+                bool nesterov, bool first_step);
   void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
                  float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
-                 float eps, float weight_decay, bool decoupled, std::int64_t step) override;
-
-  std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) override;
+                 float eps, float weight_decay, bool decoupled, std::int64_t step);
 
   // ---- helpers shared by the backend's sources, tests and benchmarks -------------------
 
@@ -329,6 +321,11 @@ class CpuBackend final : public Backend {
   void empty_cache();
 
  private:
+  // The kernel table's entries (Note [The op list] in ops.h), by source file; the
+  // constructor calls each once.
+  void register_elementwise_kernels();  // cpu_elementwise.cpp
+  void register_reduce_kernels();       // cpu_reduce.cpp
+  void register_method_kernels();       // method_kernels.h, cpu_backend.cpp
   void resize_arenas(int threads);
   /// What a chunk of a GEMM applies to its slab of C after its product (Note [Linear
   /// epilogue]): C += bias (per column; null: none), then relu.

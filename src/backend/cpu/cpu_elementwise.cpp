@@ -67,15 +67,15 @@ Walk collapse(const Indexer& ix) {
 }
 
 /// The innermost loop, specialised on the common stride patterns.
-template <typename F>
-inline void inner_loop(F f, const float* a, i64 sa, const float* b, i64 sb, float* out, i64 len) {
+template <typename T, typename F>
+inline void inner_loop(F f, const T* a, i64 sa, const T* b, i64 sb, T* out, i64 len) {
   if (sa == 1 && sb == 1) {
     for (i64 i = 0; i < len; ++i) out[i] = f(a[i], b[i]);
   } else if (sa == 1 && sb == 0) {
-    const float bv = *b;
+    const T bv = *b;
     for (i64 i = 0; i < len; ++i) out[i] = f(a[i], bv);
   } else if (sa == 0 && sb == 1) {
-    const float av = *a;
+    const T av = *a;
     for (i64 i = 0; i < len; ++i) out[i] = f(av, b[i]);
   } else {
     for (i64 i = 0; i < len; ++i) out[i] = f(a[i * sa], b[i * sb]);
@@ -83,8 +83,8 @@ inline void inner_loop(F f, const float* a, i64 sa, const float* b, i64 sb, floa
 }
 
 /// out[flat] = f(a[...], b[...]) for flat in [begin, end) of the collapsed walk.
-template <typename F>
-void walk_range(const Walk& w, F f, const float* a, const float* b, float* out, i64 begin, i64 end) {
+template <typename T, typename F>
+void walk_range(const Walk& w, F f, const T* a, const T* b, T* out, i64 begin, i64 end) {
   const int last = w.ndim - 1;
   i64 coord[kMaxDims] = {};
   i64 oa = 0, ob = 0;
@@ -115,74 +115,123 @@ void walk_range(const Walk& w, F f, const float* a, const float* b, float* out, 
   }
 }
 
-}  // namespace
-
 // ---- fills and casts --------------------------------------------------------------------
 
-void CpuBackend::fill(Device dev, float* y, i64 n, float value) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    float* __restrict yy = y;
+template <typename T>
+void fill(CpuBackend& be, Device dev, const FillArgs& a) {
+  const T value = a.value.as<T>();
+  T* y = static_cast<T*>(a.y);
+  be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+    T* __restrict yy = y;
     for (i64 i = b; i < e; ++i) yy[i] = value;
   });
 }
 
-void CpuBackend::fill_i64(Device dev, i64* y, i64 n, i64 value) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    i64* __restrict yy = y;
-    for (i64 i = b; i < e; ++i) yy[i] = value;
-  });
-}
-
-void CpuBackend::add_i64(Device dev, i64* y, i64 n, i64 value) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    i64* __restrict yy = y;
+template <typename T>
+void add_scalar(CpuBackend& be, Device dev, const AddScalarArgs& a) {
+  const T value = a.value.as<T>();
+  T* y = static_cast<T*>(a.y);
+  be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+    T* __restrict yy = y;
     for (i64 i = b; i < e; ++i) yy[i] += value;
   });
 }
 
-void CpuBackend::arange(Device dev, float* y, i64 n, float start, float step) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    float* __restrict yy = y;
-    for (i64 i = b; i < e; ++i) yy[i] = start + static_cast<float>(i) * step;
+template <typename T>
+void arange(CpuBackend& be, Device dev, const ArangeArgs& a) {
+  const T start = a.start.as<T>(), step = a.step.as<T>();
+  T* y = static_cast<T*>(a.y);
+  be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+    T* __restrict yy = y;
+    for (i64 i = b; i < e; ++i) yy[i] = start + static_cast<T>(i) * step;
   });
 }
 
-void CpuBackend::arange_i64(Device dev, i64* y, i64 n, i64 start, i64 step) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    i64* __restrict yy = y;
-    for (i64 i = b; i < e; ++i) yy[i] = start + i * step;
+/// y (of type Dst) = x converted: float to integer truncates toward 0, int64 to int32
+/// is modulo 2^32 (C++20).
+template <typename Dst>
+void cast(CpuBackend& be, Device dev, const CastArgs& a) {
+  visit_dtype(a.x_dtype, [&](auto src_zero) {
+    using Src = decltype(src_zero);
+    const Src* x = static_cast<const Src*>(a.x);
+    Dst* y = static_cast<Dst*>(a.y);
+    be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+      const Src* __restrict xx = x;
+      Dst* __restrict yy = y;
+      for (i64 i = b; i < e; ++i) yy[i] = static_cast<Dst>(xx[i]);
+    });
   });
 }
 
-void CpuBackend::cast_i64_to_f32(Device dev, const i64* x, float* y, i64 n) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    const i64* __restrict xx = x;
-    float* __restrict yy = y;
-    for (i64 i = b; i < e; ++i) yy[i] = static_cast<float>(xx[i]);
+// ---- elementwise ------------------------------------------------------------------------
+// y may alias x in unary/affine, so no __restrict there; GCC still vectorises with a
+// runtime overlap check. Each kernel is a template over the storage type T, its math in
+// float (Note [Storage types] in functors.h).
+
+template <typename T>
+void unary(CpuBackend& be, Device dev, const UnaryArgs& a) {
+  DP_CHECK(a.op < UnaryOp::kCount, "unary: expected a UnaryOp below kCount, got ",
+           static_cast<int>(a.op));
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  dispatch_unary(a.op, [&](auto f) {
+    const OnStorage<T, decltype(f)> g{f};
+    be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+      for (i64 i = b; i < e; ++i) y[i] = g(x[i]);
+    });
   });
 }
 
-void CpuBackend::cast_i32_to_i64(Device dev, const std::int32_t* x, i64* y, i64 n) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    const std::int32_t* __restrict xx = x;
-    i64* __restrict yy = y;
-    for (i64 i = b; i < e; ++i) yy[i] = xx[i];
+template <typename T>
+void affine(CpuBackend& be, Device dev, const AffineArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  const float alpha = a.alpha, beta = a.beta;
+  be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+    for (i64 i = b; i < e; ++i) y[i] = store_acc<T>(alpha * load_acc(x[i]) + beta);
   });
 }
 
-void CpuBackend::cast_i64_to_i32(Device dev, const i64* x, std::int32_t* y, i64 n) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    const i64* __restrict xx = x;
-    std::int32_t* __restrict yy = y;
-    for (i64 i = b; i < e; ++i) yy[i] = static_cast<std::int32_t>(xx[i]);  // modulo 2^32 (C++20)
+template <typename T>
+void axpy(CpuBackend& be, Device dev, const AxpyArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  const float alpha = a.alpha;
+  be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+    for (i64 i = b; i < e; ++i) y[i] = store_acc<T>(load_acc(y[i]) + alpha * load_acc(x[i]));
   });
 }
 
-void CpuBackend::eq_i64(Device dev, const Indexer& ix, const i64* a, const i64* b, float* out) {
+/// A floating-point storage type: out has the inputs' type (Eq and Gt write 1 or 0).
+template <typename T>
+void binary(CpuBackend& be, Device dev, const BinaryArgs& a) {
+  DP_CHECK(a.op < BinaryOp::kCount, "binary: expected a BinaryOp below kCount, got ",
+           static_cast<int>(a.op));
+  const Walk w = collapse(a.ix);
+  if (w.numel == 0) return;
+  const T* pa = static_cast<const T*>(a.a);
+  const T* pb = static_cast<const T*>(a.b);
+  T* out = static_cast<T*>(a.out);
+  dispatch_binary(a.op, [&](auto f) {
+    const OnStorage<T, decltype(f)> g{f};
+    be.parallel_for(dev, w.numel, kSerialGrain,
+                    [&](i64 begin, i64 end) { walk_range(w, g, pa, pb, out, begin, end); });
+  });
+}
+
+/// An integer storage type: Eq only, compared exactly, out float32.
+template <typename T>
+void binary_int(CpuBackend& be, Device dev, const BinaryArgs& a) {
+  DP_CHECK(a.op == BinaryOp::Eq, "binary on ", dtype_name(dtype_of<T>), ": only eq is implemented, got op ",
+           static_cast<int>(a.op));
+  const Indexer& ix = a.ix;
+  const T* pa = static_cast<const T*>(a.a);
+  const T* pb = static_cast<const T*>(a.b);
+  float* out = static_cast<float*>(a.out);
   // Labels against predictions: rarely large, so a plain per-element index walk.
   i64 n = 1;
   for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
-  parallel_for(dev, n, kSerialGrain, [&](i64 lo, i64 hi) {
+  be.parallel_for(dev, n, kSerialGrain, [&](i64 lo, i64 hi) {
     for (i64 i = lo; i < hi; ++i) {
       i64 rest = i, oa = 0, ob = 0;
       for (int d = ix.ndim - 1; d >= 0; --d) {
@@ -191,66 +240,25 @@ void CpuBackend::eq_i64(Device dev, const Indexer& ix, const i64* a, const i64* 
         oa += coord * ix.strides_a[d];
         ob += coord * ix.strides_b[d];
       }
-      out[i] = a[oa] == b[ob] ? 1.0f : 0.0f;
+      out[i] = pa[oa] == pb[ob] ? 1.0f : 0.0f;
     }
   });
 }
 
-void CpuBackend::cast_f32_to_i64(Device dev, const float* x, i64* y, i64 n) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    const float* __restrict xx = x;
-    i64* __restrict yy = y;
-    for (i64 i = b; i < e; ++i) yy[i] = static_cast<i64>(xx[i]);  // truncates toward 0
-  });
-}
-
-// ---- elementwise ------------------------------------------------------------------------
-// y may alias x in unary/affine, so no __restrict there; GCC still vectorises with a
-// runtime overlap check.
-
-void CpuBackend::unary(Device dev, UnaryOp op, const float* x, float* y, i64 n) {
-  DP_CHECK(op < UnaryOp::kCount, "unary: expected a UnaryOp below kCount, got ",
-           static_cast<int>(op));
-  dispatch_unary(op, [&](auto f) {
-    parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-      for (i64 i = b; i < e; ++i) y[i] = f(x[i]);
-    });
-  });
-}
-
-void CpuBackend::affine(Device dev, const float* x, float* y, i64 n, float alpha, float beta) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    for (i64 i = b; i < e; ++i) y[i] = alpha * x[i] + beta;
-  });
-}
-
-void CpuBackend::axpy(Device dev, float alpha, const float* x, float* y, i64 n) {
-  parallel_for(dev, n, kSerialGrain, [=](i64 b, i64 e) {
-    for (i64 i = b; i < e; ++i) y[i] += alpha * x[i];
-  });
-}
-
-void CpuBackend::binary(Device dev, BinaryOp op, const Indexer& ix, const float* a,
-                        const float* b, float* out) {
-  DP_CHECK(op < BinaryOp::kCount, "binary: expected a BinaryOp below kCount, got ",
-           static_cast<int>(op));
-  const Walk w = collapse(ix);
-  if (w.numel == 0) return;
-  dispatch_binary(op, [&](auto f) {
-    parallel_for(dev, w.numel, kSerialGrain,
-                 [&](i64 begin, i64 end) { walk_range(w, f, a, b, out, begin, end); });
-  });
-}
-
-void CpuBackend::strided_copy(Device dev, const Indexer& ix, const float* a, float* out) {
-  Indexer only_a = ix;
+template <typename T>
+void strided_copy(CpuBackend& be, Device dev, const StridedCopyArgs& args) {
+  Indexer only_a = args.ix;
   for (int d = 0; d < kMaxDims; ++d) only_a.strides_b[d] = 0;  // b unused: never blocks merging
   const Walk w = collapse(only_a);
   if (w.numel == 0) return;
-  parallel_for(dev, w.numel, kSerialGrain, [&](i64 begin, i64 end) {
-    walk_range(w, [](float x, float) { return x; }, a, a, out, begin, end);
+  const T* a = static_cast<const T*>(args.a);
+  T* out = static_cast<T*>(args.out);
+  be.parallel_for(dev, w.numel, kSerialGrain, [&](i64 begin, i64 end) {
+    walk_range(w, [](T x, T) { return x; }, a, a, out, begin, end);
   });
 }
+
+}  // namespace
 
 // ---- random (Note [Counter-based random numbers] in functors.h) -----------------------------
 
@@ -277,7 +285,7 @@ void CpuBackend::dropout(Device dev, const float* x, float* y, float* mask, i64 
   });
 }
 
-// ---- gather / scatter_add (Note [Gather geometry] in backend.h) ----------------------------
+// ---- gather / scatter_add (Note [Gather geometry] in ops.h) ----------------------------
 
 namespace {
 
@@ -299,13 +307,16 @@ i64 indexer_numel(const Indexer& ix) {
   return n;
 }
 
-}  // namespace
-
-void CpuBackend::gather(Device dev, const Indexer& ix, int dim, const float* x, const i64* index,
-                        float* out) {
+template <typename T>
+void gather(CpuBackend& be, Device dev, const GatherArgs& a) {
+  const Indexer& ix = a.ix;
+  const int dim = a.dim;
   DP_CHECK(dim >= 0 && dim < ix.ndim, "gather: expected a dim in [0, ", ix.ndim, "), got ", dim);
   const i64 n = indexer_numel(ix);
-  parallel_for(dev, n, kSerialGrain, [&](i64 lo, i64 hi) {
+  const T* x = static_cast<const T*>(a.x);
+  const i64* index = a.index;
+  T* out = static_cast<T*>(a.out);
+  be.parallel_for(dev, n, kSerialGrain, [&](i64 lo, i64 hi) {
     for (i64 i = lo; i < hi; ++i) {
       i64 xo, io;
       gather_offsets(ix, dim, i, xo, io);
@@ -314,18 +325,44 @@ void CpuBackend::gather(Device dev, const Indexer& ix, int dim, const float* x, 
   });
 }
 
-void CpuBackend::scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
-                             const i64* index, float* y) {
+template <typename T>
+void scatter_add(CpuBackend& be, Device dev, const ScatterAddArgs& a) {
+  const Indexer& ix = a.ix;
+  const int dim = a.dim;
   DP_CHECK(dim >= 0 && dim < ix.ndim, "scatter_add: expected a dim in [0, ", ix.ndim, "), got ", dim);
   const i64 n = indexer_numel(ix);
+  const T* src = static_cast<const T*>(a.src);
+  T* y = static_cast<T*>(a.y);
   // One pass in element order on the calling thread: repeated indices add in a fixed
   // order, so the gradients of gather and index_select are bitwise reproducible.
-  (void)state(dev);  // checks the device
+  (void)be.state(dev);  // checks the device
   for (i64 i = 0; i < n; ++i) {
     i64 xo, io;
     gather_offsets(ix, dim, i, xo, io);
-    y[xo + index[io] * ix.strides_a[dim]] += src[i];
+    T& dst = y[xo + a.index[io] * ix.strides_a[dim]];
+    dst = store_acc<T>(load_acc(dst) + load_acc(src[i]));
   }
+}
+
+}  // namespace
+
+void CpuBackend::register_elementwise_kernels() {
+  register_typed<Op::Fill, CpuBackend, &fill<float>>(DType::F32);
+  register_typed<Op::Fill, CpuBackend, &fill<i64>>(DType::I64);
+  register_typed<Op::AddScalar, CpuBackend, &add_scalar<i64>>(DType::I64);
+  register_typed<Op::Arange, CpuBackend, &arange<float>>(DType::F32);
+  register_typed<Op::Arange, CpuBackend, &arange<i64>>(DType::I64);
+  register_typed<Op::Cast, CpuBackend, &cast<float>>(DType::F32);
+  register_typed<Op::Cast, CpuBackend, &cast<i64>>(DType::I64);
+  register_typed<Op::Cast, CpuBackend, &cast<std::int32_t>>(DType::I32);
+  register_typed<Op::Unary, CpuBackend, &unary<float>>(DType::F32);
+  register_typed<Op::Affine, CpuBackend, &affine<float>>(DType::F32);
+  register_typed<Op::Axpy, CpuBackend, &axpy<float>>(DType::F32);
+  register_typed<Op::Binary, CpuBackend, &binary<float>>(DType::F32);
+  register_typed<Op::Binary, CpuBackend, &binary_int<i64>>(DType::I64);
+  register_typed<Op::StridedCopy, CpuBackend, &strided_copy<float>>(DType::F32);
+  register_typed<Op::Gather, CpuBackend, &gather<float>>(DType::F32);
+  register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<float>>(DType::F32);
 }
 
 }  // namespace dp::backend::cpu

@@ -13,11 +13,9 @@ namespace dp::backend::cpu {
 // Note [Epilogue clones]
 // The epilogues read and write a slab the GEMM has just left in its core's L2: an add
 // and a clip per element (the forward), or a select by the ReLU's output (the input
-// gradient). Built for the x86-64 baseline they ran in SSE's four lanes, and in the
-// MLP 784-1024-1024-10 at batch 512 they took 2.4 % of the step's CPU samples on the
-// Zen 5 EPYC (perf), as much as the copies that feed the GEMM. The x86-64-v3 and -v4
-// clones run the same loops in 8 and 16 lanes: 0.9 % of the samples with AVX-512
-// (perf, 300 steps of dp_vs_ddp --model mlp --optimizer sgd). Each element goes through the functors
+// gradient). Built for the x86-64 baseline they ran in SSE's four lanes, as long as the
+// copies that feed the GEMM. The x86-64-v3 and -v4 clones run the same loops in 8 and
+// 16 lanes (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Epilogue clones"). Each element goes through the functors
 // of the separate ops (Binary<Add>, Unary<Relu>, Binary<ReluBackward>): one IEEE add,
 // a compare and a select, which every width computes alike (no FMA can form: one
 // operation per element, and this file is built with -ffp-contract=off), so every

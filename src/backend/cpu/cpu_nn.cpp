@@ -38,8 +38,8 @@ void check_pool_shape(const Pool2dShape& s, const char* op) {
 // Note [Branch-free 2x2 max-pool]
 // The 2x2 window's maximum is picked with selects, not branches: on real activations
 // (half of them zeros after a ReLU, the rest noise) "is this one larger?" is a coin
-// toss, and the branchy loop mispredicted about one comparison in two (10-15 ns per
-// output, callgrind and kernels_bench). Four windows are done at once in 128-bit
+// toss, and the branchy loop mispredicted about one comparison in two (callgrind and
+// kernels_bench). Four windows are done at once in 128-bit
 // vectors (GCC/Clang vector extensions: SSE2 on x86-64, NEON elsewhere, no -march
 // needed): two loads per input row, de-interleaved into the windows' even and odd
 // columns. The rule is the scalar one: the first maximum in row-major window order
@@ -48,9 +48,8 @@ void check_pool_shape(const Pool2dShape& s, const char* op) {
 // a memset of the whole input gradient followed by a scatter. A row whose width is not
 // a multiple of four ends with its last four windows done again as one vector (the
 // same values written twice), not with a scalar remainder: the CNN's 14- and 7-wide
-// outputs are 14 % and 43 % remainder, and their compares mispredicted as above. On
-// the Zen 5 EPYC that halved the 28x28 layer's forward and quartered the 14x14 one's
-// (kernels_bench, batch 256, 2 threads: 1.82 -> 0.91 ms and 2.00 -> 0.48 ms).
+// outputs are 14 % and 43 % remainder, and their compares mispredicted as above
+// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Max-pool 2x2 in vectors").
 using f32x4 = float __attribute__((vector_size(16)));
 using i32x4 = std::int32_t __attribute__((vector_size(16)));
 using i64x4 = std::int64_t __attribute__((vector_size(32)));
@@ -623,7 +622,7 @@ void CpuBackend::nll_backward(Device dev, const float* gloss, const i64* target,
                               i64 cols) {
   DP_CHECK(rows >= 0 && cols >= 0, "nll_backward: expected non-negative sizes, got ", rows, "x", cols);
   check_targets(target, rows, cols, "nll_backward");
-  fill(dev, gx, rows * cols, 0.0f);
+  run<Op::Fill>(dev, DType::F32, {gx, rows * cols, 0.0f});
   for (i64 r = 0; r < rows; ++r) gx[r * cols + target[r]] = -gloss[r];
 }
 

@@ -21,10 +21,11 @@ namespace {
 // scalar as a literal zero, so its test folds away) and __restrict pointers: the same
 // functor, the same arithmetic in the same order, now in SIMD lanes.
 //
-// The library is built for the x86-64 baseline, so those lanes were SSE's four. On the
-// AVX2 EPYC, with the MLP's 1.9 M parameters resident in the last-level cache, the
-// update then ran at 0.78-0.83 of a loop with its access pattern and no arithmetic
-// (bench/mlp_ceiling): the multiplies, not the memory, set the pace. The SGD loop is
+// The library is built for the x86-64 baseline, so those lanes were SSE's four. With the
+// MLP's parameters resident in the last-level cache, the update then ran well below a
+// loop with its access pattern and no arithmetic (bench/mlp_ceiling; figures:
+// docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Vectorised optimizer loops"): the
+// multiplies, not the memory, set the pace. The SGD loop is
 // therefore also compiled for AVX2 (target_clones: the loader picks the clone the CPU
 // runs). Eight lanes do the same IEEE multiplies and adds as four, and AVX2 brings no
 // FMA (that is the separate "fma" target, and this file is built with

@@ -14,13 +14,11 @@ namespace dp::backend::cpu {
 // Note [Vectorised random fills]
 // Every element of a random fill or a dropout mask costs one Philox4x32-10 block (Note
 // [Counter-based random numbers]): twenty 32x32->64-bit multiplies in a dependent
-// chain. Built for the x86-64 baseline, that loop ran at about 6 ns of CPU per element
-// on the Zen 5 EPYC (fill_uniform of 16 M floats: 49 ms on two threads; dropout of a
-// 512x1024 activation about 1.4 ms of a step). Blocks of different elements are
-// independent, so a tile of counters is run through the rounds side by side in vector
-// lanes (vpmuludq multiplies 8 lanes of 32 bits into 64 with AVX-512): the x86-64-v4
-// clone (AVX-512 F/BW/CD/DQ/VL) runs the rounds about 3.6x faster, the x86-64-v3 clone
-// (AVX2) about 1.3x. The words are integers and the float steps after them are the
+// chain, slow for the x86-64 baseline. Blocks of different elements are independent,
+// so a tile of counters is run through the rounds side by side in vector lanes
+// (vpmuludq multiplies 8 lanes of 32 bits into 64 with AVX-512), in an x86-64-v4 clone
+// (AVX-512 F/BW/CD/DQ/VL) and an x86-64-v3 one (AVX2) (figures: docs/BENCHMARKS.md,
+// section "Random fills and dropout"). The words are integers and the float steps after them are the
 // scalar functors' own (uniform_open1, normal_from_words, no contraction: this file is
 // built with -ffp-contract=off; logf and cosf stay glibc's scalar calls), so every
 // clone writes the bits that uniform_from and normal_from give (cpu_backend_test checks

@@ -58,8 +58,8 @@ float reduce_contiguous(const float* __restrict x, i64 len) {
 
 /// acc[i] op= x[k * inner + i] for k in [0, kn), i in [0, ilen). Four rows per pass over
 /// acc: the same combines in the same order (row by row, left to right), with a quarter
-/// of the loads and stores of acc (1x512x1024, a Linear's bias gradient at batch 512:
-/// 97 -> 137 GB/s in cache, bench/kernels_bench).
+/// of the loads and stores of acc (figures for a Linear's bias gradient: docs/BENCHMARKS.md,
+/// section "Measurements behind the kernels' Notes", "Strided reductions").
 template <typename Op>
 void reduce_strided(const float* __restrict x, i64 kn, i64 inner, i64 ilen, float* __restrict acc) {
   for (i64 i = 0; i < ilen; ++i) acc[i] = Op::identity();
@@ -97,8 +97,8 @@ ReduceGrid make_grid(i64 outer, i64 r, i64 inner) {
   g.nr = r == 0 ? 1 : (r + g.rchunk - 1) / g.rchunk;
   // Inner blocks hold ~kSerialGrain elements of work each; 16-aligned for the vector loop.
   // A column reduction (inner > 1) reads each row's block as one run: runs of a few
-  // cache lines every row stride are where hardware prefetchers give up (1x4096x4096 with
-  // 16-float blocks: 16 GB/s; with 1024: 47), so a block is also at least a quarter of
+  // cache lines every row stride are where hardware prefetchers give up (the same section
+  // of docs/BENCHMARKS.md, "Strided reductions"), so a block is also at least a quarter of
   // the row, up to kMaxRun (Note [Deterministic reductions]: a column's sum is the same
   // whatever the block).
   const i64 want = std::max<i64>(kLanes, kSerialGrain / std::max<i64>(1, g.rchunk) / kLanes * kLanes);
@@ -145,29 +145,33 @@ void reduce_impl(CpuBackend& be, Device dev, const float* x, float* y, i64 outer
   }
 }
 
-}  // namespace
-
-void CpuBackend::reduce(Device dev, ReduceOp op, const float* x, float* y, i64 outer, i64 r,
-                        i64 inner) {
+void reduce_f32(CpuBackend& be, Device dev, const ReduceArgs& a) {
+  const ReduceOp op = a.op;
+  const float* x = static_cast<const float*>(a.x);
+  float* y = static_cast<float*>(a.y);
+  const i64 outer = a.outer, r = a.r, inner = a.inner;
   DP_CHECK(outer >= 0 && r >= 0 && inner >= 0, "reduce: expected non-negative sizes, got (",
            outer, ", ", r, ", ", inner, ")");
-  (void)state(dev);
+  (void)be.state(dev);
   if (outer == 0 || inner == 0) return;
   DP_CHECK(r > 0 || op == ReduceOp::Sum,
            "reduce: max/min over an empty dimension has no identity; expected r > 0, got r = 0");
   switch (op) {
-    case ReduceOp::Sum: reduce_impl<SumOp>(*this, dev, x, y, outer, r, inner); return;
-    case ReduceOp::Max: reduce_impl<MaxOp>(*this, dev, x, y, outer, r, inner); return;
-    case ReduceOp::Min: reduce_impl<MinOp>(*this, dev, x, y, outer, r, inner); return;
+    case ReduceOp::Sum: reduce_impl<SumOp>(be, dev, x, y, outer, r, inner); return;
+    case ReduceOp::Max: reduce_impl<MaxOp>(be, dev, x, y, outer, r, inner); return;
+    case ReduceOp::Min: reduce_impl<MinOp>(be, dev, x, y, outer, r, inner); return;
     case ReduceOp::kCount: break;
   }
   DP_FAIL("reduce: expected a ReduceOp below kCount, got ", static_cast<int>(op));
 }
 
-void CpuBackend::argmax(Device dev, const float* x, i64* y, i64 outer, i64 r, i64 inner) {
+void argmax_f32(CpuBackend& be, Device dev, const ArgmaxArgs& a) {
+  const float* x = static_cast<const float*>(a.x);
+  i64* y = a.y;
+  const i64 outer = a.outer, r = a.r, inner = a.inner;
   DP_CHECK(outer >= 0 && r >= 0 && inner >= 0, "argmax: expected non-negative sizes, got (",
            outer, ", ", r, ", ", inner, ")");
-  (void)state(dev);
+  (void)be.state(dev);
   if (outer == 0 || inner == 0) return;
   DP_CHECK(r > 0, "argmax: expected a non-empty reduced dimension, got r = 0");
   // Parallel over outputs only; each output scans its k in order, so "first max wins".
@@ -176,7 +180,7 @@ void CpuBackend::argmax(Device dev, const float* x, i64* y, i64 outer, i64 r, i6
   const i64 iblock = std::min<i64>(inner, 1024);  // bounded stack buffer of running maxima
   const i64 ni = (inner + iblock - 1) / iblock;
   const i64 grain = std::max<i64>(1, kSerialGrain / (r * iblock));
-  parallel_for(dev, outer * ni, grain, [&](i64 b, i64 e) {
+  be.parallel_for(dev, outer * ni, grain, [&](i64 b, i64 e) {
     float best[1024];
     for (i64 t = b; t < e; ++t) {
       const i64 o = t / ni, i0 = (t % ni) * iblock, ilen = std::min(inner, i0 + iblock) - i0;
@@ -199,12 +203,15 @@ void CpuBackend::argmax(Device dev, const float* x, i64* y, i64 outer, i64 r, i6
   });
 }
 
-std::int64_t CpuBackend::count_nonfinite(Device dev, const float* x, i64 n) {
-  (void)state(dev);
-  if (n <= 0) return 0;
+void count_nonfinite_f32(CpuBackend& be, Device dev, const CountNonfiniteArgs& a) {
+  const float* x = static_cast<const float*>(a.x);
+  const i64 n = a.n;
+  *a.count = 0;
+  (void)be.state(dev);
+  if (n <= 0) return;
   const i64 chunks = (n + kSerialGrain - 1) / kSerialGrain;
   std::vector<i64> counts(static_cast<std::size_t>(chunks), 0);
-  parallel_chunks(dev, chunks, [&](i64 c) {
+  be.parallel_chunks(dev, chunks, [&](i64 c) {
     const i64 b = c * kSerialGrain, e = std::min(n, b + kSerialGrain);
     i64 cnt = 0;
     for (i64 i = b; i < e; ++i) {
@@ -217,7 +224,15 @@ std::int64_t CpuBackend::count_nonfinite(Device dev, const float* x, i64 n) {
   });
   i64 total = 0;
   for (i64 c : counts) total += c;
-  return total;
+  *a.count = total;
+}
+
+}  // namespace
+
+void CpuBackend::register_reduce_kernels() {
+  register_typed<Op::Reduce, CpuBackend, &reduce_f32>(DType::F32);
+  register_typed<Op::Argmax, CpuBackend, &argmax_f32>(DType::F32);
+  register_typed<Op::CountNonfinite, CpuBackend, &count_nonfinite_f32>(DType::F32);
 }
 
 }  // namespace dp::backend::cpu

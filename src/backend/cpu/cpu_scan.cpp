@@ -14,10 +14,9 @@ namespace dp::backend::cpu {
 // max_abs_bits runs over every input chunk of a fused convolution (Note [Convolution
 // + ReLU]) and over its weights. Built for the x86-64 baseline its unsigned 32-bit max
 // has no instruction (SSE4.1 brought pmaxud): GCC emulates it with a compare and three
-// logic operations per vector, and on the Zen 5 EPYC the scan took about 1.6 % of
-// the Fashion-MNIST CNN's step (perf, batch 256), as long as the ReLU pass it lets the
-// convolution skip. The AVX2 and AVX-512 clones do it in one instruction per 8 or 16
-// values: 0.4 % of the step. Integers only: every clone returns the same value.
+// logic operations per vector, and the scan took about as long as the ReLU pass it lets
+// the convolution skip. The AVX2 and AVX-512 clones do it in one instruction per 8 or
+// 16 values (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Scan clones"). Integers only: every clone returns the same value.
 #if defined(DP_CPU_TARGET_CLONES)
 #define DP_SCAN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else

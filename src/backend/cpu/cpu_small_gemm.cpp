@@ -17,13 +17,12 @@ namespace dp::backend::cpu {
 // A product whose inner dimension is a handful of values is a broadcast, not a
 // GEMM: the MLP 784-1024-1024-10's last input gradient dX = dY W (512x1024, k = 10)
 // does 10 multiply-adds per element it writes. oneDNN's sgemm still writes C tile by
-// tile, a dozen rows 4 KiB apart at a time, which the prefetchers do not follow: in the
-// step its two slabs took 0.13 ms each at ~8 GB/s of stores, then the ReLU's mask
-// read them back, 0.24 ms in all against 0.06 ms for the same call warm in cache
-// (bench/mlp_ceiling). Here each thread writes whole rows of C in order, every element
+// tile, a dozen rows 4 KiB apart at a time, which the prefetchers do not follow, and
+// the ReLU's mask then read them back: several times the same call warm in cache
+// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "GEMMs with a small k"). Here each thread writes whole rows of C in order, every element
 // finished in registers — the products summed in k order, then the ReLU's mask when
 // the product is an input gradient (Note [ReLU mask in the input gradient]) — so C
-// is written once, as a stream, and never read back. In the step: 0.23 -> 0.16 ms.
+// is written once, as a stream, and never read back.
 // Every element is the same sum wherever a split puts it: fma(a[i,k-1], b[k-1,j],
 // ... fma(a[i,0], b[0,j], +0)), each fma rounded once (std::fma: exact in every clone,
 // a libm call where the CPU has no FMA — CpuBackend::gemm sends those CPUs to oneDNN,

@@ -24,7 +24,7 @@ void transpose_scalar(const float* src, std::int64_t lds, std::int64_t r0, std::
 /// dst's rows [0, 8) (ldd apart) = columns [0, 8) of src's rows [0, 8) (lds apart):
 /// pairs of rows interleaved, then pairs of pairs, then the 128-bit halves exchanged.
 /// Intrinsics, not vector extensions: GCC 12 compiled the generic shuffles of the same
-/// steps into spills through the stack, 1.4-2x slower.
+/// steps into spills through the stack, much slower.
 [[gnu::target("avx2"), gnu::always_inline]] inline void transpose8x8_avx2(const float* src, std::int64_t lds,
                                                                           float* dst, std::int64_t ldd) {
   __m256 a[8];

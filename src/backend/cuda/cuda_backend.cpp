@@ -13,6 +13,7 @@
 
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/method_kernels.h"
 #include "dp/core/error.h"
 
 namespace dp::backend {
@@ -92,6 +93,7 @@ CudaBackend::CudaBackend()
         kDevicesPerGpuEnv, "=", map_.per_gpu(), ": ", device_count_, " dp CUDA devices on ", gpus,
         " GPU(s), cuda:i on GPU i / ", map_.per_gpu(),
         "; collectives use the CUDA copy communicator, not NCCL (Note [Logical CUDA devices])"));
+  register_kernels();
 }
 
 void CudaBackend::check_device(Device dev) const {
@@ -550,65 +552,6 @@ void CudaBackend::memset_zero(void* ptr, Device dev, std::size_t nbytes) {
 
 namespace k = cuda_kernels;
 
-void CudaBackend::fill(Device dev, float* y, std::int64_t n, float value) {
-  k::fill(bind(dev), y, n, value);
-}
-void CudaBackend::fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) {
-  k::fill_i64(bind(dev), y, n, value);
-}
-void CudaBackend::add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) {
-  k::add_i64(bind(dev), y, n, value);
-}
-void CudaBackend::arange(Device dev, float* y, std::int64_t n, float start, float step) {
-  k::arange(bind(dev), y, n, start, step);
-}
-void CudaBackend::arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
-                             std::int64_t step) {
-  k::arange_i64(bind(dev), y, n, start, step);
-}
-void CudaBackend::eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
-                         float* out) {
-  k::eq_i64(bind(dev), ix, a, b, out);
-}
-
-void CudaBackend::cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) {
-  k::cast_i64_to_f32(bind(dev), x, y, n);
-}
-void CudaBackend::cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) {
-  k::cast_f32_to_i64(bind(dev), x, y, n);
-}
-void CudaBackend::cast_i32_to_i64(Device dev, const std::int32_t* x, std::int64_t* y, std::int64_t n) {
-  k::cast_i32_to_i64(bind(dev), x, y, n);
-}
-void CudaBackend::cast_i64_to_i32(Device dev, const std::int64_t* x, std::int32_t* y, std::int64_t n) {
-  k::cast_i64_to_i32(bind(dev), x, y, n);
-}
-void CudaBackend::gather(Device dev, const Indexer& ix, int dim, const float* x, const std::int64_t* index,
-                         float* out) {
-  k::gather(bind(dev), ix, dim, x, index, out);
-}
-void CudaBackend::scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
-                              const std::int64_t* index, float* y) {
-  k::scatter_add(bind(dev), ix, dim, src, index, y);
-}
-void CudaBackend::unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) {
-  k::unary(bind(dev), op, x, y, n);
-}
-void CudaBackend::affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
-                         float beta) {
-  k::affine(bind(dev), x, y, n, alpha, beta);
-}
-void CudaBackend::axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) {
-  k::axpy(bind(dev), alpha, x, y, n);
-}
-void CudaBackend::binary(Device dev, BinaryOp op, const Indexer& ix, const float* a,
-                         const float* b, float* out) {
-  k::binary(bind(dev), op, ix, a, b, out);
-}
-void CudaBackend::strided_copy(Device dev, const Indexer& ix, const float* a, float* out) {
-  k::strided_copy(bind(dev), ix, a, out);
-}
-
 void CudaBackend::fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
                                std::uint64_t seed, std::uint64_t offset) {
   k::fill_uniform(bind(dev), y, n, lo, hi, seed, offset);
@@ -620,22 +563,6 @@ void CudaBackend::fill_normal(Device dev, float* y, std::int64_t n, float mean, 
 void CudaBackend::dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n,
                           float p, std::uint64_t seed, std::uint64_t offset) {
   k::dropout(bind(dev), x, y, mask, n, p, seed, offset);
-}
-
-void CudaBackend::reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
-                         std::int64_t r, std::int64_t inner) {
-  cudaStream_t s = bind(dev);
-  const std::int64_t floats = outer >= 0 && r >= 0 && inner >= 0 ? k::reduce_scratch(outer, r, inner) : 0;
-  if (floats == 0) {
-    k::reduce(s, op, x, y, outer, r, inner, nullptr);
-    return;
-  }
-  Scratch parts(*this, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
-  k::reduce(s, op, x, y, outer, r, inner, static_cast<float*>(parts.get()));
-}
-void CudaBackend::argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer,
-                         std::int64_t r, std::int64_t inner) {
-  k::argmax(bind(dev), x, y, outer, r, inner);
 }
 
 void CudaBackend::log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
@@ -723,17 +650,135 @@ void CudaBackend::adam_step(Device dev, float* param, const float* grad, float* 
                weight_decay, decoupled, step);
 }
 
-std::int64_t CudaBackend::count_nonfinite(Device dev, const float* x, std::int64_t n) {
-  cudaStream_t s = bind(dev);
-  if (n == 0) return 0;
-  Scratch counter(*this, dev.index, sizeof(unsigned long long));
+// ---- the kernel table's entries (Note [The op list] in ops.h) ------------------------------
+
+namespace {
+
+using i64 = std::int64_t;
+
+void fill_f32(CudaBackend& be, Device dev, const FillArgs& a) {
+  k::fill(be.bind(dev), static_cast<float*>(a.y), a.n, a.value.as<float>());
+}
+void fill_i64(CudaBackend& be, Device dev, const FillArgs& a) {
+  k::fill_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.value.as<i64>());
+}
+void add_scalar_i64(CudaBackend& be, Device dev, const AddScalarArgs& a) {
+  k::add_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.value.as<i64>());
+}
+void arange_f32(CudaBackend& be, Device dev, const ArangeArgs& a) {
+  k::arange(be.bind(dev), static_cast<float*>(a.y), a.n, a.start.as<float>(), a.step.as<float>());
+}
+void arange_i64(CudaBackend& be, Device dev, const ArangeArgs& a) {
+  k::arange_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.start.as<i64>(), a.step.as<i64>());
+}
+
+[[noreturn]] void cast_unsupported(DType from, DType to) {
+  DP_FAIL("backend op cast has no CUDA kernel from ", dtype_name(from), " to ", dtype_name(to),
+          " (it has int64 to float32 and int32, float32 and int32 to int64)");
+}
+void cast_to_f32(CudaBackend& be, Device dev, const CastArgs& a) {
+  if (a.x_dtype != DType::I64) cast_unsupported(a.x_dtype, DType::F32);
+  k::cast_i64_to_f32(be.bind(dev), static_cast<const i64*>(a.x), static_cast<float*>(a.y), a.n);
+}
+void cast_to_i64(CudaBackend& be, Device dev, const CastArgs& a) {
+  if (a.x_dtype == DType::F32) {
+    k::cast_f32_to_i64(be.bind(dev), static_cast<const float*>(a.x), static_cast<i64*>(a.y), a.n);
+  } else if (a.x_dtype == DType::I32) {
+    k::cast_i32_to_i64(be.bind(dev), static_cast<const std::int32_t*>(a.x), static_cast<i64*>(a.y), a.n);
+  } else {
+    cast_unsupported(a.x_dtype, DType::I64);
+  }
+}
+void cast_to_i32(CudaBackend& be, Device dev, const CastArgs& a) {
+  if (a.x_dtype != DType::I64) cast_unsupported(a.x_dtype, DType::I32);
+  k::cast_i64_to_i32(be.bind(dev), static_cast<const i64*>(a.x), static_cast<std::int32_t*>(a.y), a.n);
+}
+
+template <typename T>
+void unary(CudaBackend& be, Device dev, const UnaryArgs& a) {
+  k::unary<T>(be.bind(dev), a.op, static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n);
+}
+template <typename T>
+void affine(CudaBackend& be, Device dev, const AffineArgs& a) {
+  k::affine<T>(be.bind(dev), static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n, a.alpha, a.beta);
+}
+template <typename T>
+void axpy(CudaBackend& be, Device dev, const AxpyArgs& a) {
+  k::axpy<T>(be.bind(dev), a.alpha, static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n);
+}
+template <typename T>
+void binary(CudaBackend& be, Device dev, const BinaryArgs& a) {
+  k::binary<T>(be.bind(dev), a.op, a.ix, static_cast<const T*>(a.a), static_cast<const T*>(a.b),
+               static_cast<T*>(a.out));
+}
+void binary_i64(CudaBackend& be, Device dev, const BinaryArgs& a) {
+  DP_CHECK(a.op == BinaryOp::Eq, "binary on int64: only eq is implemented, got op ", static_cast<int>(a.op));
+  k::eq_i64(be.bind(dev), a.ix, static_cast<const i64*>(a.a), static_cast<const i64*>(a.b),
+            static_cast<float*>(a.out));
+}
+void strided_copy_f32(CudaBackend& be, Device dev, const StridedCopyArgs& a) {
+  k::strided_copy(be.bind(dev), a.ix, static_cast<const float*>(a.a), static_cast<float*>(a.out));
+}
+void gather_f32(CudaBackend& be, Device dev, const GatherArgs& a) {
+  k::gather(be.bind(dev), a.ix, a.dim, static_cast<const float*>(a.x), a.index, static_cast<float*>(a.out));
+}
+void scatter_add_f32(CudaBackend& be, Device dev, const ScatterAddArgs& a) {
+  k::scatter_add(be.bind(dev), a.ix, a.dim, static_cast<const float*>(a.src), a.index, static_cast<float*>(a.y));
+}
+
+void reduce_f32(CudaBackend& be, Device dev, const ReduceArgs& a) {
+  cudaStream_t s = be.bind(dev);
+  const float* x = static_cast<const float*>(a.x);
+  float* y = static_cast<float*>(a.y);
+  const i64 floats = a.outer >= 0 && a.r >= 0 && a.inner >= 0 ? k::reduce_scratch(a.outer, a.r, a.inner) : 0;
+  if (floats == 0) {
+    k::reduce(s, a.op, x, y, a.outer, a.r, a.inner, nullptr);
+    return;
+  }
+  CudaBackend::Scratch parts(be, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+  k::reduce(s, a.op, x, y, a.outer, a.r, a.inner, static_cast<float*>(parts.get()));
+}
+void argmax_f32(CudaBackend& be, Device dev, const ArgmaxArgs& a) {
+  k::argmax(be.bind(dev), static_cast<const float*>(a.x), a.y, a.outer, a.r, a.inner);
+}
+
+void count_nonfinite_f32(CudaBackend& be, Device dev, const CountNonfiniteArgs& a) {
+  cudaStream_t s = be.bind(dev);
+  *a.count = 0;
+  if (a.n == 0) return;
+  CudaBackend::Scratch counter(be, dev.index, sizeof(unsigned long long));
   auto* c = static_cast<unsigned long long*>(counter.get());
   DP_CUDA_CHECK(cudaMemsetAsync(c, 0, sizeof(*c), s));
-  k::count_nonfinite(s, x, n, c);
+  k::count_nonfinite(s, static_cast<const float*>(a.x), a.n, c);
   unsigned long long host = 0;
   DP_CUDA_CHECK(cudaMemcpyAsync(&host, c, sizeof(host), cudaMemcpyDeviceToHost, s));
   DP_CUDA_CHECK(cudaStreamSynchronize(s));  // documented as synchronous
-  return static_cast<std::int64_t>(host);
+  *a.count = static_cast<i64>(host);
+}
+
+}  // namespace
+
+void CudaBackend::register_kernels() {
+  register_typed<Op::Fill, CudaBackend, &fill_f32>(DType::F32);
+  register_typed<Op::Fill, CudaBackend, &fill_i64>(DType::I64);
+  register_typed<Op::AddScalar, CudaBackend, &add_scalar_i64>(DType::I64);
+  register_typed<Op::Arange, CudaBackend, &arange_f32>(DType::F32);
+  register_typed<Op::Arange, CudaBackend, &arange_i64>(DType::I64);
+  register_typed<Op::Cast, CudaBackend, &cast_to_f32>(DType::F32);
+  register_typed<Op::Cast, CudaBackend, &cast_to_i64>(DType::I64);
+  register_typed<Op::Cast, CudaBackend, &cast_to_i32>(DType::I32);
+  register_typed<Op::Unary, CudaBackend, &unary<float>>(DType::F32);
+  register_typed<Op::Affine, CudaBackend, &affine<float>>(DType::F32);
+  register_typed<Op::Axpy, CudaBackend, &axpy<float>>(DType::F32);
+  register_typed<Op::Binary, CudaBackend, &binary<float>>(DType::F32);
+  register_typed<Op::Binary, CudaBackend, &binary_i64>(DType::I64);
+  register_typed<Op::StridedCopy, CudaBackend, &strided_copy_f32>(DType::F32);
+  register_typed<Op::Gather, CudaBackend, &gather_f32>(DType::F32);
+  register_typed<Op::ScatterAdd, CudaBackend, &scatter_add_f32>(DType::F32);
+  register_typed<Op::Reduce, CudaBackend, &reduce_f32>(DType::F32);
+  register_typed<Op::Argmax, CudaBackend, &argmax_f32>(DType::F32);
+  register_typed<Op::CountNonfinite, CudaBackend, &count_nonfinite_f32>(DType::F32);
+  for (const MethodKernel& m : method_kernels<CudaBackend>()) register_kernel(m.op, DType::F32, m.fn);
 }
 
 // Declared in backend/backend.cpp.

@@ -191,99 +191,76 @@ class CudaBackend final : public Backend {
   void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
   void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
 
-  void fill(Device dev, float* y, std::int64_t n, float value) override;
-  void fill_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
-  void add_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t value) override;
-  void arange(Device dev, float* y, std::int64_t n, float start, float step) override;
-  void arange_i64(Device dev, std::int64_t* y, std::int64_t n, std::int64_t start,
-                  std::int64_t step) override;
-  void cast_i64_to_f32(Device dev, const std::int64_t* x, float* y, std::int64_t n) override;
-  void eq_i64(Device dev, const Indexer& ix, const std::int64_t* a, const std::int64_t* b,
-              float* out) override;
-  void cast_f32_to_i64(Device dev, const float* x, std::int64_t* y, std::int64_t n) override;
-  void unary(Device dev, UnaryOp op, const float* x, float* y, std::int64_t n) override;
-  void affine(Device dev, const float* x, float* y, std::int64_t n, float alpha,
-              float beta) override;
-  void axpy(Device dev, float alpha, const float* x, float* y, std::int64_t n) override;
-  void binary(Device dev, BinaryOp op, const Indexer& ix, const float* a, const float* b,
-              float* out) override;
-  void strided_copy(Device dev, const Indexer& ix, const float* a, float* out) override;
-  void cast_i32_to_i64(Device dev, const std::int32_t* x, std::int64_t* y, std::int64_t n) override;
-  void cast_i64_to_i32(Device dev, const std::int64_t* x, std::int32_t* y, std::int64_t n) override;
-  void gather(Device dev, const Indexer& ix, int dim, const float* x, const std::int64_t* index,
-              float* out) override;
-  void scatter_add(Device dev, const Indexer& ix, int dim, const float* src,
-                   const std::int64_t* index, float* y) override;
-
+  // The float32 kernels of these ops (Note [The op list] in ops.h) are these members,
+  // registered through method_kernels.h.
   void fill_uniform(Device dev, float* y, std::int64_t n, float lo, float hi,
-                    std::uint64_t seed, std::uint64_t offset) override;
+                    std::uint64_t seed, std::uint64_t offset);
   void fill_normal(Device dev, float* y, std::int64_t n, float mean, float std,
-                   std::uint64_t seed, std::uint64_t offset) override;
+                   std::uint64_t seed, std::uint64_t offset);
   void dropout(Device dev, const float* x, float* y, float* mask, std::int64_t n, float p,
-               std::uint64_t seed, std::uint64_t offset) override;
-
-  void reduce(Device dev, ReduceOp op, const float* x, float* y, std::int64_t outer,
-              std::int64_t r, std::int64_t inner) override;
-  void argmax(Device dev, const float* x, std::int64_t* y, std::int64_t outer, std::int64_t r,
-              std::int64_t inner) override;
+               std::uint64_t seed, std::uint64_t offset);
 
   void gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, std::int64_t n,
             std::int64_t k, float alpha, const float* a, std::int64_t lda, const float* b,
-            std::int64_t ldb, float beta, float* c, std::int64_t ldc) override;
+            std::int64_t ldb, float beta, float* c, std::int64_t ldc);
+  /// The Gemm op: gemm, then the epilogue as the separate ops (GemmEpilogue in ops.h).
+  void gemm_with_epilogue(Device dev, const GemmArgs& a);
 
   void log_softmax(Device dev, const float* x, float* y, std::int64_t rows,
-                   std::int64_t cols) override;
+                   std::int64_t cols);
   void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
-                            std::int64_t rows, std::int64_t cols) override;
+                            std::int64_t rows, std::int64_t cols);
   void nll_forward(Device dev, const float* logp, const std::int64_t* target, float* loss,
-                   std::int64_t rows, std::int64_t cols) override;
+                   std::int64_t rows, std::int64_t cols);
   void nll_backward(Device dev, const float* gloss, const std::int64_t* target, float* gx,
-                    std::int64_t rows, std::int64_t cols) override;
+                    std::int64_t rows, std::int64_t cols);
 
   void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                      const float* bias, float* y) override;
+                      const float* bias, float* y);
   void conv2d_relu_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
-                           const float* bias, float* y) override;
+                           const float* bias, float* y);
   void conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy, const float* w,
-                            float* gx) override;
+                            float* gx);
   void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
-                              const float* gy, float* gw, float* gbias) override;
+                              const float* gy, float* gw, float* gbias);
   void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
-                         std::int64_t* indices) override;
+                         std::int64_t* indices);
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
-                          const std::int64_t* indices, float* gx) override;
-  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y) override;
+                          const std::int64_t* indices, float* gx);
+  void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y);
   void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
-                          float* gx) override;
+                          float* gx);
 
   void batchnorm_forward_train(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                                const float* x, const float* gamma, const float* beta,
                                float eps, float momentum, float* running_mean,
                                float* running_var, float* y, float* save_mean,
-                               float* save_invstd) override;
+                               float* save_invstd);
   void batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                               const float* x, const float* gamma, const float* beta, float eps,
                               const float* running_mean, const float* running_var,
-                              float* y) override;
+                              float* y);
   void batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                           const float* gy, const float* x, const float* gamma,
                           const float* save_mean, const float* save_invstd, float* gx,
-                          float* ggamma, float* gbeta) override;
+                          float* ggamma, float* gbeta);
 
   void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
                 std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
-                bool nesterov, bool first_step) override;
+                bool nesterov, bool first_step);
   void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
                  float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
-                 float eps, float weight_decay, bool decoupled, std::int64_t step) override;
-  std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) override;
+                 float eps, float weight_decay, bool decoupled, std::int64_t step);
+
+  /// Checks the device, makes it current, initialises it on first use; returns its
+  /// current stream for the calling thread. Every kernel of the table starts here.
+  cudaStream_t bind(Device dev);
 
  private:
   CudaBackend();
   struct DeviceState;
-  /// Checks the device, makes it current, initialises it on first use; returns its
-  /// current stream for the calling thread.
-  cudaStream_t bind(Device dev);
+  /// Fills the kernel table (Note [The op list] in ops.h); the constructor calls it.
+  void register_kernels();
   /// conv2d_forward, and conv2d_relu_forward when `relu`.
   void conv_forward(Device dev, const Conv2dShape& s, const float* x, const float* w, const float* bias, float* y,
                     bool relu);

@@ -61,20 +61,93 @@ ConvKey key_of(const Conv2dShape& s) {
   return {s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q};
 }
 
+/// One direction's chosen algorithm, its math type and its workspace.
+template <typename Algo>
+struct ConvChoice {
+  bool chosen = false;
+  Algo algo{};
+  cudnnMathType_t math{};
+  std::size_t ws = 0;
+};
+
 /// Descriptors and chosen algorithms of one convolution shape on one device.
 struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
-  bool has_fwd = false, has_bwd_data = false, has_bwd_filter = false;
-  cudnnConvolutionFwdAlgo_t fwd{};
-  cudnnConvolutionBwdDataAlgo_t bwd_data{};
-  cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
-  std::size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
-  cudnnMathType_t fwd_math{}, bwd_data_math{}, bwd_filter_math{};
+  ConvChoice<cudnnConvolutionFwdAlgo_t> fwd;
+  ConvChoice<cudnnConvolutionBwdDataAlgo_t> bwd_data;
+  ConvChoice<cudnnConvolutionBwdFilterAlgo_t> bwd_filter;
 
   // Plans live as long as the process (Note [Process-lifetime CUDA objects]); the
   // descriptors are host objects, so nothing leaks on the device.
+};
+
+/// What the search of one direction calls, by the direction's perf type: its cuDNN
+/// functions over the plan's descriptors, with the direction's two inputs `a`, `b` and
+/// its output `out` in the order its cudnnFind*AlgorithmEx takes them.
+template <typename Perf>
+struct ConvDirection;
+
+template <>
+struct ConvDirection<cudnnConvolutionFwdAlgoPerf_t> {
+  using Perf = cudnnConvolutionFwdAlgoPerf_t;
+  static constexpr const char* kName = "forward";
+  static auto& choice(ConvPlan& p) { return p.fwd; }
+  // a = x, b = w, out = y
+  static void find(cudnnHandle_t h, const ConvPlan& p, const void* a, const void* b, void* out, int* count,
+                   Perf* perf, void* ws, std::size_t bytes) {
+    DP_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithmEx(h, p.x, a, p.w, b, p.conv, p.y, out, kMaxAlgos, count,
+                                                          perf, ws, bytes));
+  }
+  static void heuristics(cudnnHandle_t h, const ConvPlan& p, int* count, Perf* perf) {
+    DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, p.x, p.w, p.conv, p.y, kMaxAlgos, count, perf));
+  }
+  static void workspace(cudnnHandle_t h, const ConvPlan& p, cudnnConvolutionFwdAlgo_t algo, std::size_t* bytes) {
+    DP_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, p.x, p.w, p.conv, p.y, algo, bytes));
+  }
+};
+
+template <>
+struct ConvDirection<cudnnConvolutionBwdDataAlgoPerf_t> {
+  using Perf = cudnnConvolutionBwdDataAlgoPerf_t;
+  static constexpr const char* kName = "backward data";
+  static auto& choice(ConvPlan& p) { return p.bwd_data; }
+  // a = w, b = gy, out = gx
+  static void find(cudnnHandle_t h, const ConvPlan& p, const void* a, const void* b, void* out, int* count,
+                   Perf* perf, void* ws, std::size_t bytes) {
+    DP_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(h, p.w, a, p.y, b, p.conv, p.x, out, kMaxAlgos,
+                                                               count, perf, ws, bytes));
+  }
+  static void heuristics(cudnnHandle_t h, const ConvPlan& p, int* count, Perf* perf) {
+    DP_CUDNN_CHECK(
+        cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p.w, p.y, p.conv, p.x, kMaxAlgos, count, perf));
+  }
+  static void workspace(cudnnHandle_t h, const ConvPlan& p, cudnnConvolutionBwdDataAlgo_t algo,
+                        std::size_t* bytes) {
+    DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.w, p.y, p.conv, p.x, algo, bytes));
+  }
+};
+
+template <>
+struct ConvDirection<cudnnConvolutionBwdFilterAlgoPerf_t> {
+  using Perf = cudnnConvolutionBwdFilterAlgoPerf_t;
+  static constexpr const char* kName = "backward filter";
+  static auto& choice(ConvPlan& p) { return p.bwd_filter; }
+  // a = x, b = gy, out = gw
+  static void find(cudnnHandle_t h, const ConvPlan& p, const void* a, const void* b, void* out, int* count,
+                   Perf* perf, void* ws, std::size_t bytes) {
+    DP_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(h, p.x, a, p.y, b, p.conv, p.w, out, kMaxAlgos,
+                                                                 count, perf, ws, bytes));
+  }
+  static void heuristics(cudnnHandle_t h, const ConvPlan& p, int* count, Perf* perf) {
+    DP_CUDNN_CHECK(
+        cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p.x, p.y, p.conv, p.w, kMaxAlgos, count, perf));
+  }
+  static void workspace(cudnnHandle_t h, const ConvPlan& p, cudnnConvolutionBwdFilterAlgo_t algo,
+                        std::size_t* bytes) {
+    DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.x, p.y, p.conv, p.w, algo, bytes));
+  }
 };
 
 /// The first usable heuristic result (Note [cuDNN algorithm choice]).
@@ -156,6 +229,36 @@ std::size_t find_workspace_bytes() {
   return std::min(kMaxWorkspace, free_b / 2);
 }
 
+/// Chooses the algorithm of direction Perf for plan `p` on first use (Note [cuDNN
+/// algorithm choice]) and sets the plan's math type to the chosen one's. `h` is the
+/// device's cuDNN handle, held by the caller for the whole call; a, b, out are the
+/// call's own tensors (ConvDirection's order), which a benchmark search may write.
+template <typename Perf>
+void choose_algo(CudaBackend& be, int device, cudnnHandle_t h, ConvPlan& p, const Conv2dShape& s, bool tf32,
+                 bool benchmark, const void* a, const void* b, void* out) {
+  using Dir = ConvDirection<Perf>;
+  auto& c = Dir::choice(p);
+  if (!c.chosen) {
+    Perf perf[kMaxAlgos];
+    int count = 0;
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
+    if (benchmark) {
+      const std::size_t bytes = find_workspace_bytes();
+      CudaBackend::Scratch ws(be, device, bytes);
+      Dir::find(h, p, a, b, out, &count, perf, ws.get(), bytes);
+    } else {
+      Dir::heuristics(h, p, &count, perf);
+    }
+    const Perf* best = pick(perf, count, tf32, Dir::kName, s);
+    c.algo = best->algo;
+    c.math = best->mathType;
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, c.math));
+    Dir::workspace(h, p, c.algo, &c.ws);
+    c.chosen = true;
+  }
+  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, c.math));
+}
+
 }  // namespace
 
 // ---- GEMM ------------------------------------------------------------------------------------
@@ -185,6 +288,17 @@ void CudaBackend::gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, s
                                  lda, &beta, c, ldc));
 }
 
+// The epilogue as the separate ops (Backend::gemm_epilogue_by_ops): a fused cuBLASLt
+// epilogue would sum the bias in another order.
+void CudaBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
+  if (!a.epilogue.empty()) {
+    gemm_epilogue_by_ops(dev, a);
+    return;
+  }
+  gemm(dev, a.trans_a, a.trans_b, a.m, a.n, a.k, a.alpha, static_cast<const float*>(a.a), a.lda,
+       static_cast<const float*>(a.b), a.ldb, a.beta, static_cast<float*>(a.c), a.ldc);
+}
+
 // ---- convolution -------------------------------------------------------------------------------
 
 void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
@@ -206,34 +320,11 @@ void CudaBackend::conv_forward(Device dev, const Conv2dShape& s, const float* x,
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
   ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  {
-    if (!p.has_fwd) {
-      cudnnConvolutionFwdAlgoPerf_t perf[kMaxAlgos];
-      int count = 0;
-      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
-      if (benchmark) {
-        const std::size_t bytes = find_workspace_bytes();
-        Scratch ws(*this, dev.index, bytes);
-        DP_CUDNN_CHECK(cudnnFindConvolutionForwardAlgorithmEx(h.get(), p.x, x, p.w, w, p.conv, p.y, y, kMaxAlgos,
-                                                              &count, perf, ws.get(), bytes));
-      } else {
-        DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h.get(), p.x, p.w, p.conv, p.y, kMaxAlgos, &count,
-                                                              perf));
-      }
-      const auto* best = pick(perf, count, tf32, "forward", s);
-      p.fwd = best->algo;
-      p.fwd_math = best->mathType;
-      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd_math));
-      DP_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h.get(), p.x, p.w, p.conv, p.y,
-                                                             p.fwd, &p.fwd_ws));
-      p.has_fwd = true;
-    }
-    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.fwd_math));
-  }
-  Scratch ws(*this, dev.index, p.fwd_ws);
+  choose_algo<cudnnConvolutionFwdAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, w, y);
+  Scratch ws(*this, dev.index, p.fwd.ws);
   const float one = 1.0f, zero = 0.0f;
-  DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, x, p.w, w, p.conv, p.fwd, ws.get(),
-                                         p.fwd_ws, &zero, p.y, y));
+  DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, x, p.w, w, p.conv, p.fwd.algo, ws.get(),
+                                         p.fwd.ws, &zero, p.y, y));
   cuda_kernels::bias_relu(compute, s.N, s.K, s.P * s.Q, bias, relu, y);
 }
 
@@ -243,34 +334,11 @@ void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const f
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
   ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  {
-    if (!p.has_bwd_data) {
-      cudnnConvolutionBwdDataAlgoPerf_t perf[kMaxAlgos];
-      int count = 0;
-      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
-      if (benchmark) {
-        const std::size_t bytes = find_workspace_bytes();
-        Scratch ws(*this, dev.index, bytes);
-        DP_CUDNN_CHECK(cudnnFindConvolutionBackwardDataAlgorithmEx(h.get(), p.w, w, p.y, gy, p.conv, p.x, gx,
-                                                                   kMaxAlgos, &count, perf, ws.get(), bytes));
-      } else {
-        DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h.get(), p.w, p.y, p.conv, p.x, kMaxAlgos,
-                                                                   &count, perf));
-      }
-      const auto* best = pick(perf, count, tf32, "backward data", s);
-      p.bwd_data = best->algo;
-      p.bwd_data_math = best->mathType;
-      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
-      DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(h.get(), p.w, p.y, p.conv, p.x,
-                                                                  p.bwd_data, &p.bwd_data_ws));
-      p.has_bwd_data = true;
-    }
-    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_data_math));
-  }
-  Scratch ws(*this, dev.index, p.bwd_data_ws);
+  choose_algo<cudnnConvolutionBwdDataAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, w, gy, gx);
+  Scratch ws(*this, dev.index, p.bwd_data.ws);
   const float one = 1.0f, zero = 0.0f;
-  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, w, p.y, gy, p.conv, p.bwd_data,
-                                              ws.get(), p.bwd_data_ws, &zero, p.x, gx));
+  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, w, p.y, gy, p.conv, p.bwd_data.algo,
+                                              ws.get(), p.bwd_data.ws, &zero, p.x, gx));
 }
 
 void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
@@ -279,34 +347,11 @@ void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
   ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  {
-    if (!p.has_bwd_filter) {
-      cudnnConvolutionBwdFilterAlgoPerf_t perf[kMaxAlgos];
-      int count = 0;
-      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
-      if (benchmark) {
-        const std::size_t bytes = find_workspace_bytes();
-        Scratch ws(*this, dev.index, bytes);
-        DP_CUDNN_CHECK(cudnnFindConvolutionBackwardFilterAlgorithmEx(h.get(), p.x, x, p.y, gy, p.conv, p.w, gw,
-                                                                     kMaxAlgos, &count, perf, ws.get(), bytes));
-      } else {
-        DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h.get(), p.x, p.y, p.conv, p.w, kMaxAlgos,
-                                                                     &count, perf));
-      }
-      const auto* best = pick(perf, count, tf32, "backward filter", s);
-      p.bwd_filter = best->algo;
-      p.bwd_filter_math = best->mathType;
-      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter_math));
-      DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-          h.get(), p.x, p.y, p.conv, p.w, p.bwd_filter, &p.bwd_filter_ws));
-      p.has_bwd_filter = true;
-    }
-    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, p.bwd_filter_math));
-  }
-  Scratch ws(*this, dev.index, p.bwd_filter_ws);
+  choose_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, gy, gw);
+  Scratch ws(*this, dev.index, p.bwd_filter.ws);
   const float one = 1.0f, zero = 0.0f;
   DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h.get(), &one, p.x, x, p.y, gy, p.conv,
-                                                p.bwd_filter, ws.get(), p.bwd_filter_ws, &zero,
+                                                p.bwd_filter.algo, ws.get(), p.bwd_filter.ws, &zero,
                                                 p.w, gw));
   if (gbias) {  // dp's channel sums, not cudnnConvolutionBackwardBias (Note [Convolution bias gradient])
     const std::int64_t HW = s.P * s.Q;

@@ -69,7 +69,7 @@ __global__ void cast_i64_to_i32_kernel(const i64* __restrict__ x, std::int32_t* 
   for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = static_cast<std::int32_t>(x[i]);
 }
 
-// Offsets of element i (Note [Gather geometry] in backend.h): `xo` into x without the
+// Offsets of element i (Note [Gather geometry] in ops.h): `xo` into x without the
 // gathered dim, `io` into the index.
 __device__ __forceinline__ void gather_offsets(const Indexer& ix, int dim, i64 i, i64& xo, i64& io) {
   xo = 0;
@@ -100,24 +100,28 @@ __global__ void scatter_add_kernel(const Indexer ix, int dim, const float* __res
   }
 }
 
+// Each elementwise kernel is a template over the storage type T, its math in float
+// (Note [Storage types] in functors.h); f is an OnStorage<T, ...> functor.
 // y may alias x: no __restrict__.
-template <typename F>
-__global__ void unary_kernel(F f, const float* x, float* y, i64 n) {
+template <typename T, typename F>
+__global__ void unary_kernel(F f, const T* x, T* y, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = f(x[i]);
 }
 
-__global__ void affine_kernel(const float* x, float* y, i64 n, float alpha, float beta) {
+template <typename T>
+__global__ void affine_kernel(const T* x, T* y, i64 n, float alpha, float beta) {
   for (i64 i = global_thread(); i < n; i += grid_stride())
-    y[i] = __fadd_rn(__fmul_rn(alpha, x[i]), beta);
+    y[i] = store_acc<T>(__fadd_rn(__fmul_rn(alpha, load_acc(x[i])), beta));
 }
 
-__global__ void axpy_kernel(float alpha, const float* x, float* y, i64 n) {
+template <typename T>
+__global__ void axpy_kernel(float alpha, const T* x, T* y, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride())
-    y[i] = __fadd_rn(y[i], __fmul_rn(alpha, x[i]));
+    y[i] = store_acc<T>(__fadd_rn(load_acc(y[i]), __fmul_rn(alpha, load_acc(x[i]))));
 }
 
-template <typename F>
-__global__ void binary_contiguous_kernel(F f, const float* a, const float* b, float* out, i64 n) {
+template <typename T, typename F>
+__global__ void binary_contiguous_kernel(F f, const T* a, const T* b, T* out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) out[i] = f(a[i], b[i]);
 }
 
@@ -142,9 +146,8 @@ __device__ __forceinline__ void strided_offsets(const Indexer& ix, I i, I& oa, I
 }
 
 // The loop counters stay i64 (the last step may pass INT32_MAX); the index is I.
-template <typename I, typename F>
-__global__ void binary_strided_kernel(F f, const Indexer ix, const float* a, const float* b,
-                                      float* out, i64 n) {
+template <typename I, typename T, typename F>
+__global__ void binary_strided_kernel(F f, const Indexer ix, const T* a, const T* b, T* out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
     I oa, ob;
     strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
@@ -378,49 +381,60 @@ void cast_f32_to_i64(cudaStream_t stream, const float* x, i64* y, i64 n) {
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void unary(cudaStream_t stream, UnaryOp op, const float* x, float* y, i64 n) {
+template <typename T>
+void unary(cudaStream_t stream, UnaryOp op, const T* x, T* y, i64 n) {
   check_count(n, "unary");
   DP_CHECK(op < UnaryOp::kCount, "unary: expected a UnaryOp below kCount, got ",
            static_cast<int>(op));
   if (n == 0) return;
   dispatch_unary(op, [&](auto f) {
-    unary_kernel<<<grid_for(n), kBlock, 0, stream>>>(f, x, y, n);
+    const OnStorage<T, decltype(f)> g{f};
+    unary_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(g, x, y, n);
   });
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void affine(cudaStream_t stream, const float* x, float* y, i64 n, float alpha, float beta) {
+template <typename T>
+void affine(cudaStream_t stream, const T* x, T* y, i64 n, float alpha, float beta) {
   check_count(n, "affine");
   if (n == 0) return;
-  affine_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n, alpha, beta);
+  affine_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(x, y, n, alpha, beta);
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void axpy(cudaStream_t stream, float alpha, const float* x, float* y, i64 n) {
+template <typename T>
+void axpy(cudaStream_t stream, float alpha, const T* x, T* y, i64 n) {
   check_count(n, "axpy");
   if (n == 0) return;
-  axpy_kernel<<<grid_for(n), kBlock, 0, stream>>>(alpha, x, y, n);
+  axpy_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(alpha, x, y, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const float* a, const float* b,
-            float* out) {
+template <typename T>
+void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const T* a, const T* b, T* out) {
   DP_CHECK(op < BinaryOp::kCount, "binary: expected a BinaryOp below kCount, got ",
            static_cast<int>(op));
   const Collapsed c = collapse(ix);
   if (c.numel == 0) return;
   const i64 n = c.numel;
   dispatch_binary(op, [&](auto f) {
+    const OnStorage<T, decltype(f)> g{f};
     if (c.contiguous) {
-      binary_contiguous_kernel<<<grid_for(n), kBlock, 0, stream>>>(f, a, b, out, n);
+      binary_contiguous_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(g, a, b, out, n);
     } else {
       with_strided_index(c.ix, n, [&](auto zero) {
-        binary_strided_kernel<decltype(zero)><<<grid_for(n), kBlock, 0, stream>>>(f, c.ix, a, b, out, n);
+        binary_strided_kernel<decltype(zero), T><<<grid_for(n), kBlock, 0, stream>>>(g, c.ix, a, b, out, n);
       });
     }
   });
   DP_CUDA_CHECK_LAUNCH();
 }
+
+// The storage types registered in the kernel table (cuda_backend.cpp).
+template void unary<float>(cudaStream_t, UnaryOp, const float*, float*, i64);
+template void affine<float>(cudaStream_t, const float*, float*, i64, float, float);
+template void axpy<float>(cudaStream_t, float, const float*, float*, i64);
+template void binary<float>(cudaStream_t, BinaryOp, const Indexer&, const float*, const float*, float*);
 
 void strided_copy(cudaStream_t stream, const Indexer& ix, const float* a, float* out) {
   Indexer only_a = ix;

@@ -4,7 +4,7 @@
 // already made the stream's device current), checks its preconditions and the launch.
 // Pointers live on that device; counts are elements. Internal to backend/cuda.
 //
-//   cuda_kernels::unary(stream, UnaryOp::Relu, x, y, n);
+//   cuda_kernels::unary<float>(stream, UnaryOp::Relu, x, y, n);
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,12 +39,16 @@ void gather(cudaStream_t stream, const Indexer& ix, int dim, const float* x, con
             float* out);
 void scatter_add(cudaStream_t stream, const Indexer& ix, int dim, const float* src,
                  const std::int64_t* index, float* y);
-void unary(cudaStream_t stream, UnaryOp op, const float* x, float* y, std::int64_t n);
-void affine(cudaStream_t stream, const float* x, float* y, std::int64_t n, float alpha,
-            float beta);
-void axpy(cudaStream_t stream, float alpha, const float* x, float* y, std::int64_t n);
-void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const float* a, const float* b,
-            float* out);
+/// Over storage type T, the math in float (Note [Storage types] in functors.h);
+/// instantiated in cuda_elementwise.cu for the dtypes the kernel table registers.
+template <typename T>
+void unary(cudaStream_t stream, UnaryOp op, const T* x, T* y, std::int64_t n);
+template <typename T>
+void affine(cudaStream_t stream, const T* x, T* y, std::int64_t n, float alpha, float beta);
+template <typename T>
+void axpy(cudaStream_t stream, float alpha, const T* x, T* y, std::int64_t n);
+template <typename T>
+void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const T* a, const T* b, T* out);
 void strided_copy(cudaStream_t stream, const Indexer& ix, const float* a, float* out);
 void fill_uniform(cudaStream_t stream, float* y, std::int64_t n, float lo, float hi,
                   std::uint64_t seed, std::uint64_t offset);

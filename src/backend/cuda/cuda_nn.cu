@@ -178,9 +178,10 @@ __global__ void maxpool_backward_kernel(const PoolDims<I> s, const float* __rest
 // W = Q kw: MaxPool2d(2) on even sizes, the CNN's pools), every input element lies in
 // one window: a thread per window writes its kh x kw cells, the winner 0 + gy (the sum
 // the general kernel forms, so -0 becomes +0 there as well) and the rest 0. It reads
-// each index and gradient once instead of once per cell, with no division per cell:
-// the general kernel above ran conv1's pool gradient (25.7 MB) at a third of an H100's
-// memory speed.
+// each index and gradient once instead of once per cell, with no division per cell: the
+// general kernel above ran conv1's pool gradient (25.7 MB) far below the memory's speed
+// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "GPU
+// divisions per element").
 template <typename I>
 __global__ void maxpool_backward_tiled_kernel(const PoolDims<I> s, const float* __restrict__ gy,
                                               const i64* __restrict__ indices, float* __restrict__ gx) {
@@ -252,8 +253,8 @@ __global__ void avgpool_backward_kernel(const PoolDims<I> s, const float* __rest
 /// the block's threads; every thread gets the result. The order is fixed by the block
 /// size and the part: bitwise reproducible.
 /// The thread's position (n, k) advances by blockDim.x elements a step without a
-/// division (a 64-bit division per element held these sums to a third of the memory's
-/// speed on an H100); it visits the same elements in the same order as j / HW would.
+/// division (a 64-bit division per element held these sums far below the memory's speed:
+/// the same section of docs/BENCHMARKS.md); it visits the same elements in the same order as j / HW would.
 template <typename F>
 __device__ float channel_part_sum(F f, i64 C, i64 HW, i64 c, i64 b, i64 e, float* smem) {
   float acc = 0.0f;
@@ -360,7 +361,8 @@ __global__ void bn_finalize_kernel(i64 N, i64 C, i64 HW, int S, const float* __r
 // Batch norm's normalisation and input gradient, and a convolution's bias (+ ReLU),
 // touch each element of an (N, C, HW) tensor once with constants of its channel.
 // Finding the channel as (i / HW) % C in 64 bits, a software division per element,
-// held batch norm's forward on an H100 at a third of the memory's speed. channel_map_kernel takes V = 4 consecutive elements as one float4
+// held batch norm's forward far below the memory's speed (the same section of
+// docs/BENCHMARKS.md). channel_map_kernel takes V = 4 consecutive elements as one float4
 // when HW % 4 == 0 and every pointer is 16-byte aligned (the four share a channel),
 // else V = 1, and finds the channel of item t as (t / (HW / V)) % C with FastDivider
 // (Note [Division by a runtime constant] in kernel_plan.h). Tensors of 2^31 items or
@@ -540,9 +542,9 @@ __global__ void bn_backward_finalize_kernel(i64 C, int S, const float* __restric
 // Note [Convolution bias gradient]
 // gbias[c] = Σ_n Σ_hw gy[n, c, hw]: the batch-norm reduction's shape, so the same plan
 // (bn_splits) and the same fixed-order block sums. cuDNN's cudnnConvolutionBackwardBias
-// took 177 us for the CNN's conv1 gradient (256 x 32 x 28 x 28, 25.7 MB) on an H100,
-// more than the convolution's own three passes; this reads the 25.7 MB once, at about
-// the memory's speed (~10 us).
+// took longer for the CNN's conv1 gradient (256 x 32 x 28 x 28, 25.7 MB) than the
+// convolution's own three passes; this reads the gradient once, at about the memory's
+// speed (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Convolution bias gradient").
 __global__ void channel_sum_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x, float* __restrict__ out) {
   __shared__ float smem[kWarp];
   const i64 c = blockIdx.x;

@@ -1,4 +1,5 @@
-// CPU backend: GEMM (dnnl_sgemm) and 2-d convolution (oneDNN primitives).
+// CPU backend: 2-d convolution on oneDNN primitives, with its per-device primitive cache,
+// the measured layout choice and the fused forwards (ReLU post-op; ReLU and 2x2 max-pool).
 //
 // Note [CPU convolution: measured choice]
 // oneDNN runs a convolution either on our plain NCHW/KCRS buffers (`Plain`: its
@@ -6,10 +7,8 @@
 // blocked layouts of its own choosing (`Blocked`: format_tag::any, and we reorder every
 // input in and every output out on each call, because our tensors are NCHW). Which is
 // faster depends on the CPU, the shape, the pass and the thread count, and no fixed rule
-// held up: on the AVX-512 Xeon blocked won everything but the 1-channel layer's forward
-// and backward-data; on the AVX2 EPYC the 1-channel layer's backward-weight runs 1.4-2x
-// faster plain (kernels_bench --conv-layouts), and the blocked forward of that layer
-// wins at two threads but not at one. So ConvLayout::Auto measures, like cuDNN's
+// held up across the machines measured (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// "Convolution layouts"; kernels_bench --conv-layouts times both). So ConvLayout::Auto measures, like cuDNN's
 // benchmark mode: on the first call of each (shape, pass, bias, thread count) it builds
 // both primitives, runs them in back-to-back pairs on the call's own buffers (kTrials
 // pairs; every output is overwritten by the final run), and keeps the old rule's choice
@@ -486,21 +485,6 @@ class LayoutChoices {
   std::unordered_map<std::string, ConvLayout> map_;
 };
 
-// Note [oneDNN in the device's arena]
-// Debian's oneDNN threads with OpenMP. Called with a team of the device's T threads, it
-// left OpenMP workers spinning (libgomp's default wait policy) for a while after every
-// convolution and GEMM, while the device's TBB arena ran the next kernels (ReLU, pooling,
-// the optimizer) on the same cores: three busy threads on two cores, and on a machine
-// shared with other work far worse (a step took 3x longer under load; perf showed a
-// third of all samples in libgomp's spin). The wait policy is read once, from the
-// environment, when libgomp loads, so the library cannot change it. Instead no OpenMP
-// team is made at all: each call is cut into chunks that run as tasks of the device's
-// arena, each chunk one single-threaded oneDNN call (omp_set_num_threads(1) on the
-// calling thread, then no worker exists to spin). Convolutions are cut along the batch
-// (forward and backward-data outputs are per sample; backward-weight chunks write
-// partial gradients that are summed in chunk order), GEMMs along the rows or columns of
-// C. The chunk count is a function of the shape and the device's thread count, so
-// results are reproducible run to run and equal on every device of a DP/DDP run.
 
 /// Every buffer of one convolution call; each pass uses its own subset.
 struct ConvBuffers {
@@ -522,12 +506,12 @@ struct ConvBuffers {
 // A Conv2d followed by a ReLU (nn::conv2d_relu; nn::Sequential finds the pair) runs as
 // one convolution whose output passes through a post-op before it is stored: no
 // second pass over the activation, no second activation. The result must be what
-// conv2d_forward followed by Unary<Relu> computes, bit for bit. Measured on oneDNN
+// conv2d_forward followed by Unary<Relu> computes, bit for bit. As found with oneDNN
 // 2.6 (AVX2 JIT for blocked layouts, gemm:jit for plain ones):
 // - only oneDNN's direct JIT kernels apply the post-op in registers. Its gemm-based
-//   convolution (the plain layout) runs it as a scalar reference loop: conv1 of the
-//   Fashion-MNIST CNN, 128 images, took 191 ms fused against 10 ms unfused (2.6.3,
-//   AVX2). So only a direct JIT implementation is fused, and only where the post-op
+//   convolution (the plain layout) runs it as a scalar reference loop, many times
+//   slower than the unfused pair (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Convolution +
+//   ReLU"). So only a direct JIT implementation is fused, and only where the post-op
 //   leaves the implementation and layouts unchanged (build_entry checks both); any
 //   other entry is the plain convolution, and its chunk applies Unary<Relu> in place
 //   right after it (vectorised, in the chunk's task; no second activation);
@@ -559,9 +543,6 @@ double abs_of_bits(std::uint32_t bits) {
   return f;
 }
 
-/// Multiply-adds below which a call is not split: a chunk should outweigh a task
-/// hand-over (a few microseconds) by far; 2^20 MACs take ~20 us on one core.
-constexpr i64 kMinChunkMacs = i64{1} << 20;
 
 // Note [Convolution, ReLU and max-pool in one pass]
 // Conv2d, ReLU, MaxPool2d(2) — the block of most small CNNs — wrote the convolution's
@@ -578,10 +559,10 @@ constexpr i64 kMinChunkMacs = i64{1} << 20;
 // implementation than the whole chunk (oneDNN picks by shape) the groups double until
 // they agree, at worst to the whole chunk. So the pooled values and places are those of
 // conv2d_relu_forward followed by maxpool2d_2x2_forward, bit for bit (cpu_backend_test,
-// and nn's functional_test against the three ops, gradients included). On the Zen 5 EPYC the CNN's step went
-// from 25.0 to 23.6 ms (median of 5 alternating runs of fashion_mnist_cnn, batch 256,
-// 2 threads); groups of 256 KiB to 1 MiB did alike, one group per chunk (no scratch
-// in cache) was slower than the separate ops.
+// and nn's functional_test against the three ops, gradients included). It shortens the
+// CNN's step; groups of 256 KiB to 1 MiB did alike, one group per chunk (no scratch in
+// cache) did worse than the separate ops (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// "Convolution, ReLU and max-pool in one pass").
 
 /// Bytes of convolution output per group of images in the pooled forward.
 constexpr i64 kPoolGroupBytes = i64{512} << 10;
@@ -811,323 +792,6 @@ ConvLayout CpuBackend::chosen_conv_layout(Device dev, const Conv2dShape& s, Conv
                                           bool bias) {
   if (conv_layout() != ConvLayout::Auto) return conv_layout();
   return LayoutChoices::get().find(choice_key(s, pass, bias, threads_per_device(dev)));
-}
-
-// ---- GEMM -----------------------------------------------------------------------------
-
-// Note [GEMM: operand rows 4 KiB apart]
-// A row-major B whose rows lie a multiple of 2 KiB apart (ldb = 512, 1024, 2048
-// floats: every Linear with 512·j input features, in its input-gradient GEMM dX = dY W)
-// made oneDNN's single-threaded sgemm run at half speed on the AVX2 EPYC: in the MLP
-// 784-1024-1024-10 at batch 512, dY W of the middle layer ran at 76-85 GFLOP/s as two
-// column slabs against 150-163 for one dnnl_sgemm call with its own threads
-// (bench/mlp_ceiling). One thread, 512x512x1024 from a B with ldb 1024 ran at 43
-// GFLOP/s, from the same values with ldb 1040 at 89. Strides that are multiples of 4
-// KiB map a column of B onto the same few sets of the 32 KiB L1 (64 sets of 64 bytes
-// repeat every 4 KiB), so the kernel's reads of B evict each other; the multithreaded
-// driver packs B first and never sees it.
-// The same holds, less sharply, for the other operand a split cuts: a transposed B cut
-// into column slabs (the forward y = x Wᵀ of a layer with 1024 inputs, two slabs of
-// 512x1024x1024: 168 GFLOP/s with ldb 1024, 177 with 1040) and a transposed A cut into
-// row slabs (the weight gradient dW = dYᵀ X of a layer with 1024 outputs, two slabs of
-// 1024x1024x512: 177 with lda 1024, 184 with 1040). An operand every chunk reads whole
-// gains 0-3 % from the same padding, less than copying it once per chunk costs, and one
-// thread reading whole operands sees no difference (512x1024x1024 at 91 GFLOP/s either
-// way).
-// So a chunk first copies the slab it alone reads (B's columns when C is cut by
-// columns, a transposed A's columns when C is cut by rows) into a buffer whose row
-// stride is an odd multiple of 64 bytes, and multiplies from that. The copy holds the
-// same values and oneDNN's kernel choice does not depend on the leading dimensions, so
-// every element is computed as before, bit for bit (cpu_backend_test checks this for
-// every transpose). The copy moves 8 bytes per element of the slab, which the chunk
-// uses in 2·w flops (w: the rows of C, for B; the columns, for A): it is made when
-// w >= kPadMinRows and skipped below.
-
-/// Leading dimensions (in floats) that are a multiple of this alias in L1.
-constexpr i64 kAliasFloats = 512;  // 2 KiB
-/// Rows (for a copy of B) or columns (of A) of C a chunk must have for the copy to pay
-/// (Note [GEMM: operand rows 4 KiB apart]): the copy moves 8 bytes per element, the GEMM
-/// does 2·rows (2·columns) flops per element.
-constexpr i64 kPadMinRows = 128;
-
-// Note [GEMM: a transposed B multiplied untransposed]
-// A Linear's forward, y = x Wᵀ, is a GEMM whose B is transposed (N,T), and oneDNN's
-// single-threaded sgemm runs N,T products slower than the same products from B stored
-// untransposed (N,N): on the Zen 5 EPYC (AVX-512, one core), 512x128x1024 — one column
-// slab of the MLP 784-1024-1024-10's middle forward — at 238 against 251 GFLOP/s,
-// 512x128x784 at 237 against 250, a whole 1024x1024 weight at m = 256 at 215 against
-// 248, with the same bits in every one (each from a copy made beforehand). So where C
-// has at least kUntransposeMinRows rows and op(B) is at least kUntransposeMinWidth wide
-// both ways, B is first copied transposed — 8x8 blocks transposed in registers
-// (cpu_transpose.cpp), into a buffer whose row stride does not alias (Note [GEMM:
-// operand rows 4 KiB apart]) — and multiplied N,N: cut by columns, each chunk copies
-// its own slab, k rows of its width, while it is about to pack it; cut by rows, the
-// chunks first copy all of B together, each a share of its rows, and then all read the
-// one copy — unless that copy would exceed kMaxOperandCopyFloats (a whole large weight
-// on one thread, or shared by row splits), when B is multiplied N,T where it lies.
-// With the copy counted, through CpuBackend::gemm: 1024x1024 weights at m =
-// 256 9 % faster on one thread and on two, m = 512 5 %; the CNN's Linear(3136, 128) at
-// m = 128 and 256 12-23 % and 6-13 %; k = n = 784 at m = 128-192 2-4 % slower on one
-// thread (2-3 % faster on two); products with a thousand rows or more (1024x512x512,
-// 2048x1024x1024) within 1 % either way. Below 128 rows the results were mixed
-// (1024x1024 at m = 64 20 % faster, 784x784 5 % slower), and with n or k of 10-16 the
-// untransposed product itself ran slower (512x10x1024 at 114 against 121 GFLOP/s).
-// In the MLP step at batch 512: -1.9 to -3.0 % (the two paths alternating in one
-// process by blocks of 8 steps, 30 pairs, three runs).
-// The bits are oneDNN's N,N product of the copy: the same as N,T's for the MLP's and
-// most shapes, not for all (in a survey of 300 random shapes with m >= 256, two — e.g.
-// 556x585x1280 — summed in another order), so cpu_backend_test checks the forward
-// against gemm of the same values stored untransposed, bit for bit, at one thread and
-// at all cores.
-
-/// C's rows from which a transposed B is multiplied from an untransposed copy (Note
-/// [GEMM: a transposed B multiplied untransposed]), and op(B)'s narrowest width there.
-constexpr i64 kUntransposeMinRows = 128;
-constexpr i64 kUntransposeMinWidth = 32;
-
-/// The most floats a GEMM copies an operand into (Note [GEMM: operand rows 4 KiB apart],
-/// Note [GEMM: a transposed B multiplied untransposed]): a chunk's slab, or the copy of
-/// B that row splits share. 32 MiB: far above any slab a split makes on several threads
-/// (half an L2, or 128 columns of k), but on one thread a slab is all of B, and a
-/// weight-sized temporary per call would double a large layer's memory; beyond it the
-/// operand is read where it lies.
-constexpr i64 kMaxOperandCopyFloats = i64{8} << 20;
-
-/// A row stride of at least `w` floats that is an odd multiple of 64 bytes (16 floats).
-i64 unaliased_ld(i64 w) {
-  const i64 ld = (w + 15) / 16 * 16;
-  return (ld / 16) % 2 == 0 ? ld + 16 : ld;
-}
-
-// Note [GEMM: column slabs that fit L2]
-// Cut by columns (m < n: the forward y = x Wᵀ and the input gradient dX = dY W of a
-// layer wider than the batch), each chunk multiplies all of A by its slab of op(B), k x
-// w floats, which it packs, and first copies when B's rows alias (Note [GEMM: operand
-// rows 4 KiB apart]). One slab per thread made that slab 2 MiB for the MLP
-// 784-1024-1024-10 at batch 512 on 2 threads (k = 1024, w = 512): twice a Zen 5 core's
-// L2, so the copy and the packing went through L3 while the step's other data competed
-// for it. Slabs of at most half the L2 (w = 128 there), several per thread, took the
-// step from 14.11 to 13.50 ms (medians of 10 runs of dp_vs_ddp, the builds
-// alternating); in one process, the two cuts alternating by blocks of 8 steps, slabs of
-// 128 gained 2.6-3.2 %, of 256 2.6 %, of 64 1.4 %, and the same cut of the row splits
-// (dW = dYᵀ X, each chunk reading all of B) nothing; with every later change of the
-// step in place, slabs of a whole L2 (256) and of a quarter (64) ran 2.5 % and 2.2 %
-// slower than half (8 alternating runs each), and cutting dW by columns instead of
-// rows 3.8 % slower. So
-// a column split takes slabs of at most half the L2 and at least kMinColumnSlab
-// columns, in a multiple of the thread count (equal slabs per thread); row splits keep
-// a chunk per thread. Every element of C is one dot product over all of k in any slab,
-// and for the shapes cpu_backend_test checks (the MLP's and the CNN's among them) oneDNN
-// sums it in the same order whatever the slab's width, so the chunk count changes no
-// bits there. oneDNN does not promise this for every shape: in a survey of 200 random
-// shapes through CpuBackend::gemm (m 256-1155, n and k 32-1531), 15 gave other bits on
-// two threads than on one, for B transposed and for B not, all of them large (m >=
-// 780, k >= 850), with B transposed before Note [GEMM: a transposed B multiplied
-// untransposed] as after it. A device's thread count is part of its
-// configuration, so DP, DDP and the sharded designs over the same devices still agree
-// bit for bit; a device with other threads may round such products differently.
-
-/// GEMM slab edges are multiples of this (the kernels' width).
-constexpr i64 kAlign = 16;
-
-/// The narrowest column slab a split makes (Note [GEMM: column slabs that fit L2]).
-constexpr i64 kMinColumnSlab = 128;
-
-/// Bytes of a core's L2 cache (1 MiB when the system does not say).
-i64 l2_bytes() {
-  static const i64 bytes = [] {
-    const long b = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return b >= (64 << 10) ? static_cast<i64>(b) : i64{1} << 20;
-  }();
-  return bytes;
-}
-
-/// How many slabs a GEMM of m x n x k runs as on a device of `threads` threads (Note
-/// [oneDNN in the device's arena], Note [GEMM: column slabs that fit L2]): a function
-/// of the shape, the thread count and the L2's size only.
-i64 gemm_chunks(i64 m, i64 n, i64 k, int threads) {
-  if (threads <= 1 || m * n * k < 2 * kMinChunkMacs) return 1;
-  const i64 extent = m >= n ? m : n;
-  i64 want = threads;
-  if (m < n) {
-    const i64 widest = std::max(kMinColumnSlab, l2_bytes() / 2 / (k * static_cast<i64>(sizeof(float))) / kAlign * kAlign);
-    const i64 slabs = (n + widest - 1) / widest;
-    want = std::max<i64>(1, (slabs + threads - 1) / threads) * threads;
-  }
-  return std::min<i64>({want, (extent + kAlign - 1) / kAlign, m * n * k / kMinChunkMacs});
-}
-
-/// Elements of C a chunk of a small-k product writes at least (Note [GEMMs with a small k]).
-constexpr i64 kSmallKChunkElems = i64{1} << 16;
-
-/// Whether this CPU multiplies and adds in one rounding in hardware (Note [GEMMs with a
-/// small k]): elsewhere std::fma is a libm call, and oneDNN runs those products.
-bool small_k_gemm_fits() {
-  static const bool fma = __builtin_cpu_supports("fma");
-  return fma;
-}
-
-// Note [Linear epilogue]
-// A Linear's forward is a GEMM, then the bias added to every row, then (in a Sequential
-// whose Linear a ReLU follows) the ReLU: three passes over y, the last two reading
-// back from L3 or memory what the GEMM just wrote. Here each chunk of the GEMM adds
-// the bias and clips its own slab of y right after its dnnl_sgemm, while the slab is
-// still in its core's cache, and no other task runs for them. Every element goes
-// through the same float operations as the separate ops — the GEMM's value, then
-// Binary<Add> with the bias, then Unary<Relu> — so y is the same bit for bit (NaN
-// included: relu keeps it; cpu_backend_test checks this). In the MLP 784-1024-1024-10
-// at batch 512 the bias add was 1.3 % and the ReLU 0.6 % of the step's CPU samples.
-// The loops are in cpu_epilogue.cpp, with ISA clones (Note [Epilogue clones]).
-
-namespace {
-
-/// The chunk of C at rows row0.., columns col0.. (rows × cols, C's rows ldc apart).
-/// relu_y: a ReLU output laid out as C, to mask C by (Note [ReLU mask in the input gradient]).
-void apply_epilogue(const float* bias, bool relu, const float* relu_y, float* c, i64 ldc, i64 row0, i64 rows,
-                    i64 col0, i64 cols) {
-  linear_epilogue(c + row0 * ldc + col0, ldc, rows, cols, bias ? bias + col0 : nullptr, relu,
-                  relu_y ? relu_y + row0 * ldc + col0 : nullptr);
-}
-
-}  // namespace
-
-void CpuBackend::linear_forward(Device dev, i64 m, i64 n, i64 k, const float* x, const float* w,
-                                const float* bias, float* y, bool relu) {
-  const GemmEpilogue ep{bias, relu};
-  gemm_chunked(dev, false, true, m, n, k, 1.0f, x, std::max<i64>(1, k), w, std::max<i64>(1, k), 0.0f, y,
-               std::max<i64>(1, n), &ep);
-}
-
-void CpuBackend::linear_backward_input(Device dev, i64 m, i64 n, i64 k, const float* gy, const float* w,
-                                       const float* relu_y, float* gx) {
-  // Note [ReLU mask in the input gradient]: each chunk masks its slab after its GEMM.
-  const GemmEpilogue ep{.relu_y = relu_y};
-  gemm_chunked(dev, false, false, m, n, k, 1.0f, gy, std::max<i64>(1, k), w, std::max<i64>(1, n), 0.0f, gx,
-               std::max<i64>(1, n), relu_y ? &ep : nullptr);
-}
-
-void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
-                      const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
-                      i64 ldc) {
-  gemm_chunked(dev, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, nullptr);
-}
-
-void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
-                              const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
-                              i64 ldc, const GemmEpilogue* epilogue) {
-  DP_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm: expected non-negative m, n, k, got ", m, ", ", n,
-           ", ", k);
-  // Row-major storage: A is m×k (or k×m when transposed), so its row length is k (or m).
-  DP_CHECK(lda >= std::max<i64>(1, trans_a ? m : k) && ldb >= std::max<i64>(1, trans_b ? k : n) &&
-               ldc >= std::max<i64>(1, n),
-           "gemm: leading dimensions too small: lda=", lda, " (need >= ", trans_a ? m : k,
-           "), ldb=", ldb, " (need >= ", trans_b ? k : n, "), ldc=", ldc, " (need >= ", n, ")");
-  (void)state(dev);
-  if (m == 0 || n == 0) return;
-  if (k == 0) {  // C = beta * C; beta == 0 overwrites (NaN in C must not survive)
-    for (i64 i = 0; i < m; ++i)
-      for (i64 j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
-    if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, 0, m, 0, n);
-    return;
-  }
-  // Note [GEMMs with a small k]: rows of C in order, each finished in one pass.
-  if (k <= kSmallK && !trans_b && alpha == 1.0f && beta == 0.0f &&
-      (!epilogue || (!epilogue->bias && !epilogue->relu)) && small_k_gemm_fits()) {
-    const i64 chunks = std::clamp<i64>(m * n / kSmallKChunkElems, 1, std::min<i64>(m, threads_per_device(dev)));
-    const float* relu_y = epilogue ? epilogue->relu_y : nullptr;
-    parallel_chunks(dev, chunks, [&](i64 ch) {
-      const i64 lo = m * ch / chunks, hi = m * (ch + 1) / chunks;
-      small_k_gemm(trans_a, hi - lo, n, k, trans_a ? a + lo : a + lo * lda, lda, b, ldb, c + lo * ldc, ldc,
-                   relu_y ? relu_y + lo * ldc : nullptr);
-    });
-    return;
-  }
-  // Note [oneDNN in the device's arena]: C is cut into `chunks` slabs of whole rows (or
-  // columns, when there are more of them), each one single-threaded dnnl_sgemm in a task
-  // of the device's arena. Every element of C is still one dot product over all of k,
-  // so the split changes no sum; slab edges are multiples of 16 (the kernels' width).
-  const bool by_rows = m >= n;
-  const i64 extent = by_rows ? m : n;
-  const i64 chunks = gemm_chunks(m, n, k, threads_per_device(dev));
-  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
-  // Note [GEMM: operand rows 4 KiB apart], Note [GEMM: a transposed B multiplied
-  // untransposed]: which operand is copied, and how, is a function of the shape and the
-  // chunk count only; each copy (a chunk's slab, or the one row splits share) is bounded
-  // by kMaxOperandCopyFloats.
-  const i64 b_copy_floats = by_rows ? k * n : k * ((n + chunks - 1) / chunks + kAlign);
-  const i64 a_copy_floats = k * ((m + chunks - 1) / chunks + kAlign);
-  const bool untranspose_b = trans_b && m >= kUntransposeMinRows && n >= kUntransposeMinWidth &&
-                             k >= kUntransposeMinWidth && b_copy_floats <= kMaxOperandCopyFloats;
-  const bool copy_b = !untranspose_b && !by_rows && ldb % kAliasFloats == 0 && m >= kPadMinRows &&
-                      b_copy_floats <= kMaxOperandCopyFloats;
-  const bool copy_a = by_rows && trans_a && lda % kAliasFloats == 0 && n >= kPadMinRows &&
-                      a_copy_floats <= kMaxOperandCopyFloats;
-  using Copy = std::unique_ptr<float, std::function<void(float*)>>;
-  auto scratch = [&](i64 floats) {
-    const std::size_t bytes = static_cast<std::size_t>(floats) * sizeof(float);
-    return Copy{static_cast<float*>(allocate(dev, bytes)), [this, dev, bytes](float* p) { deallocate(dev, p, bytes); }};
-  };
-  // Cut by rows, every chunk reads all of op(B): one untransposed copy, made by the
-  // chunks together (each the rows of B it is given), before any of them multiplies.
-  Copy shared_bt;
-  i64 shared_bt_ld = 0;
-  if (untranspose_b && by_rows) {
-    shared_bt_ld = unaliased_ld(n);
-    shared_bt = scratch(k * shared_bt_ld);
-    const i64 parts = std::min<i64>(threads_per_device(dev), (n + 7) / 8);
-    parallel_chunks(dev, parts, [&](i64 p) {
-      const i64 r0 = n * p / parts / 8 * 8, r1 = p + 1 == parts ? n : n * (p + 1) / parts / 8 * 8;
-      transpose_copy(b + r0 * ldb, ldb, r1 - r0, k, shared_bt.get() + r0, shared_bt_ld);
-    });
-  }
-  const char tb_call = untranspose_b ? 'N' : tb;
-  parallel_chunks(dev, chunks, [&](i64 ch) {
-    omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
-    auto edge = [&](i64 i) { return std::min(extent, (extent * i / chunks + kAlign - 1) / kAlign * kAlign); };
-    const i64 lo = ch == 0 ? 0 : edge(ch), hi = ch + 1 == chunks ? extent : edge(ch + 1);
-    if (hi <= lo) return;
-    // `rows` rows of `width` floats, `ld` apart, into a buffer whose stride does not alias.
-    auto unaliased_copy = [&](const float* src, i64 ld, i64 rows, i64 width, i64& copy_ld) {
-      copy_ld = unaliased_ld(width);
-      Copy copy = scratch(rows * copy_ld);
-      for (i64 r = 0; r < rows; ++r)
-        std::memcpy(copy.get() + r * copy_ld, src + r * ld, static_cast<std::size_t>(width) * sizeof(float));
-      return copy;
-    };
-    // op(B)'s columns this chunk reads: all of them by rows, its slab by columns.
-    const i64 b_lo = by_rows ? 0 : lo, b_w = by_rows ? n : hi - lo;
-    const float* bs = trans_b ? b + b_lo * ldb : b + b_lo;
-    i64 bs_ld = ldb;
-    Copy b_copy;
-    if (untranspose_b && by_rows) {
-      bs = shared_bt.get();
-      bs_ld = shared_bt_ld;
-    } else if (untranspose_b) {  // this chunk's b_w rows of k, as k rows of b_w
-      bs_ld = unaliased_ld(b_w);
-      b_copy = scratch(k * bs_ld);
-      transpose_copy(b + b_lo * ldb, ldb, b_w, k, b_copy.get(), bs_ld);
-      bs = b_copy.get();
-    }
-    if (copy_b) {  // stored as k rows of b_w, or (transposed) b_w rows of k
-      b_copy = trans_b ? unaliased_copy(bs, ldb, b_w, k, bs_ld) : unaliased_copy(bs, ldb, k, b_w, bs_ld);
-      bs = b_copy.get();
-    }
-    // op(A)'s rows this chunk reads: its slab by rows, all of them by columns.
-    const i64 a_lo = by_rows ? lo : 0, a_h = by_rows ? hi - lo : m;
-    const float* as = trans_a ? a + a_lo : a + a_lo * lda;
-    i64 as_ld = lda;
-    Copy a_copy;
-    if (copy_a) {  // transposed: stored as k rows of a_h
-      a_copy = unaliased_copy(as, lda, k, a_h, as_ld);
-      as = a_copy.get();
-    }
-    const dnnl_status_t status =
-        dnnl_sgemm(ta, tb_call, a_h, b_w, k, alpha, as, as_ld, bs, bs_ld, beta, c + a_lo * ldc + b_lo, ldc);
-    DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
-             static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
-    if (epilogue)
-      apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, a_lo, a_h, b_lo, b_w);
-  });
 }
 
 // ---- convolution ------------------------------------------------------------------------

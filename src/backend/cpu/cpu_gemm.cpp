@@ -1,0 +1,326 @@
+// CPU backend: GEMM as chunked single-threaded dnnl_sgemm calls in the device's arena, with
+// the Linear epilogues (bias, ReLU, ReLU mask) applied to each chunk while it is in cache.
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <memory>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "backend/cpu/cpu_backend.h"
+#include "dp/core/error.h"
+
+namespace dp::backend::cpu {
+namespace {
+
+using i64 = std::int64_t;
+
+// Note [GEMM: operand rows 4 KiB apart]
+// A row-major B whose rows lie a multiple of 2 KiB apart (ldb = 512, 1024, 2048
+// floats: every Linear with 512·j input features, in its input-gradient GEMM dX = dY W)
+// made oneDNN's single-threaded sgemm run at about half speed on an AVX2 machine, as two
+// column slabs against one dnnl_sgemm call with its own threads, and the same values
+// with ldb 1040 ran twice as fast as with ldb 1024 (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// "GEMM: operand rows 4 KiB apart"). Strides that are multiples of 4 KiB map a column of B onto the same few sets of the 32 KiB L1 (64 sets of 64 bytes
+// repeat every 4 KiB), so the kernel's reads of B evict each other; the multithreaded
+// driver packs B first and never sees it.
+// The same holds, less sharply, for the other operand a split cuts: a transposed B cut
+// into column slabs (the forward y = x Wᵀ of a layer with 1024 inputs) and a transposed
+// A cut into row slabs (the weight gradient dW = dYᵀ X of a layer with 1024 outputs).
+// An operand every chunk reads whole gains less from the same padding than copying it
+// once per chunk costs, and one thread reading whole operands sees no difference.
+// So a chunk first copies the slab it alone reads (B's columns when C is cut by
+// columns, a transposed A's columns when C is cut by rows) into a buffer whose row
+// stride is an odd multiple of 64 bytes, and multiplies from that. The copy holds the
+// same values and oneDNN's kernel choice does not depend on the leading dimensions, so
+// every element is computed as before, bit for bit (cpu_backend_test checks this for
+// every transpose). The copy moves 8 bytes per element of the slab, which the chunk
+// uses in 2·w flops (w: the rows of C, for B; the columns, for A): it is made when
+// w >= kPadMinRows and skipped below.
+
+/// Leading dimensions (in floats) that are a multiple of this alias in L1.
+constexpr i64 kAliasFloats = 512;  // 2 KiB
+/// Rows (for a copy of B) or columns (of A) of C a chunk must have for the copy to pay
+/// (Note [GEMM: operand rows 4 KiB apart]): the copy moves 8 bytes per element, the GEMM
+/// does 2·rows (2·columns) flops per element.
+constexpr i64 kPadMinRows = 128;
+
+// Note [GEMM: a transposed B multiplied untransposed]
+// A Linear's forward, y = x Wᵀ, is a GEMM whose B is transposed (N,T), and oneDNN's
+// single-threaded sgemm runs N,T products slower than the same products from B stored
+// untransposed (N,N), with the same bits for the shapes measured (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// "GEMM: a transposed B multiplied untransposed"). So where C
+// has at least kUntransposeMinRows rows and op(B) is at least kUntransposeMinWidth wide
+// both ways, B is first copied transposed — 8x8 blocks transposed in registers
+// (cpu_transpose.cpp), into a buffer whose row stride does not alias (Note [GEMM:
+// operand rows 4 KiB apart]) — and multiplied N,N: cut by columns, each chunk copies
+// its own slab, k rows of its width, while it is about to pack it; cut by rows, the
+// chunks first copy all of B together, each a share of its rows, and then all read the
+// one copy — unless that copy would exceed kMaxOperandCopyFloats (a whole large weight
+// on one thread, or shared by row splits), when B is multiplied N,T where it lies.
+// With the copy counted it pays for the Linear shapes of the MLP and the CNN; below 128
+// rows the results were mixed, and with n or k of 10-16 the untransposed product itself
+// ran slower — hence kUntransposeMinRows and kUntransposeMinWidth (the same section of
+// docs/BENCHMARKS.md has the figures).
+// The bits are oneDNN's N,N product of the copy: the same as N,T's for the MLP's and
+// most shapes, not for all (in a survey of 300 random shapes with m >= 256, two — e.g.
+// 556x585x1280 — summed in another order), so cpu_backend_test checks the forward
+// against gemm of the same values stored untransposed, bit for bit, at one thread and
+// at all cores.
+
+/// C's rows from which a transposed B is multiplied from an untransposed copy (Note
+/// [GEMM: a transposed B multiplied untransposed]), and op(B)'s narrowest width there.
+constexpr i64 kUntransposeMinRows = 128;
+constexpr i64 kUntransposeMinWidth = 32;
+
+/// The most floats a GEMM copies an operand into (Note [GEMM: operand rows 4 KiB apart],
+/// Note [GEMM: a transposed B multiplied untransposed]): a chunk's slab, or the copy of
+/// B that row splits share. 32 MiB: far above any slab a split makes on several threads
+/// (half an L2, or 128 columns of k), but on one thread a slab is all of B, and a
+/// weight-sized temporary per call would double a large layer's memory; beyond it the
+/// operand is read where it lies.
+constexpr i64 kMaxOperandCopyFloats = i64{8} << 20;
+
+/// A row stride of at least `w` floats that is an odd multiple of 64 bytes (16 floats).
+i64 unaliased_ld(i64 w) {
+  const i64 ld = (w + 15) / 16 * 16;
+  return (ld / 16) % 2 == 0 ? ld + 16 : ld;
+}
+
+// Note [GEMM: column slabs that fit L2]
+// Cut by columns (m < n: the forward y = x Wᵀ and the input gradient dX = dY W of a
+// layer wider than the batch), each chunk multiplies all of A by its slab of op(B), k x
+// w floats, which it packs, and first copies when B's rows alias (Note [GEMM: operand
+// rows 4 KiB apart]). One slab per thread made that slab 2 MiB for the MLP
+// 784-1024-1024-10 at batch 512 on 2 threads (k = 1024, w = 512): twice a core's L2 on
+// the machine measured, so the copy and the packing went through L3 while the step's
+// other data competed for it. Slabs of half the L2, several per thread, did best of
+// the widths tried; cutting the row splits the same way gained nothing, and cutting dW
+// by columns instead of rows did worse (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// "GEMM: column slabs that fit L2"). So a column split takes slabs of at most half the L2 and at least kMinColumnSlab
+// columns, in a multiple of the thread count (equal slabs per thread); row splits keep
+// a chunk per thread. Every element of C is one dot product over all of k in any slab,
+// and for the shapes cpu_backend_test checks (the MLP's and the CNN's among them) oneDNN
+// sums it in the same order whatever the slab's width, so the chunk count changes no
+// bits there. oneDNN does not promise this for every shape: in a survey of 200 random
+// shapes through CpuBackend::gemm (m 256-1155, n and k 32-1531), 15 gave other bits on
+// two threads than on one, for B transposed and for B not, all of them large (m >=
+// 780, k >= 850), with B transposed before Note [GEMM: a transposed B multiplied
+// untransposed] as after it. A device's thread count is part of its
+// configuration, so DP, DDP and the sharded designs over the same devices still agree
+// bit for bit; a device with other threads may round such products differently.
+
+/// GEMM slab edges are multiples of this (the kernels' width).
+constexpr i64 kAlign = 16;
+
+/// The narrowest column slab a split makes (Note [GEMM: column slabs that fit L2]).
+constexpr i64 kMinColumnSlab = 128;
+
+/// Bytes of a core's L2 cache (1 MiB when the system does not say).
+i64 l2_bytes() {
+  static const i64 bytes = [] {
+    const long b = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return b >= (64 << 10) ? static_cast<i64>(b) : i64{1} << 20;
+  }();
+  return bytes;
+}
+
+/// How many slabs a GEMM of m x n x k runs as on a device of `threads` threads (Note
+/// [oneDNN in the device's arena], Note [GEMM: column slabs that fit L2]): a function
+/// of the shape, the thread count and the L2's size only.
+i64 gemm_chunks(i64 m, i64 n, i64 k, int threads) {
+  if (threads <= 1 || m * n * k < 2 * kMinChunkMacs) return 1;
+  const i64 extent = m >= n ? m : n;
+  i64 want = threads;
+  if (m < n) {
+    const i64 widest = std::max(kMinColumnSlab, l2_bytes() / 2 / (k * static_cast<i64>(sizeof(float))) / kAlign * kAlign);
+    const i64 slabs = (n + widest - 1) / widest;
+    want = std::max<i64>(1, (slabs + threads - 1) / threads) * threads;
+  }
+  return std::min<i64>({want, (extent + kAlign - 1) / kAlign, m * n * k / kMinChunkMacs});
+}
+
+/// Elements of C a chunk of a small-k product writes at least (Note [GEMMs with a small k]).
+constexpr i64 kSmallKChunkElems = i64{1} << 16;
+
+/// Whether this CPU multiplies and adds in one rounding in hardware (Note [GEMMs with a
+/// small k]): elsewhere std::fma is a libm call, and oneDNN runs those products.
+bool small_k_gemm_fits() {
+  static const bool fma = __builtin_cpu_supports("fma");
+  return fma;
+}
+
+// Note [Linear epilogue]
+// A Linear's forward is a GEMM, then the bias added to every row, then (in a Sequential
+// whose Linear a ReLU follows) the ReLU: three passes over y, the last two reading
+// back from L3 or memory what the GEMM just wrote. Here each chunk of the GEMM adds
+// the bias and clips its own slab of y right after its dnnl_sgemm, while the slab is
+// still in its core's cache, and no other task runs for them. Every element goes
+// through the same float operations as the separate ops — the GEMM's value, then
+// Binary<Add> with the bias, then Unary<Relu> — so y is the same bit for bit (NaN
+// included: relu keeps it; cpu_backend_test checks this). The separate passes were a
+// visible share of the MLP's step (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Linear
+// epilogue").
+// The loops are in cpu_epilogue.cpp, with ISA clones (Note [Epilogue clones]).
+
+/// The chunk of C at rows row0.., columns col0.. (rows × cols, C's rows ldc apart).
+/// relu_y: a ReLU output laid out as C, to mask C by (Note [ReLU mask in the input gradient]).
+void apply_epilogue(const float* bias, bool relu, const float* relu_y, float* c, i64 ldc, i64 row0, i64 rows,
+                    i64 col0, i64 cols) {
+  linear_epilogue(c + row0 * ldc + col0, ldc, rows, cols, bias ? bias + col0 : nullptr, relu,
+                  relu_y ? relu_y + row0 * ldc + col0 : nullptr);
+}
+
+}  // namespace
+
+void CpuBackend::linear_forward(Device dev, i64 m, i64 n, i64 k, const float* x, const float* w,
+                                const float* bias, float* y, bool relu) {
+  const GemmEpilogue ep{bias, relu};
+  gemm_chunked(dev, false, true, m, n, k, 1.0f, x, std::max<i64>(1, k), w, std::max<i64>(1, k), 0.0f, y,
+               std::max<i64>(1, n), &ep);
+}
+
+void CpuBackend::linear_backward_input(Device dev, i64 m, i64 n, i64 k, const float* gy, const float* w,
+                                       const float* relu_y, float* gx) {
+  // Note [ReLU mask in the input gradient]: each chunk masks its slab after its GEMM.
+  const GemmEpilogue ep{.relu_y = relu_y};
+  gemm_chunked(dev, false, false, m, n, k, 1.0f, gy, std::max<i64>(1, k), w, std::max<i64>(1, n), 0.0f, gx,
+               std::max<i64>(1, n), relu_y ? &ep : nullptr);
+}
+
+void CpuBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
+  const GemmEpilogue ep{static_cast<const float*>(a.epilogue.bias), a.epilogue.relu,
+                        static_cast<const float*>(a.epilogue.relu_y)};
+  gemm_chunked(dev, a.trans_a, a.trans_b, a.m, a.n, a.k, a.alpha, static_cast<const float*>(a.a), a.lda,
+               static_cast<const float*>(a.b), a.ldb, a.beta, static_cast<float*>(a.c), a.ldc,
+               a.epilogue.empty() ? nullptr : &ep);
+}
+
+void CpuBackend::gemm(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
+                      const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
+                      i64 ldc) {
+  gemm_chunked(dev, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, nullptr);
+}
+
+void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64 n, i64 k, float alpha,
+                              const float* a, i64 lda, const float* b, i64 ldb, float beta, float* c,
+                              i64 ldc, const GemmEpilogue* epilogue) {
+  DP_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm: expected non-negative m, n, k, got ", m, ", ", n,
+           ", ", k);
+  // Row-major storage: A is m×k (or k×m when transposed), so its row length is k (or m).
+  DP_CHECK(lda >= std::max<i64>(1, trans_a ? m : k) && ldb >= std::max<i64>(1, trans_b ? k : n) &&
+               ldc >= std::max<i64>(1, n),
+           "gemm: leading dimensions too small: lda=", lda, " (need >= ", trans_a ? m : k,
+           "), ldb=", ldb, " (need >= ", trans_b ? k : n, "), ldc=", ldc, " (need >= ", n, ")");
+  (void)state(dev);
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // C = beta * C; beta == 0 overwrites (NaN in C must not survive)
+    for (i64 i = 0; i < m; ++i)
+      for (i64 j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    if (epilogue) apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, 0, m, 0, n);
+    return;
+  }
+  // Note [GEMMs with a small k]: rows of C in order, each finished in one pass.
+  if (k <= kSmallK && !trans_b && alpha == 1.0f && beta == 0.0f &&
+      (!epilogue || (!epilogue->bias && !epilogue->relu)) && small_k_gemm_fits()) {
+    const i64 chunks = std::clamp<i64>(m * n / kSmallKChunkElems, 1, std::min<i64>(m, threads_per_device(dev)));
+    const float* relu_y = epilogue ? epilogue->relu_y : nullptr;
+    parallel_chunks(dev, chunks, [&](i64 ch) {
+      const i64 lo = m * ch / chunks, hi = m * (ch + 1) / chunks;
+      small_k_gemm(trans_a, hi - lo, n, k, trans_a ? a + lo : a + lo * lda, lda, b, ldb, c + lo * ldc, ldc,
+                   relu_y ? relu_y + lo * ldc : nullptr);
+    });
+    return;
+  }
+  // Note [oneDNN in the device's arena]: C is cut into `chunks` slabs of whole rows (or
+  // columns, when there are more of them), each one single-threaded dnnl_sgemm in a task
+  // of the device's arena. Every element of C is still one dot product over all of k,
+  // so the split changes no sum; slab edges are multiples of 16 (the kernels' width).
+  const bool by_rows = m >= n;
+  const i64 extent = by_rows ? m : n;
+  const i64 chunks = gemm_chunks(m, n, k, threads_per_device(dev));
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  // Note [GEMM: operand rows 4 KiB apart], Note [GEMM: a transposed B multiplied
+  // untransposed]: which operand is copied, and how, is a function of the shape and the
+  // chunk count only; each copy (a chunk's slab, or the one row splits share) is bounded
+  // by kMaxOperandCopyFloats.
+  const i64 b_copy_floats = by_rows ? k * n : k * ((n + chunks - 1) / chunks + kAlign);
+  const i64 a_copy_floats = k * ((m + chunks - 1) / chunks + kAlign);
+  const bool untranspose_b = trans_b && m >= kUntransposeMinRows && n >= kUntransposeMinWidth &&
+                             k >= kUntransposeMinWidth && b_copy_floats <= kMaxOperandCopyFloats;
+  const bool copy_b = !untranspose_b && !by_rows && ldb % kAliasFloats == 0 && m >= kPadMinRows &&
+                      b_copy_floats <= kMaxOperandCopyFloats;
+  const bool copy_a = by_rows && trans_a && lda % kAliasFloats == 0 && n >= kPadMinRows &&
+                      a_copy_floats <= kMaxOperandCopyFloats;
+  using Copy = std::unique_ptr<float, std::function<void(float*)>>;
+  auto scratch = [&](i64 floats) {
+    const std::size_t bytes = static_cast<std::size_t>(floats) * sizeof(float);
+    return Copy{static_cast<float*>(allocate(dev, bytes)), [this, dev, bytes](float* p) { deallocate(dev, p, bytes); }};
+  };
+  // Cut by rows, every chunk reads all of op(B): one untransposed copy, made by the
+  // chunks together (each the rows of B it is given), before any of them multiplies.
+  Copy shared_bt;
+  i64 shared_bt_ld = 0;
+  if (untranspose_b && by_rows) {
+    shared_bt_ld = unaliased_ld(n);
+    shared_bt = scratch(k * shared_bt_ld);
+    const i64 parts = std::min<i64>(threads_per_device(dev), (n + 7) / 8);
+    parallel_chunks(dev, parts, [&](i64 p) {
+      const i64 r0 = n * p / parts / 8 * 8, r1 = p + 1 == parts ? n : n * (p + 1) / parts / 8 * 8;
+      transpose_copy(b + r0 * ldb, ldb, r1 - r0, k, shared_bt.get() + r0, shared_bt_ld);
+    });
+  }
+  const char tb_call = untranspose_b ? 'N' : tb;
+  parallel_chunks(dev, chunks, [&](i64 ch) {
+    omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
+    auto edge = [&](i64 i) { return std::min(extent, (extent * i / chunks + kAlign - 1) / kAlign * kAlign); };
+    const i64 lo = ch == 0 ? 0 : edge(ch), hi = ch + 1 == chunks ? extent : edge(ch + 1);
+    if (hi <= lo) return;
+    // `rows` rows of `width` floats, `ld` apart, into a buffer whose stride does not alias.
+    auto unaliased_copy = [&](const float* src, i64 ld, i64 rows, i64 width, i64& copy_ld) {
+      copy_ld = unaliased_ld(width);
+      Copy copy = scratch(rows * copy_ld);
+      for (i64 r = 0; r < rows; ++r)
+        std::memcpy(copy.get() + r * copy_ld, src + r * ld, static_cast<std::size_t>(width) * sizeof(float));
+      return copy;
+    };
+    // op(B)'s columns this chunk reads: all of them by rows, its slab by columns.
+    const i64 b_lo = by_rows ? 0 : lo, b_w = by_rows ? n : hi - lo;
+    const float* bs = trans_b ? b + b_lo * ldb : b + b_lo;
+    i64 bs_ld = ldb;
+    Copy b_copy;
+    if (untranspose_b && by_rows) {
+      bs = shared_bt.get();
+      bs_ld = shared_bt_ld;
+    } else if (untranspose_b) {  // this chunk's b_w rows of k, as k rows of b_w
+      bs_ld = unaliased_ld(b_w);
+      b_copy = scratch(k * bs_ld);
+      transpose_copy(b + b_lo * ldb, ldb, b_w, k, b_copy.get(), bs_ld);
+      bs = b_copy.get();
+    }
+    if (copy_b) {  // stored as k rows of b_w, or (transposed) b_w rows of k
+      b_copy = trans_b ? unaliased_copy(bs, ldb, b_w, k, bs_ld) : unaliased_copy(bs, ldb, k, b_w, bs_ld);
+      bs = b_copy.get();
+    }
+    // op(A)'s rows this chunk reads: its slab by rows, all of them by columns.
+    const i64 a_lo = by_rows ? lo : 0, a_h = by_rows ? hi - lo : m;
+    const float* as = trans_a ? a + a_lo : a + a_lo * lda;
+    i64 as_ld = lda;
+    Copy a_copy;
+    if (copy_a) {  // transposed: stored as k rows of a_h
+      a_copy = unaliased_copy(as, lda, k, a_h, as_ld);
+      as = a_copy.get();
+    }
+    const dnnl_status_t status =
+        dnnl_sgemm(ta, tb_call, a_h, b_w, k, alpha, as, as_ld, bs, bs_ld, beta, c + a_lo * ldc + b_lo, ldc);
+    DP_CHECK(status == dnnl_success, "gemm on ", dev.str(), ": dnnl_sgemm failed with status ",
+             static_cast<int>(status), " for m=", m, " n=", n, " k=", k);
+    if (epilogue)
+      apply_epilogue(epilogue->bias, epilogue->relu, epilogue->relu_y, c, ldc, a_lo, a_h, b_lo, b_w);
+  });
+}
+
+}  // namespace dp::backend::cpu

@@ -1,0 +1,611 @@
+// src/backend/ops.h — the one list of backend ops: their names, their argument structs,
+// and the element types kernels are registered for.
+//
+// Note [The op list]
+// Every compute entry of a backend is an op of DP_BACKEND_OPS below, called through the
+// backend's kernel table, indexed by (op, dtype):
+//   be.run<Op::Unary>(dev, DType::F32, {UnaryOp::Exp, x, y, n});
+// A backend registers one kernel per (op, dtype) it implements (CPU: the register_*
+// functions at the end of each cpu_*.cpp; CUDA: cuda_backend.cpp's register_kernels);
+// a call of a pair with no kernel throws
+// dp::Error naming the op, the dtype and the device type. The same list generates the
+// Op enum, the op names, the OpArgs mapping, the op table test's coverage check
+// (tests/backend/op_table_test.cpp: every registered (op, dtype) must be called by a
+// case of tests/backend/op_cases.cpp) and its recording backend. So
+//  - a new op is a line here with its argument struct beside it, a CPU kernel, a CUDA
+//    kernel, and a row of tests/backend/op_cases.cpp;
+//  - a new dtype is a DType value (with its C++ type in DTypeOf/dtype_of) and table
+//    entries: kernels are templates over the storage type (functors.h computes in
+//    float, Note [Storage types]), instantiated once more and registered.
+// Pointers in the argument structs are untyped: their element type is the call's dtype
+// unless the struct says otherwise (an index is always int64). Counts are elements.
+// Memory, streams, events and copies are not ops: they stay virtual methods of Backend.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+namespace dp::backend {
+
+/// Most dimensions a strided elementwise kernel handles.
+inline constexpr int kMaxDims = 8;
+
+/// Strided view of up to two inputs for an elementwise kernel with a contiguous output.
+/// A stride of 0 broadcasts that dimension. Passed by value into CUDA kernels.
+struct Indexer {
+  int ndim = 0;
+  std::int64_t sizes[kMaxDims] = {};
+  std::int64_t strides_a[kMaxDims] = {};  // in elements
+  std::int64_t strides_b[kMaxDims] = {};  // in elements
+};
+
+// Note [Op enum sentinels]
+// Each op enum ends with kCount, the number of ops: not an op itself (the backends
+// reject it). The op table (tests/backend/op_cases.cpp) has one row per op and
+// static_asserts its length against kCount, so a new op without a test and benchmark
+// case does not compile; op_table_test also checks at run time that every op is called.
+
+enum class UnaryOp : std::uint8_t {
+  Neg, Exp, Log, Sqrt, Rsqrt, Abs, Square, Reciprocal, Relu, Sigmoid, Tanh,
+  Sign,  // -1, 0, +1
+  kCount  // Note [Op enum sentinels]
+};
+
+enum class BinaryOp : std::uint8_t {
+  Add, Sub, Mul, Div, Maximum, Minimum, Pow,
+  Eq,            // 1.0f where a == b else 0.0f
+  Gt,            // 1.0f where a > b else 0.0f
+  ReluBackward,  // a * (b > 0): a = upstream gradient, b = relu input (or output)
+  kCount         // Note [Op enum sentinels]
+};
+
+enum class ReduceOp : std::uint8_t {
+  Sum, Max, Min,
+  kCount  // Note [Op enum sentinels]
+};
+
+/// Geometry of a 2-d convolution (groups = 1, dilation = 1). Layouts are NCHW for x/y
+/// and KCRS for the weight (K output channels, R×S kernel).
+struct Conv2dShape {
+  std::int64_t N = 0, C = 0, H = 0, W = 0;  // input
+  std::int64_t K = 0, R = 0, S = 0;         // weight
+  std::int64_t stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
+  std::int64_t P = 0, Q = 0;                // output height, width
+};
+
+/// Geometry of a 2-d pooling window over NCHW.
+struct Pool2dShape {
+  std::int64_t N = 0, C = 0, H = 0, W = 0;
+  std::int64_t kernel_h = 1, kernel_w = 1, stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
+  std::int64_t P = 0, Q = 0;  // output height, width
+};
+
+
+/// Element types kernels are registered for: the values of dp::Dtype (tensor.h static_
+/// asserts that they agree), so a tensor's dtype indexes the table directly.
+enum class DType : std::uint8_t {
+  F32 = 0,
+  I64 = 1,
+  I32 = 2,
+  kCount  // Note [Op enum sentinels]
+};
+inline constexpr int kDTypeCount = static_cast<int>(DType::kCount);
+
+/// "float32", "int64", "int32".
+const char* dtype_name(DType dt);
+/// Throws the dp::Error of a dtype value out of range (visit_dtype's default).
+[[noreturn]] void visit_dtype_failed(DType dt);
+
+/// The DType of a C++ storage type.
+template <typename T>
+struct DTypeOf;
+template <> struct DTypeOf<float> { static constexpr DType value = DType::F32; };
+template <> struct DTypeOf<std::int64_t> { static constexpr DType value = DType::I64; };
+template <> struct DTypeOf<std::int32_t> { static constexpr DType value = DType::I32; };
+template <typename T>
+inline constexpr DType dtype_of = DTypeOf<T>::value;
+
+/// Calls f(T{}) with the C++ type T of `dt`: kernels that take a second dtype (a cast's
+/// source) visit it. A new dtype adds its case here.
+template <typename F>
+void visit_dtype(DType dt, F&& f) {
+  switch (dt) {
+    case DType::F32: f(float{}); return;
+    case DType::I64: f(std::int64_t{}); return;
+    case DType::I32: f(std::int32_t{}); return;
+    case DType::kCount: break;
+  }
+  visit_dtype_failed(dt);
+}
+
+/// A scalar argument for a kernel of any dtype: the value as given, read with as<T>()
+/// in the kernel's storage type. A float keeps its exact value, an int64 too.
+struct Scalar {
+  double f = 0;
+  std::int64_t i = 0;
+  bool is_int = false;
+
+  Scalar() = default;
+  Scalar(float v) : f(v), i(static_cast<std::int64_t>(v)) {}  // NOLINT: a value, not a conversion
+  Scalar(std::int64_t v) : f(static_cast<double>(v)), i(v), is_int(true) {}  // NOLINT
+  template <typename T>
+  T as() const {
+    if constexpr (std::is_integral_v<T>) {
+      return static_cast<T>(is_int ? i : static_cast<std::int64_t>(f));
+    } else {
+      return static_cast<T>(is_int ? static_cast<double>(i) : f);
+    }
+  }
+};
+
+// ---- argument structs, one per op (pointers hold the call's dtype unless said) ---------
+
+/// y[i] = value.
+struct FillArgs {
+  void* y;
+  std::int64_t n;
+  Scalar value;
+};
+/// y[i] += value (counters such as BatchNorm's num_batches_tracked; no host sync).
+struct AddScalarArgs {
+  void* y;
+  std::int64_t n;
+  Scalar value;
+};
+/// y[i] = start + i * step.
+struct ArangeArgs {
+  void* y;
+  std::int64_t n;
+  Scalar start;
+  Scalar step;
+};
+/// y[i] = x[i] converted to the call's dtype from x_dtype: float to integer truncates
+/// toward zero; int64 to int32 is modulo 2^32 (what PyTorch's .int() gives).
+struct CastArgs {
+  const void* x;
+  DType x_dtype;
+  void* y;
+  std::int64_t n;
+};
+/// y = op(x), contiguous; y may alias x.
+struct UnaryArgs {
+  UnaryOp op;
+  const void* x;
+  void* y;
+  std::int64_t n;
+};
+/// y = alpha * x + beta, contiguous; y may alias x.
+struct AffineArgs {
+  const void* x;
+  void* y;
+  std::int64_t n;
+  float alpha;
+  float beta;
+};
+/// y += alpha * x, contiguous.
+struct AxpyArgs {
+  float alpha;
+  const void* x;
+  void* y;
+  std::int64_t n;
+};
+/// out = op(a, b) over the indexer's shape; out contiguous, a/b strided (0 = broadcast).
+/// out has the call's dtype, except that Eq and Gt write float32 (1 or 0) for every
+/// dtype; an integer dtype compares exactly (int64 kernels implement Eq only).
+struct BinaryArgs {
+  BinaryOp op;
+  Indexer ix;
+  const void* a;
+  const void* b;
+  void* out;
+};
+/// out = a (strided, the indexer's strides_a) gathered into contiguous order.
+struct StridedCopyArgs {
+  Indexer ix;
+  const void* a;
+  void* out;
+};
+// Note [Gather geometry]
+// gather and scatter_add walk the elements n of a contiguous tensor of shape ix.sizes
+// (gather's output, scatter_add's source) with coordinates c. The element of the
+// other tensor x that n pairs with is at
+//   Σ_{d != dim} c_d · ix.strides_a[d]  +  index[Σ_d c_d · ix.strides_b[d]] · ix.strides_a[dim]
+// (strides in elements). torch.gather is index strides = its own contiguous strides;
+// index_select is a 1-d index with strides_b 0 outside `dim`. Every index must lie in
+// [0, size of x along dim): the caller checks, the kernels do not.
+
+/// out[n] = x[offset(n)] (Note [Gather geometry]); index: int64.
+struct GatherArgs {
+  Indexer ix;
+  int dim;
+  const void* x;
+  const std::int64_t* index;
+  void* out;
+};
+/// y[offset(n)] += src[n] (Note [Gather geometry]): the backward of gather and
+/// index_select. CPU adds in element order (bitwise reproducible); CUDA uses atomics,
+/// so repeated indices sum in an unspecified order.
+struct ScatterAddArgs {
+  Indexer ix;
+  int dim;
+  const void* src;
+  const std::int64_t* index;
+  void* y;
+};
+/// x viewed as (outer, r, inner): y[o, i] = op over k of x[o, k, i]. r may be 0 (Sum
+/// gives 0).
+struct ReduceArgs {
+  ReduceOp op;
+  const void* x;
+  void* y;
+  std::int64_t outer;
+  std::int64_t r;
+  std::int64_t inner;
+};
+/// x viewed as (outer, r, inner): y[o, i] = argmax over k (first on ties); y: int64.
+struct ArgmaxArgs {
+  const void* x;
+  std::int64_t* y;
+  std::int64_t outer;
+  std::int64_t r;
+  std::int64_t inner;
+};
+/// *count (host memory) = the number of non-finite x[i] (the opt-in NaN/Inf check).
+/// Synchronous: *count is set when the call returns.
+struct CountNonfiniteArgs {
+  const void* x;
+  std::int64_t n;
+  std::int64_t* count;
+};
+
+// ---- random (counter-based Philox: same numbers on every backend) ----------------------
+
+/// y[i] = uniform in [lo, hi) from (seed, offset + i).
+struct FillUniformArgs {
+  void* y;
+  std::int64_t n;
+  float lo;
+  float hi;
+  std::uint64_t seed;
+  std::uint64_t offset;
+};
+/// y[i] = normal(mean, std) from (seed, offset + i).
+struct FillNormalArgs {
+  void* y;
+  std::int64_t n;
+  float mean;
+  float std;
+  std::uint64_t seed;
+  std::uint64_t offset;
+};
+/// Inverted dropout: mask[i] = keep ? 1/(1-p) : 0 with keep drawn from (seed, offset +
+/// i); y = x * mask.
+struct DropoutArgs {
+  const void* x;
+  void* y;
+  void* mask;
+  std::int64_t n;
+  float p;
+  std::uint64_t seed;
+  std::uint64_t offset;
+};
+
+// ---- dense linear algebra --------------------------------------------------------------
+
+/// What follows a GEMM on every element of C, in this order (each step only when given):
+/// masked by a ReLU output laid out as C (relu_y > 0 ? c : 0, Binary<ReluBackward>), plus
+/// a bias per column (Binary<Add>), then relu (Unary<Relu>) — bit for bit those ops run
+/// after the GEMM. A backend may apply them to each slab of C while it is in cache
+/// (CPU: Note [Linear epilogue]); one that does not runs the ops.
+struct GemmEpilogue {
+  const void* bias = nullptr;    // n values, or null
+  bool relu = false;
+  const void* relu_y = nullptr;  // laid out as C (rows ldc apart), or null
+  bool empty() const { return bias == nullptr && !relu && relu_y == nullptr; }
+};
+/// Row-major C(m×n) = alpha * op(A) * op(B) + beta * C, then the epilogue; op(A) is m×k,
+/// op(B) is k×n. lda/ldb/ldc are row strides of the stored (untransposed) matrices. With
+/// an epilogue, ldc == n. A Linear's forward is (N,T) with bias and relu, its input
+/// gradient (N,N) with relu_y.
+struct GemmArgs {
+  bool trans_a;
+  bool trans_b;
+  std::int64_t m;
+  std::int64_t n;
+  std::int64_t k;
+  float alpha;
+  const void* a;
+  std::int64_t lda;
+  const void* b;
+  std::int64_t ldb;
+  float beta;
+  void* c;
+  std::int64_t ldc;
+  GemmEpilogue epilogue;
+};
+
+// ---- softmax and losses (rows × cols, rows = batch) ------------------------------------
+
+struct LogSoftmaxArgs {
+  const void* x;
+  void* y;
+  std::int64_t rows;
+  std::int64_t cols;
+};
+/// gx = gy - exp(y) * rowsum(gy), y = log_softmax output.
+struct LogSoftmaxBackwardArgs {
+  const void* gy;
+  const void* y;
+  void* gx;
+  std::int64_t rows;
+  std::int64_t cols;
+};
+/// loss[r] = -logp[r, target[r]]. Targets out of [0, cols) throw dp::Error on CPU; CUDA
+/// writes NaN for that row (checked without a host sync).
+struct NllForwardArgs {
+  const void* logp;
+  const std::int64_t* target;
+  void* loss;
+  std::int64_t rows;
+  std::int64_t cols;
+};
+/// gx = 0 except gx[r, target[r]] = -gloss[r].
+struct NllBackwardArgs {
+  const void* gloss;
+  const std::int64_t* target;
+  void* gx;
+  std::int64_t rows;
+  std::int64_t cols;
+};
+
+// ---- convolution and pooling (NCHW) ------------------------------------------------------
+
+/// y = conv(x, w) + bias (bias may be null), then relu when `relu`: bit for bit the
+/// convolution followed by Unary<Relu> in place; a backend may fuse the two (Note
+/// [Convolution + ReLU]).
+struct Conv2dArgs {
+  Conv2dShape s;
+  const void* x;
+  const void* w;
+  const void* bias;
+  void* y;
+  bool relu;
+};
+/// gx = conv_transpose(gy, w) (overwrites gx).
+struct Conv2dBackwardDataArgs {
+  Conv2dShape s;
+  const void* gy;
+  const void* w;
+  void* gx;
+};
+/// gw = correlation of x and gy, gbias = sum of gy over N, P, Q (overwrite; gbias may be
+/// null).
+struct Conv2dBackwardWeightArgs {
+  Conv2dShape s;
+  const void* x;
+  const void* gy;
+  void* gw;
+  void* gbias;
+};
+/// y = max over the window (padding never wins); indices (int64) = flat h*W+w of the max.
+struct MaxPool2dArgs {
+  Pool2dShape s;
+  const void* x;
+  void* y;
+  std::int64_t* indices;
+};
+/// gx = 0, then gx[index] += gy (overwrites gx).
+struct MaxPool2dBackwardArgs {
+  Pool2dShape s;
+  const void* gy;
+  const std::int64_t* indices;
+  void* gx;
+};
+// Note [Fused ops a backend may offer]
+// Some ops are fusions of others that one backend runs faster and another need not
+// have: the 2x2 max-pool keeping its winners in bytes (Note [Max-pool winners in a
+// byte]) and the convolution, ReLU and that pool in one pass (Note [Convolution, ReLU
+// and max-pool in one pass]). They are ops of the list like any other, but only the
+// backends that gain from them register kernels; a caller asks the table
+// (be.supports(op, dtype)) and otherwise runs the ops they fuse, which every backend
+// has, with the same results bit for bit.
+
+/// A 2x2, stride-2, unpadded max-pool whose windows all lie inside the input (2P <= H,
+/// 2Q <= W; is_2x2_tiling): y as MaxPool2d computes it, and per output the winner's place
+/// in its window as one byte, 0..3 in row-major order, in `where` (N·C·P·Q bytes) instead
+/// of an int64 flat index. Throws for any other shape. Note [Fused ops a backend may
+/// offer].
+struct MaxPool2x2Args {
+  Pool2dShape s;
+  const void* x;
+  void* y;
+  std::uint8_t* where;
+};
+/// gx (every element written: the window's gradient at its winner, zero elsewhere) from
+/// `where` as MaxPool2x2 wrote it; what MaxPool2dBackward computes. relu_y, when not null,
+/// is this pool's output over a ReLU's output (N·C·P·Q): each window's gradient is then
+/// masked first, relu_y > 0 ? gy : 0, in the same pass — bit for bit Binary<ReluBackward>
+/// (gy, relu_y) followed by this backward (Note [ReLU mask through max-pool] in
+/// src/nn/functional.cpp).
+struct MaxPool2x2BackwardArgs {
+  Pool2dShape s;
+  const void* gy;
+  const std::uint8_t* where;
+  const void* relu_y;
+  void* gx;
+};
+/// Conv2d with relu, then MaxPool2x2 over its (N, K, P, Q) output (y: (N, K, P / 2, Q /
+/// 2); `where`: one byte per output), bit for bit, without holding the convolution's
+/// output. Needs P, Q >= 2. Note [Fused ops a backend may offer].
+struct Conv2dReluMaxPool2x2Args {
+  Conv2dShape s;
+  const void* x;
+  const void* w;
+  const void* bias;
+  void* y;
+  std::uint8_t* where;
+};
+
+/// Average over the window counting padding (PyTorch's count_include_pad=true).
+struct AvgPool2dArgs {
+  Pool2dShape s;
+  const void* x;
+  void* y;
+};
+struct AvgPool2dBackwardArgs {
+  Pool2dShape s;
+  const void* gy;
+  void* gx;
+};
+
+// ---- batch norm over (N, C, HW) --------------------------------------------------------------
+
+/// Training: batch statistics; save_mean/save_invstd (C each) for backward; running stats
+/// updated as PyTorch does (unbiased variance, running = (1-m)*running + m*batch) when
+/// running_mean is not null.
+struct BatchNormTrainArgs {
+  std::int64_t N;
+  std::int64_t C;
+  std::int64_t HW;
+  const void* x;
+  const void* gamma;
+  const void* beta;
+  float eps;
+  float momentum;
+  void* running_mean;
+  void* running_var;
+  void* y;
+  void* save_mean;
+  void* save_invstd;
+};
+struct BatchNormEvalArgs {
+  std::int64_t N;
+  std::int64_t C;
+  std::int64_t HW;
+  const void* x;
+  const void* gamma;
+  const void* beta;
+  float eps;
+  const void* running_mean;
+  const void* running_var;
+  void* y;
+};
+/// gx, ggamma, gbeta (overwrite) from gy and the saved statistics.
+struct BatchNormBackwardArgs {
+  std::int64_t N;
+  std::int64_t C;
+  std::int64_t HW;
+  const void* gy;
+  const void* x;
+  const void* gamma;
+  const void* save_mean;
+  const void* save_invstd;
+  void* gx;
+  void* ggamma;
+  void* gbeta;
+};
+
+// ---- fused optimizer updates over a flat buffer of n elements ------------------------------
+
+/// PyTorch's SGD: g = grad + wd * p; buf = first ? g : momentum * buf + (1 - dampening) *
+/// g; g = nesterov ? g + momentum * buf : buf (when momentum != 0); p -= lr * g.
+/// momentum_buf may be null when momentum == 0.
+struct SgdStepArgs {
+  void* param;
+  const void* grad;
+  void* momentum_buf;
+  std::int64_t n;
+  float lr;
+  float momentum;
+  float dampening;
+  float weight_decay;
+  bool nesterov;
+  bool first_step;
+};
+/// PyTorch's Adam (decoupled = false: g += wd * p) and AdamW (decoupled = true: p *= 1 -
+/// lr * wd), with bias correction for `step` (1-based).
+struct AdamStepArgs {
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  std::int64_t n;
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay;
+  bool decoupled;
+  std::int64_t step;
+};
+
+// Note [Op list order]
+// Grouped as the op table's cases are; the order is the Op enum's, so appending keeps
+// existing values.
+//   X(Enum name, "name in messages", argument struct)
+#define DP_BACKEND_OPS(X)                                     \
+  X(Fill, "fill", FillArgs)                                   \
+  X(AddScalar, "add_scalar", AddScalarArgs)                   \
+  X(Arange, "arange", ArangeArgs)                             \
+  X(Cast, "cast", CastArgs)                                   \
+  X(Unary, "unary", UnaryArgs)                                \
+  X(Affine, "affine", AffineArgs)                             \
+  X(Axpy, "axpy", AxpyArgs)                                   \
+  X(Binary, "binary", BinaryArgs)                             \
+  X(StridedCopy, "strided_copy", StridedCopyArgs)             \
+  X(Gather, "gather", GatherArgs)                             \
+  X(ScatterAdd, "scatter_add", ScatterAddArgs)                \
+  X(Reduce, "reduce", ReduceArgs)                             \
+  X(Argmax, "argmax", ArgmaxArgs)                             \
+  X(CountNonfinite, "count_nonfinite", CountNonfiniteArgs)                  \
+  X(FillUniform, "fill_uniform", FillUniformArgs)                          \
+  X(FillNormal, "fill_normal", FillNormalArgs)                             \
+  X(Dropout, "dropout", DropoutArgs)                                       \
+  X(Gemm, "gemm", GemmArgs)                                                \
+  X(LogSoftmax, "log_softmax", LogSoftmaxArgs)                             \
+  X(LogSoftmaxBackward, "log_softmax_backward", LogSoftmaxBackwardArgs)    \
+  X(NllForward, "nll_forward", NllForwardArgs)                             \
+  X(NllBackward, "nll_backward", NllBackwardArgs)                          \
+  X(Conv2d, "conv2d", Conv2dArgs)                                          \
+  X(Conv2dBackwardData, "conv2d_backward_data", Conv2dBackwardDataArgs)    \
+  X(Conv2dBackwardWeight, "conv2d_backward_weight", Conv2dBackwardWeightArgs) \
+  X(MaxPool2d, "maxpool2d_forward", MaxPool2dArgs)                         \
+  X(MaxPool2dBackward, "maxpool2d_backward", MaxPool2dBackwardArgs)        \
+  X(AvgPool2d, "avgpool2d_forward", AvgPool2dArgs)                         \
+  X(AvgPool2dBackward, "avgpool2d_backward", AvgPool2dBackwardArgs)        \
+  X(BatchNormTrain, "batchnorm_forward_train", BatchNormTrainArgs)         \
+  X(BatchNormEval, "batchnorm_forward_eval", BatchNormEvalArgs)            \
+  X(BatchNormBackward, "batchnorm_backward", BatchNormBackwardArgs)        \
+  X(SgdStep, "sgd_step", SgdStepArgs)                                      \
+  X(AdamStep, "adam_step", AdamStepArgs)                                   \
+  X(MaxPool2x2, "maxpool2d_2x2_forward", MaxPool2x2Args)                   \
+  X(MaxPool2x2Backward, "maxpool2d_2x2_backward", MaxPool2x2BackwardArgs)  \
+  X(Conv2dReluMaxPool2x2, "conv2d_relu_maxpool2x2_forward", Conv2dReluMaxPool2x2Args)
+
+/// The ops of DP_BACKEND_OPS.
+enum class Op : std::uint8_t {
+#define DP_OP_ENUM(name, str, Args) name,
+  DP_BACKEND_OPS(DP_OP_ENUM)
+#undef DP_OP_ENUM
+  kCount  // Note [Op enum sentinels]
+};
+inline constexpr int kOpCount = static_cast<int>(Op::kCount);
+
+/// "unary", "conv2d", ...
+const char* op_name(Op op);
+
+/// The argument struct of an op: OpArgs<Op::Unary> is UnaryArgs.
+template <Op op>
+struct OpTraits;
+#define DP_OP_TRAITS(name, str, ArgsT)           \
+  template <>                                    \
+  struct OpTraits<Op::name> {                    \
+    using Args = ArgsT;                          \
+    static constexpr const char* kName = str;    \
+  };
+DP_BACKEND_OPS(DP_OP_TRAITS)
+#undef DP_OP_TRAITS
+template <Op op>
+using OpArgs = typename OpTraits<op>::Args;
+
+}  // namespace dp::backend
