@@ -103,18 +103,33 @@ inline CLI::Option* add_mode_option(CLI::App& app, std::string& mode, const std:
       ->capture_default_str();
 }
 
-/// dp::Mode of a --mode value other than "single".
-inline dp::Mode to_mode(const std::string& mode) {
-  if (mode == "ddp") return dp::Mode::DDP;
-  if (mode == "sharded") return dp::Mode::Sharded;
-  if (mode == "dp") return dp::Mode::DP;
+/// The DataParallel designs a --mode value names, and whether --shard-stage applies.
+struct ModeEntry {
+  const char* name;
+  dp::Mode mode;
+  bool takes_shard_stage;
+};
+inline constexpr ModeEntry kModes[] = {
+    {"dp", dp::Mode::DP, false},
+    {"ddp", dp::Mode::DDP, false},
+    {"sharded", dp::Mode::Sharded, true},
+};
+
+/// The kModes entry of a --mode value other than "single".
+inline const ModeEntry& mode_entry(const std::string& mode) {
+  for (const ModeEntry& m : kModes)
+    if (mode == m.name) return m;
   throw std::invalid_argument("--mode " + mode + " is not a DataParallel mode (expected dp, ddp or sharded)");
 }
 
+/// dp::Mode of a --mode value other than "single".
+inline dp::Mode to_mode(const std::string& mode) { return mode_entry(mode).mode; }
+
 /// DataParallelOptions for a --mode value and a --shard-stage (used in sharded mode only).
 inline dp::DataParallelOptions mode_options(const std::string& mode, int shard_stage) {
-  dp::DataParallelOptions o{.mode = to_mode(mode)};
-  if (o.mode == dp::Mode::Sharded) o.shard_stage = shard_stage;
+  const ModeEntry& m = mode_entry(mode);
+  dp::DataParallelOptions o{.mode = m.mode};
+  if (m.takes_shard_stage) o.shard_stage = shard_stage;
   return o;
 }
 

@@ -125,9 +125,9 @@ struct Memory {
 // A design as the tables name it: "single", "DP", "DDP", "Sharded-1", ...
 struct Design {
   dp::Mode mode = dp::Mode::DP;
-  int stage = 0;  // Sharded only
+  int stage = 0;  // Sharded's ZeRO stage; 0 for the designs without stages
   std::string name() const {
-    return mode == dp::Mode::Sharded ? "Sharded-" + std::to_string(stage) : dp::mode_name(mode);
+    return stage > 0 ? std::string(dp::mode_name(mode)) + "-" + std::to_string(stage) : dp::mode_name(mode);
   }
 };
 
@@ -285,7 +285,7 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
   for (const dp::Device& d : devices) base.push_back(dp::memory_allocated(d));
   auto net = samples::make_model(a.model, a.seed);
   dp::DataParallelOptions options{.mode = design.mode};
-  if (design.mode == dp::Mode::Sharded) options.shard_stage = design.stage;
+  if (design.stage > 0) options.shard_stage = design.stage;
   dp::DataParallel model(net, devices, options);
   r.processes = model.processes();
   r.rows = batches.front().data.size(0);
@@ -701,10 +701,10 @@ std::vector<int> parse_stages(const std::string& text) {
 // Across processes (the probe is then collective and refuses alike on every process)
 // any refusal is a skip: a design may exist within a process only.
 bool design_available(const Design& design) {
-  if (design.mode != dp::Mode::Sharded) return true;
+  if (design.stage == 0) return true;
   try {
     dp::DataParallel probe(samples::make_model("mlp", 1), samples::first_devices(1),
-                           {.mode = dp::Mode::Sharded, .shard_stage = design.stage});
+                           {.mode = design.mode, .shard_stage = design.stage});
     return true;
   } catch (const dp::Error& e) {
     if (std::string(e.what()).find("not implemented") == std::string::npos && !dist::is_distributed()) throw;

@@ -1,9 +1,6 @@
 #include "dp/parallel/data_parallel.h"
 
 #include <algorithm>
-#include <climits>
-#include <map>
-#include <optional>
 #include <set>
 #include <utility>
 
@@ -14,6 +11,8 @@
 #include "dp/core/error.h"
 #include "dp/dist/dist.h"
 #include "dp/tensor/ops.h"
+#include "parallel/design.h"
+#include "parallel/gather_backward.h"
 #include "parallel/phase_timer.h"
 #include "parallel/reducer.h"
 #include "parallel/worker_pool.h"
@@ -55,64 +54,7 @@ void check_device_list(const std::vector<Device>& devices) {
   }
 }
 
-// Note [Gather backward]
-// The gathered output's grad_fn is this node. It has no edges into the replicas'
-// graphs: each replica's graph was recorded by its own worker thread and is run by
-// that worker. apply() splits the incoming gradient by shard and hands each piece
-// to its device's worker, which runs backward on its own tape concurrently; the
-// gradients are then reduced (DP) or have been all-reduced during backward (DDP).
-class GatherBackward final : public autograd::Node {
- public:
-  /// Returns the gradients of the node's inputs (those of DataParallel's inputs that
-  /// required one), in order.
-  using Run = std::function<std::vector<Tensor>(const std::vector<Tensor>& roots, const std::vector<Tensor>& pieces)>;
-  GatherBackward(std::vector<Tensor> outputs, std::vector<std::int64_t> sizes, Run run)
-      : outputs_(std::move(outputs)), sizes_(std::move(sizes)), run_(std::move(run)) {}
-  /// Expires when the replicas' graphs can no longer be run: the node was destroyed,
-  /// or a backward through it released them (Note [Forwards before a backward]).
-  std::weak_ptr<const int> graph_alive() const { return graph_alive_; }
-  std::string name() const override { return "DataParallelGatherBackward"; }
-  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
-    DP_CHECK(!released_, "backward through DataParallel's output a second time: the replicas' graphs "
-             "were freed by the first backward");
-    std::vector<Tensor> input_grads = run_(outputs_, split(grads[0].detach(), sizes_));
-    if (next_edges.empty()) return {};
-    return input_grads;
-  }
-  void release_saved() override {
-    outputs_.clear();
-    graph_alive_.reset();
-    released_ = true;
-  }
-
- private:
-  std::shared_ptr<const int> graph_alive_ = std::make_shared<const int>(0);
-  std::vector<Tensor> outputs_;
-  std::vector<std::int64_t> sizes_;
-  Run run_;
-};
-
 }  // namespace
-
-const char* mode_name(Mode mode) {
-  switch (mode) {
-    case Mode::DP: return "DP";
-    case Mode::DDP: return "DDP";
-    case Mode::Sharded: return "Sharded";
-  }
-  return "?";
-}
-
-// Note [Sharded parameters], Note [Forwards before a backward]
-struct DataParallel::UnitState {
-  struct Mark {
-    std::uint64_t sequence_nr;  // the first node made under `unit`
-    int unit;                   // -1: a forward starts, no unit yet
-    std::uint64_t forward;      // the forward that made it (DataParallel::forwards_)
-  };
-  std::vector<Mark> marks;          // ascending sequence numbers
-  int forward = -1, backward = -1;  // the unit current in each pass
-};
 
 struct DataParallel::ShardPlan {
   std::int64_t rows = 0;
@@ -130,35 +72,22 @@ struct DataParallel::ShardPlan {
 // thread is released (Note [Root cause]); once all have returned, the comm threads
 // are joined, the communicator is re-armed and the exception reaches the caller.
 // The DataParallel is then usable again: the next step re-synchronises the replicas.
+// What differs between the designs at each point is the design's (Note [Designs]).
 class DataParallel::Step {
  public:
-  struct Options {
-    bool replicate = false;  // a forward: replicas must hold device 0's parameters
-    bool backward = false;   // runs backward: the reducer's cycle is armed
-    bool gather = false;     // a Sharded optimizer step: copies equal again afterwards
-  };
-  Step(DataParallel& dp, const char* what, Options options) : dp_(dp), options_(options) {
+  Step(DataParallel& dp, const char* what, parallel::StepKind kind) : dp_(dp), kind_(kind) {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
-    // Note [Sharded parameters]: device 0's parameters gathered for the user since the
-    // last step go back (written back to every range when they were edited).
-    dp_.set_->scatter_primary();
-    if (options_.replicate || options_.gather) sync_params_ = dp_.begin_replicate();
-    if (options_.replicate && dp_.params_sharded()) dp_.forget_dead_forwards();
-    // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
-    if (sync_params_ && dp_.deferred_gather()) dp_.mark_stale(false);
-    if (options_.backward) {
-      dp_.check_sharded_grads_unedited("a backward");
-      dp_.forget_combined_grads();
-      dp_.reducer_->prepare(dp_.options_.mode == Mode::DP || dp_.require_sync_);
+    if (kind_.replicate || kind_.gather) sync_params_ = design().begin_replicate();
+    design().begin_step(kind_, sync_params_);
+    if (kind_.backward) {
+      design().forget_combined_grads();
+      dp_.reducer_->prepare(design().syncs_backward());
     }
-    dp_.updating_ = options_.gather;  // with busy_: the destructor resets both
     dp_.busy_ = true;
   }
   ~Step() {
-    if (options_.backward) dp_.reducer_->end();
-    dp_.carry_sums_ = false;  // Note [Accumulating after a combined backward]
-    dp_.drop_pulls_ahead();  // a unit the forward never reached: pulled afresh when it is
-    dp_.updating_ = false;
+    if (kind_.backward) dp_.reducer_->end();
+    design().end_step();
     dp_.busy_ = false;
   }
   Step(const Step&) = delete;
@@ -175,198 +104,29 @@ class DataParallel::Step {
       dp_.workers_->run(
           [&](int r) {
             nn::ReplicaBinding bind(r);
-            if (!dp_.params_sharded()) {
-              if (options_.backward) {
-                // Note [Forwards before a backward]: a DP replica's gradient is what this
-                // backward alone brings; the last one's was reduced onto device 0.
-                if (dp_.options_.mode == Mode::DP && r > 0) dp_.set_->copy(r).grad.zero_();
-                dp_.reducer_->begin(r);
-              }
-              fn(r);
-              return;
-            }
-            // Note [Sharded parameters]: a forward records which unit each node was made
-            // under; a backward gathers them again node by node; whatever happens, the
-            // rank's units are released when its part of the step ends.
-            struct Leave {
-              DataParallel& dp;
-              int r;
-              ~Leave() { dp.leave_units(r); }
-            } leave{dp_, r};
-            if (options_.replicate)  // nodes made before the forward's first unit belong to none
-              dp_.unit_state_[r].marks.push_back({autograd::peek_sequence_nr(), -1, dp_.forwards_});
-            std::optional<autograd::BackwardNodeHook> hook;
-            if (options_.backward)
-              hook.emplace([this, r](const autograd::Node& node) { dp_.backward_unit(r, node.sequence_nr); });
-            if (options_.backward) dp_.reducer_->begin(r);
-            fn(r);
+            design().run_rank(r, kind_, [&] { fn(r); });
           },
           [this](int r, const std::exception_ptr& e) { dp_.abort_step(r, e); }, ranks);
     } catch (...) {
-      if (options_.backward) dp_.reducer_->end();  // join the comm threads first
+      if (kind_.backward) dp_.reducer_->end();  // join the comm threads first
       dp_.comm_->reset();
       throw;
     }
-    if (options_.replicate || options_.gather) dp_.end_replicate();
-    if (options_.replicate) dp_.recorder_->count_iteration();
-    if (options_.backward) {
-      dp_.snapshot_grad_versions();
-      // Combined gradients (Note [Accumulating after a combined backward]).
-      dp_.grads_combined_ = (dp_.options_.mode == Mode::DDP && dp_.require_sync_ && dp_.world_devices() > 1) ||
-                            (dp_.options_.mode == Mode::DP && dp_.processes_ > 1) || dp_.sharded_sums_in_dp_order();
-      dp_.zero_grad_count_ = dp_.set_->zero_grad_count();
+    if (kind_.replicate || kind_.gather) design().end_replicate();
+    if (kind_.replicate) dp_.recorder_->count_iteration();
+    if (kind_.backward) {
+      design().snapshot_grad_versions();
+      design().after_backward();  // Note [Accumulating after a combined backward]
     }
   }
 
  private:
+  parallel::Design& design() const { return *dp_.design_; }
+
   DataParallel& dp_;
-  Options options_;
+  parallel::StepKind kind_;
   bool sync_params_ = false;
 };
-
-// Note [Sharded parameters]
-// ZeRO stage 3 (FSDP): each device keeps only its range of the parameters (Note
-// [Sharded parameter sets]; Note [Sharded parameter buffers] in dp/nn/parameter_set.h for the
-// buffers). The gather units are the net's top-level children, each a contiguous run
-// of the flat layout because parameters are flattened depth first in registration
-// order (parameters registered on the root itself form units of their own; a net
-// without children is one unit).
-// Forward: the first time a worker's forward reads a parameter of unit u
-// (Parameter::get, on the worker's thread), u is gathered for that device, every
-// other gathered unit but u + 1 is released, and u + 1 is started on its way (the
-// prefetch, ParameterSet::gather_unit_ahead, Note [Copies ahead] in backend.h: on
-// GPUs peer copies into staging blocks on the device's inbound stream, which start
-// at once (Note [Copy fences]) and which the compute stream waits for only when u + 1
-// becomes current and its pieces land in its buffer; so u's compute waits for u's
-// transfers alone and overlaps u + 1's. On CPU virtual devices, whose copies are
-// synchronous, the pieces are copied when they land). The worker also records the
-// autograd sequence number at which u became current: every node made from then
-// until the next unit belongs to u.
-// Backward: autograd calls a hook before each node (BackwardNodeHook); when the node
-// belongs to another unit than the one gathered, the device first waits until the
-// gradients already complete were reduce-scattered (so that no more than one unit's
-// gradients are held, the bound the memory test checks), releases the unit it leaves
-// and gathers the node's unit — after the leaving unit's last gradient was made
-// (FSDP's BACKWARD_POST order: one unit gathered at a time in backward, never two).
-// The last unit of a forward stays gathered into a forward_backward's backward, which
-// starts with it. Gradients take stage 2's detached path (Note [Detached gradients]),
-// with buckets that never straddle a unit; each rank's units are released when its
-// part of a step ends, failed or not.
-// The gather is a pull from every owner's range (ParameterSet::gather_unit): it needs
-// no rendezvous, so a device with no rows, or one that failed, never leaves another
-// waiting; a device copy per owner moves the bytes an all-gather would.
-// Between steps every device holds only its ranges. Reading device 0's parameters
-// gathers them (Module::parameters(), named_parameters(), state_dict(), or any access
-// through a Parameter on a user thread), and they stay gathered until the next step
-// begins; edits made through them then (load_state_dict, in-place writes) are
-// written back into every device's range, so device 0's values win, as in the other
-// modes. A tensor taken from them before that step and read after it is a clear
-// dp::Error (Note [Released storage]). An optimizer step updates each range in place
-// and gathers nothing; a failed one leaves the ranges it reached updated, the others
-// not, which no replica can contradict (each element has one owner).
-
-bool DataParallel::params_sharded() const { return set_->shards_params(); }
-
-std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::gather_units() const {
-  // Owner of each slot: the index of the top-level child that holds it, or -1-i for
-  // the root's own parameter i (a unit of its own).
-  std::map<const nn::Parameter::Slot*, int> owner;
-  int child = 0;
-  for (auto& [name, c] : net_->named_children()) {
-    for (auto& s : c->parameter_slots()) owner.emplace(s.get(), child);
-    ++child;
-  }
-  std::vector<std::pair<std::int64_t, std::int64_t>> units;
-  int last = 0;
-  const auto& slots = set_->slots();
-  for (std::size_t i = 0; i < slots.size(); ++i) {
-    auto it = owner.find(slots[i].get());
-    const int who = it != owner.end() ? it->second : -1 - static_cast<int>(i);
-    const std::int64_t lo = slots[i]->offset, hi = lo + slots[i]->copies[0].numel();
-    if (hi == lo) continue;
-    if (!units.empty() && who == last && units.back().second == lo) {
-      units.back().second = hi;
-    } else {
-      units.emplace_back(lo, hi);
-    }
-    last = who;
-  }
-  return units;
-}
-
-// The unit hook: worker `rank`'s forward reads a parameter of `unit`.
-void DataParallel::enter_unit(int rank, int unit) {
-  UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
-  if (st.forward == unit) return;
-  st.marks.push_back({autograd::peek_sequence_nr(), unit, forwards_});
-  st.forward = unit;
-  PhaseTimer t(*recorder_, rank, Phase::AllGather);
-  backend::CopyFences::Scope fenced(*fences_);  // the owners' ranges predate the step (Note [Copy fences])
-  const int n = static_cast<int>(set_->units().size());
-  for (int u = 0; u < n; ++u)
-    if (u != unit && u != unit + 1) set_->release_unit(rank, u);  // gathered or on its way
-  set_->gather_unit(rank, unit);
-  if (unit + 1 < n) set_->gather_unit_ahead(rank, unit + 1);  // the prefetch (Note [Copies ahead])
-}
-
-// The backward node hook of worker `rank`.
-void DataParallel::backward_unit(int rank, std::uint64_t sequence_nr) {
-  UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
-  auto it = std::upper_bound(st.marks.begin(), st.marks.end(), sequence_nr,
-                             [](std::uint64_t nr, const UnitState::Mark& m) { return nr < m.sequence_nr; });
-  if (it == st.marks.begin()) return;  // made before any parameter was read
-  const int unit = std::prev(it)->unit;
-  if (unit < 0 || unit == st.backward) return;
-  if (st.backward >= 0) reducer_->wait_combined(rank);
-  PhaseTimer t(*recorder_, rank, Phase::AllGather);
-  backend::CopyFences::Scope fenced(*fences_);  // Note [Copy fences]
-  for (int u = 0; u < static_cast<int>(set_->units().size()); ++u)
-    if (u != unit) set_->release_unit(rank, u);  // gathered or on its way
-  set_->gather_unit(rank, unit);
-  st.backward = unit;
-}
-
-// Note [Forwards before a backward]
-// A loop may run several forwards before one backward (a siamese or contrastive loss:
-// loss(model(x1)) + loss(model(x2))), or backward each output separately, or keep
-// evaluating between. Every pattern must give what one device gives.
-// - DP: each backward through a gathered output (one per forward) reduces every
-//   replica's gradient buffer onto device 0. So a replica's buffer must hold what
-//   that backward brought and nothing older: it is zeroed on the worker at the start
-//   of every step that runs backward (not at the forward, which a second backward
-//   without a forward between would skip: the first one's gradient then reached
-//   device 0 twice). DDP and Sharded need nothing more than Note [Accumulating after
-//   a combined backward], which covers any second backward.
-// - Sharded stage 3 finds a node's unit by its sequence number (Note [Sharded
-//   parameters]). The marks of every forward whose graph can still be run are kept,
-//   each starting with a mark of no unit (what a forward makes before its first
-//   parameter belongs to no unit), so a backward through any earlier forward finds
-//   its units. A forward's graph stays runnable while its gathered output's
-//   GatherBackward lives and has not been run (graph_alive()); at the start of each
-//   forward the marks of the others (forward_backward's, those under no_grad, those
-//   already backpropagated) are dropped, so the marks stay bounded by the graphs the
-//   user holds. FSDP offers two ways to serve such a backward: keep each unit gathered
-//   while a graph needs it, or gather it again in the backward. Stage 3 gathers again,
-//   as it already does for a single forward: the memory stays one unit gathered at a
-//   time (the bound the memory test checks) whatever the number of forwards, and the
-//   price is one more gather per unit and forward — the bytes a second forward's
-//   gather moved anyway. Keeping the units instead would hold every unit of every
-//   live forward: the whole model, which is what stage 3 exists to avoid.
-void DataParallel::forget_dead_forwards() {
-  std::erase_if(live_forwards_, [](const auto& f) { return f.second.expired(); });
-  for (UnitState& st : unit_state_)
-    std::erase_if(st.marks, [this](const UnitState::Mark& m) {
-      return std::none_of(live_forwards_.begin(), live_forwards_.end(),
-                          [&m](const auto& f) { return f.first == m.forward; });
-    });
-  ++forwards_;
-}
-
-void DataParallel::leave_units(int rank) {
-  UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
-  st.forward = st.backward = -1;
-  set_->release_units(rank);
-}
 
 // ---- construction -------------------------------------------------------------------------
 
@@ -433,43 +193,15 @@ void DataParallel::init(std::vector<Device> devices) {
                                   : comm::make_communicator(devices_, comm_options);
   processes_ = comm_->world_size() / n;
   process_ = comm_->first_rank() / n;
-  const int world = processes_ * n;
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
   fences_ = std::make_unique<backend::CopyFences>(devices_);
   sync_processes();
-  const bool persistent = options_.mode != Mode::DP;
-  for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!persistent);
-  // Stage 3 shards over this process's devices only (Note [Stage 3 across
-  // processes]); one device per process has nothing to shard parameters over, and
-  // stage 3 then runs as stage 2 (as stage 1 in one process: one device owns
-  // everything, and stage 2's separate gradient would only add memory).
-  const bool shard_params = options_.mode == Mode::Sharded && shard_stage() == 3 && n > 1;
-  if (shard_params)
-    set_->shard(/*shard_grads=*/true, n, 0);
-  else if (options_.mode == Mode::Sharded)
-    set_->shard(/*shard_grads=*/shard_stage() >= 2 && world > 1, world, comm_->first_rank());
-  if (set_->sharded_across_processes())  // Note [Ranges across processes]
-    set_->set_process_gather([this](const std::vector<float>& mine) { return gather_processes(mine); });
-  if (options_.mode == Mode::Sharded && !shard_params && n > 1 &&
-      options_.shard_gather.value_or(ShardGather::AfterStep) == ShardGather::NextForward) {
-    DP_CHECK(processes_ == 1, "DataParallel: shard_gather = NextForward across ", processes_, " processes: "
-             "a device takes the ranges it lacks from the other devices' memory, and the other processes' "
-             "ranges are not in this one; use ShardGather::AfterStep (the default) across processes");
-    set_->track_units(gather_units());  // Note [Deferred gather]
-    stale_.assign(static_cast<std::size_t>(n), std::vector<char>(set_->units().size(), 0));
-    pull_ahead_.assign(static_cast<std::size_t>(n), std::vector<std::vector<nn::ParameterCopy::UnitPiece>>(set_->units().size()));
-    set_->set_unit_hook([this](int r, int u) { pull_unit(r, u); });
-  }
-  if (shard_params) {
-    set_->shard_params(gather_units());
-    unit_state_.resize(static_cast<std::size_t>(n));
-    set_->set_unit_hook([this](int r, int u) { enter_unit(r, u); });
-  }
-  coalesce_buffers();
-  storage_base_.assign(n, 0);
-  grad_base_.assign(n, 0);
-  end_replicate();
-  snapshot_grad_versions();
+  design_ = parallel::make_design(*this);
+  for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!design_->persistent_replicas());
+  design_->lay_out();
+  design_->coalesce_buffers(buffers_);
+  design_->end_replicate();
+  design_->snapshot_grad_versions();
   make_reducer();
 
   set_->set_executor([this](int copies, const std::function<void(int)>& fn, nn::CopyWork work) {
@@ -508,51 +240,6 @@ void DataParallel::init(std::vector<Device> devices) {
 // one process with all the devices they agree to float rounding (the sums group
 // differently). A failure in one process ends the job (Note [Fault policy]).
 
-// Note [Stage 3 across processes]
-// Stage 3's gathers are pulls from the other local devices' memory, with no rendezvous
-// (Note [Sharded parameters]): a device with no rows, or one that failed, never leaves
-// another waiting. Another process's memory cannot be pulled, and a world all-gather
-// per unit, in forward and again in backward, would put the whole model on the
-// network twice per step, on the critical path of every layer, with every device of
-// the job in lockstep at each unit. So across processes stage 3 is HYBRID sharding
-// (PyTorch FSDP's HYBRID_SHARD, ZeRO++'s hpZ): parameters, gradients and optimizer
-// state are sharded over the n devices of each process — device i of EVERY process
-// owns the same range i of n — and replicated across the processes:
-//  - gradients: each bucket's pieces are reduced onto their local owner (the local
-//    communicator), and the owner all-reduces its piece with the owners of the same
-//    range in the other processes (comm.peers(i), one rank per process): a local
-//    reduce-scatter, then an inter-process all-reduce per slice, as the hierarchical
-//    all-reduce does without its final local all-gather (ShardedGrads::hybrid);
-//  - the step: the owners of range i in every process step it with the same summed
-//    gradient and the same state, so the ranges stay equal without any exchange;
-//  - the gathers stay process-local pulls, exactly as in one process.
-// The price is memory: each device holds P/n of the parameters, gradients and state
-// instead of P/(K n) for K processes (plus, as in one process, the units gathered at
-// a time). The network carries per step what DDP's all-reduce carries (each process's
-// gradient once, split over its n devices' links), never a parameter.
-// Sums: each element is added over a process's devices in device order (the local
-// reduce), then over the processes in process order (the process-level all-reduce,
-// Note [Deterministic process collectives]) — the order of the hierarchical
-// collectives behind DDP, DP and stages 1-2 across processes (Note [Hierarchical
-// collectives]). So stage 3 across processes is bitwise equal to them, as stage 3 is
-// to DDP within one process. The shard world (DataParallel::shard_world(),
-// ParameterSet::shard_world()) is n: everything that needs every range — an
-// optimizer's state_dict(), clip_grad_norm_ — finds all of them in each process.
-// Edits through device 0's gathered parameters (a load) are written back into this
-// process's ranges only: as in DDP across processes (Note [When replicas are
-// refreshed]), every process must make them (each loads the checkpoint).
-
-// Every process's part of a set sharded across processes, in process order (Note
-// [Ranges across processes]): one dp::dist broadcast per process, on the calling
-// thread, bounded by dp::dist::timeout() (Note [Fault policy]).
-std::vector<std::vector<float>> DataParallel::gather_processes(const std::vector<float>& mine) const {
-  std::vector<std::vector<float>> out;
-  for (int p = 0; p < processes_; ++p) out.push_back(dist::broadcast_object(p == process_ ? mine : std::vector<float>{}, p));
-  return out;
-}
-
-int DataParallel::shard_world() const { return options_.mode == Mode::Sharded ? set_->shard_world() : 0; }
-
 // Process 0's parameters and buffers, everywhere (Note [Across processes]); runs at
 // construction, before the replicas are made, on the calling thread (device 0's).
 void DataParallel::sync_processes() {
@@ -572,31 +259,10 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
   return processes_ > 1 ? dist::all_reduce(rows, dist::Op::Sum) : rows;
 }
 
-// Note [Gradient edits]
-// After a DDP backward every replica holds the same all-reduced gradient. A user who
-// edits gradients through parameters() — device 0's copy — between backward() and
-// step() (scaling, zeroing a layer, clipping by hand) edits copy 0 alone.
-// dp::nn::utils::clip_grad_norm_ / clip_grad_value_ act on every copy, so they need
-// nothing more; any other edit is caught by the grad buffers' storage versions: when
-// copy 0's moved by a different amount than a replica's since the gradients were
-// last synchronised, the next update of every copy — the optimizer step, or a clip or
-// zero_grad before it — first broadcasts device 0's gradient buffer to every replica
-// (one call over the buffer, only then), so every replica applies the gradient the
-// user sees. (Only at the step, as it once was, an edit followed by clip_grad_norm_
-// escaped: the clip scaled each copy's own gradient, and the versions it snapshotted
-// after its update moved equally from then on — replicas drifted, silently.) A step inside no_sync() would apply unequal
-// local gradients: it is refused.
-// In Sharded mode every device keeps the summed gradient of its own range alone
-// (stage 1 in place, zeros elsewhere; stages 2 and 3 keep no .grad at all), so what
-// device 0's .grad shows is the sum on device 0's range and zeros on the others: an
-// edit through it could not reach the owners of those ranges. A step after such an
-// edit (the grad buffer's version moved since backward, clipping's own writes aside)
-// is refused, naming the two clip functions, which act on every range.
-
 // The optimizer's executor: each persistent copy on its own device's worker; DP's
-// transient replicas are never stepped, so DP's step stays on rank 0. A Sharded step
-// then gathers every device's updated range (Note [Sharded step]), or device 0's
-// alone (Note [Deferred gather]).
+// transient replicas are never stepped, so DP's step stays on rank 0. The design
+// adds what an update needs before and after (DDP: Note [Gradient edits]; Sharded:
+// Note [Sharded step]).
 // Note [Small work inline]
 // Zeroing the gradients of a small model (the ToyModel's 165 parameters: 660 bytes a
 // copy) takes far less than a hand-over to every worker and back. Such work comes as
@@ -605,159 +271,42 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 // copy's device's stream, the one its worker uses), under the same busy check. The
 // gradient versions are snapshotted as after any update of every copy.
 void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
-  const bool replicas = options_.mode != Mode::DP && world_devices() > 1;
-  // Note [Gradient edits]: before ANY update of every copy, not just the step — a clip
-  // after an edit by hand would otherwise scale unequal gradients, and its snapshot
-  // would then hide the edit from the step (the replicas drifted: the loop fuzzer).
-  const bool sync_grads = replicas && options_.mode == Mode::DDP && require_sync_ && grads_edited_unequally();
-  note_sharded_grad_edits();
-  if (work == nn::CopyWork::SmallGradients && !sync_grads) {
+  const bool update = work == nn::CopyWork::Step;
+  const parallel::UpdatePlan plan = design_->plan_update(update);
+  if (work == nn::CopyWork::SmallGradients && !plan.broadcast_grads) {
     DP_CHECK(!busy_, "DataParallel: an update of every copy called while another step runs (from inside a worker?)");
     for (int r = 0; r < copies; ++r) fn(r);
-    snapshot_grad_versions();
+    design_->snapshot_grad_versions();
     return;
   }
-  const bool update = work == nn::CopyWork::Step;
-  DP_CHECK(!(update && replicas && !require_sync_),
+  DP_CHECK(!(update && design_->persistent_replicas() && world_devices() > 1 && !require_sync_),
            "DataParallel: opt.step() inside no_sync(): each replica holds only its own accumulated "
            "gradient until the first backward after the guard combines them; step after that backward");
-  if (update) check_sharded_grads_unedited("opt.step()");
-  const bool gather = update && replicas && options_.mode == Mode::Sharded && !params_sharded();
+  if (update) design_->check_step();
   int ranks = 0;
   for (int r = 0; r < copies; ++r)
     if (!set_->copy(r).transient) ranks = r + 1;
   {
-    Step step(*this, update ? "the optimizer step" : "an update of every copy", {.gather = gather});
-    step.run(
-        [&](int r) {
-          if (gather && step.sync_params()) {
-            PhaseTimer t(*recorder_, r, Phase::Replicate);
-            comm_->broadcast(r, set_->copy(r).data, 0);
-          }
-          {
-            PhaseTimer t(*recorder_, r, Phase::Step);
-            if (sync_grads) comm_->broadcast(r, set_->copy(r).grad, 0);
-            fn(r);
-          }
-          if (gather && !deferred_gather()) gather_params(r);
-        },
-        ranks);
-    if (gather && deferred_gather()) pull_primary();
+    Step step(*this, update ? "the optimizer step" : "an update of every copy", {.gather = plan.gather});
+    step.run([&](int r) { design_->run_update(r, plan, step.sync_params(), [&] { fn(r); }); }, ranks);
+    design_->finish_update(plan);
   }
-  snapshot_grad_versions();
+  design_->snapshot_grad_versions();
   if (update && options_.check_replicas_every > 0 && ++updates_ % options_.check_replicas_every == 0)
     check_replicas();
 }
 
-// Note [Accumulating after a combined backward]
-// After a synced DDP backward every replica holds the SUM over devices (across
-// processes, so does every process's device 0 in DP mode). A second
-// backward without zero_grad() (gradient accumulation without no_sync) adds each
-// device's new local gradient to it, and a second all-reduce would then sum the old
-// sum N times. Before such a backward, every replica but device 0's forgets the
-// combined sum (zeroes its gradient), so the next all-reduce adds the old sum once:
-// the same numbers, in the same order, as DP's accumulation on device 0. Skipped
-// when the gradients were zeroed since (the usual loop), so it costs nothing there.
-// Sharded (one process, CPU devices: where the sums are in device order and the
-// designs promise each other's bits) keeps the sum of each range on its owner, and a
-// second reduce-scatter would add it at the owner's place in the order: the owner's
-// piece, not device 0's first. So the earlier sum moves to where DP has it, the start
-// of device 0's contribution: stage 1 copies every other owner's summed range into
-// device 0's gradient buffer (zeros there until now) and zeroes the owner's, which is
-// then DDP's state exactly; stages 2 and 3, whose synced passes keep no full buffer
-// (Note [Detached gradients]), carry it instead — device 0 adds the owner's sum into
-// each piece it sends (piece + S == S + piece, as device 0's accumulation adds), and
-// the owner's range takes the result in place of adding it. Every element then sums
-// (S + g_0) + g_1 + ... + g_{N-1}, DP's and DDP's order, bit for bit. The price is a
-// copy of the other owners' ranges (stage 1) or a read of them piece by piece
-// (stages 2, 3), in a backward that follows a combined one without zero_grad only.
-bool DataParallel::sharded_sums_in_dp_order() const {
-  return options_.mode == Mode::Sharded && require_sync_ && processes_ == 1 && devices_.size() > 1 &&
-         devices_[0].is_cpu();
-}
-
-void DataParallel::forget_combined_grads() {
-  if (!grads_combined_) return;
-  grads_combined_ = false;
-  if (set_->zero_grad_count() != zero_grad_count_) return;
-  NoGradGuard no_grad;
-  if (options_.mode == Mode::Sharded) {
-    if (set_->shards_grads()) {
-      carry_sums_ = require_sync_;  // a no_sync pass accumulates into the owners' buffers instead
-      return;
-    }
-    const Tensor& grad0 = set_->copy(0).grad;
-    for (int r = 1; r < set_->num_copies(); ++r) {
-      const nn::ParameterCopy& c = set_->copy(r);
-      const std::int64_t lo = std::min(c.begin, set_->numel()), n = std::min(c.end, set_->numel()) - lo;
-      if (n <= 0) continue;
-      grad0.narrow(0, lo, n).copy_(c.grad.narrow(0, lo, n));
-      c.grad.narrow(0, lo, n).zero_();
-    }
-    return;
-  }
-  // Across processes every process's device 0 holds the sum too (DP's as well, Note
-  // [DP across processes]): process 0's alone keeps it.
-  for (int r = process_ == 0 ? 1 : 0; r < set_->num_copies(); ++r) set_->copy(r).grad.zero_();
-}
-
-// Note [Gradient edits]: Sharded ranges cannot take an edit made through device 0's
-// .grad. An edit is noticed at the next update of every copy or backward (whichever
-// comes first: a clip's snapshot would hide it from the step) and stands until a
-// zero_grad of the whole set.
-void DataParallel::note_sharded_grad_edits() {
-  if (options_.mode != Mode::Sharded || world_devices() == 1) return;
-  const Tensor& grad0 = set_->copy(0).grad;  // undefined in stages 2 and 3 between steps
-  if (!grad0.defined() || grad0.storage()->version() == grad_base_[0]) return;
-  // A zero_grad of the whole set since (module.zero_grad() does not come through here)
-  // leaves every range zero everywhere: device 0's later edits then travel with its
-  // piece of the next reduce, as DDP's do.
-  if (set_->zero_grad_count() != snapshot_zero_grad_count_) return;
-  grads_edited_by_hand_ = true;
-  edited_zero_grad_count_ = set_->zero_grad_count();
-}
-
-void DataParallel::check_sharded_grads_unedited(const char* what) {
-  note_sharded_grad_edits();
-  if (grads_edited_by_hand_ && set_->zero_grad_count() != edited_zero_grad_count_) grads_edited_by_hand_ = false;
-  DP_CHECK(!grads_edited_by_hand_, "DataParallel (Sharded): ", what,
-           " after the gradients were edited through parameters() by hand: device 0 holds the summed "
-           "gradient of its own range only (zeros elsewhere), so the edit cannot reach the ranges the other "
-           "devices own; use dp::nn::utils::clip_grad_norm_ / clip_grad_value_ (they act on every range), "
-           "scale the loss instead, or use Mode::DDP");
-}
-
-bool DataParallel::grads_edited_unequally() const {
-  const std::uint64_t moved0 = set_->copy(0).grad.storage()->version() - grad_base_[0];
-  for (int r = 1; r < set_->num_copies(); ++r)
-    if (set_->copy(r).grad.storage()->version() - grad_base_[r] != moved0) return true;
-  return false;
-}
-
-void DataParallel::snapshot_grad_versions() {
-  snapshot_zero_grad_count_ = set_->zero_grad_count();
-  for (int r = 0; r < set_->num_copies(); ++r) {
-    const Tensor& g = set_->copy(r).grad;  // undefined while released (Sharded stage 2)
-    grad_base_[r] = g.defined() ? g.storage()->version() : 0;
-  }
-}
-
 void DataParallel::check_replicas() const {
-  if (options_.mode == Mode::DP || params_sharded()) return;
+  if (!design_->replicas_comparable()) return;
   const auto& slots = set_->slots();
   const Tensor& primary = set_->copy(0).data;
   for (int r = 1; r < set_->num_copies(); ++r) {
     NoGradGuard no_grad;
     Tensor replica = set_->copy(r).data.to(devices_[0]);
     if (equal(replica, primary)) continue;
-    const nn::ParameterCopy& c = set_->copy(r);
     for (std::size_t i = 0; i < slots.size(); ++i) {
-      std::int64_t lo = slots[i]->offset, hi = lo + slots[i]->copies[0].numel();
-      // Note [Deferred gather]: of a stale unit, only the replica's own range is current.
-      if (deferred_gather() && stale_[static_cast<std::size_t>(r)][static_cast<std::size_t>(slots[i]->unit)]) {
-        lo = std::max(lo, c.begin);
-        hi = std::max(lo, std::min(hi, c.end));
-      }
+      const auto [lo, hi] = design_->current_part(r, slots[i]->unit, slots[i]->offset,
+                                                  slots[i]->offset + slots[i]->copies[0].numel());
       const std::int64_t n = hi - lo;
       if (!equal(replica.narrow(0, lo, n), primary.narrow(0, lo, n)))
         DP_FAIL("DataParallel: replica on ", devices_[r], " differs from ", devices_[0], " in parameter '",
@@ -768,210 +317,16 @@ void DataParallel::check_replicas() const {
   }
 }
 
-// Note [Sharded step]
-// The optimizer updates each device's own range of its copy (Note [Sharded parameter
-// sets]); then, with ShardGather::AfterStep (the default), every device all-gathers
-// the updated ranges, still inside the optimizer's step, so that when opt.step()
-// returns every copy — device 0's, which the module, state_dict() and checkpoints
-// read — holds the new parameters. The ranges have equal lengths (padded), so the
-// gather is one all_gather in place over each copy's data buffer. ShardGather::
-// NextForward leaves the other devices' copies to their next forward (Note [Deferred
-// gather]). If the copies were written unequally since the last step (a load into
-// device 0, a failed step), device 0's parameters are broadcast first, as before a
-// forward (Note [When replicas are refreshed]). A failed step leaves the copies
-// marked unsynced: device 0's parameters win at the next forward, as in DDP.
-void DataParallel::gather_params(int rank) {
-  PhaseTimer t(*recorder_, rank, Phase::AllGather);
-  const nn::ParameterCopy& c = set_->copy(rank);
-  const std::int64_t len = c.end - c.begin;
-  comm_->all_gather(rank, c.data.narrow(0, c.begin, len), c.data.narrow(0, 0, len * comm_->world_size()));
-}
-
-// Note [Deferred gather]
-// ShardGather::NextForward (stages 1 and 2, one process): the gather of the updated
-// ranges moves, for every device but device 0, from the end of the optimizer step
-// to the next forward, where each top-level child's ranges are taken just before the
-// child first uses them — the gather of unit u + 1 then follows the compute of unit
-// u instead of holding every device at the end of the step.
-// - Device 0's copy is what the user reads: the module's parameters, tensors kept
-//   from parameters() (the optimizer's own), state_dict(), checkpoints, clipping,
-//   an evaluation through net->forward on the user's thread. Nothing can intercept a
-//   read through a kept tensor, so device 0 never goes stale: when its own update is
-//   done and every other device's too (the workers joined), opt.step() copies the
-//   other ranges into device 0's copy (pull_primary) before it returns. Only the
-//   other devices' copies — which only DataParallel's workers read — are deferred.
-// - The units are the gather units of stage 3 (gather_units(): the net's top-level
-//   children), tracked by the set without sharding the data (Note [Tracked units]):
-//   Parameter::get() on worker r reports each access to unit u, and pull_unit(r, u)
-//   copies, when stale_[r][u], every other owner's piece of u from the owner's copy
-//   into copy r — a pull, as in stage 3, with no rendezvous: a device that fails, or
-//   has no rows, or never reaches a unit, leaves no other waiting. The pieces are the
-//   bytes the all-gather would have moved (the padding is zeros everywhere and never
-//   written), so the parameters stay bitwise AfterStep's and DDP's.
-// - The pull reads owner q's range of copy q while the owners only read it (in a
-//   forward, backward or clipping no one writes parameters) and writes ranges of copy
-//   r that only r reads; while an optimizer step runs (updating_) it takes nothing,
-//   since the owners are writing and the update reads only owned ranges. A unit stays
-//   stale until pulled, across any number of steps: a second step without a forward,
-//   a forward that fails before reaching the unit, or a forward that never uses it
-//   (its next user pulls the owners' latest values).
-// - A broadcast of device 0's parameters (after a load, an in-place edit or a failed
-//   step: Note [When replicas are refreshed]) makes every unit current. check_replicas()
-//   compares what a replica holds as current: its own range always, a stale unit's
-//   other pieces not.
-// - Across processes the other processes' ranges are not in this one's memory:
-//   NextForward is refused there.
-// On CPU virtual devices the pull runs on the worker itself, so it overlaps only the
-// other devices' compute; on GPUs the pull's peer copies run on the device's inbound
-// stream (Note [Peer copies], after the owners' fences: Note [Copy fences]) and its
-// compute stream waits for them where the unit is first read — nothing pulls ahead,
-// so a unit's transfer overlaps only the compute already queued before it
-// (docs/dp-vs-ddp.md has the CPU measurements).
-void DataParallel::pull_unit(int rank, int unit) {
-  std::vector<char>& stale = stale_[static_cast<std::size_t>(rank)];
-  if (updating_ || !stale[static_cast<std::size_t>(unit)]) return;
-  PhaseTimer t(*recorder_, rank, Phase::AllGather);
-  backend::CopyFences::Scope fenced(*fences_);  // the owners' ranges predate the step (Note [Copy fences])
-  NoGradGuard no_grad;
-  const auto [lo, hi] = set_->units()[static_cast<std::size_t>(unit)];
-  const Tensor& mine = set_->copy(rank).data;
-  auto& ahead = pull_ahead_[static_cast<std::size_t>(rank)];
-  if (!ahead[static_cast<std::size_t>(unit)].empty()) {  // started by the previous unit's pull: it lands
-    backend::Backend& be = backend::get(mine.device());
-    for (const nn::ParameterCopy::UnitPiece& p : std::exchange(ahead[static_cast<std::size_t>(unit)], {}))
-      be.finish_copy(*p.copy, mine.data<float>() + p.at, mine.device());
-    mine.storage()->bump_version();  // written behind the tensor's back: as copy_ would
-  } else {
-    for (int q = 0; q < set_->num_copies(); ++q) {
-      if (q == rank) continue;
-      const nn::ParameterCopy& owner = set_->copy(q);
-      const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
-      if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
-    }
-  }
-  stale[static_cast<std::size_t>(unit)] = 0;
-  // The next unit's pieces start now (Note [Copies ahead]): on GPUs they travel while
-  // this unit computes.
-  const auto next = static_cast<std::size_t>(unit) + 1;
-  if (next >= stale.size() || !stale[next] || !ahead[next].empty()) return;
-  const auto [nlo, nhi] = set_->units()[next];
-  for (int q = 0; q < set_->num_copies(); ++q) {
-    if (q == rank) continue;
-    const nn::ParameterCopy& owner = set_->copy(q);
-    const std::int64_t a = std::max(nlo, owner.begin), b = std::min(nhi, owner.end);
-    if (a >= b) continue;
-    ahead[next].push_back({a, b - a,
-                           backend::get(mine.device())
-                               .copy_ahead(mine.device(), owner.data.data<float>() + a, owner.device,
-                                           static_cast<std::size_t>(b - a) * sizeof(float))});
-  }
-}
-
-void DataParallel::drop_pulls_ahead() {
-  for (auto& units : pull_ahead_)
-    for (auto& pieces : units) pieces.clear();
-}
-
-// Device 0's copy of every other owner's range, on the calling thread (device 0's)
-// once every update is done; the replicas go stale. Until it completes the copies
-// count as unsynced: a failure in between makes the next step broadcast device 0's.
-void DataParallel::pull_primary() {
-  PhaseTimer t(*recorder_, 0, Phase::AllGather);
-  synced_version_ = kUnsynced;
-  NoGradGuard no_grad;
-  const Tensor& primary = set_->copy(0).data;
-  for (int q = 1; q < set_->num_copies(); ++q) {
-    const nn::ParameterCopy& owner = set_->copy(q);
-    primary.narrow(0, owner.begin, owner.end - owner.begin)
-        .copy_(owner.data.narrow(0, owner.begin, owner.end - owner.begin));
-  }
-  mark_stale(true);
-  end_replicate();
-}
-
-void DataParallel::mark_stale(bool stale) {
-  drop_pulls_ahead();  // what they carry may no longer be the owners' values
-  for (std::size_t r = 1; r < stale_.size(); ++r) std::fill(stale_[r].begin(), stale_[r].end(), stale ? 1 : 0);
-}
-
-// DP reduces the whole gradient buffer onto device 0 after backward; DDP all-reduces
-// buckets while backward runs (Note [Gradient buckets]); Sharded reduce-scatters
-// them (Note [Sharded gradients]). All go through the reducer.
+// The design's buckets and strategy (DP reduces the whole gradient buffer onto device
+// 0 after backward; DDP all-reduces buckets while backward runs, Note [Gradient
+// buckets]; Sharded reduce-scatters them, Note [Sharded gradients]); an overlapping
+// strategy gets every parameter's post-accumulate hook.
 void DataParallel::make_reducer() {
   const auto& slots = set_->slots();
-  std::vector<parallel::Bucket> buckets;
-  std::unique_ptr<parallel::GradSync> sync;
-  const bool overlapping = options_.mode != Mode::DP;
-  if (overlapping && params_sharded()) {
-    // Note [Sharded parameters]: buckets never straddle a unit; the last unit first.
-    const auto& units = set_->units();
-    std::int64_t first_cap = parallel::mib_to_floats(options_.first_bucket_mb);
-    for (std::size_t u = units.size(); u-- > 0;) {
-      std::vector<std::int64_t> numel;
-      int first = -1;
-      for (int i = 0; i < static_cast<int>(slots.size()); ++i)
-        if (slots[i]->unit == static_cast<int>(u)) {
-          if (first < 0) first = i;
-          numel.push_back(slots[i]->copies[0].numel());
-        }
-      if (first < 0) continue;
-      for (parallel::Bucket b : parallel::assign_buckets(numel, first_cap, parallel::mib_to_floats(options_.bucket_cap_mb))) {
-        b.lo += slots[first]->offset;
-        b.hi += slots[first]->offset;
-        b.first_param += first;
-        buckets.push_back(b);
-      }
-      first_cap = parallel::mib_to_floats(options_.bucket_cap_mb);
-    }
-  } else if (overlapping) {
-    std::vector<std::int64_t> numel;
-    for (auto& s : slots) numel.push_back(s->copies[0].numel());
-    buckets = parallel::assign_buckets(numel, parallel::mib_to_floats(options_.first_bucket_mb),
-                                       parallel::mib_to_floats(options_.bucket_cap_mb));
-  }
-  if (options_.mode == Mode::DDP) {
-    sync = parallel::make_all_reduce_sync(*comm_);
-  } else if (options_.mode == Mode::Sharded) {
-    parallel::ShardedGrads g;
-    // Every world rank's range (Note [World ranks]): equal lengths, world rank w's at w * len;
-    // stage 3 across processes: every local rank's (Note [Stage 3 across processes]).
-    const std::int64_t len = set_->copy(0).end - set_->copy(0).begin;
-    g.hybrid = set_->shard_world() < comm_->world_size();
-    for (int w = 0; w < set_->shard_world(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
-    if (set_->shards_grads()) {
-      // Note [Detached gradients]: a synced backward reduce-scatters each parameter's
-      // gradient straight into its owners' range gradients; only no_sync passes
-      // accumulate into a full buffer, which the next synced backward combines and frees.
-      g.zero_sent = false;
-      g.before_backward = [this](int r) {
-        if (!require_sync_) set_->acquire_grad(r);
-      };
-      g.after_sync = [this](int r) { set_->release_grad(r); };
-      g.deliver = [this](int r, const Tensor& piece, std::int64_t offset) {
-        const nn::ParameterCopy& c = set_->copy(r);
-        NoGradGuard no_grad;
-        Tensor range = c.shard_grad.narrow(0, offset - c.begin, piece.numel());
-        if (carry_sums_) {
-          range.copy_(piece);  // the sum carried the earlier one (Note [Accumulating after a combined backward])
-        } else {
-          range.add_(piece);
-        }
-      };
-      g.carry_in = [this](int r, Tensor& piece, std::int64_t offset, int owner) {
-        if (!carry_sums_ || r != 0) return;  // Note [Accumulating after a combined backward]
-        const nn::ParameterCopy& c = set_->copy(owner);
-        NoGradGuard no_grad;
-        piece.add_(c.shard_grad.narrow(0, offset - c.begin, piece.numel()).to(piece.device()));
-      };
-      g.owned = [this](int r) { return set_->copy(r).owned_grad(); };
-    }
-    sync = parallel::make_reduce_scatter_sync(*comm_, std::move(g));
-  } else {
-    buckets = {parallel::Bucket{0, set_->numel(), 0, static_cast<int>(slots.size())}};
-    sync = parallel::make_reduce_to_root_sync(*comm_, 0);
-  }
+  std::unique_ptr<parallel::GradSync> sync = design_->make_grad_sync();
+  const bool overlapping = sync->overlaps_backward();
   reducer_ = std::make_unique<parallel::Reducer>(
-      devices_, std::move(buckets), std::move(sync), [this](int r) { return set_->copy(r).grad; }, *recorder_);
+      devices_, design_->plan_buckets(), std::move(sync), [this](int r) { return set_->copy(r).grad; }, *recorder_);
   reducer_->set_failure_hook([this](int r, const std::exception_ptr& e) { abort_step(r, e); });
   if (options_.check_finite_grads)
     reducer_->set_check([this](int r, const Tensor& g, std::int64_t offset) { check_finite(r, g, offset); });
@@ -989,8 +344,7 @@ DataParallel::~DataParallel() {
   // Hand the module back as a plain single-device module.
   try {
     set_->set_executor(nullptr);
-    set_->set_unit_hook(nullptr);
-    set_->set_process_gather(nullptr);
+    design_->release();
     for (auto& s : set_->slots()) autograd::clear_post_accumulate_hooks(s->copies[0]);
     set_->drop_copies();
     for (auto& b : buffers_) b->copies.resize(1);
@@ -1020,19 +374,16 @@ void DataParallel::reset_stats() {
 
 std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::buckets() const {
   std::vector<std::pair<std::int64_t, std::int64_t>> out;
-  if (options_.mode != Mode::DP)
+  if (reducer_->strategy().overlaps_backward())  // one bucket over everything is no bucket
     for (auto& b : reducer_->buckets()) out.emplace_back(b.lo, b.hi);
   return out;
 }
 
-std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::shards() const {
-  std::vector<std::pair<std::int64_t, std::int64_t>> out;
-  if (options_.mode == Mode::Sharded)
-    for (int r = 0; r < set_->num_copies(); ++r) out.emplace_back(set_->copy(r).begin, set_->copy(r).end);
-  return out;
-}
+std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::shards() const { return design_->shards(); }
 
-int DataParallel::shard_stage() const { return options_.mode == Mode::Sharded ? *options_.shard_stage : 0; }
+int DataParallel::shard_stage() const { return design_->shard_stage(); }
+
+int DataParallel::shard_world() const { return design_->shard_world(); }
 
 nn::LoadResult DataParallel::load_state_dict(const nn::StateDict& state, bool strict) {
   // The replicas pick the new values up at the next forward (primary_version changed).
@@ -1090,66 +441,6 @@ Tensor DataParallel::scatter_input(int rank, const DataParallelInput& in, const 
     copy.set_requires_grad(true);
   }
   return copy;
-}
-
-// Note [Coalesced buffers]
-// A ResNet-50 has ~160 BatchNorm buffers; broadcast one by one they would cost as
-// many tiny collectives per step. So every device's float32 buffers live in one flat
-// tensor, and replicate() broadcasts it once. Device 0's buffers move into theirs in
-// place — the TensorImpl is pointed at the flat storage, as Module::to does — so every
-// handle to them (the module's, the user's) follows; the other devices' copies are
-// views into theirs. int64 counters (num_batches_tracked) stay apart: device 0's is
-// the one read.
-void DataParallel::coalesce_buffers() {
-  const int n = static_cast<int>(devices_.size());
-  NoGradGuard no_grad;
-  std::int64_t total = 0;
-  for (auto& b : buffers_)
-    if (b->copies[0].dtype() == Dtype::Float32) total += b->copies[0].numel();
-  buffer_flat_.clear();
-  for (int r = 0; r < n; ++r) {
-    Tensor flat = zeros({total}, devices_[r]);
-    std::int64_t offset = 0;
-    for (auto& b : buffers_) {
-      b->copies.resize(static_cast<std::size_t>(n));
-      const Tensor& src = b->copies[0];
-      Tensor& dst = b->copies[static_cast<std::size_t>(r)];
-      if (src.dtype() != Dtype::Float32) {
-        if (r > 0) dst = src.to(devices_[r]).detach().clone();
-        continue;
-      }
-      const std::int64_t numel = src.numel();
-      Tensor slice = flat.narrow(0, offset, numel);
-      slice.copy_(src.reshape({numel}));
-      if (r > 0) {
-        dst = slice.reshape(src.shape());
-      } else {  // device 0's tensor itself moves into the flat buffer
-        dst.impl()->storage = flat.storage();
-        dst.impl()->offset = slice.storage_offset();
-      }
-      offset += numel;
-    }
-    buffer_flat_.push_back(flat);
-  }
-}
-
-// Copies what replica `rank` needs from device 0 before its forward. Runs on every
-// worker (collectives need every rank); the Step decided once what to copy, so every
-// rank makes the same sequence of collectives.
-void DataParallel::replicate(int rank, bool sync_params) {
-  if (world_devices() == 1) return;
-  PhaseTimer t(*recorder_, rank, Phase::Replicate);
-  // DP's device 0s hold the same parameters in every process (Note [Across
-  // processes]): its replicas are refreshed within the process.
-  if (sync_params) (options_.mode == Mode::DP ? comm_->local() : *comm_).broadcast(rank, set_->copy(rank).data, 0);
-  bool moved = sync_params;
-  const Tensor& buffers = buffer_flat_[static_cast<std::size_t>(rank)];
-  if ((options_.mode == Mode::DP || options_.broadcast_buffers) && buffers.numel() > 0) {
-    comm_->broadcast(rank, buffers, 0);  // Note [Coalesced buffers]
-    moved = true;
-  }
-  if (!moved) return t.cancel();
-  t.set_args(sync_params ? "\"parameters\": true" : "\"parameters\": false");
 }
 
 // Copies the outputs onto the output device without recording: the replicas' graphs
@@ -1237,7 +528,7 @@ Tensor DataParallel::forward(const std::vector<DataParallelInput>& in) {
   std::vector<Tensor> outs(n);
   step.run([&](int r) {
     GradModeGuard grad_guard(grad_mode);
-    replicate(r, step.sync_params());
+    design_->replicate(r, step.sync_params());
     if (plan.sizes[r] == 0) return;
     std::vector<Tensor> xs;
     for (std::size_t k = 0; k < inputs.size(); ++k) {
@@ -1314,7 +605,7 @@ Tensor DataParallel::run_forward_backward(const char* what, const std::vector<Da
   std::vector<Tensor> losses(n);
   step.run([&](int r) {
     GradModeGuard grad_guard(true);
-    replicate(r, step.sync_params());
+    design_->replicate(r, step.sync_params());
     if (plan.sizes[r] > 0) losses[r] = worker_loss_backward(r, detached, tgt, plan, shard_loss);
     reducer_->finalize(r);
   });
@@ -1360,7 +651,7 @@ void DataParallel::connect_gather_backward(Tensor& out, const std::vector<Tensor
       live_sizes.push_back(plan.sizes[r]);
     }
   std::vector<Tensor> node_inputs = input_grads->inputs;
-  auto node = std::make_shared<GatherBackward>(
+  auto node = std::make_shared<parallel::GatherBackward>(
       std::move(live), live_sizes,
       [this, alive = std::weak_ptr<int>(alive_), sizes = plan.sizes, input_grads = std::move(input_grads),
        grad_scale](const std::vector<Tensor>& live_roots, const std::vector<Tensor>& pieces) {
@@ -1374,7 +665,7 @@ void DataParallel::connect_gather_backward(Tensor& out, const std::vector<Tensor
           }
         return backward_from_gather(roots, grads, *input_grads, grad_scale);
       });
-  if (params_sharded()) live_forwards_.emplace_back(forwards_, node->graph_alive());
+  design_->forward_connected(node->graph_alive());
   autograd::connect(node, node_inputs, {&out});
 }
 
@@ -1451,55 +742,8 @@ void DataParallel::check_finite(int rank, const Tensor& grad, std::int64_t offse
   }
 }
 
-// ---- replica bookkeeping ---------------------------------------------------------------------
-
-std::uint64_t DataParallel::primary_version() const {
-  // The set's version counts optimizer steps and loads; the storage's counts in-place
-  // writes through parameter tensors. Both only grow, so their sum changes whenever
-  // either does.
-  return set_->version() + set_->copy(0).data.storage()->version();
-}
-
-// Note [When replicas are refreshed]
-// DP: the replicas are transient, so they need device 0's parameters whenever those
-// changed since the last forward (an optimizer step, a load, an in-place write).
-// DDP and Sharded: every replica is stepped by the optimizer along with device 0 (a
-// Sharded step ends with an all-gather), so they stay equal without any copy; they
-// need device 0's parameters only when the copies were written unequally — a load or
-// an in-place write into device 0's parameters, or a failed step that updated some
-// copies and not others (or, Sharded, did not gather them: such a step leaves the
-// replicas marked unsynced). Every write through a tensor or an optimizer step bumps
-// the written buffer's storage version, so "written unequally" is "storage versions
-// moved by different amounts since the last sync". Decided once on the calling
-// thread, so every rank makes the same collectives.
-bool DataParallel::begin_replicate() {
-  if (params_sharded()) {  // no replicas: each range has one owner (Note [Sharded parameters])
-    synced_version_ = kUnsynced;
-    return false;
-  }
-  bool sync;
-  if (options_.mode == Mode::DP) {
-    sync = primary_version() != synced_version_;
-  } else {
-    sync = synced_version_ == kUnsynced;
-    std::uint64_t moved0 = set_->copy(0).data.storage()->version() - storage_base_[0];
-    for (int r = 1; r < set_->num_copies(); ++r)
-      sync = sync || set_->copy(r).data.storage()->version() - storage_base_[r] != moved0;
-  }
-  synced_version_ = kUnsynced;  // stays so if the step fails half way
-  return sync;
-}
-
-void DataParallel::end_replicate() {
-  synced_version_ = primary_version();
-  for (int r = 0; r < set_->num_copies(); ++r) storage_base_[r] = set_->copy(r).data.storage()->version();
-}
-
 DataParallel::NoSyncGuard::NoSyncGuard(DataParallel& dp) : dp_(dp), prev_(dp.require_sync_) {
-  DP_CHECK(!dp.params_sharded(), "DataParallel: no_sync() with shard_stage 3: the sharded parameters keep no "
-           "full gradient to accumulate into; accumulate by calling backward several times between "
-           "zero_grad() and step() instead (each backward adds its reduce-scattered gradient to the "
-           "owners' ranges), or use shard_stage 2");
+  dp_.design_->check_no_sync();
   dp_.require_sync_ = false;
 }
 DataParallel::NoSyncGuard::~NoSyncGuard() { dp_.require_sync_ = prev_; }

@@ -113,7 +113,7 @@ struct ShardedGrads {
   /// World rank w owns [shards[w].first, shards[w].second) of the flat buffer (one
   /// entry per world rank: Note [World ranks]).
   std::vector<std::pair<std::int64_t, std::int64_t>> shards;
-  /// Hybrid sharding (Note [Stage 3 across processes] in data_parallel.cpp): `shards`
+  /// Hybrid sharding (Note [Stage 3 across processes] in designs/sharded.cpp): `shards`
   /// has one entry per LOCAL rank, the ranges are replicated in every process, and a
   /// piece is reduced onto its local owner, which then all-reduces it with the owners
   /// of the same range in the other processes (comm.peers(owner)).
@@ -136,7 +136,7 @@ struct ShardedGrads {
   /// Detached gradients, optional: called with each piece of rank's gradient before it
   /// is reduced onto `owner` (world rank), `offset` its first element in the flat
   /// buffer; may add into the piece (Note [Accumulating after a combined backward] in
-  /// data_parallel.cpp). Runs on rank's comm thread.
+  /// design.cpp). Runs on rank's comm thread.
   std::function<void(int rank, Tensor& piece, std::int64_t offset, int owner)> carry_in;
   /// Detached gradients: the gradient rank keeps for its own range (what held()
   /// returns when rank has no full buffer).

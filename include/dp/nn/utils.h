@@ -3,7 +3,7 @@
 // Both functions act on EVERY copy of a parameter set: under DataParallel's DDP mode
 // each replica's gradient is clipped with the same factor, computed once from the
 // combined gradient, so replicas stay bitwise equal (Note [Gradient edits] in
-// src/parallel/data_parallel.cpp). In Sharded mode each device edits the range of
+// src/parallel/designs/ddp.cpp). In Sharded mode each device edits the range of
 // the reduced gradient it owns (ParameterCopy::owned_grad()), and the norm is
 // assembled from every device's range in flat order, so single device, DP, DDP and
 // Sharded (any stage, any device count) compute the same total norm, bit for bit

@@ -76,6 +76,7 @@ namespace comm {
 class Communicator;
 }
 namespace parallel {
+class Design;
 class PhaseRecorder;
 class Reducer;
 class WorkerPool;
@@ -132,7 +133,7 @@ struct DataParallelOptions {
   /// processes], shard_world()).
   ///
   /// What the user sees of the parameters in stage 3 (Note [Sharded parameters] in
-  /// src/parallel/data_parallel.cpp): between steps no device holds them whole.
+  /// src/parallel/designs/sharded_units.cpp): between steps no device holds them whole.
   /// net->parameters(), model.parameters(), named_parameters() and state_dict()
   /// (and so dp::save and training checkpoints) gather device 0's copy and return
   /// full tensors, readable until DataParallel next runs (a forward, backward,
@@ -363,22 +364,18 @@ class DataParallel {
  private:
   class Step;       // one step's scope: busy flag, replicate, reducer, failure path
   struct ShardPlan;  // rows per device and where each starts
+  friend class parallel::Design;  // what differs between the designs (src/parallel/design.h)
 
   void init(std::vector<Device> devices);
   void check_options(int n);
   void make_reducer();
   ShardPlan plan_shards(std::int64_t rows) const;
-  bool begin_replicate();
-  void end_replicate();
-  void replicate(int rank, bool sync_params);
-  void coalesce_buffers();
   using ShardLoss = std::function<Tensor(int rank, const Tensor& output, const Tensor& target)>;
   struct InputGrads;  // the inputs that asked for gradients and their per-rank leaves
 
   std::int64_t check_inputs(const char* what, const std::vector<DataParallelInput>& inputs) const;
   std::int64_t global_rows(std::int64_t rows) const;
   void sync_processes();
-  std::vector<std::vector<float>> gather_processes(const std::vector<float>& mine) const;
   Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);
   Tensor scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf);
   Tensor gather(const std::vector<Tensor>& outs, const ShardPlan& plan);
@@ -393,38 +390,20 @@ class DataParallel {
   Tensor worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs, const Tensor& target,
                               const ShardPlan& plan, const ShardLoss& shard_loss);
   void run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn);
-  bool grads_edited_unequally() const;
-  void note_sharded_grad_edits();
-  void check_sharded_grads_unedited(const char* what);
-  void forget_combined_grads();
-  bool sharded_sums_in_dp_order() const;
-  void snapshot_grad_versions();
-  void gather_params(int rank);
   void abort_step(int rank, const std::exception_ptr& error);
-  bool params_sharded() const;
-  std::vector<std::pair<std::int64_t, std::int64_t>> gather_units() const;
-  void enter_unit(int rank, int unit);
-  void backward_unit(int rank, std::uint64_t sequence_nr);
-  void leave_units(int rank);
-  void forget_dead_forwards();
-  bool deferred_gather() const { return !stale_.empty(); }
-  void pull_unit(int rank, int unit);
-  void pull_primary();
-  void mark_stale(bool stale);
   void check_finite(int rank, const Tensor& grad, std::int64_t offset);
-  std::uint64_t primary_version() const;
 
   std::shared_ptr<nn::Module> net_;
   std::shared_ptr<nn::ParameterSet> set_;
   std::vector<std::shared_ptr<nn::Parameter::Slot>> buffers_;
-  std::vector<Tensor> buffer_flat_;  // per device: every float32 buffer (Note [Coalesced buffers])
   std::vector<Device> devices_;
   int processes_ = 1;  // processes of the job the model spans (Note [Across processes])
   int process_ = 0;    // this one's rank among them
   DataParallelOptions options_;
   std::vector<std::string> param_names_;  // dotted names, in slot order
-  // Destroyed bottom up: the reducer's comm threads go before the communicator and
-  // the recorder they use.
+  // Destroyed bottom up: the reducer's comm threads go before the communicator, the
+  // recorder and the design they use.
+  std::unique_ptr<parallel::Design> design_;  // DP, DDP or Sharded (Note [Designs])
   std::unique_ptr<parallel::PhaseRecorder> recorder_;
   std::unique_ptr<comm::Communicator> comm_;
   std::unique_ptr<parallel::WorkerPool> workers_;
@@ -432,38 +411,10 @@ class DataParallel {
   // Recorded at the start of every step's run; the workers' copies between devices
   // order after them (Note [Copy fences] in src/backend/backend.h).
   std::unique_ptr<backend::CopyFences> fences_;
-  static constexpr std::uint64_t kUnsynced = ~std::uint64_t{0};
-  std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
-  std::vector<std::uint64_t> storage_base_;    // DDP/Sharded: each copy's storage version at the last sync
-  std::vector<std::uint64_t> grad_base_;       // DDP: each copy's grad version after the last sync
-  std::int64_t updates_ = 0;                   // optimizer steps run (check_replicas_every)
-  bool grads_combined_ = false;                // DDP: the replicas hold the all-reduced sum
-  // Sharded stages 2 and 3: this backward's pieces carry the owners' earlier sums (Note
-  // [Accumulating after a combined backward]); set before the step's workers run.
-  bool carry_sums_ = false;
-  std::uint64_t zero_grad_count_ = 0;          // the set's zero_grad_count() when they did
+  std::int64_t updates_ = 0;  // optimizer steps run (check_replicas_every)
   bool require_sync_ = true;
-  // Sharded: device 0's .grad was edited by hand, noticed while the set's
-  // zero_grad_count() was this (Note [Gradient edits]).
-  bool grads_edited_by_hand_ = false;
-  std::uint64_t edited_zero_grad_count_ = 0;
-  std::uint64_t snapshot_zero_grad_count_ = 0;  // the set's zero_grad_count() at snapshot_grad_versions
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
-  struct UnitState;                   // Sharded stage 3, per rank (Note [Sharded parameters])
-  std::vector<UnitState> unit_state_;
-  // Stage 3 (Note [Forwards before a backward]): the forward running or last run, and
-  // the forwards whose graphs can still be run backward, each with its node's token.
-  std::uint64_t forwards_ = 0;
-  std::vector<std::pair<std::uint64_t, std::weak_ptr<const int>>> live_forwards_;
-  // Sharded stages 1-2 with ShardGather::NextForward (Note [Deferred gather]):
-  // stale_[r][u] when copy r's unit u may hold other owners' old values; empty otherwise.
-  std::vector<std::vector<char>> stale_;
-  // pull_ahead_[r][u]: the pieces of copy r's unit u started ahead of its pull (Note
-  // [Deferred gather]); dropped whenever staleness is reset and at the end of a step.
-  std::vector<std::vector<std::vector<nn::ParameterCopy::UnitPiece>>> pull_ahead_;
-  void drop_pulls_ahead();
-  bool updating_ = false;  // an optimizer step runs: the owners' ranges are being written
   std::int64_t handoff_base_ = 0;  // stats().handoffs counts from reset_stats()
 };
 

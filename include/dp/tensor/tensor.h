@@ -61,7 +61,7 @@ std::int64_t shape_numel(const Shape& shape);
 // A Storage's version counts the writes into memory that other code may already hold:
 // in-place ops, init, an optimizer's update, a load. DataParallel compares versions to
 // decide when replicas must be refreshed from device 0 (Note [When replicas are
-// refreshed] in src/parallel/data_parallel.cpp): a write that does not move the
+// refreshed] in src/parallel/design.cpp): a write that does not move the
 // version leaves the replicas on stale values. Which accessor to write through:
 //  - Tensor::data<T>() / raw_data(): for reading, or for filling a tensor this code has
 //    just made and nobody else holds yet (an op's output). Never moves the version.

@@ -1,0 +1,224 @@
+#include "parallel/design.h"
+
+#include "dp/autograd/grad_mode.h"
+#include "dp/comm/communicator.h"
+#include "dp/tensor/ops.h"
+#include "parallel/designs/designs.h"
+#include "parallel/phase_timer.h"
+
+namespace dp::parallel {
+
+namespace {
+
+// The factory a ScopedDesignFactory installed on this thread; empty: the options decide.
+thread_local DesignFactory scoped_factory;
+
+}  // namespace
+
+std::unique_ptr<Design> make_design(DataParallel& dp) {
+  if (scoped_factory) return scoped_factory(dp);
+  switch (dp.mode()) {
+    case Mode::DP: return make_dp_design(dp);
+    case Mode::DDP: return make_ddp_design(dp);
+    case Mode::Sharded: return make_sharded_design(dp);
+  }
+  DP_FAIL("DataParallel: no design for mode ", static_cast<int>(dp.mode()));
+}
+
+ScopedDesignFactory::ScopedDesignFactory(DesignFactory factory) : previous_(std::exchange(scoped_factory, std::move(factory))) {}
+ScopedDesignFactory::~ScopedDesignFactory() { scoped_factory = std::move(previous_); }
+
+std::vector<Bucket> Design::parameter_buckets() const {
+  std::vector<std::int64_t> numel;
+  for (auto& s : set().slots()) numel.push_back(s->copies[0].numel());
+  return assign_buckets(numel, mib_to_floats(options().first_bucket_mb), mib_to_floats(options().bucket_cap_mb));
+}
+
+void Design::run_rank(int rank, const StepKind& kind, const std::function<void()>& body) {
+  if (kind.backward) {
+    begin_backward(rank);
+    reducer().begin(rank);
+  }
+  body();
+}
+
+void Design::run_update(int rank, const UpdatePlan& /*plan*/, bool /*sync_params*/,
+                        const std::function<void()>& update) {
+  PhaseTimer t(recorder(), rank, Phase::Step);
+  update();
+}
+
+// ---- replicate -------------------------------------------------------------------------------
+
+std::uint64_t Design::primary_version() const {
+  // The set's version counts optimizer steps and loads; the storage's counts in-place
+  // writes through parameter tensors. Both only grow, so their sum changes whenever
+  // either does.
+  return set().version() + set().copy(0).data.storage()->version();
+}
+
+// Note [When replicas are refreshed]
+// DP: the replicas are transient, so they need device 0's parameters whenever those
+// changed since the last forward (an optimizer step, a load, an in-place write).
+// DDP and Sharded: every replica is stepped by the optimizer along with device 0 (a
+// Sharded step ends with an all-gather), so they stay equal without any copy; they
+// need device 0's parameters only when the copies were written unequally — a load or
+// an in-place write into device 0's parameters, or a failed step that updated some
+// copies and not others (or, Sharded, did not gather them: such a step leaves the
+// replicas marked unsynced). Every write through a tensor or an optimizer step bumps
+// the written buffer's storage version, so "written unequally" is "storage versions
+// moved by different amounts since the last sync". Decided once on the calling
+// thread (Design::params_stale), so every rank makes the same collectives.
+bool Design::begin_replicate() {
+  const bool sync = params_stale();
+  synced_version_ = kUnsynced;  // stays so if the step fails half way
+  return sync;
+}
+
+void Design::end_replicate() {
+  synced_version_ = primary_version();
+  storage_base_.resize(static_cast<std::size_t>(set().num_copies()));
+  for (int r = 0; r < set().num_copies(); ++r) storage_base_[r] = set().copy(r).data.storage()->version();
+}
+
+bool Design::copies_written_unequally() const {
+  if (synced_version_ == kUnsynced) return true;
+  const std::uint64_t moved0 = set().copy(0).data.storage()->version() - storage_base_[0];
+  for (int r = 1; r < set().num_copies(); ++r)
+    if (set().copy(r).data.storage()->version() - storage_base_[r] != moved0) return true;
+  return false;
+}
+
+// Note [Coalesced buffers]
+// A ResNet-50 has ~160 BatchNorm buffers; broadcast one by one they would cost as
+// many tiny collectives per step. So every device's float32 buffers live in one flat
+// tensor, and replicate() broadcasts it once. Device 0's buffers move into theirs in
+// place — the TensorImpl is pointed at the flat storage, as Module::to does — so every
+// handle to them (the module's, the user's) follows; the other devices' copies are
+// views into theirs. int64 counters (num_batches_tracked) stay apart: device 0's is
+// the one read.
+void Design::coalesce_buffers(std::vector<std::shared_ptr<nn::Parameter::Slot>>& buffers) {
+  const int n = static_cast<int>(devices().size());
+  NoGradGuard no_grad;
+  std::int64_t total = 0;
+  for (auto& b : buffers)
+    if (b->copies[0].dtype() == Dtype::Float32) total += b->copies[0].numel();
+  buffer_flat_.clear();
+  for (int r = 0; r < n; ++r) {
+    Tensor flat = zeros({total}, devices()[r]);
+    std::int64_t offset = 0;
+    for (auto& b : buffers) {
+      b->copies.resize(static_cast<std::size_t>(n));
+      const Tensor& src = b->copies[0];
+      Tensor& dst = b->copies[static_cast<std::size_t>(r)];
+      if (src.dtype() != Dtype::Float32) {
+        if (r > 0) dst = src.to(devices()[r]).detach().clone();
+        continue;
+      }
+      const std::int64_t numel = src.numel();
+      Tensor slice = flat.narrow(0, offset, numel);
+      slice.copy_(src.reshape({numel}));
+      if (r > 0) {
+        dst = slice.reshape(src.shape());
+      } else {  // device 0's tensor itself moves into the flat buffer
+        dst.impl()->storage = flat.storage();
+        dst.impl()->offset = slice.storage_offset();
+      }
+      offset += numel;
+    }
+    buffer_flat_.push_back(flat);
+  }
+}
+
+// Copies what replica `rank` needs from device 0 before its forward. Runs on every
+// worker (collectives need every rank); the Step decided once what to copy, so every
+// rank makes the same sequence of collectives.
+void Design::replicate(int rank, bool sync_params) {
+  if (world_devices() == 1) return;
+  PhaseTimer t(recorder(), rank, Phase::Replicate);
+  if (sync_params) params_comm().broadcast(rank, set().copy(rank).data, 0);
+  bool moved = sync_params;
+  const Tensor& buffers = buffer_flat_[static_cast<std::size_t>(rank)];
+  if (broadcasts_buffers() && buffers.numel() > 0) {
+    comm().broadcast(rank, buffers, 0);  // Note [Coalesced buffers]
+    moved = true;
+  }
+  if (!moved) return t.cancel();
+  t.set_args(sync_params ? "\"parameters\": true" : "\"parameters\": false");
+}
+
+// ---- combined gradients ------------------------------------------------------------------------
+
+// Note [Accumulating after a combined backward]
+// After a synced DDP backward every replica holds the SUM over devices (across
+// processes, so does every process's device 0 in DP mode). A second
+// backward without zero_grad() (gradient accumulation without no_sync) adds each
+// device's new local gradient to it, and a second all-reduce would then sum the old
+// sum N times. Before such a backward, every replica but device 0's forgets the
+// combined sum (zeroes its gradient), so the next all-reduce adds the old sum once:
+// the same numbers, in the same order, as DP's accumulation on device 0. Skipped
+// when the gradients were zeroed since (the usual loop), so it costs nothing there.
+// Sharded (one process, CPU devices: where the sums are in device order and the
+// designs promise each other's bits) keeps the sum of each range on its owner, and a
+// second reduce-scatter would add it at the owner's place in the order: the owner's
+// piece, not device 0's first. So the earlier sum moves to where DP has it, the start
+// of device 0's contribution: stage 1 copies every other owner's summed range into
+// device 0's gradient buffer (zeros there until now) and zeroes the owner's, which is
+// then DDP's state exactly; stages 2 and 3, whose synced passes keep no full buffer
+// (Note [Detached gradients]), carry it instead — device 0 adds the owner's sum into
+// each piece it sends (piece + S == S + piece, as device 0's accumulation adds), and
+// the owner's range takes the result in place of adding it. Every element then sums
+// (S + g_0) + g_1 + ... + g_{N-1}, DP's and DDP's order, bit for bit. The price is a
+// copy of the other owners' ranges (stage 1) or a read of them piece by piece
+// (stages 2, 3), in a backward that follows a combined one without zero_grad only.
+void Design::after_backward() {
+  combined_ = combines_grads();
+  combined_zero_grad_count_ = set().zero_grad_count();
+}
+
+void Design::forget_combined_grads() {
+  if (!combined_) return;
+  combined_ = false;
+  if (set().zero_grad_count() != combined_zero_grad_count_) return;
+  NoGradGuard no_grad;
+  forget_sums();
+}
+
+void Design::forget_sums() {
+  // Across processes every process's device 0 holds the sum too (DP's as well, Note
+  // [DP across processes]): process 0's alone keeps it.
+  for (int r = process() == 0 ? 1 : 0; r < set().num_copies(); ++r) set().copy(r).grad.zero_();
+}
+
+// ---- gradient versions (Note [Gradient edits]) ------------------------------------------------
+
+void Design::snapshot_grad_versions() {
+  snapshot_zero_grad_count_ = set().zero_grad_count();
+  grad_base_.resize(static_cast<std::size_t>(set().num_copies()));
+  for (int r = 0; r < set().num_copies(); ++r) {
+    const Tensor& g = set().copy(r).grad;  // undefined while released (Sharded stage 2)
+    grad_base_[r] = g.defined() ? g.storage()->version() : 0;
+  }
+}
+
+bool Design::grads_edited_unequally() const {
+  const std::uint64_t moved0 = set().copy(0).grad.storage()->version() - grad_base_[0];
+  for (int r = 1; r < set().num_copies(); ++r)
+    if (set().copy(r).grad.storage()->version() - grad_base_[r] != moved0) return true;
+  return false;
+}
+
+}  // namespace dp::parallel
+
+namespace dp {
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::DP: return "DP";
+    case Mode::DDP: return "DDP";
+    case Mode::Sharded: return "Sharded";
+  }
+  return "?";
+}
+
+}  // namespace dp

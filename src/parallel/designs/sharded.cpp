@@ -1,0 +1,291 @@
+// Mode::Sharded (ZeRO): every device keeps a persistent replica but owns 1/N of the
+// flat buffers; gradients are reduce-scattered in buckets while backward runs, each
+// device steps only its range, and the updated ranges are gathered (Note [Designs];
+// the gather units are in sharded_units.cpp).
+#include "parallel/designs/sharded.h"
+
+#include <algorithm>
+
+#include "dp/autograd/grad_mode.h"
+#include "dp/comm/communicator.h"
+#include "dp/core/error.h"
+#include "dp/dist/dist.h"
+#include "parallel/phase_timer.h"
+
+namespace dp::parallel {
+
+ShardedDesign::ShardedDesign(DataParallel& dp) : Design(dp), stage_(*dp.options().shard_stage) {}
+
+std::unique_ptr<Design> make_sharded_design(DataParallel& dp) { return std::make_unique<ShardedDesign>(dp); }
+
+// Note [Stage 3 across processes]
+// Stage 3's gathers are pulls from the other local devices' memory, with no rendezvous
+// (Note [Sharded parameters]): a device with no rows, or one that failed, never leaves
+// another waiting. Another process's memory cannot be pulled, and a world all-gather
+// per unit, in forward and again in backward, would put the whole model on the
+// network twice per step, on the critical path of every layer, with every device of
+// the job in lockstep at each unit. So across processes stage 3 is HYBRID sharding
+// (PyTorch FSDP's HYBRID_SHARD, ZeRO++'s hpZ): parameters, gradients and optimizer
+// state are sharded over the n devices of each process — device i of EVERY process
+// owns the same range i of n — and replicated across the processes:
+//  - gradients: each bucket's pieces are reduced onto their local owner (the local
+//    communicator), and the owner all-reduces its piece with the owners of the same
+//    range in the other processes (comm.peers(i), one rank per process): a local
+//    reduce-scatter, then an inter-process all-reduce per slice, as the hierarchical
+//    all-reduce does without its final local all-gather (ShardedGrads::hybrid);
+//  - the step: the owners of range i in every process step it with the same summed
+//    gradient and the same state, so the ranges stay equal without any exchange;
+//  - the gathers stay process-local pulls, exactly as in one process.
+// The price is memory: each device holds P/n of the parameters, gradients and state
+// instead of P/(K n) for K processes (plus, as in one process, the units gathered at
+// a time). The network carries per step what DDP's all-reduce carries (each process's
+// gradient once, split over its n devices' links), never a parameter.
+// Sums: each element is added over a process's devices in device order (the local
+// reduce), then over the processes in process order (the process-level all-reduce,
+// Note [Deterministic process collectives]) — the order of the hierarchical
+// collectives behind DDP, DP and stages 1-2 across processes (Note [Hierarchical
+// collectives]). So stage 3 across processes is bitwise equal to them, as stage 3 is
+// to DDP within one process. The shard world (DataParallel::shard_world(),
+// ParameterSet::shard_world()) is n: everything that needs every range — an
+// optimizer's state_dict(), clip_grad_norm_ — finds all of them in each process.
+// Edits through device 0's gathered parameters (a load) are written back into this
+// process's ranges only: as in DDP across processes (Note [When replicas are
+// refreshed]), every process must make them (each loads the checkpoint).
+void ShardedDesign::lay_out() {
+  const int n = static_cast<int>(devices().size());
+  // Stage 3 shards over this process's devices only (Note [Stage 3 across
+  // processes]); one device per process has nothing to shard parameters over, and
+  // stage 3 then runs as stage 2 (as stage 1 in one process: one device owns
+  // everything, and stage 2's separate gradient would only add memory).
+  const bool by_unit = stage_ == 3 && n > 1;
+  if (by_unit) {
+    set().shard(/*shard_grads=*/true, n, 0);
+  } else {
+    set().shard(/*shard_grads=*/stage_ >= 2 && world_devices() > 1, world_devices(), comm().first_rank());
+  }
+  if (set().sharded_across_processes())  // Note [Ranges across processes]
+    set().set_process_gather([this](const std::vector<float>& mine) { return gather_processes(mine); });
+  if (by_unit) {
+    shard_params();
+  } else if (n > 1 && options().shard_gather.value_or(ShardGather::AfterStep) == ShardGather::NextForward) {
+    DP_CHECK(processes() == 1, "DataParallel: shard_gather = NextForward across ", processes(), " processes: "
+             "a device takes the ranges it lacks from the other devices' memory, and the other processes' "
+             "ranges are not in this one; use ShardGather::AfterStep (the default) across processes");
+    defer_gathers();
+  }
+}
+
+void ShardedDesign::release() {
+  set().set_unit_hook(nullptr);
+  set().set_process_gather(nullptr);
+}
+
+// Every process's part of a set sharded across processes, in process order (Note
+// [Ranges across processes]): one dp::dist broadcast per process, on the calling
+// thread, bounded by dp::dist::timeout() (Note [Fault policy]).
+std::vector<std::vector<float>> ShardedDesign::gather_processes(const std::vector<float>& mine) const {
+  std::vector<std::vector<float>> out;
+  for (int p = 0; p < processes(); ++p)
+    out.push_back(dist::broadcast_object(p == process() ? mine : std::vector<float>{}, p));
+  return out;
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> ShardedDesign::shards() const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  for (int r = 0; r < set().num_copies(); ++r) out.emplace_back(set().copy(r).begin, set().copy(r).end);
+  return out;
+}
+
+// ---- the gradient cycle (Note [Sharded gradients]) -------------------------------------------
+
+std::vector<Bucket> ShardedDesign::plan_buckets() const {
+  if (!params_sharded()) return parameter_buckets();
+  // Note [Sharded parameters]: buckets never straddle a unit; the last unit first.
+  const auto& slots = set().slots();
+  const auto& units = set().units();
+  std::vector<Bucket> buckets;
+  std::int64_t first_cap = mib_to_floats(options().first_bucket_mb);
+  for (std::size_t u = units.size(); u-- > 0;) {
+    std::vector<std::int64_t> numel;
+    int first = -1;
+    for (int i = 0; i < static_cast<int>(slots.size()); ++i)
+      if (slots[i]->unit == static_cast<int>(u)) {
+        if (first < 0) first = i;
+        numel.push_back(slots[i]->copies[0].numel());
+      }
+    if (first < 0) continue;
+    for (Bucket b : assign_buckets(numel, first_cap, mib_to_floats(options().bucket_cap_mb))) {
+      b.lo += slots[first]->offset;
+      b.hi += slots[first]->offset;
+      b.first_param += first;
+      buckets.push_back(b);
+    }
+    first_cap = mib_to_floats(options().bucket_cap_mb);
+  }
+  return buckets;
+}
+
+std::unique_ptr<GradSync> ShardedDesign::make_grad_sync() {
+  ShardedGrads g;
+  // Every world rank's range (Note [World ranks]): equal lengths, world rank w's at w * len;
+  // stage 3 across processes: every local rank's (Note [Stage 3 across processes]).
+  const std::int64_t len = set().copy(0).end - set().copy(0).begin;
+  g.hybrid = set().shard_world() < comm().world_size();
+  for (int w = 0; w < set().shard_world(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
+  if (set().shards_grads()) {
+    // Note [Detached gradients]: a synced backward reduce-scatters each parameter's
+    // gradient straight into its owners' range gradients; only no_sync passes
+    // accumulate into a full buffer, which the next synced backward combines and frees.
+    g.zero_sent = false;
+    g.before_backward = [this](int r) {
+      if (!require_sync()) set().acquire_grad(r);
+    };
+    g.after_sync = [this](int r) { set().release_grad(r); };
+    g.deliver = [this](int r, const Tensor& piece, std::int64_t offset) {
+      const nn::ParameterCopy& c = set().copy(r);
+      NoGradGuard no_grad;
+      Tensor range = c.shard_grad.narrow(0, offset - c.begin, piece.numel());
+      if (carry_sums_) {
+        range.copy_(piece);  // the sum carried the earlier one (Note [Accumulating after a combined backward])
+      } else {
+        range.add_(piece);
+      }
+    };
+    g.carry_in = [this](int r, Tensor& piece, std::int64_t offset, int owner) {
+      if (!carry_sums_ || r != 0) return;  // Note [Accumulating after a combined backward]
+      const nn::ParameterCopy& c = set().copy(owner);
+      NoGradGuard no_grad;
+      piece.add_(c.shard_grad.narrow(0, offset - c.begin, piece.numel()).to(piece.device()));
+    };
+    g.owned = [this](int r) { return set().copy(r).owned_grad(); };
+  }
+  return make_reduce_scatter_sync(comm(), std::move(g));
+}
+
+// Note [Accumulating after a combined backward]: where the sums are in device order.
+bool ShardedDesign::sums_in_dp_order() const {
+  return require_sync() && processes() == 1 && devices().size() > 1 && devices()[0].is_cpu();
+}
+
+void ShardedDesign::forget_sums() {
+  if (set().shards_grads()) {
+    carry_sums_ = require_sync();  // a no_sync pass accumulates into the owners' buffers instead
+    return;
+  }
+  const Tensor& grad0 = set().copy(0).grad;
+  for (int r = 1; r < set().num_copies(); ++r) {
+    const nn::ParameterCopy& c = set().copy(r);
+    const std::int64_t lo = std::min(c.begin, set().numel()), n = std::min(c.end, set().numel()) - lo;
+    if (n <= 0) continue;
+    grad0.narrow(0, lo, n).copy_(c.grad.narrow(0, lo, n));
+    c.grad.narrow(0, lo, n).zero_();
+  }
+}
+
+// ---- steps -----------------------------------------------------------------------------------
+
+void ShardedDesign::begin_step(const StepKind& kind, bool sync_params) {
+  // Note [Sharded parameters]: device 0's parameters gathered for the user since the
+  // last step go back (written back to every range when they were edited).
+  set().scatter_primary();
+  if (kind.replicate && params_sharded()) forget_dead_forwards();
+  // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
+  if (sync_params && deferred_gather()) mark_stale(false);
+  if (kind.backward) check_grads_unedited("a backward");
+  updating_ = kind.gather;  // end_step resets it
+}
+
+void ShardedDesign::end_step() {
+  carry_sums_ = false;  // Note [Accumulating after a combined backward]
+  drop_pulls_ahead();   // a unit the forward never reached: pulled afresh when it is
+  updating_ = false;
+}
+
+void ShardedDesign::check_no_sync() const {
+  DP_CHECK(!params_sharded(), "DataParallel: no_sync() with shard_stage 3: the sharded parameters keep no "
+           "full gradient to accumulate into; accumulate by calling backward several times between "
+           "zero_grad() and step() instead (each backward adds its reduce-scattered gradient to the "
+           "owners' ranges), or use shard_stage 2");
+}
+
+// ---- hand edits (Note [Gradient edits]) ------------------------------------------------------
+
+// Sharded ranges cannot take an edit made through device 0's .grad. An edit is
+// noticed at the next update of every copy or backward (whichever comes first: a
+// clip's snapshot would hide it from the step) and stands until a zero_grad of the
+// whole set.
+void ShardedDesign::note_grad_edits() {
+  if (world_devices() == 1) return;
+  const Tensor& grad0 = set().copy(0).grad;  // undefined in stages 2 and 3 between steps
+  if (!grad0.defined() || grad0.storage()->version() == grad_base(0)) return;
+  // A zero_grad of the whole set since (module.zero_grad() does not come through here)
+  // leaves every range zero everywhere: device 0's later edits then travel with its
+  // piece of the next reduce, as DDP's do.
+  if (set().zero_grad_count() != snapshot_zero_grad_count()) return;
+  grads_edited_by_hand_ = true;
+  edited_zero_grad_count_ = set().zero_grad_count();
+}
+
+void ShardedDesign::check_grads_unedited(const char* what) {
+  note_grad_edits();
+  if (grads_edited_by_hand_ && set().zero_grad_count() != edited_zero_grad_count_) grads_edited_by_hand_ = false;
+  DP_CHECK(!grads_edited_by_hand_, "DataParallel (Sharded): ", what,
+           " after the gradients were edited through parameters() by hand: device 0 holds the summed "
+           "gradient of its own range only (zeros elsewhere), so the edit cannot reach the ranges the other "
+           "devices own; use dp::nn::utils::clip_grad_norm_ / clip_grad_value_ (they act on every range), "
+           "scale the loss instead, or use Mode::DDP");
+}
+
+// ---- the optimizer step (Note [Sharded step]) ------------------------------------------------
+
+// Note [Sharded step]
+// The optimizer updates each device's own range of its copy (Note [Sharded parameter
+// sets]); then, with ShardGather::AfterStep (the default), every device all-gathers
+// the updated ranges, still inside the optimizer's step, so that when opt.step()
+// returns every copy — device 0's, which the module, state_dict() and checkpoints
+// read — holds the new parameters. The ranges have equal lengths (padded), so the
+// gather is one all_gather in place over each copy's data buffer. ShardGather::
+// NextForward leaves the other devices' copies to their next forward (Note [Deferred
+// gather]). If the copies were written unequally since the last step (a load into
+// device 0, a failed step), device 0's parameters are broadcast first, as before a
+// forward (Note [When replicas are refreshed]). A failed step leaves the copies
+// marked unsynced: device 0's parameters win at the next forward, as in DDP.
+UpdatePlan ShardedDesign::plan_update(bool step) {
+  note_grad_edits();
+  return {.broadcast_grads = false, .gather = step && world_devices() > 1 && !params_sharded()};
+}
+
+void ShardedDesign::run_update(int rank, const UpdatePlan& plan, bool sync_params,
+                               const std::function<void()>& update) {
+  if (plan.gather && sync_params) {
+    PhaseTimer t(recorder(), rank, Phase::Replicate);
+    comm().broadcast(rank, set().copy(rank).data, 0);
+  }
+  {
+    PhaseTimer t(recorder(), rank, Phase::Step);
+    update();
+  }
+  if (plan.gather && !deferred_gather()) gather_params(rank);
+}
+
+void ShardedDesign::finish_update(const UpdatePlan& plan) {
+  if (plan.gather && deferred_gather()) pull_primary();
+}
+
+void ShardedDesign::gather_params(int rank) {
+  PhaseTimer t(recorder(), rank, Phase::AllGather);
+  const nn::ParameterCopy& c = set().copy(rank);
+  const std::int64_t len = c.end - c.begin;
+  comm().all_gather(rank, c.data.narrow(0, c.begin, len), c.data.narrow(0, 0, len * comm().world_size()));
+}
+
+std::pair<std::int64_t, std::int64_t> ShardedDesign::current_part(int rank, int unit, std::int64_t lo,
+                                                                  std::int64_t hi) const {
+  // Note [Deferred gather]: of a stale unit, only the replica's own range is current.
+  if (!deferred_gather() || !stale_[static_cast<std::size_t>(rank)][static_cast<std::size_t>(unit)]) return {lo, hi};
+  const nn::ParameterCopy& c = set().copy(rank);
+  lo = std::max(lo, c.begin);
+  return {lo, std::max(lo, std::min(hi, c.end))};
+}
+
+}  // namespace dp::parallel
