@@ -5,15 +5,16 @@
 // Every compute entry of a backend is an op of DP_BACKEND_OPS below, called through the
 // backend's kernel table, indexed by (op, dtype):
 //   be.run<Op::Unary>(dev, DType::F32, {UnaryOp::Exp, x, y, n});
-// A backend registers one kernel per (op, dtype) it implements (CPU: the register_*
-// functions at the end of each cpu_*.cpp; CUDA: cuda_backend.cpp's register_kernels);
-// a call of a pair with no kernel throws
+// A backend registers one kernel per (op, dtype) it implements, from the file that holds
+// the kernel (CPU: the register_* function at the end of each cpu_*.cpp; CUDA: the
+// register_* function at the end of each cuda_*.cu, through cuda_register.h); a call of a pair with no kernel throws
 // dp::Error naming the op, the dtype and the device type. The same list generates the
 // Op enum, the op names, the OpArgs mapping, the op table test's coverage check
 // (tests/backend/op_table_test.cpp: every registered (op, dtype) must be called by a
 // case of tests/backend/op_cases.cpp) and its recording backend. So
-//  - a new op is a line here with its argument struct beside it, a CPU kernel, a CUDA
-//    kernel, and a row of tests/backend/op_cases.cpp;
+//  - a new op is a line here with its argument struct beside it, a CPU kernel (with its
+//    register line, in one cpu_*.cpp), a CUDA kernel (with its launcher and register
+//    line, in one cuda_*.cu), and a row of tests/backend/op_cases.cpp;
 //  - a new dtype is a DType value (with its C++ type in DTypeOf/dtype_of) and table
 //    entries: kernels are templates over the storage type (functors.h computes in
 //    float, Note [Storage types]), instantiated once more and registered.

@@ -255,6 +255,9 @@ class CudaBackend final : public Backend {
   /// Checks the device, makes it current, initialises it on first use; returns its
   /// current stream for the calling thread. Every kernel of the table starts here.
   cudaStream_t bind(Device dev);
+  /// Puts fn in the kernel table for (op, dt): for this backend's kernel files, which
+  /// register their own ops (cuda_register.h) when the backend is built.
+  void add_kernel(Op op, DType dt, KernelFn fn) { register_kernel(op, dt, fn); }
 
  private:
   CudaBackend();

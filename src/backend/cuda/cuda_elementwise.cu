@@ -12,6 +12,7 @@
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_register.h"
 #include "backend/kernel_plan.h"
 #include "backend/functors.h"
 #include "dp/core/error.h"
@@ -509,6 +510,124 @@ void adam_step(cudaStream_t stream, float* param, const float* grad, float* exp_
   const AdamUpdate upd{make_adam_params(lr, beta1, beta2, eps, weight_decay, decoupled, step)};
   adam_kernel<<<grid_for(n), kBlock, 0, stream>>>(upd, param, grad, exp_avg, exp_avg_sq, n);
   DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dp::backend::cuda_kernels
+
+// ---- the kernel table's entries (Note [The op list] in ops.h) --------------------------------
+
+namespace dp::backend::cuda_kernels {
+namespace {
+namespace k = dp::backend::cuda_kernels;  // the launchers above
+namespace table {
+
+using i64 = std::int64_t;
+
+void fill_f32(CudaBackend& be, Device dev, const FillArgs& a) {
+  k::fill(be.bind(dev), static_cast<float*>(a.y), a.n, a.value.as<float>());
+}
+void fill_i64(CudaBackend& be, Device dev, const FillArgs& a) {
+  k::fill_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.value.as<i64>());
+}
+void add_scalar_i64(CudaBackend& be, Device dev, const AddScalarArgs& a) {
+  k::add_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.value.as<i64>());
+}
+void arange_f32(CudaBackend& be, Device dev, const ArangeArgs& a) {
+  k::arange(be.bind(dev), static_cast<float*>(a.y), a.n, a.start.as<float>(), a.step.as<float>());
+}
+void arange_i64(CudaBackend& be, Device dev, const ArangeArgs& a) {
+  k::arange_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.start.as<i64>(), a.step.as<i64>());
+}
+
+[[noreturn]] void cast_unsupported(DType from, DType to) {
+  DP_FAIL("backend op cast has no CUDA kernel from ", dtype_name(from), " to ", dtype_name(to),
+          " (it has int64 to float32 and int32, float32 and int32 to int64)");
+}
+void cast_to_f32(CudaBackend& be, Device dev, const CastArgs& a) {
+  if (a.x_dtype != DType::I64) cast_unsupported(a.x_dtype, DType::F32);
+  k::cast_i64_to_f32(be.bind(dev), static_cast<const i64*>(a.x), static_cast<float*>(a.y), a.n);
+}
+void cast_to_i64(CudaBackend& be, Device dev, const CastArgs& a) {
+  if (a.x_dtype == DType::F32) {
+    k::cast_f32_to_i64(be.bind(dev), static_cast<const float*>(a.x), static_cast<i64*>(a.y), a.n);
+  } else if (a.x_dtype == DType::I32) {
+    k::cast_i32_to_i64(be.bind(dev), static_cast<const std::int32_t*>(a.x), static_cast<i64*>(a.y), a.n);
+  } else {
+    cast_unsupported(a.x_dtype, DType::I64);
+  }
+}
+void cast_to_i32(CudaBackend& be, Device dev, const CastArgs& a) {
+  if (a.x_dtype != DType::I64) cast_unsupported(a.x_dtype, DType::I32);
+  k::cast_i64_to_i32(be.bind(dev), static_cast<const i64*>(a.x), static_cast<std::int32_t*>(a.y), a.n);
+}
+
+template <typename T>
+void unary(CudaBackend& be, Device dev, const UnaryArgs& a) {
+  k::unary<T>(be.bind(dev), a.op, static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n);
+}
+template <typename T>
+void affine(CudaBackend& be, Device dev, const AffineArgs& a) {
+  k::affine<T>(be.bind(dev), static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n, a.alpha, a.beta);
+}
+template <typename T>
+void axpy(CudaBackend& be, Device dev, const AxpyArgs& a) {
+  k::axpy<T>(be.bind(dev), a.alpha, static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n);
+}
+template <typename T>
+void binary(CudaBackend& be, Device dev, const BinaryArgs& a) {
+  k::binary<T>(be.bind(dev), a.op, a.ix, static_cast<const T*>(a.a), static_cast<const T*>(a.b),
+               static_cast<T*>(a.out));
+}
+void binary_i64(CudaBackend& be, Device dev, const BinaryArgs& a) {
+  DP_CHECK(a.op == BinaryOp::Eq, "binary on int64: only eq is implemented, got op ", static_cast<int>(a.op));
+  k::eq_i64(be.bind(dev), a.ix, static_cast<const i64*>(a.a), static_cast<const i64*>(a.b),
+            static_cast<float*>(a.out));
+}
+void strided_copy_f32(CudaBackend& be, Device dev, const StridedCopyArgs& a) {
+  k::strided_copy(be.bind(dev), a.ix, static_cast<const float*>(a.a), static_cast<float*>(a.out));
+}
+void gather_f32(CudaBackend& be, Device dev, const GatherArgs& a) {
+  k::gather(be.bind(dev), a.ix, a.dim, static_cast<const float*>(a.x), a.index, static_cast<float*>(a.out));
+}
+void scatter_add_f32(CudaBackend& be, Device dev, const ScatterAddArgs& a) {
+  k::scatter_add(be.bind(dev), a.ix, a.dim, static_cast<const float*>(a.src), a.index, static_cast<float*>(a.y));
+}
+
+void count_nonfinite_f32(CudaBackend& be, Device dev, const CountNonfiniteArgs& a) {
+  cudaStream_t s = be.bind(dev);
+  *a.count = 0;
+  if (a.n == 0) return;
+  CudaBackend::Scratch counter(be, dev.index, sizeof(unsigned long long));
+  auto* c = static_cast<unsigned long long*>(counter.get());
+  DP_CUDA_CHECK(cudaMemsetAsync(c, 0, sizeof(*c), s));
+  k::count_nonfinite(s, static_cast<const float*>(a.x), a.n, c);
+  unsigned long long host = 0;
+  DP_CUDA_CHECK(cudaMemcpyAsync(&host, c, sizeof(host), cudaMemcpyDeviceToHost, s));
+  DP_CUDA_CHECK(cudaStreamSynchronize(s));  // documented as synchronous
+  *a.count = static_cast<i64>(host);
+}
+
+}  // namespace table
+}  // namespace
+
+void register_elementwise_kernels(CudaBackend& be) {
+  add<Op::Fill, &table::fill_f32>(be, DType::F32);
+  add<Op::Fill, &table::fill_i64>(be, DType::I64);
+  add<Op::AddScalar, &table::add_scalar_i64>(be, DType::I64);
+  add<Op::Arange, &table::arange_f32>(be, DType::F32);
+  add<Op::Arange, &table::arange_i64>(be, DType::I64);
+  add<Op::Cast, &table::cast_to_f32>(be, DType::F32);
+  add<Op::Cast, &table::cast_to_i64>(be, DType::I64);
+  add<Op::Cast, &table::cast_to_i32>(be, DType::I32);
+  add<Op::Unary, &table::unary<float>>(be, DType::F32);
+  add<Op::Affine, &table::affine<float>>(be, DType::F32);
+  add<Op::Axpy, &table::axpy<float>>(be, DType::F32);
+  add<Op::Binary, &table::binary<float>>(be, DType::F32);
+  add<Op::Binary, &table::binary_i64>(be, DType::I64);
+  add<Op::StridedCopy, &table::strided_copy_f32>(be, DType::F32);
+  add<Op::Gather, &table::gather_f32>(be, DType::F32);
+  add<Op::ScatterAdd, &table::scatter_add_f32>(be, DType::F32);
+  add<Op::CountNonfinite, &table::count_nonfinite_f32>(be, DType::F32);
 }
 
 }  // namespace dp::backend::cuda_kernels

@@ -13,7 +13,16 @@
 
 #include "backend/backend.h"
 
+namespace dp::backend {
+class CudaBackend;
+}  // namespace dp::backend
+
 namespace dp::backend::cuda_kernels {
+
+/// Put the ops of cuda_elementwise.cu and cuda_reduce.cu in the backend's kernel table
+/// (Note [The op list] in ops.h); CudaBackend's constructor calls them.
+void register_elementwise_kernels(CudaBackend& be);
+void register_reduce_kernels(CudaBackend& be);
 
 /// The inputs of sum_inputs: up to kMaxSumInputs device pointers, passed by value as a
 /// kernel argument (64 pointers = 512 bytes, well inside the 4 KiB parameter limit).

@@ -22,6 +22,7 @@
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_register.h"
 #include "backend/kernel_plan.h"
 #include "dp/core/error.h"
 
@@ -289,6 +290,41 @@ void argmax(cudaStream_t stream, const float* x, i64* y, i64 outer, i64 r, i64 i
     argmax_cols_kernel<<<grid_for(outer * inner), kBlock, 0, stream>>>(x, y, outer, r, inner);
   }
   DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dp::backend::cuda_kernels
+
+// ---- the kernel table's entries (Note [The op list] in ops.h) --------------------------------
+
+namespace dp::backend::cuda_kernels {
+namespace {
+namespace k = dp::backend::cuda_kernels;  // the launchers above
+namespace table {
+
+using i64 = std::int64_t;
+
+void reduce_f32(CudaBackend& be, Device dev, const ReduceArgs& a) {
+  cudaStream_t s = be.bind(dev);
+  const float* x = static_cast<const float*>(a.x);
+  float* y = static_cast<float*>(a.y);
+  const i64 floats = a.outer >= 0 && a.r >= 0 && a.inner >= 0 ? k::reduce_scratch(a.outer, a.r, a.inner) : 0;
+  if (floats == 0) {
+    k::reduce(s, a.op, x, y, a.outer, a.r, a.inner, nullptr);
+    return;
+  }
+  CudaBackend::Scratch parts(be, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+  k::reduce(s, a.op, x, y, a.outer, a.r, a.inner, static_cast<float*>(parts.get()));
+}
+void argmax_f32(CudaBackend& be, Device dev, const ArgmaxArgs& a) {
+  k::argmax(be.bind(dev), static_cast<const float*>(a.x), a.y, a.outer, a.r, a.inner);
+}
+
+}  // namespace table
+}  // namespace
+
+void register_reduce_kernels(CudaBackend& be) {
+  add<Op::Reduce, &table::reduce_f32>(be, DType::F32);
+  add<Op::Argmax, &table::argmax_f32>(be, DType::F32);
 }
 
 }  // namespace dp::backend::cuda_kernels
