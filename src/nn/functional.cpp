@@ -552,7 +552,7 @@ namespace {
 // convolution's activation need not be kept for backward. Where the backend keeps the
 // 2x2 winners in bytes, its backward applies the mask to each window as it routes it
 // (MaxPool2x2Backward's relu_y), so the masked pooled gradient is never written
-// and read back (what that pass cost: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// and read back (what that pass cost: docs/benchmarks/kernel-notes.md,
 // "ReLU mask through max-pool").
 
 /// max_pool2d; `relu_mask`: the input is a ReLU's output whose backward skips its mask,

@@ -196,7 +196,7 @@ std::size_t block_size(std::size_t nbytes) {
 // last whole huge page keeps small pages), the cache keeps the block, and where the
 // kernel has THP off or no huge page free, madvise changes nothing or fails, and the
 // block simply keeps small pages. The MLP's step gains a little, the CNN's nothing
-// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Huge pages for large blocks").
+// (figures: docs/benchmarks/kernel-notes.md, "Huge pages for large blocks").
 constexpr std::size_t kHugePage = std::size_t{2} << 20;
 
 void* system_alloc(std::size_t size) {

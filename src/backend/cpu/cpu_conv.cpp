@@ -7,7 +7,7 @@
 // blocked layouts of its own choosing (`Blocked`: format_tag::any, and we reorder every
 // input in and every output out on each call, because our tensors are NCHW). Which is
 // faster depends on the CPU, the shape, the pass and the thread count, and no fixed rule
-// held up across the machines measured (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// held up across the machines measured (figures: docs/benchmarks/kernel-notes.md,
 // "Convolution layouts"; kernels_bench --conv-layouts times both). So ConvLayout::Auto measures, like cuDNN's
 // benchmark mode: on the first call of each (shape, pass, bias, thread count) it builds
 // both primitives, runs them in back-to-back pairs on the call's own buffers (kTrials
@@ -510,7 +510,7 @@ struct ConvBuffers {
 // 2.6 (AVX2 JIT for blocked layouts, gemm:jit for plain ones):
 // - only oneDNN's direct JIT kernels apply the post-op in registers. Its gemm-based
 //   convolution (the plain layout) runs it as a scalar reference loop, many times
-//   slower than the unfused pair (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Convolution +
+//   slower than the unfused pair (figures: docs/benchmarks/kernel-notes.md, "Convolution +
 //   ReLU"). So only a direct JIT implementation is fused, and only where the post-op
 //   leaves the implementation and layouts unchanged (build_entry checks both); any
 //   other entry is the plain convolution, and its chunk applies Unary<Relu> in place
@@ -561,7 +561,7 @@ double abs_of_bits(std::uint32_t bits) {
 // conv2d_relu_forward followed by maxpool2d_2x2_forward, bit for bit (cpu_backend_test,
 // and nn's functional_test against the three ops, gradients included). It shortens the
 // CNN's step; groups of 256 KiB to 1 MiB did alike, one group per chunk (no scratch in
-// cache) did worse than the separate ops (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// cache) did worse than the separate ops (figures: docs/benchmarks/kernel-notes.md,
 // "Convolution, ReLU and max-pool in one pass").
 
 /// Bytes of convolution output per group of images in the pooled forward.

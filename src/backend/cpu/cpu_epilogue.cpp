@@ -15,7 +15,7 @@ namespace dp::backend::cpu {
 // and a clip per element (the forward), or a select by the ReLU's output (the input
 // gradient). Built for the x86-64 baseline they ran in SSE's four lanes, as long as the
 // copies that feed the GEMM. The x86-64-v3 and -v4 clones run the same loops in 8 and
-// 16 lanes (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Epilogue clones"). Each element goes through the functors
+// 16 lanes (figures: docs/benchmarks/kernel-notes.md, "Epilogue clones"). Each element goes through the functors
 // of the separate ops (Binary<Add>, Unary<Relu>, Binary<ReluBackward>): one IEEE add,
 // a compare and a select, which every width computes alike (no FMA can form: one
 // operation per element, and this file is built with -ffp-contract=off), so every

@@ -23,7 +23,7 @@ using i64 = std::int64_t;
 // floats: every Linear with 512·j input features, in its input-gradient GEMM dX = dY W)
 // made oneDNN's single-threaded sgemm run at about half speed on an AVX2 machine, as two
 // column slabs against one dnnl_sgemm call with its own threads, and the same values
-// with ldb 1040 ran twice as fast as with ldb 1024 (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// with ldb 1040 ran twice as fast as with ldb 1024 (figures: docs/benchmarks/kernel-notes.md,
 // "GEMM: operand rows 4 KiB apart"). Strides that are multiples of 4 KiB map a column of B onto the same few sets of the 32 KiB L1 (64 sets of 64 bytes
 // repeat every 4 KiB), so the kernel's reads of B evict each other; the multithreaded
 // driver packs B first and never sees it.
@@ -51,7 +51,7 @@ constexpr i64 kPadMinRows = 128;
 // Note [GEMM: a transposed B multiplied untransposed]
 // A Linear's forward, y = x Wᵀ, is a GEMM whose B is transposed (N,T), and oneDNN's
 // single-threaded sgemm runs N,T products slower than the same products from B stored
-// untransposed (N,N), with the same bits for the shapes measured (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// untransposed (N,N), with the same bits for the shapes measured (figures: docs/benchmarks/kernel-notes.md,
 // "GEMM: a transposed B multiplied untransposed"). So where C
 // has at least kUntransposeMinRows rows and op(B) is at least kUntransposeMinWidth wide
 // both ways, B is first copied transposed — 8x8 blocks transposed in registers
@@ -63,8 +63,8 @@ constexpr i64 kPadMinRows = 128;
 // on one thread, or shared by row splits), when B is multiplied N,T where it lies.
 // With the copy counted it pays for the Linear shapes of the MLP and the CNN; below 128
 // rows the results were mixed, and with n or k of 10-16 the untransposed product itself
-// ran slower — hence kUntransposeMinRows and kUntransposeMinWidth (the same section of
-// docs/BENCHMARKS.md has the figures).
+// ran slower — hence kUntransposeMinRows and kUntransposeMinWidth (docs/benchmarks/kernel-notes.md
+// has the figures).
 // The bits are oneDNN's N,N product of the copy: the same as N,T's for the MLP's and
 // most shapes, not for all (in a survey of 300 random shapes with m >= 256, two — e.g.
 // 556x585x1280 — summed in another order), so cpu_backend_test checks the forward
@@ -99,7 +99,7 @@ i64 unaliased_ld(i64 w) {
 // the machine measured, so the copy and the packing went through L3 while the step's
 // other data competed for it. Slabs of half the L2, several per thread, did best of
 // the widths tried; cutting the row splits the same way gained nothing, and cutting dW
-// by columns instead of rows did worse (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes",
+// by columns instead of rows did worse (figures: docs/benchmarks/kernel-notes.md,
 // "GEMM: column slabs that fit L2"). So a column split takes slabs of at most half the L2 and at least kMinColumnSlab
 // columns, in a multiple of the thread count (equal slabs per thread); row splits keep
 // a chunk per thread. Every element of C is one dot product over all of k in any slab,
@@ -162,7 +162,7 @@ bool small_k_gemm_fits() {
 // through the same float operations as the separate ops — the GEMM's value, then
 // Binary<Add> with the bias, then Unary<Relu> — so y is the same bit for bit (NaN
 // included: relu keeps it; cpu_backend_test checks this). The separate passes were a
-// visible share of the MLP's step (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Linear
+// visible share of the MLP's step (figures: docs/benchmarks/kernel-notes.md, "Linear
 // epilogue").
 // The loops are in cpu_epilogue.cpp, with ISA clones (Note [Epilogue clones]).
 

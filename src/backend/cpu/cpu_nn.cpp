@@ -49,7 +49,7 @@ void check_pool_shape(const Pool2dShape& s, const char* op) {
 // a multiple of four ends with its last four windows done again as one vector (the
 // same values written twice), not with a scalar remainder: the CNN's 14- and 7-wide
 // outputs are 14 % and 43 % remainder, and their compares mispredicted as above
-// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Max-pool 2x2 in vectors").
+// (figures: docs/benchmarks/kernel-notes.md, "Max-pool 2x2 in vectors").
 using f32x4 = float __attribute__((vector_size(16)));
 using i32x4 = std::int32_t __attribute__((vector_size(16)));
 using i64x4 = std::int64_t __attribute__((vector_size(32)));

@@ -24,7 +24,7 @@ namespace {
 // The library is built for the x86-64 baseline, so those lanes were SSE's four. With the
 // MLP's parameters resident in the last-level cache, the update then ran well below a
 // loop with its access pattern and no arithmetic (bench/mlp_ceiling; figures:
-// docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Vectorised optimizer loops"): the
+// docs/benchmarks/kernel-notes.md, "Vectorised optimizer loops"): the
 // multiplies, not the memory, set the pace. The SGD loop is
 // therefore also compiled for AVX2 (target_clones: the loader picks the clone the CPU
 // runs). Eight lanes do the same IEEE multiplies and adds as four, and AVX2 brings no

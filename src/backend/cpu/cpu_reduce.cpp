@@ -58,8 +58,8 @@ float reduce_contiguous(const float* __restrict x, i64 len) {
 
 /// acc[i] op= x[k * inner + i] for k in [0, kn), i in [0, ilen). Four rows per pass over
 /// acc: the same combines in the same order (row by row, left to right), with a quarter
-/// of the loads and stores of acc (figures for a Linear's bias gradient: docs/BENCHMARKS.md,
-/// section "Measurements behind the kernels' Notes", "Strided reductions").
+/// of the loads and stores of acc (figures for a Linear's bias gradient: docs/benchmarks/kernel-notes.md,
+///  "Strided reductions").
 template <typename Op>
 void reduce_strided(const float* __restrict x, i64 kn, i64 inner, i64 ilen, float* __restrict acc) {
   for (i64 i = 0; i < ilen; ++i) acc[i] = Op::identity();
@@ -97,8 +97,8 @@ ReduceGrid make_grid(i64 outer, i64 r, i64 inner) {
   g.nr = r == 0 ? 1 : (r + g.rchunk - 1) / g.rchunk;
   // Inner blocks hold ~kSerialGrain elements of work each; 16-aligned for the vector loop.
   // A column reduction (inner > 1) reads each row's block as one run: runs of a few
-  // cache lines every row stride are where hardware prefetchers give up (the same section
-  // of docs/BENCHMARKS.md, "Strided reductions"), so a block is also at least a quarter of
+  // cache lines every row stride are where hardware prefetchers give up (docs/benchmarks/kernel-notes.md,
+  // "Strided reductions"), so a block is also at least a quarter of
   // the row, up to kMaxRun (Note [Deterministic reductions]: a column's sum is the same
   // whatever the block).
   const i64 want = std::max<i64>(kLanes, kSerialGrain / std::max<i64>(1, g.rchunk) / kLanes * kLanes);

@@ -16,7 +16,7 @@ namespace dp::backend::cpu {
 // has no instruction (SSE4.1 brought pmaxud): GCC emulates it with a compare and three
 // logic operations per vector, and the scan took about as long as the ReLU pass it lets
 // the convolution skip. The AVX2 and AVX-512 clones do it in one instruction per 8 or
-// 16 values (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Scan clones"). Integers only: every clone returns the same value.
+// 16 values (figures: docs/benchmarks/kernel-notes.md, "Scan clones"). Integers only: every clone returns the same value.
 #if defined(DP_CPU_TARGET_CLONES)
 #define DP_SCAN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else

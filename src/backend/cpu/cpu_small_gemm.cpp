@@ -19,7 +19,7 @@ namespace dp::backend::cpu {
 // does 10 multiply-adds per element it writes. oneDNN's sgemm still writes C tile by
 // tile, a dozen rows 4 KiB apart at a time, which the prefetchers do not follow, and
 // the ReLU's mask then read them back: several times the same call warm in cache
-// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "GEMMs with a small k"). Here each thread writes whole rows of C in order, every element
+// (figures: docs/benchmarks/kernel-notes.md, "GEMMs with a small k"). Here each thread writes whole rows of C in order, every element
 // finished in registers — the products summed in k order, then the ReLU's mask when
 // the product is an input gradient (Note [ReLU mask in the input gradient]) — so C
 // is written once, as a stream, and never read back.

@@ -180,7 +180,7 @@ __global__ void maxpool_backward_kernel(const PoolDims<I> s, const float* __rest
 // the general kernel forms, so -0 becomes +0 there as well) and the rest 0. It reads
 // each index and gradient once instead of once per cell, with no division per cell: the
 // general kernel above ran conv1's pool gradient (25.7 MB) far below the memory's speed
-// (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "GPU
+// (figures: docs/benchmarks/kernel-notes.md, "GPU
 // divisions per element").
 template <typename I>
 __global__ void maxpool_backward_tiled_kernel(const PoolDims<I> s, const float* __restrict__ gy,
@@ -254,7 +254,7 @@ __global__ void avgpool_backward_kernel(const PoolDims<I> s, const float* __rest
 /// size and the part: bitwise reproducible.
 /// The thread's position (n, k) advances by blockDim.x elements a step without a
 /// division (a 64-bit division per element held these sums far below the memory's speed:
-/// the same section of docs/BENCHMARKS.md); it visits the same elements in the same order as j / HW would.
+/// docs/benchmarks/kernel-notes.md); it visits the same elements in the same order as j / HW would.
 template <typename F>
 __device__ float channel_part_sum(F f, i64 C, i64 HW, i64 c, i64 b, i64 e, float* smem) {
   float acc = 0.0f;
@@ -361,8 +361,8 @@ __global__ void bn_finalize_kernel(i64 N, i64 C, i64 HW, int S, const float* __r
 // Batch norm's normalisation and input gradient, and a convolution's bias (+ ReLU),
 // touch each element of an (N, C, HW) tensor once with constants of its channel.
 // Finding the channel as (i / HW) % C in 64 bits, a software division per element,
-// held batch norm's forward far below the memory's speed (the same section of
-// docs/BENCHMARKS.md). channel_map_kernel takes V = 4 consecutive elements as one float4
+// held batch norm's forward far below the memory's speed (figures in
+// docs/benchmarks/kernel-notes.md). channel_map_kernel takes V = 4 consecutive elements as one float4
 // when HW % 4 == 0 and every pointer is 16-byte aligned (the four share a channel),
 // else V = 1, and finds the channel of item t as (t / (HW / V)) % C with FastDivider
 // (Note [Division by a runtime constant] in kernel_plan.h). Tensors of 2^31 items or
@@ -544,7 +544,7 @@ __global__ void bn_backward_finalize_kernel(i64 C, int S, const float* __restric
 // (bn_splits) and the same fixed-order block sums. cuDNN's cudnnConvolutionBackwardBias
 // took longer for the CNN's conv1 gradient (256 x 32 x 28 x 28, 25.7 MB) than the
 // convolution's own three passes; this reads the gradient once, at about the memory's
-// speed (figures: docs/BENCHMARKS.md, section "Measurements behind the kernels' Notes", "Convolution bias gradient").
+// speed (figures: docs/benchmarks/kernel-notes.md, "Convolution bias gradient").
 __global__ void channel_sum_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x, float* __restrict__ out) {
   __shared__ float smem[kWarp];
   const i64 c = blockIdx.x;
