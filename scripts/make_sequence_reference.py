@@ -77,6 +77,18 @@ for name, t in (("W", lin.weight), ("B", lin.bias), ("X", x), ("Up", up), ("Out"
                 ("GradW", lin.weight.grad), ("GradB", lin.bias.grad)):
     out.append(floats(f"kLinear3d{name}", t, f"Linear over (B, T, C): {name}"))
 
+# gelu, exact and with the tanh approximation, with gradients.
+x = torch.linspace(-6, 6, 49)
+up = torch.rand(49) + 0.5
+out.append(floats("kGeluX", x, "gelu input"))
+out.append(floats("kGeluUp", up, "upstream gradient"))
+for name, mode in (("Exact", "none"), ("Tanh", "tanh")):
+    leaf = x.clone().requires_grad_(True)
+    y = F.gelu(leaf, approximate=mode)
+    (y * up).sum().backward()
+    out.append(floats(f"kGelu{name}Out", y, f"gelu approximate={mode}"))
+    out.append(floats(f"kGelu{name}Grad", leaf.grad, f"gelu approximate={mode}: input gradient"))
+
 # scaled_dot_product_attention: causal self-attention (2, 3, 5, 4) with gradients, a
 # boolean keep-mask, an additive float mask, cross-attention with L != S and a scale.
 q = torch.randn(2, 3, 5, 4)

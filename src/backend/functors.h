@@ -90,6 +90,8 @@ template <> struct Unary<UnaryOp::Sign> {
   DP_HD float operator()(float x) const { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
 };
 
+template <> struct Unary<UnaryOp::Erf> { DP_HD float operator()(float x) const { return ::erff(x); } };
+
 /// Calls f(Unary<op>{}) with the functor of a runtime op: one switch per kernel launch,
 /// none per element. Calls nothing for UnaryOp::kCount.
 template <typename F>
@@ -107,6 +109,7 @@ DP_HD inline void dispatch_unary(UnaryOp op, F&& f) {
     case UnaryOp::Sigmoid: f(Unary<UnaryOp::Sigmoid>{}); return;
     case UnaryOp::Tanh: f(Unary<UnaryOp::Tanh>{}); return;
     case UnaryOp::Sign: f(Unary<UnaryOp::Sign>{}); return;
+    case UnaryOp::Erf: f(Unary<UnaryOp::Erf>{}); return;
     case UnaryOp::kCount: return;  // not an op: callers check (Note [Op enum sentinels])
   }
 }

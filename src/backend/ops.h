@@ -49,6 +49,7 @@ struct Indexer {
 enum class UnaryOp : std::uint8_t {
   Neg, Exp, Log, Sqrt, Rsqrt, Abs, Square, Reciprocal, Relu, Sigmoid, Tanh,
   Sign,  // -1, 0, +1
+  Erf,
   kCount  // Note [Op enum sentinels]
 };
 

@@ -46,6 +46,15 @@ Tensor softmax(const Tensor& x, std::int64_t dim) {
   return exp(log_softmax(x, dim));
 }
 
+Tensor gelu(const Tensor& input, const std::string& approximate) {
+  DP_CHECK(input.defined(), "gelu: expected a defined input, got an undefined tensor");
+  DP_CHECK(approximate == "none" || approximate == "tanh", "gelu: expected approximate \"none\" or \"tanh\", got \"",
+           approximate, "\"");
+  if (approximate == "none") return mul(mul(input, 0.5), add(erf(mul(input, 0.7071067811865476)), 1.0));
+  Tensor inner = mul(add(input, mul(mul(mul(input, input), input), 0.044715)), 0.7978845608028654);
+  return mul(mul(input, 0.5), add(tanh(inner), 1.0));
+}
+
 Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
                   double eps) {
   DP_CHECK(input.defined(), "layer_norm: expected a defined input, got an undefined tensor");

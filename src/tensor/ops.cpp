@@ -474,6 +474,16 @@ Tensor tanh(const Tensor& a) {
   return out;
 }
 
+Tensor erf(const Tensor& a) {
+  Tensor out = unary_raw("erf", UnaryOp::Erf, a);
+  autograd::record("ErfBackward", {a}, out, [a](const std::vector<Tensor>& g) {
+    // d erf(x) / dx = 2/sqrt(pi) exp(-x^2)
+    Tensor e = unary_raw("exp", UnaryOp::Exp, affine_raw(unary_raw("square", UnaryOp::Square, a.detach()), -1.0, 0.0));
+    return std::vector<Tensor>{mul(g[0], affine_raw(e, 1.1283791670955126, 0.0))};
+  });
+  return out;
+}
+
 // ---- reductions --------------------------------------------------------------------------
 
 Tensor sum(const Tensor& a) {

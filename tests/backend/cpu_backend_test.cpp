@@ -389,6 +389,7 @@ TEST_CASE("unary ops against std:: math") {
       {UnaryOp::Sigmoid, [](double x) { return 1 / (1 + std::exp(-x)); }, -8, 8},
       {UnaryOp::Tanh, [](double x) { return std::tanh(x); }, -4, 4},
       {UnaryOp::Sign, [](double x) { return double((x > 0) - (x < 0)); }, -3, 3},
+      {UnaryOp::Erf, [](double x) { return std::erf(x); }, -4, 4},
   };
   for (const Case& c : cases) {
     for (i64 n : kSizes) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dp/core/error.h"
+#include "dp/nn/activation.h"
 #include "dp/nn/embedding.h"
 #include "dp/nn/functional.h"
 #include "dp/nn/linear.h"
@@ -213,4 +214,19 @@ TEST_CASE("scaled_dot_product_attention: bad input") {
             .find("dropout_p in [0, 1], got 1.5") != std::string::npos);
   CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(dp::zeros({4}), k, v); })
             .find("at least 2 dims") != std::string::npos);
+}
+
+TEST_CASE("gelu, exact and tanh-approximated, matches PyTorch with gradients; the GELU layer") {
+  auto [ye, ge] = run(ref::kGeluX, {49}, ref::kGeluUp, [](const Tensor& x) { return dp::nn::gelu(x); });
+  CHECK(max_diff(ye, ref::kGeluExactOut) < 2e-6);
+  CHECK(max_diff(ge, ref::kGeluExactGrad) < 2e-6);
+  auto [yt, gt] = run(ref::kGeluX, {49}, ref::kGeluUp, [](const Tensor& x) { return dp::nn::gelu(x, "tanh"); });
+  CHECK(max_diff(yt, ref::kGeluTanhOut) < 2e-6);
+  CHECK(max_diff(gt, ref::kGeluTanhGrad) < 2e-6);
+  dp::nn::GELU layer("tanh");
+  CHECK(layer(dp::from_vector(ref::kGeluX, {49})).to_vector() == yt.to_vector());
+  CHECK(layer.name() == "GELU(approximate='tanh')");
+  CHECK(dp::nn::GELU().name() == "GELU()");
+  CHECK(error_of([] { dp::nn::GELU g("fast"); }).find("\"none\" or \"tanh\", got \"fast\"") != std::string::npos);
+  CHECK(error_of([] { (void)dp::nn::gelu(dp::zeros({2}), "erf"); }).find("got \"erf\"") != std::string::npos);
 }

@@ -31,4 +31,18 @@ class Tanh : public Module {
   Tensor forward(const Tensor& x) override;
 };
 
+/// x * Phi(x) elementwise (nn::gelu): exact by default, or GELU("tanh") for the tanh
+/// approximation (GPT-2's).
+class GELU : public Module {
+ public:
+  explicit GELU(std::string approximate = "none");
+  Tensor forward(const Tensor& x) override;
+  /// "approximate='tanh'" when approximate, else nothing (PyTorch's repr).
+  std::string extra_repr() const override;
+  const std::string& approximate() const { return approximate_; }
+
+ private:
+  std::string approximate_;
+};
+
 }  // namespace dp::nn

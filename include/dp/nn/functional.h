@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "dp/tensor/tensor.h"
 
@@ -105,6 +106,11 @@ Tensor log_softmax(const Tensor& x, std::int64_t dim);
 Tensor softmax(const Tensor& x, std::int64_t dim);
 
 // ---- transformer ops ---------------------------------------------------------------------
+
+/// torch.nn.functional.gelu: x * Phi(x), Phi the standard normal CDF — exactly
+/// 0.5 x (1 + erf(x / sqrt 2)) (approximate = "none"), or with the tanh approximation
+/// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (approximate = "tanh"). Differentiable.
+Tensor gelu(const Tensor& input, const std::string& approximate = "none");
 
 /// torch.nn.functional.layer_norm: normalises over the trailing dims `normalized_shape`
 /// of `input` (mean and biased variance per row, in float), then scales by `weight` and

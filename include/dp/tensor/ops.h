@@ -79,6 +79,8 @@ Tensor reciprocal(const Tensor& a);
 Tensor relu(const Tensor& a);
 Tensor sigmoid(const Tensor& a);
 Tensor tanh(const Tensor& a);
+/// The error function, erf(x) = 2/sqrt(pi) * integral of exp(-t^2) from 0 to x.
+Tensor erf(const Tensor& a);
 
 Tensor sum(const Tensor& a);
 Tensor sum(const Tensor& a, std::int64_t dim, bool keepdim = false);
