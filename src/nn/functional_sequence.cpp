@@ -3,8 +3,8 @@
 // ops, so their gradients come from those ops' backward functions.
 #include <cmath>
 #include <optional>
-#include <vector>
 #include <utility>
+#include <vector>
 
 #include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
@@ -129,17 +129,16 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   DP_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": expected dropout_p in [0, 1], got ", dropout_p);
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
   Tensor scores = mul(matmul(q, k.transpose(-2, -1)), s);  // (..., L, S)
+  // Masks become additive: a 0/1 keep-mask through log (log 1 = 0, log 0 = -inf, exactly).
   Tensor additive;
   if (is_causal) {
-    // 0 where key j <= query i, -inf after: PyTorch's top-left aligned causal mask.
-    std::vector<float> m(static_cast<std::size_t>(L * S), 0.0f);
-    for (std::int64_t i = 0; i < L; ++i)
-      for (std::int64_t j = i + 1; j < S; ++j) m[static_cast<std::size_t>(i * S + j)] = -INFINITY;
-    additive = from_vector(m, {L, S}, q.device());
+    // Keep key j for query i when j <= i: PyTorch's top-left aligned causal mask, made
+    // on the device from two aranges (no host loop, no copy per call).
+    const TensorOptions f32{Dtype::Float32, q.device()};
+    additive = log(le(arange(S, f32).reshape({1, S}), arange(L, f32).reshape({L, 1})));
   } else if (attn_mask.defined()) {
     DP_CHECK(attn_mask.dtype() == Dtype::Float32 && attn_mask.device() == q.device(), op,
              ": expected a float32 attn_mask on ", q.device().str(), ", got ", attn_mask.str());
-    // A 0/1 keep-mask becomes additive through log: log 1 = 0, log 0 = -inf, exactly.
     additive = mask_is_keep ? log(attn_mask.detach()) : attn_mask;
   }
   if (additive.defined()) scores = add(scores, additive);

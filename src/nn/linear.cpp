@@ -26,6 +26,8 @@ void Linear::check_input(const Tensor& x) const {
            shape_str(x.shape()), x.dim() == 4 ? "; an (N, C, H, W) input wants a Flatten before this layer" : "");
 }
 
+namespace {
+
 // Over the last dim of any input, as torch.nn.Linear: (..., in) is viewed as rows
 // (n, in), one GEMM, and viewed back as (..., out).
 template <class F>
@@ -35,6 +37,8 @@ Tensor over_rows(const Tensor& x, std::int64_t in, std::int64_t out, F&& f) {
   shape.back() = out;
   return f(x.reshape({x.numel() / in, in})).reshape(shape);
 }
+
+}  // namespace
 
 Tensor Linear::forward(const Tensor& x) {
   check_input(x);

@@ -14,6 +14,7 @@
 #include "dp/data/sampler.h"
 #include "dp/core/error.h"
 #include "dp/data/text.h"
+#include "test_errors.h"
 
 namespace {
 
@@ -23,15 +24,6 @@ using dp::data::TokenDataset;
 std::vector<std::int64_t> ints(const dp::Tensor& t) {
   const std::int64_t* p = t.data<std::int64_t>();
   return {p, p + t.numel()};
-}
-
-std::string error_of(const auto& f) {
-  try {
-    f();
-  } catch (const dp::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace
@@ -65,24 +57,17 @@ TEST_CASE("CharTokenizer: sorted distinct bytes, round trips, the vocabulary str
 }
 
 TEST_CASE("CharTokenizer: bad input names what was expected and what came") {
-  CHECK(error_of([] { CharTokenizer t(""); }).find("non-empty text") != std::string::npos);
+  CHECK(dp_test::throws_with([] { CharTokenizer t(""); }, {"non-empty text"}));
   CharTokenizer tok("abc");
-  std::string e = error_of([&] { (void)tok.encode("abxc"); });
-  CHECK(e.find("'x'") != std::string::npos);
-  CHECK(e.find("position 2") != std::string::npos);
-  e = error_of([&] { (void)tok.encode(std::string("a\n")); });
-  CHECK(e.find("0x0a") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)tok.encode("abxc"); }, {"'x'", "position 2"}));
+  CHECK(dp_test::throws_with([&] { (void)tok.encode(std::string("a\n")); }, {"0x0a"}));
   std::vector<std::int64_t> bad{0, 3};
-  e = error_of([&] { (void)tok.decode(bad); });
-  CHECK(e.find("id 3 at position 1") != std::string::npos);
-  CHECK(e.find("[0, 3)") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)tok.decode(bad); }, {"id 3 at position 1", "[0, 3)"}));
   bad = {-1};
-  CHECK(error_of([&] { (void)tok.decode(bad); }).find("id -1") != std::string::npos);
-  CHECK(error_of([] { (void)CharTokenizer::from_vocabulary(""); }).find("empty") != std::string::npos);
-  e = error_of([] { (void)CharTokenizer::from_vocabulary("acb"); });
-  CHECK(e.find("strictly increasing") != std::string::npos);
-  CHECK(e.find("position 2") != std::string::npos);
-  CHECK(error_of([] { (void)CharTokenizer::from_vocabulary("aa"); }).find("strictly increasing") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)tok.decode(bad); }, {"id -1"}));
+  CHECK(dp_test::throws_with([] { (void)CharTokenizer::from_vocabulary(""); }, {"empty"}));
+  CHECK(dp_test::throws_with([] { (void)CharTokenizer::from_vocabulary("acb"); }, {"strictly increasing", "position 2"}));
+  CHECK(dp_test::throws_with([] { (void)CharTokenizer::from_vocabulary("aa"); }, {"strictly increasing"}));
 }
 
 TEST_CASE("TokenDataset: window i is tokens [i, i+T), its target one token later") {
@@ -123,23 +108,19 @@ TEST_CASE("TokenDataset: window i is tokens [i, i+T), its target one token later
 
 TEST_CASE("TokenDataset: bad input") {
   std::vector<std::int64_t> s{0, 1, 2, 3};
-  CHECK(error_of([] { TokenDataset d(dp::Tensor(), 2); }).find("undefined") != std::string::npos);
-  CHECK(error_of([&] { TokenDataset d(dp::from_vector(s, {2, 2}), 1); }).find("1-d int64") != std::string::npos);
+  CHECK(dp_test::throws_with([] { TokenDataset d(dp::Tensor(), 2); }, {"undefined"}));
+  CHECK(dp_test::throws_with([&] { TokenDataset d(dp::from_vector(s, {2, 2}), 1); }, {"1-d int64"}));
   std::vector<float> f{0, 1, 2};
-  CHECK(error_of([&] { TokenDataset d(dp::from_vector(f, {3}), 1); }).find("1-d int64") != std::string::npos);
-  CHECK(error_of([&] { TokenDataset d(dp::from_vector(s, {4}), 0); }).find("block_size of at least 1, got 0") !=
-        std::string::npos);
-  std::string e = error_of([&] { TokenDataset d(dp::from_vector(s, {4}), 4); });
-  CHECK(e.find("4 tokens") != std::string::npos);
-  CHECK(e.find("more than 4") != std::string::npos);
-  e = error_of([&] { TokenDataset d(dp::from_vector(s, {4}), 2, 3); });
-  CHECK(e.find("token 3 at position 3") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { TokenDataset d(dp::from_vector(f, {3}), 1); }, {"1-d int64"}));
+  CHECK(dp_test::throws_with([&] { TokenDataset d(dp::from_vector(s, {4}), 0); }, {"block_size of at least 1, got 0"}));
+  CHECK(dp_test::throws_with([&] { TokenDataset d(dp::from_vector(s, {4}), 4); }, {"4 tokens", "more than 4"}));
+  CHECK(dp_test::throws_with([&] { TokenDataset d(dp::from_vector(s, {4}), 2, 3); }, {"token 3 at position 3"}));
   std::vector<std::int64_t> neg{0, -2, 1};
-  CHECK(error_of([&] { TokenDataset d(dp::from_vector(neg, {3}), 1, 5); }).find("token -2") != std::string::npos);
-  CHECK(error_of([&] { TokenDataset d(dp::from_vector(s, {4}), 1, -1); }).find("vocab_size >= 0") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { TokenDataset d(dp::from_vector(neg, {3}), 1, 5); }, {"token -2"}));
+  CHECK(dp_test::throws_with([&] { TokenDataset d(dp::from_vector(s, {4}), 1, -1); }, {"vocab_size >= 0"}));
   TokenDataset ok(dp::from_vector(s, {4}), 2);
   std::vector<std::int64_t> out{2};
-  CHECK(error_of([&] { (void)ok.get_batch(out); }).find("index 2") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)ok.get_batch(out); }, {"index 2"}));
 }
 
 TEST_CASE("TokenDataset through a DataLoader and a DistributedSampler") {
@@ -170,7 +151,7 @@ TEST_CASE("read_text: a file whole, and clear errors") {
     std::ofstream(dir / "empty.txt");
   }
   CHECK(dp::data::read_text(dir / "a.txt") == "To be, or not to be\n");
-  CHECK(error_of([&] { (void)dp::data::read_text(dir / "empty.txt"); }).find("is empty") != std::string::npos);
-  CHECK(error_of([&] { (void)dp::data::read_text(dir / "missing.txt"); }).find("no such file") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)dp::data::read_text(dir / "empty.txt"); }, {"is empty"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::data::read_text(dir / "missing.txt"); }, {"no such file"}));
   std::filesystem::remove_all(dir);
 }

@@ -12,6 +12,7 @@
 #include "test_devices.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
+#include "test_errors.h"
 #include "dp/tensor/tensor.h"
 
 namespace nn_test {
@@ -21,11 +22,15 @@ namespace nn_test {
 using F = std::vector<float>;
 using I = std::vector<std::int64_t>;
 
-/// Max |a[i] - b[i]| (sizes must match).
+/// Max |a[i] - b[i]| (sizes must match); infinity when a NaN appears on either side
+/// (std::max would skip it, and a tolerance check would then pass).
 inline double max_diff(const F& a, const F& b) {
   REQUIRE(a.size() == b.size());
   double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(double(a[i]) - double(b[i]));
+    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
+  }
   return m;
 }
 
@@ -35,23 +40,7 @@ inline bool bitwise_equal(const F& a, const F& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-/// True when `fn` throws dp::Error whose message contains every one of `parts`.
-template <typename Fn>
-bool throws_with(Fn&& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-  } catch (const dp::Error& e) {
-    std::string msg = e.what();
-    for (const auto& p : parts) {
-      if (msg.find(p) == std::string::npos) {
-        MESSAGE("message lacks '", p, "': ", msg);
-        return false;
-      }
-    }
-    return true;
-  }
-  return false;
-}
+using dp_test::throws_with;  // tests/test_errors.h
 
 // ---- naive NCHW references ------------------------------------------------------------------
 

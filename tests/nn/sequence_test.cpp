@@ -16,6 +16,8 @@
 #include "dp/nn/normalization.h"
 #include "dp/tensor/ops.h"
 #include "sequence_reference.h"
+#include "nn_test_util.h"
+#include "test_errors.h"
 
 namespace {
 
@@ -23,16 +25,7 @@ using dp::Shape;
 using dp::Tensor;
 namespace ref = sequence_reference;
 
-double max_diff(const Tensor& t, const std::vector<float>& want) {
-  const std::vector<float> got = t.to_vector();
-  if (got.size() != want.size()) return INFINITY;
-  double m = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double d = std::fabs(double(got[i]) - double(want[i]));
-    if (!(d <= m)) m = std::isnan(d) ? INFINITY : d;
-  }
-  return m;
-}
+double max_diff(const Tensor& t, const std::vector<float>& want) { return nn_test::max_diff(t.to_vector(), want); }
 
 // sum(f(x) * up) backward; returns f(x) and x's gradient.
 std::pair<Tensor, Tensor> run(const std::vector<float>& x, const Shape& shape, const std::vector<float>& up,
@@ -41,15 +34,6 @@ std::pair<Tensor, Tensor> run(const std::vector<float>& x, const Shape& shape, c
   Tensor y = f(leaf);
   dp::sum(dp::mul(y, dp::from_vector(up, y.shape()))).backward();
   return {y, leaf.grad()};
-}
-
-std::string error_of(const auto& f) {
-  try {
-    f();
-  } catch (const dp::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace
@@ -152,22 +136,18 @@ TEST_CASE("Linear applies over the last dim of (B, T, C), as PyTorch's") {
 
 TEST_CASE("sequence ops: bad input") {
   Tensor x = dp::zeros({2, 3});
-  CHECK(error_of([&] { (void)dp::nn::softmax(x, 2); }).find("softmax: expected a dim in [-2, 2), got 2") !=
-        std::string::npos);
-  CHECK(error_of([&] { (void)dp::nn::layer_norm(x, {4}); }).find("trailing dims are normalized_shape [4]") !=
-        std::string::npos);
-  CHECK(error_of([&] { (void)dp::nn::layer_norm(x, {3}, dp::ones({4})); }).find("weight of shape [3]") !=
-        std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::softmax(x, 2); }, {"softmax: expected a dim in [-2, 2), got 2"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::layer_norm(x, {4}); }, {"trailing dims are normalized_shape [4]"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::layer_norm(x, {3}, dp::ones({4})); }, {"weight of shape [3]"}));
   Tensor w = dp::zeros({5, 2});
-  CHECK(error_of([&] { (void)dp::nn::embedding(x, w); }).find("int64 or int32 ids") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::embedding(x, w); }, {"int64 or int32 ids"}));
   Tensor ids = dp::from_vector(std::vector<std::int64_t>{1, 5}, {2});
-  CHECK(error_of([&] { (void)dp::nn::embedding(ids, w); }).find("5") != std::string::npos);
-  CHECK(error_of([&] { (void)dp::nn::embedding(ids.narrow(0, 0, 1), w, 5); }).find("padding_idx in [-5, 5), got 5") !=
-        std::string::npos);
-  CHECK(error_of([] { dp::nn::Embedding e(0, 3); }).find("positive num_embeddings") != std::string::npos);
-  CHECK(error_of([] { dp::nn::LayerNorm l(Shape{}); }).find("non-empty normalized_shape") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::embedding(ids, w); }, {"5"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::embedding(ids.narrow(0, 0, 1), w, 5); }, {"padding_idx in [-5, 5), got 5"}));
+  CHECK(dp_test::throws_with([] { dp::nn::Embedding e(0, 3); }, {"positive num_embeddings"}));
+  CHECK(dp_test::throws_with([] { dp::nn::LayerNorm l(Shape{}); }, {"non-empty normalized_shape"}));
   dp::nn::Linear lin(4, 5);
-  CHECK(error_of([&] { (void)lin(dp::zeros({2, 3, 5})); }).find("(..., in=4)") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)lin(dp::zeros({2, 3, 5})); }, {"(..., in=4)"}));
 }
 
 TEST_CASE("scaled_dot_product_attention matches PyTorch: causal with gradients, masks, cross-attention") {
@@ -204,16 +184,11 @@ TEST_CASE("scaled_dot_product_attention matches PyTorch: causal with gradients, 
 
 TEST_CASE("scaled_dot_product_attention: bad input") {
   Tensor q = dp::zeros({2, 5, 4}), k = dp::zeros({2, 5, 4}), v = dp::zeros({2, 5, 3});
-  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(q, dp::zeros({2, 5, 3}), v); })
-            .find("same last dim E") != std::string::npos);
-  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(q, k, dp::zeros({2, 4, 3})); })
-            .find("same number of keys S") != std::string::npos);
-  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(q, k, v, dp::zeros({5, 5}), 0.0, true); })
-            .find("either attn_mask or is_causal") != std::string::npos);
-  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(q, k, v, Tensor(), 1.5); })
-            .find("dropout_p in [0, 1], got 1.5") != std::string::npos);
-  CHECK(error_of([&] { (void)dp::nn::scaled_dot_product_attention(dp::zeros({4}), k, v); })
-            .find("at least 2 dims") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(q, dp::zeros({2, 5, 3}), v); }, {"same last dim E"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(q, k, dp::zeros({2, 4, 3})); }, {"same number of keys S"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(q, k, v, dp::zeros({5, 5}), 0.0, true); }, {"either attn_mask or is_causal"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(q, k, v, Tensor(), 1.5); }, {"dropout_p in [0, 1], got 1.5"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(dp::zeros({4}), k, v); }, {"at least 2 dims"}));
 }
 
 TEST_CASE("gelu, exact and tanh-approximated, matches PyTorch with gradients; the GELU layer") {
@@ -227,6 +202,6 @@ TEST_CASE("gelu, exact and tanh-approximated, matches PyTorch with gradients; th
   CHECK(layer(dp::from_vector(ref::kGeluX, {49})).to_vector() == yt.to_vector());
   CHECK(layer.name() == "GELU(approximate='tanh')");
   CHECK(dp::nn::GELU().name() == "GELU()");
-  CHECK(error_of([] { dp::nn::GELU g("fast"); }).find("\"none\" or \"tanh\", got \"fast\"") != std::string::npos);
-  CHECK(error_of([] { (void)dp::nn::gelu(dp::zeros({2}), "erf"); }).find("got \"erf\"") != std::string::npos);
+  CHECK(dp_test::throws_with([] { dp::nn::GELU g("fast"); }, {"\"none\" or \"tanh\", got \"fast\""}));
+  CHECK(dp_test::throws_with([] { (void)dp::nn::gelu(dp::zeros({2}), "erf"); }, {"got \"erf\""}));
 }

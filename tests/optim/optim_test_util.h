@@ -12,6 +12,7 @@
 #include "test_devices.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
+#include "test_errors.h"
 #include "dp/nn/nn.h"
 #include "dp/tensor/tensor.h"
 
@@ -46,23 +47,7 @@ inline void set_grads(const std::vector<dp::Tensor>& params, int t) {
   }
 }
 
-/// True when `fn` throws dp::Error whose message contains every one of `parts`.
-template <typename Fn>
-bool throws_with(Fn&& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-  } catch (const dp::Error& e) {
-    const std::string msg = e.what();
-    for (const auto& p : parts) {
-      if (msg.find(p) == std::string::npos) {
-        MESSAGE("message lacks '", p, "': ", msg);
-        return false;
-      }
-    }
-    return true;
-  }
-  return false;
-}
+using dp_test::throws_with;  // tests/test_errors.h
 
 inline D to_double(const std::vector<float>& v) { return D(v.begin(), v.end()); }
 

@@ -10,6 +10,7 @@
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"
+#include "test_errors.h"
 
 namespace {
 
@@ -21,15 +22,6 @@ Tensor iota(const Shape& shape) {
   std::vector<float> v(static_cast<std::size_t>(dp::shape_numel(shape)));
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i);
   return dp::from_vector(v, shape);
-}
-
-std::string error_of(const auto& f) {
-  try {
-    f();
-  } catch (const dp::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace
@@ -150,19 +142,15 @@ TEST_CASE("chunk and split along any dim, with gradients") {
 
 TEST_CASE("shape ops: bad input names what was expected and what came") {
   Tensor x = iota({2, 3, 4});
-  CHECK(error_of([&] { (void)x.permute({0, 1}); }).find("expected 3 dims") != std::string::npos);
-  CHECK(error_of([&] { (void)x.permute({0, 1, 1}); }).find("appears twice") != std::string::npos);
-  CHECK(error_of([&] { (void)x.permute({0, 1, 3}); }).find("dim 3 at position 2 is out of range") !=
-        std::string::npos);
-  CHECK(error_of([&] { (void)dp::arange(4, {dp::Dtype::Int64}).permute({0}); }).find("expected float32") !=
-        std::string::npos);
-  CHECK(error_of([&] { (void)x.transpose(0, 3); }).find("expected dims in [-3, 3)") != std::string::npos);
-  CHECK(error_of([&] { (void)x.expand({3, 4}); }).find("at least 3 sizes") != std::string::npos);
-  CHECK(error_of([&] { (void)x.expand({2, 5, 4}); }).find("dim 1 has size 3, expected it to be 1 or 5") !=
-        std::string::npos);
-  CHECK(error_of([&] { (void)x.expand({-1, 2, 3, 4}); }).find("-1 at new leading dim 0") != std::string::npos);
-  CHECK(error_of([&] { (void)dp::chunk(x, 2, 3); }).find("chunk: expected a dim in [-3, 3), got 3") !=
-        std::string::npos);
-  CHECK(error_of([&] { (void)dp::split(x, {1, 1}, 1); }).find("sum to 2 but dim 1 has 3") != std::string::npos);
-  CHECK(error_of([&] { (void)dp::split(x, 0, 1); }).find("split_size >= 1, got 0") != std::string::npos);
+  CHECK(dp_test::throws_with([&] { (void)x.permute({0, 1}); }, {"expected 3 dims"}));
+  CHECK(dp_test::throws_with([&] { (void)x.permute({0, 1, 1}); }, {"appears twice"}));
+  CHECK(dp_test::throws_with([&] { (void)x.permute({0, 1, 3}); }, {"dim 3 at position 2 is out of range"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::arange(4, {dp::Dtype::Int64}).permute({0}); }, {"expected float32"}));
+  CHECK(dp_test::throws_with([&] { (void)x.transpose(0, 3); }, {"expected dims in [-3, 3)"}));
+  CHECK(dp_test::throws_with([&] { (void)x.expand({3, 4}); }, {"at least 3 sizes"}));
+  CHECK(dp_test::throws_with([&] { (void)x.expand({2, 5, 4}); }, {"dim 1 has size 3, expected it to be 1 or 5"}));
+  CHECK(dp_test::throws_with([&] { (void)x.expand({-1, 2, 3, 4}); }, {"-1 at new leading dim 0"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::chunk(x, 2, 3); }, {"chunk: expected a dim in [-3, 3), got 3"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::split(x, {1, 1}, 1); }, {"sum to 2 but dim 1 has 3"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::split(x, 0, 1); }, {"split_size >= 1, got 0"}));
 }
