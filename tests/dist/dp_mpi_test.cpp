@@ -147,6 +147,40 @@ bool same_everywhere(const std::vector<float>& v) {
 
 }  // namespace
 
+TEST_CASE("the sequence layers (a tiny causal LM) train the same in every design across processes") {
+  // Every process takes its rows of each global token batch; the reference is one plain
+  // device on the whole batch. SGD: see tests/parallel/sequence_model_test.cpp.
+  auto run = [](const dp::DataParallelOptions* options) {
+    auto net = std::make_shared<TinyLM>(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed);
+    std::unique_ptr<dp::DataParallel> model;
+    if (options) model = std::make_unique<dp::DataParallel>(net, local_devices(), *options);
+    dp::optim::SGD opt(model ? model->parameters() : net->parameters(), {.lr = 0.1});
+    for (int s = 0; s < 3; ++s) {
+      const std::int64_t rows = global_rows(s);
+      Batch b = make_token_batch(rows, 500 + static_cast<std::uint64_t>(s));
+      opt.zero_grad();
+      if (!model) {
+        token_loss(net->forward(b.x), b.y).backward();
+      } else {
+        const auto [lo, n] = my_rows(rows);
+        model->forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), token_loss);
+      }
+      opt.step();
+    }
+    return flat(net->state_dict());
+  };
+  const std::vector<float> single = run(nullptr);
+  std::vector<float> first;
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    const std::vector<float> got = run(&d.options);
+    CHECK(max_diff(got, single) < 2e-5);
+    CHECK(same_everywhere(got));
+    if (first.empty()) first = got;
+    else CHECK(max_diff(got, first) < 1e-6);  // across processes Sharded agrees to float rounding
+  }
+}
+
 TEST_CASE("the job spans every process: world_devices, processes, the shards over every device") {
   auto net = make_mlp(kSeed);
   dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::Sharded, .shard_stage = 1});

@@ -125,4 +125,45 @@ class FaultySgd final : public dp::optim::Optimizer {
   }
 };
 
+/// A tiny causal language model over every sequence layer: token embedding, pre-norm
+/// causal self-attention (2 heads, scaled_dot_product_attention) with a residual, a
+/// GELU MLP, and a head over the vocabulary. ids (B, T) int64 -> logits (B, T, V).
+/// Five top-level children: five gather units in stage 3.
+struct TinyLM : dp::nn::Module {
+  static constexpr std::int64_t V = 11, C = 8, H = 2;
+  explicit TinyLM(std::uint64_t seed) {
+    dp::Generator gen(seed);
+    wte = register_module("wte", std::make_shared<dp::nn::Embedding>(V, C, &gen));
+    ln = register_module("ln", std::make_shared<dp::nn::LayerNorm>(dp::Shape{C}));
+    qkv = register_module("qkv", std::make_shared<dp::nn::Linear>(C, 3 * C, true, &gen));
+    fc = register_module("fc", std::make_shared<dp::nn::Linear>(C, 2 * C, true, &gen));
+    head = register_module("head", std::make_shared<dp::nn::Linear>(2 * C, V, true, &gen));
+  }
+  dp::Tensor forward(const dp::Tensor& ids) override {
+    const std::int64_t B = ids.size(0), T = ids.size(1);
+    dp::Tensor h = wte->forward(ids);
+    std::vector<dp::Tensor> parts = dp::split(qkv->forward(ln->forward(h)), C, 2);
+    auto heads = [&](const dp::Tensor& t) { return t.reshape({B, T, H, C / H}).transpose(1, 2); };
+    dp::Tensor att = dp::nn::scaled_dot_product_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]),
+                                                          dp::Tensor(), 0.0, /*is_causal=*/true);
+    h = dp::add(h, att.transpose(1, 2).reshape({B, T, C}));
+    return head->forward(dp::nn::gelu(fc->forward(h)));
+  }
+  std::shared_ptr<dp::nn::Embedding> wte;
+  std::shared_ptr<dp::nn::LayerNorm> ln;
+  std::shared_ptr<dp::nn::Linear> qkv, fc, head;
+};
+
+/// `rows` windows of 5 tokens and their next tokens, deterministic in (rows, seed).
+inline Batch make_token_batch(std::int64_t rows, std::uint64_t seed) {
+  dp::Generator gen(seed);
+  dp::Tensor ids = dp::randint(0, TinyLM::V, {rows, 6}, gen, dp::cpu(0));
+  return {ids.narrow(1, 0, 5).clone(), ids.narrow(1, 1, 5).clone()};
+}
+
+/// Mean cross entropy over every token of (B, T, V) logits and (B, T) targets.
+inline dp::Tensor token_loss(const dp::Tensor& logits, const dp::Tensor& y) {
+  return dp::nn::cross_entropy(logits.reshape({-1, TinyLM::V}), y.reshape({-1}));
+}
+
 }  // namespace
