@@ -154,3 +154,25 @@ TEST_CASE("shape ops: bad input names what was expected and what came") {
   CHECK(dp_test::throws_with([&] { (void)dp::split(x, {1, 1}, 1); }, {"sum to 2 but dim 1 has 3"}));
   CHECK(dp_test::throws_with([&] { (void)dp::split(x, 0, 1); }, {"split_size >= 1, got 0"}));
 }
+
+TEST_CASE("index_add adds source's slices at index along dim, repeats summed; gradients; bad input") {
+  Tensor base = iota({4, 2});
+  Tensor src = dp::from_vector(std::vector<float>{10, 20, 30, 40, 50, 60}, {3, 2});
+  Tensor idx = dp::from_vector(std::vector<std::int64_t>{3, 0, 3}, {3});
+  CHECK(dp::index_add(base, 0, idx, src).to_vector() == std::vector<float>{30, 41, 2, 3, 4, 5, 66, 87});
+  CHECK(base.to_vector() == iota({4, 2}).to_vector());  // a copy: the input is unchanged
+  Tensor cols = dp::index_add(iota({2, 3}), 1, dp::from_vector(std::vector<std::int64_t>{2}, {1}),
+                              dp::from_vector(std::vector<float>{7, 8}, {2, 1}));
+  CHECK(cols.to_vector() == std::vector<float>{0, 1, 9, 3, 4, 13});
+  CHECK(dp_test::gradcheck_mismatches([&](const auto& in) { return dp::index_add(in[0], 0, idx, in[1]); },
+                                      {dp::from_vector(dp_test::away_from_zero(8, 3), {4, 2}),
+                                       dp::from_vector(dp_test::away_from_zero(6, 4), {3, 2})})
+            .empty());
+  CHECK(dp_test::throws_with([&] { (void)dp::index_add(base, 0, idx, dp::zeros({2, 2})); },
+                             {"source of shape [3, 2]", "got [2, 2]"}));
+  CHECK(dp_test::throws_with(
+      [&] { (void)dp::index_add(base, 0, dp::from_vector(std::vector<std::int64_t>{0, 4, 1}, {3}), src); }, {"4"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::index_add(dp::arange(4, {dp::Dtype::Int64}), 0, idx, src); },
+                             {"int64"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::index_add(base, 2, idx, src); }, {"index_add: expected a dim"}));
+}
