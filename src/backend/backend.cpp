@@ -33,6 +33,8 @@ const char* dtype_name(DType dt) {
     case DType::F32: return "float32";
     case DType::I64: return "int64";
     case DType::I32: return "int32";
+    case DType::BF16: return "bfloat16";
+    case DType::F16: return "float16";
     case DType::kCount: break;
   }
   return "an unknown dtype";

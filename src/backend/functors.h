@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/backend.h"
 
@@ -52,6 +53,19 @@ DP_HD inline acc_t<T> load_acc(T v) {
 template <typename T>
 DP_HD inline T store_acc(acc_t<T> v) {
   return static_cast<T>(v);
+}
+
+/// x converted to Dst: as static_cast for built-in types; a 16-bit float (dp/core/half.h)
+/// goes through float, exact when widening and rounded once when narrowing to one.
+template <typename Dst, typename Src>
+DP_HD inline Dst convert(Src x) {
+  if constexpr (std::is_arithmetic_v<Dst> && std::is_arithmetic_v<Src>) {
+    return static_cast<Dst>(x);
+  } else if constexpr (std::is_arithmetic_v<Dst>) {
+    return static_cast<Dst>(static_cast<float>(x));
+  } else {
+    return Dst(static_cast<float>(x));
+  }
 }
 
 /// A float functor F (a Unary<...> or Binary<...>) over storage type T.

@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "dp/core/half.h"
+
 namespace dp::backend {
 
 /// Most dimensions a strided elementwise kernel handles.
@@ -89,11 +91,15 @@ enum class DType : std::uint8_t {
   F32 = 0,
   I64 = 1,
   I32 = 2,
+  BF16 = 3,
+  F16 = 4,
   kCount  // Note [Op enum sentinels]
 };
 inline constexpr int kDTypeCount = static_cast<int>(DType::kCount);
+/// The floating dtypes: float32 and the 16-bit storage types (Note [Storage types]).
+constexpr bool is_floating(DType dt) { return dt == DType::F32 || dt == DType::BF16 || dt == DType::F16; }
 
-/// "float32", "int64", "int32".
+/// "float32", "int64", "int32", "bfloat16", "float16".
 const char* dtype_name(DType dt);
 /// Throws the dp::Error of a dtype value out of range (visit_dtype's default).
 [[noreturn]] void visit_dtype_failed(DType dt);
@@ -104,6 +110,8 @@ struct DTypeOf;
 template <> struct DTypeOf<float> { static constexpr DType value = DType::F32; };
 template <> struct DTypeOf<std::int64_t> { static constexpr DType value = DType::I64; };
 template <> struct DTypeOf<std::int32_t> { static constexpr DType value = DType::I32; };
+template <> struct DTypeOf<BFloat16> { static constexpr DType value = DType::BF16; };
+template <> struct DTypeOf<Float16> { static constexpr DType value = DType::F16; };
 template <typename T>
 inline constexpr DType dtype_of = DTypeOf<T>::value;
 
@@ -115,6 +123,8 @@ void visit_dtype(DType dt, F&& f) {
     case DType::F32: f(float{}); return;
     case DType::I64: f(std::int64_t{}); return;
     case DType::I32: f(std::int32_t{}); return;
+    case DType::BF16: f(BFloat16{}); return;
+    case DType::F16: f(Float16{}); return;
     case DType::kCount: break;
   }
   visit_dtype_failed(dt);

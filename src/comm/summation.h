@@ -17,7 +17,8 @@
 namespace dp::comm {
 
 /// Every dp::Dtype, in the order messages list them ("it takes float32, int64, int32").
-inline constexpr Dtype kEveryDtype[] = {Dtype::Float32, Dtype::Int64, Dtype::Int32};
+inline constexpr Dtype kEveryDtype[] = {Dtype::Float32, Dtype::Int64, Dtype::Int32, Dtype::BFloat16,
+                                        Dtype::Float16};
 
 /// How a reduction adds storage type T: elements are loaded into Acc, added in the
 /// fixed order of Note [Fixed summation order], scaled (Average) and stored back.
@@ -34,8 +35,19 @@ struct Summand<float> {
   static Acc load(float x) { return x; }
   static float store(Acc a) { return a; }
 };
-// bf16 / fp16: a Summand with Acc = float, load = widen, store = round to nearest
-// even; then a case in with_summand below. Nothing else changes.
+/// bfloat16 and float16 add in float: each input widens exactly, the sum of every input
+/// is formed in float32, and the result rounds once to nearest even.
+template <typename T>
+struct Summand16 {
+  static constexpr bool kSummable = true;
+  using Acc = float;
+  static Acc load(T x) { return static_cast<float>(x); }
+  static T store(Acc a) { return T(a); }
+};
+template <>
+struct Summand<BFloat16> : Summand16<BFloat16> {};
+template <>
+struct Summand<Float16> : Summand16<Float16> {};
 
 /// Calls f.template operator()<T>() with T the storage type of `dtype` and returns true
 /// when `dtype` is summable; returns false (calling nothing) otherwise.
@@ -44,6 +56,12 @@ bool with_summand(Dtype dtype, F&& f) {
   switch (dtype) {
     case Dtype::Float32:
       f.template operator()<float>();
+      return true;
+    case Dtype::BFloat16:
+      f.template operator()<BFloat16>();
+      return true;
+    case Dtype::Float16:
+      f.template operator()<Float16>();
       return true;
     default:
       return false;  // integers are moved, never reduced (Note [Collective dtypes])

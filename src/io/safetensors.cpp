@@ -114,6 +114,8 @@ constexpr FormatDtype kFormatDtypes[] = {
     {Dtype::Float32, "F32"},
     {Dtype::Int64, "I64"},
     {Dtype::Int32, "I32"},
+    {Dtype::BFloat16, "BF16"},
+    {Dtype::Float16, "F16"},
 };
 
 const char* st_dtype(Dtype d) {

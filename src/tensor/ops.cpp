@@ -91,42 +91,56 @@ Indexer make_indexer(const Shape& a, const Shape& b, const Shape& out) {
   return ix;
 }
 
+bool is_16bit(const Tensor& t) { return t.dtype() == Dtype::BFloat16 || t.dtype() == Dtype::Float16; }
+
+// The dtype an op of two floating operands computes in (Note [16-bit tensors]): theirs
+// when they agree, else float32. Anything else is left to the op's own checks.
+Dtype common_dtype(const Tensor& a, const Tensor& b) {
+  if (a.dtype() == b.dtype() || !is_floating_point(a.dtype()) || !is_floating_point(b.dtype())) return a.dtype();
+  return Dtype::Float32;
+}
+bool mixed_floating(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.dtype() != b.dtype() && is_floating_point(a.dtype()) &&
+         is_floating_point(b.dtype());
+}
+
 Tensor binary_raw(const char* op, BinaryOp kind, const Tensor& a, const Tensor& b) {
   detail::check_same_device(op, a, b);
-  detail::check_float(op, a, "first input");
-  detail::check_float(op, b, "second input");
+  detail::check_floating(op, a, "first input");
+  detail::check_floating(op, b, "second input");
+  DP_ASSERT(a.dtype() == b.dtype(), op, ": operands of one dtype expected here, got ", dtype_name(a.dtype()),
+            " and ", dtype_name(b.dtype()));
   Shape out_shape = broadcast_shape(op, a.shape(), b.shape());
-  Tensor out = empty(out_shape, a.device());
+  Tensor out = empty(out_shape, TensorOptions{a.dtype(), a.device()});
   if (out.numel() == 0) return out;
   Indexer ix = make_indexer(a.shape(), b.shape(), out_shape);
-  be(a).run<Op::Binary>(a.device(), DType::F32, {kind, ix, a.data<float>(), b.data<float>(), out.data<float>()});
+  be(a).run<Op::Binary>(a.device(), detail::kernel_dtype(a.dtype()), {kind, ix, a.raw_data(), b.raw_data(), out.raw_data()});
   return out;
 }
 
 Tensor unary_raw(const char* op, UnaryOp kind, const Tensor& a) {
-  detail::check_float(op, a);
-  Tensor out = empty(a.shape(), a.device());
-  be(a).run<Op::Unary>(a.device(), DType::F32, {kind, a.data<float>(), out.data<float>(), a.numel()});
+  detail::check_floating(op, a);
+  Tensor out = empty_like(a);
+  be(a).run<Op::Unary>(a.device(), detail::kernel_dtype(a.dtype()), {kind, a.raw_data(), out.raw_data(), a.numel()});
   return out;
 }
 
 Tensor affine_raw(const Tensor& a, double alpha, double beta) {
-  detail::check_float("affine", a);
-  Tensor out = empty(a.shape(), a.device());
-  be(a).run<Op::Affine>(a.device(), DType::F32,
-                        {a.data<float>(), out.data<float>(), a.numel(), static_cast<float>(alpha),
-                         static_cast<float>(beta)});
+  detail::check_floating("affine", a);
+  Tensor out = empty_like(a);
+  be(a).run<Op::Affine>(a.device(), detail::kernel_dtype(a.dtype()),
+                        {a.raw_data(), out.raw_data(), a.numel(), static_cast<float>(alpha), static_cast<float>(beta)});
   return out;
 }
 
 // Materialises `g` broadcast to `shape`.
 Tensor expand_to(const Tensor& g, const Shape& shape) {
   if (g.shape() == shape) return g;
-  Tensor out = empty(shape, g.device());
+  Tensor out = empty(shape, TensorOptions{g.dtype(), g.device()});
   if (out.numel() == 0) return out;
   broadcast_shape("expand", g.shape(), shape);
   Indexer ix = make_indexer(g.shape(), g.shape(), shape);
-  be(g).run<Op::StridedCopy>(g.device(), DType::F32, {ix, g.data<float>(), out.data<float>()});
+  be(g).run<Op::StridedCopy>(g.device(), detail::kernel_dtype(g.dtype()), {ix, g.raw_data(), out.raw_data()});
   return out;
 }
 
@@ -147,7 +161,7 @@ Tensor Tensor::expand(const Shape& shape) const {
     DP_CHECK(want >= 0 && (own == want || own == 1), "expand: cannot expand shape ", shape_str(this->shape()),
              " to ", shape_str(shape), ": dim ", i, " has size ", own, ", expected it to be 1 or ", want);
   }
-  detail::check_float("expand", *this);
+  detail::check_floating("expand", *this);
   Tensor out = expand_to(*this, target);
   if (out.impl() == impl()) out = out.detach();  // the same shape: a new handle on the same storage
   Shape from = this->shape();
@@ -184,6 +198,8 @@ ReduceGeometry reduce_geometry(const Tensor& a, std::int64_t d) {
 }
 
 Tensor reduce_raw(ReduceOp op, const Tensor& a, std::int64_t d, bool keepdim) {
+  // 16-bit: accumulate in float32, round once (Note [16-bit tensors]).
+  if (is_16bit(a)) return detail::cast_raw(reduce_raw(op, detail::cast_raw(a, Dtype::Float32), d, keepdim), a.dtype());
   ReduceGeometry g = reduce_geometry(a, d);
   Tensor out = empty(keepdim ? g.out_keep : g.out, a.device());
   be(a).run<Op::Reduce>(a.device(), DType::F32, {op, a.data<float>(), out.data<float>(), g.outer, g.r, g.inner});
@@ -191,6 +207,7 @@ Tensor reduce_raw(ReduceOp op, const Tensor& a, std::int64_t d, bool keepdim) {
 }
 
 Tensor sum_all_raw(const Tensor& a) {
+  if (is_16bit(a)) return detail::cast_raw(sum_all_raw(detail::cast_raw(a, Dtype::Float32)), a.dtype());
   Tensor out = empty({}, a.device());
   be(a).run<Op::Reduce>(a.device(), DType::F32,
                         {ReduceOp::Sum, a.data<float>(), out.data<float>(), 1, a.numel(), 1});
@@ -202,6 +219,7 @@ Tensor sum_all_raw(const Tensor& a) {
 // ---- binary ------------------------------------------------------------------------------
 
 Tensor add(const Tensor& a, const Tensor& b) {
+  if (mixed_floating(a, b)) return add(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("add", BinaryOp::Add, a, b);
   Shape sa = a.shape(), sb = b.shape();
   autograd::record("AddBackward", {a, b}, out, [sa, sb](const std::vector<Tensor>& g) {
@@ -211,6 +229,7 @@ Tensor add(const Tensor& a, const Tensor& b) {
 }
 
 Tensor sub(const Tensor& a, const Tensor& b) {
+  if (mixed_floating(a, b)) return sub(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("sub", BinaryOp::Sub, a, b);
   Shape sa = a.shape(), sb = b.shape();
   autograd::record("SubBackward", {a, b}, out, [sa, sb](const std::vector<Tensor>& g) {
@@ -220,6 +239,7 @@ Tensor sub(const Tensor& a, const Tensor& b) {
 }
 
 Tensor mul(const Tensor& a, const Tensor& b) {
+  if (mixed_floating(a, b)) return mul(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("mul", BinaryOp::Mul, a, b);
   bool ga = a.requires_grad(), gb = b.requires_grad();
   autograd::record("MulBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
@@ -230,6 +250,7 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor div(const Tensor& a, const Tensor& b) {
+  if (mixed_floating(a, b)) return div(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("div", BinaryOp::Div, a, b);
   bool gb = b.requires_grad();
   autograd::record("DivBackward", {a, b}, out, [a, b, out = out.detach(), gb](const std::vector<Tensor>& g) {
@@ -241,6 +262,7 @@ Tensor div(const Tensor& a, const Tensor& b) {
 }
 
 Tensor maximum(const Tensor& a, const Tensor& b) {
+  if (mixed_floating(a, b)) return maximum(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("maximum", BinaryOp::Maximum, a, b);
   autograd::record("MaximumBackward", {a, b}, out, [a, b](const std::vector<Tensor>& g) {
     Tensor a_wins = binary_raw("maximum", BinaryOp::Gt, a, b);  // ties go to b
@@ -274,6 +296,7 @@ Tensor sub(double s, const Tensor& a) {
 }
 
 Tensor div(double s, const Tensor& a) {
+  if (is_16bit(a)) return div(s, a.to(Dtype::Float32)).to(a.dtype());  // one rounding
   // PyTorch 1.13's Tensor.__rdiv__ is `self.reciprocal() * other`: the same two
   // roundings here, with the multiply as a float32 binary op (an affine's `+ 0` would
   // turn a -0 into +0).
@@ -287,6 +310,7 @@ Tensor div(double s, const Tensor& a) {
 }
 
 Tensor pow(const Tensor& a, double p) {
+  if (is_16bit(a)) return pow(a.to(Dtype::Float32), p).to(a.dtype());  // one rounding
   Tensor out = binary_raw("pow", BinaryOp::Pow, a, scalar_tensor(p, a.device()));
   autograd::record("PowBackward", {a}, out, [a, p](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{mul(mul(g[0], pow(a, p - 1.0)), p)};
@@ -298,6 +322,7 @@ Tensor eq(const Tensor& a, const Tensor& b) {
   detail::check_same_device("eq", a, b);
   // Integer labels against integer predictions: int32 widens to int64 (exact), so
   // int32 labels compare with argmax's int64 output as PyTorch's type promotion does.
+  if (is_16bit(a) || is_16bit(b)) return eq(detail::cast_raw(a, Dtype::Float32), detail::cast_raw(b, Dtype::Float32));
   const bool ints_a = a.dtype() != Dtype::Float32, ints_b = b.dtype() != Dtype::Float32;
   DP_CHECK(ints_a == ints_b, "eq: expected one dtype (or int32 with int64), got ",
            dtype_name(a.dtype()), " and ", dtype_name(b.dtype()));
@@ -324,7 +349,7 @@ namespace {
 // and the backend compares integers for equality alone.
 void check_ordering(const char* op, const Tensor& a, const Tensor& b) {
   detail::check_same_device(op, a, b);
-  DP_CHECK(a.dtype() == Dtype::Float32 && b.dtype() == Dtype::Float32, op, ": expected float32 tensors, got ",
+  DP_CHECK(is_floating_point(a.dtype()) && is_floating_point(b.dtype()), op, ": expected floating tensors, got ",
            dtype_name(a.dtype()), " and ", dtype_name(b.dtype()),
            "; integer tensors compare with == and != only (for an order, convert with .to(dp::Dtype::Float32))");
 }
@@ -345,17 +370,19 @@ Tensor ne(const Tensor& a, const Tensor& b) {
 
 Tensor gt(const Tensor& a, const Tensor& b) {
   check_ordering("gt (>)", a, b);
+  if (is_16bit(a) || is_16bit(b)) return gt(detail::cast_raw(a, Dtype::Float32), detail::cast_raw(b, Dtype::Float32));
   return binary_raw("gt (>)", BinaryOp::Gt, a, b);
 }
 
 Tensor lt(const Tensor& a, const Tensor& b) {
   check_ordering("lt (<)", a, b);
   broadcast_shape("lt (<)", a.shape(), b.shape());  // the shapes named in the caller's order
-  return binary_raw("lt (<)", BinaryOp::Gt, b, a);
+  return gt(b, a);
 }
 
 Tensor ge(const Tensor& a, const Tensor& b) {
   check_ordering("ge (>=)", a, b);
+  if (is_16bit(a) || is_16bit(b)) return ge(detail::cast_raw(a, Dtype::Float32), detail::cast_raw(b, Dtype::Float32));
   // a > b and a == b never both hold, so their sum is 0 or 1, and 0 where either is NaN.
   return binary_raw("ge (>=)", BinaryOp::Add, binary_raw("ge (>=)", BinaryOp::Gt, a, b),
                     binary_raw("ge (>=)", BinaryOp::Eq, a, b));
@@ -369,7 +396,7 @@ Tensor le(const Tensor& a, const Tensor& b) {
 
 Tensor eq(const Tensor& a, double s) {
   detail::check_defined("eq (==)", a);
-  if (a.dtype() == Dtype::Float32) return eq(a, scalar_tensor(s, a.device()));
+  if (is_floating_point(a.dtype())) return eq(detail::cast_raw(a, Dtype::Float32), scalar_tensor(s, a.device()));
   std::optional<Tensor> si = integer_scalar(a, s);
   return si ? eq(a, *si) : zeros(a.shape(), a.device());
 }
@@ -487,7 +514,8 @@ Tensor erf(const Tensor& a) {
 // ---- reductions --------------------------------------------------------------------------
 
 Tensor sum(const Tensor& a) {
-  detail::check_float("sum", a);
+  detail::check_floating("sum", a);
+  if (is_16bit(a)) return sum(a.to(Dtype::Float32)).to(a.dtype());  // Note [16-bit tensors]
   Tensor out = sum_all_raw(a);
   Shape sa = a.shape();
   autograd::record("SumBackward", {a}, out,
@@ -496,7 +524,8 @@ Tensor sum(const Tensor& a) {
 }
 
 Tensor sum(const Tensor& a, std::int64_t dim, bool keepdim) {
-  detail::check_float("sum", a);
+  detail::check_floating("sum", a);
+  if (is_16bit(a)) return sum(a.to(Dtype::Float32), dim, keepdim).to(a.dtype());
   std::int64_t d = norm_dim("sum", a, dim);
   Tensor out = reduce_raw(ReduceOp::Sum, a, d, keepdim);
   Shape sa = a.shape();
@@ -508,18 +537,23 @@ Tensor sum(const Tensor& a, std::int64_t dim, bool keepdim) {
 }
 
 Tensor mean(const Tensor& a) {
+  detail::check_floating("mean", a);
+  if (is_16bit(a)) return mean(a.to(Dtype::Float32)).to(a.dtype());  // one rounding, as PyTorch
   DP_CHECK(a.numel() > 0, "mean: expected a non-empty tensor, got shape ", shape_str(a.shape()));
   return mul(sum(a), 1.0 / static_cast<double>(a.numel()));
 }
 
 Tensor mean(const Tensor& a, std::int64_t dim, bool keepdim) {
+  detail::check_floating("mean", a);
+  if (is_16bit(a)) return mean(a.to(Dtype::Float32), dim, keepdim).to(a.dtype());
   std::int64_t d = norm_dim("mean", a, dim);
   DP_CHECK(a.size(d) > 0, "mean: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
   return mul(sum(a, d, keepdim), 1.0 / static_cast<double>(a.size(d)));
 }
 
 Tensor argmax(const Tensor& a, std::int64_t dim, bool keepdim) {
-  detail::check_float("argmax", a);
+  detail::check_floating("argmax", a);
+  if (is_16bit(a)) return argmax(detail::cast_raw(a, Dtype::Float32), dim, keepdim);  // widening is exact
   std::int64_t d = norm_dim("argmax", a, dim);
   DP_CHECK(a.size(d) > 0, "argmax: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
   ReduceGeometry g = reduce_geometry(a, d);
@@ -530,7 +564,8 @@ Tensor argmax(const Tensor& a, std::int64_t dim, bool keepdim) {
 }
 
 Tensor max(const Tensor& a, std::int64_t dim, bool keepdim) {
-  detail::check_float("max", a);
+  detail::check_floating("max", a);
+  if (is_16bit(a)) return max(a.to(Dtype::Float32), dim, keepdim).to(a.dtype());  // exact both ways
   std::int64_t d = norm_dim("max", a, dim);
   DP_CHECK(a.size(d) > 0, "max: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
   Tensor out = reduce_raw(ReduceOp::Max, a, d, keepdim);
@@ -549,6 +584,7 @@ Tensor max(const Tensor& a, std::int64_t dim, bool keepdim) {
 
 Tensor sum_to(const Tensor& a, const Shape& shape) {
   if (a.shape() == shape) return a;
+  if (is_16bit(a)) return sum_to(a.to(Dtype::Float32), shape).to(a.dtype());  // one rounding per element
   Tensor cur = a;
   std::size_t lead = cur.shape().size() - shape.size();
   DP_CHECK(cur.shape().size() >= shape.size(), "sum_to: cannot reduce ", shape_str(a.shape()), " to ",
@@ -564,26 +600,27 @@ Tensor sum_to(const Tensor& a, const Shape& shape) {
 
 namespace {
 
-// c (m×n) = op(a) * op(b) + beta * c for 2-d float tensors on one device (no autograd).
-void gemm_into(const Tensor& a, bool ta, const Tensor& b, bool tb, float beta, const Tensor& c, float* out) {
+// c (m×n) = op(a) * op(b) + beta * c for 2-d floating tensors of one dtype on one device
+// (no autograd); 16-bit products accumulate in float32 (Note [16-bit tensors]).
+void gemm_into(const Tensor& a, bool ta, const Tensor& b, bool tb, float beta, const Tensor& c, void* out) {
   const std::int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
   const std::int64_t n = tb ? b.size(0) : b.size(1);
   DP_ASSERT(c.dim() == 2 && c.size(0) == m && c.size(1) == n && c.device() == a.device(), "gemm: output ",
             c.str(), " for a (", m, ", ", n, ") product");
   if (c.numel() == 0) return;
   if (k == 0) {  // nothing to add; beta 0 overwrites
-    if (beta == 0.0f) be(a).run<Op::Fill>(a.device(), DType::F32, {out, c.numel(), 0.0f});
+    if (beta == 0.0f) be(a).run<Op::Fill>(a.device(), detail::kernel_dtype(c.dtype()), {out, c.numel(), 0.0f});
     return;
   }
   be(a).run<Op::Gemm>(
-      a.device(), DType::F32,
-      {ta, tb, m, n, k, 1.0f, a.data<float>(), a.size(1), b.data<float>(), b.size(1), beta, out, n, {}});
+      a.device(), detail::kernel_dtype(a.dtype()),
+      {ta, tb, m, n, k, 1.0f, a.raw_data(), a.size(1), b.raw_data(), b.size(1), beta, out, n, {}});
 }
 
 // c = op(a) * op(b), a fresh tensor.
 Tensor gemm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
-  Tensor c = empty({ta ? a.size(1) : a.size(0), tb ? b.size(0) : b.size(1)}, a.device());
-  if (c.numel() > 0) gemm_into(a, ta, b, tb, 0.0f, c, c.data<float>());
+  Tensor c = empty({ta ? a.size(1) : a.size(0), tb ? b.size(0) : b.size(1)}, TensorOptions{a.dtype(), a.device()});
+  if (c.numel() > 0) gemm_into(a, ta, b, tb, 0.0f, c, c.raw_data());
   return c;
 }
 
@@ -597,7 +634,7 @@ Tensor grad_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, int input_n
   const Tensor& c = sink.grad();
   if (c.numel() > 0 && (ta ? a.size(0) : a.size(1)) > 0) {
     autograd::GradientWriteScope scope;
-    gemm_into(a, ta, b, tb, sink.zeros() ? 0.0f : 1.0f, c, c.mutable_data<float>());
+    gemm_into(a, ta, b, tb, sink.zeros() ? 0.0f : 1.0f, c, c.mutable_raw_data());
   }
   return c;
 }
@@ -612,16 +649,18 @@ Tensor bmm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
   const std::int64_t batch = a.size(0);
   const std::int64_t m = ta ? a.size(2) : a.size(1), k = ta ? a.size(1) : a.size(2);
   const std::int64_t n = tb ? b.size(1) : b.size(2);
-  Tensor c = empty({batch, m, n}, a.device());
+  Tensor c = empty({batch, m, n}, TensorOptions{a.dtype(), a.device()});
   if (c.numel() == 0) return c;
   if (k == 0) return c.zero_();
-  const float* pa = a.data<float>();
-  const float* pb = b.data<float>();
-  float* pc = c.data<float>();
-  const std::int64_t sa = a.size(1) * a.size(2), sb = b.size(1) * b.size(2);
+  const auto* pa = static_cast<const char*>(a.raw_data());
+  const auto* pb = static_cast<const char*>(b.raw_data());
+  auto* pc = static_cast<char*>(c.raw_data());
+  const auto es = static_cast<std::int64_t>(element_size(a.dtype()));
+  const std::int64_t sa = a.size(1) * a.size(2) * es, sb = b.size(1) * b.size(2) * es;
   for (std::int64_t i = 0; i < batch; ++i)
-    be(a).run<Op::Gemm>(a.device(), DType::F32,
-                        {ta, tb, m, n, k, 1.0f, pa + i * sa, a.size(2), pb + i * sb, b.size(2), 0.0f, pc + i * m * n, n, {}});
+    be(a).run<Op::Gemm>(a.device(), detail::kernel_dtype(a.dtype()),
+                        {ta, tb, m, n, k, 1.0f, pa + i * sa, a.size(2), pb + i * sb, b.size(2), 0.0f,
+                         pc + i * m * n * es, n, {}});
   return c;
 }
 
@@ -652,8 +691,10 @@ Tensor matmul_2d(const Tensor& a, const Tensor& b) {
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
   detail::check_same_device("matmul", a, b);
-  detail::check_float("matmul", a, "first input");
-  detail::check_float("matmul", b, "second input");
+  detail::check_floating("matmul", a, "first input");
+  detail::check_floating("matmul", b, "second input");
+  DP_CHECK(a.dtype() == b.dtype(), "matmul: expected operands of one dtype, got ", dtype_name(a.dtype()), " and ",
+           dtype_name(b.dtype()), " (convert one with .to(dtype), or run under dp::amp::autocast)");
   DP_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul: expected operands with at least 1 dim, got ",
            shape_str(a.shape()), " x ", shape_str(b.shape()));
   const std::int64_t k_a = a.size(a.dim() - 1), k_b = b.dim() == 1 ? b.size(0) : b.size(b.dim() - 2);
@@ -734,11 +775,39 @@ bool is_linear_relu_output(const Tensor& x) {
   return node != nullptr && x.impl()->autograd->output_nr == 0 && node->is(kLinearReluBackward);
 }
 
+// linear over 16-bit operands of one dtype: the product accumulates in float32 and rounds
+// once, then the bias is added (a second rounding) and the ReLU applied, each a plain op.
+Tensor linear_16bit(const Tensor& x, const Tensor& w, const Tensor& b, bool relu) {
+  const char* op = relu ? "linear_relu" : "linear";
+  detail::check_floating(op, x);
+  detail::check_floating(op, w, "weight");
+  DP_CHECK(x.dtype() == w.dtype() && (!b.defined() || b.dtype() == x.dtype()), op,
+           ": expected input, weight and bias of one dtype, got ", dtype_name(x.dtype()), ", ", dtype_name(w.dtype()),
+           b.defined() ? std::string(", ") + dtype_name(b.dtype()) : std::string(),
+           " (convert with .to(dtype), or run under dp::amp::autocast)");
+  DP_CHECK(x.dim() == 2, op, ": expected input (B, in), got shape ", shape_str(x.shape()));
+  DP_CHECK(w.dim() == 2 && w.size(1) == x.size(1), op, ": expected weight (out, in=", x.size(1), "), got ",
+           shape_str(w.shape()), " for input ", shape_str(x.shape()));
+  Tensor out = gemm_raw(x, false, w, true);
+  const bool gx = x.requires_grad(), gw = w.requires_grad();
+  autograd::record("LinearBackward", {x, w}, out, [x, w, gx, gw](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{gx ? gemm_raw(g[0], false, w, false) : Tensor(),
+                               gw ? gemm_raw(g[0], true, x, false) : Tensor()};
+  });
+  if (b.defined()) {
+    DP_CHECK(b.dim() == 1 && b.size(0) == w.size(0), op, ": expected bias (", w.size(0), "), got ",
+             shape_str(b.shape()));
+    out = add(out, b);
+  }
+  return relu ? dp::relu(out) : out;
+}
+
 // linear, and linear_relu when `relu`: one backend call computes the product, the bias
 // and the ReLU (Note [Linear epilogue] in src/backend/cpu/cpu_gemm.cpp).
 Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu) {
   const char* op = relu ? "linear_relu" : "linear";
   detail::check_same_device(op, x, w);
+  if (x.dtype() != Dtype::Float32 || w.dtype() != Dtype::Float32) return linear_16bit(x, w, b, relu);
   detail::check_float(op, x);
   detail::check_float(op, w, "weight");
   DP_CHECK(x.dim() == 2, op, ": expected input (B, in), got shape ", shape_str(x.shape()));
@@ -885,7 +954,7 @@ Tensor from_words(const Tensor& w, Dtype dtype, const Shape& shape) {
 // records the scatter-add backward, integers go through Note [Integer gathers].
 Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64, const Shape& out_shape,
                    std::vector<std::int64_t> index_strides, int d) {
-  if (input.dtype() != Dtype::Float32) {
+  if (!is_floating_point(input.dtype())) {
     Tensor words = as_words(input);
     Shape out_words = out_shape;
     if (words.dim() > input.dim()) {  // int64: two words per element, one index each
@@ -901,18 +970,17 @@ Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64,
     return from_words(out, input.dtype(), out_shape);
   }
   Indexer ix = gather_indexer(out_shape, input.shape(), index_strides);
-  Tensor out = empty(out_shape, input.device());
+  Tensor out = empty(out_shape, TensorOptions{input.dtype(), input.device()});
   if (out.numel() > 0)
-    be(input).run<Op::Gather>(input.device(), DType::F32,
-                              {ix, static_cast<int>(d), input.data<float>(), index64.data<std::int64_t>(),
-                               out.data<float>()});
+    be(input).run<Op::Gather>(input.device(), detail::kernel_dtype(input.dtype()),
+                              {ix, static_cast<int>(d), input.raw_data(), index64.data<std::int64_t>(), out.raw_data()});
   Shape in_shape = input.shape();
   autograd::record(node, {input}, out, [in_shape, index64, ix, d](const std::vector<Tensor>& g) {
-    Tensor gx = zeros(in_shape, g[0].device());
+    Tensor gx = zeros(in_shape, TensorOptions{g[0].dtype(), g[0].device()});
     if (g[0].numel() > 0)
-      be(g[0]).run<Op::ScatterAdd>(g[0].device(), DType::F32,
-                                   {ix, static_cast<int>(d), g[0].data<float>(), index64.data<std::int64_t>(),
-                                    gx.data<float>()});
+      be(g[0]).run<Op::ScatterAdd>(g[0].device(), detail::kernel_dtype(g[0].dtype()),
+                                   {ix, static_cast<int>(d), g[0].raw_data(), index64.data<std::int64_t>(),
+                                    gx.raw_data()});
     return std::vector<Tensor>{gx};
   });
   return out;

@@ -91,6 +91,8 @@ const char* type_word(Dtype dtype) {
     case Dtype::Float32: return "Float";
     case Dtype::Int64: return "Long";
     case Dtype::Int32: return "Int";
+    case Dtype::BFloat16: return "BFloat16";
+    case Dtype::Float16: return "Half";
   }
   return "Unknown";
 }
@@ -108,7 +110,7 @@ std::string type_line(const Tensor& t, const char* note) {
 
 std::vector<double> host_values(const Tensor& t) {
   std::vector<double> v;
-  if (t.dtype() == Dtype::Float32) {
+  if (is_floating_point(t.dtype())) {
     for (float x : t.to_vector()) v.push_back(x);
   } else if (t.dtype() == Dtype::Int64) {
     for (std::int64_t x : t.to_vector_i64()) v.push_back(static_cast<double>(x));
@@ -220,7 +222,7 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t) {
   if (t.storage()->released()) return os << type_line(t, " (released)");
   if (t.numel() == 0) return os << type_line(t, "");
   const std::vector<double> values = host_values(t);
-  const bool integer_dtype = t.dtype() != Dtype::Float32;
+  const bool integer_dtype = !is_floating_point(t.dtype());
   if (t.dim() == 0) {
     const Format f = choose_format(values, integer_dtype);
     return os << format_value(values[0], f) << "\n" << type_line(t, "");

@@ -18,6 +18,8 @@ std::size_t element_size(Dtype dtype) {
     case Dtype::Float32: return 4;
     case Dtype::Int64: return 8;
     case Dtype::Int32: return 4;
+    case Dtype::BFloat16: return 2;
+    case Dtype::Float16: return 2;
   }
   DP_FAIL("element_size: unknown dtype code ", static_cast<int>(dtype));
 }
@@ -27,6 +29,8 @@ const char* dtype_name(Dtype dtype) {
     case Dtype::Float32: return "float32";
     case Dtype::Int64: return "int64";
     case Dtype::Int32: return "int32";
+    case Dtype::BFloat16: return "bfloat16";
+    case Dtype::Float16: return "float16";
   }
   return "unknown dtype";
 }
@@ -179,6 +183,20 @@ std::int32_t* Tensor::data<std::int32_t>() const {
   return static_cast<std::int32_t*>(raw_data());
 }
 template <>
+BFloat16* Tensor::data<BFloat16>() const {
+  DP_CHECK(dtype() == Dtype::BFloat16, "expected a bfloat16 tensor, got ", dtype_name(dtype()));
+  return static_cast<BFloat16*>(raw_data());
+}
+template <>
+Float16* Tensor::data<Float16>() const {
+  DP_CHECK(dtype() == Dtype::Float16, "expected a float16 tensor, got ", dtype_name(dtype()));
+  return static_cast<Float16*>(raw_data());
+}
+template <>
+const BFloat16* Tensor::data<const BFloat16>() const { return data<BFloat16>(); }
+template <>
+const Float16* Tensor::data<const Float16>() const { return data<Float16>(); }
+template <>
 const float* Tensor::data<const float>() const { return data<float>(); }
 template <>
 const std::int32_t* Tensor::data<const std::int32_t>() const { return data<std::int32_t>(); }
@@ -209,6 +227,7 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std:
 }  // namespace detail
 
 std::vector<float> Tensor::to_vector() const {
+  if (dtype() == Dtype::BFloat16 || dtype() == Dtype::Float16) return to(Dtype::Float32).to_vector();
   std::vector<float> out(static_cast<std::size_t>(numel()));
   const float* src = data<float>();
   if (!out.empty()) backend::get(device()).copy_to_host(out.data(), src, device(), nbytes());
@@ -231,7 +250,7 @@ std::vector<std::int32_t> Tensor::to_vector_i32() const {
 
 double Tensor::item() const {
   DP_CHECK(numel() == 1, "item(): expected a tensor with one element, got shape ", shape_str(shape()));
-  if (dtype() == Dtype::Float32) return to_vector()[0];
+  if (is_floating_point(dtype())) return to_vector()[0];
   if (dtype() == Dtype::Int32) return to_vector_i32()[0];
   return static_cast<double>(to_vector_i64()[0]);
 }
@@ -247,7 +266,7 @@ I integer_item(const Tensor& t, const char* name) {
   // [lo, hi) bounds as doubles: both powers of two, exact.
   const double lo = static_cast<double>(std::numeric_limits<I>::min());
   const double hi = -lo;
-  if (t.dtype() == Dtype::Float32) {
+  if (is_floating_point(t.dtype())) {
     const double v = t.to_vector()[0];
     DP_CHECK(std::isfinite(v) && v >= lo && v < hi, "item<", name, ">(): the value ", v,
              " has no ", name, " (NaN, infinite or out of range)");
@@ -268,7 +287,7 @@ double Tensor::item<double>() const {
 template <>
 float Tensor::item<float>() const {
   DP_CHECK(numel() == 1, "item<float>(): expected a tensor with one element, got shape ", shape_str(shape()));
-  if (dtype() == Dtype::Float32) return to_vector()[0];
+  if (is_floating_point(dtype())) return to_vector()[0];
   return static_cast<float>(dtype() == Dtype::Int64 ? static_cast<double>(to_vector_i64()[0]) : to_vector_i32()[0]);
 }
 template <>
@@ -298,15 +317,40 @@ Tensor Tensor::to(Device target) const {
   return out;
 }
 
+namespace detail {
+
+Tensor cast_raw(const Tensor& t, Dtype target) {
+  if (t.dtype() == target) return t;
+  DP_ASSERT(is_floating_point(t.dtype()) && is_floating_point(target), "cast_raw: floating dtypes expected, got ",
+            dtype_name(t.dtype()), " to ", dtype_name(target));
+  Tensor out = empty(t.shape(), TensorOptions{target, t.device()});
+  backend::get(t.device()).run<backend::Op::Cast>(
+      t.device(), kernel_dtype(target), {t.raw_data(), kernel_dtype(t.dtype()), out.raw_data(), t.numel()});
+  return out;
+}
+
+}  // namespace detail
+
 Tensor Tensor::to(Dtype target) const {
   if (dtype() == target) return *this;
   // float32 <-> int32 goes through int64: int32 -> int64 is exact and int64 -> float
   // rounds the same value; float -> int64 truncates, then int64 -> int32 keeps the low
-  // bits, which is what a direct cast gives wherever that is defined.
-  if (dtype() != Dtype::Int64 && target != Dtype::Int64) return to(Dtype::Int64).to(target);
+  // bits, which is what a direct cast gives wherever that is defined. A 16-bit float
+  // goes to or from an integer through float32 (exact widening; one rounding).
+  const bool float_in = is_floating_point(dtype()), float_out = is_floating_point(target);
+  if (dtype() == Dtype::Int32 && float_out) return to(Dtype::Int64).to(target);
+  if (float_in && target == Dtype::Int32) return to(Dtype::Int64).to(target);
+  if (float_in != float_out && dtype() != Dtype::Float32 && target != Dtype::Float32)
+    return to(Dtype::Float32).to(target);
   Tensor out(new_impl(shape(), target, device()));
   backend::get(device()).run<backend::Op::Cast>(
       device(), detail::kernel_dtype(target), {raw_data(), detail::kernel_dtype(dtype()), out.raw_data(), numel()});
+  if (float_in && float_out) {
+    const Dtype source = dtype();
+    autograd::record("ToDtypeBackward", {*this}, out, [source](const std::vector<Tensor>& g) {
+      return std::vector<Tensor>{g[0].to(source)};
+    });
+  }
   return out;
 }
 
@@ -459,7 +503,7 @@ Tensor Tensor::squeeze(std::int64_t d) const {
 
 Tensor Tensor::t() const {
   DP_CHECK(dim() == 2, "t(): expected a 2-d tensor, got shape ", shape_str(shape()));
-  DP_CHECK(dtype() == Dtype::Float32, "t(): expected float32, got ", dtype_name(dtype()));
+  detail::check_floating("t()", *this);
   std::int64_t r = shape()[0], c = shape()[1];
   Tensor out(new_impl({c, r}, dtype(), device()));
   backend::Indexer ix;
@@ -468,8 +512,8 @@ Tensor Tensor::t() const {
   ix.sizes[1] = r;
   ix.strides_a[0] = 1;
   ix.strides_a[1] = c;
-  backend::get(device()).run<backend::Op::StridedCopy>(device(), backend::DType::F32,
-                                                      {ix, data<float>(), out.data<float>()});
+  backend::get(device()).run<backend::Op::StridedCopy>(device(), detail::kernel_dtype(dtype()),
+                                                      {ix, raw_data(), out.raw_data()});
   autograd::record("TransposeBackward", {*this}, out,
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0].t()}; });
   return out;
@@ -492,7 +536,7 @@ Tensor Tensor::permute(const std::vector<std::int64_t>& dims) const {
     seen[static_cast<std::size_t>(d)] = true;
     perm[i] = d;
   }
-  DP_CHECK(dtype() == Dtype::Float32, "permute: expected float32, got ", dtype_name(dtype()));
+  detail::check_floating("permute", *this);
   Shape out_shape(dims.size());
   for (std::size_t i = 0; i < perm.size(); ++i) out_shape[i] = shape()[static_cast<std::size_t>(perm[i])];
   Tensor out(new_impl(out_shape, dtype(), device()));
@@ -518,8 +562,8 @@ Tensor Tensor::permute(const std::vector<std::int64_t>& dims) const {
       ix.ndim = 1;
       ix.sizes[0] = 1;
     }
-    backend::get(device()).run<backend::Op::StridedCopy>(device(), backend::DType::F32,
-                                                         {ix, data<float>(), out.data<float>()});
+    backend::get(device()).run<backend::Op::StridedCopy>(device(), detail::kernel_dtype(dtype()),
+                                                         {ix, raw_data(), out.raw_data()});
   }
   std::vector<std::int64_t> inverse(perm.size());
   for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<std::int64_t>(i);
@@ -555,8 +599,8 @@ Tensor& Tensor::fill_(double value) {
   using backend::DType;
   using backend::Op;
   auto& be = backend::get(device());
-  if (dtype() == Dtype::Float32) {
-    be.run<Op::Fill>(device(), DType::F32, {mutable_data<float>(), numel(), static_cast<float>(value)});
+  if (is_floating_point(dtype())) {
+    be.run<Op::Fill>(device(), detail::kernel_dtype(dtype()), {mutable_raw_data(), numel(), static_cast<float>(value)});
   } else if (dtype() == Dtype::Int64) {
     be.run<Op::Fill>(device(), DType::I64,
                      {mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value)});
@@ -574,9 +618,9 @@ Tensor& Tensor::add_(double value) {
   using backend::DType;
   using backend::Op;
   auto& be = backend::get(device());
-  if (dtype() == Dtype::Float32) {
-    float* p = mutable_data<float>();
-    be.run<Op::Affine>(device(), DType::F32, {p, p, numel(), 1.0f, static_cast<float>(value)});
+  if (is_floating_point(dtype())) {
+    void* p = mutable_raw_data();
+    be.run<Op::Affine>(device(), detail::kernel_dtype(dtype()), {p, p, numel(), 1.0f, static_cast<float>(value)});
   } else if (dtype() == Dtype::Int64) {
     be.run<Op::AddScalar>(device(), DType::I64,
                           {mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value)});
@@ -603,15 +647,19 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
   detail::check_same_device("add_", *this, other);
   DP_CHECK(other.shape() == shape(), "add_: expected shape ", shape_str(shape()), ", got ",
            shape_str(other.shape()));
-  const float* x = other.data<float>();
-  backend::get(device()).run<backend::Op::Axpy>(device(), backend::DType::F32,
-                                               {alpha, x, mutable_data<float>(), numel()});
+  detail::check_floating("add_", *this);
+  DP_CHECK(other.dtype() == dtype(), "add_: expected a ", dtype_name(dtype()), " tensor to add, got ",
+           dtype_name(other.dtype()));
+  const void* x = other.raw_data();
+  backend::get(device()).run<backend::Op::Axpy>(device(), detail::kernel_dtype(dtype()),
+                                               {alpha, x, mutable_raw_data(), numel()});
   return *this;
 }
 
 Tensor& Tensor::mul_(float value) {
-  float* p = mutable_data<float>();
-  backend::get(device()).run<backend::Op::Affine>(device(), backend::DType::F32, {p, p, numel(), value, 0.0f});
+  detail::check_floating("mul_", *this);
+  void* p = mutable_raw_data();
+  backend::get(device()).run<backend::Op::Affine>(device(), detail::kernel_dtype(dtype()), {p, p, numel(), value, 0.0f});
   return *this;
 }
 
@@ -627,8 +675,9 @@ Tensor& Tensor::set_requires_grad(bool on) {
   DP_CHECK(!impl.autograd || !impl.autograd->grad_fn,
            "set_requires_grad: expected a leaf tensor; this one was made by ",
            impl.autograd->grad_fn->name(), " (use detach() first)");
-  DP_CHECK(!on || impl.dtype == Dtype::Float32,
-           "set_requires_grad: only float32 tensors can require gradients, got ", dtype_name(impl.dtype));
+  DP_CHECK(!on || is_floating_point(impl.dtype),
+           "set_requires_grad: only floating tensors (float32, bfloat16, float16) can require gradients, got ",
+           dtype_name(impl.dtype));
   if (!impl.autograd) impl.autograd = std::make_unique<autograd::AutogradMeta>();
   impl.autograd->requires_grad = on;
   return *this;
@@ -781,30 +830,33 @@ Tensor arange(std::int64_t n, TensorOptions opts) {
   return t;
 }
 
+namespace {
+
+template <typename T>
+Tensor from_host(const std::vector<T>& data, const Shape& shape, Dtype dtype, Device device) {
+  DP_CHECK(shape_numel(shape) == static_cast<std::int64_t>(data.size()), "from_vector: shape ",
+           shape_str(shape), " needs ", shape_numel(shape), " elements, got ", data.size());
+  Tensor t = empty(shape, TensorOptions{dtype, device});
+  if (!data.empty()) backend::get(device).copy_from_host(t.data<T>(), device, data.data(), t.nbytes());
+  return t;
+}
+
+}  // namespace
+
 Tensor from_vector(const std::vector<float>& data, const Shape& shape, Device device) {
-  DP_CHECK(shape_numel(shape) == static_cast<std::int64_t>(data.size()), "from_vector: shape ",
-           shape_str(shape), " needs ", shape_numel(shape), " elements, got ", data.size());
-  Tensor t = empty(shape, device);
-  if (!data.empty()) backend::get(device).copy_from_host(t.data<float>(), device, data.data(), t.nbytes());
-  return t;
+  return from_host(data, shape, Dtype::Float32, device);
 }
-
 Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, Device device) {
-  DP_CHECK(shape_numel(shape) == static_cast<std::int64_t>(data.size()), "from_vector: shape ",
-           shape_str(shape), " needs ", shape_numel(shape), " elements, got ", data.size());
-  Tensor t = empty(shape, TensorOptions{Dtype::Int64, device});
-  if (!data.empty())
-    backend::get(device).copy_from_host(t.data<std::int64_t>(), device, data.data(), t.nbytes());
-  return t;
+  return from_host(data, shape, Dtype::Int64, device);
 }
-
 Tensor from_vector(const std::vector<std::int32_t>& data, const Shape& shape, Device device) {
-  DP_CHECK(shape_numel(shape) == static_cast<std::int64_t>(data.size()), "from_vector: shape ",
-           shape_str(shape), " needs ", shape_numel(shape), " elements, got ", data.size());
-  Tensor t = empty(shape, TensorOptions{Dtype::Int32, device});
-  if (!data.empty())
-    backend::get(device).copy_from_host(t.data<std::int32_t>(), device, data.data(), t.nbytes());
-  return t;
+  return from_host(data, shape, Dtype::Int32, device);
+}
+Tensor from_vector(const std::vector<BFloat16>& data, const Shape& shape, Device device) {
+  return from_host(data, shape, Dtype::BFloat16, device);
+}
+Tensor from_vector(const std::vector<Float16>& data, const Shape& shape, Device device) {
+  return from_host(data, shape, Dtype::Float16, device);
 }
 
 Tensor from_blob(void* data, const Shape& shape, Dtype dtype, Device device, std::function<void(void*)> deleter) {

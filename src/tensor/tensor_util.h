@@ -11,9 +11,14 @@ namespace dp::detail {
 // A tensor's dtype indexes the backend's kernel table as it is (Note [The op list]).
 static_assert(static_cast<int>(Dtype::Float32) == static_cast<int>(backend::DType::F32) &&
               static_cast<int>(Dtype::Int64) == static_cast<int>(backend::DType::I64) &&
-              static_cast<int>(Dtype::Int32) == static_cast<int>(backend::DType::I32));
+              static_cast<int>(Dtype::Int32) == static_cast<int>(backend::DType::I32) &&
+              static_cast<int>(Dtype::BFloat16) == static_cast<int>(backend::DType::BF16) &&
+              static_cast<int>(Dtype::Float16) == static_cast<int>(backend::DType::F16));
 /// The backend's name for `dtype`.
 constexpr backend::DType kernel_dtype(Dtype dtype) { return static_cast<backend::DType>(dtype); }
+
+/// t converted between floating dtypes, without autograd (Tensor::to records it).
+Tensor cast_raw(const Tensor& t, Dtype target);
 
 /// Copies bytes between any two devices (CPU virtual devices count as host memory).
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t nbytes);
@@ -34,6 +39,13 @@ inline void check_float(const char* op, const Tensor& t, const char* what = "inp
   check_defined(op, t, what);
   DP_CHECK(t.dtype() == Dtype::Float32, op, ": expected a float32 ", what, ", got ",
            dtype_name(t.dtype()));
+}
+
+/// Throws unless t is of a floating dtype (float32, bfloat16, float16).
+inline void check_floating(const char* op, const Tensor& t, const char* what = "input") {
+  check_defined(op, t, what);
+  DP_CHECK(is_floating_point(t.dtype()), op, ": expected a floating ", what,
+           " (float32, bfloat16 or float16), got ", dtype_name(t.dtype()));
 }
 
 }  // namespace dp::detail

@@ -877,12 +877,126 @@ void add_optim(Table& t, i64 n, bool all_variants) {
 }
 
 /// Small and odd shapes that reach every code path; the tests run these.
+// ---- 16-bit floating dtypes ------------------------------------------------------------------
+// One case per (op, 16-bit dtype) the backends register (Note [Storage types] in
+// backend/functors.h): the float math is float32's, so a backend may differ from the CPU
+// by the one rounding of its result to the 16-bit dtype — one unit in the last place.
+
+/// One unit in the last place of `dtype` relative to the value: 2^-7 (bf16), 2^-10 (f16).
+Tolerance ulp16(DType dtype) { return dtype == DType::BF16 ? Tolerance{0x1.0p-7, 1e-30} : Tolerance{0x1.0p-10, 1e-7}; }
+
+void add_16bit(Table& t, DType dt, i64 n) {
+  const std::string tag = dp::backend::dtype_name(dt);
+  const Tolerance ulp = ulp16(dt);
+  constexpr double k2 = 2;  // bytes per element
+  t.add(Kernel::Fill, dt, "fill_" + tag, count(n), kExact, 0, k2 * n, [=](OpRun& r) {
+    void* y = r.empty16(dt, n);
+    r.output16("y", dt, y, n);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Fill>(d, dt, {y, n, 3.5f}); });
+  });
+  t.add(Kernel::Cast, dt, "cast_f32_to_" + tag, count(n), kExact, 0, (kF + k2) * n, [=](OpRun& r) {
+    // Wide magnitudes, so that subnormals, overflow to infinity and ties all occur.
+    std::vector<float> v = r.host_uniform(n, -1.0f, 1.0f);
+    for (i64 i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] *= std::ldexp(1.0f, static_cast<int>(i % 40) - 26);
+    const float* x = r.upload(v);
+    void* y = r.empty16(dt, n);
+    r.output16("y", dt, y, n);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, dt, {x, DType::F32, y, n}); });
+  });
+  t.add(Kernel::Cast, DType::F32, "cast_" + tag + "_to_f32", count(n), kExact, 0, (kF + k2) * n, [=](OpRun& r) {
+    const void* x = r.uniform16(dt, n, -100.0f, 100.0f);
+    float* y = r.empty(n);
+    r.output("y", y, n);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, DType::F32, {x, dt, y, n}); });
+  });
+  t.add(Kernel::Unary, dt, "unary exp " + tag, count(n), ulp, 0, 2 * k2 * n, [=](OpRun& r) {
+    const void* x = r.uniform16(dt, n, -4.0f, 4.0f);
+    void* y = r.empty16(dt, n);
+    r.output16("y", dt, y, n);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Unary>(d, dt, {UnaryOp::Exp, x, y, n}); });
+  });
+  t.add(Kernel::Affine, dt, "affine_" + tag, count(n), ulp, 2.0 * n, 2 * k2 * n, [=](OpRun& r) {
+    const void* x = r.uniform16(dt, n, -4.0f, 4.0f);
+    void* y = r.empty16(dt, n);
+    r.output16("y", dt, y, n);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Affine>(d, dt, {x, y, n, 0.7f, -0.3f}); });
+  });
+  t.add(Kernel::Axpy, dt, "axpy_" + tag, count(n), ulp, 2.0 * n, 3 * k2 * n, [=](OpRun& r) {
+    const void* x = r.uniform16(dt, n, -4.0f, 4.0f);
+    void* y = r.uniform16(dt, n, -4.0f, 4.0f);
+    r.output16("y", dt, y, n);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::Axpy>(d, dt, {-0.5f, x, y, n}); });
+  });
+  {
+    const i64 rows = 331, cols = 127;  // (R, C) * (C): a row broadcast
+    const Indexer ix = indexer({rows, cols}, {cols, 1}, {0, 1});
+    t.add(Kernel::Binary, dt, "binary mul " + tag, dims({rows, cols}) + " op " + std::to_string(cols), ulp,
+          double(rows * cols), k2 * (2 * rows * cols + cols), [=](OpRun& r) {
+            const void* a = r.uniform16(dt, rows * cols, -4.0f, 4.0f);
+            const void* b = r.uniform16(dt, cols, -4.0f, 4.0f);
+            void* out = r.empty16(dt, rows * cols);
+            r.output16("out", dt, out, rows * cols);
+            r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, dt, {BinaryOp::Mul, ix, a, b, out}); });
+          });
+    const Indexer tix = indexer({cols, rows}, {1, cols}, {0, 0});
+    t.add(Kernel::StridedCopy, dt, "strided_copy_" + tag, dims({rows, cols}) + " transposed", kExact, 0,
+          2 * k2 * rows * cols, [=](OpRun& r) {
+            const void* a = r.uniform16(dt, rows * cols, -4.0f, 4.0f);
+            void* out = r.empty16(dt, rows * cols);
+            r.output16("out", dt, out, rows * cols);
+            r.set_call([=](Backend& be, Device d) { be.run<Op::StridedCopy>(d, dt, {tix, a, out}); });
+          });
+  }
+  {
+    const i64 outer = 7, r_ = 300, inner = 23, m = 211;  // index_select of m rows along dim 1
+    const Indexer ix = indexer({outer, m, inner}, {r_ * inner, inner, 1}, {0, 1, 0});
+    const i64 nout = outer * m * inner;
+    auto indices = [=](OpRun& r) {
+      std::vector<float> u = r.host_uniform(m, 0, static_cast<float>(r_), true);
+      return std::vector<std::int64_t>(u.begin(), u.end());
+    };
+    const std::string shape = dims({outer, r_, inner}) + " select " + std::to_string(m) + " on dim 1";
+    t.add(Kernel::Gather, dt, "gather_" + tag, shape, kExact, 0, 2 * k2 * nout + kL * m, [=](OpRun& r) {
+      const void* x = r.uniform16(dt, outer * r_ * inner, -1, 1);
+      const std::int64_t* idx = r.upload(indices(r));
+      void* out = r.empty16(dt, nout);
+      r.output16("out", dt, out, nout);
+      r.set_call([=](Backend& b, Device d) { b.run<Op::Gather>(d, dt, {ix, 1, x, idx, out}); });
+    });
+    // Small integers: every partial sum is exact in the 16-bit dtype, in any order.
+    t.add(Kernel::ScatterAdd, dt, "scatter_add_" + tag, shape, kExact, 0, 3 * k2 * nout + kL * m, [=](OpRun& r) {
+      const void* src = r.uniform16(dt, nout, -2, 2, true);
+      const std::int64_t* idx = r.upload(indices(r));
+      void* y = r.uniform16(dt, outer * r_ * inner, -2, 2, true);
+      r.output16("y", dt, y, outer * r_ * inner);
+      r.set_call([=](Backend& b, Device d) { b.run<Op::ScatterAdd>(d, dt, {ix, 1, src, idx, y}); });
+    });
+  }
+  for (bool ta : {false, true}) {
+    const i64 m = 33, nn = 47, k = 29;
+    const i64 lda = ta ? m : k, ldb = nn, ldc = nn;
+    const Tolerance tol{ulp.rtol + kGemmBase.rtol, kGemmBase.atol};
+    t.add(Kernel::Gemm, dt, "gemm_" + tag, dims({m, nn, k}) + (ta ? " TN" : " NN") + " beta 0.5", tol,
+          2.0 * m * nn * k, k2 * (m * k + k * nn + 2 * m * nn), [=](OpRun& r) {
+            const void* a = r.uniform16(dt, m * k, -1, 1);
+            const void* b = r.uniform16(dt, k * nn, -1, 1);
+            void* c = r.uniform16(dt, m * nn, -1, 1);
+            r.output16("c", dt, c, m * nn);
+            r.set_call([=](Backend& be, Device d) {
+              be.run<Op::Gemm>(d, dt, {ta, false, m, nn, k, 1.0f, a, lda, b, ldb, 0.5f, c, ldc, {}});
+            });
+          });
+  }
+}
+
 void add_check_suite(Table& t) {
   t.suite = Suite::Check;
   add_fill(t, kCheckN);
   add_integer_and_cast(t, kCheckN);
   add_eq_i64(t, 331, 127);
   add_int32_casts(t, kCheckN);
+  add_16bit(t, DType::BF16, kCheckN);
+  add_16bit(t, DType::F16, kCheckN);
   // 7 x 300 x 23 gathered to 7 x 211 x 23 = 33971 elements: above the parallel grain.
   add_gather(t, 7, 300, 23, 211, false);
   add_gather(t, 7, 300, 23, 211, true);
@@ -1136,6 +1250,45 @@ void OpRun::output(std::string name, const std::int32_t* ptr, i64 n) {
     std::vector<std::int32_t> host(static_cast<std::size_t>(n));
     if (n > 0) backend_.copy_to_host(host.data(), ptr, dev_, host.size() * sizeof(std::int32_t));
     return Output{name, {}, std::vector<std::int64_t>(host.begin(), host.end())};
+  });
+}
+
+namespace {
+
+std::vector<std::uint16_t> to_16bit(DType dtype, const std::vector<float>& host) {
+  std::vector<std::uint16_t> bits(host.size());
+  for (std::size_t i = 0; i < host.size(); ++i)
+    bits[i] = dtype == DType::BF16 ? dp::BFloat16(host[i]).bits : dp::Float16(host[i]).bits;
+  return bits;
+}
+
+}  // namespace
+
+void* OpRun::upload16(DType dtype, const std::vector<float>& host) {
+  DP_CHECK(dtype == DType::BF16 || dtype == DType::F16, "upload16: expected bfloat16 or float16");
+  const std::vector<std::uint16_t> bits = to_16bit(dtype, host);
+  void* p = allocate(bits.size() * 2);
+  if (!bits.empty()) backend_.copy_from_host(p, dev_, bits.data(), bits.size() * 2);
+  return p;
+}
+
+void* OpRun::uniform16(DType dtype, i64 n, float lo, float hi, bool integers) {
+  return upload16(dtype, host_uniform(n, lo, hi, integers));
+}
+
+void* OpRun::empty16(DType dtype, i64 n) {
+  return upload16(dtype, std::vector<float>(static_cast<std::size_t>(n), std::nanf("")));
+}
+
+void OpRun::output16(std::string name, DType dtype, const void* ptr, i64 n) {
+  readers_.push_back([this, name = std::move(name), dtype, ptr, n] {
+    std::vector<std::uint16_t> bits(static_cast<std::size_t>(n));
+    if (n > 0) backend_.copy_to_host(bits.data(), ptr, dev_, bits.size() * 2);
+    Output o{name, std::vector<float>(bits.size()), {}};
+    for (std::size_t i = 0; i < bits.size(); ++i)
+      o.f32[i] = dtype == DType::BF16 ? static_cast<float>(dp::BFloat16::from_bits(bits[i]))
+                                      : dp::Float16::to_float(bits[i]);
+    return o;
   });
 }
 

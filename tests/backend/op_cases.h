@@ -141,6 +141,13 @@ class OpRun {
   float* upload(const std::vector<float>& host);
   std::int64_t* upload(const std::vector<std::int64_t>& host);
   std::int32_t* upload(const std::vector<std::int32_t>& host);
+  /// 16-bit buffers (dtype BF16 or F16): host values rounded to the dtype, uploaded.
+  void* upload16(dp::backend::DType dtype, const std::vector<float>& host);
+  void* uniform16(dp::backend::DType dtype, std::int64_t n, float lo, float hi, bool integers = false);
+  /// A 16-bit buffer the call overwrites, filled with NaN beforehand.
+  void* empty16(dp::backend::DType dtype, std::int64_t n);
+  /// A 16-bit output, read back widened (exactly) into Output::f32.
+  void output16(std::string name, dp::backend::DType dtype, const void* ptr, std::int64_t n);
   /// A buffer the call overwrites, filled with NaN (i64: kUnwritten) beforehand, so an
   /// element the kernel misses shows up in the output.
   float* empty(std::int64_t n);

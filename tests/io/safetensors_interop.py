@@ -133,13 +133,21 @@ def main():
         r = run_tool(tool, "load", path4, expect_ok=False)
         check(r.returncode == 1 and "expected [4, 1, 3, 3], got [4, 3, 3, 3] for 'features.0.weight'" in r.stderr,
               f"shape mismatch reported: {r.returncode} {r.stderr!r}")
+        double = dict(theirs)
+        double["classifier.1.weight"] = double["classifier.1.weight"].astype(np.float64)
+        path5 = os.path.join(d, "f64.safetensors")
+        save_file(double, path5)
+        r = run_tool(tool, "load", path5, expect_ok=False)
+        check(r.returncode == 1 and "F64" in r.stderr and "not supported" in r.stderr,
+              f"F64 reported: {r.returncode} {r.stderr!r}")
+        # A float16 tensor is read, and a module of float32 parameters names the mismatch.
         half = dict(theirs)
         half["classifier.1.weight"] = half["classifier.1.weight"].astype(np.float16)
-        path5 = os.path.join(d, "f16.safetensors")
-        save_file(half, path5)
-        r = run_tool(tool, "load", path5, expect_ok=False)
-        check(r.returncode == 1 and "F16" in r.stderr and "not supported" in r.stderr,
-              f"F16 reported: {r.returncode} {r.stderr!r}")
+        path6 = os.path.join(d, "f16.safetensors")
+        save_file(half, path6)
+        r = run_tool(tool, "load", path6, expect_ok=False)
+        check(r.returncode == 1 and "expected [10, 64] float32, got [10, 64] float16 for 'classifier.1.weight'"
+              in r.stderr, f"F16 into float32 reported: {r.returncode} {r.stderr!r}")
 
     if failures:
         print(f"{len(failures)} check(s) failed")

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dp/core/device.h"
+#include "dp/core/half.h"
 
 namespace dp {
 
@@ -32,11 +33,29 @@ struct AutogradMeta;
 /// Element types. Float32 for data and parameters, Int64 for labels and indices.
 /// Int32 holds labels as many datasets store them: every label consumer (cross_entropy,
 /// nll_loss, one_hot, eq, index_select, TensorDataset) takes int32 with the same results
-/// as int64; other ops say they expect float32 or int64. `to(Dtype)` converts between
-/// all three:
+/// as int64; other ops say they expect a floating dtype or int64. BFloat16 and Float16
+/// are the 16-bit floating dtypes of mixed precision (Note [16-bit tensors]). `to(Dtype)`
+/// converts between all five:
 ///   dp::Tensor y = dp::from_vector(std::vector<std::int32_t>{3, 0, 1}, {3});
 ///   dp::Tensor loss = dp::nn::cross_entropy(logits, y);   // same as with y.to(Int64)
-enum class Dtype : std::uint8_t { Float32 = 0, Int64 = 1, Int32 = 2 };
+///   dp::Tensor h = x.to(dp::Dtype::BFloat16);             // PyTorch's bits
+enum class Dtype : std::uint8_t { Float32 = 0, Int64 = 1, Int32 = 2, BFloat16 = 3, Float16 = 4 };
+/// True for Float32, BFloat16 and Float16.
+constexpr bool is_floating_point(Dtype dtype) {
+  return dtype == Dtype::Float32 || dtype == Dtype::BFloat16 || dtype == Dtype::Float16;
+}
+
+// Note [16-bit tensors]
+// A BFloat16 or Float16 tensor stores dp::BFloat16 / dp::Float16 (dp/core/half.h) and
+// computes as PyTorch's CPU tensors of those dtypes do: every elementwise op widens its
+// inputs to float32, computes in float32 and rounds its result once to the tensor's dtype
+// (round to nearest even), so a single op (+, -, *, /, exp, ...) gives PyTorch's bits.
+// Sums, means and products of matrices accumulate in float32 and round once at the end.
+// An op given float32 and 16-bit operands computes in float32 and returns float32 (the
+// wider dtype, as PyTorch promotes); two different 16-bit dtypes promote to float32 too.
+// Gradients have their tensor's dtype; to(dtype) between floating dtypes is
+// differentiable (its gradient is converted back), which is how autocast's casts reach
+// float32 parameters (dp/amp/autocast.h).
 std::size_t element_size(Dtype dtype);
 const char* dtype_name(Dtype dtype);
 
@@ -213,6 +232,7 @@ class Tensor {
   bool is_same(const Tensor& other) const { return impl_ == other.impl_; }
 
   // ---- host access (synchronous) --------------------------------------------------
+  /// The values as floats: a float32 tensor's, or a 16-bit one's widened (exactly).
   std::vector<float> to_vector() const;
   std::vector<std::int64_t> to_vector_i64() const;
   std::vector<std::int32_t> to_vector_i32() const;
@@ -235,9 +255,12 @@ class Tensor {
   // ---- devices, copies, views ------------------------------------------------------
   /// A copy on `device` (differentiable); returns *this when already there.
   Tensor to(Device device) const;
-  /// A copy converted to `dtype` (not differentiable), between any two of float32,
-  /// int64 and int32: float to integer truncates toward zero; int64 to int32 keeps the
-  /// low 32 bits (as PyTorch's .int()). Returns *this when the dtype is already `dtype`.
+  /// A copy converted to `dtype`, between any two of float32, bfloat16, float16, int64
+  /// and int32. Floats round to a 16-bit dtype to nearest even with PyTorch's bits
+  /// (Note [16-bit tensors]); float to integer truncates toward zero; int64 to int32
+  /// keeps the low 32 bits (as PyTorch's .int()). Differentiable between floating
+  /// dtypes (the gradient is converted back to this tensor's dtype). Returns *this when
+  /// the dtype is already `dtype`.
   Tensor to(Dtype dtype) const;
   /// A copy in pinned (page-locked) host memory, like torch's pin_memory(): copies
   /// from it to a CUDA device do not make the host wait, so a DataLoader can stage the
@@ -364,6 +387,10 @@ template <> const float* Tensor::data<const float>() const;
 template <> const std::int64_t* Tensor::data<const std::int64_t>() const;
 template <> std::int32_t* Tensor::data<std::int32_t>() const;
 template <> const std::int32_t* Tensor::data<const std::int32_t>() const;
+template <> BFloat16* Tensor::data<BFloat16>() const;
+template <> const BFloat16* Tensor::data<const BFloat16>() const;
+template <> Float16* Tensor::data<Float16>() const;
+template <> const Float16* Tensor::data<const Float16>() const;
 template <> float Tensor::item<float>() const;
 template <> double Tensor::item<double>() const;
 template <> std::int64_t Tensor::item<std::int64_t>() const;
@@ -431,6 +458,8 @@ Tensor arange(std::int64_t n, TensorOptions opts = {});
 Tensor from_vector(const std::vector<float>& data, const Shape& shape, Device device = {});
 Tensor from_vector(const std::vector<std::int64_t>& data, const Shape& shape, Device device = {});
 Tensor from_vector(const std::vector<std::int32_t>& data, const Shape& shape, Device device = {});
+Tensor from_vector(const std::vector<BFloat16>& data, const Shape& shape, Device device = {});
+Tensor from_vector(const std::vector<Float16>& data, const Shape& shape, Device device = {});
 Tensor scalar_tensor(double value, Device device = {});
 
 /// Wraps memory the caller owns as a tensor, without a copy (torch::from_blob): writes

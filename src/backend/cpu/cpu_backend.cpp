@@ -63,6 +63,7 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   resize_arenas(dp::hardware_concurrency());
   register_elementwise_kernels();
   register_reduce_kernels();
+  register_gemm_kernels();
   register_method_kernels();
 }
 

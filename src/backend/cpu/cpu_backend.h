@@ -325,6 +325,7 @@ class CpuBackend final : public Backend {
   // constructor calls each once.
   void register_elementwise_kernels();  // cpu_elementwise.cpp
   void register_reduce_kernels();       // cpu_reduce.cpp
+  void register_gemm_kernels();         // cpu_gemm.cpp (16-bit; float32's is a method kernel)
   void register_method_kernels();       // method_kernels.h, cpu_backend.cpp
   void resize_arenas(int threads);
   /// What a chunk of a GEMM applies to its slab of C after its product (Note [Linear

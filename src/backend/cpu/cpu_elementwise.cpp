@@ -148,7 +148,8 @@ void arange(CpuBackend& be, Device dev, const ArangeArgs& a) {
 }
 
 /// y (of type Dst) = x converted: float to integer truncates toward 0, int64 to int32
-/// is modulo 2^32 (C++20).
+/// is modulo 2^32 (C++20), a 16-bit float widens exactly and a float rounds to one to
+/// nearest even (dp/core/half.h).
 template <typename Dst>
 void cast(CpuBackend& be, Device dev, const CastArgs& a) {
   visit_dtype(a.x_dtype, [&](auto src_zero) {
@@ -158,7 +159,7 @@ void cast(CpuBackend& be, Device dev, const CastArgs& a) {
     be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
       const Src* __restrict xx = x;
       Dst* __restrict yy = y;
-      for (i64 i = b; i < e; ++i) yy[i] = static_cast<Dst>(xx[i]);
+      for (i64 i = b; i < e; ++i) yy[i] = convert<Dst>(xx[i]);
     });
   });
 }
@@ -363,6 +364,23 @@ void CpuBackend::register_elementwise_kernels() {
   register_typed<Op::StridedCopy, CpuBackend, &strided_copy<float>>(DType::F32);
   register_typed<Op::Gather, CpuBackend, &gather<float>>(DType::F32);
   register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<float>>(DType::F32);
+  // The 16-bit floating dtypes: the same kernels over their storage types (Note [Storage
+  // types] in functors.h). Sums and products have no 16-bit kernels here: the tensor
+  // layer widens their inputs to float32 (Note [16-bit tensors] in dp/tensor/tensor.h).
+  auto register_16bit = [this](auto zero, DType dt) {
+    using T = decltype(zero);
+    register_typed<Op::Fill, CpuBackend, &fill<T>>(dt);
+    register_typed<Op::Cast, CpuBackend, &cast<T>>(dt);
+    register_typed<Op::Unary, CpuBackend, &unary<T>>(dt);
+    register_typed<Op::Affine, CpuBackend, &affine<T>>(dt);
+    register_typed<Op::Axpy, CpuBackend, &axpy<T>>(dt);
+    register_typed<Op::Binary, CpuBackend, &binary<T>>(dt);
+    register_typed<Op::StridedCopy, CpuBackend, &strided_copy<T>>(dt);
+    register_typed<Op::Gather, CpuBackend, &gather<T>>(dt);
+    register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<T>>(dt);
+  };
+  register_16bit(BFloat16{}, DType::BF16);
+  register_16bit(Float16{}, DType::F16);
 }
 
 }  // namespace dp::backend::cpu

@@ -323,4 +323,59 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   });
 }
 
+// Note [16-bit GEMMs on the CPU]
+// A bfloat16 or float16 product widens op(A) and op(B) to float32 once (exact), runs the
+// float32 GEMM above (float32 accumulation) and rounds each element of C once: the
+// float32 product of the 16-bit values, rounded once, which is what a bf16 GEMM with
+// float32 accumulation (oneDNN's, cuBLAS's with CUBLAS_COMPUTE_32F) gives up to the
+// order of the sum. Any CPU runs it, with or without a bf16 ISA; it moves the 16-bit
+// bytes once more than a native kernel would and computes at float32 speed. The
+// widened copies are the device's memory while the call runs.
+
+namespace {
+
+/// Elements a row-major matrix of `rows` rows of `cols` used columns spans at stride ld.
+i64 span(i64 rows, i64 cols, i64 ld) { return rows == 0 || cols == 0 ? 0 : (rows - 1) * ld + cols; }
+
+template <typename T>
+void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
+  DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dtype_of<T>),
+           " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  DP_CHECK(a.m >= 0 && a.n >= 0 && a.k >= 0, "gemm: expected non-negative m, n, k, got ", a.m, ", ", a.n, ", ", a.k);
+  const i64 na = a.trans_a ? span(a.k, a.m, a.lda) : span(a.m, a.k, a.lda);
+  const i64 nb = a.trans_b ? span(a.n, a.k, a.ldb) : span(a.k, a.n, a.ldb);
+  const i64 nc = span(a.m, a.n, a.ldc);
+  auto widened = [&](const void* src, i64 n, bool copy = true) {
+    const std::size_t bytes = static_cast<std::size_t>(std::max<i64>(n, 1)) * sizeof(float);
+    std::unique_ptr<float, std::function<void(float*)>> out{
+        static_cast<float*>(be.allocate(dev, bytes)), [&be, dev, bytes](float* p) { be.deallocate(dev, p, bytes); }};
+    const T* from = static_cast<const T*>(src);
+    float* to = out.get();
+    if (copy)
+      be.parallel_for(dev, n, kSerialGrain, [=](i64 lo, i64 hi) {
+      for (i64 i = lo; i < hi; ++i) to[i] = static_cast<float>(from[i]);
+    });
+    return out;
+  };
+  auto wa = widened(a.a, na);
+  auto wb = widened(a.b, nb);
+  auto wc = widened(a.c, nc, a.beta != 0.0f);  // beta 0: C is only written
+  be.gemm(dev, a.trans_a, a.trans_b, a.m, a.n, a.k, a.alpha, wa.get(), a.lda, wb.get(), a.ldb, a.beta, wc.get(),
+          a.ldc);
+  T* c = static_cast<T*>(a.c);
+  const float* from = wc.get();
+  const i64 n = a.n, ldc = a.ldc;
+  be.parallel_for(dev, a.m, std::max<i64>(1, kSerialGrain / std::max<i64>(1, n)), [=](i64 lo, i64 hi) {
+    for (i64 r = lo; r < hi; ++r)
+      for (i64 j = 0; j < n; ++j) c[r * ldc + j] = T(from[r * ldc + j]);
+  });
+}
+
+}  // namespace
+
+void CpuBackend::register_gemm_kernels() {
+  register_typed<Op::Gemm, CpuBackend, &gemm_16bit<BFloat16>>(DType::BF16);
+  register_typed<Op::Gemm, CpuBackend, &gemm_16bit<Float16>>(DType::F16);
+}
+
 }  // namespace dp::backend::cpu

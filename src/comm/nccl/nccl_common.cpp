@@ -12,7 +12,8 @@ ncclDataType_t to_nccl(Dtype dtype) {
     case Dtype::Float32: return ncclFloat32;
     case Dtype::Int64: return ncclInt64;
     case Dtype::Int32: return ncclInt32;
-    // bf16 / fp16: ncclBfloat16 / ncclFloat16 here (and a Summand in summation.h).
+    case Dtype::BFloat16: return ncclBfloat16;
+    case Dtype::Float16: return ncclFloat16;
   }
   DP_FAIL("nccl communicator: no NCCL type for dtype code ", static_cast<int>(dtype));
 }
