@@ -1,0 +1,295 @@
+// tests/tensor/half_tensor_test.cpp — bfloat16 and float16 tensors (Note [16-bit tensors]).
+//
+// Witnesses: PyTorch's bits for ~4500 floats converted by a tensor's to(dtype)
+// (tests/core/half_reference.h), and for arithmetic the definition — the float32 result
+// of the widened operands, rounded once by the scalar conversion, which tests/core/
+// half_test.cpp checks bitwise against PyTorch.
+#include <doctest/doctest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../core/half_reference.h"
+#include "half_safetensors_reference.h"
+#include "../test_errors.h"
+#include "dp/io/safetensors.h"
+#include "dp/tensor/ops.h"
+#include "dp/tensor/tensor.h"
+
+namespace {
+
+using dp::Dtype;
+
+constexpr Dtype kHalfDtypes[] = {Dtype::BFloat16, Dtype::Float16};
+
+std::vector<float> reference_inputs() {
+  std::vector<float> v;
+  for (std::uint32_t b : kHalfInputs) v.push_back(std::bit_cast<float>(b));
+  return v;
+}
+
+/// The bits of a 16-bit tensor, read on the host.
+std::vector<std::uint16_t> bits_of(const dp::Tensor& t) {
+  std::vector<std::uint16_t> out;
+  if (t.dtype() == Dtype::BFloat16) {
+    const auto* p = t.data<dp::BFloat16>();
+    for (std::int64_t i = 0; i < t.numel(); ++i) out.push_back(p[i].bits);
+  } else {
+    const auto* p = t.data<dp::Float16>();
+    for (std::int64_t i = 0; i < t.numel(); ++i) out.push_back(p[i].bits);
+  }
+  return out;
+}
+
+/// f rounded once to `dtype` and widened back: the definition of a 16-bit op's result.
+float round16(float f, Dtype dtype) {
+  return dtype == Dtype::BFloat16 ? static_cast<float>(dp::BFloat16(f)) : static_cast<float>(dp::Float16(f));
+}
+
+/// Values that are exact in both 16-bit formats' ranges, spread over [-lo, lo).
+std::vector<float> values16(std::size_t n, float scale, Dtype dtype, std::uint32_t seed) {
+  std::vector<float> v(n);
+  std::uint32_t s = seed;
+  for (auto& x : v) {
+    s = s * 1664525u + 1013904223u;
+    x = round16(scale * (static_cast<float>(s >> 8) / 16777216.0f * 2.0f - 1.0f), dtype);
+  }
+  return v;
+}
+
+bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i]) && !(std::isnan(a[i]) && std::isnan(b[i])))
+      return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("to(bfloat16) and to(float16) give PyTorch's bits, and widen back exactly") {
+  const std::vector<float> in = reference_inputs();
+  const dp::Tensor x = dp::from_vector(in, {static_cast<std::int64_t>(in.size())});
+  const std::vector<std::uint16_t> bf = bits_of(x.to(Dtype::BFloat16));
+  const std::vector<std::uint16_t> hf = bits_of(x.to(Dtype::Float16));
+  int bad_bf = 0, bad_hf = 0;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    bad_bf += bf[i] != kTorchBFloat16[i];
+    bad_hf += hf[i] != kTorchFloat16[i];
+  }
+  CHECK(bad_bf == 0);
+  CHECK(bad_hf == 0);
+  for (Dtype dt : kHalfDtypes) {
+    CAPTURE(std::string(dp::dtype_name(dt)));
+    const dp::Tensor h = x.to(dt);
+    CHECK(h.dtype() == dt);
+    CHECK(h.nbytes() == 2 * in.size());
+    // Widening is exact: the 16-bit values back, as floats.
+    const std::vector<float> back = h.to(Dtype::Float32).to_vector();
+    std::vector<float> want;
+    for (float f : in) want.push_back(round16(f, dt));
+    CHECK(same_floats(back, want));
+    CHECK(same_floats(h.to_vector(), want));
+    // bfloat16 <-> float16 rounds once from the exact value.
+    const Dtype other = dt == Dtype::BFloat16 ? Dtype::Float16 : Dtype::BFloat16;
+    std::vector<float> cross;
+    for (float f : want) cross.push_back(round16(f, other));
+    CHECK(same_floats(h.to(other).to_vector(), cross));
+  }
+}
+
+TEST_CASE("16-bit tensors convert to and from integers through float32") {
+  const dp::Tensor i = dp::from_vector(std::vector<std::int64_t>{-3, 0, 257, 70000}, {4});
+  CHECK(i.to(Dtype::BFloat16).to_vector() == std::vector<float>{-3, 0, 256, 70144});  // 8 significant bits
+  CHECK(i.to(Dtype::Float16).to_vector() == std::vector<float>{-3, 0, 257, INFINITY});  // above 65504
+  const dp::Tensor h = dp::from_vector(std::vector<float>{-2.75f, 0.5f, 3.0f}, {3}).to(Dtype::BFloat16);
+  CHECK(h.to(Dtype::Int64).to_vector_i64() == std::vector<std::int64_t>{-2, 0, 3});  // truncation toward 0
+  CHECK(h.to(Dtype::Int32).to_vector_i32() == std::vector<std::int32_t>{-2, 0, 3});
+  const dp::Tensor i32 = dp::from_vector(std::vector<std::int32_t>{7, -9}, {2});
+  CHECK(i32.to(Dtype::Float16).to_vector() == std::vector<float>{7, -9});
+}
+
+TEST_CASE("item, from_vector, printing and element access of 16-bit tensors") {
+  const dp::Tensor b = dp::from_vector(std::vector<dp::BFloat16>{dp::BFloat16(1.5f), dp::BFloat16(-2.0f)}, {2});
+  CHECK(b.dtype() == Dtype::BFloat16);
+  CHECK(b.narrow(0, 1, 1).item() == -2.0);
+  CHECK(b.narrow(0, 0, 1).item<float>() == 1.5f);
+  CHECK(b.narrow(0, 1, 1).item<std::int64_t>() == -2);
+  CHECK(dp::full({}, 3.14159, {.dtype = Dtype::BFloat16}).item<float>() == 3.140625f);
+  CHECK(dp::zeros({3}, {.dtype = Dtype::Float16}).to_vector() == std::vector<float>{0, 0, 0});
+  CHECK(dp::ones({2}, {.dtype = Dtype::Float16}).to_vector() == std::vector<float>{1, 1});
+  std::ostringstream os;
+  os << b;
+  CHECK(os.str().find("[ CPUBFloat16Type{2} ]") != std::string::npos);
+  std::ostringstream oh;
+  oh << b.to(Dtype::Float16);
+  CHECK(oh.str().find("[ CPUHalfType{2} ]") != std::string::npos);
+  CHECK(b.str() == "Tensor[2] bfloat16 cpu:0");
+  CHECK(dp_test::throws_with([&] { (void)b.data<float>(); }, {"expected a float32 tensor, got bfloat16"}));
+  CHECK(dp_test::throws_with([&] { (void)b.data<dp::Float16>(); }, {"expected a float16 tensor, got bfloat16"}));
+}
+
+TEST_CASE("elementwise ops on 16-bit tensors compute in float32 and round once") {
+  for (Dtype dt : kHalfDtypes) {
+    CAPTURE(std::string(dp::dtype_name(dt)));
+    const std::vector<float> va = values16(3000, 8.0f, dt, 1), vb = values16(3000, 8.0f, dt, 2);
+    const dp::Tensor a = dp::from_vector(va, {30, 100}).to(dt), b = dp::from_vector(vb, {30, 100}).to(dt);
+    const dp::Tensor row = dp::from_vector(std::vector<float>(vb.begin(), vb.begin() + 100), {100}).to(dt);
+    auto each = [&](auto f) {
+      std::vector<float> out;
+      for (std::size_t i = 0; i < va.size(); ++i) out.push_back(round16(f(va[i], vb[i], vb[i % 100]), dt));
+      return out;
+    };
+    CHECK(dp::add(a, b).dtype() == dt);
+    CHECK(same_floats(dp::add(a, b).to_vector(), each([](float x, float y, float) { return x + y; })));
+    CHECK(same_floats(dp::mul(a, b).to_vector(), each([](float x, float y, float) { return x * y; })));
+    CHECK(same_floats(dp::div(a, b).to_vector(), each([](float x, float y, float) { return x / y; })));
+    CHECK(same_floats(dp::sub(a, row).to_vector(), each([](float x, float, float r) { return x - r; })));
+    CHECK(same_floats(dp::exp(a).to_vector(), each([](float x, float, float) { return std::exp(x); })));
+    CHECK(same_floats(dp::relu(a).to_vector(), each([](float x, float, float) { return x > 0 ? x : 0.0f; })));
+    CHECK(same_floats(dp::mul(a, 0.1).to_vector(), each([](float x, float, float) { return 0.1f * x; })));
+    CHECK(same_floats(dp::pow(a, 2.5).to_vector(),
+                      each([](float x, float, float) { return static_cast<float>(std::pow(x, 2.5f)); })));
+    CHECK(same_floats(a.t().contiguous().t().to_vector(), a.to_vector()));
+    CHECK(same_floats(a.permute({1, 0}).to(Dtype::Float32).to_vector(),
+                      dp::from_vector(va, {30, 100}).permute({1, 0}).to(dt).to(Dtype::Float32).to_vector()));
+    dp::Tensor c = a.clone();
+    c.add_(b, 2.0f);
+    CHECK(same_floats(c.to_vector(), each([](float x, float y, float) { return x + 2.0f * y; })));
+  }
+}
+
+TEST_CASE("mixed floating operands compute in float32 and return float32") {
+  const dp::Tensor f = dp::from_vector(std::vector<float>{1.0f, 1.0f / 3.0f}, {2});
+  const dp::Tensor b = dp::from_vector(std::vector<float>{1.0f / 3.0f, 2.0f}, {2}).to(Dtype::BFloat16);
+  const dp::Tensor h = dp::from_vector(std::vector<float>{0.1f, 3.0f}, {2}).to(Dtype::Float16);
+  const dp::Tensor fb = dp::add(f, b);
+  CHECK(fb.dtype() == Dtype::Float32);
+  CHECK(fb.to_vector() == std::vector<float>{1.0f + static_cast<float>(dp::BFloat16(1.0f / 3.0f)), 1.0f / 3.0f + 2.0f});
+  const dp::Tensor bh = dp::mul(b, h);
+  CHECK(bh.dtype() == Dtype::Float32);
+  CHECK(bh.to_vector()[0] == static_cast<float>(dp::BFloat16(1.0f / 3.0f)) * static_cast<float>(dp::Float16(0.1f)));
+  // Gradients reach each operand in its own dtype.
+  const dp::Tensor fr = f.clone().set_requires_grad(true);
+  const dp::Tensor br = b.clone().set_requires_grad(true);
+  dp::sum(dp::mul(fr, br)).backward();
+  REQUIRE(br.grad().defined());
+  CHECK(br.grad().dtype() == Dtype::BFloat16);
+  CHECK(fr.grad().dtype() == Dtype::Float32);
+  CHECK(br.grad().to_vector() == std::vector<float>{1.0f, round16(1.0f / 3.0f, Dtype::BFloat16)});
+}
+
+TEST_CASE("sums, means and products of 16-bit tensors accumulate in float32 and round once") {
+  for (Dtype dt : kHalfDtypes) {
+    CAPTURE(std::string(dp::dtype_name(dt)));
+    const std::vector<float> v = values16(4096, 1.0f, dt, 3);
+    const dp::Tensor x32 = dp::from_vector(v, {64, 64});
+    const dp::Tensor x = x32.to(dt);
+    // The float32 reduction of the same (exact) values, rounded once.
+    CHECK(dp::sum(x).dtype() == dt);
+    CHECK(dp::sum(x).item<float>() == round16(dp::sum(x32).item<float>(), dt));
+    CHECK(same_floats(dp::sum(x, 1).to_vector(), dp::sum(x32, 1).to(dt).to_vector()));
+    CHECK(same_floats(dp::mean(x, 0).to_vector(), dp::mean(x32, 0).to(dt).to_vector()));
+    CHECK(dp::mean(x).item<float>() == round16(dp::mean(x32).item<float>(), dt));
+    CHECK(same_floats(dp::max(x, 1).to_vector(), dp::max(x32, 1).to_vector()));  // exact both ways
+    CHECK(dp::argmax(x, 1).to_vector_i64() == dp::argmax(x32, 1).to_vector_i64());
+    // A rounded-per-step sum would drift: 4096 values of ~1 in bfloat16 lose the small
+    // ones entirely. The float32 sum does not.
+    const dp::Tensor many = dp::full({4096}, 1.0, {.dtype = dt});
+    CHECK(dp::sum(many).item<float>() == 4096.0f);
+    // Products: the float32 GEMM of the widened operands, rounded once.
+    const dp::Tensor a32 = dp::from_vector(values16(33 * 47, 1.0f, dt, 4), {33, 47});
+    const dp::Tensor b32 = dp::from_vector(values16(47 * 29, 1.0f, dt, 5), {47, 29});
+    const dp::Tensor p = dp::matmul(a32.to(dt), b32.to(dt));
+    CHECK(p.dtype() == dt);
+    CHECK(same_floats(p.to_vector(), dp::matmul(a32, b32).to(dt).to_vector()));
+    const dp::Tensor ba = dp::from_vector(values16(3 * 5 * 7, 1.0f, dt, 6), {3, 5, 7});
+    const dp::Tensor bb = dp::from_vector(values16(3 * 7 * 4, 1.0f, dt, 7), {3, 7, 4});
+    CHECK(same_floats(dp::matmul(ba.to(dt), bb.to(dt)).to_vector(), dp::matmul(ba, bb).to(dt).to_vector()));
+  }
+}
+
+TEST_CASE("to(dtype) is differentiable between floating dtypes") {
+  const dp::Tensor w = dp::from_vector(std::vector<float>{0.1f, -2.5f, 3.0f}, {3}).set_requires_grad(true);
+  const dp::Tensor h = w.to(Dtype::BFloat16);
+  CHECK(h.requires_grad());
+  const dp::Tensor y = dp::sum(dp::mul(dp::mul(h, h), 0.5));  // d/dh = h, in bfloat16
+  y.backward();
+  REQUIRE(w.grad().defined());
+  CHECK(w.grad().dtype() == Dtype::Float32);
+  std::vector<float> want;
+  for (float f : {0.1f, -2.5f, 3.0f}) want.push_back(round16(f, Dtype::BFloat16));
+  CHECK(w.grad().to_vector() == want);
+  // Integers are not differentiable: no gradient path through them.
+  const dp::Tensor i = w.to(Dtype::Int64);
+  CHECK_FALSE(i.requires_grad());
+}
+
+TEST_CASE("a 16-bit linear layer's forward and gradients") {
+  for (Dtype dt : kHalfDtypes) {
+    CAPTURE(std::string(dp::dtype_name(dt)));
+    const dp::Tensor x32 = dp::from_vector(values16(5 * 7, 1.0f, dt, 8), {5, 7});
+    const dp::Tensor w32 = dp::from_vector(values16(3 * 7, 1.0f, dt, 9), {3, 7});
+    const dp::Tensor b32 = dp::from_vector(values16(3, 1.0f, dt, 10), {3});
+    const dp::Tensor x = x32.to(dt).set_requires_grad(true), w = w32.to(dt).set_requires_grad(true);
+    const dp::Tensor b = b32.to(dt).set_requires_grad(true);
+    const dp::Tensor y = dp::linear(x, w, b);
+    CHECK(y.dtype() == dt);
+    // The product rounds once, the bias add once more.
+    const dp::Tensor want = dp::add(dp::matmul(x32, w32.t()).to(dt), b32.to(dt));
+    CHECK(same_floats(y.to_vector(), want.to_vector()));
+    dp::sum(y).backward();
+    CHECK(w.grad().dtype() == dt);
+    CHECK(same_floats(w.grad().to_vector(),
+                      dp::matmul(dp::ones({3, 5}), x32).to(dt).to_vector()));  // column sums of x
+    CHECK(same_floats(b.grad().to_vector(), std::vector<float>{5, 5, 5}));
+    CHECK(same_floats(x.grad().to_vector(), dp::matmul(dp::ones({5, 3}), w32).to(dt).to_vector()));
+  }
+}
+
+TEST_CASE("bad 16-bit input is a dp::Error naming what was expected") {
+  const dp::Tensor b = dp::ones({2, 3}, {.dtype = Dtype::BFloat16});
+  const dp::Tensor f = dp::ones({3, 2});
+  CHECK(dp_test::throws_with([&] { (void)dp::matmul(b, f); },
+                             {"matmul: expected operands of one dtype, got bfloat16 and float32"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::linear(b, f.t(), dp::Tensor()); },
+                             {"linear: expected input, weight and bias of one dtype, got bfloat16, float32"}));
+  const dp::Tensor h = dp::ones({3}, {.dtype = Dtype::Float16});
+  CHECK(dp_test::throws_with([&] { dp::Tensor c = b.clone(); c.add_(dp::ones({2, 3}, {.dtype = Dtype::Float16})); },
+                             {"add_: expected a bfloat16 tensor to add, got float16"}));
+  CHECK(dp_test::throws_with([&] { (void)dp::from_vector(std::vector<dp::Float16>(2), {3}); },
+                             {"from_vector: shape [3] needs 3 elements, got 2"}));
+  (void)h;
+}
+
+TEST_CASE("safetensors keep 16-bit bits, and a file PyTorch wrote loads bitwise") {
+  const std::vector<float> in = reference_inputs();
+  const dp::Tensor x = dp::from_vector(in, {static_cast<std::int64_t>(in.size())});
+  const dp::nn::StateDict mine{{"b", x.to(Dtype::BFloat16)}, {"h", x.to(Dtype::Float16).narrow(0, 10, 100)}};
+  const std::vector<std::uint8_t> bytes = dp::io::serialize_safetensors(mine);
+  const dp::nn::StateDict back = dp::io::parse_safetensors(bytes.data(), bytes.size()).tensors;
+  REQUIRE(back.size() == 2);
+  for (std::size_t i = 0; i < 2; ++i) {
+    CHECK(back[i].first == mine[i].first);
+    CHECK(back[i].second.dtype() == mine[i].second.dtype());
+    CHECK(back[i].second.shape() == mine[i].second.shape());
+    CHECK(bits_of(back[i].second) == bits_of(mine[i].second));
+  }
+  // PyTorch's file: its conversions of kHalfFileInputs, which dp's must equal bit for bit.
+  std::vector<float> file_in;
+  for (std::uint32_t b : kHalfFileInputs) file_in.push_back(std::bit_cast<float>(b));
+  const dp::Tensor src = dp::from_vector(file_in, {static_cast<std::int64_t>(file_in.size())});
+  const dp::nn::StateDict theirs = dp::io::parse_safetensors(kHalfFileBytes, sizeof kHalfFileBytes, "torch").tensors;
+  REQUIRE(theirs.size() == 2);
+  for (const auto& [name, t] : theirs) {
+    CAPTURE(name);
+    const bool bf = name == "weight.bf16";
+    CHECK(t.dtype() == (bf ? Dtype::BFloat16 : Dtype::Float16));
+    CHECK(t.shape() == (bf ? dp::Shape{6, 8} : dp::Shape{48}));
+    CHECK(bits_of(t) == bits_of(src.to(t.dtype())));
+  }
+}
