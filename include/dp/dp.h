@@ -23,6 +23,7 @@
 #include "dp/optim/optim.h"
 #include "dp/parallel/data_parallel.h"
 #include "dp/parallel/stats.h"
+#include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"
 #include "dp/version.h"

@@ -7,6 +7,7 @@
 #include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
+#include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
 
 namespace dp::autograd {
@@ -66,6 +67,8 @@ void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& g
   DP_CHECK(roots.size() == grads.size(), "backward: expected one gradient per root, got ", grads.size(),
            " for ", roots.size());
   NoGradGuard no_grad;  // backward itself is never recorded
+  // Each node computes in its forward's dtypes (Note [Autocast op policy]).
+  amp::AutocastStateGuard no_autocast(amp::AutocastState{false, amp::get_autocast_dtype()});
 
   std::unordered_map<Node*, std::vector<Tensor>> inputs;  // gradients waiting per node
   inputs.reserve(64);

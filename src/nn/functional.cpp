@@ -8,6 +8,7 @@
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
+#include "tensor/autocast_policy.h"
 
 namespace dp::nn {
 namespace {
@@ -527,14 +528,47 @@ Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, st
 
 }  // namespace
 
+namespace {
+
+// A convolution of 16-bit operands: the float32 convolution of the widened values,
+// rounded once (Note [16-bit GEMMs on the CPU] says what that costs). ReLU and max-pool
+// commute with rounding, so a fused chain rounds once at its end and gives the bits
+// of the unfused 16-bit ops.
+template <typename F>
+Tensor conv_in_float32(const char* op, F f, const Tensor& x, const Tensor& w, const Tensor& b) {
+  check_defined(op, "input", x);
+  check_defined(op, "weight", w);
+  DP_CHECK(x.dtype() == w.dtype() && (!b.defined() || b.dtype() == x.dtype()), op,
+           ": expected input, weight and bias of one dtype, got ", dtype_name(x.dtype()), ", ",
+           dtype_name(w.dtype()), b.defined() ? std::string(", ") + dtype_name(b.dtype()) : std::string(),
+           " (convert with .to(dtype), or run under dp::amp::autocast)");
+  return amp::detail::in_float32(f, x, w, b);
+}
+
+}  // namespace
+
 Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
               std::int64_t padding) {
-  return conv2d_impl(x, w, b, stride, padding, /*relu=*/false);
+  auto f = [=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
+    return conv2d_impl(xx, ww, bb, stride, padding, /*relu=*/false);
+  };
+  if (amp::detail::active()) return amp::detail::lower_op([=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
+    return conv2d(xx, ww, bb, stride, padding);
+  }, x, w, b);
+  if (amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) return conv_in_float32("conv2d", f, x, w, b);
+  return f(x, w, b);
 }
 
 Tensor conv2d_relu(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
                    std::int64_t padding) {
-  return conv2d_impl(x, w, b, stride, padding, /*relu=*/true);
+  auto f = [=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
+    return conv2d_impl(xx, ww, bb, stride, padding, /*relu=*/true);
+  };
+  if (amp::detail::active()) return amp::detail::lower_op([=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
+    return conv2d_relu(xx, ww, bb, stride, padding);
+  }, x, w, b);
+  if (amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) return conv_in_float32("conv2d_relu", f, x, w, b);
+  return f(x, w, b);
 }
 
 // ---- pooling -------------------------------------------------------------------------------
@@ -603,12 +637,20 @@ Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride
 
 Tensor max_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
                   std::int64_t padding) {
-  return max_pool2d_impl(x, kernel, stride, padding, /*relu_mask=*/false);
+  return amp::detail::in_float32(
+      [=](const Tensor& xx) { return max_pool2d_impl(xx, kernel, stride, padding, /*relu_mask=*/false); }, x);
 }
 
 Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
                               std::int64_t padding, std::int64_t pool_kernel, std::int64_t pool_stride,
                               std::int64_t pool_padding) {
+  if (amp::detail::active()) return amp::detail::lower_op([=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
+    return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);
+  }, x, w, b);
+  if (amp::detail::is_16bit(x) || amp::detail::is_16bit(w))
+    return conv_in_float32("conv2d_relu_max_pool2d", [=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
+      return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);
+    }, x, w, b);
   if (pool_stride <= 0) pool_stride = pool_kernel;
   if (pool_kernel == 2 && pool_stride == 2 && pool_padding == 0 && x.defined() && w.defined() &&
       be::get(x.device()).supports(be::Op::Conv2dReluMaxPool2x2, be::DType::F32)) {
@@ -622,12 +664,15 @@ Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b,
 
 Tensor avg_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
                   std::int64_t padding) {
+  if (amp::detail::is_16bit(x))
+    return amp::detail::in_float32([=](const Tensor& xx) { return avg_pool2d(xx, kernel, stride, padding); }, x);
   if (stride <= 0) stride = kernel;
   be::Pool2dShape s = pool_shape("avg_pool2d", x, kernel, kernel, stride, stride, padding, padding);
   return avg_pool_impl("avg_pool2d", "AvgPool2dBackward", x, s);
 }
 
 Tensor adaptive_avg_pool2d_1x1(const Tensor& x) {
+  if (amp::detail::is_16bit(x)) return amp::detail::in_float32([](const Tensor& xx) { return adaptive_avg_pool2d_1x1(xx); }, x);
   const char* op = "adaptive_avg_pool2d";
   check_defined(op, "input", x);
   DP_CHECK(x.dim() == 4, op, ": expected a 4-d input (N, C, H, W), got ", shape_str(x.shape()));
@@ -647,6 +692,8 @@ Tensor adaptive_avg_pool2d_1x1(const Tensor& x) {
 // plane instead of H·W; fine for the small maps adaptive pooling meets at a network's
 // head, and each output differs from PyTorch's sum-then-divide by float rounding only.
 Tensor adaptive_avg_pool2d(const Tensor& x, std::int64_t output_h, std::int64_t output_w) {
+  if (amp::detail::is_16bit(x))
+    return amp::detail::in_float32([=](const Tensor& xx) { return adaptive_avg_pool2d(xx, output_h, output_w); }, x);
   const char* op = "adaptive_avg_pool2d";
   check_defined(op, "input", x);
   check_float(op, "input", x);
@@ -681,6 +728,11 @@ Tensor adaptive_avg_pool2d(const Tensor& x, std::int64_t output_h, std::int64_t 
 Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                   const Tensor& running_mean, const Tensor& running_var, bool training,
                   double momentum, double eps) {
+  // Note [Autocast op policy]: statistics and output in float32.
+  if (amp::detail::active() || amp::detail::is_16bit(x))
+    return amp::detail::float32_op([&](const Tensor& xx) {
+      return batch_norm(xx, gamma, beta, running_mean, running_var, training, momentum, eps);
+    }, x);
   const char* op = "batch_norm";
   check_defined(op, "input", x);
   check_float(op, "input", x);
@@ -782,6 +834,8 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 // ---- dropout --------------------------------------------------------------------------------
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
+  if (amp::detail::is_16bit(x))
+    return amp::detail::in_float32([&](const Tensor& xx) { return dropout(xx, p, training, gen); }, x);
   const char* op = "dropout";
   check_defined(op, "input", x);
   check_float(op, "input", x);
@@ -810,9 +864,13 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
 
 // ---- softmax and losses -------------------------------------------------------------------
 
-Tensor log_softmax(const Tensor& x) { return log_softmax_impl("log_softmax", x); }
+Tensor log_softmax(const Tensor& x) {
+  return amp::detail::float32_op([](const Tensor& xx) { return log_softmax_impl("log_softmax", xx); }, x);
+}
 
 Tensor nll_loss(const Tensor& logp, const Tensor& target, const NLLLossOptions& options) {
+  if (amp::detail::active() || amp::detail::is_16bit(logp))
+    return amp::detail::float32_op([&](const Tensor& x) { return nll_loss(x, target, options); }, logp);
   return class_loss_from("nll_loss", "input (log-probabilities)", logp, false, target, options.weight,
                          options.ignore_index, 0.0, options.reduction, options.scale);
 }
@@ -822,6 +880,9 @@ Tensor nll_loss(const Tensor& logp, const Tensor& target, Reduction reduction, d
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, const CrossEntropyOptions& options) {
+  if (amp::detail::active() || amp::detail::is_16bit(logits) || amp::detail::is_16bit(target))
+    return amp::detail::float32_op([&](const Tensor& x, const Tensor& t) { return cross_entropy(x, t, options); },
+                                   logits, target);
   return class_loss_from("cross_entropy", "logits", logits, true, target, options.weight, options.ignore_index,
                          options.label_smoothing, options.reduction, options.scale);
 }
@@ -832,6 +893,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
 
 Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target,
                                         const BCEWithLogitsOptions& options) {
+  if (amp::detail::active() || amp::detail::is_16bit(input) || amp::detail::is_16bit(target))
+    return amp::detail::float32_op(
+        [&](const Tensor& x, const Tensor& t) { return binary_cross_entropy_with_logits(x, t, options); }, input, target);
   const char* op = "binary_cross_entropy_with_logits";
   check_pair(op, input, target, options.reduction);
   if (options.weight.defined()) check_elementwise_weight(op, "weight", options.weight, input);
@@ -853,16 +917,23 @@ Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& targe
 }
 
 Tensor mse_loss(const Tensor& a, const Tensor& b, Reduction reduction, double scale) {
+  if (amp::detail::active() || amp::detail::is_16bit(a) || amp::detail::is_16bit(b))
+    return amp::detail::float32_op([=](const Tensor& x, const Tensor& y) { return mse_loss(x, y, reduction, scale); }, a, b);
   check_pair("mse_loss", a, b, reduction);
   return reduce_loss(square(sub(a, b)), reduction, scale);
 }
 
 Tensor l1_loss(const Tensor& a, const Tensor& b, Reduction reduction, double scale) {
+  if (amp::detail::active() || amp::detail::is_16bit(a) || amp::detail::is_16bit(b))
+    return amp::detail::float32_op([=](const Tensor& x, const Tensor& y) { return l1_loss(x, y, reduction, scale); }, a, b);
   check_pair("l1_loss", a, b, reduction);
   return reduce_loss(abs(sub(a, b)), reduction, scale);
 }
 
 Tensor smooth_l1_loss(const Tensor& a, const Tensor& b, Reduction reduction, double beta, double scale) {
+  if (amp::detail::active() || amp::detail::is_16bit(a) || amp::detail::is_16bit(b))
+    return amp::detail::float32_op(
+        [=](const Tensor& x, const Tensor& y) { return smooth_l1_loss(x, y, reduction, beta, scale); }, a, b);
   const char* op = "smooth_l1_loss";
   check_pair(op, a, b, reduction);
   DP_CHECK(std::isfinite(beta) && beta >= 0, op, ": expected beta >= 0 (where the loss turns from quadratic "

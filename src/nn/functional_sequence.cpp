@@ -11,6 +11,7 @@
 #include "dp/core/error.h"
 #include "dp/nn/functional.h"
 #include "dp/tensor/ops.h"
+#include "tensor/autocast_policy.h"
 
 namespace dp::nn {
 
@@ -35,6 +36,8 @@ Tensor log_softmax_last(const Tensor& x) {
 }  // namespace
 
 Tensor log_softmax(const Tensor& x, std::int64_t dim) {
+  if (amp::detail::active() || amp::detail::is_16bit(x))  // Note [Autocast op policy]: float32
+    return amp::detail::float32_op([dim](const Tensor& xx) { return log_softmax(xx, dim); }, x);
   const std::int64_t d = checked_dim("log_softmax", x, dim);
   const std::int64_t last = x.dim() - 1;
   if (d == last) return log_softmax_last(x);
@@ -42,6 +45,8 @@ Tensor log_softmax(const Tensor& x, std::int64_t dim) {
 }
 
 Tensor softmax(const Tensor& x, std::int64_t dim) {
+  if (amp::detail::active() || amp::detail::is_16bit(x))
+    return amp::detail::float32_op([dim](const Tensor& xx) { return softmax(xx, dim); }, x);
   (void)checked_dim("softmax", x, dim);
   return exp(log_softmax(x, dim));
 }
@@ -57,6 +62,9 @@ Tensor gelu(const Tensor& input, const std::string& approximate) {
 
 Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
                   double eps) {
+  if (amp::detail::active() || amp::detail::is_16bit(input))  // statistics in float32
+    return amp::detail::float32_op(
+        [&](const Tensor& x) { return layer_norm(x, normalized_shape, weight, bias, eps); }, input);
   DP_CHECK(input.defined(), "layer_norm: expected a defined input, got an undefined tensor");
   DP_CHECK(input.dtype() == Dtype::Float32, "layer_norm: expected a float32 input, got ", input.str());
   const auto k = static_cast<std::int64_t>(normalized_shape.size());
@@ -115,6 +123,12 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
                                     double dropout_p, bool is_causal, std::optional<double> scale, bool mask_is_keep,
                                     Generator* gen) {
+  if (amp::detail::active())  // Note [Autocast op policy]: the lower-precision list
+    return amp::detail::lower_op(
+        [&](const Tensor& qq, const Tensor& kk, const Tensor& vv, const Tensor& mm) {
+          return scaled_dot_product_attention(qq, kk, vv, mm, dropout_p, is_causal, scale, mask_is_keep, gen);
+        },
+        q, k, v, attn_mask);
   const char* op = "scaled_dot_product_attention";
   DP_CHECK(q.defined() && k.defined() && v.defined(), op, ": expected defined q, k and v");
   DP_CHECK(q.dim() >= 2 && k.dim() >= 2 && v.dim() >= 2, op, ": expected q, k, v with at least 2 dims "

@@ -10,6 +10,7 @@
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 #include "dp/dist/dist.h"
+#include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
 #include "parallel/design.h"
 #include "parallel/gather_backward.h"
@@ -101,9 +102,13 @@ class DataParallel::Step {
     try {
       // Note [Copy fences]: every worker is idle and what its copies read is enqueued.
       dp_.fences_->record();
+      // Note [Autocast op policy] (dp/tensor/autocast.h): every worker computes under the
+      // caller's autocast state, as the caller's own thread would.
+      const amp::AutocastState autocast = amp::autocast_state();
       dp_.workers_->run(
           [&](int r) {
             nn::ReplicaBinding bind(r);
+            amp::AutocastStateGuard carried(autocast);
             design().run_rank(r, kind_, [&] { fn(r); });
           },
           [this](int r, const std::exception_ptr& e) { dp_.abort_step(r, e); }, ranks);

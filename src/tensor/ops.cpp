@@ -7,6 +7,7 @@
 #include "backend/backend.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
+#include "tensor/autocast_policy.h"
 #include "tensor/tensor_util.h"
 
 namespace dp {
@@ -102,6 +103,14 @@ Dtype common_dtype(const Tensor& a, const Tensor& b) {
 bool mixed_floating(const Tensor& a, const Tensor& b) {
   return a.defined() && b.defined() && a.dtype() != b.dtype() && is_floating_point(a.dtype()) &&
          is_floating_point(b.dtype());
+}
+
+// An op of Note [Autocast op policy]'s float32 list inside an autocast scope: f on its
+// input in float32, with the scope suspended.
+template <typename F>
+Tensor autocast_f32(F f, const Tensor& a) {
+  amp::detail::Suspend inner;
+  return f(amp::detail::cast(a, Dtype::Float32));
 }
 
 Tensor binary_raw(const char* op, BinaryOp kind, const Tensor& a, const Tensor& b) {
@@ -310,6 +319,7 @@ Tensor div(double s, const Tensor& a) {
 }
 
 Tensor pow(const Tensor& a, double p) {
+  if (amp::detail::active()) return autocast_f32([p](const Tensor& x) { return pow(x, p); }, a);
   if (is_16bit(a)) return pow(a.to(Dtype::Float32), p).to(a.dtype());  // one rounding
   Tensor out = binary_raw("pow", BinaryOp::Pow, a, scalar_tensor(p, a.device()));
   autograd::record("PowBackward", {a}, out, [a, p](const std::vector<Tensor>& g) {
@@ -430,6 +440,7 @@ Tensor neg(const Tensor& a) {
 }
 
 Tensor exp(const Tensor& a) {
+  if (amp::detail::active()) return autocast_f32([](const Tensor& x) { return exp(x); }, a);
   Tensor out = unary_raw("exp", UnaryOp::Exp, a);
   autograd::record("ExpBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{mul(g[0], y)};
@@ -438,6 +449,7 @@ Tensor exp(const Tensor& a) {
 }
 
 Tensor log(const Tensor& a) {
+  if (amp::detail::active()) return autocast_f32([](const Tensor& x) { return log(x); }, a);
   Tensor out = unary_raw("log", UnaryOp::Log, a);
   autograd::record("LogBackward", {a}, out,
                    [a](const std::vector<Tensor>& g) { return std::vector<Tensor>{div(g[0], a)}; });
@@ -514,6 +526,7 @@ Tensor erf(const Tensor& a) {
 // ---- reductions --------------------------------------------------------------------------
 
 Tensor sum(const Tensor& a) {
+  if (amp::detail::active()) return autocast_f32([](const Tensor& x) { return sum(x); }, a);
   detail::check_floating("sum", a);
   if (is_16bit(a)) return sum(a.to(Dtype::Float32)).to(a.dtype());  // Note [16-bit tensors]
   Tensor out = sum_all_raw(a);
@@ -524,6 +537,7 @@ Tensor sum(const Tensor& a) {
 }
 
 Tensor sum(const Tensor& a, std::int64_t dim, bool keepdim) {
+  if (amp::detail::active()) return autocast_f32([=](const Tensor& x) { return sum(x, dim, keepdim); }, a);
   detail::check_floating("sum", a);
   if (is_16bit(a)) return sum(a.to(Dtype::Float32), dim, keepdim).to(a.dtype());
   std::int64_t d = norm_dim("sum", a, dim);
@@ -537,6 +551,7 @@ Tensor sum(const Tensor& a, std::int64_t dim, bool keepdim) {
 }
 
 Tensor mean(const Tensor& a) {
+  if (amp::detail::active()) return autocast_f32([](const Tensor& x) { return mean(x); }, a);
   detail::check_floating("mean", a);
   if (is_16bit(a)) return mean(a.to(Dtype::Float32)).to(a.dtype());  // one rounding, as PyTorch
   DP_CHECK(a.numel() > 0, "mean: expected a non-empty tensor, got shape ", shape_str(a.shape()));
@@ -544,6 +559,7 @@ Tensor mean(const Tensor& a) {
 }
 
 Tensor mean(const Tensor& a, std::int64_t dim, bool keepdim) {
+  if (amp::detail::active()) return autocast_f32([=](const Tensor& x) { return mean(x, dim, keepdim); }, a);
   detail::check_floating("mean", a);
   if (is_16bit(a)) return mean(a.to(Dtype::Float32), dim, keepdim).to(a.dtype());
   std::int64_t d = norm_dim("mean", a, dim);
@@ -690,6 +706,11 @@ Tensor matmul_2d(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (amp::detail::active()) {  // Note [Autocast op policy]: the lower-precision list
+    const Dtype low = amp::detail::lower();
+    amp::detail::Suspend inner;
+    return matmul(amp::detail::cast(a, low), amp::detail::cast(b, low));
+  }
   detail::check_same_device("matmul", a, b);
   detail::check_floating("matmul", a, "first input");
   detail::check_floating("matmul", b, "second input");
@@ -866,9 +887,22 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
 
 }  // namespace
 
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) { return linear_impl(x, w, b, false); }
+namespace {
 
-Tensor linear_relu(const Tensor& x, const Tensor& w, const Tensor& b) { return linear_impl(x, w, b, true); }
+Tensor autocast_linear(const Tensor& x, const Tensor& w, const Tensor& b, bool relu) {
+  if (amp::detail::active()) {  // Note [Autocast op policy]: the lower-precision list
+    const Dtype low = amp::detail::lower();
+    amp::detail::Suspend inner;
+    return linear_impl(amp::detail::cast(x, low), amp::detail::cast(w, low), amp::detail::cast(b, low), relu);
+  }
+  return linear_impl(x, w, b, relu);
+}
+
+}  // namespace
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) { return autocast_linear(x, w, b, false); }
+
+Tensor linear_relu(const Tensor& x, const Tensor& w, const Tensor& b) { return autocast_linear(x, w, b, true); }
 
 // ---- gather / index_select / one_hot -----------------------------------------------------------
 
