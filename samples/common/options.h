@@ -5,6 +5,7 @@
 //   --mode     single | dp | ddp | sharded (each sample lists the ones it runs)
 //   --shard-stage 1 | 2                                           (with --mode sharded)
 //   --path     worker (model.forward_backward) | module (loss(model(x)).backward())
+//   --precision fp32 | bf16 (forward and loss under dp::amp::autocast)
 //   --batch, --json
 // (samples/dp_vs_ddp's --devices differs on purpose: it is the list of device COUNTS
 // it compares, "N" meaning 1..N.)
@@ -160,6 +161,27 @@ CLI::Option* add_batch_option(CLI::App& app, Int& batch) {
       ->check(CLI::Range(Int{1}, Int{1} << 24))
       ->capture_default_str();
 }
+
+/// Adds --precision: fp32, or bf16 — the forward and the loss under
+/// dp::amp::autocast(BFloat16) (Note [Autocast op policy] in dp/tensor/autocast.h);
+/// parameters, gradients and the optimizer stay float32. float16 needs a gradient
+/// scaler, which these samples do not have yet, so it is not offered.
+inline CLI::Option* add_precision_option(CLI::App& app, std::string& precision) {
+  return app.add_option("--precision", precision,
+                        "fp32, or bf16: forward and loss under dp::amp::autocast(bfloat16), float32 master weights")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+}
+
+/// The autocast scope a --precision value asks for (off for fp32).
+inline dp::amp::autocast precision_scope(const std::string& precision) {
+  return dp::amp::autocast(dp::Dtype::BFloat16, precision == "bf16");
+}
+
+/// The line a sample prints once for --precision bf16 on the CPU: what computes in bf16.
+inline const char* kCpuBf16Note =
+    "note: --precision bf16 on the CPU backend: products and convolutions widen their bfloat16 operands to "
+    "float32 and round once (Note [16-bit GEMMs on the CPU]); the numbers are bfloat16's, the speed is not yet";
 
 /// Adds --json with a sample-specific description.
 inline CLI::Option* add_json_option(CLI::App& app, bool& json, const std::string& what) {

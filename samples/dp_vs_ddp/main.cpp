@@ -93,6 +93,7 @@ struct Args {
   std::string optimizer = "sgd";
   std::string stages = "1,2,3";
   std::string path = "worker";
+  std::string precision = "fp32";  // fp32 | bf16
   bool json = false;
   std::string csv, trace_dir, plot_dir;
   int trace_steps = 2;
@@ -228,7 +229,11 @@ Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
     dp::Tensor x = b.data.to(dev), y = b.target.to(dev);
     auto t1 = Clock::now();
     opt.zero_grad();
-    dp::Tensor loss = loss_fn(net->forward(x), y);
+    dp::Tensor loss;
+    {
+      const dp::amp::autocast precision = samples::precision_scope(a.precision);
+      loss = loss_fn(net->forward(x), y);
+    }
     auto t2 = Clock::now();
     loss.backward();
     auto t3 = Clock::now();
@@ -297,12 +302,11 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
     auto t0 = Clock::now();
     opt.zero_grad();
     dp::Tensor loss;
-    if (a.path == "worker") {
-      loss = model.forward_backward(b.data, b.target, loss_fn);
-    } else {
-      loss = loss_fn(model(b.data), b.target);
-      loss.backward();
+    {
+      const dp::amp::autocast precision = samples::precision_scope(a.precision);
+      loss = a.path == "worker" ? model.forward_backward(b.data, b.target, loss_fn) : loss_fn(model(b.data), b.target);
     }
+    if (a.path != "worker") loss.backward();
     opt.step();
     if (model.trace().enabled())
       model.trace().record("main", "iteration " + std::to_string(index), t0, Clock::now());
@@ -403,6 +407,7 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   j["steps"] = a.steps;
   j["warmup"] = a.warmup;
   j["path"] = a.path == "worker" ? "forward_backward" : "module";
+  j["precision"] = a.precision;
   j["seconds"] = r.seconds;
   j["samples_per_s"] = r.samples_per_s;
   j["samples_per_s_per_process"] = r.per_process;
@@ -727,7 +732,7 @@ int run(const Args& a, const std::vector<int>& counts, const std::vector<int>& s
     std::cout << ", "
               << a.steps << " timed steps after " << a.warmup << " warm-up, "
               << (a.path == "worker" ? "model.forward_backward(x, y, loss)" : "loss(model(x)).backward()")
-              << ", " << optimizer_label(a) << ", seed " << a.seed << "\n"
+              << ", " << optimizer_label(a) << ", " << a.precision << ", seed " << a.seed << "\n"
               << "devices: " << samples::device_kind() << ", " << dp::hardware_concurrency()
               << " hardware threads\n\n";
   }
@@ -813,6 +818,7 @@ int main(int argc, char** argv) {
                  "skipped with a note")
       ->capture_default_str();
   samples::add_path_option(app, a.path);
+  samples::add_precision_option(app, a.precision);
   app.add_flag("--json", a.json, "print one JSON object per configuration (one per line) instead of tables");
   app.add_option("--csv", a.csv, "also write the results as CSV to FILE");
   app.add_option("--trace", a.trace_dir, "write a Chrome/Perfetto trace per configuration into DIR");
@@ -852,6 +858,8 @@ int main(int argc, char** argv) {
                                              : std::string("fewer rows than ")) +
                                   std::to_string(counts.back()) + " devices; use a batch of at least one row per device");
     const std::vector<int> stages = a.stages.empty() ? std::vector<int>{} : parse_stages(a.stages);
+    if (a.precision == "bf16" && dp::default_device_type() == dp::DeviceType::CPU && dist::is_main())
+      std::cerr << samples::kCpuBf16Note << "\n";
     return run(a, counts, stages);
   } catch (const std::invalid_argument& e) {
     std::cerr << "error: " << e.what() << "\nRun with --help for more information.\n";

@@ -52,6 +52,7 @@ struct Config {
   std::string mode = "single";        // single | dp | ddp | sharded
   int shard_stage = 2;                // --mode sharded: ZeRO stage
   std::string path = "worker";        // worker | module
+  std::string precision = "fp32";     // fp32 | bf16
   std::int64_t log_every = 10;
   std::int64_t eval_batch = 1000;
   bool no_eval = false;  // benchmarks: time training only
@@ -190,19 +191,21 @@ Session make_session(const Config& cfg) {
 dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
 
 // One optimizer step on batch (x, y); returns its loss (reading it synchronises the step).
-double train_step(Session& s, const std::string& path, const dp::Tensor& x, const dp::Tensor& y) {
+double train_step(Session& s, const Config& cfg, const dp::Tensor& x, const dp::Tensor& y) {
   s.opt->zero_grad();
   dp::Tensor loss;
-  if (!s.model) {
-    const dp::Device dev0 = s.devices.front();
-    loss = loss_fn(s.net->forward(x.to(dev0)), y.to(dev0));
-    loss.backward();
-  } else if (path == "module") {
-    loss = loss_fn((*s.model)(x), y);
-    loss.backward();
-  } else {
-    loss = s.model->forward_backward(x, y, loss_fn);
+  {
+    const dp::amp::autocast precision = samples::precision_scope(cfg.precision);
+    if (!s.model) {
+      const dp::Device dev0 = s.devices.front();
+      loss = loss_fn(s.net->forward(x.to(dev0)), y.to(dev0));
+    } else if (cfg.path == "module") {
+      loss = loss_fn((*s.model)(x), y);
+    } else {
+      loss = s.model->forward_backward(x, y, loss_fn);  // backward runs inside, in the forward's dtypes
+    }
   }
+  if (!s.model || cfg.path == "module") loss.backward();
   s.opt->step();
   return loss.item();
 }
@@ -224,7 +227,7 @@ struct EpochStats {
 };
 
 // The "mode" and "devices" keys every JSON record carries.
-json tags(const Config& cfg) { return {{"mode", cfg.mode}, {"devices", cfg.devices}}; }
+json tags(const Config& cfg) { return {{"mode", cfg.mode}, {"devices", cfg.devices}, {"precision", cfg.precision}}; }
 
 void report_start(const Config& cfg, const Session& s) {
   if (cfg.json) return;
@@ -253,7 +256,7 @@ EpochStats train_epoch(const Config& cfg, Session& s, int epoch, bool bar, Total
   const auto t_epoch = Clock::now();
   for (auto& [x, y] : *s.train_loader) {
     if (cfg.max_steps > 0 && tot.step >= cfg.max_steps) break;
-    const double l = train_step(s, cfg.path, x, y);
+    const double l = train_step(s, cfg, x, y);
     const std::int64_t rows = x.size(0);
     ++tot.step;
     ++ep.steps;
@@ -382,6 +385,7 @@ int main(int argc, char** argv) {
   samples::add_mode_option(app, cfg.mode, {"single", "dp", "ddp", "sharded"});
   samples::add_shard_stage_option(app, cfg.shard_stage);
   samples::add_path_option(app, cfg.path);
+  samples::add_precision_option(app, cfg.precision);
   app.add_option("--log-every", cfg.log_every, "JSON step record every N steps (and at step 1)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40))->capture_default_str();
   app.add_option("--eval-batch", cfg.eval_batch, "Batch size of the test-set evaluation")
@@ -412,6 +416,8 @@ int main(int argc, char** argv) {
               << "; pass 1 or use --mode dp|ddp|sharded\n";
     return 2;
   }
+  if (cfg.precision == "bf16" && dp::default_device_type() == dp::DeviceType::CPU && cfg.device != "cuda")
+    std::cerr << samples::kCpuBf16Note << "\n";
   try {
     return run(cfg);
   } catch (const dp::Error& e) {

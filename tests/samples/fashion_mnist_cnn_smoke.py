@@ -42,7 +42,7 @@ def run_json(binary, args):
     return records
 
 
-def check_run(binary, args, mode, devices):
+def check_run(binary, args, mode, devices, precision="fp32"):
     recs = run_json(binary, args)
     steps = [r for r in recs if r.get("type") == "step"]
     epochs = [r for r in recs if r.get("type") == "epoch"]
@@ -53,6 +53,7 @@ def check_run(binary, args, mode, devices):
     for r in recs:
         check(r.get("mode") == mode, f"{mode}: record has mode {r.get('mode')!r}")
         check(r.get("devices") == devices, f"{mode}: record has devices {r.get('devices')!r}")
+        check(r.get("precision") == precision, f"{mode}: record has precision {r.get('precision')!r}")
     for r in steps:
         for k in ("step", "loss"):
             check(k in r, f"{mode}: step record lacks {k!r}: {r}")
@@ -95,13 +96,15 @@ def main():
     # The shared option spellings (samples/common/options.h): a count, the module path, Sharded.
     check_run(binary, common + ["--mode", "sharded", "--shard-stage", "1", "--devices", "2", "--path", "module"],
               "sharded", [0, 1])
+    # bfloat16 autocast on two DDP workers: the loss falls as in float32.
+    check_run(binary, common + ["--mode", "ddp", "--devices", "2", "--precision", "bf16"], "ddp", [0, 1], "bf16")
 
     # Bad --devices, --path and --mode values: exit code 2 and a message naming the value.
     for flags, needle in ((["--devices", "0"], "--devices 0"), (["--devices", "0,0"], "appears twice"),
                           (["--devices", "x"], "'x' is not a number"), (["--devices", "0,99"], "out of range"),
                           (["--path", "worker-loss"], "worker-loss"), (["--mode", "zero"], "zero"),
                           (["--mode", "single", "--devices", "2"], "one device"),
-                          (["--shard-stage", "3"], "3")):
+                          (["--shard-stage", "3"], "3"), (["--precision", "fp16"], "fp16")):
         bad = subprocess.run([binary, "--max-steps", "1", "--data", data] + flags, capture_output=True, text=True,
                              timeout=60)
         check(bad.returncode == 2, f"{flags}: expected exit code 2, got {bad.returncode}")
