@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -373,8 +376,117 @@ void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
 
 }  // namespace
 
+// Note [bf16 GEMMs through oneDNN]
+// Where oneDNN has a bfloat16 matmul for this CPU (avx512_bf16 or AMX natively; other
+// AVX-512 CPUs by its own emulation), a bfloat16 product is oneDNN's matmul primitive on
+// the 16-bit operands, accumulating in float32 and rounding C once, with beta through a
+// sum post-op (C's old value widened, added in float32, rounded once). C is cut into
+// slabs of rows, one single-threaded execution per task of the device's arena, as the
+// float32 GEMM is (Note [oneDNN in the device's arena]): every element is one dot product
+// over all of k. oneDNN may pick its kernel by the slab's shape, so a different thread
+// count (other slabs) may add a dot product in another order: equal runs on equal
+// devices give equal bits, which is what keeps the designs bitwise equal to each other;
+// against float32 arithmetic a product is within one bfloat16 ulp. Primitives are cached by shape (a slab's rows, n, k, transposes, leading
+// dimensions, alpha, beta); each execution brings its own scratchpad. Where oneDNN has
+// no such matmul (AVX2-only CPUs), the widening path of Note [16-bit GEMMs on the CPU]
+// runs. float16 always takes the widening path: oneDNN 2.x has no float16 matmul on CPUs.
+
+namespace {
+
+dnnl::engine& gemm_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+struct Bf16GemmKey {
+  i64 m, n, k, lda, ldb, ldc;
+  bool ta, tb;
+  float alpha, beta;
+  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, ta, tb, alpha, beta); }
+  bool operator<(const Bf16GemmKey& o) const { return tie() < o.tie(); }
+};
+
+struct Bf16Gemm {
+  dnnl::matmul prim;
+  dnnl::memory::desc a, b, c, scratch;
+};
+
+/// The cached primitive for `key`; null when oneDNN has no bfloat16 matmul here.
+std::shared_ptr<const Bf16Gemm> bf16_gemm(const Bf16GemmKey& key) {
+  static std::mutex mu;
+  static std::map<Bf16GemmKey, std::shared_ptr<const Bf16Gemm>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  using md = dnnl::memory::desc;
+  using dt = dnnl::memory::data_type;
+  const md a({key.m, key.k}, dt::bf16, key.ta ? dnnl::memory::dims{1, key.lda} : dnnl::memory::dims{key.lda, 1});
+  const md b({key.k, key.n}, dt::bf16, key.tb ? dnnl::memory::dims{1, key.ldb} : dnnl::memory::dims{key.ldb, 1});
+  const md c({key.m, key.n}, dt::bf16, dnnl::memory::dims{key.ldc, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (key.alpha != 1.0f) attr.set_output_scales(0, {key.alpha});
+  if (key.beta != 0.0f) {
+    dnnl::post_ops ops;
+    ops.append_sum(key.beta);
+    attr.set_post_ops(ops);
+  }
+  std::shared_ptr<const Bf16Gemm> entry;
+  try {
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, gemm_engine());
+    entry = std::make_shared<const Bf16Gemm>(Bf16Gemm{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()});
+  } catch (const dnnl::error&) {
+    entry = nullptr;  // unimplemented on this CPU: the widening path
+  }
+  cache.emplace(key, entry);
+  return entry;
+}
+
+/// Whether this CPU has oneDNN's bfloat16 matmul (probed once with a tiny product).
+bool has_bf16_matmul() {
+  static const bool has = bf16_gemm(Bf16GemmKey{2, 2, 2, 2, 2, 2, false, false, 1.0f, 0.0f}) != nullptr;
+  return has;
+}
+
+void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
+  if (!has_bf16_matmul() || a.m == 0 || a.n == 0 || a.k == 0) {
+    gemm_16bit<BFloat16>(be, dev, a);
+    return;
+  }
+  DP_CHECK(a.epilogue.empty(), "gemm: a bfloat16 product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  const i64 chunks = std::clamp<i64>(a.m / 16, 1, be.threads_per_device(dev));
+  const auto* pa = static_cast<const BFloat16*>(a.a);
+  const auto* pb = static_cast<const BFloat16*>(a.b);
+  auto* pc = static_cast<BFloat16*>(a.c);
+  be.parallel_chunks(dev, chunks, [&](i64 ch) {
+    omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
+    const i64 lo = a.m * ch / chunks / 16 * 16, hi = ch + 1 == chunks ? a.m : a.m * (ch + 1) / chunks / 16 * 16;
+    if (hi <= lo) return;
+    const auto g = bf16_gemm({hi - lo, a.n, a.k, a.lda, a.ldb, a.ldc, a.trans_a, a.trans_b, a.alpha, a.beta});
+    DP_CHECK(g != nullptr, "gemm on ", dev.str(), ": oneDNN has a bfloat16 matmul for one shape and not for (",
+             hi - lo, ", ", a.n, ", ", a.k, ")");
+    const std::size_t scratch_bytes = g->scratch.get_size();
+    void* scratch = scratch_bytes > 0 ? be.allocate(dev, scratch_bytes) : nullptr;
+    try {
+      thread_local dnnl::stream stream(gemm_engine());
+      const BFloat16* as = a.trans_a ? pa + lo : pa + lo * a.lda;
+      dnnl::memory ma(g->a, gemm_engine(), const_cast<BFloat16*>(as));
+      dnnl::memory mb(g->b, gemm_engine(), const_cast<BFloat16*>(pb));
+      dnnl::memory mc(g->c, gemm_engine(), pc + lo * a.ldc);
+      dnnl::memory ms(g->scratch, gemm_engine(), scratch);
+      g->prim.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}});
+      stream.wait();
+    } catch (...) {
+      if (scratch) be.deallocate(dev, scratch, scratch_bytes);
+      throw;
+    }
+    if (scratch) be.deallocate(dev, scratch, scratch_bytes);
+  });
+}
+
+}  // namespace
+
 void CpuBackend::register_gemm_kernels() {
-  register_typed<Op::Gemm, CpuBackend, &gemm_16bit<BFloat16>>(DType::BF16);
+  register_typed<Op::Gemm, CpuBackend, &gemm_bf16_onednn>(DType::BF16);
   register_typed<Op::Gemm, CpuBackend, &gemm_16bit<Float16>>(DType::F16);
 }
 
