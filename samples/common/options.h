@@ -180,8 +180,9 @@ inline dp::amp::autocast precision_scope(const std::string& precision) {
 
 /// The line a sample prints once for --precision bf16 on the CPU: what computes in bf16.
 inline const char* kCpuBf16Note =
-    "note: --precision bf16 on the CPU backend: products and convolutions widen their bfloat16 operands to "
-    "float32 and round once (Note [16-bit GEMMs on the CPU]); the numbers are bfloat16's, the speed is not yet";
+    "note: --precision bf16 on the CPU backend: matrix products use oneDNN's bfloat16 matmul where this CPU has "
+    "one (else they widen to float32 and round once); convolutions widen to float32 and round once "
+    "(Note [16-bit GEMMs on the CPU])";
 
 /// Adds --json with a sample-specific description.
 inline CLI::Option* add_json_option(CLI::App& app, bool& json, const std::string& what) {
