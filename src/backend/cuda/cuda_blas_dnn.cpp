@@ -7,6 +7,15 @@
 // column-major: call cuBLAS with the operands swapped (B first), m and n swapped, and
 // each operand's own transpose flag unchanged.
 //
+// Note [16-bit GEMMs on CUDA]
+// A bfloat16 or float16 product is one cublasGemmEx over CUDA_R_16BF / CUDA_R_16F
+// operands and C with CUBLAS_COMPUTE_32F: products and sums in float32, alpha and beta
+// float32, each element of C rounded once to the 16-bit type — Note [16-bit GEMMs on the
+// CPU] up to the order of the sum. The handle's math mode forbids reduced-precision
+// reductions, so a split-K reduction sums in float32 too (cuBLAS allows 16-bit ones by
+// default). There is no epilogue: bias and ReLU are separate ops for 16-bit dtypes, as
+// on the CPU.
+//
 // Note [cuDNN algorithm choice]
 // Each convolution shape gets a plan — descriptors plus one algorithm per direction —
 // built at its first use and cached per device. Algorithms come from the cudnnGet*_v7
@@ -37,6 +46,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_register.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
 
@@ -166,6 +176,22 @@ const Perf* pick(const Perf* perf, int count, bool allow_tf32, const char* direc
           allow_tf32 ? "" : " (dp::set_allow_tf32_conv(true) allows TF32 algorithms)");
 }
 
+/// Checks a GEMM's sizes and row strides (GemmArgs in ops.h); false when C is empty and
+/// there is nothing to do.
+bool check_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t lda,
+                std::int64_t ldb, std::int64_t ldc) {
+  DP_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm: expected non-negative m, n, k, got ", m, ", ", n,
+           ", ", k);
+  if (m == 0 || n == 0) return false;
+  // Row strides of the stored (untransposed) matrices: A is m×k (k×m when transposed).
+  const std::int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
+  DP_CHECK(lda >= std::max<std::int64_t>(1, a_cols) && ldb >= std::max<std::int64_t>(1, b_cols) &&
+               ldc >= n,
+           "gemm: row strides too small: lda=", lda, " (need >= ", a_cols, "), ldb=", ldb,
+           " (need >= ", b_cols, "), ldc=", ldc, " (need >= ", n, ")");
+  return true;
+}
+
 cudnnMathType_t requested_math(bool allow_tf32) { return allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH; }
 
 class ConvPlanCache {
@@ -268,15 +294,7 @@ void CudaBackend::gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, s
                        const float* b, std::int64_t ldb, float beta, float* c,
                        std::int64_t ldc) {
   bind(dev);
-  DP_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm: expected non-negative m, n, k, got ", m, ", ", n,
-           ", ", k);
-  if (m == 0 || n == 0) return;
-  // Row strides of the stored (untransposed) matrices: A is m×k (k×m when transposed).
-  const std::int64_t a_cols = trans_a ? m : k, b_cols = trans_b ? k : n;
-  DP_CHECK(lda >= std::max<std::int64_t>(1, a_cols) && ldb >= std::max<std::int64_t>(1, b_cols) &&
-               ldc >= n,
-           "gemm: row strides too small: lda=", lda, " (need >= ", a_cols, "), ldb=", ldb,
-           " (need >= ", b_cols, "), ldc=", ldc, " (need >= ", n, ")");
+  if (!check_gemm(trans_a, trans_b, m, n, k, lda, ldb, ldc)) return;
   auto h = cublas(dev.index);
   // Note [TF32 policy]: the handle is the device's, so the mode is set per call (a
   // host-side field write in cuBLAS).
@@ -298,6 +316,36 @@ void CudaBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
   gemm(dev, a.trans_a, a.trans_b, a.m, a.n, a.k, a.alpha, static_cast<const float*>(a.a), a.lda,
        static_cast<const float*>(a.b), a.ldb, a.beta, static_cast<float*>(a.c), a.ldc);
 }
+
+namespace cuda_kernels {
+namespace {
+
+/// The Gemm op of a 16-bit dtype (Note [16-bit GEMMs on CUDA]).
+template <DType dt>
+void gemm_16bit(CudaBackend& be, Device dev, const GemmArgs& a) {
+  static_assert(dt == DType::BF16 || dt == DType::F16, "gemm_16bit: a 16-bit dtype");
+  constexpr cudaDataType_t type = dt == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dt),
+           " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  be.bind(dev);
+  if (!check_gemm(a.trans_a, a.trans_b, a.m, a.n, a.k, a.lda, a.ldb, a.ldc)) return;
+  auto h = be.cublas(dev.index);
+  DP_CUBLAS_CHECK(cublasSetMathMode(
+      h.get(), static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  // Note [Row-major GEMM on cuBLAS]. k == 0 gives C = beta * C, as in BLAS.
+  DP_CUBLAS_CHECK(cublasGemmEx_64(h.get(), a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                  a.n, a.m, a.k, &a.alpha, a.b, type, a.ldb, a.a, type, a.lda, &a.beta, a.c, type,
+                                  a.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace
+
+void register_blas_kernels(CudaBackend& be) {
+  add<Op::Gemm, &gemm_16bit<DType::BF16>>(be, DType::BF16);
+  add<Op::Gemm, &gemm_16bit<DType::F16>>(be, DType::F16);
+}
+
+}  // namespace cuda_kernels
 
 // ---- convolution -------------------------------------------------------------------------------
 

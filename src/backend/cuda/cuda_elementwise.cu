@@ -5,12 +5,16 @@
 // file only decides how a grid walks memory. Where the CPU backend writes a formula
 // inline (affine, axpy, the uniform range), the same formula is used here with explicit
 // round-to-nearest intrinsics so nvcc cannot contract it into an FMA: results then match
-// the CPU backend bitwise.
+// the CPU backend bitwise. The 16-bit dtypes run the same templates over __nv_bfloat16
+// and __half (Note [16-bit storage on CUDA] in cuda_half.cuh); kernels that only move
+// elements (gather, strided copies, fills) move them as their 16 bits.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_half.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_register.h"
 #include "backend/kernel_plan.h"
@@ -52,22 +56,12 @@ __global__ void arange_i64_kernel(i64* __restrict__ y, i64 n, i64 start, i64 ste
   for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = start + i * step;
 }
 
-__global__ void cast_i64_to_f32_kernel(const i64* __restrict__ x, float* __restrict__ y, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = static_cast<float>(x[i]);
-}
-
-__global__ void cast_f32_to_i64_kernel(const float* __restrict__ x, i64* __restrict__ y, i64 n) {
-  // Truncates toward zero like static_cast on the CPU.
-  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = static_cast<i64>(x[i]);
-}
-
-__global__ void cast_i32_to_i64_kernel(const std::int32_t* __restrict__ x, i64* __restrict__ y, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = x[i];
-}
-
-__global__ void cast_i64_to_i32_kernel(const i64* __restrict__ x, std::int32_t* __restrict__ y, i64 n) {
-  // Keeps the low 32 bits, like static_cast on the CPU.
-  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = static_cast<std::int32_t>(x[i]);
+// The CPU backend's conversions (convert_storage): float to integer truncates toward
+// zero, int64 to int32 keeps the low 32 bits, a 16-bit float widens exactly and anything
+// else goes through float and rounds once to a 16-bit float.
+template <typename Src, typename Dst>
+__global__ void cast_kernel(const Src* __restrict__ x, Dst* __restrict__ y, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = convert_storage<Dst>(x[i]);
 }
 
 // Offsets of element i (Note [Gather geometry] in ops.h): `xo` into x without the
@@ -83,8 +77,9 @@ __device__ __forceinline__ void gather_offsets(const Indexer& ix, int dim, i64 i
   }
 }
 
-__global__ void gather_kernel(const Indexer ix, int dim, const float* __restrict__ x,
-                              const i64* __restrict__ index, float* __restrict__ out, i64 n) {
+template <typename T>
+__global__ void gather_kernel(const Indexer ix, int dim, const T* __restrict__ x,
+                              const i64* __restrict__ index, T* __restrict__ out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
     i64 xo, io;
     gather_offsets(ix, dim, i, xo, io);
@@ -92,12 +87,78 @@ __global__ void gather_kernel(const Indexer ix, int dim, const float* __restrict
   }
 }
 
-__global__ void scatter_add_kernel(const Indexer ix, int dim, const float* __restrict__ src,
-                                   const i64* __restrict__ index, float* y, i64 n) {
+// Note [16-bit atomic adds]
+// scatter_add adds with atomics, so where indices repeat the order of the additions,
+// and with it the rounding, depends on timing: float32 and 16-bit results alike are
+// not bitwise deterministic (ScatterAddArgs in ops.h). Each 16-bit add rounds once to
+// the 16-bit type: the native atomic rounds the exact sum, the CPU (and the fallback
+// below) the float sum, which for two 16-bit values is exact unless one is so much
+// smaller that both sums round back to the other: the same bits. The native 16-bit
+// atomicAdd exists for __half from sm_70 and for __nv_bfloat16 from sm_80 in every
+// toolkit dp builds with (CUDA 12 and later; meson_options.txt's sm_arch defaults to
+// 80 and 90); an older architecture gets a compare-and-swap loop on the aligned 32-bit
+// word that holds the element. The word's other half lies in the same block of the
+// caching allocator (512-byte granules) and is written back unchanged.
+
+__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+
+// The 16 bits of a __nv_bfloat16 or __half, and back.
+template <typename T>
+__device__ __forceinline__ unsigned short to_bits(T v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat16_as_ushort(v);
+  } else {
+    return __half_as_ushort(v);
+  }
+}
+template <typename T>
+__device__ __forceinline__ T from_bits(unsigned short b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __ushort_as_bfloat16(b);
+  } else {
+    return __ushort_as_half(b);
+  }
+}
+
+/// *p = store_acc(load_acc(*p) + load_acc(v)) atomically, for a 16-bit T, with 32-bit
+/// compare-and-swap only (Note [16-bit atomic adds]).
+template <typename T>
+__device__ __forceinline__ void atomic_add_cas(T* p, T v) {
+  const std::uintptr_t addr = reinterpret_cast<std::uintptr_t>(p);
+  unsigned int* word = reinterpret_cast<unsigned int*>(addr & ~std::uintptr_t{3});
+  const unsigned int shift = (addr & 2u) != 0 ? 16u : 0u;
+  const float add = load_acc(v);
+  unsigned int old = *word, assumed;
+  do {
+    assumed = old;
+    const T cur = from_bits<T>(static_cast<unsigned short>(assumed >> shift));
+    const unsigned int sum = to_bits(store_acc<T>(__fadd_rn(load_acc(cur), add)));
+    old = atomicCAS(word, assumed, (assumed & ~(0xFFFFu << shift)) | (sum << shift));
+  } while (old != assumed);
+}
+
+__device__ __forceinline__ void atomic_add(__half* p, __half v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700
+  atomic_add_cas(p, v);
+#else
+  atomicAdd(p, v);
+#endif
+}
+__device__ __forceinline__ void atomic_add(__nv_bfloat16* p, __nv_bfloat16 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  atomic_add_cas(p, v);
+#else
+  atomicAdd(p, v);
+#endif
+}
+
+template <typename T>
+__global__ void scatter_add_kernel(const Indexer ix, int dim, const T* __restrict__ src,
+                                   const i64* __restrict__ index, T* y, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
     i64 xo, io;
     gather_offsets(ix, dim, i, xo, io);
-    atomicAdd(y + xo + index[io] * ix.strides_a[dim], src[i]);
+    atomic_add(y + xo + index[io] * ix.strides_a[dim], src[i]);
   }
 }
 
@@ -166,9 +227,9 @@ __global__ void eq_i64_kernel(const Indexer ix, const i64* __restrict__ a, const
   }
 }
 
-template <typename I>
-__global__ void strided_copy_kernel(const Indexer ix, const float* __restrict__ a,
-                                    float* __restrict__ out, i64 n) {
+template <typename I, typename T>
+__global__ void strided_copy_kernel(const Indexer ix, const T* __restrict__ a,
+                                    T* __restrict__ out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
     I oa, ob;
     strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
@@ -301,6 +362,13 @@ void fill_i64(cudaStream_t stream, i64* y, i64 n, i64 value) {
   DP_CUDA_CHECK_LAUNCH();
 }
 
+void fill_16bit(cudaStream_t stream, std::uint16_t* y, i64 n, std::uint16_t bits) {
+  check_count(n, "fill_16bit");
+  if (n == 0) return;
+  fill_kernel<<<grid_for(n), kBlock, 0, stream>>>(y, n, bits);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
 void add_i64(cudaStream_t stream, i64* y, i64 n, i64 value) {
   check_count(n, "add_i64");
   if (n == 0) return;
@@ -322,10 +390,11 @@ void arange_i64(cudaStream_t stream, i64* y, i64 n, i64 start, i64 step) {
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void cast_i64_to_f32(cudaStream_t stream, const i64* x, float* y, i64 n) {
-  check_count(n, "cast_i64_to_f32");
+template <typename Src, typename Dst>
+void cast(cudaStream_t stream, const Src* x, Dst* y, i64 n) {
+  check_count(n, "cast");
   if (n == 0) return;
-  cast_i64_to_f32_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
+  cast_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -340,21 +409,8 @@ void eq_i64(cudaStream_t stream, const Indexer& ix, const i64* a, const i64* b, 
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void cast_i32_to_i64(cudaStream_t stream, const std::int32_t* x, i64* y, i64 n) {
-  check_count(n, "cast_i32_to_i64");
-  if (n == 0) return;
-  cast_i32_to_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
-  DP_CUDA_CHECK_LAUNCH();
-}
-
-void cast_i64_to_i32(cudaStream_t stream, const i64* x, std::int32_t* y, i64 n) {
-  check_count(n, "cast_i64_to_i32");
-  if (n == 0) return;
-  cast_i64_to_i32_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
-  DP_CUDA_CHECK_LAUNCH();
-}
-
-void gather(cudaStream_t stream, const Indexer& ix, int dim, const float* x, const i64* index, float* out) {
+template <typename T>
+void gather(cudaStream_t stream, const Indexer& ix, int dim, const T* x, const i64* index, T* out) {
   DP_CHECK(dim >= 0 && dim < ix.ndim, "gather: expected a dim in [0, ", ix.ndim, "), got ", dim);
   i64 n = 1;
   for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
@@ -364,21 +420,14 @@ void gather(cudaStream_t stream, const Indexer& ix, int dim, const float* x, con
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void scatter_add(cudaStream_t stream, const Indexer& ix, int dim, const float* src, const i64* index,
-                 float* y) {
+template <typename T>
+void scatter_add(cudaStream_t stream, const Indexer& ix, int dim, const T* src, const i64* index, T* y) {
   DP_CHECK(dim >= 0 && dim < ix.ndim, "scatter_add: expected a dim in [0, ", ix.ndim, "), got ", dim);
   i64 n = 1;
   for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
   check_count(n, "scatter_add");
   if (n == 0) return;
   scatter_add_kernel<<<grid_for(n), kBlock, 0, stream>>>(ix, dim, src, index, y, n);
-  DP_CUDA_CHECK_LAUNCH();
-}
-
-void cast_f32_to_i64(cudaStream_t stream, const float* x, i64* y, i64 n) {
-  check_count(n, "cast_f32_to_i64");
-  if (n == 0) return;
-  cast_f32_to_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -431,25 +480,36 @@ void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const T* a, con
   DP_CUDA_CHECK_LAUNCH();
 }
 
-// The storage types registered in the kernel table (cuda_backend.cpp).
+// The storage types registered in the kernel table (the end of this file); the other
+// launcher templates are instantiated by the table's uses alone.
 template void unary<float>(cudaStream_t, UnaryOp, const float*, float*, i64);
 template void affine<float>(cudaStream_t, const float*, float*, i64, float, float);
 template void axpy<float>(cudaStream_t, float, const float*, float*, i64);
 template void binary<float>(cudaStream_t, BinaryOp, const Indexer&, const float*, const float*, float*);
+template void unary<__nv_bfloat16>(cudaStream_t, UnaryOp, const __nv_bfloat16*, __nv_bfloat16*, i64);
+template void affine<__nv_bfloat16>(cudaStream_t, const __nv_bfloat16*, __nv_bfloat16*, i64, float, float);
+template void axpy<__nv_bfloat16>(cudaStream_t, float, const __nv_bfloat16*, __nv_bfloat16*, i64);
+template void binary<__nv_bfloat16>(cudaStream_t, BinaryOp, const Indexer&, const __nv_bfloat16*,
+                                    const __nv_bfloat16*, __nv_bfloat16*);
+template void unary<__half>(cudaStream_t, UnaryOp, const __half*, __half*, i64);
+template void affine<__half>(cudaStream_t, const __half*, __half*, i64, float, float);
+template void axpy<__half>(cudaStream_t, float, const __half*, __half*, i64);
+template void binary<__half>(cudaStream_t, BinaryOp, const Indexer&, const __half*, const __half*, __half*);
 
-void strided_copy(cudaStream_t stream, const Indexer& ix, const float* a, float* out) {
+template <typename T>
+void strided_copy(cudaStream_t stream, const Indexer& ix, const T* a, T* out) {
   Indexer only_a = ix;
   for (int d = 0; d < kMaxDims; ++d) only_a.strides_b[d] = 0;  // b unused: never blocks merging
   Collapsed c = collapse(only_a);
   if (c.numel == 0) return;
   const i64 n = c.numel;
   if (c.ix.ndim == 1 && c.ix.strides_a[0] == 1) {
-    DP_CUDA_CHECK(cudaMemcpyAsync(out, a, static_cast<std::size_t>(n) * sizeof(float),
+    DP_CUDA_CHECK(cudaMemcpyAsync(out, a, static_cast<std::size_t>(n) * sizeof(T),
                                   cudaMemcpyDeviceToDevice, stream));
     return;
   }
   with_strided_index(c.ix, n, [&](auto zero) {
-    strided_copy_kernel<decltype(zero)><<<grid_for(n), kBlock, 0, stream>>>(c.ix, a, out, n);
+    strided_copy_kernel<decltype(zero), T><<<grid_for(n), kBlock, 0, stream>>>(c.ix, a, out, n);
   });
   DP_CUDA_CHECK_LAUNCH();
 }
@@ -529,6 +589,12 @@ void fill_f32(CudaBackend& be, Device dev, const FillArgs& a) {
 void fill_i64(CudaBackend& be, Device dev, const FillArgs& a) {
   k::fill_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.value.as<i64>());
 }
+/// H: dp::BFloat16 or dp::Float16. The host rounds the value (dp/core/half.h), so a fill
+/// writes the CPU backend's bits, a NaN's included.
+template <typename H>
+void fill_16bit(CudaBackend& be, Device dev, const FillArgs& a) {
+  k::fill_16bit(be.bind(dev), static_cast<std::uint16_t*>(a.y), a.n, a.value.as<H>().bits);
+}
 void add_scalar_i64(CudaBackend& be, Device dev, const AddScalarArgs& a) {
   k::add_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.value.as<i64>());
 }
@@ -539,26 +605,15 @@ void arange_i64(CudaBackend& be, Device dev, const ArangeArgs& a) {
   k::arange_i64(be.bind(dev), static_cast<i64*>(a.y), a.n, a.start.as<i64>(), a.step.as<i64>());
 }
 
-[[noreturn]] void cast_unsupported(DType from, DType to) {
-  DP_FAIL("backend op cast has no CUDA kernel from ", dtype_name(from), " to ", dtype_name(to),
-          " (it has int64 to float32 and int32, float32 and int32 to int64)");
-}
-void cast_to_f32(CudaBackend& be, Device dev, const CastArgs& a) {
-  if (a.x_dtype != DType::I64) cast_unsupported(a.x_dtype, DType::F32);
-  k::cast_i64_to_f32(be.bind(dev), static_cast<const i64*>(a.x), static_cast<float*>(a.y), a.n);
-}
-void cast_to_i64(CudaBackend& be, Device dev, const CastArgs& a) {
-  if (a.x_dtype == DType::F32) {
-    k::cast_f32_to_i64(be.bind(dev), static_cast<const float*>(a.x), static_cast<i64*>(a.y), a.n);
-  } else if (a.x_dtype == DType::I32) {
-    k::cast_i32_to_i64(be.bind(dev), static_cast<const std::int32_t*>(a.x), static_cast<i64*>(a.y), a.n);
-  } else {
-    cast_unsupported(a.x_dtype, DType::I64);
-  }
-}
-void cast_to_i32(CudaBackend& be, Device dev, const CastArgs& a) {
-  if (a.x_dtype != DType::I64) cast_unsupported(a.x_dtype, DType::I32);
-  k::cast_i64_to_i32(be.bind(dev), static_cast<const i64*>(a.x), static_cast<std::int32_t*>(a.y), a.n);
+/// Dst: the call's dtype as a kernel table C++ type (DTypeOf in ops.h); from any source
+/// dtype, as the CPU backend casts.
+template <typename Dst>
+void cast_to(CudaBackend& be, Device dev, const CastArgs& a) {
+  cudaStream_t s = be.bind(dev);
+  visit_dtype(a.x_dtype, [&](auto src_zero) {
+    using Src = device_t<decltype(src_zero)>;
+    k::cast(s, static_cast<const Src*>(a.x), static_cast<device_t<Dst>*>(a.y), a.n);
+  });
 }
 
 template <typename T>
@@ -583,14 +638,19 @@ void binary_i64(CudaBackend& be, Device dev, const BinaryArgs& a) {
   k::eq_i64(be.bind(dev), a.ix, static_cast<const i64*>(a.a), static_cast<const i64*>(a.b),
             static_cast<float*>(a.out));
 }
-void strided_copy_f32(CudaBackend& be, Device dev, const StridedCopyArgs& a) {
-  k::strided_copy(be.bind(dev), a.ix, static_cast<const float*>(a.a), static_cast<float*>(a.out));
+// Copies and gathers only move elements: the 16-bit dtypes share their std::uint16_t
+// instances (the bits move unchanged, NaNs included).
+template <typename T>
+void strided_copy(CudaBackend& be, Device dev, const StridedCopyArgs& a) {
+  k::strided_copy(be.bind(dev), a.ix, static_cast<const T*>(a.a), static_cast<T*>(a.out));
 }
-void gather_f32(CudaBackend& be, Device dev, const GatherArgs& a) {
-  k::gather(be.bind(dev), a.ix, a.dim, static_cast<const float*>(a.x), a.index, static_cast<float*>(a.out));
+template <typename T>
+void gather(CudaBackend& be, Device dev, const GatherArgs& a) {
+  k::gather(be.bind(dev), a.ix, a.dim, static_cast<const T*>(a.x), a.index, static_cast<T*>(a.out));
 }
-void scatter_add_f32(CudaBackend& be, Device dev, const ScatterAddArgs& a) {
-  k::scatter_add(be.bind(dev), a.ix, a.dim, static_cast<const float*>(a.src), a.index, static_cast<float*>(a.y));
+template <typename T>
+void scatter_add(CudaBackend& be, Device dev, const ScatterAddArgs& a) {
+  k::scatter_add(be.bind(dev), a.ix, a.dim, static_cast<const T*>(a.src), a.index, static_cast<T*>(a.y));
 }
 
 void count_nonfinite_f32(CudaBackend& be, Device dev, const CountNonfiniteArgs& a) {
@@ -608,6 +668,26 @@ void count_nonfinite_f32(CudaBackend& be, Device dev, const CountNonfiniteArgs& 
 }
 
 }  // namespace table
+
+/// The 16-bit dtype of H (dp::BFloat16 or dp::Float16): the ops the CPU backend has for
+/// it, over its device storage type (Note [16-bit storage on CUDA]). Sums and products
+/// have none: the tensor layer widens their inputs (Note [16-bit tensors] in
+/// dp/tensor/tensor.h); the GEMM is cuda_blas_dnn.cpp's.
+template <typename H>
+void register_16bit(CudaBackend& be) {
+  using T = device_t<H>;
+  constexpr DType dt = dtype_of<H>;
+  add<Op::Fill, &table::fill_16bit<H>>(be, dt);
+  add<Op::Cast, &table::cast_to<H>>(be, dt);
+  add<Op::Unary, &table::unary<T>>(be, dt);
+  add<Op::Affine, &table::affine<T>>(be, dt);
+  add<Op::Axpy, &table::axpy<T>>(be, dt);
+  add<Op::Binary, &table::binary<T>>(be, dt);
+  add<Op::StridedCopy, &table::strided_copy<std::uint16_t>>(be, dt);
+  add<Op::Gather, &table::gather<std::uint16_t>>(be, dt);
+  add<Op::ScatterAdd, &table::scatter_add<T>>(be, dt);
+}
+
 }  // namespace
 
 void register_elementwise_kernels(CudaBackend& be) {
@@ -616,18 +696,20 @@ void register_elementwise_kernels(CudaBackend& be) {
   add<Op::AddScalar, &table::add_scalar_i64>(be, DType::I64);
   add<Op::Arange, &table::arange_f32>(be, DType::F32);
   add<Op::Arange, &table::arange_i64>(be, DType::I64);
-  add<Op::Cast, &table::cast_to_f32>(be, DType::F32);
-  add<Op::Cast, &table::cast_to_i64>(be, DType::I64);
-  add<Op::Cast, &table::cast_to_i32>(be, DType::I32);
+  add<Op::Cast, &table::cast_to<float>>(be, DType::F32);
+  add<Op::Cast, &table::cast_to<i64>>(be, DType::I64);
+  add<Op::Cast, &table::cast_to<std::int32_t>>(be, DType::I32);
   add<Op::Unary, &table::unary<float>>(be, DType::F32);
   add<Op::Affine, &table::affine<float>>(be, DType::F32);
   add<Op::Axpy, &table::axpy<float>>(be, DType::F32);
   add<Op::Binary, &table::binary<float>>(be, DType::F32);
   add<Op::Binary, &table::binary_i64>(be, DType::I64);
-  add<Op::StridedCopy, &table::strided_copy_f32>(be, DType::F32);
-  add<Op::Gather, &table::gather_f32>(be, DType::F32);
-  add<Op::ScatterAdd, &table::scatter_add_f32>(be, DType::F32);
+  add<Op::StridedCopy, &table::strided_copy<float>>(be, DType::F32);
+  add<Op::Gather, &table::gather<float>>(be, DType::F32);
+  add<Op::ScatterAdd, &table::scatter_add<float>>(be, DType::F32);
   add<Op::CountNonfinite, &table::count_nonfinite_f32>(be, DType::F32);
+  register_16bit<BFloat16>(be);
+  register_16bit<Float16>(be);
 }
 
 }  // namespace dp::backend::cuda_kernels

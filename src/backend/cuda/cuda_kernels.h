@@ -19,10 +19,12 @@ class CudaBackend;
 
 namespace dp::backend::cuda_kernels {
 
-/// Put the ops of cuda_elementwise.cu and cuda_reduce.cu in the backend's kernel table
-/// (Note [The op list] in ops.h); CudaBackend's constructor calls them.
+/// Put the ops of cuda_elementwise.cu, cuda_reduce.cu and cuda_blas_dnn.cpp (the 16-bit
+/// GEMMs) in the backend's kernel table (Note [The op list] in ops.h); CudaBackend's
+/// constructor calls them.
 void register_elementwise_kernels(CudaBackend& be);
 void register_reduce_kernels(CudaBackend& be);
+void register_blas_kernels(CudaBackend& be);
 
 /// The inputs of sum_inputs: up to kMaxSumInputs device pointers, passed by value as a
 /// kernel argument (64 pointers = 512 bytes, well inside the 4 KiB parameter limit).
@@ -35,19 +37,24 @@ struct SumInputs {
 // ---- cuda_elementwise.cu --------------------------------------------------------------
 void fill(cudaStream_t stream, float* y, std::int64_t n, float value);
 void fill_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t value);
+/// y[i] = bits: a 16-bit float's value as the host rounded it (dp/core/half.h).
+void fill_16bit(cudaStream_t stream, std::uint16_t* y, std::int64_t n, std::uint16_t bits);
 void add_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t value);
 void arange(cudaStream_t stream, float* y, std::int64_t n, float start, float step);
 void arange_i64(cudaStream_t stream, std::int64_t* y, std::int64_t n, std::int64_t start,
                 std::int64_t step);
-void cast_i64_to_f32(cudaStream_t stream, const std::int64_t* x, float* y, std::int64_t n);
 void eq_i64(cudaStream_t stream, const Indexer& ix, const std::int64_t* a, const std::int64_t* b, float* out);
-void cast_f32_to_i64(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t n);
-void cast_i32_to_i64(cudaStream_t stream, const std::int32_t* x, std::int64_t* y, std::int64_t n);
-void cast_i64_to_i32(cudaStream_t stream, const std::int64_t* x, std::int32_t* y, std::int64_t n);
-void gather(cudaStream_t stream, const Indexer& ix, int dim, const float* x, const std::int64_t* index,
-            float* out);
-void scatter_add(cudaStream_t stream, const Indexer& ix, int dim, const float* src,
-                 const std::int64_t* index, float* y);
+/// y[i] = x[i] converted as the CPU backend converts (CastArgs in ops.h), between device
+/// storage types (float, int64, int32, __nv_bfloat16, __half: cuda_half.cuh).
+template <typename Src, typename Dst>
+void cast(cudaStream_t stream, const Src* x, Dst* y, std::int64_t n);
+/// Over float and std::uint16_t (the bits of either 16-bit dtype).
+template <typename T>
+void gather(cudaStream_t stream, const Indexer& ix, int dim, const T* x, const std::int64_t* index, T* out);
+/// Over float, __nv_bfloat16 and __half; atomics (Note [16-bit atomic adds]).
+template <typename T>
+void scatter_add(cudaStream_t stream, const Indexer& ix, int dim, const T* src, const std::int64_t* index,
+                 T* y);
 /// Over storage type T, the math in float (Note [Storage types] in functors.h);
 /// instantiated in cuda_elementwise.cu for the dtypes the kernel table registers.
 template <typename T>
@@ -58,7 +65,9 @@ template <typename T>
 void axpy(cudaStream_t stream, float alpha, const T* x, T* y, std::int64_t n);
 template <typename T>
 void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const T* a, const T* b, T* out);
-void strided_copy(cudaStream_t stream, const Indexer& ix, const float* a, float* out);
+/// Over float and std::uint16_t (the bits of either 16-bit dtype).
+template <typename T>
+void strided_copy(cudaStream_t stream, const Indexer& ix, const T* a, T* out);
 void fill_uniform(cudaStream_t stream, float* y, std::int64_t n, float lo, float hi,
                   std::uint64_t seed, std::uint64_t offset);
 void fill_normal(cudaStream_t stream, float* y, std::int64_t n, float mean, float std,
