@@ -36,6 +36,8 @@ namespace {
 //   dp.checkpoint_version = "2"          files with module generators; version 1 (the
 //                                        key absent) came before them
 //   user.<key>                           TrainingState::metadata
+//   dp.grad_scaler = "1"                 the "grad_scaler.*" tensors hold TrainingState::scaler's
+//                                        state_dict (scale, growth tracker, ...)
 //
 // Note [Checkpoints without module generators]
 // A version-2 file must hold exactly the module's generators: one missing or one the
@@ -56,6 +58,8 @@ constexpr const char* kVersionKey = "dp.checkpoint_version";
 constexpr std::int64_t kVersion = 2;
 constexpr const char* kSchedPrefix = "dp.scheduler.";
 constexpr const char* kUserPrefix = "user.";
+constexpr const char* kScalerPrefix = "grad_scaler.";
+constexpr const char* kScalerKey = "dp.grad_scaler";  // "1" when grad_scaler.* tensors are the scaler's
 
 bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
@@ -76,9 +80,10 @@ nn::StateDictMatch match(const nn::StateDict& own, const nn::StateDict& file, bo
 // not the module's business.
 nn::StateDict module_part(io::SafetensorsFile& f) {
   if (!is_training(f.metadata)) return std::move(f.tensors);
+  const bool has_scaler = f.metadata.count(kScalerKey) > 0;
   nn::StateDict out;
   for (auto& [k, v] : f.tensors)
-    if (!starts_with(k, kOptPrefix)) out.emplace_back(k, std::move(v));
+    if (!starts_with(k, kOptPrefix) && !(has_scaler && starts_with(k, kScalerPrefix))) out.emplace_back(k, std::move(v));
   return out;
 }
 
@@ -282,6 +287,12 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
                "' starts with '", kOptPrefix, "', which the checkpoint reserves for the optimizer; rename that child");
     }
     for (auto& [k, v] : optimizer.state_dict()) tensors.emplace_back(kOptPrefix + k, v);
+    if (state.scaler != nullptr) {
+      for (const auto& [k, v] : tensors)
+        DP_CHECK(!starts_with(k, kScalerPrefix), "save_training_checkpoint: the module's state name '", k,
+                 "' starts with '", kScalerPrefix, "', which the checkpoint reserves for the GradScaler; rename that child");
+      for (auto& [k, v] : state.scaler->state_dict()) tensors.emplace_back(kScalerPrefix + k, v);
+    }
   }
   if (!write) return;
 
@@ -304,6 +315,7 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
   for (const auto& [name, gen] : module.named_generators()) meta[kModuleRngPrefix + name] = generator_state(*gen);
   for (const auto& [name, sched] : state.schedulers) save_scheduler(meta, name, sched);
   for (const auto& [k, v] : state.metadata) meta[kUserPrefix + k] = v;
+  if (state.scaler != nullptr) meta[kScalerKey] = "1";
   io::write_safetensors(path, tensors, meta);
 }
 
@@ -343,9 +355,17 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
   for (const auto& [k, v] : m)
     if (starts_with(k, kUserPrefix)) user[k.substr(std::string(kUserPrefix).size())] = v;
 
-  nn::StateDict opt_state;
-  for (const auto& [k, v] : f.tensors)
+  nn::StateDict opt_state, scaler_state;
+  for (const auto& [k, v] : f.tensors) {
     if (starts_with(k, kOptPrefix)) opt_state.emplace_back(k.substr(std::string(kOptPrefix).size()), v);
+    if (m.count(kScalerKey) && starts_with(k, kScalerPrefix)) scaler_state.emplace_back(k.substr(std::string(kScalerPrefix).size()), v);
+  }
+  if (state.scaler != nullptr) {
+    DP_CHECK(!scaler_state.empty() || !state.scaler->is_enabled(), "load_training_checkpoint '", path,
+             "': the checkpoint has no GradScaler state (was it saved with TrainingState::scaler set?)");
+    amp::GradScaler probe;  // validates before anything is written
+    if (state.scaler->is_enabled()) probe.load_state_dict(scaler_state);
+  }
   nn::StateDict to_copy = match(module.state_dict(), module_part(f), /*strict=*/true, path).matched;
 
   // The optimizer validates its whole state before writing any of it; the module part
@@ -375,6 +395,7 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
     for (std::size_t i = 0; i < old_scheds.size(); ++i) scheds[i].first->load_state_dict(old_scheds[i]);
     throw;
   }
+  if (state.scaler != nullptr) state.scaler->load_state_dict(scaler_state);  // validated above
   default_generator().set_state(def_rng.first, def_rng.second);
   for (auto& [gen, st] : gens) gen->set_state(st.first, st.second);
   for (auto& [gen, st] : module_gens) gen->set_state(st.first, st.second);

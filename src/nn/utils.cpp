@@ -1,9 +1,11 @@
 #include "dp/nn/utils.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
+#include "backend/backend.h"
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
@@ -199,6 +201,27 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
   const float coef = static_cast<float>(max_norm) / (static_cast<float>(total) + 1e-6f);
   if (coef < 1.0f) edit_every_copy(params, [coef](Tensor& g) { g.mul_(coef); });
   return total;
+}
+
+bool scale_grads_find_nonfinite_(const ParameterList& params, double factor) {
+  DP_CHECK(std::isfinite(factor), "scale_grads_find_nonfinite_: expected a finite factor, got ", factor);
+  const float f = static_cast<float>(factor);
+  std::atomic<bool> found{false};  // copies run on their own workers
+  edit_every_copy(params, [&](Tensor& g) {
+    if (g.numel() == 0) return;
+    DP_CHECK(g.dtype() == Dtype::Float32, "scale_grads_find_nonfinite_: expected float32 gradients (master "
+             "weights), got ", g.str());
+    if (backend::get(g.device()).count_nonfinite(g.device(), g.data<float>(), g.numel()) > 0) found = true;
+    g.mul_(f);
+  });
+  bool any = found.load();
+  const auto& set = params.set();
+  if (set && set->sharded_across_processes()) {
+    // Each process checked only its own ranges (Note [Ranges across processes]).
+    for (const std::vector<float>& part : set->gather_processes({any ? 1.0f : 0.0f}))
+      any = any || (!part.empty() && part[0] != 0.0f);
+  }
+  return any;
 }
 
 void clip_grad_value_(const ParameterList& params, double clip_value) {

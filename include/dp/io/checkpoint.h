@@ -34,6 +34,7 @@
 
 #include "dp/io/safetensors.h"
 #include "dp/nn/module.h"
+#include "dp/optim/grad_scaler.h"
 #include "dp/optim/lr_scheduler.h"
 #include "dp/optim/optimizer.h"
 #include "dp/tensor/tensor.h"
@@ -89,6 +90,10 @@ struct TrainingState {
   /// Build them as in the saved run before loading; dp::Error when the file has no
   /// scheduler of that name or one of another kind.
   std::vector<std::pair<std::string, optim::LRScheduler*>> schedulers;
+  /// A float16 run's loss scaler (optional): its scale and growth tracker saved as
+  /// "grad_scaler.*" tensors and restored in place, so that the resumed run scales as
+  /// the uninterrupted one would. dp::Error on load when the file has none.
+  amp::GradScaler* scaler = nullptr;
   /// Free-form strings (run id, config hash, …), saved as "user.<key>" metadata.
   std::map<std::string, std::string> metadata;
 };

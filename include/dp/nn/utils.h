@@ -47,4 +47,12 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
 /// clip_value < 0 or NaN.
 void clip_grad_value_(const ParameterList& params, double clip_value);
 
+/// Multiplies every gradient of `params` by `factor`, on every copy an optimizer steps
+/// (as clip_grad_norm_ edits them: each copy's gradients, or a sharded copy's owned
+/// range), and returns true when any of them held a NaN or an infinity before — on any
+/// copy, and for a set sharded across processes on any process (then collective: every
+/// process must call it). The same answer on every copy and process, so a decision
+/// taken on it is taken everywhere. dp::amp::GradScaler's unscale_.
+bool scale_grads_find_nonfinite_(const ParameterList& params, double factor);
+
 }  // namespace dp::nn::utils

@@ -6,6 +6,7 @@
 
 #include "dp/optim/adam.h"
 #include "dp/optim/adamw.h"
+#include "dp/optim/grad_scaler.h"
 #include "dp/optim/lr_scheduler.h"
 #include "dp/optim/optimizer.h"
 #include "dp/optim/sgd.h"
