@@ -477,8 +477,8 @@ void ParameterSet::for_each_copy(const std::function<void(int)>& fn, CopyWork wo
   auto run = [&](int r) {
     if (!copies_[r].transient) fn(r);
   };
-  if (executor_) {
-    executor_(num_copies(), run, work);
+  if (executor_ != nullptr) {
+    executor_->for_each_copy(num_copies(), run, work);
   } else {
     for (int r = 0; r < num_copies(); ++r) run(r);
   }

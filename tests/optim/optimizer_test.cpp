@@ -169,13 +169,25 @@ TEST_CASE("an executor runs each copy's step on its own thread") {
   set->add_copy(dp::cpu(1), false);
   set->add_copy(dp::cpu(2), false);
   int calls = 0, updates = 0;
-  set->set_executor([&calls, &updates](int n, const std::function<void(int)>& fn, dp::nn::CopyWork work) {
-    ++calls;
-    updates += work == dp::nn::CopyWork::Step ? 1 : 0;
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) threads.emplace_back([&fn, r] { fn(r); });
-    for (auto& t : threads) t.join();
-  });
+  struct Threads final : optim::StepExecutor {
+    int &calls, &updates;
+    Threads(int& c, int& u) : calls(c), updates(u) {}
+    static void run(int n, const std::function<void(int)>& fn) {
+      std::vector<std::thread> threads;
+      for (int r = 0; r < n; ++r) threads.emplace_back([&fn, r] { fn(r); });
+      for (auto& t : threads) t.join();
+    }
+    void for_each_copy(int n, const std::function<void(int)>& fn, dp::nn::CopyWork) override {
+      ++calls;
+      run(n, fn);
+    }
+    void step_copies(int n, const std::function<void(int)>& fn) override {
+      ++calls;
+      ++updates;
+      run(n, fn);
+    }
+  } executor(calls, updates);
+  set->set_executor(&executor);
   optim::Adam opt(params, {.lr = 0.01});
   for (int t = 0; t < 3; ++t) {
     opt.zero_grad();

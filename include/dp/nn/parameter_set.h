@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "dp/nn/copy_executor.h"
 #include "dp/tensor/tensor.h"
 
 namespace dp::backend {
@@ -119,16 +120,6 @@ struct ParameterCopy {
   Tensor owned_data() const;
 };
 
-/// What the work given to ParameterSet::for_each_copy does to each copy.
-enum class CopyWork {
-  Step,       // an optimizer step: writes the data of [begin, end)
-  Gradients,  // zero_grad, clipping and the like: touches gradients (or state) only
-  // Gradients, and so little work (zeroing a few KiB) that one thread does every
-  // copy's in less time than waking the copies' workers: an executor may run it on
-  // the calling thread (Note [Small work inline] in src/parallel/data_parallel.cpp).
-  SmallGradients,
-};
-
 /// All parameters of a module tree, flattened (see Note [Parameter sets]).
 class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
  public:
@@ -161,13 +152,14 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Moves the primary copy to `device` (data and grad; views rebound in place).
   void move_primary(Device device);
 
-  /// Runs fn(r) for every persistent (non-transient) copy r — what an optimizer
-  /// steps. Default: in order on the calling thread. DataParallel installs an
-  /// executor that runs each copy on its device's worker thread (and, after a Step
-  /// of a sharded set, gathers every copy's updated range into every copy).
+  /// Runs fn(r) for every persistent (non-transient) copy r: gradient work (zero_grad,
+  /// clipping). Through the executor when one is set (Note [Copy executors]), else in
+  /// order on the calling thread.
   void for_each_copy(const std::function<void(int copy)>& fn, CopyWork work = CopyWork::Gradients);
-  using Executor = std::function<void(int num_copies, const std::function<void(int)>& fn, CopyWork work)>;
-  void set_executor(Executor executor) { executor_ = std::move(executor); }
+  /// The runtime that runs work on every copy (DataParallel), or null: the set holds
+  /// it and passes it on, never owns it (the runtime clears it before it goes).
+  void set_executor(CopyExecutor* executor) { executor_ = executor; }
+  CopyExecutor* executor() const { return executor_; }
 
   /// Note [Sharded parameter sets]
   /// shard() splits the flat buffers into num_copies() contiguous ranges of equal
@@ -321,7 +313,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   UnitHook unit_hook_;
   std::uint64_t version_ = 0;
   bool valid_ = true;
-  Executor executor_;
+  CopyExecutor* executor_ = nullptr;
   ProcessGather process_gather_;
 };
 
