@@ -208,12 +208,11 @@ void ParameterSet::shard(bool shard_grads, int world, int first) {
 }
 
 // Note [Ranges across processes].
-std::vector<std::vector<float>> ParameterSet::gather_processes(const std::vector<float>& mine) const {
-  if (!sharded_across_processes()) return {mine};
-  DP_CHECK(process_gather_ != nullptr, "ParameterSet: the set is sharded over ", shard_world_, " ranges, ",
+ProcessExchange& ParameterSet::process_exchange() const {
+  DP_CHECK(process_exchange_ != nullptr, "ParameterSet: the set is sharded over ", shard_world_, " ranges, ",
            num_copies(), " of them in this process, and no exchange with the other processes was installed; "
            "shard across processes through dp::DataParallel");
-  return process_gather_(mine);
+  return *process_exchange_;
 }
 
 // Note [Sharded parameter buffers].

@@ -90,7 +90,7 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // Across processes (stages 1 and 2; Note [Ranges across processes] in
 // dp/nn/parameter_set.h) a process holds the partials of its own devices' blocks only.
 // Processes own ascending runs of ranges, so each process's partials, concatenated in
-// process order (gather_processes: a collective every process makes, one host
+// process order (the set's ProcessExchange: a collective every process makes, one host
 // exchange of P/16 floats in all), are again the vector in flat order, and the one
 // final reduction runs over the same vector on every process: the same bits as DDP's
 // norm across processes, which reduces that vector from copy 0's whole gradient.
@@ -142,7 +142,8 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
       mine.insert(mine.end(), part.begin(), part.end());
     }
     std::vector<float> every;
-    for (const std::vector<float>& part : set.gather_processes(mine)) every.insert(every.end(), part.begin(), part.end());
+    for (const std::vector<float>& part : set.process_exchange().gather(mine))
+      every.insert(every.end(), part.begin(), part.end());
     all.clear();
     if (!every.empty()) all.push_back(from_vector(every, {static_cast<std::int64_t>(every.size())}, home));
   }

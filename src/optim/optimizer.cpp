@@ -373,7 +373,8 @@ Tensor Optimizer::gathered_state(std::size_t k) {
     mine.insert(mine.end(), v.begin(), v.end());
   }
   std::vector<float> all;
-  for (const std::vector<float>& part : set.gather_processes(mine)) all.insert(all.end(), part.begin(), part.end());
+  for (const std::vector<float>& part : set.process_exchange().gather(mine))
+    all.insert(all.end(), part.begin(), part.end());
   DP_CHECK(static_cast<std::int64_t>(all.size()) == state_numel_, kind_, ".state_dict: the processes' optimizer "
            "states add up to ", all.size(), " elements, expected ", state_numel_, ": was the optimizer built over "
            "other parameters on another process?");

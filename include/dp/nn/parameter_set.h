@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "dp/nn/copy_executor.h"
+#include "dp/nn/process_exchange.h"
 #include "dp/tensor/tensor.h"
 
 namespace dp::backend {
@@ -194,20 +195,19 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Note [Ranges across processes]
   /// A set sharded across processes keeps here only world ranges [first, first +
   /// num_copies()); the other ranges (their optimizer state, their gradients) live in
-  /// the other processes. Code of this layer and above it that needs a value of every
-  /// range — an optimizer's state_dict, the total norm of clip_grad_norm_ — hands its
-  /// own part, in flat order, to gather_processes(), which returns every process's
-  /// part in process order, i.e. in flat order again (process p owns the contiguous
-  /// world ranges [p * num_copies(), (p + 1) * num_copies())). The parts may differ
-  /// in length. This layer does not speak to processes: the runtime that sharded the
-  /// set across them installs the exchange (DataParallel: dp::dist broadcasts, one
-  /// per process, bounded by dp::dist::timeout(), Note [Fault policy]). Collective:
-  /// every process must call it the same number of times, in the same order.
-  using ProcessGather = std::function<std::vector<std::vector<float>>(const std::vector<float>& mine)>;
-  void set_process_gather(ProcessGather gather) { process_gather_ = std::move(gather); }
-  /// Every process's part (see above); {mine} when the set does not span processes.
-  /// Throws dp::Error when it does and no exchange is installed.
-  std::vector<std::vector<float>> gather_processes(const std::vector<float>& mine) const;
+  /// the other processes, process p owning the contiguous world ranges [p *
+  /// num_copies(), (p + 1) * num_copies()). Code of this layer and above it that
+  /// needs a value of every range — an optimizer's state_dict, the total norm of
+  /// clip_grad_norm_ — reaches the other processes through the set's process exchange
+  /// (Note [Process exchange] in dp/nn/process_exchange.h): this layer does not speak
+  /// to processes; the runtime that sharded the set across them installs it
+  /// (DataParallel: dp::dist broadcasts, one per process, bounded by
+  /// dp::dist::timeout(), Note [Fault policy]).
+  /// The set holds the exchange and never owns it (the runtime clears it before it goes).
+  void set_process_exchange(ProcessExchange* exchange) { process_exchange_ = exchange; }
+  /// The exchange with the other processes of a set sharded across processes. Throws
+  /// dp::Error when none is installed.
+  ProcessExchange& process_exchange() const;
   /// Undoes shard(): every copy steps all of the buffers again and has a full
   /// gradient buffer; copy 0's gradient receives every other copy's range of its
   /// owned gradient, so after a synced backward it holds the whole summed gradient.
@@ -314,7 +314,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   std::uint64_t version_ = 0;
   bool valid_ = true;
   CopyExecutor* executor_ = nullptr;
-  ProcessGather process_gather_;
+  ProcessExchange* process_exchange_ = nullptr;
 };
 
 /// The parameters of a module tree: the primary copy's tensors plus their set.

@@ -64,7 +64,7 @@ void ShardedDesign::lay_out() {
     set().shard(/*shard_grads=*/stage_ >= 2 && world_devices() > 1, world_devices(), comm().first_rank());
   }
   if (set().sharded_across_processes())  // Note [Ranges across processes]
-    set().set_process_gather([this](const std::vector<float>& mine) { return gather_processes(mine); });
+    set().set_process_exchange(this);
   if (by_unit) {
     shard_params();
   } else if (n > 1 && options().shard_gather.value_or(ShardGather::AfterStep) == ShardGather::NextForward) {
@@ -77,13 +77,13 @@ void ShardedDesign::lay_out() {
 
 void ShardedDesign::release() {
   set().set_unit_hook(nullptr);
-  set().set_process_gather(nullptr);
+  set().set_process_exchange(nullptr);
 }
 
 // Every process's part of a set sharded across processes, in process order (Note
 // [Ranges across processes]): one dp::dist broadcast per process, on the calling
 // thread, bounded by dp::dist::timeout() (Note [Fault policy]).
-std::vector<std::vector<float>> ShardedDesign::gather_processes(const std::vector<float>& mine) const {
+std::vector<std::vector<float>> ShardedDesign::gather(const std::vector<float>& mine) {
   std::vector<std::vector<float>> out;
   for (int p = 0; p < processes(); ++p)
     out.push_back(dist::broadcast_object(p == process() ? mine : std::vector<float>{}, p));

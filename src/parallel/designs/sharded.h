@@ -11,11 +11,12 @@
 #include <vector>
 
 #include "dp/nn/parameter_set.h"
+#include "dp/nn/process_exchange.h"
 #include "parallel/design.h"
 
 namespace dp::parallel {
 
-class ShardedDesign final : public Design {
+class ShardedDesign final : public Design, public nn::ProcessExchange {
  public:
   explicit ShardedDesign(DataParallel& dp);
   const char* name() const override { return "Sharded"; }
@@ -43,6 +44,9 @@ class ShardedDesign final : public Design {
   int shard_stage() const override { return stage_; }
   int shard_world() const override { return set().shard_world(); }
 
+  /// Every process's part (Note [Process exchange]): one dp::dist broadcast per process.
+  std::vector<std::vector<float>> gather(const std::vector<float>& mine) override;
+
  protected:
   bool params_stale() const override { return !params_sharded() && copies_written_unequally(); }
   bool combines_grads() const override { return sums_in_dp_order(); }
@@ -62,7 +66,6 @@ class ShardedDesign final : public Design {
 
   bool params_sharded() const { return set().shards_params(); }
   bool sums_in_dp_order() const;
-  std::vector<std::vector<float>> gather_processes(const std::vector<float>& mine) const;
   void note_grad_edits();
   void check_grads_unedited(const char* what);
   void gather_params(int rank);
