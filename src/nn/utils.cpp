@@ -45,9 +45,9 @@ std::vector<std::pair<std::int64_t, std::int64_t>> flat_ranges(const ParameterLi
 // The list's ranges that copy r steps, as views of its owned gradient (the reduced
 // gradient of [begin, end) in a sharded set; the whole gradient buffer otherwise),
 // each with its first flat index, in ascending order. Only owned_grad() is indexed,
-// and relative to `begin`: in stage 3 (Note [Sharded parameter buffers] in dp/nn/parameter_set.h) a copy's `data`
-// holds only [begin, end) and its `grad` is released, so a flat index into either
-// is out of range there — nothing here reads the parameters at all, so clipping
+// and relative to `begin`: in stage 3 (Note [View providers] in
+// dp/nn/view_provider.h) a copy's `data` holds only [begin, end) and its `grad` is
+// released, so a flat index into either is out of range there — nothing here reads the parameters at all, so clipping
 // gathers no unit on any device.
 std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c,
                                                           const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {

@@ -377,6 +377,8 @@ std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::buckets() const
 
 std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::shards() const { return design_->shards(); }
 
+std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::units() const { return design_->units(); }
+
 int DataParallel::shard_stage() const { return design_->shard_stage(); }
 
 int DataParallel::shard_world() const { return design_->shard_world(); }

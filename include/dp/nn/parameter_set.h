@@ -29,11 +29,8 @@
 
 #include "dp/nn/copy_executor.h"
 #include "dp/nn/process_exchange.h"
+#include "dp/nn/view_provider.h"
 #include "dp/tensor/tensor.h"
-
-namespace dp::backend {
-class PendingCopy;
-}  // namespace dp::backend
 
 namespace dp::nn {
 
@@ -65,7 +62,7 @@ struct Parameter::Slot {
   bool is_buffer = false;           // buffers are per-copy tensors, not in the flat buffer
   std::weak_ptr<ParameterSet> set;  // owning set (parameters only)
   std::int64_t offset = 0;          // element offset in the flat buffers
-  int unit = -1;                    // sharded parameters: its gather unit, else -1
+  int unit = -1;                    // its group in the set's view provider, else -1 (Note [View providers])
 };
 
 /// Selects, for the calling thread, which copy Parameter::get() returns. RAII.
@@ -103,21 +100,9 @@ struct ParameterCopy {
   /// The gradient an optimizer step of this copy reads: element i of the flat buffers
   /// (begin <= i < end) is owned_grad()[i - begin]. shard_grad when defined, else grad.
   Tensor owned_grad() const;
-  /// Sharded parameters (Note [Sharded parameter buffers]): `data` holds only [begin, end),
-  /// and each gather unit u has its own buffer units[u] whose storage is released
-  /// except while gathered.
-  bool sharded_data = false;
-  std::vector<Tensor> units;
-  std::vector<std::uint64_t> unit_versions;  // units[u]'s storage version when gathered
-  /// units[u]'s pieces on their way (ParameterSet::gather_unit_ahead): where each
-  /// lands in the unit and its copy, finished when u is gathered. Empty otherwise.
-  struct UnitPiece {
-    std::int64_t at = 0, numel = 0;
-    std::shared_ptr<backend::PendingCopy> copy;
-  };
-  std::vector<std::vector<UnitPiece>> ahead;
   /// The parameters an optimizer step of this copy writes: element i (begin <= i <
-  /// end) is owned_data()[i - begin].
+  /// end) is owned_data()[i - begin]. `data` is the whole flat buffer, or, when a
+  /// runtime keeps only the copy's range (Note [View providers]), exactly [begin, end).
   Tensor owned_data() const;
 };
 
@@ -222,60 +207,21 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Sharded gradients: moves copy r's own range of its gradient buffer into
   /// shard_grad and frees the buffer (copy r's .grad become undefined).
   void release_grad(int r);
-  /// Note [Sharded parameter buffers]
-  /// shard_params() (after shard(true)) keeps, per copy, only its own range of the
-  /// parameters (ParameterCopy::data becomes that range) and gives each *gather unit*
-  /// — a contiguous run [lo, hi) of the flat layout, e.g. one top-level child's
-  /// parameters — a buffer of its own per copy, released (Note [Released storage])
-  /// except while gathered. Every parameter view of copy r points into its unit's
-  /// buffer, so handles held anywhere (autograd's saved tensors too) see the values
-  /// whenever the unit is gathered, and a clear dp::Error when it is not.
-  /// gather_unit(r, u) allocates copy r's unit buffer and fills it from every copy's
-  /// range: a pull, one device copy per owner that has a piece of the unit — no
-  /// rendezvous, so a copy can gather whatever the others do (see
-  /// DataParallel's Note [Sharded parameters] for when units are gathered and
-  /// released). Parameter::get() reports each access to a unit: on a worker (a bound
-  /// thread) to the unit hook, which gathers; elsewhere (user code) it gathers every
-  /// unit of copy 0, as do gather_primary() and Module's parameters(),
-  /// named_parameters() and state_dict().
   /// Code that works on a copy's range (an optimizer step, clipping) indexes only
-  /// owned_data() and owned_grad(), relative to `begin`: once the parameters are
-  /// sharded, `data` holds [begin, end) and not the flat buffer, and `grad` is
-  /// released between backward passes, so a flat index into either is out of range.
-  void shard_params(std::vector<std::pair<std::int64_t, std::int64_t>> units);
-  bool shards_params() const { return shards_params_; }
-  const std::vector<std::pair<std::int64_t, std::int64_t>>& units() const { return units_; }
-  void gather_unit(int r, int u);
-  /// Starts copy r's pieces of unit u on their way without gathering it (Note [Copies
-  /// ahead] in src/backend/backend.h): gather_unit(r, u) then only lands them, and
-  /// what copy r computes meanwhile does not wait for them. The prefetch of stage 3.
-  /// A no-op when u is gathered or already on its way; release_unit drops it.
-  void gather_unit_ahead(int r, int u);
-  /// Note [Tracked units]
-  /// track_units() gives an unsharded set's parameters gather units without
-  /// sharding their data: every copy keeps its full buffer, and Parameter::get() on
-  /// a bound thread reports each access to the unit hook, which can bring the
-  /// copy's unit up to date just before it is used (DataParallel's deferred gather
-  /// of stages 1 and 2, Note [Deferred gather]). Accesses on unbound threads report
-  /// nothing: copy 0 is always whole. An empty list stops the tracking, as do
-  /// unshard() and drop_copies(). Throws dp::Error once shard_params() ran.
-  void track_units(std::vector<std::pair<std::int64_t, std::int64_t>> units);
-  void release_unit(int r, int u);
-  /// Releases every unit of copy r.
-  void release_units(int r);
-  bool unit_gathered(int r, int u) const;
-  /// Gathers every unit of copy 0 (user access between steps). A no-op unless sharded.
-  void gather_primary();
-  /// Writes every gathered unit of copy 0 that was written since it was gathered (a
-  /// load, an in-place edit) into every copy's range, then releases copy 0's units.
-  /// Returns whether anything was written back.
-  bool scatter_primary();
-  /// Called by Parameter::get() on a bound thread for a parameter of unit `unit` of
-  /// copy `copy`; unset: the unit is gathered.
-  using UnitHook = std::function<void(int copy, int unit)>;
-  void set_unit_hook(UnitHook hook) { unit_hook_ = std::move(hook); }
-  /// Parameter::get()'s report (internal): copy < 0 for an unbound thread.
-  void on_unit_access(int copy, int unit);
+  /// owned_data() and owned_grad(), relative to `begin`: a runtime may keep in `data`
+  /// only [begin, end) (stage 3, Note [View providers]), and `grad` is released
+  /// between backward passes, so a flat index into either is out of range.
+
+  /// The runtime that keeps the parameter views readable (Note [View providers]), or
+  /// null. The set holds it and never owns it (the runtime clears it before it goes).
+  void set_view_provider(ViewProvider* provider) { view_provider_ = provider; }
+  ViewProvider* view_provider() const { return view_provider_; }
+  /// Every view of the primary readable (Module's parameters(), state_dict()): asks the
+  /// view provider, if any.
+  void make_primary_readable() const;
+  /// Points copy r's view of slots()[i] at element `offset` of `buffer`, in place, so
+  /// that handles held anywhere (autograd's saved tensors too) see the new storage.
+  void rebind_view(int r, std::size_t i, const Tensor& buffer, std::int64_t offset);
 
   /// Zeroes every copy's gradients: full buffers that exist and shard gradients.
   void zero_grad();
@@ -298,8 +244,6 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   void bind_views(int r);
   void bind_grad_views(int r);
   void grow_buffers(int r, std::int64_t n);
-  void unshard_params();
-  void assign_units(const std::vector<std::pair<std::int64_t, std::int64_t>>& units);
   std::vector<std::shared_ptr<Parameter::Slot>> slots_;
   std::vector<ParameterCopy> copies_;
   std::int64_t numel_ = 0;
@@ -308,9 +252,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   std::uint64_t zero_grad_count_ = 0;
   bool shard_grads_ = false;
   int shard_world_ = 0;
-  bool shards_params_ = false;
-  std::vector<std::pair<std::int64_t, std::int64_t>> units_;
-  UnitHook unit_hook_;
+  ViewProvider* view_provider_ = nullptr;
   std::uint64_t version_ = 0;
   bool valid_ = true;
   CopyExecutor* executor_ = nullptr;

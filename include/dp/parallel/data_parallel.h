@@ -333,6 +333,9 @@ class DataParallel {
   /// Sharded: the range [first, last) of the flat buffers each device owns (padded
   /// to equal lengths, Note [Sharded parameter sets]); empty in the other modes.
   std::vector<std::pair<std::int64_t, std::int64_t>> shards() const;
+  /// Sharded stage 3: the gather units, [first, last) runs of the flat buffers, one per
+  /// top-level child (Note [Sharded parameters]); empty otherwise.
+  std::vector<std::pair<std::int64_t, std::int64_t>> units() const;
   /// The ZeRO stage in Sharded mode, 0 in the others.
   int shard_stage() const;
   /// Sharded: the devices the flat buffers are cut over, one range each —

@@ -9,7 +9,6 @@
 #include "dp/autograd/grad_mode.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
-#include "dp/dist/dist.h"
 #include "parallel/phase_timer.h"
 
 namespace dp::parallel {
@@ -63,8 +62,8 @@ void ShardedDesign::lay_out() {
   } else {
     set().shard(/*shard_grads=*/stage_ >= 2 && world_devices() > 1, world_devices(), comm().first_rank());
   }
-  if (set().sharded_across_processes())  // Note [Ranges across processes]
-    set().set_process_exchange(this);
+  store_ = std::make_unique<ShardStore>(set(), processes(), process());
+  store_->install();
   if (by_unit) {
     shard_params();
   } else if (n > 1 && options().shard_gather.value_or(ShardGather::AfterStep) == ShardGather::NextForward) {
@@ -76,18 +75,7 @@ void ShardedDesign::lay_out() {
 }
 
 void ShardedDesign::release() {
-  set().set_unit_hook(nullptr);
-  set().set_process_exchange(nullptr);
-}
-
-// Every process's part of a set sharded across processes, in process order (Note
-// [Ranges across processes]): one dp::dist broadcast per process, on the calling
-// thread, bounded by dp::dist::timeout() (Note [Fault policy]).
-std::vector<std::vector<float>> ShardedDesign::gather(const std::vector<float>& mine) {
-  std::vector<std::vector<float>> out;
-  for (int p = 0; p < processes(); ++p)
-    out.push_back(dist::broadcast_object(p == process() ? mine : std::vector<float>{}, p));
-  return out;
+  if (store_) store_->release();
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> ShardedDesign::shards() const {
@@ -102,7 +90,7 @@ std::vector<Bucket> ShardedDesign::plan_buckets() const {
   if (!params_sharded()) return parameter_buckets();
   // Note [Sharded parameters]: buckets never straddle a unit; the last unit first.
   const auto& slots = set().slots();
-  const auto& units = set().units();
+  const auto& units = store_->units();
   std::vector<Bucket> buckets;
   std::int64_t first_cap = mib_to_floats(options().first_bucket_mb);
   for (std::size_t u = units.size(); u-- > 0;) {
@@ -187,7 +175,7 @@ void ShardedDesign::forget_sums() {
 void ShardedDesign::begin_step(const StepKind& kind, bool sync_params) {
   // Note [Sharded parameters]: device 0's parameters gathered for the user since the
   // last step go back (written back to every range when they were edited).
-  set().scatter_primary();
+  if (store_) store_->scatter_primary();
   if (kind.replicate && params_sharded()) forget_dead_forwards();
   // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
   if (sync_params && deferred_gather()) mark_stale(false);

@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "dp/nn/parameter_set.h"
-#include "dp/nn/process_exchange.h"
 #include "parallel/design.h"
+#include "parallel/shard_store.h"
 
 namespace dp::parallel {
 
-class ShardedDesign final : public Design, public nn::ProcessExchange {
+class ShardedDesign final : public Design {
  public:
   explicit ShardedDesign(DataParallel& dp);
   const char* name() const override { return "Sharded"; }
@@ -43,9 +43,9 @@ class ShardedDesign final : public Design, public nn::ProcessExchange {
   std::vector<std::pair<std::int64_t, std::int64_t>> shards() const override;
   int shard_stage() const override { return stage_; }
   int shard_world() const override { return set().shard_world(); }
-
-  /// Every process's part (Note [Process exchange]): one dp::dist broadcast per process.
-  std::vector<std::vector<float>> gather(const std::vector<float>& mine) override;
+  std::vector<std::pair<std::int64_t, std::int64_t>> units() const override {
+    return params_sharded() ? store_->units() : Runs{};
+  }
 
  protected:
   bool params_stale() const override { return !params_sharded() && copies_written_unequally(); }
@@ -64,7 +64,7 @@ class ShardedDesign final : public Design, public nn::ProcessExchange {
     int forward = -1, backward = -1;  // the unit current in each pass
   };
 
-  bool params_sharded() const { return set().shards_params(); }
+  bool params_sharded() const { return store_ && store_->shards_params(); }
   bool sums_in_dp_order() const;
   void note_grad_edits();
   void check_grads_unedited(const char* what);
@@ -85,6 +85,8 @@ class ShardedDesign final : public Design, public nn::ProcessExchange {
   void drop_pulls_ahead();
 
   int stage_;
+  // The units, their buffers and prefetches, the process exchange (made by lay_out).
+  std::unique_ptr<ShardStore> store_;
   // Stages 2 and 3: this backward's pieces carry the owners' earlier sums (Note
   // [Accumulating after a combined backward]); set before the step's workers run.
   bool carry_sums_ = false;
@@ -103,7 +105,7 @@ class ShardedDesign final : public Design, public nn::ProcessExchange {
   std::vector<std::vector<char>> stale_;
   // pull_ahead_[r][u]: the pieces of copy r's unit u started ahead of its pull (Note
   // [Deferred gather]); dropped whenever staleness is reset and at the end of a step.
-  std::vector<std::vector<std::vector<nn::ParameterCopy::UnitPiece>>> pull_ahead_;
+  std::vector<std::vector<std::vector<UnitPiece>>> pull_ahead_;
 };
 
 }  // namespace dp::parallel
