@@ -127,7 +127,7 @@ void ParameterSet::bind_grad_views(int r) {
 }
 
 int ParameterSet::add_copy(Device device, bool transient) {
-  DP_CHECK(!sharded_, "ParameterSet: cannot add a copy to a sharded set; add every copy before shard()");
+  DP_CHECK(!sharded(), "ParameterSet: cannot add a copy to a sharded set; add every copy before sharding it");
   NoGradGuard no_grad;
   ParameterCopy c;
   c.device = device;
@@ -142,76 +142,50 @@ int ParameterSet::add_copy(Device device, bool transient) {
   return r;
 }
 
+void ParameterSet::set_grad_buffer(int r, Tensor grad) {
+  copy(r).grad = std::move(grad);
+  bind_grad_views(r);
+}
+
 void ParameterSet::drop_copies() {
-  unshard();
+  DP_CHECK(!sharded(), "ParameterSet: drop_copies on a sharded set; unshard it first");
   copies_.resize(1);
   for (auto& s : slots_) s->copies.resize(1);
 }
 
-// Reallocates copy r's buffers with n elements (the tail zeros) and points every view
-// of copy r at them in place, so that handles, autograd hooks and .grad handles held
+// Reallocates every copy's buffers with n elements (the tail zeros) and points every
+// view at them in place, so that handles, autograd hooks and .grad handles held
 // anywhere keep working.
-void ParameterSet::grow_buffers(int r, std::int64_t n) {
-  ParameterCopy& c = copies_[r];
+void ParameterSet::pad_buffers(std::int64_t n) {
+  DP_CHECK(n >= buffer_numel_, "ParameterSet: pad_buffers to ", n, " elements, fewer than the ", buffer_numel_,
+           " the buffers hold");
+  if (n == buffer_numel_) return;
   NoGradGuard no_grad;
-  Tensor data = zeros({n}, c.device), grad = zeros({n}, c.device);
-  data.narrow(0, 0, c.data.numel()).copy_(c.data);
-  if (c.grad.defined()) grad.narrow(0, 0, c.grad.numel()).copy_(c.grad);
-  for (auto& s : slots_) {
-    const Tensor& p = s->copies[r];
-    rebind(*p.impl(), data, s->offset);
-    Tensor g = p.grad();
-    if (g.defined()) rebind(*g.impl(), grad, s->offset);
+  for (ParameterCopy& c : copies_) {
+    const int r = static_cast<int>(&c - copies_.data());
+    Tensor data = zeros({n}, c.device), grad = zeros({n}, c.device);
+    data.narrow(0, 0, c.data.numel()).copy_(c.data);
+    if (c.grad.defined()) grad.narrow(0, 0, c.grad.numel()).copy_(c.grad);
+    for (auto& s : slots_) {
+      const Tensor& p = s->copies[r];
+      rebind(*p.impl(), data, s->offset);
+      Tensor g = p.grad();
+      if (g.defined()) rebind(*g.impl(), grad, s->offset);
+    }
+    if (c.begin == 0 && c.end == buffer_numel_) c.end = n;
+    c.data = data;
+    c.grad = grad;
   }
-  c.data = data;
-  c.grad = grad;
-  c.end = n;
+  buffer_numel_ = n;
 }
 
-void ParameterSet::shard(bool shard_grads, int world, int first) {
-  DP_CHECK(!sharded_, "ParameterSet: already sharded");
-  const int local = num_copies();
-  if (world == 0) world = local;
-  DP_CHECK(first >= 0 && world >= first + local, "ParameterSet: shard: copies [", first, ", ", first + local,
-           ") are not ranges of ", world, " in all");
-  for (const auto& c : copies_)
-    DP_CHECK(!c.transient, "ParameterSet: cannot shard a set with transient copies (DP mode's replicas)");
-  // Note [Sharded parameter sets]: equal, aligned ranges over a zero-padded buffer.
-  const int n = local;
-  std::int64_t len = (numel_ + world - 1) / world;
-  len = (len + kShardAlign - 1) / kShardAlign * kShardAlign;
-  const std::int64_t padded = std::max<std::int64_t>(len * world, buffer_numel_);
-  if (padded > buffer_numel_) {
-    for (int r = 0; r < n; ++r) grow_buffers(r, padded);
-    buffer_numel_ = padded;
-  }
-  NoGradGuard no_grad;
-  for (int r = 0; r < n; ++r) {
-    ParameterCopy& c = copies_[r];
-    c.begin = len * (first + r);
-    c.end = len * (first + r + 1);
-  }
-  sharded_ = true;
-  shard_grads_ = shard_grads;
-  shard_world_ = world;
-  // Each copy's own range takes the gradient copy 0 holds there: the other copies'
-  // buffers are zeros, so the sum over copies stays the gradient.
-  ParameterCopy& c0 = copies_[0];
-  for (int r = 1; r < n; ++r) {
-    ParameterCopy& c = copies_[r];
-    const std::int64_t len = c.end - c.begin;
-    c.grad.narrow(0, c.begin, len).copy_(c0.grad.narrow(0, c.begin, len));
-    c0.grad.narrow(0, c.begin, len).zero_();
-  }
-  if (shard_grads)
-    for (int r = 0; r < n; ++r) release_grad(r);
+bool ParameterSet::sharded() const {
+  return std::any_of(copies_.begin(), copies_.end(),
+                     [this](const ParameterCopy& c) { return c.begin != 0 || c.end != buffer_numel_; });
 }
 
-// Note [Ranges across processes].
 ProcessExchange& ParameterSet::process_exchange() const {
-  DP_CHECK(process_exchange_ != nullptr, "ParameterSet: the set is sharded over ", shard_world_, " ranges, ",
-           num_copies(), " of them in this process, and no exchange with the other processes was installed; "
-           "shard across processes through dp::DataParallel");
+  DP_ASSERT(process_exchange_ != nullptr);
   return *process_exchange_;
 }
 
@@ -221,49 +195,6 @@ void ParameterSet::make_primary_readable() const {
 
 void ParameterSet::rebind_view(int r, std::size_t i, const Tensor& buffer, std::int64_t offset) {
   rebind(*slots_.at(i)->copies.at(static_cast<std::size_t>(r)).impl(), buffer, offset);
-}
-
-void ParameterSet::unshard() {
-  if (!sharded_) return;
-  for (const ParameterCopy& c : copies_)
-    DP_CHECK(c.data.numel() == buffer_numel_, "ParameterSet: unshard: copy on ", c.device, " holds only its range "
-             "of the parameters; its view provider must give every copy its whole buffer first");
-  NoGradGuard no_grad;
-  const int n = num_copies();
-  for (int r = 0; r < n; ++r) acquire_grad(r);  // no-op unless sharded gradients
-  ParameterCopy& c0 = copies_[0];
-  for (int r = 1; r < n; ++r) {
-    const ParameterCopy& c = copies_[r];
-    c0.grad.narrow(0, c.begin, c.end - c.begin).copy_(c.owned_grad());
-  }
-  for (auto& c : copies_) {
-    c.begin = 0;
-    c.end = buffer_numel_;
-    c.shard_grad = Tensor();
-  }
-  sharded_ = false;
-  shard_world_ = 0;
-  shard_grads_ = false;
-}
-
-void ParameterSet::acquire_grad(int r) {
-  ParameterCopy& c = copy(r);
-  if (c.grad.defined()) return;
-  NoGradGuard no_grad;
-  c.grad = zeros({buffer_numel_}, c.device);
-  if (c.shard_grad.defined()) c.grad.narrow(0, c.begin, c.end - c.begin).copy_(c.shard_grad);
-  c.shard_grad = Tensor();  // in the buffer now: one copy of the range, not two
-  bind_grad_views(r);
-}
-
-void ParameterSet::release_grad(int r) {
-  ParameterCopy& c = copy(r);
-  DP_CHECK(shard_grads_, "ParameterSet: release_grad needs a set sharded with shard_grads");
-  if (!c.grad.defined()) return;
-  NoGradGuard no_grad;
-  c.shard_grad = c.grad.narrow(0, c.begin, c.end - c.begin).clone();
-  c.grad = Tensor();
-  bind_grad_views(r);
 }
 
 void ParameterSet::zero_grad() {

@@ -71,9 +71,9 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // ranges (the same number as PyTorch's norm of per-parameter norms, rounded
 // differently). To make it the same bits whether one copy holds the whole gradient
 // (single device, DP, DDP) or each device holds its 1/N (Sharded), it is computed in
-// blocks fixed by the flat index alone: block k is [16k, 16k + 16) (kShardAlign, so a
-// shard boundary never cuts a block), clipped to the ranges. Each device reduces the
-// blocks it owns (one partial per block, every partial a reduction of the same
+// blocks fixed by the flat index alone: block k is [16k, 16k + 16) (kNormBlock, on
+// which every range a runtime cuts starts, so a shard boundary never cuts a block),
+// clipped to the ranges. Each device reduces the blocks it owns (one partial per block, every partial a reduction of the same
 // elements in the same order whatever N is), the partials travel to copy 0's device
 // in flat order — (N-1)/N · P/16 floats, 1/16 of a gradient exchange — and one final
 // reduction over that vector gives the total: the same vector, so the same bits, for
@@ -88,7 +88,7 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // gathers device 0's copy for the user until the next step; clipping does not need
 // that: the list kept from before the loop, as the optimizer keeps it, does as well.)
 // Across processes (stages 1 and 2; Note [Ranges across processes] in
-// dp/nn/parameter_set.h) a process holds the partials of its own devices' blocks only.
+// src/parallel/shard_store.h) a process holds the partials of its own devices' blocks only.
 // Processes own ascending runs of ranges, so each process's partials, concatenated in
 // process order (the set's ProcessExchange: a collective every process makes, one host
 // exchange of P/16 floats in all), are again the vector in flat order, and the one
@@ -96,8 +96,7 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // norm across processes, which reduces that vector from copy 0's whole gradient.
 // Stage 3 across processes shards within each process only (its owners hold whole
 // sums of their ranges, Note [Stage 3 across processes]): nothing to exchange.
-static_assert(ParameterSet::kShardAlign == 16, "Note [Clipping in blocks] assumes 16-element blocks");
-constexpr std::int64_t kBlock = ParameterSet::kShardAlign;
+constexpr std::int64_t kBlock = kNormBlock;
 
 // One partial per block of g, which starts at flat index `first`: (head, whole
 // blocks, tail), each the sum (max for the inf-norm) of its terms.
@@ -134,7 +133,7 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
   std::vector<Tensor> all;
   for (const Tensor& t : partials)
     if (t.defined()) all.push_back(t.device() == home ? t : t.to(home));
-  if (set.sharded_across_processes()) {
+  if (set.spans_processes()) {
     // Note [Clipping in blocks]: the other processes' partials, in process order.
     std::vector<float> mine;
     for (const Tensor& t : all) {

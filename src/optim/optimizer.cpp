@@ -333,7 +333,7 @@ Tensor Optimizer::full_state(std::size_t k) {
   if (std::all_of(states_.begin(), states_.end(), [](const CopyState& s) { return s.buffers.empty(); }))
     return Tensor();
   const nn::ParameterSet& set = *params_.set();
-  if (set.sharded_across_processes()) return gathered_state(k);
+  if (set.spans_processes()) return gathered_state(k);
   // Sharded: every copy holds its range; assemble them on the primary's device.
   Tensor out = zeros({state_numel_}, params_.set()->copy(0).device);
   for (const CopyState& st : states_) {
@@ -352,7 +352,7 @@ Tensor Optimizer::full_state(std::size_t k) {
 
 // Note [Optimizer state across processes]
 // A set sharded across processes (Note [Ranges across processes] in
-// dp/nn/parameter_set.h) holds here the state of this process's copies only. Each
+// src/parallel/shard_store.h) holds here the state of this process's copies only. Each
 // copy's state is its ranges' slice of ranges_' layout, and ranges_' layout is the
 // flat order restricted to the ranges; copies own ascending ranges and processes own
 // ascending runs of copies. So this process's part is its copies' states

@@ -231,7 +231,7 @@ void DataParallel::init(std::vector<Device> devices) {
 //    bucket's pieces are reduced onto their owners wherever they live, and the step
 //    ends with a world all-gather. What needs every range — an optimizer's
 //    state_dict(), clip_grad_norm_'s total — exchanges the other processes' parts
-//    (Note [Ranges across processes] in dp/nn/parameter_set.h).
+//    (Note [Ranges across processes] in src/parallel/shard_store.h).
 //  - Sharded stage 3: hybrid, sharded within each process and replicated across
 //    processes (Note [Stage 3 across processes]).
 // Every reduction sums a process's devices first, in device order, then the

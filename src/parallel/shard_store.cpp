@@ -6,8 +6,12 @@
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 #include "dp/dist/dist.h"
+#include "dp/nn/utils.h"
 
 namespace dp::parallel {
+
+static_assert(ShardStore::kShardAlign % nn::utils::kNormBlock == 0,
+              "Note [Clipping in blocks]: a range must never cut a block");
 
 ShardStore::ShardStore(nn::ParameterSet& set, int processes, int process)
     : set_(set), processes_(processes), process_(process) {}
@@ -18,13 +22,87 @@ ShardStore* ShardStore::of(const nn::ParameterSet& set) { return dynamic_cast<Sh
 
 void ShardStore::install() {
   set_.set_view_provider(this);
-  if (set_.sharded_across_processes()) set_.set_process_exchange(this);  // Note [Ranges across processes]
+  if (sharded_across_processes()) set_.set_process_exchange(this);  // Note [Ranges across processes]
 }
 
 void ShardStore::release() {
-  unshard_params();
+  unshard();
   set_.set_view_provider(nullptr);
   set_.set_process_exchange(nullptr);
+}
+
+void ShardStore::shard(bool shard_grads, int world, int first) {
+  DP_CHECK(!sharded_, "ShardStore: already sharded");
+  const int n = set_.num_copies();
+  if (world == 0) world = n;
+  DP_CHECK(first >= 0 && world >= first + n, "ShardStore: shard: copies [", first, ", ", first + n,
+           ") are not ranges of ", world, " in all");
+  for (int r = 0; r < n; ++r)
+    DP_CHECK(!set_.copy(r).transient, "ShardStore: cannot shard a set with transient copies (DP mode's replicas)");
+  // Note [Sharded parameter sets]: equal, aligned ranges over a zero-padded buffer.
+  std::int64_t len = (set_.numel() + world - 1) / world;
+  len = (len + kShardAlign - 1) / kShardAlign * kShardAlign;
+  set_.pad_buffers(std::max<std::int64_t>(len * world, set_.buffer_numel()));
+  NoGradGuard no_grad;
+  for (int r = 0; r < n; ++r) {
+    nn::ParameterCopy& c = set_.copy(r);
+    c.begin = len * (first + r);
+    c.end = len * (first + r + 1);
+  }
+  sharded_ = true;
+  shard_grads_ = shard_grads;
+  shard_world_ = world;
+  // Each copy's own range takes the gradient copy 0 holds there: the other copies'
+  // buffers are zeros, so the sum over copies stays the gradient.
+  const nn::ParameterCopy& c0 = set_.copy(0);
+  for (int r = 1; r < n; ++r) {
+    const nn::ParameterCopy& c = set_.copy(r);
+    c.grad.narrow(0, c.begin, len).copy_(c0.grad.narrow(0, c.begin, len));
+    c0.grad.narrow(0, c.begin, len).zero_();
+  }
+  if (shard_grads)
+    for (int r = 0; r < n; ++r) release_grad(r);
+}
+
+void ShardStore::unshard() {
+  if (!sharded_) return;
+  unshard_params();
+  NoGradGuard no_grad;
+  const int n = set_.num_copies();
+  for (int r = 0; r < n; ++r) acquire_grad(r);  // no-op unless sharded gradients
+  const nn::ParameterCopy& c0 = set_.copy(0);
+  for (int r = 1; r < n; ++r) {
+    const nn::ParameterCopy& c = set_.copy(r);
+    c0.grad.narrow(0, c.begin, c.end - c.begin).copy_(c.owned_grad());
+  }
+  for (int r = 0; r < n; ++r) {
+    nn::ParameterCopy& c = set_.copy(r);
+    c.begin = 0;
+    c.end = set_.buffer_numel();
+    c.shard_grad = Tensor();
+  }
+  sharded_ = false;
+  shard_world_ = 0;
+  shard_grads_ = false;
+}
+
+void ShardStore::acquire_grad(int r) {
+  nn::ParameterCopy& c = set_.copy(r);
+  if (c.grad.defined()) return;
+  NoGradGuard no_grad;
+  Tensor grad = zeros({set_.buffer_numel()}, c.device);
+  if (c.shard_grad.defined()) grad.narrow(0, c.begin, c.end - c.begin).copy_(c.shard_grad);
+  c.shard_grad = Tensor();  // in the buffer now: one copy of the range, not two
+  set_.set_grad_buffer(r, grad);
+}
+
+void ShardStore::release_grad(int r) {
+  nn::ParameterCopy& c = set_.copy(r);
+  DP_CHECK(shard_grads_, "ShardStore: release_grad needs a set sharded with shard_grads");
+  if (!c.grad.defined()) return;
+  NoGradGuard no_grad;
+  c.shard_grad = c.grad.narrow(0, c.begin, c.end - c.begin).clone();
+  set_.set_grad_buffer(r, Tensor());
 }
 
 // Note [Ranges across processes]: every process's part, in process order.
@@ -37,7 +115,7 @@ std::vector<std::vector<float>> ShardStore::gather(const std::vector<float>& min
 
 // Note [Sharded parameter buffers].
 void ShardStore::shard_params(Runs units) {
-  DP_CHECK(set_.sharded() && set_.shards_grads(), "ShardStore: shard_params needs a set sharded with shard_grads");
+  DP_CHECK(sharded_ && shard_grads_, "ShardStore: shard_params needs a set sharded with shard_grads");
   DP_CHECK(!shards_params_, "ShardStore: parameters already sharded");
   DP_CHECK(units_.empty(), "ShardStore: shard_params on a set whose units are already tracked");
   assign_units(units);

@@ -53,12 +53,64 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
   static ShardStore* of(const nn::ParameterSet& set);
 
   /// Installs the store on the set (view provider; process exchange when the set's
-  /// ranges span processes). release() undoes it and every copy's data is whole again.
+  /// ranges span processes: call it after shard()). release() undoes it and unshards:
+  /// every copy holds and steps its whole buffers again.
   void install();
   void release();
 
+  /// Note [Sharded parameter sets]
+  /// shard() splits the set's flat buffers into num_copies() contiguous ranges of
+  /// equal length S, copy r owning [r*S, (r+1)*S) (clipped to the padded buffer; the
+  /// set's ParameterCopy::begin and end): an optimizer step of copy r updates only
+  /// that range and keeps optimizer state only for it. Ranges are element-exact, not
+  /// whole parameters: one parameter may span two copies, and every copy owns the same
+  /// number of elements, however unequal the parameters are (whole-parameter ranges
+  /// would give one copy the MLP's 1024x1024 weight, 56% of the model). S is rounded
+  /// up to kShardAlign elements (a cache line, and aligned vector loads on a GPU), and
+  /// the buffers are padded with zeros to num_copies() * S, so that every range has
+  /// the same length and an equal-count all-gather reassembles the parameters. The
+  /// padding belongs to no parameter: no optimizer steps it and no gradient reaches it.
+  /// Whatever gradient copy 0 holds is handed out by range: copy r's buffer holds
+  /// copy 0's values on its own range and zeros elsewhere, so the sum over copies is
+  /// unchanged. With `shard_grads` (ZeRO stage 2) each copy keeps between backward
+  /// passes only the gradient of its range, in shard_grad, and a full gradient buffer
+  /// only while a backward needs it: acquire_grad before the backward, release_grad
+  /// once its buckets were reduced; the parameters' .grad are undefined between.
+  /// Across processes (Note [World ranks] in dp/comm/communicator.h) the ranges are
+  /// cut for `world` copies in all, this set's copy r owning world range `first` + r;
+  /// 0 (the default) means this set's copies are all there are.
+  /// Throws dp::Error when already sharded or when a copy is transient.
+  void shard(bool shard_grads, int world = 0, int first = 0);
+  /// Undoes shard(): every copy steps all of the buffers again and has a full
+  /// gradient buffer; copy 0's gradient receives every other copy's range of its
+  /// owned gradient, so after a synced backward it holds the whole summed gradient.
+  void unshard();
+  bool sharded() const { return sharded_; }
+  bool shards_grads() const { return shard_grads_; }
+  /// The ranges the buffers were cut into: num_copies(), or more when the other
+  /// ranges belong to copies in other processes.
+  int shard_world() const { return shard_world_; }
+  /// Note [Ranges across processes]
+  /// A set sharded across processes keeps only world ranges [first, first +
+  /// num_copies()); the other ranges (their optimizer state, their gradients) live in
+  /// the other processes, process p owning the contiguous world ranges [p *
+  /// num_copies(), (p + 1) * num_copies()). What needs a value of every range — an
+  /// optimizer's state_dict, the total norm of clip_grad_norm_ — reaches the other
+  /// processes through the set's process exchange, this store (gather(); Note
+  /// [Process exchange] in dp/nn/process_exchange.h).
+  bool sharded_across_processes() const { return sharded_ && shard_world_ > set_.num_copies(); }
+  /// floats: 64 bytes; a multiple of clip_grad_norm_'s blocks (Note [Clipping in blocks]).
+  static constexpr std::int64_t kShardAlign = 16;
+  /// Sharded gradients: gives copy r a full gradient buffer — zeros, its own range
+  /// taking over shard_grad (freed), so that gradients keep accumulating — and points
+  /// copy r's .grad views at it. A no-op when copy r has one.
+  void acquire_grad(int r);
+  /// Sharded gradients: moves copy r's own range of its gradient buffer into
+  /// shard_grad and frees the buffer (copy r's .grad become undefined).
+  void release_grad(int r);
+
   /// Note [Sharded parameter buffers]
-  /// shard_params() (after the set's shard(true)) keeps, per copy, only its own range
+  /// shard_params() (after shard(true)) keeps, per copy, only its own range
   /// of the parameters (ParameterCopy::data becomes that range) and gives each *gather
   /// unit* — a contiguous run [lo, hi) of the flat layout, e.g. one top-level child's
   /// parameters — a buffer of its own per copy, released (Note [Released storage])
@@ -130,6 +182,9 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
 
   nn::ParameterSet& set_;
   int processes_, process_;
+  bool sharded_ = false;
+  bool shard_grads_ = false;
+  int shard_world_ = 0;
   Runs units_;
   bool shards_params_ = false;
   std::vector<Copy> copies_;

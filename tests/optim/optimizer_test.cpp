@@ -9,6 +9,7 @@
 #include "dp/optim/optim.h"
 #include "dp/tensor/ops.h"
 #include "optim_test_util.h"
+#include "parallel/shard_store.h"
 
 using namespace optim_test;
 namespace optim = dp::optim;
@@ -298,7 +299,8 @@ TEST_CASE("a sharded set: each copy steps only its range, keeping state for it a
     auto set = params.set();
     set->add_copy(dp::cpu(1), false);
     set->add_copy(dp::cpu(2), false);
-    set->shard(/*shard_grads=*/false);
+    dp::parallel::ShardStore store(*set, /*processes=*/1, /*process=*/0);  // what Mode::Sharded cuts with
+    store.shard(/*shard_grads=*/false);
     REQUIRE(set->numel() == 82);
     REQUIRE(set->buffer_numel() == 96);
     auto opt = make_opt(kind, params);
@@ -352,6 +354,7 @@ TEST_CASE("a sharded set: each copy steps only its range, keeping state for it a
           .copy_(src.data.narrow(0, src.begin, src.end - src.begin));
     }
     CHECK(dp::equal(set->copy(0).data.narrow(0, 0, 82), ref->parameters().set()->copy(0).data));
+    store.unshard();
     set->drop_copies();
   }
 }

@@ -8,13 +8,17 @@
 // DP mode's replicas are transient copies refreshed before each forward. Because a
 // parameter is a slice of a buffer, replicate/broadcast, reduce, all-reduce, the
 // optimizer step and checkpoints are each one call over a buffer, and a DDP bucket
-// is a slice of the gradient buffer. A sharded set gives each copy a contiguous
-// range of the buffers to step (Note [Sharded parameter sets]).
+// is a slice of the gradient buffer. A runtime may give each copy a contiguous range
+// of the buffers to step (ParameterCopy::begin, end); cutting the ranges, gathering
+// them and the units of sharded parameters are the runtime's (Mode::Sharded's
+// store, Note [Sharded parameter sets] in src/parallel/shard_store.h), which the set
+// reaches only through interfaces declared in nn: CopyExecutor, ProcessExchange and
+// ViewProvider.
 //
 // Which copy a module's forward uses is chosen per thread (ReplicaBinding): a worker
 // thread for device i binds copy i, so one module object serves every worker
-// without cloning its structure. This header knows nothing of DataParallel, comm or
-// optimizers.
+// without cloning its structure. This header knows nothing of DataParallel, comm,
+// processes or optimizers.
 //
 //   auto params = net->parameters();            // flattens on first use
 //   auto& set = *params.set();                  // one data + one grad buffer per copy
@@ -133,7 +137,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Adds copy r on `device` with the primary's current values; returns r. Throws
   /// dp::Error on a sharded set (add every copy first).
   int add_copy(Device device, bool transient);
-  /// Drops every copy but the primary (unsharding first).
+  /// Drops every copy but the primary. Throws dp::Error on a sharded set.
   void drop_copies();
   /// Moves the primary copy to `device` (data and grad; views rebound in place).
   void move_primary(Device device);
@@ -147,66 +151,27 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   void set_executor(CopyExecutor* executor) { executor_ = executor; }
   CopyExecutor* executor() const { return executor_; }
 
-  /// Note [Sharded parameter sets]
-  /// shard() splits the flat buffers into num_copies() contiguous ranges of equal
-  /// length S, copy r owning [r*S, (r+1)*S) (clipped to the padded buffer): an
-  /// optimizer step of copy r updates only that range and keeps optimizer state only
-  /// for it. Ranges are element-exact, not whole parameters: one parameter may span
-  /// two copies, and every copy owns the same number of elements, however unequal the
-  /// parameters are (whole-parameter ranges would give one copy the MLP's 1024x1024
-  /// weight, 56% of the model). S is rounded up to kShardAlign elements (a cache
-  /// line, and aligned vector loads on a GPU), and the buffers are padded with zeros
-  /// to num_copies() * S, so that every range has the same length and an equal-count
-  /// all-gather reassembles the parameters. The padding belongs to no parameter: no
-  /// optimizer steps it and no gradient reaches it.
-  /// Whatever gradient copy 0 holds is handed out by range: copy r's buffer holds
-  /// copy 0's values on its own range and zeros elsewhere, so the sum over copies is
-  /// unchanged. With `shard_grads` (ZeRO stage 2) each copy keeps between backward
-  /// passes only the gradient of its range, in shard_grad, and a full gradient buffer
-  /// only while a backward needs it: acquire_grad before the backward, release_grad
-  /// once its buckets were reduced; the parameters' .grad are undefined between.
-  /// Across processes (Note [World ranks] in dp/comm/communicator.h) the ranges are
-  /// cut for `world` copies in all, this set's copy r owning world range `first` + r;
-  /// 0 (the default) means this set's copies are all there are.
-  /// Throws dp::Error when already sharded or when a copy is transient.
-  void shard(bool shard_grads, int world = 0, int first = 0);
-  /// The ranges the buffers were cut into: num_copies(), or more when the other
-  /// ranges belong to copies in other processes.
-  int shard_world() const { return shard_world_; }
-  /// True when shard() gave ranges to copies in other processes: this process holds
-  /// only its own copies' ranges (Note [Ranges across processes]).
-  bool sharded_across_processes() const { return sharded_ && shard_world_ > num_copies(); }
+  /// The ranges: every copy steps [begin, end) of the flat buffers, all of them
+  /// unless a runtime cut them (Mode::Sharded's store, Note [Sharded parameter sets]
+  /// in src/parallel/shard_store.h, sets each copy's begin, end and shard_grad).
+  /// True when some copy steps only part of the buffers.
+  bool sharded() const;
+  /// Pads every copy's buffers with zeros to n elements (views rebound in place; a
+  /// copy that stepped all of the buffers still does). Throws dp::Error when n <
+  /// buffer_numel().
+  void pad_buffers(std::int64_t n);
+  /// Makes `grad` copy r's gradient buffer (undefined: none) and points copy r's
+  /// .grad views at it.
+  void set_grad_buffer(int r, Tensor grad);
 
-  /// Note [Ranges across processes]
-  /// A set sharded across processes keeps here only world ranges [first, first +
-  /// num_copies()); the other ranges (their optimizer state, their gradients) live in
-  /// the other processes, process p owning the contiguous world ranges [p *
-  /// num_copies(), (p + 1) * num_copies()). Code of this layer and above it that
-  /// needs a value of every range — an optimizer's state_dict, the total norm of
-  /// clip_grad_norm_ — reaches the other processes through the set's process exchange
-  /// (Note [Process exchange] in dp/nn/process_exchange.h): this layer does not speak
-  /// to processes; the runtime that sharded the set across them installs it
-  /// (DataParallel: dp::dist broadcasts, one per process, bounded by
-  /// dp::dist::timeout(), Note [Fault policy]).
-  /// The set holds the exchange and never owns it (the runtime clears it before it goes).
+  /// The exchange with the other processes when the set's ranges span processes (Note
+  /// [Process exchange] in dp/nn/process_exchange.h), installed by the runtime that
+  /// cut them; the set holds it and never owns it (the runtime clears it before it goes).
   void set_process_exchange(ProcessExchange* exchange) { process_exchange_ = exchange; }
-  /// The exchange with the other processes of a set sharded across processes. Throws
-  /// dp::Error when none is installed.
+  /// True when the set holds only this process's ranges: a value of every range needs
+  /// process_exchange().
+  bool spans_processes() const { return process_exchange_ != nullptr; }
   ProcessExchange& process_exchange() const;
-  /// Undoes shard(): every copy steps all of the buffers again and has a full
-  /// gradient buffer; copy 0's gradient receives every other copy's range of its
-  /// owned gradient, so after a synced backward it holds the whole summed gradient.
-  void unshard();
-  bool sharded() const { return sharded_; }
-  bool shards_grads() const { return shard_grads_; }
-  static constexpr std::int64_t kShardAlign = 16;  // floats: 64 bytes
-  /// Sharded gradients: gives copy r a full gradient buffer — zeros, its own range
-  /// taking over shard_grad (freed), so that gradients keep accumulating — and points
-  /// copy r's .grad views at it. A no-op when copy r has one.
-  void acquire_grad(int r);
-  /// Sharded gradients: moves copy r's own range of its gradient buffer into
-  /// shard_grad and frees the buffer (copy r's .grad become undefined).
-  void release_grad(int r);
   /// Code that works on a copy's range (an optimizer step, clipping) indexes only
   /// owned_data() and owned_grad(), relative to `begin`: a runtime may keep in `data`
   /// only [begin, end) (stage 3, Note [View providers]), and `grad` is released
@@ -243,15 +208,11 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
  private:
   void bind_views(int r);
   void bind_grad_views(int r);
-  void grow_buffers(int r, std::int64_t n);
   std::vector<std::shared_ptr<Parameter::Slot>> slots_;
   std::vector<ParameterCopy> copies_;
   std::int64_t numel_ = 0;
   std::int64_t buffer_numel_ = 0;
-  bool sharded_ = false;
   std::uint64_t zero_grad_count_ = 0;
-  bool shard_grads_ = false;
-  int shard_world_ = 0;
   ViewProvider* view_provider_ = nullptr;
   std::uint64_t version_ = 0;
   bool valid_ = true;

@@ -2,7 +2,7 @@
 //
 // Note [Process exchange]
 // A set sharded across processes (Note [Ranges across processes] in
-// dp/nn/parameter_set.h) holds only this process's ranges. What needs a value of every
+// src/parallel/shard_store.h) holds only this process's ranges. What needs a value of every
 // range — clip_grad_norm_'s total (nn), an optimizer's state_dict (optim) — hands its
 // own part, in flat order, to the set's ProcessExchange, which returns every
 // process's part in process order, i.e. in flat order again. The interface is

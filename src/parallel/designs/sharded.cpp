@@ -45,7 +45,7 @@ std::unique_ptr<Design> make_sharded_design(DataParallel& dp) { return std::make
 // collectives behind DDP, DP and stages 1-2 across processes (Note [Hierarchical
 // collectives]). So stage 3 across processes is bitwise equal to them, as stage 3 is
 // to DDP within one process. The shard world (DataParallel::shard_world(),
-// ParameterSet::shard_world()) is n: everything that needs every range — an
+// ShardStore::shard_world()) is n: everything that needs every range — an
 // optimizer's state_dict(), clip_grad_norm_ — finds all of them in each process.
 // Edits through device 0's gathered parameters (a load) are written back into this
 // process's ranges only: as in DDP across processes (Note [When replicas are
@@ -57,12 +57,12 @@ void ShardedDesign::lay_out() {
   // stage 3 then runs as stage 2 (as stage 1 in one process: one device owns
   // everything, and stage 2's separate gradient would only add memory).
   const bool by_unit = stage_ == 3 && n > 1;
-  if (by_unit) {
-    set().shard(/*shard_grads=*/true, n, 0);
-  } else {
-    set().shard(/*shard_grads=*/stage_ >= 2 && world_devices() > 1, world_devices(), comm().first_rank());
-  }
   store_ = std::make_unique<ShardStore>(set(), processes(), process());
+  if (by_unit) {
+    store_->shard(/*shard_grads=*/true, n, 0);
+  } else {
+    store_->shard(/*shard_grads=*/stage_ >= 2 && world_devices() > 1, world_devices(), comm().first_rank());
+  }
   store_->install();
   if (by_unit) {
     shard_params();
@@ -118,17 +118,17 @@ std::unique_ptr<GradSync> ShardedDesign::make_grad_sync() {
   // Every world rank's range (Note [World ranks]): equal lengths, world rank w's at w * len;
   // stage 3 across processes: every local rank's (Note [Stage 3 across processes]).
   const std::int64_t len = set().copy(0).end - set().copy(0).begin;
-  g.hybrid = set().shard_world() < comm().world_size();
-  for (int w = 0; w < set().shard_world(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
-  if (set().shards_grads()) {
+  g.hybrid = store_->shard_world() < comm().world_size();
+  for (int w = 0; w < store_->shard_world(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
+  if (store_->shards_grads()) {
     // Note [Detached gradients]: a synced backward reduce-scatters each parameter's
     // gradient straight into its owners' range gradients; only no_sync passes
     // accumulate into a full buffer, which the next synced backward combines and frees.
     g.zero_sent = false;
     g.before_backward = [this](int r) {
-      if (!require_sync()) set().acquire_grad(r);
+      if (!require_sync()) store_->acquire_grad(r);
     };
-    g.after_sync = [this](int r) { set().release_grad(r); };
+    g.after_sync = [this](int r) { store_->release_grad(r); };
     g.deliver = [this](int r, const Tensor& piece, std::int64_t offset) {
       const nn::ParameterCopy& c = set().copy(r);
       NoGradGuard no_grad;
@@ -156,7 +156,7 @@ bool ShardedDesign::sums_in_dp_order() const {
 }
 
 void ShardedDesign::forget_sums() {
-  if (set().shards_grads()) {
+  if (store_->shards_grads()) {
     carry_sums_ = require_sync();  // a no_sync pass accumulates into the owners' buffers instead
     return;
   }

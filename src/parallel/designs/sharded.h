@@ -42,7 +42,7 @@ class ShardedDesign final : public Design {
                                                      std::int64_t hi) const override;
   std::vector<std::pair<std::int64_t, std::int64_t>> shards() const override;
   int shard_stage() const override { return stage_; }
-  int shard_world() const override { return set().shard_world(); }
+  int shard_world() const override { return store_ ? store_->shard_world() : 0; }
   std::vector<std::pair<std::int64_t, std::int64_t>> units() const override {
     return params_sharded() ? store_->units() : Runs{};
   }
