@@ -1,6 +1,7 @@
 #include "parallel/shard_store.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "backend/backend.h"
 #include "dp/autograd/grad_mode.h"
@@ -167,7 +168,52 @@ void ShardStore::track_units(Runs units) {
   } else {
     assign_units(units);
   }
+  copies_.assign(static_cast<std::size_t>(set_.num_copies()), Copy{});
+  for (Copy& c : copies_) c.ahead.assign(units.size(), {});
   units_ = std::move(units);
+}
+
+// Note [Deferred gather]: a pull into copy r's whole buffer, landing what went ahead.
+void ShardStore::pull_unit(int r, int u) {
+  NoGradGuard no_grad;
+  const auto [lo, hi] = units_.at(static_cast<std::size_t>(u));
+  const Tensor& mine = set_.copy(r).data;
+  auto& ahead = copies_.at(static_cast<std::size_t>(r)).ahead[static_cast<std::size_t>(u)];
+  if (!ahead.empty()) {  // started by the previous unit's pull: it lands
+    backend::Backend& be = backend::get(mine.device());
+    for (const UnitPiece& p : std::exchange(ahead, {}))
+      be.finish_copy(*p.copy, mine.data<float>() + p.at, mine.device());
+    mine.storage()->bump_version();  // written behind the tensor's back: as copy_ would
+    return;
+  }
+  for (int q = 0; q < set_.num_copies(); ++q) {
+    if (q == r) continue;
+    const nn::ParameterCopy& owner = set_.copy(q);
+    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
+  }
+}
+
+void ShardStore::pull_unit_ahead(int r, int u) {
+  auto& ahead = copies_.at(static_cast<std::size_t>(r)).ahead[static_cast<std::size_t>(u)];
+  if (!ahead.empty()) return;
+  const auto [lo, hi] = units_.at(static_cast<std::size_t>(u));
+  const nn::ParameterCopy& c = set_.copy(r);
+  for (int q = 0; q < set_.num_copies(); ++q) {
+    if (q == r) continue;
+    const nn::ParameterCopy& owner = set_.copy(q);
+    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    if (a >= b) continue;
+    ahead.push_back({a, b - a,
+                     backend::get(c.device).copy_ahead(c.device, owner.data.data<float>() + a, owner.device,
+                                                       static_cast<std::size_t>(b - a) * sizeof(float))});
+  }
+}
+
+void ShardStore::drop_pulls_ahead() {
+  if (shards_params_) return;  // stage 3's prefetches go with release_units
+  for (Copy& c : copies_)
+    for (auto& pieces : c.ahead) pieces.clear();
 }
 
 void ShardStore::gather_unit(int r, int u) {

@@ -158,6 +158,14 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
   /// Note [Deferred gather]). Accesses on unbound threads report nothing: copy 0 is
   /// always whole. Throws dp::Error once shard_params() ran.
   void track_units(Runs units);
+  /// Tracked units: copies every other owner's piece of unit u into copy r's buffer
+  /// (Note [Deferred gather]), landing the pieces pull_unit_ahead started, if any.
+  void pull_unit(int r, int u);
+  /// Tracked units: starts the other owners' pieces of unit u on their way to copy r
+  /// (Note [Copies ahead]); a no-op when they are on their way already.
+  void pull_unit_ahead(int r, int u);
+  /// Tracked units: drops every piece on its way (pulled afresh when needed).
+  void drop_pulls_ahead();
 
   /// Called on a bound thread for a parameter of unit `unit` of copy `copy`; unset: the
   /// unit is gathered.
@@ -175,7 +183,7 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
   struct Copy {
     std::vector<Tensor> units;                  // stage 3: each unit's buffer, released unless gathered
     std::vector<std::uint64_t> unit_versions;   // units[u]'s storage version when gathered
-    std::vector<std::vector<UnitPiece>> ahead;  // units[u]'s pieces on their way
+    std::vector<std::vector<UnitPiece>> ahead;  // unit u's pieces on their way
   };
   void assign_units(const Runs& units);
   void unshard_params();

@@ -185,7 +185,7 @@ void ShardedDesign::begin_step(const StepKind& kind, bool sync_params) {
 
 void ShardedDesign::end_step() {
   carry_sums_ = false;  // Note [Accumulating after a combined backward]
-  drop_pulls_ahead();   // a unit the forward never reached: pulled afresh when it is
+  store_->drop_pulls_ahead();  // a unit the forward never reached: pulled afresh when it is
   updating_ = false;
 }
 

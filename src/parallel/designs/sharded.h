@@ -82,7 +82,6 @@ class ShardedDesign final : public Design {
   void pull_unit(int rank, int unit);
   void pull_primary();
   void mark_stale(bool stale);
-  void drop_pulls_ahead();
 
   int stage_;
   // The units, their buffers and prefetches, the process exchange (made by lay_out).
@@ -103,9 +102,6 @@ class ShardedDesign final : public Design {
   // Stages 1-2 with ShardGather::NextForward (Note [Deferred gather]):
   // stale_[r][u] when copy r's unit u may hold other owners' old values; empty otherwise.
   std::vector<std::vector<char>> stale_;
-  // pull_ahead_[r][u]: the pieces of copy r's unit u started ahead of its pull (Note
-  // [Deferred gather]); dropped whenever staleness is reset and at the end of a step.
-  std::vector<std::vector<std::vector<UnitPiece>>> pull_ahead_;
 };
 
 }  // namespace dp::parallel

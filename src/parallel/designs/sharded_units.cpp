@@ -69,7 +69,6 @@ void ShardedDesign::defer_gathers() {
   store_->track_units(gather_units());  // Note [Deferred gather]
   const std::size_t n = devices().size(), units = store_->units().size();
   stale_.assign(n, std::vector<char>(units, 0));
-  pull_ahead_.assign(n, std::vector<std::vector<UnitPiece>>(units));
   store_->set_read_hook([this](int r, int u) { pull_unit(r, u); });
 }
 
@@ -243,44 +242,12 @@ void ShardedDesign::pull_unit(int rank, int unit) {
   if (updating_ || !stale[static_cast<std::size_t>(unit)]) return;
   PhaseTimer t(recorder(), rank, Phase::AllGather);
   backend::CopyFences::Scope fenced(fences());  // the owners' ranges predate the step (Note [Copy fences])
-  NoGradGuard no_grad;
-  const auto [lo, hi] = store_->units()[static_cast<std::size_t>(unit)];
-  const Tensor& mine = set().copy(rank).data;
-  auto& ahead = pull_ahead_[static_cast<std::size_t>(rank)];
-  if (!ahead[static_cast<std::size_t>(unit)].empty()) {  // started by the previous unit's pull: it lands
-    backend::Backend& be = backend::get(mine.device());
-    for (const UnitPiece& p : std::exchange(ahead[static_cast<std::size_t>(unit)], {}))
-      be.finish_copy(*p.copy, mine.data<float>() + p.at, mine.device());
-    mine.storage()->bump_version();  // written behind the tensor's back: as copy_ would
-  } else {
-    for (int q = 0; q < set().num_copies(); ++q) {
-      if (q == rank) continue;
-      const nn::ParameterCopy& owner = set().copy(q);
-      const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
-      if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
-    }
-  }
+  store_->pull_unit(rank, unit);
   stale[static_cast<std::size_t>(unit)] = 0;
   // The next unit's pieces start now (Note [Copies ahead]): on GPUs they travel while
   // this unit computes.
   const auto next = static_cast<std::size_t>(unit) + 1;
-  if (next >= stale.size() || !stale[next] || !ahead[next].empty()) return;
-  const auto [nlo, nhi] = store_->units()[next];
-  for (int q = 0; q < set().num_copies(); ++q) {
-    if (q == rank) continue;
-    const nn::ParameterCopy& owner = set().copy(q);
-    const std::int64_t a = std::max(nlo, owner.begin), b = std::min(nhi, owner.end);
-    if (a >= b) continue;
-    ahead[next].push_back({a, b - a,
-                           backend::get(mine.device())
-                               .copy_ahead(mine.device(), owner.data.data<float>() + a, owner.device,
-                                           static_cast<std::size_t>(b - a) * sizeof(float))});
-  }
-}
-
-void ShardedDesign::drop_pulls_ahead() {
-  for (auto& units : pull_ahead_)
-    for (auto& pieces : units) pieces.clear();
+  if (next < stale.size() && stale[next]) store_->pull_unit_ahead(rank, static_cast<int>(next));
 }
 
 // Device 0's copy of every other owner's range, on the calling thread (device 0's)
@@ -301,7 +268,7 @@ void ShardedDesign::pull_primary() {
 }
 
 void ShardedDesign::mark_stale(bool stale) {
-  drop_pulls_ahead();  // what they carry may no longer be the owners' values
+  store_->drop_pulls_ahead();  // what they carry may no longer be the owners' values
   for (std::size_t r = 1; r < stale_.size(); ++r) std::fill(stale_[r].begin(), stale_[r].end(), stale ? 1 : 0);
 }
 
