@@ -1,18 +1,22 @@
-// src/parallel/shard_store.h — the Sharded design's store: gather units, their
-// buffers and prefetches, and the exchange with the other processes (internal).
+// src/parallel/shard_store.h — the Sharded design's store: the ranges, the gather
+// units, their buffers and prefetches, and the exchange with the other processes
+// (internal).
 //
 // The parameter set (dp/nn/parameter_set.h) keeps flat buffers, views, copies and the
-// replica binding. What sharding adds on top lives here, owned by the Sharded design
-// (src/parallel/designs/sharded.h): the gather units, each copy's unit buffers and
-// their pieces on the way, the tracked units of the deferred gather, and the process
-// exchange. The store is the set's ViewProvider (Note [View providers] in
+// replica binding, and each copy's [begin, end) and range gradient for the optimizer.
+// What sharding adds on top lives here, owned by the Sharded design
+// (src/parallel/designs/sharded.h): cutting the ranges and stage 2's range
+// gradients, the gather units, each copy's unit buffers and their pieces on the way,
+// the tracked units of the deferred gather and its pulls, and the process exchange.
+// The store is the set's ViewProvider (Note [View providers] in
 // dp/nn/view_provider.h) and, across processes, its ProcessExchange (Note [Process
 // exchange] in dp/nn/process_exchange.h). It knows nothing of the design's policy
 // (which unit is gathered when): reads on workers go to the design's read hook.
 //
 //   ShardStore store(set, processes, process);
-//   store.shard_params(units);         // stage 3: every copy keeps its range only
-//   store.gather_unit(r, u);           // copy r's unit u readable, pulled from the owners
+//   store.shard(/*shard_grads=*/true);  // every copy steps its range
+//   store.shard_params(units);          // stage 3: every copy keeps its range only
+//   store.gather_unit(r, u);            // copy r's unit u readable, pulled from the owners
 #pragma once
 
 #include <cstdint>
