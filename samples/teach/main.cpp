@@ -186,7 +186,7 @@ Run run(dp::Mode mode, int stage, const std::vector<dp::Device>& devs, const dp:
     r.peak_bytes.push_back(static_cast<double>(r.med().stats.devices[d].peak_memory_bytes) -
                            static_cast<double>(base[d]));
   }
-  if (auto set = r.net->parameter_set(); set && set->shards_params()) r.units = set->units();
+  r.units = model.units();
   for (auto& [name, t] : r.net->state_dict()) {
     if (t.dtype() != dp::Dtype::Float32) continue;
     auto v = t.to_vector();
@@ -515,7 +515,7 @@ std::int64_t overlap(std::int64_t lo, std::int64_t hi, std::int64_t a, std::int6
 }
 
 // Per-device bytes of a stage-3 step, from the ranges and the gather units alone.
-// A gather of unit u is a pull (ParameterSet::gather_unit): device r receives the
+// A gather of unit u is a pull (ShardStore::gather_unit in src/parallel/shard_store.h): device r receives the
 // pieces of u it does not own, 4·(|u| - own_r(u)) bytes, and sends its own piece to
 // each of the N-1 others, 4·(N-1)·own_r(u). Summed over devices both are (N-1)·4|u|:
 // on average (N-1)/N of the unit per device, what a ring all-gather moves.

@@ -222,7 +222,7 @@ std::shared_ptr<ParameterSet> Module::parameter_set() {
 
 ParameterList Module::parameters() {
   auto set = parameter_set();
-  if (set) set->gather_primary();  // Note [Sharded parameters]: readable until the next step
+  if (set) set->make_primary_readable();  // Note [View providers]: readable until the next step
   auto slots = parameter_slots();
   std::vector<Tensor> tensors;
   tensors.reserve(slots.size());
@@ -238,7 +238,7 @@ std::int64_t Module::num_parameters() {
 }
 
 StateDict Module::named_parameters() {
-  if (auto set = parameter_set()) set->gather_primary();  // Note [Sharded parameters]
+  if (auto set = parameter_set()) set->make_primary_readable();  // Note [View providers]
   StateDict out;
   collect("", &out, nullptr, nullptr, nullptr);
   return out;
@@ -268,7 +268,7 @@ std::vector<std::shared_ptr<Module>> Module::modules() {
 }
 
 StateDict Module::state_dict() {
-  if (auto set = parameter_set()) set->gather_primary();  // Note [Sharded parameters]
+  if (auto set = parameter_set()) set->make_primary_readable();  // Note [View providers]
   StateDict params, buffers;
   collect("", &params, &buffers, nullptr, nullptr);
   // PyTorch's order: per module, parameters then buffers. Reproduce it by a walk that

@@ -47,9 +47,9 @@ std::vector<std::pair<std::int64_t, std::int64_t>> flat_ranges(const ParameterLi
 // The list's ranges that copy r steps, as views of its owned gradient (the reduced
 // gradient of [begin, end) in a sharded set; the whole gradient buffer otherwise),
 // each with its first flat index, in ascending order. Only owned_grad() is indexed,
-// and relative to `begin`: in stage 3 (Note [Sharded parameter buffers] in dp/nn/parameter_set.h) a copy's `data`
-// holds only [begin, end) and its `grad` is released, so a flat index into either
-// is out of range there — nothing here reads the parameters at all, so clipping
+// and relative to `begin`: in stage 3 (Note [View providers] in
+// dp/nn/view_provider.h) a copy's `data` holds only [begin, end) and its `grad` is
+// released, so a flat index into either is out of range there — nothing here reads the parameters at all, so clipping
 // gathers no unit on any device.
 std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c,
                                                           const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
@@ -73,9 +73,9 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // ranges (the same number as PyTorch's norm of per-parameter norms, rounded
 // differently). To make it the same bits whether one copy holds the whole gradient
 // (single device, DP, DDP) or each device holds its 1/N (Sharded), it is computed in
-// blocks fixed by the flat index alone: block k is [16k, 16k + 16) (kShardAlign, so a
-// shard boundary never cuts a block), clipped to the ranges. Each device reduces the
-// blocks it owns (one partial per block, every partial a reduction of the same
+// blocks fixed by the flat index alone: block k is [16k, 16k + 16) (kNormBlock, on
+// which every range a runtime cuts starts, so a shard boundary never cuts a block),
+// clipped to the ranges. Each device reduces the blocks it owns (one partial per block, every partial a reduction of the same
 // elements in the same order whatever N is), the partials travel to copy 0's device
 // in flat order — (N-1)/N · P/16 floats, 1/16 of a gradient exchange — and one final
 // reduction over that vector gives the total: the same vector, so the same bits, for
@@ -90,16 +90,15 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // gathers device 0's copy for the user until the next step; clipping does not need
 // that: the list kept from before the loop, as the optimizer keeps it, does as well.)
 // Across processes (stages 1 and 2; Note [Ranges across processes] in
-// dp/nn/parameter_set.h) a process holds the partials of its own devices' blocks only.
+// src/parallel/shard_store.h) a process holds the partials of its own devices' blocks only.
 // Processes own ascending runs of ranges, so each process's partials, concatenated in
-// process order (gather_processes: a collective every process makes, one host
+// process order (the set's ProcessExchange: a collective every process makes, one host
 // exchange of P/16 floats in all), are again the vector in flat order, and the one
 // final reduction runs over the same vector on every process: the same bits as DDP's
 // norm across processes, which reduces that vector from copy 0's whole gradient.
 // Stage 3 across processes shards within each process only (its owners hold whole
 // sums of their ranges, Note [Stage 3 across processes]): nothing to exchange.
-static_assert(ParameterSet::kShardAlign == 16, "Note [Clipping in blocks] assumes 16-element blocks");
-constexpr std::int64_t kBlock = ParameterSet::kShardAlign;
+constexpr std::int64_t kBlock = kNormBlock;
 
 // One partial per block of g, which starts at flat index `first`: (head, whole
 // blocks, tail), each the sum (max for the inf-norm) of its terms.
@@ -136,7 +135,7 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
   std::vector<Tensor> all;
   for (const Tensor& t : partials)
     if (t.defined()) all.push_back(t.device() == home ? t : t.to(home));
-  if (set.sharded_across_processes()) {
+  if (set.spans_processes()) {
     // Note [Clipping in blocks]: the other processes' partials, in process order.
     std::vector<float> mine;
     for (const Tensor& t : all) {
@@ -144,7 +143,8 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
       mine.insert(mine.end(), part.begin(), part.end());
     }
     std::vector<float> every;
-    for (const std::vector<float>& part : set.gather_processes(mine)) every.insert(every.end(), part.begin(), part.end());
+    for (const std::vector<float>& part : set.process_exchange().gather(mine))
+      every.insert(every.end(), part.begin(), part.end());
     all.clear();
     if (!every.empty()) all.push_back(from_vector(every, {static_cast<std::int64_t>(every.size())}, home));
   }

@@ -8,6 +8,7 @@
 #include "backend/backend.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
+#include "dp/optim/step_executor.h"
 
 namespace dp::optim {
 
@@ -135,7 +136,7 @@ void Optimizer::copy_state(CopyState& dst, const CopyState& src) {
 // Note [Optimizer state layouts]
 // A copy's state covers the optimizer's ranges clipped to the copy's [begin, end) and
 // belongs to one data buffer. Before each step (on the calling thread, never inside
-// for_each_copy: building one copy's state reads others') every copy whose buffer or
+// the executor: building one copy's state reads others') every copy whose buffer or
 // range changed gets a new state, filled element by element from the states that
 // exist: the primary's where it has them (DDP wrapping after some steps: each new
 // copy starts from the primary's state), else the copy that held them (sharding
@@ -232,13 +233,29 @@ void Optimizer::step_loose() {
   }
 }
 
+// Every persistent copy's step: through the set's executor when it has one (Note
+// [Copy executors] in dp/nn/copy_executor.h), else in order on this thread.
+void Optimizer::step_copies(nn::ParameterSet& set) {
+  auto run = [this, &set](int r) {
+    if (!set.copy(r).transient) step_copy(r);
+  };
+  if (nn::CopyExecutor* executor = set.executor()) {
+    auto* stepper = dynamic_cast<StepExecutor*>(executor);
+    DP_CHECK(stepper != nullptr, kind_, ".step: the parameters' copies are run by an executor that cannot "
+             "step them (a dp::nn::CopyExecutor, not a dp::optim::StepExecutor)");
+    stepper->step_copies(set.num_copies(), run);
+  } else {
+    for (int r = 0; r < set.num_copies(); ++r) run(r);
+  }
+}
+
 void Optimizer::step() {
   check_valid();
   ++step_;
   try {
     if (const auto& set = params_.set()) {
       prepare_states();
-      set->for_each_copy([this](int r) { step_copy(r); }, nn::CopyWork::Step);
+      step_copies(*set);
       set->bump_version();
     } else {
       step_loose();
@@ -316,7 +333,7 @@ Tensor Optimizer::full_state(std::size_t k) {
   if (std::all_of(states_.begin(), states_.end(), [](const CopyState& s) { return s.buffers.empty(); }))
     return Tensor();
   const nn::ParameterSet& set = *params_.set();
-  if (set.sharded_across_processes()) return gathered_state(k);
+  if (set.spans_processes()) return gathered_state(k);
   // Sharded: every copy holds its range; assemble them on the primary's device.
   Tensor out = zeros({state_numel_}, params_.set()->copy(0).device);
   for (const CopyState& st : states_) {
@@ -335,7 +352,7 @@ Tensor Optimizer::full_state(std::size_t k) {
 
 // Note [Optimizer state across processes]
 // A set sharded across processes (Note [Ranges across processes] in
-// dp/nn/parameter_set.h) holds here the state of this process's copies only. Each
+// src/parallel/shard_store.h) holds here the state of this process's copies only. Each
 // copy's state is its ranges' slice of ranges_' layout, and ranges_' layout is the
 // flat order restricted to the ranges; copies own ascending ranges and processes own
 // ascending runs of copies. So this process's part is its copies' states
@@ -356,7 +373,8 @@ Tensor Optimizer::gathered_state(std::size_t k) {
     mine.insert(mine.end(), v.begin(), v.end());
   }
   std::vector<float> all;
-  for (const std::vector<float>& part : set.gather_processes(mine)) all.insert(all.end(), part.begin(), part.end());
+  for (const std::vector<float>& part : set.process_exchange().gather(mine))
+    all.insert(all.end(), part.begin(), part.end());
   DP_CHECK(static_cast<std::int64_t>(all.size()) == state_numel_, kind_, ".state_dict: the processes' optimizer "
            "states add up to ", all.size(), " elements, expected ", state_numel_, ": was the optimizer built over "
            "other parameters on another process?");

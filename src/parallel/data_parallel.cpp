@@ -12,6 +12,7 @@
 #include "dp/dist/dist.h"
 #include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
+#include "parallel/copy_executor.h"
 #include "parallel/design.h"
 #include "parallel/gather_backward.h"
 #include "parallel/phase_timer.h"
@@ -209,9 +210,8 @@ void DataParallel::init(std::vector<Device> devices) {
   design_->snapshot_grad_versions();
   make_reducer();
 
-  set_->set_executor([this](int copies, const std::function<void(int)>& fn, nn::CopyWork work) {
-    run_on_copies(copies, work, fn);
-  });
+  executor_ = std::make_unique<Executor>(*this);
+  set_->set_executor(executor_.get());
 }
 
 // Note [Across processes]
@@ -236,7 +236,7 @@ void DataParallel::init(std::vector<Device> devices) {
 //    bucket's pieces are reduced onto their owners wherever they live, and the step
 //    ends with a world all-gather. What needs every range — an optimizer's
 //    state_dict(), clip_grad_norm_'s total — exchanges the other processes' parts
-//    (Note [Ranges across processes] in dp/nn/parameter_set.h).
+//    (Note [Ranges across processes] in src/parallel/shard_store.h).
 //  - Sharded stage 3: hybrid, sharded within each process and replicated across
 //    processes (Note [Stage 3 across processes]).
 // Every reduction sums a process's devices first, in device order, then the
@@ -264,10 +264,6 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
   return processes_ > 1 ? dist::all_reduce(rows, dist::Op::Sum) : rows;
 }
 
-// The optimizer's executor: each persistent copy on its own device's worker; DP's
-// transient replicas are never stepped, so DP's step stays on rank 0. The design
-// adds what an update needs before and after (DDP: Note [Gradient edits]; Sharded:
-// Note [Sharded step]).
 // Note [Small work inline]
 // Zeroing the gradients of a small model (the ToyModel's 165 parameters: 660 bytes a
 // copy) takes far less than a hand-over to every worker and back. Such work comes as
@@ -275,10 +271,9 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 // workers would (no worker runs between steps; on CUDA each call enqueues on the
 // copy's device's stream, the one its worker uses), under the same busy check. The
 // gradient versions are snapshotted as after any update of every copy.
-void DataParallel::run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn) {
-  const bool update = work == nn::CopyWork::Step;
+void DataParallel::run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn) {
   const parallel::UpdatePlan plan = design_->plan_update(update);
-  if (work == nn::CopyWork::SmallGradients && !plan.broadcast_grads) {
+  if (small && !plan.broadcast_grads) {
     DP_CHECK(!busy_, "DataParallel: an update of every copy called while another step runs (from inside a worker?)");
     for (int r = 0; r < copies; ++r) fn(r);
     design_->snapshot_grad_versions();
@@ -349,6 +344,7 @@ DataParallel::~DataParallel() {
   // Hand the module back as a plain single-device module.
   try {
     set_->set_executor(nullptr);
+    executor_.reset();
     design_->release();
     for (auto& s : set_->slots()) autograd::clear_post_accumulate_hooks(s->copies[0]);
     set_->drop_copies();
@@ -385,6 +381,8 @@ std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::buckets() const
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::shards() const { return design_->shards(); }
+
+std::vector<std::pair<std::int64_t, std::int64_t>> DataParallel::units() const { return design_->units(); }
 
 int DataParallel::shard_stage() const { return design_->shard_stage(); }
 

@@ -136,6 +136,7 @@ class Design {
   virtual std::vector<std::pair<std::int64_t, std::int64_t>> shards() const { return {}; }
   virtual int shard_stage() const { return 0; }
   virtual int shard_world() const { return 0; }
+  virtual std::vector<std::pair<std::int64_t, std::int64_t>> units() const { return {}; }
 
  protected:
   /// begin_replicate()'s decision.

@@ -137,7 +137,7 @@ Run train(const std::vector<dp::Device>& devs, const dp::DataParallelOptions& op
   run.pinned_after = dp::pinned_memory_allocated();
   run.params = flat_params(*net);
   const auto set = model.parameters().set();
-  if (set->shards_params()) {
+  if (!model.units().empty()) {  // stage 3: the parameters are sharded
     // The flat layout is the parameters end to end, padded with zeros to the ranges.
     std::vector<float> flat;
     for (const Tensor& t : net->parameters()) {

@@ -29,6 +29,7 @@
 
 #include "../parallel/mlp_fixture.h"
 #include "dp/dp.h"
+#include "parallel/shard_store.h"
 
 namespace dist = dp::dist;
 using dp::Tensor;
@@ -429,8 +430,10 @@ TEST_CASE("stage 3 across processes is hybrid: sharded over the process's device
   dp::DataParallel model(net, local_devices(), sharded(3));
   CHECK(model.shard_stage() == 3);
   CHECK(model.shard_world() == kLocal);
-  CHECK(net->parameter_set()->shard_world() == kLocal);
-  CHECK_FALSE(net->parameter_set()->sharded_across_processes());
+  const auto* store = dp::parallel::ShardStore::of(*net->parameter_set());
+  REQUIRE(store != nullptr);
+  CHECK(store->shard_world() == kLocal);
+  CHECK_FALSE(store->sharded_across_processes());
   const auto shards = model.shards();
   REQUIRE(shards.size() == static_cast<std::size_t>(kLocal));
   const std::int64_t len = shards[0].second - shards[0].first;

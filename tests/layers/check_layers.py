@@ -47,7 +47,7 @@ LAYERS = [
      ["comm", "dist", "tensor+autograd", "backend/cuda", "backend", "core"]),
     ("data", ["data"], ["dist", "tensor+autograd", "core"]),
     ("io", ["io"], ["optim", "nn", "dist", "tensor+autograd", "core"]),
-    ("parallel", ["parallel"], ["comm", "dist", "nn", "tensor+autograd", "backend", "core"]),
+    ("parallel", ["parallel"], ["comm", "dist", "optim", "nn", "tensor+autograd", "backend", "core"]),
     ("dp.h", ["dp.h"],
      ["parallel", "io", "data", "comm", "dist", "optim", "nn", "tensor+autograd", "core"]),
 ]

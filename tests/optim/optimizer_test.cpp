@@ -9,6 +9,7 @@
 #include "dp/optim/optim.h"
 #include "dp/tensor/ops.h"
 #include "optim_test_util.h"
+#include "parallel/shard_store.h"
 
 using namespace optim_test;
 namespace optim = dp::optim;
@@ -169,13 +170,25 @@ TEST_CASE("an executor runs each copy's step on its own thread") {
   set->add_copy(dp::cpu(1), false);
   set->add_copy(dp::cpu(2), false);
   int calls = 0, updates = 0;
-  set->set_executor([&calls, &updates](int n, const std::function<void(int)>& fn, dp::nn::CopyWork work) {
-    ++calls;
-    updates += work == dp::nn::CopyWork::Step ? 1 : 0;
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n; ++r) threads.emplace_back([&fn, r] { fn(r); });
-    for (auto& t : threads) t.join();
-  });
+  struct Threads final : optim::StepExecutor {
+    int &calls, &updates;
+    Threads(int& c, int& u) : calls(c), updates(u) {}
+    static void run(int n, const std::function<void(int)>& fn) {
+      std::vector<std::thread> threads;
+      for (int r = 0; r < n; ++r) threads.emplace_back([&fn, r] { fn(r); });
+      for (auto& t : threads) t.join();
+    }
+    void for_each_copy(int n, const std::function<void(int)>& fn, dp::nn::CopyWork) override {
+      ++calls;
+      run(n, fn);
+    }
+    void step_copies(int n, const std::function<void(int)>& fn) override {
+      ++calls;
+      ++updates;
+      run(n, fn);
+    }
+  } executor(calls, updates);
+  set->set_executor(&executor);
   optim::Adam opt(params, {.lr = 0.01});
   for (int t = 0; t < 3; ++t) {
     opt.zero_grad();
@@ -286,7 +299,8 @@ TEST_CASE("a sharded set: each copy steps only its range, keeping state for it a
     auto set = params.set();
     set->add_copy(dp::cpu(1), false);
     set->add_copy(dp::cpu(2), false);
-    set->shard(/*shard_grads=*/false);
+    dp::parallel::ShardStore store(*set, /*processes=*/1, /*process=*/0);  // what Mode::Sharded cuts with
+    store.shard(/*shard_grads=*/false);
     REQUIRE(set->numel() == 82);
     REQUIRE(set->buffer_numel() == 96);
     auto opt = make_opt(kind, params);
@@ -340,6 +354,7 @@ TEST_CASE("a sharded set: each copy steps only its range, keeping state for it a
           .copy_(src.data.narrow(0, src.begin, src.end - src.begin));
     }
     CHECK(dp::equal(set->copy(0).data.narrow(0, 0, 82), ref->parameters().set()->copy(0).data));
+    store.unshard();
     set->drop_copies();
   }
 }

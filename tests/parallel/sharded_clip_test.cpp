@@ -14,6 +14,7 @@
 
 #include "dp/dp.h"
 #include "mlp_fixture.h"
+#include "parallel/shard_store.h"
 
 namespace {
 
@@ -162,7 +163,8 @@ TEST_CASE("stage 3 clipping edits each device's own range of the reduced gradien
       CHECK(after[i] == want);
     }
     // The clips read no parameter: no device, device 0 included, gathered a unit.
-    for (int u = 0; u < static_cast<int>(set->units().size()); ++u) CHECK_FALSE(set->unit_gathered(r, u));
+    const auto* store = dp::parallel::ShardStore::of(*set);
+    for (int u = 0; u < static_cast<int>(store->units().size()); ++u) CHECK_FALSE(store->unit_gathered(r, u));
   }
   CHECK(clamped > 0);
   // A NaN held by the last device only: the norm sees it, and error_if_nonfinite names it.

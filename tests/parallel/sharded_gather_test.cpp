@@ -18,6 +18,7 @@
 
 #include "dp/dp.h"
 #include "mlp_fixture.h"
+#include "parallel/shard_store.h"
 
 namespace {
 
@@ -190,7 +191,8 @@ TEST_CASE("NextForward: device 0 is whole when step() returns, the others once t
   dp::DataParallel model(net, cpus(4), sharded(2, dp::ShardGather::NextForward));
   dp::optim::Adam opt(model.parameters(), {.lr = 0.1});
   auto set = net->parameters().set();
-  REQUIRE(set->units().size() == 3);  // the three Linear layers
+  const auto* store = dp::parallel::ShardStore::of(*set);
+  REQUIRE(store->units().size() == 3);  // the three Linear layers
   Batch b = make_batch(8, 1);
   opt.zero_grad();
   model.forward_backward(b.x, b.y, loss_fn);

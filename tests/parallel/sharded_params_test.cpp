@@ -16,6 +16,7 @@
 
 #include "dp/dp.h"
 #include "mlp_fixture.h"
+#include "parallel/shard_store.h"
 
 namespace {
 
@@ -93,8 +94,9 @@ TEST_CASE("stage 3: a unit per top-level child, only the owned range kept betwee
   dp::DataParallel model(net, cpus(4), sharded(3));
   CHECK(model.shard_stage() == 3);
   auto set = net->parameters().set();
-  REQUIRE(set->shards_params());
-  const auto& units = set->units();
+  const auto* store = dp::parallel::ShardStore::of(*set);
+  REQUIRE((store != nullptr && store->shards_params()));
+  const auto& units = store->units();
   REQUIRE(units.size() == 3);  // the three Linear layers; the ReLUs have no parameters
   CHECK(units[0] == std::make_pair<std::int64_t, std::int64_t>(0, 6 * 16 + 16));
   CHECK(units[1] == std::make_pair<std::int64_t, std::int64_t>(112, 112 + 16 * 8 + 8));
@@ -113,7 +115,7 @@ TEST_CASE("stage 3: a unit per top-level child, only the owned range kept betwee
   // After a step every device holds its range only: no unit is gathered.
   for (int r = 0; r < 4; ++r) {
     CHECK(set->copy(r).data.numel() == set->copy(r).end - set->copy(r).begin);
-    for (int u = 0; u < 3; ++u) CHECK_FALSE(set->unit_gathered(r, u));
+    for (int u = 0; u < 3; ++u) CHECK_FALSE(store->unit_gathered(r, u));
   }
 }
 
@@ -264,6 +266,7 @@ TEST_CASE("stage 3: a failure in a worker mid-step reaches the caller, nothing h
   dp::optim::Adam ref_opt(ref.parameters(), {.lr = 0.1});
   Batch b = make_batch(9, 11);
   auto set = net->parameters().set();
+  const auto* store = dp::parallel::ShardStore::of(*set);
   for (Path path : {Path::WorkerLoss, Path::Module}) {
     CAPTURE(static_cast<int>(path));
     net->armed = true;
@@ -277,8 +280,8 @@ TEST_CASE("stage 3: a failure in a worker mid-step reaches the caller, nothing h
     REQUIRE(fut.wait_for(std::chrono::seconds(60)) == std::future_status::ready);
     fut.get();
     for (int r = 0; r < 3; ++r) {
-      for (int u = 0; u < 2; ++u) CHECK_FALSE(set->unit_gathered(r, u));  // released on failure too
-      CHECK(set->copy(r).ahead.empty());  // and fc2's prefetch dropped (Note [Copies ahead])
+      for (int u = 0; u < 2; ++u) CHECK_FALSE(store->unit_gathered(r, u));  // released on failure too
+      CHECK(store->ahead(r).empty());  // and fc2's prefetch dropped (Note [Copies ahead])
     }
     for (int s = 0; s < 2; ++s) {
       opt.zero_grad();
@@ -301,16 +304,17 @@ TEST_CASE("stage 3: a child the forward skips — its prefetch is dropped, the r
   dp::DataParallel model(net, cpus(3), sharded(3));
   dp::DataParallel ref(ref_net, cpus(3), {.mode = dp::Mode::DDP});
   auto set = net->parameters().set();  // not inside forward: parameters() gathers copy 0
-  REQUIRE(set->units().size() == 3);
+  const auto* store = dp::parallel::ShardStore::of(*set);
+  REQUIRE(store->units().size() == 3);
   std::mutex mu;
   int seen_pending_mid = 0, seen_mid_gathered = 0, forwards = 0;
   net->after_forward = [&] {
     const int r = dp::nn::ReplicaBinding::current();
     if (r < 0) return;
-    const auto& c = set->copy(r);
+    const auto& ahead = store->ahead(r);
     std::lock_guard<std::mutex> lock(mu);
-    seen_pending_mid += c.ahead.size() > 1 && !c.ahead[1].empty() ? 1 : 0;
-    seen_mid_gathered += set->unit_gathered(r, 1) ? 1 : 0;
+    seen_pending_mid += ahead.size() > 1 && !ahead[1].empty() ? 1 : 0;
+    seen_mid_gathered += store->unit_gathered(r, 1) ? 1 : 0;
     ++forwards;
   };
   dp::optim::Adam opt(model.parameters(), {.lr = 0.1});

@@ -8,13 +8,17 @@
 // DP mode's replicas are transient copies refreshed before each forward. Because a
 // parameter is a slice of a buffer, replicate/broadcast, reduce, all-reduce, the
 // optimizer step and checkpoints are each one call over a buffer, and a DDP bucket
-// is a slice of the gradient buffer. A sharded set gives each copy a contiguous
-// range of the buffers to step (Note [Sharded parameter sets]).
+// is a slice of the gradient buffer. A runtime may give each copy a contiguous range
+// of the buffers to step (ParameterCopy::begin, end); cutting the ranges, gathering
+// them and the units of sharded parameters are the runtime's (Mode::Sharded's
+// store, Note [Sharded parameter sets] in src/parallel/shard_store.h), which the set
+// reaches only through interfaces declared in nn: CopyExecutor, ProcessExchange and
+// ViewProvider.
 //
 // Which copy a module's forward uses is chosen per thread (ReplicaBinding): a worker
 // thread for device i binds copy i, so one module object serves every worker
-// without cloning its structure. This header knows nothing of DataParallel, comm or
-// optimizers.
+// without cloning its structure. This header knows nothing of DataParallel, comm,
+// processes or optimizers.
 //
 //   auto params = net->parameters();            // flattens on first use
 //   auto& set = *params.set();                  // one data + one grad buffer per copy
@@ -27,11 +31,10 @@
 #include <string>
 #include <vector>
 
+#include "dp/nn/copy_executor.h"
+#include "dp/nn/process_exchange.h"
+#include "dp/nn/view_provider.h"
 #include "dp/tensor/tensor.h"
-
-namespace dp::backend {
-class PendingCopy;
-}  // namespace dp::backend
 
 namespace dp::nn {
 
@@ -63,7 +66,7 @@ struct Parameter::Slot {
   bool is_buffer = false;           // buffers are per-copy tensors, not in the flat buffer
   std::weak_ptr<ParameterSet> set;  // owning set (parameters only)
   std::int64_t offset = 0;          // element offset in the flat buffers
-  int unit = -1;                    // sharded parameters: its gather unit, else -1
+  int unit = -1;                    // its group in the set's view provider, else -1 (Note [View providers])
 };
 
 /// Selects, for the calling thread, which copy Parameter::get() returns. RAII.
@@ -101,32 +104,10 @@ struct ParameterCopy {
   /// The gradient an optimizer step of this copy reads: element i of the flat buffers
   /// (begin <= i < end) is owned_grad()[i - begin]. shard_grad when defined, else grad.
   Tensor owned_grad() const;
-  /// Sharded parameters (Note [Sharded parameter buffers]): `data` holds only [begin, end),
-  /// and each gather unit u has its own buffer units[u] whose storage is released
-  /// except while gathered.
-  bool sharded_data = false;
-  std::vector<Tensor> units;
-  std::vector<std::uint64_t> unit_versions;  // units[u]'s storage version when gathered
-  /// units[u]'s pieces on their way (ParameterSet::gather_unit_ahead): where each
-  /// lands in the unit and its copy, finished when u is gathered. Empty otherwise.
-  struct UnitPiece {
-    std::int64_t at = 0, numel = 0;
-    std::shared_ptr<backend::PendingCopy> copy;
-  };
-  std::vector<std::vector<UnitPiece>> ahead;
   /// The parameters an optimizer step of this copy writes: element i (begin <= i <
-  /// end) is owned_data()[i - begin].
+  /// end) is owned_data()[i - begin]. `data` is the whole flat buffer, or, when a
+  /// runtime keeps only the copy's range (Note [View providers]), exactly [begin, end).
   Tensor owned_data() const;
-};
-
-/// What the work given to ParameterSet::for_each_copy does to each copy.
-enum class CopyWork {
-  Step,       // an optimizer step: writes the data of [begin, end)
-  Gradients,  // zero_grad, clipping and the like: touches gradients (or state) only
-  // Gradients, and so little work (zeroing a few KiB) that one thread does every
-  // copy's in less time than waking the copies' workers: an executor may run it on
-  // the calling thread (Note [Small work inline] in src/parallel/data_parallel.cpp).
-  SmallGradients,
 };
 
 /// All parameters of a module tree, flattened (see Note [Parameter sets]).
@@ -156,134 +137,56 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Adds copy r on `device` with the primary's current values; returns r. Throws
   /// dp::Error on a sharded set (add every copy first).
   int add_copy(Device device, bool transient);
-  /// Drops every copy but the primary (unsharding first).
+  /// Drops every copy but the primary. Throws dp::Error on a sharded set.
   void drop_copies();
   /// Moves the primary copy to `device` (data and grad; views rebound in place).
   void move_primary(Device device);
 
-  /// Runs fn(r) for every persistent (non-transient) copy r — what an optimizer
-  /// steps. Default: in order on the calling thread. DataParallel installs an
-  /// executor that runs each copy on its device's worker thread (and, after a Step
-  /// of a sharded set, gathers every copy's updated range into every copy).
+  /// Runs fn(r) for every persistent (non-transient) copy r: gradient work (zero_grad,
+  /// clipping). Through the executor when one is set (Note [Copy executors]), else in
+  /// order on the calling thread.
   void for_each_copy(const std::function<void(int copy)>& fn, CopyWork work = CopyWork::Gradients);
-  using Executor = std::function<void(int num_copies, const std::function<void(int)>& fn, CopyWork work)>;
-  void set_executor(Executor executor) { executor_ = std::move(executor); }
+  /// The runtime that runs work on every copy (DataParallel), or null: the set holds
+  /// it and passes it on, never owns it (the runtime clears it before it goes).
+  void set_executor(CopyExecutor* executor) { executor_ = executor; }
+  CopyExecutor* executor() const { return executor_; }
 
-  /// Note [Sharded parameter sets]
-  /// shard() splits the flat buffers into num_copies() contiguous ranges of equal
-  /// length S, copy r owning [r*S, (r+1)*S) (clipped to the padded buffer): an
-  /// optimizer step of copy r updates only that range and keeps optimizer state only
-  /// for it. Ranges are element-exact, not whole parameters: one parameter may span
-  /// two copies, and every copy owns the same number of elements, however unequal the
-  /// parameters are (whole-parameter ranges would give one copy the MLP's 1024x1024
-  /// weight, 56% of the model). S is rounded up to kShardAlign elements (a cache
-  /// line, and aligned vector loads on a GPU), and the buffers are padded with zeros
-  /// to num_copies() * S, so that every range has the same length and an equal-count
-  /// all-gather reassembles the parameters. The padding belongs to no parameter: no
-  /// optimizer steps it and no gradient reaches it.
-  /// Whatever gradient copy 0 holds is handed out by range: copy r's buffer holds
-  /// copy 0's values on its own range and zeros elsewhere, so the sum over copies is
-  /// unchanged. With `shard_grads` (ZeRO stage 2) each copy keeps between backward
-  /// passes only the gradient of its range, in shard_grad, and a full gradient buffer
-  /// only while a backward needs it: acquire_grad before the backward, release_grad
-  /// once its buckets were reduced; the parameters' .grad are undefined between.
-  /// Across processes (Note [World ranks] in dp/comm/communicator.h) the ranges are
-  /// cut for `world` copies in all, this set's copy r owning world range `first` + r;
-  /// 0 (the default) means this set's copies are all there are.
-  /// Throws dp::Error when already sharded or when a copy is transient.
-  void shard(bool shard_grads, int world = 0, int first = 0);
-  /// The ranges the buffers were cut into: num_copies(), or more when the other
-  /// ranges belong to copies in other processes.
-  int shard_world() const { return shard_world_; }
-  /// True when shard() gave ranges to copies in other processes: this process holds
-  /// only its own copies' ranges (Note [Ranges across processes]).
-  bool sharded_across_processes() const { return sharded_ && shard_world_ > num_copies(); }
+  /// The ranges: every copy steps [begin, end) of the flat buffers, all of them
+  /// unless a runtime cut them (Mode::Sharded's store, Note [Sharded parameter sets]
+  /// in src/parallel/shard_store.h, sets each copy's begin, end and shard_grad).
+  /// True when some copy steps only part of the buffers.
+  bool sharded() const;
+  /// Pads every copy's buffers with zeros to n elements (views rebound in place; a
+  /// copy that stepped all of the buffers still does). Throws dp::Error when n <
+  /// buffer_numel().
+  void pad_buffers(std::int64_t n);
+  /// Makes `grad` copy r's gradient buffer (undefined: none) and points copy r's
+  /// .grad views at it.
+  void set_grad_buffer(int r, Tensor grad);
 
-  /// Note [Ranges across processes]
-  /// A set sharded across processes keeps here only world ranges [first, first +
-  /// num_copies()); the other ranges (their optimizer state, their gradients) live in
-  /// the other processes. Code of this layer and above it that needs a value of every
-  /// range — an optimizer's state_dict, the total norm of clip_grad_norm_ — hands its
-  /// own part, in flat order, to gather_processes(), which returns every process's
-  /// part in process order, i.e. in flat order again (process p owns the contiguous
-  /// world ranges [p * num_copies(), (p + 1) * num_copies())). The parts may differ
-  /// in length. This layer does not speak to processes: the runtime that sharded the
-  /// set across them installs the exchange (DataParallel: dp::dist broadcasts, one
-  /// per process, bounded by dp::dist::timeout(), Note [Fault policy]). Collective:
-  /// every process must call it the same number of times, in the same order.
-  using ProcessGather = std::function<std::vector<std::vector<float>>(const std::vector<float>& mine)>;
-  void set_process_gather(ProcessGather gather) { process_gather_ = std::move(gather); }
-  /// Every process's part (see above); {mine} when the set does not span processes.
-  /// Throws dp::Error when it does and no exchange is installed.
-  std::vector<std::vector<float>> gather_processes(const std::vector<float>& mine) const;
-  /// Undoes shard(): every copy steps all of the buffers again and has a full
-  /// gradient buffer; copy 0's gradient receives every other copy's range of its
-  /// owned gradient, so after a synced backward it holds the whole summed gradient.
-  void unshard();
-  bool sharded() const { return sharded_; }
-  bool shards_grads() const { return shard_grads_; }
-  static constexpr std::int64_t kShardAlign = 16;  // floats: 64 bytes
-  /// Sharded gradients: gives copy r a full gradient buffer — zeros, its own range
-  /// taking over shard_grad (freed), so that gradients keep accumulating — and points
-  /// copy r's .grad views at it. A no-op when copy r has one.
-  void acquire_grad(int r);
-  /// Sharded gradients: moves copy r's own range of its gradient buffer into
-  /// shard_grad and frees the buffer (copy r's .grad become undefined).
-  void release_grad(int r);
-  /// Note [Sharded parameter buffers]
-  /// shard_params() (after shard(true)) keeps, per copy, only its own range of the
-  /// parameters (ParameterCopy::data becomes that range) and gives each *gather unit*
-  /// — a contiguous run [lo, hi) of the flat layout, e.g. one top-level child's
-  /// parameters — a buffer of its own per copy, released (Note [Released storage])
-  /// except while gathered. Every parameter view of copy r points into its unit's
-  /// buffer, so handles held anywhere (autograd's saved tensors too) see the values
-  /// whenever the unit is gathered, and a clear dp::Error when it is not.
-  /// gather_unit(r, u) allocates copy r's unit buffer and fills it from every copy's
-  /// range: a pull, one device copy per owner that has a piece of the unit — no
-  /// rendezvous, so a copy can gather whatever the others do (see
-  /// DataParallel's Note [Sharded parameters] for when units are gathered and
-  /// released). Parameter::get() reports each access to a unit: on a worker (a bound
-  /// thread) to the unit hook, which gathers; elsewhere (user code) it gathers every
-  /// unit of copy 0, as do gather_primary() and Module's parameters(),
-  /// named_parameters() and state_dict().
+  /// The exchange with the other processes when the set's ranges span processes (Note
+  /// [Process exchange] in dp/nn/process_exchange.h), installed by the runtime that
+  /// cut them; the set holds it and never owns it (the runtime clears it before it goes).
+  void set_process_exchange(ProcessExchange* exchange) { process_exchange_ = exchange; }
+  /// True when the set holds only this process's ranges: a value of every range needs
+  /// process_exchange().
+  bool spans_processes() const { return process_exchange_ != nullptr; }
+  ProcessExchange& process_exchange() const;
   /// Code that works on a copy's range (an optimizer step, clipping) indexes only
-  /// owned_data() and owned_grad(), relative to `begin`: once the parameters are
-  /// sharded, `data` holds [begin, end) and not the flat buffer, and `grad` is
-  /// released between backward passes, so a flat index into either is out of range.
-  void shard_params(std::vector<std::pair<std::int64_t, std::int64_t>> units);
-  bool shards_params() const { return shards_params_; }
-  const std::vector<std::pair<std::int64_t, std::int64_t>>& units() const { return units_; }
-  void gather_unit(int r, int u);
-  /// Starts copy r's pieces of unit u on their way without gathering it (Note [Copies
-  /// ahead] in src/backend/backend.h): gather_unit(r, u) then only lands them, and
-  /// what copy r computes meanwhile does not wait for them. The prefetch of stage 3.
-  /// A no-op when u is gathered or already on its way; release_unit drops it.
-  void gather_unit_ahead(int r, int u);
-  /// Note [Tracked units]
-  /// track_units() gives an unsharded set's parameters gather units without
-  /// sharding their data: every copy keeps its full buffer, and Parameter::get() on
-  /// a bound thread reports each access to the unit hook, which can bring the
-  /// copy's unit up to date just before it is used (DataParallel's deferred gather
-  /// of stages 1 and 2, Note [Deferred gather]). Accesses on unbound threads report
-  /// nothing: copy 0 is always whole. An empty list stops the tracking, as do
-  /// unshard() and drop_copies(). Throws dp::Error once shard_params() ran.
-  void track_units(std::vector<std::pair<std::int64_t, std::int64_t>> units);
-  void release_unit(int r, int u);
-  /// Releases every unit of copy r.
-  void release_units(int r);
-  bool unit_gathered(int r, int u) const;
-  /// Gathers every unit of copy 0 (user access between steps). A no-op unless sharded.
-  void gather_primary();
-  /// Writes every gathered unit of copy 0 that was written since it was gathered (a
-  /// load, an in-place edit) into every copy's range, then releases copy 0's units.
-  /// Returns whether anything was written back.
-  bool scatter_primary();
-  /// Called by Parameter::get() on a bound thread for a parameter of unit `unit` of
-  /// copy `copy`; unset: the unit is gathered.
-  using UnitHook = std::function<void(int copy, int unit)>;
-  void set_unit_hook(UnitHook hook) { unit_hook_ = std::move(hook); }
-  /// Parameter::get()'s report (internal): copy < 0 for an unbound thread.
-  void on_unit_access(int copy, int unit);
+  /// owned_data() and owned_grad(), relative to `begin`: a runtime may keep in `data`
+  /// only [begin, end) (stage 3, Note [View providers]), and `grad` is released
+  /// between backward passes, so a flat index into either is out of range.
+
+  /// The runtime that keeps the parameter views readable (Note [View providers]), or
+  /// null. The set holds it and never owns it (the runtime clears it before it goes).
+  void set_view_provider(ViewProvider* provider) { view_provider_ = provider; }
+  ViewProvider* view_provider() const { return view_provider_; }
+  /// Every view of the primary readable (Module's parameters(), state_dict()): asks the
+  /// view provider, if any.
+  void make_primary_readable() const;
+  /// Points copy r's view of slots()[i] at element `offset` of `buffer`, in place, so
+  /// that handles held anywhere (autograd's saved tensors too) see the new storage.
+  void rebind_view(int r, std::size_t i, const Tensor& buffer, std::int64_t offset);
 
   /// Zeroes every copy's gradients: full buffers that exist and shard gradients.
   void zero_grad();
@@ -305,24 +208,16 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
  private:
   void bind_views(int r);
   void bind_grad_views(int r);
-  void grow_buffers(int r, std::int64_t n);
-  void unshard_params();
-  void assign_units(const std::vector<std::pair<std::int64_t, std::int64_t>>& units);
   std::vector<std::shared_ptr<Parameter::Slot>> slots_;
   std::vector<ParameterCopy> copies_;
   std::int64_t numel_ = 0;
   std::int64_t buffer_numel_ = 0;
-  bool sharded_ = false;
   std::uint64_t zero_grad_count_ = 0;
-  bool shard_grads_ = false;
-  int shard_world_ = 0;
-  bool shards_params_ = false;
-  std::vector<std::pair<std::int64_t, std::int64_t>> units_;
-  UnitHook unit_hook_;
+  ViewProvider* view_provider_ = nullptr;
   std::uint64_t version_ = 0;
   bool valid_ = true;
-  Executor executor_;
-  ProcessGather process_gather_;
+  CopyExecutor* executor_ = nullptr;
+  ProcessExchange* process_exchange_ = nullptr;
 };
 
 /// The parameters of a module tree: the primary copy's tensors plus their set.

@@ -18,6 +18,7 @@
 //   opt.step();
 #pragma once
 
+#include <cstdint>
 #include <limits>
 
 #include "dp/nn/parameter_set.h"
@@ -26,6 +27,12 @@ namespace dp::nn::utils {
 
 /// The norm type of the max norm: clip_grad_norm_(params, 1.0, kInfNorm).
 inline constexpr double kInfNorm = std::numeric_limits<double>::infinity();
+
+/// clip_grad_norm_ reduces a set's gradient in blocks of this many elements, fixed by
+/// the flat index (Note [Clipping in blocks] in src/nn/utils.cpp): a runtime that cuts
+/// a set into ranges starts each range on a multiple of it, so that no range boundary
+/// cuts a block and every design computes the same norm, bit for bit.
+inline constexpr std::int64_t kNormBlock = 16;
 
 /// Scales the gradients so that their total `norm_type`-norm (the norm of the
 /// per-parameter norms, as PyTorch computes it) is at most `max_norm`: each gradient

@@ -10,3 +10,4 @@
 #include "dp/optim/lr_scheduler.h"
 #include "dp/optim/optimizer.h"
 #include "dp/optim/sgd.h"
+#include "dp/optim/step_executor.h"

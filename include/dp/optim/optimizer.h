@@ -6,8 +6,9 @@
 // parameters merge; the whole set is one range) and keeps its state (momentum buffers,
 // exp_avg, …) flat, one buffer per state name and per copy of the set, laid out like
 // the ranges back to back. A step then calls ONE fused backend kernel per range and
-// copy on `copy(r).data` / `copy(r).owned_grad()` slices, via set->for_each_copy — so
-// under DataParallel's DDP mode each device's worker steps its own copy with its own
+// copy on `copy(r).data` / `copy(r).owned_grad()` slices, through the set's
+// StepExecutor (Note [Copy executors] in dp/nn/copy_executor.h) — so under
+// DataParallel's DDP mode each device's worker steps its own copy with its own
 // state, and no optimizer knows about DataParallel. A copy steps only the part of the
 // ranges inside its [begin, end): everything, except in a sharded set (Note [Sharded
 // parameter sets]), where each copy steps its shard and keeps state for it alone.
@@ -126,6 +127,7 @@ class Optimizer {
   static void copy_state(CopyState& dst, const CopyState& src);
   void allocate_state(CopyState& st, Device dev, const Shape& shape);
   void step_copy(int r);
+  void step_copies(nn::ParameterSet& set);
   void step_loose();
   /// The full state buffer of name k in ranges_' layout: copy 0's when it holds all
   /// of it, else assembled from every copy's (null when no state exists yet).

@@ -333,6 +333,9 @@ class DataParallel {
   /// Sharded: the range [first, last) of the flat buffers each device owns (padded
   /// to equal lengths, Note [Sharded parameter sets]); empty in the other modes.
   std::vector<std::pair<std::int64_t, std::int64_t>> shards() const;
+  /// Sharded stage 3: the gather units, [first, last) runs of the flat buffers, one per
+  /// top-level child (Note [Sharded parameters]); empty otherwise.
+  std::vector<std::pair<std::int64_t, std::int64_t>> units() const;
   /// The ZeRO stage in Sharded mode, 0 in the others.
   int shard_stage() const;
   /// Sharded: the devices the flat buffers are cut over, one range each —
@@ -363,6 +366,7 @@ class DataParallel {
 
  private:
   class Step;       // one step's scope: busy flag, replicate, reducer, failure path
+  class Executor;   // the set's executor: run_on_copies (Note [Copy executors])
   struct ShardPlan;  // rows per device and where each starts
   friend class parallel::Design;  // what differs between the designs (src/parallel/design.h)
 
@@ -389,7 +393,7 @@ class DataParallel {
                               const Tensor& target, const ShardLoss& shard_loss);
   Tensor worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs, const Tensor& target,
                               const ShardPlan& plan, const ShardLoss& shard_loss);
-  void run_on_copies(int copies, nn::CopyWork work, const std::function<void(int)>& fn);
+  void run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn);
   void abort_step(int rank, const std::exception_ptr& error);
   void check_finite(int rank, const Tensor& grad, std::int64_t offset);
 
@@ -411,6 +415,7 @@ class DataParallel {
   // Recorded at the start of every step's run; the workers' copies between devices
   // order after them (Note [Copy fences] in src/backend/backend.h).
   std::unique_ptr<backend::CopyFences> fences_;
+  std::unique_ptr<Executor> executor_;
   std::int64_t updates_ = 0;  // optimizer steps run (check_replicas_every)
   bool require_sync_ = true;
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it

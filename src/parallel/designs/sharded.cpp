@@ -9,7 +9,6 @@
 #include "dp/autograd/grad_mode.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
-#include "dp/dist/dist.h"
 #include "parallel/phase_timer.h"
 
 namespace dp::parallel {
@@ -46,7 +45,7 @@ std::unique_ptr<Design> make_sharded_design(DataParallel& dp) { return std::make
 // collectives behind DDP, DP and stages 1-2 across processes (Note [Hierarchical
 // collectives]). So stage 3 across processes is bitwise equal to them, as stage 3 is
 // to DDP within one process. The shard world (DataParallel::shard_world(),
-// ParameterSet::shard_world()) is n: everything that needs every range — an
+// ShardStore::shard_world()) is n: everything that needs every range — an
 // optimizer's state_dict(), clip_grad_norm_ — finds all of them in each process.
 // Edits through device 0's gathered parameters (a load) are written back into this
 // process's ranges only: as in DDP across processes (Note [When replicas are
@@ -58,13 +57,13 @@ void ShardedDesign::lay_out() {
   // stage 3 then runs as stage 2 (as stage 1 in one process: one device owns
   // everything, and stage 2's separate gradient would only add memory).
   const bool by_unit = stage_ == 3 && n > 1;
+  store_ = std::make_unique<ShardStore>(set(), processes(), process());
   if (by_unit) {
-    set().shard(/*shard_grads=*/true, n, 0);
+    store_->shard(/*shard_grads=*/true, n, 0);
   } else {
-    set().shard(/*shard_grads=*/stage_ >= 2 && world_devices() > 1, world_devices(), comm().first_rank());
+    store_->shard(/*shard_grads=*/stage_ >= 2 && world_devices() > 1, world_devices(), comm().first_rank());
   }
-  if (set().sharded_across_processes())  // Note [Ranges across processes]
-    set().set_process_gather([this](const std::vector<float>& mine) { return gather_processes(mine); });
+  store_->install();
   if (by_unit) {
     shard_params();
   } else if (n > 1 && options().shard_gather.value_or(ShardGather::AfterStep) == ShardGather::NextForward) {
@@ -76,18 +75,7 @@ void ShardedDesign::lay_out() {
 }
 
 void ShardedDesign::release() {
-  set().set_unit_hook(nullptr);
-  set().set_process_gather(nullptr);
-}
-
-// Every process's part of a set sharded across processes, in process order (Note
-// [Ranges across processes]): one dp::dist broadcast per process, on the calling
-// thread, bounded by dp::dist::timeout() (Note [Fault policy]).
-std::vector<std::vector<float>> ShardedDesign::gather_processes(const std::vector<float>& mine) const {
-  std::vector<std::vector<float>> out;
-  for (int p = 0; p < processes(); ++p)
-    out.push_back(dist::broadcast_object(p == process() ? mine : std::vector<float>{}, p));
-  return out;
+  if (store_) store_->release();
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> ShardedDesign::shards() const {
@@ -102,7 +90,7 @@ std::vector<Bucket> ShardedDesign::plan_buckets() const {
   if (!params_sharded()) return parameter_buckets();
   // Note [Sharded parameters]: buckets never straddle a unit; the last unit first.
   const auto& slots = set().slots();
-  const auto& units = set().units();
+  const auto& units = store_->units();
   std::vector<Bucket> buckets;
   std::int64_t first_cap = mib_to_floats(options().first_bucket_mb);
   for (std::size_t u = units.size(); u-- > 0;) {
@@ -130,17 +118,17 @@ std::unique_ptr<GradSync> ShardedDesign::make_grad_sync() {
   // Every world rank's range (Note [World ranks]): equal lengths, world rank w's at w * len;
   // stage 3 across processes: every local rank's (Note [Stage 3 across processes]).
   const std::int64_t len = set().copy(0).end - set().copy(0).begin;
-  g.hybrid = set().shard_world() < comm().world_size();
-  for (int w = 0; w < set().shard_world(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
-  if (set().shards_grads()) {
+  g.hybrid = store_->shard_world() < comm().world_size();
+  for (int w = 0; w < store_->shard_world(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
+  if (store_->shards_grads()) {
     // Note [Detached gradients]: a synced backward reduce-scatters each parameter's
     // gradient straight into its owners' range gradients; only no_sync passes
     // accumulate into a full buffer, which the next synced backward combines and frees.
     g.zero_sent = false;
     g.before_backward = [this](int r) {
-      if (!require_sync()) set().acquire_grad(r);
+      if (!require_sync()) store_->acquire_grad(r);
     };
-    g.after_sync = [this](int r) { set().release_grad(r); };
+    g.after_sync = [this](int r) { store_->release_grad(r); };
     g.deliver = [this](int r, const Tensor& piece, std::int64_t offset) {
       const nn::ParameterCopy& c = set().copy(r);
       NoGradGuard no_grad;
@@ -168,7 +156,7 @@ bool ShardedDesign::sums_in_dp_order() const {
 }
 
 void ShardedDesign::forget_sums() {
-  if (set().shards_grads()) {
+  if (store_->shards_grads()) {
     carry_sums_ = require_sync();  // a no_sync pass accumulates into the owners' buffers instead
     return;
   }
@@ -187,7 +175,7 @@ void ShardedDesign::forget_sums() {
 void ShardedDesign::begin_step(const StepKind& kind, bool sync_params) {
   // Note [Sharded parameters]: device 0's parameters gathered for the user since the
   // last step go back (written back to every range when they were edited).
-  set().scatter_primary();
+  if (store_) store_->scatter_primary();
   if (kind.replicate && params_sharded()) forget_dead_forwards();
   // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
   if (sync_params && deferred_gather()) mark_stale(false);
@@ -197,7 +185,7 @@ void ShardedDesign::begin_step(const StepKind& kind, bool sync_params) {
 
 void ShardedDesign::end_step() {
   carry_sums_ = false;  // Note [Accumulating after a combined backward]
-  drop_pulls_ahead();   // a unit the forward never reached: pulled afresh when it is
+  store_->drop_pulls_ahead();  // a unit the forward never reached: pulled afresh when it is
   updating_ = false;
 }
 

@@ -12,6 +12,7 @@
 
 #include "dp/nn/parameter_set.h"
 #include "parallel/design.h"
+#include "parallel/shard_store.h"
 
 namespace dp::parallel {
 
@@ -41,7 +42,10 @@ class ShardedDesign final : public Design {
                                                      std::int64_t hi) const override;
   std::vector<std::pair<std::int64_t, std::int64_t>> shards() const override;
   int shard_stage() const override { return stage_; }
-  int shard_world() const override { return set().shard_world(); }
+  int shard_world() const override { return store_ ? store_->shard_world() : 0; }
+  std::vector<std::pair<std::int64_t, std::int64_t>> units() const override {
+    return params_sharded() ? store_->units() : Runs{};
+  }
 
  protected:
   bool params_stale() const override { return !params_sharded() && copies_written_unequally(); }
@@ -60,9 +64,8 @@ class ShardedDesign final : public Design {
     int forward = -1, backward = -1;  // the unit current in each pass
   };
 
-  bool params_sharded() const { return set().shards_params(); }
+  bool params_sharded() const { return store_ && store_->shards_params(); }
   bool sums_in_dp_order() const;
-  std::vector<std::vector<float>> gather_processes(const std::vector<float>& mine) const;
   void note_grad_edits();
   void check_grads_unedited(const char* what);
   void gather_params(int rank);
@@ -79,9 +82,10 @@ class ShardedDesign final : public Design {
   void pull_unit(int rank, int unit);
   void pull_primary();
   void mark_stale(bool stale);
-  void drop_pulls_ahead();
 
   int stage_;
+  // The units, their buffers and prefetches, the process exchange (made by lay_out).
+  std::unique_ptr<ShardStore> store_;
   // Stages 2 and 3: this backward's pieces carry the owners' earlier sums (Note
   // [Accumulating after a combined backward]); set before the step's workers run.
   bool carry_sums_ = false;
@@ -98,9 +102,6 @@ class ShardedDesign final : public Design {
   // Stages 1-2 with ShardGather::NextForward (Note [Deferred gather]):
   // stale_[r][u] when copy r's unit u may hold other owners' old values; empty otherwise.
   std::vector<std::vector<char>> stale_;
-  // pull_ahead_[r][u]: the pieces of copy r's unit u started ahead of its pull (Note
-  // [Deferred gather]); dropped whenever staleness is reset and at the end of a step.
-  std::vector<std::vector<std::vector<nn::ParameterCopy::UnitPiece>>> pull_ahead_;
 };
 
 }  // namespace dp::parallel

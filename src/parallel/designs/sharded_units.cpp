@@ -16,7 +16,7 @@ namespace dp::parallel {
 
 // Note [Sharded parameters]
 // ZeRO stage 3 (FSDP): each device keeps only its range of the parameters (Note
-// [Sharded parameter sets]; Note [Sharded parameter buffers] in dp/nn/parameter_set.h for the
+// [Sharded parameter sets]; Note [Sharded parameter buffers] in src/parallel/shard_store.h for the
 // buffers). The gather units are the net's top-level children, each a contiguous run
 // of the flat layout because parameters are flattened depth first in registration
 // order (parameters registered on the root itself form units of their own; a net
@@ -24,7 +24,7 @@ namespace dp::parallel {
 // Forward: the first time a worker's forward reads a parameter of unit u
 // (Parameter::get, on the worker's thread), u is gathered for that device, every
 // other gathered unit but u + 1 is released, and u + 1 is started on its way (the
-// prefetch, ParameterSet::gather_unit_ahead, Note [Copies ahead] in backend.h: on
+// prefetch, ShardStore::gather_unit_ahead, Note [Copies ahead] in backend.h: on
 // GPUs peer copies into staging blocks on the device's inbound stream, which start
 // at once (Note [Copy fences]) and which the compute stream waits for only when u + 1
 // becomes current and its pieces land in its buffer; so u's compute waits for u's
@@ -42,7 +42,7 @@ namespace dp::parallel {
 // starts with it. Gradients take stage 2's detached path (Note [Detached gradients]),
 // with buckets that never straddle a unit; each rank's units are released when its
 // part of a step ends, failed or not.
-// The gather is a pull from every owner's range (ParameterSet::gather_unit): it needs
+// The gather is a pull from every owner's range (ShardStore::gather_unit): it needs
 // no rendezvous, so a device with no rows, or one that failed, never leaves another
 // waiting; a device copy per owner moves the bytes an all-gather would.
 // Between steps every device holds only its ranges. Reading device 0's parameters
@@ -57,20 +57,19 @@ namespace dp::parallel {
 
 
 // Stage 3's layout: every device keeps only its ranges of the parameters, one unit
-// per top-level child, gathered by the unit hook.
+// per top-level child, gathered by the store's read hook.
 void ShardedDesign::shard_params() {
-  set().shard_params(gather_units());
+  store_->shard_params(gather_units());
   unit_state_.resize(devices().size());
-  set().set_unit_hook([this](int r, int u) { enter_unit(r, u); });
+  store_->set_read_hook([this](int r, int u) { enter_unit(r, u); });
 }
 
 // Stages 1-2 with ShardGather::NextForward: the units tracked, every copy current.
 void ShardedDesign::defer_gathers() {
-  set().track_units(gather_units());  // Note [Deferred gather]
-  const std::size_t n = devices().size(), units = set().units().size();
+  store_->track_units(gather_units());  // Note [Deferred gather]
+  const std::size_t n = devices().size(), units = store_->units().size();
   stale_.assign(n, std::vector<char>(units, 0));
-  pull_ahead_.assign(n, std::vector<std::vector<nn::ParameterCopy::UnitPiece>>(units));
-  set().set_unit_hook([this](int r, int u) { pull_unit(r, u); });
+  store_->set_read_hook([this](int r, int u) { pull_unit(r, u); });
 }
 
 // Worker `rank`'s part of a step. Note [Sharded parameters]: a forward records which
@@ -124,7 +123,7 @@ std::vector<std::pair<std::int64_t, std::int64_t>> ShardedDesign::gather_units()
   return units;
 }
 
-// The unit hook: worker `rank`'s forward reads a parameter of `unit`.
+// The read hook: worker `rank`'s forward reads a parameter of `unit`.
 void ShardedDesign::enter_unit(int rank, int unit) {
   UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
   if (st.forward == unit) return;
@@ -132,11 +131,11 @@ void ShardedDesign::enter_unit(int rank, int unit) {
   st.forward = unit;
   PhaseTimer t(recorder(), rank, Phase::AllGather);
   backend::CopyFences::Scope fenced(fences());  // the owners' ranges predate the step (Note [Copy fences])
-  const int n = static_cast<int>(set().units().size());
+  const int n = static_cast<int>(store_->units().size());
   for (int u = 0; u < n; ++u)
-    if (u != unit && u != unit + 1) set().release_unit(rank, u);  // gathered or on its way
-  set().gather_unit(rank, unit);
-  if (unit + 1 < n) set().gather_unit_ahead(rank, unit + 1);  // the prefetch (Note [Copies ahead])
+    if (u != unit && u != unit + 1) store_->release_unit(rank, u);  // gathered or on its way
+  store_->gather_unit(rank, unit);
+  if (unit + 1 < n) store_->gather_unit_ahead(rank, unit + 1);  // the prefetch (Note [Copies ahead])
 }
 
 // The backward node hook of worker `rank`.
@@ -150,9 +149,9 @@ void ShardedDesign::backward_unit(int rank, std::uint64_t sequence_nr) {
   if (st.backward >= 0) reducer().wait_combined(rank);
   PhaseTimer t(recorder(), rank, Phase::AllGather);
   backend::CopyFences::Scope fenced(fences());  // Note [Copy fences]
-  for (int u = 0; u < static_cast<int>(set().units().size()); ++u)
-    if (u != unit) set().release_unit(rank, u);  // gathered or on its way
-  set().gather_unit(rank, unit);
+  for (int u = 0; u < static_cast<int>(store_->units().size()); ++u)
+    if (u != unit) store_->release_unit(rank, u);  // gathered or on its way
+  store_->gather_unit(rank, unit);
   st.backward = unit;
 }
 
@@ -195,7 +194,7 @@ void ShardedDesign::forget_dead_forwards() {
 void ShardedDesign::leave_units(int rank) {
   UnitState& st = unit_state_[static_cast<std::size_t>(rank)];
   st.forward = st.backward = -1;
-  set().release_units(rank);
+  store_->release_units(rank);
 }
 
 // Note [Deferred gather]
@@ -212,7 +211,7 @@ void ShardedDesign::leave_units(int rank) {
 //   other ranges into device 0's copy (pull_primary) before it returns. Only the
 //   other devices' copies — which only DataParallel's workers read — are deferred.
 // - The units are the gather units of stage 3 (gather_units(): the net's top-level
-//   children), tracked by the set without sharding the data (Note [Tracked units]):
+//   children), tracked by the store without sharding the data (Note [Tracked units]):
 //   Parameter::get() on worker r reports each access to unit u, and pull_unit(r, u)
 //   copies, when stale_[r][u], every other owner's piece of u from the owner's copy
 //   into copy r — a pull, as in stage 3, with no rendezvous: a device that fails, or
@@ -243,44 +242,12 @@ void ShardedDesign::pull_unit(int rank, int unit) {
   if (updating_ || !stale[static_cast<std::size_t>(unit)]) return;
   PhaseTimer t(recorder(), rank, Phase::AllGather);
   backend::CopyFences::Scope fenced(fences());  // the owners' ranges predate the step (Note [Copy fences])
-  NoGradGuard no_grad;
-  const auto [lo, hi] = set().units()[static_cast<std::size_t>(unit)];
-  const Tensor& mine = set().copy(rank).data;
-  auto& ahead = pull_ahead_[static_cast<std::size_t>(rank)];
-  if (!ahead[static_cast<std::size_t>(unit)].empty()) {  // started by the previous unit's pull: it lands
-    backend::Backend& be = backend::get(mine.device());
-    for (const nn::ParameterCopy::UnitPiece& p : std::exchange(ahead[static_cast<std::size_t>(unit)], {}))
-      be.finish_copy(*p.copy, mine.data<float>() + p.at, mine.device());
-    mine.storage()->bump_version();  // written behind the tensor's back: as copy_ would
-  } else {
-    for (int q = 0; q < set().num_copies(); ++q) {
-      if (q == rank) continue;
-      const nn::ParameterCopy& owner = set().copy(q);
-      const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
-      if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
-    }
-  }
+  store_->pull_unit(rank, unit);
   stale[static_cast<std::size_t>(unit)] = 0;
   // The next unit's pieces start now (Note [Copies ahead]): on GPUs they travel while
   // this unit computes.
   const auto next = static_cast<std::size_t>(unit) + 1;
-  if (next >= stale.size() || !stale[next] || !ahead[next].empty()) return;
-  const auto [nlo, nhi] = set().units()[next];
-  for (int q = 0; q < set().num_copies(); ++q) {
-    if (q == rank) continue;
-    const nn::ParameterCopy& owner = set().copy(q);
-    const std::int64_t a = std::max(nlo, owner.begin), b = std::min(nhi, owner.end);
-    if (a >= b) continue;
-    ahead[next].push_back({a, b - a,
-                           backend::get(mine.device())
-                               .copy_ahead(mine.device(), owner.data.data<float>() + a, owner.device,
-                                           static_cast<std::size_t>(b - a) * sizeof(float))});
-  }
-}
-
-void ShardedDesign::drop_pulls_ahead() {
-  for (auto& units : pull_ahead_)
-    for (auto& pieces : units) pieces.clear();
+  if (next < stale.size() && stale[next]) store_->pull_unit_ahead(rank, static_cast<int>(next));
 }
 
 // Device 0's copy of every other owner's range, on the calling thread (device 0's)
@@ -301,7 +268,7 @@ void ShardedDesign::pull_primary() {
 }
 
 void ShardedDesign::mark_stale(bool stale) {
-  drop_pulls_ahead();  // what they carry may no longer be the owners' values
+  store_->drop_pulls_ahead();  // what they carry may no longer be the owners' values
   for (std::size_t r = 1; r < stale_.size(); ++r) std::fill(stale_[r].begin(), stale_[r].end(), stale ? 1 : 0);
 }
 

@@ -1,0 +1,349 @@
+#include "parallel/shard_store.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "backend/backend.h"
+#include "dp/autograd/grad_mode.h"
+#include "dp/core/error.h"
+#include "dp/dist/dist.h"
+#include "dp/nn/utils.h"
+
+namespace dp::parallel {
+
+static_assert(ShardStore::kShardAlign % nn::utils::kNormBlock == 0,
+              "Note [Clipping in blocks]: a range must never cut a block");
+
+ShardStore::ShardStore(nn::ParameterSet& set, int processes, int process)
+    : set_(set), processes_(processes), process_(process) {}
+
+ShardStore::~ShardStore() = default;
+
+ShardStore* ShardStore::of(const nn::ParameterSet& set) { return dynamic_cast<ShardStore*>(set.view_provider()); }
+
+void ShardStore::install() {
+  set_.set_view_provider(this);
+  if (sharded_across_processes()) set_.set_process_exchange(this);  // Note [Ranges across processes]
+}
+
+void ShardStore::release() {
+  unshard();
+  set_.set_view_provider(nullptr);
+  set_.set_process_exchange(nullptr);
+}
+
+void ShardStore::shard(bool shard_grads, int world, int first) {
+  DP_CHECK(!sharded_, "ShardStore: already sharded");
+  const int n = set_.num_copies();
+  if (world == 0) world = n;
+  DP_CHECK(first >= 0 && world >= first + n, "ShardStore: shard: copies [", first, ", ", first + n,
+           ") are not ranges of ", world, " in all");
+  for (int r = 0; r < n; ++r)
+    DP_CHECK(!set_.copy(r).transient, "ShardStore: cannot shard a set with transient copies (DP mode's replicas)");
+  // Note [Sharded parameter sets]: equal, aligned ranges over a zero-padded buffer.
+  std::int64_t len = (set_.numel() + world - 1) / world;
+  len = (len + kShardAlign - 1) / kShardAlign * kShardAlign;
+  set_.pad_buffers(std::max<std::int64_t>(len * world, set_.buffer_numel()));
+  NoGradGuard no_grad;
+  for (int r = 0; r < n; ++r) {
+    nn::ParameterCopy& c = set_.copy(r);
+    c.begin = len * (first + r);
+    c.end = len * (first + r + 1);
+  }
+  sharded_ = true;
+  shard_grads_ = shard_grads;
+  shard_world_ = world;
+  // Each copy's own range takes the gradient copy 0 holds there: the other copies'
+  // buffers are zeros, so the sum over copies stays the gradient.
+  const nn::ParameterCopy& c0 = set_.copy(0);
+  for (int r = 1; r < n; ++r) {
+    const nn::ParameterCopy& c = set_.copy(r);
+    c.grad.narrow(0, c.begin, len).copy_(c0.grad.narrow(0, c.begin, len));
+    c0.grad.narrow(0, c.begin, len).zero_();
+  }
+  if (shard_grads)
+    for (int r = 0; r < n; ++r) release_grad(r);
+}
+
+void ShardStore::unshard() {
+  if (!sharded_) return;
+  unshard_params();
+  NoGradGuard no_grad;
+  const int n = set_.num_copies();
+  for (int r = 0; r < n; ++r) acquire_grad(r);  // no-op unless sharded gradients
+  const nn::ParameterCopy& c0 = set_.copy(0);
+  for (int r = 1; r < n; ++r) {
+    const nn::ParameterCopy& c = set_.copy(r);
+    c0.grad.narrow(0, c.begin, c.end - c.begin).copy_(c.owned_grad());
+  }
+  for (int r = 0; r < n; ++r) {
+    nn::ParameterCopy& c = set_.copy(r);
+    c.begin = 0;
+    c.end = set_.buffer_numel();
+    c.shard_grad = Tensor();
+  }
+  sharded_ = false;
+  shard_world_ = 0;
+  shard_grads_ = false;
+}
+
+void ShardStore::acquire_grad(int r) {
+  nn::ParameterCopy& c = set_.copy(r);
+  if (c.grad.defined()) return;
+  NoGradGuard no_grad;
+  Tensor grad = zeros({set_.buffer_numel()}, c.device);
+  if (c.shard_grad.defined()) grad.narrow(0, c.begin, c.end - c.begin).copy_(c.shard_grad);
+  c.shard_grad = Tensor();  // in the buffer now: one copy of the range, not two
+  set_.set_grad_buffer(r, grad);
+}
+
+void ShardStore::release_grad(int r) {
+  nn::ParameterCopy& c = set_.copy(r);
+  DP_CHECK(shard_grads_, "ShardStore: release_grad needs a set sharded with shard_grads");
+  if (!c.grad.defined()) return;
+  NoGradGuard no_grad;
+  c.shard_grad = c.grad.narrow(0, c.begin, c.end - c.begin).clone();
+  set_.set_grad_buffer(r, Tensor());
+}
+
+// Note [Ranges across processes]: every process's part, in process order.
+std::vector<std::vector<float>> ShardStore::gather(const std::vector<float>& mine) {
+  std::vector<std::vector<float>> out;
+  for (int p = 0; p < processes_; ++p)
+    out.push_back(dist::broadcast_object(p == process_ ? mine : std::vector<float>{}, p));
+  return out;
+}
+
+// Note [Sharded parameter buffers].
+void ShardStore::shard_params(Runs units) {
+  DP_CHECK(sharded_ && shard_grads_, "ShardStore: shard_params needs a set sharded with shard_grads");
+  DP_CHECK(!shards_params_, "ShardStore: parameters already sharded");
+  DP_CHECK(units_.empty(), "ShardStore: shard_params on a set whose units are already tracked");
+  assign_units(units);
+  NoGradGuard no_grad;
+  const auto& slots = set_.slots();
+  copies_.assign(static_cast<std::size_t>(set_.num_copies()), Copy{});
+  for (int r = 0; r < set_.num_copies(); ++r) {
+    nn::ParameterCopy& c = set_.copy(r);
+    Copy& mine = copies_[static_cast<std::size_t>(r)];
+    Tensor own = c.data.narrow(0, c.begin, c.end - c.begin).clone();
+    for (const auto& [lo, hi] : units) {
+      Tensor t = empty({hi - lo}, c.device);
+      t.storage()->release();
+      mine.units.push_back(t);
+    }
+    mine.unit_versions.assign(units.size(), 0);
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      const auto u = static_cast<std::size_t>(slots[i]->unit);
+      set_.rebind_view(r, i, mine.units[u], slots[i]->offset - units[u].first);
+    }
+    c.data = own;  // the full buffer is freed here
+  }
+  units_ = std::move(units);
+  shards_params_ = true;
+}
+
+// Each slot's unit: the one whose run holds it; an empty parameter, any (unit 0).
+void ShardStore::assign_units(const Runs& units) {
+  for (std::size_t u = 0; u < units.size(); ++u)
+    DP_CHECK(units[u].first < units[u].second && (u == 0 || units[u - 1].second <= units[u].first),
+             "ShardStore: gather unit ", u, " [", units[u].first, ", ", units[u].second,
+             ") is empty or overlaps the previous one");
+  for (const auto& s : set_.slots()) {
+    const std::int64_t lo = s->offset, hi = s->offset + s->copies[0].numel();
+    s->unit = -1;
+    for (std::size_t u = 0; u < units.size(); ++u)
+      if (units[u].first <= lo && hi <= units[u].second) s->unit = static_cast<int>(u);
+    DP_CHECK(s->unit >= 0 || lo == hi, "ShardStore: the parameter at [", lo, ", ", hi, ") lies in no gather unit");
+    if (s->unit < 0) s->unit = 0;  // an empty parameter: any unit holds it
+  }
+}
+
+// Note [Tracked units].
+void ShardStore::track_units(Runs units) {
+  DP_CHECK(!shards_params_, "ShardStore: track_units on a set whose parameters are sharded (their units "
+           "are tracked already)");
+  if (units.empty()) {
+    for (const auto& s : set_.slots()) s->unit = -1;
+  } else {
+    assign_units(units);
+  }
+  copies_.assign(static_cast<std::size_t>(set_.num_copies()), Copy{});
+  for (Copy& c : copies_) c.ahead.assign(units.size(), {});
+  units_ = std::move(units);
+}
+
+// Note [Deferred gather]: a pull into copy r's whole buffer, landing what went ahead.
+void ShardStore::pull_unit(int r, int u) {
+  NoGradGuard no_grad;
+  const auto [lo, hi] = units_.at(static_cast<std::size_t>(u));
+  const Tensor& mine = set_.copy(r).data;
+  auto& ahead = copies_.at(static_cast<std::size_t>(r)).ahead[static_cast<std::size_t>(u)];
+  if (!ahead.empty()) {  // started by the previous unit's pull: it lands
+    backend::Backend& be = backend::get(mine.device());
+    for (const UnitPiece& p : std::exchange(ahead, {}))
+      be.finish_copy(*p.copy, mine.data<float>() + p.at, mine.device());
+    mine.storage()->bump_version();  // written behind the tensor's back: as copy_ would
+    return;
+  }
+  for (int q = 0; q < set_.num_copies(); ++q) {
+    if (q == r) continue;
+    const nn::ParameterCopy& owner = set_.copy(q);
+    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
+  }
+}
+
+void ShardStore::pull_unit_ahead(int r, int u) {
+  auto& ahead = copies_.at(static_cast<std::size_t>(r)).ahead[static_cast<std::size_t>(u)];
+  if (!ahead.empty()) return;
+  const auto [lo, hi] = units_.at(static_cast<std::size_t>(u));
+  const nn::ParameterCopy& c = set_.copy(r);
+  for (int q = 0; q < set_.num_copies(); ++q) {
+    if (q == r) continue;
+    const nn::ParameterCopy& owner = set_.copy(q);
+    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    if (a >= b) continue;
+    ahead.push_back({a, b - a,
+                     backend::get(c.device).copy_ahead(c.device, owner.data.data<float>() + a, owner.device,
+                                                       static_cast<std::size_t>(b - a) * sizeof(float))});
+  }
+}
+
+void ShardStore::drop_pulls_ahead() {
+  if (shards_params_) return;  // stage 3's prefetches go with release_units
+  for (Copy& c : copies_)
+    for (auto& pieces : c.ahead) pieces.clear();
+}
+
+void ShardStore::gather_unit(int r, int u) {
+  const nn::ParameterCopy& c = set_.copy(r);
+  Copy& mine = copies_.at(static_cast<std::size_t>(r));
+  const auto i = static_cast<std::size_t>(u);
+  Tensor& t = mine.units[i];
+  if (!t.storage()->released()) return;
+  t.storage()->materialize();
+  const auto [lo, hi] = units_[i];
+  if (mine.ahead.size() == mine.units.size() && !mine.ahead[i].empty()) {
+    // Its pieces are on their way (gather_unit_ahead): they land now.
+    std::vector<UnitPiece> pieces = std::move(mine.ahead[i]);
+    mine.ahead[i].clear();
+    backend::Backend& be = backend::get(c.device);
+    for (const UnitPiece& p : pieces) be.finish_copy(*p.copy, t.data<float>() + p.at, c.device);
+    t.storage()->bump_version();  // written behind the tensor's back: as copy_ would
+  } else {
+    NoGradGuard no_grad;
+    for (int q = 0; q < set_.num_copies(); ++q) {
+      const nn::ParameterCopy& owner = set_.copy(q);
+      const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+      if (a < b) t.narrow(0, a - lo, b - a).copy_(owner.data.narrow(0, a - owner.begin, b - a));
+    }
+  }
+  mine.unit_versions[i] = t.storage()->version();
+}
+
+void ShardStore::gather_unit_ahead(int r, int u) {
+  const nn::ParameterCopy& c = set_.copy(r);
+  Copy& mine = copies_.at(static_cast<std::size_t>(r));
+  const auto i = static_cast<std::size_t>(u);
+  if (!mine.units[i].storage()->released()) return;
+  if (mine.ahead.size() != mine.units.size()) mine.ahead.assign(mine.units.size(), {});
+  if (!mine.ahead[i].empty()) return;
+  const auto [lo, hi] = units_[i];
+  std::vector<UnitPiece> pieces;
+  for (int q = 0; q < set_.num_copies(); ++q) {
+    const nn::ParameterCopy& owner = set_.copy(q);
+    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    if (a >= b) continue;
+    const float* src = owner.data.data<float>() + (a - owner.begin);
+    pieces.push_back({a - lo, b - a,
+                      backend::get(c.device).copy_ahead(c.device, src, owner.device,
+                                                        static_cast<std::size_t>(b - a) * sizeof(float))});
+  }
+  mine.ahead[i] = std::move(pieces);
+}
+
+void ShardStore::release_unit(int r, int u) {
+  Copy& mine = copies_.at(static_cast<std::size_t>(r));
+  if (static_cast<std::size_t>(u) < mine.ahead.size()) mine.ahead[static_cast<std::size_t>(u)].clear();
+  mine.units[static_cast<std::size_t>(u)].storage()->release();
+}
+
+void ShardStore::release_units(int r) {
+  Copy& mine = copies_.at(static_cast<std::size_t>(r));
+  mine.ahead.clear();
+  for (auto& t : mine.units) t.storage()->release();
+}
+
+bool ShardStore::unit_gathered(int r, int u) const {
+  return !copies_.at(static_cast<std::size_t>(r)).units.at(static_cast<std::size_t>(u)).storage()->released();
+}
+
+void ShardStore::gather_primary() {
+  if (!shards_params_) return;
+  for (int u = 0; u < static_cast<int>(units_.size()); ++u) gather_unit(0, u);
+}
+
+bool ShardStore::scatter_primary() {
+  if (!shards_params_) return false;
+  Copy& c0 = copies_[0];
+  bool wrote = false;
+  NoGradGuard no_grad;
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const Tensor& t = c0.units[u];
+    if (t.storage()->released()) continue;
+    if (t.storage()->version() != c0.unit_versions[u]) {
+      const auto [lo, hi] = units_[u];
+      for (int q = 0; q < set_.num_copies(); ++q) {
+        const nn::ParameterCopy& owner = set_.copy(q);
+        const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+        if (a < b) owner.data.narrow(0, a - owner.begin, b - a).copy_(t.narrow(0, a - lo, b - a));
+      }
+      wrote = true;
+    }
+    t.storage()->release();
+  }
+  return wrote;
+}
+
+void ShardStore::before_read(int copy, int unit) {
+  if (copy < 0) {
+    if (shards_params_ && !unit_gathered(0, unit)) gather_primary();  // tracked units: copy 0 is whole
+  } else if (read_hook_) {
+    read_hook_(copy, unit);
+  } else if (shards_params_) {
+    gather_unit(copy, unit);
+  }
+}
+
+// Every copy gets a full buffer again, assembled from every copy's range.
+void ShardStore::unshard_params() {
+  if (!shards_params_) {
+    track_units({});
+    return;
+  }
+  scatter_primary();  // edits made through copy 0 since it was gathered
+  NoGradGuard no_grad;
+  const int n = set_.num_copies();
+  std::vector<Tensor> full;
+  for (int r = 0; r < n; ++r) {
+    Tensor t = zeros({set_.buffer_numel()}, set_.copy(r).device);
+    for (int q = 0; q < n; ++q) {
+      const nn::ParameterCopy& owner = set_.copy(q);
+      t.narrow(0, owner.begin, owner.end - owner.begin).copy_(owner.data);
+    }
+    full.push_back(t);
+  }
+  const auto& slots = set_.slots();
+  for (int r = 0; r < n; ++r) {
+    const Tensor& buffer = full[static_cast<std::size_t>(r)];
+    for (std::size_t i = 0; i < slots.size(); ++i) set_.rebind_view(r, i, buffer, slots[i]->offset);
+    set_.copy(r).data = buffer;
+  }
+  copies_.clear();
+  for (const auto& s : slots) s->unit = -1;
+  units_.clear();
+  shards_params_ = false;
+}
+
+}  // namespace dp::parallel
