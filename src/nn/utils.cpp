@@ -216,9 +216,9 @@ bool scale_grads_find_nonfinite_(const ParameterList& params, double factor) {
   });
   bool any = found.load();
   const auto& set = params.set();
-  if (set && set->sharded_across_processes()) {
+  if (set && set->spans_processes()) {
     // Each process checked only its own ranges (Note [Ranges across processes]).
-    for (const std::vector<float>& part : set->gather_processes({any ? 1.0f : 0.0f}))
+    for (const std::vector<float>& part : set->process_exchange().gather({any ? 1.0f : 0.0f}))
       any = any || (!part.empty() && part[0] != 0.0f);
   }
   return any;
