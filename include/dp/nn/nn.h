@@ -6,6 +6,7 @@
 #pragma once
 
 #include "dp/nn/activation.h"
+#include "dp/nn/attention.h"
 #include "dp/nn/batchnorm.h"
 #include "dp/nn/conv2d.h"
 #include "dp/nn/dropout.h"
