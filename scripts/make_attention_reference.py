@@ -8,8 +8,6 @@ Usage: python3 scripts/make_attention_reference.py > tests/nn/attention_referenc
 (needs torch). Floats are hexadecimal literals: PyTorch's float32 bits exactly. dp has no
 bool dtype: PyTorch gets bool masks, dp their float form (-inf where masked).
 """
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,6 +16,10 @@ from reference_header import floats, header
 
 torch.manual_seed(20261128)
 out = []
+
+
+out.append("/// A parameter: its state-dict name, its value and its gradient.\n"
+           "struct Param {\n  const char* name;\n  const std::vector<float>* value;\n  const std::vector<float>* grad;\n};\n")
 
 
 def params(prefix, module, grads):
@@ -84,6 +86,67 @@ with torch.no_grad():
     y, _ = mha(x, x, x, attn_mask=add, need_weights=False)
     out.append(floats("kMhaHeadMask", add, "additive mask per head (N * H, T, T)"))
     out.append(floats("kMhaHeadMaskOut", y, "self-attention with the per-head additive mask"))
+
+
+# ---- nanoGPT's Block (model.py), GELU with GPT-2's tanh approximation -----------------------
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+block = Block(E, H)
+with torch.no_grad():  # LayerNorms away from ones and zeros, so their gradients are tested
+    for ln in (block.ln_1, block.ln_2):
+        ln.weight.add_(0.3 * torch.randn(E))
+        ln.bias.normal_()
+x = torch.randn(N, T, E)
+up = torch.rand(N, T, E) + 0.5
+xl, = leaves(x)
+y = block(xl)
+(y * up).sum().backward()
+out.append(floats("kBlockX", x, "block input (N, T, E)"))
+out.append(floats("kBlockUp", up, "upstream gradient of the block output"))
+out.append(floats("kBlockOut", y, "block output"))
+out.append(floats("kBlockGradX", xl.grad, "block input gradient"))
+params("Block", block, True)
+names = [n for n, _ in block.named_parameters()]
+table = ",\n    ".join(f'{{"{n}", &kBlock_{n.replace(".", "_")}, &kBlock_grad_{n.replace(".", "_")}}}' for n in names)
+out.append("/// (state-dict name, value, gradient) of every block parameter\n"
+           "inline const std::vector<Param> kBlockParams = {\n    " + table + "};\n")
 
 print(header("tests/nn/attention_reference.h", "scripts/make_attention_reference.py", "attention_reference",
              torch.__version__, out))

@@ -7,6 +7,7 @@
 #include "dp/nn/functional.h"
 #include "dp/nn/init.h"
 #include "dp/tensor/ops.h"
+#include "nn/attention_heads.h"
 
 namespace dp::nn {
 
@@ -19,16 +20,6 @@ Tensor project(const Tensor& x, const Tensor& w, const Tensor& b) {
   Shape shape = x.shape();
   shape.back() = w.size(0);
   return linear(x.reshape({-1, x.size(-1)}), w, b).reshape(shape);
-}
-
-// (N, L, E) -> (N, H, L, E / H).
-Tensor split_heads(const Tensor& x, std::int64_t H) {
-  return x.reshape({x.size(0), x.size(1), H, x.size(2) / H}).transpose(1, 2);
-}
-
-// (N, H, L, D) -> (N, L, H * D).
-Tensor merge_heads(const Tensor& x) {
-  return x.transpose(1, 2).reshape({x.size(0), x.size(2), x.size(1) * x.size(3)});
 }
 
 void check_input(const char* what, const Tensor& t, std::int64_t E, bool batch_first) {
@@ -124,8 +115,9 @@ MultiheadAttention::Result MultiheadAttention::run(const Tensor& query, const Te
   Tensor mask;
   if (attn_mask.defined()) {
     const Shape two{L, S}, three{N * H, L, S};
-    DP_CHECK(attn_mask.dtype() == Dtype::Float32 && (attn_mask.shape() == two || attn_mask.shape() == three), kOp, ": expected a float32 attn_mask of shape (L, S) = ", shape_str({L, S}),
-             " or (N * num_heads, L, S) = ", shape_str({N * H, L, S}), ", got ", attn_mask.str());
+    DP_CHECK(attn_mask.dtype() == Dtype::Float32 && (attn_mask.shape() == two || attn_mask.shape() == three), kOp,
+             ": expected a float32 attn_mask of shape (L, S) = ", shape_str(two), " or (N * num_heads, L, S) = ",
+             shape_str(three), ", got ", attn_mask.str());
     mask = attn_mask.dim() == 2 ? attn_mask : attn_mask.reshape({N, H, L, S});
   }
   if (key_padding_mask.defined()) {
@@ -146,7 +138,7 @@ MultiheadAttention::Result MultiheadAttention::run(const Tensor& query, const Te
   }
   const double p = is_training() && dropout_ ? options_.dropout() : 0.0;
   Generator* gen = p > 0.0 ? &dropout_->generator(ReplicaBinding::current()) : nullptr;
-  q = split_heads(q, H), k = split_heads(k, H), v = split_heads(v, H);
+  q = heads::split(q, H), k = heads::split(k, H), v = heads::split(v, H);
   Result r;
   if (need_weights) {
     // PyTorch's need_weights path: the weights are kept, then multiply v.
@@ -157,7 +149,7 @@ MultiheadAttention::Result MultiheadAttention::run(const Tensor& query, const Te
   } else {
     r.out = scaled_dot_product_attention(q, k, v, mask, p, causal && !mask.defined(), std::nullopt, false, gen);
   }
-  r.out = out_proj_->forward(merge_heads(r.out));
+  r.out = out_proj_->forward(heads::merge(r.out));
   if (!bf) r.out = r.out.transpose(0, 1);
   return r;
 }

@@ -22,4 +22,5 @@
 #include "dp/nn/pooling.h"
 #include "dp/nn/sequential.h"
 #include "dp/nn/state_dict.h"
+#include "dp/nn/transformer.h"
 #include "dp/nn/utils.h"
