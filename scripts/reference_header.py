@@ -1,6 +1,6 @@
 """Helpers of the scripts that write PyTorch reference values as C++ headers
-(make_sequence_reference.py, make_where_reference.py, make_attention_reference.py): float32 values as hexadecimal
-literals, PyTorch's bits exactly. Imported, not run."""
+(make_sequence_reference.py, make_where_reference.py, make_attention_reference.py):
+float32 values as hexadecimal literals, PyTorch's bits exactly. Imported, not run."""
 
 
 def hexf(v):
