@@ -463,16 +463,11 @@ backend::WhereArgs where_geometry(const Shape& cond, const Shape& a, const Shape
   return w;
 }
 
-// out = cond ? a : b, not recorded.
+// out = cond ? a : b for a and b of one floating dtype, not recorded.
 Tensor where_raw(const Tensor& cond, const Tensor& a, const Tensor& b) {
   const char* op = "where";
-  detail::check_same_device(op, cond, a);
-  detail::check_same_device(op, a, b);
-  DP_CHECK(cond.dtype() == Dtype::Float32, op, ": expected a float32 condition (0/1 as comparisons give; "
-           "nonzero holds), got ", dtype_name(cond.dtype()), " (", cond.str(),
-           "); convert with .to(dp::Dtype::Float32) or compare, e.g. ids != 0");
-  detail::check_float(op, a, "first value (a)");
-  detail::check_float(op, b, "second value (b)");
+  DP_ASSERT(a.dtype() == b.dtype(), op, ": values of one dtype expected here, got ", dtype_name(a.dtype()), " and ",
+            dtype_name(b.dtype()));
   Shape out_shape;
   try {
     out_shape = broadcast_shape(op, broadcast_shape(op, cond.shape(), a.shape()), b.shape());
@@ -480,21 +475,31 @@ Tensor where_raw(const Tensor& cond, const Tensor& a, const Tensor& b) {
     DP_FAIL("where: expected cond, a and b whose shapes broadcast together, got ", shape_str(cond.shape()), ", ",
             shape_str(a.shape()), " and ", shape_str(b.shape()));
   }
-  Tensor out = empty(out_shape, a.device());
+  Tensor out = empty(out_shape, TensorOptions{a.dtype(), a.device()});
   if (out.numel() == 0) return out;
   backend::WhereArgs w = where_geometry(cond.shape(), a.shape(), b.shape(), out_shape);
   w.cond = cond.data<float>();
-  w.a = a.data<float>();
-  w.b = b.data<float>();
-  w.out = out.data<float>();
-  be(a).run<Op::Where>(a.device(), DType::F32, w);
+  w.a = a.raw_data();
+  w.b = b.raw_data();
+  w.out = out.raw_data();
+  be(a).run<Op::Where>(a.device(), detail::kernel_dtype(a.dtype()), w);
   return out;
+}
+
+// cond as the float32 the kernel reads (Note [Conditions are float32]): a 16-bit one
+// widens exactly, keeping which values are nonzero; an integer one is refused.
+Tensor where_condition(const char* op, const Tensor& cond) {
+  detail::check_defined(op, cond, "condition");
+  DP_CHECK(is_floating_point(cond.dtype()), op, ": expected a float32 condition (0/1 as comparisons give; "
+           "nonzero holds), got ", dtype_name(cond.dtype()), " (", cond.str(),
+           "); convert with .to(dp::Dtype::Float32) or compare, e.g. ids != 0");
+  return cond.dtype() == Dtype::Float32 ? cond : cond.detach().to(Dtype::Float32);
 }
 
 // Keeps element (i, j) of the last two dims where j - i <= diagonal (lower) or
 // j - i >= diagonal (upper); zeros elsewhere.
 Tensor triangle(const char* op, const Tensor& x, std::int64_t diagonal, bool lower) {
-  detail::check_float(op, x);
+  detail::check_floating(op, x);
   DP_CHECK(x.dim() >= 2, op, ": expected a tensor with at least 2 dims (..., rows, cols), got shape ",
            shape_str(x.shape()));
   const std::int64_t R = x.size(-2), C = x.size(-1);
@@ -508,28 +513,36 @@ Tensor triangle(const char* op, const Tensor& x, std::int64_t diagonal, bool low
 }  // namespace
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
-  Tensor out = where_raw(cond, a, b);
+  const char* op = "where";
+  detail::check_floating(op, a, "first value (a)");
+  detail::check_floating(op, b, "second value (b)");
+  detail::check_same_device(op, a, b);
+  if (mixed_floating(a, b)) return where(cond, a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
+  const Tensor c = where_condition(op, cond);
+  detail::check_same_device(op, c, a);
+  Tensor out = where_raw(c, a, b);
   const bool ga = a.requires_grad(), gb = b.requires_grad();
   autograd::record("WhereBackward", {a, b}, out,
-                   [c = cond.detach(), sa = a.shape(), sb = b.shape(), ga, gb](const std::vector<Tensor>& g) {
+                   [c = c.detach(), sa = a.shape(), sb = b.shape(), ga, gb](const std::vector<Tensor>& g) {
                      return std::vector<Tensor>{ga ? sum_to(where(c, g[0], 0.0), sa) : Tensor(),
                                                 gb ? sum_to(where(c, 0.0, g[0]), sb) : Tensor()};
                    });
   return out;
 }
 
+// A scalar beside a tensor takes the tensor's dtype (as a Python scalar does in PyTorch).
 Tensor where(const Tensor& cond, const Tensor& a, double b) {
-  detail::check_defined("where", a, "first value (a)");
-  return where(cond, a, scalar_tensor(b, a.device()));
+  detail::check_floating("where", a, "first value (a)");
+  return where(cond, a, scalar_tensor(b, a.device()).to(a.dtype()));
 }
 
 Tensor where(const Tensor& cond, double a, const Tensor& b) {
-  detail::check_defined("where", b, "second value (b)");
-  return where(cond, scalar_tensor(a, b.device()), b);
+  detail::check_floating("where", b, "second value (b)");
+  return where(cond, scalar_tensor(a, b.device()).to(b.dtype()), b);
 }
 
 Tensor masked_fill(const Tensor& input, const Tensor& mask, double value) {
-  detail::check_float("masked_fill", input);
+  detail::check_floating("masked_fill", input);
   detail::check_defined("masked_fill", mask, "mask");
   Shape both;
   try {

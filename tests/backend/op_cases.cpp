@@ -960,6 +960,20 @@ void add_16bit(Table& t, DType dt, i64 n) {
             r.output16("out", dt, out, rows * cols);
             r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, dt, {BinaryOp::Mul, ix, a, b, out}); });
           });
+    t.add(Kernel::Where, dt, "where_" + tag, "cond " + dims({rows, cols}) + " ? a : " + std::to_string(cols),
+          kExact, 0, (kF + 2 * k2) * rows * cols + k2 * cols, [=](OpRun& r) {
+            dp::backend::WhereArgs w;
+            w.ix = ix;
+            w.strides_cond[0] = cols;
+            w.strides_cond[1] = 1;
+            w.cond = r.uniform(rows * cols, 0, 2, true);
+            w.a = r.uniform16(dt, rows * cols, -4.0f, 4.0f);
+            w.b = r.uniform16(dt, cols, -4.0f, 4.0f);
+            void* out = r.empty16(dt, rows * cols);
+            w.out = out;
+            r.output16("out", dt, out, rows * cols);
+            r.set_call([=](Backend& be, Device d) { be.run<Op::Where>(d, dt, w); });
+          });
     const Indexer tix = indexer({cols, rows}, {1, cols}, {0, 0});
     t.add(Kernel::StridedCopy, dt, "strided_copy_" + tag, dims({rows, cols}) + " transposed", kExact, 0,
           2 * k2 * rows * cols, [=](OpRun& r) {

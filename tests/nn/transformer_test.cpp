@@ -10,6 +10,7 @@
 #include "attention_reference.h"
 #include "dp/core/error.h"
 #include "dp/nn/transformer.h"
+#include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
 #include "nn_test_util.h"
 #include "test_errors.h"
@@ -90,6 +91,23 @@ TEST_CASE("TransformerBlock: causal, nanoGPT's submodules, options") {
   CHECK(dp::max_abs_diff(drop(x), drop(x)) > 0);  // fresh masks each call
   drop.eval();
   CHECK(dp::max_abs_diff(drop(x), drop(x)) == 0);
+}
+
+TEST_CASE("TransformerBlock under bfloat16 autocast: the causal attention in bfloat16, float32 gradients") {
+  auto block = reference_block();
+  Tensor x = dp::from_vector(ref::kBlockX, {N, T, E}).set_requires_grad(true);
+  Tensor y;
+  {
+    dp::amp::autocast guard(dp::Dtype::BFloat16);
+    y = (*block)(x);
+  }
+  CHECK(nn_test::max_diff(y.to(dp::Dtype::Float32).to_vector(), ref::kBlockOut) < 0.1);  // bf16: 8 bits
+  dp::sum(dp::mul(y.to(dp::Dtype::Float32), dp::from_vector(ref::kBlockUp, {N, T, E}))).backward();
+  CHECK(x.grad().dtype() == dp::Dtype::Float32);
+  for (const auto& [name, p] : block->named_parameters()) {
+    CAPTURE(name);
+    CHECK(p.grad().dtype() == dp::Dtype::Float32);
+  }
 }
 
 TEST_CASE("TransformerBlock: bad input names what was expected and what came") {

@@ -69,6 +69,27 @@ TEST_CASE("where: any nonzero condition holds, NaN included; the side not chosen
   CHECK(same);
 }
 
+TEST_CASE("where, masked_fill and tril keep a 16-bit dtype; mixed values promote to float32") {
+  for (dp::Dtype dt : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    CAPTURE(dp::dtype_name(dt));
+    Tensor cond = dp::from_vector(ref::kWhereCond, {1, 4});
+    Tensor a = dp::from_vector(ref::kWhereA, {2, 3, 4}).to(dt).set_requires_grad(true);
+    Tensor b = dp::from_vector(ref::kWhereB, {3, 1}).to(dt);
+    Tensor y = dp::where(cond, a, b);
+    CHECK(y.dtype() == dt);
+    // A selection of 16-bit values: exactly PyTorch's float32 result rounded once.
+    CHECK(dp::equal(y, dp::from_vector(ref::kWhereOut, {2, 3, 4}).to(dt)));
+    dp::sum(y.to(dp::Dtype::Float32)).backward();
+    CHECK(a.grad().dtype() == dt);
+    CHECK(dp::sum(a.grad().to(dp::Dtype::Float32)).item() == 12.0);  // half the 24 places chose a
+    CHECK(dp::where(cond.to(dt), a.detach(), b).dtype() == dt);       // a 16-bit condition
+    CHECK(dp::where(cond, a.detach(), b.to(dp::Dtype::Float32)).dtype() == dp::Dtype::Float32);
+    Tensor filled = a.detach().masked_fill(dp::from_vector(ref::kMaskedFillMask, {3, 4}), -INFINITY);
+    CHECK(filled.dtype() == dt);
+    CHECK(dp::tril(a.detach()).dtype() == dt);
+  }
+}
+
 TEST_CASE_TEMPLATE("masked_fill matches PyTorch; filled places get no gradient", D, DP_TEST_DEVICES) {
   DP_SKIP_UNLESS_AVAILABLE(D);
   const dp::Device dev = D::device();

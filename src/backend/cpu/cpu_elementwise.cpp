@@ -410,6 +410,7 @@ void CpuBackend::register_elementwise_kernels() {
     register_typed<Op::StridedCopy, CpuBackend, &strided_copy<T>>(dt);
     register_typed<Op::Gather, CpuBackend, &gather<T>>(dt);
     register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<T>>(dt);
+    register_typed<Op::Where, CpuBackend, &where<T>>(dt);
   };
   register_16bit(BFloat16{}, DType::BF16);
   register_16bit(Float16{}, DType::F16);
