@@ -9,17 +9,9 @@ Usage: python3 scripts/make_sequence_reference.py > tests/nn/sequence_reference.
 import torch
 import torch.nn.functional as F
 
+from reference_header import floats
+
 torch.manual_seed(20261128)
-
-
-def hexf(v):
-    return float(v).hex() + "f"
-
-
-def floats(name, t, doc):
-    vals = [hexf(v) for v in t.detach().reshape(-1).tolist()]
-    rows = ",\n    ".join(", ".join(vals[i:i + 4]) for i in range(0, len(vals), 4))
-    return f"/// {doc}, shape {list(t.shape)}\ninline const std::vector<float> {name} = {{\n    {rows}}};\n"
 
 
 def ints(name, t, doc):

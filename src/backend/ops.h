@@ -211,6 +211,18 @@ struct BinaryArgs {
   const void* b;
   void* out;
 };
+/// out = cond != 0 ? a : b over the indexer's shape (torch.where); out contiguous, a and
+/// b strided as in Binary (ix.strides_a, ix.strides_b; 0 = broadcast), cond strided by
+/// strides_cond. cond is float32 whatever the call's dtype (dp has no bool: its
+/// comparisons give 0/1); any nonzero value, NaN included, selects a.
+struct WhereArgs {
+  Indexer ix;
+  std::int64_t strides_cond[kMaxDims] = {};  // in elements
+  const float* cond;
+  const void* a;
+  const void* b;
+  void* out;
+};
 /// out = a (strided, the indexer's strides_a) gathered into contiguous order.
 struct StridedCopyArgs {
   Indexer ix;
@@ -564,6 +576,7 @@ struct AdamStepArgs {
   X(Affine, "affine", AffineArgs)                             \
   X(Axpy, "axpy", AxpyArgs)                                   \
   X(Binary, "binary", BinaryArgs)                             \
+  X(Where, "where", WhereArgs)                                \
   X(StridedCopy, "strided_copy", StridedCopyArgs)             \
   X(Gather, "gather", GatherArgs)                             \
   X(ScatterAdd, "scatter_add", ScatterAddArgs)                \

@@ -143,19 +143,18 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   DP_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": expected dropout_p in [0, 1], got ", dropout_p);
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
   Tensor scores = mul(matmul(q, k.transpose(-2, -1)), s);  // (..., L, S)
-  // Masks become additive: a 0/1 keep-mask through log (log 1 = 0, log 0 = -inf, exactly).
-  Tensor additive;
+  // A keep-mask selects: where(keep, scores, -inf) gives the scores that an added
+  // log(keep) (0 or -inf) gave, in one pass and with a zero gradient where masked.
   if (is_causal) {
     // Keep key j for query i when j <= i: PyTorch's top-left aligned causal mask, made
     // on the device from two aranges (no host loop, no copy per call).
     const TensorOptions f32{Dtype::Float32, q.device()};
-    additive = log(le(arange(S, f32).reshape({1, S}), arange(L, f32).reshape({L, 1})));
+    scores = where(le(arange(S, f32).reshape({1, S}), arange(L, f32).reshape({L, 1})), scores, -INFINITY);
   } else if (attn_mask.defined()) {
     DP_CHECK(attn_mask.dtype() == Dtype::Float32 && attn_mask.device() == q.device(), op,
              ": expected a float32 attn_mask on ", q.device().str(), ", got ", attn_mask.str());
-    additive = mask_is_keep ? log(attn_mask.detach()) : attn_mask;
+    scores = mask_is_keep ? where(attn_mask.detach(), scores, -INFINITY) : add(scores, attn_mask);
   }
-  if (additive.defined()) scores = add(scores, additive);
   Tensor weights = softmax(scores, -1);
   if (dropout_p > 0.0) weights = dropout(weights, dropout_p, true, gen ? *gen : default_generator());
   return matmul(weights, v);

@@ -430,6 +430,133 @@ Tensor le(const Tensor& a, double s) {
   return le(a, scalar_tensor(s, a.device()));
 }
 
+// ---- selection (Note [Conditions are float32] in ops.h) ------------------------------------
+
+namespace {
+
+// where's geometry over `out`: a and b in ix's strides, cond in strides_cond; size-1 dims
+// dropped and neighbours merged where all three operands stay contiguous (as make_indexer
+// does for two), so a mask over (T, T) and scores over (B, H, T, T) walk T*T-long rows.
+backend::WhereArgs where_geometry(const Shape& cond, const Shape& a, const Shape& b, const Shape& out) {
+  DP_CHECK(static_cast<int>(out.size()) <= backend::kMaxDims, "where: expected at most ", backend::kMaxDims,
+           " dims, got shape ", shape_str(out));
+  std::int64_t in[3][backend::kMaxDims];
+  broadcast_strides(cond, out, in[0]);
+  broadcast_strides(a, out, in[1]);
+  broadcast_strides(b, out, in[2]);
+  backend::WhereArgs w{};
+  Indexer& ix = w.ix;
+  std::int64_t* st[3] = {w.strides_cond, ix.strides_a, ix.strides_b};
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (out[i] == 1) continue;
+    const int j = ix.ndim - 1;
+    bool merge = j >= 0;
+    for (int k = 0; k < 3 && merge; ++k) merge = st[k][j] == in[k][i] * out[i];
+    const int at = merge ? j : ix.ndim++;
+    ix.sizes[at] = merge ? ix.sizes[at] * out[i] : out[i];
+    for (int k = 0; k < 3; ++k) st[k][at] = in[k][i];
+  }
+  if (ix.ndim == 0) {  // one element; every stride stays 0
+    ix.ndim = 1;
+    ix.sizes[0] = 1;
+  }
+  return w;
+}
+
+// out = cond ? a : b for a and b of one floating dtype, not recorded.
+Tensor where_raw(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  const char* op = "where";
+  DP_ASSERT(a.dtype() == b.dtype(), op, ": values of one dtype expected here, got ", dtype_name(a.dtype()), " and ",
+            dtype_name(b.dtype()));
+  Shape out_shape;
+  try {
+    out_shape = broadcast_shape(op, broadcast_shape(op, cond.shape(), a.shape()), b.shape());
+  } catch (const Error&) {
+    DP_FAIL("where: expected cond, a and b whose shapes broadcast together, got ", shape_str(cond.shape()), ", ",
+            shape_str(a.shape()), " and ", shape_str(b.shape()));
+  }
+  Tensor out = empty(out_shape, TensorOptions{a.dtype(), a.device()});
+  if (out.numel() == 0) return out;
+  backend::WhereArgs w = where_geometry(cond.shape(), a.shape(), b.shape(), out_shape);
+  w.cond = cond.data<float>();
+  w.a = a.raw_data();
+  w.b = b.raw_data();
+  w.out = out.raw_data();
+  be(a).run<Op::Where>(a.device(), detail::kernel_dtype(a.dtype()), w);
+  return out;
+}
+
+// cond as the float32 the kernel reads (Note [Conditions are float32]): a 16-bit one
+// widens exactly, keeping which values are nonzero; an integer one is refused.
+Tensor where_condition(const char* op, const Tensor& cond) {
+  detail::check_defined(op, cond, "condition");
+  DP_CHECK(is_floating_point(cond.dtype()), op, ": expected a float32 condition (0/1 as comparisons give; "
+           "nonzero holds), got ", dtype_name(cond.dtype()), " (", cond.str(),
+           "); convert with .to(dp::Dtype::Float32) or compare, e.g. ids != 0");
+  return cond.dtype() == Dtype::Float32 ? cond : cond.detach().to(Dtype::Float32);
+}
+
+// Keeps element (i, j) of the last two dims where j - i <= diagonal (lower) or
+// j - i >= diagonal (upper); zeros elsewhere.
+Tensor triangle(const char* op, const Tensor& x, std::int64_t diagonal, bool lower) {
+  detail::check_floating(op, x);
+  DP_CHECK(x.dim() >= 2, op, ": expected a tensor with at least 2 dims (..., rows, cols), got shape ",
+           shape_str(x.shape()));
+  const std::int64_t R = x.size(-2), C = x.size(-1);
+  const TensorOptions f32{Dtype::Float32, x.device()};
+  // j - i, exact in float32 for any size a tensor here can have along one dim (< 2^24).
+  Tensor offset = binary_raw(op, BinaryOp::Sub, arange(C, f32).reshape({1, C}), arange(R, f32).reshape({R, 1}));
+  const auto d = static_cast<double>(diagonal);
+  return where(lower ? le(offset, d) : ge(offset, d), x, 0.0);
+}
+
+}  // namespace
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  const char* op = "where";
+  detail::check_floating(op, a, "first value (a)");
+  detail::check_floating(op, b, "second value (b)");
+  detail::check_same_device(op, a, b);
+  if (mixed_floating(a, b)) return where(cond, a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
+  const Tensor c = where_condition(op, cond);
+  detail::check_same_device(op, c, a);
+  Tensor out = where_raw(c, a, b);
+  const bool ga = a.requires_grad(), gb = b.requires_grad();
+  autograd::record("WhereBackward", {a, b}, out,
+                   [c = c.detach(), sa = a.shape(), sb = b.shape(), ga, gb](const std::vector<Tensor>& g) {
+                     return std::vector<Tensor>{ga ? sum_to(where(c, g[0], 0.0), sa) : Tensor(),
+                                                gb ? sum_to(where(c, 0.0, g[0]), sb) : Tensor()};
+                   });
+  return out;
+}
+
+// A scalar beside a tensor takes the tensor's dtype (as a Python scalar does in PyTorch).
+Tensor where(const Tensor& cond, const Tensor& a, double b) {
+  detail::check_floating("where", a, "first value (a)");
+  return where(cond, a, scalar_tensor(b, a.device()).to(a.dtype()));
+}
+
+Tensor where(const Tensor& cond, double a, const Tensor& b) {
+  detail::check_floating("where", b, "second value (b)");
+  return where(cond, scalar_tensor(a, b.device()).to(b.dtype()), b);
+}
+
+Tensor masked_fill(const Tensor& input, const Tensor& mask, double value) {
+  detail::check_floating("masked_fill", input);
+  detail::check_defined("masked_fill", mask, "mask");
+  Shape both;
+  try {
+    both = broadcast_shape("masked_fill", mask.shape(), input.shape());
+  } catch (const Error&) {
+  }
+  DP_CHECK(both == input.shape(), "masked_fill: expected a mask that broadcasts to the input's shape ",
+           shape_str(input.shape()), ", got mask ", shape_str(mask.shape()));
+  return where(mask, value, input);
+}
+
+Tensor tril(const Tensor& x, std::int64_t diagonal) { return triangle("tril", x, diagonal, true); }
+Tensor triu(const Tensor& x, std::int64_t diagonal) { return triangle("triu", x, diagonal, false); }
+
 // ---- unary -------------------------------------------------------------------------------
 
 Tensor neg(const Tensor& a) {

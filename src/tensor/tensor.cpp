@@ -742,6 +742,7 @@ Tensor Tensor::gt(double value) const { return dp::gt(*this, value); }
 Tensor Tensor::lt(double value) const { return dp::lt(*this, value); }
 Tensor Tensor::ge(double value) const { return dp::ge(*this, value); }
 Tensor Tensor::le(double value) const { return dp::le(*this, value); }
+Tensor Tensor::masked_fill(const Tensor& mask, double value) const { return dp::masked_fill(*this, mask, value); }
 
 // ---- creation -------------------------------------------------------------------------------
 

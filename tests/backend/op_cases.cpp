@@ -463,6 +463,28 @@ void add_binary_layouts(Table& t, const BinaryRow& row, i64 R, i64 C) {
   add_binary(t, row, dims({R, C}) + " op " + dims({R, 1}), indexer({R, C}, {C, 1}, {1, 0}));
 }
 
+/// where over ix (a and b strided by it) with cond read through `strides_cond`: cond
+/// holds 0, 1, 2 and NaN (every nonzero, NaN included, selects a).
+void add_where(Table& t, const std::string& layout, const Indexer& ix, std::initializer_list<i64> strides_cond) {
+  dp::backend::WhereArgs w;
+  w.ix = ix;
+  std::copy(strides_cond.begin(), strides_cond.end(), w.strides_cond);
+  const i64 n = numel(ix), na = extent(ix, ix.strides_a), nb = extent(ix, ix.strides_b);
+  const i64 nc = extent(ix, w.strides_cond);
+  t.add(Kernel::Where, layout, kExact, 0, kF * (n + na + nb + nc), [=](OpRun& r) {
+    std::vector<float> c = r.host_uniform(nc, 0, 4, true);
+    for (float& v : c) v = v == 3.0f ? std::nanf("") : v;
+    dp::backend::WhereArgs args = w;
+    args.cond = r.upload(c);
+    args.a = r.uniform(na, -3, 3);
+    args.b = r.uniform(nb, -3, 3);
+    float* out = r.empty(n);
+    args.out = out;
+    r.output("out", out, n);
+    r.set_call([=](Backend& be, Device d) { be.run<Op::Where>(d, DType::F32, args); });
+  });
+}
+
 void add_strided_copy(Table& t, const std::string& what, const Indexer& ix) {
   const i64 n = numel(ix), na = extent(ix, ix.strides_a);
   t.add(Kernel::StridedCopy, what, kExact, 0, kF * (n + na), [=](OpRun& r) {
@@ -938,6 +960,20 @@ void add_16bit(Table& t, DType dt, i64 n) {
             r.output16("out", dt, out, rows * cols);
             r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, dt, {BinaryOp::Mul, ix, a, b, out}); });
           });
+    t.add(Kernel::Where, dt, "where_" + tag, "cond " + dims({rows, cols}) + " ? a : " + std::to_string(cols),
+          kExact, 0, (kF + 2 * k2) * rows * cols + k2 * cols, [=](OpRun& r) {
+            dp::backend::WhereArgs w;
+            w.ix = ix;
+            w.strides_cond[0] = cols;
+            w.strides_cond[1] = 1;
+            w.cond = r.uniform(rows * cols, 0, 2, true);
+            w.a = r.uniform16(dt, rows * cols, -4.0f, 4.0f);
+            w.b = r.uniform16(dt, cols, -4.0f, 4.0f);
+            void* out = r.empty16(dt, rows * cols);
+            w.out = out;
+            r.output16("out", dt, out, rows * cols);
+            r.set_call([=](Backend& be, Device d) { be.run<Op::Where>(d, dt, w); });
+          });
     const Indexer tix = indexer({cols, rows}, {1, cols}, {0, 0});
     t.add(Kernel::StridedCopy, dt, "strided_copy_" + tag, dims({rows, cols}) + " transposed", kExact, 0,
           2 * k2 * rows * cols, [=](OpRun& r) {
@@ -1008,6 +1044,10 @@ void add_check_suite(Table& t) {
   // out (16, 11, 300) = a (16, 1, 300) + b (1, 11, 1): both sides broadcast, 3-d walk.
   add_binary(t, kBinaryRows[0], "16x1x300 op 1x11x1",
              indexer({16, 11, 300}, {300, 0, 1}, {0, 1, 0}));
+  // out (7, 33, 70): a contiguous, b one value, cond (33, 70) broadcast over dim 0 (an
+  // attention mask over heads); then cond and b transposed, a a row.
+  add_where(t, "cond 33x70 ? 7x33x70 : scalar", indexer({7, 33, 70}, {33 * 70, 70, 1}, {0, 0, 0}), {0, 70, 1});
+  add_where(t, "cond 70x33^T ? 70 : 70x33^T", indexer({33, 70}, {0, 1}, {1, 33}), {1, 33});
   add_strided_copy(t, "331x127 transposed", indexer({127, 331}, {1, 127}, {0, 0}));
   add_strided_copy(t, count(kCheckN) + " contiguous", indexer({kCheckN}, {1}, {0}));
   add_strided_copy(t, "8x33x70 permuted (2,0,1)",
@@ -1063,6 +1103,8 @@ void add_perf_suite(Table& t) {
   add_binary(t, kBinaryRows[static_cast<int>(BinaryOp::Mul)], square + " op " + dims({kSide}),
              indexer({kSide, kSide}, {kSide, 1}, {0, 1}));
   add_strided_copy(t, square + " transposed", indexer({kSide, kSide}, {1, kSide}, {0, 0}));
+  add_where(t, "cond " + square + " ? " + square + " : scalar", indexer({kSide, kSide}, {kSide, 1}, {0, 0}),
+            {kSide, 1});
   add_random(t, n);
   add_reduce(t, kReduceRows[0], kSide, kSide, 1);  // row sums
   add_reduce(t, kReduceRows[0], 1, kSide, kSide);  // column sums (a bias gradient)

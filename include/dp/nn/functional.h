@@ -131,7 +131,7 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
 /// -> (B..., L, Ev); batch dims broadcast as in matmul. scale defaults to 1/sqrt(E).
 /// attn_mask (broadcastable to (B..., L, S)) is either additive (float: added to the
 /// scores, -inf masks) or a 0/1 keep-mask as dp's comparisons make (pass
-/// mask_is_keep = true: 1 attends, 0 is masked — PyTorch's boolean mask). is_causal
+/// mask_is_keep = true: nonzero attends, 0 is masked — PyTorch's boolean mask). is_causal
 /// masks every key after its query (position j > i), as PyTorch's top-left causal mask;
 /// it and attn_mask are exclusive, as in PyTorch. dropout_p drops attention weights
 /// (use 0 in evaluation) with `gen`. A row whose every key is masked gives NaN, as

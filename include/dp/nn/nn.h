@@ -6,6 +6,7 @@
 #pragma once
 
 #include "dp/nn/activation.h"
+#include "dp/nn/attention.h"
 #include "dp/nn/batchnorm.h"
 #include "dp/nn/conv2d.h"
 #include "dp/nn/dropout.h"
@@ -21,4 +22,5 @@
 #include "dp/nn/pooling.h"
 #include "dp/nn/sequential.h"
 #include "dp/nn/state_dict.h"
+#include "dp/nn/transformer.h"
 #include "dp/nn/utils.h"

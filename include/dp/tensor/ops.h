@@ -68,6 +68,39 @@ Tensor lt(const Tensor& a, double s);
 Tensor ge(const Tensor& a, double s);
 Tensor le(const Tensor& a, double s);
 
+// ---- selection -----------------------------------------------------------------------------
+// Note [Conditions are float32]
+// dp has no bool dtype, so where, masked_fill and the masks built on them take a float32
+// condition, as dp's comparisons make it (Note [Comparison results]): any nonzero value,
+// NaN included, holds — what PyTorch's conversion of the value to bool gives. A 16-bit
+// condition holds where it is nonzero too; an integer one is a dp::Error (convert with
+// .to(dp::Dtype::Float32) or compare: `ids != 0`).
+
+/// torch.where(cond, a, b): a where cond holds, else b (Note [Conditions are float32]).
+/// cond, a and b broadcast together (trailing dims aligned, size-1 dims stretch), all on
+/// one device; a and b floating, the result in their dtype (float32 when they differ,
+/// Note [16-bit tensors]). Differentiable in a and b: each gets the gradient where it was
+/// chosen and zero elsewhere, summed back to its shape; cond gets none.
+///   dp::Tensor y = dp::where(x > 0, x, 0.1 * x);     // leaky ReLU
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+/// where with a scalar on one side, in the tensor's dtype: where(keep, x, 0.0).
+Tensor where(const Tensor& cond, const Tensor& a, double b);
+Tensor where(const Tensor& cond, double a, const Tensor& b);
+/// torch.masked_fill: input with `value` where mask holds (Note [Conditions are
+/// float32]), elsewhere input. mask broadcasts to input's shape (never the other way: the
+/// result has input's shape and dtype). Differentiable in input (zero gradient where
+/// filled).
+///   dp::Tensor s = dp::masked_fill(scores, pad.reshape({B, 1, 1, S}), -INFINITY);
+Tensor masked_fill(const Tensor& input, const Tensor& mask, double value);
+/// torch.tril: the lower triangle of the last two dims (..., R, C) — element (i, j) where
+/// j - i <= diagonal — and zeros above it; any batch dims before them. diagonal > 0 keeps
+/// that many diagonals above the main one, < 0 drops as many below it. Any floating
+/// dtype; differentiable (the gradient is tril of the gradient).
+Tensor tril(const Tensor& x, std::int64_t diagonal = 0);
+/// torch.triu: the upper triangle, element (i, j) where j - i >= diagonal, zeros below;
+/// as tril otherwise. triu(ones({T, T}), 1) marks the keys a causal query must not see.
+Tensor triu(const Tensor& x, std::int64_t diagonal = 0);
+
 Tensor neg(const Tensor& a);
 Tensor exp(const Tensor& a);
 Tensor log(const Tensor& a);

@@ -374,6 +374,8 @@ class Tensor {
   Tensor lt(double value) const;
   Tensor ge(double value) const;
   Tensor le(double value) const;
+  /// This tensor with `value` where mask is nonzero (dp::masked_fill): x.masked_fill(pad, -INFINITY).
+  Tensor masked_fill(const Tensor& mask, double value) const;
 
   std::string str() const;  // "Tensor[64, 10] float32 cpu:0"
 

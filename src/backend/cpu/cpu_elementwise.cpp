@@ -1,4 +1,4 @@
-// CPU backend: fills, casts, unary/binary elementwise ops, strided copies, random fills.
+// CPU backend: fills, casts, unary/binary elementwise ops, where, strided copies, random fills.
 //
 // The math of every op comes from backend/functors.h (shared with CUDA); this file only
 // decides how to walk memory. Loops are plain counted loops over __restrict pointers so
@@ -345,6 +345,37 @@ void scatter_add(CpuBackend& be, Device dev, const ScatterAddArgs& a) {
   }
 }
 
+/// out = cond != 0 ? a : b (WhereArgs). The dims are not collapsed: one task walks
+/// whole rows of the innermost dim, the outer coordinates decoded once per row.
+template <typename T>
+void where(CpuBackend& be, Device dev, const WhereArgs& a) {
+  const Indexer& ix = a.ix;
+  DP_CHECK(ix.ndim >= 1 && ix.ndim <= kMaxDims, "where: expected 1 to ", kMaxDims, " dims, got ", ix.ndim);
+  const i64 n = indexer_numel(ix);
+  if (n == 0) return;
+  const int last = ix.ndim - 1;
+  const i64 len = ix.sizes[last], rows = n / len;
+  const i64 sc = a.strides_cond[last], sa = ix.strides_a[last], sb = ix.strides_b[last];
+  const float* cond = a.cond;
+  const T* pa = static_cast<const T*>(a.a);
+  const T* pb = static_cast<const T*>(a.b);
+  T* out = static_cast<T*>(a.out);
+  be.parallel_for(dev, rows, std::max<i64>(1, kSerialGrain / len), [&](i64 lo, i64 hi) {
+    for (i64 r = lo; r < hi; ++r) {
+      i64 oc = 0, oa = 0, ob = 0, rest = r;
+      for (int d = last - 1; d >= 0; --d) {
+        const i64 c = rest % ix.sizes[d];
+        rest /= ix.sizes[d];
+        oc += c * a.strides_cond[d];
+        oa += c * ix.strides_a[d];
+        ob += c * ix.strides_b[d];
+      }
+      T* __restrict o = out + r * len;
+      for (i64 i = 0; i < len; ++i) o[i] = cond[oc + i * sc] != 0.0f ? pa[oa + i * sa] : pb[ob + i * sb];
+    }
+  });
+}
+
 }  // namespace
 
 void CpuBackend::register_elementwise_kernels() {
@@ -364,6 +395,7 @@ void CpuBackend::register_elementwise_kernels() {
   register_typed<Op::StridedCopy, CpuBackend, &strided_copy<float>>(DType::F32);
   register_typed<Op::Gather, CpuBackend, &gather<float>>(DType::F32);
   register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<float>>(DType::F32);
+  register_typed<Op::Where, CpuBackend, &where<float>>(DType::F32);
   // The 16-bit floating dtypes: the same kernels over their storage types (Note [Storage
   // types] in functors.h). Sums and products have no 16-bit kernels here: the tensor
   // layer widens their inputs to float32 (Note [16-bit tensors] in dp/tensor/tensor.h).
@@ -378,6 +410,7 @@ void CpuBackend::register_elementwise_kernels() {
     register_typed<Op::StridedCopy, CpuBackend, &strided_copy<T>>(dt);
     register_typed<Op::Gather, CpuBackend, &gather<T>>(dt);
     register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<T>>(dt);
+    register_typed<Op::Where, CpuBackend, &where<T>>(dt);
   };
   register_16bit(BFloat16{}, DType::BF16);
   register_16bit(Float16{}, DType::F16);

@@ -1,4 +1,4 @@
-// CUDA backend: fills, casts, unary/binary elementwise ops, strided copies, random fills,
+// CUDA backend: fills, casts, unary/binary elementwise ops, where, strided copies, random fills,
 // the non-finite count and the fused optimizer updates.
 //
 // The per-element math comes from backend/functors.h, shared with the CPU backend; this
@@ -234,6 +234,25 @@ __global__ void strided_copy_kernel(const Indexer ix, const T* __restrict__ a,
     I oa, ob;
     strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
     out[i] = a[oa];
+  }
+}
+
+/// out = cond != 0 ? a : b (WhereArgs); every index in int64 (three operands' offsets).
+template <typename T>
+__global__ void where_kernel(const WhereArgs w, i64 n) {
+  const T* a = static_cast<const T*>(w.a);
+  const T* b = static_cast<const T*>(w.b);
+  T* out = static_cast<T*>(w.out);
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    i64 rest = i, oc = 0, oa = 0, ob = 0;
+    for (int d = w.ix.ndim - 1; d >= 0; --d) {
+      const i64 c = rest % w.ix.sizes[d];
+      rest /= w.ix.sizes[d];
+      oc += c * w.strides_cond[d];
+      oa += c * w.ix.strides_a[d];
+      ob += c * w.ix.strides_b[d];
+    }
+    out[i] = w.cond[oc] != 0.0f ? a[oa] : b[ob];
   }
 }
 
@@ -480,6 +499,17 @@ void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const T* a, con
   DP_CUDA_CHECK_LAUNCH();
 }
 
+template <typename T>
+void where(cudaStream_t stream, const WhereArgs& w) {
+  DP_CHECK(w.ix.ndim >= 1 && w.ix.ndim <= kMaxDims, "where: expected 1 to ", kMaxDims, " dims, got ", w.ix.ndim);
+  i64 n = 1;
+  for (int d = 0; d < w.ix.ndim; ++d) n *= w.ix.sizes[d];
+  check_count(n, "where");
+  if (n == 0) return;
+  where_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(w, n);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
 // The storage types registered in the kernel table (the end of this file); the other
 // launcher templates are instantiated by the table's uses alone.
 template void unary<float>(cudaStream_t, UnaryOp, const float*, float*, i64);
@@ -633,6 +663,10 @@ void binary(CudaBackend& be, Device dev, const BinaryArgs& a) {
   k::binary<T>(be.bind(dev), a.op, a.ix, static_cast<const T*>(a.a), static_cast<const T*>(a.b),
                static_cast<T*>(a.out));
 }
+template <typename T>
+void where(CudaBackend& be, Device dev, const WhereArgs& a) {
+  k::where<T>(be.bind(dev), a);
+}
 void binary_i64(CudaBackend& be, Device dev, const BinaryArgs& a) {
   DP_CHECK(a.op == BinaryOp::Eq, "binary on int64: only eq is implemented, got op ", static_cast<int>(a.op));
   k::eq_i64(be.bind(dev), a.ix, static_cast<const i64*>(a.a), static_cast<const i64*>(a.b),
@@ -704,6 +738,7 @@ void register_elementwise_kernels(CudaBackend& be) {
   add<Op::Axpy, &table::axpy<float>>(be, DType::F32);
   add<Op::Binary, &table::binary<float>>(be, DType::F32);
   add<Op::Binary, &table::binary_i64>(be, DType::I64);
+  add<Op::Where, &table::where<float>>(be, DType::F32);
   add<Op::StridedCopy, &table::strided_copy<float>>(be, DType::F32);
   add<Op::Gather, &table::gather<float>>(be, DType::F32);
   add<Op::ScatterAdd, &table::scatter_add<float>>(be, DType::F32);
