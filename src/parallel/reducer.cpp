@@ -316,9 +316,14 @@ void Reducer::grad_ready(int rank, int param, const Tensor& leaf) {
 void Reducer::wait_combined(int rank) {
   if (!armed_) return;
   RankState& st = ranks_[rank];
+  // The comm thread combines buckets strictly in index order (Note [Comm threads]), so
+  // only the run of ready buckets from the first one can be combined without more of
+  // this worker's backward: a later ready bucket behind one still pending (a forward
+  // that used the top-level children out of registration order) waits for the worker,
+  // and waiting for it here would wait forever.
   int need = 0;
-  for (std::size_t b = 0; b < buckets_.size(); ++b)
-    if (st.ready[b].load(std::memory_order_acquire) != 0) need = static_cast<int>(b) + 1;
+  while (need < static_cast<int>(buckets_.size()) && st.ready[static_cast<std::size_t>(need)].load(std::memory_order_acquire) != 0)
+    ++need;
   for (int c = st.combined.load(std::memory_order_acquire); c < need; c = st.combined.load(std::memory_order_acquire)) {
     if (aborted_.load(std::memory_order_acquire)) return;
     st.combined.wait(c, std::memory_order_acquire);

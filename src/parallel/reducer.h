@@ -226,9 +226,11 @@ class Reducer {
   /// rank (rank's gradient buffer, grad_of(rank), is undefined), takes `leaf`'s .grad
   /// away from it — the comm thread combines it and frees it — then marks it ready.
   void grad_ready(int rank, int param, const Tensor& leaf);
-  /// Worker `rank`: waits until every bucket already complete on rank was combined
-  /// (or the cycle was aborted), so that no more than the gradients still being made
-  /// are held; a no-op when nothing runs on a comm thread.
+  /// Worker `rank`: waits until the buckets already complete on rank that the comm
+  /// thread can take in order (the leading run of them) were combined (or the cycle was
+  /// aborted), so that no more than the gradients still being made are held; never
+  /// waits for work that needs this worker's further backward. A no-op when nothing
+  /// runs on a comm thread.
   void wait_combined(int rank);
   /// Worker `rank`, after its backward: the buckets still pending (parameters that got
   /// no gradient) become ready, the rank waits for its comm thread (or runs the

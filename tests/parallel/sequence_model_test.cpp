@@ -38,13 +38,19 @@ struct TinyGPT : dp::nn::Module {
   }
   dp::Tensor forward(const dp::Tensor& ids) override {
     dp::Tensor pos = dp::arange(ids.size(1), dp::TensorOptions{dp::Dtype::Int64, ids.device()});
-    // wte runs before wpe, in registration order, as two statements: the order of a
-    // call's arguments is unspecified (GCC runs them right to left), and Sharded stage 3
-    // hangs in backward when the forward runs top-level children out of that order.
-    dp::Tensor tok = wte->forward(ids);
-    dp::Tensor h = dp::add(tok, wpe->forward(pos));
+    // In registration order (wte, then wpe) unless `positions_first`: the test below
+    // runs them the other way round, which stage 3 must survive (Reducer::wait_combined).
+    dp::Tensor h;
+    if (positions_first) {
+      dp::Tensor p = wpe->forward(pos);
+      h = dp::add(wte->forward(ids), p);
+    } else {
+      dp::Tensor tok = wte->forward(ids);
+      h = dp::add(tok, wpe->forward(pos));
+    }
     return lm_head->forward(ln_f->forward(h1->forward(h0->forward(h))));
   }
+  bool positions_first = false;
   std::shared_ptr<dp::nn::Embedding> wte, wpe;
   std::shared_ptr<dp::nn::TransformerBlock> h0, h1;
   std::shared_ptr<dp::nn::LayerNorm> ln_f;
@@ -52,8 +58,10 @@ struct TinyGPT : dp::nn::Module {
 };
 
 template <class Net = TinyLM>
-std::vector<float> train(const dp::DataParallelOptions* options, int devices, bool module_path) {
+std::vector<float> train(const dp::DataParallelOptions* options, int devices, bool module_path,
+                         bool positions_first = false) {
   auto net = std::make_shared<Net>(kSeed);
+  if constexpr (requires { net->positions_first; }) net->positions_first = positions_first;
   std::unique_ptr<dp::DataParallel> model;
   if (options) model = std::make_unique<dp::DataParallel>(net, cpus(devices), *options);
   // SGD: the parameters move by the gradients themselves. (Adam divides each gradient by
@@ -133,6 +141,24 @@ TEST_CASE("a 2-block GPT (TransformerBlock) trains the same in every design on 2
       CHECK(max_diff(got, single) < 2e-5);
       if (dp_params.empty()) dp_params = got;
       else CHECK(max_diff(got, dp_params) == 0);  // bitwise DP's
+    }
+  }
+}
+
+TEST_CASE("a forward that runs top-level children out of registration order trains in every design") {
+  // wpe before wte: in stage 3 the backward reaches wte's unit (and its complete
+  // bucket) while wpe's earlier bucket still waits for gradients; the worker must not
+  // wait for the comm thread to combine wte's bucket first. It hung before.
+  const std::vector<float> single = train<TinyGPT>(nullptr, 1, false, true);
+  for (bool module_path : {false, true}) {
+    std::vector<float> dp_params;
+    for (const Design& d : designs()) {
+      CAPTURE(d.name);
+      CAPTURE(module_path);
+      const std::vector<float> got = train<TinyGPT>(&d.options, 2, module_path, true);
+      CHECK(max_diff(got, single) < 2e-5);
+      if (dp_params.empty()) dp_params = got;
+      else CHECK(max_diff(got, dp_params) == 0);
     }
   }
 }
