@@ -5,7 +5,7 @@
 //   --mode     single | dp | ddp | sharded (each sample lists the ones it runs)
 //   --shard-stage 1 | 2                                           (with --mode sharded)
 //   --path     worker (model.forward_backward) | module (loss(model(x)).backward())
-//   --precision fp32 | bf16 (forward and loss under dp::amp::autocast)
+//   --precision fp32 | bf16 [| fp16] (forward and loss under dp::amp::autocast; fp16 with a GradScaler)
 //   --batch, --json
 // (samples/dp_vs_ddp's --devices differs on purpose: it is the list of device COUNTS
 // it compares, "N" meaning 1..N.)
@@ -162,26 +162,30 @@ CLI::Option* add_batch_option(CLI::App& app, Int& batch) {
       ->capture_default_str();
 }
 
-/// Adds --precision: fp32, or bf16 — the forward and the loss under
-/// dp::amp::autocast(BFloat16) (Note [Autocast op policy] in dp/tensor/autocast.h);
-/// parameters, gradients and the optimizer stay float32. float16 needs a gradient
-/// scaler, which these samples do not have yet, so it is not offered.
-inline CLI::Option* add_precision_option(CLI::App& app, std::string& precision) {
+/// Adds --precision: fp32; bf16 — the forward and the loss under
+/// dp::amp::autocast(BFloat16) (Note [Autocast op policy] in dp/tensor/autocast.h); or
+/// fp16 where the sample offers it — autocast(Float16) with a dp::amp::GradScaler.
+/// Parameters, gradients and the optimizer stay float32.
+inline CLI::Option* add_precision_option(CLI::App& app, std::string& precision, bool fp16 = false) {
+  std::vector<std::string> values{"fp32", "bf16"};
+  if (fp16) values.push_back("fp16");
   return app.add_option("--precision", precision,
-                        "fp32, or bf16: forward and loss under dp::amp::autocast(bfloat16), float32 master weights")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+                        fp16 ? "fp32; bf16: forward and loss under dp::amp::autocast(bfloat16); fp16: the same in "
+                               "float16 with a dp::amp::GradScaler; float32 master weights"
+                             : "fp32, or bf16: forward and loss under dp::amp::autocast(bfloat16), float32 master weights")
+      ->check(CLI::IsMember(values))
       ->capture_default_str();
 }
 
 /// The autocast scope a --precision value asks for (off for fp32).
 inline dp::amp::autocast precision_scope(const std::string& precision) {
-  return dp::amp::autocast(dp::Dtype::BFloat16, precision == "bf16");
+  return dp::amp::autocast(precision == "fp16" ? dp::Dtype::Float16 : dp::Dtype::BFloat16, precision != "fp32");
 }
 
 /// The line a sample prints once for --precision bf16 on the CPU: what computes in bf16.
 inline const char* kCpuBf16Note =
-    "note: --precision bf16 on the CPU backend: matrix products use oneDNN's bfloat16 matmul where this CPU has "
-    "one (else they widen to float32 and round once); convolutions widen to float32 and round once "
+    "note: 16-bit precision on the CPU backend: bfloat16 matrix products use oneDNN's bfloat16 matmul where this "
+    "CPU has one; float16 products, and every convolution, widen to float32 and round once "
     "(Note [16-bit GEMMs on the CPU])";
 
 /// Adds --json with a sample-specific description.

@@ -52,7 +52,7 @@ struct Config {
   std::string mode = "single";        // single | dp | ddp | sharded
   int shard_stage = 2;                // --mode sharded: ZeRO stage
   std::string path = "worker";        // worker | module
-  std::string precision = "fp32";     // fp32 | bf16
+  std::string precision = "fp32";     // fp32 | bf16 | fp16
   std::int64_t log_every = 10;
   std::int64_t eval_batch = 1000;
   bool no_eval = false;  // benchmarks: time training only
@@ -141,6 +141,7 @@ struct Session {
   std::shared_ptr<dp::nn::Sequential> net;
   std::unique_ptr<dp::DataParallel> model;  // null in single mode
   std::unique_ptr<dp::optim::Adam> opt;
+  dp::amp::GradScaler scaler{{.enabled = false}};  // --precision fp16: enabled
 };
 
 Session make_session(const Config& cfg) {
@@ -185,6 +186,7 @@ Session make_session(const Config& cfg) {
   }
   s.opt = std::make_unique<dp::optim::Adam>(s.model ? s.model->parameters() : s.net->parameters(),
                                             dp::optim::AdamOptions{.lr = cfg.lr});
+  if (cfg.precision == "fp16") s.scaler = dp::amp::GradScaler();  // PyTorch's defaults
   return s;
 }
 
@@ -202,11 +204,16 @@ double train_step(Session& s, const Config& cfg, const dp::Tensor& x, const dp::
     } else if (cfg.path == "module") {
       loss = loss_fn((*s.model)(x), y);
     } else {
-      loss = s.model->forward_backward(x, y, loss_fn);  // backward runs inside, in the forward's dtypes
+      // Backward runs inside, in the forward's dtypes; fp16 scales each shard's loss.
+      loss = s.model->forward_backward(x, y, [&](const dp::Tensor& out, const dp::Tensor& t) {
+        return s.scaler.scale(loss_fn(out, t));
+      });
+      if (s.scaler.is_enabled()) loss = dp::mul(loss, 1.0 / s.scaler.get_scale());  // report the true loss
     }
   }
-  if (!s.model || cfg.path == "module") loss.backward();
-  s.opt->step();
+  if (!s.model || cfg.path == "module") s.scaler.scale(loss).backward();
+  s.scaler.step(*s.opt);  // skipped when a float16 gradient overflowed
+  s.scaler.update();
   return loss.item();
 }
 
@@ -385,7 +392,7 @@ int main(int argc, char** argv) {
   samples::add_mode_option(app, cfg.mode, {"single", "dp", "ddp", "sharded"});
   samples::add_shard_stage_option(app, cfg.shard_stage);
   samples::add_path_option(app, cfg.path);
-  samples::add_precision_option(app, cfg.precision);
+  samples::add_precision_option(app, cfg.precision, /*fp16=*/true);
   app.add_option("--log-every", cfg.log_every, "JSON step record every N steps (and at step 1)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40))->capture_default_str();
   app.add_option("--eval-batch", cfg.eval_batch, "Batch size of the test-set evaluation")
@@ -416,7 +423,7 @@ int main(int argc, char** argv) {
               << "; pass 1 or use --mode dp|ddp|sharded\n";
     return 2;
   }
-  if (cfg.precision == "bf16" && dp::default_device_type() == dp::DeviceType::CPU && cfg.device != "cuda")
+  if (cfg.precision != "fp32" && dp::default_device_type() == dp::DeviceType::CPU && cfg.device != "cuda")
     std::cerr << samples::kCpuBf16Note << "\n";
   try {
     return run(cfg);

@@ -98,13 +98,18 @@ def main():
               "sharded", [0, 1])
     # bfloat16 autocast on two DDP workers: the loss falls as in float32.
     check_run(binary, common + ["--mode", "ddp", "--devices", "2", "--precision", "bf16"], "ddp", [0, 1], "bf16")
+    # float16 with a GradScaler, on one device and through both DataParallel paths.
+    check_run(binary, common + ["--mode", "single", "--precision", "fp16"], "single", [0], "fp16")
+    check_run(binary, common + ["--mode", "sharded", "--devices", "2", "--precision", "fp16"], "sharded", [0, 1], "fp16")
+    check_run(binary, common + ["--mode", "ddp", "--devices", "2", "--path", "module", "--precision", "fp16"], "ddp",
+              [0, 1], "fp16")
 
     # Bad --devices, --path and --mode values: exit code 2 and a message naming the value.
     for flags, needle in ((["--devices", "0"], "--devices 0"), (["--devices", "0,0"], "appears twice"),
                           (["--devices", "x"], "'x' is not a number"), (["--devices", "0,99"], "out of range"),
                           (["--path", "worker-loss"], "worker-loss"), (["--mode", "zero"], "zero"),
                           (["--mode", "single", "--devices", "2"], "one device"),
-                          (["--shard-stage", "3"], "3"), (["--precision", "fp16"], "fp16")):
+                          (["--shard-stage", "3"], "3"), (["--precision", "fp8"], "fp8")):
         bad = subprocess.run([binary, "--max-steps", "1", "--data", data] + flags, capture_output=True, text=True,
                              timeout=60)
         check(bad.returncode == 2, f"{flags}: expected exit code 2, got {bad.returncode}")
