@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "../parallel/mlp_fixture.h"
+#include "dp/autograd/node.h"
 #include "dp/dp.h"
 #include "parallel/shard_store.h"
 
@@ -595,6 +596,81 @@ TEST_CASE("clip_grad_norm_ of a Sharded run across processes is bitwise DDP's: t
   const double inf = dp::nn::utils::clip_grad_norm_(params, 1e9, dp::nn::utils::kInfNorm);
   CHECK(inf > 0);
   CHECK(dist::all_reduce(inf, dist::Op::Max) == dist::all_reduce(inf, dist::Op::Min));
+}
+
+namespace {
+
+/// make_mlp's network with a last child `tail` added to the output; while `poison`, the
+/// gradient of tail on cpu(1) of the last process becomes infinite and every other
+/// gradient stays finite (tail's range lies at the end of the flat layout).
+struct PoisonedTail : dp::nn::Module {
+  struct Tail : dp::nn::Module {
+    Tail() { value = register_parameter("value", dp::zeros({3})); }
+    dp::nn::Parameter value;
+  };
+  explicit PoisonedTail(std::uint64_t seed) {
+    mlp = register_module("mlp", make_mlp(seed));
+    tail = register_module("tail", std::make_shared<Tail>());
+  }
+  Tensor forward(const Tensor& x) override {
+    const Tensor out = mlp->forward(x);
+    Tensor t = tail->value;
+    if (poison && dist::rank() == dist::world_size() - 1 && t.device() == dp::cpu(1)) {
+      Tensor y = dp::mul(t, 1.0).detach();
+      dp::autograd::record("Poison", {t}, y, [](const std::vector<Tensor>& g) {
+        return std::vector<Tensor>{dp::mul(g[0], static_cast<double>(INFINITY))};
+      });
+      t = y;
+    }
+    return dp::add(out, t);
+  }
+  bool poison = false;
+  std::shared_ptr<dp::nn::Sequential> mlp;
+  std::shared_ptr<Tail> tail;
+};
+
+}  // namespace
+
+TEST_CASE("a float16-style overflow on one device of one process skips the GradScaler step on every process") {
+  // Note [One decision everywhere] (dp/optim/grad_scaler.h): each process checks only
+  // the gradients it steps (Sharded stages 1 and 2 across processes: its own ranges), so
+  // the decision needs every process's answer; a process that decided alone would skip
+  // the all-gather its peers make after their step.
+  std::vector<float> reference;
+  for (const auto& [name, options] : {std::pair{"DDP", kDdp}, {"Sharded 1", sharded(1)}, {"Sharded 2", sharded(2)},
+                                      {"Sharded 3", sharded(3)}}) {
+    const std::string design = name;
+    CAPTURE(design);
+    auto net = std::make_shared<PoisonedTail>(kSeed + static_cast<std::uint64_t>(dist::rank()));
+    dp::DataParallel model(net, local_devices(), options);
+    dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+    dp::amp::GradScaler scaler({.init_scale = 1024.0});
+    auto step = [&](int s, bool poison) {
+      net->poison = poison;
+      const std::int64_t global = global_rows(s);
+      Batch b = make_batch(global, 300 + static_cast<std::uint64_t>(s));
+      const auto [lo, n] = my_rows(global);
+      opt.zero_grad();
+      model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n),
+                             [&](const Tensor& out, const Tensor& y) { return scaler.scale(loss_fn(out, y)); });
+      const bool stepped = scaler.step(opt);
+      scaler.update();
+      return stepped;
+    };
+    CHECK(step(0, false));
+    const std::vector<float> before = flat(net->state_dict());
+    const bool stepped = step(1, true);
+    CHECK_FALSE(stepped);
+    CHECK(dist::all_reduce(static_cast<std::int64_t>(stepped), dist::Op::Max) == 0);  // skipped everywhere
+    CHECK(bitwise(flat(net->state_dict()), before));
+    CHECK(scaler.get_scale() == 512.0);
+    CHECK(step(2, false));
+    CHECK(step(3, false));
+    const std::vector<float> after = flat(net->state_dict());
+    CHECK(same_everywhere(after));
+    if (reference.empty()) reference = after;
+    else CHECK(bitwise(after, reference));  // every design, DDP's bits
+  }
 }
 
 TEST_CASE("per-device memory of stage 3 across processes by the allocator: 1/N of the model per device") {
