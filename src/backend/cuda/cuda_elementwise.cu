@@ -720,6 +720,7 @@ void register_16bit(CudaBackend& be) {
   add<Op::StridedCopy, &table::strided_copy<std::uint16_t>>(be, dt);
   add<Op::Gather, &table::gather<std::uint16_t>>(be, dt);
   add<Op::ScatterAdd, &table::scatter_add<T>>(be, dt);
+  add<Op::Where, &table::where<std::uint16_t>>(be, dt);  // a selection: the bits move as they are
 }
 
 }  // namespace
