@@ -26,13 +26,13 @@ Tensors, per network <n> (cnn or mlp):
                                and loss under autocast, backward, step
 """
 import argparse
-import json
-import struct
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from make_golden import safetensors_bytes  # scripts/make_golden.py: the same F32/I64 encoding
 
 SEED = 3
 STEPS = 3
@@ -74,25 +74,6 @@ def run(make, x, y):
                          grads={n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
     return init, first, {n: t.detach().clone() for n, t in model.state_dict().items()}
-
-
-def safetensors_bytes(tensors, metadata):
-    header, chunks, offset = {}, [], 0
-    for name, t in tensors.items():
-        t = t.detach().contiguous().flatten()
-        if t.dtype == torch.float32:
-            dtype, data = "F32", struct.pack(f"<{t.numel()}f", *t.tolist())
-        elif t.dtype == torch.int64:
-            dtype, data = "I64", struct.pack(f"<{t.numel()}q", *t.tolist())
-        else:
-            raise TypeError(f"{name}: unsupported dtype {t.dtype}")
-        header[name] = {"dtype": dtype, "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    header["__metadata__"] = metadata
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
 
 
 def main():

@@ -17,6 +17,7 @@
 #include <csignal>
 #include <cstdio>
 #include <chrono>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -149,38 +150,71 @@ bool same_everywhere(const std::vector<float>& v) {
 
 }  // namespace
 
-TEST_CASE("the sequence layers (a tiny causal LM) train the same in every design across processes") {
-  // Every process takes its rows of each global token batch; the reference is one plain
-  // device on the whole batch. SGD: see tests/parallel/sequence_model_test.cpp.
-  auto run = [](const dp::DataParallelOptions* options) {
-    auto net = std::make_shared<TinyLM>(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed);
-    std::unique_ptr<dp::DataParallel> model;
-    if (options) model = std::make_unique<dp::DataParallel>(net, local_devices(), *options);
-    dp::optim::SGD opt(model ? model->parameters() : net->parameters(), {.lr = 0.1});
-    for (int s = 0; s < 3; ++s) {
-      const std::int64_t rows = global_rows(s);
-      Batch b = make_token_batch(rows, 500 + static_cast<std::uint64_t>(s));
-      opt.zero_grad();
-      if (!model) {
-        token_loss(net->forward(b.x), b.y).backward();
-      } else {
-        const auto [lo, n] = my_rows(rows);
-        model->forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), token_loss);
-      }
-      opt.step();
-    }
-    return flat(net->state_dict());
+namespace {
+
+/// Three SGD steps of `Net` on token batches: every process its rows of each global
+/// batch in `options`' design (null: one plain device on the whole batch); with `bf16`
+/// the forward and the loss under bfloat16 autocast. The parameters after them.
+template <class Net>
+std::vector<float> train_tokens(const dp::DataParallelOptions* options, bool bf16) {
+  auto net = std::make_shared<Net>(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed);
+  std::unique_ptr<dp::DataParallel> model;
+  if (options) model = std::make_unique<dp::DataParallel>(net, local_devices(), *options);
+  dp::optim::SGD opt(model ? model->parameters() : net->parameters(), {.lr = 0.1});
+  // Every worker's logits must come in the caller's precision.
+  std::atomic<int> wrong_dtype{0};
+  auto loss = [&](const Tensor& logits, const Tensor& y) {
+    if (logits.dtype() != (bf16 ? dp::Dtype::BFloat16 : dp::Dtype::Float32)) ++wrong_dtype;
+    return token_loss(logits, y);
   };
-  const std::vector<float> single = run(nullptr);
+  for (int s = 0; s < 3; ++s) {
+    const std::int64_t rows = global_rows(s);
+    Batch b = make_token_batch(rows, 500 + static_cast<std::uint64_t>(s));
+    opt.zero_grad();
+    dp::amp::autocast guard(dp::Dtype::BFloat16, bf16);
+    if (!model) {
+      loss(net->forward(b.x), b.y).backward();
+    } else {
+      const auto [lo, n] = my_rows(rows);
+      model->forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss);
+    }
+    opt.step();
+  }
+  CHECK(wrong_dtype.load() == 0);
+  return flat(net->state_dict());
+}
+
+/// train_tokens<Net> in every design across processes against one device: `tol` to
+/// one device, the same on every process, and the designs to float rounding.
+template <class Net>
+void check_tokens_everywhere(bool bf16, double tol) {
+  const std::vector<float> single = train_tokens<Net>(nullptr, bf16);
   std::vector<float> first;
   for (const Design& d : designs()) {
     CAPTURE(d.name);
-    const std::vector<float> got = run(&d.options);
-    CHECK(max_diff(got, single) < 2e-5);
+    const std::vector<float> got = train_tokens<Net>(&d.options, bf16);
+    CHECK(max_diff(got, single) < tol);
     CHECK(same_everywhere(got));
     if (first.empty()) first = got;
     else CHECK(max_diff(got, first) < 1e-6);  // across processes Sharded agrees to float rounding
   }
+}
+
+}  // namespace
+
+TEST_CASE("the sequence layers (a tiny causal LM) train the same in every design across processes") {
+  // SGD: see tests/parallel/sequence_model_test.cpp.
+  check_tokens_everywhere<TinyLM>(false, 2e-5);
+}
+
+TEST_CASE("a 2-block GPT (TransformerBlock) trains the same in every design across processes") {
+  check_tokens_everywhere<TinyGPT>(false, 2e-5);
+}
+
+TEST_CASE("bfloat16 autocast reaches every worker of every process: a GPT in every design against one device") {
+  // The shards' gradients are rounded to bfloat16 before they are summed: one device
+  // agrees to bfloat16 rounding (Note [Autocast op policy]).
+  check_tokens_everywhere<TinyGPT>(true, 2e-2);
 }
 
 TEST_CASE("the job spans every process: world_devices, processes, the shards over every device") {
@@ -637,8 +671,9 @@ TEST_CASE("a float16-style overflow on one device of one process skips the GradS
   // the decision needs every process's answer; a process that decided alone would skip
   // the all-gather its peers make after their step.
   std::vector<float> reference;
-  for (const auto& [name, options] : {std::pair{"DDP", kDdp}, {"Sharded 1", sharded(1)}, {"Sharded 2", sharded(2)},
-                                      {"Sharded 3", sharded(3)}}) {
+  const dp::DataParallelOptions kDp{.mode = dp::Mode::DP, .bucket_cap_mb = 2e-4, .first_bucket_mb = 1e-4};
+  for (const auto& [name, options] : {std::pair{"DP", kDp}, {"DDP", kDdp}, {"Sharded 1", sharded(1)},
+                                      {"Sharded 2", sharded(2)}, {"Sharded 3", sharded(3)}}) {
     const std::string design = name;
     CAPTURE(design);
     auto net = std::make_shared<PoisonedTail>(kSeed + static_cast<std::uint64_t>(dist::rank()));
@@ -669,7 +704,7 @@ TEST_CASE("a float16-style overflow on one device of one process skips the GradS
     const std::vector<float> after = flat(net->state_dict());
     CHECK(same_everywhere(after));
     if (reference.empty()) reference = after;
-    else CHECK(bitwise(after, reference));  // every design, DDP's bits
+    else CHECK(bitwise(after, reference));  // every design, DP's bits
   }
 }
 

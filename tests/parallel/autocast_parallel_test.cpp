@@ -44,26 +44,6 @@ struct Probed : dp::nn::Module {
   std::shared_ptr<dp::nn::Linear> fc1, fc2;
 };
 
-struct Design {
-  std::string name;
-  dp::DataParallelOptions options;
-};
-
-std::vector<Design> designs() {
-  std::vector<Design> out;
-  dp::DataParallelOptions o{.bucket_cap_mb = 2e-4, .first_bucket_mb = 1e-4};
-  o.mode = dp::Mode::DP;
-  out.push_back({"DP", o});
-  o.mode = dp::Mode::DDP;
-  out.push_back({"DDP", o});
-  o.mode = dp::Mode::Sharded;
-  for (int stage = 1; stage <= 3; ++stage) {
-    o.shard_stage = stage;
-    out.push_back({"Sharded stage " + std::to_string(stage), o});
-  }
-  return out;
-}
-
 /// Two SGD steps under bfloat16 autocast; the parameters after them.
 std::vector<float> train(Probed& net, dp::DataParallel* model, bool module_path) {
   dp::optim::SGD opt(model ? model->parameters() : net.parameters(), {.lr = 0.1});
@@ -95,42 +75,46 @@ std::vector<float> train(Probed& net, dp::DataParallel* model, bool module_path)
 
 }  // namespace
 
-TEST_CASE("every worker of every design computes under the caller's autocast") {
+TEST_CASE("every worker of every design on 1-3 devices computes under the caller's autocast") {
   Probed single_net(5);
   const std::vector<float> single = train(single_net, nullptr, false);
   CHECK(single_net.seen[0].dtype == dp::Dtype::BFloat16);
   CHECK(max_diff(single, flat(Probed(5).state_dict())) > 1e-3);  // the steps moved the parameters
-  for (bool module_path : {false, true}) {
-    std::vector<float> dp_params;
-    for (const Design& d : designs()) {
-      CAPTURE(d.name);
-      CAPTURE(module_path);
-      auto net = std::make_shared<Probed>(5);
-      dp::DataParallel model(net, cpus(kDevices), d.options);
-      const std::vector<float> params = train(*net, &model, module_path);
-      for (int r = 1; r < kDevices; ++r) {
-        CAPTURE(r);
-        const Probed::Seen& seen = net->seen[static_cast<std::size_t>(r)];
-        REQUIRE(seen.ran);
-        CHECK(seen.dtype == dp::Dtype::BFloat16);
-        CHECK(seen.autocast);
+  for (int devices = 1; devices <= kDevices; ++devices) {
+    for (bool module_path : {false, true}) {
+      std::vector<float> dp_params;
+      for (const NamedDesign& d : every_design()) {
+        CAPTURE(d.name);
+        CAPTURE(devices);
+        CAPTURE(module_path);
+        auto net = std::make_shared<Probed>(5);
+        dp::DataParallel model(net, cpus(devices), d.options);
+        const std::vector<float> params = train(*net, &model, module_path);
+        for (int r = 0; r < devices; ++r) {  // device 0 too: its worker is not the caller
+          CAPTURE(r);
+          const Probed::Seen& seen = net->seen[static_cast<std::size_t>(r)];
+          REQUIRE(seen.ran);
+          CHECK(seen.dtype == dp::Dtype::BFloat16);
+          CHECK(seen.autocast);
+        }
+        // Outside a scope the same workers compute in float32.
+        {
+          std::lock_guard<std::mutex> lock(net->mu);
+          net->seen = {};
+        }
+        (void)model(make_batch(9, 3).x);
+        const Probed::Seen& last = net->seen[static_cast<std::size_t>(devices - 1)];
+        CHECK(last.dtype == dp::Dtype::Float32);
+        CHECK_FALSE(last.autocast);
+        // The designs agree bit for bit; one device agrees to bfloat16 rounding (the
+        // shards' gradients are rounded to bfloat16 before they are summed).
+        if (dp_params.empty()) {
+          dp_params = params;
+        } else {
+          CHECK(max_diff(params, dp_params) == 0.0);
+        }
+        CHECK(max_diff(params, single) < 2e-2);
       }
-      // Outside a scope the same workers compute in float32.
-      {
-        std::lock_guard<std::mutex> lock(net->mu);
-        net->seen = {};
-      }
-      (void)model(make_batch(9, 3).x);
-      CHECK(net->seen[1].dtype == dp::Dtype::Float32);
-      CHECK_FALSE(net->seen[1].autocast);
-      // The designs agree bit for bit; one device agrees to bfloat16 rounding (the
-      // shards' gradients are rounded to bfloat16 before they are summed).
-      if (dp_params.empty()) {
-        dp_params = params;
-      } else {
-        CHECK(max_diff(params, dp_params) == 0.0);
-      }
-      CHECK(max_diff(params, single) < 2e-2);
     }
   }
 }

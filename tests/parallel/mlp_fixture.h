@@ -107,6 +107,28 @@ inline std::vector<dp::Device> cpus(int n) {
   return d;
 }
 
+/// A design by name, with tiny buckets (several per backward).
+struct NamedDesign {
+  std::string name;
+  dp::DataParallelOptions options;
+};
+
+/// DP, DDP and Sharded stages 1-3, each with buckets of a few dozen floats.
+inline std::vector<NamedDesign> every_design() {
+  std::vector<NamedDesign> out;
+  dp::DataParallelOptions o{.bucket_cap_mb = 2e-4, .first_bucket_mb = 1e-4};
+  o.mode = dp::Mode::DP;
+  out.push_back({"DP", o});
+  o.mode = dp::Mode::DDP;
+  out.push_back({"DDP", o});
+  o.mode = dp::Mode::Sharded;
+  for (int stage = 1; stage <= 3; ++stage) {
+    o.shard_stage = stage;
+    out.push_back({"Sharded stage " + std::to_string(stage), o});
+  }
+  return out;
+}
+
 /// SGD whose update throws once on cpu:1, when armed, after updating half its range:
 /// a worker failing mid-step.
 class FaultySgd final : public dp::optim::Optimizer {
@@ -155,6 +177,43 @@ struct TinyLM : dp::nn::Module {
 };
 
 /// `rows` windows of 5 tokens and their next tokens, deterministic in (rows, seed).
+/// A tiny GPT: token and position embeddings, two pre-norm blocks (TransformerBlock:
+/// LayerNorm, causal self-attention, LayerNorm, GELU MLP, residuals), a final LayerNorm
+/// and a head over TinyLM's vocabulary. Six top-level children: six gather units in
+/// stage 3. ids (B, T <= 5) int64 -> logits (B, T, V).
+struct TinyGPT : dp::nn::Module {
+  static constexpr std::int64_t V = TinyLM::V, C = 8, H = 2, kMaxT = 5;
+  explicit TinyGPT(std::uint64_t seed) {
+    dp::Generator gen(seed);
+    const auto block = dp::nn::TransformerBlockOptions(C, H);
+    wte = register_module("wte", std::make_shared<dp::nn::Embedding>(V, C, &gen));
+    wpe = register_module("wpe", std::make_shared<dp::nn::Embedding>(kMaxT, C, &gen));
+    h0 = register_module("h0", std::make_shared<dp::nn::TransformerBlock>(block, &gen));
+    h1 = register_module("h1", std::make_shared<dp::nn::TransformerBlock>(block, &gen));
+    ln_f = register_module("ln_f", std::make_shared<dp::nn::LayerNorm>(dp::Shape{C}));
+    lm_head = register_module("lm_head", std::make_shared<dp::nn::Linear>(C, V, false, &gen));
+  }
+  dp::Tensor forward(const dp::Tensor& ids) override {
+    dp::Tensor pos = dp::arange(ids.size(1), dp::TensorOptions{dp::Dtype::Int64, ids.device()});
+    // In registration order (wte, then wpe) unless `positions_first`: the test below
+    // runs them the other way round, which stage 3 must survive (Reducer::wait_combined).
+    dp::Tensor h;
+    if (positions_first) {
+      dp::Tensor p = wpe->forward(pos);
+      h = dp::add(wte->forward(ids), p);
+    } else {
+      dp::Tensor tok = wte->forward(ids);
+      h = dp::add(tok, wpe->forward(pos));
+    }
+    return lm_head->forward(ln_f->forward(h1->forward(h0->forward(h))));
+  }
+  bool positions_first = false;
+  std::shared_ptr<dp::nn::Embedding> wte, wpe;
+  std::shared_ptr<dp::nn::TransformerBlock> h0, h1;
+  std::shared_ptr<dp::nn::LayerNorm> ln_f;
+  std::shared_ptr<dp::nn::Linear> lm_head;
+};
+
 inline Batch make_token_batch(std::int64_t rows, std::uint64_t seed) {
   dp::Generator gen(seed);
   dp::Tensor ids = dp::randint(0, TinyLM::V, {rows, 6}, gen, dp::cpu(0));
