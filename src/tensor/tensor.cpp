@@ -64,7 +64,7 @@ Storage::Storage(Device device, void* data, std::size_t nbytes, std::function<vo
     : device_(device), nbytes_(nbytes), data_(data), external_(true), deleter_(std::move(deleter)) {}
 
 void Storage::bump_version() {
-  ++version_;
+  version_.fetch_add(1, std::memory_order_relaxed);
   // Note [Gradients written over zeros] in src/autograd/node.cpp.
   if (!autograd::in_gradient_write_scope()) write_epoch_.fetch_add(1, std::memory_order_relaxed);
 }

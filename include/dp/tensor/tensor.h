@@ -117,9 +117,12 @@ class Storage {
   bool pinned() const { return pinned_; }
   /// True for memory wrapped by dp::from_blob.
   bool external() const { return external_; }
-  std::uint64_t version() const { return version_; }
+  std::uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   /// Moves the version, and the write epoch unless a GradientWriteScope is open on
-  /// this thread.
+  /// this thread. Atomic: threads may write disjoint slices of one storage in place at
+  /// once (a comm thread editing a gradient bucket while its worker's backward adds
+  /// into another parameter's .grad in the same flat buffer); readers compare versions
+  /// after the step that made the writes has joined its threads.
   void bump_version();
   /// Counts the in-place writes, as the version does, except those the autograd engine
   /// makes into a leaf's .grad under a GradientWriteScope (it tracks those per leaf), and
@@ -144,7 +147,7 @@ class Storage {
   Device device_;
   std::size_t nbytes_;
   void* data_ = nullptr;
-  std::uint64_t version_ = 0;
+  std::atomic<std::uint64_t> version_{0};
   std::atomic<std::uint64_t> write_epoch_{0};
   bool pinned_ = false;
   bool external_ = false;
