@@ -163,6 +163,89 @@ std::vector<std::pair<std::string, Generator*>> Module::named_generators() {
   return out;
 }
 
+// Note [Tied parameters]
+// A GPT's token embedding is also its output projection: one parameter, two modules.
+// share_parameter puts the source's slot in the module's list under the tied name and
+// points the module's own slot at it (Slot::tied), so the module's Parameter handle —
+// the member its forward reads — reads the source, and the slot's own tensor is
+// dropped. parameters(), named_parameters() and the flat set meet the shared slot
+// twice and keep it once, under its first name depth first, as PyTorch's
+// named_parameters does; so it is counted once, flattened once, reduced once and
+// stepped once in every design. state_dict() lists it under both names, as PyTorch's
+// does (a load writes the same tensor twice). Its gradient is the sum of both uses:
+// the autograd engine adds them before the parameter's gradient is final, which is
+// when the runtime's hook counts it ready. Ties are made before flattening: the flat
+// set lays out slots, not names.
+
+namespace {
+
+/// The module that holds dotted `name`'s last part, and that part ("h.0.attn.w" →
+/// module h.0.attn, "w"). Throws dp::Error naming the missing child.
+std::pair<const Module*, std::string> owner_of(const Module& root, const std::string& name, const char* what) {
+  const Module* m = &root;
+  std::size_t start = 0;
+  for (std::size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
+    const std::string child = name.substr(start, dot - start);
+    const Module* next = nullptr;
+    for (auto& [n, c] : m->named_children())
+      if (n == child) next = c.get();
+    DP_CHECK(next != nullptr, what, "('", name, "'): expected a child module '", child, "' in ", m->name(),
+             ", got none");
+    m = next;
+    start = dot + 1;
+  }
+  return {m, name.substr(start)};
+}
+
+}  // namespace
+
+Parameter Module::parameter(const std::string& name) const {
+  auto [m, leaf] = owner_of(*this, name, "parameter");
+  std::string have;
+  for (auto& [n, s] : m->params_) {
+    if (n == leaf) return Parameter(s);
+    have += (have.empty() ? "" : ", ") + n;
+  }
+  DP_FAIL("parameter('", name, "'): expected a parameter '", leaf, "' in ", m->name(), ", which has ",
+          have.empty() ? std::string("none") : have);
+}
+
+void Module::share_parameter(const std::string& name, const Parameter& source) {
+  DP_CHECK(source.defined(), "share_parameter('", name, "'): expected a registered parameter as the source, got an "
+           "empty one");
+  auto [owner, leaf] = owner_of(*this, name, "share_parameter");
+  auto& m = const_cast<Module&>(*owner);
+  const std::shared_ptr<Parameter::Slot> target = parameter(name).slot();
+  std::shared_ptr<Parameter::Slot> src = source.slot()->tied ? source.slot()->tied : source.slot();
+  DP_CHECK(!src->is_buffer, "share_parameter('", name, "'): expected a parameter as the source, got a buffer");
+  if (src == target || target->tied == src) return;  // tied already
+  DP_CHECK(target->set.expired() && src->set.expired() && m.set_ == nullptr && set_ == nullptr,
+           "share_parameter('", name, "'): the parameters were already flattened (by parameters(), an optimizer "
+           "or DataParallel); tie them before, e.g. in the model's constructor");
+  const Tensor& from = src->copies.at(0);
+  const Tensor& to = target->copies.at(0);
+  DP_CHECK(from.shape() == to.shape(), "share_parameter('", name, "'): expected a source of shape ",
+           shape_str(to.shape()), ", got ", shape_str(from.shape()));
+  DP_CHECK(from.device() == to.device(), "share_parameter('", name, "'): expected a source on ", to.device().str(),
+           ", got one on ", from.device().str());
+  // The slot given up must be this one module's alone: were it another's source too,
+  // that module would read a slot with no tensor.
+  int holders = 0;
+  std::set<const Module*> visited;
+  std::function<void(const Module&)> count = [&](const Module& x) {
+    if (!visited.insert(&x).second) return;
+    for (auto& [n, s] : x.params_) holders += s == target ? 1 : 0;
+    for (auto& [n, c] : x.children_) count(*c);
+  };
+  count(*this);
+  DP_CHECK(holders == 1, "share_parameter('", name, "'): that parameter is already the source of another tie; "
+           "tie the other way round (make '", name, "' the source)");
+  for (auto& [n, s] : m.params_)
+    if (s == target) s = src;
+  target->tied = src;
+  target->copies.clear();
+}
+
 void Module::register_child(const std::string& name, std::shared_ptr<Module> module) {
   check_name("module", name);
   DP_CHECK(module != nullptr, "register_module('", name, "'): expected a module, got null");

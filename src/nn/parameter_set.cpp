@@ -27,13 +27,14 @@ Tensor view_of(const Tensor& buffer, std::int64_t offset, const Shape& shape) {
 
 const Tensor& Parameter::get() const {
   DP_CHECK(slot_ != nullptr, "Parameter: expected a registered parameter, got an empty one");
+  const Slot& slot = slot_->tied ? *slot_->tied : *slot_;  // Note [Tied parameters] in module.cpp
   int r = t_bound_copy;
-  if (!(r > 0 && r < static_cast<int>(slot_->copies.size()) && slot_->copies[r].defined())) r = 0;
-  if (slot_->unit >= 0) {  // Note [View providers]
-    if (auto set = slot_->set.lock(); set && set->view_provider() != nullptr)
-      set->view_provider()->before_read(t_bound ? r : -1, slot_->unit);
+  if (!(r > 0 && r < static_cast<int>(slot.copies.size()) && slot.copies[r].defined())) r = 0;
+  if (slot.unit >= 0) {  // Note [View providers]
+    if (auto set = slot.set.lock(); set && set->view_provider() != nullptr)
+      set->view_provider()->before_read(t_bound ? r : -1, slot.unit);
   }
-  return slot_->copies[r];
+  return slot.copies[r];
 }
 
 ReplicaBinding::ReplicaBinding(int copy) : prev_(t_bound_copy), prev_bound_(t_bound) {

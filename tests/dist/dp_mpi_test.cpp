@@ -211,6 +211,10 @@ TEST_CASE("a 2-block GPT (TransformerBlock) trains the same in every design acro
   check_tokens_everywhere<TinyGPT>(false, 2e-5);
 }
 
+TEST_CASE("a GPT with tied embedding and head trains the same in every design across processes") {
+  check_tokens_everywhere<TiedGPT>(false, 2e-5);
+}
+
 TEST_CASE("bfloat16 autocast reaches every worker of every process: a GPT in every design against one device") {
   // The shards' gradients are rounded to bfloat16 before they are summed: one device
   // agrees to bfloat16 rounding (Note [Autocast op policy]).

@@ -4,10 +4,12 @@
 #include <doctest/doctest.h>
 
 #include <memory>
+#include <vector>
 #include <sstream>
 #include <string>
 
 #include "dp/nn/nn.h"
+#include "dp/core/error.h"
 #include "dp/tensor/ops.h"
 
 namespace nn = dp::nn;
@@ -116,4 +118,70 @@ TEST_CASE("for (auto& p : net->parameters()) p.fill_(...) writes into the module
   auto params = net->parameters();
   params[0].zero_();
   CHECK((net->state_dict()[0].second == 0.0).sum().item<std::int64_t>() == 6);
+}
+
+namespace {
+
+/// An embedding and two heads of the same (V, C) weight shape, a Linear of another
+/// shape and a BatchNorm: what weight tying ties, and what it must refuse.
+struct TwoUses : nn::Module {
+  TwoUses() {
+    wte = register_module("wte", std::make_shared<nn::Embedding>(5, 3));
+    head = register_module("head", std::make_shared<nn::Linear>(3, 5, false));
+    head2 = register_module("head2", std::make_shared<nn::Linear>(3, 5, false));
+    other = register_module("other", std::make_shared<nn::Linear>(5, 3, false));
+    bn = register_module("bn", std::make_shared<nn::BatchNorm2d>(3));
+  }
+  std::shared_ptr<nn::Embedding> wte;
+  std::shared_ptr<nn::Linear> head, head2, other;
+  std::shared_ptr<nn::BatchNorm2d> bn;
+};
+
+/// The message of the dp::Error fn throws ("" when it throws none).
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const dp::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("share_parameter ties two modules' parameters; parameter() finds one by its dotted name") {
+  auto net = std::make_shared<TwoUses>();
+  const std::int64_t untied = net->num_parameters();
+  net->share_parameter("head.weight", net->parameter("wte.weight"));
+  CHECK(net->head->weight().raw_data() == net->wte->weight().raw_data());
+  CHECK(net->num_parameters() == untied - 5 * 3);
+  net->share_parameter("head.weight", net->parameter("wte.weight"));  // tying again changes nothing
+  net->share_parameter("wte.weight", net->parameter("head.weight"));  // nor the other way round
+  CHECK(net->num_parameters() == untied - 5 * 3);
+  net->share_parameter("head2.weight", net->parameter("head.weight"));  // a third use: wte's parameter again
+  CHECK(net->head2->weight().raw_data() == net->wte->weight().raw_data());
+  CHECK(net->num_parameters() == untied - 2 * 5 * 3);
+  dp::Tensor x = dp::from_vector(std::vector<float>{1, 2, 3}, {1, 3});
+  CHECK(net->head->forward(x).shape() == dp::Shape{1, 5});
+}
+
+TEST_CASE("share_parameter and parameter() refuse bad input with a dp::Error naming it") {
+  auto net = std::make_shared<TwoUses>();
+  CHECK(contains(error_of([&] { net->parameter("wte.bias"); }), "expected a parameter 'bias' in Embedding"));
+  CHECK(contains(error_of([&] { net->parameter("lm_head.weight"); }), "expected a child module 'lm_head'"));
+  CHECK(contains(error_of([&] { net->share_parameter("head.weight", nn::Parameter()); }), "got an empty one"));
+  CHECK(contains(error_of([&] { net->share_parameter("head.weight", net->parameter("other.weight")); }),
+                 "expected a source of shape [5, 3], got [3, 5]"));
+  CHECK(contains(error_of([&] { net->share_parameter("bn.weight", nn::Parameter(net->buffer_slots().at(0))); }),
+                 "expected a parameter as the source, got a buffer"));
+  net->share_parameter("head.weight", net->parameter("wte.weight"));
+  CHECK(contains(error_of([&] { net->share_parameter("wte.weight", net->parameter("head2.weight")); }),
+                 "already the source of another tie"));
+  auto fresh = std::make_shared<TwoUses>();
+  fresh->parameters();  // flattens
+  CHECK(contains(error_of([&] { fresh->share_parameter("head.weight", fresh->parameter("wte.weight")); }),
+                 "already flattened"));
 }

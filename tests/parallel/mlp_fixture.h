@@ -214,6 +214,12 @@ struct TinyGPT : dp::nn::Module {
   std::shared_ptr<dp::nn::Linear> lm_head;
 };
 
+/// TinyGPT with GPT-2's weight tying: lm_head.weight is wte.weight, one parameter that
+/// two modules use (Module::share_parameter).
+struct TiedGPT : TinyGPT {
+  explicit TiedGPT(std::uint64_t seed) : TinyGPT(seed) { share_parameter("lm_head.weight", parameter("wte.weight")); }
+};
+
 inline Batch make_token_batch(std::int64_t rows, std::uint64_t seed) {
   dp::Generator gen(seed);
   dp::Tensor ids = dp::randint(0, TinyLM::V, {rows, 6}, gen, dp::cpu(0));

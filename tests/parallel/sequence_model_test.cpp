@@ -6,6 +6,7 @@
 // processes: tests/dist/dp_mpi_test.cpp.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -140,6 +141,60 @@ TEST_CASE("causal MultiheadAttention trains the same in every design on 1-3 devi
         CAPTURE(devices);
         CAPTURE(module_path);
         const std::vector<float> got = train<TinyMHA>(&d.options, devices, module_path);
+        CHECK(max_diff(got, single) < 2e-5);
+        if (dp_params.empty()) dp_params = got;
+        else CHECK(max_diff(got, dp_params) == 0);  // bitwise DP's
+      }
+    }
+  }
+}
+
+TEST_CASE("a tied parameter is one parameter: counted, flattened and stepped once, its gradient both uses' sum") {
+  TinyGPT untied(kSeed);
+  TiedGPT tied(kSeed);
+  const std::int64_t vc = TinyGPT::V * TinyGPT::C;
+  CHECK(tied.num_parameters() == untied.num_parameters() - vc);
+  CHECK(tied.parameters().set()->copy(0).data.numel() == untied.parameters().set()->copy(0).data.numel() - vc);
+  const auto has = [](const dp::nn::StateDict& sd, const std::string& k) {
+    return std::any_of(sd.begin(), sd.end(), [&](const auto& e) { return e.first == k; });
+  };
+  const dp::nn::StateDict named = tied.named_parameters(), sd = tied.state_dict();
+  CHECK(has(named, "wte.weight"));
+  CHECK_FALSE(has(named, "lm_head.weight"));  // one parameter, under its first name
+  CHECK(has(sd, "wte.weight"));
+  CHECK(has(sd, "lm_head.weight"));  // as PyTorch's state_dict: both names
+  CHECK(tied.lm_head->weight().raw_data() == tied.wte->weight().raw_data());
+
+  // The same values untied: the tied gradient is the sum of the embedding's and the head's.
+  untied.lm_head->load_state_dict({{"weight", untied.wte->weight()}});
+  Batch b = make_token_batch(6, 31);
+  token_loss(untied.forward(b.x), b.y).backward();
+  token_loss(tied.forward(b.x), b.y).backward();
+  const std::vector<float> want =
+      dp::add(untied.wte->weight().grad(), untied.lm_head->weight().grad()).to_vector();
+  const std::vector<float> got = tied.wte->weight().grad().to_vector();
+  CHECK(max_diff(got, want) < 1e-6);
+  CHECK(max_diff(untied.wte->weight().grad().to_vector(), want) > 1e-4);  // the head's part counts
+
+  // One SGD step moves it once, by lr times that sum.
+  const std::vector<float> before = tied.wte->weight().to_vector();
+  dp::optim::SGD opt(tied.parameters(), {.lr = 0.5});
+  opt.step();
+  const std::vector<float> after = tied.lm_head->weight().to_vector();
+  for (std::size_t i = 0; i < after.size(); ++i) REQUIRE(after[i] == doctest::Approx(before[i] - 0.5f * got[i]));
+}
+
+TEST_CASE("a GPT with tied embedding and head trains the same in every design on 1-3 devices as on one device") {
+  const std::vector<float> single = train<TiedGPT>(nullptr, 1, false);
+  CHECK(max_diff(single, flat(TiedGPT(kSeed).state_dict())) > 1e-3);
+  for (int devices = 1; devices <= 3; ++devices) {
+    for (bool module_path : {false, true}) {
+      std::vector<float> dp_params;
+      for (const NamedDesign& d : every_design()) {
+        CAPTURE(d.name);
+        CAPTURE(devices);
+        CAPTURE(module_path);
+        const std::vector<float> got = train<TiedGPT>(&d.options, devices, module_path);
         CHECK(max_diff(got, single) < 2e-5);
         if (dp_params.empty()) dp_params = got;
         else CHECK(max_diff(got, dp_params) == 0);  // bitwise DP's

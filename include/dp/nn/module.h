@@ -91,6 +91,18 @@ class Module : public std::enable_shared_from_this<Module> {
   // ---- registration (call from constructors) ----------------------------------
   /// Registers a trainable parameter (float32); it becomes a leaf requiring grad.
   Parameter register_parameter(const std::string& name, Tensor value);
+  /// Weight tying (PyTorch's `lm_head.weight = wte.weight`): the parameter `name` of
+  /// this tree (dotted, "lm_head.weight") becomes `source`, one parameter that two
+  /// modules use. See Note [Tied parameters] in src/nn/module.cpp. Call it before the
+  /// parameters are flattened (the first parameters(), an optimizer or DataParallel).
+  /// Throws dp::Error for an unknown name, a source that is not a parameter, another
+  /// shape, or parameters already flattened.
+  ///
+  ///   gpt->share_parameter("lm_head.weight", gpt->parameter("wte.weight"));
+  void share_parameter(const std::string& name, const Parameter& source);
+  /// The registered parameter `name` of this tree (dotted: "h.0.attn.c_attn.weight").
+  /// Throws dp::Error naming the parameters there are when there is none by that name.
+  Parameter parameter(const std::string& name) const;
   /// Registers a buffer (saved in state_dict, not trained, e.g. running_mean).
   Parameter register_buffer(const std::string& name, Tensor value);
   /// Registers a random generator the module owns (a member, so it lives as long as

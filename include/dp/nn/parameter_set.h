@@ -67,6 +67,9 @@ struct Parameter::Slot {
   std::weak_ptr<ParameterSet> set;  // owning set (parameters only)
   std::int64_t offset = 0;          // element offset in the flat buffers
   int unit = -1;                    // its group in the set's view provider, else -1 (Note [View providers])
+  /// Set when the parameter was tied to another (Module::share_parameter): a handle to
+  /// this slot then reads that one's, and this slot holds no tensor of its own.
+  std::shared_ptr<Slot> tied;
 };
 
 /// Selects, for the calling thread, which copy Parameter::get() returns. RAII.
