@@ -9,9 +9,10 @@ want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
 # openmpi-bin + libopenmpi-dev: multi-process jobs (dp::dist, mpirun; the 'mpi' tests).
+# fortunes: the plain-text corpus samples/gpt trains on by default.
 pkgs=(meson ninja-build pkg-config g++ libtbb-dev doctest-dev libdnnl-dev zlib1g-dev
       nlohmann-json3-dev libcli11-dev dataset-fashion-mnist gnuplot-nox python3
-      openmpi-bin libopenmpi-dev)
+      openmpi-bin libopenmpi-dev fortunes)
 if (( want_test )); then
   pkgs+=(clang-14 libclang-rt-14-dev python3-numpy cmake)
 fi

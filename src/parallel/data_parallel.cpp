@@ -174,6 +174,8 @@ void DataParallel::check_options(int n) {
     DP_CHECK(!options_.shard_gather.has_value(), "DataParallel: shard_gather was given with mode ",
              mode_name(options_.mode), "; it applies to Mode::Sharded stages 1 and 2 only: pass .mode = "
              "dp::Mode::Sharded or drop shard_gather");
+    DP_CHECK(!options_.shard_unit, "DataParallel: shard_unit was given with mode ", mode_name(options_.mode),
+             "; it picks the gather units of Mode::Sharded only: pass .mode = dp::Mode::Sharded or drop shard_unit");
   }
 }
 

@@ -202,3 +202,72 @@ TEST_CASE("a GPT with tied embedding and head trains the same in every design on
     }
   }
 }
+
+namespace {
+
+/// nanoGPT's layout: the blocks inside one container child, so that the top-level
+/// children alone would make the whole stack one gather unit.
+struct NestedGPT : dp::nn::Module {
+  static constexpr std::int64_t V = TinyLM::V, C = 8, H = 2;
+  explicit NestedGPT(std::uint64_t seed) {
+    dp::Generator gen(seed);
+    wte = register_module("wte", std::make_shared<dp::nn::Embedding>(V, C, &gen));
+    h = register_module("h", std::make_shared<dp::nn::Sequential>());
+    for (int i = 0; i < 2; ++i)
+      h->push_back(std::make_shared<dp::nn::TransformerBlock>(dp::nn::TransformerBlockOptions(C, H), &gen));
+    ln_f = register_module("ln_f", std::make_shared<dp::nn::LayerNorm>(dp::Shape{C}));
+    lm_head = register_module("lm_head", std::make_shared<dp::nn::Linear>(C, V, false, &gen));
+  }
+  dp::Tensor forward(const dp::Tensor& ids) override {
+    return lm_head->forward(ln_f->forward(h->forward(wte->forward(ids))));
+  }
+  std::shared_ptr<dp::nn::Embedding> wte;
+  std::shared_ptr<dp::nn::Sequential> h;
+  std::shared_ptr<dp::nn::LayerNorm> ln_f;
+  std::shared_ptr<dp::nn::Linear> lm_head;
+};
+
+dp::DataParallelOptions per_block(int stage) {
+  return {.mode = dp::Mode::Sharded, .shard_stage = stage, .shard_unit = dp::nn::is_module<dp::nn::TransformerBlock>,
+          .bucket_cap_mb = 2e-4, .first_bucket_mb = 1e-4};
+}
+
+}  // namespace
+
+TEST_CASE("shard_unit makes each picked module a gather unit, and trains as DP does") {
+  const auto units = [](const dp::DataParallelOptions& o) {
+    auto net = std::make_shared<NestedGPT>(kSeed);
+    dp::DataParallel model(net, cpus(3), o);
+    return model.units();
+  };
+  dp::DataParallelOptions top = per_block(3);
+  top.shard_unit = nullptr;
+  CHECK(units(top).size() == 4);  // wte, h (both blocks), ln_f, lm_head
+  const auto blocks = units(per_block(3));
+  REQUIRE(blocks.size() == 5);  // wte, h.0, h.1, ln_f, lm_head
+  NestedGPT probe(kSeed);
+  const std::int64_t block = probe.h->named_children()[0].second->num_parameters();
+  CHECK(blocks[1].second - blocks[1].first == block);
+  CHECK(blocks[2].second - blocks[2].first == block);
+  CHECK(blocks[2].first == blocks[1].second);
+
+  const std::vector<float> single = train<NestedGPT>(nullptr, 1, false);
+  for (bool module_path : {false, true}) {
+    CAPTURE(module_path);
+    const std::vector<float> dp_params = train<NestedGPT>(&every_design().front().options, 3, module_path);  // DP
+    CHECK(max_diff(dp_params, single) < 2e-5);
+    for (int stage = 1; stage <= 3; ++stage) {
+      CAPTURE(stage);
+      const dp::DataParallelOptions o = per_block(stage);
+      CHECK(max_diff(train<NestedGPT>(&o, 3, module_path), dp_params) == 0);
+    }
+  }
+}
+
+TEST_CASE("shard_unit with another mode than Sharded is a dp::Error naming it") {
+  auto net = std::make_shared<NestedGPT>(kSeed);
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP}) {
+    CHECK_THROWS_WITH_AS(dp::DataParallel(net, cpus(2), {.mode = mode, .shard_unit = dp::nn::is_module<dp::nn::Linear>}),
+                         doctest::Contains("shard_unit was given with mode"), dp::Error);
+  }
+}

@@ -184,6 +184,13 @@ class Module : public std::enable_shared_from_this<Module> {
   bool training_ = true;
 };
 
+/// True when `m` is a T or derives from one: a module predicate, such as the gather
+/// units of DataParallel's Sharded design (`.shard_unit = is_module<TransformerBlock>`).
+template <class T>
+bool is_module(const Module& m) {
+  return dynamic_cast<const T*>(&m) != nullptr;
+}
+
 /// Prints module.repr(): `std::cout << *net`.
 std::ostream& operator<<(std::ostream& os, const Module& module);
 

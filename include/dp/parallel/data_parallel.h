@@ -141,8 +141,10 @@ struct DataParallelOptions {
   /// load, an in-place write) back into every device's range and then releases
   /// them; a tensor kept from before and read after that is a dp::Error naming the
   /// released memory, never stale values. So: take tensors from these calls when you
-  /// read them, not once for the whole run. Parameters used outside the top-level
-  /// child that owns them (weights shared between children) are not supported.
+  /// read them, not once for the whole run. A parameter used outside the unit that
+  /// owns it (a GPT's embedding tied to its head, Module::share_parameter) is
+  /// gathered again where it is read. The units are the top-level children unless
+  /// shard_unit says otherwise.
   /// no_sync() is refused in stage 3 (it would need the full gradient the stage
   /// exists to avoid): accumulate by running backward several times between
   /// zero_grad() and step(), each adds to the owners' ranges.
@@ -155,6 +157,15 @@ struct DataParallelOptions {
   /// per top-level child anyway) is an error, as is NextForward across processes
   /// (the other processes' ranges are not in this one's memory to take).
   std::optional<ShardGather> shard_gather = std::nullopt;
+  /// Sharded: which modules are gather units (FSDP's auto_wrap_policy). Unset: each
+  /// top-level child of the net (and each parameter the root registers itself). Set:
+  /// also every module for which it returns true — the outermost where they nest —
+  /// is a unit of its own; the parameters of a top-level child outside those form
+  /// that child's units, one per contiguous run. Stage 3 gathers one unit at a time,
+  /// so a GPT whose blocks sit in one container wants each block a unit:
+  ///   .shard_unit = dp::nn::is_module<dp::nn::TransformerBlock>
+  /// Setting it with another mode is an error.
+  std::function<bool(const nn::Module&)> shard_unit = nullptr;
   /// DDP and Sharded: bucket size cap in MiB (PyTorch's bucket_cap_mb) and the
   /// smaller first bucket. Sharded stage 2 holds no full gradient buffer during a
   /// synced backward: the cap also bounds the gradients a device holds before they

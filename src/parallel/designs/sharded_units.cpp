@@ -3,6 +3,7 @@
 // ShardGather::NextForward take the other owners' updated ranges of a unit just
 // before the next forward first uses it (Note [Deferred gather]).
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <optional>
 
@@ -97,13 +98,22 @@ void ShardedDesign::forward_connected(std::weak_ptr<const int> graph_alive) {
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> ShardedDesign::gather_units() const {
-  // Owner of each slot: the index of the top-level child that holds it, or -1-i for
-  // the root's own parameter i (a unit of its own).
+  // Owner of each slot: an id per top-level child and per module options().shard_unit
+  // picks (outermost), or -1-i for the root's own parameter i (a unit of its own).
+  // A module's units claim their slots before the module does; the first claim wins.
   std::map<const nn::Parameter::Slot*, int> owner;
-  int child = 0;
+  int next_id = 0;
+  const auto& picks = options().shard_unit;
+  std::function<void(const nn::Module&, int, bool)> claim = [&](const nn::Module& m, int who, bool in_unit) {
+    for (auto& [name, c] : m.named_children()) {
+      const bool unit = !in_unit && picks && picks(*c);
+      claim(*c, unit ? next_id++ : who, in_unit || unit);
+    }
+    for (auto& s : const_cast<nn::Module&>(m).parameter_slots()) owner.emplace(s.get(), who);
+  };
   for (auto& [name, c] : net().named_children()) {
-    for (auto& s : c->parameter_slots()) owner.emplace(s.get(), child);
-    ++child;
+    const bool unit = picks && picks(*c);
+    claim(*c, next_id++, unit);
   }
   std::vector<std::pair<std::int64_t, std::int64_t>> units;
   int last = 0;
