@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dp/dp.h"
+#include "golden_file.h"
 
 namespace {
 
@@ -48,31 +49,10 @@ constexpr double kUpdateRtol = 0.2;
 constexpr int kSteps = 3;
 constexpr double kLr = 1e-3;
 
-class Golden {
- public:
-  Golden() {
-    const char* env = std::getenv("DP_GOLDEN_AMP");
-    if (env == nullptr || *env == '\0')
-      throw std::runtime_error("DP_GOLDEN_AMP is not set: run `meson test -C build golden_amp_test`");
-    for (auto& [name, t] : dp::io::read_safetensors(env).tensors) by_name_[name] = t;
-  }
-  const Tensor& operator[](const std::string& name) const {
-    auto it = by_name_.find(name);
-    if (it == by_name_.end())
-      throw std::runtime_error("golden_amp.safetensors has no tensor '" + name +
-                               "'; regenerate it with scripts/make_golden_amp.py");
-    return it->second;
-  }
-  nn::StateDict state(const std::string& prefix) const {
-    nn::StateDict out;
-    for (auto& [name, t] : by_name_)
-      if (name.rfind(prefix + ".", 0) == 0) out.emplace_back(name.substr(prefix.size() + 1), t);
-    return out;
-  }
-
- private:
-  std::map<std::string, Tensor> by_name_;
-};
+/// tests/nn/golden_amp.safetensors, whose path meson passes in DP_GOLDEN_AMP.
+golden::File golden_amp() {
+  return golden::File::from_env("DP_GOLDEN_AMP", "regenerate it with scripts/make_golden_amp.py");
+}
 
 /// max |got − want| / (|want| + max |want|) over the tensor, in units of the tolerance.
 double normwise(const Tensor& got, const Tensor& want) {
@@ -113,7 +93,7 @@ std::shared_ptr<nn::Sequential> make(const std::string& which) {
 }  // namespace
 
 TEST_CASE("golden bf16: logits, loss, gradients and 3 Adam steps under autocast match PyTorch's") {
-  const Golden golden;
+  const golden::File golden = golden_amp();
   for (const std::string which : {"cnn", "mlp"}) {
     CAPTURE(which);
     auto net = make(which);

@@ -21,6 +21,7 @@
 
 #include "../io/io_test_util.h"
 #include "dp/dp.h"
+#include "golden_file.h"
 
 namespace {
 
@@ -58,86 +59,17 @@ constexpr double kForwardRtol = 1e-5;
 constexpr double kGradRtol = 1e-5;
 constexpr double kStepRtol = 2e-6;
 
-/// The worst agreement seen over a group of comparisons, reported in the log.
-struct Worst {
-  double diff = 0;   // max |dp − torch|
-  double ratio = 0;  // max |dp − torch| / its tolerance; ≤ 1 passes
-  std::string diff_at, ratio_at;
-};
+using Golden = golden::File;
+using golden::expect_close;
+using golden::report;
+using golden::Worst;
 
-void report(const std::string& group, const Worst& w) {
-  MESSAGE(group, ": max |dp - torch| = ", w.diff, " (", w.diff_at, "); at most ", w.ratio, " of the tolerance (",
-          w.ratio_at, ")");
-}
-
-/// The golden file: tensors by name and the header's metadata. Every lookup of an
-/// absent name throws std::runtime_error naming it and the file (doctest reports the
-/// test case as failed with that message).
-class Golden {
- public:
-  explicit Golden(std::string path) : path_(std::move(path)) {
-    if (!std::filesystem::exists(path_))
-      throw std::runtime_error("golden file " + path_ + " is missing; " + kRegenerate);
-    try {
-      file_ = dp::io::read_safetensors(path_);
-    } catch (const dp::Error& e) {
-      throw std::runtime_error("golden file " + path_ + " cannot be read (" + e.what() + "); " + kRegenerate);
-    }
-    for (auto& [name, t] : file_.tensors) by_name_[name] = t;
-  }
-
-  /// The path meson passes in DP_GOLDEN_CNN (tests/nn/golden_cnn.safetensors).
-  static std::string default_path() {
-    const char* env = std::getenv("DP_GOLDEN_CNN");
-    if (env == nullptr || *env == '\0')
-      throw std::runtime_error("DP_GOLDEN_CNN is not set: run `meson test -C build golden_test`, or set it "
-                               "to the path of tests/nn/golden_cnn.safetensors");
-    return env;
-  }
-
-  const Tensor& tensor(const std::string& name) const {
-    auto it = by_name_.find(name);
-    if (it == by_name_.end())
-      throw std::runtime_error("golden file " + path_ + " has no tensor '" + name + "'; " + kRegenerate);
-    return it->second;
-  }
-
-  /// Every tensor named "<prefix>.<name>", as (name, tensor) in file order.
-  nn::StateDict state(const std::string& prefix) const {
-    nn::StateDict out;
-    for (auto& [name, t] : file_.tensors)
-      if (name.rfind(prefix + ".", 0) == 0) out.emplace_back(name.substr(prefix.size() + 1), t);
-    if (out.empty())
-      throw std::runtime_error("golden file " + path_ + " has no tensors named '" + prefix + ".*'; " + kRegenerate);
-    return out;
-  }
-
-  const std::string& meta(const std::string& key) const {
-    auto it = file_.metadata.find(key);
-    if (it == file_.metadata.end())
-      throw std::runtime_error("golden file " + path_ + " has no metadata '" + key + "'; " + kRegenerate);
-    return it->second;
-  }
-
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  dp::io::SafetensorsFile file_;
-  std::map<std::string, Tensor> by_name_;
-};
-
-const Golden& golden() {
-  static const Golden g(Golden::default_path());
+const Golden& golden_file() {
+  static const Golden g = Golden::from_env("DP_GOLDEN_CNN", kRegenerate);
   return g;
 }
 
-/// The script's hyperparameter `key` must be the value this test uses.
-void expect_meta(const Golden& g, const std::string& key, double value) {
-  double file_value = std::stod(g.meta(key));
-  CHECK_MESSAGE(file_value == value, "the golden file was made with ", key, " = ", g.meta(key),
-                " but the test uses ", value, "; update one to match the other");
-}
+void expect_meta(const Golden& g, const std::string& key, double value) { g.expect_meta(key, value); }
 
 void expect_adam_meta(const Golden& g, const std::string& prefix, double lr, const optim::AdamBetas& betas,
                       double eps, double weight_decay) {
@@ -173,38 +105,6 @@ std::shared_ptr<nn::Sequential> make_initialised_net(const Golden& g) {
   return net;
 }
 
-/// Checks dp's `got` against PyTorch's `want` elementwise (see Note [Golden
-/// tolerances]); int64 tensors must be equal. Folds the differences into `worst`.
-void expect_close(const std::string& name, const Tensor& got, const Tensor& want, double rtol, Worst& worst) {
-  INFO("comparing '", name, "'");
-  REQUIRE_MESSAGE(got.defined(), "dp has no value for '", name, "'");
-  REQUIRE_MESSAGE(got.shape() == want.shape(), "'", name, "': dp ", got.str(), ", PyTorch ", want.str());
-  REQUIRE_MESSAGE(got.dtype() == want.dtype(), "'", name, "': dp ", got.str(), ", PyTorch ", want.str());
-  if (want.dtype() == dp::Dtype::Int64) {
-    CHECK_MESSAGE(got.to_vector_i64() == want.to_vector_i64(), "'", name, "' differs from PyTorch");
-    return;
-  }
-  const std::vector<float> g = got.to_vector(), w = want.to_vector();
-  double scale = 0;
-  for (float v : w) scale = std::max(scale, std::fabs(double(v)));
-  std::size_t bad = 0, worst_i = 0;
-  double worst_ratio = -1;
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    double diff = std::fabs(double(g[i]) - double(w[i]));
-    double ratio = diff == 0 ? 0 : diff / (rtol * (std::fabs(double(w[i])) + scale));
-    if (!(ratio <= 1)) ++bad;  // NaN counts as bad
-    if (!(ratio <= worst_ratio)) {
-      worst_ratio = ratio;
-      worst_i = i;
-    }
-    if (!(diff <= worst.diff)) worst.diff = diff, worst.diff_at = name;
-  }
-  if (!(worst_ratio <= worst.ratio)) worst.ratio = worst_ratio, worst.ratio_at = name;
-  CHECK_MESSAGE(bad == 0, "'", name, "': ", bad, " of ", g.size(), " values differ from PyTorch by more than ",
-                rtol, " * (|torch| + ", scale, "); worst at flat index ", worst_i, ": dp ", g[worst_i],
-                ", torch ", w[worst_i]);
-}
-
 /// Checks every tensor of the file named "<prefix>.<name>" against net's state_dict
 /// entry <name> (parameters with kStepRtol, running statistics with kForwardRtol,
 /// num_batches_tracked exactly) and reports both groups under `label`.
@@ -238,7 +138,7 @@ void train_step(nn::Module& net, optim::Optimizer& opt, const Tensor& x, const T
 }  // namespace
 
 TEST_CASE("golden: the script's network has PyTorch's state_dict names") {
-  const Golden& g = golden();
+  const Golden& g = golden_file();
   std::vector<std::string> want, got;
   for (auto& [name, t] : g.state("init")) want.push_back(name);
   for (auto& [name, t] : make_net()->state_dict()) got.push_back(name);
@@ -246,7 +146,7 @@ TEST_CASE("golden: the script's network has PyTorch's state_dict names") {
 }
 
 TEST_CASE("golden: logits, loss, gradients and BatchNorm buffers after one forward match PyTorch") {
-  const Golden& g = golden();
+  const Golden& g = golden_file();
   auto net = make_initialised_net(g);
   const Tensor& x = g.tensor("input");
   const Tensor& y = g.tensor("target");
@@ -268,7 +168,7 @@ TEST_CASE("golden: logits, loss, gradients and BatchNorm buffers after one forwa
 }
 
 TEST_CASE("golden: 3 optimizer steps on cpu(0) match PyTorch") {
-  const Golden& g = golden();
+  const Golden& g = golden_file();
   const Tensor& x = g.tensor("input");
   const Tensor& y = g.tensor("target");
   auto net = make_initialised_net(g);
@@ -305,7 +205,7 @@ TEST_CASE("golden: 3 optimizer steps on cpu(0) match PyTorch") {
 // parameters because Adam's update barely depends on the gradient's scale: a
 // reduction that doubled every gradient would pass a parameter-only check.
 TEST_CASE("golden: DataParallel on 2 devices matches PyTorch with per-shard BatchNorm") {
-  const Golden& g = golden();
+  const Golden& g = golden_file();
   expect_meta(g, "dp2.shards", 2);
   expect_adam_meta(g, "adam", kAdam.lr, kAdam.betas, kAdam.eps, kAdam.weight_decay);
   const Tensor& x = g.tensor("input");
