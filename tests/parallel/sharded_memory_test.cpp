@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dp/dp.h"
+#include "gpt/gpt.h"
 #include "mlp_fixture.h"
 
 namespace {
@@ -168,5 +169,67 @@ TEST_CASE("per-device memory by the allocator: each ZeRO stage's steady state be
     MESSAGE("cpu:", r, " steady bytes DDP ", ddp.steady[r], ", stage 1 ", s1.steady[r], ", stage 2 ", s2.steady[r],
             ", stage 3 ", s3.steady[r], "; peak DDP ", ddp.peak[r], ", stage 1 ", s1.peak[r], ", stage 2 ",
             s2.peak[r], ", stage 3 ", s3.peak[r]);
+  }
+}
+
+namespace {
+
+/// Peak bytes per device over one AdamW step of a GPT on kDevices devices (after a
+/// step that allocated the optimizer state), and the parameter count.
+std::pair<std::vector<std::int64_t>, std::int64_t> gpt_peak(const dp::DataParallelOptions& opts) {
+  std::vector<std::size_t> base;
+  for (int r = 0; r < kDevices; ++r) base.push_back(dp::memory_allocated(dp::cpu(r)));
+  std::vector<std::int64_t> peak;
+  std::int64_t numel = 0;
+  {
+    samples::GPTConfig c;
+    c.vocab_size = 64;
+    c.block_size = 8;
+    c.n_layer = 6;
+    c.n_head = 4;
+    c.n_embd = 64;
+    dp::Generator gen(5);
+    auto gpt = std::make_shared<samples::GPT>(c, gen);
+    dp::DataParallel model(gpt, cpus(kDevices), opts);
+    dp::optim::AdamW opt(model.parameters(), {.lr = 1e-3});
+    numel = gpt->num_parameters();
+    dp::Generator data_gen(9);
+    const auto token_loss = [](const Tensor& logits, const Tensor& y) {
+      return dp::nn::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+    };
+    auto step = [&] {
+      const Tensor ids = dp::randint(0, c.vocab_size, {8, c.block_size + 1}, data_gen, dp::cpu(0));
+      opt.zero_grad();
+      model.forward_backward(ids.narrow(1, 0, c.block_size).clone(), ids.narrow(1, 1, c.block_size).clone(),
+                             token_loss);
+      opt.step();
+    };
+    step();  // allocates the optimizer state
+    for (int r = 0; r < kDevices; ++r) dp::reset_peak_memory(dp::cpu(r));
+    step();
+    peak = bytes_since(base, /*peak=*/true);
+  }
+  return {peak, numel};
+}
+
+}  // namespace
+
+TEST_CASE("a GPT with AdamW on 4 devices: Sharded stage 3's per-device peak is at most 0.45 of DDP's") {
+  // Parameters, gradients and AdamW's two moments dominate this GPT (6 blocks of width
+  // 64, 8 tokens of context, 2 sequences per device): DDP holds 4 floats per parameter
+  // on every device; stage 3 a quarter of that, plus one gathered block (a unit each,
+  // shard_unit) with its gradients, plus the buckets and the activations.
+  const auto [ddp, numel] = gpt_peak({.mode = dp::Mode::DDP});
+  dp::DataParallelOptions zero3{.mode = dp::Mode::Sharded, .shard_stage = 3};
+  zero3.shard_unit = dp::nn::is_module<dp::nn::TransformerBlock>;
+  const auto [sharded, numel3] = gpt_peak(zero3);
+  CHECK(numel3 == numel);
+  for (int r = 0; r < kDevices; ++r) {
+    CAPTURE(r);
+    MESSAGE("device ", r, ": DDP peak ", ddp[r], " bytes, stage 3 ", sharded[r], " (",
+            static_cast<double>(sharded[r]) / static_cast<double>(ddp[r]), " of DDP's); 4 floats per parameter: ",
+            4 * F * numel);
+    CHECK(ddp[r] >= 4 * F * numel);  // parameters, gradients, exp_avg, exp_avg_sq
+    CHECK(static_cast<double>(sharded[r]) <= 0.45 * static_cast<double>(ddp[r]));
   }
 }
