@@ -24,6 +24,18 @@ Tensors, per network <n> (cnn or mlp):
   <n>.grad.<parameter>         the gradients of that loss (float32: master weights)
   <n>.adam.<name>              the state_dict after 3 Adam steps, each zero_grad, forward
                                and loss under autocast, backward, step
+The fp16 case (the MLP under torch.autocast("cpu", torch.float16) with a GradScaler of
+init_scale 2^10, growth 2^30 after every good step, backoff 2^-30; Adam as above), 6
+steps, each zero_grad, forward and loss under autocast, scaler.scale(loss).backward(),
+scaler.step, scaler.update. The scale alternates: 2^10 (the scaled gradients stay far
+below float16's 65504: stepped, the scale grows to 2^40), 2^40 (the logits' gradients
+alone reach ~2^36: inf in float16, skipped, back to 2^10), ... No decision lies near
+float16's limit, so rounding cannot change one:
+  fp16.input, fp16.target      the batches, (6, 16, 20) and (6, 16)
+  fp16.init.<name>             the MLP's state before training
+  fp16.scale                   (6) the scale after each update
+  fp16.skipped                 (6) 1 where the step was skipped, else 0 (int64)
+  fp16.adam.<name>             the state_dict after the 6 steps
 """
 import argparse
 from pathlib import Path
@@ -76,6 +88,31 @@ def run(make, x, y):
     return init, first, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
+FP16_STEPS = 6
+FP16_SCALER = dict(init_scale=2.0**10, growth_factor=2.0**30, backoff_factor=2.0**-30, growth_interval=1)
+
+
+def run_fp16(xs, ys):
+    model = make_mlp()
+    init = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    opt = torch.optim.Adam(model.parameters(), **ADAM)
+    scaler = torch.amp.GradScaler("cpu", **FP16_SCALER)
+    scales, skipped = [], []
+    for step in range(FP16_STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(xs[step])
+            loss = F.cross_entropy(logits, ys[step])
+        assert logits.dtype == torch.float16 and loss.dtype == torch.float32
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(int(scaler.get_scale() < before))
+    return init, scales, skipped, {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -92,9 +129,19 @@ def main():
         tensors.update({f"{name}.grad.{n}": g for n, g in first["grads"].items()})
         tensors.update({f"{name}.adam.{n}": t for n, t in adam.items() if t.dtype == torch.float32})
         print(f"{name}: loss {first['loss'].item():.6f}")
+    xs, ys = torch.randn(FP16_STEPS, 16, 20), torch.randint(0, 10, (FP16_STEPS, 16))
+    init, scales, skipped, adam = run_fp16(xs, ys)
+    assert skipped == [0, 1, 0, 1, 0, 1], skipped
+    tensors["fp16.input"], tensors["fp16.target"] = xs, ys
+    tensors.update({f"fp16.init.{n}": t for n, t in init.items()})
+    tensors["fp16.scale"] = torch.tensor(scales, dtype=torch.float32)
+    tensors["fp16.skipped"] = torch.tensor(skipped, dtype=torch.int64)
+    tensors.update({f"fp16.adam.{n}": t for n, t in adam.items()})
+    print(f"fp16: scales {scales}, skipped {skipped}")
     metadata = {"format": "pt", "seed": str(SEED), "steps": str(STEPS), "autocast": "cpu bfloat16",
                 "generated_by": f"scripts/make_golden_amp.py (torch {torch.__version__}); do not edit, rerun it",
-                "adam.lr": repr(ADAM["lr"])}
+                "adam.lr": repr(ADAM["lr"]), "fp16.autocast": "cpu float16",
+                "fp16.steps": str(FP16_STEPS)}
     data = safetensors_bytes(tensors, metadata)
     args.out.write_bytes(data)
     print(f"wrote {args.out} ({len(data)} bytes, {len(tensors)} tensors)")
