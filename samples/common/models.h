@@ -10,12 +10,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "dp/dp.h"
+#include "gpt/gpt.h"
 
 namespace samples {
 
@@ -138,19 +140,59 @@ class ToyModel : public dp::nn::Module {
   std::shared_ptr<dp::nn::Linear> net1_, net2_;
 };
 
+/// The benchmarks' GPT (samples::GPT, samples/gpt/gpt.h): 6 blocks of width 256 and 8
+/// heads, context 64, a 128-token vocabulary, tied embedding — 4.8 M parameters, a
+/// model whose parameters and AdamW state outweigh a small batch's activations, so that
+/// the designs' memory differs for real.
+inline samples::GPTConfig bench_gpt_config() {
+  samples::GPTConfig c;
+  c.vocab_size = 128;
+  c.block_size = 64;
+  c.n_layer = 6;
+  c.n_head = 8;
+  c.n_embd = 256;
+  return c;
+}
+
 /// Input shape of one example for a model name ("cnn", "mlp": (1, 28, 28);
-/// "resnet18": (3, 32, 32)).
+/// "resnet18": (3, 32, 32); "gpt": (block_size) token ids).
 inline dp::Shape example_shape(const std::string& model) {
   if (model == "resnet18") return {3, 32, 32};
+  if (model == "gpt") return {bench_gpt_config().block_size};
   return {1, 28, 28};
 }
 
-/// Builds "cnn", "mlp" or "resnet18". Throws std::invalid_argument otherwise.
+/// Builds "cnn", "mlp", "resnet18" or "gpt". Throws std::invalid_argument otherwise.
 inline std::shared_ptr<dp::nn::Module> make_model(const std::string& model, std::uint64_t seed) {
   if (model == "cnn") return fashion_cnn(seed);
   if (model == "mlp") return mlp(seed);
   if (model == "resnet18") return std::make_shared<ResNet18>(seed);
-  throw std::invalid_argument("unknown model '" + model + "' (expected cnn, mlp or resnet18)");
+  if (model == "gpt") {
+    dp::Generator gen(seed);
+    return std::make_shared<GPT>(bench_gpt_config(), gen);
+  }
+  throw std::invalid_argument("unknown model '" + model + "' (expected cnn, mlp, resnet18 or gpt)");
+}
+
+/// `count` batches of `batch` random token windows for the GPT of bench_gpt_config():
+/// data (batch, block_size) and target (batch, block_size) int64, the target being the
+/// data shifted by one token.
+inline std::vector<dp::data::Batch> token_batches(std::int64_t batch, int count, std::uint64_t seed) {
+  const samples::GPTConfig c = bench_gpt_config();
+  dp::Generator gen(seed);
+  std::vector<dp::data::Batch> out;
+  for (int k = 0; k < count; ++k) {
+    const dp::Tensor ids = dp::randint(0, c.vocab_size, {batch, c.block_size + 1}, gen, dp::cpu(0));
+    out.push_back({ids.narrow(1, 0, c.block_size).contiguous(), ids.narrow(1, 1, c.block_size).contiguous()});
+  }
+  return out;
+}
+
+/// The Sharded gather units a model wants (DataParallelOptions::shard_unit): one per
+/// transformer block for "gpt", the top-level children otherwise.
+inline std::function<bool(const dp::nn::Module&)> shard_unit(const std::string& model) {
+  if (model == "gpt") return dp::nn::is_module<dp::nn::TransformerBlock>;
+  return nullptr;
 }
 
 }  // namespace samples

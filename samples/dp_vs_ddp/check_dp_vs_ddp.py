@@ -166,6 +166,24 @@ def main():
     else:
         print("SKIP: gnuplot not installed, chart check skipped")
 
+    # The GPT (--model gpt, AdamW): the designs train it alike, and Sharded stage 3 keeps
+    # half of DDP's parameters and optimizer state per device on 2 devices.
+    cmd = [exe, "--model", "gpt", "--devices", "2", "--batch", "2", "--steps", "1", "--warmup", "1",
+           "--optimizer", "adamw", "--lr", "1e-3", "--stages", "3", "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    check(run.returncode == 0, f"exit status {run.returncode} of {' '.join(cmd)}: {run.stderr[-300:]}")
+    gpt = {(o.get("mode"), o.get("devices")): o for o in map(json.loads, filter(str.strip, run.stdout.splitlines()))}
+    check(set(gpt) == {("single", 1), ("DP", 1), ("DP", 2), ("DDP", 1), ("DDP", 2), ("Sharded", 1), ("Sharded", 2)},
+          f"gpt configurations {sorted(gpt)}")
+    ddp, zero3 = gpt.get(("DDP", 2), {}), gpt.get(("Sharded", 2), {})
+    if ddp and zero3:
+        check(ddp["loss_last"] == zero3["loss_last"] == gpt[("DP", 2)]["loss_last"],
+              f"gpt: DP, DDP and Sharded-3 losses differ: {gpt[('DP', 2)]['loss_last']}, {ddp['loss_last']}, "
+              f"{zero3['loss_last']}")
+        for k in ("parameters", "optimizer_state"):
+            d, z = ddp["memory_bytes"][k][1], zero3["memory_bytes"][k][1]
+            check(abs(z - d / 2) <= 64 * 4, f"gpt: Sharded-3 device 1 {k} {z} bytes, expected half of DDP's {d}")
+
     # Bad flags: a clear error and a non-zero exit.
     for bad in (["--model", "vgg"], ["--devices", "0"], ["--devices", "x"], ["--steps", "-1"],
                 ["--no-such-flag"], ["--stages", "4"], ["--stages", "1,1"], ["--stages", "x"],

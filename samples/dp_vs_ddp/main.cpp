@@ -13,6 +13,7 @@
 // [Across processes in the benchmark]).
 //
 //   dp_vs_ddp --model mlp --devices 1,2,4 --optimizer adam --stages 1,2,3
+//   dp_vs_ddp --model gpt --devices 4 --optimizer adamw     # where ZeRO pays: parameters and state dominate
 //   mpirun -np 2 --bind-to none dp_vs_ddp --model mlp --devices 1,2 --batch 256
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -155,7 +156,11 @@ struct Result {
   std::string trace_path;
 };
 
-dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
+// Cross-entropy; a language model's (B, T, V) logits and (B, T) targets count every token.
+dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) {
+  if (out.dim() == 3) return dp::nn::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
+  return dp::nn::cross_entropy(out, y);
+}
 
 std::string trace_file(const Args& a, const std::string& mode, int n, int processes) {
   const std::string rank = processes > 1 ? "_p" + std::to_string(dist::rank()) : "";
@@ -165,10 +170,13 @@ std::string trace_file(const Args& a, const std::string& mode, int n, int proces
 
 std::unique_ptr<dp::optim::Optimizer> make_optimizer(const Args& a, const dp::nn::ParameterList& params) {
   if (a.optimizer == "adam") return std::make_unique<dp::optim::Adam>(params, dp::optim::AdamOptions{.lr = a.lr});
+  if (a.optimizer == "adamw")
+    return std::make_unique<dp::optim::AdamW>(params, dp::optim::AdamWOptions{.lr = a.lr, .weight_decay = 0.1});
   return std::make_unique<dp::optim::SGD>(params, dp::optim::SGDOptions{.lr = a.lr, .momentum = 0.9});
 }
 
 std::string optimizer_label(const Args& a) {
+  if (a.optimizer == "adamw") return "AdamW(lr " + samples::fmt(a.lr, 4) + ", weight decay 0.1)";
   return a.optimizer == "adam" ? "Adam(lr " + samples::fmt(a.lr, 4) + ")"
                                : "SGD(lr " + samples::fmt(a.lr, 4) + ", momentum 0.9)";
 }
@@ -185,7 +193,7 @@ int state_tensors_per_parameter(const Args& a, dp::optim::Optimizer& opt) {
     return k;
   } catch (const dp::Error&) {
     if (!dist::is_distributed()) throw;
-    return a.optimizer == "adam" ? 2 : 1;
+    return a.optimizer == "sgd" ? 1 : 2;
   }
 }
 
@@ -290,7 +298,10 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
   for (const dp::Device& d : devices) base.push_back(dp::memory_allocated(d));
   auto net = samples::make_model(a.model, a.seed);
   dp::DataParallelOptions options{.mode = design.mode};
-  if (design.stage > 0) options.shard_stage = design.stage;
+  if (design.stage > 0) {
+    options.shard_stage = design.stage;
+    options.shard_unit = samples::shard_unit(a.model);  // the GPT: a gather unit per block
+  }
   dp::DataParallel model(net, devices, options);
   r.processes = model.processes();
   r.rows = batches.front().data.size(0);
@@ -737,7 +748,8 @@ int run(const Args& a, const std::vector<int>& counts, const std::vector<int>& s
               << " hardware threads\n\n";
   }
   // Note [Across processes in the benchmark]: the global batches, and this process's rows of them.
-  auto batches = samples::synthetic_batches(samples::example_shape(a.model), a.batch, 4, a.seed);
+  auto batches = a.model == "gpt" ? samples::token_batches(a.batch, 4, a.seed)
+                                  : samples::synthetic_batches(samples::example_shape(a.model), a.batch, 4, a.seed);
   std::vector<dp::data::Batch> mine = batches;
   if (procs > 1) {
     const std::int64_t rows = a.batch / procs;
@@ -791,8 +803,10 @@ int main(int argc, char** argv) {
   CLI::App app{"Single device, DP, DDP and Sharded (ZeRO stages) side by side on 1..N devices: "
                "throughput, scaling, phase breakdown, memory split; synthetic data, fixed seeds."};
   Args a;
-  app.add_option("--model", a.model, "cnn (Fashion-MNIST CNN), mlp (784-1024-1024-10) or resnet18 (CIFAR)")
-      ->check(CLI::IsMember({"cnn", "mlp", "resnet18"}))
+  app.add_option("--model", a.model,
+                 "cnn (Fashion-MNIST CNN), mlp (784-1024-1024-10), resnet18 (CIFAR) or gpt (6 blocks, width 256, "
+                 "context 64: 4.8 M parameters; batch 16 unless --batch)")
+      ->check(CLI::IsMember({"cnn", "mlp", "resnet18", "gpt"}))
       ->capture_default_str();
   app.add_option("--devices", a.devices,
                  "N (device counts 1..N) or a list of counts like 1,2,4; default: every visible GPU, "
@@ -810,8 +824,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seed", a.seed, "seed of the model and the data")->capture_default_str();
   app.add_option("--lr", a.lr, "learning rate")->check(CLI::Range(1e-9, 10.0))->capture_default_str();
-  app.add_option("--optimizer", a.optimizer, "sgd (momentum 0.9: one state tensor per parameter) or adam (two)")
-      ->check(CLI::IsMember({"sgd", "adam"}))
+  app.add_option("--optimizer", a.optimizer,
+                 "sgd (momentum 0.9: one state tensor per parameter), adam or adamw (weight decay 0.1; two)")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
       ->capture_default_str();
   app.add_option("--stages", a.stages,
                  "ZeRO stages of the Sharded rows, e.g. 1,2,3; a stage this build does not implement is "
@@ -827,6 +842,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--plot", a.plot_dir, "draw PNG charts into DIR (needs gnuplot)");
   CLI11_PARSE(app, argc, argv);
+  if (a.model == "gpt" && app.count("--batch") == 0) a.batch = 16;  // 16 sequences of 64 tokens
   // Under mpirun process 0 reports (Note [Across processes in the benchmark]).
   if (!dist::is_main() && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
 
