@@ -69,6 +69,29 @@ std::vector<float> train(const dp::DataParallelOptions* options, int devices, bo
   return flat(net->state_dict());
 }
 
+/// Trains Net in every design on 1-3 devices through both forward paths: each within
+/// float rounding of one plain device, and bitwise DP's.
+template <class Net>
+void check_every_design() {
+  const std::vector<float> single = train<Net>(nullptr, 1, false);
+  REQUIRE(!single.empty());
+  CHECK(max_diff(single, flat(Net(kSeed).state_dict())) > 1e-3);  // the steps moved the parameters
+  for (int devices = 1; devices <= 3; ++devices) {
+    for (bool module_path : {false, true}) {
+      std::vector<float> dp_params;
+      for (const NamedDesign& d : every_design()) {
+        CAPTURE(d.name);
+        CAPTURE(devices);
+        CAPTURE(module_path);
+        const std::vector<float> got = train<Net>(&d.options, devices, module_path);
+        CHECK(max_diff(got, single) < 2e-5);
+        if (dp_params.empty()) dp_params = got;
+        else CHECK(max_diff(got, dp_params) == 0);  // bitwise DP's, as every design promises on CPU
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("a tiny causal LM trains the same in every design on 1-3 devices as on one device") {
@@ -93,23 +116,7 @@ TEST_CASE("a tiny causal LM trains the same in every design on 1-3 devices as on
 }
 
 TEST_CASE("a 2-block GPT (TransformerBlock) trains the same in every design on 1-3 devices as on one device") {
-  const std::vector<float> single = train<TinyGPT>(nullptr, 1, false);
-  REQUIRE(!single.empty());
-  CHECK(max_diff(single, flat(TinyGPT(kSeed).state_dict())) > 1e-3);  // the steps moved the parameters
-  for (int devices = 1; devices <= 3; ++devices) {
-    for (bool module_path : {false, true}) {
-      std::vector<float> dp_params;
-      for (const NamedDesign& d : every_design()) {
-        CAPTURE(d.name);
-        CAPTURE(devices);
-        CAPTURE(module_path);
-        const std::vector<float> got = train<TinyGPT>(&d.options, devices, module_path);
-        CHECK(max_diff(got, single) < 2e-5);
-        if (dp_params.empty()) dp_params = got;
-        else CHECK(max_diff(got, dp_params) == 0);  // bitwise DP's
-      }
-    }
-  }
+  check_every_design<TinyGPT>();
 }
 
 TEST_CASE("a forward that runs top-level children out of registration order trains in every design") {
@@ -131,22 +138,7 @@ TEST_CASE("a forward that runs top-level children out of registration order trai
 }
 
 TEST_CASE("causal MultiheadAttention trains the same in every design on 1-3 devices as on one device") {
-  const std::vector<float> single = train<TinyMHA>(nullptr, 1, false);
-  CHECK(max_diff(single, flat(TinyMHA(kSeed).state_dict())) > 1e-3);  // the steps moved the parameters
-  for (int devices = 1; devices <= 3; ++devices) {
-    for (bool module_path : {false, true}) {
-      std::vector<float> dp_params;
-      for (const NamedDesign& d : every_design()) {
-        CAPTURE(d.name);
-        CAPTURE(devices);
-        CAPTURE(module_path);
-        const std::vector<float> got = train<TinyMHA>(&d.options, devices, module_path);
-        CHECK(max_diff(got, single) < 2e-5);
-        if (dp_params.empty()) dp_params = got;
-        else CHECK(max_diff(got, dp_params) == 0);  // bitwise DP's
-      }
-    }
-  }
+  check_every_design<TinyMHA>();
 }
 
 TEST_CASE("a tied parameter is one parameter: counted, flattened and stepped once, its gradient both uses' sum") {
@@ -185,22 +177,7 @@ TEST_CASE("a tied parameter is one parameter: counted, flattened and stepped onc
 }
 
 TEST_CASE("a GPT with tied embedding and head trains the same in every design on 1-3 devices as on one device") {
-  const std::vector<float> single = train<TiedGPT>(nullptr, 1, false);
-  CHECK(max_diff(single, flat(TiedGPT(kSeed).state_dict())) > 1e-3);
-  for (int devices = 1; devices <= 3; ++devices) {
-    for (bool module_path : {false, true}) {
-      std::vector<float> dp_params;
-      for (const NamedDesign& d : every_design()) {
-        CAPTURE(d.name);
-        CAPTURE(devices);
-        CAPTURE(module_path);
-        const std::vector<float> got = train<TiedGPT>(&d.options, devices, module_path);
-        CHECK(max_diff(got, single) < 2e-5);
-        if (dp_params.empty()) dp_params = got;
-        else CHECK(max_diff(got, dp_params) == 0);  // bitwise DP's
-      }
-    }
-  }
+  check_every_design<TiedGPT>();
 }
 
 namespace {
