@@ -202,9 +202,27 @@ def main():
           f"--help does not show the default device count {default_devices}: {r.stdout[:600]}")
     for bad in (["--devices", "1"], ["--devices", "100000"], ["--devices", "0,0"], ["--devices", "x"],
                 ["--batch", "0"], ["--devices", "4", "--batch", "2"], ["--shard-stage", "3"],
-                ["--iterations", "0"], ["--nope"]):
+                ["--iterations", "0"], ["--nope"], ["--model", "vgg"]):
         r = run(exe, *bad, timeout=60)
         check(r.returncode != 0 and r.stderr.strip(), f"{bad} exited {r.returncode}")
+
+    # The GPT: a gather unit per transformer block (shard_unit), named by its module; the
+    # allocator agrees with first principles between steps; every design ends bitwise alike.
+    r = run(exe, "--model", "gpt", "--devices", "2", "--batch", "2", "--iterations", "1", "--json", timeout=300)
+    check(r.returncode == 0, f"--model gpt: exit status {r.returncode}: {r.stderr[-300:]}")
+    try:
+        g = json.loads(r.stdout)
+    except json.JSONDecodeError:
+        g = {}
+        check(False, "--model gpt: output is not JSON")
+    children = [u.get("child") for u in g.get("stage3", {}).get("units", [])]
+    check(children == ["transformer"] + [f"transformer.h.{i}" for i in range(6)] + ["transformer.ln_f"],
+          f"--model gpt: gather units {children}")
+    check(g.get("stage3", {}).get("between_steps_bytes") == g.get("stage3", {}).get("between_steps_expected_bytes"),
+          "--model gpt: the allocator's count between steps differs from first principles")
+    check(g.get("max_param_diff") == 0 and g.get("max_param_diff_sharded") == 0 and g.get("max_param_diff_stage3") == 0,
+          "--model gpt: the designs' parameters differ")
+    check("a GPT" in "\n".join(g.get("narration", [])), "--model gpt: the narration does not name the GPT")
 
     if failures:
         print(f"{len(failures)} check(s) failed")

@@ -1,7 +1,8 @@
 // samples/teach — a narrated walk through a DP step, a DDP step, a Sharded step
 // (ZeRO stage 1 or 2) and a stage-3 step.
 //
-// The same Fashion-MNIST CNN, the same batch, the same devices (min(4, hardware
+// The same model (the Fashion-MNIST CNN, or with --model gpt a GPT of 6 transformer
+// blocks whose Sharded gather units are its blocks), the same batch, the same devices (min(4, hardware
 // threads) CPU virtual devices, or the GPUs present): a few iterations in each design,
 // traced, and the median one told phase by phase — what moves where (tensor names,
 // shapes, bytes, device → device) and when (times from model.trace() and
@@ -135,19 +136,26 @@ struct Run {
   }
 };
 
-dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) { return dp::nn::cross_entropy(out, y); }
+// Cross-entropy; the GPT's (B, T, V) logits and (B, T) targets count every token.
+dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) {
+  if (out.dim() == 3) return dp::nn::cross_entropy(out.reshape({-1, out.size(-1)}), y.reshape({-1}));
+  return dp::nn::cross_entropy(out, y);
+}
 
 // One warm-up iteration (untraced: first touches of memory and threads), then
 // `iterations` traced ones on the same batch; the median one is narrated.
-Run run(dp::Mode mode, int stage, const std::vector<dp::Device>& devs, const dp::data::Batch& warm,
-        const dp::data::Batch& batch, int iterations) {
+Run run(const std::string& model_name, dp::Mode mode, int stage, const std::vector<dp::Device>& devs,
+        const dp::data::Batch& warm, const dp::data::Batch& batch, int iterations) {
   Run r;
   r.mode = mode;
   std::vector<std::size_t> base;
   for (const dp::Device& d : devs) base.push_back(dp::memory_allocated(d));
-  r.net = samples::fashion_cnn(/*seed=*/7);
+  r.net = samples::make_model(model_name, /*seed=*/7);
   dp::DataParallelOptions opts{.mode = mode};
-  if (mode == dp::Mode::Sharded) opts.shard_stage = stage;
+  if (mode == dp::Mode::Sharded) {
+    opts.shard_stage = stage;
+    opts.shard_unit = samples::shard_unit(model_name);  // the GPT: a gather unit per transformer block
+  }
   dp::DataParallel model(r.net, devs, opts);
   dp::optim::SGD opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
   auto step = [&](const dp::data::Batch& b) {
@@ -556,8 +564,35 @@ Stage3Bytes stage3_bytes(const std::vector<std::pair<std::int64_t, std::int64_t>
   return b;
 }
 
-// The child that holds a unit: the prefix of its first parameter's name ("7" of "7.weight").
-std::string child_of(const std::vector<ParamInfo>& params, std::int64_t lo) {
+// The module that holds unit [lo, hi): the longest dotted prefix its parameters' names
+// share ("7" for "7.weight" and "7.bias"; "transformer.h.0" for a GPT block picked by
+// shard_unit), or the top-level child of its first parameter when they share none.
+std::string child_of(const std::vector<ParamInfo>& params, std::int64_t lo, std::int64_t hi) {
+  auto parts = [](const std::string& name) {  // the module path of a parameter: "a.b.w" -> {a, b}
+    std::vector<std::string> out;
+    std::size_t start = 0;
+    for (std::size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
+      out.push_back(name.substr(start, dot - start));
+      start = dot + 1;
+    }
+    return out;
+  };
+  std::vector<std::string> common;
+  bool first = true;
+  for (auto& p : params) {
+    if (p.offset < lo || p.offset >= hi) continue;
+    const std::vector<std::string> mine = parts(p.name);
+    if (first) {
+      common = mine;
+      first = false;
+    }
+    std::size_t n = 0;
+    while (n < common.size() && n < mine.size() && common[n] == mine[n]) ++n;
+    common.resize(n);
+  }
+  std::string out;
+  for (auto& c : common) out += (out.empty() ? "" : ".") + c;
+  if (!out.empty()) return out;
   for (auto& p : params)
     if (p.offset == lo) return p.name.substr(0, p.name.find('.'));
   return "?";
@@ -573,8 +608,8 @@ void narrate_stage3(Narrator& n, const Run& r, const Run& ddp, const std::vector
   n.say("== Sharded (dp::Mode::Sharded, ZeRO stage 3): the median of " + std::to_string(r.iters.size()) +
         " iterations on " + std::to_string(N) + " devices ==");
   n.say("Stage 3 shards the parameters too: between steps NO device holds them whole, each keeps only");
-  n.say("its own range (with that range's gradient and momentum). A top-level child's parameters are");
-  n.say("all-gathered on every device just before the child runs, forward and again backward, then freed.");
+  n.say("its own range (with that range's gradient and momentum). A gather unit's parameters are");
+  n.say("all-gathered on every device just before the unit runs, forward and again backward, then freed.");
   n.say("");
   n.say("0. ranges — as in stage 2 (S = " + std::to_string(S) + " floats); now the PARAMETERS too live only there:");
   std::vector<double> own;
@@ -584,7 +619,8 @@ void narrate_stage3(Narrator& n, const Run& r, const Run& ddp, const std::vector
     n.say("     " + devs[d].str() + " holds [" + std::to_string(lo) + ", " + std::to_string(hi) + "): 4·S = " +
           exact_bytes(4.0 * S) + " of parameters (DDP: all of P = " + format_bytes(P) + ")");
   }
-  n.say("1. gather units — one per top-level child with parameters, each a contiguous run of the flat buffer:");
+  n.say("1. gather units — one per top-level child with parameters (for the GPT, shard_unit makes each");
+  n.say("   transformer block one: FSDP's auto-wrap), each a contiguous run of the flat buffer:");
   double largest = 0, pair_peak = 0;
   std::size_t largest_unit = 0;
   nlohmann::json junits = nlohmann::json::array();
@@ -603,10 +639,10 @@ void narrate_stage3(Narrator& n, const Run& r, const Run& ddp, const std::vector
       const std::int64_t o = overlap(lo, hi, r.shards[d].first, r.shards[d].second);
       if (o > 0) owners += (owners.empty() ? "" : ", ") + devs[d].str() + " " + std::to_string(o) + " floats";
     }
-    n.say("     unit " + std::to_string(u) + " = child '" + child_of(params, lo) + "' (" +
+    n.say("     unit " + std::to_string(u) + " = child '" + child_of(params, lo, hi) + "' (" +
           params_in(params, lo, hi, false) + ") [" + std::to_string(lo) + ", " + std::to_string(hi) + "), " +
           exact_bytes(bytes) + "; owned by " + owners);
-    junits.push_back({{"child", child_of(params, lo)}, {"lo", lo}, {"hi", hi}, {"bytes", bytes}});
+    junits.push_back({{"child", child_of(params, lo, hi)}, {"lo", lo}, {"hi", hi}, {"bytes", bytes}});
   }
   const auto b = stage3_bytes(r.shards, r.units, elems);
   // The worker's gathers: before backward began on that worker they served the forward.
@@ -644,7 +680,7 @@ void narrate_stage3(Narrator& n, const Run& r, const Run& ddp, const std::vector
              " B";
     }
     const std::string before = u == 0 ? "first" : "prefetched with unit " + std::to_string(u - 1) + ";";
-    n.say("   before child '" + child_of(params, lo) + "': unit " + std::to_string(u) + " (" + before + " " +
+    n.say("   before child '" + child_of(params, lo, hi) + "': unit " + std::to_string(u) + " (" + before + " " +
           (u + 1 < U ? "prefetches unit " + std::to_string(u + 1) : "nothing left to prefetch") +
           (u > 0 ? ", releases unit " + std::to_string(u - 1) : "") + "): " + per + "; (N-1)/N·4|u| = " +
           exact_bytes(4.0 * static_cast<double>(hi - lo) * static_cast<double>(N - 1) / static_cast<double>(N)) +
@@ -689,7 +725,7 @@ void narrate_stage3(Narrator& n, const Run& r, const Run& ddp, const std::vector
   for (std::size_t d = 0; d < N; ++d) expect.push_back(8.0 * S + 4.0 * own[d]);
   n.say("7. memory per device — parameters held 4·S = " + exact_bytes(4.0 * S) + " (P/N, padded), plus while a");
   n.say("   step runs the gathered units: the largest child is '" +
-        child_of(params, U > 0 ? r.units[largest_unit].first : 0) + "' (unit " + std::to_string(largest_unit) +
+        child_of(params, U > 0 ? r.units[largest_unit].first : 0, U > 0 ? r.units[largest_unit].second : 0) + "' (unit " + std::to_string(largest_unit) +
         ", " + exact_bytes(largest) + "), held alone in backward; in forward");
   n.say("   a unit and its prefetched successor are held together: at most " + exact_bytes(pair_peak) +
         ". So parameters at most 4·S + " + format_bytes(pair_peak) + " = " + exact_bytes(4.0 * S + pair_peak) +
@@ -788,6 +824,12 @@ int main(int argc, char** argv) {
   int stage = 2;
   bool json = false;
   std::string trace_path;
+  std::string model_name = "cnn";
+  app.add_option("--model", model_name,
+                 "cnn (the Fashion-MNIST CNN) or gpt (6 transformer blocks of width 256, 4.8 M parameters: where "
+                 "sharding pays)")
+      ->check(CLI::IsMember({"cnn", "gpt"}))
+      ->capture_default_str();
   samples::add_devices_option(app, devices_spec, /*min=*/2);
   samples::add_batch_option(app, batch_size);
   app.add_option("--iterations", iterations, "traced iterations per design (the median one is narrated)")
@@ -806,14 +848,15 @@ int main(int argc, char** argv) {
                                   std::to_string(ndev) + " devices");
     std::vector<dp::Device> devs;
     for (int id : ids) devs.push_back(dp::device(id));
-    auto data = samples::synthetic_batches({1, 28, 28}, batch_size, 2, /*seed=*/3);
+    auto data = model_name == "gpt" ? samples::token_batches(batch_size, 2, /*seed=*/3)
+                                    : samples::synthetic_batches({1, 28, 28}, batch_size, 2, /*seed=*/3);
 
     Narrator n;
     n.json = json;
-    Run dpr = run(dp::Mode::DP, 0, devs, data[0], data[1], iterations);
-    Run ddpr = run(dp::Mode::DDP, 0, devs, data[0], data[1], iterations);
-    Run shr = run(dp::Mode::Sharded, stage, devs, data[0], data[1], iterations);
-    Run sh3 = run(dp::Mode::Sharded, 3, devs, data[0], data[1], iterations);
+    Run dpr = run(model_name, dp::Mode::DP, 0, devs, data[0], data[1], iterations);
+    Run ddpr = run(model_name, dp::Mode::DDP, 0, devs, data[0], data[1], iterations);
+    Run shr = run(model_name, dp::Mode::Sharded, stage, devs, data[0], data[1], iterations);
+    Run sh3 = run(model_name, dp::Mode::Sharded, 3, devs, data[0], data[1], iterations);
     auto params = param_infos(*dpr.net);
     double P = 0;
     for (auto& p : params) P += 4.0 * p.numel;
@@ -821,7 +864,9 @@ int main(int argc, char** argv) {
     const bool cpu = samples::device_kind() == "cpu";
     const int cores = dp::hardware_concurrency();
 
-    n.say("teach: the Fashion-MNIST CNN on " + std::to_string(ndev) + " " +
+    n.say("teach: " + std::string(model_name == "gpt" ? "a GPT (6 transformer blocks, tied embedding)"
+                                                        : "the Fashion-MNIST CNN") +
+          " on " + std::to_string(ndev) + " " +
           (cpu ? "CPU virtual devices (no GPU here: each has its own memory, worker thread and share of "
                  "the cores)"
                : "GPUs") +
