@@ -182,11 +182,18 @@ inline dp::amp::autocast precision_scope(const std::string& precision) {
   return dp::amp::autocast(precision == "fp16" ? dp::Dtype::Float16 : dp::Dtype::BFloat16, precision != "fp32");
 }
 
-/// The line a sample prints once for --precision bf16 on the CPU: what computes in bf16.
-inline const char* kCpuBf16Note =
-    "note: 16-bit precision on the CPU backend: bfloat16 matrix products use oneDNN's bfloat16 matmul where this "
-    "CPU has one; float16 products, and every convolution, widen to float32 and round once "
-    "(Note [16-bit GEMMs on the CPU])";
+/// The line a sample prints once for --precision bf16|fp16 on the CPU: how this CPU
+/// computes 16-bit products (dp::cpu_bf16()), and what widens.
+inline std::string cpu_16bit_note(const std::string& precision) {
+  if (precision == "fp16")
+    return "note: float16 on the CPU backend widens every product and convolution to float32 and rounds once "
+           "(oneDNN 2.x has no CPU float16 matmul): it works, slower than float32 (Note [16-bit GEMMs on the CPU])";
+  const dp::CpuBf16 kind = dp::cpu_bf16();
+  return std::string("note: bfloat16 products on this CPU: ") + dp::cpu_bf16_name(kind) +
+         (kind == dp::CpuBf16::Native ? ""
+                                      : "; bf16 works and gives the same bits, but is not faster than fp32 here") +
+         " (Note [bf16 GEMMs through oneDNN])";
+}
 
 /// Adds --json with a sample-specific description.
 inline CLI::Option* add_json_option(CLI::App& app, bool& json, const std::string& what) {

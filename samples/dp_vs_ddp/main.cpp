@@ -875,7 +875,7 @@ int main(int argc, char** argv) {
                                   std::to_string(counts.back()) + " devices; use a batch of at least one row per device");
     const std::vector<int> stages = a.stages.empty() ? std::vector<int>{} : parse_stages(a.stages);
     if (a.precision == "bf16" && dp::default_device_type() == dp::DeviceType::CPU && dist::is_main())
-      std::cerr << samples::kCpuBf16Note << "\n";
+      std::cerr << samples::cpu_16bit_note(a.precision) << "\n";
     return run(a, counts, stages);
   } catch (const std::invalid_argument& e) {
     std::cerr << "error: " << e.what() << "\nRun with --help for more information.\n";

@@ -424,7 +424,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (cfg.precision != "fp32" && dp::default_device_type() == dp::DeviceType::CPU && cfg.device != "cuda")
-    std::cerr << samples::kCpuBf16Note << "\n";
+    std::cerr << samples::cpu_16bit_note(cfg.precision) << "\n";
   try {
     return run(cfg);
   } catch (const dp::Error& e) {

@@ -502,7 +502,7 @@ int main(int argc, char** argv) {
     return usage("--batch " + std::to_string(cfg.batch) + " is the global batch and must be a multiple of the " +
                  std::to_string(dp::dist::world_size()) + " processes");
   if (cfg.min_lr > cfg.lr) return usage("--min-lr must not exceed --lr");
-  if (cfg.precision != "fp32" && dp::default_device_type() == dp::DeviceType::CPU) std::cerr << samples::kCpuBf16Note << "\n";
+  if (cfg.precision != "fp32" && dp::default_device_type() == dp::DeviceType::CPU) std::cerr << samples::cpu_16bit_note(cfg.precision) << "\n";
   try {
     return cfg.generate > 0 ? generate(cfg) : train(cfg);
   } catch (const dp::Error& e) {

@@ -1,5 +1,9 @@
 #include "dp/core/device.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <array>
 #include <atomic>
 #include <cstdlib>
@@ -102,6 +106,33 @@ DeviceType default_device_type() {
 }
 
 int device_count() { return device_count(default_device_type()); }
+
+CpuBf16 cpu_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const CpuBf16 kind = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_max(0, nullptr) < 7) return CpuBf16::Widened;
+    __cpuid_count(7, 0, a, b, c, d);
+    const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u, amx_bf16 = (d >> 22) & 1u;
+    __cpuid_count(7, 1, a, b, c, d);
+    const bool avx512_bf16 = (a >> 5) & 1u;
+    if (amx_bf16 || (avx512f && avx512_bf16)) return CpuBf16::Native;
+    return avx512f && avx512bw ? CpuBf16::Emulated : CpuBf16::Widened;
+  }();
+  return kind;
+#else
+  return CpuBf16::Widened;
+#endif
+}
+
+const char* cpu_bf16_name(CpuBf16 kind) {
+  switch (kind) {
+    case CpuBf16::Native: return "native (avx512_bf16/AMX)";
+    case CpuBf16::Emulated: return "emulated (AVX-512 without bf16 instructions)";
+    case CpuBf16::Widened: return "widened to float32 (no AVX-512)";
+  }
+  return "?";
+}
 
 std::size_t memory_allocated(Device dev) { return runtime_of(dev).memory_allocated(dev); }
 std::size_t max_memory_allocated(Device dev) { return runtime_of(dev).max_memory_allocated(dev); }

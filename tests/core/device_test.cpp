@@ -1,6 +1,8 @@
 #include <doctest/doctest.h>
 
 #include <cstdlib>
+#include <fstream>
+#include <string>
 
 #include "dp/core/device.h"
 #include "dp/core/error.h"
@@ -60,4 +62,30 @@ TEST_CASE("TF32 policy: PyTorch's defaults (matmul off, convolution on) and the 
   CHECK_FALSE(dp::allow_tf32_conv());
   dp::set_allow_tf32_matmul(mm);
   dp::set_allow_tf32_conv(conv);
+}
+
+namespace {
+
+/// The flags of the first "flags" line of /proc/cpuinfo ("" when there is none).
+std::string cpuinfo_flags() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("flags", 0) == 0) return " " + line.substr(line.find(':') + 1) + " ";
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("cpu_bf16 says what /proc/cpuinfo says: native with avx512_bf16 or amx_bf16, emulated with AVX-512") {
+  const std::string flags = cpuinfo_flags();
+  if (flags.empty()) return;  // not Linux on x86: nothing to compare with
+  const auto has = [&](const char* f) { return flags.find(std::string(" ") + f + " ") != std::string::npos; };
+  const bool native = has("amx_bf16") || (has("avx512f") && has("avx512_bf16"));
+  const bool avx512 = has("avx512f") && has("avx512bw");
+  const dp::CpuBf16 want = native ? dp::CpuBf16::Native : avx512 ? dp::CpuBf16::Emulated : dp::CpuBf16::Widened;
+  CAPTURE(flags);
+  CHECK(dp::cpu_bf16() == want);
+  MESSAGE("bfloat16 products here: ", std::string(dp::cpu_bf16_name(dp::cpu_bf16())));
+  CHECK(std::string(dp::cpu_bf16_name(dp::CpuBf16::Native)).find("native") == 0);
 }

@@ -60,6 +60,22 @@ Device parse_device(const std::string& text);
 /// Number of hardware threads of this machine (at least 1).
 int hardware_concurrency();
 
+/// How this machine's CPU runs bfloat16 matrix products (Note [bf16 GEMMs through
+/// oneDNN] in src/backend/cpu/cpu_gemm.cpp), from its CPUID:
+///  - Native: avx512_bf16 or AMX-BF16 instructions: oneDNN's bfloat16 matmul, faster
+///    than float32;
+///  - Emulated: AVX-512 without them: oneDNN's matmul emulates bfloat16 products with
+///    float32 FMAs, about float32's speed;
+///  - Widened: neither (AVX2 CPUs): products widen to float32 and round once, slower
+///    than float32 by the conversions.
+/// The results are the same bfloat16 bits a product with float32 accumulation gives in
+/// every case; only the speed differs.
+enum class CpuBf16 { Native, Emulated, Widened };
+CpuBf16 cpu_bf16();
+/// "native (avx512_bf16/AMX)", "emulated (AVX-512 without bf16 instructions)" or
+/// "widened to float32 (no AVX-512)".
+const char* cpu_bf16_name(CpuBf16 kind);
+
 /// Bytes held by tensors on `dev` now (torch.cuda.memory_allocated); pinned host
 /// memory is not on any device and is counted by pinned_memory_allocated().
 std::size_t memory_allocated(Device dev);
