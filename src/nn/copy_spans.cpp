@@ -16,6 +16,11 @@ CopySpan copy_span(const ParameterSet& set, int copy) {
   return {.begin = 0, .end = set.buffer_numel(), .data = c.data, .grad = c.grad};
 }
 
+ProcessExchange* process_exchange(const ParameterSet& set) {
+  CopySpans* spans = set.spans();
+  return spans != nullptr ? spans->exchange() : nullptr;
+}
+
 bool spans_cut(const ParameterSet& set) {
   if (set.spans() == nullptr) return false;
   for (int r = 0; r < set.num_copies(); ++r) {

@@ -162,11 +162,6 @@ void ParameterSet::pad_buffers(std::int64_t n) {
   buffer_numel_ = n;
 }
 
-ProcessExchange& ParameterSet::process_exchange() const {
-  DP_ASSERT(process_exchange_ != nullptr);
-  return *process_exchange_;
-}
-
 void ParameterSet::make_primary_readable() const {
   if (view_provider_ != nullptr) view_provider_->make_primary_readable();
 }

@@ -131,7 +131,7 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
   std::vector<Tensor> all;
   for (const Tensor& t : partials)
     if (t.defined()) all.push_back(t.device() == home ? t : t.to(home));
-  if (set.spans_processes()) {
+  if (ProcessExchange* exchange = process_exchange(set)) {
     // Note [Clipping in blocks]: the other processes' partials, in process order.
     std::vector<float> mine;
     for (const Tensor& t : all) {
@@ -139,7 +139,7 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
       mine.insert(mine.end(), part.begin(), part.end());
     }
     std::vector<float> every;
-    for (const std::vector<float>& part : set.process_exchange().gather(mine))
+    for (const std::vector<float>& part : exchange->gather(mine))
       every.insert(every.end(), part.begin(), part.end());
     all.clear();
     if (!every.empty()) all.push_back(from_vector(every, {static_cast<std::int64_t>(every.size())}, home));
@@ -212,9 +212,9 @@ bool scale_grads_find_nonfinite_(const ParameterList& params, double factor) {
   });
   bool any = found.load();
   const auto& set = params.set();
-  if (set && set->spans_processes()) {
+  if (ProcessExchange* exchange = set ? process_exchange(*set) : nullptr) {
     // Each process checked only its own ranges (Note [Ranges across processes]).
-    for (const std::vector<float>& part : set->process_exchange().gather({any ? 1.0f : 0.0f}))
+    for (const std::vector<float>& part : exchange->gather({any ? 1.0f : 0.0f}))
       any = any || (!part.empty() && part[0] != 0.0f);
   }
   return any;

@@ -332,7 +332,7 @@ Tensor Optimizer::full_state(std::size_t k) {
   if (std::all_of(states_.begin(), states_.end(), [](const CopyState& s) { return s.buffers.empty(); }))
     return Tensor();
   const nn::ParameterSet& set = *params_.set();
-  if (set.spans_processes()) return gathered_state(k);
+  if (nn::process_exchange(set) != nullptr) return gathered_state(k);
   // Sharded: every copy holds its range; assemble them on the primary's device.
   Tensor out = zeros({state_numel_}, params_.set()->copy(0).device);
   for (const CopyState& st : states_) {
@@ -372,7 +372,7 @@ Tensor Optimizer::gathered_state(std::size_t k) {
     mine.insert(mine.end(), v.begin(), v.end());
   }
   std::vector<float> all;
-  for (const std::vector<float>& part : set.process_exchange().gather(mine))
+  for (const std::vector<float>& part : nn::process_exchange(set)->gather(mine))
     all.insert(all.end(), part.begin(), part.end());
   DP_CHECK(static_cast<std::int64_t>(all.size()) == state_numel_, kind_, ".state_dict: the processes' optimizer "
            "states add up to ", all.size(), " elements, expected ", state_numel_, ": was the optimizer built over "

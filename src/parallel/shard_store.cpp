@@ -21,15 +21,11 @@ ShardStore::~ShardStore() = default;
 
 ShardStore* ShardStore::of(const nn::ParameterSet& set) { return dynamic_cast<ShardStore*>(set.view_provider()); }
 
-void ShardStore::install() {
-  set_.set_view_provider(this);
-  if (sharded_across_processes()) set_.set_process_exchange(this);  // Note [Ranges across processes]
-}
+void ShardStore::install() { set_.set_view_provider(this); }
 
 void ShardStore::release() {
   unshard();
   set_.set_view_provider(nullptr);
-  set_.set_process_exchange(nullptr);
 }
 
 void ShardStore::shard(bool shard_grads, int world, int first) {
@@ -114,6 +110,9 @@ nn::CopySpan ShardStore::span(int copy) const {
     s.grad = mine.begin == 0 && mine.end == c.grad.numel() ? c.grad : c.grad.narrow(0, mine.begin, n);
   return s;
 }
+
+// Note [Ranges across processes]: the set holds only this process's ranges.
+nn::ProcessExchange* ShardStore::exchange() { return sharded_across_processes() ? this : nullptr; }
 
 // Note [Ranges across processes]: every process's part, in process order.
 std::vector<std::vector<float>> ShardStore::gather(const std::vector<float>& mine) {

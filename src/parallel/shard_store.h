@@ -59,9 +59,10 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
   /// The store of a set, or null when its views have no ShardStore behind them.
   static ShardStore* of(const nn::ParameterSet& set);
 
-  /// Installs the store on the set (view provider; process exchange when the set's
-  /// ranges span processes: call it after shard()). release() undoes it and unshards:
-  /// every copy holds and steps its whole buffers again.
+  /// Installs the store on the set as its view provider (shard() makes it the set's
+  /// CopySpans, and so, when the ranges span processes, its process exchange).
+  /// release() undoes it and unshards: every copy holds and steps its whole buffers
+  /// again.
   void install();
   void release();
 
@@ -104,8 +105,8 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
   /// the other processes, process p owning the contiguous world ranges [p *
   /// num_copies(), (p + 1) * num_copies()). What needs a value of every range — an
   /// optimizer's state_dict, the total norm of clip_grad_norm_ — reaches the other
-  /// processes through the set's process exchange, this store (gather(); Note
-  /// [Process exchange] in dp/nn/process_exchange.h).
+  /// processes through the set's process exchange, this store (exchange(), gather();
+  /// Note [Process exchange] in dp/nn/process_exchange.h).
   bool sharded_across_processes() const { return sharded_ && shard_world_ > set_.num_copies(); }
   /// floats: 64 bytes; a multiple of clip_grad_norm_'s blocks (Note [Clipping in blocks]).
   static constexpr std::int64_t kShardAlign = 16;
@@ -181,8 +182,10 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
   void set_read_hook(ReadHook hook) { read_hook_ = std::move(hook); }
 
   // nn::CopySpans: copy r's range, its part of the parameters, and its gradient (the
-  // range gradient while the buffer is released, else the buffer's range).
+  // range gradient while the buffer is released, else the buffer's range); this store
+  // as the exchange when the ranges span processes.
   nn::CopySpan span(int copy) const override;
+  nn::ProcessExchange* exchange() override;
   // nn::ViewProvider
   void before_read(int copy, int unit) override;
   void make_primary_readable() override { gather_primary(); }

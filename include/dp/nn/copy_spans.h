@@ -9,7 +9,10 @@
 // `data` and `grad`. A runtime that cuts the buffers into ranges (Mode::Sharded's
 // store, Note [Sharded parameter sets] in src/parallel/shard_store.h) keeps the ranges
 // itself and answers through this interface, installed on the set
-// (ParameterSet::set_spans); the set holds it and passes it on, never owns it. Such a
+// (ParameterSet::set_spans); the set holds it and passes it on, never owns it. When
+// the spans are cut across processes, the set holds only this process's, and the
+// interface also answers how the others are reached (Note [Process exchange] in
+// dp/nn/process_exchange.h). Such a
 // runtime may keep a copy's gradient of its span outside the flat gradient buffer,
 // which it releases between backward passes, and may keep in `data` only the span
 // (Note [View providers] in dp/nn/view_provider.h): code over a span indexes only
@@ -26,6 +29,7 @@
 
 #include <cstdint>
 
+#include "dp/nn/process_exchange.h"
 #include "dp/tensor/tensor.h"
 
 namespace dp::nn {
@@ -48,6 +52,9 @@ class CopySpans {
   /// Copy r's span and its tensors, as they are now (the tensors change as the runtime
   /// acquires and releases buffers). Callable from any copy's worker concurrently.
   virtual CopySpan span(int copy) const = 0;
+  /// The exchange with the processes that hold the other spans when this process holds
+  /// only some of them (Note [Process exchange]), else null.
+  virtual ProcessExchange* exchange() = 0;
 };
 
 /// Copy r's span: the answer of the set's CopySpans when one is installed, else the
@@ -55,5 +62,8 @@ class CopySpans {
 CopySpan copy_span(const ParameterSet& set, int copy);
 /// True when some copy owns only part of the buffers (each copy then steps its own).
 bool spans_cut(const ParameterSet& set);
+/// The exchange with the other processes when the set holds only this process's spans:
+/// a value over every span needs it (Note [Process exchange]). Null otherwise.
+ProcessExchange* process_exchange(const ParameterSet& set);
 
 }  // namespace dp::nn

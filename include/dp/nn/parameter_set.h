@@ -9,12 +9,12 @@
 // parameter is a slice of a buffer, replicate/broadcast, reduce, all-reduce, the
 // optimizer step and checkpoints are each one call over a buffer, and a DDP bucket
 // is a slice of the gradient buffer. The set keeps the buffers, the views and the
-// replica binding, nothing more: which part of the buffers each copy owns (Note [Copy
-// spans]), where the work over every copy runs, how the views stay readable and how
-// the other processes are reached are a runtime's (Mode::Sharded's store, Note
-// [Sharded parameter sets] in src/parallel/shard_store.h), which the set holds only as
-// interfaces declared in nn — CopySpans, CopyExecutor, ViewProvider, ProcessExchange —
-// and passes on.
+// replica binding, nothing more: which part of the buffers each copy owns and how the
+// processes holding the other parts are reached (Note [Copy spans]), where the work
+// over every copy runs and how the views stay readable are a runtime's (DataParallel;
+// Mode::Sharded's store, Note [Sharded parameter sets] in src/parallel/shard_store.h),
+// which the set holds only as interfaces declared in nn — CopySpans, CopyExecutor,
+// ViewProvider — and passes on.
 //
 // Which copy a module's forward uses is chosen per thread (ReplicaBinding): a worker
 // thread for device i binds copy i, so one module object serves every worker
@@ -34,7 +34,6 @@
 
 #include "dp/nn/copy_executor.h"
 #include "dp/nn/copy_spans.h"
-#include "dp/nn/process_exchange.h"
 #include "dp/nn/view_provider.h"
 #include "dp/tensor/tensor.h"
 
@@ -144,22 +143,13 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// spans]; read it through copy_span()), or null: every copy owns all of them. The
   /// set holds it and never owns it (the runtime clears it before it goes).
   void set_spans(CopySpans* spans) { spans_ = spans; }
-  const CopySpans* spans() const { return spans_; }
+  CopySpans* spans() const { return spans_; }
   /// Pads every copy's buffers with zeros to n elements (views rebound in place).
   /// Throws dp::Error when n < buffer_numel().
   void pad_buffers(std::int64_t n);
   /// Makes `grad` copy r's gradient buffer (undefined: none) and points copy r's
   /// .grad views at it.
   void set_grad_buffer(int r, Tensor grad);
-
-  /// The exchange with the other processes when the set's ranges span processes (Note
-  /// [Process exchange] in dp/nn/process_exchange.h), installed by the runtime that
-  /// cut them; the set holds it and never owns it (the runtime clears it before it goes).
-  void set_process_exchange(ProcessExchange* exchange) { process_exchange_ = exchange; }
-  /// True when the set holds only this process's ranges: a value of every range needs
-  /// process_exchange().
-  bool spans_processes() const { return process_exchange_ != nullptr; }
-  ProcessExchange& process_exchange() const;
 
   /// The runtime that keeps the parameter views readable (Note [View providers]), or
   /// null. The set holds it and never owns it (the runtime clears it before it goes).
@@ -203,7 +193,6 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   bool valid_ = true;
   CopyExecutor* executor_ = nullptr;
   CopySpans* spans_ = nullptr;
-  ProcessExchange* process_exchange_ = nullptr;
 };
 
 /// The parameters of a module tree: the primary copy's tensors plus their set.
