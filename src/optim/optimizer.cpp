@@ -134,8 +134,8 @@ void Optimizer::copy_state(CopyState& dst, const CopyState& src) {
 }
 
 // Note [Optimizer state layouts]
-// A copy's state covers the optimizer's ranges clipped to the copy's span (Note [Copy
-// spans] in dp/nn/copy_spans.h) and belongs to one data buffer. Before each step (on the calling thread, never inside
+// A copy's state covers the optimizer's ranges clipped to the copy's span and
+// belongs to one data buffer. Before each step (on the calling thread, never inside
 // the executor: building one copy's state reads others') every copy whose buffer or
 // range changed gets a new state, filled element by element from the states that
 // exist: the primary's where it has them (DDP wrapping after some steps: each new

@@ -17,7 +17,9 @@ static_assert(ShardStore::kShardAlign % nn::utils::kNormBlock == 0,
 ShardStore::ShardStore(nn::ParameterSet& set, int processes, int process)
     : set_(set), processes_(processes), process_(process) {}
 
-ShardStore::~ShardStore() = default;
+ShardStore::~ShardStore() {
+  if (set_.spans() == this) set_.set_spans(nullptr);  // gone without unshard() (a failed construction)
+}
 
 ShardStore* ShardStore::of(const nn::ParameterSet& set) { return dynamic_cast<ShardStore*>(set.view_provider()); }
 
