@@ -203,13 +203,14 @@ std::size_t used_since(std::size_t now, std::size_t base) { return now > base ? 
 Memory split_memory(const dp::nn::ParameterSet& set, int r, int state_tensors, std::size_t peak,
                     std::size_t between_steps) {
   const dp::nn::ParameterCopy& c = set.copy(r);
+  const dp::nn::CopySpan span = dp::nn::copy_span(set, r);  // what its optimizer step owns
   Memory m;
   m.peak = peak;
   m.between_steps = between_steps;
   m.params = c.data.defined() ? 4 * static_cast<std::size_t>(c.data.numel()) : 0;
   if (c.grad.defined()) m.grads = 4 * static_cast<std::size_t>(c.grad.numel());
-  else if (c.shard_grad.defined()) m.grads = 4 * static_cast<std::size_t>(c.shard_grad.numel());
-  const std::int64_t stepped = c.transient ? 0 : std::max<std::int64_t>(0, std::min(c.end, set.numel()) - c.begin);
+  else if (span.grad.defined()) m.grads = 4 * static_cast<std::size_t>(span.grad.numel());
+  const std::int64_t stepped = c.transient ? 0 : std::max<std::int64_t>(0, std::min(span.end, set.numel()) - span.begin);
   m.state = 4 * static_cast<std::size_t>(state_tensors) * static_cast<std::size_t>(stepped);
   const std::size_t known = m.params + m.grads + m.state;
   m.activations = peak > known ? peak - known : 0;

@@ -1,7 +1,5 @@
 #include "dp/nn/parameter_set.h"
 
-#include <algorithm>
-
 #include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
@@ -70,7 +68,6 @@ ParameterSet::ParameterSet(std::vector<std::shared_ptr<Parameter::Slot>> slots, 
   primary.device = device;
   primary.data = empty({numel_}, device);
   primary.grad = zeros({numel_}, device);
-  primary.end = numel_;
   for (auto& s : slots_) {
     Tensor& p = s->copies[0];
     primary.data.detach().narrow(0, s->offset, p.numel()).copy_(p.reshape({p.numel()}));
@@ -95,18 +92,6 @@ const ParameterCopy& ParameterSet::copy(int r) const {
   return copies_[r];
 }
 
-Tensor ParameterCopy::owned_grad() const {
-  if (shard_grad.defined()) return shard_grad;
-  DP_CHECK(grad.defined(), "ParameterSet: copy on ", device, " has no gradient buffer");
-  if (begin == 0 && end == grad.numel()) return grad;
-  return grad.narrow(0, begin, end - begin);
-}
-
-Tensor ParameterCopy::owned_data() const {
-  if (data.numel() == end - begin) return data;  // the whole buffer, or only the range
-  return data.narrow(0, begin, end - begin);
-}
-
 void ParameterSet::bind_views(int r) {
   ParameterCopy& c = copies_[r];
   for (auto& s : slots_) {
@@ -128,14 +113,13 @@ void ParameterSet::bind_grad_views(int r) {
 }
 
 int ParameterSet::add_copy(Device device, bool transient) {
-  DP_CHECK(!sharded(), "ParameterSet: cannot add a copy to a sharded set; add every copy before sharding it");
+  DP_CHECK(!spans_cut(*this), "ParameterSet: cannot add a copy to a sharded set; add every copy before sharding it");
   NoGradGuard no_grad;
   ParameterCopy c;
   c.device = device;
   c.data = empty({buffer_numel_}, device);
   c.grad = zeros({buffer_numel_}, device);
   c.transient = transient;
-  c.end = buffer_numel_;
   c.data.copy_(copies_[0].data);
   copies_.push_back(std::move(c));
   int r = num_copies() - 1;
@@ -149,7 +133,7 @@ void ParameterSet::set_grad_buffer(int r, Tensor grad) {
 }
 
 void ParameterSet::drop_copies() {
-  DP_CHECK(!sharded(), "ParameterSet: drop_copies on a sharded set; unshard it first");
+  DP_CHECK(!spans_cut(*this), "ParameterSet: drop_copies on a sharded set; unshard it first");
   copies_.resize(1);
   for (auto& s : slots_) s->copies.resize(1);
 }
@@ -173,21 +157,10 @@ void ParameterSet::pad_buffers(std::int64_t n) {
       Tensor g = p.grad();
       if (g.defined()) rebind(*g.impl(), grad, s->offset);
     }
-    if (c.begin == 0 && c.end == buffer_numel_) c.end = n;
     c.data = data;
     c.grad = grad;
   }
   buffer_numel_ = n;
-}
-
-bool ParameterSet::sharded() const {
-  return std::any_of(copies_.begin(), copies_.end(),
-                     [this](const ParameterCopy& c) { return c.begin != 0 || c.end != buffer_numel_; });
-}
-
-ProcessExchange& ParameterSet::process_exchange() const {
-  DP_ASSERT(process_exchange_ != nullptr);
-  return *process_exchange_;
 }
 
 void ParameterSet::make_primary_readable() const {
@@ -199,9 +172,12 @@ void ParameterSet::rebind_view(int r, std::size_t i, const Tensor& buffer, std::
 }
 
 void ParameterSet::zero_grad() {
-  for (auto& c : copies_) {
-    if (c.grad.defined()) c.grad.zero_();
-    if (c.shard_grad.defined()) c.shard_grad.zero_();
+  for (int r = 0; r < num_copies(); ++r) {
+    if (copies_[r].grad.defined()) {
+      copies_[r].grad.zero_();
+    } else if (Tensor kept = copy_span(*this, r).grad; kept.defined()) {  // Note [Copy spans]
+      kept.zero_();
+    }
   }
   count_zero_grad();
 }
@@ -233,7 +209,6 @@ void ParameterSet::move_primary(Device device) {
   c.device = device;
   c.data = data;
   c.grad = grad;
-  if (c.shard_grad.defined()) c.shard_grad = c.shard_grad.to(device);
   bump_version();
 }
 

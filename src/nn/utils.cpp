@@ -44,25 +44,20 @@ std::vector<std::pair<std::int64_t, std::int64_t>> flat_ranges(const ParameterLi
   return merged;
 }
 
-// The list's ranges that copy r steps, as views of its owned gradient (the reduced
-// gradient of [begin, end) in a sharded set; the whole gradient buffer otherwise),
-// each with its first flat index, in ascending order. Only owned_grad() is indexed,
-// and relative to `begin`: in stage 3 (Note [View providers] in
-// dp/nn/view_provider.h) a copy's `data` holds only [begin, end) and its `grad` is
-// released, so a flat index into either is out of range there — nothing here reads the parameters at all, so clipping
-// gathers no unit on any device.
-std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c,
+// The list's ranges that copy r steps, as views of the gradient of its span (Note
+// [Copy spans] in dp/nn/copy_spans.h: the reduced gradient of its range in a sharded
+// set, the whole gradient buffer otherwise), each with its first flat index, in
+// ascending order. Only the span's gradient is indexed, relative to its `begin`; nothing
+// here reads the parameters at all, so clipping gathers no unit on any device.
+std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const CopySpan& c,
                                                           const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges) {
   std::vector<std::pair<std::int64_t, Tensor>> pieces;
-  Tensor owned;
   for (const auto& [lo, hi] : ranges) {
     const std::int64_t s = std::max(lo, c.begin), t = std::min(hi, c.end);
     if (s >= t) continue;
-    if (!owned.defined()) {
-      owned = c.owned_grad();
-      DP_ASSERT(owned.numel() == c.end - c.begin, "owned gradient of the copy on ", c.device, " has ",
-                owned.numel(), " elements for its range [", c.begin, ", ", c.end, ")");
-    }
+    const Tensor& owned = c.owned_grad();
+    DP_ASSERT(owned.numel() == c.end - c.begin, "owned gradient of the copy on ", owned.device(), " has ",
+              owned.numel(), " elements for its range [", c.begin, ", ", c.end, ")");
     pieces.emplace_back(s, owned.narrow(0, s - c.begin, t - s));
   }
   return pieces;
@@ -81,8 +76,8 @@ std::vector<std::pair<std::int64_t, Tensor>> owned_pieces(const ParameterCopy& c
 // reduction over that vector gives the total: the same vector, so the same bits, for
 // every design and every N.
 // Stage 3 (sharded parameters) is the same computation: between backward and step
-// each device holds exactly the reduced gradient of its range, in shard_grad (the
-// full buffer is released, stage 2's detached path), and the blocks and the partials'
+// each device holds exactly the reduced gradient of its range, its span's gradient
+// (the full buffer is released, stage 2's detached path), and the blocks and the partials'
 // route do not depend on where the parameters live. Neither the norm nor the edit
 // reads a parameter, so clipping gathers no unit: what it costs is the partials'
 // exchange above, and each device scales or clamps its own range in place, which its
@@ -122,12 +117,13 @@ Tensor block_partials(const Tensor& g, std::int64_t first, double p) {
 // The total norm of a set's gradients (Note [Clipping in blocks]), on the host.
 double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges, double p) {
   std::vector<Tensor> partials(set.num_copies());
-  // Each copy on its own device (its worker under DataParallel). Unsharded, every
+  // Each copy on its own device (its worker under DataParallel). Uncut, every
   // persistent copy holds the same gradient: copy 0's is the one read.
+  const bool cut = spans_cut(set);
   set.for_each_copy([&](int r) {
-    if (!set.sharded() && r != 0) return;
+    if (!cut && r != 0) return;
     std::vector<Tensor> parts;
-    for (const auto& [first, g] : owned_pieces(set.copy(r), ranges)) parts.push_back(block_partials(g, first, p));
+    for (const auto& [first, g] : owned_pieces(copy_span(set, r), ranges)) parts.push_back(block_partials(g, first, p));
     if (!parts.empty()) partials[r] = parts.size() == 1 ? parts[0] : cat(parts);
   });
   // Copies own ascending ranges, so copy order is flat order.
@@ -135,7 +131,7 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
   std::vector<Tensor> all;
   for (const Tensor& t : partials)
     if (t.defined()) all.push_back(t.device() == home ? t : t.to(home));
-  if (set.spans_processes()) {
+  if (ProcessExchange* exchange = process_exchange(set)) {
     // Note [Clipping in blocks]: the other processes' partials, in process order.
     std::vector<float> mine;
     for (const Tensor& t : all) {
@@ -143,7 +139,7 @@ double set_norm(ParameterSet& set, const std::vector<std::pair<std::int64_t, std
       mine.insert(mine.end(), part.begin(), part.end());
     }
     std::vector<float> every;
-    for (const std::vector<float>& part : set.process_exchange().gather(mine))
+    for (const std::vector<float>& part : exchange->gather(mine))
       every.insert(every.end(), part.begin(), part.end());
     all.clear();
     if (!every.empty()) all.push_back(from_vector(every, {static_cast<std::int64_t>(every.size())}, home));
@@ -171,7 +167,7 @@ void edit_every_copy(const ParameterList& params, const std::function<void(Tenso
   }
   auto ranges = flat_ranges(params);
   set->for_each_copy([&](int r) {
-    for (auto& [first, view] : owned_pieces(set->copy(r), ranges)) edit(view);
+    for (auto& [first, view] : owned_pieces(copy_span(*set, r), ranges)) edit(view);
   });
 }
 
@@ -216,9 +212,9 @@ bool scale_grads_find_nonfinite_(const ParameterList& params, double factor) {
   });
   bool any = found.load();
   const auto& set = params.set();
-  if (set && set->spans_processes()) {
+  if (ProcessExchange* exchange = set ? process_exchange(*set) : nullptr) {
     // Each process checked only its own ranges (Note [Ranges across processes]).
-    for (const std::vector<float>& part : set->process_exchange().gather({any ? 1.0f : 0.0f}))
+    for (const std::vector<float>& part : exchange->gather({any ? 1.0f : 0.0f}))
       any = any || (!part.empty() && part[0] != 0.0f);
   }
   return any;

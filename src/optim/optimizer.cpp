@@ -104,13 +104,13 @@ void Optimizer::allocate_state(CopyState& st, Device dev, const Shape& shape) {
   st.fresh = true;
 }
 
-Optimizer::CopyState Optimizer::layout(const nn::ParameterCopy& copy) const {
+Optimizer::CopyState Optimizer::layout(const nn::CopySpan& span) const {
   CopyState st;
-  st.data = copy.data.storage();
-  st.begin = copy.begin;
-  st.end = copy.end;
+  st.data = span.data.storage();
+  st.begin = span.begin;
+  st.end = span.end;
   for (const Range& r : ranges_) {
-    const std::int64_t lo = std::max(r.offset, copy.begin), hi = std::min(r.offset + r.numel, copy.end);
+    const std::int64_t lo = std::max(r.offset, span.begin), hi = std::min(r.offset + r.numel, span.end);
     if (lo >= hi) continue;
     st.ranges.push_back(Range{lo, hi - lo, st.numel});
     st.numel += hi - lo;
@@ -134,7 +134,7 @@ void Optimizer::copy_state(CopyState& dst, const CopyState& src) {
 }
 
 // Note [Optimizer state layouts]
-// A copy's state covers the optimizer's ranges clipped to the copy's [begin, end) and
+// A copy's state covers the optimizer's ranges clipped to the copy's span and
 // belongs to one data buffer. Before each step (on the calling thread, never inside
 // the executor: building one copy's state reads others') every copy whose buffer or
 // range changed gets a new state, filled element by element from the states that
@@ -151,7 +151,7 @@ void Optimizer::rebuild_states(const std::vector<CopyState>& old, const std::vec
   for (int r = 0; r < nc; ++r) {
     const nn::ParameterCopy& copy = set.copy(r);
     if (copy.transient) continue;
-    CopyState want = layout(copy);
+    CopyState want = layout(nn::copy_span(set, r));
     if (static_cast<std::size_t>(r) < old.size()) {
       const CopyState& o = old[static_cast<std::size_t>(r)];
       const bool same = o.data.lock() == copy.data.storage() && o.begin == want.begin && o.end == want.end &&
@@ -195,14 +195,13 @@ void Optimizer::step_copy(int r) {
   CopyState& st = states_[static_cast<std::size_t>(r)];
   const std::size_t k = state_names().size();
   if (k > 0 && st.buffers.empty()) allocate_state(st, copy.device, {st.numel});
-  const Tensor owned_p = copy.owned_data();  // element i of the buffers at [i - copy.begin]
-  float* p = owned_p.data<float>();
-  const Tensor owned = copy.owned_grad();
-  const float* g = owned.data<float>();
+  const nn::CopySpan span = nn::copy_span(set, r);  // element i of the buffers at [i - span.begin]
+  float* p = span.data.data<float>();
+  const float* g = span.owned_grad().data<float>();
   std::vector<float*> sp(k);
   for (const Range& range : st.ranges) {
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>() + range.state_offset;
-    update(copy.device, p + (range.offset - copy.begin), g + (range.offset - copy.begin), sp.data(), range.numel, st.fresh,
+    update(copy.device, p + (range.offset - span.begin), g + (range.offset - span.begin), sp.data(), range.numel, st.fresh,
            step_);
   }
   st.fresh = false;
@@ -267,11 +266,11 @@ void Optimizer::step() {
     // replicas before the next forward instead of running on diverged copies. Their
     // optimizer state follows device 0's too: forgetting every other copy's state
     // makes the next prepare_states() copy it from the primary, so all replicas
-    // continue from one parameter vector AND one state. A sharded set keeps every
-    // copy's state: it is the only state of that copy's range.
+    // continue from one parameter vector AND one state. A set whose copies own parts
+    // keeps every copy's state: it is the only state of that copy's span.
     if (const auto& set = params_.set()) {
       set->bump_version();
-      if (!set->sharded())
+      if (!nn::spans_cut(*set))
         for (std::size_t r = 1; r < states_.size(); ++r) states_[r] = CopyState{};
     }
     throw;
@@ -299,14 +298,14 @@ void Optimizer::zero_grad() {
       for (const Range& range : ranges_) {
         b.memset_zero(g + range.offset, copy.device, static_cast<std::size_t>(range.numel) * sizeof(float));
       }
-    }
-    if (copy.shard_grad.defined()) {  // sharded gradients: the copy's range of the ranges
-      float* g = copy.shard_grad.mutable_data<float>();
+    } else if (const nn::CopySpan span = nn::copy_span(*set, r); span.grad.defined()) {
+      // A released buffer: the gradient of the copy's span kept by the runtime (Note [Copy spans]).
+      float* g = span.grad.mutable_data<float>();
       for (const Range& range : ranges_) {
-        const std::int64_t lo = std::max(range.offset, copy.begin);
-        const std::int64_t hi = std::min(range.offset + range.numel, copy.end);
+        const std::int64_t lo = std::max(range.offset, span.begin);
+        const std::int64_t hi = std::min(range.offset + range.numel, span.end);
         if (lo < hi)
-          b.memset_zero(g + (lo - copy.begin), copy.device, static_cast<std::size_t>(hi - lo) * sizeof(float));
+          b.memset_zero(g + (lo - span.begin), copy.device, static_cast<std::size_t>(hi - lo) * sizeof(float));
       }
     }
   };
@@ -333,7 +332,7 @@ Tensor Optimizer::full_state(std::size_t k) {
   if (std::all_of(states_.begin(), states_.end(), [](const CopyState& s) { return s.buffers.empty(); }))
     return Tensor();
   const nn::ParameterSet& set = *params_.set();
-  if (set.spans_processes()) return gathered_state(k);
+  if (nn::process_exchange(set) != nullptr) return gathered_state(k);
   // Sharded: every copy holds its range; assemble them on the primary's device.
   Tensor out = zeros({state_numel_}, params_.set()->copy(0).device);
   for (const CopyState& st : states_) {
@@ -373,7 +372,7 @@ Tensor Optimizer::gathered_state(std::size_t k) {
     mine.insert(mine.end(), v.begin(), v.end());
   }
   std::vector<float> all;
-  for (const std::vector<float>& part : set.process_exchange().gather(mine))
+  for (const std::vector<float>& part : nn::process_exchange(set)->gather(mine))
     all.insert(all.end(), part.begin(), part.end());
   DP_CHECK(static_cast<std::int64_t>(all.size()) == state_numel_, kind_, ".state_dict: the processes' optimizer "
            "states add up to ", all.size(), " elements, expected ", state_numel_, ": was the optimizer built over "

@@ -17,19 +17,17 @@ static_assert(ShardStore::kShardAlign % nn::utils::kNormBlock == 0,
 ShardStore::ShardStore(nn::ParameterSet& set, int processes, int process)
     : set_(set), processes_(processes), process_(process) {}
 
-ShardStore::~ShardStore() = default;
+ShardStore::~ShardStore() {
+  if (set_.spans() == this) set_.set_spans(nullptr);  // gone without unshard() (a failed construction)
+}
 
 ShardStore* ShardStore::of(const nn::ParameterSet& set) { return dynamic_cast<ShardStore*>(set.view_provider()); }
 
-void ShardStore::install() {
-  set_.set_view_provider(this);
-  if (sharded_across_processes()) set_.set_process_exchange(this);  // Note [Ranges across processes]
-}
+void ShardStore::install() { set_.set_view_provider(this); }
 
 void ShardStore::release() {
   unshard();
   set_.set_view_provider(nullptr);
-  set_.set_process_exchange(nullptr);
 }
 
 void ShardStore::shard(bool shard_grads, int world, int first) {
@@ -45,21 +43,19 @@ void ShardStore::shard(bool shard_grads, int world, int first) {
   len = (len + kShardAlign - 1) / kShardAlign * kShardAlign;
   set_.pad_buffers(std::max<std::int64_t>(len * world, set_.buffer_numel()));
   NoGradGuard no_grad;
-  for (int r = 0; r < n; ++r) {
-    nn::ParameterCopy& c = set_.copy(r);
-    c.begin = len * (first + r);
-    c.end = len * (first + r + 1);
-  }
+  ranges_.clear();
+  for (int r = 0; r < n; ++r) ranges_.push_back({.begin = len * (first + r), .end = len * (first + r + 1), .grad = {}});
   sharded_ = true;
   shard_grads_ = shard_grads;
   shard_world_ = world;
+  set_.set_spans(this);
   // Each copy's own range takes the gradient copy 0 holds there: the other copies'
   // buffers are zeros, so the sum over copies stays the gradient.
   const nn::ParameterCopy& c0 = set_.copy(0);
   for (int r = 1; r < n; ++r) {
-    const nn::ParameterCopy& c = set_.copy(r);
-    c.grad.narrow(0, c.begin, len).copy_(c0.grad.narrow(0, c.begin, len));
-    c0.grad.narrow(0, c.begin, len).zero_();
+    const std::int64_t begin = ranges_[static_cast<std::size_t>(r)].begin;
+    set_.copy(r).grad.narrow(0, begin, len).copy_(c0.grad.narrow(0, begin, len));
+    c0.grad.narrow(0, begin, len).zero_();
   }
   if (shard_grads)
     for (int r = 0; r < n; ++r) release_grad(r);
@@ -73,38 +69,52 @@ void ShardStore::unshard() {
   for (int r = 0; r < n; ++r) acquire_grad(r);  // no-op unless sharded gradients
   const nn::ParameterCopy& c0 = set_.copy(0);
   for (int r = 1; r < n; ++r) {
-    const nn::ParameterCopy& c = set_.copy(r);
-    c0.grad.narrow(0, c.begin, c.end - c.begin).copy_(c.owned_grad());
+    const nn::CopySpan s = span(r);
+    c0.grad.narrow(0, s.begin, s.end - s.begin).copy_(s.owned_grad());
   }
-  for (int r = 0; r < n; ++r) {
-    nn::ParameterCopy& c = set_.copy(r);
-    c.begin = 0;
-    c.end = set_.buffer_numel();
-    c.shard_grad = Tensor();
-  }
+  ranges_.clear();
+  set_.set_spans(nullptr);
   sharded_ = false;
   shard_world_ = 0;
   shard_grads_ = false;
 }
 
 void ShardStore::acquire_grad(int r) {
-  nn::ParameterCopy& c = set_.copy(r);
+  const nn::ParameterCopy& c = set_.copy(r);
   if (c.grad.defined()) return;
   NoGradGuard no_grad;
+  Range& mine = ranges_.at(static_cast<std::size_t>(r));
   Tensor grad = zeros({set_.buffer_numel()}, c.device);
-  if (c.shard_grad.defined()) grad.narrow(0, c.begin, c.end - c.begin).copy_(c.shard_grad);
-  c.shard_grad = Tensor();  // in the buffer now: one copy of the range, not two
+  if (mine.grad.defined()) grad.narrow(0, mine.begin, mine.end - mine.begin).copy_(mine.grad);
+  mine.grad = Tensor();  // in the buffer now: one copy of the range, not two
   set_.set_grad_buffer(r, grad);
 }
 
 void ShardStore::release_grad(int r) {
-  nn::ParameterCopy& c = set_.copy(r);
+  const nn::ParameterCopy& c = set_.copy(r);
   DP_CHECK(shard_grads_, "ShardStore: release_grad needs a set sharded with shard_grads");
   if (!c.grad.defined()) return;
   NoGradGuard no_grad;
-  c.shard_grad = c.grad.narrow(0, c.begin, c.end - c.begin).clone();
+  Range& mine = ranges_.at(static_cast<std::size_t>(r));
+  mine.grad = c.grad.narrow(0, mine.begin, mine.end - mine.begin).clone();
   set_.set_grad_buffer(r, Tensor());
 }
+
+// Note [Copy spans]: the range; `data` is the whole buffer, or in stage 3 exactly the
+// range (Note [Sharded parameter buffers]).
+nn::CopySpan ShardStore::span(int copy) const {
+  const nn::ParameterCopy& c = set_.copy(copy);
+  const Range& mine = ranges_.at(static_cast<std::size_t>(copy));
+  const std::int64_t n = mine.end - mine.begin;
+  nn::CopySpan s{.begin = mine.begin, .end = mine.end, .data = c.data, .grad = mine.grad};
+  if (c.data.numel() != n) s.data = c.data.narrow(0, mine.begin, n);
+  if (!s.grad.defined() && c.grad.defined())
+    s.grad = mine.begin == 0 && mine.end == c.grad.numel() ? c.grad : c.grad.narrow(0, mine.begin, n);
+  return s;
+}
+
+// Note [Ranges across processes]: the set holds only this process's ranges.
+nn::ProcessExchange* ShardStore::exchange() { return sharded_across_processes() ? this : nullptr; }
 
 // Note [Ranges across processes]: every process's part, in process order.
 std::vector<std::vector<float>> ShardStore::gather(const std::vector<float>& mine) {
@@ -126,7 +136,8 @@ void ShardStore::shard_params(Runs units) {
   for (int r = 0; r < set_.num_copies(); ++r) {
     nn::ParameterCopy& c = set_.copy(r);
     Copy& mine = copies_[static_cast<std::size_t>(r)];
-    Tensor own = c.data.narrow(0, c.begin, c.end - c.begin).clone();
+    const Range& range = ranges_[static_cast<std::size_t>(r)];
+    Tensor own = c.data.narrow(0, range.begin, range.end - range.begin).clone();
     for (const auto& [lo, hi] : units) {
       Tensor t = empty({hi - lo}, c.device);
       t.storage()->release();
@@ -189,7 +200,8 @@ void ShardStore::pull_unit(int r, int u) {
   for (int q = 0; q < set_.num_copies(); ++q) {
     if (q == r) continue;
     const nn::ParameterCopy& owner = set_.copy(q);
-    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    const Range& range = ranges_[static_cast<std::size_t>(q)];
+    const std::int64_t a = std::max(lo, range.begin), b = std::min(hi, range.end);
     if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
   }
 }
@@ -202,7 +214,8 @@ void ShardStore::pull_unit_ahead(int r, int u) {
   for (int q = 0; q < set_.num_copies(); ++q) {
     if (q == r) continue;
     const nn::ParameterCopy& owner = set_.copy(q);
-    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    const Range& range = ranges_[static_cast<std::size_t>(q)];
+    const std::int64_t a = std::max(lo, range.begin), b = std::min(hi, range.end);
     if (a >= b) continue;
     ahead.push_back({a, b - a,
                      backend::get(c.device).copy_ahead(c.device, owner.data.data<float>() + a, owner.device,
@@ -235,8 +248,9 @@ void ShardStore::gather_unit(int r, int u) {
     NoGradGuard no_grad;
     for (int q = 0; q < set_.num_copies(); ++q) {
       const nn::ParameterCopy& owner = set_.copy(q);
-      const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
-      if (a < b) t.narrow(0, a - lo, b - a).copy_(owner.data.narrow(0, a - owner.begin, b - a));
+      const Range& range = ranges_[static_cast<std::size_t>(q)];
+      const std::int64_t a = std::max(lo, range.begin), b = std::min(hi, range.end);
+      if (a < b) t.narrow(0, a - lo, b - a).copy_(owner.data.narrow(0, a - range.begin, b - a));
     }
   }
   mine.unit_versions[i] = t.storage()->version();
@@ -253,9 +267,10 @@ void ShardStore::gather_unit_ahead(int r, int u) {
   std::vector<UnitPiece> pieces;
   for (int q = 0; q < set_.num_copies(); ++q) {
     const nn::ParameterCopy& owner = set_.copy(q);
-    const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
+    const Range& range = ranges_[static_cast<std::size_t>(q)];
+    const std::int64_t a = std::max(lo, range.begin), b = std::min(hi, range.end);
     if (a >= b) continue;
-    const float* src = owner.data.data<float>() + (a - owner.begin);
+    const float* src = owner.data.data<float>() + (a - range.begin);
     pieces.push_back({a - lo, b - a,
                       backend::get(c.device).copy_ahead(c.device, src, owner.device,
                                                         static_cast<std::size_t>(b - a) * sizeof(float))});
@@ -296,8 +311,9 @@ bool ShardStore::scatter_primary() {
       const auto [lo, hi] = units_[u];
       for (int q = 0; q < set_.num_copies(); ++q) {
         const nn::ParameterCopy& owner = set_.copy(q);
-        const std::int64_t a = std::max(lo, owner.begin), b = std::min(hi, owner.end);
-        if (a < b) owner.data.narrow(0, a - owner.begin, b - a).copy_(t.narrow(0, a - lo, b - a));
+        const Range& range = ranges_[static_cast<std::size_t>(q)];
+        const std::int64_t a = std::max(lo, range.begin), b = std::min(hi, range.end);
+        if (a < b) owner.data.narrow(0, a - range.begin, b - a).copy_(t.narrow(0, a - lo, b - a));
       }
       wrote = true;
     }
@@ -330,7 +346,8 @@ void ShardStore::unshard_params() {
     Tensor t = zeros({set_.buffer_numel()}, set_.copy(r).device);
     for (int q = 0; q < n; ++q) {
       const nn::ParameterCopy& owner = set_.copy(q);
-      t.narrow(0, owner.begin, owner.end - owner.begin).copy_(owner.data);
+      const Range& range = ranges_[static_cast<std::size_t>(q)];
+      t.narrow(0, range.begin, range.end - range.begin).copy_(owner.data);
     }
     full.push_back(t);
   }

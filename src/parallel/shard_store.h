@@ -3,15 +3,16 @@
 // (internal).
 //
 // The parameter set (dp/nn/parameter_set.h) keeps flat buffers, views, copies and the
-// replica binding, and each copy's [begin, end) and range gradient for the optimizer.
-// What sharding adds on top lives here, owned by the Sharded design
-// (src/parallel/designs/sharded.h): cutting the ranges and stage 2's range
+// replica binding. What sharding adds on top lives here, owned by the Sharded design
+// (src/parallel/designs/sharded.h): each copy's range and stage 2's range
 // gradients, the gather units, each copy's unit buffers and their pieces on the way,
 // the tracked units of the deferred gather and its pulls, and the process exchange.
-// The store is the set's ViewProvider (Note [View providers] in
-// dp/nn/view_provider.h) and, across processes, its ProcessExchange (Note [Process
-// exchange] in dp/nn/process_exchange.h). It knows nothing of the design's policy
-// (which unit is gathered when): reads on workers go to the design's read hook.
+// The store is the set's CopySpans while sharded (Note [Copy spans] in
+// dp/nn/copy_spans.h: what an optimizer step and clipping read of each copy), its
+// ViewProvider (Note [View providers] in dp/nn/view_provider.h) and, across processes,
+// its ProcessExchange (Note [Process exchange] in dp/nn/process_exchange.h). It knows
+// nothing of the design's policy (which unit is gathered when): reads on workers go
+// to the design's read hook.
 //
 //   ShardStore store(set, processes, process);
 //   store.shard(/*shard_grads=*/true);  // every copy steps its range
@@ -25,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "dp/nn/copy_spans.h"
 #include "dp/nn/parameter_set.h"
 #include "dp/nn/process_exchange.h"
 #include "dp/nn/view_provider.h"
@@ -44,8 +46,9 @@ struct UnitPiece {
 
 using Runs = std::vector<std::pair<std::int64_t, std::int64_t>>;
 
-/// Gather units, unit buffers, prefetches and process gathers of a sharded set.
-class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
+/// Ranges, range gradients, gather units, unit buffers, prefetches and process gathers
+/// of a sharded set.
+class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public nn::ProcessExchange {
  public:
   /// A store for `set`, which lives in process `process` of `processes`.
   ShardStore(nn::ParameterSet& set, int processes, int process);
@@ -56,17 +59,19 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
   /// The store of a set, or null when its views have no ShardStore behind them.
   static ShardStore* of(const nn::ParameterSet& set);
 
-  /// Installs the store on the set (view provider; process exchange when the set's
-  /// ranges span processes: call it after shard()). release() undoes it and unshards:
-  /// every copy holds and steps its whole buffers again.
+  /// Installs the store on the set as its view provider (shard() makes it the set's
+  /// CopySpans, and so, when the ranges span processes, its process exchange).
+  /// release() undoes it and unshards: every copy holds and steps its whole buffers
+  /// again.
   void install();
   void release();
 
   /// Note [Sharded parameter sets]
   /// shard() splits the set's flat buffers into num_copies() contiguous ranges of
-  /// equal length S, copy r owning [r*S, (r+1)*S) (clipped to the padded buffer; the
-  /// set's ParameterCopy::begin and end): an optimizer step of copy r updates only
-  /// that range and keeps optimizer state only for it. Ranges are element-exact, not
+  /// equal length S, copy r owning [r*S, (r+1)*S) (clipped to the padded buffer; its
+  /// span, Note [Copy spans] in dp/nn/copy_spans.h, which the store answers for the
+  /// set from shard() to unshard()): an optimizer step of copy r updates only that
+  /// range and keeps optimizer state only for it. Ranges are element-exact, not
   /// whole parameters: one parameter may span two copies, and every copy owns the same
   /// number of elements, however unequal the parameters are (whole-parameter ranges
   /// would give one copy the MLP's 1024x1024 weight, 56% of the model). S is rounded
@@ -77,7 +82,7 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
   /// Whatever gradient copy 0 holds is handed out by range: copy r's buffer holds
   /// copy 0's values on its own range and zeros elsewhere, so the sum over copies is
   /// unchanged. With `shard_grads` (ZeRO stage 2) each copy keeps between backward
-  /// passes only the gradient of its range, in shard_grad, and a full gradient buffer
+  /// passes only the gradient of its range, here (its span's gradient), and a full gradient buffer
   /// only while a backward needs it: acquire_grad before the backward, release_grad
   /// once its buckets were reduced; the parameters' .grad are undefined between.
   /// Across processes (Note [World ranks] in dp/comm/communicator.h) the ranges are
@@ -100,17 +105,17 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
   /// the other processes, process p owning the contiguous world ranges [p *
   /// num_copies(), (p + 1) * num_copies()). What needs a value of every range — an
   /// optimizer's state_dict, the total norm of clip_grad_norm_ — reaches the other
-  /// processes through the set's process exchange, this store (gather(); Note
-  /// [Process exchange] in dp/nn/process_exchange.h).
+  /// processes through the set's process exchange, this store (exchange(), gather();
+  /// Note [Process exchange] in dp/nn/process_exchange.h).
   bool sharded_across_processes() const { return sharded_ && shard_world_ > set_.num_copies(); }
   /// floats: 64 bytes; a multiple of clip_grad_norm_'s blocks (Note [Clipping in blocks]).
   static constexpr std::int64_t kShardAlign = 16;
   /// Sharded gradients: gives copy r a full gradient buffer — zeros, its own range
-  /// taking over shard_grad (freed), so that gradients keep accumulating — and points
-  /// copy r's .grad views at it. A no-op when copy r has one.
+  /// taking over the range gradient (freed), so that gradients keep accumulating — and
+  /// points copy r's .grad views at it. A no-op when copy r has one.
   void acquire_grad(int r);
-  /// Sharded gradients: moves copy r's own range of its gradient buffer into
-  /// shard_grad and frees the buffer (copy r's .grad become undefined).
+  /// Sharded gradients: moves copy r's own range of its gradient buffer into its range
+  /// gradient and frees the buffer (copy r's .grad become undefined).
   void release_grad(int r);
 
   /// Note [Sharded parameter buffers]
@@ -176,6 +181,11 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
   using ReadHook = std::function<void(int copy, int unit)>;
   void set_read_hook(ReadHook hook) { read_hook_ = std::move(hook); }
 
+  // nn::CopySpans: copy r's range, its part of the parameters, and its gradient (the
+  // range gradient while the buffer is released, else the buffer's range); this store
+  // as the exchange when the ranges span processes.
+  nn::CopySpan span(int copy) const override;
+  nn::ProcessExchange* exchange() override;
   // nn::ViewProvider
   void before_read(int copy, int unit) override;
   void make_primary_readable() override { gather_primary(); }
@@ -189,6 +199,13 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
     std::vector<std::uint64_t> unit_versions;   // units[u]'s storage version when gathered
     std::vector<std::vector<UnitPiece>> ahead;  // unit u's pieces on their way
   };
+  // Note [Sharded parameter sets]: copy r's range of the flat buffers and, with
+  // shard_grads while its gradient buffer is released, the summed gradient of the range
+  // ((end - begin) float32; undefined otherwise).
+  struct Range {
+    std::int64_t begin = 0, end = 0;
+    Tensor grad;
+  };
   void assign_units(const Runs& units);
   void unshard_params();
 
@@ -197,6 +214,7 @@ class ShardStore final : public nn::ViewProvider, public nn::ProcessExchange {
   bool sharded_ = false;
   bool shard_grads_ = false;
   int shard_world_ = 0;
+  std::vector<Range> ranges_;  // per copy, while sharded
   Runs units_;
   bool shards_params_ = false;
   std::vector<Copy> copies_;

@@ -146,7 +146,7 @@ Run train(const std::vector<dp::Device>& devs, const dp::DataParallelOptions& op
     }
     run.ranges_differing = 0;
     for (int r = 0; r < set->num_copies(); ++r) {
-      const auto& c = set->copy(r);
+      const auto c = dp::nn::copy_span(*set, r);
       std::vector<float> want(static_cast<std::size_t>(c.end - c.begin), 0.0f);
       for (std::int64_t i = c.begin; i < std::min<std::int64_t>(c.end, static_cast<std::int64_t>(flat.size())); ++i)
         want[static_cast<std::size_t>(i - c.begin)] = flat[static_cast<std::size_t>(i)];

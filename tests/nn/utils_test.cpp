@@ -175,12 +175,12 @@ TEST_CASE("clip_grad_value_ clamps each device's owned range of the reduced grad
     dp::nn::cross_entropy(model(b.x), b.y).backward();
     auto& set = *model.parameters().set();
     std::vector<std::vector<float>> before;
-    for (int r = 0; r < set.num_copies(); ++r) before.push_back(set.copy(r).owned_grad().to_vector());
+    for (int r = 0; r < set.num_copies(); ++r) before.push_back(dp::nn::copy_span(set, r).owned_grad().to_vector());
     const float c = 0.003f;
     dp::nn::utils::clip_grad_value_(model.parameters(), c);
     int clamped = 0;
     for (int r = 0; r < set.num_copies(); ++r) {
-      auto after = set.copy(r).owned_grad().to_vector();
+      auto after = dp::nn::copy_span(set, r).owned_grad().to_vector();
       REQUIRE(after.size() == before[r].size());
       for (std::size_t i = 0; i < after.size(); ++i) {
         const float want = std::min(c, std::max(-c, before[r][i]));
@@ -211,9 +211,9 @@ TEST_CASE("gradient clipping rejects bad arguments, in every design") {
     CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_value_(ps, nan), doctest::Contains("expected clip_value >= 0"),
                          dp::Error);
     // max_norm = infinity measures without clipping.
-    auto before = ps.set()->copy(0).owned_grad().to_vector();
+    auto before = dp::nn::copy_span(*ps.set(), 0).owned_grad().to_vector();
     CHECK(dp::nn::utils::clip_grad_norm_(ps, std::numeric_limits<double>::infinity()) > 0);
-    CHECK(ps.set()->copy(0).owned_grad().to_vector() == before);
+    CHECK(dp::nn::copy_span(*ps.set(), 0).owned_grad().to_vector() == before);
   }
 }
 
@@ -226,7 +226,7 @@ TEST_CASE("clip_grad_norm_ with error_if_nonfinite names a NaN gradient held by 
     dp::nn::cross_entropy(model(b.x), b.y).backward();
     auto& set = *model.parameters().set();
     // A NaN in the last device's range only: a norm over copy 0 would miss it.
-    Tensor owned = set.copy(2).owned_grad();
+    Tensor owned = dp::nn::copy_span(set, 2).owned_grad();
     owned.narrow(0, 0, 1).fill_(std::numeric_limits<float>::quiet_NaN());
     CHECK(std::isnan(dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0)));
     CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0, 2.0, true),

@@ -316,17 +316,16 @@ TEST_CASE("a sharded set: each copy steps only its range, keeping state for it a
       opt->step();
       ref_opt->step();
       for (int r = 0; r < 3; ++r) {
-        const auto& c = set->copy(r);
-        auto now = c.data.to_vector();
+        const auto c = dp::nn::copy_span(*set, r);
+        auto now = set->copy(r).data.to_vector();
         for (std::int64_t i = 0; i < set->buffer_numel(); ++i)
           if (i < c.begin || i >= c.end) CHECK(now[i] == before[r][i]);  // outside its range: untouched
       }
       // What DataParallel's all-gather does: every copy takes every copy's range.
       for (int r = 0; r < 3; ++r)
         for (int o = 0; o < 3; ++o) {
-          const auto& src = set->copy(o);
-          set->copy(r).data.narrow(0, src.begin, src.end - src.begin)
-              .copy_(src.data.narrow(0, src.begin, src.end - src.begin));
+          const auto src = dp::nn::copy_span(*set, o);
+          set->copy(r).data.narrow(0, src.begin, src.end - src.begin).copy_(src.data);
         }
       CHECK(dp::equal(set->copy(0).data.narrow(0, 0, 82), ref->parameters().set()->copy(0).data));
     }
@@ -349,9 +348,8 @@ TEST_CASE("a sharded set: each copy steps only its range, keeping state for it a
     again->step();
     ref_opt->step();
     for (int o = 1; o < 3; ++o) {
-      const auto& src = set->copy(o);
-      set->copy(0).data.narrow(0, src.begin, src.end - src.begin)
-          .copy_(src.data.narrow(0, src.begin, src.end - src.begin));
+      const auto src = dp::nn::copy_span(*set, o);
+      set->copy(0).data.narrow(0, src.begin, src.end - src.begin).copy_(src.data);
     }
     CHECK(dp::equal(set->copy(0).data.narrow(0, 0, 82), ref->parameters().set()->copy(0).data));
     store.unshard();

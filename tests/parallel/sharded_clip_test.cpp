@@ -147,15 +147,15 @@ TEST_CASE("stage 3 clipping edits each device's own range of the reduced gradien
   loss_fn(model(b.x), b.y).backward();
   std::vector<std::vector<float>> before;
   for (int r = 0; r < 3; ++r) {
-    REQUIRE_FALSE(set->copy(r).grad.defined());  // stage 3 keeps only shard_grad
-    before.push_back(set->copy(r).owned_grad().to_vector());
+    REQUIRE_FALSE(set->copy(r).grad.defined());  // stage 3 keeps only the range gradient
+    before.push_back(dp::nn::copy_span(*set, r).owned_grad().to_vector());
   }
   const float c = 0.004f;
   dp::nn::utils::clip_grad_value_(params, c);
   CHECK(dp::nn::utils::clip_grad_norm_(params, 1e9) > 0);
   int clamped = 0;
   for (int r = 0; r < 3; ++r) {
-    auto after = set->copy(r).owned_grad().to_vector();
+    auto after = dp::nn::copy_span(*set, r).owned_grad().to_vector();
     REQUIRE(after.size() == before[static_cast<std::size_t>(r)].size());
     for (std::size_t i = 0; i < after.size(); ++i) {
       const float want = std::min(c, std::max(-c, before[static_cast<std::size_t>(r)][i]));
@@ -168,7 +168,7 @@ TEST_CASE("stage 3 clipping edits each device's own range of the reduced gradien
   }
   CHECK(clamped > 0);
   // A NaN held by the last device only: the norm sees it, and error_if_nonfinite names it.
-  set->copy(2).owned_grad().narrow(0, 0, 1).fill_(std::numeric_limits<float>::quiet_NaN());
+  dp::nn::copy_span(*set, 2).owned_grad().narrow(0, 0, 1).fill_(std::numeric_limits<float>::quiet_NaN());
   CHECK(std::isnan(dp::nn::utils::clip_grad_norm_(net->parameters(), 1.0)));
   CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_norm_(net->parameters(), 1.0, 2.0, true),
                        doctest::Contains("total norm of the gradients is nan"), dp::Error);

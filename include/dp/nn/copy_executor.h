@@ -15,7 +15,10 @@
 // passes it on: an optimizer finds its StepExecutor there (a dynamic_cast), so nn
 // never names optim, and no layer calls a function another layer above installed
 // (the runtime implements interfaces declared below it). Without an executor every
-// copy runs in order on the calling thread.
+// copy runs in order on the calling thread. The executor says WHERE each copy's work
+// runs; WHAT part of the buffers it covers — the copy's span — a runtime that cuts the
+// buffers answers through the sibling interface nn::CopySpans (Note [Copy spans] in
+// dp/nn/copy_spans.h), which the set holds likewise; a step or a clip reads it there.
 // This header knows nothing of optimizers, DataParallel or threads.
 //
 //   struct Inline final : dp::nn::CopyExecutor {

@@ -8,12 +8,13 @@
 // DP mode's replicas are transient copies refreshed before each forward. Because a
 // parameter is a slice of a buffer, replicate/broadcast, reduce, all-reduce, the
 // optimizer step and checkpoints are each one call over a buffer, and a DDP bucket
-// is a slice of the gradient buffer. A runtime may give each copy a contiguous range
-// of the buffers to step (ParameterCopy::begin, end); cutting the ranges, gathering
-// them and the units of sharded parameters are the runtime's (Mode::Sharded's
-// store, Note [Sharded parameter sets] in src/parallel/shard_store.h), which the set
-// reaches only through interfaces declared in nn: CopyExecutor, ProcessExchange and
-// ViewProvider.
+// is a slice of the gradient buffer. The set keeps the buffers, the views and the
+// replica binding, nothing more: which part of the buffers each copy owns and how the
+// processes holding the other parts are reached (Note [Copy spans]), where the work
+// over every copy runs and how the views stay readable are a runtime's (DataParallel;
+// Mode::Sharded's store, Note [Sharded parameter sets] in src/parallel/shard_store.h),
+// which the set holds only as interfaces declared in nn — CopySpans, CopyExecutor,
+// ViewProvider — and passes on.
 //
 // Which copy a module's forward uses is chosen per thread (ReplicaBinding): a worker
 // thread for device i binds copy i, so one module object serves every worker
@@ -32,7 +33,7 @@
 #include <vector>
 
 #include "dp/nn/copy_executor.h"
-#include "dp/nn/process_exchange.h"
+#include "dp/nn/copy_spans.h"
 #include "dp/nn/view_provider.h"
 #include "dp/tensor/tensor.h"
 
@@ -94,23 +95,10 @@ struct ParameterCopy {
   Device device;
   Tensor data;  // (buffer_numel) float32, every parameter of this copy is a view into it
   Tensor grad;  // (buffer_numel) float32, every parameter's .grad is a view into it;
-                // undefined while released (sharded gradients, between backward passes)
+                // undefined while a runtime released it (Note [Copy spans])
   /// DP mode's replicas: refreshed from the primary before each forward, never
   /// stepped by an optimizer. DDP and Sharded copies are persistent (transient = false).
   bool transient = false;
-  /// [begin, end): the range of the flat buffers an optimizer step of this copy
-  /// updates — all of them, except in a sharded set, where it is the copy's shard.
-  std::int64_t begin = 0, end = 0;
-  /// Sharded gradients: the summed gradient of [begin, end) ((end - begin) float32)
-  /// while `grad` is released (between backward passes). Undefined otherwise.
-  Tensor shard_grad;
-  /// The gradient an optimizer step of this copy reads: element i of the flat buffers
-  /// (begin <= i < end) is owned_grad()[i - begin]. shard_grad when defined, else grad.
-  Tensor owned_grad() const;
-  /// The parameters an optimizer step of this copy writes: element i (begin <= i <
-  /// end) is owned_data()[i - begin]. `data` is the whole flat buffer, or, when a
-  /// runtime keeps only the copy's range (Note [View providers]), exactly [begin, end).
-  Tensor owned_data() const;
 };
 
 /// All parameters of a module tree, flattened (see Note [Parameter sets]).
@@ -138,9 +126,9 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   ParameterCopy& copy(int r);
   const ParameterCopy& copy(int r) const;
   /// Adds copy r on `device` with the primary's current values; returns r. Throws
-  /// dp::Error on a sharded set (add every copy first).
+  /// dp::Error while the copies own parts of the buffers (spans_cut; add every copy first).
   int add_copy(Device device, bool transient);
-  /// Drops every copy but the primary. Throws dp::Error on a sharded set.
+  /// Drops every copy but the primary. Throws dp::Error while the copies own parts.
   void drop_copies();
   /// Moves the primary copy to `device` (data and grad; views rebound in place).
   void move_primary(Device device);
@@ -154,31 +142,17 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   void set_executor(CopyExecutor* executor) { executor_ = executor; }
   CopyExecutor* executor() const { return executor_; }
 
-  /// The ranges: every copy steps [begin, end) of the flat buffers, all of them
-  /// unless a runtime cut them (Mode::Sharded's store, Note [Sharded parameter sets]
-  /// in src/parallel/shard_store.h, sets each copy's begin, end and shard_grad).
-  /// True when some copy steps only part of the buffers.
-  bool sharded() const;
-  /// Pads every copy's buffers with zeros to n elements (views rebound in place; a
-  /// copy that stepped all of the buffers still does). Throws dp::Error when n <
-  /// buffer_numel().
+  /// The runtime that says which part of the buffers each copy owns (Note [Copy
+  /// spans]; read it through copy_span()), or null: every copy owns all of them. The
+  /// set holds it and never owns it (the runtime clears it before it goes).
+  void set_spans(CopySpans* spans) { spans_ = spans; }
+  CopySpans* spans() const { return spans_; }
+  /// Pads every copy's buffers with zeros to n elements (views rebound in place).
+  /// Throws dp::Error when n < buffer_numel().
   void pad_buffers(std::int64_t n);
   /// Makes `grad` copy r's gradient buffer (undefined: none) and points copy r's
   /// .grad views at it.
   void set_grad_buffer(int r, Tensor grad);
-
-  /// The exchange with the other processes when the set's ranges span processes (Note
-  /// [Process exchange] in dp/nn/process_exchange.h), installed by the runtime that
-  /// cut them; the set holds it and never owns it (the runtime clears it before it goes).
-  void set_process_exchange(ProcessExchange* exchange) { process_exchange_ = exchange; }
-  /// True when the set holds only this process's ranges: a value of every range needs
-  /// process_exchange().
-  bool spans_processes() const { return process_exchange_ != nullptr; }
-  ProcessExchange& process_exchange() const;
-  /// Code that works on a copy's range (an optimizer step, clipping) indexes only
-  /// owned_data() and owned_grad(), relative to `begin`: a runtime may keep in `data`
-  /// only [begin, end) (stage 3, Note [View providers]), and `grad` is released
-  /// between backward passes, so a flat index into either is out of range.
 
   /// The runtime that keeps the parameter views readable (Note [View providers]), or
   /// null. The set holds it and never owns it (the runtime clears it before it goes).
@@ -191,7 +165,8 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// that handles held anywhere (autograd's saved tensors too) see the new storage.
   void rebind_view(int r, std::size_t i, const Tensor& buffer, std::int64_t offset);
 
-  /// Zeroes every copy's gradients: full buffers that exist and shard gradients.
+  /// Zeroes every copy's gradients: its gradient buffer, or while a runtime released it,
+  /// the gradient of its span the runtime keeps (Note [Copy spans]).
   void zero_grad();
   /// Counts the calls that zeroed every gradient of every copy (zero_grad(), an
   /// optimizer's zero_grad over the whole set): a runtime can tell that gradients
@@ -220,7 +195,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   std::uint64_t version_ = 0;
   bool valid_ = true;
   CopyExecutor* executor_ = nullptr;
-  ProcessExchange* process_exchange_ = nullptr;
+  CopySpans* spans_ = nullptr;
 };
 
 /// The parameters of a module tree: the primary copy's tensors plus their set.

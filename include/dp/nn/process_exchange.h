@@ -8,7 +8,9 @@
 // process's part in process order, i.e. in flat order again. The interface is
 // declared here, in nn, the lowest layer that calls it, and implemented by the
 // runtime that sharded the set (DataParallel's Sharded design, over dp::dist), which
-// installs it on the set (ParameterSet::set_process_exchange). Why not call dp::dist
+// hands it out with the set's spans (CopySpans::exchange, read through
+// nn::process_exchange(set): Note [Copy spans] in dp/nn/copy_spans.h), since it is the
+// spans that span processes, not the set's buffers. Why not call dp::dist
 // from nn and optim directly: WHICH processes hold the set's ranges, and in which
 // order, is the runtime's knowledge, not the set's (every process of the job for
 // stages 1 and 2, none for stage 3's hybrid sharding, Note [Stage 3 across
@@ -17,7 +19,7 @@
 // This header knows nothing of DataParallel, comm or dist.
 //
 //   std::vector<float> every;
-//   for (const auto& part : set.process_exchange().gather(mine))
+//   for (const auto& part : dp::nn::process_exchange(set)->gather(mine))
 //     every.insert(every.end(), part.begin(), part.end());
 #pragma once
 

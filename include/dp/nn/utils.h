@@ -4,7 +4,7 @@
 // each replica's gradient is clipped with the same factor, computed once from the
 // combined gradient, so replicas stay bitwise equal (Note [Gradient edits] in
 // src/parallel/designs/ddp.cpp). In Sharded mode each device edits the range of
-// the reduced gradient it owns (ParameterCopy::owned_grad()), and the norm is
+// the reduced gradient it owns (its span's, Note [Copy spans] in dp/nn/copy_spans.h), and the norm is
 // assembled from every device's range in flat order, so single device, DP, DDP and
 // Sharded (any stage, any device count) compute the same total norm, bit for bit
 // (Note [Clipping in blocks] in src/nn/utils.cpp). They read no parameter: in stage 3

@@ -6,12 +6,13 @@
 // parameters merge; the whole set is one range) and keeps its state (momentum buffers,
 // exp_avg, …) flat, one buffer per state name and per copy of the set, laid out like
 // the ranges back to back. A step then calls ONE fused backend kernel per range and
-// copy on `copy(r).data` / `copy(r).owned_grad()` slices, through the set's
-// StepExecutor (Note [Copy executors] in dp/nn/copy_executor.h) — so under
-// DataParallel's DDP mode each device's worker steps its own copy with its own
-// state, and no optimizer knows about DataParallel. A copy steps only the part of the
-// ranges inside its [begin, end): everything, except in a sharded set (Note [Sharded
-// parameter sets]), where each copy steps its shard and keeps state for it alone.
+// copy on slices of the copy's span (nn::copy_span: Note [Copy spans] in
+// dp/nn/copy_spans.h), through the set's StepExecutor (Note [Copy executors] in
+// dp/nn/copy_executor.h) — so under DataParallel's DDP mode each device's worker steps
+// its own copy with its own state, and no optimizer knows about DataParallel. A copy
+// steps only the part of the ranges inside its span: all of the buffers, except where
+// a runtime cut them (Mode::Sharded, Note [Sharded parameter sets]), where each copy
+// steps its range and keeps state for it alone.
 // State is allocated lazily on the copy's device at its first step. Whenever a copy's
 // range or buffers change (DDP wrapping after some steps, sharding, unsharding, the
 // primary moving to another device, a load), its state is rebuilt from the states
@@ -108,12 +109,12 @@ class Optimizer {
     std::int64_t offset = 0, numel = 0, state_offset = 0;
   };
   /// Per-copy state: one flat buffer per state name (empty until the first step) over
-  /// the optimizer's ranges clipped to the copy's [begin, end).
+  /// the optimizer's ranges clipped to the copy's span (Note [Copy spans]).
   struct CopyState {
     std::vector<Tensor> buffers;
     bool fresh = true;                // allocated as zeros and not stepped yet
     std::weak_ptr<Storage> data;      // the copy's data buffer these states belong to
-    std::int64_t begin = 0, end = 0;  // the copy's range they cover
+    std::int64_t begin = 0, end = 0;  // the copy's span they cover
     std::vector<Range> ranges;        // ranges_ clipped to it; state_offset into `buffers`
     std::int64_t numel = 0;           // elements of each buffer
   };
@@ -123,7 +124,7 @@ class Optimizer {
   /// Keeps the states of `old` whose copy is unchanged, rebuilds the others from
   /// `sources` (Note [Optimizer state layouts]).
   void rebuild_states(const std::vector<CopyState>& old, const std::vector<CopyState>& sources);
-  CopyState layout(const nn::ParameterCopy& copy) const;
+  CopyState layout(const nn::CopySpan& span) const;
   static void copy_state(CopyState& dst, const CopyState& src);
   void allocate_state(CopyState& st, Device dev, const Shape& shape);
   void step_copy(int r);

@@ -21,8 +21,8 @@ namespace dp::optim {
 class StepExecutor : public nn::CopyExecutor {
  public:
   /// Calls step(r) for r in [0, num_copies), each on copy r's device (its worker), where
-  /// step(r) updates the parameters of copy r's range [begin, end) from its owned
-  /// gradient; returns once every call returned and the copies are as the runtime
+  /// step(r) updates the parameters of copy r's span from its gradient (Note [Copy
+  /// spans] in dp/nn/copy_spans.h); returns once every call returned and the copies are as the runtime
   /// keeps them between steps (e.g. every range gathered into every copy). Rethrows a
   /// call's exception. step skips the copies an optimizer does not step.
   virtual void step_copies(int num_copies, const std::function<void(int copy)>& step) = 0;

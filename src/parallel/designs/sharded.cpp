@@ -80,7 +80,10 @@ void ShardedDesign::release() {
 
 std::vector<std::pair<std::int64_t, std::int64_t>> ShardedDesign::shards() const {
   std::vector<std::pair<std::int64_t, std::int64_t>> out;
-  for (int r = 0; r < set().num_copies(); ++r) out.emplace_back(set().copy(r).begin, set().copy(r).end);
+  for (int r = 0; r < set().num_copies(); ++r) {
+    const nn::CopySpan s = store_->span(r);
+    out.emplace_back(s.begin, s.end);
+  }
   return out;
 }
 
@@ -117,7 +120,8 @@ std::unique_ptr<GradSync> ShardedDesign::make_grad_sync() {
   ShardedGrads g;
   // Every world rank's range (Note [World ranks]): equal lengths, world rank w's at w * len;
   // stage 3 across processes: every local rank's (Note [Stage 3 across processes]).
-  const std::int64_t len = set().copy(0).end - set().copy(0).begin;
+  const nn::CopySpan first = store_->span(0);
+  const std::int64_t len = first.end - first.begin;
   g.hybrid = store_->shard_world() < comm().world_size();
   for (int w = 0; w < store_->shard_world(); ++w) g.shards.emplace_back(len * w, len * (w + 1));
   if (store_->shards_grads()) {
@@ -130,9 +134,9 @@ std::unique_ptr<GradSync> ShardedDesign::make_grad_sync() {
     };
     g.after_sync = [this](int r) { store_->release_grad(r); };
     g.deliver = [this](int r, const Tensor& piece, std::int64_t offset) {
-      const nn::ParameterCopy& c = set().copy(r);
+      const nn::CopySpan c = store_->span(r);  // its range gradient: a detached cycle has no buffer
       NoGradGuard no_grad;
-      Tensor range = c.shard_grad.narrow(0, offset - c.begin, piece.numel());
+      Tensor range = c.grad.narrow(0, offset - c.begin, piece.numel());
       if (carry_sums_) {
         range.copy_(piece);  // the sum carried the earlier one (Note [Accumulating after a combined backward])
       } else {
@@ -141,11 +145,11 @@ std::unique_ptr<GradSync> ShardedDesign::make_grad_sync() {
     };
     g.carry_in = [this](int r, Tensor& piece, std::int64_t offset, int owner) {
       if (!carry_sums_ || r != 0) return;  // Note [Accumulating after a combined backward]
-      const nn::ParameterCopy& c = set().copy(owner);
+      const nn::CopySpan c = store_->span(owner);
       NoGradGuard no_grad;
-      piece.add_(c.shard_grad.narrow(0, offset - c.begin, piece.numel()).to(piece.device()));
+      piece.add_(c.grad.narrow(0, offset - c.begin, piece.numel()).to(piece.device()));
     };
-    g.owned = [this](int r) { return set().copy(r).owned_grad(); };
+    g.owned = [this](int r) { return store_->span(r).owned_grad(); };
   }
   return make_reduce_scatter_sync(comm(), std::move(g));
 }
@@ -162,11 +166,12 @@ void ShardedDesign::forget_sums() {
   }
   const Tensor& grad0 = set().copy(0).grad;
   for (int r = 1; r < set().num_copies(); ++r) {
-    const nn::ParameterCopy& c = set().copy(r);
-    const std::int64_t lo = std::min(c.begin, set().numel()), n = std::min(c.end, set().numel()) - lo;
+    const nn::CopySpan s = store_->span(r);
+    const std::int64_t lo = std::min(s.begin, set().numel()), n = std::min(s.end, set().numel()) - lo;
     if (n <= 0) continue;
-    grad0.narrow(0, lo, n).copy_(c.grad.narrow(0, lo, n));
-    c.grad.narrow(0, lo, n).zero_();
+    const Tensor& grad = set().copy(r).grad;
+    grad0.narrow(0, lo, n).copy_(grad.narrow(0, lo, n));
+    grad.narrow(0, lo, n).zero_();
   }
 }
 
@@ -262,18 +267,17 @@ void ShardedDesign::finish_update(const UpdatePlan& plan) {
 
 void ShardedDesign::gather_params(int rank) {
   PhaseTimer t(recorder(), rank, Phase::AllGather);
-  const nn::ParameterCopy& c = set().copy(rank);
-  const std::int64_t len = c.end - c.begin;
-  comm().all_gather(rank, c.data.narrow(0, c.begin, len), c.data.narrow(0, 0, len * comm().world_size()));
+  const nn::CopySpan s = store_->span(rank);
+  comm().all_gather(rank, s.data, set().copy(rank).data.narrow(0, 0, (s.end - s.begin) * comm().world_size()));
 }
 
 std::pair<std::int64_t, std::int64_t> ShardedDesign::current_part(int rank, int unit, std::int64_t lo,
                                                                   std::int64_t hi) const {
   // Note [Deferred gather]: of a stale unit, only the replica's own range is current.
   if (!deferred_gather() || !stale_[static_cast<std::size_t>(rank)][static_cast<std::size_t>(unit)]) return {lo, hi};
-  const nn::ParameterCopy& c = set().copy(rank);
-  lo = std::max(lo, c.begin);
-  return {lo, std::max(lo, std::min(hi, c.end))};
+  const nn::CopySpan s = store_->span(rank);
+  lo = std::max(lo, s.begin);
+  return {lo, std::max(lo, std::min(hi, s.end))};
 }
 
 }  // namespace dp::parallel

@@ -269,9 +269,8 @@ void ShardedDesign::pull_primary() {
   NoGradGuard no_grad;
   const Tensor& primary = set().copy(0).data;
   for (int q = 1; q < set().num_copies(); ++q) {
-    const nn::ParameterCopy& owner = set().copy(q);
-    primary.narrow(0, owner.begin, owner.end - owner.begin)
-        .copy_(owner.data.narrow(0, owner.begin, owner.end - owner.begin));
+    const nn::CopySpan owner = store_->span(q);
+    primary.narrow(0, owner.begin, owner.end - owner.begin).copy_(owner.data);
   }
   mark_stale(true);
   end_replicate();
