@@ -147,7 +147,7 @@ std::unique_ptr<GradSync> ShardedDesign::make_grad_sync() {
     };
     g.owned = [this](int r) { return set().copy(r).owned_grad(); };
   }
-  return make_reduce_scatter_sync(comm(), std::move(g));
+  return make_reduce_scatter_sync(comm(), std::move(g), grad_wire());
 }
 
 // Note [Accumulating after a combined backward]: where the sums are in device order.
