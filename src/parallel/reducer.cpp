@@ -303,10 +303,10 @@ std::int64_t Reducer::grad_bytes(int rank) const {
   return ranks_[static_cast<std::size_t>(rank)].grad_bytes.load(std::memory_order_relaxed);
 }
 
-std::string Reducer::count_bytes(int rank, std::int64_t numel) {
+std::int64_t Reducer::count_bytes(int rank, std::int64_t numel) {
   const auto bytes = numel * static_cast<std::int64_t>(element_size(sync_->wire_dtype()));
   ranks_[static_cast<std::size_t>(rank)].grad_bytes.fetch_add(bytes, std::memory_order_relaxed);
-  return "\"bytes\": " + std::to_string(bytes);
+  return bytes;
 }
 
 void Reducer::set_failure_hook(ErrorHook hook) { on_failure_ = std::move(hook); }
@@ -404,14 +404,14 @@ void Reducer::comm_loop(int rank) {
     const Bucket& bk = buckets_[b];
     auto t0 = Clock::now();
     sync_bucket(rank, bk, grad);
-    std::string bytes = count_bytes(rank, bk.hi - bk.lo);
+    const std::int64_t bytes = count_bytes(rank, bk.hi - bk.lo);
     ranks_[rank].combined.store(static_cast<int>(b) + 1, std::memory_order_release);
     ranks_[rank].combined.notify_all();
     auto t1 = Clock::now();
     ranks_[rank].comm_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
     if (recorder_.trace().enabled())
       recorder_.comm_event(rank, std::string(sync_->name()) + " bucket " + std::to_string(b), t0, t1,
-                           std::move(bytes));
+                           "\"bytes\": " + std::to_string(bytes));
   }
 }
 
@@ -537,10 +537,10 @@ void Reducer::finalize_inline(int rank) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       const auto t0 = Clock::now();
       sync_bucket(rank, buckets_[b], grad);
-      std::string bytes = count_bytes(rank, buckets_[b].hi - buckets_[b].lo);
+      const std::int64_t bytes = count_bytes(rank, buckets_[b].hi - buckets_[b].lo);
       if (recorder_.trace().enabled())  // on the comm track, as a comm thread's would be
         recorder_.comm_event(rank, std::string(sync_->name()) + " bucket " + std::to_string(b), t0,
-                             Clock::now(), std::move(bytes));
+                             Clock::now(), "\"bytes\": " + std::to_string(bytes));
     }
     sync_->join(rank);
   } catch (...) {

@@ -258,8 +258,8 @@ class Reducer {
   struct RankState;
   void comm_loop(int rank);
   void sync_bucket(int rank, const Bucket& bk, Tensor& grad);
-  /// Counts and describes (for the trace) `numel` gradient elements sent by rank.
-  std::string count_bytes(int rank, std::int64_t numel);
+  /// Counts `numel` gradient elements sent by rank; returns their bytes on the wire.
+  std::int64_t count_bytes(int rank, std::int64_t numel);
   void finalize_inline(int rank);
   void sync_bucket_detached(int rank, const Bucket& bk);
   void finalize_overlapped(int rank);
