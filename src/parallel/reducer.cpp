@@ -188,21 +188,24 @@ class ReduceScatterSync final : public GradSync {
       int owner;
     };
     std::vector<Piece> pieces;
-    comm::CollectiveGroup group(comm, rank);
     for (int owner = 0; owner < static_cast<int>(g_.shards.size()); ++owner) {
       const auto [begin, end] = g_.shards[static_cast<std::size_t>(owner)];
       const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
       if (a >= b) continue;
       Tensor piece = grad.narrow(0, a - lo, b - a);
       if (detached && g_.carry_in) g_.carry_in(rank, piece, a, owner);
+      // Note [Gradients on the wire]: rounded before the group opens (no compute work inside it).
       Tensor wire = wire_ ? wire_->pack(rank, piece, a) : piece;
-      const Tensor& recv = me == owner ? wire : Tensor();
-      if (g_.hybrid) {
-        comm.reduce(rank, wire, recv, owner, comm::ReduceOp::Sum);
-      } else {
-        comm.reduce_deferred(rank, wire, recv, owner, comm::ReduceOp::Sum);
-      }
       pieces.push_back({std::move(piece), std::move(wire), a, owner});
+    }
+    comm::CollectiveGroup group(comm, rank);
+    for (const Piece& p : pieces) {
+      const Tensor& recv = me == p.owner ? p.wire : Tensor();
+      if (g_.hybrid) {
+        comm.reduce(rank, p.wire, recv, p.owner, comm::ReduceOp::Sum);
+      } else {
+        comm.reduce_deferred(rank, p.wire, recv, p.owner, comm::ReduceOp::Sum);
+      }
     }
     group.end();
     auto follow_up = [&] {
