@@ -6,6 +6,7 @@
 //   --shard-stage 1 | 2                                           (with --mode sharded)
 //   --path     worker (model.forward_backward) | module (loss(model(x)).backward())
 //   --precision fp32 | bf16 [| fp16] (forward and loss under dp::amp::autocast; fp16 with a GradScaler)
+//   --reduce-dtype fp32 | bf16 | fp16 (gradients on the wire: DataParallelOptions::mixed_precision)
 //   --batch, --json
 // (samples/dp_vs_ddp's --devices differs on purpose: it is the list of device COUNTS
 // it compares, "N" meaning 1..N.)
@@ -193,6 +194,23 @@ inline std::string cpu_16bit_note(const std::string& precision) {
          (kind == dp::CpuBf16::Native ? ""
                                       : "; bf16 works and gives the same bits, but is not faster than fp32 here") +
          " (Note [bf16 GEMMs through oneDNN])";
+}
+
+/// Adds --reduce-dtype: the dtype gradient collectives move (fp32, bf16 or fp16;
+/// DataParallelOptions::mixed_precision.reduce_dtype).
+inline CLI::Option* add_reduce_dtype_option(CLI::App& app, std::string& reduce_dtype) {
+  return app.add_option("--reduce-dtype", reduce_dtype,
+                        "dtype of the gradients on the wire: fp32, or bf16 / fp16 (half the bytes per gradient "
+                        "collective; the sum is formed in float32 and rounded once)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+}
+
+/// DataParallelOptions::mixed_precision of a --reduce-dtype value.
+inline dp::MixedPrecision mixed_precision_of(const std::string& reduce_dtype) {
+  if (reduce_dtype == "bf16") return {.reduce_dtype = dp::Dtype::BFloat16};
+  if (reduce_dtype == "fp16") return {.reduce_dtype = dp::Dtype::Float16};
+  return {};
 }
 
 /// Adds --json with a sample-specific description.

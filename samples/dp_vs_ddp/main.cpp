@@ -95,6 +95,7 @@ struct Args {
   std::string stages = "1,2,3";
   std::string path = "worker";
   std::string precision = "fp32";  // fp32 | bf16
+  std::string reduce_dtype = "fp32";  // fp32 | bf16 | fp16: gradients on the wire
   bool json = false;
   std::string csv, trace_dir, plot_dir;
   int trace_steps = 2;
@@ -153,6 +154,7 @@ struct Result {
   std::vector<std::size_t> peak_memory;  // bytes per device
   std::vector<Memory> memory;            // per device (Note [Memory split])
   double loss_first = 0, loss_last = 0;
+  double grad_bytes_dev0 = 0;  // per step: gradient bytes device 0 put into collectives (Stats::grad_bytes)
   std::string trace_path;
 };
 
@@ -303,6 +305,7 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
     options.shard_stage = design.stage;
     options.shard_unit = samples::shard_unit(a.model);  // the GPT: a gather unit per block
   }
+  options.mixed_precision = samples::mixed_precision_of(a.reduce_dtype);
   dp::DataParallel model(net, devices, options);
   r.processes = model.processes();
   r.rows = batches.front().data.size(0);
@@ -335,6 +338,7 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
   losses.back().item();
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   dp::parallel::Stats s = model.stats();
+  r.grad_bytes_dev0 = static_cast<double>(s.devices[0].grad_bytes) / a.steps;
   for (int p = 0; p < kNumPhases; ++p) {
     r.phase_dev0[p] = s.devices[0][kPhases[p].phase] / a.steps;
     for (auto& d : s.devices) r.phase_max[p] = std::max(r.phase_max[p], d[kPhases[p].phase] / a.steps);
@@ -420,6 +424,8 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   j["warmup"] = a.warmup;
   j["path"] = a.path == "worker" ? "forward_backward" : "module";
   j["precision"] = a.precision;
+  j["reduce_dtype"] = a.reduce_dtype;
+  j["grad_bytes_per_step_device0"] = r.grad_bytes_dev0;
   j["seconds"] = r.seconds;
   j["samples_per_s"] = r.samples_per_s;
   j["samples_per_s_per_process"] = r.per_process;
@@ -495,15 +501,17 @@ void print_tables(const Args& a, const std::vector<Result>& results) {
   const int procs = dist::world_size();
   std::vector<std::string> head{"mode", "devices"};
   if (procs > 1) head.insert(head.end(), {"processes", "world devices"});
-  head.insert(head.end(), {"batch", "samples/s", "speedup", "efficiency", "ms/step", "peak mem dev0",
-                           "peak mem max(others)"});
+  head.insert(head.end(), {"batch", "samples/s", "speedup", "efficiency", "ms/step", "grad wire/step",
+                           "peak mem dev0", "peak mem max(others)"});
   samples::Table t(head);
   for (auto& r : results) {
     std::vector<std::string> row{r.mode, std::to_string(r.devices)};
     if (procs > 1) row.insert(row.end(), {std::to_string(r.processes), std::to_string(r.devices * r.processes)});
     row.insert(row.end(), {std::to_string(a.batch), samples::fmt(r.samples_per_s, 1),
                            samples::fmt(r.speedup, 2) + "x", samples::fmt(100 * r.efficiency, 0) + "%",
-                           samples::fmt(1e3 * r.seconds / a.steps, 1), samples::format_bytes(r.peak_memory[0]),
+                           samples::fmt(1e3 * r.seconds / a.steps, 1),
+                           r.grad_bytes_dev0 > 0 ? samples::format_bytes(r.grad_bytes_dev0) : "-",
+                           samples::format_bytes(r.peak_memory[0]),
                            r.devices * r.processes > 1 ? samples::format_bytes(max_other_memory(r)) : "-"});
     t.add(row);
   }
@@ -744,7 +752,8 @@ int run(const Args& a, const std::vector<int>& counts, const std::vector<int>& s
     std::cout << ", "
               << a.steps << " timed steps after " << a.warmup << " warm-up, "
               << (a.path == "worker" ? "model.forward_backward(x, y, loss)" : "loss(model(x)).backward()")
-              << ", " << optimizer_label(a) << ", " << a.precision << ", seed " << a.seed << "\n"
+              << ", " << optimizer_label(a) << ", " << a.precision << ", gradients on the wire in "
+              << a.reduce_dtype << ", seed " << a.seed << "\n"
               << "devices: " << samples::device_kind() << ", " << dp::hardware_concurrency()
               << " hardware threads\n\n";
   }
@@ -835,6 +844,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   samples::add_path_option(app, a.path);
   samples::add_precision_option(app, a.precision);
+  samples::add_reduce_dtype_option(app, a.reduce_dtype);
   app.add_flag("--json", a.json, "print one JSON object per configuration (one per line) instead of tables");
   app.add_option("--csv", a.csv, "also write the results as CSV to FILE");
   app.add_option("--trace", a.trace_dir, "write a Chrome/Perfetto trace per configuration into DIR");

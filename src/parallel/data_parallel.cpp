@@ -155,6 +155,7 @@ void DataParallel::check_options(int n) {
   DP_CHECK(options_.bucket_cap_mb > 0 && options_.first_bucket_mb > 0,
            "DataParallel: expected bucket_cap_mb and first_bucket_mb > 0, got ", options_.bucket_cap_mb, " and ",
            options_.first_bucket_mb);
+  check_mixed_precision(options_.mixed_precision);
   if (options_.mode == Mode::Sharded) {
     const int stage = options_.shard_stage.value_or(2);
     DP_CHECK(stage >= 1 && stage <= 3, "DataParallel: expected shard_stage 1 (optimizer state), 2 (and "
@@ -173,6 +174,22 @@ void DataParallel::check_options(int n) {
     DP_CHECK(!options_.shard_unit, "DataParallel: shard_unit was given with mode ", mode_name(options_.mode),
              "; it picks the gather units of Mode::Sharded only: pass .mode = dp::Mode::Sharded or drop shard_unit");
   }
+}
+
+// Note [Gradients on the wire] in src/parallel/grad_wire.h: reduce_dtype only, for now.
+void DataParallel::check_mixed_precision(const MixedPrecision& mp) {
+  auto check_floating = [](const std::optional<Dtype>& d, const char* field) {
+    DP_CHECK(!d.has_value() || is_floating_point(*d), "DataParallel: mixed_precision.", field,
+             " expects a floating dtype (float32, bfloat16 or float16), got ", dtype_name(*d));
+  };
+  check_floating(mp.param_dtype, "param_dtype");
+  check_floating(mp.reduce_dtype, "reduce_dtype");
+  check_floating(mp.buffer_dtype, "buffer_dtype");
+  DP_CHECK(!mp.param_dtype.has_value(), "DataParallel: mixed_precision.param_dtype = ", dtype_name(*mp.param_dtype),
+           " is not supported yet; keep the parameters float32 and run the forward under dp::amp::autocast "
+           "for 16-bit compute, or drop param_dtype");
+  DP_CHECK(!mp.buffer_dtype.has_value(), "DataParallel: mixed_precision.buffer_dtype = ",
+           dtype_name(*mp.buffer_dtype), " is not supported yet; drop buffer_dtype (buffers stay float32)");
 }
 
 void DataParallel::init(std::vector<Device> devices) {
@@ -197,6 +214,10 @@ void DataParallel::init(std::vector<Device> devices) {
                                   : comm::make_communicator(devices_, comm_options);
   processes_ = comm_->world_size() / n;
   process_ = comm_->first_rank() / n;
+  DP_CHECK(processes_ == 1 || options_.mixed_precision.reduce_dtype.value_or(Dtype::Float32) == Dtype::Float32,
+           "DataParallel: mixed_precision.reduce_dtype = ", dtype_name(*options_.mixed_precision.reduce_dtype),
+           " across ", processes_, " processes is not supported yet (the process group reduces float32); drop "
+           "reduce_dtype, or pass span_processes = false");
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
   fences_ = std::make_unique<backend::CopyFences>(devices_);
   sync_processes();
@@ -207,6 +228,7 @@ void DataParallel::init(std::vector<Device> devices) {
   design_->end_replicate();
   design_->snapshot_grad_versions();
   make_reducer();
+  grad_bytes_base_.assign(devices_.size(), 0);
 
   executor_ = std::make_unique<Executor>(*this);
   set_->set_executor(executor_.get());
@@ -361,12 +383,15 @@ parallel::Stats DataParallel::stats() const {
   parallel::Stats s = recorder_->snapshot();
   s.handoffs = workers_->handoffs() + reducer_->handoffs() - handoff_base_;
   for (auto& d : s.devices) d.peak_memory_bytes = backend::get(d.device).max_memory_allocated(d.device);
+  for (std::size_t r = 0; r < s.devices.size(); ++r)
+    s.devices[r].grad_bytes = reducer_->grad_bytes(static_cast<int>(r)) - grad_bytes_base_[r];
   return s;
 }
 
 void DataParallel::reset_stats() {
   recorder_->reset();
   handoff_base_ = workers_->handoffs() + reducer_->handoffs();
+  for (std::size_t r = 0; r < devices_.size(); ++r) grad_bytes_base_[r] = reducer_->grad_bytes(static_cast<int>(r));
   comm_->reset_process_times();
   for (auto& d : devices_) backend::get(d).reset_peak_memory(d);
 }

@@ -28,6 +28,13 @@ std::unique_ptr<Design> make_design(DataParallel& dp) {
 ScopedDesignFactory::ScopedDesignFactory(DesignFactory factory) : previous_(std::exchange(scoped_factory, std::move(factory))) {}
 ScopedDesignFactory::~ScopedDesignFactory() { scoped_factory = std::move(previous_); }
 
+std::shared_ptr<const GradWire> Design::grad_wire() const {
+  const Dtype wire = options().mixed_precision.reduce_dtype.value_or(Dtype::Float32);
+  // One device of the whole job combines nothing: nothing goes on a wire.
+  if (wire == Dtype::Float32 || world_devices() == 1) return nullptr;
+  return std::make_shared<const GradWire>(devices(), wire, set().numel());
+}
+
 std::vector<Bucket> Design::parameter_buckets() const {
   std::vector<std::int64_t> numel;
   for (auto& s : set().slots()) numel.push_back(s->copies[0].numel());

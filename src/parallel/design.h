@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "dp/parallel/data_parallel.h"
+#include "parallel/grad_wire.h"
 #include "parallel/reducer.h"
 
 namespace dp::backend {
@@ -166,6 +167,9 @@ class Design {
   int world_devices() const { return dp_.world_devices(); }
   bool require_sync() const { return dp_.require_sync_; }
 
+  /// The 16-bit buffers the gradient strategy reduces through, or null when
+  /// mixed_precision.reduce_dtype keeps float32 (Note [Gradients on the wire]).
+  std::shared_ptr<const GradWire> grad_wire() const;
   /// The parameters' buckets by DataParallelOptions' caps (Note [Gradient buckets]).
   std::vector<Bucket> parameter_buckets() const;
   /// DP's test: device 0's parameters changed since the copies were last equal.

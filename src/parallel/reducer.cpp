@@ -6,6 +6,7 @@
 #include "backend/backend.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
+#include "parallel/grad_wire.h"
 
 namespace dp::parallel {
 
@@ -50,14 +51,23 @@ namespace {
 
 class AllReduceSync final : public GradSync {
  public:
-  explicit AllReduceSync(comm::Communicator& comm) : comm_(comm) {}
+  AllReduceSync(comm::Communicator& comm, std::shared_ptr<const GradWire> wire)
+      : comm_(comm), wire_(std::move(wire)) {}
   const char* name() const override { return "allreduce"; }
   bool overlaps_backward() const override { return true; }
   int world_ranks() const override { return comm_.world_size(); }
   // The compute stream waits for the buckets once, at join (Note [Deferred collectives]).
-  void sync(int rank, const Tensor& grad, std::int64_t) override {
-    comm_.all_reduce_deferred(rank, grad, grad, comm::ReduceOp::Sum);
+  void sync(int rank, const Tensor& grad, std::int64_t offset) override {
+    if (!wire_) {
+      comm_.all_reduce_deferred(rank, grad, grad, comm::ReduceOp::Sum);
+      return;
+    }
+    // Note [Gradients on the wire]: the sum comes back after the collective, on its stream.
+    Tensor w = wire_->pack(rank, grad, offset);
+    comm_.all_reduce_deferred(rank, w, w, comm::ReduceOp::Sum);
+    comm_.after_deferred(rank, [&] { GradWire::unpack(w, grad); });
   }
+  Dtype wire_dtype() const override { return wire_ ? wire_->dtype() : Dtype::Float32; }
   void join(int rank) override { comm_.join(rank); }
   std::optional<std::pair<double, double>> device_times(int rank) override {
     if (!comm_.times_on_device()) return std::nullopt;
@@ -68,6 +78,7 @@ class AllReduceSync final : public GradSync {
 
  private:
   comm::Communicator& comm_;
+  std::shared_ptr<const GradWire> wire_;
 };
 
 // Note [DP across processes]
@@ -80,16 +91,21 @@ class AllReduceSync final : public GradSync {
 // hierarchical all-reduce (Note [Hierarchical collectives]), so DP stays bitwise DDP.
 class ReduceToRootSync final : public GradSync {
  public:
-  ReduceToRootSync(comm::Communicator& comm, int root) : comm_(comm), root_(root) {}
+  ReduceToRootSync(comm::Communicator& comm, int root, std::shared_ptr<const GradWire> wire)
+      : comm_(comm), root_(root), wire_(std::move(wire)) {}
   const char* name() const override { return "reduce"; }
   bool overlaps_backward() const override { return false; }
   int world_ranks() const override { return comm_.world_size(); }
-  void sync(int rank, const Tensor& grad, std::int64_t) override {
-    comm_.local().reduce(rank, grad, rank == root_ ? grad : Tensor(), root_, comm::ReduceOp::Sum);
+  void sync(int rank, const Tensor& grad, std::int64_t offset) override {
+    // Note [Gradients on the wire]: only the root's result comes back from the wire.
+    const Tensor w = wire_ ? wire_->pack(rank, grad, offset) : grad;
+    comm_.local().reduce(rank, w, rank == root_ ? w : Tensor(), root_, comm::ReduceOp::Sum);
     if (rank != root_) return;
     if (comm::Communicator* across = comm_.peers(rank))
-      across->all_reduce(comm_.first_rank() / comm_.size(), grad, grad, comm::ReduceOp::Sum);
+      across->all_reduce(comm_.first_rank() / comm_.size(), w, w, comm::ReduceOp::Sum);
+    if (wire_) GradWire::unpack(w, grad);
   }
+  Dtype wire_dtype() const override { return wire_ ? wire_->dtype() : Dtype::Float32; }
   Held held(int rank, const Tensor& buffer) const override {
     return rank == root_ ? Held{0, buffer} : Held{};
   }
@@ -97,15 +113,18 @@ class ReduceToRootSync final : public GradSync {
  private:
   comm::Communicator& comm_;
   int root_;
+  std::shared_ptr<const GradWire> wire_;
 };
 
 // Note [Sharded gradients].
 class ReduceScatterSync final : public GradSync {
  public:
-  ReduceScatterSync(comm::Communicator& comm, ShardedGrads grads) : comm_(comm), g_(std::move(grads)) {}
+  ReduceScatterSync(comm::Communicator& comm, ShardedGrads grads, std::shared_ptr<const GradWire> wire)
+      : comm_(comm), g_(std::move(grads)), wire_(std::move(wire)) {}
   const char* name() const override { return "reduce_scatter"; }
   bool overlaps_backward() const override { return true; }
   int world_ranks() const override { return comm_.world_size(); }
+  Dtype wire_dtype() const override { return wire_ ? wire_->dtype() : Dtype::Float32; }
 
   void sync(int rank, const Tensor& grad, std::int64_t offset) override { reduce_pieces(rank, grad, offset, false); }
 
@@ -163,32 +182,38 @@ class ReduceScatterSync final : public GradSync {
     // [Grouped collectives]). Nothing may touch a piece until the group ends, so what
     // follows a piece's reduce (across processes, delivery, zeroing) comes after it.
     struct Piece {
-      Tensor t;
+      Tensor t;     // the float32 piece of grad
+      Tensor wire;  // what the collective reduces: t, or its 16-bit copy (Note [Gradients on the wire])
       std::int64_t a;
       int owner;
     };
     std::vector<Piece> pieces;
-    comm::CollectiveGroup group(comm, rank);
     for (int owner = 0; owner < static_cast<int>(g_.shards.size()); ++owner) {
       const auto [begin, end] = g_.shards[static_cast<std::size_t>(owner)];
       const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
       if (a >= b) continue;
       Tensor piece = grad.narrow(0, a - lo, b - a);
       if (detached && g_.carry_in) g_.carry_in(rank, piece, a, owner);
-      const Tensor& recv = me == owner ? piece : Tensor();
+      // Note [Gradients on the wire]: rounded before the group opens (no compute work inside it).
+      Tensor wire = wire_ ? wire_->pack(rank, piece, a) : piece;
+      pieces.push_back({std::move(piece), std::move(wire), a, owner});
+    }
+    comm::CollectiveGroup group(comm, rank);
+    for (const Piece& p : pieces) {
+      const Tensor& recv = me == p.owner ? p.wire : Tensor();
       if (g_.hybrid) {
-        comm.reduce(rank, piece, recv, owner, comm::ReduceOp::Sum);
+        comm.reduce(rank, p.wire, recv, p.owner, comm::ReduceOp::Sum);
       } else {
-        comm.reduce_deferred(rank, piece, recv, owner, comm::ReduceOp::Sum);
+        comm.reduce_deferred(rank, p.wire, recv, p.owner, comm::ReduceOp::Sum);
       }
-      pieces.push_back({std::move(piece), a, owner});
     }
     group.end();
     auto follow_up = [&] {
-      for (const auto& [piece, a, owner] : pieces) {
+      for (const auto& [piece, wire, a, owner] : pieces) {
         if (g_.hybrid && me == owner)
           if (comm::Communicator* across = comm_.peers(rank))
-            across->all_reduce(comm_.first_rank() / comm_.size(), piece, piece, comm::ReduceOp::Sum);
+            across->all_reduce(comm_.first_rank() / comm_.size(), wire, wire, comm::ReduceOp::Sum);
+        if (wire_ && me == owner) GradWire::unpack(wire, piece);
         if (detached) {
           if (me == owner) g_.deliver(rank, piece, a);
           continue;  // the other ranks' pieces are freed with the gradient
@@ -212,20 +237,23 @@ class ReduceScatterSync final : public GradSync {
 
   comm::Communicator& comm_;
   ShardedGrads g_;
+  std::shared_ptr<const GradWire> wire_;
 };
 
 }  // namespace
 
-std::unique_ptr<GradSync> make_all_reduce_sync(comm::Communicator& comm) {
-  return std::make_unique<AllReduceSync>(comm);
+std::unique_ptr<GradSync> make_all_reduce_sync(comm::Communicator& comm, std::shared_ptr<const GradWire> wire) {
+  return std::make_unique<AllReduceSync>(comm, std::move(wire));
 }
 
-std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int root) {
+std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int root,
+                                                   std::shared_ptr<const GradWire> wire) {
   DP_CHECK(root >= 0 && root < comm.size(), "reduce: root ", root, " is not a rank of ", comm.size());
-  return std::make_unique<ReduceToRootSync>(comm, root);
+  return std::make_unique<ReduceToRootSync>(comm, root, std::move(wire));
 }
 
-std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads) {
+std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads,
+                                                   std::shared_ptr<const GradWire> wire) {
   const int ranks = grads.hybrid ? comm.size() : comm.world_size();
   DP_CHECK(static_cast<int>(grads.shards.size()) == ranks, "reduce_scatter: ", grads.shards.size(), " shards for ",
            ranks, " ranks; expected one per ", grads.hybrid ? "local rank (hybrid sharding)" : "(world) rank");
@@ -234,7 +262,7 @@ std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, Sha
     DP_CHECK(0 <= begin && begin <= end && (r == 0 || grads.shards[r - 1].second <= begin),
              "reduce_scatter: shard ", r, " [", begin, ", ", end, ") is inverted or overlaps the previous one");
   }
-  return std::make_unique<ReduceScatterSync>(comm, std::move(grads));
+  return std::make_unique<ReduceScatterSync>(comm, std::move(grads), std::move(wire));
 }
 
 // ---- the cycle -------------------------------------------------------------------------------
@@ -246,6 +274,7 @@ struct Reducer::RankState {
   bool detached = false;       // Note [Detached gradients]: set by the worker in begin()
   std::vector<Tensor> stash;   // detached: gradients taken from the parameters, per parameter
   std::atomic<int> combined{0};  // buckets the comm thread has combined this cycle
+  std::atomic<std::int64_t> grad_bytes{0};  // Reducer::grad_bytes
 };
 
 Reducer::Reducer(std::vector<Device> devices, std::vector<Bucket> buckets, std::unique_ptr<GradSync> sync,
@@ -272,6 +301,16 @@ Reducer::Reducer(std::vector<Device> devices, std::vector<Bucket> buckets, std::
 Reducer::~Reducer() = default;
 
 std::int64_t Reducer::handoffs() const { return comm_threads_ ? comm_threads_->handoffs() : 0; }
+
+std::int64_t Reducer::grad_bytes(int rank) const {
+  return ranks_[static_cast<std::size_t>(rank)].grad_bytes.load(std::memory_order_relaxed);
+}
+
+std::int64_t Reducer::count_bytes(int rank, std::int64_t numel) {
+  const auto bytes = numel * static_cast<std::int64_t>(element_size(sync_->wire_dtype()));
+  ranks_[static_cast<std::size_t>(rank)].grad_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  return bytes;
+}
 
 void Reducer::set_failure_hook(ErrorHook hook) { on_failure_ = std::move(hook); }
 
@@ -368,13 +407,14 @@ void Reducer::comm_loop(int rank) {
     const Bucket& bk = buckets_[b];
     auto t0 = Clock::now();
     sync_bucket(rank, bk, grad);
+    const std::int64_t bytes = count_bytes(rank, bk.hi - bk.lo);
     ranks_[rank].combined.store(static_cast<int>(b) + 1, std::memory_order_release);
     ranks_[rank].combined.notify_all();
     auto t1 = Clock::now();
     ranks_[rank].comm_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
     if (recorder_.trace().enabled())
       recorder_.comm_event(rank, std::string(sync_->name()) + " bucket " + std::to_string(b), t0, t1,
-                           "\"bytes\": " + std::to_string((bk.hi - bk.lo) * 4));
+                           "\"bytes\": " + std::to_string(bytes));
   }
 }
 
@@ -446,6 +486,7 @@ void Reducer::finalize(int rank) {
     if (several) {
       PhaseTimer t(recorder_, rank, Phase::Reduce);
       sync_->sync(rank, grad, 0);
+      count_bytes(rank, grad.numel());
     }
     if (!several || !sync_->held(rank, grad).grad.defined()) {  // nothing new to check
       written();
@@ -499,10 +540,10 @@ void Reducer::finalize_inline(int rank) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       const auto t0 = Clock::now();
       sync_bucket(rank, buckets_[b], grad);
+      const std::int64_t bytes = count_bytes(rank, buckets_[b].hi - buckets_[b].lo);
       if (recorder_.trace().enabled())  // on the comm track, as a comm thread's would be
         recorder_.comm_event(rank, std::string(sync_->name()) + " bucket " + std::to_string(b), t0,
-                             Clock::now(),
-                             "\"bytes\": " + std::to_string((buckets_[b].hi - buckets_[b].lo) * 4));
+                             Clock::now(), "\"bytes\": " + std::to_string(bytes));
     }
     sync_->join(rank);
   } catch (...) {

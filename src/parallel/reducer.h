@@ -36,6 +36,8 @@ class Communicator;
 
 namespace dp::parallel {
 
+class GradWire;
+
 /// A run of consecutive parameters: [lo, hi) of the flat gradient buffer.
 struct Bucket {
   std::int64_t lo = 0, hi = 0;
@@ -71,6 +73,9 @@ class GradSync {
   /// The ranks whose gradients it combines: every device of the job when its
   /// communicator spans processes (Note [World ranks]).
   virtual int world_ranks() const = 0;
+  /// The dtype its collectives move: float32, or DataParallelOptions' reduce_dtype
+  /// (Note [Gradients on the wire] in grad_wire.h).
+  virtual Dtype wire_dtype() const { return Dtype::Float32; }
   /// Combines rank's `grad` — elements [offset, offset + grad.numel()) of its flat
   /// gradient buffer: a bucket, or the whole buffer — with the other ranks'.
   virtual void sync(int rank, const Tensor& grad, std::int64_t offset) = 0;
@@ -102,11 +107,14 @@ class GradSync {
   virtual void finish(int /*rank*/) {}
 };
 
-/// DDP: every rank ends with the sum of every rank's bucket.
-std::unique_ptr<GradSync> make_all_reduce_sync(comm::Communicator& comm);
+/// DDP: every rank ends with the sum of every rank's bucket. Every strategy takes an
+/// optional `wire`: its collectives then move the wire's 16-bit dtype (Note [Gradients
+/// on the wire] in grad_wire.h).
+std::unique_ptr<GradSync> make_all_reduce_sync(comm::Communicator& comm, std::shared_ptr<const GradWire> wire = nullptr);
 /// DP: rank `root` ends with the sum; the other ranks' gradients are left as they were.
 /// Across processes, local rank `root` of every process (Note [DP across processes]).
-std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int root);
+std::unique_ptr<GradSync> make_reduce_to_root_sync(comm::Communicator& comm, int root,
+                                                   std::shared_ptr<const GradWire> wire = nullptr);
 
 /// Where the sharded strategy puts each rank's summed range, and its hooks.
 struct ShardedGrads {
@@ -162,7 +170,8 @@ struct ShardedGrads {
 /// Stage 2: after the cycle after_sync moves the rank's range out of its buffer and
 /// frees the buffer; before_backward brings it back (zeros, the range restored), so
 /// gradients accumulate the same way.
-std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads);
+std::unique_ptr<GradSync> make_reduce_scatter_sync(comm::Communicator& comm, ShardedGrads grads,
+                                                   std::shared_ptr<const GradWire> wire = nullptr);
 
 /// Note [Detached gradients]
 /// ZeRO stage 2 keeps no full gradient buffer during a synced backward: a parameter's
@@ -201,6 +210,9 @@ class Reducer {
   const GradSync& strategy() const { return *sync_; }
   /// Tasks handed to the comm threads since construction.
   std::int64_t handoffs() const;
+  /// Bytes of gradient rank handed to its collectives since construction: each
+  /// synced bucket's elements at the strategy's wire_dtype() (Stats::grad_bytes).
+  std::int64_t grad_bytes(int rank) const;
   /// Runs before each bucket's collective on its rank, and after the cycle on every
   /// rank over what it holds of the result (GradSync::held). Unset: no check.
   void set_check(Check check) { check_ = std::move(check); }
@@ -246,6 +258,8 @@ class Reducer {
   struct RankState;
   void comm_loop(int rank);
   void sync_bucket(int rank, const Bucket& bk, Tensor& grad);
+  /// Counts `numel` gradient elements sent by rank; returns their bytes on the wire.
+  std::int64_t count_bytes(int rank, std::int64_t numel);
   void finalize_inline(int rank);
   void sync_bucket_detached(int rank, const Bucket& bk);
   void finalize_overlapped(int rank);

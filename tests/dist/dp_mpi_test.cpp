@@ -238,6 +238,25 @@ TEST_CASE("the job spans every process: world_devices, processes, the shards ove
   CHECK(len * model.world_devices() >= net->parameter_set()->numel());
 }
 
+// Note [Gradients on the wire]: the process group reduces float32 only, so a 16-bit wire
+// across processes is refused on every process alike; within each process it trains.
+TEST_CASE("reduce_dtype bf16 across processes is a clear dp::Error on every process; within a process it trains") {
+  const dp::DataParallelOptions bf16{.mode = dp::Mode::DDP, .mixed_precision = {.reduce_dtype = dp::Dtype::BFloat16}};
+  if (dist::world_size() > 1) {
+    const std::string expected =
+        "reduce_dtype = bfloat16 across " + std::to_string(dist::world_size()) + " processes is not supported yet";
+    CHECK_THROWS_WITH_AS(dp::DataParallel(make_mlp(kSeed), local_devices(), bf16),
+                         doctest::Contains(expected.c_str()), dp::Error);
+  }
+  dp::DataParallelOptions local = bf16;
+  local.span_processes = false;
+  dp::DataParallel model(make_mlp(kSeed), local_devices(), local);
+  model.reset_stats();
+  const Batch b = make_batch(8, 3);
+  model.forward_backward(b.x, b.y, loss_fn);
+  CHECK(model.stats().devices[0].grad_bytes == model.module()->parameter_set()->numel() * 2);
+}
+
 TEST_CASE("reset_stats() also resets the time spent between processes") {
   auto net = make_mlp(kSeed);
   dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::DDP});

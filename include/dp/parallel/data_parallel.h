@@ -108,6 +108,28 @@ enum class ShardGather {
   NextForward,
 };
 
+/// What runs in low precision where (PyTorch FSDP's MixedPrecision vocabulary). Unset
+/// fields keep float32. Only floating dtypes are accepted.
+///
+///   dp::DataParallel model(net, {0, 1, 2, 3},
+///                          {.mode = dp::Mode::DDP, .mixed_precision = {.reduce_dtype = dp::Dtype::BFloat16}});
+struct MixedPrecision {
+  /// Parameters in forward and backward. Not supported yet (a set value is a
+  /// dp::Error): use dp::amp::autocast for 16-bit compute on float32 parameters.
+  std::optional<Dtype> param_dtype = std::nullopt;
+  /// Gradients on the wire: BFloat16 or Float16 halves the bytes every gradient
+  /// collective moves, in every design (DP's reduce, DDP's all-reduce, Sharded's
+  /// reduce-scatter). Each device's float32 gradient is rounded to it, the sum over
+  /// devices is formed in float32 and rounded once, and the result is widened back into
+  /// the float32 gradient the optimizer steps (Note [Gradients on the wire] in
+  /// src/parallel/grad_wire.h). Float32 (or unset) keeps float32 on the wire. Costs
+  /// 2 bytes per parameter per device. Within one process (not yet across processes).
+  std::optional<Dtype> reduce_dtype = std::nullopt;
+  /// Buffers (BatchNorm running statistics). Not supported yet (a set value is a
+  /// dp::Error).
+  std::optional<Dtype> buffer_dtype = std::nullopt;
+};
+
 /// Options of DataParallel (designated-initialiser friendly).
 struct DataParallelOptions {
   Mode mode = Mode::DP;
@@ -194,6 +216,8 @@ struct DataParallelOptions {
   /// model one process trains or evaluates alone (rank 0 resuming a checkpoint on
   /// its own devices, say) — and nothing it does waits for the other processes.
   bool span_processes = true;
+  /// Low precision where (MixedPrecision); today its reduce_dtype.
+  MixedPrecision mixed_precision = {};
 };
 
 /// Marks an input of DataParallel::forward that every device receives whole instead of
@@ -383,6 +407,7 @@ class DataParallel {
 
   void init(std::vector<Device> devices);
   void check_options(int n);
+  static void check_mixed_precision(const MixedPrecision& mp);
   void make_reducer();
   ShardPlan plan_shards(std::int64_t rows) const;
   using ShardLoss = std::function<Tensor(int rank, const Tensor& output, const Tensor& target)>;
@@ -432,6 +457,7 @@ class DataParallel {
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
   std::int64_t handoff_base_ = 0;  // stats().handoffs counts from reset_stats()
+  std::vector<std::int64_t> grad_bytes_base_;  // stats()' grad_bytes count from reset_stats()
 };
 
 }  // namespace dp

@@ -41,6 +41,10 @@ struct DeviceStats {
   Device device;
   double ms[static_cast<int>(Phase::kCount)] = {};
   std::size_t peak_memory_bytes = 0;
+  /// Bytes of gradient the device handed to the gradient collectives (reduce,
+  /// all-reduce, reduce-scatter pieces): synced elements times the size of the dtype
+  /// on the wire (float32, or DataParallelOptions::mixed_precision.reduce_dtype).
+  std::int64_t grad_bytes = 0;
   double operator[](Phase p) const { return ms[static_cast<int>(p)]; }
 };
 

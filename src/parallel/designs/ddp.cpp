@@ -35,7 +35,7 @@ class DDPDesign final : public Design {
   const char* name() const override { return "DDP"; }
   bool persistent_replicas() const override { return true; }
   std::vector<Bucket> plan_buckets() const override { return parameter_buckets(); }
-  std::unique_ptr<GradSync> make_grad_sync() override { return make_all_reduce_sync(comm()); }
+  std::unique_ptr<GradSync> make_grad_sync() override { return make_all_reduce_sync(comm(), grad_wire()); }
 
   UpdatePlan plan_update(bool /*step*/) override {
     // Note [Gradient edits]: before ANY update of every copy, not just the step — a clip

@@ -18,7 +18,7 @@ class DPDesign final : public Design {
     // One collective over the whole buffer, once backward is done.
     return {Bucket{0, set().numel(), 0, static_cast<int>(set().slots().size())}};
   }
-  std::unique_ptr<GradSync> make_grad_sync() override { return make_reduce_to_root_sync(comm(), 0); }
+  std::unique_ptr<GradSync> make_grad_sync() override { return make_reduce_to_root_sync(comm(), 0, grad_wire()); }
 
   // DP accumulates on device 0 anyway: no_sync() changes nothing.
   bool syncs_backward() const override { return true; }

@@ -151,7 +151,7 @@ std::unique_ptr<GradSync> ShardedDesign::make_grad_sync() {
     };
     g.owned = [this](int r) { return store_->span(r).owned_grad(); };
   }
-  return make_reduce_scatter_sync(comm(), std::move(g));
+  return make_reduce_scatter_sync(comm(), std::move(g), grad_wire());
 }
 
 // Note [Accumulating after a combined backward]: where the sums are in device order.

@@ -1,0 +1,68 @@
+// src/parallel/grad_wire.h — gradients on the wire in 16 bits (internal).
+//
+// The buffers a gradient strategy hands its collectives when
+// DataParallelOptions::mixed_precision.reduce_dtype is bfloat16 or float16: one
+// 16-bit buffer per device, as long as the flat gradient buffer, allocated once and
+// reused every step. Knows nothing of modules, optimizers or designs.
+//
+//   GradWire wire(devices, Dtype::BFloat16, set.numel());
+//   Tensor w = wire.pack(rank, grad_slice, offset);   // the float32 slice, rounded
+//   comm.all_reduce(rank, w, w, comm::ReduceOp::Sum);  // 16 bits on the wire
+//   GradWire::unpack(w, grad_slice);                   // the sum, widened back
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dp/core/device.h"
+#include "dp/tensor/tensor.h"
+
+namespace dp::parallel {
+
+/// Note [Gradients on the wire]
+/// With reduce_dtype set (FSDP's MixedPrecision.reduce_dtype), every gradient
+/// collective of every design (DP's reduce, DDP's all-reduce, Sharded's per-owner
+/// reduces) moves the 16-bit dtype instead of float32: half the bytes. A bucket (or a
+/// detached parameter's gradient, or a sharded piece) is rounded to nearest even into
+/// its place in the device's wire buffer — elements [lo, hi) of the flat layout live
+/// at [lo, hi) of the wire, so buckets in flight never share memory — the collective
+/// reduces the wire, and the owner of the result widens it back into its float32
+/// gradient (exactly: every 16-bit value is a float32). The local communicator adds
+/// 16-bit inputs in float32 in the fixed rank order and rounds once (src/comm/
+/// summation.h), so a synced element's result is
+///     float(round16(round16(g_0) + round16(g_1) + ... + round16(g_{N-1})))
+/// with the additions in float32 in device order — in DP, DDP and Sharded alike, which
+/// therefore stay bitwise identical to one another (NCCL adds in its own precision and
+/// order; there only the designs' agreement within NCCL holds).
+/// No division on the wire: each worker's loss is already scaled by its rows over the
+/// batch's rows (Note [Loss scaling] in data_parallel.cpp), so every input
+/// is already the rank's share of the mean and the sum IS the mean. That is PyTorch's
+/// fp16_compress_hook's choice (divide by the world size BEFORE the sum, so that float16
+/// holds the partial sums: the sum of N unscaled gradients overflows float16's 65504 N
+/// times sooner), made here by the loss scaling itself. bfloat16 has float32's range:
+/// what it loses is precision — 8 significant bits, so a value rounds by up to 2^-9 of
+/// itself on the way in and the sum once more on the way out; the error of the sum
+/// grows with the number of ranks when the inputs round differently.
+/// Unsynced elements (a DP replica's own gradient, Sharded's ranges owned elsewhere)
+/// are never rounded: only the result a rank keeps comes back from the wire.
+/// Memory: 2 bytes per parameter per device, besides the float32 gradient.
+class GradWire {
+ public:
+  /// `dtype`: BFloat16 or Float16; `numel`: elements of the flat gradient layout.
+  GradWire(const std::vector<Device>& devices, Dtype dtype, std::int64_t numel);
+
+  Dtype dtype() const { return dtype_; }
+  /// Rank's wire elements [offset, offset + grad.numel()), holding `grad` (float32)
+  /// rounded to dtype(). Writes through the backend (Note [Deferred reduce-scatter] in
+  /// reducer.cpp: the wire's storage version does not move).
+  Tensor pack(int rank, const Tensor& grad, std::int64_t offset) const;
+  /// grad (float32) = wire widened, element by element; grad's storage version does not
+  /// move (a collective's write, Note [Combined gradients are writes] in reducer.cpp).
+  static void unpack(const Tensor& wire, const Tensor& grad);
+
+ private:
+  Dtype dtype_;
+  std::vector<Tensor> buffers_;  // per device: numel elements of dtype_
+};
+
+}  // namespace dp::parallel
