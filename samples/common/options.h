@@ -184,9 +184,9 @@ inline dp::amp::autocast precision_scope(const std::string& precision) {
 
 /// The line a sample prints once for --precision bf16 on the CPU: what computes in bf16.
 inline const char* kCpuBf16Note =
-    "note: 16-bit precision on the CPU backend: bfloat16 matrix products use oneDNN's bfloat16 matmul where this "
-    "CPU has one; float16 products, and every convolution, widen to float32 and round once "
-    "(Note [16-bit GEMMs on the CPU])";
+    "note: 16-bit precision on the CPU backend: bfloat16 matrix products and convolutions use oneDNN's bfloat16 "
+    "kernels where this CPU has them; float16 ones, and bfloat16 ones elsewhere, widen to float32 and round once "
+    "(Note [16-bit GEMMs on the CPU], Note [bf16 convolutions through oneDNN])";
 
 /// Adds --json with a sample-specific description.
 inline CLI::Option* add_json_option(CLI::App& app, bool& json, const std::string& what) {

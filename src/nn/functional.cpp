@@ -533,7 +533,8 @@ Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, st
 
 namespace {
 
-// A convolution of 16-bit operands: the float32 convolution of the widened values,
+// A convolution of 16-bit operands the backend has no kernels for (float16; bfloat16
+// where native_16bit_conv says no): the float32 convolution of the widened values,
 // rounded once (Note [16-bit GEMMs on the CPU] says what that costs). ReLU and max-pool
 // commute with rounding, so a fused chain rounds once at its end and gives the bits
 // of the unfused 16-bit ops.

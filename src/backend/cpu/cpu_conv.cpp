@@ -892,7 +892,31 @@ void CpuBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const 
 }
 
 
-// ---- bfloat16 convolutions (Note [bf16 convolutions through oneDNN]) ----------------------
+// ---- bfloat16 convolutions ----------------------------------------------------------------
+
+// Note [bf16 convolutions through oneDNN]
+// Under autocast a convolution's input, weight and bias are bfloat16 (Note [Autocast op
+// policy]). Where the CPU has bfloat16 instructions (avx512_bf16; AMX implies them, as
+// oneDNN's effective ISA reports), the three passes are oneDNN's bfloat16 primitives on
+// those operands, accumulating in float32: forward and backward-data round their output
+// to bfloat16 once; backward-weight writes float32 partial sums per chunk, adds them in
+// chunk order, and rounds the weight and bias gradients once (they are the bfloat16
+// gradients of the bfloat16 weight autocast made; its cast's backward widens them to
+// the float32 master parameter, as PyTorch's does). Everything else is float32's path:
+// the per-device primitive cache, chunks along the batch (Note [oneDNN in the device's
+// arena]), and the measured layout choice (Note [CPU convolution: measured choice]),
+// keyed by dtype as well, so a bfloat16 call measures its own layouts (oneDNN's blocked
+// bfloat16 kernels win by far on the CNN's 32-channel layer; the 1-channel forward is
+// close). A bfloat16 forward applies its ReLU after the primitive (the post-op's
+// overflow bound of Note [Convolution + ReLU] reads float32 data); ReLU commutes with
+// the rounding, so the values are those of conv2d followed by relu. The fused
+// convolution + ReLU + max-pool stays float32's: nn runs a bfloat16 one as the
+// convolution with its ReLU, then the pool.
+// Without bfloat16 instructions (AVX2-only CPUs, or oneDNN told otherwise by
+// DNNL_MAX_CPU_ISA), and after set_native_bf16_conv(false) (tests), each pass widens
+// its operands to float32 (exact), runs the float32 pass and rounds its outputs once:
+// what nn's widening path computes, correct and at float32 speed. float16 convolutions
+// always widen, in nn (oneDNN 2.6 has no float16 convolution on CPUs).
 
 namespace {
 
