@@ -7,6 +7,12 @@ Linear 3136->128, ReLU; Linear 128->10; cross-entropy; Adam lr 1e-3; batch 256; 
 
   /usr/bin/python3 bench/pytorch/fashion_cnn_torch.py --steps 60 --warmup 10 --json
   /usr/bin/python3 bench/pytorch/fashion_cnn_torch.py --epochs 3          # accuracy run
+  python3 bench/pytorch/fashion_cnn_torch.py --steps 60 --bf16 --channels-last --json
+
+--bf16 runs the forward and the loss under torch.autocast("cpu", torch.bfloat16), as
+samples/fashion_mnist_cnn --precision bf16 does (float32 master weights, Adam in float32);
+--channels-last stores the model and each batch in torch.channels_last, the layout
+PyTorch's oneDNN convolutions prefer on CPUs.
 
 Timing: every step (batch assembly, forward, backward, optimizer step, loss.item())
 after the first --warmup steps is timed; ms/step and samples/s are over those steps,
@@ -82,6 +88,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    ap.add_argument("--bf16", action="store_true", help="forward and loss under torch.autocast('cpu', bfloat16)")
+    ap.add_argument("--channels-last", action="store_true", help="model and batches in torch.channels_last")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -90,6 +98,8 @@ def main():
     x_train, y_train = load(args.data, "train")
     x_test, y_test = load(args.data, "test")
     net = make_cnn()
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    net = net.to(memory_format=fmt)
     opt = torch.optim.Adam(net.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -113,8 +123,10 @@ def main():
             if step == args.warmup:
                 t_warm = time.perf_counter()
             xb, yb = batch(x_train, y_train, perm[b * args.batch:(b + 1) * args.batch])
+            xb = xb.contiguous(memory_format=fmt)
             opt.zero_grad()
-            loss = loss_fn(net(xb), yb)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                loss = loss_fn(net(xb), yb)
             loss.backward()
             opt.step()
             l = loss.item()
@@ -132,7 +144,8 @@ def main():
         ms = (t_end - t_warm) * 1e3 / timed
         emit({"type": "timing", "steps": timed, "warmup": args.warmup, "batch": args.batch,
               "ms_per_step": ms, "samples_per_sec": args.batch * 1e3 / ms,
-              "threads": args.threads, "torch": torch.__version__})
+              "threads": args.threads, "torch": torch.__version__, "bf16": args.bf16,
+              "channels_last": args.channels_last})
     return 0
 
 

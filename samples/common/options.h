@@ -190,10 +190,10 @@ inline std::string cpu_16bit_note(const std::string& precision) {
     return "note: float16 on the CPU backend widens every product and convolution to float32 and rounds once "
            "(oneDNN 2.x has no CPU float16 matmul): it works, slower than float32 (Note [16-bit GEMMs on the CPU])";
   const dp::CpuBf16 kind = dp::cpu_bf16();
-  return std::string("note: bfloat16 products on this CPU: ") + dp::cpu_bf16_name(kind) +
+  return std::string("note: bfloat16 products and convolutions on this CPU: ") + dp::cpu_bf16_name(kind) +
          (kind == dp::CpuBf16::Native ? ""
                                       : "; bf16 works and gives the same bits, but is not faster than fp32 here") +
-         " (Note [bf16 GEMMs through oneDNN])";
+         " (Note [bf16 GEMMs through oneDNN], Note [bf16 convolutions through oneDNN])";
 }
 
 /// Adds --reduce-dtype: the dtype gradient collectives move (fp32, bf16 or fp16;

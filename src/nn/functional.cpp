@@ -45,6 +45,9 @@ bool needs(const Tensor& t) { return t.defined() && autograd::gradient_edge(t).v
 
 float* fptr(const Tensor& t) { return t.data<float>(); }
 float* fptr_or_null(const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; }
+void* raw_or_null(const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; }
+/// The kernel table's dtype of t (the values agree, tensor.h checks).
+be::DType kernel_dtype(const Tensor& t) { return static_cast<be::DType>(t.dtype()); }
 
 /// An Indexer over n contiguous elements (both operands contiguous).
 be::Indexer flat_indexer(std::int64_t n) {
@@ -76,10 +79,10 @@ Tensor broadcast_scalar(const Tensor& s, std::int64_t n, float factor) {
 /// contiguous, as every gradient a node receives): g where y > 0, else 0.
 Tensor relu_backward(const Tensor& g, const Tensor& y) {
   Device dev = y.device();
-  Tensor out = empty(y.shape(), dev);
+  Tensor out = empty(y.shape(), TensorOptions{y.dtype(), dev});
   if (out.numel() > 0)
-    be::get(dev).run<be::Op::Binary>(
-        dev, be::DType::F32, {be::BinaryOp::ReluBackward, flat_indexer(out.numel()), fptr(g), fptr(y), fptr(out)});
+    be::get(dev).run<be::Op::Binary>(dev, kernel_dtype(y), {be::BinaryOp::ReluBackward, flat_indexer(out.numel()),
+                                                             g.raw_data(), y.raw_data(), out.raw_data()});
   return out;
 }
 
@@ -369,15 +372,17 @@ be::Conv2dShape conv_shape_of(const char* op, const Tensor& x, const Tensor& w, 
                               std::int64_t stride, std::int64_t padding) {
   check_defined(op, "input", x);
   check_defined(op, "weight", w);
-  check_float(op, "input", x);
-  check_float(op, "weight", w);
+  if (x.dtype() != Dtype::BFloat16) check_float(op, "input", x);  // bfloat16: native_bf16_conv said yes
+  DP_CHECK(w.dtype() == x.dtype(), op, ": expected the weight in the input's dtype ", dtype_name(x.dtype()),
+           ", got ", dtype_name(w.dtype()));
   check_same_device(op, "input", x, "weight", w);
   DP_CHECK(x.dim() == 4, "conv2d: expected a 4-d input (N, C, H, W), got ", shape_str(x.shape()));
   DP_CHECK(w.dim() == 4, "conv2d: expected a 4-d weight (K, C, R, S), got ", shape_str(w.shape()));
   DP_CHECK(x.size(1) == w.size(1), "conv2d: expected input (N, C=", w.size(1), ", H, W) to match weight's C=",
            w.size(1), ", got ", shape_str(x.shape()), " (weight ", shape_str(w.shape()), ")");
   if (b.defined()) {
-    check_float(op, "bias", b);
+    DP_CHECK(b.dtype() == x.dtype(), op, ": expected the bias in the input's dtype ", dtype_name(x.dtype()),
+             ", got ", dtype_name(b.dtype()));
     check_same_device(op, "input", x, "bias", b);
     DP_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "conv2d: expected bias of shape [", w.size(0),
              "] (one per output channel), got ", shape_str(b.shape()));
@@ -426,23 +431,25 @@ struct ConvSaved {
     std::vector<Tensor> grads = none();
     auto& bk = be::get(dev);
     const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
+    const TensorOptions opts{gy.dtype(), dev};  // every gradient in the forward's dtype
+    const be::DType dt = kernel_dtype(gy);
     if (nx) {
-      Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
+      Tensor gx = empty({s.N, s.C, s.H, s.W}, opts);
       if (empty_batch) {
         gx.zero_();
       } else {
-        bk.run<be::Op::Conv2dBackwardData>(dev, be::DType::F32, {s, fptr(gy), fptr(ws), fptr(gx)});
+        bk.run<be::Op::Conv2dBackwardData>(dev, dt, {s, gy.raw_data(), ws.raw_data(), gx.raw_data()});
       }
       grads[0] = gx;
     }
     if (nw || nb) {
-      Tensor gw = empty({s.K, s.C, s.R, s.S}, dev);
-      Tensor gb = has_b ? empty({s.K}, dev) : Tensor();
+      Tensor gw = empty({s.K, s.C, s.R, s.S}, opts);
+      Tensor gb = has_b ? empty({s.K}, opts) : Tensor();
       if (empty_batch) {
         gw.zero_();
         if (gb.defined()) gb.zero_();
       } else {
-        bk.run<be::Op::Conv2dBackwardWeight>(dev, be::DType::F32, {s, fptr(xs), fptr(gy), fptr(gw), fptr_or_null(gb)});
+        bk.run<be::Op::Conv2dBackwardWeight>(dev, dt, {s, xs.raw_data(), gy.raw_data(), gw.raw_data(), raw_or_null(gb)});
       }
       if (nw) grads[1] = gw;
       if (nb) grads[2] = gb;
@@ -464,14 +471,10 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
                    std::int64_t padding, bool relu, bool mask = true) {
   const be::Conv2dShape s = conv_shape_of(relu ? "conv2d_relu" : "conv2d", x, w, b, stride, padding);
   Device dev = x.device();
-  Tensor y = empty({s.N, s.K, s.P, s.Q}, dev);
-  if (y.numel() > 0) {
-    if (relu) {
-      be::get(dev).run<be::Op::Conv2d>(dev, be::DType::F32, {s, fptr(x), fptr(w), fptr_or_null(b), fptr(y), true});
-    } else {
-      be::get(dev).run<be::Op::Conv2d>(dev, be::DType::F32, {s, fptr(x), fptr(w), fptr_or_null(b), fptr(y), false});
-    }
-  }
+  Tensor y = empty({s.N, s.K, s.P, s.Q}, TensorOptions{x.dtype(), dev});
+  if (y.numel() > 0)
+    be::get(dev).run<be::Op::Conv2d>(dev, kernel_dtype(x),
+                                     {s, x.raw_data(), w.raw_data(), raw_or_null(b), y.raw_data(), relu});
 
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
@@ -530,7 +533,8 @@ Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, st
 
 namespace {
 
-// A convolution of 16-bit operands: the float32 convolution of the widened values,
+// A convolution of 16-bit operands the backend has no kernels for (float16; bfloat16
+// where native_16bit_conv says no): the float32 convolution of the widened values,
 // rounded once (Note [16-bit GEMMs on the CPU] says what that costs). ReLU and max-pool
 // commute with rounding, so a fused chain rounds once at its end and gives the bits
 // of the unfused 16-bit ops.
@@ -545,6 +549,18 @@ Tensor conv_in_float32(const char* op, F f, const Tensor& x, const Tensor& w, co
   return amp::detail::in_float32(f, x, w, b);
 }
 
+/// Whether x's backend convolves these 16-bit operands itself, every pass (bfloat16 on
+/// the CPU: Note [bf16 convolutions through oneDNN]); otherwise conv_in_float32.
+bool native_16bit_conv(const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (!x.defined() || !w.defined() || x.dtype() != Dtype::BFloat16 || w.dtype() != x.dtype() ||
+      (b.defined() && b.dtype() != x.dtype()))
+    return false;
+  auto& bk = be::get(x.device());
+  const be::DType dt = kernel_dtype(x);
+  return bk.supports(be::Op::Conv2d, dt) && bk.supports(be::Op::Conv2dBackwardData, dt) &&
+         bk.supports(be::Op::Conv2dBackwardWeight, dt);
+}
+
 }  // namespace
 
 Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
@@ -555,7 +571,8 @@ Tensor conv2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t st
   if (amp::detail::active()) return amp::detail::lower_op([=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
     return conv2d(xx, ww, bb, stride, padding);
   }, x, w, b);
-  if (amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) return conv_in_float32("conv2d", f, x, w, b);
+  if ((amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) && !native_16bit_conv(x, w, b))
+    return conv_in_float32("conv2d", f, x, w, b);
   return f(x, w, b);
 }
 
@@ -567,7 +584,8 @@ Tensor conv2d_relu(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
   if (amp::detail::active()) return amp::detail::lower_op([=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
     return conv2d_relu(xx, ww, bb, stride, padding);
   }, x, w, b);
-  if (amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) return conv_in_float32("conv2d_relu", f, x, w, b);
+  if ((amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) && !native_16bit_conv(x, w, b))
+    return conv_in_float32("conv2d_relu", f, x, w, b);
   return f(x, w, b);
 }
 
@@ -647,6 +665,14 @@ Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b,
   if (amp::detail::active()) return amp::detail::lower_op([=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
     return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);
   }, x, w, b);
+  if (native_16bit_conv(x, w, b)) {
+    // The fused op is float32's: the 16-bit convolution with its ReLU, then the pool of
+    // its output widened (max-pool commutes with rounding), whose backward masks.
+    const Tensor y = conv2d_impl(x, w, b, stride, padding, /*relu=*/true, /*mask=*/false);
+    return amp::detail::in_float32([=](const Tensor& yy) {
+      return max_pool2d_impl(yy, pool_kernel, pool_stride, pool_padding, /*relu_mask=*/true);
+    }, y);
+  }
   if (amp::detail::is_16bit(x) || amp::detail::is_16bit(w))
     return conv_in_float32("conv2d_relu_max_pool2d", [=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
       return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);

@@ -1196,6 +1196,127 @@ TEST_CASE("conv2d forward / backward data / backward weight against naive loops"
   CHECK_THROWS_AS(be().conv2d_forward(dev0(), bad, buf.data(), buf.data(), nullptr, buf.data()), dp::Error);
 }
 
+namespace {
+
+using dp::BFloat16;
+
+std::vector<BFloat16> to_bf16(const std::vector<float>& v) {
+  std::vector<BFloat16> out;
+  for (float f : v) out.push_back(BFloat16(f));
+  return out;
+}
+std::vector<float> widen(const std::vector<BFloat16>& v) {
+  std::vector<float> out;
+  for (BFloat16 b : v) out.push_back(static_cast<float>(b));
+  return out;
+}
+std::vector<float> abs_of(std::vector<float> v) {
+  for (float& f : v) f = std::fabs(f);
+  return v;
+}
+
+/// The three bfloat16 passes of `s`, through the op table (x, w, b, gy rounded to
+/// bfloat16 from float32 draws): y and y_relu, gx, gw and gb, widened back to float32.
+struct Bf16Conv {
+  std::vector<float> y, y_relu, gx, gw, gb;
+};
+Bf16Conv run_bf16_conv(const Conv2dShape& s, const std::vector<BFloat16>& x, const std::vector<BFloat16>& w,
+                       const std::vector<BFloat16>& b, const std::vector<BFloat16>& gy) {
+  std::vector<BFloat16> y(gy.size()), y_relu(gy.size()), gx(x.size()), gw(w.size()), gb(b.size());
+  const DType dt = DType::BF16;
+  be().run<Op::Conv2d>(dev0(), dt, {s, x.data(), w.data(), b.data(), y.data(), false});
+  be().run<Op::Conv2d>(dev0(), dt, {s, x.data(), w.data(), b.data(), y_relu.data(), true});
+  be().run<Op::Conv2dBackwardData>(dev0(), dt, {s, gy.data(), w.data(), gx.data()});
+  be().run<Op::Conv2dBackwardWeight>(dev0(), dt, {s, x.data(), gy.data(), gw.data(), gb.data()});
+  return {widen(y), widen(y_relu), widen(gx), widen(gw), widen(gb)};
+}
+
+/// The float32 passes of `s` on the given (widened) values.
+Bf16Conv run_f32_conv(const Conv2dShape& s, const std::vector<float>& x, const std::vector<float>& w,
+                      const std::vector<float>& b, const std::vector<float>& gy) {
+  Bf16Conv r{std::vector<float>(gy.size()), std::vector<float>(gy.size()), std::vector<float>(x.size()),
+             std::vector<float>(w.size()), std::vector<float>(b.size())};
+  be().conv2d_forward(dev0(), s, x.data(), w.data(), b.data(), r.y.data());
+  be().conv2d_relu_forward(dev0(), s, x.data(), w.data(), b.data(), r.y_relu.data());
+  be().conv2d_backward_data(dev0(), s, gy.data(), w.data(), r.gx.data());
+  be().conv2d_backward_weight(dev0(), s, x.data(), gy.data(), r.gw.data(), r.gb.data());
+  return r;
+}
+
+/// got within one rounding to bfloat16 of want plus two float32 sums of `terms` terms in
+/// other orders: |got − want| <= 2^-8 |want| + 4 (terms + 2) 2^-24 abs_sum, abs_sum being
+/// the same sum over |terms| (the float32 error of a sum of n terms is at most about
+/// n 2^-24 times it; the rounding, half a bfloat16 ulp, at most 2^-8 relative).
+void check_bf16_sum(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& abs_sum,
+                    double terms, const char* what) {
+  REQUIRE(got.size() == want.size());
+  std::size_t bad = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double tol = std::ldexp(std::fabs(double(want[i])), -8) + 4 * (terms + 2) * std::ldexp(double(abs_sum[i]), -24);
+    const double err = std::fabs(double(got[i]) - double(want[i]));
+    worst = std::max(worst, tol > 0 ? err / tol : err);
+    bad += !(err <= tol);
+  }
+  INFO(what, ": worst error / tolerance ", worst);
+  CHECK(bad == 0);
+}
+
+void check_bf16_conv(const Conv2dShape& s, unsigned seed) {
+  CAPTURE(s.N); CAPTURE(s.C); CAPTURE(s.H); CAPTURE(s.W); CAPTURE(s.K); CAPTURE(s.stride_h); CAPTURE(s.pad_w);
+  const auto x = to_bf16(random_vec(s.N * s.C * s.H * s.W, seed)), w = to_bf16(random_vec(s.K * s.C * s.R * s.S, seed + 1));
+  const auto b = to_bf16(random_vec(s.K, seed + 2)), gy = to_bf16(random_vec(s.N * s.K * s.P * s.Q, seed + 3));
+  const Bf16Conv ref = run_f32_conv(s, widen(x), widen(w), widen(b), widen(gy));
+  // The widening path: the float32 passes rounded once, bit for bit.
+  be().set_native_bf16_conv(false);
+  CHECK_FALSE(be().native_bf16_conv());
+  const Bf16Conv wide = run_bf16_conv(s, x, w, b, gy);
+  be().set_native_bf16_conv(true);
+  auto rounded = [](const std::vector<float>& v) { return widen(to_bf16(v)); };
+  CHECK(bitwise_equal(wide.y, rounded(ref.y)));
+  CHECK(bitwise_equal(wide.y_relu, rounded(ref.y_relu)));
+  CHECK(bitwise_equal(wide.gx, rounded(ref.gx)));
+  CHECK(bitwise_equal(wide.gw, rounded(ref.gw)));
+  CHECK(bitwise_equal(wide.gb, rounded(ref.gb)));
+  if (!be().native_bf16_conv()) {
+    MESSAGE("no bfloat16 instructions on this CPU: the bfloat16 convolutions widen (checked above)");
+    return;
+  }
+  // oneDNN's bfloat16 passes: the float32 ones up to the order of the sums and one
+  // rounding (the sums of |terms| come from the float32 passes on absolute values).
+  const Bf16Conv abs = run_f32_conv(s, abs_of(widen(x)), abs_of(widen(w)), abs_of(widen(b)), abs_of(widen(gy)));
+  const Bf16Conv got = run_bf16_conv(s, x, w, b, gy);
+  check_bf16_sum(got.y, ref.y, abs.y, double(s.C * s.R * s.S + 1), "forward");
+  check_bf16_sum(got.y_relu, ref.y_relu, abs.y, double(s.C * s.R * s.S + 1), "forward + relu");
+  check_bf16_sum(got.gx, ref.gx, abs.gx, double(s.K * s.R * s.S), "backward data");
+  check_bf16_sum(got.gw, ref.gw, abs.gw, double(s.N * s.P * s.Q), "backward weight");
+  check_bf16_sum(got.gb, ref.gb, abs.gb, double(s.N * s.P * s.Q), "backward bias");
+  for (float v : got.y_relu) CHECK(!(v < 0.0f));
+  // Deterministic run to run.
+  const Bf16Conv again = run_bf16_conv(s, x, w, b, gy);
+  CHECK(bitwise_equal(got.y, again.y));
+  CHECK(bitwise_equal(got.gx, again.gx));
+  CHECK(bitwise_equal(got.gw, again.gw));
+}
+
+}  // namespace
+
+TEST_CASE("bf16 conv2d: oneDNN's bfloat16 passes within one rounding of float32's; the widening path bit for bit") {
+  // Note [bf16 convolutions through oneDNN].
+  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Auto}) {
+    CAPTURE(int(layout));
+    be().set_conv_layout(layout);
+    check_bf16_conv(conv_shape(2, 3, 7, 9, 4, 3, 2, 2, 2, 1, 1), 60);      // stride 2, non-square
+    check_bf16_conv(conv_shape(3, 5, 11, 8, 6, 3, 3, 1, 2, 1, 0), 61);     // strides and padding per axis
+    check_bf16_conv(conv_shape(4, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), 62);   // CNN layer 1
+    check_bf16_conv(conv_shape(2, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), 63);  // CNN layer 2
+    check_bf16_conv(conv_shape(1, 2, 5, 5, 3, 1, 1, 1, 1, 0, 0), 64);      // 1x1
+    // Batch chunks on a multi-thread device; backward-weight sums float32 partials.
+    check_bf16_conv(conv_shape(5, 16, 14, 14, 32, 3, 3, 1, 1, 1, 1), 65);
+  }
+  be().set_conv_layout(cpu::ConvLayout::Auto);
+}
+
 TEST_CASE("max_abs_bits: the largest |v| as bits, infinity above numbers and NaN above that, any length") {
   // Note [Scan clones]: whichever clone the CPU runs, the value of the plain loop.
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();

@@ -1025,6 +1025,49 @@ void add_16bit(Table& t, DType dt, i64 n) {
   }
 }
 
+/// The three passes of a bfloat16 convolution (the CPU's: Note [bf16 convolutions
+/// through oneDNN]): a backend may sum in another order and round once to bfloat16, so
+/// one bfloat16 ulp on top of the float32 sum's tolerance.
+void add_conv_bf16(Table& t, const Conv2dShape& s) {
+  const DType dt = DType::BF16;
+  const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = s.N * s.K * s.P * s.Q;
+  const double flops = 2.0 * s.N * s.K * s.P * s.Q * s.C * s.R * s.S;
+  constexpr double k2 = 2;  // bytes per element
+  auto tol = [](double terms) {
+    const Tolerance f = sum_tol(kGemmBase, terms);
+    return Tolerance{f.rtol + ulp16(DType::BF16).rtol, f.atol};
+  };
+  for (bool relu : {false, true}) {
+    t.add(Kernel::Conv2d, dt, relu ? "conv2d_relu_forward_bfloat16" : "conv2d_forward_bfloat16", conv_name(s),
+          tol(static_cast<double>(s.C * s.R * s.S)), flops, k2 * (nx + nw + s.K + ny), [=](OpRun& r) {
+            const void* x = r.uniform16(dt, nx, -1, 1);
+            const void* w = r.uniform16(dt, nw, -1, 1);
+            const void* b = r.uniform16(dt, s.K, -1, 1);
+            void* y = r.empty16(dt, ny);
+            r.output16("y", dt, y, ny);
+            r.set_call([=](Backend& be, Device d) { be.run<Op::Conv2d>(d, dt, {s, x, w, b, y, relu}); });
+          });
+  }
+  t.add(Kernel::Conv2dBackwardData, dt, "conv2d_backward_data_bfloat16", conv_name(s),
+        tol(static_cast<double>(s.K * s.R * s.S)), flops, k2 * (ny + nw + nx), [=](OpRun& r) {
+          const void* gy = r.uniform16(dt, ny, -1, 1);
+          const void* w = r.uniform16(dt, nw, -1, 1);
+          void* gx = r.empty16(dt, nx);
+          r.output16("gx", dt, gx, nx);
+          r.set_call([=](Backend& be, Device d) { be.run<Op::Conv2dBackwardData>(d, dt, {s, gy, w, gx}); });
+        });
+  t.add(Kernel::Conv2dBackwardWeight, dt, "conv2d_backward_weight_bfloat16", conv_name(s),
+        tol(static_cast<double>(s.N * s.P * s.Q)), flops, k2 * (nx + ny + nw + s.K), [=](OpRun& r) {
+          const void* x = r.uniform16(dt, nx, -1, 1);
+          const void* gy = r.uniform16(dt, ny, -1, 1);
+          void* gw = r.empty16(dt, nw);
+          void* gb = r.empty16(dt, s.K);
+          r.output16("gw", dt, gw, nw);
+          r.output16("gbias", dt, gb, s.K);
+          r.set_call([=](Backend& be, Device d) { be.run<Op::Conv2dBackwardWeight>(d, dt, {s, x, gy, gw, gb}); });
+        });
+}
+
 void add_check_suite(Table& t) {
   t.suite = Suite::Check;
   add_fill(t, kCheckN);
@@ -1033,6 +1076,7 @@ void add_check_suite(Table& t) {
   add_int32_casts(t, kCheckN);
   add_16bit(t, DType::BF16, kCheckN);
   add_16bit(t, DType::F16, kCheckN);
+  add_conv_bf16(t, conv(5, 3, 11, 13, 8, 3, 3, 2, 1, 1, 0));  // odd sizes, stride and padding per axis
   // 7 x 300 x 23 gathered to 7 x 211 x 23 = 33971 elements: above the parallel grain.
   add_gather(t, 7, 300, 23, 211, false);
   add_gather(t, 7, 300, 23, 211, true);
@@ -1120,6 +1164,8 @@ void add_perf_suite(Table& t) {
   add_softmax_nll(t, 4096, 1000);
   add_conv(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1));
   add_conv(t, conv(256, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1));
+  add_conv_bf16(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1));  // the Fashion-MNIST CNN under bf16 autocast
+  add_conv_bf16(t, conv(256, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1));
   add_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
   add_pool(t, pool(256, 64, 14, 14, 2, 2, 2, 2, 0, 0));
   add_fused_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));

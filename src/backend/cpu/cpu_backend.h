@@ -231,6 +231,17 @@ class CpuBackend final : public Backend {
                             float* gx);
   void conv2d_backward_weight(Device dev, const Conv2dShape& s, const float* x,
                               const float* gy, float* gw, float* gbias);
+  // The bfloat16 convolutions: oneDNN's where this CPU has bfloat16 instructions, else
+  // widened to float32 and rounded once (Note [bf16 convolutions through oneDNN]).
+  void conv2d_bf16(Device dev, const Conv2dArgs& a);
+  void conv2d_backward_data_bf16(Device dev, const Conv2dBackwardDataArgs& a);
+  void conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWeightArgs& a);
+  /// Whether the bfloat16 convolutions run natively: this CPU has the instructions and
+  /// set_native_bf16_conv(false) was not called.
+  bool native_bf16_conv() const;
+  /// false: the bfloat16 convolutions widen to float32 as on a CPU without bfloat16
+  /// instructions (tests reach that path here); true (the default) undoes it.
+  void set_native_bf16_conv(bool on);
   void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
                          std::int64_t* indices);
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
@@ -326,6 +337,7 @@ class CpuBackend final : public Backend {
   void register_elementwise_kernels();  // cpu_elementwise.cpp
   void register_reduce_kernels();       // cpu_reduce.cpp
   void register_gemm_kernels();         // cpu_gemm.cpp (16-bit; float32's is a method kernel)
+  void register_conv_kernels();         // cpu_conv.cpp (bfloat16; float32's are method kernels)
   void register_method_kernels();       // method_kernels.h, cpu_backend.cpp
   void resize_arenas(int threads);
   /// What a chunk of a GEMM applies to its slab of C after its product (Note [Linear
@@ -346,6 +358,7 @@ class CpuBackend final : public Backend {
   std::vector<std::unique_ptr<DeviceState>> devices_;
   std::mutex config_mu_;  // guards set_concurrent_devices / set_conv_layout
   std::atomic<ConvLayout> conv_layout_;
+  std::atomic<bool> native_bf16_conv_{true};  // set_native_bf16_conv
   std::atomic<std::size_t> pinned_allocated_{0};
 };
 

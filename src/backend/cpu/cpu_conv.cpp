@@ -85,16 +85,18 @@ struct ConvKey {
   int slot;  // the chunk's index: every chunk has its own primitive, buffers and stream
   ConvLayout layout;
   bool relu = false;  // forward with the ReLU post-op (Note [Convolution + ReLU])
+  DType dtype = DType::F32;  // of x, w, y (Note [bf16 convolutions through oneDNN])
   bool operator==(const ConvKey& o) const {
     return std::memcmp(dims, o.dims, sizeof dims) == 0 && kind == o.kind && bias == o.bias &&
-           slot == o.slot && layout == o.layout && relu == o.relu;
+           slot == o.slot && layout == o.layout && relu == o.relu && dtype == o.dtype;
   }
 };
 
 struct ConvKeyHash {
   std::size_t operator()(const ConvKey& k) const noexcept {
     std::size_t h = static_cast<std::size_t>(k.kind) * 31 + k.bias + static_cast<std::size_t>(k.slot) * 131 +
-                    static_cast<std::size_t>(k.layout) * 7 + (k.relu ? 17u : 0u);
+                    static_cast<std::size_t>(k.layout) * 7 + (k.relu ? 17u : 0u) +
+                    static_cast<std::size_t>(k.dtype) * 257;
     for (i64 d : k.dims) h = h * 1000003u ^ static_cast<std::size_t>(d);
     return h;
   }
@@ -159,9 +161,9 @@ struct ConvMds {
   memory::desc src_user, wei_user, dst_user, bias_md, src_md, wei_md, dst_md;
 };
 
-ConvMds conv_mds(const Conv2dShape& s, ConvLayout layout) {
+ConvMds conv_mds(const Conv2dShape& s, ConvLayout layout, DType dtype) {
   const memory::dims src{s.N, s.C, s.H, s.W}, wei{s.K, s.C, s.R, s.S}, dst{s.N, s.K, s.P, s.Q}, bia{s.K};
-  const auto dt = memory::data_type::f32;
+  const auto dt = dtype == DType::BF16 ? memory::data_type::bf16 : memory::data_type::f32;
   ConvMds m;
   m.strides = {s.stride_h, s.stride_w};
   m.pad = {s.pad_h, s.pad_w};
@@ -189,13 +191,14 @@ dnnl::convolution_forward::desc forward_desc(const ConvMds& m, bool bias) {
 std::string forward_impl(const Conv2dShape& s, bool bias, ConvLayout layout) {
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  return dnnl::convolution_forward::primitive_desc(forward_desc(conv_mds(s, layout), bias), attr, cpu_engine())
+  return dnnl::convolution_forward::primitive_desc(forward_desc(conv_mds(s, layout, DType::F32), bias), attr,
+                                                   cpu_engine())
       .impl_info_str();
 }
 
 std::unique_ptr<ConvEntry> build_entry(const Conv2dShape& s, ConvKind kind, bool bias,
-                                       ConvLayout layout, bool relu) {
-  const ConvMds m = conv_mds(s, layout);
+                                       ConvLayout layout, bool relu, DType dtype) {
+  const ConvMds m = conv_mds(s, layout, dtype);
   const memory::desc &src_user = m.src_user, &wei_user = m.wei_user, &dst_user = m.dst_user,
                      &bias_md = m.bias_md, &src_md = m.src_md, &wei_md = m.wei_md, &dst_md = m.dst_md;
   const memory::dims &strides = m.strides, &pad = m.pad;
@@ -248,16 +251,19 @@ std::unique_ptr<ConvEntry> build_entry(const Conv2dShape& s, ConvKind kind, bool
       break;
     }
     case ConvKind::BackwardWeight: {
-      const auto d = bias ? dnnl::convolution_backward_weights::desc(alg, src_md, wei_md, bias_md,
+      // The weight and bias gradients accumulate and land in float32 whatever the
+      // operands' dtype (Note [bf16 convolutions through oneDNN]).
+      const ConvMds f = conv_mds(s, layout, DType::F32);
+      const auto d = bias ? dnnl::convolution_backward_weights::desc(alg, src_md, f.wei_md, f.bias_md,
                                                                      dst_md, strides, pad, pad)
-                          : dnnl::convolution_backward_weights::desc(alg, src_md, wei_md, dst_md,
+                          : dnnl::convolution_backward_weights::desc(alg, src_md, f.wei_md, dst_md,
                                                                      strides, pad, pad);
       const dnnl::convolution_backward_weights::primitive_desc pd(d, attr, cpu_engine(), fwd_pd);
       e->prim = dnnl::convolution_backward_weights(pd);
       add_arg(*e, DNNL_ARG_SRC, false, src_user, pd.src_desc());
       add_arg(*e, DNNL_ARG_DIFF_DST, false, dst_user, pd.diff_dst_desc());
-      add_arg(*e, DNNL_ARG_DIFF_WEIGHTS, true, wei_user, pd.diff_weights_desc());
-      if (bias) add_arg(*e, DNNL_ARG_DIFF_BIAS, true, bias_md, pd.diff_bias_desc());
+      add_arg(*e, DNNL_ARG_DIFF_WEIGHTS, true, f.wei_user, pd.diff_weights_desc());
+      if (bias) add_arg(*e, DNNL_ARG_DIFF_BIAS, true, f.bias_md, pd.diff_bias_desc());
       scratch_md = pd.scratchpad_desc();
       break;
     }
@@ -281,16 +287,17 @@ void check_conv_shape(const Conv2dShape& s, const char* op) {
 
 /// The cached primitive for `key` on this device, built on first use.
 /// The key of convolution `s` (a chunk's or a group's shape) in a ConvCache.
-ConvKey conv_key(const Conv2dShape& s, ConvKind kind, bool bias, int slot, ConvLayout layout, bool relu = false) {
+ConvKey conv_key(const Conv2dShape& s, ConvKind kind, bool bias, int slot, ConvLayout layout, bool relu = false,
+                 DType dtype = DType::F32) {
   return ConvKey{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q},
-                 kind, bias, slot, layout, relu};
+                 kind, bias, slot, layout, relu, dtype};
 }
 
 ConvEntry& find_entry(ConvCache& cache, const ConvKey& key, const Conv2dShape& s, Device dev) {
   auto it = cache.entries.find(key);
   if (it == cache.entries.end()) {
     try {
-      it = cache.entries.emplace(key, build_entry(s, key.kind, key.bias, key.layout, key.relu)).first;
+      it = cache.entries.emplace(key, build_entry(s, key.kind, key.bias, key.layout, key.relu, key.dtype)).first;
     } catch (const dnnl::error& err) {
       DP_FAIL("conv2d on ", dev.str(), ": oneDNN could not create a primitive for N=", s.N, " C=",
               s.C, " H=", s.H, " W=", s.W, " K=", s.K, " R=", s.R, " S=", s.S, ": ", err.what());
@@ -347,7 +354,7 @@ std::string cpu_model() {
 }
 
 /// The record key of one call: everything that decides which layout is faster.
-std::string choice_key(const Conv2dShape& s, ConvKind kind, bool bias, int threads) {
+std::string choice_key(const Conv2dShape& s, ConvKind kind, bool bias, int threads, DType dtype) {
   static const std::string machine = [] {
     const dnnl_version_t* v = dnnl_version();
     return cpu_model() + "|onednn-" + std::to_string(v->major) + "." + std::to_string(v->minor) +
@@ -358,7 +365,7 @@ std::string choice_key(const Conv2dShape& s, ConvKind kind, bool bias, int threa
     << ",K" << s.K << ",R" << s.R << ",S" << s.S << ",st" << s.stride_h << "x" << s.stride_w
     << ",pad" << s.pad_h << "x" << s.pad_w << "|"
     << (kind == ConvKind::Forward ? "fwd" : kind == ConvKind::BackwardData ? "bwd-data" : "bwd-weight")
-    << (bias ? "+bias" : "");
+    << (bias ? "+bias" : "") << (dtype == DType::BF16 ? "|bf16" : "");  // float32 keys as before
   return k.str();
 }
 
@@ -486,14 +493,17 @@ class LayoutChoices {
 };
 
 
-/// Every buffer of one convolution call; each pass uses its own subset.
+/// Every buffer of one convolution call; each pass uses its own subset. x, w, b, y, gy
+/// and gx hold `dtype`; gw and gb are float32 (a bfloat16 call's are rounded by its caller,
+/// Note [bf16 convolutions through oneDNN]).
 struct ConvBuffers {
-  const float* x = nullptr;
-  const float* w = nullptr;
-  const float* b = nullptr;
-  float* y = nullptr;
-  const float* gy = nullptr;
-  float* gx = nullptr;
+  DType dtype = DType::F32;
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const void* b = nullptr;
+  void* y = nullptr;
+  const void* gy = nullptr;
+  void* gx = nullptr;
   float* gw = nullptr;
   float* gb = nullptr;
   // Forward with a 2x2 max-pool after the ReLU: y is unused, the pooled output and the
@@ -575,22 +585,41 @@ int conv_chunks(const Conv2dShape& s, int threads) {
   return static_cast<int>(std::min<i64>({static_cast<i64>(threads), s.N, macs / kMinChunkMacs}));
 }
 
+/// y = max(y, 0) in place, Unary<Relu>'s values: a convolution's ReLU that its
+/// primitive did not apply (Note [Convolution + ReLU]).
+template <typename T>
+void relu_in_place(T* __restrict y, i64 n) {
+  const Unary<UnaryOp::Relu> f;
+  for (i64 j = 0; j < n; ++j) y[j] = T(f(static_cast<float>(y[j])));
+}
+
 /// Runs one convolution as `chunks` batch slices, one oneDNN primitive each on one
 /// thread, in the device's arena. Backward-weight sums the chunks' partial gradients in
 /// chunk order, so the result depends on the chunk count, never on scheduling.
 void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape& s, ConvKind kind,
                 bool bias, ConvLayout layout, int chunks, const ConvBuffers& buf, bool relu = false) {
+  bool relu_post = relu;  // the ReLU as oneDNN's post-op where it is exact
   const i64 chw = s.C * s.H * s.W, kpq = s.K * s.P * s.Q, nw = s.K * s.C * s.R * s.S;
-  const bool partial = kind == ConvKind::BackwardWeight && chunks > 1;
+  const bool f32 = buf.dtype == DType::F32;
+  const i64 esize = f32 ? 4 : 2;  // bytes per element of x, w, y, gy, gx
+  auto at = [esize](const void* p, i64 i) {
+    return static_cast<char*>(const_cast<void*>(p)) + i * esize;
+  };
+  // Chunks 1.. of a float32 weight gradient, every chunk of a bfloat16 one: partial sums.
+  const int first_partial = f32 ? 1 : 0;
+  const bool partial = kind == ConvKind::BackwardWeight && (chunks > 1 || !f32);
   if (partial) {
     std::lock_guard<std::mutex> lock(cache.mu);
-    if (cache.partials.size() < static_cast<std::size_t>(chunks - 1)) cache.partials.resize(chunks - 1);
-    for (int c = 0; c < chunks - 1; ++c) cache.partials[c].resize(static_cast<std::size_t>(nw + s.K));
+    const auto n = static_cast<std::size_t>(chunks - first_partial);
+    if (cache.partials.size() < n) cache.partials.resize(n);
+    for (std::size_t c = 0; c < n; ++c) cache.partials[c].resize(static_cast<std::size_t>(nw + s.K));
   }
   // Note [Convolution + ReLU]: the weight and bias are bounded once per call, each
-  // chunk's input slice in its task; a bound that is not finite never fuses.
-  const double max_w = relu ? abs_of_bits(max_abs_bits(buf.w, s.K * s.C * s.R * s.S)) : 0.0;
-  const double max_b = relu && bias ? abs_of_bits(max_abs_bits(buf.b, s.K)) : 0.0;
+  // chunk's input slice in its task; a bound that is not finite never fuses. A bfloat16
+  // forward applies the ReLU after the convolution.
+  if (!f32) relu_post = false;
+  const double max_w = relu_post ? abs_of_bits(max_abs_bits(static_cast<const float*>(buf.w), nw)) : 0.0;
+  const double max_b = relu_post && bias ? abs_of_bits(max_abs_bits(static_cast<const float*>(buf.b), s.K)) : 0.0;
   const double terms = static_cast<double>(s.C * s.R * s.S);
   const bool pooled = kind == ConvKind::Forward && buf.pooled != nullptr;
   // Images per group of the pooled path: the group's convolution output stays in a
@@ -600,30 +629,34 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
                            : 0;
   // The fused ReLU's bound for images [n0, n0 + n) (Note [Convolution + ReLU]).
   auto relu_fuses = [&](i64 n0, i64 n) {
-    return relu && max_b + terms * max_w * abs_of_bits(max_abs_bits(buf.x + n0 * chw, n * chw)) <
-                       static_cast<double>(std::numeric_limits<float>::max()) / 2;
+    return relu_post &&
+           max_b + terms * max_w * abs_of_bits(max_abs_bits(static_cast<const float*>(buf.x) + n0 * chw, n * chw)) <
+               static_cast<double>(std::numeric_limits<float>::max()) / 2;
   };
   auto entry_for = [&](const Conv2dShape& sc, i64 c, bool try_fused) -> ConvEntry& {
-    const ConvKey key = conv_key(sc, kind, bias, static_cast<int>(c), layout, try_fused);
+    const ConvKey key = conv_key(sc, kind, bias, static_cast<int>(c), layout, try_fused, buf.dtype);
     std::lock_guard<std::mutex> lock(cache.mu);
     return find_entry(cache, key, sc, dev);
   };
   // The forward of images [n0, n0 + n) into y, chunk c's primitive for n images, then
   // the ReLU in place where the post-op did not apply it (Note [Convolution + ReLU]).
-  auto forward = [&](i64 c, i64 n0, i64 n, float* __restrict y) {
+  auto forward = [&](i64 c, i64 n0, i64 n, void* y) {
     Conv2dShape sc = s;
     sc.N = n;
     ConvEntry& e = entry_for(sc, c, relu_fuses(n0, n));
     const void* ptrs[4] = {};
     int i = 0;
-    ptrs[i++] = buf.x + n0 * chw;
+    ptrs[i++] = at(buf.x, n0 * chw);
     ptrs[i++] = buf.w;
     if (bias) ptrs[i++] = buf.b;
     ptrs[i++] = y;
     execute_entry(e, ptrs);
     if (relu && !e.relu_fused) {
-      const Unary<UnaryOp::Relu> f;
-      for (i64 j = 0, m = n * kpq; j < m; ++j) y[j] = f(y[j]);
+      if (f32) {
+        relu_in_place(static_cast<float*>(y), n * kpq);
+      } else {
+        relu_in_place(static_cast<BFloat16*>(y), n * kpq);
+      }
     }
   };
   // Whether n images convolve as their groups of g do: the same oneDNN implementation
@@ -673,7 +706,7 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
       return;
     }
     if (kind == ConvKind::Forward) {
-      forward(c, n0, n1 - n0, buf.y + n0 * kpq);
+      forward(c, n0, n1 - n0, at(buf.y, n0 * kpq));
       return;
     }
     Conv2dShape sc = s;
@@ -684,15 +717,16 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
       case ConvKind::Forward:
         break;  // above
       case ConvKind::BackwardData:
-        ptrs[0] = buf.gy + n0 * kpq;
+        ptrs[0] = at(buf.gy, n0 * kpq);
         ptrs[1] = buf.w;
-        ptrs[2] = buf.gx + n0 * chw;
+        ptrs[2] = at(buf.gx, n0 * chw);
         break;
       case ConvKind::BackwardWeight: {
-        float* gw = c == 0 ? buf.gw : cache.partials[c - 1].data();
-        float* gb = c == 0 ? buf.gb : cache.partials[c - 1].data() + nw;
-        ptrs[0] = buf.x + n0 * chw;
-        ptrs[1] = buf.gy + n0 * kpq;
+        const bool own = c < first_partial;  // chunk 0 of a float32 call writes the output
+        float* gw = own ? buf.gw : cache.partials[static_cast<std::size_t>(c - first_partial)].data();
+        float* gb = own ? buf.gb : gw + nw;
+        ptrs[0] = at(buf.x, n0 * chw);
+        ptrs[1] = at(buf.gy, n0 * kpq);
         ptrs[2] = gw;
         ptrs[3] = gb;
         break;
@@ -701,8 +735,13 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
     execute_entry(e, ptrs);
   });
   if (partial) {
+    // Chunk order, so the sum depends on the chunk count only.
+    if (!f32) {
+      std::memcpy(buf.gw, cache.partials[0].data(), static_cast<std::size_t>(nw) * sizeof(float));
+      if (bias) std::memcpy(buf.gb, cache.partials[0].data() + nw, static_cast<std::size_t>(s.K) * sizeof(float));
+    }
     for (int c = 1; c < chunks; ++c) {
-      const float* __restrict part = cache.partials[c - 1].data();
+      const float* __restrict part = cache.partials[static_cast<std::size_t>(c - first_partial)].data();
       float* __restrict gw = buf.gw;
       for (i64 i = 0; i < nw; ++i) gw[i] += part[i];
       if (bias)
@@ -722,13 +761,13 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
   ConvLayout layout = be.conv_layout();
   if (layout == ConvLayout::Auto) {
     // The whole call's shape; `slot` holds the device's thread count here.
-    const ConvKey auto_key = conv_key(s, kind, bias, threads, ConvLayout::Auto);
+    const ConvKey auto_key = conv_key(s, kind, bias, threads, ConvLayout::Auto, false, buf.dtype);
     {
       std::lock_guard<std::mutex> lock(cache.mu);
       if (auto known = cache.chosen.find(auto_key); known != cache.chosen.end()) layout = known->second;
     }
     if (layout == ConvLayout::Auto) {
-      const std::string record_key = choice_key(s, kind, bias, threads);
+      const std::string record_key = choice_key(s, kind, bias, threads, buf.dtype);
       layout = LayoutChoices::get().find(record_key);
       if (layout == ConvLayout::Auto) {
         using clock = std::chrono::steady_clock;
@@ -764,6 +803,7 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
         std::lock_guard<std::mutex> lock(cache.mu);
         std::erase_if(cache.entries, [&](const auto& kv) {
           return kv.first.layout == loser && kv.first.kind == kind && kv.first.bias == bias &&
+                 kv.first.dtype == buf.dtype &&
                  std::memcmp(kv.first.dims + 1, auto_key.dims + 1, sizeof(i64) * 12) == 0;
         });
       }
@@ -791,7 +831,7 @@ void CpuBackend::set_conv_layout(ConvLayout layout) {
 ConvLayout CpuBackend::chosen_conv_layout(Device dev, const Conv2dShape& s, ConvPass pass,
                                           bool bias) {
   if (conv_layout() != ConvLayout::Auto) return conv_layout();
-  return LayoutChoices::get().find(choice_key(s, pass, bias, threads_per_device(dev)));
+  return LayoutChoices::get().find(choice_key(s, pass, bias, threads_per_device(dev), DType::F32));
 }
 
 // ---- convolution ------------------------------------------------------------------------
@@ -849,6 +889,157 @@ void CpuBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const 
   buf.gw = gw;
   buf.gb = gbias;
   run_conv(*this, dev, s, ConvKind::BackwardWeight, gbias != nullptr, buf);
+}
+
+
+// ---- bfloat16 convolutions ----------------------------------------------------------------
+
+// Note [bf16 convolutions through oneDNN]
+// Under autocast a convolution's input, weight and bias are bfloat16 (Note [Autocast op
+// policy]). Where the CPU has bfloat16 instructions (avx512_bf16; AMX implies them, as
+// oneDNN's effective ISA reports), the three passes are oneDNN's bfloat16 primitives on
+// those operands, accumulating in float32: forward and backward-data round their output
+// to bfloat16 once; backward-weight writes float32 partial sums per chunk, adds them in
+// chunk order, and rounds the weight and bias gradients once (they are the bfloat16
+// gradients of the bfloat16 weight autocast made; its cast's backward widens them to
+// the float32 master parameter, as PyTorch's does). Everything else is float32's path:
+// the per-device primitive cache, chunks along the batch (Note [oneDNN in the device's
+// arena]), and the measured layout choice (Note [CPU convolution: measured choice]),
+// keyed by dtype as well, so a bfloat16 call measures its own layouts (oneDNN's blocked
+// bfloat16 kernels win by far on the CNN's 32-channel layer; the 1-channel forward is
+// close). A bfloat16 forward applies its ReLU after the primitive (the post-op's
+// overflow bound of Note [Convolution + ReLU] reads float32 data); ReLU commutes with
+// the rounding, so the values are those of conv2d followed by relu. The fused
+// convolution + ReLU + max-pool stays float32's: nn runs a bfloat16 one as the
+// convolution with its ReLU, then the pool.
+// Without bfloat16 instructions (AVX2-only CPUs, or oneDNN told otherwise by
+// DNNL_MAX_CPU_ISA), and after set_native_bf16_conv(false) (tests), each pass widens
+// its operands to float32 (exact), runs the float32 pass and rounds its outputs once:
+// what nn's widening path computes, correct and at float32 speed. float16 convolutions
+// always widen, in nn (oneDNN 2.6 has no float16 convolution on CPUs).
+
+namespace {
+
+/// Whether oneDNN runs on a CPU with bfloat16 instructions (avx512_bf16; AMX implies
+/// them). DNNL_MAX_CPU_ISA lowers what it sees, and so this answer.
+bool cpu_has_bf16_isa() {
+  static const bool has = [] {
+    const auto isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+    const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+    return (isa & bf16) == bf16;  // the ISA values are feature masks
+  }();
+  return has;
+}
+
+/// n values of `from` widened to float32 (exact), into a block of the device's memory.
+std::unique_ptr<float, std::function<void(float*)>> widened(CpuBackend& be, Device dev, const void* from, i64 n) {
+  const std::size_t bytes = static_cast<std::size_t>(std::max<i64>(n, 1)) * sizeof(float);
+  std::unique_ptr<float, std::function<void(float*)>> out{
+      static_cast<float*>(be.allocate(dev, bytes)), [&be, dev, bytes](float* p) { be.deallocate(dev, p, bytes); }};
+  if (from != nullptr) {
+    const auto* src = static_cast<const BFloat16*>(from);
+    float* to = out.get();
+    be.parallel_for(dev, n, kSerialGrain, [=](i64 lo, i64 hi) {
+      for (i64 i = lo; i < hi; ++i) to[i] = static_cast<float>(src[i]);
+    });
+  }
+  return out;
+}
+
+/// to[i] = from[i] rounded to bfloat16, once.
+void rounded(CpuBackend& be, Device dev, const float* from, void* to, i64 n) {
+  auto* dst = static_cast<BFloat16*>(to);
+  be.parallel_for(dev, n, kSerialGrain, [=](i64 lo, i64 hi) {
+    for (i64 i = lo; i < hi; ++i) dst[i] = BFloat16(from[i]);
+  });
+}
+
+i64 input_numel(const Conv2dShape& s) { return s.N * s.C * s.H * s.W; }
+i64 output_numel(const Conv2dShape& s) { return s.N * s.K * s.P * s.Q; }
+i64 weight_numel(const Conv2dShape& s) { return s.K * s.C * s.R * s.S; }
+
+}  // namespace
+
+bool CpuBackend::native_bf16_conv() const { return native_bf16_conv_.load() && cpu_has_bf16_isa(); }
+
+void CpuBackend::set_native_bf16_conv(bool on) { native_bf16_conv_.store(on); }
+
+void CpuBackend::conv2d_bf16(Device dev, const Conv2dArgs& a) {
+  const Conv2dShape& s = a.s;
+  check_conv_shape(s, a.relu ? "conv2d_relu_forward" : "conv2d_forward");
+  if (s.N == 0) return;
+  if (native_bf16_conv()) {
+    run_conv(*this, dev, s, ConvKind::Forward, a.bias != nullptr,
+             ConvBuffers{.dtype = DType::BF16, .x = a.x, .w = a.w, .b = a.bias, .y = a.y}, a.relu);
+    return;
+  }
+  auto x = widened(*this, dev, a.x, input_numel(s));
+  auto w = widened(*this, dev, a.w, weight_numel(s));
+  auto b = widened(*this, dev, a.bias, a.bias ? s.K : 0);
+  auto y = widened(*this, dev, nullptr, output_numel(s));
+  conv_forward(dev, s, x.get(), w.get(), a.bias ? b.get() : nullptr, y.get(), a.relu);
+  rounded(*this, dev, y.get(), a.y, output_numel(s));
+}
+
+void CpuBackend::conv2d_backward_data_bf16(Device dev, const Conv2dBackwardDataArgs& a) {
+  const Conv2dShape& s = a.s;
+  check_conv_shape(s, "conv2d_backward_data");
+  if (s.N == 0) return;
+  if (native_bf16_conv()) {
+    ConvBuffers buf;
+    buf.dtype = DType::BF16;
+    buf.gy = a.gy;
+    buf.w = a.w;
+    buf.gx = a.gx;
+    run_conv(*this, dev, s, ConvKind::BackwardData, false, buf);
+    return;
+  }
+  auto gy = widened(*this, dev, a.gy, output_numel(s));
+  auto w = widened(*this, dev, a.w, weight_numel(s));
+  auto gx = widened(*this, dev, nullptr, input_numel(s));
+  conv2d_backward_data(dev, s, gy.get(), w.get(), gx.get());
+  rounded(*this, dev, gx.get(), a.gx, input_numel(s));
+}
+
+void CpuBackend::conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWeightArgs& a) {
+  const Conv2dShape& s = a.s;
+  check_conv_shape(s, "conv2d_backward_weight");
+  auto gw = widened(*this, dev, nullptr, weight_numel(s));
+  auto gb = widened(*this, dev, nullptr, s.K);
+  float* gbias = a.gbias ? gb.get() : nullptr;
+  if (s.N > 0 && native_bf16_conv()) {
+    ConvBuffers buf;
+    buf.dtype = DType::BF16;
+    buf.x = a.x;
+    buf.gy = a.gy;
+    buf.gw = gw.get();
+    buf.gb = gbias;
+    run_conv(*this, dev, s, ConvKind::BackwardWeight, gbias != nullptr, buf);
+  } else {
+    auto x = widened(*this, dev, s.N > 0 ? a.x : nullptr, input_numel(s));
+    auto gy = widened(*this, dev, s.N > 0 ? a.gy : nullptr, output_numel(s));
+    conv2d_backward_weight(dev, s, x.get(), gy.get(), gw.get(), gbias);
+  }
+  rounded(*this, dev, gw.get(), a.gw, weight_numel(s));
+  if (a.gbias) rounded(*this, dev, gbias, a.gbias, s.K);
+}
+
+namespace {
+
+void conv2d_bf16_kernel(CpuBackend& be, Device dev, const Conv2dArgs& a) { be.conv2d_bf16(dev, a); }
+void conv2d_backward_data_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBackwardDataArgs& a) {
+  be.conv2d_backward_data_bf16(dev, a);
+}
+void conv2d_backward_weight_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBackwardWeightArgs& a) {
+  be.conv2d_backward_weight_bf16(dev, a);
+}
+
+}  // namespace
+
+void CpuBackend::register_conv_kernels() {
+  register_typed<Op::Conv2d, CpuBackend, &conv2d_bf16_kernel>(DType::BF16);
+  register_typed<Op::Conv2dBackwardData, CpuBackend, &conv2d_backward_data_bf16_kernel>(DType::BF16);
+  register_typed<Op::Conv2dBackwardWeight, CpuBackend, &conv2d_backward_weight_bf16_kernel>(DType::BF16);
 }
 
 }  // namespace dp::backend::cpu
