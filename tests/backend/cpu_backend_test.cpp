@@ -408,6 +408,112 @@ TEST_CASE("unary ops against std:: math") {
         apply_unary(UnaryOp::Relu, std::numeric_limits<float>::quiet_NaN()));  // NaN kept
 }
 
+namespace {
+
+/// |got - want| in units of the float spacing at want (for want in the denormals, the
+/// denormal spacing); 0 when both are the same infinity, and infinite when got is NaN,
+/// the wrong infinity or finite where want overflows.
+double ulp_error(float got, double want) {
+  const float w = static_cast<float>(want);
+  if (std::isinf(w)) return got == w ? 0.0 : std::numeric_limits<double>::infinity();
+  if (std::isnan(got) || std::isinf(got)) return std::numeric_limits<double>::infinity();
+  const float a = std::fabs(w);
+  const double spacing = static_cast<double>(std::nextafter(a, std::numeric_limits<float>::infinity())) - a;
+  return std::fabs(static_cast<double>(got) - want) / spacing;
+}
+
+/// Floats to try a function of one float on: every 997th bit pattern (every sign,
+/// exponent and denormal range), then the edges of exp's range and the specials.
+std::vector<float> float_sweep() {
+  std::vector<float> xs;
+  for (std::uint64_t b = 0; b < (std::uint64_t{1} << 32); b += 997) {
+    const auto u = static_cast<std::uint32_t>(b);
+    float x;
+    std::memcpy(&x, &u, sizeof x);
+    xs.push_back(x);
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float x : {0.0f, -0.0f, inf, -inf, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min(), 1e-40f,
+                  88.72283f, 88.7228394f, 88.8f, -87.33654f, -103.972076f, -103.97208f, -104.0f, 0.625f, -0.625f,
+                  0.62499994f, 9.0f, 44.0f})
+    xs.push_back(x);
+  return xs;
+}
+
+}  // namespace
+
+TEST_CASE("exp_approx and tanh_approx: within their ulp bounds over the float range, specials exact") {
+  // Note [Vectorisable exp and tanh]: the bounds it states, checked against double.
+  const std::vector<float> xs = float_sweep();
+  double worst_exp = 0, worst_tanh = 0;
+  float worst_exp_x = 0, worst_tanh_x = 0;
+  i64 nan_kept = 0, nans = 0;
+  for (float x : xs) {  // one check at the end: millions of doctest assertions are slow
+    if (std::isnan(x)) {
+      ++nans;
+      nan_kept += std::isnan(exp_approx(x)) && std::isnan(tanh_approx(x));
+      continue;
+    }
+    const double e = ulp_error(exp_approx(x), std::exp(static_cast<double>(x)));
+    const double t = ulp_error(tanh_approx(x), std::tanh(static_cast<double>(x)));
+    if (!(e <= worst_exp)) worst_exp = e, worst_exp_x = x;  // `!(<=)` records a NaN error
+    if (!(t <= worst_tanh)) worst_tanh = t, worst_tanh_x = x;
+  }
+  CAPTURE(worst_exp_x);
+  CAPTURE(worst_tanh_x);
+  CHECK(worst_exp <= 1.5);
+  CHECK(worst_tanh <= 2.0);
+  CHECK(nans > 0);
+  CHECK(nan_kept == nans);
+  MESSAGE("worst exp_approx error ", worst_exp, " ulp, tanh_approx ", worst_tanh, " ulp");
+  const float inf = std::numeric_limits<float>::infinity();
+  CHECK(exp_approx(-inf) == 0.0f);
+  CHECK(exp_approx(inf) == inf);
+  CHECK(exp_approx(0.0f) == 1.0f);
+  CHECK(exp_approx(-0.0f) == 1.0f);
+  CHECK(exp_approx(89.0f) == inf);
+  CHECK(exp_approx(-200.0f) == 0.0f);
+  CHECK(tanh_approx(inf) == 1.0f);
+  CHECK(tanh_approx(-inf) == -1.0f);
+  CHECK(tanh_approx(100.0f) == 1.0f);
+  CHECK(std::signbit(tanh_approx(-0.0f)));
+  CHECK(tanh_approx(-0.0f) == 0.0f);
+  CHECK(tanh_approx(1e-40f) == 1e-40f);  // denormal in, the same out (tanh x = x there)
+}
+
+TEST_CASE("unary clones: exp, tanh and sigmoid give the functors' bits at every width and start") {
+  // Note [Unary clones]: the loop the loader picked for this CPU must write what the
+  // functors write, element by element: every length 0..40 (each vector tail), a start
+  // one float in (unaligned), in place, and values of every class.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> special{nan, inf, -inf, 0.0f, -0.0f, 1e-40f, -1e-40f, 88.72f, 89.0f, -104.0f, -87.5f,
+                                   0.625f, -0.625f, 20.0f, -20.0f};
+  std::mt19937 rng(11);
+  auto value = [&] {  // a special value one time in three
+    return rng() % 3 == 0 ? special[rng() % special.size()] : std::uniform_real_distribution<float>(-30, 30)(rng);
+  };
+  for (UnaryOp op : {UnaryOp::Exp, UnaryOp::Tanh, UnaryOp::Sigmoid}) {
+    CHECK(cpu::has_unary_clone(op));
+    for (i64 n = 0; n <= 40; ++n)
+      for (i64 start : {i64{0}, i64{1}}) {
+        CAPTURE(static_cast<int>(op));
+        CAPTURE(n);
+        CAPTURE(start);
+        std::vector<float> x(static_cast<std::size_t>(start + n)), y(x.size(), 7.0f);
+        for (float& v : x) v = value();
+        std::vector<float> want = y;
+        for (i64 i = start; i < start + n; ++i) want[i] = apply_unary(op, x[i]);
+        cpu::unary_clone_f32(op, x.data() + start, y.data() + start, n);
+        REQUIRE(bitwise_equal(want, y));
+        cpu::unary_clone_f32(op, x.data() + start, x.data() + start, n);  // in place
+        for (i64 i = 0; i < start; ++i) x[i] = want[i];
+        REQUIRE(bitwise_equal(want, x));
+      }
+  }
+  CHECK_FALSE(cpu::has_unary_clone(UnaryOp::Log));
+}
+
 TEST_CASE("affine and axpy") {
   for (i64 n : kSizes) {
     auto x = random_vec(n, 6), y0 = random_vec(n, 7);

@@ -65,6 +65,17 @@ std::uint32_t max_abs_bits(const float* p, std::int64_t n);
 void linear_epilogue(float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols, const float* bias, bool relu,
                      const float* relu_y);
 
+/// Whether unary_clone_f32 runs op: the ops whose functors are polynomials (Note
+/// [Vectorisable exp and tanh] in functors.h).
+constexpr bool has_unary_clone(UnaryOp op) {
+  return op == UnaryOp::Exp || op == UnaryOp::Tanh || op == UnaryOp::Sigmoid;
+}
+
+/// y[i] = Unary<op>(x[i]) for i in [0, n), float32, for an op with has_unary_clone; y may
+/// alias x. Bit for bit the loop of the unary kernel, vectorised with ISA clones
+/// (cpu_unary_clones.cpp, Note [Unary clones]).
+void unary_clone_f32(UnaryOp op, const float* x, float* y, std::int64_t n);
+
 /// The largest inner dimension CpuBackend::gemm runs in small_k_gemm.
 inline constexpr std::int64_t kSmallK = 16;
 

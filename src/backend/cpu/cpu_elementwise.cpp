@@ -5,6 +5,7 @@
 // GCC vectorises them at -O3 without -march flags.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/functors.h"
@@ -175,6 +176,13 @@ void unary(CpuBackend& be, Device dev, const UnaryArgs& a) {
            static_cast<int>(a.op));
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
+  if constexpr (std::is_same_v<T, float>) {
+    if (has_unary_clone(a.op)) {  // Note [Unary clones]
+      const UnaryOp op = a.op;
+      be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { unary_clone_f32(op, x + b, y + b, e - b); });
+      return;
+    }
+  }
   dispatch_unary(a.op, [&](auto f) {
     const OnStorage<T, decltype(f)> g{f};
     be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/functors.h"
@@ -562,22 +563,61 @@ void CpuBackend::batchnorm_backward(Device dev, i64 N, i64 C, i64 HW, const floa
 
 // ---- log-softmax and NLL (rows × cols) ---------------------------------------------------
 
+// Note [Log-softmax rows]
+// A row of log_softmax is four passes: its max (eight running maxima: max is exact, so
+// the order changes nothing; a NaN is skipped by every order, and turns the sum NaN
+// below), e^(x - max) by exp_approx into a scratch row (a loop that vectorises; Note
+// [Vectorisable exp and tanh]), the sum of those in double (four partial sums in a
+// fixed order), and (x - max) - log(sum). Each row is one task's, in a fixed order, so
+// the result does not depend on the split. The backward's e^y is exp_approx too.
+
+namespace {
+
+constexpr int kMaxLanes = 8;  // AVX2's float lanes; SSE and AVX-512 split or join them
+constexpr int kSumLanes = 4;  // partial double sums: four adds in flight
+
+/// The largest of xr[0..cols), NaN skipped; -inf for an empty or all-NaN row.
+float row_max(const float* xr, i64 cols) {
+  float m[kMaxLanes];
+  for (float& v : m) v = -std::numeric_limits<float>::infinity();
+  i64 j = 0;
+  for (; j + kMaxLanes <= cols; j += kMaxLanes)
+    for (int k = 0; k < kMaxLanes; ++k) m[k] = std::max(m[k], xr[j + k]);
+  for (; j < cols; ++j) m[0] = std::max(m[0], xr[j]);
+  float mx = m[0];
+  for (int k = 1; k < kMaxLanes; ++k) mx = std::max(mx, m[k]);
+  return mx;
+}
+
+/// The sum of er[0..cols) in double, in kSumLanes partial sums added in a fixed order.
+double row_sum(const float* er, i64 cols) {
+  double s[kSumLanes] = {};
+  i64 j = 0;
+  for (; j + kSumLanes <= cols; j += kSumLanes)
+    for (int k = 0; k < kSumLanes; ++k) s[k] += er[j + k];
+  for (; j < cols; ++j) s[0] += er[j];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+}  // namespace
+
 void CpuBackend::log_softmax(Device dev, const float* x, float* y, i64 rows, i64 cols) {
   DP_CHECK(rows >= 0 && cols >= 0, "log_softmax: expected non-negative sizes, got ", rows, "x", cols);
   if (cols == 0) return;
+  const Unary<UnaryOp::Exp> exp_f;
   parallel_for(dev, rows, plane_grain(3 * cols), [&](i64 b, i64 e) {
-    for (i64 r = b; r < e; ++r) {
+    std::vector<float> scratch(static_cast<std::size_t>(cols));  // e^(x - max); y may alias x
+    float* __restrict er = scratch.data();
+    for (i64 r = b; r < e; ++r) {  // Note [Log-softmax rows]
       const float* xr = x + r * cols;
       float* yr = y + r * cols;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (i64 j = 0; j < cols; ++j) mx = std::max(mx, xr[j]);
+      float mx = row_max(xr, cols);
       // An all -inf row would give -inf - -inf = NaN; shifting by 0 keeps -inf outputs.
       if (std::isinf(mx) && mx < 0) mx = 0.0f;
-      double sum = 0.0;
-      for (i64 j = 0; j < cols; ++j) sum += std::exp(static_cast<double>(xr[j] - mx));
+      for (i64 j = 0; j < cols; ++j) er[j] = exp_f(xr[j] - mx);
       // (x - max) - log(sum), as PyTorch: x - (max + log(sum)) would round the sum to
       // max's magnitude first, losing log(sum)'s low bits for large logits.
-      const float log_sum = static_cast<float>(std::log(sum));
+      const float log_sum = static_cast<float>(std::log(row_sum(er, cols)));
       for (i64 j = 0; j < cols; ++j) yr[j] = (xr[j] - mx) - log_sum;
     }
   });
@@ -588,6 +628,7 @@ void CpuBackend::log_softmax_backward(Device dev, const float* gy, const float* 
   DP_CHECK(rows >= 0 && cols >= 0, "log_softmax_backward: expected non-negative sizes, got ", rows,
            "x", cols);
   if (cols == 0) return;
+  const Unary<UnaryOp::Exp> exp_f;
   parallel_for(dev, rows, plane_grain(3 * cols), [&](i64 b, i64 e) {
     for (i64 r = b; r < e; ++r) {
       const float* gr = gy + r * cols;
@@ -596,7 +637,7 @@ void CpuBackend::log_softmax_backward(Device dev, const float* gy, const float* 
       double sum = 0.0;
       for (i64 j = 0; j < cols; ++j) sum += gr[j];
       const float s = static_cast<float>(sum);
-      for (i64 j = 0; j < cols; ++j) gxr[j] = gr[j] - std::exp(yr[j]) * s;
+      for (i64 j = 0; j < cols; ++j) gxr[j] = gr[j] - exp_f(yr[j]) * s;
     }
   });
 }

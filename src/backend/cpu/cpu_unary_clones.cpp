@@ -1,0 +1,42 @@
+// CPU backend: the float32 loops of the unary ops whose functors are polynomials (Exp,
+// Tanh, Sigmoid; Note [Vectorisable exp and tanh] in functors.h), with ISA clones.
+//
+// Built with the optimizer loops (src/backend/cpu/meson.build): with ISA clones where
+// the build allows them, chosen by the loader for the CPU at hand.
+#include <cstdint>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/functors.h"
+#include "dp/core/error.h"
+
+namespace dp::backend::cpu {
+
+// Note [Unary clones]
+// exp_approx and tanh_approx vectorise at any width, and at the baseline's four SSE
+// lanes a GELU's tanh still cost a tenth of a transformer's CPU step. The x86-64-v3 and
+// -v4 clones run the same loop in 8 and 16 lanes. This file is built with
+// -ffp-contract=off, so no clone forms an FMA and every clone writes the bits the
+// baseline loop in cpu_elementwise.cpp writes (cpu_backend_test compares them on
+// every input class: tiny, huge, infinities, NaN, denormals).
+
+namespace {
+
+/// y[i] = f(x[i]); y may alias x. Always inlined: only code inlined into a clone is
+/// compiled for the clone's ISA.
+template <typename F>
+[[gnu::always_inline]] inline void apply(F f, const float* x, float* y, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
+}
+
+}  // namespace
+
+DP_CPU_V4_V3_CLONES void unary_clone_f32(UnaryOp op, const float* x, float* y, std::int64_t n) {
+  switch (op) {
+    case UnaryOp::Exp: apply(Unary<UnaryOp::Exp>{}, x, y, n); return;
+    case UnaryOp::Tanh: apply(Unary<UnaryOp::Tanh>{}, x, y, n); return;
+    case UnaryOp::Sigmoid: apply(Unary<UnaryOp::Sigmoid>{}, x, y, n); return;
+    default: DP_ASSERT(false, "unary_clone_f32: no clone for UnaryOp ", static_cast<int>(op));
+  }
+}
+
+}  // namespace dp::backend::cpu
