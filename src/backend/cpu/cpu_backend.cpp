@@ -64,6 +64,7 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   register_elementwise_kernels();
   register_reduce_kernels();
   register_gemm_kernels();
+  register_attention_kernels();
   register_method_kernels();
 }
 
