@@ -23,9 +23,10 @@
 //    DDP and sharded designs stay bitwise equal), at the price of computing the scores
 //    and dP twice: 7 block GEMMs per block pair instead of 5.
 // Memory: besides the inputs and outputs, the forward keeps lse (B·H·L floats) and the
-// backward Δ (B·H·L floats) — O(L) per (b, h) — and each running task holds
-// O(kBlockQ · (kBlockK + E + Ev)) floats of scratch, whatever L and S are; the math
-// path holds the (B, H, L, S) weights. Every block product is a single-threaded
+// backward Δ (B·H·L floats, freed when it returns) — O(L) per (b, h), both from the
+// device's allocator — and each running task holds O(kBlockQ · (kBlockK + E + Ev))
+// floats of heap scratch (one set per thread at a time, not counted by
+// memory_allocated), whatever L and S are; the math path holds the (B, H, L, S) weights. Every block product is a single-threaded
 // dnnl_sgemm (float32 accumulation; Note [oneDNN in the device's arena] in
 // cpu_backend.h), the exponentials a vectorised loop over a block's row (Note [Attention
 // exponentials] in cpu_attention_exp.cpp), the masking plain loops.
@@ -38,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include <oneapi/dnnl/dnnl.h>
@@ -220,53 +222,59 @@ void check_shape(const char* op, const AttentionShape& s) {
            " S=", s.S, " E=", s.E, " Ev=", s.Ev);
 }
 
+/// Runs f(p, start, size) for every (b, h) problem p and every block [start, start + size)
+/// of `block` rows of [0, extent), one task each, in the device's arena.
+template <typename F>
+void for_each_block(CpuBackend& be, Device dev, const AttentionShape& s, const void* q, const void* k, const void* v,
+                    const AttentionMask& mask, bool causal, float scale, i64 extent, i64 block, F&& f) {
+  const i64 nb = blocks(extent, block);
+  be.parallel_chunks(dev, s.B * s.H * nb, [&](i64 task) {
+    omp_set_num_threads(1);  // per thread: its oneDNN calls make no team
+    const i64 bh = task / nb, start = task % nb * block;
+    f(problem(s, q, k, v, mask, causal, scale, bh), bh, start, std::min(block, extent - start));
+  });
+}
+
 void attention_forward(CpuBackend& be, Device dev, const AttentionForwardArgs& a) {
   const AttentionShape& s = a.s;
   check_shape("attention_forward", s);
-  const i64 qblocks = blocks(s.L, kBlockQ);
   auto* out = static_cast<float*>(a.out);
-  be.parallel_chunks(dev, s.B * s.H * qblocks, [&](i64 task) {
-    omp_set_num_threads(1);  // per thread: its oneDNN calls make no team
-    const i64 bh = task / qblocks, i0 = task % qblocks * kBlockQ;
-    const Problem p = problem(s, a.q, a.k, a.v, a.mask, a.causal, a.scale, bh);
-    forward_block(p, i0, std::min(kBlockQ, s.L - i0), out + bh * s.L * s.Ev, a.lse + bh * s.L);
-  });
+  for_each_block(be, dev, s, a.q, a.k, a.v, a.mask, a.causal, a.scale, s.L, kBlockQ,
+                 [&](const Problem& p, i64 bh, i64 i0, i64 m) {
+                   forward_block(p, i0, m, out + bh * s.L * s.Ev, a.lse + bh * s.L);
+                 });
 }
 
 void attention_backward(CpuBackend& be, Device dev, const AttentionBackwardArgs& a) {
   const AttentionShape& s = a.s;
   check_shape("attention_backward", s);
-  const i64 problems = s.B * s.H, rows = problems * s.L;
+  const i64 rows = s.B * s.H * s.L;
   const auto* out = static_cast<const float*>(a.out);
   const auto* gout = static_cast<const float*>(a.gout);
-  auto* gq = static_cast<float*>(a.gq);
-  auto* gk = static_cast<float*>(a.gk);
-  auto* gv = static_cast<float*>(a.gv);
-  // Δ_i = gout_i · out_i, one float per query row (Note [Fused attention]).
-  std::vector<float> delta(static_cast<std::size_t>(rows));
+  // Δ_i = gout_i · out_i, one float per query row (Note [Fused attention]), in the
+  // device's memory so that memory_allocated counts it.
+  const std::size_t delta_bytes = static_cast<std::size_t>(rows) * sizeof(float);
+  auto free_delta = [&](float* p) { be.deallocate(dev, p, delta_bytes); };
+  std::unique_ptr<float, decltype(free_delta)> delta(static_cast<float*>(be.allocate(dev, delta_bytes)), free_delta);
+  float* d = delta.get();
   be.parallel_for(dev, rows, std::max<i64>(1, kSerialGrain / s.Ev), [&](i64 b, i64 e) {
     for (i64 r = b; r < e; ++r) {
-      float d = 0.0f;
-      for (i64 c = 0; c < s.Ev; ++c) d += gout[r * s.Ev + c] * out[r * s.Ev + c];
-      delta[static_cast<std::size_t>(r)] = d;
+      float sum = 0.0f;
+      for (i64 c = 0; c < s.Ev; ++c) sum += gout[r * s.Ev + c] * out[r * s.Ev + c];
+      d[r] = sum;
     }
   });
-  const i64 kblocks = blocks(s.S, kBlockK);
-  be.parallel_chunks(dev, problems * kblocks, [&](i64 task) {
-    omp_set_num_threads(1);
-    const i64 bh = task / kblocks, j0 = task % kblocks * kBlockK;
-    const Problem p = problem(s, a.q, a.k, a.v, a.mask, a.causal, a.scale, bh);
-    backward_keys(p, a.lse + bh * s.L, delta.data() + bh * s.L, gout + bh * s.L * s.Ev, j0,
-                  std::min(kBlockK, s.S - j0), gk + bh * s.S * s.E, gv + bh * s.S * s.Ev);
-  });
-  const i64 qblocks = blocks(s.L, kBlockQ);
-  be.parallel_chunks(dev, problems * qblocks, [&](i64 task) {
-    omp_set_num_threads(1);
-    const i64 bh = task / qblocks, i0 = task % qblocks * kBlockQ;
-    const Problem p = problem(s, a.q, a.k, a.v, a.mask, a.causal, a.scale, bh);
-    backward_queries(p, a.lse + bh * s.L, delta.data() + bh * s.L, gout + bh * s.L * s.Ev, i0,
-                     std::min(kBlockQ, s.L - i0), gq + bh * s.L * s.E);
-  });
+  for_each_block(be, dev, s, a.q, a.k, a.v, a.mask, a.causal, a.scale, s.S, kBlockK,
+                 [&](const Problem& p, i64 bh, i64 j0, i64 n) {
+                   backward_keys(p, a.lse + bh * s.L, d + bh * s.L, gout + bh * s.L * s.Ev, j0, n,
+                                 static_cast<float*>(a.gk) + bh * s.S * s.E,
+                                 static_cast<float*>(a.gv) + bh * s.S * s.Ev);
+                 });
+  for_each_block(be, dev, s, a.q, a.k, a.v, a.mask, a.causal, a.scale, s.L, kBlockQ,
+                 [&](const Problem& p, i64 bh, i64 i0, i64 m) {
+                   backward_queries(p, a.lse + bh * s.L, d + bh * s.L, gout + bh * s.L * s.Ev, i0, m,
+                                    static_cast<float*>(a.gq) + bh * s.L * s.E);
+                 });
 }
 
 }  // namespace
