@@ -148,5 +148,29 @@ table = ",\n    ".join(f'{{"{n}", &kBlock_{n.replace(".", "_")}, &kBlock_grad_{n
 out.append("/// (state-dict name, value, gradient) of every block parameter\n"
            "inline const std::vector<Param> kBlockParams = {\n    " + table + "};\n")
 
+# ---- scaled_dot_product_attention across blocks (tests/nn/attention_fused_test.cpp) -------
+# Sizes past one 64-row block of the fused kernel, neither a multiple of it, odd head dims:
+# causal self-attention (2, 1, 72, 5) and cross-attention of 70 queries over 66 keys with an
+# additive (L, S) mask -0.5 * ((7i + 3j) mod 5) (exact in float; the test makes it the same
+# way). Drawn after everything above, so the values above do not move.
+def sdpa_case(name, shape_q, shape_k, ev, **kw):
+    q, k = torch.randn(*shape_q), torch.randn(*shape_k)
+    v = torch.randn(*shape_k[:-1], ev)
+    up = torch.randn(*shape_q[:-1], ev)
+    ql, kl, vl = leaves(q, k, v)
+    mask = kw.pop("mask", None)
+    y = F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask, **kw)
+    (y * up).sum().backward()
+    for part, t in (("Q", q), ("K", k), ("V", v), ("Up", up)):
+        out.append(floats(f"kSdpa{name}{part}", t, f"sdpa {name}: {part}"))
+    out.append(floats(f"kSdpa{name}Out", y, f"sdpa {name}: output"))
+    for part, t in (("GradQ", ql.grad), ("GradK", kl.grad), ("GradV", vl.grad)):
+        out.append(floats(f"kSdpa{name}{part}", t, f"sdpa {name}: {part}"))
+
+
+sdpa_case("Blocks", (2, 1, 72, 5), (2, 1, 72, 5), 5, is_causal=True)
+i, j = torch.arange(70).reshape(70, 1), torch.arange(66).reshape(1, 66)
+sdpa_case("Cross", (1, 1, 70, 3), (1, 1, 66, 3), 7, mask=-0.5 * ((7 * i + 3 * j) % 5).float(), scale=0.4)
+
 print(header("tests/nn/attention_reference.h", "scripts/make_attention_reference.py", "attention_reference",
              torch.__version__, out))

@@ -470,6 +470,55 @@ struct Conv2dReluMaxPool2x2Args {
   std::uint8_t* where;
 };
 
+// ---- fused attention (Note [Fused attention] in src/backend/cpu/cpu_attention.cpp) -------
+
+/// B·H independent attention problems: queries (L, E), keys (S, E), values (S, Ev).
+struct AttentionShape {
+  std::int64_t B = 0, H = 0;  // batch, heads
+  std::int64_t L = 0, S = 0;  // queries, keys
+  std::int64_t E = 0, Ev = 0;  // head dims of q and k, of v
+};
+/// An optional float32 mask over (B, H, L, S), strided (in elements; 0 broadcasts a dim):
+/// added to the scores, or with `keep` a 0/1 keep-mask (nonzero attends, 0 masks).
+struct AttentionMask {
+  const float* p = nullptr;  // null: no mask
+  std::int64_t sb = 0, sh = 0, sl = 0, ss = 0;
+  bool keep = false;
+};
+/// out (B, H, L, Ev) = softmax(q kᵀ · scale + mask) v, and lse (B, H, L, float32) the
+/// log-sum-exp of each row of the masked scores, for the backward. q (B, H, L, E), k
+/// (B, H, S, E), v (B, H, S, Ev) contiguous. causal masks key j > query i. A row whose
+/// every key is masked gives NaN, as the math path does. A fusion only some backends
+/// offer (Note [Fused ops a backend may offer]); float32 accumulation.
+struct AttentionForwardArgs {
+  AttentionShape s;
+  const void* q;
+  const void* k;
+  const void* v;
+  AttentionMask mask;
+  bool causal;
+  float scale;
+  void* out;
+  float* lse;
+};
+/// gq, gk, gv (overwritten; laid out as q, k, v) from gout (laid out as out) and the
+/// forward's out and lse, with the forward's arguments.
+struct AttentionBackwardArgs {
+  AttentionShape s;
+  const void* q;
+  const void* k;
+  const void* v;
+  AttentionMask mask;
+  bool causal;
+  float scale;
+  const void* out;
+  const float* lse;
+  const void* gout;
+  void* gq;
+  void* gk;
+  void* gv;
+};
+
 /// Average over the window counting padding (PyTorch's count_include_pad=true).
 struct AvgPool2dArgs {
   Pool2dShape s;
@@ -605,7 +654,9 @@ struct AdamStepArgs {
   X(AdamStep, "adam_step", AdamStepArgs)                                   \
   X(MaxPool2x2, "maxpool2d_2x2_forward", MaxPool2x2Args)                   \
   X(MaxPool2x2Backward, "maxpool2d_2x2_backward", MaxPool2x2BackwardArgs)  \
-  X(Conv2dReluMaxPool2x2, "conv2d_relu_maxpool2x2_forward", Conv2dReluMaxPool2x2Args)
+  X(Conv2dReluMaxPool2x2, "conv2d_relu_maxpool2x2_forward", Conv2dReluMaxPool2x2Args) \
+  X(AttentionForward, "attention_forward", AttentionForwardArgs)           \
+  X(AttentionBackward, "attention_backward", AttentionBackwardArgs)
 
 /// The ops of DP_BACKEND_OPS.
 enum class Op : std::uint8_t {

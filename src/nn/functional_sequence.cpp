@@ -3,6 +3,7 @@
 // ops, so their gradients come from those ops' backward functions.
 #include <cmath>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "dp/core/error.h"
 #include "dp/nn/functional.h"
 #include "dp/tensor/ops.h"
+#include "nn/fused_attention.h"
 #include "tensor/autocast_policy.h"
 
 namespace dp::nn {
@@ -142,6 +144,13 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   DP_CHECK(!(is_causal && attn_mask.defined()), op, ": expected either attn_mask or is_causal, got both");
   DP_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": expected dropout_p in [0, 1], got ", dropout_p);
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
+  if (const AttentionPath path = attention_path(); path != AttentionPath::Math) {  // Note [Fused attention paths]
+    const std::string misfit = detail::fused_attention_misfit(q, k, v, attn_mask, dropout_p);
+    if (misfit.empty())
+      return detail::fused_attention(q, k, v, attn_mask, mask_is_keep, is_causal, static_cast<float>(s));
+    DP_CHECK(path == AttentionPath::Auto, op, ": expected a call the fused kernel fits, as set_attention_path("
+             "AttentionPath::Fused) asks, got one where ", misfit);
+  }
   Tensor scores = mul(matmul(q, k.transpose(-2, -1)), s);  // (..., L, S)
   // A keep-mask selects: where(keep, scores, -inf) gives the scores that an added
   // log(keep) (0 or -inf) gave, in one pass and with a zero gradient where masked.

@@ -2080,3 +2080,31 @@ TEST_CASE("two devices used from two threads concurrently: correct and not overs
   CHECK(alone.arena_conc == hw);
   CHECK(alone.loop_conc == hw);
 }
+
+TEST_CASE("exp_shifted: within 2 ulp of expf where e^x is normal, 0 below, NaN kept (Note [Attention exponentials])") {
+  // x - shift over [-100, 88.3] in steps that hit many exponents and fractions, and the
+  // edges; the shift moves the reduction's input.
+  std::vector<float> x;
+  for (float v = -100.0f; v <= 88.3f; v += 0.0137f) x.push_back(v);
+  for (float v : {0.0f, -0.0f, 1e-30f, -1e-30f, -87.33f, -87.34f, 88.37f, -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN()})
+    x.push_back(v);
+  for (float shift : {0.0f, 2.5f}) {
+    std::vector<float> y(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) y[i] = x[i] + shift;
+    cpu::exp_shifted(y.data(), static_cast<i64>(y.size()), shift);
+    int bad = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float t = (x[i] + shift) - shift;
+      const float want = std::exp(t);
+      if (std::isnan(t)) {
+        bad += !std::isnan(y[i]);
+      } else if (t < -87.33654f) {
+        bad += y[i] != 0.0f;
+      } else {
+        bad += !(std::fabs(y[i] - want) <= 2.0f * std::numeric_limits<float>::epsilon() * want);
+      }
+    }
+    CHECK(bad == 0);
+  }
+}

@@ -25,6 +25,7 @@ namespace {
 
 using dp::Device;
 using dp::backend::Backend;
+namespace be = dp::backend;
 using dp::backend::BinaryOp;
 using dp::backend::Conv2dShape;
 using dp::backend::DType;
@@ -739,6 +740,55 @@ void add_fused_conv_pool(Table& t, const Conv2dShape& s) {
         });
 }
 
+/// A fused attention's forward and backward (a fusion only the CPU offers); with
+/// `masked`, an additive (L, S) mask broadcast over B and H. The backward's out and lse
+/// are random: its outputs are the kernel's function of any inputs.
+void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool masked) {
+  const std::string shape = dims({s.B, s.H, s.L, s.S, s.E, s.Ev}) + (causal ? " causal" : "") +
+                            (masked ? " mask LxS" : "");
+  const i64 nq = s.B * s.H * s.L * s.E, nk = s.B * s.H * s.S * s.E, nv = s.B * s.H * s.S * s.Ev,
+            no = s.B * s.H * s.L * s.Ev, rows = s.B * s.H * s.L;
+  const double flops = 2.0 * s.B * s.H * s.L * s.S * (s.E + s.Ev) / (causal ? 2 : 1);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.E));
+  auto mask = [=](OpRun& r) {
+    be::AttentionMask m;
+    if (masked) m = {.p = r.uniform(s.L * s.S, -2, 0), .sb = 0, .sh = 0, .sl = s.S, .ss = 1, .keep = false};
+    return m;
+  };
+  const Tolerance tol = sum_tol(kGemmBase, static_cast<double>(s.S));
+  t.add(Kernel::AttentionForward, shape, tol, flops, kF * (nq + nk + nv + no + rows), [=](OpRun& r) {
+    const float* q = r.uniform(nq, -1, 1);
+    const float* k = r.uniform(nk, -1, 1);
+    const float* v = r.uniform(nv, -1, 1);
+    const be::AttentionMask m = mask(r);
+    float* out = r.empty(no);
+    float* lse = r.empty(rows);
+    r.output("out", out, no);
+    r.output("lse", lse, rows);
+    r.set_call([=](Backend& b, Device d) {
+      b.run<Op::AttentionForward>(d, DType::F32, {s, q, k, v, m, causal, scale, out, lse});
+    });
+  });
+  t.add(Kernel::AttentionBackward, shape, tol, 2.5 * flops, kF * 2 * (nq + nk + nv + no + rows), [=](OpRun& r) {
+    const float* q = r.uniform(nq, -1, 1);
+    const float* k = r.uniform(nk, -1, 1);
+    const float* v = r.uniform(nv, -1, 1);
+    const be::AttentionMask m = mask(r);
+    const float* out = r.uniform(no, -1, 1);
+    const float* lse = r.uniform(rows, 2, 4);
+    const float* gout = r.uniform(no, -1, 1);
+    float* gq = r.empty(nq);
+    float* gk = r.empty(nk);
+    float* gv = r.empty(nv);
+    r.output("gq", gq, nq);
+    r.output("gk", gk, nk);
+    r.output("gv", gv, nv);
+    r.set_call([=](Backend& b, Device d) {
+      b.run<Op::AttentionBackward>(d, DType::F32, {s, q, k, v, m, causal, scale, out, lse, gout, gq, gk, gv});
+    });
+  });
+}
+
 void add_pool(Table& t, const Pool2dShape& s) {
   const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
   const std::string shape = pool_name(s);
@@ -1122,6 +1172,9 @@ void add_check_suite(Table& t) {
   add_fused_pool(t, pool(2, 3, 8, 8, 2, 2, 2, 2, 0, 0));
   add_fused_pool(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0));
   add_fused_conv_pool(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1));
+  // 70 queries and 45 keys: partial 64-row blocks; odd head dims.
+  add_attention(t, {.B = 2, .H = 3, .L = 70, .S = 45, .E = 5, .Ev = 7}, false, true);
+  add_attention(t, {.B = 2, .H = 3, .L = 130, .S = 130, .E = 8, .Ev = 8}, true, false);
   add_pool(t, pool(2, 3, 7, 7, 3, 3, 1, 1, 1, 1));  // overlapping windows
   add_batchnorm(t, 6, 5, 49);
   add_batchnorm(t, 4, 3, 64);     // HW % 4 == 0 (CUDA: four elements a thread)
@@ -1170,6 +1223,7 @@ void add_perf_suite(Table& t) {
   add_pool(t, pool(256, 64, 14, 14, 2, 2, 2, 2, 0, 0));
   add_fused_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
   add_fused_conv_pool(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1));
+  add_attention(t, {.B = 8, .H = 8, .L = 512, .S = 512, .E = 64, .Ev = 64}, true, false);  // B·H = 64
   add_batchnorm(t, 256, 32, 784);
   add_batchnorm(t, 256, 64, 1024);  // ResNet-18 (CIFAR) at batch 256: its first stage
   add_batchnorm(t, 256, 512, 16);   // and its last

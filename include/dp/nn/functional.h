@@ -136,11 +136,24 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
 /// it and attn_mask are exclusive, as in PyTorch. dropout_p drops attention weights
 /// (use 0 in evaluation) with `gen`. A row whose every key is masked gives NaN, as
 /// PyTorch's math path does. This is the math path: it holds the (L, S) weights of
-/// every head, O(L·S) memory. Differentiable in q, k, v.
+/// every head, O(L·S) memory. Where the device's backend has a fused kernel and the
+/// call fits it (Note [Fused attention paths] in src/nn/fused_attention.cpp: float32,
+/// 3-d or 4-d q, k, v with equal batch dims, no dropout), that kernel runs instead:
+/// O(L) memory per (batch, head), the same values to float32 rounding.
+/// Differentiable in q, k, v.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask = Tensor(), double dropout_p = 0.0,
                                     bool is_causal = false, std::optional<double> scale = std::nullopt,
                                     bool mask_is_keep = false, Generator* gen = nullptr);
+
+/// Which implementation scaled_dot_product_attention runs, process-wide (tests and
+/// benchmarks compare them): Auto the fused kernel where it fits the call and the math
+/// path otherwise; Math always the math path; Fused the fused kernel, or a dp::Error
+/// saying why the call does not fit it.
+///   dp::nn::set_attention_path(dp::nn::AttentionPath::Math);  // the O(L·S) reference
+enum class AttentionPath : std::uint8_t { Auto, Math, Fused };
+void set_attention_path(AttentionPath path);
+AttentionPath attention_path();
 
 // Note [Class-index losses]
 // nll_loss and cross_entropy follow PyTorch 1.13's F.nll_loss / F.cross_entropy. Row r

@@ -65,6 +65,7 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   register_reduce_kernels();
   register_gemm_kernels();
   register_conv_kernels();
+  register_attention_kernels();
   register_method_kernels();
 }
 

@@ -88,6 +88,11 @@ inline constexpr std::int64_t kSmallK = 16;
 void small_k_gemm(bool trans_a, std::int64_t rows, std::int64_t n, std::int64_t k, const float* a, std::int64_t lda,
                   const float* b, std::int64_t ldb, float* c, std::int64_t ldc, const float* relu_y);
 
+/// x[i] = e^(x[i] - shift) for i in [0, n), 0 where x[i] - shift < -87.33 (-inf
+/// included), NaN for NaN: within 2 ulp of expf, vectorised with ISA clones
+/// (cpu_attention_exp.cpp, Note [Attention exponentials]).
+void exp_shifted(float* x, std::int64_t n, float shift);
+
 /// dst's rows [0, cols) (ldd floats apart) = the columns of src's rows [0, rows) (lds
 /// apart): dst[c * ldd + r] = src[r * lds + c]. In 8x8 blocks transposed in AVX2
 /// registers where the CPU has them (cpu_transpose.cpp).
@@ -349,6 +354,7 @@ class CpuBackend final : public Backend {
   void register_reduce_kernels();       // cpu_reduce.cpp
   void register_gemm_kernels();         // cpu_gemm.cpp (16-bit; float32's is a method kernel)
   void register_conv_kernels();         // cpu_conv.cpp (bfloat16; float32's are method kernels)
+  void register_attention_kernels();    // cpu_attention.cpp (Note [Fused attention])
   void register_method_kernels();       // method_kernels.h, cpu_backend.cpp
   void resize_arenas(int threads);
   /// What a chunk of a GEMM applies to its slab of C after its product (Note [Linear
