@@ -60,12 +60,6 @@ AdamOptions with(AdamOptions o, const AdamGroupOptions& g) {
   return o;
 }
 
-std::vector<nn::ParameterList> lists(const std::vector<AdamParamGroup>& groups) {
-  std::vector<nn::ParameterList> out;
-  for (const AdamParamGroup& g : groups) out.push_back(g.params);
-  return out;
-}
-
 }  // namespace
 
 Adam::Adam(nn::ParameterList params, AdamOptions options)
@@ -83,7 +77,7 @@ Adam::Adam(nn::ParameterList params, AdamOptions options, bool decoupled, const 
       decoupled_(decoupled) {}
 
 Adam::Adam(std::vector<AdamParamGroup> groups, AdamOptions defaults, bool decoupled, const char* kind)
-    : Optimizer(lists(groups), kind), decoupled_(decoupled) {
+    : Optimizer(lists_of(groups), kind), decoupled_(decoupled) {
   defaults = checked(resolved(defaults, kind), kind);
   for (std::size_t g = 0; g < groups.size(); ++g)
     options_.push_back(checked(with(defaults, groups[g].options), group_name(g)));

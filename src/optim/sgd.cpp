@@ -29,12 +29,6 @@ SGDOptions with(SGDOptions o, const SGDGroupOptions& g) {
   return o;
 }
 
-std::vector<nn::ParameterList> lists(const std::vector<SGDParamGroup>& groups) {
-  std::vector<nn::ParameterList> out;
-  for (const SGDParamGroup& g : groups) out.push_back(g.params);
-  return out;
-}
-
 }  // namespace
 
 SGD::SGD(nn::ParameterList params, SGDOptions options)
@@ -43,7 +37,7 @@ SGD::SGD(nn::ParameterList params, SGDOptions options)
 SGD::SGD(std::vector<Tensor> params, SGDOptions options)
     : SGD(nn::ParameterList(std::move(params), {}, nullptr), options) {}
 
-SGD::SGD(std::vector<SGDParamGroup> groups, SGDOptions defaults) : Optimizer(lists(groups), "SGD") {
+SGD::SGD(std::vector<SGDParamGroup> groups, SGDOptions defaults) : Optimizer(lists_of(groups), "SGD") {
   checked(defaults, "SGD");
   for (std::size_t g = 0; g < groups.size(); ++g) options_.push_back(checked(with(defaults, groups[g].options), group_name(g)));
 }

@@ -142,3 +142,22 @@ TEST_CASE("param groups: the groups' hyper-parameters reach the step (one group 
   });
   CHECK(a.params != b.params);
 }
+
+TEST_CASE("param groups: a tied parameter given in two groups (under both its names) is refused") {
+  auto net = std::make_shared<TiedGPT>(5);
+  dp::DataParallel model(net, cpus(2), {.mode = dp::Mode::DDP});
+  const auto params = model.parameters();
+  const Tensor wte = net->parameter("wte.weight"), head = net->parameter("lm_head.weight");
+  auto as_wte = params.filter([&](const Tensor& p) { return p.is_same(wte); });
+  auto as_head = params.filter([&](const Tensor& p) { return p.is_same(head); });
+  REQUIRE(as_wte.size() == 1);
+  REQUIRE(as_head.size() == 1);
+  try {
+    optim::AdamW opt({{as_wte, {.weight_decay = 0.1}}, {as_head, {.weight_decay = 0.0}}});
+    FAIL("a parameter in two groups was accepted");
+  } catch (const dp::Error& e) {
+    const std::string m = e.what();
+    CHECK_MESSAGE(m.find("expected each parameter in one group") != std::string::npos, m);
+    CHECK_MESSAGE(m.find("in param group 0 and again in param group 1") != std::string::npos, m);
+  }
+}

@@ -3,7 +3,8 @@
 // Note [Fused optimizer steps]
 // An optimizer is built over a ParameterList (see Note [Parameter sets]). It groups the
 // list's parameters into contiguous ranges of their set's flat buffers (adjacent
-// parameters merge; the whole set is one range) and keeps its state (momentum buffers,
+// parameters of one parameter group merge; the whole set in one group is one range;
+// Note [Parameter groups]) and keeps its state (momentum buffers,
 // exp_avg, …) flat, one buffer per state name and per copy of the set, laid out like
 // the ranges back to back. A step then calls ONE fused backend kernel per range and
 // copy on `copy(r).data` / `copy(r).owned_grad()` slices, through the set's
@@ -154,7 +155,8 @@ class Optimizer {
   void load_param_groups_state(const std::vector<ParamGroupState>& groups);
 
   /// "step" (int64 scalar) and, once state exists, "state.<i>.<name>" for parameter i
-  /// of the list (its shape; values of copy 0), e.g. "state.0.exp_avg". In a sharded
+  /// of parameters() (its shape; values of copy 0), e.g. "state.0.exp_avg"; the groups'
+  /// hyper-parameters are in param_groups_state(). In a sharded
   /// set the full tensors are assembled from every copy's shard (on copy 0's device).
   /// A set sharded across processes (Mode::Sharded stages 1 and 2 under mpirun) holds
   /// only this process's shards: the call is then COLLECTIVE — every process must make
@@ -176,6 +178,13 @@ class Optimizer {
   /// Over parameter groups (Note [Parameter groups]): at least one, none empty, every
   /// group's parameters in one parameter set (or all loose), no parameter twice.
   Optimizer(std::vector<nn::ParameterList> groups, std::string kind);
+  /// The parameter lists of `groups`, for the constructor above.
+  template <typename Overrides>
+  static std::vector<nn::ParameterList> lists_of(const std::vector<ParamGroup<Overrides>>& groups) {
+    std::vector<nn::ParameterList> out;
+    for (const ParamGroup<Overrides>& g : groups) out.push_back(g.params);
+    return out;
+  }
 
   /// Names of the per-element state buffers this optimizer keeps (may be empty).
   virtual std::vector<std::string> state_names() const = 0;
