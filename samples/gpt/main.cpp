@@ -167,11 +167,13 @@ dp::DataParallelOptions design_options(const Config& cfg) {
 }
 
 /// nanoGPT's configure_optimizers: weight decay on matrices (dim >= 2), not on biases
-/// and norms.
-std::unique_ptr<dp::optim::AdamW> make_optimizer(const Config& cfg, dp::nn::ParameterList params) {
-  return std::make_unique<dp::optim::AdamW>(
-      std::move(params),
-      dp::optim::AdamWOptions{.lr = cfg.lr, .betas = {0.9, 0.95}, .weight_decay = cfg.weight_decay});
+/// and norms — two parameter groups.
+std::unique_ptr<dp::optim::AdamW> make_optimizer(const Config& cfg, const dp::nn::ParameterList& params) {
+  auto matrices = params.filter([](const dp::Tensor& p) { return p.dim() >= 2; });
+  auto others = params.filter([](const dp::Tensor& p) { return p.dim() < 2; });
+  std::vector<dp::optim::AdamParamGroup> groups{{matrices, {.weight_decay = cfg.weight_decay}}};
+  if (!others.empty()) groups.push_back({others, {.weight_decay = 0.0}});
+  return std::make_unique<dp::optim::AdamW>(std::move(groups), dp::optim::AdamWOptions{.lr = cfg.lr, .betas = {0.9, 0.95}});
 }
 
 samples::GPTConfig model_config(const Config& cfg, std::int64_t vocab) {

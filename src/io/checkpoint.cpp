@@ -25,6 +25,14 @@ namespace {
 //   dp.step / dp.epoch / dp.batch        the loop position
 //   dp.optimizer.lr                      shortest round-trip decimal of the double
 //   dp.optimizer.momentum                the same for Optimizer::momentum(), when it has one
+//                                        (both group 0's, as files before param groups had them)
+//   dp.optimizer.param_groups            the number of parameter groups, and per group g
+//   dp.optimizer.param_groups.<g>.params its parameters' indices; .<g>.<option> each
+//                                        hyper-parameter (Optimizer::param_groups_state,
+//                                        PyTorch's names: lr, betas, weight_decay, ...;
+//                                        lists space-separated). Absent in files written
+//                                        before param groups: those load into an optimizer
+//                                        with one group only, taking lr and momentum.
 //   dp.scheduler.<name>.kind, .last_epoch, .base_lrs, .last_lrs
 //                                        optim::LRSchedulerState of TrainingState::schedulers
 //                                        (lists: space-separated decimals, one per group)
@@ -150,6 +158,46 @@ std::vector<double> parse_list(const std::string& s, const std::string& key, con
     begin = end + 1;
   }
   return v;
+}
+
+constexpr const char* kGroupsKey = "dp.optimizer.param_groups";
+
+void save_param_groups(io::Metadata& meta, const optim::Optimizer& optimizer) {
+  const auto groups = optimizer.param_groups_state();
+  meta[kGroupsKey] = format_number(groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const std::string key = detail::str_cat(kGroupsKey, ".", g, ".");
+    std::vector<double> params(groups[g].params.begin(), groups[g].params.end());
+    meta[key + "params"] = format_list(params);
+    for (const auto& [name, values] : groups[g].options) meta[key + name] = format_list(values);
+  }
+}
+
+// The param groups a file holds, or nullopt for a file written before them.
+std::optional<std::vector<optim::ParamGroupState>> parse_param_groups(const io::Metadata& m, const std::string& path) {
+  if (!m.count(kGroupsKey)) return std::nullopt;
+  const auto count = parse_number<std::size_t>(m.at(kGroupsKey), kGroupsKey, path);
+  std::vector<optim::ParamGroupState> groups(count);
+  for (std::size_t g = 0; g < count; ++g) {
+    const std::string prefix = detail::str_cat(kGroupsKey, ".", g, ".");
+    for (auto it = m.lower_bound(prefix); it != m.end() && starts_with(it->first, prefix); ++it) {
+      const std::string name = it->first.substr(prefix.size());
+      if (name == "params") {
+        const std::string& s = it->second;
+        std::size_t begin = 0;
+        while (begin < s.size()) {
+          const std::size_t end = std::min(s.find(' ', begin), s.size());
+          groups[g].params.push_back(parse_number<std::int64_t>(s.substr(begin, end - begin), it->first, path));
+          begin = end + 1;
+        }
+      } else {
+        groups[g].options[name] = parse_list(it->second, it->first, path);
+      }
+    }
+    DP_CHECK(m.count(prefix + "params"), "load_training_checkpoint '", path, "': the metadata has no '", prefix,
+             "params' entry: a corrupt checkpoint");
+  }
+  return groups;
 }
 
 void save_scheduler(io::Metadata& meta, const std::string& name, const optim::LRScheduler* sched) {
@@ -303,6 +351,7 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
   meta["dp.batch"] = format_number(state.batch);
   meta["dp.optimizer.lr"] = format_number(optimizer.lr());
   if (const auto m = optimizer.momentum()) meta["dp.optimizer.momentum"] = format_number(*m);
+  save_param_groups(meta, optimizer);
   meta[std::string(kRngPrefix) + "default"] = generator_state(default_generator());
   for (const auto& [name, gen] : state.generators) {
     DP_CHECK(gen != nullptr, "save_training_checkpoint: generator '", name, "' is null");
@@ -346,6 +395,10 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
   if (m.count("dp.optimizer.momentum") && optimizer.momentum()) {
     momentum = parse_number<double>(m.at("dp.optimizer.momentum"), "dp.optimizer.momentum", path);
   }
+  const auto groups = parse_param_groups(m, path);
+  DP_CHECK(groups || optimizer.num_param_groups() == 1, "load_training_checkpoint '", path,
+           "': the file holds one parameter group (written before dp saved param groups), the optimizer has ",
+           optimizer.num_param_groups(), "; build the optimizer with one group, as the saved run did");
   std::vector<std::pair<optim::LRScheduler*, optim::LRSchedulerState>> scheds;
   for (const auto& [name, sched] : state.schedulers) {
     DP_CHECK(sched != nullptr, "load_training_checkpoint: scheduler '", name, "' is null");
@@ -372,26 +425,30 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
   // is validated above. Keep the optimizer's old state in case the module copy fails.
   nn::StateDict old_opt;
   for (auto& [k, v] : optimizer.state_dict()) old_opt.emplace_back(k, v.clone());
-  const double old_lr = optimizer.lr();
-  const std::optional<double> old_momentum = optimizer.momentum();
+  // Every group's lr, momentum and other hyper-parameters.
+  const std::vector<optim::ParamGroupState> old_groups = optimizer.param_groups_state();
   std::vector<optim::LRSchedulerState> old_scheds;
   for (auto& [sched, st] : scheds) old_scheds.push_back(sched->state_dict());
-  // The momentum first: whether SGD keeps a momentum buffer depends on it.
-  if (momentum) optimizer.set_momentum(*momentum);
+  // The hyper-parameters first: whether SGD keeps a momentum buffer depends on them.
+  // Param groups load all or nothing, their structure checked first.
+  if (groups) {
+    optimizer.load_param_groups_state(*groups);
+  } else if (momentum) {
+    optimizer.set_momentum(*momentum);
+  }
   try {
     optimizer.load_state_dict(opt_state);
   } catch (...) {
-    if (old_momentum) optimizer.set_momentum(*old_momentum);
+    optimizer.load_param_groups_state(old_groups);
     throw;
   }
   try {
-    optimizer.set_lr(lr);
+    if (!groups) optimizer.set_lr(lr);
     for (auto& [sched, st] : scheds) sched->load_state_dict(st);
     module.load_state_dict(to_copy, /*strict=*/false);
   } catch (...) {
-    if (old_momentum) optimizer.set_momentum(*old_momentum);
+    optimizer.load_param_groups_state(old_groups);
     optimizer.load_state_dict(old_opt);
-    optimizer.set_lr(old_lr);
     for (std::size_t i = 0; i < old_scheds.size(); ++i) scheds[i].first->load_state_dict(old_scheds[i]);
     throw;
   }

@@ -223,4 +223,15 @@ void ParameterSet::for_each_copy(const std::function<void(int)>& fn, CopyWork wo
   }
 }
 
+ParameterList ParameterList::filter(const std::function<bool(const Tensor&)>& keep) const {
+  std::vector<Tensor> tensors;
+  std::vector<std::shared_ptr<Parameter::Slot>> slots;
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    if (!keep(tensors_[i])) continue;
+    tensors.push_back(tensors_[i]);
+    if (i < slots_.size()) slots.push_back(slots_[i]);
+  }
+  return ParameterList(std::move(tensors), std::move(slots), set_);
+}
+
 }  // namespace dp::nn

@@ -21,7 +21,7 @@ namespace {
 // function (`Adam opt(params, {.lr = 1e-3})`, where the field is only defaulted), and
 // Clang at every implicit copy, so every user would see the warning. On the
 // constructor it fires exactly where a number is given to beta1 or beta2.
-AdamOptions resolved(AdamOptions o, const char* kind) {
+AdamOptions resolved(AdamOptions o, const std::string& kind) {
   const AdamBetas defaults = AdamOptions{}.betas;
   const auto take = [&](const DeprecatedBeta& old, double& half, double def, const char* name, int index) {
     if (!old.value) return;
@@ -37,7 +37,8 @@ AdamOptions resolved(AdamOptions o, const char* kind) {
   return o;
 }
 
-const AdamOptions& checked(const AdamOptions& o, const char* kind) {
+// `kind` names the optimizer, or the group, in the messages: "Adam", "AdamW param group 1".
+const AdamOptions& checked(const AdamOptions& o, const std::string& kind) {
   DP_CHECK(o.lr >= 0, kind, ": expected lr >= 0, got ", o.lr);
   DP_CHECK(o.eps >= 0, kind, ": expected eps >= 0, got ", o.eps);
   const auto [beta1, beta2] = o.betas;
@@ -50,6 +51,15 @@ const AdamOptions& checked(const AdamOptions& o, const char* kind) {
   return o;
 }
 
+
+AdamOptions with(AdamOptions o, const AdamGroupOptions& g) {
+  if (g.lr) o.lr = *g.lr;
+  if (g.betas) o.betas = *g.betas;
+  if (g.eps) o.eps = *g.eps;
+  if (g.weight_decay) o.weight_decay = *g.weight_decay;
+  return o;
+}
+
 }  // namespace
 
 Adam::Adam(nn::ParameterList params, AdamOptions options)
@@ -58,30 +68,84 @@ Adam::Adam(nn::ParameterList params, AdamOptions options)
 Adam::Adam(std::vector<Tensor> params, AdamOptions options)
     : Adam(nn::ParameterList(std::move(params), {}, nullptr), options, false, "Adam") {}
 
+Adam::Adam(std::vector<AdamParamGroup> groups, AdamOptions defaults)
+    : Adam(std::move(groups), defaults, false, "Adam") {}
+
 Adam::Adam(nn::ParameterList params, AdamOptions options, bool decoupled, const char* kind)
     : Optimizer(std::move(params), kind),
-      options_(checked(resolved(options, kind), kind)),
+      options_{checked(resolved(options, kind), kind)},
       decoupled_(decoupled) {}
+
+Adam::Adam(std::vector<AdamParamGroup> groups, AdamOptions defaults, bool decoupled, const char* kind)
+    : Optimizer(lists_of(groups), kind), decoupled_(decoupled) {
+  defaults = checked(resolved(defaults, kind), kind);
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    options_.push_back(checked(with(defaults, groups[g].options), group_name(g)));
+}
+
+const AdamOptions& Adam::options(std::size_t group) const {
+  check_group(group, "options");
+  return options_[group];
+}
+
+void Adam::set_options(std::size_t group, const AdamOptions& options) {
+  check_group(group, "set_options");
+  options_[group] = checked(resolved(options, group_name(group)), group_name(group));
+}
 
 void Adam::set_lr(double lr) {
   DP_CHECK(lr >= 0, kind(), ": expected lr >= 0, got ", lr);
-  options_.lr = lr;
+  for (AdamOptions& o : options_) o.lr = lr;
+}
+
+double Adam::group_lr(std::size_t group) const { return options(group).lr; }
+
+void Adam::set_group_lr(std::size_t group, double lr) {
+  AdamOptions o = options(group);
+  o.lr = lr;
+  set_options(group, o);
 }
 
 void Adam::set_momentum(double beta1) {
   DP_CHECK(beta1 >= 0 && beta1 < 1, kind(), ": expected beta1 in [0, 1), got ", beta1);
-  std::get<0>(options_.betas) = beta1;
+  for (AdamOptions& o : options_) std::get<0>(o.betas) = beta1;
+}
+
+std::optional<double> Adam::group_momentum(std::size_t group) const { return std::get<0>(options(group).betas); }
+
+void Adam::set_group_momentum(std::size_t group, double beta1) {
+  AdamOptions o = options(group);
+  std::get<0>(o.betas) = beta1;
+  set_options(group, o);
+}
+
+std::map<std::string, std::vector<double>> Adam::group_options(std::size_t group) const {
+  const AdamOptions& o = options(group);
+  return {{"lr", {o.lr}},
+          {"betas", {std::get<0>(o.betas), std::get<1>(o.betas)}},
+          {"eps", {o.eps}},
+          {"weight_decay", {o.weight_decay}}};
+}
+
+void Adam::set_group_options(std::size_t group, const std::map<std::string, std::vector<double>>& options) {
+  check_option_names(group, group_options(group), options);
+  const std::vector<double>& betas = options.at("betas");
+  set_options(group, AdamOptions{.lr = options.at("lr")[0],
+                                 .betas = {betas[0], betas[1]},
+                                 .eps = options.at("eps")[0],
+                                 .weight_decay = options.at("weight_decay")[0]});
 }
 
 std::vector<std::string> Adam::state_names() const { return {"exp_avg", "exp_avg_sq"}; }
 
-void Adam::update(Device dev, float* param, const float* grad, float* const* state,
-                  std::int64_t n, bool /*first*/, std::int64_t step) {
+void Adam::update_group(std::size_t group, Device dev, float* param, const float* grad, float* const* state,
+                        std::int64_t n, bool /*first*/, std::int64_t step) {
+  const AdamOptions& o = options_[group];
   backend::get(dev).run<backend::Op::AdamStep>(
       dev, backend::DType::F32,
-      {param, grad, state[0], state[1], n, static_cast<float>(options_.lr),
-       static_cast<float>(std::get<0>(options_.betas)), static_cast<float>(std::get<1>(options_.betas)),
-       static_cast<float>(options_.eps), static_cast<float>(options_.weight_decay), decoupled_, step});
+      {param, grad, state[0], state[1], n, static_cast<float>(o.lr), static_cast<float>(std::get<0>(o.betas)),
+       static_cast<float>(std::get<1>(o.betas)), static_cast<float>(o.eps), static_cast<float>(o.weight_decay),
+       decoupled_, step});
 }
 
 }  // namespace dp::optim

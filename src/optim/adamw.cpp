@@ -16,4 +16,7 @@ AdamW::AdamW(nn::ParameterList params, AdamWOptions options)
 AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
     : Adam(nn::ParameterList(std::move(params), {}, nullptr), as_adam(options), true, "AdamW") {}
 
+AdamW::AdamW(std::vector<AdamParamGroup> groups, AdamWOptions defaults)
+    : Adam(std::move(groups), as_adam(defaults), true, "AdamW") {}
+
 }  // namespace dp::optim

@@ -23,34 +23,47 @@ LRScheduler::LRScheduler(Optimizer& optimizer, std::string kind)
 LRScheduler::~LRScheduler() = default;
 
 void LRScheduler::initial_step() {
-  // PyTorch: group.setdefault('initial_lr', group['lr']); base_lrs = initial_lr.
-  const bool recorded = !optimizer_.initial_lr().has_value();
-  if (recorded) optimizer_.set_initial_lr(optimizer_.lr());
-  base_lrs_ = {*optimizer_.initial_lr()};
+  // PyTorch, per group: group.setdefault('initial_lr', group['lr']); base_lrs = initial_lr.
+  const std::size_t groups = optimizer_.num_param_groups();
+  std::vector<std::size_t> recorded;
+  base_lrs_.clear();
+  for (std::size_t g = 0; g < groups; ++g) {
+    if (!optimizer_.initial_lr(g).has_value()) {
+      optimizer_.set_initial_lr(g, optimizer_.group_lr(g));
+      recorded.push_back(g);
+    }
+    base_lrs_.push_back(*optimizer_.initial_lr(g));
+  }
   try {
     step();
   } catch (...) {
-    if (recorded) optimizer_.set_initial_lr(std::nullopt);
+    for (std::size_t g : recorded) optimizer_.set_initial_lr(g, std::nullopt);
     throw;
   }
 }
 
 void LRScheduler::step() {
-  // dp's optimizers have one parameter group: index 0 of base_lrs_ and last_lrs_.
+  // Every group from its own lr and base lr (Note [Scheduler steps]); all checked first.
   const std::int64_t epoch = last_epoch_ + 1;
-  const double old_lr = optimizer_.lr();
-  const double lr = get_lr(epoch, old_lr, base_lrs_[0]);
-  DP_CHECK(std::isfinite(lr) && lr >= 0, kind_, ": step ", epoch, " gives the learning rate ", lr,
-           " (base lr ", base_lrs_[0], "); expected a finite lr >= 0 — check the schedule's options");
-  optimizer_.set_lr(lr);
+  const std::size_t groups = optimizer_.num_param_groups();
+  std::vector<double> old_lrs, lrs;
+  for (std::size_t g = 0; g < groups; ++g) {
+    old_lrs.push_back(optimizer_.group_lr(g));
+    const double lr = get_lr(epoch, old_lrs.back(), base_lrs_[g]);
+    DP_CHECK(std::isfinite(lr) && lr >= 0, kind_, ": step ", epoch, " gives the learning rate ", lr, " (base lr ",
+             base_lrs_[g], groups > 1 ? detail::str_cat(", param group ", g) : std::string(),
+             "); expected a finite lr >= 0 — check the schedule's options");
+    lrs.push_back(lr);
+  }
   try {
+    for (std::size_t g = 0; g < groups; ++g) optimizer_.set_group_lr(g, lrs[g]);
     after_step(epoch);
   } catch (...) {
-    optimizer_.set_lr(old_lr);
+    for (std::size_t g = 0; g < groups; ++g) optimizer_.set_group_lr(g, old_lrs[g]);
     throw;
   }
   last_epoch_ = epoch;
-  last_lrs_ = {lr};
+  last_lrs_ = std::move(lrs);
 }
 
 LRSchedulerState LRScheduler::state_dict() const {
@@ -208,11 +221,18 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
                {total - 1, o.max_lr, min_lr, lo, hi}};
   }
 
-  std::optional<double> old_momentum;
+  const std::size_t groups = optimizer.num_param_groups();
+  std::vector<double> old_momenta;  // per group, when cycling
+  auto restore_momenta = [&] {
+    for (std::size_t g = 0; g < old_momenta.size(); ++g) optimizer.set_group_momentum(g, old_momenta[g]);
+  };
   if (o.cycle_momentum) {
-    old_momentum = optimizer.momentum();
-    DP_CHECK(old_momentum.has_value(), "OneCycleLR: cycle_momentum needs an optimizer with a momentum (SGD's "
-             "momentum, Adam's beta1), got one without; pass cycle_momentum = false");
+    for (std::size_t g = 0; g < groups; ++g) {
+      const std::optional<double> m = optimizer.group_momentum(g);
+      DP_CHECK(m.has_value(), "OneCycleLR: cycle_momentum needs an optimizer with a momentum (SGD's "
+               "momentum, Adam's beta1), got one without; pass cycle_momentum = false");
+      old_momenta.push_back(*m);
+    }
     DP_CHECK(lo >= 0 && hi >= 0, "OneCycleLR: expected base_momentum >= 0 and max_momentum >= 0, got ", lo,
              " and ", hi);
     // Let the optimizer check both ends now (Adam wants beta1 < 1), not mid-run.
@@ -220,18 +240,19 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
       optimizer.set_momentum(lo);
       optimizer.set_momentum(hi);
     } catch (...) {
-      optimizer.set_momentum(*old_momentum);
+      restore_momenta();
       throw;
     }
   }
-  // OneCycleLR overrides any initial lr (PyTorch sets group['initial_lr'] itself).
-  const std::optional<double> old_initial = optimizer.initial_lr();
+  // OneCycleLR overrides any initial lr (PyTorch sets each group's 'initial_lr' itself).
+  std::vector<std::optional<double>> old_initial;
+  for (std::size_t g = 0; g < groups; ++g) old_initial.push_back(optimizer.initial_lr(g));
   optimizer.set_initial_lr(initial_lr);
   try {
     initial_step();
   } catch (...) {
-    optimizer.set_initial_lr(old_initial);
-    if (old_momentum) optimizer.set_momentum(*old_momentum);
+    for (std::size_t g = 0; g < groups; ++g) optimizer.set_initial_lr(g, old_initial[g]);
+    restore_momenta();
     throw;
   }
 }

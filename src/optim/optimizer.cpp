@@ -12,33 +12,80 @@
 
 namespace dp::optim {
 
-Optimizer::Optimizer(nn::ParameterList params, std::string kind)
-    : params_(std::move(params)), kind_(std::move(kind)) {
-  DP_CHECK(!params_.empty(), kind_, ": expected at least one parameter, got an empty list; pass "
+Optimizer::Optimizer(nn::ParameterList params, std::string kind) : kind_(std::move(kind)) {
+  DP_CHECK(!params.empty(), kind_, ": expected at least one parameter, got an empty list; pass "
            "net->parameters() of a module that has parameters");
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& t = params_[i];
-    DP_CHECK(t.defined(), kind_, ": parameter ", i, " is an undefined tensor");
-    DP_CHECK(t.dtype() == Dtype::Float32, kind_, ": expected float32 parameters, got ",
-             dtype_name(t.dtype()), " for parameter ", i, " (", t.str(), ")");
-  }
-  const auto& set = params_.set();
-  if (!set) {
-    std::set<TensorImpl*> seen;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      DP_CHECK(seen.insert(params_[i].impl()).second, kind_, ": parameter ", i,
-               " appears twice in the list; pass each tensor once");
+  std::vector<nn::ParameterList> groups;
+  groups.push_back(std::move(params));
+  join_groups(std::move(groups));
+}
+
+Optimizer::Optimizer(std::vector<nn::ParameterList> groups, std::string kind) : kind_(std::move(kind)) {
+  DP_CHECK(!groups.empty(), kind_, ": expected at least one parameter group, got none; pass {{params, {...}}, ...} "
+           "or a parameter list");
+  join_groups(std::move(groups));
+}
+
+// Note [Parameter groups] in optimizer.h: the groups' parameters concatenated in group
+// order are the optimizer's parameters(); a set's ranges come from build_ranges.
+void Optimizer::join_groups(std::vector<nn::ParameterList> groups) {
+  const auto& set0 = groups.front().set();
+  std::vector<Tensor> tensors;
+  std::vector<std::shared_ptr<nn::Parameter::Slot>> slots;
+  std::map<const TensorImpl*, std::size_t> group_of_tensor;  // a parameter twice: which groups
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const nn::ParameterList& list = groups[g];
+    const std::string where = groups.size() > 1 ? detail::str_cat(" of param group ", g) : std::string();
+    DP_CHECK(!list.empty(), kind_, ": expected at least one parameter in each group, got an empty param group ", g,
+             " (of ", groups.size(), "); leave the group out or give it parameters");
+    DP_CHECK(list.set() == set0, kind_, ": expected every group's parameters from one parameter set (one module's "
+             "parameters()) or every group of loose tensors, got param group 0 of ",
+             set0 ? "a module's parameters" : "loose tensors", " and param group ", g, " of ",
+             !list.set() ? "loose tensors" : set0 ? "another module's parameters" : "a module's parameters",
+             "; build one optimizer per module, its groups with parameters().filter(...)");
+    DP_CHECK(!set0 || list.slots().size() == list.size(), kind_, ": param group ", g, " has ", list.size(),
+             " tensors but ", list.slots().size(), " slots");
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const Tensor& t = list[i];
+      const std::size_t index = tensors.size();
+      DP_CHECK(t.defined(), kind_, ": parameter ", index, where, " is an undefined tensor");
+      DP_CHECK(t.dtype() == Dtype::Float32, kind_, ": expected float32 parameters, got ", dtype_name(t.dtype()),
+               " for parameter ", index, where, " (", t.str(), ")");
+      auto [it, fresh] = group_of_tensor.emplace(t.impl(), g);
+      DP_CHECK(fresh || groups.size() == 1, kind_, ": expected each parameter in one group, got parameter ", index,
+               " (", t.str(), ") in param group ", it->second, " and again in param group ", g,
+               " (a tied parameter is one parameter); pass each parameter once");
+      DP_CHECK(fresh || set0, kind_, ": parameter ", index, " appears twice in the list; pass each tensor once");
+      tensors.push_back(t);
+      if (set0) slots.push_back(list.slots()[i]);
     }
+    groups_.push_back(Group{list, tensors.size() - list.size(), std::nullopt});
+  }
+  params_ = nn::ParameterList(std::move(tensors), std::move(slots), set0);
+  if (!set0) {
     states_.resize(params_.size());
     return;
   }
   check_valid();
-  const auto& slots = params_.slots();
-  DP_CHECK(slots.size() == params_.size(), kind_, ": the parameter list has ", params_.size(),
-           " tensors but ", slots.size(), " slots");
+  build_ranges();
+}
 
-  // Each entry's [offset, offset + numel) in the set's flat buffers.
-  std::vector<std::pair<std::int64_t, std::int64_t>> spans;
+std::size_t Optimizer::group_of(std::size_t entry) const {
+  std::size_t g = groups_.size() - 1;
+  while (groups_[g].first > entry) --g;
+  return g;
+}
+
+void Optimizer::build_ranges() {
+  const auto& set = params_.set();
+  const auto& slots = params_.slots();
+  // Each entry's [offset, offset + numel) in the set's flat buffers, and its group.
+  struct Span {
+    std::int64_t offset, numel;
+    std::size_t group;
+    bool operator<(const Span& o) const { return offset < o.offset; }
+  };
+  std::vector<Span> spans;
   std::set<const nn::Parameter::Slot*> seen;
   for (std::size_t i = 0; i < slots.size(); ++i) {
     const auto& slot = slots[i];
@@ -46,29 +93,30 @@ Optimizer::Optimizer(nn::ParameterList params, std::string kind)
              " does not belong to the list's parameter set");
     DP_CHECK(seen.insert(slot.get()).second, kind_, ": parameter '", slot->name,
              "' appears twice in the list; pass each parameter once");
-    spans.emplace_back(slot->offset, params_[i].numel());
+    spans.push_back(Span{slot->offset, params_[i].numel(), group_of(i)});
   }
 
   entry_state_offset_.resize(slots.size());
-  if (seen.size() == set->size()) {
+  if (seen.size() == set->size() && groups_.size() == 1) {
     // The whole set: one range over the flat buffer (gaps for alignment, if any, hold
     // zeros in data and grad and stay zero under every update we run).
     ranges_.push_back(Range{0, set->numel(), 0});
     state_numel_ = set->numel();
-    for (std::size_t i = 0; i < spans.size(); ++i) entry_state_offset_[i] = spans[i].first;
+    for (std::size_t i = 0; i < spans.size(); ++i) entry_state_offset_[i] = spans[i].offset;
   } else {
-    std::vector<std::pair<std::int64_t, std::int64_t>> sorted = spans;
+    std::vector<Span> sorted = spans;
     std::sort(sorted.begin(), sorted.end());
-    for (const auto& [off, n] : sorted) {
-      if (!ranges_.empty() && ranges_.back().offset + ranges_.back().numel == off) {
-        ranges_.back().numel += n;  // adjacent in the flat buffer: one kernel call
+    for (const Span& sp : sorted) {
+      const bool adjacent = !ranges_.empty() && ranges_.back().offset + ranges_.back().numel == sp.offset;
+      if (adjacent && ranges_.back().group == sp.group) {
+        ranges_.back().numel += sp.numel;  // adjacent in the flat buffer, one group: one kernel call
       } else {
-        ranges_.push_back(Range{off, n, state_numel_});
+        ranges_.push_back(Range{sp.offset, sp.numel, state_numel_, sp.group});
       }
-      state_numel_ += n;
+      state_numel_ += sp.numel;
     }
     for (std::size_t i = 0; i < spans.size(); ++i) {
-      const std::int64_t off = spans[i].first;
+      const std::int64_t off = spans[i].offset;
       auto it = std::upper_bound(ranges_.begin(), ranges_.end(), off,
                                  [](std::int64_t o, const Range& r) { return o < r.offset; });
       DP_ASSERT(it != ranges_.begin());
@@ -79,6 +127,11 @@ Optimizer::Optimizer(nn::ParameterList params, std::string kind)
   for (const Range& r : ranges_) {
     DP_ASSERT(r.offset >= 0 && r.offset + r.numel <= set->numel(), "range [", r.offset, ", ",
               r.offset + r.numel, ") outside the flat buffer of ", set->numel());
+    if (!flat_ranges_.empty() && flat_ranges_.back().offset + flat_ranges_.back().numel == r.offset) {
+      flat_ranges_.back().numel += r.numel;
+    } else {
+      flat_ranges_.push_back(Range{r.offset, r.numel, 0});
+    }
   }
 }
 
@@ -87,6 +140,162 @@ Optimizer::~Optimizer() = default;
 void Optimizer::set_momentum(double momentum) {
   DP_FAIL(kind_, ": this optimizer has no momentum to set (got ", momentum,
           "); use SGD, Adam or AdamW, or turn momentum cycling off in the scheduler");
+}
+
+void Optimizer::update(Device /*dev*/, float* /*param*/, const float* /*grad*/, float* const* /*state*/,
+                       std::int64_t /*n*/, bool /*first*/, std::int64_t /*step*/) {
+  DP_FAIL(kind_, ": an optimizer must override update() or update_group()");
+}
+
+void Optimizer::update_group(std::size_t /*group*/, Device dev, float* param, const float* grad, float* const* state,
+                             std::int64_t n, bool first, std::int64_t step) {
+  update(dev, param, grad, state, n, first, step);
+}
+
+// ---- parameter groups (Note [Parameter groups]) ------------------------------------------
+
+std::string Optimizer::group_name(std::size_t group) const {
+  return groups_.size() == 1 ? kind_ : detail::str_cat(kind_, " param group ", group);
+}
+
+void Optimizer::check_group(std::size_t group, const char* what) const {
+  DP_CHECK(group < groups_.size(), kind_, ".", what, ": expected a param group index below ", groups_.size(), ", got ",
+           group);
+}
+
+const nn::ParameterList& Optimizer::group_parameters(std::size_t group) const {
+  check_group(group, "group_parameters");
+  return groups_[group].params;
+}
+
+std::optional<double> Optimizer::initial_lr(std::size_t group) const {
+  check_group(group, "initial_lr");
+  return groups_[group].initial_lr;
+}
+
+void Optimizer::set_initial_lr(std::optional<double> lr) {
+  for (Group& g : groups_) g.initial_lr = lr;
+}
+
+void Optimizer::set_initial_lr(std::size_t group, std::optional<double> lr) {
+  check_group(group, "set_initial_lr");
+  groups_[group].initial_lr = lr;
+}
+
+// The defaults of an optimizer with one group: its lr() and momentum().
+double Optimizer::group_lr(std::size_t group) const {
+  check_group(group, "group_lr");
+  return lr();
+}
+
+void Optimizer::set_group_lr(std::size_t group, double lr) {
+  check_group(group, "set_group_lr");
+  set_lr(lr);
+}
+
+std::optional<double> Optimizer::group_momentum(std::size_t group) const {
+  check_group(group, "group_momentum");
+  return momentum();
+}
+
+void Optimizer::set_group_momentum(std::size_t group, double momentum) {
+  check_group(group, "set_group_momentum");
+  set_momentum(momentum);
+}
+
+std::map<std::string, std::vector<double>> Optimizer::group_options(std::size_t group) const {
+  std::map<std::string, std::vector<double>> out{{"lr", {group_lr(group)}}};
+  if (const auto m = group_momentum(group)) out["momentum"] = {*m};
+  return out;
+}
+
+void Optimizer::set_group_options(std::size_t group, const std::map<std::string, std::vector<double>>& options) {
+  const auto own = group_options(group);
+  check_option_names(group, own, options);
+  set_group_lr(group, options.at("lr")[0]);
+  if (options.count("momentum")) set_group_momentum(group, options.at("momentum")[0]);
+}
+
+void Optimizer::check_option_names(std::size_t group, const std::map<std::string, std::vector<double>>& own,
+                                   const std::map<std::string, std::vector<double>>& given) const {
+  std::string missing, unexpected;
+  for (const auto& [name, v] : own) {
+    auto it = given.find(name);
+    if (it == given.end()) {
+      missing += detail::str_cat(missing.empty() ? "" : ", ", name);
+    } else {
+      DP_CHECK(it->second.size() == v.size(), group_name(group), ": expected ", v.size(), " value(s) for '", name,
+               "', got ", it->second.size());
+    }
+  }
+  for (const auto& [name, v] : given)
+    if (!own.count(name)) unexpected += detail::str_cat(unexpected.empty() ? "" : ", ", name);
+  DP_CHECK(missing.empty() && unexpected.empty(), group_name(group), ": expected the hyper-parameters of ", kind_,
+           missing.empty() ? "" : detail::str_cat("; missing: ", missing),
+           unexpected.empty() ? "" : detail::str_cat("; unexpected: ", unexpected),
+           ". Was the state saved by another optimizer type?");
+}
+
+std::vector<ParamGroupState> Optimizer::param_groups_state() const {
+  std::vector<ParamGroupState> out;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    ParamGroupState st;
+    for (std::size_t i = 0; i < groups_[g].params.size(); ++i)
+      st.params.push_back(static_cast<std::int64_t>(groups_[g].first + i));
+    st.options = group_options(g);
+    if (groups_[g].initial_lr) st.options["initial_lr"] = {*groups_[g].initial_lr};
+    out.push_back(std::move(st));
+  }
+  return out;
+}
+
+namespace {
+
+std::string describe_groups(const std::vector<std::vector<std::int64_t>>& groups) {
+  std::string s = detail::str_cat(groups.size(), " param group(s) of ");
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto& p = groups[g];
+    s += detail::str_cat(g ? ", " : "", p.size(), " parameter(s)");
+    if (!p.empty()) s += detail::str_cat(" (", p.front(), p.size() > 1 ? detail::str_cat("..", p.back()) : "", ")");
+  }
+  return s;
+}
+
+}  // namespace
+
+void Optimizer::load_param_groups_state(const std::vector<ParamGroupState>& groups) {
+  std::vector<std::vector<std::int64_t>> want, got;
+  for (const ParamGroupState& st : param_groups_state()) want.push_back(st.params);
+  for (const ParamGroupState& st : groups) got.push_back(st.params);
+  DP_CHECK(want == got, kind_, ".load_param_groups_state: expected ", describe_groups(want), ", got ",
+           describe_groups(got), "; build the optimizer with the param groups of the saved run");
+  // All or nothing: a group whose options are refused restores every group's.
+  std::vector<std::map<std::string, std::vector<double>>> old;
+  std::vector<std::optional<double>> old_initial;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    old.push_back(group_options(g));
+    old_initial.push_back(groups_[g].initial_lr);
+  }
+  try {
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      auto options = groups[g].options;
+      std::optional<double> initial;
+      if (auto it = options.find("initial_lr"); it != options.end()) {
+        DP_CHECK(it->second.size() == 1, group_name(g), ": expected one value for 'initial_lr', got ",
+                 it->second.size());
+        initial = it->second[0];
+        options.erase(it);
+      }
+      set_group_options(g, options);
+      groups_[g].initial_lr = initial;
+    }
+  } catch (...) {
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      set_group_options(g, old[g]);
+      groups_[g].initial_lr = old_initial[g];
+    }
+    throw;
+  }
 }
 
 void Optimizer::check_valid() const {
@@ -112,7 +321,7 @@ Optimizer::CopyState Optimizer::layout(const nn::CopySpan& span) const {
   for (const Range& r : ranges_) {
     const std::int64_t lo = std::max(r.offset, span.begin), hi = std::min(r.offset + r.numel, span.end);
     if (lo >= hi) continue;
-    st.ranges.push_back(Range{lo, hi - lo, st.numel});
+    st.ranges.push_back(Range{lo, hi - lo, st.numel, r.group});
     st.numel += hi - lo;
   }
   return st;
@@ -201,8 +410,8 @@ void Optimizer::step_copy(int r) {
   std::vector<float*> sp(k);
   for (const Range& range : st.ranges) {
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>() + range.state_offset;
-    update(copy.device, p + (range.offset - span.begin), g + (range.offset - span.begin), sp.data(), range.numel, st.fresh,
-           step_);
+    update_group(range.group, copy.device, p + (range.offset - span.begin), g + (range.offset - span.begin), sp.data(),
+                 range.numel, st.fresh, step_);
   }
   st.fresh = false;
   // Moved by hand, once every range is stepped, not by mutable_data before: a copy whose
@@ -227,7 +436,7 @@ void Optimizer::step_loose() {
     }
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>();
     const float* gp = g.data<float>();
-    update(t.device(), t.mutable_data<float>(), gp, sp.data(), t.numel(), st.fresh, step_);
+    update_group(group_of(i), t.device(), t.mutable_data<float>(), gp, sp.data(), t.numel(), st.fresh, step_);
     st.fresh = false;
   }
 }
@@ -295,13 +504,13 @@ void Optimizer::zero_grad() {
     auto& b = backend::get(copy.device);
     if (copy.grad.defined()) {
       float* g = copy.grad.mutable_data<float>();
-      for (const Range& range : ranges_) {
+      for (const Range& range : flat_ranges_) {
         b.memset_zero(g + range.offset, copy.device, static_cast<std::size_t>(range.numel) * sizeof(float));
       }
     } else if (const nn::CopySpan span = nn::copy_span(*set, r); span.grad.defined()) {
       // A released buffer: the gradient of the copy's span kept by the runtime (Note [Copy spans]).
       float* g = span.grad.mutable_data<float>();
-      for (const Range& range : ranges_) {
+      for (const Range& range : flat_ranges_) {
         const std::int64_t lo = std::max(range.offset, span.begin);
         const std::int64_t hi = std::min(range.offset + range.numel, span.end);
         if (lo < hi)
@@ -313,7 +522,7 @@ void Optimizer::zero_grad() {
   // less time than a hand-over to every worker (about 5 us; memset writes ~10 GB/s).
   constexpr std::size_t kInlineZeroBytes = 64 * 1024;
   std::size_t bytes = 0;
-  for (const Range& range : ranges_) bytes += static_cast<std::size_t>(range.numel) * sizeof(float);
+  for (const Range& range : flat_ranges_) bytes += static_cast<std::size_t>(range.numel) * sizeof(float);
   bytes *= static_cast<std::size_t>(set->num_copies());
   set->for_each_copy(zero_copy, bytes <= kInlineZeroBytes ? nn::CopyWork::SmallGradients : nn::CopyWork::Gradients);
   // DP mode's transient replicas are not run by for_each_copy; no worker runs now.
@@ -321,7 +530,7 @@ void Optimizer::zero_grad() {
     if (set->copy(r).transient) zero_copy(r);
   }
   std::int64_t zeroed = 0;
-  for (const Range& range : ranges_) zeroed += range.numel;
+  for (const Range& range : flat_ranges_) zeroed += range.numel;
   if (zeroed == set->numel()) set->count_zero_grad();
 }
 

@@ -539,3 +539,101 @@ TEST_CASE("a flipped bit in a module or training checkpoint is an error naming t
   CHECK_MESSAGE(contains(m, train + ": tensor 'optimizer.state.0.exp_avg_sq' fails its checksum"), m);
   CHECK(bit_equal(other.opt->state_dict(), opt_before));
 }
+
+namespace {
+
+/// Adam over nanoGPT-style groups: the matrices with weight decay `wd`, the rest at half
+/// the lr without.
+std::unique_ptr<dp::optim::Adam> grouped_adam(const dp::nn::ParameterList& params, double lr, double wd) {
+  auto matrices = params.filter([](const Tensor& p) { return p.dim() >= 2; });
+  auto others = params.filter([](const Tensor& p) { return p.dim() < 2; });
+  return std::make_unique<dp::optim::Adam>(
+      std::vector<dp::optim::AdamParamGroup>{{matrices, {.weight_decay = wd}}, {others, {.lr = lr / 2, .weight_decay = 0.0}}},
+      dp::optim::AdamOptions{.lr = lr});
+}
+
+}  // namespace
+
+TEST_CASE("training checkpoints keep every param group's hyper-parameters: an exact resume; other groups refused") {
+  ScratchDir dir;
+  for (Kind kind : {Kind::Single, Kind::Sharded2}) {
+    CAPTURE(kind_name(kind));
+    const std::string path = dir.file(std::string("groups_") + kind_name(kind));
+    dp::manual_seed(9);
+    Run a(kind);
+    a.opt = grouped_adam(a.model ? a.model->parameters() : a.net->parameters(), 1e-2, 0.1);
+    dp::optim::LinearLR warm_a(*a.opt, {.start_factor = 0.5, .total_iters = 4});
+    a.state.schedulers = {{"warmup", &warm_a}};
+    a.train(3);
+    warm_a.step();
+    dp::save_training_checkpoint(path, *a.net, *a.opt, a.state);
+    const auto saved_groups = a.opt->param_groups_state();
+    auto info = dp::io::read_safetensors_info(path);
+    CHECK(info.metadata.at("dp.optimizer.param_groups") == "2");
+    CHECK(info.metadata.at("dp.optimizer.param_groups.0.weight_decay") == "0.1");
+    CHECK(info.metadata.at("dp.optimizer.param_groups.1.weight_decay") == "0");
+    CHECK(info.metadata.at("dp.optimizer.lr") == info.metadata.at("dp.optimizer.param_groups.0.lr"));
+    a.train(3);
+    const Outcome uninterrupted = outcome(a);
+
+    // Built with other hyper-parameters: the file's replace them, every group's.
+    Run b(kind);
+    b.opt = grouped_adam(b.model ? b.model->parameters() : b.net->parameters(), 0.5, 0.3);
+    dp::optim::LinearLR warm_b(*b.opt, {.start_factor = 0.5, .total_iters = 4});
+    b.state.schedulers = {{"warmup", &warm_b}};
+    dp::load_training_checkpoint(path, *b.net, *b.opt, b.state);
+    for (std::size_t g = 0; g < 2; ++g) {
+      CAPTURE(g);
+      CHECK(b.opt->group_lr(g) == saved_groups[g].options.at("lr")[0]);
+      CHECK(b.opt->options(g).weight_decay == saved_groups[g].options.at("weight_decay")[0]);
+      CHECK(b.opt->initial_lr(g) == saved_groups[g].options.at("initial_lr")[0]);
+    }
+    CHECK(b.opt->group_lr(1) == b.opt->group_lr(0) / 2);
+    CHECK(warm_b.base_lrs() == warm_a.base_lrs());
+    b.train(3);
+    const Outcome resumed = outcome(b);
+    CHECK(bit_equal(resumed.params, uninterrupted.params));
+    CHECK(bit_equal(resumed.opt_state, uninterrupted.opt_state));
+
+    // One group where the file has two: refused, nothing written.
+    Run one(kind);
+    one.train(1);
+    const auto params = snapshot(one.net->state_dict());
+    const auto opt_state = snapshot(one.opt->state_dict());
+    const double lr = one.opt->lr();
+    const std::string m = error_of([&] { dp::load_training_checkpoint(path, *one.net, *one.opt, one.state); });
+    CHECK_MESSAGE(contains(m, "expected 1 param group(s) of"), m);
+    CHECK_MESSAGE(contains(m, "got 2 param group(s)"), m);
+    CHECK(bit_equal(one.net->state_dict(), params));
+    CHECK(bit_equal(one.opt->state_dict(), opt_state));
+    CHECK(one.opt->lr() == lr);
+  }
+}
+
+TEST_CASE("a training checkpoint written before param groups loads into one group, and is refused by two") {
+  ScratchDir dir;
+  dp::manual_seed(3);
+  Run a(Kind::Single);
+  a.train(2);
+  a.opt->set_lr(0.0125);
+  const std::string path = dir.file("old.ckpt"), old = dir.file("old_format.ckpt");
+  dp::save_training_checkpoint(path, *a.net, *a.opt, a.state);
+  // The layout before param groups: the same file without their metadata.
+  auto f = dp::io::read_safetensors(path);
+  for (auto it = f.metadata.begin(); it != f.metadata.end();)
+    it = it->first.rfind("dp.optimizer.param_groups", 0) == 0 ? f.metadata.erase(it) : std::next(it);
+  CHECK(f.metadata.count("dp.optimizer.lr") == 1);
+  dp::io::write_safetensors(old, f.tensors, f.metadata);
+
+  Run b(Kind::Single);
+  dp::load_training_checkpoint(old, *b.net, *b.opt, b.state);
+  CHECK(b.opt->lr() == 0.0125);
+  CHECK(bit_equal(b.opt->state_dict(), a.opt->state_dict()));
+
+  Run c(Kind::Single);
+  c.opt = grouped_adam(c.net->parameters(), 1e-2, 0.1);
+  const std::string m = error_of([&] { dp::load_training_checkpoint(old, *c.net, *c.opt, c.state); });
+  CHECK_MESSAGE(contains(m, "the file holds one parameter group (written before dp saved param groups), the "
+                            "optimizer has 2"), m);
+  CHECK(c.opt->group_lr(1) == 5e-3);
+}

@@ -99,7 +99,8 @@ struct TrainingState {
 };
 
 /// Saves module state (unprefixed names), optimizer.state_dict() (prefixed
-/// "optimizer."), its learning rate and momentum, `state` (with its schedulers and
+/// "optimizer."), its learning rate and momentum, every parameter group's parameters and
+/// hyper-parameters (optimizer.param_groups_state()), `state` (with its schedulers and
 /// generators), dp::default_generator()'s state and the state of every generator of
 /// module.named_generators() to one safetensors file at `path`, atomically, with a
 /// CRC-32 per tensor (Note [Tensor checksums], safetensors.cpp). Under mpirun the generators saved
@@ -114,7 +115,9 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
                               const TrainingState& state, bool write = true);
 
 /// Restores what save_training_checkpoint wrote: the module (strict), the optimizer
-/// (state, learning rate and, when saved, momentum), dp::default_generator(), every
+/// (state and every group's hyper-parameters: dp::Error for an optimizer with other
+/// param groups; a file written before param groups holds one group and restores its
+/// learning rate and, when saved, momentum), dp::default_generator(), every
 /// generator the module registered, and fills state.step, .epoch, .batch and
 /// .metadata; every generator and scheduler listed in state.generators and
 /// state.schedulers is restored by name (dp::Error when the file has none of that

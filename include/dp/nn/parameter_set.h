@@ -223,6 +223,10 @@ class ParameterList {
   const std::vector<std::shared_ptr<Parameter::Slot>>& slots() const { return slots_; }
   /// The set these parameters live in (null for a list of loose tensors).
   const std::shared_ptr<ParameterSet>& set() const { return set_; }
+  /// The entries for which keep(tensor) is true, in order, with their slots and set: a
+  /// parameter group of an optimizer (Note [Parameter groups] in dp/optim/optimizer.h).
+  ///   auto matrices = net->parameters().filter([](const Tensor& p) { return p.dim() >= 2; });
+  ParameterList filter(const std::function<bool(const Tensor&)>& keep) const;
 
  private:
   std::vector<Tensor> tensors_;

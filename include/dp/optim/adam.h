@@ -49,6 +49,17 @@ struct AdamOptions {
   double weight_decay = 0.0;
 };
 
+/// What a parameter group of Adam or AdamW sets instead of the optimizer's options
+/// (Note [Parameter groups] in dp/optim/optimizer.h): each field left unset takes their
+/// value. Betas are spelled `.betas = dp::optim::AdamBetas{0.9, 0.95}`.
+struct AdamGroupOptions {
+  std::optional<double> lr = {};
+  std::optional<AdamBetas> betas = {};
+  std::optional<double> eps = {};
+  std::optional<double> weight_decay = {};
+};
+using AdamParamGroup = ParamGroup<AdamGroupOptions>;
+
 /// m = β1·m + (1 − β1)·g; v = β2·v + (1 − β2)·g²;
 /// p −= lr · (m / (1 − β1ᵗ)) / (sqrt(v / (1 − β2ᵗ)) + eps).
 class Adam : public Optimizer {
@@ -58,24 +69,40 @@ class Adam : public Optimizer {
   /// empty parameter list.
   Adam(nn::ParameterList params, AdamOptions options = {});
   Adam(std::vector<Tensor> params, AdamOptions options = {});
+  /// Over parameter groups, each group's unset fields taken from `defaults` (Note
+  /// [Parameter groups]). Also throws dp::Error naming the group for an empty group, a
+  /// parameter in two groups, groups of different parameter sets and each bad value above.
+  Adam(std::vector<AdamParamGroup> groups, AdamOptions defaults = {});
 
-  double lr() const override { return options_.lr; }
+  double lr() const override { return options_[0].lr; }
   void set_lr(double lr) override;
   /// β1, the momentum of the first moment (PyTorch's betas[0]).
-  std::optional<double> momentum() const override { return std::get<0>(options_.betas); }
+  std::optional<double> momentum() const override { return std::get<0>(options_[0].betas); }
   void set_momentum(double beta1) override;
-  const AdamOptions& options() const { return options_; }
+  double group_lr(std::size_t group) const override;
+  void set_group_lr(std::size_t group, double lr) override;
+  std::optional<double> group_momentum(std::size_t group) const override;
+  void set_group_momentum(std::size_t group, double beta1) override;
+  /// Group g's options, every field set (group 0's without an index).
+  const AdamOptions& options(std::size_t group = 0) const;
+  /// Replaces group g's options; dp::Error naming the group and the value, changing
+  /// nothing, for a value the constructor would refuse.
+  void set_options(std::size_t group, const AdamOptions& options);
 
  protected:
   /// For AdamW: decoupled = true applies p *= 1 − lr·wd instead of g += wd·p.
   Adam(nn::ParameterList params, AdamOptions options, bool decoupled, const char* kind);
+  /// Over groups, each with its options resolved but not yet checked.
+  Adam(std::vector<AdamParamGroup> groups, AdamOptions defaults, bool decoupled, const char* kind);
 
   std::vector<std::string> state_names() const override;
-  void update(Device dev, float* param, const float* grad, float* const* state, std::int64_t n,
-              bool first, std::int64_t step) override;
+  void update_group(std::size_t group, Device dev, float* param, const float* grad, float* const* state,
+                    std::int64_t n, bool first, std::int64_t step) override;
+  std::map<std::string, std::vector<double>> group_options(std::size_t group) const override;
+  void set_group_options(std::size_t group, const std::map<std::string, std::vector<double>>& options) override;
 
  private:
-  AdamOptions options_;
+  std::vector<AdamOptions> options_;  // per group
   bool decoupled_ = false;
 };
 

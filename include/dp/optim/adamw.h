@@ -3,6 +3,7 @@
 //
 //   dp::optim::AdamW opt(net->parameters(), {.lr = 1e-3});   // weight_decay 1e-2
 //   dp::optim::AdamW opt(net->parameters(), {.lr = 3e-4, .betas = {0.9, 0.95}, .weight_decay = 0.1});
+//   dp::optim::AdamW opt({{matrices}, {others, {.weight_decay = 0.0}}}, {.lr = 6e-4, .weight_decay = 0.1});
 #pragma once
 
 #include <vector>
@@ -28,6 +29,8 @@ class AdamW : public Adam {
  public:
   AdamW(nn::ParameterList params, AdamWOptions options = {});
   AdamW(std::vector<Tensor> params, AdamWOptions options = {});
+  /// Over parameter groups (AdamGroupOptions), as Adam's.
+  AdamW(std::vector<AdamParamGroup> groups, AdamWOptions defaults = {});
 };
 
 }  // namespace dp::optim

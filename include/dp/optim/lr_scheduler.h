@@ -18,8 +18,10 @@
 //   ExponentialLR, CosineAnnealingLR, LinearLR), with PyTorch's double arithmetic in
 //   PyTorch's order, so the lr sequence is the one PyTorch prints, bit for bit;
 //   LambdaLR and OneCycleLR are closed forms of last_epoch().
-// dp's optimizers have one parameter group: the vectors below (get_last_lr(),
-// base_lrs()) hold one value each and are vectors for PyTorch's API shape.
+// - every parameter group (Note [Parameter groups] in dp/optim/optimizer.h) is
+//   scheduled from its own lr and its own initial_lr: get_last_lr() and base_lrs()
+//   hold one value per group; OneCycleLR's max_lr and LambdaLR's function apply to
+//   every group (PyTorch's scalar forms), and OneCycleLR cycles every group's momentum.
 // A step that cannot be taken (OneCycleLR past total_steps) throws dp::Error and
 // changes nothing, neither the scheduler nor the optimizer.
 //

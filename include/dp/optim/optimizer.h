@@ -3,7 +3,8 @@
 // Note [Fused optimizer steps]
 // An optimizer is built over a ParameterList (see Note [Parameter sets]). It groups the
 // list's parameters into contiguous ranges of their set's flat buffers (adjacent
-// parameters merge; the whole set is one range) and keeps its state (momentum buffers,
+// parameters of one parameter group merge; the whole set in one group is one range;
+// Note [Parameter groups]) and keeps its state (momentum buffers,
 // exp_avg, …) flat, one buffer per state name and per copy of the set, laid out like
 // the ranges back to back. A step then calls ONE fused backend kernel per range and
 // copy on slices of the copy's span (nn::copy_span: Note [Copy spans] in
@@ -24,9 +25,39 @@
 //
 //   dp::optim::SGD opt(net->parameters(), {.lr = 0.1, .momentum = 0.9});
 //   opt.zero_grad();  loss.backward();  opt.step();
+//
+// Note [Parameter groups]
+// As in PyTorch, an optimizer may be built over several parameter groups, each with
+// its own hyper-parameters: a group is a list of parameters and the options it sets
+// (SGDGroupOptions, AdamGroupOptions: every field optional); a field it leaves unset
+// takes the value of the options passed beside the groups. nanoGPT's AdamW, weight
+// decay on matrices only:
+//
+//   auto params = model.parameters();
+//   auto matrices = params.filter([](const dp::Tensor& p) { return p.dim() >= 2; });
+//   auto others = params.filter([](const dp::Tensor& p) { return p.dim() < 2; });
+//   dp::optim::AdamW opt({{matrices, {.weight_decay = 0.1}}, {others, {.weight_decay = 0.0}}},
+//                        {.lr = 6e-4, .betas = {0.9, 0.95}});
+//   opt.set_group_lr(1, 3e-4);                        // opt.param_groups[1]['lr'] = 3e-4
+//   dp::optim::AdamOptions o = opt.options(1);        // group 1's options, every field set
+//
+// An optimizer built over one list has one group. Parameters are numbered across the
+// groups in order (group 0's first), as PyTorch numbers them in state_dict(); a
+// parameter belongs to one group. Every group's parameters live in one parameter set
+// (or are all loose tensors). Each range of the flat buffers belongs to one group:
+// ranges merge only within a group, and the fused kernel of a range gets its group's
+// hyper-parameters; a sharded copy's [begin, end) may cut through several groups and
+// steps each piece with its own. lr() and momentum() read group 0's, set_lr() and
+// set_momentum() write every group's (a manual schedule's `for g in param_groups:
+// g['lr'] = lr`); the schedulers of dp/optim/lr_scheduler.h step every group from its
+// own base lr. state_dict() holds the tensors (per parameter, whatever its group);
+// param_groups_state() holds the groups (their parameters and hyper-parameters,
+// PyTorch's state_dict()["param_groups"]); a training checkpoint saves both.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -37,6 +68,32 @@
 #include "dp/tensor/tensor.h"
 
 namespace dp::optim {
+
+/// A parameter group given to an optimizer (Note [Parameter groups]): parameters and the
+/// hyper-parameters they take instead of the optimizer's, `Overrides` being the
+/// optimizer's struct of optional fields (SGDGroupOptions, AdamGroupOptions).
+///   {matrices, {.weight_decay = 0.1}}
+template <typename Overrides>
+struct ParamGroup {
+  /// Parameters of a module (a ParameterList or ParameterList::filter of one).
+  ParamGroup(nn::ParameterList params, Overrides options = {})  // NOLINT: {params, {...}} reads as PyTorch's dict
+      : params(std::move(params)), options(options) {}
+  /// Loose tensors (no parameter set): stepped one by one, as a list of them is.
+  ParamGroup(std::vector<Tensor> params, Overrides options = {})  // NOLINT
+      : params(std::move(params), {}, nullptr), options(options) {}
+  nn::ParameterList params;
+  Overrides options;
+};
+
+/// One parameter group as PyTorch's optimizer.state_dict()["param_groups"] lists it
+/// (Optimizer::param_groups_state): which parameters and their hyper-parameters.
+struct ParamGroupState {
+  /// The group's parameters: indices into the optimizer's parameters().
+  std::vector<std::int64_t> params;
+  /// Hyper-parameters by PyTorch's names, each a list of numbers: "lr" {1e-3}, "betas"
+  /// {0.9, 0.999}, "nesterov" {0} or {1}; "initial_lr" once a scheduler recorded it.
+  std::map<std::string, std::vector<double>> options;
+};
 
 /// Base class: range grouping, per-copy state, zero_grad, step driver, state_dict.
 class Optimizer {
@@ -53,27 +110,54 @@ class Optimizer {
 
   /// Number of completed steps.
   std::int64_t step_count() const { return step_; }
-  /// The learning rate (schedulers change it between steps).
+  /// The learning rate (schedulers change it between steps): group 0's; set_lr sets
+  /// every group's (Note [Parameter groups]).
   virtual double lr() const = 0;
   virtual void set_lr(double lr) = 0;
   /// The momentum a cyclic scheduler varies (OneCycleLR): SGD's momentum, Adam's and
   /// AdamW's beta1 — PyTorch's param_group['momentum'] or param_group['betas'][0].
-  /// nullopt for an optimizer without one.
+  /// nullopt for an optimizer without one. Group 0's; set_momentum sets every group's.
   virtual std::optional<double> momentum() const { return std::nullopt; }
   /// Sets that momentum; throws dp::Error for an optimizer without one or a value its
   /// options reject.
   virtual void set_momentum(double momentum);
   /// The learning rate the first scheduler attached to this optimizer found (PyTorch's
   /// param_group['initial_lr']): later schedulers take it as their base lr. nullopt
-  /// until a scheduler is attached.
-  std::optional<double> initial_lr() const { return initial_lr_; }
-  void set_initial_lr(std::optional<double> lr) { initial_lr_ = lr; }
+  /// until a scheduler is attached. Per group; without a group: group 0's, and every
+  /// group's for the setter.
+  std::optional<double> initial_lr(std::size_t group = 0) const;
+  void set_initial_lr(std::optional<double> lr);
+  void set_initial_lr(std::size_t group, std::optional<double> lr);
 
-  /// The parameters this optimizer updates.
+  /// The parameters this optimizer updates: every group's, group 0's first.
   const nn::ParameterList& parameters() const { return params_; }
 
+  // ---- parameter groups (Note [Parameter groups]) ----------------------------------
+  /// Number of parameter groups (1 for an optimizer built over one list).
+  std::size_t num_param_groups() const { return groups_.size(); }
+  /// The parameters of group g, as given. Throws dp::Error for g out of range.
+  const nn::ParameterList& group_parameters(std::size_t group) const;
+  /// Group g's learning rate (PyTorch's param_groups[g]['lr']). The defaults serve an
+  /// optimizer with one group: lr() and set_lr().
+  virtual double group_lr(std::size_t group) const;
+  /// Sets group g's learning rate; dp::Error for a value its options reject.
+  virtual void set_group_lr(std::size_t group, double lr);
+  /// Group g's momentum (as momentum()); the defaults call momentum() and set_momentum().
+  virtual std::optional<double> group_momentum(std::size_t group) const;
+  virtual void set_group_momentum(std::size_t group, double momentum);
+  /// Every group's parameters (indices into parameters()) and hyper-parameters: PyTorch's
+  /// state_dict()["param_groups"]. What state_dict() leaves out; a training checkpoint
+  /// saves both.
+  std::vector<ParamGroupState> param_groups_state() const;
+  /// Restores param_groups_state() of an optimizer of the same kind over the same
+  /// groups: every group's hyper-parameters (and initial_lr) become the saved ones.
+  /// Throws dp::Error, changing nothing, for another number of groups, a group of other
+  /// parameters, missing or unknown hyper-parameters, or a value the options reject.
+  void load_param_groups_state(const std::vector<ParamGroupState>& groups);
+
   /// "step" (int64 scalar) and, once state exists, "state.<i>.<name>" for parameter i
-  /// of the list (its shape; values of copy 0), e.g. "state.0.exp_avg". In a sharded
+  /// of parameters() (its shape; values of copy 0), e.g. "state.0.exp_avg"; the groups'
+  /// hyper-parameters are in param_groups_state(). In a sharded
   /// set the full tensors are assembled from every copy's shard (on copy 0's device).
   /// A set sharded across processes (Mode::Sharded stages 1 and 2 under mpirun) holds
   /// only this process's shards: the call is then COLLECTIVE — every process must make
@@ -92,13 +176,43 @@ class Optimizer {
  protected:
   /// `kind` names the optimizer in errors ("SGD", "Adam").
   Optimizer(nn::ParameterList params, std::string kind);
+  /// Over parameter groups (Note [Parameter groups]): at least one, none empty, every
+  /// group's parameters in one parameter set (or all loose), no parameter twice.
+  Optimizer(std::vector<nn::ParameterList> groups, std::string kind);
+  /// The parameter lists of `groups`, for the constructor above.
+  template <typename Overrides>
+  static std::vector<nn::ParameterList> lists_of(const std::vector<ParamGroup<Overrides>>& groups) {
+    std::vector<nn::ParameterList> out;
+    for (const ParamGroup<Overrides>& g : groups) out.push_back(g.params);
+    return out;
+  }
 
   /// Names of the per-element state buffers this optimizer keeps (may be empty).
   virtual std::vector<std::string> state_names() const = 0;
   /// Updates n elements in place on `dev`. state[k] points at state_names()[k]'s slice.
   /// first: the state was just allocated (zeros) for this copy. step: 1-based step count.
+  /// An optimizer with one group may override this one only.
   virtual void update(Device dev, float* param, const float* grad, float* const* state,
-                      std::int64_t n, bool first, std::int64_t step) = 0;
+                      std::int64_t n, bool first, std::int64_t step);
+  /// update() of n elements of group `group`, with that group's hyper-parameters. The
+  /// default calls update() (one set of hyper-parameters).
+  virtual void update_group(std::size_t group, Device dev, float* param, const float* grad, float* const* state,
+                            std::int64_t n, bool first, std::int64_t step);
+  /// Group g's hyper-parameters by PyTorch's names (ParamGroupState::options, without
+  /// "initial_lr"). The default: "lr" and, when momentum() has a value, "momentum".
+  virtual std::map<std::string, std::vector<double>> group_options(std::size_t group) const;
+  /// Sets group g's hyper-parameters from group_options()' form: dp::Error naming what
+  /// is missing, unknown or rejected (then nothing is changed).
+  virtual void set_group_options(std::size_t group, const std::map<std::string, std::vector<double>>& options);
+  /// "SGD" for an optimizer with one group, "SGD param group 1" with several: what a
+  /// group's errors name.
+  std::string group_name(std::size_t group) const;
+  /// Throws dp::Error unless group < num_param_groups().
+  void check_group(std::size_t group, const char* what) const;
+  /// Throws dp::Error naming the hyper-parameters `given` lacks or has beyond `own`
+  /// (group_options' names), or a wrong number of values: set_group_options' first check.
+  void check_option_names(std::size_t group, const std::map<std::string, std::vector<double>>& own,
+                          const std::map<std::string, std::vector<double>>& given) const;
 
   const std::string& kind() const { return kind_; }
 
@@ -107,6 +221,13 @@ class Optimizer {
   /// lives at [state_offset, state_offset + numel) of each state buffer.
   struct Range {
     std::int64_t offset = 0, numel = 0, state_offset = 0;
+    std::size_t group = 0;  // the parameter group its elements belong to
+  };
+  /// A group: its parameters as given, their first index in params_, its initial_lr.
+  struct Group {
+    nn::ParameterList params;
+    std::size_t first = 0;
+    std::optional<double> initial_lr;
   };
   /// Per-copy state: one flat buffer per state name (empty until the first step) over
   /// the optimizer's ranges clipped to the copy's span (Note [Copy spans]).
@@ -120,6 +241,12 @@ class Optimizer {
   };
 
   void check_valid() const;
+  /// params_ and groups_ from the groups given; checks them (Note [Parameter groups]).
+  void join_groups(std::vector<nn::ParameterList> groups);
+  /// ranges_ (each within one group), entry_state_offset_ and flat_ranges_ of a set.
+  void build_ranges();
+  /// The group of parameters() entry i.
+  std::size_t group_of(std::size_t entry) const;
   void prepare_states();
   /// Keeps the states of `old` whose copy is unchanged, rebuilds the others from
   /// `sources` (Note [Optimizer state layouts]).
@@ -139,12 +266,13 @@ class Optimizer {
 
   nn::ParameterList params_;
   std::string kind_;
+  std::vector<Group> groups_;
   std::vector<Range> ranges_;
+  std::vector<Range> flat_ranges_;  // ranges_ merged across groups: what zero_grad clears
   std::int64_t state_numel_ = 0;
   std::vector<std::int64_t> entry_state_offset_;  // per list entry (set case), in ranges_' layout
   std::vector<CopyState> states_;                 // per copy (set) or per tensor (loose)
   std::int64_t step_ = 0;
-  std::optional<double> initial_lr_;
 };
 
 }  // namespace dp::optim

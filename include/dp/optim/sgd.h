@@ -4,8 +4,10 @@
 // One fused backend call per flat range and copy (see Note [Fused optimizer steps]).
 //
 //   dp::optim::SGD opt(net->parameters(), {.lr = 0.1, .momentum = 0.9, .nesterov = true});
+//   dp::optim::SGD opt({{weights, {.weight_decay = 5e-4}}, {biases}}, {.lr = 0.1, .momentum = 0.9});
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "dp/optim/optimizer.h"
@@ -21,6 +23,17 @@ struct SGDOptions {
   bool nesterov = false;
 };
 
+/// What a parameter group sets instead of the optimizer's SGDOptions (Note [Parameter
+/// groups] in dp/optim/optimizer.h): each field left unset takes their value.
+struct SGDGroupOptions {
+  std::optional<double> lr = {};
+  std::optional<double> momentum = {};
+  std::optional<double> dampening = {};
+  std::optional<double> weight_decay = {};
+  std::optional<bool> nesterov = {};
+};
+using SGDParamGroup = ParamGroup<SGDGroupOptions>;
+
 /// g = grad + wd·p; buf = g on the first step, else momentum·buf + (1 − dampening)·g;
 /// g = nesterov ? g + momentum·buf : buf (when momentum ≠ 0); p −= lr·g.
 class SGD : public Optimizer {
@@ -29,23 +42,37 @@ class SGD : public Optimizer {
   /// momentum or with dampening, and on an empty parameter list.
   SGD(nn::ParameterList params, SGDOptions options = {});
   SGD(std::vector<Tensor> params, SGDOptions options = {});
+  /// Over parameter groups, each group's unset fields taken from `defaults` (Note
+  /// [Parameter groups]). Also throws dp::Error naming the group for an empty group, a
+  /// parameter in two groups, groups of different parameter sets and each bad value above.
+  SGD(std::vector<SGDParamGroup> groups, SGDOptions defaults = {});
 
-  double lr() const override { return options_.lr; }
+  double lr() const override { return options_[0].lr; }
   void set_lr(double lr) override;
   /// SGD's momentum. Setting a non-zero momentum on an SGD built without one starts
   /// momentum buffers at the next step (from that step's gradient, as PyTorch does);
   /// nesterov keeps requiring momentum > 0.
-  std::optional<double> momentum() const override { return options_.momentum; }
+  std::optional<double> momentum() const override { return options_[0].momentum; }
   void set_momentum(double momentum) override;
-  const SGDOptions& options() const { return options_; }
+  double group_lr(std::size_t group) const override;
+  void set_group_lr(std::size_t group, double lr) override;
+  std::optional<double> group_momentum(std::size_t group) const override;
+  void set_group_momentum(std::size_t group, double momentum) override;
+  /// Group g's options, every field set (group 0's without an index).
+  const SGDOptions& options(std::size_t group = 0) const;
+  /// Replaces group g's options; dp::Error naming the group and the value, changing
+  /// nothing, for a value the constructor would refuse.
+  void set_options(std::size_t group, const SGDOptions& options);
 
  protected:
   std::vector<std::string> state_names() const override;
-  void update(Device dev, float* param, const float* grad, float* const* state, std::int64_t n,
-              bool first, std::int64_t step) override;
+  void update_group(std::size_t group, Device dev, float* param, const float* grad, float* const* state,
+                    std::int64_t n, bool first, std::int64_t step) override;
+  std::map<std::string, std::vector<double>> group_options(std::size_t group) const override;
+  void set_group_options(std::size_t group, const std::map<std::string, std::vector<double>>& options) override;
 
  private:
-  SGDOptions options_;
+  std::vector<SGDOptions> options_;  // per group
 };
 
 }  // namespace dp::optim
