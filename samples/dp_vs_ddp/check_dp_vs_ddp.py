@@ -199,6 +199,19 @@ def main():
         check(full > 0 and o["grad_bytes_per_step_device0"] * 2 == full,
               f"{key}: gradient bytes per step {o['grad_bytes_per_step_device0']} in bf16, {full} in fp32")
 
+    # --precision fp16: autocast in float16 with a GradScaler; every design reports finite
+    # true (unscaled) losses, the designs alike.
+    r = subprocess.run([exe, "--model", "mlp", "--devices", "2", "--batch", "32", "--steps", "3", "--warmup", "1",
+                        "--stages", "1,3", "--precision", "fp16", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    check(r.returncode == 0, f"--precision fp16 exited {r.returncode}: {r.stderr[-300:]}")
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+    check(len(rows) >= 6 and all(o.get("precision") == "fp16" for o in rows), f"--precision fp16 rows {len(rows)}")
+    check(all(math.isfinite(o.get("loss_last", math.nan)) and o["loss_last"] < 10 for o in rows),
+          f"--precision fp16 losses {[o.get('loss_last') for o in rows]}")
+    last2 = {o["loss_last"] for o in rows if o.get("devices") == 2}
+    check(len(last2) == 1, f"--precision fp16: the designs' last losses differ on 2 devices: {last2}")
+
     # Bad flags: a clear error and a non-zero exit.
     for bad in (["--model", "vgg"], ["--devices", "0"], ["--devices", "x"], ["--steps", "-1"],
                 ["--no-such-flag"], ["--stages", "4"], ["--stages", "1,1"], ["--stages", "x"],

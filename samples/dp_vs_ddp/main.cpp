@@ -94,7 +94,7 @@ struct Args {
   std::string optimizer = "sgd";
   std::string stages = "1,2,3";
   std::string path = "worker";
-  std::string precision = "fp32";  // fp32 | bf16
+  std::string precision = "fp32";  // fp32 | bf16 | fp16 (with a GradScaler)
   std::string reduce_dtype = "fp32";  // fp32 | bf16 | fp16: gradients on the wire
   bool json = false;
   std::string csv, trace_dir, plot_dir;
@@ -234,6 +234,7 @@ Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
   auto since = [](Clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   };
+  dp::amp::GradScaler scaler({.enabled = a.precision == "fp16"});  // PyTorch's defaults in fp16
   auto step = [&](int i, bool timed) {
     const auto& b = batches[i % batches.size()];
     auto t0 = Clock::now();
@@ -246,9 +247,10 @@ Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
       loss = loss_fn(net->forward(x), y);
     }
     auto t2 = Clock::now();
-    loss.backward();
+    scaler.scale(loss).backward();  // --precision fp16: the loss scaled; else loss itself
     auto t3 = Clock::now();
-    opt.step();
+    scaler.step(opt);  // skipped when a float16 gradient overflowed
+    scaler.update();
     auto t4 = Clock::now();
     if (timed) {
       ms[0] += std::chrono::duration<double, std::milli>(t1 - t0).count();
@@ -312,6 +314,8 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
   auto optimizer = make_optimizer(a, model.parameters());
   auto& opt = *optimizer;
   int index = 0;
+  dp::amp::GradScaler scaler({.enabled = a.precision == "fp16"});  // PyTorch's defaults in fp16
+  auto scaled_loss = [&](const dp::Tensor& out, const dp::Tensor& y) { return scaler.scale(loss_fn(out, y)); };
   auto step = [&](int i) {
     const auto& b = batches[i % batches.size()];
     auto t0 = Clock::now();
@@ -319,10 +323,17 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
     dp::Tensor loss;
     {
       const dp::amp::autocast precision = samples::precision_scope(a.precision);
-      loss = a.path == "worker" ? model.forward_backward(b.data, b.target, loss_fn) : loss_fn(model(b.data), b.target);
+      if (a.path == "worker") {
+        // Backward runs inside, from each shard's scaled loss; report the true loss.
+        loss = model.forward_backward(b.data, b.target, scaled_loss);
+        if (scaler.is_enabled()) loss = dp::mul(loss, 1.0 / scaler.get_scale());
+      } else {
+        loss = loss_fn(model(b.data), b.target);
+      }
     }
-    if (a.path != "worker") loss.backward();
-    opt.step();
+    if (a.path != "worker") scaler.scale(loss).backward();
+    scaler.step(opt);  // skipped when a float16 gradient overflowed, on every device
+    scaler.update();
     if (model.trace().enabled())
       model.trace().record("main", "iteration " + std::to_string(index), t0, Clock::now());
     ++index;
@@ -843,7 +854,7 @@ int main(int argc, char** argv) {
                  "skipped with a note")
       ->capture_default_str();
   samples::add_path_option(app, a.path);
-  samples::add_precision_option(app, a.precision);
+  samples::add_precision_option(app, a.precision, /*fp16=*/true);
   samples::add_reduce_dtype_option(app, a.reduce_dtype);
   app.add_flag("--json", a.json, "print one JSON object per configuration (one per line) instead of tables");
   app.add_option("--csv", a.csv, "also write the results as CSV to FILE");
@@ -885,7 +896,7 @@ int main(int argc, char** argv) {
                                              : std::string("fewer rows than ")) +
                                   std::to_string(counts.back()) + " devices; use a batch of at least one row per device");
     const std::vector<int> stages = a.stages.empty() ? std::vector<int>{} : parse_stages(a.stages);
-    if (a.precision == "bf16" && dp::default_device_type() == dp::DeviceType::CPU && dist::is_main())
+    if (a.precision != "fp32" && dp::default_device_type() == dp::DeviceType::CPU && dist::is_main())
       std::cerr << samples::cpu_16bit_note(a.precision) << "\n";
     return run(a, counts, stages);
   } catch (const std::invalid_argument& e) {
