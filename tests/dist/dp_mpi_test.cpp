@@ -154,13 +154,18 @@ namespace {
 
 /// Three SGD steps of `Net` on token batches: every process its rows of each global
 /// batch in `options`' design (null: one plain device on the whole batch); with `bf16`
-/// the forward and the loss under bfloat16 autocast. The parameters after them.
+/// the forward and the loss under bfloat16 autocast; with `groups` two parameter groups
+/// (matrices at lr 0.1 with momentum, the rest at lr 0.05 without). The parameters after them.
 template <class Net>
-std::vector<float> train_tokens(const dp::DataParallelOptions* options, bool bf16) {
+std::vector<float> train_tokens(const dp::DataParallelOptions* options, bool bf16, bool groups = false) {
   auto net = std::make_shared<Net>(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed);
   std::unique_ptr<dp::DataParallel> model;
   if (options) model = std::make_unique<dp::DataParallel>(net, local_devices(), *options);
-  dp::optim::SGD opt(model ? model->parameters() : net->parameters(), {.lr = 0.1});
+  const dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
+  const auto matrices = params.filter([](const Tensor& p) { return p.dim() >= 2; });
+  const auto others = params.filter([](const Tensor& p) { return p.dim() < 2; });
+  dp::optim::SGD opt = groups ? dp::optim::SGD({{matrices, {.momentum = 0.9}}, {others, {.lr = 0.05}}}, {.lr = 0.1})
+                              : dp::optim::SGD(params, {.lr = 0.1});
   // Every worker's logits must come in the caller's precision.
   std::atomic<int> wrong_dtype{0};
   auto loss = [&](const Tensor& logits, const Tensor& y) {
@@ -187,12 +192,12 @@ std::vector<float> train_tokens(const dp::DataParallelOptions* options, bool bf1
 /// train_tokens<Net> in every design across processes against one device: `tol` to
 /// one device, the same on every process, and the designs to float rounding.
 template <class Net>
-void check_tokens_everywhere(bool bf16, double tol) {
-  const std::vector<float> single = train_tokens<Net>(nullptr, bf16);
+void check_tokens_everywhere(bool bf16, double tol, bool groups = false) {
+  const std::vector<float> single = train_tokens<Net>(nullptr, bf16, groups);
   std::vector<float> first;
   for (const Design& d : designs()) {
     CAPTURE(d.name);
-    const std::vector<float> got = train_tokens<Net>(&d.options, bf16);
+    const std::vector<float> got = train_tokens<Net>(&d.options, bf16, groups);
     CHECK(max_diff(got, single) < tol);
     CHECK(same_everywhere(got));
     if (first.empty()) first = got;
@@ -213,6 +218,10 @@ TEST_CASE("a 2-block GPT (TransformerBlock) trains the same in every design acro
 
 TEST_CASE("a GPT with tied embedding and head trains the same in every design across processes") {
   check_tokens_everywhere<TiedGPT>(false, 2e-5);
+}
+
+TEST_CASE("optimizer parameter groups step the same in every design across processes") {
+  check_tokens_everywhere<TiedGPT>(false, 2e-5, /*groups=*/true);
 }
 
 TEST_CASE("bfloat16 autocast reaches every worker of every process: a GPT in every design against one device") {
