@@ -49,7 +49,7 @@ void LRScheduler::step() {
   std::vector<double> old_lrs, lrs;
   for (std::size_t g = 0; g < groups; ++g) {
     old_lrs.push_back(optimizer_.group_lr(g));
-    const double lr = get_lr(epoch, old_lrs.back(), base_lrs_[g]);
+    const double lr = get_lr(epoch, g, old_lrs.back(), base_lrs_[g]);
     DP_CHECK(std::isfinite(lr) && lr >= 0, kind_, ": step ", epoch, " gives the learning rate ", lr, " (base lr ",
              base_lrs_[g], groups > 1 ? detail::str_cat(", param group ", g) : std::string(),
              "); expected a finite lr >= 0 — check the schedule's options");
@@ -101,7 +101,7 @@ StepLR::StepLR(Optimizer& optimizer, StepLROptions options) : LRScheduler(optimi
   initial_step();
 }
 
-double StepLR::get_lr(std::int64_t epoch, double lr, double /*base_lr*/) {
+double StepLR::get_lr(std::int64_t epoch, std::size_t /*group*/, double lr, double /*base_lr*/) {
   if (epoch == 0 || epoch % options_.step_size != 0) return lr;
   return lr * options_.gamma;
 }
@@ -120,7 +120,7 @@ MultiStepLR::MultiStepLR(Optimizer& optimizer, MultiStepLROptions options)
   initial_step();
 }
 
-double MultiStepLR::get_lr(std::int64_t epoch, double lr, double /*base_lr*/) {
+double MultiStepLR::get_lr(std::int64_t epoch, std::size_t /*group*/, double lr, double /*base_lr*/) {
   // PyTorch multiplies by gamma ** (times the milestone is listed): once here, and
   // gamma ** 1 == gamma exactly.
   for (std::int64_t m : options_.milestones)
@@ -136,7 +136,7 @@ ExponentialLR::ExponentialLR(Optimizer& optimizer, ExponentialLROptions options)
   initial_step();
 }
 
-double ExponentialLR::get_lr(std::int64_t epoch, double lr, double /*base_lr*/) {
+double ExponentialLR::get_lr(std::int64_t epoch, std::size_t /*group*/, double lr, double /*base_lr*/) {
   return epoch == 0 ? lr : lr * options_.gamma;
 }
 
@@ -151,7 +151,7 @@ CosineAnnealingLR::CosineAnnealingLR(Optimizer& optimizer, CosineAnnealingLROpti
   initial_step();
 }
 
-double CosineAnnealingLR::get_lr(std::int64_t epoch, double lr, double base_lr) {
+double CosineAnnealingLR::get_lr(std::int64_t epoch, std::size_t /*group*/, double lr, double base_lr) {
   constexpr double pi = std::numbers::pi;  // == Python's math.pi
   const double T = static_cast<double>(options_.T_max), eta_min = options_.eta_min;
   const double e = static_cast<double>(epoch);
@@ -179,7 +179,7 @@ LinearLR::LinearLR(Optimizer& optimizer, LinearLROptions options)
   initial_step();
 }
 
-double LinearLR::get_lr(std::int64_t epoch, double lr, double /*base_lr*/) {
+double LinearLR::get_lr(std::int64_t epoch, std::size_t /*group*/, double lr, double /*base_lr*/) {
   const double sf = options_.start_factor, ef = options_.end_factor;
   if (epoch == 0) return lr * sf;
   if (epoch > options_.total_iters) return lr;
@@ -188,6 +188,38 @@ double LinearLR::get_lr(std::int64_t epoch, double lr, double /*base_lr*/) {
 }
 
 // ---- OneCycleLR -------------------------------------------------------------------------------------
+
+namespace {
+
+/// Each group's max_lr: max_lrs (checked against the groups) or max_lr for every group.
+std::vector<double> max_lrs_of(const OneCycleLROptions& o, std::size_t groups) {
+  if (o.max_lrs.empty()) {
+    DP_CHECK(std::isfinite(o.max_lr) && o.max_lr > 0, "OneCycleLR: expected max_lr > 0, got ", o.max_lr);
+    return std::vector<double>(groups, o.max_lr);
+  }
+  DP_CHECK(o.max_lr == 0, "OneCycleLR: expected max_lr or max_lrs, got both (max_lr = ", o.max_lr,
+           " and ", o.max_lrs.size(), " max_lrs); give one");
+  DP_CHECK(o.max_lrs.size() == groups, "OneCycleLR: expected one max_lr per parameter group (", groups,
+           ") in max_lrs, got ", o.max_lrs.size());
+  for (std::size_t g = 0; g < groups; ++g)
+    DP_CHECK(std::isfinite(o.max_lrs[g]) && o.max_lrs[g] > 0, "OneCycleLR: expected max_lrs[", g, "] > 0, got ",
+             o.max_lrs[g]);
+  return o.max_lrs;
+}
+
+}  // namespace
+
+// PyTorch stores these in each parameter group: initial_lr, max_lr, min_lr.
+std::vector<OneCycleLR::Phase> OneCycleLR::phases_for(const OneCycleLROptions& o, double max_lr, double total) {
+  const double initial_lr = max_lr / o.div_factor;
+  const double min_lr = initial_lr / o.final_div_factor;
+  const double hi = o.max_momentum, lo = o.base_momentum;
+  if (o.three_phase)
+    return {{o.pct_start * total - 1, initial_lr, max_lr, hi, lo},
+            {2 * o.pct_start * total - 2, max_lr, initial_lr, lo, hi},
+            {total - 1, initial_lr, min_lr, hi, hi}};
+  return {{o.pct_start * total - 1, initial_lr, max_lr, hi, lo}, {total - 1, max_lr, min_lr, lo, hi}};
+}
 
 OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
     : LRScheduler(optimizer, "OneCycleLR"), options_(options) {
@@ -201,27 +233,14 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
              "epochs = ", o.epochs, ", steps_per_epoch = ", o.steps_per_epoch);
     total_steps_ = o.epochs * o.steps_per_epoch;
   }
-  DP_CHECK(std::isfinite(o.max_lr) && o.max_lr > 0, "OneCycleLR: expected max_lr > 0, got ", o.max_lr);
+  const std::size_t groups = optimizer.num_param_groups();
+  const std::vector<double> max_lrs = max_lrs_of(o, groups);
   DP_CHECK(o.pct_start >= 0 && o.pct_start <= 1, "OneCycleLR: expected pct_start in [0, 1], got ", o.pct_start);
   DP_CHECK(o.div_factor > 0 && o.final_div_factor > 0,
            "OneCycleLR: expected div_factor > 0 and final_div_factor > 0, got ", o.div_factor, " and ",
            o.final_div_factor);
+  for (double max_lr : max_lrs) phases_.push_back(phases_for(o, max_lr, static_cast<double>(total_steps_)));
 
-  // PyTorch stores these in the parameter group: initial_lr, max_lr, min_lr.
-  const double initial_lr = o.max_lr / o.div_factor;
-  const double min_lr = initial_lr / o.final_div_factor;
-  const double total = static_cast<double>(total_steps_);
-  const double hi = o.max_momentum, lo = o.base_momentum;
-  if (o.three_phase) {
-    phases_ = {{o.pct_start * total - 1, initial_lr, o.max_lr, hi, lo},
-               {2 * o.pct_start * total - 2, o.max_lr, initial_lr, lo, hi},
-               {total - 1, initial_lr, min_lr, hi, hi}};
-  } else {
-    phases_ = {{o.pct_start * total - 1, initial_lr, o.max_lr, hi, lo},
-               {total - 1, o.max_lr, min_lr, lo, hi}};
-  }
-
-  const std::size_t groups = optimizer.num_param_groups();
   std::vector<double> old_momenta;  // per group, when cycling
   auto restore_momenta = [&] {
     for (std::size_t g = 0; g < old_momenta.size(); ++g) optimizer.set_group_momentum(g, old_momenta[g]);
@@ -233,6 +252,7 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
                "momentum, Adam's beta1), got one without; pass cycle_momentum = false");
       old_momenta.push_back(*m);
     }
+    const double hi = o.max_momentum, lo = o.base_momentum;
     DP_CHECK(lo >= 0 && hi >= 0, "OneCycleLR: expected base_momentum >= 0 and max_momentum >= 0, got ", lo,
              " and ", hi);
     // Let the optimizer check both ends now (Adam wants beta1 < 1), not mid-run.
@@ -247,7 +267,7 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
   // OneCycleLR overrides any initial lr (PyTorch sets each group's 'initial_lr' itself).
   std::vector<std::optional<double>> old_initial;
   for (std::size_t g = 0; g < groups; ++g) old_initial.push_back(optimizer.initial_lr(g));
-  optimizer.set_initial_lr(initial_lr);
+  for (std::size_t g = 0; g < groups; ++g) optimizer.set_initial_lr(g, phases_[g].front().start_lr);
   try {
     initial_step();
   } catch (...) {
@@ -257,16 +277,17 @@ OneCycleLR::OneCycleLR(Optimizer& optimizer, OneCycleLROptions options)
   }
 }
 
-const OneCycleLR::Phase& OneCycleLR::phase_of(std::int64_t epoch, double* pct) const {
+const OneCycleLR::Phase& OneCycleLR::phase_of(std::int64_t epoch, std::size_t group, double* pct) const {
   DP_CHECK(epoch <= total_steps_, "OneCycleLR: tried to step ", epoch + 1, " times; the schedule has total_steps = ",
            total_steps_, " (steps 0 … ", total_steps_, " after construction); build it with more total_steps, or "
            "stop stepping");
   double start = 0;
   const double step = static_cast<double>(epoch);
-  for (std::size_t i = 0; i < phases_.size(); ++i) {
-    const Phase& ph = phases_[i];
-    if (step <= ph.end_step || i + 1 == phases_.size()) {
-      DP_CHECK(ph.end_step != start, "OneCycleLR: step ", epoch, " falls in phase ", i + 1, " of ", phases_.size(),
+  const std::vector<Phase>& phases = phases_[group];
+  for (std::size_t i = 0; i < phases.size(); ++i) {
+    const Phase& ph = phases[i];
+    if (step <= ph.end_step || i + 1 == phases.size()) {
+      DP_CHECK(ph.end_step != start, "OneCycleLR: step ", epoch, " falls in phase ", i + 1, " of ", phases.size(),
                ", which has zero length (pct_start = ", options_.pct_start, ", total_steps = ", total_steps_,
                "); change pct_start or total_steps");
       *pct = (step - start) / (ph.end_step - start);
@@ -275,7 +296,7 @@ const OneCycleLR::Phase& OneCycleLR::phase_of(std::int64_t epoch, double* pct) c
     start = ph.end_step;
   }
   DP_ASSERT(false, "OneCycleLR: no phase for step ", epoch);
-  return phases_.back();
+  return phases.back();
 }
 
 double OneCycleLR::anneal(double start, double end, double pct) const {
@@ -293,9 +314,9 @@ double OneCycleLR::anneal(double start, double end, double pct) const {
 // past max_momentum (above 1 for Adam's beta1 with a max_momentum near 1). At that one
 // step dp holds both within the last phase's range, which changes only the overshooting
 // linear values; every value inside the schedule is PyTorch's, bit for bit.
-double OneCycleLR::annealed(std::int64_t epoch, bool momentum) const {
+double OneCycleLR::annealed(std::int64_t epoch, std::size_t group, bool momentum) const {
   double pct = 0;
-  const Phase& ph = phase_of(epoch, &pct);
+  const Phase& ph = phase_of(epoch, group, &pct);
   const double start = momentum ? ph.start_momentum : ph.start_lr;
   const double end = momentum ? ph.end_momentum : ph.end_lr;
   const double v = anneal(start, end, pct);
@@ -303,20 +324,33 @@ double OneCycleLR::annealed(std::int64_t epoch, bool momentum) const {
   return std::clamp(v, std::min(start, end), std::max(start, end));
 }
 
-double OneCycleLR::get_lr(std::int64_t epoch, double /*lr*/, double /*base_lr*/) { return annealed(epoch, false); }
+double OneCycleLR::get_lr(std::int64_t epoch, std::size_t group, double /*lr*/, double /*base_lr*/) {
+  return annealed(epoch, group, false);
+}
 
 void OneCycleLR::after_step(std::int64_t epoch) {
-  if (options_.cycle_momentum) optimizer().set_momentum(annealed(epoch, true));
+  // The momentum phases are the same in every group (scalar base and max momentum).
+  if (options_.cycle_momentum) optimizer().set_momentum(annealed(epoch, 0, true));
 }
 
 // ---- LambdaLR ---------------------------------------------------------------------------------------
 
 LambdaLR::LambdaLR(Optimizer& optimizer, Lambda lr_lambda)
-    : LRScheduler(optimizer, "LambdaLR"), lr_lambda_(std::move(lr_lambda)) {
-  DP_CHECK(static_cast<bool>(lr_lambda_), "LambdaLR: expected a function of the epoch, got an empty one");
+    : LambdaLR(optimizer, std::vector<Lambda>(optimizer.num_param_groups(), lr_lambda)) {}
+
+LambdaLR::LambdaLR(Optimizer& optimizer, std::vector<Lambda> lr_lambdas)
+    : LRScheduler(optimizer, "LambdaLR"), lr_lambdas_(std::move(lr_lambdas)) {
+  const std::size_t groups = optimizer.num_param_groups();
+  DP_CHECK(lr_lambdas_.size() == groups, "LambdaLR: expected one function per parameter group (", groups,
+           "), got ", lr_lambdas_.size());
+  for (std::size_t g = 0; g < groups; ++g)
+    DP_CHECK(static_cast<bool>(lr_lambdas_[g]), "LambdaLR: expected a function of the epoch, got an empty one",
+             groups > 1 ? detail::str_cat(" for param group ", g) : std::string());
   initial_step();
 }
 
-double LambdaLR::get_lr(std::int64_t epoch, double /*lr*/, double base_lr) { return base_lr * lr_lambda_(epoch); }
+double LambdaLR::get_lr(std::int64_t epoch, std::size_t group, double /*lr*/, double base_lr) {
+  return base_lr * lr_lambdas_[group](epoch);
+}
 
 }  // namespace dp::optim

@@ -204,6 +204,74 @@ TEST_CASE("OneCycleLR sets every group's lr and momentum; a failed construction 
   CHECK(*opt.group_momentum(0) == *opt.group_momentum(1));
 }
 
+TEST_CASE("OneCycleLR's max_lrs and LambdaLR's functions per group: each group follows its own schedule") {
+  // PyTorch's list forms: group g's lr sequence is the one the scalar form gives an
+  // optimizer of one group with that value, bit for bit (the scalar forms are checked
+  // against PyTorch in lr_scheduler_test.cpp).
+  auto net = tiny_net(dp::cpu(0));
+  Split s(net->parameters());
+  const std::vector<double> max_lrs = {0.3, 0.02};
+  const std::vector<optim::LambdaLR::Lambda> lambdas = {
+      [](std::int64_t e) { return std::pow(0.9, static_cast<double>(e)); },
+      [](std::int64_t e) { return 1.0 / static_cast<double>(e + 1); }};
+  for (const bool one_cycle : {true, false}) {
+    CAPTURE(one_cycle);
+    optim::SGD both({{s.weights}, {s.biases, {.lr = 0.05}}}, {.lr = 0.1, .momentum = 0.9});
+    std::vector<std::unique_ptr<optim::SGD>> alone;
+    std::vector<std::unique_ptr<optim::LRScheduler>> scalar;
+    std::unique_ptr<optim::LRScheduler> listed;
+    const dp::nn::ParameterList* lists[] = {&s.weights, &s.biases};
+    for (std::size_t g = 0; g < 2; ++g) {
+      alone.push_back(std::make_unique<optim::SGD>(*lists[g], optim::SGDOptions{.lr = g == 0 ? 0.1 : 0.05,
+                                                                                  .momentum = 0.9}));
+      if (one_cycle)
+        scalar.push_back(std::make_unique<optim::OneCycleLR>(
+            *alone[g], optim::OneCycleLROptions{.max_lr = max_lrs[g], .total_steps = 12, .three_phase = true}));
+      else
+        scalar.push_back(std::make_unique<optim::LambdaLR>(*alone[g], lambdas[g]));
+    }
+    if (one_cycle)
+      listed = std::make_unique<optim::OneCycleLR>(
+          both, optim::OneCycleLROptions{.max_lrs = max_lrs, .total_steps = 12, .three_phase = true});
+    else
+      listed = std::make_unique<optim::LambdaLR>(both, lambdas);
+    for (int e = 0; e <= 12; ++e) {
+      CAPTURE(e);
+      if (e > 0) {
+        listed->step();
+        for (auto& sc : scalar) sc->step();
+      }
+      for (std::size_t g = 0; g < 2; ++g) {
+        CHECK(both.group_lr(g) == alone[g]->group_lr(0));
+        CHECK(*both.group_momentum(g) == *alone[g]->group_momentum(0));
+        CHECK(listed->get_last_lr()[g] == scalar[g]->get_last_lr()[0]);
+      }
+    }
+    CHECK(both.group_lr(0) != both.group_lr(1));
+  }
+}
+
+TEST_CASE("the list forms refuse another number of values than groups, bad values and both forms") {
+  auto net = tiny_net(dp::cpu(0));
+  Split s(net->parameters());
+  optim::SGD opt({{s.weights}, {s.biases}}, {.lr = 0.1, .momentum = 0.9});
+  CHECK(throws_with([&] { optim::OneCycleLR(opt, {.max_lrs = {0.1}, .total_steps = 10}); },
+                    {"one max_lr per parameter group (2)", "got 1"}));
+  CHECK(throws_with([&] { optim::OneCycleLR(opt, {.max_lrs = {0.1, -2.0}, .total_steps = 10}); },
+                    {"max_lrs[1] > 0", "got -2"}));
+  CHECK(throws_with([&] { optim::OneCycleLR(opt, {.max_lr = 0.1, .max_lrs = {0.1, 0.2}, .total_steps = 10}); },
+                    {"max_lr or max_lrs, got both"}));
+  const auto f = [](std::int64_t) { return 1.0; };
+  CHECK(throws_with([&] { optim::LambdaLR(opt, std::vector<optim::LambdaLR::Lambda>{f}); },
+                    {"one function per parameter group (2)", "got 1"}));
+  CHECK(throws_with([&] { optim::LambdaLR(opt, std::vector<optim::LambdaLR::Lambda>{f, nullptr}); },
+                    {"empty one for param group 1"}));
+  // Nothing was changed by the refusals.
+  CHECK(opt.group_lr(0) == 0.1);
+  CHECK(!opt.initial_lr(0).has_value());
+  CHECK(*opt.group_momentum(1) == 0.9);
+}
+
 TEST_CASE("param_groups_state: PyTorch's param_groups, restored by an optimizer over the same groups") {
   auto net = tiny_net(dp::cpu(0));
   Split s(net->parameters());

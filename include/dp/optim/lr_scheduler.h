@@ -20,8 +20,10 @@
 //   LambdaLR and OneCycleLR are closed forms of last_epoch().
 // - every parameter group (Note [Parameter groups] in dp/optim/optimizer.h) is
 //   scheduled from its own lr and its own initial_lr: get_last_lr() and base_lrs()
-//   hold one value per group; OneCycleLR's max_lr and LambdaLR's function apply to
-//   every group (PyTorch's scalar forms), and OneCycleLR cycles every group's momentum.
+//   hold one value per group. OneCycleLR's max_lr and LambdaLR's function apply to
+//   every group (PyTorch's scalar forms) or, given as lists (OneCycleLROptions::max_lrs,
+//   LambdaLR's vector of functions), one per group in the optimizer's group order
+//   (PyTorch's list forms); OneCycleLR cycles every group's momentum.
 // A step that cannot be taken (OneCycleLR past total_steps) throws dp::Error and
 // changes nothing, neither the scheduler nor the optimizer.
 //
@@ -86,9 +88,9 @@ class LRScheduler {
   /// and takes the step to epoch 0. Called last by each derived constructor, once its
   /// options are checked (a virtual call from the base constructor would not dispatch).
   void initial_step();
-  /// The lr of one parameter group at `epoch`: `lr` is the group's current lr, `base_lr`
-  /// its base lr. Throws dp::Error when `epoch` is outside the schedule.
-  virtual double get_lr(std::int64_t epoch, double lr, double base_lr) = 0;
+  /// The lr of parameter group `group` at `epoch`: `lr` is the group's current lr,
+  /// `base_lr` its base lr. Throws dp::Error when `epoch` is outside the schedule.
+  virtual double get_lr(std::int64_t epoch, std::size_t group, double lr, double base_lr) = 0;
   /// Runs after the new lrs are set, for what else a step changes (momentum).
   virtual void after_step(std::int64_t /*epoch*/) {}
 
@@ -114,7 +116,7 @@ class StepLR : public LRScheduler {
   const StepLROptions& options() const { return options_; }
 
  protected:
-  double get_lr(std::int64_t epoch, double lr, double base_lr) override;
+  double get_lr(std::int64_t epoch, std::size_t group, double lr, double base_lr) override;
 
  private:
   StepLROptions options_;
@@ -133,7 +135,7 @@ class MultiStepLR : public LRScheduler {
   const MultiStepLROptions& options() const { return options_; }
 
  protected:
-  double get_lr(std::int64_t epoch, double lr, double base_lr) override;
+  double get_lr(std::int64_t epoch, std::size_t group, double lr, double base_lr) override;
 
  private:
   MultiStepLROptions options_;
@@ -150,7 +152,7 @@ class ExponentialLR : public LRScheduler {
   const ExponentialLROptions& options() const { return options_; }
 
  protected:
-  double get_lr(std::int64_t epoch, double lr, double base_lr) override;
+  double get_lr(std::int64_t epoch, std::size_t group, double lr, double base_lr) override;
 
  private:
   ExponentialLROptions options_;
@@ -170,7 +172,7 @@ class CosineAnnealingLR : public LRScheduler {
   const CosineAnnealingLROptions& options() const { return options_; }
 
  protected:
-  double get_lr(std::int64_t epoch, double lr, double base_lr) override;
+  double get_lr(std::int64_t epoch, std::size_t group, double lr, double base_lr) override;
 
  private:
   CosineAnnealingLROptions options_;
@@ -191,7 +193,7 @@ class LinearLR : public LRScheduler {
   const LinearLROptions& options() const { return options_; }
 
  protected:
-  double get_lr(std::int64_t epoch, double lr, double base_lr) override;
+  double get_lr(std::int64_t epoch, std::size_t group, double lr, double base_lr) override;
 
  private:
   LinearLROptions options_;
@@ -207,7 +209,10 @@ class LinearLR : public LRScheduler {
 /// lr_scheduler.cpp) and one more step() throws.
 enum class AnnealStrategy : std::uint8_t { Cos, Linear };
 struct OneCycleLROptions {
-  double max_lr = 0.0;               ///< > 0, required
+  double max_lr = 0.0;               ///< > 0, required unless max_lrs is given
+  /// PyTorch's list form of max_lr: one value > 0 per parameter group, in the
+  /// optimizer's group order. Empty: max_lr for every group. Given: max_lr must be 0.
+  std::vector<double> max_lrs = {};
   std::int64_t total_steps = 0;      ///< > 0; or 0 and epochs · steps_per_epoch
   std::int64_t epochs = 0;
   std::int64_t steps_per_epoch = 0;
@@ -222,7 +227,8 @@ struct OneCycleLROptions {
 };
 class OneCycleLR : public LRScheduler {
  public:
-  /// Throws dp::Error for max_lr <= 0, total_steps <= 0 (or, without it, epochs or
+  /// Throws dp::Error for max_lr <= 0 (or max_lrs of another length than the
+  /// optimizer's groups, a value <= 0 in it, or both forms given), total_steps <= 0 (or, without it, epochs or
   /// steps_per_epoch <= 0), pct_start outside [0, 1], div factors <= 0, negative
   /// momenta or ones the optimizer refuses (Adam: beta1 >= 1), cycle_momentum on an
   /// optimizer without momentum, and when step 0 falls in a phase of zero length
@@ -234,7 +240,7 @@ class OneCycleLR : public LRScheduler {
   std::int64_t total_steps() const { return total_steps_; }
 
  protected:
-  double get_lr(std::int64_t epoch, double lr, double base_lr) override;
+  double get_lr(std::int64_t epoch, std::size_t group, double lr, double base_lr) override;
   void after_step(std::int64_t epoch) override;
 
  private:
@@ -242,30 +248,37 @@ class OneCycleLR : public LRScheduler {
     double end_step;
     double start_lr, end_lr, start_momentum, end_momentum;
   };
-  /// pct of the phase holding `epoch`, and the phase.
-  const Phase& phase_of(std::int64_t epoch, double* pct) const;
+  /// One group's phases for its max_lr over `total` steps.
+  static std::vector<Phase> phases_for(const OneCycleLROptions& o, double max_lr, double total);
+  /// pct of group `group`'s phase holding `epoch`, and the phase.
+  const Phase& phase_of(std::int64_t epoch, std::size_t group, double* pct) const;
   double anneal(double start, double end, double pct) const;
-  /// The lr (momentum = false) or momentum at `epoch`; see Note [OneCycleLR's last step].
-  double annealed(std::int64_t epoch, bool momentum) const;
+  /// Group `group`'s lr (momentum = false), or the momentum, at `epoch`; see Note
+  /// [OneCycleLR's last step].
+  double annealed(std::int64_t epoch, std::size_t group, bool momentum) const;
 
   OneCycleLROptions options_;
   std::int64_t total_steps_ = 0;
-  std::vector<Phase> phases_;
+  std::vector<std::vector<Phase>> phases_;  ///< per parameter group
 };
 
-/// LambdaLR: lr = base_lr × lr_lambda(epoch). The function is not saved in state
-/// dicts: pass the same one when resuming.
+/// LambdaLR: lr = base_lr × lr_lambda(epoch), one function for every group or one per
+/// group (PyTorch's list form, in the optimizer's group order). Functions are not
+/// saved in state dicts: pass the same ones when resuming.
 class LambdaLR : public LRScheduler {
  public:
   using Lambda = std::function<double(std::int64_t epoch)>;
   /// Throws dp::Error for an empty function.
   LambdaLR(Optimizer& optimizer, Lambda lr_lambda);
+  /// Throws dp::Error for another number of functions than the optimizer's groups, or
+  /// an empty one.
+  LambdaLR(Optimizer& optimizer, std::vector<Lambda> lr_lambdas);
 
  protected:
-  double get_lr(std::int64_t epoch, double lr, double base_lr) override;
+  double get_lr(std::int64_t epoch, std::size_t group, double lr, double base_lr) override;
 
  private:
-  Lambda lr_lambda_;
+  std::vector<Lambda> lr_lambdas_;  ///< one per group
 };
 
 }  // namespace dp::optim
