@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "../parallel/mlp_fixture.h"
@@ -189,13 +190,26 @@ std::vector<float> train_tokens(const dp::DataParallelOptions* options, bool bf1
   return flat(net->state_dict());
 }
 
-/// train_tokens<Net> in every design across processes against one device: `tol` to
-/// one device, the same on every process, and the designs to float rounding.
+/// Whether Net is built of TransformerBlocks (the GPTs), which can be gather units.
+template <class Net>
+constexpr bool kHasBlocks = std::is_base_of_v<TinyGPT, Net>;
+
+/// train_tokens<Net> in every design across processes against one device (for a GPT,
+/// stage 3 also with a gather unit per block): `tol` to one device, the same on every
+/// process, and the designs to float rounding.
 template <class Net>
 void check_tokens_everywhere(bool bf16, double tol, bool groups = false) {
   const std::vector<float> single = train_tokens<Net>(nullptr, bf16, groups);
   std::vector<float> first;
-  for (const Design& d : designs()) {
+  std::vector<Design> all = designs();
+  if constexpr (kHasBlocks<Net>) {
+    // FSDP's auto-wrap across processes: each block a stage-3 gather unit.
+    Design per_block = all.back();
+    per_block.name = "Sharded stage 3, a gather unit per block";
+    per_block.options.shard_unit = dp::nn::is_module<dp::nn::TransformerBlock>;
+    all.push_back(per_block);
+  }
+  for (const Design& d : all) {
     CAPTURE(d.name);
     const std::vector<float> got = train_tokens<Net>(&d.options, bf16, groups);
     CHECK(max_diff(got, single) < tol);
