@@ -310,7 +310,7 @@ void Optimizer::allocate_state(CopyState& st, Device dev, const Shape& shape) {
   const std::size_t k = state_names().size();
   st.buffers.clear();
   for (std::size_t i = 0; i < k; ++i) st.buffers.push_back(zeros(shape, dev));
-  st.fresh = true;
+  st.started.assign(groups_.size(), false);
 }
 
 Optimizer::CopyState Optimizer::layout(const nn::CopySpan& span) const {
@@ -378,14 +378,12 @@ void Optimizer::rebuild_states(const std::vector<CopyState>& old, const std::vec
     for (int r : rebuilt) {
       CopyState& st = next[static_cast<std::size_t>(r)];
       allocate_state(st, set.copy(r).device, {st.numel});
-      bool fresh = true;
       // The primary (sources[0]) last: its values win where it has them.
       for (std::size_t i = sources.size(); i-- > 0;) {
         if (sources[i].buffers.empty()) continue;
         copy_state(st, sources[i]);
-        fresh = fresh && sources[i].fresh;
+        for (std::size_t g = 0; g < st.started.size(); ++g) st.started[g] = st.started[g] || sources[i].started[g];
       }
-      st.fresh = fresh;
     }
   }
   states_ = std::move(next);
@@ -408,12 +406,14 @@ void Optimizer::step_copy(int r) {
   float* p = span.data.data<float>();
   const float* g = span.owned_grad().data<float>();
   std::vector<float*> sp(k);
+  const std::vector<bool> started = st.started;  // a group may hold several ranges
   for (const Range& range : st.ranges) {
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>() + range.state_offset;
+    const bool first = k > 0 && !started[range.group];
     update_group(range.group, copy.device, p + (range.offset - span.begin), g + (range.offset - span.begin), sp.data(),
-                 range.numel, st.fresh, step_);
+                 range.numel, first, step_);
+    if (k > 0 && group_uses_state(range.group)) st.started[range.group] = true;
   }
-  st.fresh = false;
   // Moved by hand, once every range is stepped, not by mutable_data before: a copy whose
   // update threw keeps its version, so DataParallel sees the copies were written
   // unequally and re-syncs them (Note [Storage versions]).
@@ -436,8 +436,10 @@ void Optimizer::step_loose() {
     }
     for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>();
     const float* gp = g.data<float>();
-    update_group(group_of(i), t.device(), t.mutable_data<float>(), gp, sp.data(), t.numel(), st.fresh, step_);
-    st.fresh = false;
+    const std::size_t group = group_of(i);
+    const bool first = k > 0 && !st.started[group];
+    update_group(group, t.device(), t.mutable_data<float>(), gp, sp.data(), t.numel(), first, step_);
+    if (k > 0 && group_uses_state(group)) st.started[group] = true;
   }
 }
 
@@ -671,7 +673,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
       for (std::size_t k = 0; k < names.size(); ++k) {
         states_[i].buffers[k].copy_(by_name.at(detail::str_cat("state.", i, ".", names[k])));
       }
-      states_[i].fresh = false;
+      states_[i].started.assign(groups_.size(), true);
     }
     return;
   }
@@ -697,7 +699,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
           .copy_(by_name.at(detail::str_cat("state.", i, ".", names[k])));
     }
   }
-  loaded.fresh = false;
+  loaded.started.assign(groups_.size(), true);
   rebuild_states({}, {loaded});
 }
 

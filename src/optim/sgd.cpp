@@ -108,6 +108,8 @@ std::vector<std::string> SGD::state_names() const {
   return {"momentum_buffer"};
 }
 
+bool SGD::group_uses_state(std::size_t group) const { return options_[group].momentum != 0; }
+
 void SGD::update_group(std::size_t group, Device dev, float* param, const float* grad, float* const* state,
                        std::int64_t n, bool first, std::int64_t /*step*/) {
   const SGDOptions& o = options_[group];

@@ -111,6 +111,41 @@ TEST_CASE("SGD over two groups: each group's momentum, dampening and weight deca
   CHECK(sd[3].second.shape() == s.weights[0].shape());
 }
 
+TEST_CASE("SGD: a group that gains momentum later starts its own buffer then, as PyTorch's") {
+  // The weights have momentum from the first step, so the momentum buffer exists; the
+  // biases (dampening 0.5) get momentum at the third step. PyTorch starts a parameter's
+  // buffer at its first step with momentum (buf = g, no dampening): the biases' buffer
+  // must start then, not continue from zeros (0.5 g).
+  for (const bool loose : {false, true}) {
+    CAPTURE(loose);
+    auto net = tiny_net(dp::cpu(0));
+    Split s(net->parameters());
+    std::vector<optim::SGDParamGroup> groups;
+    const optim::SGDGroupOptions later{.lr = 0.3, .momentum = 0.0, .dampening = 0.5};
+    if (loose) groups = {{s.weights.tensors()}, {s.biases.tensors(), later}};
+    else groups = {{s.weights}, {s.biases, later}};
+    optim::SGD opt(groups, {.lr = 0.1, .momentum = 0.9});
+    std::vector<D> p, buf;
+    for (const auto& t : s.all) {
+      p.push_back(to_double(t.to_vector()));
+      buf.emplace_back(p.back().size(), 0.0);
+    }
+    for (int t = 0; t < 4; ++t) {
+      if (t == 2) opt.set_group_momentum(1, 0.8);
+      opt.zero_grad();
+      set_grads(s.all.tensors(), t);
+      opt.step();
+      for (std::size_t k = 0; k < p.size(); ++k) {
+        const bool weight = s.all[k].dim() >= 2;
+        const SgdRef ref = weight ? SgdRef{0.1, 0.9} : SgdRef{0.3, t >= 2 ? 0.8 : 0.0, 0.5};
+        const bool first = weight ? t == 0 : t == 2;
+        for (std::size_t i = 0; i < p[k].size(); ++i) ref.step(p[k][i], grad_value(k, i, t), buf[k][i], first);
+      }
+    }
+    check_close(s.all, p);
+  }
+}
+
 TEST_CASE("a group's unset fields take the optimizer's options; lr, set_lr and the group setters") {
   auto net = tiny_net(dp::cpu(0));
   Split s(net->parameters());

@@ -190,7 +190,8 @@ class Optimizer {
   /// Names of the per-element state buffers this optimizer keeps (may be empty).
   virtual std::vector<std::string> state_names() const = 0;
   /// Updates n elements in place on `dev`. state[k] points at state_names()[k]'s slice.
-  /// first: the state was just allocated (zeros) for this copy. step: 1-based step count.
+  /// first: the state of these elements' group was never stepped on this copy (it is
+  /// zeros; see group_uses_state). step: 1-based step count.
   /// An optimizer with one group may override this one only.
   virtual void update(Device dev, float* param, const float* grad, float* const* state,
                       std::int64_t n, bool first, std::int64_t step);
@@ -198,6 +199,10 @@ class Optimizer {
   /// default calls update() (one set of hyper-parameters).
   virtual void update_group(std::size_t group, Device dev, float* param, const float* grad, float* const* state,
                             std::int64_t n, bool first, std::int64_t step);
+  /// Whether a step of group g reads and writes its state (SGD: only with momentum).
+  /// A group's state starts (update's `first`) at its first step that does, as
+  /// PyTorch's state entries appear then. The default: always.
+  virtual bool group_uses_state(std::size_t /*group*/) const { return true; }
   /// Group g's hyper-parameters by PyTorch's names (ParamGroupState::options, without
   /// "initial_lr"). The default: "lr" and, when momentum() has a value, "momentum".
   virtual std::map<std::string, std::vector<double>> group_options(std::size_t group) const;
@@ -233,7 +238,7 @@ class Optimizer {
   /// the optimizer's ranges clipped to the copy's span (Note [Copy spans]).
   struct CopyState {
     std::vector<Tensor> buffers;
-    bool fresh = true;                // allocated as zeros and not stepped yet
+    std::vector<bool> started;        // per group: its state was stepped (not just zeros)
     std::weak_ptr<Storage> data;      // the copy's data buffer these states belong to
     std::int64_t begin = 0, end = 0;  // the copy's span they cover
     std::vector<Range> ranges;        // ranges_ clipped to it; state_offset into `buffers`

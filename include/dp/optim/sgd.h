@@ -66,6 +66,8 @@ class SGD : public Optimizer {
 
  protected:
   std::vector<std::string> state_names() const override;
+  /// A group's momentum buffer starts at its first step with momentum, as PyTorch's.
+  bool group_uses_state(std::size_t group) const override;
   void update_group(std::size_t group, Device dev, float* param, const float* grad, float* const* state,
                     std::int64_t n, bool first, std::int64_t step) override;
   std::map<std::string, std::vector<double>> group_options(std::size_t group) const override;
