@@ -139,6 +139,21 @@ if ((!quick)); then
     run "dp_vs_ddp $model" "$build/samples/dp_vs_ddp/dp_vs_ddp" --model "$model" --devices "1,$gpu_count" \
       --json --trace "$out/trace-$model" "${plot[@]}"
   done
+  # The GPT sample in GPT-2 small's shape (12 layers, 12 heads, 768 wide, context 1024;
+  # character-level vocabulary, on the repository's own documents) on one GPU, fp32 and bf16
+  # autocast: tokens/s and MFU against the GPU's dense peak (DP_GPU_PEAK_GFLOPS; H100 and
+  # H200 SXM: 989,000 bf16, 494,500 TF32, 66,900 FP32).
+  peak_bf16=${DP_GPU_PEAK_GFLOPS:-}
+  [[ -z $peak_bf16 && $gpu_name =~ H100|H200 ]] && peak_bf16=989000
+  cat "$root"/README.md "$root"/docs/*.md >"$out/corpus.txt"
+  gpt=("$build/samples/gpt/gpt" --config gpt2-124m --data "$out/corpus.txt" --devices 1 --batch 8 --steps 12
+       --warmup 2 --log-every 1 --eval-interval 1000000 --eval-iters 1 --json)
+  run "gpt2-124m shape, fp32, one GPU" "${gpt[@]}" --precision fp32
+  run "gpt2-124m shape, bf16 autocast, one GPU" "${gpt[@]}" --precision bf16 ${peak_bf16:+--peak-gflops "$peak_bf16"}
+  # The three designs on it, 4 dp devices per GPU, bf16 with bf16 gradients on the wire.
+  run "gpt (tiny) every design, bf16, 4 dp devices per GPU" env DP_CUDA_DEVICES_PER_GPU=4 \
+    "$build/samples/dp_vs_ddp/dp_vs_ddp" --model gpt --optimizer adamw --devices "$((4 * gpu_count))" \
+    --stages 1,2,3 --precision bf16 --reduce-dtype bf16 --json
   # GPU time per kernel of the CNN's and the MLP's steps, where Nsight Compute is there.
   if command -v ncu >/dev/null || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu >/dev/null 2>&1; then
     run "profile (ncu), cnn and mlp" "$root/scripts/gpu_profile.sh" --build "$build" --models cnn,mlp \
