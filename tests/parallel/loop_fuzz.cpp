@@ -17,13 +17,19 @@
 // scaled and loaded back, a training checkpoint saved and resumed into fresh objects
 // (one process), five cross entropies (mean, sum, ignore_index, label smoothing,
 // class weights), uneven batches, SGD (momentum, Nesterov, weight decay),
-// Adam or AdamW, one of three models (an MLP; with Dropout; a CNN with BatchNorm) on
-// 1-4 devices — and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2
-// with the deferred gather too). After every step each design's state_dict is compared:
+// Adam or AdamW, each with one parameter group or two (the matrices, and the rest at
+// half the lr without weight decay), one of four models (an MLP; with Dropout; with two
+// layers sharing one weight; a CNN with BatchNorm) on 1-4 devices, the forwards under
+// bfloat16 autocast or not, gradients on the wire in float32, bfloat16 or float16 —
+// and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
+// deferred gather too). The features added after the first grammar (groups, the tied
+// model, autocast, the wire dtype) are drawn from a second random stream, so a program
+// number keeps the rest of its program. After every step each design's state_dict is compared:
 //  - with one device's, to float rounding, where the model and optimizer allow it
 //    (Dropout draws per device and BatchNorm normalises per shard, so on several
-//    devices those two compare with DP only; Adam amplifies rounding, see
-//    single_comparable); the tolerance: each step's gradient is a sum over at most
+//    devices those two compare with DP only; Adam amplifies rounding, and bfloat16
+//    compute or a 16-bit wire rounds far above float32's, see single_comparable); the
+//    tolerance: each step's gradient is a sum over at most
 //    a few dozen rows that the designs group differently, so it differs by at most
 //    ~R·2^-24 relative (R = rows summed, ≤ 40: ≤ 2.4e-6); the update moves it by lr ≤
 //    0.1 and momentum (≤ 0.9) carries it ~10 steps: kStepTolerance = 4e-6 per step
@@ -31,8 +37,15 @@
 //  - with the same design run without the resumes, bit for bit (a resumed run is the
 //    uninterrupted one, Dropout's per-device streams included);
 //  - with DP's on the same devices, bit for bit where the README promises it (no
-//    no_sync so far, and Sharded only while every step had one backward), else to the
-//    same tolerance.
+//    no_sync so far, and Sharded only while every step had one backward; bfloat16
+//    autocast and 16-bit wires included), else to the same tolerance — or, with a
+//    16-bit wire, where the designs round different sums onto it (DDP's no_sync
+//    accumulation is rounded once, DP's backwards one by one), to that dtype's unit
+//    roundoff per step (2^-8 bfloat16, 2^-11 float16, relative to max(1, |value|):
+//    SGD's update lr·g with lr ≤ 0.1 and |g| a few units). Adam normalises each
+//    gradient by its own size, so a rounding that turns a near-cancelling sum into
+//    another tiny value moves its update by up to lr: Adam programs with a 16-bit wire
+//    compare with DP only where bit for bit is promised.
 // A design that refuses a program (stage 3 refuses no_sync) must refuse it with a
 // dp::Error that says why; anything else it throws is a finding. Across processes
 // each process passes its own rows of a global batch and its reference trains one
@@ -59,6 +72,11 @@
 namespace {
 
 constexpr double kStepTolerance = 4e-6;
+
+/// The unit roundoff of a gradient wire dtype (0 for float32: kStepTolerance rules).
+double wire_roundoff(dp::Dtype d) {
+  return d == dp::Dtype::BFloat16 ? 0x1p-8 : d == dp::Dtype::Float16 ? 0x1p-11 : 0.0;
+}
 constexpr int kClasses = 3;
 
 // The cross entropies a micro-batch's losses use (PyTorch's keywords). Across processes
@@ -86,12 +104,13 @@ dp::Tensor class_weights() { return dp::from_vector(std::vector<float>{1.0f, 2.0
 
 // ---- the grammar ----------------------------------------------------------------------------
 
-enum class Model { Mlp, MlpDropout, CnnBatchNorm };
+enum class Model { Mlp, MlpDropout, CnnBatchNorm, TiedMlp };
 const char* model_name(Model m) {
   switch (m) {
     case Model::Mlp: return "Model::Mlp";
     case Model::MlpDropout: return "Model::MlpDropout";
     case Model::CnnBatchNorm: return "Model::CnnBatchNorm";
+    case Model::TiedMlp: return "Model::TiedMlp";
   }
   return "?";
 }
@@ -130,8 +149,15 @@ struct Program {
   Optim optim = Optim::Sgd;
   double lr = 0.05, momentum = 0, weight_decay = 0;
   bool nesterov = false;
+  bool groups = false;     // two parameter groups: matrices; the rest at lr / 2, no weight decay
+  bool autocast = false;   // every micro-batch's forwards and losses under bfloat16 autocast
+  dp::Dtype wire = dp::Dtype::Float32;  // mixed_precision.reduce_dtype of every design
   std::vector<StepSpec> steps;
 };
+
+const char* wire_spelling(dp::Dtype d) {
+  return d == dp::Dtype::BFloat16 ? "dp::Dtype::BFloat16" : d == dp::Dtype::Float16 ? "dp::Dtype::Float16" : "";
+}
 
 // A checkpoint keeps no gradients (as PyTorch's): the step after a resume starts with
 // zero_grad, as a resumed loop does; so does the first step.
@@ -187,6 +213,14 @@ Program generate(std::uint64_t seed) {
     st.resume = dp::dist::world_size() == 1 && s + 1 < steps && chance(0.15);
     p.steps.push_back(st);
   }
+  // The later features, from their own stream (Note [Loop fuzzer]).
+  std::mt19937_64 more(seed * 0xD1B54A32D192ED03ull + 7);
+  auto more_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(more) < q; };
+  if (p.model == Model::Mlp && more_chance(0.3)) p.model = Model::TiedMlp;
+  p.groups = more_chance(0.3);
+  p.autocast = more_chance(0.15);
+  // Across processes the process group sums float32 only (refused otherwise).
+  if (dp::dist::world_size() == 1 && more_chance(0.2)) p.wire = more_chance(0.5) ? dp::Dtype::BFloat16 : dp::Dtype::Float16;
   normalize(p);
   return p;
 }
@@ -205,6 +239,17 @@ std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed) {
       net->push_back(std::make_shared<dp::nn::Linear>(12, 8, true, &gen));
       net->push_back(std::make_shared<dp::nn::ReLU>());
       net->push_back(std::make_shared<dp::nn::Linear>(8, kClasses, true, &gen));
+      break;
+    case Model::TiedMlp:
+      // Two 8x8 layers with one weight (Module::share_parameter), their own biases.
+      net->push_back(std::make_shared<dp::nn::Linear>(6, 8, true, &gen));
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      net->push_back(std::make_shared<dp::nn::Linear>(8, 8, true, &gen));
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      net->push_back(std::make_shared<dp::nn::Linear>(8, 8, true, &gen));
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      net->push_back(std::make_shared<dp::nn::Linear>(8, kClasses, true, &gen));
+      net->share_parameter("4.weight", net->parameter("2.weight"));
       break;
     case Model::CnnBatchNorm:
       // No bias before BatchNorm (as usual): its gradient would be rounding noise around
@@ -316,26 +361,47 @@ struct Objects {
   std::unique_ptr<dp::optim::StepLR> sched;
 };
 
+/// The program's optimizer over `params`: one group, or (p.groups) the matrices with the
+/// program's options and the rest at half the lr without weight decay.
+std::unique_ptr<dp::optim::Optimizer> make_optimizer(const Program& p, const dp::nn::ParameterList& params) {
+  const auto matrices = params.filter([](const dp::Tensor& t) { return t.dim() >= 2; });
+  const auto rest = params.filter([](const dp::Tensor& t) { return t.dim() < 2; });
+  const bool groups = p.groups && !rest.empty();
+  switch (p.optim) {
+    case Optim::Sgd: {
+      const dp::optim::SGDOptions o{.lr = p.lr, .momentum = p.momentum, .weight_decay = p.weight_decay,
+                                    .nesterov = p.nesterov};
+      if (!groups) return std::make_unique<dp::optim::SGD>(params, o);
+      return std::make_unique<dp::optim::SGD>(
+          std::vector<dp::optim::SGDParamGroup>{{matrices}, {rest, {.lr = p.lr / 2, .weight_decay = 0.0}}}, o);
+    }
+    case Optim::Adam: {
+      const dp::optim::AdamOptions o{.lr = p.lr, .weight_decay = p.weight_decay};
+      if (!groups) return std::make_unique<dp::optim::Adam>(params, o);
+      return std::make_unique<dp::optim::Adam>(
+          std::vector<dp::optim::AdamParamGroup>{{matrices}, {rest, {.lr = p.lr / 2, .weight_decay = 0.0}}}, o);
+    }
+    case Optim::AdamW: {
+      const dp::optim::AdamWOptions o{.lr = p.lr};
+      if (!groups) return std::make_unique<dp::optim::AdamW>(params, o);
+      return std::make_unique<dp::optim::AdamW>(
+          std::vector<dp::optim::AdamParamGroup>{{matrices}, {rest, {.lr = p.lr / 2, .weight_decay = 0.0}}}, o);
+    }
+  }
+  return nullptr;
+}
+
 std::unique_ptr<Objects> build(const Program& p, const Design* design) {
   auto o = std::make_unique<Objects>();
   o->net = make_model(p.model, p.seed);
   std::vector<dp::Device> devices;
   for (int i = 0; i < p.devices; ++i) devices.push_back(dp::cpu(i));
-  if (design) o->model.emplace(o->net, devices, design->options);
-  dp::nn::ParameterList params = o->model ? o->model->parameters() : o->net->parameters();
-  switch (p.optim) {
-    case Optim::Sgd:
-      o->optimizer = std::make_unique<dp::optim::SGD>(
-          params, dp::optim::SGDOptions{.lr = p.lr, .momentum = p.momentum, .weight_decay = p.weight_decay,
-                                        .nesterov = p.nesterov});
-      break;
-    case Optim::Adam:
-      o->optimizer = std::make_unique<dp::optim::Adam>(params, dp::optim::AdamOptions{.lr = p.lr, .weight_decay = p.weight_decay});
-      break;
-    case Optim::AdamW:
-      o->optimizer = std::make_unique<dp::optim::AdamW>(params, dp::optim::AdamWOptions{.lr = p.lr});
-      break;
+  if (design) {
+    dp::DataParallelOptions options = design->options;
+    if (p.wire != dp::Dtype::Float32) options.mixed_precision.reduce_dtype = p.wire;
+    o->model.emplace(o->net, devices, options);
   }
+  o->optimizer = make_optimizer(p, o->model ? o->model->parameters() : o->net->parameters());
   o->sched = std::make_unique<dp::optim::StepLR>(*o->optimizer, dp::optim::StepLROptions{.step_size = 1, .gamma = 0.5});
   return o;
 }
@@ -382,6 +448,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       for (const Micro& mi : st.micros) {
         std::optional<dp::DataParallel::NoSyncGuard> guard;
         if (mi.no_sync && model) guard.emplace(*model);
+        dp::amp::autocast cast(dp::Dtype::BFloat16, p.autocast);
         if (mi.forward_backward) {
           const Batch b = batch(mi.batch, mi.rows);
           if (model) {
@@ -481,8 +548,8 @@ bool bitwise_promised(const Program& p, const Design& d, std::size_t s) {
 // 10550 — while a wrong gradient scale does not show at all. Those programs compare
 // the designs with DP; SGD programs carry the comparison with one device.
 bool single_comparable(const Program& p) {
-  if (p.optim != Optim::Sgd) return false;
-  return p.model == Model::Mlp || p.devices * dp::dist::world_size() == 1;
+  if (p.optim != Optim::Sgd || p.autocast || p.wire != dp::Dtype::Float32) return false;
+  return p.model == Model::Mlp || p.model == Model::TiedMlp || p.devices * dp::dist::world_size() == 1;
 }
 
 bool uses_no_sync(const Program& p) {
@@ -514,7 +581,10 @@ std::optional<Finding> compare(const Program& p, const Trace& want, const Trace&
     const auto& a = got.states[s];
     const auto& b = want.states[s];
     const bool exact = bitwise && bitwise_promised(p, d, s);
-    const double tol = kStepTolerance * static_cast<double>(s + 1);
+    const bool wide_wire = bitwise && p.wire != dp::Dtype::Float32;  // against DP, see Note [Loop fuzzer]
+    if (wide_wire && !exact && p.optim != Optim::Sgd) continue;
+    const double tol = (wide_wire ? std::max(kStepTolerance, wire_roundoff(p.wire)) : kStepTolerance) *
+                       static_cast<double>(s + 1);
     for (std::size_t i = 0; i < a.size(); ++i) {
       const double diff = std::fabs(double(a[i]) - double(b[i]));
       const bool both_nan = std::isnan(a[i]) && std::isnan(b[i]);  // a mean over no rows, on both sides
@@ -592,19 +662,27 @@ std::string cpp(const Program& p, const std::string& spelling) {
   std::ostringstream os;
   os << "// Helpers (make_model, batch) as in tests/parallel/loop_fuzz.cpp; program seed " << p.seed << ".\n";
   os << "auto net = make_model(" << model_name(p.model) << ", " << p.seed << ");\n";
+  os << "dp::DataParallelOptions options = " << spelling << ";\n";
+  if (p.wire != dp::Dtype::Float32) os << "options.mixed_precision.reduce_dtype = " << wire_spelling(p.wire) << ";\n";
   os << "dp::DataParallel model(net, {";
   for (int i = 0; i < p.devices; ++i) os << (i ? ", " : "") << "dp::cpu(" << i << ")";
-  os << "}, " << spelling << ");\n";
+  os << "}, options);\n";
+  std::string params = "model.parameters()";
+  if (p.groups) {
+    os << "auto matrices = model.parameters().filter([](const dp::Tensor& t) { return t.dim() >= 2; });\n"
+          "auto rest = model.parameters().filter([](const dp::Tensor& t) { return t.dim() < 2; });\n";
+    params = "{{matrices}, {rest, {.lr = " + std::to_string(p.lr / 2) + ", .weight_decay = 0.0}}}";
+  }
   switch (p.optim) {
     case Optim::Sgd:
-      os << "dp::optim::SGD opt(model.parameters(), {.lr = " << p.lr << ", .momentum = " << p.momentum
+      os << "dp::optim::SGD opt(" << params << ", {.lr = " << p.lr << ", .momentum = " << p.momentum
          << ", .weight_decay = " << p.weight_decay << ", .nesterov = " << (p.nesterov ? "true" : "false") << "});\n";
       break;
     case Optim::Adam:
-      os << "dp::optim::Adam opt(model.parameters(), {.lr = " << p.lr << ", .weight_decay = " << p.weight_decay
+      os << "dp::optim::Adam opt(" << params << ", {.lr = " << p.lr << ", .weight_decay = " << p.weight_decay
          << "});\n";
       break;
-    case Optim::AdamW: os << "dp::optim::AdamW opt(model.parameters(), {.lr = " << p.lr << "});\n"; break;
+    case Optim::AdamW: os << "dp::optim::AdamW opt(" << params << ", {.lr = " << p.lr << "});\n"; break;
   }
   os << "dp::optim::StepLR sched(opt, {.step_size = 1, .gamma = 0.5});\n";
   for (std::size_t s = 0; s < p.steps.size(); ++s) {
@@ -616,6 +694,7 @@ std::string cpp(const Program& p, const std::string& spelling) {
     for (const Micro& mi : st.micros) {
       os << "{\n";
       if (mi.no_sync) os << "  auto guard = model.no_sync();\n";
+      if (p.autocast) os << "  dp::amp::autocast cast(dp::Dtype::BFloat16);\n";
       if (mi.forward_backward) {
         os << "  auto b = batch(" << mi.batch << ", " << mi.rows << ");\n";
         os << "  model.forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss" << kLosses[mi.loss].spelling << ");\n}\n";
@@ -715,6 +794,14 @@ Program shrink(Program p, const std::string& design) {
       --q.devices;
       candidates.push_back(q);
     }
+    auto whole = [&](auto edit) {
+      Program q = p;
+      if (edit(q)) candidates.push_back(q);
+    };
+    whole([](Program& q) { return std::exchange(q.groups, false); });
+    whole([](Program& q) { return std::exchange(q.autocast, false); });
+    whole([](Program& q) { return std::exchange(q.wire, dp::Dtype::Float32) != dp::Dtype::Float32; });
+    whole([](Program& q) { return q.model == Model::TiedMlp && (q.model = Model::Mlp, true); });
     for (Program& q : candidates) normalize(q);
     for (const Program& q : candidates)
       if (still(q)) {
