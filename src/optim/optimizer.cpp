@@ -591,23 +591,43 @@ Tensor Optimizer::gathered_state(std::size_t k) {
   return from_vector(all, {state_numel_}, set.copy(0).device);
 }
 
+std::vector<bool> Optimizer::groups_started() {
+  std::vector<bool> started(groups_.size(), false);
+  for (const CopyState& st : states_)
+    for (std::size_t g = 0; g < st.started.size(); ++g) started[g] = started[g] || st.started[g];
+  // Across processes each holds the copies of its devices, some of which may hold no
+  // range of a group: every process must list the same entries.
+  if (nn::ProcessExchange* ex = nn::process_exchange(*params_.set())) {
+    std::vector<float> mine(started.size());
+    for (std::size_t g = 0; g < started.size(); ++g) mine[g] = started[g] ? 1.0f : 0.0f;
+    for (const std::vector<float>& theirs : ex->gather(mine))
+      for (std::size_t g = 0; g < started.size() && g < theirs.size(); ++g) started[g] = started[g] || theirs[g] != 0;
+  }
+  return started;
+}
+
 nn::StateDict Optimizer::state_dict() {
   nn::StateDict sd;
   sd.emplace_back("step", full({}, static_cast<double>(step_), TensorOptions{Dtype::Int64, Device{}}));
   const auto names = state_names();
   if (names.empty()) return sd;
+  // Only the parameters whose group's state has started (Note [Optimizer state
+  // starts]), as PyTorch keeps no momentum_buffer for a group without momentum.
   if (!params_.set()) {
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (states_[i].buffers.empty()) continue;
+      const CopyState& st = states_[i];
+      if (st.buffers.empty() || !st.started[group_of(i)]) continue;
       for (std::size_t k = 0; k < names.size(); ++k)
-        sd.emplace_back(detail::str_cat("state.", i, ".", names[k]), states_[i].buffers[k]);
+        sd.emplace_back(detail::str_cat("state.", i, ".", names[k]), st.buffers[k]);
     }
     return sd;
   }
   std::vector<Tensor> buffers;
   for (std::size_t k = 0; k < names.size(); ++k) buffers.push_back(full_state(k));
   if (!buffers[0].defined()) return sd;  // no step yet
+  const std::vector<bool> started = groups_started();
   for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!started[group_of(i)]) continue;
     const Tensor& p = params_[i];
     for (std::size_t k = 0; k < names.size(); ++k) {
       sd.emplace_back(detail::str_cat("state.", i, ".", names[k]),
@@ -634,8 +654,9 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   const std::int64_t step = static_cast<std::int64_t>(step_entry->item());
   DP_CHECK(step >= 0, kind_, ".load_state_dict: expected step >= 0, got ", step);
 
-  // Which parameters the state covers: those with any entry; in a parameter set all or
-  // none (a loose list may leave out parameters that never had a gradient). A state
+  // Which parameters the state covers: those with any entry; in a parameter set all of
+  // a group's or none (Note [Optimizer state starts]; a loose list may also leave out
+  // parameters that never had a gradient). A state
   // with entries but none of ours covers every parameter, so that the error names
   // what this optimizer would have read.
   const bool loose = !params_.set();
@@ -647,9 +668,11 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   }
   const std::size_t with_state = static_cast<std::size_t>(std::count(has.begin(), has.end(), true));
   const bool foreign = with_state == 0 && !given.empty();
+  std::vector<bool> group_has(groups_.size(), false);  // a set's groups: all or none
+  for (std::size_t i = 0; i < params_.size(); ++i) group_has[group_of(i)] = group_has[group_of(i)] || has[i];
   nn::StateDict expected;  // (name, the parameter whose shape and dtype it must have)
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    const bool covered = has[i] || (!loose && with_state > 0) || foreign;
+    const bool covered = has[i] || (!loose && group_has[group_of(i)]) || foreign;
     if (!covered) continue;
     for (const auto& n : names) expected.emplace_back(detail::str_cat("state.", i, ".", n), params_[i]);
   }
@@ -673,7 +696,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
       for (std::size_t k = 0; k < names.size(); ++k) {
         states_[i].buffers[k].copy_(by_name.at(detail::str_cat("state.", i, ".", names[k])));
       }
-      states_[i].started.assign(groups_.size(), true);
+      states_[i].started[group_of(i)] = true;
     }
     return;
   }
@@ -691,6 +714,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   loaded.numel = state_numel_;
   allocate_state(loaded, set.copy(0).device, {state_numel_});
   for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!group_has[group_of(i)]) continue;  // a group not started: zeros
     const Tensor& p = params_[i];
     for (std::size_t k = 0; k < names.size(); ++k) {
       loaded.buffers[k]
@@ -699,7 +723,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
           .copy_(by_name.at(detail::str_cat("state.", i, ".", names[k])));
     }
   }
-  loaded.started.assign(groups_.size(), true);
+  loaded.started = group_has;
   rebuild_states({}, {loaded});
 }
 

@@ -146,6 +146,59 @@ TEST_CASE("SGD: a group that gains momentum later starts its own buffer then, as
   }
 }
 
+TEST_CASE("state_dict lists a group's state once it started; a resumed group without one starts it like PyTorch") {
+  // The biases have no momentum for two steps: PyTorch's state_dict has no
+  // momentum_buffer for them, and a run resumed from it starts their buffer at the
+  // first step with momentum (buf = g), as the uninterrupted run does.
+  for (const bool loose : {false, true}) {
+    CAPTURE(loose);
+    auto make = [&](const Split& sp) {
+      const optim::SGDGroupOptions none{.momentum = 0.0, .dampening = 0.5};
+      std::vector<optim::SGDParamGroup> groups;
+      if (loose) groups = {{sp.weights.tensors()}, {sp.biases.tensors(), none}};
+      else groups = {{sp.weights}, {sp.biases, none}};
+      return std::make_unique<optim::SGD>(groups, optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+    };
+    auto step = [](optim::SGD& opt, const Split& sp, int t) {
+      if (t == 2) opt.set_group_momentum(1, 0.8);
+      opt.zero_grad();
+      set_grads(sp.all.tensors(), t);
+      opt.step();
+    };
+    auto net_a = tiny_net(dp::cpu(0)), net_b = tiny_net(dp::cpu(0));
+    Split a(net_a->parameters()), b(net_b->parameters());
+    auto straight = make(a), first = make(b);
+    for (int t = 0; t < 2; ++t) {
+      step(*straight, a, t);
+      step(*first, b, t);
+    }
+    const dp::nn::StateDict sd = first->state_dict();
+    std::vector<std::string> names;
+    for (const auto& [name, tensor] : sd) names.push_back(name);
+    // The weights are parameters 0 and 2 of tiny_net, in group 0: numbered first.
+    CHECK(names == std::vector<std::string>{"step", "state.0.momentum_buffer", "state.1.momentum_buffer"});
+    // Resumed into a fresh optimizer over the same parameters, then two more steps.
+    auto resumed = make(b);
+    resumed->load_state_dict(sd);
+    for (int t = 2; t < 4; ++t) {
+      step(*straight, a, t);
+      step(*resumed, b, t);
+    }
+    for (std::size_t k = 0; k < a.all.size(); ++k) {
+      CAPTURE(k);
+      CHECK(a.all[k].to_vector() == b.all[k].to_vector());
+    }
+    CHECK(resumed->state_dict().size() == 5);  // every group started now
+    // A set's group is all or nothing: one bias's buffer without the other's is refused.
+    if (!loose) {
+      dp::nn::StateDict partial = resumed->state_dict();
+      partial.pop_back();
+      auto other = make(b);
+      CHECK(throws_with([&] { other->load_state_dict(partial); }, {"state.3.momentum_buffer"}));
+    }
+  }
+}
+
 TEST_CASE("a group's unset fields take the optimizer's options; lr, set_lr and the group setters") {
   auto net = tiny_net(dp::cpu(0));
   Split s(net->parameters());

@@ -13,12 +13,14 @@
 // output detached or used in two losses, losses summed or backpropagated one by one,
 // or forward_backward), no_sync around a micro-batch, zero_grad skipped (gradients
 // accumulate across steps), parameters scaled in place and .grad halved by hand,
-// clip_grad_norm_, a scheduler step, an eval()/train() evaluation, the state_dict
+// clip_grad_norm_, a scheduler step, an eval()/train() evaluation, a group's momentum
+// changed between steps (SGD's buffer then starts, from none or from zeros), the state_dict
 // scaled and loaded back, a training checkpoint saved and resumed into fresh objects
 // (one process), five cross entropies (mean, sum, ignore_index, label smoothing,
 // class weights), uneven batches, SGD (momentum, Nesterov, weight decay),
 // Adam or AdamW, each with one parameter group or two (the matrices, and the rest at
-// half the lr without weight decay), one of four models (an MLP; with Dropout; with two
+// half the lr without weight decay, SGD's without momentum until a step gives them
+// some, dampened), one of four models (an MLP; with Dropout; with two
 // layers sharing one weight; a CNN with BatchNorm) on 1-4 devices, the forwards under
 // bfloat16 autocast or not, gradients on the wire in float32, bfloat16 or float16 —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
@@ -138,6 +140,7 @@ struct StepSpec {
   bool evaluate = false;      // eval(), a no_grad forward, train() after the step
   bool reload = false;        // state_dict() scaled by 0.99, loaded back, after the step
   bool resume = false;        // a training checkpoint saved, loaded into fresh objects (one process)
+  bool momentum_to_half = false;  // the last group's momentum (Adam: beta1) set to 0.5 first
 };
 
 enum class Optim { Sgd, Adam, AdamW };
@@ -221,6 +224,7 @@ Program generate(std::uint64_t seed) {
   p.autocast = more_chance(0.15);
   // Across processes the process group sums float32 only (refused otherwise).
   if (dp::dist::world_size() == 1 && more_chance(0.2)) p.wire = more_chance(0.5) ? dp::Dtype::BFloat16 : dp::Dtype::Float16;
+  for (StepSpec& st : p.steps) st.momentum_to_half = more_chance(0.1);
   normalize(p);
   return p;
 }
@@ -372,8 +376,10 @@ std::unique_ptr<dp::optim::Optimizer> make_optimizer(const Program& p, const dp:
       const dp::optim::SGDOptions o{.lr = p.lr, .momentum = p.momentum, .weight_decay = p.weight_decay,
                                     .nesterov = p.nesterov};
       if (!groups) return std::make_unique<dp::optim::SGD>(params, o);
-      return std::make_unique<dp::optim::SGD>(
-          std::vector<dp::optim::SGDParamGroup>{{matrices}, {rest, {.lr = p.lr / 2, .weight_decay = 0.0}}}, o);
+      // The rest without momentum, dampened once a step sets one (momentum_to_half).
+      const dp::optim::SGDGroupOptions others{.lr = p.lr / 2, .momentum = 0.0, .dampening = 0.25,
+                                              .weight_decay = 0.0, .nesterov = false};
+      return std::make_unique<dp::optim::SGD>(std::vector<dp::optim::SGDParamGroup>{{matrices}, {rest, others}}, o);
     }
     case Optim::Adam: {
       const dp::optim::AdamOptions o{.lr = p.lr, .weight_decay = p.weight_decay};
@@ -440,6 +446,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       dp::optim::StepLR& sched = *cur->sched;
       dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
       auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
+      if (st.momentum_to_half) opt.set_group_momentum(opt.num_param_groups() - 1, 0.5);
       if (st.edit_params) {
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
@@ -671,7 +678,9 @@ std::string cpp(const Program& p, const std::string& spelling) {
   if (p.groups) {
     os << "auto matrices = model.parameters().filter([](const dp::Tensor& t) { return t.dim() >= 2; });\n"
           "auto rest = model.parameters().filter([](const dp::Tensor& t) { return t.dim() < 2; });\n";
-    params = "{{matrices}, {rest, {.lr = " + std::to_string(p.lr / 2) + ", .weight_decay = 0.0}}}";
+    params = "{{matrices}, {rest, {.lr = " + std::to_string(p.lr / 2) +
+             (p.optim == Optim::Sgd ? ", .momentum = 0.0, .dampening = 0.25" : "") + ", .weight_decay = 0.0" +
+             (p.optim == Optim::Sgd ? ", .nesterov = false" : "") + "}}}";
   }
   switch (p.optim) {
     case Optim::Sgd:
@@ -688,6 +697,7 @@ std::string cpp(const Program& p, const std::string& spelling) {
   for (std::size_t s = 0; s < p.steps.size(); ++s) {
     const StepSpec& st = p.steps[s];
     os << "// step " << s << "\n";
+    if (st.momentum_to_half) os << "opt.set_group_momentum(opt.num_param_groups() - 1, 0.5);\n";
     if (st.edit_params)
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }\n";
     if (st.zero_grad) os << "opt.zero_grad();\n";
@@ -773,6 +783,7 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.edit_grads, false); });
       with([](StepSpec& t) { return std::exchange(t.reload, false); });
       with([](StepSpec& t) { return std::exchange(t.resume, false); });
+      with([](StepSpec& t) { return std::exchange(t.momentum_to_half, false); });
       with([&](StepSpec& t) { return s > 0 && !std::exchange(t.zero_grad, true); });
       for (std::size_t m = 0; m < st.micros.size(); ++m) {
         auto micro = [&](auto edit) {

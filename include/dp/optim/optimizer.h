@@ -53,6 +53,19 @@
 // own base lr. state_dict() holds the tensors (per parameter, whatever its group);
 // param_groups_state() holds the groups (their parameters and hyper-parameters,
 // PyTorch's state_dict()["param_groups"]); a training checkpoint saves both.
+//
+// Note [Optimizer state starts]
+// PyTorch creates a parameter's state at its first step that uses it: SGD's
+// momentum_buffer at the first step with momentum (buf = g, undampened), and none
+// at all while the group has no momentum. dp's buffers cover every group, so it keeps
+// per group and per copy whether the group's state has started (group_uses_state:
+// SGD's momentum ≠ 0; Adam's always), and update()'s `first` is true until it has.
+// A group given momentum after another group's buffer already exists thus starts its
+// buffer as PyTorch does. state_dict() lists the state of started groups only (a
+// started group on any copy of any process), and load_state_dict() takes a set's
+// state group by group, all of a group's parameters or none; a group without entries
+// has not started. State dicts from before this rule hold every group and load as
+// started, as they did.
 #pragma once
 
 #include <cstddef>
@@ -238,7 +251,7 @@ class Optimizer {
   /// the optimizer's ranges clipped to the copy's span (Note [Copy spans]).
   struct CopyState {
     std::vector<Tensor> buffers;
-    std::vector<bool> started;        // per group: its state was stepped (not just zeros)
+    std::vector<bool> started;        // per group: its state has started (Note [Optimizer state starts])
     std::weak_ptr<Storage> data;      // the copy's data buffer these states belong to
     std::int64_t begin = 0, end = 0;  // the copy's span they cover
     std::vector<Range> ranges;        // ranges_ clipped to it; state_offset into `buffers`
@@ -252,6 +265,9 @@ class Optimizer {
   void build_ranges();
   /// The group of parameters() entry i.
   std::size_t group_of(std::size_t entry) const;
+  /// Per group: whether its state has started on any copy of any process (Note
+  /// [Optimizer state starts]). Collective across processes.
+  std::vector<bool> groups_started();
   void prepare_states();
   /// Keeps the states of `old` whose copy is unchanged, rebuilds the others from
   /// `sources` (Note [Optimizer state layouts]).
