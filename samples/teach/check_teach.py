@@ -23,6 +23,17 @@ def run(exe, *args, timeout=180):
     return subprocess.run([exe] + list(args), capture_output=True, text=True, timeout=timeout)
 
 
+def run_json(what, exe, *args, timeout=180):
+    """Runs the sample with --json; its object, or {} (a failure) when it failed or printed no JSON."""
+    r = run(exe, *args, "--json", timeout=timeout)
+    check(r.returncode == 0, f"{what}: exit status {r.returncode}: {r.stderr[-300:]}")
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError:
+        check(False, f"{what}: output is not JSON")
+        return {}
+
+
 def main():
     exe, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
@@ -208,13 +219,8 @@ def main():
 
     # The GPT: a gather unit per transformer block (shard_unit), named by its module; the
     # allocator agrees with first principles between steps; every design ends bitwise alike.
-    r = run(exe, "--model", "gpt", "--devices", "2", "--batch", "2", "--iterations", "1", "--json", timeout=300)
-    check(r.returncode == 0, f"--model gpt: exit status {r.returncode}: {r.stderr[-300:]}")
-    try:
-        g = json.loads(r.stdout)
-    except json.JSONDecodeError:
-        g = {}
-        check(False, "--model gpt: output is not JSON")
+    g = run_json("--model gpt", exe, "--model", "gpt", "--devices", "2", "--batch", "2", "--iterations", "1",
+                 timeout=300)
     children = [u.get("child") for u in g.get("stage3", {}).get("units", [])]
     check(children == ["transformer"] + [f"transformer.h.{i}" for i in range(6)] + ["transformer.ln_f"],
           f"--model gpt: gather units {children}")
@@ -228,14 +234,8 @@ def main():
     # bytes of a bf16 wire against the float32 wire's. The default run tells none of it.
     check(o.get("mixed_precision") is None and "Mixed precision" not in text,
           "the default run narrates mixed precision")
-    r = run(exe, "--devices", "4", "--batch", "32", "--iterations", "2", "--precision", "bf16",
-            "--reduce-dtype", "bf16", "--json")
-    check(r.returncode == 0, f"--precision bf16 --reduce-dtype bf16: exit status {r.returncode}: {r.stderr[-300:]}")
-    try:
-        b = json.loads(r.stdout)
-    except json.JSONDecodeError:
-        b = {}
-        check(False, "--precision bf16: output is not JSON")
+    b = run_json("--precision bf16 --reduce-dtype bf16", exe, "--devices", "4", "--batch", "32", "--iterations", "2",
+                 "--precision", "bf16", "--reduce-dtype", "bf16")
     m = b.get("mixed_precision") or {}
     P = b.get("param_bytes", 0)
     check(m.get("precision") == "bf16" and m.get("reduce_dtype") == "bf16", f"mixed precision options {m.get('precision')}")
@@ -283,12 +283,11 @@ def main():
                    "no GradScaler", "master weights are float32"):
         check(phrase in btext, f"--precision bf16: narration lacks '{phrase}'")
     # A float16 wire without autocast: the forward stays float32, the bytes still halve.
-    r = run(exe, "--devices", "2", "--batch", "8", "--iterations", "1", "--reduce-dtype", "fp16", "--json")
-    check(r.returncode == 0, f"--reduce-dtype fp16: exit status {r.returncode}: {r.stderr[-300:]}")
-    f16 = (json.loads(r.stdout) if r.returncode == 0 else {}).get("mixed_precision") or {}
+    h = run_json("--reduce-dtype fp16", exe, "--devices", "2", "--batch", "8", "--iterations", "1", "--reduce-dtype", "fp16")
+    f16 = h.get("mixed_precision") or {}
     check(f16.get("logits_dtypes") == ["float32"] and "accumulation" not in f16, f"--reduce-dtype fp16 alone: {f16.get('logits_dtypes')}")
     check(f16.get("grad_bytes_wire", 0) * 2 == f16.get("grad_bytes_fp32_wire", -1) > 0, "--reduce-dtype fp16: bytes not halved")
-    check("float16 on the wire" in "\n".join(json.loads(r.stdout).get("narration", [])) if r.returncode == 0 else False,
+    check("float16 on the wire" in "\n".join(h.get("narration", [])),
           "--reduce-dtype fp16: the narration does not say float16 on the wire")
     r = run(exe, "--precision", "fp16", timeout=60)
     check(r.returncode != 0 and r.stderr.strip(), "--precision fp16 (teach offers fp32 and bf16) was accepted")

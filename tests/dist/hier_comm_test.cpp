@@ -134,6 +134,31 @@ bool same_as_rank0(const std::vector<float>& v) {
 
 const char* op_str(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
 
+/// World rank w's own piece of a per-piece reduce (elements [off, off + len)) and its
+/// block of a reduce_scatter (m elements) hold all-reduce a's bits there.
+void check_pieces(const std::vector<float>& a, const std::vector<float>& piece, std::pair<std::int64_t, std::int64_t> where,
+                  const std::vector<float>& block, int w, std::int64_t m) {
+  const auto [off, len] = where;
+  CHECK(bitwise_equal(piece, std::vector<float>(a.begin() + off, a.begin() + off + len)));
+  CHECK(bitwise_equal(block, std::vector<float>(a.begin() + w * m, a.begin() + (w + 1) * m)));
+}
+
+/// In-place all-reduces of k = 1..kmax elements (rank w's input(w, k, offset 100 k, its
+/// device)) on every local rank of `comm`: each local rank's results, by k.
+std::vector<std::vector<std::vector<float>>> small_all_reduces(
+    Communicator& comm, int l, std::int64_t kmax, ReduceOp op,
+    const std::function<dp::Tensor(int, std::int64_t, std::int64_t, dp::Device)>& input) {
+  std::vector<std::vector<std::vector<float>>> out(static_cast<std::size_t>(l));
+  on_ranks(l, [&](int j) {
+    for (std::int64_t k = 1; k <= kmax; ++k) {
+      dp::Tensor s = input(dist::rank() * l + j, k, 100 * k, dp::cpu(j));
+      comm.all_reduce(j, s, s, op);
+      out[static_cast<std::size_t>(j)].push_back(s.to_vector());
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("world communicator: sizes, ranks, local() and peers()") {
@@ -396,21 +421,12 @@ TEST_CASE("order of sums: all_reduce, per-piece reduce and reduce_scatter give t
         CHECK(bitwise_equal(a, want));
         CHECK(bitwise_equal(ar2[static_cast<std::size_t>(j)], a));
         CHECK(same_as_rank0(a));
-        const auto [off, len] = piece(w);
-        CHECK(bitwise_equal(pieces[static_cast<std::size_t>(j)],
-                            std::vector<float>(a.begin() + off, a.begin() + off + len)));
-        CHECK(bitwise_equal(rs[static_cast<std::size_t>(j)],
-                            std::vector<float>(a.begin() + w * m, a.begin() + (w + 1) * m)));
+        check_pieces(a, pieces[static_cast<std::size_t>(j)], piece(w), rs[static_cast<std::size_t>(j)], w, m);
       }
       // Small uneven sizes: the trailing n mod L elements, which the last local rank
       // sums by hand, follow the same order.
-      std::vector<std::vector<std::vector<float>>> small(static_cast<std::size_t>(l));
-      on_ranks(l, [&](int j) {
-        for (std::int64_t k = 1; k <= 24; ++k) {
-          dp::Tensor s = tensor_of(values(fval, p * l + j, k, 100 * k), dp::cpu(j));
-          comm->all_reduce(j, s, s, op);
-          small[static_cast<std::size_t>(j)].push_back(s.to_vector());
-        }
+      const auto small = small_all_reduces(*comm, l, 24, op, [](int w, std::int64_t k, std::int64_t off, dp::Device dev) {
+        return tensor_of(values(fval, w, k, off), dev);
       });
       for (std::int64_t k = 1; k <= 24; ++k)
         for (int j = 0; j < l; ++j)
@@ -639,25 +655,14 @@ TEST_CASE("16-bit sums across processes: one rounding per hop, the same bits in 
         const std::vector<float>& a = ar[static_cast<std::size_t>(j)];
         CHECK(bitwise_equal(a, want));
         CHECK(same_as_rank0(a));
-        const auto [off, len] = piece(w);
-        CHECK(bitwise_equal(pieces[static_cast<std::size_t>(j)],
-                            std::vector<float>(a.begin() + off, a.begin() + off + len)));
-        CHECK(bitwise_equal(rs[static_cast<std::size_t>(j)],
-                            std::vector<float>(a.begin() + w * m, a.begin() + (w + 1) * m)));
+        check_pieces(a, pieces[static_cast<std::size_t>(j)], piece(w), rs[static_cast<std::size_t>(j)], w, m);
         // Between processes local rank j carries its block of n / L (the last rank the
         // tail too), 2 bytes an element.
         const std::int64_t block = n / l + (j == l - 1 ? n % l : 0);
         CHECK(ar_bytes[static_cast<std::size_t>(j)] == (procs > 1 ? 2 * block : 0));
       }
       // Small sizes: the tail the last local rank sums by hand rounds as the body.
-      std::vector<std::vector<std::vector<float>>> small(static_cast<std::size_t>(l));
-      on_ranks(l, [&](int j) {
-        for (std::int64_t k = 1; k <= 8; ++k) {
-          dp::Tensor s = input(p * l + j, k, 100 * k, dp::cpu(j));
-          comm->all_reduce(j, s, s, ReduceOp::Sum);
-          small[static_cast<std::size_t>(j)].push_back(s.to_vector());
-        }
-      });
+      const auto small = small_all_reduces(*comm, l, 8, ReduceOp::Sum, input);
       for (std::int64_t k = 1; k <= 8; ++k)
         for (int j = 0; j < l; ++j)
           CHECK(bitwise_equal(small[static_cast<std::size_t>(j)][static_cast<std::size_t>(k - 1)],
