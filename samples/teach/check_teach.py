@@ -23,6 +23,17 @@ def run(exe, *args, timeout=180):
     return subprocess.run([exe] + list(args), capture_output=True, text=True, timeout=timeout)
 
 
+def run_json(what, exe, *args, timeout=180):
+    """Runs the sample with --json; its object, or {} (a failure) when it failed or printed no JSON."""
+    r = run(exe, *args, "--json", timeout=timeout)
+    check(r.returncode == 0, f"{what}: exit status {r.returncode}: {r.stderr[-300:]}")
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError:
+        check(False, f"{what}: output is not JSON")
+        return {}
+
+
 def main():
     exe, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
@@ -208,13 +219,8 @@ def main():
 
     # The GPT: a gather unit per transformer block (shard_unit), named by its module; the
     # allocator agrees with first principles between steps; every design ends bitwise alike.
-    r = run(exe, "--model", "gpt", "--devices", "2", "--batch", "2", "--iterations", "1", "--json", timeout=300)
-    check(r.returncode == 0, f"--model gpt: exit status {r.returncode}: {r.stderr[-300:]}")
-    try:
-        g = json.loads(r.stdout)
-    except json.JSONDecodeError:
-        g = {}
-        check(False, "--model gpt: output is not JSON")
+    g = run_json("--model gpt", exe, "--model", "gpt", "--devices", "2", "--batch", "2", "--iterations", "1",
+                 timeout=300)
     children = [u.get("child") for u in g.get("stage3", {}).get("units", [])]
     check(children == ["transformer"] + [f"transformer.h.{i}" for i in range(6)] + ["transformer.ln_f"],
           f"--model gpt: gather units {children}")
@@ -223,6 +229,68 @@ def main():
     check(g.get("max_param_diff") == 0 and g.get("max_param_diff_sharded") == 0 and g.get("max_param_diff_stage3") == 0,
           "--model gpt: the designs' parameters differ")
     check("a GPT" in "\n".join(g.get("narration", [])), "--model gpt: the narration does not name the GPT")
+
+    # Mixed precision: a bf16 DDP step told phase by phase, every dtype measured, and the
+    # bytes of a bf16 wire against the float32 wire's. The default run tells none of it.
+    check(o.get("mixed_precision") is None and "Mixed precision" not in text,
+          "the default run narrates mixed precision")
+    b = run_json("--precision bf16 --reduce-dtype bf16", exe, "--devices", "4", "--batch", "32", "--iterations", "2",
+                 "--precision", "bf16", "--reduce-dtype", "bf16")
+    m = b.get("mixed_precision") or {}
+    P = b.get("param_bytes", 0)
+    check(m.get("precision") == "bf16" and m.get("reduce_dtype") == "bf16", f"mixed precision options {m.get('precision')}")
+    # Every worker's loss got bfloat16 logits and returned a float32 loss, in every traced iteration.
+    check(m.get("logits_dtypes") == ["bfloat16"] and m.get("loss_calls") == 4 * 2,
+          f"logits dtypes {m.get('logits_dtypes')} over {m.get('loss_calls')} loss calls, expected bfloat16 over 8")
+    check(m.get("loss_dtypes") == ["float32"] and m.get("probe_loss_dtype") == "float32", f"loss dtypes {m.get('loss_dtypes')}")
+    check(m.get("softmax_dtype") == "float32" and m.get("layer_norm_dtype") == "float32", "softmax / layer_norm not float32")
+    # The CNN's activations on a shard of 8 rows: bfloat16, 2 B an element.
+    acts = m.get("activations", [])
+    check([a.get("child") for a in acts] == [str(i) for i in range(10)], f"activations {[a.get('child') for a in acts]}")
+    for a in acts:
+        check(a.get("dtype") == "bfloat16" and a.get("bytes") == 2 * math.prod(a.get("shape", [0])),
+              f"activation {a}: expected bfloat16, 2 B an element")
+    if acts:
+        check(acts[0].get("type") == "Conv2d" and acts[0].get("shape") == [8, 32, 28, 28], f"first activation {acts[0]}")
+        check(acts[-1].get("shape") == [8, 10] and m.get("probe_logits_dtype") == "bfloat16", f"logits {acts[-1]}")
+    # float32 accumulation inside a bfloat16 product; a bfloat16 running sum stalls at 256.
+    acc = m.get("accumulation", {})
+    check(acc.get("k") == 1024 and acc.get("product") == 1024 and acc.get("product_dtype") == "bfloat16"
+          and acc.get("bf16_running_sum") == 256, f"accumulation {acc}")
+    # Master weights, gradients in the leaves and the optimizer state: float32, 4 B a parameter.
+    check(m.get("param_dtype") == "float32" and m.get("grad_dtype") == "float32", "parameters or gradients not float32")
+    check(m.get("optimizer_state_dtypes") == ["float32"] and m.get("optimizer_state_bytes") == P,
+          f"optimizer state {m.get('optimizer_state_dtypes')} {m.get('optimizer_state_bytes')} B, expected float32, {P} B")
+    check(m.get("grad_elems") == P // 4 and m.get("updates") == P // 4, "gradient / update counts")
+    check(0 < m.get("updates_lost_in_bf16_weights", 0) < m.get("updates", 0),
+          f"updates lost in bf16 weights {m.get('updates_lost_in_bf16_weights')}")
+    check(m.get("grad_zero_in_bf16") == 0 and m.get("grad_zero_in_fp16", -1) >= m.get("grad_zero_in_bf16", 0),
+          f"gradients flushed to zero: fp16 {m.get('grad_zero_in_fp16')}, bf16 {m.get('grad_zero_in_bf16')}")
+    # The wire: half the bytes, and a rounding that shows in the parameters, barely.
+    check(m.get("grad_bytes_fp32_wire") == P and m.get("recorded_bucket_bytes_fp32_wire") == P, "float32 wire bytes")
+    check(m.get("grad_bytes_wire") == P / 2 and m.get("recorded_bucket_bytes_wire") == P / 2,
+          f"bf16 wire bytes {m.get('grad_bytes_wire')} / {m.get('recorded_bucket_bytes_wire')}, expected {P / 2}")
+    check(0 < m.get("max_param_diff_wire", 0) < 1e-3, f"bf16 wire against float32's: {m.get('max_param_diff_wire')}")
+    # Under autocast the designs still agree.
+    check(b.get("max_param_diff") == 0 and b.get("max_param_diff_sharded") == 0 and b.get("max_param_diff_stage3") == 0,
+          "--precision bf16: the designs' parameters differ")
+    btext = "\n".join(b.get("narration", []))
+    for phrase in ("== Mixed precision in the DDP step (--precision bf16, --reduce-dtype bf16)",
+                   "'0' (Conv2d) → bfloat16 [8, 32, 28, 28], 401408 B (float32: 802816 B)",
+                   "The logits reached the loss as bfloat16 on every worker",
+                   "gives 1024 (bfloat16)", "stops at 256", "the loss is float32", ".grad are float32",
+                   f"the bytes halved ({int(P)} → {int(P // 2)} B)", "bfloat16 on the wire",
+                   "no GradScaler", "master weights are float32"):
+        check(phrase in btext, f"--precision bf16: narration lacks '{phrase}'")
+    # A float16 wire without autocast: the forward stays float32, the bytes still halve.
+    h = run_json("--reduce-dtype fp16", exe, "--devices", "2", "--batch", "8", "--iterations", "1", "--reduce-dtype", "fp16")
+    f16 = h.get("mixed_precision") or {}
+    check(f16.get("logits_dtypes") == ["float32"] and "accumulation" not in f16, f"--reduce-dtype fp16 alone: {f16.get('logits_dtypes')}")
+    check(f16.get("grad_bytes_wire", 0) * 2 == f16.get("grad_bytes_fp32_wire", -1) > 0, "--reduce-dtype fp16: bytes not halved")
+    check("float16 on the wire" in "\n".join(h.get("narration", [])),
+          "--reduce-dtype fp16: the narration does not say float16 on the wire")
+    r = run(exe, "--precision", "fp16", timeout=60)
+    check(r.returncode != 0 and r.stderr.strip(), "--precision fp16 (teach offers fp32 and bf16) was accepted")
 
     if failures:
         print(f"{len(failures)} check(s) failed")

@@ -12,9 +12,15 @@
 // the bytes each gather pulls and the allocator's count per device between steps).
 // The designs end with identical parameters.
 //
+// With --precision bf16 every design's forward and loss run under dp::amp::autocast, and
+// the DDP step is told once more for what is bfloat16 and what stays float32 in each
+// phase, and why; with --reduce-dtype bf16|fp16 an extra DDP run puts the gradients on
+// the wire in 16 bits, and the bytes it moved are set against the float32 wire's.
+//
 //   teach                          # narration on stdout
 //   teach --iterations 9           # more iterations: a steadier median
 //   teach --trace teach.json       # plus a Perfetto trace: one process per design
+//   teach --precision bf16 --reduce-dtype bf16   # plus a bf16 DDP step, phase by phase
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +28,9 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <mutex>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -89,8 +98,10 @@ struct Narrator {
 std::string device_list(const std::vector<dp::Device>& devs, std::size_t from = 0) {
   // "cpu:1,2,3"
   std::string s;
-  for (std::size_t i = from; i < devs.size(); ++i)
-    s += (i == from ? devs[i].str() : "," + std::to_string(devs[i].index));
+  for (std::size_t i = from; i < devs.size(); ++i) {
+    if (i > from) s += ',';
+    s += i == from ? devs[i].str() : std::to_string(devs[i].index);
+  }
   return s;
 }
 
@@ -127,6 +138,16 @@ struct Run {
   // of the median iteration.
   std::vector<std::pair<std::int64_t, std::int64_t>> units;
   std::vector<double> between_bytes, peak_bytes;
+  // What the loss function saw on the workers (every call of every traced iteration):
+  // the dtypes of the logits it was given and of the loss it returned.
+  std::set<std::string> logits_dtypes, loss_dtypes;
+  int loss_calls = 0;
+  // DDP: the optimizer's state after the last iteration, as state_dict() shows it (copy
+  // 0): its dtypes and bytes; and, element by element in parameters() order, the
+  // momentum the last step applied and the parameter it left (p_after = p_before - lr·m).
+  std::set<std::string> state_dtypes;
+  double state_bytes = 0;
+  std::vector<float> momentum, params_after;
 
   const Iteration& med() const { return iters[median]; }
   std::vector<double> times() const {
@@ -144,27 +165,55 @@ dp::Tensor loss_fn(const dp::Tensor& out, const dp::Tensor& y) {
 
 // One warm-up iteration (untraced: first touches of memory and threads), then
 // `iterations` traced ones on the same batch; the median one is narrated.
+// The learning rate of every run's SGD (momentum 0.9).
+constexpr double kLr = 0.05;
+
+// How a run computes: --precision (the autocast scope of its forward and loss) and
+// --reduce-dtype (DataParallelOptions::mixed_precision).
+struct Precision {
+  std::string compute = "fp32";  // fp32 | bf16
+  std::string wire = "fp32";     // fp32 | bf16 | fp16
+};
+
 Run run(const std::string& model_name, dp::Mode mode, int stage, const std::vector<dp::Device>& devs,
-        const dp::data::Batch& warm, const dp::data::Batch& batch, int iterations) {
+        const dp::data::Batch& warm, const dp::data::Batch& batch, int iterations, const Precision& precision) {
   Run r;
   r.mode = mode;
   std::vector<std::size_t> base;
   for (const dp::Device& d : devs) base.push_back(dp::memory_allocated(d));
   r.net = samples::make_model(model_name, /*seed=*/7);
-  dp::DataParallelOptions opts{.mode = mode};
+  dp::DataParallelOptions opts{.mode = mode, .mixed_precision = samples::mixed_precision_of(precision.wire)};
   if (mode == dp::Mode::Sharded) {
     opts.shard_stage = stage;
     opts.shard_unit = samples::shard_unit(model_name);  // the GPT: a gather unit per transformer block
   }
   dp::DataParallel model(r.net, devs, opts);
-  dp::optim::SGD opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
+  dp::optim::SGD opt(model.parameters(), {.lr = kLr, .momentum = 0.9});
+  std::mutex seen_mu;  // the workers call the loss concurrently
+  bool recording = false;
+  auto loss = [&](const dp::Tensor& out, const dp::Tensor& y) {
+    dp::Tensor l = loss_fn(out, y);
+    if (recording) {
+      std::lock_guard<std::mutex> lock(seen_mu);
+      r.logits_dtypes.insert(dp::dtype_name(out.dtype()));
+      r.loss_dtypes.insert(dp::dtype_name(l.dtype()));
+      ++r.loss_calls;
+    }
+    return l;
+  };
   auto step = [&](const dp::data::Batch& b) {
     opt.zero_grad();
-    dp::Tensor loss = model.forward_backward(b.data, b.target, loss_fn);
+    dp::Tensor l;
+    {
+      // DataParallel carries the autocast scope to every worker (Note [Autocast op policy]).
+      const dp::amp::autocast scope = samples::precision_scope(precision.compute);
+      l = model.forward_backward(b.data, b.target, loss);
+    }
     opt.step();
-    return loss.item();
+    return l.item();
   };
   step(warm);
+  recording = true;
   for (int k = 0; k < iterations; ++k) {
     Iteration it;
     model.reset_stats();
@@ -195,6 +244,19 @@ Run run(const std::string& model_name, dp::Mode mode, int stage, const std::vect
                            static_cast<double>(base[d]));
   }
   r.units = model.units();
+  if (mode == dp::Mode::DDP) {
+    const auto params = r.net->parameters();
+    for (auto& [name, t] : opt.state_dict()) {
+      if (name.rfind("state.", 0) != 0) continue;  // "step" is a counter, not per-element state
+      r.state_dtypes.insert(dp::dtype_name(t.dtype()));
+      r.state_bytes += static_cast<double>(t.nbytes());
+      // "state.<i>.momentum_buffer": parameter i's momentum.
+      const std::size_t i = std::stoul(name.substr(6, name.find('.', 6) - 6));
+      const std::vector<float> m = t.to_vector(), p = params[i].to_vector();
+      r.momentum.insert(r.momentum.end(), m.begin(), m.end());
+      r.params_after.insert(r.params_after.end(), p.begin(), p.end());
+    }
+  }
   for (auto& [name, t] : r.net->state_dict()) {
     if (t.dtype() != dp::Dtype::Float32) continue;
     auto v = t.to_vector();
@@ -774,6 +836,243 @@ void narrate_stage3(Narrator& n, const Run& r, const Run& ddp, const std::vector
         {"ddp_peak_bytes", ddp.peak_bytes}};
 }
 
+double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) diff = std::max(diff, double(std::abs(a[i] - b[i])));
+  return diff;
+}
+
+// ---- mixed precision in the DDP step -----------------------------------------------
+
+// One top-level child's output in a probe forward.
+struct Activation {
+  std::string child, type, dtype;
+  dp::Shape shape;
+  double bytes = 0;
+};
+
+// What a forward on device 0 makes of one device's shard of the batch under the run's
+// autocast scope, outside autograd: each child's output for a Sequential (the CNN), the
+// logits, the loss, and two float32-list ops on the logits.
+struct Probe {
+  std::vector<Activation> children;
+  std::string logits_dtype, loss_dtype, softmax_dtype, layer_norm_dtype;
+  dp::Shape logits_shape;
+};
+
+Probe probe_forward(dp::nn::Module& net, const dp::data::Batch& batch, std::int64_t rows, dp::Device dev,
+                    const std::string& compute) {
+  Probe pr;
+  const dp::Tensor x = batch.data.narrow(0, 0, rows).to(dev), y = batch.target.narrow(0, 0, rows).to(dev);
+  dp::NoGradGuard no_grad;
+  const dp::amp::autocast scope = samples::precision_scope(compute);
+  if (auto* seq = dynamic_cast<dp::nn::Sequential*>(&net)) {
+    dp::Tensor h = x;
+    for (auto& [name, child] : seq->named_children()) {
+      h = child->forward(h);
+      pr.children.push_back({name, child->type_name(), dp::dtype_name(h.dtype()), h.shape(),
+                             static_cast<double>(h.nbytes())});
+    }
+  }
+  const dp::Tensor logits = net.forward(x);
+  pr.logits_dtype = dp::dtype_name(logits.dtype());
+  pr.logits_shape = logits.shape();
+  pr.loss_dtype = dp::dtype_name(loss_fn(logits, y).dtype());
+  pr.softmax_dtype = dp::dtype_name(dp::nn::softmax(logits, -1).dtype());
+  pr.layer_norm_dtype = dp::dtype_name(dp::nn::layer_norm(logits, {logits.size(-1)}).dtype());
+  return pr;
+}
+
+// Float32 accumulation inside a bfloat16 product: K ones times K ones under autocast,
+// against a running sum kept in bfloat16 (8 significant bits: 256 + 1 rounds to 256).
+struct Accumulation {
+  std::int64_t k = 1024;
+  double product = 0;
+  std::string product_dtype;
+  double bf16_running_sum = 0;
+};
+
+Accumulation accumulation(dp::Device dev) {
+  Accumulation a;
+  const dp::Tensor ones = dp::ones({1, a.k}, dev);
+  {
+    dp::NoGradGuard no_grad;
+    const dp::amp::autocast scope(dp::Dtype::BFloat16);
+    const dp::Tensor y = dp::linear(ones, ones, dp::Tensor());  // (1, 1): the dot product
+    a.product = y.item();
+    a.product_dtype = dp::dtype_name(y.dtype());
+  }
+  dp::BFloat16 sum(0.0f);
+  for (std::int64_t i = 0; i < a.k; ++i) sum = dp::BFloat16(static_cast<float>(sum) + 1.0f);
+  a.bf16_running_sum = static_cast<float>(sum);
+  return a;
+}
+
+// Elements of v that are not 0 but become 0 rounded to `dtype`.
+std::int64_t flushed_to_zero(const std::vector<float>& v, dp::Dtype dtype) {
+  const std::vector<float> r =
+      dp::from_vector(v, {static_cast<std::int64_t>(v.size())}).to(dtype).to(dp::Dtype::Float32).to_vector();
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < v.size(); ++i) n += v[i] != 0 && r[i] == 0;
+  return n;
+}
+
+// Updates of the last step that bfloat16 weights would have lost: p_before rounded to
+// bfloat16, minus lr·m, rounds back to the same bfloat16 value.
+std::int64_t lost_in_bf16_weights(const Run& r) {
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < r.momentum.size(); ++i) {
+    const float update = static_cast<float>(kLr) * r.momentum[i];
+    if (update == 0) continue;
+    const dp::BFloat16 before(r.params_after[i] + update);
+    n += dp::BFloat16(static_cast<float>(before) - update).bits == before.bits;
+  }
+  return n;
+}
+
+// The bytes of the all-reduce buckets recorded on device 0's comm thread.
+double recorded_allreduce_bytes(const Run& r, dp::Device d0) {
+  double bytes = 0;
+  for (auto& e : r.med().tl.events)
+    if (e.track == comm(d0) && e.name.rfind("allreduce bucket ", 0) == 0) bytes += recorded_bytes(e);
+  return bytes;
+}
+
+// The DDP step told for what is 16-bit and what stays float32, phase by phase, from the
+// DDP run (`wired`: the same run with --reduce-dtype's wire, when set).
+void narrate_mixed(Narrator& n, const Run& r, const Run* wired, const std::vector<dp::Device>& devs,
+                   const dp::data::Batch& batch, double P, const Precision& pr, nlohmann::json& jm) {
+  const std::size_t N = devs.size();
+  const bool bf16 = pr.compute == "bf16";
+  const std::string c16 = bf16 ? "bfloat16" : "float32";
+  const dp::Device d0 = devs[0];
+  const std::int64_t rows = (batch.data.size(0) + static_cast<std::int64_t>(N) - 1) / static_cast<std::int64_t>(N);
+  const Probe probe = probe_forward(*r.net, batch, rows, d0, pr.compute);
+  const auto named = r.net->named_parameters();
+  const std::string param_dtype = dp::dtype_name(named[0].second.dtype());
+  const dp::Tensor grad = r.net->parameter_set()->copy(0).grad;
+  const std::vector<float> g = grad.to_vector();
+  const std::int64_t fp16_zero = flushed_to_zero(g, dp::Dtype::Float16);
+  const std::int64_t bf16_zero = flushed_to_zero(g, dp::Dtype::BFloat16);
+  const std::int64_t lost = lost_in_bf16_weights(r);
+  auto join = [](const std::set<std::string>& s) {
+    std::string out;
+    for (auto& x : s) out += (out.empty() ? "" : ", ") + x;
+    return out;
+  };
+  n.say("== Mixed precision in the DDP step (--precision " + pr.compute + ", --reduce-dtype " + pr.wire + ") ==");
+  n.say("What is " + std::string(bf16 ? "bfloat16" : "16-bit") + " and what stays float32, phase by phase, measured on " +
+        d0.str() + " in the DDP run above.");
+  n.say("0. parameters — the master weights are " + param_dtype + " (" + named[0].first + " " +
+        samples::shape_text(named[0].second.shape()) + "): P = " + format_bytes(P) + " per device, 4 B a parameter.");
+  n.say("   autocast never converts a parameter: a product casts a transient " + c16 + " COPY of it, and that");
+  n.say("   cast's backward brings the gradient back to float32.");
+  n.say("   Why: an update lr·m is often smaller than half a bfloat16 step of the weight (2^-9 to 2^-8 of it): in the last");
+  n.say("   step " + std::to_string(lost) + " of the " + std::to_string(r.momentum.size()) +
+        " updates would have rounded away in bfloat16 weights; float32 weights keep every one.");
+  n.say("1-2. scatter — the input shard arrives as " + std::string(dp::dtype_name(batch.data.dtype())) + " " +
+        samples::shape_text(batch.data.narrow(0, 0, rows).shape()) + ": nothing is cast before an op needs it.");
+  n.say("3. forward — " + std::string(bf16 ? "under dp::amp::autocast(bfloat16), which DataParallel carries to every "
+                                             "worker thread:"
+                                           : "float32 (no --precision bf16): no autocast scope."));
+  if (bf16) {
+    n.say("   products (conv2d, linear, matmul, attention) cast their float32 inputs and weights to bfloat16 and");
+    n.say("   compute there; ops on neither list (ReLU, max-pool, reshape) run in their input's dtype:");
+  }
+  for (const Activation& a : probe.children)
+    n.say("     '" + a.child + "' (" + a.type + ") → " + a.dtype + " " + samples::shape_text(a.shape) + ", " +
+          std::to_string(static_cast<std::int64_t>(a.bytes)) + " B" +
+          (a.dtype == "bfloat16" ? " (float32: " + std::to_string(static_cast<std::int64_t>(2 * a.bytes)) + " B)" : ""));
+  if (probe.children.empty())  // not a Sequential (the GPT): its output alone
+    n.say("     the logits of " + d0.str() + "'s shard → " + probe.logits_dtype + " " + samples::shape_text(probe.logits_shape));
+  n.say("   The logits reached the loss as " + join(r.logits_dtypes) + " on every worker (" +
+        std::to_string(r.loss_calls) + " calls over " + std::to_string(r.iters.size()) + " iteration(s) on " +
+        std::to_string(N) + " devices).");
+  Accumulation acc;
+  if (bf16) {
+    acc = accumulation(d0);
+    n.say("   A bfloat16 product accumulates in float32 and rounds once: " + std::to_string(acc.k) + " ones times " +
+          std::to_string(acc.k) + " ones");
+    n.say("   under autocast gives " + fmt(acc.product, 0) + " (" + acc.product_dtype + ");");
+    n.say("   a running sum kept in bfloat16 stops at " + fmt(acc.bf16_running_sum, 0) +
+          " (8 significant bits: 256 + 1 rounds back to 256).");
+  }
+  n.say("4. loss — cross_entropy is on autocast's float32 list: it casts the logits to float32 and its log_softmax");
+  n.say("   runs there: the loss is " + join(r.loss_dtypes) + ". softmax (" + probe.softmax_dtype +
+        ") and the norms, layer_norm (" + probe.layer_norm_dtype + ") and batch_norm,");
+  n.say("   are on that list too: exp, sums over many terms and a variance lose most in 8 bits.");
+  n.say("5. backward — every node runs in its forward's dtype (autocast is off in backward): the activations'");
+  n.say("   gradients are " + c16 + ", and each weight's cast node returns its gradient as float32: the leaves'");
+  n.say("   .grad are " + std::string(dp::dtype_name(grad.dtype())) + ", views of the flat gradient buffer (" +
+        format_bytes(static_cast<double>(grad.nbytes())) + " per device).");
+  const double rec32 = recorded_allreduce_bytes(r, d0);
+  const double bytes32 = static_cast<double>(r.med().stats.devices[0].grad_bytes);
+  n.say("6. all-reduce — with a float32 wire the buckets move float32: " + devs[0].str() + " put " +
+        std::to_string(static_cast<std::int64_t>(bytes32)) + " B into the gradient");
+  n.say("   collectives (stats().grad_bytes); the buckets recorded " + std::to_string(static_cast<std::int64_t>(rec32)) +
+        " B = P.");
+  double rec16 = 0, bytes16 = 0, wire_diff = 0;
+  if (wired != nullptr) {
+    rec16 = recorded_allreduce_bytes(*wired, d0);
+    bytes16 = static_cast<double>(wired->med().stats.devices[0].grad_bytes);
+    wire_diff = max_diff(wired->params, r.params);
+    const std::string w16 = pr.wire == "bf16" ? "bfloat16" : "float16";
+    n.say("   --reduce-dtype " + pr.wire + " (the same step once more): each bucket is rounded to " + w16 +
+          " into a wire buffer");
+    n.say("   (2 B a parameter per device), the devices' " + w16 + " values are summed in float32 in device order");
+    n.say("   and rounded once, and the sum is widened back into the float32 .grad: " + w16 + " on the wire,");
+    n.say("   " + std::to_string(static_cast<std::int64_t>(bytes16)) + " B into the collectives on " + d0.str() + " and " +
+          std::to_string(static_cast<std::int64_t>(rec16)) + " B of buckets, the bytes halved (" +
+          std::to_string(static_cast<std::int64_t>(bytes32)) + " → " + std::to_string(static_cast<std::int64_t>(bytes16)) +
+          " B).");
+    n.say("   Its parameters differ from the float32 wire's by max " + fmt(wire_diff, 9) + ": the rounding.");
+  } else {
+    n.say("   (--reduce-dtype bf16 would round each bucket to bfloat16 on the wire: half these bytes.)");
+  }
+  n.say("7. step — SGD with momentum updates the float32 master weights with its momentum buffer (" +
+        join(r.state_dtypes) + ", " + format_bytes(r.state_bytes) + " per device).");
+  n.say("Why bfloat16 needs no GradScaler and float16 does: bfloat16 keeps float32's 8 exponent bits (smallest normal");
+  n.say("1.2e-38), float16 has 5 (smallest subnormal 6.0e-8, largest 65504). Of this step's " +
+        std::to_string(g.size()) + " parameter-gradient");
+  n.say("elements " + std::to_string(fp16_zero) + " are too small for float16 (they round to 0), " +
+        std::to_string(bf16_zero) + " for bfloat16.");
+  n.say("dp::amp::GradScaler multiplies a float16 loss by 2^16 so that backward's float16 values stay in range, divides");
+  n.say("the float32 gradients back before the step and skips a step that overflowed (samples/dp_vs_ddp --precision fp16).");
+  n.say("");
+  nlohmann::json jchildren = nlohmann::json::array();
+  for (const Activation& a : probe.children)
+    jchildren.push_back({{"child", a.child}, {"type", a.type}, {"dtype", a.dtype}, {"shape", a.shape}, {"bytes", a.bytes}});
+  jm = {{"precision", pr.compute},
+        {"reduce_dtype", pr.wire},
+        {"param_dtype", param_dtype},
+        {"grad_dtype", dp::dtype_name(grad.dtype())},
+        {"optimizer_state_dtypes", std::vector<std::string>(r.state_dtypes.begin(), r.state_dtypes.end())},
+        {"optimizer_state_bytes", r.state_bytes},
+        {"logits_dtypes", std::vector<std::string>(r.logits_dtypes.begin(), r.logits_dtypes.end())},
+        {"loss_dtypes", std::vector<std::string>(r.loss_dtypes.begin(), r.loss_dtypes.end())},
+        {"loss_calls", r.loss_calls},
+        {"activations", jchildren},
+        {"probe_logits_dtype", probe.logits_dtype},
+        {"probe_loss_dtype", probe.loss_dtype},
+        {"softmax_dtype", probe.softmax_dtype},
+        {"layer_norm_dtype", probe.layer_norm_dtype},
+        {"updates", r.momentum.size()},
+        {"updates_lost_in_bf16_weights", lost},
+        {"grad_elems", g.size()},
+        {"grad_zero_in_fp16", fp16_zero},
+        {"grad_zero_in_bf16", bf16_zero},
+        {"grad_bytes_fp32_wire", bytes32},
+        {"recorded_bucket_bytes_fp32_wire", rec32}};
+  if (bf16)
+    jm["accumulation"] = {{"k", acc.k}, {"product", acc.product}, {"product_dtype", acc.product_dtype},
+                          {"bf16_running_sum", acc.bf16_running_sum}};
+  if (wired != nullptr) {
+    jm["grad_bytes_wire"] = bytes16;
+    jm["recorded_bucket_bytes_wire"] = rec16;
+    jm["max_param_diff_wire"] = wire_diff;
+  }
+}
+
 void write_trace(const std::string& path, const std::vector<const Run*>& runs) {
   nlohmann::json events = nlohmann::json::array();
   int pid = 1;
@@ -803,12 +1102,6 @@ void write_trace(const std::string& path, const std::vector<const Run*>& runs) {
   if (!f) throw std::runtime_error("--trace: cannot write '" + path + "'");
 }
 
-double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) diff = std::max(diff, double(std::abs(a[i] - b[i])));
-  return diff;
-}
-
 std::string diff_text(double diff) {
   return diff == 0 ? std::string("0 (bitwise identical)") : fmt(diff, 9);
 }
@@ -825,6 +1118,7 @@ int main(int argc, char** argv) {
   bool json = false;
   std::string trace_path;
   std::string model_name = "cnn";
+  Precision precision;
   app.add_option("--model", model_name,
                  "cnn (the Fashion-MNIST CNN) or gpt (6 transformer blocks of width 256, 4.8 M parameters: where "
                  "sharding pays)")
@@ -838,6 +1132,8 @@ int main(int argc, char** argv) {
   samples::add_shard_stage_option(app, stage);
   samples::add_json_option(app, json, "print one JSON object (the narration and the figures) instead of text");
   app.add_option("--trace", trace_path, "write a Perfetto/Chrome trace of each design's median iteration to FILE");
+  samples::add_precision_option(app, precision.compute);
+  samples::add_reduce_dtype_option(app, precision.wire);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -853,10 +1149,17 @@ int main(int argc, char** argv) {
 
     Narrator n;
     n.json = json;
-    Run dpr = run(model_name, dp::Mode::DP, 0, devs, data[0], data[1], iterations);
-    Run ddpr = run(model_name, dp::Mode::DDP, 0, devs, data[0], data[1], iterations);
-    Run shr = run(model_name, dp::Mode::Sharded, stage, devs, data[0], data[1], iterations);
-    Run sh3 = run(model_name, dp::Mode::Sharded, 3, devs, data[0], data[1], iterations);
+    if (precision.compute != "fp32" && devs[0].is_cpu()) std::cerr << samples::cpu_16bit_note(precision.compute) << "\n";
+    // The four designs compute in --precision on a float32 wire, so that their bytes are
+    // told as float32's; --reduce-dtype adds a DDP run with the 16-bit wire.
+    const Precision compute{.compute = precision.compute};
+    Run dpr = run(model_name, dp::Mode::DP, 0, devs, data[0], data[1], iterations, compute);
+    Run ddpr = run(model_name, dp::Mode::DDP, 0, devs, data[0], data[1], iterations, compute);
+    Run shr = run(model_name, dp::Mode::Sharded, stage, devs, data[0], data[1], iterations, compute);
+    Run sh3 = run(model_name, dp::Mode::Sharded, 3, devs, data[0], data[1], iterations, compute);
+    std::optional<Run> wired;
+    if (precision.wire != "fp32")
+      wired = run(model_name, dp::Mode::DDP, 0, devs, data[0], data[1], iterations, precision);
     auto params = param_infos(*dpr.net);
     double P = 0;
     for (auto& p : params) P += 4.0 * p.numel;
@@ -889,6 +1192,9 @@ int main(int argc, char** argv) {
     narrate_sharded(n, shr, ddpr, params, devs, P, jsharded);
     nlohmann::json jstage3;
     narrate_stage3(n, sh3, ddpr, params, devs, P, jstage3);
+    nlohmann::json jmixed;  // null unless --precision or --reduce-dtype asks for 16 bits
+    if (precision.compute != "fp32" || wired)
+      narrate_mixed(n, ddpr, wired ? &*wired : nullptr, devs, data[1], P, precision, jmixed);
 
     double diff = max_diff(dpr.params, ddpr.params), diff_sh = max_diff(ddpr.params, shr.params);
     double diff_sh3 = max_diff(ddpr.params, sh3.params);
@@ -978,6 +1284,7 @@ int main(int argc, char** argv) {
                                   {"phase_ms", phases(ddpr)}}},
                          {"sharded", jsharded},
                          {"stage3", jstage3},
+                         {"mixed_precision", jmixed},
                          {"max_param_diff_stage3", diff_sh3},
                          {"max_param_diff", diff},
                          {"max_param_diff_sharded", diff_sh},

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "dp/core/error.h"
+#include "dp/core/half.h"
 #include "dp/dist/dist.h"
 
 namespace dp::dist::detail {
@@ -39,6 +40,15 @@ namespace dp::dist::detail {
 // on how the buffer is sliced (small buffers take a one-phase path with the same
 // order). A different process count is a different sum.
 //
+// bfloat16 and float16 (gradients on the wire, Note [Gradients on the wire] in
+// src/parallel/grad_wire.h) travel as 2-byte elements — MPI has no bfloat16 type, and
+// dp never asks MPI to add anyway — and are folded by the same code in float32: every
+// input widens exactly, element i is ((x_0[i] + x_1[i]) + x_2[i]) + ... in rank order in
+// float32 (Mean: then * (1.0f / P)), and the result rounds to 16 bits once, to nearest
+// even. That is the local communicator's 16-bit sum (src/comm/summation.h), so a
+// process-level sum over P processes is bitwise the shared-memory sum over P devices,
+// in 16 bits as in float32, and every process gets the same bits.
+//
 // All-reduce of a large buffer (> kSmallBytes): a reduce-scatter (process s receives
 // slice s of every process's buffer and reduces it in rank order) then an all-gather of
 // the reduced slices. A small one: an all-gather of the whole inputs, then every
@@ -62,12 +72,19 @@ void copy_n(T* dst, const T* src, std::int64_t n) {
   if (n > 0 && dst != src) std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(T));
 }
 
-enum class Elem : std::int32_t { Byte, Float32, Float64, Int64 };
+enum class Elem : std::int32_t { Byte, Float32, Float64, Int64, BFloat16, Float16 };
+
+/// The 16-bit floating types: moved as 2 bytes, folded in float32 (Note [Deterministic
+/// process collectives]).
+template <typename T>
+constexpr bool kIs16Bit = std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16>;
 
 template <typename T>
 constexpr Elem elem_of() {
   if constexpr (std::is_same_v<T, float>) return Elem::Float32;
   else if constexpr (std::is_same_v<T, double>) return Elem::Float64;
+  else if constexpr (std::is_same_v<T, BFloat16>) return Elem::BFloat16;
+  else if constexpr (std::is_same_v<T, Float16>) return Elem::Float16;
   else return Elem::Int64;
 }
 
@@ -77,6 +94,8 @@ const char* elem_name(std::int32_t e) {
     case Elem::Float32: return "float32";
     case Elem::Float64: return "float64";
     case Elem::Int64: return "int64";
+    case Elem::BFloat16: return "bfloat16";
+    case Elem::Float16: return "float16";
   }
   return "?";
 }
@@ -197,6 +216,23 @@ T mean_of(T sum, int p) {
   }
 }
 
+/// out[i] = out[i] ⊕ src[i]: one step of a fold in rank order.
+template <typename T>
+void combine(T* __restrict out, const T* __restrict src, std::int64_t n, Reduction op) {
+  switch (op) {
+    case Reduction::Sum:
+    case Reduction::Mean:
+      for (std::int64_t i = 0; i < n; ++i) out[i] = add(out[i], src[i]);
+      break;
+    case Reduction::Max:
+      for (std::int64_t i = 0; i < n; ++i) out[i] = pick(out[i], src[i], true);
+      break;
+    case Reduction::Min:
+      for (std::int64_t i = 0; i < n; ++i) out[i] = pick(out[i], src[i], false);
+      break;
+  }
+}
+
 /// dst[i] = rows[0][i] ⊕ rows[1][i] ⊕ ... ⊕ rows[P-1][i] (Note [Deterministic process
 /// collectives]). dst may alias no row.
 template <typename T>
@@ -204,26 +240,35 @@ void fold(const std::vector<const T*>& rows, T* dst, std::int64_t n, Reduction o
   if (n <= 0) return;
   const int p = static_cast<int>(rows.size());
   copy_n(dst, rows[0], n);
-  for (int k = 1; k < p; ++k) {
-    const T* __restrict src = rows[static_cast<std::size_t>(k)];
-    T* __restrict out = dst;
-    switch (op) {
-      case Reduction::Sum:
-      case Reduction::Mean:
-        for (std::int64_t i = 0; i < n; ++i) out[i] = add(out[i], src[i]);
-        break;
-      case Reduction::Max:
-        for (std::int64_t i = 0; i < n; ++i) out[i] = pick(out[i], src[i], true);
-        break;
-      case Reduction::Min:
-        for (std::int64_t i = 0; i < n; ++i) out[i] = pick(out[i], src[i], false);
-        break;
-    }
-  }
+  for (int k = 1; k < p; ++k) combine(dst, rows[static_cast<std::size_t>(k)], n, op);
   if (op == Reduction::Mean) {
     if constexpr (std::is_floating_point_v<T>) {
       for (std::int64_t i = 0; i < n; ++i) dst[i] = mean_of(dst[i], p);
     }
+  }
+}
+
+/// fold of 16-bit rows: each block widened to float32, folded there in rank order as a
+/// float32 fold, and rounded to T once (Note [Deterministic process collectives]).
+template <typename T>
+  requires kIs16Bit<T>
+void fold(const std::vector<const T*>& rows, T* dst, std::int64_t n, Reduction op) {
+  // 2 x 4 KiB of float32 on the stack: a block stays in L1 while every row is added.
+  constexpr std::int64_t kBlock = 1024;
+  float acc[kBlock];
+  float next[kBlock];
+  const int p = static_cast<int>(rows.size());
+  for (std::int64_t b = 0; b < n; b += kBlock) {
+    const std::int64_t m = std::min(kBlock, n - b);
+    for (std::int64_t i = 0; i < m; ++i) acc[i] = static_cast<float>(rows[0][b + i]);
+    for (int k = 1; k < p; ++k) {
+      const T* src = rows[static_cast<std::size_t>(k)] + b;
+      for (std::int64_t i = 0; i < m; ++i) next[i] = static_cast<float>(src[i]);
+      combine(acc, next, m, op);
+    }
+    if (op == Reduction::Mean)
+      for (std::int64_t i = 0; i < m; ++i) acc[i] = mean_of(acc[i], p);
+    for (std::int64_t i = 0; i < m; ++i) dst[b + i] = T(acc[i]);
   }
 }
 
@@ -632,6 +677,8 @@ void ProcessGroup::broadcast(void* data, std::int64_t bytes, int root, const cha
 DP_INSTANTIATE_GROUP(float)
 DP_INSTANTIATE_GROUP(double)
 DP_INSTANTIATE_GROUP(std::int64_t)
+DP_INSTANTIATE_GROUP(BFloat16)
+DP_INSTANTIATE_GROUP(Float16)
 #undef DP_INSTANTIATE_GROUP
 
 }  // namespace dp::dist::detail

@@ -6,7 +6,8 @@
 // checks every process made the same call (Note [Process collective protocol]), sums in
 // rank order (Note [Deterministic process collectives]) and never waits longer than
 // dp::dist::timeout() without progress (Note [Fault policy], dist.cpp). It knows nothing
-// of tensors or devices: buffers are (pointer, count) pairs of float, double or int64.
+// of tensors or devices: buffers are (pointer, count) pairs of float, double, int64,
+// dp::BFloat16 or dp::Float16 (2-byte elements, summed in float32 and rounded once).
 //
 //   auto group = dp::dist::detail::new_world_group("my communicator");
 //   group->all_reduce<float>(grad, grad, n, Reduction::Sum, "all_reduce");  // in place

@@ -214,10 +214,6 @@ void DataParallel::init(std::vector<Device> devices) {
                                   : comm::make_communicator(devices_, comm_options);
   processes_ = comm_->world_size() / n;
   process_ = comm_->first_rank() / n;
-  DP_CHECK(processes_ == 1 || options_.mixed_precision.reduce_dtype.value_or(Dtype::Float32) == Dtype::Float32,
-           "DataParallel: mixed_precision.reduce_dtype = ", dtype_name(*options_.mixed_precision.reduce_dtype),
-           " across ", processes_, " processes is not supported yet (the process group reduces float32); drop "
-           "reduce_dtype, or pass span_processes = false");
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
   fences_ = std::make_unique<backend::CopyFences>(devices_);
   sync_processes();

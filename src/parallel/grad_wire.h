@@ -34,6 +34,19 @@ namespace dp::parallel {
 /// with the additions in float32 in device order — in DP, DDP and Sharded alike, which
 /// therefore stay bitwise identical to one another (NCCL adds in its own precision and
 /// order; there only the designs' agreement within NCCL holds).
+/// Across processes (mpirun) the wire crosses two hops, and each hop is one such sum,
+/// rounded once: the L devices of process p give s_p = round16(sum_j round16(g_pj)) as
+/// above, and the processes' process groups move the s_p as 2-byte elements (MPI has
+/// no bfloat16, and dp never lets MPI add) and sum them the same way, in process order
+/// (Note [Deterministic process collectives] in src/dist/process_group.cpp):
+///     float(round16(s_0 + s_1 + ... + s_{P-1}))
+/// Every design takes that route (Note [DP across processes] in reducer.cpp, Note
+/// [Hierarchical collectives] in src/comm/hier/), so the designs stay bitwise alike
+/// across processes, every process gets the same bits, and a run is reproducible. With
+/// one device per process the first hop rounds nothing new and the result is, bit for
+/// bit, one process over P devices; with more the extra rounding makes it a different
+/// sum from one process over P * L devices (to 16-bit rounding, as float32's own
+/// regrouping differs in its last bits). Between processes too the bytes are halved.
 /// No division on the wire: each worker's loss is already scaled by its rows over the
 /// batch's rows (Note [Loss scaling] in data_parallel.cpp), so every input
 /// is already the rank's share of the mean and the sum IS the mean. That is PyTorch's

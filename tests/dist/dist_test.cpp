@@ -26,6 +26,7 @@
 #include "dp/comm/communicator.h"
 #include "dp/comm/mpi_communicator.h"
 #include "dp/core/error.h"
+#include "dp/core/half.h"
 #include "dp/data/sampler.h"
 #include "dp/dist/dist.h"
 #include "dp/tensor/tensor.h"
@@ -356,6 +357,126 @@ TEST_CASE("mpi communicator: the same bits as the local communicator over P devi
     threads.emplace_back([&, k] { local->all_reduce(k, xs[static_cast<std::size_t>(k)], xs[static_cast<std::size_t>(k)], ReduceOp::Average); });
   for (auto& t : threads) t.join();
   CHECK(bitwise_equal(x.to_vector(), xs[0].to_vector()));
+}
+
+namespace {
+
+/// Input element i of rank r for a 16-bit sum: magnitudes 1e-2 to 1e2 of both signs
+/// (float16 holds 1e5 of them), not 16-bit values yet.
+float input16(int r, std::int64_t i) { return input(r, i) * 1e-3f; }
+
+/// x rounded to `dtype` (nearest even) and widened back.
+float round_to(dp::Dtype dtype, float x) {
+  return dtype == dp::Dtype::BFloat16 ? static_cast<float>(dp::BFloat16(x)) : static_cast<float>(dp::Float16(x));
+}
+
+/// Rank r's 16-bit send: input16 rounded to `dtype`.
+dp::Tensor send16(dp::Dtype dtype, int r, std::int64_t n, std::int64_t offset = 0, dp::Device dev = dp::cpu(0)) {
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = input16(r, offset + i);
+  return dp::from_vector(v, {n}, dev).to(dtype);
+}
+
+/// The 16-bit reduction dp promises (Note [Deterministic process collectives]): every
+/// rank's 16-bit input widened, added in float32 in rank order, Average then * (1 / P),
+/// and one rounding to `dtype` at the end.
+std::vector<float> expected_reduce16(dp::Dtype dtype, int p, std::int64_t n, ReduceOp op, std::int64_t offset = 0) {
+  std::vector<float> out(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    float acc = round_to(dtype, input16(0, offset + i));
+    for (int r = 1; r < p; ++r) acc += round_to(dtype, input16(r, offset + i));
+    if (op == ReduceOp::Average) acc *= 1.0f / static_cast<float>(p);
+    out[static_cast<std::size_t>(i)] = round_to(dtype, acc);
+  }
+  return out;
+}
+
+}  // namespace
+
+// Note [Deterministic process collectives]: bfloat16 and float16 cross processes as
+// 2-byte elements and are summed in float32 in rank order, rounded once.
+TEST_CASE("mpi communicator: bfloat16 and float16 reductions sum in float32 in rank order and round once") {
+  const int p = dist::world_size();
+  const int r = dist::rank();
+  auto comm = dp::comm::make_mpi_communicator(dp::cpu(0));
+  using Kind = dp::comm::Communicator::Collective;
+  for (dp::Dtype dtype : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    CAPTURE(dp::dtype_name(dtype));
+    CHECK(comm->supports(Kind::AllReduce, dtype));
+    CHECK(comm->supports(Kind::Reduce, dtype));
+    CHECK(comm->supports(Kind::ReduceScatter, dtype));
+    CHECK(comm->supports(Kind::Broadcast, dtype));
+    // 0, tiny, odd, the one-round path (<= 64 KiB: 32768 2-byte elements) and the
+    // two-phase path with uneven slices.
+    for (std::int64_t n : {0, 1, 7, 32768, 50003}) {
+      CAPTURE(n);
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Average}) {
+        const std::vector<float> want = expected_reduce16(dtype, p, n, op);
+        dp::Tensor send = send16(dtype, r, n);
+        const std::vector<float> sent = send.to_vector();
+        dp::Tensor recv = dp::zeros({n}, {.dtype = dtype, .device = dp::cpu(0)});
+        comm->all_reduce(r, send, recv, op);
+        CHECK(recv.dtype() == dtype);
+        CHECK(bitwise_equal(recv.to_vector(), want));
+        CHECK(bitwise_equal(send.to_vector(), sent));  // send is left alone
+        CHECK(same_as_rank0(recv.to_vector()));
+        comm->all_reduce(r, send, send, op);  // in place
+        CHECK(bitwise_equal(send.to_vector(), want));
+        for (int root : {0, p - 1}) {
+          dp::Tensor x = send16(dtype, r, n);
+          comm->reduce(r, x, r == root ? x : dp::Tensor(), root, op);
+          CHECK(bitwise_equal(x.to_vector(), r == root ? want : sent));
+        }
+      }
+    }
+    for (std::int64_t m : {0, 1, 5000}) {
+      CAPTURE(m);
+      dp::Tensor recv = dp::zeros({m}, {.dtype = dtype, .device = dp::cpu(0)});
+      comm->reduce_scatter(r, send16(dtype, r, m * p), recv, ReduceOp::Sum);
+      CHECK(bitwise_equal(recv.to_vector(), expected_reduce16(dtype, p, m, ReduceOp::Sum, m * r)));
+    }
+  }
+}
+
+TEST_CASE("mpi communicator: 16-bit sums are the local communicator's over P devices, in half the bytes") {
+  // Both add the widened inputs in float32 in rank order and round once (summation.h).
+  const int p = dist::world_size();
+  const std::int64_t n = 30011;
+  for (dp::Dtype dtype : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    CAPTURE(dp::dtype_name(dtype));
+    auto comm = dp::comm::make_mpi_communicator(dp::cpu(0));
+    dp::Tensor x = send16(dtype, dist::rank(), n);
+    comm->all_reduce(dist::rank(), x, x, ReduceOp::Sum);
+    dp::Tensor f = tensor_of(inputs(dist::rank(), n));
+    comm->all_reduce(dist::rank(), f, f, ReduceOp::Sum);
+    // The payload as nccl-tests counts it: 2 bytes an element, float32's 4.
+    const auto ar = static_cast<std::size_t>(dp::comm::Communicator::Collective::AllReduce);
+    const dp::comm::Communicator::ProcessTimes t = comm->process_times(dist::rank());
+    CHECK(t.calls[ar] == 2);
+    CHECK(t.bytes[ar] == n * 2 + n * 4);
+
+    std::vector<dp::Device> devs;
+    for (int k = 0; k < p; ++k) devs.push_back(dp::cpu(k));
+    auto local = dp::comm::make_local_communicator(devs);
+    std::vector<dp::Tensor> xs;
+    for (int k = 0; k < p; ++k) xs.push_back(send16(dtype, k, n, 0, dp::cpu(k)));
+    std::vector<std::thread> threads;
+    for (int k = 0; k < p; ++k)
+      threads.emplace_back([&, k] { local->all_reduce(k, xs[static_cast<std::size_t>(k)], xs[static_cast<std::size_t>(k)], ReduceOp::Sum); });
+    for (auto& t : threads) t.join();
+    CHECK(bitwise_equal(x.to_vector(), xs[0].to_vector()));
+    if (p > 2) {
+      // The inputs tell one rounding from one per addition apart (for 2 they are one).
+      const std::vector<float> got = x.to_vector();
+      std::int64_t differ = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        float step = round_to(dtype, input16(0, i));
+        for (int k = 1; k < p; ++k) step = round_to(dtype, step + round_to(dtype, input16(k, i)));
+        differ += step != got[static_cast<std::size_t>(i)];
+      }
+      CHECK(differ > 0);
+    }
+  }
 }
 
 TEST_CASE("bad input: every process throws dp::Error naming what was expected") {

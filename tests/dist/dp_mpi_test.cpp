@@ -261,23 +261,192 @@ TEST_CASE("the job spans every process: world_devices, processes, the shards ove
   CHECK(len * model.world_devices() >= net->parameter_set()->numel());
 }
 
-// Note [Gradients on the wire]: the process group reduces float32 only, so a 16-bit wire
-// across processes is refused on every process alike; within each process it trains.
-TEST_CASE("reduce_dtype bf16 across processes is a clear dp::Error on every process; within a process it trains") {
-  const dp::DataParallelOptions bf16{.mode = dp::Mode::DDP, .mixed_precision = {.reduce_dtype = dp::Dtype::BFloat16}};
-  if (dist::world_size() > 1) {
-    const std::string expected =
-        "reduce_dtype = bfloat16 across " + std::to_string(dist::world_size()) + " processes is not supported yet";
-    CHECK_THROWS_WITH_AS(dp::DataParallel(make_mlp(kSeed), local_devices(), bf16),
-                         doctest::Contains(expected.c_str()), dp::Error);
+// ---- gradients on the wire in 16 bits across processes -----------------------------
+// Note [Gradients on the wire] in src/parallel/grad_wire.h: a gradient crosses two hops,
+// each summing its 16-bit inputs in float32 in a fixed order and rounding once — the
+// devices of a process, then the processes. With one device per process the first hop
+// is empty, which is the one hop of one process over P devices: the same run, bit for bit.
+
+namespace {
+
+dp::DataParallelOptions with_wire(dp::DataParallelOptions o, dp::Dtype wire) {
+  o.mixed_precision.reduce_dtype = wire;
+  return o;
+}
+
+/// x rounded to `dtype` and widened back, element by element (Tensor::to's bits).
+std::vector<float> rounded(const std::vector<float>& x, dp::Dtype dtype) {
+  return dp::from_vector(x, {static_cast<std::int64_t>(x.size())}).to(dtype).to(dp::Dtype::Float32).to_vector();
+}
+
+/// Every device's own gradient of one forward_backward on its share of the global batch
+/// b (this process's rows, on `l` devices; a DDP backward inside no_sync keeps what each
+/// worker computed), in world rank order, on every process.
+std::vector<std::vector<float>> world_grads(int l, const Batch& b) {
+  auto net = make_mlp(kSeed);
+  dp::DataParallel model(net, local_devices(l), {.mode = dp::Mode::DDP});
+  {
+    auto guard = model.no_sync();
+    const auto [lo, n] = my_rows(b.x.size(0));
+    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
   }
-  dp::DataParallelOptions local = bf16;
-  local.span_processes = false;
-  dp::DataParallel model(make_mlp(kSeed), local_devices(), local);
+  std::vector<std::vector<float>> all;
+  for (int p = 0; p < dist::world_size(); ++p)
+    for (int j = 0; j < l; ++j) {
+      std::vector<float> g;
+      if (p == dist::rank()) g = model.parameters().set()->copy(j).grad.to(dp::cpu(0)).to_vector();
+      all.push_back(dist::broadcast_object(g, p));
+    }
+  return all;
+}
+
+/// The sum the note promises over P processes of l devices: within each process the
+/// devices' rounded gradients added in float32 in device order and rounded once, then
+/// those partial sums added in float32 in process order and rounded once. One device in
+/// the whole job puts nothing on a wire.
+std::vector<float> wire_sum(const std::vector<std::vector<float>>& g, int l, dp::Dtype wire) {
+  if (g.size() == 1) return g[0];
+  std::vector<float> total;
+  for (std::size_t first = 0; first < g.size(); first += static_cast<std::size_t>(l)) {
+    std::vector<float> acc = rounded(g[first], wire);
+    for (int j = 1; j < l; ++j) {
+      const std::vector<float> gj = rounded(g[first + static_cast<std::size_t>(j)], wire);
+      for (std::size_t i = 0; i < acc.size(); ++i) acc[i] += gj[i];
+    }
+    acc = rounded(acc, wire);
+    if (total.empty()) {
+      total = acc;
+    } else {
+      for (std::size_t i = 0; i < acc.size(); ++i) total[i] += acc[i];
+    }
+  }
+  return rounded(total, wire);
+}
+
+struct WireStep {
+  std::vector<float> params;           // after one SGD step with lr 1: p - g, exactly
+  std::int64_t grad_bytes = 0;         // device 0's, for the one backward
+  std::int64_t process_bytes = 0;      // between processes, every local rank's, that backward
+};
+
+/// One zero_grad, forward_backward (this process's rows of b) and SGD(lr = 1) step in
+/// `options` on l devices per process.
+WireStep step_once(int l, const dp::DataParallelOptions& options, const Batch& b) {
+  auto net = make_mlp(kSeed + static_cast<std::uint64_t>(dist::rank()));
+  dp::DataParallel model(net, local_devices(l), options);
+  dp::optim::SGD opt(model.parameters(), {.lr = 1.0});
   model.reset_stats();
-  const Batch b = make_batch(8, 3);
-  model.forward_backward(b.x, b.y, loss_fn);
-  CHECK(model.stats().devices[0].grad_bytes == model.module()->parameter_set()->numel() * 2);
+  opt.zero_grad();
+  const auto [lo, n] = my_rows(b.x.size(0));
+  model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+  WireStep out;
+  out.grad_bytes = model.stats().devices[0].grad_bytes;
+  for (int j = 0; j < l; ++j)
+    for (std::int64_t bytes : model.communicator().process_times(j).bytes) out.process_bytes += bytes;
+  opt.step();
+  out.params = flat(net->state_dict());
+  return out;
+}
+
+constexpr dp::Dtype kWires[] = {dp::Dtype::BFloat16, dp::Dtype::Float16};
+
+/// Rows of the global batch of train_wire: uneven over the processes (5, 4, 4 for 3).
+std::int64_t wire_rows() { return 4 * dist::world_size() + 1; }
+
+/// kSteps Adam steps on global batches of wire_rows(): across processes, this process's
+/// rows on one device; `alone`, one process trains the whole batch on P devices cut as
+/// the processes cut it (chunk_sizes), alone.
+std::vector<float> train_wire(dp::DataParallelOptions options, bool alone) {
+  const int p = dist::world_size();
+  const std::int64_t rows = wire_rows();
+  if (alone) {
+    options.span_processes = false;
+    for (int r = 0; r < p; ++r) options.chunk_sizes.push_back(rows / p + (r < rows % p ? 1 : 0));
+  }
+  auto net = make_mlp(kSeed);
+  dp::DataParallel model(net, local_devices(alone ? p : 1), options);
+  dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+  for (int s = 0; s < kSteps; ++s) {
+    Batch b = make_batch(rows, 300 + static_cast<std::uint64_t>(s));
+    opt.zero_grad();
+    const auto [lo, n] = alone ? std::pair<std::int64_t, std::int64_t>{0, rows} : my_rows(rows);
+    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    opt.step();
+  }
+  return flat(net->state_dict());
+}
+
+}  // namespace
+
+TEST_CASE("reduce_dtype bf16 / fp16 across processes: every design sums one rounding per hop, in half the bytes") {
+  const Batch b = make_batch(global_rows(0), 11);
+  const std::vector<float> p0 = flat(make_mlp(kSeed)->state_dict());
+  for (int l : {1, kLocal}) {
+    const std::vector<std::vector<float>> grads = world_grads(l, b);
+    const bool wired = dist::world_size() * l > 1;
+    for (dp::Dtype wire : kWires) {
+      // p - 1 * g with g the promised sum: SGD's update with lr 1 is exact.
+      const std::vector<float> g = wire_sum(grads, l, wire);
+      std::vector<float> expected(p0.size());
+      for (std::size_t i = 0; i < p0.size(); ++i) expected[i] = p0[i] - g[i];
+      for (const Design& d : designs()) {
+        CAPTURE(l);
+        const std::string names = std::string(dp::dtype_name(wire)) + " " + d.name;
+        CAPTURE(names);
+        const WireStep w16 = step_once(l, with_wire(d.options, wire), b);
+        CHECK(w16.params == expected);
+        CHECK(same_everywhere(w16.params));
+        const WireStep w32 = step_once(l, d.options, b);
+        if (wired) CHECK(w16.params != w32.params);  // the wire did round
+        // Half float32's bytes, on each device and between processes.
+        const std::int64_t numel = static_cast<std::int64_t>(p0.size());
+        CHECK(w32.grad_bytes == (wired ? numel * 4 : 0));
+        CHECK(w16.grad_bytes == (wired ? numel * 2 : 0));
+        CHECK(w16.process_bytes * 2 == w32.process_bytes);
+        CHECK((w32.process_bytes > 0) == (dist::world_size() > 1));
+      }
+    }
+  }
+}
+
+TEST_CASE("reduce_dtype bf16 / fp16 on one device per process: every design is, bit for bit, one process of P devices") {
+  // The first hop is empty: the processes' sum is the one process's over its devices.
+  for (dp::Dtype wire : kWires) {
+    std::vector<float> first;
+    for (const Design& d : designs()) {
+      const std::string names = std::string(dp::dtype_name(wire)) + " " + d.name;
+      CAPTURE(names);
+      const std::vector<float> across = train_wire(with_wire(d.options, wire), /*alone=*/false);
+      const std::vector<float> alone = train_wire(with_wire(d.options, wire), /*alone=*/true);
+      CHECK(across == alone);
+      CHECK(same_everywhere(across));
+      if (first.empty()) first = across;
+      CHECK(across == first);  // the designs agree bit for bit
+    }
+    if (dist::world_size() > 1) CHECK(first != train_wire(designs()[1].options, false));  // the wire did round
+  }
+}
+
+TEST_CASE("reduce_dtype bf16 / fp16 across processes of 2 devices: the designs agree bit for bit, and with one device to 16-bit rounding") {
+  const Run single = train(nullptr, Path::ForwardBackward);
+  for (dp::Dtype wire : kWires) {
+    std::vector<float> first;
+    for (const Design& d : designs()) {
+      const std::string names = std::string(dp::dtype_name(wire)) + " " + d.name;
+      CAPTURE(names);
+      const dp::DataParallelOptions o = with_wire(d.options, wire);
+      const Run run = train(&o, Path::ForwardBackward);
+      // Adam's steps of lr 1e-2 on a gradient rounded to 8 (bfloat16) or 11 (float16)
+      // significant bits: where an element's gradient is near zero, m / sqrt(v) moves by
+      // a good part of lr per step whichever way the rounding tips it.
+      CHECK(max_diff(run.params, single.params) < (wire == dp::Dtype::BFloat16 ? 3e-2 : 3e-3));
+      CHECK(same_everywhere(run.params));
+      if (first.empty()) first = run.params;
+      CHECK(max_diff(run.params, first) == 0.0);
+      const Run again = train(&o, Path::ForwardBackward);
+      CHECK(max_diff(again.params, run.params) == 0.0);  // bitwise reproducible
+    }
+  }
 }
 
 TEST_CASE("reset_stats() also resets the time spent between processes") {

@@ -26,6 +26,7 @@
 #include "backend/backend.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
+#include "dp/core/half.h"
 #include "dp/dist/dist.h"
 #include "dp/tensor/tensor.h"
 
@@ -132,6 +133,31 @@ bool same_as_rank0(const std::vector<float>& v) {
 }
 
 const char* op_str(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+
+/// World rank w's own piece of a per-piece reduce (elements [off, off + len)) and its
+/// block of a reduce_scatter (m elements) hold all-reduce a's bits there.
+void check_pieces(const std::vector<float>& a, const std::vector<float>& piece, std::pair<std::int64_t, std::int64_t> where,
+                  const std::vector<float>& block, int w, std::int64_t m) {
+  const auto [off, len] = where;
+  CHECK(bitwise_equal(piece, std::vector<float>(a.begin() + off, a.begin() + off + len)));
+  CHECK(bitwise_equal(block, std::vector<float>(a.begin() + w * m, a.begin() + (w + 1) * m)));
+}
+
+/// In-place all-reduces of k = 1..kmax elements (rank w's input(w, k, offset 100 k, its
+/// device)) on every local rank of `comm`: each local rank's results, by k.
+std::vector<std::vector<std::vector<float>>> small_all_reduces(
+    Communicator& comm, int l, std::int64_t kmax, ReduceOp op,
+    const std::function<dp::Tensor(int, std::int64_t, std::int64_t, dp::Device)>& input) {
+  std::vector<std::vector<std::vector<float>>> out(static_cast<std::size_t>(l));
+  on_ranks(l, [&](int j) {
+    for (std::int64_t k = 1; k <= kmax; ++k) {
+      dp::Tensor s = input(dist::rank() * l + j, k, 100 * k, dp::cpu(j));
+      comm.all_reduce(j, s, s, op);
+      out[static_cast<std::size_t>(j)].push_back(s.to_vector());
+    }
+  });
+  return out;
+}
 
 }  // namespace
 
@@ -395,21 +421,12 @@ TEST_CASE("order of sums: all_reduce, per-piece reduce and reduce_scatter give t
         CHECK(bitwise_equal(a, want));
         CHECK(bitwise_equal(ar2[static_cast<std::size_t>(j)], a));
         CHECK(same_as_rank0(a));
-        const auto [off, len] = piece(w);
-        CHECK(bitwise_equal(pieces[static_cast<std::size_t>(j)],
-                            std::vector<float>(a.begin() + off, a.begin() + off + len)));
-        CHECK(bitwise_equal(rs[static_cast<std::size_t>(j)],
-                            std::vector<float>(a.begin() + w * m, a.begin() + (w + 1) * m)));
+        check_pieces(a, pieces[static_cast<std::size_t>(j)], piece(w), rs[static_cast<std::size_t>(j)], w, m);
       }
       // Small uneven sizes: the trailing n mod L elements, which the last local rank
       // sums by hand, follow the same order.
-      std::vector<std::vector<std::vector<float>>> small(static_cast<std::size_t>(l));
-      on_ranks(l, [&](int j) {
-        for (std::int64_t k = 1; k <= 24; ++k) {
-          dp::Tensor s = tensor_of(values(fval, p * l + j, k, 100 * k), dp::cpu(j));
-          comm->all_reduce(j, s, s, op);
-          small[static_cast<std::size_t>(j)].push_back(s.to_vector());
-        }
+      const auto small = small_all_reduces(*comm, l, 24, op, [](int w, std::int64_t k, std::int64_t off, dp::Device dev) {
+        return tensor_of(values(fval, w, k, off), dev);
       });
       for (std::int64_t k = 1; k <= 24; ++k)
         for (int j = 0; j < l; ++j)
@@ -553,6 +570,112 @@ TEST_CASE("make_world_communicator: a mismatched device count fails on every pro
   // Then a good one works.
   auto comm = world_comm(2);
   CHECK(comm->world_size() == 2 * procs);
+}
+
+namespace {
+
+/// fval scaled into float16's range (magnitudes 1e-5 to 1e2), not rounded yet.
+float fval16(int w, std::int64_t i) { return fval(w, i) * 1e-3f; }
+
+/// x rounded to `dtype` (nearest even), widened back.
+float round_to(dp::Dtype dtype, float x) {
+  return dtype == dp::Dtype::BFloat16 ? static_cast<float>(dp::BFloat16(x)) : static_cast<float>(dp::Float16(x));
+}
+
+/// The promised 16-bit sum of element `offset + i`, one rounding per hop (Note
+/// [Hierarchical collectives]): within process p, the local ranks' 16-bit inputs in
+/// float32 in order, rounded once; then those partial sums in float32 in process order,
+/// rounded once. `hops` false: one flat sum over every world rank, rounded once.
+std::vector<float> expected16(dp::Dtype dtype, int procs, int l, std::int64_t n, bool hops = true,
+                              std::int64_t offset = 0) {
+  std::vector<float> out(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    float total = 0;
+    for (int p = 0; p < procs; ++p) {
+      float s = round_to(dtype, fval16(p * l, offset + i));
+      for (int j = 1; j < l; ++j) s += round_to(dtype, fval16(p * l + j, offset + i));
+      if (hops) s = round_to(dtype, s);
+      total = p == 0 ? s : total + s;
+    }
+    out[static_cast<std::size_t>(i)] = round_to(dtype, total);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("16-bit sums across processes: one rounding per hop, the same bits in every collective, half the bytes") {
+  using C = Communicator::Collective;
+  const int procs = dist::world_size();
+  const int p = dist::rank();
+  for (dp::Dtype dtype : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    for (int l : kLocalCounts) {
+      CAPTURE(dp::dtype_name(dtype));
+      CAPTURE(l);
+      auto comm = world_comm(l);
+      const int w_all = comm->world_size();
+      const std::int64_t m = 1237;
+      const std::int64_t n = m * w_all + 5;  // uneven for every L and W: a tail
+      auto piece = [&](int v) {
+        const std::int64_t chunk = (n + w_all - 1) / w_all;
+        const std::int64_t off = std::min<std::int64_t>(n, chunk * v);
+        return std::pair<std::int64_t, std::int64_t>{off, std::min<std::int64_t>(chunk, n - off)};
+      };
+      auto input = [&](int w, std::int64_t k, std::int64_t offset, dp::Device dev) {
+        return tensor_of(values(fval16, w, k, offset), dev).to(dtype);
+      };
+      comm->reset_process_times();
+      std::vector<std::vector<float>> ar(static_cast<std::size_t>(l)), pieces(static_cast<std::size_t>(l)),
+          rs(static_cast<std::size_t>(l));
+      std::vector<std::int64_t> ar_bytes(static_cast<std::size_t>(l));
+      on_ranks(l, [&](int j) {
+        const dp::Device dev = dp::cpu(j);
+        const int w = p * l + j;
+        dp::Tensor x = input(w, n, 0, dev);
+        comm->all_reduce(j, x, x, ReduceOp::Sum);
+        REQUIRE(x.dtype() == dtype);
+        ar[static_cast<std::size_t>(j)] = x.to_vector();
+        ar_bytes[static_cast<std::size_t>(j)] = comm->process_times(j).bytes[static_cast<std::size_t>(C::AllReduce)];
+        dp::Tensor z = input(w, n, 0, dev);
+        for (int v = 0; v < w_all; ++v) {
+          const auto [off, len] = piece(v);
+          dp::Tensor part = z.narrow(0, off, len);
+          comm->reduce(j, part, v == w ? part : dp::Tensor(), v, ReduceOp::Sum);
+        }
+        const auto [off, len] = piece(w);
+        pieces[static_cast<std::size_t>(j)] = z.narrow(0, off, len).to_vector();
+        dp::Tensor r = dp::zeros({m}, {.dtype = dtype, .device = dev});
+        comm->reduce_scatter(j, input(w, m * w_all, 0, dev), r, ReduceOp::Sum);
+        rs[static_cast<std::size_t>(j)] = r.to_vector();
+      });
+      const std::vector<float> want = expected16(dtype, procs, l, n);
+      for (int j = 0; j < l; ++j) {
+        CAPTURE(j);
+        const int w = p * l + j;
+        const std::vector<float>& a = ar[static_cast<std::size_t>(j)];
+        CHECK(bitwise_equal(a, want));
+        CHECK(same_as_rank0(a));
+        check_pieces(a, pieces[static_cast<std::size_t>(j)], piece(w), rs[static_cast<std::size_t>(j)], w, m);
+        // Between processes local rank j carries its block of n / L (the last rank the
+        // tail too), 2 bytes an element.
+        const std::int64_t block = n / l + (j == l - 1 ? n % l : 0);
+        CHECK(ar_bytes[static_cast<std::size_t>(j)] == (procs > 1 ? 2 * block : 0));
+      }
+      // Small sizes: the tail the last local rank sums by hand rounds as the body.
+      const auto small = small_all_reduces(*comm, l, 8, ReduceOp::Sum, input);
+      for (std::int64_t k = 1; k <= 8; ++k)
+        for (int j = 0; j < l; ++j)
+          CHECK(bitwise_equal(small[static_cast<std::size_t>(j)][static_cast<std::size_t>(k - 1)],
+                              expected16(dtype, procs, l, k, true, 100 * k)));
+      if (procs > 1 && l > 1) {
+        // The inputs tell a rounding per hop from one flat rounding apart.
+        const std::vector<float> flat = expected16(dtype, procs, l, n, /*hops=*/false);
+        std::int64_t differ = 0;
+        for (std::int64_t i = 0; i < n; ++i) differ += flat[static_cast<std::size_t>(i)] != want[static_cast<std::size_t>(i)];
+        CHECK(differ > 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("process_times: each local rank's time between processes, per collective") {
@@ -728,8 +851,8 @@ TEST_CASE("world communicator dtypes: int64 broadcast and all_gather, integer re
     for (const std::string& e : errors) {
       CHECK_MESSAGE(contains(e, "threw:"), e);
       CHECK_MESSAGE(contains(e, "has dtype int64, which all_reduce does not take"), e);
-      // One process sums 16-bit floats too; between processes the group sums float32 only.
-      CHECK_MESSAGE(contains(e, procs > 1 ? "(it takes float32)" : "(it takes float32, bfloat16, float16)"), e);
+      // 16-bit floats are summed within a process and between processes alike.
+      CHECK_MESSAGE(contains(e, "(it takes float32, bfloat16, float16)"), e);
     }
     if (procs > 1) {
       // int32 between processes: all_gather refuses it on every rank of every process.

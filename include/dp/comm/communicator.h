@@ -198,12 +198,13 @@ class Communicator {
   /// Broadcast and all_gather move bytes (element_size() per element); all_reduce,
   /// reduce and reduce_scatter also add, so they take a dtype only where a summation
   /// for it exists (src/comm/summation.h: a storage type accumulated in float, Sum and
-  /// Average alike; today float32 alone). Integer dtypes are moved, never reduced, on
-  /// every communicator: a sum of labels or indices is no training collective, an
-  /// Average of them has no integer answer, and one rule everywhere keeps a model's
-  /// behaviour the same on CPU and GPU. A call with a dtype its collective does not
-  /// take is a dp::Error naming the dtypes it takes. A new floating dtype (bf16, fp16)
-  /// is a row in each table (a summand, an NCCL and an MPI type), not a code path.
+  /// Average alike: float32, bfloat16 and float16, within and between processes).
+  /// Integer dtypes are moved, never reduced, on every communicator: a sum of labels or
+  /// indices is no training collective, an Average of them has no integer answer, and
+  /// one rule everywhere keeps a model's behaviour the same on CPU and GPU. A call with
+  /// a dtype its collective does not take is a dp::Error naming the dtypes it takes. A
+  /// new floating dtype is a row in each table (a summand, an NCCL type, a process-group
+  /// type), not a code path.
   /// True when collective `kind` takes tensors of `dtype` on this communicator. The
   /// default: movement takes every dtype, reductions the summable ones.
   virtual bool supports(Collective kind, Dtype dtype) const;

@@ -4,7 +4,8 @@
 // per process: rank = dp::dist::rank(), size() = dp::dist::world_size(), devices()[r] =
 // the CPU device process r named. It moves CPU tensors with the collectives of
 // dp/comm/communicator.h (every dtype for broadcast, float32 and int64 for all_gather,
-// float32 for the reductions: Note [Collective dtypes]); each process calls them from
+// float32, bfloat16 and float16 for the reductions — the 16-bit ones move 2 bytes an
+// element and are summed in float32, rounded once: Note [Collective dtypes]); each process calls them from
 // one thread at a time with its own rank. Sums run in rank order, so results are bitwise identical on every process
 // and from run to run for a fixed process count (Note [Deterministic process
 // collectives]). abort() ends the whole job (Note [Fault policy], src/dist/dist.cpp).

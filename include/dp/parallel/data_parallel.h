@@ -123,7 +123,9 @@ struct MixedPrecision {
   /// devices is formed in float32 and rounded once, and the result is widened back into
   /// the float32 gradient the optimizer steps (Note [Gradients on the wire] in
   /// src/parallel/grad_wire.h). Float32 (or unset) keeps float32 on the wire. Costs
-  /// 2 bytes per parameter per device. Within one process (not yet across processes).
+  /// 2 bytes per parameter per device. Across processes (mpirun) the processes' sums
+  /// cross in it too, as 2-byte elements summed in float32 in process order and
+  /// rounded once: one rounding per hop, the same bits on every process.
   std::optional<Dtype> reduce_dtype = std::nullopt;
   /// Buffers (BatchNorm running statistics). Not supported yet (a set value is a
   /// dp::Error).

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/summation.h"
@@ -95,18 +96,16 @@ bool with_process_type(Dtype dtype, F&& f) {
   }
 }
 
-/// with_process_type for the dtypes a reduction also adds (summation.h): f<T> with T a
-/// process-group type that has a Summand.
+/// Calls f.template operator()<T>() with T the element type a process group adds
+/// `dtype` as and returns true; false for dtypes no reduction takes. Every summable
+/// dtype (summation.h): float32, and bfloat16 and float16 — gradients on the wire
+/// (Note [Gradients on the wire] in src/parallel/grad_wire.h) cross processes as 2-byte
+/// elements, summed in float32 in rank order and rounded once (Note [Deterministic
+/// process collectives]), as the local communicator adds them. The 16-bit dtypes are
+/// reduced between processes, not (yet) all-gathered: with_process_type.
 template <typename F>
 bool with_process_summand(Dtype dtype, F&& f) {
-  bool called = false;
-  with_process_type(dtype, [&]<typename T>() {
-    if constexpr (Summand<T>::kSummable) {
-      f.template operator()<T>();
-      called = true;
-    }
-  });
-  return called;
+  return with_summand(dtype, std::forward<F>(f));
 }
 
 /// What crosses processes through a process group: broadcast moves bytes (any dtype),
