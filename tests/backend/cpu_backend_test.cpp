@@ -515,7 +515,7 @@ TEST_CASE("unary clones: exp, tanh and sigmoid give the functors' bits at every 
   CHECK_FALSE(cpu::has_unary_clone(UnaryOp::Log));
 }
 
-TEST_CASE("binary, affine and axpy clones: the functors' bits at every width, start and stride pattern") {
+TEST_CASE("binary, affine, axpy and cast clones: the functors' bits at every width, start and stride pattern") {
   // Note [Binary clones]: whichever loop the loader picked for this CPU writes what the
   // functors write, element by element: every length 0..40 (each vector tail), a start
   // one float in (unaligned), the four stride patterns, in place, and every value class.
@@ -549,6 +549,48 @@ TEST_CASE("binary, affine and axpy clones: the functors' bits at every width, st
         }
   }
   CHECK_FALSE(cpu::has_binary_clone(BinaryOp::Pow));
+  // bfloat16: the float functors on the widened values, rounded once; and the casts.
+  auto bf16_of = [](const std::vector<float>& v) {
+    std::vector<dp::BFloat16> h(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) h[i] = dp::BFloat16(v[i]);
+    return h;
+  };
+  auto same_bits = [](const std::vector<dp::BFloat16>& a, const std::vector<dp::BFloat16>& b) {
+    return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 2) == 0);
+  };
+  for (BinaryOp op : {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div})
+    for (i64 n = 0; n <= 40; ++n)
+      for (auto [sa, sb] : {std::pair<i64, i64>{1, 1}, {1, 0}, {0, 1}, {2, 3}}) {
+        CAPTURE(static_cast<int>(op));
+        CAPTURE(n);
+        std::vector<float> af(static_cast<std::size_t>(1 + 3 * n + 1)), bf(af.size());
+        for (float& v : af) v = value();
+        for (float& v : bf) v = value();
+        const auto a = bf16_of(af), b = bf16_of(bf);
+        std::vector<dp::BFloat16> y(a.size(), dp::BFloat16(7.0f)), want = y;
+        for (i64 i = 0; i < n; ++i)
+          want[1 + i] = dp::BFloat16(apply_binary(op, static_cast<float>(a[1 + i * sa]), static_cast<float>(b[1 + i * sb])));
+        cpu::binary_clone_bf16(op, a.data() + 1, sa, b.data() + 1, sb, y.data() + 1, n);
+        REQUIRE(same_bits(want, y));
+      }
+  for (i64 n = 0; n <= 40; ++n) {
+    CAPTURE(n);
+    std::vector<float> xf(static_cast<std::size_t>(n + 1));
+    for (float& v : xf) v = value();
+    const auto xh = bf16_of(xf);
+    std::vector<dp::BFloat16> yh(xh.size(), dp::BFloat16(7.0f)), want_h = yh, cast_h = yh;
+    std::vector<float> widened(xh.size(), 7.0f), want_w = widened;
+    for (i64 i = 1; i <= n; ++i) {
+      want_h[i] = dp::BFloat16(1.5f * static_cast<float>(xh[i]) + -0.25f);
+      want_w[i] = static_cast<float>(xh[i]);
+    }
+    cpu::affine_bf16(xh.data() + 1, yh.data() + 1, n, 1.5f, -0.25f);
+    REQUIRE(same_bits(want_h, yh));
+    cpu::cast_f32_to_bf16(xf.data() + 1, cast_h.data() + 1, n);
+    for (i64 i = 0; i <= n; ++i) REQUIRE(cast_h[i].bits == (i == 0 ? dp::BFloat16(7.0f) : xh[i]).bits);
+    cpu::cast_bf16_to_f32(xh.data() + 1, widened.data() + 1, n);
+    REQUIRE(bitwise_equal(want_w, widened));
+  }
   for (i64 n = 0; n <= 40; ++n)
     for (i64 start : {i64{0}, i64{1}}) {
       CAPTURE(n);

@@ -167,6 +167,13 @@ void cast(CpuBackend& be, Device dev, const CastArgs& a) {
     using Src = decltype(src_zero);
     const Src* x = static_cast<const Src*>(a.x);
     Dst* y = static_cast<Dst*>(a.y);
+    if constexpr (std::is_same_v<Src, float> && std::is_same_v<Dst, BFloat16>) {  // Note [Binary clones]
+      be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { cast_f32_to_bf16(x + b, y + b, e - b); });
+      return;
+    } else if constexpr (std::is_same_v<Src, BFloat16> && std::is_same_v<Dst, float>) {
+      be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { cast_bf16_to_f32(x + b, y + b, e - b); });
+      return;
+    }
     be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
       const Src* __restrict xx = x;
       Dst* __restrict yy = y;
@@ -209,6 +216,9 @@ void affine(CpuBackend& be, Device dev, const AffineArgs& a) {
   if constexpr (std::is_same_v<T, float>) {  // Note [Binary clones]
     be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { affine_f32(x + b, y + b, e - b, alpha, beta); });
     return;
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { affine_bf16(x + b, y + b, e - b, alpha, beta); });
+    return;
   }
   be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
     for (i64 i = b; i < e; ++i) y[i] = store_acc<T>(alpha * load_acc(x[i]) + beta);
@@ -239,11 +249,15 @@ void binary(CpuBackend& be, Device dev, const BinaryArgs& a) {
   const T* pa = static_cast<const T*>(a.a);
   const T* pb = static_cast<const T*>(a.b);
   T* out = static_cast<T*>(a.out);
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
     if (has_binary_clone(a.op)) {  // Note [Binary clones]
       const BinaryOp op = a.op;
-      auto inner = [op](const float* ra, i64 sa, const float* rb, i64 sb, float* ro, i64 len) {
-        binary_clone_f32(op, ra, sa, rb, sb, ro, len);
+      auto inner = [op](const T* ra, i64 sa, const T* rb, i64 sb, T* ro, i64 len) {
+        if constexpr (std::is_same_v<T, float>) {
+          binary_clone_f32(op, ra, sa, rb, sb, ro, len);
+        } else {
+          binary_clone_bf16(op, ra, sa, rb, sb, ro, len);
+        }
       };
       be.parallel_for(dev, w.numel, kSerialGrain,
                       [&](i64 begin, i64 end) { walk_rows(w, inner, pa, pb, out, begin, end); });
