@@ -751,6 +751,38 @@ TEST_CASE("binary: contiguous, scalar, row and channel broadcast, strided") {
   }
 }
 
+TEST_CASE("scatter_add: each element's additions in element order, by rows and element by element, bit for bit") {
+  // index_select's backward over (outer, m, inner) along dim 1, a row of `inner` per
+  // index (the row path), and along the last dim (the element path); repeated indices.
+  for (int dim : {1, 2}) {
+    CAPTURE(dim);
+    // 9 indices into 4 slices: source (5, 9, 37) into y (5, 4, 37), or (5, 4, 9) into (5, 4, 4).
+    const i64 sizes[3] = {5, dim == 1 ? 9 : 4, dim == 1 ? 37 : 9};
+    const i64 ysizes[3] = {5, 4, dim == 1 ? 37 : 4};
+    Indexer ix;
+    ix.ndim = 3;
+    for (int d = 0; d < 3; ++d) ix.sizes[d] = sizes[d];
+    ix.strides_a[0] = ysizes[1] * ysizes[2];
+    ix.strides_a[1] = ysizes[2];
+    ix.strides_a[2] = 1;
+    ix.strides_b[dim] = 1;  // a 1-d index along dim
+    const std::vector<i64> index{3, 0, 3, 1, 1, 2, 3, 0, 3};
+    const i64 n = sizes[0] * sizes[1] * sizes[2];
+    const auto src = random_vec(n, 21, -3.0f, 3.0f);
+    const auto y0 = random_vec(ysizes[0] * ysizes[1] * ysizes[2], 22, -3.0f, 3.0f);
+    std::vector<float> want = y0, got = y0;
+    for (i64 i = 0; i < n; ++i) {  // element order
+      const i64 c0 = i / (sizes[1] * sizes[2]), c1 = i / sizes[2] % sizes[1], c2 = i % sizes[2];
+      const i64 c[3] = {c0, c1, c2};
+      i64 off = 0;
+      for (int d = 0; d < 3; ++d) off += (d == dim ? index[static_cast<std::size_t>(c[d])] : c[d]) * ix.strides_a[d];
+      want[static_cast<std::size_t>(off)] += src[static_cast<std::size_t>(i)];
+    }
+    be().run<Op::ScatterAdd>(dev0(), DType::F32, {ix, dim, src.data(), index.data(), got.data()});
+    CHECK(bitwise_equal(want, got));
+  }
+}
+
 TEST_CASE("strided_copy gathers a transposed view") {
   const i64 R = 517, C = 263;
   auto a = random_vec(R * C, 10);

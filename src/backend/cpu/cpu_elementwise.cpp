@@ -442,6 +442,21 @@ void scatter_add(CpuBackend& be, Device dev, const ScatterAddArgs& a) {
   // One pass in element order on the calling thread: repeated indices add in a fixed
   // order, so the gradients of gather and index_select are bitwise reproducible.
   (void)be.state(dev);  // checks the device
+  const int last = ix.ndim - 1;
+  if (n > 0 && last != dim && ix.strides_a[last] == 1 && ix.strides_b[last] == 0) {
+    // Whole rows (an embedding's gradient: one index a row): the offsets decoded once a
+    // row, the row added as a vector. Its elements are distinct, so each still receives
+    // its additions in element order.
+    const i64 len = ix.sizes[last];
+    for (i64 r = 0; r < n / len; ++r) {
+      i64 xo, io;
+      gather_offsets(ix, dim, r * len, xo, io);
+      T* dst = y + xo + a.index[io] * ix.strides_a[dim];
+      const T* row = src + r * len;
+      for (i64 j = 0; j < len; ++j) dst[j] = store_acc<T>(load_acc(dst[j]) + load_acc(row[j]));
+    }
+    return;
+  }
   for (i64 i = 0; i < n; ++i) {
     i64 xo, io;
     gather_offsets(ix, dim, i, xo, io);
