@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_inner_loop.h"
 #include "backend/functors.h"
 #include "dp/core/error.h"
 
@@ -27,32 +28,14 @@ namespace {
 
 using i64 = std::int64_t;
 
-/// The binary kernel's inner loop, specialised on the common stride patterns (Note
-/// [Collapsing strided dimensions] in cpu_elementwise.cpp). Always inlined: only code
-/// inlined into a clone is compiled for the clone's ISA.
-template <typename T, typename F>
-[[gnu::always_inline]] inline void inner(F f, const T* a, i64 sa, const T* b, i64 sb, T* out, i64 len) {
-  if (sa == 1 && sb == 1) {
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i], b[i]);
-  } else if (sa == 1 && sb == 0) {
-    const T bv = *b;
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i], bv);
-  } else if (sa == 0 && sb == 1) {
-    const T av = *a;
-    for (i64 i = 0; i < len; ++i) out[i] = f(av, b[i]);
-  } else {
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i * sa], b[i * sb]);
-  }
-}
-
 /// The op's functor over storage type T (Note [Storage types] in functors.h).
 template <typename T>
 [[gnu::always_inline]] inline void binary_loop(BinaryOp op, const T* a, i64 sa, const T* b, i64 sb, T* out, i64 len) {
   switch (op) {
-    case BinaryOp::Add: inner(OnStorage<T, Binary<BinaryOp::Add>>{}, a, sa, b, sb, out, len); return;
-    case BinaryOp::Sub: inner(OnStorage<T, Binary<BinaryOp::Sub>>{}, a, sa, b, sb, out, len); return;
-    case BinaryOp::Mul: inner(OnStorage<T, Binary<BinaryOp::Mul>>{}, a, sa, b, sb, out, len); return;
-    case BinaryOp::Div: inner(OnStorage<T, Binary<BinaryOp::Div>>{}, a, sa, b, sb, out, len); return;
+    case BinaryOp::Add: inner_loop(OnStorage<T, Binary<BinaryOp::Add>>{}, a, sa, b, sb, out, len); return;
+    case BinaryOp::Sub: inner_loop(OnStorage<T, Binary<BinaryOp::Sub>>{}, a, sa, b, sb, out, len); return;
+    case BinaryOp::Mul: inner_loop(OnStorage<T, Binary<BinaryOp::Mul>>{}, a, sa, b, sb, out, len); return;
+    case BinaryOp::Div: inner_loop(OnStorage<T, Binary<BinaryOp::Div>>{}, a, sa, b, sb, out, len); return;
     default: DP_ASSERT(false, "binary_clone: no clone for BinaryOp ", static_cast<int>(op));
   }
 }

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_inner_loop.h"
 #include "backend/functors.h"
 #include "dp/core/error.h"
 
@@ -66,22 +67,6 @@ Walk collapse(const Indexer& ix) {
     w.sizes[0] = 1;
   }
   return w;
-}
-
-/// The innermost loop, specialised on the common stride patterns.
-template <typename T, typename F>
-inline void inner_loop(F f, const T* a, i64 sa, const T* b, i64 sb, T* out, i64 len) {
-  if (sa == 1 && sb == 1) {
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i], b[i]);
-  } else if (sa == 1 && sb == 0) {
-    const T bv = *b;
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i], bv);
-  } else if (sa == 0 && sb == 1) {
-    const T av = *a;
-    for (i64 i = 0; i < len; ++i) out[i] = f(av, b[i]);
-  } else {
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i * sa], b[i * sb]);
-  }
 }
 
 /// inner(a, sa, b, sb, out, len) over the rows of flat range [begin, end) of the

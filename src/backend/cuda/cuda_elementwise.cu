@@ -714,34 +714,34 @@ void count_nonfinite_f32(CudaBackend& be, Device dev, const CountNonfiniteArgs& 
   *a.count = static_cast<i64>(host);
 }
 
+/// Calls f(std::true_type) for GELU's tanh form, f(std::false_type) for the exact one.
+template <typename F>
+void with_gelu_form(bool tanh, F&& f) {
+  if (tanh) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
 /// Op::Gelu and Op::GeluBackward over storage type T (Note [Fused GELU]).
 template <typename T>
 void gelu(CudaBackend& be, Device dev, const GeluArgs& a) {
   check_count(a.n, "gelu");
   if (a.n == 0) return;
-  cudaStream_t s = be.bind(dev);
-  const T* x = static_cast<const T*>(a.x);
-  T* y = static_cast<T*>(a.y);
-  if (a.tanh) {
-    gelu_kernel<T, true><<<grid_for(a.n), kBlock, 0, s>>>(x, y, a.n);
-  } else {
-    gelu_kernel<T, false><<<grid_for(a.n), kBlock, 0, s>>>(x, y, a.n);
-  }
+  with_gelu_form(a.tanh, [&](auto form) {
+    gelu_kernel<T, decltype(form)::value><<<grid_for(a.n), kBlock, 0, be.bind(dev)>>>(
+        static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n);
+  });
   DP_CUDA_CHECK_LAUNCH();
 }
 template <typename T>
 void gelu_backward(CudaBackend& be, Device dev, const GeluBackwardArgs& a) {
   check_count(a.n, "gelu_backward");
   if (a.n == 0) return;
-  cudaStream_t s = be.bind(dev);
-  const T* x = static_cast<const T*>(a.x);
-  const T* gy = static_cast<const T*>(a.gy);
-  T* gx = static_cast<T*>(a.gx);
-  if (a.tanh) {
-    gelu_backward_kernel<T, true><<<grid_for(a.n), kBlock, 0, s>>>(x, gy, gx, a.n);
-  } else {
-    gelu_backward_kernel<T, false><<<grid_for(a.n), kBlock, 0, s>>>(x, gy, gx, a.n);
-  }
+  with_gelu_form(a.tanh, [&](auto form) {
+    gelu_backward_kernel<T, decltype(form)::value><<<grid_for(a.n), kBlock, 0, be.bind(dev)>>>(
+        static_cast<const T*>(a.x), static_cast<const T*>(a.gy), static_cast<T*>(a.gx), a.n);
+  });
   DP_CUDA_CHECK_LAUNCH();
 }
 
