@@ -240,6 +240,60 @@ DP_HD inline float apply_unary(UnaryOp op, float x) {
   return y;
 }
 
+// ---- GELU in one pass ----------------------------------------------------------------------
+// Note [Fused GELU]
+// nn::gelu composed of tensor ops was ten elementwise passes forward (tanh form: x³,
+// affine, tanh, ... each a temporary the size of the MLP's hidden layer) and as many
+// backward, and the autograd graph kept their intermediates. Op::Gelu and
+// Op::GeluBackward are one pass each, in float whatever the storage (Note [Storage
+// types]), with PyTorch's formulas (its CPU GeluKernel and GeluBackwardKernel):
+//   tanh:  inner = √(2/π) (x + 0.044715 x³), t = tanh(inner), y = 0.5 x (1 + t),
+//          gx = gy (0.5 (1 + t) + 0.5 x (1 - t²) √(2/π) (1 + 3 · 0.044715 x²));
+//   exact: y = 0.5 x (1 + erf(x / √2)),
+//          gx = gy (0.5 (1 + erf(x / √2)) + x e^(-x²/2) / √(2π)).
+// The backward needs only x, so a graph keeps the GELU's input alone. tanh is
+// tanh_approx and e^ exp_approx (Note [Vectorisable exp and tanh]): the tanh form, the
+// GPT's, vectorises; erf stays libm's erff, one scalar call per element. Against the
+// composed ops, which round every intermediate to float, the fused results differ by
+// an ulp or two in float32 and are closer to PyTorch's in bfloat16 and float16 (one
+// rounding instead of ten).
+
+inline constexpr float kGeluBeta = 0.7978845608028654f;    // √(2/π)
+inline constexpr float kGeluKappa = 0.044715f;             // GPT-2's cubic coefficient
+inline constexpr float kGeluSqrtHalf = 0.7071067811865476f;  // 1/√2
+inline constexpr float kGeluPdf = 0.3989422804014327f;     // 1/√(2π)
+
+/// y = gelu(x); Tanh: GPT-2's approximation, else exact (Note [Fused GELU]).
+template <bool Tanh>
+struct Gelu {
+  DP_HD float operator()(float x) const {
+    if constexpr (Tanh) {
+      const float inner = kGeluBeta * (x + kGeluKappa * (x * x * x));
+      return 0.5f * x * (1.0f + tanh_approx(inner));
+    } else {
+      return 0.5f * x * (1.0f + ::erff(x * kGeluSqrtHalf));
+    }
+  }
+};
+
+/// gx = gy · gelu'(x) (Note [Fused GELU]).
+template <bool Tanh>
+struct GeluBackward {
+  DP_HD float operator()(float x, float gy) const {
+    if constexpr (Tanh) {
+      const float x2 = x * x;
+      const float t = tanh_approx(kGeluBeta * (x + kGeluKappa * (x2 * x)));
+      const float left = 0.5f * (1.0f + t);
+      const float right = 0.5f * x * (1.0f - t * t) * kGeluBeta * (1.0f + 3.0f * kGeluKappa * x2);
+      return gy * (left + right);
+    } else {
+      const float cdf = 0.5f * (1.0f + ::erff(x * kGeluSqrtHalf));
+      const float pdf = exp_approx(-0.5f * x * x) * kGeluPdf;
+      return gy * (cdf + x * pdf);
+    }
+  }
+};
+
 // ---- binary ops --------------------------------------------------------------------
 
 /// out = op(a, b) for one element; specialised per BinaryOp below.

@@ -519,6 +519,23 @@ struct AttentionBackwardArgs {
   void* gv;
 };
 
+/// y = gelu(x) over n elements, GPT-2's tanh approximation or exact; y may alias x.
+/// Note [Fused GELU] in functors.h.
+struct GeluArgs {
+  const void* x;
+  void* y;
+  std::int64_t n;
+  bool tanh;
+};
+/// gx = gy · gelu'(x) over n elements (gx may alias gy).
+struct GeluBackwardArgs {
+  const void* x;
+  const void* gy;
+  void* gx;
+  std::int64_t n;
+  bool tanh;
+};
+
 /// Average over the window counting padding (PyTorch's count_include_pad=true).
 struct AvgPool2dArgs {
   Pool2dShape s;
@@ -656,7 +673,9 @@ struct AdamStepArgs {
   X(MaxPool2x2Backward, "maxpool2d_2x2_backward", MaxPool2x2BackwardArgs)  \
   X(Conv2dReluMaxPool2x2, "conv2d_relu_maxpool2x2_forward", Conv2dReluMaxPool2x2Args) \
   X(AttentionForward, "attention_forward", AttentionForwardArgs)           \
-  X(AttentionBackward, "attention_backward", AttentionBackwardArgs)
+  X(AttentionBackward, "attention_backward", AttentionBackwardArgs)       \
+  X(Gelu, "gelu", GeluArgs)                                                \
+  X(GeluBackward, "gelu_backward", GeluBackwardArgs)
 
 /// The ops of DP_BACKEND_OPS.
 enum class Op : std::uint8_t {

@@ -1,12 +1,14 @@
 // The functional ops of sequence models (dp/nn/functional.h): softmax and log_softmax
-// along any dim, layer_norm, embedding. They compose the tensor layer's differentiable
-// ops, so their gradients come from those ops' backward functions.
+// along any dim, layer_norm, embedding, gelu. Most compose the tensor layer's
+// differentiable ops, so their gradients come from those ops' backward functions; gelu
+// is one backend op each way (Note [Fused GELU] in backend/functors.h).
 #include <cmath>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "backend/backend.h"
 #include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
@@ -14,6 +16,7 @@
 #include "dp/tensor/ops.h"
 #include "nn/fused_attention.h"
 #include "tensor/autocast_policy.h"
+#include "tensor/tensor_util.h"
 
 namespace dp::nn {
 
@@ -33,6 +36,13 @@ Tensor log_softmax_last(const Tensor& x) {
   const std::int64_t cols = x.size(x.dim() - 1);
   const std::int64_t rows = cols == 0 ? 0 : x.numel() / cols;
   return log_softmax(x.reshape({rows, cols})).reshape(x.shape());
+}
+
+/// out = gelu(x), one backend pass (Note [Fused GELU] in backend/functors.h).
+void run_gelu(const Tensor& x, const Tensor& out, bool tanh) {
+  backend::get(x.device())
+      .run<backend::Op::Gelu>(x.device(), dp::detail::kernel_dtype(x.dtype()),
+                              {x.raw_data(), out.raw_data(), x.numel(), tanh});
 }
 
 }  // namespace
@@ -57,9 +67,27 @@ Tensor gelu(const Tensor& input, const std::string& approximate) {
   DP_CHECK(input.defined(), "gelu: expected a defined input, got an undefined tensor");
   DP_CHECK(approximate == "none" || approximate == "tanh", "gelu: expected approximate \"none\" or \"tanh\", got \"",
            approximate, "\"");
-  if (approximate == "none") return mul(mul(input, 0.5), add(erf(mul(input, 0.7071067811865476)), 1.0));
-  Tensor inner = mul(add(input, mul(mul(mul(input, input), input), 0.044715)), 0.7978845608028654);
-  return mul(mul(input, 0.5), add(tanh(inner), 1.0));
+  dp::detail::check_floating("gelu", input);
+  const bool tanh = approximate == "tanh";
+  Tensor out = empty_like(input);
+  run_gelu(input, out, tanh);
+  if (autograd::needs_grad({input})) {
+    autograd::record("GeluBackward", {input}, out, [x = input.detach(), tanh](const std::vector<Tensor>& g) {
+      if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
+      DP_CHECK(g[0].shape() == x.shape() && g[0].device() == x.device(), "GeluBackward: expected a gradient of shape ",
+               shape_str(x.shape()), " on ", x.device().str(), ", got ", g[0].str());
+      // Mixed floating dtypes compute in float32, as the tensor ops' common dtype does.
+      const Dtype dt = g[0].dtype() == x.dtype() ? x.dtype() : Dtype::Float32;
+      const Tensor xx = x.dtype() == dt ? x : dp::detail::cast_raw(x, dt);
+      const Tensor gy = g[0].dtype() == dt ? g[0] : dp::detail::cast_raw(g[0], dt);
+      Tensor gx = empty_like(gy);
+      backend::get(x.device())
+          .run<backend::Op::GeluBackward>(x.device(), dp::detail::kernel_dtype(dt),
+                                          {xx.raw_data(), gy.raw_data(), gx.raw_data(), x.numel(), tanh});
+      return std::vector<Tensor>{gx};
+    });
+  }
+  return out;
 }
 
 Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,

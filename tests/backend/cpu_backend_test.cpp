@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -514,6 +515,155 @@ TEST_CASE("unary clones: exp, tanh and sigmoid give the functors' bits at every 
   CHECK_FALSE(cpu::has_unary_clone(UnaryOp::Log));
 }
 
+TEST_CASE("binary, affine, axpy and cast clones: the functors' bits at every width, start and stride pattern") {
+  // Note [Binary clones]: whichever loop the loader picked for this CPU writes what the
+  // functors write, element by element: every length 0..40 (each vector tail), a start
+  // one float in (unaligned), the four stride patterns, in place, and every value class.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> special{nan, inf, -inf, 0.0f, -0.0f, 1e-40f, -1e-40f, 3e38f, -3e38f, 1e-30f};
+  std::mt19937 rng(12);
+  auto value = [&] {  // a special value one time in three
+    return rng() % 3 == 0 ? special[rng() % special.size()] : std::uniform_real_distribution<float>(-30, 30)(rng);
+  };
+  for (BinaryOp op : {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div}) {
+    CHECK(cpu::has_binary_clone(op));
+    for (i64 n = 0; n <= 40; ++n)
+      for (i64 start : {i64{0}, i64{1}})
+        for (auto [sa, sb] : {std::pair<i64, i64>{1, 1}, {1, 0}, {0, 1}, {2, 3}}) {
+          CAPTURE(static_cast<int>(op));
+          CAPTURE(n);
+          CAPTURE(start);
+          CAPTURE(sa);
+          CAPTURE(sb);
+          std::vector<float> a(static_cast<std::size_t>(start + 3 * n + 1)), b(a.size()), y(a.size(), 7.0f);
+          for (float& v : a) v = value();
+          for (float& v : b) v = value();
+          std::vector<float> want = y;
+          for (i64 i = 0; i < n; ++i) want[start + i] = apply_binary(op, a[start + i * sa], b[start + i * sb]);
+          cpu::binary_clone_f32(op, a.data() + start, sa, b.data() + start, sb, y.data() + start, n);
+          REQUIRE(bitwise_equal(want, y));
+          if (sa == 1) {  // in place over a
+            cpu::binary_clone_f32(op, a.data() + start, sa, b.data() + start, sb, a.data() + start, n);
+            for (i64 i = 0; i < n; ++i) REQUIRE(bitwise_equal({a[start + i]}, {want[start + i]}));
+          }
+        }
+  }
+  CHECK_FALSE(cpu::has_binary_clone(BinaryOp::Pow));
+  // bfloat16: the float functors on the widened values, rounded once; and the casts.
+  auto bf16_of = [](const std::vector<float>& v) {
+    std::vector<dp::BFloat16> h(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) h[i] = dp::BFloat16(v[i]);
+    return h;
+  };
+  auto same_bits = [](const std::vector<dp::BFloat16>& a, const std::vector<dp::BFloat16>& b) {
+    return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 2) == 0);
+  };
+  for (BinaryOp op : {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div})
+    for (i64 n = 0; n <= 40; ++n)
+      for (auto [sa, sb] : {std::pair<i64, i64>{1, 1}, {1, 0}, {0, 1}, {2, 3}}) {
+        CAPTURE(static_cast<int>(op));
+        CAPTURE(n);
+        std::vector<float> af(static_cast<std::size_t>(1 + 3 * n + 1)), bf(af.size());
+        for (float& v : af) v = value();
+        for (float& v : bf) v = value();
+        const auto a = bf16_of(af), b = bf16_of(bf);
+        std::vector<dp::BFloat16> y(a.size(), dp::BFloat16(7.0f)), want = y;
+        for (i64 i = 0; i < n; ++i)
+          want[1 + i] = dp::BFloat16(apply_binary(op, static_cast<float>(a[1 + i * sa]), static_cast<float>(b[1 + i * sb])));
+        cpu::binary_clone_bf16(op, a.data() + 1, sa, b.data() + 1, sb, y.data() + 1, n);
+        REQUIRE(same_bits(want, y));
+      }
+  for (i64 n = 0; n <= 40; ++n) {
+    CAPTURE(n);
+    std::vector<float> xf(static_cast<std::size_t>(n + 1));
+    for (float& v : xf) v = value();
+    const auto xh = bf16_of(xf);
+    std::vector<dp::BFloat16> yh(xh.size(), dp::BFloat16(7.0f)), want_h = yh, cast_h = yh;
+    std::vector<float> widened(xh.size(), 7.0f), want_w = widened;
+    for (i64 i = 1; i <= n; ++i) {
+      want_h[i] = dp::BFloat16(1.5f * static_cast<float>(xh[i]) + -0.25f);
+      want_w[i] = static_cast<float>(xh[i]);
+    }
+    cpu::affine_bf16(xh.data() + 1, yh.data() + 1, n, 1.5f, -0.25f);
+    REQUIRE(same_bits(want_h, yh));
+    cpu::cast_f32_to_bf16(xf.data() + 1, cast_h.data() + 1, n);
+    for (i64 i = 0; i <= n; ++i) REQUIRE(cast_h[i].bits == (i == 0 ? dp::BFloat16(7.0f) : xh[i]).bits);
+    cpu::cast_bf16_to_f32(xh.data() + 1, widened.data() + 1, n);
+    REQUIRE(bitwise_equal(want_w, widened));
+  }
+  for (i64 n = 0; n <= 40; ++n)
+    for (i64 start : {i64{0}, i64{1}}) {
+      CAPTURE(n);
+      CAPTURE(start);
+      std::vector<float> x(static_cast<std::size_t>(start + n)), y0(x.size());
+      for (float& v : x) v = value();
+      for (float& v : y0) v = value();
+      std::vector<float> y = y0, want_affine = y0, want_axpy = y0;
+      for (i64 i = start; i < start + n; ++i) {
+        want_affine[i] = 1.5f * x[i] + -0.25f;
+        want_axpy[i] = y0[i] + -0.75f * x[i];
+      }
+      cpu::affine_f32(x.data() + start, y.data() + start, n, 1.5f, -0.25f);
+      REQUIRE(bitwise_equal(want_affine, y));
+      y = y0;
+      cpu::axpy_f32(-0.75f, x.data() + start, y.data() + start, n);
+      REQUIRE(bitwise_equal(want_axpy, y));
+    }
+}
+
+TEST_CASE("gelu clones: Gelu and GeluBackward's bits at every width and start, both forms, through the kernels") {
+  // Note [Fused GELU]: the cloned loops against the functors, element by element, in
+  // place too; then the float32 and 16-bit kernels on more than one task's elements.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> special{nan, inf, -inf, 0.0f, -0.0f, 1e-40f, -1e-40f, 10.0f, -10.0f, 30.0f, -30.0f};
+  std::mt19937 rng(13);
+  auto value = [&] {
+    return rng() % 3 == 0 ? special[rng() % special.size()] : std::uniform_real_distribution<float>(-8, 8)(rng);
+  };
+  for (bool tanh : {true, false}) {
+    auto fwd = [tanh](float x) { return tanh ? Gelu<true>{}(x) : Gelu<false>{}(x); };
+    auto bwd = [tanh](float x, float g) { return tanh ? GeluBackward<true>{}(x, g) : GeluBackward<false>{}(x, g); };
+    for (i64 n = 0; n <= 40; ++n)
+      for (i64 start : {i64{0}, i64{1}}) {
+        CAPTURE(tanh);
+        CAPTURE(n);
+        CAPTURE(start);
+        std::vector<float> x(static_cast<std::size_t>(start + n)), g(x.size()), y(x.size(), 7.0f);
+        for (float& v : x) v = value();
+        for (float& v : g) v = value();
+        std::vector<float> want_y = y, want_g = g;
+        for (i64 i = start; i < start + n; ++i) {
+          want_y[i] = fwd(x[i]);
+          want_g[i] = bwd(x[i], g[i]);
+        }
+        cpu::gelu_f32(tanh, x.data() + start, y.data() + start, n);
+        REQUIRE(bitwise_equal(want_y, y));
+        cpu::gelu_backward_f32(tanh, x.data() + start, g.data() + start, g.data() + start, n);  // in place
+        REQUIRE(bitwise_equal(want_g, g));
+      }
+    const i64 n = 100003;  // above the parallel grain: several tasks
+    const auto x = random_vec(n, 14, -6.0f, 6.0f), gy = random_vec(n, 15);
+    std::vector<float> y(n), gx(n);
+    be().run<Op::Gelu>(dev0(), DType::F32, {x.data(), y.data(), n, tanh});
+    be().run<Op::GeluBackward>(dev0(), DType::F32, {x.data(), gy.data(), gx.data(), n, tanh});
+    std::vector<dp::BFloat16> xb(n), gb(n), yb(n), gxb(n);
+    for (i64 i = 0; i < n; ++i) {
+      xb[i] = dp::BFloat16(x[i]);
+      gb[i] = dp::BFloat16(gy[i]);
+    }
+    be().run<Op::Gelu>(dev0(), DType::BF16, {xb.data(), yb.data(), n, tanh});
+    be().run<Op::GeluBackward>(dev0(), DType::BF16, {xb.data(), gb.data(), gxb.data(), n, tanh});
+    for (i64 i = 0; i < n; ++i) {
+      REQUIRE(bitwise_equal({y[i]}, {fwd(x[i])}));
+      REQUIRE(bitwise_equal({gx[i]}, {bwd(x[i], gy[i])}));
+      // bfloat16: the float math of the widened values, rounded once.
+      const float xw = static_cast<float>(xb[i]), gw = static_cast<float>(gb[i]);
+      REQUIRE(yb[i].bits == dp::BFloat16(fwd(xw)).bits);
+      REQUIRE(gxb[i].bits == dp::BFloat16(bwd(xw, gw)).bits);
+    }
+  }
+}
+
 TEST_CASE("affine and axpy") {
   for (i64 n : kSizes) {
     auto x = random_vec(n, 6), y0 = random_vec(n, 7);
@@ -598,6 +748,38 @@ TEST_CASE("binary: contiguous, scalar, row and channel broadcast, strided") {
     // 8 dims with broadcasting on both sides.
     check_binary(op, {2, 3, 2, 3, 2, 3, 2, 3}, {0, 72, 36, 12, 6, 2, 1, 0},
                  {108, 36, 0, 12, 0, 4, 0, 1}, a, b);
+  }
+}
+
+TEST_CASE("scatter_add: each element's additions in element order, by rows and element by element, bit for bit") {
+  // index_select's backward over (outer, m, inner) along dim 1, a row of `inner` per
+  // index (the row path), and along the last dim (the element path); repeated indices.
+  for (int dim : {1, 2}) {
+    CAPTURE(dim);
+    // 9 indices into 4 slices: source (5, 9, 37) into y (5, 4, 37), or (5, 4, 9) into (5, 4, 4).
+    const i64 sizes[3] = {5, dim == 1 ? 9 : 4, dim == 1 ? 37 : 9};
+    const i64 ysizes[3] = {5, 4, dim == 1 ? 37 : 4};
+    Indexer ix;
+    ix.ndim = 3;
+    for (int d = 0; d < 3; ++d) ix.sizes[d] = sizes[d];
+    ix.strides_a[0] = ysizes[1] * ysizes[2];
+    ix.strides_a[1] = ysizes[2];
+    ix.strides_a[2] = 1;
+    ix.strides_b[dim] = 1;  // a 1-d index along dim
+    const std::vector<i64> index{3, 0, 3, 1, 1, 2, 3, 0, 3};
+    const i64 n = sizes[0] * sizes[1] * sizes[2];
+    const auto src = random_vec(n, 21, -3.0f, 3.0f);
+    const auto y0 = random_vec(ysizes[0] * ysizes[1] * ysizes[2], 22, -3.0f, 3.0f);
+    std::vector<float> want = y0, got = y0;
+    for (i64 i = 0; i < n; ++i) {  // element order
+      const i64 c0 = i / (sizes[1] * sizes[2]), c1 = i / sizes[2] % sizes[1], c2 = i % sizes[2];
+      const i64 c[3] = {c0, c1, c2};
+      i64 off = 0;
+      for (int d = 0; d < 3; ++d) off += (d == dim ? index[static_cast<std::size_t>(c[d])] : c[d]) * ix.strides_a[d];
+      want[static_cast<std::size_t>(off)] += src[static_cast<std::size_t>(i)];
+    }
+    be().run<Op::ScatterAdd>(dev0(), DType::F32, {ix, dim, src.data(), index.data(), got.data()});
+    CHECK(bitwise_equal(want, got));
   }
 }
 

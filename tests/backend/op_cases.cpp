@@ -444,6 +444,30 @@ void add_elementwise_misc(Table& t, i64 n) {
   });
 }
 
+/// The fused GELU (Note [Fused GELU] in functors.h), tanh form and exact, forward and
+/// backward: tanh_approx, erff and exp_approx, where CUDA contracts FMAs,
+/// differ by an ulp or two in a few roundings.
+constexpr Tolerance kGeluTol{4e-6, 1e-6};
+
+void add_gelu(Table& t, i64 n) {
+  for (bool tanh : {true, false}) {
+    const std::string form = tanh ? " tanh" : " exact";
+    t.add(Kernel::Gelu, cat("gelu", form), count(n), kGeluTol, 0, 2 * kF * n, [=](OpRun& r) {
+      const float* x = r.uniform(n, -6, 6);
+      float* y = r.empty(n);
+      r.output("y", y, n);
+      r.set_call([=](Backend& b, Device d) { b.run<Op::Gelu>(d, DType::F32, {x, y, n, tanh}); });
+    });
+    t.add(Kernel::GeluBackward, cat("gelu_backward", form), count(n), kGeluTol, 0, 3 * kF * n, [=](OpRun& r) {
+      const float* x = r.uniform(n, -6, 6);
+      const float* gy = r.uniform(n, -1, 1);
+      float* gx = r.empty(n);
+      r.output("gx", gx, n);
+      r.set_call([=](Backend& b, Device d) { b.run<Op::GeluBackward>(d, DType::F32, {x, gy, gx, n, tanh}); });
+    });
+  }
+}
+
 void add_binary(Table& t, const BinaryRow& row, const std::string& layout, const Indexer& ix) {
   const i64 n = numel(ix), na = extent(ix, ix.strides_a), nb = extent(ix, ix.strides_b);
   t.add(Kernel::Binary, cat("binary ", row.name), layout, row.tol, 0,
@@ -987,6 +1011,22 @@ void add_16bit(Table& t, DType dt, i64 n) {
     r.output16("y", dt, y, n);
     r.set_call([=](Backend& b, Device d) { b.run<Op::Unary>(d, dt, {UnaryOp::Exp, x, y, n}); });
   });
+  for (bool tanh : {true, false}) {
+    const std::string form = tanh ? "_tanh_" : "_exact_";
+    t.add(Kernel::Gelu, dt, "gelu" + form + tag, count(n), ulp, 0, 2 * k2 * n, [=](OpRun& r) {
+      const void* x = r.uniform16(dt, n, -6.0f, 6.0f);
+      void* y = r.empty16(dt, n);
+      r.output16("y", dt, y, n);
+      r.set_call([=](Backend& b, Device d) { b.run<Op::Gelu>(d, dt, {x, y, n, tanh}); });
+    });
+    t.add(Kernel::GeluBackward, dt, "gelu_backward" + form + tag, count(n), ulp, 0, 3 * k2 * n, [=](OpRun& r) {
+      const void* x = r.uniform16(dt, n, -6.0f, 6.0f);
+      const void* gy = r.uniform16(dt, n, -1.0f, 1.0f);
+      void* gx = r.empty16(dt, n);
+      r.output16("gx", dt, gx, n);
+      r.set_call([=](Backend& b, Device d) { b.run<Op::GeluBackward>(d, dt, {x, gy, gx, n, tanh}); });
+    });
+  }
   t.add(Kernel::Affine, dt, "affine_" + tag, count(n), ulp, 2.0 * n, 2 * k2 * n, [=](OpRun& r) {
     const void* x = r.uniform16(dt, n, -4.0f, 4.0f);
     void* y = r.empty16(dt, n);
@@ -1133,6 +1173,7 @@ void add_check_suite(Table& t) {
   add_copies(t, kCheckN);
   for (const UnaryRow& u : kUnaryRows) add_unary(t, u, kCheckN);
   add_elementwise_misc(t, kCheckN);
+  add_gelu(t, kCheckN);
   // 331 x 127 = 42037 elements: above the CPU's parallel grain.
   for (const BinaryRow& b : kBinaryRows) add_binary_layouts(t, b, 331, 127);
   // out (16, 11, 300) = a (16, 1, 300) + b (1, 11, 1): both sides broadcast, 3-d walk.
@@ -1193,6 +1234,7 @@ void add_perf_suite(Table& t) {
   add_unary(t, kUnaryRows[static_cast<int>(UnaryOp::Relu)], n);
   add_unary(t, kUnaryRows[static_cast<int>(UnaryOp::Exp)], n);
   add_elementwise_misc(t, n);
+  add_gelu(t, n);
   constexpr i64 kSide = 4096;  // kSide^2 = kPerfN
   const std::string square = dims({kSide, kSide});
   add_binary(t, kBinaryRows[static_cast<int>(BinaryOp::Add)], square + " op " + square,

@@ -4,16 +4,19 @@
 // input.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "dp/nn/activation.h"
 #include "dp/nn/embedding.h"
 #include "dp/nn/functional.h"
 #include "dp/nn/linear.h"
 #include "dp/nn/normalization.h"
+#include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
 #include "sequence_reference.h"
 #include "nn_test_util.h"
@@ -189,6 +192,60 @@ TEST_CASE("scaled_dot_product_attention: bad input") {
   CHECK(dp_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(q, k, v, dp::zeros({5, 5}), 0.0, true); }, {"either attn_mask or is_causal"}));
   CHECK(dp_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(q, k, v, Tensor(), 1.5); }, {"dropout_p in [0, 1], got 1.5"}));
   CHECK(dp_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(dp::zeros({4}), k, v); }, {"at least 2 dims"}));
+}
+
+namespace {
+
+/// gelu as the tensor ops it once was: each intermediate rounded to float.
+Tensor composed_gelu(const Tensor& x, bool tanh) {
+  using dp::add, dp::mul;
+  if (!tanh) return mul(mul(x, 0.5), add(dp::erf(mul(x, 0.7071067811865476)), 1.0));
+  Tensor inner = mul(add(x, mul(mul(mul(x, x), x), 0.044715)), 0.7978845608028654);
+  return mul(mul(x, 0.5), add(dp::tanh(inner), 1.0));
+}
+
+double max_abs(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(double(a[i]) - double(b[i])));
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("gelu is one op each way: the composed ops' values and gradients; 16-bit rounded once; input dtype") {
+  // Note [Fused GELU]: 4001 points over [-8, 8], where every form of the formula is
+  // exercised (both tails, the tanh polynomial and exp ranges).
+  std::vector<float> xs, up;
+  for (int i = 0; i <= 4000; ++i) {
+    xs.push_back(-8.0f + 0.004f * static_cast<float>(i));
+    up.push_back(std::sin(0.37f * static_cast<float>(i)));
+  }
+  const Shape shape{4001};
+  for (bool tanh : {true, false}) {
+    CAPTURE(tanh);
+    const std::string form = tanh ? "tanh" : "none";
+    auto [y, g] = run(xs, shape, up, [&](const Tensor& x) { return dp::nn::gelu(x, form); });
+    auto [yc, gc] = run(xs, shape, up, [&](const Tensor& x) { return composed_gelu(x, tanh); });
+    // Values up to 8 (float spacing 1e-6 there), gradients up to 1.13: a few roundings
+    // apart at most (the forward rounds as the composed ops did, in the same order).
+    CHECK(max_abs(y.to_vector(), yc.to_vector()) < 2e-6);
+    CHECK(max_abs(g.to_vector(), gc.to_vector()) < 2e-6);
+    Tensor leaf = dp::from_vector(xs, shape).set_requires_grad(true);
+    CHECK(dp::nn::gelu(leaf, form).grad_fn()->name() == "GeluBackward");
+    // bfloat16 and float16: the float32 op's value at the widened input, rounded once.
+    for (dp::Dtype dt : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+      Tensor xh = dp::from_vector(xs, shape).to(dt);
+      Tensor yh = dp::nn::gelu(xh, form);
+      CHECK(yh.dtype() == dt);
+      CHECK(yh.to(dp::Dtype::Float32).to_vector() ==
+            dp::nn::gelu(xh.to(dp::Dtype::Float32), form).to(dt).to(dp::Dtype::Float32).to_vector());
+    }
+    // Autocast leaves it in its input's dtype, as PyTorch's policy does (on neither list).
+    dp::amp::autocast scope(dp::Dtype::BFloat16);
+    CHECK(dp::nn::gelu(dp::from_vector(xs, shape), form).dtype() == dp::Dtype::Float32);
+    CHECK(dp::nn::gelu(dp::from_vector(xs, shape).to(dp::Dtype::BFloat16), form).dtype() == dp::Dtype::BFloat16);
+  }
+  CHECK(dp_test::throws_with([] { (void)dp::nn::gelu(dp::zeros({2}).to(dp::Dtype::Int64)); }, {"gelu", "floating"}));
 }
 
 TEST_CASE("gelu, exact and tanh-approximated, matches PyTorch with gradients; the GELU layer") {

@@ -76,6 +76,35 @@ constexpr bool has_unary_clone(UnaryOp op) {
 /// (cpu_unary_clones.cpp, Note [Unary clones]).
 void unary_clone_f32(UnaryOp op, const float* x, float* y, std::int64_t n);
 
+/// y[i] = Gelu<tanh>(x[i]) and gx[i] = GeluBackward<tanh>(x[i], gy[i]) for i in [0, n),
+/// float32 (Note [Fused GELU] in functors.h); y may alias x, gx gy. Vectorised with ISA
+/// clones (cpu_unary_clones.cpp, Note [Unary clones]).
+void gelu_f32(bool tanh, const float* x, float* y, std::int64_t n);
+void gelu_backward_f32(bool tanh, const float* x, const float* gy, float* gx, std::int64_t n);
+
+/// Whether binary_clone_f32 runs op: the single IEEE operations +, -, *, /.
+constexpr bool has_binary_clone(BinaryOp op) {
+  return op == BinaryOp::Add || op == BinaryOp::Sub || op == BinaryOp::Mul || op == BinaryOp::Div;
+}
+
+/// out[i] = Binary<op>(a[i * sa], b[i * sb]) for i in [0, len), float32, for an op with
+/// has_binary_clone; out may alias a or b where their strides are 1. Bit for bit the
+/// binary kernel's inner loop, vectorised with ISA clones (cpu_binary_clones.cpp, Note
+/// [Binary clones]).
+void binary_clone_f32(BinaryOp op, const float* a, std::int64_t sa, const float* b, std::int64_t sb, float* out,
+                      std::int64_t len);
+/// binary_clone_f32 over bfloat16 storage (float math, one rounding), bit for bit.
+void binary_clone_bf16(BinaryOp op, const BFloat16* a, std::int64_t sa, const BFloat16* b, std::int64_t sb,
+                       BFloat16* out, std::int64_t len);
+/// y[i] = alpha * x[i] + beta (y may alias x), and y[i] += alpha * x[i]: the affine
+/// and axpy kernels' loops, bit for bit, with ISA clones (cpu_binary_clones.cpp).
+void affine_f32(const float* x, float* y, std::int64_t n, float alpha, float beta);
+void affine_bf16(const BFloat16* x, BFloat16* y, std::int64_t n, float alpha, float beta);
+void axpy_f32(float alpha, const float* x, float* y, std::int64_t n);
+/// The cast kernel's float32 <-> bfloat16 loops, bit for bit, with ISA clones.
+void cast_f32_to_bf16(const float* x, BFloat16* y, std::int64_t n);
+void cast_bf16_to_f32(const BFloat16* x, float* y, std::int64_t n);
+
 /// The largest inner dimension CpuBackend::gemm runs in small_k_gemm.
 inline constexpr std::int64_t kSmallK = 16;
 

@@ -1,4 +1,5 @@
-// CPU backend: fills, casts, unary/binary elementwise ops, where, strided copies, random fills.
+// CPU backend: fills, casts, unary/binary elementwise ops, GELU, where, strided copies,
+// random fills.
 //
 // The math of every op comes from backend/functors.h (shared with CUDA); this file only
 // decides how to walk memory. Loops are plain counted loops over __restrict pointers so
@@ -8,6 +9,7 @@
 #include <type_traits>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_inner_loop.h"
 #include "backend/functors.h"
 #include "dp/core/error.h"
 
@@ -67,25 +69,10 @@ Walk collapse(const Indexer& ix) {
   return w;
 }
 
-/// The innermost loop, specialised on the common stride patterns.
-template <typename T, typename F>
-inline void inner_loop(F f, const T* a, i64 sa, const T* b, i64 sb, T* out, i64 len) {
-  if (sa == 1 && sb == 1) {
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i], b[i]);
-  } else if (sa == 1 && sb == 0) {
-    const T bv = *b;
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i], bv);
-  } else if (sa == 0 && sb == 1) {
-    const T av = *a;
-    for (i64 i = 0; i < len; ++i) out[i] = f(av, b[i]);
-  } else {
-    for (i64 i = 0; i < len; ++i) out[i] = f(a[i * sa], b[i * sb]);
-  }
-}
-
-/// out[flat] = f(a[...], b[...]) for flat in [begin, end) of the collapsed walk.
-template <typename T, typename F>
-void walk_range(const Walk& w, F f, const T* a, const T* b, T* out, i64 begin, i64 end) {
+/// inner(a, sa, b, sb, out, len) over the rows of flat range [begin, end) of the
+/// collapsed walk: each call one run along the innermost dimension.
+template <typename T, typename Inner>
+void walk_rows(const Walk& w, Inner inner, const T* a, const T* b, T* out, i64 begin, i64 end) {
   const int last = w.ndim - 1;
   i64 coord[kMaxDims] = {};
   i64 oa = 0, ob = 0;
@@ -99,7 +86,7 @@ void walk_range(const Walk& w, F f, const T* a, const T* b, T* out, i64 begin, i
   i64 pos = begin;
   while (pos < end) {
     const i64 len = std::min(end - pos, w.sizes[last] - coord[last]);
-    inner_loop(f, a + oa, w.sa[last], b + ob, w.sb[last], out + pos, len);
+    inner(a + oa, w.sa[last], b + ob, w.sb[last], out + pos, len);
     pos += len;
     // Advance the odometer by len along the last dim, carrying into outer dims.
     coord[last] += len;
@@ -114,6 +101,14 @@ void walk_range(const Walk& w, F f, const T* a, const T* b, T* out, i64 begin, i
       ob += w.sb[d - 1];
     }
   }
+}
+
+/// out[flat] = f(a[...], b[...]) for flat in [begin, end) of the collapsed walk.
+template <typename T, typename F>
+void walk_range(const Walk& w, F f, const T* a, const T* b, T* out, i64 begin, i64 end) {
+  walk_rows(
+      w, [f](const T* ra, i64 sa, const T* rb, i64 sb, T* ro, i64 len) { inner_loop(f, ra, sa, rb, sb, ro, len); }, a,
+      b, out, begin, end);
 }
 
 // ---- fills and casts --------------------------------------------------------------------
@@ -157,6 +152,13 @@ void cast(CpuBackend& be, Device dev, const CastArgs& a) {
     using Src = decltype(src_zero);
     const Src* x = static_cast<const Src*>(a.x);
     Dst* y = static_cast<Dst*>(a.y);
+    if constexpr (std::is_same_v<Src, float> && std::is_same_v<Dst, BFloat16>) {  // Note [Binary clones]
+      be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { cast_f32_to_bf16(x + b, y + b, e - b); });
+      return;
+    } else if constexpr (std::is_same_v<Src, BFloat16> && std::is_same_v<Dst, float>) {
+      be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { cast_bf16_to_f32(x + b, y + b, e - b); });
+      return;
+    }
     be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
       const Src* __restrict xx = x;
       Dst* __restrict yy = y;
@@ -196,6 +198,13 @@ void affine(CpuBackend& be, Device dev, const AffineArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   const float alpha = a.alpha, beta = a.beta;
+  if constexpr (std::is_same_v<T, float>) {  // Note [Binary clones]
+    be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { affine_f32(x + b, y + b, e - b, alpha, beta); });
+    return;
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { affine_bf16(x + b, y + b, e - b, alpha, beta); });
+    return;
+  }
   be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
     for (i64 i = b; i < e; ++i) y[i] = store_acc<T>(alpha * load_acc(x[i]) + beta);
   });
@@ -206,6 +215,10 @@ void axpy(CpuBackend& be, Device dev, const AxpyArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   const float alpha = a.alpha;
+  if constexpr (std::is_same_v<T, float>) {  // Note [Binary clones]
+    be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { axpy_f32(alpha, x + b, y + b, e - b); });
+    return;
+  }
   be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
     for (i64 i = b; i < e; ++i) y[i] = store_acc<T>(load_acc(y[i]) + alpha * load_acc(x[i]));
   });
@@ -221,6 +234,21 @@ void binary(CpuBackend& be, Device dev, const BinaryArgs& a) {
   const T* pa = static_cast<const T*>(a.a);
   const T* pb = static_cast<const T*>(a.b);
   T* out = static_cast<T*>(a.out);
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
+    if (has_binary_clone(a.op)) {  // Note [Binary clones]
+      const BinaryOp op = a.op;
+      auto inner = [op](const T* ra, i64 sa, const T* rb, i64 sb, T* ro, i64 len) {
+        if constexpr (std::is_same_v<T, float>) {
+          binary_clone_f32(op, ra, sa, rb, sb, ro, len);
+        } else {
+          binary_clone_bf16(op, ra, sa, rb, sb, ro, len);
+        }
+      };
+      be.parallel_for(dev, w.numel, kSerialGrain,
+                      [&](i64 begin, i64 end) { walk_rows(w, inner, pa, pb, out, begin, end); });
+      return;
+    }
+  }
   dispatch_binary(a.op, [&](auto f) {
     const OnStorage<T, decltype(f)> g{f};
     be.parallel_for(dev, w.numel, kSerialGrain,
@@ -250,6 +278,60 @@ void binary_int(CpuBackend& be, Device dev, const BinaryArgs& a) {
         ob += coord * ix.strides_b[d];
       }
       out[i] = pa[oa] == pb[ob] ? 1.0f : 0.0f;
+    }
+  });
+}
+
+// ---- GELU (Note [Fused GELU] in functors.h) ------------------------------------------------
+// float32 runs the cloned loops on the pointers; a 16-bit type is widened a block at a
+// time into float buffers on the stack, run through the same loops and rounded once.
+
+/// Elements a 16-bit GELU task widens at a time: 3 float buffers of 4 KiB stay in L1.
+constexpr i64 kGeluBlock = 1024;
+
+template <typename T>
+void widen(const T* x, float* out, i64 n) {
+  for (i64 i = 0; i < n; ++i) out[i] = load_acc(x[i]);
+}
+
+template <typename T>
+void gelu(CpuBackend& be, Device dev, const GeluArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  const bool tanh = a.tanh;
+  be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+    if constexpr (std::is_same_v<T, float>) {
+      gelu_f32(tanh, x + b, y + b, e - b);
+    } else {
+      float buf[kGeluBlock];
+      for (i64 lo = b; lo < e; lo += kGeluBlock) {
+        const i64 len = std::min(kGeluBlock, e - lo);
+        widen(x + lo, buf, len);
+        gelu_f32(tanh, buf, buf, len);
+        for (i64 i = 0; i < len; ++i) y[lo + i] = store_acc<T>(buf[i]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void gelu_backward(CpuBackend& be, Device dev, const GeluBackwardArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* gy = static_cast<const T*>(a.gy);
+  T* gx = static_cast<T*>(a.gx);
+  const bool tanh = a.tanh;
+  be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) {
+    if constexpr (std::is_same_v<T, float>) {
+      gelu_backward_f32(tanh, x + b, gy + b, gx + b, e - b);
+    } else {
+      float fx[kGeluBlock], fg[kGeluBlock];
+      for (i64 lo = b; lo < e; lo += kGeluBlock) {
+        const i64 len = std::min(kGeluBlock, e - lo);
+        widen(x + lo, fx, len);
+        widen(gy + lo, fg, len);
+        gelu_backward_f32(tanh, fx, fg, fg, len);
+        for (i64 i = 0; i < len; ++i) gx[lo + i] = store_acc<T>(fg[i]);
+      }
     }
   });
 }
@@ -345,6 +427,21 @@ void scatter_add(CpuBackend& be, Device dev, const ScatterAddArgs& a) {
   // One pass in element order on the calling thread: repeated indices add in a fixed
   // order, so the gradients of gather and index_select are bitwise reproducible.
   (void)be.state(dev);  // checks the device
+  const int last = ix.ndim - 1;
+  if (n > 0 && last != dim && ix.strides_a[last] == 1 && ix.strides_b[last] == 0) {
+    // Whole rows (an embedding's gradient: one index a row): the offsets decoded once a
+    // row, the row added as a vector. Its elements are distinct, so each still receives
+    // its additions in element order.
+    const i64 len = ix.sizes[last];
+    for (i64 r = 0; r < n / len; ++r) {
+      i64 xo, io;
+      gather_offsets(ix, dim, r * len, xo, io);
+      T* dst = y + xo + a.index[io] * ix.strides_a[dim];
+      const T* row = src + r * len;
+      for (i64 j = 0; j < len; ++j) dst[j] = store_acc<T>(load_acc(dst[j]) + load_acc(row[j]));
+    }
+    return;
+  }
   for (i64 i = 0; i < n; ++i) {
     i64 xo, io;
     gather_offsets(ix, dim, i, xo, io);
@@ -404,6 +501,8 @@ void CpuBackend::register_elementwise_kernels() {
   register_typed<Op::Gather, CpuBackend, &gather<float>>(DType::F32);
   register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<float>>(DType::F32);
   register_typed<Op::Where, CpuBackend, &where<float>>(DType::F32);
+  register_typed<Op::Gelu, CpuBackend, &gelu<float>>(DType::F32);
+  register_typed<Op::GeluBackward, CpuBackend, &gelu_backward<float>>(DType::F32);
   // The 16-bit floating dtypes: the same kernels over their storage types (Note [Storage
   // types] in functors.h). Sums and products have no 16-bit kernels here: the tensor
   // layer widens their inputs to float32 (Note [16-bit tensors] in dp/tensor/tensor.h).
@@ -419,6 +518,8 @@ void CpuBackend::register_elementwise_kernels() {
     register_typed<Op::Gather, CpuBackend, &gather<T>>(dt);
     register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<T>>(dt);
     register_typed<Op::Where, CpuBackend, &where<T>>(dt);
+    register_typed<Op::Gelu, CpuBackend, &gelu<T>>(dt);
+    register_typed<Op::GeluBackward, CpuBackend, &gelu_backward<T>>(dt);
   };
   register_16bit(BFloat16{}, DType::BF16);
   register_16bit(Float16{}, DType::F16);

@@ -1,5 +1,6 @@
 // CPU backend: the float32 loops of the unary ops whose functors are polynomials (Exp,
-// Tanh, Sigmoid; Note [Vectorisable exp and tanh] in functors.h), with ISA clones.
+// Tanh, Sigmoid; Note [Vectorisable exp and tanh] in functors.h) and of the fused GELU
+// (Note [Fused GELU]), with ISA clones.
 //
 // Built with the optimizer loops (src/backend/cpu/meson.build): with ISA clones where
 // the build allows them, chosen by the loader for the CPU at hand.
@@ -28,6 +29,12 @@ template <typename F>
   for (std::int64_t i = 0; i < n; ++i) y[i] = f(x[i]);
 }
 
+/// gx[i] = f(x[i], gy[i]); gx may alias gy.
+template <typename F>
+[[gnu::always_inline]] inline void apply2(F f, const float* x, const float* gy, float* gx, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) gx[i] = f(x[i], gy[i]);
+}
+
 }  // namespace
 
 DP_CPU_V4_V3_CLONES void unary_clone_f32(UnaryOp op, const float* x, float* y, std::int64_t n) {
@@ -36,6 +43,24 @@ DP_CPU_V4_V3_CLONES void unary_clone_f32(UnaryOp op, const float* x, float* y, s
     case UnaryOp::Tanh: apply(Unary<UnaryOp::Tanh>{}, x, y, n); return;
     case UnaryOp::Sigmoid: apply(Unary<UnaryOp::Sigmoid>{}, x, y, n); return;
     default: DP_ASSERT(false, "unary_clone_f32: no clone for UnaryOp ", static_cast<int>(op));
+  }
+}
+
+// The GELU's loops get the same clones: the tanh form vectorises (Note [Fused GELU]); the
+// exact one calls erff per element in every clone.
+DP_CPU_V4_V3_CLONES void gelu_f32(bool tanh, const float* x, float* y, std::int64_t n) {
+  if (tanh) {
+    apply(Gelu<true>{}, x, y, n);
+  } else {
+    apply(Gelu<false>{}, x, y, n);
+  }
+}
+
+DP_CPU_V4_V3_CLONES void gelu_backward_f32(bool tanh, const float* x, const float* gy, float* gx, std::int64_t n) {
+  if (tanh) {
+    apply2(GeluBackward<true>{}, x, gy, gx, n);
+  } else {
+    apply2(GeluBackward<false>{}, x, gy, gx, n);
   }
 }
 

@@ -1,5 +1,5 @@
-// CUDA backend: fills, casts, unary/binary elementwise ops, where, strided copies, random fills,
-// the non-finite count and the fused optimizer updates.
+// CUDA backend: fills, casts, unary/binary elementwise ops, GELU, where, strided copies,
+// random fills, the non-finite count and the fused optimizer updates.
 //
 // The per-element math comes from backend/functors.h, shared with the CPU backend; this
 // file only decides how a grid walks memory. Where the CPU backend writes a formula
@@ -308,6 +308,19 @@ __global__ void adam_kernel(AdamUpdate upd, float* __restrict__ param,
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
   }
+}
+
+/// y = gelu(x) and gx = gy · gelu'(x): the functors of Note [Fused GELU] (functors.h)
+/// over storage type T. y may alias x, gx gy.
+template <typename T, bool Tanh>
+__global__ void gelu_kernel(const T* x, T* y, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = store_acc<T>(Gelu<Tanh>{}(load_acc(x[i])));
+}
+
+template <typename T, bool Tanh>
+__global__ void gelu_backward_kernel(const T* x, const T* gy, T* gx, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride())
+    gx[i] = store_acc<T>(GeluBackward<Tanh>{}(load_acc(x[i]), load_acc(gy[i])));
 }
 
 // ---- host helpers -------------------------------------------------------------------------
@@ -701,6 +714,37 @@ void count_nonfinite_f32(CudaBackend& be, Device dev, const CountNonfiniteArgs& 
   *a.count = static_cast<i64>(host);
 }
 
+/// Calls f(std::true_type) for GELU's tanh form, f(std::false_type) for the exact one.
+template <typename F>
+void with_gelu_form(bool tanh, F&& f) {
+  if (tanh) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+/// Op::Gelu and Op::GeluBackward over storage type T (Note [Fused GELU]).
+template <typename T>
+void gelu(CudaBackend& be, Device dev, const GeluArgs& a) {
+  check_count(a.n, "gelu");
+  if (a.n == 0) return;
+  with_gelu_form(a.tanh, [&](auto form) {
+    gelu_kernel<T, decltype(form)::value><<<grid_for(a.n), kBlock, 0, be.bind(dev)>>>(
+        static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n);
+  });
+  DP_CUDA_CHECK_LAUNCH();
+}
+template <typename T>
+void gelu_backward(CudaBackend& be, Device dev, const GeluBackwardArgs& a) {
+  check_count(a.n, "gelu_backward");
+  if (a.n == 0) return;
+  with_gelu_form(a.tanh, [&](auto form) {
+    gelu_backward_kernel<T, decltype(form)::value><<<grid_for(a.n), kBlock, 0, be.bind(dev)>>>(
+        static_cast<const T*>(a.x), static_cast<const T*>(a.gy), static_cast<T*>(a.gx), a.n);
+  });
+  DP_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace table
 
 /// The 16-bit dtype of H (dp::BFloat16 or dp::Float16): the ops the CPU backend has for
@@ -721,6 +765,8 @@ void register_16bit(CudaBackend& be) {
   add<Op::Gather, &table::gather<std::uint16_t>>(be, dt);
   add<Op::ScatterAdd, &table::scatter_add<T>>(be, dt);
   add<Op::Where, &table::where<std::uint16_t>>(be, dt);  // a selection: the bits move as they are
+  add<Op::Gelu, &table::gelu<T>>(be, dt);
+  add<Op::GeluBackward, &table::gelu_backward<T>>(be, dt);
 }
 
 }  // namespace
@@ -744,6 +790,8 @@ void register_elementwise_kernels(CudaBackend& be) {
   add<Op::Gather, &table::gather<float>>(be, DType::F32);
   add<Op::ScatterAdd, &table::scatter_add<float>>(be, DType::F32);
   add<Op::CountNonfinite, &table::count_nonfinite_f32>(be, DType::F32);
+  add<Op::Gelu, &table::gelu<float>>(be, DType::F32);
+  add<Op::GeluBackward, &table::gelu_backward<float>>(be, DType::F32);
   register_16bit<BFloat16>(be);
   register_16bit<Float16>(be);
 }
