@@ -222,8 +222,7 @@ Program generate(std::uint64_t seed) {
   if (p.model == Model::Mlp && more_chance(0.3)) p.model = Model::TiedMlp;
   p.groups = more_chance(0.3);
   p.autocast = more_chance(0.15);
-  // Across processes the process group sums float32 only (refused otherwise).
-  if (dp::dist::world_size() == 1 && more_chance(0.2)) p.wire = more_chance(0.5) ? dp::Dtype::BFloat16 : dp::Dtype::Float16;
+  if (more_chance(0.2)) p.wire = more_chance(0.5) ? dp::Dtype::BFloat16 : dp::Dtype::Float16;
   for (StepSpec& st : p.steps) st.momentum_to_half = more_chance(0.1);
   normalize(p);
   return p;
