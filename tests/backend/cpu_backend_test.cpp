@@ -1552,15 +1552,11 @@ TEST_CASE("conv2d_relu_maxpool2x2_forward: conv2d_relu_forward then the 2x2 max-
   CHECK_THROWS_WITH_AS(be().conv2d_relu_maxpool2x2_forward(dev0(), too_small, buf.data(), buf.data(), nullptr,
                                                            buf.data(), where.data()),
                        doctest::Contains("1x1"), dp::Error);
-  const Conv2dShape ok = conv_shape(1, 1, 4, 4, 1, 3, 3, 1, 1, 1, 1);
-  // A backend without the fusion (the CUDA one registers no kernel for it) says which op
-  // it lacks; callers ask supports() first (Note [Fused ops a backend may offer]).
-  Backend& other = dp::backend::get(dp::DeviceType::CUDA);
-  CHECK_FALSE(other.supports(Op::Conv2dReluMaxPool2x2, DType::F32));
-  CHECK_THROWS_WITH_AS(
-      (other.run<Op::Conv2dReluMaxPool2x2>(Device{dp::DeviceType::CUDA, 0}, DType::F32,
-                                           {ok, buf.data(), buf.data(), nullptr, buf.data(), where.data()})),
-      doctest::Contains("conv2d_relu_maxpool2x2_forward"), dp::Error);
+  // Another backend runs a Conv2d call's pool as the ops it fuses, with int64 winners
+  // (Note [Fusions are the backend's]): the bytes are this backend's own.
+  const Pool2dShape ok{1, 1, 4, 4, 2, 2, 2, 2, 0, 0, 2, 2};
+  CHECK(be().max_pool2d_byte_winners(ok));
+  CHECK_FALSE(dp::backend::get(dp::DeviceType::CUDA).max_pool2d_byte_winners(ok));
 }
 
 // ---- pooling --------------------------------------------------------------------------------------
@@ -1732,14 +1728,10 @@ TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient b
   Pool2dShape ceil_mode = pool_shape(1, 1, 5, 5, 2, 2, 0);
   ceil_mode.P = ceil_mode.Q = 3;  // a last window hanging over the edge
   CHECK_THROWS_AS(be().maxpool2d_2x2_forward(dev0(), ceil_mode, buf.data(), buf.data(), where.data()), dp::Error);
-  // A backend without the byte path says so instead of computing anything (the CUDA
-  // one registers no kernel for it: Note [Fused ops a backend may offer]).
+  // Another backend keeps int64 winners (Note [Max-pool winners]).
   const Pool2dShape ok = pool_shape(1, 1, 4, 4, 2, 2, 0);
-  Backend& other = dp::backend::get(dp::DeviceType::CUDA);
-  CHECK_FALSE(other.supports(Op::MaxPool2x2, DType::F32));
-  CHECK_THROWS_WITH_AS((other.run<Op::MaxPool2x2>(Device{dp::DeviceType::CUDA, 0}, DType::F32,
-                                                  {ok, buf.data(), buf.data(), where.data()})),
-                       doctest::Contains("maxpool2d_2x2_forward"), dp::Error);
+  CHECK(be().max_pool2d_byte_winners(ok));
+  CHECK_FALSE(dp::backend::get(dp::DeviceType::CUDA).max_pool2d_byte_winners(ok));
 }
 
 TEST_CASE("average pooling counting padding: forward and backward") {
