@@ -1734,6 +1734,47 @@ TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient b
   CHECK_FALSE(dp::backend::get(dp::DeviceType::CUDA).max_pool2d_byte_winners(ok));
 }
 
+TEST_CASE("MaxPool2d's kernels with the ReLU mask and a convolution's pool: the ops they fuse, bit for bit") {
+  // Note [Fusions are the backend's]: MaxPool2dBackward with relu_y equals
+  // max_pool2d_backward_by_ops (the mask, then the backward), and a Conv2d call with a
+  // pool equals conv2d_pool_by_ops, for byte and int64 winners.
+  for (const Pool2dShape& s : {pool_shape(3, 5, 14, 9, 2, 2, 0), pool_shape(2, 3, 7, 9, 3, 2, 1)}) {
+    CAPTURE(s.kernel_h);
+    const std::size_t outputs = static_cast<std::size_t>(s.N * s.C * s.P * s.Q);
+    const std::size_t nwin = static_cast<std::size_t>(dp::backend::max_pool2d_winner_bytes(be(), s));
+    CHECK(nwin == (s.kernel_h == 2 ? outputs : 8 * outputs));
+    auto x = pool_input(s.N * s.C * s.H * s.W, 70);
+    std::vector<float> y(outputs), gx(x.size(), 7.0f), gx_ops(x.size(), 7.0f);
+    std::vector<std::uint8_t> winners(nwin, 0xee);
+    auto gy = random_vec(static_cast<i64>(outputs), 71);
+    be().run<Op::MaxPool2d>(dev0(), DType::F32, {s, x.data(), y.data(), winners.data()});
+    const dp::backend::MaxPool2dBackwardArgs a{s, gy.data(), winners.data(), y.data(), gx.data()};
+    be().run<Op::MaxPool2dBackward>(dev0(), DType::F32, a);
+    dp::backend::MaxPool2dBackwardArgs by_ops = a;
+    by_ops.gx = gx_ops.data();
+    be().max_pool2d_backward_by_ops(dev0(), DType::F32, by_ops);
+    REQUIRE(bitwise_equal(gx, gx_ops));
+  }
+  const Conv2dShape c = conv_shape(5, 3, 13, 11, 8, 3, 3, 1, 1, 1, 1);
+  for (const Pool2dShape& ps : {Pool2dShape{c.N, c.K, c.P, c.Q, 2, 2, 2, 2, 0, 0, c.P / 2, c.Q / 2},
+                                pool_shape(c.N, c.K, c.P, c.Q, 3, 2, 1)}) {
+    CAPTURE(ps.kernel_h);
+    auto x = random_vec(c.N * c.C * c.H * c.W, 72), w = random_vec(c.K * c.C * c.R * c.S, 73), b = random_vec(c.K, 74);
+    const std::size_t outputs = static_cast<std::size_t>(ps.N * ps.C * ps.P * ps.Q);
+    const std::size_t nwin = static_cast<std::size_t>(dp::backend::max_pool2d_winner_bytes(be(), ps));
+    std::vector<float> y(outputs, 7.0f), y_ops(outputs, 5.0f);
+    std::vector<std::uint8_t> winners(nwin, 0xee), winners_ops(nwin, 0xdd);
+    dp::backend::Conv2dArgs a{c, x.data(), w.data(), b.data(), y.data(), true,
+                              dp::backend::ConvPool{.on = true, .s = ps, .winners = winners.data()}};
+    be().run<Op::Conv2d>(dev0(), DType::F32, a);
+    a.y = y_ops.data();
+    a.pool.winners = winners_ops.data();
+    be().conv2d_pool_by_ops(dev0(), DType::F32, a);
+    REQUIRE(bitwise_equal(y, y_ops));
+    REQUIRE(winners == winners_ops);
+  }
+}
+
 TEST_CASE("average pooling counting padding: forward and backward") {
   for (const Pool2dShape& s : {pool_shape(2, 3, 7, 9, 3, 2, 1), pool_shape(4, 16, 14, 14, 2, 2, 0)}) {
     auto x = random_vec(s.N * s.C * s.H * s.W, 26);
