@@ -1775,6 +1775,54 @@ TEST_CASE("MaxPool2d's kernels with the ReLU mask and a convolution's pool: the 
   }
 }
 
+TEST_CASE("bfloat16 and float16 max-pool kernels: the float32 kernels on the widened values, rounded") {
+  // Note [16-bit max-pool], with NaN, infinities, -0 and ties in x, gy and the mask.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (DType dt : {DType::BF16, DType::F16}) {
+    for (const Pool2dShape& s : {pool_shape(3, 5, 9, 11, 2, 2, 0), pool_shape(2, 3, 7, 9, 3, 2, 1)}) {
+      for (bool masked : {false, true}) {
+        CAPTURE(int(dt));
+        CAPTURE(s.kernel_h);
+        CAPTURE(masked);
+        const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
+        auto round16 = [dt](std::vector<float> v) {  // values the dtype holds, and their bits
+          std::vector<std::uint16_t> bits(v.size());
+          for (std::size_t i = 0; i < v.size(); ++i)
+            bits[i] = dt == DType::BF16 ? dp::BFloat16(v[i]).bits : dp::Float16(v[i]).bits;
+          return bits;
+        };
+        auto widen16 = [dt](const std::vector<std::uint16_t>& b) {
+          std::vector<float> v(b.size());
+          for (std::size_t i = 0; i < b.size(); ++i)
+            v[i] = dt == DType::BF16 ? float(dp::BFloat16::from_bits(b[i])) : dp::Float16::to_float(b[i]);
+          return v;
+        };
+        std::vector<float> xv = pool_input(nx, 80), gv = random_vec(ny, 81), rv = random_vec(ny, 82);
+        gv[1] = nan;
+        gv[2] = -0.0f;
+        rv[3] = nan;
+        rv[4] = -0.0f;
+        rv[5] = inf;
+        rv[6] = -inf;
+        const auto x16 = round16(xv), g16 = round16(gv), r16 = round16(rv);
+        const auto xf = widen16(x16), gf = widen16(g16), rf = widen16(r16);
+        const std::size_t nwin = static_cast<std::size_t>(dp::backend::max_pool2d_winner_bytes(be(), s));
+        std::vector<std::uint8_t> w16(nwin, 0xee), wf(nwin, 0xdd);
+        std::vector<std::uint16_t> y16(static_cast<std::size_t>(ny)), gx16(static_cast<std::size_t>(nx));
+        std::vector<float> yf(static_cast<std::size_t>(ny)), gxf(static_cast<std::size_t>(nx));
+        be().run<Op::MaxPool2d>(dev0(), dt, {s, x16.data(), y16.data(), w16.data()});
+        be().run<Op::MaxPool2d>(dev0(), DType::F32, {s, xf.data(), yf.data(), wf.data()});
+        be().run<Op::MaxPool2dBackward>(dev0(), dt, {s, g16.data(), w16.data(), masked ? r16.data() : nullptr, gx16.data()});
+        be().run<Op::MaxPool2dBackward>(dev0(), DType::F32,
+                                        {s, gf.data(), wf.data(), masked ? rf.data() : nullptr, gxf.data()});
+        CHECK(w16 == wf);
+        CHECK(y16 == round16(yf));
+        CHECK(gx16 == round16(gxf));
+      }
+    }
+  }
+}
+
 TEST_CASE("average pooling counting padding: forward and backward") {
   for (const Pool2dShape& s : {pool_shape(2, 3, 7, 9, 3, 2, 1), pool_shape(4, 16, 14, 14, 2, 2, 0)}) {
     auto x = random_vec(s.N * s.C * s.H * s.W, 26);
