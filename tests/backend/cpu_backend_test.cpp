@@ -1779,7 +1779,10 @@ TEST_CASE("bfloat16 and float16 max-pool kernels: the float32 kernels on the wid
   // Note [16-bit max-pool], with NaN, infinities, -0 and ties in x, gy and the mask.
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   for (DType dt : {DType::BF16, DType::F16}) {
-    for (const Pool2dShape& s : {pool_shape(3, 5, 9, 11, 2, 2, 0), pool_shape(2, 3, 7, 9, 3, 2, 1)}) {
+    // Widths of 5, 14 and 17 windows: rows narrower than a vector, whole vectors and
+    // an overlapping last one.
+    for (const Pool2dShape& s : {pool_shape(3, 5, 9, 11, 2, 2, 0), pool_shape(2, 3, 6, 28, 2, 2, 0),
+                                 pool_shape(1, 2, 5, 35, 2, 2, 0), pool_shape(2, 3, 7, 9, 3, 2, 1)}) {
       for (bool masked : {false, true}) {
         CAPTURE(int(dt));
         CAPTURE(s.kernel_h);
