@@ -445,7 +445,7 @@ struct Conv2dBackwardWeightArgs {
 // block from forward to backward untouched.
 
 /// y = max over the window (padding never wins; the first maximum in row-major order, a
-/// NaN wins); `winners` (Note [Max-pool winners]) may be null when no backward follows.
+/// NaN wins), and each window's winner in `winners` (Note [Max-pool winners]).
 struct MaxPool2dArgs {
   Pool2dShape s;
   const void* x;
