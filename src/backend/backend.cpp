@@ -76,6 +76,61 @@ void Backend::gemm_epilogue_by_ops(Device dev, const GemmArgs& a) {
   if (ep.relu) run<Op::Unary>(dev, DType::F32, {UnaryOp::Relu, c, c, mn});
 }
 
+bool Backend::max_pool2d_byte_winners(const Pool2dShape&) const { return false; }
+
+std::int64_t max_pool2d_winner_bytes(const Backend& be, const Pool2dShape& s) {
+  const std::int64_t outputs = s.N * s.C * s.P * s.Q;
+  return be.max_pool2d_byte_winners(s) ? outputs : outputs * static_cast<std::int64_t>(sizeof(std::int64_t));
+}
+
+namespace {
+
+/// Bytes of one element of a floating dtype.
+std::size_t float_size(DType dt) { return dt == DType::F32 ? 4 : 2; }
+
+/// A block of the device's memory for the duration of a by-ops call. On CUDA it is
+/// freed once the ops are enqueued: a block freed on a stream is reused only by work
+/// enqueued after them (Note [Caching allocator streams]).
+class Scratch {
+ public:
+  Scratch(Backend& be, Device dev, std::size_t nbytes)
+      : be_(be), dev_(dev), nbytes_(std::max<std::size_t>(nbytes, 1)), p_(be.allocate(dev, nbytes_)) {}
+  ~Scratch() { be_.deallocate(dev_, p_, nbytes_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  void* get() const { return p_; }
+
+ private:
+  Backend& be_;
+  Device dev_;
+  std::size_t nbytes_;
+  void* p_;
+};
+
+}  // namespace
+
+void Backend::conv2d_pool_by_ops(Device dev, DType dt, const Conv2dArgs& a) {
+  const Conv2dShape& s = a.s;
+  Scratch conv(*this, dev, static_cast<std::size_t>(s.N * s.K * s.P * s.Q) * float_size(dt));
+  Conv2dArgs plain = a;
+  plain.y = conv.get();
+  plain.pool = ConvPool{};
+  run<Op::Conv2d>(dev, dt, plain);
+  run<Op::MaxPool2d>(dev, dt, {a.pool.s, conv.get(), a.y, a.pool.winners});
+}
+
+void Backend::max_pool2d_backward_by_ops(Device dev, DType dt, const MaxPool2dBackwardArgs& a) {
+  const Pool2dShape& s = a.s;
+  const std::int64_t n = s.N * s.C * s.P * s.Q;
+  Scratch masked(*this, dev, static_cast<std::size_t>(n) * float_size(dt));
+  Indexer flat;
+  flat.ndim = 1;
+  flat.sizes[0] = n;
+  flat.strides_a[0] = flat.strides_b[0] = 1;
+  run<Op::Binary>(dev, dt, {BinaryOp::ReluBackward, flat, a.gy, a.relu_y, masked.get()});
+  run<Op::MaxPool2dBackward>(dev, dt, {s, masked.get(), a.winners, nullptr, a.gx});
+}
+
 void Backend::register_kernel(Op op, DType dt, KernelFn fn) {
   DP_ASSERT(op < Op::kCount && dt < DType::kCount, "register_kernel: op ", static_cast<int>(op), " or dtype ",
             static_cast<int>(dt), " out of range");

@@ -30,11 +30,15 @@ namespace dp::backend {
 
 /// A 2x2, stride-2, unpadded pool whose windows all lie inside the input (2P <= H,
 /// 2Q <= W): non-overlapping windows that tile the input but for an odd last row or
-/// column — what the 2x2 max-pool kernels and the MaxPool2x2 ops take.
+/// column — what the 2x2 max-pool kernels take.
 inline bool is_2x2_tiling(const Pool2dShape& s) {
   return s.kernel_h == 2 && s.kernel_w == 2 && s.stride_h == 2 && s.stride_w == 2 && s.pad_h == 0 &&
          s.pad_w == 0 && 2 * s.P <= s.H && 2 * s.Q <= s.W;
 }
+
+class Backend;
+/// Bytes of MaxPool2d's winners for shape `s` on backend `be` (Note [Max-pool winners]).
+std::int64_t max_pool2d_winner_bytes(const Backend& be, const Pool2dShape& s);
 
 /// A non-owning reference to a callable f(begin, end): lets a virtual call take any
 /// lambda without copying it or allocating (std::function may). Valid only during the
@@ -196,6 +200,19 @@ class Backend : public dp::detail::DeviceRuntime {
   /// over all of C (ldc == n). What a backend without a fused epilogue runs, and what
   /// the fused ones are tested against, bit for bit.
   void gemm_epilogue_by_ops(Device dev, const GemmArgs& a);
+
+  /// Whether MaxPool2d records the winners of shape `s` as one byte per output (the
+  /// place in a 2x2 window) rather than int64 flat indices (Note [Max-pool winners]).
+  /// False here; a backend with the byte kernels says where it uses them.
+  virtual bool max_pool2d_byte_winners(const Pool2dShape& s) const;
+
+  /// The Conv2d op with a pool (Conv2dArgs::pool) as separate ops: the convolution
+  /// (with its ReLU) through the table into a block of the device, then MaxPool2d from
+  /// it. What a backend without the fused path runs (Note [Fusions are the backend's]).
+  void conv2d_pool_by_ops(Device dev, DType dt, const Conv2dArgs& a);
+  /// MaxPool2dBackward with relu_y as separate ops: Binary<ReluBackward>(gy, relu_y)
+  /// into a block of the device, then the backward without the mask.
+  void max_pool2d_backward_by_ops(Device dev, DType dt, const MaxPool2dBackwardArgs& a);
 
   /// Counts non-finite values of x (for the opt-in NaN/Inf check). Synchronous.
   std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) {

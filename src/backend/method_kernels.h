@@ -55,8 +55,12 @@ struct Calls {
   static void nll_backward(B& b, Device d, const NllBackwardArgs& a) {
     b.nll_backward(d, f32(a.gloss), a.target, f32(a.gx), a.rows, a.cols);
   }
+  // A pool after the convolution and a ReLU mask before the pool's backward run as the
+  // ops they fuse (Note [Fusions are the backend's]); the winners are int64 flat indices.
   static void conv2d(B& b, Device d, const Conv2dArgs& a) {
-    if (a.relu)
+    if (a.pool.on)
+      b.conv2d_pool_by_ops(d, DType::F32, a);
+    else if (a.relu)
       b.conv2d_relu_forward(d, a.s, f32(a.x), f32(a.w), f32(a.bias), f32(a.y));
     else
       b.conv2d_forward(d, a.s, f32(a.x), f32(a.w), f32(a.bias), f32(a.y));
@@ -68,10 +72,13 @@ struct Calls {
     b.conv2d_backward_weight(d, a.s, f32(a.x), f32(a.gy), f32(a.gw), f32(a.gbias));
   }
   static void maxpool2d(B& b, Device d, const MaxPool2dArgs& a) {
-    b.maxpool2d_forward(d, a.s, f32(a.x), f32(a.y), a.indices);
+    b.maxpool2d_forward(d, a.s, f32(a.x), f32(a.y), static_cast<std::int64_t*>(a.winners));
   }
   static void maxpool2d_backward(B& b, Device d, const MaxPool2dBackwardArgs& a) {
-    b.maxpool2d_backward(d, a.s, f32(a.gy), a.indices, f32(a.gx));
+    if (a.relu_y)
+      b.max_pool2d_backward_by_ops(d, DType::F32, a);
+    else
+      b.maxpool2d_backward(d, a.s, f32(a.gy), static_cast<const std::int64_t*>(a.winners), f32(a.gx));
   }
   static void avgpool2d(B& b, Device d, const AvgPool2dArgs& a) { b.avgpool2d_forward(d, a.s, f32(a.x), f32(a.y)); }
   static void avgpool2d_backward(B& b, Device d, const AvgPool2dBackwardArgs& a) {
@@ -103,7 +110,8 @@ struct Calls {
 };
 }  // namespace method_detail
 
-/// The float32 kernels of backend B's member-function ops.
+/// The float32 kernels of backend B's member-function ops (the CPU backend replaces the
+/// convolution's and the pools' with its own: Note [Fusions are the backend's]).
 template <typename B>
 std::array<MethodKernel, 20> method_kernels() {
   using C = method_detail::Calls<B>;

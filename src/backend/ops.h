@@ -384,9 +384,33 @@ struct NllBackwardArgs {
 
 // ---- convolution and pooling (NCHW) ------------------------------------------------------
 
+// Note [Fusions are the backend's]
+// nn calls the generic ops only; which of them run fused, and how, each backend decides
+// behind its kernels. What the caller may ask for is an epilogue of a generic op, the
+// ops that follow it in the caller's own graph: the ReLU after a convolution, the
+// max-pool after that (Conv2dArgs::pool), the ReLU's mask before a max-pool's backward
+// (MaxPool2dBackwardArgs::relu_y), the bias and ReLU after a GEMM (GemmEpilogue). Every
+// backend computes each epilogue, bit for bit what the separate ops give: the CPU in
+// one pass while the data is in cache (Notes [Convolution + ReLU], [Convolution, ReLU
+// and max-pool in one pass]), another by running the ops (Backend::conv2d_pool_by_ops,
+// max_pool2d_backward_by_ops, gemm_epilogue_by_ops). Specialised kernels for common
+// shapes (the 2x2 max-pool, Note [Branch-free 2x2 max-pool]) are chosen inside the
+// generic op's kernel; where forward leaves state for backward, the backend picks its
+// format (the max-pool's winners, Backend::max_pool2d_byte_winners). A fusion is added
+// as a kernel's own path, a test of it against the ops it fuses, and a case of the
+// generic op's shape in tests/backend/op_cases.cpp; never as an op nn must ask for.
+
+/// A max-pool over a convolution's output, run by the Conv2d call (Note [Fusions are
+/// the backend's]): y then holds MaxPool2d's output over the convolution's (after its
+/// ReLU), `winners` its winners, and the convolution's output is not returned.
+struct ConvPool {
+  bool on = false;
+  Pool2dShape s;            // the pool over the convolution's (N, K, P, Q) output
+  void* winners = nullptr;  // as MaxPool2dArgs::winners for s
+};
 /// y = conv(x, w) + bias (bias may be null), then relu when `relu`: bit for bit the
 /// convolution followed by Unary<Relu> in place; a backend may fuse the two (Note
-/// [Convolution + ReLU]).
+/// [Convolution + ReLU]). With `pool.on`, then that max-pool into y.
 struct Conv2dArgs {
   Conv2dShape s;
   const void* x;
@@ -394,6 +418,7 @@ struct Conv2dArgs {
   const void* bias;
   void* y;
   bool relu;
+  ConvPool pool = {};
 };
 /// gx = conv_transpose(gy, w) (overwrites gx).
 struct Conv2dBackwardDataArgs {
@@ -411,64 +436,39 @@ struct Conv2dBackwardWeightArgs {
   void* gw;
   void* gbias;
 };
-/// y = max over the window (padding never wins); indices (int64) = flat h*W+w of the max.
+// Note [Max-pool winners]
+// Max-pool's forward records each window's winner for its backward, in the format the
+// backend picks for the shape: an int64 flat index h*W+w in the plane per output, or,
+// where Backend::max_pool2d_byte_winners(s) says so (2x2 tilings only), one byte per
+// output, the winner's place 0..3 in its window in row-major order (Note [Max-pool
+// winners in a byte]). Callers allocate max_pool2d_winner_bytes(be, s) and hand the
+// block from forward to backward untouched.
+
+/// y = max over the window (padding never wins; the first maximum in row-major order, a
+/// NaN wins), and each window's winner in `winners` (Note [Max-pool winners]).
 struct MaxPool2dArgs {
   Pool2dShape s;
   const void* x;
   void* y;
-  std::int64_t* indices;
+  void* winners;
 };
-/// gx = 0, then gx[index] += gy (overwrites gx).
+/// gx = the window's gradient at its winner, summed where windows overlap, zero
+/// elsewhere (overwrites gx). relu_y, when not null, is this pool's output over a ReLU's
+/// output: each window's gradient is masked first, relu_y > 0 ? gy : 0 — bit for bit
+/// Binary<ReluBackward>(gy, relu_y) followed by this backward (Note [ReLU mask through
+/// max-pool] in src/nn/functional.cpp).
 struct MaxPool2dBackwardArgs {
   Pool2dShape s;
   const void* gy;
-  const std::int64_t* indices;
-  void* gx;
-};
-// Note [Fused ops a backend may offer]
-// Some ops are fusions of others that one backend runs faster and another need not
-// have: the 2x2 max-pool keeping its winners in bytes (Note [Max-pool winners in a
-// byte]) and the convolution, ReLU and that pool in one pass (Note [Convolution, ReLU
-// and max-pool in one pass]). They are ops of the list like any other, but only the
-// backends that gain from them register kernels; a caller asks the table
-// (be.supports(op, dtype)) and otherwise runs the ops they fuse, which every backend
-// has, with the same results bit for bit.
-
-/// A 2x2, stride-2, unpadded max-pool whose windows all lie inside the input (2P <= H,
-/// 2Q <= W; is_2x2_tiling): y as MaxPool2d computes it, and per output the winner's place
-/// in its window as one byte, 0..3 in row-major order, in `where` (N·C·P·Q bytes) instead
-/// of an int64 flat index. Throws for any other shape. Note [Fused ops a backend may
-/// offer].
-struct MaxPool2x2Args {
-  Pool2dShape s;
-  const void* x;
-  void* y;
-  std::uint8_t* where;
-};
-/// gx (every element written: the window's gradient at its winner, zero elsewhere) from
-/// `where` as MaxPool2x2 wrote it; what MaxPool2dBackward computes. relu_y, when not null,
-/// is this pool's output over a ReLU's output (N·C·P·Q): each window's gradient is then
-/// masked first, relu_y > 0 ? gy : 0, in the same pass — bit for bit Binary<ReluBackward>
-/// (gy, relu_y) followed by this backward (Note [ReLU mask through max-pool] in
-/// src/nn/functional.cpp).
-struct MaxPool2x2BackwardArgs {
-  Pool2dShape s;
-  const void* gy;
-  const std::uint8_t* where;
+  const void* winners;
   const void* relu_y;
   void* gx;
 };
-/// Conv2d with relu, then MaxPool2x2 over its (N, K, P, Q) output (y: (N, K, P / 2, Q /
-/// 2); `where`: one byte per output), bit for bit, without holding the convolution's
-/// output. Needs P, Q >= 2. Note [Fused ops a backend may offer].
-struct Conv2dReluMaxPool2x2Args {
-  Conv2dShape s;
-  const void* x;
-  const void* w;
-  const void* bias;
-  void* y;
-  std::uint8_t* where;
-};
+// Note [Fused ops a backend may offer]
+// A few ops are fusions that only some backends have kernels for (the fused attention
+// below); a caller asks the table (be.supports(op, dtype)) and otherwise runs the ops
+// they fuse, with the same results. Convolution and pooling fusions are not such ops:
+// Note [Fusions are the backend's].
 
 // ---- fused attention (Note [Fused attention] in src/backend/cpu/cpu_attention.cpp) -------
 
@@ -669,9 +669,6 @@ struct AdamStepArgs {
   X(BatchNormBackward, "batchnorm_backward", BatchNormBackwardArgs)        \
   X(SgdStep, "sgd_step", SgdStepArgs)                                      \
   X(AdamStep, "adam_step", AdamStepArgs)                                   \
-  X(MaxPool2x2, "maxpool2d_2x2_forward", MaxPool2x2Args)                   \
-  X(MaxPool2x2Backward, "maxpool2d_2x2_backward", MaxPool2x2BackwardArgs)  \
-  X(Conv2dReluMaxPool2x2, "conv2d_relu_maxpool2x2_forward", Conv2dReluMaxPool2x2Args) \
   X(AttentionForward, "attention_forward", AttentionForwardArgs)           \
   X(AttentionBackward, "attention_backward", AttentionBackwardArgs)       \
   X(Gelu, "gelu", GeluArgs)                                                \

@@ -44,7 +44,6 @@ void check_channel_vector(const char* op, const char* what, const Tensor& t, con
 bool needs(const Tensor& t) { return t.defined() && autograd::gradient_edge(t).valid(); }
 
 float* fptr(const Tensor& t) { return t.data<float>(); }
-float* fptr_or_null(const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; }
 void* raw_or_null(const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; }
 /// The kernel table's dtype of t (the values agree, tensor.h checks).
 be::DType kernel_dtype(const Tensor& t) { return static_cast<be::DType>(t.dtype()); }
@@ -93,20 +92,18 @@ void check_grad_shape(const char* node, const Tensor& g, const Shape& shape) {
 
 // ---- pooling shared by max, average and adaptive average ---------------------------------
 
-be::Pool2dShape pool_shape(const char* op, const Tensor& x, std::int64_t kh, std::int64_t kw,
-                           std::int64_t sh, std::int64_t sw, std::int64_t ph, std::int64_t pw) {
-  check_defined(op, "input", x);
-  check_float(op, "input", x);
-  DP_CHECK(x.dim() == 4, op, ": expected a 4-d input (N, C, H, W), got ", shape_str(x.shape()));
+/// The pool of a kh×kw window over an input of shape (N, C, H, W), checked.
+be::Pool2dShape pool_shape_of(const char* op, const Shape& shape, std::int64_t kh, std::int64_t kw,
+                              std::int64_t sh, std::int64_t sw, std::int64_t ph, std::int64_t pw) {
   DP_CHECK(kh >= 1 && kw >= 1, op, ": expected a kernel size >= 1, got ", kh, "x", kw);
   DP_CHECK(sh >= 1 && sw >= 1, op, ": expected a stride >= 1, got ", sh, "x", sw);
   DP_CHECK(ph >= 0 && pw >= 0 && 2 * ph <= kh && 2 * pw <= kw, op,
            ": expected padding between 0 and half the kernel (", kh / 2, "), got ", ph);
   be::Pool2dShape s;
-  s.N = x.size(0);
-  s.C = x.size(1);
-  s.H = x.size(2);
-  s.W = x.size(3);
+  s.N = shape[0];
+  s.C = shape[1];
+  s.H = shape[2];
+  s.W = shape[3];
   s.kernel_h = kh;
   s.kernel_w = kw;
   s.stride_h = sh;
@@ -114,11 +111,27 @@ be::Pool2dShape pool_shape(const char* op, const Tensor& x, std::int64_t kh, std
   s.pad_h = ph;
   s.pad_w = pw;
   DP_CHECK(s.H + 2 * ph >= kh && s.W + 2 * pw >= kw, op, ": the ", kh, "x", kw,
-           " window is larger than the padded input ", shape_str(x.shape()), " (padding ", ph,
+           " window is larger than the padded input ", shape_str(shape), " (padding ", ph,
            "); use a smaller kernel or a larger input");
   s.P = (s.H + 2 * ph - kh) / sh + 1;
   s.Q = (s.W + 2 * pw - kw) / sw + 1;
   return s;
+}
+
+/// The pool over x, a defined 4-d tensor of float32 (or, with `any_float`, of any
+/// floating dtype).
+be::Pool2dShape pool_shape(const char* op, const Tensor& x, std::int64_t kh, std::int64_t kw,
+                           std::int64_t sh, std::int64_t sw, std::int64_t ph, std::int64_t pw,
+                           bool any_float = false) {
+  check_defined(op, "input", x);
+  if (any_float) {
+    DP_CHECK(x.dtype() == Dtype::Float32 || amp::detail::is_16bit(x), op,
+             ": expected input to be float32, bfloat16 or float16, got ", dtype_name(x.dtype()), " (", x.str(), ")");
+  } else {
+    check_float(op, "input", x);
+  }
+  DP_CHECK(x.dim() == 4, op, ": expected a 4-d input (N, C, H, W), got ", shape_str(x.shape()));
+  return pool_shape_of(op, x.shape(), kh, kw, sh, sw, ph, pw);
 }
 
 Tensor avg_pool_impl(const char* op, const char* node, const Tensor& x, const be::Pool2dShape& s) {
@@ -458,17 +471,33 @@ struct ConvSaved {
   }
 };
 
-/// A block of n max-pool winner places, one byte each, held as int32 words (four bytes
-/// a word; no tensor dtype is a byte): Note [Max-pool winners in a byte].
-Tensor empty_places(std::int64_t n, Device dev) { return empty({(n + 3) / 4}, TensorOptions{Dtype::Int32, dev}); }
-std::uint8_t* places_of(const Tensor& t) { return reinterpret_cast<std::uint8_t*>(t.data<std::int32_t>()); }
+/// A block for MaxPool2d's winners of shape `s` on dev's backend, in the format the
+/// backend picks (Note [Max-pool winners]), held as int32 words (no tensor dtype is a
+/// byte).
+Tensor empty_winners(const be::Pool2dShape& s, Device dev) {
+  const std::int64_t bytes = be::max_pool2d_winner_bytes(be::get(dev), s);
+  return empty({(bytes + 3) / 4}, TensorOptions{Dtype::Int32, dev});
+}
+
+/// The input gradient (N, C, H, W) of a max-pool from its output's gradient g and the
+/// winners its forward recorded; `relu_y`, when defined, the pool's output over a
+/// ReLU's, whose mask then applies to g first (Note [ReLU mask through max-pool]).
+Tensor max_pool2d_grad(const be::Pool2dShape& s, Device dev, const Tensor& g, const Tensor& winners,
+                       const Tensor& relu_y) {
+  Tensor gx = empty({s.N, s.C, s.H, s.W}, TensorOptions{g.dtype(), dev});
+  if (g.numel() > 0) {
+    be::get(dev).run<be::Op::MaxPool2dBackward>(
+        dev, kernel_dtype(g), {s, g.raw_data(), winners.raw_data(), raw_or_null(relu_y), gx.raw_data()});
+  } else {
+    gx.zero_();
+  }
+  return gx;
+}
 
 /// conv2d, and conv2d_relu when `relu` (Note [Convolution + ReLU] in
-/// src/backend/cpu/cpu_conv.cpp). `mask` false: the backward leaves the ReLU's
-/// mask to the one consumer of the output, which applied it already (Note [ReLU mask
-/// through max-pool]).
+/// src/backend/cpu/cpu_conv.cpp).
 Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
-                   std::int64_t padding, bool relu, bool mask = true) {
+                   std::int64_t padding, bool relu) {
   const be::Conv2dShape s = conv_shape_of(relu ? "conv2d_relu" : "conv2d", x, w, b, stride, padding);
   Device dev = x.device();
   Tensor y = empty({s.N, s.K, s.P, s.Q}, TensorOptions{x.dtype(), dev});
@@ -480,7 +509,7 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
   if (b.defined()) inputs.push_back(b);
   if (autograd::needs_grad(inputs)) {
     // The ReLU's mask is the output > 0, as ReluBackward reads it from the same output.
-    Tensor ys = relu && mask ? y.detach() : Tensor();
+    Tensor ys = relu ? y.detach() : Tensor();
     const char* node = relu ? "Conv2dReluBackward" : "Conv2dBackward";
     autograd::record(node, inputs, y, [saved = ConvSaved(s, x, w, b), ys, node](const std::vector<Tensor>& gin) {
       if (!gin[0].defined()) return saved.none();
@@ -491,21 +520,27 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
   return y;
 }
 
-/// conv2d_relu_max_pool2d with a 2x2, stride-2, unpadded pool, as one backend op that
-/// never holds the convolution's output (Note [Convolution, ReLU and max-pool in one
-/// pass] in src/backend/cpu/cpu_conv.cpp). Backward: the pooled gradient masked
-/// by the pooled output > 0 (Note [ReLU mask through max-pool]), routed to each
-/// window's winner, then the convolution's backward — the separate ops' steps.
-Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
-                           std::int64_t padding) {
-  const be::Conv2dShape s = conv_shape_of("conv2d_relu_max_pool2d", x, w, b, stride, padding);
-  const be::Pool2dShape ps{s.N, s.K, s.P, s.Q, 2, 2, 2, 2, 0, 0, s.P / 2, s.Q / 2};
+/// conv2d_relu_max_pool2d as one Conv2d call with its pool (Note [Fusions are the
+/// backend's] in src/backend/ops.h), so that a backend may pool the convolution's
+/// output while it is in cache and never hold it (CPU: Note [Convolution, ReLU and
+/// max-pool in one pass]). Backward: the pooled gradient masked by the pooled output >
+/// 0 (Note [ReLU mask through max-pool]), routed to each window's winner, then the
+/// convolution's backward — the separate ops' steps.
+Tensor conv2d_relu_pool(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
+                        std::int64_t padding, std::int64_t pool_kernel, std::int64_t pool_stride,
+                        std::int64_t pool_padding) {
+  const char* op = "conv2d_relu_max_pool2d";
+  const be::Conv2dShape s = conv_shape_of(op, x, w, b, stride, padding);
+  if (pool_stride <= 0) pool_stride = pool_kernel;
+  const be::Pool2dShape ps = pool_shape_of("max_pool2d", {s.N, s.K, s.P, s.Q}, pool_kernel, pool_kernel, pool_stride,
+                                           pool_stride, pool_padding, pool_padding);
   Device dev = x.device();
-  Tensor y = empty({s.N, s.K, ps.P, ps.Q}, dev);
-  Tensor winners = empty_places(y.numel(), dev);
+  Tensor y = empty({s.N, s.K, ps.P, ps.Q}, TensorOptions{x.dtype(), dev});
+  Tensor winners = empty_winners(ps, dev);
   if (y.numel() > 0) {
-    be::get(dev).run<be::Op::Conv2dReluMaxPool2x2>(
-        dev, be::DType::F32, {s, fptr(x), fptr(w), fptr_or_null(b), fptr(y), places_of(winners)});
+    be::get(dev).run<be::Op::Conv2d>(dev, kernel_dtype(x),
+                                     {s, x.raw_data(), w.raw_data(), raw_or_null(b), y.raw_data(), /*relu=*/true,
+                                      be::ConvPool{.on = true, .s = ps, .winners = winners.raw_data()}});
   }
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
@@ -516,14 +551,7 @@ Tensor conv2d_relu_pool2x2(const Tensor& x, const Tensor& w, const Tensor& b, st
                        check_grad_shape("Conv2dReluMaxPool2dBackward", gin[0], {ps.N, ps.C, ps.P, ps.Q});
                        // The ReLU's mask runs inside the pool's backward (Note [ReLU mask
                        // through max-pool]).
-                       Tensor gy = empty({ps.N, ps.C, ps.H, ps.W}, saved.dev);
-                       if (gin[0].numel() > 0) {
-                         be::get(saved.dev).run<be::Op::MaxPool2x2Backward>(
-                             saved.dev, be::DType::F32, {ps, fptr(gin[0]), places_of(winners), fptr(ys), fptr(gy)});
-                       } else {
-                         gy.zero_();
-                       }
-                       return saved.backward(gy);
+                       return saved.backward(max_pool2d_grad(ps, saved.dev, gin[0], winners, ys));
                      });
   }
   return y;
@@ -559,6 +587,15 @@ bool native_16bit_conv(const Tensor& x, const Tensor& w, const Tensor& b) {
   const be::DType dt = kernel_dtype(x);
   return bk.supports(be::Op::Conv2d, dt) && bk.supports(be::Op::Conv2dBackwardData, dt) &&
          bk.supports(be::Op::Conv2dBackwardWeight, dt);
+}
+
+/// Whether x's backend max-pools x's dtype itself, both passes (CPU: Note [16-bit
+/// max-pool]); float32 always.
+bool native_max_pool(const Tensor& x) {
+  if (!x.defined() || !amp::detail::is_16bit(x)) return true;
+  auto& bk = be::get(x.device());
+  const be::DType dt = kernel_dtype(x);
+  return bk.supports(be::Op::MaxPool2d, dt) && bk.supports(be::Op::MaxPool2dBackward, dt);
 }
 
 }  // namespace
@@ -601,52 +638,25 @@ namespace {
 // gradients are summed in the same order; where it does not, both write +0 (NaN
 // included: NaN > 0 is false on both sides). For relu -> max-pool the mask then runs
 // over the pooled gradient, a quarter of the elements for 2x2 windows, and the
-// convolution's activation need not be kept for backward. Where the backend keeps the
-// 2x2 winners in bytes, its backward applies the mask to each window as it routes it
-// (MaxPool2x2Backward's relu_y), so the masked pooled gradient is never written
-// and read back (what that pass cost: docs/benchmarks/kernel-notes.md,
-// "ReLU mask through max-pool").
+// convolution's activation need not be kept for backward. The mask is handed to the
+// pool's backward (MaxPool2dBackward's relu_y, Note [Fusions are the backend's]): the
+// CPU applies it to each window as it routes it, so the masked pooled gradient is never
+// written and read back (what that pass cost: docs/benchmarks/kernel-notes.md, "ReLU
+// mask through max-pool").
 
-/// max_pool2d; `relu_mask`: the input is a ReLU's output whose backward skips its mask,
-/// applied here to the pooled gradient instead (Note [ReLU mask through max-pool]).
-Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride, std::int64_t padding,
-                       bool relu_mask) {
+Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride, std::int64_t padding) {
   if (stride <= 0) stride = kernel;
-  be::Pool2dShape s = pool_shape("max_pool2d", x, kernel, kernel, stride, stride, padding, padding);
+  be::Pool2dShape s = pool_shape("max_pool2d", x, kernel, kernel, stride, stride, padding, padding,
+                                 /*any_float=*/true);
   Device dev = x.device();
-  auto& bk = be::get(dev);
-  Tensor y = empty({s.N, s.C, s.P, s.Q}, dev);
-  // The winners: one byte each for 2x2 windows where the backend has them (Note
-  // [Max-pool winners in a byte] in src/backend/cpu/cpu_nn.cpp); an int64 flat index
-  // otherwise.
-  const bool bytes = bk.supports(be::Op::MaxPool2x2, be::DType::F32) && be::is_2x2_tiling(s);
-  const std::int64_t outputs = y.numel();
-  Tensor winners = bytes ? empty_places(outputs, dev) : empty({s.N, s.C, s.P, s.Q}, TensorOptions{Dtype::Int64, dev});
-  if (outputs > 0) {
-    if (bytes) {
-      bk.run<be::Op::MaxPool2x2>(dev, be::DType::F32, {s, fptr(x), fptr(y), places_of(winners)});
-    } else {
-      bk.run<be::Op::MaxPool2d>(dev, be::DType::F32, {s, fptr(x), fptr(y), winners.data<std::int64_t>()});
-    }
-  }
-  Tensor ys = relu_mask ? y.detach() : Tensor();
-  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, winners, bytes, ys](const std::vector<Tensor>& g) {
+  Tensor y = empty({s.N, s.C, s.P, s.Q}, TensorOptions{x.dtype(), dev});
+  Tensor winners = empty_winners(s, dev);
+  if (y.numel() > 0)
+    be::get(dev).run<be::Op::MaxPool2d>(dev, kernel_dtype(x), {s, x.raw_data(), y.raw_data(), winners.raw_data()});
+  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, winners](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape("MaxPool2dBackward", g[0], {s.N, s.C, s.P, s.Q});
-    Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
-    if (g[0].numel() > 0) {
-      if (bytes) {  // the byte path masks in the same pass
-        be::get(dev).run<be::Op::MaxPool2x2Backward>(
-            dev, be::DType::F32, {s, fptr(g[0]), places_of(winners), fptr_or_null(ys), fptr(gx)});
-      } else {
-        const Tensor gy = ys.defined() ? relu_backward(g[0], ys) : g[0];
-        be::get(dev).run<be::Op::MaxPool2dBackward>(dev, be::DType::F32,
-                                                    {s, fptr(gy), winners.data<std::int64_t>(), fptr(gx)});
-      }
-    } else {
-      gx.zero_();
-    }
-    return std::vector<Tensor>{gx};
+    return std::vector<Tensor>{max_pool2d_grad(s, dev, g[0], winners, Tensor())};
   });
   return y;
 }
@@ -655,8 +665,9 @@ Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride
 
 Tensor max_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,
                   std::int64_t padding) {
-  return amp::detail::in_float32(
-      [=](const Tensor& xx) { return max_pool2d_impl(xx, kernel, stride, padding, /*relu_mask=*/false); }, x);
+  if (!native_max_pool(x))
+    return amp::detail::in_float32([=](const Tensor& xx) { return max_pool2d_impl(xx, kernel, stride, padding); }, x);
+  return max_pool2d_impl(x, kernel, stride, padding);
 }
 
 Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
@@ -665,27 +676,11 @@ Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b,
   if (amp::detail::active()) return amp::detail::lower_op([=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
     return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);
   }, x, w, b);
-  if (native_16bit_conv(x, w, b)) {
-    // The fused op is float32's: the 16-bit convolution with its ReLU, then the pool of
-    // its output widened (max-pool commutes with rounding), whose backward masks.
-    const Tensor y = conv2d_impl(x, w, b, stride, padding, /*relu=*/true, /*mask=*/false);
-    return amp::detail::in_float32([=](const Tensor& yy) {
-      return max_pool2d_impl(yy, pool_kernel, pool_stride, pool_padding, /*relu_mask=*/true);
-    }, y);
-  }
-  if (amp::detail::is_16bit(x) || amp::detail::is_16bit(w))
+  if ((amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) && !(native_16bit_conv(x, w, b) && native_max_pool(x)))
     return conv_in_float32("conv2d_relu_max_pool2d", [=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
       return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);
     }, x, w, b);
-  if (pool_stride <= 0) pool_stride = pool_kernel;
-  if (pool_kernel == 2 && pool_stride == 2 && pool_padding == 0 && x.defined() && w.defined() &&
-      be::get(x.device()).supports(be::Op::Conv2dReluMaxPool2x2, be::DType::F32)) {
-    const be::Conv2dShape s = conv_shape_of("conv2d_relu_max_pool2d", x, w, b, stride, padding);
-    if (s.P >= 2 && s.Q >= 2) return conv2d_relu_pool2x2(x, w, b, stride, padding);
-  }
-  // The convolution's output has one consumer, the pool, whose backward masks.
-  const Tensor y = conv2d_impl(x, w, b, stride, padding, /*relu=*/true, /*mask=*/false);
-  return max_pool2d_impl(y, pool_kernel, pool_stride, pool_padding, /*relu_mask=*/true);
+  return conv2d_relu_pool(x, w, b, stride, padding, pool_kernel, pool_stride, pool_padding);
 }
 
 Tensor avg_pool2d(const Tensor& x, std::int64_t kernel, std::int64_t stride,

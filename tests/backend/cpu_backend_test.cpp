@@ -1734,15 +1734,11 @@ TEST_CASE("conv2d_relu_maxpool2x2_forward: conv2d_relu_forward then the 2x2 max-
   CHECK_THROWS_WITH_AS(be().conv2d_relu_maxpool2x2_forward(dev0(), too_small, buf.data(), buf.data(), nullptr,
                                                            buf.data(), where.data()),
                        doctest::Contains("1x1"), dp::Error);
-  const Conv2dShape ok = conv_shape(1, 1, 4, 4, 1, 3, 3, 1, 1, 1, 1);
-  // A backend without the fusion (the CUDA one registers no kernel for it) says which op
-  // it lacks; callers ask supports() first (Note [Fused ops a backend may offer]).
-  Backend& other = dp::backend::get(dp::DeviceType::CUDA);
-  CHECK_FALSE(other.supports(Op::Conv2dReluMaxPool2x2, DType::F32));
-  CHECK_THROWS_WITH_AS(
-      (other.run<Op::Conv2dReluMaxPool2x2>(Device{dp::DeviceType::CUDA, 0}, DType::F32,
-                                           {ok, buf.data(), buf.data(), nullptr, buf.data(), where.data()})),
-      doctest::Contains("conv2d_relu_maxpool2x2_forward"), dp::Error);
+  // Another backend runs a Conv2d call's pool as the ops it fuses, with int64 winners
+  // (Note [Fusions are the backend's]): the bytes are this backend's own.
+  const Pool2dShape ok{1, 1, 4, 4, 2, 2, 2, 2, 0, 0, 2, 2};
+  CHECK(be().max_pool2d_byte_winners(ok));
+  CHECK_FALSE(dp::backend::get(dp::DeviceType::CUDA).max_pool2d_byte_winners(ok));
 }
 
 // ---- pooling --------------------------------------------------------------------------------------
@@ -1914,14 +1910,102 @@ TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient b
   Pool2dShape ceil_mode = pool_shape(1, 1, 5, 5, 2, 2, 0);
   ceil_mode.P = ceil_mode.Q = 3;  // a last window hanging over the edge
   CHECK_THROWS_AS(be().maxpool2d_2x2_forward(dev0(), ceil_mode, buf.data(), buf.data(), where.data()), dp::Error);
-  // A backend without the byte path says so instead of computing anything (the CUDA
-  // one registers no kernel for it: Note [Fused ops a backend may offer]).
+  // Another backend keeps int64 winners (Note [Max-pool winners]).
   const Pool2dShape ok = pool_shape(1, 1, 4, 4, 2, 2, 0);
-  Backend& other = dp::backend::get(dp::DeviceType::CUDA);
-  CHECK_FALSE(other.supports(Op::MaxPool2x2, DType::F32));
-  CHECK_THROWS_WITH_AS((other.run<Op::MaxPool2x2>(Device{dp::DeviceType::CUDA, 0}, DType::F32,
-                                                  {ok, buf.data(), buf.data(), where.data()})),
-                       doctest::Contains("maxpool2d_2x2_forward"), dp::Error);
+  CHECK(be().max_pool2d_byte_winners(ok));
+  CHECK_FALSE(dp::backend::get(dp::DeviceType::CUDA).max_pool2d_byte_winners(ok));
+}
+
+TEST_CASE("MaxPool2d's kernels with the ReLU mask and a convolution's pool: the ops they fuse, bit for bit") {
+  // Note [Fusions are the backend's]: MaxPool2dBackward with relu_y equals
+  // max_pool2d_backward_by_ops (the mask, then the backward), and a Conv2d call with a
+  // pool equals conv2d_pool_by_ops, for byte and int64 winners.
+  for (const Pool2dShape& s : {pool_shape(3, 5, 14, 9, 2, 2, 0), pool_shape(2, 3, 7, 9, 3, 2, 1)}) {
+    CAPTURE(s.kernel_h);
+    const std::size_t outputs = static_cast<std::size_t>(s.N * s.C * s.P * s.Q);
+    const std::size_t nwin = static_cast<std::size_t>(dp::backend::max_pool2d_winner_bytes(be(), s));
+    CHECK(nwin == (s.kernel_h == 2 ? outputs : 8 * outputs));
+    auto x = pool_input(s.N * s.C * s.H * s.W, 70);
+    std::vector<float> y(outputs), gx(x.size(), 7.0f), gx_ops(x.size(), 7.0f);
+    std::vector<std::uint8_t> winners(nwin, 0xee);
+    auto gy = random_vec(static_cast<i64>(outputs), 71);
+    be().run<Op::MaxPool2d>(dev0(), DType::F32, {s, x.data(), y.data(), winners.data()});
+    const dp::backend::MaxPool2dBackwardArgs a{s, gy.data(), winners.data(), y.data(), gx.data()};
+    be().run<Op::MaxPool2dBackward>(dev0(), DType::F32, a);
+    dp::backend::MaxPool2dBackwardArgs by_ops = a;
+    by_ops.gx = gx_ops.data();
+    be().max_pool2d_backward_by_ops(dev0(), DType::F32, by_ops);
+    REQUIRE(bitwise_equal(gx, gx_ops));
+  }
+  const Conv2dShape c = conv_shape(5, 3, 13, 11, 8, 3, 3, 1, 1, 1, 1);
+  for (const Pool2dShape& ps : {Pool2dShape{c.N, c.K, c.P, c.Q, 2, 2, 2, 2, 0, 0, c.P / 2, c.Q / 2},
+                                pool_shape(c.N, c.K, c.P, c.Q, 3, 2, 1)}) {
+    CAPTURE(ps.kernel_h);
+    auto x = random_vec(c.N * c.C * c.H * c.W, 72), w = random_vec(c.K * c.C * c.R * c.S, 73), b = random_vec(c.K, 74);
+    const std::size_t outputs = static_cast<std::size_t>(ps.N * ps.C * ps.P * ps.Q);
+    const std::size_t nwin = static_cast<std::size_t>(dp::backend::max_pool2d_winner_bytes(be(), ps));
+    std::vector<float> y(outputs, 7.0f), y_ops(outputs, 5.0f);
+    std::vector<std::uint8_t> winners(nwin, 0xee), winners_ops(nwin, 0xdd);
+    dp::backend::Conv2dArgs a{c, x.data(), w.data(), b.data(), y.data(), true,
+                              dp::backend::ConvPool{.on = true, .s = ps, .winners = winners.data()}};
+    be().run<Op::Conv2d>(dev0(), DType::F32, a);
+    a.y = y_ops.data();
+    a.pool.winners = winners_ops.data();
+    be().conv2d_pool_by_ops(dev0(), DType::F32, a);
+    REQUIRE(bitwise_equal(y, y_ops));
+    REQUIRE(winners == winners_ops);
+  }
+}
+
+TEST_CASE("bfloat16 and float16 max-pool kernels: the float32 kernels on the widened values, rounded") {
+  // Note [16-bit max-pool], with NaN, infinities, -0 and ties in x, gy and the mask.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (DType dt : {DType::BF16, DType::F16}) {
+    // Widths of 5, 14 and 17 windows: rows narrower than a vector, whole vectors and
+    // an overlapping last one.
+    for (const Pool2dShape& s : {pool_shape(3, 5, 9, 11, 2, 2, 0), pool_shape(2, 3, 6, 28, 2, 2, 0),
+                                 pool_shape(1, 2, 5, 35, 2, 2, 0), pool_shape(2, 3, 7, 9, 3, 2, 1)}) {
+      for (bool masked : {false, true}) {
+        CAPTURE(int(dt));
+        CAPTURE(s.kernel_h);
+        CAPTURE(masked);
+        const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
+        auto round16 = [dt](std::vector<float> v) {  // values the dtype holds, and their bits
+          std::vector<std::uint16_t> bits(v.size());
+          for (std::size_t i = 0; i < v.size(); ++i)
+            bits[i] = dt == DType::BF16 ? dp::BFloat16(v[i]).bits : dp::Float16(v[i]).bits;
+          return bits;
+        };
+        auto widen16 = [dt](const std::vector<std::uint16_t>& b) {
+          std::vector<float> v(b.size());
+          for (std::size_t i = 0; i < b.size(); ++i)
+            v[i] = dt == DType::BF16 ? float(dp::BFloat16::from_bits(b[i])) : dp::Float16::to_float(b[i]);
+          return v;
+        };
+        std::vector<float> xv = pool_input(nx, 80), gv = random_vec(ny, 81), rv = random_vec(ny, 82);
+        gv[1] = nan;
+        gv[2] = -0.0f;
+        rv[3] = nan;
+        rv[4] = -0.0f;
+        rv[5] = inf;
+        rv[6] = -inf;
+        const auto x16 = round16(xv), g16 = round16(gv), r16 = round16(rv);
+        const auto xf = widen16(x16), gf = widen16(g16), rf = widen16(r16);
+        const std::size_t nwin = static_cast<std::size_t>(dp::backend::max_pool2d_winner_bytes(be(), s));
+        std::vector<std::uint8_t> w16(nwin, 0xee), wf(nwin, 0xdd);
+        std::vector<std::uint16_t> y16(static_cast<std::size_t>(ny)), gx16(static_cast<std::size_t>(nx));
+        std::vector<float> yf(static_cast<std::size_t>(ny)), gxf(static_cast<std::size_t>(nx));
+        be().run<Op::MaxPool2d>(dev0(), dt, {s, x16.data(), y16.data(), w16.data()});
+        be().run<Op::MaxPool2d>(dev0(), DType::F32, {s, xf.data(), yf.data(), wf.data()});
+        be().run<Op::MaxPool2dBackward>(dev0(), dt, {s, g16.data(), w16.data(), masked ? r16.data() : nullptr, gx16.data()});
+        be().run<Op::MaxPool2dBackward>(dev0(), DType::F32,
+                                        {s, gf.data(), wf.data(), masked ? rf.data() : nullptr, gxf.data()});
+        CHECK(w16 == wf);
+        CHECK(y16 == round16(yf));
+        CHECK(gx16 == round16(gxf));
+      }
+    }
+  }
 }
 
 TEST_CASE("average pooling counting padding: forward and backward") {

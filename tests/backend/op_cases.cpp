@@ -684,6 +684,9 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
         });
 }
 
+/// One unit in the last place of `dtype` relative to the value: 2^-7 (bf16), 2^-10 (f16).
+Tolerance ulp16(DType dtype) { return dtype == DType::BF16 ? Tolerance{0x1.0p-7, 1e-30} : Tolerance{0x1.0p-10, 1e-7}; }
+
 /// Flat h*W + w indices of one element inside each pooling window (clipped to the
 /// input), as maxpool2d_forward would return for some input.
 std::vector<std::int64_t> window_indices(OpRun& r, const Pool2dShape& s) {
@@ -703,65 +706,110 @@ std::vector<std::int64_t> window_indices(OpRun& r, const Pool2dShape& s) {
   return idx;
 }
 
-/// A buffer of n bytes (rounded up to whole int32 words, each filled with `fill`), read
-/// back as int32 words: the byte places of the 2x2 max-pool (Note [Max-pool winners in a
-/// byte]).
-std::uint8_t* byte_buffer(OpRun& r, const std::string& name, i64 n, std::int32_t fill, bool output = true) {
-  const i64 words = (n + 3) / 4;
-  std::int32_t* p = r.upload(std::vector<std::int32_t>(static_cast<std::size_t>(words), fill));
-  if (output) r.output(name, p, words);
-  return reinterpret_cast<std::uint8_t*>(p);
-}
-
-/// The fusions only some backends offer (Note [Fused ops a backend may offer] in
-/// ops.h): the 2x2 max-pool with byte places, its backward (with and without the ReLU
-/// mask), and the convolution, ReLU and pool in one pass.
-void add_fused_pool(Table& t, const Pool2dShape& s) {
-  const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
-  const std::string shape = pool_name(s);
-  t.add(Kernel::MaxPool2x2, shape, kExact, 0, kF * (nx + ny) + ny, [=](OpRun& r) {
-    const float* x = r.uniform(nx, -1, 1);
-    float* y = r.empty(ny);
-    std::uint8_t* where = byte_buffer(r, "where", ny, -1);
-    r.output("y", y, ny);
-    r.set_call([=](Backend& b, Device d) { b.run<Op::MaxPool2x2>(d, DType::F32, {s, x, y, where}); });
-  });
-  for (bool masked : {false, true}) {
-    t.add(Kernel::MaxPool2x2Backward, DType::F32, "maxpool2d_2x2_backward", shape + (masked ? " relu mask" : ""),
-          kExact, 0, kF * (ny * (masked ? 2 : 1) + nx) + ny, [=](OpRun& r) {
-            const float* gy = r.uniform(ny, -1, 1);
-            // Places 0..3 in bytes, packed four to a word.
-            const std::vector<float> u = r.host_uniform(ny, 0, 4, true);
-            std::vector<std::int32_t> words(static_cast<std::size_t>((ny + 3) / 4), 0);
-            for (i64 i = 0; i < ny; ++i)
-              words[static_cast<std::size_t>(i / 4)] |= static_cast<std::int32_t>(u[static_cast<std::size_t>(i)])
-                                                        << (8 * (i % 4));
-            const auto* where = reinterpret_cast<const std::uint8_t*>(r.upload(words));
-            const float* relu_y = masked ? r.uniform(ny, -1, 1) : nullptr;
-            float* gx = r.empty(nx);
-            r.output("gx", gx, nx);
-            r.set_call([=](Backend& b, Device d) {
-              b.run<Op::MaxPool2x2Backward>(d, DType::F32, {s, gy, where, relu_y, gx});
-            });
-          });
+/// A block for MaxPool2d's winners of `s` in the format the run's backend picks (Note
+/// [Max-pool winners] in backend/ops.h), read back as the flat indices they stand for:
+/// a byte place k of window (p, q) is 2pW + 2q + (k / 2)W + k % 2, and a byte the call
+/// did not write (the block starts as 0xff) reads as OpRun::kUnwritten.
+void* winners_output(OpRun& r, const Pool2dShape& s) {
+  const i64 ny = s.N * s.C * s.P * s.Q;
+  if (!r.backend().max_pool2d_byte_winners(s)) {
+    std::int64_t* idx = r.empty_i64(ny);
+    r.output("indices", idx, ny);
+    return idx;
   }
+  std::int32_t* words = r.upload(std::vector<std::int32_t>(static_cast<std::size_t>((ny + 3) / 4), -1));
+  r.output([&r, s, ny, words] {
+    std::vector<std::uint8_t> bytes(static_cast<std::size_t>((ny + 3) / 4 * 4));
+    if (ny > 0) r.backend().copy_to_host(bytes.data(), words, r.device(), bytes.size());
+    Output o{"indices", {}, std::vector<std::int64_t>(static_cast<std::size_t>(ny))};
+    for (i64 i = 0; i < ny; ++i) {
+      const i64 p = (i / s.Q) % s.P, q = i % s.Q, k = bytes[static_cast<std::size_t>(i)];
+      o.i64[static_cast<std::size_t>(i)] = k > 3 ? OpRun::kUnwritten : 2 * p * s.W + 2 * q + (k / 2) * s.W + k % 2;
+    }
+    return o;
+  });
+  return words;
 }
 
-void add_fused_conv_pool(Table& t, const Conv2dShape& s) {
-  const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = s.N * s.K * (s.P / 2) * (s.Q / 2);
+/// The winners of window_indices(r, s), uploaded in the format the run's backend picks.
+const void* upload_winners(OpRun& r, const Pool2dShape& s) {
+  const std::vector<std::int64_t> idx = window_indices(r, s);
+  if (!r.backend().max_pool2d_byte_winners(s)) return r.upload(idx);
+  std::vector<std::int32_t> words((idx.size() + 3) / 4, 0);
+  for (std::size_t i = 0; i < idx.size(); ++i) {
+    const i64 o = static_cast<i64>(i), p = (o / s.Q) % s.P, q = o % s.Q;
+    const i64 h = idx[i] / s.W, w = idx[i] % s.W;
+    const i64 k = 2 * (h - 2 * p) + (w - 2 * q);  // the place in a 2x2 window
+    words[i / 4] |= static_cast<std::int32_t>(k << (8 * (i % 4)));
+  }
+  return r.upload(words);
+}
+
+/// A Conv2d with a ReLU and a max-pool after it (Conv2dArgs::pool): the pooled output.
+/// The winners are not compared: near-ties may pick another winner on another backend.
+void add_conv_pool(Table& t, const Conv2dShape& s, const Pool2dShape& ps, DType dt = DType::F32) {
+  const bool f32 = dt == DType::F32;
+  const double es = f32 ? kF : 2;
+  const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = ps.N * ps.C * ps.P * ps.Q;
   const double flops = 2.0 * s.N * s.K * s.P * s.Q * s.C * s.R * s.S;
-  t.add(Kernel::Conv2dReluMaxPool2x2, conv_name(s), sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S)), flops,
-        kF * (nx + nw + s.K + ny) + ny, [=](OpRun& r) {
-          const float* x = r.uniform(nx, -1, 1);
-          const float* w = r.uniform(nw, -1, 1);
-          const float* b = r.uniform(s.K, -1, 1);
-          float* y = r.empty(ny);
-          std::uint8_t* where = byte_buffer(r, "where", ny, -1);
-          r.output("y", y, ny);
+  Tolerance tol = sum_tol(kGemmBase, static_cast<double>(s.C * s.R * s.S));
+  if (!f32) tol.rtol += ulp16(dt).rtol;
+  t.add(Kernel::Conv2d, dt, f32 ? "conv2d_relu_maxpool2d_forward" : "conv2d_relu_maxpool2d_forward_bfloat16",
+        conv_name(s) + " pool " + pool_name(ps), tol, flops, es * (nx + nw + s.K + ny) + ny, [=](OpRun& r) {
+          const void* x = f32 ? r.uniform(nx, -1, 1) : r.uniform16(dt, nx, -1, 1);
+          const void* w = f32 ? r.uniform(nw, -1, 1) : r.uniform16(dt, nw, -1, 1);
+          const void* b = f32 ? r.uniform(s.K, -1, 1) : r.uniform16(dt, s.K, -1, 1);
+          void* y = f32 ? static_cast<void*>(r.empty(ny)) : r.empty16(dt, ny);
+          if (f32) {
+            r.output("y", static_cast<const float*>(y), ny);
+          } else {
+            r.output16("y", dt, y, ny);
+          }
+          const i64 nwin = max_pool2d_winner_bytes(r.backend(), ps);
+          void* winners = r.upload(std::vector<std::int32_t>(static_cast<std::size_t>((nwin + 3) / 4), -1));
           r.set_call([=](Backend& be, Device d) {
-            be.run<Op::Conv2dReluMaxPool2x2>(d, DType::F32, {s, x, w, b, y, where});
+            be.run<Op::Conv2d>(d, dt, {s, x, w, b, y, true, be::ConvPool{.on = true, .s = ps, .winners = winners}});
           });
         });
+}
+
+/// A max-pool, forward and backward (without and with the ReLU mask), in the dtype dt:
+/// the winners in the backend's format (Note [Max-pool winners]).
+void add_pool_dtype(Table& t, const Pool2dShape& s, DType dt) {
+  const bool f32 = dt == DType::F32;
+  const std::string tag = f32 ? "" : std::string("_") + dp::backend::dtype_name(dt);
+  const double es = f32 ? kF : 2;
+  const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
+  const std::string shape = pool_name(s);
+  // Overlapping windows add several gradients into one input, in a different order on
+  // each backend.
+  constexpr Tolerance kPoolTol{1e-6, 1e-6};
+  auto input = [=](OpRun& r, i64 n) { return f32 ? static_cast<const void*>(r.uniform(n, -1, 1)) : r.uniform16(dt, n, -1, 1); };
+  auto output = [=](OpRun& r, const char* name, i64 n) {
+    void* p = f32 ? static_cast<void*>(r.empty(n)) : r.empty16(dt, n);
+    if (f32) {
+      r.output(name, static_cast<const float*>(p), n);
+    } else {
+      r.output16(name, dt, p, n);
+    }
+    return p;
+  };
+  t.add(Kernel::MaxPool2d, dt, "maxpool2d_forward" + tag, shape, kExact, 0, es * (nx + ny) + kL * ny, [=](OpRun& r) {
+    const void* x = input(r, nx);
+    void* y = output(r, "y", ny);
+    void* winners = winners_output(r, s);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::MaxPool2d>(d, dt, {s, x, y, winners}); });
+  });
+  for (bool masked : {false, true}) {
+    t.add(Kernel::MaxPool2dBackward, dt, "maxpool2d_backward" + tag, shape + (masked ? " relu mask" : ""),
+          f32 ? kPoolTol : ulp16(dt), 0, es * (ny * (masked ? 2 : 1) + nx) + kL * ny, [=](OpRun& r) {
+            const void* gy = input(r, ny);
+            const void* winners = upload_winners(r, s);
+            const void* relu_y = masked ? input(r, ny) : nullptr;
+            void* gx = output(r, "gx", nx);
+            r.set_call([=](Backend& b, Device d) { b.run<Op::MaxPool2dBackward>(d, dt, {s, gy, winners, relu_y, gx}); });
+          });
+  }
 }
 
 /// A fused attention's forward and backward (a fusion only the CPU offers); with
@@ -816,24 +864,8 @@ void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool mask
 void add_pool(Table& t, const Pool2dShape& s) {
   const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
   const std::string shape = pool_name(s);
-  // Overlapping windows add several gradients into one input, in a different order on
-  // each backend.
   constexpr Tolerance kPoolTol{1e-6, 1e-6};
-  t.add(Kernel::MaxPool2d, shape, kExact, 0, kF * (nx + ny) + kL * ny, [=](OpRun& r) {
-    const float* x = r.uniform(nx, -1, 1);
-    float* y = r.empty(ny);
-    std::int64_t* idx = r.empty_i64(ny);
-    r.output("y", y, ny);
-    r.output("indices", idx, ny);
-    r.set_call([=](Backend& b, Device d) { b.run<Op::MaxPool2d>(d, DType::F32, {s, x, y, idx}); });
-  });
-  t.add(Kernel::MaxPool2dBackward, shape, kPoolTol, 0, kF * (ny + nx) + kL * ny, [=](OpRun& r) {
-    const float* gy = r.uniform(ny, -1, 1);
-    const std::int64_t* idx = r.upload(window_indices(r, s));
-    float* gx = r.empty(nx);
-    r.output("gx", gx, nx);
-    r.set_call([=](Backend& b, Device d) { b.run<Op::MaxPool2dBackward>(d, DType::F32, {s, gy, idx, gx}); });
-  });
+  add_pool_dtype(t, s, DType::F32);
   t.add(Kernel::AvgPool2d, shape, kPoolTol, 0, kF * (nx + ny), [=](OpRun& r) {
     const float* x = r.uniform(nx, -1, 1);
     float* y = r.empty(ny);
@@ -978,8 +1010,6 @@ void add_optim(Table& t, i64 n, bool all_variants) {
 // backend/functors.h): the float math is float32's, so a backend may differ from the CPU
 // by the one rounding of its result to the 16-bit dtype — one unit in the last place.
 
-/// One unit in the last place of `dtype` relative to the value: 2^-7 (bf16), 2^-10 (f16).
-Tolerance ulp16(DType dtype) { return dtype == DType::BF16 ? Tolerance{0x1.0p-7, 1e-30} : Tolerance{0x1.0p-10, 1e-7}; }
 
 void add_16bit(Table& t, DType dt, i64 n) {
   const std::string tag = dp::backend::dtype_name(dt);
@@ -1210,9 +1240,17 @@ void add_check_suite(Table& t) {
   add_pool(t, pool(2, 3, 9, 8, 3, 2, 2, 2, 1, 1));  // padded, non-square window
   add_pool(t, pool(2, 3, 8, 8, 2, 2, 2, 2, 0, 0));  // the CNN's 2x2/2 (CPU: its own path)
   add_pool(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0));  // 2x2/2 on odd sizes: the last row and column in no window
-  add_fused_pool(t, pool(2, 3, 8, 8, 2, 2, 2, 2, 0, 0));
-  add_fused_pool(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0));
-  add_fused_conv_pool(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1));
+  for (DType dt : {DType::BF16, DType::F16}) {  // Note [16-bit max-pool]
+    add_pool_dtype(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0), dt);
+    add_pool_dtype(t, pool(2, 3, 7, 7, 3, 3, 1, 1, 1, 1), dt);
+  }
+  // The convolution, ReLU and pool in one call: the 2x2 tiling (CPU: one pass, Note
+  // [Convolution, ReLU and max-pool in one pass]; odd sizes), and an overlapping pool
+  // (the ops it fuses).
+  add_conv_pool(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1), pool(2, 4, 8, 8, 2, 2, 2, 2, 0, 0));
+  add_conv_pool(t, conv(2, 3, 7, 9, 4, 3, 3, 1, 1, 1, 1), pool(2, 4, 7, 9, 2, 2, 2, 2, 0, 0));
+  add_conv_pool(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1), pool(2, 4, 8, 8, 3, 3, 2, 2, 1, 1));
+  add_conv_pool(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1), pool(2, 4, 8, 8, 2, 2, 2, 2, 0, 0), DType::BF16);
   // 70 queries and 45 keys: partial 64-row blocks; odd head dims.
   add_attention(t, {.B = 2, .H = 3, .L = 70, .S = 45, .E = 5, .Ev = 7}, false, true);
   add_attention(t, {.B = 2, .H = 3, .L = 130, .S = 130, .E = 8, .Ev = 8}, true, false);
@@ -1263,8 +1301,10 @@ void add_perf_suite(Table& t) {
   add_conv_bf16(t, conv(256, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1));
   add_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
   add_pool(t, pool(256, 64, 14, 14, 2, 2, 2, 2, 0, 0));
-  add_fused_pool(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
-  add_fused_conv_pool(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1));
+  add_pool_dtype(t, pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0), DType::BF16);
+  add_conv_pool(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0));
+  add_conv_pool(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), pool(256, 32, 28, 28, 2, 2, 2, 2, 0, 0),
+                DType::BF16);
   add_attention(t, {.B = 8, .H = 8, .L = 512, .S = 512, .E = 64, .Ev = 64}, true, false);  // B·H = 64
   add_batchnorm(t, 256, 32, 784);
   add_batchnorm(t, 256, 64, 1024);  // ResNet-18 (CIFAR) at batch 256: its first stage

@@ -102,7 +102,8 @@ struct OpCase {
 };
 
 /// Whether `be` has the kernel case `c` calls: false only for a table op the backend
-/// registers no kernel for (Note [Fused ops a backend may offer] in backend/ops.h).
+/// registers no kernel for (a fusion only some backends offer, Note [Fused ops a backend
+/// may offer] in backend/ops.h, or a dtype it lacks).
 inline bool runs_on(const OpCase& c, const dp::backend::Backend& be) {
   const int k = static_cast<int>(c.kernel);
   return k >= dp::backend::kOpCount || be.supports(static_cast<dp::backend::Op>(k), c.dtype);

@@ -89,6 +89,7 @@ class RecordingBackend final : public Backend {
     in_.deallocate_pinned(ptr, nbytes);
   }
   std::size_t pinned_memory_allocated() override { return in_.pinned_memory_allocated(); }
+  bool max_pool2d_byte_winners(const Pool2dShape& s) const override { return in_.max_pool2d_byte_winners(s); }
 
   void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
             std::size_t nbytes) override {

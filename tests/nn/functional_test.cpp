@@ -245,6 +245,58 @@ TEST_CASE_TEMPLATE("conv2d_relu_max_pool2d: the three ops bit for bit, overlappi
   }
 }
 
+TEST_CASE_TEMPLATE("16-bit max-pool and conv2d_relu_max_pool2d: the widened float32 ops' bits, both passes", D,
+                   DP_NN_TEST_DEVICES) {
+  // Note [16-bit max-pool]: a bfloat16 or float16 pool is the float32 pool of the
+  // widened input, rounded, forward and backward (NaN winners, overlapping windows);
+  // the bfloat16 convolution with its ReLU and pool in one call is those ops in turn.
+  const dp::Device dev = D::device();
+  for (dp::Dtype dt : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    for (std::int64_t k : {2, 3}) {
+      CAPTURE(dp::dtype_name(dt));
+      CAPTURE(k);
+      auto v = uniform_values(3 * 4 * 7 * 9, -1, 1, 40);
+      v[17] = std::nanf("");
+      dp::Tensor x = dp::from_vector(v, {3, 4, 7, 9}, dev).to(dt);
+      x.set_requires_grad(true);
+      dp::Tensor xf = x.detach().to(dp::Dtype::Float32);
+      xf.set_requires_grad(true);
+      const std::int64_t stride = k == 2 ? 2 : 1, pad = k == 2 ? 0 : 1;
+      dp::Tensor y = nn::max_pool2d(x, k, stride, pad);
+      dp::Tensor yf = nn::max_pool2d(xf, k, stride, pad);
+      REQUIRE(y.dtype() == dt);
+      CHECK(nn_test::bitwise_equal(y.to_vector(), yf.to(dt).to_vector()));
+      dp::Tensor g = dp::from_vector(uniform_values(y.numel(), -1, 1, 41), y.shape(), dev).to(dt);
+      dp::sum(dp::mul(y, g)).backward();
+      dp::sum(dp::mul(yf, g.to(dp::Dtype::Float32))).backward();
+      REQUIRE(x.grad().dtype() == dt);
+      CHECK(nn_test::bitwise_equal(x.grad().to_vector(), xf.grad().to(dt).to_vector()));
+    }
+  }
+  auto make = [&](std::uint64_t seed, dp::Shape shape) {
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    dp::Tensor t = dp::from_vector(uniform_values(n, -1, 1, seed), shape, dev).to(dp::Dtype::BFloat16);
+    t.set_requires_grad(true);
+    return t;
+  };
+  for (std::int64_t pk : {2, 3}) {
+    CAPTURE(pk);
+    dp::Tensor x = make(42, {37, 3, 13, 13}), w = make(43, {8, 3, 3, 3}), b = make(44, {8});
+    dp::Tensor x2 = make(42, {37, 3, 13, 13}), w2 = make(43, {8, 3, 3, 3}), b2 = make(44, {8});
+    dp::Tensor y = nn::max_pool2d(dp::relu(nn::conv2d(x, w, b, 1, 1)), pk, 2, pk == 3 ? 1 : 0);
+    dp::Tensor y2 = nn::conv2d_relu_max_pool2d(x2, w2, b2, 1, 1, pk, 2, pk == 3 ? 1 : 0);
+    REQUIRE(y2.dtype() == dp::Dtype::BFloat16);
+    CHECK(nn_test::bitwise_equal(y.to_vector(), y2.to_vector()));
+    dp::Tensor g = dp::from_vector(uniform_values(y.numel(), -1, 1, 45), y.shape(), dev).to(dp::Dtype::BFloat16);
+    dp::sum(dp::mul(y, g)).backward();
+    dp::sum(dp::mul(y2, g)).backward();
+    CHECK(nn_test::bitwise_equal(x.grad().to_vector(), x2.grad().to_vector()));
+    CHECK(nn_test::bitwise_equal(w.grad().to_vector(), w2.grad().to_vector()));
+    CHECK(nn_test::bitwise_equal(b.grad().to_vector(), b2.grad().to_vector()));
+  }
+}
+
 TEST_CASE("conv2d rejects bad input with clear messages") {
   dp::Tensor x = dp::zeros({8, 1, 28, 28});
   dp::Tensor w = dp::zeros({4, 3, 3, 3});

@@ -61,36 +61,17 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   }
   // Default: one device works at a time and gets every core (docs/architecture.md, "CPU virtual devices").
   resize_arenas(dp::hardware_concurrency());
+  register_method_kernels();  // first: the convolution's and the pools' are replaced below
   register_elementwise_kernels();
   register_reduce_kernels();
   register_gemm_kernels();
   register_conv_kernels();
+  register_pool_kernels();
   register_attention_kernels();
-  register_method_kernels();
 }
-
-namespace {
-
-void maxpool2x2(CpuBackend& be, Device dev, const MaxPool2x2Args& a) {
-  be.maxpool2d_2x2_forward(dev, a.s, static_cast<const float*>(a.x), static_cast<float*>(a.y), a.where);
-}
-void maxpool2x2_backward(CpuBackend& be, Device dev, const MaxPool2x2BackwardArgs& a) {
-  be.maxpool2d_2x2_backward(dev, a.s, static_cast<const float*>(a.gy), a.where, static_cast<const float*>(a.relu_y),
-                            static_cast<float*>(a.gx));
-}
-void conv2d_relu_maxpool2x2(CpuBackend& be, Device dev, const Conv2dReluMaxPool2x2Args& a) {
-  be.conv2d_relu_maxpool2x2_forward(dev, a.s, static_cast<const float*>(a.x), static_cast<const float*>(a.w),
-                                    static_cast<const float*>(a.bias), static_cast<float*>(a.y), a.where);
-}
-
-}  // namespace
 
 void CpuBackend::register_method_kernels() {
   for (const MethodKernel& k : method_kernels<CpuBackend>()) register_kernel(k.op, DType::F32, k.fn);
-  // Note [Fused ops a backend may offer]: this backend's own.
-  register_typed<Op::MaxPool2x2, CpuBackend, &maxpool2x2>(DType::F32);
-  register_typed<Op::MaxPool2x2Backward, CpuBackend, &maxpool2x2_backward>(DType::F32);
-  register_typed<Op::Conv2dReluMaxPool2x2, CpuBackend, &conv2d_relu_maxpool2x2>(DType::F32);
 }
 
 CpuBackend::~CpuBackend() = default;

@@ -145,6 +145,10 @@ void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, st
 /// thread: what maxpool2d_2x2_forward runs per task. s.N is not read.
 void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, std::int64_t begin,
                         std::int64_t end);
+/// The same over bfloat16 planes, each pooled in float32 and rounded (Note [16-bit
+/// max-pool]): the bits of the float32 pool of the widened planes, rounded.
+void maxpool_2x2_planes(const Pool2dShape& s, const BFloat16* x, BFloat16* y, std::uint8_t* where,
+                        std::int64_t begin, std::int64_t end);
 
 // Note [oneDNN in the device's arena]
 // Debian's oneDNN threads with OpenMP. Called with a team of the device's T threads, it
@@ -291,12 +295,16 @@ class CpuBackend final : public Backend {
                          std::int64_t* indices);
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
                           const std::int64_t* indices, float* gx);
-  // Fusions only this backend offers (Note [Fused ops a backend may offer] in ops.h).
+  // The fused and specialised paths of the Conv2d and MaxPool2d kernels (Note [Fusions
+  // are the backend's] in ops.h); tests call them directly too.
   void conv2d_relu_maxpool2x2_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
                                       const float* bias, float* y, std::uint8_t* where);
   void maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y, std::uint8_t* where);
   void maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy, const std::uint8_t* where,
                               const float* relu_y, float* gx);
+  /// True for a 2x2 tiling: the Conv2d and MaxPool2d kernels keep those winners in
+  /// bytes (Note [Max-pool winners in a byte]).
+  bool max_pool2d_byte_winners(const Pool2dShape& s) const override;
   void avgpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y);
   void avgpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,
                           float* gx);
@@ -382,7 +390,8 @@ class CpuBackend final : public Backend {
   void register_elementwise_kernels();  // cpu_elementwise.cpp
   void register_reduce_kernels();       // cpu_reduce.cpp
   void register_gemm_kernels();         // cpu_gemm.cpp (16-bit; float32's is a method kernel)
-  void register_conv_kernels();         // cpu_conv.cpp (bfloat16; float32's are method kernels)
+  void register_conv_kernels();         // cpu_conv.cpp (float32's replaces the method kernel)
+  void register_pool_kernels();         // cpu_nn.cpp (max-pool, every floating dtype)
   void register_attention_kernels();    // cpu_attention.cpp (Note [Fused attention])
   void register_method_kernels();       // method_kernels.h, cpu_backend.cpp
   void resize_arenas(int threads);

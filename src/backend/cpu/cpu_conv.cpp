@@ -188,10 +188,10 @@ dnnl::convolution_forward::desc forward_desc(const ConvMds& m, bool bias) {
 }
 
 /// The name of the implementation oneDNN picks for the plain forward convolution `s`.
-std::string forward_impl(const Conv2dShape& s, bool bias, ConvLayout layout) {
+std::string forward_impl(const Conv2dShape& s, bool bias, ConvLayout layout, DType dtype) {
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  return dnnl::convolution_forward::primitive_desc(forward_desc(conv_mds(s, layout, DType::F32), bias), attr,
+  return dnnl::convolution_forward::primitive_desc(forward_desc(conv_mds(s, layout, dtype), bias), attr,
                                                    cpu_engine())
       .impl_info_str();
 }
@@ -506,9 +506,10 @@ struct ConvBuffers {
   void* gx = nullptr;
   float* gw = nullptr;
   float* gb = nullptr;
-  // Forward with a 2x2 max-pool after the ReLU: y is unused, the pooled output and the
-  // winners' places land here (Note [Convolution, ReLU and max-pool in one pass]).
-  float* pooled = nullptr;
+  // Forward with a 2x2 max-pool after the ReLU: y is unused, the pooled output (in
+  // `dtype`) and the winners' places land here (Note [Convolution, ReLU and max-pool in
+  // one pass]).
+  void* pooled = nullptr;
   std::uint8_t* where = nullptr;
 };
 
@@ -560,7 +561,8 @@ double abs_of_bits(std::uint32_t bits) {
 // pool to read it back from memory and keep a quarter of it. Backward needs neither
 // that output (the ReLU's mask is taken on the pooled output, Note [ReLU mask through
 // max-pool]) nor more of the pool than its winners' places (Note [Max-pool winners in
-// a byte]). So conv2d_relu_maxpool2x2_forward convolves each chunk's images a group at
+// a byte]). So the Conv2d kernel, given a ReLU and a 2x2 pool (Conv2dArgs::pool; Note
+// [Fusions are the backend's] in ops.h), convolves each chunk's images a group at
 // a time into a scratch block that fits a core's L2, applies the ReLU there when the
 // post-op did not, and pools the group before the next one overwrites it: the
 // convolution's output never reaches memory. A group is an ordinary oneDNN call on
@@ -591,6 +593,16 @@ template <typename T>
 void relu_in_place(T* __restrict y, i64 n) {
   const Unary<UnaryOp::Relu> f;
   for (i64 j = 0; j < n; ++j) y[j] = T(f(static_cast<float>(y[j])));
+}
+/// The same on bfloat16 bits, vectorised: a negative number becomes +0, a NaN the NaN
+/// that rounding gives (0xFFFF), everything else (-0 included) stays.
+void relu_in_place(BFloat16* __restrict y, i64 n) {
+  auto* u = reinterpret_cast<std::uint16_t*>(y);
+  for (i64 j = 0; j < n; ++j) {
+    const std::uint16_t mag = u[j] & 0x7FFFu;
+    const std::uint16_t kept = (u[j] & 0x8000u) && mag != 0 ? std::uint16_t{0} : u[j];
+    u[j] = mag > 0x7F80u ? std::uint16_t{0xFFFF} : kept;
+  }
 }
 
 /// Runs one convolution as `chunks` batch slices, one oneDNN primitive each on one
@@ -624,7 +636,7 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
   const bool pooled = kind == ConvKind::Forward && buf.pooled != nullptr;
   // Images per group of the pooled path: the group's convolution output stays in a
   // core's L2 until it is pooled.
-  const i64 group = pooled ? std::clamp<i64>(kPoolGroupBytes / (kpq * static_cast<i64>(sizeof(float))), 1,
+  const i64 group = pooled ? std::clamp<i64>(kPoolGroupBytes / (kpq * esize), 1,
                                              std::max<i64>(1, s.N / chunks))
                            : 0;
   // The fused ReLU's bound for images [n0, n0 + n) (Note [Convolution + ReLU]).
@@ -665,10 +677,11 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
     auto impl = [&](i64 images) -> const std::string& {
       Conv2dShape sc = s;
       sc.N = images;
-      const ConvKey key = conv_key(sc, ConvKind::Forward, bias, 0, layout);
+      const ConvKey key = conv_key(sc, ConvKind::Forward, bias, 0, layout, false, buf.dtype);
       std::lock_guard<std::mutex> lock(cache.mu);
       auto it = cache.forward_impls.find(key);
-      if (it == cache.forward_impls.end()) it = cache.forward_impls.emplace(key, forward_impl(sc, bias, layout)).first;
+      if (it == cache.forward_impls.end())
+        it = cache.forward_impls.emplace(key, forward_impl(sc, bias, layout, buf.dtype)).first;
       return it->second;
     };
     const std::string& whole = impl(n);
@@ -688,20 +701,26 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
     }
     std::lock_guard<std::mutex> lock(cache.mu);
     if (cache.pool_groups.size() < static_cast<std::size_t>(chunks)) cache.pool_groups.resize(chunks);
-    for (int c = 0; c < chunks; ++c) cache.pool_groups[c].resize(static_cast<std::size_t>(most * kpq));
+    for (int c = 0; c < chunks; ++c) cache.pool_groups[c].resize(static_cast<std::size_t>((most * kpq * esize + 3) / 4));
   }
   be.parallel_chunks(dev, chunks, [&](i64 c) {
     omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
     const i64 n0 = s.N * c / chunks, n1 = s.N * (c + 1) / chunks;
     if (pooled) {
-      float* __restrict out = cache.pool_groups[static_cast<std::size_t>(c)].data();
+      float* out = cache.pool_groups[static_cast<std::size_t>(c)].data();
       const i64 step = steps[static_cast<std::size_t>(c)];
       const i64 pq = (s.P / 2) * (s.Q / 2);
       const Pool2dShape ps{0, s.K, s.P, s.Q, 2, 2, 2, 2, 0, 0, s.P / 2, s.Q / 2};
       for (i64 g0 = n0; g0 < n1; g0 += step) {
         const i64 n = std::min(step, n1 - g0);
         forward(c, g0, n, out);
-        maxpool_2x2_planes(ps, out, buf.pooled + g0 * s.K * pq, buf.where + g0 * s.K * pq, 0, n * s.K);
+        std::uint8_t* where = buf.where + g0 * s.K * pq;
+        if (f32) {
+          maxpool_2x2_planes(ps, out, static_cast<float*>(buf.pooled) + g0 * s.K * pq, where, 0, n * s.K);
+        } else {  // Note [16-bit max-pool]
+          maxpool_2x2_planes(ps, reinterpret_cast<const BFloat16*>(out),
+                             static_cast<BFloat16*>(buf.pooled) + g0 * s.K * pq, where, 0, n * s.K);
+        }
       }
       return;
     }
@@ -836,6 +855,20 @@ ConvLayout CpuBackend::chosen_conv_layout(Device dev, const Conv2dShape& s, Conv
 
 // ---- convolution ------------------------------------------------------------------------
 
+namespace {
+
+/// Whether a Conv2d call's pool runs in one pass with the convolution (Note
+/// [Convolution, ReLU and max-pool in one pass]): a ReLU, then a 2x2 tiling of an output
+/// of at least 2x2 — the pool whose winners this backend keeps in bytes.
+bool pools_in_one_pass(const Conv2dArgs& a) {
+  const Conv2dShape& s = a.s;
+  const Pool2dShape& p = a.pool.s;
+  return a.relu && is_2x2_tiling(p) && p.N == s.N && p.C == s.K && p.H == s.P && p.W == s.Q && p.P == s.P / 2 &&
+         p.Q == s.Q / 2 && s.P >= 2 && s.Q >= 2;
+}
+
+}  // namespace
+
 void CpuBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
                                 const float* bias, float* y) {
   conv_forward(dev, s, x, w, bias, y, /*relu=*/false);
@@ -909,9 +942,10 @@ void CpuBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const 
 // bfloat16 kernels win by far on the CNN's 32-channel layer; the 1-channel forward is
 // close). A bfloat16 forward applies its ReLU after the primitive (the post-op's
 // overflow bound of Note [Convolution + ReLU] reads float32 data); ReLU commutes with
-// the rounding, so the values are those of conv2d followed by relu. The fused
-// convolution + ReLU + max-pool stays float32's: nn runs a bfloat16 one as the
-// convolution with its ReLU, then the pool.
+// the rounding, so the values are those of conv2d followed by relu. A Conv2d call with
+// a 2x2 pool runs in one pass as float32's does (Note [Convolution, ReLU and max-pool in
+// one pass]): each group's bfloat16 output pooled in cache as Note [16-bit max-pool]
+// pools, so its bits are those of the bfloat16 ops one after another.
 // Without bfloat16 instructions (AVX2-only CPUs, or oneDNN told otherwise by
 // DNNL_MAX_CPU_ISA), and after set_native_bf16_conv(false) (tests), each pass widens
 // its operands to float32 (exact), runs the float32 pass and rounds its outputs once:
@@ -966,6 +1000,19 @@ void CpuBackend::set_native_bf16_conv(bool on) { native_bf16_conv_.store(on); }
 
 void CpuBackend::conv2d_bf16(Device dev, const Conv2dArgs& a) {
   const Conv2dShape& s = a.s;
+  if (a.pool.on) {
+    if (native_bf16_conv() && pools_in_one_pass(a)) {
+      check_conv_shape(s, "conv2d_relu_maxpool2x2_forward");
+      if (s.N == 0) return;
+      run_conv(*this, dev, s, ConvKind::Forward, a.bias != nullptr,
+               ConvBuffers{.dtype = DType::BF16, .x = a.x, .w = a.w, .b = a.bias, .pooled = a.y,
+                           .where = static_cast<std::uint8_t*>(a.pool.winners)},
+               /*relu=*/true);
+    } else {
+      conv2d_pool_by_ops(dev, DType::BF16, a);
+    }
+    return;
+  }
   check_conv_shape(s, a.relu ? "conv2d_relu_forward" : "conv2d_forward");
   if (s.N == 0) return;
   if (native_bf16_conv()) {
@@ -1026,6 +1073,25 @@ void CpuBackend::conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWei
 
 namespace {
 
+/// The float32 Conv2d kernel: with a pool, the one-pass path where it applies (Note
+/// [Convolution, ReLU and max-pool in one pass]), else the ops it fuses.
+void conv2d_kernel(CpuBackend& be, Device dev, const Conv2dArgs& a) {
+  const auto* x = static_cast<const float*>(a.x);
+  const auto* w = static_cast<const float*>(a.w);
+  const auto* b = static_cast<const float*>(a.bias);
+  if (!a.pool.on) {
+    if (a.relu) {
+      be.conv2d_relu_forward(dev, a.s, x, w, b, static_cast<float*>(a.y));
+    } else {
+      be.conv2d_forward(dev, a.s, x, w, b, static_cast<float*>(a.y));
+    }
+  } else if (pools_in_one_pass(a)) {
+    be.conv2d_relu_maxpool2x2_forward(dev, a.s, x, w, b, static_cast<float*>(a.y),
+                                      static_cast<std::uint8_t*>(a.pool.winners));
+  } else {
+    be.conv2d_pool_by_ops(dev, DType::F32, a);
+  }
+}
 void conv2d_bf16_kernel(CpuBackend& be, Device dev, const Conv2dArgs& a) { be.conv2d_bf16(dev, a); }
 void conv2d_backward_data_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBackwardDataArgs& a) {
   be.conv2d_backward_data_bf16(dev, a);
@@ -1037,6 +1103,7 @@ void conv2d_backward_weight_bf16_kernel(CpuBackend& be, Device dev, const Conv2d
 }  // namespace
 
 void CpuBackend::register_conv_kernels() {
+  register_typed<Op::Conv2d, CpuBackend, &conv2d_kernel>(DType::F32);
   register_typed<Op::Conv2d, CpuBackend, &conv2d_bf16_kernel>(DType::BF16);
   register_typed<Op::Conv2dBackwardData, CpuBackend, &conv2d_backward_data_bf16_kernel>(DType::BF16);
   register_typed<Op::Conv2dBackwardWeight, CpuBackend, &conv2d_backward_weight_bf16_kernel>(DType::BF16);

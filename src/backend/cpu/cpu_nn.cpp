@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -81,9 +82,11 @@ inline i32x4 take(f32x4 v, f32x4 best) { return (v > best) | ((v != v) & (best =
 /// One output row of a 2x2/stride-2 max-pool: y[q] = max of r0[2q..2q+1], r1[2q..2q+1];
 /// when `idx` is set, the winner's flat index row0 + 2q + dh*W + dw in its plane, and
 /// when `where` is set, its place 2*dh + dw in the window (Note [Max-pool winners in a
-/// byte]).
-void maxpool_2x2_row(const float* __restrict r0, const float* __restrict r1, float* __restrict y,
-                     std::int64_t* __restrict idx, std::uint8_t* __restrict where, i64 Q, i64 W, i64 row0) {
+/// byte]). Inlined into each caller, so that a call site's null `idx` or `where` drops
+/// its branch from the vector loop (out of line it cost the 2x2 pool ~10 %).
+[[gnu::always_inline]] inline void maxpool_2x2_row(const float* __restrict r0, const float* __restrict r1,
+                                                   float* __restrict y, std::int64_t* __restrict idx,
+                                                   std::uint8_t* __restrict where, i64 Q, i64 W, i64 row0) {
   i64 q = 0;
   const i32x4 lane{0, 2, 4, 6};
   const i32x4 w = {static_cast<std::int32_t>(W), static_cast<std::int32_t>(W),
@@ -278,6 +281,72 @@ i64 plane_grain(i64 plane_work) { return std::max<i64>(1, kSerialGrain / std::ma
 
 // ---- pooling ---------------------------------------------------------------------------
 
+namespace {
+
+/// One plane of a max-pool over any window: yp, and the winners' flat indices in ip
+/// when it is not null.
+void maxpool_plane(const Pool2dShape& s, const float* __restrict xp, float* __restrict yp, i64* __restrict ip) {
+  for (i64 p = 0; p < s.P; ++p) {
+    const i64 h0 = p * s.stride_h - s.pad_h;
+    const i64 hs = std::max<i64>(h0, 0), he = std::min(h0 + s.kernel_h, s.H);
+    for (i64 q = 0; q < s.Q; ++q) {
+      const i64 w0 = q * s.stride_w - s.pad_w;
+      const i64 ws = std::max<i64>(w0, 0), we = std::min(w0 + s.kernel_w, s.W);
+      // Padding never wins: only real elements are candidates. Strict > keeps the
+      // first maximum in row-major window order; a NaN wins and stays.
+      float best = -std::numeric_limits<float>::infinity();
+      i64 best_i = hs * s.W + ws;
+      for (i64 h = hs; h < he; ++h)
+        for (i64 w = ws; w < we; ++w) {
+          const float v = xp[h * s.W + w];
+          if (v > best || (v != v && best == best)) {
+            best = v;
+            best_i = h * s.W + w;
+          }
+        }
+      yp[p * s.Q + q] = best;
+      if (ip) ip[p * s.Q + q] = best_i;
+    }
+  }
+}
+
+/// One plane of a 2x2 max-pool with byte places (Note [Max-pool winners in a byte]):
+/// yp and wp.
+void maxpool_2x2_plane(const Pool2dShape& s, const float* xp, float* yp, std::uint8_t* wp) {
+  for (i64 p = 0; p < s.P; ++p) {
+    const float* r0 = xp + 2 * p * s.W;
+    const i64 o = p * s.Q;
+    maxpool_2x2_row(r0, r0 + s.W, yp + o, nullptr, wp + o, s.Q, s.W, 2 * p * s.W);
+  }
+}
+
+/// One plane of the input gradient from flat indices: zeros, then each window's
+/// gradient (masked by the pool's output ryp first when it is not null, as
+/// Binary<ReluBackward>) added at its winner, in output order (deterministic).
+void maxpool_backward_plane(const Pool2dShape& s, const float* __restrict gyp, const i64* __restrict ip,
+                            const float* __restrict ryp, float* __restrict gp) {
+  const Binary<BinaryOp::ReluBackward> relu_backward;
+  const i64 hw = s.H * s.W, pq = s.P * s.Q;
+  std::memset(gp, 0, static_cast<std::size_t>(hw) * sizeof(float));
+  for (i64 j = 0; j < pq; ++j) {
+    DP_ASSERT(ip[j] >= 0 && ip[j] < hw, "maxpool index ", ip[j], " outside plane of ", hw);
+    gp[ip[j]] += ryp ? relu_backward(gyp[j], ryp[j]) : gyp[j];
+  }
+}
+
+/// One plane of the input gradient from byte places (tile_2x2_backward_bytes), masked
+/// by ryp when it is not null.
+void maxpool_2x2_backward_plane(const Pool2dShape& s, const float* gyp, const std::uint8_t* wp, const float* ryp,
+                                float* gp) {
+  if (ryp) {
+    tile_2x2_backward_bytes<true>(s, gyp, wp, ryp, gp);
+  } else {
+    tile_2x2_backward_bytes<false>(s, gyp, wp, nullptr, gp);
+  }
+}
+
+}  // namespace
+
 void CpuBackend::maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
                                    i64* indices) {
   check_pool_shape(s, "maxpool2d_forward");
@@ -298,29 +367,8 @@ void CpuBackend::maxpool2d_forward(Device dev, const Pool2dShape& s, const float
           maxpool_2x2_row(r0, r0 + s.W, yp + p * s.Q, ip ? ip + p * s.Q : nullptr, nullptr, s.Q, s.W,
                           2 * p * s.W);
         }
-        continue;
-      }
-      for (i64 p = 0; p < s.P; ++p) {
-        const i64 h0 = p * s.stride_h - s.pad_h;
-        const i64 hs = std::max<i64>(h0, 0), he = std::min(h0 + s.kernel_h, s.H);
-        for (i64 q = 0; q < s.Q; ++q) {
-          const i64 w0 = q * s.stride_w - s.pad_w;
-          const i64 ws = std::max<i64>(w0, 0), we = std::min(w0 + s.kernel_w, s.W);
-          // Padding never wins: only real elements are candidates. Strict > keeps the
-          // first maximum in row-major window order; a NaN wins and stays.
-          float best = -std::numeric_limits<float>::infinity();
-          i64 best_i = hs * s.W + ws;
-          for (i64 h = hs; h < he; ++h)
-            for (i64 w = ws; w < we; ++w) {
-              const float v = xp[h * s.W + w];
-              if (v > best || (v != v && best == best)) {
-                best = v;
-                best_i = h * s.W + w;
-              }
-            }
-          yp[p * s.Q + q] = best;
-          if (ip) ip[p * s.Q + q] = best_i;
-        }
+      } else {
+        maxpool_plane(s, xp, yp, ip);
       }
     }
   });
@@ -339,11 +387,7 @@ void CpuBackend::maxpool2d_backward(Device dev, const Pool2dShape& s, const floa
       const float* gyp = gy + pl * pq;
       const i64* ip = indices + pl * pq;
       if (two_by_two && tile_2x2_backward(s, gyp, ip, gp)) continue;
-      std::memset(gp, 0, static_cast<std::size_t>(hw) * sizeof(float));
-      for (i64 j = 0; j < pq; ++j) {
-        DP_ASSERT(ip[j] >= 0 && ip[j] < hw, "maxpool index ", ip[j], " outside plane of ", hw);
-        gp[ip[j]] += gyp[j];  // in output order within the plane: deterministic
-      }
+      maxpool_backward_plane(s, gyp, ip, nullptr, gp);
     }
   });
 }
@@ -351,23 +395,17 @@ void CpuBackend::maxpool2d_backward(Device dev, const Pool2dShape& s, const floa
 // Note [Max-pool winners in a byte]
 // A 2x2 window has four places, and max-pool's backward needs only which one won: one
 // byte per output instead of the int64 flat index PyTorch's max_pool2d_with_indices
-// returns. The indices are internal here (nn::max_pool2d returns none), so the 2x2
-// windows every CNN uses keep bytes: for the Fashion-MNIST CNN's first pool, batch 256,
-// 1.6 MB instead of 12.8 MB written by forward, kept until backward and read by it —
-// a quarter of the pool's memory traffic each way, and that much less memory held
-// between the passes. y and the input gradient are those of maxpool2d_forward and
-// maxpool2d_backward bit for bit (cpu_backend_test).
+// returns. The winners are the backend's own (Note [Max-pool winners]: nn::max_pool2d
+// returns none), so this backend's MaxPool2d keeps bytes for the 2x2 windows every CNN
+// uses: for the Fashion-MNIST CNN's first pool, batch 256, 1.6 MB instead of 12.8 MB
+// written by forward, kept until backward and read by it — a quarter of the pool's
+// memory traffic each way, and that much less memory held between the passes. y and
+// the input gradient are those of maxpool2d_forward and maxpool2d_backward bit for bit
+// (cpu_backend_test).
 
 void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, i64 begin, i64 end) {
   const i64 hw = s.H * s.W, pq = s.P * s.Q;
-  for (i64 pl = begin; pl < end; ++pl) {
-    const float* xp = x + pl * hw;
-    for (i64 p = 0; p < s.P; ++p) {
-      const float* r0 = xp + 2 * p * s.W;
-      const i64 o = pl * pq + p * s.Q;
-      maxpool_2x2_row(r0, r0 + s.W, y + o, nullptr, where + o, s.Q, s.W, 2 * p * s.W);
-    }
-  }
+  for (i64 pl = begin; pl < end; ++pl) maxpool_2x2_plane(s, x + pl * hw, y + pl * pq, where + pl * pq);
 }
 
 void CpuBackend::maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
@@ -382,14 +420,161 @@ void CpuBackend::maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const 
   check_2x2_inside(s, "maxpool2d_2x2_backward");
   const i64 planes = s.N * s.C, hw = s.H * s.W, pq = s.P * s.Q;
   parallel_for(dev, planes, plane_grain(hw + pq), [&](i64 b, i64 e) {
-    for (i64 pl = b; pl < e; ++pl) {
-      if (relu_y) {
-        tile_2x2_backward_bytes<true>(s, gy + pl * pq, where + pl * pq, relu_y + pl * pq, gx + pl * hw);
-      } else {
-        tile_2x2_backward_bytes<false>(s, gy + pl * pq, where + pl * pq, nullptr, gx + pl * hw);
-      }
-    }
+    for (i64 pl = b; pl < e; ++pl)
+      maxpool_2x2_backward_plane(s, gy + pl * pq, where + pl * pq, relu_y ? relu_y + pl * pq : nullptr,
+                                 gx + pl * hw);
   });
+}
+
+// Note [16-bit max-pool]
+// A bfloat16 or float16 max-pool (the CNN under autocast) reads and writes its
+// tensors in their own dtype. Each plane is widened (exactly) into a float32 block
+// that stays in cache, pooled there by the float32 plane loops above, and its output
+// rounded once: a maximum is one of its inputs, so the rounding gives that input back,
+// and the pool is bit for bit the float32 pool of the widened tensor, rounded — what
+// the widening path computed, without writing the float32 activation out and reading
+// it back. Backward rounds the input gradient once per plane as well (exact unless
+// overlapping windows sum). The winners are the float32 kernels' (Note [Max-pool
+// winners]). Working on the bfloat16 bits instead measured no faster: the 2x2
+// backward is bound by writing the input gradient.
+
+bool CpuBackend::max_pool2d_byte_winners(const Pool2dShape& s) const { return is_2x2_tiling(s); }
+
+namespace {
+
+/// n values widened to float32 (exactly), or rounded from it (once).
+template <typename T>
+void widen(const T* __restrict from, float* __restrict to, i64 n) {
+  for (i64 i = 0; i < n; ++i) to[i] = static_cast<float>(from[i]);
+}
+template <typename T>
+void round_to(const float* __restrict from, T* __restrict to, i64 n) {
+  for (i64 i = 0; i < n; ++i) to[i] = T(from[i]);
+}
+// bfloat16's as integer loops the compiler vectorises: the bits of the conversions above.
+template <>
+void widen(const BFloat16* __restrict from, float* __restrict to, i64 n) {
+  const auto* u = reinterpret_cast<const std::uint16_t*>(from);
+  auto* v = reinterpret_cast<std::uint32_t*>(to);
+  for (i64 i = 0; i < n; ++i) v[i] = std::uint32_t{u[i]} << 16;
+}
+template <>
+void round_to(const float* __restrict from, BFloat16* __restrict to, i64 n) {
+  const auto* u = reinterpret_cast<const std::uint32_t*>(from);
+  auto* r = reinterpret_cast<std::uint16_t*>(to);
+  for (i64 i = 0; i < n; ++i) {  // BFloat16::round_bits without its branch
+    const std::uint32_t rounded = (u[i] + 0x7FFFu + ((u[i] >> 16) & 1u)) >> 16;
+    r[i] = (u[i] & 0x7FFFFFFFu) > 0x7F800000u ? std::uint16_t{0xFFFF} : static_cast<std::uint16_t>(rounded);
+  }
+}
+
+}  // namespace
+
+void maxpool_2x2_planes(const Pool2dShape& s, const BFloat16* x, BFloat16* y, std::uint8_t* where, i64 begin,
+                        i64 end) {
+  const i64 hw = s.H * s.W, pq = s.P * s.Q;
+  std::vector<float> xf(static_cast<std::size_t>(hw)), yf(static_cast<std::size_t>(pq));
+  for (i64 pl = begin; pl < end; ++pl) {
+    widen(x + pl * hw, xf.data(), hw);
+    maxpool_2x2_plane(s, xf.data(), yf.data(), where + pl * pq);
+    round_to(yf.data(), y + pl * pq, pq);
+  }
+}
+
+namespace {
+
+/// The MaxPool2d kernel: the byte places for a 2x2 tiling (Note [Max-pool winners in a
+/// byte]), int64 flat indices otherwise; 16-bit dtypes plane by plane in float32 (Note
+/// [16-bit max-pool]).
+template <typename T>
+void maxpool_kernel(CpuBackend& be, Device dev, const MaxPool2dArgs& a) {
+  const Pool2dShape& s = a.s;
+  const bool bytes = be.max_pool2d_byte_winners(s);
+  auto* where = static_cast<std::uint8_t*>(a.winners);
+  auto* idx = static_cast<i64*>(a.winners);
+  if constexpr (std::is_same_v<T, float>) {
+    if (bytes) {
+      be.maxpool2d_2x2_forward(dev, s, static_cast<const float*>(a.x), static_cast<float*>(a.y), where);
+    } else {
+      be.maxpool2d_forward(dev, s, static_cast<const float*>(a.x), static_cast<float*>(a.y), idx);
+    }
+  } else {
+    check_pool_shape(s, "maxpool2d_forward");
+    const i64 hw = s.H * s.W, pq = s.P * s.Q;
+    const auto* x = static_cast<const T*>(a.x);
+    auto* y = static_cast<T*>(a.y);
+    be.parallel_for(dev, s.N * s.C, plane_grain(pq * s.kernel_h * s.kernel_w), [&](i64 b, i64 e) {
+      std::vector<float> xf(static_cast<std::size_t>(hw)), yf(static_cast<std::size_t>(pq));
+      for (i64 pl = b; pl < e; ++pl) {
+        widen(x + pl * hw, xf.data(), hw);
+        if (bytes) {
+          maxpool_2x2_plane(s, xf.data(), yf.data(), where + pl * pq);
+        } else {
+          maxpool_plane(s, xf.data(), yf.data(), idx ? idx + pl * pq : nullptr);
+        }
+        round_to(yf.data(), y + pl * pq, pq);
+      }
+    });
+  }
+}
+
+/// The MaxPool2dBackward kernel, with the ReLU mask in the same pass.
+template <typename T>
+void maxpool_backward_kernel(CpuBackend& be, Device dev, const MaxPool2dBackwardArgs& a) {
+  const Pool2dShape& s = a.s;
+  const bool bytes = be.max_pool2d_byte_winners(s);
+  if (bytes) {
+    check_2x2_inside(s, "maxpool2d_backward");
+  } else {
+    check_pool_shape(s, "maxpool2d_backward");
+  }
+  const auto* where = static_cast<const std::uint8_t*>(a.winners);
+  const auto* idx = static_cast<const i64*>(a.winners);
+  const i64 hw = s.H * s.W, pq = s.P * s.Q;
+  if constexpr (std::is_same_v<T, float>) {
+    if (bytes) {
+      be.maxpool2d_2x2_backward(dev, s, static_cast<const float*>(a.gy), where, static_cast<const float*>(a.relu_y),
+                                static_cast<float*>(a.gx));
+      return;
+    }
+    const auto* gy = static_cast<const float*>(a.gy);
+    const auto* ry = static_cast<const float*>(a.relu_y);
+    auto* gx = static_cast<float*>(a.gx);
+    be.parallel_for(dev, s.N * s.C, plane_grain(hw + pq), [&](i64 b, i64 e) {
+      for (i64 pl = b; pl < e; ++pl)
+        maxpool_backward_plane(s, gy + pl * pq, idx + pl * pq, ry ? ry + pl * pq : nullptr, gx + pl * hw);
+    });
+  } else {
+    const auto* gy = static_cast<const T*>(a.gy);
+    const auto* ry = static_cast<const T*>(a.relu_y);
+    auto* gx = static_cast<T*>(a.gx);
+    be.parallel_for(dev, s.N * s.C, plane_grain(hw + pq), [&](i64 b, i64 e) {
+      std::vector<float> gyf(static_cast<std::size_t>(pq)), ryf(ry ? static_cast<std::size_t>(pq) : 0),
+          gxf(static_cast<std::size_t>(hw));
+      for (i64 pl = b; pl < e; ++pl) {
+        widen(gy + pl * pq, gyf.data(), pq);
+        if (ry) widen(ry + pl * pq, ryf.data(), pq);
+        const float* ryp = ry ? ryf.data() : nullptr;
+        if (bytes) {
+          maxpool_2x2_backward_plane(s, gyf.data(), where + pl * pq, ryp, gxf.data());
+        } else {
+          maxpool_backward_plane(s, gyf.data(), idx + pl * pq, ryp, gxf.data());
+        }
+        round_to(gxf.data(), gx + pl * hw, hw);
+      }
+    });
+  }
+}
+
+}  // namespace
+
+void CpuBackend::register_pool_kernels() {
+  register_typed<Op::MaxPool2d, CpuBackend, &maxpool_kernel<float>>(DType::F32);
+  register_typed<Op::MaxPool2dBackward, CpuBackend, &maxpool_backward_kernel<float>>(DType::F32);
+  register_typed<Op::MaxPool2d, CpuBackend, &maxpool_kernel<BFloat16>>(DType::BF16);
+  register_typed<Op::MaxPool2dBackward, CpuBackend, &maxpool_backward_kernel<BFloat16>>(DType::BF16);
+  register_typed<Op::MaxPool2d, CpuBackend, &maxpool_kernel<Float16>>(DType::F16);
+  register_typed<Op::MaxPool2dBackward, CpuBackend, &maxpool_backward_kernel<Float16>>(DType::F16);
 }
 
 // Window [h0, h0 + kernel) clipped to the padded input [-pad, H + pad): PyTorch's divisor
