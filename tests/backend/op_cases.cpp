@@ -752,7 +752,7 @@ void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool mask
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.E));
   auto mask = [=](OpRun& r) {
     be::AttentionMask m;
-    if (masked) m = {.p = r.uniform(s.L * s.S, -2, 0), .sb = 0, .sh = 0, .sl = s.S, .ss = 1, .keep = false};
+    if (masked) m = {.p = r.uniform(s.L * s.S, -2, 0), .sb = 0, .sh = 0, .sl = s.S, .ss = 1, .keep = false, .dtype = DType::F32};
     return m;
   };
   const Tolerance tol = sum_tol(kGemmBase, static_cast<double>(s.S));
@@ -766,7 +766,7 @@ void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool mask
     r.output("out", out, no);
     r.output("lse", lse, rows);
     r.set_call([=](Backend& b, Device d) {
-      b.run<Op::AttentionForward>(d, DType::F32, {s, q, k, v, m, causal, scale, out, lse});
+      b.run<Op::AttentionForward>(d, DType::F32, {s, q, k, v, m, causal, scale, {}, out, lse});
     });
   });
   t.add(Kernel::AttentionBackward, shape, tol, 2.5 * flops, kF * 2 * (nq + nk + nv + no + rows), [=](OpRun& r) {
@@ -784,7 +784,7 @@ void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool mask
     r.output("gk", gk, nk);
     r.output("gv", gv, nv);
     r.set_call([=](Backend& b, Device d) {
-      b.run<Op::AttentionBackward>(d, DType::F32, {s, q, k, v, m, causal, scale, out, lse, gout, gq, gk, gv});
+      b.run<Op::AttentionBackward>(d, DType::F32, {s, q, k, v, m, causal, scale, {}, out, lse, gout, gq, gk, gv});
     });
   });
 }
