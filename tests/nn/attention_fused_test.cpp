@@ -2,7 +2,10 @@
 // [Fused attention paths] in src/nn/fused_attention.cpp, Note [Fused attention] in
 // src/backend/cpu/cpu_attention.cpp) against its math path and against PyTorch: the
 // output and every input gradient, causal and not, partial blocks, cross-attention, odd
-// head dims, masks; its O(L) memory; and the calls it leaves to the math path.
+// head dims, masks; its O(L) memory; the calls it leaves to the math path; bfloat16 and
+// float16 against float32 and the math path (Note [16-bit attention tolerances]); and
+// dropout: the dropout op's keep bits and rate, the math path's values, reproducibility
+// and the backward against central differences.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -94,6 +97,17 @@ Inputs make_inputs(std::int64_t B, std::int64_t H, std::int64_t L, std::int64_t 
   return in;
 }
 
+/// in (B = 2, H = 2, L = 67, S = 90) with a 0/1 keep-mask (B, 1, L, S) drawn from `seed`:
+/// about a third of the keys masked, key 0 always kept.
+Inputs with_keep_mask(Inputs in, std::uint64_t seed) {
+  dp::Generator gen(seed);
+  std::vector<float> keep = dp::rand({2, 1, 67, 90}, gen, dp::cpu(0)).to_vector();
+  for (std::size_t i = 0; i < keep.size(); ++i) keep[i] = (keep[i] > 0.33f || i % 90 == 0) ? 1.0f : 0.0f;
+  in.mask = dp::from_vector(keep, {2, 1, 67, 90}, dp::cpu(0));
+  in.keep = true;
+  return in;
+}
+
 void check_paths_agree(const Inputs& in) {
   const Result math = attend(AttentionPath::Math, in);
   const Result fused = attend(AttentionPath::Fused, in);
@@ -129,13 +143,7 @@ TEST_CASE("fused attention equals the math path: output and every input gradient
     check_paths_agree(in);
   }
   SUBCASE("a keep-mask (B, 1, L, S), about a third of the keys masked") {
-    Inputs in = make_inputs(2, 2, 67, 90, 4, 4, false, 9);
-    dp::Generator gen(10);
-    std::vector<float> keep = dp::rand({2, 1, 67, 90}, gen, dp::cpu(0)).to_vector();
-    for (std::size_t i = 0; i < keep.size(); ++i) keep[i] = (keep[i] > 0.33f || i % 90 == 0) ? 1.0f : 0.0f;
-    in.mask = dp::from_vector(keep, {2, 1, 67, 90}, dp::cpu(0));
-    in.keep = true;
-    check_paths_agree(in);
+    check_paths_agree(with_keep_mask(make_inputs(2, 2, 67, 90, 4, 4, false, 9), 10));
   }
 }
 
@@ -385,12 +393,7 @@ TEST_CASE("fused attention in bfloat16 and float16: float32 inside, one rounding
     for (dp::Dtype dtype : dtypes) check_16bit(in, dtype);
   }
   SUBCASE("a float32 keep-mask (B, 1, L, S)") {
-    Inputs in = make_inputs(2, 2, 67, 90, 4, 4, false, 25);
-    dp::Generator gen(26);
-    std::vector<float> keep = dp::rand({2, 1, 67, 90}, gen, dp::cpu(0)).to_vector();
-    for (std::size_t i = 0; i < keep.size(); ++i) keep[i] = (keep[i] > 0.33f || i % 90 == 0) ? 1.0f : 0.0f;
-    in.mask = dp::from_vector(keep, {2, 1, 67, 90}, dp::cpu(0));
-    in.keep = true;
+    const Inputs in = with_keep_mask(make_inputs(2, 2, 67, 90, 4, 4, false, 25), 26);
     for (dp::Dtype dtype : dtypes) check_16bit(in, dtype);
   }
 }
