@@ -33,10 +33,12 @@
 //    keep bits the dropout op draws over the math path's (B, H, L, S) weights from the
 //    same generator state, and the caller advances the generator by B·H·L·S as that op
 //    does: the two paths drop the same weights and leave the generator alike, so they
-//    agree to rounding with dropout too (not bit for bit: see below) — a property of
-//    this backend's choice, which a kernel drawing its own way would not have (nothing
-//    outside this file relies on it but tests). The price: one Philox block per score
-//    in the forward and two in the backward (vectorised, Note [Vectorised random fills]).
+//    agree to rounding with dropout too (not bit for bit: see below). Another backend's
+//    kernel may draw its own way (then it would not equal the math path's bits with
+//    dropout, only its distribution), as long as its forward and backward agree and
+//    the draws depend on nothing but (seed, offset) and the index. The price here: one
+//    Philox block per score in the forward and two in the backward (vectorised, Note
+//    [Vectorised random fills]).
 //  - 16-bit storage (bfloat16, float16): q, k, v (and gout in the backward) are widened
 //    to float32 a block at a time (exact), every GEMM, the scores, m, l, lse, Δ and the
 //    output, dQ, dK and dV accumulators are float32, and out, gq, gk, gv are rounded to
