@@ -478,18 +478,29 @@ struct AttentionShape {
   std::int64_t L = 0, S = 0;  // queries, keys
   std::int64_t E = 0, Ev = 0;  // head dims of q and k, of v
 };
-/// An optional float32 mask over (B, H, L, S), strided (in elements; 0 broadcasts a dim):
-/// added to the scores, or with `keep` a 0/1 keep-mask (nonzero attends, 0 masks).
+/// An optional mask over (B, H, L, S), strided (in elements; 0 broadcasts a dim): added
+/// to the scores, or with `keep` a 0/1 keep-mask (nonzero attends, 0 masks). Its dtype
+/// is float32 or the call's.
 struct AttentionMask {
-  const float* p = nullptr;  // null: no mask
+  const void* p = nullptr;  // null: no mask
   std::int64_t sb = 0, sh = 0, sl = 0, ss = 0;
   bool keep = false;
+  DType dtype = DType::F32;
+};
+/// Dropout on the attention weights (softmax's output): weight (b, h, i, j) is kept,
+/// scaled by 1/(1-p), where the dropout op's draw for counter offset + ((b·H + h)·L +
+/// i)·S + j under seed keeps it — the bits the dropout op gives the math path's (B, H,
+/// L, S) weights, regenerated in the backward, never stored. p = 0: none; p < 1.
+struct AttentionDropout {
+  float p = 0.0f;
+  std::uint64_t seed = 0, offset = 0;
 };
 /// out (B, H, L, Ev) = softmax(q kᵀ · scale + mask) v, and lse (B, H, L, float32) the
 /// log-sum-exp of each row of the masked scores, for the backward. q (B, H, L, E), k
-/// (B, H, S, E), v (B, H, S, Ev) contiguous. causal masks key j > query i. A row whose
-/// every key is masked gives NaN, as the math path does. A fusion only some backends
-/// offer (Note [Fused ops a backend may offer]); float32 accumulation.
+/// (B, H, S, E), v (B, H, S, Ev) contiguous, of the call's dtype (out too). causal masks
+/// key j > query i. A row whose every key is masked gives NaN, as the math path does. A
+/// fusion only some backends offer (Note [Fused ops a backend may offer]); float32
+/// accumulation whatever the dtype.
 struct AttentionForwardArgs {
   AttentionShape s;
   const void* q;
@@ -498,11 +509,12 @@ struct AttentionForwardArgs {
   AttentionMask mask;
   bool causal;
   float scale;
+  AttentionDropout dropout;
   void* out;
   float* lse;
 };
 /// gq, gk, gv (overwritten; laid out as q, k, v) from gout (laid out as out) and the
-/// forward's out and lse, with the forward's arguments.
+/// forward's out and lse, with the forward's arguments (its dropout's too).
 struct AttentionBackwardArgs {
   AttentionShape s;
   const void* q;
@@ -511,6 +523,7 @@ struct AttentionBackwardArgs {
   AttentionMask mask;
   bool causal;
   float scale;
+  AttentionDropout dropout;
   const void* out;
   const float* lse;
   const void* gout;

@@ -173,9 +173,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   DP_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": expected dropout_p in [0, 1], got ", dropout_p);
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(E));
   if (const AttentionPath path = attention_path(); path != AttentionPath::Math) {  // Note [Fused attention paths]
-    const std::string misfit = detail::fused_attention_misfit(q, k, v, attn_mask, dropout_p);
+    const std::string misfit = detail::fused_attention_misfit(q, k, v, attn_mask, mask_is_keep, dropout_p);
     if (misfit.empty())
-      return detail::fused_attention(q, k, v, attn_mask, mask_is_keep, is_causal, static_cast<float>(s));
+      return detail::fused_attention(q, k, v, attn_mask, mask_is_keep, is_causal, static_cast<float>(s), dropout_p,
+                                     gen ? *gen : default_generator());
     DP_CHECK(path == AttentionPath::Auto, op, ": expected a call the fused kernel fits, as set_attention_path("
              "AttentionPath::Fused) asks, got one where ", misfit);
   }
@@ -188,8 +189,11 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     const TensorOptions f32{Dtype::Float32, q.device()};
     scores = where(le(arange(S, f32).reshape({1, S}), arange(L, f32).reshape({L, 1})), scores, -INFINITY);
   } else if (attn_mask.defined()) {
-    DP_CHECK(attn_mask.dtype() == Dtype::Float32 && attn_mask.device() == q.device(), op,
-             ": expected a float32 attn_mask on ", q.device().str(), ", got ", attn_mask.str());
+    // Float32, or q's dtype: autocast casts the mask with q (PyTorch's rule).
+    DP_CHECK((attn_mask.dtype() == Dtype::Float32 || attn_mask.dtype() == q.dtype()) &&
+                 attn_mask.device() == q.device(),
+             op, ": expected a float32 attn_mask (or one of q's dtype ", dtype_name(q.dtype()), ") on ",
+             q.device().str(), ", got ", attn_mask.str());
     scores = mask_is_keep ? where(attn_mask.detach(), scores, -INFINITY) : add(scores, attn_mask);
   }
   Tensor weights = softmax(scores, -1);

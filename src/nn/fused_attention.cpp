@@ -4,16 +4,23 @@
 // Note [Fused attention paths]
 // scaled_dot_product_attention (src/nn/functional_sequence.cpp) runs the fused kernels
 // (Note [Fused attention] in src/backend/cpu/cpu_attention.cpp) when the device's
-// backend registers them (the CPU's; CUDA runs the math path) and the call fits them:
-// float32 q, k, v of 3 dims (B, L, E) or 4 (B, H, L, E) with the same batch dims (no
-// broadcasting between them), non-empty, no dropout, and no mask, is_causal, or a
-// float32 mask (additive or keep) broadcastable to (batch dims, L, S) — the kernel reads
-// it with stride 0 along its broadcast dims, so it is never expanded. Anything else —
-// 16-bit inputs (autocast's lower-precision list), dropout, broadcast batch dims — runs
-// the math path, which also makes every bad-input error what it was. The two paths
-// give the same values up to float32 rounding: the fused one sums the softmax in blocks
-// (tests/nn/attention_fused_test.cpp bounds the difference). set_attention_path forces
-// either one, for tests and benchmarks.
+// backend registers them for the call's dtype (the CPU's: float32, bfloat16, float16;
+// CUDA runs the math path) and the call fits them: q, k, v of one floating dtype, 3
+// dims (B, L, E) or 4 (B, H, L, E) with the same batch dims (no broadcasting between
+// them), non-empty; dropout_p < 1; and no mask, is_causal, or a mask broadcastable to
+// (batch dims, L, S) — the kernel reads it with stride 0 along its broadcast dims, so it
+// is never expanded — that is float32 or of q's dtype (a 16-bit one, as autocast casts
+// it), except an additive float32 mask over 16-bit q, whose sum the math path promotes
+// to a float32 result. Anything else — broadcast batch dims, mixed dtypes, dropout_p = 1
+// (the dropout op zeroes everything without drawing) — runs the math path, which also
+// makes every bad-input error what it was. The two paths give the same values up to
+// rounding: the fused one sums the softmax in blocks and keeps every intermediate in
+// float32, where the math path in a 16-bit dtype stores its scores and weights in 16 bits
+// (tests/nn/attention_fused_test.cpp bounds the differences). With dropout both draw
+// the same keep bits from the same generator state and advance it alike (by the number
+// of weights), so they drop the same weights and the generator leaves either path in
+// one state: a model's later draws, and the DP, DDP and sharded designs, stay alike
+// whichever path ran. set_attention_path forces either one, for tests and benchmarks.
 #include "nn/fused_attention.h"
 
 #include <atomic>
@@ -33,11 +40,7 @@ std::atomic<AttentionPath> g_attention_path{AttentionPath::Auto};
 
 float* fptr(const Tensor& t) { return t.data<float>(); }
 
-bool all_float32(std::initializer_list<Tensor> ts) {
-  for (const Tensor& t : ts)
-    if (t.dtype() != Dtype::Float32) return false;
-  return true;
-}
+be::DType kernel_dtype(const Tensor& t) { return static_cast<be::DType>(t.dtype()); }
 
 /// The kernels' geometry of a fitting call: a 3-d call is one head.
 be::AttentionShape attention_shape(const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -62,8 +65,9 @@ be::AttentionMask attention_mask(const Tensor& mask, std::int64_t q_dims, bool k
     strides[at] = mask.size(d) == 1 ? 0 : stride;
     stride *= mask.size(d);
   }
-  m.p = fptr(mask);
+  m.p = mask.raw_data();
   m.keep = keep;
+  m.dtype = kernel_dtype(mask);
   m.sb = strides[0];
   m.sh = q_dims == 4 ? strides[1] : 0;
   m.sl = strides[static_cast<std::size_t>(q_dims - 2)];
@@ -79,22 +83,26 @@ AttentionPath attention_path() { return g_attention_path.load(); }
 namespace detail {
 
 std::string fused_attention_misfit(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
-                                   double dropout_p) {
+                                   bool mask_is_keep, double dropout_p) {
   const Device dev = q.device();
-  be::Backend& bk = be::get(dev);
-  if (!bk.supports(be::Op::AttentionForward, be::DType::F32) || !bk.supports(be::Op::AttentionBackward, be::DType::F32))
-    return "the " + dev.str() + " backend has no fused attention kernel";
   if (k.device() != dev || v.device() != dev) return "q, k and v are not on one device";
-  if (!all_float32({q, k, v})) return "q, k and v are not all float32";
-  if (dropout_p != 0.0) return "dropout_p is not 0";
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype() || !is_floating_point(q.dtype()))
+    return "q, k and v do not have one floating dtype";
+  be::Backend& bk = be::get(dev);
+  const be::DType dt = kernel_dtype(q);
+  if (!bk.supports(be::Op::AttentionForward, dt) || !bk.supports(be::Op::AttentionBackward, dt))
+    return std::string("the ") + dev.str() + " backend has no fused " + dtype_name(q.dtype()) + " attention kernel";
+  if (dropout_p >= 1.0) return "dropout_p is 1";
   if (q.dim() < 3 || q.dim() > 4 || k.dim() != q.dim() || v.dim() != q.dim())
     return "q, k and v do not all have 3 or all 4 dims";
   for (std::int64_t d = 0; d + 2 < q.dim(); ++d)
     if (k.size(d) != q.size(d) || v.size(d) != q.size(d)) return "q, k and v have different batch dims";
   if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return "q, k or v is empty";
   if (!attn_mask.defined()) return "";
-  if (attn_mask.dtype() != Dtype::Float32 || attn_mask.device() != dev)
-    return "attn_mask is not float32 on q's device";
+  if (attn_mask.device() != dev || (attn_mask.dtype() != Dtype::Float32 && attn_mask.dtype() != q.dtype()))
+    return "attn_mask is neither float32 nor q's dtype on q's device";
+  if (!mask_is_keep && attn_mask.dtype() != q.dtype())
+    return "attn_mask is an additive float32 mask over 16-bit q (the math path's result is float32)";
   if (attn_mask.dim() > q.dim()) return "attn_mask has more dims than q";
   Shape target(q.shape().begin(), q.shape().end() - 1);
   target.push_back(k.size(-2));  // (batch dims, L, S)
@@ -106,33 +114,42 @@ std::string fused_attention_misfit(const Tensor& q, const Tensor& k, const Tenso
 }
 
 Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask, bool mask_is_keep,
-                       bool is_causal, float scale) {
+                       bool is_causal, float scale, double dropout_p, Generator& gen) {
   const Device dev = q.device();
+  const be::DType dt = kernel_dtype(q);
   const be::AttentionShape s = attention_shape(q, k, v);
   Shape out_shape = q.shape();
   out_shape.back() = s.Ev;
-  Tensor out = empty(out_shape, dev);
+  Tensor out = empty(out_shape, TensorOptions{q.dtype(), dev});
   Tensor lse = empty({s.B * s.H * s.L}, dev);  // float32 per query row: all the backward keeps
   Tensor mask = attn_mask.defined() ? attn_mask.detach() : Tensor();
+  be::AttentionDropout drop;
+  if (dropout_p > 0.0) {
+    // The dropout op's draws over the (B..., L, S) weights (Note [Fused attention paths]).
+    drop = {.p = static_cast<float>(dropout_p), .seed = gen.seed(),
+            .offset = gen.advance(static_cast<std::uint64_t>(s.B * s.H * s.L * s.S))};
+  }
   be::get(dev).run<be::Op::AttentionForward>(
-      dev, be::DType::F32,
-      {s, fptr(q), fptr(k), fptr(v), attention_mask(mask, q.dim(), mask_is_keep), is_causal, scale, fptr(out),
-       fptr(lse)});
+      dev, dt,
+      {s, q.raw_data(), k.raw_data(), v.raw_data(), attention_mask(mask, q.dim(), mask_is_keep), is_causal, scale,
+       drop, out.raw_data(), fptr(lse)});
   if (autograd::needs_grad({q, k, v})) {
     autograd::record(
         "ScaledDotProductAttentionBackward", {q, k, v}, out,
-        [qs = q.detach(), ks = k.detach(), vs = v.detach(), mask, os = out.detach(), lse, s, mask_is_keep, is_causal,
-         scale](const std::vector<Tensor>& g) {
+        [qs = q.detach(), ks = k.detach(), vs = v.detach(), mask, os = out.detach(), lse, s, dt, mask_is_keep,
+         is_causal, scale, drop](const std::vector<Tensor>& g) {
           if (!g[0].defined()) return std::vector<Tensor>{Tensor(), Tensor(), Tensor()};
-          DP_CHECK(g[0].shape() == os.shape() && g[0].dtype() == Dtype::Float32 && g[0].device() == os.device(),
-                   "ScaledDotProductAttentionBackward: expected a float32 gradient of shape ", shape_str(os.shape()),
-                   " on ", os.device().str(), ", got ", g[0].str());
+          DP_CHECK(g[0].shape() == os.shape() && g[0].dtype() == os.dtype() && g[0].device() == os.device(),
+                   "ScaledDotProductAttentionBackward: expected a ", dtype_name(os.dtype()), " gradient of shape ",
+                   shape_str(os.shape()), " on ", os.device().str(), ", got ", g[0].str());
           const Device d = os.device();
-          Tensor gq = empty(qs.shape(), d), gk = empty(ks.shape(), d), gv = empty(vs.shape(), d);
+          const TensorOptions like{os.dtype(), d};
+          Tensor gq = empty(qs.shape(), like), gk = empty(ks.shape(), like), gv = empty(vs.shape(), like);
           be::get(d).run<be::Op::AttentionBackward>(
-              d, be::DType::F32,
-              {s, fptr(qs), fptr(ks), fptr(vs), attention_mask(mask, qs.dim(), mask_is_keep), is_causal, scale,
-               fptr(os), fptr(lse), fptr(g[0]), fptr(gq), fptr(gk), fptr(gv)});
+              d, dt,
+              {s, qs.raw_data(), ks.raw_data(), vs.raw_data(), attention_mask(mask, qs.dim(), mask_is_keep),
+               is_causal, scale, drop, os.raw_data(), fptr(lse), g[0].raw_data(), gq.raw_data(), gk.raw_data(),
+               gv.raw_data()});
           return std::vector<Tensor>{gq, gk, gv};
         });
   }

@@ -824,7 +824,7 @@ void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool mask
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.E));
   auto mask = [=](OpRun& r) {
     be::AttentionMask m;
-    if (masked) m = {.p = r.uniform(s.L * s.S, -2, 0), .sb = 0, .sh = 0, .sl = s.S, .ss = 1, .keep = false};
+    if (masked) m = {.p = r.uniform(s.L * s.S, -2, 0), .sb = 0, .sh = 0, .sl = s.S, .ss = 1, .keep = false, .dtype = DType::F32};
     return m;
   };
   const Tolerance tol = sum_tol(kGemmBase, static_cast<double>(s.S));
@@ -838,7 +838,7 @@ void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool mask
     r.output("out", out, no);
     r.output("lse", lse, rows);
     r.set_call([=](Backend& b, Device d) {
-      b.run<Op::AttentionForward>(d, DType::F32, {s, q, k, v, m, causal, scale, out, lse});
+      b.run<Op::AttentionForward>(d, DType::F32, {s, q, k, v, m, causal, scale, {}, out, lse});
     });
   });
   t.add(Kernel::AttentionBackward, shape, tol, 2.5 * flops, kF * 2 * (nq + nk + nv + no + rows), [=](OpRun& r) {
@@ -856,7 +856,7 @@ void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool mask
     r.output("gk", gk, nk);
     r.output("gv", gv, nv);
     r.set_call([=](Backend& b, Device d) {
-      b.run<Op::AttentionBackward>(d, DType::F32, {s, q, k, v, m, causal, scale, out, lse, gout, gq, gk, gv});
+      b.run<Op::AttentionBackward>(d, DType::F32, {s, q, k, v, m, causal, scale, {}, out, lse, gout, gq, gk, gv});
     });
   });
 }
@@ -1188,6 +1188,59 @@ void add_conv_bf16(Table& t, const Conv2dShape& s) {
         });
 }
 
+/// The fused attention in a 16-bit dtype (float32 inside, out and gradients rounded once:
+/// Note [Fused attention]), causal, with a mask of the call's dtype and dropout: the
+/// float32 case's tolerance plus one unit in the last place.
+void add_attention_16bit(Table& t, DType dt, const be::AttentionShape& s) {
+  const std::string tag = dp::backend::dtype_name(dt);
+  const std::string shape = dims({s.B, s.H, s.L, s.S, s.E, s.Ev}) + " causal mask LxS dropout 0.25";
+  const i64 nq = s.B * s.H * s.L * s.E, nk = s.B * s.H * s.S * s.E, nv = s.B * s.H * s.S * s.Ev,
+            no = s.B * s.H * s.L * s.Ev, rows = s.B * s.H * s.L;
+  const double flops = 2.0 * s.B * s.H * s.L * s.S * (s.E + s.Ev) / 2;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.E));
+  constexpr double k2 = 2;  // bytes per element
+  const be::AttentionDropout drop{.p = 0.25f, .seed = 11, .offset = 1000};
+  auto mask = [=](OpRun& r) {
+    return be::AttentionMask{.p = r.uniform16(dt, s.L * s.S, -2, 0), .sb = 0, .sh = 0, .sl = s.S, .ss = 1,
+                             .keep = false, .dtype = dt};
+  };
+  const Tolerance f = sum_tol(kGemmBase, static_cast<double>(s.S));
+  const Tolerance tol{f.rtol + ulp16(dt).rtol, f.atol + ulp16(dt).atol};
+  t.add(Kernel::AttentionForward, dt, "attention_forward_" + tag, shape, tol, flops,
+        k2 * (nq + nk + nv + no) + kF * rows, [=](OpRun& r) {
+          const void* q = r.uniform16(dt, nq, -1, 1);
+          const void* k = r.uniform16(dt, nk, -1, 1);
+          const void* v = r.uniform16(dt, nv, -1, 1);
+          const be::AttentionMask m = mask(r);
+          void* out = r.empty16(dt, no);
+          float* lse = r.empty(rows);
+          r.output16("out", dt, out, no);
+          r.output("lse", lse, rows);
+          r.set_call([=](Backend& b, Device d) {
+            b.run<Op::AttentionForward>(d, dt, {s, q, k, v, m, true, scale, drop, out, lse});
+          });
+        });
+  t.add(Kernel::AttentionBackward, dt, "attention_backward_" + tag, shape, tol, 2.5 * flops,
+        2 * (k2 * (nq + nk + nv + no) + kF * rows), [=](OpRun& r) {
+          const void* q = r.uniform16(dt, nq, -1, 1);
+          const void* k = r.uniform16(dt, nk, -1, 1);
+          const void* v = r.uniform16(dt, nv, -1, 1);
+          const be::AttentionMask m = mask(r);
+          const void* out = r.uniform16(dt, no, -1, 1);
+          const float* lse = r.uniform(rows, 2, 4);
+          const void* gout = r.uniform16(dt, no, -1, 1);
+          void* gq = r.empty16(dt, nq);
+          void* gk = r.empty16(dt, nk);
+          void* gv = r.empty16(dt, nv);
+          r.output16("gq", dt, gq, nq);
+          r.output16("gk", dt, gk, nk);
+          r.output16("gv", dt, gv, nv);
+          r.set_call([=](Backend& b, Device d) {
+            b.run<Op::AttentionBackward>(d, dt, {s, q, k, v, m, true, scale, drop, out, lse, gout, gq, gk, gv});
+          });
+        });
+}
+
 void add_check_suite(Table& t) {
   t.suite = Suite::Check;
   add_fill(t, kCheckN);
@@ -1254,6 +1307,8 @@ void add_check_suite(Table& t) {
   // 70 queries and 45 keys: partial 64-row blocks; odd head dims.
   add_attention(t, {.B = 2, .H = 3, .L = 70, .S = 45, .E = 5, .Ev = 7}, false, true);
   add_attention(t, {.B = 2, .H = 3, .L = 130, .S = 130, .E = 8, .Ev = 8}, true, false);
+  for (DType dt : {DType::BF16, DType::F16})
+    add_attention_16bit(t, dt, {.B = 2, .H = 2, .L = 70, .S = 67, .E = 5, .Ev = 7});
   add_pool(t, pool(2, 3, 7, 7, 3, 3, 1, 1, 1, 1));  // overlapping windows
   add_batchnorm(t, 6, 5, 49);
   add_batchnorm(t, 4, 3, 64);     // HW % 4 == 0 (CUDA: four elements a thread)

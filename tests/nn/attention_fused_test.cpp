@@ -2,7 +2,10 @@
 // [Fused attention paths] in src/nn/fused_attention.cpp, Note [Fused attention] in
 // src/backend/cpu/cpu_attention.cpp) against its math path and against PyTorch: the
 // output and every input gradient, causal and not, partial blocks, cross-attention, odd
-// head dims, masks; its O(L) memory; and the calls it leaves to the math path.
+// head dims, masks; its O(L) memory; the calls it leaves to the math path; bfloat16 and
+// float16 against float32 and the math path (Note [16-bit attention tolerances]); and
+// dropout: the dropout op's keep bits and rate, the math path's values, reproducibility
+// and the backward against central differences.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -15,6 +18,7 @@
 #include "attention_reference.h"
 #include "dp/core/device.h"
 #include "dp/nn/functional.h"
+#include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
 #include "nn_test_util.h"
 
@@ -93,6 +97,17 @@ Inputs make_inputs(std::int64_t B, std::int64_t H, std::int64_t L, std::int64_t 
   return in;
 }
 
+/// in (B = 2, H = 2, L = 67, S = 90) with a 0/1 keep-mask (B, 1, L, S) drawn from `seed`:
+/// about a third of the keys masked, key 0 always kept.
+Inputs with_keep_mask(Inputs in, std::uint64_t seed) {
+  dp::Generator gen(seed);
+  std::vector<float> keep = dp::rand({2, 1, 67, 90}, gen, dp::cpu(0)).to_vector();
+  for (std::size_t i = 0; i < keep.size(); ++i) keep[i] = (keep[i] > 0.33f || i % 90 == 0) ? 1.0f : 0.0f;
+  in.mask = dp::from_vector(keep, {2, 1, 67, 90}, dp::cpu(0));
+  in.keep = true;
+  return in;
+}
+
 void check_paths_agree(const Inputs& in) {
   const Result math = attend(AttentionPath::Math, in);
   const Result fused = attend(AttentionPath::Fused, in);
@@ -128,13 +143,7 @@ TEST_CASE("fused attention equals the math path: output and every input gradient
     check_paths_agree(in);
   }
   SUBCASE("a keep-mask (B, 1, L, S), about a third of the keys masked") {
-    Inputs in = make_inputs(2, 2, 67, 90, 4, 4, false, 9);
-    dp::Generator gen(10);
-    std::vector<float> keep = dp::rand({2, 1, 67, 90}, gen, dp::cpu(0)).to_vector();
-    for (std::size_t i = 0; i < keep.size(); ++i) keep[i] = (keep[i] > 0.33f || i % 90 == 0) ? 1.0f : 0.0f;
-    in.mask = dp::from_vector(keep, {2, 1, 67, 90}, dp::cpu(0));
-    in.keep = true;
-    check_paths_agree(in);
+    check_paths_agree(with_keep_mask(make_inputs(2, 2, 67, 90, 4, 4, false, 9), 10));
   }
 }
 
@@ -213,27 +222,32 @@ TEST_CASE("fused attention: the calls it leaves to the math path, and forcing it
     return dp::nn::scaled_dot_product_attention(in.q, in.k, in.v, Tensor(), dropout_p, true, std::nullopt, false,
                                                 &gen);
   };
-  // Dropout: Auto runs the math path (its generator use unchanged); Fused refuses it.
+  // dropout_p = 1, mixed dtypes, an additive float32 mask over 16-bit q (promoted to a
+  // float32 result by the math path) and broadcast batch dims: Fused refuses them.
   {
     PathGuard guard(AttentionPath::Fused);
-    CHECK(nn_test::throws_with([&] { (void)call(0.5); }, {"set_attention_path", "dropout_p is not 0"}));
+    CHECK(nn_test::throws_with([&] { (void)call(1.0); }, {"set_attention_path", "dropout_p is 1"}));
+    const Tensor qb = in.q.to(dp::Dtype::BFloat16), kb = in.k.to(dp::Dtype::BFloat16);
+    CHECK(nn_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(qb, kb, in.v); },
+                               {"one floating dtype"}));
     CHECK(nn_test::throws_with(
               [&] {
-                (void)dp::nn::scaled_dot_product_attention(in.q.to(dp::Dtype::BFloat16), in.k.to(dp::Dtype::BFloat16),
-                                                           in.v.to(dp::Dtype::BFloat16));
+                (void)dp::nn::scaled_dot_product_attention(qb, kb, in.v.to(dp::Dtype::BFloat16), dp::zeros({5, 6}));
               },
-              {"not all float32"}));
+              {"additive float32 mask over 16-bit q"}));
     CHECK(nn_test::throws_with(
               [&] { (void)dp::nn::scaled_dot_product_attention(in.q, in.k.narrow(0, 0, 1), in.v.narrow(0, 0, 1)); },
               {"different batch dims"}));
   }
+  // Dropout: Auto runs the fused kernel, which drops the math path's weights and advances
+  // the generator as much (Note [Fused attention paths]).
   {
     PathGuard guard(AttentionPath::Auto);
     dp::Generator g1(1), g2(1);
     Tensor a = dp::nn::scaled_dot_product_attention(in.q, in.k, in.v, Tensor(), 0.5, true, std::nullopt, false, &g1);
     dp::nn::set_attention_path(AttentionPath::Math);
     Tensor b = dp::nn::scaled_dot_product_attention(in.q, in.k, in.v, Tensor(), 0.5, true, std::nullopt, false, &g2);
-    CHECK(nn_test::bitwise_equal(a.to_vector(), b.to_vector()));
+    CHECK(rel_diff(a.to_vector(), b.to_vector()) < kPathTol);
     CHECK(g1.offset() == g2.offset());
   }
   // Bad input gets the math path's errors whichever path is asked for.
@@ -252,4 +266,239 @@ TEST_CASE("fused attention: the calls it leaves to the math path, and forcing it
   CHECK_THROWS_AS((void)dp::nn::scaled_dot_product_attention(dp::zeros({2, 5, 4}), dp::zeros({2, 5, 4}),
                                                              dp::zeros({2, 5, 3}), dp::zeros({3, 5, 5})),
                   dp::Error);
+}
+
+// ---- 16-bit storage and dropout (Note [Fused attention]) ---------------------------------
+
+namespace {
+
+std::vector<float> values(const Tensor& t) { return t.to(dp::Dtype::Float32).to_vector(); }
+
+/// attend() with q, k, v, up (and a mask of q's dtype unless it is a float32 keep-mask)
+/// in `dtype`, and dropout_p drawn from a generator seeded `seed`; every result widened.
+Result attend_as(AttentionPath path, const Inputs& in, dp::Dtype dtype, double dropout_p = 0.0,
+                 std::uint64_t seed = 0) {
+  PathGuard guard(path);
+  auto leaf_as = [&](const Tensor& t) { return leaf(t).detach().to(dtype).set_requires_grad(true); };
+  Tensor q = leaf_as(in.q), k = leaf_as(in.k), v = leaf_as(in.v);
+  Tensor mask = in.mask.defined() && !in.keep ? in.mask.to(dtype) : in.mask;
+  dp::Generator gen(seed);
+  Tensor y = dp::nn::scaled_dot_product_attention(q, k, v, mask, dropout_p, in.causal, in.scale, in.keep, &gen);
+  REQUIRE(y.dtype() == dtype);
+  dp::sum(dp::mul(y, in.up.to(dtype))).backward();
+  REQUIRE(q.grad().dtype() == dtype);
+  return {values(y), values(q.grad()), values(k.grad()), values(v.grad())};
+}
+
+/// in with q, k, v, up and an additive mask rounded to `dtype` (kept float32): the values
+/// both a 16-bit and a float32 call see exactly.
+Inputs representable(Inputs in, dp::Dtype dtype) {
+  for (Tensor* t : {&in.q, &in.k, &in.v, &in.up}) *t = t->to(dtype).to(dp::Dtype::Float32);
+  if (in.mask.defined() && !in.keep) in.mask = in.mask.to(dtype).to(dp::Dtype::Float32);
+  return in;
+}
+
+double max_abs(const std::vector<float>& a) {
+  double m = 0;
+  for (float x : a) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+/// The unit roundoff of a 16-bit dtype, half the spacing of its values in [1, 2):
+/// bfloat16 keeps 8 significant bits (spacing 2^-7, u = 2^-8), float16 11 (2^-10, 2^-11).
+double unit_roundoff(dp::Dtype dtype) { return dtype == dp::Dtype::BFloat16 ? 0x1p-8 : 0x1p-11; }
+
+/// The weights P (B..., L, S) of a float32 call by the math path: attention over the
+/// identity matrix as v.
+Tensor weights_of(const Inputs& in) {
+  PathGuard guard(AttentionPath::Math);
+  const std::int64_t S = in.k.size(-2);
+  std::vector<float> eye(static_cast<std::size_t>(S * S), 0.0f);
+  for (std::int64_t j = 0; j < S; ++j) eye[static_cast<std::size_t>(j * S + j)] = 1.0f;
+  Shape vs = in.k.shape();
+  vs.back() = S;
+  Tensor v = dp::add(dp::zeros(vs), dp::from_vector(eye, {S, S}));
+  return dp::nn::scaled_dot_product_attention(in.q, in.k, v, in.mask, 0.0, in.causal, in.scale, in.keep);
+}
+
+// Note [16-bit attention tolerances]
+// On inputs that `dtype` represents exactly, the fused kernel in 16 bits computes what it
+// computes in float32 (the same float32 operations on the same widened values) except:
+// (1) out, gq, gk, gv are rounded once when stored: at most u·|x| each (u: unit
+//     roundoff); (2) the backward's Δ_i = Σ_e gout_ie·out_ie reads the rounded out, off
+//     by at most u·D_i with D_i = Σ_e |gout_ie·out_ie|. Δ enters dS_ij = P_ij (dP_ij − Δ_i),
+//     so dQ_i = scale·Σ_j dS_ij k_j moves by at most scale·u·D_i·max|k| (the P_ij of a row
+//     sum to 1) and dK_j = scale·Σ_i dS_ij q_i by at most scale·u·max D·max|q|·Σ_i P_ij;
+//     out and dV do not read Δ. Normwise (relative to the float32 result's largest
+//     element) the bounds are u plus those terms over max|x|, plus kPathTol for float32's
+//     own reassociation noise between the two runs' GEMMs.
+void check_16bit(const Inputs& raw, dp::Dtype dtype) {
+  const Inputs in = representable(raw, dtype);
+  const double u = unit_roundoff(dtype);
+  const Result f32 = attend(AttentionPath::Fused, in);
+  const Result fused = attend_as(AttentionPath::Fused, in, dtype);
+  const Result math = attend_as(AttentionPath::Math, in, dtype);
+  const double scale = in.scale ? *in.scale : 1.0 / std::sqrt(static_cast<double>(in.q.size(-1)));
+  double max_d = 0;
+  for (std::size_t r = 0; r * static_cast<std::size_t>(in.v.size(-1)) < f32.out.size(); ++r) {
+    double d = 0;
+    const std::vector<float> up = in.up.to_vector();
+    for (std::size_t e = 0; e < static_cast<std::size_t>(in.v.size(-1)); ++e) {
+      const std::size_t at = r * static_cast<std::size_t>(in.v.size(-1)) + e;
+      d += std::fabs(static_cast<double>(up[at]) * f32.out[at]);
+    }
+    max_d = std::max(max_d, d);
+  }
+  const double max_col = max_abs(dp::sum(weights_of(in), -2).to_vector());  // max_j Σ_i P_ij
+  const double tol_out = u + kPathTol;
+  const double tol_gq = u + scale * u * max_d * max_abs(in.k.to_vector()) / max_abs(f32.gq) + kPathTol;
+  const double tol_gk = u + scale * u * max_d * max_abs(in.q.to_vector()) * max_col / max_abs(f32.gk) + kPathTol;
+  const std::string name = dp::dtype_name(dtype);
+  CAPTURE(name);
+  CHECK(rel_diff(fused.out, f32.out) <= tol_out);
+  CHECK(rel_diff(fused.gv, f32.gv) <= tol_out);
+  CHECK(rel_diff(fused.gq, f32.gq) <= tol_gq);
+  CHECK(rel_diff(fused.gk, f32.gk) <= tol_gk);
+  // The math path in 16 bits also stores its scores (|s| up to ~4 here, so exp(s - m)
+  // moves by up to ~8u), its weights and dP in 16 bits, besides the final rounding: it
+  // stays within ~10u of float32 in the output (measured: up to 2.6u) and the fused
+  // kernel within u; the gradients take one more rounded product each. 16u and 32u
+  // bound the distance between the two with room, and fail when either path is off by
+  // more than rounding (a dropped mask, a wrong block, a gradient lost: ~1 of the scale).
+  MESSAGE(name, ": fused ", rel_diff(fused.out, f32.out), " ", rel_diff(fused.gq, f32.gq), ", math ",
+          rel_diff(math.out, f32.out), " ", rel_diff(math.gq, f32.gq), " of the float32 scale");
+  CHECK(rel_diff(math.out, fused.out) < 16 * u);
+  CHECK(rel_diff(math.gq, fused.gq) < 32 * u);
+  CHECK(rel_diff(math.gk, fused.gk) < 32 * u);
+  CHECK(rel_diff(math.gv, fused.gv) < 16 * u);
+}
+
+}  // namespace
+
+TEST_CASE("fused attention in bfloat16 and float16: float32 inside, one rounding on store") {
+  const dp::Dtype dtypes[] = {dp::Dtype::BFloat16, dp::Dtype::Float16};
+  SUBCASE("causal, 130 = 2 blocks + 2 rows") {
+    for (dp::Dtype dtype : dtypes) check_16bit(make_inputs(2, 3, 130, 130, 8, 8, true, 21), dtype);
+  }
+  SUBCASE("cross-attention 70 x 45, odd head dims") {
+    for (dp::Dtype dtype : dtypes) check_16bit(make_inputs(2, 3, 70, 45, 5, 7, false, 22), dtype);
+  }
+  SUBCASE("causal with fewer queries than keys") {
+    for (dp::Dtype dtype : dtypes) check_16bit(make_inputs(1, 2, 50, 130, 6, 3, true, 29), dtype);
+  }
+  SUBCASE("an additive mask of q's dtype, (L, S) broadcast") {
+    Inputs in = make_inputs(2, 2, 67, 90, 3, 5, false, 23);
+    dp::Generator gen(24);
+    in.mask = dp::mul(dp::rand({67, 90}, gen, dp::cpu(0)), -3.0);
+    for (dp::Dtype dtype : dtypes) check_16bit(in, dtype);
+  }
+  SUBCASE("a float32 keep-mask (B, 1, L, S)") {
+    const Inputs in = with_keep_mask(make_inputs(2, 2, 67, 90, 4, 4, false, 25), 26);
+    for (dp::Dtype dtype : dtypes) check_16bit(in, dtype);
+  }
+}
+
+TEST_CASE("fused attention under bfloat16 autocast takes the fused kernel, also with a mask") {
+  Inputs in = make_inputs(2, 2, 70, 70, 8, 8, false, 27);
+  dp::Generator mask_gen(28);
+  in.mask = dp::mul(dp::rand({70, 70}, mask_gen, dp::cpu(0)), -2.0);
+  PathGuard guard(AttentionPath::Fused);  // throws if the call does not fit the kernel
+  Tensor q = leaf(in.q);
+  Tensor y;
+  {
+    dp::amp::autocast cast(dp::Dtype::BFloat16);
+    y = dp::nn::scaled_dot_product_attention(q, in.k, in.v, in.mask);
+  }
+  CHECK(y.dtype() == dp::Dtype::BFloat16);
+  dp::sum(dp::mul(y.to(dp::Dtype::Float32), in.up)).backward();
+  CHECK(q.grad().dtype() == dp::Dtype::Float32);
+  const Result f32 = attend(AttentionPath::Fused, in);
+  CHECK(rel_diff(values(y), f32.out) < 4 * unit_roundoff(dp::Dtype::BFloat16));  // inputs rounded, then out
+}
+
+TEST_CASE("fused attention with dropout: the dropout op's keep bits, regenerated in the backward") {
+  const double p = 0.3;
+  SUBCASE("each weight kept with probability 1 - p, the bits the dropout op draws") {
+    // q = 0 gives every key the weight 1/S, and v = I (Ev = S) copies the weights out:
+    // out[i, j] = Z_ij / S with Z_ij = keep_ij / (1 - p).
+    const std::int64_t B = 2, H = 2, L = 100, S = 70;
+    dp::Generator key_gen(3);
+    Tensor q = dp::zeros({B, H, L, 4}), k = dp::randn({B, H, S, 4}, key_gen);
+    std::vector<float> eye(static_cast<std::size_t>(S * S), 0.0f);
+    for (std::int64_t j = 0; j < S; ++j) eye[static_cast<std::size_t>(j * S + j)] = 1.0f;
+    Tensor v = dp::add(dp::zeros({B, H, S, S}), dp::from_vector(eye, {S, S}));
+    PathGuard guard(AttentionPath::Fused);
+    dp::Generator gen(41);
+    gen.advance(12345);  // a generator in the middle of its stream
+    dp::Generator same = gen;
+    const std::vector<float> out = dp::nn::scaled_dot_product_attention(q, k, v, Tensor(), p, false, std::nullopt,
+                                                                       false, &gen)
+                                       .to_vector();
+    const std::vector<float> drop = dp::nn::dropout(dp::ones({B, H, L, S}), p, true, same).to_vector();
+    CHECK(gen.offset() == same.offset());  // advanced by B·H·L·S, as the dropout op
+    std::size_t kept = 0, wrong = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      const bool keep = out[i] != 0.0f;
+      kept += keep;
+      wrong += keep != (drop[i] != 0.0f);
+      if (keep) CHECK(std::fabs(out[i] * S * (1 - p) - 1.0) < 1e-5);
+    }
+    CHECK(wrong == 0);
+    // Binomial(n, 1 - p): the kept fraction within 5 standard deviations of 1 - p.
+    const double n = static_cast<double>(out.size()), rate = static_cast<double>(kept) / n;
+    CHECK(std::fabs(rate - (1 - p)) < 5 * std::sqrt(p * (1 - p) / n));
+  }
+  SUBCASE("the math path given the same generator drops the same weights: output and gradients agree") {
+    for (const Inputs& in : {make_inputs(2, 3, 130, 130, 8, 8, true, 31), make_inputs(2, 2, 70, 45, 5, 7, false, 32)}) {
+      for (dp::Dtype dtype : {dp::Dtype::Float32, dp::Dtype::BFloat16}) {
+        const std::string name = dp::dtype_name(dtype);
+        CAPTURE(name);
+        const Result math = attend_as(AttentionPath::Math, in, dtype, p, 99);
+        const Result fused = attend_as(AttentionPath::Fused, in, dtype, p, 99);
+        const Result plain = attend_as(AttentionPath::Fused, in, dtype, 0.0, 99);
+        // float32: the paths' reassociation only; bfloat16: as check_16bit's math-vs-fused bound.
+        const double tol = dtype == dp::Dtype::Float32 ? kPathTol : 32 * unit_roundoff(dtype);
+        CHECK(rel_diff(fused.out, math.out) < tol);
+        CHECK(rel_diff(fused.gq, math.gq) < tol);
+        CHECK(rel_diff(fused.gk, math.gk) < tol);
+        CHECK(rel_diff(fused.gv, math.gv) < tol);
+        CHECK(rel_diff(fused.out, plain.out) > 0.05);  // dropout did drop
+        const Result again = attend_as(AttentionPath::Fused, in, dtype, p, 99);  // reproducible
+        CHECK(nn_test::bitwise_equal(again.out, fused.out));
+        CHECK(nn_test::bitwise_equal(again.gq, fused.gq));
+        CHECK(nn_test::bitwise_equal(again.gk, fused.gk));
+        CHECK(nn_test::bitwise_equal(again.gv, fused.gv));
+        const Result other = attend_as(AttentionPath::Fused, in, dtype, p, 100);
+        CHECK(rel_diff(other.out, fused.out) > 0.05);  // another seed, other masks
+      }
+    }
+  }
+  SUBCASE("the backward is the forward's gradient: central differences under a fixed generator state") {
+    const Inputs in = make_inputs(1, 2, 70, 66, 3, 4, true, 33);
+    const Result fused = attend_as(AttentionPath::Fused, in, dp::Dtype::Float32, p, 7);
+    PathGuard guard(AttentionPath::Fused);
+    auto loss = [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+      dp::Generator gen(7);  // the same masks in every evaluation
+      Tensor y = dp::nn::scaled_dot_product_attention(q, k, v, Tensor(), p, true, std::nullopt, false, &gen);
+      return static_cast<double>(dp::sum(dp::mul(y, in.up)).item());
+    };
+    const double h = 1e-2;  // float32 loss of ~1e2: rounding 1e-5 over 2h, truncation h²·f''' ~ 1e-4
+    for (int which = 0; which < 3; ++which) {
+      const Tensor& base = which == 0 ? in.q : which == 1 ? in.k : in.v;
+      const std::vector<float>& grad = which == 0 ? fused.gq : which == 1 ? fused.gk : fused.gv;
+      for (std::size_t at : {std::size_t{0}, std::size_t{77}, grad.size() - 5}) {
+        std::vector<float> plus = base.to_vector(), minus = plus;
+        plus[at] += static_cast<float>(h);
+        minus[at] -= static_cast<float>(h);
+        auto with = [&](const std::vector<float>& x) {
+          const Tensor t = dp::from_vector(x, base.shape());
+          return loss(which == 0 ? t : in.q, which == 1 ? t : in.k, which == 2 ? t : in.v);
+        };
+        const double fd = (with(plus) - with(minus)) / (2 * h);
+        CAPTURE(which);
+        CAPTURE(at);
+        CHECK(std::fabs(fd - grad[at]) < 2e-2 * std::max(1.0, std::fabs(fd)));
+      }
+    }
+  }
 }

@@ -129,17 +129,19 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
 /// torch.nn.functional.scaled_dot_product_attention, in PyTorch's argument order:
 /// softmax(q kᵀ · scale + mask) v over q (B..., L, E), k (B..., S, E), v (B..., S, Ev)
 /// -> (B..., L, Ev); batch dims broadcast as in matmul. scale defaults to 1/sqrt(E).
-/// attn_mask (broadcastable to (B..., L, S)) is either additive (float: added to the
-/// scores, -inf masks) or a 0/1 keep-mask as dp's comparisons make (pass
+/// attn_mask (broadcastable to (B..., L, S); float32 or q's dtype) is either additive
+/// (added to the scores, -inf masks) or a 0/1 keep-mask as dp's comparisons make (pass
 /// mask_is_keep = true: nonzero attends, 0 is masked — PyTorch's boolean mask). is_causal
 /// masks every key after its query (position j > i), as PyTorch's top-left causal mask;
 /// it and attn_mask are exclusive, as in PyTorch. dropout_p drops attention weights
 /// (use 0 in evaluation) with `gen`. A row whose every key is masked gives NaN, as
 /// PyTorch's math path does. This is the math path: it holds the (L, S) weights of
 /// every head, O(L·S) memory. Where the device's backend has a fused kernel and the
-/// call fits it (Note [Fused attention paths] in src/nn/fused_attention.cpp: float32,
-/// 3-d or 4-d q, k, v with equal batch dims, no dropout), that kernel runs instead:
-/// O(L) memory per (batch, head), the same values to float32 rounding.
+/// call fits it (Note [Fused attention paths] in src/nn/fused_attention.cpp: q, k, v of
+/// one dtype — float32, bfloat16 or float16 on the CPU — 3-d or 4-d with equal batch
+/// dims, dropout_p < 1), that kernel runs instead: O(L) memory per (batch, head), the
+/// same values to rounding (float32 inside whatever the dtype), the same weights
+/// dropped and `gen` advanced alike.
 /// Differentiable in q, k, v.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask = Tensor(), double dropout_p = 0.0,
