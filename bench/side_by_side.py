@@ -25,6 +25,8 @@ handicapped PyTorch:
     (dp's CPU backend caches its blocks itself and needs none of this);
   - OPENBLAS_CORETYPE=SkylakeX, only on CPUs with AVX-512 (/proc/cpuinfo flag avx512f):
     Debian's OpenBLAS misdetects some of them and runs its Haswell kernels;
+  - channels_last (model and batches), and with --precision bf16 its bf16 autocast over
+    the forward and the loss (dp's --precision bf16 is the same policy);
   - the same thread count on both sides (OMP_NUM_THREADS and torch.set_num_threads =
     --threads; dp's device gets the same cores), and both pinned (taskset) to the same
     CPUs 0..threads-1.
@@ -160,7 +162,7 @@ def check_run(cmd, env=None):
 def run_dp(args, mode, devices, binary=None):
     cmd = [binary or args.binary, "--max-steps", str(args.steps), "--epochs", "1", "--json",
            "--log-every", str(args.warmup), "--batch", str(args.batch), "--mode", mode,
-           "--devices", devices, "--path", args.path, "--no-eval"]
+           "--devices", devices, "--path", args.path, "--no-eval", "--precision", args.precision]
     if args.data:
         cmd += ["--data", args.data]
     cmd = pinned(args, cmd, os.cpu_count() if mode != "single" else None)
@@ -184,6 +186,10 @@ def run_torch(args, best):
     script = os.path.join(HERE, "pytorch", "fashion_cnn_torch.py")
     cmd = [args.torch_python, script, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--batch", str(args.batch), "--threads", str(args.threads), "--json"]
+    if args.precision == "bf16":
+        cmd.append("--bf16")  # torch.autocast('cpu', bfloat16) over the forward and the loss
+    if best:
+        cmd.append("--channels-last")
     if args.data:
         cmd += ["--data", args.data]
     cmd = pinned(args, cmd)
@@ -405,6 +411,8 @@ def main():
                     "build) run as one more contender, 'dp before' (--compare torch or ddp)")
     ap.add_argument("--devices", default="0,1", help="devices of the dp/ddp runs (--compare modes)")
     ap.add_argument("--path", default="worker", choices=["worker", "module"])
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                    help="--compare torch: dp's --precision, and PyTorch's bf16 autocast for bf16")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--batch", type=int, default=256)
