@@ -29,12 +29,7 @@ namespace {
 
 using dp::Tensor;
 
-std::vector<dp::Device> cuda_devices() {
-  std::vector<dp::Device> devs;
-  const int n = std::min(dp::device_count(dp::DeviceType::CUDA), 8);
-  for (int i = 0; i < n; ++i) devs.push_back(dp::cuda(i));
-  return devs;
-}
+using dp_test::cuda_devices;
 
 // A CNN with BatchNorm (buffers broadcast in DDP) and every layer kind the CUDA
 // backend implements.
@@ -164,8 +159,7 @@ TEST_CASE("DP, DDP and Sharded on every GPU match the same run on CPU virtual de
   // The oracle is the CPU runtime with as many virtual devices: BatchNorm normalises
   // each device's shard, so the comparison needs the same shards, not one device.
   const auto gpus = cuda_devices();
-  std::vector<dp::Device> cpus;
-  for (std::size_t i = 0; i < gpus.size(); ++i) cpus.push_back(dp::cpu(static_cast<int>(i)));
+  const std::vector<dp::Device> cpus = dp_test::cpu_devices(gpus.size());
   Tf32Policy fp32(false, false);
   const dp::DataParallelOptions modes[] = {{.mode = dp::Mode::DP},
                                            {.mode = dp::Mode::DDP},
@@ -207,8 +201,7 @@ TEST_CASE("with TF32 convolutions (the default) DDP ends near the FP32 run") {
   // few 1e-4 of the FP32 oracle, far inside 5e-3; a wrong algorithm or a math mode
   // applied to the wrong tensor would not.
   const auto gpus = cuda_devices();
-  std::vector<dp::Device> cpus;
-  for (std::size_t i = 0; i < gpus.size(); ++i) cpus.push_back(dp::cpu(static_cast<int>(i)));
+  const std::vector<dp::Device> cpus = dp_test::cpu_devices(gpus.size());
   const dp::DataParallelOptions ddp{.mode = dp::Mode::DDP};
   const Run ref = train(cpus, ddp, false);
   const Tf32Policy tf32(/*allow_matmul=*/false, /*allow_conv=*/true);  // PyTorch's defaults

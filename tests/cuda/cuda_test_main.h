@@ -10,12 +10,29 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <exception>
 #include <iostream>
+#include <vector>
 
 #include "dp/core/device.h"
 
 namespace dp_test {
+
+/// Every visible CUDA device, up to 8.
+inline std::vector<dp::Device> cuda_devices() {
+  std::vector<dp::Device> devs;
+  const int n = std::min(dp::device_count(dp::DeviceType::CUDA), 8);
+  for (int i = 0; i < n; ++i) devs.push_back(dp::cuda(i));
+  return devs;
+}
+
+/// CPU virtual devices 0..n-1: the oracle runs beside the GPUs.
+inline std::vector<dp::Device> cpu_devices(std::size_t n) {
+  std::vector<dp::Device> devs;
+  for (std::size_t i = 0; i < n; ++i) devs.push_back(dp::cpu(static_cast<int>(i)));
+  return devs;
+}
 
 inline int run_if_cuda(const char* name, int argc, char** argv) {
   int n = 0;

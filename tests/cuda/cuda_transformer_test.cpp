@@ -31,18 +31,8 @@ namespace {
 
 using dp::Tensor;
 
-std::vector<dp::Device> cuda_devices() {
-  std::vector<dp::Device> devs;
-  const int n = std::min(dp::device_count(dp::DeviceType::CUDA), 8);
-  for (int i = 0; i < n; ++i) devs.push_back(dp::cuda(i));
-  return devs;
-}
-
-std::vector<dp::Device> cpu_devices(std::size_t n) {
-  std::vector<dp::Device> devs;
-  for (std::size_t i = 0; i < n; ++i) devs.push_back(dp::cpu(static_cast<int>(i)));
-  return devs;
-}
+using dp_test::cpu_devices;
+using dp_test::cuda_devices;
 
 std::vector<float> flat_params(dp::nn::Module& net) {
   std::vector<float> out;
