@@ -29,10 +29,14 @@ Dropout::Dropout(double p, std::optional<std::uint64_t> seed) : p_(p) {
   }
 }
 
-void Dropout::set_seed(std::uint64_t seed) {
+void Dropout::set_seed(std::uint64_t seed) { set_streams(seed, first_stream_); }
+
+void Dropout::set_streams(std::uint64_t seed, std::int64_t first) {
+  DP_CHECK(first >= 0, "Dropout::set_streams: expected a first stream >= 0, got ", first);
   seed_ = seed;
+  first_stream_ = first;
   for (int r = 0; r < kMaxCopies; ++r) {
-    generators_[r].set_state(mix(seed, static_cast<std::uint64_t>(r)), 0);
+    generators_[r].set_state(mix(seed, static_cast<std::uint64_t>(first + r)), 0);
   }
 }
 

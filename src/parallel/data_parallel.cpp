@@ -10,6 +10,7 @@
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 #include "dp/dist/dist.h"
+#include "dp/nn/dropout.h"
 #include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
 #include "parallel/copy_executor.h"
@@ -272,6 +273,37 @@ void DataParallel::sync_processes() {
     Tensor t = b->copies[0];
     if (t.dtype() != Dtype::Float32) continue;
     across->broadcast(process_, t.reshape({t.numel()}), 0);  // a view: t receives it
+  }
+  sync_dropout_streams(*across);
+}
+
+// Note [Dropout across processes]
+// In one process, device r of a Dropout layer draws stream r of the layer's seed (Note
+// [Dropout generators]). Across processes each process builds its own layer, so the
+// seeds differ when the processes were seeded apart, and the masks repeat when they
+// were seeded alike (every process's device 0 drawing stream 0 of one seed: the
+// processes drop the same units). Construction therefore takes process 0's seed for
+// every Dropout layer and gives device r of process p stream p * n + r, the stream
+// world rank p * n + r has: the job's devices draw distinct masks, and a job of P
+// processes of one device draws exactly the masks of one process with P devices.
+// A training checkpoint holds the saving process's streams; loading it into a job
+// across processes gives every process those states (their masks then repeat until
+// the next construction), so a resumed run across processes with dropout is not the
+// uninterrupted one.
+void DataParallel::sync_dropout_streams(comm::Communicator& across) {
+  std::vector<std::shared_ptr<nn::Dropout>> layers;
+  for (const auto& m : net_->modules()) {
+    if (auto d = std::dynamic_pointer_cast<nn::Dropout>(m)) layers.push_back(std::move(d));
+  }
+  if (layers.empty()) return;
+  std::vector<std::int64_t> mine;
+  for (const auto& d : layers) mine.push_back(static_cast<std::int64_t>(d->seed()));
+  Tensor seeds = from_vector(mine, {static_cast<std::int64_t>(mine.size())}, devices_[0]);
+  across.broadcast(process_, seeds, 0);
+  const std::vector<std::int64_t> got = seeds.to_vector_i64();
+  const std::int64_t first = static_cast<std::int64_t>(process_) * static_cast<std::int64_t>(devices_.size());
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    layers[i]->set_streams(static_cast<std::uint64_t>(got[i]), first);
   }
 }
 

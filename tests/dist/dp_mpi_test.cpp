@@ -449,6 +449,51 @@ TEST_CASE("reduce_dtype bf16 / fp16 across processes of 2 devices: the designs a
   }
 }
 
+namespace {
+
+/// kSteps SGD steps of a GPT whose blocks drop attention weights and residuals (fused
+/// kernel), on global token batches of wire_rows(): across processes, this process's
+/// rows on one device, built from a seed of its own (construction takes process 0's
+/// parameters and dropout seeds); `alone`, one process trains the whole batch on P
+/// devices cut as the processes cut it.
+std::vector<float> train_dropout(dp::DataParallelOptions options, bool alone) {
+  const int p = dist::world_size();
+  const std::int64_t rows = wire_rows();
+  if (alone) {
+    options.span_processes = false;
+    for (int r = 0; r < p; ++r) options.chunk_sizes.push_back(rows / p + (r < rows % p ? 1 : 0));
+  }
+  auto net = std::make_shared<DropoutGPT>(alone ? kSeed : kSeed + static_cast<std::uint64_t>(dist::rank()));
+  dp::DataParallel model(net, local_devices(alone ? p : 1), options);
+  dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+  for (int s = 0; s < 3; ++s) {
+    Batch b = make_token_batch(rows, 700 + static_cast<std::uint64_t>(s));
+    opt.zero_grad();
+    const auto [lo, n] = alone ? std::pair<std::int64_t, std::int64_t>{0, rows} : my_rows(rows);
+    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), token_loss);
+    opt.step();
+  }
+  return flat(net->state_dict());
+}
+
+}  // namespace
+
+TEST_CASE("attention dropout across processes: every device of the job draws its own masks, as in one process") {
+  // Note [Dropout across processes]: device 0 of process p draws stream p of process
+  // 0's seed, so one device per process is, bit for bit, one process of P devices.
+  dp::nn::set_attention_path(dp::nn::AttentionPath::Fused);  // a call it does not fit throws
+  std::vector<float> first;
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    const std::vector<float> across = train_dropout(d.options, /*alone=*/false);
+    CHECK(across == train_dropout(d.options, /*alone=*/true));
+    CHECK(same_everywhere(across));
+    if (first.empty()) first = across;
+    CHECK(across == first);  // the designs agree bit for bit
+  }
+  dp::nn::set_attention_path(dp::nn::AttentionPath::Auto);
+}
+
 TEST_CASE("reset_stats() also resets the time spent between processes") {
   auto net = make_mlp(kSeed);
   dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::DDP});

@@ -60,6 +60,26 @@ TEST_CASE("Dropout draws from a separate stream per bound copy") {
   CHECK(s2.seed() != s3.seed());
 }
 
+TEST_CASE("Dropout::set_streams moves the copies' streams: copy 0 of first 2 draws copy 2's masks") {
+  nn::Dropout moved(0.5, 11), ref(0.5, 11);
+  moved.set_streams(11, 2);
+  CHECK(moved.first_stream() == 2);
+  dp::Tensor x = dp::ones({1000});
+  F m0 = moved(x).to_vector();
+  F r2;
+  {
+    nn::ReplicaBinding bind(2);
+    r2 = ref(x).to_vector();
+  }
+  CHECK(m0 == r2);
+  CHECK(m0 != ref(x).to_vector());  // not copy 0's stream any more
+  moved.set_seed(11);               // keeps the first stream
+  CHECK(moved.first_stream() == 2);
+  CHECK(moved(x).to_vector() == m0);
+  CHECK_THROWS_WITH_AS(moved.set_streams(11, -1), doctest::Contains("expected a first stream >= 0, got -1"),
+                       dp::Error);
+}
+
 TEST_CASE("a module tree names every generator it owns: Dropout's copies, a member, shared children once") {
   struct Noisy : nn::Module {
     Noisy() {

@@ -214,6 +214,28 @@ struct TinyGPT : dp::nn::Module {
   std::shared_ptr<dp::nn::Linear> lm_head;
 };
 
+/// TinyGPT's layout with dropout 0.2 in both blocks (attention weights and residuals).
+struct DropoutGPT : dp::nn::Module {
+  static constexpr std::int64_t V = TinyLM::V, C = 8, H = 2, kMaxT = 5;
+  explicit DropoutGPT(std::uint64_t seed) {
+    dp::Generator gen(seed);
+    const auto block = dp::nn::TransformerBlockOptions(C, H).dropout(0.2);
+    wte = register_module("wte", std::make_shared<dp::nn::Embedding>(V, C, &gen));
+    wpe = register_module("wpe", std::make_shared<dp::nn::Embedding>(kMaxT, C, &gen));
+    h0 = register_module("h0", std::make_shared<dp::nn::TransformerBlock>(block, &gen));
+    h1 = register_module("h1", std::make_shared<dp::nn::TransformerBlock>(block, &gen));
+    lm_head = register_module("lm_head", std::make_shared<dp::nn::Linear>(C, V, false, &gen));
+  }
+  dp::Tensor forward(const dp::Tensor& ids) override {
+    dp::Tensor pos = dp::arange(ids.size(1), dp::TensorOptions{dp::Dtype::Int64, ids.device()});
+    dp::Tensor h = dp::add(wte->forward(ids), wpe->forward(pos));
+    return lm_head->forward(h1->forward(h0->forward(h)));
+  }
+  std::shared_ptr<dp::nn::Embedding> wte, wpe;
+  std::shared_ptr<dp::nn::TransformerBlock> h0, h1;
+  std::shared_ptr<dp::nn::Linear> lm_head;
+};
+
 /// TinyGPT with GPT-2's weight tying: lm_head.weight is wte.weight, one parameter that
 /// two modules use (Module::share_parameter).
 struct TiedGPT : TinyGPT {

@@ -11,7 +11,11 @@
 // makes a run reproducible) unless given explicitly. Consequence: under
 // DataParallel each shard's mask comes from its device's stream, so masks differ
 // from single-device training with the same seed (as in PyTorch). Two threads bound
-// to the SAME copy must not run forward concurrently. The generators are registered
+// to the SAME copy must not run forward concurrently. Copy r's stream is number
+// first_stream() + r, first_stream() 0 unless set_streams() moves it: DataParallel
+// across processes gives process p's copies the streams p * n + r of process 0's
+// seed (Note [Dropout across processes] in src/parallel/data_parallel.cpp), so every
+// device of the job draws its own masks, as the devices of one process do. The generators are registered
 // as "generator.0" … "generator.63" (Note [Module generators] in module.cpp), so a
 // training checkpoint restores every copy's stream by itself ("drop.generator.1").
 //
@@ -64,12 +68,18 @@ class Dropout : public Module {
   std::uint64_t seed() const { return seed_; }
   /// Reseeds every copy's generator from `seed` (restarting their streams).
   void set_seed(std::uint64_t seed);
+  /// Reseeds copy r's generator as stream `first + r` of `seed` (restarting it); first
+  /// ≥ 0. set_seed(seed) keeps first_stream().
+  void set_streams(std::uint64_t seed, std::int64_t first);
+  /// The stream number of copy 0 (0 unless set_streams moved it).
+  std::int64_t first_stream() const { return first_stream_; }
   /// The generator copy r draws from (0 ≤ r < kMaxCopies).
   Generator& generator(int copy);
 
  private:
   double p_;
   std::uint64_t seed_ = 0;
+  std::int64_t first_stream_ = 0;
   std::array<Generator, kMaxCopies> generators_;
 };
 

@@ -418,6 +418,7 @@ class DataParallel {
   std::int64_t check_inputs(const char* what, const std::vector<DataParallelInput>& inputs) const;
   std::int64_t global_rows(std::int64_t rows) const;
   void sync_processes();
+  void sync_dropout_streams(comm::Communicator& across);
   Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);
   Tensor scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf);
   Tensor gather(const std::vector<Tensor>& outs, const ShardPlan& plan);
