@@ -4,7 +4,8 @@ measured in ONE run with the contenders alternating (A, B, A, B, ...) to cancel 
 
   # dp (one device) vs PyTorch (2 threads), same CNN, batch 256, Adam 1e-3:
   python3 bench/side_by_side.py --binary build-fm/samples/fashion_mnist_cnn/fashion_mnist_cnn
-  # dp DDP on 2 devices vs PyTorch DDP (gloo, 2 processes x 1 thread):
+  # dp DDP on 2 devices vs PyTorch DDP (gloo, 2 processes x 1 thread); --precision bf16
+  # puts both in bf16 (dp's autocast policy, PyTorch's CPU autocast):
   python3 bench/side_by_side.py --compare ddp
   # single vs DP vs DDP on 2 CPU virtual devices (same global batch):
   python3 bench/side_by_side.py --compare modes --devices 0,1
@@ -205,6 +206,10 @@ def run_torch_ddp(args, best):
     procs = len(args.devices.split(","))
     cmd = [args.torch_python, script, "--procs", str(procs), "--threads", "1", "--batch", str(args.batch),
            "--steps", str(args.steps - args.warmup), "--warmup", str(args.warmup)]
+    if args.precision == "bf16":
+        cmd.append("--bf16")
+    if best:
+        cmd.append("--channels-last")
     cmd = pinned(args, cmd, os.cpu_count())
     proc = check_run(cmd, env=torch_env(args, best, 1))
     rec = [json.loads(l) for l in proc.stdout.splitlines() if l.strip().startswith("{")][-1]
@@ -412,7 +417,7 @@ def main():
     ap.add_argument("--devices", default="0,1", help="devices of the dp/ddp runs (--compare modes)")
     ap.add_argument("--path", default="worker", choices=["worker", "module"])
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                    help="--compare torch: dp's --precision, and PyTorch's bf16 autocast for bf16")
+                    help="--compare torch|ddp: dp's --precision, and PyTorch's bf16 autocast for bf16")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--batch", type=int, default=256)

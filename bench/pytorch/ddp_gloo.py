@@ -6,8 +6,12 @@ torch.nn.parallel.DistributedDataParallel over `--procs` processes of
 `--threads` threads each (default 2 x 1 on a 2-core machine), global batch
 `--batch` split evenly, Adam lr 1e-3, random data of Fashion-MNIST's shape, and
 prints one JSON line: {"impl": "torch-ddp-gloo", "samples_per_sec": ...}.
+--bf16 runs the forward and the loss under torch.autocast('cpu', bfloat16) (the
+gradients reach gloo in float32, as DDP without a comm hook sends them);
+--channels-last puts the model and the batch in channels_last.
 
-Run with Debian's /usr/bin/python3 (python3-torch); never imported by dp.
+Run with any PyTorch (the PyPI wheel in a venv, or Debian's python3-torch); never
+imported by dp.
 """
 import argparse
 import json
@@ -33,19 +37,25 @@ def worker(rank, args, port, queue):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=args.procs)
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(make_cnn())
+    net = make_cnn()
+    if args.channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     per_rank = args.batch // args.procs
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.rand(per_rank, 1, 28, 28, generator=gen)
+    if args.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (per_rank,), generator=gen)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
             t0 = time.perf_counter()
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
     dist.barrier()
@@ -63,6 +73,8 @@ def main():
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--port", type=int, default=29517)
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast over the forward and the loss")
+    p.add_argument("--channels-last", action="store_true", help="channels_last model and batch")
     args = p.parse_args()
     if args.batch % args.procs:
         p.error("--batch must be a multiple of --procs")
@@ -77,6 +89,7 @@ def main():
             raise SystemExit(f"rank exited with {pr.exitcode}")
     elapsed = queue.get()
     print(json.dumps({"impl": "torch-ddp-gloo", "procs": args.procs, "threads": args.threads,
+                      "bf16": args.bf16, "channels_last": args.channels_last, "torch": torch.__version__,
                       "batch": args.batch, "steps": args.steps,
                       "samples_per_sec": args.batch * args.steps / elapsed,
                       "ms_per_step": 1000 * elapsed / args.steps}))
