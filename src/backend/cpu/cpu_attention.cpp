@@ -13,7 +13,8 @@
 //    accumulator rescaled by exp(m_old - m_new) whenever the maximum grows, then
 //    acc += exp(s - m) · v_block (a second GEMM). At the end out = acc / l and the row's
 //    log-sum-exp lse = m + log(l) is kept: the only thing saved besides out. A causal
-//    block wholly above the diagonal is never computed.
+//    block wholly above the diagonal is never computed, and in a block on it each row
+//    takes the exponentials of its attended keys only (the rest weigh 0).
 //  - Backward recomputes each block's probabilities from lse, P = exp(s - lse), with
 //    Δ_i = Σ_e gout[i, e] · out[i, e] (= Σ_j P_ij dP_ij): dP = gout vᵀ, dS = P ∘ (dP − Δ),
 //    dV = Pᵀ gout, dK = scale · dSᵀ q, dQ = scale · dS k. Two passes keep every sum in a
@@ -217,6 +218,14 @@ void drop_row(const Problem<T>& p, float* x, float* z, i64 i, i64 j0, i64 n) {
   dropout_range(x, x, z, 0, n, p.drop_p, p.drop_scale, p.seed, first);
 }
 
+/// How many of the keys [j0, j0 + n) query i may attend to: all n, or under the causal
+/// mask those j <= i, a prefix (the rest score -inf and weigh exactly 0: exp_shifted of
+/// -inf is +0, so filling them with 0 is the same bits without their exponentials).
+template <typename T>
+i64 attended(const Problem<T>& p, i64 i, i64 j0, i64 n) {
+  return p.causal ? std::clamp<i64>(i - j0 + 1, 0, n) : n;
+}
+
 /// The keys a block of queries [i0, i0 + m) attends to: [0, end).
 template <typename T>
 i64 key_end(const Problem<T>& p, i64 i0, i64 m) {
@@ -240,17 +249,19 @@ void forward_block(const Problem<T>& p, i64 i0, i64 m, T* out, float* lse) {
     block_scores(p, qf, i0, m, kf, j0, n, sc.data());
     for (i64 r = 0; r < m; ++r) {
       float* row = sc.data() + r * n;
+      const i64 live = attended(p, i0 + r, j0, n);
       float block_max = kNegInf;
-      for (i64 c = 0; c < n; ++c) block_max = std::max(block_max, row[c]);
+      for (i64 c = 0; c < live; ++c) block_max = std::max(block_max, row[c]);
       const auto ri = sz(r);
       const float m_new = std::max(mx[ri], block_max);
       if (m_new == kNegInf) {  // nothing attended yet: no weight, no rescale
         std::fill(row, row + n, 0.0f);
         continue;
       }
-      exp_shifted(row, n, m_new);  // Note [Attention exponentials]
+      exp_shifted(row, live, m_new);  // Note [Attention exponentials]
+      std::fill(row + live, row + n, 0.0f);
       float row_sum = 0.0f;
-      for (i64 c = 0; c < n; ++c) row_sum += row[c];
+      for (i64 c = 0; c < live; ++c) row_sum += row[c];
       if (p.drop_p > 0.0f) drop_row(p, row, nullptr, i0 + r, j0, n);  // after the sum: l is undropped
       const float correction = std::exp(mx[ri] - m_new);  // 0 on the first block attended
       sum[ri] = sum[ri] * correction + row_sum;
@@ -294,7 +305,12 @@ template <typename T>
 void block_probs_and_grads(const Problem<T>& p, const BlockRows& b, float* sc, float* ds, float* z) {
   const i64 Ev = p.s.Ev, m = b.m, n = b.n;
   block_scores(p, b.q, b.i0, m, b.k, b.j0, n, sc);
-  for (i64 r = 0; r < m; ++r) exp_shifted(sc + r * n, n, b.lse[r]);
+  for (i64 r = 0; r < m; ++r) {
+    float* row = sc + r * n;
+    const i64 live = attended(p, b.i0 + r, b.j0, n);
+    exp_shifted(row, live, b.lse[r]);
+    std::fill(row + live, row + n, 0.0f);
+  }
   sgemm('N', 'T', m, n, Ev, 1.0f, b.gout, Ev, b.v, Ev, 0.0f, ds, n);  // dP of the weights v saw
   const bool drop = p.drop_p > 0.0f;
   for (i64 r = 0; r < m; ++r) {
