@@ -44,7 +44,17 @@
 //    16-bit wire, where the designs round different sums onto it (DDP's no_sync
 //    accumulation is rounded once, DP's backwards one by one), to that dtype's unit
 //    roundoff per step (2^-8 bfloat16, 2^-11 float16, relative to max(1, |value|):
-//    SGD's update lr·g with lr ≤ 0.1 and |g| a few units). Adam normalises each
+//    SGD's update lr·g with lr ≤ 0.1 and |g| a few units), or, where more, to
+//    kWireEffects times the wire's own effect on the program: the largest difference
+//    between DP's run with the 16-bit wire and with float32's at that step. Gradients
+//    are not always a few units (program 2699: BatchNorm over 1-2 rows per device, where
+//    DDP and DP differed by 0.005 and so did DP with and without the wire), and a
+//    rounding's effect grows through the following steps as fast as the program
+//    amplifies any difference. Measured over programs 0..3999 (the 206 with such
+//    steps): the designs' difference over the wire's effect is 0.8 at the median and
+//    3.6 at most; the wire's effect is 0.3 % of the step's largest update at the median
+//    (15 % at the 99th percentile), so a design that lost or doubled a micro-batch's
+//    gradient still stands far outside it. Adam normalises each
 //    gradient by its own size, so a rounding that turns a near-cancelling sum into
 //    another tiny value moves its update by up to lr: Adam programs with a 16-bit wire
 //    compare with DP only where bit for bit is promised.
@@ -74,6 +84,10 @@
 namespace {
 
 constexpr double kStepTolerance = 4e-6;
+
+/// Note [Loop fuzzer]: how many times DP's own wire effect two designs' 16-bit roundings
+/// of different sums may differ by.
+constexpr double kWireEffects = 8.0;
 
 /// The unit roundoff of a gradient wire dtype (0 for float32: kStepTolerance rules).
 double wire_roundoff(dp::Dtype d) {
@@ -581,8 +595,22 @@ struct Finding {
   std::size_t step = 0;
 };
 
+/// The largest difference between two traces' states after step s (the wire's own
+/// effect on DP: its run with the 16-bit wire against the same run with float32's).
+double max_gap(const Trace& a, const Trace& b, std::size_t s) {
+  double gap = 0.0;
+  if (s >= a.states.size() || s >= b.states.size()) return gap;
+  for (std::size_t i = 0; i < a.states[s].size(); ++i) {
+    const double d = std::fabs(double(a.states[s][i]) - double(b.states[s][i]));
+    if (!std::isnan(d)) gap = std::max(gap, d);
+  }
+  return gap;
+}
+
+/// `wire_effect`: DP's run of `p` with a float32 wire, where p has a 16-bit one and the
+/// comparison is against DP (Note [Loop fuzzer]).
 std::optional<Finding> compare(const Program& p, const Trace& want, const Trace& got, const Design& d,
-                               const char* against, bool bitwise) {
+                               const char* against, bool bitwise, const Trace* wire_effect = nullptr) {
   for (std::size_t s = 0; s < got.states.size(); ++s) {
     const auto& a = got.states[s];
     const auto& b = want.states[s];
@@ -591,16 +619,19 @@ std::optional<Finding> compare(const Program& p, const Trace& want, const Trace&
     if (wide_wire && !exact && p.optim != Optim::Sgd) continue;
     const double tol = (wide_wire ? std::max(kStepTolerance, wire_roundoff(p.wire)) : kStepTolerance) *
                        static_cast<double>(s + 1);
+    // Two roundings of the same sums differ by a few times what rounding them changes.
+    const double wire_tol = wide_wire && !exact && wire_effect ? kWireEffects * max_gap(want, *wire_effect, s) : 0.0;
     for (std::size_t i = 0; i < a.size(); ++i) {
       const double diff = std::fabs(double(a[i]) - double(b[i]));
       const bool both_nan = std::isnan(a[i]) && std::isnan(b[i]);  // a mean over no rows, on both sides
-      const bool bad = !both_nan && (exact ? a[i] != b[i] : !(diff <= tol * std::max(1.0, std::fabs(double(b[i])))));
+      const double allowed = std::max(tol * std::max(1.0, std::fabs(double(b[i]))), wire_tol);
+      const bool bad = !both_nan && (exact ? a[i] != b[i] : !(diff <= allowed));
       if (!bad) continue;
       std::ostringstream os;
       os.precision(9);
       os << d.name << " on " << p.devices << " device(s) differs from " << against << " after step " << s << " in "
          << got.names[i] << ": " << a[i] << " vs " << b[i] << " (" << (exact ? "bitwise promised" : "tolerance ")
-         << (exact ? "" : std::to_string(tol)) << ")";
+         << (exact ? "" : std::to_string(allowed)) << ")";
       return Finding{d.name, d.spelling, os.str(), s};
     }
   }
@@ -630,7 +661,7 @@ std::optional<Finding> compare_exact(const Trace& got, const Trace& want, const 
 std::optional<Finding> check(const Program& p, const std::string& only = "", bool verbose = false) {
   std::optional<Trace> single;
   if (single_comparable(p)) single = run(p, nullptr);
-  std::optional<Trace> dp_trace;
+  std::optional<Trace> dp_trace, wire_effect;
   for (const Design& d : designs()) {
     if (!only.empty() && d.name != only && d.name != "DP") continue;
     Trace t;
@@ -654,8 +685,13 @@ std::optional<Finding> check(const Program& p, const std::string& only = "", boo
     }
     if (d.name == "DP") {
       dp_trace = t;
+      if (p.wire != dp::Dtype::Float32) {
+        Program wide = p;
+        wide.wire = dp::Dtype::Float32;
+        wire_effect = run(wide, &d);
+      }
     } else if (dp_trace) {
-      if (auto f = compare(p, *dp_trace, t, d, "DP", true)) return f;
+      if (auto f = compare(p, *dp_trace, t, d, "DP", true, wire_effect ? &*wire_effect : nullptr)) return f;
     }
     if (verbose) std::printf("  %s: alike\n", d.name.c_str());
   }
