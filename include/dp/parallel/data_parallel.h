@@ -420,6 +420,7 @@ class DataParallel {
   void sync_processes();
   Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);
   Tensor scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf);
+  Tensor to_param_dtype(const Tensor& x) const;
   Tensor gather(const std::vector<Tensor>& outs, const ShardPlan& plan);
   void connect_gather_backward(Tensor& out, const std::vector<Tensor>& outs, const ShardPlan& plan,
                                std::shared_ptr<InputGrads> input_grads, double grad_scale);
