@@ -190,9 +190,9 @@ bool Design::replicate_params(int rank, bool sync_params) {
 //    was just broadcast (refresh_compute). DDP and Sharded stages 1-2 cast each replica
 //    locally; DP casts device 0's and BROADCASTS THE COMPUTE BUFFER to its transient
 //    replicas (half the bytes of a float32 replicate; the replicas' float32 data is
-//    never read then); stage 3 casts each device's own range after the step and
-//    gathers units of the 16-bit ranges (half the bytes and half the gathered memory;
-//    Note [Sharded parameters in low precision] in designs/sharded_units.cpp);
+//    never read then), with the parameters that keep float32 packed beside it.
+//    Stage 3 (whose gather would move 16-bit units), ShardGather::NextForward and
+//    param_dtype across processes are refused with a dp::Error for now;
 //  - the floating inputs of DataParallel's forward are cast to param_dtype on each
 //    worker, after the scatter (FSDP's cast_forward_inputs): a Linear then sees a
 //    16-bit input and a 16-bit weight and computes in 16 bits;
@@ -206,13 +206,11 @@ bool Design::replicate_params(int rank, bool sync_params) {
 // statistics to lose precision in, and a float32 LayerNorm would hand float32 to the
 // residual stream of a transformer (a 16-bit and a float32 operand compute in float32),
 // turning the rest of the block back to float32 unless its output were cast back.
-// Memory per device, for P parameters and N devices (besides the float32 masters each
-// design already holds): DDP and Sharded stages 1-2 add 2P bytes (the compute copy);
-// DP adds 2P on device 0 and 2P on each replica; stage 3 adds 2P/N (the 16-bit range)
-// and gathers units in 2 bytes per element instead of 4 — and never gathers a float32
-// unit on a worker (copy 0's float32 units are gathered only for the user's reads).
+// Memory per device, for P parameters (besides the float32 masters each design
+// already holds): DDP and Sharded stages 1-2 add 2P bytes (the compute copy); DP adds
+// 2P on device 0 and 2P on each replica (whose float32 data is then dead weight).
 // Everything stays a pure function of the float32 parameters and the same fixed-order
-// sums, so DP, DDP and Sharded 1-3 remain bitwise identical to one another on CPU
+// sums, so DP, DDP and Sharded 1-2 remain bitwise identical to one another on CPU
 // virtual devices with param_dtype set.
 std::optional<Dtype> Design::param_dtype() const {
   const std::optional<Dtype> d = options().mixed_precision.param_dtype;

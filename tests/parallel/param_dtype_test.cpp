@@ -30,7 +30,7 @@ dp::DataParallelOptions with_params(dp::DataParallelOptions o, Dtype dtype) {
   return o;
 }
 
-/// The designs that take param_dtype.
+/// The designs that take param_dtype (stage 3 is refused for now).
 std::vector<NamedDesign> designs() {
   std::vector<NamedDesign> out;
   for (NamedDesign& d : every_design())
@@ -200,7 +200,7 @@ TEST_CASE("param_dtype: one device agrees bit for bit with a forward by hand on 
   }
 }
 
-TEST_CASE("param_dtype bf16 / fp16: DP, DDP and Sharded 1-3 stay bitwise equal over accumulating Adam steps") {
+TEST_CASE("param_dtype bf16 / fp16: DP, DDP and Sharded 1-2 stay bitwise equal over accumulating Adam steps") {
   auto mlp = [] { return make_mlp(42); };
   auto batch = [](std::int64_t rows, std::uint64_t seed) { return make_batch(rows, seed); };
   for (Dtype dtype : {Dtype::BFloat16, Dtype::Float16}) {
