@@ -2,6 +2,7 @@
 
 #include "dp/core/error.h"
 #include "dp/nn/functional.h"
+#include "dp/nn/parameter_set.h"
 
 namespace dp::nn {
 
@@ -33,6 +34,9 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
     Tensor count = num_batches_tracked_.get();  // a handle: add_ writes the bound copy
     count.add_(1.0);
   }
+  // Note [Compute copies]: the parameters stay float32 under a compute dtype, and the
+  // output goes on in the input's dtype (FSDP casts a BatchNorm's output back).
+  if (const auto dtype = compute_dtype(); dtype && x.dtype() == *dtype && y.dtype() != *dtype) return y.to(*dtype);
   return y;
 }
 

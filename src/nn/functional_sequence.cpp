@@ -122,8 +122,8 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
   DP_CHECK(input.defined() && weight.defined(), "embedding: expected defined input and weight tensors");
   DP_CHECK(input.dtype() == Dtype::Int64 || input.dtype() == Dtype::Int32,
            "embedding: expected int64 or int32 ids, got ", input.str());
-  DP_CHECK(weight.dim() == 2 && weight.dtype() == Dtype::Float32, "embedding: expected a float32 weight (V, D), got ",
-           weight.str());
+  DP_CHECK(weight.dim() == 2 && is_floating_point(weight.dtype()),
+           "embedding: expected a floating weight (V, D) (float32, bfloat16 or float16), got ", weight.str());
   const std::int64_t V = weight.size(0), D = weight.size(1);
   std::int64_t padding_idx = -1;  // none
   if (padding) {
@@ -141,10 +141,13 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
   Tensor out = rows.reshape(out_shape);
   if (autograd::needs_grad({weight})) {
     Tensor ids64 = ids.to(Dtype::Int64);
-    autograd::record("EmbeddingBackward", {weight}, out, [ids64, V, D, padding_idx](const std::vector<Tensor>& g) {
-      Tensor gw = index_add(zeros({V, D}, g[0].device()), 0, ids64, g[0].reshape({ids64.numel(), D}));
+    // A 16-bit weight (DataParallel's param_dtype) gathers its rows as they are; its
+    // gradient adds the rows' gradients up in float32 and rounds once to its dtype.
+    const Dtype dtype = weight.dtype();
+    autograd::record("EmbeddingBackward", {weight}, out, [ids64, V, D, padding_idx, dtype](const std::vector<Tensor>& g) {
+      Tensor gw = index_add(zeros({V, D}, g[0].device()), 0, ids64, g[0].reshape({ids64.numel(), D}).to(Dtype::Float32));
       if (padding_idx >= 0) gw.narrow(0, padding_idx, 1).zero_();
-      return std::vector<Tensor>{gw};
+      return std::vector<Tensor>{gw.to(dtype)};
     });
   }
   return out;

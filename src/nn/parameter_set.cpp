@@ -9,6 +9,33 @@ namespace {
 
 thread_local int t_bound_copy = 0;
 thread_local bool t_bound = false;
+thread_local std::optional<Dtype> t_compute_dtype;
+
+// Note [Compute copies]: the gradient of a compute view, widened into the float32
+// leaf's. Saves nothing.
+class ComputeCastBackward final : public autograd::Node {
+ public:
+  explicit ComputeCastBackward(Dtype leaf_dtype) : leaf_dtype_(leaf_dtype) {}
+  std::string name() const override { return "ComputeCastBackward"; }
+  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override {
+    return {grads.at(0).defined() ? grads[0].to(leaf_dtype_) : Tensor()};
+  }
+
+ private:
+  Dtype leaf_dtype_;
+};
+
+// What copy r's worker reads of `slot`: its compute view, a node of the graph from the
+// first read since forget_compute_reads (Note [Compute copies]).
+const Tensor& compute_read(Parameter::Slot& slot, int r) {
+  Tensor& read = slot.compute_reads[static_cast<std::size_t>(r)];
+  if (read.defined()) return read;
+  read = slot.compute[static_cast<std::size_t>(r)].detach();
+  const Tensor& leaf = slot.copies[static_cast<std::size_t>(r)];
+  if (autograd::needs_grad({leaf}))
+    autograd::connect(std::make_shared<ComputeCastBackward>(leaf.dtype()), {leaf}, {&read});
+  return read;
+}
 
 // Points `impl` at element `offset` of `buffer` without changing its handle identity,
 // so every existing Tensor handle of a parameter sees the flat storage.
@@ -25,13 +52,14 @@ Tensor view_of(const Tensor& buffer, std::int64_t offset, const Shape& shape) {
 
 const Tensor& Parameter::get() const {
   DP_CHECK(slot_ != nullptr, "Parameter: expected a registered parameter, got an empty one");
-  const Slot& slot = slot_->tied ? *slot_->tied : *slot_;  // Note [Tied parameters] in module.cpp
+  Slot& slot = slot_->tied ? *slot_->tied : *slot_;  // Note [Tied parameters] in module.cpp
   int r = t_bound_copy;
   if (!(r > 0 && r < static_cast<int>(slot.copies.size()) && slot.copies[r].defined())) r = 0;
   if (slot.unit >= 0) {  // Note [View providers]
     if (auto set = slot.set.lock(); set && set->view_provider() != nullptr)
       set->view_provider()->before_read(t_bound ? r : -1, slot.unit);
   }
+  if (t_bound && r < static_cast<int>(slot.compute.size()) && slot.compute[r].defined()) return compute_read(slot, r);
   return slot.copies[r];
 }
 
@@ -45,6 +73,10 @@ ReplicaBinding::~ReplicaBinding() {
 }
 int ReplicaBinding::current() { return t_bound_copy; }
 bool ReplicaBinding::bound() { return t_bound; }
+
+std::optional<Dtype> compute_dtype() { return t_compute_dtype; }
+ComputeDtypeGuard::ComputeDtypeGuard(std::optional<Dtype> dtype) : prev_(t_compute_dtype) { t_compute_dtype = dtype; }
+ComputeDtypeGuard::~ComputeDtypeGuard() { t_compute_dtype = prev_; }
 
 std::shared_ptr<ParameterSet> ParameterSet::create(std::vector<std::shared_ptr<Parameter::Slot>> slots,
                                                    Device device) {
@@ -62,6 +94,8 @@ ParameterSet::ParameterSet(std::vector<std::shared_ptr<Parameter::Slot>> slots, 
     s->offset = numel_;
     numel_ += s->copies[0].numel();
     s->copies.resize(1);  // any earlier copies belonged to the old set
+    s->compute.clear();
+    s->compute_reads.clear();
   }
   buffer_numel_ = numel_;
   ParameterCopy primary;
@@ -134,6 +168,7 @@ void ParameterSet::set_grad_buffer(int r, Tensor grad) {
 
 void ParameterSet::drop_copies() {
   DP_CHECK(!spans_cut(*this), "ParameterSet: drop_copies on a sharded set; unshard it first");
+  drop_compute();
   copies_.resize(1);
   for (auto& s : slots_) s->copies.resize(1);
 }
@@ -169,6 +204,35 @@ void ParameterSet::make_primary_readable() const {
 
 void ParameterSet::rebind_view(int r, std::size_t i, const Tensor& buffer, std::int64_t offset) {
   rebind(*slots_.at(i)->copies.at(static_cast<std::size_t>(r)).impl(), buffer, offset);
+}
+
+void ParameterSet::set_compute_view(int r, std::size_t i, Tensor view) {
+  DP_CHECK(r >= 0 && r < num_copies(), "ParameterSet: copy ", r, " out of range [0, ", num_copies(), ")");
+  Parameter::Slot& s = *slots_.at(i);
+  const bool dtype_ok = view.defined() && (compute_dtype_ == view.dtype() || view.dtype() == s.copies[0].dtype());
+  DP_CHECK(!view.defined() || (dtype_ok && view.shape() == s.copies[0].shape()),
+           "ParameterSet: a compute view of '", s.name, "' must have the set's compute dtype (or the parameter's) "
+           "and shape ",
+           shape_str(s.copies[0].shape()), ", got ", view.defined() ? view.str() : "an undefined tensor");
+  const auto n = static_cast<std::size_t>(num_copies());
+  s.compute.resize(n);
+  s.compute_reads.resize(n);
+  s.compute[static_cast<std::size_t>(r)] = std::move(view);
+  s.compute_reads[static_cast<std::size_t>(r)] = Tensor();
+}
+
+void ParameterSet::forget_compute_reads(int r) {
+  for (auto& s : slots_)
+    if (static_cast<std::size_t>(r) < s->compute_reads.size()) s->compute_reads[static_cast<std::size_t>(r)] = Tensor();
+}
+
+void ParameterSet::drop_compute() {
+  for (auto& s : slots_) {
+    s->compute.clear();
+    s->compute_reads.clear();
+  }
+  for (ParameterCopy& c : copies_) c.compute = Tensor();
+  compute_dtype_.reset();
 }
 
 void ParameterSet::zero_grad() {

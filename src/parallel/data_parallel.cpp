@@ -106,6 +106,7 @@ class DataParallel::Step {
       dp_.workers_->run(
           [&](int r) {
             nn::ReplicaBinding bind(r);
+            nn::ComputeDtypeGuard compute(design().param_dtype());  // Note [Parameters in low precision]
             amp::AutocastStateGuard carried(autocast);
             design().run_rank(r, kind_, [&] { fn(r); });
           },
@@ -157,8 +158,16 @@ void DataParallel::check_options(int n) {
            "DataParallel: expected bucket_cap_mb and first_bucket_mb > 0, got ", options_.bucket_cap_mb, " and ",
            options_.first_bucket_mb);
   check_mixed_precision(options_.mixed_precision);
+  const bool low_params = options_.mixed_precision.param_dtype.value_or(Dtype::Float32) != Dtype::Float32;
+  DP_CHECK(!(low_params && options_.mode == Mode::Sharded &&
+             options_.shard_gather.value_or(ShardGather::AfterStep) == ShardGather::NextForward),
+           "DataParallel: mixed_precision.param_dtype with shard_gather = NextForward is not supported yet "
+           "(a device's compute copy is cast before the forward that would take the other ranges); use "
+           "ShardGather::AfterStep (the default) or drop param_dtype");
   if (options_.mode == Mode::Sharded) {
     const int stage = options_.shard_stage.value_or(2);
+    DP_CHECK(!(low_params && stage == 3), "DataParallel: mixed_precision.param_dtype with shard_stage 3 is not "
+             "supported yet; use shard_stage 1 or 2, or drop param_dtype");
     DP_CHECK(stage >= 1 && stage <= 3, "DataParallel: expected shard_stage 1 (optimizer state), 2 (and "
              "gradients) or 3 (and parameters), got ", stage);
     options_.shard_stage = stage;
@@ -177,7 +186,8 @@ void DataParallel::check_options(int n) {
   }
 }
 
-// Note [Gradients on the wire] in src/parallel/grad_wire.h: reduce_dtype only, for now.
+// Note [Gradients on the wire] in src/parallel/grad_wire.h, Note [Parameters in low
+// precision] in src/parallel/design.cpp.
 void DataParallel::check_mixed_precision(const MixedPrecision& mp) {
   auto check_floating = [](const std::optional<Dtype>& d, const char* field) {
     DP_CHECK(!d.has_value() || is_floating_point(*d), "DataParallel: mixed_precision.", field,
@@ -186,11 +196,10 @@ void DataParallel::check_mixed_precision(const MixedPrecision& mp) {
   check_floating(mp.param_dtype, "param_dtype");
   check_floating(mp.reduce_dtype, "reduce_dtype");
   check_floating(mp.buffer_dtype, "buffer_dtype");
-  DP_CHECK(!mp.param_dtype.has_value(), "DataParallel: mixed_precision.param_dtype = ", dtype_name(*mp.param_dtype),
-           " is not supported yet; keep the parameters float32 and run the forward under dp::amp::autocast "
-           "for 16-bit compute, or drop param_dtype");
   DP_CHECK(!mp.buffer_dtype.has_value(), "DataParallel: mixed_precision.buffer_dtype = ",
-           dtype_name(*mp.buffer_dtype), " is not supported yet; drop buffer_dtype (buffers stay float32)");
+           dtype_name(*mp.buffer_dtype), " is not supported yet: the only buffers dp's modules register are "
+           "BatchNorm2d's running statistics, and BatchNorm2d computes in float32 under param_dtype (as FSDP "
+           "keeps BatchNorm), which needs float32 statistics; drop buffer_dtype (buffers stay float32)");
 }
 
 void DataParallel::init(std::vector<Device> devices) {
@@ -215,12 +224,18 @@ void DataParallel::init(std::vector<Device> devices) {
                                   : comm::make_communicator(devices_, comm_options);
   processes_ = comm_->world_size() / n;
   process_ = comm_->first_rank() / n;
+  const MixedPrecision& mp = options_.mixed_precision;
+  DP_CHECK(processes_ == 1 || mp.param_dtype.value_or(Dtype::Float32) == Dtype::Float32,
+           "DataParallel: mixed_precision.param_dtype = ", dtype_name(mp.param_dtype.value_or(Dtype::Float32)),
+           " across ", processes_, " processes is not supported yet (expected float32 parameters when the "
+           "model spans processes); drop param_dtype and use dp::amp::autocast, or pass span_processes = false");
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
   fences_ = std::make_unique<backend::CopyFences>(devices_);
   sync_processes();
   design_ = parallel::make_design(*this);
   for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!design_->persistent_replicas());
   design_->lay_out();
+  design_->make_compute_copies();
   design_->coalesce_buffers(buffers_);
   design_->end_replicate();
   design_->snapshot_grad_versions();
@@ -494,6 +509,7 @@ Tensor DataParallel::forward(const std::vector<DataParallelInput>& in) {
     for (std::size_t k = 0; k < inputs.size(); ++k) {
       xs.push_back(scatter_input(r, inputs[k], plan, leaf_of[k] >= 0));
       if (leaf_of[k] >= 0) input_grads->leaves[leaf_of[k]][r] = xs.back();
+      xs.back() = to_param_dtype(xs.back());
     }
     PhaseTimer t(*recorder_, r, Phase::Forward);
     outs[r] = xs.size() == 1 ? net_->forward(xs[0]) : net_->forward(xs);
@@ -584,7 +600,7 @@ Tensor DataParallel::run_forward_backward(const char* what, const std::vector<Da
 Tensor DataParallel::worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs,
                                           const Tensor& target, const ShardPlan& plan, const ShardLoss& shard_loss) {
   std::vector<Tensor> xs;
-  for (const auto& in : inputs) xs.push_back(scatter_input(rank, in, plan, false));
+  for (const auto& in : inputs) xs.push_back(to_param_dtype(scatter_input(rank, in, plan, false)));
   Tensor yr = scatter(rank, target, plan);
   Tensor loss;
   {
@@ -597,6 +613,15 @@ Tensor DataParallel::worker_loss_backward(int rank, const std::vector<DataParall
   PhaseTimer t(*recorder_, rank, Phase::Backward);
   loss.backward();
   return loss.detach();
+}
+
+// Note [Parameters in low precision]: a worker's floating inputs enter the module in
+// param_dtype (FSDP's cast_forward_inputs); differentiable, so an input's gradient comes
+// back in its own dtype.
+Tensor DataParallel::to_param_dtype(const Tensor& x) const {
+  const std::optional<Dtype> dtype = design_->param_dtype();
+  if (!dtype.has_value() || !x.defined() || !is_floating_point(x.dtype()) || x.dtype() == *dtype) return x;
+  return x.to(*dtype);
 }
 
 // ---- backward through a gathered output ------------------------------------------------------

@@ -1,6 +1,9 @@
 #include "parallel/design.h"
 
+#include <set>
+
 #include "dp/autograd/grad_mode.h"
+#include "dp/nn/batchnorm.h"
 #include "dp/comm/communicator.h"
 #include "dp/tensor/ops.h"
 #include "parallel/designs/designs.h"
@@ -28,8 +31,13 @@ std::unique_ptr<Design> make_design(DataParallel& dp) {
 ScopedDesignFactory::ScopedDesignFactory(DesignFactory factory) : previous_(std::exchange(scoped_factory, std::move(factory))) {}
 ScopedDesignFactory::~ScopedDesignFactory() { scoped_factory = std::move(previous_); }
 
+Dtype wire_dtype(const MixedPrecision& mp) {
+  // FSDP's default: with param_dtype set and reduce_dtype not, gradients travel in param_dtype.
+  return mp.reduce_dtype.value_or(mp.param_dtype.value_or(Dtype::Float32));
+}
+
 std::shared_ptr<const GradWire> Design::grad_wire() const {
-  const Dtype wire = options().mixed_precision.reduce_dtype.value_or(Dtype::Float32);
+  const Dtype wire = wire_dtype(options().mixed_precision);
   // One device of the whole job combines nothing: nothing goes on a wire.
   if (wire == Dtype::Float32 || world_devices() == 1) return nullptr;
   return std::make_shared<const GradWire>(devices(), wire, set().numel());
@@ -141,10 +149,10 @@ void Design::coalesce_buffers(std::vector<std::shared_ptr<nn::Parameter::Slot>>&
 // worker (collectives need every rank); the Step decided once what to copy, so every
 // rank makes the same sequence of collectives.
 void Design::replicate(int rank, bool sync_params) {
-  if (world_devices() == 1) return;
+  set().forget_compute_reads(rank);  // this forward's reads make their own cast nodes
+  if (world_devices() == 1) return refresh_compute(rank, false);
   PhaseTimer t(recorder(), rank, Phase::Replicate);
-  if (sync_params) params_comm().broadcast(rank, set().copy(rank).data, 0);
-  bool moved = sync_params;
+  bool moved = replicate_params(rank, sync_params);
   const Tensor& buffers = buffer_flat_[static_cast<std::size_t>(rank)];
   if (broadcasts_buffers() && buffers.numel() > 0) {
     comm().broadcast(rank, buffers, 0);  // Note [Coalesced buffers]
@@ -152,6 +160,101 @@ void Design::replicate(int rank, bool sync_params) {
   }
   if (!moved) return t.cancel();
   t.set_args(sync_params ? "\"parameters\": true" : "\"parameters\": false");
+}
+
+bool Design::replicate_params(int rank, bool sync_params) {
+  if (sync_params) params_comm().broadcast(rank, set().copy(rank).data, 0);
+  refresh_compute(rank, sync_params);  // a broadcast's write moves no storage version
+  return sync_params;
+}
+
+// ---- parameters in param_dtype ---------------------------------------------------------------
+
+// Note [Parameters in low precision]
+// mixed_precision.param_dtype (FSDP's MixedPrecision.param_dtype) makes every device
+// compute forward and backward with a 16-bit copy of the parameters, while the float32
+// parameters stay the master: what the optimizer steps (each copy's `data`, or its
+// range in Mode::Sharded), what parameters(), state_dict() and checkpoints show, and
+// what the user's own thread reads. The seam is the parameter set's compute copies
+// (Note [Compute copies] in dp/nn/parameter_set.h): each copy gets a compute buffer in
+// param_dtype, and a worker's Parameter::get() hands out its view there, made a node of
+// the graph at the first read of each forward, whose backward widens the 16-bit
+// gradient into the float32 leaf's .grad. So gradients are computed in param_dtype,
+// travel in reduce_dtype (param_dtype unless set otherwise, as in FSDP: Note [Gradients
+// on the wire]) and land widened in the float32 gradient buffers the reducer, the
+// clipping and the optimizers already use; nothing below the parameter set changes.
+// Casts happen in three places:
+//  - a copy's compute buffer is cast from its float32 data on the copy's own worker,
+//    before a forward, when that data was written since the last cast (an optimizer
+//    step, a load, an in-place edit: the storage version, Note [Storage versions]) or
+//    was just broadcast (refresh_compute). DDP and Sharded stages 1-2 cast each replica
+//    locally; DP casts device 0's and BROADCASTS THE COMPUTE BUFFER to its transient
+//    replicas (half the bytes of a float32 replicate; the replicas' float32 data is
+//    never read then), with the parameters that keep float32 packed beside it.
+//    Stage 3 (whose gather would move 16-bit units), ShardGather::NextForward and
+//    param_dtype across processes are refused with a dp::Error for now;
+//  - the floating inputs of DataParallel's forward are cast to param_dtype on each
+//    worker, after the scatter (FSDP's cast_forward_inputs): a Linear then sees a
+//    16-bit input and a 16-bit weight and computes in 16 bits;
+//  - the gradient of each parameter is widened once per backward, by its cast node.
+// Which parameters stay float32: BatchNorm2d's, as FSDP keeps _BatchNorm in float32 by
+// default; batch_norm computes its statistics in float32 anyway and needs float32
+// running statistics, and under param_dtype BatchNorm2d returns its input's dtype (Note
+// [Compute copies]) so the layers after it stay 16-bit. LayerNorm (and every other
+// module) computes in param_dtype, as FSDP does by default: layer_norm accumulates its
+// statistics in float32 whatever the dtype (Note [16-bit tensors]), it has no running
+// statistics to lose precision in, and a float32 LayerNorm would hand float32 to the
+// residual stream of a transformer (a 16-bit and a float32 operand compute in float32),
+// turning the rest of the block back to float32 unless its output were cast back.
+// Memory per device, for P parameters (besides the float32 masters each design
+// already holds): DDP and Sharded stages 1-2 add 2P bytes (the compute copy); DP adds
+// 2P on device 0 and 2P on each replica (whose float32 data is then dead weight).
+// Everything stays a pure function of the float32 parameters and the same fixed-order
+// sums, so DP, DDP and Sharded 1-2 remain bitwise identical to one another on CPU
+// virtual devices with param_dtype set.
+std::optional<Dtype> Design::param_dtype() const {
+  const std::optional<Dtype> d = options().mixed_precision.param_dtype;
+  if (!d.has_value() || *d == Dtype::Float32) return std::nullopt;
+  return d;
+}
+
+std::vector<bool> Design::computed_slots() const {
+  std::set<const nn::Parameter::Slot*> kept;  // Note [Parameters in low precision]: norms stay float32
+  for (const auto& m : net().modules())
+    if (nn::is_module<nn::BatchNorm2d>(*m))
+      for (const auto& s : m->parameter_slots()) kept.insert(s->tied ? s->tied.get() : s.get());
+  std::vector<bool> computed;
+  for (const auto& s : set().slots()) computed.push_back(kept.count(s.get()) == 0);
+  return computed;
+}
+
+void Design::make_compute_copies() {
+  const std::optional<Dtype> dtype = param_dtype();
+  if (!dtype.has_value()) return;
+  set().set_compute_dtype(dtype);
+  const std::vector<bool> computed = computed_slots();
+  const auto& slots = set().slots();
+  compute_base_.assign(static_cast<std::size_t>(set().num_copies()), {});
+  for (int r = 0; r < set().num_copies(); ++r) {
+    nn::ParameterCopy& c = set().copy(r);
+    c.compute = empty({c.data.numel()}, TensorOptions{*dtype, c.device});
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      if (!computed[i]) continue;
+      const Shape& shape = slots[i]->copies[0].shape();
+      set().set_compute_view(r, i, c.compute.narrow(0, slots[i]->offset, shape_numel(shape)).reshape(shape));
+    }
+    refresh_compute(r, true);
+  }
+}
+
+void Design::refresh_compute(int rank, bool force) {
+  const nn::ParameterCopy& c = set().copy(rank);
+  if (!c.compute.defined()) return;
+  ComputeBase& base = compute_base_.at(static_cast<std::size_t>(rank));
+  const ComputeBase now{c.data.storage().get(), c.data.storage()->version()};
+  if (!force && base.storage == now.storage && base.version == now.version) return;
+  cast_into(c.data, c.compute);
+  base = now;
 }
 
 // ---- combined gradients ------------------------------------------------------------------------

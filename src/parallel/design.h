@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -92,6 +93,12 @@ class Design {
   /// Worker `rank`, before its forward: what the replica needs from device 0.
   void replicate(int rank, bool sync_params);
 
+  // ---- parameters in param_dtype (Note [Parameters in low precision]) -----------------
+  /// mixed_precision.param_dtype when it is a 16-bit dtype, else nullopt.
+  std::optional<Dtype> param_dtype() const;
+  /// At construction, after lay_out(): every copy's compute copy, filled.
+  virtual void make_compute_copies();
+
   // ---- steps (Note [Step scope]) -----------------------------------------------------
   /// Before the step's workers run, after begin_replicate().
   virtual void begin_step(const StepKind& /*kind*/, bool /*sync_params*/) {}
@@ -151,6 +158,15 @@ class Design {
   /// The communicator device 0's parameters are broadcast over, and whether buffers
   /// are broadcast before every forward.
   virtual comm::Communicator& params_comm() const { return comm(); }
+  /// Worker `rank` inside replicate(): device 0's parameters to the replica when
+  /// `sync_params`, and the replica's compute copy current (Note [Parameters in low
+  /// precision]). Returns whether parameters moved.
+  virtual bool replicate_params(int rank, bool sync_params);
+  /// Copy r's compute copy cast from its float32 parameters when those were written
+  /// since the last cast (or always, `force`); copy r's device's work.
+  void refresh_compute(int rank, bool force);
+  /// The slots whose parameters compute in param_dtype (a BatchNorm's stay float32).
+  std::vector<bool> computed_slots() const;
   virtual bool broadcasts_buffers() const { return dp_.options_.broadcast_buffers; }
 
   // What a design reads of DataParallel.
@@ -191,6 +207,11 @@ class Design {
   std::uint64_t primary_version() const;
 
   static constexpr std::uint64_t kUnsynced = ~std::uint64_t{0};
+  struct ComputeBase {
+    const void* storage = nullptr;  // the float32 data the compute copy was cast from
+    std::uint64_t version = 0;      // its storage version then
+  };
+  std::vector<ComputeBase> compute_base_;      // per copy (Note [Parameters in low precision])
   std::vector<Tensor> buffer_flat_;            // per device: every float32 buffer (Note [Coalesced buffers])
   std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
   std::vector<std::uint64_t> storage_base_;    // each copy's storage version at the last sync
@@ -199,6 +220,10 @@ class Design {
   bool combined_ = false;                       // the copies hold the combined sum
   std::uint64_t combined_zero_grad_count_ = 0;  // the set's zero_grad_count() when they did
 };
+
+/// The dtype gradients travel in: reduce_dtype, else param_dtype, else float32 (FSDP's
+/// defaults; Note [Gradients on the wire]).
+Dtype wire_dtype(const MixedPrecision& mp);
 
 using DesignFactory = std::function<std::unique_ptr<Design>(DataParallel& dp)>;
 

@@ -6,20 +6,14 @@
 
 namespace dp::parallel {
 
-namespace {
-
-// dst[i] = src[i] converted, on the tensors' device, through the backend's cast (the
-// bits of Tensor::to: Note [16-bit tensors]); no storage version moves.
 void cast_into(const Tensor& src, const Tensor& dst) {
-  DP_ASSERT(src.numel() == dst.numel() && src.device() == dst.device(), "GradWire: a cast between ",
+  DP_ASSERT(src.numel() == dst.numel() && src.device() == dst.device(), "cast_into: a cast between ",
             src.numel(), " elements on ", src.device(), " and ", dst.numel(), " on ", dst.device());
   if (src.numel() == 0) return;
   backend::get(src.device()).run<backend::Op::Cast>(
       src.device(), detail::kernel_dtype(dst.dtype()),
       {src.raw_data(), detail::kernel_dtype(src.dtype()), dst.raw_data(), src.numel()});
 }
-
-}  // namespace
 
 GradWire::GradWire(const std::vector<Device>& devices, Dtype dtype, std::int64_t numel) : dtype_(dtype) {
   DP_ASSERT(dtype == Dtype::BFloat16 || dtype == Dtype::Float16, "GradWire: a 16-bit floating dtype, got ",

@@ -59,6 +59,11 @@ namespace dp::parallel {
 /// Unsynced elements (a DP replica's own gradient, Sharded's ranges owned elsewhere)
 /// are never rounded: only the result a rank keeps comes back from the wire.
 /// Memory: 2 bytes per parameter per device, besides the float32 gradient.
+/// dst[i] = src[i] converted to dst's dtype, on the tensors' device (equal numel), through
+/// the backend's cast (the bits of Tensor::to); no storage version moves, nothing is
+/// allocated.
+void cast_into(const Tensor& src, const Tensor& dst);
+
 class GradWire {
  public:
   /// `dtype`: BFloat16 or Float16; `numel`: elements of the flat gradient layout.

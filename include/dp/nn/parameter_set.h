@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,11 @@ struct Parameter::Slot {
   /// Set when the parameter was tied to another (Module::share_parameter): a handle to
   /// this slot then reads that one's, and this slot holds no tensor of its own.
   std::shared_ptr<Slot> tied;
+  /// Note [Compute copies]: compute[r] views copy r's compute buffer (undefined: the
+  /// copy computes with copies[r] itself); compute_reads[r] is what get() handed copy
+  /// r's worker since ParameterSet::forget_compute_reads(r), with its cast node.
+  std::vector<Tensor> compute;
+  std::vector<Tensor> compute_reads;
 };
 
 /// Selects, for the calling thread, which copy Parameter::get() returns. RAII.
@@ -99,6 +105,49 @@ struct ParameterCopy {
   /// DP mode's replicas: refreshed from the primary before each forward, never
   /// stepped by an optimizer. DDP and Sharded copies are persistent (transient = false).
   bool transient = false;
+  /// The parameters as the copy's worker computes with them, in the set's
+  /// compute_dtype() (Note [Compute copies]); undefined when they compute in float32, or
+  /// while a runtime keeps them elsewhere (Mode::Sharded stage 3's gather units).
+  Tensor compute;
+};
+
+/// Note [Compute copies]
+/// A runtime may give every copy a second, lower-precision copy of its parameters to
+/// compute with (DataParallel's mixed_precision.param_dtype, FSDP's MixedPrecision):
+/// the float32 `data` stays the master that optimizers step and the user reads, and on
+/// a bound thread (ReplicaBinding) Parameter::get() returns the parameter's view of the
+/// copy's compute buffer instead. The first read of a parameter since
+/// forget_compute_reads(r) makes that view a node of the graph (ComputeCastBackward):
+/// its gradient, computed in the compute dtype, comes back widened into the float32
+/// leaf's .grad, so post-accumulate hooks, gradient buffers and optimizers see float32
+/// as always. The node is made at the first read (not once for good), so backward meets
+/// it right after the ops that used the parameter, and the gradient is ready as early
+/// as a float32 parameter's; reads of one parameter in one forward share it, so their
+/// gradients add up in the compute dtype first, as a 16-bit parameter's would. Which
+/// parameters compute in the dtype (a BatchNorm's stay float32) and how each copy's
+/// compute buffer is filled (cast locally, broadcast, gathered per unit) is the
+/// runtime's; the set keeps the views and hands them out. Threads that are not bound
+/// (the user's) always read the float32 master.
+///
+///   set.set_compute_dtype(dp::Dtype::BFloat16);
+///   set.set_compute_view(r, i, buffer16.narrow(0, offset, numel).reshape(shape));
+///   { dp::nn::ReplicaBinding bind(r); net->forward(x); }   // reads the bf16 views
+
+/// The dtype the calling thread's bound copy computes in (Note [Compute copies]), set by
+/// the runtime around its workers' forward; nullopt when parameters are read as stored.
+/// A module whose parameters stay float32 under it (BatchNorm2d) returns its input's
+/// dtype, as FSDP casts such a module's output back.
+std::optional<Dtype> compute_dtype();
+/// RAII: sets compute_dtype() on this thread for its lifetime.
+class ComputeDtypeGuard {
+ public:
+  explicit ComputeDtypeGuard(std::optional<Dtype> dtype);
+  ~ComputeDtypeGuard();
+  ComputeDtypeGuard(const ComputeDtypeGuard&) = delete;
+  ComputeDtypeGuard& operator=(const ComputeDtypeGuard&) = delete;
+
+ private:
+  std::optional<Dtype> prev_;
 };
 
 /// All parameters of a module tree, flattened (see Note [Parameter sets]).
@@ -165,6 +214,18 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// that handles held anywhere (autograd's saved tensors too) see the new storage.
   void rebind_view(int r, std::size_t i, const Tensor& buffer, std::int64_t offset);
 
+  /// Note [Compute copies]: the dtype the copies compute in (nullopt: their own).
+  std::optional<Dtype> compute_dtype() const { return compute_dtype_; }
+  void set_compute_dtype(std::optional<Dtype> dtype) { compute_dtype_ = dtype; }
+  /// Makes `view` (of compute_dtype(), or of the parameter's own dtype for one that keeps
+  /// it, and of slots()[i]'s shape) what copy r's worker reads of slots()[i]; an
+  /// undefined view: the copy computes with the float32 parameter itself.
+  void set_compute_view(int r, std::size_t i, Tensor view);
+  /// Copy r's next reads make fresh cast nodes (call before each forward of copy r).
+  void forget_compute_reads(int r);
+  /// Every copy computes with its float32 parameters again: views and buffers dropped.
+  void drop_compute();
+
   /// Zeroes every copy's gradients: its gradient buffer, or while a runtime released it,
   /// the gradient of its span the runtime keeps (Note [Copy spans]).
   void zero_grad();
@@ -196,6 +257,7 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   bool valid_ = true;
   CopyExecutor* executor_ = nullptr;
   CopySpans* spans_ = nullptr;
+  std::optional<Dtype> compute_dtype_;
 };
 
 /// The parameters of a module tree: the primary copy's tensors plus their set.

@@ -114,8 +114,13 @@ enum class ShardGather {
 ///   dp::DataParallel model(net, {0, 1, 2, 3},
 ///                          {.mode = dp::Mode::DDP, .mixed_precision = {.reduce_dtype = dp::Dtype::BFloat16}});
 struct MixedPrecision {
-  /// Parameters in forward and backward. Not supported yet (a set value is a
-  /// dp::Error): use dp::amp::autocast for 16-bit compute on float32 parameters.
+  /// Parameters in forward and backward: BFloat16 or Float16 makes every worker compute
+  /// with a 16-bit copy of the parameters (floating inputs cast on entry), while the
+  /// float32 parameters stay the master the optimizer steps and parameters() shows; the
+  /// gradients come back widened into the float32 .grad (Note [Parameters in low
+  /// precision] in src/parallel/design.cpp). BatchNorm2d keeps float32 parameters.
+  /// Sets reduce_dtype's default. DP, DDP and Sharded stages 1-2 (ShardGather::AfterStep)
+  /// within one process; stage 3, NextForward and across processes are a dp::Error.
   std::optional<Dtype> param_dtype = std::nullopt;
   /// Gradients on the wire: BFloat16 or Float16 halves the bytes every gradient
   /// collective moves, in every design (DP's reduce, DDP's all-reduce, Sharded's
@@ -126,6 +131,7 @@ struct MixedPrecision {
   /// 2 bytes per parameter per device. Across processes (mpirun) the processes' sums
   /// cross in it too, as 2-byte elements summed in float32 in process order and
   /// rounded once: one rounding per hop, the same bits on every process.
+  /// Unset: param_dtype when that is set (as in FSDP), else float32.
   std::optional<Dtype> reduce_dtype = std::nullopt;
   /// Buffers (BatchNorm running statistics). Not supported yet (a set value is a
   /// dp::Error).
@@ -421,6 +427,7 @@ class DataParallel {
   void sync_dropout_streams(comm::Communicator& across);
   Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);
   Tensor scatter_input(int rank, const DataParallelInput& in, const ShardPlan& plan, bool as_leaf);
+  Tensor to_param_dtype(const Tensor& x) const;
   Tensor gather(const std::vector<Tensor>& outs, const ShardPlan& plan);
   void connect_gather_backward(Tensor& out, const std::vector<Tensor>& outs, const ShardPlan& plan,
                                std::shared_ptr<InputGrads> input_grads, double grad_scale);

@@ -1,6 +1,10 @@
 // Mode::DP: device 0 holds the only trained parameters; the replicas are transient
 // views refreshed from it before a forward, and every replica's gradient is summed
 // onto device 0 in a fixed device order after backward (Note [Designs]).
+#include <utility>
+#include <vector>
+
+#include "dp/autograd/grad_mode.h"
 #include "dp/comm/communicator.h"
 #include "parallel/designs/designs.h"
 
@@ -28,6 +32,42 @@ class DPDesign final : public Design {
   // DP's device 0s hold the same parameters in every process (Note [Across
   // processes]): its replicas are refreshed within the process.
   comm::Communicator& params_comm() const override { return comm().local(); }
+  // Note [Parameters in low precision]: device 0 casts, the replicas receive its
+  // compute copy (half the bytes of the float32 parameters) and, packed in one float32
+  // buffer, the parameters that keep float32 (a BatchNorm's); their float32 data is
+  // then never read.
+  void make_compute_copies() override {
+    Design::make_compute_copies();
+    if (!param_dtype().has_value()) return;
+    const std::vector<bool> computed = computed_slots();
+    const auto& slots = set().slots();
+    std::int64_t numel = 0;
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (!computed[i]) {
+        kept_slots_.emplace_back(i, numel);
+        numel += slots[i]->copies[0].numel();
+      }
+    if (kept_slots_.empty()) return;
+    for (int r = 0; r < set().num_copies(); ++r) kept_.push_back(zeros({numel}, set().copy(r).device));
+    for (int r = 1; r < set().num_copies(); ++r)
+      for (const auto& [i, at] : kept_slots_) {
+        const Shape& shape = slots[i]->copies[0].shape();
+        set().set_compute_view(r, i, kept_[r].narrow(0, at, shape_numel(shape)).reshape(shape));
+      }
+    pack_kept();
+    for (int r = 1; r < set().num_copies(); ++r) kept_[r].copy_(kept_[0].to(set().copy(r).device));
+  }
+  bool replicate_params(int rank, bool sync_params) override {
+    if (!param_dtype().has_value()) return Design::replicate_params(rank, sync_params);
+    if (rank == 0) refresh_compute(0, false);
+    if (!sync_params) return false;
+    params_comm().broadcast(rank, set().copy(rank).compute, 0);
+    if (!kept_.empty()) {
+      if (rank == 0) pack_kept();
+      params_comm().broadcast(rank, kept_[static_cast<std::size_t>(rank)], 0);
+    }
+    return true;
+  }
   bool broadcasts_buffers() const override { return true; }
   // Across processes every process's device 0 holds the sum (Note [DP across processes]).
   bool combines_grads() const override { return processes() > 1; }
@@ -36,6 +76,20 @@ class DPDesign final : public Design {
     // alone brings; the last one's was reduced onto device 0.
     if (rank > 0) set().copy(rank).grad.zero_();
   }
+
+ private:
+  // Device 0's float32 parameters that keep float32, into its packed buffer.
+  void pack_kept() {
+    NoGradGuard no_grad;
+    const Tensor& data = set().copy(0).data;
+    for (const auto& [i, at] : kept_slots_) {
+      const std::int64_t n = set().slots()[i]->copies[0].numel();
+      kept_[0].narrow(0, at, n).copy_(data.narrow(0, set().slots()[i]->offset, n));
+    }
+  }
+
+  std::vector<std::pair<std::size_t, std::int64_t>> kept_slots_;  // (slot, offset in kept_[r])
+  std::vector<Tensor> kept_;  // per device: the float32 parameters of kept_slots_, packed
 };
 
 }  // namespace

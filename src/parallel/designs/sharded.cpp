@@ -258,7 +258,10 @@ void ShardedDesign::run_update(int rank, const UpdatePlan& plan, bool sync_param
     PhaseTimer t(recorder(), rank, Phase::Step);
     update();
   }
-  if (plan.gather && !deferred_gather()) gather_params(rank);
+  if (plan.gather && !deferred_gather()) {
+    gather_params(rank);
+    refresh_compute(rank, true);  // a collective's write moves no storage version
+  }
 }
 
 void ShardedDesign::finish_update(const UpdatePlan& plan) {
