@@ -224,11 +224,6 @@ void DataParallel::init(std::vector<Device> devices) {
                                   : comm::make_communicator(devices_, comm_options);
   processes_ = comm_->world_size() / n;
   process_ = comm_->first_rank() / n;
-  const MixedPrecision& mp = options_.mixed_precision;
-  DP_CHECK(processes_ == 1 || mp.param_dtype.value_or(Dtype::Float32) == Dtype::Float32,
-           "DataParallel: mixed_precision.param_dtype = ", dtype_name(mp.param_dtype.value_or(Dtype::Float32)),
-           " across ", processes_, " processes is not supported yet (expected float32 parameters when the "
-           "model spans processes); drop param_dtype and use dp::amp::autocast, or pass span_processes = false");
   workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
   fences_ = std::make_unique<backend::CopyFences>(devices_);
   sync_processes();

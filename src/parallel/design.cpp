@@ -191,8 +191,10 @@ bool Design::replicate_params(int rank, bool sync_params) {
 //    locally; DP casts device 0's and BROADCASTS THE COMPUTE BUFFER to its transient
 //    replicas (half the bytes of a float32 replicate; the replicas' float32 data is
 //    never read then), with the parameters that keep float32 packed beside it.
-//    Stage 3 (whose gather would move 16-bit units), ShardGather::NextForward and
-//    param_dtype across processes are refused with a dp::Error for now;
+//    Across processes (mpirun) nothing changes: every process casts its own devices'
+//    float32 parameters, which are bitwise alike on every process after every step.
+//    Stage 3 (whose gather would move 16-bit units) and ShardGather::NextForward are
+//    refused with a dp::Error for now;
 //  - the floating inputs of DataParallel's forward are cast to param_dtype on each
 //    worker, after the scatter (FSDP's cast_forward_inputs): a Linear then sees a
 //    16-bit input and a 16-bit weight and computes in 16 bits;

@@ -427,6 +427,27 @@ TEST_CASE("reduce_dtype bf16 / fp16 on one device per process: every design is, 
   }
 }
 
+TEST_CASE("param_dtype bf16 / fp16 across processes: one device per process is, bit for bit, one process of P devices") {
+  // Note [Parameters in low precision]: each device casts its own float32 parameters, and
+  // the gradients cross the two hops in param_dtype (reduce_dtype's default).
+  for (dp::Dtype dtype : kWires) {
+    std::vector<float> first;
+    for (const Design& d : designs()) {
+      if (d.options.shard_stage == 3) continue;  // stage 3 refuses param_dtype for now
+      const std::string names = std::string(dp::dtype_name(dtype)) + " " + d.name;
+      CAPTURE(names);
+      dp::DataParallelOptions o = d.options;
+      o.mixed_precision.param_dtype = dtype;
+      const std::vector<float> across = train_wire(o, /*alone=*/false);
+      CHECK(across == train_wire(o, /*alone=*/true));
+      CHECK(same_everywhere(across));
+      if (first.empty()) first = across;
+      CHECK(across == first);  // the designs agree bit for bit
+    }
+    CHECK(first != train_wire(with_wire(designs()[1].options, dtype), false));  // the compute was 16-bit
+  }
+}
+
 TEST_CASE("reduce_dtype bf16 / fp16 across processes of 2 devices: the designs agree bit for bit, and with one device to 16-bit rounding") {
   const Run single = train(nullptr, Path::ForwardBackward);
   for (dp::Dtype wire : kWires) {
