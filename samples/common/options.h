@@ -206,11 +206,34 @@ inline CLI::Option* add_reduce_dtype_option(CLI::App& app, std::string& reduce_d
       ->capture_default_str();
 }
 
-/// DataParallelOptions::mixed_precision of a --reduce-dtype value.
-inline dp::MixedPrecision mixed_precision_of(const std::string& reduce_dtype) {
-  if (reduce_dtype == "bf16") return {.reduce_dtype = dp::Dtype::BFloat16};
-  if (reduce_dtype == "fp16") return {.reduce_dtype = dp::Dtype::Float16};
-  return {};
+/// Adds --param-dtype: the dtype of every device's compute copy of the parameters (fp32,
+/// bf16 or fp16; DataParallelOptions::mixed_precision.param_dtype).
+inline CLI::Option* add_param_dtype_option(CLI::App& app, std::string& param_dtype) {
+  return app.add_option("--param-dtype", param_dtype,
+                        "dtype the devices compute with: fp32, or bf16 / fp16 (a 16-bit copy of the parameters "
+                        "on every device; the float32 parameters stay the optimizer's master; the gradients go "
+                        "on the wire in it unless --reduce-dtype is given)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+}
+
+/// A --reduce-dtype / --param-dtype value as a Dtype (fp32, bf16, fp16).
+inline dp::Dtype dtype_of_flag(const std::string& v) {
+  return v == "bf16" ? dp::Dtype::BFloat16 : v == "fp16" ? dp::Dtype::Float16 : dp::Dtype::Float32;
+}
+
+/// DataParallelOptions::mixed_precision of --reduce-dtype and --param-dtype values; with
+/// `reduce_given` false and a 16-bit param_dtype, reduce_dtype stays unset and follows it
+/// (FSDP's default).
+inline dp::MixedPrecision mixed_precision_of(const std::string& reduce_dtype, const std::string& param_dtype = "fp32",
+                                             bool reduce_given = true) {
+  dp::MixedPrecision mp;
+  if (param_dtype != "fp32") mp.param_dtype = dtype_of_flag(param_dtype);
+  if (reduce_given || param_dtype == "fp32") {
+    if (reduce_dtype != "fp32") mp.reduce_dtype = dtype_of_flag(reduce_dtype);
+    else if (param_dtype != "fp32") mp.reduce_dtype = dp::Dtype::Float32;
+  }
+  return mp;
 }
 
 /// Adds --json with a sample-specific description.

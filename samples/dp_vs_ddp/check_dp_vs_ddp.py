@@ -199,6 +199,20 @@ def main():
         check(full > 0 and o["grad_bytes_per_step_device0"] * 2 == full,
               f"{key}: gradient bytes per step {o['grad_bytes_per_step_device0']} in bf16, {full} in fp32")
 
+    # --param-dtype bf16: every design computes with bfloat16 parameters; the gradients
+    # follow it onto the wire (half float32's bytes); DP, DDP and Sharded 1-2 alike.
+    p16 = grad_bytes(["--param-dtype", "bf16"])
+    check(p16.keys() == f32.keys(), f"--param-dtype rows {sorted(p16)} vs {sorted(f32)}")
+    for key, o in p16.items():
+        check(o["param_dtype"] == "bf16" and o["reduce_dtype"] == "bf16" and f32[key]["param_dtype"] == "fp32",
+              f"{key}: param_dtype / reduce_dtype fields {o['param_dtype']} / {o['reduce_dtype']}")
+        check(o["grad_bytes_per_step_device0"] * 2 == f32[key]["grad_bytes_per_step_device0"],
+              f"{key}: gradient bytes per step {o['grad_bytes_per_step_device0']} with bf16 parameters")
+    check(len({o["loss_last"] for o in p16.values()}) == 1, f"--param-dtype bf16: the designs' losses differ: "
+          f"{ {k: o['loss_last'] for k, o in p16.items()} }")
+    check({o["loss_last"] for o in p16.values()} != {o["loss_last"] for o in f32.values()},
+          "--param-dtype bf16 gave float32's losses")
+
     # --precision fp16: autocast in float16 with a GradScaler; every design reports finite
     # true (unscaled) losses, the designs alike.
     r = subprocess.run([exe, "--model", "mlp", "--devices", "2", "--batch", "32", "--steps", "3", "--warmup", "1",
@@ -215,7 +229,8 @@ def main():
     # Bad flags: a clear error and a non-zero exit.
     for bad in (["--model", "vgg"], ["--devices", "0"], ["--devices", "x"], ["--steps", "-1"],
                 ["--no-such-flag"], ["--stages", "4"], ["--stages", "1,1"], ["--stages", "x"],
-                ["--stages", "1,"], ["--optimizer", "rmsprop"], ["--reduce-dtype", "fp64"]):
+                ["--stages", "1,"], ["--optimizer", "rmsprop"], ["--reduce-dtype", "fp64"],
+                ["--param-dtype", "fp64"], ["--param-dtype", "bf16", "--stages", "1,3"]):
         r = subprocess.run([exe] + bad, capture_output=True, text=True, timeout=60)
         check(r.returncode != 0, f"{bad} exited {r.returncode}")
         check(r.stderr.strip() != "", f"{bad} printed no error")

@@ -96,6 +96,8 @@ struct Args {
   std::string path = "worker";
   std::string precision = "fp32";  // fp32 | bf16 | fp16 (with a GradScaler)
   std::string reduce_dtype = "fp32";  // fp32 | bf16 | fp16: gradients on the wire
+  bool reduce_given = false;          // --reduce-dtype was passed (else it follows --param-dtype)
+  std::string param_dtype = "fp32";   // fp32 | bf16 | fp16: the devices' compute copy of the parameters
   bool json = false;
   std::string csv, trace_dir, plot_dir;
   int trace_steps = 2;
@@ -292,6 +294,12 @@ Result run_single(const Args& a, const std::vector<dp::data::Batch>& batches) {
   return r;
 }
 
+// The dtype of the gradients on the wire, as a flag value: --reduce-dtype, or
+// --param-dtype's when only that was given.
+std::string wire_flag(const Args& a) {
+  return a.reduce_given || a.param_dtype == "fp32" ? a.reduce_dtype : a.param_dtype;
+}
+
 // DataParallel in `design` over devices 0..n-1; phases from model.stats().
 Result run_parallel(const Args& a, const Design& design, int n, const std::vector<dp::data::Batch>& batches) {
   Result r;
@@ -307,7 +315,7 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
     options.shard_stage = design.stage;
     options.shard_unit = samples::shard_unit(a.model);  // the GPT: a gather unit per block
   }
-  options.mixed_precision = samples::mixed_precision_of(a.reduce_dtype);
+  options.mixed_precision = samples::mixed_precision_of(a.reduce_dtype, a.param_dtype, a.reduce_given);
   dp::DataParallel model(net, devices, options);
   r.processes = model.processes();
   r.rows = batches.front().data.size(0);
@@ -435,7 +443,8 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   j["warmup"] = a.warmup;
   j["path"] = a.path == "worker" ? "forward_backward" : "module";
   j["precision"] = a.precision;
-  j["reduce_dtype"] = a.reduce_dtype;
+  j["reduce_dtype"] = wire_flag(a);
+  j["param_dtype"] = a.param_dtype;
   j["grad_bytes_per_step_device0"] = r.grad_bytes_dev0;
   j["seconds"] = r.seconds;
   j["samples_per_s"] = r.samples_per_s;
@@ -763,8 +772,9 @@ int run(const Args& a, const std::vector<int>& counts, const std::vector<int>& s
     std::cout << ", "
               << a.steps << " timed steps after " << a.warmup << " warm-up, "
               << (a.path == "worker" ? "model.forward_backward(x, y, loss)" : "loss(model(x)).backward()")
-              << ", " << optimizer_label(a) << ", " << a.precision << ", gradients on the wire in "
-              << a.reduce_dtype << ", seed " << a.seed << "\n"
+              << ", " << optimizer_label(a) << ", " << a.precision
+              << (a.param_dtype != "fp32" ? ", parameters computed in " + a.param_dtype : std::string())
+              << ", gradients on the wire in " << wire_flag(a) << ", seed " << a.seed << "\n"
               << "devices: " << samples::device_kind() << ", " << dp::hardware_concurrency()
               << " hardware threads\n\n";
   }
@@ -856,6 +866,7 @@ int main(int argc, char** argv) {
   samples::add_path_option(app, a.path);
   samples::add_precision_option(app, a.precision, /*fp16=*/true);
   samples::add_reduce_dtype_option(app, a.reduce_dtype);
+  samples::add_param_dtype_option(app, a.param_dtype);
   app.add_flag("--json", a.json, "print one JSON object per configuration (one per line) instead of tables");
   app.add_option("--csv", a.csv, "also write the results as CSV to FILE");
   app.add_option("--trace", a.trace_dir, "write a Chrome/Perfetto trace per configuration into DIR");
@@ -865,6 +876,7 @@ int main(int argc, char** argv) {
   app.add_option("--plot", a.plot_dir, "draw PNG charts into DIR (needs gnuplot)");
   CLI11_PARSE(app, argc, argv);
   if (a.model == "gpt" && app.count("--batch") == 0) a.batch = 16;  // 16 sequences of 64 tokens
+  a.reduce_given = app.count("--reduce-dtype") > 0;
   // Under mpirun process 0 reports (Note [Across processes in the benchmark]).
   if (!dist::is_main() && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;
 
@@ -896,6 +908,9 @@ int main(int argc, char** argv) {
                                              : std::string("fewer rows than ")) +
                                   std::to_string(counts.back()) + " devices; use a batch of at least one row per device");
     const std::vector<int> stages = a.stages.empty() ? std::vector<int>{} : parse_stages(a.stages);
+    if (a.param_dtype != "fp32" && std::find(stages.begin(), stages.end(), 3) != stages.end())
+      throw std::invalid_argument("--param-dtype " + a.param_dtype + " with Sharded stage 3 is not supported yet "
+                                  "(the stage-3 gathers move float32); pass --stages 1,2");
     if (a.precision != "fp32" && dp::default_device_type() == dp::DeviceType::CPU && dist::is_main())
       std::cerr << samples::cpu_16bit_note(a.precision) << "\n";
     return run(a, counts, stages);
