@@ -159,11 +159,6 @@ void DataParallel::check_options(int n) {
            options_.first_bucket_mb);
   check_mixed_precision(options_.mixed_precision);
   const bool low_params = options_.mixed_precision.param_dtype.value_or(Dtype::Float32) != Dtype::Float32;
-  DP_CHECK(!(low_params && options_.mode == Mode::Sharded &&
-             options_.shard_gather.value_or(ShardGather::AfterStep) == ShardGather::NextForward),
-           "DataParallel: mixed_precision.param_dtype with shard_gather = NextForward is not supported yet "
-           "(a device's compute copy is cast before the forward that would take the other ranges); use "
-           "ShardGather::AfterStep (the default) or drop param_dtype");
   if (options_.mode == Mode::Sharded) {
     const int stage = options_.shard_stage.value_or(2);
     DP_CHECK(!(low_params && stage == 3), "DataParallel: mixed_precision.param_dtype with shard_stage 3 is not "

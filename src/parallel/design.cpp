@@ -193,8 +193,11 @@ bool Design::replicate_params(int rank, bool sync_params) {
 //    never read then), with the parameters that keep float32 packed beside it.
 //    Across processes (mpirun) nothing changes: every process casts its own devices'
 //    float32 parameters, which are bitwise alike on every process after every step.
-//    Stage 3 (whose gather would move 16-bit units) and ShardGather::NextForward are
-//    refused with a dp::Error for now;
+//    With ShardGather::NextForward (stages 1-2) the cast at the forward's start finds
+//    the other owners' ranges stale; each unit's pull (Note [Deferred gather]) casts the
+//    unit's elements again once they landed, before the read that pulled them returns
+//    its compute view. Stage 3 (whose gather would move 16-bit units) is refused with a
+//    dp::Error for now;
 //  - the floating inputs of DataParallel's forward are cast to param_dtype on each
 //    worker, after the scatter (FSDP's cast_forward_inputs): a Linear then sees a
 //    16-bit input and a 16-bit weight and computes in 16 bits;
@@ -257,6 +260,12 @@ void Design::refresh_compute(int rank, bool force) {
   if (!force && base.storage == now.storage && base.version == now.version) return;
   cast_into(c.data, c.compute);
   base = now;
+}
+
+void Design::refresh_compute_range(int rank, std::int64_t lo, std::int64_t hi) {
+  const nn::ParameterCopy& c = set().copy(rank);
+  if (!c.compute.defined() || hi <= lo) return;
+  cast_into(c.data.narrow(0, lo, hi - lo), c.compute.narrow(0, lo, hi - lo));
 }
 
 // ---- combined gradients ------------------------------------------------------------------------

@@ -165,6 +165,9 @@ class Design {
   /// Copy r's compute copy cast from its float32 parameters when those were written
   /// since the last cast (or always, `force`); copy r's device's work.
   void refresh_compute(int rank, bool force);
+  /// Casts elements [lo, hi) of copy `rank`'s parameters into its compute buffer (a no-op
+  /// without one): what a pull wrote there (Note [Parameters in low precision]).
+  void refresh_compute_range(int rank, std::int64_t lo, std::int64_t hi);
   /// The slots whose parameters compute in param_dtype (a BatchNorm's stay float32).
   std::vector<bool> computed_slots() const;
   virtual bool broadcasts_buffers() const { return dp_.options_.broadcast_buffers; }

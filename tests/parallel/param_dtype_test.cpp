@@ -30,11 +30,18 @@ dp::DataParallelOptions with_params(dp::DataParallelOptions o, Dtype dtype) {
   return o;
 }
 
-/// The designs that take param_dtype (stage 3 is refused for now).
+/// The designs that take param_dtype (stage 3 is refused for now), and stages 1-2 with
+/// the deferred gather (each unit's pull casts what it brought).
 std::vector<NamedDesign> designs() {
   std::vector<NamedDesign> out;
   for (NamedDesign& d : every_design())
     if (d.options.shard_stage.value_or(0) != 3) out.push_back(d);
+  for (int stage : {1, 2}) {
+    NamedDesign d = out[1 + static_cast<std::size_t>(stage)];
+    d.name += ", NextForward";
+    d.options.shard_gather = dp::ShardGather::NextForward;
+    out.push_back(d);
+  }
   return out;
 }
 
@@ -285,9 +292,9 @@ TEST_CASE("bad param_dtype options are a clear dp::Error") {
     CHECK_THROWS_WITH_AS(make({.mode = dp::Mode::DDP, .mixed_precision = {.param_dtype = bad}}),
                          doctest::Contains(expected.c_str()), dp::Error);
   }
-  dp::DataParallelOptions next{.mode = dp::Mode::Sharded, .shard_gather = dp::ShardGather::NextForward};
-  next.mixed_precision.param_dtype = Dtype::BFloat16;
-  CHECK_THROWS_WITH_AS(make(next), doctest::Contains("param_dtype with shard_gather = NextForward is not supported yet"),
+  dp::DataParallelOptions stage3{.mode = dp::Mode::Sharded, .shard_stage = 3};
+  stage3.mixed_precision.param_dtype = Dtype::BFloat16;
+  CHECK_THROWS_WITH_AS(make(stage3), doctest::Contains("param_dtype with shard_stage 3 is not supported yet"),
                        dp::Error);
   CHECK_THROWS_WITH_AS(make({.mode = dp::Mode::DDP, .mixed_precision = {.buffer_dtype = Dtype::BFloat16}}),
                        doctest::Contains("mixed_precision.buffer_dtype = bfloat16 is not supported yet"), dp::Error);

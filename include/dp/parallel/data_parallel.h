@@ -119,8 +119,8 @@ struct MixedPrecision {
   /// float32 parameters stay the master the optimizer steps and parameters() shows; the
   /// gradients come back widened into the float32 .grad (Note [Parameters in low
   /// precision] in src/parallel/design.cpp). BatchNorm2d keeps float32 parameters.
-  /// Sets reduce_dtype's default. DP, DDP and Sharded stages 1-2 (ShardGather::AfterStep),
-  /// in one process and across processes; stage 3 and NextForward are a dp::Error.
+  /// Sets reduce_dtype's default. DP, DDP and Sharded stages 1-2 (either ShardGather), in
+  /// one process and across processes; stage 3 is a dp::Error for now.
   std::optional<Dtype> param_dtype = std::nullopt;
   /// Gradients on the wire: BFloat16 or Float16 halves the bytes every gradient
   /// collective moves, in every design (DP's reduce, DDP's all-reduce, Sharded's

@@ -253,6 +253,8 @@ void ShardedDesign::pull_unit(int rank, int unit) {
   PhaseTimer t(recorder(), rank, Phase::AllGather);
   backend::CopyFences::Scope fenced(fences());  // the owners' ranges predate the step (Note [Copy fences])
   store_->pull_unit(rank, unit);
+  const auto [lo, hi] = store_->units()[static_cast<std::size_t>(unit)];
+  refresh_compute_range(rank, lo, hi);  // Note [Parameters in low precision]
   stale[static_cast<std::size_t>(unit)] = 0;
   // The next unit's pieces start now (Note [Copies ahead]): on GPUs they travel while
   // this unit computes.
