@@ -222,17 +222,12 @@ inline dp::Dtype dtype_of_flag(const std::string& v) {
   return v == "bf16" ? dp::Dtype::BFloat16 : v == "fp16" ? dp::Dtype::Float16 : dp::Dtype::Float32;
 }
 
-/// DataParallelOptions::mixed_precision of --reduce-dtype and --param-dtype values; with
-/// `reduce_given` false and a 16-bit param_dtype, reduce_dtype stays unset and follows it
-/// (FSDP's default).
-inline dp::MixedPrecision mixed_precision_of(const std::string& reduce_dtype, const std::string& param_dtype = "fp32",
-                                             bool reduce_given = true) {
+/// DataParallelOptions::mixed_precision of a --reduce-dtype and a --param-dtype value;
+/// with a 16-bit param_dtype the wire's dtype is set explicitly, float32 included.
+inline dp::MixedPrecision mixed_precision_of(const std::string& reduce_dtype, const std::string& param_dtype = "fp32") {
   dp::MixedPrecision mp;
   if (param_dtype != "fp32") mp.param_dtype = dtype_of_flag(param_dtype);
-  if (reduce_given || param_dtype == "fp32") {
-    if (reduce_dtype != "fp32") mp.reduce_dtype = dtype_of_flag(reduce_dtype);
-    else if (param_dtype != "fp32") mp.reduce_dtype = dp::Dtype::Float32;
-  }
+  if (reduce_dtype != "fp32" || mp.param_dtype) mp.reduce_dtype = dtype_of_flag(reduce_dtype);
   return mp;
 }
 

@@ -315,7 +315,7 @@ Result run_parallel(const Args& a, const Design& design, int n, const std::vecto
     options.shard_stage = design.stage;
     options.shard_unit = samples::shard_unit(a.model);  // the GPT: a gather unit per block
   }
-  options.mixed_precision = samples::mixed_precision_of(a.reduce_dtype, a.param_dtype, a.reduce_given);
+  options.mixed_precision = samples::mixed_precision_of(wire_flag(a), a.param_dtype);
   dp::DataParallel model(net, devices, options);
   r.processes = model.processes();
   r.rows = batches.front().data.size(0);

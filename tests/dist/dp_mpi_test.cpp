@@ -353,27 +353,37 @@ constexpr dp::Dtype kWires[] = {dp::Dtype::BFloat16, dp::Dtype::Float16};
 /// Rows of the global batch of train_wire: uneven over the processes (5, 4, 4 for 3).
 std::int64_t wire_rows() { return 4 * dist::world_size() + 1; }
 
-/// kSteps Adam steps on global batches of wire_rows(): across processes, this process's
-/// rows on one device; `alone`, one process trains the whole batch on P devices cut as
-/// the processes cut it (chunk_sizes), alone.
-std::vector<float> train_wire(dp::DataParallelOptions options, bool alone) {
+/// `steps` steps of `net` on global batches of wire_rows() (`batch(rows, step)`): across
+/// processes, this process's rows on one device; `alone`, one process trains the whole
+/// batch on P devices cut as the processes cut it (chunk_sizes), alone. The parameters
+/// after them.
+template <class MakeOpt, class MakeBatch, class Loss>
+std::vector<float> train_per_process(const std::shared_ptr<dp::nn::Module>& net, dp::DataParallelOptions options,
+                                     bool alone, int steps, MakeOpt make_opt, MakeBatch batch, Loss loss) {
   const int p = dist::world_size();
   const std::int64_t rows = wire_rows();
   if (alone) {
     options.span_processes = false;
     for (int r = 0; r < p; ++r) options.chunk_sizes.push_back(rows / p + (r < rows % p ? 1 : 0));
   }
-  auto net = make_mlp(kSeed);
   dp::DataParallel model(net, local_devices(alone ? p : 1), options);
-  dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
-  for (int s = 0; s < kSteps; ++s) {
-    Batch b = make_batch(rows, 300 + static_cast<std::uint64_t>(s));
-    opt.zero_grad();
+  auto opt = make_opt(model.parameters());
+  for (int s = 0; s < steps; ++s) {
+    Batch b = batch(rows, s);
+    opt->zero_grad();
     const auto [lo, n] = alone ? std::pair<std::int64_t, std::int64_t>{0, rows} : my_rows(rows);
-    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
-    opt.step();
+    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss);
+    opt->step();
   }
   return flat(net->state_dict());
+}
+
+/// kSteps Adam steps of the MLP (train_per_process).
+std::vector<float> train_wire(const dp::DataParallelOptions& options, bool alone) {
+  return train_per_process(
+      make_mlp(kSeed), options, alone, kSteps,
+      [](const dp::nn::ParameterList& ps) { return std::make_unique<dp::optim::Adam>(ps, dp::optim::AdamOptions{.lr = 1e-2}); },
+      [](std::int64_t rows, int s) { return make_batch(rows, 300 + static_cast<std::uint64_t>(s)); }, loss_fn);
 }
 
 }  // namespace
@@ -472,29 +482,14 @@ TEST_CASE("reduce_dtype bf16 / fp16 across processes of 2 devices: the designs a
 
 namespace {
 
-/// kSteps SGD steps of a GPT whose blocks drop attention weights and residuals (fused
-/// kernel), on global token batches of wire_rows(): across processes, this process's
-/// rows on one device, built from a seed of its own (construction takes process 0's
-/// parameters and dropout seeds); `alone`, one process trains the whole batch on P
-/// devices cut as the processes cut it.
-std::vector<float> train_dropout(dp::DataParallelOptions options, bool alone) {
-  const int p = dist::world_size();
-  const std::int64_t rows = wire_rows();
-  if (alone) {
-    options.span_processes = false;
-    for (int r = 0; r < p; ++r) options.chunk_sizes.push_back(rows / p + (r < rows % p ? 1 : 0));
-  }
-  auto net = std::make_shared<DropoutGPT>(alone ? kSeed : kSeed + static_cast<std::uint64_t>(dist::rank()));
-  dp::DataParallel model(net, local_devices(alone ? p : 1), options);
-  dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
-  for (int s = 0; s < 3; ++s) {
-    Batch b = make_token_batch(rows, 700 + static_cast<std::uint64_t>(s));
-    opt.zero_grad();
-    const auto [lo, n] = alone ? std::pair<std::int64_t, std::int64_t>{0, rows} : my_rows(rows);
-    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), token_loss);
-    opt.step();
-  }
-  return flat(net->state_dict());
+/// Three SGD steps of a GPT whose blocks drop attention weights and residuals (fused
+/// kernel; train_per_process), each process's net built from a seed of its own
+/// (construction takes process 0's parameters and dropout seeds).
+std::vector<float> train_dropout(const dp::DataParallelOptions& options, bool alone) {
+  return train_per_process(
+      std::make_shared<DropoutGPT>(alone ? kSeed : kSeed + static_cast<std::uint64_t>(dist::rank())), options, alone,
+      3, [](const dp::nn::ParameterList& ps) { return std::make_unique<dp::optim::SGD>(ps, dp::optim::SGDOptions{.lr = 0.1}); },
+      [](std::int64_t rows, int s) { return make_token_batch(rows, 700 + static_cast<std::uint64_t>(s)); }, token_loss);
 }
 
 }  // namespace

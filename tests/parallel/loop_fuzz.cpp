@@ -609,10 +609,12 @@ double max_gap(const Trace& a, const Trace& b, std::size_t s) {
   return gap;
 }
 
-/// `wire_effect`: DP's run of `p` with a float32 wire, where p has a 16-bit one and the
-/// comparison is against DP (Note [Loop fuzzer]).
+/// DP's run of a program with a float32 wire, made on first use (Note [Loop fuzzer]).
+using WireEffect = std::function<const Trace&()>;
+
+/// `wire_effect`: where p has a 16-bit wire and the comparison is against DP.
 std::optional<Finding> compare(const Program& p, const Trace& want, const Trace& got, const Design& d,
-                               const char* against, bool bitwise, const Trace* wire_effect = nullptr) {
+                               const char* against, bool bitwise, const WireEffect& wire_effect = {}) {
   bool rounded_apart = false;  // a 16-bit wire's first step that is not bitwise promised was compared
   for (std::size_t s = 0; s < got.states.size(); ++s) {
     const auto& a = got.states[s];
@@ -624,7 +626,7 @@ std::optional<Finding> compare(const Program& p, const Trace& want, const Trace&
     const double tol = (wide_wire ? std::max(kStepTolerance, wire_roundoff(p.wire)) : kStepTolerance) *
                        static_cast<double>(s + 1);
     // Two roundings of the same sums differ by a few times what rounding them changes.
-    const double wire_tol = wide_wire && !exact && wire_effect ? kWireEffects * max_gap(want, *wire_effect, s) : 0.0;
+    const double wire_tol = wide_wire && !exact && wire_effect ? kWireEffects * max_gap(want, wire_effect(), s) : 0.0;
     for (std::size_t i = 0; i < a.size(); ++i) {
       const double diff = std::fabs(double(a[i]) - double(b[i]));
       const bool both_nan = std::isnan(a[i]) && std::isnan(b[i]);  // a mean over no rows, on both sides
@@ -665,7 +667,18 @@ std::optional<Finding> compare_exact(const Trace& got, const Trace& want, const 
 std::optional<Finding> check(const Program& p, const std::string& only = "", bool verbose = false) {
   std::optional<Trace> single;
   if (single_comparable(p)) single = run(p, nullptr);
-  std::optional<Trace> dp_trace, wire_effect;
+  std::optional<Trace> dp_trace, wide_dp;
+  WireEffect wire_effect;
+  if (p.wire != dp::Dtype::Float32)
+    wire_effect = [&]() -> const Trace& {
+      if (!wide_dp) {
+        Program wide = p;
+        wide.wire = dp::Dtype::Float32;
+        const Design dp_design = designs().front();  // DP
+        wide_dp = run(wide, &dp_design);
+      }
+      return *wide_dp;
+    };
   for (const Design& d : designs()) {
     if (!only.empty() && d.name != only && d.name != "DP") continue;
     Trace t;
@@ -689,13 +702,8 @@ std::optional<Finding> check(const Program& p, const std::string& only = "", boo
     }
     if (d.name == "DP") {
       dp_trace = t;
-      if (p.wire != dp::Dtype::Float32) {
-        Program wide = p;
-        wide.wire = dp::Dtype::Float32;
-        wire_effect = run(wide, &d);
-      }
     } else if (dp_trace) {
-      if (auto f = compare(p, *dp_trace, t, d, "DP", true, wire_effect ? &*wire_effect : nullptr)) return f;
+      if (auto f = compare(p, *dp_trace, t, d, "DP", true, wire_effect)) return f;
     }
     if (verbose) std::printf("  %s: alike\n", d.name.c_str());
   }
