@@ -908,9 +908,6 @@ int main(int argc, char** argv) {
                                              : std::string("fewer rows than ")) +
                                   std::to_string(counts.back()) + " devices; use a batch of at least one row per device");
     const std::vector<int> stages = a.stages.empty() ? std::vector<int>{} : parse_stages(a.stages);
-    if (a.param_dtype != "fp32" && std::find(stages.begin(), stages.end(), 3) != stages.end())
-      throw std::invalid_argument("--param-dtype " + a.param_dtype + " with Sharded stage 3 is not supported yet "
-                                  "(the stage-3 gathers move float32); pass --stages 1,2");
     if (a.precision != "fp32" && dp::default_device_type() == dp::DeviceType::CPU && dist::is_main())
       std::cerr << samples::cpu_16bit_note(a.precision) << "\n";
     return run(a, counts, stages);

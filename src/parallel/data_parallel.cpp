@@ -158,11 +158,8 @@ void DataParallel::check_options(int n) {
            "DataParallel: expected bucket_cap_mb and first_bucket_mb > 0, got ", options_.bucket_cap_mb, " and ",
            options_.first_bucket_mb);
   check_mixed_precision(options_.mixed_precision);
-  const bool low_params = options_.mixed_precision.param_dtype.value_or(Dtype::Float32) != Dtype::Float32;
   if (options_.mode == Mode::Sharded) {
     const int stage = options_.shard_stage.value_or(2);
-    DP_CHECK(!(low_params && stage == 3), "DataParallel: mixed_precision.param_dtype with shard_stage 3 is not "
-             "supported yet; use shard_stage 1 or 2, or drop param_dtype");
     DP_CHECK(stage >= 1 && stage <= 3, "DataParallel: expected shard_stage 1 (optimizer state), 2 (and "
              "gradients) or 3 (and parameters), got ", stage);
     options_.shard_stage = stage;
@@ -231,6 +228,7 @@ void DataParallel::init(std::vector<Device> devices) {
   design_->snapshot_grad_versions();
   make_reducer();
   grad_bytes_base_.assign(devices_.size(), 0);
+  gather_bytes_base_.assign(devices_.size(), 0);
 
   executor_ = std::make_unique<Executor>(*this);
   set_->set_executor(executor_.get());
@@ -416,15 +414,20 @@ parallel::Stats DataParallel::stats() const {
   parallel::Stats s = recorder_->snapshot();
   s.handoffs = workers_->handoffs() + reducer_->handoffs() - handoff_base_;
   for (auto& d : s.devices) d.peak_memory_bytes = backend::get(d.device).max_memory_allocated(d.device);
-  for (std::size_t r = 0; r < s.devices.size(); ++r)
+  for (std::size_t r = 0; r < s.devices.size(); ++r) {
     s.devices[r].grad_bytes = reducer_->grad_bytes(static_cast<int>(r)) - grad_bytes_base_[r];
+    s.devices[r].gather_bytes = design_->gather_bytes(static_cast<int>(r)) - gather_bytes_base_[r];
+  }
   return s;
 }
 
 void DataParallel::reset_stats() {
   recorder_->reset();
   handoff_base_ = workers_->handoffs() + reducer_->handoffs();
-  for (std::size_t r = 0; r < devices_.size(); ++r) grad_bytes_base_[r] = reducer_->grad_bytes(static_cast<int>(r));
+  for (std::size_t r = 0; r < devices_.size(); ++r) {
+    grad_bytes_base_[r] = reducer_->grad_bytes(static_cast<int>(r));
+    gather_bytes_base_[r] = design_->gather_bytes(static_cast<int>(r));
+  }
   comm_->reset_process_times();
   for (auto& d : devices_) backend::get(d).reset_peak_memory(d);
 }

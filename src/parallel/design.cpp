@@ -196,8 +196,12 @@ bool Design::replicate_params(int rank, bool sync_params) {
 //    With ShardGather::NextForward (stages 1-2) the cast at the forward's start finds
 //    the other owners' ranges stale; each unit's pull (Note [Deferred gather]) casts the
 //    unit's elements again once they landed, before the read that pulled them returns
-//    its compute view. Stage 3 (whose gather would move 16-bit units) is refused with a
-//    dp::Error for now;
+//    its compute view. Stage 3 casts each owner's float32 range into a 16-bit range
+//    (after its update on its worker, and on the calling thread before any step whose
+//    workers gather, for ranges written since: an edit written back, a failed step), and
+//    the gathers move those 16-bit ranges into 16-bit unit buffers, which the compute
+//    views point into: half the bytes of a float32 gather, as FSDP's all-gather in
+//    param_dtype (Note [Sharded compute units] in src/parallel/shard_store.h);
 //  - the floating inputs of DataParallel's forward are cast to param_dtype on each
 //    worker, after the scatter (FSDP's cast_forward_inputs): a Linear then sees a
 //    16-bit input and a 16-bit weight and computes in 16 bits;
@@ -213,10 +217,11 @@ bool Design::replicate_params(int rank, bool sync_params) {
 // turning the rest of the block back to float32 unless its output were cast back.
 // Memory per device, for P parameters (besides the float32 masters each design
 // already holds): DDP and Sharded stages 1-2 add 2P bytes (the compute copy); DP adds
-// 2P on device 0 and 2P on each replica (whose float32 data is then dead weight).
-// Everything stays a pure function of the float32 parameters and the same fixed-order
-// sums, so DP, DDP and Sharded 1-2 remain bitwise identical to one another on CPU
-// virtual devices with param_dtype set.
+// 2P on device 0 and 2P on each replica (whose float32 data is then dead weight);
+// stage 3 on N devices adds 2P/N (the 16-bit range), and its gathered unit is 16-bit,
+// half the float32 one it replaces. Everything stays a pure function of the float32
+// parameters and the same fixed-order sums, so DP, DDP and Sharded 1-3 remain bitwise
+// identical to one another on CPU virtual devices with param_dtype set.
 std::optional<Dtype> Design::param_dtype() const {
   const std::optional<Dtype> d = options().mixed_precision.param_dtype;
   if (!d.has_value() || *d == Dtype::Float32) return std::nullopt;
@@ -243,13 +248,16 @@ void Design::make_compute_copies() {
   for (int r = 0; r < set().num_copies(); ++r) {
     nn::ParameterCopy& c = set().copy(r);
     c.compute = empty({c.data.numel()}, TensorOptions{*dtype, c.device});
-    for (std::size_t i = 0; i < slots.size(); ++i) {
-      if (!computed[i]) continue;
-      const Shape& shape = slots[i]->copies[0].shape();
-      set().set_compute_view(r, i, c.compute.narrow(0, slots[i]->offset, shape_numel(shape)).reshape(shape));
-    }
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (computed[i]) set().set_compute_view(r, i, compute_view(r, i));
     refresh_compute(r, true);
   }
+}
+
+Tensor Design::compute_view(int rank, std::size_t i) const {
+  const nn::Parameter::Slot& s = *set().slots().at(i);
+  const Shape& shape = s.copies[0].shape();
+  return set().copy(rank).compute.narrow(0, s.offset, shape_numel(shape)).reshape(shape);
 }
 
 void Design::refresh_compute(int rank, bool force) {

@@ -98,6 +98,9 @@ class Design {
   std::optional<Dtype> param_dtype() const;
   /// At construction, after lay_out(): every copy's compute copy, filled.
   virtual void make_compute_copies();
+  /// What copy `rank`'s worker reads of slots()[i] in param_dtype: by default its place
+  /// in the copy's compute buffer (Note [Compute copies]).
+  virtual Tensor compute_view(int rank, std::size_t i) const;
 
   // ---- steps (Note [Step scope]) -----------------------------------------------------
   /// Before the step's workers run, after begin_replicate().
@@ -145,6 +148,9 @@ class Design {
   virtual int shard_stage() const { return 0; }
   virtual int shard_world() const { return 0; }
   virtual std::vector<std::pair<std::int64_t, std::int64_t>> units() const { return {}; }
+  /// Stats::gather_bytes: parameter bytes copy `rank` received from the other copies'
+  /// ranges since construction (Mode::Sharded's gathers; 0 in the other designs).
+  virtual std::int64_t gather_bytes(int /*rank*/) const { return 0; }
 
  protected:
   /// begin_replicate()'s decision.

@@ -15,7 +15,8 @@ static_assert(ShardStore::kShardAlign % nn::utils::kNormBlock == 0,
               "Note [Clipping in blocks]: a range must never cut a block");
 
 ShardStore::ShardStore(nn::ParameterSet& set, int processes, int process)
-    : set_(set), processes_(processes), process_(process) {}
+    : set_(set), processes_(processes), process_(process),
+      received_bytes_(static_cast<std::size_t>(set.num_copies()), 0) {}
 
 ShardStore::~ShardStore() {
   if (set_.spans() == this) set_.set_spans(nullptr);  // gone without unshard() (a failed construction)
@@ -202,7 +203,9 @@ void ShardStore::pull_unit(int r, int u) {
     const nn::ParameterCopy& owner = set_.copy(q);
     const Range& range = ranges_[static_cast<std::size_t>(q)];
     const std::int64_t a = std::max(lo, range.begin), b = std::min(hi, range.end);
-    if (a < b) mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
+    if (a >= b) continue;
+    mine.narrow(0, a, b - a).copy_(owner.data.narrow(0, a, b - a));
+    count_received(r, q, b - a, mine.dtype());
   }
 }
 
@@ -220,6 +223,7 @@ void ShardStore::pull_unit_ahead(int r, int u) {
     ahead.push_back({a, b - a,
                      backend::get(c.device).copy_ahead(c.device, owner.data.data<float>() + a, owner.device,
                                                        static_cast<std::size_t>(b - a) * sizeof(float))});
+    count_received(r, q, b - a, Dtype::Float32);
   }
 }
 
@@ -229,74 +233,132 @@ void ShardStore::drop_pulls_ahead() {
     for (auto& pieces : c.ahead) pieces.clear();
 }
 
+// Note [Sharded parameter buffers], Note [Sharded compute units]: what copy r's worker reads.
 void ShardStore::gather_unit(int r, int u) {
+  Tensor t = read_unit(r, u);  // a handle: the copy's buffer itself
+  fill_unit(r, u, t);
+}
+
+void ShardStore::fill_unit(int r, int u, Tensor& t) {
+  if (!t.storage()->released()) return;
   const nn::ParameterCopy& c = set_.copy(r);
   Copy& mine = copies_.at(static_cast<std::size_t>(r));
   const auto i = static_cast<std::size_t>(u);
-  Tensor& t = mine.units[i];
-  if (!t.storage()->released()) return;
   t.storage()->materialize();
   const auto [lo, hi] = units_[i];
-  if (mine.ahead.size() == mine.units.size() && !mine.ahead[i].empty()) {
+  const bool read = t.storage() == read_unit(r, u).storage();  // only what workers read goes ahead
+  if (read && mine.ahead.size() == mine.units.size() && !mine.ahead[i].empty()) {
     // Its pieces are on their way (gather_unit_ahead): they land now.
     std::vector<UnitPiece> pieces = std::move(mine.ahead[i]);
     mine.ahead[i].clear();
     backend::Backend& be = backend::get(c.device);
-    for (const UnitPiece& p : pieces) be.finish_copy(*p.copy, t.data<float>() + p.at, c.device);
+    auto* base = static_cast<char*>(t.raw_data());
+    for (const UnitPiece& p : pieces)
+      be.finish_copy(*p.copy, base + static_cast<std::size_t>(p.at) * element_size(t.dtype()), c.device);
     t.storage()->bump_version();  // written behind the tensor's back: as copy_ would
   } else {
     NoGradGuard no_grad;
     for (int q = 0; q < set_.num_copies(); ++q) {
-      const nn::ParameterCopy& owner = set_.copy(q);
       const Range& range = ranges_[static_cast<std::size_t>(q)];
       const std::int64_t a = std::max(lo, range.begin), b = std::min(hi, range.end);
-      if (a < b) t.narrow(0, a - lo, b - a).copy_(owner.data.narrow(0, a - range.begin, b - a));
+      if (a >= b) continue;
+      t.narrow(0, a - lo, b - a).copy_(source_range(q, t).narrow(0, a - range.begin, b - a));
+      count_received(r, q, b - a, t.dtype());
     }
   }
-  mine.unit_versions[i] = t.storage()->version();
+  if (t.storage() == mine.units[i].storage()) mine.unit_versions[i] = t.storage()->version();
 }
 
 void ShardStore::gather_unit_ahead(int r, int u) {
   const nn::ParameterCopy& c = set_.copy(r);
   Copy& mine = copies_.at(static_cast<std::size_t>(r));
   const auto i = static_cast<std::size_t>(u);
-  if (!mine.units[i].storage()->released()) return;
+  const Tensor& t = read_unit(r, u);
+  if (!t.storage()->released()) return;
   if (mine.ahead.size() != mine.units.size()) mine.ahead.assign(mine.units.size(), {});
   if (!mine.ahead[i].empty()) return;
   const auto [lo, hi] = units_[i];
+  const std::size_t size = element_size(t.dtype());
   std::vector<UnitPiece> pieces;
   for (int q = 0; q < set_.num_copies(); ++q) {
     const nn::ParameterCopy& owner = set_.copy(q);
     const Range& range = ranges_[static_cast<std::size_t>(q)];
     const std::int64_t a = std::max(lo, range.begin), b = std::min(hi, range.end);
     if (a >= b) continue;
-    const float* src = owner.data.data<float>() + (a - range.begin);
+    const char* src = static_cast<const char*>(source_range(q, t).raw_data()) + static_cast<std::size_t>(a - range.begin) * size;
     pieces.push_back({a - lo, b - a,
                       backend::get(c.device).copy_ahead(c.device, src, owner.device,
-                                                        static_cast<std::size_t>(b - a) * sizeof(float))});
+                                                        static_cast<std::size_t>(b - a) * size)});
+    count_received(r, q, b - a, t.dtype());
   }
   mine.ahead[i] = std::move(pieces);
 }
 
 void ShardStore::release_unit(int r, int u) {
   Copy& mine = copies_.at(static_cast<std::size_t>(r));
-  if (static_cast<std::size_t>(u) < mine.ahead.size()) mine.ahead[static_cast<std::size_t>(u)].clear();
-  mine.units[static_cast<std::size_t>(u)].storage()->release();
+  const auto i = static_cast<std::size_t>(u);
+  if (i < mine.ahead.size()) mine.ahead[i].clear();
+  mine.units[i].storage()->release();
+  if (i < mine.compute_units.size() && mine.compute_units[i].defined()) mine.compute_units[i].storage()->release();
 }
 
 void ShardStore::release_units(int r) {
   Copy& mine = copies_.at(static_cast<std::size_t>(r));
   mine.ahead.clear();
   for (auto& t : mine.units) t.storage()->release();
+  for (auto& t : mine.compute_units)
+    if (t.defined()) t.storage()->release();
 }
 
 bool ShardStore::unit_gathered(int r, int u) const {
-  return !copies_.at(static_cast<std::size_t>(r)).units.at(static_cast<std::size_t>(u)).storage()->released();
+  const Copy& mine = copies_.at(static_cast<std::size_t>(r));
+  const auto i = static_cast<std::size_t>(u);
+  const bool computed = i < mine.compute_units.size() && mine.compute_units[i].defined();
+  return !mine.units.at(i).storage()->released() || (computed && !mine.compute_units[i].storage()->released());
 }
 
+// The float32 master of every unit of copy 0: what user code reads.
 void ShardStore::gather_primary() {
   if (!shards_params_) return;
-  for (int u = 0; u < static_cast<int>(units_.size()); ++u) gather_unit(0, u);
+  for (int u = 0; u < static_cast<int>(units_.size()); ++u) fill_unit(0, u, copies_[0].units[static_cast<std::size_t>(u)]);
+}
+
+void ShardStore::shard_compute(Dtype dtype, const std::vector<bool>& computed) {
+  DP_CHECK(shards_params_, "ShardStore: shard_compute needs a set whose parameters are sharded");
+  DP_CHECK(computed.size() == units_.size(), "ShardStore: shard_compute expects a flag per unit (", units_.size(),
+           "), got ", computed.size());
+  for (int r = 0; r < set_.num_copies(); ++r) {
+    Copy& mine = copies_[static_cast<std::size_t>(r)];
+    mine.compute_units.assign(units_.size(), Tensor());
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      if (!computed[u]) continue;
+      Tensor t = empty({units_[u].second - units_[u].first}, TensorOptions{dtype, set_.copy(r).device});
+      t.storage()->release();
+      mine.compute_units[u] = t;
+    }
+  }
+}
+
+const Tensor& ShardStore::compute_unit(int r, int u) const {
+  return copies_.at(static_cast<std::size_t>(r)).compute_units.at(static_cast<std::size_t>(u));
+}
+
+const Tensor& ShardStore::read_unit(int r, int u) const {
+  const Copy& mine = copies_.at(static_cast<std::size_t>(r));
+  const auto i = static_cast<std::size_t>(u);
+  if (i < mine.compute_units.size() && mine.compute_units[i].defined()) return mine.compute_units[i];
+  return mine.units.at(i);
+}
+
+const Tensor& ShardStore::source_range(int q, const Tensor& unit) const {
+  const nn::ParameterCopy& owner = set_.copy(q);
+  return unit.dtype() == owner.data.dtype() ? owner.data : owner.compute;
+}
+
+std::int64_t ShardStore::received_bytes(int r) const { return received_bytes_.at(static_cast<std::size_t>(r)); }
+
+void ShardStore::count_received(int r, int q, std::int64_t numel, Dtype dtype) {
+  if (q != r) received_bytes_[static_cast<std::size_t>(r)] += numel * static_cast<std::int64_t>(element_size(dtype));
 }
 
 bool ShardStore::scatter_primary() {

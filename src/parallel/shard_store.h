@@ -126,16 +126,39 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
   /// except while gathered. Every parameter view of copy r points into its unit's
   /// buffer, so handles held anywhere (autograd's saved tensors too) see the values
   /// whenever the unit is gathered, and a clear dp::Error when it is not.
-  /// gather_unit(r, u) allocates copy r's unit buffer and fills it from every copy's
-  /// range: a pull, one device copy per owner that has a piece of the unit — no
-  /// rendezvous, so a copy can gather whatever the others do (see Note [Sharded
-  /// parameters] for when units are gathered and released). Parameter::get()
+  /// gather_unit(r, u) allocates copy r's unit buffer (the one its worker reads: in
+  /// the compute dtype, Note [Sharded compute units], when there is one) and fills it
+  /// from every copy's range: a pull, one device copy per owner that has a piece of
+  /// the unit — no rendezvous, so a copy can gather whatever the others do (see Note
+  /// [Sharded parameters] for when units are gathered and released). Parameter::get()
   /// reports each access to a unit (before_read): on a worker (a bound thread) to the
   /// read hook, which gathers; elsewhere (user code) it gathers every unit of copy 0,
   /// as do gather_primary() and Module's parameters(), named_parameters() and
   /// state_dict() (make_primary_readable).
   void shard_params(Runs units);
   bool shards_params() const { return shards_params_; }
+  /// Note [Sharded compute units]
+  /// With a compute dtype (DataParallel's mixed_precision.param_dtype, Note [Parameters
+  /// in low precision] in src/parallel/design.cpp), after shard_params(): every copy's
+  /// ParameterCopy::compute is its own range cast to `dtype` (the design casts it), and
+  /// every unit u with computed[u] gets, per copy, a buffer in `dtype` as well, released
+  /// except while gathered. What copy r's worker reads of such a unit are views of that
+  /// buffer (the set's compute views), so gather_unit(r, u) and gather_unit_ahead(r, u)
+  /// pull the owners' 16-bit ranges into it: half the bytes of the float32 gather, FSDP's
+  /// param_dtype all-gather. The float32 ranges stay the master, and the float32 unit
+  /// buffers are what user code reads of copy 0 (gather_primary(), scatter_primary()).
+  /// A unit without computed[u] (a BatchNorm's, which keeps float32: the Sharded design
+  /// cuts the units so that each is one or the other, as FSDP gives a BatchNorm a
+  /// float32 unit of its own) is gathered in float32 as without a compute dtype. The
+  /// ranges are cast by the design (refresh_compute); the store only moves them.
+  /// Throws dp::Error unless the parameters are sharded.
+  void shard_compute(Dtype dtype, const std::vector<bool>& computed);
+  /// Copy r's buffer of unit u in the compute dtype (undefined: the unit keeps float32).
+  const Tensor& compute_unit(int r, int u) const;
+  /// Bytes of parameters copy r received from the other copies' ranges since
+  /// construction: the pieces of its unit gathers and prefetches (stage 3) and of its
+  /// pulls (Note [Tracked units]), in the dtype they travelled in.
+  std::int64_t received_bytes(int r) const;
   const Runs& units() const { return units_; }
   void gather_unit(int r, int u);
   /// Starts copy r's pieces of unit u on their way without gathering it (Note [Copies
@@ -196,6 +219,7 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
  private:
   struct Copy {
     std::vector<Tensor> units;                  // stage 3: each unit's buffer, released unless gathered
+    std::vector<Tensor> compute_units;          // Note [Sharded compute units]: undefined for a float32 unit
     std::vector<std::uint64_t> unit_versions;   // units[u]'s storage version when gathered
     std::vector<std::vector<UnitPiece>> ahead;  // unit u's pieces on their way
   };
@@ -208,6 +232,13 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
   };
   void assign_units(const Runs& units);
   void unshard_params();
+  // What copy r's worker reads of unit u: its compute buffer, or else its float32 one.
+  const Tensor& read_unit(int r, int u) const;
+  // Copy q's range in the dtype of `unit` (a unit buffer): its compute range or its data.
+  const Tensor& source_range(int q, const Tensor& unit) const;
+  // Fills the released unit buffer `t` of copy r's unit u from every owner's range.
+  void fill_unit(int r, int u, Tensor& t);
+  void count_received(int r, int q, std::int64_t numel, Dtype dtype);
 
   nn::ParameterSet& set_;
   int processes_, process_;
@@ -218,6 +249,7 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
   Runs units_;
   bool shards_params_ = false;
   std::vector<Copy> copies_;
+  std::vector<std::int64_t> received_bytes_;  // per copy; each counted on its own thread
   ReadHook read_hook_;
 };
 

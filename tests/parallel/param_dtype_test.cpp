@@ -3,9 +3,11 @@
 // worker sees 16-bit parameters and activations while the optimizer's parameters and
 // gradients stay float32; the designs stay bitwise equal to one another; one device
 // agrees bit for bit with a forward written by hand on parameters cast by hand; a
-// BatchNorm keeps float32 parameters; bad options are a clear dp::Error.
+// BatchNorm keeps float32 parameters; stage 3 gathers the 16-bit compute copy (half
+// the bytes); bad options are a clear dp::Error.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -30,12 +32,10 @@ dp::DataParallelOptions with_params(dp::DataParallelOptions o, Dtype dtype) {
   return o;
 }
 
-/// The designs that take param_dtype (stage 3 is refused for now), and stages 1-2 with
-/// the deferred gather (each unit's pull casts what it brought).
+/// Every design, and stages 1-2 with the deferred gather (each unit's pull casts what
+/// it brought).
 std::vector<NamedDesign> designs() {
-  std::vector<NamedDesign> out;
-  for (NamedDesign& d : every_design())
-    if (d.options.shard_stage.value_or(0) != 3) out.push_back(d);
+  std::vector<NamedDesign> out = every_design();
   for (int stage : {1, 2}) {
     NamedDesign d = out[1 + static_cast<std::size_t>(stage)];
     d.name += ", NextForward";
@@ -207,7 +207,7 @@ TEST_CASE("param_dtype: one device agrees bit for bit with a forward by hand on 
   }
 }
 
-TEST_CASE("param_dtype bf16 / fp16: DP, DDP and Sharded 1-2 stay bitwise equal over accumulating Adam steps") {
+TEST_CASE("param_dtype bf16 / fp16: DP, DDP and Sharded 1-3 stay bitwise equal over accumulating Adam steps") {
   auto mlp = [] { return make_mlp(42); };
   auto batch = [](std::int64_t rows, std::uint64_t seed) { return make_batch(rows, seed); };
   for (Dtype dtype : {Dtype::BFloat16, Dtype::Float16}) {
@@ -294,10 +294,118 @@ TEST_CASE("bad param_dtype options are a clear dp::Error") {
   }
   dp::DataParallelOptions stage3{.mode = dp::Mode::Sharded, .shard_stage = 3};
   stage3.mixed_precision.param_dtype = Dtype::BFloat16;
-  CHECK_THROWS_WITH_AS(make(stage3), doctest::Contains("param_dtype with shard_stage 3 is not supported yet"),
-                       dp::Error);
+  CHECK_NOTHROW(make(stage3));
   CHECK_THROWS_WITH_AS(make({.mode = dp::Mode::DDP, .mixed_precision = {.buffer_dtype = Dtype::BFloat16}}),
                        doctest::Contains("mixed_precision.buffer_dtype = bfloat16 is not supported yet"), dp::Error);
   CHECK_NOTHROW(make({.mode = dp::Mode::DDP, .mixed_precision = {.param_dtype = Dtype::BFloat16}}));
   CHECK_NOTHROW(make({.mode = dp::Mode::DP, .mixed_precision = {.param_dtype = Dtype::Float16}}));
+}
+
+namespace {
+
+struct Gathered {
+  std::vector<std::int64_t> bytes;      // Stats::gather_bytes per device
+  std::vector<std::int64_t> elements;   // what the units' pieces from other owners hold, per device
+};
+
+/// One forward_backward of stage 3 on 3 devices (after a first step): the bytes every
+/// device gathered, and the elements it must have received — each unit in forward,
+/// every unit but the last again in backward (Note [Sharded parameters]), less its own
+/// range.
+Gathered stage3_gathers(std::optional<Dtype> param_dtype) {
+  auto net = make_mlp(42);
+  dp::DataParallelOptions o{.mode = dp::Mode::Sharded, .shard_stage = 3};
+  o.mixed_precision.param_dtype = param_dtype;
+  dp::DataParallel model(net, cpus(kDevices), o);
+  dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+  const Batch b = make_batch(kRows, 7);
+  model.forward_backward(b.x, b.y, loss_fn);
+  opt.step();
+  model.reset_stats();
+  opt.zero_grad();
+  model.forward_backward(b.x, b.y, loss_fn);
+  Gathered g;
+  for (const auto& d : model.stats().devices) g.bytes.push_back(d.gather_bytes);
+  const auto units = model.units();
+  const auto shards = model.shards();
+  for (const auto& [own_lo, own_hi] : shards) {
+    std::int64_t n = 0;
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      const auto [lo, hi] = units[u];
+      const std::int64_t own = std::max<std::int64_t>(0, std::min(hi, own_hi) - std::max(lo, own_lo));
+      n += (u + 1 < units.size() ? 2 : 1) * (hi - lo - own);
+    }
+    g.elements.push_back(n);
+  }
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("param_dtype bf16 / fp16 with stage 3: the units are gathered in 16 bits, exactly half float32's bytes") {
+  const Gathered fp32 = stage3_gathers(std::nullopt);
+  REQUIRE(fp32.bytes.size() == static_cast<std::size_t>(kDevices));
+  for (Dtype dtype : {Dtype::BFloat16, Dtype::Float16}) {
+    CAPTURE(dp::dtype_name(dtype));
+    const Gathered low = stage3_gathers(dtype);
+    REQUIRE(low.bytes.size() == fp32.bytes.size());
+    CHECK(low.elements == fp32.elements);  // the same units and ranges
+    for (std::size_t r = 0; r < fp32.bytes.size(); ++r) {
+      CAPTURE(r);
+      CHECK(fp32.elements[r] > 0);
+      CHECK(fp32.bytes[r] == 4 * fp32.elements[r]);
+      CHECK(low.bytes[r] == 2 * fp32.elements[r]);
+    }
+  }
+}
+
+TEST_CASE("param_dtype bf16 with stage 3: a BatchNorm is a float32 unit of its own, the designs alike") {
+  // One top-level child holds a Conv2d and a BatchNorm2d: one gather unit in float32,
+  // three under param_dtype (conv and fc in bfloat16, bn in float32).
+  auto make = [] {
+    dp::Generator gen(5);
+    auto block = std::make_shared<dp::nn::Sequential>();
+    block->push_back(std::make_shared<dp::nn::Conv2d>(dp::nn::Conv2dOptions(2, 4, 3).padding(1), &gen));
+    block->push_back(std::make_shared<dp::nn::BatchNorm2d>(4));
+    block->push_back(std::make_shared<dp::nn::ReLU>());
+    auto net = std::make_shared<dp::nn::Sequential>();
+    net->push_back(block);
+    net->push_back(std::make_shared<dp::nn::Flatten>());
+    net->push_back(std::make_shared<dp::nn::Linear>(4 * 4 * 4, 3, true, &gen));
+    return net;
+  };
+  const dp::DataParallelOptions stage3{.mode = dp::Mode::Sharded, .shard_stage = 3};
+  {
+    dp::DataParallel fp32(make(), cpus(kDevices), stage3);
+    CHECK(fp32.units().size() == 2);
+    dp::DataParallel bf16(make(), cpus(kDevices), with_params(stage3, Dtype::BFloat16));
+    const auto units = bf16.units();
+    REQUIRE(units.size() == 3);
+    CHECK(units[1].second - units[1].first == 2 * 4);  // bn's weight and bias
+  }
+  auto images = [](std::int64_t rows, std::uint64_t seed) { return make_image_batch(rows, seed); };
+  const std::vector<float> ddp =
+      train(make, images, loss_fn, kDevices, with_params({.mode = dp::Mode::DDP}, Dtype::BFloat16));
+  CHECK(train(make, images, loss_fn, kDevices, with_params(stage3, Dtype::BFloat16)) == ddp);
+}
+
+TEST_CASE("param_dtype bf16 with stage 3: edits through device 0's parameters reach the 16-bit gathers, as in DDP") {
+  auto run = [](const dp::DataParallelOptions& base) {
+    auto net = make_mlp(42);
+    dp::DataParallel model(net, cpus(kDevices), with_params(base, Dtype::BFloat16));
+    dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+    const auto other = make_mlp(7)->state_dict();
+    for (int s = 0; s < 4; ++s) {
+      if (s == 2) net->load_state_dict(other);  // written back into every range, cast again
+      if (s == 3)
+        for (auto& p : net->parameters()) p.mul_(0.5);  // an in-place edit
+      opt.zero_grad();
+      const Batch b = make_batch(kRows, 100 + static_cast<std::uint64_t>(s));
+      model.forward_backward(b.x, b.y, loss_fn);
+      opt.step();
+    }
+    return flat(net->state_dict());
+  };
+  const std::vector<float> ddp = run({.mode = dp::Mode::DDP});
+  CHECK(run({.mode = dp::Mode::Sharded, .shard_stage = 3}) == ddp);
 }

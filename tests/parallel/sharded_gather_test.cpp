@@ -5,6 +5,7 @@
 // forward, and survive failures.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -232,6 +233,36 @@ TEST_CASE("NextForward: device 0 is whole when step() returns, the others once t
     dp::nn::copy_span(*set, 1).data.narrow(0, 0, 1).add_(1.0);
   }
   CHECK_THROWS_WITH_AS(model.check_replicas(), doctest::Contains("replica on cpu:1 differs"), dp::Error);
+}
+
+TEST_CASE("Stats::gather_bytes: AfterStep's all-gather brings the other ranges, NextForward's pulls the other owners' parameters") {
+  constexpr int n = 3;
+  for (dp::ShardGather gather : {dp::ShardGather::AfterStep, dp::ShardGather::NextForward}) {
+    CAPTURE(static_cast<int>(gather));
+    auto net = make_mlp(3);
+    dp::DataParallel model(net, cpus(n), sharded(1, gather));
+    dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+    const std::int64_t numel = net->parameters().set()->numel();
+    const auto shards = model.shards();
+    const Batch b = make_batch(8, 1);
+    opt.zero_grad();
+    model.forward_backward(b.x, b.y, loss_fn);
+    model.reset_stats();
+    opt.step();
+    model.forward_backward(b.x, b.y, loss_fn);  // NextForward: the pulls
+    const auto stats = model.stats();
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      const auto [lo, hi] = shards[static_cast<std::size_t>(r)];
+      const std::int64_t len = hi - lo, own = std::max<std::int64_t>(0, std::min(hi, numel) - lo);
+      // AfterStep: every other range, padding included; NextForward: device 0 copies the
+      // other ranges when the step ends, every other device pulls the other owners'
+      // parameters as its forward uses them.
+      std::int64_t elements = (n - 1) * len;
+      if (gather == dp::ShardGather::NextForward && r > 0) elements = numel - own;
+      CHECK(stats.devices[static_cast<std::size_t>(r)].gather_bytes == elements * 4);
+    }
+  }
 }
 
 TEST_CASE("shard_gather is checked: another mode, stage 3, across processes") {

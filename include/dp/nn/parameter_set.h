@@ -106,8 +106,9 @@ struct ParameterCopy {
   /// stepped by an optimizer. DDP and Sharded copies are persistent (transient = false).
   bool transient = false;
   /// The parameters as the copy's worker computes with them, in the set's
-  /// compute_dtype() (Note [Compute copies]); undefined when they compute in float32, or
-  /// while a runtime keeps them elsewhere (Mode::Sharded stage 3's gather units).
+  /// compute_dtype() (Note [Compute copies]); undefined when they compute in float32.
+  /// Mode::Sharded stage 3 keeps here the copy's own range only (like `data`), which the
+  /// other copies gather from (Note [Sharded compute units] in src/parallel/shard_store.h).
   Tensor compute;
 };
 

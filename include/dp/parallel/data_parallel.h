@@ -119,8 +119,9 @@ struct MixedPrecision {
   /// float32 parameters stay the master the optimizer steps and parameters() shows; the
   /// gradients come back widened into the float32 .grad (Note [Parameters in low
   /// precision] in src/parallel/design.cpp). BatchNorm2d keeps float32 parameters.
-  /// Sets reduce_dtype's default. DP, DDP and Sharded stages 1-2 (either ShardGather), in
-  /// one process and across processes; stage 3 is a dp::Error for now.
+  /// Sets reduce_dtype's default. Every design (DP, DDP, Sharded stages 1-3, either
+  /// ShardGather), in one process and across processes; stage 3 gathers each unit's
+  /// 16-bit copy, half the bytes of a float32 gather (Stats::gather_bytes).
   std::optional<Dtype> param_dtype = std::nullopt;
   /// Gradients on the wire: BFloat16 or Float16 halves the bytes every gradient
   /// collective moves, in every design (DP's reduce, DDP's all-reduce, Sharded's
@@ -467,7 +468,8 @@ class DataParallel {
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);  // outputs' grad_fns check it
   bool busy_ = false;
   std::int64_t handoff_base_ = 0;  // stats().handoffs counts from reset_stats()
-  std::vector<std::int64_t> grad_bytes_base_;  // stats()' grad_bytes count from reset_stats()
+  std::vector<std::int64_t> grad_bytes_base_;    // stats()' grad_bytes count from reset_stats()
+  std::vector<std::int64_t> gather_bytes_base_;  // and its gather_bytes
 };
 
 }  // namespace dp

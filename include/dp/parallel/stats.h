@@ -45,6 +45,12 @@ struct DeviceStats {
   /// all-reduce, reduce-scatter pieces): synced elements times the size of the dtype
   /// on the wire (float32, or DataParallelOptions::mixed_precision.reduce_dtype).
   std::int64_t grad_bytes = 0;
+  /// Bytes of parameters the device received from the other devices' ranges
+  /// (Mode::Sharded: the all-gather after the step, ShardGather::NextForward's pulls,
+  /// stage 3's unit gathers and prefetches; 0 in DP and DDP): elements times the size of
+  /// the dtype they travelled in (stage 3 with mixed_precision.param_dtype gathers the
+  /// 16-bit compute copy, half float32's bytes).
+  std::int64_t gather_bytes = 0;
   double operator[](Phase p) const { return ms[static_cast<int>(p)]; }
 };
 

@@ -13,7 +13,8 @@
 
 namespace dp::parallel {
 
-ShardedDesign::ShardedDesign(DataParallel& dp) : Design(dp), stage_(*dp.options().shard_stage) {}
+ShardedDesign::ShardedDesign(DataParallel& dp)
+    : Design(dp), stage_(*dp.options().shard_stage), gathered_bytes_(dp.devices().size(), 0) {}
 
 std::unique_ptr<Design> make_sharded_design(DataParallel& dp) { return std::make_unique<ShardedDesign>(dp); }
 
@@ -76,6 +77,49 @@ void ShardedDesign::lay_out() {
 
 void ShardedDesign::release() {
   if (store_) store_->release();
+}
+
+// Note [Sharded compute units]: stage 3's compute copies are each copy's range in
+// param_dtype (ParameterCopy::compute, cast from its float32 range) and the 16-bit
+// unit buffers the workers' compute views point into.
+void ShardedDesign::make_compute_copies() {
+  if (params_sharded() && param_dtype().has_value()) {
+    const std::vector<bool> computed = computed_slots();
+    std::vector<bool> units(store_->units().size(), false);
+    const auto& slots = set().slots();
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (computed[i] && slots[i]->copies[0].numel() > 0) units[static_cast<std::size_t>(slots[i]->unit)] = true;
+    store_->shard_compute(*param_dtype(), units);
+  }
+  Design::make_compute_copies();
+}
+
+Tensor ShardedDesign::compute_view(int rank, std::size_t i) const {
+  if (!params_sharded()) return Design::compute_view(rank, i);
+  const nn::Parameter::Slot& s = *set().slots().at(i);
+  const Shape& shape = s.copies[0].shape();
+  const Tensor& unit = store_->compute_unit(rank, s.unit);
+  if (!unit.defined()) return empty(shape, TensorOptions{*param_dtype(), devices()[static_cast<std::size_t>(rank)]});
+  const std::int64_t lo = store_->units()[static_cast<std::size_t>(s.unit)].first;
+  return unit.narrow(0, s.offset - lo, shape_numel(shape)).reshape(shape);
+}
+
+// Stage 3 casts every range before the workers start (begin_step): a worker casting
+// its own range at its forward's start would race the other workers' gathers of it.
+bool ShardedDesign::replicate_params(int rank, bool sync_params) {
+  if (params_sharded()) return false;  // never stale (Note [Sharded parameters])
+  return Design::replicate_params(rank, sync_params);
+}
+
+// Note [Sharded compute units]: every range written since its last cast (an edit written
+// back, a step that failed before its own cast) cast again, on the calling thread.
+void ShardedDesign::refresh_compute_ranges() {
+  for (int r = 0; r < set().num_copies(); ++r) refresh_compute(r, false);
+}
+
+std::int64_t ShardedDesign::gather_bytes(int rank) const {
+  const std::int64_t pieces = store_ ? store_->received_bytes(rank) : 0;
+  return pieces + gathered_bytes_.at(static_cast<std::size_t>(rank));
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> ShardedDesign::shards() const {
@@ -181,6 +225,7 @@ void ShardedDesign::begin_step(const StepKind& kind, bool sync_params) {
   // Note [Sharded parameters]: device 0's parameters gathered for the user since the
   // last step go back (written back to every range when they were edited).
   if (store_) store_->scatter_primary();
+  if (params_sharded()) refresh_compute_ranges();
   if (kind.replicate && params_sharded()) forget_dead_forwards();
   // Note [Deferred gather]: a broadcast of device 0's parameters makes every unit current.
   if (sync_params && deferred_gather()) mark_stale(false);
@@ -258,6 +303,7 @@ void ShardedDesign::run_update(int rank, const UpdatePlan& plan, bool sync_param
     PhaseTimer t(recorder(), rank, Phase::Step);
     update();
   }
+  if (params_sharded()) refresh_compute(rank, false);  // its own range, which no one gathers now
   if (plan.gather && !deferred_gather()) {
     gather_params(rank);
     refresh_compute(rank, true);  // a collective's write moves no storage version
@@ -272,6 +318,8 @@ void ShardedDesign::gather_params(int rank) {
   PhaseTimer t(recorder(), rank, Phase::AllGather);
   const nn::CopySpan s = store_->span(rank);
   comm().all_gather(rank, s.data, set().copy(rank).data.narrow(0, 0, (s.end - s.begin) * comm().world_size()));
+  gathered_bytes_[static_cast<std::size_t>(rank)] +=
+      (comm().world_size() - 1) * (s.end - s.begin) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::pair<std::int64_t, std::int64_t> ShardedDesign::current_part(int rank, int unit, std::int64_t lo,

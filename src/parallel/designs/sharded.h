@@ -25,6 +25,8 @@ class ShardedDesign final : public Design {
   std::vector<Bucket> plan_buckets() const override;
   std::unique_ptr<GradSync> make_grad_sync() override;
   void release() override;
+  void make_compute_copies() override;
+  Tensor compute_view(int rank, std::size_t i) const override;
 
   void begin_step(const StepKind& kind, bool sync_params) override;
   void end_step() override;
@@ -46,11 +48,13 @@ class ShardedDesign final : public Design {
   std::vector<std::pair<std::int64_t, std::int64_t>> units() const override {
     return params_sharded() ? store_->units() : Runs{};
   }
+  std::int64_t gather_bytes(int rank) const override;
 
  protected:
   bool params_stale() const override { return !params_sharded() && copies_written_unequally(); }
   bool combines_grads() const override { return sums_in_dp_order(); }
   void forget_sums() override;
+  bool replicate_params(int rank, bool sync_params) override;
 
  private:
   // Note [Sharded parameters], Note [Forwards before a backward]: per rank.
@@ -69,6 +73,7 @@ class ShardedDesign final : public Design {
   void note_grad_edits();
   void check_grads_unedited(const char* what);
   void gather_params(int rank);
+  void refresh_compute_ranges();
 
   // sharded_units.cpp
   std::vector<std::pair<std::int64_t, std::int64_t>> gather_units() const;
@@ -102,6 +107,9 @@ class ShardedDesign final : public Design {
   // Stages 1-2 with ShardGather::NextForward (Note [Deferred gather]):
   // stale_[r][u] when copy r's unit u may hold other owners' old values; empty otherwise.
   std::vector<std::vector<char>> stale_;
+  // Per rank: parameter bytes received by the step's all-gather and pull_primary
+  // (the store counts the unit gathers and pulls); each counted on its rank's thread.
+  std::vector<std::int64_t> gathered_bytes_;
 };
 
 }  // namespace dp::parallel

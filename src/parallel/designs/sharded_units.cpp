@@ -115,20 +115,26 @@ std::vector<std::pair<std::int64_t, std::int64_t>> ShardedDesign::gather_units()
     const bool unit = picks && picks(*c);
     claim(*c, next_id++, unit);
   }
+  // Note [Sharded compute units]: a unit either computes in param_dtype or keeps
+  // float32 throughout, so the parameters that keep float32 (a BatchNorm's) form runs
+  // of their own, as FSDP gives a BatchNorm a float32 unit of its own.
+  const auto& slots = set().slots();
+  const std::vector<bool> computed = param_dtype() ? computed_slots() : std::vector<bool>(slots.size(), true);
   std::vector<std::pair<std::int64_t, std::int64_t>> units;
   int last = 0;
-  const auto& slots = set().slots();
+  bool last_computed = true;
   for (std::size_t i = 0; i < slots.size(); ++i) {
     auto it = owner.find(slots[i].get());
     const int who = it != owner.end() ? it->second : -1 - static_cast<int>(i);
     const std::int64_t lo = slots[i]->offset, hi = lo + slots[i]->copies[0].numel();
     if (hi == lo) continue;
-    if (!units.empty() && who == last && units.back().second == lo) {
+    if (!units.empty() && who == last && computed[i] == last_computed && units.back().second == lo) {
       units.back().second = hi;
     } else {
       units.emplace_back(lo, hi);
     }
     last = who;
+    last_computed = computed[i];
   }
   return units;
 }
@@ -273,6 +279,7 @@ void ShardedDesign::pull_primary() {
   for (int q = 1; q < set().num_copies(); ++q) {
     const nn::CopySpan owner = store_->span(q);
     primary.narrow(0, owner.begin, owner.end - owner.begin).copy_(owner.data);
+    gathered_bytes_[0] += (owner.end - owner.begin) * static_cast<std::int64_t>(sizeof(float));
   }
   mark_stale(true);
   end_replicate();
