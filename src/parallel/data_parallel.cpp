@@ -188,10 +188,6 @@ void DataParallel::check_mixed_precision(const MixedPrecision& mp) {
   check_floating(mp.param_dtype, "param_dtype");
   check_floating(mp.reduce_dtype, "reduce_dtype");
   check_floating(mp.buffer_dtype, "buffer_dtype");
-  DP_CHECK(!mp.buffer_dtype.has_value(), "DataParallel: mixed_precision.buffer_dtype = ",
-           dtype_name(*mp.buffer_dtype), " is not supported yet: the only buffers dp's modules register are "
-           "BatchNorm2d's running statistics, and BatchNorm2d computes in float32 under param_dtype (as FSDP "
-           "keeps BatchNorm), which needs float32 statistics; drop buffer_dtype (buffers stay float32)");
 }
 
 void DataParallel::init(std::vector<Device> devices) {
@@ -224,6 +220,7 @@ void DataParallel::init(std::vector<Device> devices) {
   design_->lay_out();
   design_->make_compute_copies();
   design_->coalesce_buffers(buffers_);
+  design_->make_compute_buffers(buffers_);
   design_->end_replicate();
   design_->snapshot_grad_versions();
   make_reducer();
@@ -399,7 +396,11 @@ DataParallel::~DataParallel() {
     design_->release();
     for (auto& s : set_->slots()) autograd::clear_post_accumulate_hooks(s->copies[0]);
     set_->drop_copies();
-    for (auto& b : buffers_) b->copies.resize(1);
+    for (auto& b : buffers_) {
+      b->copies.resize(1);
+      b->compute.clear();  // Note [Buffers in low precision]
+      b->compute_reads.clear();
+    }
     backend::get(devices_[0]).set_concurrent_devices(1);
   } catch (const std::exception& e) {
     detail::log_warning(detail::str_cat("DataParallel: cleanup failed: ", e.what()));
@@ -506,6 +507,7 @@ Tensor DataParallel::forward(const std::vector<DataParallelInput>& in) {
     }
     PhaseTimer t(*recorder_, r, Phase::Forward);
     outs[r] = xs.size() == 1 ? net_->forward(xs[0]) : net_->forward(xs);
+    design_->after_forward(r);
   });
   Tensor out = gather(outs, plan);
   bool needs_grad = std::any_of(outs.begin(), outs.end(), [](const Tensor& o) { return o.defined() && o.requires_grad(); });
@@ -599,6 +601,7 @@ Tensor DataParallel::worker_loss_backward(int rank, const std::vector<DataParall
   {
     PhaseTimer t(*recorder_, rank, Phase::Forward);
     Tensor out = xs.size() == 1 ? net_->forward(xs[0]) : net_->forward(xs);
+    design_->after_forward(rank);
     loss = shard_loss(rank, out, yr);
     DP_CHECK(loss.numel() == 1, "DataParallel::forward_backward: the loss function must return a scalar, got ",
              loss.str());

@@ -150,7 +150,10 @@ void Design::coalesce_buffers(std::vector<std::shared_ptr<nn::Parameter::Slot>>&
 // rank makes the same sequence of collectives.
 void Design::replicate(int rank, bool sync_params) {
   set().forget_compute_reads(rank);  // this forward's reads make their own cast nodes
-  if (world_devices() == 1) return refresh_compute(rank, false);
+  if (world_devices() == 1) {
+    refresh_compute(rank, false);
+    return cast_buffers(rank);
+  }
   PhaseTimer t(recorder(), rank, Phase::Replicate);
   bool moved = replicate_params(rank, sync_params);
   const Tensor& buffers = buffer_flat_[static_cast<std::size_t>(rank)];
@@ -158,6 +161,7 @@ void Design::replicate(int rank, bool sync_params) {
     comm().broadcast(rank, buffers, 0);  // Note [Coalesced buffers]
     moved = true;
   }
+  cast_buffers(rank);
   if (!moved) return t.cancel();
   t.set_args(sync_params ? "\"parameters\": true" : "\"parameters\": false");
 }
@@ -274,6 +278,73 @@ void Design::refresh_compute_range(int rank, std::int64_t lo, std::int64_t hi) {
   const nn::ParameterCopy& c = set().copy(rank);
   if (!c.compute.defined() || hi <= lo) return;
   cast_into(c.data.narrow(0, lo, hi - lo), c.compute.narrow(0, lo, hi - lo));
+}
+
+// ---- buffers in buffer_dtype ------------------------------------------------------------------
+
+// Note [Buffers in low precision]
+// mixed_precision.buffer_dtype (FSDP's MixedPrecision.buffer_dtype) keeps the buffers
+// of every module but BatchNorm2d in buffer_dtype where the workers compute: each
+// device gets a copy of each of those float32 buffers in buffer_dtype (Slot::compute,
+// as a parameter's compute view), and a worker's read of such a buffer
+// (Parameter::get() on a bound thread) returns that copy, so that a module computing in param_dtype meets a 16-bit
+// buffer and stays in 16 bits (a float32 operand would turn its result to float32).
+// BatchNorm2d keeps float32 buffers, as FSDP keeps _BatchNorm out of mixed precision by
+// default: its running statistics are accumulated in float32 (Note [Parameters in low
+// precision]). The float32 buffers stay the master, as the float32 parameters do: what
+// state_dict(), checkpoints, the buffer broadcast and the user's own thread read.
+// - Before every forward, after the buffer broadcast (if any), each worker casts its
+//   device's float32 buffers into their copies: a read-only buffer (a mask, a table)
+//   computes as FSDP's cast one does, and its master keeps every bit.
+// - A forward that writes into a buffer in place (a running statistic of a module of
+//   one's own) writes the 16-bit copy, so the update is computed and rounded in
+//   buffer_dtype, as in FSDP, where the buffer lives in buffer_dtype; right after the
+//   forward the worker widens each copy whose storage version moved into its float32
+//   buffer (after_forward; every copy has a storage of its own, so a read-only buffer
+//   beside a written one is never rounded), so the master holds the 16-bit value
+//   exactly, device 0's is what the next broadcast sends, and the next cast gives the
+//   same bits back.
+// Buffers that are not float32 (num_batches_tracked) are left as they are. Everything
+// is a function of device 0's float32 buffers and each device's own forward, so the
+// designs stay bitwise alike; buffer_dtype float32 changes nothing.
+void Design::make_compute_buffers(const std::vector<std::shared_ptr<nn::Parameter::Slot>>& buffers) {
+  const std::optional<Dtype> dtype = options().mixed_precision.buffer_dtype;
+  if (!dtype.has_value() || *dtype == Dtype::Float32) return;
+  std::set<const nn::Parameter::Slot*> kept;
+  for (const auto& m : net().modules())
+    if (nn::is_module<nn::BatchNorm2d>(*m))
+      for (const auto& s : m->buffer_slots()) kept.insert(s.get());
+  for (const auto& b : buffers)
+    if (b->copies[0].dtype() == Dtype::Float32 && kept.count(b.get()) == 0) cast_buffers_.push_back(b);
+  const auto n = devices().size();
+  cast_versions_.assign(n, std::vector<std::uint64_t>(cast_buffers_.size(), 0));
+  for (auto& b : cast_buffers_) {
+    b->compute.clear();
+    for (std::size_t r = 0; r < n; ++r) b->compute.push_back(empty(b->copies[0].shape(), TensorOptions{*dtype, devices()[r]}));
+    b->compute_reads.assign(n, Tensor());
+  }
+}
+
+void Design::cast_buffers(int rank) {
+  NoGradGuard no_grad;
+  const auto r = static_cast<std::size_t>(rank);
+  for (std::size_t i = 0; i < cast_buffers_.size(); ++i) {
+    const nn::Parameter::Slot& b = *cast_buffers_[i];
+    cast_into(b.copies[r], b.compute[r]);
+    cast_versions_[r][i] = b.compute[r].storage()->version();
+  }
+}
+
+void Design::after_forward(int rank) {
+  NoGradGuard no_grad;
+  const auto r = static_cast<std::size_t>(rank);
+  for (std::size_t i = 0; i < cast_buffers_.size(); ++i) {
+    const nn::Parameter::Slot& b = *cast_buffers_[i];
+    if (b.compute[r].storage()->version() == cast_versions_[r][i]) continue;
+    cast_into(b.compute[r], b.copies[r]);
+    b.copies[r].storage()->bump_version();  // written behind the tensor's back
+    cast_versions_[r][i] = b.compute[r].storage()->version();
+  }
 }
 
 // ---- combined gradients ------------------------------------------------------------------------

@@ -92,6 +92,12 @@ class Design {
   void coalesce_buffers(std::vector<std::shared_ptr<nn::Parameter::Slot>>& buffers);
   /// Worker `rank`, before its forward: what the replica needs from device 0.
   void replicate(int rank, bool sync_params);
+  /// At construction, after coalesce_buffers(): every device's copies in buffer_dtype of
+  /// the buffers that take it (Note [Buffers in low precision]).
+  void make_compute_buffers(const std::vector<std::shared_ptr<nn::Parameter::Slot>>& buffers);
+  /// Worker `rank`, right after its module's forward: what the forward wrote into its
+  /// buffers in buffer_dtype reaches its float32 buffers (Note [Buffers in low precision]).
+  void after_forward(int rank);
 
   // ---- parameters in param_dtype (Note [Parameters in low precision]) -----------------
   /// mixed_precision.param_dtype when it is a 16-bit dtype, else nullopt.
@@ -222,6 +228,11 @@ class Design {
   };
   std::vector<ComputeBase> compute_base_;      // per copy (Note [Parameters in low precision])
   std::vector<Tensor> buffer_flat_;            // per device: every float32 buffer (Note [Coalesced buffers])
+  // Note [Buffers in low precision]: the buffers kept in buffer_dtype and, per device,
+  // each one's storage version after the last cast (the copies are in Slot::compute).
+  void cast_buffers(int rank);
+  std::vector<std::shared_ptr<nn::Parameter::Slot>> cast_buffers_;
+  std::vector<std::vector<std::uint64_t>> cast_versions_;  // [rank][buffer]
   std::uint64_t synced_version_ = kUnsynced;  // primary version the replicas hold
   std::vector<std::uint64_t> storage_base_;    // each copy's storage version at the last sync
   std::vector<std::uint64_t> grad_base_;       // each copy's grad version after the last sync

@@ -134,8 +134,14 @@ struct MixedPrecision {
   /// rounded once: one rounding per hop, the same bits on every process.
   /// Unset: param_dtype when that is set (as in FSDP), else float32.
   std::optional<Dtype> reduce_dtype = std::nullopt;
-  /// Buffers (BatchNorm running statistics). Not supported yet (a set value is a
-  /// dp::Error).
+  /// Buffers of every module but BatchNorm2d (whose running statistics stay float32, as
+  /// FSDP keeps batch norm): BFloat16 or Float16 makes every worker read a copy of them in
+  /// it, cast from the float32 buffers before each forward, so a module computing in
+  /// param_dtype stays 16-bit where it meets its buffer; a forward's in-place write into
+  /// such a buffer (a running statistic) is made in it and widened into the float32
+  /// buffer, which state_dict() and checkpoints show (Note [Buffers in low precision] in
+  /// src/parallel/design.cpp). Independent of param_dtype, as in FSDP. Unset or Float32:
+  /// buffers as registered.
   std::optional<Dtype> buffer_dtype = std::nullopt;
 };
 
