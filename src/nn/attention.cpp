@@ -22,10 +22,12 @@ Tensor project(const Tensor& x, const Tensor& w, const Tensor& b) {
   return linear(x.reshape({-1, x.size(-1)}), w, b).reshape(shape);
 }
 
+// Float32, or 16-bit (DataParallel's param_dtype: Note [16-bit blocks] in
+// dp/nn/transformer.h).
 void check_input(const char* what, const Tensor& t, std::int64_t E, bool batch_first) {
   DP_CHECK(t.defined(), kOp, ": expected a defined ", what, ", got an undefined tensor");
-  DP_CHECK(t.dtype() == Dtype::Float32 && t.dim() == 3 && t.size(2) == E, kOp, ": expected a float32 ", what,
-           batch_first ? " (N, L, E=" : " (L, N, E=", E, "), got ", t.str(),
+  DP_CHECK(is_floating_point(t.dtype()) && t.dim() == 3 && t.size(2) == E, kOp, ": expected a floating ", what,
+           batch_first ? " (N, L, E=" : " (L, N, E=", E, ") in float32, bfloat16 or float16, got ", t.str(),
            t.dim() == 2 ? "; an unbatched input wants .unsqueeze(batch dim)" : "");
 }
 
@@ -110,22 +112,25 @@ MultiheadAttention::Result MultiheadAttention::run(const Tensor& query, const Te
     k = project(k_in, rows(w, 1), rows(b, 1));
     v = project(v_in, rows(w, 2), rows(b, 2));
   }
-  // The additive mask, broadcast to (N, H, L, S) (Note [Attention masks]).
+  // The additive mask, broadcast to (N, H, L, S) (Note [Attention masks]), in q's dtype:
+  // a 16-bit q (param_dtype) takes the float32 masks rounded to it, as autocast casts a
+  // mask with q (its 0 and -inf are exact in every dtype).
   const TensorOptions f32{Dtype::Float32, q.device()};
+  const auto in_q = [&q](const Tensor& m) { return m.dtype() == q.dtype() ? m : m.to(q.dtype()); };
   Tensor mask;
   if (attn_mask.defined()) {
     const Shape two{L, S}, three{N * H, L, S};
     DP_CHECK(attn_mask.dtype() == Dtype::Float32 && (attn_mask.shape() == two || attn_mask.shape() == three), kOp,
              ": expected a float32 attn_mask of shape (L, S) = ", shape_str(two), " or (N * num_heads, L, S) = ",
              shape_str(three), ", got ", attn_mask.str());
-    mask = attn_mask.dim() == 2 ? attn_mask : attn_mask.reshape({N, H, L, S});
+    mask = in_q(attn_mask.dim() == 2 ? attn_mask : attn_mask.reshape({N, H, L, S}));
   }
   if (key_padding_mask.defined()) {
     const Shape ns{N, S};
     DP_CHECK(key_padding_mask.dtype() == Dtype::Float32 && key_padding_mask.shape() == ns, kOp,
              ": expected a float32 key_padding_mask of shape (N, S) = ", shape_str(ns), ", got ",
              key_padding_mask.str(), " (Note [Attention masks]: -inf where a key is padding, 0 elsewhere)");
-    Tensor pad = key_padding_mask.reshape({N, 1, 1, S});
+    Tensor pad = in_q(key_padding_mask.reshape({N, 1, 1, S}));
     mask = mask.defined() ? add(mask, pad) : pad;
   }
   // Causal alone goes to sdpa as is_causal; beside a padding mask, or for the weights,
@@ -133,7 +138,7 @@ MultiheadAttention::Result MultiheadAttention::run(const Tensor& query, const Te
   const bool causal = is_causal && !attn_mask.defined();
   if (causal && (mask.defined() || need_weights)) {
     Tensor future = triu(ones({L, S}, f32), 1);
-    Tensor c = masked_fill(zeros({L, S}, f32), future, -INFINITY);
+    Tensor c = in_q(masked_fill(zeros({L, S}, f32), future, -INFINITY));
     mask = mask.defined() ? add(mask, c) : c;
   }
   const double p = is_training() && dropout_ ? options_.dropout() : 0.0;

@@ -20,9 +20,12 @@ void check_options(const TransformerBlockOptions& o) {
            o.dropout());
 }
 
+// Float32, or a 16-bit residual stream (DataParallel's param_dtype: Note [16-bit
+// blocks] in dp/nn/transformer.h).
 void check_input(const char* op, const Tensor& x, std::int64_t C) {
-  DP_CHECK(x.defined() && x.dim() == 3 && x.size(2) == C && x.dtype() == Dtype::Float32, op,
-           ": expected a float32 input (B, T, C=", C, "), got ", x.defined() ? x.str() : std::string("an undefined tensor"));
+  DP_CHECK(x.defined() && x.dim() == 3 && x.size(2) == C && is_floating_point(x.dtype()), op,
+           ": expected a floating input (B, T, C=", C, ") in float32, bfloat16 or float16, got ",
+           x.defined() ? x.str() : std::string("an undefined tensor"));
 }
 
 // A Dropout seeded from `gen` when given (a block built from one generator is then the

@@ -11,6 +11,16 @@
 //
 //   auto block = std::make_shared<dp::nn::TransformerBlock>(dp::nn::TransformerBlockOptions(128, 4));
 //   dp::Tensor h = (*block)(x);                        // x (B, T, 128) -> (B, T, 128)
+//
+// Note [16-bit blocks]
+// A block (and MultiheadAttention) takes a float32 input, or a bfloat16 or float16 one
+// with parameters of that dtype — DataParallel's mixed_precision.param_dtype, where the
+// residual stream is 16-bit (FSDP's param_dtype). Then the Linears, the attention (the
+// fused CPU kernel accumulates in float32 and rounds once) and the residual adds run in
+// the 16-bit dtype, and each LayerNorm computes its statistics and its affine in float32
+// and rounds its output once (layer_norm's Note [16-bit tensors]), so the stream stays
+// 16-bit from block to block. A float32 mask given to MultiheadAttention is rounded to
+// the input's dtype (its 0 and -inf are exact), as autocast casts a mask with the query.
 #pragma once
 
 #include <cstdint>
