@@ -334,7 +334,8 @@ TEST_CASE("mpi communicator: int64 broadcast and all_gather, int32 broadcast") {
   const std::string e = error_of([&] {
     comm->all_gather(r, x32, dp::zeros({2 * p}, {.dtype = dp::Dtype::Int32, .device = dp::cpu(0)}));
   });
-  CHECK_MESSAGE(contains(e, "which all_gather does not take on the mpi communicator (it takes float32, int64)"), e);
+  CHECK_MESSAGE(contains(e, "which all_gather does not take on the mpi communicator (it takes float32, int64, "
+                            "bfloat16, float16)"), e);
 }
 
 TEST_CASE("mpi communicator: the same bits as the local communicator over P devices") {
@@ -392,6 +393,27 @@ std::vector<float> expected_reduce16(dp::Dtype dtype, int p, std::int64_t n, Red
 }
 
 }  // namespace
+
+// Note [Collective dtypes]: all_gather moves bfloat16 and float16 between processes as
+// 2-byte elements, every bit as sent (DataParallel's 16-bit parameters, for instance).
+TEST_CASE("mpi communicator: bfloat16 and float16 all_gather move every bit") {
+  const int p = dist::world_size();
+  const int r = dist::rank();
+  auto comm = dp::comm::make_mpi_communicator(dp::cpu(0));
+  for (dp::Dtype dtype : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    CAPTURE(dp::dtype_name(dtype));
+    CHECK(comm->supports(dp::comm::Communicator::Collective::AllGather, dtype));
+    for (std::int64_t n : {0, 1, 17}) {
+      CAPTURE(n);
+      dp::Tensor all = dp::zeros({n * p}, {.dtype = dtype, .device = dp::cpu(0)});
+      comm->all_gather(r, send16(dtype, r, n), all);
+      std::vector<float> want;
+      for (int q = 0; q < p; ++q)
+        for (std::int64_t i = 0; i < n; ++i) want.push_back(round_to(dtype, input16(q, i)));
+      CHECK(bitwise_equal(all.to(dp::Dtype::Float32).to_vector(), want));
+    }
+  }
+}
 
 // Note [Deterministic process collectives]: bfloat16 and float16 cross processes as
 // 2-byte elements and are summed in float32 in rank order, rounded once.

@@ -78,10 +78,11 @@ class MpiCommunicator final : public Communicator {
 };
 
 /// Calls f.template operator()<T>() with T the element type a process group carries
-/// `dtype` as (float32: float, int64: std::int64_t) and returns true; false when no
-/// process-group type carries it (int32: all_gather refuses it rather than mix it up
-/// with float32 between processes). A new dtype is a case here and an instantiation
-/// in src/dist/process_group.cpp (Note [Collective dtypes]).
+/// `dtype` as (float32: float, int64: std::int64_t, bfloat16 and float16: their 2-byte
+/// storage types, moved as they are) and returns true; false when no process-group type
+/// carries it (int32: all_gather refuses it rather than mix it up with float32 between
+/// processes). A new dtype is a case here and an instantiation in
+/// src/dist/process_group.cpp (Note [Collective dtypes]).
 template <typename F>
 bool with_process_type(Dtype dtype, F&& f) {
   switch (dtype) {
@@ -90,6 +91,12 @@ bool with_process_type(Dtype dtype, F&& f) {
       return true;
     case Dtype::Int64:
       f.template operator()<std::int64_t>();
+      return true;
+    case Dtype::BFloat16:
+      f.template operator()<BFloat16>();
+      return true;
+    case Dtype::Float16:
+      f.template operator()<Float16>();
       return true;
     default:
       return false;
@@ -101,8 +108,8 @@ bool with_process_type(Dtype dtype, F&& f) {
 /// dtype (summation.h): float32, and bfloat16 and float16 — gradients on the wire
 /// (Note [Gradients on the wire] in src/parallel/grad_wire.h) cross processes as 2-byte
 /// elements, summed in float32 in rank order and rounded once (Note [Deterministic
-/// process collectives]), as the local communicator adds them. The 16-bit dtypes are
-/// reduced between processes, not (yet) all-gathered: with_process_type.
+/// process collectives]), as the local communicator adds them; all_gather moves them
+/// as they are (with_process_type).
 template <typename F>
 bool with_process_summand(Dtype dtype, F&& f) {
   return with_summand(dtype, std::forward<F>(f));
