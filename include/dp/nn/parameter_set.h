@@ -74,7 +74,9 @@ struct Parameter::Slot {
   std::shared_ptr<Slot> tied;
   /// Note [Compute copies]: compute[r] views copy r's compute buffer (undefined: the
   /// copy computes with copies[r] itself); compute_reads[r] is what get() handed copy
-  /// r's worker since ParameterSet::forget_compute_reads(r), with its cast node.
+  /// r's worker since ParameterSet::forget_compute_reads(r), with its cast node. A
+  /// buffer's compute[r] is a runtime's copy of it in another dtype, read the same way
+  /// on a bound thread (DataParallel's buffer_dtype).
   std::vector<Tensor> compute;
   std::vector<Tensor> compute_reads;
 };
