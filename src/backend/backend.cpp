@@ -78,6 +78,18 @@ void Backend::gemm_epilogue_by_ops(Device dev, const GemmArgs& a) {
 
 bool Backend::max_pool2d_byte_winners(const Pool2dShape&) const { return false; }
 
+std::string Backend::attention_shape_misfit(Device, const AttentionShape&) const { return ""; }
+
+void check_attention_args(const char* op, DType dt, const AttentionShape& s, const AttentionMask& mask,
+                          const AttentionDropout& drop) {
+  DP_CHECK(s.B >= 0 && s.H >= 1 && s.L >= 0 && s.S >= 0 && s.E >= 1 && s.Ev >= 1, op,
+           ": expected B >= 0, H >= 1, L >= 0, S >= 0, E >= 1 and Ev >= 1, got B=", s.B, " H=", s.H, " L=", s.L,
+           " S=", s.S, " E=", s.E, " Ev=", s.Ev);
+  DP_CHECK(!mask.p || mask.dtype == DType::F32 || mask.dtype == dt, op, ": expected a float32 or ", dtype_name(dt),
+           " mask, got a ", dtype_name(mask.dtype), " one");
+  DP_CHECK(drop.p >= 0.0f && drop.p < 1.0f, op, ": expected a dropout probability in [0, 1), got ", drop.p);
+}
+
 std::int64_t max_pool2d_winner_bytes(const Backend& be, const Pool2dShape& s) {
   const std::int64_t outputs = s.N * s.C * s.P * s.Q;
   return be.max_pool2d_byte_winners(s) ? outputs : outputs * static_cast<std::int64_t>(sizeof(std::int64_t));

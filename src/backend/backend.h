@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -39,6 +40,13 @@ inline bool is_2x2_tiling(const Pool2dShape& s) {
 class Backend;
 /// Bytes of MaxPool2d's winners for shape `s` on backend `be` (Note [Max-pool winners]).
 std::int64_t max_pool2d_winner_bytes(const Backend& be, const Pool2dShape& s);
+
+/// What every backend's AttentionForward / AttentionBackward kernel requires of its
+/// arguments (AttentionForwardArgs in ops.h): a valid shape, no mask or a float32 one or
+/// one of the call's dtype `dt`, a dropout probability in [0, 1). Throws dp::Error naming
+/// `op` otherwise.
+void check_attention_args(const char* op, DType dt, const AttentionShape& s, const AttentionMask& mask,
+                          const AttentionDropout& drop);
 
 /// A non-owning reference to a callable f(begin, end): lets a virtual call take any
 /// lambda without copying it or allocating (std::function may). Valid only during the
@@ -205,6 +213,12 @@ class Backend : public dp::detail::DeviceRuntime {
   /// place in a 2x2 window) rather than int64 flat indices (Note [Max-pool winners]).
   /// False here; a backend with the byte kernels says where it uses them.
   virtual bool max_pool2d_byte_winners(const Pool2dShape& s) const;
+
+  /// Why this backend's AttentionForward / AttentionBackward kernels do not take a call
+  /// of shape `s` on `dev` (a limit of the kernels': head dims, shared memory), or ""
+  /// when they do; scaled_dot_product_attention then runs the math path (Note [Fused
+  /// attention paths]). "" here: a backend whose kernels have limits says which.
+  virtual std::string attention_shape_misfit(Device dev, const AttentionShape& s) const;
 
   /// The Conv2d op with a pool (Conv2dArgs::pool) as separate ops: the convolution
   /// (with its ReLU) through the table into a block of the device, then MaxPool2d from

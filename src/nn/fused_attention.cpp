@@ -3,17 +3,20 @@
 //
 // Note [Fused attention paths]
 // scaled_dot_product_attention (src/nn/functional_sequence.cpp) runs the fused kernels
-// (Note [Fused attention] in src/backend/cpu/cpu_attention.cpp) when the device's
-// backend registers them for the call's dtype (the CPU's: float32, bfloat16, float16;
-// CUDA runs the math path) and the call fits them: q, k, v of one floating dtype, 3
-// dims (B, L, E) or 4 (B, H, L, E) with the same batch dims (no broadcasting between
-// them), non-empty; dropout_p < 1; and no mask, is_causal, or a mask broadcastable to
-// (batch dims, L, S) — the kernel reads it with stride 0 along its broadcast dims, so it
-// is never expanded — that is float32 or of q's dtype (a 16-bit one, as autocast casts
-// it), except an additive float32 mask over 16-bit q, whose sum the math path promotes
-// to a float32 result. Anything else — broadcast batch dims, mixed dtypes, dropout_p = 1
-// (the dropout op zeroes everything without drawing) — runs the math path, which also
-// makes every bad-input error what it was. The two paths give the same values up to
+// (Note [Fused attention] in src/backend/cpu/cpu_attention.cpp, Note [Fused attention
+// on CUDA] in src/backend/cuda/cuda_attention.cu) when the device's backend registers
+// them for the call's dtype (the CPU's and CUDA's: float32, bfloat16, float16) and the
+// call fits them: q, k, v of one floating dtype, 3 dims (B, L, E) or 4 (B, H, L, E) with
+// the same batch dims (no broadcasting between them), non-empty, of a shape the backend's
+// kernels take (Backend::attention_shape_misfit: CUDA's head dims E, Ev <= 128, within
+// the GPU's shared memory); dropout_p < 1; and no mask, is_causal, or a mask
+// broadcastable to (batch dims, L, S) — the kernel reads it with stride 0 along its
+// broadcast dims, so it is never expanded — that is float32 or of q's dtype (a 16-bit
+// one, as autocast casts it), except an additive float32 mask over 16-bit q, whose sum
+// the math path promotes to a float32 result. Anything else — broadcast batch dims,
+// mixed dtypes, head dims above a backend's limit, dropout_p = 1 (the dropout op zeroes
+// everything without drawing) — runs the math path, which also makes every bad-input
+// error what it was. The two paths give the same values up to
 // rounding: the fused one sums the softmax in blocks and keeps every intermediate in
 // float32, where the math path in a 16-bit dtype stores its scores and weights in 16 bits
 // (tests/nn/attention_fused_test.cpp bounds the differences). With dropout both draw
@@ -24,6 +27,7 @@
 #include "nn/fused_attention.h"
 
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -98,6 +102,7 @@ std::string fused_attention_misfit(const Tensor& q, const Tensor& k, const Tenso
   for (std::int64_t d = 0; d + 2 < q.dim(); ++d)
     if (k.size(d) != q.size(d) || v.size(d) != q.size(d)) return "q, k and v have different batch dims";
   if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return "q, k or v is empty";
+  if (std::string why = bk.attention_shape_misfit(dev, attention_shape(q, k, v)); !why.empty()) return why;
   if (!attn_mask.defined()) return "";
   if (attn_mask.device() != dev || (attn_mask.dtype() != Dtype::Float32 && attn_mask.dtype() != q.dtype()))
     return "attn_mask is neither float32 nor q's dtype on q's device";

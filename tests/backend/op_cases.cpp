@@ -812,7 +812,7 @@ void add_pool_dtype(Table& t, const Pool2dShape& s, DType dt) {
   }
 }
 
-/// A fused attention's forward and backward (a fusion only the CPU offers); with
+/// A fused attention's forward and backward (a fusion the CPU and CUDA backends offer); with
 /// `masked`, an additive (L, S) mask broadcast over B and H. The backward's out and lse
 /// are random: its outputs are the kernel's function of any inputs.
 void add_attention(Table& t, const be::AttentionShape& s, bool causal, bool masked) {

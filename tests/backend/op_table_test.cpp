@@ -90,6 +90,9 @@ class RecordingBackend final : public Backend {
   }
   std::size_t pinned_memory_allocated() override { return in_.pinned_memory_allocated(); }
   bool max_pool2d_byte_winners(const Pool2dShape& s) const override { return in_.max_pool2d_byte_winners(s); }
+  std::string attention_shape_misfit(Device dev, const dp::backend::AttentionShape& s) const override {
+    return in_.attention_shape_misfit(dev, s);
+  }
 
   void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
             std::size_t nbytes) override {

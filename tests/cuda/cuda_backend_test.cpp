@@ -88,7 +88,7 @@ TEST_CASE("every op case on cuda:0 matches cpu:0 within its tolerance") {
   const auto cases = dp_test::op_cases(dp_test::Suite::Check);
   REQUIRE(!cases.empty());
   for (const dp_test::OpCase* c : cases) {
-    if (!dp_test::runs_on(*c, dp::backend::get(dp::cuda(0)))) continue;  // a fusion only the CPU offers
+    if (!dp_test::runs_on(*c, dp::backend::get(dp::cuda(0)))) continue;  // a fusion this backend does not offer
     dp_test::OpRun cpu(*c, dp::cpu(0)), gpu(*c, dp::cuda(0));
     cpu.run();
     gpu.run();

@@ -138,10 +138,10 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
 /// PyTorch's math path does. This is the math path: it holds the (L, S) weights of
 /// every head, O(L·S) memory. Where the device's backend has a fused kernel and the
 /// call fits it (Note [Fused attention paths] in src/nn/fused_attention.cpp: q, k, v of
-/// one dtype — float32, bfloat16 or float16 on the CPU — 3-d or 4-d with equal batch
-/// dims, dropout_p < 1), that kernel runs instead: O(L) memory per (batch, head), the
-/// same values to rounding (float32 inside whatever the dtype), the same weights
-/// dropped and `gen` advanced alike.
+/// one dtype — float32, bfloat16 or float16 on the CPU and on CUDA (head dims up to 128
+/// there) — 3-d or 4-d with equal batch dims, dropout_p < 1), that kernel runs instead:
+/// O(L) memory per (batch, head), the same values to rounding (float32 inside whatever
+/// the dtype), the same weights dropped and `gen` advanced alike.
 /// Differentiable in q, k, v.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask = Tensor(), double dropout_p = 0.0,

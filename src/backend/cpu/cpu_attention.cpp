@@ -376,16 +376,6 @@ void backward_queries(const Problem<T>& p, const float* lse, const float* delta,
   gq_acc.store();
 }
 
-template <typename T>
-void check_args(const char* op, const AttentionShape& s, const AttentionMask& mask, const AttentionDropout& drop) {
-  DP_CHECK(s.B >= 0 && s.H >= 1 && s.L >= 0 && s.S >= 0 && s.E >= 1 && s.Ev >= 1, op,
-           ": expected B >= 0, H >= 1, L >= 0, S >= 0, E >= 1 and Ev >= 1, got B=", s.B, " H=", s.H, " L=", s.L,
-           " S=", s.S, " E=", s.E, " Ev=", s.Ev);
-  DP_CHECK(!mask.p || mask.dtype == DType::F32 || mask.dtype == dtype_of<T>, op, ": expected a float32 or ",
-           dtype_name(dtype_of<T>), " mask, got a ", dtype_name(mask.dtype), " one");
-  DP_CHECK(drop.p >= 0.0f && drop.p < 1.0f, op, ": expected a dropout probability in [0, 1), got ", drop.p);
-}
-
 /// Runs f(p, bh, start, size) for every (b, h) problem p and every block [start, start +
 /// size) of `block` rows of [0, extent), one task each, in the device's arena.
 template <typename T, typename Args, typename F>
@@ -402,7 +392,7 @@ void for_each_block(CpuBackend& be, Device dev, const Args& a, i64 extent, i64 b
 template <typename T>
 void attention_forward(CpuBackend& be, Device dev, const AttentionForwardArgs& a) {
   const AttentionShape& s = a.s;
-  check_args<T>("attention_forward", s, a.mask, a.dropout);
+  check_attention_args("attention_forward", dtype_of<T>, s, a.mask, a.dropout);
   auto* out = static_cast<T*>(a.out);
   for_each_block<T>(be, dev, a, s.L, kBlockQ, [&](const Problem<T>& p, i64 bh, i64 i0, i64 m) {
     forward_block(p, i0, m, out + bh * s.L * s.Ev, a.lse + bh * s.L);
@@ -412,7 +402,7 @@ void attention_forward(CpuBackend& be, Device dev, const AttentionForwardArgs& a
 template <typename T>
 void attention_backward(CpuBackend& be, Device dev, const AttentionBackwardArgs& a) {
   const AttentionShape& s = a.s;
-  check_args<T>("attention_backward", s, a.mask, a.dropout);
+  check_attention_args("attention_backward", dtype_of<T>, s, a.mask, a.dropout);
   const i64 rows = s.B * s.H * s.L;
   const auto* out = static_cast<const T*>(a.out);
   const auto* gout = static_cast<const T*>(a.gout);

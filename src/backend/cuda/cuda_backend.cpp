@@ -650,11 +650,17 @@ void CudaBackend::adam_step(Device dev, float* param, const float* grad, float* 
                weight_decay, decoupled, step);
 }
 
+std::string CudaBackend::attention_shape_misfit(Device dev, const AttentionShape& s) const {
+  check_device(dev);
+  return k::attention_misfit(s, physical_device(dev.index));
+}
+
 // ---- the kernel table (Note [The op list] in ops.h) -----------------------------------------
 
 void CudaBackend::register_kernels() {
   cuda_kernels::register_elementwise_kernels(*this);  // cuda_elementwise.cu
   cuda_kernels::register_reduce_kernels(*this);       // cuda_reduce.cu
+  cuda_kernels::register_attention_kernels(*this);    // cuda_attention.cu
   cuda_kernels::register_blas_kernels(*this);         // cuda_blas_dnn.cpp: the 16-bit GEMMs
   for (const MethodKernel& m : method_kernels<CudaBackend>()) register_kernel(m.op, DType::F32, m.fn);
 }

@@ -16,6 +16,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -190,6 +191,9 @@ class CudaBackend final : public Backend {
   void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override;
   void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
   void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
+  /// The fused attention kernels' limits: head dims up to 128, the GPU's shared memory
+  /// (Note [Fused attention on CUDA], cuda_attention.cu).
+  std::string attention_shape_misfit(Device dev, const AttentionShape& s) const override;
 
   // The float32 kernels of these ops (Note [The op list] in ops.h) are these members,
   // registered through method_kernels.h.

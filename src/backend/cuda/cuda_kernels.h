@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "backend/backend.h"
 
@@ -19,12 +20,19 @@ class CudaBackend;
 
 namespace dp::backend::cuda_kernels {
 
-/// Put the ops of cuda_elementwise.cu, cuda_reduce.cu and cuda_blas_dnn.cpp (the 16-bit
-/// GEMMs) in the backend's kernel table (Note [The op list] in ops.h); CudaBackend's
-/// constructor calls them.
+/// Put the ops of cuda_elementwise.cu, cuda_reduce.cu, cuda_attention.cu and
+/// cuda_blas_dnn.cpp (the 16-bit GEMMs) in the backend's kernel table (Note [The op
+/// list] in ops.h); CudaBackend's constructor calls them.
 void register_elementwise_kernels(CudaBackend& be);
 void register_reduce_kernels(CudaBackend& be);
+void register_attention_kernels(CudaBackend& be);
 void register_blas_kernels(CudaBackend& be);
+
+// ---- cuda_attention.cu ----------------------------------------------------------------
+/// Why the fused attention kernels do not take shape s on physical GPU `gpu` (head dims
+/// above 128, too little shared memory, too many blocks), or "" (Note [Fused attention
+/// on CUDA]).
+std::string attention_misfit(const AttentionShape& s, int gpu);
 
 /// The inputs of sum_inputs: up to kMaxSumInputs device pointers, passed by value as a
 /// kernel argument (64 pointers = 512 bytes, well inside the 4 KiB parameter limit).

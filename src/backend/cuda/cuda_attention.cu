@@ -1,0 +1,679 @@
+// CUDA backend: fused (blockwise, "flash") scaled-dot-product attention, forward and
+// backward, float32, bfloat16 and float16, with masks and dropout.
+//
+// Note [Fused attention on CUDA]
+// The op is the CPU kernel's (AttentionForwardArgs in ops.h, Note [Fused attention] in
+// src/backend/cpu/cpu_attention.cpp): the same inputs, the same lse saved for the
+// backward, the same masks, the same dropped weights, the same values to rounding. The
+// kernels follow FlashAttention-2's outline (Dao, 2023) on CUDA cores:
+//  - Geometry. A block is 4 warps and owns 32 rows of one (b, h) problem — queries in
+//    the forward and in dQ, keys in dK/dV — 8 per warp; it walks the other side in
+//    tiles of 32, one row per lane. The tiles sit in shared memory widened to float32,
+//    each row padded to kD + 4 floats (kD: 64 or 128, the head dims E and Ev rounded
+//    up): 16-byte aligned for float4 reads, and a lane reading its own row with them
+//    hits 4 banks no other lane of its quarter-warp does. Each float4 a lane reads
+//    from its own row feeds the FMAs of its warp's 8 rows, read from shared memory as
+//    broadcasts; the products are plain float32 FMAs, no tensor cores (TF32 would round
+//    float32 inputs to 10 bits, and P·V in 16 bits would round P, which the CPU kernel
+//    keeps in float32). Head dims above 128 are refused (Backend::attention_shape_misfit):
+//    scaled_dot_product_attention then runs the math path.
+//  - Forward: per key tile, lane j scores its key against its warp's 8 queries (scale
+//    q·k, the mask, causal: the CPU's order), the warp reduces each row's maximum and
+//    sum of exp(s − m) with shuffles (so m and l are the same on every lane), rescales
+//    the output accumulator by exp(m_old − m_new), drops (after the sum: l is undropped),
+//    writes the row's weights to the warp's shared row, and adds P·V, each lane owning
+//    the output dims lane + 32c. out = acc / l and lse = m + log l. Causal: key tiles
+//    past the block's last query are never loaded, and a warp whose 8 queries all
+//    precede a tile skips it; blocks are launched longest rows first.
+//  - Backward: Δ_i = gout_i · out_i (a warp per row) into scratch; then two kernels
+//    that recompute the tile's probabilities P = exp(s − lse) and dP = gout vᵀ and form
+//    dS = P ∘ (dP ∘ Z − Δ): one block per 32 keys walks the query tiles (from its first
+//    key on when causal) summing dV += (P ∘ Z)ᵀ gout and dK += dSᵀ q, one block per 32
+//    queries walks the key tiles summing dQ += dS k. Each gradient element is summed by
+//    one thread in a fixed order — no atomics — so gradients are bitwise reproducible
+//    run to run and independent of the launch, as the CPU kernel's (which the DP, DDP
+//    and sharded designs' equality relies on); the price is the scores and dP computed
+//    twice, as on the CPU. A float32 atomicAdd of each tile's dQ (FlashAttention-2's
+//    choice) would save that but add in the order the blocks happen to finish.
+//  - Dropout: weight (b, h, i, j) is kept when uniform_from(seed, offset + ((b·H + h)·L
+//    + i)·S + j) >= p — the dropout op's draw (Note [Counter-based random numbers]),
+//    which the CPU fused kernel and the dropout op on either backend make too: the same
+//    keep bits, bit for bit, across CPU and CUDA, the math path and the fused one. The
+//    forward and both backward kernels draw it again where they need it; nothing stored.
+//  - 16-bit storage: q, k, v, gout (and a mask of the call's dtype) are widened when
+//    loaded; scores, m, l, lse, Δ and every accumulator are float32; out, gq, gk, gv
+//    are rounded once, when stored. A row whose every key is masked gives NaN (out) and
+//    lse = -inf, and NaN gradients, as the CPU kernel and the math path.
+//  - Memory: lse (B·H·L floats) is the forward's only saving besides out, Δ (B·H·L
+//    floats) the backward's scratch. Shared memory per block: 53.5 KiB (forward), 74.25
+//    (dK/dV) and 70 (dQ) at kD = 128, 29.5, 42.25 and 38 at kD = 64; above the 48 KiB a
+//    block gets by default the launch opts in (cudaFuncSetAttribute), and a GPU that
+//    allows less (Turing: 64 KiB) is refused for kD = 128, which then runs the math path.
+// The sums run in other orders than the CPU kernel's (warp trees, tiles of 32, FMAs),
+// so the two agree to float32 rounding, not bit for bit (tests/cuda/cuda_attention_test.cpp).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_half.cuh"
+#include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_register.h"
+#include "backend/functors.h"
+#include "dp/core/error.h"
+
+namespace dp::backend::cuda_kernels {
+namespace {
+
+using i64 = std::int64_t;
+
+// ---- kernels ------------------------------------------------------------------------------
+
+constexpr int kWarps = 4;                 // per block: 128 threads, up to 3 blocks an SM at kD = 128
+constexpr int kThreads = kWarps * kWarp;
+// The rows a warp owns: each float4 a lane reads feeds 8 rows' FMAs (32 FMAs per 9
+// shared loads), and 8 rows' accumulators (8 · kD / 32 floats a lane, twice in dK/dV)
+// stay in registers.
+constexpr int kRowsPerWarp = 8;
+constexpr int kTile = kWarps * kRowsPerWarp;  // rows a block owns; the other side's tile
+static_assert(kTile == kWarp, "a tile of the other side has one row per lane");
+constexpr int kMaxHeadDim = 128;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+/// Floats between rows of a shared tile of kD columns (Note [Fused attention on CUDA]).
+constexpr int row_stride(int kD) { return kD + 4; }
+
+/// n rounded up to a multiple of 4: the dot products read float4s of zero-padded rows.
+__device__ __forceinline__ int round4(int n) { return (n + 3) / 4 * 4; }
+
+__device__ __forceinline__ i64 min64(i64 a, i64 b) { return a < b ? a : b; }
+
+/// One call's geometry and options, by value into every kernel.
+struct Params {
+  i64 H, L, S;
+  int E, Ev;
+  i64 tiles;  // row tiles of kTile per (b, h): the grid has B·H·tiles blocks
+  float scale;
+  bool causal;
+  const void* mask;  // null, or (B, H, L, S) strided by msb, msh, msl, mss elements
+  bool mask_f32;     // float32, else the call's dtype
+  bool keep;         // a 0/1 keep-mask, else additive
+  i64 msb, msh, msl, mss;
+  float drop_p;      // 0: no dropout
+  float drop_scale;  // 1 / (1 - p), the dropout op's
+  std::uint64_t seed, offset;
+};
+
+/// The block's dynamic shared memory as floats (16-byte aligned: float4 reads).
+__device__ __forceinline__ float* shared_floats() {
+  extern __shared__ float4 attention_shared[];
+  return reinterpret_cast<float*>(attention_shared);
+}
+
+/// Whether query i attends to key j at all: both exist and, when causal, j <= i. The
+/// weight of a pair that does not is exactly 0 (the CPU kernel's zero fill), never
+/// exp(-inf - lse) (NaN for a row whose lse is -inf).
+__device__ __forceinline__ bool attends(const Params& p, i64 i, i64 j) {
+  return i < p.L && j < p.S && !(p.causal && j > i);
+}
+
+/// The score of query i and key j of problem bh from dot = q_i · k_j: scale · dot, then
+/// the mask (added, or -inf where a keep-mask is 0), as the CPU's block_scores.
+template <typename T>
+__device__ __forceinline__ float masked_score(const Params& p, i64 bh, i64 i, i64 j, float dot) {
+  float x = p.scale * dot;
+  if (p.mask) {
+    const i64 at = bh / p.H * p.msb + bh % p.H * p.msh + i * p.msl + j * p.mss;
+    const float m = p.mask_f32 ? static_cast<const float*>(p.mask)[at] : load_acc(static_cast<const T*>(p.mask)[at]);
+    x = p.keep ? (m != 0.0f ? x : kNegInf) : x + m;
+  }
+  return x;
+}
+
+/// Z of weight (bh, i, j): 1 / (1 - p) where the dropout op's draw keeps it, else 0.
+__device__ __forceinline__ float drop_factor(const Params& p, i64 bh, i64 i, i64 j) {
+  const std::uint64_t at = p.offset + static_cast<std::uint64_t>((bh * p.L + i) * p.S + j);
+  return uniform_from(p.seed, at) >= p.drop_p ? p.drop_scale : 0.0f;
+}
+
+/// Rows [row0, row0 + kTile) of a row-major (n, width) matrix into dst, rows
+/// row_stride(kD) apart, widened to float32; zeros past row n and past column width.
+template <int kD, typename T>
+__device__ void load_tile(float* dst, const T* src, i64 row0, i64 n, int width) {
+  for (int at = threadIdx.x; at < kTile * kD; at += kThreads) {
+    const int r = at / kD, c = at % kD;
+    const i64 row = row0 + r;
+    dst[r * row_stride(kD) + c] = row < n && c < width ? load_acc(src[row * width + c]) : 0.0f;
+  }
+}
+
+/// acc[r] += a_r · b over the first n4 floats (a multiple of 4): a holds the warp's
+/// kRowsPerWarp rows (broadcast reads), b is the lane's own row.
+template <int kD>
+__device__ __forceinline__ void dots(const float* a, const float* b, int n4, float (&acc)[kRowsPerWarp]) {
+  for (int d = 0; d < n4; d += 4) {
+    const float4 y = *reinterpret_cast<const float4*>(b + d);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const float4 x = *reinterpret_cast<const float4*>(a + r * row_stride(kD) + d);
+      acc[r] = fmaf(x.x, y.x, acc[r]);
+      acc[r] = fmaf(x.y, y.y, acc[r]);
+      acc[r] = fmaf(x.z, y.z, acc[r]);
+      acc[r] = fmaf(x.w, y.w, acc[r]);
+    }
+  }
+}
+
+/// acc[r][c] += Σ_{t < n} w[r][t] · x[t][lane + 32c]: the warp's weights w
+/// (kRowsPerWarp rows of kTile floats, broadcast reads) times the rows of a tile x,
+/// each lane its own columns. Reads t up to n rounded up to 4: callers keep those
+/// weights 0 and those rows finite.
+template <int kD>
+__device__ __forceinline__ void accumulate(const float* w, const float* x, int n,
+                                           float (&acc)[kRowsPerWarp][kD / kWarp]) {
+  const int lane = threadIdx.x % kWarp;
+  constexpr int kS = row_stride(kD);
+  for (int t = 0; t < n; t += 4) {
+    float4 wt[kRowsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) wt[r] = *reinterpret_cast<const float4*>(w + r * kTile + t);
+#pragma unroll
+    for (int c = 0; c < kD / kWarp; ++c) {
+      const float* xc = x + t * kS + c * kWarp + lane;
+      const float x0 = xc[0], x1 = xc[kS], x2 = xc[2 * kS], x3 = xc[3 * kS];
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        acc[r][c] = fmaf(wt[r].x, x0, acc[r][c]);
+        acc[r][c] = fmaf(wt[r].y, x1, acc[r][c]);
+        acc[r][c] = fmaf(wt[r].z, x2, acc[r][c]);
+        acc[r][c] = fmaf(wt[r].w, x3, acc[r][c]);
+      }
+    }
+  }
+}
+
+/// Reduces each v[r] over the warp's lanes; every lane gets the results (the same bits:
+/// each step combines the same two values on both lanes of a pair).
+template <typename Op>
+__device__ __forceinline__ void warp_reduce_rows(float (&v)[kRowsPerWarp], Op op) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) v[r] = op(v[r], __shfl_xor_sync(0xffffffffu, v[r], offset));
+  }
+}
+
+template <int kD>
+__device__ __forceinline__ void zero(float (&acc)[kRowsPerWarp][kD / kWarp]) {
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+    for (int c = 0; c < kD / kWarp; ++c) acc[r][c] = 0.0f;
+  }
+}
+
+/// Running state of a warp's queries in the forward: maximum m and sum l of each row
+/// (the same on every lane) and the output accumulator (the lane's columns).
+template <int kD>
+struct RowState {
+  float m[kRowsPerWarp], l[kRowsPerWarp];
+  float acc[kRowsPerWarp][kD / kWarp];
+};
+
+/// The forward's step over one key tile [j0, j0 + kTile) for the warp's queries
+/// [first, first + kRowsPerWarp) (rows q_w of the block's query tile); p_w: the warp's
+/// weight rows; n: the tile's keys below the block's end (Note [Fused attention on CUDA]).
+template <typename T, int kD>
+__device__ __forceinline__ void forward_tile(const Params& p, i64 bh, i64 first, i64 j0, int n, const float* q_w,
+                             const float* k_s, const float* v_s, float* p_w, RowState<kD>& st) {
+  const int lane = threadIdx.x % kWarp;
+  const i64 j = j0 + lane;
+  float s[kRowsPerWarp] = {};
+  dots<kD>(q_w, k_s + lane * row_stride(kD), round4(p.E), s);
+  float tile_max[kRowsPerWarp], w[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    s[r] = attends(p, first + r, j) ? masked_score<T>(p, bh, first + r, j, s[r]) : kNegInf;
+    tile_max[r] = s[r];
+  }
+  warp_reduce_rows(tile_max, MaxOp{});
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    tile_max[r] = fmaxf(st.m[r], tile_max[r]);  // now the row's new maximum
+    // Nothing attended yet (m = -inf): no weight, no rescale. Else exp(-inf - m) = 0
+    // for the masked keys.
+    w[r] = tile_max[r] == kNegInf ? 0.0f : expf(s[r] - tile_max[r]);
+    s[r] = w[r];
+  }
+  warp_reduce_rows(s, SumOp{});  // each row's sum over the tile
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    if (tile_max[r] != kNegInf) {  // the same on every lane
+      const float correction = expf(st.m[r] - tile_max[r]);  // 0 on the first tile attended
+      st.l[r] = st.l[r] * correction + s[r];
+      st.m[r] = tile_max[r];
+      if (correction != 1.0f) {
+#pragma unroll
+        for (int c = 0; c < kD / kWarp; ++c) st.acc[r][c] *= correction;
+      }
+      if (p.drop_p > 0.0f && w[r] != 0.0f) w[r] *= drop_factor(p, bh, first + r, j);  // after the sum
+    }
+    p_w[r * kTile + lane] = w[r];
+  }
+  __syncwarp();
+  accumulate<kD>(p_w, v_s, n, st.acc);
+  __syncwarp();  // p_w is written again by the next tile
+}
+
+/// out (B, H, L, Ev) and lse (B, H, L): a block per kTile queries of one (b, h).
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+    attention_forward_kernel(Params p, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                             T* __restrict__ out, float* __restrict__ lse) {
+  constexpr int kS = row_stride(kD);
+  float* q_s = shared_floats();  // the block's queries
+  float* k_s = q_s + kTile * kS;  // the key tile
+  float* v_s = k_s + kTile * kS;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  float* p_w = v_s + kTile * kS + warp * kRowsPerWarp * kTile;  // the warp's weights
+  const i64 bh = blockIdx.x / p.tiles;
+  const i64 i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * kTile;  // the longest causal rows first
+  const i64 first = i0 + warp * kRowsPerWarp;                      // the warp's first query
+  load_tile<kD>(q_s, q + bh * p.L * p.E, i0, p.L, p.E);
+  RowState<kD> st;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    st.m[r] = kNegInf;
+    st.l[r] = 0.0f;
+  }
+  zero<kD>(st.acc);
+  // Causal: no query of the block attends past its last one.
+  const i64 end = p.causal ? min64(p.S, min64(p.L, i0 + kTile)) : p.S;
+  for (i64 j0 = 0; j0 < end; j0 += kTile) {
+    __syncthreads();  // the previous tile is read (and the queries are loaded)
+    load_tile<kD>(k_s, k + bh * p.S * p.E, j0, p.S, p.E);
+    load_tile<kD>(v_s, v + bh * p.S * p.Ev, j0, p.S, p.Ev);
+    __syncthreads();
+    if (first >= p.L || (p.causal && j0 > first + kRowsPerWarp - 1)) continue;  // the warp's rows attend to none
+    forward_tile<T, kD>(p, bh, first, j0, static_cast<int>(min64(kTile, end - j0)), q_s + warp * kRowsPerWarp * kS,
+                        k_s, v_s, p_w, st);
+  }
+  // A row with every key masked has l = 0: out = 0 / 0 = NaN and lse = -inf.
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const i64 i = first + r;
+    if (i >= p.L) break;
+    T* o = out + (bh * p.L + i) * p.Ev;
+#pragma unroll
+    for (int c = 0; c < kD / kWarp; ++c) {
+      const int d = c * kWarp + lane;
+      if (d < p.Ev) o[d] = store_acc<T>(st.acc[r][c] / st.l[r]);
+    }
+    if (lane == 0) lse[bh * p.L + i] = st.m[r] + logf(st.l[r]);
+  }
+}
+
+/// Δ_i = Σ_e gout[i, e] · out[i, e] for `rows` rows of Ev: a warp per row.
+template <typename T>
+__global__ void attention_delta_kernel(const T* __restrict__ out, const T* __restrict__ gout,
+                                       float* __restrict__ delta, i64 rows, int Ev) {
+  const int lane = threadIdx.x % kWarp;
+  const i64 warps = grid_stride() / kWarp;
+  for (i64 row = global_thread() / kWarp; row < rows; row += warps) {  // the same on every lane
+    float sum = 0.0f;
+    for (int c = lane; c < Ev; c += kWarp) sum = fmaf(load_acc(gout[row * Ev + c]), load_acc(out[row * Ev + c]), sum);
+    sum = warp_reduce(sum, SumOp{});
+    if (lane == 0) delta[row] = sum;
+  }
+}
+
+/// The backward's weight (i, j) from its dot products qk = q_i · k_j and gv = gout_i ·
+/// v_j: pz = P ∘ Z (what dV takes) and ds = P ∘ (dP ∘ Z − Δ) (dK's and dQ's), both 0
+/// where query i does not attend to key j.
+template <typename T>
+__device__ __forceinline__ void weight_grads(const Params& p, i64 bh, i64 i, i64 j, float qk, float gv, float lse_i,
+                                             float delta_i, float& pz, float& ds) {
+  pz = 0.0f;
+  ds = 0.0f;
+  if (!attends(p, i, j)) return;
+  const float prob = expf(masked_score<T>(p, bh, i, j, qk) - lse_i);
+  const float z = p.drop_p > 0.0f ? drop_factor(p, bh, i, j) : 1.0f;
+  pz = prob * z;
+  ds = prob * (gv * z - delta_i);
+}
+
+/// Row pointers of the backward kernels' tiles: the block's own kTile rows (two
+/// matrices) and the tile of the other side it walks (two more), in shared memory.
+struct BackwardTiles {
+  float* own_a;
+  float* own_b;
+  float* walk_a;
+  float* walk_b;
+};
+
+template <int kD>
+__device__ __forceinline__ BackwardTiles backward_tiles() {
+  float* s = shared_floats();
+  constexpr int kSize = kTile * row_stride(kD);
+  return {s, s + kSize, s + 2 * kSize, s + 3 * kSize};
+}
+
+/// dK (unscaled) and dV of the warp's keys [first, first + kRowsPerWarp) (rows k_w,
+/// v_w) from the query tile [i0, i0 + kTile) (q_s, g_s: its rows of q and gout, lse_s
+/// and delta_s its lse and Δ); pz_w, ds_w: the warp's weight rows.
+template <typename T, int kD>
+__device__ __forceinline__ void keys_tile(const Params& p, i64 bh, i64 first, i64 i0, const float* k_w,
+                                          const float* v_w, const float* q_s, const float* g_s, const float* lse_s,
+                                          const float* delta_s, float* pz_w, float* ds_w,
+                                          float (&dk)[kRowsPerWarp][kD / kWarp],
+                                          float (&dv)[kRowsPerWarp][kD / kWarp]) {
+  const int lane = threadIdx.x % kWarp;
+  const i64 i = i0 + lane;  // the lane's query
+  float qk[kRowsPerWarp] = {}, gv[kRowsPerWarp] = {};
+  dots<kD>(k_w, q_s + lane * row_stride(kD), round4(p.E), qk);
+  dots<kD>(v_w, g_s + lane * row_stride(kD), round4(p.Ev), gv);
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+    weight_grads<T>(p, bh, i, first + r, qk[r], gv[r], lse_s[lane], delta_s[lane], pz_w[r * kTile + lane],
+                    ds_w[r * kTile + lane]);
+  __syncwarp();
+  const int n = static_cast<int>(min64(kTile, p.L - i0));
+  accumulate<kD>(pz_w, g_s, n, dv);
+  accumulate<kD>(ds_w, q_s, n, dk);
+  __syncwarp();  // the weights are written again by the next tile
+}
+
+/// gk and gv: a block per kTile keys of one (b, h), walking the query tiles.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+    attention_keys_kernel(Params p, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          const T* __restrict__ gout, const float* __restrict__ lse, const float* __restrict__ delta,
+                          T* __restrict__ gk, T* __restrict__ gv) {
+  constexpr int kS = row_stride(kD);
+  const BackwardTiles t = backward_tiles<kD>();  // own: k, v; walked: q, gout
+  float* lse_s = t.walk_b + kTile * kS;
+  float* delta_s = lse_s + kTile;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  float* pz_w = delta_s + kTile + warp * 2 * kRowsPerWarp * kTile;
+  float* ds_w = pz_w + kRowsPerWarp * kTile;
+  const i64 bh = blockIdx.x / p.tiles, j0 = blockIdx.x % p.tiles * kTile;
+  const i64 first = j0 + warp * kRowsPerWarp;  // the warp's first key
+  load_tile<kD>(t.own_a, k + bh * p.S * p.E, j0, p.S, p.E);
+  load_tile<kD>(t.own_b, v + bh * p.S * p.Ev, j0, p.S, p.Ev);
+  float dk[kRowsPerWarp][kD / kWarp], dv[kRowsPerWarp][kD / kWarp];
+  zero<kD>(dk);
+  zero<kD>(dv);
+  // Causal: a query i < j0 attends to no key of the block.
+  for (i64 i0 = p.causal ? j0 : 0; i0 < p.L; i0 += kTile) {
+    __syncthreads();  // the previous tile is read (and the keys are loaded)
+    load_tile<kD>(t.walk_a, q + bh * p.L * p.E, i0, p.L, p.E);
+    load_tile<kD>(t.walk_b, gout + bh * p.L * p.Ev, i0, p.L, p.Ev);
+    if (threadIdx.x < kTile) {
+      const i64 i = i0 + threadIdx.x;
+      lse_s[threadIdx.x] = i < p.L ? lse[bh * p.L + i] : 0.0f;
+      delta_s[threadIdx.x] = i < p.L ? delta[bh * p.L + i] : 0.0f;
+    }
+    __syncthreads();
+    if (first >= p.S || (p.causal && first > i0 + kTile - 1)) continue;  // the warp's keys attended by none
+    keys_tile<T, kD>(p, bh, first, i0, t.own_a + warp * kRowsPerWarp * kS, t.own_b + warp * kRowsPerWarp * kS,
+                     t.walk_a, t.walk_b, lse_s, delta_s, pz_w, ds_w, dk, dv);
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const i64 j = first + r;
+    if (j >= p.S) break;
+#pragma unroll
+    for (int c = 0; c < kD / kWarp; ++c) {
+      const int d = c * kWarp + lane;
+      if (d < p.E) gk[(bh * p.S + j) * p.E + d] = store_acc<T>(p.scale * dk[r][c]);
+      if (d < p.Ev) gv[(bh * p.S + j) * p.Ev + d] = store_acc<T>(dv[r][c]);
+    }
+  }
+}
+
+/// gq: a block per kTile queries of one (b, h), walking the key tiles.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads)
+    attention_queries_kernel(Params p, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                             const T* __restrict__ gout, const float* __restrict__ lse,
+                             const float* __restrict__ delta, T* __restrict__ gq) {
+  constexpr int kS = row_stride(kD);
+  const BackwardTiles t = backward_tiles<kD>();  // own: q, gout; walked: k, v
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  float* ds_w = t.walk_b + kTile * kS + warp * kRowsPerWarp * kTile;
+  const i64 bh = blockIdx.x / p.tiles;
+  const i64 i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * kTile;  // the longest causal rows first
+  const i64 first = i0 + warp * kRowsPerWarp;                      // the warp's first query
+  load_tile<kD>(t.own_a, q + bh * p.L * p.E, i0, p.L, p.E);
+  load_tile<kD>(t.own_b, gout + bh * p.L * p.Ev, i0, p.L, p.Ev);
+  float lse_r[kRowsPerWarp], delta_r[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const i64 i = first + r;
+    lse_r[r] = i < p.L ? lse[bh * p.L + i] : 0.0f;
+    delta_r[r] = i < p.L ? delta[bh * p.L + i] : 0.0f;
+  }
+  float dq[kRowsPerWarp][kD / kWarp];
+  zero<kD>(dq);
+  const i64 end = p.causal ? min64(p.S, min64(p.L, i0 + kTile)) : p.S;
+  for (i64 j0 = 0; j0 < end; j0 += kTile) {
+    __syncthreads();  // the previous tile is read (and the queries are loaded)
+    load_tile<kD>(t.walk_a, k + bh * p.S * p.E, j0, p.S, p.E);
+    load_tile<kD>(t.walk_b, v + bh * p.S * p.Ev, j0, p.S, p.Ev);
+    __syncthreads();
+    if (first >= p.L || (p.causal && j0 > first + kRowsPerWarp - 1)) continue;  // the warp's rows attend to none
+    const i64 j = j0 + lane;  // the lane's key
+    float qk[kRowsPerWarp] = {}, gv[kRowsPerWarp] = {};
+    dots<kD>(t.own_a + warp * kRowsPerWarp * kS, t.walk_a + lane * kS, round4(p.E), qk);
+    dots<kD>(t.own_b + warp * kRowsPerWarp * kS, t.walk_b + lane * kS, round4(p.Ev), gv);
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      float pz = 0.0f;  // dQ takes dS only
+      weight_grads<T>(p, bh, first + r, j, qk[r], gv[r], lse_r[r], delta_r[r], pz, ds_w[r * kTile + lane]);
+    }
+    __syncwarp();
+    accumulate<kD>(ds_w, t.walk_a, static_cast<int>(min64(kTile, end - j0)), dq);
+    __syncwarp();  // the weights are written again by the next tile
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const i64 i = first + r;
+    if (i >= p.L) break;
+#pragma unroll
+    for (int c = 0; c < kD / kWarp; ++c) {
+      const int d = c * kWarp + lane;
+      if (d < p.E) gq[(bh * p.L + i) * p.E + d] = store_acc<T>(p.scale * dq[r][c]);
+    }
+  }
+}
+
+// ---- launchers ----------------------------------------------------------------------------
+
+/// The kernels' Params of a call (tiles: each launcher's own).
+Params params(const AttentionShape& s, const AttentionMask& mask, bool causal, float scale,
+              const AttentionDropout& drop) {
+  return {.H = s.H,
+          .L = s.L,
+          .S = s.S,
+          .E = static_cast<int>(s.E),
+          .Ev = static_cast<int>(s.Ev),
+          .tiles = 0,
+          .scale = scale,
+          .causal = causal,
+          .mask = mask.p,
+          .mask_f32 = mask.dtype == DType::F32,
+          .keep = mask.keep,
+          .msb = mask.sb,
+          .msh = mask.sh,
+          .msl = mask.sl,
+          .mss = mask.ss,
+          .drop_p = drop.p,
+          .drop_scale = drop.p > 0.0f ? 1.0f / (1.0f - drop.p) : 1.0f,
+          .seed = drop.seed,
+          .offset = drop.offset};
+}
+
+/// kD of a call: its head dims rounded up to 64 or 128 (at most kMaxHeadDim: callers check).
+int head_dim_tier(int E, int Ev) { return std::max(E, Ev) <= 64 ? 64 : 128; }
+
+/// Calls f(std::integral_constant<int, kD>) for the call's kD.
+template <typename F>
+void with_head_dims(const Params& p, F&& f) {
+  if (head_dim_tier(p.E, p.Ev) == 64) {
+    f(std::integral_constant<int, 64>{});
+  } else {
+    f(std::integral_constant<int, 128>{});
+  }
+}
+
+// Shared memory of each kernel (Note [Fused attention on CUDA]): tiles, then the warps'
+// weight rows (and the keys kernel's lse and Δ of its query tile).
+constexpr std::size_t forward_smem(int kD) {
+  return (3 * kTile * row_stride(kD) + kWarps * kRowsPerWarp * kTile) * sizeof(float);
+}
+constexpr std::size_t keys_smem(int kD) {
+  return (4 * kTile * row_stride(kD) + 2 * kTile + 2 * kWarps * kRowsPerWarp * kTile) * sizeof(float);
+}
+constexpr std::size_t queries_smem(int kD) {
+  return (4 * kTile * row_stride(kD) + kWarps * kRowsPerWarp * kTile) * sizeof(float);
+}
+/// The most any of them takes at kD: what a GPU must allow a block.
+constexpr std::size_t smem_needed(int kD) {
+  return std::max(forward_smem(kD), std::max(keys_smem(kD), queries_smem(kD)));
+}
+/// Shared memory a block may use without opting in, on every GPU CUDA 13 supports.
+constexpr std::size_t kDefaultSmem = 48 * 1024;
+static_assert(smem_needed(64) <= kDefaultSmem, "kD = 64 runs on any GPU without opting in");
+
+i64 tiles(i64 n) { return (n + kTile - 1) / kTile; }
+
+/// Launches kernel over `blocks` blocks of kThreads with `smem` bytes of dynamic shared
+/// memory, opting in above the default (cudaFuncSetAttribute: a host-side setting of the
+/// current device, no synchronisation).
+template <typename... KernelArgs, typename... Args>
+void launch(void (*kernel)(KernelArgs...), i64 blocks, std::size_t smem, cudaStream_t stream, Args... args) {
+  DP_CHECK(blocks <= INT_MAX, "attention: ", blocks, " blocks exceed a CUDA grid's ", INT_MAX);
+  if (smem > kDefaultSmem)
+    DP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(args...);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+/// out and lse of BH problems with p's geometry.
+template <typename T>
+void attention_forward(cudaStream_t stream, Params p, i64 BH, const T* q, const T* k, const T* v, T* out,
+                       float* lse) {
+  p.tiles = tiles(p.L);
+  if (BH == 0 || p.tiles == 0) return;
+  with_head_dims(p, [&](auto kd) {
+    constexpr int kD = decltype(kd)::value;
+    launch(attention_forward_kernel<T, kD>, BH * p.tiles, forward_smem(kD), stream, p, q, k, v, out, lse);
+  });
+}
+
+/// gq, gk, gv of BH problems with p's geometry; delta: scratch of BH·L floats.
+template <typename T>
+void attention_backward(cudaStream_t stream, Params p, i64 BH, const T* q, const T* k, const T* v, const T* out,
+                        const float* lse, const T* gout, float* delta, T* gq, T* gk, T* gv) {
+  const i64 rows = BH * p.L;
+  if (rows > 0) {
+    const i64 blocks = std::min<i64>((rows + kBlock / kWarp - 1) / (kBlock / kWarp), kMaxBlocks);
+    attention_delta_kernel<T><<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(out, gout, delta, rows, p.Ev);
+    DP_CUDA_CHECK_LAUNCH();
+  }
+  with_head_dims(p, [&](auto kd) {
+    constexpr int kD = decltype(kd)::value;
+    Params keys = p, queries = p;
+    keys.tiles = tiles(p.S);
+    queries.tiles = tiles(p.L);
+    if (BH > 0 && keys.tiles > 0)
+      launch(attention_keys_kernel<T, kD>, BH * keys.tiles, keys_smem(kD), stream, keys, q, k, v, gout, lse, delta,
+             gk, gv);
+    if (BH > 0 && queries.tiles > 0)
+      launch(attention_queries_kernel<T, kD>, BH * queries.tiles, queries_smem(kD), stream, queries, q, k, v, gout,
+             lse, delta, gq);
+  });
+}
+
+}  // namespace
+
+// ---- the kernel table's entries (Note [The op list] in ops.h) -------------------------------
+
+std::string attention_misfit(const AttentionShape& s, int gpu) {
+  if (s.E > kMaxHeadDim || s.Ev > kMaxHeadDim)
+    return ::dp::detail::str_cat("head dims E = ", s.E, " and Ev = ", s.Ev, " exceed the CUDA kernel's ", kMaxHeadDim);
+  int limit = 0;
+  DP_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, gpu));
+  const std::size_t need = smem_needed(head_dim_tier(static_cast<int>(s.E), static_cast<int>(s.Ev)));
+  if (need > static_cast<std::size_t>(limit))
+    return ::dp::detail::str_cat("the CUDA kernel needs ", need,
+                                 " bytes of shared memory per block for head dims above 64, GPU ", gpu, " allows ",
+                                 limit);
+  const i64 blocks = s.B * s.H * tiles(std::max(s.L, s.S));
+  if (blocks > INT_MAX)
+    return ::dp::detail::str_cat("B·H·ceil(max(L, S) / ", kTile, ") = ", blocks, " blocks exceed a CUDA grid's ",
+                                 INT_MAX);
+  return "";
+}
+
+namespace {
+namespace table {
+
+/// The checks of every attention kernel, then the CUDA kernel's own limits.
+template <typename H>
+cudaStream_t start(const char* op, CudaBackend& be, Device dev, const AttentionShape& s, const AttentionMask& mask,
+                   const AttentionDropout& drop) {
+  check_attention_args(op, dtype_of<H>, s, mask, drop);
+  cudaStream_t stream = be.bind(dev);
+  const std::string misfit = attention_misfit(s, be.physical_device(dev.index));
+  DP_CHECK(misfit.empty(), op, " on ", dev.str(), ": expected a shape the CUDA kernel takes, got one where ", misfit,
+           " (scaled_dot_product_attention runs the math path for such calls)");
+  return stream;
+}
+
+template <typename H>
+void forward(CudaBackend& be, Device dev, const AttentionForwardArgs& a) {
+  using T = device_t<H>;
+  cudaStream_t stream = start<H>("attention_forward", be, dev, a.s, a.mask, a.dropout);
+  attention_forward<T>(stream, params(a.s, a.mask, a.causal, a.scale, a.dropout), a.s.B * a.s.H,
+                       static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
+                       static_cast<T*>(a.out), a.lse);
+}
+
+template <typename H>
+void backward(CudaBackend& be, Device dev, const AttentionBackwardArgs& a) {
+  using T = device_t<H>;
+  cudaStream_t stream = start<H>("attention_backward", be, dev, a.s, a.mask, a.dropout);
+  const i64 rows = a.s.B * a.s.H * a.s.L;
+  CudaBackend::Scratch delta(be, dev.index, static_cast<std::size_t>(std::max<i64>(rows, 1)) * sizeof(float));
+  attention_backward<T>(stream, params(a.s, a.mask, a.causal, a.scale, a.dropout), a.s.B * a.s.H,
+                        static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
+                        static_cast<const T*>(a.out), a.lse, static_cast<const T*>(a.gout),
+                        static_cast<float*>(delta.get()), static_cast<T*>(a.gq), static_cast<T*>(a.gk),
+                        static_cast<T*>(a.gv));
+}
+
+}  // namespace table
+
+/// AttentionForward and AttentionBackward for the dtype of H (float, BFloat16, Float16).
+template <typename H>
+void register_dtype(CudaBackend& be) {
+  add<Op::AttentionForward, &table::forward<H>>(be, dtype_of<H>);
+  add<Op::AttentionBackward, &table::backward<H>>(be, dtype_of<H>);
+}
+
+}  // namespace
+
+void register_attention_kernels(CudaBackend& be) {
+  register_dtype<float>(be);
+  register_dtype<BFloat16>(be);
+  register_dtype<Float16>(be);
+}
+
+}  // namespace dp::backend::cuda_kernels
