@@ -37,7 +37,8 @@
 //    agree to rounding with dropout too (not bit for bit: see below). Another backend's
 //    kernel may draw its own way (then it would not equal the math path's bits with
 //    dropout, only its distribution), as long as its forward and backward agree and
-//    the draws depend on nothing but (seed, offset) and the index. The price here: one
+//    the draws depend on nothing but (seed, offset) and the index; the CUDA kernel draws
+//    these very bits (Note [Fused attention on CUDA]). The price here: one
 //    Philox block per score in the forward and two in the backward (vectorised, Note
 //    [Vectorised random fills]).
 //  - 16-bit storage (bfloat16, float16): q, k, v (and gout in the backward) are widened

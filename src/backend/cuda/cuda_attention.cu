@@ -348,6 +348,23 @@ __device__ __forceinline__ void weight_grads(const Params& p, i64 bh, i64 i, i64
   ds = prob * (gv * z - delta_i);
 }
 
+/// Rows [first, first + kRowsPerWarp) of a row-major (n, width) gradient of T, each
+/// lane its columns: factor · acc, rounded once.
+template <int kD, typename T>
+__device__ __forceinline__ void store_rows(T* dst, const float (&acc)[kRowsPerWarp][kD / kWarp], i64 first, i64 n,
+                                           int width, float factor) {
+  const int lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    if (first + r >= n) break;
+#pragma unroll
+    for (int c = 0; c < kD / kWarp; ++c) {
+      const int d = c * kWarp + lane;
+      if (d < width) dst[(first + r) * width + d] = store_acc<T>(factor * acc[r][c]);
+    }
+  }
+}
+
 /// Row pointers of the backward kernels' tiles: the block's own kTile rows (two
 /// matrices) and the tile of the other side it walks (two more), in shared memory.
 struct BackwardTiles {
@@ -399,7 +416,7 @@ __global__ void __launch_bounds__(kThreads)
   const BackwardTiles t = backward_tiles<kD>();  // own: k, v; walked: q, gout
   float* lse_s = t.walk_b + kTile * kS;
   float* delta_s = lse_s + kTile;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
   float* pz_w = delta_s + kTile + warp * 2 * kRowsPerWarp * kTile;
   float* ds_w = pz_w + kRowsPerWarp * kTile;
   const i64 bh = blockIdx.x / p.tiles, j0 = blockIdx.x % p.tiles * kTile;
@@ -424,17 +441,8 @@ __global__ void __launch_bounds__(kThreads)
     keys_tile<T, kD>(p, bh, first, i0, t.own_a + warp * kRowsPerWarp * kS, t.own_b + warp * kRowsPerWarp * kS,
                      t.walk_a, t.walk_b, lse_s, delta_s, pz_w, ds_w, dk, dv);
   }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const i64 j = first + r;
-    if (j >= p.S) break;
-#pragma unroll
-    for (int c = 0; c < kD / kWarp; ++c) {
-      const int d = c * kWarp + lane;
-      if (d < p.E) gk[(bh * p.S + j) * p.E + d] = store_acc<T>(p.scale * dk[r][c]);
-      if (d < p.Ev) gv[(bh * p.S + j) * p.Ev + d] = store_acc<T>(dv[r][c]);
-    }
-  }
+  store_rows<kD>(gk + bh * p.S * p.E, dk, first, p.S, p.E, p.scale);
+  store_rows<kD>(gv + bh * p.S * p.Ev, dv, first, p.S, p.Ev, 1.0f);
 }
 
 /// gq: a block per kTile queries of one (b, h), walking the key tiles.
@@ -481,16 +489,7 @@ __global__ void __launch_bounds__(kThreads)
     accumulate<kD>(ds_w, t.walk_a, static_cast<int>(min64(kTile, end - j0)), dq);
     __syncwarp();  // the weights are written again by the next tile
   }
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const i64 i = first + r;
-    if (i >= p.L) break;
-#pragma unroll
-    for (int c = 0; c < kD / kWarp; ++c) {
-      const int d = c * kWarp + lane;
-      if (d < p.E) gq[(bh * p.L + i) * p.E + d] = store_acc<T>(p.scale * dq[r][c]);
-    }
-  }
+  store_rows<kD>(gq + bh * p.L * p.E, dq, first, p.L, p.E, p.scale);
 }
 
 // ---- launchers ----------------------------------------------------------------------------
