@@ -1,7 +1,8 @@
 // scaled_dot_product_attention's fused path against its math path (Note [Fused attention
-// paths] in src/nn/fused_attention.cpp) on cpu(0): causal self-attention, forward and
-// backward, B·H = 64 problems of T queries and keys, head dim 64, T = 128, 512, 1024, in
-// float32 and bfloat16, without dropout and with p = 0.1 (both paths draw the same keep
+// paths] in src/nn/fused_attention.cpp) on cpu:0, or on cuda:0 with --device cuda:0 (Note
+// [Fused attention on CUDA]): causal self-attention, forward and backward, B·H = 64
+// problems of T queries and keys, head dim 64, T = 128, 512, 1024, in float32 and
+// bfloat16, without dropout and with p = 0.1 (both paths draw the same keep
 // bits from the same generator state). Each (T, dtype, p, path) is validated (the fused
 // output and q's gradient equal the math path's to 1e-4 of their scale in float32, 16
 // bfloat16 unit roundoffs in bfloat16: tests/nn/attention_fused_test.cpp derives the
@@ -12,6 +13,7 @@
 //   attention_bench --json                # one JSON object per (T, dtype, p, path)
 //   attention_bench --t 256,2048 --rounds 3 --batch 4 --heads 16 --head-dim 32
 //   attention_bench --dtype bf16 --dropout 0.1
+//   attention_bench --device cuda:0 --t 1024,4096   # the CUDA kernel against the GPU's math path
 //
 // Figures: ms = median over rounds of one forward + backward; GFLOP/s = the causal
 // attention's 4·B·H·T²·E/2 forward multiply-adds ×2 (FLOPs) plus the backward's 2.5 times
@@ -31,7 +33,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: attention_bench [--t 128,512,1024] [--batch 8] [--heads 8] [--head-dim 64] [--rounds 5]\n"
-    "                       [--dtype f32,bf16] [--dropout 0,0.1] [--json]\n";
+    "                       [--dtype f32,bf16] [--dropout 0,0.1] [--device cpu:0|cuda:0] [--json]\n";
 
 struct Options {
   std::vector<std::int64_t> t = {128, 512, 1024};
@@ -39,6 +41,7 @@ struct Options {
   int rounds = 5;
   std::vector<dp::Dtype> dtypes = {dp::Dtype::Float32, dp::Dtype::BFloat16};
   std::vector<double> dropout = {0.0, 0.1};
+  std::string device = "cpu:0";
   bool json = false;
 };
 
@@ -86,7 +89,8 @@ Options parse(int argc, char** argv) {
     } else if (a == "--dropout") {
       o.dropout.clear();
       for (const std::string& d : split(next())) o.dropout.push_back(std::stod(d));
-    } else if (a == "--json") o.json = true;
+    } else if (a == "--device") o.device = next();
+    else if (a == "--json") o.json = true;
     else {
       std::fprintf(stderr, "unknown argument %s\n%s", a.c_str(), kUsage);
       std::exit(2);
@@ -103,10 +107,9 @@ struct Run {
 
 /// One forward + backward by `path`; q0, k0, v0, up in the case's dtype; dropout p from
 /// a generator seeded 7 (the same masks in every call).
-Run step(dp::nn::AttentionPath path, const dp::Tensor& q0, const dp::Tensor& k0, const dp::Tensor& v0,
-         const dp::Tensor& up, double p) {
+Run step(dp::nn::AttentionPath path, dp::Device dev, const dp::Tensor& q0, const dp::Tensor& k0,
+         const dp::Tensor& v0, const dp::Tensor& up, double p) {
   dp::nn::set_attention_path(path);
-  const dp::Device dev = dp::cpu(0);
   dp::Tensor q = q0.detach().set_requires_grad(true), k = k0.detach().set_requires_grad(true),
              v = v0.detach().set_requires_grad(true);
   dp::Generator gen(7);
@@ -139,11 +142,8 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const Options o = parse(argc, argv);
-  const dp::Device dev = dp::cpu(0);
+int run(const Options& o) {
+  const dp::Device dev = dp::parse_device(o.device);
   const std::int64_t B = o.batch, H = o.heads, E = o.head_dim;
   using dp::nn::AttentionPath;
   if (!o.json)
@@ -155,7 +155,8 @@ int main(int argc, char** argv) {
         dp::Generator gen(static_cast<std::uint64_t>(T));
         auto input = [&] { return dp::randn({B, H, T, E}, gen, dev).to(dtype); };
         const dp::Tensor q = input(), k = input(), v = input(), up = input();
-        const Run math = step(AttentionPath::Math, q, k, v, up, p), fused = step(AttentionPath::Fused, q, k, v, up, p);
+        const Run math = step(AttentionPath::Math, dev, q, k, v, up, p),
+                  fused = step(AttentionPath::Fused, dev, q, k, v, up, p);
         const double err = std::max(rel_diff(fused.out, math.out), rel_diff(fused.gq, math.gq));
         const double tol = dtype == dp::Dtype::Float32 ? 1e-4 : 16 * 0x1p-8;
         if (!(err < tol)) {
@@ -166,8 +167,8 @@ int main(int argc, char** argv) {
         std::vector<double> ms[2];
         double peak[2] = {math.peak_mib, fused.peak_mib};
         for (int r = 0; r < o.rounds; ++r) {
-          ms[0].push_back(step(AttentionPath::Math, q, k, v, up, p).ms);
-          ms[1].push_back(step(AttentionPath::Fused, q, k, v, up, p).ms);
+          ms[0].push_back(step(AttentionPath::Math, dev, q, k, v, up, p).ms);
+          ms[1].push_back(step(AttentionPath::Fused, dev, q, k, v, up, p).ms);
         }
         const double flops = 3.5 * 4.0 * static_cast<double>(B * H) * T * T * E / 2;
         for (int i = 0; i < 2; ++i) {
@@ -187,4 +188,16 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  try {
+    return run(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attention_bench: %s\n", e.what());
+    return 2;
+  }
 }

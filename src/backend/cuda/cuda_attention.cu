@@ -231,7 +231,7 @@ struct RowState {
 /// weight rows; n: the tile's keys below the block's end (Note [Fused attention on CUDA]).
 template <typename T, int kD>
 __device__ __forceinline__ void forward_tile(const Params& p, i64 bh, i64 first, i64 j0, int n, const float* q_w,
-                             const float* k_s, const float* v_s, float* p_w, RowState<kD>& st) {
+                                             const float* k_s, const float* v_s, float* p_w, RowState<kD>& st) {
   const int lane = threadIdx.x % kWarp;
   const i64 j = j0 + lane;
   float s[kRowsPerWarp] = {};
