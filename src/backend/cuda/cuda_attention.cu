@@ -75,7 +75,7 @@ using i64 = std::int64_t;
 
 // ---- kernels ------------------------------------------------------------------------------
 
-constexpr int kWarps = 4;                 // per block: 128 threads, up to 3 blocks an SM at kD = 128
+constexpr int kWarps = 4;  // per block: 128 threads
 constexpr int kThreads = kWarps * kWarp;
 // The rows a warp owns: each float4 a lane reads feeds 8 rows' FMAs (32 FMAs per 9
 // shared loads), and 8 rows' accumulators (8 · kD / 32 floats a lane, twice in dK/dV)
