@@ -1961,10 +1961,11 @@ TEST_CASE("bfloat16 and float16 max-pool kernels: the float32 kernels on the wid
   // Note [16-bit max-pool], with NaN, infinities, -0 and ties in x, gy and the mask.
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   for (DType dt : {DType::BF16, DType::F16}) {
-    // Widths of 5, 14 and 17 windows: rows narrower than a vector, whole vectors and
-    // an overlapping last one.
-    for (const Pool2dShape& s : {pool_shape(3, 5, 9, 11, 2, 2, 0), pool_shape(2, 3, 6, 28, 2, 2, 0),
-                                 pool_shape(1, 2, 5, 35, 2, 2, 0), pool_shape(2, 3, 7, 9, 3, 2, 1)}) {
+    // Widths of 3, 5, 14, 17 and 66 windows: rows narrower than a vector, whole vectors
+    // and an overlapping last one, and rows of several vectors and a remainder.
+    for (const Pool2dShape& s : {pool_shape(2, 3, 5, 7, 2, 2, 0), pool_shape(3, 5, 9, 11, 2, 2, 0),
+                                 pool_shape(2, 3, 6, 28, 2, 2, 0), pool_shape(1, 2, 5, 35, 2, 2, 0),
+                                 pool_shape(1, 2, 4, 132, 2, 2, 0), pool_shape(2, 3, 7, 9, 3, 2, 1)}) {
       for (bool masked : {false, true}) {
         CAPTURE(int(dt));
         CAPTURE(s.kernel_h);
@@ -1989,11 +1990,17 @@ TEST_CASE("bfloat16 and float16 max-pool kernels: the float32 kernels on the wid
         rv[4] = -0.0f;
         rv[5] = inf;
         rv[6] = -inf;
-        const auto x16 = round16(xv), g16 = round16(gv), r16 = round16(rv);
+        rv[8] = 0.0f;
+        auto x16 = round16(xv), g16 = round16(gv), r16 = round16(rv);
+        // NaNs of other bits than rounding makes (a kernel's output may hold them):
+        // rounding the widened winner or gradient makes them the dtype's NaN.
+        const std::uint16_t other_nan = dt == DType::BF16 ? 0x7FC1 : 0x7E01;
+        x16[5] = x16[22] = g16[3] = r16[7] = other_nan;
         const auto xf = widen16(x16), gf = widen16(g16), rf = widen16(r16);
         const std::size_t nwin = static_cast<std::size_t>(dp::backend::max_pool2d_winner_bytes(be(), s));
         std::vector<std::uint8_t> w16(nwin, 0xee), wf(nwin, 0xdd);
-        std::vector<std::uint16_t> y16(static_cast<std::size_t>(ny)), gx16(static_cast<std::size_t>(nx));
+        // gx16 starts with bits no kernel writes: every element must be written.
+        std::vector<std::uint16_t> y16(static_cast<std::size_t>(ny)), gx16(static_cast<std::size_t>(nx), 0x7777);
         std::vector<float> yf(static_cast<std::size_t>(ny)), gxf(static_cast<std::size_t>(nx));
         be().run<Op::MaxPool2d>(dev0(), dt, {s, x16.data(), y16.data(), w16.data()});
         be().run<Op::MaxPool2d>(dev0(), DType::F32, {s, xf.data(), yf.data(), wf.data()});
@@ -2005,6 +2012,35 @@ TEST_CASE("bfloat16 and float16 max-pool kernels: the float32 kernels on the wid
         CHECK(gx16 == round16(gxf));
       }
     }
+  }
+}
+
+TEST_CASE("bfloat16 2x2 max-pool with a ReLU on load: the ReLU's bits, then the pool") {
+  // Note [bfloat16 max-pool on its bits]: the one-pass convolution's pool applies the
+  // ReLU (a negative number +0, a NaN 0xFFFF, -0 kept) as it loads each input.
+  for (const Pool2dShape& s : {pool_shape(2, 3, 5, 7, 2, 2, 0), pool_shape(3, 5, 9, 11, 2, 2, 0),
+                               pool_shape(2, 3, 6, 28, 2, 2, 0), pool_shape(1, 2, 4, 132, 2, 2, 0)}) {
+    CAPTURE(s.W);
+    const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P * s.Q;
+    std::vector<dp::BFloat16> x(static_cast<std::size_t>(nx)), relu_x(x.size());
+    const std::vector<float> v = pool_input(nx, 90);
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = dp::BFloat16(v[i]);
+    x[1] = dp::BFloat16::from_bits(0x8000);  // -0
+    x[2] = dp::BFloat16::from_bits(0x8001);  // the negative subnormal nearest 0
+    x[9] = dp::BFloat16::from_bits(0x7FC1);  // a NaN rounding would not make
+    x[10] = dp::BFloat16::from_bits(0xFFC1);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const std::uint16_t b = x[i].bits, mag = b & 0x7FFF;
+      relu_x[i] = dp::BFloat16::from_bits(mag > 0x7F80 ? 0xFFFF : (b & 0x8000) && mag != 0 ? 0 : b);
+    }
+    std::vector<dp::BFloat16> y(static_cast<std::size_t>(ny)), y_want(y.size());
+    std::vector<std::uint8_t> where(y.size(), 0xee), where_want(y.size(), 0xdd);
+    cpu::maxpool_2x2_planes(s, x.data(), y.data(), where.data(), 0, s.N * s.C, /*relu=*/true);
+    cpu::maxpool_2x2_planes(s, relu_x.data(), y_want.data(), where_want.data(), 0, s.N * s.C);
+    CHECK(where == where_want);
+    bool same = true;
+    for (std::size_t i = 0; i < y.size(); ++i) same &= y[i].bits == y_want[i].bits;
+    CHECK(same);
   }
 }
 

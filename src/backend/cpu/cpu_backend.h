@@ -148,7 +148,18 @@ void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uin
 /// The same over bfloat16 planes, each pooled in float32 and rounded (Note [16-bit
 /// max-pool]): the bits of the float32 pool of the widened planes, rounded.
 void maxpool_2x2_planes(const Pool2dShape& s, const BFloat16* x, BFloat16* y, std::uint8_t* where,
-                        std::int64_t begin, std::int64_t end);
+                        std::int64_t begin, std::int64_t end, bool relu = false);
+
+/// `planes` planes (H x W in, P x Q out, contiguous) of a 2x2, stride-2 max-pool over
+/// bfloat16 bits, with byte places, after a ReLU of each input when `relu`; and its
+/// input gradient, masked by the pool's output relu_y when it is not null. The bits of
+/// the float32 kernels on the widened planes, rounded (Note [bfloat16 max-pool on its
+/// bits] in cpu_pool_clones.cpp), with ISA clones.
+void maxpool_2x2_bf16(const std::uint16_t* x, std::uint16_t* y, std::uint8_t* where, std::int64_t planes,
+                      std::int64_t H, std::int64_t W, std::int64_t P, std::int64_t Q, bool relu);
+void maxpool_2x2_backward_bf16(const std::uint16_t* gy, const std::uint8_t* where, const std::uint16_t* relu_y,
+                               std::uint16_t* gx, std::int64_t planes, std::int64_t H, std::int64_t W,
+                               std::int64_t P, std::int64_t Q);
 
 // Note [oneDNN in the device's arena]
 // Debian's oneDNN threads with OpenMP. Called with a team of the device's T threads, it

@@ -634,6 +634,9 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
   const double max_b = relu_post && bias ? abs_of_bits(max_abs_bits(static_cast<const float*>(buf.b), s.K)) : 0.0;
   const double terms = static_cast<double>(s.C * s.R * s.S);
   const bool pooled = kind == ConvKind::Forward && buf.pooled != nullptr;
+  // A bfloat16 pool applies the ReLU to each element as it loads it (Note [bfloat16
+  // max-pool on its bits]): no pass of its own over the group.
+  const bool relu_in_pool = pooled && !f32;
   // Images per group of the pooled path: the group's convolution output stays in a
   // core's L2 until it is pooled.
   const i64 group = pooled ? std::clamp<i64>(kPoolGroupBytes / (kpq * esize), 1,
@@ -663,7 +666,7 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
     if (bias) ptrs[i++] = buf.b;
     ptrs[i++] = y;
     execute_entry(e, ptrs);
-    if (relu && !e.relu_fused) {
+    if (relu && !e.relu_fused && !relu_in_pool) {
       if (f32) {
         relu_in_place(static_cast<float*>(y), n * kpq);
       } else {
@@ -719,7 +722,7 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
           maxpool_2x2_planes(ps, out, static_cast<float*>(buf.pooled) + g0 * s.K * pq, where, 0, n * s.K);
         } else {  // Note [16-bit max-pool]
           maxpool_2x2_planes(ps, reinterpret_cast<const BFloat16*>(out),
-                             static_cast<BFloat16*>(buf.pooled) + g0 * s.K * pq, where, 0, n * s.K);
+                             static_cast<BFloat16*>(buf.pooled) + g0 * s.K * pq, where, 0, n * s.K, relu);
         }
       }
       return;
@@ -944,8 +947,9 @@ void CpuBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const 
 // overflow bound of Note [Convolution + ReLU] reads float32 data); ReLU commutes with
 // the rounding, so the values are those of conv2d followed by relu. A Conv2d call with
 // a 2x2 pool runs in one pass as float32's does (Note [Convolution, ReLU and max-pool in
-// one pass]): each group's bfloat16 output pooled in cache as Note [16-bit max-pool]
-// pools, so its bits are those of the bfloat16 ops one after another.
+// one pass]): each group's bfloat16 output pooled in cache, its ReLU applied as the pool
+// loads it (Note [bfloat16 max-pool on its bits]), so its bits are those of the
+// bfloat16 ops one after another.
 // Without bfloat16 instructions (AVX2-only CPUs, or oneDNN told otherwise by
 // DNNL_MAX_CPU_ISA), and after set_native_bf16_conv(false) (tests), each pass widens
 // its operands to float32 (exact), runs the float32 pass and rounds its outputs once:

@@ -435,8 +435,9 @@ void CpuBackend::maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const 
 // the widening path computed, without writing the float32 activation out and reading
 // it back. Backward rounds the input gradient once per plane as well (exact unless
 // overlapping windows sum). The winners are the float32 kernels' (Note [Max-pool
-// winners]). Working on the bfloat16 bits instead measured no faster: the 2x2
-// backward is bound by writing the input gradient.
+// winners]). bfloat16's 2x2 windows, the CNN's, skip the float32 block: they are pooled
+// on their bits, forward and backward (Note [bfloat16 max-pool on its bits] in
+// cpu_pool_clones.cpp), with the same bits.
 
 bool CpuBackend::max_pool2d_byte_winners(const Pool2dShape& s) const { return is_2x2_tiling(s); }
 
@@ -471,14 +472,11 @@ void round_to(const float* __restrict from, BFloat16* __restrict to, i64 n) {
 }  // namespace
 
 void maxpool_2x2_planes(const Pool2dShape& s, const BFloat16* x, BFloat16* y, std::uint8_t* where, i64 begin,
-                        i64 end) {
+                        i64 end, bool relu) {
   const i64 hw = s.H * s.W, pq = s.P * s.Q;
-  std::vector<float> xf(static_cast<std::size_t>(hw)), yf(static_cast<std::size_t>(pq));
-  for (i64 pl = begin; pl < end; ++pl) {
-    widen(x + pl * hw, xf.data(), hw);
-    maxpool_2x2_plane(s, xf.data(), yf.data(), where + pl * pq);
-    round_to(yf.data(), y + pl * pq, pq);
-  }
+  maxpool_2x2_bf16(reinterpret_cast<const std::uint16_t*>(x + begin * hw),
+                   reinterpret_cast<std::uint16_t*>(y + begin * pq), where + begin * pq, end - begin, s.H, s.W, s.P,
+                   s.Q, relu);
 }
 
 namespace {
@@ -503,6 +501,13 @@ void maxpool_kernel(CpuBackend& be, Device dev, const MaxPool2dArgs& a) {
     const i64 hw = s.H * s.W, pq = s.P * s.Q;
     const auto* x = static_cast<const T*>(a.x);
     auto* y = static_cast<T*>(a.y);
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (bytes) {  // Note [bfloat16 max-pool on its bits]
+        be.parallel_for(dev, s.N * s.C, plane_grain(pq * 4),
+                        [&](i64 b, i64 e) { maxpool_2x2_planes(s, x, y, where, b, e); });
+        return;
+      }
+    }
     be.parallel_for(dev, s.N * s.C, plane_grain(pq * s.kernel_h * s.kernel_w), [&](i64 b, i64 e) {
       std::vector<float> xf(static_cast<std::size_t>(hw)), yf(static_cast<std::size_t>(pq));
       for (i64 pl = b; pl < e; ++pl) {
@@ -548,6 +553,16 @@ void maxpool_backward_kernel(CpuBackend& be, Device dev, const MaxPool2dBackward
     const auto* gy = static_cast<const T*>(a.gy);
     const auto* ry = static_cast<const T*>(a.relu_y);
     auto* gx = static_cast<T*>(a.gx);
+    if constexpr (std::is_same_v<T, BFloat16>) {
+      if (bytes) {  // Note [bfloat16 max-pool on its bits]
+        auto bits = [](const BFloat16* p) { return reinterpret_cast<const std::uint16_t*>(p); };
+        be.parallel_for(dev, s.N * s.C, plane_grain(hw + pq), [&](i64 b, i64 e) {
+          maxpool_2x2_backward_bf16(bits(gy + b * pq), where + b * pq, ry ? bits(ry + b * pq) : nullptr,
+                                    reinterpret_cast<std::uint16_t*>(gx + b * hw), e - b, s.H, s.W, s.P, s.Q);
+        });
+        return;
+      }
+    }
     be.parallel_for(dev, s.N * s.C, plane_grain(hw + pq), [&](i64 b, i64 e) {
       std::vector<float> gyf(static_cast<std::size_t>(pq)), ryf(ry ? static_cast<std::size_t>(pq) : 0),
           gxf(static_cast<std::size_t>(hw));
