@@ -1126,6 +1126,30 @@ TEST_CASE("transpose_copy: every element moved, the padding left alone, at every
     }
 }
 
+TEST_CASE("transpose_copy of 16-bit elements: every element moved, the padding left alone, at every block and tail") {
+  // cpu_transpose.cpp: 16x16 blocks transposed in registers, then the columns and rows
+  // that do not fill a block one by one.
+  for (i64 rows : {1, 15, 16, 17, 32, 196, 785})
+    for (i64 cols : {1, 9, 16, 31, 64, 196}) {
+      CAPTURE(rows);
+      CAPTURE(cols);
+      const i64 lds = cols + 3, ldd = rows + 5;
+      std::vector<std::uint16_t> src(static_cast<std::size_t>(rows * lds));
+      for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint16_t>(i * 40503u >> 3);
+      std::vector<std::uint16_t> dst(static_cast<std::size_t>(cols * ldd), 0x2a2a);
+      cpu::transpose_copy(src.data(), lds, rows, cols, dst.data(), ldd);
+      i64 wrong = 0, padding_touched = 0;
+      for (i64 c = 0; c < cols; ++c)
+        for (i64 r = 0; r < ldd; ++r) {
+          const std::uint16_t got = dst[static_cast<std::size_t>(c * ldd + r)];
+          if (r >= rows) padding_touched += got != 0x2a2a;
+          else wrong += got != src[static_cast<std::size_t>(r * lds + c)];
+        }
+      CHECK(wrong == 0);
+      CHECK(padding_touched == 0);
+    }
+}
+
 TEST_CASE("gemm with a transposed B: the bits of the untransposed product, at one thread and at all cores") {
   // Note [GEMM: a transposed B multiplied untransposed]: with m >= 256 and n, k >= 32,
   // C = A Bᵀ is computed as A times an untransposed copy of Bᵀ, so it must be, bit for

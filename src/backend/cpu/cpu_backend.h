@@ -127,6 +127,10 @@ void exp_shifted(float* x, std::int64_t n, float shift);
 /// registers where the CPU has them (cpu_transpose.cpp).
 void transpose_copy(const float* src, std::int64_t lds, std::int64_t rows, std::int64_t cols, float* dst,
                     std::int64_t ldd);
+/// The same over 16-bit elements, in 16x16 blocks (Note [bfloat16 blocked reorders] in
+/// cpu_conv.cpp).
+void transpose_copy(const std::uint16_t* src, std::int64_t lds, std::int64_t rows, std::int64_t cols,
+                    std::uint16_t* dst, std::int64_t ldd);
 
 /// Elements [begin, end) of fill_uniform, fill_normal and dropout, on the calling
 /// thread (cpu_random.cpp, Note [Vectorised random fills]): element i is

@@ -102,6 +102,26 @@ struct ConvKeyHash {
   }
 };
 
+// Note [bfloat16 blocked reorders]
+// oneDNN's blocked convolutions want activations as nChw16c: each image's channels in
+// blocks of 16, a block's 16 values of one pixel side by side. Our tensors are NCHW, so
+// every blocked call reorders its activation inputs in and its outputs out (Note [CPU
+// convolution: measured choice]). oneDNN 2.6 runs float32 reorders of that shape in its
+// blocked-reorder kernel but bfloat16 ones in its generic one, which moved about 2-4 GB/s
+// and took a ninth of the bfloat16 CNN step, as much time per tensor as the float32
+// reorders of twice the bytes (figures: docs/benchmarks/kernel-notes.md, "bfloat16
+// blocked reorders"). Between NCHW and nChw16c each block of 16 channels is a 16 x HW
+// matrix transposed, so a bfloat16 argument with a multiple of 16 channels is moved by
+// transpose_copy's 16x16 register blocks instead; any other reorder stays oneDNN's. A
+// reorder moves bits, so the primitives see the same operands.
+
+/// An activation argument reordered between NCHW and nChw16c by transpose_copy (Note
+/// [bfloat16 blocked reorders]): N images of C (a multiple of 16) channels of HW pixels.
+struct Blocked16 {
+  bool on = false;
+  i64 N = 0, C = 0, HW = 0;
+};
+
 /// One primitive argument: the user's plain buffer, and when the primitive wants a
 /// different layout, an internal buffer with a reorder into it (inputs) or out of it
 /// (outputs).
@@ -111,6 +131,7 @@ struct ConvArg {
   memory user;
   memory internal;  // empty when no reorder is needed
   dnnl::reorder reorder;
+  Blocked16 blocked16;  // the reorder by transpose_copy instead
 };
 
 struct ConvEntry {
@@ -144,14 +165,58 @@ void ConvCacheDeleter::operator()(ConvCache* cache) const noexcept { delete cach
 
 namespace {
 
+/// Whether the reorder between user_md and prim_md is a bfloat16 NCHW <-> nChw16c one
+/// that transpose_copy runs (Note [bfloat16 blocked reorders]).
+Blocked16 blocked16_of(const memory::desc& user_md, const memory::desc& prim_md) {
+  const memory::dims d = user_md.dims();
+  if (d.size() != 4 || d[1] % 16 != 0 || user_md.data_type() != memory::data_type::bf16) return {};
+  if (user_md != memory::desc(d, memory::data_type::bf16, tag::nchw) ||
+      prim_md != memory::desc(d, memory::data_type::bf16, tag::nChw16c))
+    return {};
+  return Blocked16{.on = true, .N = d[0], .C = d[1], .HW = d[2] * d[3]};
+}
+
+/// The reorder of Note [bfloat16 blocked reorders]: NCHW `from` into nChw16c `to`, or
+/// back when `to_plain`.
+void reorder_blocked16(const Blocked16& b, const void* from, void* to, bool to_plain) {
+  const auto* src = static_cast<const std::uint16_t*>(from);
+  auto* dst = static_cast<std::uint16_t*>(to);
+  for (i64 n = 0; n < b.N; ++n)
+    for (i64 c = 0; c < b.C; c += 16) {
+      const i64 plain = (n * b.C + c) * b.HW, blocked = plain;  // the same offset: 16 x HW either way
+      if (to_plain) {
+        transpose_copy(src + blocked, 16, b.HW, 16, dst + plain, b.HW);
+      } else {
+        transpose_copy(src + plain, b.HW, 16, b.HW, dst + blocked, 16);
+      }
+    }
+}
+
 void add_arg(ConvEntry& e, int id, bool output, const memory::desc& user_md,
              const memory::desc& prim_md) {
-  ConvArg a{id, output, memory(user_md, cpu_engine(), DNNL_MEMORY_NONE), memory(), dnnl::reorder()};
+  ConvArg a{id, output, memory(user_md, cpu_engine(), DNNL_MEMORY_NONE), memory(), dnnl::reorder(), Blocked16{}};
   if (prim_md != user_md) {
     a.internal = memory(prim_md, cpu_engine());  // oneDNN-owned buffer, reused every call
-    a.reorder = output ? dnnl::reorder(a.internal, a.user) : dnnl::reorder(a.user, a.internal);
+    a.blocked16 = blocked16_of(user_md, prim_md);
+    if (!a.blocked16.on)
+      a.reorder = output ? dnnl::reorder(a.internal, a.user) : dnnl::reorder(a.user, a.internal);
   }
   e.args.push_back(std::move(a));
+}
+
+/// Runs argument a's reorder: into the primitive's layout (an input) or out of it.
+void run_reorder(ConvArg& a, dnnl::stream& stream) {
+  if (a.blocked16.on) {
+    if (a.output) {
+      reorder_blocked16(a.blocked16, a.internal.get_data_handle(), a.user.get_data_handle(), true);
+    } else {
+      reorder_blocked16(a.blocked16, a.user.get_data_handle(), a.internal.get_data_handle(), false);
+    }
+  } else if (a.output) {
+    a.reorder.execute(stream, a.internal, a.user);
+  } else {
+    a.reorder.execute(stream, a.user, a.internal);
+  }
 }
 
 /// The memory descriptors of a convolution: the user's plain tensors, and what the
@@ -318,10 +383,12 @@ void execute_entry(ConvEntry& e, const void* const* ptrs) {
   }
   args.emplace(DNNL_ARG_SCRATCHPAD, e.scratchpad);
   for (ConvArg& a : e.args)
-    if (!a.output && a.internal) a.reorder.execute(stream, a.user, a.internal);
+    if (!a.output && a.internal) run_reorder(a, stream);
   e.prim.execute(stream, args);
+  if (std::any_of(e.args.begin(), e.args.end(), [](const ConvArg& a) { return a.output && a.blocked16.on; }))
+    stream.wait();  // the primitive's output is complete before transpose_copy reads it
   for (ConvArg& a : e.args)
-    if (a.output && a.internal) a.reorder.execute(stream, a.internal, a.user);
+    if (a.output && a.internal) run_reorder(a, stream);
   stream.wait();
 }
 

@@ -1,6 +1,7 @@
 // CPU backend: a float matrix copied transposed, in 8x8 blocks transposed in AVX2
 // registers where the CPU has them (Note [GEMM: a transposed B multiplied
-// untransposed]).
+// untransposed]); a 16-bit one in 16x16 blocks (Note [bfloat16 blocked reorders] in
+// cpu_conv.cpp).
 #include <cstdint>
 
 #if defined(__x86_64__)
@@ -14,8 +15,9 @@ namespace dp::backend::cpu {
 namespace {
 
 /// dst[c * ldd + r] = src[r * lds + c] for r, c in [r0, r1) x [c0, c1), one by one.
-void transpose_scalar(const float* src, std::int64_t lds, std::int64_t r0, std::int64_t r1, std::int64_t c0,
-                      std::int64_t c1, float* dst, std::int64_t ldd) {
+template <typename T>
+void transpose_scalar(const T* src, std::int64_t lds, std::int64_t r0, std::int64_t r1, std::int64_t c0,
+                      std::int64_t c1, T* dst, std::int64_t ldd) {
   for (std::int64_t r = r0; r < r1; ++r)
     for (std::int64_t c = c0; c < c1; ++c) dst[c * ldd + r] = src[r * lds + c];
 }
@@ -54,12 +56,65 @@ void transpose_scalar(const float* src, std::int64_t lds, std::int64_t r0, std::
   transpose_scalar(src, lds, 0, rows8, cols8, cols, dst, ldd);
   transpose_scalar(src, lds, rows8, rows, 0, cols, dst, ldd);
 }
+
+/// dst's rows [0, 16) (ldd apart) = columns [0, 16) of src's 16-bit rows [0, 16) (lds
+/// apart): rows interleaved in pairs of 16, 32 and 64 bits within each 128-bit half,
+/// then the halves exchanged. After the three interleaves, t[8 * o + j'] holds column
+/// j (j' its place in the interleave order) of rows 8o..8o+7 in its low half and
+/// column j + 8 in its high half.
+[[gnu::target("avx2"), gnu::always_inline]] inline void transpose16x16_avx2(const std::uint16_t* src,
+                                                                            std::int64_t lds, std::uint16_t* dst,
+                                                                            std::int64_t ldd) {
+  __m256i a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * lds));
+  __m256i b[16];  // b[2p + h]: rows 2p, 2p+1 interleaved; h = 0: columns 0-3 | 8-11, h = 1: 4-7 | 12-15
+  for (int p = 0; p < 8; ++p) {
+    b[2 * p] = _mm256_unpacklo_epi16(a[2 * p], a[2 * p + 1]);
+    b[2 * p + 1] = _mm256_unpackhi_epi16(a[2 * p], a[2 * p + 1]);
+  }
+  __m256i c[16];  // c[4q + 2h + k]: rows 4q..4q+3, columns 4h + 2k, 4h + 2k + 1 (| + 8)
+  for (int q = 0; q < 4; ++q)
+    for (int h = 0; h < 2; ++h) {
+      c[4 * q + 2 * h] = _mm256_unpacklo_epi32(b[4 * q + h], b[4 * q + 2 + h]);
+      c[4 * q + 2 * h + 1] = _mm256_unpackhi_epi32(b[4 * q + h], b[4 * q + 2 + h]);
+    }
+  __m256i d[16];  // d[8o + j]: rows 8o..8o+7, column j (| j + 8), j = 4h + 2k + m
+  for (int o = 0; o < 2; ++o)
+    for (int hk = 0; hk < 4; ++hk) {
+      d[8 * o + 2 * hk] = _mm256_unpacklo_epi64(c[8 * o + hk], c[8 * o + 4 + hk]);
+      d[8 * o + 2 * hk + 1] = _mm256_unpackhi_epi64(c[8 * o + hk], c[8 * o + 4 + hk]);
+    }
+  for (int j = 0; j < 8; ++j) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j * ldd), _mm256_permute2x128_si256(d[j], d[8 + j], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (j + 8) * ldd),
+                        _mm256_permute2x128_si256(d[j], d[8 + j], 0x31));
+  }
+}
+
+[[gnu::target("avx2")]] void transpose_avx2(const std::uint16_t* src, std::int64_t lds, std::int64_t rows,
+                                            std::int64_t cols, std::uint16_t* dst, std::int64_t ldd) {
+  const std::int64_t rows16 = rows / 16 * 16, cols16 = cols / 16 * 16;
+  for (std::int64_t r = 0; r < rows16; r += 16)
+    for (std::int64_t c = 0; c < cols16; c += 16)
+      transpose16x16_avx2(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+  transpose_scalar(src, lds, 0, rows16, cols16, cols, dst, ldd);
+  transpose_scalar(src, lds, rows16, rows, 0, cols, dst, ldd);
+}
 #endif
 
 }  // namespace
 
 void transpose_copy(const float* src, std::int64_t lds, std::int64_t rows, std::int64_t cols, float* dst,
                     std::int64_t ldd) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) return transpose_avx2(src, lds, rows, cols, dst, ldd);
+#endif
+  transpose_scalar(src, lds, 0, rows, 0, cols, dst, ldd);
+}
+
+void transpose_copy(const std::uint16_t* src, std::int64_t lds, std::int64_t rows, std::int64_t cols,
+                    std::uint16_t* dst, std::int64_t ldd) {
 #if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
   if (avx2) return transpose_avx2(src, lds, rows, cols, dst, ldd);
