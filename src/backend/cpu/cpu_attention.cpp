@@ -227,6 +227,12 @@ i64 attended(const Problem<T>& p, i64 i, i64 j0, i64 n) {
   return p.causal ? std::clamp<i64>(i - j0 + 1, 0, n) : n;
 }
 
+/// The length of a block row to take exponentials over when its first `live` of n
+/// weights are attended: live rounded up to a multiple of 16 within n, so that
+/// exp_shifted runs whole vectors (Note [Attention exponentials]). The weights past
+/// `live` are overwritten with 0 afterwards, whatever their exponentials gave.
+inline i64 exp_span(i64 live, i64 n) { return std::min(n, (live + 15) / 16 * 16); }
+
 /// The keys a block of queries [i0, i0 + m) attends to: [0, end).
 template <typename T>
 i64 key_end(const Problem<T>& p, i64 i0, i64 m) {
@@ -259,7 +265,7 @@ void forward_block(const Problem<T>& p, i64 i0, i64 m, T* out, float* lse) {
         std::fill(row, row + n, 0.0f);
         continue;
       }
-      exp_shifted(row, live, m_new);  // Note [Attention exponentials]
+      exp_shifted(row, exp_span(live, n), m_new);  // Note [Attention exponentials]
       std::fill(row + live, row + n, 0.0f);
       float row_sum = 0.0f;
       for (i64 c = 0; c < live; ++c) row_sum += row[c];
@@ -309,7 +315,7 @@ void block_probs_and_grads(const Problem<T>& p, const BlockRows& b, float* sc, f
   for (i64 r = 0; r < m; ++r) {
     float* row = sc + r * n;
     const i64 live = attended(p, b.i0 + r, b.j0, n);
-    exp_shifted(row, live, b.lse[r]);
+    exp_shifted(row, exp_span(live, n), b.lse[r]);
     std::fill(row + live, row + n, 0.0f);
   }
   sgemm('N', 'T', m, n, Ev, 1.0f, b.gout, Ev, b.v, Ev, 0.0f, ds, n);  // dP of the weights v saw
