@@ -22,10 +22,12 @@
 // half the lr without weight decay, SGD's without momentum until a step gives them
 // some, dampened), one of four models (an MLP; with Dropout; with two
 // layers sharing one weight; a CNN with BatchNorm) on 1-4 devices, the forwards under
-// bfloat16 autocast or not, gradients on the wire in float32, bfloat16 or float16 —
+// bfloat16 autocast or not, gradients on the wire in float32, bfloat16 or float16, the
+// parameters computed in a 16-bit copy (mixed_precision.param_dtype) or not —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too). The features added after the first grammar (groups, the tied
-// model, autocast, the wire dtype) are drawn from a second random stream, so a program
+// model, autocast, the wire dtype, param_dtype) are drawn from a second random stream,
+// each after the ones before it, so a program
 // number keeps the rest of its program. After every step each design's state_dict is compared:
 //  - with one device's, to float rounding, where the model and optimizer allow it
 //    (Dropout draws per device and BatchNorm normalises per shard, so on several
@@ -59,7 +61,9 @@
 //    gradient still stands far outside it. Adam normalises each
 //    gradient by its own size, so a rounding that turns a near-cancelling sum into
 //    another tiny value moves its update by up to lr: Adam programs with a 16-bit wire
-//    compare with DP only where bit for bit is promised.
+//    compare with DP only where bit for bit is promised; so do programs with param_dtype
+//    (a last-bit difference of a float32 master can round to another 16-bit weight), and
+//    they are not compared with one device's float32 run.
 // A design that refuses a program (stage 3 refuses no_sync) must refuse it with a
 // dp::Error that says why; anything else it throws is a finding. Across processes
 // each process passes its own rows of a global batch and its reference trains one
@@ -171,6 +175,7 @@ struct Program {
   bool groups = false;     // two parameter groups: matrices; the rest at lr / 2, no weight decay
   bool autocast = false;   // every micro-batch's forwards and losses under bfloat16 autocast
   dp::Dtype wire = dp::Dtype::Float32;  // mixed_precision.reduce_dtype of every design
+  dp::Dtype param = dp::Dtype::Float32;  // mixed_precision.param_dtype of every design (Float32: unset)
   std::vector<StepSpec> steps;
 };
 
@@ -240,6 +245,7 @@ Program generate(std::uint64_t seed) {
   p.autocast = more_chance(0.15);
   if (more_chance(0.2)) p.wire = more_chance(0.5) ? dp::Dtype::BFloat16 : dp::Dtype::Float16;
   for (StepSpec& st : p.steps) st.momentum_to_half = more_chance(0.1);
+  if (more_chance(0.2)) p.param = more_chance(0.5) ? dp::Dtype::BFloat16 : dp::Dtype::Float16;
   normalize(p);
   return p;
 }
@@ -420,6 +426,10 @@ std::unique_ptr<Objects> build(const Program& p, const Design* design) {
   if (design) {
     dp::DataParallelOptions options = design->options;
     if (p.wire != dp::Dtype::Float32) options.mixed_precision.reduce_dtype = p.wire;
+    if (p.param != dp::Dtype::Float32) {  // the wire as drawn, not param_dtype's default
+      options.mixed_precision.param_dtype = p.param;
+      options.mixed_precision.reduce_dtype = p.wire;
+    }
     o->model.emplace(o->net, devices, options);
   }
   o->optimizer = make_optimizer(p, o->model ? o->model->parameters() : o->net->parameters());
@@ -570,7 +580,8 @@ bool bitwise_promised(const Program& p, const Design& d, std::size_t s) {
 // 10550 — while a wrong gradient scale does not show at all. Those programs compare
 // the designs with DP; SGD programs carry the comparison with one device.
 bool single_comparable(const Program& p) {
-  if (p.optim != Optim::Sgd || p.autocast || p.wire != dp::Dtype::Float32) return false;
+  if (p.optim != Optim::Sgd || p.autocast || p.wire != dp::Dtype::Float32 || p.param != dp::Dtype::Float32)
+    return false;
   return p.model == Model::Mlp || p.model == Model::TiedMlp || p.devices * dp::dist::world_size() == 1;
 }
 
@@ -622,6 +633,10 @@ std::optional<Finding> compare(const Program& p, const Trace& want, const Trace&
     const bool exact = bitwise && bitwise_promised(p, d, s);
     const bool wide_wire = bitwise && p.wire != dp::Dtype::Float32;  // against DP, see Note [Loop fuzzer]
     if (wide_wire && !exact && (p.optim != Optim::Sgd || rounded_apart)) continue;
+    // 16-bit compute copies: a float32 master that differs in its last bit can round to
+    // another 16-bit weight (2^-8 of it apart in bfloat16), so where the designs' sums are
+    // not promised alike the runs part by more than any float32 tolerance.
+    if (bitwise && !exact && p.param != dp::Dtype::Float32) continue;
     rounded_apart = rounded_apart || (wide_wire && !exact);
     const double tol = (wide_wire ? std::max(kStepTolerance, wire_roundoff(p.wire)) : kStepTolerance) *
                        static_cast<double>(s + 1);
@@ -718,6 +733,10 @@ std::string cpp(const Program& p, const std::string& spelling) {
   os << "auto net = make_model(" << model_name(p.model) << ", " << p.seed << ");\n";
   os << "dp::DataParallelOptions options = " << spelling << ";\n";
   if (p.wire != dp::Dtype::Float32) os << "options.mixed_precision.reduce_dtype = " << wire_spelling(p.wire) << ";\n";
+  if (p.param != dp::Dtype::Float32) {
+    os << "options.mixed_precision.param_dtype = " << wire_spelling(p.param) << ";\n";
+    if (p.wire == dp::Dtype::Float32) os << "options.mixed_precision.reduce_dtype = dp::Dtype::Float32;\n";
+  }
   os << "dp::DataParallel model(net, {";
   for (int i = 0; i < p.devices; ++i) os << (i ? ", " : "") << "dp::cpu(" << i << ")";
   os << "}, options);\n";
