@@ -549,6 +549,35 @@ struct GeluBackwardArgs {
   bool tanh;
 };
 
+/// y = (x - mean) · rstd · w + b over each of `rows` rows of `cols` elements, float32
+/// (Note [Fused LayerNorm] in cpu_nn.cpp): mean and the biased variance per row, rstd =
+/// 1 / sqrt(var + eps); mean and rstd are written for the backward. w and b may be null
+/// (1 and 0).
+struct LayerNormArgs {
+  const void* x;
+  const void* w;
+  const void* b;
+  void* y;
+  float* mean;
+  float* rstd;
+  std::int64_t rows, cols;
+  float eps;
+};
+/// gx (overwritten) from gy, x, w and the forward's mean and rstd; gw = Σ_rows gy · x̂ and
+/// gb = Σ_rows gy (overwritten; either may be null), summed in an order fixed by the
+/// shape alone.
+struct LayerNormBackwardArgs {
+  const void* x;
+  const void* w;
+  const float* mean;
+  const float* rstd;
+  const void* gy;
+  void* gx;
+  float* gw;
+  float* gb;
+  std::int64_t rows, cols;
+};
+
 /// Average over the window counting padding (PyTorch's count_include_pad=true).
 struct AvgPool2dArgs {
   Pool2dShape s;
@@ -685,7 +714,9 @@ struct AdamStepArgs {
   X(AttentionForward, "attention_forward", AttentionForwardArgs)           \
   X(AttentionBackward, "attention_backward", AttentionBackwardArgs)       \
   X(Gelu, "gelu", GeluArgs)                                                \
-  X(GeluBackward, "gelu_backward", GeluBackwardArgs)
+  X(GeluBackward, "gelu_backward", GeluBackwardArgs)                      \
+  X(LayerNorm, "layer_norm", LayerNormArgs)                                \
+  X(LayerNormBackward, "layer_norm_backward", LayerNormBackwardArgs)
 
 /// The ops of DP_BACKEND_OPS.
 enum class Op : std::uint8_t {

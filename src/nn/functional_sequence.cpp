@@ -45,6 +45,67 @@ void run_gelu(const Tensor& x, const Tensor& out, bool tanh) {
                               {x.raw_data(), out.raw_data(), x.numel(), tanh});
 }
 
+/// Whether layer_norm runs as one backend op each way (Note [Fused LayerNorm] in
+/// src/backend/cpu/cpu_nn.cpp): float32 weight and bias (or none) on a backend with the
+/// ops; otherwise it composes the tensor ops.
+bool fused_layer_norm(const Tensor& x, const Tensor& w, const Tensor& b) {
+  auto f32 = [](const Tensor& t) { return !t.defined() || t.dtype() == Dtype::Float32; };
+  if (!f32(w) || !f32(b)) return false;
+  auto& bk = backend::get(x.device());
+  return bk.supports(backend::Op::LayerNorm, backend::DType::F32) &&
+         bk.supports(backend::Op::LayerNormBackward, backend::DType::F32);
+}
+
+const float* f32_or_null(const Tensor& t) { return t.defined() ? static_cast<const float*>(t.raw_data()) : nullptr; }
+
+/// layer_norm of the float32 (rows, cols) x with weight and bias of (cols) or undefined.
+Tensor layer_norm_fused(const Tensor& input, const Tensor& weight, const Tensor& bias, double eps) {
+  const Tensor x = input.contiguous();
+  const Tensor w = weight.defined() ? weight.contiguous() : weight;
+  const Tensor b = bias.defined() ? bias.contiguous() : bias;
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  const Device dev = x.device();
+  Tensor y = empty_like(x);
+  Tensor mean = empty({rows}, dev), rstd = empty({rows}, dev);
+  backend::get(dev).run<backend::Op::LayerNorm>(
+      dev, backend::DType::F32,
+      {x.raw_data(), f32_or_null(w), f32_or_null(b), y.raw_data(), static_cast<float*>(mean.raw_data()),
+       static_cast<float*>(rstd.raw_data()), rows, cols, static_cast<float>(eps)});
+  std::vector<Tensor> inputs{input};
+  if (weight.defined()) inputs.push_back(weight);
+  if (bias.defined()) inputs.push_back(bias);
+  if (autograd::needs_grad(inputs)) {
+    autograd::record("NativeLayerNormBackward", inputs, y,
+                     [x = x.detach(), w = w.defined() ? w.detach() : w, mean, rstd, has_w = weight.defined(),
+                      has_b = bias.defined()](const std::vector<Tensor>& g) {
+                       std::vector<Tensor> out(1 + (has_w ? 1 : 0) + (has_b ? 1 : 0));
+                       if (!g[0].defined()) return out;
+                       DP_CHECK(g[0].shape() == x.shape() && g[0].device() == x.device(),
+                                "NativeLayerNormBackward: expected a gradient of shape ", shape_str(x.shape()), " on ",
+                                x.device().str(), ", got ", g[0].str());
+                       const Tensor gy = (g[0].dtype() == Dtype::Float32 ? g[0] : dp::detail::cast_raw(g[0], Dtype::Float32))
+                                             .contiguous();
+                       const std::int64_t rows = x.size(0), cols = x.size(1);
+                       const Device dev = x.device();
+                       Tensor gx = empty_like(x);
+                       Tensor gw = has_w ? empty({cols}, dev) : Tensor();
+                       Tensor gb = has_b ? empty({cols}, dev) : Tensor();
+                       backend::get(dev).run<backend::Op::LayerNormBackward>(
+                           dev, backend::DType::F32,
+                           {x.raw_data(), f32_or_null(w), static_cast<const float*>(mean.raw_data()),
+                            static_cast<const float*>(rstd.raw_data()), gy.raw_data(), gx.raw_data(),
+                            gw.defined() ? static_cast<float*>(gw.raw_data()) : nullptr,
+                            gb.defined() ? static_cast<float*>(gb.raw_data()) : nullptr, rows, cols});
+                       std::size_t i = 0;
+                       out[i++] = gx;
+                       if (has_w) out[i++] = gw;
+                       if (has_b) out[i++] = gb;
+                       return out;
+                     });
+  }
+  return y;
+}
+
 }  // namespace
 
 Tensor log_softmax(const Tensor& x, std::int64_t dim) {
@@ -109,6 +170,11 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
   }
   const std::int64_t cols = shape_numel(normalized_shape);
   const std::int64_t rows = cols == 0 ? 0 : input.numel() / cols;
+  if (fused_layer_norm(input, weight, bias)) {
+    auto flat = [](const Tensor& t, const Shape& shape) { return t.defined() && t.shape() != shape ? t.reshape(shape) : t; };
+    return flat(layer_norm_fused(flat(input, {rows, cols}), flat(weight, {cols}), flat(bias, {cols}), eps),
+                input.shape());
+  }
   Tensor x = input.reshape({rows, cols});
   Tensor centered = sub(x, mean(x, 1, true));
   Tensor var = mean(mul(centered, centered), 1, true);  // biased, as PyTorch's

@@ -444,6 +444,51 @@ void add_elementwise_misc(Table& t, i64 n) {
   });
 }
 
+/// The fused LayerNorm (Note [Fused LayerNorm] in cpu_nn.cpp), forward and backward,
+/// with and without the affine: rows of 127 (a lane tail) and enough of them that the
+/// backward's weight sums cross blocks. Another backend sums in its own order.
+constexpr Tolerance kLayerNormTol{1e-4, 1e-5};
+
+void add_layer_norm(Table& t, i64 rows, i64 cols) {
+  const i64 n = rows * cols;
+  for (bool affine : {true, false}) {
+    const std::string tag = cat(" ", rows, "x", cols, affine ? "" : " no affine");
+    t.add(Kernel::LayerNorm, "layer_norm" + tag, count(n), kLayerNormTol, 0, 2 * kF * n, [=](OpRun& r) {
+      const float* x = r.uniform(n, -3, 3);
+      const float* w = affine ? r.uniform(cols, 0.5f, 1.5f) : nullptr;
+      const float* b = affine ? r.uniform(cols, -1, 1) : nullptr;
+      float* y = r.empty(n);
+      float* mean = r.empty(rows);
+      float* rstd = r.empty(rows);
+      r.output("y", y, n);
+      r.output("mean", mean, rows);
+      r.output("rstd", rstd, rows);
+      r.set_call([=](Backend& bk, Device d) {
+        bk.run<Op::LayerNorm>(d, DType::F32, {x, w, b, y, mean, rstd, rows, cols, 1e-5f});
+      });
+    });
+    t.add(Kernel::LayerNormBackward, "layer_norm_backward" + tag, count(n), kLayerNormTol, 0, 3 * kF * n,
+          [=](OpRun& r) {
+            const float* x = r.uniform(n, -3, 3);
+            const float* w = affine ? r.uniform(cols, 0.5f, 1.5f) : nullptr;
+            const float* mean = r.uniform(rows, -0.1f, 0.1f);
+            const float* rstd = r.uniform(rows, 0.5f, 1.0f);
+            const float* gy = r.uniform(n, -1, 1);
+            float* gx = r.empty(n);
+            float* gw = affine ? r.empty(cols) : nullptr;
+            float* gb = affine ? r.empty(cols) : nullptr;
+            r.output("gx", gx, n);
+            if (affine) {
+              r.output("gw", gw, cols);
+              r.output("gb", gb, cols);
+            }
+            r.set_call([=](Backend& bk, Device d) {
+              bk.run<Op::LayerNormBackward>(d, DType::F32, {x, w, mean, rstd, gy, gx, gw, gb, rows, cols});
+            });
+          });
+  }
+}
+
 /// The fused GELU (Note [Fused GELU] in functors.h), tanh form and exact, forward and
 /// backward: tanh_approx, erff and exp_approx, where CUDA contracts FMAs,
 /// differ by an ulp or two in a few roundings.
@@ -1257,6 +1302,7 @@ void add_check_suite(Table& t) {
   for (const UnaryRow& u : kUnaryRows) add_unary(t, u, kCheckN);
   add_elementwise_misc(t, kCheckN);
   add_gelu(t, kCheckN);
+  add_layer_norm(t, 331, 127);
   // 331 x 127 = 42037 elements: above the CPU's parallel grain.
   for (const BinaryRow& b : kBinaryRows) add_binary_layouts(t, b, 331, 127);
   // out (16, 11, 300) = a (16, 1, 300) + b (1, 11, 1): both sides broadcast, 3-d walk.
@@ -1328,6 +1374,7 @@ void add_perf_suite(Table& t) {
   add_unary(t, kUnaryRows[static_cast<int>(UnaryOp::Exp)], n);
   add_elementwise_misc(t, n);
   add_gelu(t, n);
+  add_layer_norm(t, 2048, 128);  // a GPT's activations (16 x 128 tokens, width 128)
   constexpr i64 kSide = 4096;  // kSide^2 = kPerfN
   const std::string square = dims({kSide, kSide});
   add_binary(t, kBinaryRows[static_cast<int>(BinaryOp::Add)], square + " op " + square,

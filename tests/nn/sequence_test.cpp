@@ -86,6 +86,58 @@ TEST_CASE("layer_norm matches PyTorch: output and the gradients of input, weight
   CHECK(ln.name() == "LayerNorm([8], eps=1e-05, elementwise_affine=true)");
 }
 
+TEST_CASE("layer_norm is one op each way (float32): the composed formula's values and gradients, every shape") {
+  // The composed formula layer_norm ran before Note [Fused LayerNorm], in tensor ops.
+  auto composed = [](const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+    const std::int64_t cols = x.size(x.dim() - 1);
+    Tensor xr = x.reshape({x.numel() / cols, cols});
+    Tensor c = dp::sub(xr, dp::mean(xr, 1, true));
+    Tensor y = dp::div(c, dp::sqrt(dp::add(dp::mean(dp::mul(c, c), 1, true), eps)));
+    if (w.defined()) y = dp::mul(y, w);
+    if (b.defined()) y = dp::add(y, b);
+    return y.reshape(x.shape());
+  };
+  auto max_abs = [](const Tensor& a, const Tensor& b) { return static_cast<float>(max_diff(a, b.to_vector())); };
+  dp::Generator gen(11);
+  struct Case {
+    Shape shape;
+    bool weight, bias;
+  };
+  // Rows past one backward block of 64 and several; widths with a lane tail; no rows.
+  for (const Case& c : {Case{{300, 127}, true, true}, Case{{4, 50, 48}, true, false}, Case{{129, 16}, false, true},
+                        Case{{70, 33}, false, false}, Case{{5, 1}, true, true}, Case{{0, 8}, true, true}}) {
+    const std::int64_t cols = c.shape.back();
+    INFO("shape ", dp::shape_str(c.shape), " weight ", c.weight, " bias ", c.bias);
+    Tensor x0 = dp::add(dp::mul(dp::randn(c.shape, gen), 3.0), 0.5);
+    Tensor up = dp::randn(c.shape, gen);
+    Tensor w0 = c.weight ? dp::add(dp::randn({cols}, gen), 1.0) : Tensor();
+    Tensor b0 = c.bias ? dp::randn({cols}, gen) : Tensor();
+    auto run = [&](bool fused) {
+      Tensor x = x0.detach().clone().set_requires_grad(true);
+      Tensor w = w0.defined() ? w0.detach().clone().set_requires_grad(true) : Tensor();
+      Tensor b = b0.defined() ? b0.detach().clone().set_requires_grad(true) : Tensor();
+      Tensor y = fused ? dp::nn::layer_norm(x, {cols}, w, b, 1e-5) : composed(x, w, b, 1e-5);
+      if (fused && x.dim() == 2) CHECK(y.grad_fn()->name() == "NativeLayerNormBackward");
+      dp::sum(dp::mul(y, up)).backward();
+      return std::vector<Tensor>{y, x.grad(), w.defined() ? w.grad() : Tensor(), b.defined() ? b.grad() : Tensor()};
+    };
+    const auto f = run(true), r = run(false);
+    if (c.shape[0] == 0) {
+      CHECK(f[0].numel() == 0);
+      if (c.weight) CHECK(dp::sum(dp::abs(f[2])).item() == 0.0f);
+      continue;
+    }
+    CHECK(max_abs(f[0], r[0]) < 2e-6f * 4);   // |y| up to ~4: a few float32 roundings
+    CHECK(max_abs(f[1], r[1]) < 2e-5f);
+    if (c.weight) CHECK(max_abs(f[2], r[2]) < 1e-4f);  // sums over up to 300 rows
+    if (c.bias) CHECK(max_abs(f[3], r[3]) < 1e-4f);
+    // The same call twice gives the same bits (a fixed summation order).
+    const auto again = run(true);
+    CHECK(max_abs(f[1], again[1]) == 0.0f);
+    if (c.weight) CHECK(max_abs(f[2], again[2]) == 0.0f);
+  }
+}
+
 TEST_CASE("embedding matches PyTorch; the padding row gets no gradient") {
   Tensor w = dp::from_vector(ref::kEmbeddingWeight, {7, 3}).set_requires_grad(true);
   Tensor ids = dp::from_vector(ref::kEmbeddingIds, {2, 3});

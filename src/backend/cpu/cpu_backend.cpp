@@ -67,6 +67,7 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   register_gemm_kernels();
   register_conv_kernels();
   register_pool_kernels();
+  register_layer_norm_kernels();
   register_attention_kernels();
 }
 
