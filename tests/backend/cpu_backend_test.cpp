@@ -1103,22 +1103,25 @@ TEST_CASE("gemm with operand rows 2 KiB apart: the copied slabs give the same bi
   }
 }
 
-TEST_CASE("transpose_copy: every element moved, the padding left alone, at every block and tail") {
-  // cpu_transpose.cpp: 8x8 blocks transposed in registers, then the columns and rows
-  // that do not fill a block one by one.
-  for (i64 rows : {1, 7, 8, 9, 16, 33, 130})
-    for (i64 cols : {1, 5, 8, 13, 64, 785}) {
+/// transpose_copy of a rows x cols block of src (rows lds apart, filled by fill(i)) into
+/// dst (rows ldd apart, pre-set to `pad`): every element moved bit for bit, and the
+/// padding rows of dst left alone, for each size given.
+template <typename T, typename Fill>
+void check_transpose(std::initializer_list<i64> rows_list, std::initializer_list<i64> cols_list, Fill fill, T pad) {
+  for (i64 rows : rows_list)
+    for (i64 cols : cols_list) {
       CAPTURE(rows);
       CAPTURE(cols);
       const i64 lds = cols + 3, ldd = rows + 5;
-      const auto src = random_vec(rows * lds, 90);
-      std::vector<float> dst(static_cast<std::size_t>(cols * ldd), 42.0f);
+      std::vector<T> src(static_cast<std::size_t>(rows * lds));
+      for (std::size_t i = 0; i < src.size(); ++i) src[i] = fill(i);
+      std::vector<T> dst(static_cast<std::size_t>(cols * ldd), pad);
       cpu::transpose_copy(src.data(), lds, rows, cols, dst.data(), ldd);
       i64 wrong = 0, padding_touched = 0;
       for (i64 c = 0; c < cols; ++c)
         for (i64 r = 0; r < ldd; ++r) {
-          const float got = dst[static_cast<std::size_t>(c * ldd + r)];
-          if (r >= rows) padding_touched += got != 42.0f;
+          const T got = dst[static_cast<std::size_t>(c * ldd + r)];
+          if (r >= rows) padding_touched += std::memcmp(&got, &pad, sizeof got) != 0;
           else wrong += std::memcmp(&got, &src[static_cast<std::size_t>(r * lds + c)], sizeof got) != 0;
         }
       CHECK(wrong == 0);
@@ -1126,28 +1129,20 @@ TEST_CASE("transpose_copy: every element moved, the padding left alone, at every
     }
 }
 
+TEST_CASE("transpose_copy: every element moved, the padding left alone, at every block and tail") {
+  // cpu_transpose.cpp: 8x8 blocks transposed in registers, then the columns and rows
+  // that do not fill a block one by one.
+  check_transpose<float>({1, 7, 8, 9, 16, 33, 130}, {1, 5, 8, 13, 64, 785}, [](std::size_t i) {
+    return static_cast<float>(static_cast<double>(i * 2654435761u % 100003) / 100003.0 - 0.5);
+  }, 42.0f);
+}
+
 TEST_CASE("transpose_copy of 16-bit elements: every element moved, the padding left alone, at every block and tail") {
   // cpu_transpose.cpp: 16x16 blocks transposed in registers, then the columns and rows
   // that do not fill a block one by one.
-  for (i64 rows : {1, 15, 16, 17, 32, 196, 785})
-    for (i64 cols : {1, 9, 16, 31, 64, 196}) {
-      CAPTURE(rows);
-      CAPTURE(cols);
-      const i64 lds = cols + 3, ldd = rows + 5;
-      std::vector<std::uint16_t> src(static_cast<std::size_t>(rows * lds));
-      for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint16_t>(i * 40503u >> 3);
-      std::vector<std::uint16_t> dst(static_cast<std::size_t>(cols * ldd), 0x2a2a);
-      cpu::transpose_copy(src.data(), lds, rows, cols, dst.data(), ldd);
-      i64 wrong = 0, padding_touched = 0;
-      for (i64 c = 0; c < cols; ++c)
-        for (i64 r = 0; r < ldd; ++r) {
-          const std::uint16_t got = dst[static_cast<std::size_t>(c * ldd + r)];
-          if (r >= rows) padding_touched += got != 0x2a2a;
-          else wrong += got != src[static_cast<std::size_t>(r * lds + c)];
-        }
-      CHECK(wrong == 0);
-      CHECK(padding_touched == 0);
-    }
+  check_transpose<std::uint16_t>({1, 15, 16, 17, 32, 196, 785}, {1, 9, 16, 31, 64, 196},
+                                 [](std::size_t i) { return static_cast<std::uint16_t>(i * 40503u >> 3); },
+                                 std::uint16_t{0x2a2a});
 }
 
 TEST_CASE("gemm with a transposed B: the bits of the untransposed product, at one thread and at all cores") {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_lanes.h"
 #include "backend/functors.h"
 #include "dp/core/error.h"
 
@@ -590,25 +591,18 @@ void maxpool_backward_kernel(CpuBackend& be, Device dev, const MaxPool2dBackward
 // as PyTorch's native layer norm: the forward keeps mean and rstd per row, the backward
 // forms x̂ = (x - mean) · rstd again and
 //     gx = rstd · (g - mean(g) - x̂ · mean(g · x̂)),   g = gy · w,
-// with the weight and bias gradients summed over rows. Sums run in 16 float32 lanes,
-// combined in lane order, so a row's values never depend on how rows are split among
+// with the weight and bias gradients summed over rows. A row's sums run as the
+// reductions' (fold_lanes: 16 float32 lanes, then a pairwise tree), so a row's values
+// never depend on how rows are split among
 // threads; gw and gb are summed per block of kLayerNormRows rows and the blocks added in
 // block order: the shape alone fixes every order, so the designs stay bitwise alike. The
 // values are the composed ops' to float32 rounding (nn_layer_norm_test compares them).
 constexpr i64 kLayerNormRows = 64;
-constexpr int kLanes = 16;
 
-/// Σ f(j) over j in [0, n) in kLanes float32 lanes, combined in lane order.
+/// Σ f(j) over j in [0, n), as the reductions sum (fold_lanes).
 template <typename F>
 inline float lane_sum(i64 n, F f) {
-  float acc[kLanes] = {};
-  i64 j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += f(j + l);
-  for (int l = 0; j + l < n; ++l) acc[l] += f(j + l);
-  float total = 0.0f;
-  for (int l = 0; l < kLanes; ++l) total += acc[l];
-  return total;
+  return fold_lanes<SumOp>(n, f);
 }
 
 void layer_norm_kernel(CpuBackend& be, Device dev, const LayerNormArgs& a) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_lanes.h"
 #include "dp/core/error.h"
 
 namespace dp::backend::cpu {
@@ -23,14 +24,6 @@ namespace {
 
 using i64 = std::int64_t;
 
-/// Independent accumulators for a contiguous reduction: 16 floats = one AVX-512
-/// register (two AVX2 ones), so the lane loop vectorises without reassociation.
-constexpr int kLanes = 16;
-
-struct SumOp {
-  static constexpr float identity() { return 0.0f; }
-  static float combine(float a, float b) { return a + b; }
-};
 struct MaxOp {
   static constexpr float identity() { return -std::numeric_limits<float>::infinity(); }
   // NaN wins and stays (torch.max propagates NaN).
@@ -44,16 +37,7 @@ struct MinOp {
 /// Reduces x[0..len) (contiguous) with a fixed lane order.
 template <typename Op>
 float reduce_contiguous(const float* __restrict x, i64 len) {
-  float lanes[kLanes];
-  for (int j = 0; j < kLanes; ++j) lanes[j] = Op::identity();
-  i64 i = 0;
-  for (; i + kLanes <= len; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lanes[j] = Op::combine(lanes[j], x[i + j]);
-  for (int j = 0; i < len; ++i, ++j) lanes[j] = Op::combine(lanes[j], x[i]);
-  // Pairwise tree over the lanes: fixed, and more accurate than a running sum.
-  for (int width = kLanes / 2; width >= 1; width /= 2)
-    for (int j = 0; j < width; ++j) lanes[j] = Op::combine(lanes[j], lanes[j + width]);
-  return lanes[0];
+  return fold_lanes<Op>(len, [x](i64 i) { return x[i]; });
 }
 
 /// acc[i] op= x[k * inner + i] for k in [0, kn), i in [0, ilen). Four rows per pass over

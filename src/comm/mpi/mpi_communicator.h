@@ -81,26 +81,14 @@ class MpiCommunicator final : public Communicator {
 /// `dtype` as (float32: float, int64: std::int64_t, bfloat16 and float16: their 2-byte
 /// storage types, moved as they are) and returns true; false when no process-group type
 /// carries it (int32: all_gather refuses it rather than mix it up with float32 between
-/// processes). A new dtype is a case here and an instantiation in
+/// processes): int64 here, the floating ones as with_summand. A new dtype is a case in
+/// one of the two and an instantiation in
 /// src/dist/process_group.cpp (Note [Collective dtypes]).
 template <typename F>
 bool with_process_type(Dtype dtype, F&& f) {
-  switch (dtype) {
-    case Dtype::Float32:
-      f.template operator()<float>();
-      return true;
-    case Dtype::Int64:
-      f.template operator()<std::int64_t>();
-      return true;
-    case Dtype::BFloat16:
-      f.template operator()<BFloat16>();
-      return true;
-    case Dtype::Float16:
-      f.template operator()<Float16>();
-      return true;
-    default:
-      return false;
-  }
+  if (dtype != Dtype::Int64) return with_summand(dtype, f);  // the summable floating dtypes
+  f.template operator()<std::int64_t>();
+  return true;
 }
 
 /// Calls f.template operator()<T>() with T the element type a process group adds

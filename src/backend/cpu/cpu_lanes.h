@@ -1,0 +1,35 @@
+// src/backend/cpu/cpu_lanes.h — a contiguous float reduction in independent lanes, shared
+// by the reductions (cpu_reduce.cpp) and the fused LayerNorm's row sums (cpu_nn.cpp).
+// Internal.
+#pragma once
+
+#include <cstdint>
+
+namespace dp::backend::cpu {
+
+/// Independent accumulators for a contiguous reduction: 16 floats = one AVX-512
+/// register (two AVX2 ones), so the lane loop vectorises without reassociation.
+inline constexpr int kLanes = 16;
+
+struct SumOp {
+  static constexpr float identity() { return 0.0f; }
+  static float combine(float a, float b) { return a + b; }
+};
+
+/// Folds load(i) for i in [0, n) with Op into kLanes lanes (element i into lane i mod
+/// kLanes, in order), then the lanes by a pairwise tree: an order fixed by n alone.
+template <typename Op, typename Load>
+[[gnu::always_inline]] inline float fold_lanes(std::int64_t n, Load load) {
+  float lanes[kLanes];
+  for (int j = 0; j < kLanes; ++j) lanes[j] = Op::identity();
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] = Op::combine(lanes[j], load(i + j));
+  for (int j = 0; i < n; ++i, ++j) lanes[j] = Op::combine(lanes[j], load(i));
+  // Pairwise tree over the lanes: fixed, and more accurate than a running sum.
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] = Op::combine(lanes[j], lanes[j + width]);
+  return lanes[0];
+}
+
+}  // namespace dp::backend::cpu
