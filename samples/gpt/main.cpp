@@ -127,9 +127,14 @@ struct Corpus {
 
   /// `rows` windows at random offsets (nanoGPT's get_batch).
   static dp::data::Batch sample(const dp::data::TokenDataset& split, std::int64_t rows, dp::Generator& gen) {
+    return sample(split, rows, gen, 0, rows);
+  }
+  /// Rows [first, first + count) of a batch of `rows` random windows.
+  static dp::data::Batch sample(const dp::data::TokenDataset& split, std::int64_t rows, dp::Generator& gen,
+                                std::int64_t first, std::int64_t count) {
     const dp::Tensor at = dp::randint(0, split.size(), {rows}, gen, dp::cpu(0));
-    const std::vector<std::int64_t> offsets = at.to_vector_i64();
-    return split.get_batch(offsets);
+    const std::vector<std::int64_t> all = at.to_vector_i64();
+    return split.get_batch(std::vector<std::int64_t>(all.begin() + first, all.begin() + first + count));
   }
 };
 
@@ -246,7 +251,11 @@ Session make_session(const Config& cfg, const samples::GPTConfig& mc) {
   s.gpt->to(s.devices.front());
   if (cfg.mode != "single") s.model = std::make_unique<dp::DataParallel>(s.gpt, s.devices, design_options(cfg));
   s.opt = make_optimizer(cfg, s.model ? s.model->parameters() : s.gpt->parameters());
-  s.data_gen = dp::Generator(cfg.seed + 1 + static_cast<std::uint64_t>(dp::dist::rank()));
+  // One data stream for the whole job: every process draws the global batch's windows
+  // and takes its own rows, so the generator is alike on every process and the one a
+  // checkpoint saves resumes every process (and the batches do not depend on how the
+  // devices are spread over processes).
+  s.data_gen = dp::Generator(cfg.seed + 1);
   s.state.generators = {{"data", &s.data_gen}};
   return s;
 }
@@ -256,9 +265,10 @@ double train_step(Session& s, const Config& cfg, const Corpus& corpus) {
   s.opt->zero_grad();
   const double scale = 1.0 / static_cast<double>(cfg.grad_accum);
   const std::int64_t rows = cfg.batch / dp::dist::world_size();
+  const std::int64_t first = rows * dp::dist::rank();
   double loss_sum = 0.0;
   for (std::int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
-    auto [x, y] = Corpus::sample(*corpus.train, rows, s.data_gen);
+    auto [x, y] = Corpus::sample(*corpus.train, cfg.batch, s.data_gen, first, rows);
     const dp::amp::autocast precision = samples::precision_scope(cfg.precision);
     if (s.model) {
       loss_sum += s.model
@@ -302,7 +312,9 @@ void save(Session& s, const Config& cfg, const Corpus& corpus) {
   if (cfg.checkpoint.empty()) return;
   s.state.metadata["gpt.config"] = config_json(s.gpt->config()).dump();
   s.state.metadata["gpt.vocabulary"] = to_hex(corpus.tokenizer.vocabulary());
-  dp::save_training_checkpoint(cfg.checkpoint, *s.gpt, *s.opt, s.state);
+  // Every process takes part (a Sharded optimizer's state and the Dropout streams are
+  // gathered); process 0 writes.
+  dp::save_training_checkpoint(cfg.checkpoint, *s.gpt, *s.opt, s.state, /*write=*/dp::dist::is_main());
 }
 
 json tags(const Config& cfg) {

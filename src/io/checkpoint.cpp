@@ -12,6 +12,7 @@
 #include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 #include "dp/dist/dist.h"
+#include "dp/nn/dropout.h"
 
 namespace dp {
 
@@ -277,6 +278,120 @@ GeneratorStates parse_module_generators(const io::Metadata& m, nn::Module& modul
   return out;
 }
 
+// Note [Dropout streams in a checkpoint]
+// A Dropout layer's generators are registered as "<layer>.generator.0" … ".63" (Note
+// [Dropout generators]), and the file holds one entry per name. In one process, copy r
+// draws stream r, so entry s is stream s of the job. Across processes (Note [Dropout
+// across processes] in src/parallel/data_parallel.cpp) process p's copy r draws stream
+// p * n + r, and the saving process alone holds only its own streams' positions.
+// save_training_checkpoint therefore gathers them — one integer all-reduce, in the
+// collective part of the save — and writes entry s as stream s of the job, whoever
+// drew it (a stream nobody drew: counter 0): the file a single process of the job's
+// P * n devices would write. Loading maps back: a layer whose copy 0 draws stream
+// first_stream() takes entry first + r for copy r (a stream past the file's 64 keeps
+// its state; no saved run drew it). So a run resumed on any topology — P processes ×
+// n devices, one process of P * n, or the other way round — draws the masks of the
+// uninterrupted run, and the save is collective whenever a Dropout layer is spread
+// over processes (every process calls it, as for a Sharded optimizer). A job of more
+// than 64 devices with Dropout cannot be saved this way: the save says so on every
+// process rather than write a file that loses streams.
+
+// The Dropout layers of `module` (itself included) and the prefix of their generators'
+// names ("drop.generator."), in module order.
+std::vector<std::pair<nn::Dropout*, std::string>> dropout_layers(nn::Module& module) {
+  std::map<const Generator*, std::string> names;
+  for (const auto& [name, gen] : module.named_generators()) names.emplace(gen, name);
+  std::vector<nn::Dropout*> found;
+  if (auto* d = dynamic_cast<nn::Dropout*>(&module)) found.push_back(d);
+  for (const auto& m : module.modules())
+    if (auto* d = dynamic_cast<nn::Dropout*>(m.get())) found.push_back(d);
+  std::vector<std::pair<nn::Dropout*, std::string>> out;
+  std::set<const nn::Dropout*> seen;
+  for (nn::Dropout* d : found) {
+    if (!seen.insert(d).second) continue;
+    auto it = names.find(&d->generator(0));
+    DP_ASSERT(it != names.end());
+    out.emplace_back(d, it->second.substr(0, it->second.size() - 1));  // "<prefix>0"
+  }
+  return out;
+}
+
+// "drop" of "drop.generator.", for messages.
+std::string layer_of(const std::string& prefix) {
+  const std::string tail = "generator.";
+  std::string layer = prefix.substr(0, prefix.size() - std::min(prefix.size(), tail.size()));
+  if (!layer.empty() && layer.back() == '.') layer.pop_back();
+  return layer.empty() ? "(the module itself)" : layer;
+}
+
+// Every stream of every Dropout layer spread over processes, in the job's numbering,
+// under its generator name (Note [Dropout streams in a checkpoint]). Collective when
+// any layer is spread; every process decides alike (the spread is set by a collective
+// construction).
+std::map<std::string, std::string> gather_dropout_streams(nn::Module& module) {
+  constexpr int kCopies = nn::Dropout::kMaxCopies;
+  std::vector<std::pair<nn::Dropout*, std::string>> spread;
+  for (auto& [d, prefix] : dropout_layers(module))
+    if (d->spread_processes() > 1) spread.emplace_back(d, prefix);
+  std::map<std::string, std::string> out;
+  if (spread.empty()) return out;
+  // Per stream: how many processes drew it, its key, its counter.
+  std::vector<std::int64_t> table(spread.size() * kCopies * 3, 0);
+  for (std::size_t i = 0; i < spread.size(); ++i) {
+    nn::Dropout& d = *spread[i].first;
+    const std::int64_t streams = static_cast<std::int64_t>(d.spread_processes()) * d.spread_copies();
+    DP_CHECK(streams <= kCopies, "save_training_checkpoint: Dropout '", layer_of(spread[i].second), "' draws ", streams, " streams (", d.spread_processes(), " processes x ", d.spread_copies(),
+             " devices); a checkpoint holds at most ", kCopies, " per layer, as one process serves");
+    for (int r = 0; r < d.spread_copies(); ++r) {
+      const std::int64_t s = d.first_stream() + r;
+      DP_ASSERT(s < kCopies);
+      std::int64_t* at = table.data() + (i * kCopies + static_cast<std::size_t>(s)) * 3;
+      at[0] = 1;
+      at[1] = static_cast<std::int64_t>(d.generator(r).seed());
+      at[2] = static_cast<std::int64_t>(d.generator(r).offset());
+    }
+  }
+  dist::all_reduce(std::span<std::int64_t>(table), dist::Op::Sum);
+  for (std::size_t i = 0; i < spread.size(); ++i) {
+    nn::Dropout& d = *spread[i].first;
+    for (int s = 0; s < kCopies; ++s) {
+      const std::int64_t* at = table.data() + (i * kCopies + static_cast<std::size_t>(s)) * 3;
+      DP_CHECK(at[0] <= 1, "save_training_checkpoint: stream ", s, " of Dropout '", layer_of(spread[i].second),
+               "' is drawn by ", at[0], " processes; the processes' layers disagree on their streams");
+      Generator g(at[0] == 1 ? static_cast<std::uint64_t>(at[1]) : d.stream_key(s));
+      if (at[0] == 1) g.set_state(static_cast<std::uint64_t>(at[1]), static_cast<std::uint64_t>(at[2]));
+      out.emplace(spread[i].second + std::to_string(s), generator_state(g));
+    }
+  }
+  return out;
+}
+
+// The file's states re-aimed at the copies that draw them: a layer whose copy 0 draws
+// stream first takes entry first + r for copy r (Note [Dropout streams in a
+// checkpoint]); other generators keep their own entry.
+GeneratorStates aim_dropout_streams(nn::Module& module, const GeneratorStates& parsed) {
+  constexpr int kCopies = nn::Dropout::kMaxCopies;
+  const std::map<Generator*, std::pair<std::uint64_t, std::uint64_t>> file(parsed.begin(), parsed.end());
+  std::map<Generator*, std::pair<std::uint64_t, std::uint64_t>> aimed = file;
+  for (auto& [d, prefix] : dropout_layers(module)) {
+    const std::int64_t first = d->first_stream();
+    if (first == 0) continue;
+    for (int r = 0; r < kCopies; ++r) {
+      Generator* to = &d->generator(r);
+      auto from = first + r < kCopies ? file.find(&d->generator(static_cast<int>(first + r))) : file.end();
+      if (from != file.end()) {
+        aimed[to] = from->second;
+      } else {
+        aimed.erase(to);  // a stream past the file's: no saved run drew it
+      }
+    }
+  }
+  GeneratorStates out;
+  for (const auto& [gen, st] : parsed)
+    if (auto it = aimed.find(gen); it != aimed.end()) out.emplace_back(gen, it->second);
+  return out;
+}
+
 }  // namespace
 
 // ---- module checkpoints ------------------------------------------------------------------
@@ -321,14 +436,17 @@ nn::StateDict load(const std::string& path) { return io::read_safetensors(path).
 void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
                               const TrainingState& state, bool write) {
   nn::StateDict tensors;
+  std::map<std::string, std::string> dropout_streams;  // Note [Dropout streams in a checkpoint]
   {
     // Across processes a Sharded optimizer's state_dict gathers every process's
-    // shards (and the module's may finish a deferred gather of the parameters): a
+    // shards (and the module's may finish a deferred gather of the parameters), and a
+    // Dropout layer spread over processes gathers its streams (Note [Dropout streams in
+    // a checkpoint]): a
     // process calling this alone meets the others in another collective, or times
     // out. Whatever fails there names the save and its rule.
     dist::CollectiveScope scope(
-        "save_training_checkpoint (collective for a Sharded optimizer across processes: every process must "
-        "call it, write = true on one, false on the others)");
+        "save_training_checkpoint (collective for a Sharded optimizer or a Dropout layer across processes: "
+        "every process must call it, write = true on one, false on the others)");
     tensors = module.state_dict();
     for (const auto& [k, v] : tensors) {
       DP_CHECK(!starts_with(k, kOptPrefix), "save_training_checkpoint: the module's state name '", k,
@@ -341,6 +459,7 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
                  "' starts with '", kScalerPrefix, "', which the checkpoint reserves for the GradScaler; rename that child");
       for (auto& [k, v] : state.scaler->state_dict()) tensors.emplace_back(kScalerPrefix + k, v);
     }
+    dropout_streams = gather_dropout_streams(module);
   }
   if (!write) return;
 
@@ -361,7 +480,10 @@ void save_training_checkpoint(const std::string& path, nn::Module& module, optim
     DP_CHECK(fresh, "save_training_checkpoint: two generators are named '", name, "'");
   }
   meta[kVersionKey] = format_number(kVersion);
-  for (const auto& [name, gen] : module.named_generators()) meta[kModuleRngPrefix + name] = generator_state(*gen);
+  for (const auto& [name, gen] : module.named_generators()) {
+    auto spread = dropout_streams.find(name);
+    meta[kModuleRngPrefix + name] = spread != dropout_streams.end() ? spread->second : generator_state(*gen);
+  }
   for (const auto& [name, sched] : state.schedulers) save_scheduler(meta, name, sched);
   for (const auto& [k, v] : state.metadata) meta[kUserPrefix + k] = v;
   if (state.scaler != nullptr) meta[kScalerKey] = "1";
@@ -390,7 +512,7 @@ void load_training_checkpoint(const std::string& path, nn::Module& module, optim
              name, "' (was it saved with TrainingState::generators naming it?)");
     gens.emplace_back(gen, parse_generator(m.at(key), key, path));
   }
-  const auto module_gens = parse_module_generators(m, module, path);
+  const auto module_gens = aim_dropout_streams(module, parse_module_generators(m, module, path));
   std::optional<double> momentum;
   if (m.count("dp.optimizer.momentum") && optimizer.momentum()) {
     momentum = parse_number<double>(m.at("dp.optimizer.momentum"), "dp.optimizer.momentum", path);

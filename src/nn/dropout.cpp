@@ -36,8 +36,22 @@ void Dropout::set_streams(std::uint64_t seed, std::int64_t first) {
   seed_ = seed;
   first_stream_ = first;
   for (int r = 0; r < kMaxCopies; ++r) {
-    generators_[r].set_state(mix(seed, static_cast<std::uint64_t>(first + r)), 0);
+    generators_[r].set_state(stream_key(first + r), 0);
   }
+}
+
+std::uint64_t Dropout::stream_key(std::int64_t s) const {
+  DP_CHECK(s >= 0, "Dropout::stream_key: expected a stream >= 0, got ", s);
+  return mix(seed_, static_cast<std::uint64_t>(s));
+}
+
+void Dropout::set_process_spread(int processes, int copies) {
+  DP_CHECK(processes >= 1, "Dropout::set_process_spread: expected processes >= 1, got ", processes);
+  DP_CHECK(processes == 1 ? copies >= 0 && copies <= kMaxCopies : copies >= 1 && copies <= kMaxCopies,
+           "Dropout::set_process_spread: expected copies in [", processes == 1 ? 0 : 1, ", ", kMaxCopies,
+           "], got ", copies);
+  spread_processes_ = processes;
+  spread_copies_ = processes == 1 ? 0 : copies;
 }
 
 Generator& Dropout::generator(int copy) {

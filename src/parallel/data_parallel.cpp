@@ -286,24 +286,49 @@ void DataParallel::sync_processes() {
 // every Dropout layer and gives device r of process p stream p * n + r, the stream
 // world rank p * n + r has: the job's devices draw distinct masks, and a job of P
 // processes of one device draws exactly the masks of one process with P devices.
-// A training checkpoint holds the saving process's streams; loading it into a job
-// across processes gives every process those states (their masks then repeat until
-// the next construction), so a resumed run across processes with dropout is not the
-// uninterrupted one.
+// Each stream keeps the position process 0's layer holds for it (its copies 0..63
+// hold streams first .. first + 63): a fresh layer's are all at counter 0, and a layer
+// that process 0 loaded from a training checkpoint before this construction — the
+// checkpoint holds the job's streams in the job's numbering, Note [Dropout streams in
+// a checkpoint] in src/io/checkpoint.cpp — hands every process its own streams'
+// positions, so the resumed run draws the uninterrupted run's masks. A stream process
+// 0's layer does not hold starts at counter 0. The layer records the spread
+// (Dropout::set_process_spread), which makes a training checkpoint gather it.
 void DataParallel::sync_dropout_streams(comm::Communicator& across) {
   std::vector<std::shared_ptr<nn::Dropout>> layers;
   for (const auto& m : net_->modules()) {
     if (auto d = std::dynamic_pointer_cast<nn::Dropout>(m)) layers.push_back(std::move(d));
   }
   if (layers.empty()) return;
+  // Per layer: seed, first stream, then (key, counter) of copies 0..kMaxCopies-1.
+  constexpr int kCopies = nn::Dropout::kMaxCopies;
+  constexpr std::size_t kPerLayer = 2 + 2 * kCopies;
   std::vector<std::int64_t> mine;
-  for (const auto& d : layers) mine.push_back(static_cast<std::int64_t>(d->seed()));
-  Tensor seeds = from_vector(mine, {static_cast<std::int64_t>(mine.size())}, devices_[0]);
-  across.broadcast(process_, seeds, 0);
-  const std::vector<std::int64_t> got = seeds.to_vector_i64();
-  const std::int64_t first = static_cast<std::int64_t>(process_) * static_cast<std::int64_t>(devices_.size());
+  mine.reserve(layers.size() * kPerLayer);
+  for (const auto& d : layers) {
+    mine.push_back(static_cast<std::int64_t>(d->seed()));
+    mine.push_back(d->first_stream());
+    for (int r = 0; r < kCopies; ++r) {
+      mine.push_back(static_cast<std::int64_t>(d->generator(r).seed()));
+      mine.push_back(static_cast<std::int64_t>(d->generator(r).offset()));
+    }
+  }
+  Tensor states = from_vector(mine, {static_cast<std::int64_t>(mine.size())}, devices_[0]);
+  across.broadcast(process_, states, 0);
+  const std::vector<std::int64_t> got = states.to_vector_i64();
+  const int n = static_cast<int>(devices_.size());
+  const std::int64_t first = static_cast<std::int64_t>(process_) * n;
   for (std::size_t i = 0; i < layers.size(); ++i) {
-    layers[i]->set_streams(static_cast<std::uint64_t>(got[i]), first);
+    const std::int64_t* at = got.data() + i * kPerLayer;
+    nn::Dropout& d = *layers[i];
+    d.set_streams(static_cast<std::uint64_t>(at[0]), first);
+    const std::int64_t held = at[1];  // process 0's copy 0 holds stream `held`
+    for (int r = 0; r < kCopies; ++r) {
+      const std::int64_t k = first + r - held;
+      if (k < 0 || k >= kCopies) continue;
+      d.generator(r).set_state(static_cast<std::uint64_t>(at[2 + 2 * k]), static_cast<std::uint64_t>(at[3 + 2 * k]));
+    }
+    d.set_process_spread(processes_, n);
   }
 }
 

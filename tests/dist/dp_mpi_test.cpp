@@ -681,6 +681,127 @@ TEST_CASE("a training checkpoint resumes on another topology: P x 2 devices <-> 
   }
 }
 
+namespace {
+
+/// The MLP with a Dropout after its first ReLU (stream per device of the job).
+std::shared_ptr<dp::nn::Sequential> make_dropout_mlp(std::uint64_t seed) {
+  dp::Generator gen(seed);
+  auto net = std::make_shared<dp::nn::Sequential>();
+  net->push_back(std::make_shared<dp::nn::Linear>(6, 16, true, &gen));
+  net->push_back(std::make_shared<dp::nn::ReLU>());
+  net->push_back(std::make_shared<dp::nn::Dropout>(0.5, seed + 1));
+  net->push_back(std::make_shared<dp::nn::Linear>(16, 3, true, &gen));
+  return net;
+}
+
+/// Steps [first, last) of batches that every topology of the job's devices cuts alike:
+/// 3 rows per device, whether P processes of kLocal devices or one process of P * kLocal
+/// take them (so device d draws stream d on the same 3 x 16 activations either way).
+void even_steps(dp::DataParallel& model, dp::optim::Optimizer& opt, int first, int last) {
+  const std::int64_t rows = 3 * dist::world_size() * kLocal;
+  for (int s = first; s < last; ++s) {
+    Batch b = make_batch(rows, 500 + static_cast<std::uint64_t>(s));
+    const auto [lo, n] = model.processes() > 1 ? my_rows(rows) : std::pair<std::int64_t, std::int64_t>{0, rows};
+    opt.zero_grad();
+    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    opt.step();
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a training checkpoint with Dropout resumes with the uninterrupted run's masks on any topology") {
+  // Note [Dropout streams in a checkpoint]: the save gathers every process's streams
+  // (collective), the file numbers them by the job's devices, and a load (before or
+  // after the DataParallel) aims each process's copies at its own.
+  if (!dist::is_distributed()) return;
+  const int world = dist::world_size() * kLocal;
+  const int half = kSteps / 2;
+  for (const dp::Mode mode : {dp::Mode::DDP, dp::Mode::DP}) {
+    const dp::DataParallelOptions across{.mode = mode};
+    dp::DataParallelOptions alone = across;
+    alone.span_processes = false;
+    CAPTURE(static_cast<int>(mode));
+    std::vector<float> straight;
+    {
+      auto net = make_dropout_mlp(kSeed);
+      dp::DataParallel model(net, local_devices(), across);
+      dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+      even_steps(model, opt, 0, kSteps);
+      straight = flat(net->state_dict());
+    }
+    {
+      // The masks matter: devices that draw other masks end elsewhere.
+      auto net = make_dropout_mlp(kSeed);
+      dp::DataParallel model(net, local_devices(), across);
+      dynamic_cast<dp::nn::Dropout&>(*net->named_children()[2].second).set_seed(kSeed + 2);
+      dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+      even_steps(model, opt, 0, kSteps);
+      CHECK(max_diff(flat(net->state_dict()), straight) > 1e-3);
+    }
+    // P processes save: every process calls, one writes.
+    const std::string across_path = checkpoint_path("dropout_across");
+    {
+      auto net = make_dropout_mlp(kSeed);
+      dp::DataParallel model(net, local_devices(), across);
+      dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+      even_steps(model, opt, 0, half);
+      dp::save_training_checkpoint(across_path, *net, opt, at_step(half), /*write=*/dist::is_main());
+    }
+    dist::barrier();
+    {
+      INFO("P processes resume: bit for bit, the same topology");
+      auto fresh = make_dropout_mlp(kSeed + 40 + static_cast<std::uint64_t>(dist::rank()));
+      dp::DataParallel model(fresh, local_devices(), across);
+      dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+      dp::TrainingState st;
+      dp::load_training_checkpoint(across_path, *fresh, opt, st);
+      even_steps(model, opt, half, kSteps);
+      CHECK(flat(fresh->state_dict()) == straight);
+    }
+    if (dist::is_main()) {
+      INFO("one process of 2P devices resumes: the sums group otherwise");
+      auto fresh = make_dropout_mlp(kSeed + 99);
+      dp::DataParallel single(fresh, local_devices(world), alone);
+      dp::optim::Adam opt(single.parameters(), {.lr = 1e-2});
+      dp::TrainingState st;
+      dp::load_training_checkpoint(across_path, *fresh, opt, st);
+      even_steps(single, opt, half, kSteps);
+      CHECK(max_diff(flat(fresh->state_dict()), straight) < 2e-5);
+    }
+    dist::barrier();
+    if (dist::is_main()) std::remove(across_path.c_str());
+    // One process of 2P devices saves; P processes resume, loading after the
+    // DataParallel is built or before (its construction then hands out the streams).
+    const std::string alone_path = checkpoint_path("dropout_alone");
+    if (dist::is_main()) {
+      auto net = make_dropout_mlp(kSeed);
+      dp::DataParallel single(net, local_devices(world), alone);
+      dp::optim::Adam opt(single.parameters(), {.lr = 1e-2});
+      even_steps(single, opt, 0, half);
+      dp::save_training_checkpoint(alone_path, *net, opt, at_step(half));
+    }
+    dist::barrier();
+    for (const bool load_first : {false, true}) {
+      CAPTURE(load_first);
+      auto fresh = make_dropout_mlp(kSeed + 7 + static_cast<std::uint64_t>(dist::rank()));
+      dp::optim::Adam opt(fresh->parameters(), {.lr = 1e-2});
+      dp::TrainingState st;
+      std::optional<dp::DataParallel> model;
+      if (load_first) dp::load_training_checkpoint(alone_path, *fresh, opt, st);
+      model.emplace(fresh, local_devices(), across);
+      if (!load_first) dp::load_training_checkpoint(alone_path, *fresh, opt, st);
+      CHECK(st.step == half);
+      even_steps(*model, opt, half, kSteps);
+      const std::vector<float> p = flat(fresh->state_dict());
+      CHECK(max_diff(p, straight) < 2e-5);
+      CHECK(same_everywhere(p));
+    }
+    dist::barrier();
+    if (dist::is_main()) std::remove(alone_path.c_str());
+  }
+}
+
 TEST_CASE("a different device count on one process fails on every process") {
   if (!dist::is_distributed()) return;
   auto net = make_mlp(kSeed);
@@ -1071,14 +1192,17 @@ struct Bomb : dp::nn::Module {
 // collective save_training_checkpoint while the others wait in dp::dist::barrier()
 // (which meets its gathering: every process fails at once) or in no collective
 // (process 0 times out); the messages must name the save and its rule.
+// "save_alone_dropout": the same as "save_alone" for DDP with a Dropout layer, whose
+// streams the save gathers.
 int run_fault(const std::string& mode) {
   auto net = make_mlp(kSeed);
   auto bomb = std::make_shared<Bomb>();
   net->push_back(bomb);
   dp::DataParallelOptions options{.mode = dp::Mode::DDP};
   if (mode == "throw_stage3") options = {.mode = dp::Mode::Sharded, .shard_stage = 3};
-  if (mode.rfind("hang_", 0) == 0 || mode.rfind("save_alone", 0) == 0)
+  if (mode.rfind("hang_", 0) == 0 || mode == "save_alone" || mode == "save_alone_wait")
     options = {.mode = dp::Mode::Sharded, .shard_stage = 2};
+  if (mode == "save_alone_dropout") net->push_back(std::make_shared<dp::nn::Dropout>(0.2, kSeed));
   dp::DataParallel model(net, local_devices(), options);
   dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
   const bool victim = dist::rank() == dist::world_size() - 1;

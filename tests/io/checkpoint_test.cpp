@@ -504,6 +504,50 @@ TEST_CASE("training checkpoints restore every generator the module registered, a
   CHECK(bit_equal(dst->state_dict(), src->state_dict()));
 }
 
+TEST_CASE("a Dropout whose copy 0 draws stream F takes the file's streams F, F+1, ... (Note [Dropout streams in a checkpoint])") {
+  ScratchDir dir;
+  auto src = std::make_shared<dp::nn::Sequential>();
+  src->push_back(std::make_shared<dp::nn::Linear>(4, 4));
+  src->push_back(std::make_shared<dp::nn::Dropout>(0.5, 11));
+  auto& sd = dynamic_cast<dp::nn::Dropout&>(*src->named_children()[1].second);
+  for (int r = 0; r < 4; ++r) {  // copies 0..3 draw different amounts
+    dp::nn::ReplicaBinding bind(r);
+    src->forward(dp::ones({r + 1, 4}));
+  }
+  dp::optim::SGD opt(src->parameters(), {.lr = 0.1});
+  const std::string path = dir.file("streams.ckpt");
+  dp::save_training_checkpoint(path, *src, opt, dp::TrainingState{});
+
+  // A layer of process 1 of a job of 2 devices per process: copy r draws stream 2 + r.
+  auto dst = std::make_shared<dp::nn::Sequential>();
+  dst->push_back(std::make_shared<dp::nn::Linear>(4, 4));
+  dst->push_back(std::make_shared<dp::nn::Dropout>(0.5, 99));
+  auto& dd = dynamic_cast<dp::nn::Dropout&>(*dst->named_children()[1].second);
+  dd.set_streams(11, 2);
+  dd.generator(62).set_state(5, 6);  // stream 64: past the file's 64, keeps its state
+  dp::optim::SGD opt2(dst->parameters(), {.lr = 0.1});
+  dp::TrainingState st;
+  dp::load_training_checkpoint(path, *dst, opt2, st);
+  for (int r = 0; r < 62; ++r) {
+    CAPTURE(r);
+    CHECK(dd.generator(r).seed() == sd.generator(r + 2).seed());
+    CHECK(dd.generator(r).offset() == sd.generator(r + 2).offset());
+  }
+  CHECK(dd.generator(0).offset() == 12);  // stream 2: copy 2 drew 3 rows of 4
+  CHECK(dd.generator(62).seed() == 5);
+  CHECK(dd.generator(62).offset() == 6);
+  CHECK(dd.generator(63).seed() == dd.stream_key(65));
+
+  // A spread the checkpoint cannot hold, and bad spreads.
+  dd.set_process_spread(2, 40);
+  CHECK(contains(error_of([&] { dp::save_training_checkpoint(path, *dst, opt2, st); }),
+                 "Dropout '1' draws 80 streams (2 processes x 40 devices); a checkpoint holds at most 64 per layer"));
+  CHECK(contains(error_of([&] { dd.set_process_spread(0, 1); }), "expected processes >= 1, got 0"));
+  CHECK(contains(error_of([&] { dd.set_process_spread(2, 0); }), "expected copies in [1, 64], got 0"));
+  CHECK(contains(error_of([&] { dd.set_process_spread(2, 65); }), "expected copies in [1, 64], got 65"));
+  CHECK(contains(error_of([&] { (void)dd.stream_key(-1); }), "expected a stream >= 0, got -1"));
+}
+
 TEST_CASE("a flipped bit in a module or training checkpoint is an error naming the tensor; nothing is loaded") {
   ScratchDir dir;
   dp::manual_seed(8);

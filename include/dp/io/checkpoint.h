@@ -103,14 +103,17 @@ struct TrainingState {
 /// hyper-parameters (optimizer.param_groups_state()), `state` (with its schedulers and
 /// generators), dp::default_generator()'s state and the state of every generator of
 /// module.named_generators() to one safetensors file at `path`, atomically, with a
-/// CRC-32 per tensor (Note [Tensor checksums], safetensors.cpp). Under mpirun the generators saved
-/// are the writing process's: a run whose processes seed differently restores
-/// process 0's streams everywhere.
+/// CRC-32 per tensor (Note [Tensor checksums], safetensors.cpp). Under mpirun the default
+/// generator and the generators `state` names are the writing process's; a Dropout
+/// layer's streams are the whole job's, gathered from every process and numbered by
+/// device (Note [Dropout streams in a checkpoint], checkpoint.cpp).
 /// The optimizer of a Sharded run across processes (stages 1 and 2 under mpirun) holds
-/// only its process's shards and optimizer.state_dict() gathers the others: the save is
-/// then COLLECTIVE — every process calls it, with `write` true on one of them
-/// (dp::dist::is_main()), false on the others, which take part in the gathering and
-/// write nothing. The file holds the whole state and loads into any mode and topology.
+/// only its process's shards and optimizer.state_dict() gathers the others, and a
+/// Dropout layer a DataParallel spread over processes holds only its process's streams:
+/// the save is then COLLECTIVE — every process calls it, with `write` true on one of
+/// them (dp::dist::is_main()), false on the others, which take part in the gathering
+/// and write nothing. The file holds the whole state and loads into any mode and
+/// topology; a load gives each process's Dropout copies their own streams.
 void save_training_checkpoint(const std::string& path, nn::Module& module, optim::Optimizer& optimizer,
                               const TrainingState& state, bool write = true);
 

@@ -73,6 +73,17 @@ class Dropout : public Module {
   void set_streams(std::uint64_t seed, std::int64_t first);
   /// The stream number of copy 0 (0 unless set_streams moved it).
   std::int64_t first_stream() const { return first_stream_; }
+  /// The Philox key of stream s (s >= 0) of this layer's seed: the key set_streams gives
+  /// the copy that draws stream s, at counter 0.
+  std::uint64_t stream_key(std::int64_t s) const;
+  /// Records that DataParallel spread the streams over `processes` processes of
+  /// `copies` devices each, this process's copies drawing streams first_stream() ..
+  /// first_stream() + copies - 1 (Note [Dropout streams in a checkpoint] in
+  /// src/io/checkpoint.cpp: a training checkpoint then gathers them). 1 and 0 (the
+  /// default) say the layer is this process's alone.
+  void set_process_spread(int processes, int copies);
+  int spread_processes() const { return spread_processes_; }
+  int spread_copies() const { return spread_copies_; }
   /// The generator copy r draws from (0 ≤ r < kMaxCopies).
   Generator& generator(int copy);
 
@@ -80,6 +91,8 @@ class Dropout : public Module {
   double p_;
   std::uint64_t seed_ = 0;
   std::int64_t first_stream_ = 0;
+  int spread_processes_ = 1;
+  int spread_copies_ = 0;
   std::array<Generator, kMaxCopies> generators_;
 };
 
