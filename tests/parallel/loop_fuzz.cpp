@@ -16,7 +16,7 @@
 // clip_grad_norm_, a scheduler step, an eval()/train() evaluation, a group's momentum
 // changed between steps (SGD's buffer then starts, from none or from zeros), the state_dict
 // scaled and loaded back, a training checkpoint saved and resumed into fresh objects
-// (one process), five cross entropies (mean, sum, ignore_index, label smoothing,
+// (under mpirun one file that every process saves and loads), five cross entropies (mean, sum, ignore_index, label smoothing,
 // class weights), uneven batches, SGD (momentum, Nesterov, weight decay),
 // Adam or AdamW, each with one parameter group or two (the matrices, and the rest at
 // half the lr without weight decay, SGD's without momentum until a step gives them
@@ -159,7 +159,7 @@ struct StepSpec {
   bool scheduler = false;     // StepLR(step_size 1, gamma 0.5) steps after opt.step()
   bool evaluate = false;      // eval(), a no_grad forward, train() after the step
   bool reload = false;        // state_dict() scaled by 0.99, loaded back, after the step
-  bool resume = false;        // a training checkpoint saved, loaded into fresh objects (one process)
+  bool resume = false;        // a training checkpoint saved, loaded into fresh objects
   bool momentum_to_half = false;  // the last group's momentum (Adam: beta1) set to 0.5 first
 };
 
@@ -246,6 +246,10 @@ Program generate(std::uint64_t seed) {
   if (more_chance(0.2)) p.wire = more_chance(0.5) ? dp::Dtype::BFloat16 : dp::Dtype::Float16;
   for (StepSpec& st : p.steps) st.momentum_to_half = more_chance(0.1);
   if (more_chance(0.2)) p.param = more_chance(0.5) ? dp::Dtype::BFloat16 : dp::Dtype::Float16;
+  // Resumes across processes: one file, saved by every process (process 0 writes) and
+  // loaded by every process (Note [Dropout streams in a checkpoint]).
+  if (dp::dist::world_size() > 1)
+    for (std::size_t s = 0; s + 1 < p.steps.size(); ++s) p.steps[s].resume = more_chance(0.15);
   normalize(p);
   return p;
 }
@@ -437,19 +441,26 @@ std::unique_ptr<Objects> build(const Program& p, const Design* design) {
   return o;
 }
 
-// A training checkpoint of `o` after `step` steps, loaded into fresh objects (one process).
+// A training checkpoint of `o` after `step` steps, loaded into fresh objects. Across
+// processes one file: every process takes part in the save (a Sharded optimizer's
+// state and the Dropout streams are gathered), process 0 writes, and every process
+// loads it, as a job resumes.
 std::unique_ptr<Objects> resume(const Program& p, const Design* design, Objects& o, std::int64_t step) {
-  const std::string path = (std::filesystem::temp_directory_path() /
-                            ("dp_loop_fuzz_" + std::to_string(::getpid()) + ".ckpt")).string();
+  const bool across = design != nullptr && dp::dist::world_size() > 1;
+  std::string path = (std::filesystem::temp_directory_path() /
+                      ("dp_loop_fuzz_" + std::to_string(::getpid()) + ".ckpt")).string();
+  if (across) path = dp::dist::broadcast_object(path, 0);
   dp::TrainingState saved;
   saved.step = step;
   saved.schedulers = {{"lr", o.sched.get()}};
-  dp::save_training_checkpoint(path, *o.net, *o.optimizer, saved);
+  dp::save_training_checkpoint(path, *o.net, *o.optimizer, saved, /*write=*/!across || dp::dist::is_main());
+  if (across) dp::dist::barrier();
   std::unique_ptr<Objects> fresh = build(p, design);
   dp::TrainingState loaded;
   loaded.schedulers = {{"lr", fresh->sched.get()}};
   dp::load_training_checkpoint(path, *fresh->net, *fresh->optimizer, loaded);
-  std::filesystem::remove(path);
+  if (across) dp::dist::barrier();
+  if (!across || dp::dist::is_main()) std::filesystem::remove(path);
   if (loaded.step != step) throw std::runtime_error("the checkpoint's step did not come back");
   return fresh;
 }
