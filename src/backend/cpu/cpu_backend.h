@@ -158,12 +158,19 @@ void maxpool_2x2_planes(const Pool2dShape& s, const BFloat16* x, BFloat16* y, st
 /// bfloat16 bits, with byte places, after a ReLU of each input when `relu`; and its
 /// input gradient, masked by the pool's output relu_y when it is not null. The bits of
 /// the float32 kernels on the widened planes, rounded (Note [bfloat16 max-pool on its
-/// bits] in cpu_pool_clones.cpp), with ISA clones.
+/// bits] in cpu_pool_clones.cpp): in AVX-512 registers where the CPU has AVX-512BW
+/// (Note [bfloat16 max-pool in AVX-512] in cpu_pool_avx512.cpp), else the ISA clones
+/// below, with the same bits.
 void maxpool_2x2_bf16(const std::uint16_t* x, std::uint16_t* y, std::uint8_t* where, std::int64_t planes,
                       std::int64_t H, std::int64_t W, std::int64_t P, std::int64_t Q, bool relu);
 void maxpool_2x2_backward_bf16(const std::uint16_t* gy, const std::uint8_t* where, const std::uint16_t* relu_y,
                                std::uint16_t* gx, std::int64_t planes, std::int64_t H, std::int64_t W,
                                std::int64_t P, std::int64_t Q);
+void maxpool_2x2_bf16_clones(const std::uint16_t* x, std::uint16_t* y, std::uint8_t* where, std::int64_t planes,
+                             std::int64_t H, std::int64_t W, std::int64_t P, std::int64_t Q, bool relu);
+void maxpool_2x2_backward_bf16_clones(const std::uint16_t* gy, const std::uint8_t* where,
+                                      const std::uint16_t* relu_y, std::uint16_t* gx, std::int64_t planes,
+                                      std::int64_t H, std::int64_t W, std::int64_t P, std::int64_t Q);
 
 // Note [oneDNN in the device's arena]
 // Debian's oneDNN threads with OpenMP. Called with a team of the device's T threads, it

@@ -34,7 +34,9 @@ namespace dp::backend::cpu {
 // windows wide, too narrow for a compiler's loop over them to reach its vector body),
 // the last vector moved back to end at the row's end as in Note [Branch-free 2x2
 // max-pool]; the x86-64-v3 and -v4 clones run them in AVX2 registers, the baseline in
-// SSE pairs, all with the same bits (integer selects and exact compares).
+// SSE pairs, all with the same bits (integer selects and exact compares). Where the
+// CPU has AVX-512BW, cpu_pool_avx512.cpp runs them instead, with the same bits (Note
+// [bfloat16 max-pool in AVX-512]).
 
 namespace {
 
@@ -244,9 +246,9 @@ template <bool kMask>
 
 }  // namespace
 
-DP_CPU_V4_V3_CLONES void maxpool_2x2_bf16(const std::uint16_t* x, std::uint16_t* y, std::uint8_t* where,
+DP_CPU_V4_V3_CLONES void maxpool_2x2_bf16_clones(const std::uint16_t* x, std::uint16_t* y, std::uint8_t* where,
                                           std::int64_t planes, std::int64_t H, std::int64_t W, std::int64_t P,
-                                          std::int64_t Q, bool relu) {
+                                                 std::int64_t Q, bool relu) {
   if (relu) {
     pool_planes<true>(x, y, where, planes, H, W, P, Q);
   } else {
@@ -254,7 +256,7 @@ DP_CPU_V4_V3_CLONES void maxpool_2x2_bf16(const std::uint16_t* x, std::uint16_t*
   }
 }
 
-DP_CPU_V4_V3_CLONES void maxpool_2x2_backward_bf16(const std::uint16_t* gy, const std::uint8_t* where,
+DP_CPU_V4_V3_CLONES void maxpool_2x2_backward_bf16_clones(const std::uint16_t* gy, const std::uint8_t* where,
                                                    const std::uint16_t* relu_y, std::uint16_t* gx,
                                                    std::int64_t planes, std::int64_t H, std::int64_t W,
                                                    std::int64_t P, std::int64_t Q) {
