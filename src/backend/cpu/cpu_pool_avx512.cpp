@@ -43,8 +43,10 @@ using u16 = std::uint16_t;
 #if defined(DP_POOL_AVX512)
 // GCC 12's intrinsics start some results from _mm512_undefined_*(), which its own
 // -Wuninitialized then reports at -O3 (a false positive of the headers, not of this code).
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #define DP_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 /// Lanes [0, n) of a 16-lane mask.
@@ -55,7 +57,7 @@ DP_AVX512_TARGET inline __mmask32 lanes32(i64 n) {
 
 /// Windows [q, q + n) of one output row, n <= 16 (rows r0, r1 of the input).
 template <bool kRelu>
-DP_AVX512_TARGET [[gnu::always_inline]] inline void pool_block(const u16* r0, const u16* r1, u16* y, std::uint8_t* where, i64 q, i64 n) {
+[[gnu::always_inline]] DP_AVX512_TARGET inline void pool_block(const u16* r0, const u16* r1, u16* y, std::uint8_t* where, i64 q, i64 n) {
   const __mmask32 in = lanes32(2 * n);
   __m512i top = _mm512_maskz_loadu_epi16(in, r0 + 2 * q);
   __m512i bottom = _mm512_maskz_loadu_epi16(in, r1 + 2 * q);
@@ -111,7 +113,7 @@ DP_AVX512_TARGET void pool_planes_avx512(const u16* x, u16* y, std::uint8_t* whe
 /// Windows [q, q + n) of the input gradient, n <= 16: each window's gradient (masked by
 /// ry > 0 when kMask) at its place in rows g0 and g1, +0 elsewhere, a NaN as 0xFFFF.
 template <bool kMask>
-DP_AVX512_TARGET [[gnu::always_inline]] inline void backward_block(const u16* gy, const std::uint8_t* wp, const u16* ry, u16* g0, u16* g1,
+[[gnu::always_inline]] DP_AVX512_TARGET inline void backward_block(const u16* gy, const std::uint8_t* wp, const u16* ry, u16* g0, u16* g1,
                                             i64 q, i64 n) {
   const __mmask16 in = lanes16(n);
   __m512i g = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, gy + q));
