@@ -340,7 +340,8 @@ std::map<std::string, std::string> gather_dropout_streams(nn::Module& module) {
   for (std::size_t i = 0; i < spread.size(); ++i) {
     nn::Dropout& d = *spread[i].first;
     const std::int64_t streams = static_cast<std::int64_t>(d.spread_processes()) * d.spread_copies();
-    DP_CHECK(streams <= kCopies, "save_training_checkpoint: Dropout '", layer_of(spread[i].second), "' draws ", streams, " streams (", d.spread_processes(), " processes x ", d.spread_copies(),
+    DP_CHECK(streams <= kCopies, "save_training_checkpoint: Dropout '", layer_of(spread[i].second), "' draws ",
+             streams, " streams (", d.spread_processes(), " processes x ", d.spread_copies(),
              " devices); a checkpoint holds at most ", kCopies, " per layer, as one process serves");
     for (int r = 0; r < d.spread_copies(); ++r) {
       const std::int64_t s = d.first_stream() + r;
@@ -358,8 +359,12 @@ std::map<std::string, std::string> gather_dropout_streams(nn::Module& module) {
       const std::int64_t* at = table.data() + (i * kCopies + static_cast<std::size_t>(s)) * 3;
       DP_CHECK(at[0] <= 1, "save_training_checkpoint: stream ", s, " of Dropout '", layer_of(spread[i].second),
                "' is drawn by ", at[0], " processes; the processes' layers disagree on their streams");
-      Generator g(at[0] == 1 ? static_cast<std::uint64_t>(at[1]) : d.stream_key(s));
-      if (at[0] == 1) g.set_state(static_cast<std::uint64_t>(at[1]), static_cast<std::uint64_t>(at[2]));
+      Generator g;  // a stream nobody drew: its key at counter 0
+      if (at[0] == 1) {
+        g.set_state(static_cast<std::uint64_t>(at[1]), static_cast<std::uint64_t>(at[2]));
+      } else {
+        g.set_state(d.stream_key(s), 0);
+      }
       out.emplace(spread[i].second + std::to_string(s), generator_state(g));
     }
   }

@@ -47,11 +47,10 @@ std::uint64_t Dropout::stream_key(std::int64_t s) const {
 
 void Dropout::set_process_spread(int processes, int copies) {
   DP_CHECK(processes >= 1, "Dropout::set_process_spread: expected processes >= 1, got ", processes);
-  DP_CHECK(processes == 1 ? copies >= 0 && copies <= kMaxCopies : copies >= 1 && copies <= kMaxCopies,
-           "Dropout::set_process_spread: expected copies in [", processes == 1 ? 0 : 1, ", ", kMaxCopies,
-           "], got ", copies);
+  DP_CHECK(processes == 1 || (copies >= 1 && copies <= kMaxCopies),
+           "Dropout::set_process_spread: expected copies in [1, ", kMaxCopies, "], got ", copies);
   spread_processes_ = processes;
-  spread_copies_ = processes == 1 ? 0 : copies;
+  spread_copies_ = processes == 1 ? 0 : copies;  // one process: the layer is its own
 }
 
 Generator& Dropout::generator(int copy) {

@@ -713,15 +713,15 @@ void even_steps(dp::DataParallel& model, dp::optim::Optimizer& opt, int first, i
 TEST_CASE("a training checkpoint with Dropout resumes with the uninterrupted run's masks on any topology") {
   // Note [Dropout streams in a checkpoint]: the save gathers every process's streams
   // (collective), the file numbers them by the job's devices, and a load (before or
-  // after the DataParallel) aims each process's copies at its own.
+  // after the DataParallel) aims each process's copies at its own. Every design.
   if (!dist::is_distributed()) return;
   const int world = dist::world_size() * kLocal;
   const int half = kSteps / 2;
-  for (const dp::Mode mode : {dp::Mode::DDP, dp::Mode::DP}) {
-    const dp::DataParallelOptions across{.mode = mode};
+  for (const Design& design : designs()) {
+    const dp::DataParallelOptions across = design.options;
     dp::DataParallelOptions alone = across;
     alone.span_processes = false;
-    CAPTURE(static_cast<int>(mode));
+    CAPTURE(design.name);
     std::vector<float> straight;
     {
       auto net = make_dropout_mlp(kSeed);

@@ -79,8 +79,9 @@ class Dropout : public Module {
   /// Records that DataParallel spread the streams over `processes` processes of
   /// `copies` devices each, this process's copies drawing streams first_stream() ..
   /// first_stream() + copies - 1 (Note [Dropout streams in a checkpoint] in
-  /// src/io/checkpoint.cpp: a training checkpoint then gathers them). 1 and 0 (the
-  /// default) say the layer is this process's alone.
+  /// src/io/checkpoint.cpp: a training checkpoint then gathers them); copies in
+  /// [1, kMaxCopies]. One process (the default) says the layer is this process's alone
+  /// (copies is then ignored and spread_copies() is 0).
   void set_process_spread(int processes, int copies);
   int spread_processes() const { return spread_processes_; }
   int spread_copies() const { return spread_copies_; }

@@ -55,22 +55,21 @@ DP_AVX512_TARGET inline __mmask32 lanes32(i64 n) {
   return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1u);
 }
 
-/// Windows [q, q + n) of one output row, n <= 16 (rows r0, r1 of the input).
-template <bool kRelu>
-[[gnu::always_inline]] DP_AVX512_TARGET inline void pool_block(const u16* r0, const u16* r1, u16* y, std::uint8_t* where, i64 q, i64 n) {
+/// Windows [q, q + n) of one output row, n <= 16 (rows r0, r1 of the input), each input
+/// after the convolution's ReLU (the only forward that runs here).
+[[gnu::always_inline]] DP_AVX512_TARGET inline void pool_block(const u16* r0, const u16* r1, u16* y,
+                                                               std::uint8_t* where, i64 q, i64 n) {
   const __mmask32 in = lanes32(2 * n);
   __m512i top = _mm512_maskz_loadu_epi16(in, r0 + 2 * q);
   __m512i bottom = _mm512_maskz_loadu_epi16(in, r1 + 2 * q);
-  if constexpr (kRelu) {
-    // relu_in_place's bits: a NaN 0xFFFF, a negative number (0x8001..0xFF80) +0.
-    const __m512i magnitude = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
-    const __m512i negative_zero = _mm512_set1_epi16(static_cast<short>(0x8000));
-    const __m512i ones = _mm512_set1_epi16(-1);
-    for (__m512i* v : {&top, &bottom}) {
-      const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(*v, magnitude), inf);
-      const __mmask32 negative = _mm512_cmpgt_epu16_mask(*v, negative_zero);
-      *v = _mm512_mask_mov_epi16(_mm512_maskz_mov_epi16(~negative, *v), nan, ones);
-    }
+  // relu_in_place's bits: a NaN 0xFFFF, a negative number (0x8001..0xFF80) +0.
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
+  const __m512i negative_zero = _mm512_set1_epi16(static_cast<short>(0x8000));
+  const __m512i ones = _mm512_set1_epi16(-1);
+  for (__m512i* v : {&top, &bottom}) {
+    const __mmask32 nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(*v, magnitude), inf);
+    const __mmask32 negative = _mm512_cmpgt_epu16_mask(*v, negative_zero);
+    *v = _mm512_mask_mov_epi16(_mm512_maskz_mov_epi16(~negative, *v), nan, ones);
   }
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m512 w[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(top, 16)),
@@ -99,22 +98,21 @@ template <bool kRelu>
   _mm_mask_storeu_epi8(where + q, out, places);
 }
 
-template <bool kRelu>
-DP_AVX512_TARGET void pool_planes_avx512(const u16* x, u16* y, std::uint8_t* where, i64 planes, i64 H, i64 W, i64 P,
-                                         i64 Q) {
+DP_AVX512_TARGET void relu_pool_planes_avx512(const u16* x, u16* y, std::uint8_t* where, i64 planes, i64 H, i64 W,
+                                              i64 P, i64 Q) {
   for (i64 pl = 0; pl < planes; ++pl)
     for (i64 p = 0; p < P; ++p) {
       const u16* r0 = x + pl * H * W + 2 * p * W;
       const i64 o = (pl * P + p) * Q;
-      for (i64 q = 0; q < Q; q += 16) pool_block<kRelu>(r0, r0 + W, y + o, where + o, q, std::min<i64>(16, Q - q));
+      for (i64 q = 0; q < Q; q += 16) pool_block(r0, r0 + W, y + o, where + o, q, std::min<i64>(16, Q - q));
     }
 }
 
 /// Windows [q, q + n) of the input gradient, n <= 16: each window's gradient (masked by
 /// ry > 0 when kMask) at its place in rows g0 and g1, +0 elsewhere, a NaN as 0xFFFF.
 template <bool kMask>
-[[gnu::always_inline]] DP_AVX512_TARGET inline void backward_block(const u16* gy, const std::uint8_t* wp, const u16* ry, u16* g0, u16* g1,
-                                            i64 q, i64 n) {
+[[gnu::always_inline]] DP_AVX512_TARGET inline void backward_block(const u16* gy, const std::uint8_t* wp,
+                                                                   const u16* ry, u16* g0, u16* g1, i64 q, i64 n) {
   const __mmask16 in = lanes16(n);
   __m512i g = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, gy + q));
   if constexpr (kMask) {
@@ -177,7 +175,7 @@ void maxpool_2x2_bf16(const std::uint16_t* x, std::uint16_t* y, std::uint8_t* wh
   // The ReLU's pool is the convolution's one pass (Note [Convolution, ReLU and max-pool
   // in one pass]), over a group still in L2; a plain pool streams its planes from
   // memory, where the AVX-512 loop measured slower (Note [bfloat16 max-pool in AVX-512]).
-  if (relu && use_avx512()) return pool_planes_avx512<true>(x, y, where, planes, H, W, P, Q);
+  if (relu && use_avx512()) return relu_pool_planes_avx512(x, y, where, planes, H, W, P, Q);
 #endif
   maxpool_2x2_bf16_clones(x, y, where, planes, H, W, P, Q, relu);
 }
