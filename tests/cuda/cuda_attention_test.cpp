@@ -297,6 +297,66 @@ TEST_CASE("the CUDA fused attention: a row whose every key is masked gives NaN a
   CHECK(std::isfinite(lse[3]));
 }
 
+namespace {
+
+/// t with row `row` of its (B·H·rows, width) view set to `value` (B = H = 1 here).
+Tensor with_row(const Tensor& t, i64 row, float value) {
+  std::vector<float> v = values(t);
+  const i64 width = t.shape()[3];
+  for (i64 c = 0; c < width; ++c) v[static_cast<std::size_t>(row * width + c)] = value;
+  return dp::from_vector(v, t.shape(), t.device()).to(t.dtype());
+}
+
+bool all_nan(const std::vector<float>& v) {
+  return std::all_of(v.begin(), v.end(), [](float x) { return std::isnan(x); });
+}
+bool all_finite(const std::vector<float>& v) {
+  return std::all_of(v.begin(), v.end(), [](float x) { return std::isfinite(x); });
+}
+
+}  // namespace
+
+TEST_CASE("the CUDA fused attention: a NaN key reaches every row that attends it, as on the CPU") {
+  // Key 5 lies in the first key tile: before the row's maximum kept NaN, a NaN score in
+  // the first tile a row attends was dropped and the row's softmax ran over the other
+  // keys, finite and wrong.
+  const Case c{1, 1, 4, 64, 8, 8, false, Mask::None, 0.0f, std::nullopt};
+  OpInputs in = op_inputs(c, dp::Dtype::Float32, 123);
+  in.k = with_row(in.k, 5, NAN);
+  const OpOutputs cpu = run_op(dp::cpu(0), c, in, Tensor(), Tensor());
+  const OpOutputs cuda = run_op(gpu(), c, in, Tensor(), Tensor());
+  REQUIRE(all_nan(values(cpu.out)));  // the CPU kernel, the oracle
+  REQUIRE(all_nan(values(cpu.lse)));
+  CHECK(all_nan(values(cuda.out)));
+  CHECK(all_nan(values(cuda.lse)));
+}
+
+TEST_CASE("the CUDA fused attention: causal, keys past every query's window never reach a result") {
+  // L = 33 < S = 64: the block of query 32 attends keys 0..32, and the tile it reads
+  // holds keys 32..63. Keys 33.. are infinite here; a weight of 0 times one of them was a
+  // NaN in out (the forward) and in dQ (the backward) before those rows were zeros.
+  const Case c{1, 1, 33, 64, 8, 8, true, Mask::None, 0.0f, std::nullopt};
+  for (dp::Dtype dtype : {dp::Dtype::Float32, dp::Dtype::BFloat16}) {
+    CAPTURE(dp::dtype_name(dtype));
+    OpInputs in = op_inputs(c, dtype, 321);
+    for (i64 j = 33; j < 36; ++j) {
+      in.k = with_row(in.k, j, INFINITY);
+      in.v = with_row(in.v, j, INFINITY);
+    }
+    const Pair r = run_both(c, in);
+    REQUIRE(all_finite(values(r.cpu.out)));
+    REQUIRE(all_finite(values(r.cpu.gq)));
+    CHECK(all_finite(values(r.cuda.out)));
+    CHECK(all_finite(values(r.cuda.lse)));
+    CHECK(all_finite(values(r.cuda.gq)));
+    const double t = tol(c, dtype);
+    CHECK(error(values(r.cuda.out), values(r.cpu.out)) <= t);
+    CHECK(error(values(r.cuda.gq), values(r.cpu.gq)) <= t);
+    CHECK(error(values(r.cuda.gk), values(r.cpu.gk)) <= t);
+    CHECK(error(values(r.cuda.gv), values(r.cpu.gv)) <= t);
+  }
+}
+
 TEST_CASE("the CUDA fused attention is reproducible: the same bits on every run, gradients included") {
   const Case c{2, 2, 130, 129, 64, 64, true, Mask::None, 0.25f, std::nullopt};
   const OpInputs in = op_inputs(c, dp::Dtype::Float32, 5);

@@ -245,7 +245,9 @@ __device__ __forceinline__ void forward_tile(const Params& p, i64 bh, i64 first,
   warp_reduce_rows(tile_max, MaxOp{});
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
-    tile_max[r] = fmaxf(st.m[r], tile_max[r]);  // now the row's new maximum
+    // Now the row's new maximum, NaN winning as in the reduction: fmaxf would drop a NaN
+    // score of the row's first attended tile (m = -inf), and its output would be finite.
+    tile_max[r] = MaxOp{}(tile_max[r], st.m[r]);
     // Nothing attended yet (m = -inf): no weight, no rescale. Else exp(-inf - m) = 0
     // for the masked keys.
     w[r] = tile_max[r] == kNegInf ? 0.0f : expf(s[r] - tile_max[r]);
@@ -297,8 +299,10 @@ __global__ void __launch_bounds__(kThreads)
   const i64 end = p.causal ? min64(p.S, min64(p.L, i0 + kTile)) : p.S;
   for (i64 j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the previous tile is read (and the queries are loaded)
-    load_tile<kD>(k_s, k + bh * p.S * p.E, j0, p.S, p.E);
-    load_tile<kD>(v_s, v + bh * p.S * p.Ev, j0, p.S, p.Ev);
+    // Rows from `end` on are zeros, not keys: accumulate reads up to a multiple of 4 rows,
+    // and a weight of 0 times an infinite value row nobody attends to would be a NaN.
+    load_tile<kD>(k_s, k + bh * p.S * p.E, j0, end, p.E);
+    load_tile<kD>(v_s, v + bh * p.S * p.Ev, j0, end, p.Ev);
     __syncthreads();
     if (first >= p.L || (p.causal && j0 > first + kRowsPerWarp - 1)) continue;  // the warp's rows attend to none
     forward_tile<T, kD>(p, bh, first, j0, static_cast<int>(min64(kTile, end - j0)), q_s + warp * kRowsPerWarp * kS,
@@ -472,8 +476,8 @@ __global__ void __launch_bounds__(kThreads)
   const i64 end = p.causal ? min64(p.S, min64(p.L, i0 + kTile)) : p.S;
   for (i64 j0 = 0; j0 < end; j0 += kTile) {
     __syncthreads();  // the previous tile is read (and the queries are loaded)
-    load_tile<kD>(t.walk_a, k + bh * p.S * p.E, j0, p.S, p.E);
-    load_tile<kD>(t.walk_b, v + bh * p.S * p.Ev, j0, p.S, p.Ev);
+    load_tile<kD>(t.walk_a, k + bh * p.S * p.E, j0, end, p.E);  // zeros from `end` on, as in the forward
+    load_tile<kD>(t.walk_b, v + bh * p.S * p.Ev, j0, end, p.Ev);
     __syncthreads();
     if (first >= p.L || (p.causal && j0 > first + kRowsPerWarp - 1)) continue;  // the warp's rows attend to none
     const i64 j = j0 + lane;  // the lane's key
