@@ -22,9 +22,12 @@
 //    sum of exp(s − m) with shuffles (so m and l are the same on every lane), rescales
 //    the output accumulator by exp(m_old − m_new), drops (after the sum: l is undropped),
 //    writes the row's weights to the warp's shared row, and adds P·V, each lane owning
-//    the output dims lane + 32c. out = acc / l and lse = m + log l. Causal: key tiles
-//    past the block's last query are never loaded, and a warp whose 8 queries all
-//    precede a tile skips it; blocks are launched longest rows first.
+//    the output dims lane + 32c. out = acc / l and lse = m + log l. A NaN score wins
+//    the row's maximum, as the reduction lets it, so it reaches out and lse as on the
+//    CPU. Causal: key tiles past the block's last query are never loaded, the rows of
+//    the last tile past it load as zeros (a weight of 0 times an infinite key or value
+//    nobody attends would be a NaN), and a warp whose 8 queries all precede a tile
+//    skips it; blocks are launched longest rows first.
 //  - Backward: Δ_i = gout_i · out_i (a warp per row) into scratch; then two kernels
 //    that recompute the tile's probabilities P = exp(s − lse) and dP = gout vᵀ and form
 //    dS = P ∘ (dP ∘ Z − Δ): one block per 32 keys walks the query tiles (from its first
