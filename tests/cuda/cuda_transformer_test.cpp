@@ -156,4 +156,32 @@ TEST_CASE("bfloat16 autocast and bfloat16 gradients on the wire: every GPU's wor
   }
 }
 
+TEST_CASE("log_softmax and softmax on the GPU: rows with infinities and NaN give the CPU's values") {
+  // A +inf maximum shifts by itself on both backends (inf - inf = NaN: the whole row is
+  // NaN, as PyTorch's); an all -inf row is NaN; a NaN anywhere makes its row NaN. The GPU
+  // kernel once shifted a +inf row by 0, giving -inf for its finite entries.
+  const float inf = INFINITY, nan = NAN;
+  const std::vector<float> x = {inf, 1.0f, 2.0f, -1.0f,  -inf, -inf, -inf, -inf,  nan, 0.0f, 1.0f, 2.0f,
+                                -inf, 3.0f, 1.0f, 2.0f,  0.5f, -0.5f, 4.0f, 1.0f};
+  const Tensor on_cpu = dp::from_vector(x, {5, 4}, dp::cpu(0));
+  const Tensor on_gpu = on_cpu.to(dp::cuda(0));
+  auto same = [](const std::vector<float>& want, const std::vector<float>& got) {
+    REQUIRE(want.size() == got.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      CAPTURE(i);
+      if (std::isnan(want[i])) {
+        CHECK(std::isnan(got[i]));
+      } else if (std::isinf(want[i])) {
+        CHECK(got[i] == want[i]);
+      } else {
+        CHECK(got[i] == doctest::Approx(want[i]).epsilon(1e-6));
+      }
+    }
+  };
+  const std::vector<float> want = dp::nn::log_softmax(on_cpu, 1).to_vector();
+  for (std::size_t i = 0; i < 12; ++i) CHECK(std::isnan(want[i]));  // rows 0-2: the oracle's premise
+  same(want, dp::nn::log_softmax(on_gpu, 1).to(dp::cpu(0)).to_vector());
+  same(dp::nn::softmax(on_cpu, 1).to_vector(), dp::nn::softmax(on_gpu, 1).to(dp::cpu(0)).to_vector());
+}
+
 int main(int argc, char** argv) { return dp_test::run_if_cuda("cuda_transformer_test", argc, argv); }

@@ -40,8 +40,10 @@ __global__ void log_softmax_kernel(const float* __restrict__ x, float* __restric
     float mx = MaxOp::kIdentity;
     for (i64 c = threadIdx.x; c < cols; c += kWarp) mx = MaxOp{}(mx, xr[c]);
     mx = warp_reduce(mx, MaxOp{});
-    // A row of -inf (or an all-masked row) would give -inf - -inf = NaN; shift by 0.
-    const float shift = isinf(mx) ? 0.0f : mx;
+    // A row of -inf (or an all-masked row) would give -inf - -inf = NaN; shift by 0. A
+    // +inf maximum shifts by itself, as on the CPU: inf - inf = NaN makes the row NaN, as
+    // PyTorch's (shifting it by 0 gave NaN for the +inf and -inf for the rest).
+    const float shift = isinf(mx) && mx < 0.0f ? 0.0f : mx;
     float sum = 0.0f;
     for (i64 c = threadIdx.x; c < cols; c += kWarp) sum += expf(xr[c] - shift);
     sum = warp_reduce(sum, SumOp{});
