@@ -211,7 +211,10 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
     // gradient adds the rows' gradients up in float32 and rounds once to its dtype.
     const Dtype dtype = weight.dtype();
     autograd::record("EmbeddingBackward", {weight}, out, [ids64, V, D, padding_idx, dtype](const std::vector<Tensor>& g) {
-      Tensor gw = index_add(zeros({V, D}, g[0].device()), 0, ids64, g[0].reshape({ids64.numel(), D}).to(Dtype::Float32));
+      // The forward's index_select checked ids: no second read of them on the host (a
+      // wait on CUDA in the middle of the backward).
+      Tensor gw = dp::detail::index_add_in_range(zeros({V, D}, g[0].device()), 0, ids64,
+                                                 g[0].reshape({ids64.numel(), D}).to(Dtype::Float32));
       if (padding_idx >= 0) gw.narrow(0, padding_idx, 1).zero_();
       return std::vector<Tensor>{gw.to(dtype)};
     });

@@ -1175,11 +1175,15 @@ Tensor index_select(const Tensor& input, std::int64_t dim, const Tensor& index) 
   if (input.dim() == 0) return index_select(input.reshape({1}), dim, idx).reshape(idx.dim() == 0 ? Shape{} : Shape{idx.numel()});
   const std::int64_t d = norm_dim("index_select", input, dim);
   check_index_range("index_select", idx, input.size(d), d, input.shape());
+  return detail::index_select_in_range(input, d, idx);
+}
+
+Tensor detail::index_select_in_range(const Tensor& input, std::int64_t d, const Tensor& index64) {
   Shape out_shape = input.shape();
-  out_shape[d] = idx.numel();
+  out_shape[d] = index64.numel();
   std::vector<std::int64_t> idx_strides(out_shape.size(), 0);
   idx_strides[d] = 1;  // index[c_d]; broadcast over every other dim
-  return gather_with("IndexSelectBackward", input, idx, out_shape, std::move(idx_strides), static_cast<int>(d));
+  return gather_with("IndexSelectBackward", input, index64, out_shape, std::move(idx_strides), static_cast<int>(d));
 }
 
 Tensor index_add(const Tensor& input, std::int64_t dim, const Tensor& index, const Tensor& source) {
@@ -1198,16 +1202,21 @@ Tensor index_add(const Tensor& input, std::int64_t dim, const Tensor& index, con
            shape_str(input.shape()), " with ", idx.numel(), " slices along dim ", d, "), got ",
            shape_str(source.shape()));
   check_index_range("index_add", idx, input.size(d), d, input.shape());
+  return detail::index_add_in_range(input, d, idx, source);
+}
+
+Tensor detail::index_add_in_range(const Tensor& input, std::int64_t d, const Tensor& index64, const Tensor& source) {
   Tensor out = input.detach().clone();
   if (source.numel() > 0) {
-    std::vector<std::int64_t> idx_strides(want.size(), 0);
+    std::vector<std::int64_t> idx_strides(source.shape().size(), 0);
     idx_strides[d] = 1;
-    Indexer ix = gather_indexer(want, input.shape(), idx_strides);
+    Indexer ix = gather_indexer(source.shape(), input.shape(), idx_strides);
     be(out).run<Op::ScatterAdd>(out.device(), DType::F32,
-                                {ix, static_cast<int>(d), source.data<float>(), idx.data<std::int64_t>(), out.data<float>()});
+                                {ix, static_cast<int>(d), source.data<float>(), index64.data<std::int64_t>(),
+                                 out.data<float>()});
   }
-  autograd::record("IndexAddBackward", {input, source}, out, [d, idx](const std::vector<Tensor>& g) {
-    return std::vector<Tensor>{g[0], index_select(g[0], d, idx)};
+  autograd::record("IndexAddBackward", {input, source}, out, [d, index64](const std::vector<Tensor>& g) {
+    return std::vector<Tensor>{g[0], detail::index_select_in_range(g[0], d, index64)};
   });
   return out;
 }

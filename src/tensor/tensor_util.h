@@ -20,6 +20,14 @@ constexpr backend::DType kernel_dtype(Dtype dtype) { return static_cast<backend:
 /// t converted between floating dtypes, without autograd (Tensor::to records it).
 Tensor cast_raw(const Tensor& t, Dtype target);
 
+/// index_select and index_add along dim d (already normalised, index64 an int64 index of
+/// the input's device, source of index_add's checked shape) for an index known to lie in
+/// [0, input.size(d)): the backward of an op that checked it in its forward. The public
+/// ops read the index on the host to check it, which on CUDA waits for the stream; these
+/// do not read it again.
+Tensor index_select_in_range(const Tensor& input, std::int64_t d, const Tensor& index64);
+Tensor index_add_in_range(const Tensor& input, std::int64_t d, const Tensor& index64, const Tensor& source);
+
 /// Copies bytes between any two devices (CPU virtual devices count as host memory).
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t nbytes);
 
