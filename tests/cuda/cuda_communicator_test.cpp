@@ -183,6 +183,57 @@ TEST_CASE("reduce, broadcast, reduce_scatter and all_gather match the CPU") {
   }
 }
 
+// Note [Collective dtypes]: bfloat16 and float16 reductions sum in float and round once.
+// The copy communicator once read 16-bit buffers as float32 (offsets, slice copies and
+// sums in floats): its results were garbage and its slice copies ran past recv's end. It
+// must now give the local communicator's bits; NCCL rounds at each hop of its own
+// order, so it is held to n roundings of the largest partial sum.
+TEST_CASE("bfloat16 and float16 all_reduce, reduce and reduce_scatter match the CPU") {
+  const int n = rank_count();
+  if (n < 2) return;
+  for (dp::Dtype dtype : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    // input() is below 10 in magnitude: a partial sum of n ranks is below 10 n.
+    const double unit = dtype == dp::Dtype::BFloat16 ? 0x1p-8 : 0x1p-11;
+    const double tol = shares_gpu() ? 0.0 : n * unit * 10.0 * n;
+    for (std::int64_t count : kSizes) {
+      CAPTURE(dp::dtype_name(dtype));
+      CAPTURE(count);
+      auto check = [&](const Body& body) {
+        const auto got = run(devices_of(dp::DeviceType::CUDA, n), body);
+        const auto ref = run(devices_of(dp::DeviceType::CPU, n), body);
+        for (int r = 0; r < n; ++r) {
+          CAPTURE(r);
+          CHECK(max_diff(got[static_cast<std::size_t>(r)], ref[static_cast<std::size_t>(r)]) <= tol);
+        }
+      };
+      auto in = [&](int r, std::int64_t len, dp::Device d) { return dp::from_vector(input(r, len), {len}, d).to(dtype); };
+      check([&](dp::comm::Communicator& c, int r, dp::Device d) {
+        Tensor x = in(r, count, d);
+        c.all_reduce(r, x, x, ReduceOp::Sum);
+        return x.to(dp::Dtype::Float32);
+      });
+      check([&](dp::comm::Communicator& c, int r, dp::Device d) {
+        Tensor x = in(r, count, d);
+        Tensor y = dp::zeros({count}, dp::TensorOptions{dtype, d});
+        c.all_reduce(r, x, y, ReduceOp::Average);
+        return y.to(dp::Dtype::Float32);
+      });
+      const int root = n - 1;
+      check([&](dp::comm::Communicator& c, int r, dp::Device d) {
+        Tensor x = in(r, count, d);
+        c.reduce(r, x, x, root, ReduceOp::Sum);
+        return r == root ? x.to(dp::Dtype::Float32) : dp::zeros({1}, d);
+      });
+      check([&](dp::comm::Communicator& c, int r, dp::Device d) {
+        Tensor x = in(r, count * n, d);
+        Tensor y = dp::zeros({count}, dp::TensorOptions{dtype, d});
+        c.reduce_scatter(r, x, y, ReduceOp::Sum);
+        return y.to(dp::Dtype::Float32);
+      });
+    }
+  }
+}
+
 // Note [Collective dtypes]: NCCL and the copy communicator move int64 and int32 bit for
 // bit (the same values as the CPU), and refuse an integer reduction with a dp::Error on
 // the calling thread (nccl) or on every rank (cuda-copy) before any rank waits.

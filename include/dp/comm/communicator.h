@@ -198,7 +198,11 @@ class Communicator {
   /// Broadcast and all_gather move bytes (element_size() per element); all_reduce,
   /// reduce and reduce_scatter also add, so they take a dtype only where a summation
   /// for it exists (src/comm/summation.h: a storage type accumulated in float, Sum and
-  /// Average alike: float32, bfloat16 and float16, within and between processes).
+  /// Average alike: float32, bfloat16 and float16, within and between processes). NCCL
+  /// is the exception: it adds 16-bit tensors in its own order rounding at each hop,
+  /// and its Average of them first multiplies each input by 1/N rounded to the dtype
+  /// (with float16 a tiny input can become 0); dp's designs call Sum only, and the CUDA
+  /// copy communicator (devices sharing a GPU) sums in float and rounds once.
   /// Integer dtypes are moved, never reduced, on every communicator: a sum of labels or
   /// indices is no training collective, an Average of them has no integer answer, and
   /// one rule everywhere keeps a model's behaviour the same on CPU and GPU. A call with

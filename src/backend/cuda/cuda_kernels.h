@@ -34,11 +34,12 @@ void register_blas_kernels(CudaBackend& be);
 /// on CUDA]).
 std::string attention_misfit(const AttentionShape& s, int gpu);
 
-/// The inputs of sum_inputs: up to kMaxSumInputs device pointers, passed by value as a
-/// kernel argument (64 pointers = 512 bytes, well inside the 4 KiB parameter limit).
+/// The inputs of sum_inputs: up to kMaxSumInputs device pointers to elements of one
+/// dtype, passed by value as a kernel argument (64 pointers = 512 bytes, well inside the
+/// 4 KiB parameter limit).
 inline constexpr int kMaxSumInputs = 64;
 struct SumInputs {
-  const float* ptr[kMaxSumInputs];
+  const void* ptr[kMaxSumInputs];
   int count = 0;
 };
 
@@ -102,8 +103,11 @@ void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, std::int
 /// for i < n: the fixed order of the local communicator (Note [Fixed summation order]),
 /// bitwise the same as its CPU loop. dst may be one of the inputs (each element is read
 /// before it is written); the inputs may live on other GPUs with peer access enabled.
-void sum_inputs(cudaStream_t stream, const SumInputs& in, float* dst, std::int64_t n, bool average,
-                float inv);
+/// dst[i] = the fixed-order sum of the inputs' element i (times inv when `average`), n
+/// elements of `dtype` (float32, bfloat16 or float16): accumulated in float and rounded
+/// once to the dtype. dst may be one of the inputs.
+void sum_inputs(cudaStream_t stream, const SumInputs& in, void* dst, std::int64_t n, bool average, float inv,
+                DType dtype);
 void argmax(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t outer,
             std::int64_t r, std::int64_t inner);
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_half.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_register.h"
 #include "backend/kernel_plan.h"
@@ -166,9 +167,9 @@ __global__ void argmax_cols_kernel(const float* __restrict__ x, i64* __restrict_
 // 16-byte aligned. No __restrict__: dst may be one of the inputs.
 __global__ void sum_inputs_vec4_kernel(SumInputs in, float* dst, i64 n4, bool average, float inv) {
   for (i64 t = global_thread(); t < n4; t += grid_stride()) {
-    float4 acc = reinterpret_cast<const float4*>(in.ptr[0])[t];
+    float4 acc = static_cast<const float4*>(in.ptr[0])[t];
     for (int k = 1; k < in.count; ++k) {
-      const float4 v = reinterpret_cast<const float4*>(in.ptr[k])[t];
+      const float4 v = static_cast<const float4*>(in.ptr[k])[t];
       acc.x += v.x;
       acc.y += v.y;
       acc.z += v.z;
@@ -184,12 +185,15 @@ __global__ void sum_inputs_vec4_kernel(SumInputs in, float* dst, i64 n4, bool av
   }
 }
 
-__global__ void sum_inputs_kernel(SumInputs in, float* dst, i64 begin, i64 n, bool average, float inv) {
+// T: float, or a 16-bit storage type widened, summed in float and rounded once (Note
+// [Collective dtypes]: the order and the float accumulation of the CPU's summation).
+template <typename T>
+__global__ void sum_inputs_kernel(SumInputs in, T* dst, i64 begin, i64 n, bool average, float inv) {
   for (i64 i = begin + global_thread(); i < n; i += grid_stride()) {
-    float acc = in.ptr[0][i];
-    for (int k = 1; k < in.count; ++k) acc += in.ptr[k][i];
+    float acc = load_acc(static_cast<const T*>(in.ptr[0])[i]);
+    for (int k = 1; k < in.count; ++k) acc += load_acc(static_cast<const T*>(in.ptr[k])[i]);
     if (average) acc *= inv;
-    dst[i] = acc;
+    dst[i] = store_acc<T>(acc);
   }
 }
 
@@ -258,11 +262,26 @@ void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, i64 oute
   DP_FAIL("reduce: expected a ReduceOp below kCount, got ", static_cast<int>(op));
 }
 
-void sum_inputs(cudaStream_t stream, const SumInputs& in, float* dst, i64 n, bool average, float inv) {
+void sum_inputs(cudaStream_t stream, const SumInputs& in, void* dst_bytes, i64 n, bool average, float inv,
+                DType dtype) {
   DP_CHECK(in.count >= 1 && in.count <= kMaxSumInputs, "sum_inputs: expected 1 to ", kMaxSumInputs,
            " inputs, got ", in.count);
   DP_CHECK(n >= 0, "sum_inputs: expected n >= 0, got ", n);
+  DP_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
+           "sum_inputs: expected float32, bfloat16 or float16 elements, got dtype ", static_cast<int>(dtype));
   if (n == 0) return;
+  if (dtype == DType::BF16) {
+    sum_inputs_kernel<<<grid_for(n), kBlock, 0, stream>>>(in, static_cast<__nv_bfloat16*>(dst_bytes), 0, n,
+                                                          average, inv);
+    DP_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  if (dtype == DType::F16) {
+    sum_inputs_kernel<<<grid_for(n), kBlock, 0, stream>>>(in, static_cast<__half*>(dst_bytes), 0, n, average, inv);
+    DP_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  auto* dst = static_cast<float*>(dst_bytes);
   const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   bool vec = aligned(dst);
   for (int k = 0; k < in.count; ++k) vec = vec && aligned(in.ptr[k]);

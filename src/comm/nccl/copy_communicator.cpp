@@ -61,8 +61,10 @@ namespace dp::comm {
 // freed at the end, so the allocator reuses it only after every rank has copied it),
 // and every rank then copies every reduced slice into its recv — in place too, since
 // the recv is written only after every rank has read every send (phase 2 waits for
-// every `e1`). Slices start on multiples of 16 floats (64 bytes) so that the sum
-// kernel's float4 path applies to every slice of an aligned buffer.
+// every `e1`). Slices start on multiples of 16 elements (64 bytes of float32) so that
+// the sum kernel's float4 path applies to every slice of an aligned buffer. bfloat16
+// and float16 buffers are summed in float and rounded once into the scratch (the
+// summation of Note [Collective dtypes]); offsets and sizes count the call's elements.
 // Memory: r's buffers are read by the other ranks' streams, but r's comm stream waits
 // for those reads (end), so declaring r's buffers used on r's comm stream
 // (record_stream) keeps them from reuse by later compute work, as in the NCCL
@@ -88,7 +90,7 @@ namespace ck = backend::cuda_kernels;
 
 CudaBackend& cuda() { return CudaBackend::instance(); }
 
-/// Slices start on multiples of 16 floats (64 bytes): see the Note.
+/// Slices start on multiples of 16 elements: see the Note.
 constexpr std::int64_t kSliceAlign = 16;
 
 struct Slice {
@@ -294,13 +296,14 @@ class CopyCommunicator final : public Communicator {
     backend::ScopedRange range(devices_[rank], "cuda-copy", "reduce_scatter", send.nbytes());
     Call c = begin(rank, std::move(s), "reduce_scatter", {send, recv});
     const std::int64_t n = c.me().call.count;
+    const Dtype dt = c.me().call.dtype;
     ck::SumInputs in;
     in.count = size();
     for (int j = 0; j < size(); ++j) {
       wait(rank, j, &Rank::ready);
-      in.ptr[j] = floats(c.slots[static_cast<std::size_t>(j)].send) + rank * n;
+      in.ptr[j] = at(c.slots[static_cast<std::size_t>(j)].send, rank * n, dt);
     }
-    sum(rank, in, floats(c.me().recv), n, op);
+    sum(rank, in, c.me().recv, n, op, dt);
     record(rank, &Rank::e1);
     sync(rank, "reduce_scatter");
     for (int j = 0; j < size(); ++j) wait(rank, j, &Rank::e1);  // every rank read this send
@@ -371,7 +374,7 @@ class CopyCommunicator final : public Communicator {
     CallShape call;  // count: all_reduce/reduce/broadcast: elements; RS: recv; AG: send
     const std::byte* send = nullptr;
     std::byte* recv = nullptr;
-    float* scratch = nullptr;
+    std::byte* scratch = nullptr;  // elements of call.dtype
     std::string error;  // non-empty: this rank's arguments are bad
   };
 
@@ -409,11 +412,11 @@ class CopyCommunicator final : public Communicator {
     if (!barrier_.arrive_and_wait(rank, what, devices_[rank])) throw_aborted(what, rank, barrier_.reason());
   }
 
-  /// Phase 0: records `ready`, publishes `slot` (with a scratch block of `scratch_floats`
-  /// on the comm stream when asked) and checks every rank's slot; throws dp::Error on
+  /// Phase 0: records `ready`, publishes `slot` (with a scratch block of
+  /// `scratch_elements` of the call's dtype on the comm stream when asked) and checks every rank's slot; throws dp::Error on
   /// every rank alike when one is bad or the ranks disagree.
   Call begin(int rank, Slot slot, const char* what, std::vector<Tensor> buffers,
-             std::int64_t scratch_floats = 0) {
+             std::int64_t scratch_elements = 0) {
     throw_if_aborted(what, rank);
     CudaBackend& cb = cuda();
     Rank& rk = ranks_[static_cast<std::size_t>(rank)];
@@ -426,11 +429,11 @@ class CopyCommunicator final : public Communicator {
         cb.set_device(dev);
         DP_CUDA_CHECK(cudaEventRecord(rk.ready, cb.compute_stream(dev)));
         DP_CUDA_CHECK(cudaStreamWaitEvent(rk.stream, rk.ready, 0));
-        if (scratch_floats > 0) {
+        if (scratch_elements > 0) {
           c.scratch.alloc = &cb.allocator(dev);
-          c.scratch.ptr = c.scratch.alloc->allocate(static_cast<std::size_t>(scratch_floats) * sizeof(float),
-                                                    rk.stream);
-          slot.scratch = static_cast<float*>(c.scratch.ptr);
+          c.scratch.ptr = c.scratch.alloc->allocate(
+              static_cast<std::size_t>(scratch_elements) * element_size(slot.call.dtype), rk.stream);
+          slot.scratch = static_cast<std::byte*>(c.scratch.ptr);
         }
       } catch (const std::exception& e) {
         slot.error = e.what();  // every rank must still meet: fail them all alike
@@ -501,18 +504,24 @@ class CopyCommunicator final : public Communicator {
     }
   }
 
-  /// A reduction's buffer as the sum kernel reads it: reductions take float32 alone
-  /// here (the default supports(), Note [Collective dtypes]); a bf16 sum is a kernel of
-  /// cuda_kernels.h for that storage type, picked by dtype in sum().
-  static const float* floats(const std::byte* p) { return reinterpret_cast<const float*>(p); }
-  static float* floats(std::byte* p) { return reinterpret_cast<float*>(p); }
+  /// Element `i` of a buffer of `dtype`: a reduction takes float32, bfloat16 or float16
+  /// (the default supports(), Note [Collective dtypes]), so offsets and sizes count
+  /// elements of the call's dtype, never floats.
+  static const std::byte* at(const std::byte* p, std::int64_t i, Dtype dtype) {
+    return p + i * static_cast<std::int64_t>(element_size(dtype));
+  }
+  static std::byte* at(std::byte* p, std::int64_t i, Dtype dtype) {
+    return p + i * static_cast<std::int64_t>(element_size(dtype));
+  }
 
-  /// dst = fixed-order sum of `in` (Average: * 1.0f / N, computed as the CPU does).
-  void sum(int rank, const ck::SumInputs& in, float* dst, std::int64_t n, ReduceOp op) {
+  /// dst = fixed-order sum of `in` in float, rounded once to dtype (Average: * 1.0f / N,
+  /// computed as the CPU does).
+  void sum(int rank, const ck::SumInputs& in, void* dst, std::int64_t n, ReduceOp op, Dtype dtype) {
     if (n <= 0) return;
     cuda().set_device(devices_[rank].index);
     const float inv = 1.0f / static_cast<float>(in.count);
-    ck::sum_inputs(ranks_[static_cast<std::size_t>(rank)].stream, in, dst, n, op == ReduceOp::Average, inv);
+    ck::sum_inputs(ranks_[static_cast<std::size_t>(rank)].stream, in, dst, n, op == ReduceOp::Average, inv,
+                   static_cast<backend::DType>(dtype));
   }
 
   void all_reduce_impl(int rank, const Tensor& send, const Tensor& recv, ReduceOp op, bool deferred) {
@@ -527,15 +536,16 @@ class CopyCommunicator final : public Communicator {
     backend::ScopedRange range(devices_[rank], "cuda-copy", "all_reduce", send.nbytes());
     Call c = begin(rank, std::move(s), "all_reduce", {send, recv}, slice);
     const std::int64_t count = c.me().call.count;
+    const Dtype dt = c.me().call.dtype;
     // Phase 1: slice `rank` of every send, summed into this rank's scratch.
     const Slice mine = slice_of(count, size(), rank);
     ck::SumInputs in;
     in.count = size();
     for (int j = 0; j < size(); ++j) {
       wait(rank, j, &Rank::ready);
-      in.ptr[j] = floats(c.slots[static_cast<std::size_t>(j)].send) + mine.off;
+      in.ptr[j] = at(c.slots[static_cast<std::size_t>(j)].send, mine.off, dt);
     }
-    sum(rank, in, c.me().scratch, mine.len, op);
+    sum(rank, in, c.me().scratch, mine.len, op, dt);
     record(rank, &Rank::e1);
     sync(rank, "all_reduce");
     // Phase 2: every reduced slice into recv (every send has been read: every e1).
@@ -543,9 +553,8 @@ class CopyCommunicator final : public Communicator {
       const int j = (rank + k) % size();  // start at different slices: spread the reads
       const Slice sl = slice_of(count, size(), j);
       wait(rank, j, &Rank::e1);
-      copy_bytes(rank, j, reinterpret_cast<std::byte*>(floats(c.me().recv) + sl.off),
-                 reinterpret_cast<const std::byte*>(c.slots[static_cast<std::size_t>(j)].scratch),
-                 static_cast<std::size_t>(sl.len) * sizeof(float));
+      copy_bytes(rank, j, at(c.me().recv, sl.off, dt), c.slots[static_cast<std::size_t>(j)].scratch,
+                 static_cast<std::size_t>(sl.len) * element_size(dt));
     }
     record(rank, &Rank::e2);
     sync(rank, "all_reduce");
@@ -572,9 +581,9 @@ class CopyCommunicator final : public Communicator {
       in.count = size();
       for (int j = 0; j < size(); ++j) {
         wait(rank, j, &Rank::ready);
-        in.ptr[j] = floats(c.slots[static_cast<std::size_t>(j)].send);
+        in.ptr[j] = c.slots[static_cast<std::size_t>(j)].send;
       }
-      sum(rank, in, floats(c.me().recv), c.me().call.count, op);
+      sum(rank, in, c.me().recv, c.me().call.count, op, c.me().call.dtype);
     }
     record(rank, &Rank::e1);
     sync(rank, "reduce");
