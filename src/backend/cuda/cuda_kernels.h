@@ -100,12 +100,11 @@ std::int64_t reduce_scratch(std::int64_t outer, std::int64_t r, std::int64_t inn
 void reduce(cudaStream_t stream, ReduceOp op, const float* x, float* y, std::int64_t outer,
             std::int64_t r, std::int64_t inner, float* scratch);
 /// dst[i] = ((in[0][i] + in[1][i]) + ...) + in[count-1][i], then * inv when `average`,
-/// for i < n: the fixed order of the local communicator (Note [Fixed summation order]),
-/// bitwise the same as its CPU loop. dst may be one of the inputs (each element is read
-/// before it is written); the inputs may live on other GPUs with peer access enabled.
-/// dst[i] = the fixed-order sum of the inputs' element i (times inv when `average`), n
-/// elements of `dtype` (float32, bfloat16 or float16): accumulated in float and rounded
-/// once to the dtype. dst may be one of the inputs.
+/// for i < n elements of `dtype` (float32, bfloat16 or float16; 16-bit inputs widened,
+/// the sum formed in float and rounded once): the fixed order of the local communicator
+/// (Note [Fixed summation order]), bitwise the same as its CPU loop. dst may be one of
+/// the inputs (each element is read before it is written); the inputs may live on other
+/// GPUs with peer access enabled.
 void sum_inputs(cudaStream_t stream, const SumInputs& in, void* dst, std::int64_t n, bool average, float inv,
                 DType dtype);
 void argmax(cudaStream_t stream, const float* x, std::int64_t* y, std::int64_t outer,

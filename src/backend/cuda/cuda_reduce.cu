@@ -199,6 +199,14 @@ __global__ void sum_inputs_kernel(SumInputs in, T* dst, i64 begin, i64 n, bool a
 
 // ---- host helpers -------------------------------------------------------------------------
 
+/// sum_inputs_kernel over elements [begin, n).
+template <typename T>
+void launch_sum_inputs(cudaStream_t stream, const SumInputs& in, T* dst, i64 begin, i64 n, bool average, float inv) {
+  if (begin >= n) return;
+  sum_inputs_kernel<<<grid_for(n - begin), kBlock, 0, stream>>>(in, dst, begin, n, average, inv);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
 template <typename Op>
 void launch_reduce(cudaStream_t stream, Op op, const float* x, float* y, i64 outer, i64 r,
                    i64 inner, float* scratch) {
@@ -271,14 +279,11 @@ void sum_inputs(cudaStream_t stream, const SumInputs& in, void* dst_bytes, i64 n
            "sum_inputs: expected float32, bfloat16 or float16 elements, got dtype ", static_cast<int>(dtype));
   if (n == 0) return;
   if (dtype == DType::BF16) {
-    sum_inputs_kernel<<<grid_for(n), kBlock, 0, stream>>>(in, static_cast<__nv_bfloat16*>(dst_bytes), 0, n,
-                                                          average, inv);
-    DP_CUDA_CHECK_LAUNCH();
+    launch_sum_inputs(stream, in, static_cast<__nv_bfloat16*>(dst_bytes), 0, n, average, inv);
     return;
   }
   if (dtype == DType::F16) {
-    sum_inputs_kernel<<<grid_for(n), kBlock, 0, stream>>>(in, static_cast<__half*>(dst_bytes), 0, n, average, inv);
-    DP_CUDA_CHECK_LAUNCH();
+    launch_sum_inputs(stream, in, static_cast<__half*>(dst_bytes), 0, n, average, inv);
     return;
   }
   auto* dst = static_cast<float*>(dst_bytes);
@@ -292,10 +297,7 @@ void sum_inputs(cudaStream_t stream, const SumInputs& in, void* dst_bytes, i64 n
     DP_CUDA_CHECK_LAUNCH();
     done = n4 * 4;
   }
-  if (done < n) {
-    sum_inputs_kernel<<<grid_for(n - done), kBlock, 0, stream>>>(in, dst, done, n, average, inv);
-    DP_CUDA_CHECK_LAUNCH();
-  }
+  launch_sum_inputs(stream, in, dst, done, n, average, inv);
 }
 
 void argmax(cudaStream_t stream, const float* x, i64* y, i64 outer, i64 r, i64 inner) {

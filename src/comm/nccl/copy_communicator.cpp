@@ -413,8 +413,9 @@ class CopyCommunicator final : public Communicator {
   }
 
   /// Phase 0: records `ready`, publishes `slot` (with a scratch block of
-  /// `scratch_elements` of the call's dtype on the comm stream when asked) and checks every rank's slot; throws dp::Error on
-  /// every rank alike when one is bad or the ranks disagree.
+  /// `scratch_elements` of the call's dtype on the comm stream when asked) and checks
+  /// every rank's slot; throws dp::Error on every rank alike when one is bad or the
+  /// ranks disagree.
   Call begin(int rank, Slot slot, const char* what, std::vector<Tensor> buffers,
              std::int64_t scratch_elements = 0) {
     throw_if_aborted(what, rank);
@@ -507,10 +508,8 @@ class CopyCommunicator final : public Communicator {
   /// Element `i` of a buffer of `dtype`: a reduction takes float32, bfloat16 or float16
   /// (the default supports(), Note [Collective dtypes]), so offsets and sizes count
   /// elements of the call's dtype, never floats.
-  static const std::byte* at(const std::byte* p, std::int64_t i, Dtype dtype) {
-    return p + i * static_cast<std::int64_t>(element_size(dtype));
-  }
-  static std::byte* at(std::byte* p, std::int64_t i, Dtype dtype) {
+  template <typename Byte>  // std::byte or const std::byte
+  static Byte* at(Byte* p, std::int64_t i, Dtype dtype) {
     return p + i * static_cast<std::int64_t>(element_size(dtype));
   }
 
