@@ -5,7 +5,8 @@
 # on the GPUs as they are and with DP_CUDA_DEVICES_PER_GPU=4 (four dp devices per
 # GPU, the CUDA copy communicator; so one GPU checks the whole multi-device runtime),
 # then the collectives benchmark and dp_vs_ddp, and write one report (markdown + JSON)
-# naming the GPU, the driver and the CUDA, cuDNN and NCCL versions.
+# naming the GPU, the driver and the CUDA, cuDNN and NCCL versions. The report is
+# rewritten after every step, so a check stopped part-way still leaves one.
 #
 #   scripts/gpu_check.sh                 # report in gpu-check/ (build in build-gpu/)
 #   scripts/gpu_check.sh --out DIR       # report elsewhere
@@ -13,16 +14,26 @@
 #   scripts/gpu_check.sh --bundle DIR    # no build: run a bundle of scripts/gpu_bundle.sh
 #                                        # (for GPU machines with no compiler or Meson)
 #
-# DP_GPU_CHECK_STEP_TIMEOUT=S stops any one step after S seconds (it then fails; the
-# dp-vs-PyTorch step, three models and four contenders a round, gets 3 S).
+# DP_GPU_CHECK_BUDGET=S (default 420; 0: none) bounds the benchmarks: once they have
+# taken S seconds, the steps left are skipped (the report lists them as skipped, not
+# failed); the suites always run. The benchmarks run in order of need, the open
+# issues' first, so a lease of a few minutes records those.
+# DP_GPU_CHECK_STEP_TIMEOUT=S stops any one step after S seconds (it then fails); the
+# steps against PyTorch get more: 4 S the bf16 CNN and ResNet-18, 3 S the GPT, 3 S
+# the fp32 three models (four contenders a round).
+# Where python3 has a CUDA PyTorch, the benchmarks begin with what the open issues ask
+# of a GPU: bench/gpu_side_by_side.py --precision bf16 (the CNN and ResNet-18 in bf16
+# autocast against PyTorch AMP: default, cudnn.benchmark, torch.compile; channels_last)
+# and bench/gpt_side_by_side.py --device cuda (samples/gpt in GPT-2 small's shape, bf16,
+# tokens/s and MFU against PyTorch eager and compiled); the fp32 side-by-side of the
+# three models runs last. The report quotes each comparison's table.
 # With --bundle the CUDA suites run through scripts/run_bundle_tests.py, the CPU suites
 # are left to the build machine, the CUDA libraries are looked for on this machine
-# (the loader's cache, /usr/local/cuda*, Python's nvidia-* wheels), and where python3
-# has a CUDA PyTorch, bench/gpu_side_by_side.py times the same steps beside dp's;
+# (the loader's cache, /usr/local/cuda*, Python's nvidia-* wheels);
 # where ncu is there, scripts/gpu_profile.sh gives the CNN's and MLP's GPU time per kernel.
 #
 # Exit status: 0 when every suite passed, 1 when one failed (the report says which),
-# 77 when no GPU is visible. Nothing here needs the network.
+# 2 on bad arguments, 77 when no GPU is visible. Nothing here needs the network.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -39,6 +50,8 @@ while (($#)); do
   esac
 done
 
+[[ ${DP_GPU_CHECK_BUDGET:-420} =~ ^[0-9]+$ ]] ||
+  { echo "gpu_check: DP_GPU_CHECK_BUDGET='$DP_GPU_CHECK_BUDGET' is not a number of seconds" >&2; exit 2; }
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu_check: no NVIDIA GPU visible (nvidia-smi -L failed): nothing to check" >&2
   exit 77
@@ -48,12 +61,20 @@ log="$out/log.txt"
 : >"$log"
 status=0
 results=()   # "name|ok|seconds"
+budget=${DP_GPU_CHECK_BUDGET:-420}
+bench_t0=""  # set when the benchmarks begin: their steps count against $budget
 
 run() {  # run [--steps K] NAME CMD...: logs, times and records one step (worth K steps' time)
   local weight=1
   if [[ $1 == --steps ]]; then weight=$2; shift 2; fi
   local name=$1; shift
   local t0=$SECONDS
+  if [[ -n $bench_t0 ]] && ((budget > 0 && SECONDS - bench_t0 >= budget)); then
+    echo "=== skipped: $name (the benchmarks are past their ${budget} s, DP_GPU_CHECK_BUDGET)" | tee -a "$log"
+    results+=("$name|skipped (past the ${budget} s budget)|0")
+    write_report
+    return
+  fi
   echo "=== $name: $*" | tee -a "$log"
   local limit=()   # DP_GPU_CHECK_STEP_TIMEOUT=S: no step runs longer than K * S seconds
   [[ -n ${DP_GPU_CHECK_STEP_TIMEOUT:-} ]] && limit=(timeout "$((DP_GPU_CHECK_STEP_TIMEOUT * weight))")
@@ -63,6 +84,50 @@ run() {  # run [--steps K] NAME CMD...: logs, times and records one step (worth 
     results+=("$name|FAILED (rc $?)|$((SECONDS - t0))")
     status=1
   fi
+  write_report
+}
+
+# The report (markdown and JSON) as the steps so far left it; rewritten after each step.
+bf16_step="dp vs PyTorch, bf16 autocast, alternating"
+gpt_step="GPT (gpt2-124m shape) vs PyTorch, bf16, one GPU"
+fp32_step="dp vs PyTorch, alternating"
+quoted_steps=("$bf16_step" "$gpt_step" "$fp32_step")
+write_report() {
+  local r n s t step sep
+  {
+    echo "# dp GPU check"
+    echo
+    echo "- GPU: $gpu_name × $gpu_count (driver $driver)"
+    echo "- CUDA $cuda_ver, cuDNN $cudnn_ver, NCCL $nccl_ver"
+    echo "- CPU: $cpu"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo
+    echo "| step | result | seconds |"
+    echo "|---|---|---|"
+    for r in "${results[@]}"; do IFS='|' read -r n s t <<<"$r"; echo "| $n | $s | $t |"; done
+    for step in "${quoted_steps[@]}"; do  # each comparison's table, its progress lines left out
+      grep -qF "=== $step:" "$log" || continue
+      echo
+      echo "$step:"
+      echo
+      echo '```'
+      awk -v h="=== $step:" 'index($0, h) == 1 {f = 1; next} /^=== / {f = 0} f && !/^round /' "$log"
+      echo '```'
+    done
+    echo
+    echo "Full output: log.txt. Benchmark JSON lines are in log.txt after each '=== ' header."
+  } >"$out/report.md"
+  {
+    printf '{"gpu": "%s", "gpus": %s, "driver": "%s", "cuda": "%s", "cudnn": "%s", "nccl": "%s", "cpu": "%s", "steps": [' \
+      "$gpu_name" "$gpu_count" "$driver" "$cuda_ver" "$cudnn_ver" "$nccl_ver" "$cpu"
+    sep=""
+    for r in "${results[@]}"; do
+      IFS='|' read -r n s t <<<"$r"
+      printf '%s{"name": "%s", "result": "%s", "seconds": %s}' "$sep" "$n" "$s" "$t"
+      sep=", "
+    done
+    echo ']}'
+  } >"$out/report.json"
 }
 
 # ---- the machine --------------------------------------------------------------------
@@ -123,6 +188,37 @@ fi
 
 # ---- benchmarks ------------------------------------------------------------------
 if ((!quick)); then
+  bench_t0=$SECONDS
+  # The GPU's dense bf16 peak for the GPT runs' MFU (DP_GPU_PEAK_GFLOPS overrides): H100
+  # and H200 SXM 989,000 GFLOP/s (TF32 494,500, FP32 66,900), H100 NVL 835,000, PCIe 756,000.
+  peak_bf16=${DP_GPU_PEAK_GFLOPS:-}
+  if [[ -z $peak_bf16 && $gpu_name =~ H100|H200 ]]; then
+    peak_bf16=989000
+    [[ $gpu_name =~ NVL ]] && peak_bf16=835000
+    [[ $gpu_name =~ PCIe ]] && peak_bf16=756000
+  fi
+  # The GPT runs' corpus: the repository's own documents (character-level vocabulary).
+  cat "$root"/README.md "$root"/docs/*.md >"$out/corpus.txt"
+  torch_cuda=0
+  python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null && torch_cuda=1
+  echo "python3 with a CUDA PyTorch: $( ((torch_cuda)) && echo yes || echo no)" | tee -a "$log"
+  if ((torch_cuda)); then
+    # The open issues' GPU figures first. bf16: the CNN and ResNet-18 in autocast, dp
+    # against PyTorch AMP (channels_last; default, cudnn.benchmark and torch.compile, a
+    # compile that fails or passes 150 s counted as unavailable), two alternating rounds
+    # of four processes a model, each a fresh process (the compiles dominate; estimated
+    # at 2-4 min on an H100 machine before its first run, so it counts as four steps).
+    run --steps 4 "$bf16_step" python3 "$root/bench/gpu_side_by_side.py" \
+      --binary "$build/samples/dp_vs_ddp/dp_vs_ddp" --precision bf16 --models cnn,resnet18 \
+      --rounds 2 --steps 50 --warmup 10 --compile-timeout 150
+    # GPT-2 small's shape (12 layers, 12 heads, 768 wide, context 1024, the corpus'
+    # characters as vocabulary), batch 8, bf16: samples/gpt against nanoGPT's recipe in
+    # PyTorch (SDPA, fused AdamW) eager and compiled, tokens/s and MFU; two rounds of 30
+    # steps (20 timed), estimated at 2-3 min with GPT-2's compile, so three steps.
+    run --steps 3 "$gpt_step" python3 "$root/bench/gpt_side_by_side.py" --device cuda \
+      --binary "$build/samples/gpt/gpt" --data "$out/corpus.txt" --precision bf16 --batch 8 \
+      --rounds 2 --steps 30 --warmup 10 --compile-timeout 180 ${peak_bf16:+--peak-gflops "$peak_bf16"}
+  fi
   run "kernels" "$build/bench/kernels_bench" --device cuda:0
   run "kernels, TF32" "$build/bench/kernels_bench" --device cuda:0 --tf32 --filter gemm,conv2d
   run "overhead (ToyModel)" "$build/bench/overhead_bench" --devices 1
@@ -141,11 +237,7 @@ if ((!quick)); then
   done
   # The GPT sample in GPT-2 small's shape (12 layers, 12 heads, 768 wide, context 1024;
   # character-level vocabulary, on the repository's own documents) on one GPU, fp32 and bf16
-  # autocast: tokens/s and MFU against the GPU's dense peak (DP_GPU_PEAK_GFLOPS; H100 and
-  # H200 SXM: 989,000 bf16, 494,500 TF32, 66,900 FP32).
-  peak_bf16=${DP_GPU_PEAK_GFLOPS:-}
-  [[ -z $peak_bf16 && $gpu_name =~ H100|H200 ]] && peak_bf16=989000
-  cat "$root"/README.md "$root"/docs/*.md >"$out/corpus.txt"
+  # autocast: tokens/s and MFU against the GPU's dense peak (peak_bf16 above).
   gpt=("$build/samples/gpt/gpt" --config gpt2-124m --data "$out/corpus.txt" --devices 1 --batch 8 --steps 12
        --warmup 2 --log-every 1 --eval-interval 1000000 --eval-iters 1 --json)
   run "gpt2-124m shape, fp32, one GPU" "${gpt[@]}" --precision fp32
@@ -162,45 +254,15 @@ if ((!quick)); then
   # PyTorch's step beside dp's on the same GPU (same models, batch 256, SGD), alternating,
   # where python3 has a CUDA PyTorch: its default and its best (cuDNN benchmark), and
   # dp's single-device step with and without DP_CUDNN_BENCHMARK.
-  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  if ((torch_cuda)); then
     # Two rounds of three models and four contenders, each PyTorch one a fresh process:
     # about 150 s a round on an H100 machine, so it counts as three steps.
-    run --steps 3 "dp vs PyTorch, alternating" python3 "$root/bench/gpu_side_by_side.py" \
+    run --steps 3 "$fp32_step" python3 "$root/bench/gpu_side_by_side.py" \
       --binary "$build/samples/dp_vs_ddp/dp_vs_ddp" --rounds 2 --steps 50 --warmup 10 --dp-env
   fi
 fi
 
 # ---- the report --------------------------------------------------------------------
-{
-  echo "# dp GPU check"
-  echo
-  echo "- GPU: $gpu_name × $gpu_count (driver $driver)"
-  echo "- CUDA $cuda_ver, cuDNN $cudnn_ver, NCCL $nccl_ver"
-  echo "- CPU: $cpu"
-  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo
-  echo "| step | result | seconds |"
-  echo "|---|---|---|"
-  for r in "${results[@]}"; do IFS='|' read -r n s t <<<"$r"; echo "| $n | $s | $t |"; done
-  if grep -q '^=== dp vs PyTorch, alternating' "$log"; then
-    echo
-    echo '```'
-    awk '/^=== dp vs PyTorch, alternating/ {f = 1; next} /^=== / {f = 0} f && !/^round /' "$log"
-    echo '```'
-  fi
-  echo
-  echo "Full output: log.txt. Benchmark JSON lines are in log.txt after each '=== ' header."
-} >"$out/report.md"
-{
-  printf '{"gpu": "%s", "gpus": %s, "driver": "%s", "cuda": "%s", "cudnn": "%s", "nccl": "%s", "cpu": "%s", "steps": [' \
-    "$gpu_name" "$gpu_count" "$driver" "$cuda_ver" "$cudnn_ver" "$nccl_ver" "$cpu"
-  sep=""
-  for r in "${results[@]}"; do
-    IFS='|' read -r n s t <<<"$r"
-    printf '%s{"name": "%s", "result": "%s", "seconds": %s}' "$sep" "$n" "$s" "$t"
-    sep=", "
-  done
-  echo ']}'
-} >"$out/report.json"
+write_report
 cat "$out/report.md"
 exit $status
