@@ -30,6 +30,8 @@
 //                                        FP32's 23 mantissa bits)
 //   kernels_bench --conv-layouts         CPU convolutions in each oneDNN layout too
 //                                        (Note [CPU convolution: measured choice])
+//   kernels_bench --onednn-reorders      16-bit convolutions reorder through oneDNN, not
+//                                        transpose_copy (Note [bfloat16 blocked reorders])
 //   kernels_bench --suite check|perf|all the tests' small cases are a quick smoke run
 //   kernels_bench --threads 1,2 --min-ms 300 --list
 #include <algorithm>
@@ -68,6 +70,7 @@ struct Options {
   bool list = false;
   bool conv_layouts = false;
   bool tf32 = false;
+  bool onednn_reorders = false;
   std::vector<std::string> filters;
   std::string device = "cpu:0";
   std::string suite = "perf";
@@ -87,7 +90,7 @@ void usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--json] [--list] [--filter TEXT[,TEXT...]] [--device cpu:0|cuda:0]\n"
                "          [--suite perf|check|all] [--threads N[,N...]] [--conv-layouts]\n"
-               "          [--min-ms MS] [--tf32]\n",
+               "          [--min-ms MS] [--tf32] [--onednn-reorders]\n",
                argv0);
 }
 
@@ -117,6 +120,8 @@ bool parse(int argc, char** argv, Options& o) {
       o.conv_layouts = true;
     } else if (a == "--tf32") {
       o.tf32 = true;
+    } else if (a == "--onednn-reorders") {
+      o.onednn_reorders = true;
     } else if (a == "--filter" && value(v)) {
       for (auto& f : split(v)) o.filters.push_back(f);
     } else if (a == "--device" && value(v)) {
@@ -259,6 +264,7 @@ int run(const Options& o) {
   const bool tf32_matmul = dp::allow_tf32_matmul(), tf32_conv = dp::allow_tf32_conv();
   dp::set_allow_tf32_matmul(o.tf32);
   dp::set_allow_tf32_conv(o.tf32);
+  CpuBackend::set_own_conv_reorders(!o.onednn_reorders);
 
   std::vector<const OpCase*> cases;
   for (const OpCase& c : dp_test::op_cases())

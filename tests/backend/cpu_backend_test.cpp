@@ -1624,6 +1624,100 @@ TEST_CASE("bf16 conv2d: oneDNN's bfloat16 passes within one rounding of float32'
   be().set_conv_layout(cpu::ConvLayout::Auto);
 }
 
+TEST_CASE("bf16 conv2d: transpose_copy's reorders give oneDNN's reorders' bits in every pass") {
+  // Note [bfloat16 blocked reorders]: the primitives must see the same operands and
+  // write the same outputs, whichever layout oneDNN picks on this CPU (nChw16c on
+  // AVX-512, NHWC on AMX) and whether C is a multiple of 16 or HW of the 16x16 blocks.
+  if (!be().native_bf16_conv()) {
+    MESSAGE("no bfloat16 instructions on this CPU: the bfloat16 convolutions widen, nothing is reordered");
+    return;
+  }
+  be().set_conv_layout(cpu::ConvLayout::Blocked);
+  unsigned seed = 90;
+  for (const Conv2dShape& s : {conv_shape(4, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1),     // CNN layer 1
+                               conv_shape(3, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1),    // CNN layer 2: HW = 196
+                               conv_shape(2, 16, 7, 9, 48, 3, 3, 1, 1, 1, 1),      // HW = 63, under one block
+                               conv_shape(2, 24, 10, 10, 20, 3, 3, 2, 2, 1, 1)}) {  // C, K not multiples of 16
+    CAPTURE(s.N); CAPTURE(s.C); CAPTURE(s.H); CAPTURE(s.W); CAPTURE(s.K);
+    const auto x = to_bf16(random_vec(s.N * s.C * s.H * s.W, seed)), w = to_bf16(random_vec(s.K * s.C * s.R * s.S, seed + 1));
+    const auto b = to_bf16(random_vec(s.K, seed + 2)), gy = to_bf16(random_vec(s.N * s.K * s.P * s.Q, seed + 3));
+    seed += 8;
+    // transpose_copy's first: the primitives' layout buffers are shared, so a value its
+    // reorders missed is then a stale one, not the one oneDNN's reorder would leave there.
+    CpuBackend::set_own_conv_reorders(true);
+    const Bf16Conv own = run_bf16_conv(s, x, w, b, gy);
+    CpuBackend::set_own_conv_reorders(false);
+    const Bf16Conv onednn = run_bf16_conv(s, x, w, b, gy);
+    CHECK(bitwise_equal(own.y, onednn.y));
+    CHECK(bitwise_equal(own.y_relu, onednn.y_relu));
+    CHECK(bitwise_equal(own.gx, onednn.gx));
+    CHECK(bitwise_equal(own.gw, onednn.gw));
+    CHECK(bitwise_equal(own.gb, onednn.gb));
+    // Not vacuous: the outputs are the convolution's, not a buffer left as it was.
+    CHECK(std::any_of(own.y.begin(), own.y.end(), [](float v) { return v != 0.0f; }));
+    CHECK(std::any_of(own.gx.begin(), own.gx.end(), [](float v) { return v != 0.0f; }));
+  }
+  CpuBackend::set_own_conv_reorders(true);
+  be().set_conv_layout(cpu::ConvLayout::Auto);
+}
+
+TEST_CASE("bf16 gemm: every transposition, padded, in slabs, within one rounding of float32; a transposed A "
+          "copied untransposed gives the untransposed product's bits") {
+  // Note [bf16 GEMMs through oneDNN], Note [bf16 GEMMs: a transposed A copied untransposed].
+  struct Shape { i64 m, n, k, pad; };
+  unsigned seed = 120;
+  for (const Shape sh : {Shape{128, 3136, 256, 0}, Shape{64, 40, 96, 3}, Shape{33, 17, 70, 5}, Shape{16, 8, 16, 0}}) {
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        CAPTURE(sh.m); CAPTURE(sh.n); CAPTURE(sh.k); CAPTURE(ta); CAPTURE(tb);
+        const i64 lda = (ta ? sh.m : sh.k) + sh.pad, ldb = (tb ? sh.k : sh.n) + sh.pad, ldc = sh.n + sh.pad;
+        // Positive operands: no cancellation, so any order of the float32 sums rounds to
+        // the reference's bfloat16 or its neighbour.
+        const auto a = to_bf16(random_vec((ta ? sh.k : sh.m) * lda, seed, 0.5f, 1.0f));
+        const auto b = to_bf16(random_vec((tb ? sh.n : sh.k) * ldb, seed + 1, 0.5f, 1.0f));
+        seed += 2;
+        std::vector<BFloat16> c(sh.m * ldc, BFloat16(-7.0f));
+        be().run<Op::Gemm>(dev0(), DType::BF16, {ta, tb, sh.m, sh.n, sh.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
+                                                  c.data(), ldc, {}});
+        const auto af = widen(a), bf = widen(b);
+        std::vector<float> want(sh.m * ldc, 0.0f);
+        be().gemm(dev0(), ta, tb, sh.m, sh.n, sh.k, 1.0f, af.data(), lda, bf.data(), ldb, 0.0f, want.data(), ldc);
+        i64 bad = 0;
+        for (i64 i = 0; i < sh.m; ++i)
+          for (i64 j = 0; j < ldc; ++j) {
+            const float got = static_cast<float>(c[i * ldc + j]);
+            if (j >= sh.n) {
+              bad += got != -7.0f;  // the padding left alone
+              continue;
+            }
+            int e = 0;
+            std::frexp(want[i * ldc + j], &e);
+            bad += !(std::fabs(got - want[i * ldc + j]) <= std::ldexp(1.0f, e - 8));
+          }
+        CHECK(bad == 0);
+        if (!ta) continue;
+        // One slab (one thread per device): the product of A copied untransposed by hand.
+        const std::string kernel = cpu::bf16_gemm_kernel(sh.m, sh.n, sh.k, lda, ldb, ldc, true, tb);
+        CAPTURE(kernel);
+        if (kernel.find("untransposed") == std::string::npos) continue;
+        std::vector<BFloat16> at(sh.m * sh.k);
+        for (i64 i = 0; i < sh.m; ++i)
+          for (i64 p = 0; p < sh.k; ++p) at[i * sh.k + p] = a[p * lda + i];
+        std::vector<BFloat16> c1(sh.m * ldc), c2(sh.m * ldc);
+        be().set_concurrent_devices(dp::hardware_concurrency());
+        be().run<Op::Gemm>(dev0(), DType::BF16, {true, tb, sh.m, sh.n, sh.k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
+                                                  c1.data(), ldc, {}});
+        be().run<Op::Gemm>(dev0(), DType::BF16, {false, tb, sh.m, sh.n, sh.k, 1.0f, at.data(), sh.k, b.data(), ldb,
+                                                  0.0f, c2.data(), ldc, {}});
+        be().set_concurrent_devices(1);
+        CHECK(bitwise_equal(widen(c1), widen(c2)));
+      }
+  }
+  // The CNN's fc1 weight gradient on a CPU with a bfloat16 matmul: the case the copy is for.
+  const std::string fc1 = cpu::bf16_gemm_kernel(64, 3136, 256, 128, 3136, 3136, true, false);
+  MESSAGE("bfloat16 dW = dY^T X of 64 x 3136 x 256 runs on: ", fc1.empty() ? "the widening path" : fc1);
+}
+
 TEST_CASE("max_abs_bits: the largest |v| as bits, infinity above numbers and NaN above that, any length") {
   // Note [Scan clones]: whichever clone the CPU runs, the value of the plain loop.
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -131,6 +132,12 @@ void transpose_copy(const float* src, std::int64_t lds, std::int64_t rows, std::
 /// cpu_conv.cpp).
 void transpose_copy(const std::uint16_t* src, std::int64_t lds, std::int64_t rows, std::int64_t cols,
                     std::uint16_t* dst, std::int64_t ldd);
+
+/// oneDNN's name of the kernel a bfloat16 product of this shape runs on, with " (A
+/// copied untransposed)" where Note [bf16 GEMMs: a transposed A copied untransposed]
+/// applies (cpu_gemm.cpp); empty where the product widens to float32. For tests.
+std::string bf16_gemm_kernel(std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t lda, std::int64_t ldb,
+                             std::int64_t ldc, bool trans_a, bool trans_b);
 
 /// Elements [begin, end) of fill_uniform, fill_normal and dropout, on the calling
 /// thread (cpu_random.cpp, Note [Vectorised random fills]): element i is
@@ -313,6 +320,10 @@ class CpuBackend final : public Backend {
   /// false: the bfloat16 convolutions widen to float32 as on a CPU without bfloat16
   /// instructions (tests reach that path here); true (the default) undoes it.
   void set_native_bf16_conv(bool on);
+  /// false: oneDNN's reorders move the 16-bit convolutions' activations between NCHW and
+  /// its layouts, process-wide (tests compare the bits); true (the default): transpose_copy
+  /// moves them where it can (Note [bfloat16 blocked reorders] in cpu_conv.cpp).
+  static void set_own_conv_reorders(bool on);
   void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
                          std::int64_t* indices);
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,

@@ -44,6 +44,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -103,24 +104,33 @@ struct ConvKeyHash {
 };
 
 // Note [bfloat16 blocked reorders]
-// oneDNN's blocked convolutions want activations as nChw16c: each image's channels in
-// blocks of 16, a block's 16 values of one pixel side by side. Our tensors are NCHW, so
-// every blocked call reorders its activation inputs in and its outputs out (Note [CPU
-// convolution: measured choice]). oneDNN 2.6 runs float32 reorders of that shape in its
-// blocked-reorder kernel but bfloat16 ones in its generic one, which moved about 2-4 GB/s
-// and took a ninth of the bfloat16 CNN step, as much time per tensor as the float32
-// reorders of twice the bytes (figures: docs/benchmarks/kernel-notes.md, "bfloat16
-// blocked reorders"). Between NCHW and nChw16c each block of 16 channels is a 16 x HW
-// matrix transposed, so a bfloat16 argument with a multiple of 16 channels is moved by
-// transpose_copy's 16x16 register blocks instead; any other reorder stays oneDNN's. A
-// reorder moves bits, so the primitives see the same operands.
+// oneDNN's blocked convolutions want activations in a layout of their own: nChw16c on
+// AVX-512 (each image's channels in blocks of 16, a block's 16 values of one pixel side
+// by side), NHWC for the AMX kernels (all of a pixel's channels side by side). Our
+// tensors are NCHW, so every blocked call reorders its activation inputs in and its
+// outputs out (Note [CPU convolution: measured choice]). oneDNN 2.6 runs float32
+// reorders of those shapes in its blocked-reorder kernel but bfloat16 ones in its
+// generic one, which moved about 2-4 GB/s and took a ninth of the bfloat16 CNN step, as
+// much time per tensor as the float32 reorders of twice the bytes; on an AMX Xeon the
+// NCHW <-> NHWC ones took a sixth (figures: docs/benchmarks/kernel-notes.md, "bfloat16
+// blocked reorders"). Both are transposes: between NCHW and nChw16c each block of 16
+// channels is a 16 x HW matrix transposed, between NCHW and NHWC each image is a C x HW
+// one. So a bfloat16 argument with either layout (nChw16c: a multiple of 16 channels) is
+// moved by transpose_copy's 16x16 register blocks instead; any other reorder stays
+// oneDNN's. A reorder moves bits, so the primitives see the same operands, which
+// set_own_conv_reorders(false) (tests) checks against oneDNN's own reorders.
 
-/// An activation argument reordered between NCHW and nChw16c by transpose_copy (Note
-/// [bfloat16 blocked reorders]): N images of C (a multiple of 16) channels of HW pixels.
-struct Blocked16 {
-  bool on = false;
+/// An activation argument reordered between NCHW and the primitive's layout by
+/// transpose_copy (Note [bfloat16 blocked reorders]): N images of C channels of HW
+/// pixels, into nChw16c (C a multiple of 16) or NHWC.
+struct OwnReorder {
+  enum class Into { None, NChw16c, Nhwc } into = Into::None;
   i64 N = 0, C = 0, HW = 0;
 };
+
+/// Whether transpose_copy moves the 16-bit activations (the default) or oneDNN's
+/// reorders do (set_own_conv_reorders(false), for tests).
+std::atomic<bool> own_reorders{true};
 
 /// One primitive argument: the user's plain buffer, and when the primitive wants a
 /// different layout, an internal buffer with a reorder into it (inputs) or out of it
@@ -130,8 +140,9 @@ struct ConvArg {
   bool output;
   memory user;
   memory internal;  // empty when no reorder is needed
-  dnnl::reorder reorder;
-  Blocked16 blocked16;  // the reorder by transpose_copy instead
+  dnnl::reorder reorder;  // oneDNN's reorder
+  OwnReorder own;         // the reorder by transpose_copy, where it applies
+  bool by_own() const { return own.into != OwnReorder::Into::None && own_reorders.load(std::memory_order_relaxed); }
 };
 
 struct ConvEntry {
@@ -165,52 +176,65 @@ void ConvCacheDeleter::operator()(ConvCache* cache) const noexcept { delete cach
 
 namespace {
 
-/// Whether the reorder between user_md and prim_md is a bfloat16 NCHW <-> nChw16c one
-/// that transpose_copy runs (Note [bfloat16 blocked reorders]).
-Blocked16 blocked16_of(const memory::desc& user_md, const memory::desc& prim_md) {
+/// Whether the reorder between user_md and prim_md is a bfloat16 NCHW <-> nChw16c or
+/// NCHW <-> NHWC one that transpose_copy runs (Note [bfloat16 blocked reorders]).
+OwnReorder own_reorder_of(const memory::desc& user_md, const memory::desc& prim_md) {
   const memory::dims d = user_md.dims();
-  if (d.size() != 4 || d[1] % 16 != 0 || user_md.data_type() != memory::data_type::bf16) return {};
-  if (user_md != memory::desc(d, memory::data_type::bf16, tag::nchw) ||
-      prim_md != memory::desc(d, memory::data_type::bf16, tag::nChw16c))
-    return {};
-  return Blocked16{.on = true, .N = d[0], .C = d[1], .HW = d[2] * d[3]};
+  constexpr auto bf16 = memory::data_type::bf16;
+  if (d.size() != 4 || user_md.data_type() != bf16 || user_md != memory::desc(d, bf16, tag::nchw)) return {};
+  OwnReorder r{.into = OwnReorder::Into::None, .N = d[0], .C = d[1], .HW = d[2] * d[3]};
+  if (d[1] % 16 == 0 && prim_md == memory::desc(d, bf16, tag::nChw16c)) {
+    r.into = OwnReorder::Into::NChw16c;
+  } else if (prim_md == memory::desc(d, bf16, tag::nhwc)) {
+    r.into = OwnReorder::Into::Nhwc;
+  }
+  return r.into == OwnReorder::Into::None ? OwnReorder{} : r;
 }
 
-/// The reorder of Note [bfloat16 blocked reorders]: NCHW `from` into nChw16c `to`, or
-/// back when `to_plain`.
-void reorder_blocked16(const Blocked16& b, const void* from, void* to, bool to_plain) {
+/// The reorder of Note [bfloat16 blocked reorders]: NCHW `from` into the primitive's
+/// layout `to`, or back when `to_plain`.
+void reorder_own(const OwnReorder& r, const void* from, void* to, bool to_plain) {
   const auto* src = static_cast<const std::uint16_t*>(from);
   auto* dst = static_cast<std::uint16_t*>(to);
-  for (i64 n = 0; n < b.N; ++n)
-    for (i64 c = 0; c < b.C; c += 16) {
-      const i64 plain = (n * b.C + c) * b.HW, blocked = plain;  // the same offset: 16 x HW either way
+  for (i64 n = 0; n < r.N; ++n) {
+    if (r.into == OwnReorder::Into::Nhwc) {  // C x HW <-> HW x C, at the image's offset either way
+      const i64 at = n * r.C * r.HW;
       if (to_plain) {
-        transpose_copy(src + blocked, 16, b.HW, 16, dst + plain, b.HW);
+        transpose_copy(src + at, r.C, r.HW, r.C, dst + at, r.HW);
       } else {
-        transpose_copy(src + plain, b.HW, 16, b.HW, dst + blocked, 16);
+        transpose_copy(src + at, r.HW, r.C, r.HW, dst + at, r.C);
+      }
+      continue;
+    }
+    for (i64 c = 0; c < r.C; c += 16) {
+      const i64 plain = (n * r.C + c) * r.HW, blocked = plain;  // the same offset: 16 x HW either way
+      if (to_plain) {
+        transpose_copy(src + blocked, 16, r.HW, 16, dst + plain, r.HW);
+      } else {
+        transpose_copy(src + plain, r.HW, 16, r.HW, dst + blocked, 16);
       }
     }
+  }
 }
 
 void add_arg(ConvEntry& e, int id, bool output, const memory::desc& user_md,
              const memory::desc& prim_md) {
-  ConvArg a{id, output, memory(user_md, cpu_engine(), DNNL_MEMORY_NONE), memory(), dnnl::reorder(), Blocked16{}};
+  ConvArg a{id, output, memory(user_md, cpu_engine(), DNNL_MEMORY_NONE), memory(), dnnl::reorder(), OwnReorder{}};
   if (prim_md != user_md) {
     a.internal = memory(prim_md, cpu_engine());  // oneDNN-owned buffer, reused every call
-    a.blocked16 = blocked16_of(user_md, prim_md);
-    if (!a.blocked16.on)
-      a.reorder = output ? dnnl::reorder(a.internal, a.user) : dnnl::reorder(a.user, a.internal);
+    a.own = own_reorder_of(user_md, prim_md);
+    a.reorder = output ? dnnl::reorder(a.internal, a.user) : dnnl::reorder(a.user, a.internal);
   }
   e.args.push_back(std::move(a));
 }
 
 /// Runs argument a's reorder: into the primitive's layout (an input) or out of it.
 void run_reorder(ConvArg& a, dnnl::stream& stream) {
-  if (a.blocked16.on) {
+  if (a.by_own()) {
     if (a.output) {
-      reorder_blocked16(a.blocked16, a.internal.get_data_handle(), a.user.get_data_handle(), true);
+      reorder_own(a.own, a.internal.get_data_handle(), a.user.get_data_handle(), true);
     } else {
-      reorder_blocked16(a.blocked16, a.user.get_data_handle(), a.internal.get_data_handle(), false);
+      reorder_own(a.own, a.user.get_data_handle(), a.internal.get_data_handle(), false);
     }
   } else if (a.output) {
     a.reorder.execute(stream, a.internal, a.user);
@@ -385,7 +409,7 @@ void execute_entry(ConvEntry& e, const void* const* ptrs) {
   for (ConvArg& a : e.args)
     if (!a.output && a.internal) run_reorder(a, stream);
   e.prim.execute(stream, args);
-  if (std::any_of(e.args.begin(), e.args.end(), [](const ConvArg& a) { return a.output && a.blocked16.on; }))
+  if (std::any_of(e.args.begin(), e.args.end(), [](const ConvArg& a) { return a.output && a.by_own(); }))
     stream.wait();  // the primitive's output is complete before transpose_copy reads it
   for (ConvArg& a : e.args)
     if (a.output && a.internal) run_reorder(a, stream);
@@ -1068,6 +1092,8 @@ i64 weight_numel(const Conv2dShape& s) { return s.K * s.C * s.R * s.S; }
 bool CpuBackend::native_bf16_conv() const { return native_bf16_conv_.load() && cpu_has_bf16_isa(); }
 
 void CpuBackend::set_native_bf16_conv(bool on) { native_bf16_conv_.store(on); }
+
+void CpuBackend::set_own_conv_reorders(bool on) { own_reorders.store(on); }
 
 void CpuBackend::conv2d_bf16(Device dev, const Conv2dArgs& a) {
   const Conv2dShape& s = a.s;

@@ -4,11 +4,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -390,6 +392,17 @@ void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
 // dimensions, alpha, beta); each execution brings its own scratchpad. Where oneDNN has
 // no such matmul (AVX2-only CPUs), the widening path of Note [16-bit GEMMs on the CPU]
 // runs. float16 always takes the widening path: oneDNN 2.x has no float16 matmul on CPUs.
+//
+// Note [bf16 GEMMs: a transposed A copied untransposed]
+// A Linear's weight gradient, dW = dYᵀ X, is a product whose A is transposed. oneDNN
+// 2.6's brgemm matmul (its AVX-512 bf16 and AMX kernels) takes no transposed A, so that
+// product fell to its older `gemm:jit` kernel: on an AMX Xeon the CNN's fc1 weight
+// gradient (64 x 256 x 3136 a slab) took 0.86-0.98 ms there, where the untransposed
+// products of the same size take 0.41 ms on AMX (ONEDNN_VERBOSE). So where oneDNN picks
+// `gemm:` for the transposed A of a slab and `brg` for the same slab untransposed, each
+// chunk first copies its slab of A transposed (transpose_copy's 16x16 blocks: m x k
+// 16-bit values, against 2mnk products) and multiplies that. Which kernel runs is fixed
+// by the shape and the CPU, so equal runs still give equal bits.
 
 namespace {
 
@@ -409,14 +422,14 @@ struct Bf16GemmKey {
 struct Bf16Gemm {
   dnnl::matmul prim;
   dnnl::memory::desc a, b, c, scratch;
+  std::string impl;  // oneDNN's name of the kernel it picked
+  /// For a transposed A: the product of A's copy untransposed, where that runs a better
+  /// kernel (Note [bf16 GEMMs: a transposed A copied untransposed]); else null.
+  std::shared_ptr<const Bf16Gemm> untransposed;
 };
 
-/// The cached primitive for `key`; null when oneDNN has no bfloat16 matmul here.
-std::shared_ptr<const Bf16Gemm> bf16_gemm(const Bf16GemmKey& key) {
-  static std::mutex mu;
-  static std::map<Bf16GemmKey, std::shared_ptr<const Bf16Gemm>> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  if (auto it = cache.find(key); it != cache.end()) return it->second;
+/// A new primitive for `key`; null when oneDNN has no bfloat16 matmul here.
+std::shared_ptr<Bf16Gemm> make_bf16_gemm(const Bf16GemmKey& key) {
   using md = dnnl::memory::desc;
   using dt = dnnl::memory::data_type;
   const md a({key.m, key.k}, dt::bf16, key.ta ? dnnl::memory::dims{1, key.lda} : dnnl::memory::dims{key.lda, 1});
@@ -430,12 +443,28 @@ std::shared_ptr<const Bf16Gemm> bf16_gemm(const Bf16GemmKey& key) {
     ops.append_sum(key.beta);
     attr.set_post_ops(ops);
   }
-  std::shared_ptr<const Bf16Gemm> entry;
   try {
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, gemm_engine());
-    entry = std::make_shared<const Bf16Gemm>(Bf16Gemm{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc()});
+    return std::make_shared<Bf16Gemm>(Bf16Gemm{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(), pd.impl_info_str(), nullptr});
   } catch (const dnnl::error&) {
-    entry = nullptr;  // unimplemented on this CPU: the widening path
+    return nullptr;  // unimplemented on this CPU: the widening path
+  }
+}
+
+/// The cached primitive for `key`; null when oneDNN has no bfloat16 matmul here.
+std::shared_ptr<const Bf16Gemm> bf16_gemm(const Bf16GemmKey& key) {
+  static std::mutex mu;
+  static std::map<Bf16GemmKey, std::shared_ptr<const Bf16Gemm>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  std::shared_ptr<Bf16Gemm> entry = make_bf16_gemm(key);
+  // Note [bf16 GEMMs: a transposed A copied untransposed].
+  if (entry && key.ta && entry->impl.rfind("gemm:", 0) == 0) {
+    Bf16GemmKey plain = key;
+    plain.ta = false;
+    plain.lda = key.k;
+    auto alt = make_bf16_gemm(plain);
+    if (alt && alt->impl.rfind("brg", 0) == 0) entry->untransposed = std::move(alt);
   }
   cache.emplace(key, entry);
   return entry;
@@ -461,18 +490,29 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
     omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
     const i64 lo = a.m * ch / chunks / 16 * 16, hi = ch + 1 == chunks ? a.m : a.m * (ch + 1) / chunks / 16 * 16;
     if (hi <= lo) return;
-    const auto g = bf16_gemm({hi - lo, a.n, a.k, a.lda, a.ldb, a.ldc, a.trans_a, a.trans_b, a.alpha, a.beta});
-    DP_CHECK(g != nullptr, "gemm on ", dev.str(), ": oneDNN has a bfloat16 matmul for one shape and not for (",
+    const auto found = bf16_gemm({hi - lo, a.n, a.k, a.lda, a.ldb, a.ldc, a.trans_a, a.trans_b, a.alpha, a.beta});
+    DP_CHECK(found != nullptr, "gemm on ", dev.str(), ": oneDNN has a bfloat16 matmul for one shape and not for (",
              hi - lo, ", ", a.n, ", ", a.k, ")");
-    const std::size_t scratch_bytes = g->scratch.get_size();
+    // Note [bf16 GEMMs: a transposed A copied untransposed]: the slab's hi - lo columns
+    // of the k x m A, as hi - lo rows of k, in the scratch block after oneDNN's.
+    const Bf16Gemm* g = found->untransposed ? found->untransposed.get() : found.get();
+    const std::size_t onednn_bytes = (g->scratch.get_size() + 63) / 64 * 64;
+    const std::size_t copy_bytes = found->untransposed ? std::size_t(hi - lo) * std::size_t(a.k) * sizeof(BFloat16) : 0;
+    const std::size_t scratch_bytes = onednn_bytes + copy_bytes;
     void* scratch = scratch_bytes > 0 ? be.allocate(dev, scratch_bytes) : nullptr;
     try {
       thread_local dnnl::stream stream(gemm_engine());
       const BFloat16* as = a.trans_a ? pa + lo : pa + lo * a.lda;
+      if (copy_bytes > 0) {
+        auto* copy = reinterpret_cast<BFloat16*>(static_cast<char*>(scratch) + onednn_bytes);
+        transpose_copy(reinterpret_cast<const std::uint16_t*>(as), a.lda, a.k, hi - lo,
+                       reinterpret_cast<std::uint16_t*>(copy), a.k);
+        as = copy;
+      }
       dnnl::memory ma(g->a, gemm_engine(), const_cast<BFloat16*>(as));
       dnnl::memory mb(g->b, gemm_engine(), const_cast<BFloat16*>(pb));
       dnnl::memory mc(g->c, gemm_engine(), pc + lo * a.ldc);
-      dnnl::memory ms(g->scratch, gemm_engine(), scratch);
+      dnnl::memory ms(g->scratch, gemm_engine(), g->scratch.get_size() > 0 ? scratch : nullptr);
       g->prim.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}});
       stream.wait();
     } catch (...) {
@@ -484,6 +524,13 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
 }
 
 }  // namespace
+
+std::string bf16_gemm_kernel(i64 m, i64 n, i64 k, i64 lda, i64 ldb, i64 ldc, bool trans_a, bool trans_b) {
+  if (!has_bf16_matmul()) return "";
+  const auto g = bf16_gemm({m, n, k, lda, ldb, ldc, trans_a, trans_b, 1.0f, 0.0f});
+  if (!g) return "";
+  return g->untransposed ? g->untransposed->impl + " (A copied untransposed)" : g->impl;
+}
 
 void CpuBackend::register_gemm_kernels() {
   register_typed<Op::Gemm, CpuBackend, &gemm_bf16_onednn>(DType::BF16);
