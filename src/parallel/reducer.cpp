@@ -213,6 +213,18 @@ class ReduceScatterSync final : public GradSync {
         if (g_.hybrid && me == owner)
           if (comm::Communicator* across = comm_.peers(rank))
             across->all_reduce(comm_.first_rank() / comm_.size(), wire, wire, comm::ReduceOp::Sum);
+        if (wire_ && me == owner && detached) {
+          // A detached piece is a view of a gradient the host frees when sync_detached
+          // returns, while this runs on the collectives' stream: unpacked into it, the sum
+          // would race whatever the compute stream allocates there next. So the sum lands
+          // in memory allocated here, on the collectives' stream, reused only after these
+          // reads (Note [Work after deferred collectives]). Without a wire the piece is
+          // the collective's own buffer, declared to that stream.
+          const Tensor landed = empty({piece.numel()}, TensorOptions{Dtype::Float32, piece.device()});
+          GradWire::unpack(wire, landed);
+          g_.deliver(rank, landed, a);
+          continue;
+        }
         if (wire_ && me == owner) GradWire::unpack(wire, piece);
         if (detached) {
           if (me == owner) g_.deliver(rank, piece, a);
