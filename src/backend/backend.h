@@ -160,6 +160,13 @@ class Backend : public dp::detail::DeviceRuntime {
   /// Copies between two devices of this backend (peer copy), or within one device.
   virtual void copy(void* dst, Device dst_dev, const void* src, Device src_dev,
                     std::size_t nbytes) = 0;
+  /// Within one device: `rows` rows of `row_bytes` bytes, row r from src + r * src_pitch
+  /// to dst + r * dst_pitch (pitches in bytes, each at least row_bytes; the rows must not
+  /// overlap) — a narrow along an inner dim and its backward. The default is one copy()
+  /// per row; the CPU spreads the rows over the device's threads, CUDA makes it one
+  /// cudaMemcpy2DAsync (a copy per row was a runtime call per token in a GPT's split).
+  virtual void copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
+                         std::size_t row_bytes, std::size_t rows, Device dev);
   /// Note [Copies ahead]
   /// copy() makes the destination's stream wait for the bytes at once: what the
   /// destination enqueues next runs after the transfer. A prefetch (ZeRO stage 3's

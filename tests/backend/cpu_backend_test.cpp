@@ -328,6 +328,30 @@ TEST_CASE("devices: count, bad ids, threads per device, events") {
 
 // ---- elementwise ------------------------------------------------------------------------------
 
+TEST_CASE("copy_rows: each row to its pitch, the gaps left alone, at every size; bad pitches throw") {
+  // Row sizes below and above the threaded grain (64 KiB a task), odd byte counts.
+  for (const auto& [rows, row_bytes, gap_src, gap_dst] :
+       {std::tuple<std::size_t, std::size_t, std::size_t, std::size_t>{1, 7, 0, 3}, {5, 12, 4, 0}, {300, 1000, 24, 8},
+        {9, 70000, 5, 11}, {0, 16, 0, 0}, {4, 0, 2, 2}}) {
+    CAPTURE(rows); CAPTURE(row_bytes);
+    const std::size_t sp = row_bytes + gap_src, dp_ = row_bytes + gap_dst;
+    std::vector<unsigned char> src(rows * sp + 1), dst(rows * dp_ + 1, 0xAB);
+    for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 131 + 7);
+    be().copy_rows(dst.data(), dp_, src.data(), sp, row_bytes, rows, dev0());
+    std::size_t bad = 0;
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t c = 0; c < dp_; ++c)
+        bad += dst[r * dp_ + c] != (c < row_bytes ? src[r * sp + c] : 0xAB);
+    CHECK(bad == 0);
+    CHECK(dst.back() == 0xAB);
+  }
+  std::vector<float> buf(64);
+  CHECK_THROWS_WITH_AS(be().copy_rows(buf.data(), 8, buf.data() + 32, 16, 12, 2, dev0()),
+                       doctest::Contains("pitches of at least 12 bytes"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::backend::get(dp::DeviceType::CPU).copy_rows(buf.data(), 16, buf.data() + 32, 8, 12, 2, dev0()),
+                       doctest::Contains("got 16 (dst) and 8 (src)"), dp::Error);
+}
+
 TEST_CASE("memset_zero: every byte of small and of large (threaded) blocks, nothing beyond") {
   // Blocks of 1 MiB and more are cleared in 256 KiB pieces over the device's threads;
   // odd lengths and an unaligned start leave a partial last piece.

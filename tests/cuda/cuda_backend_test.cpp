@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "backend/backend.h"
@@ -221,6 +222,27 @@ TEST_CASE("peer copies between two devices") {
   cb.copy(back->p, a.d, by->p, b.d, x.size() * sizeof(float));
   CHECK(b.down(*by, x.size()) == x);
   CHECK(a.down(*back, x.size()) == x);
+}
+
+TEST_CASE("copy_rows: one 2-d copy moves each row to its pitch and leaves the gaps, as the CPU's") {
+  Side g = cuda_side(0);
+  for (const auto& [rows, row_bytes, src_pitch, dst_pitch] :
+       {std::tuple<std::size_t, std::size_t, std::size_t, std::size_t>{2048, 512, 1536, 512}, {7, 6, 10, 9},
+        {1, 4096, 4096, 4100}, {0, 8, 8, 8}}) {
+    CAPTURE(rows); CAPTURE(row_bytes);
+    std::vector<std::uint8_t> src(rows * src_pitch + 1), dst(rows * dst_pitch + 1, 0xAB);
+    for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<std::uint8_t>(i * 131 + 7);
+    auto s = g.up(src);
+    auto d = g.up(dst);
+    g.b.copy_rows(d->p, dst_pitch, s->p, src_pitch, row_bytes, rows, g.d);
+    std::vector<std::uint8_t> want = dst;
+    dp::backend::get(dp::DeviceType::CPU).copy_rows(want.data(), dst_pitch, src.data(), src_pitch, row_bytes, rows,
+                                                    Device{dp::DeviceType::CPU, 0});
+    CHECK(g.down<std::uint8_t>(*d, dst.size()) == want);
+  }
+  std::vector<float> buf(64);
+  auto d = g.up(buf);
+  CHECK_THROWS_AS(g.b.copy_rows(d->p, 8, d->f() + 32, 16, 12, 2, g.d), dp::Error);
 }
 
 int main(int argc, char** argv) { return dp_test::run_if_cuda("cuda_backend_test", argc, argv); }

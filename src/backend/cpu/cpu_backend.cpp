@@ -323,6 +323,24 @@ void CpuBackend::copy_to_host(void* host_dst, const void* src, Device dev, std::
   if (nbytes) std::memcpy(host_dst, src, nbytes);
 }
 
+void CpuBackend::copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
+                           std::size_t row_bytes, std::size_t rows, Device dev) {
+  DP_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "copy_rows on ", dev, ": expected pitches of at least ",
+           row_bytes, " bytes (a row), got ", dst_pitch, " (dst) and ", src_pitch, " (src)");
+  (void)state(dev);
+  if (rows == 0 || row_bytes == 0) return;
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  // About 64 KiB per task: small copies stay on the calling thread.
+  const auto grain = static_cast<std::int64_t>(std::max<std::size_t>(1, (std::size_t{64} << 10) / row_bytes));
+  parallel_for(dev, static_cast<std::int64_t>(rows), grain, [=](std::int64_t b, std::int64_t e) {
+    for (std::int64_t r = b; r < e; ++r) {
+      const auto ru = static_cast<std::size_t>(r);
+      std::memcpy(d + ru * dst_pitch, s + ru * src_pitch, row_bytes);
+    }
+  });
+}
+
 void CpuBackend::memset_zero(void* ptr, Device dev, std::size_t nbytes) {
   // Large blocks (a model's gradients in zero_grad: 7.5 MB for the MLP 784-1024-1024-10)
   // in pieces over the device's threads: one core's stores do not reach the memory's

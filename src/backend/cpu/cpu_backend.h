@@ -272,6 +272,8 @@ class CpuBackend final : public Backend {
   void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override;
   void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
   void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
+  void copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::size_t row_bytes,
+                 std::size_t rows, Device dev) override;
 
   // The float32 kernels of these ops (Note [The op list] in ops.h) are these members,
   // registered through method_kernels.h; tests call them directly too.

@@ -406,6 +406,15 @@ void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_de
   land_peer_copy(dst, dst_dev, start_peer_copy(dst_dev, src, src_dev, nbytes), nbytes);
 }
 
+void CudaBackend::copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
+                            std::size_t row_bytes, std::size_t rows, Device dev) {
+  check_device(dev);
+  DP_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "copy_rows on ", dev, ": expected pitches of at least ",
+           row_bytes, " bytes (a row), got ", dst_pitch, " (dst) and ", src_pitch, " (src)");
+  if (rows == 0 || row_bytes == 0) return;
+  DP_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToDevice, bind(dev)));
+}
+
 CudaBackend::InFlight CudaBackend::start_peer_copy(Device dst_dev, const void* src, Device src_dev,
                                                    std::size_t nbytes) {
   const int d = dst_dev.index, sdev = src_dev.index;

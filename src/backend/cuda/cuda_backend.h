@@ -191,6 +191,8 @@ class CudaBackend final : public Backend {
   void copy_from_host(void* dst, Device dev, const void* host_src, std::size_t nbytes) override;
   void copy_to_host(void* host_dst, const void* src, Device dev, std::size_t nbytes) override;
   void memset_zero(void* ptr, Device dev, std::size_t nbytes) override;
+  void copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch, std::size_t row_bytes,
+                 std::size_t rows, Device dev) override;
   /// The fused attention kernels' limits: head dims up to 128, the GPU's shared memory
   /// (Note [Fused attention on CUDA], cuda_attention.cu).
   std::string attention_shape_misfit(Device dev, const AttentionShape& s) const override;
