@@ -23,7 +23,8 @@
 //   so DP, DDP and single-device runs in one process run the same kernels, and DP ==
 //   DDP stays bitwise;
 // - it is recorded in a file, ${XDG_CACHE_HOME:-$HOME/.cache}/dp/conv-layouts-v1.txt,
-//   one line per key (CPU model, oneDNN version, threads, shape, pass, bias) with the
+//   one line per key (CPU model, family, model number and stepping, oneDNN's ISA on
+//   it, oneDNN version, threads, shape, pass, bias, dtype) with the
 //   choice and both times; every later process on the machine reads the choice instead
 //   of measuring, so run N+1 computes bit for bit what run N did. Writers take an flock
 //   and re-read before appending, so concurrent processes agree on the first record.
@@ -430,18 +431,31 @@ constexpr double kClearWin = 1.1;
 /// blocking saves.
 constexpr i64 kFewChannels = 8;
 
+/// The CPU as the record key names it: its model name, family, model and stepping (a
+/// virtual machine may call CPUs of different generations by one generic name, "Intel(R)
+/// Xeon(R) Processor"), and the instruction set oneDNN runs on it (AMX or not changes
+/// the winner).
 std::string cpu_model() {
   std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);)
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      std::string m = colon == std::string::npos ? line : line.substr(colon + 1);
-      m.erase(0, m.find_first_not_of(" \t"));
-      for (char& c : m)
-        if (c == ' ' || c == '|') c = '_';
-      return m;
-    }
-  return "unknown-cpu";
+  std::string name = "unknown-cpu", family = "?", model = "?", stepping = "?";
+  auto value = [](const std::string& line) {
+    const auto colon = line.find(':');
+    std::string v = colon == std::string::npos ? line : line.substr(colon + 1);
+    v.erase(0, v.find_first_not_of(" \t"));
+    for (char& c : v)
+      if (c == ' ' || c == '|') c = '_';
+    return v;
+  };
+  for (std::string line; std::getline(in, line) && !line.empty();) {  // the first processor's block
+    if (line.rfind("model name", 0) == 0) name = value(line);
+    else if (line.rfind("cpu family", 0) == 0) family = value(line);
+    else if (line.rfind("model", 0) == 0 && line.find(':') != std::string::npos) model = value(line);
+    else if (line.rfind("stepping", 0) == 0) stepping = value(line);
+  }
+  std::ostringstream key;  // the ISA as dnnl_cpu_isa_t's bits: 0x3e7 is avx512_core_amx
+  key << name << "|f" << family << "m" << model << "s" << stepping << "|isa0x" << std::hex
+      << static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  return key.str();
 }
 
 /// The record key of one call: everything that decides which layout is faster.
