@@ -202,8 +202,9 @@ struct AxpyArgs {
   std::int64_t n;
 };
 /// out = op(a, b) over the indexer's shape; out contiguous, a/b strided (0 = broadcast).
-/// out has the call's dtype, except that Eq and Gt write float32 (1 or 0) for every
-/// dtype; an integer dtype compares exactly (int64 kernels implement Eq only).
+/// For a floating dtype out has the call's dtype, Eq and Gt included (1 or 0 in it); an
+/// integer dtype compares exactly and writes float32 1 or 0 (int64 kernels implement Eq
+/// only).
 struct BinaryArgs {
   BinaryOp op;
   Indexer ix;
