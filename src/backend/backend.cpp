@@ -80,6 +80,8 @@ bool Backend::max_pool2d_byte_winners(const Pool2dShape&) const { return false; 
 
 std::string Backend::attention_shape_misfit(Device, const AttentionShape&) const { return ""; }
 
+std::array<ConvPass, 3> Backend::conv_passes(Device, const Conv2dShape&, DType) { return {}; }
+
 void check_attention_args(const char* op, DType dt, const AttentionShape& s, const AttentionMask& mask,
                           const AttentionDropout& drop) {
   DP_CHECK(s.B >= 0 && s.H >= 1 && s.L >= 0 && s.S >= 0 && s.E >= 1 && s.Ev >= 1, op,

@@ -15,6 +15,7 @@
 // CUDA headers.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -47,6 +48,18 @@ std::int64_t max_pool2d_winner_bytes(const Backend& be, const Pool2dShape& s);
 /// `op` otherwise.
 void check_attention_args(const char* op, DType dt, const AttentionShape& s, const AttentionMask& mask,
                           const AttentionDropout& drop);
+
+/// How a backend runs one pass of a convolution, as far as it has chosen
+/// (Backend::conv_passes): for diagnostics and tests.
+struct ConvPass {
+  enum class Path : std::uint8_t {
+    Unknown,  // not run yet, or a backend that does not say
+    Native,   // in the call's dtype (CUDA: a cuDNN algorithm for it)
+    Widened,  // its operands widened to float32, the float32 pass, the outputs rounded
+  };
+  Path path = Path::Unknown;
+  std::string detail;  // for people: "cuDNN bfloat16 algorithm 1, tensor-op math"
+};
 
 /// A non-owning reference to a callable f(begin, end): lets a virtual call take any
 /// lambda without copying it or allocating (std::function may). Valid only during the
@@ -226,6 +239,12 @@ class Backend : public dp::detail::DeviceRuntime {
   /// when they do; scaled_dot_product_attention then runs the math path (Note [Fused
   /// attention paths]). "" here: a backend whose kernels have limits says which.
   virtual std::string attention_shape_misfit(Device dev, const AttentionShape& s) const;
+
+  /// How this backend has run the passes of a convolution of shape `s` in dtype `dt` on
+  /// `dev` — forward, backward data, backward weight, in that order — under the current
+  /// TF32 and benchmark settings (CUDA: the cuDNN algorithm chosen, or the widening of
+  /// Note [16-bit convolutions on CUDA]). Unknown for a pass not run yet; all three here.
+  virtual std::array<ConvPass, 3> conv_passes(Device dev, const Conv2dShape& s, DType dt);
 
   /// The Conv2d op with a pool (Conv2dArgs::pool) as separate ops: the convolution
   /// (with its ReLU) through the table into a block of the device, then MaxPool2d from

@@ -385,7 +385,7 @@ be::Conv2dShape conv_shape_of(const char* op, const Tensor& x, const Tensor& w, 
                               std::int64_t stride, std::int64_t padding) {
   check_defined(op, "input", x);
   check_defined(op, "weight", w);
-  if (x.dtype() != Dtype::BFloat16) check_float(op, "input", x);  // bfloat16: native_bf16_conv said yes
+  if (!amp::detail::is_16bit(x)) check_float(op, "input", x);  // 16-bit: native_16bit_conv said yes
   DP_CHECK(w.dtype() == x.dtype(), op, ": expected the weight in the input's dtype ", dtype_name(x.dtype()),
            ", got ", dtype_name(w.dtype()));
   check_same_device(op, "input", x, "weight", w);
@@ -561,8 +561,8 @@ Tensor conv2d_relu_pool(const Tensor& x, const Tensor& w, const Tensor& b, std::
 
 namespace {
 
-// A convolution of 16-bit operands the backend has no kernels for (float16; bfloat16
-// where native_16bit_conv says no): the float32 convolution of the widened values,
+// A convolution of 16-bit operands the backend has no kernels for (float16 on the CPU;
+// wherever native_16bit_conv says no): the float32 convolution of the widened values,
 // rounded once (Note [16-bit GEMMs on the CPU] says what that costs). ReLU and max-pool
 // commute with rounding, so a fused chain rounds once at its end and gives the bits
 // of the unfused 16-bit ops.
@@ -578,9 +578,11 @@ Tensor conv_in_float32(const char* op, F f, const Tensor& x, const Tensor& w, co
 }
 
 /// Whether x's backend convolves these 16-bit operands itself, every pass (bfloat16 on
-/// the CPU: Note [bf16 convolutions through oneDNN]); otherwise conv_in_float32.
+/// the CPU: Note [bf16 convolutions through oneDNN]; bfloat16 and float16 on CUDA: Note
+/// [16-bit convolutions on CUDA] in src/backend/cuda/cuda_blas_dnn.cpp); otherwise
+/// conv_in_float32.
 bool native_16bit_conv(const Tensor& x, const Tensor& w, const Tensor& b) {
-  if (!x.defined() || !w.defined() || x.dtype() != Dtype::BFloat16 || w.dtype() != x.dtype() ||
+  if (!x.defined() || !w.defined() || !amp::detail::is_16bit(x) || w.dtype() != x.dtype() ||
       (b.defined() && b.dtype() != x.dtype()))
     return false;
   auto& bk = be::get(x.device());
@@ -676,10 +678,17 @@ Tensor conv2d_relu_max_pool2d(const Tensor& x, const Tensor& w, const Tensor& b,
   if (amp::detail::active()) return amp::detail::lower_op([=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
     return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);
   }, x, w, b);
-  if ((amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) && !(native_16bit_conv(x, w, b) && native_max_pool(x)))
-    return conv_in_float32("conv2d_relu_max_pool2d", [=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
-      return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);
-    }, x, w, b);
+  if (amp::detail::is_16bit(x) || amp::detail::is_16bit(w)) {
+    if (!native_16bit_conv(x, w, b))
+      return conv_in_float32("conv2d_relu_max_pool2d", [=](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
+        return conv2d_relu_max_pool2d(xx, ww, bb, stride, padding, pool_kernel, pool_stride, pool_padding);
+      }, x, w, b);
+    // A backend that convolves 16-bit operands but has no 16-bit max-pool (CUDA): the
+    // convolution native, then the pool widened (exact: Note [16-bit max-pool] in
+    // src/backend/cpu/cpu_nn.cpp), each with its own backward.
+    if (!native_max_pool(x))
+      return max_pool2d(conv2d_relu(x, w, b, stride, padding), pool_kernel, pool_stride, pool_padding);
+  }
   return conv2d_relu_pool(x, w, b, stride, padding, pool_kernel, pool_stride, pool_padding);
 }
 

@@ -1191,8 +1191,9 @@ void add_16bit(Table& t, DType dt, i64 n) {
 }
 
 /// The three passes of a bfloat16 convolution (the CPU's: Note [bf16 convolutions
-/// through oneDNN]): a backend may sum in another order and round once to bfloat16, so
-/// one bfloat16 ulp on top of the float32 sum's tolerance.
+/// through oneDNN]; CUDA's: Note [16-bit convolutions on CUDA]): each backend sums in
+/// float32 in its own order and rounds once to bfloat16, so one bfloat16 ulp on top of
+/// the float32 sum's tolerance.
 void add_conv_bf16(Table& t, const Conv2dShape& s) {
   const DType dt = DType::BF16;
   const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = s.N * s.K * s.P * s.Q;

@@ -4,6 +4,7 @@
 // CUDA comparison of the same cases is tests/cuda/cuda_backend_test.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 #include <set>
 #include <string>
@@ -92,6 +93,9 @@ class RecordingBackend final : public Backend {
   bool max_pool2d_byte_winners(const Pool2dShape& s) const override { return in_.max_pool2d_byte_winners(s); }
   std::string attention_shape_misfit(Device dev, const dp::backend::AttentionShape& s) const override {
     return in_.attention_shape_misfit(dev, s);
+  }
+  std::array<dp::backend::ConvPass, 3> conv_passes(Device dev, const Conv2dShape& s, DType dt) override {
+    return in_.conv_passes(dev, s, dt);
   }
 
   void copy(void* dst, Device dst_dev, const void* src, Device src_dev,

@@ -3,15 +3,18 @@
 // The op cases are the backend op table (tests/backend/op_cases.h), the same list that
 // op_table_test runs on CPU virtual devices and kernels_bench times: each case is
 // built on cpu:0 (the oracle) and on cuda:0 from the same inputs, run once, and every
-// output compared under the case's tolerance. The CUDA-only checks after it (caching
-// allocator, pinned-block reuse, peer copies) are not op comparisons. Without a CUDA
-// device the binary exits 77, which Meson reports as SKIP.
+// output compared under the case's tolerance. The 16-bit convolutions are compared once
+// more on the CNN's own layer shapes, with the path each pass took (Note [16-bit
+// convolutions on CUDA]). The CUDA-only checks after them (caching allocator,
+// pinned-block reuse, peer copies) are not op comparisons. Without a CUDA device the
+// binary exits 77, which Meson reports as SKIP.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include "cuda_test_main.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -22,6 +25,7 @@
 #include "backend/backend.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
+#include "dp/core/half.h"
 #include "op_cases.h"
 
 namespace {
@@ -131,6 +135,210 @@ TEST_CASE("TF32 policy: matmul is pure FP32 unless allowed, and TF32 when allowe
   CHECK(fp32 < 1e-5);
   CHECK(tf32 < 2e-2);
   CHECK(tf32 > 10 * fp32);  // the tensor cores really ran
+}
+
+// ---- 16-bit convolutions (Note [16-bit convolutions on CUDA], cuda_blas_dnn.cpp) --------------
+
+namespace {
+
+using dp::backend::Conv2dShape;
+using dp::backend::ConvPass;
+using dp::backend::DType;
+using dp::backend::Op;
+
+Conv2dShape conv_shape(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 stride, i64 pad) {
+  Conv2dShape s;
+  s.N = N, s.C = C, s.H = H, s.W = W, s.K = K, s.R = R, s.S = R;
+  s.stride_h = s.stride_w = stride;
+  s.pad_h = s.pad_w = pad;
+  s.P = (H + 2 * pad - R) / stride + 1;
+  s.Q = (W + 2 * pad - R) / stride + 1;
+  return s;
+}
+
+/// The bits of v rounded to the 16-bit dtype dt, and the values bits of dt stand for.
+std::vector<std::uint16_t> to16(DType dt, const std::vector<float>& v) {
+  std::vector<std::uint16_t> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i)
+    b[i] = dt == DType::BF16 ? dp::BFloat16(v[i]).bits : dp::Float16(v[i]).bits;
+  return b;
+}
+std::vector<float> from16(DType dt, const std::vector<std::uint16_t>& b) {
+  std::vector<float> v(b.size());
+  for (std::size_t i = 0; i < b.size(); ++i)
+    v[i] = dt == DType::BF16 ? static_cast<float>(dp::BFloat16::from_bits(b[i]))
+                             : static_cast<float>(dp::Float16::from_bits(b[i]));
+  return v;
+}
+
+std::vector<float> uniform(std::size_t n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+struct Conv16Inputs {
+  std::vector<std::uint16_t> x, w, b, gy;
+};
+/// The values of every output of the three passes: y without and with its ReLU, gx, gw, gbias.
+struct Conv16Outputs {
+  std::vector<float> y, y_relu, gx, gw, gb;
+};
+
+/// The passes of `s` on g's device in the 16-bit dtype dt: its kernels for dt, or where
+/// it has none (float16 on the CPU) what nn then runs — the operands widened, the
+/// float32 passes, the outputs rounded once.
+Conv16Outputs conv16(Side& g, DType dt, const Conv2dShape& s, const Conv16Inputs& in) {
+  const auto nx = static_cast<std::size_t>(s.N * s.C * s.H * s.W), nw = static_cast<std::size_t>(s.K * s.C * s.R * s.S),
+             ny = static_cast<std::size_t>(s.N * s.K * s.P * s.Q), nb = static_cast<std::size_t>(s.K);
+  const bool native = g.b.supports(Op::Conv2d, dt);
+  const DType kt = native ? dt : DType::F32;
+  auto up = [&](const std::vector<std::uint16_t>& v) { return native ? g.up(v) : g.up(from16(dt, v)); };
+  auto zeros = [&](std::size_t n) { return native ? g.zeros<std::uint16_t>(n) : g.zeros<float>(n); };
+  auto down = [&](const Buf& buf, std::size_t n) {
+    return native ? from16(dt, g.down<std::uint16_t>(buf, n)) : from16(dt, to16(dt, g.down<float>(buf, n)));
+  };
+  auto x = up(in.x), w = up(in.w), b = up(in.b), gy = up(in.gy);
+  auto y = zeros(ny), yr = zeros(ny), gx = zeros(nx), gw = zeros(nw), gb = zeros(nb);
+  g.b.run<Op::Conv2d>(g.d, kt, {s, x->p, w->p, b->p, y->p, false});
+  g.b.run<Op::Conv2d>(g.d, kt, {s, x->p, w->p, b->p, yr->p, true});
+  g.b.run<Op::Conv2dBackwardData>(g.d, kt, {s, gy->p, w->p, gx->p});
+  g.b.run<Op::Conv2dBackwardWeight>(g.d, kt, {s, x->p, gy->p, gw->p, gb->p});
+  return {down(*y, ny), down(*yr, ny), down(*gx, nx), down(*gw, nw), down(*gb, nb)};
+}
+
+/// Checks |got - want| <= ulp * |want| + tau * rms(want) elementwise; reports the first
+/// element outside and how many.
+void check_close16(const char* what, const std::vector<float>& got, const std::vector<float>& want, double ulp,
+                   double tau) {
+  REQUIRE(got.size() == want.size());
+  double sq = 0;
+  for (float v : want) sq += double(v) * v;
+  const double atol = tau * std::sqrt(sq / static_cast<double>(std::max<std::size_t>(want.size(), 1)));
+  std::size_t bad = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (std::abs(double(got[i]) - want[i]) <= ulp * std::abs(double(want[i])) + atol) continue;
+    if (bad++ == 0) first = i;
+  }
+  INFO(what, ": ", bad, " of ", got.size(), " elements out of tolerance (", ulp, " |want| + ", atol, "); first at ",
+       first, ": got ", bad ? got[first] : 0.0f, ", want ", bad ? want[first] : 0.0f);
+  CHECK(bad == 0);
+}
+
+const char* path_name(ConvPass::Path p) {
+  switch (p) {
+    case ConvPass::Path::Unknown: return "unknown";
+    case ConvPass::Path::Native: return "native";
+    case ConvPass::Path::Widened: return "widened";
+  }
+  return "?";
+}
+
+}  // namespace
+
+// Each pass on cuda:0 against the CPU on the same 16-bit inputs: the CPU backend's
+// bfloat16 kernels (Note [bf16 convolutions through oneDNN]), and for float16, which the
+// CPU convolves by widening, the float32 passes rounded once. The tolerance:
+//  - Both sides form float32 sums and round each output once (cuDNN's pseudo-16-bit
+//    configurations; oneDNN, or the widened float32 pass), so two roundings of nearly
+//    equal sums may land one unit in the last place apart: ulp · |want|, ulp = 2^-7
+//    for bfloat16 and 2^-10 for float16 (one unit is at most that, relative).
+//  - The float32 sums themselves differ by their rounding errors, which scale with the
+//    partial sums, i.e. with the size of the outputs (rms(want)), not with the element
+//    (an output near 0 is a cancellation of large partial sums). Summed in order with
+//    round-to-nearest they stay near 2^-24 · sqrt(terms) · rms: below 3e-5 rms for the
+//    largest sum here, the first layer's weight gradient of 256 · 28 · 28 = 200704
+//    terms. Tensor cores may round their float32 accumulations toward zero, a bias that
+//    adds up over the accumulation steps: about 2^-24.5 of each running sum, so for that
+//    sum, were it not split, 12544 steps of 16 products, one standard deviation of
+//    2^-24.5 · Σ of the running sums ≈ 12544 / sqrt(3) · 2^-24.5 · rms ≈ 3e-4 rms.
+//    tau = 2^-9 ≈ 2e-3 holds both with room.
+// A wrong result — a transposed layout, a lost bias, a missed term — is off by the size
+// of the outputs, hundreds of times that. The rounding points themselves (the bias
+// added before the one rounding) are the next case's, and the op table's with
+// per-element tolerances on smaller shapes.
+TEST_CASE("16-bit convolutions through cuDNN: the CNN's layers and a strided one against the CPU, each pass") {
+  Side g = cuda_side(), c{dp::backend::get(dp::cpu(0)), dp::cpu(0)};
+  const Conv2dShape shapes[] = {
+      conv_shape(256, 1, 28, 28, 32, 3, 1, 1),   // the Fashion-MNIST CNN's first layer, a batch of 256
+      conv_shape(256, 32, 14, 14, 64, 3, 1, 1),  // and its second
+      conv_shape(16, 12, 17, 15, 24, 3, 2, 1),   // stride 2, H != W, odd sizes
+  };
+  constexpr double tau = 0x1.0p-9;
+  for (DType dt : {DType::BF16, DType::F16}) {
+    const double ulp = dt == DType::BF16 ? 0x1.0p-7 : 0x1.0p-10;
+    for (const Conv2dShape& s : shapes) {
+      CAPTURE(dp::backend::dtype_name(dt));
+      CAPTURE(s.N);
+      CAPTURE(s.C);
+      CAPTURE(s.K);
+      CAPTURE(s.stride_h);
+      const auto seed = static_cast<unsigned>(s.C * 100 + s.K);
+      const Conv16Inputs in{to16(dt, uniform(static_cast<std::size_t>(s.N * s.C * s.H * s.W), seed)),
+                            to16(dt, uniform(static_cast<std::size_t>(s.K * s.C * s.R * s.S), seed + 1)),
+                            to16(dt, uniform(static_cast<std::size_t>(s.K), seed + 2)),
+                            to16(dt, uniform(static_cast<std::size_t>(s.N * s.K * s.P * s.Q), seed + 3))};
+      const Conv16Outputs want = conv16(c, dt, s, in), got = conv16(g, dt, s, in), again = conv16(g, dt, s, in);
+      check_close16("forward", got.y, want.y, ulp, tau);
+      check_close16("forward + ReLU", got.y_relu, want.y_relu, ulp, tau);
+      check_close16("backward data", got.gx, want.gx, ulp, tau);
+      check_close16("backward weight", got.gw, want.gw, ulp, tau);
+      check_close16("bias gradient", got.gb, want.gb, ulp, tau);
+      // Deterministic algorithms only (Note [cuDNN algorithm choice]): the same bits again.
+      CHECK(got.y == again.y);
+      CHECK(got.y_relu == again.y_relu);
+      CHECK(got.gx == again.gx);
+      CHECK(got.gw == again.gw);
+      CHECK(got.gb == again.gb);
+      // Each pass ran through a 16-bit cuDNN algorithm or widened, and says which.
+      const std::array<ConvPass, 3> passes = g.b.conv_passes(g.d, s, dt);
+      const char* names[] = {"forward", "backward data", "backward weight"};
+      for (int i = 0; i < 3; ++i) {
+        MESSAGE(dp::backend::dtype_name(dt), " N=", s.N, " C=", s.C, " K=", s.K, " stride ", s.stride_h, ", ",
+                names[i], ": ", path_name(passes[i].path), " (", passes[i].detail, ")");
+        CHECK(passes[i].path != ConvPass::Path::Unknown);
+      }
+      // cuDNN's forward algorithms are all deterministic and take both 16-bit types: the
+      // 32-channel layer must not have widened.
+      if (s.C == 32) CHECK(passes[0].path == ConvPass::Path::Native);
+    }
+  }
+}
+
+// Note [16-bit convolutions on CUDA]: the bias joins the float32 sums before the one
+// rounding, as oneDNN adds it (Note [bf16 convolutions through oneDNN]). Every output
+// here sums to 1 + 2^-12 before a bias of -1: one rounding gives 2^-12 exactly in both
+// 16-bit types; rounding the sum first gives 1 (2^-12 is below half a unit at 1 in
+// either), and then 0.
+TEST_CASE("a 16-bit convolution adds its bias before its one rounding") {
+  Side g = cuda_side();
+  const Conv2dShape s = conv_shape(2, 8, 6, 6, 8, 3, 1, 1);
+  const auto nx = static_cast<std::size_t>(s.N * s.C * s.H * s.W), ny = static_cast<std::size_t>(s.N * s.K * s.P * s.Q);
+  std::vector<float> x(nx, 0.0f), w(static_cast<std::size_t>(s.K * s.C * s.R * s.S), 0.0f);
+  for (i64 n = 0; n < s.N; ++n)
+    for (i64 i = 0; i < s.H * s.W; ++i) {
+      x[static_cast<std::size_t>((n * s.C + 0) * s.H * s.W + i)] = 1.0f;
+      x[static_cast<std::size_t>((n * s.C + 1) * s.H * s.W + i)] = 0x1.0p-12f;
+    }
+  for (i64 k = 0; k < s.K; ++k)  // the centre tap of input channels 0 and 1
+    for (i64 ch = 0; ch < 2; ++ch) w[static_cast<std::size_t>(((k * s.C + ch) * s.R + 1) * s.S + 1)] = 1.0f;
+  const std::vector<float> b(static_cast<std::size_t>(s.K), -1.0f);
+  for (DType dt : {DType::BF16, DType::F16}) {
+    CAPTURE(dp::backend::dtype_name(dt));
+    for (bool relu : {false, true}) {
+      CAPTURE(relu);
+      auto X = g.up(to16(dt, x)), W = g.up(to16(dt, w)), B = g.up(to16(dt, b));
+      auto Y = g.zeros<std::uint16_t>(ny);
+      g.b.run<Op::Conv2d>(g.d, dt, {s, X->p, W->p, B->p, Y->p, relu});
+      const std::vector<float> y = from16(dt, g.down<std::uint16_t>(*Y, ny));
+      CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 0x1.0p-12f; }));
+    }
+    const ConvPass fwd = g.b.conv_passes(g.d, s, dt)[0];
+    if (fwd.path != ConvPass::Path::Native)
+      MESSAGE(dp::backend::dtype_name(dt), ": the forward widened (", fwd.detail, "), so cuDNN's blend went untested");
+  }
 }
 
 TEST_CASE("caching allocator reuses blocks and does not grow in a loop") {

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
+#include <array>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -196,6 +197,9 @@ class CudaBackend final : public Backend {
   /// The fused attention kernels' limits: head dims up to 128, the GPU's shared memory
   /// (Note [Fused attention on CUDA], cuda_attention.cu).
   std::string attention_shape_misfit(Device dev, const AttentionShape& s) const override;
+  /// The cuDNN algorithm each pass of the convolution chose, or the widening of Note
+  /// [16-bit convolutions on CUDA] (cuda_blas_dnn.cpp).
+  std::array<ConvPass, 3> conv_passes(Device dev, const Conv2dShape& s, DType dt) override;
 
   // The float32 kernels of these ops (Note [The op list] in ops.h) are these members,
   // registered through method_kernels.h.

@@ -21,11 +21,14 @@
 // built at its first use and cached per device. Algorithms come from the cudnnGet*_v7
 // heuristics (no benchmarking, so no host sync and no extra cudaMalloc even on the
 // first step), taking the first that succeeds, is DETERMINISTIC (DP promises bitwise
-// reproducible gradients), uses the math the TF32 policy allows (Note [TF32 policy]
-// in dp/core/device.h: with TF32 off, CUDNN_FMA_MATH only — CUDNN_DEFAULT_MATH lets
-// Ampere use TF32 — and no fallback: a clear error instead) and needs at most
-// kMaxWorkspace. Plans are cached per (device, shape, policy). The workspace comes from the
-// caching allocator on the current stream and is released right after the enqueue.
+// reproducible gradients), uses the math the plan's dtype and the TF32 policy allow
+// (Note [TF32 policy] in dp/core/device.h: a float32 plan with TF32 off takes
+// CUDNN_FMA_MATH only — CUDNN_DEFAULT_MATH lets Ampere use TF32 — and has no fallback:
+// a clear error instead; a 16-bit plan: Note [16-bit convolutions on CUDA]) and needs
+// at most kMaxWorkspace. Plans are cached per (device, shape, dtype, policy), and each
+// direction's choice with its plan, also a choice that found nothing. The workspace
+// comes from the caching allocator on the current stream and is released right after
+// the enqueue.
 // With dp::set_cudnn_benchmark(true) (Note [cuDNN benchmark], dp/core/device.h) the
 // candidates come from cudnnFind*AlgorithmEx instead, timed on the call's own tensors
 // (it writes only the output, which the call then overwrites), sorted fastest first,
@@ -34,12 +37,53 @@
 // able to enqueue its part of a collective that this device's stream waits for. A
 // plan's fields need no lock of their own: the device's cuDNN handle lease, held for
 // the whole call, serialises every use of that device's plans.
+//
+// Note [16-bit convolutions on CUDA]
+// A bfloat16 or float16 convolution (the CNN under autocast) runs in its own dtype:
+// x, w and y descriptors of CUDNN_DATA_BFLOAT16 / CUDNN_DATA_HALF and a convolution
+// descriptor computing in CUDNN_DATA_FLOAT — cuDNN's PSEUDO_BFLOAT16_CONFIG and
+// PSEUDO_HALF_CONFIG: products and sums in float32, alpha and beta float, each output
+// rounded once — which is Note [bf16 convolutions through oneDNN] up to the order of
+// the sums. The legacy API has no configuration with 16-bit inputs and a float32
+// output, so the output cuDNN writes is already rounded; what happens around it keeps
+// the CPU's rounding points:
+//  - Forward: oneDNN adds the bias inside its primitive and rounds once. Adding it to
+//    cuDNN's rounded output would round twice, and where the bias cancels most of the
+//    sum the first rounding's error (half a unit of the sum, not of the output) would
+//    show far outside the op table's one unit. So y is first filled with the bias of
+//    its channel (cuda_kernels::channel_fill, the bits as they are) and cuDNN blends
+//    with beta = 1: y = 1 · conv(x, w) + 1 · y, formed from its float32 sums and
+//    rounded once. The ReLU follows as Unary<Relu> on the rounded output (it commutes
+//    with the rounding, Note [Convolution + ReLU]).
+//  - Backward data: cuDNN's gx, rounded once.
+//  - Backward weight: cuDNN's gw, rounded once; the bias gradient is dp's channel sums
+//    over the 16-bit gy, widened as loaded, summed in float32, rounded once (Note
+//    [Convolution bias gradient] in cuda_nn.cu).
+// The TF32 policy does not apply (no float32 operand is rounded): a 16-bit plan asks
+// for CUDNN_TENSOR_OP_MATH (tensor cores wherever the GPU has them; CUDNN_DEFAULT_MATH
+// permits them from Ampere on only) and takes any math but
+// CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; the determinism and workspace rules are
+// float32's. Where they leave no algorithm for a shape and direction, that call does
+// not fail: it widens — the 16-bit operands cast to float32 blocks (exact), the float32
+// pass on its own plan, the outputs rounded once: what nn's widening path computed
+// before 16-bit kernels existed, at float32's speed. The TF32 policy applies to that
+// pass and costs nothing there: a widened bfloat16 or float16 value is exact in TF32
+// (10 mantissa bits). choose_algo says whether it found an algorithm and the plan keeps
+// the answer, so the search runs once per shape and direction and no error is thrown
+// to be caught; Backend::conv_passes tells which path each pass took.
+// A Conv2d call with a pool runs the convolution (with its ReLU) into a 16-bit block,
+// then the float32 max-pool of its widened values into y, rounded (exact: a maximum is
+// one of its inputs, Note [16-bit max-pool] in cpu_nn.cpp): the CUDA backend has no
+// 16-bit max-pool kernels, and these are the bits of conv2d_relu followed by
+// max_pool2d, which is what nn runs on CUDA for a 16-bit chain.
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -71,17 +115,32 @@ ConvKey key_of(const Conv2dShape& s) {
   return {s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q};
 }
 
-/// One direction's chosen algorithm, its math type and its workspace.
+/// cuDNN's element type of a floating dtype (Note [16-bit convolutions on CUDA]).
+cudnnDataType_t cudnn_type(DType dt) {
+  switch (dt) {
+    case DType::F32: return CUDNN_DATA_FLOAT;
+    case DType::BF16: return CUDNN_DATA_BFLOAT16;
+    case DType::F16: return CUDNN_DATA_HALF;
+    default: break;
+  }
+  DP_FAIL("conv2d: cuDNN convolutions take float32, bfloat16 or float16, got ", dtype_name(dt));
+}
+
+/// One direction's choice: whether it has been made, and whether it found an algorithm
+/// (a 16-bit plan widens where it did not, Note [16-bit convolutions on CUDA]); the
+/// algorithm, its math type and its workspace.
 template <typename Algo>
 struct ConvChoice {
   bool chosen = false;
+  bool found = false;
   Algo algo{};
   cudnnMathType_t math{};
   std::size_t ws = 0;
 };
 
-/// Descriptors and chosen algorithms of one convolution shape on one device.
+/// Descriptors and chosen algorithms of one convolution shape and dtype on one device.
 struct ConvPlan {
+  DType dtype = DType::F32;  // of x, w and y; the sums are float32's whatever it is
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
@@ -160,16 +219,18 @@ struct ConvDirection<cudnnConvolutionBwdFilterAlgoPerf_t> {
   }
 };
 
-/// The first usable heuristic result (Note [cuDNN algorithm choice]).
+/// Whether a heuristic or benchmark result may run in a plan of dtype `dt` (Notes [cuDNN
+/// algorithm choice], [16-bit convolutions on CUDA]).
 template <typename Perf>
-const Perf* pick(const Perf* perf, int count, bool allow_tf32, const char* direction,
-                 const Conv2dShape& s) {
-  for (int i = 0; i < count; ++i) {
-    const Perf& p = perf[i];
-    if (p.status != CUDNN_STATUS_SUCCESS || p.memory > kMaxWorkspace) continue;
-    if (p.determinism != CUDNN_DETERMINISTIC) continue;
-    if (allow_tf32 || p.mathType == CUDNN_FMA_MATH) return &p;
-  }
+bool usable(const Perf& p, DType dt, bool allow_tf32) {
+  if (p.status != CUDNN_STATUS_SUCCESS || p.memory > kMaxWorkspace) return false;
+  if (p.determinism != CUDNN_DETERMINISTIC) return false;
+  if (dt != DType::F32) return p.mathType != CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
+  return allow_tf32 || p.mathType == CUDNN_FMA_MATH;
+}
+
+/// The error of a float32 direction with no usable algorithm.
+[[noreturn]] void no_float32_algorithm(const char* direction, const Conv2dShape& s, bool allow_tf32) {
   DP_FAIL("conv2d ", direction, ": cuDNN offers no deterministic ", allow_tf32 ? "" : "pure-FP32 ",
           "algorithm within ", kMaxWorkspace >> 20, " MiB of workspace for N=", s.N, " C=", s.C,
           " H=", s.H, " W=", s.W, " K=", s.K, " R=", s.R, " S=", s.S,
@@ -192,54 +253,73 @@ bool check_gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std:
   return true;
 }
 
-cudnnMathType_t requested_math(bool allow_tf32) { return allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH; }
+/// The math type a plan asks the heuristics for: a float32 plan's from the TF32 policy,
+/// a 16-bit plan's tensor cores (Note [16-bit convolutions on CUDA]).
+cudnnMathType_t requested_math(DType dt, bool allow_tf32) {
+  if (dt != DType::F32) return CUDNN_TENSOR_OP_MATH;
+  return allow_tf32 ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH;
+}
 
 class ConvPlanCache {
  public:
-  /// The plan of `s` on `device`, with descriptors made; algorithms are chosen per
-  /// direction by the callers below on first use. Holds no lock after return: plans
-  /// are never erased, and each direction is filled once under mu_.
-  ConvPlan& get(int device, const Conv2dShape& s, bool allow_tf32, bool benchmark) {
+  /// The plan of `s` in dtype `dt` on `device`, with descriptors made; algorithms are
+  /// chosen per direction by the callers below on first use. Holds no lock after
+  /// return: plans are never erased, and each direction is filled once under mu_.
+  /// `allow_tf32` is ignored for a 16-bit dtype.
+  ConvPlan& get(int device, const Conv2dShape& s, DType dt, bool allow_tf32, bool benchmark) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto& slot = plans_[{device, key_of(s), allow_tf32, benchmark}];
-    if (!slot) slot = make_plan(s, allow_tf32);
+    auto& slot = plans_[key(device, s, dt, allow_tf32, benchmark)];
+    if (!slot) slot = make_plan(s, dt, allow_tf32);
     return *slot;
+  }
+  /// The plan get() would return, or null when no call has made it yet.
+  ConvPlan* find(int device, const Conv2dShape& s, DType dt, bool allow_tf32, bool benchmark) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = plans_.find(key(device, s, dt, allow_tf32, benchmark));
+    return it == plans_.end() ? nullptr : it->second.get();
   }
 
  private:
-  static std::unique_ptr<ConvPlan> make_plan(const Conv2dShape& s, bool allow_tf32) {
+  using Key = std::tuple<int, ConvKey, DType, bool, bool>;
+  static Key key(int device, const Conv2dShape& s, DType dt, bool allow_tf32, bool benchmark) {
+    return {device, key_of(s), dt, dt == DType::F32 && allow_tf32, benchmark};
+  }
+
+  static std::unique_ptr<ConvPlan> make_plan(const Conv2dShape& s, DType dt, bool allow_tf32) {
     DP_CHECK(s.N > 0 && s.C > 0 && s.H > 0 && s.W > 0 && s.K > 0 && s.R > 0 && s.S > 0 &&
                  s.stride_h > 0 && s.stride_w > 0 && s.pad_h >= 0 && s.pad_w >= 0,
              "conv2d: expected positive sizes and strides, non-negative padding; got N=", s.N,
              " C=", s.C, " H=", s.H, " W=", s.W, " K=", s.K, " R=", s.R, " S=", s.S);
+    const cudnnDataType_t type = cudnn_type(dt);
     auto p = std::make_unique<ConvPlan>();
+    p->dtype = dt;
     DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->x));
     DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
     DP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
     DP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p->conv));
-    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT,
+    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, type,
                                               to_int(s.N, "N"), to_int(s.C, "C"),
                                               to_int(s.H, "H"), to_int(s.W, "W")));
-    DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW,
+    DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, type, CUDNN_TENSOR_NCHW,
                                               to_int(s.K, "K"), to_int(s.C, "C"),
                                               to_int(s.R, "R"), to_int(s.S, "S")));
+    // Sums in float32 for every dtype (Note [16-bit convolutions on CUDA]).
     DP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(
         p->conv, to_int(s.pad_h, "pad_h"), to_int(s.pad_w, "pad_w"),
         to_int(s.stride_h, "stride_h"), to_int(s.stride_w, "stride_w"), 1, 1,
         CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv, requested_math(allow_tf32)));
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv, requested_math(dt, allow_tf32)));
     int n = 0, k = 0, h = 0, w = 0;
     DP_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(p->conv, p->x, p->w, &n, &k, &h, &w));
     DP_CHECK(n == s.N && k == s.K && h == s.P && w == s.Q, "conv2d: output shape (", s.N, ", ",
              s.K, ", ", s.P, ", ", s.Q, ") does not match the geometry, which gives (", n, ", ",
              k, ", ", h, ", ", w, ")");
-    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, n, k,
-                                              h, w));
+    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, type, n, k, h, w));
     return p;
   }
 
   std::mutex mu_;
-  std::map<std::tuple<int, ConvKey, bool, bool>, std::unique_ptr<ConvPlan>> plans_;
+  std::map<Key, std::unique_ptr<ConvPlan>> plans_;
 };
 
 ConvPlanCache& plan_cache() {
@@ -256,18 +336,19 @@ std::size_t find_workspace_bytes() {
 }
 
 /// Chooses the algorithm of direction Perf for plan `p` on first use (Note [cuDNN
-/// algorithm choice]) and sets the plan's math type to the chosen one's. `h` is the
-/// device's cuDNN handle, held by the caller for the whole call; a, b, out are the
-/// call's own tensors (ConvDirection's order), which a benchmark search may write.
+/// algorithm choice]) and sets the plan's math type to the chosen one's; true when
+/// there is one, false when no result may run (the plan remembers either answer). `h`
+/// is the device's cuDNN handle, held by the caller for the whole call; a, b, out are
+/// the call's own tensors (ConvDirection's order), which a benchmark search may write.
 template <typename Perf>
-void choose_algo(CudaBackend& be, int device, cudnnHandle_t h, ConvPlan& p, const Conv2dShape& s, bool tf32,
-                 bool benchmark, const void* a, const void* b, void* out) {
+bool choose_algo(CudaBackend& be, int device, cudnnHandle_t h, ConvPlan& p, bool tf32, bool benchmark,
+                 const void* a, const void* b, void* out) {
   using Dir = ConvDirection<Perf>;
   auto& c = Dir::choice(p);
   if (!c.chosen) {
     Perf perf[kMaxAlgos];
     int count = 0;
-    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(tf32)));
+    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, requested_math(p.dtype, tf32)));
     if (benchmark) {
       const std::size_t bytes = find_workspace_bytes();
       CudaBackend::Scratch ws(be, device, bytes);
@@ -275,14 +356,48 @@ void choose_algo(CudaBackend& be, int device, cudnnHandle_t h, ConvPlan& p, cons
     } else {
       Dir::heuristics(h, p, &count, perf);
     }
-    const Perf* best = pick(perf, count, tf32, Dir::kName, s);
-    c.algo = best->algo;
-    c.math = best->mathType;
-    DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, c.math));
-    Dir::workspace(h, p, c.algo, &c.ws);
+    for (int i = 0; i < count && !c.found; ++i) {
+      if (!usable(perf[i], p.dtype, tf32)) continue;
+      c.algo = perf[i].algo;
+      c.math = perf[i].mathType;
+      DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, c.math));
+      Dir::workspace(h, p, c.algo, &c.ws);
+      c.found = true;
+    }
     c.chosen = true;
   }
-  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, c.math));
+  if (c.found) DP_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, c.math));
+  return c.found;
+}
+
+/// choose_algo for a float32 plan, which has no fallback: a clear error instead.
+template <typename Perf>
+void require_algo(CudaBackend& be, int device, cudnnHandle_t h, ConvPlan& p, const Conv2dShape& s, bool tf32,
+                  bool benchmark, const void* a, const void* b, void* out) {
+  if (!choose_algo<Perf>(be, device, h, p, tf32, benchmark, a, b, out))
+    no_float32_algorithm(ConvDirection<Perf>::kName, s, tf32);
+}
+
+const char* math_name(cudnnMathType_t m) {
+  switch (m) {
+    case CUDNN_DEFAULT_MATH: return "default";
+    case CUDNN_TENSOR_OP_MATH: return "tensor-op";
+    case CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION: return "tensor-op with down-conversion";
+    case CUDNN_FMA_MATH: return "FMA";
+  }
+  return "unknown";
+}
+
+/// What Backend::conv_passes says of one direction of a plan of dtype `dt`.
+template <typename Algo>
+ConvPass describe(const ConvChoice<Algo>& c, DType dt) {
+  if (!c.chosen) return {};
+  if (c.found)
+    return {ConvPass::Path::Native, detail::str_cat("cuDNN ", dtype_name(dt), " algorithm ", static_cast<int>(c.algo),
+                                                    ", ", math_name(c.math), " math, ", c.ws, " bytes of workspace")};
+  if (dt == DType::F32) return {ConvPass::Path::Unknown, "no float32 algorithm: the call fails"};
+  return {ConvPass::Path::Widened, detail::str_cat("widened to float32: cuDNN offers no deterministic ", dtype_name(dt),
+                                                   " algorithm within ", kMaxWorkspace >> 20, " MiB of workspace")};
 }
 
 }  // namespace
@@ -317,36 +432,6 @@ void CudaBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
        static_cast<const float*>(a.b), a.ldb, a.beta, static_cast<float*>(a.c), a.ldc);
 }
 
-namespace cuda_kernels {
-namespace {
-
-/// The Gemm op of a 16-bit dtype (Note [16-bit GEMMs on CUDA]).
-template <DType dt>
-void gemm_16bit(CudaBackend& be, Device dev, const GemmArgs& a) {
-  static_assert(dt == DType::BF16 || dt == DType::F16, "gemm_16bit: a 16-bit dtype");
-  constexpr cudaDataType_t type = dt == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
-  DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dt),
-           " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
-  be.bind(dev);
-  if (!check_gemm(a.trans_a, a.trans_b, a.m, a.n, a.k, a.lda, a.ldb, a.ldc)) return;
-  auto h = be.cublas(dev.index);
-  DP_CUBLAS_CHECK(cublasSetMathMode(
-      h.get(), static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
-  // Note [Row-major GEMM on cuBLAS]. k == 0 gives C = beta * C, as in BLAS.
-  DP_CUBLAS_CHECK(cublasGemmEx_64(h.get(), a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                  a.n, a.m, a.k, &a.alpha, a.b, type, a.ldb, a.a, type, a.lda, &a.beta, a.c, type,
-                                  a.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-}
-
-}  // namespace
-
-void register_blas_kernels(CudaBackend& be) {
-  add<Op::Gemm, &gemm_16bit<DType::BF16>>(be, DType::BF16);
-  add<Op::Gemm, &gemm_16bit<DType::F16>>(be, DType::F16);
-}
-
-}  // namespace cuda_kernels
-
 // ---- convolution -------------------------------------------------------------------------------
 
 void CudaBackend::conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
@@ -366,9 +451,9 @@ void CudaBackend::conv_forward(Device dev, const Conv2dShape& s, const float* x,
                                const float* bias, float* y, bool relu) {
   cudaStream_t compute = bind(dev);
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
-  ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
+  ConvPlan& p = plan_cache().get(dev.index, s, DType::F32, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  choose_algo<cudnnConvolutionFwdAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, w, y);
+  require_algo<cudnnConvolutionFwdAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, w, y);
   Scratch ws(*this, dev.index, p.fwd.ws);
   const float one = 1.0f, zero = 0.0f;
   DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, x, p.w, w, p.conv, p.fwd.algo, ws.get(),
@@ -380,9 +465,9 @@ void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const f
                                        const float* w, float* gx) {
   bind(dev);
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
-  ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
+  ConvPlan& p = plan_cache().get(dev.index, s, DType::F32, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  choose_algo<cudnnConvolutionBwdDataAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, w, gy, gx);
+  require_algo<cudnnConvolutionBwdDataAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, w, gy, gx);
   Scratch ws(*this, dev.index, p.bwd_data.ws);
   const float one = 1.0f, zero = 0.0f;
   DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, w, p.y, gy, p.conv, p.bwd_data.algo,
@@ -393,9 +478,9 @@ void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const
                                          const float* gy, float* gw, float* gbias) {
   cudaStream_t compute = bind(dev);
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
-  ConvPlan& p = plan_cache().get(dev.index, s, tf32, benchmark);
+  ConvPlan& p = plan_cache().get(dev.index, s, DType::F32, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  choose_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, gy, gw);
+  require_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, gy, gw);
   Scratch ws(*this, dev.index, p.bwd_filter.ws);
   const float one = 1.0f, zero = 0.0f;
   DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h.get(), &one, p.x, x, p.y, gy, p.conv,
@@ -405,8 +490,224 @@ void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const
     const std::int64_t HW = s.P * s.Q;
     Scratch parts(*this, dev.index,
                   static_cast<std::size_t>(cuda_kernels::channel_sums_scratch(s.N, s.K, HW)) * sizeof(float));
-    cuda_kernels::channel_sums(compute, s.N, s.K, HW, gy, gbias, static_cast<float*>(parts.get()));
+    cuda_kernels::channel_sums(compute, s.N, s.K, HW, gy, gbias, static_cast<float*>(parts.get()), DType::F32);
   }
 }
+
+std::array<ConvPass, 3> CudaBackend::conv_passes(Device dev, const Conv2dShape& s, DType dt) {
+  bind(dev);
+  ConvPlan* p = plan_cache().find(dev.index, s, dt, allow_tf32_conv(), cudnn_benchmark());
+  if (p == nullptr) return {};
+  auto h = cudnn(dev.index);  // the choices are written under this lease
+  return {describe(p->fwd, dt), describe(p->bwd_data, dt), describe(p->bwd_filter, dt)};
+}
+
+// ---- the 16-bit GEMMs and convolutions: kernel table entries ----------------------------------
+
+namespace cuda_kernels {
+namespace {
+
+using i64 = std::int64_t;
+
+/// The Gemm op of a 16-bit dtype (Note [16-bit GEMMs on CUDA]).
+template <DType dt>
+void gemm_16bit(CudaBackend& be, Device dev, const GemmArgs& a) {
+  static_assert(dt == DType::BF16 || dt == DType::F16, "gemm_16bit: a 16-bit dtype");
+  constexpr cudaDataType_t type = dt == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
+  DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dt),
+           " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  be.bind(dev);
+  if (!check_gemm(a.trans_a, a.trans_b, a.m, a.n, a.k, a.lda, a.ldb, a.ldc)) return;
+  auto h = be.cublas(dev.index);
+  DP_CUBLAS_CHECK(cublasSetMathMode(
+      h.get(), static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  // Note [Row-major GEMM on cuBLAS]. k == 0 gives C = beta * C, as in BLAS.
+  DP_CUBLAS_CHECK(cublasGemmEx_64(h.get(), a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                  a.n, a.m, a.k, &a.alpha, a.b, type, a.ldb, a.a, type, a.lda, &a.beta, a.c, type,
+                                  a.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// The 16-bit convolutions (Note [16-bit convolutions on CUDA]).
+
+i64 input_numel(const Conv2dShape& s) { return s.N * s.C * s.H * s.W; }
+i64 weight_numel(const Conv2dShape& s) { return s.K * s.C * s.R * s.S; }
+i64 output_numel(const Conv2dShape& s) { return s.N * s.K * s.P * s.Q; }
+
+/// A block of n float32s (at least one) on `dev` for the duration of one call.
+CudaBackend::Scratch float_block(CudaBackend& be, Device dev, i64 n) {
+  return CudaBackend::Scratch(be, dev.index, static_cast<std::size_t>(std::max<i64>(n, 1)) * sizeof(float));
+}
+float* f32(const CudaBackend::Scratch& block) { return static_cast<float*>(block.get()); }
+
+/// n values of dtype `dt` widened into the float32 block `to` (exact).
+void widen(CudaBackend& be, Device dev, DType dt, const void* from, float* to, i64 n) {
+  be.run<Op::Cast>(dev, DType::F32, {from, dt, to, n});
+}
+/// n float32s rounded once into `to`, of dtype `dt`.
+void round_to(CudaBackend& be, Device dev, DType dt, const float* from, void* to, i64 n) {
+  be.run<Op::Cast>(dev, dt, {from, DType::F32, to, n});
+}
+
+// The widened passes: operands cast to float32 blocks, the float32 pass on its own plan
+// with its own bias and ReLU, outputs rounded once.
+
+void forward_widened(CudaBackend& be, Device dev, DType dt, const Conv2dArgs& a) {
+  const Conv2dShape& s = a.s;
+  auto x = float_block(be, dev, input_numel(s)), w = float_block(be, dev, weight_numel(s));
+  auto b = float_block(be, dev, a.bias ? s.K : 0), y = float_block(be, dev, output_numel(s));
+  widen(be, dev, dt, a.x, f32(x), input_numel(s));
+  widen(be, dev, dt, a.w, f32(w), weight_numel(s));
+  if (a.bias) widen(be, dev, dt, a.bias, f32(b), s.K);
+  const float* bias = a.bias ? f32(b) : nullptr;
+  if (a.relu) {
+    be.conv2d_relu_forward(dev, s, f32(x), f32(w), bias, f32(y));
+  } else {
+    be.conv2d_forward(dev, s, f32(x), f32(w), bias, f32(y));
+  }
+  round_to(be, dev, dt, f32(y), a.y, output_numel(s));
+}
+
+void backward_data_widened(CudaBackend& be, Device dev, DType dt, const Conv2dBackwardDataArgs& a) {
+  const Conv2dShape& s = a.s;
+  auto gy = float_block(be, dev, output_numel(s)), w = float_block(be, dev, weight_numel(s));
+  auto gx = float_block(be, dev, input_numel(s));
+  widen(be, dev, dt, a.gy, f32(gy), output_numel(s));
+  widen(be, dev, dt, a.w, f32(w), weight_numel(s));
+  be.conv2d_backward_data(dev, s, f32(gy), f32(w), f32(gx));
+  round_to(be, dev, dt, f32(gx), a.gx, input_numel(s));
+}
+
+void backward_weight_widened(CudaBackend& be, Device dev, DType dt, const Conv2dBackwardWeightArgs& a) {
+  const Conv2dShape& s = a.s;
+  auto x = float_block(be, dev, input_numel(s)), gy = float_block(be, dev, output_numel(s));
+  auto gw = float_block(be, dev, weight_numel(s)), gb = float_block(be, dev, a.gbias ? s.K : 0);
+  widen(be, dev, dt, a.x, f32(x), input_numel(s));
+  widen(be, dev, dt, a.gy, f32(gy), output_numel(s));
+  be.conv2d_backward_weight(dev, s, f32(x), f32(gy), f32(gw), a.gbias ? f32(gb) : nullptr);
+  round_to(be, dev, dt, f32(gw), a.gw, weight_numel(s));
+  if (a.gbias) round_to(be, dev, dt, f32(gb), a.gbias, s.K);
+}
+
+/// A Conv2d call with a pool: the convolution and its ReLU into a 16-bit block, then the
+/// float32 max-pool of its widened values, rounded (exact).
+void forward_pooled(CudaBackend& be, Device dev, DType dt, const Conv2dArgs& a) {
+  const Conv2dShape& s = a.s;
+  const Pool2dShape& ps = a.pool.s;
+  const i64 ny = output_numel(s), np = ps.N * ps.C * ps.P * ps.Q;
+  CudaBackend::Scratch conv(be, dev.index, static_cast<std::size_t>(std::max<i64>(ny, 1)) * sizeof(std::uint16_t));
+  Conv2dArgs plain = a;
+  plain.y = conv.get();
+  plain.pool = ConvPool{};
+  be.run<Op::Conv2d>(dev, dt, plain);
+  auto conv_f = float_block(be, dev, ny), pooled = float_block(be, dev, np);
+  widen(be, dev, dt, conv.get(), f32(conv_f), ny);
+  be.run<Op::MaxPool2d>(dev, DType::F32, {ps, f32(conv_f), f32(pooled), a.pool.winners});
+  round_to(be, dev, dt, f32(pooled), a.y, np);
+}
+
+/// The Conv2d op of a 16-bit dtype.
+template <DType dt>
+void conv2d_16bit(CudaBackend& be, Device dev, const Conv2dArgs& a) {
+  if (a.pool.on) {
+    forward_pooled(be, dev, dt, a);
+    return;
+  }
+  const Conv2dShape& s = a.s;
+  if (s.N == 0) return;  // no output, as on the CPU
+  cudaStream_t stream = be.bind(dev);
+  const bool benchmark = cudnn_benchmark();
+  ConvPlan& p = plan_cache().get(dev.index, s, dt, false, benchmark);
+  bool native = false;
+  {
+    auto h = be.cudnn(dev.index);  // serialises the use of this device's plans
+    native = choose_algo<cudnnConvolutionFwdAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, a.x, a.w, a.y);
+    if (native) {
+      // The bias goes in before cuDNN's one rounding: y = conv + 1 · y. Filled after the
+      // choice, which may have written y.
+      if (a.bias) channel_fill(stream, s.N, s.K, s.P * s.Q, a.bias, a.y, dt);
+      CudaBackend::Scratch ws(be, dev.index, p.fwd.ws);
+      const float one = 1.0f, beta = a.bias ? 1.0f : 0.0f;
+      DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, a.x, p.w, a.w, p.conv, p.fwd.algo, ws.get(),
+                                             p.fwd.ws, &beta, p.y, a.y));
+    }
+  }
+  if (!native) {
+    forward_widened(be, dev, dt, a);  // the lease is given back: the float32 pass takes it
+    return;
+  }
+  if (a.relu) be.run<Op::Unary>(dev, dt, {UnaryOp::Relu, a.y, a.y, output_numel(s)});
+}
+
+/// The Conv2dBackwardData op of a 16-bit dtype.
+template <DType dt>
+void conv2d_backward_data_16bit(CudaBackend& be, Device dev, const Conv2dBackwardDataArgs& a) {
+  const Conv2dShape& s = a.s;
+  if (s.N == 0) return;
+  be.bind(dev);
+  const bool benchmark = cudnn_benchmark();
+  ConvPlan& p = plan_cache().get(dev.index, s, dt, false, benchmark);
+  {
+    auto h = be.cudnn(dev.index);  // serialises the use of this device's plans
+    if (choose_algo<cudnnConvolutionBwdDataAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, a.w, a.gy,
+                                                         a.gx)) {
+      CudaBackend::Scratch ws(be, dev.index, p.bwd_data.ws);
+      const float one = 1.0f, zero = 0.0f;
+      DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, a.w, p.y, a.gy, p.conv, p.bwd_data.algo,
+                                                  ws.get(), p.bwd_data.ws, &zero, p.x, a.gx));
+      return;
+    }
+  }
+  backward_data_widened(be, dev, dt, a);
+}
+
+/// The Conv2dBackwardWeight op of a 16-bit dtype.
+template <DType dt>
+void conv2d_backward_weight_16bit(CudaBackend& be, Device dev, const Conv2dBackwardWeightArgs& a) {
+  const Conv2dShape& s = a.s;
+  cudaStream_t stream = be.bind(dev);
+  if (s.N == 0) {  // sums over no image, as on the CPU
+    be.memset_zero(a.gw, dev, static_cast<std::size_t>(weight_numel(s)) * sizeof(std::uint16_t));
+    if (a.gbias) be.memset_zero(a.gbias, dev, static_cast<std::size_t>(s.K) * sizeof(std::uint16_t));
+    return;
+  }
+  const bool benchmark = cudnn_benchmark();
+  ConvPlan& p = plan_cache().get(dev.index, s, dt, false, benchmark);
+  bool native = false;
+  {
+    auto h = be.cudnn(dev.index);  // serialises the use of this device's plans
+    native = choose_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, a.x,
+                                                              a.gy, a.gw);
+    if (native) {
+      CudaBackend::Scratch ws(be, dev.index, p.bwd_filter.ws);
+      const float one = 1.0f, zero = 0.0f;
+      DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h.get(), &one, p.x, a.x, p.y, a.gy, p.conv, p.bwd_filter.algo,
+                                                    ws.get(), p.bwd_filter.ws, &zero, p.w, a.gw));
+    }
+  }
+  if (!native) {
+    backward_weight_widened(be, dev, dt, a);
+    return;
+  }
+  if (a.gbias) {  // Note [Convolution bias gradient], over the 16-bit gy
+    const i64 HW = s.P * s.Q;
+    auto parts = float_block(be, dev, channel_sums_scratch(s.N, s.K, HW));
+    channel_sums(stream, s.N, s.K, HW, a.gy, a.gbias, f32(parts), dt);
+  }
+}
+
+}  // namespace
+
+void register_blas_kernels(CudaBackend& be) {
+  add<Op::Gemm, &gemm_16bit<DType::BF16>>(be, DType::BF16);
+  add<Op::Gemm, &gemm_16bit<DType::F16>>(be, DType::F16);
+  add<Op::Conv2d, &conv2d_16bit<DType::BF16>>(be, DType::BF16);
+  add<Op::Conv2d, &conv2d_16bit<DType::F16>>(be, DType::F16);
+  add<Op::Conv2dBackwardData, &conv2d_backward_data_16bit<DType::BF16>>(be, DType::BF16);
+  add<Op::Conv2dBackwardData, &conv2d_backward_data_16bit<DType::F16>>(be, DType::F16);
+  add<Op::Conv2dBackwardWeight, &conv2d_backward_weight_16bit<DType::BF16>>(be, DType::BF16);
+  add<Op::Conv2dBackwardWeight, &conv2d_backward_weight_16bit<DType::F16>>(be, DType::F16);
+}
+
+}  // namespace cuda_kernels
 
 }  // namespace dp::backend

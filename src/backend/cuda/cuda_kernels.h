@@ -21,7 +21,7 @@ class CudaBackend;
 namespace dp::backend::cuda_kernels {
 
 /// Put the ops of cuda_elementwise.cu, cuda_reduce.cu, cuda_attention.cu and
-/// cuda_blas_dnn.cpp (the 16-bit GEMMs) in the backend's kernel table (Note [The op
+/// cuda_blas_dnn.cpp (the 16-bit GEMMs and convolutions) in the backend's kernel table (Note [The op
 /// list] in ops.h); CudaBackend's constructor calls them.
 void register_elementwise_kernels(CudaBackend& be);
 void register_reduce_kernels(CudaBackend& be);
@@ -145,10 +145,17 @@ void batchnorm_backward(cudaStream_t stream, std::int64_t N, std::int64_t C, std
                         float* ggamma, float* gbeta, float* scratch);
 std::int64_t batchnorm_backward_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
 /// out[c] = sum of x[n, c, k] over n < N, k < HW (x: (N, C, HW)): a convolution's bias
-/// gradient (Note [Convolution bias gradient]). `scratch`: channel_sums_scratch floats.
-void channel_sums(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW, const float* x,
-                  float* out, float* scratch);
+/// gradient (Note [Convolution bias gradient]). x and out hold `dtype` (float32, bfloat16
+/// or float16: 16-bit values widened, summed in float in float32's order, each sum rounded
+/// once). `scratch`: channel_sums_scratch floats.
+void channel_sums(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW, const void* x, void* out,
+                  float* scratch, DType dtype);
 std::int64_t channel_sums_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
+/// y[n, c, k] = bias[c] over y: (N, C, HW), both of `dtype` (float32, bfloat16 or
+/// float16; the bits as they are): a 16-bit convolution's bias, which cuDNN then adds to
+/// its sums before it rounds (Note [16-bit convolutions on CUDA], cuda_blas_dnn.cpp).
+void channel_fill(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW, const void* bias, void* y,
+                  DType dtype);
 /// y[n, c, k] = y[n, c, k] + bias[c], then relu when `relu` (bias may be null: the ReLU
 /// alone), in place over y: (N, C, HW) — a convolution's bias and ReLU in one pass
 /// (Note [Per-channel maps]).

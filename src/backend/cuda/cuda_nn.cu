@@ -11,8 +11,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_half.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/functors.h"
 #include "backend/kernel_plan.h"
@@ -318,13 +321,16 @@ __global__ void bn_stats_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ 
 // The split statistics (Note [Split reductions]): grid (S, C), block (s, c) takes
 // part s of channel c. Pass 1: sums of x. Pass 2: every block recomputes the mean from
 // the S partials (same order, same bits) and sums (x - mean)^2. Then bn_finalize.
-__global__ void bn_partial_sum_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x,
+// Over storage type T (float, or a 16-bit type widened as it is loaded: a convolution's
+// bias gradient, Note [Convolution bias gradient]); the sums are float's either way.
+template <typename T>
+__global__ void bn_partial_sum_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ x,
                                       float* __restrict__ part_sum) {
   __shared__ float smem[kWarp];
   const int S = static_cast<int>(gridDim.x), sp = static_cast<int>(blockIdx.x);
   const i64 c = blockIdx.y;
   const kernel_plan::Part pt = kernel_plan::part_of(N * HW, S, sp);
-  const float v = channel_part_sum([&](i64 i) { return x[i]; }, C, HW, c, pt.begin, pt.end, smem);
+  const float v = channel_part_sum([&](i64 i) { return load_acc(x[i]); }, C, HW, c, pt.begin, pt.end, smem);
   if (threadIdx.x == 0) part_sum[c * S + sp] = v;
 }
 
@@ -547,15 +553,46 @@ __global__ void bn_backward_finalize_kernel(i64 C, int S, const float* __restric
 // took longer for the CNN's conv1 gradient (256 x 32 x 28 x 28, 25.7 MB) than the
 // convolution's own three passes; this reads the gradient once, at about the memory's
 // speed (figures: docs/benchmarks/kernel-notes.md, "Convolution bias gradient").
-__global__ void channel_sum_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x, float* __restrict__ out) {
+// A 16-bit gradient is widened as it is loaded and each sum rounded once as it is
+// stored: the float32 sums of the widened values, in the same order, rounded.
+template <typename T>
+__global__ void channel_sum_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ x, T* __restrict__ out) {
   __shared__ float smem[kWarp];
   const i64 c = blockIdx.x;
-  const float v = channel_sum([&](i64 i) { return x[i]; }, N, C, HW, c, smem);
-  if (threadIdx.x == 0) out[c] = v;
+  const float v = channel_sum([&](i64 i) { return load_acc(x[i]); }, N, C, HW, c, smem);
+  if (threadIdx.x == 0) out[c] = store_acc<T>(v);
 }
 
-__global__ void channel_sum_finalize_kernel(i64 C, int S, const float* __restrict__ part, float* __restrict__ out) {
-  for (i64 c = global_thread(); c < C; c += grid_stride()) out[c] = sum_parts(part + c * S, S);
+template <typename T>
+__global__ void channel_sum_finalize_kernel(i64 C, int S, const float* __restrict__ part, T* __restrict__ out) {
+  for (i64 c = global_thread(); c < C; c += grid_stride()) out[c] = store_acc<T>(sum_parts(part + c * S, S));
+}
+
+// ---- kernels: per-channel fill (a 16-bit convolution's bias, Note [16-bit convolutions on CUDA]) ----
+
+/// y[n, c, k] = bias[c]: the bias's bits, whatever their type E. A thread writes one word
+/// W of sizeof(W) / sizeof(E) elements of one channel (Note [Per-channel maps]).
+template <typename E, typename W>
+__global__ void channel_fill_kernel(std::uint32_t items, ChannelIndex ix, const E* __restrict__ bias,
+                                    W* __restrict__ y) {
+  constexpr int V = sizeof(W) / sizeof(E);
+  const std::uint32_t stride = gridDim.x * blockDim.x;  // items + stride < 2^32: items < 2^31
+  for (std::uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < items; t += stride) {
+    E v[V];
+    const E b = bias[ix.channel(t)];
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = b;
+    W w;
+    memcpy(&w, v, sizeof(W));
+    y[t] = w;
+  }
+}
+
+/// channel_fill_kernel for tensors of 2^31 items or more: 64-bit indices, the channel by
+/// division.
+template <typename E>
+__global__ void channel_fill_wide_kernel(i64 total, i64 HW, i64 C, const E* __restrict__ bias, E* __restrict__ y) {
+  for (i64 i = global_thread(); i < total; i += grid_stride()) y[i] = bias[(i / HW) % C];
 }
 
 // ---- host helpers --------------------------------------------------------------------------
@@ -585,6 +622,14 @@ void check_bn(const char* op, i64 N, i64 C, i64 HW) {
            ", ", HW, ")");
   DP_CHECK(C <= 0x7fffffff, op, ": ", C, " channels exceed a grid");
 }
+
+void check_float_dtype(const char* op, DType dtype) {
+  DP_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, op,
+           ": expected float32, bfloat16 or float16 elements, got ", dtype_name(dtype));
+}
+
+/// Bytes of one element of a floating dtype.
+std::size_t float_bytes(DType dtype) { return dtype == DType::F32 ? sizeof(float) : sizeof(std::uint16_t); }
 
 void check_rows(const char* op, i64 rows, i64 cols) {
   DP_CHECK(rows >= 0 && cols > 0, op, ": expected rows >= 0 and cols > 0, got (", rows, ", ",
@@ -720,27 +765,71 @@ i64 channel_sums_scratch(i64 N, i64 C, i64 HW) {
   return S == 1 ? 0 : C * S;
 }
 
-void channel_sums(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* x, float* out, float* scratch) {
+void channel_sums(cudaStream_t stream, i64 N, i64 C, i64 HW, const void* x, void* out, float* scratch,
+                  DType dtype) {
   DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "channel_sums: expected (N, C, HW) >= 0, got (", N, ", ", C, ", ", HW, ")");
+  check_float_dtype("channel_sums", dtype);
   if (C == 0) return;
-  if (N == 0 || HW == 0) {  // sums over nothing
-    DP_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<std::size_t>(C) * sizeof(float), stream));
+  if (N == 0 || HW == 0) {  // sums over nothing: +0 in every floating dtype
+    DP_CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<std::size_t>(C) * float_bytes(dtype), stream));
     return;
   }
   check_bn("channel_sums", N, C, HW);
   const int S = kernel_plan::bn_splits(N, C, HW);
-  if (S == 1) {
-    channel_sum_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(N, C, HW, x, out);
+  DP_CHECK(S == 1 || scratch, "channel_sums: expected scratch of ", C * S, " floats for (N, C, HW) = (", N, ", ", C,
+           ", ", HW, "), got none");
+  visit_dtype(dtype, [&](auto zero) {
+    using T = device_t<decltype(zero)>;
+    if constexpr (std::is_same_v<T, float> || is_device_16bit<T>) {
+      const auto* xt = static_cast<const T*>(x);
+      auto* ot = static_cast<T*>(out);
+      if (S == 1) {
+        channel_sum_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(N, C, HW, xt, ot);
+        DP_CUDA_CHECK_LAUNCH();
+        return;
+      }
+      const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(C));  // C < kTargetBlocks when S > 1
+      bn_partial_sum_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, xt, scratch);
+      DP_CUDA_CHECK_LAUNCH();
+      channel_sum_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(C, S, scratch, ot);
+      DP_CUDA_CHECK_LAUNCH();
+    }
+  });
+}
+
+void channel_fill(cudaStream_t stream, i64 N, i64 C, i64 HW, const void* bias, void* y, DType dtype) {
+  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "channel_fill: expected (N, C, HW) >= 0, got (", N, ", ", C, ", ", HW, ")");
+  check_float_dtype("channel_fill", dtype);
+  if (N == 0 || C == 0 || HW == 0) return;
+  // The bits move as they are: a 16-bit dtype's as std::uint16_t, four at a time as a
+  // uint2 where they can; float32's as float, four at a time as a uint4.
+  auto launch = [&](auto e_zero, auto w4_zero) {
+    using E = decltype(e_zero);
+    using W4 = decltype(w4_zero);
+    const auto* b = static_cast<const E*>(bias);
+    auto* out = static_cast<E*>(y);
+    const bool vec = HW % 4 == 0 && reinterpret_cast<std::uintptr_t>(y) % sizeof(W4) == 0;
+    const i64 V = vec ? 4 : 1;
+    const i64 items = N * C * HW / V;
+    if (!kernel_plan::fast_divisible(items, HW / V) || !kernel_plan::fast_divisible(items, C)) {
+      channel_fill_wide_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N * C * HW, HW, C, b, out);
+    } else {
+      const ChannelIndex ix{kernel_plan::FastDivider(static_cast<std::uint32_t>(HW / V)),
+                            kernel_plan::FastDivider(static_cast<std::uint32_t>(C))};
+      const auto n = static_cast<std::uint32_t>(items);
+      if (vec) {
+        channel_fill_kernel<E, W4><<<grid_for(items), kBlock, 0, stream>>>(n, ix, b, reinterpret_cast<W4*>(out));
+      } else {
+        channel_fill_kernel<E, E><<<grid_for(items), kBlock, 0, stream>>>(n, ix, b, out);
+      }
+    }
     DP_CUDA_CHECK_LAUNCH();
-    return;
+  };
+  if (dtype == DType::F32) {
+    launch(float{}, uint4{});
+  } else {
+    launch(std::uint16_t{}, uint2{});
   }
-  DP_CHECK(scratch, "channel_sums: expected scratch of ", C * S, " floats for (N, C, HW) = (", N, ", ", C, ", ",
-           HW, "), got none");
-  const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(C));  // C < kTargetBlocks when S > 1
-  bn_partial_sum_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, x, scratch);
-  DP_CUDA_CHECK_LAUNCH();
-  channel_sum_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(C, S, scratch, out);
-  DP_CUDA_CHECK_LAUNCH();
 }
 
 i64 batchnorm_backward_scratch(i64 N, i64 C, i64 HW) {
