@@ -313,31 +313,39 @@ TEST_CASE("16-bit convolutions through cuDNN: the CNN's layers and a strided one
 // 16-bit types; rounding the sum first gives 1 (2^-12 is below half a unit at 1 in
 // either), and then 0.
 TEST_CASE("a 16-bit convolution adds its bias before its one rounding") {
+  // Every output sums 1 + 2^-12 (exact in float32) and adds the bias -1: rounded once
+  // that is 2^-12, rounded before the bias 0 (2^-12 is under half a unit at 1 in both
+  // dtypes), a lost bias 1. cuDNN may pick another algorithm per shape, so the CNN's
+  // second layer at its batch and a strided shape too (pad 1, so every output reads the
+  // centre tap).
   Side g = cuda_side();
-  const Conv2dShape s = conv_shape(2, 8, 6, 6, 8, 3, 1, 1);
-  const auto nx = static_cast<std::size_t>(s.N * s.C * s.H * s.W), ny = static_cast<std::size_t>(s.N * s.K * s.P * s.Q);
-  std::vector<float> x(nx, 0.0f), w(static_cast<std::size_t>(s.K * s.C * s.R * s.S), 0.0f);
-  for (i64 n = 0; n < s.N; ++n)
-    for (i64 i = 0; i < s.H * s.W; ++i) {
-      x[static_cast<std::size_t>((n * s.C + 0) * s.H * s.W + i)] = 1.0f;
-      x[static_cast<std::size_t>((n * s.C + 1) * s.H * s.W + i)] = 0x1.0p-12f;
+  for (const Conv2dShape& s : {conv_shape(2, 8, 6, 6, 8, 3, 1, 1), conv_shape(256, 32, 14, 14, 64, 3, 1, 1),
+                               conv_shape(8, 16, 11, 9, 24, 3, 2, 1)}) {
+    CAPTURE(s.N); CAPTURE(s.C); CAPTURE(s.K); CAPTURE(s.stride_h);
+    const auto nx = static_cast<std::size_t>(s.N * s.C * s.H * s.W), ny = static_cast<std::size_t>(s.N * s.K * s.P * s.Q);
+    std::vector<float> x(nx, 0.0f), w(static_cast<std::size_t>(s.K * s.C * s.R * s.S), 0.0f);
+    for (i64 n = 0; n < s.N; ++n)
+      for (i64 i = 0; i < s.H * s.W; ++i) {
+        x[static_cast<std::size_t>((n * s.C + 0) * s.H * s.W + i)] = 1.0f;
+        x[static_cast<std::size_t>((n * s.C + 1) * s.H * s.W + i)] = 0x1.0p-12f;
+      }
+    for (i64 k = 0; k < s.K; ++k)  // the centre tap of input channels 0 and 1
+      for (i64 ch = 0; ch < 2; ++ch) w[static_cast<std::size_t>(((k * s.C + ch) * s.R + 1) * s.S + 1)] = 1.0f;
+    const std::vector<float> b(static_cast<std::size_t>(s.K), -1.0f);
+    for (DType dt : {DType::BF16, DType::F16}) {
+      CAPTURE(dp::backend::dtype_name(dt));
+      for (bool relu : {false, true}) {
+        CAPTURE(relu);
+        auto X = g.up(to16(dt, x)), W = g.up(to16(dt, w)), B = g.up(to16(dt, b));
+        auto Y = g.zeros<std::uint16_t>(ny);
+        g.b.run<Op::Conv2d>(g.d, dt, {s, X->p, W->p, B->p, Y->p, relu});
+        const std::vector<float> y = from16(dt, g.down<std::uint16_t>(*Y, ny));
+        CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 0x1.0p-12f; }));
+      }
+      const ConvPass fwd = g.b.conv_passes(g.d, s, dt)[0];
+      if (fwd.path != ConvPass::Path::Native)
+        MESSAGE(dp::backend::dtype_name(dt), ": the forward widened (", fwd.detail, "), so cuDNN's blend went untested");
     }
-  for (i64 k = 0; k < s.K; ++k)  // the centre tap of input channels 0 and 1
-    for (i64 ch = 0; ch < 2; ++ch) w[static_cast<std::size_t>(((k * s.C + ch) * s.R + 1) * s.S + 1)] = 1.0f;
-  const std::vector<float> b(static_cast<std::size_t>(s.K), -1.0f);
-  for (DType dt : {DType::BF16, DType::F16}) {
-    CAPTURE(dp::backend::dtype_name(dt));
-    for (bool relu : {false, true}) {
-      CAPTURE(relu);
-      auto X = g.up(to16(dt, x)), W = g.up(to16(dt, w)), B = g.up(to16(dt, b));
-      auto Y = g.zeros<std::uint16_t>(ny);
-      g.b.run<Op::Conv2d>(g.d, dt, {s, X->p, W->p, B->p, Y->p, relu});
-      const std::vector<float> y = from16(dt, g.down<std::uint16_t>(*Y, ny));
-      CHECK(std::all_of(y.begin(), y.end(), [](float v) { return v == 0x1.0p-12f; }));
-    }
-    const ConvPass fwd = g.b.conv_passes(g.d, s, dt)[0];
-    if (fwd.path != ConvPass::Path::Native)
-      MESSAGE(dp::backend::dtype_name(dt), ": the forward widened (", fwd.detail, "), so cuDNN's blend went untested");
   }
 }
 
@@ -448,6 +456,14 @@ TEST_CASE("copy_rows: one 2-d copy moves each row to its pitch and leaves the ga
                                                     Device{dp::DeviceType::CPU, 0});
     CHECK(g.down<std::uint8_t>(*d, dst.size()) == want);
   }
+  // One row, pitches past cudaMemcpy2D's limit (2^31 - 1 bytes): a narrow's backward
+  // along dim 0 of a large tensor passes the whole tensor's bytes as its pitch.
+  std::vector<std::uint8_t> one(64);
+  for (std::size_t i = 0; i < one.size(); ++i) one[i] = static_cast<std::uint8_t>(3 * i + 1);
+  auto s1 = g.up(one);
+  auto d1 = g.zeros<std::uint8_t>(one.size());
+  g.b.copy_rows(d1->p, std::size_t{1} << 32, s1->p, std::size_t{1} << 32, one.size(), 1, g.d);
+  CHECK(g.down<std::uint8_t>(*d1, one.size()) == one);
   std::vector<float> buf(64);
   auto d = g.up(buf);
   CHECK_THROWS_AS(g.b.copy_rows(d->p, 8, d->f() + 32, 16, 12, 2, g.d), dp::Error);

@@ -259,6 +259,11 @@ TEST_CASE("Sharded 2 and 3 with bfloat16 gradients on the wire: each owner's sum
       CHECK(max_diff(got, again) == 0.0);  // run to run
       CHECK(max_diff(got, want) == 0.0);   // and DDP's bits
     } else {
+      // NCCL picks its algorithm and order from the topology and the sizes, so the same
+      // run twice in one process gives the same bits; a raced sum (one gradient of a
+      // layer swapped for another's) moves the parameters by far less than bf16's
+      // tolerance to the CPU run, so only this comparison would show it.
+      CHECK(max_diff(got, again) == 0.0);
       CHECK(max_diff(got, want) < 1e-2);
     }
   }

@@ -3,6 +3,8 @@
 // GEMM and convolution live in cuda_blas_dnn.cpp.
 #include "backend/cuda/cuda_backend.h"
 
+#include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -412,7 +414,22 @@ void CudaBackend::copy_rows(void* dst, std::size_t dst_pitch, const void* src, s
   DP_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "copy_rows on ", dev, ": expected pitches of at least ",
            row_bytes, " bytes (a row), got ", dst_pitch, " (dst) and ", src_pitch, " (src)");
   if (rows == 0 || row_bytes == 0) return;
-  DP_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToDevice, bind(dev)));
+  cudaStream_t s = bind(dev);
+  if (rows == 1 || (dst_pitch == row_bytes && src_pitch == row_bytes)) {  // one contiguous block
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, rows * row_bytes, cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  // cudaMemcpy2DAsync refuses pitches above the device's cudaDevAttrMaxPitch (2^31 - 1
+  // bytes on current GPUs): rows that far apart go one copy each.
+  if (std::max(dst_pitch, src_pitch) > static_cast<std::size_t>(INT_MAX)) {
+    int max_pitch = 0;
+    DP_CUDA_CHECK(cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, map_.physical(dev.index)));
+    if (std::max(dst_pitch, src_pitch) > static_cast<std::size_t>(max_pitch)) {
+      Backend::copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows, dev);
+      return;
+    }
+  }
+  DP_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDeviceToDevice, s));
 }
 
 CudaBackend::InFlight CudaBackend::start_peer_copy(Device dst_dev, const void* src, Device src_dev,
