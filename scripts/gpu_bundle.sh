@@ -12,8 +12,17 @@
 #
 # Then, on the GPU machine, from a checkout of the same commit:
 #   scripts/gpu_check.sh --bundle DEST_DIR
+#
+#   scripts/gpu_bundle.sh --compact [BUILD_DIR DEST_DIR]
+# keeps only what scripts/gpu_check.sh runs there (libdp, the CUDA suites, dp_vs_ddp,
+# gpt and the three benchmarks), strips symbols, and packs it as DEST_DIR.tar.xz: a
+# whole build's bundle is about 200 MB, more than a lent GPU machine takes with the
+# working tree (64 MiB); the compact one is a few tens of MB. There:
+#   tar -xJf DEST.tar.xz && scripts/gpu_check.sh --bundle DEST
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+compact=0
+if [[ ${1:-} == --compact ]]; then compact=1; shift; fi
 build=$(realpath "${1:-$root/build-gpu}")
 dest=$(realpath -m "${2:-$root/.gpu-bundle}")
 [[ -f $build/meson-info/intro-tests.json ]] ||
@@ -46,5 +55,22 @@ while read -r name path; do
   [[ $name =~ $keep_out || $path == "$build"/* || $path == "$dest"/* ]] && continue
   [[ -e $dest/lib/$name ]] || cp -L "$path" "$dest/lib/$name"
 done
+if ((compact)); then
+  # What gpu_check.sh and gpu_profile.sh run; every other executable goes. The libraries
+  # they load stay (lib/ and src/).
+  keep='^(src/|lib/|tests/cuda/|samples/dp_vs_ddp/dp_vs_ddp$|samples/gpt/gpt$|bench/(kernels|overhead|collectives)_bench$|tests\.json$|origin\.json$)'
+  while IFS= read -r -d '' f; do
+    rel=${f#"$dest"/}
+    [[ $rel =~ $keep ]] || rm -f "$f"
+  done < <(find "$dest" \( -type f -o -type l \) -print0)
+  find "$dest" -type d -empty -delete
+  while IFS= read -r -d '' f; do
+    is_elf "$f" && strip --strip-unneeded "$f" 2>/dev/null || true
+  done < <(find "$dest" -type f -print0)
+  tar -C "$(dirname "$dest")" -cJf "$dest.tar.xz" "$(basename "$dest")"
+  echo "gpu_bundle: compact: $(find "$dest" -type f | wc -l) files, $(du -sh "$dest" | cut -f1) in $dest;" \
+    "packed: $dest.tar.xz, $(($(stat -c %s "$dest.tar.xz") >> 20)) MiB"
+  exit 0
+fi
 echo "gpu_bundle: $(find "$dest" -type f | wc -l) files, $(du -sh "$dest" | cut -f1) in $dest"
 echo "gpu_bundle: libraries carried: $(ls "$dest/lib" | tr '\n' ' ')"
