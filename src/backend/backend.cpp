@@ -279,10 +279,14 @@ void Backend::finish_copy(PendingCopy& pending, void* dst, Device dst_dev) {
   deallocate(dst_dev, std::exchange(p->staging, nullptr), p->nbytes);
 }
 
-void Backend::copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
-                        std::size_t row_bytes, std::size_t rows, Device dev) {
+void Backend::check_copy_rows(Device dev, std::size_t dst_pitch, std::size_t src_pitch, std::size_t row_bytes) {
   DP_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "copy_rows on ", dev, ": expected pitches of at least ",
            row_bytes, " bytes (a row), got ", dst_pitch, " (dst) and ", src_pitch, " (src)");
+}
+
+void Backend::copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
+                        std::size_t row_bytes, std::size_t rows, Device dev) {
+  check_copy_rows(dev, dst_pitch, src_pitch, row_bytes);
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
   for (std::size_t r = 0; r < rows && row_bytes > 0; ++r) copy(d + r * dst_pitch, dev, s + r * src_pitch, dev, row_bytes);

@@ -180,6 +180,9 @@ class Backend : public dp::detail::DeviceRuntime {
   /// cudaMemcpy2DAsync (a copy per row was a runtime call per token in a GPT's split).
   virtual void copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                          std::size_t row_bytes, std::size_t rows, Device dev);
+  /// copy_rows' argument check, shared by every backend's: a dp::Error naming the pitches
+  /// when either is shorter than a row.
+  static void check_copy_rows(Device dev, std::size_t dst_pitch, std::size_t src_pitch, std::size_t row_bytes);
   /// Note [Copies ahead]
   /// copy() makes the destination's stream wait for the bytes at once: what the
   /// destination enqueues next runs after the transfer. A prefetch (ZeRO stage 3's

@@ -325,8 +325,7 @@ void CpuBackend::copy_to_host(void* host_dst, const void* src, Device dev, std::
 
 void CpuBackend::copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                            std::size_t row_bytes, std::size_t rows, Device dev) {
-  DP_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "copy_rows on ", dev, ": expected pitches of at least ",
-           row_bytes, " bytes (a row), got ", dst_pitch, " (dst) and ", src_pitch, " (src)");
+  check_copy_rows(dev, dst_pitch, src_pitch, row_bytes);
   (void)state(dev);
   if (rows == 0 || row_bytes == 0) return;
   auto* d = static_cast<char*>(dst);

@@ -411,8 +411,7 @@ void CudaBackend::copy(void* dst, Device dst_dev, const void* src, Device src_de
 void CudaBackend::copy_rows(void* dst, std::size_t dst_pitch, const void* src, std::size_t src_pitch,
                             std::size_t row_bytes, std::size_t rows, Device dev) {
   check_device(dev);
-  DP_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "copy_rows on ", dev, ": expected pitches of at least ",
-           row_bytes, " bytes (a row), got ", dst_pitch, " (dst) and ", src_pitch, " (src)");
+  check_copy_rows(dev, dst_pitch, src_pitch, row_bytes);
   if (rows == 0 || row_bytes == 0) return;
   cudaStream_t s = bind(dev);
   if (rows == 1 || (dst_pitch == row_bytes && src_pitch == row_bytes)) {  // one contiguous block
