@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -143,6 +144,19 @@ void Backend::max_pool2d_backward_by_ops(Device dev, DType dt, const MaxPool2dBa
   flat.strides_a[0] = flat.strides_b[0] = 1;
   run<Op::Binary>(dev, dt, {BinaryOp::ReluBackward, flat, a.gy, a.relu_y, masked.get()});
   run<Op::MaxPool2dBackward>(dev, dt, {s, masked.get(), a.winners, nullptr, a.gx});
+}
+
+void Backend::conv2d_backward_by_ops(Device dev, DType dt, const Conv2dBackwardArgs& a) {
+  const Conv2dShape& s = a.s;
+  const void* gy = a.gy;
+  std::optional<Scratch> routed;
+  if (a.pool.on) {
+    routed.emplace(*this, dev, static_cast<std::size_t>(s.N * s.K * s.P * s.Q) * float_size(dt));
+    run<Op::MaxPool2dBackward>(dev, dt, {a.pool.s, a.gy, a.pool.winners, a.pool.relu_y, routed->get()});
+    gy = routed->get();
+  }
+  if (a.gx != nullptr) run<Op::Conv2dBackwardData>(dev, dt, {s, gy, a.w, a.gx});
+  if (a.gw != nullptr) run<Op::Conv2dBackwardWeight>(dev, dt, {s, a.x, gy, a.gw, a.gbias});
 }
 
 void Backend::register_kernel(Op op, DType dt, KernelFn fn) {

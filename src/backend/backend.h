@@ -256,6 +256,10 @@ class Backend : public dp::detail::DeviceRuntime {
   /// MaxPool2dBackward with relu_y as separate ops: Binary<ReluBackward>(gy, relu_y)
   /// into a block of the device, then the backward without the mask.
   void max_pool2d_backward_by_ops(Device dev, DType dt, const MaxPool2dBackwardArgs& a);
+  /// The Conv2dBackward op as the ops it stands for: MaxPool2dBackward (with the mask)
+  /// into a block of the device when pool.on, then Conv2dBackwardData when gx is set and
+  /// Conv2dBackwardWeight when gw is. What a backend without a shared path runs.
+  void conv2d_backward_by_ops(Device dev, DType dt, const Conv2dBackwardArgs& a);
 
   /// Counts non-finite values of x (for the opt-in NaN/Inf check). Synchronous.
   std::int64_t count_nonfinite(Device dev, const float* x, std::int64_t n) {

@@ -390,11 +390,12 @@ struct NllBackwardArgs {
 // behind its kernels. What the caller may ask for is an epilogue of a generic op, the
 // ops that follow it in the caller's own graph: the ReLU after a convolution, the
 // max-pool after that (Conv2dArgs::pool), the ReLU's mask before a max-pool's backward
-// (MaxPool2dBackwardArgs::relu_y), the bias and ReLU after a GEMM (GemmEpilogue). Every
+// (MaxPool2dBackwardArgs::relu_y), that backward before the convolution's
+// (Conv2dBackwardArgs::pool), the bias and ReLU after a GEMM (GemmEpilogue). Every
 // backend computes each epilogue, bit for bit what the separate ops give: the CPU in
 // one pass while the data is in cache (Notes [Convolution + ReLU], [Convolution, ReLU
 // and max-pool in one pass]), another by running the ops (Backend::conv2d_pool_by_ops,
-// max_pool2d_backward_by_ops, gemm_epilogue_by_ops). Specialised kernels for common
+// max_pool2d_backward_by_ops, conv2d_backward_by_ops, gemm_epilogue_by_ops). Specialised kernels for common
 // shapes (the 2x2 max-pool, Note [Branch-free 2x2 max-pool]) are chosen inside the
 // generic op's kernel; where forward leaves state for backward, the backend picks its
 // format (the max-pool's winners, Backend::max_pool2d_byte_winners). A fusion is added
@@ -436,6 +437,33 @@ struct Conv2dBackwardWeightArgs {
   const void* gy;
   void* gw;
   void* gbias;
+};
+/// The max-pool (and the ReLU under it) that a Conv2d call ran after its convolution,
+/// seen from backward: the call's gy is then the gradient of the pool's output, routed
+/// to the convolution's output through `winners` after the mask relu_y > 0, as
+/// MaxPool2dBackwardArgs with relu_y — the prologue of the backward passes that
+/// ConvPool is the epilogue of the forward.
+struct ConvPoolBackward {
+  bool on = false;
+  Pool2dShape s;                   // as ConvPool::s
+  const void* winners = nullptr;   // what the forward's ConvPool::winners received
+  const void* relu_y = nullptr;    // the pooled output (the mask); null: no mask
+};
+/// Both backward passes of a convolution in one call, as PyTorch's convolution_backward
+/// with its output mask: gx as Conv2dBackwardDataArgs when gx is not null, gw and gbias
+/// as Conv2dBackwardWeightArgs when gw is not null (gbias may be null); with pool.on,
+/// gy is the gradient of the pool's output (ConvPoolBackward). Bit for bit the ops it
+/// stands for, one after another (Backend::conv2d_backward_by_ops); a backend may share
+/// work between the passes (CPU: Note [Convolution backward in one call]).
+struct Conv2dBackwardArgs {
+  Conv2dShape s;
+  const void* gy;
+  const void* x;
+  const void* w;
+  void* gx;
+  void* gw;
+  void* gbias;
+  ConvPoolBackward pool = {};
 };
 // Note [Max-pool winners]
 // Max-pool's forward records each window's winner for its backward, in the format the
@@ -703,6 +731,7 @@ struct AdamStepArgs {
   X(Conv2d, "conv2d", Conv2dArgs)                                          \
   X(Conv2dBackwardData, "conv2d_backward_data", Conv2dBackwardDataArgs)    \
   X(Conv2dBackwardWeight, "conv2d_backward_weight", Conv2dBackwardWeightArgs) \
+  X(Conv2dBackward, "conv2d_backward", Conv2dBackwardArgs)                \
   X(MaxPool2d, "maxpool2d_forward", MaxPool2dArgs)                         \
   X(MaxPool2dBackward, "maxpool2d_backward", MaxPool2dBackwardArgs)        \
   X(AvgPool2d, "avgpool2d_forward", AvgPool2dArgs)                         \

@@ -438,35 +438,28 @@ struct ConvSaved {
   /// No gradient for any input (an undefined upstream gradient).
   std::vector<Tensor> none() const { return std::vector<Tensor>(has_b ? 3 : 2); }
 
-  /// The input, weight and bias gradients from the gradient gy (N, K, P, Q) of the
-  /// convolution's output.
-  std::vector<Tensor> backward(const Tensor& gy) const {
+  /// The input, weight and bias gradients from gy: the gradient (N, K, P, Q) of the
+  /// convolution's output, or with pool.on the gradient of the max-pool over it (both
+  /// passes in one Conv2dBackward call; Note [Convolution backward in one call] in
+  /// src/backend/cpu/cpu_conv.cpp says what the CPU shares between them).
+  std::vector<Tensor> backward(const Tensor& gy, const be::ConvPoolBackward& pool = {}) const {
     std::vector<Tensor> grads = none();
-    auto& bk = be::get(dev);
     const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
     const TensorOptions opts{gy.dtype(), dev};  // every gradient in the forward's dtype
-    const be::DType dt = kernel_dtype(gy);
-    if (nx) {
-      Tensor gx = empty({s.N, s.C, s.H, s.W}, opts);
-      if (empty_batch) {
-        gx.zero_();
-      } else {
-        bk.run<be::Op::Conv2dBackwardData>(dev, dt, {s, gy.raw_data(), ws.raw_data(), gx.raw_data()});
-      }
-      grads[0] = gx;
+    Tensor gx = nx ? empty({s.N, s.C, s.H, s.W}, opts) : Tensor();
+    Tensor gw = nw || nb ? empty({s.K, s.C, s.R, s.S}, opts) : Tensor();
+    Tensor gb = (nw || nb) && has_b ? empty({s.K}, opts) : Tensor();
+    if (empty_batch) {
+      for (Tensor* t : {&gx, &gw, &gb})
+        if (t->defined()) t->zero_();
+    } else if (gx.defined() || gw.defined()) {
+      be::get(dev).run<be::Op::Conv2dBackward>(dev, kernel_dtype(gy),
+                                               {s, gy.raw_data(), raw_or_null(xs), raw_or_null(ws), raw_or_null(gx),
+                                                raw_or_null(gw), raw_or_null(gb), pool});
     }
-    if (nw || nb) {
-      Tensor gw = empty({s.K, s.C, s.R, s.S}, opts);
-      Tensor gb = has_b ? empty({s.K}, opts) : Tensor();
-      if (empty_batch) {
-        gw.zero_();
-        if (gb.defined()) gb.zero_();
-      } else {
-        bk.run<be::Op::Conv2dBackwardWeight>(dev, dt, {s, xs.raw_data(), gy.raw_data(), gw.raw_data(), raw_or_null(gb)});
-      }
-      if (nw) grads[1] = gw;
-      if (nb) grads[2] = gb;
-    }
+    if (nx) grads[0] = gx;
+    if (nw) grads[1] = gw;
+    if (nb) grads[2] = gb;
     return grads;
   }
 };
@@ -549,9 +542,11 @@ Tensor conv2d_relu_pool(const Tensor& x, const Tensor& w, const Tensor& b, std::
                      [saved = ConvSaved(s, x, w, b), ys = y.detach(), winners, ps](const std::vector<Tensor>& gin) {
                        if (!gin[0].defined()) return saved.none();
                        check_grad_shape("Conv2dReluMaxPool2dBackward", gin[0], {ps.N, ps.C, ps.P, ps.Q});
-                       // The ReLU's mask runs inside the pool's backward (Note [ReLU mask
-                       // through max-pool]).
-                       return saved.backward(max_pool2d_grad(ps, saved.dev, gin[0], winners, ys));
+                       // The pool's backward, with the ReLU's mask inside it (Note [ReLU
+                       // mask through max-pool]), opens the convolution's backward.
+                       return saved.backward(gin[0], be::ConvPoolBackward{.on = true, .s = ps,
+                                                                          .winners = winners.raw_data(),
+                                                                          .relu_y = ys.raw_data()});
                      });
   }
   return y;

@@ -727,6 +727,23 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
             be.run<Op::Conv2dBackwardWeight>(d, DType::F32, {s, x, gy, gw, gb});
           });
         });
+  // Both passes in one call: the tolerances of the passes.
+  if (bias) t.add(Kernel::Conv2dBackward, DType::F32, "conv2d_backward", conv_name(s),
+        sum_tol(kGemmBase, static_cast<double>(std::max(s.K * s.R * s.S, s.N * s.P * s.Q))), 2 * flops,
+        kF * (nx + ny + nw + nx + nw + nb), [=](OpRun& r) {
+          const float* x = r.uniform(nx, -1, 1);
+          const float* w = r.uniform(nw, -1, 1);
+          const float* gy = r.uniform(ny, -1, 1);
+          float* gx = r.empty(nx);
+          float* gw = r.empty(nw);
+          float* gb = r.empty(s.K);
+          r.output("gx", gx, nx);
+          r.output("gw", gw, nw);
+          r.output("gbias", gb, s.K);
+          r.set_call([=](Backend& be, Device d) {
+            be.run<Op::Conv2dBackward>(d, DType::F32, {s, gy, x, w, gx, gw, gb});
+          });
+        });
 }
 
 /// One unit in the last place of `dtype` relative to the value: 2^-7 (bf16), 2^-10 (f16).
@@ -1231,6 +1248,20 @@ void add_conv_bf16(Table& t, const Conv2dShape& s) {
           r.output16("gw", dt, gw, nw);
           r.output16("gbias", dt, gb, s.K);
           r.set_call([=](Backend& be, Device d) { be.run<Op::Conv2dBackwardWeight>(d, dt, {s, x, gy, gw, gb}); });
+        });
+  t.add(Kernel::Conv2dBackward, dt, "conv2d_backward_bfloat16", conv_name(s),
+        tol(static_cast<double>(std::max(s.K * s.R * s.S, s.N * s.P * s.Q))), 2 * flops,
+        k2 * (nx + ny + nw + nx + nw + s.K), [=](OpRun& r) {
+          const void* x = r.uniform16(dt, nx, -1, 1);
+          const void* w = r.uniform16(dt, nw, -1, 1);
+          const void* gy = r.uniform16(dt, ny, -1, 1);
+          void* gx = r.empty16(dt, nx);
+          void* gw = r.empty16(dt, nw);
+          void* gb = r.empty16(dt, s.K);
+          r.output16("gx", dt, gx, nx);
+          r.output16("gw", dt, gw, nw);
+          r.output16("gbias", dt, gb, s.K);
+          r.set_call([=](Backend& be, Device d) { be.run<Op::Conv2dBackward>(d, dt, {s, gy, x, w, gx, gw, gb}); });
         });
 }
 

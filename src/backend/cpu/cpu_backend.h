@@ -316,6 +316,9 @@ class CpuBackend final : public Backend {
   void conv2d_bf16(Device dev, const Conv2dArgs& a);
   void conv2d_backward_data_bf16(Device dev, const Conv2dBackwardDataArgs& a);
   void conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWeightArgs& a);
+  /// Both backward passes, sharing gy in the primitives' layout where they can (Note
+  /// [Convolution backward in one call]).
+  void conv2d_backward_bf16(Device dev, const Conv2dBackwardArgs& a);
   /// Whether the bfloat16 convolutions run natively: this CPU has the instructions and
   /// set_native_bf16_conv(false) was not called.
   bool native_bf16_conv() const;
@@ -326,6 +329,9 @@ class CpuBackend final : public Backend {
   /// its layouts, process-wide (tests compare the bits); true (the default): transpose_copy
   /// moves them where it can (Note [bfloat16 blocked reorders] in cpu_conv.cpp).
   static void set_own_conv_reorders(bool on);
+  /// How many Conv2dBackward calls so far built gy once for both passes (Note
+  /// [Convolution backward in one call]); for tests.
+  static std::uint64_t shared_conv_backwards();
   void maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
                          std::int64_t* indices);
   void maxpool2d_backward(Device dev, const Pool2dShape& s, const float* gy,

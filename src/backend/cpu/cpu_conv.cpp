@@ -48,6 +48,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <new>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -143,6 +144,10 @@ struct ConvArg {
   memory internal;  // empty when no reorder is needed
   dnnl::reorder reorder;  // oneDNN's reorder
   OwnReorder own;         // the reorder by transpose_copy, where it applies
+  /// internal's buffer, ours rather than oneDNN's: a memory that owns its buffer frees it
+  /// when set_data_handle points it elsewhere (Note [Convolution backward in one call]
+  /// points one primitive's gy at another's).
+  std::unique_ptr<void, void (*)(void*)> buffer{nullptr, std::free};
   bool by_own() const { return own.into != OwnReorder::Into::None && own_reorders.load(std::memory_order_relaxed); }
 };
 
@@ -222,7 +227,11 @@ void add_arg(ConvEntry& e, int id, bool output, const memory::desc& user_md,
              const memory::desc& prim_md) {
   ConvArg a{id, output, memory(user_md, cpu_engine(), DNNL_MEMORY_NONE), memory(), dnnl::reorder(), OwnReorder{}};
   if (prim_md != user_md) {
-    a.internal = memory(prim_md, cpu_engine());  // oneDNN-owned buffer, reused every call
+    // A buffer of the entry's, reused every call; 64-byte aligned, as oneDNN's own.
+    const std::size_t bytes = (std::max<std::size_t>(prim_md.get_size(), 1) + 63) / 64 * 64;
+    a.buffer.reset(std::aligned_alloc(64, bytes));
+    if (!a.buffer) throw std::bad_alloc();
+    a.internal = memory(prim_md, cpu_engine(), a.buffer.get());
     a.own = own_reorder_of(user_md, prim_md);
     a.reorder = output ? dnnl::reorder(a.internal, a.user) : dnnl::reorder(a.user, a.internal);
   }
@@ -397,8 +406,10 @@ ConvEntry& find_entry(ConvCache& cache, const ConvKey& key, const Conv2dShape& s
 }
 
 /// Runs the entry on the given buffers (in the order its args were added): reorders in,
-/// the primitive, reorders out, and waits.
-void execute_entry(ConvEntry& e, const void* const* ptrs) {
+/// the primitive, reorders out, and waits. `filled`: the id of an input whose internal
+/// buffer already holds it in the primitive's layout (Note [Convolution backward in one
+/// call]); its reorder is skipped.
+void execute_entry(ConvEntry& e, const void* const* ptrs, int filled = -1) {
   dnnl::stream& stream = e.stream;
   std::unordered_map<int, memory> args;
   const void* const* p = ptrs;
@@ -408,7 +419,7 @@ void execute_entry(ConvEntry& e, const void* const* ptrs) {
   }
   args.emplace(DNNL_ARG_SCRATCHPAD, e.scratchpad);
   for (ConvArg& a : e.args)
-    if (!a.output && a.internal) run_reorder(a, stream);
+    if (!a.output && a.internal && a.id != filled) run_reorder(a, stream);
   e.prim.execute(stream, args);
   if (std::any_of(e.args.begin(), e.args.end(), [](const ConvArg& a) { return a.output && a.by_own(); }))
     stream.wait();  // the primitive's output is complete before transpose_copy reads it
@@ -710,6 +721,34 @@ void relu_in_place(BFloat16* __restrict y, i64 n) {
   }
 }
 
+/// Sizes the backward-weight partial sums of `chunks` chunks, the first `first_partial`
+/// of which write the output themselves.
+void size_partials(ConvCache& cache, const Conv2dShape& s, int chunks, int first_partial) {
+  const i64 nw = s.K * s.C * s.R * s.S;
+  std::lock_guard<std::mutex> lock(cache.mu);
+  const auto n = static_cast<std::size_t>(chunks - first_partial);
+  if (cache.partials.size() < n) cache.partials.resize(n);
+  for (std::size_t c = 0; c < n; ++c) cache.partials[c].resize(static_cast<std::size_t>(nw + s.K));
+}
+
+/// The weight and bias gradients from the chunks' partial sums, added in chunk order, so
+/// the sum depends on the chunk count only.
+void sum_partials(ConvCache& cache, const Conv2dShape& s, bool bias, int chunks, int first_partial,
+                  const ConvBuffers& buf) {
+  const i64 nw = s.K * s.C * s.R * s.S;
+  if (first_partial == 0) {
+    std::memcpy(buf.gw, cache.partials[0].data(), static_cast<std::size_t>(nw) * sizeof(float));
+    if (bias) std::memcpy(buf.gb, cache.partials[0].data() + nw, static_cast<std::size_t>(s.K) * sizeof(float));
+  }
+  for (int c = 1; c < chunks; ++c) {
+    const float* __restrict part = cache.partials[static_cast<std::size_t>(c - first_partial)].data();
+    float* __restrict gw = buf.gw;
+    for (i64 i = 0; i < nw; ++i) gw[i] += part[i];
+    if (bias)
+      for (i64 i = 0; i < s.K; ++i) buf.gb[i] += part[nw + i];
+  }
+}
+
 /// Runs one convolution as `chunks` batch slices, one oneDNN primitive each on one
 /// thread, in the device's arena. Backward-weight sums the chunks' partial gradients in
 /// chunk order, so the result depends on the chunk count, never on scheduling.
@@ -725,12 +764,7 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
   // Chunks 1.. of a float32 weight gradient, every chunk of a bfloat16 one: partial sums.
   const int first_partial = f32 ? 1 : 0;
   const bool partial = kind == ConvKind::BackwardWeight && (chunks > 1 || !f32);
-  if (partial) {
-    std::lock_guard<std::mutex> lock(cache.mu);
-    const auto n = static_cast<std::size_t>(chunks - first_partial);
-    if (cache.partials.size() < n) cache.partials.resize(n);
-    for (std::size_t c = 0; c < n; ++c) cache.partials[c].resize(static_cast<std::size_t>(nw + s.K));
-  }
+  if (partial) size_partials(cache, s, chunks, first_partial);
   // Note [Convolution + ReLU]: the weight and bias are bounded once per call, each
   // chunk's input slice in its task; a bound that is not finite never fuses. A bfloat16
   // forward applies the ReLU after the convolution.
@@ -861,20 +895,33 @@ void run_chunks(CpuBackend& be, Device dev, ConvCache& cache, const Conv2dShape&
     }
     execute_entry(e, ptrs);
   });
-  if (partial) {
-    // Chunk order, so the sum depends on the chunk count only.
-    if (!f32) {
-      std::memcpy(buf.gw, cache.partials[0].data(), static_cast<std::size_t>(nw) * sizeof(float));
-      if (bias) std::memcpy(buf.gb, cache.partials[0].data() + nw, static_cast<std::size_t>(s.K) * sizeof(float));
-    }
-    for (int c = 1; c < chunks; ++c) {
-      const float* __restrict part = cache.partials[static_cast<std::size_t>(c - first_partial)].data();
-      float* __restrict gw = buf.gw;
-      for (i64 i = 0; i < nw; ++i) gw[i] += part[i];
-      if (bias)
-        for (i64 i = 0; i < s.K; ++i) buf.gb[i] += part[nw + i];
-    }
+  if (partial) sum_partials(cache, s, bias, chunks, first_partial, buf);
+}
+
+/// The key of a whole call's layout choice in ConvCache::chosen (`slot` holds the
+/// device's thread count).
+ConvKey auto_key_of(const Conv2dShape& s, ConvKind kind, bool bias, int threads, DType dtype) {
+  return conv_key(s, kind, bias, threads, ConvLayout::Auto, false, dtype);
+}
+
+/// The layout a pass runs in without measuring: the forced one, the device's cached
+/// choice, or the record's (then cached); Auto when the pass has not been measured yet.
+ConvLayout known_layout(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias, DType dtype) {
+  ConvLayout layout = be.conv_layout();
+  if (layout != ConvLayout::Auto) return layout;
+  const int threads = be.threads_per_device(dev);
+  ConvCache& cache = *be.state(dev).conv;
+  const ConvKey auto_key = auto_key_of(s, kind, bias, threads, dtype);
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    if (auto known = cache.chosen.find(auto_key); known != cache.chosen.end()) return known->second;
   }
+  layout = LayoutChoices::get().find(choice_key(s, kind, bias, threads, dtype));
+  if (layout != ConvLayout::Auto) {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    cache.chosen.emplace(auto_key, layout);
+  }
+  return layout;
 }
 
 /// Runs a convolution pass. ConvLayout::Auto resolves to the recorded choice, or
@@ -885,60 +932,183 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
   const int threads = be.threads_per_device(dev);
   const int chunks = conv_chunks(s, threads);
   ConvCache& cache = *st.conv;
-  ConvLayout layout = be.conv_layout();
+  ConvLayout layout = known_layout(be, dev, s, kind, bias, buf.dtype);
   if (layout == ConvLayout::Auto) {
-    // The whole call's shape; `slot` holds the device's thread count here.
-    const ConvKey auto_key = conv_key(s, kind, bias, threads, ConvLayout::Auto, false, buf.dtype);
-    {
-      std::lock_guard<std::mutex> lock(cache.mu);
-      if (auto known = cache.chosen.find(auto_key); known != cache.chosen.end()) layout = known->second;
+    const ConvKey auto_key = auto_key_of(s, kind, bias, threads, buf.dtype);
+    const std::string record_key = choice_key(s, kind, bias, threads, buf.dtype);
+    using clock = std::chrono::steady_clock;
+    auto time_one = [&](ConvLayout l) {
+      const auto t0 = clock::now();
+      run_chunks(be, dev, cache, s, kind, bias, l, chunks, buf, relu);
+      return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+    };
+    (void)time_one(ConvLayout::Plain);  // first runs build primitives and touch buffers
+    (void)time_one(ConvLayout::Blocked);
+    double best_plain = 1e300, best_blocked = 1e300;
+    int plain_wins = 0, blocked_wins = 0;  // clear wins within a back-to-back pair
+    for (int t = 0; t < kTrials; ++t) {
+      const double p = time_one(ConvLayout::Plain), b = time_one(ConvLayout::Blocked);
+      best_plain = std::min(best_plain, p);
+      best_blocked = std::min(best_blocked, b);
+      plain_wins += p * kClearWin < b;
+      blocked_wins += b * kClearWin < p;
     }
-    if (layout == ConvLayout::Auto) {
-      const std::string record_key = choice_key(s, kind, bias, threads, buf.dtype);
-      layout = LayoutChoices::get().find(record_key);
-      if (layout == ConvLayout::Auto) {
-        using clock = std::chrono::steady_clock;
-        auto time_one = [&](ConvLayout l) {
-          const auto t0 = clock::now();
-          run_chunks(be, dev, cache, s, kind, bias, l, chunks, buf, relu);
-          return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
-        };
-        (void)time_one(ConvLayout::Plain);  // first runs build primitives and touch buffers
-        (void)time_one(ConvLayout::Blocked);
-        double best_plain = 1e300, best_blocked = 1e300;
-        int plain_wins = 0, blocked_wins = 0;  // clear wins within a back-to-back pair
-        for (int t = 0; t < kTrials; ++t) {
-          const double p = time_one(ConvLayout::Plain), b = time_one(ConvLayout::Blocked);
-          best_plain = std::min(best_plain, p);
-          best_blocked = std::min(best_blocked, b);
-          plain_wins += p * kClearWin < b;
-          blocked_wins += b * kClearWin < p;
-        }
-        // The prior (blocked layouts fill a vector with channels once there are enough
-        // of them) yields only to a clear win, in the best times and in most pairs: a
-        // time slice lost to another process slows one run of a pair, not most pairs.
-        const bool prior_blocked = s.C >= kFewChannels || kind == ConvKind::BackwardWeight;
-        const bool plain_clear = best_plain * kClearWin < best_blocked && 2 * plain_wins > kTrials;
-        const bool blocked_clear = best_blocked * kClearWin < best_plain && 2 * blocked_wins > kTrials;
-        const ConvLayout measured =
-            prior_blocked ? (plain_clear ? ConvLayout::Plain : ConvLayout::Blocked)
-                          : (blocked_clear ? ConvLayout::Blocked : ConvLayout::Plain);
-        layout = LayoutChoices::get().record(record_key, measured, best_plain, best_blocked);
-        // The loser's primitives and their reorder buffers (tens of MB for a large
-        // activation) would never run again.
-        const ConvLayout loser = layout == ConvLayout::Plain ? ConvLayout::Blocked : ConvLayout::Plain;
-        std::lock_guard<std::mutex> lock(cache.mu);
-        std::erase_if(cache.entries, [&](const auto& kv) {
-          return kv.first.layout == loser && kv.first.kind == kind && kv.first.bias == bias &&
-                 kv.first.dtype == buf.dtype &&
-                 std::memcmp(kv.first.dims + 1, auto_key.dims + 1, sizeof(i64) * 12) == 0;
-        });
-      }
-      std::lock_guard<std::mutex> lock(cache.mu);
-      cache.chosen.emplace(auto_key, layout);
-    }
+    // The prior (blocked layouts fill a vector with channels once there are enough
+    // of them) yields only to a clear win, in the best times and in most pairs: a
+    // time slice lost to another process slows one run of a pair, not most pairs.
+    const bool prior_blocked = s.C >= kFewChannels || kind == ConvKind::BackwardWeight;
+    const bool plain_clear = best_plain * kClearWin < best_blocked && 2 * plain_wins > kTrials;
+    const bool blocked_clear = best_blocked * kClearWin < best_plain && 2 * blocked_wins > kTrials;
+    const ConvLayout measured = prior_blocked ? (plain_clear ? ConvLayout::Plain : ConvLayout::Blocked)
+                                              : (blocked_clear ? ConvLayout::Blocked : ConvLayout::Plain);
+    layout = LayoutChoices::get().record(record_key, measured, best_plain, best_blocked);
+    // The loser's primitives and their reorder buffers (tens of MB for a large
+    // activation) would never run again.
+    const ConvLayout loser = layout == ConvLayout::Plain ? ConvLayout::Blocked : ConvLayout::Plain;
+    std::lock_guard<std::mutex> lock(cache.mu);
+    std::erase_if(cache.entries, [&](const auto& kv) {
+      return kv.first.layout == loser && kv.first.kind == kind && kv.first.bias == bias &&
+             kv.first.dtype == buf.dtype && std::memcmp(kv.first.dims + 1, auto_key.dims + 1, sizeof(i64) * 12) == 0;
+    });
+    cache.chosen.emplace(auto_key, layout);
   }
   run_chunks(be, dev, cache, s, kind, bias, layout, chunks, buf, relu);
+}
+
+// Note [Convolution backward in one call]
+// A convolution's two backward passes read the same output gradient gy, and under a
+// max-pool that gradient is itself computed: the pool's backward routes the pooled
+// gradient (masked by the ReLU) to the winners. Run as separate ops (Backend::
+// conv2d_backward_by_ops), the routed gradient is written to memory in NCHW, and each
+// pass whose primitive wants another layout (NHWC for oneDNN's AMX kernels, nChw16c
+// for its AVX-512 ones: Note [bfloat16 blocked reorders]) reads it back and reorders it
+// into a buffer of its own: for the Fashion-MNIST CNN's second layer, per 128-image
+// chunk, 3.2 MB written, then read and rewritten twice. Conv2dBackward is both passes in
+// one call (PyTorch's convolution_backward, with its output mask), so the CPU builds
+// the primitive's gy once, in the primitive's layout: the pool's backward runs on a group
+// of images at a time into a block that stays in a core's L2 (as the forward's pool,
+// Note [Convolution, ReLU and max-pool in one pass]), and each group is reordered from
+// there into the backward-data primitive's buffer, which the backward-weight primitive
+// then reads too. Nothing else changes: the same primitives (the same cache keys), the
+// same pool kernel and the same reorders, which move bits, so the gradients are those of
+// the separate ops bit for bit (cpu_backend_test). Where the two primitives want
+// different layouts, or a layout transpose_copy does not move, or a pass's layout has not
+// been measured yet, the call runs as the separate ops. bfloat16 only: float32's
+// reorders are oneDNN's, over whole chunks.
+
+/// Calls that took the shared path (CpuBackend::shared_conv_backwards).
+std::atomic<std::uint64_t> shared_backwards{0};
+
+/// The DIFF_DST argument of an entry.
+ConvArg& diff_dst_arg(ConvEntry& e) {
+  for (ConvArg& a : e.args)
+    if (a.id == DNNL_ARG_DIFF_DST) return a;
+  DP_FAIL("conv2d_backward: a backward primitive without a DIFF_DST argument");
+}
+
+/// Conv2dBackward in one call for 16-bit operands (Note [Convolution backward in one
+/// call]). Returns false, having done nothing, where the call runs as separate ops.
+/// buf: gy (the pooled gradient when pool.on), x, w, gx (or null), gw and gb (float32,
+/// or null).
+bool run_backward_shared(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, const ConvBuffers& buf,
+                         const ConvPoolBackward& pool) {
+  const bool want_gx = buf.gx != nullptr, want_gw = buf.gw != nullptr;
+  if (s.N == 0 || (!want_gx && !want_gw)) return false;
+  if (pool.on) {
+    const Pool2dShape& p = pool.s;
+    if (!be.max_pool2d_byte_winners(p) || p.N != s.N || p.C != s.K || p.H != s.P || p.W != s.Q) return false;
+  }
+  const ConvLayout layout_d = want_gx ? known_layout(be, dev, s, ConvKind::BackwardData, false, buf.dtype)
+                                      : ConvLayout::Plain;
+  const ConvLayout layout_w = want_gw ? known_layout(be, dev, s, ConvKind::BackwardWeight, bias, buf.dtype)
+                                      : ConvLayout::Plain;
+  if (layout_d == ConvLayout::Auto || layout_w == ConvLayout::Auto) return false;
+  ConvCache& cache = *be.state(dev).conv;
+  const int chunks = conv_chunks(s, be.threads_per_device(dev));
+  struct Chunk {
+    ConvEntry* data = nullptr;
+    ConvEntry* weight = nullptr;
+  };
+  std::vector<Chunk> parts(static_cast<std::size_t>(chunks));
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    for (int c = 0; c < chunks; ++c) {
+      Conv2dShape sc = s;
+      sc.N = s.N * (c + 1) / chunks - s.N * c / chunks;
+      Chunk& part = parts[static_cast<std::size_t>(c)];
+      if (want_gx)
+        part.data = &find_entry(cache, conv_key(sc, ConvKind::BackwardData, false, c, layout_d, false, buf.dtype), sc,
+                                dev);
+      if (want_gw)
+        part.weight =
+            &find_entry(cache, conv_key(sc, ConvKind::BackwardWeight, bias, c, layout_w, false, buf.dtype), sc, dev);
+      // Every chunk's primitives read gy in one layout that transpose_copy moves.
+      ConvArg* home = part.data ? &diff_dst_arg(*part.data) : &diff_dst_arg(*part.weight);
+      if (!home->internal || !home->by_own()) return false;
+      if (part.data && part.weight) {
+        const ConvArg& other = diff_dst_arg(*part.weight);
+        if (!other.internal || other.internal.get_desc() != home->internal.get_desc()) return false;
+      }
+    }
+  }
+  const i64 kpq = s.K * s.P * s.Q, chw = s.C * s.H * s.W;
+  constexpr i64 esize = 2;
+  auto at = [](const void* p, i64 i) { return static_cast<char*>(const_cast<void*>(p)) + i * esize; };
+  // Images per group of the pool's backward: the group's routed gradient stays in L2.
+  const i64 group = std::clamp<i64>(kPoolGroupBytes / (kpq * esize), 1, std::max<i64>(1, s.N / chunks));
+  if (want_gw) size_partials(cache, s, chunks, /*first_partial=*/0);
+  if (pool.on) {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    if (cache.pool_groups.size() < static_cast<std::size_t>(chunks)) cache.pool_groups.resize(chunks);
+    for (int c = 0; c < chunks; ++c)
+      cache.pool_groups[c].resize(static_cast<std::size_t>((group * kpq * esize + 3) / 4));
+  }
+  be.parallel_chunks(dev, chunks, [&](i64 c) {
+    omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
+    const i64 n0 = s.N * c / chunks, n1 = s.N * (c + 1) / chunks;
+    const Chunk& part = parts[static_cast<std::size_t>(c)];
+    ConvArg& home = part.data ? diff_dst_arg(*part.data) : diff_dst_arg(*part.weight);
+    auto* routed = static_cast<std::uint16_t*>(home.internal.get_data_handle());
+    if (pool.on) {
+      // The pool's backward a group at a time, each group reordered from L2 into place.
+      const Pool2dShape& p = pool.s;
+      const i64 ppq = p.P * p.Q;
+      auto* block = reinterpret_cast<std::uint16_t*>(cache.pool_groups[static_cast<std::size_t>(c)].data());
+      auto bits = [](const void* q, i64 i) { return static_cast<const std::uint16_t*>(q) + i; };
+      for (i64 g0 = n0; g0 < n1; g0 += group) {
+        const i64 n = std::min(group, n1 - g0);
+        maxpool_2x2_backward_bf16(bits(buf.gy, g0 * s.K * ppq), static_cast<const std::uint8_t*>(pool.winners) + g0 * s.K * ppq,
+                                  pool.relu_y ? bits(pool.relu_y, g0 * s.K * ppq) : nullptr, block, n * s.K, p.H, p.W,
+                                  p.P, p.Q);
+        reorder_own(OwnReorder{.into = home.own.into, .N = n, .C = home.own.C, .HW = home.own.HW}, block,
+                    routed + (g0 - n0) * kpq, /*to_plain=*/false);
+      }
+    } else {
+      reorder_own(home.own, at(buf.gy, n0 * kpq), routed, /*to_plain=*/false);
+    }
+    if (part.data) {
+      const void* ptrs[3] = {at(buf.gy, n0 * kpq), buf.w, at(buf.gx, n0 * chw)};  // gy: filled above
+      execute_entry(*part.data, ptrs, DNNL_ARG_DIFF_DST);
+    }
+    if (part.weight) {
+      float* gw = cache.partials[static_cast<std::size_t>(c)].data();
+      const void* ptrs[4] = {at(buf.x, n0 * chw), at(buf.gy, n0 * kpq), gw, gw + s.K * s.C * s.R * s.S};
+      // The same layout: the weight pass reads what the data pass read, then its own
+      // buffer again (ConvArg::buffer: the memory does not own it).
+      ConvArg& dst = diff_dst_arg(*part.weight);
+      dst.internal.set_data_handle(routed);
+      try {
+        execute_entry(*part.weight, ptrs, DNNL_ARG_DIFF_DST);
+      } catch (...) {
+        dst.internal.set_data_handle(dst.buffer.get());
+        throw;
+      }
+      dst.internal.set_data_handle(dst.buffer.get());
+    }
+  });
+  if (want_gw) sum_partials(cache, s, bias, chunks, /*first_partial=*/0, buf);
+  shared_backwards.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 }  // namespace
@@ -1109,6 +1279,8 @@ void CpuBackend::set_native_bf16_conv(bool on) { native_bf16_conv_.store(on); }
 
 void CpuBackend::set_own_conv_reorders(bool on) { own_reorders.store(on); }
 
+std::uint64_t CpuBackend::shared_conv_backwards() { return shared_backwards.load(std::memory_order_relaxed); }
+
 void CpuBackend::conv2d_bf16(Device dev, const Conv2dArgs& a) {
   const Conv2dShape& s = a.s;
   if (a.pool.on) {
@@ -1182,6 +1354,34 @@ void CpuBackend::conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWei
   if (a.gbias) rounded(*this, dev, gbias, a.gbias, s.K);
 }
 
+void CpuBackend::conv2d_backward_bf16(Device dev, const Conv2dBackwardArgs& a) {
+  const Conv2dShape& s = a.s;
+  check_conv_shape(s, "conv2d_backward");
+  if (native_bf16_conv()) {
+    std::unique_ptr<float, std::function<void(float*)>> gw, gb;
+    if (a.gw != nullptr) {
+      gw = widened(*this, dev, nullptr, weight_numel(s));
+      gb = widened(*this, dev, nullptr, s.K);
+    }
+    ConvBuffers buf;
+    buf.dtype = DType::BF16;
+    buf.x = a.x;
+    buf.w = a.w;
+    buf.gy = a.gy;
+    buf.gx = a.gx;
+    buf.gw = gw.get();
+    buf.gb = a.gw != nullptr && a.gbias != nullptr ? gb.get() : nullptr;
+    if (run_backward_shared(*this, dev, s, buf.gb != nullptr, buf, a.pool)) {
+      if (a.gw != nullptr) {
+        rounded(*this, dev, buf.gw, a.gw, weight_numel(s));
+        if (a.gbias != nullptr) rounded(*this, dev, buf.gb, a.gbias, s.K);
+      }
+      return;
+    }
+  }
+  conv2d_backward_by_ops(dev, DType::BF16, a);
+}
+
 namespace {
 
 /// The float32 Conv2d kernel: with a pool, the one-pass path where it applies (Note
@@ -1210,6 +1410,13 @@ void conv2d_backward_data_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBa
 void conv2d_backward_weight_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBackwardWeightArgs& a) {
   be.conv2d_backward_weight_bf16(dev, a);
 }
+void conv2d_backward_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBackwardArgs& a) {
+  be.conv2d_backward_bf16(dev, a);
+}
+/// float32's reorders are oneDNN's, over whole chunks: the passes one after another.
+void conv2d_backward_kernel(CpuBackend& be, Device dev, const Conv2dBackwardArgs& a) {
+  be.conv2d_backward_by_ops(dev, DType::F32, a);
+}
 
 }  // namespace
 
@@ -1218,6 +1425,8 @@ void CpuBackend::register_conv_kernels() {
   register_typed<Op::Conv2d, CpuBackend, &conv2d_bf16_kernel>(DType::BF16);
   register_typed<Op::Conv2dBackwardData, CpuBackend, &conv2d_backward_data_bf16_kernel>(DType::BF16);
   register_typed<Op::Conv2dBackwardWeight, CpuBackend, &conv2d_backward_weight_bf16_kernel>(DType::BF16);
+  register_typed<Op::Conv2dBackward, CpuBackend, &conv2d_backward_kernel>(DType::F32);
+  register_typed<Op::Conv2dBackward, CpuBackend, &conv2d_backward_bf16_kernel>(DType::BF16);
 }
 
 }  // namespace dp::backend::cpu

@@ -695,6 +695,13 @@ void conv2d_backward_weight_16bit(CudaBackend& be, Device dev, const Conv2dBackw
   }
 }
 
+/// The Conv2dBackward op: the passes one after another (Backend::conv2d_backward_by_ops).
+/// cuDNN reads gy in the tensors' own layout, so the passes have no reorder to share.
+template <DType dt>
+void conv2d_backward(CudaBackend& be, Device dev, const Conv2dBackwardArgs& a) {
+  be.conv2d_backward_by_ops(dev, dt, a);
+}
+
 }  // namespace
 
 void register_blas_kernels(CudaBackend& be) {
@@ -706,6 +713,9 @@ void register_blas_kernels(CudaBackend& be) {
   add<Op::Conv2dBackwardData, &conv2d_backward_data_16bit<DType::F16>>(be, DType::F16);
   add<Op::Conv2dBackwardWeight, &conv2d_backward_weight_16bit<DType::BF16>>(be, DType::BF16);
   add<Op::Conv2dBackwardWeight, &conv2d_backward_weight_16bit<DType::F16>>(be, DType::F16);
+  add<Op::Conv2dBackward, &conv2d_backward<DType::F32>>(be, DType::F32);
+  add<Op::Conv2dBackward, &conv2d_backward<DType::BF16>>(be, DType::BF16);
+  add<Op::Conv2dBackward, &conv2d_backward<DType::F16>>(be, DType::F16);
 }
 
 }  // namespace cuda_kernels
