@@ -282,6 +282,17 @@ struct CountNonfiniteArgs {
   std::int64_t n;
   std::int64_t* count;
 };
+/// x[i] = scale * x[i] + 0 in place (Affine's bits with beta 0: Tensor::mul_), and
+/// *found = 1 when some x[i] was NaN or infinite before the multiply. *found (float32,
+/// in the device's memory) is only ever set, never cleared, so calls over many tensors
+/// can share one flag, which the caller zeroes once and reads once (Note [Unscaling
+/// with one read per device] in src/nn/utils.cpp). Enqueued like any op: no host sync.
+struct ScaleFindNonfiniteArgs {
+  void* x;
+  std::int64_t n;
+  float scale;
+  float* found;
+};
 
 // ---- random (counter-based Philox: same numbers on every backend) ----------------------
 
@@ -720,6 +731,7 @@ struct AdamStepArgs {
   X(Reduce, "reduce", ReduceArgs)                             \
   X(Argmax, "argmax", ArgmaxArgs)                             \
   X(CountNonfinite, "count_nonfinite", CountNonfiniteArgs)                  \
+  X(ScaleFindNonfinite, "scale_find_nonfinite", ScaleFindNonfiniteArgs)    \
   X(FillUniform, "fill_uniform", FillUniformArgs)                          \
   X(FillNormal, "fill_normal", FillNormalArgs)                             \
   X(Dropout, "dropout", DropoutArgs)                                       \

@@ -1,8 +1,8 @@
 #include "dp/nn/utils.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
+#include <mutex>
 #include <vector>
 
 #include "backend/backend.h"
@@ -199,18 +199,46 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
   return total;
 }
 
+// Note [Unscaling with one read per device]
+// Unscaling touches every gradient of a step (every parameter, or every owned piece of
+// a set's copies), and on CUDA every host read is a synchronisation. Asking "did this
+// gradient overflow?" gradient by gradient (count_nonfinite, synchronous by contract)
+// would stall the host once per parameter — some 50 times in a GPT's step — and read
+// each gradient twice, for the check and for the multiply. So each gradient goes
+// through one backend op, ScaleFindNonfinite: one pass that multiplies in place and,
+// where it meets a NaN or an infinity, sets a float32 flag in the device's memory that
+// nothing clears. Each device gets one flag, zeroed once; all its gradients are
+// enqueued against it; each flag is read once, after the work of every device has been
+// queued — as PyTorch's _amp_foreach_non_finite_check_and_unscale_ fills one found_inf
+// per device. A step is thus one host read per device however many parameters there
+// are, and while the host waits for one device the others keep running. The answer is
+// the per-gradient check's: any non-finite element before scaling, on any copy; every
+// gradient is scaled even when one overflowed (the step is skipped anyway; PyTorch
+// unscales them all too); the multiply gives Tensor::mul_'s bits. The processes'
+// answers still meet in one exchange (Note [One decision everywhere] in
+// dp/optim/grad_scaler.h).
 bool scale_grads_find_nonfinite_(const ParameterList& params, double factor) {
   DP_CHECK(std::isfinite(factor), "scale_grads_find_nonfinite_: expected a finite factor, got ", factor);
   const float f = static_cast<float>(factor);
-  std::atomic<bool> found{false};  // copies run on their own workers
+  std::mutex mu;  // copies run on their own workers
+  std::vector<Tensor> flags;  // one per device, in the order first used
+  auto flag_on = [&](Device dev) -> float* {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const Tensor& t : flags)
+      if (t.device() == dev) return t.data<float>();
+    flags.push_back(zeros({1}, TensorOptions{Dtype::Float32, dev}));
+    return flags.back().data<float>();
+  };
   edit_every_copy(params, [&](Tensor& g) {
     if (g.numel() == 0) return;
     DP_CHECK(g.dtype() == Dtype::Float32, "scale_grads_find_nonfinite_: expected float32 gradients (master "
              "weights), got ", g.str());
-    if (backend::get(g.device()).count_nonfinite(g.device(), g.data<float>(), g.numel()) > 0) found = true;
-    g.mul_(f);
+    float* found = flag_on(g.device());
+    backend::get(g.device()).run<backend::Op::ScaleFindNonfinite>(
+        g.device(), backend::DType::F32, {g.mutable_data<float>(), g.numel(), f, found});
   });
-  bool any = found.load();
+  bool any = false;
+  for (const Tensor& flag : flags) any = any || flag.item() != 0.0;
   const auto& set = params.set();
   if (ProcessExchange* exchange = set ? process_exchange(*set) : nullptr) {
     // Each process checked only its own ranges (Note [Ranges across processes]).

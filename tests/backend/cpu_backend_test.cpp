@@ -911,6 +911,54 @@ TEST_CASE("count_nonfinite") {
   }
 }
 
+TEST_CASE("scale_find_nonfinite: mul_'s bits in one pass, and a flag only non-finite input sets") {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const float big = std::numeric_limits<float>::max(), tiny = std::numeric_limits<float>::denorm_min();
+  auto scale = [](std::vector<float>& x, float f, float& found) {
+    be().run<Op::ScaleFindNonfinite>(dev0(), DType::F32, {x.data(), static_cast<i64>(x.size()), f, &found});
+  };
+  auto mul_bits = [](const std::vector<float>& x, float f) {  // Tensor::mul_ is Affine with beta 0
+    std::vector<float> y(x.size());
+    be().run<Op::Affine>(dev0(), DType::F32, {x.data(), y.data(), static_cast<i64>(x.size()), f, 0.0f});
+    return y;
+  };
+  for (i64 n : kSizes)
+    for (float f : {1.0f / 65536.0f, 0.3f, 3.0f}) {
+      CAPTURE(n);
+      CAPTURE(f);
+      // Finite input, extremes included: -0, a subnormal, +-FLT_MAX (which 3.0 turns
+      // into infinities: only what x held before the multiply counts).
+      auto x = random_vec(n, 41, -1e4f, 1e4f);
+      const float extremes[] = {-0.0f, tiny, big, -big};
+      for (std::size_t k = 0; k < std::size(extremes) && k < x.size(); ++k)
+        x[static_cast<std::size_t>((static_cast<i64>(k) * 7919 + n - 1) % n)] = extremes[k];
+      std::vector<float> want = mul_bits(x, f);
+      float found = 0.0f;
+      scale(x, f, found);
+      CHECK(bitwise_equal(x, want));
+      CHECK(found == 0.0f);
+      if (n == 0) continue;
+      // One NaN or infinity anywhere — first, middle, last — sets the flag; every element
+      // is still multiplied.
+      for (i64 at : {i64{0}, n / 2, n - 1})
+        for (float bad : {nan, inf, -inf}) {
+          CAPTURE(at);
+          CAPTURE(bad);
+          auto y = random_vec(n, 42);
+          y[static_cast<std::size_t>(at)] = bad;
+          want = mul_bits(y, f);
+          found = 0.0f;
+          scale(y, f, found);
+          REQUIRE(bitwise_equal(y, want));
+          REQUIRE(found == 1.0f);
+          // Shared by the next tensor: a finite one leaves it set.
+          auto z = random_vec(n, 43);
+          scale(z, f, found);
+          REQUIRE(found == 1.0f);
+        }
+    }
+}
+
 // ---- GEMM ---------------------------------------------------------------------------------------
 
 TEST_CASE("gemm: all transposition combinations with padded leading dimensions") {

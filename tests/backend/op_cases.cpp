@@ -627,6 +627,38 @@ void add_count_nonfinite(Table& t, i64 n, bool with_nonfinite) {
         });
 }
 
+/// x *= scale in place with the shared flag; with non-finite elements (a NaN, an
+/// infinity, and the last element) the outputs are the finite runs between them and
+/// the flag, so every output stays finite. The Perf case scales by -1: timing calls it
+/// again and again, and x keeps its magnitude (no drift into subnormals).
+void add_scale_find_nonfinite(Table& t, i64 n, float scale, bool with_nonfinite) {
+  char by[32];
+  std::snprintf(by, sizeof by, " by %g", scale);
+  t.add(Kernel::ScaleFindNonfinite, cat(count(n), by, with_nonfinite ? " 3 non-finite" : ""), kExact, 0,
+        2 * kF * n, [=](OpRun& r) {
+          std::vector<float> v = r.host_uniform(n, -1, 1);
+          const i64 mid = n / 2;
+          if (with_nonfinite) {
+            v[5] = std::nanf("");
+            v[static_cast<std::size_t>(mid)] = INFINITY;
+            v[static_cast<std::size_t>(n - 1)] = -INFINITY;
+          }
+          float* x = r.upload(v);
+          float* found = r.upload(std::vector<float>{0.0f});
+          if (with_nonfinite) {
+            r.output("x[0, 5)", x, 5);
+            r.output("x(5, n/2)", x + 6, mid - 6);
+            r.output("x(n/2, n-1)", x + mid + 1, n - 2 - mid);
+          } else {
+            r.output("x", x, n);
+          }
+          r.output("found", found, 1);
+          r.set_call([=](Backend& b, Device d) {
+            b.run<Op::ScaleFindNonfinite>(d, DType::F32, {x, n, scale, found});
+          });
+        });
+}
+
 /// C(m×n) = alpha·op(A)·op(B) + beta·C with every leading dimension `pad` elements
 /// longer than its row; C's padding must come back untouched.
 void add_gemm(Table& t, i64 m, i64 n, i64 k, bool ta, bool tb, i64 pad, float alpha,
@@ -1362,6 +1394,8 @@ void add_check_suite(Table& t) {
                                  {1, 1000, 3}})
     add_argmax(t, outer, r, inner);
   add_count_nonfinite(t, kCheckN, true);
+  add_scale_find_nonfinite(t, kCheckN, 0.3f, true);  // products that round; the flag set
+  add_scale_find_nonfinite(t, kCheckN, 0.3f, false);
   for (bool ta : {false, true})
     for (bool tb : {false, true}) add_gemm(t, 33, 47, 29, ta, tb, 3, 0.5f, -1.25f);
   add_softmax_nll(t, 67, 13);
@@ -1422,6 +1456,7 @@ void add_perf_suite(Table& t) {
   add_reduce(t, kReduceRows[0], 1, 512, 1024);     // the MLP's bias gradient at batch 512
   add_argmax(t, kSide, kSide, 1);
   add_count_nonfinite(t, n, false);
+  add_scale_find_nonfinite(t, n, -1.0f, false);
   add_gemm(t, 512, 1024, 1024, false, false, 0, 1.0f, 0.0f);
   add_gemm(t, 1024, 1024, 1024, false, false, 0, 1.0f, 0.0f);
   add_gemm(t, 256, 128, 3136, false, true, 0, 1.0f, 0.0f, "(CNN fc1 forward)");

@@ -5,7 +5,8 @@
 // built on cpu:0 (the oracle) and on cuda:0 from the same inputs, run once, and every
 // output compared under the case's tolerance. The 16-bit convolutions are compared once
 // more on the CNN's own layer shapes, with the path each pass took (Note [16-bit
-// convolutions on CUDA]). The CUDA-only checks after them (caching allocator,
+// convolutions on CUDA]), and scale_find_nonfinite over the CPU test's sizes and
+// several calls on one flag. The CUDA-only checks after them (caching allocator,
 // pinned-block reuse, peer copies) are not op comparisons. Without a CUDA device the
 // binary exits 77, which Meson reports as SKIP.
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -17,6 +18,8 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <tuple>
@@ -347,6 +350,67 @@ TEST_CASE("a 16-bit convolution adds its bias before its one rounding") {
         MESSAGE(dp::backend::dtype_name(dt), ": the forward widened (", fwd.detail, "), so cuDNN's blend went untested");
     }
   }
+}
+
+// The op table compares one scale and size with the CPU; here the sizes of the CPU's
+// own test, the flag's life over several calls, and the bits of the CUDA Affine that
+// Tensor::mul_ runs: the scaler's unscale_ multiplies exactly as mul_ does.
+TEST_CASE("scale_find_nonfinite: the CPU's bits and flag, mul_'s bits, a flag no finite call clears") {
+  using dp::backend::DType;
+  using dp::backend::Op;
+  Side g = cuda_side(0);
+  Backend& cpu = dp::backend::get(dp::DeviceType::CPU);
+  const Device c0 = dp::cpu(0);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  };
+  for (i64 n : {i64{0}, i64{1}, i64{7}, i64{97}, i64{100003}})
+    for (float f : {1.0f / 65536.0f, 0.3f, 3.0f}) {
+      CAPTURE(n);
+      CAPTURE(f);
+      const auto un = static_cast<std::size_t>(n);
+      std::vector<float> x = randn(un, 51);
+      for (float& v : x) v *= 1e3f;
+      if (n > 1) x[un - 1] = std::numeric_limits<float>::max();  // finite before, infinite after 3.0
+      if (n > 2) x[un / 2] = -0.0f;
+      // Finite input: the CPU's bits, the CUDA Affine's bits, no flag.
+      std::vector<float> want = x;
+      float want_found = 0.0f;
+      cpu.run<Op::ScaleFindNonfinite>(c0, DType::F32, {want.data(), n, f, &want_found});
+      auto bx = g.up(x);
+      auto found = g.zeros(1);
+      g.b.run<Op::ScaleFindNonfinite>(g.d, DType::F32, {bx->f(), n, f, found->f()});
+      auto ax = g.up(x);
+      auto ay = g.zeros(un);
+      g.b.run<Op::Affine>(g.d, DType::F32, {ax->f(), ay->f(), n, f, 0.0f});
+      const std::vector<float> got = g.down(*bx, un);
+      CHECK(same_bits(got, want));
+      CHECK(same_bits(got, g.down(*ay, un)));
+      CHECK(want_found == 0.0f);
+      CHECK(g.down(*found, 1)[0] == 0.0f);
+      if (n == 0) continue;
+      // A NaN or infinity first, in the middle or last sets the flag; the next, finite
+      // call on the same flag leaves it set.
+      for (std::size_t at : {std::size_t{0}, un / 2, un - 1})
+        for (float bad : {nan, inf, -inf}) {
+          CAPTURE(at);
+          CAPTURE(bad);
+          std::vector<float> y = randn(un, 52);
+          y[at] = bad;
+          std::vector<float> want_y = y;
+          float cpu_found = 0.0f;
+          cpu.run<Op::ScaleFindNonfinite>(c0, DType::F32, {want_y.data(), n, f, &cpu_found});
+          auto by = g.up(y);
+          auto flag = g.zeros(1);
+          g.b.run<Op::ScaleFindNonfinite>(g.d, DType::F32, {by->f(), n, f, flag->f()});
+          auto bz = g.up(randn(un, 53));
+          g.b.run<Op::ScaleFindNonfinite>(g.d, DType::F32, {bz->f(), n, f, flag->f()});
+          REQUIRE(cpu_found == 1.0f);
+          REQUIRE(g.down(*flag, 1)[0] == 1.0f);
+          REQUIRE(same_bits(g.down(*by, un), want_y));
+        }
+    }
 }
 
 TEST_CASE("caching allocator reuses blocks and does not grow in a loop") {

@@ -59,7 +59,10 @@ void clip_grad_value_(const ParameterList& params, double clip_value);
 /// range), and returns true when any of them held a NaN or an infinity before — on any
 /// copy, and for a set sharded across processes on any process (then collective: every
 /// process must call it). The same answer on every copy and process, so a decision
-/// taken on it is taken everywhere. dp::amp::GradScaler's unscale_.
+/// taken on it is taken everywhere. One pass over each gradient and one host read per
+/// device (on CUDA one synchronisation per device, however many parameters; Note
+/// [Unscaling with one read per device] in src/nn/utils.cpp). dp::amp::GradScaler's
+/// unscale_.
 bool scale_grads_find_nonfinite_(const ParameterList& params, double factor);
 
 }  // namespace dp::nn::utils

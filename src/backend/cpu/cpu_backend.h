@@ -102,6 +102,10 @@ void binary_clone_bf16(BinaryOp op, const BFloat16* a, std::int64_t sa, const BF
 void affine_f32(const float* x, float* y, std::int64_t n, float alpha, float beta);
 void affine_bf16(const BFloat16* x, BFloat16* y, std::int64_t n, float alpha, float beta);
 void axpy_f32(float alpha, const float* x, float* y, std::int64_t n);
+/// x[i] = scale * x[i] + 0 in place (affine_f32's bits with beta 0), and whether some
+/// x[i] was NaN or infinite before: the ScaleFindNonfinite op's loop, one pass, with ISA
+/// clones (cpu_binary_clones.cpp).
+bool scale_find_nonfinite_f32(float* x, std::int64_t n, float scale);
 /// The cast kernel's float32 <-> bfloat16 loops, bit for bit, with ISA clones.
 void cast_f32_to_bf16(const float* x, BFloat16* y, std::int64_t n);
 void cast_bf16_to_f32(const BFloat16* x, float* y, std::int64_t n);

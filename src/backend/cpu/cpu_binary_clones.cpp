@@ -1,9 +1,11 @@
 // CPU backend: the float32 and bfloat16 loops of the binary ops +, -, *, / and of
-// affine and axpy, and the float32 <-> bfloat16 casts, with ISA clones.
+// affine and axpy, the float32 <-> bfloat16 casts, and the gradient scaler's multiply
+// with its non-finite check, with ISA clones.
 //
 // Built with the optimizer loops (src/backend/cpu/meson.build): with ISA clones where
 // the build allows them, chosen by the loader for the CPU at hand.
 #include <cstdint>
+#include <cstring>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_inner_loop.h"
@@ -75,6 +77,19 @@ DP_CPU_V4_V3_CLONES void cast_bf16_to_f32(const BFloat16* x, float* y, i64 n) {
 
 DP_CPU_V4_V3_CLONES void axpy_f32(float alpha, const float* x, float* y, i64 n) {
   for (i64 i = 0; i < n; ++i) y[i] = y[i] + alpha * x[i];
+}
+
+DP_CPU_V4_V3_CLONES bool scale_find_nonfinite_f32(float* x, i64 n, float scale) {
+  std::uint32_t bad = 0;
+  for (i64 i = 0; i < n; ++i) {
+    // Exponent all ones <=> Inf or NaN, as count_nonfinite tests it: an integer OR
+    // vectorises, std::isfinite may not.
+    std::uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    bad |= static_cast<std::uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+    x[i] = scale * x[i] + 0.0f;  // affine_loop's formula: the bits of Tensor::mul_
+  }
+  return bad != 0;
 }
 
 }  // namespace dp::backend::cpu

@@ -1,4 +1,5 @@
-// CPU backend: reductions over (outer, r, inner), argmax, count_nonfinite.
+// CPU backend: reductions over (outer, r, inner), argmax, count_nonfinite and
+// scale_find_nonfinite.
 //
 // Note [Deterministic reductions]
 // A float sum depends on its order, so the order must never depend on scheduling or on
@@ -9,6 +10,7 @@
 // runs which task, never what is added to what — results are bitwise identical run to
 // run and for any thread count.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -211,12 +213,25 @@ void count_nonfinite_f32(CpuBackend& be, Device dev, const CountNonfiniteArgs& a
   *a.count = total;
 }
 
+// One pass: each range scales its elements and notes a non-finite one; the flag is set
+// once, after the ranges, by the calling thread (never cleared: ScaleFindNonfiniteArgs).
+void scale_find_nonfinite(CpuBackend& be, Device dev, const ScaleFindNonfiniteArgs& a) {
+  float* x = static_cast<float*>(a.x);
+  const float scale = a.scale;
+  std::atomic<bool> found{false};
+  be.parallel_for(dev, a.n, kSerialGrain, [&](i64 b, i64 e) {
+    if (scale_find_nonfinite_f32(x + b, e - b, scale)) found.store(true, std::memory_order_relaxed);
+  });
+  if (found.load(std::memory_order_relaxed)) *a.found = 1.0f;
+}
+
 }  // namespace
 
 void CpuBackend::register_reduce_kernels() {
   register_typed<Op::Reduce, CpuBackend, &reduce_f32>(DType::F32);
   register_typed<Op::Argmax, CpuBackend, &argmax_f32>(DType::F32);
   register_typed<Op::CountNonfinite, CpuBackend, &count_nonfinite_f32>(DType::F32);
+  register_typed<Op::ScaleFindNonfinite, CpuBackend, &scale_find_nonfinite>(DType::F32);
 }
 
 }  // namespace dp::backend::cpu

@@ -1,5 +1,6 @@
 // CUDA backend: fills, casts, unary/binary elementwise ops, GELU, where, strided copies,
-// random fills, the non-finite count and the fused optimizer updates.
+// random fills, the non-finite count, the gradient scaler's multiply with its
+// non-finite flag and the fused optimizer updates.
 //
 // The per-element math comes from backend/functors.h, shared with the CPU backend; this
 // file only decides how a grid walks memory. Where the CPU backend writes a formula
@@ -287,6 +288,21 @@ __global__ void count_nonfinite_kernel(const float* __restrict__ x, i64 n,
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off /= 2) local += __shfl_xor_sync(0xffffffffu, local, off);
   if (threadIdx.x % kWarp == 0 && local) atomicAdd(count, local);
+}
+
+// One pass over x: the multiply is the affine kernel's with beta 0 (Tensor::mul_'s
+// bits), and a thread that saw a non-finite element stores 1 into the shared flag.
+// Every such store writes the same value and nothing clears it, so no atomic is needed,
+// and the flag is only touched when something overflowed.
+__global__ void scale_find_nonfinite_kernel(float* __restrict__ x, i64 n, float scale,
+                                            float* __restrict__ found) {
+  bool bad = false;
+  for (i64 i = global_thread(); i < n; i += grid_stride()) {
+    const float v = x[i];
+    bad = bad || !isfinite(v);
+    x[i] = __fadd_rn(__fmul_rn(scale, v), 0.0f);
+  }
+  if (bad) *found = 1.0f;
 }
 
 __global__ void sgd_kernel(SgdUpdate upd, float* __restrict__ param, const float* __restrict__ grad,
@@ -591,6 +607,14 @@ void count_nonfinite(cudaStream_t stream, const float* x, i64 n, unsigned long l
   DP_CUDA_CHECK_LAUNCH();
 }
 
+void scale_find_nonfinite(cudaStream_t stream, float* x, i64 n, float scale, float* found) {
+  check_count(n, "scale_find_nonfinite");
+  DP_CHECK(found != nullptr, "scale_find_nonfinite: expected a device flag, got null");
+  if (n == 0) return;
+  scale_find_nonfinite_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, n, scale, found);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
 void sgd_step(cudaStream_t stream, float* param, const float* grad, float* momentum_buf, i64 n,
               float lr, float momentum, float dampening, float weight_decay, bool nesterov,
               bool first_step) {
@@ -714,6 +738,10 @@ void count_nonfinite_f32(CudaBackend& be, Device dev, const CountNonfiniteArgs& 
   *a.count = static_cast<i64>(host);
 }
 
+void scale_find_nonfinite_f32(CudaBackend& be, Device dev, const ScaleFindNonfiniteArgs& a) {
+  k::scale_find_nonfinite(be.bind(dev), static_cast<float*>(a.x), a.n, a.scale, a.found);
+}
+
 /// Calls f(std::true_type) for GELU's tanh form, f(std::false_type) for the exact one.
 template <typename F>
 void with_gelu_form(bool tanh, F&& f) {
@@ -790,6 +818,7 @@ void register_elementwise_kernels(CudaBackend& be) {
   add<Op::Gather, &table::gather<float>>(be, DType::F32);
   add<Op::ScatterAdd, &table::scatter_add<float>>(be, DType::F32);
   add<Op::CountNonfinite, &table::count_nonfinite_f32>(be, DType::F32);
+  add<Op::ScaleFindNonfinite, &table::scale_find_nonfinite_f32>(be, DType::F32);
   add<Op::Gelu, &table::gelu<float>>(be, DType::F32);
   add<Op::GeluBackward, &table::gelu_backward<float>>(be, DType::F32);
   register_16bit<BFloat16>(be);

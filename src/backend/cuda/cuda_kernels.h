@@ -86,6 +86,9 @@ void dropout(cudaStream_t stream, const float* x, float* y, float* mask, std::in
 /// Adds the number of non-finite x[i] to *count (a device counter the caller zeroed).
 void count_nonfinite(cudaStream_t stream, const float* x, std::int64_t n,
                      unsigned long long* count);
+/// x[i] = scale * x[i] + 0 in place (the affine kernel's bits), and *found = 1 (a device
+/// flag) when some x[i] was non-finite before; never clears *found. No host sync.
+void scale_find_nonfinite(cudaStream_t stream, float* x, std::int64_t n, float scale, float* found);
 void sgd_step(cudaStream_t stream, float* param, const float* grad, float* momentum_buf,
               std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
               bool nesterov, bool first_step);
