@@ -2200,6 +2200,68 @@ TEST_CASE("2x2 max-pool with byte places: the int64 path's output and gradient b
   CHECK_FALSE(dp::backend::get(dp::DeviceType::CUDA).max_pool2d_byte_winners(ok));
 }
 
+TEST_CASE("2x2 max-pool in AVX-512: the portable loops' outputs, places and gradients bit for bit") {
+  // Note [float32 max-pool in AVX-512]: both paths on the same planes, switched by
+  // set_pool_avx512, for every width 1..40 (rows of 0..20 windows: none, a partial
+  // vector, a whole one and one and a partial), odd and even heights, inputs drawn from
+  // a few values (ties, -0 against +0) and NaNs of several payloads and signs, and
+  // gradients and ReLU masks with NaN, -0 and infinities.
+  const bool was = cpu::set_pool_avx512(true);
+  if (!cpu::pool_avx512()) MESSAGE("no AVX-512 on this CPU: both runs take the portable loops");
+  auto from_bits = [](std::uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    return f;
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  const float values[] = {0.0f, -0.0f, 1.0f, -1.0f, 0.5f, 2.0f, inf, -inf,
+                          from_bits(0x7FC00000u), from_bits(0xFFC00000u), from_bits(0x7FC12345u),
+                          from_bits(0xFF800001u), from_bits(0x00000001u), from_bits(0x80000001u)};
+  std::mt19937 gen(2024);
+  std::uniform_int_distribution<int> pick(0, static_cast<int>(std::size(values)) - 1);
+  std::uniform_int_distribution<int> common(0, 5);  // the numbers, most of the time
+  auto draw = [&](std::size_t n) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = gen() % 4 == 0 ? values[pick(gen)] : values[common(gen)];
+    return v;
+  };
+  for (i64 W = 1; W <= 40; ++W) {
+    for (i64 H : {2, 3, 4, 7}) {
+      CAPTURE(W);
+      CAPTURE(H);
+      Pool2dShape s = pool_shape(2, 3, H, W, 2, 2, 0);
+      s.Q = W / 2;  // no window where W is 1
+      const std::size_t nx = static_cast<std::size_t>(s.N * s.C * H * W);
+      const std::size_t ny = static_cast<std::size_t>(s.N * s.C * s.P * s.Q);
+      const auto x = draw(nx), gy = draw(ny), ry = draw(ny);
+      std::vector<float> y[2], gx[2], gx_pool_mask[2], gx_mask[2];
+      std::vector<std::uint8_t> where[2];
+      for (int avx512 : {0, 1}) {
+        cpu::set_pool_avx512(avx512 == 1);
+        y[avx512].assign(ny, 7.0f);
+        where[avx512].assign(ny, 0xee);
+        // 7.0 is no value either path writes: every element must be written.
+        gx[avx512].assign(nx, 7.0f);
+        gx_pool_mask[avx512].assign(nx, 7.0f);
+        gx_mask[avx512].assign(nx, 7.0f);
+        be().maxpool2d_2x2_forward(dev0(), s, x.data(), y[avx512].data(), where[avx512].data());
+        be().maxpool2d_2x2_backward(dev0(), s, gy.data(), where[avx512].data(), nullptr, gx[avx512].data());
+        // The pool's own output as the mask (MaxPool2d after a ReLU), and one with NaN,
+        // -0 and infinities in other places.
+        be().maxpool2d_2x2_backward(dev0(), s, gy.data(), where[avx512].data(), y[avx512].data(),
+                                    gx_pool_mask[avx512].data());
+        be().maxpool2d_2x2_backward(dev0(), s, gy.data(), where[avx512].data(), ry.data(), gx_mask[avx512].data());
+      }
+      CHECK(bitwise_equal(y[1], y[0]));
+      CHECK(where[1] == where[0]);
+      CHECK(bitwise_equal(gx[1], gx[0]));
+      CHECK(bitwise_equal(gx_pool_mask[1], gx_pool_mask[0]));
+      CHECK(bitwise_equal(gx_mask[1], gx_mask[0]));
+    }
+  }
+  cpu::set_pool_avx512(was);
+}
+
 TEST_CASE("MaxPool2d's kernels with the ReLU mask and a convolution's pool: the ops they fuse, bit for bit") {
   // Note [Fusions are the backend's]: MaxPool2dBackward with relu_y equals
   // max_pool2d_backward_by_ops (the mask, then the backward), and a Conv2d call with a

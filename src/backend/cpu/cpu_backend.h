@@ -157,7 +157,8 @@ void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, st
 
 /// Planes [begin, end) of a 2x2, stride-2, unpadded max-pool whose windows lie inside
 /// the input, with byte places (Note [Max-pool winners in a byte]), on the calling
-/// thread: what maxpool2d_2x2_forward runs per task. s.N is not read.
+/// thread: what maxpool2d_2x2_forward runs per task, in AVX-512 registers where the CPU
+/// has them (maxpool_2x2_avx512 below), with the same bits. s.N is not read.
 void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, std::int64_t begin,
                         std::int64_t end);
 /// The same over bfloat16 planes, each pooled in float32 and rounded (Note [16-bit
@@ -182,6 +183,24 @@ void maxpool_2x2_bf16_clones(const std::uint16_t* x, std::uint16_t* y, std::uint
 void maxpool_2x2_backward_bf16_clones(const std::uint16_t* gy, const std::uint8_t* where,
                                       const std::uint16_t* relu_y, std::uint16_t* gx, std::int64_t planes,
                                       std::int64_t H, std::int64_t W, std::int64_t P, std::int64_t Q);
+
+/// `planes` planes (H x W in, P x Q out, contiguous) of the float32 2x2, stride-2 max-pool
+/// with byte places, and its input gradient (masked by the pool's output relu_y when it
+/// is not null), in AVX-512 registers (Note [float32 max-pool in AVX-512] in
+/// cpu_pool_avx512.cpp), with the bits of cpu_nn.cpp's portable loops. Return false,
+/// having written nothing, where the CPU lacks AVX-512 or the AVX-512 paths are off
+/// (DP_CPU_POOL_AVX512=0, set_pool_avx512): the caller then runs the portable loops.
+bool maxpool_2x2_avx512(const float* x, float* y, std::uint8_t* where, std::int64_t planes, std::int64_t H,
+                        std::int64_t W, std::int64_t P, std::int64_t Q);
+bool maxpool_2x2_backward_avx512(const float* gy, const std::uint8_t* where, const float* relu_y, float* gx,
+                                 std::int64_t planes, std::int64_t H, std::int64_t W, std::int64_t P,
+                                 std::int64_t Q);
+/// Turns the pools' AVX-512 paths (bfloat16 and float32) on or off for the whole process,
+/// as DP_CPU_POOL_AVX512=0 does at start, and returns the previous setting. For tests
+/// that compare the paths; not while a pool runs.
+bool set_pool_avx512(bool on);
+/// Whether the pools' AVX-512 paths run: the setting above, on a CPU with AVX-512.
+bool pool_avx512();
 
 // Note [oneDNN in the device's arena]
 // Debian's oneDNN threads with OpenMP. Called with a team of the device's T threads, it

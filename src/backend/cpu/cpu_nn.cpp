@@ -52,7 +52,10 @@ void check_pool_shape(const Pool2dShape& s, const char* op) {
 // a multiple of four ends with its last four windows done again as one vector (the
 // same values written twice), not with a scalar remainder: the CNN's 14- and 7-wide
 // outputs are 14 % and 43 % remainder, and their compares mispredicted as above
-// (figures: docs/benchmarks/kernel-notes.md, "Max-pool 2x2 in vectors").
+// (figures: docs/benchmarks/kernel-notes.md, "Max-pool 2x2 in vectors"). On a CPU with
+// AVX-512 the pool with byte places and its backward run 16 windows per vector instead,
+// with these loops' bits (Note [float32 max-pool in AVX-512] in cpu_pool_avx512.cpp);
+// these loops stay for every other CPU and for the int64 indices.
 using f32x4 = float __attribute__((vector_size(16)));
 using i32x4 = std::int32_t __attribute__((vector_size(16)));
 using i64x4 = std::int64_t __attribute__((vector_size(32)));
@@ -346,6 +349,19 @@ void maxpool_2x2_backward_plane(const Pool2dShape& s, const float* gyp, const st
   }
 }
 
+/// Planes [begin, end) of the input gradient from byte places, masked by ry when it is
+/// not null: in AVX-512 registers where the CPU has them (Note [float32 max-pool in
+/// AVX-512] in cpu_pool_avx512.cpp), else plane by plane above, with the same bits.
+void maxpool_2x2_backward_planes(const Pool2dShape& s, const float* gy, const std::uint8_t* where, const float* ry,
+                                 float* gx, i64 begin, i64 end) {
+  const i64 hw = s.H * s.W, pq = s.P * s.Q;
+  if (maxpool_2x2_backward_avx512(gy + begin * pq, where + begin * pq, ry ? ry + begin * pq : nullptr, gx + begin * hw,
+                                  end - begin, s.H, s.W, s.P, s.Q))
+    return;
+  for (i64 pl = begin; pl < end; ++pl)
+    maxpool_2x2_backward_plane(s, gy + pl * pq, where + pl * pq, ry ? ry + pl * pq : nullptr, gx + pl * hw);
+}
+
 }  // namespace
 
 void CpuBackend::maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
@@ -406,6 +422,8 @@ void CpuBackend::maxpool2d_backward(Device dev, const Pool2dShape& s, const floa
 
 void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, i64 begin, i64 end) {
   const i64 hw = s.H * s.W, pq = s.P * s.Q;
+  // Note [float32 max-pool in AVX-512] (cpu_pool_avx512.cpp): the same bits.
+  if (maxpool_2x2_avx512(x + begin * hw, y + begin * pq, where + begin * pq, end - begin, s.H, s.W, s.P, s.Q)) return;
   for (i64 pl = begin; pl < end; ++pl) maxpool_2x2_plane(s, x + pl * hw, y + pl * pq, where + pl * pq);
 }
 
@@ -419,12 +437,8 @@ void CpuBackend::maxpool2d_2x2_forward(Device dev, const Pool2dShape& s, const f
 void CpuBackend::maxpool2d_2x2_backward(Device dev, const Pool2dShape& s, const float* gy,
                                         const std::uint8_t* where, const float* relu_y, float* gx) {
   check_2x2_inside(s, "maxpool2d_2x2_backward");
-  const i64 planes = s.N * s.C, hw = s.H * s.W, pq = s.P * s.Q;
-  parallel_for(dev, planes, plane_grain(hw + pq), [&](i64 b, i64 e) {
-    for (i64 pl = b; pl < e; ++pl)
-      maxpool_2x2_backward_plane(s, gy + pl * pq, where + pl * pq, relu_y ? relu_y + pl * pq : nullptr,
-                                 gx + pl * hw);
-  });
+  parallel_for(dev, s.N * s.C, plane_grain(s.H * s.W + s.P * s.Q),
+               [&](i64 b, i64 e) { maxpool_2x2_backward_planes(s, gy, where, relu_y, gx, b, e); });
 }
 
 // Note [16-bit max-pool]
@@ -514,7 +528,7 @@ void maxpool_kernel(CpuBackend& be, Device dev, const MaxPool2dArgs& a) {
       for (i64 pl = b; pl < e; ++pl) {
         widen(x + pl * hw, xf.data(), hw);
         if (bytes) {
-          maxpool_2x2_plane(s, xf.data(), yf.data(), where + pl * pq);
+          maxpool_2x2_planes(s, xf.data(), yf.data(), where + pl * pq, 0, 1);
         } else {
           maxpool_plane(s, xf.data(), yf.data(), idx ? idx + pl * pq : nullptr);
         }
@@ -572,7 +586,7 @@ void maxpool_backward_kernel(CpuBackend& be, Device dev, const MaxPool2dBackward
         if (ry) widen(ry + pl * pq, ryf.data(), pq);
         const float* ryp = ry ? ryf.data() : nullptr;
         if (bytes) {
-          maxpool_2x2_backward_plane(s, gyf.data(), where + pl * pq, ryp, gxf.data());
+          maxpool_2x2_backward_planes(s, gyf.data(), where + pl * pq, ryp, gxf.data(), 0, 1);
         } else {
           maxpool_backward_plane(s, gyf.data(), idx + pl * pq, ryp, gxf.data());
         }
