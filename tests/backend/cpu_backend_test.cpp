@@ -1735,17 +1735,25 @@ TEST_CASE("bf16 conv2d: transpose_copy's reorders give oneDNN's reorders' bits i
 
 namespace {
 
-/// Conv2dBackward of one bfloat16 convolution (with pool.on, of the ReLU'd, pooled one)
-/// in one call and as the separate ops; every output of the two bit for bit.
+/// Conv2dBackward of one convolution in T (float or BFloat16; with pool.on, of the
+/// ReLU'd, pooled one) in one call and as the separate ops; every output of the two bit
+/// for bit.
+template <typename T>
 void check_conv_backward_in_one_call(const Conv2dShape& s, bool pool, bool want_gx, bool want_gw, bool bias,
                                      unsigned seed) {
   CAPTURE(s.N); CAPTURE(s.C); CAPTURE(s.H); CAPTURE(s.K); CAPTURE(s.P); CAPTURE(s.Q);
   CAPTURE(pool); CAPTURE(want_gx); CAPTURE(want_gw); CAPTURE(bias);
-  const DType dt = DType::BF16;
-  const auto x = to_bf16(random_vec(s.N * s.C * s.H * s.W, seed)), w = to_bf16(random_vec(s.K * s.C * s.R * s.S, seed + 1));
-  const auto b = to_bf16(random_vec(s.K, seed + 2));
+  constexpr bool f32 = std::is_same_v<T, float>;
+  const DType dt = f32 ? DType::F32 : DType::BF16;
+  CAPTURE(f32);
+  auto draw = [](i64 n, unsigned sd) {
+    const std::vector<float> v = random_vec(n, sd);
+    return std::vector<T>(v.begin(), v.end());
+  };
+  auto wide = [](const std::vector<T>& v) { return std::vector<float>(v.begin(), v.end()); };
+  const auto x = draw(s.N * s.C * s.H * s.W, seed), w = draw(s.K * s.C * s.R * s.S, seed + 1), b = draw(s.K, seed + 2);
   ConvPoolBackward prologue;
-  std::vector<BFloat16> pooled;
+  std::vector<T> pooled;
   std::vector<std::int32_t> winners;
   i64 ny = s.N * s.K * s.P * s.Q;
   if (pool) {
@@ -1757,22 +1765,22 @@ void check_conv_backward_in_one_call(const Conv2dShape& s, bool pool, bool want_
     prologue = {.on = true, .s = ps, .winners = winners.data(), .relu_y = pooled.data()};
     ny = static_cast<i64>(pooled.size());
   }
-  const auto gy = to_bf16(random_vec(ny, seed + 3));
+  const auto gy = draw(ny, seed + 3);
   struct Grads {
-    std::vector<BFloat16> gx, gw, gb;
+    std::vector<T> gx, gw, gb;
   };
-  const BFloat16 nan(std::numeric_limits<float>::quiet_NaN());
+  const T nan(std::numeric_limits<float>::quiet_NaN());
   auto outputs = [&] {
-    return Grads{std::vector<BFloat16>(want_gx ? x.size() : 0, nan), std::vector<BFloat16>(want_gw ? w.size() : 0, nan),
-                 std::vector<BFloat16>(want_gw && bias ? b.size() : 0, nan)};
+    return Grads{std::vector<T>(want_gx ? x.size() : 0, nan), std::vector<T>(want_gw ? w.size() : 0, nan),
+                 std::vector<T>(want_gw && bias ? b.size() : 0, nan)};
   };
-  auto ptr = [](std::vector<BFloat16>& v) -> void* { return v.empty() ? nullptr : v.data(); };
+  auto ptr = [](std::vector<T>& v) -> void* { return v.empty() ? nullptr : v.data(); };
   Grads one = outputs(), ops = outputs();
   const std::uint64_t before = CpuBackend::shared_conv_backwards();
   be().run<Op::Conv2dBackward>(dev0(), dt, {s, gy.data(), x.data(), w.data(), ptr(one.gx), ptr(one.gw), ptr(one.gb),
                                             prologue});
   const bool shared = CpuBackend::shared_conv_backwards() > before;
-  std::vector<BFloat16> routed(static_cast<std::size_t>(s.N * s.K * s.P * s.Q));
+  std::vector<T> routed(static_cast<std::size_t>(s.N * s.K * s.P * s.Q));
   const void* g = gy.data();
   if (pool) {
     be().run<Op::MaxPool2dBackward>(dev0(), dt, {prologue.s, gy.data(), winners.data(), pooled.data(), routed.data()});
@@ -1780,56 +1788,62 @@ void check_conv_backward_in_one_call(const Conv2dShape& s, bool pool, bool want_
   }
   if (want_gx) be().run<Op::Conv2dBackwardData>(dev0(), dt, {s, g, w.data(), ops.gx.data()});
   if (want_gw) be().run<Op::Conv2dBackwardWeight>(dev0(), dt, {s, x.data(), g, ptr(ops.gw), ptr(ops.gb)});
-  CHECK(bitwise_equal(widen(one.gx), widen(ops.gx)));
-  CHECK(bitwise_equal(widen(one.gw), widen(ops.gw)));
-  CHECK(bitwise_equal(widen(one.gb), widen(ops.gb)));
+  CHECK(bitwise_equal(wide(one.gx), wide(ops.gx)));
+  CHECK(bitwise_equal(wide(one.gw), wide(ops.gw)));
+  CHECK(bitwise_equal(wide(one.gb), wide(ops.gb)));
   // Not vacuous: the gradients were written (no output left at its NaN fill).
   for (const auto* v : {&one.gx, &one.gw, &one.gb}) {
-    CHECK(std::none_of(v->begin(), v->end(), [](BFloat16 e) { return std::isnan(static_cast<float>(e)); }));
-    CHECK((v->empty() || std::any_of(v->begin(), v->end(), [](BFloat16 e) { return static_cast<float>(e) != 0.0f; })));
+    CHECK(std::none_of(v->begin(), v->end(), [](T e) { return std::isnan(static_cast<float>(e)); }));
+    CHECK((v->empty() || std::any_of(v->begin(), v->end(), [](T e) { return static_cast<float>(e) != 0.0f; })));
   }
   // Where both passes read gy in a layout transpose_copy moves, it was built once.
-  if (be().native_bf16_conv() && be().conv_layout() == cpu::ConvLayout::Blocked && s.K % 16 == 0 && !want_gx)
+  if ((f32 || be().native_bf16_conv()) && be().conv_layout() == cpu::ConvLayout::Blocked && s.K % 16 == 0 && !want_gx)
     CHECK(shared);
-  if (shared) MESSAGE("shared gy: N=", s.N, " C=", s.C, " K=", s.K, " pool ", pool, " gx ", want_gx);
+  if (shared) MESSAGE("shared gy: ", std::string(f32 ? "f32" : "bf16"), " N=", s.N, " C=", s.C, " K=", s.K, " pool ", pool, " gx ", want_gx);
 }
 
-}  // namespace
-
-TEST_CASE("bf16 conv2d backward in one call: the separate ops' bits, gy built once where the passes share it") {
-  // Note [Convolution backward in one call].
+template <typename T>
+void check_conv_backwards_in_one_call() {
   for (cpu::ConvLayout layout : {cpu::ConvLayout::Blocked, cpu::ConvLayout::Plain, cpu::ConvLayout::Auto}) {
     CAPTURE(int(layout));
     be().set_conv_layout(layout);
     unsigned seed = 300;
     for (bool pool : {true, false}) {
       for (bool bias : {true, false}) {
-        check_conv_backward_in_one_call(conv_shape(5, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), pool, false, true, bias,
-                                        seed++);  // CNN layer 1: the weight pass only
-        check_conv_backward_in_one_call(conv_shape(5, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), pool, true, true, bias,
-                                        seed++);  // CNN layer 2
+        check_conv_backward_in_one_call<T>(conv_shape(5, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), pool, false, true, bias,
+                                           seed++);  // CNN layer 1: the weight pass only
+        check_conv_backward_in_one_call<T>(conv_shape(5, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), pool, true, true, bias,
+                                           seed++);  // CNN layer 2
       }
-      check_conv_backward_in_one_call(conv_shape(3, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), pool, true, false, true,
-                                      seed++);  // the data pass only
-      check_conv_backward_in_one_call(conv_shape(3, 16, 7, 9, 48, 3, 3, 1, 1, 1, 1), pool, true, true, true,
-                                      seed++);  // an odd pool: the last row and column route nothing
-      check_conv_backward_in_one_call(conv_shape(2, 24, 10, 10, 20, 3, 3, 1, 1, 1, 1), pool, true, true, true,
-                                      seed++);  // K not a multiple of 16
-      // Chunks of several groups of the pool's backward (512 KiB of gy each: 10 and 20
-      // images), the last one short.
-      check_conv_backward_in_one_call(conv_shape(23, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), pool, false, true, true,
-                                      seed++);
-      check_conv_backward_in_one_call(conv_shape(45, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), pool, true, true, true,
-                                      seed++);
+      check_conv_backward_in_one_call<T>(conv_shape(3, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), pool, true, false, true,
+                                         seed++);  // the data pass only
+      check_conv_backward_in_one_call<T>(conv_shape(3, 16, 7, 9, 48, 3, 3, 1, 1, 1, 1), pool, true, true, true,
+                                         seed++);  // an odd pool: the last row and column route nothing
+      check_conv_backward_in_one_call<T>(conv_shape(2, 24, 10, 10, 20, 3, 3, 1, 1, 1, 1), pool, true, true, true,
+                                         seed++);  // K not a multiple of 16
+      // Chunks of several groups of the pool's backward (512 KiB of gy each), the last
+      // one short.
+      check_conv_backward_in_one_call<T>(conv_shape(23, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1), pool, false, true, true,
+                                         seed++);
+      check_conv_backward_in_one_call<T>(conv_shape(45, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), pool, true, true, true,
+                                         seed++);
     }
     // oneDNN's reorders (tests): the call runs as the separate ops.
     CpuBackend::set_own_conv_reorders(false);
     const std::uint64_t before = CpuBackend::shared_conv_backwards();
-    check_conv_backward_in_one_call(conv_shape(3, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), true, true, true, true, 399);
+    check_conv_backward_in_one_call<T>(conv_shape(3, 32, 14, 14, 64, 3, 3, 1, 1, 1, 1), true, true, true, true, 399);
     CHECK(CpuBackend::shared_conv_backwards() == before);
     CpuBackend::set_own_conv_reorders(true);
   }
   be().set_conv_layout(cpu::ConvLayout::Auto);
+}
+
+}  // namespace
+
+TEST_CASE("conv2d backward in one call: the separate ops' bits, gy built once where the passes share it") {
+  // Note [Convolution backward in one call].
+  SUBCASE("float32") { check_conv_backwards_in_one_call<float>(); }
+  SUBCASE("bfloat16") { check_conv_backwards_in_one_call<BFloat16>(); }
 }
 
 TEST_CASE("bf16 gemm: every transposition, padded, in slabs, within one rounding of float32; a transposed A "

@@ -161,6 +161,11 @@ void dropout_range(const float* x, float* y, float* mask, std::int64_t begin, st
 /// has them (maxpool_2x2_avx512 below), with the same bits. s.N is not read.
 void maxpool_2x2_planes(const Pool2dShape& s, const float* x, float* y, std::uint8_t* where, std::int64_t begin,
                         std::int64_t end);
+/// Planes [begin, end) of that pool's input gradient from the byte places, masked by
+/// the pool's output ry (> 0) when it is not null: what maxpool2d_2x2_backward runs per
+/// task, with the same bits.
+void maxpool_2x2_backward_planes(const Pool2dShape& s, const float* gy, const std::uint8_t* where, const float* ry,
+                                 float* gx, std::int64_t begin, std::int64_t end);
 /// The same over bfloat16 planes, each pooled in float32 and rounded (Note [16-bit
 /// max-pool]): the bits of the float32 pool of the widened planes, rounded.
 void maxpool_2x2_planes(const Pool2dShape& s, const BFloat16* x, BFloat16* y, std::uint8_t* where,
@@ -341,6 +346,7 @@ class CpuBackend final : public Backend {
   void conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWeightArgs& a);
   /// Both backward passes, sharing gy in the primitives' layout where they can (Note
   /// [Convolution backward in one call]).
+  void conv2d_backward(Device dev, const Conv2dBackwardArgs& a);
   void conv2d_backward_bf16(Device dev, const Conv2dBackwardArgs& a);
   /// Whether the bfloat16 convolutions run natively: this CPU has the instructions and
   /// set_native_bf16_conv(false) was not called.

@@ -122,12 +122,14 @@ struct ConvKeyHash {
 // oneDNN's. A reorder moves bits, so the primitives see the same operands, which
 // set_own_conv_reorders(false) (tests) checks against oneDNN's own reorders.
 
-/// An activation argument reordered between NCHW and the primitive's layout by
-/// transpose_copy (Note [bfloat16 blocked reorders]): N images of C channels of HW
-/// pixels, into nChw16c (C a multiple of 16) or NHWC.
+/// An activation argument that transpose_copy can move between NCHW and the
+/// primitive's layout (Note [bfloat16 blocked reorders]): N images of C channels of HW
+/// pixels, into nChw16c (C a multiple of 16) or NHWC, elements of `esize` bytes (2:
+/// bfloat16, 4: float32).
 struct OwnReorder {
   enum class Into { None, NChw16c, Nhwc } into = Into::None;
   i64 N = 0, C = 0, HW = 0;
+  int esize = 2;
 };
 
 /// Whether transpose_copy moves the 16-bit activations (the default) or oneDNN's
@@ -143,12 +145,16 @@ struct ConvArg {
   memory user;
   memory internal;  // empty when no reorder is needed
   dnnl::reorder reorder;  // oneDNN's reorder
-  OwnReorder own;         // the reorder by transpose_copy, where it applies
+  OwnReorder own;         // the reorder transpose_copy can run, where it applies
   /// internal's buffer, ours rather than oneDNN's: a memory that owns its buffer frees it
   /// when set_data_handle points it elsewhere (Note [Convolution backward in one call]
   /// points one primitive's gy at another's).
   std::unique_ptr<void, void (*)(void*)> buffer{nullptr, std::free};
-  bool by_own() const { return own.into != OwnReorder::Into::None && own_reorders.load(std::memory_order_relaxed); }
+  /// Whether transpose_copy can move this argument (tests may say no to all).
+  bool movable() const { return own.into != OwnReorder::Into::None && own_reorders.load(std::memory_order_relaxed); }
+  /// Whether every call moves it by transpose_copy: bfloat16 arguments (oneDNN 2.6 moves
+  /// float32 ones with its blocked-reorder kernel already).
+  bool by_own() const { return movable() && own.esize == 2; }
 };
 
 struct ConvEntry {
@@ -182,26 +188,31 @@ void ConvCacheDeleter::operator()(ConvCache* cache) const noexcept { delete cach
 
 namespace {
 
-/// Whether the reorder between user_md and prim_md is a bfloat16 NCHW <-> nChw16c or
-/// NCHW <-> NHWC one that transpose_copy runs (Note [bfloat16 blocked reorders]).
+/// Whether the reorder between user_md and prim_md is a bfloat16 or float32 NCHW <->
+/// nChw16c or NCHW <-> NHWC one that transpose_copy can run (Note [bfloat16 blocked
+/// reorders]).
 OwnReorder own_reorder_of(const memory::desc& user_md, const memory::desc& prim_md) {
   const memory::dims d = user_md.dims();
-  constexpr auto bf16 = memory::data_type::bf16;
-  if (d.size() != 4 || user_md.data_type() != bf16 || user_md != memory::desc(d, bf16, tag::nchw)) return {};
-  OwnReorder r{.into = OwnReorder::Into::None, .N = d[0], .C = d[1], .HW = d[2] * d[3]};
-  if (d[1] % 16 == 0 && prim_md == memory::desc(d, bf16, tag::nChw16c)) {
+  const auto dt = user_md.data_type();
+  if (d.size() != 4 || (dt != memory::data_type::bf16 && dt != memory::data_type::f32) ||
+      user_md != memory::desc(d, dt, tag::nchw))
+    return {};
+  OwnReorder r{.into = OwnReorder::Into::None, .N = d[0], .C = d[1], .HW = d[2] * d[3],
+               .esize = dt == memory::data_type::f32 ? 4 : 2};
+  if (d[1] % 16 == 0 && prim_md == memory::desc(d, dt, tag::nChw16c)) {
     r.into = OwnReorder::Into::NChw16c;
-  } else if (prim_md == memory::desc(d, bf16, tag::nhwc)) {
+  } else if (prim_md == memory::desc(d, dt, tag::nhwc)) {
     r.into = OwnReorder::Into::Nhwc;
   }
   return r.into == OwnReorder::Into::None ? OwnReorder{} : r;
 }
 
 /// The reorder of Note [bfloat16 blocked reorders]: NCHW `from` into the primitive's
-/// layout `to`, or back when `to_plain`.
-void reorder_own(const OwnReorder& r, const void* from, void* to, bool to_plain) {
-  const auto* src = static_cast<const std::uint16_t*>(from);
-  auto* dst = static_cast<std::uint16_t*>(to);
+/// layout `to`, or back when `to_plain`; T is the element's bits.
+template <typename T>
+void reorder_own_typed(const OwnReorder& r, const void* from, void* to, bool to_plain) {
+  const auto* src = static_cast<const T*>(from);
+  auto* dst = static_cast<T*>(to);
   for (i64 n = 0; n < r.N; ++n) {
     if (r.into == OwnReorder::Into::Nhwc) {  // C x HW <-> HW x C, at the image's offset either way
       const i64 at = n * r.C * r.HW;
@@ -220,6 +231,13 @@ void reorder_own(const OwnReorder& r, const void* from, void* to, bool to_plain)
         transpose_copy(src + plain, r.HW, 16, r.HW, dst + blocked, 16);
       }
     }
+  }
+}
+void reorder_own(const OwnReorder& r, const void* from, void* to, bool to_plain) {
+  if (r.esize == 4) {
+    reorder_own_typed<float>(r, from, to, to_plain);
+  } else {
+    reorder_own_typed<std::uint16_t>(r, from, to, to_plain);
   }
 }
 
@@ -993,8 +1011,10 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
 // same pool kernel and the same reorders, which move bits, so the gradients are those of
 // the separate ops bit for bit (cpu_backend_test). Where the two primitives want
 // different layouts, or a layout transpose_copy does not move, or a pass's layout has not
-// been measured yet, the call runs as the separate ops. bfloat16 only: float32's
-// reorders are oneDNN's, over whole chunks.
+// been measured yet, the call runs as the separate ops. float32 calls share the same
+// way: there transpose_copy moves only the shared gy (the other float32 reorders stay
+// oneDNN's), whose reorder from NCHW was a tenth of oneDNN's time in the float32 CNN
+// step, run twice for the second layer.
 
 /// Calls that took the shared path (CpuBackend::shared_conv_backwards).
 std::atomic<std::uint64_t> shared_backwards{0};
@@ -1006,8 +1026,8 @@ ConvArg& diff_dst_arg(ConvEntry& e) {
   DP_FAIL("conv2d_backward: a backward primitive without a DIFF_DST argument");
 }
 
-/// Conv2dBackward in one call for 16-bit operands (Note [Convolution backward in one
-/// call]). Returns false, having done nothing, where the call runs as separate ops.
+/// Conv2dBackward in one call (Note [Convolution backward in one call]), bfloat16 or
+/// float32. Returns false, having done nothing, where the call runs as separate ops.
 /// buf: gy (the pooled gradient when pool.on), x, w, gx (or null), gw and gb (float32,
 /// or null).
 bool run_backward_shared(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, const ConvBuffers& buf,
@@ -1044,7 +1064,7 @@ bool run_backward_shared(CpuBackend& be, Device dev, const Conv2dShape& s, bool 
             &find_entry(cache, conv_key(sc, ConvKind::BackwardWeight, bias, c, layout_w, false, buf.dtype), sc, dev);
       // Every chunk's primitives read gy in one layout that transpose_copy moves.
       ConvArg* home = part.data ? &diff_dst_arg(*part.data) : &diff_dst_arg(*part.weight);
-      if (!home->internal || !home->by_own()) return false;
+      if (!home->internal || !home->movable()) return false;
       if (part.data && part.weight) {
         const ConvArg& other = diff_dst_arg(*part.weight);
         if (!other.internal || other.internal.get_desc() != home->internal.get_desc()) return false;
@@ -1052,8 +1072,9 @@ bool run_backward_shared(CpuBackend& be, Device dev, const Conv2dShape& s, bool 
     }
   }
   const i64 kpq = s.K * s.P * s.Q, chw = s.C * s.H * s.W;
-  constexpr i64 esize = 2;
-  auto at = [](const void* p, i64 i) { return static_cast<char*>(const_cast<void*>(p)) + i * esize; };
+  const bool f32 = buf.dtype == DType::F32;
+  const i64 esize = f32 ? 4 : 2;
+  auto at = [esize](const void* p, i64 i) { return static_cast<char*>(const_cast<void*>(p)) + i * esize; };
   // Images per group of the pool's backward: the group's routed gradient stays in L2.
   const i64 group = std::clamp<i64>(kPoolGroupBytes / (kpq * esize), 1, std::max<i64>(1, s.N / chunks));
   if (want_gw) size_partials(cache, s, chunks, /*first_partial=*/0);
@@ -1068,20 +1089,28 @@ bool run_backward_shared(CpuBackend& be, Device dev, const Conv2dShape& s, bool 
     const i64 n0 = s.N * c / chunks, n1 = s.N * (c + 1) / chunks;
     const Chunk& part = parts[static_cast<std::size_t>(c)];
     ConvArg& home = part.data ? diff_dst_arg(*part.data) : diff_dst_arg(*part.weight);
-    auto* routed = static_cast<std::uint16_t*>(home.internal.get_data_handle());
+    void* routed = home.internal.get_data_handle();
     if (pool.on) {
       // The pool's backward a group at a time, each group reordered from L2 into place.
       const Pool2dShape& p = pool.s;
       const i64 ppq = p.P * p.Q;
-      auto* block = reinterpret_cast<std::uint16_t*>(cache.pool_groups[static_cast<std::size_t>(c)].data());
-      auto bits = [](const void* q, i64 i) { return static_cast<const std::uint16_t*>(q) + i; };
+      void* block = cache.pool_groups[static_cast<std::size_t>(c)].data();
       for (i64 g0 = n0; g0 < n1; g0 += group) {
-        const i64 n = std::min(group, n1 - g0);
-        maxpool_2x2_backward_bf16(bits(buf.gy, g0 * s.K * ppq), static_cast<const std::uint8_t*>(pool.winners) + g0 * s.K * ppq,
-                                  pool.relu_y ? bits(pool.relu_y, g0 * s.K * ppq) : nullptr, block, n * s.K, p.H, p.W,
-                                  p.P, p.Q);
-        reorder_own(OwnReorder{.into = home.own.into, .N = n, .C = home.own.C, .HW = home.own.HW}, block,
-                    routed + (g0 - n0) * kpq, /*to_plain=*/false);
+        const i64 n = std::min(group, n1 - g0), pooled_at = g0 * s.K * ppq;
+        const std::uint8_t* where = static_cast<const std::uint8_t*>(pool.winners) + pooled_at;
+        if (f32) {
+          const auto* ry = static_cast<const float*>(pool.relu_y);
+          maxpool_2x2_backward_planes(p, static_cast<const float*>(buf.gy) + pooled_at, where,
+                                      ry ? ry + pooled_at : nullptr, static_cast<float*>(block), 0, n * s.K);
+        } else {
+          const auto* ry = static_cast<const std::uint16_t*>(pool.relu_y);
+          maxpool_2x2_backward_bf16(static_cast<const std::uint16_t*>(buf.gy) + pooled_at, where,
+                                    ry ? ry + pooled_at : nullptr, static_cast<std::uint16_t*>(block), n * s.K, p.H,
+                                    p.W, p.P, p.Q);
+        }
+        OwnReorder r = home.own;
+        r.N = n;
+        reorder_own(r, block, at(routed, (g0 - n0) * kpq), /*to_plain=*/false);
       }
     } else {
       reorder_own(home.own, at(buf.gy, n0 * kpq), routed, /*to_plain=*/false);
@@ -1354,6 +1383,19 @@ void CpuBackend::conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWei
   if (a.gbias) rounded(*this, dev, gbias, a.gbias, s.K);
 }
 
+void CpuBackend::conv2d_backward(Device dev, const Conv2dBackwardArgs& a) {
+  const Conv2dShape& s = a.s;
+  check_conv_shape(s, "conv2d_backward");
+  ConvBuffers buf;
+  buf.x = a.x;
+  buf.w = a.w;
+  buf.gy = a.gy;
+  buf.gx = a.gx;
+  buf.gw = static_cast<float*>(a.gw);
+  buf.gb = a.gw != nullptr ? static_cast<float*>(a.gbias) : nullptr;
+  if (!run_backward_shared(*this, dev, s, buf.gb != nullptr, buf, a.pool)) conv2d_backward_by_ops(dev, DType::F32, a);
+}
+
 void CpuBackend::conv2d_backward_bf16(Device dev, const Conv2dBackwardArgs& a) {
   const Conv2dShape& s = a.s;
   check_conv_shape(s, "conv2d_backward");
@@ -1413,10 +1455,7 @@ void conv2d_backward_weight_bf16_kernel(CpuBackend& be, Device dev, const Conv2d
 void conv2d_backward_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBackwardArgs& a) {
   be.conv2d_backward_bf16(dev, a);
 }
-/// float32's reorders are oneDNN's, over whole chunks: the passes one after another.
-void conv2d_backward_kernel(CpuBackend& be, Device dev, const Conv2dBackwardArgs& a) {
-  be.conv2d_backward_by_ops(dev, DType::F32, a);
-}
+void conv2d_backward_kernel(CpuBackend& be, Device dev, const Conv2dBackwardArgs& a) { be.conv2d_backward(dev, a); }
 
 }  // namespace
 

@@ -349,6 +349,8 @@ void maxpool_2x2_backward_plane(const Pool2dShape& s, const float* gyp, const st
   }
 }
 
+}  // namespace
+
 /// Planes [begin, end) of the input gradient from byte places, masked by ry when it is
 /// not null: in AVX-512 registers where the CPU has them (Note [float32 max-pool in
 /// AVX-512] in cpu_pool_avx512.cpp), else plane by plane above, with the same bits.
@@ -362,7 +364,6 @@ void maxpool_2x2_backward_planes(const Pool2dShape& s, const float* gy, const st
     maxpool_2x2_backward_plane(s, gy + pl * pq, where + pl * pq, ry ? ry + pl * pq : nullptr, gx + pl * hw);
 }
 
-}  // namespace
 
 void CpuBackend::maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,
                                    i64* indices) {
