@@ -146,11 +146,29 @@ void Backend::max_pool2d_backward_by_ops(Device dev, DType dt, const MaxPool2dBa
   run<Op::MaxPool2dBackward>(dev, dt, {s, masked.get(), a.winners, nullptr, a.gx});
 }
 
+void check_conv2d_backward(const Conv2dBackwardArgs& a) {
+  const Conv2dShape& s = a.s;
+  DP_CHECK(a.gbias == nullptr || a.gw != nullptr,
+           "conv2d_backward: expected the weight gradient with the bias gradient (gbias needs gw), got gw null");
+  if (!a.pool.on) return;
+  const Pool2dShape& p = a.pool.s;
+  DP_CHECK(p.N == s.N && p.C == s.K && p.H == s.P && p.W == s.Q, "conv2d_backward: expected a max-pool over the "
+           "convolution's output (N, K, P, Q) = (", s.N, ", ", s.K, ", ", s.P, ", ", s.Q, "), got one over (", p.N, ", ",
+           p.C, ", ", p.H, ", ", p.W, ")");
+  DP_CHECK(a.pool.winners != nullptr, "conv2d_backward: expected the max-pool's winners, got none");
+}
+
 void Backend::conv2d_backward_by_ops(Device dev, DType dt, const Conv2dBackwardArgs& a) {
+  check_conv2d_backward(a);
   const Conv2dShape& s = a.s;
   const void* gy = a.gy;
   std::optional<Scratch> routed;
   if (a.pool.on) {
+    // A backend whose Conv2d pools a 16-bit output in float32 (CUDA) has no 16-bit pool
+    // backward; nn runs such a pool as an op of its own, so it never asks for this.
+    DP_CHECK(supports(Op::MaxPool2dBackward, dt), "conv2d_backward: a max-pool before a ", dtype_name(dt),
+             " convolution's backward needs maxpool2d_backward in ", dtype_name(dt), " on ",
+             type() == DeviceType::CPU ? "cpu" : "cuda", ", which has none; run the pool as its own op");
     routed.emplace(*this, dev, static_cast<std::size_t>(s.N * s.K * s.P * s.Q) * float_size(dt));
     run<Op::MaxPool2dBackward>(dev, dt, {a.pool.s, a.gy, a.pool.winners, a.pool.relu_y, routed->get()});
     gy = routed->get();

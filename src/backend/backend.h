@@ -41,6 +41,10 @@ inline bool is_2x2_tiling(const Pool2dShape& s) {
 class Backend;
 /// Bytes of MaxPool2d's winners for shape `s` on backend `be` (Note [Max-pool winners]).
 std::int64_t max_pool2d_winner_bytes(const Backend& be, const Pool2dShape& s);
+/// Throws dp::Error unless a's pool (when on) is over the convolution's output and has
+/// winners, and a bias gradient comes with the weight's: what every Conv2dBackward
+/// kernel checks first.
+void check_conv2d_backward(const Conv2dBackwardArgs& a);
 
 /// What every backend's AttentionForward / AttentionBackward kernel requires of its
 /// arguments (AttentionForwardArgs in ops.h): a valid shape, no mask or a float32 one or

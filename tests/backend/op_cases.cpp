@@ -719,6 +719,9 @@ void add_softmax_nll(Table& t, i64 rows, i64 cols) {
 
 /// The three passes of one convolution; without `bias`, only the passes that take
 /// one (forward and backward-weight), with a null bias.
+/// Winners for pool `s` in the format the run's backend keeps (defined with the pools).
+const void* upload_winners(OpRun& r, const be::Pool2dShape& s);
+
 void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
   const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = s.N * s.K * s.P * s.Q;
   const double flops = 2.0 * s.N * s.K * s.P * s.Q * s.C * s.R * s.S;  // the same for all three
@@ -776,6 +779,42 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
             be.run<Op::Conv2dBackward>(d, DType::F32, {s, gy, x, w, gx, gw, gb});
           });
         });
+  // The weight pass alone without a bias, and both passes after the forward's ReLU and
+  // 2x2 max-pool (the winners in whichever format the backend keeps: room for int64s).
+  if (bias) t.add(Kernel::Conv2dBackward, DType::F32, "conv2d_backward weight only", conv_name(s) + " no bias",
+        sum_tol(kGemmBase, static_cast<double>(s.N * s.P * s.Q)), flops, kF * (nx + ny + nw), [=](OpRun& r) {
+          const float* x = r.uniform(nx, -1, 1);
+          const float* gy = r.uniform(ny, -1, 1);
+          float* gw = r.empty(nw);
+          r.output("gw", gw, nw);
+          r.set_call([=](Backend& be, Device d) {
+            be.run<Op::Conv2dBackward>(d, DType::F32, {s, gy, x, nullptr, nullptr, gw, nullptr});
+          });
+        });
+  if (bias && s.P >= 2 && s.Q >= 2) {
+    const be::Pool2dShape ps{s.N, s.K, s.P, s.Q, 2, 2, 2, 2, 0, 0, s.P / 2, s.Q / 2};
+    const i64 npool = s.N * s.K * ps.P * ps.Q;
+    t.add(Kernel::Conv2dBackward, DType::F32, "conv2d_relu_maxpool2d_backward", conv_name(s),
+          sum_tol(kGemmBase, static_cast<double>(std::max(s.K * s.R * s.S, s.N * s.P * s.Q))), 2 * flops,
+          kF * (nx + nw + 2 * npool + nx + nw + s.K) + npool, [=](OpRun& r) {
+            const float* x = r.uniform(nx, -1, 1);
+            const float* w = r.uniform(nw, -1, 1);
+            const float* gy = r.uniform(npool, -1, 1);
+            const float* relu_y = r.uniform(npool, -1, 1);  // about half the windows masked
+            const void* winners = upload_winners(r, ps);
+            float* gx = r.empty(nx);
+            float* gw = r.empty(nw);
+            float* gb = r.empty(s.K);
+            r.output("gx", gx, nx);
+            r.output("gw", gw, nw);
+            r.output("gbias", gb, s.K);
+            r.set_call([=](Backend& bk, Device d) {
+              bk.run<Op::Conv2dBackward>(d, DType::F32, {s, gy, x, w, gx, gw, gb,
+                                                         be::ConvPoolBackward{.on = true, .s = ps, .winners = winners,
+                                                                              .relu_y = relu_y}});
+            });
+          });
+  }
 }
 
 /// One unit in the last place of `dtype` relative to the value: 2^-7 (bf16), 2^-10 (f16).

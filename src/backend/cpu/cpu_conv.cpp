@@ -1116,12 +1116,12 @@ bool run_backward_shared(CpuBackend& be, Device dev, const Conv2dShape& s, bool 
       reorder_own(home.own, at(buf.gy, n0 * kpq), routed, /*to_plain=*/false);
     }
     if (part.data) {
-      const void* ptrs[3] = {at(buf.gy, n0 * kpq), buf.w, at(buf.gx, n0 * chw)};  // gy: filled above
+      const void* ptrs[3] = {routed, buf.w, at(buf.gx, n0 * chw)};  // DIFF_DST: filled above
       execute_entry(*part.data, ptrs, DNNL_ARG_DIFF_DST);
     }
     if (part.weight) {
       float* gw = cache.partials[static_cast<std::size_t>(c)].data();
-      const void* ptrs[4] = {at(buf.x, n0 * chw), at(buf.gy, n0 * kpq), gw, gw + s.K * s.C * s.R * s.S};
+      const void* ptrs[4] = {at(buf.x, n0 * chw), routed, gw, gw + s.K * s.C * s.R * s.S};  // DIFF_DST: filled
       // The same layout: the weight pass reads what the data pass read, then its own
       // buffer again (ConvArg::buffer: the memory does not own it).
       ConvArg& dst = diff_dst_arg(*part.weight);
@@ -1386,6 +1386,7 @@ void CpuBackend::conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWei
 void CpuBackend::conv2d_backward(Device dev, const Conv2dBackwardArgs& a) {
   const Conv2dShape& s = a.s;
   check_conv_shape(s, "conv2d_backward");
+  check_conv2d_backward(a);
   ConvBuffers buf;
   buf.x = a.x;
   buf.w = a.w;
@@ -1399,6 +1400,7 @@ void CpuBackend::conv2d_backward(Device dev, const Conv2dBackwardArgs& a) {
 void CpuBackend::conv2d_backward_bf16(Device dev, const Conv2dBackwardArgs& a) {
   const Conv2dShape& s = a.s;
   check_conv_shape(s, "conv2d_backward");
+  check_conv2d_backward(a);
   if (native_bf16_conv()) {
     std::unique_ptr<float, std::function<void(float*)>> gw, gb;
     if (a.gw != nullptr) {
