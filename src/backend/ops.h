@@ -590,7 +590,8 @@ struct GeluBackwardArgs {
 };
 
 /// y = (x - mean) · rstd · w + b over each of `rows` rows of `cols` elements, float32
-/// (Note [Fused LayerNorm] in cpu_nn.cpp): mean and the biased variance per row, rstd =
+/// (Note [Fused LayerNorm] in cpu_nn.cpp; CUDA: Note [Fused LayerNorm on CUDA] in
+/// cuda_nn.cu): mean and the biased variance per row, rstd =
 /// 1 / sqrt(var + eps); mean and rstd are written for the backward. w and b may be null
 /// (1 and 0).
 struct LayerNormArgs {

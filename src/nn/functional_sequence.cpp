@@ -46,8 +46,9 @@ void run_gelu(const Tensor& x, const Tensor& out, bool tanh) {
 }
 
 /// Whether layer_norm runs as one backend op each way (Note [Fused LayerNorm] in
-/// src/backend/cpu/cpu_nn.cpp): float32 weight and bias (or none) on a backend with the
-/// ops; otherwise it composes the tensor ops.
+/// src/backend/cpu/cpu_nn.cpp, Note [Fused LayerNorm on CUDA] in cuda_nn.cu): float32
+/// weight and bias (or none) on a backend with the ops (CPU and CUDA); otherwise it
+/// composes the tensor ops.
 bool fused_layer_norm(const Tensor& x, const Tensor& w, const Tensor& b) {
   auto f32 = [](const Tensor& t) { return !t.defined() || t.dtype() == Dtype::Float32; };
   if (!f32(w) || !f32(b)) return false;

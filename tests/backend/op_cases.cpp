@@ -445,29 +445,36 @@ void add_elementwise_misc(Table& t, i64 n) {
 }
 
 /// The fused LayerNorm (Note [Fused LayerNorm] in cpu_nn.cpp), forward and backward,
-/// with and without the affine: rows of 127 (a lane tail) and enough of them that the
-/// backward's weight sums cross blocks. Another backend sums in its own order.
+/// with and without the affine. Another backend sums in its own order (Note [Fused
+/// LayerNorm on CUDA]); the backward's weight and bias gradients are sums over the rows,
+/// so its tolerance grows with them (sum_tol).
 constexpr Tolerance kLayerNormTol{1e-4, 1e-5};
 
 void add_layer_norm(Table& t, i64 rows, i64 cols) {
+  const Tolerance backward_tol = sum_tol(kLayerNormTol, static_cast<double>(rows));
   const i64 n = rows * cols;
   for (bool affine : {true, false}) {
     const std::string tag = cat(" ", rows, "x", cols, affine ? "" : " no affine");
-    t.add(Kernel::LayerNorm, "layer_norm" + tag, count(n), kLayerNormTol, 0, 2 * kF * n, [=](OpRun& r) {
-      const float* x = r.uniform(n, -3, 3);
-      const float* w = affine ? r.uniform(cols, 0.5f, 1.5f) : nullptr;
-      const float* b = affine ? r.uniform(cols, -1, 1) : nullptr;
-      float* y = r.empty(n);
-      float* mean = r.empty(rows);
-      float* rstd = r.empty(rows);
-      r.output("y", y, n);
-      r.output("mean", mean, rows);
-      r.output("rstd", rstd, rows);
-      r.set_call([=](Backend& bk, Device d) {
-        bk.run<Op::LayerNorm>(d, DType::F32, {x, w, b, y, mean, rstd, rows, cols, 1e-5f});
+    // No rows: only the affine backward writes anything (gw = gb = 0, its bytes).
+    if (rows > 0) {
+      t.add(Kernel::LayerNorm, "layer_norm" + tag, count(n), kLayerNormTol, 0, 2 * kF * n, [=](OpRun& r) {
+        const float* x = r.uniform(n, -3, 3);
+        const float* w = affine ? r.uniform(cols, 0.5f, 1.5f) : nullptr;
+        const float* b = affine ? r.uniform(cols, -1, 1) : nullptr;
+        float* y = r.empty(n);
+        float* mean = r.empty(rows);
+        float* rstd = r.empty(rows);
+        r.output("y", y, n);
+        r.output("mean", mean, rows);
+        r.output("rstd", rstd, rows);
+        r.set_call([=](Backend& bk, Device d) {
+          bk.run<Op::LayerNorm>(d, DType::F32, {x, w, b, y, mean, rstd, rows, cols, 1e-5f});
+        });
       });
-    });
-    t.add(Kernel::LayerNormBackward, "layer_norm_backward" + tag, count(n), kLayerNormTol, 0, 3 * kF * n,
+    }
+    if (rows == 0 && !affine) continue;
+    t.add(Kernel::LayerNormBackward, "layer_norm_backward" + tag, count(n), backward_tol, 0,
+          rows > 0 ? 3 * kF * n : 2 * kF * cols,
           [=](OpRun& r) {
             const float* x = r.uniform(n, -3, 3);
             const float* w = affine ? r.uniform(cols, 0.5f, 1.5f) : nullptr;
@@ -1405,7 +1412,17 @@ void add_check_suite(Table& t) {
   for (const UnaryRow& u : kUnaryRows) add_unary(t, u, kCheckN);
   add_elementwise_misc(t, kCheckN);
   add_gelu(t, kCheckN);
+  // Rows of 127 (a lane tail; CUDA: a warp a row) and enough of them that the
+  // backward's weight sums cross blocks (CPU: 64 rows, CUDA: 16-row tiles); 1029 columns
+  // (CUDA: a block a row, in registers) and 4500 (over what a block holds: the row read
+  // again each pass); one column; no rows (gw and gb written as 0); 20000 rows
+  // (CUDA: the capped count of tiles, uneven, added in slices).
   add_layer_norm(t, 331, 127);
+  add_layer_norm(t, 67, 1029);
+  add_layer_norm(t, 40, 4500);
+  add_layer_norm(t, 300, 1);
+  add_layer_norm(t, 0, 127);
+  add_layer_norm(t, 20000, 3);
   // 331 x 127 = 42037 elements: above the CPU's parallel grain.
   for (const BinaryRow& b : kBinaryRows) add_binary_layouts(t, b, 331, 127);
   // out (16, 11, 300) = a (16, 1, 300) + b (1, 11, 1): both sides broadcast, 3-d walk.

@@ -5,8 +5,8 @@
 // built on cpu:0 (the oracle) and on cuda:0 from the same inputs, run once, and every
 // output compared under the case's tolerance. The 16-bit convolutions are compared once
 // more on the CNN's own layer shapes, with the path each pass took (Note [16-bit
-// convolutions on CUDA]), and scale_find_nonfinite over the CPU test's sizes and
-// several calls on one flag. The CUDA-only checks after them (caching allocator,
+// convolutions on CUDA]), scale_find_nonfinite over the CPU test's sizes and
+// several calls on one flag, and the fused LayerNorm run twice for the same bits. The CUDA-only checks after them (caching allocator,
 // pinned-block reuse, peer copies) are not op comparisons. Without a CUDA device the
 // binary exits 77, which Meson reports as SKIP.
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -107,6 +107,31 @@ TEST_CASE("every op case on cuda:0 matches cpu:0 within its tolerance") {
   }
   dp::set_allow_tf32_matmul(mm);
   dp::set_allow_tf32_conv(conv);
+}
+
+// The fused LayerNorm has CUDA kernels (so nn::layer_norm runs fused there), and its
+// weight and bias gradients are sums in an order fixed by the shape, without atomics
+// (Note [Fused LayerNorm on CUDA]): two runs of every case give the same bits, the
+// second's partial sums on the scratch block the first released, its stale values kept.
+TEST_CASE("the fused LayerNorm on cuda:0 is registered and bitwise repeatable") {
+  Backend& gpu_backend = dp::backend::get(dp::cuda(0));
+  CHECK(gpu_backend.supports(dp::backend::Op::LayerNorm, dp::backend::DType::F32));
+  CHECK(gpu_backend.supports(dp::backend::Op::LayerNormBackward, dp::backend::DType::F32));
+  int runs = 0;
+  for (const dp_test::OpCase* c : dp_test::op_cases(dp_test::Suite::Check)) {
+    if (c->kernel != dp_test::Kernel::LayerNorm && c->kernel != dp_test::Kernel::LayerNormBackward) continue;
+    dp_test::OpRun first(*c, dp::cuda(0));
+    first.run();
+    const auto want = first.read();
+    dp_test::OpRun second(*c, dp::cuda(0));
+    second.run();
+    const auto got = second.read();
+    const dp_test::Comparison cmp = dp_test::compare(want, got, dp_test::kExact);
+    INFO(c->full_name(), ": ", cmp.bad, " elements differ between two runs; first ", cmp.first_bad);
+    CHECK(dp_test::bitwise_equal(want, got));
+    ++runs;
+  }
+  CHECK(runs > 0);
 }
 
 // Note [TF32 policy]: with the switch off a GEMM is FP32 (error ~1e-6 of the FP64

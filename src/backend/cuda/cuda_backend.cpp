@@ -685,6 +685,7 @@ std::string CudaBackend::attention_shape_misfit(Device dev, const AttentionShape
 void CudaBackend::register_kernels() {
   cuda_kernels::register_elementwise_kernels(*this);  // cuda_elementwise.cu
   cuda_kernels::register_reduce_kernels(*this);       // cuda_reduce.cu
+  cuda_kernels::register_nn_kernels(*this);           // cuda_nn.cu: the fused layer norm
   cuda_kernels::register_attention_kernels(*this);    // cuda_attention.cu
   cuda_kernels::register_blas_kernels(*this);         // cuda_blas_dnn.cpp: the 16-bit GEMMs and convolutions
   for (const MethodKernel& m : method_kernels<CudaBackend>()) register_kernel(m.op, DType::F32, m.fn);

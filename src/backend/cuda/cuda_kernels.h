@@ -20,11 +20,12 @@ class CudaBackend;
 
 namespace dp::backend::cuda_kernels {
 
-/// Put the ops of cuda_elementwise.cu, cuda_reduce.cu, cuda_attention.cu and
-/// cuda_blas_dnn.cpp (the 16-bit GEMMs and convolutions) in the backend's kernel table (Note [The op
-/// list] in ops.h); CudaBackend's constructor calls them.
+/// Put the ops of cuda_elementwise.cu, cuda_reduce.cu, cuda_nn.cu (the fused layer norm),
+/// cuda_attention.cu and cuda_blas_dnn.cpp (the 16-bit GEMMs and convolutions) in the
+/// backend's kernel table (Note [The op list] in ops.h); CudaBackend's constructor calls them.
 void register_elementwise_kernels(CudaBackend& be);
 void register_reduce_kernels(CudaBackend& be);
+void register_nn_kernels(CudaBackend& be);
 void register_attention_kernels(CudaBackend& be);
 void register_blas_kernels(CudaBackend& be);
 
@@ -165,5 +166,18 @@ void channel_fill(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int6
 void bias_relu(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW, const float* bias, bool relu,
                float* y);
 // (batchnorm_backward: `scratch` holds 2 * C floats valid until the enqueued work ends.)
+/// Op::LayerNorm in float32 (LayerNormArgs in ops.h, Note [Fused LayerNorm on CUDA]):
+/// y, mean and rstd of `rows` rows of `cols`; w and b may be null. rows = 0 does nothing.
+void layer_norm(cudaStream_t stream, const float* x, const float* w, const float* b, float* y, float* mean,
+                float* rstd, std::int64_t rows, std::int64_t cols, float eps);
+/// Scratch floats layer_norm_backward needs: the tiles' partial sums of gw and gb when
+/// `params` (either is wanted), else 0.
+std::int64_t layer_norm_backward_scratch(std::int64_t rows, std::int64_t cols, bool params);
+/// Op::LayerNormBackward in float32 (LayerNormBackwardArgs): gx, and gw and gb (either
+/// may be null; overwritten, in an order fixed by the shape). `scratch`: the floats
+/// layer_norm_backward_scratch says, valid until the enqueued work ends.
+void layer_norm_backward(cudaStream_t stream, const float* x, const float* w, const float* mean,
+                         const float* rstd, const float* gy, float* gx, float* gw, float* gb, std::int64_t rows,
+                         std::int64_t cols, float* scratch);
 
 }  // namespace dp::backend::cuda_kernels

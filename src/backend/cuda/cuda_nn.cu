@@ -1,4 +1,5 @@
-// CUDA backend: log-softmax and NLL, max/avg pooling, batch norm.
+// CUDA backend: log-softmax and NLL, max/avg pooling, batch norm, the fused layer norm
+// (Note [Fused LayerNorm on CUDA]).
 //
 // Pooling backward passes GATHER (each input element sums the outputs whose window
 // holds it) instead of scattering with atomicAdd: the sum order is fixed, so gradients
@@ -17,6 +18,7 @@
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_half.cuh"
 #include "backend/cuda/cuda_kernels.h"
+#include "backend/cuda/cuda_register.h"
 #include "backend/functors.h"
 #include "backend/kernel_plan.h"
 #include "dp/core/error.h"
@@ -595,6 +597,280 @@ __global__ void channel_fill_wide_kernel(i64 total, i64 HW, i64 C, const E* __re
   for (i64 i = global_thread(); i < total; i += grid_stride()) y[i] = bias[(i / HW) % C];
 }
 
+// ---- kernels: layer norm ------------------------------------------------------------------
+// Note [Fused LayerNorm on CUDA]
+// Op::LayerNorm and Op::LayerNormBackward in float32 with the CPU kernel's formulas
+// (Note [Fused LayerNorm] in cpu_nn.cpp): mean, then the centred sum of squares over
+// the row held in registers (two passes, never E[x^2] - mean^2, which cancels), rstd =
+// 1 / sqrt(var + eps) correctly rounded; backward gx = rstd (g - mean(g) - x̂ mean(g x̂)).
+//
+// Who takes a row. A row of at most kLnWarpCols = 512 columns is one warp's, eight rows
+// a block (a block per 128-wide row of a small GPT would leave most of it idle); wider
+// rows (GPT-2's 768..1600) take a block of kLnThreads = 256 threads. Thread t of the row's team (a warp or the
+// block, T threads) owns columns t, t + T, t + 2T, ...: consecutive threads read
+// consecutive floats, and it holds them in V registers, V the power of two with T V >=
+// cols (at most 16, so the backward's four arrays stay within 255 registers at 256
+// threads). Rows over 16 x 256 = 4096 columns do not fit: there V = 0 and each pass
+// reads the row again, mostly from the caches. The forward walks rows with a
+// grid-stride loop (at most kMaxBlocks blocks, any number of rows).
+//
+// Sum orders. A thread adds its columns in column order, then the team combines: the
+// warp by xor shuffles (every lane ends with the same bits, as a + b = b + a), a block
+// its warps' sums in warp order (block_reduce). The order depends on cols alone (which
+// team, its stride), never on V, the grid or the GPU.
+//
+// The weight and bias gradients: no float atomics. The rows are cut into tiles,
+// ln_tiles(rows): min(ceil(rows / 16), 1024) tiles of equal length (the last shorter),
+// one block each. A thread adds gy x̂ and gy of its columns over its rows in row order in
+// registers (V = 0: in the tile's partial row, which only it touches); in a warp-per-row
+// block the eight warps' sums are then added in warp order through shared memory. Each
+// tile writes its partial row (cols for gw, then cols for gb) to scratch, and
+// ln_param_sums_kernel adds a column's partials: 8 slices of consecutive tiles, each in
+// tile order, then the slices in slice order. Every order is fixed by (rows, cols), so
+// gw and gb are bitwise the same run to run and on any GPU: DP's and DDP's gradients
+// stay bitwise alike only if each device's are. The scratch is 2 tiles cols floats
+// (about an eighth of x's size, 16-row tiles) from the caching allocator on the compute
+// stream, released once the kernels are enqueued (Note [Caching allocator streams]).
+// Zero rows write gw = gb = 0, the sums over nothing, as the CPU does.
+//
+// Against the CPU. The CPU adds a row in 16 lanes and then a pairwise tree (fold_lanes)
+// and gw/gb per block of 64 rows; here each thread's strided columns and a tree, and
+// 16-row tiles; nvcc also contracts products and sums into FMAs. The results differ in
+// the last bits of each sum: the rounding errors of n terms grow like sqrt(n) ulps of
+// the partial sums, ~1e-7 relative for mean and rstd over a row, and ~5e-6 absolute for
+// gw and gb over the op table's 331 rows of gradients in [-1, 1] (sums of size ~10).
+// kLayerNormTol (tests/backend/op_cases.cpp) allows 1e-5 + 1e-4 |want|, the backward's
+// absolute part grown as sqrt(rows / 64) past 64 rows (sum_tol), as those errors grow.
+
+constexpr int kLnRowsPerBlock = 8;   // warps (rows) per block when a warp takes a row
+constexpr int kLnWarpCols = 512;     // widest row a warp takes: 16 registers a lane
+constexpr int kLnThreads = 256;      // threads of a block that takes a row
+constexpr int kLnMaxValues = 16;     // most columns a thread holds in registers
+constexpr i64 kLnMinTileRows = 16;   // fewest rows in a backward tile: partials <= x / 8
+constexpr i64 kLnMaxTiles = 1024;    // most tiles: about 8 blocks per SM on 132 SMs
+constexpr int kLnSumSlices = 8;      // warps of ln_param_sums_kernel, each a slice of the tiles
+
+static_assert(kLnWarpCols == kWarp * kLnMaxValues, "a warp holds a whole row of kLnWarpCols");
+static_assert(kLnRowsPerBlock * kWarp == kLnThreads, "both kinds of block have kLnThreads threads");
+
+/// The sum of v over the row's team (a warp, or the whole block when kTeam > kWarp);
+/// every thread of the team gets the same bits. A block's call ends with a barrier.
+template <int kTeam>
+__device__ __forceinline__ float team_sum(float v, float* smem) {
+  if constexpr (kTeam == kWarp) {
+    return warp_reduce(v, SumOp{});
+  } else {
+    return block_reduce(v, SumOp{}, smem);
+  }
+}
+
+/// y = (x - mean) rstd w + b per row; mean and rstd written. Block (32, 8) when kTeam
+/// is a warp, (kLnThreads) otherwise; V: columns a thread holds (0: none, re-read).
+template <int kTeam, int V>
+__global__ void __launch_bounds__(kLnThreads)
+    layer_norm_kernel(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
+                      float* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd, i64 rows,
+                      i64 cols, float inv_cols, float eps) {
+  __shared__ float smem[kWarp];
+  constexpr int R = V > 0 ? V : 1;
+  const int t = threadIdx.x;
+  const i64 teams = static_cast<i64>(gridDim.x) * blockDim.y;
+  // The loop's bound is uniform over the team: every lane reaches the shuffles, every
+  // thread of a block its barriers.
+  for (i64 row = static_cast<i64>(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += teams) {
+    const float* xr = x + row * cols;
+    float* yr = y + row * cols;
+    float v[R];
+    float s = 0.0f;
+    if constexpr (V > 0) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const i64 j = t + static_cast<i64>(k) * kTeam;
+        v[k] = j < cols ? xr[j] : 0.0f;
+        if (j < cols) s += v[k];
+      }
+    } else {
+      for (i64 j = t; j < cols; j += kTeam) s += xr[j];
+    }
+    const float mu = team_sum<kTeam>(s, smem) * inv_cols;
+    float q = 0.0f;
+    if constexpr (V > 0) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const i64 j = t + static_cast<i64>(k) * kTeam;
+        const float d = v[k] - mu;
+        if (j < cols) q += d * d;
+      }
+    } else {
+      for (i64 j = t; j < cols; j += kTeam) {
+        const float d = xr[j] - mu;
+        q += d * d;
+      }
+    }
+    const float var = team_sum<kTeam>(q, smem) * inv_cols;  // biased, as the CPU's
+    const float rs = 1.0f / sqrtf(var + eps);
+    if (t == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+    auto out = [&](i64 j, float xv) {
+      float o = (xv - mu) * rs;
+      if (w) o *= w[j];
+      if (b) o += b[j];
+      yr[j] = o;
+    };
+    if constexpr (V > 0) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const i64 j = t + static_cast<i64>(k) * kTeam;
+        if (j < cols) out(j, v[k]);
+      }
+    } else {
+      for (i64 j = t; j < cols; j += kTeam) out(j, xr[j]);
+    }
+  }
+}
+
+/// gx of rows [blockIdx.x tile_rows, + tile_rows), and when `part` is not null the tile's
+/// partial sums of gy x̂ (part[tile][0, cols)) and gy (part[tile][cols, 2 cols)). Block
+/// shapes and V as layer_norm_kernel's; one block per tile.
+template <int kTeam, int V>
+__global__ void __launch_bounds__(kLnThreads)
+    layer_norm_backward_kernel(const float* __restrict__ x, const float* __restrict__ w,
+                               const float* __restrict__ mean, const float* __restrict__ rstd,
+                               const float* __restrict__ gy, float* __restrict__ gx, float* __restrict__ part,
+                               i64 rows, i64 cols, i64 tile_rows, float inv_cols) {
+  __shared__ float smem[kWarp];
+  // A warp-per-row block adds its warps' sums here: gw's in [0, kWarp V), gb's after.
+  constexpr int kAcc = kTeam == kWarp && V > 0 ? 2 * kWarp * V : 1;
+  __shared__ float acc[kAcc];
+  constexpr int R = V > 0 ? V : 1;
+  const int t = threadIdx.x;
+  const i64 begin = static_cast<i64>(blockIdx.x) * tile_rows;
+  const i64 end = rows - begin < tile_rows ? rows : begin + tile_rows;
+  float* pw = part ? part + static_cast<i64>(blockIdx.x) * 2 * cols : nullptr;
+  float* pb = part ? pw + cols : nullptr;
+  float dw[R], db[R];
+#pragma unroll
+  for (int k = 0; k < R; ++k) dw[k] = db[k] = 0.0f;
+  for (i64 row = begin + threadIdx.y; row < end; row += blockDim.y) {
+    const float* xr = x + row * cols;
+    const float* gr = gy + row * cols;
+    float* gxr = gx + row * cols;
+    const float mu = mean[row], rs = rstd[row];
+    float xv[R], gv[R];
+    float sg = 0.0f, sgx = 0.0f;
+    if constexpr (V > 0) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const i64 j = t + static_cast<i64>(k) * kTeam;
+        xv[k] = j < cols ? xr[j] : 0.0f;
+        gv[k] = j < cols ? gr[j] : 0.0f;
+        if (j < cols) {
+          const float g = w ? gv[k] * w[j] : gv[k];
+          sg += g;
+          sgx += g * ((xv[k] - mu) * rs);
+        }
+      }
+    } else {
+      for (i64 j = t; j < cols; j += kTeam) {
+        const float g = w ? gr[j] * w[j] : gr[j];
+        sg += g;
+        sgx += g * ((xr[j] - mu) * rs);
+      }
+    }
+    const float g_mean = team_sum<kTeam>(sg, smem) * inv_cols;
+    const float gx_mean = team_sum<kTeam>(sgx, smem) * inv_cols;
+    if constexpr (V > 0) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const i64 j = t + static_cast<i64>(k) * kTeam;
+        if (j < cols) {
+          const float xh = (xv[k] - mu) * rs;
+          const float g = w ? gv[k] * w[j] : gv[k];
+          gxr[j] = rs * (g - g_mean - xh * gx_mean);
+          dw[k] += gv[k] * xh;
+          db[k] += gv[k];
+        }
+      }
+    } else {
+      for (i64 j = t; j < cols; j += kTeam) {
+        const float xh = (xr[j] - mu) * rs;
+        const float gj = gr[j];
+        const float g = w ? gj * w[j] : gj;
+        gxr[j] = rs * (g - g_mean - xh * gx_mean);
+        if (pw) {  // this thread's columns: no other thread reads or writes them
+          pw[j] = (row == begin ? 0.0f : pw[j]) + gj * xh;
+          pb[j] = (row == begin ? 0.0f : pb[j]) + gj;
+        }
+      }
+    }
+  }
+  if (!pw) return;  // uniform over the block: no barrier is skipped by some threads only
+  if constexpr (kTeam == kWarp) {
+    // The warps' sums in warp order, one warp at a time.
+    for (int wi = 0; wi < static_cast<int>(blockDim.y); ++wi) {
+      if (static_cast<int>(threadIdx.y) == wi) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const int j = t + k * kWarp;
+          if (j < cols) {
+            acc[j] = wi == 0 ? dw[k] : acc[j] + dw[k];
+            acc[kWarp * V + j] = wi == 0 ? db[k] : acc[kWarp * V + j] + db[k];
+          }
+        }
+      }
+      __syncthreads();
+    }
+    for (int j = static_cast<int>(threadIdx.y) * kWarp + t; j < cols; j += kLnThreads) {
+      pw[j] = acc[j];
+      pb[j] = acc[kWarp * V + j];
+    }
+  } else if constexpr (V > 0) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const i64 j = t + static_cast<i64>(k) * kTeam;
+      if (j < cols) {
+        pw[j] = dw[k];
+        pb[j] = db[k];
+      }
+    }
+  }
+}
+
+/// gw[j] and gb[j] (either may be null) from the `tiles` partial rows of
+/// layer_norm_backward_kernel, in the order of Note [Fused LayerNorm on CUDA]. Block
+/// (kWarp, kLnSumSlices): 32 columns, thread row s adds slice s of the tiles.
+__global__ void ln_param_sums_kernel(const float* __restrict__ part, float* __restrict__ gw,
+                                     float* __restrict__ gb, i64 tiles, i64 cols) {
+  __shared__ float sw[kLnSumSlices][kWarp], sb[kLnSumSlices][kWarp];
+  const int t = threadIdx.x, s = threadIdx.y;
+  const kernel_plan::Part pt = kernel_plan::part_of(tiles, kLnSumSlices, s);
+  for (i64 c0 = static_cast<i64>(blockIdx.x) * kWarp; c0 < cols; c0 += static_cast<i64>(gridDim.x) * kWarp) {
+    const i64 j = c0 + t;
+    float aw = 0.0f, ab = 0.0f;
+    if (j < cols) {
+      for (i64 i = pt.begin; i < pt.end; ++i) {
+        aw += part[i * 2 * cols + j];
+        ab += part[i * 2 * cols + cols + j];
+      }
+    }
+    sw[s][t] = aw;
+    sb[s][t] = ab;
+    __syncthreads();
+    if (s == 0 && j < cols) {
+      float vw = sw[0][t], vb = sb[0][t];
+      for (int k = 1; k < kLnSumSlices; ++k) {
+        vw += sw[k][t];
+        vb += sb[k][t];
+      }
+      if (gw) gw[j] = vw;
+      if (gb) gb[j] = vb;
+    }
+    __syncthreads();  // before the next columns overwrite sw and sb
+  }
+}
+
 // ---- host helpers --------------------------------------------------------------------------
 
 void check_pool(const char* op, const Pool2dShape& s) {
@@ -634,6 +910,53 @@ std::size_t float_bytes(DType dtype) { return dtype == DType::F32 ? sizeof(float
 void check_rows(const char* op, i64 rows, i64 cols) {
   DP_CHECK(rows >= 0 && cols > 0, op, ": expected rows >= 0 and cols > 0, got (", rows, ", ",
            cols, ")");
+}
+
+/// Calls f(team, values) with std::integral_constants for a row of `cols` (Note [Fused
+/// LayerNorm on CUDA]): a warp and the fewest of 1..16 registers a lane that hold the
+/// row, a block of kLnThreads and 4..16 a thread, or the block with none (0).
+template <typename F>
+void with_ln_shape(i64 cols, F&& f) {
+  using std::integral_constant;
+  if (cols <= kWarp) {
+    f(integral_constant<int, kWarp>{}, integral_constant<int, 1>{});
+  } else if (cols <= 2 * kWarp) {
+    f(integral_constant<int, kWarp>{}, integral_constant<int, 2>{});
+  } else if (cols <= 4 * kWarp) {
+    f(integral_constant<int, kWarp>{}, integral_constant<int, 4>{});
+  } else if (cols <= 8 * kWarp) {
+    f(integral_constant<int, kWarp>{}, integral_constant<int, 8>{});
+  } else if (cols <= kLnWarpCols) {
+    f(integral_constant<int, kWarp>{}, integral_constant<int, kLnMaxValues>{});
+  } else if (cols <= 4 * kLnThreads) {
+    f(integral_constant<int, kLnThreads>{}, integral_constant<int, 4>{});
+  } else if (cols <= 8 * kLnThreads) {
+    f(integral_constant<int, kLnThreads>{}, integral_constant<int, 8>{});
+  } else if (cols <= kLnMaxValues * kLnThreads) {
+    f(integral_constant<int, kLnThreads>{}, integral_constant<int, kLnMaxValues>{});
+  } else {
+    f(integral_constant<int, kLnThreads>{}, integral_constant<int, 0>{});
+  }
+}
+
+/// The block shape of a layer-norm kernel whose row team has `team` threads.
+dim3 ln_block(int team) { return team == kWarp ? dim3(kWarp, kLnRowsPerBlock) : dim3(kLnThreads); }
+
+/// The backward's tiles of rows (Note [Fused LayerNorm on CUDA]): a function of rows
+/// alone. rows > 0.
+struct LnTiles {
+  i64 rows_per_tile;
+  i64 count;
+};
+LnTiles ln_tiles(i64 rows) {
+  i64 count = (rows + kLnMinTileRows - 1) / kLnMinTileRows;
+  if (count > kLnMaxTiles) count = kLnMaxTiles;
+  const i64 per = (rows + count - 1) / count;
+  return {per, (rows + per - 1) / per};  // no empty tile
+}
+
+void check_layer_norm(const char* op, i64 rows, i64 cols) {
+  DP_CHECK(rows >= 0 && cols >= 0, op, ": expected rows >= 0 and cols >= 0, got (", rows, ", ", cols, ")");
 }
 
 }  // namespace
@@ -872,6 +1195,95 @@ void bias_relu(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* bias, boo
   DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "bias_relu: expected (N, C, HW) >= 0, got (", N, ", ", C, ", ", HW, ")");
   if (N == 0 || C == 0 || HW == 0 || (!bias && !relu)) return;
   channel_map(stream, N, C, HW, y, nullptr, y, BiasReluOp{bias, relu});
+}
+
+void layer_norm(cudaStream_t stream, const float* x, const float* w, const float* b, float* y, float* mean,
+                float* rstd, i64 rows, i64 cols, float eps) {
+  check_layer_norm("layer_norm", rows, cols);
+  if (rows == 0) return;
+  DP_CHECK(mean && rstd && (cols == 0 || (x && y)), "layer_norm: expected x, y, mean and rstd, got a null pointer");
+  const float inv_cols = cols > 0 ? 1.0f / static_cast<float>(cols) : 0.0f;  // the CPU's factor
+  with_ln_shape(cols, [&](auto team, auto values) {
+    constexpr int T = decltype(team)::value, V = decltype(values)::value;
+    const int rows_per_block = T == kWarp ? kLnRowsPerBlock : 1;
+    layer_norm_kernel<T, V><<<grid_for(rows, rows_per_block), ln_block(T), 0, stream>>>(x, w, b, y, mean, rstd,
+                                                                                        rows, cols, inv_cols, eps);
+  });
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+i64 layer_norm_backward_scratch(i64 rows, i64 cols, bool params) {
+  if (!params || rows <= 0 || cols <= 0) return 0;
+  return 2 * ln_tiles(rows).count * cols;
+}
+
+void layer_norm_backward(cudaStream_t stream, const float* x, const float* w, const float* mean, const float* rstd,
+                         const float* gy, float* gx, float* gw, float* gb, i64 rows, i64 cols, float* scratch) {
+  check_layer_norm("layer_norm_backward", rows, cols);
+  if (cols == 0) return;
+  if (rows == 0) {  // sums over no rows
+    if (gw) DP_CUDA_CHECK(cudaMemsetAsync(gw, 0, static_cast<std::size_t>(cols) * sizeof(float), stream));
+    if (gb) DP_CUDA_CHECK(cudaMemsetAsync(gb, 0, static_cast<std::size_t>(cols) * sizeof(float), stream));
+    return;
+  }
+  DP_CHECK(x && mean && rstd && gy && gx, "layer_norm_backward: expected x, mean, rstd, gy and gx, got a null pointer");
+  const bool params = gw || gb;
+  DP_CHECK(!params || scratch, "layer_norm_backward: expected scratch of ",
+           layer_norm_backward_scratch(rows, cols, true), " floats for (rows, cols) = (", rows, ", ", cols,
+           "), got none");
+  const float inv_cols = 1.0f / static_cast<float>(cols);
+  const LnTiles tiles = ln_tiles(rows);  // count <= kLnMaxTiles: one block each
+  float* part = params ? scratch : nullptr;
+  with_ln_shape(cols, [&](auto team, auto values) {
+    constexpr int T = decltype(team)::value, V = decltype(values)::value;
+    layer_norm_backward_kernel<T, V><<<static_cast<unsigned>(tiles.count), ln_block(T), 0, stream>>>(
+        x, w, mean, rstd, gy, gx, part, rows, cols, tiles.rows_per_tile, inv_cols);
+  });
+  DP_CUDA_CHECK_LAUNCH();
+  if (!params) return;
+  ln_param_sums_kernel<<<grid_for(cols, kWarp), dim3(kWarp, kLnSumSlices), 0, stream>>>(part, gw, gb, tiles.count,
+                                                                                        cols);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace dp::backend::cuda_kernels
+
+// ---- the kernel table's entries (Note [The op list] in ops.h) --------------------------------
+
+namespace dp::backend::cuda_kernels {
+namespace {
+namespace table {
+
+using i64 = std::int64_t;
+
+void layer_norm_f32(CudaBackend& be, Device dev, const LayerNormArgs& a) {
+  layer_norm(be.bind(dev), static_cast<const float*>(a.x), static_cast<const float*>(a.w),
+             static_cast<const float*>(a.b), static_cast<float*>(a.y), a.mean, a.rstd, a.rows, a.cols, a.eps);
+}
+
+void layer_norm_backward_f32(CudaBackend& be, Device dev, const LayerNormBackwardArgs& a) {
+  cudaStream_t s = be.bind(dev);
+  const auto* x = static_cast<const float*>(a.x);
+  const auto* w = static_cast<const float*>(a.w);
+  const auto* gy = static_cast<const float*>(a.gy);
+  auto* gx = static_cast<float*>(a.gx);
+  const i64 floats = layer_norm_backward_scratch(a.rows, a.cols, a.gw || a.gb);
+  if (floats == 0) {
+    layer_norm_backward(s, x, w, a.mean, a.rstd, gy, gx, a.gw, a.gb, a.rows, a.cols, nullptr);
+    return;
+  }
+  // The tiles' partial sums, on the stream bind() made current (Note [Caching allocator
+  // streams]): released after the two kernels are enqueued, reused only by later work.
+  CudaBackend::Scratch parts(be, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+  layer_norm_backward(s, x, w, a.mean, a.rstd, gy, gx, a.gw, a.gb, a.rows, a.cols, static_cast<float*>(parts.get()));
+}
+
+}  // namespace table
+}  // namespace
+
+void register_nn_kernels(CudaBackend& be) {
+  add<Op::LayerNorm, &table::layer_norm_f32>(be, DType::F32);
+  add<Op::LayerNormBackward, &table::layer_norm_backward_f32>(be, DType::F32);
 }
 
 }  // namespace dp::backend::cuda_kernels
