@@ -1422,7 +1422,9 @@ void add_check_suite(Table& t) {
   add_layer_norm(t, 40, 4500);
   add_layer_norm(t, 300, 1);
   add_layer_norm(t, 0, 127);
-  add_layer_norm(t, 20000, 3);
+  add_layer_norm(t, 20001, 3);  // past the tile cap: an uneven last tile, uneven slices
+  // Every register count of both kinds of team, and the thresholds between them.
+  for (i64 cols : {64, 256, 512, 513, 768, 4096, 4097}) add_layer_norm(t, 19, cols);
   // 331 x 127 = 42037 elements: above the CPU's parallel grain.
   for (const BinaryRow& b : kBinaryRows) add_binary_layouts(t, b, 331, 127);
   // out (16, 11, 300) = a (16, 1, 300) + b (1, 11, 1): both sides broadcast, 3-d walk.

@@ -616,7 +616,7 @@ __global__ void channel_fill_wide_kernel(i64 total, i64 HW, i64 C, const E* __re
 //
 // Sum orders. A thread adds its columns in column order, then the team combines: the
 // warp by xor shuffles (every lane ends with the same bits, as a + b = b + a), a block
-// its warps' sums in warp order (block_reduce). The order depends on cols alone (which
+// its warps' sums by a fixed xor tree (block_reduce). The order depends on cols alone (which
 // team, its stride), never on V, the grid or the GPU.
 //
 // The weight and bias gradients: no float atomics. The rows are cut into tiles,
@@ -646,7 +646,7 @@ constexpr int kLnRowsPerBlock = 8;   // warps (rows) per block when a warp takes
 constexpr int kLnWarpCols = 512;     // widest row a warp takes: 16 registers a lane
 constexpr int kLnThreads = 256;      // threads of a block that takes a row
 constexpr int kLnMaxValues = 16;     // most columns a thread holds in registers
-constexpr i64 kLnMinTileRows = 16;   // fewest rows in a backward tile: partials <= x / 8
+constexpr i64 kLnMinTileRows = 16;   // most rows in a backward tile below the tile cap
 constexpr i64 kLnMaxTiles = 1024;    // most tiles: about 8 blocks per SM on 132 SMs
 constexpr int kLnSumSlices = 8;      // warps of ln_param_sums_kernel, each a slice of the tiles
 
