@@ -346,8 +346,7 @@ class CpuBackend final : public Backend {
   void conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWeightArgs& a);
   /// Both backward passes, sharing gy in the primitives' layout where they can (Note
   /// [Convolution backward in one call]).
-  void conv2d_backward(Device dev, const Conv2dBackwardArgs& a);
-  void conv2d_backward_bf16(Device dev, const Conv2dBackwardArgs& a);
+  void conv2d_backward(Device dev, DType dt, const Conv2dBackwardArgs& a);
   /// Whether the bfloat16 convolutions run natively: this CPU has the instructions and
   /// set_native_bf16_conv(false) was not called.
   bool native_bf16_conv() const;

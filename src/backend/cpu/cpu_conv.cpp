@@ -1383,47 +1383,36 @@ void CpuBackend::conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWei
   if (a.gbias) rounded(*this, dev, gbias, a.gbias, s.K);
 }
 
-void CpuBackend::conv2d_backward(Device dev, const Conv2dBackwardArgs& a) {
+void CpuBackend::conv2d_backward(Device dev, DType dt, const Conv2dBackwardArgs& a) {
   const Conv2dShape& s = a.s;
   check_conv_shape(s, "conv2d_backward");
   check_conv2d_backward(a);
-  ConvBuffers buf;
-  buf.x = a.x;
-  buf.w = a.w;
-  buf.gy = a.gy;
-  buf.gx = a.gx;
-  buf.gw = static_cast<float*>(a.gw);
-  buf.gb = a.gw != nullptr ? static_cast<float*>(a.gbias) : nullptr;
-  if (!run_backward_shared(*this, dev, s, buf.gb != nullptr, buf, a.pool)) conv2d_backward_by_ops(dev, DType::F32, a);
-}
-
-void CpuBackend::conv2d_backward_bf16(Device dev, const Conv2dBackwardArgs& a) {
-  const Conv2dShape& s = a.s;
-  check_conv_shape(s, "conv2d_backward");
-  check_conv2d_backward(a);
-  if (native_bf16_conv()) {
+  const bool f32 = dt == DType::F32;
+  if (f32 || native_bf16_conv()) {
+    // bfloat16 weight and bias gradients sum in float32 and round once (Note [bf16
+    // convolutions through oneDNN]).
     std::unique_ptr<float, std::function<void(float*)>> gw, gb;
-    if (a.gw != nullptr) {
+    if (!f32 && a.gw != nullptr) {
       gw = widened(*this, dev, nullptr, weight_numel(s));
       gb = widened(*this, dev, nullptr, s.K);
     }
     ConvBuffers buf;
-    buf.dtype = DType::BF16;
+    buf.dtype = dt;
     buf.x = a.x;
     buf.w = a.w;
     buf.gy = a.gy;
     buf.gx = a.gx;
-    buf.gw = gw.get();
-    buf.gb = a.gw != nullptr && a.gbias != nullptr ? gb.get() : nullptr;
+    buf.gw = f32 ? static_cast<float*>(a.gw) : gw.get();
+    buf.gb = a.gw == nullptr || a.gbias == nullptr ? nullptr : f32 ? static_cast<float*>(a.gbias) : gb.get();
     if (run_backward_shared(*this, dev, s, buf.gb != nullptr, buf, a.pool)) {
-      if (a.gw != nullptr) {
+      if (!f32 && a.gw != nullptr) {
         rounded(*this, dev, buf.gw, a.gw, weight_numel(s));
         if (a.gbias != nullptr) rounded(*this, dev, buf.gb, a.gbias, s.K);
       }
       return;
     }
   }
-  conv2d_backward_by_ops(dev, DType::BF16, a);
+  conv2d_backward_by_ops(dev, dt, a);
 }
 
 namespace {
@@ -1454,10 +1443,10 @@ void conv2d_backward_data_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBa
 void conv2d_backward_weight_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBackwardWeightArgs& a) {
   be.conv2d_backward_weight_bf16(dev, a);
 }
-void conv2d_backward_bf16_kernel(CpuBackend& be, Device dev, const Conv2dBackwardArgs& a) {
-  be.conv2d_backward_bf16(dev, a);
+template <DType dt>
+void conv2d_backward_kernel(CpuBackend& be, Device dev, const Conv2dBackwardArgs& a) {
+  be.conv2d_backward(dev, dt, a);
 }
-void conv2d_backward_kernel(CpuBackend& be, Device dev, const Conv2dBackwardArgs& a) { be.conv2d_backward(dev, a); }
 
 }  // namespace
 
@@ -1466,8 +1455,8 @@ void CpuBackend::register_conv_kernels() {
   register_typed<Op::Conv2d, CpuBackend, &conv2d_bf16_kernel>(DType::BF16);
   register_typed<Op::Conv2dBackwardData, CpuBackend, &conv2d_backward_data_bf16_kernel>(DType::BF16);
   register_typed<Op::Conv2dBackwardWeight, CpuBackend, &conv2d_backward_weight_bf16_kernel>(DType::BF16);
-  register_typed<Op::Conv2dBackward, CpuBackend, &conv2d_backward_kernel>(DType::F32);
-  register_typed<Op::Conv2dBackward, CpuBackend, &conv2d_backward_bf16_kernel>(DType::BF16);
+  register_typed<Op::Conv2dBackward, CpuBackend, &conv2d_backward_kernel<DType::F32>>(DType::F32);
+  register_typed<Op::Conv2dBackward, CpuBackend, &conv2d_backward_kernel<DType::BF16>>(DType::BF16);
 }
 
 }  // namespace dp::backend::cpu

@@ -129,16 +129,6 @@ DP_AVX512_TARGET inline __mmask32 lanes32(i64 n) {
   _mm_mask_storeu_epi8(where + q, out, places);
 }
 
-DP_AVX512_TARGET void relu_pool_planes_avx512(const u16* x, u16* y, std::uint8_t* where, i64 planes, i64 H, i64 W,
-                                              i64 P, i64 Q) {
-  for (i64 pl = 0; pl < planes; ++pl)
-    for (i64 p = 0; p < P; ++p) {
-      const u16* r0 = x + pl * H * W + 2 * p * W;
-      const i64 o = (pl * P + p) * Q;
-      for (i64 q = 0; q < Q; q += 16) pool_block(r0, r0 + W, y + o, where + o, q, std::min<i64>(16, Q - q));
-    }
-}
-
 /// Windows [q, q + n) of the input gradient, n <= 16: each window's gradient (masked by
 /// ry > 0 when kMask) at its place in rows g0 and g1, +0 elsewhere, a NaN as 0xFFFF.
 template <bool kMask>
@@ -168,23 +158,6 @@ template <bool kMask>
   _mm512_mask_storeu_epi16(g1 + 2 * q, out, bottom);
 }
 
-template <bool kMask>
-DP_AVX512_TARGET void backward_planes_avx512(const u16* gy, const std::uint8_t* where, const u16* ry, u16* gx,
-                                             i64 planes, i64 H, i64 W, i64 P, i64 Q) {
-  for (i64 pl = 0; pl < planes; ++pl) {
-    u16* gp = gx + pl * H * W;
-    for (i64 p = 0; p < P; ++p) {
-      u16* g0 = gp + 2 * p * W;
-      u16* g1 = g0 + W;
-      const i64 o = (pl * P + p) * Q;
-      for (i64 q = 0; q < Q; q += 16)
-        backward_block<kMask>(gy + o, where + o, kMask ? ry + o : nullptr, g0, g1, q, std::min<i64>(16, Q - q));
-      for (i64 w = 2 * Q; w < W; ++w) g0[w] = g1[w] = 0;  // an odd last column
-    }
-    for (i64 i = 2 * P * W; i < H * W; ++i) gp[i] = 0;  // an odd last row
-  }
-}
-
 /// Windows [q, q + n) of one float32 output row, n <= 16, from input rows r0 and r1: y
 /// and the places (Note [float32 max-pool in AVX-512]).
 [[gnu::always_inline]] DP_AVX512_TARGET inline void pool_block_f32(const float* r0, const float* r1, float* y,
@@ -210,16 +183,6 @@ DP_AVX512_TARGET void backward_planes_avx512(const u16* gy, const std::uint8_t* 
   const __mmask16 out = lanes16(n);
   _mm512_mask_storeu_ps(y + q, out, best);
   _mm_mask_storeu_epi8(where + q, out, place);
-}
-
-DP_AVX512_TARGET void pool_planes_f32(const float* x, float* y, std::uint8_t* where, i64 planes, i64 H, i64 W,
-                                     i64 P, i64 Q) {
-  for (i64 pl = 0; pl < planes; ++pl)
-    for (i64 p = 0; p < P; ++p) {
-      const float* r0 = x + pl * H * W + 2 * p * W;
-      const i64 o = (pl * P + p) * Q;
-      for (i64 q = 0; q < Q; q += 16) pool_block_f32(r0, r0 + W, y + o, where + o, q, std::min<i64>(16, Q - q));
-    }
 }
 
 /// Windows [q, q + n) of the float32 input gradient, n <= 16: each window's gradient
@@ -249,20 +212,36 @@ template <bool kMask>
                         _mm512_maskz_permutexvar_ps(static_cast<__mmask16>(bottom >> 16), right, g));
 }
 
-template <bool kMask>
-DP_AVX512_TARGET void backward_planes_f32(const float* gy, const std::uint8_t* where, const float* ry, float* gx,
-                                         i64 planes, i64 H, i64 W, i64 P, i64 Q) {
-  for (i64 pl = 0; pl < planes; ++pl) {
-    float* gp = gx + pl * H * W;
+/// Every output row of `planes` planes (H x W in, P x Q out, contiguous) of a 2x2 pool,
+/// 16 windows at a time through Block (pool_block: bfloat16 bits after a ReLU;
+/// pool_block_f32).
+template <typename T, void (*Block)(const T*, const T*, T*, std::uint8_t*, i64, i64)>
+DP_AVX512_TARGET void pool_planes(const T* x, T* y, std::uint8_t* where, i64 planes, i64 H, i64 W, i64 P, i64 Q) {
+  for (i64 pl = 0; pl < planes; ++pl)
     for (i64 p = 0; p < P; ++p) {
-      float* g0 = gp + 2 * p * W;
-      float* g1 = g0 + W;
+      const T* r0 = x + pl * H * W + 2 * p * W;
+      const i64 o = (pl * P + p) * Q;
+      for (i64 q = 0; q < Q; q += 16) Block(r0, r0 + W, y + o, where + o, q, std::min<i64>(16, Q - q));
+    }
+}
+
+/// The input gradient of those planes, every element written once: 16 windows at a time
+/// through Block (backward_block<kMask>, backward_block_f32<kMask>), zeros in an odd last
+/// column and row. ry (the mask) is read only when kMask.
+template <typename T, bool kMask, void (*Block)(const T*, const std::uint8_t*, const T*, T*, T*, i64, i64)>
+DP_AVX512_TARGET void backward_planes(const T* gy, const std::uint8_t* where, const T* ry, T* gx, i64 planes, i64 H,
+                                      i64 W, i64 P, i64 Q) {
+  for (i64 pl = 0; pl < planes; ++pl) {
+    T* gp = gx + pl * H * W;
+    for (i64 p = 0; p < P; ++p) {
+      T* g0 = gp + 2 * p * W;
+      T* g1 = g0 + W;
       const i64 o = (pl * P + p) * Q;
       for (i64 q = 0; q < Q; q += 16)
-        backward_block_f32<kMask>(gy + o, where + o, kMask ? ry + o : nullptr, g0, g1, q, std::min<i64>(16, Q - q));
-      for (i64 w = 2 * Q; w < W; ++w) g0[w] = g1[w] = 0.0f;  // an odd last column
+        Block(gy + o, where + o, kMask ? ry + o : nullptr, g0, g1, q, std::min<i64>(16, Q - q));
+      for (i64 w = 2 * Q; w < W; ++w) g0[w] = g1[w] = T{};  // an odd last column: +0
     }
-    for (i64 i = 2 * P * W; i < H * W; ++i) gp[i] = 0.0f;  // an odd last row
+    for (i64 i = 2 * P * W; i < H * W; ++i) gp[i] = T{};  // an odd last row
   }
 }
 
@@ -304,7 +283,7 @@ void maxpool_2x2_bf16(const std::uint16_t* x, std::uint16_t* y, std::uint8_t* wh
   // The ReLU's pool is the convolution's one pass (Note [Convolution, ReLU and max-pool
   // in one pass]), over a group still in L2; a plain pool streams its planes from
   // memory, where the AVX-512 loop measured slower (Note [bfloat16 max-pool in AVX-512]).
-  if (relu && use_avx512()) return relu_pool_planes_avx512(x, y, where, planes, H, W, P, Q);
+  if (relu && use_avx512()) return pool_planes<u16, &pool_block>(x, y, where, planes, H, W, P, Q);
 #endif
   maxpool_2x2_bf16_clones(x, y, where, planes, H, W, P, Q, relu);
 }
@@ -315,9 +294,9 @@ void maxpool_2x2_backward_bf16(const std::uint16_t* gy, const std::uint8_t* wher
 #if defined(DP_POOL_AVX512)
   if (use_avx512()) {
     if (relu_y) {
-      backward_planes_avx512<true>(gy, where, relu_y, gx, planes, H, W, P, Q);
+      backward_planes<u16, true, &backward_block<true>>(gy, where, relu_y, gx, planes, H, W, P, Q);
     } else {
-      backward_planes_avx512<false>(gy, where, nullptr, gx, planes, H, W, P, Q);
+      backward_planes<u16, false, &backward_block<false>>(gy, where, nullptr, gx, planes, H, W, P, Q);
     }
     return;
   }
@@ -330,7 +309,7 @@ bool maxpool_2x2_avx512(const float* x, float* y, std::uint8_t* where, std::int6
                         std::int64_t W, std::int64_t P, std::int64_t Q) {
 #if defined(DP_POOL_AVX512)
   if (use_avx512()) {
-    pool_planes_f32(x, y, where, planes, H, W, P, Q);
+    pool_planes<float, &pool_block_f32>(x, y, where, planes, H, W, P, Q);
     return true;
   }
 #endif
@@ -343,9 +322,9 @@ bool maxpool_2x2_backward_avx512(const float* gy, const std::uint8_t* where, con
 #if defined(DP_POOL_AVX512)
   if (use_avx512()) {
     if (relu_y) {
-      backward_planes_f32<true>(gy, where, relu_y, gx, planes, H, W, P, Q);
+      backward_planes<float, true, &backward_block_f32<true>>(gy, where, relu_y, gx, planes, H, W, P, Q);
     } else {
-      backward_planes_f32<false>(gy, where, nullptr, gx, planes, H, W, P, Q);
+      backward_planes<float, false, &backward_block_f32<false>>(gy, where, nullptr, gx, planes, H, W, P, Q);
     }
     return true;
   }
