@@ -11,6 +11,7 @@
 #include "dp/core/error.h"
 #include "dp/dist/dist.h"
 #include "dp/nn/dropout.h"
+#include "dp/optim/grad_scaler.h"
 #include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
 #include "parallel/copy_executor.h"
@@ -568,7 +569,7 @@ Tensor DataParallel::forward_backward(const std::vector<DataParallelInput>& inpu
 // Note [Exact shard losses]: the whole batch's denominator comes from the full target
 // here, before the scatter; each shard adds its rows' sum over it.
 Tensor DataParallel::forward_backward_exact(const std::vector<DataParallelInput>& inputs, const Tensor& target,
-                                            const nn::ShardableLoss& loss) {
+                                            const nn::ShardableLoss& loss, const amp::GradScaler* scaler) {
   const std::int64_t rows = check_inputs("forward_backward", inputs);
   DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == rows,
            "DataParallel::forward_backward: expected a target with ", rows, " rows, got ",
@@ -582,13 +583,14 @@ Tensor DataParallel::forward_backward_exact(const std::vector<DataParallelInput>
   ShardLoss shard_loss = [&loss, scale](int, const Tensor& out, const Tensor& y) {
     return loss.shard_loss(out, y, scale);
   };
-  Tensor total = run_forward_backward("forward_backward", inputs, target, shard_loss);
+  Tensor total = run_forward_backward("forward_backward", inputs, target, shard_loss, scaler);
   // The loss of the batch this process passed (its share of the job's, rescaled).
   return !add_up || mine == 0 ? total : mul(total, denominator / mine);
 }
 
 Tensor DataParallel::run_forward_backward(const char* what, const std::vector<DataParallelInput>& inputs,
-                                          const Tensor& target, const ShardLoss& shard_loss) {
+                                          const Tensor& target, const ShardLoss& shard_loss,
+                                          const amp::GradScaler* scaler) {
   const std::int64_t rows = check_inputs(what, inputs);
   DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == rows, "DataParallel::", what,
            ": expected a target with ", rows, " rows, got ", target.defined() ? target.str() : "an undefined tensor");
@@ -602,7 +604,7 @@ Tensor DataParallel::run_forward_backward(const char* what, const std::vector<Da
   step.run([&](int r) {
     GradModeGuard grad_guard(true);
     design_->replicate(r, step.sync_params());
-    if (plan.sizes[r] > 0) losses[r] = worker_loss_backward(r, detached, tgt, plan, shard_loss);
+    if (plan.sizes[r] > 0) losses[r] = worker_loss_backward(r, detached, tgt, plan, shard_loss, scaler);
     reducer_->finalize(r);
   });
   // The batch loss: the weighted shard losses summed in device order.
@@ -616,9 +618,11 @@ Tensor DataParallel::run_forward_backward(const char* what, const std::vector<Da
   return total;
 }
 
-// One worker's shard of forward_backward; returns its weighted loss.
+// One worker's shard of forward_backward; returns its weighted loss (unscaled: a
+// scaler scales only what backward starts from, as scaler.scale(loss).backward()).
 Tensor DataParallel::worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs,
-                                          const Tensor& target, const ShardPlan& plan, const ShardLoss& shard_loss) {
+                                          const Tensor& target, const ShardPlan& plan, const ShardLoss& shard_loss,
+                                          const amp::GradScaler* scaler) {
   std::vector<Tensor> xs;
   for (const auto& in : inputs) xs.push_back(to_param_dtype(scatter_input(rank, in, plan, false)));
   Tensor yr = scatter(rank, target, plan);
@@ -632,7 +636,7 @@ Tensor DataParallel::worker_loss_backward(int rank, const std::vector<DataParall
              loss.str());
   }
   PhaseTimer t(*recorder_, rank, Phase::Backward);
-  loss.backward();
+  (scaler ? scaler->scale(loss) : loss).backward();
   return loss.detach();
 }
 

@@ -192,6 +192,50 @@ TEST_CASE("one device's overflow skips the step on every device, in every design
   }
 }
 
+TEST_CASE("forward_backward with a loss descriptor and a GradScaler: the scaled exact gradients, the loss unscaled") {
+  // A Sum, an ignore_index mean and a class-weighted, smoothed mean: the reductions a
+  // loss function cannot split by rows. With a power-of-two scale, scaling and unscaling
+  // are exact, so the scaled run must match the unscaled descriptor run bit for bit:
+  // its gradients (where DP and DDP keep them whole) are 1024 times those, its loss is
+  // that loss, and its parameters after scaler.step equal those after opt.step, in
+  // every design on 1-3 devices. A disabled scaler scales nothing.
+  const dp::Tensor weight = dp::from_vector(std::vector<float>{1.0f, 2.0f, 0.5f}, {3}, dp::cpu(0));
+  const dp::nn::CrossEntropyLoss losses[] = {
+      {.reduction = dp::nn::Reduction::Sum}, {.ignore_index = 1}, {.weight = weight, .label_smoothing = 0.1}};
+  const Batch b = make_batch(7, 41);
+  for (int devices = 1; devices <= 3; ++devices)
+    for (const NamedDesign& d : every_design())
+      for (std::size_t l = 0; l < std::size(losses); ++l)
+        for (bool enabled : {true, false}) {
+          CAPTURE(devices);
+          CAPTURE(d.name);
+          CAPTURE(l);
+          CAPTURE(enabled);
+          auto plain_net = std::make_shared<Poisonable>(4), scaled_net = std::make_shared<Poisonable>(4);
+          dp::DataParallel plain(plain_net, cpus(devices), d.options), scaled(scaled_net, cpus(devices), d.options);
+          dp::optim::SGD plain_opt(plain.parameters(), {.lr = 0.1}), scaled_opt(scaled.parameters(), {.lr = 0.1});
+          dp::amp::GradScaler scaler({.init_scale = 1024.0, .enabled = enabled});
+          const dp::Tensor want = plain.forward_backward(b.x, b.y, losses[l]);
+          const dp::Tensor got = scaled.forward_backward(b.x, b.y, losses[l], scaler);
+          CHECK(got.item() == want.item());
+          const bool whole = d.options.mode != dp::Mode::Sharded || devices == 1;
+          if (whole) {
+            const dp::nn::ParameterList pp = plain.parameters(), sp = scaled.parameters();
+            const float factor = enabled ? 1024.0f : 1.0f;
+            for (std::size_t i = 0; i < pp.size(); ++i) {
+              std::vector<float> g = pp[i].grad().to_vector();
+              for (float& v : g) v *= factor;
+              CHECK(sp[i].grad().to_vector() == g);
+            }
+          }
+          plain_opt.step();
+          CHECK(scaler.step(scaled_opt));
+          scaler.update();
+          CHECK(flat(scaled_net->state_dict()) == flat(plain_net->state_dict()));
+          CHECK(max_diff(flat(scaled_net->state_dict()), flat(Poisonable(4).state_dict())) > 1e-4);  // it stepped
+        }
+}
+
 TEST_CASE("GradScaler state: state_dict round trip, training checkpoints, bad input") {
   dp::amp::GradScaler a({.init_scale = 512.0, .growth_interval = 7});
   a.update();

@@ -18,7 +18,11 @@
 //     scaler.step(opt);                                      // skipped on inf/NaN
 //     scaler.update();
 //   }
-//   // forward_backward: scale inside the loss function (scale() is const, thread-safe):
+//   // forward_backward: pass the scaler beside a loss descriptor (exact for every
+//   // reduction, class weights and ignore_index; returns the unscaled loss):
+//   model.forward_backward(x, y, dp::nn::CrossEntropyLoss{.ignore_index = 0}, scaler);
+//   // or scale inside a loss function (scale() is const, thread-safe; a plain mean only,
+//   // see DataParallel's LossFn):
 //   model.forward_backward(x, y, [&](auto& out, auto& t) { return scaler.scale(loss_fn(out, t)); });
 //
 // Note [One decision everywhere]

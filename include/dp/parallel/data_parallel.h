@@ -69,6 +69,9 @@
 
 namespace dp {
 
+namespace amp {
+class GradScaler;
+}
 namespace backend {
 class CopyFences;
 }
@@ -330,6 +333,25 @@ class DataParallel {
   Tensor forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target, const L& loss) {
     return forward_backward_exact(inputs, target, nn::ShardableLoss(loss));
   }
+  /// forward_backward with a loss descriptor under a loss scaler (float16 training): each
+  /// shard backpropagates scaler.scale() of its exact share, so the gradients are those
+  /// of scaler.scale(loss).backward() on the whole batch, for every reduction and option
+  /// as above; returns the batch's loss unscaled. A disabled scaler scales nothing.
+  ///
+  ///   model.forward_backward(x, y, dp::nn::CrossEntropyLoss{.ignore_index = 0}, scaler);
+  ///   scaler.step(opt);
+  ///   scaler.update();
+  template <typename L>
+    requires std::constructible_from<nn::ShardableLoss, const L&>
+  Tensor forward_backward(const Tensor& x, const Tensor& target, const L& loss, const amp::GradScaler& scaler) {
+    return forward_backward_exact(std::vector<DataParallelInput>{x}, target, nn::ShardableLoss(loss), &scaler);
+  }
+  template <typename L>
+    requires std::constructible_from<nn::ShardableLoss, const L&>
+  Tensor forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target, const L& loss,
+                          const amp::GradScaler& scaler) {
+    return forward_backward_exact(inputs, target, nn::ShardableLoss(loss), &scaler);
+  }
   /// The same for a module of several inputs, split as forward(inputs) splits them:
   /// model.forward_backward({x, mask}, y, loss_fn).
   Tensor forward_backward(const std::vector<DataParallelInput>& inputs, const Tensor& target,
@@ -441,11 +463,12 @@ class DataParallel {
   std::vector<Tensor> backward_from_gather(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
                                            const InputGrads& input_grads, double grad_scale);
   Tensor forward_backward_exact(const std::vector<DataParallelInput>& inputs, const Tensor& target,
-                                const nn::ShardableLoss& loss);
+                                const nn::ShardableLoss& loss, const amp::GradScaler* scaler = nullptr);
   Tensor run_forward_backward(const char* what, const std::vector<DataParallelInput>& inputs,
-                              const Tensor& target, const ShardLoss& shard_loss);
+                              const Tensor& target, const ShardLoss& shard_loss,
+                              const amp::GradScaler* scaler = nullptr);
   Tensor worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs, const Tensor& target,
-                              const ShardPlan& plan, const ShardLoss& shard_loss);
+                              const ShardPlan& plan, const ShardLoss& shard_loss, const amp::GradScaler* scaler);
   void run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn);
   void abort_step(int rank, const std::exception_ptr& error);
   void check_finite(int rank, const Tensor& grad, std::int64_t offset);
