@@ -20,15 +20,21 @@
 // class weights), uneven batches, SGD (momentum, Nesterov, weight decay),
 // Adam or AdamW, each with one parameter group or two (the matrices, and the rest at
 // half the lr without weight decay, SGD's without momentum until a step gives them
-// some, dampened), one of four models (an MLP; with Dropout; with two
-// layers sharing one weight; a CNN with BatchNorm) on 1-4 devices, the forwards under
+// some, dampened), one of six models (an MLP; with Dropout; with two
+// layers sharing one weight; a CNN with BatchNorm; a GPT of one TransformerBlock whose
+// head is its token embedding, with and without dropout) on 1-4 devices, the forwards under
 // bfloat16 autocast or not, gradients on the wire in float32, bfloat16 or float16, the
-// parameters computed in a 16-bit copy (mixed_precision.param_dtype) or not —
+// parameters computed in a 16-bit copy (mixed_precision.param_dtype) or not, the
+// losses scaled by a GradScaler or not (unscale_ before clipping or alone; its state
+// in the checkpoints; forward_backward given the scaler beside its loss descriptor) with,
+// in one step, an infinite gradient on one device of one process only (Poison), which
+// must skip the step and halve the scale in every design —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too). The features added after the first grammar (groups, the tied
-// model, autocast, the wire dtype, param_dtype) are drawn from a second random stream,
-// each after the ones before it, so a program
-// number keeps the rest of its program. After every step each design's state_dict is compared:
+// model, autocast, the wire dtype, param_dtype) are drawn from a second random stream
+// and the GPT and the scaler from a third, each after the ones before it, so a program
+// number keeps the rest of its program. After every step each design's state_dict (and
+// the scaler's scale and growth tracker) is compared:
 //  - with one device's, to float rounding, where the model and optimizer allow it
 //    (Dropout draws per device and BatchNorm normalises per shard, so on several
 //    devices those two compare with DP only; Adam amplifies rounding, and bfloat16
@@ -87,6 +93,7 @@
 
 #include <unistd.h>
 
+#include "dp/autograd/node.h"
 #include "dp/dp.h"
 
 namespace {
@@ -128,16 +135,21 @@ dp::Tensor class_weights() { return dp::from_vector(std::vector<float>{1.0f, 2.0
 
 // ---- the grammar ----------------------------------------------------------------------------
 
-enum class Model { Mlp, MlpDropout, CnnBatchNorm, TiedMlp };
+enum class Model { Mlp, MlpDropout, CnnBatchNorm, TiedMlp, Gpt, GptDropout };
 const char* model_name(Model m) {
   switch (m) {
     case Model::Mlp: return "Model::Mlp";
     case Model::MlpDropout: return "Model::MlpDropout";
     case Model::CnnBatchNorm: return "Model::CnnBatchNorm";
     case Model::TiedMlp: return "Model::TiedMlp";
+    case Model::Gpt: return "Model::Gpt";
+    case Model::GptDropout: return "Model::GptDropout";
   }
   return "?";
 }
+
+/// The GPT models' tokens per row (their vocabulary is the kClasses labels).
+constexpr std::int64_t kContext = 4;
 
 struct Micro {
   int forwards = 1;           // through the wrapper, with grad (1-3)
@@ -163,6 +175,7 @@ struct StepSpec {
   bool reload = false;        // state_dict() scaled by 0.99, loaded back, after the step
   bool resume = false;        // a training checkpoint saved, loaded into fresh objects
   bool momentum_to_half = false;  // the last group's momentum (Adam: beta1) set to 0.5 first
+  bool unscale = false;       // with a scaler: scaler.unscale_(opt) before the step even without clipping
 };
 
 enum class Optim { Sgd, Adam, AdamW };
@@ -178,6 +191,10 @@ struct Program {
   bool autocast = false;   // every micro-batch's forwards and losses under bfloat16 autocast
   dp::Dtype wire = dp::Dtype::Float32;  // mixed_precision.reduce_dtype of every design
   dp::Dtype param = dp::Dtype::Float32;  // mixed_precision.param_dtype of every design (Float32: unset)
+  bool scaler = false;     // losses scaled by a GradScaler, which steps and updates (Note [Loop fuzzer])
+  double init_scale = 65536.0;
+  std::int64_t growth_interval = 2;
+  int poison_step = -1;    // >= 0: one device's Poison gradient is infinite in that step
   std::vector<StepSpec> steps;
 };
 
@@ -252,13 +269,92 @@ Program generate(std::uint64_t seed) {
   // loaded by every process (Note [Dropout streams in a checkpoint]).
   if (dp::dist::world_size() > 1)
     for (std::size_t s = 0; s + 1 < p.steps.size(); ++s) p.steps[s].resume = more_chance(0.15);
+  // The third stream: the GPT models and the loss scaler.
+  std::mt19937_64 third(seed * 0x94D049BB133111EBull + 11);
+  auto third_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(third) < q; };
+  if (third_chance(0.2)) p.model = third_chance(0.25) ? Model::GptDropout : Model::Gpt;
+  if (third_chance(0.2)) {
+    p.scaler = true;
+    // A float16 wire or compute copy holds at most 65504: small scales there, so that
+    // whether a step overflows never hangs on how the designs group a sum (a 16-bit
+    // backward under a large scale overflows per device, alike in every design).
+    const bool half = p.wire == dp::Dtype::Float16 || p.param == dp::Dtype::Float16;
+    p.init_scale = half ? (third_chance(0.5) ? 4.0 : 16.0) : (third_chance(0.5) ? 1024.0 : 65536.0);
+    p.growth_interval = third_chance(0.5) ? 1 : 2;
+    if (third_chance(0.5))
+      p.poison_step = std::uniform_int_distribution<int>(0, static_cast<int>(p.steps.size()) - 1)(third);
+    for (StepSpec& st : p.steps) st.unscale = third_chance(0.3);
+  }
   normalize(p);
   return p;
 }
 
 // ---- the models and data --------------------------------------------------------------------
 
-std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed) {
+/// The device whose copy of Poison gives back an infinite gradient during the step in
+/// progress (-1: none): set by run() around a program's poison_step, read by the
+/// workers' forwards (which the step's submission orders after the write).
+int g_poison_device = -1;
+
+/// Adds its parameter `value` (zeros) to the logits. On g_poison_device its gradient
+/// comes back infinite (NaN where the logits' gradient is 0): the overflow of one
+/// device that GradScaler must turn into a skipped step on every device of every design
+/// (Note [One decision everywhere] in dp/optim/grad_scaler.h). The last child, so that
+/// in stage 3 it is a gather unit of its own.
+struct Poison : dp::nn::Module {
+  Poison() { value = register_parameter("value", dp::zeros({kClasses})); }
+  dp::Tensor forward(const dp::Tensor& x) override {
+    dp::Tensor t = value;
+    if (t.device().index == g_poison_device) {
+      dp::Tensor y = dp::mul(t, 1.0).detach();
+      dp::autograd::record("Poison", {t}, y, [](const std::vector<dp::Tensor>& g) {
+        return std::vector<dp::Tensor>{dp::mul(g[0], static_cast<double>(INFINITY))};
+      });
+      t = y;
+    }
+    return dp::add(x, t);
+  }
+  dp::nn::Parameter value;
+};
+
+/// A GPT over the kClasses tokens: token and position embeddings, one pre-norm
+/// TransformerBlock (LayerNorm, causal attention through the fused kernel, GELU MLP),
+/// a final LayerNorm and a head tied to the token embedding, read at the last position.
+/// ids (B, kContext) int64 -> logits (B, kClasses) of the next token. Without biases
+/// (nanoGPT's bias=False): a key's bias shifts all of a query's scores alike, which
+/// softmax ignores, so its gradient is 0 in exact arithmetic and rounding noise in
+/// floats, which Adam scales up to ±lr in a direction the designs' grouping picks.
+struct Gpt : dp::nn::Module {
+  static constexpr std::int64_t C = 8, H = 2;
+  Gpt(std::uint64_t seed, double dropout, bool poisoned) {
+    dp::Generator gen(seed);
+    wte = register_module("wte", std::make_shared<dp::nn::Embedding>(kClasses, C, &gen));
+    wpe = register_module("wpe", std::make_shared<dp::nn::Embedding>(kContext, C, &gen));
+    h = register_module("h", std::make_shared<dp::nn::TransformerBlock>(
+                                 dp::nn::TransformerBlockOptions(C, H).bias(false).dropout(dropout), &gen));
+    ln_f = register_module("ln_f", std::make_shared<dp::nn::LayerNorm>(
+                                       dp::nn::LayerNormOptions(dp::Shape{C}).bias(false)));
+    head = register_module("head", std::make_shared<dp::nn::Linear>(C, kClasses, false, &gen));
+    share_parameter("head.weight", parameter("wte.weight"));
+    if (poisoned) poison = register_module("poison", std::make_shared<Poison>());
+  }
+  dp::Tensor forward(const dp::Tensor& ids) override {
+    const std::int64_t B = ids.size(0), T = ids.size(1);
+    const dp::Tensor pos = dp::arange(T, dp::TensorOptions{dp::Dtype::Int64, ids.device()});
+    const dp::Tensor x = ln_f->forward(h->forward(dp::add(wte->forward(ids), wpe->forward(pos))));
+    const dp::Tensor logits = head->forward(x.narrow(1, T - 1, 1).reshape({B, C}));
+    return poison ? poison->forward(logits) : logits;
+  }
+  std::shared_ptr<dp::nn::Embedding> wte, wpe;
+  std::shared_ptr<dp::nn::TransformerBlock> h;
+  std::shared_ptr<dp::nn::LayerNorm> ln_f;
+  std::shared_ptr<dp::nn::Linear> head;
+  std::shared_ptr<Poison> poison;
+};
+
+std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed, bool poisoned = false) {
+  if (kind == Model::Gpt || kind == Model::GptDropout)
+    return std::make_shared<Gpt>(seed, kind == Model::GptDropout ? 0.2 : 0.0, poisoned);
   dp::Generator gen(seed);
   auto net = std::make_shared<dp::nn::Sequential>();
   switch (kind) {
@@ -291,7 +387,10 @@ std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed) {
       net->push_back(std::make_shared<dp::nn::Flatten>());
       net->push_back(std::make_shared<dp::nn::Linear>(3 * 4 * 4, kClasses, true, &gen));
       break;
+    case Model::Gpt:
+    case Model::GptDropout: break;
   }
+  if (poisoned) net->push_back(std::make_shared<Poison>());
   return net;
 }
 
@@ -304,7 +403,9 @@ struct Batch {
 Batch make_batch(const Program& p, int id, int rows, int processes, int part) {
   const std::int64_t global = static_cast<std::int64_t>(rows) * processes;
   dp::Generator gen(p.seed * 1000003 + static_cast<std::uint64_t>(id));
+  const bool gpt = p.model == Model::Gpt || p.model == Model::GptDropout;
   dp::Tensor x = p.model == Model::CnnBatchNorm ? dp::randn({global, 1, 6, 6}, gen, dp::cpu(0))
+                 : gpt                          ? dp::randint(0, kClasses, {global, kContext}, gen, dp::cpu(0))
                                                 : dp::randn({global, 6}, gen, dp::cpu(0));
   std::vector<std::int64_t> labels(static_cast<std::size_t>(global));
   for (std::int64_t i = 0; i < global; ++i)
@@ -390,6 +491,7 @@ struct Objects {
   std::optional<dp::DataParallel> model;
   std::unique_ptr<dp::optim::Optimizer> optimizer;
   std::unique_ptr<dp::optim::StepLR> sched;
+  std::optional<dp::amp::GradScaler> scaler;
 };
 
 /// The program's optimizer over `params`: one group, or (p.groups) the matrices with the
@@ -426,7 +528,7 @@ std::unique_ptr<dp::optim::Optimizer> make_optimizer(const Program& p, const dp:
 
 std::unique_ptr<Objects> build(const Program& p, const Design* design) {
   auto o = std::make_unique<Objects>();
-  o->net = make_model(p.model, p.seed);
+  o->net = make_model(p.model, p.seed, p.poison_step >= 0);
   std::vector<dp::Device> devices;
   for (int i = 0; i < p.devices; ++i) devices.push_back(dp::cpu(i));
   if (design) {
@@ -440,6 +542,7 @@ std::unique_ptr<Objects> build(const Program& p, const Design* design) {
   }
   o->optimizer = make_optimizer(p, o->model ? o->model->parameters() : o->net->parameters());
   o->sched = std::make_unique<dp::optim::StepLR>(*o->optimizer, dp::optim::StepLROptions{.step_size = 1, .gamma = 0.5});
+  if (p.scaler) o->scaler.emplace(dp::amp::GradScalerOptions{.init_scale = p.init_scale, .growth_interval = p.growth_interval});
   return o;
 }
 
@@ -455,16 +558,30 @@ std::unique_ptr<Objects> resume(const Program& p, const Design* design, Objects&
   dp::TrainingState saved;
   saved.step = step;
   saved.schedulers = {{"lr", o.sched.get()}};
+  saved.scaler = o.scaler ? &*o.scaler : nullptr;
   dp::save_training_checkpoint(path, *o.net, *o.optimizer, saved, /*write=*/!across || dp::dist::is_main());
   if (across) dp::dist::barrier();
   std::unique_ptr<Objects> fresh = build(p, design);
   dp::TrainingState loaded;
   loaded.schedulers = {{"lr", fresh->sched.get()}};
+  loaded.scaler = fresh->scaler ? &*fresh->scaler : nullptr;
   dp::load_training_checkpoint(path, *fresh->net, *fresh->optimizer, loaded);
   if (across) dp::dist::barrier();
   if (!across || dp::dist::is_main()) std::filesystem::remove(path);
   if (loaded.step != step) throw std::runtime_error("the checkpoint's step did not come back");
   return fresh;
+}
+
+// The device whose Poison overflows in a poisoned step: device 1 of the last process
+// where a micro-batch gives it rows (torch.chunk's ceil-sized shards: a device past the
+// last shard runs no forward), else that process's device 0, which always has rows;
+// one device alone (the reference) is device 0. Other processes poison none.
+int poisoned_device(const Program& p, const StepSpec& st, bool wrapped) {
+  if (!wrapped) return 0;
+  if (dp::dist::rank() != dp::dist::world_size() - 1) return -1;
+  for (const Micro& mi : st.micros)
+    if (p.devices > 1 && mi.rows > (mi.rows + p.devices - 1) / p.devices) return 1;
+  return 0;
 }
 
 // Runs `p` with `design` (nullptr: one device, no wrapper, on the global batch);
@@ -490,16 +607,21 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
       }
       if (st.zero_grad) opt.zero_grad();
+      auto* scaler = cur->scaler ? &*cur->scaler : nullptr;
+      auto scaled = [&](const dp::Tensor& loss) { return scaler ? scaler->scale(loss) : loss; };
+      g_poison_device = static_cast<int>(step) == p.poison_step ? poisoned_device(p, st, design != nullptr) : -1;
       for (const Micro& mi : st.micros) {
         std::optional<dp::DataParallel::NoSyncGuard> guard;
         if (mi.no_sync && model) guard.emplace(*model);
         dp::amp::autocast cast(dp::Dtype::BFloat16, p.autocast);
         if (mi.forward_backward) {
           const Batch b = batch(mi.batch, mi.rows);
-          if (model) {
+          if (model && scaler) {
+            model->forward_backward(b.x, b.y, descriptor(mi.loss), *scaler);
+          } else if (model) {
             model->forward_backward(b.x, b.y, descriptor(mi.loss));
           } else {
-            loss_of(net->forward(b.x), b.y, mi.loss).backward();
+            scaled(loss_of(net->forward(b.x), b.y, mi.loss)).backward();
           }
           continue;
         }
@@ -519,13 +641,14 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
         if (mi.reuse_first) losses.push_back(loss_of(first_out, batch(mi.batch + 1, mi.rows).y, mi.loss));
         if (mi.separate) {
           for (auto& l : losses)
-            if (l.requires_grad()) l.backward();
+            if (l.requires_grad()) scaled(l).backward();
         } else {
           dp::Tensor total = losses[0];
           for (std::size_t i = 1; i < losses.size(); ++i) total = total + losses[i];
-          if (total.requires_grad()) total.backward();
+          if (total.requires_grad()) scaled(total).backward();
         }
       }
+      g_poison_device = -1;
       if (st.edit_grads) {
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) {
@@ -536,8 +659,14 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
           g.mul_(0.5f);
         }
       }
+      if (scaler && (st.clip > 0 || st.unscale)) scaler->unscale_(opt);
       if (st.clip > 0) dp::nn::utils::clip_grad_norm_(params, st.clip);
-      opt.step();
+      if (scaler) {
+        scaler->step(opt);
+        scaler->update();
+      } else {
+        opt.step();
+      }
       if (st.scheduler) sched.step();
       if (st.evaluate) {
         net->train(false);
@@ -557,10 +686,17 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
           net->load_state_dict(scaled);
         }
       }
-      trace.states.push_back(flat_state(*net, trace.names.empty() ? &trace.names : nullptr));
+      const bool first = trace.names.empty();
+      trace.states.push_back(flat_state(*net, first ? &trace.names : nullptr));
+      if (scaler) {  // the decisions: every design must skip and grow alike
+        trace.states.back().push_back(static_cast<float>(scaler->get_scale()));
+        trace.states.back().push_back(static_cast<float>(scaler->growth_tracker()));
+        if (first) trace.names.insert(trace.names.end(), {"GradScaler scale", "GradScaler growth_tracker"});
+      }
       if (st.resume && resumes) cur = resume(p, design, *cur, static_cast<std::int64_t>(step) + 1);
     }
   } catch (const dp::Error& e) {
+    g_poison_device = -1;
     if (!design) throw;  // one device refuses nothing
     trace.refused = e.what();
   }
@@ -595,7 +731,8 @@ bool bitwise_promised(const Program& p, const Design& d, std::size_t s) {
 bool single_comparable(const Program& p) {
   if (p.optim != Optim::Sgd || p.autocast || p.wire != dp::Dtype::Float32 || p.param != dp::Dtype::Float32)
     return false;
-  return p.model == Model::Mlp || p.model == Model::TiedMlp || p.devices * dp::dist::world_size() == 1;
+  return p.model == Model::Mlp || p.model == Model::TiedMlp || p.model == Model::Gpt ||
+         p.devices * dp::dist::world_size() == 1;
 }
 
 bool uses_no_sync(const Program& p) {
@@ -747,7 +884,8 @@ std::optional<Finding> check(const Program& p, const std::string& only = "", boo
 std::string cpp(const Program& p, const std::string& spelling) {
   std::ostringstream os;
   os << "// Helpers (make_model, batch) as in tests/parallel/loop_fuzz.cpp; program seed " << p.seed << ".\n";
-  os << "auto net = make_model(" << model_name(p.model) << ", " << p.seed << ");\n";
+  os << "auto net = make_model(" << model_name(p.model) << ", " << p.seed << (p.poison_step >= 0 ? ", /*poisoned=*/true" : "")
+     << ");\n";
   os << "dp::DataParallelOptions options = " << spelling << ";\n";
   if (p.wire != dp::Dtype::Float32) os << "options.mixed_precision.reduce_dtype = " << wire_spelling(p.wire) << ";\n";
   if (p.param != dp::Dtype::Float32) {
@@ -777,6 +915,11 @@ std::string cpp(const Program& p, const std::string& spelling) {
     case Optim::AdamW: os << "dp::optim::AdamW opt(" << params << ", {.lr = " << p.lr << "});\n"; break;
   }
   os << "dp::optim::StepLR sched(opt, {.step_size = 1, .gamma = 0.5});\n";
+  if (p.scaler)
+    os << "dp::amp::GradScaler scaler({.init_scale = " << p.init_scale << ", .growth_interval = " << p.growth_interval
+       << "});\n";
+  // The module path's losses, scaled when the program has a scaler.
+  auto scaled = [&](const std::string& loss) { return p.scaler ? "scaler.scale(" + loss + ")" : loss; };
   for (std::size_t s = 0; s < p.steps.size(); ++s) {
     const StepSpec& st = p.steps[s];
     os << "// step " << s << "\n";
@@ -784,13 +927,16 @@ std::string cpp(const Program& p, const std::string& spelling) {
     if (st.edit_params)
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }\n";
     if (st.zero_grad) os << "opt.zero_grad();\n";
+    if (static_cast<int>(s) == p.poison_step)
+      os << "g_poison_device = poisoned_device(p, p.steps[" << s << "], true);  // until the last backward of the step\n";
     for (const Micro& mi : st.micros) {
       os << "{\n";
       if (mi.no_sync) os << "  auto guard = model.no_sync();\n";
       if (p.autocast) os << "  dp::amp::autocast cast(dp::Dtype::BFloat16);\n";
       if (mi.forward_backward) {
         os << "  auto b = batch(" << mi.batch << ", " << mi.rows << ");\n";
-        os << "  model.forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss" << kLosses[mi.loss].spelling << ");\n}\n";
+        os << "  model.forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss" << kLosses[mi.loss].spelling
+           << (p.scaler ? ", scaler" : "") << ");\n}\n";
         continue;
       }
       std::vector<std::string> losses;
@@ -809,18 +955,21 @@ std::string cpp(const Program& p, const std::string& spelling) {
       const bool last_detached = mi.detach_last;
       if (mi.separate) {
         for (std::size_t i = 0; i < losses.size(); ++i)
-          if (!(last_detached && static_cast<int>(i) == mi.forwards - 1)) os << "  " << losses[i] << ".backward();\n";
+          if (!(last_detached && static_cast<int>(i) == mi.forwards - 1))
+            os << "  " << scaled(losses[i]) << ".backward();\n";
       } else {
-        os << "  (";
-        for (std::size_t i = 0; i < losses.size(); ++i) os << (i ? " + " : "") << losses[i];
-        os << ").backward();\n";
+        std::string sum;
+        for (std::size_t i = 0; i < losses.size(); ++i) sum += (i ? " + " : "") + losses[i];
+        os << "  " << (p.scaler ? scaled(sum) : "(" + sum + ")") << ".backward();\n";
       }
       os << "}\n";
     }
     if (st.edit_grads)
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.grad().mul_(0.5f); }\n";
+    if (static_cast<int>(s) == p.poison_step) os << "g_poison_device = -1;\n";
+    if (p.scaler && (st.clip > 0 || st.unscale)) os << "scaler.unscale_(opt);\n";
     if (st.clip > 0) os << "dp::nn::utils::clip_grad_norm_(model.parameters(), " << st.clip << ");\n";
-    os << "opt.step();\n";
+    os << (p.scaler ? "scaler.step(opt);\nscaler.update();\n" : "opt.step();\n");
     if (st.scheduler) os << "sched.step();\n";
     if (st.evaluate) os << "model.eval(); { dp::NoGradGuard g; (void)model(batch(900, 5).x); } model.train();\n";
     if (st.resume)
@@ -844,6 +993,7 @@ Program shrink(Program p, const std::string& design) {
     for (std::size_t s = 0; s < p.steps.size() && p.steps.size() > 1; ++s) {
       Program q = p;
       q.steps.erase(q.steps.begin() + static_cast<std::ptrdiff_t>(s));
+      if (q.poison_step >= static_cast<int>(s)) q.poison_step = q.poison_step == static_cast<int>(s) ? -1 : q.poison_step - 1;
       q.steps[0].zero_grad = true;
       candidates.push_back(q);
     }
@@ -867,6 +1017,7 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.reload, false); });
       with([](StepSpec& t) { return std::exchange(t.resume, false); });
       with([](StepSpec& t) { return std::exchange(t.momentum_to_half, false); });
+      with([](StepSpec& t) { return std::exchange(t.unscale, false); });
       with([&](StepSpec& t) { return s > 0 && !std::exchange(t.zero_grad, true); });
       for (std::size_t m = 0; m < st.micros.size(); ++m) {
         auto micro = [&](auto edit) {
@@ -896,6 +1047,9 @@ Program shrink(Program p, const std::string& design) {
     whole([](Program& q) { return std::exchange(q.autocast, false); });
     whole([](Program& q) { return std::exchange(q.wire, dp::Dtype::Float32) != dp::Dtype::Float32; });
     whole([](Program& q) { return q.model == Model::TiedMlp && (q.model = Model::Mlp, true); });
+    whole([](Program& q) { return q.model == Model::GptDropout && (q.model = Model::Gpt, true); });
+    whole([](Program& q) { return std::exchange(q.poison_step, -1) >= 0; });
+    whole([](Program& q) { return q.poison_step < 0 && std::exchange(q.scaler, false); });
     for (Program& q : candidates) normalize(q);
     for (const Program& q : candidates)
       if (still(q)) {
