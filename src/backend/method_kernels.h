@@ -50,10 +50,10 @@ struct Calls {
     b.log_softmax_backward(d, f32(a.gy), f32(a.y), f32(a.gx), a.rows, a.cols);
   }
   static void nll_forward(B& b, Device d, const NllForwardArgs& a) {
-    b.nll_forward(d, f32(a.logp), a.target, f32(a.loss), a.rows, a.cols);
+    b.nll_forward(d, f32(a.logp), a.target, f32(a.loss), a.rows, a.cols, a.ignore_index);
   }
   static void nll_backward(B& b, Device d, const NllBackwardArgs& a) {
-    b.nll_backward(d, f32(a.gloss), a.target, f32(a.gx), a.rows, a.cols);
+    b.nll_backward(d, f32(a.gloss), a.target, f32(a.gx), a.rows, a.cols, a.ignore_index);
   }
   // A pool after the convolution and a ReLU mask before the pool's backward run as the
   // ops they fuse (Note [Fusions are the backend's]); the winners are int64 flat indices.

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "dp/core/half.h"
@@ -376,22 +377,27 @@ struct LogSoftmaxBackwardArgs {
   std::int64_t rows;
   std::int64_t cols;
 };
-/// loss[r] = -logp[r, target[r]]. Targets out of [0, cols) throw dp::Error on CPU; CUDA
-/// writes NaN for that row (checked without a host sync).
+/// A target no class index equals: nothing ignored.
+inline constexpr std::int64_t kNoIgnoreIndex = std::numeric_limits<std::int64_t>::min();
+/// loss[r] = -logp[r, target[r]], and 0 where target[r] == ignore_index (PyTorch's
+/// ignore_index, in [0, cols) or not). Other targets out of [0, cols) throw dp::Error on
+/// CPU; CUDA writes NaN for that row (checked without a host sync).
 struct NllForwardArgs {
   const void* logp;
   const std::int64_t* target;
   void* loss;
   std::int64_t rows;
   std::int64_t cols;
+  std::int64_t ignore_index = kNoIgnoreIndex;
 };
-/// gx = 0 except gx[r, target[r]] = -gloss[r].
+/// gx = 0 except gx[r, target[r]] = -gloss[r] where target[r] != ignore_index.
 struct NllBackwardArgs {
   const void* gloss;
   const std::int64_t* target;
   void* gx;
   std::int64_t rows;
   std::int64_t cols;
+  std::int64_t ignore_index = kNoIgnoreIndex;
 };
 
 // ---- convolution and pooling (NCHW) ------------------------------------------------------

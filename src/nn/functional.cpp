@@ -151,8 +151,19 @@ Tensor avg_pool_impl(const char* op, const char* node, const Tensor& x, const be
 
 // ---- losses -------------------------------------------------------------------------------
 
+// Note [Ignored rows on the device]
+// A mean that skips ignore_index rows divides by the count of the others. With the
+// targets in host memory that count is known, but on CUDA reading it would stall the
+// step; and the dense path (class_loss: a (B, C) one-hot, coefficient and product, with
+// mul keeping its inputs for backward) costs several times the logits' memory, which for
+// a GPT's B·T rows and 50257 classes is gigabytes. So the fused kernels skip ignored
+// rows themselves (loss 0, no gradient entry) and the mean's denominator is a sum over
+// the target computed on the device, never read on the host: the loss is sum / count
+// then times the scale, the gradient of each kept row -(g·scale) / count — the
+// operations class_loss's div and mul make, so the bits are its bits. Every target
+// ignored gives 0 / 0 = NaN, as PyTorch's mean, and a zero gradient.
 Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduction reduction,
-                double scale) {
+                double scale, std::int64_t ignore_index = be::kNoIgnoreIndex, bool count_kept = false) {
   check_defined(op, "target", target);
   DP_CHECK(target.dtype() == Dtype::Int64, op, ": expected int64 class indices as target, got ",
            dtype_name(target.dtype()), " (", target.str(), "); convert with .to(dp::Dtype::Int64)");
@@ -169,7 +180,32 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
 
   Tensor losses = empty({B}, dev);
   if (B > 0)
-    b.run<be::Op::NllForward>(dev, be::DType::F32, {fptr(logp), target.data<std::int64_t>(), fptr(losses), B, C});
+    b.run<be::Op::NllForward>(dev, be::DType::F32,
+                              {fptr(logp), target.data<std::int64_t>(), fptr(losses), B, C, ignore_index});
+
+  if (reduction == Reduction::Mean && count_kept) {  // Note [Ignored rows on the device]
+    Tensor kept, out;
+    {
+      NoGradGuard no_grad;
+      Tensor ignored = eq(target, from_vector(std::vector<std::int64_t>{ignore_index}, {}, dev));
+      kept = sum(add(mul(ignored, -1.0), 1.0));
+      out = div(sum(losses), kept);
+      if (scale != 1.0) out = mul(out, scale);
+    }
+    autograd::record("NllLossBackward", {logp}, out,
+                     [target, B, C, scale, kept, ignore_index, dev](const std::vector<Tensor>& g) {
+                       if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
+                       DP_ASSERT(g[0].numel() == 1, "NllLossBackward: expected a scalar gradient");
+                       Tensor per_row = div(scale != 1.0 ? mul(g[0], scale) : g[0], kept);
+                       Tensor gloss = broadcast_scalar(per_row, B, 1.0f);
+                       Tensor gx = empty({B, C}, dev);
+                       if (gx.numel() > 0)
+                         be::get(dev).run<be::Op::NllBackward>(
+                             dev, be::DType::F32, {fptr(gloss), target.data<std::int64_t>(), fptr(gx), B, C, ignore_index});
+                       return std::vector<Tensor>{gx};
+                     });
+    return out;
+  }
 
   Tensor out;
   float factor = static_cast<float>(scale);
@@ -184,7 +220,7 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
   }
 
   autograd::record("NllLossBackward", {logp}, out,
-                   [target, B, C, factor, reduction, dev](const std::vector<Tensor>& g) {
+                   [target, B, C, factor, reduction, ignore_index, dev](const std::vector<Tensor>& g) {
                      if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
                      auto& bk = be::get(dev);
                      Tensor gloss;
@@ -200,7 +236,8 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
                      Tensor gx = empty({B, C}, dev);
                      if (B > 0) {
                        bk.run<be::Op::NllBackward>(dev, be::DType::F32,
-                                                   {fptr(gloss), target.data<std::int64_t>(), fptr(gx), B, C});
+                                                   {fptr(gloss), target.data<std::int64_t>(), fptr(gx), B, C,
+                                                    ignore_index});
                      }
                      return std::vector<Tensor>{gx};
                    });
@@ -318,8 +355,9 @@ Tensor class_loss(const Tensor& logp, const Tensor& target, const Tensor& weight
   return scale == 1.0 ? out : mul(out, scale);
 }
 
-/// nll_loss and cross_entropy: the fused nll kernels when no option needs more (known
-/// only for targets in host memory), class_loss otherwise.
+/// nll_loss and cross_entropy: the fused nll kernels without class weights or label
+/// smoothing (ignore_index included: Note [Ignored rows on the device]), class_loss
+/// otherwise.
 Tensor class_loss_from(const char* op, const char* what, const Tensor& scores, bool logits,
                        const Tensor& target_in, const Tensor& weight, std::int64_t ignore_index, double smoothing,
                        Reduction reduction, double scale) {
@@ -331,8 +369,11 @@ Tensor class_loss_from(const char* op, const char* what, const Tensor& scores, b
   const bool on_host = target.device().is_cpu();
   const bool any_ignored = on_host ? check_host_targets(op, target, scores.size(1), ignore_index) : true;
   Tensor logp = logits ? log_softmax_impl(op, scores) : scores;
-  if (on_host && !any_ignored && !weight.defined() && smoothing == 0) {
-    return nll_impl(op, logp, target, reduction, scale);
+  if (!weight.defined() && smoothing == 0) {
+    // Host targets none of which is ignored keep the plain mean (scale / B); otherwise
+    // the kernels skip ignored rows and the mean counts the rest on the device (Note
+    // [Ignored rows on the device]).
+    return nll_impl(op, logp, target, reduction, scale, ignore_index, /*count_kept=*/any_ignored);
   }
   return class_loss(logp, target, weight, ignore_index, smoothing, reduction, scale, !on_host);
 }

@@ -2567,6 +2567,20 @@ TEST_CASE("log_softmax forward/backward and nll") {
       for (i64 j = 0; j < cols; ++j)
         REQUIRE(gxn[r * cols + j] == (j == target[r] ? -gloss[r] : 0.0f));
     }
+    // ignore_index: a class in range and PyTorch's -100 out of range, on every other row.
+    for (const i64 ignore : {i64{1} % cols, i64{-100}}) {
+      std::vector<i64> t2 = target;
+      for (i64 r = 0; r < rows; r += 2) t2[r] = ignore;
+      std::fill(gxn.begin(), gxn.end(), 4.0f);
+      be().nll_forward(dev0(), y.data(), t2.data(), loss.data(), rows, cols, ignore);
+      be().nll_backward(dev0(), gloss.data(), t2.data(), gxn.data(), rows, cols, ignore);
+      for (i64 r = 0; r < rows; ++r) {
+        const bool skip = t2[r] == ignore;
+        REQUIRE(loss[r] == (skip ? 0.0f : -y[r * cols + t2[r]]));
+        for (i64 j = 0; j < cols; ++j)
+          REQUIRE(gxn[r * cols + j] == (!skip && j == t2[r] ? -gloss[r] : 0.0f));
+      }
+    }
   }
 }
 
@@ -2585,6 +2599,9 @@ TEST_CASE("nll with a target out of range throws naming the row and value") {
     }
     std::vector<float> gx(12);
     CHECK_THROWS_AS(be().nll_backward(dev0(), loss.data(), target.data(), gx.data(), 3, 4), dp::Error);
+    // Another ignore_index does not excuse it.
+    CHECK_THROWS_AS(be().nll_forward(dev0(), logp.data(), target.data(), loss.data(), 3, 4, bad + 1), dp::Error);
+    CHECK_NOTHROW(be().nll_forward(dev0(), logp.data(), target.data(), loss.data(), 3, 4, bad));
   }
 }
 

@@ -137,6 +137,43 @@ TEST_CASE_TEMPLATE("cross_entropy: the old signature, ignored rows and all-ignor
   CHECK(dp::max_abs_diff(xl.grad(), dp::zeros({ref::kB, ref::kC}, dev)) == 0.0);
 }
 
+TEST_CASE_TEMPLATE("cross_entropy with ignored rows: the fused kernels give the dense path's bits", D, DP_NN_TEST_DEVICES) {
+  // Note [Ignored rows on the device]: without weights or smoothing, ignored rows go
+  // through the fused nll kernels and a mean counted on the device; unit class weights
+  // take the dense path (class_loss). Loss and gradient must be its bits, for a mean
+  // (with and without a scale), a sum and no reduction, ignore_index in range or -100;
+  // with every row ignored the mean is NaN and the gradient zero.
+  const dp::Device dev = D::device();
+  const dp::Tensor ones = dp::ones({ref::kC}, dev);
+  for (const std::int64_t ignore : {std::int64_t{-100}, std::int64_t{2}}) {
+    const dp::Tensor t = dp::from_vector(I{3, ignore, 2, 4, ignore, 3}, {ref::kB}, dev);
+    for (const nn::Reduction reduction : {nn::Reduction::Mean, nn::Reduction::Sum, nn::Reduction::None})
+      for (const double scale : {1.0, 0.3}) {
+        CAPTURE(ignore);
+        CAPTURE(static_cast<int>(reduction));
+        CAPTURE(scale);
+        dp::Tensor xa = leaf(ref::kLogits, {ref::kB, ref::kC}, dev), xb = leaf(ref::kLogits, {ref::kB, ref::kC}, dev);
+        dp::Tensor fused = nn::cross_entropy(xa, t, {.ignore_index = ignore, .reduction = reduction, .scale = scale});
+        dp::Tensor dense =
+            nn::cross_entropy(xb, t, {.weight = ones, .ignore_index = ignore, .reduction = reduction, .scale = scale});
+        CHECK(fused.to_vector() == dense.to_vector());
+        (reduction == nn::Reduction::None ? dp::sum(fused) : fused).backward();
+        (reduction == nn::Reduction::None ? dp::sum(dense) : dense).backward();
+        CHECK(xa.grad().to_vector() == xb.grad().to_vector());
+        CHECK(dp::max_abs_diff(xa.grad(), dp::zeros({ref::kB, ref::kC}, dev)) > 0.0);
+        // The ignored rows: no loss, no gradient.
+        const std::vector<float> g = xa.grad().to_vector();
+        for (std::int64_t c = 0; c < ref::kC; ++c) CHECK(g[static_cast<std::size_t>(ref::kC + c)] == 0.0f);
+      }
+    dp::Tensor xl = leaf(ref::kLogits, {ref::kB, ref::kC}, dev);
+    const dp::Tensor all = dp::full({ref::kB}, ignore, dp::TensorOptions{dp::Dtype::Int64, dev});
+    dp::Tensor mean = nn::cross_entropy(xl, all, {.ignore_index = ignore});
+    CHECK(std::isnan(mean.item()));
+    mean.backward();
+    CHECK(dp::max_abs_diff(xl.grad(), dp::zeros({ref::kB, ref::kC}, dev)) == 0.0);
+  }
+}
+
 TEST_CASE_TEMPLATE("cross_entropy and nll_loss gradients with options match central differences", D,
                    DP_NN_TEST_DEVICES) {
   const dp::Device dev = D::device();

@@ -961,28 +961,30 @@ void CpuBackend::log_softmax_backward(Device dev, const float* gy, const float* 
 }
 
 namespace {
-void check_targets(const i64* target, i64 rows, i64 cols, const char* op) {
+void check_targets(const i64* target, i64 rows, i64 cols, i64 ignore_index, const char* op) {
   for (i64 r = 0; r < rows; ++r)
-    DP_CHECK(target[r] >= 0 && target[r] < cols, op, ": expected class indices in [0, ", cols,
-             "), got target[", r, "] = ", target[r], "; check the labels and the model's output size");
+    DP_CHECK(target[r] == ignore_index || (target[r] >= 0 && target[r] < cols), op,
+             ": expected class indices in [0, ", cols, "), got target[", r, "] = ", target[r],
+             "; check the labels and the model's output size");
 }
 }  // namespace
 
 void CpuBackend::nll_forward(Device dev, const float* logp, const i64* target, float* loss, i64 rows,
-                             i64 cols) {
+                             i64 cols, i64 ignore_index) {
   DP_CHECK(rows >= 0 && cols >= 0, "nll_forward: expected non-negative sizes, got ", rows, "x", cols);
   (void)state(dev);
   // Validate all targets before writing anything (a CUDA kernel would fault mid-way).
-  check_targets(target, rows, cols, "nll_forward");
-  for (i64 r = 0; r < rows; ++r) loss[r] = -logp[r * cols + target[r]];
+  check_targets(target, rows, cols, ignore_index, "nll_forward");
+  for (i64 r = 0; r < rows; ++r) loss[r] = target[r] == ignore_index ? 0.0f : -logp[r * cols + target[r]];
 }
 
 void CpuBackend::nll_backward(Device dev, const float* gloss, const i64* target, float* gx, i64 rows,
-                              i64 cols) {
+                              i64 cols, i64 ignore_index) {
   DP_CHECK(rows >= 0 && cols >= 0, "nll_backward: expected non-negative sizes, got ", rows, "x", cols);
-  check_targets(target, rows, cols, "nll_backward");
+  check_targets(target, rows, cols, ignore_index, "nll_backward");
   run<Op::Fill>(dev, DType::F32, {gx, rows * cols, 0.0f});
-  for (i64 r = 0; r < rows; ++r) gx[r * cols + target[r]] = -gloss[r];
+  for (i64 r = 0; r < rows; ++r)
+    if (target[r] != ignore_index) gx[r * cols + target[r]] = -gloss[r];
 }
 
 }  // namespace dp::backend::cpu

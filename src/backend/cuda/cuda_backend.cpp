@@ -599,12 +599,12 @@ void CudaBackend::log_softmax_backward(Device dev, const float* gy, const float*
   k::log_softmax_backward(bind(dev), gy, y, gx, rows, cols);
 }
 void CudaBackend::nll_forward(Device dev, const float* logp, const std::int64_t* target,
-                              float* loss, std::int64_t rows, std::int64_t cols) {
-  k::nll_forward(bind(dev), logp, target, loss, rows, cols);
+                              float* loss, std::int64_t rows, std::int64_t cols, std::int64_t ignore_index) {
+  k::nll_forward(bind(dev), logp, target, loss, rows, cols, ignore_index);
 }
 void CudaBackend::nll_backward(Device dev, const float* gloss, const std::int64_t* target,
-                               float* gx, std::int64_t rows, std::int64_t cols) {
-  k::nll_backward(bind(dev), gloss, target, gx, rows, cols);
+                               float* gx, std::int64_t rows, std::int64_t cols, std::int64_t ignore_index) {
+  k::nll_backward(bind(dev), gloss, target, gx, rows, cols, ignore_index);
 }
 
 void CudaBackend::maxpool2d_forward(Device dev, const Pool2dShape& s, const float* x, float* y,

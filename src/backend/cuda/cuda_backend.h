@@ -221,9 +221,9 @@ class CudaBackend final : public Backend {
   void log_softmax_backward(Device dev, const float* gy, const float* y, float* gx,
                             std::int64_t rows, std::int64_t cols);
   void nll_forward(Device dev, const float* logp, const std::int64_t* target, float* loss,
-                   std::int64_t rows, std::int64_t cols);
+                   std::int64_t rows, std::int64_t cols, std::int64_t ignore_index = kNoIgnoreIndex);
   void nll_backward(Device dev, const float* gloss, const std::int64_t* target, float* gx,
-                    std::int64_t rows, std::int64_t cols);
+                    std::int64_t rows, std::int64_t cols, std::int64_t ignore_index = kNoIgnoreIndex);
 
   void conv2d_forward(Device dev, const Conv2dShape& s, const float* x, const float* w,
                       const float* bias, float* y);

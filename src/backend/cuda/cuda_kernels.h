@@ -120,9 +120,9 @@ void log_softmax(cudaStream_t stream, const float* x, float* y, std::int64_t row
 void log_softmax_backward(cudaStream_t stream, const float* gy, const float* y, float* gx,
                           std::int64_t rows, std::int64_t cols);
 void nll_forward(cudaStream_t stream, const float* logp, const std::int64_t* target,
-                 float* loss, std::int64_t rows, std::int64_t cols);
+                 float* loss, std::int64_t rows, std::int64_t cols, std::int64_t ignore_index);
 void nll_backward(cudaStream_t stream, const float* gloss, const std::int64_t* target,
-                  float* gx, std::int64_t rows, std::int64_t cols);
+                  float* gx, std::int64_t rows, std::int64_t cols, std::int64_t ignore_index);
 void maxpool2d_forward(cudaStream_t stream, const Pool2dShape& s, const float* x, float* y,
                        std::int64_t* indices);
 void maxpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* gy,

@@ -73,23 +73,24 @@ __global__ void log_softmax_backward_kernel(const float* __restrict__ gy, const 
 }
 
 __global__ void nll_forward_kernel(const float* __restrict__ logp, const i64* __restrict__ target,
-                                   float* __restrict__ loss, i64 rows, i64 cols) {
+                                   float* __restrict__ loss, i64 rows, i64 cols, i64 ignore_index) {
   for (i64 r = global_thread(); r < rows; r += grid_stride()) {
     const i64 t = target[r];
     // An out-of-range target cannot throw from a kernel without a host sync: NaN
     // poisons the loss, and the opt-in non-finite check names it.
-    loss[r] = (t >= 0 && t < cols) ? -logp[r * cols + t] : __int_as_float(0x7fc00000);
+    loss[r] = t == ignore_index ? 0.0f : (t >= 0 && t < cols) ? -logp[r * cols + t] : __int_as_float(0x7fc00000);
   }
 }
 
 __global__ void nll_backward_kernel(const float* __restrict__ gloss, const i64* __restrict__ target,
-                                    float* __restrict__ gx, i64 rows, i64 cols) {
+                                    float* __restrict__ gx, i64 rows, i64 cols, i64 ignore_index) {
   const i64 n = rows * cols;
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
     const i64 r = i / cols, c = i - r * cols;
     const i64 t = target[r];
     float v = 0.0f;
-    if (t < 0 || t >= cols) v = __int_as_float(0x7fc00000);
+    if (t == ignore_index) v = 0.0f;
+    else if (t < 0 || t >= cols) v = __int_as_float(0x7fc00000);
     else if (c == t) v = -gloss[r];
     gx[i] = v;
   }
@@ -908,7 +909,7 @@ void check_float_dtype(const char* op, DType dtype) {
 std::size_t float_bytes(DType dtype) { return dtype == DType::F32 ? sizeof(float) : sizeof(std::uint16_t); }
 
 void check_rows(const char* op, i64 rows, i64 cols) {
-  DP_CHECK(rows >= 0 && cols > 0, op, ": expected rows >= 0 and cols > 0, got (", rows, ", ",
+  DP_CHECK(rows >= 0 && cols >= 0, op, ": expected rows >= 0 and cols >= 0, got (", rows, ", ",
            cols, ")");
 }
 
@@ -965,7 +966,7 @@ void check_layer_norm(const char* op, i64 rows, i64 cols) {
 
 void log_softmax(cudaStream_t stream, const float* x, float* y, i64 rows, i64 cols) {
   check_rows("log_softmax", rows, cols);
-  if (rows == 0) return;
+  if (rows == 0 || cols == 0) return;  // as the CPU: nothing to write
   log_softmax_kernel<<<grid_for(rows, kRowsPerBlock), dim3(kWarp, kRowsPerBlock), 0, stream>>>(
       x, y, rows, cols);
   DP_CUDA_CHECK_LAUNCH();
@@ -974,25 +975,25 @@ void log_softmax(cudaStream_t stream, const float* x, float* y, i64 rows, i64 co
 void log_softmax_backward(cudaStream_t stream, const float* gy, const float* y, float* gx,
                           i64 rows, i64 cols) {
   check_rows("log_softmax_backward", rows, cols);
-  if (rows == 0) return;
+  if (rows == 0 || cols == 0) return;
   log_softmax_backward_kernel<<<grid_for(rows, kRowsPerBlock), dim3(kWarp, kRowsPerBlock), 0,
                                 stream>>>(gy, y, gx, rows, cols);
   DP_CUDA_CHECK_LAUNCH();
 }
 
 void nll_forward(cudaStream_t stream, const float* logp, const i64* target, float* loss, i64 rows,
-                 i64 cols) {
+                 i64 cols, i64 ignore_index) {
   check_rows("nll_forward", rows, cols);
-  if (rows == 0) return;
-  nll_forward_kernel<<<grid_for(rows), kBlock, 0, stream>>>(logp, target, loss, rows, cols);
+  if (rows == 0) return;  // cols == 0: every row's target is ignored or out of range (NaN)
+  nll_forward_kernel<<<grid_for(rows), kBlock, 0, stream>>>(logp, target, loss, rows, cols, ignore_index);
   DP_CUDA_CHECK_LAUNCH();
 }
 
 void nll_backward(cudaStream_t stream, const float* gloss, const i64* target, float* gx, i64 rows,
-                  i64 cols) {
+                  i64 cols, i64 ignore_index) {
   check_rows("nll_backward", rows, cols);
-  if (rows == 0) return;
-  nll_backward_kernel<<<grid_for(rows * cols), kBlock, 0, stream>>>(gloss, target, gx, rows, cols);
+  if (rows == 0 || cols == 0) return;
+  nll_backward_kernel<<<grid_for(rows * cols), kBlock, 0, stream>>>(gloss, target, gx, rows, cols, ignore_index);
   DP_CUDA_CHECK_LAUNCH();
 }
 
