@@ -14,6 +14,7 @@
 #include "dp/core/error.h"
 #include "dp/nn/functional.h"
 #include "dp/tensor/ops.h"
+#include "nn/embedding_rows.h"
 #include "nn/fused_attention.h"
 #include "tensor/autocast_policy.h"
 #include "tensor/tensor_util.h"
@@ -185,6 +186,23 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
   return y.reshape(input.shape());
 }
 
+bool detail::embedding_ids_on_device(const Tensor& ids, std::int64_t rows) {
+  return !ids.device().is_cpu() && rows <= (std::int64_t{1} << 24);
+}
+
+Tensor detail::embedding_rows_on_device(const Tensor& weight, const Tensor& ids64, Tensor& gathered) {
+  NoGradGuard no_grad;
+  const std::int64_t V = weight.size(0), n = ids64.numel();
+  DP_CHECK(V <= (std::int64_t{1} << 24), "embedding: a table of ", V, " rows compares ids in float32 inexactly; "
+           "read them on the host (index_select)");
+  const Tensor f = ids64.to(Dtype::Float32);  // exact below 2^24; larger ids stay >= V
+  const Tensor ok = mul(ge(f, 0.0), lt(f, static_cast<double>(V)));  // 1 in range, 0 outside
+  gathered = where(ok, f, 0.0).to(Dtype::Int64);
+  const Tensor rows = dp::detail::index_select_in_range(weight, 0, gathered);
+  // where keeps every in-range row's bits (-0 included), in the weight's dtype.
+  return where(ok.reshape({n, 1}), rows, std::nan(""));
+}
+
 Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::int64_t> padding) {
   DP_CHECK(input.defined() && weight.defined(), "embedding: expected defined input and weight tensors");
   DP_CHECK(input.dtype() == Dtype::Int64 || input.dtype() == Dtype::Int32,
@@ -198,22 +216,27 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
     padding_idx = *padding < 0 ? *padding + V : *padding;  // PyTorch counts a negative one from the end
   }
   Tensor ids = input.reshape({input.numel()});
-  Tensor rows;
+  Tensor rows, ids64;
   {
     NoGradGuard no_grad;  // the gradient is EmbeddingBackward's (padding_idx)
-    rows = index_select(weight, 0, ids);
+    if (detail::embedding_ids_on_device(ids, V)) {  // Note [Embedding ids without a host read]
+      rows = detail::embedding_rows_on_device(weight, ids.to(Dtype::Int64), ids64);
+    } else {
+      rows = index_select(weight, 0, ids);
+    }
   }
   Shape out_shape = input.shape();
   out_shape.push_back(D);
   Tensor out = rows.reshape(out_shape);
   if (autograd::needs_grad({weight})) {
-    Tensor ids64 = ids.to(Dtype::Int64);
+    if (!ids64.defined()) ids64 = ids.to(Dtype::Int64);
     // A 16-bit weight (DataParallel's param_dtype) gathers its rows as they are; its
     // gradient adds the rows' gradients up in float32 and rounds once to its dtype.
     const Dtype dtype = weight.dtype();
     autograd::record("EmbeddingBackward", {weight}, out, [ids64, V, D, padding_idx, dtype](const std::vector<Tensor>& g) {
-      // The forward's index_select checked ids: no second read of them on the host (a
-      // wait on CUDA in the middle of the backward).
+      // The forward checked the ids (index_select on the host, or it gathered in-range
+      // ones on the device): no read of them on the host here (a wait on CUDA in the
+      // middle of the backward).
       Tensor gw = dp::detail::index_add_in_range(zeros({V, D}, g[0].device()), 0, ids64,
                                                  g[0].reshape({ids64.numel(), D}).to(Dtype::Float32));
       if (padding_idx >= 0) gw.narrow(0, padding_idx, 1).zero_();

@@ -18,6 +18,7 @@
 #include "dp/nn/normalization.h"
 #include "dp/tensor/autocast.h"
 #include "dp/tensor/ops.h"
+#include "nn/embedding_rows.h"
 #include "sequence_reference.h"
 #include "nn_test_util.h"
 #include "test_errors.h"
@@ -136,6 +137,38 @@ TEST_CASE("layer_norm is one op each way (float32): the composed formula's value
     CHECK(max_abs(f[1], again[1]) == 0.0f);
     if (c.weight) CHECK(max_abs(f[2], again[2]) == 0.0f);
   }
+}
+
+TEST_CASE("embedding rows gathered on the device: in-range rows bit for bit, NaN rows for bad ids, no host read") {
+  // Note [Embedding ids without a host read]: the path a GPU's ids take, run here on the
+  // CPU (embedding() itself reads CPU ids on the host and throws on a bad one).
+  Tensor w = dp::from_vector(ref::kEmbeddingWeight, {7, 3});
+  CHECK_FALSE(dp::nn::detail::embedding_ids_on_device(dp::zeros({4}, dp::TensorOptions{dp::Dtype::Int64}), 7));
+  const std::vector<std::int64_t> ids{3, -1, 6, 7, 0, std::int64_t{1} << 40, 2, -(std::int64_t{1} << 50)};
+  for (const dp::Dtype dtype : {dp::Dtype::Float32, dp::Dtype::BFloat16}) {
+    CAPTURE(dp::dtype_name(dtype));
+    const Tensor wd = w.to(dtype);
+    Tensor gathered;
+    const Tensor rows =
+        dp::nn::detail::embedding_rows_on_device(wd, dp::from_vector(ids, {8}), gathered).to(dp::Dtype::Float32);
+    CHECK(rows.shape() == Shape{8, 3});
+    CHECK(gathered.to_vector_i64() == std::vector<std::int64_t>{3, 0, 6, 0, 0, 0, 2, 0});
+    const Tensor table = wd.to(dp::Dtype::Float32);
+    for (std::int64_t i = 0; i < 8; ++i) {
+      const std::int64_t id = ids[static_cast<std::size_t>(i)];
+      const std::vector<float> got = rows.narrow(0, i, 1).to_vector();
+      if (id >= 0 && id < 7) {
+        CHECK(got == table.narrow(0, id, 1).to_vector());
+      } else {
+        for (float v : got) CHECK(std::isnan(v));
+      }
+    }
+  }
+  // A table too tall for float32 ids is refused (embedding() reads those on the host).
+  Tensor gathered;
+  CHECK(dp_test::throws_with(
+      [&] { (void)dp::nn::detail::embedding_rows_on_device(dp::zeros({(1 << 24) + 1, 1}), dp::zeros({1}, dp::TensorOptions{dp::Dtype::Int64}), gathered); },
+      {"16777217 rows", "float32"}));
 }
 
 TEST_CASE("embedding matches PyTorch; the padding row gets no gradient") {

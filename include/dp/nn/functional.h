@@ -123,7 +123,9 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
 /// in [0, V)) of `weight` (V, D): (input..., D). The gradient adds each position's row
 /// gradient into weight's row (index_add: in position order on the CPU, bitwise
 /// reproducible); the row padding_idx (negative: counted from the end) gets no
-/// gradient, as PyTorch's.
+/// gradient, as PyTorch's. An id outside [0, V) is a dp::Error naming it where the ids
+/// are in host memory (CPU devices); ids on a GPU are checked there without a wait, and
+/// a bad one makes its output row NaN (as PyTorch's CUDA kernels assert on the device).
 Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::int64_t> padding_idx = std::nullopt);
 
 /// torch.nn.functional.scaled_dot_product_attention, in PyTorch's argument order:
