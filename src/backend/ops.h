@@ -249,8 +249,10 @@ struct GatherArgs {
   void* out;
 };
 /// y[offset(n)] += src[n] (Note [Gather geometry]): the backward of gather and
-/// index_select. CPU adds in element order (bitwise reproducible); CUDA uses atomics,
-/// so repeated indices sum in an unspecified order.
+/// index_select. CPU adds in element order (bitwise reproducible). CUDA adds whole
+/// float32 rows along dim 0 (an embedding's backward) in that order too (Note [Row
+/// scatter-add in position order]: the CPU's bits); elsewhere it uses atomics, so
+/// repeated indices sum in an unspecified order.
 struct ScatterAddArgs {
   Indexer ix;
   int dim;

@@ -367,6 +367,25 @@ void add_gather(Table& t, i64 outer, i64 r_, i64 inner, i64 m, bool select) {
   });
 }
 
+/// scatter_add of whole rows along dim 0 (an embedding's backward: (n, cols) rows onto
+/// a (v, cols) table): non-integer values with indices repeated in long runs, so the
+/// sums are exact only in one order — the CPU's, which CUDA's sorted path keeps (Note
+/// [Row scatter-add in position order]).
+void add_scatter_rows(Table& t, i64 n, i64 v, i64 cols) {
+  const Indexer ix = indexer({n, cols}, {cols, 1}, {1, 0});
+  const std::string shape = dims({n, cols}) + " rows onto " + std::to_string(v);
+  t.add(Kernel::ScatterAdd, shape, kExact, 0, kF * n * cols * 3 + kL * n, [=](OpRun& r) {
+    const float* src = r.uniform(n * cols, -1, 1);
+    std::vector<std::int64_t> ids(static_cast<std::size_t>(n));
+    for (i64 p = 0; p < n; ++p)  // every third position index 1 (a long run), the rest spread
+      ids[static_cast<std::size_t>(p)] = p % 3 == 0 ? 1 : (p * 7919) % v;
+    const std::int64_t* idx = r.upload(ids);
+    float* y = r.uniform(v * cols, -1, 1);
+    r.output("y", y, v * cols);
+    r.set_call([=](Backend& b, Device d) { b.run<Op::ScatterAdd>(d, DType::F32, {ix, 0, src, idx, y}); });
+  });
+}
+
 void add_eq_i64(Table& t, i64 rows, i64 cols) {
   const Indexer ix = indexer({rows, cols}, {cols, 1}, {0, 1});  // (R, C) == (C)
   t.add(Kernel::Binary, DType::I64, "eq_i64", dims({rows, cols}) + " == " + std::to_string(cols), kExact, 0,
@@ -1436,6 +1455,8 @@ void add_check_suite(Table& t) {
   // 7 x 300 x 23 gathered to 7 x 211 x 23 = 33971 elements: above the parallel grain.
   add_gather(t, 7, 300, 23, 211, false);
   add_gather(t, 7, 300, 23, 211, true);
+  add_scatter_rows(t, 1000, 50, 37);
+  add_scatter_rows(t, 3, 5, 1);
   add_copies(t, kCheckN);
   for (const UnaryRow& u : kUnaryRows) add_unary(t, u, kCheckN);
   add_elementwise_misc(t, kCheckN);

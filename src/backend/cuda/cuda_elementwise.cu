@@ -12,7 +12,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
+
+#include <cub/device/device_radix_sort.cuh>
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_half.cuh"
@@ -160,6 +163,42 @@ __global__ void scatter_add_kernel(const Indexer ix, int dim, const T* __restric
     i64 xo, io;
     gather_offsets(ix, dim, i, xo, io);
     atomic_add(y + xo + index[io] * ix.strides_a[dim], src[i]);
+  }
+}
+
+// Note [Row scatter-add in position order]
+// index_add of whole rows along dim 0 — (n, cols) rows of src onto y's rows index[p],
+// an embedding's backward — is where atomics hurt most: a GPT's batch repeats its
+// common tokens hundreds of times, so their rows' sums would change run to run (and
+// with them the tied output projection's gradient). So the float32 rows geometry sorts
+// instead: the positions are radix-sorted by index (cub::DeviceRadixSort, stable, so
+// a run of one index keeps its positions in order), and the first warp of each run
+// adds the run's rows onto y's row in position order, lanes over the columns, with
+// plain adds. That is the CPU's order (Note [Gather geometry]: whole rows in element
+// order), so the sums are the CPU's bits and bitwise run to run; each row of y has one
+// writer. Other geometries and 16-bit values keep the atomics (ScatterAddArgs).
+
+__global__ void iota_i32_kernel(int* __restrict__ out, i64 n) {
+  for (i64 i = global_thread(); i < n; i += grid_stride()) out[i] = static_cast<int>(i);
+}
+
+/// keys: the n indices sorted; pos: their positions, stably sorted with them.
+__global__ void row_runs_add_kernel(const i64* __restrict__ keys, const int* __restrict__ pos,
+                                    const float* __restrict__ src, float* __restrict__ y, i64 n, i64 cols,
+                                    i64 y_row) {
+  const int lane = static_cast<int>(threadIdx.x % kWarp);
+  const i64 warps = grid_stride() / kWarp;
+  for (i64 k = global_thread() / kWarp; k < n; k += warps) {  // warp-uniform
+    const i64 v = keys[k];
+    if (k > 0 && keys[k - 1] == v) continue;  // inside a run: its first warp adds it
+    i64 end = k + 1;
+    while (end < n && keys[end] == v) ++end;
+    float* dst = y + v * y_row;
+    for (i64 c = lane; c < cols; c += kWarp) {
+      float acc = dst[c];
+      for (i64 j = k; j < end; ++j) acc += src[static_cast<i64>(pos[j]) * cols + c];
+      dst[c] = acc;
+    }
   }
 }
 
@@ -719,8 +758,47 @@ template <typename T>
 void gather(CudaBackend& be, Device dev, const GatherArgs& a) {
   k::gather(be.bind(dev), a.ix, a.dim, static_cast<const T*>(a.x), a.index, static_cast<T*>(a.out));
 }
+/// Whole rows of src along dim 0 onto y's rows (Note [Row scatter-add in position order]).
+bool row_geometry(const ScatterAddArgs& a) {
+  const Indexer& ix = a.ix;
+  return a.dim == 0 && ix.ndim == 2 && ix.sizes[0] > 0 && ix.sizes[1] > 0 && ix.strides_a[1] == 1 &&
+         ix.strides_b[0] == 1 && ix.strides_b[1] == 0;
+}
+
+std::size_t round_up_256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+void scatter_add_rows_sorted(CudaBackend& be, Device dev, const ScatterAddArgs& a) {
+  const i64 n = a.ix.sizes[0], cols = a.ix.sizes[1], y_row = a.ix.strides_a[0];
+  DP_CHECK(n <= std::numeric_limits<int>::max(), "scatter_add: expected at most 2^31 - 1 rows, got ", n);
+  cudaStream_t s = be.bind(dev);
+  const int items = static_cast<int>(n);
+  constexpr int kKeyBits = 8 * sizeof(i64);
+  std::size_t temp = 0;
+  DP_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp, static_cast<const i64*>(nullptr),
+                                                static_cast<i64*>(nullptr), static_cast<const int*>(nullptr),
+                                                static_cast<int*>(nullptr), items, 0, kKeyBits, s));
+  // One scratch block: the sorted indices, the positions before and after, cub's storage.
+  const std::size_t keys_bytes = round_up_256(static_cast<std::size_t>(n) * sizeof(i64));
+  const std::size_t pos_bytes = round_up_256(static_cast<std::size_t>(n) * sizeof(int));
+  CudaBackend::Scratch scratch(be, dev.index, keys_bytes + 2 * pos_bytes + temp);
+  char* base = static_cast<char*>(scratch.get());
+  auto* keys = reinterpret_cast<i64*>(base);
+  auto* pos_in = reinterpret_cast<int*>(base + keys_bytes);
+  auto* pos_out = reinterpret_cast<int*>(base + keys_bytes + pos_bytes);
+  iota_i32_kernel<<<grid_for(n), kBlock, 0, s>>>(pos_in, n);
+  DP_CUDA_CHECK_LAUNCH();
+  DP_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + keys_bytes + 2 * pos_bytes, temp, a.index, keys, pos_in,
+                                                pos_out, items, 0, kKeyBits, s));
+  row_runs_add_kernel<<<grid_for(n * kWarp), kBlock, 0, s>>>(keys, pos_out, static_cast<const float*>(a.src),
+                                                             static_cast<float*>(a.y), n, cols, y_row);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
 template <typename T>
 void scatter_add(CudaBackend& be, Device dev, const ScatterAddArgs& a) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (row_geometry(a)) return scatter_add_rows_sorted(be, dev, a);
+  }
   k::scatter_add(be.bind(dev), a.ix, a.dim, static_cast<const T*>(a.src), a.index, static_cast<T*>(a.y));
 }
 
