@@ -125,7 +125,8 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
 /// reproducible); the row padding_idx (negative: counted from the end) gets no
 /// gradient, as PyTorch's. An id outside [0, V) is a dp::Error naming it where the ids
 /// are in host memory (CPU devices); ids on a GPU are checked there without a wait, and
-/// a bad one makes its output row NaN (as PyTorch's CUDA kernels assert on the device).
+/// a bad one makes its output row NaN (where PyTorch's CUDA kernel stops the process with
+/// a device-side assert).
 Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::int64_t> padding_idx = std::nullopt);
 
 /// torch.nn.functional.scaled_dot_product_attention, in PyTorch's argument order:
