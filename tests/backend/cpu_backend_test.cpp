@@ -1101,14 +1101,24 @@ TEST_CASE("gemm with a small k: products summed by fma in k order, at any split"
         }
 }
 
-TEST_CASE("gemm cut into column slabs that fit L2: the same bits as one call on one thread") {
+TEST_CASE("gemm cut into column slabs that fit L2: within rounding of one call, its bits where oneDNN runs both alike") {
   // Note [GEMM: column slabs that fit L2]: a wide C (m < n) runs as several slabs per
-  // thread; every element is still one dot product over all of k, so the product equals
-  // the single call's bit for bit, for every transpose, aliasing strides (copied slabs)
-  // and padded ones, odd widths included.
+  // thread, each element still one oneDNN dot product over all of k — for every
+  // transpose, aliasing strides (copied slabs) and padded ones, odd widths included.
+  // Where oneDNN runs the whole C and every slab with the same kernels
+  // (cpu::gemm_slabs_keep_bits; here B always reaches it untransposed at an unaliased
+  // stride, m >= 128) those are the single call's bits: with AVX-512 for all but
+  // 768x1536x1024, with AVX2 for m <= 263 only. Everywhere they are within 16 u·Σ|a·b|
+  // (u = 2^-24) of the single call's: oneDNN's two drivers' orders were measured at
+  // most 2.5 u·Σ|a·b| apart on these shapes and 5.2 over a survey down to k = 156
+  // (docs/benchmarks/kernel-notes.md) — two arbitrary orders may differ by up to
+  // 2γ_k·Σ|a·b|, about 2k u, far looser — while one term of k left out puts over 99 %
+  // of the checked elements outside it.
   const int hw = dp::hardware_concurrency();
+  constexpr double u = 0x1p-24;
   for (auto [m, n, k] : {std::tuple<i64, i64, i64>{512, 1024, 1024}, {512, 1024, 784}, {256, 2000, 700},
-                         {200, 1030, 2048}}) {
+                         {200, 1030, 2048}, {768, 1536, 1024}}) {
+    const bool same_bits = cpu::gemm_slabs_keep_bits(m, n);
     for (bool ta : {false, true})
       for (bool tb : {false, true})
         for (i64 pad : {0, 3}) {
@@ -1118,6 +1128,7 @@ TEST_CASE("gemm cut into column slabs that fit L2: the same bits as one call on 
           CAPTURE(ta);
           CAPTURE(tb);
           CAPTURE(pad);
+          CAPTURE(same_bits);
           const i64 a_rows = ta ? k : m, a_w = ta ? m : k, b_rows = tb ? n : k, b_w = tb ? k : n;
           const i64 lda = a_w + pad, ldb = b_w + pad;
           auto a = random_vec(a_rows * lda, 80), b = random_vec(b_rows * ldb, 81);
@@ -1127,7 +1138,25 @@ TEST_CASE("gemm cut into column slabs that fit L2: the same bits as one call on 
           be().set_concurrent_devices(hw);  // one thread: one call
           be().gemm(dev0(), ta, tb, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f, c1.data(), n);
           be().set_concurrent_devices(1);
-          REQUIRE(std::memcmp(c.data(), c1.data(), c.size() * sizeof(float)) == 0);
+          if (same_bits) REQUIRE(std::memcmp(c.data(), c1.data(), c.size() * sizeof(float)) == 0);
+          std::vector<i64> rows;  // every 17th row, and the last
+          for (i64 i = 0; i < m; i += 17) rows.push_back(i);
+          if (rows.back() != m - 1) rows.push_back(m - 1);
+          std::vector<double> abs_b(static_cast<std::size_t>(k * n));  // |op(B)|, k rows of n
+          for (i64 p = 0; p < k; ++p)
+            for (i64 j = 0; j < n; ++j) abs_b[p * n + j] = std::abs(double(tb ? b[j * ldb + p] : b[p * ldb + j]));
+          i64 far = 0;
+          std::vector<double> sum_abs(static_cast<std::size_t>(n));  // Σ_p |a[i,p]·b[p,j]| of row i
+          for (i64 i : rows) {
+            std::fill(sum_abs.begin(), sum_abs.end(), 0.0);
+            for (i64 p = 0; p < k; ++p) {
+              const double ap = std::abs(double(ta ? a[p * lda + i] : a[i * lda + p]));
+              for (i64 j = 0; j < n; ++j) sum_abs[j] += ap * abs_b[p * n + j];
+            }
+            for (i64 j = 0; j < n; ++j)
+              far += !(std::abs(double(c[i * n + j]) - double(c1[i * n + j])) <= 16 * u * sum_abs[j]);
+          }
+          CHECK(far == 0);
         }
   }
 }

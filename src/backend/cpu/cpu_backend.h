@@ -137,6 +137,13 @@ void transpose_copy(const float* src, std::int64_t lds, std::int64_t rows, std::
 void transpose_copy(const std::uint16_t* src, std::int64_t lds, std::int64_t rows, std::int64_t cols,
                     std::uint16_t* dst, std::int64_t ldd);
 
+/// Whether a float32 product with C of m x n (m, n >= 1), cut into column slabs, sums
+/// every element in the order one call over all n columns does: oneDNN sends the whole
+/// C, and so every narrower slab, to the same kernels (Note [GEMM: column slabs that fit
+/// L2] in cpu_gemm.cpp; for a B that reaches oneDNN untransposed, at a stride that is no
+/// multiple of 1024 floats). For tests.
+bool gemm_slabs_keep_bits(std::int64_t m, std::int64_t n);
+
 /// oneDNN's name of the kernel a bfloat16 product of this shape runs on, with " (A
 /// copied untransposed)" where Note [bf16 GEMMs: a transposed A copied untransposed]
 /// applies (cpu_gemm.cpp); empty where the product widens to float32. For tests.

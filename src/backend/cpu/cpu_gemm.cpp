@@ -105,18 +105,42 @@ i64 unaliased_ld(i64 w) {
 // other data competed for it. Slabs of half the L2, several per thread, did best of
 // the widths tried; cutting the row splits the same way gained nothing, and cutting dW
 // by columns instead of rows did worse (figures: docs/benchmarks/kernel-notes.md,
-// "GEMM: column slabs that fit L2"). So a column split takes slabs of at most half the L2 and at least kMinColumnSlab
-// columns, in a multiple of the thread count (equal slabs per thread); row splits keep
-// a chunk per thread. Every element of C is one dot product over all of k in any slab,
-// and for the shapes cpu_backend_test checks (the MLP's and the CNN's among them) oneDNN
-// sums it in the same order whatever the slab's width, so the chunk count changes no
-// bits there. oneDNN does not promise this for every shape: in a survey of 200 random
-// shapes through CpuBackend::gemm (m 256-1155, n and k 32-1531), 15 gave other bits on
-// two threads than on one, for B transposed and for B not, all of them large (m >=
-// 780, k >= 850), with B transposed before Note [GEMM: a transposed B multiplied
-// untransposed] as after it. A device's thread count is part of its
-// configuration, so DP, DDP and the sharded designs over the same devices still agree
-// bit for bit; a device with other threads may round such products differently.
+// "GEMM: column slabs that fit L2"). So a column split takes slabs of at most half the
+// L2 and at least kMinColumnSlab columns, in a multiple of the thread count (equal slabs
+// per thread); row splits keep a chunk per thread.
+// Every element of C is still one dot product over all of k, made by one dnnl_sgemm
+// call: a split adds no partial sums. But the order that call sums in is oneDNN's, and
+// a slab is a call of another shape. oneDNN 2.6 runs a float32 product through one of
+// two drivers, picked per call: the copy-based one packs both operands and sums each
+// element in k blocks of 192 (AVX2) or 384 (AVX-512); with AVX2 the no-copy kernels sum
+// in k blocks of 256 (96 with A transposed) — each block from zero by fma in k order,
+// then added to C (an emulation gives every element of the MLP's 512x1024 products, k =
+// 784 and 1024, bit for bit, from whichever driver ran them). Within a driver the width
+// changes nothing as long as slab edges are multiples of 16 (kAlign: the no-copy
+// kernels' tails) and no slab is one column wide (oneDNN's gemv). oneDNN's first test
+// sends a call to the no-copy kernels where 1/m + 1/w >= 0.0038 with AVX or AVX2,
+// 0.00196 with AVX-512 (m the call's rows of C, w its columns; for a B that reaches it
+// untransposed and at a stride that is no multiple of 1024 floats, as the copies of the
+// Notes above leave it from m = 128 on); without AVX every call is copy-based. A slab
+// only raises 1/w, so where the whole C passes that test every slab runs as the one
+// call does and the chunk count changes no bits (gemm_slabs_keep_bits): with AVX-512
+// for the MLP's products (1/512 + 1/1024 = 0.0029), with AVX2 for those with m <= 263.
+// Elsewhere it can, and with AVX2 it does where it matters most: the MLP's 512x1024
+// products run copy-based as one call and no-copy in any slab of 541 columns or fewer,
+// so about 90 % of their elements take other bits, each within 2.5 u·Σ|a·b| (u =
+// 2^-24) of the one call's, whatever the L2 (figures: docs/benchmarks/kernel-notes.md,
+// "GEMM: column slabs that fit L2"). Keeping the one call's order there would take
+// slabs of 542 columns or more: over 2 MiB at k = 1024, wider than even the one slab
+// per thread this Note replaced (512 columns, itself under the threshold). With AVX-512
+// larger products do the same (768x1536x1024: 84 % of the elements), and so do row
+// splits (1024x512x1024 in two halves of rows, with AVX2: 90 %); in a survey of 200
+// random shapes through CpuBackend::gemm (m 256-1155, n and k 32-1531), 15 gave other
+// bits on two threads than on one, for B transposed and for B not, all of them large
+// (m >= 780, k >= 850), with B transposed before Note [GEMM: a transposed B multiplied
+// untransposed] as after it. A device's thread count (and its CPU) is part of its
+// configuration, so DP, DDP and the sharded designs over the same devices cut every
+// product alike and agree bit for bit; a device with other threads, or on another CPU,
+// may round such products differently.
 
 /// GEMM slab edges are multiples of this (the kernels' width).
 constexpr i64 kAlign = 16;
@@ -243,7 +267,8 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
   // Note [oneDNN in the device's arena]: C is cut into `chunks` slabs of whole rows (or
   // columns, when there are more of them), each one single-threaded dnnl_sgemm in a task
   // of the device's arena. Every element of C is still one dot product over all of k,
-  // so the split changes no sum; slab edges are multiples of 16 (the kernels' width).
+  // so the split adds no partial sums (which order oneDNN sums each in: Note [GEMM:
+  // column slabs that fit L2]); slab edges are multiples of 16 (the kernels' width).
   const bool by_rows = m >= n;
   const i64 extent = by_rows ? m : n;
   const i64 chunks = gemm_chunks(m, n, k, threads_per_device(dev));
@@ -524,6 +549,16 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
 }
 
 }  // namespace
+
+bool gemm_slabs_keep_bits(i64 m, i64 n) {
+  // Note [GEMM: column slabs that fit L2]: oneDNN 2.6's first test of its float32
+  // driver (gemm_driver.cpp's nocopy_checker, in its column-major terms: 1/n + 1/m).
+  static const unsigned isa = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  auto has = [](dnnl::cpu_isa f) { return (isa & static_cast<unsigned>(f)) == static_cast<unsigned>(f); };
+  if (!has(dnnl::cpu_isa::avx)) return true;  // copy-based only
+  const double no_copy_from = has(dnnl::cpu_isa::avx512_core) ? 0.00196 : 0.0038;
+  return 1.0 / static_cast<double>(m) + 1.0 / static_cast<double>(n) >= no_copy_from;
+}
 
 std::string bf16_gemm_kernel(i64 m, i64 n, i64 k, i64 lda, i64 ldb, i64 ldc, bool trans_a, bool trans_b) {
   if (!has_bf16_matmul()) return "";
