@@ -727,29 +727,17 @@ void add_softmax_nll(Table& t, i64 rows, i64 cols) {
     for (i64 i = 0; i < rows; ++i) v[static_cast<std::size_t>(i)] = (i * 7) % cols;
     return v;
   };
-  t.add(Kernel::NllForward, shape, kExact, 0, (2 * kF + kL) * rows, [=](OpRun& r) {
-    const float* logp = r.uniform(rc, -5, 0);
-    const std::int64_t* target = r.upload(targets());
-    float* loss = r.empty(rows);
-    r.output("loss", loss, rows);
-    r.set_call([=](Backend& b, Device d) { b.run<Op::NllForward>(d, DType::F32, {logp, target, loss, rows, cols}); });
-  });
-  t.add(Kernel::NllBackward, shape, kExact, 0, (kF + kL) * rows + kF * rc, [=](OpRun& r) {
-    const float* gloss = r.uniform(rows, -1, 1);
-    const std::int64_t* target = r.upload(targets());
-    float* gx = r.empty(rc);
-    r.output("gx", gx, rc);
-    r.set_call([=](Backend& b, Device d) { b.run<Op::NllBackward>(d, DType::F32, {gloss, target, gx, rows, cols}); });
-  });
-  // ignore_index on every third row: a class in range (every row with that class is
-  // ignored: loss 0, no gradient entry) and -100, PyTorch's default, out of range.
-  for (const std::int64_t ignore : {std::int64_t{3} % cols, std::int64_t{-100}}) {
-    auto with_ignored = [rows, cols, targets, ignore] {
+  // Without ignore_index, then with it on every third row: a class in range (every row
+  // with that class is ignored: loss 0, no gradient entry) and -100, PyTorch's default,
+  // out of range.
+  for (const std::int64_t ignore : {be::kNoIgnoreIndex, std::int64_t{3} % cols, std::int64_t{-100}}) {
+    const bool none = ignore == be::kNoIgnoreIndex;
+    auto with_ignored = [rows, targets, ignore, none] {
       std::vector<std::int64_t> v = targets();
-      for (i64 i = 0; i < rows; i += 3) v[static_cast<std::size_t>(i)] = ignore;
+      for (i64 i = 0; i < rows && !none; i += 3) v[static_cast<std::size_t>(i)] = ignore;
       return v;
     };
-    const std::string name = shape + " ignore_index " + std::to_string(ignore);
+    const std::string name = none ? shape : shape + " ignore_index " + std::to_string(ignore);
     t.add(Kernel::NllForward, name, kExact, 0, (2 * kF + kL) * rows, [=](OpRun& r) {
       const float* logp = r.uniform(rc, -5, 0);
       const std::int64_t* target = r.upload(with_ignored());
