@@ -79,6 +79,7 @@
 // each process passes its own rows of a global batch and its reference trains one
 // device on the whole global batch.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -296,8 +297,9 @@ Program generate(std::uint64_t seed) {
 
 /// The device whose copy of Poison gives back an infinite gradient during the step in
 /// progress (-1: none): set by run() around a program's poison_step, read by the
-/// workers' forwards (which the step's submission orders after the write).
-int g_poison_device = -1;
+/// workers' forwards (which the step's submission orders after the write; atomic all
+/// the same, so that no checker needs to know that).
+std::atomic<int> g_poison_device{-1};
 
 /// Adds its parameter `value` (zeros) to the logits. On g_poison_device its gradient
 /// comes back infinite (NaN where the logits' gradient is 0): the overflow of one
@@ -932,7 +934,8 @@ std::string cpp(const Program& p, const std::string& spelling) {
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }\n";
     if (st.zero_grad) os << "opt.zero_grad();\n";
     if (static_cast<int>(s) == p.poison_step)
-      os << "g_poison_device = poisoned_device(p, p.steps[" << s << "], true);  // until the last backward of the step\n";
+      os << "g_poison_device = " << poisoned_device(p, st, true) << ";  // Poison's gradient infinite there (this "
+            "process) until the step's last backward\n";
     for (const Micro& mi : st.micros) {
       os << "{\n";
       if (mi.no_sync) os << "  auto guard = model.no_sync();\n";
