@@ -131,6 +131,23 @@ TEST_CASE("a tied GPT with parameter groups trains on every GPU as on CPU virtua
   dp::set_allow_tf32_matmul(matmul);
 }
 
+TEST_CASE("a tied GPT trained twice on the GPUs gives the same bits: no order left to timing") {
+  // The embedding's gradient adds repeated tokens' rows in position order (Note [Row
+  // scatter-add in position order]), the attention and LayerNorm backward sum in fixed
+  // orders, the loss counts on the device: a run repeats bit for bit, in DP and DDP.
+  const auto gpus = cuda_devices();
+  const bool matmul = dp::allow_tf32_matmul();
+  dp::set_allow_tf32_matmul(false);
+  for (const Design& d : designs(std::nullopt)) {
+    if (d.name != "DP" && d.name != "DDP") continue;
+    CAPTURE(d.name);
+    const Run a = train(gpus, d.options, false), b = train(gpus, d.options, false);
+    CHECK(a.params == b.params);
+    CHECK(a.losses == b.losses);
+  }
+  dp::set_allow_tf32_matmul(matmul);
+}
+
 TEST_CASE("bfloat16 autocast and bfloat16 gradients on the wire: every GPU's worker in bf16, near the CPU run") {
   // cuBLAS's and oneDNN's bf16 GEMMs both accumulate in float32 but round their
   // operands and outputs at different points: the runs agree to bf16's resolution
