@@ -20,7 +20,7 @@
 namespace dp::nn::detail {
 
 /// Whether embedding() gathers ids on the device without reading them on the host:
-/// ids off the host and a table of at most 2^24 rows.
+/// ids off the host and a table of 1 to 2^24 rows.
 bool embedding_ids_on_device(const Tensor& ids, std::int64_t rows);
 
 /// The rows of weight (V, D) at ids64 (n) int64, on their device, without a host read:

@@ -187,14 +187,18 @@ Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tens
 }
 
 bool detail::embedding_ids_on_device(const Tensor& ids, std::int64_t rows) {
-  return !ids.device().is_cpu() && rows <= (std::int64_t{1} << 24);
+  // An empty table has no row 0 to gather a bad id from: index_select refuses its ids.
+  return !ids.device().is_cpu() && rows > 0 && rows <= (std::int64_t{1} << 24);
 }
 
 Tensor detail::embedding_rows_on_device(const Tensor& weight, const Tensor& ids64, Tensor& gathered) {
   NoGradGuard no_grad;
   const std::int64_t V = weight.size(0), n = ids64.numel();
-  DP_CHECK(V <= (std::int64_t{1} << 24), "embedding: a table of ", V, " rows compares ids in float32 inexactly; "
-           "read them on the host (index_select)");
+  DP_CHECK(V > 0 && V <= (std::int64_t{1} << 24), "embedding: expected a table of 1 to 2^24 rows to gather ids "
+           "on the device (float32 compares larger ones inexactly; an empty one has no row), got ", V,
+           " rows; read the ids on the host (index_select)");
+  DP_CHECK(ids64.device() == weight.device(), "embedding: expected ids on the weight's device ",
+           weight.device().str(), ", got ", ids64.device().str());
   const Tensor f = ids64.to(Dtype::Float32);  // exact below 2^24; larger ids stay >= V
   const Tensor ok = mul(ge(f, 0.0), lt(f, static_cast<double>(V)));  // 1 in range, 0 outside
   gathered = where(ok, f, 0.0).to(Dtype::Int64);
@@ -209,6 +213,8 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
            "embedding: expected int64 or int32 ids, got ", input.str());
   DP_CHECK(weight.dim() == 2 && is_floating_point(weight.dtype()),
            "embedding: expected a floating weight (V, D) (float32, bfloat16 or float16), got ", weight.str());
+  DP_CHECK(input.device() == weight.device(), "embedding: expected ids on the weight's device ",
+           weight.device().str(), ", got ids on ", input.device().str());
   const std::int64_t V = weight.size(0), D = weight.size(1);
   std::int64_t padding_idx = -1;  // none
   if (padding) {

@@ -164,11 +164,21 @@ TEST_CASE("embedding rows gathered on the device: in-range rows bit for bit, NaN
       }
     }
   }
+  // Ids on another device than the table: refused before any gather, on every path.
+  CHECK(dp_test::throws_with([&] { (void)dp::nn::embedding(dp::zeros({2}, dp::TensorOptions{dp::Dtype::Int64, dp::cpu(1)}), w); },
+                             {"embedding: expected ids on the weight's device cpu:0", "cpu:1"}));
+  // An empty table gathers nothing on the device; embedding() refuses its ids on the host.
+  CHECK_FALSE(dp::nn::detail::embedding_ids_on_device(dp::zeros({1}, dp::TensorOptions{dp::Dtype::Int64}), 0));
+  CHECK(dp_test::throws_with([] { (void)dp::nn::embedding(dp::zeros({1}, dp::TensorOptions{dp::Dtype::Int64}), dp::zeros({0, 3})); },
+                             {"out of bounds"}));
   // A table too tall for float32 ids is refused (embedding() reads those on the host).
   Tensor gathered;
   CHECK(dp_test::throws_with(
       [&] { (void)dp::nn::detail::embedding_rows_on_device(dp::zeros({(1 << 24) + 1, 1}), dp::zeros({1}, dp::TensorOptions{dp::Dtype::Int64}), gathered); },
       {"16777217 rows", "float32"}));
+  CHECK(dp_test::throws_with(
+      [&] { (void)dp::nn::detail::embedding_rows_on_device(dp::zeros({0, 3}), dp::zeros({1}, dp::TensorOptions{dp::Dtype::Int64}), gathered); },
+      {"got 0 rows"}));
 }
 
 TEST_CASE("embedding matches PyTorch; the padding row gets no gradient") {

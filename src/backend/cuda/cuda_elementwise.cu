@@ -761,8 +761,9 @@ void gather(CudaBackend& be, Device dev, const GatherArgs& a) {
 /// Whole rows of src along dim 0 onto y's rows (Note [Row scatter-add in position order]).
 bool row_geometry(const ScatterAddArgs& a) {
   const Indexer& ix = a.ix;
+  // y's rows must not overlap (each has one writer): a fresh table, as every caller's.
   return a.dim == 0 && ix.ndim == 2 && ix.sizes[0] > 0 && ix.sizes[1] > 0 && ix.strides_a[1] == 1 &&
-         ix.strides_b[0] == 1 && ix.strides_b[1] == 0;
+         ix.strides_a[0] >= ix.sizes[1] && ix.strides_b[0] == 1 && ix.strides_b[1] == 0;
 }
 
 std::size_t round_up_256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
