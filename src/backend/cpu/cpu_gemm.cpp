@@ -40,9 +40,14 @@ using i64 = std::int64_t;
 // So a chunk first copies the slab it alone reads (B's columns when C is cut by
 // columns, a transposed A's columns when C is cut by rows) into a buffer whose row
 // stride is an odd multiple of 64 bytes, and multiplies from that. The copy holds the
-// same values and oneDNN's kernel choice does not depend on the leading dimensions, so
-// every element is computed as before, bit for bit (cpu_backend_test checks this for
-// every transpose). The copy moves 8 bytes per element of the slab, which the chunk
+// same values, and for the shapes cpu_backend_test checks (every transpose, by rows and
+// by columns, one thread and all cores) every element is computed as before, bit for
+// bit. That rests on oneDNN picking the same driver for both strides, which it does not
+// promise: with AVX-512 its choice also asks whether a stride is a multiple of 256 or
+// 1024 floats (Note [GEMM: column slabs that fit L2] has the drivers), so some other
+// shape may round differently with the copy than without. The copy is a function of the
+// shape and the device's threads, so the designs over the same devices still make the
+// same one and agree bit for bit. The copy moves 8 bytes per element of the slab, which the chunk
 // uses in 2·w flops (w: the rows of C, for B; the columns, for A): it is made when
 // w >= kPadMinRows and skipped below.
 
