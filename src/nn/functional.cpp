@@ -183,33 +183,16 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
     b.run<be::Op::NllForward>(dev, be::DType::F32,
                               {fptr(logp), target.data<std::int64_t>(), fptr(losses), B, C, ignore_index});
 
-  if (reduction == Reduction::Mean && count_kept) {  // Note [Ignored rows on the device]
-    Tensor kept, out;
-    {
-      NoGradGuard no_grad;
-      Tensor ignored = eq(target, from_vector(std::vector<std::int64_t>{ignore_index}, {}, dev));
-      kept = sum(add(mul(ignored, -1.0), 1.0));
-      out = div(sum(losses), kept);
-      if (scale != 1.0) out = mul(out, scale);
-    }
-    autograd::record("NllLossBackward", {logp}, out,
-                     [target, B, C, scale, kept, ignore_index, dev](const std::vector<Tensor>& g) {
-                       if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
-                       DP_ASSERT(g[0].numel() == 1, "NllLossBackward: expected a scalar gradient");
-                       Tensor per_row = div(scale != 1.0 ? mul(g[0], scale) : g[0], kept);
-                       Tensor gloss = broadcast_scalar(per_row, B, 1.0f);
-                       Tensor gx = empty({B, C}, dev);
-                       if (gx.numel() > 0)
-                         be::get(dev).run<be::Op::NllBackward>(
-                             dev, be::DType::F32, {fptr(gloss), target.data<std::int64_t>(), fptr(gx), B, C, ignore_index});
-                       return std::vector<Tensor>{gx};
-                     });
-    return out;
-  }
-
   Tensor out;
+  Tensor kept;  // Mean over the rows not ignored: their count, on the device
   float factor = static_cast<float>(scale);
-  if (reduction == Reduction::None) {
+  if (reduction == Reduction::Mean && count_kept) {  // Note [Ignored rows on the device]
+    NoGradGuard no_grad;
+    Tensor ignored = eq(target, from_vector(std::vector<std::int64_t>{ignore_index}, {}, dev));
+    kept = sum(add(mul(ignored, -1.0), 1.0));
+    out = div(sum(losses), kept);
+    if (scale != 1.0) out = mul(out, scale);
+  } else if (reduction == Reduction::None) {
     out = losses;
     if (factor != 1.0f && B > 0) b.run<be::Op::Affine>(dev, be::DType::F32, {fptr(out), fptr(out), B, factor, 0.0f});
   } else {
@@ -220,7 +203,7 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
   }
 
   autograd::record("NllLossBackward", {logp}, out,
-                   [target, B, C, factor, reduction, ignore_index, dev](const std::vector<Tensor>& g) {
+                   [target, B, C, scale, factor, kept, reduction, ignore_index, dev](const std::vector<Tensor>& g) {
                      if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
                      auto& bk = be::get(dev);
                      Tensor gloss;
@@ -231,7 +214,9 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
                          bk.run<be::Op::Affine>(dev, be::DType::F32, {fptr(g[0]), fptr(gloss), B, factor, 0.0f});
                      } else {
                        DP_ASSERT(g[0].numel() == 1, "NllLossBackward: expected a scalar gradient");
-                       gloss = broadcast_scalar(g[0], B, factor);
+                       // The mean over kept rows divides as its forward did: -(g·scale) / count.
+                       gloss = kept.defined() ? broadcast_scalar(div(scale != 1.0 ? mul(g[0], scale) : g[0], kept), B, 1.0f)
+                                              : broadcast_scalar(g[0], B, factor);
                      }
                      Tensor gx = empty({B, C}, dev);
                      if (B > 0) {
