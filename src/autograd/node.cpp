@@ -172,6 +172,7 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
       m.grad.add_(g);            // in place: a .grad that views a flat buffer stays a view
     } else if (sole_owner(g)) {
       m.grad = g;  // Note [Adopting a gradient]
+      m.grad.impl()->copied_view = nullptr;  // dp's own now (Note [Writes into materialised views])
     } else {
       NoGradGuard no_grad;
       m.grad = g.detach().clone();  // own storage: g may be shared with other edges

@@ -1,9 +1,11 @@
 #include "dp/nn/init.h"
 
 #include <cmath>
+#include <string>
 
 #include "backend/backend.h"
 #include "dp/core/error.h"
+#include "tensor/tensor_util.h"
 
 namespace dp::nn::init {
 namespace {
@@ -12,6 +14,7 @@ void check_fillable(const char* fn, const Tensor& t) {
   DP_CHECK(t.defined(), "init::", fn, ": expected a defined tensor, got an undefined one");
   DP_CHECK(t.dtype() == Dtype::Float32, "init::", fn, ": expected a float32 tensor, got ",
            dtype_name(t.dtype()), " (", t.str(), ")");
+  detail::check_writable((std::string("init::") + fn).c_str(), t);
 }
 
 std::int64_t receptive_field(const Tensor& t, const char* fn) {
@@ -65,8 +68,14 @@ Tensor& constant_(Tensor& t, double value) {
   return t;
 }
 
-Tensor& zeros_(Tensor& t) { return constant_(t, 0.0); }
-Tensor& ones_(Tensor& t) { return constant_(t, 1.0); }
+Tensor& zeros_(Tensor& t) {
+  check_fillable("zeros_", t);
+  return constant_(t, 0.0);
+}
+Tensor& ones_(Tensor& t) {
+  check_fillable("ones_", t);
+  return constant_(t, 1.0);
+}
 
 Tensor& kaiming_uniform_(Tensor& t, double a, Generator& gen) {
   check_fillable("kaiming_uniform_", t);

@@ -172,7 +172,10 @@ Tensor Tensor::expand(const Shape& shape) const {
   }
   detail::check_floating("expand", *this);
   Tensor out = expand_to(*this, target);
-  if (out.impl() == impl()) out = out.detach();  // the same shape: a new handle on the same storage
+  if (out.impl() == impl())
+    out = out.detach();  // the same shape: a new handle on the same storage
+  else
+    out.impl()->copied_view = "expand()";  // Note [Writes into materialised views]
   Shape from = this->shape();
   autograd::record("ExpandBackward", {*this}, out,
                    [from](const std::vector<Tensor>& g) { return std::vector<Tensor>{sum_to(g[0], from)}; });

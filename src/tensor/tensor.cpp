@@ -139,6 +139,7 @@ std::shared_ptr<TensorImpl> view_impl(const TensorImpl& src, std::int64_t offset
   impl->offset = offset;
   impl->shape = shape;
   impl->dtype = src.dtype;
+  impl->copied_view = src.copied_view;  // Note [Writes into materialised views]
   return impl;
 }
 
@@ -471,6 +472,7 @@ Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) c
   } else {
     out = Tensor(new_impl(s, impl.dtype, device()));
     copy_blocks(out, 0, length * inner, *this, start * inner, size * inner, outer, length * inner);
+    out.impl()->copied_view = "narrow() along a later dim";  // Note [Writes into materialised views]
   }
   Shape full = impl.shape;
   autograd::record("NarrowBackward", {*this}, out, [full, d, start, outer, inner](const std::vector<Tensor>& g) {
@@ -514,6 +516,7 @@ Tensor Tensor::t() const {
   ix.strides_a[1] = c;
   backend::get(device()).run<backend::Op::StridedCopy>(device(), detail::kernel_dtype(dtype()),
                                                       {ix, raw_data(), out.raw_data()});
+  out.impl()->copied_view = "t()";  // Note [Writes into materialised views]
   autograd::record("TransposeBackward", {*this}, out,
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0].t()}; });
   return out;
@@ -540,6 +543,7 @@ Tensor Tensor::permute(const std::vector<std::int64_t>& dims) const {
   Shape out_shape(dims.size());
   for (std::size_t i = 0; i < perm.size(); ++i) out_shape[i] = shape()[static_cast<std::size_t>(perm[i])];
   Tensor out(new_impl(out_shape, dtype(), device()));
+  out.impl()->copied_view = "permute()";  // Note [Writes into materialised views]
   if (out.numel() > 0) {
     // Row-major strides of the source, read in the result's order; adjacent result dims
     // that stay adjacent in the source merge, so an identity permute is one plain copy.
@@ -581,7 +585,20 @@ Tensor Tensor::transpose(std::int64_t d0, std::int64_t d1) const {
   std::vector<std::int64_t> perm(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) perm[static_cast<std::size_t>(i)] = i;
   std::swap(perm[static_cast<std::size_t>(d0 < 0 ? d0 + n : d0)], perm[static_cast<std::size_t>(d1 < 0 ? d1 + n : d1)]);
-  return permute(perm);
+  Tensor out = permute(perm);
+  out.impl()->copied_view = "transpose()";  // Note [Writes into materialised views]
+  return out;
+}
+
+Tensor Tensor::contiguous() const {
+  const auto& impl = checked(impl_);
+  if (impl.copied_view == nullptr) return *this;
+  // The copy alone, writable (Note [Writes into materialised views]).
+  Tensor out(view_impl(impl, impl.offset, impl.shape));
+  out.impl()->copied_view = nullptr;
+  autograd::record("ContiguousBackward", {*this}, out,
+                   [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
+  return out;
 }
 
 // ---- in-place ---------------------------------------------------------------------------
@@ -590,12 +607,14 @@ Tensor Tensor::transpose(std::int64_t d0, std::int64_t d1) const {
 // versions]) after every check that may throw, so a rejected call moves no version.
 
 Tensor& Tensor::zero_() {
+  detail::check_writable("Tensor::zero_", *this);
   void* p = mutable_raw_data();
   if (numel() > 0) backend::get(device()).memset_zero(p, device(), nbytes());
   return *this;
 }
 
 Tensor& Tensor::fill_(double value) {
+  detail::check_writable("Tensor::fill_", *this);
   using backend::DType;
   using backend::Op;
   auto& be = backend::get(device());
@@ -615,6 +634,7 @@ Tensor& Tensor::fill_(double value) {
 }
 
 Tensor& Tensor::add_(double value) {
+  detail::check_writable("Tensor::add_", *this);
   using backend::DType;
   using backend::Op;
   auto& be = backend::get(device());
@@ -638,6 +658,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
   DP_CHECK(src.shape() == shape() && src.dtype() == dtype(), "copy_: expected a source of shape ",
            shape_str(shape()), " ", dtype_name(dtype()), ", got ", shape_str(src.shape()), " ",
            dtype_name(src.dtype()));
+  detail::check_writable("Tensor::copy_", *this);
   const void* from = src.raw_data();
   detail::copy_bytes(mutable_raw_data(), device(), from, src.device(), nbytes());
   return *this;
@@ -648,6 +669,7 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
   DP_CHECK(other.shape() == shape(), "add_: expected shape ", shape_str(shape()), ", got ",
            shape_str(other.shape()));
   detail::check_floating("add_", *this);
+  detail::check_writable("Tensor::add_", *this);
   DP_CHECK(other.dtype() == dtype(), "add_: expected a ", dtype_name(dtype()), " tensor to add, got ",
            dtype_name(other.dtype()));
   const void* x = other.raw_data();
@@ -658,6 +680,7 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
 
 Tensor& Tensor::mul_(float value) {
   detail::check_floating("mul_", *this);
+  detail::check_writable("Tensor::mul_", *this);
   void* p = mutable_raw_data();
   backend::get(device()).run<backend::Op::Affine>(device(), detail::kernel_dtype(dtype()), {p, p, numel(), value, 0.0f});
   return *this;

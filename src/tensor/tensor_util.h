@@ -56,4 +56,15 @@ inline void check_floating(const char* op, const Tensor& t, const char* what = "
            " (float32, bfloat16 or float16), got ", dtype_name(t.dtype()));
 }
 
+/// Throws when t is the copy dp makes where PyTorch returns a view (Note [Writes into
+/// materialised views]): an in-place write into it would not reach its source.
+inline void check_writable(const char* op, const Tensor& t) {
+  const char* made_by = t.impl() ? t.impl()->copied_view : nullptr;
+  DP_CHECK(made_by == nullptr, op, ": expected a tensor that a write reaches, got one made by ", made_by,
+           ", which PyTorch returns as a view of its source and dp as a copy (Note [Writes into materialised "
+           "views]): this write would change the copy only, never the source. Write into the source itself "
+           "(to fill a slice along a later dim, build the tensor with dp::cat), or call .contiguous() on this "
+           "tensor first to write into the copy alone");
+}
+
 }  // namespace dp::detail

@@ -3,11 +3,13 @@
 // differences, and every bad input.
 #include <doctest/doctest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "../autograd/gradcheck.h"
 #include "dp/core/error.h"
+#include "dp/nn/init.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"
 #include "test_errors.h"
@@ -56,10 +58,11 @@ TEST_CASE("permute: element [i0, i1, ...] of the result is the source at the per
   CHECK(ones.permute({3, 1, 2, 0}).to_vector() == std::vector<float>{0, 2, 4, 1, 3, 5});
   CHECK(dp::from_vector(std::vector<float>{7}, {}).permute({}).item() == 7.0f);
   CHECK(dp::zeros({0, 3}).permute({1, 0}).shape() == Shape{3, 0});
-  // A copy: writing into the result leaves the source alone (Note [Contiguous tensors]).
-  Tensor y = x.permute({1, 0, 2, 3});
+  // A copy (Note [Contiguous tensors]): contiguous() writes into it alone, the source stays.
+  Tensor y = x.permute({1, 0, 2, 3}).contiguous();
   y.fill_(-1);
   CHECK(x.to_vector()[1] == 1.0f);
+  CHECK(y.to_vector()[1] == -1.0f);
 }
 
 TEST_CASE("transpose(d0, d1) swaps two dims; t() and contiguous() agree") {
@@ -72,6 +75,8 @@ TEST_CASE("transpose(d0, d1) swaps two dims; t() and contiguous() agree") {
   Tensor m = iota({3, 5});
   CHECK(m.transpose(0, 1).to_vector() == m.t().to_vector());
   CHECK(x.contiguous().impl() == x.impl());
+  CHECK(y.contiguous().impl() != y.impl());  // the writable handle on the copy
+  CHECK(y.contiguous().to_vector() == y.to_vector());
 }
 
 TEST_CASE("expand broadcasts size-1 and new leading dims; its gradient sums them back") {
@@ -175,4 +180,96 @@ TEST_CASE("index_add adds source's slices at index along dim, repeats summed; gr
   CHECK(dp_test::throws_with([&] { (void)dp::index_add(dp::arange(4, {dp::Dtype::Int64}), 0, idx, src); },
                              {"int64"}));
   CHECK(dp_test::throws_with([&] { (void)dp::index_add(base, 2, idx, src); }, {"index_add: expected a dim"}));
+}
+
+// Note [Writes into materialised views]: where PyTorch returns a view and dp a copy, a
+// write into the result would silently miss the source, so every in-place write into it
+// is refused, naming the op; contiguous() writes into the copy alone.
+TEST_CASE("writes into a copy that PyTorch would return as a view are refused, naming the op") {
+  const Tensor x = iota({2, 3, 4});
+  const Tensor before = x.clone();
+  struct Made {
+    const char* name;
+    std::function<Tensor()> make;
+  };
+  const std::vector<Made> made{
+      {"permute()", [&] { return x.permute({2, 0, 1}); }},
+      {"transpose()", [&] { return x.transpose(0, 2); }},
+      {"t()", [&] { return x.reshape({6, 4}).t(); }},
+      {"expand()", [&] { return x.narrow(1, 0, 1).expand({2, 5, 4}); }},
+      {"narrow() along a later dim", [&] { return x.narrow(1, 1, 2); }},
+      {"narrow() along a later dim", [&] { return x.narrow(-1, 0, 3); }},
+      // Views of such a copy carry the mark: in PyTorch they view the source too.
+      {"permute()", [&] { return x.permute({1, 0, 2}).reshape({-1}); }},
+      {"transpose()", [&] { return x.transpose(1, 2).unsqueeze(0).squeeze(0).flatten(); }},
+      {"t()", [&] { return x.reshape({6, 4}).t().narrow(0, 1, 2); }},
+      {"narrow() along a later dim", [&] { return x.narrow(2, 1, 2).detach().view({2, 6}); }},
+  };
+  for (const Made& m : made) {
+    CAPTURE(m.name);
+    Tensor y = m.make();
+    const Tensor same_shape = dp::zeros(y.shape());
+    const std::vector<std::pair<const char*, std::function<void()>>> writes{
+        {"Tensor::zero_", [&] { y.zero_(); }},
+        {"Tensor::fill_", [&] { y.fill_(3.0); }},
+        {"Tensor::copy_", [&] { y.copy_(same_shape); }},
+        {"Tensor::add_", [&] { y.add_(same_shape, 2.0f); }},
+        {"Tensor::add_", [&] { y.add_(1.0); }},
+        {"Tensor::mul_", [&] { y.mul_(2.0f); }},
+        {"init::normal_", [&] { dp::nn::init::normal_(y, 0.0, 1.0); }},
+        {"init::uniform_", [&] { dp::nn::init::uniform_(y, -1.0, 1.0); }},
+        {"init::constant_", [&] { dp::nn::init::constant_(y, 5.0); }},
+        {"init::zeros_", [&] { dp::nn::init::zeros_(y); }},
+    };
+    const std::vector<float> copy_before = y.to_vector();
+    for (const auto& [op, write] : writes) {
+      CAPTURE(op);
+      CHECK(dp_test::throws_with(write, {op, m.name, "view", ".contiguous()"}));
+    }
+    CHECK(y.to_vector() == copy_before);  // refused before any write
+    // The copy alone through contiguous(): written, and the source untouched.
+    Tensor own = y.contiguous();
+    own.fill_(-7.0);
+    own.add_(1.0);
+    CHECK(own.to_vector() == std::vector<float>(static_cast<std::size_t>(own.numel()), -6.0f));
+    CHECK(own.contiguous().impl() == own.impl());
+    CHECK(x.to_vector() == before.to_vector());
+  }
+  // Real views keep writing through to their source, as in PyTorch.
+  Tensor base = iota({4, 3});
+  base.narrow(0, 1, 2).fill_(0.0);
+  base.reshape({2, 6}).narrow(0, 1, 1).add_(10.0);
+  base.unsqueeze(0).squeeze(0).detach().mul_(2.0f);
+  const std::vector<float> v = base.to_vector();
+  CHECK(v[0] == 0.0f);   // row 0: 0 * 2
+  CHECK(v[3] == 0.0f);   // row 1: zeroed, then * 2
+  CHECK(v[6] == 20.0f);  // row 2: zeroed, + 10, * 2
+  CHECK(v[11] == 2.0f * (11.0f + 10.0f));
+  // Out-of-place ops on a marked copy make tensors of their own.
+  Tensor sum = x.permute({2, 0, 1}) + 1.0;
+  sum.mul_(2.0f);
+  CHECK(sum.to_vector()[0] == 2.0f);
+  // expand to its own shape is a handle on the source, as PyTorch's view.
+  Tensor same = x.expand({2, 3, 4});
+  same.add_(1.0);
+  CHECK(x.to_vector()[0] == 1.0f);
+}
+
+TEST_CASE("contiguous() of a marked copy passes gradients through; a gradient adopted as .grad is writable") {
+  Tensor w = iota({3, 4});
+  w.set_requires_grad(true);
+  Tensor y = w.t().contiguous();
+  (y * 2.0).sum().backward();
+  CHECK(w.grad().to_vector() == std::vector<float>(12, 2.0f));
+  // A .grad made by TransposeBackward's t() is the leaf's own: it accumulates in place
+  // and may be zeroed or scaled by hand.
+  Tensor v = iota({4, 3});
+  v.set_requires_grad(true);
+  (v.t() * 3.0).sum().backward();
+  (v.t() * 3.0).sum().backward();
+  CHECK(v.grad().to_vector() == std::vector<float>(12, 6.0f));
+  v.grad().mul_(0.5f);
+  CHECK(v.grad().to_vector() == std::vector<float>(12, 3.0f));
+  v.grad().zero_();
+  CHECK(v.grad().to_vector() == std::vector<float>(12, 0.0f));
 }

@@ -76,6 +76,21 @@ std::int64_t shape_numel(const Shape& shape);
 // (view + permute) copies q, k and v once per forward, which is what PyTorch's
 // .contiguous() after permute costs too.
 
+// Note [Writes into materialised views]
+// PyTorch returns views from permute, transpose, t(), expand and narrow, so a write into
+// the result changes the tensor they were called on: `out.narrow(1, off, n).copy_(part)`
+// is how PyTorch code fills a column slice, `w.t().mul_(2)` scales w. dp materialises those
+// results as copies (Note [Contiguous tensors]), where the same write would change only
+// the copy and leave the source as it was: a silent wrong result for code written for
+// PyTorch. So such a result remembers the op that made it (TensorImpl::copied_view), as
+// do the views of it (reshape/view, flatten, unsqueeze/squeeze, detach, narrow along dim
+// 0), and every in-place method (zero_, fill_, copy_, add_, mul_) and dp::nn::init
+// function refuses to write into it with a dp::Error naming that op and what to do
+// instead. contiguous() returns a handle without the mark: the copy alone, writable, as
+// PyTorch's contiguous() of a strided view is a copy of its own. A gradient that
+// autograd adopts as a .grad (Note [Adopting a gradient]) is dp's own and drops the mark.
+// Reads, and every out-of-place op, are unaffected.
+
 // Note [Storage versions]
 // A Storage's version counts the writes into memory that other code may already hold:
 // in-place ops, init, an optimizer's update, a load. DataParallel compares versions to
@@ -161,6 +176,9 @@ struct TensorImpl {
   std::int64_t offset = 0;  // in elements
   Shape shape;
   Dtype dtype = Dtype::Float32;
+  /// The op that made this tensor as a copy where PyTorch returns a view ("permute()",
+  /// ...), or null: in-place writes into it are refused (Note [Writes into materialised views]).
+  const char* copied_view = nullptr;
   std::unique_ptr<autograd::AutogradMeta> autograd;  // null until autograd touches it
   ~TensorImpl();
 };
@@ -299,9 +317,12 @@ class Tensor {
   Tensor permute(const std::vector<std::int64_t>& dims) const;
   /// Dims d0 and d1 swapped (torch.transpose; materialised as permute). Differentiable.
   Tensor transpose(std::int64_t d0, std::int64_t d1) const;
-  /// This tensor: every dp tensor is contiguous (Note [Contiguous tensors]). Kept so that
-  /// code written for PyTorch reads the same.
-  Tensor contiguous() const { return *this; }
+  /// This tensor's data, which is always contiguous (Note [Contiguous tensors]): free, no
+  /// copy. On the result of permute, transpose, t(), expand or a later-dim narrow it is a
+  /// handle that may be written in place — the copy alone, as PyTorch's contiguous() of a
+  /// strided view is (Note [Writes into materialised views]). Differentiable.
+  ///   dp::Tensor y = x.t().contiguous();  y.mul_(2);   // x unchanged, as in PyTorch
+  Tensor contiguous() const;
   /// Broadcast to `shape` (torch.expand: size-1 dims grow, new leading dims are added,
   /// -1 keeps a size). Differentiable: the gradient sums over the broadcast dims.
   /// Materialised (Note [Contiguous tensors]); elementwise ops broadcast by themselves,
