@@ -68,9 +68,12 @@ Indexer make_indexer(const Shape& a, const Shape& b, const Shape& out) {
     if (out[i] == 1) continue;  // size-1 dims carry no information
     if (ix.ndim > 0) {
       int j = ix.ndim - 1;
-      // dim i merges into j when stepping j equals stepping i over its whole extent.
-      bool ok_a = sa[j] == sa[i] * out[i];
-      bool ok_b = sb[j] == sb[i] * out[i];
+      // dim i merges into the indexer's last dim j when stepping j equals stepping i over
+      // its whole extent. j's strides are the indexer's (after earlier merges and skipped
+      // size-1 dims j is not dim j of `out`): comparing with dim j of `out` merged, e.g.,
+      // (2, 2, 1, 4) broadcast to (2, 2, 5, 4) into 4 x 20 rows, a wrong walk.
+      bool ok_a = ix.strides_a[j] == sa[i] * out[i];
+      bool ok_b = ix.strides_b[j] == sb[i] * out[i];
       if (ok_a && ok_b) {
         ix.sizes[j] *= out[i];
         ix.strides_a[j] = sa[i];

@@ -171,6 +171,64 @@ TEST_CASE_TEMPLATE("binary ops broadcast like PyTorch and match the host referen
   }
 }
 
+// make_indexer merges neighbouring dims that walk alike; it once compared a merged dim's
+// stride with that of the output dim at the same position, so a shape like (2, 2, 1, 4)
+// against (2, 2, 5, 4) walked wrong rows (found by the op fuzzer, Note [Op fuzzer]).
+// Every pair over these output shapes: each dim of each operand kept or made 1, and
+// the leading dim dropped or not.
+TEST_CASE_TEMPLATE("broadcasting: every operand shape over outputs of up to 4 dims", D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  std::vector<Shape> outs;
+  for (int n = 0; n <= 4; ++n) {
+    const std::vector<std::int64_t> sizes = n < 4 ? std::vector<std::int64_t>{1, 2, 3} : std::vector<std::int64_t>{2, 3};
+    std::vector<std::size_t> at(static_cast<std::size_t>(n), 0);
+    while (true) {
+      Shape s;
+      for (auto i : at) s.push_back(sizes[i]);
+      outs.push_back(s);
+      std::size_t d = 0;
+      while (d < at.size() && ++at[d] == sizes.size()) at[d++] = 0;
+      if (d == at.size()) break;
+    }
+  }
+  auto operands = [](const Shape& out) {
+    std::vector<Shape> shapes;
+    const std::size_t n = out.size();
+    for (unsigned mask = 0; mask < (1u << n); ++mask)
+      for (std::size_t drop = 0; drop <= std::min<std::size_t>(n, 1); ++drop) {
+        Shape s;
+        for (std::size_t i = drop; i < n; ++i) s.push_back(mask >> i & 1u ? 1 : out[i]);
+        shapes.push_back(s);
+      }
+    return shapes;
+  };
+  unsigned seed = 7;
+  std::size_t pairs = 0, wrong = 0;
+  for (const Shape& out : outs) {
+    const auto shapes = operands(out);
+    for (const Shape& sa : shapes)
+      for (const Shape& sb : shapes) {
+        if (ref_broadcast(sa, sb) != out) continue;
+        ++pairs;
+        F va = random_values(dp::shape_numel(sa), -2.0f, 2.0f, seed++);
+        F vb = random_values(dp::shape_numel(sb), -2.0f, 2.0f, seed++);
+        dp::Tensor a = dp::from_vector(va, sa, dev), b = dp::from_vector(vb, sb, dev);
+        const F got = dp::add(a, b).to_vector();
+        const F want = ref_binary(va, sa, vb, sb, [](float x, float y) { return x + y; });
+        const F got_expand = a.expand(out).to_vector();
+        const F want_expand = ref_binary(va, sa, F(static_cast<std::size_t>(dp::shape_numel(out)), 0.0f), out,
+                                         [](float x, float) { return x; });
+        if (got != want || got_expand != want_expand) {
+          if (++wrong <= 5) FAIL_CHECK("add/expand of ", dp::shape_str(sa), " and ", dp::shape_str(sb), " to ",
+                                       dp::shape_str(out), " differs from the index arithmetic");
+        }
+      }
+  }
+  CHECK(pairs > 5000);
+  CHECK(wrong == 0);
+}
+
 TEST_CASE_TEMPLATE("scalar arithmetic, pow and eq", D, DP_TEST_DEVICES) {
   DP_SKIP_UNLESS_AVAILABLE(D);
   const dp::Device dev = D::device();
