@@ -1255,37 +1255,50 @@ Tensor one_hot(const Tensor& labels, std::int64_t num_classes) {
 
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
   DP_CHECK(!tensors.empty(), "cat: expected at least one tensor, got none");
-  DP_CHECK(dim == 0, "cat: only dim 0 is supported, got dim ", dim);
   const Tensor& first = tensors[0];
   detail::check_defined("cat", first);
-  Shape tail(first.shape().begin() + (first.dim() > 0 ? 1 : 0), first.shape().end());
   DP_CHECK(first.dim() >= 1, "cat: expected tensors with at least 1 dim, got a scalar");
-  std::int64_t rows = 0;
+  const std::int64_t d = norm_dim("cat", first, dim);
+  std::int64_t total = 0;
   std::vector<std::int64_t> sizes;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
+    detail::check_defined("cat", t);
     detail::check_same_device("cat", first, t);
     DP_CHECK(t.dtype() == first.dtype(), "cat: expected ", dtype_name(first.dtype()), " for tensor ", i,
              ", got ", dtype_name(t.dtype()));
-    DP_CHECK(t.dim() == first.dim() && Shape(t.shape().begin() + 1, t.shape().end()) == tail,
-             "cat: expected tensor ", i, " to have shape [*, ...] matching ", shape_str(first.shape()),
-             " beyond dim 0, got ", shape_str(t.shape()));
-    rows += t.size(0);
-    sizes.push_back(t.size(0));
+    bool same = t.dim() == first.dim();
+    for (std::int64_t k = 0; same && k < t.dim(); ++k) same = k == d || t.size(k) == first.size(k);
+    DP_CHECK(same, "cat: expected tensor ", i, " to match ", shape_str(first.shape()), " in every dim but dim ", d,
+             ", got ", shape_str(t.shape()));
+    total += t.size(d);
+    sizes.push_back(t.size(d));
   }
   Shape out_shape = first.shape();
-  out_shape[0] = rows;
+  out_shape[static_cast<std::size_t>(d)] = total;
   Tensor out = empty(out_shape, TensorOptions{first.dtype(), first.device()});
+  // Along dim d every tensor is `outer` blocks of size(d) * inner elements, which land
+  // `total * inner` apart in the result: one strided copy of bytes per tensor (exact
+  // for every dtype).
+  std::int64_t outer = 1, inner = 1;
+  for (std::int64_t k = 0; k < d; ++k) outer *= first.size(k);
+  for (std::int64_t k = d + 1; k < first.dim(); ++k) inner *= first.size(k);
+  const std::size_t es = element_size(first.dtype());
+  auto& be = backend::get(first.device());
   std::int64_t at = 0;
   for (const Tensor& t : tensors) {
-    out.detach().narrow(0, at, t.size(0)).copy_(t);
-    at += t.size(0);
+    const std::int64_t block = t.size(d) * inner;
+    if (block > 0 && outer > 0)
+      be.copy_rows(static_cast<char*>(out.raw_data()) + static_cast<std::size_t>(at * inner) * es,
+                   static_cast<std::size_t>(total * inner) * es, t.raw_data(), static_cast<std::size_t>(block) * es,
+                   static_cast<std::size_t>(block) * es, static_cast<std::size_t>(outer), first.device());
+    at += t.size(d);
   }
-  autograd::record("CatBackward", tensors, out, [sizes](const std::vector<Tensor>& g) {
+  autograd::record("CatBackward", tensors, out, [sizes, d](const std::vector<Tensor>& g) {
     std::vector<Tensor> r;
     std::int64_t off = 0;
     for (auto s : sizes) {
-      r.push_back(g[0].narrow(0, off, s));
+      r.push_back(g[0].narrow(d, off, s));
       off += s;
     }
     return r;

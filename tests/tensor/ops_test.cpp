@@ -550,7 +550,7 @@ TEST_CASE("every binary op, matmul, linear and cat reject tensors on two devices
   CHECK_THROWS_WITH_AS(dp::cat({a0, a0, a1}), doctest::Contains("cpu:1"), dp::Error);
 }
 
-TEST_CASE_TEMPLATE("cat concatenates along dim 0 for float and int64", D, DP_TEST_DEVICES) {
+TEST_CASE_TEMPLATE("cat concatenates along any dim for float and int64", D, DP_TEST_DEVICES) {
   DP_SKIP_UNLESS_AVAILABLE(D);
   const dp::Device dev = D::device();
   dp::Tensor a = dp::from_vector(F{1, 2, 3, 4}, {2, 2}, dev);
@@ -577,8 +577,33 @@ TEST_CASE_TEMPLATE("cat concatenates along dim 0 for float and int64", D, DP_TES
                        doctest::Contains("float32"), dp::Error);
   CHECK_THROWS_AS(dp::cat({}), dp::Error);
   CHECK_THROWS_AS(dp::cat({dp::scalar_tensor(1, dev), dp::scalar_tensor(2, dev)}), dp::Error);
-  CHECK_THROWS_WITH_AS(dp::cat({a, b}, 1), doctest::Contains("dim 1"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::cat({a, b}, 1), doctest::Contains("every dim but dim 1"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::cat({a, a}, 2), doctest::Contains("dim"), dp::Error);
+  CHECK_THROWS_AS(dp::cat({a, a}, -3), dp::Error);
   CHECK_THROWS_AS(dp::cat({a, dp::Tensor()}), dp::Error);
+
+  // Along a later dim: (2, 2) and (2, 1) side by side; negative dims; 3-d in the middle.
+  dp::Tensor col = dp::from_vector(F{7, 8}, {2, 1}, dev);
+  CHECK(dp::cat({a, col}, 1).to_vector() == F{1, 2, 7, 3, 4, 8});
+  CHECK(dp::cat({col, dp::zeros({2, 0}, dev), a}, -1).to_vector() == F{7, 1, 2, 8, 3, 4});
+  dp::Tensor x = dp::arange(12, dp::TensorOptions{dp::Dtype::Float32, dev}).reshape({2, 3, 2});
+  dp::Tensor y = dp::add(dp::arange(4, dp::TensorOptions{dp::Dtype::Float32, dev}), 100.0).reshape({2, 1, 2});
+  dp::Tensor xy = dp::cat({x, y}, 1);
+  CHECK(xy.shape() == Shape{2, 4, 2});
+  CHECK(xy.to_vector() == F{0, 1, 2, 3, 4, 5, 100, 101, 6, 7, 8, 9, 10, 11, 102, 103});
+  CHECK(dp::cat({x, x}, 2).to_vector() ==
+        F{0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 8, 9, 8, 9, 10, 11, 10, 11});
+  dp::Tensor ii = dp::cat({dp::from_vector(I{1, 2}, {2, 1}, dev), dp::from_vector(I{3, 4}, {2, 1}, dev)}, 1);
+  CHECK(ii.to_vector_i64() == I{1, 3, 2, 4});
+  // Gradients: each input gets its own slice of the upstream gradient.
+  dp::Tensor ga = dp::from_vector(F{1, 2, 3, 4}, {2, 2}, dev);
+  dp::Tensor gc = dp::from_vector(F{5, 6}, {2, 1}, dev);
+  ga.set_requires_grad(true);
+  gc.set_requires_grad(true);
+  dp::Tensor w = dp::from_vector(F{1, 2, 3, 4, 5, 6}, {2, 3}, dev);
+  dp::sum(dp::mul(dp::cat({ga, gc}, 1), w)).backward();
+  CHECK(ga.grad().to_vector() == F{1, 2, 4, 5});
+  CHECK(gc.grad().to_vector() == F{3, 6});
 }
 
 namespace {

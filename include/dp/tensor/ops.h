@@ -173,7 +173,9 @@ Tensor index_add(const Tensor& input, std::int64_t dim, const Tensor& index, con
 /// max(labels) + 1 (labels must then be non-empty).
 Tensor one_hot(const Tensor& labels, std::int64_t num_classes = -1);
 
-/// Concatenation along dim 0 (all on one device, same trailing shape and dtype).
+/// torch.cat: concatenation along `dim` (negative counts from the end) of tensors on one
+/// device, of one dtype, whose shapes agree in every other dim. Differentiable.
+///   dp::Tensor x = dp::cat({a, b}, 1);   // (N, Ca) and (N, Cb) -> (N, Ca + Cb)
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim = 0);
 /// Splits along `dim` into `chunks` pieces of ceil(size/chunks) (the last may be
 /// smaller; fewer pieces when the dim runs out) — torch.chunk semantics. Pieces are
