@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "dp/nn/functional.h"
@@ -104,6 +105,11 @@ std::string fused_attention_misfit(const Tensor& q, const Tensor& k, const Tenso
   if (q.numel() == 0 || k.numel() == 0 || v.numel() == 0) return "q, k or v is empty";
   if (std::string why = bk.attention_shape_misfit(dev, attention_shape(q, k, v)); !why.empty()) return why;
   if (!attn_mask.defined()) return "";
+  // The kernels differentiate q, k and v only. A learned additive mask (a relative
+  // position bias, ALiBi's slopes made trainable) needs its gradient, which the math
+  // path's add gives: silently none would leave it untrained.
+  if (!mask_is_keep && attn_mask.requires_grad() && is_grad_enabled())
+    return "attn_mask requires a gradient (the fused kernels give none to the mask; the math path does)";
   if (attn_mask.device() != dev || (attn_mask.dtype() != Dtype::Float32 && attn_mask.dtype() != q.dtype()))
     return "attn_mask is neither float32 nor q's dtype on q's device";
   if (!mask_is_keep && attn_mask.dtype() != q.dtype())

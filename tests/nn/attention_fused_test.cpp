@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attention_reference.h"
+#include "dp/autograd/grad_mode.h"
 #include "dp/core/device.h"
 #include "dp/nn/functional.h"
 #include "dp/tensor/autocast.h"
@@ -213,6 +214,45 @@ TEST_CASE("fused attention holds O(T) memory: T = 1024 stays far below the (B, H
   CHECK(math >= weights_bytes);  // the measure sees the math path's weights
   // The fused path's own: out, lse, the upstream gradient and gq, gk, gv, all O(T).
   CHECK(fused < weights_bytes / 8);
+}
+
+// An additive mask that requires a gradient (a learned position bias) takes the math
+// path, whose add differentiates it; the fused kernels differentiate q, k and v only and
+// once gave such a mask silently no gradient (found by the op fuzzer, Note [Op fuzzer]).
+TEST_CASE("fused attention: a mask that requires a gradient takes the math path and gets its gradient") {
+  Inputs in = make_inputs(2, 2, 5, 6, 4, 4, false, 21);
+  dp::Generator gen(5);
+  const Tensor bias = cpu_randn({5, 6}, gen);
+  auto run = [&](AttentionPath path, bool learn) {
+    PathGuard guard(path);
+    Tensor q = leaf(in.q), k = leaf(in.k), v = leaf(in.v);
+    Tensor m = learn ? leaf(bias) : bias;
+    Tensor y = dp::nn::scaled_dot_product_attention(q, k, v, m);
+    dp::sum(dp::mul(y, in.up)).backward();
+    return std::pair<Result, Tensor>{{y.to_vector(), q.grad().to_vector(), k.grad().to_vector(), v.grad().to_vector()},
+                                     learn ? m.grad() : Tensor()};
+  };
+  const auto [math, math_gm] = run(AttentionPath::Math, true);
+  const auto [autop, auto_gm] = run(AttentionPath::Auto, true);
+  REQUIRE(math_gm.defined());
+  REQUIRE(auto_gm.defined());
+  CHECK(auto_gm.shape() == Shape{5, 6});
+  CHECK(auto_gm.to_vector() == math_gm.to_vector());  // the same path, the same bits
+  CHECK(autop.out == math.out);
+  // The mask's gradient is the scores' gradient summed over batch and heads: not zero.
+  CHECK(nn_test::max_diff(auto_gm.to_vector(), std::vector<float>(30, 0.0f)) > 1e-3);
+  {
+    PathGuard guard(AttentionPath::Fused);
+    Tensor m = leaf(bias);
+    CHECK(nn_test::throws_with([&] { (void)dp::nn::scaled_dot_product_attention(in.q, in.k, in.v, m); },
+                               {"set_attention_path", "attn_mask requires a gradient"}));
+    dp::NoGradGuard no_grad;  // no gradient wanted: the fused kernel fits
+    CHECK(dp::nn::scaled_dot_product_attention(in.q, in.k, in.v, m).to_vector().size() == math.out.size());
+  }
+  // A mask without a gradient keeps the fused kernel under Auto, to the paths' tolerance.
+  const auto [fused, none] = run(AttentionPath::Auto, false);
+  CHECK(!none.defined());
+  CHECK(rel_diff(fused.gq, math.gq) < kPathTol);
 }
 
 TEST_CASE("fused attention: the calls it leaves to the math path, and forcing it on them") {
