@@ -37,14 +37,30 @@ inline bool is_16bit(const Tensor& t) {
 }
 
 /// An op whose kernels are float32's, given 16-bit inputs: f on the inputs widened
-/// (exactly), its result rounded once back to the first 16-bit input's dtype — the
-/// float32 math of Note [16-bit tensors]. Float32 inputs go to f as they are.
+/// (exactly), its result rounded once to the inputs' common dtype — the float32 math of
+/// Note [16-bit tensors]: the 16-bit dtype when every floating input has it, float32
+/// when any is float32 or they mix bfloat16 and float16 (PyTorch's promotion: a
+/// bfloat16 prediction against a float32 target gives a float32 loss). Float32 inputs
+/// go to f as they are.
 template <typename F, typename... T>
 Tensor in_float32(F f, const T&... ts) {
-  Dtype back = Dtype::Float32;
-  ((back = back == Dtype::Float32 && is_16bit(ts) ? ts.dtype() : back), ...);
-  if (back == Dtype::Float32) return f(ts...);
-  return cast(f(cast(ts, Dtype::Float32)...), back);
+  bool any16 = false, widen = false;  // widen: a float32 input, or bfloat16 beside float16
+  Dtype low = Dtype::Float32;
+  auto see = [&](const Tensor& t) {
+    if (!t.defined() || !is_floating_point(t.dtype())) return;
+    if (!is_16bit(t)) {
+      widen = true;
+    } else if (!any16) {
+      any16 = true;
+      low = t.dtype();
+    } else if (t.dtype() != low) {
+      widen = true;
+    }
+  };
+  (see(ts), ...);
+  if (!any16) return f(ts...);
+  const Tensor out = f(cast(ts, Dtype::Float32)...);
+  return widen ? out : cast(out, low);
 }
 
 /// An op of the float32 list (Note [Autocast op policy]): inside a scope, f on its

@@ -1023,6 +1023,16 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
 namespace {
 
 Tensor autocast_linear(const Tensor& x, const Tensor& w, const Tensor& b, bool relu) {
+  if (x.defined() && w.defined() && x.dim() != 2 && x.dim() >= 1 && w.dim() == 2) {
+    // torch.nn.functional.linear's (*, in): the leading dims as rows of one GEMM.
+    DP_CHECK(x.shape().back() == w.size(1), relu ? "linear_relu" : "linear", ": expected input (*, ", w.size(1),
+             ") for weight ", shape_str(w.shape()), ", got shape ", shape_str(x.shape()));
+    std::int64_t rows = 1;
+    for (std::int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+    Shape out_shape = x.shape();
+    out_shape.back() = w.size(0);
+    return autocast_linear(x.reshape({rows, w.size(1)}), w, b, relu).reshape(out_shape);
+  }
   if (amp::detail::active()) {  // Note [Autocast op policy]: the lower-precision list
     const Dtype low = amp::detail::lower();
     amp::detail::Suspend inner;
@@ -1259,6 +1269,19 @@ Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
   detail::check_defined("cat", first);
   DP_CHECK(first.dim() >= 1, "cat: expected tensors with at least 1 dim, got a scalar");
   const std::int64_t d = norm_dim("cat", first, dim);
+  // Floating tensors of different dtypes meet in float32 (torch.cat's promotion: a
+  // bfloat16 and a float32 piece give float32), each piece converted differentiably.
+  bool floating = true, one_dtype = true;
+  for (const Tensor& t : tensors) {
+    detail::check_defined("cat", t);
+    floating = floating && is_floating_point(t.dtype());
+    one_dtype = one_dtype && t.dtype() == first.dtype();
+  }
+  if (floating && !one_dtype) {
+    std::vector<Tensor> wide;
+    for (const Tensor& t : tensors) wide.push_back(t.to(Dtype::Float32));
+    return cat(wide, d);
+  }
   std::int64_t total = 0;
   std::vector<std::int64_t> sizes;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
@@ -1266,7 +1289,7 @@ Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
     detail::check_defined("cat", t);
     detail::check_same_device("cat", first, t);
     DP_CHECK(t.dtype() == first.dtype(), "cat: expected ", dtype_name(first.dtype()), " for tensor ", i,
-             ", got ", dtype_name(t.dtype()));
+             " (floating dtypes mix, integers do not), got ", dtype_name(t.dtype()));
     bool same = t.dim() == first.dim();
     for (std::int64_t k = 0; same && k < t.dim(); ++k) same = k == d || t.size(k) == first.size(k);
     DP_CHECK(same, "cat: expected tensor ", i, " to match ", shape_str(first.shape()), " in every dim but dim ", d,

@@ -9,6 +9,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "half_safetensors_reference.h"
 #include "../test_errors.h"
 #include "dp/io/safetensors.h"
+#include "dp/nn/functional.h"
 #include "dp/tensor/ops.h"
 #include "dp/tensor/tensor.h"
 
@@ -197,6 +199,61 @@ TEST_CASE("mixed floating operands compute in float32 and return float32") {
   CHECK(br.grad().dtype() == Dtype::BFloat16);
   CHECK(fr.grad().dtype() == Dtype::Float32);
   CHECK(br.grad().to_vector() == std::vector<float>{1.0f, round16(1.0f / 3.0f, Dtype::BFloat16)});
+}
+
+// The pairwise losses widen 16-bit inputs to float32 kernels; their result once took the
+// first 16-bit input's dtype even beside a float32 target, where PyTorch promotes to
+// float32 (found by the op fuzzer, Note [Op fuzzer]): a bfloat16 prediction's loss
+// against a float32 target lost 8 bits.
+TEST_CASE("losses of a 16-bit input and a float32 target are float32, the float32 math's value") {
+  const std::vector<float> pv{0.3f, -1.7f, 2.2f, 0.9f}, tv{0.25f, -1.1f, 1.9f, 3.3f};
+  const dp::Tensor pred16 = dp::from_vector(pv, {4}).to(Dtype::BFloat16);
+  const dp::Tensor pred32 = pred16.to(Dtype::Float32);  // the same values, exactly
+  const dp::Tensor target = dp::from_vector(tv, {4});
+  using LossFn = std::function<dp::Tensor(const dp::Tensor&, const dp::Tensor&)>;
+  const std::vector<std::pair<const char*, LossFn>> losses{
+      {"mse_loss", [](const dp::Tensor& a, const dp::Tensor& b) { return dp::nn::mse_loss(a, b); }},
+      {"l1_loss", [](const dp::Tensor& a, const dp::Tensor& b) { return dp::nn::l1_loss(a, b); }},
+      {"smooth_l1_loss",
+       [](const dp::Tensor& a, const dp::Tensor& b) { return dp::nn::smooth_l1_loss(a, b, dp::nn::Reduction::Sum); }},
+      {"mse_loss none",
+       [](const dp::Tensor& a, const dp::Tensor& b) { return dp::nn::mse_loss(a, b, dp::nn::Reduction::None); }},
+  };
+  for (const auto& [name, loss] : losses) {
+    CAPTURE(name);
+    const dp::Tensor mixed = loss(pred16, target), reversed = loss(target, pred16), wide = loss(pred32, target);
+    CHECK(mixed.dtype() == Dtype::Float32);
+    CHECK(reversed.dtype() == Dtype::Float32);
+    CHECK(mixed.to_vector() == wide.to_vector());
+    // Both 16-bit: the loss is rounded once to their dtype, as before.
+    const dp::Tensor both = loss(pred16, target.to(Dtype::BFloat16));
+    CHECK(both.dtype() == Dtype::BFloat16);
+    // bfloat16 beside float16: float32, as PyTorch promotes them.
+    CHECK(loss(pred16, target.to(Dtype::Float16)).dtype() == Dtype::Float32);
+  }
+  const std::vector<float> mse = dp::nn::mse_loss(pred16, target).to_vector();
+  CHECK(mse[0] != static_cast<float>(dp::BFloat16(mse[0])));  // not a bfloat16 value: 8 more bits kept
+  // Gradients return in each input's dtype.
+  const dp::Tensor p = pred16.clone().set_requires_grad(true);
+  dp::nn::mse_loss(p, target).backward();
+  REQUIRE(p.grad().defined());
+  CHECK(p.grad().dtype() == Dtype::BFloat16);
+}
+
+TEST_CASE("cat of floating tensors of different dtypes gives float32, as torch.cat promotes") {
+  const dp::Tensor b = dp::from_vector(std::vector<float>{1.0f / 3.0f, 2.0f}, {2, 1}).to(Dtype::BFloat16);
+  const dp::Tensor f = dp::from_vector(std::vector<float>{0.1f, 0.2f}, {2, 1});
+  const dp::Tensor c = dp::cat({b, f}, 1);
+  CHECK(c.dtype() == Dtype::Float32);
+  CHECK(c.to_vector() == std::vector<float>{static_cast<float>(dp::BFloat16(1.0f / 3.0f)), 0.1f, 2.0f, 0.2f});
+  CHECK(dp::cat({b, b}, 0).dtype() == Dtype::BFloat16);
+  CHECK(dp::cat({b, f.to(Dtype::Float16)}, 0).dtype() == Dtype::Float32);
+  const dp::Tensor br = b.clone().set_requires_grad(true);
+  dp::sum(dp::cat({br, f}, 0)).backward();
+  REQUIRE(br.grad().defined());
+  CHECK(br.grad().dtype() == Dtype::BFloat16);
+  CHECK(dp_test::throws_with([&] { (void)dp::cat({f, dp::zeros({2, 1}, dp::TensorOptions{Dtype::Int64})}); },
+                             {"cat", "int64", "integers do not"}));
 }
 
 TEST_CASE("sums, means and products of 16-bit tensors accumulate in float32 and round once") {

@@ -473,6 +473,39 @@ TEST_CASE_TEMPLATE("matmul and linear match a double-precision host GEMM", D, DP
   }
 }
 
+// torch.nn.functional.linear takes x (*, in); dp's took (B, in) only (found by the op
+// fuzzer, Note [Op fuzzer]): the leading dims are the GEMM's rows.
+TEST_CASE_TEMPLATE("linear takes x (*, in): the bits and gradients of the rows flattened", D, DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  const dp::Tensor w0 = dp::from_vector(random_values(12, -1, 1, 41), {4, 3}, dev);
+  const dp::Tensor b0 = dp::from_vector(random_values(4, -1, 1, 42), {4}, dev);
+  for (const Shape& shape : {Shape{3}, Shape{2, 5, 3}, Shape{2, 1, 2, 3}, Shape{0, 3}, Shape{2, 0, 3}}) {
+    CAPTURE(dp::shape_str(shape));
+    const std::int64_t rows = dp::shape_numel(shape) / 3;
+    const F xv = random_values(dp::shape_numel(shape), -1, 1, 43);
+    Shape out_shape = shape;
+    out_shape.back() = 4;
+    for (bool relu : {false, true}) {
+      dp::Tensor x = dp::from_vector(xv, shape, dev).set_requires_grad(true);
+      dp::Tensor w = w0.clone().set_requires_grad(true), b = b0.clone().set_requires_grad(true);
+      dp::Tensor y = relu ? dp::linear_relu(x, w, b) : dp::linear(x, w, b);
+      CHECK(y.shape() == out_shape);
+      dp::Tensor x2 = dp::from_vector(xv, {rows, 3}, dev).set_requires_grad(true);
+      dp::Tensor w2 = w0.clone().set_requires_grad(true), b2 = b0.clone().set_requires_grad(true);
+      dp::Tensor y2 = relu ? dp::linear_relu(x2, w2, b2) : dp::linear(x2, w2, b2);
+      CHECK(y.to_vector() == y2.to_vector());
+      const dp::Tensor up = dp::from_vector(random_values(rows * 4, -1, 1, 44), out_shape, dev);
+      dp::sum(dp::mul(y, up)).backward();
+      dp::sum(dp::mul(y2, up.reshape({rows, 4}))).backward();
+      CHECK(x.grad().shape() == shape);
+      CHECK(x.grad().to_vector() == x2.grad().to_vector());
+      CHECK(w.grad().to_vector() == w2.grad().to_vector());
+      CHECK(b.grad().to_vector() == b2.grad().to_vector());
+    }
+  }
+}
+
 TEST_CASE("matmul and linear reject bad shapes and dtypes naming both sides") {
   dp::Tensor a = dp::zeros({2, 3}), b = dp::zeros({4, 5});
   CHECK_THROWS_WITH_AS(dp::matmul(a, b), doctest::Contains("[2, 3]"), dp::Error);
@@ -495,7 +528,10 @@ TEST_CASE("matmul and linear reject bad shapes and dtypes naming both sides") {
                        dp::Error);
   CHECK_THROWS_WITH_AS(dp::linear(x, w, dp::zeros({4})), doctest::Contains("[4]"), dp::Error);
   CHECK_THROWS_WITH_AS(dp::linear(x, w, dp::zeros({4})), doctest::Contains("5"), dp::Error);
-  CHECK_THROWS_WITH_AS(dp::linear(dp::zeros({3}), w, dp::Tensor()), doctest::Contains("[3]"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::linear(dp::zeros({2}), w, dp::Tensor()), doctest::Contains("[2]"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::linear(dp::zeros({2, 2, 4}), w, dp::Tensor()), doctest::Contains("(*, 3)"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::linear(dp::zeros({2, 2, 4}), w, dp::Tensor()), doctest::Contains("[2, 2, 4]"), dp::Error);
+  CHECK_THROWS_AS(dp::linear(dp::scalar_tensor(1.0), w, dp::Tensor()), dp::Error);
   CHECK_THROWS_WITH_AS(dp::linear(x, w, dp::zeros({5}, dp::TensorOptions{dp::Dtype::Int64, {}})),
                        doctest::Contains("int64"), dp::Error);
   CHECK_THROWS_WITH_AS(dp::linear(x.to(dp::Dtype::Int64), w, dp::Tensor()), doctest::Contains("int64"),

@@ -133,7 +133,8 @@ Tensor sum_to(const Tensor& a, const Shape& shape);
 /// batches run one GEMM per matrix pair. Differentiable (a broadcast operand's
 /// gradient is summed back to its shape).
 Tensor matmul(const Tensor& a, const Tensor& b);
-/// x (B, in) · w(out, in)ᵀ + b(out), in one GEMM (b may be undefined).
+/// x (*, in) · w(out, in)ᵀ + b(out), in one GEMM over the rows of x's leading dims
+/// (torch.nn.functional.linear; b may be undefined; a 1-d x gives a 1-d result).
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
 /// relu(linear(x, w, b)) as one op: the same output and gradients bit for bit, with the
 /// bias and the ReLU applied while the GEMM's output is in cache (CPU: Note [Linear

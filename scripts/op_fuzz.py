@@ -1,0 +1,780 @@
+#!/usr/bin/env python3
+"""The differential op fuzzer: random programs of dp's tensor ops against PyTorch.
+
+What it does and its oracle: Note [Op fuzzer] in tests/tensor/op_fuzz_replay.cpp.
+
+Modes (a PyTorch 2.x is needed for both; the test itself needs none):
+  python3 scripts/op_fuzz.py --replay build/tests/tensor/op_fuzz_replay --seeds 600:20600
+      hunt: draw the programs, run dp on them, print each failing program (exit 1)
+  python3 scripts/op_fuzz.py --write tests/tensor/op_fuzz_corpus.safetensors --seeds 0:600
+      write the corpus that `meson test` replays (op_fuzz_replay on the file): the
+      programs, their inputs, PyTorch's float64 results and each one's bound.
+Seeds are fixed and torch runs on one thread, so a rerun writes the same tensors and
+programs (safetensors may order the header's metadata otherwise).
+"""
+import argparse
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+
+MAX_NUMEL = 240
+MAX_ABS = 1e4
+
+
+def draw_shape(rng, max_dims=4):
+    while True:
+        n = rng.choice([0, 1, 1, 2, 2, 2, 3, 3, 4][: 9 if max_dims >= 4 else 8])
+        n = min(n, max_dims)
+        shape = [rng.choice([1, 1, 2, 3, 3, 4, 5]) for _ in range(n)]
+        if math.prod(shape) <= MAX_NUMEL:
+            return shape
+
+
+class Program:
+    """The program as drawn: lines of text, the inputs, and each value's tensors."""
+
+    def __init__(self, rng):
+        self.rng = rng
+        self.lines = []
+        self.inputs = {}  # name -> float64 tensor (the values; float32-representable)
+        self.ints = {}  # name -> int64 tensor
+        self.values = []  # (low, high, kind): kind "float", "mask" or "int"
+        self.leaves = {}  # input name -> (low, high) leaf tensors
+        self.ops = 0
+
+    # -- inputs ----------------------------------------------------------------------
+    def new_input(self, shape, lo=-2.0, hi=2.0):
+        name = f"x{len(self.inputs)}"
+        t = (torch.rand(shape, generator=self.gen, dtype=torch.float64) * (hi - lo) + lo).float().double()
+        self.inputs[name] = t
+        return self.add_value(f"input {name}", t.float().requires_grad_(), t.clone().requires_grad_(), "float",
+                              leaf=name)
+
+    def new_ints(self, shape, lo, hi):
+        name = f"i{len(self.ints)}"
+        t = torch.randint(lo, hi, shape, generator=self.gen, dtype=torch.int64)
+        self.ints[name] = t
+        return self.add_value(f"ints {name}", t, t, "int")
+
+    def add_value(self, text, low, high, kind, leaf=None):
+        v = len(self.values)
+        self.lines.append(f"v{v} = {text}")
+        self.values.append((low, high, kind))
+        if leaf:
+            self.leaves[leaf] = (low, high)
+        return v
+
+
+def finite_ok(t):
+    if not t.is_floating_point():
+        return True
+    d = t.detach().double()
+    return bool(torch.isfinite(d).all()) and (d.numel() == 0 or float(d.abs().max()) <= MAX_ABS)
+
+
+# Each op: a function (program, rng) -> (text, low, high, kind) or None when it does not
+# apply to the values at hand. low/high are the results of PyTorch in the program's
+# dtypes and in float64.
+
+def floats(p, dims=None, min_dims=0):
+    out = [i for i, (lo, hi, k) in enumerate(p.values) if k == "float" and lo.dim() >= min_dims]
+    if dims is not None:
+        out = [i for i in out if p.values[i][0].dim() in dims]
+    return out
+
+
+def pick(p, rng, **kw):
+    c = floats(p, **kw)
+    if not c:
+        return None
+    # Later values more often: programs grow deep rather than wide.
+    return c[min(len(c) - 1, int(len(c) * (1 - rng.random() ** 2)))]
+
+
+def positive(p, rng):
+    """A positive float value: one already positive, or x*x + 0.5 made by two ops."""
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    if lo.numel() and float(lo.detach().min()) > 0.1:
+        return v
+    sq = p.add_value(f"square v{v}", lo * lo, hi * hi, "float")
+    lo2, hi2, _ = p.values[sq]
+    return p.add_value(f"add_s v{sq} 0.5", lo2 + 0.5, hi2 + 0.5, "float")
+
+
+UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu,
+    "square": torch.square, "erf": torch.erf, "exp": torch.exp, "contiguous": lambda t: t.contiguous(),
+    "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+UNARY_POSITIVE = {"log": torch.log, "sqrt": torch.sqrt, "reciprocal": torch.reciprocal}
+
+
+def op_unary(p, rng):
+    name = rng.choice(sorted(UNARY))
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    f = UNARY[name]
+    return f"{name} v{v}", f(lo), f(hi), "float"
+
+
+def op_unary_positive(p, rng):
+    name = rng.choice(sorted(UNARY_POSITIVE))
+    v = positive(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    f = UNARY_POSITIVE[name]
+    return f"{name} v{v}", f(lo), f(hi), "float"
+
+
+def op_pow(p, rng):
+    e = rng.choice([2.0, 3.0, 0.5, -1.0, 1.5])
+    v = positive(p, rng) if e != int(e) or e < 0 else pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    return f"pow v{v} {e!r}", torch.pow(lo, e), torch.pow(hi, e), "float"
+
+
+def op_scalar(p, rng):
+    v = pick(p, rng)
+    if v is None:
+        return None
+    c = rng.choice([0.5, -1.5, 2.0, 3.25, -0.75])
+    kind = rng.choice(["add_s", "mul_s", "rsub_s", "rdiv_s"])
+    if kind == "rdiv_s":
+        v = positive(p, rng)
+    lo, hi, _ = p.values[v]
+    f = {"add_s": lambda t: t + c, "mul_s": lambda t: t * c, "rsub_s": lambda t: c - t,
+         "rdiv_s": lambda t: c / t}[kind]
+    return f"{kind} v{v} {c!r}", f(lo), f(hi), "float"
+
+
+def broadcast_partner(p, rng, shape):
+    """A float value whose shape broadcasts with `shape`: an existing one, or a new input."""
+    same = [i for i in floats(p) if list(p.values[i][0].shape) == list(shape)]
+    if same and rng.random() < 0.3:
+        return rng.choice(same)
+    drop = rng.randint(0, len(shape))
+    sub = [s if rng.random() < 0.6 else 1 for s in shape[drop:]]
+    if rng.random() < 0.15 and len(sub) < 4:
+        sub = [rng.choice([1, 2])] + sub if not shape else sub
+    return p.new_input(sub)
+
+
+BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum}
+
+
+def op_binary(p, rng):
+    v = pick(p, rng)
+    if v is None:
+        return None
+    name = rng.choice(sorted(BINARY) + ["div"])
+    shape = list(p.values[v][0].shape)
+    w = broadcast_partner(p, rng, shape) if name != "div" else None
+    if name == "div":
+        w = positive(p, rng)
+        try:
+            torch.broadcast_shapes(p.values[v][0].shape, p.values[w][0].shape)
+        except RuntimeError:
+            return None
+    a, b = (v, w) if rng.random() < 0.7 else (w, v)
+    if name == "div":
+        a, b = v, w
+    f = BINARY.get(name, torch.div)
+    (la, ha, _), (lb, hb, _) = p.values[a], p.values[b]
+    if name == "maximum" and la.numel() and lb.numel():
+        # A tie has no agreed gradient split: keep the operands apart.
+        if bool(((la.detach().double() - lb.detach().double()).abs() < 1e-3).any()):
+            return None
+    return f"{name} v{a} v{b}", f(la, lb), f(ha, hb), "float"
+
+
+def op_compare_where(p, rng):
+    v = pick(p, rng)
+    if v is None:
+        return None
+    shape = list(p.values[v][0].shape)
+    w = broadcast_partner(p, rng, shape)
+    (lv, hv, _), (lw, hw, _) = p.values[v], p.values[w]
+    if lv.numel() and lw.numel() and bool(((lv.detach().double() - lw.detach().double()).abs() < 1e-3).any()):
+        return None
+    m = p.add_value(f"gt v{v} v{w}", lv.detach() > lw.detach(), hv.detach() > hw.detach(), "mask")
+    if rng.random() < 0.5:
+        value = rng.choice([0.0, -1.0, 2.5])
+        t = rng.choice([v, w])
+        lt, ht, _ = p.values[t]
+        try:
+            torch.broadcast_shapes(lt.shape, p.values[m][0].shape)
+            if list(torch.broadcast_shapes(lt.shape, p.values[m][0].shape)) != list(lt.shape):
+                return None
+        except RuntimeError:
+            return None
+        return f"masked_fill v{t} v{m} {value!r}", lt.masked_fill(p.values[m][0], value), \
+            ht.masked_fill(p.values[m][1], value), "float"
+    return f"where v{m} v{v} v{w}", torch.where(p.values[m][0], lv, lw), torch.where(p.values[m][1], hv, hw), "float"
+
+
+def op_tri(p, rng):
+    v = pick(p, rng, min_dims=2)
+    if v is None:
+        return None
+    k = rng.choice([-1, 0, 0, 1])
+    name = rng.choice(["tril", "triu"])
+    f = torch.tril if name == "tril" else torch.triu
+    lo, hi, _ = p.values[v]
+    return f"{name} v{v} {k}", f(lo, k), f(hi, k), "float"
+
+
+def op_reduce(p, rng):
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    name = rng.choice(["sum", "mean", "sum_d", "mean_d", "sum_d", "max_d"])
+    if name in ("sum", "mean"):
+        if name == "mean" and lo.numel() == 0:
+            return None
+        f = torch.sum if name == "sum" else torch.mean
+        return f"{name} v{v}", f(lo), f(hi), "float"
+    if lo.dim() == 0:
+        return None
+    d = rng.randrange(-lo.dim(), lo.dim())
+    keep = rng.random() < 0.5
+    if name == "max_d":
+        if lo.shape[d] == 0:
+            return None
+        s = lo.detach().double().sort(dim=d).values
+        if s.shape[d] > 1 and bool((s.narrow(d, 1, s.shape[d] - 1) - s.narrow(d, 0, s.shape[d] - 1) < 1e-3).any()):
+            return None  # a tie: PyTorch's gradient goes to one of them, which is unspecified
+        return f"max_d v{v} {d} {int(keep)}", lo.max(d, keep).values, hi.max(d, keep).values, "float"
+    if name == "mean_d" and lo.shape[d] == 0:
+        return None
+    f = torch.sum if name == "sum_d" else torch.mean
+    return f"{name} v{v} {d} {int(keep)}", f(lo, d, keep), f(hi, d, keep), "float"
+
+
+def op_shape(p, rng):
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    n = lo.dim()
+    kind = rng.choice(["reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten", "narrow", "expand",
+                       "chunk", "split", "cat"])
+    if kind == "reshape":
+        numel = lo.numel()
+        dims = []
+        rest = numel
+        for _ in range(rng.randint(0, 3)):
+            divs = [d for d in range(1, rest + 1) if rest % d == 0] if rest else [1]
+            dims.append(rng.choice(divs))
+            rest = rest // dims[-1] if dims[-1] else 0
+        dims.append(rest if numel else 0)
+        if rng.random() < 0.3:
+            dims[rng.randrange(len(dims))] = -1
+            if numel == 0:
+                return None
+        return "reshape v%d %s" % (v, " ".join(map(str, dims))), lo.reshape(dims), hi.reshape(dims), "float"
+    if kind == "permute" and n >= 1:
+        perm = list(range(n))
+        rng.shuffle(perm)
+        perm = [d - n if rng.random() < 0.2 else d for d in perm]
+        return "permute v%d %s" % (v, " ".join(map(str, perm))), lo.permute(perm), hi.permute(perm), "float"
+    if kind == "transpose" and n >= 1:
+        a, b = rng.randrange(-n, n), rng.randrange(-n, n)
+        return f"transpose v{v} {a} {b}", lo.transpose(a, b), hi.transpose(a, b), "float"
+    if kind == "t" and n == 2:
+        return f"t v{v}", lo.t(), hi.t(), "float"
+    if kind == "unsqueeze" and n < 4:
+        d = rng.randrange(-n - 1, n + 1)
+        return f"unsqueeze v{v} {d}", lo.unsqueeze(d), hi.unsqueeze(d), "float"
+    if kind == "squeeze":
+        ones = [d for d in range(n) if lo.shape[d] == 1]
+        if not ones:
+            return None
+        d = rng.choice(ones)
+        return f"squeeze v{v} {d}", lo.squeeze(d), hi.squeeze(d), "float"
+    if kind == "flatten" and n >= 1:
+        s = rng.randrange(n)
+        e = rng.randrange(s, n)
+        return f"flatten v{v} {s} {e}", lo.flatten(s, e), hi.flatten(s, e), "float"
+    if kind == "narrow" and n >= 1:
+        d = rng.randrange(-n, n)
+        size = lo.shape[d]
+        start = rng.randint(0, size)
+        length = rng.randint(0, size - start)
+        if rng.random() < 0.2 and start > 0:
+            start -= size  # torch.narrow counts a negative start from the end
+        return f"narrow v{v} {d} {start} {length}", lo.narrow(d, start, length), hi.narrow(d, start, length), "float"
+    if kind == "expand":
+        shape = list(lo.shape)
+        target = [rng.choice([2, 3]) if s == 1 and rng.random() < 0.7 else (s if rng.random() < 0.8 else -1)
+                  for s in shape]
+        if len(target) < 4 and rng.random() < 0.3:
+            target = [rng.choice([1, 2])] + target
+        if math.prod(max(1, t) if t != -1 else 1 for t in target) * max(1, lo.numel()) > MAX_NUMEL * 4:
+            return None
+        return "expand v%d %s" % (v, " ".join(map(str, target))), lo.expand(target), hi.expand(target), "float"
+    if kind in ("chunk", "split") and n >= 1:
+        d = rng.randrange(-n, n)
+        size = lo.shape[d]
+        if size == 0:
+            return None
+        k = rng.randint(1, max(1, size))
+        pieces_lo = lo.chunk(k, d) if kind == "chunk" else lo.split(k, d)
+        pieces_hi = hi.chunk(k, d) if kind == "chunk" else hi.split(k, d)
+        i = rng.randrange(len(pieces_lo))
+        return f"{kind} v{v} {k} {d} {i}", pieces_lo[i], pieces_hi[i], "float"
+    if kind == "cat" and n >= 1:
+        d = rng.randrange(-n, n)
+        shape = list(lo.shape)
+        shape[d] = rng.randint(0, 3)
+        w = p.new_input(shape)
+        (lw, hw, _) = p.values[w]
+        order = [v, w] if rng.random() < 0.5 else [w, v]
+        ls = [p.values[i][0] for i in order]
+        hs = [p.values[i][1] for i in order]
+        return "cat %d %s" % (d, " ".join(f"v{i}" for i in order)), torch.cat(ls, d), torch.cat(hs, d), "float"
+    return None
+
+
+def op_matmul(p, rng):
+    v = pick(p, rng, min_dims=1)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    shape = list(lo.shape)
+    k = shape[-1]
+    n = rng.choice([1, 2, 3, 4])
+    form = rng.choice(["vec", "mat", "batch", "batch", "left"])
+    if form == "vec":
+        other = [k]
+    elif form == "mat":
+        other = [k, n]
+    elif form == "batch":
+        batch = [s if rng.random() < 0.6 else 1 for s in shape[:-2]][rng.randint(0, max(0, len(shape) - 2)):]
+        if rng.random() < 0.2 and len(batch) < 2:
+            batch = [2] + batch
+        other = batch + [k, n]
+    else:  # the value on the right: (..., m, k') @ value needs k' = value's rows
+        if lo.dim() < 1:
+            return None
+        rows = shape[-2] if lo.dim() >= 2 else shape[0]
+        other = [rng.choice([1, 2, 3]), rows]
+        w = p.new_input(other)
+        lw, hw, _ = p.values[w]
+        return f"matmul v{w} v{v}", torch.matmul(lw, lo), torch.matmul(hw, hi), "float"
+    w = p.new_input(other)
+    lw, hw, _ = p.values[w]
+    return f"matmul v{v} v{w}", torch.matmul(lo, lw), torch.matmul(hi, hw), "float"
+
+
+def op_softmax(p, rng):
+    v = pick(p, rng, min_dims=1)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    d = rng.randrange(-lo.dim(), lo.dim())
+    name = rng.choice(["softmax", "log_softmax"])
+    f = F.softmax if name == "softmax" else F.log_softmax
+    return f"{name} v{v} {d}", f(lo, d), f(hi, d), "float"
+
+
+def op_layer_norm(p, rng):
+    v = pick(p, rng, min_dims=1)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    k = rng.randint(1, min(2, lo.dim()))
+    norm = list(lo.shape[-k:])
+    if math.prod(norm) < 2:
+        return None
+    args_lo, args_hi, text = [None, None], [None, None], []
+    for j in range(2):
+        if rng.random() < 0.7:
+            w = p.new_input(norm, 0.5, 1.5) if j == 0 else p.new_input(norm, -0.5, 0.5)
+            args_lo[j], args_hi[j] = p.values[w][0], p.values[w][1]
+            text.append(f"v{w}")
+        else:
+            text.append("-")
+    out_lo = F.layer_norm(lo, norm, args_lo[0], args_lo[1], 1e-5)
+    out_hi = F.layer_norm(hi, norm, args_hi[0], args_hi[1], 1e-5)
+    return f"layer_norm v{v} {k} {text[0]} {text[1]}", out_lo, out_hi, "float"
+
+
+def op_attention(p, rng):
+    batch = [rng.choice([1, 2])] + ([rng.choice([1, 2])] if rng.random() < 0.7 else [])
+    L, S, E, Ev = rng.randint(1, 5), rng.randint(1, 6), rng.randint(1, 5), rng.randint(1, 4)
+    causal = rng.random() < 0.4
+    if causal:
+        S = L if rng.random() < 0.6 else S
+    q, k, v = p.new_input(batch + [L, E]), p.new_input(batch + [S, E]), p.new_input(batch + [S, Ev])
+    scale = rng.choice([None, None, 0.7])
+    mask, mtext = None, "-"
+    if not causal and rng.random() < 0.3:
+        m = p.new_input([L, S], -1.0, 1.0)
+        mask, mtext = m, f"v{m}"
+    vals = [p.values[i] for i in (q, k, v)]
+    kw_lo = dict(attn_mask=p.values[mask][0] if mask is not None else None, is_causal=causal, scale=scale)
+    kw_hi = dict(attn_mask=p.values[mask][1] if mask is not None else None, is_causal=causal, scale=scale)
+    out_lo = F.scaled_dot_product_attention(vals[0][0], vals[1][0], vals[2][0], **kw_lo)
+    out_hi = F.scaled_dot_product_attention(vals[0][1], vals[1][1], vals[2][1], **kw_hi)
+    return (f"sdpa v{q} v{k} v{v} {int(causal)} {'-' if scale is None else repr(scale)} {mtext}", out_lo, out_hi,
+            "float")
+
+
+def op_embedding(p, rng):
+    v = pick(p, rng, dims=[2])
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    rows = lo.shape[0]
+    if rows == 0:
+        return None
+    ids = p.new_ints(draw_shape(rng, 2), 0, rows)
+    pad = rng.randrange(rows) if rng.random() < 0.3 else None
+    li = p.values[ids][0]
+    return (f"embedding v{ids} v{v} {'-' if pad is None else pad}", F.embedding(li, lo, pad), F.embedding(li, hi, pad),
+            "float")
+
+
+def op_loss(p, rng):
+    if rng.random() < 0.5:
+        v = pick(p, rng, dims=[2])
+        if v is None:
+            return None
+        lo, hi, _ = p.values[v]
+        N, C = lo.shape
+        if C == 0:
+            return None
+        t = p.new_ints([N], 0, C)
+        lt = p.values[t][0].clone()
+        ignore = -100
+        if rng.random() < 0.3 and N > 1:
+            lt[rng.randrange(N)] = ignore
+            p.ints[f"i{len(p.ints) - 1}"] = lt
+            p.values[t] = (lt, lt, "int")
+        red = rng.choice(["mean", "sum", "none"])
+        smooth = rng.choice([0.0, 0.0, 0.1])
+        if red == "mean" and bool((lt == ignore).all()):
+            return None
+        f = lambda x: F.cross_entropy(x, lt, reduction=red, label_smoothing=smooth, ignore_index=ignore)
+        return f"cross_entropy v{v} v{t} {red} {smooth!r}", f(lo), f(hi), "float"
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    w = p.new_input(list(lo.shape))
+    red = rng.choice(["mean", "sum", "none"])
+    if red == "mean" and lo.numel() == 0:
+        return None
+    lw, hw, _ = p.values[w]
+    return f"mse v{v} v{w} {red}", F.mse_loss(lo, lw, reduction=red), F.mse_loss(hi, hw, reduction=red), "float"
+
+
+def op_cast(p, rng):
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    if lo.dtype == torch.bfloat16:
+        return f"f32 v{v}", lo.float(), hi, "float"
+    # In float64 the cast rounds to bfloat16 as well, then computes on in float64.
+    return f"bf16 v{v}", lo.to(torch.bfloat16), hi.to(torch.bfloat16).double(), "float"
+
+
+def op_linear(p, rng):
+    v = pick(p, rng, min_dims=1)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    n_in, n_out = lo.shape[-1], rng.randint(1, 4)
+    w = p.new_input([n_out, n_in])
+    b = p.new_input([n_out]) if rng.random() < 0.6 else None
+    auto = rng.random() < 0.25
+    (lw, hw, _) = p.values[w]
+    lb, hb = (p.values[b][0], p.values[b][1]) if b is not None else (None, None)
+    name = "ac_linear" if auto else "linear"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto):
+        out_lo = F.linear(lo, lw, lb)
+    out_hi = F.linear(hi, hw, hb)
+    return f"{name} v{v} v{w} {'-' if b is None else f'v{b}'}", out_lo, out_hi, "float"
+
+
+def op_autocast_matmul(p, rng):
+    v = pick(p, rng, min_dims=2)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    w = p.new_input([lo.shape[-1], rng.randint(1, 4)])
+    (lw, hw, _) = p.values[w]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_lo = torch.matmul(lo, lw)
+    return f"ac_matmul v{v} v{w}", out_lo, torch.matmul(hi, hw), "float"
+
+
+def image(p, rng):
+    """A 4-d float value (N, C, H, W), or a new input of that shape."""
+    c = floats(p, dims=[4])
+    if c and rng.random() < 0.6:
+        return rng.choice(c)
+    return p.new_input([rng.randint(1, 2), rng.randint(1, 3), rng.randint(2, 6), rng.randint(2, 6)])
+
+
+def op_conv(p, rng):
+    x = image(p, rng)
+    lo, hi, _ = p.values[x]
+    N, C, H, W = lo.shape
+    k = rng.randint(1, 3)
+    stride, pad = rng.randint(1, 2), rng.randint(0, 1)
+    if H + 2 * pad < k or W + 2 * pad < k:
+        return None
+    w = p.new_input([rng.randint(1, 3), C, k, k], -1.0, 1.0)
+    b = p.new_input([p.inputs[f"x{len(p.inputs) - 1}"].shape[0]]) if rng.random() < 0.6 else None
+    (lw, hw, _) = p.values[w]
+    lb, hb = (p.values[b][0], p.values[b][1]) if b is not None else (None, None)
+    return (f"conv2d v{x} v{w} {'-' if b is None else f'v{b}'} {stride} {pad}", F.conv2d(lo, lw, lb, stride, pad),
+            F.conv2d(hi, hw, hb, stride, pad), "float")
+
+
+def op_pool(p, rng):
+    x = image(p, rng)
+    lo, hi, _ = p.values[x]
+    H, W = lo.shape[2], lo.shape[3]
+    kind = rng.choice(["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"])
+    if kind == "adaptive_avg_pool2d":
+        oh, ow = rng.randint(1, H), rng.randint(1, W)
+        return (f"{kind} v{x} {oh} {ow}", F.adaptive_avg_pool2d(lo, (oh, ow)), F.adaptive_avg_pool2d(hi, (oh, ow)),
+                "float")
+    k = rng.randint(1, 3)
+    stride, pad = rng.randint(1, 3), rng.randint(0, k // 2)
+    if H + 2 * pad < k or W + 2 * pad < k:
+        return None
+    if kind == "max_pool2d":
+        # Ties inside a window have no agreed gradient: keep the values apart.
+        flat = lo.detach().double().flatten()
+        if flat.numel() > 1 and bool((flat.sort().values.diff() < 1e-3).any()):
+            return None
+        return (f"{kind} v{x} {k} {stride} {pad}", F.max_pool2d(lo, k, stride, pad), F.max_pool2d(hi, k, stride, pad),
+                "float")
+    return (f"{kind} v{x} {k} {stride} {pad}", F.avg_pool2d(lo, k, stride, pad), F.avg_pool2d(hi, k, stride, pad),
+            "float")
+
+
+def op_batch_norm(p, rng):
+    c = floats(p, dims=[2, 4])
+    x = rng.choice(c) if c and rng.random() < 0.6 else image(p, rng)
+    lo, hi, _ = p.values[x]
+    C = lo.shape[1]
+    if lo.numel() // max(1, C) < 2:
+        return None
+    w = p.new_input([C], 0.5, 1.5) if rng.random() < 0.7 else None
+    b = p.new_input([C], -0.5, 0.5) if rng.random() < 0.7 else None
+    lw, hw = (p.values[w][0], p.values[w][1]) if w is not None else (None, None)
+    lb, hb = (p.values[b][0], p.values[b][1]) if b is not None else (None, None)
+    return (f"batch_norm v{x} {'-' if w is None else f'v{w}'} {'-' if b is None else f'v{b}'}",
+            F.batch_norm(lo, None, None, lw, lb, True), F.batch_norm(hi, None, None, hw, hb, True), "float")
+
+
+def op_index(p, rng):
+    v = pick(p, rng, min_dims=1)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    d = rng.randrange(-lo.dim(), lo.dim())
+    size = lo.shape[d]
+    if size == 0:
+        return None
+    if rng.random() < 0.5:
+        ids = p.new_ints([rng.randint(0, 5)], 0, size)
+        li = p.values[ids][0]
+        return f"index_select v{v} {d} v{ids}", lo.index_select(d, li), hi.index_select(d, li), "float"
+    shape = [rng.randint(0, s) if k != d % lo.dim() else rng.randint(0, 4) for k, s in enumerate(lo.shape)]
+    ids = p.new_ints(shape, 0, size)
+    li = p.values[ids][0]
+    return f"gather v{v} {d} v{ids}", torch.gather(lo, d, li), torch.gather(hi, d, li), "float"
+
+
+def op_loss2(p, rng):
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    red = rng.choice(["mean", "sum", "none"])
+    if red == "mean" and lo.numel() == 0:
+        return None
+    kind = rng.choice(["bce", "l1", "smooth_l1"])
+    t = p.new_input(list(lo.shape), 0.0, 1.0) if kind == "bce" else p.new_input(list(lo.shape))
+    lt, ht, _ = p.values[t]
+    if kind == "bce":
+        return (f"bce v{v} v{t} {red}", F.binary_cross_entropy_with_logits(lo, lt, reduction=red),
+                F.binary_cross_entropy_with_logits(hi, ht, reduction=red), "float")
+    if kind == "l1":
+        d = (lo.detach().double() - lt.detach().double()).abs()
+        if d.numel() and float(d.min()) < 1e-3:
+            return None  # |a - b| has no agreed gradient at 0
+        return f"l1 v{v} v{t} {red}", F.l1_loss(lo, lt, reduction=red), F.l1_loss(hi, ht, reduction=red), "float"
+    beta = rng.choice([1.0, 0.5])
+    d = (lo.detach().double() - lt.detach().double()).abs()
+    if d.numel() and float(((d - beta).abs()).min()) < 1e-3:
+        return None
+    return (f"smooth_l1 v{v} v{t} {red} {beta!r}", F.smooth_l1_loss(lo, lt, reduction=red, beta=beta),
+            F.smooth_l1_loss(hi, ht, reduction=red, beta=beta), "float")
+
+
+OPS = [(op_unary, 6), (op_unary_positive, 2), (op_pow, 1), (op_scalar, 2), (op_binary, 6), (op_compare_where, 2),
+       (op_tri, 1), (op_reduce, 4), (op_shape, 8), (op_matmul, 4), (op_softmax, 2), (op_layer_norm, 2),
+       (op_attention, 1), (op_embedding, 1), (op_loss, 2), (op_cast, 2), (op_linear, 2), (op_autocast_matmul, 1),
+       (op_conv, 2), (op_pool, 2), (op_batch_norm, 1), (op_index, 2), (op_loss2, 2)]
+
+
+def draw(seed, attempt=0):
+    rng = random.Random(seed if attempt == 0 else f"{seed}/{attempt}")
+    p = Program(rng)
+    p.gen = torch.Generator().manual_seed(seed + 1000003 * attempt)
+    p.new_input(draw_shape(rng))
+    if rng.random() < 0.5:
+        p.new_input(draw_shape(rng))
+    want = rng.randint(1, 8)
+    tries = 0
+    while p.ops < want and tries < 60:
+        tries += 1
+        f = rng.choices([o for o, _ in OPS], weights=[w for _, w in OPS])[0]
+        saved = (list(p.lines), dict(p.inputs), dict(p.ints), list(p.values), dict(p.leaves))
+        try:
+            r = f(p, rng)
+        except (RuntimeError, IndexError, ValueError):
+            r = None
+        if r is not None and finite_ok(r[1]) and finite_ok(r[2]) and r[1].numel() <= MAX_NUMEL * 4:
+            text, lo, hi, kind = r
+            p.add_value(text, lo, hi, kind)
+            p.ops += 1
+        else:
+            p.lines, p.inputs, p.ints, p.values, p.leaves = saved
+    outs = [i for i, (lo, hi, k) in enumerate(p.values) if k == "float"]
+    chosen = [outs[-1]] + ([rng.choice(outs[:-1])] if len(outs) > 1 and rng.random() < 0.3 else [])
+    return p, chosen
+
+
+def evaluate(p, chosen, seed):
+    """Outputs and gradients of L = sum_i sum(out_i * w_i), in PyTorch's dtypes and in float64."""
+    g = torch.Generator().manual_seed(seed + 1)
+    ws = [(torch.rand(p.values[o][0].shape, generator=g, dtype=torch.float64) * 2 - 1).float().double()
+          for o in chosen]
+    leaves = p.leaves
+    res = {}
+    for which, idx in (("low", 0), ("high", 1)):
+        loss = 0
+        for o, w in zip(chosen, ws):
+            t = p.values[o][idx]
+            loss = loss + (t.double() * w).sum() if which == "high" else loss + (t.float() * w.float()).sum()
+        names = sorted(leaves)
+        ins = [leaves[n][idx] for n in names]
+        grads = torch.autograd.grad(loss, ins, allow_unused=True) if torch.is_tensor(loss) and loss.requires_grad \
+            else [None] * len(ins)
+        res[which] = ([p.values[o][idx].detach().double() for o in chosen],
+                      {n: (gr.detach().double() if gr is not None else torch.zeros_like(leaves[n][1]).detach())
+                       for n, gr in zip(names, grads)})
+    return ws, res
+
+
+def bound(low, high, ops):
+    err = float((low - high).abs().max()) if high.numel() else 0.0
+    scale = max(1.0, float(high.abs().max()) if high.numel() else 0.0)
+    return 16 * err + max(1, ops) * 2.0 ** -20 * scale
+
+
+def drawn_and_evaluated(seed):
+    """Program `seed`, drawn again (deterministically) while PyTorch's own backward fails on it."""
+    for attempt in range(20):
+        p, chosen = draw(seed, attempt)
+        try:
+            return p, chosen, evaluate(p, chosen, seed)
+        except RuntimeError:
+            continue
+    raise RuntimeError(f"program {seed}: PyTorch's backward failed on 20 draws")
+
+
+def case_tensors(seed, prefix):
+    p, chosen, (ws, res) = drawn_and_evaluated(seed)
+    tensors, program = {}, list(p.lines)
+    program.append("out " + " ".join(f"v{o}" for o in chosen))
+    for n, t in p.inputs.items():
+        tensors[f"{prefix}.{n}"] = t.float().contiguous()
+    for n, t in p.ints.items():
+        tensors[f"{prefix}.{n}"] = t.contiguous()
+    for i, w in enumerate(ws):
+        tensors[f"{prefix}.w{i}"] = w.float().contiguous()
+    (lo_outs, lo_grads), (hi_outs, hi_grads) = res["low"], res["high"]
+    for i, (lo, hi) in enumerate(zip(lo_outs, hi_outs)):
+        tensors[f"{prefix}.out{i}"] = hi.float().contiguous()
+        tensors[f"{prefix}.bound.out{i}"] = torch.tensor(bound(lo, hi, p.ops), dtype=torch.float32)
+    for n in sorted(hi_grads):
+        tensors[f"{prefix}.grad.{n}"] = hi_grads[n].float().contiguous()
+        tensors[f"{prefix}.bound.grad.{n}"] = torch.tensor(bound(lo_grads[n], hi_grads[n], p.ops),
+                                                          dtype=torch.float32)
+    return tensors, "; ".join(program)
+
+
+def write_file(path, seeds):
+    from safetensors.torch import save_file
+    tensors, meta = {}, {"generated_by": "scripts/op_fuzz.py --write (Note [Op fuzzer]); do not edit"}
+    names = []
+    for s in seeds:
+        t, program = case_tensors(s, f"c{s}")
+        tensors.update(t)
+        meta[f"program.c{s}"] = program
+        names.append(f"c{s}")
+    meta["cases"] = " ".join(names)
+    save_file(tensors, path, metadata=meta)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0:200", help="A:B, programs A..B-1")
+    ap.add_argument("--write", help="write the corpus to this file")
+    ap.add_argument("--replay", help="op_fuzz_replay binary: run dp on the programs and report")
+    ap.add_argument("--batch", type=int, default=200, help="programs per replay call")
+    ap.add_argument("--print", action="store_true", help="print each program")
+    a = ap.parse_args()
+    lo, hi = (int(x) for x in a.seeds.split(":"))
+    seeds = list(range(lo, hi))
+    if a.print:
+        for s in seeds:
+            p, chosen, _ = drawn_and_evaluated(s)
+            print(f"# program {s}\n" + "\n".join(p.lines) + "\nout " + " ".join(f"v{o}" for o in chosen))
+    if a.write:
+        write_file(a.write, seeds)
+        print(f"wrote {len(seeds)} programs to {a.write}")
+    if a.replay:
+        failed = 0
+        for i in range(0, len(seeds), a.batch):
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "cases.safetensors")
+                write_file(path, seeds[i:i + a.batch])
+                r = subprocess.run([a.replay, path], capture_output=True, text=True)
+                sys.stdout.write(r.stdout[-20000:])
+                sys.stderr.write(r.stderr[-4000:])
+                if r.returncode not in (0, 1):
+                    sys.exit(f"op_fuzz: {a.replay} exited {r.returncode}")
+                failed += r.returncode
+        print(f"op_fuzz: programs {lo}..{hi - 1}: {'FAILURES' if failed else 'all agree with PyTorch'}")
+        sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

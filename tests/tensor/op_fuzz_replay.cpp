@@ -1,0 +1,435 @@
+// tests/tensor/op_fuzz_replay.cpp — runs the differential op fuzzer's programs in dp and
+// compares them with PyTorch's results (scripts/op_fuzz.py draws them).
+//
+//   op_fuzz_replay tests/tensor/op_fuzz_corpus.safetensors            # every program, CPU
+//   op_fuzz_replay FILE --device cuda:0                               # on a GPU (77: none)
+//   op_fuzz_replay FILE --case c17 --verbose                          # one, with its values
+//
+// The file holds, per program c<seed>: its text (metadata "program.c<seed>", lines
+// separated by "; "), its float32 inputs x<k> and int64 inputs i<k>, the weights w<k> of
+// L = sum_k sum(out_k * w_k), and PyTorch's float64 outputs out<k> and gradients
+// grad.x<k>, each with the bound its difference must stay within (bound.*). A program
+// runs forward and backward once per attention path where it calls attention (Math and
+// the fused kernel), once otherwise. Exit status: 0 when every program agrees, 1 when one
+// does not (each printed with what differs), 2 on bad usage or an unreadable file, 77
+// when --device names a device that is not there.
+//
+// Note [Op fuzzer]
+// The loop fuzzer (tests/parallel/loop_fuzz.cpp) compares dp's designs with each other,
+// so an op that computes the wrong thing computes it alike in every design and passes.
+// This fuzzer compares the ops themselves with PyTorch, whose semantics dp promises. A
+// random program of 1-8 ops over small random tensors — elementwise ops with
+// broadcasting, scalars, views and the ops dp materialises (permute, narrow, expand,
+// chunk, cat, ...), reductions, matmul with batch broadcasting, linear, conv2d, pools,
+// batch_norm, softmax, layer_norm, gelu, where/masked_fill, tril/triu, gather and
+// index_select, attention, embedding, six losses, casts to and from bfloat16, products
+// under bfloat16 autocast — is drawn by scripts/op_fuzz.py and run by PyTorch as it is
+// drawn (an op whose inputs fall outside its domain or sit on a kink or a tie, or whose
+// result is not finite or grows past 1e4, is drawn again), then run here by dp, forward
+// and backward of L = sum_i sum(out_i * w_i) for random w_i.
+//
+// The oracle: PyTorch runs each program twice, in its own dtypes (float32, bfloat16
+// where the program casts or autocasts) and in float64 (a cast to bfloat16 rounds there
+// too, then computation goes on in float64). The float64 run stands for the exact
+// result; the error PyTorch's own run makes against it measures the rounding this
+// program allows. dp's output or gradient t passes when
+//     max|t_dp - t_64| <= 16 * max|t_pt - t_64| + n_ops * 2^-20 * max(1, max|t_64|)
+// (the second term a floor for results PyTorch happens to get exact where dp sums in
+// another order: 2^-20 is sixteen float32 roundings per op). A lost term, a wrong
+// broadcast, a transposed index, a wrong dtype or a missing gradient is far outside it;
+// an op dp refuses where PyTorch runs it is reported too. CI replays a fixed corpus
+// (tests/tensor/op_fuzz_corpus.safetensors, programs 0..N-1, written by the script with
+// PyTorch, so the test needs no Python); `scripts/op_fuzz.py --replay BIN --seeds A:B`
+// hunts further. Its first hours found a broadcasting walk that had been wrong since
+// the first commit, a fused attention that gave a learned mask no gradient, 16-bit
+// losses that lost their float32 target's precision, and cat and linear taking fewer
+// shapes and dtypes than PyTorch's.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dp/dp.h"
+
+namespace {
+
+using dp::Tensor;
+
+std::vector<std::string> split_on(const std::string& s, const std::string& sep) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (true) {
+    const std::size_t next = s.find(sep, at);
+    out.push_back(s.substr(at, next == std::string::npos ? std::string::npos : next - at));
+    if (next == std::string::npos) return out;
+    at = next + sep.size();
+  }
+}
+
+std::vector<std::string> words(const std::string& s) {
+  std::istringstream in(s);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+/// One program's run: its values by number, read from the file's tensors.
+class Run {
+ public:
+  Run(const std::map<std::string, Tensor>& file, std::string prefix, dp::Device device)
+      : file_(file), prefix_(std::move(prefix)), device_(device) {}
+
+  const Tensor& file_tensor(const std::string& name) const {
+    auto it = file_.find(prefix_ + "." + name);
+    DP_CHECK(it != file_.end(), "op_fuzz_replay: the file has no tensor ", prefix_, ".", name);
+    return it->second;
+  }
+
+  const Tensor& value(const std::string& w) const {
+    DP_CHECK(w.size() > 1 && w[0] == 'v', "op_fuzz_replay: expected a value v<n>, got '", w, "'");
+    const auto i = static_cast<std::size_t>(std::stoll(w.substr(1)));
+    DP_CHECK(i < values_.size(), "op_fuzz_replay: value ", w, " is not defined yet");
+    return values_[i];
+  }
+  std::optional<Tensor> maybe(const std::string& w) const {
+    if (w == "-") return std::nullopt;
+    return value(w);
+  }
+
+  static std::int64_t i64(const std::string& w) { return std::stoll(w); }
+  static double f64(const std::string& w) { return std::stod(w); }
+
+  dp::nn::Reduction reduction(const std::string& w) const {
+    if (w == "mean") return dp::nn::Reduction::Mean;
+    if (w == "sum") return dp::nn::Reduction::Sum;
+    DP_CHECK(w == "none", "op_fuzz_replay: expected a reduction mean|sum|none, got '", w, "'");
+    return dp::nn::Reduction::None;
+  }
+
+  /// Runs one line "v<n> = op args..." (or "out v<a> ...").
+  void line(const std::string& text) {
+    const auto w = words(text);
+    DP_CHECK(!w.empty(), "op_fuzz_replay: an empty line");
+    if (w[0] == "out") {
+      for (std::size_t i = 1; i < w.size(); ++i) outs_.push_back(value(w[i]));
+      return;
+    }
+    DP_CHECK(w.size() >= 3 && w[1] == "=" && w[0] == "v" + std::to_string(values_.size()),
+             "op_fuzz_replay: expected 'v", values_.size(), " = op ...', got '", text, "'");
+    values_.push_back(apply(w));
+  }
+
+  Tensor apply(const std::vector<std::string>& w) {
+    const std::string& op = w[2];
+    auto a = [&](std::size_t i) -> const std::string& {
+      DP_CHECK(i + 3 < w.size(), "op_fuzz_replay: ", op, " expects more arguments");
+      return w[i + 3];
+    };
+    auto ints_from = [&](std::size_t first) {
+      std::vector<std::int64_t> out;
+      for (std::size_t i = first + 3; i < w.size(); ++i) out.push_back(i64(w[i]));
+      return out;
+    };
+    if (op == "input") {
+      Tensor t = file_tensor(a(0)).to(device_);
+      if (t.impl() == file_tensor(a(0)).impl()) t = t.clone();
+      t.set_requires_grad(true);
+      leaves_.emplace_back(a(0), t);
+      return t;
+    }
+    if (op == "ints") return file_tensor(a(0)).to(device_);
+    // Unary.
+    if (op == "neg") return dp::neg(value(a(0)));
+    if (op == "abs") return dp::abs(value(a(0)));
+    if (op == "tanh") return dp::tanh(value(a(0)));
+    if (op == "sigmoid") return dp::sigmoid(value(a(0)));
+    if (op == "relu") return dp::relu(value(a(0)));
+    if (op == "square") return dp::square(value(a(0)));
+    if (op == "erf") return dp::erf(value(a(0)));
+    if (op == "exp") return dp::exp(value(a(0)));
+    if (op == "log") return dp::log(value(a(0)));
+    if (op == "sqrt") return dp::sqrt(value(a(0)));
+    if (op == "reciprocal") return dp::reciprocal(value(a(0)));
+    if (op == "contiguous") return value(a(0)).contiguous();
+    if (op == "gelu") return dp::nn::gelu(value(a(0)));
+    if (op == "gelu_tanh") return dp::nn::gelu(value(a(0)), "tanh");
+    if (op == "pow") return dp::pow(value(a(0)), f64(a(1)));
+    if (op == "bf16") return value(a(0)).to(dp::Dtype::BFloat16);
+    if (op == "f32") return value(a(0)).to(dp::Dtype::Float32);
+    // Scalars.
+    if (op == "add_s") return dp::add(value(a(0)), f64(a(1)));
+    if (op == "mul_s") return dp::mul(value(a(0)), f64(a(1)));
+    if (op == "rsub_s") return dp::sub(f64(a(1)), value(a(0)));
+    if (op == "rdiv_s") return dp::div(f64(a(1)), value(a(0)));
+    // Binary, broadcasting.
+    if (op == "add") return dp::add(value(a(0)), value(a(1)));
+    if (op == "sub") return dp::sub(value(a(0)), value(a(1)));
+    if (op == "mul") return dp::mul(value(a(0)), value(a(1)));
+    if (op == "div") return dp::div(value(a(0)), value(a(1)));
+    if (op == "maximum") return dp::maximum(value(a(0)), value(a(1)));
+    if (op == "gt") return value(a(0)).gt(value(a(1)));
+    if (op == "where") return dp::where(value(a(0)), value(a(1)), value(a(2)));
+    if (op == "masked_fill") return dp::masked_fill(value(a(0)), value(a(1)), f64(a(2)));
+    if (op == "tril") return dp::tril(value(a(0)), i64(a(1)));
+    if (op == "triu") return dp::triu(value(a(0)), i64(a(1)));
+    // Reductions.
+    if (op == "sum") return dp::sum(value(a(0)));
+    if (op == "mean") return dp::mean(value(a(0)));
+    if (op == "sum_d") return dp::sum(value(a(0)), i64(a(1)), i64(a(2)) != 0);
+    if (op == "mean_d") return dp::mean(value(a(0)), i64(a(1)), i64(a(2)) != 0);
+    if (op == "max_d") return dp::max(value(a(0)), i64(a(1)), i64(a(2)) != 0);
+    // Shapes.
+    if (op == "reshape") return value(a(0)).reshape(ints_from(1));
+    if (op == "permute") return value(a(0)).permute(ints_from(1));
+    if (op == "transpose") return value(a(0)).transpose(i64(a(1)), i64(a(2)));
+    if (op == "t") return value(a(0)).t();
+    if (op == "unsqueeze") return value(a(0)).unsqueeze(i64(a(1)));
+    if (op == "squeeze") return value(a(0)).squeeze(i64(a(1)));
+    if (op == "flatten") return value(a(0)).flatten(i64(a(1)), i64(a(2)));
+    if (op == "narrow") return value(a(0)).narrow(i64(a(1)), i64(a(2)), i64(a(3)));
+    if (op == "expand") return value(a(0)).expand(ints_from(1));
+    if (op == "chunk") return dp::chunk(value(a(0)), i64(a(1)), i64(a(2))).at(static_cast<std::size_t>(i64(a(3))));
+    if (op == "split") return dp::split(value(a(0)), i64(a(1)), i64(a(2))).at(static_cast<std::size_t>(i64(a(3))));
+    if (op == "cat") {
+      std::vector<Tensor> parts;
+      for (std::size_t i = 4; i < w.size(); ++i) parts.push_back(value(w[i]));
+      return dp::cat(parts, i64(a(0)));
+    }
+    // Products, normalisation, attention, lookups, losses.
+    if (op == "matmul") return dp::matmul(value(a(0)), value(a(1)));
+    if (op == "softmax") return dp::nn::softmax(value(a(0)), i64(a(1)));
+    if (op == "log_softmax") return dp::nn::log_softmax(value(a(0)), i64(a(1)));
+    if (op == "layer_norm") {
+      const Tensor& x = value(a(0));
+      const std::int64_t k = i64(a(1));
+      dp::Shape norm(x.shape().end() - k, x.shape().end());
+      return dp::nn::layer_norm(x, norm, maybe(a(2)).value_or(Tensor()), maybe(a(3)).value_or(Tensor()), 1e-5);
+    }
+    if (op == "sdpa") {
+      std::optional<double> scale;
+      if (a(4) != "-") scale = f64(a(4));
+      return dp::nn::scaled_dot_product_attention(value(a(0)), value(a(1)), value(a(2)),
+                                                  maybe(a(5)).value_or(Tensor()), 0.0, i64(a(3)) != 0, scale);
+    }
+    if (op == "embedding") {
+      std::optional<std::int64_t> pad;
+      if (a(2) != "-") pad = i64(a(2));
+      return dp::nn::embedding(value(a(0)), value(a(1)), pad);
+    }
+    if (op == "cross_entropy") {
+      dp::nn::CrossEntropyOptions o;
+      o.reduction = reduction(a(2));
+      o.label_smoothing = f64(a(3));
+      return dp::nn::cross_entropy(value(a(0)), value(a(1)), o);
+    }
+    if (op == "mse") return dp::nn::mse_loss(value(a(0)), value(a(1)), reduction(a(2)));
+    if (op == "bce") {
+      dp::nn::BCEWithLogitsOptions o;
+      o.reduction = reduction(a(2));
+      return dp::nn::binary_cross_entropy_with_logits(value(a(0)), value(a(1)), o);
+    }
+    if (op == "l1") return dp::nn::l1_loss(value(a(0)), value(a(1)), reduction(a(2)));
+    if (op == "smooth_l1") return dp::nn::smooth_l1_loss(value(a(0)), value(a(1)), reduction(a(2)), f64(a(3)));
+    // Layers' ops, and autocast's policy on the products.
+    if (op == "linear") return dp::linear(value(a(0)), value(a(1)), maybe(a(2)).value_or(Tensor()));
+    if (op == "ac_linear") {
+      dp::amp::autocast cast(dp::Dtype::BFloat16);
+      return dp::linear(value(a(0)), value(a(1)), maybe(a(2)).value_or(Tensor()));
+    }
+    if (op == "ac_matmul") {
+      dp::amp::autocast cast(dp::Dtype::BFloat16);
+      return dp::matmul(value(a(0)), value(a(1)));
+    }
+    if (op == "conv2d")
+      return dp::nn::conv2d(value(a(0)), value(a(1)), maybe(a(2)).value_or(Tensor()), i64(a(3)), i64(a(4)));
+    if (op == "max_pool2d") return dp::nn::max_pool2d(value(a(0)), i64(a(1)), i64(a(2)), i64(a(3)));
+    if (op == "avg_pool2d") return dp::nn::avg_pool2d(value(a(0)), i64(a(1)), i64(a(2)), i64(a(3)));
+    if (op == "adaptive_avg_pool2d") return dp::nn::adaptive_avg_pool2d(value(a(0)), i64(a(1)), i64(a(2)));
+    if (op == "batch_norm")
+      return dp::nn::batch_norm(value(a(0)), maybe(a(1)).value_or(Tensor()), maybe(a(2)).value_or(Tensor()), Tensor(),
+                                Tensor(), true);
+    if (op == "index_select") return dp::index_select(value(a(0)), i64(a(1)), value(a(2)));
+    if (op == "gather") return dp::gather(value(a(0)), i64(a(1)), value(a(2)));
+    DP_FAIL("op_fuzz_replay: unknown op '", op, "'");
+  }
+
+  /// L = sum_k sum(out_k * w_k) in float32, then its backward.
+  void backward() {
+    Tensor loss;
+    for (std::size_t k = 0; k < outs_.size(); ++k) {
+      Tensor term = dp::sum(dp::mul(outs_[k].to(dp::Dtype::Float32), file_tensor("w" + std::to_string(k)).to(device_)));
+      loss = loss.defined() ? dp::add(loss, term) : term;
+    }
+    if (loss.defined() && loss.requires_grad()) loss.backward();
+  }
+
+  const std::vector<Tensor>& outs() const { return outs_; }
+  const std::vector<std::pair<std::string, Tensor>>& leaves() const { return leaves_; }
+
+ private:
+  const std::map<std::string, Tensor>& file_;
+  std::string prefix_;
+  dp::Device device_;
+  std::vector<Tensor> values_;
+  std::vector<Tensor> outs_;
+  std::vector<std::pair<std::string, Tensor>> leaves_;
+};
+
+/// "" when `got` (any dtype, any device) is within `bound` of `want` everywhere, else
+/// what differs.
+std::string compare(const std::string& what, const Tensor& got, const Tensor& want, double bound) {
+  std::ostringstream out;
+  if (!got.defined()) {
+    // An input that reaches no output has no gradient: PyTorch's is zeros.
+    const auto v = want.to_vector();
+    const bool zero = std::all_of(v.begin(), v.end(), [](float x) { return x == 0.0f; });
+    if (!zero) out << what << ": dp gives no gradient, PyTorch a nonzero one";
+    return out.str();
+  }
+  if (got.shape() != want.shape()) {
+    out << what << ": shape " << dp::shape_str(got.shape()) << ", PyTorch's " << dp::shape_str(want.shape());
+    return out.str();
+  }
+  const std::vector<float> g = got.to(dp::cpu(0)).to(dp::Dtype::Float32).to_vector();
+  const std::vector<float> e = want.to_vector();
+  double worst = 0.0;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    const double d = std::isnan(g[i]) ? INFINITY : std::fabs(static_cast<double>(g[i]) - e[i]);
+    if (d > worst) {
+      worst = d;
+      at = i;
+    }
+  }
+  if (worst > bound)
+    out << what << ": element " << at << " is " << g[at] << ", PyTorch's " << e[at] << " (difference " << worst
+        << ", bound " << bound << ")";
+  return out.str();
+}
+
+struct Outcome {
+  bool ok = true;
+  std::string report;
+};
+
+Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& name, const std::string& program,
+                 dp::Device device, bool verbose) {
+  Outcome res;
+  const auto lines = split_on(program, "; ");
+  const bool attention = program.find(" sdpa ") != std::string::npos;
+  std::vector<dp::nn::AttentionPath> paths{dp::nn::AttentionPath::Auto};
+  if (attention) paths.push_back(dp::nn::AttentionPath::Math);
+  for (const auto path : paths) {
+    dp::nn::set_attention_path(path);
+    const std::string tag = attention ? (path == dp::nn::AttentionPath::Math ? " [math attention]" : " [fused attention]")
+                                      : "";
+    Run run(file, name, device);
+    std::vector<std::string> problems;
+    try {
+      for (const auto& l : lines) run.line(l);
+      run.backward();
+      auto bound = [&](const std::string& n) { return static_cast<double>(run.file_tensor("bound." + n).item()); };
+      for (std::size_t k = 0; k < run.outs().size(); ++k) {
+        const std::string n = "out" + std::to_string(k);
+        if (auto p = compare(n, run.outs()[k], run.file_tensor(n), bound(n)); !p.empty()) problems.push_back(p);
+      }
+      for (const auto& [leaf, t] : run.leaves()) {
+        const std::string n = "grad." + leaf;
+        if (auto p = compare(n, t.grad(), run.file_tensor(n), bound(n)); !p.empty()) problems.push_back(p);
+      }
+    } catch (const std::exception& e) {
+      problems.push_back(std::string("dp threw where PyTorch ran: ") + e.what());
+    }
+    if (!problems.empty() || verbose) {
+      std::ostringstream out;
+      out << (problems.empty() ? "ok   " : "FAIL ") << name << tag << " on " << device.str() << "\n";
+      for (const auto& l : lines) out << "    " << l << "\n";
+      for (const auto& p : problems) out << "  - " << p << "\n";
+      res.report += out.str();
+    }
+    res.ok = res.ok && problems.empty();
+  }
+  dp::nn::set_attention_path(dp::nn::AttentionPath::Auto);
+  return res;
+}
+
+int usage(const char* why) {
+  std::cerr << "op_fuzz_replay: " << why << "\nusage: op_fuzz_replay FILE [--device cpu:0|cuda:N] [--case c<seed>] "
+            << "[--verbose]\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string path, only;
+  std::string device_name = "cpu:0";
+  bool verbose = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--device" && i + 1 < argc) {
+      device_name = argv[++i];
+    } else if (arg == "--case" && i + 1 < argc) {
+      only = argv[++i];
+    } else if (arg == "--verbose") {
+      verbose = true;
+    } else if (!arg.empty() && arg[0] != '-' && path.empty()) {
+      path = arg;
+    } else {
+      return usage(("unexpected argument '" + arg + "'").c_str());
+    }
+  }
+  if (path.empty()) return usage("expected a file");
+  if (device_name.rfind("cuda", 0) == 0 && dp::device_count(dp::DeviceType::CUDA) == 0) {
+    std::cout << "op_fuzz_replay: no CUDA device here; " << device_name << " skipped\n";
+    return 77;
+  }
+  dp::Device device = dp::cpu(0);
+  try {
+    device = dp::parse_device(device_name);
+  } catch (const dp::Error& e) {
+    return usage(e.what());
+  }
+  dp::io::SafetensorsFile file;
+  try {
+    file = dp::io::read_safetensors(path);
+  } catch (const dp::Error& e) {
+    std::cerr << "op_fuzz_replay: cannot read " << path << ": " << e.what() << "\n";
+    return 2;
+  }
+  std::map<std::string, Tensor> tensors;
+  for (auto& [n, t] : file.tensors) tensors[n] = t;
+  auto meta = [&](const std::string& key) -> std::string {
+    auto it = file.metadata.find(key);
+    return it == file.metadata.end() ? std::string() : it->second;
+  };
+  const auto cases = words(meta("cases"));
+  if (cases.empty()) {
+    std::cerr << "op_fuzz_replay: " << path << " lists no programs (metadata 'cases'); write it with "
+              << "scripts/op_fuzz.py --write\n";
+    return 2;
+  }
+  int failed = 0, ran = 0;
+  for (const auto& c : cases) {
+    if (!only.empty() && c != only) continue;
+    const std::string program = meta("program." + c);
+    if (program.empty()) {
+      std::cerr << "op_fuzz_replay: no program for " << c << "\n";
+      return 2;
+    }
+    ++ran;
+    const Outcome o = run_case(tensors, c, program, device, verbose);
+    std::cout << o.report;
+    failed += o.ok ? 0 : 1;
+  }
+  if (ran == 0) return usage(("no program named " + only).c_str());
+  std::cout << "op_fuzz_replay: " << ran << " programs on " << device.str() << ", " << failed
+            << (failed == 1 ? " differs" : " differ") << " from PyTorch\n";
+  return failed == 0 ? 0 : 1;
+}
