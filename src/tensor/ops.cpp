@@ -1153,12 +1153,14 @@ Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64,
                               {ix, static_cast<int>(d), input.raw_data(), index64.data<std::int64_t>(), out.raw_data()});
   Shape in_shape = input.shape();
   autograd::record(node, {input}, out, [in_shape, index64, ix, d](const std::vector<Tensor>& g) {
-    Tensor gx = zeros(in_shape, TensorOptions{g[0].dtype(), g[0].device()});
-    if (g[0].numel() > 0)
-      be(g[0]).run<Op::ScatterAdd>(g[0].device(), detail::kernel_dtype(g[0].dtype()),
-                                   {ix, static_cast<int>(d), g[0].raw_data(), index64.data<std::int64_t>(),
-                                    gx.raw_data()});
-    return std::vector<Tensor>{gx};
+    // A repeated index sums its gradients: for 16-bit ones in float32, rounded once at
+    // the end (Note [16-bit tensors]), not once per addition.
+    const Tensor gy = is_16bit(g[0]) ? g[0].to(Dtype::Float32) : g[0];
+    Tensor gx = zeros(in_shape, TensorOptions{gy.dtype(), gy.device()});
+    if (gy.numel() > 0)
+      be(gy).run<Op::ScatterAdd>(gy.device(), detail::kernel_dtype(gy.dtype()),
+                                 {ix, static_cast<int>(d), gy.raw_data(), index64.data<std::int64_t>(), gx.raw_data()});
+    return std::vector<Tensor>{gx.dtype() == g[0].dtype() ? gx : gx.to(g[0].dtype())};
   });
   return out;
 }

@@ -240,6 +240,25 @@ TEST_CASE("losses of a 16-bit input and a float32 target are float32, the float3
   CHECK(p.grad().dtype() == Dtype::BFloat16);
 }
 
+// index_select's and gather's backward sum a repeated index's gradients; in 16 bits they
+// once added into the 16-bit result one by one, rounding each time (found by the op
+// fuzzer, Note [Op fuzzer]): 1 + 2^-8 rounds back to 1 in bfloat16, so four of them
+// vanished where the float32 sum, rounded once, is 1 + 2^-6.
+TEST_CASE("a repeated index's 16-bit gradients are summed in float32 and rounded once") {
+  const std::vector<float> up{1.0f, 0x1p-8f, 0x1p-8f, 0x1p-8f, 0x1p-8f};
+  const dp::Tensor w = dp::from_vector(up, {5}).to(Dtype::BFloat16);
+  const dp::Tensor idx = dp::from_vector(std::vector<std::int64_t>{0, 0, 0, 0, 0}, {5});
+  for (bool use_gather : {false, true}) {
+    CAPTURE(use_gather);
+    const dp::Tensor x = dp::from_vector(std::vector<float>{0.5f}, {1}).to(Dtype::BFloat16).set_requires_grad(true);
+    const dp::Tensor y = use_gather ? dp::gather(x, 0, idx) : dp::index_select(x, 0, idx);
+    dp::sum(dp::mul(y, w)).backward();
+    REQUIRE(x.grad().defined());
+    CHECK(x.grad().dtype() == Dtype::BFloat16);
+    CHECK(x.grad().to_vector() == std::vector<float>{1.0f + 0x1p-6f});
+  }
+}
+
 TEST_CASE("cat of floating tensors of different dtypes gives float32, as torch.cat promotes") {
   const dp::Tensor b = dp::from_vector(std::vector<float>{1.0f / 3.0f, 2.0f}, {2, 1}).to(Dtype::BFloat16);
   const dp::Tensor f = dp::from_vector(std::vector<float>{0.1f, 0.2f}, {2, 1});
