@@ -419,6 +419,10 @@ be::Conv2dShape conv_shape_of(const char* op, const Tensor& x, const Tensor& w, 
   DP_CHECK(w.dim() == 4, "conv2d: expected a 4-d weight (K, C, R, S), got ", shape_str(w.shape()));
   DP_CHECK(x.size(1) == w.size(1), "conv2d: expected input (N, C=", w.size(1), ", H, W) to match weight's C=",
            w.size(1), ", got ", shape_str(x.shape()), " (weight ", shape_str(w.shape()), ")");
+  // Zero channels: the sums of no products would be the bias, (N, K, P, Q), but PyTorch's
+  // CPU convolution returns an empty (N, 0, P, Q) there; rather than pick one, refuse.
+  DP_CHECK(x.size(1) > 0, op, ": expected an input with at least one channel, got ", shape_str(x.shape()),
+           " (PyTorch returns an empty (N, 0, P, Q) for it, not the bias)");
   if (b.defined()) {
     DP_CHECK(b.dtype() == x.dtype(), op, ": expected the bias in the input's dtype ", dtype_name(x.dtype()),
              ", got ", dtype_name(b.dtype()));
@@ -771,6 +775,9 @@ Tensor adaptive_avg_pool2d(const Tensor& x, std::int64_t output_h, std::int64_t 
     }
   }
   Tensor pool = from_vector(m, {H * W, P * Q}, x.device());
+  // Pooling is on neither autocast list (PyTorch's keeps the input's dtype): the product
+  // inside it must not take autocast's lower precision (found by the op fuzzer).
+  amp::detail::Suspend float32_inside;
   return matmul(x.reshape({N * C, H * W}), pool).reshape({N, C, P, Q});
 }
 

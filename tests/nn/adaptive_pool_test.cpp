@@ -6,11 +6,13 @@
 #include <doctest/doctest.h>
 
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "../autograd/gradcheck.h"
 #include "dp/nn/functional.h"
 #include "dp/nn/pooling.h"
+#include "dp/tensor/autocast.h"
 #include "nn_test_util.h"
 #include "pool_reference.h"
 
@@ -79,4 +81,21 @@ TEST_CASE("adaptive_avg_pool2d: bad input") {
   CHECK(throws_with([] { nn::adaptive_avg_pool2d(dp::zeros({1, 1, 0, 4}), 2, 2); }, {"H, W > 0"}));
   CHECK(throws_with([] { nn::adaptive_avg_pool2d(dp::Tensor(), 2, 2); }, {"adaptive_avg_pool2d"}));
   CHECK(throws_with([] { nn::AdaptiveAvgPool2d(2)(dp::zeros({4, 4})); }, {"4-d input"}));
+}
+
+// Pooling is on neither of autocast's lists: under autocast a float32 input pools in
+// float32, also where uneven bins make it a product (Note [Adaptive pooling]), which once
+// took autocast's bfloat16 (found by the op fuzzer, Note [Op fuzzer]).
+TEST_CASE("adaptive_avg_pool2d under bfloat16 autocast keeps float32, with its bits outside the scope") {
+  dp::Generator gen(3);
+  const dp::Tensor x = dp::randn({2, 3, 5, 7}, gen);
+  for (auto [P, Q] : {std::pair<std::int64_t, std::int64_t>{2, 3}, {5, 7}, {1, 1}, {3, 2}}) {
+    CAPTURE(P);
+    CAPTURE(Q);
+    const dp::Tensor plain = nn::adaptive_avg_pool2d(x, P, Q);
+    dp::amp::autocast scope(dp::Dtype::BFloat16);
+    const dp::Tensor inside = nn::adaptive_avg_pool2d(x, P, Q);
+    CHECK(inside.dtype() == dp::Dtype::Float32);
+    CHECK(inside.to_vector() == plain.to_vector());
+  }
 }

@@ -621,3 +621,21 @@ TEST_CASE_TEMPLATE("dropout: deterministic per seed, scaled by 1/(1-p), identity
   F gr = xl.grad().to_vector();
   for (std::int64_t i = 0; i < n; ++i) CHECK(gr[i] == doctest::Approx(a[i] == 0 ? 0.0 : 1.0 / 0.7));
 }
+
+// An input with no channels: the sums of no products would be the bias, but PyTorch's CPU
+// convolution returns an empty (N, 0, P, Q); dp refuses with a message saying so, where
+// its backend once failed with a message about kernel sizes (found by the op fuzzer,
+// Note [Op fuzzer]).
+TEST_CASE("conv2d refuses an input with zero channels, naming it") {
+  const dp::Tensor x = dp::zeros({2, 0, 4, 3});
+  const dp::Tensor w = dp::zeros({3, 0, 2, 2});
+  for (bool relu : {false, true}) {
+    CAPTURE(relu);
+    auto call = [&] { return relu ? dp::nn::conv2d_relu(x, w, dp::zeros({3}), 1, 1) : dp::nn::conv2d(x, w); };
+    CHECK_THROWS_WITH_AS(call(), doctest::Contains("at least one channel"), dp::Error);
+    CHECK_THROWS_WITH_AS(call(), doctest::Contains("[2, 0, 4, 3]"), dp::Error);
+  }
+  // An empty batch is fine: (0, K, P, Q).
+  CHECK(dp::nn::conv2d(dp::zeros({0, 2, 4, 3}), dp::zeros({3, 2, 2, 2}), dp::Tensor(), 1, 1).shape() ==
+        dp::Shape{0, 3, 5, 4});
+}
