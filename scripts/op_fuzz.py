@@ -47,6 +47,7 @@ class Program:
         self.lines = []
         self.inputs = {}  # name -> float64 tensor (the values; float32-representable)
         self.ints = {}  # name -> int64 tensor
+        self.consts = {}  # name -> float64 tensor of float32 values, no gradient
         self.values = []  # (low, high, kind): kind "float", "mask" or "int"
         self.leaves = {}  # input name -> (low, high) leaf tensors
         self.ops = 0
@@ -58,6 +59,14 @@ class Program:
         self.inputs[name] = t
         return self.add_value(f"input {name}", t.float().requires_grad_(), t.clone().requires_grad_(), "float",
                               leaf=name)
+
+    def new_const(self, shape, lo=0.5, hi=2.0, values=None):
+        """A float32 input that takes no gradient (class weights, 0/1 keep masks)."""
+        name = f"k{len(self.consts)}"
+        t = values if values is not None else \
+            (torch.rand(shape, generator=self.gen, dtype=torch.float64) * (hi - lo) + lo).float().double()
+        self.consts[name] = t
+        return self.add_value(f"const {name}", t.float(), t.clone(), "const")
 
     def new_ints(self, shape, lo, hi):
         name = f"i{len(self.ints)}"
@@ -435,17 +444,26 @@ def op_attention(p, rng):
         S = L if rng.random() < 0.6 else S
     q, k, v = p.new_input(batch + [L, E]), p.new_input(batch + [S, E]), p.new_input(batch + [S, Ev])
     scale = rng.choice([None, None, 0.7])
-    mask, mtext = None, "-"
-    if not causal and rng.random() < 0.3:
-        m = p.new_input([L, S], -1.0, 1.0)
+    mask, mtext, keep = None, "-", False
+    if not causal and rng.random() < 0.4:
+        if rng.random() < 0.5:
+            m = p.new_input([L, S], -1.0, 1.0)  # additive, learned
+        else:  # a 0/1 keep mask (PyTorch's bool mask) keeping one key per query at least
+            bits = (torch.rand([L, S], generator=p.gen) < 0.6).double()
+            bits[torch.arange(L), torch.randint(0, S, (L,), generator=p.gen)] = 1.0
+            m, keep = p.new_const([L, S], values=bits), True
         mask, mtext = m, f"v{m}"
     vals = [p.values[i] for i in (q, k, v)]
-    kw_lo = dict(attn_mask=p.values[mask][0] if mask is not None else None, is_causal=causal, scale=scale)
-    kw_hi = dict(attn_mask=p.values[mask][1] if mask is not None else None, is_causal=causal, scale=scale)
-    out_lo = F.scaled_dot_product_attention(vals[0][0], vals[1][0], vals[2][0], **kw_lo)
-    out_hi = F.scaled_dot_product_attention(vals[0][1], vals[1][1], vals[2][1], **kw_hi)
-    return (f"sdpa v{q} v{k} v{v} {int(causal)} {'-' if scale is None else repr(scale)} {mtext}", out_lo, out_hi,
-            "float")
+    ml = p.values[mask][0] if mask is not None else None
+    mh = p.values[mask][1] if mask is not None else None
+    if keep:
+        ml, mh = ml > 0.5, mh > 0.5
+    out_lo = F.scaled_dot_product_attention(vals[0][0], vals[1][0], vals[2][0], attn_mask=ml, is_causal=causal,
+                                            scale=scale)
+    out_hi = F.scaled_dot_product_attention(vals[0][1], vals[1][1], vals[2][1], attn_mask=mh, is_causal=causal,
+                                            scale=scale)
+    return (f"sdpa v{q} v{k} v{v} {int(causal)} {'-' if scale is None else repr(scale)} {mtext} {int(keep)}", out_lo,
+            out_hi, "float")
 
 
 def op_embedding(p, rng):
@@ -483,8 +501,14 @@ def op_loss(p, rng):
         smooth = rng.choice([0.0, 0.0, 0.1])
         if red == "mean" and bool((lt == ignore).all()):
             return None
-        f = lambda x: F.cross_entropy(x, lt, reduction=red, label_smoothing=smooth, ignore_index=ignore)
-        return f"cross_entropy v{v} v{t} {red} {smooth!r}", f(lo), f(hi), "float"
+        wt, wtext = (None, None), "-"
+        if rng.random() < 0.35:  # class weights
+            k = p.new_const([C])
+            wt, wtext = (p.values[k][0], p.values[k][1]), f"v{k}"
+
+        def f(x, weight):
+            return F.cross_entropy(x, lt, weight=weight, reduction=red, label_smoothing=smooth, ignore_index=ignore)
+        return f"cross_entropy v{v} v{t} {red} {smooth!r} {wtext}", f(lo, wt[0]), f(hi, wt[1]), "float"
     v = pick(p, rng)
     if v is None:
         return None
@@ -693,7 +717,7 @@ def draw(seed, attempt=0):
     while p.ops < want and tries < 60:
         tries += 1
         f = rng.choices([o for o, _ in OPS], weights=[w for _, w in OPS])[0]
-        saved = (list(p.lines), dict(p.inputs), dict(p.ints), list(p.values), dict(p.leaves))
+        saved = (list(p.lines), dict(p.inputs), dict(p.ints), list(p.values), dict(p.leaves), dict(p.consts))
         # Some ops run under bfloat16 autocast (PyTorch's CPU autocast leaves float64 alone,
         # so the float64 run stays exact).
         auto = rng.random() < 0.12
@@ -707,7 +731,7 @@ def draw(seed, attempt=0):
             p.add_value(("ac " if auto else "") + text, lo, hi, kind)
             p.ops += 1
         else:
-            p.lines, p.inputs, p.ints, p.values, p.leaves = saved
+            p.lines, p.inputs, p.ints, p.values, p.leaves, p.consts = saved
     outs = [i for i, (lo, hi, k) in enumerate(p.values) if k == "float"]
     chosen = [outs[-1]] + ([rng.choice(outs[:-1])] if len(outs) > 1 and rng.random() < 0.3 else [])
     return p, chosen
@@ -761,6 +785,8 @@ def case_tensors(seed, prefix):
         tensors[f"{prefix}.{n}"] = t.float().contiguous()
     for n, t in p.ints.items():
         tensors[f"{prefix}.{n}"] = t.contiguous()
+    for n, t in p.consts.items():
+        tensors[f"{prefix}.{n}"] = t.float().contiguous()
     for i, w in enumerate(ws):
         tensors[f"{prefix}.w{i}"] = w.float().contiguous()
     (lo_outs, lo_grads), (hi_outs, hi_grads) = res["low"], res["high"]

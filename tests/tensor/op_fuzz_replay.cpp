@@ -22,8 +22,9 @@
 // broadcasting, scalars, views and the ops dp materialises (permute, narrow, expand,
 // chunk, cat, ...), reductions, matmul with batch broadcasting, linear, conv2d, pools,
 // batch_norm, softmax, layer_norm, gelu, where/masked_fill, tril/triu, gather and
-// index_select, attention, embedding, six losses, casts to and from bfloat16, products
-// under bfloat16 autocast — is drawn by scripts/op_fuzz.py and run by PyTorch as it is
+// index_select, attention (additive, learned and 0/1 keep masks), embedding, six losses
+// (cross entropy with class weights, smoothing and ignored rows), casts to 16 bits, ops
+// under bfloat16 autocast, argmax feeding gather — is drawn by scripts/op_fuzz.py and run by PyTorch as it is
 // drawn (an op whose inputs fall outside its domain or sit on a kink or a tie, or whose
 // result is not finite or grows past 1e4, is drawn again), then run here by dp, forward
 // and backward of L = sum_i sum(out_i * w_i) for random w_i.
@@ -37,9 +38,8 @@
 // (the second term a floor for results PyTorch happens to get exact where dp sums in
 // another order: 2^-20 is sixteen float32 roundings per op; 2^-7, a bfloat16 unit in
 // the last place per op, in a program that computes in 16 bits anywhere (a cast, or an
-// op under autocast), since the float64 run rounds
-// at the casts as PyTorch does, so PyTorch's own error there hides where a backward
-// formula rounds an intermediate). A norm over a nearly constant group (variance below
+// op under autocast), since the float64 run rounds at the casts as PyTorch does, so
+// PyTorch's own error there hides where a backward formula rounds an intermediate). A norm over a nearly constant group (variance below
 // 1e-3) is not drawn: its output is rounding noise over sqrt(eps). A lost term, a wrong
 // broadcast, a transposed index, a wrong dtype or a missing gradient is far outside it;
 // an op dp refuses where PyTorch runs it is reported too. CI replays a fixed corpus
@@ -155,6 +155,7 @@ class Run {
       return t;
     }
     if (op == "ints") return file_tensor(a(0)).to(device_);
+    if (op == "const") return file_tensor(a(0)).to(device_);  // no gradient: class weights, keep masks
     // Unary.
     if (op == "neg") return dp::neg(value(a(0)));
     if (op == "abs") return dp::abs(value(a(0)));
@@ -227,8 +228,9 @@ class Run {
     if (op == "sdpa") {
       std::optional<double> scale;
       if (a(4) != "-") scale = f64(a(4));
+      const bool keep = w.size() > 9 && i64(a(6)) != 0;  // a 0/1 keep mask, PyTorch's bool mask
       return dp::nn::scaled_dot_product_attention(value(a(0)), value(a(1)), value(a(2)),
-                                                  maybe(a(5)).value_or(Tensor()), 0.0, i64(a(3)) != 0, scale);
+                                                  maybe(a(5)).value_or(Tensor()), 0.0, i64(a(3)) != 0, scale, keep);
     }
     if (op == "embedding") {
       std::optional<std::int64_t> pad;
@@ -239,6 +241,7 @@ class Run {
       dp::nn::CrossEntropyOptions o;
       o.reduction = reduction(a(2));
       o.label_smoothing = f64(a(3));
+      if (w.size() > 7) o.weight = maybe(a(4)).value_or(Tensor());
       return dp::nn::cross_entropy(value(a(0)), value(a(1)), o);
     }
     if (op == "mse") return dp::nn::mse_loss(value(a(0)), value(a(1)), reduction(a(2)));
