@@ -412,6 +412,10 @@ int main(int argc, char** argv) {
   } catch (const dp::Error& e) {
     return usage(e.what());
   }
+  // float32 products in float32: PyTorch's CPU results are the reference, and TF32
+  // convolutions (cuDNN's default, as PyTorch's) round inputs to 10 bits.
+  dp::set_allow_tf32_matmul(false);
+  dp::set_allow_tf32_conv(false);
   dp::io::SafetensorsFile file;
   try {
     file = dp::io::read_safetensors(path);
