@@ -97,6 +97,22 @@ Indexer make_indexer(const Shape& a, const Shape& b, const Shape& out) {
 
 bool is_16bit(const Tensor& t) { return t.dtype() == Dtype::BFloat16 || t.dtype() == Dtype::Float16; }
 
+// Note [16-bit backward formulas]
+// A backward formula of several ops run on 16-bit tensors rounds after every op. Where
+// PyTorch has a fused backward kernel — tanh's g·(1 − y²), sigmoid's g·y·(1 − y) —
+// that kernel computes in float32 and rounds once, and so does dp: f on the gradient and
+// the saved tensors widened (exactly), its result rounded once to the gradient's dtype
+// (PyTorch's bits; half_tensor_test). Where PyTorch
+// composes the formula from 16-bit ops (reciprocal's −g·y², erf's g·2/√π·exp(−x²)), dp
+// composes the same ops in the same order and rounds where it does, which gives its bits
+// too; sqrt's g / (2y) and the scalar ops' one rounding either way.
+template <typename F, typename... T>
+Tensor backward_rounded_once(F f, const Tensor& g, const T&... saved) {
+  if (!is_16bit(g) && !(is_16bit(saved) || ...)) return f(g, saved...);
+  auto wide = [](const Tensor& t) { return t.dtype() == Dtype::Float32 ? t : t.to(Dtype::Float32); };
+  return f(wide(g), wide(saved)...).to(g.dtype());
+}
+
 // The dtype an op of two floating operands computes in (Note [16-bit tensors]): theirs
 // when they agree, else float32. Anything else is left to the op's own checks.
 Dtype common_dtype(const Tensor& a, const Tensor& b) {
@@ -319,7 +335,8 @@ Tensor div(double s, const Tensor& a) {
   Tensor out = binary_raw("div", BinaryOp::Mul, r, scalar_tensor(s, a.device()));
   autograd::record("RdivScalarBackward", {a}, out, [r, s](const std::vector<Tensor>& g) {
     // d(s / a)/da = -s / a^2 = -(s * g) * r^2, in reciprocal's backward order.
-    return std::vector<Tensor>{neg(mul(mul(g[0], s), mul(r, r)))};
+    return std::vector<Tensor>{backward_rounded_once(
+        [s](const Tensor& gg, const Tensor& rr) { return neg(mul(mul(gg, s), mul(rr, rr))); }, g[0], r)};
   });
   return out;
 }
@@ -592,7 +609,8 @@ Tensor log(const Tensor& a) {
 Tensor sqrt(const Tensor& a) {
   Tensor out = unary_raw("sqrt", UnaryOp::Sqrt, a);
   autograd::record("SqrtBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
-    return std::vector<Tensor>{div(mul(g[0], 0.5), y)};
+    return std::vector<Tensor>{
+        backward_rounded_once([](const Tensor& gg, const Tensor& yy) { return div(mul(gg, 0.5), yy); }, g[0], y)};
   });
   return out;
 }
@@ -616,6 +634,7 @@ Tensor square(const Tensor& a) {
 Tensor reciprocal(const Tensor& a) {
   Tensor out = unary_raw("reciprocal", UnaryOp::Reciprocal, a);
   autograd::record("ReciprocalBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+    // PyTorch's formula, op by op (in 16 bits, its roundings: Note [16-bit backward formulas]).
     return std::vector<Tensor>{neg(mul(g[0], mul(y, y)))};
   });
   return out;
@@ -632,7 +651,8 @@ Tensor relu(const Tensor& a) {
 Tensor sigmoid(const Tensor& a) {
   Tensor out = unary_raw("sigmoid", UnaryOp::Sigmoid, a);
   autograd::record("SigmoidBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
-    return std::vector<Tensor>{mul(g[0], mul(y, affine_raw(y, -1.0, 1.0)))};
+    return std::vector<Tensor>{backward_rounded_once(
+        [](const Tensor& gg, const Tensor& yy) { return mul(gg, mul(yy, affine_raw(yy, -1.0, 1.0))); }, g[0], y)};
   });
   return out;
 }
@@ -640,8 +660,11 @@ Tensor sigmoid(const Tensor& a) {
 Tensor tanh(const Tensor& a) {
   Tensor out = unary_raw("tanh", UnaryOp::Tanh, a);
   autograd::record("TanhBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
-    Tensor one_minus = affine_raw(unary_raw("square", UnaryOp::Square, y), -1.0, 1.0);
-    return std::vector<Tensor>{mul(g[0], one_minus)};
+    return std::vector<Tensor>{backward_rounded_once(
+        [](const Tensor& gg, const Tensor& yy) {
+          return mul(gg, affine_raw(unary_raw("square", UnaryOp::Square, yy), -1.0, 1.0));
+        },
+        g[0], y)};
   });
   return out;
 }
@@ -650,6 +673,7 @@ Tensor erf(const Tensor& a) {
   Tensor out = unary_raw("erf", UnaryOp::Erf, a);
   autograd::record("ErfBackward", {a}, out, [a](const std::vector<Tensor>& g) {
     // d erf(x) / dx = 2/sqrt(pi) exp(-x^2)
+    // PyTorch's formula, op by op (in 16 bits, its roundings: Note [16-bit backward formulas]).
     Tensor e = unary_raw("exp", UnaryOp::Exp, affine_raw(unary_raw("square", UnaryOp::Square, a.detach()), -1.0, 0.0));
     return std::vector<Tensor>{mul(g[0], affine_raw(e, 1.1283791670955126, 0.0))};
   });

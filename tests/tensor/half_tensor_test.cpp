@@ -259,6 +259,34 @@ TEST_CASE("a repeated index's 16-bit gradients are summed in float32 and rounded
   }
 }
 
+// Note [16-bit backward formulas]: tanh's and sigmoid's backward on 16-bit tensors is
+// PyTorch's fused kernel's, g·(1 − y²) and g·y·(1 − y) in float32 rounded once; op by op
+// it rounded after each op and differed from PyTorch by a unit in the last place.
+TEST_CASE("tanh and sigmoid backward in 16 bits: the float32 formula rounded once") {
+  std::vector<float> xv, gv;
+  for (int i = 0; i < 512; ++i) {
+    xv.push_back(-4.0f + 8.0f * static_cast<float>(i) / 511.0f);
+    gv.push_back(static_cast<float>((i * 37) % 101) / 25.0f - 2.0f);
+  }
+  for (Dtype dt : {Dtype::BFloat16, Dtype::Float16}) {
+    for (bool is_tanh : {true, false}) {
+      CAPTURE(is_tanh);
+      const dp::Tensor x = dp::from_vector(xv, {512}).to(dt).set_requires_grad(true);
+      const dp::Tensor g = dp::from_vector(gv, {512}).to(dt);
+      const dp::Tensor y = is_tanh ? dp::tanh(x) : dp::sigmoid(x);
+      y.backward(g);
+      REQUIRE(x.grad().dtype() == dt);
+      const std::vector<float> yv = y.to_vector(), gr = g.to_vector(), got = x.grad().to_vector();
+      int wrong = 0;
+      for (std::size_t i = 0; i < yv.size(); ++i) {
+        const float want = round16(is_tanh ? gr[i] * (1.0f - yv[i] * yv[i]) : gr[i] * (yv[i] * (1.0f - yv[i])), dt);
+        wrong += got[i] != want;
+      }
+      CHECK(wrong == 0);
+    }
+  }
+}
+
 TEST_CASE("cat of floating tensors of different dtypes gives float32, as torch.cat promotes") {
   const dp::Tensor b = dp::from_vector(std::vector<float>{1.0f / 3.0f, 2.0f}, {2, 1}).to(Dtype::BFloat16);
   const dp::Tensor f = dp::from_vector(std::vector<float>{0.1f, 0.2f}, {2, 1});
