@@ -9,6 +9,9 @@ Modes (a PyTorch 2.x is needed for both; the test itself needs none):
   python3 scripts/op_fuzz.py --write tests/tensor/op_fuzz_corpus.safetensors --seeds 0:600
       write the corpus that `meson test` replays (op_fuzz_replay on the file): the
       programs, their inputs, PyTorch's float64 results and each one's bound.
+  python3 scripts/op_fuzz.py --replay build/tests/tensor/op_fuzz_replay --bf16-bits
+      each single bfloat16 op over every finite input, bitwise against PyTorch: the
+      measurement behind Note [16-bit tensors]'s list.
 Seeds are fixed and torch runs on one thread, so a rerun writes the same tensors and
 programs (safetensors may order the header's metadata otherwise).
 """
@@ -814,6 +817,38 @@ def write_file(path, seeds):
     save_file(tensors, path, metadata=meta)
 
 
+BITS_OPS = {"neg": torch.neg, "abs": torch.abs, "relu": torch.relu, "square": torch.square, "exp": torch.exp,
+            "log": torch.log, "sqrt": torch.sqrt, "reciprocal": torch.reciprocal, "tanh": torch.tanh,
+            "sigmoid": torch.sigmoid, "erf": torch.erf, "gelu": F.gelu,
+            "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "pow 0.5": lambda t: t.pow(0.5),
+            "pow 2.0": lambda t: t.pow(2.0), "pow -1.0": lambda t: t.pow(-1.0), "pow 3.0": lambda t: t.pow(3.0),
+            "mul_s 0.7": lambda t: t * 0.7, "rsub_s 1.5": lambda t: 1.5 - t, "add_s 0.7": lambda t: t + 0.7,
+            "rdiv_s 1.5": lambda t: 1.5 / t}
+
+
+def write_bits_file(path):
+    """One program per op of BITS_OPS over every finite bfloat16 value, bound 0 on the
+    output: which single bfloat16 ops give PyTorch's bits (Note [16-bit tensors])."""
+    from safetensors.torch import save_file
+    every = torch.arange(0, 65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    every = every[torch.isfinite(every)]
+    tensors, meta, names = {}, {}, []
+    for i, (name, f) in enumerate(BITS_OPS.items()):
+        op, *args = name.split()
+        x = every[every > 0] if op in ("log", "sqrt") or name == "pow 0.5" else every
+        with torch.no_grad():
+            y = f(x.to(torch.bfloat16)).float()
+        keep = torch.isfinite(y)
+        x, y = x[keep].contiguous(), y[keep].contiguous()
+        c = f"b{i}"
+        names.append(c)
+        meta[f"program.{c}"] = f"v0 = input x0; v1 = bf16 v0; v2 = {' '.join([op, 'v1'] + args)}; out v2"
+        tensors.update({f"{c}.x0": x, f"{c}.w0": torch.zeros_like(y), f"{c}.out0": y, f"{c}.grad.x0": torch.zeros_like(x),
+                        f"{c}.bound.out0": torch.tensor(0.0), f"{c}.bound.grad.x0": torch.tensor(float("inf"))})
+    meta["cases"] = " ".join(names)
+    save_file(tensors, path, metadata=meta)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0:200", help="A:B, programs A..B-1")
@@ -821,7 +856,18 @@ def main():
     ap.add_argument("--replay", help="op_fuzz_replay binary: run dp on the programs and report")
     ap.add_argument("--batch", type=int, default=200, help="programs per replay call")
     ap.add_argument("--print", action="store_true", help="print each program")
+    ap.add_argument("--bf16-bits", action="store_true",
+                    help="with --replay: each single bfloat16 op over every finite input, bitwise against PyTorch")
     a = ap.parse_args()
+    if a.bf16_bits:
+        if not a.replay:
+            sys.exit("op_fuzz: --bf16-bits needs --replay BIN")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "bits.safetensors")
+            write_bits_file(path)
+            r = subprocess.run([a.replay, path], capture_output=True, text=True)
+            print("\n".join(l for l in r.stdout.splitlines() if l.startswith(("FAIL", "  - ", "op_fuzz_replay"))))
+            sys.exit(r.returncode)
     lo, hi = (int(x) for x in a.seeds.split(":"))
     seeds = list(range(lo, hi))
     if a.print:

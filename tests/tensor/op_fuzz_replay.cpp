@@ -315,9 +315,10 @@ std::string compare(const std::string& what, const Tensor& got, const Tensor& wa
   const std::vector<float> g = got.to(dp::cpu(0)).to(dp::Dtype::Float32).to_vector();
   const std::vector<float> e = want.to_vector();
   double worst = 0.0;
-  std::size_t at = 0;
+  std::size_t at = 0, beyond = 0;
   for (std::size_t i = 0; i < g.size(); ++i) {
     const double d = std::isnan(g[i]) ? INFINITY : std::fabs(static_cast<double>(g[i]) - e[i]);
+    beyond += d > bound;
     if (d > worst) {
       worst = d;
       at = i;
@@ -325,7 +326,7 @@ std::string compare(const std::string& what, const Tensor& got, const Tensor& wa
   }
   if (worst > bound)
     out << what << ": element " << at << " is " << g[at] << ", PyTorch's " << e[at] << " (difference " << worst
-        << ", bound " << bound << ")";
+        << ", bound " << bound << "; " << beyond << " of " << g.size() << " elements beyond it)";
   return out.str();
 }
 

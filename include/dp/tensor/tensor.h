@@ -50,14 +50,16 @@ constexpr bool is_floating_point(Dtype dtype) {
 // computes as PyTorch's CPU tensors of those dtypes do: every elementwise op widens its
 // inputs to float32, computes in float32 and rounds its result once to the tensor's dtype
 // (round to nearest even), so a single op (+, -, *, /, exp, ...) gives PyTorch's bits.
-// Measured over every finite bfloat16 input against PyTorch 2.15 (2026-11-29): neg, abs,
-// relu, square, exp, log, sqrt, reciprocal, tanh, sigmoid, pow(x, 0.5 | 2 | -1), x * 0.7
-// and 1.5 - x give its bits everywhere; erf and exact gelu differ at one input each (their
-// float32 formulas differ by an ulp where that crosses a bfloat16 midpoint), tanh-gelu
-// gives about -1.5e-7 for large negative x where PyTorch gives -0, x + 0.7 differs at
-// one tie (PyTorch rounds the scalar to bfloat16 first), pow(x, 3) near 1e38, and 1.5 / x
-// (PyTorch rounds 1 / x, then the product). Sums, means and products of matrices
-// accumulate in float32 and round once at the end.
+// Measured over every finite bfloat16 input against PyTorch 2.15 on 2026-11-29
+// (scripts/op_fuzz.py --bf16-bits): neg, abs, relu, square, exp, log, sqrt, reciprocal,
+// tanh, sigmoid, pow(x, 0.5 | 2 | -1), x * 0.7 and 1.5 - x give its bits at every input.
+// Where they differ dp's result is the correctly rounded one (checked against
+// double-precision values) and PyTorch rounds an intermediate: erf at 44 % of the inputs,
+// 1.5 / x at 31 %, pow(x, 3) at 11 %, x + 0.7 at 1 % (PyTorch rounds the scalar to
+// bfloat16 first). Exact gelu differs at 0.8 % (both compute 1 + erf(x/√2), which cancels
+// for negative x) and tanh-gelu at 4 inputs (large negative x: PyTorch's tanh reaches -1,
+// giving -0). Sums, means and products of matrices accumulate in float32 and round once
+// at the end.
 // An op given float32 and 16-bit operands computes in float32 and returns float32 (the
 // wider dtype, as PyTorch promotes); two different 16-bit dtypes promote to float32 too.
 // Gradients have their tensor's dtype; to(dtype) between floating dtypes is
