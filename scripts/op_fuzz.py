@@ -133,24 +133,20 @@ UNARY = {
 UNARY_POSITIVE = {"log": torch.log, "sqrt": torch.sqrt, "reciprocal": torch.reciprocal}
 
 
-def op_unary(p, rng):
-    name = rng.choice(sorted(UNARY))
-    v = pick(p, rng)
-    if v is None:
-        return None
-    lo, hi, _ = p.values[v]
-    f = UNARY[name]
-    return f"{name} v{v}", f(lo), f(hi), "float"
+def unary_from(table, operand):
+    """An op drawing one function of `table` and applying it to operand(p, rng)."""
+    def op(p, rng):
+        name = rng.choice(sorted(table))
+        v = operand(p, rng)
+        if v is None:
+            return None
+        lo, hi, _ = p.values[v]
+        return f"{name} v{v}", table[name](lo), table[name](hi), "float"
+    return op
 
 
-def op_unary_positive(p, rng):
-    name = rng.choice(sorted(UNARY_POSITIVE))
-    v = positive(p, rng)
-    if v is None:
-        return None
-    lo, hi, _ = p.values[v]
-    f = UNARY_POSITIVE[name]
-    return f"{name} v{v}", f(lo), f(hi), "float"
+op_unary = unary_from(UNARY, pick)
+op_unary_positive = unary_from(UNARY_POSITIVE, positive)
 
 
 def op_pow(p, rng):
