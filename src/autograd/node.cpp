@@ -24,6 +24,8 @@ std::atomic<std::uint64_t> g_next_sequence_nr{0};
 // wait for other workers, which may be waiting for this mutex.
 // Note [Gradients written over zeros]: set while this thread writes into a leaf's .grad.
 thread_local bool t_gradient_write = false;
+// RefreshWriteScope: set while this thread refreshes ranges no graph has read.
+thread_local bool t_refresh_write = false;
 
 std::mutex& leaf_mutex(const void* leaf) {
   static std::mutex stripes[64];  // more stripes than concurrent workers; collisions only slow down
@@ -63,10 +65,60 @@ const BackwardNodeHook::Fn* BackwardNodeHook::current() { return t_node_hook; }
 
 Node::Node() : sequence_nr(g_next_sequence_nr.fetch_add(1, std::memory_order_relaxed)) {}
 
+// Note [Saved tensors and in-place writes]
+// A node's backward reads tensors of the forward: its inputs (MulBackward reads a and
+// b), its output (ExpBackward reads exp(x)), or both. An in-place write into one of
+// them between the forward and the backward (y.mul_(2) after y = x.exp(); an
+// optimizer's step between a forward and its backward; an input buffer refilled with
+// the next batch) would make backward compute the gradient from the new values: a
+// wrong gradient, silently. PyTorch checks this with a version counter per tensor.
+// dp's storages count their writes already (Note [Storage versions], moved by every
+// in-place write through any view), and each node remembers, for each tensor it saved,
+// the storage's version when it was made and the tensor's bytes in it. Before reading
+// them, backward asks the storage whether a write into those bytes came since
+// (Storage::written_since); one did: a dp::Error naming the node and the tensor, as
+// PyTorch's "modified by an inplace operation" is. Bytes, not the whole storage:
+// DataParallel keeps every parameter, and every buffer, of a device in one flat
+// storage, and a BatchNorm's update of its running statistics during the forward
+// must not count as a write into a buffer saved by a mul before it. The storage keeps
+// its latest writes' ranges (the older ones only as "some range was written", so a
+// long-lived graph may be told of a write into bytes that were not written: an error,
+// never a missed write).
+// What a node saves is said where it is made (record's `saved`), not guessed from its
+// inputs: an op whose backward needs only shapes (add, sum, views) saves nothing, and
+// an input of it may be written afterwards, as in PyTorch.
+// A runtime's writes that put back values no graph has read do not count: the
+// re-gather of a ZeRO stage-3 unit released between forward and backward, from shards
+// unwritten since (Note [Refills are not writes] in src/parallel/shard_store.cpp),
+// and the deferred gathers of stages 1 and 2 (Note [Deferred gathers are not
+// writes]).
+void Node::save_versions(std::initializer_list<Tensor> saved) {
+  int i = 0;
+  for (const Tensor& t : saved) {
+    if (t.defined() && t.storage()) {
+      const std::size_t begin = static_cast<std::size_t>(t.storage_offset()) * element_size(t.dtype());
+      saved_versions_.push_back({t.storage(), t.storage()->version(), begin, begin + t.nbytes(), i});
+    }
+    ++i;
+  }
+}
+
+void Node::check_saved_versions() const {
+  for (const SavedVersion& s : saved_versions_) {
+    DP_CHECK(!s.storage->written_since(s.version, s.begin, s.end), name(), ": saved tensor ", s.index,
+             " (an input or output of the forward, which its backward reads) was modified by an in-place "
+             "operation after the forward: its storage was at version ", s.version, " then and is at version ",
+             s.storage->version(), " now. The gradient would be computed from the new values. Make that write "
+             "out of place (y = y * 2 for y.mul_(2)), move it after backward(), or write into a clone() "
+             "(Note [Saved tensors and in-place writes])");
+  }
+}
+
 std::vector<Tensor> LambdaNode::apply(std::vector<Tensor>&& grad_outputs) {
   DP_CHECK(!released_, "backward through ", name_,
            " a second time: its saved tensors were freed by the first backward. Pass "
            "retain_graph=true to the first backward() if you need to run it twice");
+  check_saved_versions();
   std::vector<Tensor> grads = fn_(grad_outputs);
   DP_ASSERT(grads.size() == next_edges.size(), name_, " returned ", grads.size(),
             " gradients for ", next_edges.size(), " inputs");
@@ -75,6 +127,7 @@ std::vector<Tensor> LambdaNode::apply(std::vector<Tensor>&& grad_outputs) {
 
 void LambdaNode::release_saved() {
   fn_ = nullptr;  // frees every captured tensor
+  release_saved_versions();
   released_ = true;
 }
 
@@ -124,6 +177,12 @@ GradientWriteScope::~GradientWriteScope() {
   if (outer_) t_gradient_write = false;
 }
 bool in_gradient_write_scope() { return t_gradient_write; }
+
+RefreshWriteScope::RefreshWriteScope() : outer_(!t_refresh_write) { t_refresh_write = true; }
+RefreshWriteScope::~RefreshWriteScope() {
+  if (outer_) t_refresh_write = false;
+}
+bool in_refresh_write_scope() { return t_refresh_write; }
 
 GradSink AccumulateGrad::sink() {
   GradSink s;
@@ -223,9 +282,11 @@ void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& input
   }
 }
 
-void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output, LambdaNode::Fn fn) {
+void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output,
+            std::initializer_list<Tensor> saved, LambdaNode::Fn fn) {
   if (!needs_grad(inputs)) return;
   auto node = std::make_shared<LambdaNode>(name, std::move(fn));
+  node->save_versions(saved);
   connect(node, inputs, {&output});
 }
 

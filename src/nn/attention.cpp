@@ -3,6 +3,7 @@
 #include <cmath>
 #include <optional>
 
+#include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 #include "dp/nn/functional.h"
 #include "dp/nn/init.h"
@@ -54,6 +55,7 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& o, Gener
   in_proj_weight_ = register_parameter("in_proj_weight", w);
   if (o.bias()) {
     in_proj_bias_ = register_parameter("in_proj_bias", zeros({3 * E}));
+    NoGradGuard no_grad;  // an initialisation (Note [In-place writes and autograd] in src/tensor/tensor.cpp)
     out_proj->bias().zero_();
   }
   out_proj_ = register_module("out_proj", out_proj);

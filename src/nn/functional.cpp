@@ -139,7 +139,7 @@ Tensor avg_pool_impl(const char* op, const char* node, const Tensor& x, const be
   Tensor y = empty({s.N, s.C, s.P, s.Q}, dev);
   if (y.numel() > 0) be::get(dev).run<be::Op::AvgPool2d>(dev, be::DType::F32, {s, fptr(x), fptr(y)});
   (void)op;
-  autograd::record(node, {x}, y, [s, dev, node](const std::vector<Tensor>& g) {
+  autograd::record(node, {x}, y, {}, [s, dev, node](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape(node, g[0], {s.N, s.C, s.P, s.Q});
     Tensor gx = empty({s.N, s.C, s.H, s.W}, dev);
@@ -202,7 +202,7 @@ Tensor nll_impl(const char* op, const Tensor& logp, const Tensor& target, Reduct
     if (factor != 1.0f) b.run<be::Op::Affine>(dev, be::DType::F32, {fptr(out), fptr(out), 1, factor, 0.0f});
   }
 
-  autograd::record("NllLossBackward", {logp}, out,
+  autograd::record("NllLossBackward", {logp}, out, {target},
                    [target, B, C, scale, factor, kept, reduction, ignore_index, dev](const std::vector<Tensor>& g) {
                      if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
                      auto& bk = be::get(dev);
@@ -242,7 +242,7 @@ Tensor log_softmax_impl(const char* op, const Tensor& x) {
   if (autograd::needs_grad({x})) {
     // Saved without autograd history: the output's grad_fn must not own the output.
     Tensor saved = y.detach();
-    autograd::record("LogSoftmaxBackward", {x}, y,
+    autograd::record("LogSoftmaxBackward", {x}, y, {saved},
                      [saved, rows, cols, dev](const std::vector<Tensor>& g) {
                        if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
                        check_grad_shape("LogSoftmaxBackward", g[0], {rows, cols});
@@ -534,7 +534,8 @@ Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64
     // The ReLU's mask is the output > 0, as ReluBackward reads it from the same output.
     Tensor ys = relu ? y.detach() : Tensor();
     const char* node = relu ? "Conv2dReluBackward" : "Conv2dBackward";
-    autograd::record(node, inputs, y, [saved = ConvSaved(s, x, w, b), ys, node](const std::vector<Tensor>& gin) {
+    const ConvSaved cs(s, x, w, b);
+    autograd::record(node, inputs, y, {cs.xs, cs.ws, ys}, [saved = cs, ys, node](const std::vector<Tensor>& gin) {
       if (!gin[0].defined()) return saved.none();
       check_grad_shape(node, gin[0], {saved.s.N, saved.s.K, saved.s.P, saved.s.Q});
       return saved.backward(ys.defined() ? relu_backward(gin[0], ys) : gin[0]);
@@ -568,8 +569,9 @@ Tensor conv2d_relu_pool(const Tensor& x, const Tensor& w, const Tensor& b, std::
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
   if (autograd::needs_grad(inputs)) {
-    autograd::record("Conv2dReluMaxPool2dBackward", inputs, y,
-                     [saved = ConvSaved(s, x, w, b), ys = y.detach(), winners, ps](const std::vector<Tensor>& gin) {
+    const ConvSaved cs(s, x, w, b);
+    autograd::record("Conv2dReluMaxPool2dBackward", inputs, y, {cs.xs, cs.ws, y},
+                     [saved = cs, ys = y.detach(), winners, ps](const std::vector<Tensor>& gin) {
                        if (!gin[0].defined()) return saved.none();
                        check_grad_shape("Conv2dReluMaxPool2dBackward", gin[0], {ps.N, ps.C, ps.P, ps.Q});
                        // The pool's backward, with the ReLU's mask inside it (Note [ReLU
@@ -680,7 +682,7 @@ Tensor max_pool2d_impl(const Tensor& x, std::int64_t kernel, std::int64_t stride
   Tensor winners = empty_winners(s, dev);
   if (y.numel() > 0)
     be::get(dev).run<be::Op::MaxPool2d>(dev, kernel_dtype(x), {s, x.raw_data(), y.raw_data(), winners.raw_data()});
-  autograd::record("MaxPool2dBackward", {x}, y, [s, dev, winners](const std::vector<Tensor>& g) {
+  autograd::record("MaxPool2dBackward", {x}, y, {}, [s, dev, winners](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape("MaxPool2dBackward", g[0], {s.N, s.C, s.P, s.Q});
     return std::vector<Tensor>{max_pool2d_grad(s, dev, g[0], winners, Tensor())};
@@ -834,7 +836,7 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     if (autograd::needs_grad(inputs)) {
       Tensor xs = x.detach(), gs = g_eff.detach();
       autograd::record(
-          "BatchNormBackward", inputs, y,
+          "BatchNormBackward", inputs, y, {xs, gs},
           [xs, gs, save_mean, save_invstd, N, C, HW, dev, has_gamma, has_beta](
               const std::vector<Tensor>& g) {
             std::vector<Tensor> grads(1 + has_gamma + has_beta);
@@ -868,7 +870,7 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     Tensor xs = x.detach(), gs = g_eff.detach();
     Tensor rm = running_mean.detach().clone(), rv = running_var.detach().clone();
     autograd::record(
-        "BatchNormEvalBackward", inputs, y,
+        "BatchNormEvalBackward", inputs, y, {xs, gs},  // the running statistics: cloned
         [xs, gs, rm, rv, N, C, HW, eps, has_gamma, has_beta](const std::vector<Tensor>& g) {
           std::vector<Tensor> grads(1 + has_gamma + has_beta);
           if (!g[0].defined()) return grads;
@@ -908,7 +910,7 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator& gen) {
     be::get(dev).run<be::Op::Dropout>(dev, be::DType::F32,
                                       {fptr(x), fptr(y), fptr(mask), n, static_cast<float>(p), gen.seed(), offset});
   }
-  autograd::record("DropoutBackward", {x}, y, [mask, n, dev](const std::vector<Tensor>& g) {
+  autograd::record("DropoutBackward", {x}, y, {}, [mask, n, dev](const std::vector<Tensor>& g) {
     if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
     check_grad_shape("DropoutBackward", g[0], mask.shape());
     Tensor gx = empty(mask.shape(), dev);

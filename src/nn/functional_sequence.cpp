@@ -77,7 +77,7 @@ Tensor layer_norm_fused(const Tensor& input, const Tensor& weight, const Tensor&
   if (weight.defined()) inputs.push_back(weight);
   if (bias.defined()) inputs.push_back(bias);
   if (autograd::needs_grad(inputs)) {
-    autograd::record("NativeLayerNormBackward", inputs, y,
+    autograd::record("NativeLayerNormBackward", inputs, y, {x, w},
                      [x = x.detach(), w = w.defined() ? w.detach() : w, mean, rstd, has_w = weight.defined(),
                       has_b = bias.defined()](const std::vector<Tensor>& g) {
                        std::vector<Tensor> out(1 + (has_w ? 1 : 0) + (has_b ? 1 : 0));
@@ -135,7 +135,7 @@ Tensor gelu(const Tensor& input, const std::string& approximate) {
   Tensor out = empty_like(input);
   run_gelu(input, out, tanh);
   if (autograd::needs_grad({input})) {
-    autograd::record("GeluBackward", {input}, out, [x = input.detach(), tanh](const std::vector<Tensor>& g) {
+    autograd::record("GeluBackward", {input}, out, {input}, [x = input.detach(), tanh](const std::vector<Tensor>& g) {
       if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
       DP_CHECK(g[0].shape() == x.shape() && g[0].device() == x.device(), "GeluBackward: expected a gradient of shape ",
                shape_str(x.shape()), " on ", x.device().str(), ", got ", g[0].str());
@@ -239,7 +239,7 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
     // A 16-bit weight (DataParallel's param_dtype) gathers its rows as they are; its
     // gradient adds the rows' gradients up in float32 and rounds once to its dtype.
     const Dtype dtype = weight.dtype();
-    autograd::record("EmbeddingBackward", {weight}, out, [ids64, V, D, padding_idx, dtype](const std::vector<Tensor>& g) {
+    autograd::record("EmbeddingBackward", {weight}, out, {ids64}, [ids64, V, D, padding_idx, dtype](const std::vector<Tensor>& g) {
       // The forward checked the ids (index_select on the host, or it gathered in-range
       // ones on the device): no read of them on the host here (a wait on CUDA in the
       // middle of the backward).

@@ -146,7 +146,7 @@ Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
        drop, out.raw_data(), fptr(lse)});
   if (autograd::needs_grad({q, k, v})) {
     autograd::record(
-        "ScaledDotProductAttentionBackward", {q, k, v}, out,
+        "ScaledDotProductAttentionBackward", {q, k, v}, out, {q, k, v, mask, out},
         [qs = q.detach(), ks = k.detach(), vs = v.detach(), mask, os = out.detach(), lse, s, dt, mask_is_keep,
          is_causal, scale, drop](const std::vector<Tensor>& g) {
           if (!g[0].defined()) return std::vector<Tensor>{Tensor(), Tensor(), Tensor()};

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 #include "tensor/tensor_util.h"
 
@@ -64,6 +65,7 @@ Tensor& normal_(Tensor& t, double mean, double std, Generator& gen) {
 
 Tensor& constant_(Tensor& t, double value) {
   check_fillable("constant_", t);
+  NoGradGuard no_grad;  // an initialisation, as PyTorch's init functions (Note [In-place writes and autograd])
   t.fill_(value);
   return t;
 }

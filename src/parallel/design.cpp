@@ -342,7 +342,7 @@ void Design::after_forward(int rank) {
     const nn::Parameter::Slot& b = *cast_buffers_[i];
     if (b.compute[r].storage()->version() == cast_versions_[r][i]) continue;
     cast_into(b.compute[r], b.copies[r]);
-    b.copies[r].storage()->bump_version();  // written behind the tensor's back
+    b.copies[r].note_write();  // written behind the tensor's back: its range of the coalesced buffers
     cast_versions_[r][i] = b.compute[r].storage()->version();
   }
 }

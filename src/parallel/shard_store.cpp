@@ -5,6 +5,7 @@
 
 #include "backend/backend.h"
 #include "dp/autograd/grad_mode.h"
+#include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "dp/dist/dist.h"
 #include "dp/nn/utils.h"
@@ -145,6 +146,7 @@ void ShardStore::shard_params(Runs units) {
       mine.units.push_back(t);
     }
     mine.unit_versions.assign(units.size(), 0);
+    mine.unit_sources.assign(units.size(), kNeverFilled);
     for (std::size_t i = 0; i < slots.size(); ++i) {
       const auto u = static_cast<std::size_t>(slots[i]->unit);
       set_.rebind_view(r, i, mine.units[u], slots[i]->offset - units[u].first);
@@ -186,8 +188,20 @@ void ShardStore::track_units(Runs units) {
 }
 
 // Note [Deferred gather]: a pull into copy r's whole buffer, landing what went ahead.
+//
+// Note [Deferred gathers are not writes]
+// The pull writes into unit u's range of copy r's flat buffer at the unit's first read
+// in a forward, after that forward's graph saved the units read before it, as views of
+// the same storage: to the check of Note [Saved tensors and in-place writes] (one
+// version per storage) it would be a write into them, and every backward would throw.
+// It writes only where no graph has read since the step that made the range stale, so
+// it runs in a RefreshWriteScope, which leaves the storage's version for saved tensors
+// alone. The writes that make a saved range stale are still seen: the optimizer's
+// step moves the version of every copy it steps (Optimizer::step_copy), so a graph
+// recorded before a step throws in its backward, here as with DDP's replicas.
 void ShardStore::pull_unit(int r, int u) {
   NoGradGuard no_grad;
+  autograd::RefreshWriteScope refresh;
   const auto [lo, hi] = units_.at(static_cast<std::size_t>(u));
   const Tensor& mine = set_.copy(r).data;
   auto& ahead = copies_.at(static_cast<std::size_t>(r)).ahead[static_cast<std::size_t>(u)];
@@ -266,7 +280,42 @@ void ShardStore::fill_unit(int r, int u, Tensor& t) {
       count_received(r, q, b - a, t.dtype());
     }
   }
+  // Note [Refills are not writes].
+  std::uint64_t& from = filled_from(r, u, t);
+  const std::uint64_t now = sources_version(u, t);
+  if (from == now) t.storage()->refilled_unchanged();
+  from = now;
   if (t.storage() == mine.units[i].storage()) mine.unit_versions[i] = t.storage()->version();
+}
+
+// Note [Refills are not writes]
+// Stage 3 releases a unit's buffer after the forward used it and fills it again for
+// the backward. The refill writes into a storage that the forward's graph saved (a
+// Linear's weight), which moves its version; to the check of Note [Saved tensors and
+// in-place writes] in src/autograd/node.cpp that is a write between forward and
+// backward, and the backward would throw. It is a write only when it brings other
+// values: when an owner's range was written since the buffer's last fill (an
+// optimizer's step between the forward and its backward, a scatter of the user's edit
+// of copy 0). So each fill records the summed versions of the ranges it read, and a
+// refill from unchanged ranges tells the storage that it holds again what it held
+// (Storage::refilled_unchanged), which leaves its version for saved tensors where the
+// forward saw it. Versions only grow, so an unchanged sum means no range was written.
+std::uint64_t ShardStore::sources_version(int u, const Tensor& t) const {
+  const auto [lo, hi] = units_.at(static_cast<std::size_t>(u));
+  std::uint64_t v = 0;
+  for (int q = 0; q < set_.num_copies(); ++q) {
+    const Range& range = ranges_[static_cast<std::size_t>(q)];
+    if (std::max(lo, range.begin) < std::min(hi, range.end)) v += source_range(q, t).storage()->version();
+  }
+  return v;
+}
+
+std::uint64_t& ShardStore::filled_from(int r, int u, const Tensor& t) {
+  Copy& mine = copies_.at(static_cast<std::size_t>(r));
+  const auto i = static_cast<std::size_t>(u);
+  const bool compute = i < mine.compute_units.size() && mine.compute_units[i].defined() &&
+                       t.storage() == mine.compute_units[i].storage();
+  return compute ? mine.compute_sources.at(i) : mine.unit_sources.at(i);
 }
 
 void ShardStore::gather_unit_ahead(int r, int u) {
@@ -330,6 +379,7 @@ void ShardStore::shard_compute(Dtype dtype, const std::vector<bool>& computed) {
   for (int r = 0; r < set_.num_copies(); ++r) {
     Copy& mine = copies_[static_cast<std::size_t>(r)];
     mine.compute_units.assign(units_.size(), Tensor());
+    mine.compute_sources.assign(units_.size(), kNeverFilled);
     for (std::size_t u = 0; u < units_.size(); ++u) {
       if (!computed[u]) continue;
       Tensor t = empty({units_[u].second - units_[u].first}, TensorOptions{dtype, set_.copy(r).device});

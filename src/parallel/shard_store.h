@@ -221,6 +221,9 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
     std::vector<Tensor> units;                  // stage 3: each unit's buffer, released unless gathered
     std::vector<Tensor> compute_units;          // Note [Sharded compute units]: undefined for a float32 unit
     std::vector<std::uint64_t> unit_versions;   // units[u]'s storage version when gathered
+    // The summed versions of the owners' ranges that units[u] (compute_units[u]) was last
+    // filled from; kNeverFilled before the first fill (Note [Refills are not writes]).
+    std::vector<std::uint64_t> unit_sources, compute_sources;
     std::vector<std::vector<UnitPiece>> ahead;  // unit u's pieces on their way
   };
   // Note [Sharded parameter sets]: copy r's range of the flat buffers and, with
@@ -231,6 +234,11 @@ class ShardStore final : public nn::CopySpans, public nn::ViewProvider, public n
     Tensor grad;
   };
   void assign_units(const Runs& units);
+  static constexpr std::uint64_t kNeverFilled = ~std::uint64_t{0};
+  // The summed storage versions of the owners' ranges that unit u's buffer t is filled
+  // from, and the slot in copy r's records that keeps it for t.
+  std::uint64_t sources_version(int u, const Tensor& t) const;
+  std::uint64_t& filled_from(int r, int u, const Tensor& t);
   void unshard_params();
   // What copy r's worker reads of unit u: its compute buffer, or else its float32 one.
   const Tensor& read_unit(int r, int u) const;

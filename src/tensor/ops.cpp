@@ -196,7 +196,7 @@ Tensor Tensor::expand(const Shape& shape) const {
   else
     out.impl()->copied_view = "expand()";  // Note [Writes into materialised views]
   Shape from = this->shape();
-  autograd::record("ExpandBackward", {*this}, out,
+  autograd::record("ExpandBackward", {*this}, out, {},
                    [from](const std::vector<Tensor>& g) { return std::vector<Tensor>{sum_to(g[0], from)}; });
   return out;
 }
@@ -253,7 +253,7 @@ Tensor add(const Tensor& a, const Tensor& b) {
   if (mixed_floating(a, b)) return add(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("add", BinaryOp::Add, a, b);
   Shape sa = a.shape(), sb = b.shape();
-  autograd::record("AddBackward", {a, b}, out, [sa, sb](const std::vector<Tensor>& g) {
+  autograd::record("AddBackward", {a, b}, out, {}, [sa, sb](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{sum_to(g[0], sa), sum_to(g[0], sb)};
   });
   return out;
@@ -263,7 +263,7 @@ Tensor sub(const Tensor& a, const Tensor& b) {
   if (mixed_floating(a, b)) return sub(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("sub", BinaryOp::Sub, a, b);
   Shape sa = a.shape(), sb = b.shape();
-  autograd::record("SubBackward", {a, b}, out, [sa, sb](const std::vector<Tensor>& g) {
+  autograd::record("SubBackward", {a, b}, out, {}, [sa, sb](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{sum_to(g[0], sa), sum_to(neg(g[0]), sb)};
   });
   return out;
@@ -273,7 +273,7 @@ Tensor mul(const Tensor& a, const Tensor& b) {
   if (mixed_floating(a, b)) return mul(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("mul", BinaryOp::Mul, a, b);
   bool ga = a.requires_grad(), gb = b.requires_grad();
-  autograd::record("MulBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
+  autograd::record("MulBackward", {a, b}, out, {gb ? a : Tensor(), ga ? b : Tensor()}, [a, b, ga, gb](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{ga ? sum_to(mul(g[0], b), a.shape()) : Tensor(),
                                gb ? sum_to(mul(g[0], a), b.shape()) : Tensor()};
   });
@@ -284,7 +284,7 @@ Tensor div(const Tensor& a, const Tensor& b) {
   if (mixed_floating(a, b)) return div(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("div", BinaryOp::Div, a, b);
   bool gb = b.requires_grad();
-  autograd::record("DivBackward", {a, b}, out, [a, b, out = out.detach(), gb](const std::vector<Tensor>& g) {
+  autograd::record("DivBackward", {a, b}, out, {b, gb ? out : Tensor()}, [a, b, out = out.detach(), gb](const std::vector<Tensor>& g) {
     Tensor ga = sum_to(div(g[0], b), a.shape());
     Tensor gbv = gb ? sum_to(neg(div(mul(g[0], out), b)), b.shape()) : Tensor();
     return std::vector<Tensor>{ga, gbv};
@@ -295,7 +295,7 @@ Tensor div(const Tensor& a, const Tensor& b) {
 Tensor maximum(const Tensor& a, const Tensor& b) {
   if (mixed_floating(a, b)) return maximum(a.to(common_dtype(a, b)), b.to(common_dtype(a, b)));
   Tensor out = binary_raw("maximum", BinaryOp::Maximum, a, b);
-  autograd::record("MaximumBackward", {a, b}, out, [a, b](const std::vector<Tensor>& g) {
+  autograd::record("MaximumBackward", {a, b}, out, {a, b}, [a, b](const std::vector<Tensor>& g) {
     Tensor a_wins = binary_raw("maximum", BinaryOp::Gt, a, b);  // ties go to b
     Tensor ga = mul(g[0], a_wins);
     Tensor gb = sub(g[0], ga);
@@ -306,14 +306,14 @@ Tensor maximum(const Tensor& a, const Tensor& b) {
 
 Tensor add(const Tensor& a, double s) {
   Tensor out = affine_raw(a, 1.0, s);
-  autograd::record("AddScalarBackward", {a}, out,
+  autograd::record("AddScalarBackward", {a}, out, {},
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
   return out;
 }
 
 Tensor mul(const Tensor& a, double s) {
   Tensor out = affine_raw(a, s, 0.0);
-  autograd::record("MulScalarBackward", {a}, out,
+  autograd::record("MulScalarBackward", {a}, out, {},
                    [s](const std::vector<Tensor>& g) { return std::vector<Tensor>{mul(g[0], s)}; });
   return out;
 }
@@ -321,7 +321,7 @@ Tensor mul(const Tensor& a, double s) {
 Tensor sub(double s, const Tensor& a) {
   // fl(s - a) in one rounding: -1 * a is exact, so the affine's one add is the rounding.
   Tensor out = affine_raw(a, -1.0, s);
-  autograd::record("RsubScalarBackward", {a}, out,
+  autograd::record("RsubScalarBackward", {a}, out, {},
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{neg(g[0])}; });
   return out;
 }
@@ -333,7 +333,7 @@ Tensor div(double s, const Tensor& a) {
   // turn a -0 into +0).
   Tensor r = unary_raw("div", UnaryOp::Reciprocal, a);
   Tensor out = binary_raw("div", BinaryOp::Mul, r, scalar_tensor(s, a.device()));
-  autograd::record("RdivScalarBackward", {a}, out, [r, s](const std::vector<Tensor>& g) {
+  autograd::record("RdivScalarBackward", {a}, out, {}, [r, s](const std::vector<Tensor>& g) {
     // d(s / a)/da = -s / a^2 = -(s * g) * r^2, in reciprocal's backward order.
     return std::vector<Tensor>{backward_rounded_once(
         [s](const Tensor& gg, const Tensor& rr) { return neg(mul(mul(gg, s), mul(rr, rr))); }, g[0], r)};
@@ -345,7 +345,7 @@ Tensor pow(const Tensor& a, double p) {
   if (amp::detail::active()) return autocast_f32([p](const Tensor& x) { return pow(x, p); }, a);
   if (is_16bit(a)) return pow(a.to(Dtype::Float32), p).to(a.dtype());  // one rounding
   Tensor out = binary_raw("pow", BinaryOp::Pow, a, scalar_tensor(p, a.device()));
-  autograd::record("PowBackward", {a}, out, [a, p](const std::vector<Tensor>& g) {
+  autograd::record("PowBackward", {a}, out, {a}, [a, p](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{mul(mul(g[0], pow(a, p - 1.0)), p)};
   });
   return out;
@@ -545,7 +545,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   detail::check_same_device(op, c, a);
   Tensor out = where_raw(c, a, b);
   const bool ga = a.requires_grad(), gb = b.requires_grad();
-  autograd::record("WhereBackward", {a, b}, out,
+  autograd::record("WhereBackward", {a, b}, out, {c},
                    [c = c.detach(), sa = a.shape(), sb = b.shape(), ga, gb](const std::vector<Tensor>& g) {
                      return std::vector<Tensor>{ga ? sum_to(where(c, g[0], 0.0), sa) : Tensor(),
                                                 gb ? sum_to(where(c, 0.0, g[0]), sb) : Tensor()};
@@ -584,7 +584,7 @@ Tensor triu(const Tensor& x, std::int64_t diagonal) { return triangle("triu", x,
 
 Tensor neg(const Tensor& a) {
   Tensor out = unary_raw("neg", UnaryOp::Neg, a);
-  autograd::record("NegBackward", {a}, out,
+  autograd::record("NegBackward", {a}, out, {},
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{neg(g[0])}; });
   return out;
 }
@@ -592,7 +592,7 @@ Tensor neg(const Tensor& a) {
 Tensor exp(const Tensor& a) {
   if (amp::detail::active()) return autocast_f32([](const Tensor& x) { return exp(x); }, a);
   Tensor out = unary_raw("exp", UnaryOp::Exp, a);
-  autograd::record("ExpBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+  autograd::record("ExpBackward", {a}, out, {out}, [y = out.detach()](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{mul(g[0], y)};
   });
   return out;
@@ -601,14 +601,14 @@ Tensor exp(const Tensor& a) {
 Tensor log(const Tensor& a) {
   if (amp::detail::active()) return autocast_f32([](const Tensor& x) { return log(x); }, a);
   Tensor out = unary_raw("log", UnaryOp::Log, a);
-  autograd::record("LogBackward", {a}, out,
+  autograd::record("LogBackward", {a}, out, {a},
                    [a](const std::vector<Tensor>& g) { return std::vector<Tensor>{div(g[0], a)}; });
   return out;
 }
 
 Tensor sqrt(const Tensor& a) {
   Tensor out = unary_raw("sqrt", UnaryOp::Sqrt, a);
-  autograd::record("SqrtBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+  autograd::record("SqrtBackward", {a}, out, {out}, [y = out.detach()](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{
         backward_rounded_once([](const Tensor& gg, const Tensor& yy) { return div(mul(gg, 0.5), yy); }, g[0], y)};
   });
@@ -617,7 +617,7 @@ Tensor sqrt(const Tensor& a) {
 
 Tensor abs(const Tensor& a) {
   Tensor out = unary_raw("abs", UnaryOp::Abs, a);
-  autograd::record("AbsBackward", {a}, out, [a](const std::vector<Tensor>& g) {
+  autograd::record("AbsBackward", {a}, out, {a}, [a](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{mul(g[0], unary_raw("abs", UnaryOp::Sign, a))};
   });
   return out;
@@ -625,7 +625,7 @@ Tensor abs(const Tensor& a) {
 
 Tensor square(const Tensor& a) {
   Tensor out = unary_raw("square", UnaryOp::Square, a);
-  autograd::record("SquareBackward", {a}, out, [a](const std::vector<Tensor>& g) {
+  autograd::record("SquareBackward", {a}, out, {a}, [a](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{mul(mul(g[0], a), 2.0)};
   });
   return out;
@@ -633,7 +633,7 @@ Tensor square(const Tensor& a) {
 
 Tensor reciprocal(const Tensor& a) {
   Tensor out = unary_raw("reciprocal", UnaryOp::Reciprocal, a);
-  autograd::record("ReciprocalBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+  autograd::record("ReciprocalBackward", {a}, out, {out}, [y = out.detach()](const std::vector<Tensor>& g) {
     // PyTorch's formula, op by op (in 16 bits, its roundings: Note [16-bit backward formulas]).
     return std::vector<Tensor>{neg(mul(g[0], mul(y, y)))};
   });
@@ -642,7 +642,7 @@ Tensor reciprocal(const Tensor& a) {
 
 Tensor relu(const Tensor& a) {
   Tensor out = unary_raw("relu", UnaryOp::Relu, a);
-  autograd::record("ReluBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+  autograd::record("ReluBackward", {a}, out, {out}, [y = out.detach()](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{binary_raw("relu_backward", BinaryOp::ReluBackward, g[0], y)};
   });
   return out;
@@ -650,7 +650,7 @@ Tensor relu(const Tensor& a) {
 
 Tensor sigmoid(const Tensor& a) {
   Tensor out = unary_raw("sigmoid", UnaryOp::Sigmoid, a);
-  autograd::record("SigmoidBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+  autograd::record("SigmoidBackward", {a}, out, {out}, [y = out.detach()](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{backward_rounded_once(
         [](const Tensor& gg, const Tensor& yy) { return mul(gg, mul(yy, affine_raw(yy, -1.0, 1.0))); }, g[0], y)};
   });
@@ -659,7 +659,7 @@ Tensor sigmoid(const Tensor& a) {
 
 Tensor tanh(const Tensor& a) {
   Tensor out = unary_raw("tanh", UnaryOp::Tanh, a);
-  autograd::record("TanhBackward", {a}, out, [y = out.detach()](const std::vector<Tensor>& g) {
+  autograd::record("TanhBackward", {a}, out, {out}, [y = out.detach()](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{backward_rounded_once(
         [](const Tensor& gg, const Tensor& yy) {
           return mul(gg, affine_raw(unary_raw("square", UnaryOp::Square, yy), -1.0, 1.0));
@@ -671,7 +671,7 @@ Tensor tanh(const Tensor& a) {
 
 Tensor erf(const Tensor& a) {
   Tensor out = unary_raw("erf", UnaryOp::Erf, a);
-  autograd::record("ErfBackward", {a}, out, [a](const std::vector<Tensor>& g) {
+  autograd::record("ErfBackward", {a}, out, {a}, [a](const std::vector<Tensor>& g) {
     // d erf(x) / dx = 2/sqrt(pi) exp(-x^2)
     // PyTorch's formula, op by op (in 16 bits, its roundings: Note [16-bit backward formulas]).
     Tensor e = unary_raw("exp", UnaryOp::Exp, affine_raw(unary_raw("square", UnaryOp::Square, a.detach()), -1.0, 0.0));
@@ -688,7 +688,7 @@ Tensor sum(const Tensor& a) {
   if (is_16bit(a)) return sum(a.to(Dtype::Float32)).to(a.dtype());  // Note [16-bit tensors]
   Tensor out = sum_all_raw(a);
   Shape sa = a.shape();
-  autograd::record("SumBackward", {a}, out,
+  autograd::record("SumBackward", {a}, out, {},
                    [sa](const std::vector<Tensor>& g) { return std::vector<Tensor>{expand_to(g[0], sa)}; });
   return out;
 }
@@ -701,7 +701,7 @@ Tensor sum(const Tensor& a, std::int64_t dim, bool keepdim) {
   Tensor out = reduce_raw(ReduceOp::Sum, a, d, keepdim);
   Shape sa = a.shape();
   Shape keep = reduce_geometry(a, d).out_keep;
-  autograd::record("SumDimBackward", {a}, out, [sa, keep](const std::vector<Tensor>& g) {
+  autograd::record("SumDimBackward", {a}, out, {}, [sa, keep](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{expand_to(g[0].reshape(keep), sa)};
   });
   return out;
@@ -742,7 +742,7 @@ Tensor max(const Tensor& a, std::int64_t dim, bool keepdim) {
   std::int64_t d = norm_dim("max", a, dim);
   DP_CHECK(a.size(d) > 0, "max: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
   Tensor out = reduce_raw(ReduceOp::Max, a, d, keepdim);
-  autograd::record("MaxBackward", {a}, out, [a, d](const std::vector<Tensor>& g) {
+  autograd::record("MaxBackward", {a}, out, {a}, [a, d](const std::vector<Tensor>& g) {
     // Gradient flows to the first maximum only: a one-hot mask from argmax.
     ReduceGeometry geo = reduce_geometry(a, d);
     Tensor idx = argmax(a, d, true).to(Dtype::Float32);                       // (.., 1, ..)
@@ -841,7 +841,7 @@ Tensor bmm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
 Tensor bmm(const Tensor& a, const Tensor& b) {
   Tensor out = bmm_raw(a, false, b, false);
   const bool ga = a.requires_grad(), gb = b.requires_grad();
-  autograd::record("BmmBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
+  autograd::record("BmmBackward", {a, b}, out, {gb ? a : Tensor(), ga ? b : Tensor()}, [a, b, ga, gb](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{ga ? bmm_raw(g[0], false, b, true) : Tensor(),
                                gb ? bmm_raw(a, true, g[0], false) : Tensor()};
   });
@@ -853,7 +853,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 Tensor matmul_2d(const Tensor& a, const Tensor& b) {
   Tensor out = gemm_raw(a, false, b, false);
   bool ga = a.requires_grad(), gb = b.requires_grad();
-  autograd::record("MatmulBackward", {a, b}, out, [a, b, ga, gb](const std::vector<Tensor>& g) {
+  autograd::record("MatmulBackward", {a, b}, out, {gb ? a : Tensor(), ga ? b : Tensor()}, [a, b, ga, gb](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{ga ? grad_gemm(g[0], false, b, true, 0) : Tensor(),
                                gb ? grad_gemm(a, true, g[0], false, 1) : Tensor()};
   });
@@ -968,7 +968,7 @@ Tensor linear_16bit(const Tensor& x, const Tensor& w, const Tensor& b, bool relu
            shape_str(w.shape()), " for input ", shape_str(x.shape()));
   Tensor out = gemm_raw(x, false, w, true);
   const bool gx = x.requires_grad(), gw = w.requires_grad();
-  autograd::record("LinearBackward", {x, w}, out, [x, w, gx, gw](const std::vector<Tensor>& g) {
+  autograd::record("LinearBackward", {x, w}, out, {gw ? x : Tensor(), gx ? w : Tensor()}, [x, w, gx, gw](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{gx ? gemm_raw(g[0], false, w, false) : Tensor(),
                                gw ? gemm_raw(g[0], true, x, false) : Tensor()};
   });
@@ -1014,7 +1014,7 @@ Tensor linear_impl(const Tensor& x, const Tensor& w, const Tensor& b, bool relu)
   // The ReLU's mask is the output > 0, as ReluBackward reads it from relu's output.
   Tensor ys = relu ? out.detach() : Tensor();
   const bool mask_gx = gx && is_linear_relu_output(x);  // Note [ReLU mask in the input gradient]
-  autograd::record(relu ? kLinearReluBackward : "LinearBackward", inputs, out,
+  autograd::record(relu ? kLinearReluBackward : "LinearBackward", inputs, out, {gw ? x : Tensor(), gx ? w : Tensor(), ys},
                    [x, w, ys, gx, gw, gb, mask_gx, has_b = b.defined()](const std::vector<Tensor>& g) {
                      const Tensor gy = ys.defined() && !masked_by(g[0], ys)
                                            ? binary_raw("relu_backward", BinaryOp::ReluBackward, g[0], ys)
@@ -1176,7 +1176,7 @@ Tensor gather_with(const char* node, const Tensor& input, const Tensor& index64,
     be(input).run<Op::Gather>(input.device(), detail::kernel_dtype(input.dtype()),
                               {ix, static_cast<int>(d), input.raw_data(), index64.data<std::int64_t>(), out.raw_data()});
   Shape in_shape = input.shape();
-  autograd::record(node, {input}, out, [in_shape, index64, ix, d](const std::vector<Tensor>& g) {
+  autograd::record(node, {input}, out, {index64}, [in_shape, index64, ix, d](const std::vector<Tensor>& g) {
     // A repeated index sums its gradients: for 16-bit ones in float32, rounded once at
     // the end (Note [16-bit tensors]), not once per addition.
     const Tensor gy = is_16bit(g[0]) ? g[0].to(Dtype::Float32) : g[0];
@@ -1257,7 +1257,7 @@ Tensor detail::index_add_in_range(const Tensor& input, std::int64_t d, const Ten
                                 {ix, static_cast<int>(d), source.data<float>(), index64.data<std::int64_t>(),
                                  out.data<float>()});
   }
-  autograd::record("IndexAddBackward", {input, source}, out, [d, index64](const std::vector<Tensor>& g) {
+  autograd::record("IndexAddBackward", {input, source}, out, {index64}, [d, index64](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{g[0], detail::index_select_in_range(g[0], d, index64)};
   });
   return out;
@@ -1343,7 +1343,7 @@ Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
                    static_cast<std::size_t>(block) * es, static_cast<std::size_t>(outer), first.device());
     at += t.size(d);
   }
-  autograd::record("CatBackward", tensors, out, [sizes, d](const std::vector<Tensor>& g) {
+  autograd::record("CatBackward", tensors, out, {}, [sizes, d](const std::vector<Tensor>& g) {
     std::vector<Tensor> r;
     std::int64_t off = 0;
     for (auto s : sizes) {

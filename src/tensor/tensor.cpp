@@ -1,11 +1,14 @@
 #include "dp/tensor/tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <utility>
 
 #include "backend/backend.h"
+#include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
@@ -63,10 +66,32 @@ Storage::Storage(PinnedTag, std::size_t nbytes)
 Storage::Storage(Device device, void* data, std::size_t nbytes, std::function<void(void*)> deleter)
     : device_(device), nbytes_(nbytes), data_(data), external_(true), deleter_(std::move(deleter)) {}
 
-void Storage::bump_version() {
-  version_.fetch_add(1, std::memory_order_relaxed);
+void Storage::bump_version(std::size_t begin, std::size_t end) {
+  const std::uint64_t v = version_.fetch_add(1, std::memory_order_relaxed) + 1;
   // Note [Gradients written over zeros] in src/autograd/node.cpp.
   if (!autograd::in_gradient_write_scope()) write_epoch_.fetch_add(1, std::memory_order_relaxed);
+  // Note [Saved tensors and in-place writes] in src/autograd/node.cpp.
+  if (autograd::in_refresh_write_scope()) return;
+  std::lock_guard<std::mutex> lock(writes_mutex_);
+  constexpr std::size_t kKept = 64;
+  if (writes_.size() == kKept) {  // forget the older half
+    for (std::size_t i = 0; i < kKept / 2; ++i) forgotten_ = std::max(forgotten_, writes_[i].version);
+    writes_.erase(writes_.begin(), writes_.begin() + kKept / 2);
+  }
+  writes_.push_back({v, begin, end});
+}
+
+bool Storage::written_since(std::uint64_t version, std::size_t begin, std::size_t end) const {
+  std::lock_guard<std::mutex> lock(writes_mutex_);
+  if (forgotten_ > version) return true;
+  for (const RangeWrite& w : writes_)
+    if (w.version > version && w.begin < end && begin < w.end) return true;
+  return false;
+}
+
+void Tensor::note_write() const {
+  const std::size_t begin = static_cast<std::size_t>(storage_offset()) * element_size(dtype());
+  storage()->bump_version(begin, begin + nbytes());
 }
 
 void Storage::release() {
@@ -76,8 +101,17 @@ void Storage::release() {
   backend::get(device_).deallocate(device_, data_, nbytes_);
   data_ = nullptr;
   released_ = true;
+  version_at_release_ = version();
+  refill_pending_ = true;
 }
 
+void Storage::refilled_unchanged() {
+  DP_CHECK(!released_, "Storage::refilled_unchanged: expected a materialised storage, got a released one");
+  if (!std::exchange(refill_pending_, false)) return;  // once per release: later writes are real ones
+  // Nothing but the refill wrote since the release: a released storage has no memory.
+  std::lock_guard<std::mutex> lock(writes_mutex_);
+  std::erase_if(writes_, [&](const RangeWrite& w) { return w.version > version_at_release_; });
+}
 void Storage::materialize() {
   if (!released_) return;
   data_ = backend::get(device_).allocate(device_, nbytes_);
@@ -312,7 +346,7 @@ Tensor Tensor::to(Device target) const {
   Tensor out(new_impl(shape(), dtype(), target));
   detail::copy_bytes(out.raw_data(), target, raw_data(), device(), nbytes());
   Device src_dev = device();
-  autograd::record("ToDeviceBackward", {*this}, out, [src_dev](const std::vector<Tensor>& g) {
+  autograd::record("ToDeviceBackward", {*this}, out, {}, [src_dev](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{g[0].to(src_dev)};
   });
   return out;
@@ -348,7 +382,7 @@ Tensor Tensor::to(Dtype target) const {
       device(), detail::kernel_dtype(target), {raw_data(), detail::kernel_dtype(dtype()), out.raw_data(), numel()});
   if (float_in && float_out) {
     const Dtype source = dtype();
-    autograd::record("ToDtypeBackward", {*this}, out, [source](const std::vector<Tensor>& g) {
+    autograd::record("ToDtypeBackward", {*this}, out, {}, [source](const std::vector<Tensor>& g) {
       return std::vector<Tensor>{g[0].to(source)};
     });
   }
@@ -373,7 +407,7 @@ bool Tensor::is_pinned() const { return checked(impl_).storage->pinned(); }
 Tensor Tensor::clone() const {
   Tensor out(new_impl(shape(), dtype(), device()));
   detail::copy_bytes(out.raw_data(), device(), raw_data(), device(), nbytes());
-  autograd::record("CloneBackward", {*this}, out,
+  autograd::record("CloneBackward", {*this}, out, {},
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
   return out;
 }
@@ -406,7 +440,7 @@ Tensor Tensor::reshape(Shape new_shape) const {
            shape_str(impl.shape), "), got ", shape_str(new_shape));
   Tensor out(view_impl(impl, impl.offset, new_shape));
   Shape old = impl.shape;
-  autograd::record("ReshapeBackward", {*this}, out, [old](const std::vector<Tensor>& g) {
+  autograd::record("ReshapeBackward", {*this}, out, {}, [old](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{g[0].reshape(old)};
   });
   return out;
@@ -475,7 +509,7 @@ Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) c
     out.impl()->copied_view = "narrow() along a later dim";  // Note [Writes into materialised views]
   }
   Shape full = impl.shape;
-  autograd::record("NarrowBackward", {*this}, out, [full, d, start, outer, inner](const std::vector<Tensor>& g) {
+  autograd::record("NarrowBackward", {*this}, out, {}, [full, d, start, outer, inner](const std::vector<Tensor>& g) {
     Tensor gx = zeros(full, TensorOptions{g[0].dtype(), g[0].device()});
     const std::int64_t len = g[0].size(d);
     copy_blocks(gx, start * inner, full[d] * inner, g[0], 0, len * inner, outer, len * inner);
@@ -517,7 +551,7 @@ Tensor Tensor::t() const {
   backend::get(device()).run<backend::Op::StridedCopy>(device(), detail::kernel_dtype(dtype()),
                                                       {ix, raw_data(), out.raw_data()});
   out.impl()->copied_view = "t()";  // Note [Writes into materialised views]
-  autograd::record("TransposeBackward", {*this}, out,
+  autograd::record("TransposeBackward", {*this}, out, {},
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0].t()}; });
   return out;
 }
@@ -571,7 +605,7 @@ Tensor Tensor::permute(const std::vector<std::int64_t>& dims) const {
   }
   std::vector<std::int64_t> inverse(perm.size());
   for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<std::int64_t>(i);
-  autograd::record("PermuteBackward", {*this}, out, [inverse](const std::vector<Tensor>& g) {
+  autograd::record("PermuteBackward", {*this}, out, {}, [inverse](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{g[0].permute(inverse)};
   });
   return out;
@@ -596,7 +630,7 @@ Tensor Tensor::contiguous() const {
   // The copy alone, writable (Note [Writes into materialised views]).
   Tensor out(view_impl(impl, impl.offset, impl.shape));
   out.impl()->copied_view = nullptr;
-  autograd::record("ContiguousBackward", {*this}, out,
+  autograd::record("ContiguousBackward", {*this}, out, {},
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
   return out;
 }
@@ -606,8 +640,37 @@ Tensor Tensor::contiguous() const {
 // Each takes its written pointer with mutable_data / mutable_raw_data (Note [Storage
 // versions]) after every check that may throw, so a rejected call moves no version.
 
+// Note [In-place writes and autograd]
+// dp records no node for an in-place write. With grad mode on, a write into a tensor
+// that requires grad would therefore be missing from its gradient: y = x * 3;
+// y.mul_(2); y.sum().backward() would give x.grad = 3, not 6. So such a write is a
+// dp::Error. Into a leaf PyTorch refuses it too ("a leaf Variable that requires grad is
+// being used in an in-place operation"); into a tensor made by an op PyTorch records
+// the write, and dp asks for the out-of-place op, which gives the same gradient. Under
+// a NoGradGuard the write is allowed, as in PyTorch: initialisations and hand-written
+// updates of parameters. What the write leaves behind is then caught where it matters:
+// a node that saved the tensor for backward sees its storage's version move (Note
+// [Saved tensors and in-place writes] in src/autograd/node.cpp).
+void detail::check_inplace_grad(const char* op, const Tensor& t) {
+  if (!is_grad_enabled() || !t.requires_grad()) return;
+  if (t.is_leaf()) {
+    DP_CHECK(false, op, ": expected a tensor that does not require grad, got a leaf that requires grad (",
+             t.str(), "), with grad mode on. An in-place write into it would not be part of any gradient; "
+             "PyTorch refuses it too. Write under a dp::NoGradGuard (PyTorch's torch.no_grad()), as "
+             "initialisations and hand-written parameter updates do (Note [In-place writes and autograd])");
+  }
+  const auto fn = t.grad_fn();
+  DP_CHECK(false, op, ": expected a tensor that does not require grad, got one made by ",
+           fn ? fn->name() : std::string("an op"), " (", t.str(),
+           "), with grad mode on. dp records no gradient for in-place writes, so this one would be missing "
+           "from the gradient. Use the out-of-place op instead (y = y * 2 for y.mul_(2), y = y + t for "
+           "y.add_(t), y = dp::where(mask, v, y) for a masked write), which gives PyTorch's gradient, or write "
+           "under a dp::NoGradGuard to change the value alone (Note [In-place writes and autograd])");
+}
+
 Tensor& Tensor::zero_() {
   detail::check_writable("Tensor::zero_", *this);
+  detail::check_inplace_grad("Tensor::zero_", *this);
   void* p = mutable_raw_data();
   if (numel() > 0) backend::get(device()).memset_zero(p, device(), nbytes());
   return *this;
@@ -615,6 +678,7 @@ Tensor& Tensor::zero_() {
 
 Tensor& Tensor::fill_(double value) {
   detail::check_writable("Tensor::fill_", *this);
+  detail::check_inplace_grad("Tensor::fill_", *this);
   using backend::DType;
   using backend::Op;
   auto& be = backend::get(device());
@@ -635,6 +699,7 @@ Tensor& Tensor::fill_(double value) {
 
 Tensor& Tensor::add_(double value) {
   detail::check_writable("Tensor::add_", *this);
+  detail::check_inplace_grad("Tensor::add_", *this);
   using backend::DType;
   using backend::Op;
   auto& be = backend::get(device());
@@ -659,6 +724,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
            shape_str(shape()), " ", dtype_name(dtype()), ", got ", shape_str(src.shape()), " ",
            dtype_name(src.dtype()));
   detail::check_writable("Tensor::copy_", *this);
+  detail::check_inplace_grad("Tensor::copy_", *this);
   const void* from = src.raw_data();
   detail::copy_bytes(mutable_raw_data(), device(), from, src.device(), nbytes());
   return *this;
@@ -670,6 +736,7 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
            shape_str(other.shape()));
   detail::check_floating("add_", *this);
   detail::check_writable("Tensor::add_", *this);
+  detail::check_inplace_grad("Tensor::add_", *this);
   DP_CHECK(other.dtype() == dtype(), "add_: expected a ", dtype_name(dtype()), " tensor to add, got ",
            dtype_name(other.dtype()));
   const void* x = other.raw_data();
@@ -681,6 +748,7 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
 Tensor& Tensor::mul_(float value) {
   detail::check_floating("mul_", *this);
   detail::check_writable("Tensor::mul_", *this);
+  detail::check_inplace_grad("Tensor::mul_", *this);
   void* p = mutable_raw_data();
   backend::get(device()).run<backend::Op::Affine>(device(), detail::kernel_dtype(dtype()), {p, p, numel(), value, 0.0f});
   return *this;

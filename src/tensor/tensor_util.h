@@ -67,4 +67,8 @@ inline void check_writable(const char* op, const Tensor& t) {
            "tensor first to write into the copy alone");
 }
 
+/// Throws when `t` requires grad and grad mode is on: dp records no gradient for
+/// in-place writes (Note [In-place writes and autograd] in src/tensor/tensor.cpp).
+void check_inplace_grad(const char* op, const Tensor& t);
+
 }  // namespace dp::detail

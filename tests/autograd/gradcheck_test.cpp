@@ -237,7 +237,7 @@ TEST_CASE("gradcheck itself fails on a wrong gradient") {
   // A node whose backward is off by a factor of 2: gradcheck must notice every element.
   auto doubled_square = [](const Inputs& t) {
     Tensor y = dp::square(t[0].detach());
-    dp::autograd::record("WrongBackward", {t[0]}, y, [x = t[0].detach()](const std::vector<Tensor>& g) {
+    dp::autograd::record("WrongBackward", {t[0]}, y, {t[0]}, [x = t[0].detach()](const std::vector<Tensor>& g) {
       return std::vector<Tensor>{dp::mul(dp::mul(g[0], x), 4.0)};  // should be 2x
     });
     return y;

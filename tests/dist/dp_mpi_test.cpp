@@ -1048,7 +1048,7 @@ struct PoisonedTail : dp::nn::Module {
     Tensor t = tail->value;
     if (poison && dist::rank() == dist::world_size() - 1 && t.device() == dp::cpu(1)) {
       Tensor y = dp::mul(t, 1.0).detach();
-      dp::autograd::record("Poison", {t}, y, [](const std::vector<Tensor>& g) {
+      dp::autograd::record("Poison", {t}, y, {}, [](const std::vector<Tensor>& g) {
         return std::vector<Tensor>{dp::mul(g[0], static_cast<double>(INFINITY))};
       });
       t = y;

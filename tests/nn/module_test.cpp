@@ -9,6 +9,7 @@
 #include <string>
 
 #include "dp/nn/nn.h"
+#include "dp/autograd/grad_mode.h"
 #include "dp/core/error.h"
 #include "dp/tensor/ops.h"
 
@@ -110,6 +111,9 @@ TEST_CASE("num_parameters counts the elements of every parameter once, not buffe
 TEST_CASE("for (auto& p : net->parameters()) p.fill_(...) writes into the module") {
   auto net = std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(3, 2), std::make_shared<nn::ReLU>(),
                                               std::make_shared<nn::Linear>(2, 1));
+  // With grad mode on a parameter is a leaf that requires grad: refused, as in PyTorch.
+  CHECK_THROWS_WITH_AS(net->parameters()[0].fill_(0.5), doctest::Contains("leaf that requires grad"), dp::Error);
+  dp::NoGradGuard no_grad;
   for (auto& p : net->parameters()) p.fill_(0.5);
   for (const auto& [name, t] : net->state_dict()) {
     CAPTURE(name);

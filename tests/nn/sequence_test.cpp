@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "dp/nn/activation.h"
@@ -79,8 +80,11 @@ TEST_CASE("layer_norm matches PyTorch: output and the gradients of input, weight
   CHECK(sd[1].first == "bias");
   CHECK(dp::sum(ln.weight()).item() == 8.0f);
   CHECK(dp::sum(dp::abs(ln.bias())).item() == 0.0f);
-  ln.weight().copy_(dp::from_vector(ref::kLayerNormW, {8}));
-  ln.bias().copy_(dp::from_vector(ref::kLayerNormB, {8}));
+  {
+    dp::NoGradGuard no_grad;  // parameters are written as in PyTorch, without grad mode
+    ln.weight().copy_(dp::from_vector(ref::kLayerNormW, {8}));
+    ln.bias().copy_(dp::from_vector(ref::kLayerNormB, {8}));
+  }
   CHECK(max_diff(ln(dp::from_vector(ref::kLayerNormX, {2, 3, 8})), ref::kLayerNormOut) < 2e-6);
   CHECK(dp::nn::LayerNorm(dp::nn::LayerNormOptions({8}).bias(false)).state_dict().size() == 1);
   CHECK(dp::nn::LayerNorm(dp::nn::LayerNormOptions({8}).elementwise_affine(false)).state_dict().empty());
@@ -221,8 +225,11 @@ TEST_CASE("embedding matches PyTorch; the padding row gets no gradient") {
 TEST_CASE("Linear applies over the last dim of (B, T, C), as PyTorch's") {
   dp::nn::Linear lin(4, 5);
   Tensor weight = lin.weight();  // a handle: copy_ writes the parameter
-  weight.copy_(dp::from_vector(ref::kLinear3dW, {5, 4}));
-  lin.bias().copy_(dp::from_vector(ref::kLinear3dB, {5}));
+  {
+    dp::NoGradGuard no_grad;
+    weight.copy_(dp::from_vector(ref::kLinear3dW, {5, 4}));
+    lin.bias().copy_(dp::from_vector(ref::kLinear3dB, {5}));
+  }
   auto [y, gx] = run(ref::kLinear3dX, {2, 3, 4}, ref::kLinear3dUp, [&](const Tensor& x) { return lin(x); });
   CHECK(y.shape() == Shape{2, 3, 5});
   CHECK(max_diff(y, ref::kLinear3dOut) < 1e-6);

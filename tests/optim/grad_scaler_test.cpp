@@ -43,7 +43,7 @@ struct Poisonable : dp::nn::Module {
     dp::Tensor t = tail->value;
     if (poison_device >= 0 && t.device().index == poison_device) {
       dp::Tensor y = dp::mul(t, 1.0).detach();
-      dp::autograd::record("Poison", {t}, y, [](const std::vector<dp::Tensor>& g) {
+      dp::autograd::record("Poison", {t}, y, {}, [](const std::vector<dp::Tensor>& g) {
         return std::vector<dp::Tensor>{dp::mul(g[0], static_cast<double>(kInf))};
       });
       t = y;

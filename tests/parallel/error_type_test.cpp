@@ -75,7 +75,7 @@ struct Thrower : dp::nn::Module {
     if (!(armed && where == Where::Backward && copy == 1)) return y;
     armed = false;  // the backward node below throws once
     Tensor out = y.detach().clone();
-    dp::autograd::record("ThrowerBackward", {y}, out, [k = kind](const std::vector<Tensor>&) -> std::vector<Tensor> {
+    dp::autograd::record("ThrowerBackward", {y}, out, {}, [k = kind](const std::vector<Tensor>&) -> std::vector<Tensor> {
       throw_kind(k);
     });
     return out;

@@ -25,7 +25,7 @@ struct Poison : dp::nn::Module {
     }
     const int dev = x.device().index;
     const int target = device.load();
-    dp::autograd::record("PoisonBackward", {x}, y, [dev, target](const std::vector<Tensor>& g) {
+    dp::autograd::record("PoisonBackward", {x}, y, {}, [dev, target](const std::vector<Tensor>& g) {
       if (dev != target) return std::vector<Tensor>{g[0]};
       return std::vector<Tensor>{dp::mul(g[0], std::numeric_limits<double>::quiet_NaN())};
     });

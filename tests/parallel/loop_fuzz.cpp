@@ -312,7 +312,7 @@ struct Poison : dp::nn::Module {
     dp::Tensor t = value;
     if (t.device().index == g_poison_device) {
       dp::Tensor y = dp::mul(t, 1.0).detach();
-      dp::autograd::record("Poison", {t}, y, [](const std::vector<dp::Tensor>& g) {
+      dp::autograd::record("Poison", {t}, y, {}, [](const std::vector<dp::Tensor>& g) {
         return std::vector<dp::Tensor>{dp::mul(g[0], static_cast<double>(INFINITY))};
       });
       t = y;

@@ -251,3 +251,59 @@ TEST_CASE("an edit of .grad by hand, then clip_grad_norm_: DDP's replicas apply 
   loss_fn(model(b.x), b.y).backward();
   CHECK_NOTHROW(opt.step());
 }
+
+// Note [Saved tensors and in-place writes]: an optimizer's step between a forward and
+// its backward writes the weights that forward's graph saved, on every device. Without
+// the check the backward would compute the earlier layers' gradients from the stepped
+// weights; with it the backward throws, in every design, and the next step trains on.
+TEST_CASE("a step between a forward and its backward is an error in every design, and training goes on") {
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    auto net = std::make_shared<ThreeLinear>(11);
+    dp::DataParallel model(net, cpus(3), d.options);
+    dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+    const Batch b = make_batch(7, 5);
+    opt.zero_grad();
+    loss_fn(model(b.x), b.y).backward();
+    opt.step();
+    dp::Tensor stale = loss_fn(model(b.x), b.y);  // its graph saved the weights
+    opt.step();
+    CHECK_THROWS_WITH_AS(stale.backward(), doctest::Contains("modified by an in-place operation"), dp::Error);
+    // A fresh forward after the step trains as a plain net does from the same weights.
+    auto ref = std::make_shared<ThreeLinear>(11);
+    ref->load_state_dict(net->state_dict());
+    dp::optim::SGD ref_opt(ref->parameters(), {.lr = 0.1});
+    opt.zero_grad();
+    loss_fn(model(b.x), b.y).backward();
+    opt.step();
+    ref_opt.zero_grad();
+    loss_fn(ref->forward(b.x), b.y).backward();
+    ref_opt.step();
+    CHECK(max_diff(flat(net->state_dict()), flat(ref->state_dict())) < kTolerance);
+  }
+}
+
+TEST_CASE("a write into the input batch between a forward and its backward is an error in every design") {
+  // The first layer's weight gradient reads the input (x saved by LinearBackward): a
+  // loader that refills its batch tensor in place before the backward would otherwise
+  // give the gradient of the next batch.
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    auto net = std::make_shared<ThreeLinear>(11);
+    dp::DataParallel model(net, cpus(2), d.options);
+    const Batch b = make_batch(6, 5);
+    dp::Tensor x = b.x.clone();
+    dp::Tensor loss = loss_fn(model(x), b.y);
+    x.mul_(2.0f);
+    bool threw = false;
+    try {
+      loss.backward();
+    } catch (const dp::Error& e) {
+      threw = true;
+      CHECK(std::string(e.what()).find("modified by an in-place operation") != std::string::npos);
+    }
+    // Device 0's piece of the scattered batch is a view of x (the other devices' are
+    // copies): its LinearBackward saved those rows, and sees the write.
+    CHECK(threw);
+  }
+}

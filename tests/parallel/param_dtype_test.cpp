@@ -397,7 +397,10 @@ TEST_CASE("param_dtype bf16 with stage 3: edits through device 0's parameters re
     for (int s = 0; s < 4; ++s) {
       if (s == 2) net->load_state_dict(other);  // written back into every range, cast again
       if (s == 3)
-        for (auto& p : net->parameters()) p.mul_(0.5);  // an in-place edit
+        for (auto& p : net->parameters()) {
+          dp::NoGradGuard no_grad;
+          p.mul_(0.5);  // an in-place edit
+        }
       opt.zero_grad();
       const Batch b = make_batch(kRows, 100 + static_cast<std::uint64_t>(s));
       model.forward_backward(b.x, b.y, loss_fn);

@@ -84,7 +84,7 @@ struct FaultPoint : dp::nn::Module {
       y = x.clone();
     }
     auto inj_copy = inj;
-    dp::autograd::record("FaultPointBackward", {x}, y, [inj_copy, dev](const std::vector<Tensor>& g) {
+    dp::autograd::record("FaultPointBackward", {x}, y, {}, [inj_copy, dev](const std::vector<Tensor>& g) {
       if (inj_copy->fire(Fault::Backward, dev)) throw dp::Error("injected backward failure");
       return std::vector<Tensor>{g[0]};
     });

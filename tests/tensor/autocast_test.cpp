@@ -124,7 +124,7 @@ TEST_CASE("backward computes in the forward's dtypes even when called inside the
   const dp::Tensor x = param({3}, 13);
   dp::Tensor y = dp::mul(x, 2.0).detach();
   bool seen_enabled = true;
-  dp::autograd::record("Probe", {x}, y, [&seen_enabled](const std::vector<dp::Tensor>& g) {
+  dp::autograd::record("Probe", {x}, y, {}, [&seen_enabled](const std::vector<dp::Tensor>& g) {
     seen_enabled = dp::amp::is_autocast_enabled();
     return std::vector<dp::Tensor>{g[0]};
   });

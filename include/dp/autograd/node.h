@@ -6,13 +6,14 @@
 // accumulator when the input is a leaf). This header knows nothing of modules.
 //
 //   Tensor y = ...forward...;
-//   autograd::record("ReluBackward", {x}, y,
+//   autograd::record("ReluBackward", {x}, y, /*saved=*/{x},
 //       [x](const std::vector<Tensor>& g) { return std::vector<Tensor>{relu_backward(g[0], x)}; });
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -45,15 +46,37 @@ class Node : public std::enable_shared_from_this<Node> {
   /// (undefined where an input needs none).
   virtual std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) = 0;
   /// Frees saved tensors once backward has run (unless retain_graph).
-  virtual void release_saved() { released_ = true; }
+  virtual void release_saved() {
+    release_saved_versions();
+    released_ = true;
+  }
   bool released() const { return released_; }
 
   std::vector<Edge> next_edges;
   /// Creation order on this thread; backward runs later nodes first.
   std::uint64_t sequence_nr;
 
+  /// Remembers the storage versions of the tensors this node's backward reads, so that
+  /// an in-place write into one of them before backward is an error, not a gradient
+  /// computed from the new values (Note [Saved tensors and in-place writes]). Call once,
+  /// when the node is made; undefined tensors are skipped.
+  void save_versions(std::initializer_list<Tensor> saved);
+  /// Throws a dp::Error naming this node and the saved tensor when any was written in
+  /// place since save_versions. Every node's apply calls it before reading them.
+  void check_saved_versions() const;
+
  protected:
+  void release_saved_versions() { saved_versions_.clear(); }
   bool released_ = false;
+
+ private:
+  struct SavedVersion {
+    std::shared_ptr<Storage> storage;
+    std::uint64_t version;
+    std::size_t begin, end;  // the tensor's bytes in the storage
+    int index;               // position in the saved list, for the message
+  };
+  std::vector<SavedVersion> saved_versions_;
 };
 
 /// A node whose backward is a function object capturing what it saved.
@@ -112,6 +135,26 @@ class GradientWriteScope {
 /// True while a GradientWriteScope is open on this thread.
 bool in_gradient_write_scope();
 
+/// While alive, in-place writes made on this thread move Storage::version() (what
+/// DataParallel compares) but are not counted by Storage::written_since (what
+/// autograd's saved tensors ask): for a runtime's writes into ranges of a flat buffer that no graph
+/// has read since they were last written, during a forward that has saved other ranges
+/// of it (Note [Deferred gathers are not writes] in src/parallel/shard_store.cpp).
+/// Nests; not for other code.
+class RefreshWriteScope {
+ public:
+  RefreshWriteScope();
+  ~RefreshWriteScope();
+  RefreshWriteScope(const RefreshWriteScope&) = delete;
+  RefreshWriteScope& operator=(const RefreshWriteScope&) = delete;
+
+ private:
+  bool outer_;
+};
+
+/// True while a RefreshWriteScope is open on this thread.
+bool in_refresh_write_scope();
+
 /// Accumulates the incoming gradient into a leaf's .grad (in place when it exists,
 /// so a .grad that views a flat gradient buffer stays a view), then runs the leaf's
 /// post-accumulate hooks.
@@ -159,9 +202,13 @@ void connect(const std::shared_ptr<Node>& node, const std::vector<Tensor>& input
              const std::vector<Tensor*>& outputs);
 
 /// Shorthand: when needs_grad(inputs), records a LambdaNode named `name` as the
-/// grad_fn of `output`. `fn` returns one gradient per input.
+/// grad_fn of `output`. `fn` returns one gradient per input. `saved` lists every tensor
+/// of the caller's that `fn` reads (or one sharing its storage: the forward's input or
+/// output), as PyTorch's save_for_backward does; an in-place write into one before
+/// backward makes backward throw (Note [Saved tensors and in-place writes]). Tensors
+/// the op made for itself and hands to nobody need not be listed.
 void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output,
-            LambdaNode::Fn fn);
+            std::initializer_list<Tensor> saved, LambdaNode::Fn fn);
 
 /// Called by a node's backward function while the engine runs it on this thread: the
 /// .grad of the leaf that the node's input `input_nr` is, lent for the node to add its

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -147,13 +148,27 @@ class Storage {
   /// once (a comm thread editing a gradient bucket while its worker's backward adds
   /// into another parameter's .grad in the same flat buffer); readers compare versions
   /// after the step that made the writes has joined its threads.
-  void bump_version();
+  void bump_version() { bump_version(0, nbytes_); }
+  /// The same for a write into bytes [begin, end) of the storage (a view's), which is
+  /// what saved tensors ask about (written_since).
+  void bump_version(std::size_t begin, std::size_t end);
   /// Counts the in-place writes, as the version does, except those the autograd engine
   /// makes into a leaf's .grad under a GradientWriteScope (it tracks those per leaf), and
   /// the reallocations of a released storage: a .grad zeroed at write epoch e still
   /// holds only +0 at epoch e unless its own leaf was written (Note [Gradients written
   /// over zeros] in src/autograd/node.cpp).
   std::uint64_t write_epoch() const { return write_epoch_.load(std::memory_order_relaxed); }
+  /// True when a write into bytes [begin, end) moved the version past `version`:
+  /// what autograd's saved tensors ask before backward reads them (Note [Saved tensors
+  /// and in-place writes] in src/autograd/node.cpp). Exact for the latest writes; of
+  /// older ones only that some range was written is kept, so it may say true for a
+  /// range that was not. Writes made in an autograd::RefreshWriteScope are not counted.
+  bool written_since(std::uint64_t version, std::size_t begin, std::size_t end) const;
+  /// Says that a released storage was materialised and written again with exactly what
+  /// it held when released (a re-gather from shards unwritten since): the writes since
+  /// the release no longer count for written_since. Call once the refill is written;
+  /// acts once per release.
+  void refilled_unchanged();
 
   /// Note [Released storage]
   /// A storage's memory can be given back to the device's allocator while every
@@ -173,6 +188,17 @@ class Storage {
   void* data_ = nullptr;
   std::atomic<std::uint64_t> version_{0};
   std::atomic<std::uint64_t> write_epoch_{0};
+  // Note [Saved tensors and in-place writes]: the latest writes, oldest first, and the
+  // newest version of those forgotten.
+  struct RangeWrite {
+    std::uint64_t version;
+    std::size_t begin, end;
+  };
+  mutable std::mutex writes_mutex_;
+  std::vector<RangeWrite> writes_;
+  std::uint64_t forgotten_ = 0;
+  std::uint64_t version_at_release_ = 0;
+  bool refill_pending_ = false;
   bool pinned_ = false;
   bool external_ = false;
   std::function<void(void*)> deleter_;
@@ -246,14 +272,18 @@ class Tensor {
   T* mutable_data() const {
     static_assert(!std::is_const_v<T>, "mutable_data is for writing; read through data<const T>()");
     T* p = data<T>();
-    storage()->bump_version();
+    note_write();
     return p;
   }
   void* mutable_raw_data() const {
     void* p = raw_data();
-    storage()->bump_version();
+    note_write();
     return p;
   }
+  /// Moves the storage version for a write into this tensor's bytes (what mutable_data
+  /// does): for writes made through data() where the version must move only once they
+  /// are done (Note [Storage versions]).
+  void note_write() const;
   const std::shared_ptr<Storage>& storage() const;
   std::int64_t storage_offset() const;
   TensorImpl* impl() const { return impl_.get(); }
