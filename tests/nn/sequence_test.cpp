@@ -364,3 +364,31 @@ TEST_CASE("gelu, exact and tanh-approximated, matches PyTorch with gradients; th
   CHECK(dp_test::throws_with([] { dp::nn::GELU g("fast"); }, {"\"none\" or \"tanh\", got \"fast\""}));
   CHECK(dp_test::throws_with([] { (void)dp::nn::gelu(dp::zeros({2}), "erf"); }, {"got \"erf\""}));
 }
+
+TEST_CASE("layer_norm of a constant row is exactly the bias, as PyTorch's (Note [An exact mean for a constant row])") {
+  // One mean rounding off the row's value made (x - mean) * rstd = 1e-5 / sqrt(eps)-sized
+  // noise: 0.01 where PyTorch gives the bias exactly. Values and widths whose plain mean
+  // sum(x) / cols does round off c (checked below for the first few).
+  int rounded_off = 0;
+  for (std::int64_t cols : {3, 7, 100, 128, 384, 768, 1000}) {
+    for (float c : {0.1f, -0.7f, 3.3f, 1e-3f, 123.456f}) {
+      CAPTURE(cols);
+      CAPTURE(c);
+      std::vector<float> row(static_cast<std::size_t>(2 * cols), c);
+      Tensor x = dp::from_vector(row, {2, cols});
+      Tensor bias = dp::full({cols}, 0.25);
+      Tensor y = dp::nn::layer_norm(x, {cols}, dp::full({cols}, 2.0), bias, 1e-5);
+      for (float v : y.to_vector()) REQUIRE(v == 0.25f);
+      // The plain mean, to show the case is a real one.
+      const float plain = dp::sum(dp::from_vector(std::vector<float>(static_cast<std::size_t>(cols), c), {cols})).item() /
+                          static_cast<float>(cols);
+      if (plain != c) ++rounded_off;
+      // The gradient through a constant row: rstd (g - mean(g)) with x̂ = 0, finite.
+      Tensor xg = x.clone().set_requires_grad(true);
+      Tensor up = dp::from_vector(std::vector<float>(static_cast<std::size_t>(2 * cols), 1.0f), {2, cols});
+      dp::sum(dp::nn::layer_norm(xg, {cols}) * up).backward();
+      for (float g : xg.grad().to_vector()) REQUIRE(std::fabs(g) < 1e-3f);
+    }
+  }
+  CHECK(rounded_off > 0);
+}

@@ -612,6 +612,18 @@ void maxpool_backward_kernel(CpuBackend& be, Device dev, const MaxPool2dBackward
 // threads; gw and gb are summed per block of kLayerNormRows rows and the blocks added in
 // block order: the shape alone fixes every order, so the designs stay bitwise alike. The
 // values are the composed ops' to float32 rounding (nn_layer_norm_test compares them).
+//
+// Note [An exact mean for a constant row]
+// The mean sum(x) / cols rounds twice, so for a row of one value c it may land an ulp or
+// two off c, and then every x - mean is that small difference times rstd, which for a
+// zero variance is 1 / sqrt(eps): about 3e-5 of noise became 0.01 in the output, where
+// PyTorch (Welford's update, whose mean stays c) gives exactly the bias. A row of
+// padding, or of one repeated embedding, is such a row. A second pass adds the mean of
+// the residuals x - mean: for a constant row each residual is the same small float d,
+// their sum cols·d is exact (d has a few significant bits), times 1/cols it rounds back
+// to d, and mean + d is c exactly, so the output is the bias; for any other row it is
+// the classic correction of a two-pass mean, as accurate or more. The CUDA kernel does
+// the same (Note [Fused LayerNorm on CUDA]).
 constexpr i64 kLayerNormRows = 64;
 
 /// Σ f(j) over j in [0, n), as the reductions sum (fold_lanes).
@@ -631,7 +643,9 @@ void layer_norm_kernel(CpuBackend& be, Device dev, const LayerNormArgs& a) {
     for (i64 r = r0; r < r1; ++r) {
       const float* xr = x + r * cols;
       float* yr = y + r * cols;
-      const float mu = lane_sum(cols, [&](i64 j) { return xr[j]; }) * inv_cols;
+      // Note [An exact mean for a constant row].
+      const float mu0 = lane_sum(cols, [&](i64 j) { return xr[j]; }) * inv_cols;
+      const float mu = mu0 + lane_sum(cols, [&](i64 j) { return xr[j] - mu0; }) * inv_cols;
       const float var = lane_sum(cols, [&](i64 j) { const float d = xr[j] - mu; return d * d; }) * inv_cols;
       const float rs = 1.0f / std::sqrt(var + a.eps);
       a.mean[r] = mu;

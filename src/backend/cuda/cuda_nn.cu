@@ -601,7 +601,8 @@ __global__ void channel_fill_wide_kernel(i64 total, i64 HW, i64 C, const E* __re
 // ---- kernels: layer norm ------------------------------------------------------------------
 // Note [Fused LayerNorm on CUDA]
 // Op::LayerNorm and Op::LayerNormBackward in float32 with the CPU kernel's formulas
-// (Note [Fused LayerNorm] in cpu_nn.cpp): mean, then the centred sum of squares over
+// (Note [Fused LayerNorm] in cpu_nn.cpp): mean, corrected by the residuals' mean (Note
+// [An exact mean for a constant row] there), then the centred sum of squares over
 // the row held in registers (two passes, never E[x^2] - mean^2, which cancels), rstd =
 // 1 / sqrt(var + eps) correctly rounded; backward gx = rstd (g - mean(g) - x̂ mean(g x̂)).
 //
@@ -693,7 +694,19 @@ __global__ void __launch_bounds__(kLnThreads)
     } else {
       for (i64 j = t; j < cols; j += kTeam) s += xr[j];
     }
-    const float mu = team_sum<kTeam>(s, smem) * inv_cols;
+    const float mu0 = team_sum<kTeam>(s, smem) * inv_cols;
+    // Note [An exact mean for a constant row] in cpu_nn.cpp: the residuals' mean added.
+    float c = 0.0f;
+    if constexpr (V > 0) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const i64 j = t + static_cast<i64>(k) * kTeam;
+        if (j < cols) c += v[k] - mu0;
+      }
+    } else {
+      for (i64 j = t; j < cols; j += kTeam) c += xr[j] - mu0;
+    }
+    const float mu = __fadd_rn(mu0, __fmul_rn(team_sum<kTeam>(c, smem), inv_cols));
     float q = 0.0f;
     if constexpr (V > 0) {
 #pragma unroll
