@@ -40,7 +40,9 @@
 // the last place per op, in a program that computes in 16 bits anywhere (a cast, or an
 // op under autocast), since the float64 run rounds at the casts as PyTorch does, so
 // PyTorch's own error there hides where a backward formula rounds an intermediate). A norm over a nearly constant group (variance below
-// 1e-3) is not drawn: its output is rounding noise over sqrt(eps). A lost term, a wrong
+// 1e-3) is not drawn: its output is rounding noise over sqrt(eps). A layer_norm row of
+// one value is drawn: its mean is that value in both libraries (Note [An exact mean for
+// a constant row]), the output exactly the bias. A lost term, a wrong
 // broadcast, a transposed index, a wrong dtype or a missing gradient is far outside it;
 // an op dp refuses where PyTorch runs it is reported too. CI replays a fixed corpus
 // (tests/tensor/op_fuzz_corpus.safetensors, programs 0..N-1, written by the script with
