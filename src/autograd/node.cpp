@@ -97,7 +97,7 @@ void Node::save_versions(std::initializer_list<Tensor> saved) {
   for (const Tensor& t : saved) {
     if (t.defined() && t.storage()) {
       const std::size_t begin = static_cast<std::size_t>(t.storage_offset()) * element_size(t.dtype());
-      saved_versions_.push_back({t.storage(), t.storage()->version(), begin, begin + t.nbytes(), i});
+      saved_versions_.push_back({t.storage(), t.storage()->version(), begin, begin + t.nbytes(), i, t.dtype()});
     }
     ++i;
   }
@@ -105,8 +105,9 @@ void Node::save_versions(std::initializer_list<Tensor> saved) {
 
 void Node::check_saved_versions() const {
   for (const SavedVersion& s : saved_versions_) {
-    DP_CHECK(!s.storage->written_since(s.version, s.begin, s.end), name(), ": saved tensor ", s.index,
-             " (an input or output of the forward, which its backward reads) was modified by an in-place "
+    DP_CHECK(!s.storage->written_since(s.version, s.begin, s.end), name(), ": saved tensor ", s.index, " (",
+             dtype_name(s.dtype), ", ", (s.end - s.begin) / element_size(s.dtype), " elements on ", s.storage->device(),
+             "; an input or output of the forward, which its backward reads) was modified by an in-place "
              "operation after the forward: its storage was at version ", s.version, " then and is at version ",
              s.storage->version(), " now. The gradient would be computed from the new values. Make that write "
              "out of place (y = y * 2 for y.mul_(2)), move it after backward(), or write into a clone() "

@@ -190,7 +190,8 @@ TEST_CASE("a write through another view of a saved tensor's storage is seen") {
   Tensor y = dp::exp(x);
   Tensor alias = y.detach().reshape({2, 2}).narrow(0, 1, 1);  // shares y's storage
   alias.mul_(2.0f);
-  CHECK_THROWS_WITH_AS(y.sum().backward(), doctest::Contains("ExpBackward"), dp::Error);
+  const std::string message = error_of([&] { y.sum().backward(); });
+  CHECK(message.find("ExpBackward: saved tensor 0 (float32, 4 elements on cpu:0") != std::string::npos);
 }
 
 TEST_CASE("writes into tensors that no backward reads stay allowed and the gradients right") {

@@ -75,6 +75,7 @@ class Node : public std::enable_shared_from_this<Node> {
     std::uint64_t version;
     std::size_t begin, end;  // the tensor's bytes in the storage
     int index;               // position in the saved list, for the message
+    Dtype dtype;
   };
   std::vector<SavedVersion> saved_versions_;
 };
