@@ -22,10 +22,6 @@ std::atomic<std::uint64_t> g_next_sequence_nr{0};
 // AccumulateGrad, and their forwards all ask for its accumulator. Both are serialized per
 // leaf by a mutex picked from the leaf's address. Hooks run outside it: a DDP hook may
 // wait for other workers, which may be waiting for this mutex.
-// Note [Gradients written over zeros]: set while this thread writes into a leaf's .grad.
-thread_local bool t_gradient_write = false;
-// RefreshWriteScope: set while this thread refreshes ranges no graph has read.
-thread_local bool t_refresh_write = false;
 
 std::mutex& leaf_mutex(const void* leaf) {
   static std::mutex stripes[64];  // more stripes than concurrent workers; collisions only slow down
@@ -173,17 +169,28 @@ void LambdaNode::release_saved() {
 // products, through oneDNN's kernels and the small-k loop. Measured in
 // docs/benchmarks/log.md, "A seventh look".
 
-GradientWriteScope::GradientWriteScope() : outer_(!t_gradient_write) { t_gradient_write = true; }
-GradientWriteScope::~GradientWriteScope() {
-  if (outer_) t_gradient_write = false;
-}
-bool in_gradient_write_scope() { return t_gradient_write; }
+// One flag per kind and thread: GradientWriteScope for the engine's writes into a leaf's
+// .grad (Note [Gradients written over zeros]), RefreshWriteScope for ranges no graph has
+// read (Note [Deferred gathers are not writes]).
+namespace {
+template <class Kind>
+thread_local bool t_flag = false;
+}  // namespace
 
-RefreshWriteScope::RefreshWriteScope() : outer_(!t_refresh_write) { t_refresh_write = true; }
-RefreshWriteScope::~RefreshWriteScope() {
-  if (outer_) t_refresh_write = false;
+template <class Kind>
+ThreadFlagScope<Kind>::ThreadFlagScope() : outer_(!t_flag<Kind>) {
+  t_flag<Kind> = true;
 }
-bool in_refresh_write_scope() { return t_refresh_write; }
+template <class Kind>
+ThreadFlagScope<Kind>::~ThreadFlagScope() {
+  if (outer_) t_flag<Kind> = false;
+}
+template <class Kind>
+bool ThreadFlagScope<Kind>::active() {
+  return t_flag<Kind>;
+}
+template class ThreadFlagScope<GradientWriteKind>;
+template class ThreadFlagScope<RefreshWriteKind>;
 
 GradSink AccumulateGrad::sink() {
   GradSink s;

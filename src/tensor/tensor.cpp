@@ -69,9 +69,9 @@ Storage::Storage(Device device, void* data, std::size_t nbytes, std::function<vo
 void Storage::bump_version(std::size_t begin, std::size_t end) {
   const std::uint64_t v = version_.fetch_add(1, std::memory_order_relaxed) + 1;
   // Note [Gradients written over zeros] in src/autograd/node.cpp.
-  if (!autograd::in_gradient_write_scope()) write_epoch_.fetch_add(1, std::memory_order_relaxed);
+  if (!autograd::GradientWriteScope::active()) write_epoch_.fetch_add(1, std::memory_order_relaxed);
   // Note [Saved tensors and in-place writes] in src/autograd/node.cpp.
-  if (autograd::in_refresh_write_scope()) return;
+  if (autograd::RefreshWriteScope::active()) return;
   std::lock_guard<std::mutex> lock(writes_mutex_);
   constexpr std::size_t kKept = 64;
   if (writes_.size() == kKept) {  // forget the older half
@@ -112,6 +112,7 @@ void Storage::refilled_unchanged() {
   std::lock_guard<std::mutex> lock(writes_mutex_);
   std::erase_if(writes_, [&](const RangeWrite& w) { return w.version > version_at_release_; });
 }
+
 void Storage::materialize() {
   if (!released_) return;
   data_ = backend::get(device_).allocate(device_, nbytes_);

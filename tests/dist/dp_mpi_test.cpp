@@ -1194,12 +1194,18 @@ struct Bomb : dp::nn::Module {
 // (process 0 times out); the messages must name the save and its rule.
 // "save_alone_dropout": the same as "save_alone" for DDP with a Dropout layer, whose
 // streams the save gathers.
+// "stale_input" (DDP): the last process writes into its input batch between its forward
+// and its backward, which throws there (Note [Saved tensors and in-place writes]); the
+// others wait for its gradients in the backward's all-reduce. "stale_step" (Sharded
+// stage 3): every process steps between a forward and its backward, and every
+// backward throws. Across processes a failed worker ends the job (multi-node.md, "Fault
+// policy"); in one process training goes on (loop_patterns_test).
 int run_fault(const std::string& mode) {
   auto net = make_mlp(kSeed);
   auto bomb = std::make_shared<Bomb>();
   net->push_back(bomb);
   dp::DataParallelOptions options{.mode = dp::Mode::DDP};
-  if (mode == "throw_stage3") options = {.mode = dp::Mode::Sharded, .shard_stage = 3};
+  if (mode == "throw_stage3" || mode == "stale_step") options = {.mode = dp::Mode::Sharded, .shard_stage = 3};
   if (mode.rfind("hang_", 0) == 0 || mode == "save_alone" || mode == "save_alone_wait")
     options = {.mode = dp::Mode::Sharded, .shard_stage = 2};
   if (mode == "save_alone_dropout") net->push_back(std::make_shared<dp::nn::Dropout>(0.2, kSeed));
@@ -1218,7 +1224,15 @@ int run_fault(const std::string& mode) {
     Batch b = make_batch(rows, 100 + static_cast<std::uint64_t>(s));
     const auto [lo, n] = my_rows(rows);
     opt.zero_grad();
-    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    if (s == 3 && mode.rfind("stale_", 0) == 0) {
+      Tensor x = b.x.narrow(0, lo, n).clone();
+      Tensor loss = loss_fn(model(x), b.y.narrow(0, lo, n));
+      if (mode == "stale_input" && victim) x.mul_(2.0f);
+      if (mode == "stale_step") opt.step();
+      loss.backward();
+    } else {
+      model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    }
     if (s == 3 && mode.rfind("save_alone", 0) == 0) {
       if (dist::is_main()) {
         dp::TrainingState st;

@@ -119,42 +119,40 @@ class GradSink {
   std::unique_lock<std::mutex> lock_;
 };
 
-/// While alive, in-place writes made on this thread leave Storage::write_epoch() where
-/// it is: for the engine's writes into a leaf's .grad, which it tracks per leaf (Note
-/// [Gradients written over zeros]). Nests; not for other code.
-class GradientWriteScope {
+/// A flag of this thread, set while a scope of its Kind is alive. Scopes nest; the
+/// outermost one clears the flag. `active()` reads it. The two kinds below are the
+/// only instances (defined in node.cpp); not for other code.
+template <class Kind>
+class ThreadFlagScope {
  public:
-  GradientWriteScope();
-  ~GradientWriteScope();
-  GradientWriteScope(const GradientWriteScope&) = delete;
-  GradientWriteScope& operator=(const GradientWriteScope&) = delete;
+  ThreadFlagScope();
+  ~ThreadFlagScope();
+  ThreadFlagScope(const ThreadFlagScope&) = delete;
+  ThreadFlagScope& operator=(const ThreadFlagScope&) = delete;
+  /// True while a scope of this Kind is open on this thread.
+  static bool active();
 
  private:
   bool outer_;
 };
 
-/// True while a GradientWriteScope is open on this thread.
-bool in_gradient_write_scope();
+struct GradientWriteKind;
+struct RefreshWriteKind;
+extern template class ThreadFlagScope<GradientWriteKind>;
+extern template class ThreadFlagScope<RefreshWriteKind>;
+
+/// While alive, in-place writes made on this thread leave Storage::write_epoch() where
+/// it is: for the engine's writes into a leaf's .grad, which it tracks per leaf (Note
+/// [Gradients written over zeros]).
+using GradientWriteScope = ThreadFlagScope<GradientWriteKind>;
 
 /// While alive, in-place writes made on this thread move Storage::version() (what
 /// DataParallel compares) but are not counted by Storage::written_since (what
-/// autograd's saved tensors ask): for a runtime's writes into ranges of a flat buffer that no graph
-/// has read since they were last written, during a forward that has saved other ranges
-/// of it (Note [Deferred gathers are not writes] in src/parallel/shard_store.cpp).
-/// Nests; not for other code.
-class RefreshWriteScope {
- public:
-  RefreshWriteScope();
-  ~RefreshWriteScope();
-  RefreshWriteScope(const RefreshWriteScope&) = delete;
-  RefreshWriteScope& operator=(const RefreshWriteScope&) = delete;
-
- private:
-  bool outer_;
-};
-
-/// True while a RefreshWriteScope is open on this thread.
-bool in_refresh_write_scope();
+/// autograd's saved tensors ask): for a runtime's writes into ranges of a flat buffer
+/// that no graph has read since they were last written, during a forward that has saved
+/// other ranges of it (Note [Deferred gathers are not writes] in
+/// src/parallel/shard_store.cpp).
+using RefreshWriteScope = ThreadFlagScope<RefreshWriteKind>;
 
 /// Accumulates the incoming gradient into a leaf's .grad (in place when it exists,
 /// so a .grad that views a flat gradient buffer stays a view), then runs the leaf's
