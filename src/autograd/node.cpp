@@ -299,8 +299,8 @@ void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output,
 }
 
 void add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook) {
-  DP_CHECK(t.is_leaf() && t.requires_grad(),
-           "post-accumulate hooks need a leaf that requires grad, got ", t.str());
+  DP_CHECK(t.defined() && t.is_leaf(), "post-accumulate hooks need a leaf tensor, got ",
+           t.defined() ? t.str() : "an undefined tensor");
   meta(t).post_accumulate_hooks.push_back(std::move(hook));
 }
 

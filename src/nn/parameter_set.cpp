@@ -235,6 +235,29 @@ void ParameterSet::drop_compute() {
   compute_dtype_.reset();
 }
 
+// Note [Frozen parameters]
+// A parameter frozen with set_requires_grad(false) (fine-tuning with a frozen backbone or
+// embedding) gets no gradient and is not stepped: PyTorch leaves its .grad None and
+// every optimizer skips it. What the user freezes is the primary, the module's own
+// parameter; the other copies are the runtime's leaves, made requiring grad. So before
+// every forward of its workers DataParallel makes each copy's leaf require grad as the
+// primary's does (follow_primary_requires_grad): no device computes a gradient for a
+// frozen parameter, whichever design runs and whenever it was frozen or unfrozen, and
+// its .grad stays what zero_grad left (zeros in every copy's buffer, so every reduction
+// sums zeros there). The optimizers read the primary's flag at each step and leave a
+// frozen parameter's values and state alone (Note [Fused optimizer steps] in
+// dp/optim/optimizer.h). The copies' post-accumulate hooks stay registered while frozen:
+// they fire again once the parameter is unfrozen.
+void ParameterSet::follow_primary_requires_grad() {
+  for (auto& s : slots_) {
+    const bool on = s->copies[0].requires_grad();
+    for (std::size_t r = 1; r < s->copies.size(); ++r) {
+      const Tensor& p = s->copies[r];
+      if (p.defined() && p.requires_grad() != on) Tensor(p).set_requires_grad(on);
+    }
+  }
+}
+
 void ParameterSet::zero_grad() {
   for (int r = 0; r < num_copies(); ++r) {
     if (copies_[r].grad.defined()) {

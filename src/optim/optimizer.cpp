@@ -1,6 +1,9 @@
 #include "dp/optim/optimizer.h"
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
+#include <string_view>
 #include <map>
 #include <set>
 #include <utility>
@@ -11,6 +14,24 @@
 #include "dp/optim/step_executor.h"
 
 namespace dp::optim {
+
+namespace {
+
+// i when `name` is "state.<i>.step" with i < n (an entry's own step count, Note [Frozen
+// parameters in a step]), else nullopt.
+std::optional<std::size_t> entry_step_index(const std::string& name, std::size_t n) {
+  constexpr std::string_view prefix = "state.", suffix = ".step";
+  if (name.size() <= prefix.size() + suffix.size() || name.compare(0, prefix.size(), prefix) != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return std::nullopt;
+  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (digits.empty() || digits.size() > 9 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
+  const auto i = static_cast<std::size_t>(std::stoul(digits));
+  return i < n ? std::optional<std::size_t>(i) : std::nullopt;
+}
+
+}  // namespace
 
 Optimizer::Optimizer(nn::ParameterList params, std::string kind) : kind_(std::move(kind)) {
   DP_CHECK(!params.empty(), kind_, ": expected at least one parameter, got an empty list; pass "
@@ -396,6 +417,33 @@ void Optimizer::prepare_states() {
   rebuild_states(old, old);
 }
 
+// Note [Frozen parameters in a step]: runs on the calling thread before the copies step.
+std::vector<std::int64_t> Optimizer::plan_pieces() {
+  const auto& slots = params_.slots();
+  std::vector<std::int64_t> frozen = frozen_steps_;
+  frozen.resize(params_.size(), 0);
+  std::vector<Piece> pieces;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].requires_grad()) {
+      ++frozen[i];
+      continue;
+    }
+    const std::int64_t begin = slots[i]->offset;
+    pieces.push_back(Piece{begin, begin + params_[i].numel(), step_ - frozen[i], frozen[i] > 0 && step_ - frozen[i] == 1});
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
+  pieces_.clear();
+  for (const Piece& piece : pieces) {
+    Piece* last = pieces_.empty() ? nullptr : &pieces_.back();
+    if (last && last->end == piece.begin && last->step == piece.step && last->fresh == piece.fresh) {
+      last->end = piece.end;
+    } else {
+      pieces_.push_back(piece);
+    }
+  }
+  return frozen;
+}
+
 void Optimizer::step_copy(int r) {
   nn::ParameterSet& set = *params_.set();
   nn::ParameterCopy& copy = set.copy(r);
@@ -408,11 +456,20 @@ void Optimizer::step_copy(int r) {
   std::vector<float*> sp(k);
   const std::vector<bool> started = st.started;  // a group may hold several ranges
   for (const Range& range : st.ranges) {
-    for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>() + range.state_offset;
-    const bool first = k > 0 && !started[range.group];
-    update_group(range.group, copy.device, p + (range.offset - span.begin), g + (range.offset - span.begin), sp.data(),
-                 range.numel, first, step_);
-    if (k > 0 && group_uses_state(range.group)) st.started[range.group] = true;
+    const std::int64_t end = range.offset + range.numel;
+    // The pieces of this step inside the range (Note [Frozen parameters in a step]).
+    auto it = std::upper_bound(pieces_.begin(), pieces_.end(), range.offset,
+                               [](std::int64_t at, const Piece& piece) { return at < piece.end; });
+    bool stepped = false;
+    for (; it != pieces_.end() && it->begin < end; ++it) {
+      const std::int64_t lo = std::max(it->begin, range.offset), hi = std::min(it->end, end);
+      for (std::size_t j = 0; j < k; ++j) sp[j] = st.buffers[j].data<float>() + range.state_offset + (lo - range.offset);
+      const bool first = k > 0 && (!started[range.group] || it->fresh);
+      update_group(range.group, copy.device, p + (lo - span.begin), g + (lo - span.begin), sp.data(), hi - lo, first,
+                   it->step);
+      stepped = true;
+    }
+    if (stepped && k > 0 && group_uses_state(range.group)) st.started[range.group] = true;
   }
   // Moved by hand, once every range is stepped, not by mutable_data before: a copy whose
   // update threw keeps its version, so DataParallel sees the copies were written
@@ -465,7 +522,9 @@ void Optimizer::step() {
   try {
     if (const auto& set = params_.set()) {
       prepare_states();
+      std::vector<std::int64_t> frozen = plan_pieces();
       step_copies(*set);
+      frozen_steps_ = std::move(frozen);
       set->bump_version();
     } else {
       step_loose();
@@ -633,6 +692,10 @@ nn::StateDict Optimizer::state_dict() {
       sd.emplace_back(detail::str_cat("state.", i, ".", names[k]),
                       buffers[k].narrow(0, entry_state_offset_[i], p.numel()).reshape(p.shape()));
     }
+    // Note [Frozen parameters in a step]: an entry's own count, where it differs.
+    if (i < frozen_steps_.size() && frozen_steps_[i] > 0)
+      sd.emplace_back(detail::str_cat("state.", i, ".step"),
+                      full({}, static_cast<double>(step_ - frozen_steps_[i]), TensorOptions{Dtype::Int64, Device{}}));
   }
   return sd;
 }
@@ -641,10 +704,13 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   check_valid();
   const auto names = state_names();
   const Tensor* step_entry = nullptr;
-  nn::StateDict given;  // every entry but "step"
+  nn::StateDict given;  // every entry but "step" and the entries' own steps
+  std::vector<std::pair<std::size_t, const Tensor*>> entry_steps;  // Note [Frozen parameters in a step]
   for (const auto& [name, t] : state) {
     if (name == "step") {
       step_entry = &t;
+    } else if (const std::optional<std::size_t> i = entry_step_index(name, params_.size()); i && params_.set()) {
+      entry_steps.emplace_back(*i, &t);
     } else {
       given.emplace_back(name, t);
     }
@@ -653,6 +719,16 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
            ".load_state_dict: expected a scalar 'step' entry; is this an optimizer state_dict?");
   const std::int64_t step = static_cast<std::int64_t>(step_entry->item());
   DP_CHECK(step >= 0, kind_, ".load_state_dict: expected step >= 0, got ", step);
+  std::vector<std::int64_t> frozen(params_.set() ? params_.size() : 0, 0);
+  for (const auto& [i, t] : entry_steps) {
+    DP_CHECK(t->defined() && t->numel() == 1, kind_, ".load_state_dict: expected a scalar 'state.", i,
+             ".step', got ", t->defined() ? t->str() : "an undefined tensor");
+    const double own = t->item();
+    DP_CHECK(own >= 0 && own <= static_cast<double>(step) && own == std::floor(own), kind_,
+             ".load_state_dict: expected 'state.", i, ".step' to be a whole number in [0, ", step,
+             "] (the optimizer's step), got ", own);
+    frozen[i] = step - static_cast<std::int64_t>(own);
+  }
 
   // Which parameters the state covers: those with any entry; in a parameter set all of
   // a group's or none (Note [Optimizer state starts]; a loose list may also leave out
@@ -688,6 +764,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
 
   // Validated: now write.
   step_ = step;
+  frozen_steps_ = std::move(frozen);
   if (loose) {
     for (std::size_t i = 0; i < params_.size(); ++i) {
       states_[i] = CopyState{};

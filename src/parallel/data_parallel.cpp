@@ -78,6 +78,7 @@ class DataParallel::Step {
   Step(DataParallel& dp, const char* what, parallel::StepKind kind) : dp_(dp), kind_(kind) {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
     if (kind_.replicate || kind_.gather) sync_params_ = design().begin_replicate();
+    if (kind_.replicate) dp_.set_->follow_primary_requires_grad();  // Note [Frozen parameters]
     design().begin_step(kind_, sync_params_);
     if (kind_.backward) {
       design().forget_combined_grads();

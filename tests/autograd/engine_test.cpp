@@ -414,7 +414,17 @@ TEST_CASE("post-accumulate hooks fire once per accumulation, after .grad is upda
 
   Tensor y = x * 2.0;
   CHECK_THROWS_AS(dp::autograd::add_post_accumulate_hook(y, [](const Tensor&) {}), dp::Error);
-  CHECK_THROWS_AS(dp::autograd::add_post_accumulate_hook(dp::ones({1}), [](const Tensor&) {}), dp::Error);
+  CHECK_THROWS_AS(dp::autograd::add_post_accumulate_hook(Tensor(), [](const Tensor&) {}), dp::Error);
+  // A leaf that does not require grad (a frozen parameter) takes a hook, which fires once
+  // it does (Note [Frozen parameters]).
+  Tensor frozen = dp::ones({1});
+  int frozen_calls = 0;
+  dp::autograd::add_post_accumulate_hook(frozen, [&frozen_calls](const Tensor&) { ++frozen_calls; });
+  dp::sum(frozen * 2.0 + x).backward();
+  CHECK(frozen_calls == 0);
+  frozen.set_requires_grad(true);
+  dp::sum(frozen * 2.0).backward();
+  CHECK(frozen_calls == 1);
 }
 
 TEST_CASE("a node runs only after every path into it has delivered its gradient") {

@@ -218,7 +218,9 @@ GradSink grad_sink(int input_nr);
 /// Records that leaf `t`'s .grad was just filled with +0 (zero_grad).
 void mark_grad_zeroed(const Tensor& t);
 
-/// Registers a hook run after a gradient is accumulated into leaf `t`.
+/// Registers a hook run after a gradient is accumulated into leaf `t`. A leaf that does
+/// not require grad gets no gradient: its hooks run once it does (a frozen parameter
+/// unfrozen, Note [Frozen parameters] in src/nn/parameter_set.cpp).
 void add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook);
 void clear_post_accumulate_hooks(const Tensor& t);
 

@@ -229,6 +229,11 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// Every copy computes with its float32 parameters again: views and buffers dropped.
   void drop_compute();
 
+  /// Every copy's parameters require grad as the primary's do (Note [Frozen
+  /// parameters]): a runtime calls it before its workers' forward, so a parameter frozen
+  /// or unfrozen through parameters() is frozen or unfrozen on every device.
+  void follow_primary_requires_grad();
+
   /// Zeroes every copy's gradients: its gradient buffer, or while a runtime released it,
   /// the gradient of its span the runtime keeps (Note [Copy spans]).
   void zero_grad();

@@ -18,8 +18,9 @@
 // range or buffers change (DDP wrapping after some steps, sharding, unsharding, the
 // primary moving to another device, a load), its state is rebuilt from the states
 // that exist, element by element, the primary's first (Note [Optimizer state
-// layouts]). Every parameter in a set is stepped, also one whose gradient stayed zero
-// (PyTorch would skip a parameter whose .grad is None).
+// layouts]). Every parameter in a set that requires grad is stepped, also one whose
+// gradient stayed zero (PyTorch would skip a parameter whose .grad is None); one that
+// does not (frozen) is left alone, values and state (Note [Frozen parameters in a step]).
 // A list of loose tensors (no set) is stepped one tensor at a time; tensors without
 // a gradient are skipped.
 //
@@ -66,6 +67,21 @@
 // state group by group, all of a group's parameters or none; a group without entries
 // has not started. State dicts from before this rule hold every group and load as
 // started, as they did.
+//
+// Note [Frozen parameters in a step]
+// A parameter that does not require grad (set_requires_grad(false): a frozen backbone or
+// embedding) is not stepped: PyTorch leaves its .grad None, and its optimizers skip it,
+// weight decay and momentum included. dp's gradient buffers hold zeros for it instead,
+// so each step reads every entry's requires_grad (the module's parameter, what the user
+// froze) and steps only the runs of the buffers whose entries require grad, on every
+// copy (Note [Frozen parameters] in src/nn/parameter_set.cpp). PyTorch counts an Adam
+// step per parameter, from its first step with a gradient; so does dp: each entry keeps
+// the steps taken while it was frozen, and its own count (what Adam's bias correction
+// uses) is the optimizer's minus those. An entry unfrozen after frozen steps starts its
+// state as PyTorch does at its first step (SGD's momentum_buffer = g), and state_dict()
+// gives it a "state.<i>.step" entry of its own count (PyTorch's per-parameter "step"),
+// which load_state_dict() takes back; entries never frozen follow the optimizer's
+// "step". Freeze the same parameters on every process of a job.
 #pragma once
 
 #include <cstddef>
@@ -294,6 +310,19 @@ class Optimizer {
   std::vector<std::int64_t> entry_state_offset_;  // per list entry (set case), in ranges_' layout
   std::vector<CopyState> states_;                 // per copy (set) or per tensor (loose)
   std::int64_t step_ = 0;
+  /// Note [Frozen parameters in a step]: per list entry (set case), the steps taken
+  /// while it was frozen; its own step count is step_ minus them.
+  std::vector<std::int64_t> frozen_steps_;
+  /// A run of the flat buffers stepped by this step, with its elements' step count;
+  /// `fresh`: their first step after steps taken frozen (their state starts now).
+  struct Piece {
+    std::int64_t begin = 0, end = 0, step = 0;
+    bool fresh = false;
+  };
+  std::vector<Piece> pieces_;  // sorted, disjoint; frozen entries left out
+  /// pieces_ for step_ (already counted) and the frozen_steps_ it leaves, from the
+  /// entries' requires_grad now.
+  std::vector<std::int64_t> plan_pieces();
 };
 
 }  // namespace dp::optim
