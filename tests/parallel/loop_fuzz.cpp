@@ -28,7 +28,8 @@
 // losses scaled by a GradScaler or not (unscale_ before clipping or alone; its state
 // in the checkpoints; forward_backward given the scaler beside its loss descriptor) with,
 // in one step, an infinite gradient on one device of one process only (Poison), which
-// must skip the step and halve the scale in every design —
+// must skip the step and halve the scale in every design; the first parameter frozen
+// (set_requires_grad(false)) in some steps, from a fourth stream —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too). The features added after the first grammar (groups, the tied
 // model, autocast, the wire dtype, param_dtype) are drawn from a second random stream
@@ -180,6 +181,7 @@ struct StepSpec {
   bool resume = false;        // a training checkpoint saved, loaded into fresh objects
   bool momentum_to_half = false;  // the last group's momentum (Adam: beta1) set to 0.5 first
   bool unscale = false;       // with a scaler: scaler.unscale_(opt) before the step even without clipping
+  bool freeze_first = false;  // parameters()[0] frozen (set_requires_grad(false)) during the step
 };
 
 enum class Optim { Sgd, Adam, AdamW };
@@ -289,6 +291,11 @@ Program generate(std::uint64_t seed) {
       p.poison_step = std::uniform_int_distribution<int>(0, static_cast<int>(p.steps.size()) - 1)(third);
     for (StepSpec& st : p.steps) st.unscale = third_chance(0.3);
   }
+  // The fourth stream: the first parameter frozen in some steps (Note [Frozen parameters]).
+  std::mt19937_64 fourth(seed * 0xBF58476D1CE4E5B9ull + 13);
+  auto fourth_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(fourth) < q; };
+  if (fourth_chance(0.25))
+    for (StepSpec& st : p.steps) st.freeze_first = fourth_chance(0.5);
   normalize(p);
   return p;
 }
@@ -607,6 +614,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
       auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
       if (st.momentum_to_half) opt.set_group_momentum(opt.num_param_groups() - 1, 0.5);
+      params[0].set_requires_grad(!st.freeze_first);
       if (st.edit_params) {
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
@@ -926,10 +934,12 @@ std::string cpp(const Program& p, const std::string& spelling) {
        << "});\n";
   // The module path's losses, scaled when the program has a scaler.
   auto scaled = [&](const std::string& loss) { return p.scaler ? "scaler.scale(" + loss + ")" : loss; };
+  const bool freezes = std::any_of(p.steps.begin(), p.steps.end(), [](const StepSpec& t) { return t.freeze_first; });
   for (std::size_t s = 0; s < p.steps.size(); ++s) {
     const StepSpec& st = p.steps[s];
     os << "// step " << s << "\n";
     if (st.momentum_to_half) os << "opt.set_group_momentum(opt.num_param_groups() - 1, 0.5);\n";
+    if (freezes) os << "model.parameters()[0].set_requires_grad(" << (st.freeze_first ? "false" : "true") << ");\n";
     if (st.edit_params)
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }\n";
     if (st.zero_grad) os << "opt.zero_grad();\n";
@@ -1025,6 +1035,7 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.resume, false); });
       with([](StepSpec& t) { return std::exchange(t.momentum_to_half, false); });
       with([](StepSpec& t) { return std::exchange(t.unscale, false); });
+      with([](StepSpec& t) { return std::exchange(t.freeze_first, false); });
       with([&](StepSpec& t) { return s > 0 && !std::exchange(t.zero_grad, true); });
       for (std::size_t m = 0; m < st.micros.size(); ++m) {
         auto micro = [&](auto edit) {
