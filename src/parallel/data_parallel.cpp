@@ -595,19 +595,41 @@ Tensor DataParallel::run_forward_backward(const char* what, const std::vector<Da
   const std::int64_t rows = check_inputs(what, inputs);
   DP_CHECK(target.defined() && target.dim() >= 1 && target.size(0) == rows, "DataParallel::", what,
            ": expected a target with ", rows, " rows, got ", target.defined() ? target.str() : "an undefined tensor");
-  Step step(*this, what, {.replicate = true, .backward = true});
   const int n = static_cast<int>(devices_.size());
   const ShardPlan plan = plan_shards(rows);
   std::vector<DataParallelInput> detached(inputs);
   for (auto& in : detached) in.tensor = in.tensor.detach();
   const Tensor tgt = target.detach();
+  // Note [Input gradients of forward_backward]
+  // An input that requires grad (a leaf: adversarial training, saliency; or the output
+  // of layers outside the wrapper: an embedding, an encoder on the host) gets its
+  // gradient as from loss_fn(model(x), y).backward(): each worker's piece is a leaf,
+  // their gradients are put together as a forward's are (Note [Scatter backward]) and
+  // backward runs from the inputs on this thread once the step is over, into a leaf's
+  // .grad or through the layers that made the input. Before, the inputs were detached
+  // and those layers silently got no gradient.
+  InputGrads input_grads;
+  std::vector<int> leaf_of(inputs.size(), -1);
+  if (is_grad_enabled())
+    for (std::size_t k = 0; k < inputs.size(); ++k) {
+      if (!inputs[k].tensor.requires_grad()) continue;
+      leaf_of[k] = static_cast<int>(input_grads.inputs.size());
+      input_grads.inputs.push_back(inputs[k].tensor);
+      input_grads.replicated.push_back(inputs[k].replicated);
+      input_grads.leaves.emplace_back(n);
+    }
   std::vector<Tensor> losses(n);
-  step.run([&](int r) {
-    GradModeGuard grad_guard(true);
-    design_->replicate(r, step.sync_params());
-    if (plan.sizes[r] > 0) losses[r] = worker_loss_backward(r, detached, tgt, plan, shard_loss, scaler);
-    reducer_->finalize(r);
-  });
+  {
+    Step step(*this, what, {.replicate = true, .backward = true});
+    step.run([&](int r) {
+      GradModeGuard grad_guard(true);
+      design_->replicate(r, step.sync_params());
+      if (plan.sizes[r] > 0)
+        losses[r] = worker_loss_backward(r, detached, tgt, plan, shard_loss, scaler, input_grads, leaf_of);
+      reducer_->finalize(r);
+    });
+  }
+  if (!input_grads.inputs.empty()) autograd::run_backward(input_grads.inputs, input_gradients(input_grads), false);
   // The batch loss: the weighted shard losses summed in device order.
   NoGradGuard no_grad;
   Tensor total;
@@ -623,9 +645,17 @@ Tensor DataParallel::run_forward_backward(const char* what, const std::vector<Da
 // scaler scales only what backward starts from, as scaler.scale(loss).backward()).
 Tensor DataParallel::worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs,
                                           const Tensor& target, const ShardPlan& plan, const ShardLoss& shard_loss,
-                                          const amp::GradScaler* scaler) {
+                                          const amp::GradScaler* scaler, InputGrads& input_grads,
+                                          const std::vector<int>& leaf_of) {
   std::vector<Tensor> xs;
-  for (const auto& in : inputs) xs.push_back(to_param_dtype(scatter_input(rank, in, plan, false)));
+  for (std::size_t k = 0; k < inputs.size(); ++k) {
+    // Note [Input gradients of forward_backward]: this rank's piece of an input that
+    // asked for a gradient is a leaf of this worker's graph.
+    const bool leaf = leaf_of[k] >= 0;
+    xs.push_back(scatter_input(rank, inputs[k], plan, leaf));
+    if (leaf) input_grads.leaves[static_cast<std::size_t>(leaf_of[k])][static_cast<std::size_t>(rank)] = xs.back();
+    xs.back() = to_param_dtype(xs.back());
+  }
   Tensor yr = scatter(rank, target, plan);
   Tensor loss;
   {
@@ -703,6 +733,10 @@ std::vector<Tensor> DataParallel::backward_from_gather(const std::vector<Tensor>
       reducer_->finalize(r);
     });
   }
+  return input_gradients(input_grads);
+}
+
+std::vector<Tensor> DataParallel::input_gradients(const InputGrads& input_grads) {
   std::vector<Tensor> out;
   for (std::size_t k = 0; k < input_grads.inputs.size(); ++k) {
     const Device dev = input_grads.inputs[k].device();

@@ -1,11 +1,12 @@
 // DataParallel with a module of several inputs: model(x, mask) and
 // forward_backward({x, mask}, y, loss) split every batched input with the same rows,
 // replicate 0-d and dp::replicated inputs, and give the unwrapped module's outputs,
-// losses, parameters and input gradients in DP, DDP and Sharded modes on 1-4 devices
-// (the three modes bitwise alike); bad inputs are clear errors.
+// losses, parameters and input gradients (forward_backward's too) in DP, DDP and Sharded
+// modes on 1-4 devices (the three modes bitwise alike); bad inputs are clear errors.
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <string>
 
 #include "dp/dp.h"
 #include "mlp_fixture.h"
@@ -58,6 +59,15 @@ struct Run {
 
 enum class Path { Module, WorkerLoss };
 
+std::vector<float> flat_grads(dp::nn::Module& m) {
+  std::vector<float> out;
+  for (const Tensor& p : m.parameters()) {
+    const std::vector<float> g = p.grad().to_vector();
+    out.insert(out.end(), g.begin(), g.end());
+  }
+  return out;
+}
+
 // 4 SGD steps; n == 0 is the unwrapped module on cpu(0). The first step's output and
 // input gradients are recorded (Module path).
 Run train(int n, dp::Mode mode, Path path, std::int64_t rows) {
@@ -76,18 +86,19 @@ Run train(int n, dp::Mode mode, Path path, std::int64_t rows) {
     Tensor x = b.x.clone().set_requires_grad(true), mask = b.mask.clone().set_requires_grad(true);
     Tensor loss;
     if (path == Path::WorkerLoss && model) {
-      loss = model->forward_backward({b.x, b.mask}, b.y, loss_fn);
+      // Inputs that require grad get it (Note [Input gradients of forward_backward]).
+      loss = model->forward_backward({x, mask}, b.y, loss_fn);
     } else {
       Tensor out = model ? (*model)(x, mask) : (*net)(x, mask);
       loss = loss_fn(out, b.y);
       loss.backward();
-      if (s == 0) {
-        res.out0 = out.to_vector();
-        REQUIRE(x.grad().defined());
-        REQUIRE(mask.grad().defined());
-        res.x_grad0 = x.grad().to_vector();
-        res.mask_grad0 = mask.grad().to_vector();
-      }
+      if (s == 0) res.out0 = out.to_vector();
+    }
+    if (s == 0) {
+      REQUIRE(x.grad().defined());
+      REQUIRE(mask.grad().defined());
+      res.x_grad0 = x.grad().to_vector();
+      res.mask_grad0 = mask.grad().to_vector();
     }
     res.losses.push_back(loss.item());
     opt.step();
@@ -117,11 +128,11 @@ TEST_CASE("model(x, mask) and forward_backward({x, mask}, y, loss) match the unw
           CHECK(max_diff(a.out0, ref.out0) < 1e-6);
           CHECK(a.out0 == b.out0);
           CHECK(a.out0 == c.out0);
-          CHECK(max_diff(a.x_grad0, ref.x_grad0) < 1e-6);
-          CHECK(max_diff(a.mask_grad0, ref.mask_grad0) < 1e-6);
-          CHECK(a.x_grad0 == b.x_grad0);
-          CHECK(a.mask_grad0 == c.mask_grad0);
         }
+        CHECK(max_diff(a.x_grad0, ref.x_grad0) < 1e-6);
+        CHECK(max_diff(a.mask_grad0, ref.mask_grad0) < 1e-6);
+        CHECK(a.x_grad0 == b.x_grad0);
+        CHECK(a.mask_grad0 == c.mask_grad0);
         // One arithmetic in every design: bitwise identical on CPU devices.
         CHECK(a.params == b.params);
         CHECK(a.params == c.params);
@@ -154,11 +165,59 @@ TEST_CASE("replicated inputs: every device gets them whole; their gradient is su
     REQUIRE(scale.grad().defined());
     CHECK(dp::max_abs_diff(scale.grad(), scale_ref.grad()) < 1e-6);
 
+    // forward_backward sums a replicated input's gradient over the devices too.
+    Tensor scale_fb = scale_host.clone().set_requires_grad(true);
+    (void)model.forward_backward({b.x, b.mask, dp::replicated(scale_fb)}, b.y, loss_fn);
+    REQUIRE(scale_fb.grad().defined());
+    CHECK(dp::max_abs_diff(scale_fb.grad(), scale_ref.grad()) < 1e-6);
+
     // A 0-d input is replicated without the mark; forward_backward takes it too.
     Tensor two = dp::scalar_tensor(2.0f);
     CHECK(dp::max_abs_diff(model(b.x, b.mask, two), (*ref_net)(b.x, b.mask, two)) < 1e-6);
     Tensor l = model.forward_backward({b.x, b.mask, two}, b.y, loss_fn);
     CHECK(std::fabs(l.item() - loss_fn((*ref_net)(b.x, b.mask, two), b.y).item()) < 1e-6);
+  }
+}
+
+TEST_CASE("forward_backward sends an input's gradient into the layers that made it, as backward() does") {
+  // An encoder outside the wrapper: before, forward_backward detached its output and the
+  // encoder silently got no gradient (Note [Input gradients of forward_backward]).
+  for (dp::Mode mode : {dp::Mode::DP, dp::Mode::DDP, dp::Mode::Sharded}) {
+    const std::string name = mode_name(mode);
+    CAPTURE(name);
+    for (bool descriptor : {false, true}) {
+      CAPTURE(descriptor);
+      dp::Generator gen(11), ref_gen(11);
+      auto enc = std::make_shared<dp::nn::Linear>(6, 6, true, &gen);
+      auto enc_ref = std::make_shared<dp::nn::Linear>(6, 6, true, &ref_gen);
+      auto net = std::make_shared<MaskedNet>(3), ref_net = std::make_shared<MaskedNet>(3);
+      dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = mode});
+      const MaskedBatch b = make_masked_batch(7, 4);
+      Tensor h = enc->forward(b.x);
+      if (descriptor) {
+        (void)model.forward_backward({h, b.mask}, b.y, dp::nn::CrossEntropyLoss{});
+      } else {
+        (void)model.forward_backward({h, b.mask}, b.y, loss_fn);
+      }
+      loss_fn((*ref_net)(enc_ref->forward(b.x), b.mask), b.y).backward();
+      for (std::size_t i = 0; i < 2; ++i) {
+        CAPTURE(i);
+        REQUIRE(enc->parameters()[i].grad().defined());
+        CHECK(dp::max_abs_diff(enc->parameters()[i].grad(), enc_ref->parameters()[i].grad()) < 1e-6);
+      }
+      // Sharded keeps the summed gradients on their owners (no whole .grad to compare).
+      if (mode != dp::Mode::Sharded) CHECK(max_diff(flat_grads(*net), flat_grads(*ref_net)) < 1e-6);
+    }
+    // Under no_grad the caller asked for no input gradient, as model(x) then gives none.
+    auto net = std::make_shared<MaskedNet>(3);
+    dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)}, {.mode = mode});
+    const MaskedBatch b = make_masked_batch(5, 4);
+    Tensor x = b.x.clone().set_requires_grad(true);
+    {
+      dp::NoGradGuard no_grad;
+      (void)model.forward_backward({x, b.mask}, b.y, loss_fn);
+    }
+    CHECK_FALSE(x.grad().defined());
   }
 }
 

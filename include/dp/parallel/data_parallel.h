@@ -312,7 +312,10 @@ class DataParallel {
   /// The faster path: every worker computes loss_fn on its own shard and runs
   /// backward; no outputs are gathered. Returns the batch's mean loss (a scalar on
   /// the output device, without autograd history). loss_fn must return its shard's
-  /// mean over rows (see LossFn); prefer a loss descriptor, which is exact always.
+  /// mean over rows (see LossFn); prefer a loss descriptor, which is exact always. An
+  /// input that requires grad (with grad mode on) gets its gradient as from
+  /// loss_fn(model(x), y).backward(): into its .grad, or through the layers that made it
+  /// (Note [Input gradients of forward_backward] in src/parallel/data_parallel.cpp).
   Tensor forward_backward(const Tensor& x, const Tensor& target, const LossFn& loss_fn);
 
   /// forward_backward with a loss descriptor of dp/nn/loss.h, whose reduction is known:
@@ -468,7 +471,11 @@ class DataParallel {
                               const Tensor& target, const ShardLoss& shard_loss,
                               const amp::GradScaler* scaler = nullptr);
   Tensor worker_loss_backward(int rank, const std::vector<DataParallelInput>& inputs, const Tensor& target,
-                              const ShardPlan& plan, const ShardLoss& shard_loss, const amp::GradScaler* scaler);
+                              const ShardPlan& plan, const ShardLoss& shard_loss, const amp::GradScaler* scaler,
+                              InputGrads& input_grads, const std::vector<int>& leaf_of);
+  /// The gradient of every input in `input_grads`, from its per-rank leaves (Note
+  /// [Scatter backward]).
+  static std::vector<Tensor> input_gradients(const InputGrads& input_grads);
   void run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn);
   void abort_step(int rank, const std::exception_ptr& error);
   void check_finite(int rank, const Tensor& grad, std::int64_t offset);
