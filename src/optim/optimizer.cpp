@@ -692,11 +692,13 @@ nn::StateDict Optimizer::state_dict() {
       sd.emplace_back(detail::str_cat("state.", i, ".", names[k]),
                       buffers[k].narrow(0, entry_state_offset_[i], p.numel()).reshape(p.shape()));
     }
-    // Note [Frozen parameters in a step]: an entry's own count, where it differs.
-    if (i < frozen_steps_.size() && frozen_steps_[i] > 0)
+  }
+  // Note [Frozen parameters in a step]: an entry's own count where it differs, also for
+  // an entry whose group has not started (frozen since the first step).
+  for (std::size_t i = 0; i < frozen_steps_.size(); ++i)
+    if (frozen_steps_[i] > 0)
       sd.emplace_back(detail::str_cat("state.", i, ".step"),
                       full({}, static_cast<double>(step_ - frozen_steps_[i]), TensorOptions{Dtype::Int64, Device{}}));
-  }
   return sd;
 }
 

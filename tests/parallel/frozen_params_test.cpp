@@ -216,6 +216,41 @@ TEST_CASE("an entry's own step count survives state_dict and load_state_dict; ba
                        doctest::Contains("expected a scalar 'state.0.step'"), dp::Error);
 }
 
+TEST_CASE("a group frozen since the first step, saved and resumed before it is unfrozen, continues bit for bit") {
+  // Its group has no state yet (Note [Optimizer state starts]); its entries' own step
+  // counts (0) must still travel, or Adam's bias correction restarts from the
+  // optimizer's count after the resume.
+  auto make = [](dp::nn::Sequential& net) {
+    auto params = net.parameters();
+    Tensor w0 = params[0], b0 = params[1];
+    auto first = params.filter([&](const Tensor& p) { return p.impl() == w0.impl() || p.impl() == b0.impl(); });
+    auto rest = params.filter([&](const Tensor& p) { return p.impl() != w0.impl() && p.impl() != b0.impl(); });
+    return std::make_unique<dp::optim::AdamW>(std::vector<dp::optim::AdamParamGroup>{{rest}, {first, {.lr = 0.02}}},
+                                              dp::optim::AdamWOptions{.lr = 0.05});
+  };
+  auto steps = [](dp::nn::Sequential& net, dp::optim::Optimizer& o, int first, int last) {
+    for (int s = first; s < last; ++s) {
+      const Batch b = make_batch(8, 40 + static_cast<std::uint64_t>(s));
+      o.zero_grad();
+      loss_fn(net.forward(b.x), b.y).backward();
+      o.step();
+    }
+  };
+  auto net = make_mlp(8);
+  auto opt = make(*net);
+  freeze(*(*net)[0], true);
+  steps(*net, *opt, 0, 3);
+  const dp::nn::StateDict sd = opt->state_dict();
+  auto resumed = make_mlp(8);
+  resumed->load_state_dict(net->state_dict());
+  auto opt2 = make(*resumed);
+  opt2->load_state_dict(sd);
+  freeze(*(*net)[0], false);
+  steps(*net, *opt, 3, 5);
+  steps(*resumed, *opt2, 3, 5);
+  CHECK(bitwise(flat(net->state_dict()), flat(resumed->state_dict())));
+}
+
 TEST_CASE("a frozen parameter gets no gradient on any device and is not stepped, in every design") {
   const Run single = train(0, std::nullopt);
   // The schedule freezes them: unchanged while frozen, moved while trained.
