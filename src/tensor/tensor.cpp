@@ -652,6 +652,25 @@ Tensor Tensor::contiguous() const {
 // updates of parameters. What the write leaves behind is then caught where it matters:
 // a node that saved the tensor for backward sees its storage's version move (Note
 // [Saved tensors and in-place writes] in src/autograd/node.cpp).
+// The same holds the other way round: a write of a SOURCE that requires grad (copy_,
+// add_) into a tensor that does not would hand the source's values on without their
+// gradient (buf.copy_(x * 2); (buf + x).sum().backward() gave x.grad = 1, not 3, and
+// out.narrow(1, off, n).copy_(part) filled an output that no gradient left). PyTorch
+// records it; dp refuses it with grad mode on and names the out-of-place ops (cat for
+// slices, + for add_, where for masked writes) or detach() when no gradient should flow.
+void detail::check_inplace_grad(const char* op, const Tensor& t, const Tensor& source) {
+  check_inplace_grad(op, t);
+  if (!is_grad_enabled() || !source.defined() || !source.requires_grad()) return;
+  const auto fn = source.grad_fn();
+  DP_CHECK(false, op, ": expected a source that does not require grad, got ",
+           fn ? "one made by " + fn->name() : std::string("a leaf that requires grad"), " (", source.str(),
+           ") written into a tensor that does not (", t.str(), "), with grad mode on. dp records no gradient "
+           "for in-place writes, so the result would carry the source's values without their gradient. Build it "
+           "out of place (dp::cat of the pieces for a filled buffer, y = y + t for y.add_(t), dp::where for a "
+           "masked write), or pass source.detach() if no gradient should flow (Note [In-place writes and "
+           "autograd])");
+}
+
 void detail::check_inplace_grad(const char* op, const Tensor& t) {
   if (!is_grad_enabled() || !t.requires_grad()) return;
   if (t.is_leaf()) {
@@ -725,7 +744,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
            shape_str(shape()), " ", dtype_name(dtype()), ", got ", shape_str(src.shape()), " ",
            dtype_name(src.dtype()));
   detail::check_writable("Tensor::copy_", *this);
-  detail::check_inplace_grad("Tensor::copy_", *this);
+  detail::check_inplace_grad("Tensor::copy_", *this, src);
   const void* from = src.raw_data();
   detail::copy_bytes(mutable_raw_data(), device(), from, src.device(), nbytes());
   return *this;
@@ -737,7 +756,7 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
            shape_str(other.shape()));
   detail::check_floating("add_", *this);
   detail::check_writable("Tensor::add_", *this);
-  detail::check_inplace_grad("Tensor::add_", *this);
+  detail::check_inplace_grad("Tensor::add_", *this, other);
   DP_CHECK(other.dtype() == dtype(), "add_: expected a ", dtype_name(dtype()), " tensor to add, got ",
            dtype_name(other.dtype()));
   const void* x = other.raw_data();

@@ -70,5 +70,8 @@ inline void check_writable(const char* op, const Tensor& t) {
 /// Throws when `t` requires grad and grad mode is on: dp records no gradient for
 /// in-place writes (Note [In-place writes and autograd] in src/tensor/tensor.cpp).
 void check_inplace_grad(const char* op, const Tensor& t);
+/// The same for a write of `source` into `t` (copy_, add_): also refused, with grad
+/// mode on, when the source requires grad (Note [In-place writes and autograd]).
+void check_inplace_grad(const char* op, const Tensor& t, const Tensor& source);
 
 }  // namespace dp::detail

@@ -101,6 +101,45 @@ TEST_CASE("an in-place write into a tensor made by an op is refused with grad mo
   CHECK(values(w) == F{0, 0, 0, 0});
 }
 
+TEST_CASE("a write of a source that requires grad into a tensor that does not is refused with grad mode on") {
+  // buf.copy_(x * 2); (buf + x).sum().backward() gave x.grad = 1 where PyTorch gives 3:
+  // the write carried the values and dropped their gradient (Note [In-place writes and
+  // autograd]). The same for add_(t) and for a slice filled in place.
+  const std::vector<std::pair<const char*, std::function<void(Tensor&, const Tensor&)>>> sourced{
+      {"copy_", [](Tensor& dst, const Tensor& src) { dst.copy_(src); }},
+      {"add_", [](Tensor& dst, const Tensor& src) { dst.add_(src, 0.5f); }},
+      {"narrow(...).copy_", [](Tensor& dst, const Tensor& src) { dst.narrow(0, 1, 2).copy_(src.narrow(0, 0, 2)); }},
+  };
+  for (const auto& [name, write] : sourced) {
+    const std::string op = name;
+    CAPTURE(op);
+    Tensor x = leaf({1, 2, 3}, {3});
+    Tensor buf = dp::zeros({3});
+    const auto version = buf.storage()->version();
+    const bool sliced = std::string(name).rfind("narrow", 0) == 0;  // its source is a narrow's view
+    const std::string made = error_of([&] { write(buf, x * 2.0); });
+    CHECK(made.find(sliced ? "expected a source that does not require grad, got one made by Narrow"
+                           : "expected a source that does not require grad, got one made by MulScalarBackward") !=
+          std::string::npos);
+    CHECK(made.find("dp::cat") != std::string::npos);
+    CHECK(error_of([&] { write(buf, x); }).find(sliced ? "got one made by Narrow" : "got a leaf that requires grad") !=
+          std::string::npos);
+    CHECK(buf.storage()->version() == version);  // refused before it wrote
+    CHECK(values(buf) == F{0, 0, 0});
+    // Allowed where no gradient is asked for: a detached source, or grad mode off.
+    write(buf, (x * 2.0).detach());
+    {
+      dp::NoGradGuard no_grad;
+      write(buf, x * 2.0);
+    }
+    CHECK_FALSE(buf.requires_grad());
+    // The out-of-place build gives PyTorch's gradient: buf = x * 2, then buf + x.
+    Tensor built = dp::cat({(x * 2.0).narrow(0, 0, 1), (x * 2.0).narrow(0, 1, 2)});
+    (built + x).sum().backward();
+    CHECK(values(x.grad()) == F{3, 3, 3});
+  }
+}
+
 TEST_CASE("a write into a tensor saved for backward makes that backward throw, naming the node") {
   struct Case {
     const char* node;
