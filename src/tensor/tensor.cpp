@@ -642,63 +642,79 @@ Tensor Tensor::contiguous() const {
 // versions]) after every check that may throw, so a rejected call moves no version.
 
 // Note [In-place writes and autograd]
-// dp records no node for an in-place write. With grad mode on, a write into a tensor
-// that requires grad would therefore be missing from its gradient: y = x * 3;
-// y.mul_(2); y.sum().backward() would give x.grad = 3, not 6. So such a write is a
-// dp::Error. Into a leaf PyTorch refuses it too ("a leaf Variable that requires grad is
-// being used in an in-place operation"); into a tensor made by an op PyTorch records
-// the write, and dp asks for the out-of-place op, which gives the same gradient. Under
-// a NoGradGuard the write is allowed, as in PyTorch: initialisations and hand-written
-// updates of parameters. What the write leaves behind is then caught where it matters:
-// a node that saved the tensor for backward sees its storage's version move (Note
-// [Saved tensors and in-place writes] in src/autograd/node.cpp).
-// The same holds the other way round: a write of a SOURCE that requires grad (copy_,
-// add_) into a tensor that does not would hand the source's values on without their
-// gradient (buf.copy_(x * 2); (buf + x).sum().backward() gave x.grad = 1, not 3, and
-// out.narrow(1, off, n).copy_(part) filled an output that no gradient left). PyTorch
-// records it; dp refuses it with grad mode on and names the out-of-place ops (cat for
-// slices, + for add_, where for masked writes) or detach() when no gradient should flow.
-void detail::check_inplace_grad(const char* op, const Tensor& t, const Tensor& source) {
-  check_inplace_grad(op, t);
-  if (!is_grad_enabled() || !source.defined() || !source.requires_grad()) return;
-  const auto fn = source.grad_fn();
-  DP_CHECK(false, op, ": expected a source that does not require grad, got ",
-           fn ? "one made by " + fn->name() : std::string("a leaf that requires grad"), " (", source.str(),
-           ") written into a tensor that does not (", t.str(), "), with grad mode on. dp records no gradient "
-           "for in-place writes, so the result would carry the source's values without their gradient. Build it "
-           "out of place (dp::cat of the pieces for a filled buffer, y = y + t for y.add_(t), dp::where for a "
-           "masked write), or pass source.detach() if no gradient should flow (Note [In-place writes and "
-           "autograd])");
-}
-
-void detail::check_inplace_grad(const char* op, const Tensor& t) {
-  if (!is_grad_enabled() || !t.requires_grad()) return;
-  if (t.is_leaf()) {
+// An in-place write changes values autograd may need, and what it adds to a tensor's
+// history must become part of its gradient. With grad mode on:
+//  - into a leaf that requires grad (a parameter) it is a dp::Error, as in PyTorch ("a
+//    leaf Variable that requires grad is being used in an in-place operation"): write
+//    under a dp::NoGradGuard, as initialisations and hand-written updates do;
+//  - into a tensor made by an op (y = x * 3; y.mul_(2)), or of a source that requires
+//    grad into any tensor (buf.copy_(x * 2), acc.add_(loss)), it is RECORDED, as PyTorch
+//    records it: the tensor's history becomes a node over its old history and the
+//    source (record_inplace), so every handle of it sees the new history and the
+//    gradient is the out-of-place op's (y = y * 2 gives the same numbers). Before,
+//    dp recorded nothing and the write was missing from the gradient, silently:
+//    buf.copy_(x * 2); (buf + x).sum().backward() gave x.grad = 1, not 3;
+//  - but only into a tensor whose storage no other tensor shares. A view (a narrow,
+//    a reshape of it, or the tensor it views) has a history of its own that the write
+//    would change behind its back; PyTorch rewrites the views' histories (CopySlices),
+//    dp refuses the write with a dp::Error naming the out-of-place build (dp::cat of the
+//    pieces, y = y + t, dp::where), or detach() where no gradient should flow. A node
+//    whose backward reads a tensor (exp its result, a * a its input) keeps it as
+//    another tensor of the same storage: a write into it is refused at once, where
+//    PyTorch records it and that backward then throws.
+// Under a NoGradGuard every write is allowed and nothing is recorded, as in PyTorch.
+// What a write leaves behind is caught where it matters: a node that saved the tensor
+// for backward sees its storage's bytes written (Note [Saved tensors and in-place
+// writes] in src/autograd/node.cpp): a write under no_grad into what a node saved makes
+// that node's backward throw.
+bool detail::check_inplace_grad(const char* op, const Tensor& t, const Tensor& source) {
+  if (!is_grad_enabled()) return false;
+  const bool from_source = source.defined() && source.requires_grad();
+  if (!t.requires_grad() && !from_source) return false;
+  if (t.requires_grad() && t.is_leaf()) {
     DP_CHECK(false, op, ": expected a tensor that does not require grad, got a leaf that requires grad (",
              t.str(), "), with grad mode on. An in-place write into it would not be part of any gradient; "
              "PyTorch refuses it too. Write under a dp::NoGradGuard (PyTorch's torch.no_grad()), as "
              "initialisations and hand-written parameter updates do (Note [In-place writes and autograd])");
   }
-  const auto fn = t.grad_fn();
-  DP_CHECK(false, op, ": expected a tensor that does not require grad, got one made by ",
-           fn ? fn->name() : std::string("an op"), " (", t.str(),
-           "), with grad mode on. dp records no gradient for in-place writes, so this one would be missing "
-           "from the gradient. Use the out-of-place op instead (y = y * 2 for y.mul_(2), y = y + t for "
-           "y.add_(t), y = dp::where(mask, v, y) for a masked write), which gives PyTorch's gradient, or write "
-           "under a dp::NoGradGuard to change the value alone (Note [In-place writes and autograd])");
+  if (t.impl()->storage.use_count() == 1) return true;  // no view shares it: recorded
+  const auto fn = (from_source ? source : t).grad_fn();
+  const std::string what = from_source ? detail::str_cat("a source that requires grad (", source.str(), ", ",
+                                                         fn ? "made by " + fn->name() : std::string("a leaf"), ")")
+                                       : detail::str_cat("a tensor made by ", fn ? fn->name() : std::string("an op"),
+                                                         " (", t.str(), ")");
+  DP_CHECK(false, op, ": expected a write autograd can record, got ", what, " written into ",
+           from_source ? t.str() : std::string("it"), ", whose storage other tensors share (a view, a tensor "
+           "with views, or one a backward node saved), with grad mode on. dp records an in-place write only "
+           "into a tensor that owns its storage alone: the other tensors' histories would miss it. Build the result out of place (dp::cat of the pieces for a "
+           "filled buffer, y = y + t for y.add_(t), y = y * 2 for y.mul_(2), dp::where for a masked write), pass "
+           "source.detach() if no gradient should flow, or write under a dp::NoGradGuard to change the values "
+           "alone (Note [In-place writes and autograd])");
+  return false;
+}
+
+void detail::record_inplace(const char* name, Tensor& t, const Tensor& source,
+                            std::function<std::vector<Tensor>(const Tensor& g)> fn) {
+  auto node = std::make_shared<autograd::LambdaNode>(
+      name, [fn = std::move(fn)](const std::vector<Tensor>& g) { return fn(g.at(0)); });
+  // The edges are read before t's history is replaced: its old grad_fn (or none) and the
+  // source's, then t's new grad_fn is the node.
+  autograd::connect(node, {t, source}, {&t});
 }
 
 Tensor& Tensor::zero_() {
   detail::check_writable("Tensor::zero_", *this);
-  detail::check_inplace_grad("Tensor::zero_", *this);
+  const bool record = detail::check_inplace_grad("Tensor::zero_", *this);
   void* p = mutable_raw_data();
   if (numel() > 0) backend::get(device()).memset_zero(p, device(), nbytes());
+  if (record)  // the old values are gone: their gradient is zero, as PyTorch's
+    detail::record_inplace("ZeroBackward", *this, Tensor(), [](const Tensor& g) { return std::vector<Tensor>{zeros_like(g), Tensor()}; });
   return *this;
 }
 
 Tensor& Tensor::fill_(double value) {
   detail::check_writable("Tensor::fill_", *this);
-  detail::check_inplace_grad("Tensor::fill_", *this);
+  const bool record = detail::check_inplace_grad("Tensor::fill_", *this);
   using backend::DType;
   using backend::Op;
   auto& be = backend::get(device());
@@ -714,12 +730,14 @@ Tensor& Tensor::fill_(double value) {
     be.run<Op::Cast>(device(), DType::I32,
                      {wide.data<std::int64_t>(), DType::I64, mutable_data<std::int32_t>(), numel()});
   }
+  if (record)
+    detail::record_inplace("FillBackward", *this, Tensor(), [](const Tensor& g) { return std::vector<Tensor>{zeros_like(g), Tensor()}; });
   return *this;
 }
 
 Tensor& Tensor::add_(double value) {
   detail::check_writable("Tensor::add_", *this);
-  detail::check_inplace_grad("Tensor::add_", *this);
+  const bool record = detail::check_inplace_grad("Tensor::add_", *this);
   using backend::DType;
   using backend::Op;
   auto& be = backend::get(device());
@@ -736,6 +754,8 @@ Tensor& Tensor::add_(double value) {
     be.run<Op::Cast>(device(), DType::I32,
                      {wide.data<std::int64_t>(), DType::I64, mutable_data<std::int32_t>(), numel()});
   }
+  if (record)
+    detail::record_inplace("AddScalarBackward", *this, Tensor(), [](const Tensor& g) { return std::vector<Tensor>{g, Tensor()}; });
   return *this;
 }
 
@@ -744,9 +764,15 @@ Tensor& Tensor::copy_(const Tensor& src) {
            shape_str(shape()), " ", dtype_name(dtype()), ", got ", shape_str(src.shape()), " ",
            dtype_name(src.dtype()));
   detail::check_writable("Tensor::copy_", *this);
-  detail::check_inplace_grad("Tensor::copy_", *this, src);
+  const bool record = detail::check_inplace_grad("Tensor::copy_", *this, src);
   const void* from = src.raw_data();
   detail::copy_bytes(mutable_raw_data(), device(), from, src.device(), nbytes());
+  if (record) {
+    const Device from_device = src.device();
+    detail::record_inplace("CopyBackwards", *this, src, [from_device](const Tensor& g) {
+      return std::vector<Tensor>{zeros_like(g), g.device() == from_device ? g : g.to(from_device)};
+    });
+  }
   return *this;
 }
 
@@ -756,21 +782,29 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
            shape_str(other.shape()));
   detail::check_floating("add_", *this);
   detail::check_writable("Tensor::add_", *this);
-  detail::check_inplace_grad("Tensor::add_", *this, other);
   DP_CHECK(other.dtype() == dtype(), "add_: expected a ", dtype_name(dtype()), " tensor to add, got ",
            dtype_name(other.dtype()));
+  const bool record = detail::check_inplace_grad("Tensor::add_", *this, other);
   const void* x = other.raw_data();
   backend::get(device()).run<backend::Op::Axpy>(device(), detail::kernel_dtype(dtype()),
                                                {alpha, x, mutable_raw_data(), numel()});
+  if (record)
+    detail::record_inplace("AddBackward", *this, other, [alpha](const Tensor& g) {
+      return std::vector<Tensor>{g, alpha == 1.0f ? g : mul(g, static_cast<double>(alpha))};
+    });
   return *this;
 }
 
 Tensor& Tensor::mul_(float value) {
   detail::check_floating("mul_", *this);
   detail::check_writable("Tensor::mul_", *this);
-  detail::check_inplace_grad("Tensor::mul_", *this);
+  const bool record = detail::check_inplace_grad("Tensor::mul_", *this);
   void* p = mutable_raw_data();
   backend::get(device()).run<backend::Op::Affine>(device(), detail::kernel_dtype(dtype()), {p, p, numel(), value, 0.0f});
+  if (record)
+    detail::record_inplace("MulScalarBackward", *this, Tensor(), [value](const Tensor& g) {
+      return std::vector<Tensor>{mul(g, static_cast<double>(value)), Tensor()};
+    });
   return *this;
 }
 

@@ -2,6 +2,9 @@
 // (internal): device/dtype checks with uniform messages, byte copies across devices.
 #pragma once
 
+#include <functional>
+#include <vector>
+
 #include "backend/ops.h"
 #include "dp/core/error.h"
 #include "dp/tensor/tensor.h"
@@ -67,11 +70,16 @@ inline void check_writable(const char* op, const Tensor& t) {
            "tensor first to write into the copy alone");
 }
 
-/// Throws when `t` requires grad and grad mode is on: dp records no gradient for
-/// in-place writes (Note [In-place writes and autograd] in src/tensor/tensor.cpp).
-void check_inplace_grad(const char* op, const Tensor& t);
-/// The same for a write of `source` into `t` (copy_, add_): also refused, with grad
-/// mode on, when the source requires grad (Note [In-place writes and autograd]).
-void check_inplace_grad(const char* op, const Tensor& t, const Tensor& source);
+/// Before an in-place write into `t` (of `source`, for copy_ and add_): false when
+/// autograd has nothing to record (grad mode off, or neither requires grad); true when
+/// the write must be recorded (record_inplace after it); throws a dp::Error when it can
+/// be neither: a leaf that requires grad, or a tensor that shares its storage with
+/// other tensors (Note [In-place writes and autograd] in src/tensor/tensor.cpp).
+bool check_inplace_grad(const char* op, const Tensor& t, const Tensor& source = Tensor());
+/// After a write that check_inplace_grad said to record: `t`'s history becomes a node
+/// `name` over its old history and `source`, whose backward is fn(g) = {gradient of the
+/// old t, gradient of source}.
+void record_inplace(const char* name, Tensor& t, const Tensor& source,
+                    std::function<std::vector<Tensor>(const Tensor& g)> fn);
 
 }  // namespace dp::detail

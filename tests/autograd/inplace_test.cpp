@@ -74,70 +74,117 @@ TEST_CASE("an in-place write into a leaf that requires grad is refused with grad
   }
 }
 
-TEST_CASE("an in-place write into a tensor made by an op is refused with grad mode on, naming the op") {
-  for (const auto& [name, write] : writes()) {
-    CAPTURE(name);
+TEST_CASE("an in-place write into a tensor made by an op is recorded: the out-of-place op's gradient") {
+  // PyTorch's gradients of y = x * 3; <write into y>; (y * 2).sum(): the write's part of
+  // the history (Note [In-place writes and autograd]).
+  const std::vector<std::pair<const char*, float>> expected{
+      {"zero_", 0.0f}, {"fill_", 0.0f}, {"add_(scalar)", 6.0f}, {"add_(tensor)", 6.0f}, {"mul_", 12.0f}, {"copy_", 0.0f}};
+  for (std::size_t i = 0; i < writes().size(); ++i) {
+    const auto& [name, write] = writes()[i];
+    const std::string op = name;
+    CAPTURE(op);
+    REQUIRE(std::string(expected[i].first) == op);
     Tensor x = leaf({1, 2, 3}, {3});
     Tensor y = x * 3.0;
-    CHECK_THROWS_WITH_AS(write(y), doctest::Contains("MulScalarBackward"), dp::Error);
-    CHECK_THROWS_WITH_AS(write(y), doctest::Contains("out-of-place"), dp::Error);
-    // The out-of-place op gives PyTorch's gradient (what y.mul_(2) records there).
-    Tensor z = y * 2.0;
-    z.sum().backward();
-    CHECK(values(x.grad()) == F{6, 6, 6});
+    Tensor alias = y;  // another handle of the same tensor follows the new history
+    write(y);
+    CHECK(y.grad_fn() != nullptr);
+    CHECK(alias.grad_fn() == y.grad_fn());
+    (alias * 2.0).sum().backward();
+    REQUIRE(x.grad().defined());
+    const float g = expected[i].second;
+    CHECK(values(x.grad()) == F{g, g, g});
   }
-  // A view of a tensor that requires grad requires grad itself: refused as well.
-  Tensor x = leaf({1, 2, 3, 4}, {2, 2});
-  Tensor v = (x * 1.0).reshape({4});
-  CHECK_THROWS_AS(v.mul_(2.0f), dp::Error);
-  // Tensors that need no gradient are written as before.
+  // Chains of writes, and a write that reads another tensor that requires grad.
+  Tensor x = leaf({1, 2}, {2}), w = leaf({5, 7}, {2});
+  Tensor h = x * 2.0;
+  h.mul_(3.0f);
+  h.add_(w * 1.0, 2.0f);
+  h.add_(1.0);
+  h.sum().backward();
+  CHECK(values(x.grad()) == F{6, 6});
+  CHECK(values(w.grad()) == F{2, 2});
+  // A tensor whose storage a view shares is refused: the view's history would miss the
+  // write (PyTorch rewrites it; dp names the out-of-place op).
+  Tensor base = leaf({1, 2, 3, 4}, {2, 2}) * 1.0;
+  Tensor v = base.reshape({4});
+  const auto version = base.storage()->version();
+  CHECK_THROWS_WITH_AS(v.mul_(2.0f), doctest::Contains("whose storage other tensors share"), dp::Error);
+  CHECK_THROWS_WITH_AS(base.mul_(2.0f), doctest::Contains("out of place"), dp::Error);
+  CHECK(base.storage()->version() == version);  // refused before it wrote
+  // Tensors that need no gradient are written as before, and record nothing.
   Tensor c = dp::from_vector(F{1, 2}, {2});
   c.mul_(3.0f);
   CHECK(values(c) == F{3, 6});
+  CHECK(c.grad_fn() == nullptr);
   // Initialisers write under their own no-grad scope, as PyTorch's do.
-  Tensor w = leaf({1, 2, 3, 4}, {2, 2});
-  dp::nn::init::constant_(w, 0.5);
-  dp::nn::init::zeros_(w);
-  CHECK(values(w) == F{0, 0, 0, 0});
+  Tensor p = leaf({1, 2, 3, 4}, {2, 2});
+  dp::nn::init::constant_(p, 0.5);
+  dp::nn::init::zeros_(p);
+  CHECK(values(p) == F{0, 0, 0, 0});
 }
 
-TEST_CASE("a write of a source that requires grad into a tensor that does not is refused with grad mode on") {
+TEST_CASE("a write into a tensor a backward node saved is refused at once") {
+  // PyTorch records it and that node's backward throws; dp refuses it before writing.
+  Tensor x = leaf({0, 1}, {2});
+  Tensor y = dp::exp(x);  // ExpBackward keeps y: a second tensor of y's storage
+  CHECK_THROWS_WITH_AS(y.mul_(2.0f), doctest::Contains("one a backward node saved"), dp::Error);
+  Tensor a = x * 1.0;
+  Tensor sq = a * a;  // MulBackward keeps a
+  const auto version = a.storage()->version();
+  CHECK_THROWS_WITH_AS(a.add_(1.0), doctest::Contains("one a backward node saved"), dp::Error);
+  CHECK(a.storage()->version() == version);
+  sq.sum().backward();  // the graph is intact
+  CHECK(values(x.grad()) == F{0, 2});
+  x.set_grad(Tensor());
+  // Multiplying by a scalar saves nothing: writing its result stays exact.
+  Tensor z = x * 3.0;
+  z.mul_(2.0f);
+  z.sum().backward();
+  CHECK(values(x.grad()) == F{6, 6});
+}
+
+TEST_CASE("a write of a source that requires grad is recorded; into a view it is refused") {
   // buf.copy_(x * 2); (buf + x).sum().backward() gave x.grad = 1 where PyTorch gives 3:
   // the write carried the values and dropped their gradient (Note [In-place writes and
-  // autograd]). The same for add_(t) and for a slice filled in place.
-  const std::vector<std::pair<const char*, std::function<void(Tensor&, const Tensor&)>>> sourced{
-      {"copy_", [](Tensor& dst, const Tensor& src) { dst.copy_(src); }},
-      {"add_", [](Tensor& dst, const Tensor& src) { dst.add_(src, 0.5f); }},
-      {"narrow(...).copy_", [](Tensor& dst, const Tensor& src) { dst.narrow(0, 1, 2).copy_(src.narrow(0, 0, 2)); }},
-  };
-  for (const auto& [name, write] : sourced) {
-    const std::string op = name;
-    CAPTURE(op);
+  // autograd]).
+  {
     Tensor x = leaf({1, 2, 3}, {3});
     Tensor buf = dp::zeros({3});
-    const auto version = buf.storage()->version();
-    const bool sliced = std::string(name).rfind("narrow", 0) == 0;  // its source is a narrow's view
-    const std::string made = error_of([&] { write(buf, x * 2.0); });
-    CHECK(made.find(sliced ? "expected a source that does not require grad, got one made by Narrow"
-                           : "expected a source that does not require grad, got one made by MulScalarBackward") !=
-          std::string::npos);
-    CHECK(made.find("dp::cat") != std::string::npos);
-    CHECK(error_of([&] { write(buf, x); }).find(sliced ? "got one made by Narrow" : "got a leaf that requires grad") !=
-          std::string::npos);
-    CHECK(buf.storage()->version() == version);  // refused before it wrote
-    CHECK(values(buf) == F{0, 0, 0});
-    // Allowed where no gradient is asked for: a detached source, or grad mode off.
-    write(buf, (x * 2.0).detach());
-    {
-      dp::NoGradGuard no_grad;
-      write(buf, x * 2.0);
-    }
-    CHECK_FALSE(buf.requires_grad());
-    // The out-of-place build gives PyTorch's gradient: buf = x * 2, then buf + x.
-    Tensor built = dp::cat({(x * 2.0).narrow(0, 0, 1), (x * 2.0).narrow(0, 1, 2)});
-    (built + x).sum().backward();
+    buf.copy_(x * 2.0);
+    CHECK(buf.requires_grad());
+    (buf + x).sum().backward();
     CHECK(values(x.grad()) == F{3, 3, 3});
   }
+  {
+    Tensor x = leaf({1, 2, 3}, {3});
+    Tensor acc = dp::zeros({3});
+    acc.add_(x * 2.0, 0.5f);  // acc = 0.5 * 2x
+    acc.add_(x);              // a leaf source
+    (acc + x).sum().backward();
+    CHECK(values(x.grad()) == F{3, 3, 3});
+  }
+  // A slice filled in place is a view of the buffer: refused, naming dp::cat, before it writes.
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor buf = dp::zeros({3});
+  const auto version = buf.storage()->version();
+  const std::string made = error_of([&] { buf.narrow(0, 1, 2).copy_((x * 2.0).narrow(0, 0, 2)); });
+  CHECK(made.find("a source that requires grad") != std::string::npos);
+  CHECK(made.find("NarrowBackward") != std::string::npos);
+  CHECK(made.find("dp::cat") != std::string::npos);
+  CHECK(buf.storage()->version() == version);
+  CHECK(values(buf) == F{0, 0, 0});
+  // Allowed where no gradient is asked for: a detached source, or grad mode off.
+  buf.narrow(0, 1, 2).copy_((x * 2.0).detach().narrow(0, 0, 2));
+  {
+    dp::NoGradGuard no_grad;
+    buf.narrow(0, 1, 2).copy_((x * 2.0).narrow(0, 0, 2));
+  }
+  CHECK_FALSE(buf.requires_grad());
+  // The out-of-place build gives PyTorch's gradient.
+  Tensor built = dp::cat({dp::zeros({1}), (x * 2.0).narrow(0, 0, 2)});
+  (built + x).sum().backward();
+  CHECK(values(x.grad()) == F{3, 3, 1});
 }
 
 TEST_CASE("a write into a tensor saved for backward makes that backward throw, naming the node") {

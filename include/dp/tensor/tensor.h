@@ -368,7 +368,13 @@ class Tensor {
   /// without one.
   Tensor expand(const Shape& shape) const;
 
-  // ---- in-place (not recorded by autograd; bump the storage version) ---------------
+  // ---- in-place (bump the storage version) ----------------------------------------------
+  // With grad mode on, a write into a tensor made by an op, or of a source that requires
+  // grad, is recorded as PyTorch records it, when the tensor owns its storage alone; into
+  // a leaf that requires grad, or a tensor that shares its storage (a view, a tensor with
+  // views, one a backward node saved), it is a dp::Error (Note [In-place writes and
+  // autograd] in src/tensor/tensor.cpp).
+  //   dp::Tensor h = x * 2;  h.add_(residual);  h.mul_(0.5f);   // gradients as y = (h + r) * 0.5
   Tensor& zero_();
   Tensor& fill_(double value);
   /// Copies src (same shape and dtype, any device) into this tensor.
