@@ -85,17 +85,6 @@ Run train(int devices, std::optional<dp::DataParallelOptions> options, bool free
   return run;
 }
 
-std::vector<std::pair<std::string, dp::DataParallelOptions>> designs() {
-  std::vector<std::pair<std::string, dp::DataParallelOptions>> out{{"DP", {.mode = dp::Mode::DP}},
-                                                                    {"DDP", {.mode = dp::Mode::DDP}}};
-  for (int stage : {1, 2, 3})
-    out.push_back({"Sharded " + std::to_string(stage), {.mode = dp::Mode::Sharded, .shard_stage = stage}});
-  out.push_back({"DDP, tiny buckets", {.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}});
-  out.push_back({"Sharded 3, tiny buckets",
-                 {.mode = dp::Mode::Sharded, .shard_stage = 3, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}});
-  return out;
-}
-
 }  // namespace
 
 TEST_CASE("an optimizer leaves a frozen parameter alone: no weight decay, no momentum, no state") {
@@ -261,7 +250,7 @@ TEST_CASE("a frozen parameter gets no gradient on any device and is not stepped,
   CHECK(bitwise(single.last_layer[5], single.last_layer[6]));
   for (int n : {2, 3}) {
     std::optional<std::vector<float>> first;
-    for (const auto& [name, options] : designs()) {
+    for (const auto& [name, options] : designs_and_tiny_buckets()) {
       for (bool before : {true, false}) {
         CAPTURE(n);
         CAPTURE(name);

@@ -96,22 +96,6 @@ std::vector<float> train(Pattern p, int devices, dp::DataParallelOptions options
   return flat(net->state_dict());
 }
 
-struct Design {
-  std::string name;
-  dp::DataParallelOptions options;
-};
-
-std::vector<Design> designs() {
-  std::vector<Design> out{{"DP", {.mode = dp::Mode::DP}}, {"DDP", {.mode = dp::Mode::DDP}}};
-  for (int stage : {1, 2, 3})
-    out.push_back({"Sharded " + std::to_string(stage), {.mode = dp::Mode::Sharded, .shard_stage = stage}});
-  // Tiny buckets: a bucket per parameter, so backward's collectives interleave with it.
-  out.push_back({"DDP, tiny buckets", {.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}});
-  out.push_back({"Sharded 3, tiny buckets",
-                 {.mode = dp::Mode::Sharded, .shard_stage = 3, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}});
-  return out;
-}
-
 // One device against several: per-shard GEMMs and the sum over devices round
 // differently. Parameters are O(0.5) and two momentum steps move them by O(0.1): a few
 // float32 ulps of the gradients' sums, far below this.
@@ -126,7 +110,7 @@ TEST_CASE("every loop pattern gives one device's parameters in every design, the
     const std::vector<float> single = train(p, 0);
     for (int n : {2, 3}) {
       std::optional<std::vector<float>> first;
-      for (const Design& d : designs()) {
+      for (const NamedDesign& d : designs_and_tiny_buckets()) {
         const std::string pattern = name(p);
         CAPTURE(pattern);
         CAPTURE(n);
@@ -166,7 +150,7 @@ TEST_CASE("stage 3 keeps a forward's units findable while its graph lives, and d
 }
 
 TEST_CASE("a second backward through the same output is a clear error in every design") {
-  for (const Design& d : designs()) {
+  for (const NamedDesign& d : designs_and_tiny_buckets()) {
     CAPTURE(d.name);
     auto net = std::make_shared<ThreeLinear>(11);
     dp::DataParallel model(net, cpus(2), d.options);
@@ -194,7 +178,7 @@ TEST_CASE("a device with no rows in the first of two backward passes keeps the c
     opt.step();
     return flat(net->state_dict());
   };
-  for (const Design& d : designs()) {
+  for (const NamedDesign& d : designs_and_tiny_buckets()) {
     CAPTURE(d.name);
     // One row on two devices: device 1 has none in the first pass.
     CHECK(max_diff(two_passes(2, d.options, 1, 2), two_passes(1, std::nullopt, 1, 2)) < kTolerance);
@@ -257,7 +241,7 @@ TEST_CASE("an edit of .grad by hand, then clip_grad_norm_: DDP's replicas apply 
 // the check the backward would compute the earlier layers' gradients from the stepped
 // weights; with it the backward throws, in every design, and the next step trains on.
 TEST_CASE("a step between a forward and its backward is an error in every design, and training goes on") {
-  for (const Design& d : designs()) {
+  for (const NamedDesign& d : designs_and_tiny_buckets()) {
     CAPTURE(d.name);
     auto net = std::make_shared<ThreeLinear>(11);
     dp::DataParallel model(net, cpus(3), d.options);
@@ -287,7 +271,7 @@ TEST_CASE("a write into the input batch between a forward and its backward is an
   // The first layer's weight gradient reads the input (x saved by LinearBackward): a
   // loader that refills its batch tensor in place before the backward would otherwise
   // give the gradient of the next batch.
-  for (const Design& d : designs()) {
+  for (const NamedDesign& d : designs_and_tiny_buckets()) {
     CAPTURE(d.name);
     auto net = std::make_shared<ThreeLinear>(11);
     dp::DataParallel model(net, cpus(2), d.options);

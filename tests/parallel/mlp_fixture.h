@@ -129,6 +129,18 @@ inline std::vector<NamedDesign> every_design() {
   return out;
 }
 
+/// DP, DDP and Sharded stages 1-3 with the default buckets, then DDP and stage 3 with a
+/// bucket per parameter, so that backward's collectives interleave with it.
+inline std::vector<NamedDesign> designs_and_tiny_buckets() {
+  std::vector<NamedDesign> out{{"DP", {.mode = dp::Mode::DP}}, {"DDP", {.mode = dp::Mode::DDP}}};
+  for (int stage : {1, 2, 3})
+    out.push_back({"Sharded " + std::to_string(stage), {.mode = dp::Mode::Sharded, .shard_stage = stage}});
+  out.push_back({"DDP, tiny buckets", {.mode = dp::Mode::DDP, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}});
+  out.push_back({"Sharded 3, tiny buckets",
+                 {.mode = dp::Mode::Sharded, .shard_stage = 3, .bucket_cap_mb = 1e-6, .first_bucket_mb = 1e-6}});
+  return out;
+}
+
 /// SGD whose update throws once on cpu:1, when armed, after updating half its range:
 /// a worker failing mid-step.
 class FaultySgd final : public dp::optim::Optimizer {
