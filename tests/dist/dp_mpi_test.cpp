@@ -17,6 +17,7 @@
 #include <csignal>
 #include <cstdio>
 #include <chrono>
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +25,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -592,6 +594,37 @@ TEST_CASE("gradient accumulation with no_sync across processes") {
     const Run run = train(&d.options, Path::ForwardBackward, 2);
     CHECK(max_diff(run.params, ref.params) < 2e-5);
     CHECK(same_everywhere(run.params));
+  }
+}
+
+// Note [Input gradients of forward_backward] across processes: an encoder outside the
+// wrapper gets, on each process, the gradient of the job's loss through its own rows;
+// summed over the processes that is one device's gradient on the global batch.
+TEST_CASE("forward_backward's input gradients reach the layers that made the input, across processes") {
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    dp::Generator gen(21), ref_gen(21);
+    auto enc = std::make_shared<dp::nn::Linear>(6, 6, true, &gen);
+    auto enc_ref = std::make_shared<dp::nn::Linear>(6, 6, true, &ref_gen);
+    auto net = make_mlp(kSeed), ref = make_mlp(kSeed);
+    dp::DataParallel model(net, local_devices(), d.options);
+    const std::int64_t rows = global_rows(1);
+    const Batch b = make_batch(rows, 300);
+    const auto [lo, n] = my_rows(rows);
+    (void)model.forward_backward(enc->forward(b.x.narrow(0, lo, n)), b.y.narrow(0, lo, n), loss_fn);
+    loss_fn(ref->forward(enc_ref->forward(b.x)), b.y).backward();
+    for (std::size_t i = 0; i < 2; ++i) {
+      CAPTURE(i);
+      REQUIRE(enc->parameters()[i].grad().defined());
+      std::vector<float> mine = enc->parameters()[i].grad().to_vector();
+      std::vector<double> sum(mine.begin(), mine.end());
+      dist::all_reduce(std::span<double>(sum), dist::Op::Sum);
+      const std::vector<float> want = enc_ref->parameters()[i].grad().to_vector();
+      REQUIRE(sum.size() == want.size());
+      double worst = 0;
+      for (std::size_t j = 0; j < sum.size(); ++j) worst = std::max(worst, std::abs(sum[j] - want[j]));
+      CHECK(worst < 1e-6);
+    }
   }
 }
 
