@@ -174,6 +174,18 @@ Tensor expand_to(const Tensor& g, const Shape& shape) {
 
 }  // namespace
 
+Tensor detail::broadcast_source(const Tensor& t, const Shape& shape) {
+  if (t.shape() == shape) return t;
+  if (t.dtype() == Dtype::Int32) return expand_to(t.to(Dtype::Int64), shape).to(Dtype::Int32);  // exact both ways
+  Tensor out = expand_to(t, shape);
+  if (is_floating_point(t.dtype())) {
+    Shape from = t.shape();
+    autograd::record("ExpandBackward", {t}, out, {},
+                     [from](const std::vector<Tensor>& g) { return std::vector<Tensor>{sum_to(g[0], from)}; });
+  }
+  return out;
+}
+
 Tensor Tensor::expand(const Shape& shape) const {
   const auto n = static_cast<std::int64_t>(shape.size());
   DP_CHECK(n >= dim(), "expand: expected at least ", dim(), " sizes for shape ", shape_str(this->shape()), ", got ",

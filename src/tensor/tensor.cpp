@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -759,17 +760,50 @@ Tensor& Tensor::add_(double value) {
   return *this;
 }
 
+// Note [Sources of in-place writes]
+// copy_ and add_ take their source as PyTorch's do. Its shape need only broadcast to the
+// destination's (a bias row added into every row, a [1] filling a buffer); the
+// destination keeps its shape, so a source that would grow it is a dp::Error. Its dtype
+// may differ: copy_ converts it to the destination's (PyTorch's rounding, Note [16-bit
+// tensors]; a float into an integer tensor truncates), and add_ sums in PyTorch's common
+// dtype, the destination's for an integer source or one of its own dtype, else float32
+// (bfloat16 plus float16, or a 16-bit side with a float32 one), rounded once into the
+// destination. The conversion and the broadcast are made as ops on the source, so the
+// gradient that autograd records for the write (Note [In-place writes and autograd])
+// flows back through them: summed over the broadcast, converted to the source's dtype.
+// An integer destination takes no gradient, whatever the source.
+namespace {
+
+void check_source_broadcasts(const char* op, const char* what, const Tensor& src, const Shape& to) {
+  detail::check_defined(op, src, what);
+  const Shape& from = src.shape();
+  bool ok = from.size() <= to.size();
+  for (std::size_t i = 0; ok && i < from.size(); ++i) {
+    const std::int64_t f = from[from.size() - 1 - i], t = to[to.size() - 1 - i];
+    ok = f == t || f == 1;
+  }
+  DP_CHECK(ok, op, ": expected ", what, " whose shape broadcasts to the destination's ", shape_str(to),
+           ", got ", shape_str(from), " (an in-place write keeps the destination's shape)");
+}
+
+}  // namespace
+
 Tensor& Tensor::copy_(const Tensor& src) {
-  DP_CHECK(src.shape() == shape() && src.dtype() == dtype(), "copy_: expected a source of shape ",
-           shape_str(shape()), " ", dtype_name(dtype()), ", got ", shape_str(src.shape()), " ",
-           dtype_name(src.dtype()));
+  detail::check_defined("copy_", *this, "destination");
+  check_source_broadcasts("copy_", "a source", src, shape());
   detail::check_writable("Tensor::copy_", *this);
-  const bool record = detail::check_inplace_grad("Tensor::copy_", *this, src);
-  const void* from = src.raw_data();
-  detail::copy_bytes(mutable_raw_data(), device(), from, src.device(), nbytes());
+  const bool floating = is_floating_point(dtype());
+  const bool record = detail::check_inplace_grad("Tensor::copy_", *this, floating ? src : Tensor());
+  Tensor from;
+  {
+    std::optional<NoGradGuard> no_grad;
+    if (!record) no_grad.emplace();
+    from = detail::broadcast_source(src, shape()).to(dtype());  // the gradient converted, then summed
+  }
+  detail::copy_bytes(mutable_raw_data(), device(), from.raw_data(), from.device(), nbytes());
   if (record) {
-    const Device from_device = src.device();
-    detail::record_inplace("CopyBackwards", *this, src, [from_device](const Tensor& g) {
+    const Device from_device = from.device();
+    detail::record_inplace("CopyBackwards", *this, from, [from_device](const Tensor& g) {
       return std::vector<Tensor>{zeros_like(g), g.device() == from_device ? g : g.to(from_device)};
     });
   }
@@ -778,19 +812,34 @@ Tensor& Tensor::copy_(const Tensor& src) {
 
 Tensor& Tensor::add_(const Tensor& other, float alpha) {
   detail::check_same_device("add_", *this, other);
-  DP_CHECK(other.shape() == shape(), "add_: expected shape ", shape_str(shape()), ", got ",
-           shape_str(other.shape()));
   detail::check_floating("add_", *this);
+  check_source_broadcasts("add_", "a tensor to add", other, shape());
   detail::check_writable("Tensor::add_", *this);
-  DP_CHECK(other.dtype() == dtype(), "add_: expected a ", dtype_name(dtype()), " tensor to add, got ",
-           dtype_name(other.dtype()));
   const bool record = detail::check_inplace_grad("Tensor::add_", *this, other);
-  const void* x = other.raw_data();
-  backend::get(device()).run<backend::Op::Axpy>(device(), detail::kernel_dtype(dtype()),
-                                               {alpha, x, mutable_raw_data(), numel()});
-  if (record)
-    detail::record_inplace("AddBackward", *this, other, [alpha](const Tensor& g) {
-      return std::vector<Tensor>{g, alpha == 1.0f ? g : mul(g, static_cast<double>(alpha))};
+  // Note [Sources of in-place writes]: the sum in PyTorch's common dtype.
+  const Dtype common = !is_floating_point(other.dtype()) || other.dtype() == dtype() ? dtype() : Dtype::Float32;
+  Tensor x;
+  {
+    std::optional<NoGradGuard> no_grad;
+    if (!record) no_grad.emplace();
+    x = other.to(common);
+  }
+  const Tensor wide_x = detail::broadcast_source(x.detach(), shape());
+  auto& be = backend::get(device());
+  if (common == dtype()) {
+    be.run<backend::Op::Axpy>(device(), detail::kernel_dtype(dtype()),
+                              {alpha, wide_x.raw_data(), mutable_raw_data(), numel()});
+  } else {  // a 16-bit destination: the float32 sum, rounded once
+    Tensor wide = detail::cast_raw(*this, Dtype::Float32);
+    be.run<backend::Op::Axpy>(device(), backend::DType::F32, {alpha, wide_x.raw_data(), wide.raw_data(), numel()});
+    const Tensor back = detail::cast_raw(wide, dtype());
+    detail::copy_bytes(mutable_raw_data(), device(), back.raw_data(), device(), nbytes());
+  }
+  if (record)  // the source's gradient summed over the broadcast in the output's dtype, then converted
+    detail::record_inplace("AddBackward", *this, x, [alpha, to = x.dtype(), from = x.shape()](const Tensor& g) {
+      Tensor gx = alpha == 1.0f ? g : mul(g, static_cast<double>(alpha));
+      if (gx.shape() != from) gx = sum_to(gx, from);
+      return std::vector<Tensor>{g, gx.dtype() == to ? gx : detail::cast_raw(gx, to)};
     });
   return *this;
 }

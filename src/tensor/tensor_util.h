@@ -82,4 +82,9 @@ bool check_inplace_grad(const char* op, const Tensor& t, const Tensor& source = 
 void record_inplace(const char* name, Tensor& t, const Tensor& source,
                     std::function<std::vector<Tensor>(const Tensor& g)> fn);
 
+/// `t` broadcast to `shape`, materialised (t itself when the shapes agree); the caller
+/// has checked that it broadcasts. Differentiable for a floating t: the gradient is
+/// summed back to t's shape (Note [Sources of in-place writes] in src/tensor/tensor.cpp).
+Tensor broadcast_source(const Tensor& t, const Shape& shape);
+
 }  // namespace dp::detail

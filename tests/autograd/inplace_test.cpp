@@ -187,6 +187,41 @@ TEST_CASE("a write of a source that requires grad is recorded; into a view it is
   CHECK(values(x.grad()) == F{3, 3, 1});
 }
 
+TEST_CASE("a broadcast source's gradient is summed back to its shape, as PyTorch's") {
+  // Note [Sources of in-place writes] in src/tensor/tensor.cpp; PyTorch 2.15 gives
+  // b.grad = [32, 56], x.grad = [[6, 12], [10, 16]] for the first, b.grad = [4, 8] and
+  // x.grad all zeros for the second.
+  {
+    Tensor x = leaf({1, 2, 3, 4}, {2, 2}), b = leaf({1, 2}, {2});
+    Tensor u = x * 1.0;
+    u.add_(b, 2.0f);
+    CHECK(values(u) == F{3, 6, 5, 8});
+    (u * u).sum().backward();
+    CHECK(values(b.grad()) == F{32, 56});
+    CHECK(values(x.grad()) == F{6, 12, 10, 16});
+  }
+  {
+    Tensor x = leaf({1, 2, 3, 4}, {2, 2}), b = leaf({1, 2}, {2});
+    Tensor u = x * 1.0;
+    u.copy_(b);
+    CHECK(values(u) == F{1, 2, 1, 2});
+    (u * u).sum().backward();
+    CHECK(values(b.grad()) == F{4, 8});
+    CHECK(values(x.grad()) == F{0, 0, 0, 0});
+  }
+  {
+    // A column and a scalar into a buffer that needs no gradient of its own.
+    Tensor c = leaf({1, 2}, {2, 1}), s = leaf({3}, {});
+    Tensor buf = dp::zeros({2, 3});
+    buf.copy_(c * 2.0);
+    buf.add_(s, -1.0f);
+    CHECK(values(buf) == F{-1, -1, -1, 1, 1, 1});
+    (buf * buf).sum().backward();
+    CHECK(values(c.grad()) == F{-12, 12});  // 3 columns of 2 * buf * 2
+    CHECK(values(s.grad()) == F{0});        // -(sum of 2 * buf)
+  }
+}
+
 TEST_CASE("a write into a tensor saved for backward makes that backward throw, naming the node") {
   struct Case {
     const char* node;

@@ -292,6 +292,21 @@ void add_integer_and_cast(Table& t, i64 n) {
     r.output("y", y, n);
     r.set_call([=](Backend& b, Device d) { b.run<Op::Arange>(d, DType::I64, {y, n, i64{-7}, i64{3}}); });
   });
+  {
+    // copy_ of an integer source broadcast (Note [Sources of in-place writes]): a row of
+    // values near 2^40, exact in int64 only, down every row of a (rows, cols) result.
+    const i64 cols = 331, rows = n / cols;
+    const Indexer ix = indexer({rows, cols}, {0, 1}, {0, 0});
+    t.add(Kernel::StridedCopy, DType::I64, "strided_copy_i64", dims({cols}) + " broadcast to " + dims({rows, cols}),
+          kExact, 0, kL * (rows * cols + cols), [=](OpRun& r) {
+            std::vector<std::int64_t> v(static_cast<std::size_t>(cols));
+            for (i64 i = 0; i < cols; ++i) v[static_cast<std::size_t>(i)] = (i64{1} << 40) - 7 * i;
+            const std::int64_t* a = r.upload(v);
+            std::int64_t* out = r.empty_i64(rows * cols);
+            r.output("out", out, rows * cols);
+            r.set_call([=](Backend& b, Device d) { b.run<Op::StridedCopy>(d, DType::I64, {ix, a, out}); });
+          });
+  }
   t.add(Kernel::Cast, DType::F32, "cast_i64_to_f32", count(n), kExact, 0, (kL + kF) * n, [n](OpRun& r) {
     // Up to ±2^30: beyond float's 24-bit mantissa, so rounding to nearest is checked.
     std::vector<std::int64_t> v(static_cast<std::size_t>(n));

@@ -371,6 +371,56 @@ TEST_CASE("a 16-bit linear layer's forward and gradients") {
   }
 }
 
+TEST_CASE("copy_ and add_ across dtypes: converted as PyTorch's, a mixed sum rounded once, gradients in the source's dtype") {
+  // Note [Sources of in-place writes]. 1 + (2^-8 + 2^-20) in bfloat16: rounded once it
+  // is 1 + 2^-7 (PyTorch's 1.0078125); rounding the source to bfloat16 first (2^-8) makes
+  // a tie that rounds to 1. 3 - (2^-7 + 2^-20): 2.984375 rounded once, 3 twice.
+  const float tiny = 0x1p-8f + 0x1p-20f, tiny2 = 0x1p-7f + 0x1p-20f;
+  dp::Tensor d = dp::from_vector(std::vector<float>{1, 3}, {2}).to(Dtype::BFloat16);
+  d.add_(dp::from_vector(std::vector<float>{tiny}, {1}));
+  CHECK(same_floats(d.to_vector(), std::vector<float>{1.0078125f, 3.0f}));
+  d.copy_(dp::from_vector(std::vector<float>{1, 3}, {2}));
+  d.add_(dp::from_vector(std::vector<float>{tiny, tiny2}, {2}), -1.0f);
+  CHECK(same_floats(d.to_vector(), std::vector<float>{0.99609375f, 2.984375f}));
+  // copy_ rounds as to(): PyTorch's bits.
+  const dp::Tensor src = dp::from_vector(std::vector<float>{tiny, 1.00390625f, -7.3f, 1e-30f}, {4});
+  dp::Tensor h = dp::zeros({4}, {.dtype = Dtype::Float16});
+  h.copy_(src);
+  CHECK(same_floats(h.to_vector(), src.to(Dtype::Float16).to_vector()));
+  // bfloat16 into float16: the float32 sum, rounded once into float16.
+  const dp::Tensor bf = dp::from_vector(std::vector<float>{0.1f, -3.3f, 250.f, 1e-3f}, {4}).to(Dtype::BFloat16);
+  const dp::Tensor h0 = h.clone();
+  h.add_(bf, 0.75f);
+  CHECK(same_floats(h.to_vector(),
+                    dp::add(h0.to(Dtype::Float32), dp::mul(bf.to(Dtype::Float32), 0.75)).to(Dtype::Float16).to_vector()));
+  // A float32 source added into a bfloat16 result: its gradient is float32, alpha times
+  // the output's; the destination's old values get the output's (PyTorch: 3, 3 and 1, 1).
+  dp::Tensor x = dp::from_vector(std::vector<float>{1, 2}, {2}).to(Dtype::BFloat16);
+  x.set_requires_grad(true);
+  dp::Tensor s = dp::from_vector(std::vector<float>{0.5f, 0.25f}, {2});
+  s.set_requires_grad(true);
+  dp::Tensor u = dp::mul(x, 1.0);
+  u.add_(s, 3.0f);
+  CHECK(u.dtype() == Dtype::BFloat16);
+  dp::sum(u).backward();
+  REQUIRE(s.grad().defined());
+  CHECK(s.grad().dtype() == Dtype::Float32);
+  CHECK(same_floats(s.grad().to_vector(), std::vector<float>{3, 3}));
+  CHECK(x.grad().dtype() == Dtype::BFloat16);
+  CHECK(same_floats(x.grad().to_vector(), std::vector<float>{1, 1}));
+  // copy_ of a float32 source into a bfloat16 buffer, broadcast: the gradient summed
+  // over the broadcast rows and widened to float32 (PyTorch: 2 * the rounded values, twice).
+  dp::Tensor w = dp::from_vector(std::vector<float>{1.00390625f, -7.3f}, {2});
+  w.set_requires_grad(true);
+  dp::Tensor buf = dp::zeros({3, 2}, {.dtype = Dtype::BFloat16});
+  buf.copy_(dp::mul(w, 1.0));
+  const dp::Tensor b32 = buf.to(Dtype::Float32);
+  dp::sum(dp::mul(b32, b32)).backward();
+  REQUIRE(w.grad().defined());
+  CHECK(w.grad().dtype() == Dtype::Float32);
+  CHECK(same_floats(w.grad().to_vector(), std::vector<float>{6.0f, -43.875f}));  // 3 rows of 2 * bf16(w)
+}
+
 TEST_CASE("bad 16-bit input is a dp::Error naming what was expected") {
   const dp::Tensor b = dp::ones({2, 3}, {.dtype = Dtype::BFloat16});
   const dp::Tensor f = dp::ones({3, 2});
@@ -379,8 +429,8 @@ TEST_CASE("bad 16-bit input is a dp::Error naming what was expected") {
   CHECK(dp_test::throws_with([&] { (void)dp::linear(b, f.t(), dp::Tensor()); },
                              {"linear: expected input, weight and bias of one dtype, got bfloat16, float32"}));
   const dp::Tensor h = dp::ones({3}, {.dtype = Dtype::Float16});
-  CHECK(dp_test::throws_with([&] { dp::Tensor c = b.clone(); c.add_(dp::ones({2, 3}, {.dtype = Dtype::Float16})); },
-                             {"add_: expected a bfloat16 tensor to add, got float16"}));
+  CHECK(dp_test::throws_with([&] { dp::Tensor c = b.clone(); c.add_(dp::ones({2, 2}, {.dtype = Dtype::Float16})); },
+                             {"add_: expected a tensor to add whose shape broadcasts to the destination's [2, 3], got [2, 2]"}));
   CHECK(dp_test::throws_with([&] { (void)dp::from_vector(std::vector<dp::Float16>(2), {3}); },
                              {"from_vector: shape [3] needs 3 elements, got 2"}));
   (void)h;

@@ -285,13 +285,37 @@ TEST_CASE_TEMPLATE("in-place ops write through, bump the storage version and che
   i.zero_();
   CHECK(i.to_vector_i64() == I{0, 0});
 
-  CHECK_THROWS_WITH_AS(a.copy_(dp::zeros({3}, dev)), doctest::Contains("[4]"), dp::Error);
-  CHECK_THROWS_WITH_AS(a.copy_(dp::zeros({3}, dev)), doctest::Contains("[3]"), dp::Error);
-  CHECK_THROWS_WITH_AS(a.copy_(dp::zeros({4}, dp::TensorOptions{dp::Dtype::Int64, dev})),
-                       doctest::Contains("int64"), dp::Error);
-  CHECK_THROWS_WITH_AS(a.add_(dp::zeros({3}, dev)), doctest::Contains("[3]"), dp::Error);
-  CHECK_THROWS_AS(a.add_(dp::zeros({4}, dp::TensorOptions{dp::Dtype::Int64, dev})), dp::Error);
+  // A source that does not broadcast to the destination's shape (Note [Sources of
+  // in-place writes]): named with both shapes, nothing written.
+  const std::uint64_t v1 = a.storage()->version();
+  for (const dp::Shape& bad : {dp::Shape{3}, dp::Shape{2, 4}, dp::Shape{1, 4}}) {
+    CAPTURE(dp::shape_str(bad));
+    CHECK_THROWS_WITH_AS(a.copy_(dp::zeros(bad, dev)), doctest::Contains("broadcasts to the destination's [4]"),
+                         dp::Error);
+    CHECK_THROWS_WITH_AS(a.copy_(dp::zeros(bad, dev)), doctest::Contains(dp::shape_str(bad).c_str()), dp::Error);
+    CHECK_THROWS_WITH_AS(a.add_(dp::zeros(bad, dev)), doctest::Contains(dp::shape_str(bad).c_str()), dp::Error);
+  }
+  CHECK_THROWS_WITH_AS(a.copy_(dp::Tensor()), doctest::Contains("undefined"), dp::Error);
+  CHECK_THROWS_WITH_AS(a.add_(dp::Tensor()), doctest::Contains("undefined"), dp::Error);
   CHECK_THROWS_AS(i.mul_(2.0f), dp::Error);
+  CHECK_THROWS_WITH_AS(i.add_(dp::ones({2}, dev)), doctest::Contains("floating"), dp::Error);
+  CHECK(a.storage()->version() == v1);
+  CHECK(a.to_vector() == F{0, 9, 8, 0});
+
+  // As PyTorch's: a source broadcast, and converted to the destination's dtype.
+  a.copy_(dp::from_vector(F{5}, {1}, dev));
+  CHECK(a.to_vector() == F{5, 5, 5, 5});
+  a.copy_(dp::from_vector(I{1, -2, 3, 4}, {4}, dev));
+  CHECK(a.to_vector() == F{1, -2, 3, 4});
+  a.add_(dp::from_vector(I{10}, {}, dev), 0.5f);
+  CHECK(a.to_vector() == F{6, 3, 8, 9});
+  dp::Tensor m = dp::zeros({2, 3}, dev);
+  m.add_(dp::from_vector(F{1, 2, 3}, {3}, dev));
+  m.add_(dp::from_vector(F{10, 20}, {2, 1}, dev), 2.0f);
+  CHECK(m.to_vector() == F{21, 22, 23, 41, 42, 43});
+  dp::Tensor n = dp::zeros({3}, dp::TensorOptions{dp::Dtype::Int64, dev});
+  n.copy_(dp::from_vector(F{1.75f, -2.5f, 3}, {3}, dev));  // truncated toward zero
+  CHECK(n.to_vector_i64() == I{1, -2, 3});
 }
 
 TEST_CASE_TEMPLATE("a write through mutable_data bumps the storage version; data does not", D,

@@ -377,9 +377,13 @@ class Tensor {
   //   dp::Tensor h = x * 2;  h.add_(residual);  h.mul_(0.5f);   // gradients as y = (h + r) * 0.5
   Tensor& zero_();
   Tensor& fill_(double value);
-  /// Copies src (same shape and dtype, any device) into this tensor.
+  /// Copies src into this tensor, as PyTorch's copy_: src of any device and dtype
+  /// (converted as to() converts), its shape broadcasting to this one's (Note
+  /// [Sources of in-place writes] in src/tensor/tensor.cpp).
   Tensor& copy_(const Tensor& src);
-  /// this += alpha * other (same shape, device and dtype).
+  /// this += alpha * other for a floating tensor, as PyTorch's add_: other on this
+  /// device, its shape broadcasting to this one's, of any dtype (two different floating
+  /// dtypes sum in float32, rounded once into this one's).
   Tensor& add_(const Tensor& other, float alpha = 1.0f);
   Tensor& mul_(float value);
   /// this += value, elementwise, for float32 and int64 tensors (counters); enqueued on

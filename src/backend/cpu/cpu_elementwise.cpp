@@ -498,6 +498,7 @@ void CpuBackend::register_elementwise_kernels() {
   register_typed<Op::Binary, CpuBackend, &binary<float>>(DType::F32);
   register_typed<Op::Binary, CpuBackend, &binary_int<i64>>(DType::I64);
   register_typed<Op::StridedCopy, CpuBackend, &strided_copy<float>>(DType::F32);
+  register_typed<Op::StridedCopy, CpuBackend, &strided_copy<i64>>(DType::I64);  // an integer copy_ broadcast
   register_typed<Op::Gather, CpuBackend, &gather<float>>(DType::F32);
   register_typed<Op::ScatterAdd, CpuBackend, &scatter_add<float>>(DType::F32);
   register_typed<Op::Where, CpuBackend, &where<float>>(DType::F32);

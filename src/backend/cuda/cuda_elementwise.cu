@@ -894,6 +894,7 @@ void register_elementwise_kernels(CudaBackend& be) {
   add<Op::Binary, &table::binary_i64>(be, DType::I64);
   add<Op::Where, &table::where<float>>(be, DType::F32);
   add<Op::StridedCopy, &table::strided_copy<float>>(be, DType::F32);
+  add<Op::StridedCopy, &table::strided_copy<i64>>(be, DType::I64);  // an integer copy_ broadcast
   add<Op::Gather, &table::gather<float>>(be, DType::F32);
   add<Op::ScatterAdd, &table::scatter_add<float>>(be, DType::F32);
   add<Op::CountNonfinite, &table::count_nonfinite_f32>(be, DType::F32);
