@@ -706,10 +706,90 @@ def op_loss2(p, rng):
             F.smooth_l1_loss(hi, ht, reduction=red, beta=beta), "float")
 
 
+def source_for(p, rng, t, shape):
+    """A float value to write into `t` (of `shape`): t itself, an existing value whose shape
+    broadcasts to `shape`, or a new input of a shape that does (leading dims dropped,
+    some sizes 1)."""
+    if rng.random() < 0.15:
+        return t
+    fits = [i for i in floats(p) if i != t and _broadcasts(p.values[i][0].shape, shape)
+            and tuple(torch.broadcast_shapes(p.values[i][0].shape, shape)) == tuple(shape)]
+    if fits and rng.random() < 0.5:
+        return rng.choice(fits)
+    drop = rng.randint(0, len(shape))
+    return p.new_input([d if rng.random() < 0.6 else 1 for d in shape[drop:]])
+
+
+def _broadcasts(a, b):
+    try:
+        torch.broadcast_shapes(a, b)
+        return True
+    except RuntimeError:
+        return False
+
+
+def op_inplace(p, rng):
+    """In-place writes (Note [In-place writes and autograd], Note [Sources of in-place
+    writes]): t = v * c, a fresh result no node saved, then one to three of add_ (of a
+    value or input broadcast to t's shape, of t's dtype or another, or of t itself),
+    add_ of a scalar, mul_, copy_ (a 16-bit t rounds the source in float64 too, as a
+    cast does), fill_ and zero_. Each write is a line whose value is t itself; later ops
+    read the written tensor."""
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    c = rng.choice([1.0, -0.5, 2.0])
+    t = p.add_value(f"mul_s v{v} {c!r}", lo * c, hi * c, "float")
+    tlo, thi, _ = p.values[t]
+    shape = list(tlo.shape)
+    writes = rng.randint(1, 3)
+    for k in range(writes):
+        kind = rng.choice(["iadd", "iadd", "icopy", "iadd_s", "imul", "ifill", "izero"])
+        if kind in ("iadd", "icopy"):
+            src = source_for(p, rng, t, shape)
+            slo, shi, _ = p.values[src]
+            if kind == "iadd":
+                alpha = rng.choice([1.0, 0.5, -1.5])
+                tlo.add_(slo, alpha=alpha)
+                thi.add_(shi, alpha=alpha)
+                text = f"iadd v{t} v{src} {alpha!r}"
+            else:
+                tlo.copy_(slo)
+                if tlo.dtype in (torch.bfloat16, torch.float16):
+                    thi.copy_(shi.to(tlo.dtype).double())
+                else:
+                    thi.copy_(shi)
+                text = f"icopy v{t} v{src}"
+        elif kind == "iadd_s":
+            c = rng.choice([0.5, -1.25])
+            tlo.add_(c)
+            thi.add_(c)
+            text = f"iadd_s v{t} {c!r}"
+        elif kind == "imul":
+            c = rng.choice([2.0, -0.75])
+            tlo.mul_(c)
+            thi.mul_(c)
+            text = f"imul v{t} {c!r}"
+        elif kind == "ifill":
+            c = rng.choice([0.5, -2.0])
+            tlo.fill_(c)
+            thi.fill_(c)
+            text = f"ifill v{t} {c!r}"
+        else:
+            tlo.zero_()
+            thi.zero_()
+            text = f"izero v{t}"
+        if k + 1 == writes:
+            return text, tlo, thi, "float"
+        t = p.add_value(text, tlo, thi, "float")
+
+
 OPS = [(op_unary, 6), (op_unary_positive, 2), (op_pow, 1), (op_scalar, 2), (op_binary, 6), (op_compare_where, 2),
        (op_tri, 1), (op_reduce, 4), (op_shape, 8), (op_matmul, 4), (op_softmax, 2), (op_layer_norm, 2),
        (op_attention, 1), (op_embedding, 1), (op_loss, 2), (op_cast, 2), (op_linear, 2), (op_autocast_matmul, 1),
-       (op_conv, 2), (op_pool, 2), (op_batch_norm, 1), (op_index, 2), (op_loss2, 2), (op_argmax_gather, 1)]
+       (op_conv, 2), (op_pool, 2), (op_batch_norm, 1), (op_index, 2), (op_loss2, 2), (op_argmax_gather, 1),
+       (op_inplace, 2)]
 
 
 def draw(seed, attempt=0):

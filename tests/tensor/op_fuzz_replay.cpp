@@ -24,7 +24,9 @@
 // batch_norm, softmax, layer_norm, gelu, where/masked_fill, tril/triu, gather and
 // index_select, attention (additive, learned and 0/1 keep masks), embedding, six losses
 // (cross entropy with class weights, smoothing and ignored rows), casts to 16 bits, ops
-// under bfloat16 autocast, argmax feeding gather — is drawn by scripts/op_fuzz.py and run by PyTorch as it is
+// under bfloat16 autocast, argmax feeding gather, in-place writes into an op's result
+// (add_ and copy_ of broadcast sources of any floating dtype, the tensor itself
+// included; add_ of a scalar, mul_, fill_, zero_) that later ops read — is drawn by scripts/op_fuzz.py and run by PyTorch as it is
 // drawn (an op whose inputs fall outside its domain or sit on a kink or a tie, or whose
 // result is not finite or grows past 1e4, is drawn again), then run here by dp, forward
 // and backward of L = sum_i sum(out_i * w_i) for random w_i.
@@ -272,6 +274,18 @@ class Run {
     if (op == "batch_norm")
       return dp::nn::batch_norm(value(a(0)), maybe(a(1)).value_or(Tensor()), maybe(a(2)).value_or(Tensor()), Tensor(),
                                 Tensor(), true);
+    // In-place writes (Note [In-place writes and autograd]): the line's value is the
+    // written tensor itself, another handle of the same tensor.
+    if (op == "iadd" || op == "icopy" || op == "iadd_s" || op == "imul" || op == "ifill" || op == "izero") {
+      Tensor t = value(a(0));
+      if (op == "iadd") t.add_(value(a(1)), static_cast<float>(f64(a(2))));
+      if (op == "icopy") t.copy_(value(a(1)));
+      if (op == "iadd_s") t.add_(f64(a(1)));
+      if (op == "imul") t.mul_(static_cast<float>(f64(a(1))));
+      if (op == "ifill") t.fill_(f64(a(1)));
+      if (op == "izero") t.zero_();
+      return t;
+    }
     if (op == "index_select") return dp::index_select(value(a(0)), i64(a(1)), value(a(2)));
     if (op == "gather") return dp::gather(value(a(0)), i64(a(1)), value(a(2)));
     DP_FAIL("op_fuzz_replay: unknown op '", op, "'");
