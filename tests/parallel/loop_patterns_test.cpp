@@ -291,3 +291,73 @@ TEST_CASE("a write into the input batch between a forward and its backward is an
     CHECK(threw);
   }
 }
+
+namespace {
+
+/// A forward that writes in place (Note [In-place writes and autograd], Note [Sources of
+/// in-place writes] in src/tensor/tensor.cpp): a parameter broadcast and added into a
+/// layer's output, the output scaled, a parameter copied (broadcast) into a buffer, and
+/// an output added into another. Under autocast the first output is bfloat16 and the
+/// parameters float32: the mixed sum rounds once.
+struct InplaceForward : dp::nn::Module {
+  explicit InplaceForward(std::uint64_t seed) {
+    dp::Generator gen(seed);
+    fc1 = register_module("fc1", std::make_shared<dp::nn::Linear>(6, 8, false, &gen));
+    fc2 = register_module("fc2", std::make_shared<dp::nn::Linear>(8, 3, true, &gen));
+    bias = register_parameter("bias", dp::randn({8}, gen, dp::cpu(0)));
+    scale = register_parameter("scale", dp::randn({1, 8}, gen, dp::cpu(0)));
+  }
+  dp::Tensor forward(const dp::Tensor& x) override {
+    dp::Tensor h = fc1->forward(x);
+    h.add_(bias, 0.5f);
+    h.mul_(2.0f);
+    dp::Tensor g = dp::zeros(h.shape(), dp::TensorOptions{dp::Dtype::Float32, h.device()});
+    g.copy_(scale);
+    dp::Tensor r = dp::mul(h.relu(), g);
+    r.add_(h);
+    return fc2->forward(r);
+  }
+  std::shared_ptr<dp::nn::Linear> fc1, fc2;
+  dp::nn::Parameter bias, scale;
+};
+
+std::vector<float> train_inplace_forward(const NamedDesign* d, int devices, bool bf16) {
+  auto net = std::make_shared<InplaceForward>(5);
+  std::optional<dp::DataParallel> model;
+  if (d) model.emplace(net, cpus(devices), d->options);
+  dp::optim::SGD opt(d ? model->parameters() : net->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int step = 0; step < 3; ++step) {
+    const Batch b = make_batch(7, 30 + step);
+    opt.zero_grad();
+    dp::Tensor loss;
+    {
+      std::optional<dp::amp::autocast> cast;
+      if (bf16) cast.emplace(dp::Dtype::BFloat16);
+      loss = loss_fn(d ? (*model)(b.x) : net->forward(b.x), b.y);
+    }
+    loss.backward();
+    opt.step();
+  }
+  return flat(d ? model->state_dict() : net->state_dict());
+}
+
+}  // namespace
+
+TEST_CASE("a forward that writes in place trains alike in every design, float32 and under bfloat16 autocast") {
+  for (const bool bf16 : {false, true}) {
+    CAPTURE(bf16);
+    const std::vector<float> one = train_inplace_forward(nullptr, 1, bf16);
+    for (const int devices : {2, 3}) {
+      CAPTURE(devices);
+      const std::vector<NamedDesign> designs = designs_and_tiny_buckets();
+      const std::vector<float> dp_run = train_inplace_forward(&designs[0], devices, bf16);
+      // One device's to float rounding in float32; in bfloat16 each device rounds its
+      // own rows' products, so the designs meet one device to bfloat16's rounding.
+      CHECK(max_diff(dp_run, one) < (bf16 ? 5e-3 : kTolerance));
+      for (const NamedDesign& d : designs) {
+        CAPTURE(d.name);
+        CHECK(max_diff(train_inplace_forward(&d, devices, bf16), dp_run) == 0.0);
+      }
+    }
+  }
+}

@@ -42,9 +42,13 @@
 // the last place per op, in a program that computes in 16 bits anywhere (a cast, or an
 // op under autocast), since the float64 run rounds at the casts as PyTorch does, so
 // PyTorch's own error there hides where a backward formula rounds an intermediate). A norm over a nearly constant group (variance below
-// 1e-3) is not drawn: its output is rounding noise over sqrt(eps). A layer_norm row of
-// one value is drawn: its mean is that value in both libraries (Note [An exact mean for
-// a constant row]), the output exactly the bias. A lost term, a wrong
+// 1e-3) is not drawn: its output is rounding noise over sqrt(eps). Nor is a row of one
+// value, though layer_norm's output is then exactly the bias in both libraries (Note [An
+// exact mean for a constant row], tested in sequence_test): such a row comes of a
+// broadcast (a value added into every element), whose gradient sums the row's input
+// gradients, rstd (g_j - mean g) with rstd = 1/sqrt(eps) ~ 316; they cancel to zero
+// exactly (layer_norm ignores a constant added to its row) and to noise 316 times a
+// rounding of g in float32 (program 4078: PyTorch 0, dp 1.5e-5). A lost term, a wrong
 // broadcast, a transposed index, a wrong dtype or a missing gradient is far outside it;
 // an op dp refuses where PyTorch runs it is reported too. CI replays a fixed corpus
 // (tests/tensor/op_fuzz_corpus.safetensors, programs 0..N-1, written by the script with
