@@ -200,7 +200,8 @@ void* Tensor::raw_data() const {
   DP_CHECK(!impl.storage->released(), "Tensor", shape_str(impl.shape), " on ", impl.storage->device(),
            ": its memory was released (Note [Released storage]) — a parameter of a module trained with "
            "DataParallel shard_stage 3 between uses; read parameters through net->state_dict(), "
-           "net->parameters() or named_parameters(), which gather them (see dp/parallel/data_parallel.h)");
+           "net->parameters() or named_parameters(), which gather them, called again after each step "
+           "(a list taken before a step holds views the step released; see dp/parallel/data_parallel.h)");
   return static_cast<char*>(impl.storage->data()) + impl.offset * element_size(impl.dtype);
 }
 

@@ -142,6 +142,7 @@ TEST_CASE("stage 3 between steps: reading gathers device 0's copy; a stale tenso
   opt.zero_grad();
   model.forward_backward(b.x, b.y, loss_fn);
   CHECK_THROWS_WITH_AS(params[0].to_vector(), doctest::Contains("released"), dp::Error);
+  CHECK_THROWS_WITH_AS(params[0].to_vector(), doctest::Contains("called again after each step"), dp::Error);
   // An edit through the gathered copy reaches every device's range.
   {
     dp::NoGradGuard no_grad;

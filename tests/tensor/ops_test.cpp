@@ -785,6 +785,42 @@ TEST_CASE_TEMPLATE("scalars on the left are differentiable", D, DP_TEST_DEVICES)
   CHECK(w.grad().to_vector() == F{-4.0f, -0.25f, -0.0625f});
 }
 
+TEST_CASE_TEMPLATE("a tensor divided by a scalar is a true division, as PyTorch's, and so is its gradient", D,
+                   DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  // x * (1 / 3) rounds twice: a third of these quotients would be an ulp off PyTorch's
+  // x / 3.0, which divides (loss / accumulation_steps).
+  F v, up;
+  for (int i = 0; i < 300; ++i) {
+    v.push_back(0.37f + 0.731f * static_cast<float>(i) * (i % 2 ? -1.0f : 1.0f));
+    up.push_back(0.1f * static_cast<float>(i % 7) - 0.25f);
+  }
+  const std::int64_t n = static_cast<std::int64_t>(v.size());
+  for (const double s : {3.0, 10.0, -0.7}) {
+    CAPTURE(s);
+    F want, want_grad;
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      want.push_back(v[i] / static_cast<float>(s));
+      want_grad.push_back(up[i] / static_cast<float>(s));
+    }
+    dp::Tensor x = dp::from_vector(v, {n}, dev).set_requires_grad(true);
+    const dp::Tensor q = x / s;
+    check_same_floats(q.to_vector(), want);
+    check_same_floats(dp::div(x, s).to_vector(), want);
+    dp::sum(dp::mul(q, dp::from_vector(up, {n}, dev))).backward();
+    check_same_floats(x.grad().to_vector(), want_grad);
+    // bfloat16: the float32 quotient rounded once more, PyTorch's float opmath.
+    const dp::Tensor xb = dp::from_vector(v, {n}, dev).to(dp::Dtype::BFloat16);
+    const dp::Tensor qb = xb / s;
+    CHECK(qb.dtype() == dp::Dtype::BFloat16);
+    F wide = xb.to_vector(), want16;
+    for (float w : wide) want16.push_back(w / static_cast<float>(s));
+    check_same_floats(qb.to_vector(), dp::from_vector(want16, {n}, dev).to(dp::Dtype::BFloat16).to_vector());
+  }
+  CHECK_THROWS_WITH_AS(dp::from_vector(I{1, 2}, {2}, dev) / 2.0, doctest::Contains("int64"), dp::Error);
+}
+
 TEST_CASE("scalars on the left reject int64 tensors like the other float ops") {
   dp::Tensor l = dp::from_vector(I{1, 2}, {2});
   CHECK_THROWS_WITH_AS(1.0 - l, doctest::Contains("int64"), dp::Error);

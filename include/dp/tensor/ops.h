@@ -24,6 +24,9 @@ Tensor div(const Tensor& a, const Tensor& b);
 Tensor maximum(const Tensor& a, const Tensor& b);
 Tensor add(const Tensor& a, double s);
 Tensor mul(const Tensor& a, double s);
+/// a / s, elementwise, a true division (PyTorch's `t / 3.0`; a 16-bit tensor divides in
+/// float32 and rounds once to its dtype). `a * (1.0 / s)` rounds twice.
+Tensor div(const Tensor& a, double s);
 /// s - a, elementwise: one rounding, like PyTorch's `1.0 - t` (rsub).
 Tensor sub(double s, const Tensor& a);
 /// s / a, elementwise, computed as PyTorch 1.13 computes `2.0 / t`: reciprocal(a) * s,
@@ -196,7 +199,7 @@ inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
 inline Tensor operator+(const Tensor& a, double s) { return add(a, s); }
 inline Tensor operator-(const Tensor& a, double s) { return add(a, -s); }
 inline Tensor operator*(const Tensor& a, double s) { return mul(a, s); }
-inline Tensor operator/(const Tensor& a, double s) { return mul(a, 1.0 / s); }
+inline Tensor operator/(const Tensor& a, double s) { return div(a, s); }
 inline Tensor operator*(double s, const Tensor& a) { return mul(a, s); }
 /// Scalars on the left, as in PyTorch: `1.0 + t`, `1.0 - t`, `2.0 / t`.
 inline Tensor operator+(double s, const Tensor& a) { return add(a, s); }
