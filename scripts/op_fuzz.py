@@ -724,6 +724,10 @@ def _broadcasts(a, b):
         return False
 
 
+# The in-place writes of a scalar: line name -> (Tensor method, the scalars drawn from).
+SCALAR_WRITES = {"iadd_s": ("add_", [0.5, -1.25]), "imul": ("mul_", [2.0, -0.75]), "ifill": ("fill_", [0.5, -2.0])}
+
+
 def op_inplace(p, rng):
     """In-place writes (Note [In-place writes and autograd], Note [Sources of in-place
     writes]): t = v * c, a fresh result no node saved, then one to three of add_ (of a
@@ -757,21 +761,12 @@ def op_inplace(p, rng):
                 else:
                     thi.copy_(shi)
                 text = f"icopy v{t} v{src}"
-        elif kind == "iadd_s":
-            c = rng.choice([0.5, -1.25])
-            tlo.add_(c)
-            thi.add_(c)
-            text = f"iadd_s v{t} {c!r}"
-        elif kind == "imul":
-            c = rng.choice([2.0, -0.75])
-            tlo.mul_(c)
-            thi.mul_(c)
-            text = f"imul v{t} {c!r}"
-        elif kind == "ifill":
-            c = rng.choice([0.5, -2.0])
-            tlo.fill_(c)
-            thi.fill_(c)
-            text = f"ifill v{t} {c!r}"
+        elif kind in SCALAR_WRITES:
+            method, choices = SCALAR_WRITES[kind]
+            c = rng.choice(choices)
+            getattr(tlo, method)(c)
+            getattr(thi, method)(c)
+            text = f"{kind} v{t} {c!r}"
         else:
             tlo.zero_()
             thi.zero_()
