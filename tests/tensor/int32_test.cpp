@@ -204,3 +204,23 @@ TEST_CASE("DataParallel scatters int32 targets: the same loss and gradients as i
   CHECK(full32 == full64);
   CHECK(g32 == g64);
 }
+
+TEST_CASE_TEMPLATE("copy_ broadcasts and converts int32 sources and destinations exactly", D, DP_TEST_DEVICES) {
+  // Note [Sources of in-place writes]: an int32 source broadcast goes through int64,
+  // exact both ways, values beyond float32's 24-bit mantissa included.
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  const dp::Tensor row = dp::from_vector(I32{16777217, -9, 2147483647}, {3}, dev);
+  dp::Tensor i32 = dp::zeros({2, 3}, dp::TensorOptions{dp::Dtype::Int32, dev});
+  i32.copy_(row);
+  CHECK(i32.to_vector_i32() == I32{16777217, -9, 2147483647, 16777217, -9, 2147483647});
+  dp::Tensor i64 = dp::zeros({2, 3}, dp::TensorOptions{dp::Dtype::Int64, dev});
+  i64.copy_(row);
+  CHECK(i64.to_vector_i64() == I{16777217, -9, 2147483647, 16777217, -9, 2147483647});
+  dp::Tensor f = dp::zeros({2, 3}, dev);
+  f.copy_(dp::from_vector(I32{7}, {1}, dev));
+  CHECK(f.to_vector() == F(6, 7.0f));
+  f.add_(dp::from_vector(I32{1, 2, 3}, {3}, dev), 2.0f);
+  CHECK(f.to_vector() == F{9, 11, 13, 9, 11, 13});
+  CHECK_THROWS_WITH_AS(i32.copy_(dp::from_vector(I32{1, 2}, {2}, dev)), doctest::Contains("[2, 3]"), dp::Error);
+}
