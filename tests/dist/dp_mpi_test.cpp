@@ -246,6 +246,53 @@ TEST_CASE("bfloat16 autocast reaches every worker of every process: a GPT in eve
   check_tokens_everywhere<TinyGPT>(true, 2e-2);
 }
 
+namespace {
+
+/// Three SGD steps of InplaceForward (a forward that writes in place, mlp_fixture.h):
+/// every process its rows of each global batch in `options`' design (null: one plain
+/// device on the whole batch), under bfloat16 autocast with `bf16`. The parameters after.
+std::vector<float> train_inplace(const dp::DataParallelOptions* options, bool bf16) {
+  auto net = std::make_shared<InplaceForward>(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed);
+  std::unique_ptr<dp::DataParallel> model;
+  if (options) model = std::make_unique<dp::DataParallel>(net, local_devices(), *options);
+  dp::optim::SGD opt(model ? model->parameters() : net->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int s = 0; s < 3; ++s) {
+    const std::int64_t rows = global_rows(s);
+    const Batch b = make_batch(rows, 600 + static_cast<std::uint64_t>(s));
+    opt.zero_grad();
+    dp::amp::autocast guard(dp::Dtype::BFloat16, bf16);
+    if (!model) {
+      loss_fn(net->forward(b.x), b.y).backward();
+    } else {
+      const auto [lo, n] = my_rows(rows);
+      model->forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    }
+    opt.step();
+  }
+  return flat(net->state_dict());
+}
+
+}  // namespace
+
+TEST_CASE("a forward that writes in place trains the same in every design across processes") {
+  // Note [Sources of in-place writes]: a broadcast parameter added into a layer's output
+  // (bfloat16 under autocast, the sum in float32 rounded once), a parameter copied into
+  // a buffer; each worker of each process records the writes.
+  for (const bool bf16 : {false, true}) {
+    CAPTURE(bf16);
+    const std::vector<float> single = train_inplace(nullptr, bf16);
+    std::vector<float> first;
+    for (const Design& d : designs()) {
+      CAPTURE(d.name);
+      const std::vector<float> got = train_inplace(&d.options, bf16);
+      CHECK(max_diff(got, single) < (bf16 ? 5e-3 : 2e-5));
+      CHECK(same_everywhere(got));
+      if (first.empty()) first = got;
+      else CHECK(max_diff(got, first) < 1e-6);
+    }
+  }
+}
+
 TEST_CASE("the job spans every process: world_devices, processes, the shards over every device") {
   auto net = make_mlp(kSeed);
   dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::Sharded, .shard_stage = 1});

@@ -294,33 +294,6 @@ TEST_CASE("a write into the input batch between a forward and its backward is an
 
 namespace {
 
-/// A forward that writes in place (Note [In-place writes and autograd], Note [Sources of
-/// in-place writes] in src/tensor/tensor.cpp): a parameter broadcast and added into a
-/// layer's output, the output scaled, a parameter copied (broadcast) into a buffer, and
-/// an output added into another. Under autocast the first output is bfloat16 and the
-/// parameters float32: the mixed sum rounds once.
-struct InplaceForward : dp::nn::Module {
-  explicit InplaceForward(std::uint64_t seed) {
-    dp::Generator gen(seed);
-    fc1 = register_module("fc1", std::make_shared<dp::nn::Linear>(6, 8, false, &gen));
-    fc2 = register_module("fc2", std::make_shared<dp::nn::Linear>(8, 3, true, &gen));
-    bias = register_parameter("bias", dp::randn({8}, gen, dp::cpu(0)));
-    scale = register_parameter("scale", dp::randn({1, 8}, gen, dp::cpu(0)));
-  }
-  dp::Tensor forward(const dp::Tensor& x) override {
-    dp::Tensor h = fc1->forward(x);
-    h.add_(bias, 0.5f);
-    h.mul_(2.0f);
-    dp::Tensor g = dp::zeros(h.shape(), dp::TensorOptions{dp::Dtype::Float32, h.device()});
-    g.copy_(scale);
-    dp::Tensor r = dp::mul(h.relu(), g);
-    r.add_(h);
-    return fc2->forward(r);
-  }
-  std::shared_ptr<dp::nn::Linear> fc1, fc2;
-  dp::nn::Parameter bias, scale;
-};
-
 std::vector<float> train_inplace_forward(const NamedDesign* d, int devices, bool bf16) {
   auto net = std::make_shared<InplaceForward>(5);
   std::optional<dp::DataParallel> model;
