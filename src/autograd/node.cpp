@@ -216,6 +216,48 @@ void mark_grad_zeroed(const Tensor& t) {
   if (m.grad_zeroed) m.zeroed_epoch = m.grad.storage()->write_epoch();  // Note [Gradients written over zeros]
 }
 
+bool take_grad_arrived(const Tensor& t) {
+  if (!t.defined() || !t.impl()->autograd) return false;
+  std::lock_guard<std::mutex> lock(leaf_mutex(t.impl()));  // Note [Concurrent accumulation]
+  AutogradMeta& m = *t.impl()->autograd;
+  const bool arrived = m.grad_arrived;
+  m.grad_arrived = false;
+  return arrived;
+}
+
+bool grad_arrived(const Tensor& t) {
+  if (!t.defined() || !t.impl()->autograd) return false;
+  std::lock_guard<std::mutex> lock(leaf_mutex(t.impl()));  // Note [Concurrent accumulation]
+  return t.impl()->autograd->grad_arrived;
+}
+
+bool grad_pinned(const Tensor& t) {
+  return t.defined() && t.impl()->autograd && t.impl()->autograd->grad_pinned && t.impl()->autograd->grad.defined();
+}
+
+void bind_grad(const Tensor& t, const Tensor& g, bool pinned) {
+  DP_CHECK(t.defined(), "bind_grad: an undefined tensor");
+  if (!t.impl()->autograd) t.impl()->autograd = std::make_unique<AutogradMeta>();
+  AutogradMeta& m = *t.impl()->autograd;
+  m.grad = g;
+  m.grad_pinned = pinned && g.defined();
+}
+
+bool assign_pinned_grad(const Tensor& t, const Tensor& g) {
+  if (!t.impl()->autograd || !t.impl()->autograd->grad_pinned || !t.impl()->autograd->grad.defined()) return false;
+  AutogradMeta& m = *t.impl()->autograd;
+  DP_CHECK(g.defined(), "set_grad: this parameter's .grad is its place in the module's flat gradient buffer and "
+           "cannot become undefined; zero_grad() sets the gradients to none (Note [Parameters without a gradient])");
+  {
+    NoGradGuard no_grad;
+    Tensor view = m.grad;
+    view.copy_(g);
+  }
+  std::lock_guard<std::mutex> lock(leaf_mutex(t.impl()));  // Note [Concurrent accumulation]
+  m.grad_arrived = true;
+  return true;
+}
+
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
   auto leaf_impl = leaf_.lock();
   if (!leaf_impl || grad_outputs.empty() || !grad_outputs[0].defined()) return {};
@@ -232,6 +274,7 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
     const bool added_in_place = lent_ > 0 && m.grad.defined() && g.impl() == m.grad.impl();
     if (added_in_place) --lent_;
     m.grad_zeroed = false;
+    m.grad_arrived = true;  // Note [Parameters without a gradient] in dp/optim/optimizer.h
     if (added_in_place) {
       // Note [Gradients added in place]: the node already added it into .grad.
     } else if (m.grad.defined()) {

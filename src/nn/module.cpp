@@ -405,8 +405,8 @@ Device Module::device() {
   return Device{};
 }
 
-void Module::zero_grad() {
-  if (auto set = parameter_set()) set->zero_grad();
+void Module::zero_grad(bool set_to_none) {
+  if (auto set = parameter_set()) set->zero_grad(set_to_none);
 }
 
 }  // namespace dp::nn

@@ -110,7 +110,7 @@ ParameterSet::ParameterSet(std::vector<std::shared_ptr<Parameter::Slot>> slots, 
     // A backward before the first flattening (or into a child's earlier set) left a
     // gradient on the leaf: it moves into the flat buffer instead of being dropped.
     if (Tensor before = p.grad(); before.defined()) g.copy_(before);
-    p.set_grad(g);
+    autograd::bind_grad(p, g, /*pinned=*/true);
   }
   copies_.push_back(std::move(primary));
 }
@@ -132,7 +132,7 @@ void ParameterSet::bind_views(int r) {
     const Shape& shape = s->copies[0].shape();
     Tensor p = view_of(c.data, s->offset, shape);
     p.set_requires_grad(true);
-    p.set_grad(view_of(c.grad, s->offset, shape));
+    autograd::bind_grad(p, view_of(c.grad, s->offset, shape), /*pinned=*/true);
     if (static_cast<int>(s->copies.size()) <= r) s->copies.resize(r + 1);
     s->copies[r] = p;
   }
@@ -142,7 +142,7 @@ void ParameterSet::bind_grad_views(int r) {
   const ParameterCopy& c = copies_[r];
   for (auto& s : slots_) {
     const Tensor& p = s->copies[r];
-    p.set_grad(c.grad.defined() ? view_of(c.grad, s->offset, p.shape()) : Tensor());
+    autograd::bind_grad(p, c.grad.defined() ? view_of(c.grad, s->offset, p.shape()) : Tensor(), /*pinned=*/true);
   }
 }
 
@@ -258,7 +258,7 @@ void ParameterSet::follow_primary_requires_grad() {
   }
 }
 
-void ParameterSet::zero_grad() {
+void ParameterSet::zero_grad(bool set_to_none) {
   for (int r = 0; r < num_copies(); ++r) {
     if (copies_[r].grad.defined()) {
       copies_[r].grad.zero_();
@@ -267,6 +267,17 @@ void ParameterSet::zero_grad() {
     }
   }
   count_zero_grad();
+  if (set_to_none) {
+    collect_arrived_grads();  // marks of earlier backwards are spent too
+    for (const auto& slot : slots_) slot->got_grad = false;
+  }
+}
+
+// Note [Parameters without a gradient] in dp/optim/optimizer.h.
+void ParameterSet::collect_arrived_grads() {
+  for (const auto& slot : slots_)
+    for (const Tensor& p : slot->copies)
+      if (autograd::take_grad_arrived(p)) slot->got_grad = true;
 }
 
 void ParameterSet::count_zero_grad() {

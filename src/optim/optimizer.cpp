@@ -418,13 +418,16 @@ void Optimizer::prepare_states() {
 }
 
 // Note [Frozen parameters in a step]: runs on the calling thread before the copies step.
+// An entry no gradient reached since zero_grad(true) is skipped the same way (Note
+// [Parameters without a gradient]).
 std::vector<std::int64_t> Optimizer::plan_pieces() {
   const auto& slots = params_.slots();
+  params_.set()->collect_arrived_grads();
   std::vector<std::int64_t> frozen = frozen_steps_;
   frozen.resize(params_.size(), 0);
   std::vector<Piece> pieces;
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].requires_grad()) {
+    if (!params_[i].requires_grad() || !slots[i]->got_grad) {
       ++frozen[i];
       continue;
     }
@@ -477,13 +480,21 @@ void Optimizer::step_copy(int r) {
   copy.data.storage()->bump_version();
 }
 
-void Optimizer::step_loose() {
+// Returns the skips this step leaves per tensor (Note [Parameters without a gradient]).
+std::vector<std::int64_t> Optimizer::step_loose() {
   const std::size_t k = state_names().size();
   std::vector<float*> sp(k);
+  std::vector<std::int64_t> skipped = frozen_steps_;
+  skipped.resize(params_.size(), 0);
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Tensor& t = params_[i];
     Tensor g = t.grad();
-    if (!g.defined()) continue;  // like PyTorch: a parameter without a gradient is skipped
+    // Like PyTorch: a tensor without a gradient is skipped, its count too; a module's
+    // parameter listed loose has none until one arrives or set_grad gives it one.
+    if (!g.defined() || (autograd::grad_pinned(t) && !autograd::grad_arrived(t))) {
+      ++skipped[i];
+      continue;
+    }
     DP_CHECK(g.shape() == t.shape() && g.device() == t.device() && g.dtype() == Dtype::Float32,
              kind_, ": parameter ", i, " (", t.str(), ") has a gradient ", g.str(),
              " of another shape, device or dtype");
@@ -495,9 +506,10 @@ void Optimizer::step_loose() {
     const float* gp = g.data<float>();
     const std::size_t group = group_of(i);
     const bool first = k > 0 && !st.started[group];
-    update_group(group, t.device(), t.mutable_data<float>(), gp, sp.data(), t.numel(), first, step_);
+    update_group(group, t.device(), t.mutable_data<float>(), gp, sp.data(), t.numel(), first, step_ - skipped[i]);
     if (k > 0 && group_uses_state(group)) st.started[group] = true;
   }
+  return skipped;
 }
 
 // Every persistent copy's step: through the set's executor when it has one (Note
@@ -527,7 +539,7 @@ void Optimizer::step() {
       frozen_steps_ = std::move(frozen);
       set->bump_version();
     } else {
-      step_loose();
+      frozen_steps_ = step_loose();
     }
   } catch (...) {
     --step_;
@@ -547,16 +559,22 @@ void Optimizer::step() {
   }
 }
 
-void Optimizer::zero_grad() {
+void Optimizer::zero_grad(bool set_to_none) {
   check_valid();
   const auto& set = params_.set();
   if (!set) {
     for (const Tensor& t : params_) {
       Tensor g = t.grad();
-      if (g.defined()) {
-        g.zero_();
-        autograd::mark_grad_zeroed(t);
+      if (!g.defined()) continue;
+      if (set_to_none && !autograd::grad_pinned(t)) {
+        t.set_grad(Tensor());
+        continue;
       }
+      // A module's parameter listed loose keeps its place in the flat buffer: zeroed,
+      // and with set_to_none its mark forgotten (Note [Parameters without a gradient]).
+      g.zero_();
+      autograd::mark_grad_zeroed(t);
+      if (set_to_none) autograd::take_grad_arrived(t);
     }
     return;
   }
@@ -593,6 +611,10 @@ void Optimizer::zero_grad() {
   std::int64_t zeroed = 0;
   for (const Range& range : flat_ranges_) zeroed += range.numel;
   if (zeroed == set->numel()) set->count_zero_grad();
+  if (set_to_none) {  // Note [Parameters without a gradient]
+    set->collect_arrived_grads();  // marks of earlier backwards are spent too
+    for (const auto& slot : params_.slots()) slot->got_grad = false;
+  }
 }
 
 Tensor Optimizer::full_state(std::size_t k) {
@@ -679,6 +701,7 @@ nn::StateDict Optimizer::state_dict() {
       for (std::size_t k = 0; k < names.size(); ++k)
         sd.emplace_back(detail::str_cat("state.", i, ".", names[k]), st.buffers[k]);
     }
+    add_entry_steps(sd);
     return sd;
   }
   std::vector<Tensor> buffers;
@@ -693,13 +716,18 @@ nn::StateDict Optimizer::state_dict() {
                       buffers[k].narrow(0, entry_state_offset_[i], p.numel()).reshape(p.shape()));
     }
   }
-  // Note [Frozen parameters in a step]: an entry's own count where it differs, also for
-  // an entry whose group has not started (frozen since the first step).
+  add_entry_steps(sd);
+  return sd;
+}
+
+// Note [Frozen parameters in a step]: an entry's own count where it differs, also for
+// an entry whose group has not started (frozen since the first step); a loose tensor's
+// where steps skipped it (Note [Parameters without a gradient]).
+void Optimizer::add_entry_steps(nn::StateDict& sd) const {
   for (std::size_t i = 0; i < frozen_steps_.size(); ++i)
     if (frozen_steps_[i] > 0)
       sd.emplace_back(detail::str_cat("state.", i, ".step"),
                       full({}, static_cast<double>(step_ - frozen_steps_[i]), TensorOptions{Dtype::Int64, Device{}}));
-  return sd;
 }
 
 void Optimizer::load_state_dict(const nn::StateDict& state) {
@@ -711,7 +739,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   for (const auto& [name, t] : state) {
     if (name == "step") {
       step_entry = &t;
-    } else if (const std::optional<std::size_t> i = entry_step_index(name, params_.size()); i && params_.set()) {
+    } else if (const std::optional<std::size_t> i = entry_step_index(name, params_.size())) {
       entry_steps.emplace_back(*i, &t);
     } else {
       given.emplace_back(name, t);
@@ -721,7 +749,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
            ".load_state_dict: expected a scalar 'step' entry; is this an optimizer state_dict?");
   const std::int64_t step = static_cast<std::int64_t>(step_entry->item());
   DP_CHECK(step >= 0, kind_, ".load_state_dict: expected step >= 0, got ", step);
-  std::vector<std::int64_t> frozen(params_.set() ? params_.size() : 0, 0);
+  std::vector<std::int64_t> frozen(params_.size(), 0);
   for (const auto& [i, t] : entry_steps) {
     DP_CHECK(t->defined() && t->numel() == 1, kind_, ".load_state_dict: expected a scalar 'state.", i,
              ".step', got ", t->defined() ? t->str() : "an undefined tensor");

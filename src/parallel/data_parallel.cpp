@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <set>
+#include <span>
 #include <utility>
 
 #include "backend/backend.h"
@@ -123,6 +124,7 @@ class DataParallel::Step {
     if (kind_.backward) {
       design().snapshot_grad_versions();
       design().after_backward();  // Note [Accumulating after a combined backward]
+      dp_.merge_arrived_grads(design().syncs_backward());
     }
   }
 
@@ -332,6 +334,21 @@ void DataParallel::sync_dropout_streams(comm::Communicator& across) {
     }
     d.set_process_spread(processes_, n);
   }
+}
+
+// Note [Parameters without a gradient] in dp/optim/optimizer.h: every device's marks
+// into the slots, on every backward (a DP replica's leaves are rebound before the next
+// forward); after a synced backward, the union over the processes, so that every
+// process steps the same parameters. A no_sync backward's marks join the next synced
+// one's union.
+void DataParallel::merge_arrived_grads(bool synced) {
+  set_->collect_arrived_grads();
+  if (processes_ <= 1 || !synced) return;
+  const auto& slots = set_->slots();
+  std::vector<std::int64_t> got(slots.size());
+  for (std::size_t i = 0; i < slots.size(); ++i) got[i] = slots[i]->got_grad ? 1 : 0;
+  dist::all_reduce(std::span<std::int64_t>(got), dist::Op::Max);
+  for (std::size_t i = 0; i < slots.size(); ++i) slots[i]->got_grad = got[i] != 0;
 }
 
 // The rows of the job's batch: this process's `rows` plus every other process's.

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "dp/autograd/node.h"
 #include "dp/comm/communicator.h"
 #include "dp/core/error.h"
 #include "parallel/grad_wire.h"
@@ -359,7 +360,7 @@ void Reducer::grad_ready(int rank, int param, const Tensor& leaf) {
   RankState& st = ranks_[rank];
   if (st.detached) {
     st.stash[static_cast<std::size_t>(param)] = leaf.grad();
-    leaf.set_grad(Tensor());
+    autograd::bind_grad(leaf, Tensor(), /*pinned=*/false);
   }
   mark_ready(rank, param);
 }

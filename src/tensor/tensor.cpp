@@ -893,6 +893,7 @@ void Tensor::set_grad(const Tensor& g) const {
   if (g.defined())
     DP_CHECK(g.shape() == impl.shape && g.device() == device(), "set_grad: expected a gradient of shape ",
              shape_str(impl.shape), " on ", device(), ", got ", shape_str(g.shape()), " on ", g.device());
+  if (autograd::assign_pinned_grad(*this, g)) return;  // a parameter of a set: written into its view
   if (!impl.autograd) impl.autograd = std::make_unique<autograd::AutogradMeta>();
   impl.autograd->grad = g;
 }

@@ -36,14 +36,13 @@ inline float grad_value(std::size_t k, std::size_t i, int t) {
   return static_cast<float>(1.5 * std::sin(0.7 * double(i) + 1.3 * double(k) + 2.1 * t + 0.4));
 }
 
-/// Writes grad_value into every listed tensor's .grad (which must exist).
+/// Gives every listed tensor grad_value as its .grad (PyTorch's `p.grad = g`: a module
+/// parameter's is written into its place in the flat buffer and counts as a gradient).
 inline void set_grads(const std::vector<dp::Tensor>& params, int t) {
   for (std::size_t k = 0; k < params.size(); ++k) {
     std::vector<float> g(static_cast<std::size_t>(params[k].numel()));
     for (std::size_t i = 0; i < g.size(); ++i) g[i] = grad_value(k, i, t);
-    dp::Tensor gt = params[k].grad();
-    REQUIRE(gt.defined());
-    gt.copy_(dp::from_vector(g, params[k].shape(), params[k].device()));
+    params[k].set_grad(dp::from_vector(g, params[k].shape(), params[k].device()));
   }
 }
 

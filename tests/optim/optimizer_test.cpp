@@ -69,12 +69,16 @@ TEST_CASE_TEMPLATE("loose tensors are stepped one by one; tensors without a grad
     ref.step(pa[i], 2 * (i + 1.0), m, v, 1);
   }
   CHECK(max_rel_diff(a.to_vector(), pa) < 1e-6);
-  opt.zero_grad();
+  opt.zero_grad(false);  // PyTorch's set_to_none=False: zeros
   for (float g : a.grad().to_vector()) CHECK(g == 0);
+  opt.zero_grad();  // PyTorch's default: none (Note [Parameters without a gradient])
+  CHECK(!a.grad().defined());
   auto sd = opt.state_dict();
-  REQUIRE(sd.size() == 3);  // step + a's two buffers; b has no state yet
+  REQUIRE(sd.size() == 4);  // step + a's two buffers; b has no state yet and a step count of 0
   CHECK(sd[1].first == "state.0.exp_avg");
   CHECK(sd[2].first == "state.0.exp_avg_sq");
+  CHECK(sd[3].first == "state.1.step");
+  CHECK(sd[3].second.item() == 0);
 }
 
 TEST_CASE("a copy added after some steps starts from the primary's state") {

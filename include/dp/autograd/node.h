@@ -186,6 +186,12 @@ struct AutogradMeta {
   /// over zeros]).
   bool grad_zeroed = false;
   std::uint64_t zeroed_epoch = 0;
+  /// A backward accumulated a gradient into this leaf since take_grad_arrived() last
+  /// read it (Note [Parameters without a gradient] in include/dp/optim/optimizer.h).
+  bool grad_arrived = false;
+  /// .grad is this parameter's place in its set's flat gradient buffer (bind_grad):
+  /// Tensor::set_grad writes into it instead of replacing it.
+  bool grad_pinned = false;
 };
 
 /// True when grad mode is on and any defined input requires a gradient.
@@ -217,6 +223,26 @@ GradSink grad_sink(int input_nr);
 
 /// Records that leaf `t`'s .grad was just filled with +0 (zero_grad).
 void mark_grad_zeroed(const Tensor& t);
+
+/// Whether a backward accumulated a gradient into leaf `t` since the last call, which
+/// clears the mark (Note [Parameters without a gradient] in include/dp/optim/optimizer.h).
+/// False for an undefined tensor or one that never took part in autograd.
+bool take_grad_arrived(const Tensor& t);
+
+/// Whether a gradient arrived in leaf `t` since take_grad_arrived() last read it (the
+/// mark stays), and whether its .grad is pinned (bind_grad).
+bool grad_arrived(const Tensor& t);
+bool grad_pinned(const Tensor& t);
+
+/// A runtime's own binding of leaf `t`'s .grad to `g` (a parameter set's flat-buffer
+/// view: `pinned`), where Tensor::set_grad would write into a pinned one.
+void bind_grad(const Tensor& t, const Tensor& g, bool pinned);
+
+/// Tensor::set_grad(g) of a leaf whose .grad is pinned (a parameter of a set): writes g
+/// into the view, as PyTorch's `p.grad = g` gives the optimizer g, and counts it as a
+/// gradient that arrived (Note [Parameters without a gradient]). Returns false, doing
+/// nothing, for a leaf that is not pinned. An undefined g is a dp::Error.
+bool assign_pinned_grad(const Tensor& t, const Tensor& g);
 
 /// Registers a hook run after a gradient is accumulated into leaf `t`. A leaf that does
 /// not require grad gets no gradient: its hooks run once it does (a frozen parameter

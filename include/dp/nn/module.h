@@ -164,7 +164,10 @@ class Module : public std::enable_shared_from_this<Module> {
   /// Device of the first parameter (or buffer); cpu(0) when there is none.
   Device device();
   /// Zeroes the gradients of every parameter (one call over the flat grad buffer).
-  void zero_grad();
+  /// `set_to_none` (PyTorch's default) also forgets which parameters got a gradient: an
+  /// optimizer step then skips each parameter no backward reaches before it (Note
+  /// [Parameters without a gradient] in dp/optim/optimizer.h); false keeps them stepped.
+  void zero_grad(bool set_to_none = true);
 
  protected:
   /// Adds a child under `name` (checked: non-empty, no '.', not taken). Virtual so that

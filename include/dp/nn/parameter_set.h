@@ -67,6 +67,9 @@ struct Parameter::Slot {
   std::vector<Tensor> copies;       // copies[r] = view in copy r's flat buffer; [0] primary
   bool is_buffer = false;           // buffers are per-copy tensors, not in the flat buffer
   std::weak_ptr<ParameterSet> set;  // owning set (parameters only)
+  /// A backward reached this parameter on some copy since the gradients were last set
+  /// to none (Note [Parameters without a gradient] in dp/optim/optimizer.h).
+  bool got_grad = false;
   std::int64_t offset = 0;          // element offset in the flat buffers
   int unit = -1;                    // its group in the set's view provider, else -1 (Note [View providers])
   /// Set when the parameter was tied to another (Module::share_parameter): a handle to
@@ -235,8 +238,12 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   void follow_primary_requires_grad();
 
   /// Zeroes every copy's gradients: its gradient buffer, or while a runtime released it,
-  /// the gradient of its span the runtime keeps (Note [Copy spans]).
-  void zero_grad();
+  /// the gradient of its span the runtime keeps (Note [Copy spans]). `set_to_none`
+  /// also clears every slot's got_grad (Note [Parameters without a gradient]).
+  void zero_grad(bool set_to_none = true);
+  /// Moves the marks of the gradients that arrived in every copy's leaves since the last
+  /// call into their slots' got_grad (Note [Parameters without a gradient]).
+  void collect_arrived_grads();
   /// Counts the calls that zeroed every gradient of every copy (zero_grad(), an
   /// optimizer's zero_grad over the whole set): a runtime can tell that gradients
   /// it combined were cleared since.

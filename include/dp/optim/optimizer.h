@@ -82,6 +82,30 @@
 // gives it a "state.<i>.step" entry of its own count (PyTorch's per-parameter "step"),
 // which load_state_dict() takes back; entries never frozen follow the optimizer's
 // "step". Freeze the same parameters on every process of a job.
+//
+// Note [Parameters without a gradient]
+// PyTorch's zero_grad() sets each .grad to None (set_to_none=True, its default since
+// 2.0), and a backward that does not reach a parameter (a head of a multi-task model
+// that this batch skipped, a branch not taken) leaves it None: its optimizers skip
+// that parameter in that step, weight decay, momentum and Adam's step count included.
+// dp's gradients live in flat buffers, so a .grad is never undefined; instead the
+// engine marks a leaf when a gradient arrives in it (AccumulateGrad), and each
+// parameter's slot keeps whether one arrived on any copy since zero_grad(true)
+// (ParameterSet::collect_arrived_grads folds the marks in). A step skips every entry
+// whose slot got none, as it skips a frozen one (Note [Frozen parameters in a step]):
+// the entry's own step count stays put and its state starts at its first step with a
+// gradient. zero_grad(false) keeps the marks, as PyTorch's set_to_none=False keeps a
+// defined .grad: a parameter that once had a gradient is stepped, with zeros when no
+// gradient came. Tensor::set_grad(g), PyTorch's `p.grad = g`, writes g into the view
+// and marks it arrived (autograd::assign_pinned_grad). A value written into the .grad
+// view in place does not count: after zero_grad(true) it is stepped only if a
+// backward reached the parameter (PyTorch code cannot write into a None .grad either;
+// zero_grad(false) steps it). DataParallel
+// folds every device's marks in after each backward, and after a synced one takes
+// the union over the processes of a job (one host all-reduce of a flag per
+// parameter), so that every replica and every shard owner skips the same parameters.
+// Loose tensors (no parameter set) are PyTorch's case exactly: zero_grad(true) makes
+// their .grad undefined, and a step skips those still undefined, counting the skip.
 #pragma once
 
 #include <cstddef>
@@ -134,8 +158,12 @@ class Optimizer {
   /// One update of every persistent copy of the parameters (see Note [Fused optimizer
   /// steps]). Throws dp::Error when the parameters were re-flattened since construction.
   void step();
-  /// Zeroes the gradients of every copy (one call per flat range and copy).
-  void zero_grad();
+  /// Zeroes the gradients of every copy (one call per flat range and copy). With
+  /// `set_to_none` (PyTorch's default) the next step skips each of these parameters
+  /// that no backward reaches before it, as PyTorch skips a None .grad; false: every
+  /// parameter that had a gradient is stepped, with zeros if none came (Note
+  /// [Parameters without a gradient]). A loose tensor's .grad becomes undefined.
+  void zero_grad(bool set_to_none = true);
 
   /// Number of completed steps.
   std::int64_t step_count() const { return step_; }
@@ -293,7 +321,9 @@ class Optimizer {
   void allocate_state(CopyState& st, Device dev, const Shape& shape);
   void step_copy(int r);
   void step_copies(nn::ParameterSet& set);
-  void step_loose();
+  /// Returns the skips per tensor it leaves (frozen_steps_'s loose meaning).
+  std::vector<std::int64_t> step_loose();
+  void add_entry_steps(nn::StateDict& sd) const;
   /// The full state buffer of name k in ranges_' layout: copy 0's when it holds all
   /// of it, else assembled from every copy's (null when no state exists yet).
   Tensor full_state(std::size_t k);
@@ -310,8 +340,9 @@ class Optimizer {
   std::vector<std::int64_t> entry_state_offset_;  // per list entry (set case), in ranges_' layout
   std::vector<CopyState> states_;                 // per copy (set) or per tensor (loose)
   std::int64_t step_ = 0;
-  /// Note [Frozen parameters in a step]: per list entry (set case), the steps taken
-  /// while it was frozen; its own step count is step_ minus them.
+  /// Note [Frozen parameters in a step]: per list entry, the steps taken while it was
+  /// frozen or had no gradient (Note [Parameters without a gradient]); its own step
+  /// count is step_ minus them.
   std::vector<std::int64_t> frozen_steps_;
   /// A run of the flat buffers stepped by this step, with its elements' step count;
   /// `fresh`: their first step after steps taken frozen (their state starts now).

@@ -396,7 +396,8 @@ class DataParallel {
   const std::shared_ptr<nn::Module>& module() const { return net_; }
   void train(bool on = true) { net_->train(on); }
   void eval() { net_->train(false); }
-  void zero_grad() { net_->zero_grad(); }
+  /// The module's zero_grad (Note [Parameters without a gradient] in dp/optim/optimizer.h).
+  void zero_grad(bool set_to_none = true) { net_->zero_grad(set_to_none); }
 
   Mode mode() const { return options_.mode; }
   const std::vector<Device>& devices() const { return devices_; }
@@ -455,6 +456,9 @@ class DataParallel {
 
   std::int64_t check_inputs(const char* what, const std::vector<DataParallelInput>& inputs) const;
   std::int64_t global_rows(std::int64_t rows) const;
+  /// After a backward: which parameters got a gradient on any device, and after a
+  /// synced one on any process (Note [Parameters without a gradient] in dp/optim/optimizer.h).
+  void merge_arrived_grads(bool synced);
   void sync_processes();
   void sync_dropout_streams(comm::Communicator& across);
   Tensor scatter(int rank, const Tensor& src, const ShardPlan& plan, bool as_leaf = false);

@@ -398,7 +398,11 @@ class Tensor {
   bool is_leaf() const;
   /// The accumulated gradient (undefined until a backward reaches this leaf).
   Tensor grad() const;
-  /// Sets the gradient tensor (backward then accumulates into it in place).
+  /// Sets the gradient tensor (backward then accumulates into it in place): PyTorch's
+  /// `t.grad = grad`. A module parameter's .grad is its place in the flat gradient
+  /// buffer: `grad` is written there and counts as a gradient for the next optimizer
+  /// step (Note [Parameters without a gradient] in dp/optim/optimizer.h); an undefined
+  /// `grad` is a dp::Error there (zero_grad() sets gradients to none).
   void set_grad(const Tensor& grad) const;
   /// The node that made this tensor, or null for leaves.
   std::shared_ptr<autograd::Node> grad_fn() const;
