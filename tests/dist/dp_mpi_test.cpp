@@ -293,6 +293,45 @@ TEST_CASE("a forward that writes in place trains the same in every design across
   }
 }
 
+namespace {
+
+/// Note [Parameters without a gradient]: three AdamW steps (weight decay on) of
+/// ThreeLinear whose middle layer is used at step 0 by every process, at step 1 by
+/// process 0 only, at step 2 by none. The parameters, and the middle layer's weight
+/// after each step.
+std::pair<std::vector<float>, std::vector<std::vector<float>>> train_unused(const dp::DataParallelOptions& options) {
+  auto net = std::make_shared<ThreeLinear>(kSeed + static_cast<std::uint64_t>(dist::rank()));
+  dp::DataParallel model(net, local_devices(), options);
+  dp::optim::AdamW opt(model.parameters(), {.lr = 0.05, .weight_decay = 0.1});
+  std::vector<std::vector<float>> mid;
+  for (int s = 0; s < 3; ++s) {
+    net->use_mid = s == 0 || (s == 1 && dist::rank() == 0);
+    const std::int64_t rows = global_rows(s);
+    const Batch b = make_batch(rows, 700 + static_cast<std::uint64_t>(s));
+    const auto [lo, n] = my_rows(rows);
+    opt.zero_grad();
+    model.forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    opt.step();
+    mid.push_back(net->mid->parameters()[0].to_vector());
+  }
+  return {flat(net->state_dict()), mid};
+}
+
+}  // namespace
+
+TEST_CASE("a parameter one process reaches is stepped on every process; one that none reaches, on none") {
+  std::vector<float> first;
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    const auto [got, mid] = train_unused(d.options);
+    CHECK(same_everywhere(got));  // every process stepped the same parameters
+    CHECK(mid[1] != mid[0]);      // process 0's gradient alone moves it everywhere
+    CHECK(mid[2] == mid[1]);      // no process reached it: not stepped, no weight decay
+    if (first.empty()) first = got;
+    else CHECK(max_diff(got, first) < 1e-6);
+  }
+}
+
 TEST_CASE("the job spans every process: world_devices, processes, the shards over every device") {
   auto net = make_mlp(kSeed);
   dp::DataParallel model(net, local_devices(), {.mode = dp::Mode::Sharded, .shard_stage = 1});
