@@ -29,7 +29,9 @@
 // in the checkpoints; forward_backward given the scaler beside its loss descriptor) with,
 // in one step, an infinite gradient on one device of one process only (Poison), which
 // must skip the step and halve the scale in every design; the first parameter frozen
-// (set_requires_grad(false)) in some steps, from a fourth stream —
+// (set_requires_grad(false)) in some steps, from a fourth stream; a Side layer that the
+// forwards of some steps skip, so that no backward reaches it (Note [Parameters without
+// a gradient] in dp/optim/optimizer.h: not stepped after zero_grad), from a fifth —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too). The features added after the first grammar (groups, the tied
 // model, autocast, the wire dtype, param_dtype) are drawn from a second random stream
@@ -182,6 +184,7 @@ struct StepSpec {
   bool momentum_to_half = false;  // the last group's momentum (Adam: beta1) set to 0.5 first
   bool unscale = false;       // with a scaler: scaler.unscale_(opt) before the step even without clipping
   bool freeze_first = false;  // parameters()[0] frozen (set_requires_grad(false)) during the step
+  bool skip_side = false;     // the program's Side layer is not run by this step's forwards
 };
 
 enum class Optim { Sgd, Adam, AdamW };
@@ -198,6 +201,7 @@ struct Program {
   dp::Dtype wire = dp::Dtype::Float32;  // mixed_precision.reduce_dtype of every design
   dp::Dtype param = dp::Dtype::Float32;  // mixed_precision.param_dtype of every design (Float32: unset)
   bool scaler = false;     // losses scaled by a GradScaler, which steps and updates (Note [Loop fuzzer])
+  bool side = false;       // a Side layer before the logits, skipped in the steps that say so
   double init_scale = 65536.0;
   std::int64_t growth_interval = 2;
   int poison_step = -1;    // >= 0: one device's Poison gradient is infinite in that step
@@ -296,6 +300,13 @@ Program generate(std::uint64_t seed) {
   auto fourth_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(fourth) < q; };
   if (fourth_chance(0.25))
     for (StepSpec& st : p.steps) st.freeze_first = fourth_chance(0.5);
+  // The fifth stream: a layer that some steps do not reach (Note [Parameters without a gradient]).
+  std::mt19937_64 fifth(seed * 0x94D049BB133111EBull + 17);
+  auto fifth_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(fifth) < q; };
+  if (fifth_chance(0.25)) {
+    p.side = true;
+    for (StepSpec& st : p.steps) st.skip_side = fifth_chance(0.5);
+  }
   normalize(p);
   return p;
 }
@@ -329,6 +340,22 @@ struct Poison : dp::nn::Module {
   dp::nn::Parameter value;
 };
 
+/// Whether the step in progress skips Side (set by run() before the step's forwards).
+std::atomic<bool> g_skip_side{false};
+
+/// logits + Linear(logits), or the logits alone while g_skip_side: a head of a
+/// multi-task model that some batches do not use. Its parameters then get no gradient
+/// on any device, and a step after zero_grad() leaves them alone (no weight decay, no
+/// momentum, no Adam step).
+struct Side : dp::nn::Module {
+  explicit Side(std::uint64_t seed) {
+    dp::Generator gen(seed * 31 + 5);
+    lin = register_module("lin", std::make_shared<dp::nn::Linear>(kClasses, kClasses, true, &gen));
+  }
+  dp::Tensor forward(const dp::Tensor& x) override { return g_skip_side ? x : dp::add(x, lin->forward(x)); }
+  std::shared_ptr<dp::nn::Linear> lin;
+};
+
 /// A GPT over the kClasses tokens: token and position embeddings, one pre-norm
 /// TransformerBlock (LayerNorm, causal attention through the fused kernel, GELU MLP),
 /// a final LayerNorm and a head tied to the token embedding, read at the last position.
@@ -338,7 +365,7 @@ struct Poison : dp::nn::Module {
 /// floats, which Adam scales up to ±lr in a direction the designs' grouping picks.
 struct Gpt : dp::nn::Module {
   static constexpr std::int64_t C = 8, H = 2;
-  Gpt(std::uint64_t seed, double dropout, bool poisoned) {
+  Gpt(std::uint64_t seed, double dropout, bool poisoned, bool with_side) {
     dp::Generator gen(seed);
     wte = register_module("wte", std::make_shared<dp::nn::Embedding>(kClasses, C, &gen));
     wpe = register_module("wpe", std::make_shared<dp::nn::Embedding>(kContext, C, &gen));
@@ -348,13 +375,15 @@ struct Gpt : dp::nn::Module {
                                        dp::nn::LayerNormOptions(dp::Shape{C}).bias(false)));
     head = register_module("head", std::make_shared<dp::nn::Linear>(C, kClasses, false, &gen));
     share_parameter("head.weight", parameter("wte.weight"));
+    if (with_side) side = register_module("side", std::make_shared<Side>(seed));
     if (poisoned) poison = register_module("poison", std::make_shared<Poison>());
   }
   dp::Tensor forward(const dp::Tensor& ids) override {
     const std::int64_t B = ids.size(0), T = ids.size(1);
     const dp::Tensor pos = dp::arange(T, dp::TensorOptions{dp::Dtype::Int64, ids.device()});
     const dp::Tensor x = ln_f->forward(h->forward(dp::add(wte->forward(ids), wpe->forward(pos))));
-    const dp::Tensor logits = head->forward(x.narrow(1, T - 1, 1).reshape({B, C}));
+    dp::Tensor logits = head->forward(x.narrow(1, T - 1, 1).reshape({B, C}));
+    if (side) logits = side->forward(logits);
     return poison ? poison->forward(logits) : logits;
   }
   std::shared_ptr<dp::nn::Embedding> wte, wpe;
@@ -362,11 +391,12 @@ struct Gpt : dp::nn::Module {
   std::shared_ptr<dp::nn::LayerNorm> ln_f;
   std::shared_ptr<dp::nn::Linear> head;
   std::shared_ptr<Poison> poison;
+  std::shared_ptr<Side> side;
 };
 
-std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed, bool poisoned = false) {
+std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed, bool poisoned = false, bool side = false) {
   if (is_gpt(kind))
-    return std::make_shared<Gpt>(seed, kind == Model::GptDropout ? 0.2 : 0.0, poisoned);
+    return std::make_shared<Gpt>(seed, kind == Model::GptDropout ? 0.2 : 0.0, poisoned, side);
   dp::Generator gen(seed);
   auto net = std::make_shared<dp::nn::Sequential>();
   switch (kind) {
@@ -402,6 +432,7 @@ std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed, bool 
     case Model::Gpt:
     case Model::GptDropout: break;
   }
+  if (side) net->push_back(std::make_shared<Side>(seed));
   if (poisoned) net->push_back(std::make_shared<Poison>());
   return net;
 }
@@ -540,7 +571,7 @@ std::unique_ptr<dp::optim::Optimizer> make_optimizer(const Program& p, const dp:
 
 std::unique_ptr<Objects> build(const Program& p, const Design* design) {
   auto o = std::make_unique<Objects>();
-  o->net = make_model(p.model, p.seed, p.poison_step >= 0);
+  o->net = make_model(p.model, p.seed, p.poison_step >= 0, p.side);
   std::vector<dp::Device> devices;
   for (int i = 0; i < p.devices; ++i) devices.push_back(dp::cpu(i));
   if (design) {
@@ -615,6 +646,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
       if (st.momentum_to_half) opt.set_group_momentum(opt.num_param_groups() - 1, 0.5);
       params[0].set_requires_grad(!st.freeze_first);
+      g_skip_side = p.side && st.skip_side;
       if (st.edit_params) {
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
@@ -898,8 +930,9 @@ std::optional<Finding> check(const Program& p, const std::string& only = "", boo
 std::string cpp(const Program& p, const std::string& spelling) {
   std::ostringstream os;
   os << "// Helpers (make_model, batch) as in tests/parallel/loop_fuzz.cpp; program seed " << p.seed << ".\n";
-  os << "auto net = make_model(" << model_name(p.model) << ", " << p.seed << (p.poison_step >= 0 ? ", /*poisoned=*/true" : "")
-     << ");\n";
+  os << "auto net = make_model(" << model_name(p.model) << ", " << p.seed
+     << (p.poison_step >= 0 || p.side ? (p.poison_step >= 0 ? ", /*poisoned=*/true" : ", /*poisoned=*/false") : "")
+     << (p.side ? ", /*side=*/true" : "") << ");\n";
   os << "dp::DataParallelOptions options = " << spelling << ";\n";
   if (p.wire != dp::Dtype::Float32) os << "options.mixed_precision.reduce_dtype = " << wire_spelling(p.wire) << ";\n";
   if (p.param != dp::Dtype::Float32) {
@@ -940,6 +973,7 @@ std::string cpp(const Program& p, const std::string& spelling) {
     os << "// step " << s << "\n";
     if (st.momentum_to_half) os << "opt.set_group_momentum(opt.num_param_groups() - 1, 0.5);\n";
     if (freezes) os << "model.parameters()[0].set_requires_grad(" << (st.freeze_first ? "false" : "true") << ");\n";
+    if (p.side) os << "g_skip_side = " << (st.skip_side ? "true" : "false") << ";  // Side runs in this step's forwards?\n";
     if (st.edit_params)
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }\n";
     if (st.zero_grad) os << "opt.zero_grad();\n";
@@ -1036,6 +1070,7 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.momentum_to_half, false); });
       with([](StepSpec& t) { return std::exchange(t.unscale, false); });
       with([](StepSpec& t) { return std::exchange(t.freeze_first, false); });
+      with([](StepSpec& t) { return std::exchange(t.skip_side, false); });
       with([&](StepSpec& t) { return s > 0 && !std::exchange(t.zero_grad, true); });
       for (std::size_t m = 0; m < st.micros.size(); ++m) {
         auto micro = [&](auto edit) {
@@ -1067,6 +1102,7 @@ Program shrink(Program p, const std::string& design) {
     whole([](Program& q) { return q.model == Model::TiedMlp && (q.model = Model::Mlp, true); });
     whole([](Program& q) { return q.model == Model::GptDropout && (q.model = Model::Gpt, true); });
     whole([](Program& q) { return std::exchange(q.poison_step, -1) >= 0; });
+    whole([](Program& q) { return std::exchange(q.side, false); });
     whole([](Program& q) { return q.poison_step < 0 && std::exchange(q.scaler, false); });
     for (Program& q : candidates) normalize(q);
     for (const Program& q : candidates)
