@@ -725,16 +725,48 @@ def _broadcasts(a, b):
 
 
 # The in-place writes of a scalar: line name -> (Tensor method, the scalars drawn from).
-SCALAR_WRITES = {"iadd_s": ("add_", [0.5, -1.25]), "imul": ("mul_", [2.0, -0.75]), "ifill": ("fill_", [0.5, -2.0])}
+SCALAR_WRITES = {"iadd_s": ("add_", [0.5, -1.25]), "imul": ("mul_", [2.0, -0.75]), "ifill": ("fill_", [0.5, -2.0]),
+                 "isub_s": ("sub_", [0.5, -1.25]), "idiv_s": ("div_", [3.0, -0.75])}
+
+
+def other_source(p, rng, mine, shape):
+    """source_for, but never t or another handle of it (`mine`): t.mul_(t) makes PyTorch's
+    backward refuse (mul_ saved its own input)."""
+    t = max(mine)
+    for _ in range(4):
+        src = source_for(p, rng, t, shape)
+        if src not in mine:
+            return src
+    return None
+
+
+def positive_besides(p, rng, mine):
+    """positive(), from a value that is not t or a handle of it: its square would save t,
+    and a write into a tensor a node saved is refused at once in dp, where PyTorch's
+    backward would refuse it only if it ran (Note [In-place writes and autograd])."""
+    for _ in range(4):
+        v = pick(p, rng)
+        if v is not None and v not in mine:
+            break
+    else:
+        return None
+    lo, hi, _ = p.values[v]
+    if lo.numel() and float(lo.detach().min()) > 0.1:
+        return v
+    sq = p.add_value(f"square v{v}", lo * lo, hi * hi, "float")
+    lo2, hi2, _ = p.values[sq]
+    return p.add_value(f"add_s v{sq} 0.5", lo2 + 0.5, hi2 + 0.5, "float")
 
 
 def op_inplace(p, rng):
     """In-place writes (Note [In-place writes and autograd], Note [Sources of in-place
-    writes]): t = v * c, a fresh result no node saved, then one to three of add_ (of a
-    value or input broadcast to t's shape, of t's dtype or another, or of t itself),
-    add_ of a scalar, mul_, copy_ (a 16-bit t rounds the source in float64 too, as a
-    cast does), fill_ and zero_. Each write is a line whose value is t itself; later ops
-    read the written tensor."""
+    writes], Note [In-place writes as out-of-place ops]): t = v * c, a fresh result no
+    node saved, then one to three of add_ and sub_ (of a value or input broadcast to t's
+    shape, of t's dtype or another, or of t itself), add_, sub_, mul_ and div_ of a
+    scalar, mul_ and div_ of a tensor (a positive one for div_), masked_fill_ (the mask
+    a comparison of t), relu_ (t away from 0), copy_ (a 16-bit t rounds the source in
+    float64 too, as a cast does), fill_ and zero_. Each write is a line whose value is t
+    itself; later ops read the written tensor."""
     v = pick(p, rng)
     if v is None:
         return None
@@ -743,10 +775,47 @@ def op_inplace(p, rng):
     t = p.add_value(f"mul_s v{v} {c!r}", lo * c, hi * c, "float")
     tlo, thi, _ = p.values[t]
     shape = list(tlo.shape)
+    mine = {t}  # t's handles: one per write
     writes = rng.randint(1, 3)
     for k in range(writes):
-        kind = rng.choice(["iadd", "iadd", "icopy", "iadd_s", "imul", "ifill", "izero"])
-        if kind in ("iadd", "icopy"):
+        kind = rng.choice(["iadd", "iadd", "icopy", "iadd_s", "imul", "ifill", "izero", "isub", "isub_s",
+                           "imul_t", "idiv_t", "idiv_s", "imask", "irelu"])
+        if kind == "isub":
+            src = source_for(p, rng, t, shape)
+            slo, shi, _ = p.values[src]
+            alpha = rng.choice([1.0, 0.5, -1.5])
+            tlo.sub_(slo, alpha=alpha)
+            thi.sub_(shi, alpha=alpha)
+            text = f"isub v{t} v{src} {alpha!r}"
+        elif kind in ("imul_t", "idiv_t"):
+            src = other_source(p, rng, mine, shape) if kind == "imul_t" else positive_besides(p, rng, mine)
+            if src is None:
+                return None
+            slo, shi, _ = p.values[src]
+            if kind == "idiv_t" and list(torch.broadcast_shapes(slo.shape, tlo.shape)) != shape:
+                return None
+            getattr(tlo, kind[1:4] + "_")(slo)
+            getattr(thi, kind[1:4] + "_")(shi)
+            text = f"{kind} v{t} v{src}"
+        elif kind == "imask":
+            src = other_source(p, rng, mine, shape)
+            if src is None:
+                return None
+            slo, shi, _ = p.values[src]
+            if tlo.numel() and bool(((tlo.detach().double() - slo.detach().double()).abs() < 1e-3).any()):
+                return None  # a near tie: the two runs may compare it differently
+            m = p.add_value(f"gt v{t} v{src}", tlo.detach() > slo.detach(), thi.detach() > shi.detach(), "mask")
+            value = rng.choice([0.0, -1.0, 2.5])
+            tlo.masked_fill_(p.values[m][0], value)
+            thi.masked_fill_(p.values[m][1], value)
+            text = f"imask v{t} v{m} {value!r}"
+        elif kind == "irelu":
+            if tlo.numel() and bool((tlo.detach().double().abs() < 1e-3).any()):
+                return None  # relu has no agreed gradient at 0
+            tlo.relu_()
+            thi.relu_()
+            text = f"irelu v{t}"
+        elif kind in ("iadd", "icopy"):
             src = source_for(p, rng, t, shape)
             slo, shi, _ = p.values[src]
             if kind == "iadd":
@@ -774,6 +843,7 @@ def op_inplace(p, rng):
         if k + 1 == writes:
             return text, tlo, thi, "float"
         t = p.add_value(text, tlo, thi, "float")
+        mine.add(t)
 
 
 OPS = [(op_unary, 6), (op_unary_positive, 2), (op_pow, 1), (op_scalar, 2), (op_binary, 6), (op_compare_where, 2),

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -856,6 +857,89 @@ Tensor& Tensor::mul_(float value) {
       return std::vector<Tensor>{mul(g, static_cast<double>(value)), Tensor()};
     });
   return *this;
+}
+
+Tensor& Tensor::sub_(const Tensor& other, float alpha) { return add_(other, -alpha); }
+
+Tensor& Tensor::sub_(double value) { return add_(-value); }
+
+// Note [In-place writes as out-of-place ops]
+// mul_(tensor), div_, masked_fill_ and relu_ compute their out-of-place op and write its
+// result over this tensor's bytes. The result is computed in PyTorch's common dtype and
+// rounded once into this one's, as PyTorch's in-place ops compute into self. With grad
+// mode on and a write autograd records (Note [In-place writes and autograd]), the op
+// reads a recorded clone of the old values — PyTorch's "original self": mul_'s gradient
+// for its source needs them, and the bytes are about to be overwritten — and this
+// tensor's history becomes a node that passes its gradient on to the result's history
+// (the op over the clone over the old history, and the source). So every gradient is
+// the out-of-place build's, bit for bit (inplace_test), for the cost of the clone while
+// the graph lives; every check runs before a byte is written.
+namespace {
+
+Tensor& write_op_result(Tensor& t, const char* op, const char* node, const Tensor& source,
+                        const std::function<Tensor(const Tensor& old)>& compute) {
+  detail::check_writable(op, t);
+  const bool record = detail::check_inplace_grad(op, t, source);
+  Tensor r;
+  {
+    std::optional<NoGradGuard> no_grad;
+    if (!record) no_grad.emplace();
+    r = compute(record ? t.clone() : t);
+    if (r.dtype() != t.dtype()) r = r.to(t.dtype());
+  }
+  DP_CHECK(r.shape() == t.shape(), op, ": internal: the result's shape ", shape_str(r.shape()), " is not the tensor's ",
+           shape_str(t.shape()));
+  detail::copy_bytes(t.mutable_raw_data(), t.device(), r.raw_data(), r.device(), t.nbytes());
+  if (record) {
+    auto pass = std::make_shared<autograd::LambdaNode>(
+        node, [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g.at(0)}; });
+    autograd::connect(pass, {r}, {&t});
+  }
+  return t;
+}
+
+void check_tensor_source(const char* op, const Tensor& t, const Tensor& other, const char* what) {
+  detail::check_defined(op, t, "destination");
+  detail::check_floating(op, t);
+  check_source_broadcasts(op, what, other, t.shape());
+  detail::check_same_device(op, t, other);
+}
+
+}  // namespace
+
+Tensor& Tensor::mul_(const Tensor& other) {
+  check_tensor_source("mul_", *this, other, "a tensor to multiply by");
+  return write_op_result(*this, "Tensor::mul_", "MulBackward0", other,
+                         [&other](const Tensor& old) { return mul(old, other); });
+}
+
+Tensor& Tensor::div_(const Tensor& other) {
+  check_tensor_source("div_", *this, other, "a tensor to divide by");
+  return write_op_result(*this, "Tensor::div_", "DivBackward0", other,
+                         [&other](const Tensor& old) { return div(old, other); });
+}
+
+Tensor& Tensor::div_(double value) {
+  detail::check_defined("div_", *this, "destination");
+  detail::check_floating("div_", *this);
+  return write_op_result(*this, "Tensor::div_", "DivBackward1", Tensor(),
+                         [value](const Tensor& old) { return div(old, value); });
+}
+
+Tensor& Tensor::masked_fill_(const Tensor& mask, double value) {
+  detail::check_defined("masked_fill_", *this, "destination");
+  detail::check_floating("masked_fill_", *this);
+  check_source_broadcasts("masked_fill_", "a mask", mask, shape());
+  detail::check_same_device("masked_fill_", *this, mask);
+  return write_op_result(*this, "Tensor::masked_fill_", "MaskedFillBackward0", Tensor(),
+                         [&mask, value](const Tensor& old) { return dp::masked_fill(old, mask, value); });
+}
+
+Tensor& Tensor::relu_() {
+  detail::check_defined("relu_", *this, "destination");
+  detail::check_floating("relu_", *this);
+  return write_op_result(*this, "Tensor::relu_", "ReluBackward0", Tensor(),
+                         [](const Tensor& old) { return old.relu(); });
 }
 
 // ---- autograd ---------------------------------------------------------------------------

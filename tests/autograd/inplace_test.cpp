@@ -367,3 +367,71 @@ TEST_CASE("retain_graph: a write between two backwards is caught by the second")
   CHECK_THROWS_AS(s.backward(), dp::Error);
   CHECK(values(x.grad()) == first);  // nothing accumulated by the refused backward
 }
+
+TEST_CASE("sub_, mul_, div_, masked_fill_ and relu_ give the out-of-place build's values and gradients, bit for bit") {
+  // Note [In-place writes as out-of-place ops]. Each chain writes into an op's result
+  // h = x * 1.5; its twin builds the same values out of place.
+  const F xv{0.5f, -1.25f, 2.0f, 3.0f, -0.75f, 1.0f}, wv{1.5f, -0.5f, 0.25f}, dv{2.0f, -3.0f, 0.75f};
+  const Tensor mask = dp::from_vector(std::vector<float>{0.0f, 1.0f, 0.0f}, {3});
+  for (int which = 0; which < 7; ++which) {
+    CAPTURE(which);
+    Tensor x1 = leaf(xv, {2, 3}), w1 = leaf(wv, {3}), d1 = leaf(dv, {3});
+    Tensor x2 = leaf(xv, {2, 3}), w2 = leaf(wv, {3}), d2 = leaf(dv, {3});
+    Tensor h = dp::mul(x1, 1.5);
+    Tensor y = dp::mul(x2, 1.5);
+    switch (which) {
+      case 0: h.sub_(w1, 0.5f); y = dp::add(y, dp::mul(w2, -0.5)); break;
+      case 1: h.sub_(0.25); y = dp::add(y, -0.25); break;
+      case 2: h.mul_(w1); y = dp::mul(y, w2); break;
+      case 3: h.div_(d1); y = dp::div(y, d2); break;
+      case 4: h.div_(3.0); y = dp::div(y, 3.0); break;
+      case 5: h.masked_fill_(mask, -2.0); y = dp::masked_fill(y, mask, -2.0); break;
+      case 6: h.relu_(); y = dp::relu(y); break;
+    }
+    // A second write on top, so that the first one's result is read by an op that saves it.
+    h.mul_(w1);
+    y = dp::mul(y, w2);
+    CHECK(values(h) == values(y));
+    dp::mul(h, h).sum().backward();
+    dp::mul(y, y).sum().backward();
+    CHECK(values(x1.grad()) == values(x2.grad()));
+    CHECK(values(w1.grad()) == values(w2.grad()));
+    if (which == 3) CHECK(values(d1.grad()) == values(d2.grad()));
+  }
+}
+
+TEST_CASE("mul_ and div_ of another dtype compute in float32 and round once into a bfloat16 tensor") {
+  const Tensor a = dp::from_vector(std::vector<float>{1.0f + 1.0f / 128, 3.0f, -7.0f}, {3}).to(dp::Dtype::BFloat16);
+  const Tensor b = dp::from_vector(std::vector<float>{1.0f + 1.0f / 256 + 1.0f / 4096, 1.0f / 3, 0.1f}, {3});
+  Tensor m = a.clone(), d = a.clone();
+  m.mul_(b);
+  d.div_(b);
+  CHECK(m.dtype() == dp::Dtype::BFloat16);
+  CHECK(values(m) == values(dp::mul(a.to(dp::Dtype::Float32), b).to(dp::Dtype::BFloat16)));
+  CHECK(values(d) == values(dp::div(a.to(dp::Dtype::Float32), b).to(dp::Dtype::BFloat16)));
+}
+
+TEST_CASE("sub_, mul_, div_, masked_fill_ and relu_ refuse bad input before writing anything") {
+  Tensor t = dp::from_vector(std::vector<float>{1, 2, 3, 4}, {2, 2});
+  const auto version = t.storage()->version();
+  CHECK(error_of([&] { t.mul_(dp::ones({3})); }).find("[3]") != std::string::npos);
+  CHECK(error_of([&] { t.div_(dp::ones({2, 2, 2})); }).find("[2, 2, 2]") != std::string::npos);
+  CHECK(error_of([&] { t.masked_fill_(dp::ones({4}), 0.0); }).find("[4]") != std::string::npos);
+  CHECK(error_of([&] { t.mul_(Tensor()); }).find("undefined") != std::string::npos);
+  CHECK(error_of([&] { t.mul_(dp::ones({2}, dp::cpu(1))); }).find("cpu:1") != std::string::npos);
+  Tensor i = dp::from_vector(std::vector<std::int64_t>{1, 2}, {2});
+  CHECK(error_of([&] { i.div_(2.0); }).find("int64") != std::string::npos);
+  CHECK(error_of([&] { i.relu_(); }).find("int64") != std::string::npos);
+  CHECK(t.storage()->version() == version);
+  CHECK(values(t) == F{1, 2, 3, 4});
+  // A leaf that requires grad, with grad mode on: refused, as by every in-place write.
+  Tensor w = leaf({1, -2}, {2});
+  CHECK(error_of([&] { w.relu_(); }).find("leaf that requires grad") != std::string::npos);
+  CHECK(error_of([&] { w.mul_(dp::ones({2})); }).find("leaf that requires grad") != std::string::npos);
+  {
+    dp::NoGradGuard no_grad;
+    w.relu_();
+    w.div_(2.0);
+  }
+  CHECK(values(w) == F{0.5f, 0.0f});
+}

@@ -280,9 +280,18 @@ class Run {
                                 Tensor(), true);
     // In-place writes (Note [In-place writes and autograd]): the line's value is the
     // written tensor itself, another handle of the same tensor.
-    if (op == "iadd" || op == "icopy" || op == "iadd_s" || op == "imul" || op == "ifill" || op == "izero") {
+    if (op == "iadd" || op == "icopy" || op == "iadd_s" || op == "imul" || op == "ifill" || op == "izero" ||
+        op == "isub" || op == "isub_s" || op == "imul_t" || op == "idiv_t" || op == "idiv_s" || op == "imask" ||
+        op == "irelu") {
       Tensor t = value(a(0));
       if (op == "iadd") t.add_(value(a(1)), static_cast<float>(f64(a(2))));
+      if (op == "isub") t.sub_(value(a(1)), static_cast<float>(f64(a(2))));
+      if (op == "isub_s") t.sub_(f64(a(1)));
+      if (op == "imul_t") t.mul_(value(a(1)));
+      if (op == "idiv_t") t.div_(value(a(1)));
+      if (op == "idiv_s") t.div_(f64(a(1)));
+      if (op == "imask") t.masked_fill_(value(a(1)), f64(a(2)));
+      if (op == "irelu") t.relu_();
       if (op == "icopy") t.copy_(value(a(1)));
       if (op == "iadd_s") t.add_(f64(a(1)));
       if (op == "imul") t.mul_(static_cast<float>(f64(a(1))));

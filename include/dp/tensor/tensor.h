@@ -389,6 +389,22 @@ class Tensor {
   /// this += value, elementwise, for float32 and int64 tensors (counters); enqueued on
   /// the device like any kernel, never read back to the host.
   Tensor& add_(double value);
+  /// this -= alpha * other, as PyTorch's sub_ (add_ with -alpha: the same sources).
+  Tensor& sub_(const Tensor& other, float alpha = 1.0f);
+  /// this -= value (add_(-value)).
+  Tensor& sub_(double value);
+  /// this *= other and this /= other (true division), as PyTorch's mul_ and div_: other
+  /// on this device, its shape broadcasting to this one's, the product or quotient in the
+  /// common dtype rounded once into this one's (Note [In-place writes as out-of-place
+  /// ops] in src/tensor/tensor.cpp). Gradients as the out-of-place ops', bit for bit.
+  Tensor& mul_(const Tensor& other);
+  Tensor& div_(const Tensor& other);
+  /// this /= value, a true division as dp::div(t, value).
+  Tensor& div_(double value);
+  /// `value` where `mask` (broadcasting to this shape) is nonzero, as PyTorch's masked_fill_.
+  Tensor& masked_fill_(const Tensor& mask, double value);
+  /// max(this, 0), as PyTorch's relu_.
+  Tensor& relu_();
 
   // ---- autograd ------------------------------------------------------------------------
   bool requires_grad() const;
