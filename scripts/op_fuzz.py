@@ -172,6 +172,39 @@ def op_scalar(p, rng):
     return f"{kind} v{v} {c!r}", f(lo), f(hi), "float"
 
 
+# clamp's bounds (None: absent); (1.0, -1.0) is min > max, max everywhere.
+CLAMP_BOUNDS = [(-0.5, 0.5), (0.25, None), (None, 0.0), (1.0, -1.0), (-1.5, 2.0)]
+
+
+def clamp_args(lo, rng):
+    """Bounds for clamp of `lo`, or None when an element lies within 1e-3 of one: the
+    gradient is zero at a bound (Note [clamp's gradient]) and the two runs' roundings
+    would decide the side."""
+    b_lo, b_hi = rng.choice(CLAMP_BOUNDS)
+    d = lo.detach().double()
+    for b in (b_lo, b_hi):
+        if b is not None and d.numel() and bool(((d - b).abs() < 1e-3).any()):
+            return None
+    return b_lo, b_hi
+
+
+def bound_text(b):
+    return "none" if b is None else repr(b)
+
+
+def op_clamp(p, rng):
+    v = pick(p, rng)
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    bounds = clamp_args(lo, rng)
+    if bounds is None:
+        return None
+    b_lo, b_hi = bounds
+    return (f"clamp v{v} {bound_text(b_lo)} {bound_text(b_hi)}", torch.clamp(lo, b_lo, b_hi),
+            torch.clamp(hi, b_lo, b_hi), "float")
+
+
 def broadcast_partner(p, rng, shape):
     """A float value whose shape broadcasts with `shape`: an existing one, or a new input."""
     same = [i for i in floats(p) if list(p.values[i][0].shape) == list(shape)]
@@ -652,8 +685,14 @@ def op_batch_norm(p, rng):
     b = p.new_input([C], -0.5, 0.5) if rng.random() < 0.7 else None
     lw, hw = (p.values[w][0], p.values[w][1]) if w is not None else (None, None)
     lb, hb = (p.values[b][0], p.values[b][1]) if b is not None else (None, None)
+    # PyTorch 2.15's CPU batch_norm backward is wrong, in float32 and float64 alike, for an
+    # input that is channels_last-contiguous (a permuted N=1 image: strides (1, 1, 16, 4))
+    # while its incoming gradient is not: every gradient, the bias's sum of the output's
+    # gradient too (program 2806: 14.4 off). dp has no strides, so the oracle takes the
+    # contiguous input (the same values; contiguous() passes the gradient through).
     return (f"batch_norm v{x} {'-' if w is None else f'v{w}'} {'-' if b is None else f'v{b}'}",
-            F.batch_norm(lo, None, None, lw, lb, True), F.batch_norm(hi, None, None, hw, hb, True), "float")
+            F.batch_norm(lo.contiguous(), None, None, lw, lb, True),
+            F.batch_norm(hi.contiguous(), None, None, hw, hb, True), "float")
 
 
 def op_index(p, rng):
@@ -764,7 +803,7 @@ def op_inplace(p, rng):
     node saved, then one to three of add_ and sub_ (of a value or input broadcast to t's
     shape, of t's dtype or another, or of t itself), add_, sub_, mul_ and div_ of a
     scalar, mul_ and div_ of a tensor (a positive one for div_), masked_fill_ (the mask
-    a comparison of t), relu_ (t away from 0), copy_ (a 16-bit t rounds the source in
+    a comparison of t), relu_ (t away from 0), clamp_ (t away from its bounds), copy_ (a 16-bit t rounds the source in
     float64 too, as a cast does), fill_ and zero_. Each write is a line whose value is t
     itself; later ops read the written tensor."""
     v = pick(p, rng)
@@ -779,7 +818,7 @@ def op_inplace(p, rng):
     writes = rng.randint(1, 3)
     for k in range(writes):
         kind = rng.choice(["iadd", "iadd", "icopy", "iadd_s", "imul", "ifill", "izero", "isub", "isub_s",
-                           "imul_t", "idiv_t", "idiv_s", "imask", "irelu"])
+                           "imul_t", "idiv_t", "idiv_s", "imask", "irelu", "iclamp"])
         if kind == "isub":
             src = source_for(p, rng, t, shape)
             slo, shi, _ = p.values[src]
@@ -809,6 +848,13 @@ def op_inplace(p, rng):
             tlo.masked_fill_(p.values[m][0], value)
             thi.masked_fill_(p.values[m][1], value)
             text = f"imask v{t} v{m} {value!r}"
+        elif kind == "iclamp":
+            bounds = clamp_args(tlo, rng)
+            if bounds is None:
+                return None
+            tlo.clamp_(*bounds)
+            thi.clamp_(*bounds)
+            text = f"iclamp v{t} {bound_text(bounds[0])} {bound_text(bounds[1])}"
         elif kind == "irelu":
             if tlo.numel() and bool((tlo.detach().double().abs() < 1e-3).any()):
                 return None  # relu has no agreed gradient at 0
@@ -850,7 +896,7 @@ OPS = [(op_unary, 6), (op_unary_positive, 2), (op_pow, 1), (op_scalar, 2), (op_b
        (op_tri, 1), (op_reduce, 4), (op_shape, 8), (op_matmul, 4), (op_softmax, 2), (op_layer_norm, 2),
        (op_attention, 1), (op_embedding, 1), (op_loss, 2), (op_cast, 2), (op_linear, 2), (op_autocast_matmul, 1),
        (op_conv, 2), (op_pool, 2), (op_batch_norm, 1), (op_index, 2), (op_loss2, 2), (op_argmax_gather, 1),
-       (op_inplace, 2)]
+       (op_inplace, 2), (op_clamp, 1)]
 
 
 def draw(seed, attempt=0):

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "backend/backend.h"
+#include "dp/autograd/grad_mode.h"
 #include "dp/autograd/node.h"
 #include "dp/core/error.h"
 #include "tensor/autocast_policy.h"
@@ -585,6 +586,38 @@ Tensor where(const Tensor& cond, const Tensor& a, double b) {
 Tensor where(const Tensor& cond, double a, const Tensor& b) {
   detail::check_floating("where", b, "second value (b)");
   return where(cond, scalar_tensor(a, b.device()).to(b.dtype()), b);
+}
+
+// Note [clamp's gradient]
+// Values: max then min, so that min > max gives max everywhere, as PyTorch's; NaN fails
+// both comparisons and stays NaN. The gradient passes where min < x < max STRICTLY and
+// is zero at a bound and at NaN: measured in PyTorch 2.15 (clamp(x, -0.5, 0.5) gives x
+// = ±0.5 a zero gradient), where a composition of where() would pass it at the bounds
+// and at NaN. The bounds are rounded to float32 first: PyTorch compares in float32
+// (opmath) for float32 and 16-bit tensors alike, so clamp(0.1f, 0.1) is at its bound
+// (gradient 0), not above it.
+Tensor clamp(const Tensor& a, std::optional<double> min, std::optional<double> max) {
+  detail::check_defined("clamp", a);
+  detail::check_floating("clamp", a);
+  DP_CHECK(min.has_value() || max.has_value(), "clamp: expected at least one of min and max, got neither (PyTorch "
+           "refuses that too)");
+  const std::optional<double> lo = min ? std::optional<double>(static_cast<float>(*min)) : std::nullopt;
+  const std::optional<double> hi = max ? std::optional<double>(static_cast<float>(*max)) : std::nullopt;
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    Tensor y = a;
+    if (lo) y = where(lt(y, *lo), *lo, y);
+    if (hi) y = where(gt(y, *hi), *hi, y);
+    out = y;
+  }
+  autograd::record("ClampBackward1", {a}, out, {a}, [x = a.detach(), lo, hi](const std::vector<Tensor>& g) {
+    Tensor inside;
+    if (lo) inside = gt(x, *lo);
+    if (hi) inside = inside.defined() ? mul(inside, lt(x, *hi)) : lt(x, *hi);
+    return std::vector<Tensor>{where(inside, g[0], 0.0)};
+  });
+  return out;
 }
 
 Tensor masked_fill(const Tensor& input, const Tensor& mask, double value) {

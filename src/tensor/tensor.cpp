@@ -864,7 +864,7 @@ Tensor& Tensor::sub_(const Tensor& other, float alpha) { return add_(other, -alp
 Tensor& Tensor::sub_(double value) { return add_(-value); }
 
 // Note [In-place writes as out-of-place ops]
-// mul_(tensor), div_, masked_fill_ and relu_ compute their out-of-place op and write its
+// mul_(tensor), div_, masked_fill_, relu_ and clamp_ compute their out-of-place op and write its
 // result over this tensor's bytes. The result is computed in PyTorch's common dtype and
 // rounded once into this one's, as PyTorch's in-place ops compute into self. With grad
 // mode on and a write autograd records (Note [In-place writes and autograd]), the op
@@ -940,6 +940,14 @@ Tensor& Tensor::relu_() {
   detail::check_floating("relu_", *this);
   return write_op_result(*this, "Tensor::relu_", "ReluBackward0", Tensor(),
                          [](const Tensor& old) { return old.relu(); });
+}
+
+Tensor& Tensor::clamp_(std::optional<double> min, std::optional<double> max) {
+  detail::check_defined("clamp_", *this, "destination");
+  detail::check_floating("clamp_", *this);
+  DP_CHECK(min.has_value() || max.has_value(), "clamp_: expected at least one of min and max, got neither");
+  return write_op_result(*this, "Tensor::clamp_", "ClampBackward1", Tensor(),
+                         [min, max](const Tensor& old) { return dp::clamp(old, min, max); });
 }
 
 // ---- autograd ---------------------------------------------------------------------------
@@ -1023,6 +1031,7 @@ Tensor Tensor::lt(double value) const { return dp::lt(*this, value); }
 Tensor Tensor::ge(double value) const { return dp::ge(*this, value); }
 Tensor Tensor::le(double value) const { return dp::le(*this, value); }
 Tensor Tensor::masked_fill(const Tensor& mask, double value) const { return dp::masked_fill(*this, mask, value); }
+Tensor Tensor::clamp(std::optional<double> min, std::optional<double> max) const { return dp::clamp(*this, min, max); }
 
 // ---- creation -------------------------------------------------------------------------------
 

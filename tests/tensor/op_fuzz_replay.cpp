@@ -117,6 +117,10 @@ class Run {
 
   static std::int64_t i64(const std::string& w) { return std::stoll(w); }
   static double f64(const std::string& w) { return std::stod(w); }
+  /// A clamp bound: "none" is absent.
+  static std::optional<double> bound(const std::string& w) {
+    return w == "none" ? std::nullopt : std::optional<double>(std::stod(w));
+  }
 
   dp::nn::Reduction reduction(const std::string& w) const {
     if (w == "mean") return dp::nn::Reduction::Mean;
@@ -198,6 +202,7 @@ class Run {
     if (op == "gt") return value(a(0)).gt(value(a(1)));
     if (op == "where") return dp::where(value(a(0)), value(a(1)), value(a(2)));
     if (op == "masked_fill") return dp::masked_fill(value(a(0)), value(a(1)), f64(a(2)));
+    if (op == "clamp") return dp::clamp(value(a(0)), bound(a(1)), bound(a(2)));
     if (op == "tril") return dp::tril(value(a(0)), i64(a(1)));
     if (op == "triu") return dp::triu(value(a(0)), i64(a(1)));
     // Reductions.
@@ -282,7 +287,7 @@ class Run {
     // written tensor itself, another handle of the same tensor.
     if (op == "iadd" || op == "icopy" || op == "iadd_s" || op == "imul" || op == "ifill" || op == "izero" ||
         op == "isub" || op == "isub_s" || op == "imul_t" || op == "idiv_t" || op == "idiv_s" || op == "imask" ||
-        op == "irelu") {
+        op == "irelu" || op == "iclamp") {
       Tensor t = value(a(0));
       if (op == "iadd") t.add_(value(a(1)), static_cast<float>(f64(a(2))));
       if (op == "isub") t.sub_(value(a(1)), static_cast<float>(f64(a(2))));
@@ -292,6 +297,7 @@ class Run {
       if (op == "idiv_s") t.div_(f64(a(1)));
       if (op == "imask") t.masked_fill_(value(a(1)), f64(a(2)));
       if (op == "irelu") t.relu_();
+      if (op == "iclamp") t.clamp_(bound(a(1)), bound(a(2)));
       if (op == "icopy") t.copy_(value(a(1)));
       if (op == "iadd_s") t.add_(f64(a(1)));
       if (op == "imul") t.mul_(static_cast<float>(f64(a(1))));

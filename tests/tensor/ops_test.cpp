@@ -821,6 +821,59 @@ TEST_CASE_TEMPLATE("a tensor divided by a scalar is a true division, as PyTorch'
   CHECK_THROWS_WITH_AS(dp::from_vector(I{1, 2}, {2}, dev) / 2.0, doctest::Contains("int64"), dp::Error);
 }
 
+TEST_CASE_TEMPLATE("clamp and clamp_ are PyTorch's: max then min, NaN kept, the gradient where min < x < max", D,
+                   DP_TEST_DEVICES) {
+  DP_SKIP_UNLESS_AVAILABLE(D);
+  const dp::Device dev = D::device();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const F v{-2.0f, -0.5f, 0.0f, 0.25f, 0.5f, 1.0f, 3.0f, nan};
+  const std::int64_t n = static_cast<std::int64_t>(v.size());
+  // PyTorch 2.15: torch.clamp(x, -0.5, 0.5), torch.clamp(x, min=0.25), torch.clamp(x,
+  // max=0.0), torch.clamp(x, 1.0, -1.0) (min > max: max everywhere, NaN kept); their
+  // gradients are zero at a bound and at NaN (Note [clamp's gradient]).
+  struct Case {
+    std::optional<double> lo, hi;
+    F want, grad;
+  };
+  const std::vector<Case> cases{
+      {-0.5, 0.5, {-0.5f, -0.5f, 0.0f, 0.25f, 0.5f, 0.5f, 0.5f, nan}, {0, 0, 1, 1, 0, 0, 0, 0}},
+      {0.25, std::nullopt, {0.25f, 0.25f, 0.25f, 0.25f, 0.5f, 1.0f, 3.0f, nan}, {0, 0, 0, 0, 1, 1, 1, 0}},
+      {std::nullopt, 0.0, {-2.0f, -0.5f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, nan}, {1, 1, 0, 0, 0, 0, 0, 0}},
+      {1.0, -1.0, {-1.0f, -1.0f, -1.0f, -1.0f, -1.0f, -1.0f, -1.0f, nan}, {0, 0, 0, 0, 0, 0, 0, 0}}};
+  for (const Case& c : cases) {
+    CAPTURE(c.lo.value_or(-99));
+    CAPTURE(c.hi.value_or(99));
+    dp::Tensor x = dp::from_vector(v, {n}, dev).set_requires_grad(true);
+    const dp::Tensor y = dp::clamp(x, c.lo, c.hi);
+    check_same_floats(y.to_vector(), c.want);
+    check_same_floats(x.clamp(c.lo, c.hi).to_vector(), c.want);
+    y.sum().backward();
+    check_same_floats(x.grad().to_vector(), c.grad);
+    // In place, into an op's result: the same values and gradient.
+    dp::Tensor x2 = dp::from_vector(v, {n}, dev).set_requires_grad(true);
+    dp::Tensor h = dp::mul(x2, 1.0);
+    h.clamp_(c.lo, c.hi);
+    check_same_floats(h.to_vector(), c.want);
+    h.sum().backward();
+    check_same_floats(x2.grad().to_vector(), c.grad);
+  }
+  // A bound between two floats compares as its float32 rounding, as PyTorch's: 0.1f is
+  // above the double 0.1 but at the bound 0.1f, so its gradient is 0 (PyTorch 2.15).
+  dp::Tensor t = dp::from_vector(F{0.1f}, {1}, dev).set_requires_grad(true);
+  dp::clamp(t, 0.1).sum().backward();
+  CHECK(t.grad().to_vector() == F{0.0f});
+  // bfloat16: compared in float32, the bound rounded to bfloat16 where it is taken.
+  const dp::Tensor b = dp::from_vector(F{-1.0f, 0.3f, 2.0f}, {3}, dev).to(dp::Dtype::BFloat16);
+  const dp::Tensor cb = dp::clamp(b, 0.1, 1.5);
+  CHECK(cb.dtype() == dp::Dtype::BFloat16);
+  check_same_floats(cb.to_vector(),
+                    dp::from_vector(F{0.1f, 0.3f, 1.5f}, {3}, dev).to(dp::Dtype::BFloat16).to_vector());
+  CHECK_THROWS_WITH_AS(dp::clamp(dp::from_vector(v, {n}, dev), std::nullopt, std::nullopt),
+                       doctest::Contains("at least one of min and max"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::clamp(dp::from_vector(I{1, 2}, {2}, dev), 0.0), doctest::Contains("int64"), dp::Error);
+  CHECK_THROWS_AS(dp::clamp(dp::Tensor(), 0.0), dp::Error);
+}
+
 TEST_CASE("scalars on the left reject int64 tensors like the other float ops") {
   dp::Tensor l = dp::from_vector(I{1, 2}, {2});
   CHECK_THROWS_WITH_AS(1.0 - l, doctest::Contains("int64"), dp::Error);

@@ -95,6 +95,13 @@ Tensor where(const Tensor& cond, double a, const Tensor& b);
 /// filled).
 ///   dp::Tensor s = dp::masked_fill(scores, pad.reshape({B, 1, 1, S}), -INFINITY);
 Tensor masked_fill(const Tensor& input, const Tensor& mask, double value);
+/// torch.clamp: min(max(a, min), max) elementwise, either bound may be absent (not both);
+/// as PyTorch, NaN stays NaN, min > max gives max everywhere, and the bounds compare in
+/// float32 (a 16-bit tensor's in float32 too, the result rounded to its dtype: exact).
+/// Differentiable as PyTorch 2.15's: the gradient passes where min < a < max, zero at a
+/// bound and at NaN (Note [clamp's gradient] in src/tensor/ops.cpp). Floating tensors.
+///   dp::Tensor p = dp::clamp(probs, 1e-7, 1.0 - 1e-7);
+Tensor clamp(const Tensor& a, std::optional<double> min, std::optional<double> max = std::nullopt);
 /// torch.tril: the lower triangle of the last two dims (..., R, C) — element (i, j) where
 /// j - i <= diagonal — and zeros above it; any batch dims before them. diagonal > 0 keeps
 /// that many diagonals above the main one, < 0 drops as many below it. Any floating

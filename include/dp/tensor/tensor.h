@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -405,6 +406,8 @@ class Tensor {
   Tensor& masked_fill_(const Tensor& mask, double value);
   /// max(this, 0), as PyTorch's relu_.
   Tensor& relu_();
+  /// This tensor clamped to [min, max] in place (dp::clamp), as PyTorch's clamp_.
+  Tensor& clamp_(std::optional<double> min, std::optional<double> max = std::nullopt);
 
   // ---- autograd ------------------------------------------------------------------------
   bool requires_grad() const;
@@ -469,6 +472,8 @@ class Tensor {
   Tensor le(double value) const;
   /// This tensor with `value` where mask is nonzero (dp::masked_fill): x.masked_fill(pad, -INFINITY).
   Tensor masked_fill(const Tensor& mask, double value) const;
+  /// dp::clamp(*this, min, max): x.clamp(0.0, 1.0), x.clamp(std::nullopt, 5.0).
+  Tensor clamp(std::optional<double> min, std::optional<double> max = std::nullopt) const;
 
   std::string str() const;  // "Tensor[64, 10] float32 cpu:0"
 
