@@ -112,10 +112,14 @@ def pick(p, rng, **kw):
     return c[min(len(c) - 1, int(len(c) * (1 - rng.random() ** 2)))]
 
 
-def positive(p, rng):
-    """A positive float value: one already positive, or x*x + 0.5 made by two ops."""
-    v = pick(p, rng)
-    if v is None:
+def positive(p, rng, besides=()):
+    """A positive float value: one already positive, or x*x + 0.5 made by two ops, from a
+    value not in `besides` (four draws, then none)."""
+    for _ in range(4 if besides else 1):
+        v = pick(p, rng)
+        if v is not None and v not in besides:
+            break
+    else:
         return None
     lo, hi, _ = p.values[v]
     if lo.numel() and float(lo.detach().min()) > 0.1:
@@ -779,24 +783,6 @@ def other_source(p, rng, mine, shape):
     return None
 
 
-def positive_besides(p, rng, mine):
-    """positive(), from a value that is not t or a handle of it: its square would save t,
-    and a write into a tensor a node saved is refused at once in dp, where PyTorch's
-    backward would refuse it only if it ran (Note [In-place writes and autograd])."""
-    for _ in range(4):
-        v = pick(p, rng)
-        if v is not None and v not in mine:
-            break
-    else:
-        return None
-    lo, hi, _ = p.values[v]
-    if lo.numel() and float(lo.detach().min()) > 0.1:
-        return v
-    sq = p.add_value(f"square v{v}", lo * lo, hi * hi, "float")
-    lo2, hi2, _ = p.values[sq]
-    return p.add_value(f"add_s v{sq} 0.5", lo2 + 0.5, hi2 + 0.5, "float")
-
-
 def op_inplace(p, rng):
     """In-place writes (Note [In-place writes and autograd], Note [Sources of in-place
     writes], Note [In-place writes as out-of-place ops]): t = v * c, a fresh result no
@@ -827,7 +813,10 @@ def op_inplace(p, rng):
             thi.sub_(shi, alpha=alpha)
             text = f"isub v{t} v{src} {alpha!r}"
         elif kind in ("imul_t", "idiv_t"):
-            src = other_source(p, rng, mine, shape) if kind == "imul_t" else positive_besides(p, rng, mine)
+            # Sources away from t's own handles: a node that saves one (the square behind
+            # a divisor) makes dp refuse the write at once, where PyTorch refuses the
+            # backward only if it runs (Note [In-place writes and autograd]).
+            src = other_source(p, rng, mine, shape) if kind == "imul_t" else positive(p, rng, besides=mine)
             if src is None:
                 return None
             slo, shi, _ = p.values[src]
