@@ -336,14 +336,14 @@ void DataParallel::sync_dropout_streams(comm::Communicator& across) {
   }
 }
 
-// Note [Parameters without a gradient] in dp/optim/optimizer.h: every device's marks
-// into the slots, on every backward (a DP replica's leaves are rebound before the next
-// forward); after a synced backward, the union over the processes, so that every
-// process steps the same parameters. A no_sync backward's marks join the next synced
-// one's union.
+// Note [Parameters without a gradient] in dp/optim/optimizer.h: after a synced backward
+// across processes, every device's marks into the slots and their union over the
+// processes, so that every process steps the same parameters. In one process the
+// optimizer's step collects the marks itself (the copies' leaves live as long as the
+// set); a no_sync backward's marks stay on the leaves and join the next synced union.
 void DataParallel::merge_arrived_grads(bool synced) {
-  set_->collect_arrived_grads();
   if (processes_ <= 1 || !synced) return;
+  set_->collect_arrived_grads();
   const auto& slots = set_->slots();
   std::vector<std::int64_t> got(slots.size());
   for (std::size_t i = 0; i < slots.size(); ++i) got[i] = slots[i]->got_grad ? 1 : 0;

@@ -100,9 +100,9 @@
 // and marks it arrived (autograd::assign_pinned_grad). A value written into the .grad
 // view in place does not count: after zero_grad(true) it is stepped only if a
 // backward reached the parameter (PyTorch code cannot write into a None .grad either;
-// zero_grad(false) steps it). DataParallel
-// folds every device's marks in after each backward, and after a synced one takes
-// the union over the processes of a job (one host all-reduce of a flag per
+// zero_grad(false) steps it). In one process the step reads every copy's marks
+// (DataParallel's replicas are copies of the set); across processes DataParallel takes
+// their union after each synced backward (one host all-reduce of a flag per
 // parameter), so that every replica and every shard owner skips the same parameters.
 // Loose tensors (no parameter set) are PyTorch's case exactly: zero_grad(true) makes
 // their .grad undefined, and a step skips those still undefined, counting the skip.

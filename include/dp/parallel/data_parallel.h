@@ -456,8 +456,8 @@ class DataParallel {
 
   std::int64_t check_inputs(const char* what, const std::vector<DataParallelInput>& inputs) const;
   std::int64_t global_rows(std::int64_t rows) const;
-  /// After a backward: which parameters got a gradient on any device, and after a
-  /// synced one on any process (Note [Parameters without a gradient] in dp/optim/optimizer.h).
+  /// After a synced backward across processes: which parameters got a gradient on any
+  /// device of any process (Note [Parameters without a gradient] in dp/optim/optimizer.h).
   void merge_arrived_grads(bool synced);
   void sync_processes();
   void sync_dropout_streams(comm::Communicator& across);
