@@ -255,9 +255,10 @@ struct TiedGPT : TinyGPT {
 };
 
 /// A forward that writes in place (Note [In-place writes and autograd], Note [Sources of
-/// in-place writes] in src/tensor/tensor.cpp): a parameter broadcast and added into a
-/// layer's output, the output scaled, a parameter copied (broadcast) into a buffer, and
-/// an output added into another. Under autocast the first output is bfloat16 and the
+/// in-place writes], Note [In-place writes as out-of-place ops] in src/tensor/tensor.cpp):
+/// a parameter broadcast and added into a layer's output, the output scaled, a parameter
+/// copied (broadcast) into a buffer, an output added into another, then multiplied by a
+/// broadcast parameter, clamped and divided in place. Under autocast the first output is bfloat16 and the
 /// parameters float32: the mixed sum rounds once.
 struct InplaceForward : dp::nn::Module {
   explicit InplaceForward(std::uint64_t seed) {
@@ -275,6 +276,9 @@ struct InplaceForward : dp::nn::Module {
     g.copy_(scale);
     dp::Tensor r = dp::mul(h.relu(), g);
     r.add_(h);
+    r.mul_(scale);
+    r.clamp_(-4.0, 4.0);
+    r.div_(1.5);
     return fc2->forward(r);
   }
   std::shared_ptr<dp::nn::Linear> fc1, fc2;

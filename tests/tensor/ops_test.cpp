@@ -871,6 +871,10 @@ TEST_CASE_TEMPLATE("clamp and clamp_ are PyTorch's: max then min, NaN kept, the 
   CHECK_THROWS_WITH_AS(dp::clamp(dp::from_vector(v, {n}, dev), std::nullopt, std::nullopt),
                        doctest::Contains("at least one of min and max"), dp::Error);
   CHECK_THROWS_WITH_AS(dp::clamp(dp::from_vector(I{1, 2}, {2}, dev), 0.0), doctest::Contains("int64"), dp::Error);
+  dp::Tensor kept = dp::from_vector(v, {n}, dev);
+  const auto version = kept.storage()->version();
+  CHECK_THROWS_WITH_AS(kept.clamp_(std::nullopt, std::nullopt), doctest::Contains("at least one of min and max"), dp::Error);
+  CHECK(kept.storage()->version() == version);
   CHECK_THROWS_AS(dp::clamp(dp::Tensor(), 0.0), dp::Error);
 }
 
