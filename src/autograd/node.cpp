@@ -241,11 +241,19 @@ void bind_grad(const Tensor& t, const Tensor& g, bool pinned) {
   AutogradMeta& m = *t.impl()->autograd;
   m.grad = g;
   m.grad_pinned = pinned && g.defined();
+  m.grad_released = pinned && !g.defined();
 }
 
 bool assign_pinned_grad(const Tensor& t, const Tensor& g) {
-  if (!t.impl()->autograd || !t.impl()->autograd->grad_pinned || !t.impl()->autograd->grad.defined()) return false;
+  if (!t.impl()->autograd) return false;
   AutogradMeta& m = *t.impl()->autograd;
+  // Replacing the leaf's .grad here would hand the step nothing: it reads the owners'
+  // ranges (Note [Gradient edits] in src/parallel/designs/ddp.cpp).
+  DP_CHECK(!m.grad_released, "set_grad: this parameter's gradient is sharded over the devices (DataParallel's "
+           "Sharded stages 2 and 3 keep each device's range of the summed gradient only), so there is no whole "
+           ".grad to write into and the step would never read it; use dp::nn::utils::clip_grad_norm_ / "
+           "clip_grad_value_ (they act on every range), scale the loss, or use shard_stage 1 or Mode::DDP");
+  if (!m.grad_pinned || !m.grad.defined()) return false;
   DP_CHECK(g.defined(), "set_grad: this parameter's .grad is its place in the module's flat gradient buffer and "
            "cannot become undefined; zero_grad() sets the gradients to none (Note [Parameters without a gradient])");
   {

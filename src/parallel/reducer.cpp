@@ -360,7 +360,7 @@ void Reducer::grad_ready(int rank, int param, const Tensor& leaf) {
   RankState& st = ranks_[rank];
   if (st.detached) {
     st.stash[static_cast<std::size_t>(param)] = leaf.grad();
-    autograd::bind_grad(leaf, Tensor(), /*pinned=*/false);
+    autograd::bind_grad(leaf, Tensor(), /*pinned=*/true);  // stashed: set_grad is refused
   }
   mark_ready(rank, param);
 }

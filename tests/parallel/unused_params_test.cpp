@@ -400,3 +400,35 @@ TEST_CASE("set_grad on a module's parameter is PyTorch's p.grad = g: the step us
   for (std::size_t i = 0; i < before2.size(); ++i) CHECK(after2[i] == before2[i] - 1.0f);
   CHECK_NOTHROW(model.check_replicas());  // throws when a replica differs
 }
+
+TEST_CASE("set_grad under Sharded stages 2 and 3 is refused: the gradient lives in the owners' ranges") {
+  // Before, the leaf's .grad was replaced while the step read the owners' ranges: the
+  // given gradient was silently ignored (a zero gradient still moved the parameters).
+  // Stage 1 keeps device 0's view, and its step after the edit is refused instead.
+  for (int stage = 2; stage <= 3; ++stage) {
+    CAPTURE(stage);
+    auto net = std::make_shared<ThreeLinear>(13);
+    auto ref_net = std::make_shared<ThreeLinear>(13);
+    dp::DataParallel model(net, cpus(2), {.mode = dp::Mode::Sharded, .shard_stage = stage});
+    dp::DataParallel ref(ref_net, cpus(2), {.mode = dp::Mode::DDP});
+    dp::optim::SGD opt(model.parameters(), {.lr = 0.5});
+    dp::optim::SGD ref_opt(ref.parameters(), {.lr = 0.5});
+    const Batch b = make_batch(6, 3);
+    Tensor w = model.parameters()[2];
+    // Before any backward, and between backward and step.
+    CHECK_THROWS_WITH_AS(w.set_grad(dp::zeros(w.shape())), doctest::Contains("sharded over the devices"), dp::Error);
+    opt.zero_grad();
+    ref_opt.zero_grad();
+    loss_fn(model(b.x), b.y).backward();
+    loss_fn(ref(b.x), b.y).backward();
+    w = model.parameters()[2];
+    CHECK_FALSE(w.grad().defined());
+    CHECK_THROWS_WITH_AS(w.set_grad(dp::zeros(w.shape())), doctest::Contains("clip_grad_norm_"), dp::Error);
+    // Nothing was half done: the step applies the summed gradient, as DDP's does.
+    opt.step();
+    ref_opt.step();
+    const auto got = model.parameters(), want = ref.parameters();
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(bitwise(values(got[i]), values(want[i])));
+  }
+}

@@ -192,6 +192,9 @@ struct AutogradMeta {
   /// .grad is this parameter's place in its set's flat gradient buffer (bind_grad):
   /// Tensor::set_grad writes into it instead of replacing it.
   bool grad_pinned = false;
+  /// The parameter's set holds its gradient sharded (Sharded stages 2 and 3): there is
+  /// no whole .grad for Tensor::set_grad to write into, and it refuses.
+  bool grad_released = false;
 };
 
 /// True when grad mode is on and any defined input requires a gradient.
@@ -235,13 +238,16 @@ bool grad_arrived(const Tensor& t);
 bool grad_pinned(const Tensor& t);
 
 /// A runtime's own binding of leaf `t`'s .grad to `g` (a parameter set's flat-buffer
-/// view: `pinned`), where Tensor::set_grad would write into a pinned one.
+/// view: `pinned`), where Tensor::set_grad would write into a pinned one. `pinned` with
+/// an undefined g: the set keeps the gradient elsewhere (released, sharded), and
+/// Tensor::set_grad is a dp::Error until a view is bound again.
 void bind_grad(const Tensor& t, const Tensor& g, bool pinned);
 
 /// Tensor::set_grad(g) of a leaf whose .grad is pinned (a parameter of a set): writes g
 /// into the view, as PyTorch's `p.grad = g` gives the optimizer g, and counts it as a
 /// gradient that arrived (Note [Parameters without a gradient]). Returns false, doing
-/// nothing, for a leaf that is not pinned. An undefined g is a dp::Error.
+/// nothing, for a leaf that is not pinned. An undefined g is a dp::Error, and so is any
+/// g while the set holds the gradient released (bind_grad).
 bool assign_pinned_grad(const Tensor& t, const Tensor& g);
 
 /// Registers a hook run after a gradient is accumulated into leaf `t`. A leaf that does
