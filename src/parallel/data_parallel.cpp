@@ -201,11 +201,18 @@ void DataParallel::init(std::vector<Device> devices) {
   check_options(n);
   devices_ = std::move(devices);
 
+  // Before anything moves: a parameter already in a wrapper's set (this module, a child
+  // wrapped first, or a parameter shared with one) would be flattened again here,
+  // leaving the other wrapper's replicas on views this one rebinds.
+  for (const auto& slot : net_->parameter_slots()) {
+    const auto other = slot->set.lock();
+    DP_CHECK(!other || !other->valid() || other->num_copies() == 1, "DataParallel: parameter '", slot->name,
+             "' is already trained by another DataParallel (this module, a child of it, or a parameter it "
+             "shares was wrapped first); wrap a module once, at the outermost module");
+  }
   net_->to(devices_[0]);
   set_ = net_->parameter_set();
   DP_CHECK(set_ != nullptr, "DataParallel: the module has no parameters to train");
-  DP_CHECK(set_->num_copies() == 1, "DataParallel: this module is already wrapped by another "
-           "DataParallel; wrap a module once");
   buffers_ = net_->buffer_slots();
   for (auto& [name, t] : net_->named_parameters()) param_names_.push_back(name);
 

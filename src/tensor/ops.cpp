@@ -768,7 +768,10 @@ Tensor mean(const Tensor& a) {
   detail::check_floating("mean", a);
   if (is_16bit(a)) return mean(a.to(Dtype::Float32)).to(a.dtype());  // one rounding, as PyTorch
   DP_CHECK(a.numel() > 0, "mean: expected a non-empty tensor, got shape ", shape_str(a.shape()));
-  return mul(sum(a), 1.0 / static_cast<double>(a.numel()));
+  // The sum divided by n, and the gradient g / n, as PyTorch's CPU mean and its
+  // backward: times 1 / n rounds twice, and differed from them in the last bit for
+  // about a third of the gradients.
+  return div(sum(a), static_cast<double>(a.numel()));
 }
 
 Tensor mean(const Tensor& a, std::int64_t dim, bool keepdim) {
@@ -777,7 +780,7 @@ Tensor mean(const Tensor& a, std::int64_t dim, bool keepdim) {
   if (is_16bit(a)) return mean(a.to(Dtype::Float32), dim, keepdim).to(a.dtype());
   std::int64_t d = norm_dim("mean", a, dim);
   DP_CHECK(a.size(d) > 0, "mean: expected a non-empty dim ", d, ", got shape ", shape_str(a.shape()));
-  return mul(sum(a, d, keepdim), 1.0 / static_cast<double>(a.size(d)));
+  return div(sum(a, d, keepdim), static_cast<double>(a.size(d)));  // as mean(a) above
 }
 
 Tensor argmax(const Tensor& a, std::int64_t dim, bool keepdim) {

@@ -371,6 +371,40 @@ TEST_CASE("the module is a plain single-device module again after DataParallel i
   CHECK(again(b.x).size(0) == 4);
 }
 
+TEST_CASE("a module whose parameters another DataParallel trains is refused before anything moves") {
+  // A child wrapped first, then its parent: the parent was moved to its first device and
+  // flattened again before any check, so the child's wrapper found its parameters on
+  // another device (a confusing error at its next forward) or rebound under its replicas.
+  auto child = std::make_shared<dp::nn::Linear>(6, 6);
+  auto parent = std::make_shared<dp::nn::Sequential>();
+  parent->push_back(child);
+  parent->push_back(std::make_shared<dp::nn::Linear>(6, 3));
+  dp::DataParallel inner(child, {dp::cpu(2), dp::cpu(3)}, {.mode = dp::Mode::DDP});
+  dp::optim::SGD opt(inner.parameters(), {.lr = 0.1});
+  const Batch b = make_batch(4, 1);
+  const Tensor x = b.x.to(dp::cpu(2));
+  const std::vector<float> before = inner(x).to_vector();
+  CHECK_THROWS_WITH_AS(dp::DataParallel(parent, {dp::cpu(0), dp::cpu(1)}),
+                       doctest::Contains("parameter 'weight' is already trained by another DataParallel"), dp::Error);
+  CHECK_THROWS_WITH_AS(dp::DataParallel(child, {dp::cpu(0), dp::cpu(1)}), doctest::Contains("wrap a module once"),
+                       dp::Error);
+  // The first wrapper is untouched: same device, same outputs, and it still trains.
+  CHECK(child->parameters()[0].device() == dp::cpu(2));
+  CHECK(inner(x).to_vector() == before);
+  opt.zero_grad();
+  inner(x).sum().backward();
+  opt.step();
+  CHECK_NOTHROW(inner.check_replicas());
+  // The other way round: the parent wrapped first, then its child.
+  auto child2 = std::make_shared<dp::nn::Linear>(6, 6);
+  auto parent2 = std::make_shared<dp::nn::Sequential>();
+  parent2->push_back(child2);
+  dp::DataParallel outer(parent2, {dp::cpu(0), dp::cpu(1)});
+  CHECK_THROWS_WITH_AS(dp::DataParallel(child2, {dp::cpu(2), dp::cpu(3)}), doctest::Contains("already trained"),
+                       dp::Error);
+  CHECK(outer(b.x).size(0) == 4);
+}
+
 TEST_CASE("DDP moves no parameters in steady state, but re-broadcasts after a load into device 0") {
   auto net = make_mlp(3);
   dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1), dp::cpu(2)}, {.mode = dp::Mode::DDP});

@@ -12,8 +12,8 @@
 // a few micro-batches of 1-3 forwards through the wrapper (some under NoGradGuard, an
 // output detached or used in two losses, losses summed or backpropagated one by one,
 // or forward_backward), no_sync around a micro-batch, zero_grad skipped (gradients
-// accumulate across steps), parameters scaled in place and .grad halved by hand,
-// clip_grad_norm_, a scheduler step, an eval()/train() evaluation, a group's momentum
+// accumulate across steps), parameters scaled in place and .grad halved by hand (in
+// place or by set_grad), clip_grad_norm_, a scheduler step, an eval()/train() evaluation, a group's momentum
 // changed between steps (SGD's buffer then starts, from none or from zeros), the state_dict
 // scaled and loaded back, a training checkpoint saved and resumed into fresh objects
 // (under mpirun one file that every process saves and loads), five cross entropies (mean, sum, ignore_index, label smoothing,
@@ -176,6 +176,7 @@ struct StepSpec {
   bool zero_grad = true;
   std::vector<Micro> micros;
   bool edit_grads = false;    // every .grad halved by hand before clipping and the step
+  bool set_grads = false;     // ... spelt p.set_grad(p.grad() * 0.5), PyTorch's p.grad = ..., not in place
   double clip = 0;            // > 0: clip_grad_norm_(params, clip) before the step
   bool scheduler = false;     // StepLR(step_size 1, gamma 0.5) steps after opt.step()
   bool evaluate = false;      // eval(), a no_grad forward, train() after the step
@@ -259,6 +260,7 @@ Program generate(std::uint64_t seed) {
       st.micros.push_back(mi);
     }
     st.edit_grads = chance(0.1);
+    if (st.edit_grads) st.set_grads = chance(0.5);
     if (chance(0.25)) st.clip = chance(0.5) ? 0.5 : 5.0;
     st.scheduler = chance(0.2);
     st.evaluate = chance(0.2);
@@ -702,7 +704,12 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) {
           dp::Tensor g = t.grad();
           // Stages 2 and 3 keep no .grad between backward and step (documented): a
-          // program that edits gradients by hand cannot be written for them.
+          // program that edits gradients by hand cannot be written for them, and set_grad
+          // must refuse rather than be ignored by the step.
+          if (st.set_grads) {
+            t.set_grad(g.defined() ? dp::mul(g, 0.5) : dp::zeros(t.shape(), t.device()));
+            continue;
+          }
           if (!g.defined()) throw dp::Error("no .grad to edit by hand (Sharded stage 2 and 3 keep none)");
           g.mul_(0.5f);
         }
@@ -798,7 +805,8 @@ bool expected_refusal(const Program& p, const Design& d, const std::string& what
   // its own range's; an edit by hand is refused (Note [Gradient edits]).
   const bool sharded = d.options.mode == dp::Mode::Sharded && p.devices * dp::dist::world_size() > 1;
   return sharded && (what.find("no .grad to edit by hand") != std::string::npos ||
-                     what.find("edited through parameters() by hand") != std::string::npos);
+                     what.find("edited through parameters() by hand") != std::string::npos ||
+                     what.find("gradient is sharded over the devices") != std::string::npos);
 }
 
 struct Finding {
@@ -1019,7 +1027,8 @@ std::string cpp(const Program& p, const std::string& spelling) {
       os << "}\n";
     }
     if (st.edit_grads)
-      os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.grad().mul_(0.5f); }\n";
+      os << (st.set_grads ? "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.set_grad(t.grad() * 0.5); }\n"
+                          : "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.grad().mul_(0.5f); }\n");
     if (static_cast<int>(s) == p.poison_step) os << "g_poison_device = -1;\n";
     if (p.scaler && (st.clip > 0 || st.unscale)) os << "scaler.unscale_(opt);\n";
     if (st.clip > 0) os << "dp::nn::utils::clip_grad_norm_(model.parameters(), " << st.clip << ");\n";
@@ -1068,6 +1077,7 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.evaluate, false); });
       with([](StepSpec& t) { return std::exchange(t.edit_params, false); });
       with([](StepSpec& t) { return std::exchange(t.edit_grads, false); });
+      with([](StepSpec& t) { return std::exchange(t.set_grads, false); });
       with([](StepSpec& t) { return std::exchange(t.reload, false); });
       with([](StepSpec& t) { return std::exchange(t.resume, false); });
       with([](StepSpec& t) { return std::exchange(t.momentum_to_half, false); });
