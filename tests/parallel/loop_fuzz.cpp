@@ -31,7 +31,8 @@
 // must skip the step and halve the scale in every design; the first parameter frozen
 // (set_requires_grad(false)) in some steps, from a fourth stream; a Side layer on the
 // logits (not the GPT's) that the forwards of some steps skip, so that no backward reaches it (Note [Parameters without
-// a gradient] in dp/optim/optimizer.h: not stepped after zero_grad), from a fifth —
+// a gradient] in dp/optim/optimizer.h: not stepped after zero_grad), from a fifth;
+// .grad edits spelt set_grad and zero_grad(false) (set_to_none=False), from a sixth —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too). The features added after the first grammar (groups, the tied
 // model, autocast, the wire dtype, param_dtype) are drawn from a second random stream
@@ -177,6 +178,7 @@ struct StepSpec {
   std::vector<Micro> micros;
   bool edit_grads = false;    // every .grad halved by hand before clipping and the step
   bool set_grads = false;     // ... spelt p.set_grad(p.grad() * 0.5), PyTorch's p.grad = ..., not in place
+  bool keep_zeros = false;    // zero_grad(false): PyTorch's set_to_none=False
   double clip = 0;            // > 0: clip_grad_norm_(params, clip) before the step
   bool scheduler = false;     // StepLR(step_size 1, gamma 0.5) steps after opt.step()
   bool evaluate = false;      // eval(), a no_grad forward, train() after the step
@@ -216,8 +218,15 @@ const char* wire_spelling(dp::Dtype d) {
 // A checkpoint keeps no gradients (as PyTorch's): the step after a resume starts with
 // zero_grad, as a resumed loop does; so does the first step.
 void normalize(Program& p) {
-  for (std::size_t s = 0; s < p.steps.size(); ++s)
+  bool resumed = false;
+  for (std::size_t s = 0; s < p.steps.size(); ++s) {
     if (s == 0 || p.steps[s - 1].resume) p.steps[s].zero_grad = true;
+    // A resumed run's parameters have had no gradient yet, as PyTorch's (.grad is not in
+    // a checkpoint), so zero_grad(false) leaves alone one that the uninterrupted run
+    // steps with zeros: the two runs differ by design (program 1082).
+    resumed = resumed || (s > 0 && p.steps[s - 1].resume);
+    if (resumed) p.steps[s].keep_zeros = false;
+  }
 }
 
 Program generate(std::uint64_t seed) {
@@ -260,7 +269,6 @@ Program generate(std::uint64_t seed) {
       st.micros.push_back(mi);
     }
     st.edit_grads = chance(0.1);
-    if (st.edit_grads) st.set_grads = chance(0.5);
     if (chance(0.25)) st.clip = chance(0.5) ? 0.5 : 5.0;
     st.scheduler = chance(0.2);
     st.evaluate = chance(0.2);
@@ -311,6 +319,15 @@ Program generate(std::uint64_t seed) {
   if (!is_gpt(p.model) && fifth_chance(0.25)) {
     p.side = true;
     for (StepSpec& st : p.steps) st.skip_side = fifth_chance(0.5);
+  }
+  // The sixth stream: how gradients are set and cleared. .grad edits spelt set_grad
+  // (PyTorch's p.grad = ...), and zero_grad(false) (set_to_none=False: zeros that a step
+  // takes once a parameter had a gradient; Note [Parameters without a gradient]).
+  std::mt19937_64 sixth(seed * 0xD6E8FEB86659FD93ull + 19);
+  auto sixth_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(sixth) < q; };
+  for (StepSpec& st : p.steps) {
+    st.set_grads = st.edit_grads && sixth_chance(0.5);
+    st.keep_zeros = st.zero_grad && sixth_chance(0.2);
   }
   normalize(p);
   return p;
@@ -656,7 +673,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
       }
-      if (st.zero_grad) opt.zero_grad();
+      if (st.zero_grad) opt.zero_grad(/*set_to_none=*/!st.keep_zeros);
       auto* scaler = cur->scaler ? &*cur->scaler : nullptr;
       auto scaled = [&](const dp::Tensor& loss) { return scaler ? scaler->scale(loss) : loss; };
       g_poison_device = static_cast<int>(step) == p.poison_step ? poisoned_device(p, st, design != nullptr) : -1;
@@ -987,7 +1004,7 @@ std::string cpp(const Program& p, const std::string& spelling) {
     if (p.side) os << "g_skip_side = " << (st.skip_side ? "true" : "false") << ";  // Side runs in this step's forwards?\n";
     if (st.edit_params)
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }\n";
-    if (st.zero_grad) os << "opt.zero_grad();\n";
+    if (st.zero_grad) os << (st.keep_zeros ? "opt.zero_grad(false);\n" : "opt.zero_grad();\n");
     if (static_cast<int>(s) == p.poison_step)
       os << "g_poison_device = " << poisoned_device(p, st, true) << ";  // Poison's gradient infinite there (this "
             "process) until the step's last backward\n";
@@ -1078,6 +1095,7 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.edit_params, false); });
       with([](StepSpec& t) { return std::exchange(t.edit_grads, false); });
       with([](StepSpec& t) { return std::exchange(t.set_grads, false); });
+      with([](StepSpec& t) { return std::exchange(t.keep_zeros, false); });
       with([](StepSpec& t) { return std::exchange(t.reload, false); });
       with([](StepSpec& t) { return std::exchange(t.resume, false); });
       with([](StepSpec& t) { return std::exchange(t.momentum_to_half, false); });
