@@ -718,6 +718,29 @@ def op_index(p, rng):
     return f"gather v{v} {d} v{ids}", torch.gather(lo, d, li), torch.gather(hi, d, li), "float"
 
 
+def op_index_add(p, rng):
+    """index_add along a dim: repeated indices add up; differentiable in input and source.
+    float32 only (dp's and PyTorch's need input and source of one dtype; dp takes float32)."""
+    v = pick(p, rng, min_dims=1)
+    if v is None or p.values[v][0].dtype != torch.float32:
+        return None
+    lo, hi, _ = p.values[v]
+    d = rng.randrange(-lo.dim(), lo.dim())
+    size = lo.shape[d]
+    if size == 0:
+        return None
+    k = rng.randint(0, 5)
+    shape = list(lo.shape)
+    shape[d] = k
+    same = [i for i in floats(p) if i != v and list(p.values[i][0].shape) == shape
+            and p.values[i][0].dtype == torch.float32]
+    s = rng.choice(same) if same and rng.random() < 0.4 else p.new_input(shape)
+    ids = p.new_ints([k], 0, size)
+    li = p.values[ids][0]
+    (slo, shi, _) = p.values[s]
+    return f"index_add v{v} {d} v{ids} v{s}", lo.index_add(d, li, slo), hi.index_add(d, li, shi), "float"
+
+
 def op_loss2(p, rng):
     v = pick(p, rng)
     if v is None:
@@ -885,7 +908,7 @@ OPS = [(op_unary, 6), (op_unary_positive, 2), (op_pow, 1), (op_scalar, 2), (op_b
        (op_tri, 1), (op_reduce, 4), (op_shape, 8), (op_matmul, 4), (op_softmax, 2), (op_layer_norm, 2),
        (op_attention, 1), (op_embedding, 1), (op_loss, 2), (op_cast, 2), (op_linear, 2), (op_autocast_matmul, 1),
        (op_conv, 2), (op_pool, 2), (op_batch_norm, 1), (op_index, 2), (op_loss2, 2), (op_argmax_gather, 1),
-       (op_inplace, 2), (op_clamp, 1)]
+       (op_inplace, 2), (op_clamp, 1), (op_index_add, 1)]
 
 
 def draw(seed, attempt=0):

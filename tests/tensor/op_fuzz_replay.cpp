@@ -21,8 +21,8 @@
 // random program of 1-8 ops over small random tensors — elementwise ops with
 // broadcasting, scalars, views and the ops dp materialises (permute, narrow, expand,
 // chunk, cat, ...), reductions, matmul with batch broadcasting, linear, conv2d, pools,
-// batch_norm, softmax, layer_norm, gelu, where/masked_fill, tril/triu, gather and
-// index_select, attention (additive, learned and 0/1 keep masks), embedding, six losses
+// batch_norm, softmax, layer_norm, gelu, where/masked_fill, tril/triu, gather,
+// index_select and index_add, attention (additive, learned and 0/1 keep masks), embedding, six losses
 // (cross entropy with class weights, smoothing and ignored rows), casts to 16 bits, ops
 // under bfloat16 autocast, argmax feeding gather, in-place writes into an op's result
 // (add_ and copy_ of broadcast sources of any floating dtype, the tensor itself
@@ -307,6 +307,7 @@ class Run {
     }
     if (op == "index_select") return dp::index_select(value(a(0)), i64(a(1)), value(a(2)));
     if (op == "gather") return dp::gather(value(a(0)), i64(a(1)), value(a(2)));
+    if (op == "index_add") return dp::index_add(value(a(0)), i64(a(1)), value(a(2)), value(a(3)));
     DP_FAIL("op_fuzz_replay: unknown op '", op, "'");
   }
 
