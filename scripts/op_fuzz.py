@@ -491,6 +491,8 @@ def op_attention(p, rng):
         else:  # a 0/1 keep mask (PyTorch's bool mask) keeping one key per query at least
             bits = (torch.rand([L, S], generator=p.gen) < 0.6).double()
             bits[torch.arange(L), torch.randint(0, S, (L,), generator=p.gen)] = 1.0
+            if rng.random() < 0.3:  # but one query, which attends to nothing: zeros (Note [Rows with every key masked])
+                bits[rng.randrange(L)] = 0.0
             m, keep = p.new_const([L, S], values=bits), True
         mask, mtext = m, f"v{m}"
     vals = [p.values[i] for i in (q, k, v)]

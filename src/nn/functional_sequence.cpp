@@ -252,6 +252,19 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
   return out;
 }
 
+// Note [Rows with every key masked]
+// A query whose every key is masked (its row of a 0/1 keep-mask all 0, of an additive
+// mask all -inf: a key-padding mask over a sequence that is all padding) has no
+// softmax, exp(-inf - -inf) being NaN. PyTorch's scaled_dot_product_attention gives such
+// a row weights of 0 — an output row of zeros, and no gradient through it — on every
+// backend since 2.5 (the math path's _safe_softmax, the flash kernels). dp gave NaN
+// there, and the NaN reached every key's and value's gradient: one padded query row
+// made the whole batch's gradients NaN. Now every path gives PyTorch's zeros: the math
+// path softmaxes a row of zeros in its place and zeroes its weights (the other rows'
+// bits are softmax's own); the fused kernels end such a row with out = 0 and lse =
+// +inf, so that the backward's probabilities exp(s - lse) are 0 on it. softmax itself,
+// and MultiheadAttention's need_weights path (softmax, as PyTorch's), keep the NaN, as
+// PyTorch's do; so does a row with a NaN score.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
                                     double dropout_p, bool is_causal, std::optional<double> scale, bool mask_is_keep,
                                     Generator* gen) {
@@ -298,7 +311,20 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
              q.device().str(), ", got ", attn_mask.str());
     scores = mask_is_keep ? where(attn_mask.detach(), scores, -INFINITY) : add(scores, attn_mask);
   }
-  Tensor weights = softmax(scores, -1);
+  Tensor weights;
+  if (attn_mask.defined()) {
+    // Note [Rows with every key masked]: weights of 0, and no gradient. Softmax runs on a
+    // row of zeros there, so that nothing it computes is a NaN, and every other row's
+    // bits are softmax's own.
+    Tensor dead;
+    {
+      NoGradGuard no_grad;
+      dead = eq(max(scores, -1, /*keepdim=*/true), -INFINITY);
+    }
+    weights = where(dead, 0.0, softmax(where(dead, 0.0, scores), -1));
+  } else {
+    weights = softmax(scores, -1);  // causal or unmasked: every row attends to a key
+  }
   if (dropout_p > 0.0) weights = dropout(weights, dropout_p, true, gen ? *gen : default_generator());
   return matmul(weights, v);
 }

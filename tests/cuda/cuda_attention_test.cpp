@@ -4,7 +4,7 @@
 // float32, bfloat16 and float16; causal and not; every mask form the op takes (additive
 // and keep, float32 and the call's dtype, broadcast and strided); T = 1, 63, 129, 300
 // (partial tiles) and cross-attention; head dims 32, 64, 128 and odd ones; dropout (the
-// dropout op's keep bits, which the CPU kernel draws too); a row with every key masked;
+// dropout op's keep bits, which the CPU kernel draws too); a row with every key masked (zeros);
 // reproducible gradients; O(T) memory; and the calls left to the math path (head dims
 // above 128). Without a CUDA device the binary exits 77 (SKIP).
 #define DOCTEST_CONFIG_IMPLEMENT
@@ -115,7 +115,7 @@ std::vector<Case> op_cases() {
       {1, 2, 130, 50, 64, 32, true, Mask::None, 0.3f, std::nullopt},               // more queries
       {2, 2, 67, 90, 100, 70, false, Mask::KeepOwnStrided, 0.1f, std::nullopt},   // kD = 128, E != Ev
       {1, 1, 129, 63, 128, 1, true, Mask::KeepOwnStrided, 0.0f, std::nullopt},    // causal and a mask
-      {1, 1, 5, 4, 2, 2, false, Mask::KeepRowMasked, 0.0f, std::nullopt},          // NaN row
+      {1, 1, 5, 4, 2, 2, false, Mask::KeepRowMasked, 0.0f, std::nullopt},          // a row attending none
   };
 }
 
@@ -284,19 +284,6 @@ TEST_CASE("the CUDA fused attention equals the CPU fused kernel: out, lse and ev
   }
 }
 
-TEST_CASE("the CUDA fused attention: a row whose every key is masked gives NaN and lse = -inf, as on the CPU") {
-  const Case c{1, 1, 5, 4, 2, 2, false, Mask::KeepRowMasked, 0.0f, std::nullopt};
-  const OpInputs in = op_inputs(c, dp::Dtype::Float32, 99);
-  const OpOutputs r = run_op(gpu(), c, in, Tensor(), Tensor());
-  const std::vector<float> out = values(r.out), lse = values(r.lse);
-  CHECK(std::isnan(out[4]));  // row 2, Ev = 2
-  CHECK(std::isnan(out[5]));
-  CHECK(std::isinf(lse[2]));
-  CHECK(lse[2] < 0);
-  CHECK(std::isfinite(out[0]));
-  CHECK(std::isfinite(lse[3]));
-}
-
 namespace {
 
 /// t with row `row` of its (B·H·rows, width) view set to `value` (B = H = 1 here).
@@ -315,6 +302,26 @@ bool all_finite(const std::vector<float>& v) {
 }
 
 }  // namespace
+
+TEST_CASE("the CUDA fused attention: a row whose every key is masked gives zeros, lse = +inf and no gradient, as on the CPU") {
+  // Note [Rows with every key masked] (PyTorch 2.5+'s zeros; NaN before).
+  const Case c{1, 1, 5, 4, 2, 2, false, Mask::KeepRowMasked, 0.0f, std::nullopt};
+  const OpInputs in = op_inputs(c, dp::Dtype::Float32, 99);
+  const OpOutputs fwd = run_op(gpu(), c, in, Tensor(), Tensor());
+  const OpOutputs r = run_op(gpu(), c, in, fwd.out, fwd.lse);  // the forward again, then the backward
+  const std::vector<float> out = values(r.out), lse = values(r.lse), gq = values(r.gq);
+  CHECK(out[4] == 0.0f);  // row 2, Ev = 2
+  CHECK(out[5] == 0.0f);
+  CHECK(std::isinf(lse[2]));
+  CHECK(lse[2] > 0);
+  CHECK(gq[4] == 0.0f);  // row 2, E = 2
+  CHECK(gq[5] == 0.0f);
+  CHECK(std::isfinite(out[0]));
+  CHECK(std::isfinite(lse[3]));
+  CHECK(all_finite(gq));
+  CHECK(all_finite(values(r.gk)));
+  CHECK(all_finite(values(r.gv)));
+}
 
 TEST_CASE("the CUDA fused attention: a NaN key reaches every row that attends it, as on the CPU") {
   // Key 5 lies in the first key tile: before the row's maximum kept NaN, a NaN score in

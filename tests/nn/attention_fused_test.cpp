@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -148,18 +149,65 @@ TEST_CASE("fused attention equals the math path: output and every input gradient
   }
 }
 
-TEST_CASE("fused attention: a query whose every key is masked gives NaN, as the math path") {
-  Inputs in = make_inputs(1, 1, 3, 4, 2, 2, false, 11);
-  std::vector<float> keep(12, 1.0f);
-  for (int j = 0; j < 4; ++j) keep[static_cast<std::size_t>(4 + j)] = 0.0f;  // query 1 attends to nothing
-  in.mask = dp::from_vector(keep, {3, 4}, dp::cpu(0));
-  in.keep = true;
-  for (AttentionPath path : {AttentionPath::Math, AttentionPath::Fused}) {
-    const Result r = attend(path, in);
-    CHECK(std::isnan(r.out[2]));
-    CHECK(std::isnan(r.out[3]));
-    CHECK(std::isfinite(r.out[0]));
-    CHECK(std::isfinite(r.out[5]));
+TEST_CASE("a query whose every key is masked attends to nothing on both paths: zeros, no gradient, PyTorch's numbers") {
+  // Note [Rows with every key masked]. Before, its row was NaN, and so was every key's
+  // and value's gradient. PyTorch 2.15's F.scaled_dot_product_attention (flash and math
+  // alike) of q, k, v (1, 1, 3, 4) = torch.randn after manual_seed(0), the bool mask
+  // [[F, F, F], [T, T, F], [T, T, T]], loss out.sum():
+  const std::vector<float> q{1.54099607f, -0.29342890f, -2.17878938f, 0.56843126f, -1.08452237f, -1.39859545f,
+                             0.40334684f, 0.83802634f, -0.71925759f, -0.40334353f, -0.59663534f, 0.18203649f};
+  const std::vector<float> k{-0.85667461f, 1.10060418f, -1.07118738f, 0.12270124f, -0.56631750f, 0.37311465f,
+                             -0.89199531f, -1.50910771f, 0.37039354f, 1.45650256f, 0.93980992f, 0.77484882f};
+  const std::vector<float> v{0.19186942f, 1.26379478f, -1.29043508f, -0.79110271f, -0.02087947f, -0.71848005f,
+                             0.51863676f, -1.31252193f, 0.19199507f, 0.54277134f, -2.21877933f, 0.25898454f};
+  const std::vector<float> want_out{0, 0, 0, 0, 1.01141550e-01f, 4.18443382e-01f, -5.18947005e-01f, -1.01346457e+00f,
+                                    1.09498352e-01f, 3.81904930e-01f, -7.36896813e-01f, -8.26688230e-01f};
+  const std::vector<float> want_gq{0, 0, 0, 0, -3.22201923e-02f, 8.07276666e-02f, -1.98844895e-02f, 1.81077704e-01f,
+                                   -4.07774709e-02f, 6.06399402e-02f, -4.03432958e-02f, 1.37788981e-01f};
+  const std::vector<float> want_gk{-1.93267733e-01f, -1.96091071e-01f, -1.57307573e-02f, 1.11449204e-01f,
+                                   1.84560299e-01f,  1.91208139e-01f,  8.50780308e-03f,  -1.09245442e-01f,
+                                   8.70745722e-03f,  4.88294661e-03f,  7.22297095e-03f,  -2.20376533e-03f};
+  const std::vector<float> want_gv{1.02786672f, 1.02786672f, 1.02786672f, 1.02786672f, 0.813723862f, 0.813723862f,
+                                   0.813723862f, 0.813723862f, 0.158409491f, 0.158409491f, 0.158409491f, 0.158409491f};
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> keep{0, 0, 0, 1, 1, 0, 1, 1, 1};
+  const std::vector<float> additive{-inf, -inf, -inf, 0, 0, -inf, 0, 0, 0};  // the same mask, added
+  for (const bool is_keep : {true, false}) {
+    for (AttentionPath path : {AttentionPath::Math, AttentionPath::Fused}) {
+      CAPTURE(is_keep);
+      CAPTURE(static_cast<int>(path));
+      Inputs in;
+      in.q = dp::from_vector(q, {1, 1, 3, 4});
+      in.k = dp::from_vector(k, {1, 1, 3, 4});
+      in.v = dp::from_vector(v, {1, 1, 3, 4});
+      in.up = dp::ones({1, 1, 3, 4});
+      in.mask = dp::from_vector(is_keep ? keep : additive, {3, 3});
+      in.keep = is_keep;
+      const Result r = attend(path, in);
+      for (std::size_t i = 0; i < 4; ++i) {
+        CHECK(r.out[i] == 0.0f);  // exactly: the row weighs every value 0
+        CHECK(r.gq[i] == 0.0f);   // and no gradient flows through it
+      }
+      CHECK(max_diff(r.out, want_out) < 1e-6);
+      CHECK(max_diff(r.gq, want_gq) < 1e-6);
+      CHECK(max_diff(r.gk, want_gk) < 1e-6);
+      CHECK(max_diff(r.gv, want_gv) < 1e-6);
+    }
+  }
+  // 16-bit calls on the fused kernel too: the row is zeros, the gradients finite.
+  for (const dp::Dtype dt : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    CAPTURE(dp::dtype_name(dt));
+    PathGuard guard(AttentionPath::Fused);
+    Tensor q16 = dp::from_vector(q, {1, 1, 3, 4}).to(dt).set_requires_grad(true);
+    Tensor k16 = dp::from_vector(k, {1, 1, 3, 4}).to(dt).set_requires_grad(true);
+    Tensor v16 = dp::from_vector(v, {1, 1, 3, 4}).to(dt).set_requires_grad(true);
+    Tensor y = dp::nn::scaled_dot_product_attention(q16, k16, v16, dp::from_vector(keep, {3, 3}), 0.0, false,
+                                                    std::nullopt, true);
+    dp::sum(y.to(dp::Dtype::Float32)).backward();
+    const std::vector<float> out = y.to(dp::Dtype::Float32).to_vector();
+    for (std::size_t i = 0; i < 4; ++i) CHECK(out[i] == 0.0f);
+    for (const Tensor& g : {q16.grad(), k16.grad(), v16.grad()})
+      for (float x : g.to(dp::Dtype::Float32).to_vector()) CHECK(std::isfinite(x));
   }
 }
 

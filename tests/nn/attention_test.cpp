@@ -130,6 +130,42 @@ TEST_CASE("MultiheadAttention matches PyTorch: causal with padding, and a per-he
                  ref::kMhaHeadMaskOut) < 2e-6);
 }
 
+TEST_CASE("MultiheadAttention: a sequence that is all padding attends to nothing; the others are untouched") {
+  // Note [Rows with every key masked]: as PyTorch 2.15's training path (need_weights=False,
+  // through scaled_dot_product_attention), its queries' outputs are out_proj's bias and
+  // nothing flows back through them; before, they and every gradient of the batch were NaN.
+  // forward_with_weights keeps PyTorch's need_weights path: softmax, NaN there.
+  auto mha = reference_mha();
+  Tensor q = leaf(ref::kMhaCrossQ, {N, T, E}), k = leaf(ref::kMhaCrossK, {N, S, E}),
+         v = leaf(ref::kMhaCrossV, {N, S, E});
+  std::vector<float> pad_bits(ref::kMhaCrossPad);
+  for (std::int64_t j = 0; j < S; ++j) pad_bits[static_cast<std::size_t>(S + j)] = 1.0f;  // sequence 1: all padding
+  const Tensor pad = additive(pad_bits, {N, S});
+  const Tensor y = mha->forward(q, k, v, pad);
+  dp::sum(dp::mul(y, dp::from_vector(ref::kMhaUp, {N, T, E}))).backward();
+  const std::vector<float> out = y.to_vector();
+  for (std::int64_t i = 0; i < T * E; ++i)  // sequence 1: the bias
+    CHECK(out[static_cast<std::size_t>(T * E + i)] == ref::kMha_out_proj_bias[static_cast<std::size_t>(i % E)]);
+  // Sequence 0 is as with its own mask alone (the reference's first row).
+  const std::vector<float> alone = mha->forward(q.detach(), k.detach(), v.detach(), additive(ref::kMhaCrossPad, {N, S}))
+                                       .to_vector();
+  CHECK(nn_test::max_diff(std::vector<float>(out.begin(), out.begin() + T * E),
+                          std::vector<float>(alone.begin(), alone.begin() + T * E)) == 0);
+  // Every gradient is finite; sequence 1's queries, keys and values get none.
+  for (const Tensor& g : {q.grad(), k.grad(), v.grad()}) {
+    const std::vector<float> gv = g.to_vector();
+    for (float x : gv) CHECK(std::isfinite(x));
+    const std::size_t half = gv.size() / 2;
+    for (std::size_t i = half; i < gv.size(); ++i) CHECK(gv[i] == 0.0f);
+  }
+  for (const auto& [name, p] : mha->named_parameters()) {
+    CAPTURE(name);
+    for (float x : p.grad().to_vector()) CHECK(std::isfinite(x));
+  }
+  const auto [yw, w] = mha->forward_with_weights(q.detach(), k.detach(), v.detach(), pad);
+  CHECK(std::isnan(w.to_vector()[static_cast<std::size_t>(T * S)]));
+}
+
 TEST_CASE("MultiheadAttention: PyTorch's parameter names and initialisation; bias(false); dropout") {
   dp::Generator gen(3);
   MultiheadAttention mha(MultiheadAttentionOptions(E, H), &gen);

@@ -61,7 +61,11 @@ class MultiheadAttentionOptions {
 //   dp::Tensor kpm = dp::zeros({N, S}).masked_fill(ids == pad_id, -INFINITY);
 // is_causal masks every key after its query (j > i, PyTorch's top-left causal mask);
 // with an attn_mask it is PyTorch's hint that the mask is causal, and the mask is used.
-// A query whose every key is masked gives NaN, as in PyTorch.
+// A query whose every key is masked attends to nothing: its attention output is zeros
+// and no gradient flows through it (so the layer's output there is out_proj's bias), as
+// PyTorch 2.x's training path through scaled_dot_product_attention (Note [Rows with
+// every key masked] in src/nn/functional_sequence.cpp). forward_with_weights, like
+// PyTorch's need_weights=True path, gives NaN weights and outputs there.
 
 /// Multi-head attention over (N, L, E) queries and (N, S, E) keys and values (each
 /// (L, N, E) and (S, N, E) unless batch_first). Parameters: in_proj_weight (3E, E),

@@ -137,9 +137,11 @@ Tensor embedding(const Tensor& input, const Tensor& weight, std::optional<std::i
 /// mask_is_keep = true: nonzero attends, 0 is masked — PyTorch's boolean mask). is_causal
 /// masks every key after its query (position j > i), as PyTorch's top-left causal mask;
 /// it and attn_mask are exclusive, as in PyTorch. dropout_p drops attention weights
-/// (use 0 in evaluation) with `gen`. A row whose every key is masked gives NaN, as
-/// PyTorch's math path does. This is the math path: it holds the (L, S) weights of
-/// every head, O(L·S) memory. Where the device's backend has a fused kernel and the
+/// (use 0 in evaluation) with `gen`. A row whose every key is masked weighs every
+/// value 0: an output row of zeros and no gradient through it, as PyTorch 2.5+ on
+/// every backend (softmax itself would give NaN; Note [Rows with every key masked] in
+/// src/nn/functional_sequence.cpp). This is the math path: it holds the (L, S) weights
+/// of every head, O(L·S) memory. Where the device's backend has a fused kernel and the
 /// call fits it (Note [Fused attention paths] in src/nn/fused_attention.cpp: q, k, v of
 /// one dtype — float32, bfloat16 or float16 on the CPU and on CUDA (head dims up to 128
 /// there) — 3-d or 4-d with equal batch dims, dropout_p < 1), that kernel runs instead:

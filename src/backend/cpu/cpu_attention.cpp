@@ -280,13 +280,19 @@ void forward_block(const Problem<T>& p, i64 i0, i64 m, T* out, float* lse) {
     }
     sgemm('N', 'N', m, Ev, n, 1.0f, sc.data(), n, vf, Ev, 1.0f, acc.data(), Ev);
   }
-  // A row with every key masked has sum 0: out = 0 / 0 = NaN and lse = -inf, whose
-  // probabilities exp(-inf - -inf) are NaN in the backward too, as the math path's.
+  // A row with every key masked has sum 0 (and acc 0): out = 0, and lse = +inf, so that
+  // the backward's probabilities exp(s - lse) are 0 on it (Note [Rows with every key
+  // masked] in src/nn/functional_sequence.cpp). A NaN score makes the sum NaN, not 0.
   for (i64 r = 0; r < m; ++r) {
     const auto ri = sz(r);
     const float l = sum[ri];
     const float* a = acc.data() + r * Ev;
     T* o = out + (i0 + r) * Ev;
+    if (l == 0.0f) {
+      for (i64 e = 0; e < Ev; ++e) o[e] = T(0.0f);
+      lse[i0 + r] = std::numeric_limits<float>::infinity();
+      continue;
+    }
     for (i64 e = 0; e < Ev; ++e) o[e] = T(a[e] / l);
     lse[i0 + r] = mx[ri] + std::log(l);
   }

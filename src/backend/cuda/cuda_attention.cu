@@ -45,8 +45,9 @@
 //    forward and both backward kernels draw it again where they need it; nothing stored.
 //  - 16-bit storage: q, k, v, gout (and a mask of the call's dtype) are widened when
 //    loaded; scores, m, l, lse, Δ and every accumulator are float32; out, gq, gk, gv
-//    are rounded once, when stored. A row whose every key is masked gives NaN (out) and
-//    lse = -inf, and NaN gradients, as the CPU kernel and the math path.
+//    are rounded once, when stored. A row whose every key is masked gives out = 0 and
+//    lse = +inf, and no gradient, as the CPU kernel and the math path (Note [Rows with
+//    every key masked] in src/nn/functional_sequence.cpp).
 //  - Memory: lse (B·H·L floats) is the forward's only saving besides out, Δ (B·H·L
 //    floats) the backward's scratch. Shared memory per block: 53.5 KiB (forward), 74.25
 //    (dK/dV) and 70 (dQ) at kD = 128, 29.5, 42.25 and 38 at kD = 64; above the 48 KiB a
@@ -121,7 +122,7 @@ __device__ __forceinline__ float* shared_floats() {
 
 /// Whether query i attends to key j at all: both exist and, when causal, j <= i. The
 /// weight of a pair that does not is exactly 0 (the CPU kernel's zero fill), never
-/// exp(-inf - lse) (NaN for a row whose lse is -inf).
+/// exp(-inf - lse) of a masked score (NaN were lse -inf).
 __device__ __forceinline__ bool attends(const Params& p, i64 i, i64 j) {
   return i < p.L && j < p.S && !(p.causal && j > i);
 }
@@ -311,18 +312,21 @@ __global__ void __launch_bounds__(kThreads)
     forward_tile<T, kD>(p, bh, first, j0, static_cast<int>(min64(kTile, end - j0)), q_s + warp * kRowsPerWarp * kS,
                         k_s, v_s, p_w, st);
   }
-  // A row with every key masked has l = 0: out = 0 / 0 = NaN and lse = -inf.
+  // A row with every key masked has l = 0 (and acc 0): out = 0, and lse = +inf, so that
+  // the backward's probabilities exp(s - lse) are 0 on it, as on the CPU (Note [Rows
+  // with every key masked] in src/nn/functional_sequence.cpp). A NaN score makes l NaN.
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const i64 i = first + r;
     if (i >= p.L) break;
     T* o = out + (bh * p.L + i) * p.Ev;
+    const bool dead = st.l[r] == 0.0f;
 #pragma unroll
     for (int c = 0; c < kD / kWarp; ++c) {
       const int d = c * kWarp + lane;
-      if (d < p.Ev) o[d] = store_acc<T>(st.acc[r][c] / st.l[r]);
+      if (d < p.Ev) o[d] = store_acc<T>(dead ? 0.0f : st.acc[r][c] / st.l[r]);
     }
-    if (lane == 0) lse[bh * p.L + i] = st.m[r] + logf(st.l[r]);
+    if (lane == 0) lse[bh * p.L + i] = dead ? INFINITY : st.m[r] + logf(st.l[r]);
   }
 }
 
