@@ -701,15 +701,24 @@ def op_batch_norm(p, rng):
             F.batch_norm(hi.contiguous(), None, None, hw, hb, True), "float")
 
 
-def op_index(p, rng):
+def pick_along(p, rng, f32_only=False):
+    """A value with a dim (float32 only if asked) and one of its dims, which is not empty;
+    None when there is none."""
     v = pick(p, rng, min_dims=1)
-    if v is None:
+    if v is None or (f32_only and p.values[v][0].dtype != torch.float32):
         return None
-    lo, hi, _ = p.values[v]
+    lo = p.values[v][0]
     d = rng.randrange(-lo.dim(), lo.dim())
-    size = lo.shape[d]
-    if size == 0:
+    return (v, d) if lo.shape[d] else None
+
+
+def op_index(p, rng):
+    picked = pick_along(p, rng)
+    if picked is None:
         return None
+    v, d = picked
+    lo, hi, _ = p.values[v]
+    size = lo.shape[d]
     if rng.random() < 0.5:
         ids = p.new_ints([rng.randint(0, 5)], 0, size)
         li = p.values[ids][0]
@@ -723,14 +732,12 @@ def op_index(p, rng):
 def op_index_add(p, rng):
     """index_add along a dim: repeated indices add up; differentiable in input and source.
     float32 only (dp's and PyTorch's need input and source of one dtype; dp takes float32)."""
-    v = pick(p, rng, min_dims=1)
-    if v is None or p.values[v][0].dtype != torch.float32:
+    picked = pick_along(p, rng, f32_only=True)
+    if picked is None:
         return None
+    v, d = picked
     lo, hi, _ = p.values[v]
-    d = rng.randrange(-lo.dim(), lo.dim())
     size = lo.shape[d]
-    if size == 0:
-        return None
     k = rng.randint(0, 5)
     shape = list(lo.shape)
     shape[d] = k
