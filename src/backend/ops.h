@@ -53,6 +53,7 @@ enum class UnaryOp : std::uint8_t {
   Neg, Exp, Log, Sqrt, Rsqrt, Abs, Square, Reciprocal, Relu, Sigmoid, Tanh,
   Sign,  // -1, 0, +1
   Erf,
+  LogSigmoid,  // log σ(x) = min(x, 0) - log1p(exp(-|x|)), PyTorch's formula
   kCount  // Note [Op enum sentinels]
 };
 

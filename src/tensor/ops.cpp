@@ -1306,6 +1306,8 @@ Tensor index_add(const Tensor& input, std::int64_t dim, const Tensor& index, con
   return detail::index_add_in_range(input, d, idx, source);
 }
 
+Tensor detail::log_sigmoid_raw(const Tensor& t) { return unary_raw("log_sigmoid", UnaryOp::LogSigmoid, t); }
+
 Tensor detail::index_add_in_range(const Tensor& input, std::int64_t d, const Tensor& index64, const Tensor& source) {
   Tensor out = input.detach().clone();
   if (source.numel() > 0) {

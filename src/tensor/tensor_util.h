@@ -23,6 +23,10 @@ constexpr backend::DType kernel_dtype(Dtype dtype) { return static_cast<backend:
 /// t converted between floating dtypes, without autograd (Tensor::to records it).
 Tensor cast_raw(const Tensor& t, Dtype target);
 
+/// log σ(t) elementwise, without autograd: min(t, 0) - log1p(exp(-|t|)), PyTorch's
+/// formula (binary_cross_entropy_with_logits' forward).
+Tensor log_sigmoid_raw(const Tensor& t);
+
 /// index_select and index_add along dim d (already normalised, index64 an int64 index of
 /// the input's device, source of index_add's checked shape) for an index known to lie in
 /// [0, input.size(d)): the backward of an op that checked it in its forward. The public

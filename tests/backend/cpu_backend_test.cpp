@@ -416,6 +416,7 @@ TEST_CASE("unary ops against std:: math") {
       {UnaryOp::Tanh, [](double x) { return std::tanh(x); }, -4, 4},
       {UnaryOp::Sign, [](double x) { return double((x > 0) - (x < 0)); }, -3, 3},
       {UnaryOp::Erf, [](double x) { return std::erf(x); }, -4, 4},
+      {UnaryOp::LogSigmoid, [](double x) { return std::min(x, 0.0) - std::log1p(std::exp(-std::abs(x))); }, -30, 30},
   };
   for (const Case& c : cases) {
     for (i64 n : kSizes) {

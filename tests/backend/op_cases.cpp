@@ -91,6 +91,7 @@ constexpr UnaryRow kUnaryRows[] = {
     {UnaryOp::Tanh, "tanh", -10.0f, 10.0f, kUlps},
     {UnaryOp::Sign, "sign", -3.0f, 3.0f, kExact},
     {UnaryOp::Erf, "erf", -4.0f, 4.0f, kUlps},
+    {UnaryOp::LogSigmoid, "log_sigmoid", -20.0f, 20.0f, kUlps},
 };
 static_assert(std::size(kUnaryRows) == static_cast<std::size_t>(UnaryOp::kCount),
               "every UnaryOp needs a row in kUnaryRows (Note [Op enum sentinels])");
