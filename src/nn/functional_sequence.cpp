@@ -153,6 +153,23 @@ Tensor gelu(const Tensor& input, const std::string& approximate) {
   return out;
 }
 
+Tensor logsigmoid(const Tensor& input) {
+  DP_CHECK(input.defined(), "logsigmoid: expected a defined input, got an undefined tensor");
+  dp::detail::check_floating("logsigmoid", input);
+  Tensor out = dp::detail::log_sigmoid_raw(input);  // float32 math, one rounding for 16 bits
+  autograd::record("LogSigmoidBackward", {input}, out, {input}, [x = input.detach()](const std::vector<Tensor>& g) {
+    if (!g[0].defined()) return std::vector<Tensor>{Tensor()};
+    const Dtype dt = x.dtype();
+    const Tensor xf = dt == Dtype::Float32 ? x : dp::detail::cast_raw(x, Dtype::Float32);
+    const Tensor gf = g[0].dtype() == Dtype::Float32 ? g[0] : dp::detail::cast_raw(g[0], Dtype::Float32);
+    const Tensor z = exp(neg(abs(xf)));
+    const Tensor r = div(z, add(z, 1.0));
+    Tensor gx = mul(where(lt(xf, 0.0), sub(1.0, r), r), gf);  // PyTorch's (max_deriv − sign·r)·grad
+    return std::vector<Tensor>{dt == Dtype::Float32 ? gx : dp::detail::cast_raw(gx, dt)};
+  });
+  return out;
+}
+
 Tensor layer_norm(const Tensor& input, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias,
                   double eps) {
   if (amp::detail::active() || amp::detail::is_16bit(input))  // statistics in float32

@@ -350,6 +350,42 @@ TEST_CASE("gelu is one op each way: the composed ops' values and gradients; 16-b
   CHECK(dp_test::throws_with([] { (void)dp::nn::gelu(dp::zeros({2}).to(dp::Dtype::Int64)); }, {"gelu", "floating"}));
 }
 
+TEST_CASE("logsigmoid matches PyTorch 2.15: finite tails, the gradient sigma(-x); 16-bit rounded once") {
+  const std::vector<float> x{-100, -30, -5, -1, -0.25f, 0, 0.25f, 1, 5, 30, 100};
+  // F.logsigmoid(x) and its gradient for an upstream 0.5, float32 and bfloat16.
+  const std::vector<float> want{-100.0f, -30.0f, -5.0067153f, -1.31326175f, -0.825939417f, -0.693147182f,
+                                -0.575939417f, -0.313261688f, -0.00671534846f, -9.35762291e-14f, -3.9236357e-44f};
+  const std::vector<float> want_grad{0.5f, 0.5f, 0.496653587f, 0.365529299f, 0.281088233f, 0.25f,
+                                     0.218911752f, 0.134470716f, 0.00334642548f, 4.67881146e-14f, 1.96181785e-44f};
+  const std::vector<float> want16{-100.0f, -30.0f, -5.0f, -1.3125f, -0.82421875f, -0.69140625f,
+                                  -0.57421875f, -0.3125f, -0.00671386719f, -9.37028233e-14f, -0.0f};
+  const std::vector<float> want16_grad{0.5f, 0.5f, 0.49609375f, 0.365234375f, 0.28125f, 0.25f,
+                                       0.21875f, 0.134765625f, 0.00335693359f, 4.68514116e-14f, 0.0f};
+  // Relative however small (the tails are the point) down to the normal floats; below,
+  // where float32 keeps a few bits (x = 100), absolute.
+  auto rel = [](const std::vector<float>& got, const std::vector<float>& ref) {
+    REQUIRE(got.size() == ref.size());
+    double m = 0;
+    for (std::size_t i = 0; i < got.size(); ++i)
+      m = std::max(m, std::fabs(double(got[i]) - ref[i]) / std::max(std::fabs(double(ref[i])), 1.2e-38));
+    return m;
+  };
+  Tensor xs = dp::from_vector(x, {11}).set_requires_grad(true);
+  Tensor y = dp::nn::logsigmoid(xs);
+  y.backward(dp::full({11}, 0.5));
+  CHECK(rel(y.to_vector(), want) < 2e-6);
+  CHECK(rel(xs.grad().to_vector(), want_grad) < 2e-6);
+  Tensor xb = dp::from_vector(x, {11}).to(dp::Dtype::BFloat16).set_requires_grad(true);
+  Tensor yb = dp::nn::logsigmoid(xb);
+  CHECK(yb.dtype() == dp::Dtype::BFloat16);
+  yb.backward(dp::full({11}, 0.5).to(dp::Dtype::BFloat16));
+  CHECK(rel(yb.to(dp::Dtype::Float32).to_vector(), want16) < 8e-3);  // a bfloat16 unit in the last place
+  CHECK(rel(xb.grad().to(dp::Dtype::Float32).to_vector(), want16_grad) < 8e-3);
+  CHECK(nn_test::throws_with([] { (void)dp::nn::logsigmoid(Tensor()); }, {"logsigmoid", "undefined"}));
+  CHECK(nn_test::throws_with([] { (void)dp::nn::logsigmoid(dp::zeros({2}, dp::TensorOptions{dp::Dtype::Int64})); },
+                             {"logsigmoid", "int64"}));
+}
+
 TEST_CASE("gelu, exact and tanh-approximated, matches PyTorch with gradients; the GELU layer") {
   auto [ye, ge] = run(ref::kGeluX, {49}, ref::kGeluUp, [](const Tensor& x) { return dp::nn::gelu(x); });
   CHECK(max_diff(ye, ref::kGeluExactOut) < 2e-6);

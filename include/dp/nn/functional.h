@@ -112,6 +112,12 @@ Tensor softmax(const Tensor& x, std::int64_t dim);
 /// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (approximate = "tanh"). Differentiable.
 Tensor gelu(const Tensor& input, const std::string& approximate = "none");
 
+/// torch.nn.functional.logsigmoid: log σ(x) = min(x, 0) − log1p(exp(−|x|)), elementwise,
+/// finite for every finite x (log σ(30) = −9.4e-14, not 0). Differentiable: the gradient
+/// σ(−x) as PyTorch computes it, z / (1 + z) for x >= 0 and 1 − z / (1 + z) below, with
+/// z = exp(−|x|). 16-bit inputs compute in float32 and round once.
+Tensor logsigmoid(const Tensor& input);
+
 /// torch.nn.functional.layer_norm: normalises over the trailing dims `normalized_shape`
 /// of `input` (mean and biased variance per row, in float), then scales by `weight` and
 /// shifts by `bias` (each of shape normalized_shape; undefined: none). Differentiable.
