@@ -254,6 +254,35 @@ struct TiedGPT : TinyGPT {
   explicit TiedGPT(std::uint64_t seed) : TinyGPT(seed) { share_parameter("lm_head.weight", parameter("wte.weight")); }
 };
 
+/// Token embedding, MultiheadAttention (batch_first) under a key padding mask made from
+/// the ids, a residual and a head. A sequence whose first id is below kDeadBelow is all
+/// padding, so each of its queries has no key (Note [Rows with every key masked]: the
+/// attention gives zeros there and no gradient); in the others every id 0 is padding.
+/// The mask is a function of each row alone, so every shard makes its rows' part of it.
+struct PaddedMHA : dp::nn::Module {
+  static constexpr std::int64_t V = TinyLM::V, C = 8, H = 2, kDeadBelow = 4;
+  explicit PaddedMHA(std::uint64_t seed) {
+    dp::Generator gen(seed);
+    wte = register_module("wte", std::make_shared<dp::nn::Embedding>(V, C, &gen));
+    attn = register_module("attn", std::make_shared<dp::nn::MultiheadAttention>(
+                                       dp::nn::MultiheadAttentionOptions(C, H).batch_first(true), &gen));
+    head = register_module("head", std::make_shared<dp::nn::Linear>(C, V, true, &gen));
+  }
+  static dp::Tensor padding(const dp::Tensor& ids) {
+    const dp::Tensor f = ids.to(dp::Dtype::Float32);
+    const dp::Tensor dead = dp::lt(f.narrow(1, 0, 1), static_cast<double>(kDeadBelow));  // (B, 1)
+    const dp::Tensor pad = dp::maximum(dp::eq(f, 0.0), dead.expand(ids.shape()).contiguous());
+    return dp::zeros(ids.shape(), dp::TensorOptions{dp::Dtype::Float32, ids.device()}).masked_fill(pad, -INFINITY);
+  }
+  dp::Tensor forward(const dp::Tensor& ids) override {
+    const dp::Tensor x = wte->forward(ids);
+    return head->forward(dp::add(x, attn->forward(x, x, x, padding(ids))));
+  }
+  std::shared_ptr<dp::nn::Embedding> wte;
+  std::shared_ptr<dp::nn::MultiheadAttention> attn;
+  std::shared_ptr<dp::nn::Linear> head;
+};
+
 /// A forward that writes in place (Note [In-place writes and autograd], Note [Sources of
 /// in-place writes], Note [In-place writes as out-of-place ops] in src/tensor/tensor.cpp):
 /// a parameter broadcast and added into a layer's output, the output scaled, a parameter
