@@ -387,6 +387,9 @@ Tensor reduce_loss(const Tensor& losses, Reduction reduction, double scale) {
   return scale == 1.0 ? out : mul(out, scale);
 }
 
+/// In a loss's backward: the gradient of the reduction before reduce_loss's `scale`.
+Tensor unscaled(const Tensor& g, double scale) { return scale == 1.0 ? g : mul(g, scale); }
+
 /// A per-element weight of an elementwise loss: float32 on the input's device, and
 /// broadcasting to the input's shape without enlarging it.
 void check_elementwise_weight(const char* op, const char* what, const Tensor& w, const Tensor& x) {
@@ -976,21 +979,24 @@ Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& targe
   const Tensor w = options.weight.defined() ? options.weight.detach() : Tensor();
   const Reduction reduction = options.reduction;
   const double scale = options.scale;
-  Tensor out;
+  const bool grad_t = target.requires_grad();
+  Tensor out, log_sig;
   {
     NoGradGuard no_grad;
-    Tensor log_sig = dp::detail::log_sigmoid_raw(x);
-    if (pw.defined()) log_sig = mul(log_sig, add(mul(add(pw, -1.0), t), 1.0));
-    Tensor loss = sub(mul(sub(1.0, t), x), log_sig);
+    log_sig = dp::detail::log_sigmoid_raw(x);
+    const Tensor weighted = pw.defined() ? mul(log_sig, add(mul(add(pw, -1.0), t), 1.0)) : log_sig;
+    Tensor loss = sub(mul(sub(1.0, t), x), weighted);
     if (w.defined()) loss = mul(loss, w);
     out = reduce_loss(loss, reduction, scale);
   }
+  // The target's gradient with pos_weight reads log σ(x): kept from the forward for it.
+  if (!(grad_t && pw.defined())) log_sig = Tensor();
   autograd::record(
       "BinaryCrossEntropyWithLogitsBackward", {input, target}, out, {input, target, pw, w},
-      [x, t, pw, w, reduction, scale, n = static_cast<double>(x.numel()),
-       grad_t = target.requires_grad()](const std::vector<Tensor>& g) {
+      [x, t, pw, w, log_sig, reduction, scale, grad_t,
+       n = static_cast<double>(x.numel())](const std::vector<Tensor>& g) {
         if (!g[0].defined()) return std::vector<Tensor>{Tensor(), Tensor()};
-        const Tensor up = scale == 1.0 ? g[0] : mul(g[0], scale);  // the gradient of the unscaled reduction
+        const Tensor up = unscaled(g[0], scale);
         // The upstream gradient, the weight and the mean's 1 / n, as PyTorch applies them.
         auto finish = [&](Tensor grad) {
           grad = mul(grad, up);
@@ -1008,7 +1014,7 @@ Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& targe
         Tensor gt;
         if (grad_t) {
           Tensor d = neg(x);
-          if (pw.defined()) d = sub(d, mul(add(pw, -1.0), dp::detail::log_sigmoid_raw(x)));
+          if (pw.defined()) d = sub(d, mul(add(pw, -1.0), log_sig));
           gt = finish(d);
         }
         return std::vector<Tensor>{finish(gx), gt};
@@ -1033,7 +1039,7 @@ Tensor mse_loss(const Tensor& a, const Tensor& b, Reduction reduction, double sc
   autograd::record("MseLossBackward", {a, b}, out, {a, b},
                    [d, reduction, scale, n = static_cast<double>(a.numel())](const std::vector<Tensor>& g) {
                      if (!g[0].defined()) return std::vector<Tensor>{Tensor(), Tensor()};
-                     const Tensor up = scale == 1.0 ? g[0] : mul(g[0], scale);
+                     const Tensor up = unscaled(g[0], scale);
                      const Tensor ga = mul(mul(d, reduction == Reduction::Mean ? 2.0 / n : 2.0), up);
                      return std::vector<Tensor>{ga, neg(ga)};
                    });
@@ -1075,7 +1081,7 @@ Tensor smooth_l1_loss(const Tensor& a, const Tensor& b, Reduction reduction, dou
   autograd::record("SmoothL1LossBackward", {a, b}, out, {a, b},
                    [x, bf, reduction, scale, n = static_cast<double>(a.numel())](const std::vector<Tensor>& g) {
                      if (!g[0].defined()) return std::vector<Tensor>{Tensor(), Tensor()};
-                     const Tensor up = scale == 1.0 ? g[0] : mul(g[0], scale);
+                     const Tensor up = unscaled(g[0], scale);
                      const Tensor unit = add(mul(gt(x, 0.0), 2.0), -1.0);  // +1 where x > 0, else -1
                      const Tensor s = where(ge(abs(x), bf), unit, div(x, bf));
                      const Tensor ga = mul(reduction == Reduction::Mean ? mul(s, 1.0 / n) : s, up);

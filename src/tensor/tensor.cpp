@@ -898,9 +898,13 @@ Tensor& write_op_result(Tensor& t, const char* op, const char* node, const Tenso
   return t;
 }
 
-void check_tensor_source(const char* op, const Tensor& t, const Tensor& other, const char* what) {
+void check_destination(const char* op, const Tensor& t) {
   detail::check_defined(op, t, "destination");
   detail::check_floating(op, t);
+}
+
+void check_tensor_source(const char* op, const Tensor& t, const Tensor& other, const char* what) {
+  check_destination(op, t);
   check_source_broadcasts(op, what, other, t.shape());
   detail::check_same_device(op, t, other);
 }
@@ -920,15 +924,13 @@ Tensor& Tensor::div_(const Tensor& other) {
 }
 
 Tensor& Tensor::div_(double value) {
-  detail::check_defined("div_", *this, "destination");
-  detail::check_floating("div_", *this);
+  check_destination("div_", *this);
   return write_op_result(*this, "Tensor::div_", "DivBackward1", Tensor(),
                          [value](const Tensor& old) { return div(old, value); });
 }
 
 Tensor& Tensor::masked_fill_(const Tensor& mask, double value) {
-  detail::check_defined("masked_fill_", *this, "destination");
-  detail::check_floating("masked_fill_", *this);
+  check_destination("masked_fill_", *this);
   check_source_broadcasts("masked_fill_", "a mask", mask, shape());
   detail::check_same_device("masked_fill_", *this, mask);
   return write_op_result(*this, "Tensor::masked_fill_", "MaskedFillBackward0", Tensor(),
@@ -936,15 +938,13 @@ Tensor& Tensor::masked_fill_(const Tensor& mask, double value) {
 }
 
 Tensor& Tensor::relu_() {
-  detail::check_defined("relu_", *this, "destination");
-  detail::check_floating("relu_", *this);
+  check_destination("relu_", *this);
   return write_op_result(*this, "Tensor::relu_", "ReluBackward0", Tensor(),
                          [](const Tensor& old) { return old.relu(); });
 }
 
 Tensor& Tensor::clamp_(std::optional<double> min, std::optional<double> max) {
-  detail::check_defined("clamp_", *this, "destination");
-  detail::check_floating("clamp_", *this);
+  check_destination("clamp_", *this);
   DP_CHECK(min.has_value() || max.has_value(), "clamp_: expected at least one of min and max, got neither");
   return write_op_result(*this, "Tensor::clamp_", "ClampBackward1", Tensor(),
                          [min, max](const Tensor& old) { return dp::clamp(old, min, max); });

@@ -158,8 +158,9 @@ struct DataParallelOptions {
   /// Sharded: the ZeRO stage. 1: optimizer state sharded (each device keeps state
   /// for its 1/N of the parameters); 2: gradients too (each device keeps only its
   /// range's summed gradient between steps; the parameters' .grad are undefined
-  /// then, and set_grad on them is a dp::Error); in stage 1 the .grad of device 0's parameters (what parameters() shows)
-  /// hold the summed gradient on device 0's range and zeros on the others', so read
+  /// then, and set_grad on them is a dp::Error); in stage 1 the .grad of device 0's
+  /// parameters (what parameters() shows) hold the summed gradient on device 0's range
+  /// and zeros on the others', so read
   /// gradients through clip_grad_norm_'s return value, not by hand, and an
   /// optimizer step after an edit of .grad by hand is a dp::Error (Note [Gradient
   /// edits]); 3: parameters too (FSDP): each device keeps its 1/N of the parameters;
