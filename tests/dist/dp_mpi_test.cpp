@@ -250,18 +250,21 @@ Batch soft_batch(std::int64_t rows, std::uint64_t seed) {
   return {x, dp::sigmoid(dp::randn({rows, 3}, gen, dp::cpu(0)))};
 }
 
-/// Three SGD steps of the MLP on soft batches with the descriptor `loss`: every process
-/// its rows of each global batch through forward_backward in `options`' design (null: one
-/// plain device on the whole batch). The parameters after them.
-std::vector<float> train_soft(const dp::DataParallelOptions* options, const dp::nn::ShardableLoss& loss) {
-  auto net = make_mlp(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed);
+/// Three SGD steps of `net` with `loss` on batch(global_rows(s), s): every process its
+/// rows of each global batch through forward_backward in `options`' design (null: one
+/// plain device on the whole batch), under bfloat16 autocast with `bf16`. The
+/// parameters after them.
+template <class MakeBatch, class Loss>
+std::vector<float> train_rows(const std::shared_ptr<dp::nn::Module>& net, const dp::DataParallelOptions* options,
+                              const dp::optim::SGDOptions& sgd, MakeBatch batch, const Loss& loss, bool bf16 = false) {
   std::unique_ptr<dp::DataParallel> model;
   if (options) model = std::make_unique<dp::DataParallel>(net, local_devices(), *options);
-  dp::optim::SGD opt(model ? model->parameters() : net->parameters(), {.lr = 0.1});
+  dp::optim::SGD opt(model ? model->parameters() : net->parameters(), sgd);
   for (int s = 0; s < 3; ++s) {
     const std::int64_t rows = global_rows(s);
-    const Batch b = soft_batch(rows, 900 + static_cast<std::uint64_t>(s));
+    const Batch b = batch(rows, s);
     opt.zero_grad();
+    dp::amp::autocast guard(dp::Dtype::BFloat16, bf16);
     if (!model) {
       loss(net->forward(b.x), b.y).backward();
     } else {
@@ -271,6 +274,13 @@ std::vector<float> train_soft(const dp::DataParallelOptions* options, const dp::
     opt.step();
   }
   return flat(net->state_dict());
+}
+
+/// train_rows of the MLP on soft batches with the descriptor `loss`.
+std::vector<float> train_soft(const dp::DataParallelOptions* options, const dp::nn::ShardableLoss& loss) {
+  return train_rows(make_mlp(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed), options,
+                    {.lr = 0.1},
+                    [](std::int64_t rows, int s) { return soft_batch(rows, 900 + static_cast<std::uint64_t>(s)); }, loss);
 }
 
 }  // namespace
@@ -313,24 +323,10 @@ namespace {
 /// every process its rows of each global batch in `options`' design (null: one plain
 /// device on the whole batch), under bfloat16 autocast with `bf16`. The parameters after.
 std::vector<float> train_inplace(const dp::DataParallelOptions* options, bool bf16) {
-  auto net = std::make_shared<InplaceForward>(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed);
-  std::unique_ptr<dp::DataParallel> model;
-  if (options) model = std::make_unique<dp::DataParallel>(net, local_devices(), *options);
-  dp::optim::SGD opt(model ? model->parameters() : net->parameters(), {.lr = 0.1, .momentum = 0.9});
-  for (int s = 0; s < 3; ++s) {
-    const std::int64_t rows = global_rows(s);
-    const Batch b = make_batch(rows, 600 + static_cast<std::uint64_t>(s));
-    opt.zero_grad();
-    dp::amp::autocast guard(dp::Dtype::BFloat16, bf16);
-    if (!model) {
-      loss_fn(net->forward(b.x), b.y).backward();
-    } else {
-      const auto [lo, n] = my_rows(rows);
-      model->forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
-    }
-    opt.step();
-  }
-  return flat(net->state_dict());
+  return train_rows(std::make_shared<InplaceForward>(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed),
+                    options, {.lr = 0.1, .momentum = 0.9},
+                    [](std::int64_t rows, int s) { return make_batch(rows, 600 + static_cast<std::uint64_t>(s)); },
+                    loss_fn, bf16);
 }
 
 }  // namespace
