@@ -344,7 +344,7 @@ TEST_CASE("the CUDA fused attention: causal, keys past every query's window neve
   // NaN in out (the forward) and in dQ (the backward) before those rows were zeros.
   const Case c{1, 1, 33, 64, 8, 8, true, Mask::None, 0.0f, std::nullopt};
   for (dp::Dtype dtype : {dp::Dtype::Float32, dp::Dtype::BFloat16}) {
-    CAPTURE(dp::dtype_name(dtype));
+    CAPTURE(std::string(dp::dtype_name(dtype)));
     OpInputs in = op_inputs(c, dtype, 321);
     for (i64 j = 33; j < 36; ++j) {
       in.k = with_row(in.k, j, INFINITY);

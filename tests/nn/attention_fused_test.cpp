@@ -211,6 +211,43 @@ TEST_CASE("a query whose every key is masked attends to nothing on both paths: z
   }
 }
 
+TEST_CASE("fused attention, causal with fewer queries than keys: keys past every query's window take no gradient") {
+  // L = 33 < S = 70: query 32 attends keys 0..32, and keys 33.. are attended by none.
+  // They hold infinities here; the backward's dS for them was 0 · (dP - delta) with an
+  // infinite dP, a NaN in their gk (the CUDA kernel, which skips them, gave 0).
+  dp::Generator gen(21);
+  Tensor k = cpu_randn({1, 2, 70, 8}, gen), v = cpu_randn({1, 2, 70, 8}, gen);
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> kv = k.to_vector(), vv = v.to_vector();
+  for (std::size_t h = 0; h < 2; ++h)
+    for (std::size_t j = 33; j < 36; ++j)
+      for (std::size_t e = 0; e < 8; ++e) kv[(h * 70 + j) * 8 + e] = vv[(h * 70 + j) * 8 + e] = inf;
+  Inputs in;
+  in.q = cpu_randn({1, 2, 33, 8}, gen);
+  in.k = dp::from_vector(kv, {1, 2, 70, 8});
+  in.v = dp::from_vector(vv, {1, 2, 70, 8});
+  in.up = cpu_randn({1, 2, 33, 8}, gen);
+  in.causal = true;
+  const Result r = attend(AttentionPath::Fused, in);
+  for (float x : r.out) REQUIRE(std::isfinite(x));
+  for (float x : r.gq) CHECK(std::isfinite(x));
+  for (std::size_t h = 0; h < 2; ++h)
+    for (std::size_t j = 33; j < 70; ++j)
+      for (std::size_t e = 0; e < 8; ++e) {
+        CHECK(r.gk[(h * 70 + j) * 8 + e] == 0.0f);
+        CHECK(r.gv[(h * 70 + j) * 8 + e] == 0.0f);
+      }
+  // The attended keys' gradients are those of the same call with the unattended keys finite.
+  Inputs finite = in;
+  finite.k = dp::from_vector(k.to_vector(), {1, 2, 70, 8});
+  finite.v = dp::from_vector(v.to_vector(), {1, 2, 70, 8});
+  const Result f = attend(AttentionPath::Fused, finite);
+  CHECK(r.out == f.out);
+  CHECK(r.gq == f.gq);
+  CHECK(r.gk == f.gk);
+  CHECK(r.gv == f.gv);
+}
+
 TEST_CASE("fused attention matches PyTorch's scaled_dot_product_attention across blocks") {
   dp::Device dev = dp::cpu(0);
   auto run = [&](const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,

@@ -332,7 +332,11 @@ void block_probs_and_grads(const Problem<T>& p, const BlockRows& b, float* sc, f
     if (drop) drop_row(p, dr, zr, b.i0 + r, b.j0, n);  // dP ∘ Z: the gradient of P
     const float d = b.delta[r];
     const float* pr = sc + r * n;
-    for (i64 c = 0; c < n; ++c) dr[c] = pr[c] * (dr[c] - d);
+    // Keys past the causal window take no gradient, whatever their dP: a weight of 0
+    // times an infinite value row's dP would be a NaN in gk (the CUDA kernel skips them).
+    const i64 live = attended(p, b.i0 + r, b.j0, n);
+    for (i64 c = 0; c < live; ++c) dr[c] = pr[c] * (dr[c] - d);
+    std::fill(dr + live, dr + n, 0.0f);
   }
   if (drop && z)
     for (i64 i = 0; i < m * n; ++i) sc[i] *= z[i];
