@@ -255,10 +255,14 @@ DP_HD inline float apply_unary(UnaryOp op, float x) {
 //   tanh:  inner = √(2/π) (x + 0.044715 x³), t = tanh(inner), y = 0.5 x (1 + t),
 //          gx = gy (0.5 (1 + t) + 0.5 x (1 - t²) √(2/π) (1 + 3 · 0.044715 x²));
 //   exact: y = 0.5 x (1 + erf(x / √2)),
-//          gx = gy (0.5 (1 + erf(x / √2)) + x e^(-x²/2) / √(2π)).
+//          gx = gy (0.5 (1 + erf(x / √2)) + x e^(-x²/2) / √(2π)),
+//          with 1 + erf(x / √2) taken as erfc(-x / √2) for x < 0. PyTorch adds 1 to erf
+//          there, and below x ≈ -3 that sum cancels to erf's absolute error: on an H200
+//          CUDA's erff and glibc's gave outputs 33 % apart at x ≈ -5 (PyTorch's own CPU
+//          and CUDA differ alike). erfc keeps a few ulp relative on both.
 // The backward needs only x, so a graph keeps the GELU's input alone. tanh is
 // tanh_approx and e^ exp_approx (Note [Vectorisable exp and tanh]): the tanh form, the
-// GPT's, vectorises; erf stays libm's erff, one scalar call per element. Against the
+// GPT's, vectorises; erf stays libm's erff (erfcf), one scalar call per element. Against the
 // composed ops, which round every intermediate to float, the fused results differ by
 // an ulp or two in float32 and are closer to PyTorch's in bfloat16 and float16 (one
 // rounding instead of ten).
@@ -268,6 +272,14 @@ inline constexpr float kGeluKappa = 0.044715f;             // GPT-2's cubic coef
 inline constexpr float kGeluSqrtHalf = 0.7071067811865476f;  // 1/√2
 inline constexpr float kGeluPdf = 0.3989422804014327f;     // 1/√(2π)
 
+/// 1 + erf(x / √2), accurate in the left tail: there erf is close to -1 and 1 + erff
+/// cancels, keeping only erff's absolute error (an ulp or two of 1, libm's and CUDA's
+/// differing) in a result as small as 1e-7. erfc(-x / √2) is the same function with
+/// relative accuracy (Note [Fused GELU]).
+DP_HD inline float gelu_one_plus_erf(float x) {
+  return x < 0.0f ? ::erfcf(-x * kGeluSqrtHalf) : 1.0f + ::erff(x * kGeluSqrtHalf);
+}
+
 /// y = gelu(x); Tanh: GPT-2's approximation, else exact (Note [Fused GELU]).
 template <bool Tanh>
 struct Gelu {
@@ -276,7 +288,7 @@ struct Gelu {
       const float inner = kGeluBeta * (x + kGeluKappa * (x * x * x));
       return 0.5f * x * (1.0f + tanh_approx(inner));
     } else {
-      return 0.5f * x * (1.0f + ::erff(x * kGeluSqrtHalf));
+      return 0.5f * x * gelu_one_plus_erf(x);
     }
   }
 };
@@ -292,7 +304,7 @@ struct GeluBackward {
       const float right = 0.5f * x * (1.0f - t * t) * kGeluBeta * (1.0f + 3.0f * kGeluKappa * x2);
       return gy * (left + right);
     } else {
-      const float cdf = 0.5f * (1.0f + ::erff(x * kGeluSqrtHalf));
+      const float cdf = 0.5f * gelu_one_plus_erf(x);
       const float pdf = exp_approx(-0.5f * x * x) * kGeluPdf;
       return gy * (cdf + x * pdf);
     }

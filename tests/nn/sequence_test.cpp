@@ -350,6 +350,32 @@ TEST_CASE("gelu is one op each way: the composed ops' values and gradients; 16-b
   CHECK(dp_test::throws_with([] { (void)dp::nn::gelu(dp::zeros({2}).to(dp::Dtype::Int64)); }, {"gelu", "floating"}));
 }
 
+TEST_CASE("exact gelu's left tail keeps its relative accuracy: values and gradients against erfc in double") {
+  // Below x = -3, 1 + erf(x / sqrt 2) cancels to erff's own absolute error: the values
+  // were 15-30 % off near x = -5 and 0 from x = -6 on (CPU and CUDA differing), the
+  // gradients' Phi(x) likewise. Every point here is a normal float.
+  std::vector<float> xs, up;
+  for (int i = 0; i <= 900; ++i) {
+    xs.push_back(-12.0f + 0.01f * static_cast<float>(i));
+    up.push_back(1.0f);
+  }
+  auto [y, g] = run(xs, {901}, up, [](const Tensor& x) { return dp::nn::gelu(x); });
+  const std::vector<float> yv = y.to_vector(), gv = g.to_vector();
+  double worst_y = 0, worst_g = 0;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const double x = xs[i], cdf = 0.5 * std::erfc(-x / std::sqrt(2.0));
+    const double pdf = std::exp(-0.5 * x * x) / std::sqrt(2.0 * 3.14159265358979323846);
+    // In units of what float32 owes: erfc(z) moves 2z² = x² times as much, relatively, as
+    // its argument z = -x / sqrt 2, which is off by its product's rounding and the float
+    // 1/sqrt 2's (1.5 · 2^-24 together); a few roundings besides.
+    const double owed = (1.5 * x * x + 8) * 0x1p-24;
+    worst_y = std::max(worst_y, std::fabs(yv[i] - x * cdf) / std::fabs(x * cdf) / owed);
+    worst_g = std::max(worst_g, std::fabs(gv[i] - (cdf + x * pdf)) / std::fabs(cdf + x * pdf) / owed);
+  }
+  CHECK(worst_y < 1.0);
+  CHECK(worst_g < 1.0);
+}
+
 TEST_CASE("logsigmoid matches PyTorch 2.15: finite tails, the gradient sigma(-x); 16-bit rounded once") {
   const std::vector<float> x{-100, -30, -5, -1, -0.25f, 0, 0.25f, 1, 5, 30, 100};
   // F.logsigmoid(x) and its gradient for an upstream 0.5, float32 and bfloat16.

@@ -47,7 +47,7 @@ DP_CPU_V4_V3_CLONES void unary_clone_f32(UnaryOp op, const float* x, float* y, s
 }
 
 // The GELU's loops get the same clones: the tanh form vectorises (Note [Fused GELU]); the
-// exact one calls erff per element in every clone.
+// exact one calls erff or erfcf per element in every clone.
 DP_CPU_V4_V3_CLONES void gelu_f32(bool tanh, const float* x, float* y, std::int64_t n) {
   if (tanh) {
     apply(Gelu<true>{}, x, y, n);
