@@ -196,7 +196,7 @@ TEST_CASE("bfloat16 and float16 all_reduce, reduce and reduce_scatter match the 
     const double unit = dtype == dp::Dtype::BFloat16 ? 0x1p-8 : 0x1p-11;
     const double tol = shares_gpu() ? 0.0 : n * unit * 10.0 * n;
     for (std::int64_t count : kSizes) {
-      CAPTURE(dp::dtype_name(dtype));
+      CAPTURE(std::string(dp::dtype_name(dtype)));
       CAPTURE(count);
       auto check = [&](const Body& body) {
         const auto got = run(devices_of(dp::DeviceType::CUDA, n), body);

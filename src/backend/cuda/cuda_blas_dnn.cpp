@@ -47,14 +47,20 @@
 // the sums. The legacy API has no configuration with 16-bit inputs and a float32
 // output, so the output cuDNN writes is already rounded; what happens around it keeps
 // the CPU's rounding points:
-//  - Forward: oneDNN adds the bias inside its primitive and rounds once. Adding it to
-//    cuDNN's rounded output would round twice, and where the bias cancels most of the
-//    sum the first rounding's error (half a unit of the sum, not of the output) would
-//    show far outside the op table's one unit. So y is first filled with the bias of
-//    its channel (cuda_kernels::channel_fill, the bits as they are) and cuDNN blends
-//    with beta = 1: y = 1 · conv(x, w) + 1 · y, formed from its float32 sums and
-//    rounded once. The ReLU follows as Unary<Relu> on the rounded output (it commutes
-//    with the rounding, Note [Convolution + ReLU]).
+//  - Forward: oneDNN adds the bias inside its primitive and rounds once. y is first
+//    filled with the bias of its channel (cuda_kernels::channel_fill, the bits as they
+//    are) and cuDNN blends with beta = 1: y = 1 · conv(x, w) + 1 · y, no pass of dp's
+//    own. Whether cuDNN forms that from its float32 sums and rounds once is the
+//    algorithm's affair, and the legacy API promises neither: on an H200 (cuDNN 9.14)
+//    a small shape's algorithm rounded once and the tensor-op implicit-GEMM algorithms
+//    of the CNN's second layer at batch 256 and of a strided shape rounded the sum
+//    first, then added the bias and rounded again — what PyTorch's CUDA convolution
+//    always does (the bias added to cuDNN's rounded output). Where the bias cancels
+//    most of the sum that first rounding shows as half a unit of the sum, not of the
+//    output; the op table's shapes stay within its one unit, and
+//    tests/cuda/cuda_backend_test.cpp pins the bias to "added once, rounded once or
+//    twice". The ReLU follows as Unary<Relu> on the rounded output (it commutes with the
+//    rounding, Note [Convolution + ReLU]).
 //  - Backward data: cuDNN's gx, rounded once.
 //  - Backward weight: cuDNN's gw, rounded once; the bias gradient is dp's channel sums
 //    over the 16-bit gy, widened as loaded, summed in float32, rounded once (Note
@@ -622,8 +628,9 @@ void conv2d_16bit(CudaBackend& be, Device dev, const Conv2dArgs& a) {
     auto h = be.cudnn(dev.index);  // serialises the use of this device's plans
     native = choose_algo<cudnnConvolutionFwdAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, a.x, a.w, a.y);
     if (native) {
-      // The bias goes in before cuDNN's one rounding: y = conv + 1 · y. Filled after the
-      // choice, which may have written y.
+      // The bias is blended by cuDNN: y = conv + 1 · y (Note [16-bit convolutions on
+      // CUDA]: rounded once or twice, per algorithm). Filled after the choice, which may
+      // have written y.
       if (a.bias) channel_fill(stream, s.N, s.K, s.P * s.Q, a.bias, a.y, dt);
       CudaBackend::Scratch ws(be, dev.index, p.fwd.ws);
       const float one = 1.0f, beta = a.bias ? 1.0f : 0.0f;
