@@ -116,6 +116,10 @@ std::vector<Case> op_cases() {
       {2, 2, 67, 90, 100, 70, false, Mask::KeepOwnStrided, 0.1f, std::nullopt},   // kD = 128, E != Ev
       {1, 1, 129, 63, 128, 1, true, Mask::KeepOwnStrided, 0.0f, std::nullopt},    // causal and a mask
       {1, 1, 5, 4, 2, 2, false, Mask::KeepRowMasked, 0.0f, std::nullopt},          // a row attending none
+      // bfloat16 without a mask or dropout takes the tensor cores (Note [Attention on
+      // tensor cores]), as do the unmasked cases above with head dims up to 64:
+      {1, 3, 257, 257, 64, 64, true, Mask::None, 0.0f, std::nullopt},  // a GPT's: 5 tiles of 64
+      {2, 2, 100, 70, 40, 24, false, Mask::None, 0.0f, 0.3f},          // padded head dims, a scale
   };
 }
 
@@ -250,8 +254,11 @@ Pair run_both(const Case& c, const OpInputs& in) {
 // like a random walk give √n·2^-24, what the CPU kernel measured against the math path).
 // A 16-bit result is then rounded once on each side: two float32 values that close
 // round to the same 16-bit value or to neighbours one unit in the last place apart, 2u
-// of the scale at most (u: the unit roundoff). lse stays float32 in every dtype. A
-// wrong mask, tile, keep bit or gradient term is off by ~1 of the scale, far outside.
+// of the scale at most (u: the unit roundoff). lse stays float32 in every dtype. The
+// tensor-core kernels (bfloat16, Note [Attention on tensor cores]) add an error of
+// 2^-17 of each term where P or dS is split into two bfloat16 operands, far below the
+// 2u = 2^-7 a bfloat16 result is allowed. A wrong mask, tile, keep bit or gradient term
+// is off by ~1 of the scale, far outside.
 double f32_tol(const Case& c) { return static_cast<double>(c.L + c.S + c.E + c.Ev) * 0x1p-24; }
 double tol(const Case& c, dp::Dtype dtype) {
   return f32_tol(c) + (dtype == dp::Dtype::Float32 ? 0.0 : 2 * unit_roundoff(dtype));
@@ -328,14 +335,17 @@ TEST_CASE("the CUDA fused attention: a NaN key reaches every row that attends it
   // the first tile a row attends was dropped and the row's softmax ran over the other
   // keys, finite and wrong.
   const Case c{1, 1, 4, 64, 8, 8, false, Mask::None, 0.0f, std::nullopt};
-  OpInputs in = op_inputs(c, dp::Dtype::Float32, 123);
-  in.k = with_row(in.k, 5, NAN);
-  const OpOutputs cpu = run_op(dp::cpu(0), c, in, Tensor(), Tensor());
-  const OpOutputs cuda = run_op(gpu(), c, in, Tensor(), Tensor());
-  REQUIRE(all_nan(values(cpu.out)));  // the CPU kernel, the oracle
-  REQUIRE(all_nan(values(cpu.lse)));
-  CHECK(all_nan(values(cuda.out)));
-  CHECK(all_nan(values(cuda.lse)));
+  for (dp::Dtype dtype : {dp::Dtype::Float32, dp::Dtype::BFloat16}) {  // CUDA cores, tensor cores
+    CAPTURE(std::string(dp::dtype_name(dtype)));
+    OpInputs in = op_inputs(c, dtype, 123);
+    in.k = with_row(in.k, 5, NAN);
+    const OpOutputs cpu = run_op(dp::cpu(0), c, in, Tensor(), Tensor());
+    const OpOutputs cuda = run_op(gpu(), c, in, Tensor(), Tensor());
+    REQUIRE(all_nan(values(cpu.out)));  // the CPU kernel, the oracle
+    REQUIRE(all_nan(values(cpu.lse)));
+    CHECK(all_nan(values(cuda.out)));
+    CHECK(all_nan(values(cuda.lse)));
+  }
 }
 
 TEST_CASE("the CUDA fused attention: causal, keys past every query's window never reach a result") {
@@ -374,6 +384,16 @@ TEST_CASE("the CUDA fused attention is reproducible: the same bits on every run,
   CHECK(bitwise_equal(values(a.gq), values(b.gq)));
   CHECK(bitwise_equal(values(a.gk), values(b.gk)));
   CHECK(bitwise_equal(values(a.gv), values(b.gv)));
+  // bfloat16 on the tensor cores: the same.
+  const Case t{2, 2, 130, 129, 64, 64, true, Mask::None, 0.0f, std::nullopt};
+  const OpInputs tin = op_inputs(t, dp::Dtype::BFloat16, 6);
+  const OpOutputs tf = run_op(gpu(), t, tin, Tensor(), Tensor());
+  const OpOutputs ta = run_op(gpu(), t, tin, tf.out, tf.lse), tb = run_op(gpu(), t, tin, tf.out, tf.lse);
+  CHECK(bitwise_equal(values(ta.out), values(tb.out)));
+  CHECK(bitwise_equal(values(ta.lse), values(tb.lse)));
+  CHECK(bitwise_equal(values(ta.gq), values(tb.gq)));
+  CHECK(bitwise_equal(values(ta.gk), values(tb.gk)));
+  CHECK(bitwise_equal(values(ta.gv), values(tb.gv)));
 }
 
 // ---- scaled_dot_product_attention on the GPU -------------------------------------------------

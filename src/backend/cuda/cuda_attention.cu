@@ -55,12 +55,16 @@
 //    allows less (Turing: 64 KiB) is refused for kD = 128, which then runs the math path.
 // The sums run in other orders than the CPU kernel's (warp trees, tiles of 32, FMAs),
 // so the two agree to float32 rounding, not bit for bit (tests/cuda/cuda_attention_test.cpp).
+// bfloat16 calls with no mask and no dropout and head dims up to 64 (a GPT's under
+// autocast) take tensor-core kernels instead: Note [Attention on tensor cores] below.
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 
@@ -503,6 +507,394 @@ __global__ void __launch_bounds__(kThreads)
   store_rows<kD>(gq + bh * p.L * p.E, dq, first, p.L, p.E, p.scale);
 }
 
+// ---- tensor-core kernels (Note [Attention on tensor cores]) -------------------------------
+//
+// Note [Attention on tensor cores]
+// A bfloat16 call with no mask, no dropout and head dims up to 64 — a GPT's attention
+// under autocast — runs these kernels instead: the same outline, the same lse, the
+// same fixed summation orders (no atomics: bitwise reproducible), with the products on
+// the tensor cores through WMMA (16×16×16 bfloat16 fragments, float32 accumulators).
+// On an H200 the CUDA-core kernels above took 1.06 ms forward and 2.75 ms backward per
+// layer of GPT-2 small at batch 8 × 1024 (57 % of the step), where tensor cores do the
+// same products in a tenth of that.
+//  - Geometry: a block is 4 warps owning 64 rows (16 a warp: one fragment's height); the
+//    other side is walked in tiles of 64. Tiles stay bfloat16 in shared memory, rows
+//    kTcLd = 72 elements apart (144 bytes: 16-byte vector stores, 32-byte fragment
+//    pointers); head dims below 64 are zero-padded (exact in every dot product).
+//  - Scores S = q kᵀ come out of the MMA as float32 into the warp's 16 × 64 block; a
+//    lane pair owns a row (32 columns each), so a row's maximum and sum take one
+//    shuffle, and both lanes hold the same bits. Scale, causal mask, online softmax,
+//    P = exp(s − lse) and dS = P ∘ (dP − Δ) are the CUDA-core kernels' float32 steps.
+//  - The second products (P·V, Pᵀ·dO, dSᵀ·q, dS·k) take P and dS as MMA operands, which
+//    must be bfloat16. Rounding them would cost 8 bits of every weight (FlashAttention
+//    does; PyTorch's flash kernels do). Here each is split into hi = bf16(x) and lo =
+//    bf16(x − hi), and both products are accumulated: 16 bits of mantissa, an error of
+//    2^-17 relative per term, well inside the float32 tolerance the CPU comparison
+//    allows (Note [CUDA attention tolerances] in tests/cuda/cuda_attention_test.cpp),
+//    for twice those products — the MMAs are not what bounds these kernels.
+//  - The forward keeps each warp's output accumulator in shared memory (the online
+//    softmax rescales rows, and a fragment's element-to-row map is unspecified); the
+//    backward keeps dK, dV and dQ in fragments across the walk and stages them through
+//    shared memory to store, each rounded once.
+//  - float16 stays on the CUDA-core kernels: its dS (GradScaler-scaled gradients) can
+//    exceed float16's range as an operand, and bfloat16 has float32's.
+// Shared memory: 79 KiB (forward), 71.5 (dK/dV) and 71 (dQ) per block, opted into; a
+// GPU that allows less, or a pointer that is not 16-byte aligned, takes the kernels
+// above.
+
+constexpr int kTcRows = 16;                   // a warp's rows: one fragment's height
+constexpr int kTcTile = kWarps * kTcRows;     // 64: a block's rows, and the walked tile
+constexpr int kTcD = 64;                      // head dims up to 64, zero-padded
+constexpr int kTcLd = kTcD + 8;               // bfloat16 elements between rows of a tile
+constexpr int kTcLdF = kTcTile + 4;           // floats between rows of a warp's 16 × 64 block
+constexpr int kTcTileBytes = kTcTile * kTcLd * 2;       // a bfloat16 tile
+constexpr int kTcBlockBytes = kTcRows * kTcLdF * 4;     // a warp's float block
+constexpr int kTcSplitBytes = 2 * kTcRows * kTcLd * 2;  // a warp's hi and lo operand rows
+using Bf = __nv_bfloat16;
+
+/// The tensor-core kernels' shared memory (dynamic; 128-byte aligned).
+__device__ __forceinline__ unsigned char* tc_shared() {
+  extern __shared__ __align__(128) unsigned char attention_tc_shared[];
+  return attention_tc_shared;
+}
+
+/// Rows [row0, row0 + kTcTile) of a row-major (n, width) bfloat16 matrix into dst,
+/// kTcLd apart; zeros past row n and past column width.
+__device__ void tc_load(Bf* dst, const Bf* src, i64 row0, i64 n, int width) {
+  if (width == kTcD) {  // whole rows: 8 16-byte pieces each (src 16-byte aligned: checked)
+    for (int at = threadIdx.x; at < kTcTile * 8; at += kThreads) {
+      const int r = at / 8, c = at % 8;
+      const i64 row = row0 + r;
+      uint4 x = make_uint4(0u, 0u, 0u, 0u);
+      if (row < n) x = reinterpret_cast<const uint4*>(src + row * kTcD)[c];
+      *reinterpret_cast<uint4*>(dst + r * kTcLd + c * 8) = x;
+    }
+  } else {
+    for (int at = threadIdx.x; at < kTcTile * kTcD; at += kThreads) {
+      const int r = at / kTcD, c = at % kTcD;
+      const i64 row = row0 + r;
+      dst[r * kTcLd + c] = row < n && c < width ? src[row * width + c] : __float2bfloat16(0.0f);
+    }
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define DP_TC_ATTENTION 0  // bfloat16 fragments need sm_80: these kernels trap (never chosen there)
+#else
+#define DP_TC_ATTENTION 1
+#endif
+
+#if DP_TC_ATTENTION
+namespace wmma = nvcuda::wmma;
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, Bf, wmma::row_major>;
+using FragBRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, Bf, wmma::row_major>;
+using FragBCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, Bf, wmma::col_major>;
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+/// c (16 × 64 floats, kTcLdF apart) = a_w bᵀ: the dot products of the warp's 16 rows
+/// a_w with the 64 rows of the tile b, over kTcD columns.
+__device__ __forceinline__ void tc_dots(const Bf* a_w, const Bf* b, float* c) {
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb) {
+    FragC acc;
+    wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      FragA fa;
+      FragBCol fb;  // element (k, n) = b[(16 nb + n) kTcLd + 16 kk + k]: bᵀ's block
+      wmma::load_matrix_sync(fa, a_w + kk * 16, kTcLd);
+      wmma::load_matrix_sync(fb, b + nb * 16 * kTcLd + kk * 16, kTcLd);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(c + nb * 16, acc, kTcLdF, wmma::mem_row_major);
+  }
+}
+
+/// acc[nb] += (hi + lo) x: the warp's 16 × 64 weights, split in two bfloat16 rows
+/// (hi, lo: kTcLd apart), times the 64 × 64 tile x, column block nb of the result.
+__device__ __forceinline__ void tc_weights_times(const Bf* hi, const Bf* lo, const Bf* x, FragC (&acc)[4]) {
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      FragA fa;
+      FragBRow fb;  // element (k, n) = x[(16 kk + k) kTcLd + 16 nb + n]
+      wmma::load_matrix_sync(fb, x + kk * 16 * kTcLd + nb * 16, kTcLd);
+      wmma::load_matrix_sync(fa, hi + kk * 16, kTcLd);
+      wmma::mma_sync(acc[nb], fa, fb, acc[nb]);
+      wmma::load_matrix_sync(fa, lo + kk * 16, kTcLd);
+      wmma::mma_sync(acc[nb], fa, fb, acc[nb]);
+    }
+  }
+}
+#endif
+
+/// Writes w as hi = bf16(w) and lo = bf16(w − hi) (Note [Attention on tensor cores]).
+__device__ __forceinline__ void split(float w, Bf& hi, Bf& lo) {
+  hi = __float2bfloat16(w);
+  lo = __float2bfloat16(w - __bfloat162float(hi));
+}
+
+/// A warp's 16 × 64 float block (kTcLdF apart) scaled, rows [first, first + 16) of a
+/// row-major (n, width) bfloat16 matrix: each lane pair its row, 32 columns a lane.
+__device__ __forceinline__ void tc_store_rows(Bf* dst, const float* block, i64 first, i64 n, int width,
+                                              float factor) {
+  const int lane = threadIdx.x % kWarp, r = lane / 2, half = lane % 2;
+  const i64 row = first + r;
+  if (row >= n) return;
+  for (int c = 0; c < 32; ++c) {
+    const int d = half * 32 + c;
+    if (d < width) dst[row * width + d] = __float2bfloat16(factor * block[r * kTcLdF + d]);
+  }
+}
+
+/// out (B, H, L, Ev) and lse: a block per 64 queries of one (b, h).
+__global__ void __launch_bounds__(kThreads)
+    attention_forward_tc_kernel(Params p, const Bf* __restrict__ q, const Bf* __restrict__ k,
+                                const Bf* __restrict__ v, Bf* __restrict__ out, float* __restrict__ lse) {
+#if DP_TC_ATTENTION
+  unsigned char* sm = tc_shared();
+  Bf* q_s = reinterpret_cast<Bf*>(sm);
+  Bf* k_s = q_s + kTcTile * kTcLd;
+  Bf* v_s = k_s + kTcTile * kTcLd;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  unsigned char* warp_sm = sm + 3 * kTcTileBytes + warp * (2 * kTcBlockBytes + kTcSplitBytes);
+  float* s_w = reinterpret_cast<float*>(warp_sm);                      // scores, then weights
+  float* o_w = reinterpret_cast<float*>(warp_sm + kTcBlockBytes);      // the output accumulator
+  Bf* hi_w = reinterpret_cast<Bf*>(warp_sm + 2 * kTcBlockBytes);
+  Bf* lo_w = hi_w + kTcRows * kTcLd;
+  const i64 bh = blockIdx.x / p.tiles;
+  const i64 i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * kTcTile;  // the longest causal rows first
+  const i64 first = i0 + warp * kTcRows;
+  const int r = lane / 2, half = lane % 2;  // the lane's row and its 32 columns
+  const i64 i = first + r;
+  tc_load(q_s, q + bh * p.L * p.E, i0, p.L, p.E);
+  for (int at = lane; at < kTcRows * kTcLdF; at += kWarp) o_w[at] = 0.0f;
+  float m = kNegInf, l = 0.0f;  // the row's running maximum and sum, the same on both lanes
+  const i64 end = p.causal ? min64(p.S, min64(p.L, i0 + kTcTile)) : p.S;
+  for (i64 j0 = 0; j0 < end; j0 += kTcTile) {
+    __syncthreads();  // the previous tile is read (and the queries are loaded)
+    tc_load(k_s, k + bh * p.S * p.E, j0, end, p.E);  // zeros from `end` on, as the CUDA-core kernel
+    tc_load(v_s, v + bh * p.S * p.Ev, j0, end, p.Ev);
+    __syncthreads();
+    if (first >= p.L || (p.causal && j0 > first + kTcRows - 1)) continue;  // the warp's rows attend to none
+    tc_dots(q_s + warp * kTcRows * kTcLd, k_s, s_w);
+    __syncwarp();
+    float* srow = s_w + r * kTcLdF + half * 32;
+    float tile_max = kNegInf;
+    for (int c = 0; c < 32; ++c) {
+      const float x = attends(p, i, j0 + half * 32 + c) ? p.scale * srow[c] : kNegInf;
+      srow[c] = x;
+      tile_max = MaxOp{}(tile_max, x);
+    }
+    // The row's new maximum, NaN winning (Note [Fused attention on CUDA]).
+    const float m_new = MaxOp{}(MaxOp{}(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1)), m);
+    float sum = 0.0f;
+    Bf* hr = hi_w + r * kTcLd + half * 32;
+    Bf* lr = lo_w + r * kTcLd + half * 32;
+    for (int c = 0; c < 32; ++c) {
+      const float w = m_new == kNegInf ? 0.0f : expf(srow[c] - m_new);  // nothing attended yet: no weight
+      sum += w;
+      split(w, hr[c], lr[c]);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // both lanes add the same two values
+    if (m_new != kNegInf) {
+      const float correction = expf(m - m_new);  // 0 on the first tile attended
+      l = l * correction + sum;
+      m = m_new;
+      if (correction != 1.0f)
+        for (int c = 0; c < 32; ++c) o_w[r * kTcLdF + half * 32 + c] *= correction;
+    }
+    __syncwarp();
+    FragC acc[4];
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) wmma::load_matrix_sync(acc[nb], o_w + nb * 16, kTcLdF, wmma::mem_row_major);
+    tc_weights_times(hi_w, lo_w, v_s, acc);
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) wmma::store_matrix_sync(o_w + nb * 16, acc[nb], kTcLdF, wmma::mem_row_major);
+    __syncwarp();  // the scores and weights are written again by the next tile
+  }
+  __syncwarp();
+  // A row with every key masked: out = 0 and lse = +inf, as the CUDA-core kernel.
+  if (i < p.L) {
+    const bool dead = l == 0.0f;
+    Bf* o = out + (bh * p.L + i) * p.Ev;
+    for (int c = 0; c < 32; ++c) {
+      const int d = half * 32 + c;
+      if (d < p.Ev) o[d] = __float2bfloat16(dead ? 0.0f : o_w[r * kTcLdF + d] / l);
+    }
+    if (half == 0) lse[bh * p.L + i] = dead ? INFINITY : m + logf(l);
+  }
+#else
+  __trap();
+#endif
+}
+
+/// gk and gv: a block per 64 keys of one (b, h), walking the query tiles.
+__global__ void __launch_bounds__(kThreads)
+    attention_keys_tc_kernel(Params p, const Bf* __restrict__ q, const Bf* __restrict__ k,
+                             const Bf* __restrict__ v, const Bf* __restrict__ gout, const float* __restrict__ lse,
+                             const float* __restrict__ delta, Bf* __restrict__ gk, Bf* __restrict__ gv) {
+#if DP_TC_ATTENTION
+  unsigned char* sm = tc_shared();
+  Bf* k_s = reinterpret_cast<Bf*>(sm);
+  Bf* v_s = k_s + kTcTile * kTcLd;
+  Bf* q_s = v_s + kTcTile * kTcLd;
+  Bf* g_s = q_s + kTcTile * kTcLd;
+  float* lse_s = reinterpret_cast<float*>(sm + 4 * kTcTileBytes);
+  float* delta_s = lse_s + kTcTile;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  unsigned char* warp_sm = sm + 4 * kTcTileBytes + 2 * kTcTile * 4 + warp * (kTcBlockBytes + kTcSplitBytes);
+  float* s_w = reinterpret_cast<float*>(warp_sm);
+  Bf* hi_w = reinterpret_cast<Bf*>(warp_sm + kTcBlockBytes);
+  Bf* lo_w = hi_w + kTcRows * kTcLd;
+  const i64 bh = blockIdx.x / p.tiles, j0 = blockIdx.x % p.tiles * kTcTile;
+  const i64 first = j0 + warp * kTcRows;  // the warp's first key
+  const int r = lane / 2, half = lane % 2;
+  const i64 j = first + r;  // the lane's key
+  tc_load(k_s, k + bh * p.S * p.E, j0, p.S, p.E);
+  tc_load(v_s, v + bh * p.S * p.Ev, j0, p.S, p.Ev);
+  FragC dk[4], dv[4];
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb) {
+    wmma::fill_fragment(dk[nb], 0.0f);
+    wmma::fill_fragment(dv[nb], 0.0f);
+  }
+  // Causal: a query i < j0 attends to no key of the block.
+  for (i64 i0 = p.causal ? j0 : 0; i0 < p.L; i0 += kTcTile) {
+    __syncthreads();  // the previous tile is read (and the keys are loaded)
+    tc_load(q_s, q + bh * p.L * p.E, i0, p.L, p.E);
+    tc_load(g_s, gout + bh * p.L * p.Ev, i0, p.L, p.Ev);
+    if (threadIdx.x < kTcTile) {
+      const i64 qi = i0 + threadIdx.x;
+      lse_s[threadIdx.x] = qi < p.L ? lse[bh * p.L + qi] : 0.0f;
+      delta_s[threadIdx.x] = qi < p.L ? delta[bh * p.L + qi] : 0.0f;
+    }
+    __syncthreads();
+    if (first >= p.S || (p.causal && first > i0 + kTcTile - 1)) continue;  // the warp's keys attended by none
+    tc_dots(k_s + warp * kTcRows * kTcLd, q_s, s_w);  // Sᵀ: the warp's keys × the tile's queries
+    __syncwarp();
+    const float* srow = s_w + r * kTcLdF + half * 32;
+    Bf* hr = hi_w + r * kTcLd + half * 32;
+    Bf* lr = lo_w + r * kTcLd + half * 32;
+    float pr[32];
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const int col = half * 32 + c;
+      pr[c] = attends(p, i0 + col, j) ? expf(p.scale * srow[c] - lse_s[col]) : 0.0f;
+      split(pr[c], hr[c], lr[c]);
+    }
+    __syncwarp();
+    tc_weights_times(hi_w, lo_w, g_s, dv);                     // dV += Pᵀ gout
+    tc_dots(v_s + warp * kTcRows * kTcLd, g_s, s_w);         // dPᵀ = v goutᵀ
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const int col = half * 32 + c;
+      const float ds = attends(p, i0 + col, j) ? pr[c] * (srow[c] - delta_s[col]) : 0.0f;
+      split(ds, hr[c], lr[c]);
+    }
+    __syncwarp();
+    tc_weights_times(hi_w, lo_w, q_s, dk);  // dK += dSᵀ q (unscaled)
+    __syncwarp();
+  }
+  __syncwarp();
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb) wmma::store_matrix_sync(s_w + nb * 16, dk[nb], kTcLdF, wmma::mem_row_major);
+  __syncwarp();
+  tc_store_rows(gk + bh * p.S * p.E, s_w, first, p.S, p.E, p.scale);
+  __syncwarp();
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb) wmma::store_matrix_sync(s_w + nb * 16, dv[nb], kTcLdF, wmma::mem_row_major);
+  __syncwarp();
+  tc_store_rows(gv + bh * p.S * p.Ev, s_w, first, p.S, p.Ev, 1.0f);
+#else
+  __trap();
+#endif
+}
+
+/// gq: a block per 64 queries of one (b, h), walking the key tiles.
+__global__ void __launch_bounds__(kThreads)
+    attention_queries_tc_kernel(Params p, const Bf* __restrict__ q, const Bf* __restrict__ k,
+                                const Bf* __restrict__ v, const Bf* __restrict__ gout,
+                                const float* __restrict__ lse, const float* __restrict__ delta,
+                                Bf* __restrict__ gq) {
+#if DP_TC_ATTENTION
+  unsigned char* sm = tc_shared();
+  Bf* q_s = reinterpret_cast<Bf*>(sm);
+  Bf* g_s = q_s + kTcTile * kTcLd;
+  Bf* k_s = g_s + kTcTile * kTcLd;
+  Bf* v_s = k_s + kTcTile * kTcLd;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  unsigned char* warp_sm = sm + 4 * kTcTileBytes + warp * (kTcBlockBytes + kTcSplitBytes);
+  float* s_w = reinterpret_cast<float*>(warp_sm);
+  Bf* hi_w = reinterpret_cast<Bf*>(warp_sm + kTcBlockBytes);
+  Bf* lo_w = hi_w + kTcRows * kTcLd;
+  const i64 bh = blockIdx.x / p.tiles;
+  const i64 i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * kTcTile;  // the longest causal rows first
+  const i64 first = i0 + warp * kTcRows;
+  const int r = lane / 2, half = lane % 2;
+  const i64 i = first + r;  // the lane's query
+  tc_load(q_s, q + bh * p.L * p.E, i0, p.L, p.E);
+  tc_load(g_s, gout + bh * p.L * p.Ev, i0, p.L, p.Ev);
+  const float lse_i = i < p.L ? lse[bh * p.L + i] : 0.0f;
+  const float delta_i = i < p.L ? delta[bh * p.L + i] : 0.0f;
+  FragC dq[4];
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb) wmma::fill_fragment(dq[nb], 0.0f);
+  const i64 end = p.causal ? min64(p.S, min64(p.L, i0 + kTcTile)) : p.S;
+  for (i64 j0 = 0; j0 < end; j0 += kTcTile) {
+    __syncthreads();  // the previous tile is read (and the queries are loaded)
+    tc_load(k_s, k + bh * p.S * p.E, j0, end, p.E);  // zeros from `end` on, as in the forward
+    tc_load(v_s, v + bh * p.S * p.Ev, j0, end, p.Ev);
+    __syncthreads();
+    if (first >= p.L || (p.causal && j0 > first + kTcRows - 1)) continue;  // the warp's rows attend to none
+    tc_dots(q_s + warp * kTcRows * kTcLd, k_s, s_w);
+    __syncwarp();
+    const float* srow = s_w + r * kTcLdF + half * 32;
+    float pr[32];
+#pragma unroll
+    for (int c = 0; c < 32; ++c)
+      pr[c] = attends(p, i, j0 + half * 32 + c) ? expf(p.scale * srow[c] - lse_i) : 0.0f;
+    __syncwarp();  // the scores are read: dP goes where they were
+    tc_dots(g_s + warp * kTcRows * kTcLd, v_s, s_w);  // dP = gout vᵀ
+    __syncwarp();
+    Bf* hr = hi_w + r * kTcLd + half * 32;
+    Bf* lr = lo_w + r * kTcLd + half * 32;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const float ds = attends(p, i, j0 + half * 32 + c) ? pr[c] * (srow[c] - delta_i) : 0.0f;
+      split(ds, hr[c], lr[c]);
+    }
+    __syncwarp();
+    tc_weights_times(hi_w, lo_w, k_s, dq);  // dQ += dS k (unscaled)
+    __syncwarp();
+  }
+  __syncwarp();
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb) wmma::store_matrix_sync(s_w + nb * 16, dq[nb], kTcLdF, wmma::mem_row_major);
+  __syncwarp();
+  tc_store_rows(gq + bh * p.L * p.E, s_w, first, p.L, p.E, p.scale);
+#else
+  __trap();
+#endif
+}
+
+// Shared memory of each tensor-core kernel: tiles (and lse, Δ), then the warps' blocks.
+constexpr std::size_t tc_forward_smem() {
+  return 3 * kTcTileBytes + kWarps * (2 * kTcBlockBytes + kTcSplitBytes);
+}
+constexpr std::size_t tc_keys_smem() {
+  return 4 * kTcTileBytes + 2 * kTcTile * 4 + kWarps * (kTcBlockBytes + kTcSplitBytes);
+}
+constexpr std::size_t tc_queries_smem() { return 4 * kTcTileBytes + kWarps * (kTcBlockBytes + kTcSplitBytes); }
+static_assert(kTcTileBytes % 32 == 0 && kTcBlockBytes % 32 == 0 && kTcSplitBytes % 32 == 0 &&
+                  (2 * kTcTile * 4) % 32 == 0,
+              "fragment pointers stay 32-byte aligned");
+constexpr std::size_t tc_smem_needed() {
+  return std::max(tc_forward_smem(), std::max(tc_keys_smem(), tc_queries_smem()));
+}
+
 // ---- launchers ----------------------------------------------------------------------------
 
 /// The kernels' Params of a call (tiles: each launcher's own).
@@ -578,7 +970,15 @@ void launch(void (*kernel)(KernelArgs...), i64 blocks, std::size_t smem, cudaStr
 /// out and lse of BH problems with p's geometry.
 template <typename T>
 void attention_forward(cudaStream_t stream, Params p, i64 BH, const T* q, const T* k, const T* v, T* out,
-                       float* lse) {
+                       float* lse, bool tc) {
+  if constexpr (std::is_same_v<T, Bf>) {
+    if (tc) {  // Note [Attention on tensor cores]
+      p.tiles = (p.L + kTcTile - 1) / kTcTile;
+      if (BH > 0 && p.tiles > 0)
+        launch(attention_forward_tc_kernel, BH * p.tiles, tc_forward_smem(), stream, p, q, k, v, out, lse);
+      return;
+    }
+  }
   p.tiles = tiles(p.L);
   if (BH == 0 || p.tiles == 0) return;
   with_head_dims(p, [&](auto kd) {
@@ -590,12 +990,26 @@ void attention_forward(cudaStream_t stream, Params p, i64 BH, const T* q, const 
 /// gq, gk, gv of BH problems with p's geometry; delta: scratch of BH·L floats.
 template <typename T>
 void attention_backward(cudaStream_t stream, Params p, i64 BH, const T* q, const T* k, const T* v, const T* out,
-                        const float* lse, const T* gout, float* delta, T* gq, T* gk, T* gv) {
+                        const float* lse, const T* gout, float* delta, T* gq, T* gk, T* gv, bool tc) {
   const i64 rows = BH * p.L;
   if (rows > 0) {
     const i64 blocks = std::min<i64>((rows + kBlock / kWarp - 1) / (kBlock / kWarp), kMaxBlocks);
     attention_delta_kernel<T><<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(out, gout, delta, rows, p.Ev);
     DP_CUDA_CHECK_LAUNCH();
+  }
+  if constexpr (std::is_same_v<T, Bf>) {
+    if (tc) {  // Note [Attention on tensor cores]
+      Params keys = p, queries = p;
+      keys.tiles = (p.S + kTcTile - 1) / kTcTile;
+      queries.tiles = (p.L + kTcTile - 1) / kTcTile;
+      if (BH > 0 && keys.tiles > 0)
+        launch(attention_keys_tc_kernel, BH * keys.tiles, tc_keys_smem(), stream, keys, q, k, v, gout, lse, delta, gk,
+               gv);
+      if (BH > 0 && queries.tiles > 0)
+        launch(attention_queries_tc_kernel, BH * queries.tiles, tc_queries_smem(), stream, queries, q, k, v, gout,
+               lse, delta, gq);
+      return;
+    }
   }
   with_head_dims(p, [&](auto kd) {
     constexpr int kD = decltype(kd)::value;
@@ -647,13 +1061,32 @@ cudaStream_t start(const char* op, CudaBackend& be, Device dev, const AttentionS
   return stream;
 }
 
+/// Whether a call of T takes the tensor-core kernels (Note [Attention on tensor cores]):
+/// bfloat16, no mask, no dropout, head dims up to 64, 16-byte aligned rows, and a GPU
+/// with bfloat16 fragments (sm_80 on) that allows their shared memory.
+template <typename T>
+bool takes_tensor_cores(const Params& p, int gpu, std::initializer_list<const void*> pointers) {
+  if constexpr (!std::is_same_v<T, Bf>) {
+    return false;
+  } else {
+    if (p.mask || p.drop_p > 0.0f || p.E > kTcD || p.Ev > kTcD) return false;
+    for (const void* x : pointers)
+      if (reinterpret_cast<std::uintptr_t>(x) % 16 != 0) return false;
+    int major = 0, limit = 0;
+    DP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, gpu));
+    DP_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, gpu));
+    return major >= 8 && tc_smem_needed() <= static_cast<std::size_t>(limit);
+  }
+}
+
 template <typename H>
 void forward(CudaBackend& be, Device dev, const AttentionForwardArgs& a) {
   using T = device_t<H>;
   cudaStream_t stream = start<H>("attention_forward", be, dev, a.s, a.mask, a.dropout);
-  attention_forward<T>(stream, params(a.s, a.mask, a.causal, a.scale, a.dropout), a.s.B * a.s.H,
-                       static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
-                       static_cast<T*>(a.out), a.lse);
+  const Params p = params(a.s, a.mask, a.causal, a.scale, a.dropout);
+  const bool tc = takes_tensor_cores<T>(p, be.physical_device(dev.index), {a.q, a.k, a.v});
+  attention_forward<T>(stream, p, a.s.B * a.s.H, static_cast<const T*>(a.q), static_cast<const T*>(a.k),
+                       static_cast<const T*>(a.v), static_cast<T*>(a.out), a.lse, tc);
 }
 
 template <typename H>
@@ -662,11 +1095,12 @@ void backward(CudaBackend& be, Device dev, const AttentionBackwardArgs& a) {
   cudaStream_t stream = start<H>("attention_backward", be, dev, a.s, a.mask, a.dropout);
   const i64 rows = a.s.B * a.s.H * a.s.L;
   CudaBackend::Scratch delta(be, dev.index, static_cast<std::size_t>(std::max<i64>(rows, 1)) * sizeof(float));
-  attention_backward<T>(stream, params(a.s, a.mask, a.causal, a.scale, a.dropout), a.s.B * a.s.H,
-                        static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
-                        static_cast<const T*>(a.out), a.lse, static_cast<const T*>(a.gout),
-                        static_cast<float*>(delta.get()), static_cast<T*>(a.gq), static_cast<T*>(a.gk),
-                        static_cast<T*>(a.gv));
+  const Params p = params(a.s, a.mask, a.causal, a.scale, a.dropout);
+  const bool tc = takes_tensor_cores<T>(p, be.physical_device(dev.index), {a.q, a.k, a.v, a.gout});
+  attention_backward<T>(stream, p, a.s.B * a.s.H, static_cast<const T*>(a.q), static_cast<const T*>(a.k),
+                        static_cast<const T*>(a.v), static_cast<const T*>(a.out), a.lse,
+                        static_cast<const T*>(a.gout), static_cast<float*>(delta.get()), static_cast<T*>(a.gq),
+                        static_cast<T*>(a.gk), static_cast<T*>(a.gv), tc);
 }
 
 }  // namespace table
