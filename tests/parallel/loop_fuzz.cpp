@@ -23,7 +23,8 @@
 // some, dampened), one of six models (an MLP; with Dropout; with two
 // layers sharing one weight; a CNN with BatchNorm; a GPT of one TransformerBlock whose
 // head is its token embedding, with and without dropout) on 1-4 devices, the forwards under
-// bfloat16 autocast or not, gradients on the wire in float32, bfloat16 or float16, the
+// bfloat16 autocast (float16, the GradScaler's use, from a seventh stream) or not,
+// gradients on the wire in float32, bfloat16 or float16, the
 // parameters computed in a 16-bit copy (mixed_precision.param_dtype) or not, the
 // losses scaled by a GradScaler or not (unscale_ before clipping or alone; its state
 // in the checkpoints; forward_backward given the scaler beside its loss descriptor) with,
@@ -200,7 +201,8 @@ struct Program {
   double lr = 0.05, momentum = 0, weight_decay = 0;
   bool nesterov = false;
   bool groups = false;     // two parameter groups: matrices; the rest at lr / 2, no weight decay
-  bool autocast = false;   // every micro-batch's forwards and losses under bfloat16 autocast
+  bool autocast = false;   // every micro-batch's forwards and losses under autocast ...
+  dp::Dtype cast = dp::Dtype::BFloat16;  // ... to this dtype (Float16 from the seventh stream)
   dp::Dtype wire = dp::Dtype::Float32;  // mixed_precision.reduce_dtype of every design
   dp::Dtype param = dp::Dtype::Float32;  // mixed_precision.param_dtype of every design (Float32: unset)
   bool scaler = false;     // losses scaled by a GradScaler, which steps and updates (Note [Loop fuzzer])
@@ -328,6 +330,14 @@ Program generate(std::uint64_t seed) {
   for (StepSpec& st : p.steps) {
     st.set_grads = st.edit_grads && sixth_chance(0.5);
     st.keep_zeros = st.zero_grad && sixth_chance(0.2);
+  }
+  // The seventh stream: float16 autocast, the GradScaler's own use. Its forwards and
+  // backwards hold at most 65504, so a scaler starts small (as with a float16 wire).
+  std::mt19937_64 seventh(seed * 0x9E3779B97F4A7C15ull + 23);
+  auto seventh_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(seventh) < q; };
+  if (p.autocast && seventh_chance(0.4)) {
+    p.cast = dp::Dtype::Float16;
+    if (p.scaler) p.init_scale = std::min(p.init_scale, seventh_chance(0.5) ? 4.0 : 16.0);
   }
   normalize(p);
   return p;
@@ -680,7 +690,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       for (const Micro& mi : st.micros) {
         std::optional<dp::DataParallel::NoSyncGuard> guard;
         if (mi.no_sync && model) guard.emplace(*model);
-        dp::amp::autocast cast(dp::Dtype::BFloat16, p.autocast);
+        dp::amp::autocast cast(p.cast, p.autocast);
         if (mi.forward_backward) {
           const Batch b = batch(mi.batch, mi.rows);
           if (model && scaler) {
@@ -1011,7 +1021,7 @@ std::string cpp(const Program& p, const std::string& spelling) {
     for (const Micro& mi : st.micros) {
       os << "{\n";
       if (mi.no_sync) os << "  auto guard = model.no_sync();\n";
-      if (p.autocast) os << "  dp::amp::autocast cast(dp::Dtype::BFloat16);\n";
+      if (p.autocast) os << "  dp::amp::autocast cast(" << wire_spelling(p.cast) << ");\n";
       if (mi.forward_backward) {
         os << "  auto b = batch(" << mi.batch << ", " << mi.rows << ");\n";
         os << "  model.forward_backward(b.x, b.y, dp::nn::CrossEntropyLoss" << kLosses[mi.loss].spelling
@@ -1129,6 +1139,7 @@ Program shrink(Program p, const std::string& design) {
     };
     whole([](Program& q) { return std::exchange(q.groups, false); });
     whole([](Program& q) { return std::exchange(q.autocast, false); });
+    whole([](Program& q) { return std::exchange(q.cast, dp::Dtype::BFloat16) != dp::Dtype::BFloat16; });
     whole([](Program& q) { return std::exchange(q.wire, dp::Dtype::Float32) != dp::Dtype::Float32; });
     whole([](Program& q) { return q.model == Model::TiedMlp && (q.model = Model::Mlp, true); });
     whole([](Program& q) { return q.model == Model::GptDropout && (q.model = Model::Gpt, true); });
