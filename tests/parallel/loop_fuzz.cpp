@@ -35,7 +35,7 @@
 // a gradient] in dp/optim/optimizer.h: not stepped after zero_grad), from a fifth;
 // .grad edits spelt set_grad and zero_grad(false) (set_to_none=False), from a sixth —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
-// deferred gather too). The features added after the first grammar (groups, the tied
+// deferred gather too, 2 and 3 with every Linear a gather unit). The features added after the first grammar (groups, the tied
 // model, autocast, the wire dtype, param_dtype) are drawn from a second random stream
 // and the GPT and the scaler from a third, each after the ones before it, so a program
 // number keeps the rest of its program. After every step each design's state_dict (and
@@ -513,6 +513,14 @@ std::vector<Design> designs() {
     out.push_back({"Sharded stage " + std::to_string(stage),
                    "{.mode = dp::Mode::Sharded, .shard_stage = " + std::to_string(stage) + "}",
                    {.mode = dp::Mode::Sharded, .shard_stage = stage}});
+  // Units of their own (FSDP's auto-wrap): every Linear, the outermost where they nest —
+  // the GPT's projections inside its block, the MLPs' layers, the CNN's head — so that a
+  // top-level child splits into several units and runs of parameters between them.
+  for (int stage : {2, 3})
+    out.push_back({"Sharded stage " + std::to_string(stage) + ", a unit per Linear",
+                   "{.mode = dp::Mode::Sharded, .shard_stage = " + std::to_string(stage) +
+                       ", .shard_unit = dp::nn::is_module<dp::nn::Linear>}",
+                   {.mode = dp::Mode::Sharded, .shard_stage = stage, .shard_unit = dp::nn::is_module<dp::nn::Linear>}});
   // The deferred gather exists in one process only (refused across processes).
   if (dp::dist::world_size() == 1)
     for (int stage : {1, 2})
