@@ -380,6 +380,17 @@ __device__ __forceinline__ void store_rows(T* dst, const float (&acc)[kRowsPerWa
   }
 }
 
+/// lse and Δ of the query tile [i0, i0 + n) of one (b, h) into shared memory (0 past row L):
+/// the keys kernels' per-tile statistics, one thread a row.
+__device__ __forceinline__ void load_row_stats(int n, const float* lse, const float* delta, i64 i0, i64 L,
+                                               float* lse_s, float* delta_s) {
+  if (static_cast<int>(threadIdx.x) < n) {
+    const i64 i = i0 + threadIdx.x;
+    lse_s[threadIdx.x] = i < L ? lse[i] : 0.0f;
+    delta_s[threadIdx.x] = i < L ? delta[i] : 0.0f;
+  }
+}
+
 /// Row pointers of the backward kernels' tiles: the block's own kTile rows (two
 /// matrices) and the tile of the other side it walks (two more), in shared memory.
 struct BackwardTiles {
@@ -446,11 +457,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the previous tile is read (and the keys are loaded)
     load_tile<kD>(t.walk_a, q + bh * p.L * p.E, i0, p.L, p.E);
     load_tile<kD>(t.walk_b, gout + bh * p.L * p.Ev, i0, p.L, p.Ev);
-    if (threadIdx.x < kTile) {
-      const i64 i = i0 + threadIdx.x;
-      lse_s[threadIdx.x] = i < p.L ? lse[bh * p.L + i] : 0.0f;
-      delta_s[threadIdx.x] = i < p.L ? delta[bh * p.L + i] : 0.0f;
-    }
+    load_row_stats(kTile, lse + bh * p.L, delta + bh * p.L, i0, p.L, lse_s, delta_s);
     __syncthreads();
     if (first >= p.S || (p.causal && first > i0 + kTile - 1)) continue;  // the warp's keys attended by none
     keys_tile<T, kD>(p, bh, first, i0, t.own_a + warp * kRowsPerWarp * kS, t.own_b + warp * kRowsPerWarp * kS,
@@ -765,11 +772,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the previous tile is read (and the keys are loaded)
     tc_load(q_s, q + bh * p.L * p.E, i0, p.L, p.E);
     tc_load(g_s, gout + bh * p.L * p.Ev, i0, p.L, p.Ev);
-    if (threadIdx.x < kTcTile) {
-      const i64 qi = i0 + threadIdx.x;
-      lse_s[threadIdx.x] = qi < p.L ? lse[bh * p.L + qi] : 0.0f;
-      delta_s[threadIdx.x] = qi < p.L ? delta[bh * p.L + qi] : 0.0f;
-    }
+    load_row_stats(kTcTile, lse + bh * p.L, delta + bh * p.L, i0, p.L, lse_s, delta_s);
     __syncthreads();
     if (first >= p.S || (p.causal && first > i0 + kTcTile - 1)) continue;  // the warp's keys attended by none
     tc_dots(k_s + warp * kTcRows * kTcLd, q_s, s_w);  // Sᵀ: the warp's keys × the tile's queries
