@@ -655,6 +655,19 @@ __device__ __forceinline__ void tc_store_rows(Bf* dst, const float* block, i64 f
   }
 }
 
+#if DP_TC_ATTENTION
+/// The warp's 16 × 64 result in fragments, staged through its float block, stored as
+/// tc_store_rows does.
+__device__ __forceinline__ void tc_store_fragments(Bf* dst, const FragC (&acc)[4], float* block, i64 first, i64 n,
+                                                   int width, float factor) {
+  __syncwarp();  // the block's last readers are done
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb) wmma::store_matrix_sync(block + nb * 16, acc[nb], kTcLdF, wmma::mem_row_major);
+  __syncwarp();
+  tc_store_rows(dst, block, first, n, width, factor);
+}
+#endif
+
 /// out (B, H, L, Ev) and lse: a block per 64 queries of one (b, h).
 __global__ void __launch_bounds__(kThreads)
     attention_forward_tc_kernel(Params p, const Bf* __restrict__ q, const Bf* __restrict__ k,
@@ -801,16 +814,8 @@ __global__ void __launch_bounds__(kThreads)
     tc_weights_times(hi_w, lo_w, q_s, dk);  // dK += dSᵀ q (unscaled)
     __syncwarp();
   }
-  __syncwarp();
-#pragma unroll
-  for (int nb = 0; nb < 4; ++nb) wmma::store_matrix_sync(s_w + nb * 16, dk[nb], kTcLdF, wmma::mem_row_major);
-  __syncwarp();
-  tc_store_rows(gk + bh * p.S * p.E, s_w, first, p.S, p.E, p.scale);
-  __syncwarp();
-#pragma unroll
-  for (int nb = 0; nb < 4; ++nb) wmma::store_matrix_sync(s_w + nb * 16, dv[nb], kTcLdF, wmma::mem_row_major);
-  __syncwarp();
-  tc_store_rows(gv + bh * p.S * p.Ev, s_w, first, p.S, p.Ev, 1.0f);
+  tc_store_fragments(gk + bh * p.S * p.E, dk, s_w, first, p.S, p.E, p.scale);
+  tc_store_fragments(gv + bh * p.S * p.Ev, dv, s_w, first, p.S, p.Ev, 1.0f);
 #else
   __trap();
 #endif
@@ -873,11 +878,7 @@ __global__ void __launch_bounds__(kThreads)
     tc_weights_times(hi_w, lo_w, k_s, dq);  // dQ += dS k (unscaled)
     __syncwarp();
   }
-  __syncwarp();
-#pragma unroll
-  for (int nb = 0; nb < 4; ++nb) wmma::store_matrix_sync(s_w + nb * 16, dq[nb], kTcLdF, wmma::mem_row_major);
-  __syncwarp();
-  tc_store_rows(gq + bh * p.L * p.E, s_w, first, p.L, p.E, p.scale);
+  tc_store_fragments(gq + bh * p.L * p.E, dq, s_w, first, p.L, p.E, p.scale);
 #else
   __trap();
 #endif
