@@ -58,9 +58,10 @@ constexpr bool is_floating_point(Dtype dtype) {
 // Where they differ dp's result is the correctly rounded one (checked against
 // double-precision values) and PyTorch rounds an intermediate: erf at 44 % of the inputs,
 // 1.5 / x at 31 %, pow(x, 3) at 11 %, x + 0.7 at 1 % (PyTorch rounds the scalar to
-// bfloat16 first). Exact gelu differs at 0.8 % (both compute 1 + erf(x/√2), which cancels
-// for negative x) and tanh-gelu at 4 inputs (large negative x: PyTorch's tanh reaches -1,
-// giving -0). Sums, means and products of matrices accumulate in float32 and round once
+// bfloat16 first). Exact gelu differs at 1.1 % (PyTorch computes 1 + erf(x/√2), which
+// cancels for negative x; dp takes erfc(-x/√2) there, Note [Fused GELU]; 0.8 % on
+// 2026-11-29, when dp cancelled too) and tanh-gelu at 4 inputs (large negative x:
+// PyTorch's tanh reaches -1, giving -0). Sums, means and products of matrices accumulate in float32 and round once
 // at the end.
 // An op given float32 and 16-bit operands computes in float32 and returns float32 (the
 // wider dtype, as PyTorch promotes); two different 16-bit dtypes promote to float32 too.
