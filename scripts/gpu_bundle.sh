@@ -19,6 +19,8 @@
 # whole build's bundle is about 200 MB, more than a lent GPU machine takes with the
 # working tree (64 MiB); the compact one is a few tens of MB. There:
 #   tar -xJf DEST.tar.xz && scripts/gpu_check.sh --bundle DEST
+# A CUDA object older than the newest header under src/ or include/ is refused (exit 2):
+# Meson before 1.2 does not rebuild CUDA objects when a header changes.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 compact=0
@@ -28,6 +30,18 @@ dest=$(realpath -m "${2:-$root/.gpu-bundle}")
 [[ -f $build/meson-info/intro-tests.json ]] ||
   { echo "gpu_bundle: $build is not a configured Meson build (no meson-info/intro-tests.json)" >&2; exit 2; }
 [[ $dest != "$build" && $dest != / ]] || { echo "gpu_bundle: refusing to write the bundle over $dest" >&2; exit 2; }
+# Meson before 1.2 records no header a .cu file includes (meson.build warns): a CUDA
+# object older than the newest header would put old device code beside new host code.
+newest_header=$(find "$root/src" "$root/include" \( -name '*.h' -o -name '*.cuh' \) -printf '%T@ %p\n' |
+                sort -n | tail -1 | cut -d' ' -f2-)
+if [[ -n $newest_header ]]; then
+  stale=$(find "$build" -name '*.cu.o' ! -newer "$newest_header" | head -3)
+  if [[ -n $stale ]]; then
+    echo "gpu_bundle: CUDA objects older than $newest_header (e.g. $(echo "$stale" | head -1)):" \
+         "this Meson may not have rebuilt them; run find $build -name '*.cu.o' -delete && ninja -C $build" >&2
+    exit 2
+  fi
+fi
 
 rm -rf "$dest"
 mkdir -p "$dest/lib"
