@@ -5,8 +5,8 @@ Packs the build under test into a bundle in a temporary folder, runs one suite o
 (`core`: two doctest binaries that load libdp from the bundle) through
 run_bundle_tests.py from a copy of the bundle moved elsewhere (the paths it was built
 at must be mapped), and checks that every bad input is a clear error with a nonzero
-exit: a folder that is no build, a bundle written over its build, a folder that is no
-bundle, a suite with no tests, a failing test.
+exit: a folder that is no build, a bundle written over its build, a CUDA object older
+than the newest header, a folder that is no bundle, a suite with no tests, a failing test.
 
   gpu_bundle_test.py --source SRC --build BUILD
 """
@@ -62,6 +62,18 @@ def main():
               f"a folder that is no build is refused (exit {p.returncode}): {p.stdout.strip()}")
         p = run(["bash", bundle_sh, a.build, a.build])
         check(p.returncode == 2 and "refusing" in p.stdout, f"a bundle over its build is refused: {p.stdout.strip()}")
+        # A CUDA object older than the newest header (Meson before 1.2 does not rebuild it).
+        stale = os.path.join(tmp, "stale-build")
+        os.makedirs(os.path.join(stale, "meson-info"))
+        os.makedirs(os.path.join(stale, "src", "libdp.so.p"))
+        with open(os.path.join(stale, "meson-info", "intro-tests.json"), "w") as f:
+            f.write("[]")
+        old = os.path.join(stale, "src", "libdp.so.p", "backend_cuda_x.cu.o")
+        open(old, "w").close()
+        os.utime(old, (946684800, 946684800))  # 2000-01-01: older than any header of the checkout
+        p = run(["bash", bundle_sh, stale, os.path.join(tmp, "y")])
+        check(p.returncode == 2 and "CUDA objects older than" in p.stdout and "-delete" in p.stdout,
+              f"a stale CUDA object is refused (exit {p.returncode}): {p.stdout.strip()}")
         p = run([sys.executable, runner, tmp])
         check(p.returncode != 0 and "is not a bundle" in p.stdout, f"a folder that is no bundle: {p.stdout.strip()}")
         p = run([sys.executable, runner, moved, "--suite", "no-such-suite"], env=env)
