@@ -18,6 +18,8 @@
 # taken S seconds, the steps left are skipped (the report lists them as skipped, not
 # failed); the suites always run. The benchmarks run in order of need, the open
 # issues' first, so a lease of a few minutes records those.
+# DP_GPU_CHECK_ROUNDS=N (default 2) sets the alternating rounds of the three comparisons
+# against PyTorch: 1 fits a lease of a few minutes (one round each: ratios of one run).
 # DP_GPU_CHECK_STEP_TIMEOUT=S stops any one step after S seconds (it then fails); the
 # steps against PyTorch get more: 4 S the bf16 CNN and ResNet-18, 3 S the GPT, 3 S
 # the fp32 three models (four contenders a round).
@@ -52,6 +54,9 @@ done
 
 [[ ${DP_GPU_CHECK_BUDGET:-420} =~ ^[0-9]+$ ]] ||
   { echo "gpu_check: DP_GPU_CHECK_BUDGET='$DP_GPU_CHECK_BUDGET' is not a number of seconds" >&2; exit 2; }
+rounds=${DP_GPU_CHECK_ROUNDS:-2}
+[[ $rounds =~ ^[1-9][0-9]*$ ]] ||
+  { echo "gpu_check: DP_GPU_CHECK_ROUNDS='$rounds' is not a positive number of rounds" >&2; exit 2; }
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu_check: no NVIDIA GPU visible (nvidia-smi -L failed): nothing to check" >&2
   exit 77
@@ -210,14 +215,14 @@ if ((!quick)); then
     # at 2-4 min on an H100 machine before its first run, so it counts as four steps).
     run --steps 4 "$bf16_step" python3 "$root/bench/gpu_side_by_side.py" \
       --binary "$build/samples/dp_vs_ddp/dp_vs_ddp" --precision bf16 --models cnn,resnet18 \
-      --rounds 2 --steps 50 --warmup 10 --compile-timeout 150
+      --rounds "$rounds" --steps 50 --warmup 10 --compile-timeout 150
     # GPT-2 small's shape (12 layers, 12 heads, 768 wide, context 1024, the corpus'
     # characters as vocabulary), batch 8, bf16: samples/gpt against nanoGPT's recipe in
     # PyTorch (SDPA, fused AdamW) eager and compiled, tokens/s and MFU; two rounds of 30
     # steps (20 timed), estimated at 2-3 min with GPT-2's compile, so three steps.
     run --steps 3 "$gpt_step" python3 "$root/bench/gpt_side_by_side.py" --device cuda \
       --binary "$build/samples/gpt/gpt" --data "$out/corpus.txt" --precision bf16 --batch 8 \
-      --rounds 2 --steps 30 --warmup 10 --compile-timeout 180 ${peak_bf16:+--peak-gflops "$peak_bf16"}
+      --rounds "$rounds" --steps 30 --warmup 10 --compile-timeout 180 ${peak_bf16:+--peak-gflops "$peak_bf16"}
   fi
   run "kernels" "$build/bench/kernels_bench" --device cuda:0
   run "kernels, TF32" "$build/bench/kernels_bench" --device cuda:0 --tf32 --filter gemm,conv2d
@@ -258,7 +263,7 @@ if ((!quick)); then
     # Two rounds of three models and four contenders, each PyTorch one a fresh process:
     # about 150 s a round on an H100 machine, so it counts as three steps.
     run --steps 3 "$fp32_step" python3 "$root/bench/gpu_side_by_side.py" \
-      --binary "$build/samples/dp_vs_ddp/dp_vs_ddp" --rounds 2 --steps 50 --warmup 10 --dp-env
+      --binary "$build/samples/dp_vs_ddp/dp_vs_ddp" --rounds "$rounds" --steps 50 --warmup 10 --dp-env
   fi
 fi
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """scripts/gpu_check.sh without a GPU: --help prints the whole header comment (up to its
-exit-status paragraph, nothing of the code), an unknown argument is refused with exit 2,
+exit-status paragraph, nothing of the code), an unknown argument and a bad setting
+(DP_GPU_CHECK_ROUNDS, DP_GPU_CHECK_BUDGET) are refused with exit 2,
 and a machine without nvidia-smi skips with 77 before writing anything."""
 import os
 import subprocess
@@ -31,6 +32,11 @@ check(any("DP_GPU_CHECK_STEP_TIMEOUT" in l for l in p.stdout.splitlines()), "--h
 p = run("--frobnicate")
 check(p.returncode == 2 and "unknown argument '--frobnicate'" in p.stdout,
       f"an unknown argument is refused with exit 2 and named: rc {p.returncode}, {p.stdout!r}")
+
+for var, value in (("DP_GPU_CHECK_ROUNDS", "0"), ("DP_GPU_CHECK_ROUNDS", "two"), ("DP_GPU_CHECK_BUDGET", "-1")):
+    p = run(env=dict(os.environ, **{var: value}))
+    check(p.returncode == 2 and f"{var}='{value}'" in p.stdout,
+          f"{var}={value} is refused with exit 2 and named: rc {p.returncode}, {p.stdout!r}")
 
 with tempfile.TemporaryDirectory() as tmp:
     # A PATH without nvidia-smi: the check skips (77) and writes no report.
