@@ -913,11 +913,55 @@ def op_inplace(p, rng):
         mine.add(t)
 
 
+def op_more(p, rng):
+    """logsigmoid, the fused linear + relu, and nll_loss (class weights, ignore_index)."""
+    kind = rng.choice(["logsigmoid", "linear_relu", "nll_loss"])
+    if kind == "logsigmoid":
+        v = pick(p, rng)
+        if v is None:
+            return None
+        lo, hi, _ = p.values[v]
+        return f"logsigmoid v{v}", F.logsigmoid(lo), F.logsigmoid(hi), "float"
+    if kind == "linear_relu":
+        v = pick(p, rng, min_dims=1)
+        if v is None:
+            return None
+        lo, hi, _ = p.values[v]
+        w = p.new_input([rng.randint(1, 4), lo.shape[-1]])
+        b = p.new_input([p.values[w][0].shape[0]])
+        (lw, hw, _), (lb, hb, _) = p.values[w], p.values[b]
+        out_lo, out_hi = F.linear(lo, lw, lb), F.linear(hi, hw, hb)
+        if out_hi.numel() and float(out_hi.detach().abs().min()) < 1e-3:
+            return None  # relu has no agreed gradient at 0
+        return f"linear_relu v{v} v{w} v{b}", F.relu(out_lo), F.relu(out_hi), "float"
+    v = pick(p, rng, dims=[2])
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    N, C = lo.shape
+    if C == 0:
+        return None
+    t = p.new_ints([N], 0, C)
+    lt = p.values[t][0].clone()
+    ignore = rng.choice([-100, 0])
+    red = rng.choice(["mean", "sum", "none"])
+    wt, wtext = (None, None), "-"
+    if rng.random() < 0.4:
+        k = p.new_const([C])
+        wt, wtext = (p.values[k][0], p.values[k][1]), f"v{k}"
+    if red == "mean" and bool((lt == ignore).all()):
+        return None
+
+    def f(x, weight):
+        return F.nll_loss(x, lt, weight=weight, reduction=red, ignore_index=ignore)
+    return f"nll_loss v{v} v{t} {red} {ignore} {wtext}", f(lo, wt[0]), f(hi, wt[1]), "float"
+
+
 OPS = [(op_unary, 6), (op_unary_positive, 2), (op_pow, 1), (op_scalar, 2), (op_binary, 6), (op_compare_where, 2),
        (op_tri, 1), (op_reduce, 4), (op_shape, 8), (op_matmul, 4), (op_softmax, 2), (op_layer_norm, 2),
        (op_attention, 1), (op_embedding, 1), (op_loss, 2), (op_cast, 2), (op_linear, 2), (op_autocast_matmul, 1),
        (op_conv, 2), (op_pool, 2), (op_batch_norm, 1), (op_index, 2), (op_loss2, 2), (op_argmax_gather, 1),
-       (op_inplace, 2), (op_clamp, 1), (op_index_add, 1)]
+       (op_inplace, 2), (op_clamp, 1), (op_index_add, 1), (op_more, 2)]
 
 
 def draw(seed, attempt=0):

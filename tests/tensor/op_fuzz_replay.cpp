@@ -183,6 +183,7 @@ class Run {
     if (op == "contiguous") return value(a(0)).contiguous();
     if (op == "gelu") return dp::nn::gelu(value(a(0)));
     if (op == "gelu_tanh") return dp::nn::gelu(value(a(0)), "tanh");
+    if (op == "logsigmoid") return dp::nn::logsigmoid(value(a(0)));
     if (op == "pow") return dp::pow(value(a(0)), f64(a(1)));
     if (op == "bf16") return value(a(0)).to(dp::Dtype::BFloat16);
     if (op == "f32") return value(a(0)).to(dp::Dtype::Float32);
@@ -257,6 +258,13 @@ class Run {
       if (w.size() > 7) o.weight = maybe(a(4)).value_or(Tensor());
       return dp::nn::cross_entropy(value(a(0)), value(a(1)), o);
     }
+    if (op == "nll_loss") {
+      dp::nn::NLLLossOptions o;
+      o.reduction = reduction(a(2));
+      o.ignore_index = i64(a(3));
+      o.weight = maybe(a(4)).value_or(Tensor());
+      return dp::nn::nll_loss(value(a(0)), value(a(1)), o);
+    }
     if (op == "mse") return dp::nn::mse_loss(value(a(0)), value(a(1)), reduction(a(2)));
     if (op == "bce") {
       dp::nn::BCEWithLogitsOptions o;
@@ -267,6 +275,7 @@ class Run {
     if (op == "smooth_l1") return dp::nn::smooth_l1_loss(value(a(0)), value(a(1)), reduction(a(2)), f64(a(3)));
     // Layers' ops, and autocast's policy on the products.
     if (op == "linear") return dp::linear(value(a(0)), value(a(1)), maybe(a(2)).value_or(Tensor()));
+    if (op == "linear_relu") return dp::linear_relu(value(a(0)), value(a(1)), value(a(2)));
     if (op == "ac_linear") {
       dp::amp::autocast cast(dp::Dtype::BFloat16);
       return dp::linear(value(a(0)), value(a(1)), maybe(a(2)).value_or(Tensor()));
