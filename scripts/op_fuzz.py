@@ -914,8 +914,37 @@ def op_inplace(p, rng):
 
 
 def op_more(p, rng):
-    """logsigmoid, the fused linear + relu, and nll_loss (class weights, ignore_index)."""
-    kind = rng.choice(["logsigmoid", "linear_relu", "nll_loss"])
+    """logsigmoid, the fused linear + relu, nll_loss (class weights, ignore_index), and the
+    CNN's fused conv2d + relu (+ max_pool2d)."""
+    kind = rng.choice(["logsigmoid", "linear_relu", "nll_loss", "conv_relu", "conv_relu_pool"])
+    if kind in ("conv_relu", "conv_relu_pool"):
+        x = image(p, rng)
+        lo, hi, _ = p.values[x]
+        N, C, H, W = lo.shape
+        k = rng.randint(1, 3)
+        stride, pad = rng.randint(1, 2), rng.randint(0, 1)
+        if C == 0 or H + 2 * pad < k or W + 2 * pad < k:
+            return None
+        w = p.new_input([rng.randint(1, 3), C, k, k], -1.0, 1.0)
+        b = p.new_input([p.values[w][0].shape[0]])
+        (lw, hw, _), (lb, hb, _) = p.values[w], p.values[b]
+        conv_lo, conv_hi = F.conv2d(lo, lw, lb, stride, pad), F.conv2d(hi, hw, hb, stride, pad)
+        if conv_hi.numel() and float(conv_hi.detach().abs().min()) < 1e-3:
+            return None  # relu has no agreed gradient at 0
+        if kind == "conv_relu":
+            return f"conv2d_relu v{x} v{w} v{b} {stride} {pad}", F.relu(conv_lo), F.relu(conv_hi), "float"
+        P, Q = conv_hi.shape[2], conv_hi.shape[3]
+        pk = rng.randint(1, 3)
+        ps, pp = rng.randint(1, 3), rng.randint(0, pk // 2)
+        if P + 2 * pp < pk or Q + 2 * pp < pk:
+            return None
+        # Ties among positive values in a window have no agreed gradient (zeros carry none).
+        pos = F.relu(conv_hi).detach().flatten()
+        pos = pos[pos > 0]
+        if pos.numel() > 1 and bool((pos.sort().values.diff() < 1e-3).any()):
+            return None
+        return (f"conv2d_relu_max_pool2d v{x} v{w} v{b} {stride} {pad} {pk} {ps} {pp}",
+                F.max_pool2d(F.relu(conv_lo), pk, ps, pp), F.max_pool2d(F.relu(conv_hi), pk, ps, pp), "float")
     if kind == "logsigmoid":
         v = pick(p, rng)
         if v is None:

@@ -286,6 +286,11 @@ class Run {
     }
     if (op == "conv2d")
       return dp::nn::conv2d(value(a(0)), value(a(1)), maybe(a(2)).value_or(Tensor()), i64(a(3)), i64(a(4)));
+    if (op == "conv2d_relu")
+      return dp::nn::conv2d_relu(value(a(0)), value(a(1)), value(a(2)), i64(a(3)), i64(a(4)));
+    if (op == "conv2d_relu_max_pool2d")
+      return dp::nn::conv2d_relu_max_pool2d(value(a(0)), value(a(1)), value(a(2)), i64(a(3)), i64(a(4)), i64(a(5)),
+                                            i64(a(6)), i64(a(7)));
     if (op == "max_pool2d") return dp::nn::max_pool2d(value(a(0)), i64(a(1)), i64(a(2)), i64(a(3)));
     if (op == "avg_pool2d") return dp::nn::avg_pool2d(value(a(0)), i64(a(1)), i64(a(2)), i64(a(3)));
     if (op == "adaptive_avg_pool2d") return dp::nn::adaptive_avg_pool2d(value(a(0)), i64(a(1)), i64(a(2)));
