@@ -33,9 +33,11 @@
 // (set_requires_grad(false)) in some steps, from a fourth stream; a Side layer on the
 // logits (not the GPT's) that the forwards of some steps skip, so that no backward reaches it (Note [Parameters without
 // a gradient] in dp/optim/optimizer.h: not stepped after zero_grad), from a fifth;
-// .grad edits spelt set_grad and zero_grad(false) (set_to_none=False), from a sixth —
+// .grad edits spelt set_grad and zero_grad(false) (set_to_none=False), from a sixth;
+// clip_grad_value_ from an eighth —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
-// deferred gather too, 2 and 3 with every Linear a gather unit). The features added after the first grammar (groups, the tied
+// deferred gather too, 2 and 3 with every Linear a gather unit). The features added
+// after the first grammar (groups, the tied
 // model, autocast, the wire dtype, param_dtype) are drawn from a second random stream
 // and the GPT and the scaler from a third, each after the ones before it, so a program
 // number keeps the rest of its program. After every step each design's state_dict (and
@@ -181,6 +183,7 @@ struct StepSpec {
   bool set_grads = false;     // ... spelt p.set_grad(p.grad() * 0.5), PyTorch's p.grad = ..., not in place
   bool keep_zeros = false;    // zero_grad(false): PyTorch's set_to_none=False
   double clip = 0;            // > 0: clip_grad_norm_(params, clip) before the step
+  double clip_value = 0;      // > 0: clip_grad_value_(params, clip_value) after it (the eighth stream)
   bool scheduler = false;     // StepLR(step_size 1, gamma 0.5) steps after opt.step()
   bool evaluate = false;      // eval(), a no_grad forward, train() after the step
   bool reload = false;        // state_dict() scaled by 0.99, loaded back, after the step
@@ -339,6 +342,12 @@ Program generate(std::uint64_t seed) {
     p.cast = dp::Dtype::Float16;
     if (p.scaler) p.init_scale = std::min(p.init_scale, seventh_chance(0.5) ? 4.0 : 16.0);
   }
+  // The eighth stream: clip_grad_value_ (each element clamped; on the owners' ranges in
+  // Sharded), after clip_grad_norm_ where both are drawn.
+  std::mt19937_64 eighth(seed * 0xC2B2AE3D27D4EB4Full + 29);
+  auto eighth_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(eighth) < q; };
+  for (StepSpec& st : p.steps)
+    if (eighth_chance(0.15)) st.clip_value = eighth_chance(0.5) ? 0.01 : 0.1;
   normalize(p);
   return p;
 }
@@ -749,8 +758,9 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
           g.mul_(0.5f);
         }
       }
-      if (scaler && (st.clip > 0 || st.unscale)) scaler->unscale_(opt);
+      if (scaler && (st.clip > 0 || st.clip_value > 0 || st.unscale)) scaler->unscale_(opt);
       if (st.clip > 0) dp::nn::utils::clip_grad_norm_(params, st.clip);
+      if (st.clip_value > 0) dp::nn::utils::clip_grad_value_(params, st.clip_value);
       if (scaler) {
         scaler->step(opt);
         scaler->update();
@@ -1068,8 +1078,10 @@ std::string cpp(const Program& p, const std::string& spelling) {
       os << (st.set_grads ? "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.set_grad(t.grad() * 0.5); }\n"
                           : "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.grad().mul_(0.5f); }\n");
     if (static_cast<int>(s) == p.poison_step) os << "g_poison_device = -1;\n";
-    if (p.scaler && (st.clip > 0 || st.unscale)) os << "scaler.unscale_(opt);\n";
+    if (p.scaler && (st.clip > 0 || st.clip_value > 0 || st.unscale)) os << "scaler.unscale_(opt);\n";
     if (st.clip > 0) os << "dp::nn::utils::clip_grad_norm_(model.parameters(), " << st.clip << ");\n";
+    if (st.clip_value > 0)
+      os << "dp::nn::utils::clip_grad_value_(model.parameters(), " << st.clip_value << ");\n";
     os << (p.scaler ? "scaler.step(opt);\nscaler.update();\n" : "opt.step();\n");
     if (st.scheduler) os << "sched.step();\n";
     if (st.evaluate) os << "model.eval(); { dp::NoGradGuard g; (void)model(batch(900, 5).x); } model.train();\n";
@@ -1111,6 +1123,7 @@ Program shrink(Program p, const std::string& design) {
         if (edit(q.steps[s])) candidates.push_back(q);
       };
       with([](StepSpec& t) { return std::exchange(t.clip, 0.0) > 0; });
+      with([](StepSpec& t) { return std::exchange(t.clip_value, 0.0) > 0; });
       with([](StepSpec& t) { return std::exchange(t.scheduler, false); });
       with([](StepSpec& t) { return std::exchange(t.evaluate, false); });
       with([](StepSpec& t) { return std::exchange(t.edit_params, false); });
