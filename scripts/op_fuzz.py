@@ -523,17 +523,34 @@ def op_embedding(p, rng):
             "float")
 
 
+def class_scores(p, rng):
+    """Scores (N, C) with C > 0 and a new target per row: (v, lo, hi, N, C, t, lt), lt a
+    copy of the targets to edit; None where no such value is drawn."""
+    v = pick(p, rng, dims=[2])
+    if v is None:
+        return None
+    lo, hi, _ = p.values[v]
+    N, C = lo.shape
+    if C == 0:
+        return None
+    t = p.new_ints([N], 0, C)
+    return v, lo, hi, N, C, t, p.values[t][0].clone()
+
+
+def class_weights(p, rng, C, chance):
+    """Class weights (C) drawn with probability `chance`: ((lo, hi), text), or no weight."""
+    if rng.random() < chance:
+        k = p.new_const([C])
+        return (p.values[k][0], p.values[k][1]), f"v{k}"
+    return (None, None), "-"
+
+
 def op_loss(p, rng):
     if rng.random() < 0.5:
-        v = pick(p, rng, dims=[2])
-        if v is None:
+        drawn = class_scores(p, rng)
+        if drawn is None:
             return None
-        lo, hi, _ = p.values[v]
-        N, C = lo.shape
-        if C == 0:
-            return None
-        t = p.new_ints([N], 0, C)
-        lt = p.values[t][0].clone()
+        v, lo, hi, N, C, t, lt = drawn
         ignore = -100
         if rng.random() < 0.3 and N > 1:
             lt[rng.randrange(N)] = ignore
@@ -543,10 +560,7 @@ def op_loss(p, rng):
         smooth = rng.choice([0.0, 0.0, 0.1])
         if red == "mean" and bool((lt == ignore).all()):
             return None
-        wt, wtext = (None, None), "-"
-        if rng.random() < 0.35:  # class weights
-            k = p.new_const([C])
-            wt, wtext = (p.values[k][0], p.values[k][1]), f"v{k}"
+        wt, wtext = class_weights(p, rng, C, 0.35)
 
         def f(x, weight):
             return F.cross_entropy(x, lt, weight=weight, reduction=red, label_smoothing=smooth, ignore_index=ignore)
@@ -963,21 +977,13 @@ def op_more(p, rng):
         if out_hi.numel() and float(out_hi.detach().abs().min()) < 1e-3:
             return None  # relu has no agreed gradient at 0
         return f"linear_relu v{v} v{w} v{b}", F.relu(out_lo), F.relu(out_hi), "float"
-    v = pick(p, rng, dims=[2])
-    if v is None:
+    drawn = class_scores(p, rng)
+    if drawn is None:
         return None
-    lo, hi, _ = p.values[v]
-    N, C = lo.shape
-    if C == 0:
-        return None
-    t = p.new_ints([N], 0, C)
-    lt = p.values[t][0].clone()
+    v, lo, hi, N, C, t, lt = drawn
     ignore = rng.choice([-100, 0])
     red = rng.choice(["mean", "sum", "none"])
-    wt, wtext = (None, None), "-"
-    if rng.random() < 0.4:
-        k = p.new_const([C])
-        wt, wtext = (p.values[k][0], p.values[k][1]), f"v{k}"
+    wt, wtext = class_weights(p, rng, C, 0.4)
     if red == "mean" and bool((lt == ignore).all()):
         return None
 
