@@ -455,12 +455,29 @@ DP_HD inline float normal_from(std::uint64_t seed, std::uint64_t index) {
 // The per-element formulas of torch.optim.SGD and torch.optim.Adam/AdamW (single-tensor
 // implementation), as documented in backend.h. Scalars that do not depend on the element
 // are computed once on the host by the make_* helpers.
+//
+// Note [Optimizer scalars in double]
+// PyTorch's hyper-parameters are Python floats (doubles): 1 - beta2, 1 - dampening,
+// 1 - lr * weight_decay, the bias corrections and lr / (1 - beta1^t) are computed in
+// double and reach the float32 kernel rounded once. The make_* helpers take the
+// optimizer's double options and do the same. Rounding beta2 = 0.999 to float first
+// and subtracting there gives 1 - beta2 = 0.00099998713 (float's 0.999 is
+// 0.99900001287), 1.3e-5 away from PyTorch's 0.001: every exp_avg_sq was that far from
+// PyTorch's, found by the optimizer fuzzer (Note [Optimizer fuzzer] in
+// tests/optim/optim_fuzz_replay.cpp).
 
 /// Per-step scalars of SGD.
 struct SgdParams {
-  float lr, momentum, dampening, weight_decay;
+  float lr, momentum, one_minus_dampening, weight_decay;
   bool nesterov, first_step;
 };
+
+/// SgdParams from the optimizer's options (Note [Optimizer scalars in double]).
+inline SgdParams make_sgd_params(double lr, double momentum, double dampening, double weight_decay,
+                                 bool nesterov, bool first_step) {
+  return SgdParams{static_cast<float>(lr), static_cast<float>(momentum), static_cast<float>(1.0 - dampening),
+                   static_cast<float>(weight_decay), nesterov, first_step};
+}
 
 /// One SGD element update: p, and buf when momentum != 0 (buf may be null otherwise).
 struct SgdUpdate {
@@ -468,7 +485,7 @@ struct SgdUpdate {
   DP_HD void operator()(float& p, float g, float* buf) const {
     if (s.weight_decay != 0.0f) g += s.weight_decay * p;
     if (s.momentum != 0.0f) {
-      float b = s.first_step ? g : s.momentum * *buf + (1.0f - s.dampening) * g;
+      float b = s.first_step ? g : s.momentum * *buf + s.one_minus_dampening * g;
       *buf = b;
       g = s.nesterov ? g + s.momentum * b : b;
     }
@@ -478,20 +495,30 @@ struct SgdUpdate {
 
 /// Per-step scalars of Adam/AdamW, bias corrections included.
 struct AdamParams {
-  float lr, beta1, beta2, eps, weight_decay;
+  float one_minus_beta1;  // exp_avg.lerp_(g, 1 - beta1)'s weight
+  float beta2, one_minus_beta2;
+  float eps;
+  float weight_decay;  // coupled (Adam): g += weight_decay * p
+  float decay;         // decoupled (AdamW): p *= 1 - lr * weight_decay
   bool decoupled;
   float step_size;  // lr / (1 - beta1^step)
   float bc2_sqrt;   // sqrt(1 - beta2^step)
 };
 
-/// Computes the step-dependent scalars (in double, then rounded, as PyTorch does on the
-/// host) for 1-based `step`.
-inline AdamParams make_adam_params(float lr, float beta1, float beta2, float eps,
-                                   float weight_decay, bool decoupled, std::int64_t step) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), static_cast<double>(step));
-  return AdamParams{lr, beta1, beta2, eps, weight_decay, decoupled,
-                    static_cast<float>(static_cast<double>(lr) / bc1),
+/// The scalars for 1-based `step` from the optimizer's options, computed in double and
+/// rounded once, as PyTorch does on the host (Note [Optimizer scalars in double]).
+inline AdamParams make_adam_params(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                   bool decoupled, std::int64_t step) {
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  return AdamParams{static_cast<float>(1.0 - beta1),
+                    static_cast<float>(beta2),
+                    static_cast<float>(1.0 - beta2),
+                    static_cast<float>(eps),
+                    static_cast<float>(weight_decay),
+                    static_cast<float>(1.0 - lr * weight_decay),
+                    decoupled,
+                    static_cast<float>(lr / bc1),
                     static_cast<float>(std::sqrt(bc2))};
 }
 
@@ -500,14 +527,14 @@ struct AdamUpdate {
   AdamParams s;
   DP_HD void operator()(float& p, float g, float& m, float& v) const {
     if (s.decoupled) {
-      p *= 1.0f - s.lr * s.weight_decay;
+      p *= s.decay;
     } else if (s.weight_decay != 0.0f) {
       g += s.weight_decay * p;
     }
     // m.lerp_(g, 1 - beta1), with PyTorch's two-sided lerp formula (exact at both ends).
-    const float w = 1.0f - s.beta1;
+    const float w = s.one_minus_beta1;
     m = w < 0.5f ? m + w * (g - m) : g - (g - m) * (1.0f - w);
-    v = s.beta2 * v + (1.0f - s.beta2) * g * g;
+    v = s.beta2 * v + s.one_minus_beta2 * g * g;
     const float denom = ::sqrtf(v) / s.bc2_sqrt + s.eps;
     p -= s.step_size * (m / denom);
   }

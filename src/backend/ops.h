@@ -697,10 +697,10 @@ struct SgdStepArgs {
   const void* grad;
   void* momentum_buf;
   std::int64_t n;
-  float lr;
-  float momentum;
-  float dampening;
-  float weight_decay;
+  double lr;  // the optimizer's options as given (Note [Optimizer scalars in double] in functors.h)
+  double momentum;
+  double dampening;
+  double weight_decay;
   bool nesterov;
   bool first_step;
 };
@@ -712,11 +712,11 @@ struct AdamStepArgs {
   void* exp_avg;
   void* exp_avg_sq;
   std::int64_t n;
-  float lr;
-  float beta1;
-  float beta2;
-  float eps;
-  float weight_decay;
+  double lr;  // the optimizer's options as given (Note [Optimizer scalars in double] in functors.h)
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
   bool decoupled;
   std::int64_t step;
 };

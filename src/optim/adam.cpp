@@ -143,8 +143,7 @@ void Adam::update_group(std::size_t group, Device dev, float* param, const float
   const AdamOptions& o = options_[group];
   backend::get(dev).run<backend::Op::AdamStep>(
       dev, backend::DType::F32,
-      {param, grad, state[0], state[1], n, static_cast<float>(o.lr), static_cast<float>(std::get<0>(o.betas)),
-       static_cast<float>(std::get<1>(o.betas)), static_cast<float>(o.eps), static_cast<float>(o.weight_decay),
+      {param, grad, state[0], state[1], n, o.lr, std::get<0>(o.betas), std::get<1>(o.betas), o.eps, o.weight_decay,
        decoupled_, step});
 }
 

@@ -115,8 +115,8 @@ void SGD::update_group(std::size_t group, Device dev, float* param, const float*
   const SGDOptions& o = options_[group];
   backend::get(dev).run<backend::Op::SgdStep>(
       dev, backend::DType::F32,
-      {param, grad, o.momentum != 0 ? state[0] : nullptr, n, static_cast<float>(o.lr), static_cast<float>(o.momentum),
-       static_cast<float>(o.dampening), static_cast<float>(o.weight_decay), o.nesterov, first});
+      {param, grad, o.momentum != 0 ? state[0] : nullptr, n, o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov,
+       first});
 }
 
 }  // namespace dp::optim

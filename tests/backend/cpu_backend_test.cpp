@@ -2657,7 +2657,7 @@ TEST_CASE("sgd: the vectorised loops equal the shared functor bit for bit, every
             std::vector<float> p = p0, m = m0, pw = p0, mw = m0;
             be().sgd_step(dev0(), p.data(), g.data(), momentum != 0 ? m.data() : nullptr, n, 0.05f,
                           momentum, 0.1f, wd, nesterov, first);
-            const SgdUpdate upd{SgdParams{0.05f, momentum, 0.1f, wd, nesterov, first}};
+            const SgdUpdate upd{make_sgd_params(0.05f, momentum, 0.1f, wd, nesterov, first)};
             for (i64 i = 0; i < n; ++i) upd(pw[i], g[i], momentum != 0 ? &mw[i] : nullptr);
             CHECK(bitwise_equal(p, pw));
             CHECK(bitwise_equal(m, mw));  // untouched without momentum
@@ -2721,7 +2721,7 @@ TEST_CASE("sgd: hand-computed values for momentum, nesterov, dampening, weight d
   auto p = random_vec(n, 35), g = random_vec(n, 36), buf = random_vec(n, 37);
   auto p0 = p, buf0 = buf;
   be().sgd_step(dev0(), p.data(), g.data(), buf.data(), n, 0.01f, 0.9f, 0.1f, 1e-4f, true, false);
-  const SgdUpdate upd{SgdParams{0.01f, 0.9f, 0.1f, 1e-4f, true, false}};
+  const SgdUpdate upd{make_sgd_params(0.01f, 0.9f, 0.1f, 1e-4f, true, false)};
   for (i64 i = 0; i < n; ++i) {
     upd(p0[i], g[i], &buf0[i]);
     REQUIRE(p[i] == p0[i]);

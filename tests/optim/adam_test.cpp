@@ -49,6 +49,45 @@ TEST_CASE_TEMPLATE("Adam and AdamW match PyTorch's formulas over 3 steps", Dev, 
   check_adam<dp::optim::AdamW>(dev, dp::optim::AdamWOptions{.lr = 5e-2, .weight_decay = 0.3}, true);
 }
 
+TEST_CASE("the per-step scalars are PyTorch's: computed in double from the options, rounded once") {
+  // Note [Optimizer scalars in double] (src/backend/functors.h). One step from zero state:
+  // exp_avg = w1·g and exp_avg_sq = w2·g·g with w1 = float(1 - beta1), w2 = float(1 - beta2)
+  // as PyTorch's lerp_ and addcmul_ get them from Python floats; AdamW first scales p by
+  // float(1 - lr·wd). Rounding beta2 = 0.999 to float before subtracting makes w2
+  // 0.00099998713, 1.3e-5 away (every exp_avg_sq off by that much).
+  for (const auto& [beta1, beta2] : {std::pair{0.9, 0.999}, std::pair{0.8, 0.95}, std::pair{0.3, 0.98}}) {
+    CAPTURE(beta1);
+    CAPTURE(beta2);
+    const float w1 = static_cast<float>(1.0 - beta1), w2 = static_cast<float>(1.0 - beta2);
+    CHECK(w2 != 1.0f - static_cast<float>(beta2));  // the two roundings differ for each pair
+    const std::vector<float> g{0.5f, -1.25f, 3.0f, 1e-3f, -7.5f};
+    const std::vector<float> p0{1.0f, -2.0f, 0.5f, 0.25f, 3.0f};
+    dp::Tensor p = dp::from_vector(p0, {5}, dp::cpu(0)).set_requires_grad(true);
+    const double lr = 0.01, wd = 0.3;
+    dp::optim::AdamW opt(std::vector<dp::Tensor>{p}, {.lr = lr, .betas = {beta1, beta2}, .weight_decay = wd});
+    p.set_grad(dp::from_vector(g, {5}, dp::cpu(0)));
+    opt.step();
+    std::vector<float> m, v;
+    for (const auto& [name, t] : opt.state_dict()) {
+      if (name == "state.0.exp_avg") m = t.to_vector();
+      if (name == "state.0.exp_avg_sq") v = t.to_vector();
+    }
+    REQUIRE(m.size() == 5);
+    REQUIRE(v.size() == 5);
+    const float decay = static_cast<float>(1.0 - lr * wd);
+    const float step_size = static_cast<float>(lr / (1.0 - beta1));
+    const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - beta2));
+    const auto got = p.to_vector();
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      CAPTURE(i);
+      CHECK(m[i] == w1 * g[i]);
+      CHECK(v[i] == w2 * g[i] * g[i]);
+      const float denom = std::sqrt(v[i]) / bc2_sqrt + 1e-8f;
+      CHECK(got[i] == p0[i] * decay - step_size * (m[i] / denom));
+    }
+  }
+}
+
 TEST_CASE("Adam options: PyTorch defaults and range checks") {
   CHECK(dp::optim::AdamOptions{}.lr == 1e-3);
   CHECK(dp::optim::AdamOptions{}.weight_decay == 0);

@@ -51,6 +51,27 @@ TEST_CASE_TEMPLATE("SGD matches PyTorch's formulas over 3 steps", Dev, DP_OPTIM_
   check_sgd(dev, {.lr = 0.05, .momentum = 0.5, .dampening = 0.5, .weight_decay = 0.2});
 }
 
+TEST_CASE("SGD's 1 - dampening is computed in double from the option and rounded once, as PyTorch's") {
+  // Note [Optimizer scalars in double]: buf = momentum·buf + float(1 - dampening)·g.
+  for (const double dampening : {0.6, 0.9, 0.99}) {
+    CAPTURE(dampening);
+    const float d1 = static_cast<float>(1.0 - dampening), m = 0.9f;
+    CHECK(d1 != 1.0f - static_cast<float>(dampening));  // the two roundings differ for each
+    dp::Tensor p = dp::from_vector(std::vector<float>{1.0f, -2.0f, 0.5f}, {3}, dp::cpu(0)).set_requires_grad(true);
+    dp::optim::SGD opt(std::vector<dp::Tensor>{p}, {.lr = 0.1, .momentum = 0.9, .dampening = dampening});
+    const std::vector<float> g1{0.3f, -1.7f, 2.9f}, g2{1.1f, 0.45f, -3.3f};
+    p.set_grad(dp::from_vector(g1, {3}, dp::cpu(0)));
+    opt.step();  // buf = g1 (PyTorch's first step takes the gradient undampened)
+    p.set_grad(dp::from_vector(g2, {3}, dp::cpu(0)));
+    opt.step();
+    std::vector<float> buf;
+    for (const auto& [name, t] : opt.state_dict())
+      if (name == "state.0.momentum_buffer") buf = t.to_vector();
+    REQUIRE(buf.size() == 3);
+    for (std::size_t i = 0; i < 3; ++i) CHECK(buf[i] == m * g1[i] + d1 * g2[i]);
+  }
+}
+
 TEST_CASE("SGD rejects bad options") {
   auto net = tiny_net(dp::cpu(0));
   CHECK_THROWS_AS(dp::optim::SGD(net->parameters(), {.lr = -1}), dp::Error);

@@ -399,11 +399,11 @@ class CpuBackend final : public Backend {
                           float* ggamma, float* gbeta);
 
   void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
-                std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
+                std::int64_t n, double lr, double momentum, double dampening, double weight_decay,
                 bool nesterov, bool first_step);
   void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
-                 float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
-                 float eps, float weight_decay, bool decoupled, std::int64_t step);
+                 float* exp_avg_sq, std::int64_t n, double lr, double beta1, double beta2,
+                 double eps, double weight_decay, bool decoupled, std::int64_t step);
 
   // ---- helpers shared by the backend's sources, tests and benchmarks -------------------
 

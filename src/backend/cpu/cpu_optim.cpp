@@ -39,7 +39,7 @@ namespace {
 template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
 DP_SGD_CLONES void sgd_range(const SgdParams& in, float* __restrict p, const float* __restrict g,
                float* __restrict buf, std::int64_t b, std::int64_t e) {
-  const SgdUpdate upd{SgdParams{in.lr, kMomentum ? in.momentum : 0.0f, in.dampening,
+  const SgdUpdate upd{SgdParams{in.lr, kMomentum ? in.momentum : 0.0f, in.one_minus_dampening,
                                 kDecay ? in.weight_decay : 0.0f, kNesterov, kFirst}};
   for (std::int64_t i = b; i < e; ++i) {
     float pi = p[i];
@@ -79,7 +79,7 @@ void adam_range(const AdamParams& in, float* __restrict p, const float* __restri
                 float* __restrict m, float* __restrict v, std::int64_t b, std::int64_t e) {
   AdamParams s = in;
   s.decoupled = kDecoupled;
-  s.weight_decay = kDecoupled || kDecay ? in.weight_decay : 0.0f;
+  s.weight_decay = kDecay ? in.weight_decay : 0.0f;
   const AdamUpdate upd{s};
   for (std::int64_t i = b; i < e; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
@@ -96,13 +96,13 @@ using AdamRange = void (*)(const AdamParams&, float*, const float*, float*, floa
 }  // namespace
 
 void CpuBackend::sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
-                          std::int64_t n, float lr, float momentum, float dampening,
-                          float weight_decay, bool nesterov, bool first_step) {
-  DP_CHECK(momentum == 0.0f || momentum_buf != nullptr,
+                          std::int64_t n, double lr, double momentum, double dampening,
+                          double weight_decay, bool nesterov, bool first_step) {
+  DP_CHECK(momentum == 0.0 || momentum_buf != nullptr,
            "sgd_step: expected a momentum buffer when momentum != 0 (momentum = ", momentum, ")");
-  const SgdParams sp{lr, momentum, dampening, weight_decay, nesterov, first_step};
+  const SgdParams sp = make_sgd_params(lr, momentum, dampening, weight_decay, nesterov, first_step);
   // Note [Vectorised optimizer loops]. Momentum 0 never reads or writes the buffer.
-  const bool decay = weight_decay != 0.0f, mom = momentum != 0.0f;
+  const bool decay = weight_decay != 0.0, mom = momentum != 0.0;
   const SgdRange range = decay ? pick_sgd<true>(mom, first_step, nesterov)
                                : pick_sgd<false>(mom, first_step, nesterov);
   parallel_for(dev, n, kSerialGrain, [=](std::int64_t b, std::int64_t e) {
@@ -111,12 +111,12 @@ void CpuBackend::sgd_step(Device dev, float* param, const float* grad, float* mo
 }
 
 void CpuBackend::adam_step(Device dev, float* param, const float* grad, float* exp_avg,
-                           float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
-                           float eps, float weight_decay, bool decoupled, std::int64_t step) {
+                           float* exp_avg_sq, std::int64_t n, double lr, double beta1, double beta2,
+                           double eps, double weight_decay, bool decoupled, std::int64_t step) {
   DP_CHECK(step >= 1, "adam_step: expected a 1-based step count, got ", step);
   const AdamParams ap = make_adam_params(lr, beta1, beta2, eps, weight_decay, decoupled, step);
   const AdamRange range = decoupled              ? &adam_range<true, true>
-                          : weight_decay != 0.0f ? &adam_range<false, true>
+                          : weight_decay != 0.0  ? &adam_range<false, true>
                                                  : &adam_range<false, false>;
   // ~4x the memory traffic of an axpy per element: a quarter of the serial grain.
   parallel_for(dev, n, kSerialGrain / 4, [=](std::int64_t b, std::int64_t e) {

@@ -662,14 +662,14 @@ void CudaBackend::batchnorm_backward(Device dev, std::int64_t N, std::int64_t C,
 }
 
 void CudaBackend::sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
-                           std::int64_t n, float lr, float momentum, float dampening,
-                           float weight_decay, bool nesterov, bool first_step) {
+                           std::int64_t n, double lr, double momentum, double dampening,
+                           double weight_decay, bool nesterov, bool first_step) {
   k::sgd_step(bind(dev), param, grad, momentum_buf, n, lr, momentum, dampening, weight_decay,
               nesterov, first_step);
 }
 void CudaBackend::adam_step(Device dev, float* param, const float* grad, float* exp_avg,
-                            float* exp_avg_sq, std::int64_t n, float lr, float beta1,
-                            float beta2, float eps, float weight_decay, bool decoupled,
+                            float* exp_avg_sq, std::int64_t n, double lr, double beta1,
+                            double beta2, double eps, double weight_decay, bool decoupled,
                             std::int64_t step) {
   k::adam_step(bind(dev), param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps,
                weight_decay, decoupled, step);

@@ -256,11 +256,11 @@ class CudaBackend final : public Backend {
                           float* ggamma, float* gbeta);
 
   void sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,
-                std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
+                std::int64_t n, double lr, double momentum, double dampening, double weight_decay,
                 bool nesterov, bool first_step);
   void adam_step(Device dev, float* param, const float* grad, float* exp_avg,
-                 float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2,
-                 float eps, float weight_decay, bool decoupled, std::int64_t step);
+                 float* exp_avg_sq, std::int64_t n, double lr, double beta1, double beta2,
+                 double eps, double weight_decay, bool decoupled, std::int64_t step);
 
   /// Checks the device, makes it current, initialises it on first use; returns its
   /// current stream for the calling thread. Every kernel of the table starts here.

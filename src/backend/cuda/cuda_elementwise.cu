@@ -659,21 +659,21 @@ void scale_find_nonfinite(cudaStream_t stream, float* x, i64 n, float scale, flo
 }
 
 void sgd_step(cudaStream_t stream, float* param, const float* grad, float* momentum_buf, i64 n,
-              float lr, float momentum, float dampening, float weight_decay, bool nesterov,
+              double lr, double momentum, double dampening, double weight_decay, bool nesterov,
               bool first_step) {
   check_count(n, "sgd_step");
-  DP_CHECK(momentum == 0.0f || momentum_buf, "sgd_step: momentum ", momentum,
+  DP_CHECK(momentum == 0.0 || momentum_buf, "sgd_step: momentum ", momentum,
            " needs a momentum buffer, got null");
   if (n == 0) return;
-  const SgdUpdate upd{SgdParams{lr, momentum, dampening, weight_decay, nesterov, first_step}};
+  const SgdUpdate upd{make_sgd_params(lr, momentum, dampening, weight_decay, nesterov, first_step)};
   sgd_kernel<<<grid_for(n), kBlock, 0, stream>>>(upd, param, grad,
-                                                 momentum != 0.0f ? momentum_buf : nullptr, n);
+                                                 momentum != 0.0 ? momentum_buf : nullptr, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
 void adam_step(cudaStream_t stream, float* param, const float* grad, float* exp_avg,
-               float* exp_avg_sq, i64 n, float lr, float beta1, float beta2, float eps,
-               float weight_decay, bool decoupled, i64 step) {
+               float* exp_avg_sq, i64 n, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool decoupled, i64 step) {
   check_count(n, "adam_step");
   DP_CHECK(step >= 1, "adam_step: expected a 1-based step, got ", step);
   if (n == 0) return;

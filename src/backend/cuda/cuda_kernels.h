@@ -91,11 +91,11 @@ void count_nonfinite(cudaStream_t stream, const float* x, std::int64_t n,
 /// flag) when some x[i] was non-finite before; never clears *found. No host sync.
 void scale_find_nonfinite(cudaStream_t stream, float* x, std::int64_t n, float scale, float* found);
 void sgd_step(cudaStream_t stream, float* param, const float* grad, float* momentum_buf,
-              std::int64_t n, float lr, float momentum, float dampening, float weight_decay,
+              std::int64_t n, double lr, double momentum, double dampening, double weight_decay,
               bool nesterov, bool first_step);
 void adam_step(cudaStream_t stream, float* param, const float* grad, float* exp_avg,
-               float* exp_avg_sq, std::int64_t n, float lr, float beta1, float beta2, float eps,
-               float weight_decay, bool decoupled, std::int64_t step);
+               float* exp_avg_sq, std::int64_t n, double lr, double beta1, double beta2, double eps,
+               double weight_decay, bool decoupled, std::int64_t step);
 
 // ---- cuda_reduce.cu -----------------------------------------------------------------
 /// Scratch floats reduce() needs for (outer, r, inner): outer * S when a row reduction
