@@ -706,7 +706,10 @@ nn::StateDict Optimizer::state_dict() {
   }
   std::vector<Tensor> buffers;
   for (std::size_t k = 0; k < names.size(); ++k) buffers.push_back(full_state(k));
-  if (!buffers[0].defined()) return sd;  // no step yet
+  if (!buffers[0].defined()) {  // no state since construction or a load (allocated at the next step)
+    add_entry_steps(sd);          // but the entries' own step counts may be there already
+    return sd;
+  }
   const std::vector<bool> started = groups_started();
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (!started[group_of(i)]) continue;
