@@ -42,6 +42,19 @@ void LRScheduler::initial_step() {
   }
 }
 
+// Note [Learning rates below zero by rounding]
+// A schedule that reaches zero can land just below it: PyTorch's chainable LinearLR
+// with end_factor = 0 multiplies the lr at its last step by
+// 1 + (0 - s) / (N·s + (N - 1)·(0 - s)), which rounds to -2.2e-16 rather than 0 (start
+// factor 1/3, 5 iterations: lr -7.4e-19 from a base lr of 0.05). PyTorch sets that lr;
+// dp refused it as a negative lr, so a run decaying linearly to zero failed at its
+// last step (the optimizer fuzzer found it, Note [Optimizer fuzzer]). An lr below zero
+// by at most 2^-40 of the larger of the base lr and the current lr is the rounding of
+// a zero and is set as 0, which differs from PyTorch's value by less than 1e-12 of the
+// lr; a schedule clearly below zero (CosineAnnealingLR's chainable form with eta_min
+// above the base lr, a LambdaLR past its zero) is still refused.
+constexpr double kZeroByRounding = 0x1p-40;
+
 void LRScheduler::step() {
   // Every group from its own lr and base lr (Note [Scheduler steps]); all checked first.
   const std::int64_t epoch = last_epoch_ + 1;
@@ -49,7 +62,8 @@ void LRScheduler::step() {
   std::vector<double> old_lrs, lrs;
   for (std::size_t g = 0; g < groups; ++g) {
     old_lrs.push_back(optimizer_.group_lr(g));
-    const double lr = get_lr(epoch, g, old_lrs.back(), base_lrs_[g]);
+    double lr = get_lr(epoch, g, old_lrs.back(), base_lrs_[g]);
+    if (lr < 0 && lr >= -kZeroByRounding * std::max(base_lrs_[g], old_lrs.back())) lr = 0.0;
     DP_CHECK(std::isfinite(lr) && lr >= 0, kind_, ": step ", epoch, " gives the learning rate ", lr, " (base lr ",
              base_lrs_[g], groups > 1 ? detail::str_cat(", param group ", g) : std::string(),
              "); expected a finite lr >= 0 — check the schedule's options");

@@ -152,6 +152,21 @@ TEST_CASE("LinearLR warms up and decays like PyTorch; LambdaLR applies the funct
   }
 }
 
+TEST_CASE("LinearLR decays to zero and stays there; an lr below zero by rounding is zero") {
+  // Note [Learning rates below zero by rounding]. PyTorch 2.15 prints, for SGD(lr = 0.05)
+  // and LinearLR(start_factor = 1/3, end_factor = 0, total_iters = 5):
+  //   0.016666666666666666 0.013333333333333334 0.01 0.006666666666666666
+  //   0.0033333333333333322 -7.401486830834375e-19 -7.401486830834375e-19
+  // where the last two are dp's 0 (a negative lr dp refused before, at step 5).
+  Opt o;
+  optim::SGD opt(o.params, {.lr = 0.05});
+  optim::LinearLR s(opt, {.start_factor = 1.0 / 3, .end_factor = 0.0, .total_iters = 5});
+  check_exact(run(s, 6).lr, D{0.016666666666666666, 0.013333333333333334, 0.01, 0.006666666666666666,
+                              0.0033333333333333322, 0.0, 0.0});
+  CHECK(!std::signbit(opt.lr()));
+  CHECK(s.get_last_lr() == D{0.0});
+}
+
 TEST_CASE("two schedulers on one optimizer chain like PyTorch's (warm-up, then cosine)") {
   Opt o;
   optim::SGD opt(o.params, {.lr = 0.1});
