@@ -193,9 +193,14 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
   }
   DP_CHECK(!error_if_nonfinite || std::isfinite(total), "clip_grad_norm_: the total norm of the gradients is ",
            total, "; check the loss and the data for NaN/Inf, or pass error_if_nonfinite = false");
-  // In float32, as PyTorch computes clip_coef from a float32 total.
+  // In float32, as PyTorch computes clip_coef from a float32 total. PyTorch multiplies
+  // every gradient by clamp(coef, max=1); by 1 changes nothing, so only a coef below 1 or
+  // NaN is applied. A NaN total (a NaN in any gradient) makes every gradient NaN, as in
+  // PyTorch: skipping the multiplication kept the others finite, so a loop that steps
+  // again without zero_grad() (accumulating after a GradScaler skipped a step) stepped
+  // where PyTorch's scaler skips again (the optimizer fuzzer, program 5335).
   const float coef = static_cast<float>(max_norm) / (static_cast<float>(total) + 1e-6f);
-  if (coef < 1.0f) edit_every_copy(params, [coef](Tensor& g) { g.mul_(coef); });
+  if (!(coef >= 1.0f)) edit_every_copy(params, [coef](Tensor& g) { g.mul_(coef); });
   return total;
 }
 

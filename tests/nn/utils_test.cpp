@@ -228,8 +228,62 @@ TEST_CASE("clip_grad_norm_ with error_if_nonfinite names a NaN gradient held by 
     // A NaN in the last device's range only: a norm over copy 0 would miss it.
     Tensor owned = dp::nn::copy_span(set, 2).owned_grad();
     owned.narrow(0, 0, 1).fill_(std::numeric_limits<float>::quiet_NaN());
-    CHECK(std::isnan(dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0)));
     CHECK_THROWS_WITH_AS(dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0, 2.0, true),
                          doctest::Contains("total norm of the gradients is nan"), dp::Error);
+    CHECK(std::isnan(dp::nn::utils::clip_grad_norm_(model.parameters(), 1.0)));
+  }
+}
+
+TEST_CASE("clip_grad_norm_ of a NaN total makes every gradient NaN, as PyTorch's, in every design") {
+  // PyTorch multiplies every gradient by clamp(max_norm / (total + 1e-6), max=1): NaN for
+  // a NaN total, with max_norm = infinity too. An infinite total (no NaN) gives a factor
+  // of 0: finite gradients become zeros, an infinite one NaN. The bad element goes where
+  // a reduced gradient holds it: one owner's range when sharded, every replica else. A
+  // sharded copy's range may hold padding between parameters, zeros no clip touches.
+  for (auto options : {dp::DataParallelOptions{}, ddp(), sharded(1), sharded(2), sharded(3)}) {
+    CAPTURE(static_cast<int>(options.mode));
+    const bool shards = options.mode == dp::Mode::Sharded;
+    auto run = [&](float bad, double max_norm) {
+      auto net = make_mlp();
+      auto model = std::make_unique<dp::DataParallel>(net, cpus(3), options);
+      Batch b = make_batch(13, 4);
+      dp::nn::cross_entropy((*model)(b.x), b.y).backward();
+      auto& set = *model->parameters().set();
+      std::size_t zeros = 0;
+      for (int r = 0; r < set.num_copies(); ++r)
+        if (!set.copy(r).transient)
+          for (float x : dp::nn::copy_span(set, r).owned_grad().to_vector()) zeros += x == 0.0f ? 1 : 0;
+      for (int r = 0; r < set.num_copies(); ++r)
+        if (!set.copy(r).transient && (!shards || r == set.num_copies() - 1))
+          dp::nn::copy_span(set, r).owned_grad().narrow(0, 0, 1).fill_(bad);
+      const double total = dp::nn::utils::clip_grad_norm_(model->parameters(), max_norm);
+      std::vector<std::vector<float>> grads;
+      for (int r = 0; r < set.num_copies(); ++r)
+        if (!set.copy(r).transient) grads.push_back(dp::nn::copy_span(set, r).owned_grad().to_vector());
+      return std::tuple{total, grads, zeros};
+    };
+    for (const double max_norm : {1.0, std::numeric_limits<double>::infinity()}) {
+      CAPTURE(max_norm);
+      const auto [total, grads, zeros] = run(std::numeric_limits<float>::quiet_NaN(), max_norm);
+      CHECK(std::isnan(total));
+      std::size_t kept = 0, all = 0;
+      for (const auto& g : grads)
+        for (float x : g) {
+          ++all;
+          if (!std::isnan(x)) REQUIRE(x == 0.0f);
+          kept += std::isnan(x) ? 0 : 1;
+        }
+      CHECK(kept <= zeros);
+      CHECK(kept < all / 10);
+    }
+    const auto [total, grads, zeros] = run(std::numeric_limits<float>::infinity(), 1.0);
+    CHECK(std::isinf(total));
+    int nans = 0;
+    for (const auto& g : grads)
+      for (float x : g) {
+        nans += std::isnan(x) ? 1 : 0;
+        REQUIRE((std::isnan(x) || x == 0.0f));
+      }
+    CHECK(nans == (shards ? 1 : static_cast<int>(grads.size())));
   }
 }
