@@ -1,0 +1,576 @@
+// tests/optim/optim_fuzz_replay.cpp — runs the differential optimizer fuzzer's programs in
+// dp and compares them with PyTorch's results (scripts/optim_fuzz.py draws them).
+//
+//   optim_fuzz_replay tests/optim/optim_fuzz_corpus.safetensors        # every program
+//   optim_fuzz_replay FILE --case c17 --verbose                        # one, printed
+//
+// The file holds, per program c<seed>: its text (metadata "program.c<seed>", lines
+// separated by "; "), the parameters' first values p<i> and the gradients g<k> (float32),
+// and at each "check k<n>" line PyTorch's float64 results — tensors compared within a
+// bound as float32, scalars compared exactly as the bits of their float64 in int64
+// tensors (dp has no float64 dtype): the parameters k<n>.p<i> with their bounds k<n>.bp<i>, the
+// optimizer's state k<n>.s<j>.<name> (bounds k<n>.bs<j>.<name>; "step" exact), every
+// group's lr and momentum k<n>.lr, k<n>.mom (exact), the GradScaler's scale and growth
+// tracker (exact), and the norm of each clip_norm so far k<n>.n<j> (bounds k<n>.bn<j>).
+// Exit status: 0 when every program agrees, 1 when one does not (each printed with what
+// differs), 2 on bad usage or an unreadable file.
+//
+// Note [Optimizer fuzzer]
+// The loop fuzzer (tests/parallel/loop_fuzz.cpp) compares dp's designs with each other
+// and the op fuzzer (Note [Op fuzzer]) compares the ops with PyTorch; an optimizer, a
+// scheduler or a gradient scaler that does the wrong thing does it alike in every design
+// and is not an op. This fuzzer compares what happens between two backwards with
+// PyTorch's torch.optim, lr_scheduler, clip_grad_*_ and amp.GradScaler, whose semantics
+// dp promises. A random program — 1-4 parameters of a module (one parameter set, flat
+// buffers) or loose tensors; SGD (momentum, dampening, Nesterov, weight decay), Adam or
+// AdamW with random hyper-parameters, in one group or two with their own; zero, one or
+// two schedulers stepped together (StepLR, MultiStepLR, ExponentialLR,
+// CosineAnnealingLR, LinearLR, OneCycleLR with its momentum cycle); perhaps a
+// GradScaler — then 1-6 steps, each of: zero_grad (to none or to zeros, or not at all,
+// so gradients accumulate), parameters frozen and unfrozen, gradients set (`p.grad =
+// g`) or added into (`p.grad.add_(g)`) on some parameters and not others (a parameter
+// without a gradient is skipped, its own step count kept), of magnitudes 1e-3 to 30
+// with zeros among them, an infinity or NaN in one gradient under a scaler, unscale_,
+// clip_grad_norm_ (norm 2, 1 or inf) and clip_grad_value_, the step (the scaler's
+// step and update), the schedulers' step, an lr set by hand, and a resume: a fresh
+// optimizer, schedulers and scaler built as at the start and given the state dicts of
+// the old ones, as a training checkpoint does. After each step dp's parameters,
+// optimizer state, lrs, momenta, scale and clip norms are compared with PyTorch's.
+//
+// The oracle is the op fuzzer's: PyTorch runs each program in float32 and in float64;
+// the float64 run stands for the exact result, and the float32 run's error measures
+// the rounding the program allows. A value t passes when
+//     max|t_dp - t_64| <= 16 * max|t_pt - t_64| + steps * 2^-20 * max|t_64|
+// (the second term a floor where PyTorch's float32 happens to be exact: sixteen float32
+// roundings per step, relative to the tensor's own scale, so a moment of 1e-6 is held to
+// 1e-6's precision). Learning rates, momenta, the scale, the growth tracker and step
+// counts are exact: they are doubles and integers in both libraries, computed by the
+// same formulas. A wrong formula, a parameter stepped that PyTorch skips (or the
+// reverse), a lost state entry, a scale that moves at the wrong step is far outside
+// the bound; an error that dp throws where PyTorch runs is reported too. CI replays a
+// fixed corpus (tests/optim/optim_fuzz_corpus.safetensors, written by the script with
+// PyTorch, so the test needs no Python); `scripts/optim_fuzz.py --replay BIN --seeds A:B`
+// hunts further. Its first run found Adam's 1 - beta2 taken in float (every exp_avg_sq
+// 1.3e-5 from PyTorch's), the parameters' own step counts lost by a state dict saved
+// right after a load, a linear decay to zero refused at its last step, and a NaN total
+// norm that left the gradients unclipped.
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dp/dp.h"
+
+namespace {
+
+using dp::Tensor;
+
+std::vector<std::string> split_on(const std::string& s, const std::string& sep) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (true) {
+    const std::size_t next = s.find(sep, at);
+    out.push_back(s.substr(at, next == std::string::npos ? std::string::npos : next - at));
+    if (next == std::string::npos) return out;
+    at = next + sep.size();
+  }
+}
+
+std::vector<std::string> words(const std::string& s) {
+  std::istringstream in(s);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+/// "key=value" words from index `from` on.
+std::map<std::string, std::string> key_values(const std::vector<std::string>& w, std::size_t from) {
+  std::map<std::string, std::string> out;
+  for (std::size_t i = from; i < w.size(); ++i) {
+    const auto eq = w[i].find('=');
+    DP_CHECK(eq != std::string::npos, "optim_fuzz_replay: expected key=value, got '", w[i], "'");
+    out[w[i].substr(0, eq)] = w[i].substr(eq + 1);
+  }
+  return out;
+}
+
+std::vector<double> numbers(const std::string& s) {
+  std::vector<double> out;
+  for (const auto& x : split_on(s, ",")) out.push_back(std::stod(x));
+  return out;
+}
+
+std::vector<std::int64_t> shape_of(const std::string& s) {
+  std::vector<std::int64_t> out;
+  for (const auto& x : split_on(s, "x")) out.push_back(std::stoll(x));
+  return out;
+}
+
+/// A module that holds the program's parameters: one parameter set, flat buffers.
+class Params : public dp::nn::Module {
+ public:
+  explicit Params(const std::vector<Tensor>& values) {
+    for (std::size_t i = 0; i < values.size(); ++i) register_parameter("p" + std::to_string(i), values[i]);
+  }
+  std::string type_name() const override { return "Params"; }
+};
+
+/// One program's run in dp.
+class Run {
+ public:
+  Run(const std::map<std::string, Tensor>& file, std::string prefix) : file_(file), prefix_(std::move(prefix)) {}
+
+  const Tensor& file_tensor(const std::string& name) const {
+    auto it = file_.find(prefix_ + "." + name);
+    DP_CHECK(it != file_.end(), "optim_fuzz_replay: the file has no tensor ", prefix_, ".", name);
+    return it->second;
+  }
+  bool has(const std::string& name) const { return file_.count(prefix_ + "." + name) != 0; }
+  /// A float64 tensor of the file: float32 values widened, or the bits of float64 values
+  /// in an int64 tensor.
+  std::vector<double> doubles(const std::string& name) const {
+    const Tensor& t = file_tensor(name);
+    if (t.dtype() == dp::Dtype::Float32) {
+      const auto v = t.to_vector();
+      return std::vector<double>(v.begin(), v.end());
+    }
+    const auto bits = t.to_vector_i64();
+    std::vector<double> out(bits.size());
+    std::memcpy(out.data(), bits.data(), bits.size() * sizeof(double));
+    return out;
+  }
+
+  void line(const std::string& text) {
+    const auto w = words(text);
+    DP_CHECK(!w.empty(), "optim_fuzz_replay: an empty line");
+    const std::string& op = w[0];
+    if (op == "params") {
+      loose_ = w.at(1) == "loose";
+      std::vector<Tensor> values;
+      for (std::size_t i = 2; i < w.size(); ++i) {
+        const auto k = std::to_string(i - 2);
+        values.push_back(file_tensor("p" + k).reshape(shape_of(w[i])).clone());
+      }
+      if (loose_) {
+        for (auto& v : values) v.set_requires_grad(true);
+        params_ = values;
+      } else {
+        module_ = std::make_shared<Params>(values);
+        params_ = module_->parameters().tensors();
+      }
+    } else if (op == "opt") {
+      opt_kind_ = w.at(1);
+      opt_options_ = key_values(w, 2);
+    } else if (op == "group") {
+      std::vector<std::size_t> idx;
+      for (double x : numbers(w.at(1))) idx.push_back(static_cast<std::size_t>(x));
+      groups_.emplace_back(idx, key_values(w, 2));
+    } else if (op == "sched") {
+      sched_specs_.emplace_back(w.at(1), key_values(w, 2));
+    } else if (op == "scaler") {
+      scaler_spec_ = key_values(w, 1);
+    } else if (op == "zero_grad") {
+      built();
+      opt_->zero_grad(w.at(1) == "none");
+    } else if (op == "freeze" || op == "unfreeze") {
+      param(w.at(1)).set_requires_grad(op == "unfreeze");
+    } else if (op == "grad") {
+      const Tensor& p = param(w.at(1));
+      const Tensor g = file_tensor(w.at(2)).reshape(p.shape());
+      if (w.at(3) == "set") {
+        p.set_grad(g.clone());
+      } else {
+        p.grad().add_(g);
+      }
+    } else if (op == "unscale") {
+      scaler_->unscale_(*opt_);
+    } else if (op == "clip_norm") {
+      norms_.push_back(dp::nn::utils::clip_grad_norm_(with_grad(), std::stod(w.at(1)), std::stod(w.at(2))));
+    } else if (op == "clip_value") {
+      dp::nn::utils::clip_grad_value_(with_grad(), std::stod(w.at(1)));
+    } else if (op == "step") {
+      built();
+      if (scaler_) {
+        scaler_->step(*opt_);
+        scaler_->update();
+      } else {
+        opt_->step();
+      }
+    } else if (op == "sched_step") {
+      for (auto& s : scheds_) s->step();
+    } else if (op == "set_lr") {
+      opt_->set_group_lr(std::stoul(w.at(1)), std::stod(w.at(2)));
+    } else if (op == "resume") {
+      resume();
+    } else if (op == "check") {
+      built();
+      check(w.at(1));
+    } else {
+      DP_CHECK(false, "optim_fuzz_replay: unknown line '", text, "'");
+    }
+  }
+
+  const std::vector<std::string>& problems() const { return problems_; }
+
+ private:
+  Tensor& param(const std::string& w) { return params_.at(std::stoul(w)); }
+
+  /// The parameters clip_grad_*_ gets: PyTorch's program passes those with a .grad.
+  dp::nn::ParameterList with_grad() {
+    if (!loose_) return module_->parameters();  // a set's .grad is never undefined
+    std::vector<Tensor> out;
+    for (const auto& p : params_)
+      if (p.grad().defined()) out.push_back(p);
+    return dp::nn::ParameterList(out, {}, nullptr);
+  }
+
+  /// Builds the optimizer, schedulers and scaler at the first line that needs them.
+  void built() {
+    if (!opt_) build();
+  }
+
+  void build() {
+    scheds_.clear();  // they refer to the optimizer
+    if (groups_.empty()) {
+      opt_ = make_optimizer({});
+    } else {
+      opt_ = make_optimizer(groups_);
+    }
+    for (const auto& [kind, o] : sched_specs_) scheds_.push_back(make_scheduler(kind, o));
+    scaler_.reset();
+    if (scaler_spec_) {
+      const auto& o = *scaler_spec_;
+      scaler_.emplace(dp::amp::GradScalerOptions{.init_scale = std::stod(o.at("init_scale")),
+                                                 .growth_factor = std::stod(o.at("growth_factor")),
+                                                 .backoff_factor = std::stod(o.at("backoff_factor")),
+                                                 .growth_interval = std::stoll(o.at("growth_interval"))});
+    }
+  }
+
+  dp::nn::ParameterList group_list(const std::vector<std::size_t>& idx) {
+    if (loose_) {
+      std::vector<Tensor> out;
+      for (auto i : idx) out.push_back(params_.at(i));
+      return dp::nn::ParameterList(out, {}, nullptr);
+    }
+    std::size_t at = 0;
+    return module_->parameters().filter(
+        [&](const Tensor&) { return std::find(idx.begin(), idx.end(), at++) != idx.end(); });
+  }
+
+  dp::nn::ParameterList all() { return loose_ ? dp::nn::ParameterList(params_, {}, nullptr) : module_->parameters(); }
+
+  using Options = std::map<std::string, std::string>;
+  static std::optional<double> get(const Options& o, const std::string& k) {
+    auto it = o.find(k);
+    return it == o.end() ? std::nullopt : std::optional<double>(std::stod(it->second));
+  }
+
+  std::unique_ptr<dp::optim::Optimizer> make_optimizer(
+      const std::vector<std::pair<std::vector<std::size_t>, Options>>& groups) {
+    const Options& d = opt_options_;
+    if (opt_kind_ == "SGD") {
+      dp::optim::SGDOptions o;
+      if (auto v = get(d, "lr")) o.lr = *v;
+      if (auto v = get(d, "momentum")) o.momentum = *v;
+      if (auto v = get(d, "dampening")) o.dampening = *v;
+      if (auto v = get(d, "weight_decay")) o.weight_decay = *v;
+      if (auto v = get(d, "nesterov")) o.nesterov = *v != 0;
+      if (groups.empty()) return std::make_unique<dp::optim::SGD>(all(), o);
+      std::vector<dp::optim::SGDParamGroup> gs;
+      for (const auto& [idx, g] : groups) {
+        dp::optim::SGDGroupOptions go;
+        go.lr = get(g, "lr");
+        go.momentum = get(g, "momentum");
+        go.dampening = get(g, "dampening");
+        go.weight_decay = get(g, "weight_decay");
+        if (auto v = get(g, "nesterov")) go.nesterov = *v != 0;
+        gs.emplace_back(group_list(idx), go);
+      }
+      return std::make_unique<dp::optim::SGD>(std::move(gs), o);
+    }
+    DP_CHECK(opt_kind_ == "Adam" || opt_kind_ == "AdamW", "optim_fuzz_replay: unknown optimizer ", opt_kind_);
+    const bool decoupled = opt_kind_ == "AdamW";
+    dp::optim::AdamOptions o;
+    if (decoupled) o.weight_decay = dp::optim::AdamWOptions{}.weight_decay;
+    if (auto v = get(d, "lr")) o.lr = *v;
+    if (auto it = d.find("betas"); it != d.end()) {
+      const auto b = numbers(it->second);
+      o.betas = {b.at(0), b.at(1)};
+    }
+    if (auto v = get(d, "eps")) o.eps = *v;
+    if (auto v = get(d, "weight_decay")) o.weight_decay = *v;
+    std::vector<dp::optim::AdamParamGroup> gs;
+    for (const auto& [idx, g] : groups) {
+      dp::optim::AdamGroupOptions go;
+      go.lr = get(g, "lr");
+      if (auto it = g.find("betas"); it != g.end()) {
+        const auto b = numbers(it->second);
+        go.betas = dp::optim::AdamBetas{b.at(0), b.at(1)};
+      }
+      go.eps = get(g, "eps");
+      go.weight_decay = get(g, "weight_decay");
+      gs.emplace_back(group_list(idx), go);
+    }
+    if (decoupled) {
+      const dp::optim::AdamWOptions ow{.lr = o.lr, .betas = o.betas, .eps = o.eps, .weight_decay = o.weight_decay};
+      if (groups.empty()) return std::make_unique<dp::optim::AdamW>(all(), ow);
+      return std::make_unique<dp::optim::AdamW>(std::move(gs), ow);
+    }
+    if (groups.empty()) return std::make_unique<dp::optim::Adam>(all(), o);
+    return std::make_unique<dp::optim::Adam>(std::move(gs), o);
+  }
+
+  std::unique_ptr<dp::optim::LRScheduler> make_scheduler(const std::string& kind, const Options& o) {
+    namespace op = dp::optim;
+    auto d = [&](const char* k) { return std::stod(o.at(k)); };
+    auto i = [&](const char* k) { return std::stoll(o.at(k)); };
+    if (kind == "StepLR") return std::make_unique<op::StepLR>(*opt_, op::StepLROptions{i("step_size"), d("gamma")});
+    if (kind == "MultiStepLR") {
+      std::vector<std::int64_t> m;
+      for (double x : numbers(o.at("milestones"))) m.push_back(static_cast<std::int64_t>(x));
+      return std::make_unique<op::MultiStepLR>(*opt_, op::MultiStepLROptions{m, d("gamma")});
+    }
+    if (kind == "ExponentialLR") return std::make_unique<op::ExponentialLR>(*opt_, op::ExponentialLROptions{d("gamma")});
+    if (kind == "CosineAnnealingLR")
+      return std::make_unique<op::CosineAnnealingLR>(*opt_, op::CosineAnnealingLROptions{i("T_max"), d("eta_min")});
+    if (kind == "LinearLR")
+      return std::make_unique<op::LinearLR>(
+          *opt_, op::LinearLROptions{d("start_factor"), d("end_factor"), i("total_iters")});
+    DP_CHECK(kind == "OneCycleLR", "optim_fuzz_replay: unknown scheduler ", kind);
+    op::OneCycleLROptions c;
+    c.max_lr = d("max_lr");
+    c.total_steps = i("total_steps");
+    c.pct_start = d("pct_start");
+    c.anneal_strategy = o.at("anneal_strategy") == "cos" ? op::AnnealStrategy::Cos : op::AnnealStrategy::Linear;
+    c.cycle_momentum = i("cycle_momentum") != 0;
+    c.base_momentum = d("base_momentum");
+    c.max_momentum = d("max_momentum");
+    c.div_factor = d("div_factor");
+    c.final_div_factor = d("final_div_factor");
+    c.three_phase = i("three_phase") != 0;
+    return std::make_unique<op::OneCycleLR>(*opt_, c);
+  }
+
+  /// A fresh optimizer, schedulers and scaler, given the old ones' states (the order of
+  /// a resumed training run: build, then load).
+  void resume() {
+    built();
+    const auto state = opt_->state_dict();
+    const auto groups = opt_->param_groups_state();
+    std::vector<dp::optim::LRSchedulerState> sched_states;
+    for (const auto& s : scheds_) sched_states.push_back(s->state_dict());
+    const auto scaler_state = scaler_ ? scaler_->state_dict() : dp::nn::StateDict{};
+    build();
+    opt_->load_state_dict(state);
+    opt_->load_param_groups_state(groups);
+    for (std::size_t k = 0; k < scheds_.size(); ++k) scheds_[k]->load_state_dict(sched_states[k]);
+    if (scaler_) scaler_->load_state_dict(scaler_state);
+  }
+
+  void compare(const std::string& what, const std::vector<float>& got, const std::vector<double>& want,
+               double bound) {
+    if (got.size() != want.size()) {
+      problems_.push_back(what + ": " + std::to_string(got.size()) + " values where PyTorch has " +
+                          std::to_string(want.size()));
+      return;
+    }
+    double worst = 0;
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const double g = got[i], w = want[i];
+      if (std::isnan(w) || std::isnan(g)) {
+        if (std::isnan(w) != std::isnan(g)) worst = INFINITY, at = i;
+        continue;
+      }
+      const double d = g == w ? 0.0 : std::fabs(g - w);
+      if (!(d <= worst)) worst = d, at = i;
+    }
+    if (!(worst <= bound)) {
+      std::ostringstream out;
+      out.precision(9);
+      out << what << ": |dp - PyTorch| = " << worst << " at " << at << " (dp " << got[at] << ", PyTorch " << want[at]
+          << "), bound " << bound;
+      problems_.push_back(out.str());
+    }
+  }
+
+  void exact(const std::string& what, double got, double want) {
+    if (got == want || (std::isnan(got) && std::isnan(want))) return;
+    std::ostringstream out;
+    out.precision(17);
+    out << what << ": dp " << got << ", PyTorch " << want;
+    problems_.push_back(out.str());
+  }
+
+  void check(const std::string& k) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto n = std::to_string(i);
+      compare(k + " parameter " + n, params_[i].to_vector(), doubles(k + ".p" + n), doubles(k + ".bp" + n).at(0));
+    }
+    std::map<std::string, Tensor> state;
+    for (auto& [name, t] : opt_->state_dict()) state[name] = t;
+    const std::string head = prefix_ + "." + k + ".s";
+    for (const auto& [name, t] : file_) {
+      if (name.rfind(head, 0) != 0 || !std::isdigit(static_cast<unsigned char>(name[head.size()]))) continue;
+      const std::string rest = name.substr(head.size());  // "<j>.<state name>"
+      const auto dot = rest.find('.');
+      const std::string j = rest.substr(0, dot), entry = rest.substr(dot + 1);
+      const std::string dp_name = "state." + j + "." + entry;
+      auto it = state.find(dp_name);
+      // An entry's own step count is saved where it differs from the optimizer's.
+      if (it == state.end() && entry == "step") it = state.find("step");
+      if (it == state.end()) {
+        problems_.push_back(k + ": dp's state_dict has no " + dp_name + " where PyTorch has state[" + j + "]['" +
+                            entry + "']");
+        continue;
+      }
+      const auto want = doubles(k + ".s" + rest);
+      if (entry == "step") {
+        exact(k + " " + dp_name, static_cast<double>(it->second.to_vector_i64().at(0)), want.at(0));
+      } else {
+        compare(k + " " + dp_name, it->second.to_vector(), want, doubles(k + ".bs" + rest).at(0));
+      }
+    }
+    const auto lrs = doubles(k + ".lr"), moms = doubles(k + ".mom");
+    for (std::size_t g = 0; g < lrs.size(); ++g) {
+      exact(k + " group " + std::to_string(g) + " lr", opt_->group_lr(g), lrs[g]);
+      exact(k + " group " + std::to_string(g) + " momentum", opt_->group_momentum(g).value_or(NAN), moms[g]);
+    }
+    if (has(k + ".scale")) {
+      exact(k + " scale", scaler_->get_scale(), doubles(k + ".scale").at(0));
+      exact(k + " growth tracker", static_cast<double>(scaler_->growth_tracker()), doubles(k + ".growth_tracker").at(0));
+    }
+    for (std::size_t j = 0; has(k + ".n" + std::to_string(j)); ++j) {
+      const auto n = std::to_string(j);
+      const double want = doubles(k + ".n" + n).at(0);
+      if (j >= norms_.size()) {
+        problems_.push_back(k + ": clip_norm " + n + " did not run in dp");
+        continue;
+      }
+      if (std::isfinite(want)) {
+        compare(k + " clip_norm " + n, {static_cast<float>(norms_[j])}, {want}, doubles(k + ".bn" + n).at(0));
+      } else {
+        exact(k + " clip_norm " + n, norms_[j], want);
+      }
+    }
+  }
+
+  const std::map<std::string, Tensor>& file_;
+  std::string prefix_;
+  bool loose_ = false;
+  std::shared_ptr<Params> module_;
+  std::vector<Tensor> params_;
+  std::string opt_kind_;
+  Options opt_options_;
+  std::vector<std::pair<std::vector<std::size_t>, Options>> groups_;
+  std::vector<std::pair<std::string, Options>> sched_specs_;
+  std::optional<Options> scaler_spec_;
+  std::unique_ptr<dp::optim::Optimizer> opt_;
+  std::vector<std::unique_ptr<dp::optim::LRScheduler>> scheds_;
+  std::optional<dp::amp::GradScaler> scaler_;
+  std::vector<double> norms_;
+  std::vector<std::string> problems_;
+};
+
+struct Outcome {
+  bool ok = true;
+  std::string report;
+};
+
+Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& name, const std::string& program,
+                 bool verbose) {
+  const auto lines = split_on(program, "; ");
+  std::vector<std::string> problems;
+  std::size_t done = 0;
+  try {
+    Run run(file, name);
+    for (const auto& l : lines) {
+      run.line(l);
+      ++done;
+      if (!run.problems().empty()) break;  // the first check that differs
+    }
+    problems = run.problems();
+  } catch (const std::exception& e) {
+    problems.push_back("dp threw where PyTorch ran, at line " + std::to_string(done + 1) + ": " + e.what());
+  }
+  Outcome res;
+  res.ok = problems.empty();
+  if (!res.ok || verbose) {
+    std::ostringstream out;
+    out << (res.ok ? "ok   " : "FAIL ") << name << "\n";
+    for (const auto& l : lines) out << "    " << l << "\n";
+    for (const auto& p : problems) out << "  - " << p << "\n";
+    res.report = out.str();
+  }
+  return res;
+}
+
+int usage(const char* why) {
+  std::cerr << "optim_fuzz_replay: " << why << "\nusage: optim_fuzz_replay FILE [--case c<seed>] [--verbose]\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string path, only;
+  bool verbose = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--case" && i + 1 < argc) {
+      only = argv[++i];
+    } else if (arg == "--verbose") {
+      verbose = true;
+    } else if (!arg.empty() && arg[0] != '-' && path.empty()) {
+      path = arg;
+    } else {
+      return usage(("unexpected argument '" + arg + "'").c_str());
+    }
+  }
+  if (path.empty()) return usage("expected a file");
+  dp::io::SafetensorsFile file;
+  try {
+    file = dp::io::read_safetensors(path);
+  } catch (const dp::Error& e) {
+    std::cerr << "optim_fuzz_replay: cannot read " << path << ": " << e.what() << "\n";
+    return 2;
+  }
+  std::map<std::string, Tensor> tensors;
+  for (auto& [n, t] : file.tensors) tensors[n] = t;
+  auto meta = [&](const std::string& key) -> std::string {
+    auto it = file.metadata.find(key);
+    return it == file.metadata.end() ? std::string() : it->second;
+  };
+  const auto cases = words(meta("cases"));
+  if (cases.empty()) {
+    std::cerr << "optim_fuzz_replay: " << path << " lists no programs (metadata 'cases'); write it with "
+              << "scripts/optim_fuzz.py --write\n";
+    return 2;
+  }
+  int failed = 0, ran = 0;
+  for (const auto& c : cases) {
+    if (!only.empty() && c != only) continue;
+    const std::string program = meta("program." + c);
+    if (program.empty()) {
+      std::cerr << "optim_fuzz_replay: no program for " << c << "\n";
+      return 2;
+    }
+    ++ran;
+    const Outcome o = run_case(tensors, c, program, verbose);
+    std::cout << o.report;
+    failed += o.ok ? 0 : 1;
+  }
+  if (ran == 0) return usage(("no program named " + only).c_str());
+  std::cout << "optim_fuzz_replay: " << ran << " programs, " << failed
+            << (failed == 1 ? " differs" : " differ") << " from PyTorch\n";
+  return failed == 0 ? 0 : 1;
+}
