@@ -34,7 +34,8 @@
 // clip_grad_norm_ (norm 2, 1 or inf) and clip_grad_value_, the step (the scaler's
 // step and update), the schedulers' step, an lr set by hand, and a resume: a fresh
 // optimizer, schedulers and scaler built as at the start and given the state dicts of
-// the old ones, as a training checkpoint does. After each step dp's parameters,
+// the old ones (every other resume of a module's parameters through a training
+// checkpoint file: save_training_checkpoint, load_training_checkpoint). After each step dp's parameters,
 // optimizer state, lrs, momenta, scale and clip norms are compared with PyTorch's.
 //
 // The oracle is the op fuzzer's: PyTorch runs each program in float32 and in float64;
@@ -59,6 +60,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -66,6 +68,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "dp/dp.h"
 
@@ -361,9 +365,14 @@ class Run {
   }
 
   /// A fresh optimizer, schedulers and scaler, given the old ones' states (the order of
-  /// a resumed training run: build, then load).
+  /// a resumed training run: build, then load): every other resume of a module's
+  /// parameters through a training checkpoint file, the others in memory.
   void resume() {
     built();
+    if (!loose_ && resumes_++ % 2 == 1) {
+      resume_from_file();
+      return;
+    }
     const auto state = opt_->state_dict();
     const auto groups = opt_->param_groups_state();
     std::vector<dp::optim::LRSchedulerState> sched_states;
@@ -374,6 +383,21 @@ class Run {
     opt_->load_param_groups_state(groups);
     for (std::size_t k = 0; k < scheds_.size(); ++k) scheds_[k]->load_state_dict(sched_states[k]);
     if (scaler_) scaler_->load_state_dict(scaler_state);
+  }
+
+  void resume_from_file() {
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("optim_fuzz_" + std::to_string(::getpid()) + ".safetensors")).string();
+    dp::TrainingState saved;
+    for (std::size_t k = 0; k < scheds_.size(); ++k) saved.schedulers.emplace_back("s" + std::to_string(k), scheds_[k].get());
+    saved.scaler = scaler_ ? &*scaler_ : nullptr;
+    dp::save_training_checkpoint(path, *module_, *opt_, saved);
+    build();
+    dp::TrainingState loaded;
+    for (std::size_t k = 0; k < scheds_.size(); ++k) loaded.schedulers.emplace_back("s" + std::to_string(k), scheds_[k].get());
+    loaded.scaler = scaler_ ? &*scaler_ : nullptr;
+    dp::load_training_checkpoint(path, *module_, *opt_, loaded);
+    std::filesystem::remove(path);
   }
 
   void compare(const std::string& what, const std::vector<float>& got, const std::vector<double>& want,
@@ -478,6 +502,7 @@ class Run {
   std::vector<std::unique_ptr<dp::optim::LRScheduler>> scheds_;
   std::optional<dp::amp::GradScaler> scaler_;
   std::vector<double> norms_;
+  int resumes_ = 0;
   std::vector<std::string> problems_;
 };
 
