@@ -735,6 +735,7 @@ void Optimizer::add_entry_steps(nn::StateDict& sd) const {
 
 void Optimizer::load_state_dict(const nn::StateDict& state) {
   check_valid();
+  before_load(state);
   const auto names = state_names();
   const Tensor* step_entry = nullptr;
   nn::StateDict given;  // every entry but "step" and the entries' own steps

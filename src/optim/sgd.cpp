@@ -32,7 +32,9 @@ SGDOptions with(SGDOptions o, const SGDGroupOptions& g) {
 }  // namespace
 
 SGD::SGD(nn::ParameterList params, SGDOptions options)
-    : Optimizer(std::move(params), "SGD"), options_{checked(options, "SGD")} {}
+    : Optimizer(std::move(params), "SGD"), options_{checked(options, "SGD")} {
+  note_momentum();
+}
 
 SGD::SGD(std::vector<Tensor> params, SGDOptions options)
     : SGD(nn::ParameterList(std::move(params), {}, nullptr), options) {}
@@ -40,6 +42,19 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
 SGD::SGD(std::vector<SGDParamGroup> groups, SGDOptions defaults) : Optimizer(lists_of(groups), "SGD") {
   checked(defaults, "SGD");
   for (std::size_t g = 0; g < groups.size(); ++g) options_.push_back(checked(with(defaults, groups[g].options), group_name(g)));
+  note_momentum();
+}
+
+void SGD::note_momentum() {
+  had_momentum_ = had_momentum_ || std::any_of(options_.begin(), options_.end(),
+                                               [](const SGDOptions& o) { return o.momentum != 0; });
+}
+
+void SGD::before_load(const nn::StateDict& state) {
+  const std::string suffix = ".momentum_buffer";
+  for (const auto& [name, t] : state)
+    if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      had_momentum_ = true;
 }
 
 const SGDOptions& SGD::options(std::size_t group) const {
@@ -50,6 +65,7 @@ const SGDOptions& SGD::options(std::size_t group) const {
 void SGD::set_options(std::size_t group, const SGDOptions& options) {
   check_group(group, "set_options");
   options_[group] = checked(options, group_name(group));
+  note_momentum();
 }
 
 void SGD::set_lr(double lr) {
@@ -72,6 +88,7 @@ void SGD::set_momentum(double momentum) {
              momentum);
   }
   for (SGDOptions& o : options_) o.momentum = momentum;
+  note_momentum();
 }
 
 std::optional<double> SGD::group_momentum(std::size_t group) const { return options(group).momentum; }
@@ -103,8 +120,8 @@ void SGD::set_group_options(std::size_t group, const std::map<std::string, std::
 }
 
 std::vector<std::string> SGD::state_names() const {
-  // One momentum buffer over every group's parameters once any group has momentum.
-  if (std::none_of(options_.begin(), options_.end(), [](const SGDOptions& o) { return o.momentum != 0; })) return {};
+  // One momentum buffer over every group's parameters once any group has had momentum.
+  if (!had_momentum_) return {};
   return {"momentum_buffer"};
 }
 

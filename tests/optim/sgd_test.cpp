@@ -72,6 +72,65 @@ TEST_CASE("SGD's 1 - dampening is computed in double from the option and rounded
   }
 }
 
+TEST_CASE("SGD keeps a momentum buffer while momentum is 0, in state_dict too, and takes it up again") {
+  // Note [Optimizer state starts]. PyTorch 2.15, SGD(lr = 0.1) with momentum 0.9, 0, 0.9
+  // over three steps of gradients (0.3, -1.7, 2.9) · t: the parameters end at
+  // (0.793, -0.827, -1.501) and the buffer at (1.17, -6.63, 11.31); the second step leaves
+  // the buffer (0.3, -1.7, 2.9) in its state_dict. A run saved and resumed at that point
+  // continues bit for bit (before, the state dict had no buffer and the resumed run
+  // restarted it from the third gradient).
+  for (const bool module : {false, true}) {
+    CAPTURE(module);
+    auto run = [&](bool resume) {
+      auto net = tiny_net(dp::cpu(0));
+      std::vector<dp::Tensor> loose{dp::from_vector(std::vector<float>{1.0f, -2.0f, 0.5f}, {3}, dp::cpu(0))
+                                        .set_requires_grad(true)};
+      auto params = module ? net->parameters().tensors() : loose;
+      auto opt = std::make_unique<dp::optim::SGD>(params, dp::optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+      if (module) opt = std::make_unique<dp::optim::SGD>(net->parameters(), dp::optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+      std::optional<std::vector<float>> saved_buffer;
+      int t = 0;
+      for (const double m : {0.9, 0.0, 0.9}) {
+        ++t;
+        auto o = opt->options(0);
+        o.momentum = m;
+        opt->set_options(0, o);
+        for (auto& p : params) {
+          std::vector<float> g(static_cast<std::size_t>(p.numel()));
+          for (std::size_t i = 0; i < g.size(); ++i) g[i] = std::vector<float>{0.3f, -1.7f, 2.9f}[i % 3] * float(t);
+          p.set_grad(dp::from_vector(g, p.shape(), dp::cpu(0)));
+        }
+        opt->step();
+        if (t == 2) {
+          const auto sd = opt->state_dict();
+          for (const auto& [name, v] : sd)
+            if (name == "state.0.momentum_buffer") saved_buffer = v.to_vector();
+          if (resume) {
+            const auto groups = opt->param_groups_state();
+            opt = module ? std::make_unique<dp::optim::SGD>(net->parameters(), dp::optim::SGDOptions{.lr = 0.1})
+                         : std::make_unique<dp::optim::SGD>(params, dp::optim::SGDOptions{.lr = 0.1});
+            opt->load_state_dict(sd);
+            opt->load_param_groups_state(groups);
+          }
+        }
+      }
+      std::vector<float> out;
+      for (const auto& p : params)
+        for (float x : p.to_vector()) out.push_back(x);
+      REQUIRE(saved_buffer.has_value());
+      CHECK(saved_buffer->at(0) == 0.3f);
+      return out;
+    };
+    const auto plain = run(false), resumed = run(true);
+    CHECK(plain == resumed);
+    if (!module) {
+      CHECK(plain[0] == doctest::Approx(0.793).epsilon(1e-6));
+      CHECK(plain[1] == doctest::Approx(-0.827).epsilon(1e-6));
+      CHECK(plain[2] == doctest::Approx(-1.501).epsilon(1e-6));
+    }
+  }
+}
+
 TEST_CASE("SGD rejects bad options") {
   auto net = tiny_net(dp::cpu(0));
   CHECK_THROWS_AS(dp::optim::SGD(net->parameters(), {.lr = -1}), dp::Error);

@@ -66,7 +66,13 @@
 // started group on any copy of any process), and load_state_dict() takes a set's
 // state group by group, all of a group's parameters or none; a group without entries
 // has not started. State dicts from before this rule hold every group and load as
-// started, as they did.
+// started, as they did. A started state stays when the group's momentum is set to 0
+// (PyTorch keeps the momentum_buffer in its state while unused, and takes it up again
+// when momentum returns): SGD keeps its buffers, in its steps and in state_dict(), once
+// any group has had momentum or a loaded state held a buffer. Before, a state_dict()
+// saved while every group's momentum was 0 dropped them, so a resumed run restarted
+// the buffers where the uninterrupted one (and PyTorch) continued them (found by the
+// optimizer fuzzer, Note [Optimizer fuzzer]).
 //
 // Note [Frozen parameters in a step]
 // A parameter that does not require grad (set_requires_grad(false): a frozen backbone or
@@ -246,6 +252,9 @@ class Optimizer {
 
   /// Names of the per-element state buffers this optimizer keeps (may be empty).
   virtual std::vector<std::string> state_names() const = 0;
+  /// Called by load_state_dict() before it reads state_names(): an optimizer whose state
+  /// names depend on what it has seen (SGD's momentum_buffer) learns of the loaded ones.
+  virtual void before_load(const nn::StateDict& /*state*/) {}
   /// Updates n elements in place on `dev`. state[k] points at state_names()[k]'s slice.
   /// first: the state of these elements' group was never stepped on this copy (it is
   /// zeros; see group_uses_state). step: 1-based step count.

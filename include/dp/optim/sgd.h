@@ -65,7 +65,9 @@ class SGD : public Optimizer {
   void set_options(std::size_t group, const SGDOptions& options);
 
  protected:
+  /// {"momentum_buffer"} once any group has had momentum (Note [Optimizer state starts]).
   std::vector<std::string> state_names() const override;
+  void before_load(const nn::StateDict& state) override;
   /// A group's momentum buffer starts at its first step with momentum, as PyTorch's.
   bool group_uses_state(std::size_t group) const override;
   void update_group(std::size_t group, Device dev, float* param, const float* grad, float* const* state,
@@ -74,7 +76,11 @@ class SGD : public Optimizer {
   void set_group_options(std::size_t group, const std::map<std::string, std::vector<double>>& options) override;
 
  private:
+  /// Records whether a group has momentum now: had_momentum_ never goes back to false.
+  void note_momentum();
+
   std::vector<SGDOptions> options_;  // per group
+  bool had_momentum_ = false;        // some group has had momentum, or a loaded state a buffer
 };
 
 }  // namespace dp::optim
