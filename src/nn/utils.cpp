@@ -171,13 +171,39 @@ void edit_every_copy(const ParameterList& params, const std::function<void(Tenso
   });
 }
 
+// Note [Gradients PyTorch would not see]
+// PyTorch's clip_grad_norm_, clip_grad_value_ and GradScaler.unscale_ pass over the
+// parameters whose .grad is not None. A set's gradients live in flat buffers and are
+// never undefined; an entry PyTorch would hold None for is one that does not require
+// grad (frozen) or that no gradient reached since zero_grad(true) (Note [Parameters
+// without a gradient] in dp/optim/optimizer.h), and the optimizer skips it. These
+// functions skip it too. Its buffer holds zeros, which change no norm, clamp or scale,
+// until a NaN factor reaches it: clip_grad_norm_ of a NaN total multiplies what it
+// passes over by NaN, and a frozen entry so poisoned made the next unscale_ find a NaN
+// PyTorch has not, and skip a step PyTorch takes (the optimizer fuzzer, program 2496:
+// frozen parameters, an overflow, no zero_grad() before the next step).
+ParameterList with_a_gradient(const ParameterList& params) {
+  const auto& set = params.set();
+  if (!set) return params;
+  set->collect_arrived_grads();
+  std::vector<Tensor> tensors;
+  std::vector<std::shared_ptr<Parameter::Slot>> slots;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].requires_grad() || !params.slots()[i]->got_grad) continue;
+    tensors.push_back(params[i]);
+    slots.push_back(params.slots()[i]);
+  }
+  return ParameterList(std::move(tensors), std::move(slots), set);
+}
+
 }  // namespace
 
-double clip_grad_norm_(const ParameterList& params, double max_norm, double norm_type, bool error_if_nonfinite) {
+double clip_grad_norm_(const ParameterList& given, double max_norm, double norm_type, bool error_if_nonfinite) {
   DP_CHECK(max_norm >= 0, "clip_grad_norm_: expected max_norm >= 0 (infinity: only measure), got ", max_norm);
   DP_CHECK(norm_type > 0, "clip_grad_norm_: expected norm_type > 0 (2 for the Euclidean norm, "
            "dp::nn::utils::kInfNorm for the largest element), got ", norm_type);
   NoGradGuard no_grad;
+  const ParameterList params = with_a_gradient(given);
   double total = 0.0;
   if (const auto& set = params.set()) {
     total = set_norm(*set, flat_ranges(params), norm_type);
@@ -222,8 +248,9 @@ double clip_grad_norm_(const ParameterList& params, double max_norm, double norm
 // unscales them all too); the multiply gives Tensor::mul_'s bits. The processes'
 // answers still meet in one exchange (Note [One decision everywhere] in
 // dp/optim/grad_scaler.h).
-bool scale_grads_find_nonfinite_(const ParameterList& params, double factor) {
+bool scale_grads_find_nonfinite_(const ParameterList& given, double factor) {
   DP_CHECK(std::isfinite(factor), "scale_grads_find_nonfinite_: expected a finite factor, got ", factor);
+  const ParameterList params = with_a_gradient(given);  // Note [Gradients PyTorch would not see]
   const float f = static_cast<float>(factor);
   std::mutex mu;  // copies run on their own workers
   std::vector<Tensor> flags;  // one per device, in the order first used
@@ -255,7 +282,7 @@ bool scale_grads_find_nonfinite_(const ParameterList& params, double factor) {
 
 void clip_grad_value_(const ParameterList& params, double clip_value) {
   DP_CHECK(clip_value >= 0, "clip_grad_value_: expected clip_value >= 0, got ", clip_value);
-  edit_every_copy(params, [clip_value](Tensor& g) {
+  edit_every_copy(with_a_gradient(params), [clip_value](Tensor& g) {
     Tensor lo = full({}, -clip_value, {.device = g.device()});
     // clamp(g, -c, c) = max(-max(-g, -c), -c)
     g.copy_(maximum(neg(maximum(neg(g), lo)), lo));

@@ -287,3 +287,44 @@ TEST_CASE("clip_grad_norm_ of a NaN total makes every gradient NaN, as PyTorch's
     CHECK(nans == (shards ? 1 : static_cast<int>(grads.size())));
   }
 }
+
+TEST_CASE("clipping and unscaling leave the gradients PyTorch would hold None for: frozen and unreached ones") {
+  // Note [Gradients PyTorch would not see]. The first Linear frozen; a NaN in the second
+  // Linear's weight gradient; unscale finds it, clip_grad_norm_ of the NaN total makes
+  // the trainable gradients NaN and must leave the frozen ones zeros; new gradients for
+  // the trainable parameters (no zero_grad) then scan clean, as PyTorch's unscale_ over
+  // the parameters with a .grad does. The same for a parameter no backward reached.
+  for (const int devices : {0, 2}) {
+    for (const bool unreached : {false, true}) {
+      CAPTURE(devices);
+      CAPTURE(unreached);
+      auto net = make_mlp();
+      std::unique_ptr<dp::DataParallel> model;
+      if (devices > 0) model = std::make_unique<dp::DataParallel>(net, cpus(devices), ddp());
+      auto ps = devices > 0 ? model->parameters() : net->parameters();
+      auto forward = [&](const Tensor& x) { return devices > 0 ? (*model)(x) : net->forward(x); };
+      Batch b = make_batch(8, 3);
+      if (unreached) {
+        // zero_grad(true) after a backward, then gradients for the second Linear only:
+        // no gradient reached the first since (PyTorch: its .grad is None).
+        dp::nn::cross_entropy(forward(b.x), b.y).backward();
+        dp::optim::SGD(ps, {.lr = 0.1}).zero_grad();
+        for (std::size_t i = 2; i < 4; ++i) ps[i].set_grad(dp::ones(ps[i].shape(), ps[i].device()));
+      } else {
+        ps[0].set_requires_grad(false);
+        ps[1].set_requires_grad(false);
+        dp::nn::cross_entropy(forward(b.x), b.y).backward();
+      }
+      std::vector<float> w = ps[2].grad().to_vector();
+      w[5] = std::numeric_limits<float>::quiet_NaN();
+      ps[2].set_grad(dp::from_vector(w, ps[2].shape(), ps[2].device()));
+      CHECK(dp::nn::utils::scale_grads_find_nonfinite_(ps, 0.5));
+      CHECK(std::isnan(dp::nn::utils::clip_grad_norm_(ps, 1.0)));
+      for (std::size_t i = 0; i < 2; ++i)
+        for (float g : ps[i].grad().to_vector()) REQUIRE(g == 0.0f);
+      for (float g : ps[3].grad().to_vector()) REQUIRE(std::isnan(g));
+      for (std::size_t i = 2; i < 4; ++i) ps[i].set_grad(dp::ones(ps[i].shape(), ps[i].device()));
+      CHECK_FALSE(dp::nn::utils::scale_grads_find_nonfinite_(ps, 0.5));
+    }
+  }
+}

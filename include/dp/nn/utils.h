@@ -37,8 +37,10 @@ inline constexpr std::int64_t kNormBlock = 16;
 /// Scales the gradients so that their total `norm_type`-norm (the norm of the
 /// per-parameter norms, as PyTorch computes it) is at most `max_norm`: each gradient
 /// is multiplied by min(1, max_norm / (total + 1e-6)). Returns the total norm before
-/// clipping. Loose tensors without a gradient are skipped; a parameter set's
-/// parameters always have one (zeros when backward did not reach them). Throws
+/// clipping. Loose tensors without a gradient are skipped, and so are a parameter set's
+/// parameters that PyTorch would hold a None .grad for: frozen ones and ones no gradient
+/// reached since zero_grad() (Note [Gradients PyTorch would not see] in
+/// src/nn/utils.cpp; the same in clip_grad_value_ and scale_grads_find_nonfinite_). Throws
 /// dp::Error for max_norm < 0 or NaN, norm_type <= 0 or NaN, or — with
 /// error_if_nonfinite — a NaN/Inf total. The total is read on the host (on CUDA: one
 /// synchronisation, like .item()). The gradients of a set sharded across processes
