@@ -8,7 +8,7 @@ Modes (a PyTorch 2.x is needed for both; the test itself needs none):
   python3 scripts/optim_fuzz.py --replay build/tests/optim/optim_fuzz_replay --seeds 200:10200
       hunt: draw the programs, run dp on them, print each failing program (exit 1)
   python3 scripts/optim_fuzz.py --write tests/optim/optim_fuzz_corpus.safetensors \
-      --seeds 0:200,552,794,2394,5335,7017
+      --seeds 0:200,568,2496,3790
       write the corpus that `meson test` replays (programs 0..199 and the ones that
       found something): the programs, their gradients, PyTorch's float64 results after
       every step and each one's bound.
@@ -156,6 +156,14 @@ class Run:
                                          "zero by rounding])")
         elif w[0] == "set_lr":
             self.opt.param_groups[int(w[1])]["lr"] = float(w[2])
+        elif w[0] == "set_option":  # PyTorch's param_groups[g][key] = value
+            g, key = self.opt.param_groups[int(w[1])], w[2]
+            if key == "betas":
+                g[key] = tuple(float(x) for x in w[3].split(","))
+            elif key == "nesterov":
+                g[key] = bool(int(w[3]))
+            else:
+                g[key] = float(w[3])
         elif w[0] == "resume":
             self.resume()
         else:
@@ -365,9 +373,36 @@ class Program:
                 g = rng.randrange(max(1, len(s.groups)))
                 self.emit(["set_lr", str(g), num(rng.choice([0.02, 1e-3, 0.2]))])
             if rng.random() < 0.15:
+                self.emit(["set_option"] + self.draw_option_edit())
+            if rng.random() < 0.15:
                 self.emit(["resume"])
             self.check(step + 1)
         return self
+
+    def draw_option_edit(self):
+        """A hyper-parameter of one group changed by hand, to a value its optimizer's
+        constructor takes (dp's set_options refuses the others, PyTorch's step runs them)."""
+        rng = self.rng
+        g = rng.randrange(len(self.low.opt.param_groups))
+        group = self.low.opt.param_groups[g]
+        if self.spec.opt[0] == "SGD":
+            key = rng.choice(["momentum", "dampening", "weight_decay", "nesterov"])
+            if key == "momentum":
+                choices = [0.0, 0.5, 0.9] if not group["nesterov"] else [0.5, 0.9]
+                return [str(g), key, num(rng.choice(choices))]
+            if key == "dampening":
+                return [str(g), key, num(0.0 if group["nesterov"] else rng.choice([0.0, 0.1, 0.6]))]
+            if key == "nesterov":
+                ok = group["momentum"] > 0 and group["dampening"] == 0
+                return [str(g), key, str(int(ok and not group["nesterov"]))]
+            return [str(g), key, num(rng.choice([0.0, 1e-3, 0.1]))]
+        key = rng.choice(["betas", "eps", "weight_decay"])
+        if key == "betas":
+            b1, b2 = rng.choice([(0.9, 0.999), (0.9, 0.95), (0.5, 0.99), (0.0, 0.9)])
+            return [str(g), key, f"{num(b1)},{num(b2)}"]
+        if key == "eps":
+            return [str(g), key, num(rng.choice([1e-8, 1e-6, 1e-3]))]
+        return [str(g), key, num(rng.choice([0.0, 1e-2, 0.1]))]
 
     def emit(self, w):
         self.lines.append(" ".join(w))

@@ -32,7 +32,8 @@
 // without a gradient is skipped, its own step count kept), of magnitudes 1e-3 to 30
 // with zeros among them, an infinity or NaN in one gradient under a scaler, unscale_,
 // clip_grad_norm_ (norm 2, 1 or inf) and clip_grad_value_, the step (the scaler's
-// step and update), the schedulers' step, an lr set by hand, and a resume: a fresh
+// step and update), the schedulers' step, an lr or another hyper-parameter of a group
+// set by hand (PyTorch's param_groups[g][key] = value), and a resume: a fresh
 // optimizer, schedulers and scaler built as at the start and given the state dicts of
 // the old ones (every other resume of a module's parameters through a training
 // checkpoint file: save_training_checkpoint, load_training_checkpoint). After each step dp's parameters,
@@ -53,8 +54,10 @@
 // PyTorch, so the test needs no Python); `scripts/optim_fuzz.py --replay BIN --seeds A:B`
 // hunts further. Its first run found Adam's 1 - beta2 taken in float (every exp_avg_sq
 // 1.3e-5 from PyTorch's), the parameters' own step counts lost by a state dict saved
-// right after a load, a linear decay to zero refused at its last step, and a NaN total
-// norm that left the gradients unclipped.
+// right after a load, a linear decay to zero refused at its last step, a NaN total
+// norm that left the gradients unclipped, SGD's momentum buffers dropped from its state
+// dict while momentum was 0, and frozen parameters' zero gradients poisoned by a NaN
+// clip factor.
 
 #include <algorithm>
 #include <cctype>
@@ -212,6 +215,8 @@ class Run {
       for (auto& s : scheds_) s->step();
     } else if (op == "set_lr") {
       opt_->set_group_lr(std::stoul(w.at(1)), std::stod(w.at(2)));
+    } else if (op == "set_option") {
+      set_option(std::stoul(w.at(1)), w.at(2), w.at(3));
     } else if (op == "resume") {
       resume();
     } else if (op == "check") {
@@ -383,6 +388,34 @@ class Run {
     opt_->load_param_groups_state(groups);
     for (std::size_t k = 0; k < scheds_.size(); ++k) scheds_[k]->load_state_dict(sched_states[k]);
     if (scaler_) scaler_->load_state_dict(scaler_state);
+  }
+
+  /// PyTorch's param_groups[g][key] = value: group g's options with one field changed.
+  void set_option(std::size_t g, const std::string& key, const std::string& value) {
+    if (auto* sgd = dynamic_cast<dp::optim::SGD*>(opt_.get())) {
+      dp::optim::SGDOptions o = sgd->options(g);
+      if (key == "momentum") o.momentum = std::stod(value);
+      else if (key == "dampening") o.dampening = std::stod(value);
+      else if (key == "weight_decay") o.weight_decay = std::stod(value);
+      else if (key == "nesterov") o.nesterov = std::stoi(value) != 0;
+      else DP_CHECK(false, "optim_fuzz_replay: SGD has no option ", key);
+      sgd->set_options(g, o);
+      return;
+    }
+    auto* adam = dynamic_cast<dp::optim::Adam*>(opt_.get());
+    DP_CHECK(adam != nullptr, "optim_fuzz_replay: set_option on an optimizer of no known kind");
+    dp::optim::AdamOptions o = adam->options(g);
+    if (key == "betas") {
+      const auto b = numbers(value);
+      o.betas = {b.at(0), b.at(1)};
+    } else if (key == "eps") {
+      o.eps = std::stod(value);
+    } else if (key == "weight_decay") {
+      o.weight_decay = std::stod(value);
+    } else {
+      DP_CHECK(false, "optim_fuzz_replay: Adam has no option ", key);
+    }
+    adam->set_options(g, o);
   }
 
   void resume_from_file() {
