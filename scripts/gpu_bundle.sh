@@ -72,7 +72,7 @@ done
 if ((compact)); then
   # What gpu_check.sh and gpu_profile.sh run; every other executable goes. The libraries
   # they load stay (lib/ and src/).
-  keep='^(src/|lib/|tests/cuda/|tests/tensor/op_fuzz_replay$|samples/dp_vs_ddp/dp_vs_ddp$|samples/gpt/gpt$|bench/(kernels|overhead|collectives)_bench$|tests\.json$|origin\.json$)'
+  keep='^(src/|lib/|tests/cuda/|tests/tensor/op_fuzz_replay$|tests/optim/optim_fuzz_replay$|samples/dp_vs_ddp/dp_vs_ddp$|samples/gpt/gpt$|bench/(kernels|overhead|collectives)_bench$|tests\.json$|origin\.json$)'
   while IFS= read -r -d '' f; do
     rel=${f#"$dest"/}
     [[ $rel =~ $keep ]] || rm -f "$f"

@@ -1,7 +1,8 @@
 // tests/optim/optim_fuzz_replay.cpp — runs the differential optimizer fuzzer's programs in
 // dp and compares them with PyTorch's results (scripts/optim_fuzz.py draws them).
 //
-//   optim_fuzz_replay tests/optim/optim_fuzz_corpus.safetensors        # every program
+//   optim_fuzz_replay tests/optim/optim_fuzz_corpus.safetensors        # every program, CPU
+//   optim_fuzz_replay FILE --device cuda:0                             # on a GPU (77: none)
 //   optim_fuzz_replay FILE --case c17 --verbose                        # one, printed
 //
 // The file holds, per program c<seed>: its text (metadata "program.c<seed>", lines
@@ -13,7 +14,8 @@
 // group's lr and momentum k<n>.lr, k<n>.mom (exact), the GradScaler's scale and growth
 // tracker (exact), and the norm of each clip_norm so far k<n>.n<j> (bounds k<n>.bn<j>).
 // Exit status: 0 when every program agrees, 1 when one does not (each printed with what
-// differs), 2 on bad usage or an unreadable file.
+// differs), 2 on bad usage or an unreadable file, 77 when --device names a device that is
+// not there.
 //
 // Note [Optimizer fuzzer]
 // The loop fuzzer (tests/parallel/loop_fuzz.cpp) compares dp's designs with each other
@@ -133,7 +135,8 @@ class Params : public dp::nn::Module {
 /// One program's run in dp.
 class Run {
  public:
-  Run(const std::map<std::string, Tensor>& file, std::string prefix) : file_(file), prefix_(std::move(prefix)) {}
+  Run(const std::map<std::string, Tensor>& file, std::string prefix, dp::Device device)
+      : file_(file), prefix_(std::move(prefix)), device_(device) {}
 
   const Tensor& file_tensor(const std::string& name) const {
     auto it = file_.find(prefix_ + "." + name);
@@ -164,7 +167,7 @@ class Run {
       std::vector<Tensor> values;
       for (std::size_t i = 2; i < w.size(); ++i) {
         const auto k = std::to_string(i - 2);
-        values.push_back(file_tensor("p" + k).reshape(shape_of(w[i])).clone());
+        values.push_back(file_tensor("p" + k).reshape(shape_of(w[i])).to(device_).clone());
       }
       if (loose_) {
         for (auto& v : values) v.set_requires_grad(true);
@@ -191,7 +194,7 @@ class Run {
       param(w.at(1)).set_requires_grad(op == "unfreeze");
     } else if (op == "grad") {
       const Tensor& p = param(w.at(1));
-      const Tensor g = file_tensor(w.at(2)).reshape(p.shape());
+      const Tensor g = file_tensor(w.at(2)).reshape(p.shape()).to(device_);
       if (w.at(3) == "set") {
         p.set_grad(g.clone());
       } else {
@@ -523,6 +526,7 @@ class Run {
 
   const std::map<std::string, Tensor>& file_;
   std::string prefix_;
+  dp::Device device_;
   bool loose_ = false;
   std::shared_ptr<Params> module_;
   std::vector<Tensor> params_;
@@ -545,12 +549,12 @@ struct Outcome {
 };
 
 Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& name, const std::string& program,
-                 bool verbose) {
+                 dp::Device device, bool verbose) {
   const auto lines = split_on(program, "; ");
   std::vector<std::string> problems;
   std::size_t done = 0;
   try {
-    Run run(file, name);
+    Run run(file, name, device);
     for (const auto& l : lines) {
       run.line(l);
       ++done;
@@ -564,7 +568,7 @@ Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& n
   res.ok = problems.empty();
   if (!res.ok || verbose) {
     std::ostringstream out;
-    out << (res.ok ? "ok   " : "FAIL ") << name << "\n";
+    out << (res.ok ? "ok   " : "FAIL ") << name << " on " << device.str() << "\n";
     for (const auto& l : lines) out << "    " << l << "\n";
     for (const auto& p : problems) out << "  - " << p << "\n";
     res.report = out.str();
@@ -573,7 +577,8 @@ Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& n
 }
 
 int usage(const char* why) {
-  std::cerr << "optim_fuzz_replay: " << why << "\nusage: optim_fuzz_replay FILE [--case c<seed>] [--verbose]\n";
+  std::cerr << "optim_fuzz_replay: " << why
+            << "\nusage: optim_fuzz_replay FILE [--device cpu:0|cuda:N] [--case c<seed>] [--verbose]\n";
   return 2;
 }
 
@@ -581,10 +586,13 @@ int usage(const char* why) {
 
 int main(int argc, char** argv) {
   std::string path, only;
+  std::string device_name = "cpu:0";
   bool verbose = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--case" && i + 1 < argc) {
+    if (arg == "--device" && i + 1 < argc) {
+      device_name = argv[++i];
+    } else if (arg == "--case" && i + 1 < argc) {
       only = argv[++i];
     } else if (arg == "--verbose") {
       verbose = true;
@@ -595,6 +603,16 @@ int main(int argc, char** argv) {
     }
   }
   if (path.empty()) return usage("expected a file");
+  if (device_name.rfind("cuda", 0) == 0 && dp::device_count(dp::DeviceType::CUDA) == 0) {
+    std::cout << "optim_fuzz_replay: no CUDA device here; " << device_name << " skipped\n";
+    return 77;
+  }
+  dp::Device device = dp::cpu(0);
+  try {
+    device = dp::parse_device(device_name);
+  } catch (const dp::Error& e) {
+    return usage(e.what());
+  }
   dp::io::SafetensorsFile file;
   try {
     file = dp::io::read_safetensors(path);
@@ -623,12 +641,12 @@ int main(int argc, char** argv) {
       return 2;
     }
     ++ran;
-    const Outcome o = run_case(tensors, c, program, verbose);
+    const Outcome o = run_case(tensors, c, program, device, verbose);
     std::cout << o.report;
     failed += o.ok ? 0 : 1;
   }
   if (ran == 0) return usage(("no program named " + only).c_str());
-  std::cout << "optim_fuzz_replay: " << ran << " programs, " << failed
+  std::cout << "optim_fuzz_replay: " << ran << " programs on " << device.str() << ", " << failed
             << (failed == 1 ? " differs" : " differ") << " from PyTorch\n";
   return failed == 0 ? 0 : 1;
 }
