@@ -432,7 +432,8 @@ std::vector<std::int64_t> Optimizer::plan_pieces() {
       continue;
     }
     const std::int64_t begin = slots[i]->offset;
-    pieces.push_back(Piece{begin, begin + params_[i].numel(), step_ - frozen[i], frozen[i] > 0 && step_ - frozen[i] == 1});
+    const bool fresh = i >= entry_started_.size() || !entry_started_[i];
+    pieces.push_back(Piece{begin, begin + params_[i].numel(), step_ - frozen[i], fresh});
   }
   std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.begin < b.begin; });
   pieces_.clear();
@@ -536,6 +537,10 @@ void Optimizer::step() {
       prepare_states();
       std::vector<std::int64_t> frozen = plan_pieces();
       step_copies(*set);
+      entry_started_.resize(params_.size(), false);
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (frozen[i] == (i < frozen_steps_.size() ? frozen_steps_[i] : 0) && group_uses_state(group_of(i)))
+          entry_started_[i] = true;  // stepped now, with state
       frozen_steps_ = std::move(frozen);
       set->bump_version();
     } else {
@@ -799,6 +804,13 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   // Validated: now write.
   step_ = step;
   frozen_steps_ = std::move(frozen);
+  // A loaded entry's state has started when its group has state and it has stepped; a
+  // state dict lists a started group whole, so an entry stepped only while its group
+  // had no momentum reads as started after a load (its buffer zeros, where PyTorch's
+  // state would have none).
+  entry_started_.assign(params_.size(), false);
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    entry_started_[i] = group_has[group_of(i)] && step - frozen_steps_[i] > 0;
   if (loose) {
     for (std::size_t i = 0; i < params_.size(); ++i) {
       states_[i] = CopyState{};

@@ -131,6 +131,43 @@ TEST_CASE("SGD keeps a momentum buffer while momentum is 0, in state_dict too, a
   }
 }
 
+TEST_CASE("a parameter frozen when its group's momentum began starts its buffer at its own first step with it") {
+  // PyTorch keeps state per parameter: the buffer starts as the gradient itself
+  // (undampened) at the parameter's first step with momentum, here after the group's.
+  // Before, dp started it per group and dampened the new gradient into a zero buffer:
+  // half of PyTorch's with dampening 0.5 (the optimizer fuzzer, program 4228).
+  auto net = tiny_net(dp::cpu(0));
+  auto params = net->parameters();
+  dp::optim::SGD opt(params, {.lr = 0.1, .momentum = 0.0, .dampening = 0.5});
+  auto grads = [&](float scale) {
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      std::vector<float> g(static_cast<std::size_t>(params[k].numel()), scale * float(k + 1));
+      params[k].set_grad(dp::from_vector(g, params[k].shape(), dp::cpu(0)));
+    }
+  };
+  grads(1.0f);
+  opt.step();  // no momentum yet: no buffer anywhere
+  opt.zero_grad();
+  params[0].set_requires_grad(false);
+  auto o = opt.options(0);
+  o.momentum = 0.9;
+  opt.set_options(0, o);
+  grads(2.0f);
+  opt.step();  // every parameter but the first starts its buffer: 2·(k + 1)
+  opt.zero_grad();
+  params[0].set_requires_grad(true);
+  grads(3.0f);
+  opt.step();  // the first starts now: 3·1; the others 0.9·2(k + 1) + 0.5·3(k + 1)
+  std::vector<float> buf;
+  for (const auto& [name, t] : opt.state_dict())
+    if (name == "state.0.momentum_buffer") buf = t.to_vector();
+  REQUIRE(!buf.empty());
+  for (float b : buf) CHECK(b == 3.0f);
+  for (const auto& [name, t] : opt.state_dict())
+    if (name == "state.1.momentum_buffer")
+      for (float b : t.to_vector()) CHECK(b == 0.9f * 4.0f + 0.5f * 6.0f);
+}
+
 TEST_CASE("SGD rejects bad options") {
   auto net = tiny_net(dp::cpu(0));
   CHECK_THROWS_AS(dp::optim::SGD(net->parameters(), {.lr = -1}), dp::Error);

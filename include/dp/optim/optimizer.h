@@ -62,7 +62,10 @@
 // per group and per copy whether the group's state has started (group_uses_state:
 // SGD's momentum ≠ 0; Adam's always), and update()'s `first` is true until it has.
 // A group given momentum after another group's buffer already exists thus starts its
-// buffer as PyTorch does. state_dict() lists the state of started groups only (a
+// buffer as PyTorch does; and within a set each entry records its own start, so an
+// entry frozen or unreached when its group's momentum began starts its buffer at its
+// own first step with momentum, from the gradient itself (an entry that has stepped
+// counts as started after a load, the state dict listing a started group whole). state_dict() lists the state of started groups only (a
 // started group on any copy of any process), and load_state_dict() takes a set's
 // state group by group, all of a group's parameters or none; a group without entries
 // has not started. State dicts from before this rule hold every group and load as
@@ -353,8 +356,13 @@ class Optimizer {
   /// frozen or had no gradient (Note [Parameters without a gradient]); its own step
   /// count is step_ minus them.
   std::vector<std::int64_t> frozen_steps_;
+  /// Per list entry of a set: its state has started (it was stepped while its group used
+  /// state; Note [Optimizer state starts]). PyTorch starts state per parameter: an entry
+  /// frozen or unreached when its group's momentum began starts its buffer at its own
+  /// first step with momentum.
+  std::vector<bool> entry_started_;
   /// A run of the flat buffers stepped by this step, with its elements' step count;
-  /// `fresh`: their first step after steps taken frozen (their state starts now).
+  /// `fresh`: their state has not started (it starts now).
   struct Piece {
     std::int64_t begin = 0, end = 0, step = 0;
     bool fresh = false;
