@@ -8,7 +8,7 @@ Modes (a PyTorch 2.x is needed for both; the test itself needs none):
   python3 scripts/optim_fuzz.py --replay build/tests/optim/optim_fuzz_replay --seeds 200:10200
       hunt: draw the programs, run dp on them, print each failing program (exit 1)
   python3 scripts/optim_fuzz.py --write tests/optim/optim_fuzz_corpus.safetensors \
-      --seeds 0:200,568,656,2496,3790
+      --seeds 0:200,568,656,2496,3790,4228
       write the corpus that `meson test` replays (programs 0..199 and the ones that
       found something): the programs, their gradients, PyTorch's float64 results after
       every step and each one's bound.

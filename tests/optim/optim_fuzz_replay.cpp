@@ -58,8 +58,8 @@
 // 1.3e-5 from PyTorch's), the parameters' own step counts lost by a state dict saved
 // right after a load, a linear decay to zero refused at its last step, a NaN total
 // norm that left the gradients unclipped, SGD's momentum buffers dropped from its state
-// dict while momentum was 0, and frozen parameters' zero gradients poisoned by a NaN
-// clip factor.
+// dict while momentum was 0, frozen parameters' zero gradients poisoned by a NaN clip
+// factor, and momentum buffers started per group where PyTorch starts them per parameter.
 
 #include <algorithm>
 #include <cctype>
