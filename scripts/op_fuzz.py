@@ -27,6 +27,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
+from fuzz_common import hunt, parse_seeds, write_corpus
+
 torch.set_num_threads(1)
 
 MAX_NUMEL = 240
@@ -1096,16 +1098,7 @@ def case_tensors(seed, prefix):
 
 
 def write_file(path, seeds):
-    from safetensors.torch import save_file
-    tensors, meta = {}, {"generated_by": "scripts/op_fuzz.py --write (Note [Op fuzzer]); do not edit"}
-    names = []
-    for s in seeds:
-        t, program = case_tensors(s, f"c{s}")
-        tensors.update(t)
-        meta[f"program.c{s}"] = program
-        names.append(f"c{s}")
-    meta["cases"] = " ".join(names)
-    save_file(tensors, path, metadata=meta)
+    write_corpus(path, seeds, case_tensors, "scripts/op_fuzz.py --write (Note [Op fuzzer]); do not edit")
 
 
 BITS_OPS = {"neg": torch.neg, "abs": torch.abs, "relu": torch.relu, "square": torch.square, "exp": torch.exp,
@@ -1142,7 +1135,8 @@ def write_bits_file(path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", default="0:200", help="A:B, programs A..B-1")
+    ap.add_argument("--seeds", default="0:200",
+                    help="A:B (programs A..B-1) or single programs, comma-separated: 0:200,4078")
     ap.add_argument("--write", help="write the corpus to this file")
     ap.add_argument("--replay", help="op_fuzz_replay binary: run dp on the programs and report")
     ap.add_argument("--batch", type=int, default=200, help="programs per replay call")
@@ -1159,8 +1153,7 @@ def main():
             r = subprocess.run([a.replay, path], capture_output=True, text=True)
             print("\n".join(l for l in r.stdout.splitlines() if l.startswith(("FAIL", "  - ", "op_fuzz_replay"))))
             sys.exit(r.returncode)
-    lo, hi = (int(x) for x in a.seeds.split(":"))
-    seeds = list(range(lo, hi))
+    seeds = parse_seeds(a.seeds)
     if a.print:
         for s in seeds:
             p, chosen, _ = drawn_and_evaluated(s)
@@ -1169,19 +1162,7 @@ def main():
         write_file(a.write, seeds)
         print(f"wrote {len(seeds)} programs to {a.write}")
     if a.replay:
-        failed = 0
-        for i in range(0, len(seeds), a.batch):
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "cases.safetensors")
-                write_file(path, seeds[i:i + a.batch])
-                r = subprocess.run([a.replay, path], capture_output=True, text=True)
-                sys.stdout.write(r.stdout[-20000:])
-                sys.stderr.write(r.stderr[-4000:])
-                if r.returncode not in (0, 1):
-                    sys.exit(f"op_fuzz: {a.replay} exited {r.returncode}")
-                failed += r.returncode
-        print(f"op_fuzz: programs {lo}..{hi - 1}: {'FAILURES' if failed else 'all agree with PyTorch'}")
-        sys.exit(1 if failed else 0)
+        hunt("op_fuzz", a.replay, write_file, seeds, a.batch, a.seeds)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,14 @@ Seeds are fixed and torch runs on one thread, so a rerun writes the same tensors
 import argparse
 import copy
 import math
-import os
 import random
 import re
-import subprocess
 import sys
-import tempfile
 import warnings
 
 import torch
+
+from fuzz_common import hunt, parse_seeds, write_corpus
 
 torch.set_num_threads(1)
 # A scheduler stepped in a step that skipped opt.step() (a program choice) is not news.
@@ -460,16 +459,7 @@ def case_tensors(seed, prefix):
 
 
 def write_file(path, seeds):
-    from safetensors.torch import save_file
-    tensors, meta = {}, {"generated_by": "scripts/optim_fuzz.py --write (Note [Optimizer fuzzer]); do not edit"}
-    names = []
-    for s in seeds:
-        t, program = case_tensors(s, f"c{s}")
-        tensors.update(t)
-        meta[f"program.c{s}"] = program
-        names.append(f"c{s}")
-    meta["cases"] = " ".join(names)
-    save_file(tensors, path, metadata=meta)
+    write_corpus(path, seeds, case_tensors, "scripts/optim_fuzz.py --write (Note [Optimizer fuzzer]); do not edit")
 
 
 def main():
@@ -481,13 +471,7 @@ def main():
     ap.add_argument("--batch", type=int, default=500, help="programs per replay call")
     ap.add_argument("--print", action="store_true", help="print each program")
     a = ap.parse_args()
-    seeds = []
-    for part in a.seeds.split(","):
-        if ":" in part:
-            lo, hi = (int(x) for x in part.split(":"))
-            seeds += range(lo, hi)
-        else:
-            seeds.append(int(part))
+    seeds = parse_seeds(a.seeds)
     if a.print:
         for s in seeds:
             print(f"# program {s}\n" + "\n".join(drawn(s).lines))
@@ -495,19 +479,7 @@ def main():
         write_file(a.write, seeds)
         print(f"wrote {len(seeds)} programs to {a.write}")
     if a.replay:
-        failed = 0
-        for i in range(0, len(seeds), a.batch):
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "cases.safetensors")
-                write_file(path, seeds[i:i + a.batch])
-                r = subprocess.run([a.replay, path], capture_output=True, text=True)
-                sys.stdout.write(r.stdout[-20000:])
-                sys.stderr.write(r.stderr[-4000:])
-                if r.returncode not in (0, 1):
-                    sys.exit(f"optim_fuzz: {a.replay} exited {r.returncode}")
-                failed += r.returncode
-        print(f"optim_fuzz: programs {a.seeds}: {'FAILURES' if failed else 'all agree with PyTorch'}")
-        sys.exit(1 if failed else 0)
+        hunt("optim_fuzz", a.replay, write_file, seeds, a.batch, a.seeds)
 
 
 if __name__ == "__main__":

@@ -76,29 +76,15 @@
 
 #include <unistd.h>
 
+#include "../fuzz_replay.h"
 #include "dp/dp.h"
 
 namespace {
 
 using dp::Tensor;
-
-std::vector<std::string> split_on(const std::string& s, const std::string& sep) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  while (true) {
-    const std::size_t next = s.find(sep, at);
-    out.push_back(s.substr(at, next == std::string::npos ? std::string::npos : next - at));
-    if (next == std::string::npos) return out;
-    at = next + sep.size();
-  }
-}
-
-std::vector<std::string> words(const std::string& s) {
-  std::istringstream in(s);
-  std::vector<std::string> out;
-  for (std::string w; in >> w;) out.push_back(w);
-  return out;
-}
+using fuzz_replay::Outcome;
+using fuzz_replay::split_on;
+using fuzz_replay::words;
 
 /// "key=value" words from index `from` on.
 std::map<std::string, std::string> key_values(const std::vector<std::string>& w, std::size_t from) {
@@ -543,11 +529,6 @@ class Run {
   std::vector<std::string> problems_;
 };
 
-struct Outcome {
-  bool ok = true;
-  std::string report;
-};
-
 Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& name, const std::string& program,
                  dp::Device device, bool verbose) {
   const auto lines = split_on(program, "; ");
@@ -576,77 +557,8 @@ Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& n
   return res;
 }
 
-int usage(const char* why) {
-  std::cerr << "optim_fuzz_replay: " << why
-            << "\nusage: optim_fuzz_replay FILE [--device cpu:0|cuda:N] [--case c<seed>] [--verbose]\n";
-  return 2;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string path, only;
-  std::string device_name = "cpu:0";
-  bool verbose = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--device" && i + 1 < argc) {
-      device_name = argv[++i];
-    } else if (arg == "--case" && i + 1 < argc) {
-      only = argv[++i];
-    } else if (arg == "--verbose") {
-      verbose = true;
-    } else if (!arg.empty() && arg[0] != '-' && path.empty()) {
-      path = arg;
-    } else {
-      return usage(("unexpected argument '" + arg + "'").c_str());
-    }
-  }
-  if (path.empty()) return usage("expected a file");
-  if (device_name.rfind("cuda", 0) == 0 && dp::device_count(dp::DeviceType::CUDA) == 0) {
-    std::cout << "optim_fuzz_replay: no CUDA device here; " << device_name << " skipped\n";
-    return 77;
-  }
-  dp::Device device = dp::cpu(0);
-  try {
-    device = dp::parse_device(device_name);
-  } catch (const dp::Error& e) {
-    return usage(e.what());
-  }
-  dp::io::SafetensorsFile file;
-  try {
-    file = dp::io::read_safetensors(path);
-  } catch (const dp::Error& e) {
-    std::cerr << "optim_fuzz_replay: cannot read " << path << ": " << e.what() << "\n";
-    return 2;
-  }
-  std::map<std::string, Tensor> tensors;
-  for (auto& [n, t] : file.tensors) tensors[n] = t;
-  auto meta = [&](const std::string& key) -> std::string {
-    auto it = file.metadata.find(key);
-    return it == file.metadata.end() ? std::string() : it->second;
-  };
-  const auto cases = words(meta("cases"));
-  if (cases.empty()) {
-    std::cerr << "optim_fuzz_replay: " << path << " lists no programs (metadata 'cases'); write it with "
-              << "scripts/optim_fuzz.py --write\n";
-    return 2;
-  }
-  int failed = 0, ran = 0;
-  for (const auto& c : cases) {
-    if (!only.empty() && c != only) continue;
-    const std::string program = meta("program." + c);
-    if (program.empty()) {
-      std::cerr << "optim_fuzz_replay: no program for " << c << "\n";
-      return 2;
-    }
-    ++ran;
-    const Outcome o = run_case(tensors, c, program, device, verbose);
-    std::cout << o.report;
-    failed += o.ok ? 0 : 1;
-  }
-  if (ran == 0) return usage(("no program named " + only).c_str());
-  std::cout << "optim_fuzz_replay: " << ran << " programs on " << device.str() << ", " << failed
-            << (failed == 1 ? " differs" : " differ") << " from PyTorch\n";
-  return failed == 0 ? 0 : 1;
+  return fuzz_replay::run_corpus(argc, argv, "optim_fuzz_replay", run_case);
 }
