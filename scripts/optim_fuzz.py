@@ -274,7 +274,6 @@ def shape_text(shape):
 
 class Program:
     def __init__(self, seed, attempt=0):
-        self.seed = seed
         self.rng = random.Random(seed if attempt == 0 else f"{seed}:{attempt}")
         self.gen = torch.Generator().manual_seed(seed * 64 + attempt)
         self.lines = []
@@ -322,7 +321,6 @@ class Program:
         self.high = Run(s, inits, torch.float64)
         frozen = [False] * n
         for step in range(steps):
-            has_grad = [t.grad is not None for t in self.low.params]
             if step == 0 or rng.random() < 0.8:
                 self.emit(["zero_grad", "none" if rng.random() < 0.75 else "zeros"])
             has_grad = [t.grad is not None for t in self.low.params]
