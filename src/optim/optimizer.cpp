@@ -624,12 +624,15 @@ void Optimizer::zero_grad(bool set_to_none) {
 
 Tensor Optimizer::full_state(std::size_t k) {
   if (states_.empty()) return Tensor();
+  const nn::ParameterSet& set = *params_.set();
+  // Across processes the exchange comes first, whatever this process's copies hold: a
+  // process whose copy 0 owns every range (a set smaller than the devices) or whose
+  // copies own none must make the same collective calls as the others.
+  if (nn::process_exchange(set) != nullptr) return gathered_state(k);
   const CopyState& s0 = states_[0];
   if (!s0.buffers.empty() && s0.numel == state_numel_) return s0.buffers[k];  // ranges_' layout
   if (std::all_of(states_.begin(), states_.end(), [](const CopyState& s) { return s.buffers.empty(); }))
     return Tensor();
-  const nn::ParameterSet& set = *params_.set();
-  if (nn::process_exchange(set) != nullptr) return gathered_state(k);
   // Sharded: every copy holds its range; assemble them on the primary's device.
   Tensor out = zeros({state_numel_}, params_.set()->copy(0).device);
   for (const CopyState& st : states_) {

@@ -1083,6 +1083,36 @@ TEST_CASE("the optimizer state_dict of a Sharded run across processes is the who
   }
 }
 
+TEST_CASE("a Sharded optimizer whose parameters lie in one device's range: state_dict across processes") {
+  // 10 elements lie within the first aligned range (ShardStore::kShardAlign): device 0 of
+  // process 0 owns them all and its state is the whole state, while every other copy owns
+  // none. state_dict() still exchanges the states on every process; a process that took
+  // its own copy 0's state as the whole (process 0) skipped the exchange the others made.
+  auto train = [](const dp::DataParallelOptions& options) {
+    dp::manual_seed(kSeed);
+    auto net = std::make_shared<dp::nn::Linear>(4, 2);
+    dp::DataParallel model(net, local_devices(), options);
+    dp::optim::Adam opt(model.parameters(), {.lr = 1e-2});
+    for (int s = 0; s < 3; ++s) {
+      std::vector<float> x(static_cast<std::size_t>(kLocal) * 4);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 7 + s * 3 + dist::rank()) % 5) - 2;
+      opt.zero_grad();
+      dp::sum(model(dp::from_vector(x, {kLocal, 4}))).backward();
+      opt.step();
+    }
+    return std::make_pair(flat(net->state_dict()), opt.state_dict());
+  };
+  const auto [ddp_params, ddp_state] = train(kDdp);
+  REQUIRE(ddp_state.size() == 5);  // step, and two moments of the weight and the bias
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    const auto [params, state] = train(sharded(stage));
+    CHECK(bitwise(params, ddp_params));
+    CHECK(state.size() == ddp_state.size());
+    CHECK(bitwise(flat(state), flat(ddp_state)));
+  }
+}
+
 TEST_CASE("a full optimizer state loads into a Sharded run across processes: each device keeps its range") {
   const Trained ddp = train_opt(kDdp);
   for (int stage : {1, 2, 3}) {
