@@ -18,16 +18,17 @@ def parse_seeds(text):
     return seeds
 
 
-def hunt(tool, replay, write_file, seeds, batch, label):
+def hunt(tool, replay, write_file, seeds, batch, label, replay_args=()):
     """Writes the programs `batch` at a time with write_file(path, seeds) and runs the
-    replay binary on each file; prints what it reports and exits 1 when any program
-    differs (the binary's own status otherwise: 2 on a bad file)."""
+    replay binary on each file (with replay_args after the file); prints what it reports
+    and exits 1 when any program differs (the binary's own status otherwise: 2 on a bad
+    file)."""
     failed = 0
     for i in range(0, len(seeds), batch):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "cases.safetensors")
             write_file(path, seeds[i:i + batch])
-            r = subprocess.run([replay, path], capture_output=True, text=True)
+            r = subprocess.run([replay, path, *replay_args], capture_output=True, text=True)
             sys.stdout.write(r.stdout[-20000:])
             sys.stderr.write(r.stderr[-4000:])
             if r.returncode not in (0, 1):

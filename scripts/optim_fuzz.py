@@ -12,6 +12,10 @@ Modes (a PyTorch 2.x is needed for both; the test itself needs none):
       write the corpus that `meson test` replays (programs 0..199 and the ones that
       found something): the programs, their gradients, PyTorch's float64 results after
       every step and each one's bound.
+  python3 scripts/optim_fuzz.py --replay build/tests/optim/optim_fuzz_replay --seeds 0:5000 \
+      --replay-args "--design all --devices 3"
+      hunt in the DataParallel designs (the programs of a module's parameters; Sharded
+      runs those whose gradients come from backward)
   python3 scripts/optim_fuzz.py --seeds 17:18 --print
 Seeds are fixed and torch runs on one thread, so a rerun writes the same tensors.
 """
@@ -131,6 +135,14 @@ class Run:
                 t.grad = g.clone()
             else:
                 t.grad.add_(g)
+        elif w[0] == "backward":  # what a backward gives: a .grad assigned where there was none, else added to
+            for pair in w[1:]:
+                i, name = pair.split("=")
+                t, g = p[int(i)], grads[name].to(self.dtype)
+                if t.grad is None:
+                    t.grad = g.clone()
+                else:
+                    t.grad.add_(g)
         elif w[0] == "unscale":
             self.scaler.unscale_(self.opt)
         elif w[0] == "clip_norm":
@@ -274,6 +286,7 @@ def shape_text(shape):
 
 class Program:
     def __init__(self, seed, attempt=0):
+        self.seed, self.attempt = seed, attempt
         self.rng = random.Random(seed if attempt == 0 else f"{seed}:{attempt}")
         self.gen = torch.Generator().manual_seed(seed * 64 + attempt)
         self.lines = []
@@ -284,6 +297,10 @@ class Program:
         rng = self.rng
         s = self.spec = Spec()
         s.container = rng.choice(["module", "module", "loose"])
+        # Half the module programs take their gradients from backward (one line per round of
+        # gradients), so that they run in every DataParallel design; from a stream of their own,
+        # so a program number keeps the rest of its program.
+        by_backward = s.container == "module" and random.Random(f"{self.seed}:{self.attempt}:backward").random() < 0.5
         n = rng.randint(1, 4)
         s.shapes = [rng.choice([[3], [2, 3], [1], [4, 2], [5], [2, 2, 2]]) for _ in range(n)]
         inits = [(torch.rand(sh, generator=self.gen, dtype=torch.float64) * 4 - 2).float() for sh in s.shapes]
@@ -334,10 +351,11 @@ class Program:
             inf_at = None
             if s.scaler and rng.random() < 0.3:
                 inf_at = rng.randrange(n)
+            rounds = [[], []]  # by_backward: the gradients of each backward, "i=g<k>"
             for i in range(n):
                 if frozen[i] or rng.random() < 0.2:
                     continue
-                for _ in range(rng.choice([1, 1, 1, 2])):
+                for r in range(rng.choice([1, 1, 1, 2])):
                     mag = rng.choice([1.0, 1.0, 1e-3, 30.0])
                     g = (torch.rand(s.shapes[i], generator=self.gen, dtype=torch.float64) * 4 - 2) * mag
                     if rng.random() < 0.15:
@@ -351,7 +369,14 @@ class Program:
                     name = f"g{sum(1 for k in self.tensors if k.startswith('g'))}"
                     self.tensors[name] = g
                     has = self.low.params[i].grad is not None
-                    self.emit(["grad", str(i), name, "add" if has and rng.random() < 0.5 else "set"])
+                    how = "add" if has and rng.random() < 0.5 else "set"
+                    if by_backward:
+                        rounds[r].append(f"{i}={name}")
+                    else:
+                        self.emit(["grad", str(i), name, how])
+            for r in rounds:
+                if r:
+                    self.emit(["backward"] + r)
             unscaled = False
             if s.scaler and rng.random() < 0.4:
                 self.emit(["unscale"])
@@ -466,6 +491,9 @@ def main():
                     help="A:B (programs A..B-1) or single programs, comma-separated: 0:200,552,2394")
     ap.add_argument("--write", help="write the corpus to this file")
     ap.add_argument("--replay", help="optim_fuzz_replay binary: run dp on the programs and report")
+    ap.add_argument("--replay-args", default="",
+                    help="more arguments for the replay binary: '--design all --devices 3' runs the programs in "
+                         "every DataParallel design on 3 CPU devices (DP_CPU_DEVICES must allow them)")
     ap.add_argument("--batch", type=int, default=500, help="programs per replay call")
     ap.add_argument("--print", action="store_true", help="print each program")
     a = ap.parse_args()
@@ -477,7 +505,7 @@ def main():
         write_file(a.write, seeds)
         print(f"wrote {len(seeds)} programs to {a.write}")
     if a.replay:
-        hunt("optim_fuzz", a.replay, write_file, seeds, a.batch, a.seeds)
+        hunt("optim_fuzz", a.replay, write_file, seeds, a.batch, a.seeds, a.replay_args.split())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -43,20 +44,35 @@ inline std::vector<std::string> words(const std::string& s) {
 }
 
 /// One program's verdict, and what to print for it (empty when it agrees, unless verbose).
+/// `skipped`: the program does not apply to what the options asked for (it is counted,
+/// not run).
 struct Outcome {
   bool ok = true;
+  bool skipped = false;
   std::string report;
+};
+
+/// A replay's own options beside the shared ones: take(arg, next) consumes `arg` (and
+/// `next`, nullptr past the end) and returns how many it took, 0 when `arg` is not its
+/// own; it throws std::invalid_argument on a bad value. `usage` spells them. check(device),
+/// once the device is known, returns why the options cannot run there (empty: they can).
+struct ExtraOptions {
+  std::string usage;
+  std::function<int(const std::string& arg, const char* next)> take;
+  std::function<std::string(dp::Device)> check;
 };
 
 /// Runs program `name` (its text `program`) on `device` against the file's tensors.
 using Case = std::function<Outcome(const std::map<std::string, dp::Tensor>& file, const std::string& name,
                                    const std::string& program, dp::Device device, bool verbose)>;
 
-/// The replay's main: `tool FILE [--device cpu:0|cuda:N] [--case c<seed>] [--verbose]`.
-inline int run_corpus(int argc, char** argv, const std::string& tool, const Case& run_case) {
+/// The replay's main: `tool FILE [--device cpu:0|cuda:N] [--case c<seed>] [--verbose]`
+/// and the replay's own options, if any.
+inline int run_corpus(int argc, char** argv, const std::string& tool, const Case& run_case,
+                      const ExtraOptions& extra = {}) {
   auto usage = [&](const std::string& why) {
-    std::cerr << tool << ": " << why << "\nusage: " << tool
-              << " FILE [--device cpu:0|cuda:N] [--case c<seed>] [--verbose]\n";
+    std::cerr << tool << ": " << why << "\nusage: " << tool << " FILE [--device cpu:0|cuda:N] [--case c<seed>] [--verbose]"
+              << (extra.usage.empty() ? "" : " ") << extra.usage << "\n";
     return 2;
   };
   std::string path, only;
@@ -73,7 +89,16 @@ inline int run_corpus(int argc, char** argv, const std::string& tool, const Case
     } else if (!arg.empty() && arg[0] != '-' && path.empty()) {
       path = arg;
     } else {
-      return usage("unexpected argument '" + arg + "'");
+      int took = 0;
+      if (extra.take) {
+        try {
+          took = extra.take(arg, i + 1 < argc ? argv[i + 1] : nullptr);
+        } catch (const std::invalid_argument& e) {
+          return usage(e.what());
+        }
+      }
+      if (took == 0) return usage("unexpected argument '" + arg + "'");
+      i += took - 1;
     }
   }
   if (path.empty()) return usage("expected a file");
@@ -86,6 +111,9 @@ inline int run_corpus(int argc, char** argv, const std::string& tool, const Case
     device = dp::parse_device(device_name);
   } catch (const dp::Error& e) {
     return usage(e.what());
+  }
+  if (extra.check) {
+    if (const std::string why = extra.check(device); !why.empty()) return usage(why);
   }
   dp::io::SafetensorsFile file;
   try {
@@ -106,7 +134,7 @@ inline int run_corpus(int argc, char** argv, const std::string& tool, const Case
               << "script (--write)\n";
     return 2;
   }
-  int failed = 0, ran = 0;
+  int failed = 0, ran = 0, skipped = 0;
   for (const auto& c : cases) {
     if (!only.empty() && c != only) continue;
     const std::string program = meta("program." + c);
@@ -118,10 +146,12 @@ inline int run_corpus(int argc, char** argv, const std::string& tool, const Case
     const Outcome o = run_case(tensors, c, program, device, verbose);
     std::cout << o.report;
     failed += o.ok ? 0 : 1;
+    skipped += o.skipped ? 1 : 0;
   }
   if (ran == 0) return usage("no program named " + only);
-  std::cout << tool << ": " << ran << " programs on " << device.str() << ", " << failed
-            << (failed == 1 ? " differs" : " differ") << " from PyTorch\n";
+  std::cout << tool << ": " << ran << " programs on " << device.str();
+  if (skipped > 0) std::cout << " (" << skipped << " of them not applicable, not run)";
+  std::cout << ", " << failed << (failed == 1 ? " differs" : " differ") << " from PyTorch\n";
   return failed == 0 ? 0 : 1;
 }
 

@@ -4,6 +4,8 @@
 //   optim_fuzz_replay tests/optim/optim_fuzz_corpus.safetensors        # every program, CPU
 //   optim_fuzz_replay FILE --device cuda:0                             # on a GPU (77: none)
 //   optim_fuzz_replay FILE --case c17 --verbose                        # one, printed
+//   optim_fuzz_replay FILE --design all --devices 3                    # in every design
+//   mpirun -np 2 optim_fuzz_replay FILE --design DDP,Sharded1          # across processes
 //
 // The file holds, per program c<seed>: its text (metadata "program.c<seed>", lines
 // separated by "; "), the parameters' first values p<i> and the gradients g<k> (float32),
@@ -15,7 +17,9 @@
 // tracker (exact), and the norm of each clip_norm so far k<n>.n<j> (bounds k<n>.bn<j>).
 // Exit status: 0 when every program agrees, 1 when one does not (each printed with what
 // differs), 2 on bad usage or an unreadable file, 77 when --device names a device that is
-// not there.
+// not there. With --design the module programs run in the designs named (DP, DDP,
+// Sharded1-3, all) on --devices devices of --device's type, the others are counted as
+// not applicable.
 //
 // Note [Optimizer fuzzer]
 // The loop fuzzer (tests/parallel/loop_fuzz.cpp) compares dp's designs with each other
@@ -60,10 +64,33 @@
 // norm that left the gradients unclipped, SGD's momentum buffers dropped from its state
 // dict while momentum was 0, frozen parameters' zero gradients poisoned by a NaN clip
 // factor, and momentum buffers started per group where PyTorch starts them per parameter.
+//
+// In the designs (--design). The optimizer does its work on every copy that needs it
+// (DDP's replicas, each with its own state) or on every range (Sharded), saves and
+// loads states gathered from them, and clips over them: what PyTorch's one tensor
+// list does is split over copies, ranges and, under mpirun, processes. So the programs
+// of a module's parameters also run wrapped in DataParallel, against the same PyTorch
+// results. Half of those programs take their gradients from backward: a line
+// "backward 0=g3 2=g4" runs the module on a batch whose last row holds g3 and g4 in
+// their parameters' columns and zeros elsewhere (Params::forward), so backward gives
+// exactly PyTorch's p.grad = g where there was none and p.grad += g where there was
+// one (sums with zeros are exact, in any grouping of rows by device or process), leaves
+// the parameters not named unreached, and never touches a frozen one, which the module
+// still uses. Across processes only the last process's rows hold the gradients, and
+// the loss is P times the sum (DataParallel weighs each process's gradient by its
+// share of the rows, 1/P; exact for P a power of two). DP and DDP take gradients set by
+// hand through parameters() too (device 0's copy, which DP steps and DDP broadcasts
+// before its next update, Note [Gradient edits]); a Sharded step refuses them, so
+// Sharded runs only the backward programs. After each check DDP's and Sharded's
+// replicas must be bitwise equal (check_replicas). Its first run found a Sharded
+// optimizer's state_dict across processes skipping the exchange on the process whose
+// first device owned the whole state (a set within one aligned range), so the job
+// aborted on mismatched collectives.
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -71,6 +98,7 @@
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -109,20 +137,79 @@ std::vector<std::int64_t> shape_of(const std::string& s) {
   return out;
 }
 
-/// A module that holds the program's parameters: one parameter set, flat buffers.
+/// A module that holds the program's parameters: one parameter set, flat buffers. Its
+/// forward takes x [rows, n] (n: the parameters' elements, in order) and returns, per
+/// row, the sum of x's columns times the parameters' elements over the parameters in
+/// use, so the gradient backward leaves in a parameter is the sum of its columns over
+/// the rows: a backward gives every parameter in use and not frozen exactly the
+/// gradient the program names (held in one row, zeros in the others) and leaves the
+/// others unreached.
 class Params : public dp::nn::Module {
  public:
   explicit Params(const std::vector<Tensor>& values) {
-    for (std::size_t i = 0; i < values.size(); ++i) register_parameter("p" + std::to_string(i), values[i]);
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      slots_.push_back(register_parameter("p" + std::to_string(i), values[i]));
+      offsets_.push_back(columns_);
+      columns_ += values[i].numel();
+    }
+    in_use_.assign(values.size(), true);
   }
   std::string type_name() const override { return "Params"; }
+  std::int64_t columns() const { return columns_; }
+  std::int64_t offset(std::size_t i) const { return offsets_.at(i); }
+  /// Set between forwards, read by every worker's forward.
+  void use(std::vector<bool> in_use) { in_use_ = std::move(in_use); }
+
+  Tensor forward(const Tensor& x) override {
+    Tensor y;
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      if (!in_use_[i]) continue;
+      const Tensor& p = slots_[i].get();  // the worker's copy
+      const Tensor term = dp::sum(dp::mul(x.narrow(1, offsets_[i], p.numel()), p.reshape({1, -1})), 1);
+      y = y.defined() ? dp::add(y, term) : term;
+    }
+    return y;
+  }
+
+ private:
+  std::vector<dp::nn::Parameter> slots_;
+  std::vector<std::int64_t> offsets_;
+  std::int64_t columns_ = 0;
+  std::vector<bool> in_use_;
 };
+
+/// A DataParallel design the programs may run in (--design), on --devices devices.
+struct Design {
+  std::string name;
+  dp::DataParallelOptions options;
+};
+
+const char* const kDiffersElsewhere = "another process found a difference at this check";
+
+std::vector<Design> all_designs() {
+  return {{"DP", {.mode = dp::Mode::DP}},
+          {"DDP", {.mode = dp::Mode::DDP}},
+          {"Sharded1", {.mode = dp::Mode::Sharded, .shard_stage = 1}},
+          {"Sharded2", {.mode = dp::Mode::Sharded, .shard_stage = 2}},
+          {"Sharded3", {.mode = dp::Mode::Sharded, .shard_stage = 3}}};
+}
+
+/// Whether `design` can run `program`: a module's parameters, and gradients set by hand
+/// only where the design takes edits of .grad (DP and DDP; a Sharded step refuses them,
+/// Note [Gradient edits] in src/parallel/designs/ddp.cpp).
+bool applies(const Design& design, const std::string& program) {
+  if (program.rfind("params module", 0) != 0) return false;
+  return design.options.mode != dp::Mode::Sharded || program.find("; grad ") == std::string::npos;
+}
 
 /// One program's run in dp.
 class Run {
  public:
-  Run(const std::map<std::string, Tensor>& file, std::string prefix, dp::Device device)
-      : file_(file), prefix_(std::move(prefix)), device_(device) {}
+  /// `design`: run the module in it on `devices` devices of `device`'s type (nullptr: on
+  /// `device` alone, no wrapper).
+  Run(const std::map<std::string, Tensor>& file, std::string prefix, dp::Device device, const Design* design = nullptr,
+      int devices = 1)
+      : file_(file), prefix_(std::move(prefix)), device_(device), design_(design), devices_(devices) {}
 
   const Tensor& file_tensor(const std::string& name) const {
     auto it = file_.find(prefix_ + "." + name);
@@ -160,7 +247,11 @@ class Run {
         params_ = values;
       } else {
         module_ = std::make_shared<Params>(values);
-        params_ = module_->parameters().tensors();
+        if (design_) {
+          std::vector<dp::Device> on;
+          for (int d = 0; d < devices_; ++d) on.push_back({device_.type, d});
+          model_.emplace(module_, on, design_->options);
+        }
       }
     } else if (op == "opt") {
       opt_kind_ = w.at(1);
@@ -186,6 +277,8 @@ class Run {
       } else {
         p.grad().add_(g);
       }
+    } else if (op == "backward") {
+      backward(w);
     } else if (op == "unscale") {
       scaler_->unscale_(*opt_);
     } else if (op == "clip_norm") {
@@ -211,6 +304,11 @@ class Run {
     } else if (op == "check") {
       built();
       check(w.at(1));
+      // Across processes every process stops at the first check that differs in any one.
+      if (model_ && dp::dist::world_size() > 1 &&
+          dp::dist::all_reduce(static_cast<std::int64_t>(problems_.size()), dp::dist::Op::Max) > 0 &&
+          problems_.empty())
+        problems_.push_back(kDiffersElsewhere);
     } else {
       DP_CHECK(false, "optim_fuzz_replay: unknown line '", text, "'");
     }
@@ -219,7 +317,43 @@ class Run {
   const std::vector<std::string>& problems() const { return problems_; }
 
  private:
-  Tensor& param(const std::string& w) { return params_.at(std::stoul(w)); }
+  /// The parameters, taken afresh at each use: a Sharded stage 3 module gives full
+  /// tensors readable until it next runs (Note [Sharded parameters]).
+  std::vector<Tensor> params() const { return loose_ ? params_ : module_->parameters().tensors(); }
+  Tensor param(const std::string& w) const { return params().at(std::stoul(w)); }
+
+  /// "backward i=g<k> ...": x holds each named gradient in its parameter's columns of
+  /// its last row (so in a design the last device's shard carries it; across processes
+  /// the last process's), zeros elsewhere; the module uses those parameters and the
+  /// frozen ones (which backward must leave alone), and the sum of its output is
+  /// backpropagated. Across processes DataParallel scales each process's gradient by
+  /// its share of the global batch (the convention for a mean loss), 1/P of it here: the
+  /// loss is P times the sum, exact for P a power of two.
+  void backward(const std::vector<std::string>& w) {
+    DP_CHECK(!loose_, "optim_fuzz_replay: backward needs a module's parameters");
+    const int processes = model_ ? dp::dist::world_size() : 1;
+    const bool carries = !model_ || dp::dist::rank() == processes - 1;
+    const std::int64_t rows = std::max(devices_, 3);
+    std::vector<float> x(static_cast<std::size_t>(rows * module_->columns()), 0.0f);
+    const auto ps = params();
+    std::vector<bool> in_use(ps.size());
+    for (std::size_t i = 0; i < ps.size(); ++i) in_use[i] = !ps[i].requires_grad();
+    for (std::size_t k = 1; k < w.size(); ++k) {
+      const auto pair = split_on(w[k], "=");
+      DP_CHECK(pair.size() == 2, "optim_fuzz_replay: expected i=g<k>, got '", w[k], "'");
+      const std::size_t i = std::stoul(pair[0]);
+      const auto g = file_tensor(pair[1]).to_vector();
+      DP_CHECK(g.size() == static_cast<std::size_t>(ps.at(i).numel()), "optim_fuzz_replay: ", pair[1], " has ",
+               g.size(), " values for parameter ", i, " of ", ps.at(i).numel());
+      if (carries) std::copy(g.begin(), g.end(), x.begin() + (rows - 1) * module_->columns() + module_->offset(i));
+      in_use[i] = true;
+    }
+    module_->use(in_use);
+    const Tensor input = dp::from_vector(x, {rows, module_->columns()}).to(device_);
+    const Tensor out = model_ ? (*model_)(input) : module_->forward(input);
+    const Tensor loss = dp::sum(out);
+    (processes > 1 ? dp::mul(loss, static_cast<double>(processes)) : loss).backward();
+  }
 
   /// The parameters clip_grad_*_ gets: PyTorch's program passes those with a .grad.
   dp::nn::ParameterList with_grad() {
@@ -407,19 +541,25 @@ class Run {
     adam->set_options(g, o);
   }
 
+  /// Across processes one file, as a job resumes: every process takes part in the save
+  /// (a Sharded optimizer's state is gathered), process 0 writes, every process loads.
   void resume_from_file() {
-    const std::string path =
+    const bool across = model_ && dp::dist::world_size() > 1;
+    std::string path =
         (std::filesystem::temp_directory_path() / ("optim_fuzz_" + std::to_string(::getpid()) + ".safetensors")).string();
+    if (across) path = dp::dist::broadcast_object(path, 0);
     dp::TrainingState saved;
     for (std::size_t k = 0; k < scheds_.size(); ++k) saved.schedulers.emplace_back("s" + std::to_string(k), scheds_[k].get());
     saved.scaler = scaler_ ? &*scaler_ : nullptr;
-    dp::save_training_checkpoint(path, *module_, *opt_, saved);
+    dp::save_training_checkpoint(path, *module_, *opt_, saved, /*write=*/!across || dp::dist::is_main());
+    if (across) dp::dist::barrier();
     build();
     dp::TrainingState loaded;
     for (std::size_t k = 0; k < scheds_.size(); ++k) loaded.schedulers.emplace_back("s" + std::to_string(k), scheds_[k].get());
     loaded.scaler = scaler_ ? &*scaler_ : nullptr;
     dp::load_training_checkpoint(path, *module_, *opt_, loaded);
-    std::filesystem::remove(path);
+    if (across) dp::dist::barrier();
+    if (!across || dp::dist::is_main()) std::filesystem::remove(path);
   }
 
   void compare(const std::string& what, const std::vector<float>& got, const std::vector<double>& want,
@@ -458,10 +598,12 @@ class Run {
   }
 
   void check(const std::string& k) {
-    for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto ps = params();
+    for (std::size_t i = 0; i < ps.size(); ++i) {
       const auto n = std::to_string(i);
-      compare(k + " parameter " + n, params_[i].to_vector(), doubles(k + ".p" + n), doubles(k + ".bp" + n).at(0));
+      compare(k + " parameter " + n, ps[i].to_vector(), doubles(k + ".p" + n), doubles(k + ".bp" + n).at(0));
     }
+    if (model_ && design_->options.mode != dp::Mode::DP) model_->check_replicas();  // throws naming a difference
     std::map<std::string, Tensor> state;
     for (auto& [name, t] : opt_->state_dict()) state[name] = t;
     const std::string head = prefix_ + "." + k + ".s";
@@ -513,9 +655,12 @@ class Run {
   const std::map<std::string, Tensor>& file_;
   std::string prefix_;
   dp::Device device_;
+  const Design* design_;
+  int devices_;
   bool loose_ = false;
   std::shared_ptr<Params> module_;
-  std::vector<Tensor> params_;
+  std::optional<dp::DataParallel> model_;
+  std::vector<Tensor> params_;  // loose tensors (a module's: params())
   std::string opt_kind_;
   Options opt_options_;
   std::vector<std::pair<std::vector<std::size_t>, Options>> groups_;
@@ -529,29 +674,55 @@ class Run {
   std::vector<std::string> problems_;
 };
 
-Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& name, const std::string& program,
-                 dp::Device device, bool verbose) {
-  const auto lines = split_on(program, "; ");
-  std::vector<std::string> problems;
+/// Runs one program (in `design` on `devices` devices, or on `device` alone): the
+/// problems found, empty when it agrees with PyTorch.
+std::vector<std::string> run_program(const std::map<std::string, Tensor>& file, const std::string& name,
+                                     const std::vector<std::string>& lines, dp::Device device, const Design* design,
+                                     int devices) {
   std::size_t done = 0;
   try {
-    Run run(file, name, device);
+    Run run(file, name, device, design, devices);
     for (const auto& l : lines) {
       run.line(l);
       ++done;
-      if (!run.problems().empty()) break;  // the first check that differs
+      if (!run.problems().empty()) return run.problems();  // the first check that differs
     }
-    problems = run.problems();
   } catch (const std::exception& e) {
-    problems.push_back("dp threw where PyTorch ran, at line " + std::to_string(done + 1) + ": " + e.what());
+    return {"dp threw where PyTorch ran, at line " + std::to_string(done + 1) + ": " + e.what()};
+  }
+  return {};
+}
+
+/// --design and --devices.
+struct Setup {
+  std::vector<Design> designs;
+  int devices = 2;
+};
+
+Outcome run_case(const Setup& setup, const std::map<std::string, Tensor>& file, const std::string& name,
+                 const std::string& program, dp::Device device, bool verbose) {
+  const auto lines = split_on(program, "; ");
+  std::vector<std::pair<std::string, std::vector<std::string>>> runs;  // where, problems
+  if (setup.designs.empty()) {
+    runs.emplace_back(device.str(), run_program(file, name, lines, device, nullptr, 1));
+  } else {
+    for (const auto& d : setup.designs) {
+      if (!applies(d, program)) continue;
+      runs.emplace_back(d.name + " on " + std::to_string(setup.devices) + (device.is_cuda() ? " CUDA" : " CPU") + " devices",
+                        run_program(file, name, lines, device, &d, setup.devices));
+    }
   }
   Outcome res;
-  res.ok = problems.empty();
-  if (!res.ok || verbose) {
+  res.skipped = runs.empty();
+  for (const auto& [where, problems] : runs) res.ok = res.ok && problems.empty();
+  if (!res.ok || (verbose && !res.skipped)) {
     std::ostringstream out;
-    out << (res.ok ? "ok   " : "FAIL ") << name << " on " << device.str() << "\n";
+    out << (res.ok ? "ok   " : "FAIL ") << name << "\n";
     for (const auto& l : lines) out << "    " << l << "\n";
-    for (const auto& p : problems) out << "  - " << p << "\n";
+    for (const auto& [where, problems] : runs) {
+      out << "  " << (problems.empty() ? "agrees" : "differs") << " in " << where << "\n";
+      for (const auto& p : problems) out << "  - " << p << "\n";
+    }
     res.report = out.str();
   }
   return res;
@@ -560,5 +731,35 @@ Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& n
 }  // namespace
 
 int main(int argc, char** argv) {
-  return fuzz_replay::run_corpus(argc, argv, "optim_fuzz_replay", run_case);
+  Setup setup;
+  fuzz_replay::ExtraOptions extra{
+      .usage = "[--design DP|DDP|Sharded1|Sharded2|Sharded3|all[,...]] [--devices N (2)]",
+      .take = [&](const std::string& arg, const char* next) -> int {
+        if ((arg != "--design" && arg != "--devices") || next == nullptr) return 0;
+        if (arg == "--devices") {
+          setup.devices = std::atoi(next);
+          if (setup.devices < 1) throw std::invalid_argument(std::string("--devices: expected a count >= 1, got ") + next);
+          return 2;
+        }
+        for (const auto& want : split_on(next, ",")) {
+          bool found = false;
+          for (const auto& d : all_designs())
+            if (want == "all" || want == d.name) setup.designs.push_back(d), found = true;
+          if (!found) throw std::invalid_argument("--design: no design named '" + want + "'");
+        }
+        return 2;
+      },
+      .check = [&](dp::Device device) -> std::string {
+        const int there = dp::device_count(device.type);
+        if (setup.designs.empty() || setup.devices <= there) return "";
+        return "--devices " + std::to_string(setup.devices) + ": " + (device.is_cuda() ? "CUDA" : "CPU") +
+               " has " + std::to_string(there) + " devices here" +
+               (device.is_cuda() ? " (DP_CUDA_DEVICES_PER_GPU makes more)" : " (DP_CPU_DEVICES makes more)");
+      }};
+  return fuzz_replay::run_corpus(
+      argc, argv, "optim_fuzz_replay",
+      [&](const auto& file, const auto& name, const auto& program, dp::Device device, bool verbose) {
+        return run_case(setup, file, name, program, device, verbose);
+      },
+      extra);
 }
