@@ -720,7 +720,9 @@ nn::StateDict Optimizer::state_dict() {
   }
   const std::vector<bool> started = groups_started();
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (!started[group_of(i)]) continue;
+    // An entry of a started group whose own state has not (frozen or unreached since the
+    // group began) has none, as in PyTorch.
+    if (!started[group_of(i)] || i >= entry_started_.size() || !entry_started_[i]) continue;
     const Tensor& p = params_[i];
     for (std::size_t k = 0; k < names.size(); ++k) {
       sd.emplace_back(detail::str_cat("state.", i, ".", names[k]),
@@ -772,11 +774,10 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
     frozen[i] = step - static_cast<std::int64_t>(own);
   }
 
-  // Which parameters the state covers: those with any entry; in a parameter set all of
-  // a group's or none (Note [Optimizer state starts]; a loose list may also leave out
-  // parameters that never had a gradient). A state
-  // with entries but none of ours covers every parameter, so that the error names
-  // what this optimizer would have read.
+  // Which parameters the state covers: those with any entry (Note [Optimizer state
+  // starts]: an entry whose state has not started has none). A state with entries but
+  // none of ours covers every parameter, so that the error names what this optimizer
+  // would have read.
   const bool loose = !params_.set();
   std::set<std::string> given_names;
   for (const auto& [name, t] : given) given_names.insert(name);
@@ -786,11 +787,11 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   }
   const std::size_t with_state = static_cast<std::size_t>(std::count(has.begin(), has.end(), true));
   const bool foreign = with_state == 0 && !given.empty();
-  std::vector<bool> group_has(groups_.size(), false);  // a set's groups: all or none
+  std::vector<bool> group_has(groups_.size(), false);  // the groups whose state has started
   for (std::size_t i = 0; i < params_.size(); ++i) group_has[group_of(i)] = group_has[group_of(i)] || has[i];
   nn::StateDict expected;  // (name, the parameter whose shape and dtype it must have)
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    const bool covered = has[i] || (!loose && group_has[group_of(i)]) || foreign;
+    const bool covered = has[i] || foreign;
     if (!covered) continue;
     for (const auto& n : names) expected.emplace_back(detail::str_cat("state.", i, ".", n), params_[i]);
   }
@@ -807,13 +808,11 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   // Validated: now write.
   step_ = step;
   frozen_steps_ = std::move(frozen);
-  // A loaded entry's state has started when its group has state and it has stepped; a
-  // state dict lists a started group whole, so an entry stepped only while its group
-  // had no momentum reads as started after a load (its buffer zeros, where PyTorch's
-  // state would have none).
+  // A loaded entry's state has started when it has state and has stepped (state dicts
+  // from before entries were listed on their own list a started group whole, zeros for
+  // an entry that never stepped with state).
   entry_started_.assign(params_.size(), false);
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    entry_started_[i] = group_has[group_of(i)] && step - frozen_steps_[i] > 0;
+  for (std::size_t i = 0; i < params_.size(); ++i) entry_started_[i] = has[i] && step - frozen_steps_[i] > 0;
   if (loose) {
     for (std::size_t i = 0; i < params_.size(); ++i) {
       states_[i] = CopyState{};
@@ -840,7 +839,7 @@ void Optimizer::load_state_dict(const nn::StateDict& state) {
   loaded.numel = state_numel_;
   allocate_state(loaded, set.copy(0).device, {state_numel_});
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (!group_has[group_of(i)]) continue;  // a group not started: zeros
+    if (!has[i]) continue;  // not started: zeros
     const Tensor& p = params_[i];
     for (std::size_t k = 0; k < names.size(); ++k) {
       loaded.buffers[k]

@@ -10,7 +10,7 @@
 #include "dp/core/error.h"
 #include "dp/nn/linear.h"
 #include "dp/nn/state_dict.h"
-#include "dp/optim/sgd.h"
+#include "dp/optim/adam.h"
 
 namespace nn = dp::nn;
 using dp::Tensor;
@@ -154,15 +154,15 @@ TEST_CASE("Module and Optimizer loads report through the same format") {
   nn::LoadResult r = fc->load_state_dict(sd, /*strict=*/false);
   CHECK(r.missing_keys == Names{"bias"});
 
-  dp::optim::SGD opt(fc->parameters(), {.lr = 0.1, .momentum = 0.9});
+  dp::optim::Adam opt(fc->parameters(), {.lr = 0.1});
   nn::StateDict state = {{"step", dp::full({}, 1, dp::TensorOptions{dp::Dtype::Int64})},
-                         {"state.0.momentum_buffer", dp::zeros({3, 2})}};
+                         {"state.1.exp_avg", dp::zeros({3})}};
   CHECK(error_of([&] { opt.load_state_dict(state); }) ==
-        "SGD.load_state_dict: the names in the state dict do not match this optimizer's. Missing "
-        "from the state dict: 'state.1.momentum_buffer'. Was it saved by another optimizer type, or "
+        "Adam.load_state_dict: the names in the state dict do not match this optimizer's. Missing "
+        "from the state dict: 'state.1.exp_avg_sq'. Was it saved by another optimizer type, or "
         "for other parameters than these 2?");
-  state.emplace_back("state.1.momentum_buffer", dp::zeros({2}));
+  state.emplace_back("state.1.exp_avg_sq", dp::zeros({2}));
   CHECK(error_of([&] { opt.load_state_dict(state); }) ==
-        "SGD.load_state_dict: 1 tensor does not fit this optimizer: expected [3], got [2] for "
-        "'state.1.momentum_buffer'. Was it saved for another model?");
+        "Adam.load_state_dict: 1 tensor does not fit this optimizer: expected [3], got [2] for "
+        "'state.1.exp_avg_sq'. Was it saved for another model?");
 }

@@ -1,5 +1,6 @@
 // Tests for dp/optim/sgd.h: three steps against PyTorch's formulas computed in double,
 // for plain SGD, momentum, dampening, Nesterov and weight decay; option checks.
+#include <algorithm>
 #include <doctest/doctest.h>
 
 #include "dp/optim/sgd.h"
@@ -166,6 +167,55 @@ TEST_CASE("a parameter frozen when its group's momentum began starts its buffer 
   for (const auto& [name, t] : opt.state_dict())
     if (name == "state.1.momentum_buffer")
       for (float b : t.to_vector()) CHECK(b == 0.9f * 4.0f + 0.5f * 6.0f);
+}
+
+TEST_CASE("a state_dict lists the entries whose state has started, as PyTorch's: a resume starts the others afresh") {
+  // The first parameter steps while the group has no momentum and is frozen at the step
+  // momentum begins: its buffer has not started, and PyTorch's state has none for it.
+  // A resume must not start it as a zero buffer (its next gradient would be dampened
+  // into zeros, half of PyTorch's buffer with dampening 0.5).
+  auto run = [](bool resume) {
+    auto net = tiny_net(dp::cpu(0));
+    auto params = net->parameters();
+    auto opt = std::make_unique<dp::optim::SGD>(params, dp::optim::SGDOptions{.lr = 0.1, .dampening = 0.5});
+    auto grads = [&](float scale) {
+      for (std::size_t k = 0; k < params.size(); ++k) {
+        std::vector<float> g(static_cast<std::size_t>(params[k].numel()), scale * float(k + 1));
+        params[k].set_grad(dp::from_vector(g, params[k].shape(), dp::cpu(0)));
+      }
+    };
+    grads(1.0f);
+    opt->step();  // no momentum yet: no buffer anywhere
+    params[0].set_requires_grad(false);
+    auto o = opt->options(0);
+    o.momentum = 0.9;
+    opt->set_options(0, o);
+    grads(2.0f);
+    opt->step();  // every parameter but the first starts its buffer
+    const dp::nn::StateDict state = opt->state_dict();
+    for (const auto& [name, t] : state) CHECK(name != "state.0.momentum_buffer");  // PyTorch: none in state[p0]
+    CHECK(std::count_if(state.begin(), state.end(), [](const auto& e) { return e.first.find("momentum_buffer") !=
+                                                                                std::string::npos; }) ==
+          static_cast<std::ptrdiff_t>(params.size() - 1));
+    if (resume) {
+      opt = std::make_unique<dp::optim::SGD>(params, dp::optim::SGDOptions{.lr = 0.1, .dampening = 0.5});
+      opt->set_options(0, o);
+      opt->load_state_dict(state);
+    }
+    params[0].set_requires_grad(true);
+    grads(3.0f);
+    opt->step();  // the first starts now, from its gradient: 3·1
+    std::vector<float> buf;
+    for (const auto& [name, t] : opt->state_dict())
+      if (name == "state.0.momentum_buffer") buf = t.to_vector();
+    return buf;
+  };
+  for (bool resume : {false, true}) {
+    CAPTURE(resume);
+    const std::vector<float> buf = run(resume);
+    REQUIRE(!buf.empty());
+    for (float b : buf) CHECK(b == 3.0f);
+  }
 }
 
 TEST_CASE("SGD rejects bad options") {

@@ -64,12 +64,16 @@
 // A group given momentum after another group's buffer already exists thus starts its
 // buffer as PyTorch does; and within a set each entry records its own start, so an
 // entry frozen or unreached when its group's momentum began starts its buffer at its
-// own first step with momentum, from the gradient itself (an entry that has stepped
-// counts as started after a load, the state dict listing a started group whole). state_dict() lists the state of started groups only (a
-// started group on any copy of any process), and load_state_dict() takes a set's
-// state group by group, all of a group's parameters or none; a group without entries
-// has not started. State dicts from before this rule hold every group and load as
-// started, as they did. A started state stays when the group's momentum is set to 0
+// own first step with momentum, from the gradient itself. state_dict() lists the state
+// of the entries that have started only (in a group started on any copy of any
+// process), as PyTorch's lists the parameters that have state, and load_state_dict()
+// starts exactly the entries it is given (each with every name of its state: a
+// momentum_buffer, or exp_avg and exp_avg_sq), the others afresh. State dicts from
+// before entries were listed on their own hold a started group whole and load as
+// started where an entry has stepped, as they did (an entry that stepped only while
+// its group had no momentum then reads as started, a zero buffer, where PyTorch has
+// none); state dicts from before groups started on their own hold every group.
+// A started state stays when the group's momentum is set to 0
 // (PyTorch keeps the momentum_buffer in its state while unused, and takes it up again
 // when momentum returns): SGD keeps its buffers, in its steps and in state_dict(), once
 // any group has had momentum or a loaded state held a buffer. Before, a state_dict()
