@@ -607,6 +607,15 @@ class Run {
     std::map<std::string, Tensor> state;
     for (auto& [name, t] : opt_->state_dict()) state[name] = t;
     const std::string head = prefix_ + "." + k + ".s";
+    // Both ways: a state entry PyTorch does not have (a buffer started where PyTorch's
+    // has not) is a difference too. Entries' own step counts aside: dp gives one to any
+    // optimizer's entry that skipped steps, PyTorch's SGD keeps none.
+    for (const auto& [name, t] : state) {
+      if (name.rfind("state.", 0) != 0 || name.size() < 5 || name.substr(name.size() - 5) == ".step") continue;
+      const std::string rest = name.substr(6);  // "<j>.<state name>"
+      if (!has(k + ".s" + rest))
+        problems_.push_back(k + ": dp's state_dict has " + name + " where PyTorch's state has no such entry");
+    }
     for (const auto& [name, t] : file_) {
       if (name.rfind(head, 0) != 0 || !std::isdigit(static_cast<unsigned char>(name[head.size()]))) continue;
       const std::string rest = name.substr(head.size());  // "<j>.<state name>"
