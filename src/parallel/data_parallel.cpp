@@ -78,7 +78,7 @@ class DataParallel::Step {
  public:
   Step(DataParallel& dp, const char* what, parallel::StepKind kind) : dp_(dp), kind_(kind) {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
-    if (kind_.replicate || kind_.gather) sync_params_ = design().begin_replicate();
+    if (kind_.replicate || kind_.gather || kind_.refresh) sync_params_ = design().begin_replicate();
     if (kind_.replicate) dp_.set_->follow_primary_requires_grad();  // Note [Frozen parameters]
     design().begin_step(kind_, sync_params_);
     if (kind_.backward) {
@@ -119,7 +119,7 @@ class DataParallel::Step {
       dp_.comm_->reset();
       throw;
     }
-    if (kind_.replicate || kind_.gather) design().end_replicate();
+    if (kind_.replicate || kind_.gather || kind_.refresh) design().end_replicate();
     if (kind_.replicate) dp_.recorder_->count_iteration();
     if (kind_.backward) {
       design().snapshot_grad_versions();
@@ -372,7 +372,7 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 // gradient versions are snapshotted as after any update of every copy.
 void DataParallel::run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn) {
   const parallel::UpdatePlan plan = design_->plan_update(update);
-  if (small && !plan.broadcast_grads) {
+  if (small && !plan.broadcast_grads && !plan.refresh_params) {
     DP_CHECK(!busy_, "DataParallel: an update of every copy called while another step runs (from inside a worker?)");
     for (int r = 0; r < copies; ++r) fn(r);
     design_->snapshot_grad_versions();
@@ -386,7 +386,8 @@ void DataParallel::run_on_copies(int copies, bool update, bool small, const std:
   for (int r = 0; r < copies; ++r)
     if (!set_->copy(r).transient) ranks = r + 1;
   {
-    Step step(*this, update ? "the optimizer step" : "an update of every copy", {.gather = plan.gather});
+    Step step(*this, update ? "the optimizer step" : "an update of every copy",
+              {.gather = plan.gather, .refresh = plan.refresh_params});
     step.run([&](int r) { design_->run_update(r, plan, step.sync_params(), [&] { fn(r); }); }, ranks);
     design_->finish_update(plan);
   }
@@ -396,7 +397,10 @@ void DataParallel::run_on_copies(int copies, bool update, bool small, const std:
 }
 
 void DataParallel::check_replicas() const {
-  if (!design_->replicas_comparable()) return;
+  // After a load or an in-place write through parameters() the replicas differ until
+  // the next forward or step refreshes them (Note [When replicas are refreshed]): no
+  // replica is read before, so there is nothing to compare.
+  if (!design_->replicas_comparable() || design_->primary_ahead()) return;
   const auto& slots = set_->slots();
   const Tensor& primary = set_->copy(0).data;
   for (int r = 1; r < set_->num_copies(); ++r) {

@@ -83,7 +83,13 @@ std::uint64_t Design::primary_version() const {
 // replicas marked unsynced). Every write through a tensor or an optimizer step bumps
 // the written buffer's storage version, so "written unequally" is "storage versions
 // moved by different amounts since the last sync". Decided once on the calling
-// thread (Design::params_stale), so every rank makes the same collectives.
+// thread (Design::params_stale), so every rank makes the same collectives. A step reads
+// the parameters too (weight decay, and so SGD's momentum and Adam's moments), so DDP
+// refreshes the replicas before a step as before a forward (UpdatePlan::refresh_params),
+// as a Sharded step does (Note [Sharded step]): an edit or a load between backward and
+// step (p.mul_() under no_grad, load_state_dict) had every replica but device 0 step
+// from its old parameters into state of its own, and the replicas drifted apart from
+// then on, silently (found by the optimizer fuzzer, resumed into DDP).
 bool Design::begin_replicate() {
   const bool sync = params_stale();
   synced_version_ = kUnsynced;  // stays so if the step fails half way
@@ -94,6 +100,14 @@ void Design::end_replicate() {
   synced_version_ = primary_version();
   storage_base_.resize(static_cast<std::size_t>(set().num_copies()));
   for (int r = 0; r < set().num_copies(); ++r) storage_base_[r] = set().copy(r).data.storage()->version();
+}
+
+bool Design::primary_ahead() const {
+  if (synced_version_ == kUnsynced) return true;
+  const std::uint64_t moved0 = set().copy(0).data.storage()->version() - storage_base_[0];
+  for (int r = 1; r < set().num_copies(); ++r)
+    if (set().copy(r).data.storage()->version() - storage_base_[r] < moved0) return true;
+  return false;
 }
 
 bool Design::copies_written_unequally() const {

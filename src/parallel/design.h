@@ -47,12 +47,14 @@ struct StepKind {
   bool replicate = false;  // a forward: replicas must hold device 0's parameters
   bool backward = false;   // runs backward: the reducer's cycle is armed
   bool gather = false;     // an update after which every copy is whole again (Note [Sharded step])
+  bool refresh = false;    // an update that reads every copy's parameters (Note [When replicas are refreshed])
 };
 
 /// What an update of every copy needs besides the update itself (Design::plan_update).
 struct UpdatePlan {
   bool broadcast_grads = false;  // device 0's gradient goes to every replica first (Note [Gradient edits])
   bool gather = false;           // the updated ranges reach every copy after (Note [Sharded step])
+  bool refresh_params = false;   // DDP: device 0's parameters reach every replica first if they moved apart
 };
 
 /// One data-parallel design (Note [Designs]). Every virtual runs on the calling thread
@@ -157,6 +159,10 @@ class Design {
   /// Stats::gather_bytes: parameter bytes copy `rank` received from the other copies'
   /// ranges since construction (Mode::Sharded's gathers; 0 in the other designs).
   virtual std::int64_t gather_bytes(int /*rank*/) const { return 0; }
+  /// Whether device 0's parameters were written since the replicas last took them (a
+  /// load or an in-place write through parameters(), or a failed step): the next forward
+  /// or step gives them to every replica, and until then they differ.
+  bool primary_ahead() const;
 
  protected:
   /// begin_replicate()'s decision.

@@ -41,10 +41,10 @@ using Edit = std::function<void(dp::nn::ParameterList)>;
 
 // Trains 5 SGD-momentum steps of `mode` on n devices with `edit` between backward and
 // step; returns device 0's parameters.
-Tensor train(dp::Mode mode, int n, const Edit& edit, bool check_each_step = true) {
+Tensor train(dp::Mode mode, int n, const Edit& edit, bool check_each_step = true, double weight_decay = 0.0) {
   auto net = make_mlp();
   dp::DataParallel model(net, cpus(n), {.mode = mode});
-  dp::optim::SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9});
+  dp::optim::SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = weight_decay});
   for (int s = 0; s < 5; ++s) {
     Batch b = make_scaled_batch(10, 7 + s);
     opt.zero_grad();
@@ -98,6 +98,42 @@ TEST_CASE("hand edits of .grad through model.parameters() reach every replica") 
       CHECK(dp::equal(train(dp::Mode::DDP, n, e), train(dp::Mode::DP, n, e)));
     }
   }
+}
+
+TEST_CASE("parameters edited or loaded between backward and step: every replica steps from device 0's") {
+  // Weight decay puts the parameters into SGD's momentum buffer. A replica that stepped
+  // from its old parameters kept a buffer of its own, and the replicas drifted apart
+  // from then on (the forward after refreshed the parameters, not the buffers).
+  const Edit halve = [](dp::nn::ParameterList p) {
+    dp::NoGradGuard no_grad;
+    for (Tensor t : p) t.mul_(0.5f);
+  };
+  for (int n : {2, 4}) {
+    CAPTURE(n);
+    CHECK(dp::equal(train(dp::Mode::DDP, n, halve, true, 0.1), train(dp::Mode::DP, n, halve, true, 0.1)));
+  }
+  // The same through load_state_dict; check_replicas() between the load and the step
+  // does not take the replicas waiting for device 0's parameters for a fault.
+  auto run = [](dp::Mode mode) {
+    auto net = make_mlp();
+    dp::DataParallel model(net, cpus(3), {.mode = mode});
+    dp::optim::SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.1});
+    for (int s = 0; s < 4; ++s) {
+      Batch b = make_scaled_batch(9, 11 + s);
+      opt.zero_grad();
+      loss_fn(model(b.x), b.y).backward();
+      if (s == 1) {
+        dp::nn::StateDict halved;
+        for (const auto& [name, t] : model.state_dict()) halved.emplace_back(name, dp::mul(t, 0.5));
+        model.load_state_dict(halved);
+        model.check_replicas();
+      }
+      opt.step();
+      model.check_replicas();
+    }
+    return model.parameters().set()->copy(0).data.clone();
+  };
+  CHECK(dp::equal(run(dp::Mode::DDP), run(dp::Mode::DP)));
 }
 
 TEST_CASE("an unedited DDP step broadcasts no gradient") {

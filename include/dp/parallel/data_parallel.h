@@ -384,7 +384,9 @@ class DataParallel {
   /// (bitwise) from device 0's. Replicas never drift in normal use — an optimizer
   /// step inside no_sync() is refused, and gradient edits through parameters() reach
   /// every replica (Note [Gradient edits]) — so a difference means memory was written
-  /// behind dp's back. DP keeps no persistent replicas: nothing to compare.
+  /// behind dp's back. After load_state_dict() or an in-place write through
+  /// parameters() the replicas take device 0's parameters at the next forward or step,
+  /// and are not compared until then. DP keeps no persistent replicas: nothing to compare.
   void check_replicas() const;
 
   /// The wrapped module's parameters (device 0's copy; optimizers step every copy,

@@ -37,14 +37,21 @@ class DDPDesign final : public Design {
   std::vector<Bucket> plan_buckets() const override { return parameter_buckets(); }
   std::unique_ptr<GradSync> make_grad_sync() override { return make_all_reduce_sync(comm(), grad_wire()); }
 
-  UpdatePlan plan_update(bool /*step*/) override {
+  UpdatePlan plan_update(bool step) override {
     // Note [Gradient edits]: before ANY update of every copy, not just the step — a clip
     // after an edit by hand would otherwise scale unequal gradients, and its snapshot
     // would then hide the edit from the step (the replicas drifted: the loop fuzzer).
-    return {.broadcast_grads = world_devices() > 1 && require_sync() && grads_edited_unequally(), .gather = false};
+    // Note [When replicas are refreshed]: a step reads every replica's parameters.
+    return {.broadcast_grads = world_devices() > 1 && require_sync() && grads_edited_unequally(),
+            .gather = false,
+            .refresh_params = step && world_devices() > 1};
   }
-  void run_update(int rank, const UpdatePlan& plan, bool /*sync_params*/,
+  void run_update(int rank, const UpdatePlan& plan, bool sync_params,
                   const std::function<void()>& update) override {
+    if (plan.refresh_params && sync_params) {
+      PhaseTimer t(recorder(), rank, Phase::Replicate);
+      params_comm().broadcast(rank, set().copy(rank).data, 0);
+    }
     PhaseTimer t(recorder(), rank, Phase::Step);
     if (plan.broadcast_grads) comm().broadcast(rank, set().copy(rank).grad, 0);
     update();
