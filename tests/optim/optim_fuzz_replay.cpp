@@ -43,7 +43,8 @@
 // optimizer, schedulers and scaler built as at the start and given the state dicts of
 // the old ones (every other resume of a module's parameters through a training
 // checkpoint file: save_training_checkpoint, load_training_checkpoint). After each step dp's parameters,
-// optimizer state, lrs, momenta, scale and clip norms are compared with PyTorch's.
+// optimizer state (both ways: an entry on one side only differs), lrs, momenta, scale
+// and clip norms are compared with PyTorch's.
 //
 // The oracle is the op fuzzer's: PyTorch runs each program in float32 and in float64;
 // the float64 run stands for the exact result, and the float32 run's error measures
@@ -205,11 +206,19 @@ bool applies(const Design& design, const std::string& program) {
 /// One program's run in dp.
 class Run {
  public:
-  /// `design`: run the module in it on `devices` devices of `device`'s type (nullptr: on
-  /// `device` alone, no wrapper).
-  Run(const std::map<std::string, Tensor>& file, std::string prefix, dp::Device device, const Design* design = nullptr,
-      int devices = 1)
-      : file_(file), prefix_(std::move(prefix)), device_(device), design_(design), devices_(devices) {}
+  /// `lines`: the program. `designs` (with `start`): run the module in designs[start] on
+  /// `devices` devices of `device`'s type, resumes from a file moving on through the
+  /// others (null: on `device` alone, no wrapper).
+  Run(const std::map<std::string, Tensor>& file, std::string prefix, std::vector<std::string> lines, dp::Device device,
+      const std::vector<Design>* designs = nullptr, std::size_t start = 0, int devices = 1)
+      : file_(file),
+        prefix_(std::move(prefix)),
+        lines_(std::move(lines)),
+        device_(device),
+        designs_(designs),
+        design_(designs ? &designs->at(start) : nullptr),
+        devices_(devices),
+        first_devices_(devices) {}
 
   const Tensor& file_tensor(const std::string& name) const {
     auto it = file_.find(prefix_ + "." + name);
@@ -231,7 +240,10 @@ class Run {
     return out;
   }
 
-  void line(const std::string& text) {
+  /// Runs line `at` of the program.
+  void line(std::size_t at) {
+    at_ = at;
+    const std::string& text = lines_.at(at);
     const auto w = words(text);
     DP_CHECK(!w.empty(), "optim_fuzz_replay: an empty line");
     const std::string& op = w[0];
@@ -247,11 +259,7 @@ class Run {
         params_ = values;
       } else {
         module_ = std::make_shared<Params>(values);
-        if (design_) {
-          std::vector<dp::Device> on;
-          for (int d = 0; d < devices_; ++d) on.push_back({device_.type, d});
-          model_.emplace(module_, on, design_->options);
-        }
+        if (design_) wrap();
       }
     } else if (op == "opt") {
       opt_kind_ = w.at(1);
@@ -315,6 +323,8 @@ class Run {
   }
 
   const std::vector<std::string>& problems() const { return problems_; }
+  /// The designs a run moved through at its resumes, "" when it stayed in one.
+  const std::string& moves() const { return moves_; }
 
  private:
   /// The parameters, taken afresh at each use: a Sharded stage 3 module gives full
@@ -541,8 +551,60 @@ class Run {
     adam->set_options(g, o);
   }
 
+  void wrap() {
+    std::vector<dp::Device> on;
+    for (int d = 0; d < devices_; ++d) on.push_back({device_.type, d});
+    model_.emplace(module_, on, design_->options);
+  }
+
+  /// Whether a resume from a file may go on in another design: PyTorch's program keeps
+  /// its module, gradients included, where a job resumed elsewhere starts a fresh one, so
+  /// only where the next line that reads or writes gradients is zero_grad(set_to_none),
+  /// after which both have none, or where no such line follows.
+  bool may_move() const {
+    if (!designs_) return false;
+    for (std::size_t i = at_ + 1; i < lines_.size(); ++i) {
+      const auto w = words(lines_[i]);
+      if (w[0] == "zero_grad") return w.at(1) == "none";
+      if (w[0] == "grad" || w[0] == "backward" || w[0] == "clip_norm" || w[0] == "clip_value" ||
+          w[0] == "unscale" || w[0] == "step")
+        return false;
+    }
+    return true;
+  }
+
+  /// A fresh module (zeros: the checkpoint gives its values) with the old one's frozen
+  /// parameters, wrapped in the next design that runs the program, on one device fewer or
+  /// back on the first count, as a job resumed on other hardware.
+  void move() {
+    std::vector<Tensor> zeros;
+    std::vector<bool> frozen;
+    for (const Tensor& p : params()) {
+      zeros.push_back(dp::zeros(p.shape(), dp::TensorOptions{dp::Dtype::Float32, device_}));
+      frozen.push_back(!p.requires_grad());
+    }
+    std::size_t at = static_cast<std::size_t>(design_ - designs_->data());
+    const std::string program = [&] {
+      std::string out;
+      for (const auto& l : lines_) out += l + "; ";
+      return out;
+    }();
+    do at = (at + 1) % designs_->size();
+    while (!applies((*designs_)[at], program));
+    model_.reset();
+    design_ = &(*designs_)[at];
+    devices_ = devices_ == first_devices_ ? std::max(1, first_devices_ - 1) : first_devices_;
+    module_ = std::make_shared<Params>(zeros);
+    wrap();
+    auto ps = params();
+    for (std::size_t i = 0; i < ps.size(); ++i) ps[i].set_requires_grad(!frozen[i]);
+    moves_ += (moves_.empty() ? " " : ", then ") + design_->name + " on " + std::to_string(devices_) + " at line " +
+              std::to_string(at_ + 1);
+  }
+
   /// Across processes one file, as a job resumes: every process takes part in the save
   /// (a Sharded optimizer's state is gathered), process 0 writes, every process loads.
+  /// In the designs a resume may go on in another (may_move, move).
   void resume_from_file() {
     const bool across = model_ && dp::dist::world_size() > 1;
     std::string path =
@@ -553,6 +615,7 @@ class Run {
     saved.scaler = scaler_ ? &*scaler_ : nullptr;
     dp::save_training_checkpoint(path, *module_, *opt_, saved, /*write=*/!across || dp::dist::is_main());
     if (across) dp::dist::barrier();
+    if (may_move()) move();
     build();
     dp::TrainingState loaded;
     for (std::size_t k = 0; k < scheds_.size(); ++k) loaded.schedulers.emplace_back("s" + std::to_string(k), scheds_[k].get());
@@ -663,9 +726,13 @@ class Run {
 
   const std::map<std::string, Tensor>& file_;
   std::string prefix_;
+  std::vector<std::string> lines_;
+  std::size_t at_ = 0;  // the line running
   dp::Device device_;
+  const std::vector<Design>* designs_;
   const Design* design_;
-  int devices_;
+  int devices_, first_devices_;
+  std::string moves_;
   bool loose_ = false;
   std::shared_ptr<Params> module_;
   std::optional<dp::DataParallel> model_;
@@ -683,23 +750,32 @@ class Run {
   std::vector<std::string> problems_;
 };
 
-/// Runs one program (in `design` on `devices` devices, or on `device` alone): the
-/// problems found, empty when it agrees with PyTorch.
-std::vector<std::string> run_program(const std::map<std::string, Tensor>& file, const std::string& name,
-                                     const std::vector<std::string>& lines, dp::Device device, const Design* design,
-                                     int devices) {
+/// What one run of a program found: the problems (none when it agrees with PyTorch)
+/// and the designs it moved through at its resumes.
+struct Verdict {
+  std::vector<std::string> problems;
+  std::string moves;
+};
+
+/// Runs one program in designs[start] on `devices` devices (designs null: on `device` alone).
+Verdict run_program(const std::map<std::string, Tensor>& file, const std::string& name,
+                    const std::vector<std::string>& lines, dp::Device device, const std::vector<Design>* designs,
+                    std::size_t start, int devices) {
   std::size_t done = 0;
+  std::optional<Run> run;
+  auto verdict = [&](std::vector<std::string> problems) {
+    return Verdict{std::move(problems), run ? run->moves() : std::string()};
+  };
   try {
-    Run run(file, name, device, design, devices);
-    for (const auto& l : lines) {
-      run.line(l);
-      ++done;
-      if (!run.problems().empty()) return run.problems();  // the first check that differs
+    run.emplace(file, name, lines, device, designs, start, devices);
+    for (; done < lines.size(); ++done) {
+      run->line(done);
+      if (!run->problems().empty()) return verdict(run->problems());  // the first check that differs
     }
   } catch (const std::exception& e) {
-    return {"dp threw where PyTorch ran, at line " + std::to_string(done + 1) + ": " + e.what()};
+    return verdict({"dp threw where PyTorch ran, at line " + std::to_string(done + 1) + ": " + e.what()});
   }
-  return {};
+  return verdict({});
 }
 
 /// --design and --devices.
@@ -711,26 +787,29 @@ struct Setup {
 Outcome run_case(const Setup& setup, const std::map<std::string, Tensor>& file, const std::string& name,
                  const std::string& program, dp::Device device, bool verbose) {
   const auto lines = split_on(program, "; ");
-  std::vector<std::pair<std::string, std::vector<std::string>>> runs;  // where, problems
+  std::vector<std::pair<std::string, Verdict>> runs;  // where, what it found
   if (setup.designs.empty()) {
-    runs.emplace_back(device.str(), run_program(file, name, lines, device, nullptr, 1));
+    runs.emplace_back(device.str(), run_program(file, name, lines, device, nullptr, 0, 1));
   } else {
-    for (const auto& d : setup.designs) {
+    for (std::size_t k = 0; k < setup.designs.size(); ++k) {
+      const Design& d = setup.designs[k];
       if (!applies(d, program)) continue;
       runs.emplace_back(d.name + " on " + std::to_string(setup.devices) + (device.is_cuda() ? " CUDA" : " CPU") + " devices",
-                        run_program(file, name, lines, device, &d, setup.devices));
+                        run_program(file, name, lines, device, &setup.designs, k, setup.devices));
     }
   }
   Outcome res;
   res.skipped = runs.empty();
-  for (const auto& [where, problems] : runs) res.ok = res.ok && problems.empty();
+  for (const auto& [where, v] : runs) res.ok = res.ok && v.problems.empty();
   if (!res.ok || (verbose && !res.skipped)) {
     std::ostringstream out;
     out << (res.ok ? "ok   " : "FAIL ") << name << "\n";
     for (const auto& l : lines) out << "    " << l << "\n";
-    for (const auto& [where, problems] : runs) {
-      out << "  " << (problems.empty() ? "agrees" : "differs") << " in " << where << "\n";
-      for (const auto& p : problems) out << "  - " << p << "\n";
+    for (const auto& [where, v] : runs) {
+      out << "  " << (v.problems.empty() ? "agrees" : "differs") << " in " << where;
+      if (!v.moves.empty()) out << ", resumed into" << v.moves;
+      out << "\n";
+      for (const auto& p : v.problems) out << "  - " << p << "\n";
     }
     res.report = out.str();
   }
