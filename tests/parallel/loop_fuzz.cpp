@@ -34,7 +34,8 @@
 // logits (not the GPT's) that the forwards of some steps skip, so that no backward reaches it (Note [Parameters without
 // a gradient] in dp/optim/optimizer.h: not stepped after zero_grad), from a fifth;
 // .grad edits spelt set_grad and zero_grad(false) (set_to_none=False), from a sixth;
-// clip_grad_value_ from an eighth —
+// clip_grad_value_ from an eighth, parameters written in place between backward and
+// the step from a ninth —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too, 2 and 3 with every Linear a gather unit). The features added
 // after the first grammar (groups, the tied
@@ -180,6 +181,7 @@ struct StepSpec {
   bool zero_grad = true;
   std::vector<Micro> micros;
   bool edit_grads = false;    // every .grad halved by hand before clipping and the step
+  bool edit_params_late = false;  // parameters scaled in place between backward and the step (the ninth stream)
   bool set_grads = false;     // ... spelt p.set_grad(p.grad() * 0.5), PyTorch's p.grad = ..., not in place
   bool keep_zeros = false;    // zero_grad(false): PyTorch's set_to_none=False
   double clip = 0;            // > 0: clip_grad_norm_(params, clip) before the step
@@ -348,6 +350,10 @@ Program generate(std::uint64_t seed) {
   auto eighth_chance = [&](double q) { return std::uniform_real_distribution<double>(0, 1)(eighth) < q; };
   for (StepSpec& st : p.steps)
     if (eighth_chance(0.15)) st.clip_value = eighth_chance(0.5) ? 0.01 : 0.1;
+  // The ninth stream: parameters written in place between backward and the step (a
+  // projection or a decay by hand), which the step must read on every copy.
+  std::mt19937_64 ninth(seed * 0xE7037ED1A0B428DBull + 31);
+  for (StepSpec& st : p.steps) st.edit_params_late = std::uniform_real_distribution<double>(0, 1)(ninth) < 0.1;
   normalize(p);
   return p;
 }
@@ -743,6 +749,10 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
         }
       }
       g_poison_device = -1;
+      if (st.edit_params_late) {
+        dp::NoGradGuard no_grad;
+        for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
+      }
       if (st.edit_grads) {
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) {
@@ -1074,6 +1084,8 @@ std::string cpp(const Program& p, const std::string& spelling) {
       }
       os << "}\n";
     }
+    if (st.edit_params_late)
+      os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }  // after backward\n";
     if (st.edit_grads)
       os << (st.set_grads ? "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.set_grad(t.grad() * 0.5); }\n"
                           : "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.grad().mul_(0.5f); }\n");
@@ -1127,6 +1139,7 @@ Program shrink(Program p, const std::string& design) {
       with([](StepSpec& t) { return std::exchange(t.scheduler, false); });
       with([](StepSpec& t) { return std::exchange(t.evaluate, false); });
       with([](StepSpec& t) { return std::exchange(t.edit_params, false); });
+      with([](StepSpec& t) { return std::exchange(t.edit_params_late, false); });
       with([](StepSpec& t) { return std::exchange(t.edit_grads, false); });
       with([](StepSpec& t) { return std::exchange(t.set_grads, false); });
       with([](StepSpec& t) { return std::exchange(t.keep_zeros, false); });
