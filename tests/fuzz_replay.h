@@ -71,8 +71,9 @@ using Case = std::function<Outcome(const std::map<std::string, dp::Tensor>& file
 inline int run_corpus(int argc, char** argv, const std::string& tool, const Case& run_case,
                       const ExtraOptions& extra = {}) {
   auto usage = [&](const std::string& why) {
-    std::cerr << tool << ": " << why << "\nusage: " << tool << " FILE [--device cpu:0|cuda:N] [--case c<seed>] [--verbose]"
-              << (extra.usage.empty() ? "" : " ") << extra.usage << "\n";
+    std::cerr << tool << ": " << why << "\nusage: " << tool
+              << " FILE [--device cpu:0|cuda:N] [--case c<seed>] [--verbose]" << (extra.usage.empty() ? "" : " ")
+              << extra.usage << "\n";
     return 2;
   };
   std::string path, only;

@@ -794,8 +794,9 @@ Outcome run_case(const Setup& setup, const std::map<std::string, Tensor>& file, 
     for (std::size_t k = 0; k < setup.designs.size(); ++k) {
       const Design& d = setup.designs[k];
       if (!applies(d, program)) continue;
-      runs.emplace_back(d.name + " on " + std::to_string(setup.devices) + (device.is_cuda() ? " CUDA" : " CPU") + " devices",
-                        run_program(file, name, lines, device, &setup.designs, k, setup.devices));
+      const std::string where =
+          d.name + " on " + std::to_string(setup.devices) + (device.is_cuda() ? " CUDA" : " CPU") + " devices";
+      runs.emplace_back(where, run_program(file, name, lines, device, &setup.designs, k, setup.devices));
     }
   }
   Outcome res;
@@ -826,7 +827,8 @@ int main(int argc, char** argv) {
         if ((arg != "--design" && arg != "--devices") || next == nullptr) return 0;
         if (arg == "--devices") {
           setup.devices = std::atoi(next);
-          if (setup.devices < 1) throw std::invalid_argument(std::string("--devices: expected a count >= 1, got ") + next);
+          if (setup.devices < 1)
+            throw std::invalid_argument(std::string("--devices: expected a count >= 1, got ") + next);
           return 2;
         }
         for (const auto& want : split_on(next, ",")) {

@@ -36,7 +36,8 @@ with tempfile.TemporaryDirectory() as d:
     for tool, corpus in ((op, op_corpus), (optim, optim_corpus)):
         name = os.path.basename(tool)
         refused(f"{name} without a file", [tool], "expected a file")
-        refused(f"{name} with an unknown argument", [tool, corpus, "--frobnicate"], "unexpected argument '--frobnicate'")
+        refused(f"{name} with an unknown argument", [tool, corpus, "--frobnicate"],
+                "unexpected argument '--frobnicate'")
         refused(f"{name} with a program the corpus lacks", [tool, corpus, "--case", "c999999"],
                 "no program named c999999")
         refused(f"{name} with a bad device", [tool, corpus, "--device", "tpu:0"], "tpu:0")
