@@ -83,10 +83,16 @@
 // hand through parameters() too (device 0's copy, which DP steps and DDP broadcasts
 // before its next update, Note [Gradient edits]); a Sharded step refuses them, so
 // Sharded runs only the backward programs. After each check DDP's and Sharded's
-// replicas must be bitwise equal (check_replicas). Its first run found a Sharded
+// replicas must be bitwise equal (check_replicas). A resume from a file may go on in
+// the next design on one device fewer, as a job resumed on other hardware: a fresh
+// module and DataParallel given the checkpoint (Run::move), where PyTorch's program
+// has no gradient from then on (Run::may_move). Its first run found a Sharded
 // optimizer's state_dict across processes skipping the exchange on the process whose
 // first device owned the whole state (a set within one aligned range), so the job
-// aborted on mismatched collectives.
+// aborted on mismatched collectives; and, resumed into DDP, check_replicas() blaming
+// memory written behind dp's back for replicas only waiting for device 0's parameters
+// after the load, which led to DDP stepping them from their old parameters (Note [When
+// replicas are refreshed] in src/parallel/design.cpp).
 
 #include <algorithm>
 #include <cctype>
