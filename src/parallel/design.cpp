@@ -102,19 +102,21 @@ void Design::end_replicate() {
   for (int r = 0; r < set().num_copies(); ++r) storage_base_[r] = set().copy(r).data.storage()->version();
 }
 
+std::uint64_t Design::moved_since_sync(int r) const {
+  return set().copy(r).data.storage()->version() - storage_base_[static_cast<std::size_t>(r)];
+}
+
 bool Design::primary_ahead() const {
   if (synced_version_ == kUnsynced) return true;
-  const std::uint64_t moved0 = set().copy(0).data.storage()->version() - storage_base_[0];
   for (int r = 1; r < set().num_copies(); ++r)
-    if (set().copy(r).data.storage()->version() - storage_base_[r] < moved0) return true;
+    if (moved_since_sync(r) < moved_since_sync(0)) return true;
   return false;
 }
 
 bool Design::copies_written_unequally() const {
   if (synced_version_ == kUnsynced) return true;
-  const std::uint64_t moved0 = set().copy(0).data.storage()->version() - storage_base_[0];
   for (int r = 1; r < set().num_copies(); ++r)
-    if (set().copy(r).data.storage()->version() - storage_base_[r] != moved0) return true;
+    if (moved_since_sync(r) != moved_since_sync(0)) return true;
   return false;
 }
 

@@ -213,6 +213,8 @@ class Design {
   bool primary_changed() const { return primary_version() != synced_version_; }
   /// The persistent designs' test: the copies were written unequally since.
   bool copies_written_unequally() const;
+  /// How far copy r's storage version moved since the last sync (replicas synced).
+  std::uint64_t moved_since_sync(int r) const;
   /// The gradients were written unequally since the last snapshot.
   bool grads_edited_unequally() const;
   /// Copy r's grad storage version at the last snapshot_grad_versions().

@@ -201,12 +201,13 @@ std::vector<Design> all_designs() {
           {"Sharded3", {.mode = dp::Mode::Sharded, .shard_stage = 3}}};
 }
 
-/// Whether `design` can run `program`: a module's parameters, and gradients set by hand
-/// only where the design takes edits of .grad (DP and DDP; a Sharded step refuses them,
-/// Note [Gradient edits] in src/parallel/designs/ddp.cpp).
-bool applies(const Design& design, const std::string& program) {
-  if (program.rfind("params module", 0) != 0) return false;
-  return design.options.mode != dp::Mode::Sharded || program.find("; grad ") == std::string::npos;
+/// Whether `design` can run the program of `lines`: a module's parameters, and gradients
+/// set by hand only where the design takes edits of .grad (DP and DDP; a Sharded step
+/// refuses them, Note [Gradient edits] in src/parallel/designs/ddp.cpp).
+bool applies(const Design& design, const std::vector<std::string>& lines) {
+  if (lines.empty() || lines[0].rfind("params module", 0) != 0) return false;
+  return design.options.mode != dp::Mode::Sharded ||
+         std::none_of(lines.begin(), lines.end(), [](const std::string& l) { return l.rfind("grad ", 0) == 0; });
 }
 
 /// One program's run in dp.
@@ -590,13 +591,8 @@ class Run {
       frozen.push_back(!p.requires_grad());
     }
     std::size_t at = static_cast<std::size_t>(design_ - designs_->data());
-    const std::string program = [&] {
-      std::string out;
-      for (const auto& l : lines_) out += l + "; ";
-      return out;
-    }();
     do at = (at + 1) % designs_->size();
-    while (!applies((*designs_)[at], program));
+    while (!applies((*designs_)[at], lines_));
     model_.reset();
     design_ = &(*designs_)[at];
     devices_ = devices_ == first_devices_ ? std::max(1, first_devices_ - 1) : first_devices_;
@@ -672,7 +668,7 @@ class Run {
       const auto n = std::to_string(i);
       compare(k + " parameter " + n, ps[i].to_vector(), doubles(k + ".p" + n), doubles(k + ".bp" + n).at(0));
     }
-    if (model_ && design_->options.mode != dp::Mode::DP) model_->check_replicas();  // throws naming a difference
+    if (model_) model_->check_replicas();  // throws naming a difference (DP has no replicas to compare)
     std::map<std::string, Tensor> state;
     for (auto& [name, t] : opt_->state_dict()) state[name] = t;
     const std::string head = prefix_ + "." + k + ".s";
@@ -680,7 +676,7 @@ class Run {
     // has not) is a difference too. Entries' own step counts aside: dp gives one to any
     // optimizer's entry that skipped steps, PyTorch's SGD keeps none.
     for (const auto& [name, t] : state) {
-      if (name.rfind("state.", 0) != 0 || name.size() < 5 || name.substr(name.size() - 5) == ".step") continue;
+      if (!name.starts_with("state.") || name.ends_with(".step")) continue;
       const std::string rest = name.substr(6);  // "<j>.<state name>"
       if (!has(k + ".s" + rest))
         problems_.push_back(k + ": dp's state_dict has " + name + " where PyTorch's state has no such entry");
@@ -799,7 +795,7 @@ Outcome run_case(const Setup& setup, const std::map<std::string, Tensor>& file, 
   } else {
     for (std::size_t k = 0; k < setup.designs.size(); ++k) {
       const Design& d = setup.designs[k];
-      if (!applies(d, program)) continue;
+      if (!applies(d, lines)) continue;
       const std::string where =
           d.name + " on " + std::to_string(setup.devices) + (device.is_cuda() ? " CUDA" : " CPU") + " devices";
       runs.emplace_back(where, run_program(file, name, lines, device, &setup.designs, k, setup.devices));

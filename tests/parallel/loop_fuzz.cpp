@@ -699,13 +699,14 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       dp::optim::StepLR& sched = *cur->sched;
       dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
       auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
+      auto scale_params = [&] {  // in place, through parameters() (edit_params, edit_params_late)
+        dp::NoGradGuard no_grad;
+        for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
+      };
       if (st.momentum_to_half) opt.set_group_momentum(opt.num_param_groups() - 1, 0.5);
       params[0].set_requires_grad(!st.freeze_first);
       g_skip_side = p.side && st.skip_side;
-      if (st.edit_params) {
-        dp::NoGradGuard no_grad;
-        for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
-      }
+      if (st.edit_params) scale_params();
       if (st.zero_grad) opt.zero_grad(/*set_to_none=*/!st.keep_zeros);
       auto* scaler = cur->scaler ? &*cur->scaler : nullptr;
       auto scaled = [&](const dp::Tensor& loss) { return scaler ? scaler->scale(loss) : loss; };
@@ -749,10 +750,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
         }
       }
       g_poison_device = -1;
-      if (st.edit_params_late) {
-        dp::NoGradGuard no_grad;
-        for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
-      }
+      if (st.edit_params_late) scale_params();
       if (st.edit_grads) {
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) {
