@@ -1220,6 +1220,15 @@ void add_16bit(Table& t, DType dt, i64 n) {
     r.output16("y", dt, y, n);
     r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, dt, {x, DType::F32, y, n}); });
   });
+  // One element into both buffers: pointers off their 16-byte packs, so the CUDA cast
+  // moves elements one by one (Note [Packed elementwise access]).
+  t.add(Kernel::Cast, dt, "cast_f32_to_" + tag, count(n) + " at an odd offset", kExact, 0, (kF + k2) * n,
+        [=](OpRun& r) {
+          const float* x = r.uniform(n + 1, -3.0f, 3.0f) + 1;
+          void* y = static_cast<std::uint16_t*>(r.empty16(dt, n + 1)) + 1;
+          r.output16("y", dt, y, n);
+          r.set_call([=](Backend& b, Device d) { b.run<Op::Cast>(d, dt, {x, DType::F32, y, n}); });
+        });
   t.add(Kernel::Cast, DType::F32, "cast_" + tag + "_to_f32", count(n), kExact, 0, (kF + k2) * n, [=](OpRun& r) {
     const void* x = r.uniform16(dt, n, -100.0f, 100.0f);
     float* y = r.empty(n);
@@ -1293,6 +1302,39 @@ void add_16bit(Table& t, DType dt, i64 n) {
             r.output16("out", dt, out, rows * cols);
             r.set_call([=](Backend& be, Device d) { be.run<Op::StridedCopy>(d, dt, {tix, a, out}); });
           });
+  }
+  {
+    // The layouts the CUDA kernels move in packs of 16 bytes (Note [Packed elementwise
+    // access] in backend/elementwise_walk.h): a bias add, a per-channel scale whose
+    // channel fills a pack, and a transformer's head split (B, T, H, D) -> (B, H, T, D).
+    const i64 rows = 129, cols = 96, N = 3, C = 5, HW = 40, B = 2, T = 33, H = 3, D = 64;
+    const Indexer bias = indexer({rows, cols}, {cols, 1}, {0, 1});
+    t.add(Kernel::Binary, dt, "binary add " + tag, dims({rows, cols}) + " op " + std::to_string(cols) + " (packed)",
+          ulp, double(rows * cols), k2 * (2 * rows * cols + cols), [=](OpRun& r) {
+            const void* a = r.uniform16(dt, rows * cols, -4.0f, 4.0f);
+            const void* b = r.uniform16(dt, cols, -4.0f, 4.0f);
+            void* out = r.empty16(dt, rows * cols);
+            r.output16("out", dt, out, rows * cols);
+            r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, dt, {BinaryOp::Add, bias, a, b, out}); });
+          });
+    const Indexer channel = indexer({N, C, HW}, {C * HW, HW, 1}, {0, 1, 0});
+    t.add(Kernel::Binary, dt, "binary mul " + tag, dims({N, C, HW}) + " op " + dims({C, 1}) + " (packed)", ulp,
+          double(N * C * HW), k2 * (2 * N * C * HW + C), [=](OpRun& r) {
+            const void* a = r.uniform16(dt, N * C * HW, -4.0f, 4.0f);
+            const void* b = r.uniform16(dt, C, -4.0f, 4.0f);
+            void* out = r.empty16(dt, N * C * HW);
+            r.output16("out", dt, out, N * C * HW);
+            r.set_call([=](Backend& be, Device d) { be.run<Op::Binary>(d, dt, {BinaryOp::Mul, channel, a, b, out}); });
+          });
+    const Indexer heads = indexer({B, H, T, D}, {T * H * D, D, H * D, 1}, {0, 0, 0, 0});
+    const i64 nh = B * T * H * D;
+    const std::string split = dims({B, T, H, D}) + " to " + dims({B, H, T, D}) + " (packed)";
+    t.add(Kernel::StridedCopy, dt, "strided_copy_" + tag, split, kExact, 0, 2 * k2 * nh, [=](OpRun& r) {
+      const void* a = r.uniform16(dt, nh, -4.0f, 4.0f);
+      void* out = r.empty16(dt, nh);
+      r.output16("out", dt, out, nh);
+      r.set_call([=](Backend& be, Device d) { be.run<Op::StridedCopy>(d, dt, {heads, a, out}); });
+    });
   }
   {
     const i64 outer = 7, r_ = 300, inner = 23, m = 211;  // index_select of m rows along dim 1

@@ -10,6 +10,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_inner_loop.h"
+#include "backend/elementwise_walk.h"
 #include "backend/functors.h"
 #include "dp/core/error.h"
 
@@ -19,86 +20,43 @@ namespace {
 using i64 = std::int64_t;
 
 // ---- strided iteration -------------------------------------------------------------------
-// Note [Collapsing strided dimensions]
-// A binary op over an Indexer first drops size-1 dimensions and merges neighbours that
-// are contiguous with each other in both inputs (stride[d] == stride[d+1] * size[d+1]).
-// Same-shape contiguous inputs become one dimension, a bias add (rows, cols) with b
-// strides (0, 1) stays two, a per-channel op over (N, C, HW) stays three. The innermost
-// dimension then runs a loop specialised for its strides (1/1, 1/0, 0/1, general), so
-// the common cases — same shape, scalar, row broadcast, channel broadcast — all reach a
-// vectorised inner loop without a dedicated code path each.
+// Dimensions are collapsed first, then each run of the innermost one is an inner loop
+// specialised for its strides (Note [Collapsing strided dimensions] in
+// backend/elementwise_walk.h; cpu_inner_loop.h).
 
-struct Walk {
-  int ndim = 0;
-  i64 sizes[kMaxDims] = {};
-  i64 sa[kMaxDims] = {};
-  i64 sb[kMaxDims] = {};
-  i64 numel = 1;
-};
-
-Walk collapse(const Indexer& ix) {
-  DP_CHECK(ix.ndim >= 0 && ix.ndim <= kMaxDims, "elementwise: expected at most ", kMaxDims,
-           " dims, got ", ix.ndim);
-  Walk w;
-  for (int d = 0; d < ix.ndim; ++d) {
-    DP_CHECK(ix.sizes[d] >= 0, "elementwise: expected non-negative sizes, got ", ix.sizes[d],
-             " in dim ", d);
-    w.numel *= ix.sizes[d];
-  }
-  if (w.numel == 0) return w;
-  for (int d = 0; d < ix.ndim; ++d) {
-    if (ix.sizes[d] == 1) continue;
-    if (w.ndim > 0) {
-      const int last = w.ndim - 1;
-      if (w.sa[last] == ix.strides_a[d] * ix.sizes[d] && w.sb[last] == ix.strides_b[d] * ix.sizes[d]) {
-        w.sizes[last] *= ix.sizes[d];
-        w.sa[last] = ix.strides_a[d];
-        w.sb[last] = ix.strides_b[d];
-        continue;
-      }
-    }
-    w.sizes[w.ndim] = ix.sizes[d];
-    w.sa[w.ndim] = ix.strides_a[d];
-    w.sb[w.ndim] = ix.strides_b[d];
-    ++w.ndim;
-  }
-  if (w.ndim == 0) {  // a scalar (all sizes 1)
-    w.ndim = 1;
-    w.sizes[0] = 1;
-  }
-  return w;
-}
+using walk::collapse;
+using Walk = walk::Collapsed;
 
 /// inner(a, sa, b, sb, out, len) over the rows of flat range [begin, end) of the
 /// collapsed walk: each call one run along the innermost dimension.
 template <typename T, typename Inner>
 void walk_rows(const Walk& w, Inner inner, const T* a, const T* b, T* out, i64 begin, i64 end) {
-  const int last = w.ndim - 1;
+  const int last = w.ix.ndim - 1;
   i64 coord[kMaxDims] = {};
   i64 oa = 0, ob = 0;
   i64 rem = begin;
   for (int d = last; d >= 0; --d) {
-    coord[d] = rem % w.sizes[d];
-    rem /= w.sizes[d];
-    oa += coord[d] * w.sa[d];
-    ob += coord[d] * w.sb[d];
+    coord[d] = rem % w.ix.sizes[d];
+    rem /= w.ix.sizes[d];
+    oa += coord[d] * w.ix.strides_a[d];
+    ob += coord[d] * w.ix.strides_b[d];
   }
   i64 pos = begin;
   while (pos < end) {
-    const i64 len = std::min(end - pos, w.sizes[last] - coord[last]);
-    inner(a + oa, w.sa[last], b + ob, w.sb[last], out + pos, len);
+    const i64 len = std::min(end - pos, w.ix.sizes[last] - coord[last]);
+    inner(a + oa, w.ix.strides_a[last], b + ob, w.ix.strides_b[last], out + pos, len);
     pos += len;
     // Advance the odometer by len along the last dim, carrying into outer dims.
     coord[last] += len;
-    oa += len * w.sa[last];
-    ob += len * w.sb[last];
-    for (int d = last; d > 0 && coord[d] == w.sizes[d]; --d) {
+    oa += len * w.ix.strides_a[last];
+    ob += len * w.ix.strides_b[last];
+    for (int d = last; d > 0 && coord[d] == w.ix.sizes[d]; --d) {
       coord[d] = 0;
-      oa -= w.sizes[d] * w.sa[d];
-      ob -= w.sizes[d] * w.sb[d];
+      oa -= w.ix.sizes[d] * w.ix.strides_a[d];
+      ob -= w.ix.sizes[d] * w.ix.strides_b[d];
       ++coord[d - 1];
-      oa += w.sa[d - 1];
-      ob += w.sb[d - 1];
+      oa += w.ix.strides_a[d - 1];
+      ob += w.ix.strides_b[d - 1];
     }
   }
 }

@@ -8,8 +8,8 @@
 namespace dp::backend::cpu {
 
 /// out[i] = f(a[i * sa], b[i * sb]) for i in [0, len), specialised on the common stride
-/// patterns (Note [Collapsing strided dimensions] in cpu_elementwise.cpp) so each one
-/// vectorises. Always inlined: only code inlined into a clone is compiled for the
+/// patterns (Note [Collapsing strided dimensions] in backend/elementwise_walk.h) so each
+/// one vectorises. Always inlined: only code inlined into a clone is compiled for the
 /// clone's ISA.
 template <typename T, typename F>
 [[gnu::always_inline]] inline void inner_loop(F f, const T* a, std::int64_t sa, const T* b, std::int64_t sb, T* out,

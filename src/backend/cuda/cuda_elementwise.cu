@@ -2,13 +2,15 @@
 // random fills, the non-finite count, the gradient scaler's multiply with its
 // non-finite flag and the fused optimizer updates.
 //
-// The per-element math comes from backend/functors.h, shared with the CPU backend; this
-// file only decides how a grid walks memory. Where the CPU backend writes a formula
-// inline (affine, axpy, the uniform range), the same formula is used here with explicit
-// round-to-nearest intrinsics so nvcc cannot contract it into an FMA: results then match
-// the CPU backend bitwise. The 16-bit dtypes run the same templates over __nv_bfloat16
-// and __half (Note [16-bit storage on CUDA] in cuda_half.cuh); kernels that only move
-// elements (gather, strided copies, fills) move them as their 16 bits.
+// The per-element math comes from backend/functors.h, shared with the CPU backend, and
+// the addresses from backend/elementwise_walk.h (packs of 16 bytes, 32-bit offsets by
+// multiply-shift; Note [Packed elementwise access]); this file launches the grids.
+// Where the CPU backend writes a formula inline (affine, axpy, the uniform range), the
+// same formula is used here with explicit round-to-nearest intrinsics so nvcc cannot
+// contract it into an FMA: results then match the CPU backend bitwise. The 16-bit
+// dtypes run the same templates over __nv_bfloat16 and __half (Note [16-bit storage on
+// CUDA] in cuda_half.cuh); kernels that only move elements (gather, strided copies,
+// fills) move them as their 16 bits.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -21,23 +23,15 @@
 #include "backend/cuda/cuda_half.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_register.h"
-#include "backend/kernel_plan.h"
+#include "backend/elementwise_walk.h"
 #include "backend/functors.h"
+#include "backend/kernel_plan.h"
 #include "dp/core/error.h"
 
 namespace dp::backend::cuda_kernels {
 namespace {
 
 using i64 = std::int64_t;
-
-/// Indexer with size-1 dims dropped and mutually contiguous neighbours merged (see
-/// Note [Collapsing strided dimensions] in the CPU backend), so most launches index
-/// with one or two divisions per element instead of eight.
-struct Collapsed {
-  Indexer ix;
-  i64 numel = 1;
-  bool contiguous = false;  // a and b both dense in output order: flat indexing
-};
 
 // ---- kernels ------------------------------------------------------------------------------
 
@@ -63,10 +57,13 @@ __global__ void arange_i64_kernel(i64* __restrict__ y, i64 n, i64 start, i64 ste
 // The CPU backend's conversions (convert_storage): float to integer truncates toward
 // zero, int64 to int32 keeps the low 32 bits, a 16-bit float widens exactly and anything
 // else goes through float and rounds once to a 16-bit float.
-template <typename Src, typename Dst>
-__global__ void cast_kernel(const Src* __restrict__ x, Dst* __restrict__ y, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = convert_storage<Dst>(x[i]);
-}
+template <typename Dst>
+struct ConvertTo {
+  template <typename Src>
+  DP_HD Dst operator()(Src x) const {
+    return convert_storage<Dst>(x);
+  }
+};
 
 // Offsets of element i (Note [Gather geometry] in ops.h): `xo` into x without the
 // gathered dim, `io` into the index.
@@ -206,78 +203,78 @@ __global__ void row_runs_add_kernel(const i64* __restrict__ keys, const int* __r
   }
 }
 
-// Each elementwise kernel is a template over the storage type T, its math in float
-// (Note [Storage types] in functors.h); f is an OnStorage<T, ...> functor.
-// y may alias x: no __restrict__.
-template <typename T, typename F>
-__global__ void unary_kernel(F f, const T* x, T* y, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = f(x[i]);
+// Each elementwise kernel is a template over the storage types, its math in float
+// (Note [Storage types] in functors.h) and its walk elementwise_walk.h's: L elements a
+// pack (1: one by one), Ix the strided index (walk::FastIndexer in 32 bits, Indexer in
+// 64). f is an OnStorage<T, ...> functor or one of the storage functors below. The
+// output may alias an input: no __restrict__.
+
+/// x * y and x + y rounded to nearest on the device, never contracted into an FMA: the
+/// CPU backend's bits. (Host code never runs these; its branch keeps them host-callable.)
+DP_HD inline float mul_rn(float x, float y) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(x, y);
+#else
+  return x * y;
+#endif
+}
+DP_HD inline float add_rn(float x, float y) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(x, y);
+#else
+  return x + y;
+#endif
 }
 
+/// alpha * x + beta (Op::Affine).
 template <typename T>
-__global__ void affine_kernel(const T* x, T* y, i64 n, float alpha, float beta) {
-  for (i64 i = global_thread(); i < n; i += grid_stride())
-    y[i] = store_acc<T>(__fadd_rn(__fmul_rn(alpha, load_acc(x[i])), beta));
-}
-
+struct AffineOn {
+  float alpha, beta;
+  DP_HD T operator()(T x) const { return store_acc<T>(add_rn(mul_rn(alpha, load_acc(x)), beta)); }
+};
+/// y + alpha * x (Op::Axpy), called as f(y, x).
 template <typename T>
-__global__ void axpy_kernel(float alpha, const T* x, T* y, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride())
-    y[i] = store_acc<T>(__fadd_rn(load_acc(y[i]), __fmul_rn(alpha, load_acc(x[i]))));
+struct AxpyOn {
+  float alpha;
+  DP_HD T operator()(T y, T x) const { return store_acc<T>(add_rn(load_acc(y), mul_rn(alpha, load_acc(x)))); }
+};
+/// gelu(x) and gy * gelu'(x), called as f(x, gy): the functors of Note [Fused GELU].
+template <typename T, bool Tanh>
+struct GeluOn {
+  DP_HD T operator()(T x) const { return store_acc<T>(Gelu<Tanh>{}(load_acc(x))); }
+};
+template <typename T, bool Tanh>
+struct GeluBackwardOn {
+  DP_HD T operator()(T x, T gy) const { return store_acc<T>(GeluBackward<Tanh>{}(load_acc(x), load_acc(gy))); }
+};
+
+template <int L, typename F, typename In, typename Out>
+__global__ void map1_kernel(F f, const In* x, Out* y, i64 n) {
+  walk::map1_range<L>(f, x, y, n, global_thread(), grid_stride());
 }
 
-template <typename T, typename F>
-__global__ void binary_contiguous_kernel(F f, const T* a, const T* b, T* out, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride()) out[i] = f(a[i], b[i]);
+template <int L, typename F, typename A, typename B, typename Out>
+__global__ void map2_kernel(F f, const A* a, const B* b, Out* y, i64 n) {
+  walk::map2_range<L>(f, a, b, y, n, global_thread(), grid_stride());
 }
 
-/// Offsets into a and b of output element `i` (row-major over ix.sizes), with the index
-/// math in I: int32 where kernel_plan::strided_fits_i32 says n and every offset fit (a
-/// 64-bit division costs several 32-bit ones, and this loop is all divisions), else
-/// int64.
-template <typename I>
-__device__ __forceinline__ void strided_offsets(const Indexer& ix, I i, I& oa, I& ob) {
-  oa = 0;
-  ob = 0;
-#pragma unroll
-  for (int d = kMaxDims - 1; d >= 0; --d) {
-    if (d >= ix.ndim) continue;  // static indices keep ix in the parameter bank
-    const I size = static_cast<I>(ix.sizes[d]);
-    const I q = i / size;
-    const I coord = i - q * size;
-    oa += coord * static_cast<I>(ix.strides_a[d]);
-    ob += coord * static_cast<I>(ix.strides_b[d]);
-    i = q;
-  }
+template <int L, bool BBroadcast, typename F, typename T, typename Ix>
+__global__ void binary_strided_kernel(F f, const Ix ix, const T* a, const T* b, T* out, i64 n) {
+  walk::binary_strided_range<L, BBroadcast>(f, ix, a, b, out, n, global_thread(), grid_stride());
 }
 
-// The loop counters stay i64 (the last step may pass INT32_MAX); the index is I.
-template <typename I, typename T, typename F>
-__global__ void binary_strided_kernel(F f, const Indexer ix, const T* a, const T* b, T* out, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride()) {
-    I oa, ob;
-    strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
-    out[i] = f(a[oa], b[ob]);
-  }
+template <int L, typename T, typename Ix>
+__global__ void strided_copy_kernel(const Ix ix, const T* __restrict__ a, T* __restrict__ out, i64 n) {
+  walk::copy_strided_range<L>(ix, a, out, n, global_thread(), grid_stride());
 }
 
-template <typename I>
-__global__ void eq_i64_kernel(const Indexer ix, const i64* __restrict__ a, const i64* __restrict__ b,
+template <typename Ix>
+__global__ void eq_i64_kernel(const Ix ix, const i64* __restrict__ a, const i64* __restrict__ b,
                               float* __restrict__ out, i64 n) {
   for (i64 i = global_thread(); i < n; i += grid_stride()) {
-    I oa, ob;
-    strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
+    walk::index_t<Ix> oa, ob;
+    walk::offsets(ix, static_cast<walk::index_t<Ix>>(i), oa, ob);
     out[i] = a[oa] == b[ob] ? 1.0f : 0.0f;
-  }
-}
-
-template <typename I, typename T>
-__global__ void strided_copy_kernel(const Indexer ix, const T* __restrict__ a,
-                                    T* __restrict__ out, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride()) {
-    I oa, ob;
-    strided_offsets<I>(ix, static_cast<I>(i), oa, ob);
-    out[i] = a[oa];
   }
 }
 
@@ -369,66 +366,38 @@ __global__ void adam_kernel(AdamUpdate upd, float* __restrict__ param,
   }
 }
 
-/// y = gelu(x) and gx = gy · gelu'(x): the functors of Note [Fused GELU] (functors.h)
-/// over storage type T. y may alias x, gx gy.
-template <typename T, bool Tanh>
-__global__ void gelu_kernel(const T* x, T* y, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride()) y[i] = store_acc<T>(Gelu<Tanh>{}(load_acc(x[i])));
-}
-
-template <typename T, bool Tanh>
-__global__ void gelu_backward_kernel(const T* x, const T* gy, T* gx, i64 n) {
-  for (i64 i = global_thread(); i < n; i += grid_stride())
-    gx[i] = store_acc<T>(GeluBackward<Tanh>{}(load_acc(x[i]), load_acc(gy[i])));
-}
-
 // ---- host helpers -------------------------------------------------------------------------
 
-/// Calls f(I{}) with I = int32 when the strided kernel's indices over ix fit
-/// (kernel_plan::strided_fits_i32), else int64.
+/// Calls f(ix') with ix' = walk::fast_indexer(ix, n) when the strided kernel's indices
+/// over ix fit in 32 bits (kernel_plan::strided_fits_i32), else ix itself (64 bits).
 template <typename F>
-void with_strided_index(const Indexer& ix, i64 n, F&& f) {
+void with_indexer(const Indexer& ix, i64 n, F&& f) {
   if (kernel_plan::strided_fits_i32(ix, n)) {
-    f(std::int32_t{0});
+    f(walk::fast_indexer(ix, n));
   } else {
-    f(i64{0});
+    f(ix);
   }
 }
 
-Collapsed collapse(const Indexer& in) {
-  DP_CHECK(in.ndim >= 0 && in.ndim <= kMaxDims, "elementwise: expected at most ", kMaxDims,
-           " dims, got ", in.ndim);
-  Collapsed c;
-  for (int d = 0; d < in.ndim; ++d) {
-    DP_CHECK(in.sizes[d] >= 0, "elementwise: expected non-negative sizes, got ", in.sizes[d],
-             " in dim ", d);
-    c.numel *= in.sizes[d];
+/// y[i] = f(x[i]) over n contiguous elements, in packs where the pointers allow.
+template <typename F, typename In, typename Out>
+void launch_map1(cudaStream_t stream, const F& f, const In* x, Out* y, i64 n) {
+  constexpr int L = walk::pack_lanes<In, Out>;
+  if (walk::contiguous_lanes(L, x, static_cast<const Out*>(y)) == L) {
+    map1_kernel<L><<<grid_for(n / L), kBlock, 0, stream>>>(f, x, y, n);
+  } else {
+    map1_kernel<1><<<grid_for(n), kBlock, 0, stream>>>(f, x, y, n);
   }
-  if (c.numel == 0) return c;
-  Indexer& w = c.ix;
-  for (int d = 0; d < in.ndim; ++d) {
-    if (in.sizes[d] == 1) continue;
-    if (w.ndim > 0) {
-      const int last = w.ndim - 1;
-      if (w.strides_a[last] == in.strides_a[d] * in.sizes[d] &&
-          w.strides_b[last] == in.strides_b[d] * in.sizes[d]) {
-        w.sizes[last] *= in.sizes[d];
-        w.strides_a[last] = in.strides_a[d];
-        w.strides_b[last] = in.strides_b[d];
-        continue;
-      }
-    }
-    w.sizes[w.ndim] = in.sizes[d];
-    w.strides_a[w.ndim] = in.strides_a[d];
-    w.strides_b[w.ndim] = in.strides_b[d];
-    ++w.ndim;
+}
+/// y[i] = f(a[i], b[i]) over n contiguous elements, in packs where the pointers allow.
+template <typename F, typename A, typename B, typename Out>
+void launch_map2(cudaStream_t stream, const F& f, const A* a, const B* b, Out* y, i64 n) {
+  constexpr int L = walk::pack_lanes<A, B, Out>;
+  if (walk::contiguous_lanes(L, a, b, static_cast<const Out*>(y)) == L) {
+    map2_kernel<L><<<grid_for(n / L), kBlock, 0, stream>>>(f, a, b, y, n);
+  } else {
+    map2_kernel<1><<<grid_for(n), kBlock, 0, stream>>>(f, a, b, y, n);
   }
-  if (w.ndim == 0) {  // all sizes 1: one element at offset 0
-    w.ndim = 1;
-    w.sizes[0] = 1;
-  }
-  c.contiguous = w.ndim == 1 && w.strides_a[0] == 1 && w.strides_b[0] == 1;
-  return c;
 }
 
 void check_count(i64 n, const char* op) {
@@ -485,7 +454,7 @@ template <typename Src, typename Dst>
 void cast(cudaStream_t stream, const Src* x, Dst* y, i64 n) {
   check_count(n, "cast");
   if (n == 0) return;
-  cast_kernel<<<grid_for(n), kBlock, 0, stream>>>(x, y, n);
+  launch_map1(stream, ConvertTo<Dst>{}, x, y, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -494,9 +463,7 @@ void eq_i64(cudaStream_t stream, const Indexer& ix, const i64* a, const i64* b, 
   for (int d = 0; d < ix.ndim; ++d) n *= ix.sizes[d];
   check_count(n, "eq_i64");
   if (n == 0) return;
-  with_strided_index(ix, n, [&](auto zero) {
-    eq_i64_kernel<decltype(zero)><<<grid_for(n), kBlock, 0, stream>>>(ix, a, b, out, n);
-  });
+  with_indexer(ix, n, [&](const auto& wix) { eq_i64_kernel<<<grid_for(n), kBlock, 0, stream>>>(wix, a, b, out, n); });
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -529,8 +496,7 @@ void unary(cudaStream_t stream, UnaryOp op, const T* x, T* y, i64 n) {
            static_cast<int>(op));
   if (n == 0) return;
   dispatch_unary(op, [&](auto f) {
-    const OnStorage<T, decltype(f)> g{f};
-    unary_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(g, x, y, n);
+    launch_map1(stream, OnStorage<T, decltype(f)>{f}, x, y, n);
   });
   DP_CUDA_CHECK_LAUNCH();
 }
@@ -539,7 +505,7 @@ template <typename T>
 void affine(cudaStream_t stream, const T* x, T* y, i64 n, float alpha, float beta) {
   check_count(n, "affine");
   if (n == 0) return;
-  affine_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(x, y, n, alpha, beta);
+  launch_map1(stream, AffineOn<T>{alpha, beta}, x, y, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -547,7 +513,7 @@ template <typename T>
 void axpy(cudaStream_t stream, float alpha, const T* x, T* y, i64 n) {
   check_count(n, "axpy");
   if (n == 0) return;
-  axpy_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(alpha, x, y, n);
+  launch_map2(stream, AxpyOn<T>{alpha}, static_cast<const T*>(y), x, y, n);
   DP_CUDA_CHECK_LAUNCH();
 }
 
@@ -555,18 +521,23 @@ template <typename T>
 void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const T* a, const T* b, T* out) {
   DP_CHECK(op < BinaryOp::kCount, "binary: expected a BinaryOp below kCount, got ",
            static_cast<int>(op));
-  const Collapsed c = collapse(ix);
+  const walk::Collapsed c = walk::collapse(ix);
   if (c.numel == 0) return;
-  const i64 n = c.numel;
   dispatch_binary(op, [&](auto f) {
     const OnStorage<T, decltype(f)> g{f};
-    if (c.contiguous) {
-      binary_contiguous_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(g, a, b, out, n);
-    } else {
-      with_strided_index(c.ix, n, [&](auto zero) {
-        binary_strided_kernel<decltype(zero), T><<<grid_for(n), kBlock, 0, stream>>>(g, c.ix, a, b, out, n);
-      });
+    if (c.contiguous) return launch_map2(stream, g, a, b, out, c.numel);
+    if (!kernel_plan::strided_fits_i32(c.ix, c.numel)) {
+      binary_strided_kernel<1, false><<<grid_for(c.numel), kBlock, 0, stream>>>(g, c.ix, a, b, out, c.numel);
+      return;
     }
+    constexpr int L = walk::pack_lanes<T>;
+    const walk::PackPlan p = walk::plan_packs(c, L, a, b, out, sizeof(T), /*uses_b=*/true);
+    const walk::FastIndexer fx = walk::fast_indexer(p.ix, p.n);
+    walk::with_pack_kind<L>(p, [&](auto lanes, auto b_broadcast) {
+      constexpr int kLanes = decltype(lanes)::value;
+      constexpr bool kBroadcast = decltype(b_broadcast)::value;
+      binary_strided_kernel<kLanes, kBroadcast><<<grid_for(p.n), kBlock, 0, stream>>>(g, fx, a, b, out, p.n);
+    });
   });
   DP_CUDA_CHECK_LAUNCH();
 }
@@ -602,7 +573,7 @@ template <typename T>
 void strided_copy(cudaStream_t stream, const Indexer& ix, const T* a, T* out) {
   Indexer only_a = ix;
   for (int d = 0; d < kMaxDims; ++d) only_a.strides_b[d] = 0;  // b unused: never blocks merging
-  Collapsed c = collapse(only_a);
+  const walk::Collapsed c = walk::collapse(only_a);
   if (c.numel == 0) return;
   const i64 n = c.numel;
   if (c.ix.ndim == 1 && c.ix.strides_a[0] == 1) {
@@ -610,8 +581,16 @@ void strided_copy(cudaStream_t stream, const Indexer& ix, const T* a, T* out) {
                                   cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  with_strided_index(c.ix, n, [&](auto zero) {
-    strided_copy_kernel<decltype(zero), T><<<grid_for(n), kBlock, 0, stream>>>(c.ix, a, out, n);
+  if (!kernel_plan::strided_fits_i32(c.ix, n)) {
+    strided_copy_kernel<1><<<grid_for(n), kBlock, 0, stream>>>(c.ix, a, out, n);
+    DP_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  constexpr int L = walk::pack_lanes<T>;
+  const walk::PackPlan p = walk::plan_packs(c, L, a, nullptr, out, sizeof(T), /*uses_b=*/false);
+  const walk::FastIndexer fx = walk::fast_indexer(p.ix, p.n);
+  walk::with_pack_kind<L>(p, [&](auto lanes, auto) {
+    strided_copy_kernel<decltype(lanes)::value><<<grid_for(p.n), kBlock, 0, stream>>>(fx, a, out, p.n);
   });
   DP_CUDA_CHECK_LAUNCH();
 }
@@ -840,8 +819,8 @@ void gelu(CudaBackend& be, Device dev, const GeluArgs& a) {
   check_count(a.n, "gelu");
   if (a.n == 0) return;
   with_gelu_form(a.tanh, [&](auto form) {
-    gelu_kernel<T, decltype(form)::value><<<grid_for(a.n), kBlock, 0, be.bind(dev)>>>(
-        static_cast<const T*>(a.x), static_cast<T*>(a.y), a.n);
+    launch_map1(be.bind(dev), GeluOn<T, decltype(form)::value>{}, static_cast<const T*>(a.x), static_cast<T*>(a.y),
+                a.n);
   });
   DP_CUDA_CHECK_LAUNCH();
 }
@@ -850,8 +829,8 @@ void gelu_backward(CudaBackend& be, Device dev, const GeluBackwardArgs& a) {
   check_count(a.n, "gelu_backward");
   if (a.n == 0) return;
   with_gelu_form(a.tanh, [&](auto form) {
-    gelu_backward_kernel<T, decltype(form)::value><<<grid_for(a.n), kBlock, 0, be.bind(dev)>>>(
-        static_cast<const T*>(a.x), static_cast<const T*>(a.gy), static_cast<T*>(a.gx), a.n);
+    launch_map2(be.bind(dev), GeluBackwardOn<T, decltype(form)::value>{}, static_cast<const T*>(a.x),
+                static_cast<const T*>(a.gy), static_cast<T*>(a.gx), a.n);
   });
   DP_CUDA_CHECK_LAUNCH();
 }
