@@ -32,7 +32,7 @@
 # With --bundle the CUDA suites run through scripts/run_bundle_tests.py, the CPU suites
 # are left to the build machine, the CUDA libraries are looked for on this machine
 # (the loader's cache, /usr/local/cuda*, Python's nvidia-* wheels);
-# where ncu is there, scripts/gpu_profile.sh gives the CNN's and MLP's GPU time per kernel.
+# where ncu is there, scripts/gpu_profile.sh gives the GPT's and ResNet-18's GPU time per kernel.
 #
 # Exit status: 0 when every suite passed, 1 when one failed (the report says which),
 # 2 on bad arguments, 77 when no GPU is visible. Nothing here needs the network.
@@ -251,10 +251,11 @@ if ((!quick)); then
   run "gpt (tiny) every design, bf16, 4 dp devices per GPU" env DP_CUDA_DEVICES_PER_GPU=4 \
     "$build/samples/dp_vs_ddp/dp_vs_ddp" --model gpt --optimizer adamw --devices "$((4 * gpu_count))" \
     --stages 1,2,3 --precision bf16 --reduce-dtype bf16 --json
-  # GPU time per kernel of the CNN's and the MLP's steps, where Nsight Compute is there.
+  # GPU time per kernel of the GPT's (GPT-2 small's shape, bf16) and ResNet-18's steps,
+  # the two the open issues time against PyTorch, where Nsight Compute is there.
   if command -v ncu >/dev/null || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu >/dev/null 2>&1; then
-    run "profile (ncu), cnn and mlp" "$root/scripts/gpu_profile.sh" --build "$build" --models cnn,mlp \
-      --out "$out/profile"
+    run "profile (ncu), gpt2 and resnet18" "$root/scripts/gpu_profile.sh" --build "$build" --models gpt2,resnet18 \
+      --launches 4000 --top 25 --out "$out/profile"
   fi
   # PyTorch's step beside dp's on the same GPU (same models, batch 256, SGD), alternating,
   # where python3 has a CUDA PyTorch: its default and its best (cuDNN benchmark), and

@@ -6,12 +6,17 @@
 #
 #   scripts/gpu_profile.sh                          # build-gpu, cnn mlp resnet18
 #   scripts/gpu_profile.sh --bundle DIR --models cnn --launches 400 --top 15
+#   scripts/gpu_profile.sh --models gpt2 --launches 4000  # samples/gpt, GPT-2 small's shape
 #   scripts/gpu_profile.sh --summarize FILE.csv     # the table of a saved ncu CSV
 #
 # Each model runs `dp_vs_ddp --model M --devices 1 --warmup 2 --steps 3` under
 # `ncu --clock-control none --metrics gpu__time_duration.sum --csv --page raw
 # --launch-count N`: the single-device step comes first, so the first N launches are
-# its warm-up and timed steps. The CSVs are kept in --out (default gpu-profile/).
+# its warm-up and timed steps. The model `gpt2` is samples/gpt instead: `--config
+# gpt2-124m --precision bf16 --batch 8` on one device, its corpus the repository's own
+# documents (a character vocabulary, as scripts/gpu_check.sh's GPT runs); give it
+# launches enough for its warm-up step and one more. The CSVs are kept in --out
+# (default gpu-profile/).
 # Exit status: 0, 77 when no GPU or no ncu is found, 2 on bad arguments.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,7 +35,7 @@ while (($#)); do
     --top) top=$2; shift 2 ;;
     --out) out=$(realpath -m "$2"); shift 2 ;;
     --summarize) summarize=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR == 1 { next } /^#/ { print; next } { exit }' "$0"; exit 0 ;;
     *) echo "gpu_profile: unknown argument '$1' (expected --bundle DIR, --build DIR, --models LIST," \
             "--launches N, --top N, --out DIR, --summarize FILE)" >&2; exit 2 ;;
   esac
@@ -88,9 +93,16 @@ fi
 mkdir -p "$out"
 status=0
 for m in $models; do
-  echo "== $m: the first $launches launches of dp_vs_ddp --model $m --devices 1 --warmup 2 --steps 3"
+  if [[ $m == gpt2 ]]; then
+    cat "$root"/README.md "$root"/docs/*.md >"$out/corpus.txt"
+    cmd=("$build/samples/gpt/gpt" --config gpt2-124m --data "$out/corpus.txt" --devices 1 --batch 8 --steps 3
+         --warmup 1 --precision bf16 --log-every 1 --eval-interval 1000000 --eval-iters 1)
+  else
+    cmd=("$bin" --model "$m" --devices 1 --warmup 2 --steps 3 --json)
+  fi
+  echo "== $m: the first $launches launches of ${cmd[*]#"$build/"}"
   if ! "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --page raw --launch-count "$launches" \
-      "$bin" --model "$m" --devices 1 --warmup 2 --steps 3 --json >"$out/ncu-$m.csv" 2>"$out/ncu-$m.err"; then
+      "${cmd[@]}" >"$out/ncu-$m.csv" 2>"$out/ncu-$m.err"; then
     echo "gpu_profile: ncu failed for $m (see $out/ncu-$m.err)" >&2
     status=1
     continue
