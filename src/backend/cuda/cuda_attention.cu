@@ -529,9 +529,19 @@ __global__ void __launch_bounds__(kThreads)
 //    kTcLd = 72 elements apart (144 bytes: 16-byte vector stores, 32-byte fragment
 //    pointers); head dims below 64 are zero-padded (exact in every dot product).
 //  - Scores S = q kᵀ come out of the MMA as float32 into the warp's 16 × 64 block; a
-//    lane pair owns a row (32 columns each), so a row's maximum and sum take one
+//    lane pair owns a row (32 columns each, interleaved), so a row's maximum and sum take one
 //    shuffle, and both lanes hold the same bits. Scale, causal mask, online softmax,
 //    P = exp(s − lse) and dS = P ∘ (dP − Δ) are the CUDA-core kernels' float32 steps.
+//  - Interleaved columns: the two lanes of a row take its even and its odd columns,
+//    step c column 2c + half (tc_col). With each lane on 32 contiguous columns, rows 68
+//    floats apart put rows r and r + 8 and both lanes of a row on one bank: every step
+//    of the scalar passes was a 4-way conflict; interleaved, both lanes of a row share
+//    a bank of neither the float block nor (one 32-bit word) the bfloat16 operand rows,
+//    and only rows r and r + 8 meet: 2-way. The addresses stay a lane's base plus a
+//    constant per step (no registers held across the passes). A row's sum of weights is
+//    taken in the lane's column order, then across the pair: fixed, so bitwise
+//    reproducible still. The outputs are stored a row a step, a column a lane:
+//    contiguous bytes per store.
 //  - The second products (P·V, Pᵀ·dO, dSᵀ·q, dS·k) take P and dS as MMA operands, which
 //    must be bfloat16. Rounding them would cost 8 bits of every weight (FlashAttention
 //    does; PyTorch's flash kernels do). Here each is split into hi = bf16(x) and lo =
@@ -642,16 +652,20 @@ __device__ __forceinline__ void split(float w, Bf& hi, Bf& lo) {
   lo = __float2bfloat16(w - __bfloat162float(hi));
 }
 
+/// The column of its row a lane takes at step c of its 32 (Note [Attention on tensor
+/// cores]: interleaved columns): lane pair r owns row r, lane `half` its columns of
+/// parity `half`.
+__device__ __forceinline__ int tc_col(int c, int half) { return 2 * c + half; }
+
 /// A warp's 16 × 64 float block (kTcLdF apart) scaled, rows [first, first + 16) of a
-/// row-major (n, width) bfloat16 matrix: each lane pair its row, 32 columns a lane.
+/// row-major (n, width) bfloat16 matrix: a row a step, a column a lane, so that each
+/// store is one row's contiguous bytes and each read a bank a lane.
 __device__ __forceinline__ void tc_store_rows(Bf* dst, const float* block, i64 first, i64 n, int width,
                                               float factor) {
-  const int lane = threadIdx.x % kWarp, r = lane / 2, half = lane % 2;
-  const i64 row = first + r;
-  if (row >= n) return;
-  for (int c = 0; c < 32; ++c) {
-    const int d = half * 32 + c;
-    if (d < width) dst[row * width + d] = __float2bfloat16(factor * block[r * kTcLdF + d]);
+  const int lane = threadIdx.x % kWarp;
+  for (int rr = 0; rr < kTcRows && first + rr < n; ++rr) {
+    for (int d = lane; d < width; d += kWarp)
+      dst[(first + rr) * width + d] = __float2bfloat16(factor * block[rr * kTcLdF + d]);
   }
 }
 
@@ -700,22 +714,24 @@ __global__ void __launch_bounds__(kThreads)
     if (first >= p.L || (p.causal && j0 > first + kTcRows - 1)) continue;  // the warp's rows attend to none
     tc_dots(q_s + warp * kTcRows * kTcLd, k_s, s_w);
     __syncwarp();
-    float* srow = s_w + r * kTcLdF + half * 32;
+    float* srow = s_w + r * kTcLdF;
     float tile_max = kNegInf;
     for (int c = 0; c < 32; ++c) {
-      const float x = attends(p, i, j0 + half * 32 + c) ? p.scale * srow[c] : kNegInf;
-      srow[c] = x;
+      const int col = tc_col(c, half);
+      const float x = attends(p, i, j0 + col) ? p.scale * srow[col] : kNegInf;
+      srow[col] = x;
       tile_max = MaxOp{}(tile_max, x);
     }
     // The row's new maximum, NaN winning (Note [Fused attention on CUDA]).
     const float m_new = MaxOp{}(MaxOp{}(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1)), m);
     float sum = 0.0f;
-    Bf* hr = hi_w + r * kTcLd + half * 32;
-    Bf* lr = lo_w + r * kTcLd + half * 32;
+    Bf* hr = hi_w + r * kTcLd;
+    Bf* lr = lo_w + r * kTcLd;
     for (int c = 0; c < 32; ++c) {
-      const float w = m_new == kNegInf ? 0.0f : expf(srow[c] - m_new);  // nothing attended yet: no weight
+      const int col = tc_col(c, half);
+      const float w = m_new == kNegInf ? 0.0f : expf(srow[col] - m_new);  // nothing attended yet: no weight
       sum += w;
-      split(w, hr[c], lr[c]);
+      split(w, hr[col], lr[col]);
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // both lanes add the same two values
     if (m_new != kNegInf) {
@@ -723,7 +739,7 @@ __global__ void __launch_bounds__(kThreads)
       l = l * correction + sum;
       m = m_new;
       if (correction != 1.0f)
-        for (int c = 0; c < 32; ++c) o_w[r * kTcLdF + half * 32 + c] *= correction;
+        for (int c = 0; c < 32; ++c) o_w[r * kTcLdF + tc_col(c, half)] *= correction;
     }
     __syncwarp();
     FragC acc[4];
@@ -735,16 +751,15 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();  // the scores and weights are written again by the next tile
   }
   __syncwarp();
-  // A row with every key masked: out = 0 and lse = +inf, as the CUDA-core kernel.
-  if (i < p.L) {
-    const bool dead = l == 0.0f;
-    Bf* o = out + (bh * p.L + i) * p.Ev;
-    for (int c = 0; c < 32; ++c) {
-      const int d = half * 32 + c;
-      if (d < p.Ev) o[d] = __float2bfloat16(dead ? 0.0f : o_w[r * kTcLdF + d] / l);
-    }
-    if (half == 0) lse[bh * p.L + i] = dead ? INFINITY : m + logf(l);
+  // A row with every key masked: out = 0 and lse = +inf, as the CUDA-core kernel. The
+  // rows are stored as tc_store_rows does, each row's sum from its lane pair.
+  for (int rr = 0; rr < kTcRows; ++rr) {
+    const float l_r = __shfl_sync(0xffffffffu, l, 2 * rr);
+    if (first + rr >= p.L) break;  // warp-uniform
+    Bf* o = out + (bh * p.L + first + rr) * p.Ev;
+    for (int d = lane; d < p.Ev; d += kWarp) o[d] = __float2bfloat16(l_r == 0.0f ? 0.0f : o_w[rr * kTcLdF + d] / l_r);
   }
+  if (i < p.L && half == 0) lse[bh * p.L + i] = l == 0.0f ? INFINITY : m + logf(l);
 #else
   __trap();
 #endif
@@ -790,15 +805,15 @@ __global__ void __launch_bounds__(kThreads)
     if (first >= p.S || (p.causal && first > i0 + kTcTile - 1)) continue;  // the warp's keys attended by none
     tc_dots(k_s + warp * kTcRows * kTcLd, q_s, s_w);  // Sᵀ: the warp's keys × the tile's queries
     __syncwarp();
-    const float* srow = s_w + r * kTcLdF + half * 32;
-    Bf* hr = hi_w + r * kTcLd + half * 32;
-    Bf* lr = lo_w + r * kTcLd + half * 32;
+    const float* srow = s_w + r * kTcLdF;
+    Bf* hr = hi_w + r * kTcLd;
+    Bf* lr = lo_w + r * kTcLd;
     float pr[32];
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
-      const int col = half * 32 + c;
-      pr[c] = attends(p, i0 + col, j) ? expf(p.scale * srow[c] - lse_s[col]) : 0.0f;
-      split(pr[c], hr[c], lr[c]);
+      const int col = tc_col(c, half);
+      pr[c] = attends(p, i0 + col, j) ? expf(p.scale * srow[col] - lse_s[col]) : 0.0f;
+      split(pr[c], hr[col], lr[col]);
     }
     __syncwarp();
     tc_weights_times(hi_w, lo_w, g_s, dv);                     // dV += Pᵀ gout
@@ -806,9 +821,9 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
-      const int col = half * 32 + c;
-      const float ds = attends(p, i0 + col, j) ? pr[c] * (srow[c] - delta_s[col]) : 0.0f;
-      split(ds, hr[c], lr[c]);
+      const int col = tc_col(c, half);
+      const float ds = attends(p, i0 + col, j) ? pr[c] * (srow[col] - delta_s[col]) : 0.0f;
+      split(ds, hr[col], lr[col]);
     }
     __syncwarp();
     tc_weights_times(hi_w, lo_w, q_s, dk);  // dK += dSᵀ q (unscaled)
@@ -859,20 +874,23 @@ __global__ void __launch_bounds__(kThreads)
     if (first >= p.L || (p.causal && j0 > first + kTcRows - 1)) continue;  // the warp's rows attend to none
     tc_dots(q_s + warp * kTcRows * kTcLd, k_s, s_w);
     __syncwarp();
-    const float* srow = s_w + r * kTcLdF + half * 32;
+    const float* srow = s_w + r * kTcLdF;
     float pr[32];
 #pragma unroll
-    for (int c = 0; c < 32; ++c)
-      pr[c] = attends(p, i, j0 + half * 32 + c) ? expf(p.scale * srow[c] - lse_i) : 0.0f;
+    for (int c = 0; c < 32; ++c) {
+      const int col = tc_col(c, half);
+      pr[c] = attends(p, i, j0 + col) ? expf(p.scale * srow[col] - lse_i) : 0.0f;
+    }
     __syncwarp();  // the scores are read: dP goes where they were
     tc_dots(g_s + warp * kTcRows * kTcLd, v_s, s_w);  // dP = gout vᵀ
     __syncwarp();
-    Bf* hr = hi_w + r * kTcLd + half * 32;
-    Bf* lr = lo_w + r * kTcLd + half * 32;
+    Bf* hr = hi_w + r * kTcLd;
+    Bf* lr = lo_w + r * kTcLd;
 #pragma unroll
     for (int c = 0; c < 32; ++c) {
-      const float ds = attends(p, i, j0 + half * 32 + c) ? pr[c] * (srow[c] - delta_i) : 0.0f;
-      split(ds, hr[c], lr[c]);
+      const int col = tc_col(c, half);
+      const float ds = attends(p, i, j0 + col) ? pr[c] * (srow[col] - delta_i) : 0.0f;
+      split(ds, hr[col], lr[col]);
     }
     __syncwarp();
     tc_weights_times(hi_w, lo_w, k_s, dq);  // dQ += dS k (unscaled)
