@@ -57,6 +57,33 @@ const char* op_name(Op op) {
   return "an unknown op";
 }
 
+void check_gemm_batch(const GemmArgs& a) {
+  DP_CHECK(a.batch >= 0, "gemm: expected a batch of at least 0 products, got ", a.batch);
+  if (a.batch <= 1) return;
+  DP_CHECK(a.epilogue.empty(), "gemm: a batch of ", a.batch, " products takes no epilogue");
+  DP_CHECK(a.stride_a >= 0 && a.stride_b >= 0, "gemm: expected non-negative batch strides, got stride_a=",
+           a.stride_a, ", stride_b=", a.stride_b);
+  const std::int64_t c_span = a.m == 0 || a.n == 0 ? 0 : (a.m - 1) * a.ldc + a.n;
+  DP_CHECK(a.stride_c >= c_span, "gemm: the batch's results overlap: stride_c=", a.stride_c, " for a C of ", a.m,
+           " rows ", a.ldc, " apart (", c_span, " elements)");
+}
+
+std::vector<GemmArgs> gemm_matrices(const GemmArgs& a, std::size_t elem) {
+  check_gemm_batch(a);
+  std::vector<GemmArgs> out;
+  out.reserve(static_cast<std::size_t>(a.batch));
+  const auto e = static_cast<std::int64_t>(elem);
+  for (std::int64_t i = 0; i < a.batch; ++i) {
+    GemmArgs one = a;
+    one.batch = 1;
+    one.a = static_cast<const char*>(a.a) + i * a.stride_a * e;
+    one.b = static_cast<const char*>(a.b) + i * a.stride_b * e;
+    one.c = static_cast<char*>(a.c) + i * a.stride_c * e;
+    out.push_back(one);
+  }
+  return out;
+}
+
 void Backend::gemm_epilogue_by_ops(Device dev, const GemmArgs& a) {
   DP_CHECK(a.epilogue.empty() || a.ldc == std::max<std::int64_t>(1, a.n),
            "gemm: an epilogue needs a contiguous C (ldc == n), got ldc=", a.ldc, " for n=", a.n);

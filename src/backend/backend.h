@@ -46,6 +46,14 @@ std::int64_t max_pool2d_winner_bytes(const Backend& be, const Pool2dShape& s);
 /// kernel checks first.
 void check_conv2d_backward(const Conv2dBackwardArgs& a);
 
+/// Throws dp::Error unless a's batch fields are valid (GemmArgs in ops.h): batch >= 0,
+/// non-negative strides, the Cs apart by at least one C, no epilogue on a batch.
+void check_gemm_batch(const GemmArgs& a);
+/// The products of a batched GEMM (a.batch > 1), each as a one-matrix GemmArgs, in
+/// order, after check_gemm_batch: what a backend that runs one product after another
+/// calls; `elem` is the dtype's size in bytes.
+std::vector<GemmArgs> gemm_matrices(const GemmArgs& a, std::size_t elem);
+
 /// What every backend's AttentionForward / AttentionBackward kernel requires of its
 /// arguments (AttentionForwardArgs in ops.h): a valid shape, no mask or a float32 one or
 /// one of the call's dtype `dt`, a dropout probability in [0, 1). Throws dp::Error naming

@@ -346,7 +346,10 @@ struct GemmEpilogue {
 /// Row-major C(m×n) = alpha * op(A) * op(B) + beta * C, then the epilogue; op(A) is m×k,
 /// op(B) is k×n. lda/ldb/ldc are row strides of the stored (untransposed) matrices. With
 /// an epilogue, ldc == n. A Linear's forward is (N,T) with bias and relu, its input
-/// gradient (N,N) with relu_y.
+/// gradient (N,N) with relu_y. With batch > 1, `batch` such products (a bmm): matrix i's
+/// A, B and C start stride_a, stride_b and stride_c elements after matrix i - 1's (a
+/// stride of 0 reuses one A or B; the Cs must not overlap), and there is no epilogue.
+/// cuBLAS runs a batch as one strided-batched call; the CPU one product after another.
 struct GemmArgs {
   bool trans_a;
   bool trans_b;
@@ -362,6 +365,10 @@ struct GemmArgs {
   void* c;
   std::int64_t ldc;
   GemmEpilogue epilogue;
+  std::int64_t batch = 1;
+  std::int64_t stride_a = 0;
+  std::int64_t stride_b = 0;
+  std::int64_t stride_c = 0;
 };
 
 // ---- softmax and losses (rows × cols, rows = batch) ------------------------------------

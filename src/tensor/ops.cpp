@@ -875,8 +875,8 @@ Tensor grad_gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, int input_n
 
 namespace {
 
-// c[i] = op(a[i]) * op(b[i]) for (batch, rows, cols) float tensors on one device: one GEMM
-// per matrix pair (no autograd).
+// c[i] = op(a[i]) * op(b[i]) for (batch, rows, cols) float tensors on one device: one
+// batched GEMM (no autograd).
 Tensor bmm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
   const std::int64_t batch = a.size(0);
   const std::int64_t m = ta ? a.size(2) : a.size(1), k = ta ? a.size(1) : a.size(2);
@@ -884,15 +884,13 @@ Tensor bmm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
   Tensor c = empty({batch, m, n}, TensorOptions{a.dtype(), a.device()});
   if (c.numel() == 0) return c;
   if (k == 0) return c.zero_();
-  const auto* pa = static_cast<const char*>(a.raw_data());
-  const auto* pb = static_cast<const char*>(b.raw_data());
-  auto* pc = static_cast<char*>(c.raw_data());
-  const auto es = static_cast<std::int64_t>(element_size(a.dtype()));
-  const std::int64_t sa = a.size(1) * a.size(2) * es, sb = b.size(1) * b.size(2) * es;
-  for (std::int64_t i = 0; i < batch; ++i)
-    be(a).run<Op::Gemm>(a.device(), detail::kernel_dtype(a.dtype()),
-                        {ta, tb, m, n, k, 1.0f, pa + i * sa, a.size(2), pb + i * sb, b.size(2), 0.0f,
-                         pc + i * m * n * es, n, {}});
+  backend::GemmArgs args{ta, tb, m, n, k, 1.0f, a.raw_data(), a.size(2), b.raw_data(), b.size(2), 0.0f, c.raw_data(),
+                         n, {}};
+  args.batch = batch;  // one batched product (GemmArgs): one strided-batched call on CUDA
+  args.stride_a = a.size(1) * a.size(2);
+  args.stride_b = b.size(1) * b.size(2);
+  args.stride_c = m * n;
+  be(a).run<Op::Gemm>(a.device(), detail::kernel_dtype(a.dtype()), args);
   return c;
 }
 

@@ -878,6 +878,41 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
 /// One unit in the last place of `dtype` relative to the value: 2^-7 (bf16), 2^-10 (f16).
 Tolerance ulp16(DType dtype) { return dtype == DType::BF16 ? Tolerance{0x1.0p-7, 1e-30} : Tolerance{0x1.0p-10, 1e-7}; }
 
+/// `batch` products C_i = op(A_i)·op(B_i) + 0.5·C_i in one call (GemmArgs::batch, a bmm):
+/// matrix i of A and of C `gap` elements past the end of matrix i - 1 (strides longer
+/// than a matrix); `shared_b`: one B for every product (stride_b 0). float32, or 16-bit
+/// with one ulp of the 16-bit type on top of float32's tolerance.
+void add_gemm_batched(Table& t, DType dt, i64 batch, i64 m, i64 n, i64 k, bool ta, bool shared_b, i64 gap) {
+  const i64 lda = ta ? m : k, ldb = n, ldc = n;
+  const i64 sa = m * k + gap, sb = shared_b ? 0 : k * n, sc = m * n + gap;
+  const i64 na = batch * sa, nb = shared_b ? k * n : batch * sb, nc = batch * sc;
+  const bool f32 = dt == DType::F32;
+  const Tolerance sum = sum_tol(kGemmBase, static_cast<double>(k));
+  const Tolerance tol = f32 ? sum : Tolerance{ulp16(dt).rtol + sum.rtol, sum.atol};
+  const std::string tag = f32 ? std::string("gemm") : "gemm_" + std::string(dp::backend::dtype_name(dt));
+  const std::string shape = cat(batch, " x ", dims({m, n, k}), ta ? " TN" : " NN", shared_b ? " one B" : "",
+                                gap > 0 ? " gap " + std::to_string(gap) : std::string());
+  const double bytes = (f32 ? kF : 2.0) * static_cast<double>(na + nb + 2 * nc);
+  t.add(Kernel::Gemm, dt, tag + " batched", shape, tol, 2.0 * batch * m * n * k, bytes, [=](OpRun& r) {
+    const void* a = f32 ? static_cast<const void*>(r.uniform(na, -1, 1)) : r.uniform16(dt, na, -1, 1);
+    const void* b = f32 ? static_cast<const void*>(r.uniform(nb, -1, 1)) : r.uniform16(dt, nb, -1, 1);
+    void* c = f32 ? static_cast<void*>(r.uniform(nc, -1, 1)) : r.uniform16(dt, nc, -1, 1);
+    if (f32) {
+      r.output("c", static_cast<float*>(c), nc);  // the gaps too: they must come back untouched
+    } else {
+      r.output16("c", dt, c, nc);
+    }
+    r.set_call([=](Backend& be, Device d) {
+      dp::backend::GemmArgs args{ta, false, m, n, k, 1.0f, a, lda, b, ldb, 0.5f, c, ldc, {}};
+      args.batch = batch;
+      args.stride_a = sa;
+      args.stride_b = sb;
+      args.stride_c = sc;
+      be.run<Op::Gemm>(d, dt, args);
+    });
+  });
+}
+
 /// Flat h*W + w indices of one element inside each pooling window (clipped to the
 /// input), as maxpool2d_forward would return for some input.
 std::vector<std::int64_t> window_indices(OpRun& r, const Pool2dShape& s) {
@@ -1551,6 +1586,10 @@ void add_check_suite(Table& t) {
   add_scale_find_nonfinite(t, kCheckN, 0.3f, false);
   for (bool ta : {false, true})
     for (bool tb : {false, true}) add_gemm(t, 33, 47, 29, ta, tb, 3, 0.5f, -1.25f);
+  add_gemm_batched(t, DType::F32, 5, 17, 24, 33, false, false, 0);
+  add_gemm_batched(t, DType::F32, 4, 17, 24, 33, true, true, 7);
+  add_gemm_batched(t, DType::BF16, 6, 16, 40, 24, false, false, 3);
+  add_gemm_batched(t, DType::F16, 3, 9, 16, 20, true, true, 0);
   add_softmax_nll(t, 67, 13);
   add_conv(t, conv(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1));  // odd kernel, strides, padding
   add_conv(t, conv(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1), false);

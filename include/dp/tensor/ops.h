@@ -140,8 +140,9 @@ Tensor sum_to(const Tensor& a, const Shape& shape);
 /// with more dims, the leading ones are batch dims that broadcast: (..., m, k) x
 /// (..., k, n) -> (broadcast(...), m, n), e.g. attention's (B, H, T, D) x (B, H, D, T).
 /// A batch of inputs times one (k, n) matrix is one GEMM over all their rows; other
-/// batches run one GEMM per matrix pair. Differentiable (a broadcast operand's
-/// gradient is summed back to its shape).
+/// batches are one batched GEMM (cuBLAS's strided-batched call on CUDA; one product
+/// after another on the CPU). Differentiable (a broadcast operand's gradient is summed
+/// back to its shape).
 Tensor matmul(const Tensor& a, const Tensor& b);
 /// x (*, in) · w(out, in)ᵀ + b(out), in one GEMM over the rows of x's leading dims
 /// (torch.nn.functional.linear; b may be undefined; a 1-d x gives a 1-d result).

@@ -430,6 +430,19 @@ void CudaBackend::gemm(Device dev, bool trans_a, bool trans_b, std::int64_t m, s
 // The epilogue as the separate ops (Backend::gemm_epilogue_by_ops): a fused cuBLASLt
 // epilogue would sum the bias in another order.
 void CudaBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
+  if (a.batch != 1) {  // one strided-batched call (GemmArgs)
+    check_gemm_batch(a);
+    bind(dev);
+    if (a.batch == 0 || !check_gemm(a.trans_a, a.trans_b, a.m, a.n, a.k, a.lda, a.ldb, a.ldc)) return;
+    auto h = cublas(dev.index);
+    DP_CUBLAS_CHECK(cublasSetMathMode(h.get(), allow_tf32_matmul() ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    // Note [Row-major GEMM on cuBLAS], per matrix.
+    DP_CUBLAS_CHECK(cublasSgemmStridedBatched_64(
+        h.get(), a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, a.n, a.m, a.k,
+        &a.alpha, static_cast<const float*>(a.b), a.ldb, a.stride_b, static_cast<const float*>(a.a), a.lda,
+        a.stride_a, &a.beta, static_cast<float*>(a.c), a.ldc, a.stride_c, a.batch));
+    return;
+  }
   if (!a.epilogue.empty()) {
     gemm_epilogue_by_ops(dev, a);
     return;
@@ -522,15 +535,23 @@ void gemm_16bit(CudaBackend& be, Device dev, const GemmArgs& a) {
   constexpr cudaDataType_t type = dt == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
   DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dt),
            " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  check_gemm_batch(a);
   be.bind(dev);
-  if (!check_gemm(a.trans_a, a.trans_b, a.m, a.n, a.k, a.lda, a.ldb, a.ldc)) return;
+  if (a.batch == 0 || !check_gemm(a.trans_a, a.trans_b, a.m, a.n, a.k, a.lda, a.ldb, a.ldc)) return;
   auto h = be.cublas(dev.index);
   DP_CUBLAS_CHECK(cublasSetMathMode(
       h.get(), static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
-  // Note [Row-major GEMM on cuBLAS]. k == 0 gives C = beta * C, as in BLAS.
-  DP_CUBLAS_CHECK(cublasGemmEx_64(h.get(), a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                  a.n, a.m, a.k, &a.alpha, a.b, type, a.ldb, a.a, type, a.lda, &a.beta, a.c, type,
-                                  a.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  // Note [Row-major GEMM on cuBLAS]. k == 0 gives C = beta * C, as in BLAS. A batch is
+  // one strided-batched call (GemmArgs).
+  const cublasOperation_t op_b = a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (a.batch != 1) {
+    DP_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(h.get(), op_b, op_a, a.n, a.m, a.k, &a.alpha, a.b, type, a.ldb,
+                                                  a.stride_b, a.a, type, a.lda, a.stride_a, &a.beta, a.c, type, a.ldc,
+                                                  a.stride_c, a.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return;
+  }
+  DP_CUBLAS_CHECK(cublasGemmEx_64(h.get(), op_b, op_a, a.n, a.m, a.k, &a.alpha, a.b, type, a.ldb, a.a, type, a.lda,
+                                  &a.beta, a.c, type, a.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 // The 16-bit convolutions (Note [16-bit convolutions on CUDA]).
