@@ -977,7 +977,8 @@ void narrate_mixed(Narrator& n, const Run& r, const Run* wired, const std::vecto
                                            : "float32 (no --precision bf16): no autocast scope."));
   if (bf16) {
     n.say("   products (conv2d, linear, matmul, attention) cast their float32 inputs and weights to bfloat16 and");
-    n.say("   compute there; ops on neither list (ReLU, max-pool, reshape) run in their input's dtype:");
+    n.say("   compute there; ops on neither list (ReLU, max-pool, reshape, and batch norm, whose statistics are");
+    n.say("   float32 whatever its input) hand on their input's dtype:");
   }
   for (const Activation& a : probe.children)
     n.say("     '" + a.child + "' (" + a.type + ") → " + a.dtype + " " + samples::shape_text(a.shape) + ", " +

@@ -792,11 +792,15 @@ Tensor adaptive_avg_pool2d(const Tensor& x, std::int64_t output_h, std::int64_t 
 Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                   const Tensor& running_mean, const Tensor& running_var, bool training,
                   double momentum, double eps) {
-  // Note [Autocast op policy]: statistics and output in float32.
-  if (amp::detail::active() || amp::detail::is_16bit(x))
-    return amp::detail::float32_op([&](const Tensor& xx) {
+  // Note [Autocast op policy]: on no list, as in PyTorch — the statistics in float32 and
+  // the output in the input's dtype (a 16-bit input's widened exactly, the result rounded
+  // once), the parameters and running statistics float32.
+  if (amp::detail::active() || amp::detail::is_16bit(x)) {
+    amp::detail::Suspend inner;
+    return amp::detail::in_float32([&](const Tensor& xx) {
       return batch_norm(xx, gamma, beta, running_mean, running_var, training, momentum, eps);
     }, x);
+  }
   const char* op = "batch_norm";
   check_defined(op, "input", x);
   check_float(op, "input", x);

@@ -61,7 +61,21 @@ TEST_CASE("inside autocast, products run in the low dtype and the float32 list i
     const dp::Tensor c = dp::nn::conv2d(img, k, dp::Tensor(), 1, 1);
     CHECK(c.dtype() == low);
     CHECK(dp::nn::max_pool2d(c, 2, 2).dtype() == low);                  // the input's dtype
-    CHECK(dp::nn::batch_norm(c, {}, {}, {}, {}, true, 0.1, 1e-5).dtype() == Dtype::Float32);
+    // batch_norm is on neither list (PyTorch's policy): the input's dtype out, statistics
+    // in float32 — the float32 op on the input widened, its output rounded once.
+    const dp::Tensor gamma = param({4}, 9), beta = param({4}, 10);
+    const dp::Tensor bn = dp::nn::batch_norm(c, gamma, beta, {}, {}, true, 0.1, 1e-5);
+    CHECK(bn.dtype() == low);
+    {
+      dp::amp::autocast off(low, false);
+      const dp::Tensor want = dp::nn::batch_norm(c.to(Dtype::Float32), gamma, beta, {}, {}, true, 0.1, 1e-5).to(low);
+      CHECK(dp::equal(bn, want));
+    }
+    dp::sum(bn).backward();  // the parameters' gradients float32, the convolution's input reached
+    CHECK(gamma.grad().dtype() == Dtype::Float32);
+    CHECK(beta.grad().dtype() == Dtype::Float32);
+    CHECK(k.grad().dtype() == Dtype::Float32);
+    CHECK(dp::nn::batch_norm(img, gamma.narrow(0, 0, 3), {}, {}, {}, true, 0.1, 1e-5).dtype() == Dtype::Float32);
     CHECK(dp::relu(y).dtype() == low);
     CHECK(dp::nn::log_softmax(y).dtype() == Dtype::Float32);
     CHECK(dp::nn::softmax(y, 1).dtype() == Dtype::Float32);

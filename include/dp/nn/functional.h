@@ -84,7 +84,9 @@ Tensor adaptive_avg_pool2d(const Tensor& x, std::int64_t output_h, std::int64_t 
 ///   variance. Needs more than one value per channel.
 /// eval: normalises with running_mean / running_var (both required).
 /// gamma (C) and beta (C) may be undefined (scale 1, shift 0). The running statistics
-/// are never differentiated.
+/// are never differentiated. A bfloat16 or float16 x (with float32 parameters and
+/// statistics, as under autocast) is normalised in float32 and its output rounded once
+/// to x's dtype (Note [Autocast op policy]).
 Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                   const Tensor& running_mean, const Tensor& running_var, bool training,
                   double momentum = 0.1, double eps = 1e-5);

@@ -13,9 +13,12 @@
 // to the scope's dtype and computes there (accumulating in float32): linear, matmul
 // (batched too), conv2d and scaled_dot_product_attention. An op of the float32 list
 // casts its floating inputs to float32 and returns float32: softmax, log_softmax, every
-// loss, layer_norm and batch_norm (statistics and output in float32), exp, log, pow, sum
-// and mean. Every other op runs in the dtype of its inputs, and an op given float32 and
-// 16-bit operands computes in float32 (Note [16-bit tensors] in dp/tensor/tensor.h).
+// loss, layer_norm, exp, log, pow, sum and mean. batch_norm is on neither list, as in
+// PyTorch: its statistics are float32 whatever its input, its output has the input's
+// dtype (so a bfloat16 CNN's activations stay bfloat16 from one convolution to the
+// next, and its parameters and running statistics stay float32). Every other op runs
+// in the dtype of its inputs, and an op given float32 and 16-bit operands computes in
+// float32 (Note [16-bit tensors] in dp/tensor/tensor.h).
 // The casts are ordinary differentiable to(dtype) calls, so a float32 parameter used by
 // a linear layer is cast to bfloat16 for the product and its gradient comes back as
 // float32: parameters stay float32 (master weights) and optimizers step in float32.
