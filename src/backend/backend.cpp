@@ -68,22 +68,6 @@ void check_gemm_batch(const GemmArgs& a) {
            " rows ", a.ldc, " apart (", c_span, " elements)");
 }
 
-std::vector<GemmArgs> gemm_matrices(const GemmArgs& a, std::size_t elem) {
-  check_gemm_batch(a);
-  std::vector<GemmArgs> out;
-  out.reserve(static_cast<std::size_t>(a.batch));
-  const auto e = static_cast<std::int64_t>(elem);
-  for (std::int64_t i = 0; i < a.batch; ++i) {
-    GemmArgs one = a;
-    one.batch = 1;
-    one.a = static_cast<const char*>(a.a) + i * a.stride_a * e;
-    one.b = static_cast<const char*>(a.b) + i * a.stride_b * e;
-    one.c = static_cast<char*>(a.c) + i * a.stride_c * e;
-    out.push_back(one);
-  }
-  return out;
-}
-
 void Backend::gemm_epilogue_by_ops(Device dev, const GemmArgs& a) {
   DP_CHECK(a.epilogue.empty() || a.ldc == std::max<std::int64_t>(1, a.n),
            "gemm: an epilogue needs a contiguous C (ldc == n), got ldc=", a.ldc, " for n=", a.n);

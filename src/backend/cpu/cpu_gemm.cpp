@@ -226,10 +226,8 @@ void CpuBackend::linear_backward_input(Device dev, i64 m, i64 n, i64 k, const fl
 }
 
 void CpuBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
-  if (a.batch != 1) {  // one product after another (GemmArgs), each parallel as ever
-    for (const GemmArgs& one : gemm_matrices(a, sizeof(float))) gemm_with_epilogue(dev, one);
-    return;
-  }
+  // A batch: one product after another (GemmArgs), each parallel as ever.
+  if (gemm_per_matrix(a, sizeof(float), [&](const GemmArgs& m) { gemm_with_epilogue(dev, m); })) return;
   const GemmEpilogue ep{static_cast<const float*>(a.epilogue.bias), a.epilogue.relu,
                         static_cast<const float*>(a.epilogue.relu_y)};
   gemm_chunked(dev, a.trans_a, a.trans_b, a.m, a.n, a.k, a.alpha, static_cast<const float*>(a.a), a.lda,
@@ -378,10 +376,7 @@ i64 span(i64 rows, i64 cols, i64 ld) { return rows == 0 || cols == 0 ? 0 : (rows
 
 template <typename T>
 void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
-  if (a.batch != 1) {
-    for (const GemmArgs& one : gemm_matrices(a, sizeof(T))) gemm_16bit<T>(be, dev, one);
-    return;
-  }
+  if (gemm_per_matrix(a, sizeof(T), [&](const GemmArgs& m) { gemm_16bit<T>(be, dev, m); })) return;
   DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dtype_of<T>),
            " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
   DP_CHECK(a.m >= 0 && a.n >= 0 && a.k >= 0, "gemm: expected non-negative m, n, k, got ", a.m, ", ", a.n, ", ", a.k);
@@ -515,10 +510,7 @@ bool has_bf16_matmul() {
 }
 
 void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
-  if (a.batch != 1) {
-    for (const GemmArgs& one : gemm_matrices(a, sizeof(BFloat16))) gemm_bf16_onednn(be, dev, one);
-    return;
-  }
+  if (gemm_per_matrix(a, sizeof(BFloat16), [&](const GemmArgs& m) { gemm_bf16_onednn(be, dev, m); })) return;
   if (!has_bf16_matmul() || a.m == 0 || a.n == 0 || a.k == 0) {
     gemm_16bit<BFloat16>(be, dev, a);
     return;

@@ -379,6 +379,22 @@ void with_indexer(const Indexer& ix, i64 n, F&& f) {
   }
 }
 
+/// Calls f(ix, lanes, b_broadcast, n) for the walk of collapsed `c` (c.numel > 0): the
+/// Indexer itself, one element at a time, where its offsets need 64 bits; else the pack
+/// plan of L lanes (Note [Packed elementwise access]) with its FastIndexer. lanes and
+/// b_broadcast are compile-time constants (walk::with_pack_kind); n counts packs.
+template <int L, typename F>
+void with_walk(const walk::Collapsed& c, const void* a, const void* b, const void* out, std::size_t elem, bool uses_b,
+               F&& f) {
+  if (!kernel_plan::strided_fits_i32(c.ix, c.numel)) {
+    f(c.ix, std::integral_constant<int, 1>{}, std::false_type{}, c.numel);
+    return;
+  }
+  const walk::PackPlan p = walk::plan_packs(c, L, a, b, out, elem, uses_b);
+  const walk::FastIndexer fx = walk::fast_indexer(p.ix, p.n);
+  walk::with_pack_kind<L>(p, [&](auto lanes, auto b_broadcast) { f(fx, lanes, b_broadcast, p.n); });
+}
+
 /// y[i] = f(x[i]) over n contiguous elements, in packs where the pointers allow.
 template <typename F, typename In, typename Out>
 void launch_map1(cudaStream_t stream, const F& f, const In* x, Out* y, i64 n) {
@@ -526,18 +542,13 @@ void binary(cudaStream_t stream, BinaryOp op, const Indexer& ix, const T* a, con
   dispatch_binary(op, [&](auto f) {
     const OnStorage<T, decltype(f)> g{f};
     if (c.contiguous) return launch_map2(stream, g, a, b, out, c.numel);
-    if (!kernel_plan::strided_fits_i32(c.ix, c.numel)) {
-      binary_strided_kernel<1, false><<<grid_for(c.numel), kBlock, 0, stream>>>(g, c.ix, a, b, out, c.numel);
-      return;
-    }
-    constexpr int L = walk::pack_lanes<T>;
-    const walk::PackPlan p = walk::plan_packs(c, L, a, b, out, sizeof(T), /*uses_b=*/true);
-    const walk::FastIndexer fx = walk::fast_indexer(p.ix, p.n);
-    walk::with_pack_kind<L>(p, [&](auto lanes, auto b_broadcast) {
-      constexpr int kLanes = decltype(lanes)::value;
-      constexpr bool kBroadcast = decltype(b_broadcast)::value;
-      binary_strided_kernel<kLanes, kBroadcast><<<grid_for(p.n), kBlock, 0, stream>>>(g, fx, a, b, out, p.n);
-    });
+    with_walk<walk::pack_lanes<T>>(c, a, b, out, sizeof(T), /*uses_b=*/true,
+                                   [&](const auto& wix, auto lanes, auto b_broadcast, i64 n) {
+                                     constexpr int kLanes = decltype(lanes)::value;
+                                     constexpr bool kBroadcast = decltype(b_broadcast)::value;
+                                     binary_strided_kernel<kLanes, kBroadcast>
+                                         <<<grid_for(n), kBlock, 0, stream>>>(g, wix, a, b, out, n);
+                                   });
   });
   DP_CUDA_CHECK_LAUNCH();
 }
@@ -581,17 +592,11 @@ void strided_copy(cudaStream_t stream, const Indexer& ix, const T* a, T* out) {
                                   cudaMemcpyDeviceToDevice, stream));
     return;
   }
-  if (!kernel_plan::strided_fits_i32(c.ix, n)) {
-    strided_copy_kernel<1><<<grid_for(n), kBlock, 0, stream>>>(c.ix, a, out, n);
-    DP_CUDA_CHECK_LAUNCH();
-    return;
-  }
-  constexpr int L = walk::pack_lanes<T>;
-  const walk::PackPlan p = walk::plan_packs(c, L, a, nullptr, out, sizeof(T), /*uses_b=*/false);
-  const walk::FastIndexer fx = walk::fast_indexer(p.ix, p.n);
-  walk::with_pack_kind<L>(p, [&](auto lanes, auto) {
-    strided_copy_kernel<decltype(lanes)::value><<<grid_for(p.n), kBlock, 0, stream>>>(fx, a, out, p.n);
-  });
+  with_walk<walk::pack_lanes<T>>(c, a, nullptr, out, sizeof(T), /*uses_b=*/false,
+                                 [&](const auto& wix, auto lanes, auto, i64 packs) {
+                                   strided_copy_kernel<decltype(lanes)::value>
+                                       <<<grid_for(packs), kBlock, 0, stream>>>(wix, a, out, packs);
+                                 });
   DP_CUDA_CHECK_LAUNCH();
 }
 
