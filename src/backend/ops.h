@@ -649,6 +649,9 @@ struct AvgPool2dBackwardArgs {
 
 // ---- batch norm over (N, C, HW) --------------------------------------------------------------
 
+/// The op's dtype is that of x and y (gy and gx in the backward): float32, bfloat16 or
+/// float16; gamma, beta, the running and the saved statistics are float32 whatever it is
+/// (Note [Batch norm in 16 bits] in cpu/cpu_nn.cpp).
 /// Training: batch statistics; save_mean/save_invstd (C each) for backward; running stats
 /// updated as PyTorch does (unbiased variance, running = (1-m)*running + m*batch) when
 /// running_mean is not null.

@@ -794,16 +794,13 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                   double momentum, double eps) {
   // Note [Autocast op policy]: on no list, as in PyTorch — the statistics in float32 and
   // the output in the input's dtype (a 16-bit input's widened exactly, the result rounded
-  // once), the parameters and running statistics float32.
-  if (amp::detail::active() || amp::detail::is_16bit(x)) {
-    amp::detail::Suspend inner;
-    return amp::detail::in_float32([&](const Tensor& xx) {
-      return batch_norm(xx, gamma, beta, running_mean, running_var, training, momentum, eps);
-    }, x);
-  }
+  // once: Note [Batch norm in 16 bits] in cpu_nn.cpp), the parameters and running
+  // statistics float32.
   const char* op = "batch_norm";
   check_defined(op, "input", x);
-  check_float(op, "input", x);
+  DP_CHECK(x.dtype() == Dtype::Float32 || amp::detail::is_16bit(x), op,
+           ": expected input to be float32, bfloat16 or float16, got ", dtype_name(x.dtype()), " (", x.str(), ")");
+  amp::detail::Suspend inner;  // the op's own calls (ones, zeros) see no autocast
   DP_CHECK(x.dim() >= 2 && x.dim() <= 4, op, ": expected input (N, C), (N, C, L) or (N, C, H, W), got ",
            shape_str(x.shape()));
   const std::int64_t N = x.size(0), C = x.size(1);
@@ -824,7 +821,8 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
   // Missing affine parameters act as scale 1, shift 0.
   Tensor g_eff = gamma.defined() ? gamma : ones({C}, dev);
   Tensor b_eff = beta.defined() ? beta : zeros({C}, dev);
-  Tensor y = empty(x.shape(), dev);
+  const be::DType dt = kernel_dtype(x);  // of x, y, gy and gx; the rest float32
+  Tensor y = empty(x.shape(), TensorOptions{x.dtype(), dev});
   std::vector<Tensor> inputs{x};
   if (gamma.defined()) inputs.push_back(gamma);
   if (beta.defined()) inputs.push_back(beta);
@@ -838,22 +836,24 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     float* rmean = running_mean.defined() ? running_mean.mutable_data<float>() : nullptr;
     float* rvar = running_var.defined() ? running_var.mutable_data<float>() : nullptr;
     b.run<be::Op::BatchNormTrain>(
-        dev, be::DType::F32,
-        {N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff), static_cast<float>(eps), static_cast<float>(momentum), rmean,
-         rvar, fptr(y), fptr(save_mean), fptr(save_invstd)});
+        dev, dt,
+        {N, C, HW, x.raw_data(), fptr(g_eff), fptr(b_eff), static_cast<float>(eps), static_cast<float>(momentum),
+         rmean, rvar, y.raw_data(), fptr(save_mean), fptr(save_invstd)});
     if (autograd::needs_grad(inputs)) {
       Tensor xs = x.detach(), gs = g_eff.detach();
       autograd::record(
           "BatchNormBackward", inputs, y, {xs, gs},
-          [xs, gs, save_mean, save_invstd, N, C, HW, dev, has_gamma, has_beta](
+          [xs, gs, save_mean, save_invstd, N, C, HW, dev, dt, has_gamma, has_beta](
               const std::vector<Tensor>& g) {
             std::vector<Tensor> grads(1 + has_gamma + has_beta);
             if (!g[0].defined()) return grads;
             check_grad_shape("BatchNormBackward", g[0], xs.shape());
-            Tensor gx = empty(xs.shape(), dev), gg = empty({C}, dev), gb = empty({C}, dev);
-            be::get(dev).run<be::Op::BatchNormBackward>(dev, be::DType::F32,
-                                                        {N, C, HW, fptr(g[0]), fptr(xs), fptr(gs), fptr(save_mean),
-                                                         fptr(save_invstd), fptr(gx), fptr(gg), fptr(gb)});
+            const Tensor gy = g[0].dtype() == xs.dtype() ? g[0] : dp::detail::cast_raw(g[0], xs.dtype());
+            Tensor gx = empty(xs.shape(), TensorOptions{xs.dtype(), dev}), gg = empty({C}, dev), gb = empty({C}, dev);
+            be::get(dev).run<be::Op::BatchNormBackward>(dev, dt,
+                                                        {N, C, HW, gy.raw_data(), xs.raw_data(), fptr(gs),
+                                                         fptr(save_mean), fptr(save_invstd), gx.raw_data(), fptr(gg),
+                                                         fptr(gb)});
             grads[0] = gx;
             std::size_t i = 1;
             if (has_gamma) grads[i++] = gg;
@@ -868,9 +868,9 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
            ": evaluation mode normalises with running_mean and running_var; pass them, or use "
            "training = true");
   if (y.numel() > 0) {
-    b.run<be::Op::BatchNormEval>(dev, be::DType::F32,
-                                 {N, C, HW, fptr(x), fptr(g_eff), fptr(b_eff), static_cast<float>(eps),
-                                  fptr(running_mean), fptr(running_var), fptr(y)});
+    b.run<be::Op::BatchNormEval>(dev, dt,
+                                 {N, C, HW, x.raw_data(), fptr(g_eff), fptr(b_eff), static_cast<float>(eps),
+                                  fptr(running_mean), fptr(running_var), y.raw_data()});
   }
   if (autograd::needs_grad(inputs)) {
     // The backend has no eval-mode backward; it is a per-channel affine map, so the
@@ -884,8 +884,12 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
           if (!g[0].defined()) return grads;
           NoGradGuard no_grad;
           Tensor invstd = pow(add(rv, eps), -0.5);                  // (C)
-          Tensor gy = g[0].reshape({N, C, HW});
+          // A 16-bit gy and x are widened (exactly) for these float32 ops; gx is rounded
+          // once to x's dtype.
+          Tensor gy = (g[0].dtype() == Dtype::Float32 ? g[0] : dp::detail::cast_raw(g[0], Dtype::Float32))
+                          .reshape({N, C, HW});
           grads[0] = mul(gy, mul(gs, invstd).reshape({1, C, 1})).reshape(xs.shape());
+          if (grads[0].dtype() != xs.dtype()) grads[0] = dp::detail::cast_raw(grads[0], xs.dtype());
           std::size_t i = 1;
           if (has_gamma) {
             Tensor xhat = mul(sub(xs.reshape({N, C, HW}), rm.reshape({1, C, 1})),

@@ -1106,26 +1106,49 @@ void add_pool(Table& t, const Pool2dShape& s) {
   });
 }
 
-/// `shift`: every (N, C, HW) tensor starts that many floats into its buffer, as a view
-/// may (CUDA: the kernels' unaligned path, Note [Per-channel maps]).
-void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0) {
+/// `shift`: every (N, C, HW) tensor starts that many elements into its buffer, as a view
+/// may (CUDA: the kernels' unaligned path, Note [Per-channel maps]). `dt`: the dtype of
+/// x, y, gy and gx (Note [Batch norm in 16 bits]); the statistics and parameters float32.
+void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0, DType dt = DType::F32) {
+  const bool f32 = dt == DType::F32;
+  const std::string tag = f32 ? "" : std::string("_") + dp::backend::dtype_name(dt);
+  const double es = f32 ? kF : 2;
   const i64 n = N * C * HW;
   const std::string shape = cat("N", N, " C", C, " HW", HW) + (shift ? cat(" at +", shift) : std::string());
-  // Statistics are sums over N·HW values per channel.
-  const Tolerance tol = sum_tol({1e-4, 1e-5}, static_cast<double>(N * HW));
+  // Statistics are sums over N·HW values per channel; a 16-bit result may round the
+  // other way on top of that.
+  const Tolerance sums = sum_tol({1e-4, 1e-5}, static_cast<double>(N * HW));
+  const Tolerance tol = f32 ? sums : Tolerance{ulp16(dt).rtol + sums.rtol, sums.atol};
+  const Tolerance eval_tol = f32 ? Tolerance{1e-4, 1e-5} : Tolerance{ulp16(dt).rtol + 1e-4, 1e-5};
   constexpr float kEps = 1e-5f, kMomentum = 0.1f;  // PyTorch's defaults
+  // An (N, C, HW) tensor of dt, `shift` elements into its buffer: uploaded values, or an
+  // output read back.
+  auto at_shift = [=](void* p) { return static_cast<void*>(static_cast<char*>(p) + shift * (f32 ? 4 : 2)); };
+  auto upload = [=](OpRun& r, const std::vector<float>& v) {
+    std::vector<float> padded(static_cast<std::size_t>(shift), 0.0f);
+    padded.insert(padded.end(), v.begin(), v.end());
+    return at_shift(f32 ? static_cast<void*>(r.upload(padded)) : r.upload16(dt, padded));
+  };
+  auto output = [=](OpRun& r, const char* name) {
+    void* p = at_shift(f32 ? static_cast<void*>(r.empty(n + shift)) : r.empty16(dt, n + shift));
+    if (f32) {
+      r.output(name, static_cast<const float*>(p), n);
+    } else {
+      r.output16(name, dt, p, n);
+    }
+    return p;
+  };
   for (bool running : {true, false}) {
-    t.add(Kernel::BatchNormTrain, shape + (running ? "" : " no running stats"), tol, 0, kF * (2 * n + 8 * C),
-          [=](OpRun& r) {
-            const float* x = r.uniform(n + shift, -4, 4) + shift;
+    t.add(Kernel::BatchNormTrain, dt, "batchnorm_forward_train" + tag, shape + (running ? "" : " no running stats"),
+          tol, 0, es * 2 * n + kF * 8 * C, [=](OpRun& r) {
+            const void* x = upload(r, r.host_uniform(n, -4, 4));
             const float* gamma = r.uniform(C, 0.1f, 2);
             const float* beta = r.uniform(C, -1, 1);
             float* rmean = running ? r.uniform(C, -1, 1) : nullptr;
             float* rvar = running ? r.uniform(C, 0.1f, 2) : nullptr;
-            float* y = r.empty(n + shift) + shift;
+            void* y = output(r, "y");
             float* mean = r.empty(C);
             float* invstd = r.empty(C);
-            r.output("y", y, n);
             r.output("save_mean", mean, C);
             r.output("save_invstd", invstd, C);
             if (running) {
@@ -1133,57 +1156,59 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0) {
               r.output("running_var", rvar, C);
             }
             r.set_call([=](Backend& b, Device d) {
-              b.run<Op::BatchNormTrain>(d, DType::F32,
-                                        {N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar, y, mean, invstd});
+              b.run<Op::BatchNormTrain>(d, dt, {N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar, y, mean, invstd});
             });
           });
   }
-  t.add(Kernel::BatchNormEval, shape, {1e-4, 1e-5}, 0, kF * (2 * n + 4 * C), [=](OpRun& r) {
-    const float* x = r.uniform(n + shift, -4, 4) + shift;
-    const float* gamma = r.uniform(C, 0.1f, 2);
-    const float* beta = r.uniform(C, -1, 1);
-    const float* rmean = r.uniform(C, -1, 1);
-    const float* rvar = r.uniform(C, 0.1f, 2);
-    float* y = r.empty(n + shift) + shift;
-    r.output("y", y, n);
-    r.set_call([=](Backend& b, Device d) {
-      b.run<Op::BatchNormEval>(d, DType::F32, {N, C, HW, x, gamma, beta, kEps, rmean, rvar, y});
-    });
-  });
-  t.add(Kernel::BatchNormBackward, shape, tol, 0, kF * (3 * n + 5 * C), [=](OpRun& r) {
-    // The saved statistics are x's own (computed here in double), as after a forward.
-    const std::vector<float> xh = r.host_uniform(n, -4, 4);
-    std::vector<float> mean(static_cast<std::size_t>(C)), invstd(static_cast<std::size_t>(C));
-    for (i64 c = 0; c < C; ++c) {
-      double s = 0, ss = 0;
-      for (i64 i = 0; i < N; ++i)
-        for (i64 j = 0; j < HW; ++j) {
-          const double v = xh[static_cast<std::size_t>((i * C + c) * HW + j)];
-          s += v;
-          ss += v * v;
-        }
-      const double m = s / static_cast<double>(N * HW);
-      mean[static_cast<std::size_t>(c)] = static_cast<float>(m);
-      invstd[static_cast<std::size_t>(c)] =
-          static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(N * HW) - m * m + kEps));
-    }
-    std::vector<float> xs(static_cast<std::size_t>(shift), 0.0f);
-    xs.insert(xs.end(), xh.begin(), xh.end());
-    const float* x = r.upload(xs) + shift;
-    const float* gy = r.uniform(n + shift, -1, 1) + shift;
-    const float* gamma = r.uniform(C, 0.1f, 2);
-    const float* save_mean = r.upload(mean);
-    const float* save_invstd = r.upload(invstd);
-    float* gx = r.empty(n + shift) + shift;
-    float* ggamma = r.empty(C);
-    float* gbeta = r.empty(C);
-    r.output("gx", gx, n);
-    r.output("ggamma", ggamma, C);
-    r.output("gbeta", gbeta, C);
-    r.set_call([=](Backend& b, Device d) {
-      b.run<Op::BatchNormBackward>(d, DType::F32, {N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta});
-    });
-  });
+  t.add(Kernel::BatchNormEval, dt, "batchnorm_forward_eval" + tag, shape, eval_tol, 0, es * 2 * n + kF * 4 * C,
+        [=](OpRun& r) {
+          const void* x = upload(r, r.host_uniform(n, -4, 4));
+          const float* gamma = r.uniform(C, 0.1f, 2);
+          const float* beta = r.uniform(C, -1, 1);
+          const float* rmean = r.uniform(C, -1, 1);
+          const float* rvar = r.uniform(C, 0.1f, 2);
+          void* y = output(r, "y");
+          r.set_call([=](Backend& b, Device d) {
+            b.run<Op::BatchNormEval>(d, dt, {N, C, HW, x, gamma, beta, kEps, rmean, rvar, y});
+          });
+        });
+  t.add(Kernel::BatchNormBackward, dt, "batchnorm_backward" + tag, shape, tol, 0, es * 3 * n + kF * 5 * C,
+        [=](OpRun& r) {
+          // The saved statistics are x's own (computed here in double, from the values x
+          // holds in dt), as after a forward.
+          std::vector<float> xh = r.host_uniform(n, -4, 4);
+          if (!f32) {
+            for (float& v : xh) v = dt == DType::BF16 ? float(dp::BFloat16(v)) : float(dp::Float16(v));
+          }
+          std::vector<float> mean(static_cast<std::size_t>(C)), invstd(static_cast<std::size_t>(C));
+          for (i64 c = 0; c < C; ++c) {
+            double s = 0, ss = 0;
+            for (i64 i = 0; i < N; ++i)
+              for (i64 j = 0; j < HW; ++j) {
+                const double v = xh[static_cast<std::size_t>((i * C + c) * HW + j)];
+                s += v;
+                ss += v * v;
+              }
+            const double m = s / static_cast<double>(N * HW);
+            mean[static_cast<std::size_t>(c)] = static_cast<float>(m);
+            invstd[static_cast<std::size_t>(c)] =
+                static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(N * HW) - m * m + kEps));
+          }
+          const void* x = upload(r, xh);
+          const void* gy = upload(r, r.host_uniform(n, -1, 1));
+          const float* gamma = r.uniform(C, 0.1f, 2);
+          const float* save_mean = r.upload(mean);
+          const float* save_invstd = r.upload(invstd);
+          void* gx = output(r, "gx");
+          float* ggamma = r.empty(C);
+          float* gbeta = r.empty(C);
+          r.output("ggamma", ggamma, C);
+          r.output("gbeta", gbeta, C);
+          r.set_call([=](Backend& b, Device d) {
+            b.run<Op::BatchNormBackward>(d, dt,
+                                         {N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta});
+          });
+        });
 }
 
 void add_optim(Table& t, i64 n, bool all_variants) {
@@ -1618,6 +1643,11 @@ void add_check_suite(Table& t) {
   add_batchnorm(t, 4, 3, 64);     // HW % 4 == 0 (CUDA: four elements a thread)
   add_batchnorm(t, 4, 3, 64, 1);  // the same, not 16-byte aligned
   add_batchnorm(t, 5, 7, 1);      // 1x1 planes
+  for (DType dt : {DType::BF16, DType::F16}) {  // Note [Batch norm in 16 bits]
+    add_batchnorm(t, 6, 5, 49, 0, dt);
+    add_batchnorm(t, 4, 3, 64, 0, dt);  // HW % 8 == 0 (CUDA: eight elements a thread)
+    add_batchnorm(t, 4, 3, 64, 3, dt);  // the same, not 16-byte aligned
+  }
   add_optim(t, kCheckN, true);
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "../autograd/gradcheck.h"
@@ -569,6 +570,77 @@ TEST_CASE_TEMPLATE("batch_norm eval normalises with the running statistics", D, 
   CHECK(rvt.to_vector() == rv);
 }
 
+TEST_CASE_TEMPLATE("batch_norm in 16 bits is the float32 op on the widened input, rounded once", D,
+                   DP_NN_TEST_DEVICES) {
+  // Note [Batch norm in 16 bits]: the statistics, parameters and running statistics
+  // float32; x, y, gy and gx 16-bit; every value the float32 op's on the widened input
+  // and gradient, rounded once — bit for bit, including the running statistics and the
+  // parameters' gradients. HW = 323 crosses the CPU kernel's 256-value chunks.
+  const dp::Device dev = D::device();
+  struct Cfg { dp::Shape shape; bool affine; };
+  for (dp::Dtype dt : {dp::Dtype::BFloat16, dp::Dtype::Float16}) {
+    for (const Cfg& cfg : {Cfg{{3, 4, 17, 19}, true}, Cfg{{5, 3}, false}, Cfg{{2, 3, 7}, true}}) {
+      CAPTURE(dt);
+      CAPTURE(dp::shape_str(cfg.shape));
+      const std::int64_t C = cfg.shape[1];
+      std::int64_t numel = 1;
+      for (std::int64_t d : cfg.shape) numel *= d;
+      const dp::Tensor x16 = dp::from_vector(uniform_values(numel, -3, 5, 61), cfg.shape, dev).to(dt);
+      const dp::Tensor gy16 = dp::from_vector(uniform_values(numel, -1, 1, 62), cfg.shape, dev).to(dt);
+      const F gv = uniform_values(C, 0.5f, 1.5f, 63), bv = uniform_values(C, -1, 1, 64);
+      for (bool training : {true, false}) {
+        CAPTURE(training);
+        // Each side: its own parameters, running statistics and input leaf.
+        auto run = [&](const dp::Tensor& x0) {
+          dp::Tensor x = x0.detach().set_requires_grad(true);
+          dp::Tensor g, b;
+          if (cfg.affine) {
+            g = dp::from_vector(gv, {C}, dev).set_requires_grad(true);
+            b = dp::from_vector(bv, {C}, dev).set_requires_grad(true);
+          }
+          dp::Tensor rm = dp::from_vector(uniform_values(C, -0.5f, 0.5f, 65), {C}, dev);
+          dp::Tensor rv = dp::from_vector(uniform_values(C, 0.5f, 2.0f, 66), {C}, dev);
+          dp::Tensor y = nn::batch_norm(x, g, b, rm, rv, training, 0.1, 1e-5);
+          return std::tuple{x, g, b, rm, rv, y};
+        };
+        auto [x, g, b, rm, rv, y] = run(x16);
+        auto [xf, gf, bf, rmf, rvf, yf] = run(x16.to(dp::Dtype::Float32));
+        REQUIRE(y.dtype() == dt);
+        CHECK(dp::equal(y, yf.to(dt)));
+        CHECK(dp::equal(rm, rmf));
+        CHECK(dp::equal(rv, rvf));
+        y.backward(gy16);
+        yf.backward(gy16.to(dp::Dtype::Float32));
+        REQUIRE(x.grad().dtype() == dt);
+        CHECK(dp::equal(x.grad(), xf.grad().to(dt)));
+        if (cfg.affine) {
+          CHECK(g.grad().dtype() == dp::Dtype::Float32);
+          CHECK(dp::equal(g.grad(), gf.grad()));
+          CHECK(dp::equal(b.grad(), bf.grad()));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("batch_norm in 16 bits keeps its 16-bit input for the backward, not a float32 copy") {
+  // What a training batch norm holds once it returns: y and the saved float32 mean and
+  // inverse standard deviation (C each); its input is the caller's tensor. A float32
+  // copy of a bfloat16 input would be another 4 bytes an element.
+  const dp::Device dev = dp::cpu(0);
+  const std::int64_t N = 4, C = 8, HW = 36;
+  const dp::Tensor x = dp::from_vector(uniform_values(N * C * HW, -1, 1, 67), {N, C, 6, 6}, dev)
+                           .to(dp::Dtype::BFloat16)
+                           .set_requires_grad(true);
+  const dp::Tensor g = dp::ones({C}, dev).set_requires_grad(true), b = dp::zeros({C}, dev).set_requires_grad(true);
+  const std::size_t before = dp::memory_allocated(dev);
+  dp::Tensor y = nn::batch_norm(x, g, b, {}, {}, true, 0.1, 1e-5);
+  const std::size_t held = dp::memory_allocated(dev) - before;
+  CHECK(held == y.nbytes() + 2 * C * sizeof(float));
+  dp::sum(y).backward();
+  CHECK(x.grad().dtype() == dp::Dtype::BFloat16);
+}
+
 TEST_CASE("batch_norm rejects bad input") {
   dp::Tensor x = dp::zeros({2, 3, 2, 2});
   CHECK(throws_with([&] { nn::batch_norm(x, dp::ones({2}), {}, {}, {}, true); }, {"[3]", "[2]"}));
@@ -577,6 +649,14 @@ TEST_CASE("batch_norm rejects bad input") {
   CHECK(throws_with([&] { nn::batch_norm(x, {}, {}, {}, {}, false); }, {"running_mean"}));
   CHECK(throws_with([&] { nn::batch_norm(x, dp::ones({3}, dp::cpu(1)), {}, {}, {}, true); },
                     {"cpu:0", "cpu:1"}));
+  // 16-bit inputs take float32 parameters and running statistics; integers are refused.
+  const dp::Tensor x16 = x.to(dp::Dtype::BFloat16);
+  CHECK(throws_with([&] { nn::batch_norm(x16, dp::ones({3}).to(dp::Dtype::BFloat16), {}, {}, {}, true); },
+                    {"weight (gamma)", "float32", "bfloat16"}));
+  CHECK(throws_with([&] { nn::batch_norm(x16, {}, {}, dp::zeros({3}).to(dp::Dtype::Float16), dp::ones({3}), true); },
+                    {"running_mean", "float32", "float16"}));
+  CHECK(throws_with([&] { nn::batch_norm(x.to(dp::Dtype::Int64), {}, {}, {}, {}, true); },
+                    {"float32, bfloat16 or float16", "int64"}));
 }
 
 // ---- dropout --------------------------------------------------------------------------------

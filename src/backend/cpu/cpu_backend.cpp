@@ -68,6 +68,7 @@ CpuBackend::CpuBackend() : conv_layout_(ConvLayout::Auto) {
   register_conv_kernels();
   register_pool_kernels();
   register_layer_norm_kernels();
+  register_batch_norm_kernels();
   register_attention_kernels();
 }
 

@@ -469,6 +469,7 @@ class CpuBackend final : public Backend {
   void register_conv_kernels();         // cpu_conv.cpp (float32's replaces the method kernel)
   void register_pool_kernels();         // cpu_nn.cpp (max-pool, every floating dtype)
   void register_layer_norm_kernels();   // cpu_nn.cpp (float32)
+  void register_batch_norm_kernels();   // cpu_nn.cpp (16-bit; float32's are method kernels)
   void register_attention_kernels();    // cpu_attention.cpp (Note [Fused attention])
   void register_method_kernels();       // method_kernels.h, cpu_backend.cpp
   void resize_arenas(int threads);

@@ -779,31 +779,76 @@ void CpuBackend::avgpool2d_backward(Device dev, const Pool2dShape& s, const floa
 
 // ---- batch norm over (N, C, HW) ------------------------------------------------------------
 
-void CpuBackend::batchnorm_forward_train(Device dev, i64 N, i64 C, i64 HW, const float* x,
-                                         const float* gamma, const float* beta, float eps,
-                                         float momentum, float* running_mean, float* running_var,
-                                         float* y, float* save_mean, float* save_invstd) {
+// Note [Batch norm in 16 bits]
+// A bfloat16 or float16 batch norm (what autocast leaves a CNN's activations in: Note
+// [Autocast op policy]) reads its 16-bit input and writes its 16-bit output; the
+// statistics, the parameters, the running statistics and the saved mean and inverse
+// standard deviation stay float32. Each element is widened exactly as it is loaded, goes
+// through the float32 kernel's expressions in the float32 kernel's order, and is rounded
+// once as it is stored: the bits of the float32 op on the widened input, rounded — what
+// batch_norm computed before, as a cast, the float32 op and a cast back. What it saves
+// is memory traffic and memory: the two casts' passes (a 16-bit activation read and a
+// float32 one written, and back), and the float32 copy of the input that the backward
+// kept (twice the 16-bit activation's bytes per batch norm). The backward likewise reads
+// a 16-bit gy and x and writes a 16-bit gx. The kernels below are templates over the
+// storage type T; CUDA's do the same (cuda_nn.cu).
+
+namespace {
+
+constexpr i64 kBnChunk = 256;  // floats of a 16-bit plane's output computed, then rounded together
+
+/// A task's scratch for bn_store_plane: kBnChunk floats for a 16-bit T, none for float.
+template <typename T>
+std::vector<float> bn_chunk() {
+  return std::vector<float>(std::is_same_v<T, float> ? 0 : kBnChunk);
+}
+
+/// y[i] = f(i) for i in [0, HW): float32 stores directly, a 16-bit T through `buf`
+/// (bn_chunk's) rounded once each (Note [Batch norm in 16 bits]).
+template <typename T, typename F>
+void bn_store_plane(T* __restrict y, i64 HW, float* __restrict buf, F f) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (i64 i = 0; i < HW; ++i) y[i] = f(i);
+  } else {
+    for (i64 i0 = 0; i0 < HW; i0 += kBnChunk) {
+      const i64 n = std::min(kBnChunk, HW - i0);
+      for (i64 i = 0; i < n; ++i) buf[i] = f(i0 + i);
+      round_to(buf, y + i0, n);
+    }
+  }
+}
+
+template <typename T>
+inline float wide(T v) {
+  return static_cast<float>(v);
+}
+
+template <typename T>
+void bn_train(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
+              float eps, float momentum, float* running_mean, float* running_var, T* y, float* save_mean,
+              float* save_invstd) {
   DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_forward_train: expected non-negative sizes, got (",
            N, ", ", C, ", ", HW, ")");
   const i64 M = N * HW;  // values per channel
   DP_CHECK(M > 0 || C == 0, "batchnorm_forward_train: expected at least one value per channel, "
            "got N=", N, ", HW=", HW);
-  parallel_for(dev, C, plane_grain(3 * M), [&](i64 b, i64 e) {
+  be.parallel_for(dev, C, plane_grain(3 * M), [&](i64 b, i64 e) {
+    std::vector<float> buf = bn_chunk<T>();
     for (i64 c = b; c < e; ++c) {
       double sum = 0.0;
       for (i64 n = 0; n < N; ++n) {
-        const float* xp = x + (n * C + c) * HW;
+        const T* xp = x + (n * C + c) * HW;
         float part = 0.0f;  // one plane in float (<= a few thousand values), then double
-        for (i64 i = 0; i < HW; ++i) part += xp[i];
+        for (i64 i = 0; i < HW; ++i) part += wide(xp[i]);
         sum += part;
       }
       const double mean = sum / static_cast<double>(M);
       double sq = 0.0;  // two-pass variance: no cancellation for large means
       for (i64 n = 0; n < N; ++n) {
-        const float* xp = x + (n * C + c) * HW;
+        const T* xp = x + (n * C + c) * HW;
         double part = 0.0;
         for (i64 i = 0; i < HW; ++i) {
-          const double d = static_cast<double>(xp[i]) - mean;
+          const double d = static_cast<double>(wide(xp[i])) - mean;
           part += d * d;
         }
         sq += part;
@@ -823,54 +868,53 @@ void CpuBackend::batchnorm_forward_train(Device dev, i64 N, i64 C, i64 HW, const
       const float scale = g * static_cast<float>(invstd);
       const float shift = bt - static_cast<float>(mean) * scale;
       for (i64 n = 0; n < N; ++n) {
-        const float* __restrict xp = x + (n * C + c) * HW;
-        float* __restrict yp = y + (n * C + c) * HW;
-        for (i64 i = 0; i < HW; ++i) yp[i] = xp[i] * scale + shift;
+        const T* __restrict xp = x + (n * C + c) * HW;
+        bn_store_plane(y + (n * C + c) * HW, HW, buf.data(), [&](i64 i) { return wide(xp[i]) * scale + shift; });
       }
     }
   });
 }
 
-void CpuBackend::batchnorm_forward_eval(Device dev, i64 N, i64 C, i64 HW, const float* x,
-                                        const float* gamma, const float* beta, float eps,
-                                        const float* running_mean, const float* running_var,
-                                        float* y) {
+template <typename T>
+void bn_eval(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
+             float eps, const float* running_mean, const float* running_var, T* y) {
   DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_forward_eval: expected non-negative sizes, got (",
            N, ", ", C, ", ", HW, ")");
   DP_CHECK((running_mean && running_var) || N * HW == 0,
            "batchnorm_forward_eval: expected running_mean and running_var, got null");
   // Parallel over N*C planes: eval has no reduction, and C alone may be small.
-  parallel_for(dev, N * C, plane_grain(HW), [&](i64 b, i64 e) {
+  be.parallel_for(dev, N * C, plane_grain(HW), [&](i64 b, i64 e) {
+    std::vector<float> buf = bn_chunk<T>();
     for (i64 pl = b; pl < e; ++pl) {
       const i64 c = pl % C;
       const float invstd = 1.0f / std::sqrt(running_var[c] + eps);
       const float scale = (gamma ? gamma[c] : 1.0f) * invstd;
       const float shift = (beta ? beta[c] : 0.0f) - running_mean[c] * scale;
-      const float* __restrict xp = x + pl * HW;
-      float* __restrict yp = y + pl * HW;
-      for (i64 i = 0; i < HW; ++i) yp[i] = xp[i] * scale + shift;
+      const T* __restrict xp = x + pl * HW;
+      bn_store_plane(y + pl * HW, HW, buf.data(), [&](i64 i) { return wide(xp[i]) * scale + shift; });
     }
   });
 }
 
-void CpuBackend::batchnorm_backward(Device dev, i64 N, i64 C, i64 HW, const float* gy,
-                                    const float* x, const float* gamma, const float* save_mean,
-                                    const float* save_invstd, float* gx, float* ggamma,
-                                    float* gbeta) {
+template <typename T>
+void bn_backward(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* gy, const T* x, const float* gamma,
+                 const float* save_mean, const float* save_invstd, T* gx, float* ggamma, float* gbeta) {
   DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_backward: expected non-negative sizes, got (",
            N, ", ", C, ", ", HW, ")");
   const i64 M = N * HW;
-  parallel_for(dev, C, plane_grain(3 * M), [&](i64 b, i64 e) {
+  be.parallel_for(dev, C, plane_grain(3 * M), [&](i64 b, i64 e) {
+    std::vector<float> buf = bn_chunk<T>();
     for (i64 c = b; c < e; ++c) {
       const float mean = save_mean[c], invstd = save_invstd[c];
       double sum_gy = 0.0, sum_gy_xc = 0.0;  // Σ gy and Σ gy * (x - mean)
       for (i64 n = 0; n < N; ++n) {
-        const float* gp = gy + (n * C + c) * HW;
-        const float* xp = x + (n * C + c) * HW;
+        const T* gp = gy + (n * C + c) * HW;
+        const T* xp = x + (n * C + c) * HW;
         float s1 = 0.0f, s2 = 0.0f;
         for (i64 i = 0; i < HW; ++i) {
-          s1 += gp[i];
-          s2 += gp[i] * (xp[i] - mean);
+          const float g = wide(gp[i]);
+          s1 += g;
+          s2 += g * (wide(xp[i]) - mean);
         }
         sum_gy += s1;
         sum_gy_xc += s2;
@@ -884,13 +928,70 @@ void CpuBackend::batchnorm_backward(Device dev, i64 N, i64 C, i64 HW, const floa
       const float mean_gy = static_cast<float>(sum_gy / static_cast<double>(M));
       const float proj = static_cast<float>(sum_gy_xc / static_cast<double>(M)) * invstd * invstd;
       for (i64 n = 0; n < N; ++n) {
-        const float* __restrict gp = gy + (n * C + c) * HW;
-        const float* __restrict xp = x + (n * C + c) * HW;
-        float* __restrict gxp = gx + (n * C + c) * HW;
-        for (i64 i = 0; i < HW; ++i) gxp[i] = k * (gp[i] - mean_gy - (xp[i] - mean) * proj);
+        const T* __restrict gp = gy + (n * C + c) * HW;
+        const T* __restrict xp = x + (n * C + c) * HW;
+        bn_store_plane(gx + (n * C + c) * HW, HW, buf.data(),
+                       [&](i64 i) { return k * (wide(gp[i]) - mean_gy - (wide(xp[i]) - mean) * proj); });
       }
     }
   });
+}
+
+/// The kernel table's entries: a BatchNorm op over storage T (float32 statistics and
+/// parameters whatever T is; BatchNormTrainArgs in ops.h).
+template <typename T>
+void batch_norm_train_kernel(CpuBackend& be, Device dev, const BatchNormTrainArgs& a) {
+  const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  const auto m = [](void* p) { return static_cast<float*>(p); };
+  bn_train(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.x), f(a.gamma), f(a.beta), a.eps, a.momentum,
+           m(a.running_mean), m(a.running_var), static_cast<T*>(a.y), m(a.save_mean), m(a.save_invstd));
+}
+template <typename T>
+void batch_norm_eval_kernel(CpuBackend& be, Device dev, const BatchNormEvalArgs& a) {
+  const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  bn_eval(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.x), f(a.gamma), f(a.beta), a.eps, f(a.running_mean),
+          f(a.running_var), static_cast<T*>(a.y));
+}
+template <typename T>
+void batch_norm_backward_kernel(CpuBackend& be, Device dev, const BatchNormBackwardArgs& a) {
+  const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  const auto m = [](void* p) { return static_cast<float*>(p); };
+  bn_backward(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.gy), static_cast<const T*>(a.x), f(a.gamma),
+              f(a.save_mean), f(a.save_invstd), static_cast<T*>(a.gx), m(a.ggamma), m(a.gbeta));
+}
+
+}  // namespace
+
+void CpuBackend::batchnorm_forward_train(Device dev, i64 N, i64 C, i64 HW, const float* x,
+                                         const float* gamma, const float* beta, float eps,
+                                         float momentum, float* running_mean, float* running_var,
+                                         float* y, float* save_mean, float* save_invstd) {
+  bn_train(*this, dev, N, C, HW, x, gamma, beta, eps, momentum, running_mean, running_var, y, save_mean,
+           save_invstd);
+}
+
+void CpuBackend::batchnorm_forward_eval(Device dev, i64 N, i64 C, i64 HW, const float* x,
+                                        const float* gamma, const float* beta, float eps,
+                                        const float* running_mean, const float* running_var,
+                                        float* y) {
+  bn_eval(*this, dev, N, C, HW, x, gamma, beta, eps, running_mean, running_var, y);
+}
+
+void CpuBackend::batchnorm_backward(Device dev, i64 N, i64 C, i64 HW, const float* gy,
+                                    const float* x, const float* gamma, const float* save_mean,
+                                    const float* save_invstd, float* gx, float* ggamma,
+                                    float* gbeta) {
+  bn_backward(*this, dev, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta);
+}
+
+void CpuBackend::register_batch_norm_kernels() {
+  // float32's are the method kernels (method_kernels.h); these are the 16-bit ones.
+  register_typed<Op::BatchNormTrain, CpuBackend, &batch_norm_train_kernel<BFloat16>>(DType::BF16);
+  register_typed<Op::BatchNormEval, CpuBackend, &batch_norm_eval_kernel<BFloat16>>(DType::BF16);
+  register_typed<Op::BatchNormBackward, CpuBackend, &batch_norm_backward_kernel<BFloat16>>(DType::BF16);
+  register_typed<Op::BatchNormTrain, CpuBackend, &batch_norm_train_kernel<Float16>>(DType::F16);
+  register_typed<Op::BatchNormEval, CpuBackend, &batch_norm_eval_kernel<Float16>>(DType::F16);
+  register_typed<Op::BatchNormBackward, CpuBackend, &batch_norm_backward_kernel<Float16>>(DType::F16);
 }
 
 // ---- log-softmax and NLL (rows × cols) ---------------------------------------------------

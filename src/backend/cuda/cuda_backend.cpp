@@ -628,37 +628,22 @@ void CudaBackend::batchnorm_forward_train(Device dev, std::int64_t N, std::int64
                                           const float* beta, float eps, float momentum,
                                           float* running_mean, float* running_var, float* y,
                                           float* save_mean, float* save_invstd) {
-  cudaStream_t s = bind(dev);
-  DP_CHECK(N > 0 && C > 0 && HW > 0, "batchnorm_forward_train: expected positive (N, C, HW), got (", N, ", ", C,
-           ", ", HW, ")");
-  const std::int64_t floats = k::batchnorm_forward_scratch(N, C, HW);
-  if (floats == 0) {
-    k::batchnorm_forward_train(s, N, C, HW, x, gamma, beta, eps, momentum, running_mean, running_var, y,
-                               save_mean, save_invstd, nullptr);
-    return;
-  }
-  Scratch parts(*this, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
-  k::batchnorm_forward_train(s, N, C, HW, x, gamma, beta, eps, momentum, running_mean, running_var, y,
-                             save_mean, save_invstd, static_cast<float*>(parts.get()));
+  k::batch_norm_train(*this, dev,
+                      {N, C, HW, x, gamma, beta, eps, momentum, running_mean, running_var, y, save_mean, save_invstd},
+                      DType::F32);
 }
 void CudaBackend::batchnorm_forward_eval(Device dev, std::int64_t N, std::int64_t C,
                                          std::int64_t HW, const float* x, const float* gamma,
                                          const float* beta, float eps, const float* running_mean,
                                          const float* running_var, float* y) {
-  k::batchnorm_forward_eval(bind(dev), N, C, HW, x, gamma, beta, eps, running_mean, running_var,
-                            y);
+  k::batch_norm_eval(*this, dev, {N, C, HW, x, gamma, beta, eps, running_mean, running_var, y}, DType::F32);
 }
 void CudaBackend::batchnorm_backward(Device dev, std::int64_t N, std::int64_t C, std::int64_t HW,
                                      const float* gy, const float* x, const float* gamma,
                                      const float* save_mean, const float* save_invstd, float* gx,
                                      float* ggamma, float* gbeta) {
-  cudaStream_t s = bind(dev);
-  DP_CHECK(N > 0 && C > 0 && HW > 0, "batchnorm_backward: expected positive (N, C, HW), got (", N, ", ", C, ", ",
-           HW, ")");
-  Scratch sums(*this, dev.index,
-               static_cast<std::size_t>(k::batchnorm_backward_scratch(N, C, HW)) * sizeof(float));
-  k::batchnorm_backward(s, N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta,
-                        static_cast<float*>(sums.get()));
+  k::batch_norm_backward(*this, dev, {N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta},
+                         DType::F32);
 }
 
 void CudaBackend::sgd_step(Device dev, float* param, const float* grad, float* momentum_buf,

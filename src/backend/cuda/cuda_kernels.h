@@ -129,25 +129,34 @@ void maxpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* 
                         const std::int64_t* indices, float* gx);
 void avgpool2d_forward(cudaStream_t stream, const Pool2dShape& s, const float* x, float* y);
 void avgpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* gy, float* gx);
-/// save_mean and save_invstd are required (C floats each).
+/// save_mean and save_invstd are required (C floats each). x and y hold `dtype` (float32,
+/// bfloat16 or float16: Note [Batch norm in 16 bits] in cpu_nn.cpp); every other pointer
+/// float32.
 void batchnorm_forward_train(cudaStream_t stream, std::int64_t N, std::int64_t C,
-                             std::int64_t HW, const float* x, const float* gamma,
+                             std::int64_t HW, const void* x, const float* gamma,
                              const float* beta, float eps, float momentum, float* running_mean,
-                             float* running_var, float* y, float* save_mean,
-                             float* save_invstd, float* scratch);
+                             float* running_var, void* y, float* save_mean,
+                             float* save_invstd, float* scratch, DType dtype);
 /// Scratch floats batchnorm_forward_train needs for (N, C, HW): 2 * C * S when the
 /// statistics are split over S > 1 blocks per channel, else 0 (scratch may be null).
 std::int64_t batchnorm_forward_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
-/// Scratch floats batchnorm_backward needs: 2 * C (the sums) + 2 * C * S when split.
 void batchnorm_forward_eval(cudaStream_t stream, std::int64_t N, std::int64_t C,
-                            std::int64_t HW, const float* x, const float* gamma,
+                            std::int64_t HW, const void* x, const float* gamma,
                             const float* beta, float eps, const float* running_mean,
-                            const float* running_var, float* y);
+                            const float* running_var, void* y, DType dtype);
+/// gy, x and gx hold `dtype`, as x and y above.
 void batchnorm_backward(cudaStream_t stream, std::int64_t N, std::int64_t C, std::int64_t HW,
-                        const float* gy, const float* x, const float* gamma,
-                        const float* save_mean, const float* save_invstd, float* gx,
-                        float* ggamma, float* gbeta, float* scratch);
+                        const void* gy, const void* x, const float* gamma,
+                        const float* save_mean, const float* save_invstd, void* gx,
+                        float* ggamma, float* gbeta, float* scratch, DType dtype);
+/// Scratch floats batchnorm_backward needs: 2 * C (the sums) + 2 * C * S when split.
 std::int64_t batchnorm_backward_scratch(std::int64_t N, std::int64_t C, std::int64_t HW);
+/// Op::BatchNormTrain, Op::BatchNormEval and Op::BatchNormBackward over `dtype` (the
+/// Args in ops.h), their scratch from be's allocator: the float32 method kernels and the
+/// 16-bit table entries both run these.
+void batch_norm_train(CudaBackend& be, Device dev, const BatchNormTrainArgs& a, DType dtype);
+void batch_norm_eval(CudaBackend& be, Device dev, const BatchNormEvalArgs& a, DType dtype);
+void batch_norm_backward(CudaBackend& be, Device dev, const BatchNormBackwardArgs& a, DType dtype);
 /// out[c] = sum of x[n, c, k] over n < N, k < HW (x: (N, C, HW)): a convolution's bias
 /// gradient (Note [Convolution bias gradient]). x and out hold `dtype` (float32, bfloat16
 /// or float16: 16-bit values widened, summed in float in float32's order, each sum rounded

@@ -13,12 +13,14 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 #include "backend/cuda/cuda_common.cuh"
 #include "backend/cuda/cuda_half.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_register.h"
+#include "backend/elementwise_walk.h"
 #include "backend/functors.h"
 #include "backend/kernel_plan.h"
 #include "dp/core/error.h"
@@ -299,15 +301,16 @@ __device__ __forceinline__ float sum_parts(const float* __restrict__ parts, int 
   return acc;
 }
 
-__global__ void bn_stats_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x, float eps,
+template <typename T>
+__global__ void bn_stats_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ x, float eps,
                                 float momentum, float* running_mean, float* running_var,
                                 float* __restrict__ save_mean, float* __restrict__ save_invstd) {
   __shared__ float smem[kWarp];
   const i64 c = blockIdx.x;
   const float count = static_cast<float>(N * HW);
-  const float mean = channel_sum([&](i64 i) { return x[i]; }, N, C, HW, c, smem) / count;
+  const float mean = channel_sum([&](i64 i) { return load_acc(x[i]); }, N, C, HW, c, smem) / count;
   const float var =
-      channel_sum([&](i64 i) { const float d = x[i] - mean; return d * d; }, N, C, HW, c, smem) /
+      channel_sum([&](i64 i) { const float d = load_acc(x[i]) - mean; return d * d; }, N, C, HW, c, smem) /
       count;  // biased: used to normalise
   if (threadIdx.x == 0) {
     save_mean[c] = mean;
@@ -324,8 +327,9 @@ __global__ void bn_stats_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ 
 // The split statistics (Note [Split reductions]): grid (S, C), block (s, c) takes
 // part s of channel c. Pass 1: sums of x. Pass 2: every block recomputes the mean from
 // the S partials (same order, same bits) and sums (x - mean)^2. Then bn_finalize.
-// Over storage type T (float, or a 16-bit type widened as it is loaded: a convolution's
-// bias gradient, Note [Convolution bias gradient]); the sums are float's either way.
+// Over storage type T (float, or a 16-bit type widened as it is loaded: a 16-bit batch
+// norm, Note [Batch norm in 16 bits] in cpu_nn.cpp, or a convolution's bias gradient,
+// Note [Convolution bias gradient]); the sums are float's either way.
 template <typename T>
 __global__ void bn_partial_sum_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ x,
                                       float* __restrict__ part_sum) {
@@ -337,14 +341,15 @@ __global__ void bn_partial_sum_kernel(i64 N, i64 C, i64 HW, const T* __restrict_
   if (threadIdx.x == 0) part_sum[c * S + sp] = v;
 }
 
-__global__ void bn_partial_var_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ x,
+template <typename T>
+__global__ void bn_partial_var_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ x,
                                       const float* __restrict__ part_sum, float* __restrict__ part_sq) {
   __shared__ float smem[kWarp];
   const int S = static_cast<int>(gridDim.x), sp = static_cast<int>(blockIdx.x);
   const i64 c = blockIdx.y;
   const float mean = sum_parts(part_sum + c * S, S) / static_cast<float>(N * HW);
   const kernel_plan::Part pt = kernel_plan::part_of(N * HW, S, sp);
-  const float v = channel_part_sum([&](i64 i) { const float d = x[i] - mean; return d * d; }, C, HW, c,
+  const float v = channel_part_sum([&](i64 i) { const float d = load_acc(x[i]) - mean; return d * d; }, C, HW, c,
                                    pt.begin, pt.end, smem);
   if (threadIdx.x == 0) part_sq[c * S + sp] = v;
 }
@@ -373,12 +378,14 @@ __global__ void bn_finalize_kernel(i64 N, i64 C, i64 HW, int S, const float* __r
 // touch each element of an (N, C, HW) tensor once with constants of its channel.
 // Finding the channel as (i / HW) % C in 64 bits, a software division per element,
 // held batch norm's forward far below the memory's speed (figures in
-// docs/benchmarks/kernel-notes.md). channel_map_kernel takes V = 4 consecutive elements as one float4
-// when HW % 4 == 0 and every pointer is 16-byte aligned (the four share a channel),
-// else V = 1, and finds the channel of item t as (t / (HW / V)) % C with FastDivider
+// docs/benchmarks/kernel-notes.md). channel_map_kernel takes V consecutive elements as one
+// 16-byte pack (4 floats, or 8 of a 16-bit type: Note [Packed elementwise access]) when
+// HW % V == 0 and every pointer is 16-byte aligned (the V share a channel), else V = 1,
+// and finds the channel of item t as (t / (HW / V)) % C with FastDivider
 // (Note [Division by a runtime constant] in kernel_plan.h). Tensors of 2^31 items or
 // more take a 64-bit grid-stride loop with the same Op, so each element goes through
-// one float expression whichever kernel runs.
+// one float expression whichever kernel runs. A 16-bit element is widened as it is
+// loaded and the result rounded once as it is stored (Note [Batch norm in 16 bits]).
 
 struct ChannelIndex {
   kernel_plan::FastDivider plane;     // items per (n, c) plane: HW / V
@@ -388,41 +395,44 @@ struct ChannelIndex {
   }
 };
 
-/// out = op.at(c)(a, b) elementwise; b is read only when Op::kInputs == 2; out may be a.
-template <int V, typename Op>
-__global__ void channel_map_kernel(std::uint32_t items, ChannelIndex ix, const float* a,
-                                   const float* __restrict__ b, float* out, Op op) {
+/// out = op.at(c)(a, b) elementwise over storage E (float math); b is read only when
+/// Op::kInputs == 2; out may be a.
+template <int V, typename E, typename Op>
+__global__ void channel_map_kernel(std::uint32_t items, ChannelIndex ix, const E* a, const E* __restrict__ b,
+                                   E* out, Op op) {
   const std::uint32_t stride = gridDim.x * blockDim.x;  // items + stride < 2^32: items < 2^31
   for (std::uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < items; t += stride) {
     const auto f = op.at(ix.channel(t));
-    if constexpr (V == 4) {
-      const float4 va = reinterpret_cast<const float4*>(a)[t];
-      float4 vb = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if constexpr (Op::kInputs == 2) vb = reinterpret_cast<const float4*>(b)[t];
-      reinterpret_cast<float4*>(out)[t] = make_float4(f(va.x, vb.x), f(va.y, vb.y), f(va.z, vb.z), f(va.w, vb.w));
-    } else {
-      out[t] = f(a[t], Op::kInputs == 2 ? b[t] : 0.0f);
+    const walk::Pack<E, V> pa = walk::load_pack<V>(a, t);
+    walk::Pack<E, V> pb{};
+    if constexpr (Op::kInputs == 2) pb = walk::load_pack<V>(b, t);
+    walk::Pack<E, V> r;
+#pragma unroll
+    for (int l = 0; l < V; ++l) {
+      r.v[l] = store_acc<E>(f(load_acc(pa.v[l]), Op::kInputs == 2 ? load_acc(pb.v[l]) : 0.0f));
     }
+    walk::store_pack<V>(out, t, r);
   }
 }
 
 /// channel_map_kernel for tensors of 2^31 items or more: 64-bit indices, one element a
 /// thread, the channel by division.
-template <typename Op>
-__global__ void channel_map_wide_kernel(i64 total, i64 HW, i64 C, const float* a, const float* __restrict__ b,
-                                        float* out, Op op) {
+template <typename E, typename Op>
+__global__ void channel_map_wide_kernel(i64 total, i64 HW, i64 C, const E* a, const E* __restrict__ b, E* out,
+                                        Op op) {
   for (i64 i = global_thread(); i < total; i += grid_stride()) {
-    out[i] = op.at((i / HW) % C)(a[i], Op::kInputs == 2 ? b[i] : 0.0f);
+    const float vb = Op::kInputs == 2 ? load_acc(b[i]) : 0.0f;
+    out[i] = store_acc<E>(op.at((i / HW) % C)(load_acc(a[i]), vb));
   }
 }
 
-/// out = op.at(c)(a, b) over the (N, C, HW) tensor (Note [Per-channel maps]).
-template <typename Op>
-void channel_map(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* a, const float* b, float* out,
-                 const Op& op) {
-  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
-  const bool vec = HW % 4 == 0 && aligned(a) && (Op::kInputs == 1 || aligned(b)) && aligned(out);
-  const int V = vec ? 4 : 1;
+/// out = op.at(c)(a, b) over the (N, C, HW) tensor of storage E (Note [Per-channel maps]).
+template <typename E, typename Op>
+void channel_map(cudaStream_t stream, i64 N, i64 C, i64 HW, const E* a, const E* b, E* out, const Op& op) {
+  constexpr int kLanes = walk::pack_lanes<E>;
+  const bool vec = HW % kLanes == 0 && walk::contiguous_lanes(kLanes, a, out) == kLanes &&
+                   (Op::kInputs == 1 || walk::contiguous_lanes(kLanes, b) == kLanes);
+  const int V = vec ? kLanes : 1;
   const i64 items = N * C * HW / V;
   if (!kernel_plan::fast_divisible(items, HW / V) || !kernel_plan::fast_divisible(items, C)) {
     channel_map_wide_kernel<<<grid_for(N * C * HW), kBlock, 0, stream>>>(N * C * HW, HW, C, a, b, out, op);
@@ -431,7 +441,7 @@ void channel_map(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* a, cons
                           kernel_plan::FastDivider(static_cast<std::uint32_t>(C))};
     const auto n = static_cast<std::uint32_t>(items);
     if (vec) {
-      channel_map_kernel<4><<<grid_for(items), kBlock, 0, stream>>>(n, ix, a, b, out, op);
+      channel_map_kernel<kLanes><<<grid_for(items), kBlock, 0, stream>>>(n, ix, a, b, out, op);
     } else {
       channel_map_kernel<1><<<grid_for(items), kBlock, 0, stream>>>(n, ix, a, b, out, op);
     }
@@ -498,17 +508,18 @@ struct BiasReluOp {
 };
 
 // sums[c] = Σ gy, sums[C + c] = Σ gy * xhat; also ggamma/gbeta when requested.
-__global__ void bn_backward_reduce_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ gy,
-                                          const float* __restrict__ x,
+template <typename T>
+__global__ void bn_backward_reduce_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ gy,
+                                          const T* __restrict__ x,
                                           const float* __restrict__ save_mean,
                                           const float* __restrict__ save_invstd,
                                           float* __restrict__ sums, float* ggamma, float* gbeta) {
   __shared__ float smem[kWarp];
   const i64 c = blockIdx.x;
   const float mean = save_mean[c], invstd = save_invstd[c];
-  const float sum_gy = channel_sum([&](i64 i) { return gy[i]; }, N, C, HW, c, smem);
+  const float sum_gy = channel_sum([&](i64 i) { return load_acc(gy[i]); }, N, C, HW, c, smem);
   const float sum_gy_xhat =
-      channel_sum([&](i64 i) { return gy[i] * (x[i] - mean) * invstd; }, N, C, HW, c, smem);
+      channel_sum([&](i64 i) { return load_acc(gy[i]) * (load_acc(x[i]) - mean) * invstd; }, N, C, HW, c, smem);
   if (threadIdx.x == 0) {
     sums[c] = sum_gy;
     sums[C + c] = sum_gy_xhat;
@@ -520,17 +531,18 @@ __global__ void bn_backward_reduce_kernel(i64 N, i64 C, i64 HW, const float* __r
 // The split backward reduction: grid (S, C); part[c * S + s] = Σ gy and
 // part[C * S + c * S + s] = Σ gy * xhat over part s of channel c; then
 // bn_backward_finalize adds the S partials in order.
-__global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, const float* __restrict__ gy,
-                                           const float* __restrict__ x, const float* __restrict__ save_mean,
+template <typename T>
+__global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ gy,
+                                           const T* __restrict__ x, const float* __restrict__ save_mean,
                                            const float* __restrict__ save_invstd, float* __restrict__ part) {
   __shared__ float smem[kWarp];
   const int S = static_cast<int>(gridDim.x), sp = static_cast<int>(blockIdx.x);
   const i64 c = blockIdx.y;
   const float mean = save_mean[c], invstd = save_invstd[c];
   const kernel_plan::Part pt = kernel_plan::part_of(N * HW, S, sp);
-  const float a = channel_part_sum([&](i64 i) { return gy[i]; }, C, HW, c, pt.begin, pt.end, smem);
-  const float b = channel_part_sum([&](i64 i) { return gy[i] * (x[i] - mean) * invstd; }, C, HW, c, pt.begin,
-                                   pt.end, smem);
+  const float a = channel_part_sum([&](i64 i) { return load_acc(gy[i]); }, C, HW, c, pt.begin, pt.end, smem);
+  const float b = channel_part_sum([&](i64 i) { return load_acc(gy[i]) * (load_acc(x[i]) - mean) * invstd; }, C,
+                                   HW, c, pt.begin, pt.end, smem);
   if (threadIdx.x == 0) {
     part[c * S + sp] = a;
     part[C * S + c * S + sp] = b;
@@ -1063,33 +1075,50 @@ void avgpool2d_backward(cudaStream_t stream, const Pool2dShape& s, const float* 
   DP_CUDA_CHECK_LAUNCH();
 }
 
-void batchnorm_forward_train(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* x,
+/// f(T{}) with T the device storage type of a batch norm's x and y: float, __nv_bfloat16
+/// or __half (Note [Batch norm in 16 bits] in cpu_nn.cpp); any other dtype is an error.
+template <typename F>
+void with_bn_storage(const char* op, DType dtype, F&& f) {
+  DP_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, op,
+           ": expected float32, bfloat16 or float16 data, got ", dtype_name(dtype));
+  visit_dtype(dtype, [&](auto zero) {
+    using T = device_t<decltype(zero)>;
+    if constexpr (std::is_same_v<T, float> || is_device_16bit<T>) f(T{});
+  });
+}
+
+void batchnorm_forward_train(cudaStream_t stream, i64 N, i64 C, i64 HW, const void* x_raw,
                              const float* gamma, const float* beta, float eps, float momentum,
-                             float* running_mean, float* running_var, float* y, float* save_mean,
-                             float* save_invstd, float* scratch) {
+                             float* running_mean, float* running_var, void* y_raw, float* save_mean,
+                             float* save_invstd, float* scratch, DType dtype) {
   check_bn("batchnorm_forward_train", N, C, HW);
   DP_CHECK(save_mean && save_invstd, "batchnorm_forward_train: save_mean and save_invstd are required");
   DP_CHECK(!running_mean == !running_var,
            "batchnorm_forward_train: expected both running_mean and running_var, or neither");
-  const int S = kernel_plan::bn_splits(N, C, HW);
-  if (S == 1) {
-    bn_stats_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
-        N, C, HW, x, eps, momentum, running_mean, running_var, save_mean, save_invstd);
-    DP_CUDA_CHECK_LAUNCH();
-  } else {
-    DP_CHECK(scratch != nullptr, "batchnorm_forward_train: expected scratch of 2 * C * ", S, " floats");
-    float* part_sum = scratch;
-    float* part_sq = scratch + C * S;
-    const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(C));  // C < kTargetBlocks when S > 1
-    bn_partial_sum_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, x, part_sum);
-    DP_CUDA_CHECK_LAUNCH();
-    bn_partial_var_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, x, part_sum, part_sq);
-    DP_CUDA_CHECK_LAUNCH();
-    bn_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(N, C, HW, S, part_sum, part_sq, eps, momentum,
-                                                           running_mean, running_var, save_mean, save_invstd);
-    DP_CUDA_CHECK_LAUNCH();
-  }
-  channel_map(stream, N, C, HW, x, nullptr, y, BnApplyOp{save_mean, save_invstd, false, eps, gamma, beta});
+  with_bn_storage("batchnorm_forward_train", dtype, [&](auto zero) {
+    using T = decltype(zero);
+    const auto* x = static_cast<const T*>(x_raw);
+    const int S = kernel_plan::bn_splits(N, C, HW);
+    if (S == 1) {
+      bn_stats_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
+          N, C, HW, x, eps, momentum, running_mean, running_var, save_mean, save_invstd);
+      DP_CUDA_CHECK_LAUNCH();
+    } else {
+      DP_CHECK(scratch != nullptr, "batchnorm_forward_train: expected scratch of 2 * C * ", S, " floats");
+      float* part_sum = scratch;
+      float* part_sq = scratch + C * S;
+      const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(C));  // C < kTargetBlocks when S > 1
+      bn_partial_sum_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, x, part_sum);
+      DP_CUDA_CHECK_LAUNCH();
+      bn_partial_var_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, x, part_sum, part_sq);
+      DP_CUDA_CHECK_LAUNCH();
+      bn_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(N, C, HW, S, part_sum, part_sq, eps, momentum,
+                                                             running_mean, running_var, save_mean, save_invstd);
+      DP_CUDA_CHECK_LAUNCH();
+    }
+    channel_map(stream, N, C, HW, x, static_cast<const T*>(nullptr), static_cast<T*>(y_raw),
+                BnApplyOp{save_mean, save_invstd, false, eps, gamma, beta});
+  });
 }
 
 i64 batchnorm_forward_scratch(i64 N, i64 C, i64 HW) {
@@ -1174,41 +1203,50 @@ i64 batchnorm_backward_scratch(i64 N, i64 C, i64 HW) {
   return 2 * C + (S == 1 ? 0 : 2 * C * S);
 }
 
-void batchnorm_forward_eval(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* x,
+void batchnorm_forward_eval(cudaStream_t stream, i64 N, i64 C, i64 HW, const void* x,
                             const float* gamma, const float* beta, float eps,
-                            const float* running_mean, const float* running_var, float* y) {
+                            const float* running_mean, const float* running_var, void* y, DType dtype) {
   check_bn("batchnorm_forward_eval", N, C, HW);
   DP_CHECK(running_mean && running_var, "batchnorm_forward_eval: running statistics are required");
-  channel_map(stream, N, C, HW, x, nullptr, y, BnApplyOp{running_mean, running_var, true, eps, gamma, beta});
+  with_bn_storage("batchnorm_forward_eval", dtype, [&](auto zero) {
+    using T = decltype(zero);
+    channel_map(stream, N, C, HW, static_cast<const T*>(x), static_cast<const T*>(nullptr), static_cast<T*>(y),
+                BnApplyOp{running_mean, running_var, true, eps, gamma, beta});
+  });
 }
 
-void batchnorm_backward(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* gy,
-                        const float* x, const float* gamma, const float* save_mean,
-                        const float* save_invstd, float* gx, float* ggamma, float* gbeta,
-                        float* scratch) {
+void batchnorm_backward(cudaStream_t stream, i64 N, i64 C, i64 HW, const void* gy_raw,
+                        const void* x_raw, const float* gamma, const float* save_mean,
+                        const float* save_invstd, void* gx, float* ggamma, float* gbeta,
+                        float* scratch, DType dtype) {
   check_bn("batchnorm_backward", N, C, HW);
-  const int S = kernel_plan::bn_splits(N, C, HW);
-  if (S == 1) {
-    bn_backward_reduce_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
-        N, C, HW, gy, x, save_mean, save_invstd, scratch, ggamma, gbeta);
-    DP_CUDA_CHECK_LAUNCH();
-  } else {
-    float* part = scratch + 2 * C;
-    const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(C));  // C < kTargetBlocks when S > 1
-    bn_backward_partial_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, gy, x, save_mean, save_invstd, part);
-    DP_CUDA_CHECK_LAUNCH();
-    bn_backward_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(C, S, part, scratch, ggamma, gbeta);
-    DP_CUDA_CHECK_LAUNCH();
-  }
-  if (!gx) return;
-  channel_map(stream, N, C, HW, gy, x, gx,
-              BnBackwardApplyOp{C, static_cast<float>(N * HW), gamma, save_mean, save_invstd, scratch});
+  with_bn_storage("batchnorm_backward", dtype, [&](auto zero) {
+    using T = decltype(zero);
+    const auto* gy = static_cast<const T*>(gy_raw);
+    const auto* x = static_cast<const T*>(x_raw);
+    const int S = kernel_plan::bn_splits(N, C, HW);
+    if (S == 1) {
+      bn_backward_reduce_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(
+          N, C, HW, gy, x, save_mean, save_invstd, scratch, ggamma, gbeta);
+      DP_CUDA_CHECK_LAUNCH();
+    } else {
+      float* part = scratch + 2 * C;
+      const dim3 grid(static_cast<unsigned>(S), static_cast<unsigned>(C));  // C < kTargetBlocks when S > 1
+      bn_backward_partial_kernel<<<grid, kStatBlock, 0, stream>>>(N, C, HW, gy, x, save_mean, save_invstd, part);
+      DP_CUDA_CHECK_LAUNCH();
+      bn_backward_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(C, S, part, scratch, ggamma, gbeta);
+      DP_CUDA_CHECK_LAUNCH();
+    }
+    if (!gx) return;
+    channel_map(stream, N, C, HW, gy, x, static_cast<T*>(gx),
+                BnBackwardApplyOp{C, static_cast<float>(N * HW), gamma, save_mean, save_invstd, scratch});
+  });
 }
 
 void bias_relu(cudaStream_t stream, i64 N, i64 C, i64 HW, const float* bias, bool relu, float* y) {
   DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "bias_relu: expected (N, C, HW) >= 0, got (", N, ", ", C, ", ", HW, ")");
   if (N == 0 || C == 0 || HW == 0 || (!bias && !relu)) return;
-  channel_map(stream, N, C, HW, y, nullptr, y, BiasReluOp{bias, relu});
+  channel_map(stream, N, C, HW, y, static_cast<const float*>(nullptr), y, BiasReluOp{bias, relu});
 }
 
 void layer_norm(cudaStream_t stream, const float* x, const float* w, const float* b, float* y, float* mean,
@@ -1295,9 +1333,69 @@ void layer_norm_backward_f32(CudaBackend& be, Device dev, const LayerNormBackwar
 }  // namespace table
 }  // namespace
 
+void batch_norm_train(CudaBackend& be, Device dev, const BatchNormTrainArgs& a, DType dtype) {
+  cudaStream_t s = be.bind(dev);
+  DP_CHECK(a.N > 0 && a.C > 0 && a.HW > 0, "batchnorm_forward_train: expected positive (N, C, HW), got (", a.N,
+           ", ", a.C, ", ", a.HW, ")");
+  const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  const auto m = [](void* p) { return static_cast<float*>(p); };
+  const i64 floats = batchnorm_forward_scratch(a.N, a.C, a.HW);
+  // The split statistics' partial sums, released once the kernels are enqueued (Note
+  // [Caching allocator streams]).
+  std::optional<CudaBackend::Scratch> parts;
+  if (floats > 0) parts.emplace(be, dev.index, static_cast<std::size_t>(floats) * sizeof(float));
+  batchnorm_forward_train(s, a.N, a.C, a.HW, a.x, f(a.gamma), f(a.beta), a.eps, a.momentum, m(a.running_mean),
+                          m(a.running_var), a.y, m(a.save_mean), m(a.save_invstd), parts ? m(parts->get()) : nullptr,
+                          dtype);
+}
+
+void batch_norm_eval(CudaBackend& be, Device dev, const BatchNormEvalArgs& a, DType dtype) {
+  const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  batchnorm_forward_eval(be.bind(dev), a.N, a.C, a.HW, a.x, f(a.gamma), f(a.beta), a.eps, f(a.running_mean),
+                         f(a.running_var), a.y, dtype);
+}
+
+void batch_norm_backward(CudaBackend& be, Device dev, const BatchNormBackwardArgs& a, DType dtype) {
+  cudaStream_t s = be.bind(dev);
+  DP_CHECK(a.N > 0 && a.C > 0 && a.HW > 0, "batchnorm_backward: expected positive (N, C, HW), got (", a.N, ", ",
+           a.C, ", ", a.HW, ")");
+  const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  const auto m = [](void* p) { return static_cast<float*>(p); };
+  CudaBackend::Scratch sums(be, dev.index,
+                            static_cast<std::size_t>(batchnorm_backward_scratch(a.N, a.C, a.HW)) * sizeof(float));
+  batchnorm_backward(s, a.N, a.C, a.HW, a.gy, a.x, f(a.gamma), f(a.save_mean), f(a.save_invstd), a.gx, m(a.ggamma),
+                     m(a.gbeta), static_cast<float*>(sums.get()), dtype);
+}
+
+namespace {
+namespace table {
+
+/// The 16-bit batch norms' entries (float32's are method kernels: method_kernels.h).
+template <DType dt>
+void batch_norm_train_entry(CudaBackend& be, Device dev, const BatchNormTrainArgs& a) {
+  batch_norm_train(be, dev, a, dt);
+}
+template <DType dt>
+void batch_norm_eval_entry(CudaBackend& be, Device dev, const BatchNormEvalArgs& a) {
+  batch_norm_eval(be, dev, a, dt);
+}
+template <DType dt>
+void batch_norm_backward_entry(CudaBackend& be, Device dev, const BatchNormBackwardArgs& a) {
+  batch_norm_backward(be, dev, a, dt);
+}
+
+}  // namespace table
+}  // namespace
+
 void register_nn_kernels(CudaBackend& be) {
   add<Op::LayerNorm, &table::layer_norm_f32>(be, DType::F32);
   add<Op::LayerNormBackward, &table::layer_norm_backward_f32>(be, DType::F32);
+  add<Op::BatchNormTrain, &table::batch_norm_train_entry<DType::BF16>>(be, DType::BF16);
+  add<Op::BatchNormEval, &table::batch_norm_eval_entry<DType::BF16>>(be, DType::BF16);
+  add<Op::BatchNormBackward, &table::batch_norm_backward_entry<DType::BF16>>(be, DType::BF16);
+  add<Op::BatchNormTrain, &table::batch_norm_train_entry<DType::F16>>(be, DType::F16);
+  add<Op::BatchNormEval, &table::batch_norm_eval_entry<DType::F16>>(be, DType::F16);
+  add<Op::BatchNormBackward, &table::batch_norm_backward_entry<DType::F16>>(be, DType::F16);
 }
 
 }  // namespace dp::backend::cuda_kernels
