@@ -64,6 +64,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 #include <type_traits>
@@ -74,6 +75,7 @@
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_register.h"
 #include "backend/functors.h"
+#include "backend/mma_attention.h"
 #include "dp/core/error.h"
 
 namespace dp::backend::cuda_kernels {
@@ -558,6 +560,10 @@ __global__ void __launch_bounds__(kThreads)
 // Shared memory: 79 KiB (forward), 71.5 (dK/dV) and 71 (dQ) per block, opted into; a
 // GPU that allows less, or a pointer that is not 16-byte aligned, takes the kernels
 // above.
+//  - The forward these calls take by default is attention_forward_mma_kernel (Note
+//    [Attention on mma fragments] in backend/mma_attention.h): the same preconditions
+//    and the same outputs, its scores, weights and accumulator in registers.
+//    DP_CUDA_ATTENTION_FORWARD=wmma chooses the WMMA forward below instead.
 
 constexpr int kTcRows = 16;                   // a warp's rows: one fragment's height
 constexpr int kTcTile = kWarps * kTcRows;     // 64: a block's rows, and the walked tile
@@ -760,6 +766,41 @@ __global__ void __launch_bounds__(kThreads)
     for (int d = lane; d < p.Ev; d += kWarp) o[d] = __float2bfloat16(l_r == 0.0f ? 0.0f : o_w[rr * kTcLdF + d] / l_r);
   }
   if (i < p.L && half == 0) lse[bh * p.L + i] = l == 0.0f ? INFINITY : m + logf(l);
+#else
+  __trap();
+#endif
+}
+
+/// out (B, H, L, Ev) and lse: a block per 64 queries of one (b, h), its warps' scores,
+/// weights and outputs in registers (Note [Attention on mma fragments] in
+/// backend/mma_attention.h). The same preconditions as the WMMA forward above.
+__global__ void __launch_bounds__(mma_attention::kThreads)
+    attention_forward_mma_kernel(Params p, const Bf* __restrict__ q, const Bf* __restrict__ k,
+                                 const Bf* __restrict__ v, Bf* __restrict__ out, float* __restrict__ lse) {
+#if DP_TC_ATTENTION
+  namespace ma = mma_attention;
+  auto* q_s = reinterpret_cast<std::uint16_t*>(tc_shared());
+  std::uint16_t* k_s = q_s + ma::kTileElems;
+  std::uint16_t* v_s = k_s + ma::kTileElems;
+  const auto bits = [](const Bf* x) { return reinterpret_cast<const std::uint16_t*>(x); };
+  const ma::Shape s{p.L, p.S, p.E, p.Ev, p.scale, p.causal};
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, tid = static_cast<int>(threadIdx.x);
+  const i64 bh = blockIdx.x / p.tiles;
+  const i64 i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * ma::kTile;  // the longest causal rows first
+  const i64 first = i0 + warp * ma::kRows;
+  ma::load_rows(q_s, bits(q) + bh * p.L * p.E, i0, p.L, p.E, tid, ma::kThreads);
+  __syncthreads();
+  ma::WarpState st;
+  ma::warp_begin(st, q_s, warp);
+  const i64 end = ma::keys_end(s, i0);
+  for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
+    __syncthreads();  // every warp is done with the previous tile
+    ma::load_rows(k_s, bits(k) + bh * p.S * p.E, j0, end, p.E, tid, ma::kThreads);
+    ma::load_rows(v_s, bits(v) + bh * p.S * p.Ev, j0, end, p.Ev, tid, ma::kThreads);
+    __syncthreads();
+    if (!ma::warp_skips(s, first, j0)) ma::warp_tile(st, s, k_s, v_s, first, j0);  // warp-uniform
+  }
+  ma::warp_finish(st, s, reinterpret_cast<std::uint16_t*>(out) + bh * p.L * p.Ev, lse + bh * p.L, first);
 #else
   __trap();
 #endif
@@ -989,15 +1030,32 @@ void launch(void (*kernel)(KernelArgs...), i64 blocks, std::size_t smem, cudaStr
   DP_CUDA_CHECK_LAUNCH();
 }
 
+/// Whether the tensor-core forward is the WMMA kernel (DP_CUDA_ATTENTION_FORWARD=wmma)
+/// rather than the one on mma fragments (Note [Attention on mma fragments]): read once.
+bool wmma_forward() {
+  static const bool wmma = [] {
+    const char* env = std::getenv("DP_CUDA_ATTENTION_FORWARD");
+    return env != nullptr && std::string(env) == "wmma";
+  }();
+  return wmma;
+}
+
 /// out and lse of BH problems with p's geometry.
 template <typename T>
 void attention_forward(cudaStream_t stream, Params p, i64 BH, const T* q, const T* k, const T* v, T* out,
                        float* lse, bool tc) {
   if constexpr (std::is_same_v<T, Bf>) {
-    if (tc) {  // Note [Attention on tensor cores]
+    if (tc) {  // Note [Attention on tensor cores], Note [Attention on mma fragments]
+      static_assert(mma_attention::kTile == kTcTile && mma_attention::kThreads == kThreads, "one grid, one block");
       p.tiles = (p.L + kTcTile - 1) / kTcTile;
-      if (BH > 0 && p.tiles > 0)
-        launch(attention_forward_tc_kernel, BH * p.tiles, tc_forward_smem(), stream, p, q, k, v, out, lse);
+      if (BH > 0 && p.tiles > 0) {
+        if (wmma_forward()) {
+          launch(attention_forward_tc_kernel, BH * p.tiles, tc_forward_smem(), stream, p, q, k, v, out, lse);
+        } else {
+          launch(attention_forward_mma_kernel, BH * p.tiles, mma_attention::kForwardSmem, stream, p, q, k, v, out,
+                 lse);
+        }
+      }
       return;
     }
   }
