@@ -273,74 +273,157 @@ DP_HD inline void load_rows(std::uint16_t* dst, const std::uint16_t* src, i64 ro
   }
 }
 
+// ---- a warp's fragment steps ---------------------------------------------------------------
+
+using FragA = Lanes<std::uint32_t[4]>;  // 16 × 16 bfloat16
+using FragB = Lanes<std::uint32_t[2]>;  // 16 × 8 bfloat16
+using FragC = Lanes<float[4]>;          // 16 × 8 float
+
+/// a[ks] = the warp's 16 rows row0 .. row0 + 15 of a shared tile (kLd apart), columns
+/// 16ks .. 16ks + 15, as A fragments.
+DP_HD inline void load_a(FragA (&a)[kSteps], const std::uint16_t* tile, int row0) {
+  for (int l = 0; l < kSimLanes; ++l) {
+    const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
+    const std::uint16_t* r0 = tile + (row0 + g) * kLd;
+    const std::uint16_t* r8 = r0 + 8 * kLd;
+    DP_UNROLL
+    for (int ks = 0; ks < kSteps; ++ks) {
+      a[ks][l][0] = load_word(r0 + ks * 16 + 2 * t);
+      a[ks][l][1] = load_word(r8 + ks * 16 + 2 * t);
+      a[ks][l][2] = load_word(r0 + ks * 16 + 2 * t + 8);
+      a[ks][l][3] = load_word(r8 + ks * 16 + 2 * t + 8);
+    }
+  }
+}
+
+DP_HD inline void zero(FragC (&c)[kKeyTiles]) {
+  DP_UNROLL
+  for (int nt = 0; nt < kKeyTiles; ++nt)
+    for (int l = 0; l < kSimLanes; ++l)
+      for (int e = 0; e < 4; ++e) c[nt][l][e] = 0.0f;
+}
+
+/// c = a · bᵀ: the warp's 16 rows (A fragments over the head dim) against the 64 rows of
+/// the shared tile b, one 16 × 8 block of dot products per 8 rows of b.
+DP_HD inline void dots(FragC (&c)[kKeyTiles], const FragA (&a)[kSteps], const std::uint16_t* b_tile) {
+  zero(c);
+  DP_UNROLL
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+    DP_UNROLL
+    for (int ks = 0; ks < kSteps; ++ks) {
+      FragB b;  // bᵀ: column g of the block is row nt·8 + g of the tile
+      for (int l = 0; l < kSimLanes; ++l) {
+        const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
+        const std::uint16_t* br = b_tile + (nt * 8 + g) * kLd + ks * 16 + 2 * t;
+        b[l][0] = load_word(br);
+        b[l][1] = load_word(br + 8);
+      }
+      mma(c[nt], a[ks], b);
+    }
+  }
+}
+
+/// acc += w · x: the warp's 16 × 64 weights w (in the C layout of dots) times the 64 rows
+/// of the shared tile x, each weight split in hi = bf16(w) and lo = bf16(w − hi) (Note
+/// [Attention on mma fragments]). Weights of column blocks 2kk and 2kk + 1 are, register
+/// for register, the A fragment of k-step kk.
+DP_HD inline void weights_times(FragC (&acc)[kDimTiles], const FragC (&w)[kKeyTiles], const std::uint16_t* x_tile) {
+  DP_UNROLL
+  for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
+    FragA a_hi, a_lo;
+    for (int l = 0; l < kSimLanes; ++l) {
+      const float* w0 = w[2 * kk][l];
+      const float* w1 = w[2 * kk + 1][l];
+      const float v[8] = {w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3]};
+      std::uint16_t h16[8], l16[8];
+      for (int e = 0; e < 8; ++e) {
+        h16[e] = bf16_bits(v[e]);
+        l16[e] = bf16_bits(v[e] - bf16_value(h16[e]));
+      }
+      // Registers: (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8), each with its right neighbour.
+      a_hi[l][0] = pack(h16[0], h16[1]);
+      a_hi[l][1] = pack(h16[2], h16[3]);
+      a_hi[l][2] = pack(h16[4], h16[5]);
+      a_hi[l][3] = pack(h16[6], h16[7]);
+      a_lo[l][0] = pack(l16[0], l16[1]);
+      a_lo[l][1] = pack(l16[2], l16[3]);
+      a_lo[l][2] = pack(l16[4], l16[5]);
+      a_lo[l][3] = pack(l16[6], l16[7]);
+    }
+    DP_UNROLL
+    for (int nt = 0; nt < kDimTiles; ++nt) {
+      FragB b;  // x: rows 16kk + 2t, +1 and +8, +9 of column nt·8 + g
+      for (int l = 0; l < kSimLanes; ++l) {
+        const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
+        const std::uint16_t* xc = x_tile + (kk * 16 + 2 * t) * kLd + nt * 8 + g;
+        b[l][0] = pack(xc[0], xc[kLd]);
+        b[l][1] = pack(xc[8 * kLd], xc[9 * kLd]);
+      }
+      mma(acc[nt], a_hi, b);
+      mma(acc[nt], a_lo, b);
+    }
+  }
+}
+
+/// Element e of a lane's C fragment of column block nt lies at row g + 8 (e / 2) and
+/// column nt·8 + 2t + e % 2 of the warp's 16 × 64 block.
+DP_HD inline int c_row(int l, int e) { return (lane_of(l) >> 2) + 8 * (e >> 1); }
+DP_HD inline int c_col(int l, int nt, int e) { return nt * 8 + 2 * (lane_of(l) & 3) + (e & 1); }
+
+/// Whether query i attends to key j: both exist and, when causal, j <= i.
+DP_HD inline bool attends(const Shape& p, i64 i, i64 j) { return i < p.L && j < p.S && !(p.causal && j > i); }
+
+/// rows (row-major, `width` apart, n of them) first .. first + 15 = factor · acc, rounded
+/// once; columns past `width` are the padding.
+DP_HD inline void store_rows(std::uint16_t* dst, const FragC (&acc)[kDimTiles], i64 first, i64 n, int width,
+                             float factor) {
+  for (int l = 0; l < kSimLanes; ++l) {
+    DP_UNROLL
+    for (int nt = 0; nt < kDimTiles; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const i64 r = first + c_row(l, e);
+        const int c = c_col(l, nt, e);
+        if (r < n && c < width) dst[r * width + c] = bf16_bits(factor * acc[nt][l][e]);
+      }
+  }
+}
+
 // ---- a warp's part of the forward --------------------------------------------------------------
 
 /// What a warp carries from one key tile to the next.
 struct WarpState {
-  Lanes<std::uint32_t[4]> q[kSteps];  // its 16 query rows as A fragments, by 16 columns
-  Lanes<float[4]> o[kDimTiles];       // the output accumulator, by 8 columns
-  Lanes<float> m[2], l[2];            // rows g and g + 8: running maximum and sum of weights
+  FragA q[kSteps];      // its 16 query rows as A fragments, by 16 columns
+  FragC o[kDimTiles];   // the output accumulator, by 8 columns
+  Lanes<float> m[2], l[2];  // rows g and g + 8: running maximum and sum of weights
 };
 
 /// The warp's query fragments from the block's query tile, and an empty accumulator.
 DP_HD inline void warp_begin(WarpState& st, const std::uint16_t* q_s, int warp) {
-  for (int l = 0; l < kSimLanes; ++l) {
-    const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
-    const std::uint16_t* r0 = q_s + (warp * kRows + g) * kLd;
-    const std::uint16_t* r8 = r0 + 8 * kLd;
-DP_UNROLL
-    for (int ks = 0; ks < kSteps; ++ks) {
-      st.q[ks][l][0] = load_word(r0 + ks * 16 + 2 * t);
-      st.q[ks][l][1] = load_word(r8 + ks * 16 + 2 * t);
-      st.q[ks][l][2] = load_word(r0 + ks * 16 + 2 * t + 8);
-      st.q[ks][l][3] = load_word(r8 + ks * 16 + 2 * t + 8);
-    }
-DP_UNROLL
-    for (int nt = 0; nt < kDimTiles; ++nt)
-      for (int c = 0; c < 4; ++c) st.o[nt][l][c] = 0.0f;
+  load_a(st.q, q_s, warp * kRows);
+  zero(st.o);
+  for (int l = 0; l < kSimLanes; ++l)
     for (int h = 0; h < 2; ++h) {
       st.m[h][l] = kNegInf;
       st.l[h][l] = 0.0f;
     }
-  }
 }
 
 /// One key tile (keys j0 .. j0 + 63: k_s and v_s, row-major, kLd apart) for the warp's
 /// rows first .. first + 15: the scores, the online softmax, and o += P·V.
 DP_HD inline void warp_tile(WarpState& st, const Shape& p, const std::uint16_t* k_s, const std::uint16_t* v_s,
                             i64 first, i64 j0) {
-  // The scores: 8 key tiles of 8, over the head dim in steps of 16.
-  Lanes<float[4]> s[kKeyTiles];
-DP_UNROLL
-  for (int nt = 0; nt < kKeyTiles; ++nt) {
-    for (int l = 0; l < kSimLanes; ++l)
-      for (int c = 0; c < 4; ++c) s[nt][l][c] = 0.0f;
-DP_UNROLL
-    for (int ks = 0; ks < kSteps; ++ks) {
-      Lanes<std::uint32_t[2]> b;  // kᵀ: column g of the tile is key nt·8 + g
-      for (int l = 0; l < kSimLanes; ++l) {
-        const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
-        const std::uint16_t* kr = k_s + (nt * 8 + g) * kLd + ks * 16 + 2 * t;
-        b[l][0] = load_word(kr);
-        b[l][1] = load_word(kr + 8);
-      }
-      mma(s[nt], st.q[ks], b);
-    }
-  }
+  FragC s[kKeyTiles];
+  dots(s, st.q, k_s);
   // Scale and mask, each row's new maximum (its group's 4 lanes), the weights and their sum.
   Lanes<float> tile_max[2], m_new[2], sum[2];
   for (int l = 0; l < kSimLanes; ++l) {
-    const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
     for (int h = 0; h < 2; ++h) tile_max[h][l] = kNegInf;
-DP_UNROLL
+    DP_UNROLL
     for (int nt = 0; nt < kKeyTiles; ++nt)
-      for (int c = 0; c < 4; ++c) {
-        const int h = c >> 1;
-        const i64 i = first + g + 8 * h, j = j0 + nt * 8 + 2 * t + (c & 1);
-        const bool attends = i < p.L && j < p.S && !(p.causal && j > i);
-        const float x = attends ? p.scale * s[nt][l][c] : kNegInf;
-        s[nt][l][c] = x;
-        tile_max[h][l] = max_nan(tile_max[h][l], x);
+      for (int e = 0; e < 4; ++e) {
+        const float x = attends(p, first + c_row(l, e), j0 + c_col(l, nt, e)) ? p.scale * s[nt][l][e] : kNegInf;
+        s[nt][l][e] = x;
+        tile_max[e >> 1][l] = max_nan(tile_max[e >> 1][l], x);
       }
   }
   for (int h = 0; h < 2; ++h) {
@@ -352,13 +435,13 @@ DP_UNROLL
       m_new[h][l] = max_nan(tile_max[h][l], st.m[h][l]);
       sum[h][l] = 0.0f;
     }
-DP_UNROLL
+    DP_UNROLL
     for (int nt = 0; nt < kKeyTiles; ++nt)
-      for (int c = 0; c < 4; ++c) {
-        const int h = c >> 1;
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1;
         // No key attended yet: no weight.
-        const float w = m_new[h][l] == kNegInf ? 0.0f : exp_f(s[nt][l][c] - m_new[h][l]);
-        s[nt][l][c] = w;
+        const float w = m_new[h][l] == kNegInf ? 0.0f : exp_f(s[nt][l][e] - m_new[h][l]);
+        s[nt][l][e] = w;
         sum[h][l] += w;
       }
   }
@@ -373,70 +456,138 @@ DP_UNROLL
       st.l[h][l] = st.l[h][l] * correction + sum[h][l];
       st.m[h][l] = m_new[h][l];
       if (correction != 1.0f) {
-DP_UNROLL
+        DP_UNROLL
         for (int nt = 0; nt < kDimTiles; ++nt) {
           st.o[nt][l][2 * h] *= correction;
           st.o[nt][l][2 * h + 1] *= correction;
         }
       }
     }
-  // o += P·V over the 64 keys in steps of 16: the weights of key tiles 2kk and 2kk + 1
-  // are the A fragment, split in hi and lo; V's rows are the k dimension.
-DP_UNROLL
-  for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
-    Lanes<std::uint32_t[4]> a_hi, a_lo;
-    for (int l = 0; l < kSimLanes; ++l) {
-      const float* w0 = s[2 * kk][l];
-      const float* w1 = s[2 * kk + 1][l];
-      const float w[8] = {w0[0], w0[1], w0[2], w0[3], w1[0], w1[1], w1[2], w1[3]};
-      std::uint16_t h16[8], l16[8];
-      for (int e = 0; e < 8; ++e) {
-        h16[e] = bf16_bits(w[e]);
-        l16[e] = bf16_bits(w[e] - bf16_value(h16[e]));
-      }
-      // Registers: (g, 2t), (g + 8, 2t), (g, 2t + 8), (g + 8, 2t + 8), each with its right neighbour.
-      a_hi[l][0] = pack(h16[0], h16[1]);
-      a_hi[l][1] = pack(h16[2], h16[3]);
-      a_hi[l][2] = pack(h16[4], h16[5]);
-      a_hi[l][3] = pack(h16[6], h16[7]);
-      a_lo[l][0] = pack(l16[0], l16[1]);
-      a_lo[l][1] = pack(l16[2], l16[3]);
-      a_lo[l][2] = pack(l16[4], l16[5]);
-      a_lo[l][3] = pack(l16[6], l16[7]);
-    }
-DP_UNROLL
-    for (int nt = 0; nt < kDimTiles; ++nt) {
-      Lanes<std::uint32_t[2]> b;  // V: rows (keys) 16kk + 2t, +1 and +8, +9 of column nt·8 + g
-      for (int l = 0; l < kSimLanes; ++l) {
-        const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
-        const std::uint16_t* vc = v_s + (kk * 16 + 2 * t) * kLd + nt * 8 + g;
-        b[l][0] = pack(vc[0], vc[kLd]);
-        b[l][1] = pack(vc[8 * kLd], vc[9 * kLd]);
-      }
-      mma(st.o[nt], a_hi, b);
-      mma(st.o[nt], a_lo, b);
-    }
-  }
+  weights_times(st.o, s, v_s);  // o += P·V
 }
 
 /// The warp's rows of out (row-major (L, Ev) of this problem, bfloat16) and lse: o / l
 /// rounded once, and m + log l; a row with every key masked gets 0 and +inf.
 DP_HD inline void warp_finish(const WarpState& st, const Shape& p, std::uint16_t* out, float* lse, i64 first) {
   for (int l = 0; l < kSimLanes; ++l) {
-    const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
+    const int t = lane_of(l) & 3;
     for (int h = 0; h < 2; ++h) {
-      const i64 i = first + g + 8 * h;
+      const i64 i = first + c_row(l, 2 * h);
       if (i >= p.L) continue;
       const float sum = st.l[h][l];
-DP_UNROLL
+      DP_UNROLL
       for (int nt = 0; nt < kDimTiles; ++nt)
-        for (int e = 0; e < 2; ++e) {
-          const int d = nt * 8 + 2 * t + e;
-          if (d < p.Ev) out[i * p.Ev + d] = bf16_bits(sum == 0.0f ? 0.0f : st.o[nt][l][2 * h + e] / sum);
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int d = c_col(l, nt, e);
+          if (d < p.Ev) out[i * p.Ev + d] = bf16_bits(sum == 0.0f ? 0.0f : st.o[nt][l][e] / sum);
         }
       if (t == 0) lse[i] = sum == 0.0f ? __builtin_huge_valf() : st.m[h][l] + log_f(sum);
     }
   }
+}
+
+// ---- the backward: a warp's part of dK and dV, and of dQ ----------------------------------------
+// The backward of Note [Attention on mma fragments], in the outline of the WMMA kernels
+// (Note [Attention on tensor cores]): Δ_i = gout_i · out_i is given, P = exp(scale·s −
+// lse), dS = P ∘ (dP − Δ) with dP = gout · vᵀ, and
+//  - a block of 64 keys walks the query tiles: Sᵀ = k qᵀ and dPᵀ = v goutᵀ (the warp's 16
+//    keys as A fragments), dV += Pᵀ gout and dK += dSᵀ q (the weights split in hi and lo);
+//  - a block of 64 queries walks the key tiles: S = q kᵀ, dP = gout vᵀ, dQ += dS k.
+// Each sum runs in a fixed order (no atomics), and dK and dQ are scaled once as stored.
+
+/// What a warp carries across the walk of the dK/dV kernel (its 16 keys).
+struct KeysState {
+  FragA k[kSteps], v[kSteps];
+  FragC dk[kDimTiles], dv[kDimTiles];
+};
+
+DP_HD inline void keys_begin(KeysState& st, const std::uint16_t* k_s, const std::uint16_t* v_s, int warp) {
+  load_a(st.k, k_s, warp * kRows);
+  load_a(st.v, v_s, warp * kRows);
+  zero(st.dk);
+  zero(st.dv);
+}
+
+/// One query tile (queries i0 .. i0 + 63: q_s and g_s, their lse and Δ in lse_s and
+/// delta_s) for the warp's keys first .. first + 15.
+DP_HD inline void keys_tile(KeysState& st, const Shape& p, const std::uint16_t* q_s, const std::uint16_t* g_s,
+                            const float* lse_s, const float* delta_s, i64 first, i64 i0) {
+  FragC w[kKeyTiles], dp[kKeyTiles];
+  dots(w, st.k, q_s);  // Sᵀ: the warp's keys × the tile's queries
+  for (int l = 0; l < kSimLanes; ++l) {
+    DP_UNROLL
+    for (int nt = 0; nt < kKeyTiles; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int col = c_col(l, nt, e);
+        w[nt][l][e] = attends(p, i0 + col, first + c_row(l, e)) ? exp_f(p.scale * w[nt][l][e] - lse_s[col]) : 0.0f;
+      }
+  }
+  weights_times(st.dv, w, g_s);  // dV += Pᵀ gout
+  dots(dp, st.v, g_s);           // dPᵀ = v goutᵀ
+  for (int l = 0; l < kSimLanes; ++l) {
+    DP_UNROLL
+    for (int nt = 0; nt < kKeyTiles; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int col = c_col(l, nt, e);
+        // P is 0 where query i does not attend (and dP − Δ is finite there): dS is 0.
+        dp[nt][l][e] = attends(p, i0 + col, first + c_row(l, e)) ? w[nt][l][e] * (dp[nt][l][e] - delta_s[col]) : 0.0f;
+      }
+  }
+  weights_times(st.dk, dp, q_s);  // dK += dSᵀ q (unscaled)
+}
+
+/// What a warp carries across the walk of the dQ kernel (its 16 queries).
+struct QueriesState {
+  FragA q[kSteps], g[kSteps];
+  FragC dq[kDimTiles];
+  Lanes<float> lse[2], delta[2];  // rows g and g + 8
+};
+
+DP_HD inline void queries_begin(QueriesState& st, const Shape& p, const std::uint16_t* q_s, const std::uint16_t* g_s,
+                                const float* lse, const float* delta, int warp, i64 first) {
+  load_a(st.q, q_s, warp * kRows);
+  load_a(st.g, g_s, warp * kRows);
+  zero(st.dq);
+  for (int l = 0; l < kSimLanes; ++l)
+    for (int h = 0; h < 2; ++h) {
+      const i64 i = first + c_row(l, 2 * h);
+      st.lse[h][l] = i < p.L ? lse[i] : 0.0f;
+      st.delta[h][l] = i < p.L ? delta[i] : 0.0f;
+    }
+}
+
+/// One key tile (keys j0 .. j0 + 63: k_s and v_s) for the warp's queries first .. first + 15.
+DP_HD inline void queries_tile(QueriesState& st, const Shape& p, const std::uint16_t* k_s, const std::uint16_t* v_s,
+                               i64 first, i64 j0) {
+  FragC w[kKeyTiles], dp[kKeyTiles];
+  dots(w, st.q, k_s);  // S
+  dots(dp, st.g, v_s);  // dP = gout vᵀ
+  for (int l = 0; l < kSimLanes; ++l) {
+    DP_UNROLL
+    for (int nt = 0; nt < kKeyTiles; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1;
+        const bool on = attends(p, first + c_row(l, e), j0 + c_col(l, nt, e));
+        const float pw = on ? exp_f(p.scale * w[nt][l][e] - st.lse[h][l]) : 0.0f;
+        w[nt][l][e] = on ? pw * (dp[nt][l][e] - st.delta[h][l]) : 0.0f;
+      }
+  }
+  weights_times(st.dq, w, k_s);  // dQ += dS k (unscaled)
+}
+
+/// lse_s and delta_s (kTile each) = the rows i0 .. i0 + 63 of lse and Δ, 0 past row L.
+/// Thread tid of nthreads.
+DP_HD inline void load_row_stats(float* lse_s, float* delta_s, const float* lse, const float* delta, i64 i0, i64 L,
+                                 int tid, int nthreads) {
+  for (int r = tid; r < kTile; r += nthreads) {
+    lse_s[r] = i0 + r < L ? lse[i0 + r] : 0.0f;
+    delta_s[r] = i0 + r < L ? delta[i0 + r] : 0.0f;
+  }
+}
+
+/// Whether the warp's keys first .. first + 15 are attended by no query of the tile at i0.
+DP_HD inline bool keys_skip(const Shape& p, i64 first, i64 i0) {
+  return first >= p.S || (p.causal && first > i0 + kTile - 1);
 }
 
 /// The key tiles a block of query rows i0 .. i0 + 63 walks: up to `end` keys.

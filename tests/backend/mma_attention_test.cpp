@@ -38,8 +38,9 @@ std::vector<std::uint16_t> random_bf16(i64 n, float spread, std::uint32_t seed) 
 float value(std::uint16_t b) { return static_cast<float>(dp::BFloat16::from_bits(b)); }
 
 /// The kernel's grid, run block by block: what attention_forward_mma_kernel does on a GPU.
-void run_forward(const Problem& pb, const ma::Shape& p, const std::vector<std::uint16_t>& q,
-                 const std::vector<std::uint16_t>& k, const std::vector<std::uint16_t>& v, std::vector<std::uint16_t>& out,
+using Bits = std::vector<std::uint16_t>;
+
+void run_forward(const Problem& pb, const ma::Shape& p, const Bits& q, const Bits& k, const Bits& v, Bits& out,
                  std::vector<float>& lse) {
   std::vector<std::uint16_t> smem(3 * ma::kTileElems);
   std::uint16_t* q_s = smem.data();
@@ -126,6 +127,141 @@ void check_problem(const Problem& pb) {
 
 }  // namespace
 
+/// The backward's two grids, block by block: attention_keys_mma_kernel's (gk, gv) and
+/// attention_queries_mma_kernel's (gq).
+void run_backward(const Problem& pb, const ma::Shape& p, const Bits& q, const Bits& k, const Bits& v, const Bits& g,
+                  const std::vector<float>& lse, const std::vector<float>& delta, Bits& gq, Bits& gk, Bits& gv) {
+  std::vector<std::uint16_t> smem(4 * ma::kTileElems);
+  std::uint16_t* t0 = smem.data();
+  std::uint16_t* t1 = t0 + ma::kTileElems;
+  std::uint16_t* t2 = t1 + ma::kTileElems;
+  std::uint16_t* t3 = t2 + ma::kTileElems;
+  std::vector<float> lse_s(ma::kTile), delta_s(ma::kTile);
+  for (i64 bh = 0; bh < pb.BH; ++bh) {
+    const std::uint16_t* qb = q.data() + bh * p.L * p.E;
+    const std::uint16_t* kb = k.data() + bh * p.S * p.E;
+    const std::uint16_t* vb = v.data() + bh * p.S * p.Ev;
+    const std::uint16_t* gb = g.data() + bh * p.L * p.Ev;
+    // dK and dV: a block per 64 keys, walking the query tiles.
+    for (i64 j0 = 0; j0 < p.S; j0 += ma::kTile) {
+      std::vector<ma::KeysState> st(ma::kWarps);
+      ma::load_rows(t0, kb, j0, p.S, p.E, 0, 1);
+      ma::load_rows(t1, vb, j0, p.S, p.Ev, 0, 1);
+      for (int w = 0; w < ma::kWarps; ++w) ma::keys_begin(st[static_cast<std::size_t>(w)], t0, t1, w);
+      for (i64 i0 = p.causal ? j0 : 0; i0 < p.L; i0 += ma::kTile) {
+        ma::load_rows(t2, qb, i0, p.L, p.E, 0, 1);
+        ma::load_rows(t3, gb, i0, p.L, p.Ev, 0, 1);
+        ma::load_row_stats(lse_s.data(), delta_s.data(), lse.data() + bh * p.L, delta.data() + bh * p.L, i0, p.L, 0,
+                           1);
+        for (int w = 0; w < ma::kWarps; ++w) {
+          const i64 first = j0 + w * ma::kRows;
+          if (!ma::keys_skip(p, first, i0))
+            ma::keys_tile(st[static_cast<std::size_t>(w)], p, t2, t3, lse_s.data(), delta_s.data(), first, i0);
+        }
+      }
+      for (int w = 0; w < ma::kWarps; ++w) {
+        const i64 first = j0 + w * ma::kRows;
+        ma::store_rows(gk.data() + bh * p.S * p.E, st[static_cast<std::size_t>(w)].dk, first, p.S, p.E, p.scale);
+        ma::store_rows(gv.data() + bh * p.S * p.Ev, st[static_cast<std::size_t>(w)].dv, first, p.S, p.Ev, 1.0f);
+      }
+    }
+    // dQ: a block per 64 queries, walking the key tiles.
+    for (i64 i0 = 0; i0 < p.L; i0 += ma::kTile) {
+      std::vector<ma::QueriesState> st(ma::kWarps);
+      ma::load_rows(t0, qb, i0, p.L, p.E, 0, 1);
+      ma::load_rows(t1, gb, i0, p.L, p.Ev, 0, 1);
+      for (int w = 0; w < ma::kWarps; ++w)
+        ma::queries_begin(st[static_cast<std::size_t>(w)], p, t0, t1, lse.data() + bh * p.L, delta.data() + bh * p.L,
+                          w, i0 + w * ma::kRows);
+      const i64 end = ma::keys_end(p, i0);
+      for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
+        ma::load_rows(t2, kb, j0, end, p.E, 0, 1);
+        ma::load_rows(t3, vb, j0, end, p.Ev, 0, 1);
+        for (int w = 0; w < ma::kWarps; ++w) {
+          const i64 first = i0 + w * ma::kRows;
+          if (!ma::warp_skips(p, first, j0)) ma::queries_tile(st[static_cast<std::size_t>(w)], p, t2, t3, first, j0);
+        }
+      }
+      for (int w = 0; w < ma::kWarps; ++w)
+        ma::store_rows(gq.data() + bh * p.L * p.E, st[static_cast<std::size_t>(w)].dq, i0 + w * ma::kRows, p.L, p.E,
+                       p.scale);
+    }
+  }
+}
+
+/// Each of got (bfloat16) within one bfloat16 rounding and the float32 sums of want
+/// (double), relative to want's largest magnitude where the sums cancel.
+int count_bad(const char* what, const Bits& got, const std::vector<double>& want) {
+  double peak = 0;
+  for (double w : want) peak = std::max(peak, std::fabs(w));
+  int bad = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double gv = value(got[i]);
+    if (!(std::fabs(gv - want[i]) <= 0x1.0p-8 * std::fabs(want[i]) + 2e-3 * peak)) {
+      if (++bad <= 5) FAIL_CHECK(what, "[", i, "]: got ", gv, ", want ", want[i], " (largest ", peak, ")");
+    }
+  }
+  return bad;
+}
+
+void check_backward(const Problem& pb) {
+  CAPTURE(pb.BH);
+  CAPTURE(pb.L);
+  CAPTURE(pb.S);
+  CAPTURE(pb.E);
+  CAPTURE(pb.Ev);
+  CAPTURE(pb.causal);
+  const ma::Shape p{pb.L, pb.S, pb.E, pb.Ev, 1.0f / std::sqrt(static_cast<float>(pb.E)), pb.causal};
+  const Bits q = random_bf16(pb.BH * pb.L * pb.E, pb.spread, 11), k = random_bf16(pb.BH * pb.S * pb.E, pb.spread, 12);
+  const Bits v = random_bf16(pb.BH * pb.S * pb.Ev, 1.0f, 13), g = random_bf16(pb.BH * pb.L * pb.Ev, 1.0f, 14);
+  auto at = [](const Bits& x, i64 i) { return static_cast<double>(value(x[static_cast<std::size_t>(i)])); };
+  // The reference in double; lse and Δ (gout · out) handed to the kernels as float32.
+  std::vector<float> lse(static_cast<std::size_t>(pb.BH * pb.L)), delta(lse.size());
+  std::vector<double> wq(q.size()), wk(k.size()), wv(v.size());
+  for (i64 bh = 0; bh < pb.BH; ++bh)
+    for (i64 i = 0; i < pb.L; ++i) {
+      std::vector<double> pr(static_cast<std::size_t>(pb.S));
+      double mx = -std::numeric_limits<double>::infinity();
+      for (i64 j = 0; j < pb.S; ++j) {
+        double dot = 0;
+        for (int e = 0; e < pb.E; ++e) dot += at(q, (bh * pb.L + i) * pb.E + e) * at(k, (bh * pb.S + j) * pb.E + e);
+        pr[static_cast<std::size_t>(j)] =
+            pb.causal && j > i ? -std::numeric_limits<double>::infinity() : double(p.scale) * dot;
+        mx = std::max(mx, pr[static_cast<std::size_t>(j)]);
+      }
+      double sum = 0;
+      for (double& x : pr) sum += (x = std::exp(x - mx));
+      for (double& x : pr) x /= sum;
+      const i64 row = bh * pb.L + i;
+      lse[static_cast<std::size_t>(row)] = static_cast<float>(mx + std::log(sum));
+      double d = 0;
+      for (int c = 0; c < pb.Ev; ++c) {
+        double o = 0;
+        for (i64 j = 0; j < pb.S; ++j) o += pr[static_cast<std::size_t>(j)] * at(v, (bh * pb.S + j) * pb.Ev + c);
+        d += at(g, row * pb.Ev + c) * o;
+      }
+      delta[static_cast<std::size_t>(row)] = static_cast<float>(d);
+      for (i64 j = 0; j < pb.S; ++j) {
+        const double pij = pr[static_cast<std::size_t>(j)];
+        double dp = 0;
+        for (int c = 0; c < pb.Ev; ++c) {
+          dp += at(g, row * pb.Ev + c) * at(v, (bh * pb.S + j) * pb.Ev + c);
+          wv[static_cast<std::size_t>((bh * pb.S + j) * pb.Ev + c)] += pij * at(g, row * pb.Ev + c);
+        }
+        const double ds = pij * (dp - double(delta[static_cast<std::size_t>(row)])) * double(p.scale);
+        for (int e = 0; e < pb.E; ++e) {
+          wq[static_cast<std::size_t>(row * pb.E + e)] += ds * at(k, (bh * pb.S + j) * pb.E + e);
+          wk[static_cast<std::size_t>((bh * pb.S + j) * pb.E + e)] += ds * at(q, row * pb.E + e);
+        }
+      }
+    }
+  Bits gq(q.size(), 0x7FC0), gk(k.size(), 0x7FC0), gv(v.size(), 0x7FC0);  // NaN: unwritten
+  run_backward(pb, p, q, k, v, g, lse, delta, gq, gk, gv);
+  CHECK(count_bad("gq", gq, wq) == 0);
+  CHECK(count_bad("gk", gk, wk) == 0);
+  CHECK(count_bad("gv", gv, wv) == 0);
+}
+
 TEST_CASE("the mma attention forward matches attention in double: partial tiles, padding, causal") {
   // 70 queries and 67 keys: partial 64-row tiles on both sides; E = 40 and Ev = 24: the
   // element-wise tile load and zero padding; 130 rows causal: warps that skip tiles.
@@ -171,5 +307,13 @@ TEST_CASE("the simulated mma is the documented fragment layout") {
       for (int kk = 0; kk < 16; ++kk) want += A(r, kk) * B(kk, col);
       CHECK(d[l][c] == want);
     }
+  }
+}
+
+TEST_CASE("the mma attention backward matches gradients in double: partial tiles, padding, causal") {
+  for (const Problem& pb : {Problem{2, 70, 67, 64, 64, false, 1.0f}, Problem{1, 130, 130, 64, 64, true, 1.0f},
+                            Problem{2, 70, 45, 40, 24, false, 1.0f}, Problem{1, 129, 140, 40, 48, true, 1.0f},
+                            Problem{1, 100, 64, 16, 16, true, 3.0f}}) {
+    check_backward(pb);
   }
 }

@@ -1156,7 +1156,8 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0, DType dt = DTy
               r.output("running_var", rvar, C);
             }
             r.set_call([=](Backend& b, Device d) {
-              b.run<Op::BatchNormTrain>(d, dt, {N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar, y, mean, invstd});
+              b.run<Op::BatchNormTrain>(d, dt,
+                                        {N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar, y, mean, invstd});
             });
           });
   }

@@ -560,10 +560,10 @@ __global__ void __launch_bounds__(kThreads)
 // Shared memory: 79 KiB (forward), 71.5 (dK/dV) and 71 (dQ) per block, opted into; a
 // GPU that allows less, or a pointer that is not 16-byte aligned, takes the kernels
 // above.
-//  - The forward these calls take by default is attention_forward_mma_kernel (Note
-//    [Attention on mma fragments] in backend/mma_attention.h): the same preconditions
-//    and the same outputs, its scores, weights and accumulator in registers.
-//    DP_CUDA_ATTENTION_FORWARD=wmma chooses the WMMA forward below instead.
+//  - The kernels these calls take by default are the ones on mma fragments (Note
+//    [Attention on mma fragments] in backend/mma_attention.h): the same preconditions,
+//    outline and outputs, the scores, weights and accumulators in registers.
+//    DP_CUDA_ATTENTION_KERNELS=wmma chooses the WMMA kernels below instead.
 
 constexpr int kTcRows = 16;                   // a warp's rows: one fragment's height
 constexpr int kTcTile = kWarps * kTcRows;     // 64: a block's rows, and the walked tile
@@ -943,6 +943,81 @@ __global__ void __launch_bounds__(kThreads)
 #endif
 }
 
+/// gk and gv: a block per 64 keys of one (b, h), walking the query tiles, on mma
+/// fragments (the backward of Note [Attention on mma fragments]).
+__global__ void __launch_bounds__(mma_attention::kThreads)
+    attention_keys_mma_kernel(Params p, const Bf* __restrict__ q, const Bf* __restrict__ k, const Bf* __restrict__ v,
+                              const Bf* __restrict__ gout, const float* __restrict__ lse,
+                              const float* __restrict__ delta, Bf* __restrict__ gk, Bf* __restrict__ gv) {
+#if DP_TC_ATTENTION
+  namespace ma = mma_attention;
+  auto* k_s = reinterpret_cast<std::uint16_t*>(tc_shared());
+  std::uint16_t* v_s = k_s + ma::kTileElems;
+  std::uint16_t* q_s = v_s + ma::kTileElems;
+  std::uint16_t* g_s = q_s + ma::kTileElems;
+  float* lse_s = reinterpret_cast<float*>(g_s + ma::kTileElems);
+  float* delta_s = lse_s + ma::kTile;
+  const auto bits = [](const Bf* x) { return reinterpret_cast<const std::uint16_t*>(x); };
+  const ma::Shape s{p.L, p.S, p.E, p.Ev, p.scale, p.causal};
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, tid = static_cast<int>(threadIdx.x);
+  const i64 bh = blockIdx.x / p.tiles, j0 = blockIdx.x % p.tiles * ma::kTile;
+  const i64 first = j0 + warp * ma::kRows;  // the warp's first key
+  ma::load_rows(k_s, bits(k) + bh * p.S * p.E, j0, p.S, p.E, tid, ma::kThreads);
+  ma::load_rows(v_s, bits(v) + bh * p.S * p.Ev, j0, p.S, p.Ev, tid, ma::kThreads);
+  __syncthreads();
+  ma::KeysState st;
+  ma::keys_begin(st, k_s, v_s, warp);
+  for (i64 i0 = p.causal ? j0 : 0; i0 < p.L; i0 += ma::kTile) {  // causal: no query before j0 attends
+    __syncthreads();  // every warp is done with the previous tile
+    ma::load_rows(q_s, bits(q) + bh * p.L * p.E, i0, p.L, p.E, tid, ma::kThreads);
+    ma::load_rows(g_s, bits(gout) + bh * p.L * p.Ev, i0, p.L, p.Ev, tid, ma::kThreads);
+    ma::load_row_stats(lse_s, delta_s, lse + bh * p.L, delta + bh * p.L, i0, p.L, tid, ma::kThreads);
+    __syncthreads();
+    if (!ma::keys_skip(s, first, i0)) ma::keys_tile(st, s, q_s, g_s, lse_s, delta_s, first, i0);  // warp-uniform
+  }
+  ma::store_rows(reinterpret_cast<std::uint16_t*>(gk) + bh * p.S * p.E, st.dk, first, p.S, p.E, p.scale);
+  ma::store_rows(reinterpret_cast<std::uint16_t*>(gv) + bh * p.S * p.Ev, st.dv, first, p.S, p.Ev, 1.0f);
+#else
+  __trap();
+#endif
+}
+
+/// gq: a block per 64 queries of one (b, h), walking the key tiles, on mma fragments.
+__global__ void __launch_bounds__(mma_attention::kThreads)
+    attention_queries_mma_kernel(Params p, const Bf* __restrict__ q, const Bf* __restrict__ k,
+                                 const Bf* __restrict__ v, const Bf* __restrict__ gout, const float* __restrict__ lse,
+                                 const float* __restrict__ delta, Bf* __restrict__ gq) {
+#if DP_TC_ATTENTION
+  namespace ma = mma_attention;
+  auto* q_s = reinterpret_cast<std::uint16_t*>(tc_shared());
+  std::uint16_t* g_s = q_s + ma::kTileElems;
+  std::uint16_t* k_s = g_s + ma::kTileElems;
+  std::uint16_t* v_s = k_s + ma::kTileElems;
+  const auto bits = [](const Bf* x) { return reinterpret_cast<const std::uint16_t*>(x); };
+  const ma::Shape s{p.L, p.S, p.E, p.Ev, p.scale, p.causal};
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, tid = static_cast<int>(threadIdx.x);
+  const i64 bh = blockIdx.x / p.tiles;
+  const i64 i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * ma::kTile;  // the longest causal rows first
+  const i64 first = i0 + warp * ma::kRows;
+  ma::load_rows(q_s, bits(q) + bh * p.L * p.E, i0, p.L, p.E, tid, ma::kThreads);
+  ma::load_rows(g_s, bits(gout) + bh * p.L * p.Ev, i0, p.L, p.Ev, tid, ma::kThreads);
+  __syncthreads();
+  ma::QueriesState st;
+  ma::queries_begin(st, s, q_s, g_s, lse + bh * p.L, delta + bh * p.L, warp, first);
+  const i64 end = ma::keys_end(s, i0);
+  for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
+    __syncthreads();  // every warp is done with the previous tile
+    ma::load_rows(k_s, bits(k) + bh * p.S * p.E, j0, end, p.E, tid, ma::kThreads);
+    ma::load_rows(v_s, bits(v) + bh * p.S * p.Ev, j0, end, p.Ev, tid, ma::kThreads);
+    __syncthreads();
+    if (!ma::warp_skips(s, first, j0)) ma::queries_tile(st, s, k_s, v_s, first, j0);  // warp-uniform
+  }
+  ma::store_rows(reinterpret_cast<std::uint16_t*>(gq) + bh * p.L * p.E, st.dq, first, p.L, p.E, p.scale);
+#else
+  __trap();
+#endif
+}
+
 // Shared memory of each tensor-core kernel: tiles (and lse, Δ), then the warps' blocks.
 constexpr std::size_t tc_forward_smem() {
   return 3 * kTcTileBytes + kWarps * (2 * kTcBlockBytes + kTcSplitBytes);
@@ -1030,15 +1105,18 @@ void launch(void (*kernel)(KernelArgs...), i64 blocks, std::size_t smem, cudaStr
   DP_CUDA_CHECK_LAUNCH();
 }
 
-/// Whether the tensor-core forward is the WMMA kernel (DP_CUDA_ATTENTION_FORWARD=wmma)
-/// rather than the one on mma fragments (Note [Attention on mma fragments]): read once.
-bool wmma_forward() {
+/// Whether the tensor-core calls take the WMMA kernels (DP_CUDA_ATTENTION_KERNELS=wmma)
+/// rather than those on mma fragments (Note [Attention on mma fragments]): read once.
+bool wmma_kernels() {
   static const bool wmma = [] {
-    const char* env = std::getenv("DP_CUDA_ATTENTION_FORWARD");
+    const char* env = std::getenv("DP_CUDA_ATTENTION_KERNELS");
     return env != nullptr && std::string(env) == "wmma";
   }();
   return wmma;
 }
+/// Dynamic shared memory of the backward kernels on mma fragments: four tiles (and the
+/// keys kernel's lse and Δ of its query tile).
+constexpr std::size_t kMmaBackwardSmem = mma_attention::kForwardSmem / 3 * 4 + 2 * mma_attention::kTile * sizeof(float);
 
 /// out and lse of BH problems with p's geometry.
 template <typename T>
@@ -1049,7 +1127,7 @@ void attention_forward(cudaStream_t stream, Params p, i64 BH, const T* q, const 
       static_assert(mma_attention::kTile == kTcTile && mma_attention::kThreads == kThreads, "one grid, one block");
       p.tiles = (p.L + kTcTile - 1) / kTcTile;
       if (BH > 0 && p.tiles > 0) {
-        if (wmma_forward()) {
+        if (wmma_kernels()) {
           launch(attention_forward_tc_kernel, BH * p.tiles, tc_forward_smem(), stream, p, q, k, v, out, lse);
         } else {
           launch(attention_forward_mma_kernel, BH * p.tiles, mma_attention::kForwardSmem, stream, p, q, k, v, out,
@@ -1078,16 +1156,29 @@ void attention_backward(cudaStream_t stream, Params p, i64 BH, const T* q, const
     DP_CUDA_CHECK_LAUNCH();
   }
   if constexpr (std::is_same_v<T, Bf>) {
-    if (tc) {  // Note [Attention on tensor cores]
+    if (tc) {  // Note [Attention on tensor cores], Note [Attention on mma fragments]
       Params keys = p, queries = p;
       keys.tiles = (p.S + kTcTile - 1) / kTcTile;
       queries.tiles = (p.L + kTcTile - 1) / kTcTile;
-      if (BH > 0 && keys.tiles > 0)
-        launch(attention_keys_tc_kernel, BH * keys.tiles, tc_keys_smem(), stream, keys, q, k, v, gout, lse, delta, gk,
-               gv);
-      if (BH > 0 && queries.tiles > 0)
-        launch(attention_queries_tc_kernel, BH * queries.tiles, tc_queries_smem(), stream, queries, q, k, v, gout,
-               lse, delta, gq);
+      const bool wmma = wmma_kernels();
+      if (BH > 0 && keys.tiles > 0) {
+        if (wmma) {
+          launch(attention_keys_tc_kernel, BH * keys.tiles, tc_keys_smem(), stream, keys, q, k, v, gout, lse, delta,
+                 gk, gv);
+        } else {
+          launch(attention_keys_mma_kernel, BH * keys.tiles, kMmaBackwardSmem, stream, keys, q, k, v, gout, lse, delta,
+                 gk, gv);
+        }
+      }
+      if (BH > 0 && queries.tiles > 0) {
+        if (wmma) {
+          launch(attention_queries_tc_kernel, BH * queries.tiles, tc_queries_smem(), stream, queries, q, k, v, gout,
+                 lse, delta, gq);
+        } else {
+          launch(attention_queries_mma_kernel, BH * queries.tiles, mma_attention::kForwardSmem / 3 * 4, stream,
+                 queries, q, k, v, gout, lse, delta, gq);
+        }
+      }
       return;
     }
   }
