@@ -54,14 +54,20 @@ namespace dp::backend::mma_attention {
 //    results are bitwise reproducible run to run; they differ from the WMMA kernels' in
 //    the last bits.
 //  - Shared memory: the query, key and value tiles, 64 rows of 72 bfloat16 (64 columns,
-//    zero-padded past E or Ev, then 8 of padding so that the 8 groups' rows fall on
-//    different banks): 27 KiB a block, where the WMMA forward needs 79.
+//    zero-padded past E or Ev, then 8 of padding so that the 8 rows an ldmatrix phase
+//    reads fall on different banks): 27 KiB a block, where the WMMA forward needs 79.
+//    The second operands come from the tiles by ldmatrix.x4, four 8 × 8 matrices an
+//    instruction: untransposed for a tile whose rows are the product's n (kᵀ in q kᵀ),
+//    transposed for one whose rows are its k (v in P·V), which hands each lane exactly
+//    its B fragment's pairs.
 //  - Simulation: a lane's values are Lanes<T>, one T on the device (the thread's own lane)
 //    and 32 on the host; the cross-lane steps (mma, xor-shuffle) take Lanes of the whole
 //    warp. The host runs a block's phases in the kernel's order — the tile loads for all
 //    threads, then each warp's step — so the kernel's own arithmetic, indexing and
 //    fragment bookkeeping are what the test checks against a reference. The host's mma
 //    multiplies in float in k order; the hardware's order differs, within the tolerance.
+//    The host's mma and ldmatrix follow the PTX ISA's layouts; they are the one part a
+//    GPU has to confirm (cuda_attention_test).
 
 using i64 = std::int64_t;
 
@@ -244,6 +250,38 @@ DP_HD inline void xor_combine(Lanes<float>& v, int mask, F f) {
 #endif
 }
 
+/// r[i] = lane's part of four 8 × 8 bfloat16 matrices in shared memory, as ldmatrix.x4
+/// loads them: lane l names row l % 8 of matrix l / 8 (row(l): a pointer to its 8
+/// elements, 16-byte aligned). Without `trans`, lane l receives row l / 4, elements
+/// 2(l % 4) and 2(l % 4) + 1 of each matrix (an A or C row pair); with `trans`, rows
+/// 2(l % 4) and 2(l % 4) + 1 of column l / 4 (a B fragment's pair from a row-major
+/// matrix whose rows are its k).
+template <bool kTrans, typename Row>
+DP_HD inline void ldmatrix_x4(Lanes<std::uint32_t[4]>& r, Row row) {
+#if defined(__CUDA_ARCH__)
+  const auto at = static_cast<unsigned>(__cvta_generic_to_shared(row(lane_of(0))));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0][0]), "=r"(r[0][1]), "=r"(r[0][2]), "=r"(r[0][3])
+                 : "r"(at));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0][0]), "=r"(r[0][1]), "=r"(r[0][2]), "=r"(r[0][3])
+                 : "r"(at));
+  }
+#else
+  for (int i = 0; i < 4; ++i)
+    for (int l = 0; l < 32; ++l) {
+      const int g = l >> 2, t = l & 3;
+      if constexpr (kTrans) {
+        r[l][i] = pack(row(8 * i + 2 * t)[g], row(8 * i + 2 * t + 1)[g]);
+      } else {
+        r[l][i] = pack(row(8 * i + g)[2 * t], row(8 * i + g)[2 * t + 1]);
+      }
+    }
+#endif
+}
+
 // ---- the block's tile loads (every thread of the block; the host: tid 0 of 1) ----------------
 
 /// Rows [row0, row0 + kTile) of a row-major (n, width) bfloat16 matrix into dst, kLd
@@ -308,17 +346,25 @@ DP_HD inline void zero(FragC (&c)[kKeyTiles]) {
 DP_HD inline void dots(FragC (&c)[kKeyTiles], const FragA (&a)[kSteps], const std::uint16_t* b_tile) {
   zero(c);
   DP_UNROLL
-  for (int nt = 0; nt < kKeyTiles; ++nt) {
+  for (int nt = 0; nt < kKeyTiles; nt += 2) {
     DP_UNROLL
     for (int ks = 0; ks < kSteps; ++ks) {
-      FragB b;  // bᵀ: column g of the block is row nt·8 + g of the tile
+      // bᵀ of column blocks nt and nt + 1: column g of block n is row n·8 + g of the tile,
+      // its k the tile's columns 16ks .. 16ks + 15 — four 8 × 8 matrices, untransposed.
+      Lanes<std::uint32_t[4]> r;
+      ldmatrix_x4<false>(r, [&](int lane) {
+        const int m = lane >> 3;
+        return b_tile + ((nt + (m >> 1)) * 8 + (lane & 7)) * kLd + ks * 16 + (m & 1) * 8;
+      });
+      FragB b0, b1;
       for (int l = 0; l < kSimLanes; ++l) {
-        const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
-        const std::uint16_t* br = b_tile + (nt * 8 + g) * kLd + ks * 16 + 2 * t;
-        b[l][0] = load_word(br);
-        b[l][1] = load_word(br + 8);
+        b0[l][0] = r[l][0];
+        b0[l][1] = r[l][1];
+        b1[l][0] = r[l][2];
+        b1[l][1] = r[l][3];
       }
-      mma(c[nt], a[ks], b);
+      mma(c[nt], a[ks], b0);
+      mma(c[nt + 1], a[ks], b1);
     }
   }
 }
@@ -351,16 +397,26 @@ DP_HD inline void weights_times(FragC (&acc)[kDimTiles], const FragC (&w)[kKeyTi
       a_lo[l][3] = pack(l16[6], l16[7]);
     }
     DP_UNROLL
-    for (int nt = 0; nt < kDimTiles; ++nt) {
-      FragB b;  // x: rows 16kk + 2t, +1 and +8, +9 of column nt·8 + g
+    for (int nt = 0; nt < kDimTiles; nt += 2) {
+      // x's rows 16kk .. 16kk + 15 (the k) of column blocks nt and nt + 1: four 8 × 8
+      // matrices, transposed into B fragments (rows 2t, 2t + 1 and 2t + 8, 2t + 9 of
+      // column g).
+      Lanes<std::uint32_t[4]> r;
+      ldmatrix_x4<true>(r, [&](int lane) {
+        const int m = lane >> 3;
+        return x_tile + (kk * 16 + (m & 1) * 8 + (lane & 7)) * kLd + (nt + (m >> 1)) * 8;
+      });
+      FragB b0, b1;
       for (int l = 0; l < kSimLanes; ++l) {
-        const int g = lane_of(l) >> 2, t = lane_of(l) & 3;
-        const std::uint16_t* xc = x_tile + (kk * 16 + 2 * t) * kLd + nt * 8 + g;
-        b[l][0] = pack(xc[0], xc[kLd]);
-        b[l][1] = pack(xc[8 * kLd], xc[9 * kLd]);
+        b0[l][0] = r[l][0];
+        b0[l][1] = r[l][1];
+        b1[l][0] = r[l][2];
+        b1[l][1] = r[l][3];
       }
-      mma(acc[nt], a_hi, b);
-      mma(acc[nt], a_lo, b);
+      mma(acc[nt], a_hi, b0);
+      mma(acc[nt], a_lo, b0);
+      mma(acc[nt + 1], a_hi, b1);
+      mma(acc[nt + 1], a_lo, b1);
     }
   }
 }
