@@ -2,7 +2,7 @@
 // instructions (Note [Attention on mma fragments]), written so that the host can run it:
 // the CUDA backend's kernel calls these bodies, and tests/backend/mma_attention_test.cpp
 // runs the same bodies for a simulated warp of 32 lanes. Internal; plain C++ with DP_HD
-// bodies, no CUDA headers outside __CUDACC__.
+// bodies and no CUDA headers (the device's few instructions are inline PTX).
 //
 //   mma_attention::WarpState st[kWarps];       // the host: every warp of a block
 //   mma_attention::load_rows(q_s, q, i0, L, E, 0, 1);
@@ -14,9 +14,6 @@
 
 #include "backend/functors.h"  // DP_HD, MaxOp's NaN rule in max_nan below
 
-#if defined(__CUDACC__)
-#include <cuda_bf16.h>
-#endif
 #if !defined(__CUDA_ARCH__)
 #include <cmath>
 
@@ -128,8 +125,13 @@ DP_HD inline int lane_of(int l) {
 
 /// x rounded to the nearest bfloat16, ties to even, as bits.
 DP_HD inline std::uint16_t bf16_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  std::uint16_t r;  // the instruction __float2bfloat16_rn is, without the CUDA headers here
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+#elif defined(__CUDA_ARCH__)
+  __trap();  // bfloat16 conversions need sm_80; never chosen below it
+  return 0;
 #else
   return dp::BFloat16(x).bits;
 #endif

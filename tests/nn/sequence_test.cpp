@@ -427,6 +427,48 @@ TEST_CASE("gelu, exact and tanh-approximated, matches PyTorch with gradients; th
   CHECK(dp_test::throws_with([] { (void)dp::nn::gelu(dp::zeros({2}), "erf"); }, {"got \"erf\""}));
 }
 
+TEST_CASE("layer_norm's input gradient where it nearly cancels (Note [Layer norm's input gradient, centred])") {
+  // The op fuzzer's program 45790: a row of two values whose output barely moves with
+  // them. Its gradient in double is ∓0.012496803; the x̂ of the rounded mean gave
+  // −0.0124753 and 0.0124692 (a sum of −6e-6 where the gradient's is 0).
+  const Tensor x = dp::from_vector(std::vector<float>{1.9056989f, 1.82531095f}, {1, 2}).set_requires_grad(true);
+  const Tensor w = dp::from_vector(std::vector<float>{1.2247135639190674f, 1.3162065744400024f}, {2});
+  const Tensor up = dp::from_vector(std::vector<float>{0.4661974608898163f, 0.5582444071769714f}, {1, 2});
+  dp::sum(dp::mul(dp::nn::layer_norm(x, {2}, w, dp::Tensor(), 1e-5), up)).backward();
+  const std::vector<float> g = x.grad().to_vector();
+  CHECK(std::fabs(g[0] - (-0.012496803)) < 2e-6);
+  CHECK(std::fabs(g[1] - 0.012496803) < 2e-6);
+  CHECK(std::fabs(g[0] + g[1]) < 1e-6);
+  // Rows of 768 values with a large offset: the gradient within 2e-6 of its largest
+  // element against the same formula in double.
+  dp::Generator gen(3);
+  const std::int64_t rows = 16, cols = 768;
+  const Tensor xs = dp::add(dp::mul(dp::randn({rows, cols}, gen), 0.05), 30.0).set_requires_grad(true);
+  const Tensor ws = dp::randn({cols}, gen), us = dp::randn({rows, cols}, gen);
+  dp::sum(dp::mul(dp::nn::layer_norm(xs, {cols}, ws, dp::Tensor(), 1e-5), us)).backward();
+  const std::vector<float> xv = xs.to_vector(), wv = ws.to_vector(), uv = us.to_vector(), gv = xs.grad().to_vector();
+  double worst = 0, peak = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double m = 0, v = 0, gm = 0, gxm = 0;
+    for (std::int64_t j = 0; j < cols; ++j) m += xv[static_cast<std::size_t>(r * cols + j)];
+    m /= cols;
+    for (std::int64_t j = 0; j < cols; ++j) v += std::pow(xv[static_cast<std::size_t>(r * cols + j)] - m, 2);
+    const double rs = 1.0 / std::sqrt(v / cols + 1e-5);
+    auto at = [&](const std::vector<float>& a, std::int64_t j) { return double(a[static_cast<std::size_t>(r * cols + j)]); };
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double gj = at(uv, j) * wv[static_cast<std::size_t>(j)];
+      gm += gj / cols;
+      gxm += gj * (at(xv, j) - m) * rs / cols;
+    }
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double want = rs * (at(uv, j) * wv[static_cast<std::size_t>(j)] - gm - (at(xv, j) - m) * rs * gxm);
+      worst = std::max(worst, std::fabs(at(gv, j) - want));
+      peak = std::max(peak, std::fabs(want));
+    }
+  }
+  CHECK(worst < 2e-6 * peak);
+}
+
 TEST_CASE("layer_norm of a constant row is exactly the bias, as PyTorch's (Note [An exact mean for a constant row])") {
   // One mean rounding off the row's value made (x - mean) * rstd = 1e-5 / sqrt(eps)-sized
   // noise: 0.01 where PyTorch gives the bias exactly. Values and widths whose plain mean

@@ -785,7 +785,7 @@ __global__ void __launch_bounds__(kLnThreads)
     float* gxr = gx + row * cols;
     const float mu = mean[row], rs = rstd[row];
     float xv[R], gv[R];
-    float sg = 0.0f, sgx = 0.0f;
+    float sg = 0.0f, sgx = 0.0f, sx = 0.0f;
     if constexpr (V > 0) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -794,19 +794,25 @@ __global__ void __launch_bounds__(kLnThreads)
         gv[k] = j < cols ? gr[j] : 0.0f;
         if (j < cols) {
           const float g = w ? gv[k] * w[j] : gv[k];
+          const float xh = (xv[k] - mu) * rs;
           sg += g;
-          sgx += g * ((xv[k] - mu) * rs);
+          sgx += g * xh;
+          sx += xh;
         }
       }
     } else {
       for (i64 j = t; j < cols; j += kTeam) {
         const float g = w ? gr[j] * w[j] : gr[j];
+        const float xh = (xr[j] - mu) * rs;
         sg += g;
-        sgx += g * ((xr[j] - mu) * rs);
+        sgx += g * xh;
+        sx += xh;
       }
     }
+    // Note [Layer norm's input gradient, centred] (cpu_nn.cpp): x̂ less its mean c.
     const float g_mean = team_sum<kTeam>(sg, smem) * inv_cols;
-    const float gx_mean = team_sum<kTeam>(sgx, smem) * inv_cols;
+    const float c = team_sum<kTeam>(sx, smem) * inv_cols;
+    const float gx_mean = team_sum<kTeam>(sgx, smem) * inv_cols - c * g_mean;
     if constexpr (V > 0) {
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -814,7 +820,7 @@ __global__ void __launch_bounds__(kLnThreads)
         if (j < cols) {
           const float xh = (xv[k] - mu) * rs;
           const float g = w ? gv[k] * w[j] : gv[k];
-          gxr[j] = rs * (g - g_mean - xh * gx_mean);
+          gxr[j] = rs * (g - g_mean - (xh - c) * gx_mean);
           dw[k] += gv[k] * xh;
           db[k] += gv[k];
         }
@@ -824,7 +830,7 @@ __global__ void __launch_bounds__(kLnThreads)
         const float xh = (xr[j] - mu) * rs;
         const float gj = gr[j];
         const float g = w ? gj * w[j] : gj;
-        gxr[j] = rs * (g - g_mean - xh * gx_mean);
+        gxr[j] = rs * (g - g_mean - (xh - c) * gx_mean);
         if (pw) {  // this thread's columns: no other thread reads or writes them
           pw[j] = (row == begin ? 0.0f : pw[j]) + gj * xh;
           pb[j] = (row == begin ? 0.0f : pb[j]) + gj;
