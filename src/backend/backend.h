@@ -49,24 +49,16 @@ void check_conv2d_backward(const Conv2dBackwardArgs& a);
 /// Throws dp::Error unless a's batch fields are valid (GemmArgs in ops.h): batch >= 0,
 /// non-negative strides, the Cs apart by at least one C, no epilogue on a batch.
 void check_gemm_batch(const GemmArgs& a);
-/// For a backend that runs a batch one product after another: false for a one-matrix
-/// `a`; else, after check_gemm_batch, one(matrix i's own GemmArgs) for each product in
-/// order, and true. `elem` is the dtype's size in bytes.
-///   if (gemm_per_matrix(a, sizeof(float), [&](const GemmArgs& m) { gemm(dev, m); })) return;
-template <typename F>
-bool gemm_per_matrix(const GemmArgs& a, std::size_t elem, F&& one) {
-  if (a.batch == 1) return false;
-  check_gemm_batch(a);
+/// Matrix i of a batched `a` as a GemmArgs of its own (batch 1; GemmArgs in ops.h);
+/// `elem` is the dtype's size in bytes.
+inline GemmArgs gemm_matrix(const GemmArgs& a, std::size_t elem, std::int64_t i) {
   const auto e = static_cast<std::int64_t>(elem);
-  for (std::int64_t i = 0; i < a.batch; ++i) {
-    GemmArgs m = a;
-    m.batch = 1;
-    m.a = static_cast<const char*>(a.a) + i * a.stride_a * e;
-    m.b = static_cast<const char*>(a.b) + i * a.stride_b * e;
-    m.c = static_cast<char*>(a.c) + i * a.stride_c * e;
-    one(m);
-  }
-  return true;
+  GemmArgs m = a;
+  m.batch = 1;
+  m.a = static_cast<const char*>(a.a) + i * a.stride_a * e;
+  m.b = static_cast<const char*>(a.b) + i * a.stride_b * e;
+  m.c = static_cast<char*>(a.c) + i * a.stride_c * e;
+  return m;
 }
 
 /// What every backend's AttentionForward / AttentionBackward kernel requires of its

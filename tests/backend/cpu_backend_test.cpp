@@ -1001,46 +1001,53 @@ TEST_CASE("gemm edge sizes: k = 0 scales C, m = 0 is a no-op, bad ld throws") {
 }
 
 TEST_CASE("batched gemm: each product's bits as its own call, shared B, gaps untouched; bad batches throw") {
-  // GemmArgs::batch: C_i = op(A_i) op(B_i) + 0.5 C_i, matrices `gap` elements apart.
-  const i64 batch = 4, m = 9, n = 16, k = 21, gap = 5;
-  for (const DType dt : {DType::F32, DType::BF16, DType::F16})
-    for (bool ta : {false, true})
-      for (bool shared_b : {false, true}) {
-        CAPTURE(dp::backend::dtype_name(dt)); CAPTURE(ta); CAPTURE(shared_b);
-        const std::size_t es = dt == DType::F32 ? 4 : 2;
-        const i64 lda = ta ? m : k, sa = m * k + gap, sb = shared_b ? 0 : k * n + gap, sc = m * n + gap;
-        // Bytes of random floats, or of their 16-bit roundings.
-        const auto bytes = [&](i64 count, unsigned seed) {
-          const std::vector<float> f = random_vec(count, seed, -1.0f, 1.0f);
-          std::vector<unsigned char> out(static_cast<std::size_t>(count) * es);
-          for (i64 i = 0; i < count; ++i) {
-            const float v = f[static_cast<std::size_t>(i)];
-            if (dt == DType::F32) {
-              std::memcpy(out.data() + i * 4, &v, 4);
-            } else {
-              const std::uint16_t bits = dt == DType::BF16 ? dp::BFloat16(v).bits : dp::Float16(v).bits;
-              std::memcpy(out.data() + i * 2, &bits, 2);
+  // GemmArgs::batch: C_i = op(A_i) op(B_i) + 0.5 C_i, matrices `gap` elements apart. The
+  // matrices run in parallel (Note [Batched GEMMs on the CPU]): small ones of one chunk
+  // each, and 256 x 96 x 128 ones that a call of their own cuts into several.
+  struct Dims {
+    i64 batch, m, n, k;
+  };
+  const i64 gap = 5;
+  for (const Dims d : {Dims{4, 9, 16, 21}, Dims{3, 256, 96, 128}})
+    for (const DType dt : {DType::F32, DType::BF16, DType::F16})
+      for (bool ta : {false, true})
+        for (bool shared_b : {false, true}) {
+          const i64 batch = d.batch, m = d.m, n = d.n, k = d.k;
+          CAPTURE(m); CAPTURE(dp::backend::dtype_name(dt)); CAPTURE(ta); CAPTURE(shared_b);
+          const std::size_t es = dt == DType::F32 ? 4 : 2;
+          const i64 lda = ta ? m : k, sa = m * k + gap, sb = shared_b ? 0 : k * n + gap, sc = m * n + gap;
+          // Bytes of random floats, or of their 16-bit roundings.
+          const auto bytes = [&](i64 count, unsigned seed) {
+            const std::vector<float> f = random_vec(count, seed, -1.0f, 1.0f);
+            std::vector<unsigned char> out(static_cast<std::size_t>(count) * es);
+            for (i64 i = 0; i < count; ++i) {
+              const float v = f[static_cast<std::size_t>(i)];
+              if (dt == DType::F32) {
+                std::memcpy(out.data() + i * 4, &v, 4);
+              } else {
+                const std::uint16_t bits = dt == DType::BF16 ? dp::BFloat16(v).bits : dp::Float16(v).bits;
+                std::memcpy(out.data() + i * 2, &bits, 2);
+              }
             }
-          }
-          return out;
-        };
-        const auto a = bytes(batch * sa, 7), b = bytes(shared_b ? k * n : batch * sb, 8);
-        auto c = bytes(batch * sc, 9);
-        auto want = c;
-        GemmArgs args{ta, false, m, n, k, 1.0f, a.data(), lda, b.data(), n, 0.5f, c.data(), n, {}};
-        args.batch = batch;
-        args.stride_a = sa;
-        args.stride_b = sb;
-        args.stride_c = sc;
-        be().run<Op::Gemm>(dev0(), dt, args);
-        for (i64 i = 0; i < batch; ++i)
-          be().run<Op::Gemm>(dev0(), dt, {ta, false, m, n, k, 1.0f, a.data() + i * sa * es, lda,
-                                          b.data() + i * sb * es, n, 0.5f, want.data() + i * sc * es, n, {}});
-        CHECK(c == want);  // the gaps included: written by neither
-        const auto rest = bytes(batch * sc, 9);
-        for (i64 i = 0; i < batch; ++i)
-          CHECK(std::memcmp(c.data() + (i * sc + m * n) * es, rest.data() + (i * sc + m * n) * es, gap * es) == 0);
-      }
+            return out;
+          };
+          const auto a = bytes(batch * sa, 7), b = bytes(shared_b ? k * n : batch * sb, 8);
+          auto c = bytes(batch * sc, 9);
+          auto want = c;
+          GemmArgs args{ta, false, m, n, k, 1.0f, a.data(), lda, b.data(), n, 0.5f, c.data(), n, {}};
+          args.batch = batch;
+          args.stride_a = sa;
+          args.stride_b = sb;
+          args.stride_c = sc;
+          be().run<Op::Gemm>(dev0(), dt, args);
+          for (i64 i = 0; i < batch; ++i)
+            be().run<Op::Gemm>(dev0(), dt, {ta, false, m, n, k, 1.0f, a.data() + i * sa * es, lda,
+                                            b.data() + i * sb * es, n, 0.5f, want.data() + i * sc * es, n, {}});
+          CHECK(c == want);  // the gaps included: written by neither
+          const auto rest = bytes(batch * sc, 9);
+          for (i64 i = 0; i < batch; ++i)
+            CHECK(std::memcmp(c.data() + (i * sc + m * n) * es, rest.data() + (i * sc + m * n) * es, gap * es) == 0);
+        }
   std::vector<float> a(64, 1.0f), b(64, 1.0f), c(64, 0.0f);
   GemmArgs bad{false, false, 2, 2, 2, 1.0f, a.data(), 2, b.data(), 2, 0.0f, c.data(), 2, {}};
   bad.batch = -1;
@@ -1783,6 +1790,11 @@ TEST_CASE("bf16 conv2d: oneDNN's bfloat16 passes within one rounding of float32'
     check_bf16_conv(conv_shape(1, 2, 5, 5, 3, 1, 1, 1, 1, 0, 0), 64);      // 1x1
     // Batch chunks on a multi-thread device; backward-weight sums float32 partials.
     check_bf16_conv(conv_shape(5, 16, 14, 14, 32, 3, 3, 1, 1, 1, 1), 65);
+    // One output column with a horizontal stride above 1 (Note [bf16 backward-weight at
+    // one output column]): the op fuzzer's 1x1 image, and two of the scan's shapes.
+    check_bf16_conv(conv_shape(3, 3, 1, 1, 3, 3, 3, 2, 2, 1, 1), 66);
+    check_bf16_conv(conv_shape(2, 16, 3, 1, 16, 3, 3, 2, 2, 1, 1), 67);
+    check_bf16_conv(conv_shape(2, 16, 4, 2, 16, 3, 3, 3, 3, 1, 1), 68);
   }
   be().set_conv_layout(cpu::ConvLayout::Auto);
 }

@@ -429,6 +429,19 @@ class CpuBackend final : public Backend {
     });
   }
 
+  /// For a batched product `a` (GemmArgs::batch != 1): after check_gemm_batch, one(m)
+  /// with m each matrix's own GemmArgs (gemm_matrix), the matrices in parallel over the
+  /// device's threads, and true; false for one matrix. Each product is computed as a
+  /// call of its own would compute it: the same bits (Note [Batched GEMMs on the CPU]).
+  ///   if (gemm_batched(dev, a, sizeof(float), [&](const GemmArgs& m) { gemm_with_epilogue(dev, m); })) return;
+  template <typename F>
+  bool gemm_batched(Device dev, const GemmArgs& a, std::size_t elem, F&& one) {
+    if (a.batch == 1) return false;
+    check_gemm_batch(a);
+    parallel_chunks(dev, a.batch, [&](std::int64_t i) { one(gemm_matrix(a, elem, i)); });
+    return true;
+  }
+
   /// Runs f(chunk) for chunk in [0, chunks) inside the arena of `dev`, one chunk per
   /// task: the partition is fixed by the caller, so results never depend on scheduling.
   template <typename F>

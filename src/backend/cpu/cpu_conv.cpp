@@ -1300,6 +1300,23 @@ i64 input_numel(const Conv2dShape& s) { return s.N * s.C * s.H * s.W; }
 i64 output_numel(const Conv2dShape& s) { return s.N * s.K * s.P * s.Q; }
 i64 weight_numel(const Conv2dShape& s) { return s.K * s.C * s.R * s.S; }
 
+// Note [bf16 backward-weight at one output column]
+// oneDNN 2.6's bfloat16 backward-weight pass (on a Xeon with AMX, its
+// jit:avx512_core_amx_bf16 kernel) computes wrong weight gradients for a convolution
+// whose output is one column wide (Q = 1) with a horizontal stride above 1: taps that
+// see only padding come out non-zero, others off, up to 1e37 — values from memory it
+// never wrote, so they change with the buffers' history (NaN in the op fuzzer's program
+// 88903: a 1x1 image, 3x3 kernel, stride 2, padding 1). A scan of every geometry with H
+// and W up to 13, kernels 1 to 7, strides 1 to 4 and padding 0 to 3 (16 channels each
+// way, four passes, 14,208 runs on that Xeon, 2026-12-01) found 152 such geometries
+// wrong, every one with Q = 1 and stride_w > 1 (of 601 with both), and no other. Those
+// shapes take the widening path for the weight gradient: the float32 pass on the
+// widened operands, rounded once, what PyTorch's bfloat16 convolution's gradient is up
+// to the order of its sums. They are tiny (one output column), so the float32 pass
+// costs nothing that matters. The forward and backward-data passes are oneDNN's still
+// (cpu_backend_test checks every pass at such shapes).
+bool bf16_backward_weight_widens(const Conv2dShape& s) { return s.Q == 1 && s.stride_w > 1; }
+
 }  // namespace
 
 bool CpuBackend::native_bf16_conv() const { return native_bf16_conv_.load() && cpu_has_bf16_isa(); }
@@ -1366,7 +1383,7 @@ void CpuBackend::conv2d_backward_weight_bf16(Device dev, const Conv2dBackwardWei
   auto gw = widened(*this, dev, nullptr, weight_numel(s));
   auto gb = widened(*this, dev, nullptr, s.K);
   float* gbias = a.gbias ? gb.get() : nullptr;
-  if (s.N > 0 && native_bf16_conv()) {
+  if (s.N > 0 && native_bf16_conv() && !bf16_backward_weight_widens(s)) {
     ConvBuffers buf;
     buf.dtype = DType::BF16;
     buf.x = a.x;
@@ -1388,7 +1405,8 @@ void CpuBackend::conv2d_backward(Device dev, DType dt, const Conv2dBackwardArgs&
   check_conv_shape(s, "conv2d_backward");
   check_conv2d_backward(a);
   const bool f32 = dt == DType::F32;
-  if (f32 || native_bf16_conv()) {
+  // Note [bf16 backward-weight at one output column]: such shapes' passes one by one.
+  if (f32 || (native_bf16_conv() && !(a.gw != nullptr && bf16_backward_weight_widens(s)))) {
     // bfloat16 weight and bias gradients sum in float32 and round once (Note [bf16
     // convolutions through oneDNN]).
     std::unique_ptr<float, std::function<void(float*)>> gw, gb;

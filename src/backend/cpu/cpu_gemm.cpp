@@ -225,9 +225,20 @@ void CpuBackend::linear_backward_input(Device dev, i64 m, i64 n, i64 k, const fl
                std::max<i64>(1, n), relu_y ? &ep : nullptr);
 }
 
+// Note [Batched GEMMs on the CPU]
+// A batched product (GemmArgs::batch > 1: dp::matmul with batch dims, the attention's
+// math path) runs its matrices as tasks of the device's arena, each computed exactly as
+// a call of its own computes it: its own chunks (gemm_chunks, a function of its shape
+// and the device's thread count, not of the thread that runs it), its own oneDNN calls,
+// nested in the batch's task. So the bits are a loop's over the matrices, and a batch
+// of small matrices — each one chunk, run on the calling thread when called alone — now
+// keeps every thread busy (figures: docs/benchmarks/kernel-notes.md, "Batched GEMMs").
+// oneDNN's own batched matmul primitive would pick its kernels for the whole batch and
+// give other bits than the single calls; this keeps them equal.
+
 void CpuBackend::gemm_with_epilogue(Device dev, const GemmArgs& a) {
-  // A batch: one product after another (GemmArgs), each parallel as ever.
-  if (gemm_per_matrix(a, sizeof(float), [&](const GemmArgs& m) { gemm_with_epilogue(dev, m); })) return;
+  // A batch: Note [Batched GEMMs on the CPU].
+  if (gemm_batched(dev, a, sizeof(float), [&](const GemmArgs& m) { gemm_with_epilogue(dev, m); })) return;
   const GemmEpilogue ep{static_cast<const float*>(a.epilogue.bias), a.epilogue.relu,
                         static_cast<const float*>(a.epilogue.relu_y)};
   gemm_chunked(dev, a.trans_a, a.trans_b, a.m, a.n, a.k, a.alpha, static_cast<const float*>(a.a), a.lda,
@@ -376,7 +387,7 @@ i64 span(i64 rows, i64 cols, i64 ld) { return rows == 0 || cols == 0 ? 0 : (rows
 
 template <typename T>
 void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
-  if (gemm_per_matrix(a, sizeof(T), [&](const GemmArgs& m) { gemm_16bit<T>(be, dev, m); })) return;
+  if (be.gemm_batched(dev, a, sizeof(T), [&](const GemmArgs& m) { gemm_16bit<T>(be, dev, m); })) return;
   DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dtype_of<T>),
            " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
   DP_CHECK(a.m >= 0 && a.n >= 0 && a.k >= 0, "gemm: expected non-negative m, n, k, got ", a.m, ", ", a.n, ", ", a.k);
@@ -510,7 +521,9 @@ bool has_bf16_matmul() {
 }
 
 void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
-  if (gemm_per_matrix(a, sizeof(BFloat16), [&](const GemmArgs& m) { gemm_bf16_onednn(be, dev, m); })) return;
+  if (be.gemm_batched(dev, a, sizeof(BFloat16), [&](const GemmArgs& m) { gemm_bf16_onednn(be, dev, m); })) {
+    return;
+  }
   if (!has_bf16_matmul() || a.m == 0 || a.n == 0 || a.k == 0) {
     gemm_16bit<BFloat16>(be, dev, a);
     return;
