@@ -32,4 +32,28 @@ template <typename Op, typename Load>
   return lanes[0];
 }
 
+/// Σ f(i)[k] for i in [0, n) and each k < K, in one pass: every sum folded as
+/// fold_lanes<SumOp> folds it alone (the same lanes, the same tree, the same bits).
+template <int K, typename F>
+[[gnu::always_inline]] inline void sum_lanes(std::int64_t n, F f, float (&out)[K]) {
+  float lanes[K][kLanes];
+  for (int k = 0; k < K; ++k)
+    for (int j = 0; j < kLanes; ++j) lanes[k][j] = 0.0f;
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const auto v = f(i + j);
+      for (int k = 0; k < K; ++k) lanes[k][j] += v[k];
+    }
+  for (int j = 0; i < n; ++i, ++j) {
+    const auto v = f(i);
+    for (int k = 0; k < K; ++k) lanes[k][j] += v[k];
+  }
+  for (int k = 0; k < K; ++k) {
+    for (int width = kLanes / 2; width >= 1; width /= 2)
+      for (int j = 0; j < width; ++j) lanes[k][j] += lanes[k][j + width];
+    out[k] = lanes[k][0];
+  }
+}
+
 }  // namespace dp::backend::cpu

@@ -6,6 +6,7 @@
 // Batch-norm statistics are accumulated in double: a channel of a large batch holds
 // 10^5..10^6 values, where a float running sum loses several digits.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -637,7 +638,9 @@ void maxpool_backward_kernel(CpuBackend& be, Device dev, const MaxPool2dBackward
 // (A float32 emulation of both formulas over random rows of 768 values, offsets up to
 // 100, put the old one's worst error at 1.4e-5 of the row's largest gradient and this
 // one's at 7e-7.) The weight's gradient keeps the forward's x̂, which is what the
-// output was made of. CUDA's backward does the same.
+// output was made of. CUDA's backward does the same. The CPU takes Σ g, Σ x̂ and Σ g x̂ in
+// one pass over the row (sum_lanes), so the extra sum costs no extra pass (figures:
+// docs/benchmarks/kernel-notes.md, "Layer norm's centred input gradient").
 constexpr i64 kLayerNormRows = 64;
 
 /// Σ f(j) over j in [0, n), as the reductions sum (fold_lanes).
@@ -696,11 +699,15 @@ void layer_norm_backward_kernel(CpuBackend& be, Device dev, const LayerNormBackw
       const float mu = a.mean[r], rs = a.rstd[r];
       for (i64 j = 0; j < cols; ++j) g[static_cast<std::size_t>(j)] = w ? gr[j] * w[j] : gr[j];
       const float* gp = g.data();
-      const float g_mean = lane_sum(cols, [&](i64 j) { return gp[j]; }) * inv_cols;
-      // Note [Layer norm's input gradient, centred]: x̂ less its own mean c.
-      const float c = lane_sum(cols, [&](i64 j) { return (xr[j] - mu) * rs; }) * inv_cols;
-      const float gx_mean =
-          lane_sum(cols, [&](i64 j) { return gp[j] * ((xr[j] - mu) * rs); }) * inv_cols - c * g_mean;
+      // Σ g, Σ x̂ and Σ g x̂ in one pass; Note [Layer norm's input gradient, centred]: x̂
+      // less its own mean c.
+      float sums[3];
+      sum_lanes<3>(cols, [&](i64 j) {
+        const float xh = (xr[j] - mu) * rs;
+        return std::array<float, 3>{gp[j], xh, gp[j] * xh};
+      }, sums);
+      const float g_mean = sums[0] * inv_cols, c = sums[1] * inv_cols;
+      const float gx_mean = sums[2] * inv_cols - c * g_mean;
       if (params) {  // two loops without a branch in them: both vectorise
         for (i64 j = 0; j < cols; ++j) {
           const float xh = (xr[j] - mu) * rs;
