@@ -37,38 +37,48 @@ std::vector<std::uint16_t> random_bf16(i64 n, float spread, std::uint32_t seed) 
 
 float value(std::uint16_t b) { return static_cast<float>(dp::BFloat16::from_bits(b)); }
 
-/// The kernel's grid, run block by block: what attention_forward_mma_kernel does on a GPU.
 using Bits = std::vector<std::uint16_t>;
 
+/// A query-side grid of one problem, block by block, as the kernels run it: for each
+/// block of 64 queries from i0, begin(i0); for each key tile its K and V rows in k_s and
+/// v_s and step(w, first, j0) for each warp whose rows attend to some of its keys; then
+/// finish(w, first).
+template <typename Begin, typename Step, typename Finish>
+void walk_query_blocks(const ma::Shape& p, const std::uint16_t* kb, const std::uint16_t* vb, std::uint16_t* k_s,
+                       std::uint16_t* v_s, Begin begin, Step step, Finish finish) {
+  for (i64 i0 = 0; i0 < p.L; i0 += ma::kTile) {
+    begin(i0);
+    const i64 end = ma::keys_end(p, i0);
+    for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
+      ma::load_rows(k_s, kb, j0, end, p.E, 0, 1);
+      ma::load_rows(v_s, vb, j0, end, p.Ev, 0, 1);
+      for (int w = 0; w < ma::kWarps; ++w)
+        if (!ma::warp_skips(p, i0 + w * ma::kRows, j0)) step(w, i0 + w * ma::kRows, j0);
+    }
+    for (int w = 0; w < ma::kWarps; ++w) finish(w, i0 + w * ma::kRows);
+  }
+}
+
+/// The forward's grid: what attention_forward_mma_kernel does on a GPU.
 void run_forward(const Problem& pb, const ma::Shape& p, const Bits& q, const Bits& k, const Bits& v, Bits& out,
                  std::vector<float>& lse) {
   std::vector<std::uint16_t> smem(3 * ma::kTileElems);
   std::uint16_t* q_s = smem.data();
   std::uint16_t* k_s = q_s + ma::kTileElems;
   std::uint16_t* v_s = k_s + ma::kTileElems;
-  const i64 tiles = (p.L + ma::kTile - 1) / ma::kTile;
   std::vector<ma::WarpState> st(ma::kWarps);
   for (i64 bh = 0; bh < pb.BH; ++bh) {
-    const std::uint16_t* qb = q.data() + bh * p.L * p.E;
-    const std::uint16_t* kb = k.data() + bh * p.S * p.E;
-    const std::uint16_t* vb = v.data() + bh * p.S * p.Ev;
-    for (i64 tile = 0; tile < tiles; ++tile) {
-      const i64 i0 = tile * ma::kTile;
-      ma::load_rows(q_s, qb, i0, p.L, p.E, 0, 1);
-      for (int w = 0; w < ma::kWarps; ++w) ma::warp_begin(st[static_cast<std::size_t>(w)], q_s, w);
-      const i64 end = ma::keys_end(p, i0);
-      for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
-        ma::load_rows(k_s, kb, j0, end, p.E, 0, 1);
-        ma::load_rows(v_s, vb, j0, end, p.Ev, 0, 1);
-        for (int w = 0; w < ma::kWarps; ++w) {
-          const i64 first = i0 + w * ma::kRows;
-          if (!ma::warp_skips(p, first, j0)) ma::warp_tile(st[static_cast<std::size_t>(w)], p, k_s, v_s, first, j0);
-        }
-      }
-      for (int w = 0; w < ma::kWarps; ++w)
-        ma::warp_finish(st[static_cast<std::size_t>(w)], p, out.data() + bh * p.L * p.Ev, lse.data() + bh * p.L,
-                        i0 + w * ma::kRows);
-    }
+    walk_query_blocks(
+        p, k.data() + bh * p.S * p.E, v.data() + bh * p.S * p.Ev, k_s, v_s,
+        [&](i64 i0) {
+          ma::load_rows(q_s, q.data() + bh * p.L * p.E, i0, p.L, p.E, 0, 1);
+          for (int w = 0; w < ma::kWarps; ++w) ma::warp_begin(st[static_cast<std::size_t>(w)], q_s, w);
+        },
+        [&](int w, i64 first, i64 j0) { ma::warp_tile(st[static_cast<std::size_t>(w)], p, k_s, v_s, first, j0); },
+        [&](int w, i64 first) {
+          ma::warp_finish(st[static_cast<std::size_t>(w)], p, out.data() + bh * p.L * p.Ev, lse.data() + bh * p.L,
+                          first);
+        });
   }
 }
 
@@ -166,26 +176,20 @@ void run_backward(const Problem& pb, const ma::Shape& p, const Bits& q, const Bi
       }
     }
     // dQ: a block per 64 queries, walking the key tiles.
-    for (i64 i0 = 0; i0 < p.L; i0 += ma::kTile) {
-      std::vector<ma::QueriesState> st(ma::kWarps);
-      ma::load_rows(t0, qb, i0, p.L, p.E, 0, 1);
-      ma::load_rows(t1, gb, i0, p.L, p.Ev, 0, 1);
-      for (int w = 0; w < ma::kWarps; ++w)
-        ma::queries_begin(st[static_cast<std::size_t>(w)], p, t0, t1, lse.data() + bh * p.L, delta.data() + bh * p.L,
-                          w, i0 + w * ma::kRows);
-      const i64 end = ma::keys_end(p, i0);
-      for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
-        ma::load_rows(t2, kb, j0, end, p.E, 0, 1);
-        ma::load_rows(t3, vb, j0, end, p.Ev, 0, 1);
-        for (int w = 0; w < ma::kWarps; ++w) {
-          const i64 first = i0 + w * ma::kRows;
-          if (!ma::warp_skips(p, first, j0)) ma::queries_tile(st[static_cast<std::size_t>(w)], p, t2, t3, first, j0);
-        }
-      }
-      for (int w = 0; w < ma::kWarps; ++w)
-        ma::store_rows(gq.data() + bh * p.L * p.E, st[static_cast<std::size_t>(w)].dq, i0 + w * ma::kRows, p.L, p.E,
-                       p.scale);
-    }
+    std::vector<ma::QueriesState> st(ma::kWarps);
+    walk_query_blocks(
+        p, kb, vb, t2, t3,
+        [&](i64 i0) {
+          ma::load_rows(t0, qb, i0, p.L, p.E, 0, 1);
+          ma::load_rows(t1, gb, i0, p.L, p.Ev, 0, 1);
+          for (int w = 0; w < ma::kWarps; ++w)
+            ma::queries_begin(st[static_cast<std::size_t>(w)], p, t0, t1, lse.data() + bh * p.L,
+                              delta.data() + bh * p.L, w, i0 + w * ma::kRows);
+        },
+        [&](int w, i64 first, i64 j0) { ma::queries_tile(st[static_cast<std::size_t>(w)], p, t2, t3, first, j0); },
+        [&](int w, i64 first) {
+          ma::store_rows(gq.data() + bh * p.L * p.E, st[static_cast<std::size_t>(w)].dq, first, p.L, p.E, p.scale);
+        });
   }
 }
 

@@ -771,6 +771,26 @@ __global__ void __launch_bounds__(kThreads)
 #endif
 }
 
+/// Where a block of the query-side mma kernels works: its problem bh, its 64 query rows
+/// from i0 (the longest causal rows first) and its warp's 16 from `first`.
+struct MmaQueryBlock {
+  mma_attention::Shape s;
+  int warp, tid;
+  i64 bh, i0, first;
+};
+__device__ __forceinline__ MmaQueryBlock mma_query_block(const Params& p) {
+  MmaQueryBlock b;
+  b.s = mma_attention::Shape{p.L, p.S, p.E, p.Ev, p.scale, p.causal};
+  b.warp = static_cast<int>(threadIdx.x) / kWarp;
+  b.tid = static_cast<int>(threadIdx.x);
+  b.bh = blockIdx.x / p.tiles;
+  b.i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * mma_attention::kTile;
+  b.first = b.i0 + b.warp * mma_attention::kRows;
+  return b;
+}
+/// The bits of a bfloat16 array, as the mma kernels' bodies read them.
+__device__ __forceinline__ const std::uint16_t* bits(const Bf* x) { return reinterpret_cast<const std::uint16_t*>(x); }
+
 /// out (B, H, L, Ev) and lse: a block per 64 queries of one (b, h), its warps' scores,
 /// weights and outputs in registers (Note [Attention on mma fragments] in
 /// backend/mma_attention.h). The same preconditions as the WMMA forward above.
@@ -782,12 +802,7 @@ __global__ void __launch_bounds__(mma_attention::kThreads)
   auto* q_s = reinterpret_cast<std::uint16_t*>(tc_shared());
   std::uint16_t* k_s = q_s + ma::kTileElems;
   std::uint16_t* v_s = k_s + ma::kTileElems;
-  const auto bits = [](const Bf* x) { return reinterpret_cast<const std::uint16_t*>(x); };
-  const ma::Shape s{p.L, p.S, p.E, p.Ev, p.scale, p.causal};
-  const int warp = static_cast<int>(threadIdx.x) / kWarp, tid = static_cast<int>(threadIdx.x);
-  const i64 bh = blockIdx.x / p.tiles;
-  const i64 i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * ma::kTile;  // the longest causal rows first
-  const i64 first = i0 + warp * ma::kRows;
+  const auto [s, warp, tid, bh, i0, first] = mma_query_block(p);
   ma::load_rows(q_s, bits(q) + bh * p.L * p.E, i0, p.L, p.E, tid, ma::kThreads);
   __syncthreads();
   ma::WarpState st;
@@ -957,7 +972,6 @@ __global__ void __launch_bounds__(mma_attention::kThreads)
   std::uint16_t* g_s = q_s + ma::kTileElems;
   float* lse_s = reinterpret_cast<float*>(g_s + ma::kTileElems);
   float* delta_s = lse_s + ma::kTile;
-  const auto bits = [](const Bf* x) { return reinterpret_cast<const std::uint16_t*>(x); };
   const ma::Shape s{p.L, p.S, p.E, p.Ev, p.scale, p.causal};
   const int warp = static_cast<int>(threadIdx.x) / kWarp, tid = static_cast<int>(threadIdx.x);
   const i64 bh = blockIdx.x / p.tiles, j0 = blockIdx.x % p.tiles * ma::kTile;
@@ -993,12 +1007,7 @@ __global__ void __launch_bounds__(mma_attention::kThreads)
   std::uint16_t* g_s = q_s + ma::kTileElems;
   std::uint16_t* k_s = g_s + ma::kTileElems;
   std::uint16_t* v_s = k_s + ma::kTileElems;
-  const auto bits = [](const Bf* x) { return reinterpret_cast<const std::uint16_t*>(x); };
-  const ma::Shape s{p.L, p.S, p.E, p.Ev, p.scale, p.causal};
-  const int warp = static_cast<int>(threadIdx.x) / kWarp, tid = static_cast<int>(threadIdx.x);
-  const i64 bh = blockIdx.x / p.tiles;
-  const i64 i0 = (p.tiles - 1 - blockIdx.x % p.tiles) * ma::kTile;  // the longest causal rows first
-  const i64 first = i0 + warp * ma::kRows;
+  const auto [s, warp, tid, bh, i0, first] = mma_query_block(p);
   ma::load_rows(q_s, bits(q) + bh * p.L * p.E, i0, p.L, p.E, tid, ma::kThreads);
   ma::load_rows(g_s, bits(gout) + bh * p.L * p.Ev, i0, p.L, p.Ev, tid, ma::kThreads);
   __syncthreads();
