@@ -791,6 +791,23 @@ __device__ __forceinline__ MmaQueryBlock mma_query_block(const Params& p) {
 /// The bits of a bfloat16 array, as the mma kernels' bodies read them.
 __device__ __forceinline__ const std::uint16_t* bits(const Bf* x) { return reinterpret_cast<const std::uint16_t*>(x); }
 
+/// The key tiles block b walks, each loaded into k_s and v_s by the whole block, then
+/// step(j0) for its warp unless the warp's rows attend to none of the tile's keys
+/// (warp-uniform, so every lane of a warp calls the same mma instructions).
+template <typename Step>
+__device__ __forceinline__ void walk_key_tiles(const Params& p, const MmaQueryBlock& b, const Bf* k, const Bf* v,
+                                               std::uint16_t* k_s, std::uint16_t* v_s, Step step) {
+  namespace ma = mma_attention;
+  const i64 end = ma::keys_end(b.s, b.i0);
+  for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
+    __syncthreads();  // every warp is done with the previous tile (and the query tiles are loaded)
+    ma::load_rows(k_s, bits(k) + b.bh * p.S * p.E, j0, end, p.E, b.tid, ma::kThreads);
+    ma::load_rows(v_s, bits(v) + b.bh * p.S * p.Ev, j0, end, p.Ev, b.tid, ma::kThreads);
+    __syncthreads();
+    if (!ma::warp_skips(b.s, b.first, j0)) step(j0);
+  }
+}
+
 /// out (B, H, L, Ev) and lse: a block per 64 queries of one (b, h), its warps' scores,
 /// weights and outputs in registers (Note [Attention on mma fragments] in
 /// backend/mma_attention.h). The same preconditions as the WMMA forward above.
@@ -802,20 +819,13 @@ __global__ void __launch_bounds__(mma_attention::kThreads)
   auto* q_s = reinterpret_cast<std::uint16_t*>(tc_shared());
   std::uint16_t* k_s = q_s + ma::kTileElems;
   std::uint16_t* v_s = k_s + ma::kTileElems;
-  const auto [s, warp, tid, bh, i0, first] = mma_query_block(p);
-  ma::load_rows(q_s, bits(q) + bh * p.L * p.E, i0, p.L, p.E, tid, ma::kThreads);
+  const MmaQueryBlock b = mma_query_block(p);
+  ma::load_rows(q_s, bits(q) + b.bh * p.L * p.E, b.i0, p.L, p.E, b.tid, ma::kThreads);
   __syncthreads();
   ma::WarpState st;
-  ma::warp_begin(st, q_s, warp);
-  const i64 end = ma::keys_end(s, i0);
-  for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
-    __syncthreads();  // every warp is done with the previous tile
-    ma::load_rows(k_s, bits(k) + bh * p.S * p.E, j0, end, p.E, tid, ma::kThreads);
-    ma::load_rows(v_s, bits(v) + bh * p.S * p.Ev, j0, end, p.Ev, tid, ma::kThreads);
-    __syncthreads();
-    if (!ma::warp_skips(s, first, j0)) ma::warp_tile(st, s, k_s, v_s, first, j0);  // warp-uniform
-  }
-  ma::warp_finish(st, s, reinterpret_cast<std::uint16_t*>(out) + bh * p.L * p.Ev, lse + bh * p.L, first);
+  ma::warp_begin(st, q_s, b.warp);
+  walk_key_tiles(p, b, k, v, k_s, v_s, [&](i64 j0) { ma::warp_tile(st, b.s, k_s, v_s, b.first, j0); });
+  ma::warp_finish(st, b.s, reinterpret_cast<std::uint16_t*>(out) + b.bh * p.L * p.Ev, lse + b.bh * p.L, b.first);
 #else
   __trap();
 #endif
@@ -1007,21 +1017,14 @@ __global__ void __launch_bounds__(mma_attention::kThreads)
   std::uint16_t* g_s = q_s + ma::kTileElems;
   std::uint16_t* k_s = g_s + ma::kTileElems;
   std::uint16_t* v_s = k_s + ma::kTileElems;
-  const auto [s, warp, tid, bh, i0, first] = mma_query_block(p);
-  ma::load_rows(q_s, bits(q) + bh * p.L * p.E, i0, p.L, p.E, tid, ma::kThreads);
-  ma::load_rows(g_s, bits(gout) + bh * p.L * p.Ev, i0, p.L, p.Ev, tid, ma::kThreads);
+  const MmaQueryBlock b = mma_query_block(p);
+  ma::load_rows(q_s, bits(q) + b.bh * p.L * p.E, b.i0, p.L, p.E, b.tid, ma::kThreads);
+  ma::load_rows(g_s, bits(gout) + b.bh * p.L * p.Ev, b.i0, p.L, p.Ev, b.tid, ma::kThreads);
   __syncthreads();
   ma::QueriesState st;
-  ma::queries_begin(st, s, q_s, g_s, lse + bh * p.L, delta + bh * p.L, warp, first);
-  const i64 end = ma::keys_end(s, i0);
-  for (i64 j0 = 0; j0 < end; j0 += ma::kTile) {
-    __syncthreads();  // every warp is done with the previous tile
-    ma::load_rows(k_s, bits(k) + bh * p.S * p.E, j0, end, p.E, tid, ma::kThreads);
-    ma::load_rows(v_s, bits(v) + bh * p.S * p.Ev, j0, end, p.Ev, tid, ma::kThreads);
-    __syncthreads();
-    if (!ma::warp_skips(s, first, j0)) ma::queries_tile(st, s, k_s, v_s, first, j0);  // warp-uniform
-  }
-  ma::store_rows(reinterpret_cast<std::uint16_t*>(gq) + bh * p.L * p.E, st.dq, first, p.L, p.E, p.scale);
+  ma::queries_begin(st, b.s, q_s, g_s, lse + b.bh * p.L, delta + b.bh * p.L, b.warp, b.first);
+  walk_key_tiles(p, b, k, v, k_s, v_s, [&](i64 j0) { ma::queries_tile(st, b.s, k_s, v_s, b.first, j0); });
+  ma::store_rows(reinterpret_cast<std::uint16_t*>(gq) + b.bh * p.L * p.E, st.dq, b.first, p.L, p.E, p.scale);
 #else
   __trap();
 #endif
