@@ -23,10 +23,10 @@
 namespace dp::backend::mma_attention {
 
 // Note [Attention on mma fragments]
-// The forward of a bfloat16 attention without mask or dropout (a GPT's under autocast)
-// in FlashAttention-2's shape: a block of 4 warps owns 64 query rows, 16 a warp; the
-// keys and values are walked in tiles of 64 through shared memory; and a warp's scores,
-// weights and output accumulator never leave its registers. That is what the PTX
+// The forward (and, below, the backward) of a bfloat16 attention without mask or dropout
+// (a GPT's under autocast) in FlashAttention-2's shape: a block of 4 warps owns 64 query
+// rows, 16 a warp; the keys and values are walked in tiles of 64 through shared memory;
+// and a warp's scores, weights and output accumulator never leave its registers. That is what the PTX
 // instruction mma.sync.m16n8k16 allows and WMMA does not: its fragment layout is
 // documented (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type").
 // With g = lane / 4 and t = lane % 4, a lane holds
