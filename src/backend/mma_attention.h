@@ -14,9 +14,9 @@
 
 #include "backend/functors.h"  // DP_HD, MaxOp's NaN rule in max_nan below
 
-#if !defined(__CUDA_ARCH__)
-#include <cmath>
+#include <cmath>  // expf, logf: the host's, and on the device CUDA's
 
+#if !defined(__CUDA_ARCH__)
 #include "dp/core/half.h"
 #endif
 
@@ -162,20 +162,6 @@ DP_HD inline std::uint32_t load_word(const std::uint16_t* p) {
 #endif
 }
 
-DP_HD inline float exp_f(float x) {
-#if defined(__CUDA_ARCH__)
-  return expf(x);
-#else
-  return std::exp(x);
-#endif
-}
-DP_HD inline float log_f(float x) {
-#if defined(__CUDA_ARCH__)
-  return logf(x);
-#else
-  return std::log(x);
-#endif
-}
 /// The larger of a and b, NaN winning (MaxOp's rule, as torch.max).
 DP_HD inline float max_nan(float a, float b) { return (a != a || a > b) ? a : b; }
 struct MaxNan {
@@ -498,7 +484,7 @@ DP_HD inline void warp_tile(WarpState& st, const Shape& p, const std::uint16_t* 
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1;
         // No key attended yet: no weight.
-        const float w = m_new[h][l] == kNegInf ? 0.0f : exp_f(s[nt][l][e] - m_new[h][l]);
+        const float w = m_new[h][l] == kNegInf ? 0.0f : expf(s[nt][l][e] - m_new[h][l]);
         s[nt][l][e] = w;
         sum[h][l] += w;
       }
@@ -510,7 +496,7 @@ DP_HD inline void warp_tile(WarpState& st, const Shape& p, const std::uint16_t* 
   for (int l = 0; l < kSimLanes; ++l)
     for (int h = 0; h < 2; ++h) {
       if (m_new[h][l] == kNegInf) continue;
-      const float correction = exp_f(st.m[h][l] - m_new[h][l]);  // 0 on the first tile attended
+      const float correction = expf(st.m[h][l] - m_new[h][l]);  // 0 on the first tile attended
       st.l[h][l] = st.l[h][l] * correction + sum[h][l];
       st.m[h][l] = m_new[h][l];
       if (correction != 1.0f) {
@@ -539,7 +525,7 @@ DP_HD inline void warp_finish(const WarpState& st, const Shape& p, std::uint16_t
           const int d = c_col(l, nt, e);
           if (d < p.Ev) out[i * p.Ev + d] = bf16_bits(sum == 0.0f ? 0.0f : st.o[nt][l][e] / sum);
         }
-      if (t == 0) lse[i] = sum == 0.0f ? __builtin_huge_valf() : st.m[h][l] + log_f(sum);
+      if (t == 0) lse[i] = sum == 0.0f ? __builtin_huge_valf() : st.m[h][l] + logf(sum);
     }
   }
 }
@@ -577,7 +563,7 @@ DP_HD inline void keys_tile(KeysState& st, const Shape& p, const std::uint16_t* 
     for (int nt = 0; nt < kKeyTiles; ++nt)
       for (int e = 0; e < 4; ++e) {
         const int col = c_col(l, nt, e);
-        w[nt][l][e] = attends(p, i0 + col, first + c_row(l, e)) ? exp_f(p.scale * w[nt][l][e] - lse_s[col]) : 0.0f;
+        w[nt][l][e] = attends(p, i0 + col, first + c_row(l, e)) ? expf(p.scale * w[nt][l][e] - lse_s[col]) : 0.0f;
       }
   }
   weights_times(st.dv, w, g_s);  // dV += Pᵀ gout
@@ -626,7 +612,7 @@ DP_HD inline void queries_tile(QueriesState& st, const Shape& p, const std::uint
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1;
         const bool on = attends(p, first + c_row(l, e), j0 + c_col(l, nt, e));
-        const float pw = on ? exp_f(p.scale * w[nt][l][e] - st.lse[h][l]) : 0.0f;
+        const float pw = on ? expf(p.scale * w[nt][l][e] - st.lse[h][l]) : 0.0f;
         w[nt][l][e] = on ? pw * (dp[nt][l][e] - st.delta[h][l]) : 0.0f;
       }
   }

@@ -1685,6 +1685,13 @@ void add_perf_suite(Table& t) {
   add_gemm(t, 256, 128, 3136, false, true, 0, 1.0f, 0.0f, "(CNN fc1 forward)");
   add_gemm(t, 128, 3136, 256, true, false, 0, 1.0f, 0.0f, "(CNN fc1 weight grad)");
   add_gemm(t, 256, 10, 128, false, true, 0, 1.0f, 0.0f, "(CNN fc2 forward)");
+  // Batched products (Note [Batched GEMMs on the CPU]): an attention's math path at 96
+  // heads of 128 tokens (one chunk a matrix), and large matrices.
+  for (DType dt : {DType::F32, DType::BF16}) {
+    add_gemm_batched(t, dt, 96, 128, 128, 64, false, false, 0);
+    add_gemm_batched(t, dt, 48, 256, 256, 64, false, false, 0);
+    add_gemm_batched(t, dt, 8, 512, 512, 512, false, false, 0);
+  }
   add_softmax_nll(t, 256, 10);
   add_softmax_nll(t, 4096, 1000);
   add_conv(t, conv(256, 1, 28, 28, 32, 3, 3, 1, 1, 1, 1));

@@ -454,7 +454,9 @@ TEST_CASE("layer_norm's input gradient where it nearly cancels (Note [Layer norm
     m /= cols;
     for (std::int64_t j = 0; j < cols; ++j) v += std::pow(xv[static_cast<std::size_t>(r * cols + j)] - m, 2);
     const double rs = 1.0 / std::sqrt(v / cols + 1e-5);
-    auto at = [&](const std::vector<float>& a, std::int64_t j) { return double(a[static_cast<std::size_t>(r * cols + j)]); };
+    auto at = [&](const std::vector<float>& a, std::int64_t j) {
+      return double(a[static_cast<std::size_t>(r * cols + j)]);
+    };
     for (std::int64_t j = 0; j < cols; ++j) {
       const double gj = at(uv, j) * wv[static_cast<std::size_t>(j)];
       gm += gj / cols;
