@@ -1790,12 +1790,34 @@ TEST_CASE("bf16 conv2d: oneDNN's bfloat16 passes within one rounding of float32'
     check_bf16_conv(conv_shape(1, 2, 5, 5, 3, 1, 1, 1, 1, 0, 0), 64);      // 1x1
     // Batch chunks on a multi-thread device; backward-weight sums float32 partials.
     check_bf16_conv(conv_shape(5, 16, 14, 14, 32, 3, 3, 1, 1, 1, 1), 65);
-    // One output column with a horizontal stride above 1 (Note [bf16 backward-weight at
-    // one output column]): the op fuzzer's 1x1 image, and two of the scan's shapes.
+    // Images narrower than their horizontal stride (Note [bf16 backward-weight on an image
+    // narrower than its stride]): the op fuzzer's 1x1 image, and two of the scan's shapes.
     check_bf16_conv(conv_shape(3, 3, 1, 1, 3, 3, 3, 2, 2, 1, 1), 66);
     check_bf16_conv(conv_shape(2, 16, 3, 1, 16, 3, 3, 2, 2, 1, 1), 67);
     check_bf16_conv(conv_shape(2, 16, 4, 2, 16, 3, 3, 3, 3, 1, 1), 68);
   }
+  be().set_conv_layout(cpu::ConvLayout::Auto);
+}
+
+TEST_CASE("bf16 conv2d: images narrower than the stride, unwritten memory poisoned, within one rounding of float32") {
+  // Note [bf16 backward-weight on an image narrower than its stride]: with the primitives'
+  // scratchpads and outputs filled with NaN first, a pass that reads memory it never wrote
+  // fails here on every run. A sweep of narrow images around W < stride_w, both layouts.
+  cpu::CpuBackend::set_poison_onednn_buffers(true);
+  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked}) {
+    CAPTURE(int(layout));
+    be().set_conv_layout(layout);
+    unsigned seed = 100;
+    for (i64 W = 1; W <= 5; ++W)
+      for (i64 S = 1; S <= 5; ++S)
+        for (i64 sw = 1; sw <= 4; ++sw)
+          for (i64 pw = 0; pw < S; ++pw) {
+            if (W + 2 * pw < S) continue;
+            CAPTURE(W); CAPTURE(S); CAPTURE(sw); CAPTURE(pw);
+            check_bf16_conv(conv_shape(2, 4, 2, W, 16, 1, S, 1, sw, 0, pw), seed++);
+          }
+  }
+  cpu::CpuBackend::set_poison_onednn_buffers(false);
   be().set_conv_layout(cpu::ConvLayout::Auto);
 }
 

@@ -5,9 +5,11 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "backend/method_kernels.h"
 #include "dp/core/error.h"
@@ -18,6 +20,12 @@ Backend& cpu_backend() { return cpu::cpu_backend_impl(); }
 
 namespace cpu {
 namespace {
+
+/// CpuBackend::set_poison_onednn_buffers; DP_POISON_ONEDNN_BUFFERS=1 turns it on from the start.
+std::atomic<bool> poison_buffers{[] {
+  const char* env = std::getenv("DP_POISON_ONEDNN_BUFFERS");
+  return env != nullptr && std::string_view(env) == "1";
+}()};
 
 /// Alignment of every allocation: one cache line, and the widest (AVX-512) vector.
 constexpr std::size_t kAlignment = 64;
@@ -359,6 +367,10 @@ void CpuBackend::memset_zero(void* ptr, Device dev, std::size_t nbytes) {
     std::memset(p + lo, 0, hi - lo);
   });
 }
+
+void CpuBackend::set_poison_onednn_buffers(bool on) { poison_buffers.store(on); }
+
+bool CpuBackend::poison_onednn_buffers() { return poison_buffers.load(std::memory_order_relaxed); }
 
 }  // namespace cpu
 }  // namespace dp::backend

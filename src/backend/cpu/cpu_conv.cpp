@@ -436,6 +436,14 @@ void execute_entry(ConvEntry& e, const void* const* ptrs, int filled = -1) {
     args.emplace(a.id, a.internal ? a.internal : a.user);
   }
   args.emplace(DNNL_ARG_SCRATCHPAD, e.scratchpad);
+  if (CpuBackend::poison_onednn_buffers()) {
+    auto fill = [](const memory& m) {
+      if (const std::size_t bytes = m.get_desc().get_size(); bytes > 0) std::memset(m.get_data_handle(), 0xff, bytes);
+    };
+    fill(e.scratchpad);
+    for (const ConvArg& a : e.args)
+      if (a.output) fill(a.internal ? a.internal : a.user);
+  }
   for (ConvArg& a : e.args)
     if (!a.output && a.internal && a.id != filled) run_reorder(a, stream);
   e.prim.execute(stream, args);
@@ -1300,22 +1308,28 @@ i64 input_numel(const Conv2dShape& s) { return s.N * s.C * s.H * s.W; }
 i64 output_numel(const Conv2dShape& s) { return s.N * s.K * s.P * s.Q; }
 i64 weight_numel(const Conv2dShape& s) { return s.K * s.C * s.R * s.S; }
 
-// Note [bf16 backward-weight at one output column]
+// Note [bf16 backward-weight on an image narrower than its stride]
 // oneDNN 2.6's bfloat16 backward-weight pass (on a Xeon with AMX, its
-// jit:avx512_core_amx_bf16 kernel) computes wrong weight gradients for a convolution
-// whose output is one column wide (Q = 1) with a horizontal stride above 1: taps that
-// see only padding come out non-zero, others off, up to 1e37 — values from memory it
-// never wrote, so they change with the buffers' history (NaN in the op fuzzer's program
-// 88903: a 1x1 image, 3x3 kernel, stride 2, padding 1). A scan of every geometry with H
-// and W up to 13, kernels 1 to 7, strides 1 to 4 and padding 0 to 3 (16 channels each
-// way, four passes, 14,208 runs on that Xeon, 2026-12-01) found 152 such geometries
-// wrong, every one with Q = 1 and stride_w > 1 (of 601 with both), and no other. Those
-// shapes take the widening path for the weight gradient: the float32 pass on the
-// widened operands, rounded once, what PyTorch's bfloat16 convolution's gradient is up
-// to the order of its sums. They are tiny (one output column), so the float32 pass
-// costs nothing that matters. The forward and backward-data passes are oneDNN's still
-// (cpu_backend_test checks every pass at such shapes).
-bool bf16_backward_weight_widens(const Conv2dShape& s) { return s.Q == 1 && s.stride_w > 1; }
+// jit:avx512_core_amx_bf16 kernel, which the Blocked layout runs) computes wrong weight
+// gradients for a convolution whose input is narrower than its horizontal stride
+// (W < stride_w): taps come out NaN or off by up to 1e37, from memory it never wrote, so
+// they change with the buffers' history (NaN in the op fuzzer's program 88903: a 1x1
+// image, 3x3 kernel, stride 2, padding 1). The rule comes from scans on that Xeon
+// (2026-12-01) with the primitives' scratchpads and outputs filled with NaN first
+// (CpuBackend::set_poison_onednn_buffers), so every read of unwritten memory shows. Of
+// 18,263 random geometries (H and W 1-16, kernels 1-7, strides 1-4 and padding 0-3, each
+// way; 1-32 channels), each run in both layouts, 711 weight gradients were wrong, every
+// one Blocked with W < stride_w (711 of the 1,167 such); of a grid of 2,292 narrow ones
+// (W 1-12, S 1-8, stride_w 1-6, pad_w 0-7), 334, all with W < stride_w (of 369).
+// No forward, backward-data or Plain pass was wrong, and no geometry with W >= stride_w.
+// An earlier scan without the fill saw only the one-output-column ones (Q = 1; a first
+// rule, Q = 1 and stride_w > 1, let the others through). Such shapes take the widening
+// path for the weight gradient on every CPU: the float32 pass on the widened operands,
+// rounded once, what PyTorch's bfloat16 convolution's gradient is up to the order of its
+// sums. Their images are narrower than a stride, so the float32 pass costs nothing that
+// matters. The forward and backward-data passes are oneDNN's still; cpu_backend_test
+// sweeps such geometries, buffers filled, every pass against float32.
+bool bf16_backward_weight_widens(const Conv2dShape& s) { return s.W < s.stride_w; }
 
 }  // namespace
 
@@ -1405,7 +1419,7 @@ void CpuBackend::conv2d_backward(Device dev, DType dt, const Conv2dBackwardArgs&
   check_conv_shape(s, "conv2d_backward");
   check_conv2d_backward(a);
   const bool f32 = dt == DType::F32;
-  // Note [bf16 backward-weight at one output column]: such shapes' passes one by one.
+  // Note [bf16 backward-weight on an image narrower than its stride]: such shapes' passes one by one.
   if (f32 || (native_bf16_conv() && !(a.gw != nullptr && bf16_backward_weight_widens(s)))) {
     // bfloat16 weight and bias gradients sum in float32 and round once (Note [bf16
     // convolutions through oneDNN]).
