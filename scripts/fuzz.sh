@@ -60,12 +60,12 @@ if [[ "$loops" != 0 ]]; then
   ninja -C build tests/parallel/loop_fuzz >/dev/null || exit 2
   first=1000  # CI runs 0..999
   echo "fuzz: loop programs $first..$((first + loops - 1)), one process"
-  DP_CPU_DEVICES=8 DP_POISON_ONEDNN_BUFFERS=1 build/tests/parallel/loop_fuzz --seeds "$first:$((first + loops))" || exit 1
+  DP_CPU_DEVICES=8 DP_POISON_MEMORY=1 build/tests/parallel/loop_fuzz --seeds "$first:$((first + loops))" || exit 1
   if command -v mpirun >/dev/null; then
     n=$(( loops / 10 > 0 ? loops / 10 : 1 ))
     echo "fuzz: loop programs $first..$((first + n - 1)), mpirun -np 2"
     root_flag=(); [[ $(id -u) -eq 0 ]] && root_flag=(--allow-run-as-root)
-    mpirun "${root_flag[@]}" --oversubscribe --bind-to none -np 2 -x DP_CPU_DEVICES=8 -x DP_POISON_ONEDNN_BUFFERS=1 \
+    mpirun "${root_flag[@]}" --oversubscribe --bind-to none -np 2 -x DP_CPU_DEVICES=8 -x DP_POISON_MEMORY=1 \
       build/tests/parallel/loop_fuzz --seeds "$first:$((first + n))" || exit 1
   fi
   exit 0

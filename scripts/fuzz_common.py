@@ -28,8 +28,8 @@ def hunt(tool, replay, write_file, seeds, batch, label, replay_args=()):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "cases.safetensors")
             write_file(path, seeds[i:i + batch])
-            # oneDNN's unwritten memory reads as NaN (CpuBackend::set_poison_onednn_buffers).
-            env = dict(os.environ, DP_POISON_ONEDNN_BUFFERS=os.environ.get("DP_POISON_ONEDNN_BUFFERS", "1"))
+            # unwritten memory reads as NaN (Note [Poisoned memory] in src/backend/backend.h).
+            env = dict(os.environ, DP_POISON_MEMORY=os.environ.get("DP_POISON_MEMORY", "1"))
             r = subprocess.run([replay, path, *replay_args], capture_output=True, text=True, env=env)
             sys.stdout.write(r.stdout[-20000:])
             sys.stderr.write(r.stderr[-4000:])

@@ -1,12 +1,14 @@
 #include "backend/backend.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "dp/core/error.h"
@@ -321,6 +323,17 @@ void Backend::finish_copy(PendingCopy& pending, void* dst, Device dst_dev) {
   copy(dst, dst_dev, p->staging, dst_dev, p->nbytes);
   deallocate(dst_dev, std::exchange(p->staging, nullptr), p->nbytes);
 }
+
+namespace {
+std::atomic<bool> poisoned_memory{[] {  // Note [Poisoned memory]
+  const char* env = std::getenv("DP_POISON_MEMORY");
+  return env != nullptr && std::string_view(env) == "1";
+}()};
+}  // namespace
+
+void Backend::set_poison_memory(bool on) { poisoned_memory.store(on); }
+
+bool Backend::poison_memory() { return poisoned_memory.load(std::memory_order_relaxed); }
 
 void Backend::check_copy_rows(Device dev, std::size_t dst_pitch, std::size_t src_pitch, std::size_t row_bytes) {
   DP_CHECK(dst_pitch >= row_bytes && src_pitch >= row_bytes, "copy_rows on ", dev, ": expected pitches of at least ",

@@ -202,6 +202,18 @@ class Backend : public dp::detail::DeviceRuntime {
   /// copy_rows' argument check, shared by every backend's: a dp::Error naming the pitches
   /// when either is shorter than a row.
   static void check_copy_rows(Device dev, std::size_t dst_pitch, std::size_t src_pitch, std::size_t row_bytes);
+  /// Note [Poisoned memory]
+  /// true: memory nothing has written yet reads as NaN, process-wide. Every backend fills
+  /// each allocation of a device's memory with 0xFF bytes (NaN in float32 and the 16-bit
+  /// types; -1 in the integer ones); the CPU fills each oneDNN convolution's and bfloat16
+  /// matmul's scratchpad and outputs (a matmul's C where beta is 0) just before it runs.
+  /// A kernel that reads what it never wrote then gives NaN on every run, where otherwise
+  /// it gives whatever the memory held, right most of the time (Note [bf16 backward-weight
+  /// on an image narrower than its stride] in cpu_conv.cpp: a bug that a scan without the
+  /// fill saw in part). For tests and fuzzers; DP_POISON_MEMORY=1 starts a process with it
+  /// on. Costs a fill per allocation and per primitive call.
+  static void set_poison_memory(bool on);
+  static bool poison_memory();
   /// Note [Copies ahead]
   /// copy() makes the destination's stream wait for the bytes at once: what the
   /// destination enqueues next runs after the transfer. A prefetch (ZeRO stage 3's

@@ -215,6 +215,28 @@ TEST_CASE("allocation: alignment, counters, peak, zero size, out of memory") {
   CHECK(be().memory_allocated(d) == base);
 }
 
+TEST_CASE("poisoned memory: an allocation reads as NaN while it is on, and is not filled when it is off") {
+  // Note [Poisoned memory]: with it on, every allocation, fresh or a cached block again,
+  // is filled with 0xFF bytes.
+  const Device d = dp::cpu(1);
+  const bool was = dp::backend::Backend::poison_memory();
+  const std::size_t n = 1 << 16;  // large enough for the block cache
+  dp::backend::Backend::set_poison_memory(true);
+  for (int round = 0; round < 2; ++round) {  // a new block, then the cached one
+    auto* p = static_cast<float*>(be().allocate(d, n * sizeof(float)));
+    bool all_nan = true;
+    for (std::size_t i = 0; i < n; ++i) all_nan = all_nan && std::isnan(p[i]);
+    CHECK(all_nan);
+    std::fill(p, p + n, 1.0f);
+    be().deallocate(d, p, n * sizeof(float));
+  }
+  dp::backend::Backend::set_poison_memory(false);
+  auto* q = static_cast<float*>(be().allocate(d, n * sizeof(float)));  // not filled (the cached block's 1s here)
+  CHECK(std::count_if(q, q + n, [](float v) { return std::isnan(v); }) == 0);
+  be().deallocate(d, q, n * sizeof(float));
+  dp::backend::Backend::set_poison_memory(was);
+}
+
 TEST_CASE("copies ahead: the bytes of the start land at finish_copy; finishing twice or a foreign copy is an error") {
   // Note [Copies ahead]: the bytes are taken when the copy starts, held by the
   // destination until they land.
@@ -1803,7 +1825,7 @@ TEST_CASE("bf16 conv2d: images narrower than the stride, unwritten memory poison
   // Note [bf16 backward-weight on an image narrower than its stride]: with the primitives'
   // scratchpads and outputs filled with NaN first, a pass that reads memory it never wrote
   // fails here on every run. A sweep of narrow images around W < stride_w, both layouts.
-  cpu::CpuBackend::set_poison_onednn_buffers(true);
+  dp::backend::Backend::set_poison_memory(true);
   for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked}) {
     CAPTURE(int(layout));
     be().set_conv_layout(layout);
@@ -1817,7 +1839,7 @@ TEST_CASE("bf16 conv2d: images narrower than the stride, unwritten memory poison
             check_bf16_conv(conv_shape(2, 4, 2, W, 16, 1, S, 1, sw, 0, pw), seed++);
           }
   }
-  cpu::CpuBackend::set_poison_onednn_buffers(false);
+  dp::backend::Backend::set_poison_memory(false);
   be().set_conv_layout(cpu::ConvLayout::Auto);
 }
 

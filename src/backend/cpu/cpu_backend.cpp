@@ -5,11 +5,9 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cstdlib>
 #include <cstring>
-#include <string_view>
 
 #include "backend/method_kernels.h"
 #include "dp/core/error.h"
@@ -20,12 +18,6 @@ Backend& cpu_backend() { return cpu::cpu_backend_impl(); }
 
 namespace cpu {
 namespace {
-
-/// CpuBackend::set_poison_onednn_buffers; DP_POISON_ONEDNN_BUFFERS=1 turns it on from the start.
-std::atomic<bool> poison_buffers{[] {
-  const char* env = std::getenv("DP_POISON_ONEDNN_BUFFERS");
-  return env != nullptr && std::string_view(env) == "1";
-}()};
 
 /// Alignment of every allocation: one cache line, and the widest (AVX-512) vector.
 constexpr std::size_t kAlignment = 64;
@@ -239,6 +231,7 @@ void* CpuBackend::allocate(Device dev, std::size_t nbytes) {
   DP_CHECK(p != nullptr, "allocate on ", dev.str(), ": out of memory allocating ", nbytes,
            " bytes (", st.allocated.load(), " bytes in use on this device); free tensors or "
            "use a smaller batch");
+  if (poison_memory() && nbytes > 0) std::memset(p, 0xff, nbytes);  // Note [Poisoned memory]
   const std::size_t now = st.allocated.fetch_add(nbytes) + nbytes;
   std::size_t peak = st.peak.load();
   while (now > peak && !st.peak.compare_exchange_weak(peak, now)) {
@@ -367,10 +360,6 @@ void CpuBackend::memset_zero(void* ptr, Device dev, std::size_t nbytes) {
     std::memset(p + lo, 0, hi - lo);
   });
 }
-
-void CpuBackend::set_poison_onednn_buffers(bool on) { poison_buffers.store(on); }
-
-bool CpuBackend::poison_onednn_buffers() { return poison_buffers.load(std::memory_order_relaxed); }
 
 }  // namespace cpu
 }  // namespace dp::backend

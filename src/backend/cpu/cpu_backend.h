@@ -364,15 +364,6 @@ class CpuBackend final : public Backend {
   /// its layouts, process-wide (tests compare the bits); true (the default): transpose_copy
   /// moves them where it can (Note [bfloat16 blocked reorders] in cpu_conv.cpp).
   static void set_own_conv_reorders(bool on);
-  /// true: before each oneDNN convolution or bfloat16 matmul runs, its scratchpad and
-  /// output buffers (a matmul's C where beta is 0) are filled with 0xFF bytes (NaN in
-  /// float32 and bfloat16), process-wide, so a value read from memory the primitive never
-  /// wrote comes out NaN on every run instead of whatever the buffer held (Note [bf16
-  /// backward-weight on an image narrower than its stride] in cpu_conv.cpp). For tests
-  /// and fuzzers; DP_POISON_ONEDNN_BUFFERS=1 starts a process with it on. Costs a fill of
-  /// those buffers per call.
-  static void set_poison_onednn_buffers(bool on);
-  static bool poison_onednn_buffers();
   /// How many Conv2dBackward calls so far built gy once for both passes (Note
   /// [Convolution backward in one call]); for tests.
   static std::uint64_t shared_conv_backwards();

@@ -436,7 +436,7 @@ void execute_entry(ConvEntry& e, const void* const* ptrs, int filled = -1) {
     args.emplace(a.id, a.internal ? a.internal : a.user);
   }
   args.emplace(DNNL_ARG_SCRATCHPAD, e.scratchpad);
-  if (CpuBackend::poison_onednn_buffers()) {
+  if (Backend::poison_memory()) {  // Note [Poisoned memory]
     auto fill = [](const memory& m) {
       if (const std::size_t bytes = m.get_desc().get_size(); bytes > 0) std::memset(m.get_data_handle(), 0xff, bytes);
     };
@@ -1316,7 +1316,7 @@ i64 weight_numel(const Conv2dShape& s) { return s.K * s.C * s.R * s.S; }
 // they change with the buffers' history (NaN in the op fuzzer's program 88903: a 1x1
 // image, 3x3 kernel, stride 2, padding 1). The rule comes from scans on that Xeon
 // (2026-12-01) with the primitives' scratchpads and outputs filled with NaN first
-// (CpuBackend::set_poison_onednn_buffers), so every read of unwritten memory shows. Of
+// (Note [Poisoned memory] in backend.h), so every read of unwritten memory shows. Of
 // 18,263 random geometries (H and W 1-16, kernels 1-7, strides 1-4 and padding 0-3, each
 // way; 1-32 channels), each run in both layouts, 711 weight gradients were wrong, every
 // one Blocked with W < stride_w (711 of the 1,167 such); of a grid of 2,292 narrow ones

@@ -560,7 +560,7 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
       dnnl::memory mb(g->b, gemm_engine(), const_cast<BFloat16*>(pb));
       dnnl::memory mc(g->c, gemm_engine(), pc + lo * a.ldc);
       dnnl::memory ms(g->scratch, gemm_engine(), g->scratch.get_size() > 0 ? scratch : nullptr);
-      if (CpuBackend::poison_onednn_buffers()) {  // unwritten memory reads as NaN
+      if (Backend::poison_memory()) {  // Note [Poisoned memory]
         if (onednn_bytes > 0) std::memset(scratch, 0xff, onednn_bytes);
         if (a.beta == 0.0f)
           for (i64 r = lo; r < hi; ++r) std::fill_n(pc + r * a.ldc, a.n, BFloat16::from_bits(0xffff));

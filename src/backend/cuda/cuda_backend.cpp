@@ -320,7 +320,13 @@ void CudaBackend::range_pop(Device /*dev*/) noexcept { (void)nvtxDomainRangePop(
 
 void* CudaBackend::allocate(Device dev, std::size_t nbytes) {
   cudaStream_t s = bind(dev);
-  return state(dev.index).allocator->allocate(nbytes, s);
+  void* p = state(dev.index).allocator->allocate(nbytes, s);
+  if (poison_memory() && nbytes > 0) {  // Note [Poisoned memory]
+    const cudaError_t err = cudaMemsetAsync(p, 0xff, nbytes, s);
+    if (err != cudaSuccess) state(dev.index).allocator->deallocate(p);
+    DP_CUDA_CHECK(err);
+  }
+  return p;
 }
 
 void CudaBackend::deallocate(Device dev, void* ptr, std::size_t) noexcept {
