@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "dp/core/half.h"
@@ -39,6 +41,18 @@ float value(std::uint16_t b) { return static_cast<float>(dp::BFloat16::from_bits
 
 using Bits = std::vector<std::uint16_t>;
 
+/// What a GPU's shared memory and registers hold before a kernel writes them: anything.
+/// The host fills the simulated ones with NaN (0xFFFF in bfloat16, all ones in float),
+/// so a read of a tile's or a state's element that the kernel never wrote shows in the
+/// results instead of reading as the zero a fresh std::vector holds (a load that left a
+/// partial tile's padding unwritten passes with zeros and fails with this).
+constexpr std::uint16_t kPoison = 0xFFFF;
+template <typename State>
+void poison(std::vector<State>& states) {
+  static_assert(std::is_trivially_copyable_v<State>);
+  std::memset(static_cast<void*>(states.data()), 0xFF, states.size() * sizeof(State));
+}
+
 /// A query-side grid of one problem, block by block, as the kernels run it: for each
 /// block of 64 queries from i0, begin(i0); for each key tile its K and V rows in k_s and
 /// v_s and step(w, first, j0) for each warp whose rows attend to some of its keys; then
@@ -62,11 +76,12 @@ void walk_query_blocks(const ma::Shape& p, const std::uint16_t* kb, const std::u
 /// The forward's grid: what attention_forward_mma_kernel does on a GPU.
 void run_forward(const Problem& pb, const ma::Shape& p, const Bits& q, const Bits& k, const Bits& v, Bits& out,
                  std::vector<float>& lse) {
-  std::vector<std::uint16_t> smem(3 * ma::kTileElems);
+  std::vector<std::uint16_t> smem(3 * ma::kTileElems, kPoison);
   std::uint16_t* q_s = smem.data();
   std::uint16_t* k_s = q_s + ma::kTileElems;
   std::uint16_t* v_s = k_s + ma::kTileElems;
   std::vector<ma::WarpState> st(ma::kWarps);
+  poison(st);
   for (i64 bh = 0; bh < pb.BH; ++bh) {
     walk_query_blocks(
         p, k.data() + bh * p.S * p.E, v.data() + bh * p.S * p.Ev, k_s, v_s,
@@ -141,12 +156,12 @@ void check_problem(const Problem& pb) {
 /// attention_queries_mma_kernel's (gq).
 void run_backward(const Problem& pb, const ma::Shape& p, const Bits& q, const Bits& k, const Bits& v, const Bits& g,
                   const std::vector<float>& lse, const std::vector<float>& delta, Bits& gq, Bits& gk, Bits& gv) {
-  std::vector<std::uint16_t> smem(4 * ma::kTileElems);
+  std::vector<std::uint16_t> smem(4 * ma::kTileElems, kPoison);
   std::uint16_t* t0 = smem.data();
   std::uint16_t* t1 = t0 + ma::kTileElems;
   std::uint16_t* t2 = t1 + ma::kTileElems;
   std::uint16_t* t3 = t2 + ma::kTileElems;
-  std::vector<float> lse_s(ma::kTile), delta_s(ma::kTile);
+  std::vector<float> lse_s(ma::kTile, std::nanf("")), delta_s(ma::kTile, std::nanf(""));
   for (i64 bh = 0; bh < pb.BH; ++bh) {
     const std::uint16_t* qb = q.data() + bh * p.L * p.E;
     const std::uint16_t* kb = k.data() + bh * p.S * p.E;
@@ -155,6 +170,7 @@ void run_backward(const Problem& pb, const ma::Shape& p, const Bits& q, const Bi
     // dK and dV: a block per 64 keys, walking the query tiles.
     for (i64 j0 = 0; j0 < p.S; j0 += ma::kTile) {
       std::vector<ma::KeysState> st(ma::kWarps);
+      poison(st);
       ma::load_rows(t0, kb, j0, p.S, p.E, 0, 1);
       ma::load_rows(t1, vb, j0, p.S, p.Ev, 0, 1);
       for (int w = 0; w < ma::kWarps; ++w) ma::keys_begin(st[static_cast<std::size_t>(w)], t0, t1, w);
@@ -177,6 +193,7 @@ void run_backward(const Problem& pb, const ma::Shape& p, const Bits& q, const Bi
     }
     // dQ: a block per 64 queries, walking the key tiles.
     std::vector<ma::QueriesState> st(ma::kWarps);
+    poison(st);
     walk_query_blocks(
         p, kb, vb, t2, t3,
         [&](i64 i0) {
