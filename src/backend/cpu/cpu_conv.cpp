@@ -930,9 +930,47 @@ ConvKey auto_key_of(const Conv2dShape& s, ConvKind kind, bool bias, int threads,
   return conv_key(s, kind, bias, threads, ConvLayout::Auto, false, dtype);
 }
 
-/// The layout a pass runs in without measuring: the forced one, the device's cached
-/// choice, or the record's (then cached); Auto when the pass has not been measured yet.
+// Note [Blocked forward with a stride above the kernel]
+// oneDNN 2.6's brgemm convolution forward (`brgconv:`, which the Blocked layout runs for
+// bfloat16 on a Xeon with AMX) sizes its buffer of copied input rows for a vertical stride
+// of at most the kernel's height, so with stride_h > R it writes past that buffer: wrong
+// outputs, or the heap corrupted and the process aborted (malloc: "invalid size") — found
+// on that Xeon (2026-12-01) by a scan with 16 to 128 channels, after the narrow scans of
+// Note [bf16 backward-weight on an image narrower than its stride] had run clean. Of 540
+// geometries (C = K = 16, 64, 128; R 1-3; stride_h 1-4; S 1, 3, 7; stride_w 1-3; four
+// images of 14 x 20), 23 were wrong or crashed, every one with stride_h > R and a
+// `brgconv:` primitive; none with stride_h <= R, none in the Plain layout, none in its 1x1
+// kernel (`brgconv_1x1:`, a ResNet's strided shortcut). So a forward with stride_h > R
+// whose Blocked primitive would be `brgconv:` (for the call's images, its chunks' or one)
+// runs in the Plain layout, whatever the layout asked for; oneDNN's own name for the
+// kernel decides, so other CPUs and dtypes are covered when they pick it. Such shapes
+// skip rows of the input (a kernel shorter than its stride), rare outside strided 1x1
+// convolutions. cpu_backend_test runs a sweep of them in the Blocked layout, every pass
+// against float32, with unwritten memory poisoned.
+bool blocked_forward_refused(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, DType dtype) {
+  if (s.stride_h <= s.R || s.N < 1) return false;
+  ConvCache& cache = *be.state(dev).conv;
+  const i64 chunks = conv_chunks(s, be.threads_per_device(dev));
+  for (const i64 images : {s.N, i64{1}, (s.N + chunks - 1) / chunks, s.N / chunks}) {
+    if (images < 1) continue;
+    Conv2dShape sc = s;
+    sc.N = images;
+    const ConvKey key = conv_key(sc, ConvKind::Forward, bias, 0, ConvLayout::Blocked, false, dtype);
+    std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.forward_impls.find(key);
+    if (it == cache.forward_impls.end())
+      it = cache.forward_impls.emplace(key, forward_impl(sc, bias, ConvLayout::Blocked, dtype)).first;
+    if (it->second.rfind("brgconv:", 0) == 0) return true;
+  }
+  return false;
+}
+
+/// The layout a pass runs in without measuring: the Plain one where the Blocked one is
+/// refused (Note [Blocked forward with a stride above the kernel]), the forced one, the
+/// device's cached choice, or the record's (then cached); Auto when the pass has not
+/// been measured yet.
 ConvLayout known_layout(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias, DType dtype) {
+  if (kind == ConvKind::Forward && blocked_forward_refused(be, dev, s, bias, dtype)) return ConvLayout::Plain;
   ConvLayout layout = be.conv_layout();
   if (layout != ConvLayout::Auto) return layout;
   const int threads = be.threads_per_device(dev);
