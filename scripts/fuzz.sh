@@ -4,12 +4,17 @@
 #   scripts/fuzz.sh                       # every target, 30 s each (CI)
 #   scripts/fuzz.sh --time 600 --targets idx
 #   scripts/fuzz.sh --loops 20000         # the differential loop fuzzer's long mode
+#   scripts/fuzz.sh --conv-scan 20000     # oneDNN's convolutions on this CPU, random geometries
 #
 # --loops N runs tests/parallel/loop_fuzz (Note [Loop fuzzer]; the release build in
 # build/, made by scripts/build.sh when missing) on N programs past the range CI runs
 # (CI: `meson test` runs programs 0..999 in one process and 0..99 under mpirun), then
 # N/10 of them under mpirun -np 2 when mpirun is there, and nothing else. A divergence
 # prints the program as C++ and fails the run.
+#
+# --conv-scan N runs cpu_backend_test's convolution scans (Note [Convolution scans]) on N
+# random geometries each, past the 300 that `meson test` draws (seed 2 on), memory
+# poisoned: oneDNN picks its kernels by the CPU, so each new CPU is worth a scan.
 #
 # The library is built once with clang++-14 in build-fuzz (ASan+UBSan, with libFuzzer's
 # coverage instrumentation: -fsanitize=fuzzer-no-link), then each target is compiled
@@ -32,6 +37,7 @@ usage: $0 [--time SECONDS] [--targets "idx cifar safetensors"] [--jobs N] [--bui
   --jobs        ninja -j (default: ninja's choice)
   --build-only  build, then run only the seed corpora (no mutation)
   --loops       run the differential loop fuzzer on N programs instead (long mode)
+  --conv-scan   run the convolution scans on N random geometries each instead
 USAGE
 }
 
@@ -41,6 +47,7 @@ targets=""
 jobs=()
 build_only=0
 loops=0
+conv_scan=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --time) time_s="$2"; shift 2 ;;
@@ -48,11 +55,21 @@ while [[ $# -gt 0 ]]; do
     --jobs) jobs=(-j "$2"); shift 2 ;;
     --build-only) build_only=1; shift ;;
     --loops) loops="$2"; shift 2 ;;
+    --conv-scan) conv_scan="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "fuzz: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
   esac
 done
 cd "$root" || exit 2
+
+if [[ "$conv_scan" != 0 ]]; then
+  [[ "$conv_scan" =~ ^[0-9]+$ ]] || { echo "fuzz: --conv-scan expects a count of geometries, got '$conv_scan'" >&2; exit 2; }
+  [[ -x build/tests/cpu_backend_test ]] || scripts/build.sh >/dev/null || exit 2
+  ninja -C build tests/cpu_backend_test >/dev/null || exit 2
+  echo "fuzz: convolution scans, $conv_scan geometries each, seed 2, on $(lscpu | sed -n 's/^Model name: *//p')"
+  DP_CONV_SCAN="$conv_scan" DP_CONV_SCAN_SEED=2 build/tests/cpu_backend_test -tc="conv scan*" || exit 1
+  exit 0
+fi
 
 if [[ "$loops" != 0 ]]; then
   [[ "$loops" =~ ^[0-9]+$ ]] || { echo "fuzz: --loops expects a count of programs, got '$loops'" >&2; exit 2; }
