@@ -1708,6 +1708,7 @@ void add_perf_suite(Table& t) {
   add_batchnorm(t, 256, 32, 784);
   add_batchnorm(t, 256, 64, 1024);  // ResNet-18 (CIFAR) at batch 256: its first stage
   add_batchnorm(t, 256, 512, 16);   // and its last
+  add_batchnorm(t, 64, 64, 1024, 0, DType::BF16);  // its first stage under autocast, at batch 64
   add_optim(t, n, false);
 }
 

@@ -66,6 +66,16 @@ std::uint32_t max_abs_bits(const float* p, std::int64_t n);
 void linear_epilogue(float* c, std::int64_t ldc, std::int64_t rows, std::int64_t cols, const float* bias, bool relu,
                      const float* relu_y);
 
+/// A batch norm channel's statistics (Note [Batch norm's sums in lanes] in cpu_nn.cpp): of
+/// N planes of HW values of dtype dt (F32, BF16 or F16), plane n at x + n * stride, Σ x
+/// into *sum and Σ (x − Σx / (N·HW))² into *sq, in double lanes, with ISA clones that give
+/// the same bits (cpu_norm_clones.cpp).
+void batch_norm_stats(DType dt, const void* x, std::int64_t N, std::int64_t HW, std::int64_t stride, double* sum,
+                      double* sq);
+/// Its backward's Σ gy into *sum_gy and Σ gy (x − mean) into *sum_gy_xc, likewise.
+void batch_norm_grad_sums(DType dt, const void* gy, const void* x, std::int64_t N, std::int64_t HW,
+                          std::int64_t stride, float mean, double* sum_gy, double* sum_gy_xc);
+
 /// Whether unary_clone_f32 runs op: the ops whose functors are polynomials (Note
 /// [Vectorisable exp and tanh] in functors.h).
 constexpr bool has_unary_clone(UnaryOp op) {

@@ -33,12 +33,14 @@ template <typename Op, typename Load>
 }
 
 /// Σ f(i)[k] for i in [0, n) and each k < K, in one pass: every sum folded as
-/// fold_lanes<SumOp> folds it alone (the same lanes, the same tree, the same bits).
-template <int K, typename F>
-[[gnu::always_inline]] inline void sum_lanes(std::int64_t n, F f, float (&out)[K]) {
-  float lanes[K][kLanes];
+/// fold_lanes<SumOp> folds it alone (the same lanes, the same tree, the same bits). The
+/// sums are of out's type A: float, or double where the caller sums in double (batch
+/// norm's statistics, as PyTorch's CPU kernel); f returns K values convertible to A.
+template <int K, typename F, typename A>
+[[gnu::always_inline]] inline void sum_lanes(std::int64_t n, F f, A (&out)[K]) {
+  A lanes[K][kLanes];
   for (int k = 0; k < K; ++k)
-    for (int j = 0; j < kLanes; ++j) lanes[k][j] = 0.0f;
+    for (int j = 0; j < kLanes; ++j) lanes[k][j] = A(0);
   std::int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int j = 0; j < kLanes; ++j) {
