@@ -562,6 +562,28 @@ TEST_CASE("unary clones: exp, tanh and sigmoid give the functors' bits at every 
       }
   }
   CHECK_FALSE(cpu::has_unary_clone(UnaryOp::Log));
+  // bfloat16 ReLU: the float functor on the widened value, rounded once (NaN included).
+  CHECK(cpu::has_unary_clone_bf16(UnaryOp::Relu));
+  CHECK_FALSE(cpu::has_unary_clone_bf16(UnaryOp::Exp));
+  for (i64 n = 0; n <= 40; ++n)
+    for (i64 start : {i64{0}, i64{1}}) {
+      CAPTURE(n);
+      CAPTURE(start);
+      std::vector<dp::BFloat16> x(static_cast<std::size_t>(start + n)), y(x.size(), dp::BFloat16(7.0f));
+      for (auto& v : x) v = dp::BFloat16(value());
+      x.push_back(dp::BFloat16::from_bits(0xFF81));  // a negative NaN's bits, past the values: no effect on n
+      auto want = y;
+      for (i64 i = start; i < start + n; ++i) want[i] = dp::BFloat16(apply_unary(UnaryOp::Relu, float(x[i])));
+      cpu::unary_clone_bf16(UnaryOp::Relu, x.data() + start, y.data() + start, n);
+      for (std::size_t i = 0; i < y.size(); ++i) REQUIRE(y[i].bits == want[i].bits);
+    }
+  {  // every bfloat16 bit pattern once
+    std::vector<dp::BFloat16> x(65536), y(65536);
+    for (std::uint32_t b = 0; b < 65536; ++b) x[b] = dp::BFloat16::from_bits(static_cast<std::uint16_t>(b));
+    cpu::unary_clone_bf16(UnaryOp::Relu, x.data(), y.data(), 65536);
+    for (std::uint32_t b = 0; b < 65536; ++b)
+      REQUIRE(y[b].bits == dp::BFloat16(apply_unary(UnaryOp::Relu, float(x[b]))).bits);
+  }
 }
 
 TEST_CASE("binary, affine, axpy and cast clones: the functors' bits at every width, start and stride pattern") {
@@ -574,7 +596,7 @@ TEST_CASE("binary, affine, axpy and cast clones: the functors' bits at every wid
   auto value = [&] {  // a special value one time in three
     return rng() % 3 == 0 ? special[rng() % special.size()] : std::uniform_real_distribution<float>(-30, 30)(rng);
   };
-  for (BinaryOp op : {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div}) {
+  for (BinaryOp op : {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::ReluBackward}) {
     CHECK(cpu::has_binary_clone(op));
     for (i64 n = 0; n <= 40; ++n)
       for (i64 start : {i64{0}, i64{1}})
@@ -607,7 +629,7 @@ TEST_CASE("binary, affine, axpy and cast clones: the functors' bits at every wid
   auto same_bits = [](const std::vector<dp::BFloat16>& a, const std::vector<dp::BFloat16>& b) {
     return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * 2) == 0);
   };
-  for (BinaryOp op : {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div})
+  for (BinaryOp op : {BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::ReluBackward})
     for (i64 n = 0; n <= 40; ++n)
       for (auto [sa, sb] : {std::pair<i64, i64>{1, 1}, {1, 0}, {0, 1}, {2, 3}}) {
         CAPTURE(static_cast<int>(op));

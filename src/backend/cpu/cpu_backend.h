@@ -86,6 +86,11 @@ constexpr bool has_unary_clone(UnaryOp op) {
 /// alias x. Bit for bit the loop of the unary kernel, vectorised with ISA clones
 /// (cpu_unary_clones.cpp, Note [Unary clones]).
 void unary_clone_f32(UnaryOp op, const float* x, float* y, std::int64_t n);
+/// Whether unary_clone_bf16 runs op: ReLU, a CNN's under autocast.
+constexpr bool has_unary_clone_bf16(UnaryOp op) { return op == UnaryOp::Relu; }
+/// unary_clone_f32 over bfloat16 storage (the float functor on the widened value, one
+/// rounding), bit for bit the unary kernel's loop, for an op with has_unary_clone_bf16.
+void unary_clone_bf16(UnaryOp op, const BFloat16* x, BFloat16* y, std::int64_t n);
 
 /// y[i] = Gelu<tanh>(x[i]) and gx[i] = GeluBackward<tanh>(x[i], gy[i]) for i in [0, n),
 /// float32 (Note [Fused GELU] in functors.h); y may alias x, gx gy. Vectorised with ISA
@@ -95,7 +100,8 @@ void gelu_backward_f32(bool tanh, const float* x, const float* gy, float* gx, st
 
 /// Whether binary_clone_f32 runs op: the single IEEE operations +, -, *, /.
 constexpr bool has_binary_clone(BinaryOp op) {
-  return op == BinaryOp::Add || op == BinaryOp::Sub || op == BinaryOp::Mul || op == BinaryOp::Div;
+  return op == BinaryOp::Add || op == BinaryOp::Sub || op == BinaryOp::Mul || op == BinaryOp::Div ||
+         op == BinaryOp::ReluBackward;
 }
 
 /// out[i] = Binary<op>(a[i * sa], b[i * sb]) for i in [0, len), float32, for an op with

@@ -1,4 +1,5 @@
-// CPU backend: the float32 and bfloat16 loops of the binary ops +, -, *, / and of
+// CPU backend: the float32 and bfloat16 loops of the binary ops +, -, *, /, ReLU's
+// backward and of
 // affine and axpy, the float32 <-> bfloat16 casts, and the gradient scaler's multiply
 // with its non-finite check, with ISA clones.
 //
@@ -38,6 +39,9 @@ template <typename T>
     case BinaryOp::Sub: inner_loop(OnStorage<T, Binary<BinaryOp::Sub>>{}, a, sa, b, sb, out, len); return;
     case BinaryOp::Mul: inner_loop(OnStorage<T, Binary<BinaryOp::Mul>>{}, a, sa, b, sb, out, len); return;
     case BinaryOp::Div: inner_loop(OnStorage<T, Binary<BinaryOp::Div>>{}, a, sa, b, sb, out, len); return;
+    case BinaryOp::ReluBackward:
+      inner_loop(OnStorage<T, Binary<BinaryOp::ReluBackward>>{}, a, sa, b, sb, out, len);
+      return;
     default: DP_ASSERT(false, "binary_clone: no clone for BinaryOp ", static_cast<int>(op));
   }
 }

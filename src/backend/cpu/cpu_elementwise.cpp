@@ -142,6 +142,12 @@ void unary(CpuBackend& be, Device dev, const UnaryArgs& a) {
       be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { unary_clone_f32(op, x + b, y + b, e - b); });
       return;
     }
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    if (has_unary_clone_bf16(a.op)) {  // Note [Unary clones]
+      const UnaryOp op = a.op;
+      be.parallel_for(dev, a.n, kSerialGrain, [=](i64 b, i64 e) { unary_clone_bf16(op, x + b, y + b, e - b); });
+      return;
+    }
   }
   dispatch_unary(a.op, [&](auto f) {
     const OnStorage<T, decltype(f)> g{f};
