@@ -182,6 +182,9 @@ struct ConvCache {
   /// ConvLayout::Auto keys (layout Auto) -> the layout chosen for them, so a step looks
   /// the choice up here without touching the process-wide record.
   std::unordered_map<ConvKey, ConvLayout, ConvKeyHash> chosen;
+  /// Forward Auto keys -> whether the Blocked layout is refused for them (Note [Blocked
+  /// forward with a stride above the kernel]), decided on the first call.
+  std::unordered_map<ConvKey, bool, ConvKeyHash> refused;
 };
 
 void ConvCacheDeleter::operator()(ConvCache* cache) const noexcept { delete cache; }
@@ -950,19 +953,24 @@ ConvKey auto_key_of(const Conv2dShape& s, ConvKind kind, bool bias, int threads,
 bool blocked_forward_refused(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, DType dtype) {
   if (s.stride_h <= s.R || s.N < 1) return false;
   ConvCache& cache = *be.state(dev).conv;
-  const i64 chunks = conv_chunks(s, be.threads_per_device(dev));
+  const int threads = be.threads_per_device(dev);
+  const ConvKey call = auto_key_of(s, ConvKind::Forward, bias, threads, dtype);
+  std::lock_guard<std::mutex> lock(cache.mu);
+  if (auto known = cache.refused.find(call); known != cache.refused.end()) return known->second;
+  bool refused = false;
+  const i64 chunks = conv_chunks(s, threads);
   for (const i64 images : {s.N, i64{1}, (s.N + chunks - 1) / chunks, s.N / chunks}) {
-    if (images < 1) continue;
+    if (images < 1 || refused) continue;
     Conv2dShape sc = s;
     sc.N = images;
     const ConvKey key = conv_key(sc, ConvKind::Forward, bias, 0, ConvLayout::Blocked, false, dtype);
-    std::lock_guard<std::mutex> lock(cache.mu);
     auto it = cache.forward_impls.find(key);
     if (it == cache.forward_impls.end())
       it = cache.forward_impls.emplace(key, forward_impl(sc, bias, ConvLayout::Blocked, dtype)).first;
-    if (it->second.rfind("brgconv:", 0) == 0) return true;
+    refused = it->second.rfind("brgconv:", 0) == 0;
   }
-  return false;
+  cache.refused.emplace(call, refused);
+  return refused;
 }
 
 /// The layout a pass runs in without measuring: the Plain one where the Blocked one is

@@ -820,7 +820,7 @@ void CpuBackend::avgpool2d_backward(Device dev, const Pool2dShape& s, const floa
 // Note [Batch norm's sums in lanes]
 // A channel's statistics (Σ x, then Σ (x − mean)², and the backward's Σ gy and
 // Σ gy (x − mean)) are sums over its N planes of HW values, in double, as PyTorch's CPU
-// kernel accumulates a float tensor's. channel_sums keeps 16 independent double
+// kernel accumulates a float tensor's. sum_lanes_rows (cpu_lanes.h) keeps 16 independent double
 // accumulators a sum (element i of every plane into lane i mod 16) and adds them by a
 // pairwise tree at the end: an order fixed by (N, HW) alone, so the result is bitwise
 // reproducible, and a loop that vectorises. A single running sum cannot vectorise (its
@@ -861,12 +861,6 @@ inline float wide(T v) {
   return static_cast<float>(v);
 }
 
-/// The dtype of storage type T, for the clones of cpu_norm_clones.cpp.
-template <typename T>
-constexpr DType dtype_of() {
-  return std::is_same_v<T, float> ? DType::F32 : std::is_same_v<T, BFloat16> ? DType::BF16 : DType::F16;
-}
-
 template <typename T>
 void bn_train(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
               float eps, float momentum, float* running_mean, float* running_var, T* y, float* save_mean,
@@ -882,7 +876,7 @@ void bn_train(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, cons
       // Σ x, then Σ (x - mean)²: two passes, no cancellation for large means (Note [Batch
       // norm's sums in lanes]).
       double sum = 0.0, sq = 0.0;
-      batch_norm_stats(dtype_of<T>(), x + c * HW, N, HW, C * HW, &sum, &sq);
+      batch_norm_stats(dtype_of<T>, x + c * HW, N, HW, C * HW, &sum, &sq);
       const double mean = sum / static_cast<double>(M);
       const double var = sq / static_cast<double>(M);
       const double invstd = 1.0 / std::sqrt(var + static_cast<double>(eps));
@@ -939,7 +933,7 @@ void bn_backward(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* gy, 
       const float mean = save_mean[c], invstd = save_invstd[c];
       // Σ gy and Σ gy * (x - mean) (Note [Batch norm's sums in lanes]).
       double sum_gy = 0.0, sum_gy_xc = 0.0;
-      batch_norm_grad_sums(dtype_of<T>(), gy + c * HW, x + c * HW, N, HW, C * HW, mean, &sum_gy, &sum_gy_xc);
+      batch_norm_grad_sums(dtype_of<T>, gy + c * HW, x + c * HW, N, HW, C * HW, mean, &sum_gy, &sum_gy_xc);
       if (gbeta) gbeta[c] = static_cast<float>(sum_gy);
       if (ggamma) ggamma[c] = static_cast<float>(sum_gy_xc * invstd);
       if (!gx || M == 0) continue;

@@ -1,5 +1,5 @@
 // CPU backend: the sums behind batch norm's statistics (Note [Batch norm's sums in
-// lanes] in cpu_nn.cpp), with ISA clones.
+// lanes] in cpu_nn.cpp), sum_lanes_rows over a channel's planes, with ISA clones.
 //
 // Built with the optimizer loops (src/backend/cpu/meson.build): with ISA clones where
 // the build allows them, chosen by the loader for the CPU at hand. The file is built
@@ -19,34 +19,6 @@ namespace {
 
 using i64 = std::int64_t;
 
-/// Σ f(n, i)[k] over N planes of HW values, for each k < K: kLanes double accumulators a
-/// sum, element i of every plane into lane i mod kLanes, then the lanes by a pairwise
-/// tree (fold_lanes' tree): an order fixed by (N, HW) alone. Always inlined: only code
-/// inlined into a clone is compiled for the clone's ISA.
-template <int K, typename F>
-[[gnu::always_inline]] inline void channel_sums(i64 N, i64 HW, F f, double (&out)[K]) {
-  double lanes[K][kLanes];
-  for (int k = 0; k < K; ++k)
-    for (int j = 0; j < kLanes; ++j) lanes[k][j] = 0.0;
-  for (i64 n = 0; n < N; ++n) {
-    i64 i = 0;
-    for (; i + kLanes <= HW; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) {
-        const auto v = f(n, i + j);
-        for (int k = 0; k < K; ++k) lanes[k][j] += v[k];
-      }
-    for (int j = 0; i < HW; ++i, ++j) {
-      const auto v = f(n, i);
-      for (int k = 0; k < K; ++k) lanes[k][j] += v[k];
-    }
-  }
-  for (int k = 0; k < K; ++k) {
-    for (int width = kLanes / 2; width >= 1; width /= 2)
-      for (int j = 0; j < width; ++j) lanes[k][j] += lanes[k][j + width];
-    out[k] = lanes[k][0];
-  }
-}
-
 template <typename T>
 [[gnu::always_inline]] inline float wide(T v) {
   return static_cast<float>(v);
@@ -55,9 +27,9 @@ template <typename T>
 template <typename T>
 [[gnu::always_inline]] inline void stats(const T* x, i64 N, i64 HW, i64 stride, double* sum, double* sq) {
   double s[1], q[1];
-  channel_sums<1>(N, HW, [&](i64 n, i64 i) { return std::array<double, 1>{wide(x[n * stride + i])}; }, s);
+  sum_lanes_rows<1>(N, HW, [&](i64 n, i64 i) { return std::array<double, 1>{wide(x[n * stride + i])}; }, s);
   const double mean = s[0] / static_cast<double>(N * HW);
-  channel_sums<1>(N, HW, [&](i64 n, i64 i) {
+  sum_lanes_rows<1>(N, HW, [&](i64 n, i64 i) {
     const double d = static_cast<double>(wide(x[n * stride + i])) - mean;
     return std::array<double, 1>{d * d};
   }, q);
@@ -69,7 +41,7 @@ template <typename T>
 [[gnu::always_inline]] inline void grad_sums(const T* gy, const T* x, i64 N, i64 HW, i64 stride, float mean,
                                              double* sum_gy, double* sum_gy_xc) {
   double s[2];
-  channel_sums<2>(N, HW, [&](i64 n, i64 i) {
+  sum_lanes_rows<2>(N, HW, [&](i64 n, i64 i) {
     const float g = wide(gy[n * stride + i]);
     return std::array<double, 2>{g, g * (wide(x[n * stride + i]) - mean)};
   }, s);
