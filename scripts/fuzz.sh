@@ -55,7 +55,11 @@ while [[ $# -gt 0 ]]; do
     --jobs) jobs=(-j "$2"); shift 2 ;;
     --build-only) build_only=1; shift ;;
     --loops) loops="$2"; shift 2 ;;
-    --conv-scan) conv_scan="$2"; shift 2 ;;
+    --conv-scan)
+      conv_scan="${2-}"
+      [[ "$conv_scan" =~ ^[1-9][0-9]*$ ]] ||
+        { echo "fuzz: --conv-scan expects a positive count of geometries, got '$conv_scan'" >&2; exit 2; }
+      shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "fuzz: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
   esac
@@ -63,7 +67,6 @@ done
 cd "$root" || exit 2
 
 if [[ "$conv_scan" != 0 ]]; then
-  [[ "$conv_scan" =~ ^[0-9]+$ ]] || { echo "fuzz: --conv-scan expects a count of geometries, got '$conv_scan'" >&2; exit 2; }
   [[ -x build/tests/cpu_backend_test ]] || scripts/build.sh >/dev/null || exit 2
   ninja -C build tests/cpu_backend_test >/dev/null || exit 2
   echo "fuzz: convolution scans, $conv_scan geometries each, seed 2, on $(lscpu | sed -n 's/^Model name: *//p')"
