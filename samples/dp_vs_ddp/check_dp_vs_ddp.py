@@ -213,6 +213,27 @@ def main():
     check({o["loss_last"] for o in p16.values()} != {o["loss_last"] for o in f32.values()},
           "--param-dtype bf16 gave float32's losses")
 
+    # --channels-last: the batches laid out N x H x W x C; the designs still alike bit for
+    # bit, the first loss that of NCHW batches to float32 rounding (convolutions and batch
+    # norms sum in another order: as much as NCHW's two convolution layouts differ, ~1e-5
+    # of the loss at 4 images a device), the last after three steps within what training
+    # makes of such differences.
+    def resnet_rows(extra):
+        r = subprocess.run([exe, "--model", "resnet18", "--devices", "2", "--batch", "8", "--steps", "2", "--warmup",
+                            "1", "--stages", "1,3", "--json"] + extra, capture_output=True, text=True, timeout=300)
+        check(r.returncode == 0, f"resnet18 run {extra} exited {r.returncode}: {r.stderr[-300:]}")
+        out = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+        return {(o["mode"], o["shard_stage"]): o for o in out if o["devices"] == 2}
+    nchw, cl = resnet_rows([]), resnet_rows(["--channels-last"])
+    check(len(cl) >= 4 and cl.keys() == nchw.keys() and all(o["channels_last"] for o in cl.values()),
+          f"--channels-last rows {sorted(cl)} vs {sorted(nchw)}")
+    check(len({o["loss_last"] for o in cl.values()}) == 1, f"--channels-last: the designs' losses differ: "
+          f"{ {k: o['loss_last'] for k, o in cl.items()} }")
+    for key, o in cl.items():
+        for k, tol in (("loss_first", 1e-4), ("loss_last", 1e-2)):
+            ref = nchw[key][k]
+            check(abs(o[k] - ref) <= tol * max(1.0, abs(ref)), f"{key}: --channels-last {k} {o[k]}, NCHW {ref}")
+
     # --precision fp16: autocast in float16 with a GradScaler; every design reports finite
     # true (unscaled) losses, the designs alike.
     r = subprocess.run([exe, "--model", "mlp", "--devices", "2", "--batch", "32", "--steps", "3", "--warmup", "1",

@@ -95,6 +95,7 @@ struct Args {
   std::string stages = "1,2,3";
   std::string path = "worker";
   std::string precision = "fp32";  // fp32 | bf16 | fp16 (with a GradScaler)
+  bool channels_last = false;       // image batches laid out N x H x W x C (Note [Channels-last tensors])
   std::string reduce_dtype = "fp32";  // fp32 | bf16 | fp16: gradients on the wire
   bool reduce_given = false;          // --reduce-dtype was passed (else it follows --param-dtype)
   std::string param_dtype = "fp32";   // fp32 | bf16 | fp16: the devices' compute copy of the parameters
@@ -443,6 +444,7 @@ nlohmann::json to_json(const Args& a, const Result& r) {
   j["warmup"] = a.warmup;
   j["path"] = a.path == "worker" ? "forward_backward" : "module";
   j["precision"] = a.precision;
+  j["channels_last"] = a.channels_last;
   j["reduce_dtype"] = wire_flag(a);
   j["param_dtype"] = a.param_dtype;
   j["grad_bytes_per_step_device0"] = r.grad_bytes_dev0;
@@ -772,7 +774,7 @@ int run(const Args& a, const std::vector<int>& counts, const std::vector<int>& s
     std::cout << ", "
               << a.steps << " timed steps after " << a.warmup << " warm-up, "
               << (a.path == "worker" ? "model.forward_backward(x, y, loss)" : "loss(model(x)).backward()")
-              << ", " << optimizer_label(a) << ", " << a.precision
+              << ", " << optimizer_label(a) << ", " << a.precision << (a.channels_last ? ", channels-last" : "")
               << (a.param_dtype != "fp32" ? ", parameters computed in " + a.param_dtype : std::string())
               << ", gradients on the wire in " << wire_flag(a) << ", seed " << a.seed << "\n"
               << "devices: " << samples::device_kind() << ", " << dp::hardware_concurrency()
@@ -781,6 +783,9 @@ int run(const Args& a, const std::vector<int>& counts, const std::vector<int>& s
   // Note [Across processes in the benchmark]: the global batches, and this process's rows of them.
   auto batches = a.model == "gpt" ? samples::token_batches(a.batch, 4, a.seed)
                                   : samples::synthetic_batches(samples::example_shape(a.model), a.batch, 4, a.seed);
+  if (a.channels_last)
+    for (auto& b : batches)
+      if (b.data.dim() == 4) b.data = b.data.contiguous(dp::MemoryFormat::ChannelsLast);
   std::vector<dp::data::Batch> mine = batches;
   if (procs > 1) {
     const std::int64_t rows = a.batch / procs;
@@ -865,6 +870,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   samples::add_path_option(app, a.path);
   samples::add_precision_option(app, a.precision, /*fp16=*/true);
+  app.add_flag("--channels-last", a.channels_last,
+               "lay image batches out channels-last (N x H x W x C): convolutions, batch norms and elementwise ops "
+               "then compute in that layout, as PyTorch's torch.channels_last");
   samples::add_reduce_dtype_option(app, a.reduce_dtype);
   samples::add_param_dtype_option(app, a.param_dtype);
   app.add_flag("--json", a.json, "print one JSON object per configuration (one per line) instead of tables");

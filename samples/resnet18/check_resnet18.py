@@ -5,7 +5,8 @@ usage: check_resnet18.py EXE WORKDIR
 
 1. DDP on 2 devices, batch 8, 4 steps on one fixed batch (--overfit-batch): the JSON
    keys, finite losses, and the last loss well below the first (fitting one batch is
-   deterministic, so this does not flake).
+   deterministic, so this does not flake); the same with --channels-last gives the same
+   losses to float32 rounding.
 2. DP, batch 4, 3 steps on a tiny CIFAR-10 binary directory written here: the data
    path works and its losses are finite.
 3. Bad input (missing data dir, bad flags) exits non-zero with a message.
@@ -48,6 +49,13 @@ def main():
     check(o.get("data") == "synthetic", "synthetic data not reported")
     if len(ls) == 4:
         check(ls[-1] < 0.7 * ls[0], f"loss did not fall on one batch: {ls}")
+    # --channels-last: the same run with the batches laid out N x H x W x C gives the
+    # same losses to float32 rounding (convolutions and batch norms sum in another order).
+    c = run_json(exe, "--mode", "ddp", "--devices", "2", "--batch", "8", "--max-steps", "4", "--overfit-batch",
+                 "--channels-last")
+    cl = c.get("losses", [])
+    check(len(cl) == len(ls) == 4 and all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for a, b in zip(cl, ls)),
+          f"--channels-last losses {cl}, NCHW {ls}")
 
     # A tiny CIFAR-10 binary directory: 5 train files of 6 records each.
     data = os.path.join(work, "cifar")

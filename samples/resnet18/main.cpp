@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   std::int64_t batch = 128;
   double lr = 0.05;
   std::uint64_t seed = 1;
-  bool json = false, overfit = false;
+  bool json = false, overfit = false, channels_last = false;
   app.add_option("--data", data_dir, "directory with CIFAR-10 binary batches (default: synthetic data)");
   samples::add_mode_option(app, mode, {"dp", "ddp", "sharded"});
   samples::add_shard_stage_option(app, shard_stage);
@@ -44,6 +44,9 @@ int main(int argc, char** argv) {
   app.add_option("--log-every", log_every, "print the loss every N steps")->check(CLI::Range(1, 1 << 30))->capture_default_str();
   app.add_flag("--overfit-batch", overfit, "train on the first batch only (a sanity check: the loss must fall)");
   app.add_flag("--json", json, "print one JSON object (losses per step, throughput) instead of text");
+  app.add_flag("--channels-last", channels_last,
+               "lay the batches out channels-last (N x H x W x C), as PyTorch's torch.channels_last: the "
+               "convolutions, batch norms and elementwise ops compute in that layout");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -96,7 +99,8 @@ int main(int argc, char** argv) {
         if (overfit && !first.data.defined()) first = *it;
         const dp::data::Batch& b = overfit ? first : *it;
         opt.zero_grad();
-        double loss = model.forward_backward(b.data, b.target, loss_fn).item();
+        const dp::Tensor x = channels_last ? b.data.contiguous(dp::MemoryFormat::ChannelsLast) : b.data;
+        double loss = model.forward_backward(x, b.target, loss_fn).item();
         opt.step();
         ++step;
         losses.push_back(loss);

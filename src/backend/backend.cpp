@@ -137,8 +137,14 @@ class Scratch {
 
 }  // namespace
 
+void check_conv_pool_layout(const Conv2dShape& s, bool pool) {
+  DP_CHECK(!pool || !s.channels_last, "conv2d: a convolution with its max-pool takes NCHW tensors, got a "
+           "channels-last call (nn pools a channels-last output as an op of its own)");
+}
+
 void Backend::conv2d_pool_by_ops(Device dev, DType dt, const Conv2dArgs& a) {
   const Conv2dShape& s = a.s;
+  check_conv_pool_layout(s, a.pool.on);
   Scratch conv(*this, dev, static_cast<std::size_t>(s.N * s.K * s.P * s.Q) * float_size(dt));
   Conv2dArgs plain = a;
   plain.y = conv.get();
@@ -164,6 +170,7 @@ void check_conv2d_backward(const Conv2dBackwardArgs& a) {
   DP_CHECK(a.gbias == nullptr || a.gw != nullptr,
            "conv2d_backward: expected the weight gradient with the bias gradient (gbias needs gw), got gw null");
   if (!a.pool.on) return;
+  check_conv_pool_layout(s, true);
   const Pool2dShape& p = a.pool.s;
   DP_CHECK(p.N == s.N && p.C == s.K && p.H == s.P && p.W == s.Q, "conv2d_backward: expected a max-pool over the "
            "convolution's output (N, K, P, Q) = (", s.N, ", ", s.K, ", ", s.P, ", ", s.Q, "), got one over (", p.N, ", ",

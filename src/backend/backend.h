@@ -45,6 +45,9 @@ std::int64_t max_pool2d_winner_bytes(const Backend& be, const Pool2dShape& s);
 /// winners, and a bias gradient comes with the weight's: what every Conv2dBackward
 /// kernel checks first.
 void check_conv2d_backward(const Conv2dBackwardArgs& a);
+/// Throws dp::Error for a channels-last convolution with its max-pool (`pool`): the
+/// fused pool walks NCHW planes, so such a call is never made.
+void check_conv_pool_layout(const Conv2dShape& s, bool pool);
 
 /// Throws dp::Error unless a's batch fields are valid (GemmArgs in ops.h): batch >= 0,
 /// non-negative strides, the Cs apart by at least one C, no epilogue on a batch.

@@ -84,16 +84,19 @@ struct Calls {
   static void avgpool2d_backward(B& b, Device d, const AvgPool2dBackwardArgs& a) {
     b.avgpool2d_backward(d, a.s, f32(a.gy), f32(a.gx));
   }
-  static void batchnorm_train(B& b, Device d, const BatchNormTrainArgs& a) {
+  static void batchnorm_train(B& b, Device d, const BatchNormTrainArgs& args) {
+    const BatchNormTrainArgs a = as_nchw_rows(args);
     b.batchnorm_forward_train(d, a.N, a.C, a.HW, f32(a.x), f32(a.gamma), f32(a.beta), a.eps, a.momentum,
                               f32(a.running_mean), f32(a.running_var), f32(a.y), f32(a.save_mean),
                               f32(a.save_invstd));
   }
-  static void batchnorm_eval(B& b, Device d, const BatchNormEvalArgs& a) {
+  static void batchnorm_eval(B& b, Device d, const BatchNormEvalArgs& args) {
+    const BatchNormEvalArgs a = as_nchw_rows(args);
     b.batchnorm_forward_eval(d, a.N, a.C, a.HW, f32(a.x), f32(a.gamma), f32(a.beta), a.eps, f32(a.running_mean),
                              f32(a.running_var), f32(a.y));
   }
-  static void batchnorm_backward(B& b, Device d, const BatchNormBackwardArgs& a) {
+  static void batchnorm_backward(B& b, Device d, const BatchNormBackwardArgs& args) {
+    const BatchNormBackwardArgs a = as_nchw_rows(args);
     b.batchnorm_backward(d, a.N, a.C, a.HW, f32(a.gy), f32(a.x), f32(a.gamma), f32(a.save_mean),
                          f32(a.save_invstd), f32(a.gx), f32(a.ggamma), f32(a.gbeta));
   }

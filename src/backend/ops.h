@@ -71,12 +71,15 @@ enum class ReduceOp : std::uint8_t {
 };
 
 /// Geometry of a 2-d convolution (groups = 1, dilation = 1). Layouts are NCHW for x/y
-/// and KCRS for the weight (K output channels, R×S kernel).
+/// (and their gradients) and KCRS for the weight and its gradient (K output channels,
+/// R×S kernel); with channels_last, x, y, gx and gy lie N×H×W×C (Note [Channels-last
+/// tensors]) and the weight stays KCRS.
 struct Conv2dShape {
   std::int64_t N = 0, C = 0, H = 0, W = 0;  // input
   std::int64_t K = 0, R = 0, S = 0;         // weight
   std::int64_t stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0;
   std::int64_t P = 0, Q = 0;                // output height, width
+  bool channels_last = false;
 };
 
 /// Geometry of a 2-d pooling window over NCHW.
@@ -654,7 +657,9 @@ struct AvgPool2dBackwardArgs {
 /// (Note [Batch norm in 16 bits] in cpu/cpu_nn.cpp).
 /// Training: batch statistics; save_mean/save_invstd (C each) for backward; running stats
 /// updated as PyTorch does (unbiased variance, running = (1-m)*running + m*batch) when
-/// running_mean is not null.
+/// running_mean is not null. x, y, gy and gx are (N, C, HW), laid out N x HW x C when
+/// channels_last (Note [Channels-last tensors]; as_nchw_rows gives kernels without a
+/// path of their own the same bytes as (N·HW, C, 1)).
 struct BatchNormTrainArgs {
   std::int64_t N;
   std::int64_t C;
@@ -669,6 +674,7 @@ struct BatchNormTrainArgs {
   void* y;
   void* save_mean;
   void* save_invstd;
+  bool channels_last = false;
 };
 struct BatchNormEvalArgs {
   std::int64_t N;
@@ -681,6 +687,7 @@ struct BatchNormEvalArgs {
   const void* running_mean;
   const void* running_var;
   void* y;
+  bool channels_last = false;
 };
 /// gx, ggamma, gbeta (overwrite) from gy and the saved statistics.
 struct BatchNormBackwardArgs {
@@ -695,7 +702,20 @@ struct BatchNormBackwardArgs {
   void* gx;
   void* ggamma;
   void* gbeta;
+  bool channels_last = false;
 };
+/// A channels-last batch norm's arguments as an NCHW kernel reads the same bytes: N·HW
+/// images of C channels of one value each, the statistics over the same N·HW values per
+/// channel. For backends with no channels-last kernel of their own.
+template <typename Args>
+Args as_nchw_rows(Args a) {
+  if (a.channels_last) {
+    a.N *= a.HW;
+    a.HW = 1;
+    a.channels_last = false;
+  }
+  return a;
+}
 
 // ---- fused optimizer updates over a flat buffer of n elements ------------------------------
 

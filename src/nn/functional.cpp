@@ -46,6 +46,12 @@ bool needs(const Tensor& t) { return t.defined() && autograd::gradient_edge(t).v
 
 float* fptr(const Tensor& t) { return t.data<float>(); }
 void* raw_or_null(const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; }
+/// An activation's bytes for a kernel told its layout: as they lie when `as_laid`
+/// (a channels-last call), else read as NCHW (Note [Channels-last tensors]).
+void* activation_or_null(const Tensor& t, bool as_laid) {
+  if (!t.defined()) return nullptr;
+  return as_laid ? detail::layout_data(t) : t.raw_data();
+}
 /// The kernel table's dtype of t (the values agree, tensor.h checks).
 be::DType kernel_dtype(const Tensor& t) { return static_cast<be::DType>(t.dtype()); }
 
@@ -480,7 +486,12 @@ struct ConvSaved {
     std::vector<Tensor> grads = none();
     const bool empty_batch = s.N == 0 || s.P == 0 || s.Q == 0;
     const TensorOptions opts{gy.dtype(), dev};  // every gradient in the forward's dtype
-    Tensor gx = nx ? empty({s.N, s.C, s.H, s.W}, opts) : Tensor();
+    // A channels-last call's gy and gx lie as its x and y do (Note [Channels-last tensors]).
+    const bool cl = s.channels_last;
+    const Tensor g = cl ? detail::in_format(gy, MemoryFormat::ChannelsLast) : gy;
+    Tensor gx = nx ? detail::empty_in({s.N, s.C, s.H, s.W}, opts, cl ? MemoryFormat::ChannelsLast
+                                                                       : MemoryFormat::Contiguous)
+                   : Tensor();
     Tensor gw = nw || nb ? empty({s.K, s.C, s.R, s.S}, opts) : Tensor();
     Tensor gb = (nw || nb) && has_b ? empty({s.K}, opts) : Tensor();
     if (empty_batch) {
@@ -488,8 +499,9 @@ struct ConvSaved {
         if (t->defined()) t->zero_();
     } else if (gx.defined() || gw.defined()) {
       be::get(dev).run<be::Op::Conv2dBackward>(dev, kernel_dtype(gy),
-                                               {s, gy.raw_data(), raw_or_null(xs), raw_or_null(ws), raw_or_null(gx),
-                                                raw_or_null(gw), raw_or_null(gb), pool});
+                                               {s, activation_or_null(g, cl), activation_or_null(xs, cl),
+                                                raw_or_null(ws), activation_or_null(gx, cl), raw_or_null(gw),
+                                                raw_or_null(gb), pool});
     }
     if (nx) grads[0] = gx;
     if (nw) grads[1] = gw;
@@ -525,12 +537,16 @@ Tensor max_pool2d_grad(const be::Pool2dShape& s, Device dev, const Tensor& g, co
 /// src/backend/cpu/cpu_conv.cpp).
 Tensor conv2d_impl(const Tensor& x, const Tensor& w, const Tensor& b, std::int64_t stride,
                    std::int64_t padding, bool relu) {
-  const be::Conv2dShape s = conv_shape_of(relu ? "conv2d_relu" : "conv2d", x, w, b, stride, padding);
+  be::Conv2dShape s = conv_shape_of(relu ? "conv2d_relu" : "conv2d", x, w, b, stride, padding);
+  // A channels-last input convolves as it lies and gives a channels-last output (Note
+  // [Channels-last tensors]); the weight is read as KCRS either way.
+  s.channels_last = x.suggest_memory_format() == MemoryFormat::ChannelsLast;
   Device dev = x.device();
-  Tensor y = empty({s.N, s.K, s.P, s.Q}, TensorOptions{x.dtype(), dev});
+  Tensor y = detail::empty_in({s.N, s.K, s.P, s.Q}, TensorOptions{x.dtype(), dev}, x.suggest_memory_format());
   if (y.numel() > 0)
     be::get(dev).run<be::Op::Conv2d>(dev, kernel_dtype(x),
-                                     {s, x.raw_data(), w.raw_data(), raw_or_null(b), y.raw_data(), relu});
+                                     {s, activation_or_null(x, s.channels_last), w.raw_data(), raw_or_null(b),
+                                      activation_or_null(y, s.channels_last), relu});
 
   std::vector<Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
@@ -822,7 +838,11 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
   Tensor g_eff = gamma.defined() ? gamma : ones({C}, dev);
   Tensor b_eff = beta.defined() ? beta : zeros({C}, dev);
   const be::DType dt = kernel_dtype(x);  // of x, y, gy and gx; the rest float32
-  Tensor y = empty(x.shape(), TensorOptions{x.dtype(), dev});
+  // A channels-last input normalises as it lies, into a channels-last output (Note
+  // [Channels-last batch norm] in cpu_nn.cpp); x, y, gy and gx then lie alike.
+  const bool cl = x.suggest_memory_format() == MemoryFormat::ChannelsLast;
+  const MemoryFormat format = x.suggest_memory_format();
+  Tensor y = detail::empty_in(x.shape(), TensorOptions{x.dtype(), dev}, format);
   std::vector<Tensor> inputs{x};
   if (gamma.defined()) inputs.push_back(gamma);
   if (beta.defined()) inputs.push_back(beta);
@@ -837,23 +857,27 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
     float* rvar = running_var.defined() ? running_var.mutable_data<float>() : nullptr;
     b.run<be::Op::BatchNormTrain>(
         dev, dt,
-        {N, C, HW, x.raw_data(), fptr(g_eff), fptr(b_eff), static_cast<float>(eps), static_cast<float>(momentum),
-         rmean, rvar, y.raw_data(), fptr(save_mean), fptr(save_invstd)});
+        {N, C, HW, activation_or_null(x, cl), fptr(g_eff), fptr(b_eff), static_cast<float>(eps),
+         static_cast<float>(momentum), rmean, rvar, activation_or_null(y, cl), fptr(save_mean), fptr(save_invstd),
+         cl});
     if (autograd::needs_grad(inputs)) {
       Tensor xs = x.detach(), gs = g_eff.detach();
       autograd::record(
           "BatchNormBackward", inputs, y, {xs, gs},
-          [xs, gs, save_mean, save_invstd, N, C, HW, dev, dt, has_gamma, has_beta](
+          [xs, gs, save_mean, save_invstd, N, C, HW, dev, dt, has_gamma, has_beta, cl, format](
               const std::vector<Tensor>& g) {
             std::vector<Tensor> grads(1 + has_gamma + has_beta);
             if (!g[0].defined()) return grads;
             check_grad_shape("BatchNormBackward", g[0], xs.shape());
-            const Tensor gy = g[0].dtype() == xs.dtype() ? g[0] : dp::detail::cast_raw(g[0], xs.dtype());
-            Tensor gx = empty(xs.shape(), TensorOptions{xs.dtype(), dev}), gg = empty({C}, dev), gb = empty({C}, dev);
+            const Tensor gy = detail::in_format(
+                g[0].dtype() == xs.dtype() ? g[0] : dp::detail::cast_raw(g[0], xs.dtype()), format);
+            Tensor gx = detail::empty_in(xs.shape(), TensorOptions{xs.dtype(), dev}, format), gg = empty({C}, dev),
+                   gb = empty({C}, dev);
             be::get(dev).run<be::Op::BatchNormBackward>(dev, dt,
-                                                        {N, C, HW, gy.raw_data(), xs.raw_data(), fptr(gs),
-                                                         fptr(save_mean), fptr(save_invstd), gx.raw_data(), fptr(gg),
-                                                         fptr(gb)});
+                                                        {N, C, HW, activation_or_null(gy, cl),
+                                                         activation_or_null(xs, cl), fptr(gs), fptr(save_mean),
+                                                         fptr(save_invstd), activation_or_null(gx, cl), fptr(gg),
+                                                         fptr(gb), cl});
             grads[0] = gx;
             std::size_t i = 1;
             if (has_gamma) grads[i++] = gg;
@@ -869,8 +893,9 @@ Tensor batch_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta,
            "training = true");
   if (y.numel() > 0) {
     b.run<be::Op::BatchNormEval>(dev, dt,
-                                 {N, C, HW, x.raw_data(), fptr(g_eff), fptr(b_eff), static_cast<float>(eps),
-                                  fptr(running_mean), fptr(running_var), y.raw_data()});
+                                 {N, C, HW, activation_or_null(x, cl), fptr(g_eff), fptr(b_eff),
+                                  static_cast<float>(eps), fptr(running_mean), fptr(running_var),
+                                  activation_or_null(y, cl), cl});
   }
   if (autograd::needs_grad(inputs)) {
     // The backend has no eval-mode backward; it is a per-channel affine map, so the

@@ -140,6 +140,16 @@ Tensor binary_raw(const char* op, BinaryOp kind, const Tensor& a, const Tensor& 
   DP_ASSERT(a.dtype() == b.dtype(), op, ": operands of one dtype expected here, got ", dtype_name(a.dtype()),
             " and ", dtype_name(b.dtype()));
   Shape out_shape = broadcast_shape(op, a.shape(), b.shape());
+  if (detail::elementwise_format(a, b) == MemoryFormat::ChannelsLast) {
+    // Two channels-last operands of one shape: element i of each is the same (n, c, h,
+    // w), so the op runs over the bytes as they lie (Note [Channels-last tensors]).
+    Tensor out = detail::empty_in(out_shape, TensorOptions{a.dtype(), a.device()}, MemoryFormat::ChannelsLast);
+    if (out.numel() == 0) return out;
+    Indexer ix = make_indexer(a.shape(), a.shape(), out_shape);
+    be(a).run<Op::Binary>(a.device(), detail::kernel_dtype(a.dtype()),
+                          {kind, ix, detail::layout_data(a), detail::layout_data(b), detail::layout_data(out)});
+    return out;
+  }
   Tensor out = empty(out_shape, TensorOptions{a.dtype(), a.device()});
   if (out.numel() == 0) return out;
   Indexer ix = make_indexer(a.shape(), b.shape(), out_shape);
@@ -147,18 +157,22 @@ Tensor binary_raw(const char* op, BinaryOp kind, const Tensor& a, const Tensor& 
   return out;
 }
 
+// Unary and affine ops map element i to element i: they keep their input's layout
+// (Note [Channels-last tensors]).
 Tensor unary_raw(const char* op, UnaryOp kind, const Tensor& a) {
   detail::check_floating(op, a);
-  Tensor out = empty_like(a);
-  be(a).run<Op::Unary>(a.device(), detail::kernel_dtype(a.dtype()), {kind, a.raw_data(), out.raw_data(), a.numel()});
+  Tensor out = detail::empty_in(a.shape(), TensorOptions{a.dtype(), a.device()}, a.suggest_memory_format());
+  be(a).run<Op::Unary>(a.device(), detail::kernel_dtype(a.dtype()),
+                       {kind, detail::layout_data(a), detail::layout_data(out), a.numel()});
   return out;
 }
 
 Tensor affine_raw(const Tensor& a, double alpha, double beta) {
   detail::check_floating("affine", a);
-  Tensor out = empty_like(a);
+  Tensor out = detail::empty_in(a.shape(), TensorOptions{a.dtype(), a.device()}, a.suggest_memory_format());
   be(a).run<Op::Affine>(a.device(), detail::kernel_dtype(a.dtype()),
-                        {a.raw_data(), out.raw_data(), a.numel(), static_cast<float>(alpha), static_cast<float>(beta)});
+                        {detail::layout_data(a), detail::layout_data(out), a.numel(), static_cast<float>(alpha),
+                         static_cast<float>(beta)});
   return out;
 }
 

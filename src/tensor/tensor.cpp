@@ -169,7 +169,8 @@ std::shared_ptr<TensorImpl> new_impl(const Shape& shape, Dtype dtype, Device dev
   return impl;
 }
 
-// A new impl viewing `src`'s storage at element offset `offset` with `shape`.
+// A new impl viewing `src`'s storage at element offset `offset` with `shape`, laid out
+// as `src` is (a channels-last view keeps src's shape, or narrows its dim 0).
 std::shared_ptr<TensorImpl> view_impl(const TensorImpl& src, std::int64_t offset, const Shape& shape) {
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = src.storage;
@@ -177,10 +178,70 @@ std::shared_ptr<TensorImpl> view_impl(const TensorImpl& src, std::int64_t offset
   impl->shape = shape;
   impl->dtype = src.dtype;
   impl->copied_view = src.copied_view;  // Note [Writes into materialised views]
+  impl->memory_format = src.memory_format;
   return impl;
 }
 
+bool is_channels_last(const TensorImpl& impl) { return impl.memory_format == MemoryFormat::ChannelsLast; }
+
+// True when a shape's NCHW and NHWC orders are the same bytes (Note [Channels-last
+// tensors]): such a tensor is kept Contiguous.
+bool layouts_coincide(const Shape& s) { return s.size() != 4 || s[1] == 1 || s[2] * s[3] == 1; }
+
+void check_not_released(const TensorImpl& impl) {
+  DP_CHECK(!impl.storage->released(), "Tensor", shape_str(impl.shape), " on ", impl.storage->device(),
+           ": its memory was released (Note [Released storage]) — a parameter of a module trained with "
+           "DataParallel shard_stage 3 between uses; read parameters through net->state_dict(), "
+           "net->parameters() or named_parameters(), which gather them, called again after each step "
+           "(a list taken before a step holds views the step released; see dp/parallel/data_parallel.h)");
+}
+
+void* bytes_as_they_lie(const TensorImpl& impl) {
+  check_not_released(impl);
+  return static_cast<char*>(impl.storage->data()) + impl.offset * element_size(impl.dtype);
+}
+
+// Copies a 4-d tensor of `shape` (N, C, H, W) between the two layouts on its device:
+// NCHW `src` into N x H x W x C `dst` when `to_channels_last`, else back. One strided
+// pass that moves bits (exact for every dtype).
+void transpose_layout(Device dev, Dtype dtype, const Shape& shape, const void* src, void* dst,
+                      bool to_channels_last) {
+  if (shape_numel(shape) == 0) return;
+  const std::int64_t N = shape[0], C = shape[1], H = shape[2], W = shape[3];
+  backend::Indexer ix;
+  ix.ndim = 4;
+  const std::int64_t sizes_cl[4] = {N, H, W, C}, strides_cl[4] = {C * H * W, W, 1, H * W};
+  const std::int64_t sizes_nchw[4] = {N, C, H, W}, strides_nchw[4] = {H * W * C, 1, W * C, C};
+  for (int i = 0; i < 4; ++i) {
+    ix.sizes[i] = to_channels_last ? sizes_cl[i] : sizes_nchw[i];
+    ix.strides_a[i] = to_channels_last ? strides_cl[i] : strides_nchw[i];
+    ix.strides_b[i] = ix.strides_a[i];
+  }
+  // An int32 tensor moves as float32 words, an int64 one through the int64 kernel.
+  const backend::DType dt = dtype == Dtype::Int32 ? backend::DType::F32 : detail::kernel_dtype(dtype);
+  backend::get(dev).run<backend::Op::StridedCopy>(dev, dt, {ix, src, dst});
+}
+
+// The NCHW copy of a channels-last tensor, made on the first read as NCHW and again
+// after its bytes are written (the storage version moved).
+void* nchw_copy_of(TensorImpl& impl) {
+  std::lock_guard<std::mutex> lock(impl.nchw_mutex);
+  const std::uint64_t version = impl.storage->version();
+  if (impl.nchw_copy == nullptr || impl.nchw_version != version) {
+    const auto nbytes = static_cast<std::size_t>(shape_numel(impl.shape)) * element_size(impl.dtype);
+    if (impl.nchw_copy == nullptr) impl.nchw_copy = std::make_shared<Storage>(impl.storage->device(), nbytes);
+    transpose_layout(impl.storage->device(), impl.dtype, impl.shape, bytes_as_they_lie(impl), impl.nchw_copy->data(),
+                     false);
+    impl.nchw_version = version;
+  }
+  return impl.nchw_copy->data();
+}
+
 }  // namespace
+
+const char* memory_format_name(MemoryFormat format) {
+  return format == MemoryFormat::ChannelsLast ? "channels_last" : "contiguous";
+}
 
 const Shape& Tensor::shape() const { return checked(impl_).shape; }
 std::int64_t Tensor::dim() const { return static_cast<std::int64_t>(shape().size()); }
@@ -198,12 +259,55 @@ std::int64_t Tensor::storage_offset() const { return checked(impl_).offset; }
 
 void* Tensor::raw_data() const {
   const auto& impl = checked(impl_);
-  DP_CHECK(!impl.storage->released(), "Tensor", shape_str(impl.shape), " on ", impl.storage->device(),
-           ": its memory was released (Note [Released storage]) — a parameter of a module trained with "
-           "DataParallel shard_stage 3 between uses; read parameters through net->state_dict(), "
-           "net->parameters() or named_parameters(), which gather them, called again after each step "
-           "(a list taken before a step holds views the step released; see dp/parallel/data_parallel.h)");
-  return static_cast<char*>(impl.storage->data()) + impl.offset * element_size(impl.dtype);
+  if (is_channels_last(impl)) {  // Note [Channels-last tensors]: read as NCHW
+    check_not_released(impl);
+    return nchw_copy_of(*impl_);
+  }
+  return bytes_as_they_lie(impl);
+}
+
+void Tensor::check_nchw_writable() const {
+  const auto& impl = checked(impl_);
+  DP_CHECK(!is_channels_last(impl), "an in-place write into a channels_last tensor ", str(),
+           " by code that writes NCHW: expected a contiguous tensor (Note [Channels-last tensors]: zero_, fill_, "
+           "add_, sub_, mul_, div_, copy_, relu_, clamp_ and masked_fill_ write the layout); call .contiguous() "
+           "and write into that copy, or compute the result out of place");
+}
+
+void* detail::layout_data(const Tensor& t) { return bytes_as_they_lie(checked(t.impl_ptr())); }
+
+void* detail::mutable_layout_data(const Tensor& t) {
+  void* p = bytes_as_they_lie(checked(t.impl_ptr()));
+  t.note_write();
+  return p;
+}
+
+Tensor detail::empty_in(const Shape& shape, TensorOptions opts, MemoryFormat format) {
+  Tensor out(new_impl(shape, opts.dtype, opts.device));
+  if (format == MemoryFormat::ChannelsLast && !layouts_coincide(shape))
+    out.impl()->memory_format = MemoryFormat::ChannelsLast;
+  return out;
+}
+
+MemoryFormat detail::elementwise_format(const Tensor& t, const Tensor& other) {
+  if (!t.defined() || !is_channels_last(*t.impl())) return MemoryFormat::Contiguous;
+  if (other.defined() && (!is_channels_last(*other.impl()) || other.shape() != t.shape()))
+    return MemoryFormat::Contiguous;
+  return MemoryFormat::ChannelsLast;
+}
+
+Tensor detail::in_format(const Tensor& t, MemoryFormat format) {
+  const auto& impl = checked(t.impl_ptr());
+  if (format == MemoryFormat::ChannelsLast) {
+    DP_CHECK(impl.shape.size() == 4, "contiguous(channels_last): expected a 4-d tensor [N, C, H, W], got ",
+             t.str());
+  }
+  const bool cl = is_channels_last(impl);
+  if (cl == (format == MemoryFormat::ChannelsLast)) return t;
+  if (format == MemoryFormat::ChannelsLast && layouts_coincide(impl.shape)) return t;  // the same bytes
+  Tensor out = empty_in(impl.shape, TensorOptions{impl.dtype, t.device()}, format);
+  transpose_layout(t.device(), impl.dtype, impl.shape, bytes_as_they_lie(impl), layout_data(out), !cl);
+  return out;
 }
 
 template <>
@@ -347,8 +451,8 @@ bool Tensor::item<bool>() const {
 
 Tensor Tensor::to(Device target) const {
   if (device() == target) return *this;
-  Tensor out(new_impl(shape(), dtype(), target));
-  detail::copy_bytes(out.raw_data(), target, raw_data(), device(), nbytes());
+  Tensor out = detail::empty_in(shape(), TensorOptions{dtype(), target}, suggest_memory_format());
+  detail::copy_bytes(detail::layout_data(out), target, detail::layout_data(*this), device(), nbytes());
   Device src_dev = device();
   autograd::record("ToDeviceBackward", {*this}, out, {}, [src_dev](const std::vector<Tensor>& g) {
     return std::vector<Tensor>{g[0].to(src_dev)};
@@ -362,9 +466,9 @@ Tensor cast_raw(const Tensor& t, Dtype target) {
   if (t.dtype() == target) return t;
   DP_ASSERT(is_floating_point(t.dtype()) && is_floating_point(target), "cast_raw: floating dtypes expected, got ",
             dtype_name(t.dtype()), " to ", dtype_name(target));
-  Tensor out = empty(t.shape(), TensorOptions{target, t.device()});
+  Tensor out = empty_in(t.shape(), TensorOptions{target, t.device()}, t.suggest_memory_format());
   backend::get(t.device()).run<backend::Op::Cast>(
-      t.device(), kernel_dtype(target), {t.raw_data(), kernel_dtype(t.dtype()), out.raw_data(), t.numel()});
+      t.device(), kernel_dtype(target), {layout_data(t), kernel_dtype(t.dtype()), layout_data(out), t.numel()});
   return out;
 }
 
@@ -381,9 +485,10 @@ Tensor Tensor::to(Dtype target) const {
   if (float_in && target == Dtype::Int32) return to(Dtype::Int64).to(target);
   if (float_in != float_out && dtype() != Dtype::Float32 && target != Dtype::Float32)
     return to(Dtype::Float32).to(target);
-  Tensor out(new_impl(shape(), target, device()));
+  Tensor out = detail::empty_in(shape(), TensorOptions{target, device()}, suggest_memory_format());
   backend::get(device()).run<backend::Op::Cast>(
-      device(), detail::kernel_dtype(target), {raw_data(), detail::kernel_dtype(dtype()), out.raw_data(), numel()});
+      device(), detail::kernel_dtype(target),
+      {detail::layout_data(*this), detail::kernel_dtype(dtype()), detail::layout_data(out), numel()});
   if (float_in && float_out) {
     const Dtype source = dtype();
     autograd::record("ToDtypeBackward", {*this}, out, {}, [source](const std::vector<Tensor>& g) {
@@ -409,8 +514,8 @@ Tensor Tensor::pin_memory() const {
 bool Tensor::is_pinned() const { return checked(impl_).storage->pinned(); }
 
 Tensor Tensor::clone() const {
-  Tensor out(new_impl(shape(), dtype(), device()));
-  detail::copy_bytes(out.raw_data(), device(), raw_data(), device(), nbytes());
+  Tensor out = detail::empty_in(shape(), TensorOptions{dtype(), device()}, suggest_memory_format());
+  detail::copy_bytes(detail::layout_data(out), device(), detail::layout_data(*this), device(), nbytes());
   autograd::record("CloneBackward", {*this}, out, {},
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
   return out;
@@ -442,6 +547,9 @@ Tensor Tensor::reshape(Shape new_shape) const {
   }
   DP_CHECK(shape_numel(new_shape) == n, "reshape: expected a shape with ", n, " elements (from ",
            shape_str(impl.shape), "), got ", shape_str(new_shape));
+  // A channels-last tensor's bytes are not its NCHW order: other shapes view its
+  // contiguous copy (Note [Channels-last tensors]).
+  if (is_channels_last(impl) && new_shape != impl.shape) return contiguous().reshape(new_shape);
   Tensor out(view_impl(impl, impl.offset, new_shape));
   Shape old = impl.shape;
   autograd::record("ReshapeBackward", {*this}, out, {}, [old](const std::vector<Tensor>& g) {
@@ -499,6 +607,9 @@ Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) c
   if (start < 0) start += size;
   DP_CHECK(length >= 0 && start + length <= size, "narrow: expected [", start, ", ", start + length,
            ") inside [0, ", size, ") of dim ", d, " of shape ", shape_str(impl.shape));
+  // Images are whole blocks in both layouts, so only dim 0 narrows a channels-last
+  // tensor in place (Note [Channels-last tensors]).
+  if (is_channels_last(impl) && d != 0) return contiguous().narrow(d, start, length);
   std::int64_t outer = 1, inner = 1;
   for (std::int64_t i = 0; i < d; ++i) outer *= impl.shape[i];
   for (std::int64_t i = d + 1; i < n; ++i) inner *= impl.shape[i];
@@ -630,6 +741,7 @@ Tensor Tensor::transpose(std::int64_t d0, std::int64_t d1) const {
 
 Tensor Tensor::contiguous() const {
   const auto& impl = checked(impl_);
+  if (is_channels_last(impl)) return contiguous(MemoryFormat::Contiguous);
   if (impl.copied_view == nullptr) return *this;
   // The copy alone, writable (Note [Writes into materialised views]).
   Tensor out(view_impl(impl, impl.offset, impl.shape));
@@ -638,6 +750,22 @@ Tensor Tensor::contiguous() const {
                    [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
   return out;
 }
+
+Tensor Tensor::contiguous(MemoryFormat format) const {
+  Tensor out = detail::in_format(*this, format);
+  if (out.is_same(*this)) return out;
+  autograd::record(format == MemoryFormat::ChannelsLast ? "ToChannelsLastBackward" : "ContiguousBackward", {*this}, out,
+                   {}, [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g[0]}; });
+  return out;
+}
+
+bool Tensor::is_contiguous(MemoryFormat format) const {
+  const auto& impl = checked(impl_);
+  if (format == MemoryFormat::ChannelsLast && impl.shape.size() != 4) return false;
+  return layouts_coincide(impl.shape) || is_channels_last(impl) == (format == MemoryFormat::ChannelsLast);
+}
+
+MemoryFormat Tensor::suggest_memory_format() const { return checked(impl_).memory_format; }
 
 // ---- in-place ---------------------------------------------------------------------------
 
@@ -708,7 +836,7 @@ void detail::record_inplace(const char* name, Tensor& t, const Tensor& source,
 Tensor& Tensor::zero_() {
   detail::check_writable("Tensor::zero_", *this);
   const bool record = detail::check_inplace_grad("Tensor::zero_", *this);
-  void* p = mutable_raw_data();
+  void* p = detail::mutable_layout_data(*this);  // every element alike: any layout
   if (numel() > 0) backend::get(device()).memset_zero(p, device(), nbytes());
   if (record)  // the old values are gone: their gradient is zero, as PyTorch's
     detail::record_inplace("ZeroBackward", *this, Tensor(), [](const Tensor& g) { return std::vector<Tensor>{zeros_like(g), Tensor()}; });
@@ -722,7 +850,8 @@ Tensor& Tensor::fill_(double value) {
   using backend::Op;
   auto& be = backend::get(device());
   if (is_floating_point(dtype())) {
-    be.run<Op::Fill>(device(), detail::kernel_dtype(dtype()), {mutable_raw_data(), numel(), static_cast<float>(value)});
+    be.run<Op::Fill>(device(), detail::kernel_dtype(dtype()),
+                     {detail::mutable_layout_data(*this), numel(), static_cast<float>(value)});
   } else if (dtype() == Dtype::Int64) {
     be.run<Op::Fill>(device(), DType::I64,
                      {mutable_data<std::int64_t>(), numel(), static_cast<std::int64_t>(value)});
@@ -745,7 +874,7 @@ Tensor& Tensor::add_(double value) {
   using backend::Op;
   auto& be = backend::get(device());
   if (is_floating_point(dtype())) {
-    void* p = mutable_raw_data();
+    void* p = detail::mutable_layout_data(*this);  // elementwise: any layout
     be.run<Op::Affine>(device(), detail::kernel_dtype(dtype()), {p, p, numel(), 1.0f, static_cast<float>(value)});
   } else if (dtype() == Dtype::Int64) {
     be.run<Op::AddScalar>(device(), DType::I64,
@@ -802,7 +931,9 @@ Tensor& Tensor::copy_(const Tensor& src) {
     if (!record) no_grad.emplace();
     from = detail::broadcast_source(src, shape()).to(dtype());  // the gradient converted, then summed
   }
-  detail::copy_bytes(mutable_raw_data(), device(), from.raw_data(), from.device(), nbytes());
+  // In this tensor's layout (Note [Channels-last tensors]).
+  const Tensor bytes = detail::in_format(from, suggest_memory_format());
+  detail::copy_bytes(detail::mutable_layout_data(*this), device(), detail::layout_data(bytes), bytes.device(), nbytes());
   if (record) {
     const Device from_device = from.device();
     detail::record_inplace("CopyBackwards", *this, from, [from_device](const Tensor& g) {
@@ -826,16 +957,19 @@ Tensor& Tensor::add_(const Tensor& other, float alpha) {
     if (!record) no_grad.emplace();
     x = other.to(common);
   }
-  const Tensor wide_x = detail::broadcast_source(x.detach(), shape());
+  // The source in this tensor's layout, added over the bytes as they lie (Note
+  // [Channels-last tensors]).
+  const Tensor wide_x = detail::in_format(detail::broadcast_source(x.detach(), shape()), suggest_memory_format());
   auto& be = backend::get(device());
   if (common == dtype()) {
     be.run<backend::Op::Axpy>(device(), detail::kernel_dtype(dtype()),
-                              {alpha, wide_x.raw_data(), mutable_raw_data(), numel()});
+                              {alpha, detail::layout_data(wide_x), detail::mutable_layout_data(*this), numel()});
   } else {  // a 16-bit destination: the float32 sum, rounded once
     Tensor wide = detail::cast_raw(*this, Dtype::Float32);
-    be.run<backend::Op::Axpy>(device(), backend::DType::F32, {alpha, wide_x.raw_data(), wide.raw_data(), numel()});
+    be.run<backend::Op::Axpy>(device(), backend::DType::F32,
+                              {alpha, detail::layout_data(wide_x), detail::layout_data(wide), numel()});
     const Tensor back = detail::cast_raw(wide, dtype());
-    detail::copy_bytes(mutable_raw_data(), device(), back.raw_data(), device(), nbytes());
+    detail::copy_bytes(detail::mutable_layout_data(*this), device(), detail::layout_data(back), device(), nbytes());
   }
   if (record)  // the source's gradient summed over the broadcast in the output's dtype, then converted
     detail::record_inplace("AddBackward", *this, x, [alpha, to = x.dtype(), from = x.shape()](const Tensor& g) {
@@ -850,7 +984,7 @@ Tensor& Tensor::mul_(float value) {
   detail::check_floating("mul_", *this);
   detail::check_writable("Tensor::mul_", *this);
   const bool record = detail::check_inplace_grad("Tensor::mul_", *this);
-  void* p = mutable_raw_data();
+  void* p = detail::mutable_layout_data(*this);  // elementwise: any layout
   backend::get(device()).run<backend::Op::Affine>(device(), detail::kernel_dtype(dtype()), {p, p, numel(), value, 0.0f});
   if (record)
     detail::record_inplace("MulScalarBackward", *this, Tensor(), [value](const Tensor& g) {
@@ -889,7 +1023,8 @@ Tensor& write_op_result(Tensor& t, const char* op, const char* node, const Tenso
   }
   DP_CHECK(r.shape() == t.shape(), op, ": internal: the result's shape ", shape_str(r.shape()), " is not the tensor's ",
            shape_str(t.shape()));
-  detail::copy_bytes(t.mutable_raw_data(), t.device(), r.raw_data(), r.device(), t.nbytes());
+  const Tensor bytes = detail::in_format(r, t.suggest_memory_format());  // Note [Channels-last tensors]
+  detail::copy_bytes(detail::mutable_layout_data(t), t.device(), detail::layout_data(bytes), bytes.device(), t.nbytes());
   if (record) {
     auto pass = std::make_shared<autograd::LambdaNode>(
         node, [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g.at(0)}; });

@@ -38,6 +38,23 @@ Tensor index_add_in_range(const Tensor& input, std::int64_t d, const Tensor& ind
 /// Copies bytes between any two devices (CPU virtual devices count as host memory).
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t nbytes);
 
+// ---- layouts (Note [Channels-last tensors]) ------------------------------------------
+/// The tensor's bytes as they lie: a channels-last tensor's N x H x W x C storage,
+/// where raw_data() gives its NCHW copy. For code that computes in the layout.
+void* layout_data(const Tensor& t);
+/// The same pointer for an in-place write; moves the storage version (Note [Storage
+/// versions]). Take it after every check that may throw.
+void* mutable_layout_data(const Tensor& t);
+/// A new tensor of `shape` laid out in `format` (Contiguous where the two layouts are
+/// the same bytes, or the shape is not 4-d).
+Tensor empty_in(const Shape& shape, TensorOptions opts, MemoryFormat format);
+/// The layout the elementwise result of these operands takes: ChannelsLast when t is
+/// channels-last and every other defined operand is too, with t's shape; else
+/// Contiguous (then every operand is read as NCHW).
+MemoryFormat elementwise_format(const Tensor& t, const Tensor& other = Tensor());
+/// `t` laid out in `format` without autograd (contiguous(format) records it).
+Tensor in_format(const Tensor& t, MemoryFormat format);
+
 inline void check_defined(const char* op, const Tensor& t, const char* what = "input") {
   DP_CHECK(t.defined(), op, ": expected a defined ", what, " tensor, got an undefined one");
 }

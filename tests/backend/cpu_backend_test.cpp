@@ -21,6 +21,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/functors.h"
+#include "backend/method_kernels.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
 #include "test_scale.h"
@@ -2836,6 +2837,84 @@ TEST_CASE("batchnorm train / eval / backward against double references") {
         ye_ref[j] = gamma[c] * (x[j] - double(rm[c])) / std::sqrt(double(rv[c]) + eps) + beta[c];
       }
   check_close(ye, ye_ref, 1e-5, 1e-5, "bn eval");
+}
+
+TEST_CASE("channels-last batchnorm: the CPU's kernels and the N*HW-images reading agree with double references") {
+  // Note [Channels-last batch norm]: the CPU's own kernels, and as_nchw_rows (what the
+  // method kernels and CUDA run), on the same N x HW x C bytes, every pass against double.
+  const i64 N = 6, C = 12, HW = 35, M = N * HW;
+  auto x = random_vec(N * C * HW, 40, 1.0f, 3.0f);  // laid out N x HW x C
+  auto gamma = random_vec(C, 41, 0.5f, 1.5f), beta = random_vec(C, 42), gy = random_vec(x.size(), 43);
+  const float eps = 1e-5f, mom = 0.1f;
+  auto at = [&](i64 n, i64 c, i64 i) { return static_cast<std::size_t>((n * HW + i) * C + c); };
+  std::vector<double> y_ref(x.size()), gx_ref(x.size()), ye_ref(x.size()), gg_ref(C), gb_ref(C), rm_ref(C), rv_ref(C);
+  for (i64 c = 0; c < C; ++c) {
+    double s = 0, sq = 0, sg = 0, sgx = 0;
+    for (i64 n = 0; n < N; ++n)
+      for (i64 i = 0; i < HW; ++i) s += x[at(n, c, i)];
+    const double mu = s / M;
+    for (i64 n = 0; n < N; ++n)
+      for (i64 i = 0; i < HW; ++i) sq += std::pow(x[at(n, c, i)] - mu, 2);
+    const double is = 1 / std::sqrt(sq / M + eps);
+    rm_ref[c] = 0.9 * 0.1 + 0.1 * mu;
+    rv_ref[c] = 0.9 * 2.0 + 0.1 * sq / (M - 1);
+    for (i64 n = 0; n < N; ++n)
+      for (i64 i = 0; i < HW; ++i) {
+        const double xh = (x[at(n, c, i)] - mu) * is;
+        y_ref[at(n, c, i)] = gamma[c] * xh + beta[c];
+        sg += gy[at(n, c, i)];
+        sgx += gy[at(n, c, i)] * xh;
+      }
+    gb_ref[c] = sg;
+    gg_ref[c] = sgx;
+    for (i64 n = 0; n < N; ++n)
+      for (i64 i = 0; i < HW; ++i) {
+        const double xh = (x[at(n, c, i)] - mu) * is;
+        gx_ref[at(n, c, i)] = gamma[c] * is * (gy[at(n, c, i)] - sg / M - xh * sgx / M);
+        ye_ref[at(n, c, i)] = gamma[c] * (x[at(n, c, i)] - rm_ref[c]) / std::sqrt(rv_ref[c] + eps) + beta[c];
+      }
+  }
+  const auto table = method_kernels<CpuBackend>();
+  auto method = [&](Op op) {
+    for (const MethodKernel& k : table)
+      if (k.op == op) return k.fn;
+    FAIL("no method kernel for ", op_name(op));
+    return Backend::KernelFn{};
+  };
+  for (bool own : {true, false}) {
+    CAPTURE(own);
+    std::vector<float> rm(C, 0.1f), rv(C, 2.0f), y(x.size()), mean(C), invstd(C);
+    const BatchNormTrainArgs train{N, C, HW, x.data(), gamma.data(), beta.data(), eps, mom, rm.data(), rv.data(),
+                                   y.data(), mean.data(), invstd.data(), true};
+    if (own) {
+      be().run<Op::BatchNormTrain>(dev0(), DType::F32, train);
+    } else {
+      method(Op::BatchNormTrain)(be(), dev0(), DType::F32, &train);
+    }
+    check_close(y, y_ref, 1e-5, 1e-5, "channels-last bn train y");
+    check_close(rm, rm_ref, 1e-6, 0, "channels-last bn running_mean");
+    check_close(rv, rv_ref, 1e-6, 0, "channels-last bn running_var");
+    std::vector<float> gx(x.size()), gg(C), gb(C);
+    const BatchNormBackwardArgs backward{N, C, HW, gy.data(), x.data(), gamma.data(), mean.data(), invstd.data(),
+                                         gx.data(), gg.data(), gb.data(), true};
+    if (own) {
+      be().run<Op::BatchNormBackward>(dev0(), DType::F32, backward);
+    } else {
+      method(Op::BatchNormBackward)(be(), dev0(), DType::F32, &backward);
+    }
+    check_close(gx, gx_ref, 1e-4, 1e-5, "channels-last bn backward gx");
+    check_close(gg, gg_ref, 1e-4, 1e-4, "channels-last bn backward ggamma");
+    check_close(gb, gb_ref, 1e-5, 1e-4, "channels-last bn backward gbeta");
+    std::vector<float> ye(x.size());
+    const BatchNormEvalArgs eval{N, C, HW, x.data(), gamma.data(), beta.data(), eps, rm.data(), rv.data(), ye.data(),
+                                 true};
+    if (own) {
+      be().run<Op::BatchNormEval>(dev0(), DType::F32, eval);
+    } else {
+      method(Op::BatchNormEval)(be(), dev0(), DType::F32, &eval);
+    }
+    check_close(ye, ye_ref, 1e-5, 1e-5, "channels-last bn eval");
+  }
 }
 
 // ---- softmax and NLL --------------------------------------------------------------------------------

@@ -1109,12 +1109,14 @@ void add_pool(Table& t, const Pool2dShape& s) {
 /// `shift`: every (N, C, HW) tensor starts that many elements into its buffer, as a view
 /// may (CUDA: the kernels' unaligned path, Note [Per-channel maps]). `dt`: the dtype of
 /// x, y, gy and gx (Note [Batch norm in 16 bits]); the statistics and parameters float32.
-void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0, DType dt = DType::F32) {
+/// With `cl`, x, y, gy and gx lie N x HW x C (BatchNormTrainArgs::channels_last).
+void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0, DType dt = DType::F32, bool cl = false) {
   const bool f32 = dt == DType::F32;
   const std::string tag = f32 ? "" : std::string("_") + dp::backend::dtype_name(dt);
   const double es = f32 ? kF : 2;
   const i64 n = N * C * HW;
-  const std::string shape = cat("N", N, " C", C, " HW", HW) + (shift ? cat(" at +", shift) : std::string());
+  const std::string shape = cat("N", N, " C", C, " HW", HW) + (shift ? cat(" at +", shift) : std::string()) +
+                            (cl ? " channels-last" : "");
   // Statistics are sums over N·HW values per channel; a 16-bit result may round the
   // other way on top of that.
   const Tolerance sums = sum_tol({1e-4, 1e-5}, static_cast<double>(N * HW));
@@ -1157,7 +1159,7 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0, DType dt = DTy
             }
             r.set_call([=](Backend& b, Device d) {
               b.run<Op::BatchNormTrain>(d, dt,
-                                        {N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar, y, mean, invstd});
+                                        {N, C, HW, x, gamma, beta, kEps, kMomentum, rmean, rvar, y, mean, invstd, cl});
             });
           });
   }
@@ -1170,7 +1172,7 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0, DType dt = DTy
           const float* rvar = r.uniform(C, 0.1f, 2);
           void* y = output(r, "y");
           r.set_call([=](Backend& b, Device d) {
-            b.run<Op::BatchNormEval>(d, dt, {N, C, HW, x, gamma, beta, kEps, rmean, rvar, y});
+            b.run<Op::BatchNormEval>(d, dt, {N, C, HW, x, gamma, beta, kEps, rmean, rvar, y, cl});
           });
         });
   t.add(Kernel::BatchNormBackward, dt, "batchnorm_backward" + tag, shape, tol, 0, es * 3 * n + kF * 5 * C,
@@ -1186,7 +1188,7 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0, DType dt = DTy
             double s = 0, ss = 0;
             for (i64 i = 0; i < N; ++i)
               for (i64 j = 0; j < HW; ++j) {
-                const double v = xh[static_cast<std::size_t>((i * C + c) * HW + j)];
+                const double v = xh[static_cast<std::size_t>(cl ? (i * HW + j) * C + c : (i * C + c) * HW + j)];
                 s += v;
                 ss += v * v;
               }
@@ -1207,7 +1209,7 @@ void add_batchnorm(Table& t, i64 N, i64 C, i64 HW, i64 shift = 0, DType dt = DTy
           r.output("gbeta", gbeta, C);
           r.set_call([=](Backend& b, Device d) {
             b.run<Op::BatchNormBackward>(d, dt,
-                                         {N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta});
+                                         {N, C, HW, gy, x, gamma, save_mean, save_invstd, gx, ggamma, gbeta, cl});
           });
         });
 }
@@ -1616,6 +1618,7 @@ void add_check_suite(Table& t) {
   add_gemm_batched(t, DType::F32, 4, 17, 24, 33, true, true, 7);
   add_gemm_batched(t, DType::BF16, 6, 16, 40, 24, false, false, 3);
   add_gemm_batched(t, DType::F16, 3, 9, 16, 20, true, true, 0);
+  add_gemm_batched(t, DType::BF16, 70000, 4, 4, 4, false, true, 0);  // more matrices than a grid's y or z holds
   add_softmax_nll(t, 67, 13);
   add_conv(t, conv(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1));  // odd kernel, strides, padding
   add_conv(t, conv(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1), false);
@@ -1648,6 +1651,14 @@ void add_check_suite(Table& t) {
     add_batchnorm(t, 6, 5, 49, 0, dt);
     add_batchnorm(t, 4, 3, 64, 0, dt);  // HW % 8 == 0 (CUDA: eight elements a thread)
     add_batchnorm(t, 4, 3, 64, 3, dt);  // the same, not 16-byte aligned
+  }
+  // N·HW >= 8192 with few channels: CUDA splits a channel's statistics and gradient
+  // sums over several blocks (partial sums, then their sum), every dtype.
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) add_batchnorm(t, 2, 3, 8192, 0, dt);
+  // Channels-last (Note [Channels-last batch norm]; CUDA reads the bytes as N·HW images).
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    add_batchnorm(t, 4, 24, 49, 0, dt, true);
+    add_batchnorm(t, 2, 3, 8192, 1, dt, true);
   }
   add_optim(t, kCheckN, true);
 }

@@ -61,6 +61,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -81,8 +82,10 @@ using fuzz_replay::words;
 /// One program's run: its values by number, read from the file's tensors.
 class Run {
  public:
-  Run(const std::map<std::string, Tensor>& file, std::string prefix, dp::Device device)
-      : file_(file), prefix_(std::move(prefix)), device_(device) {}
+  /// With `channels_last`, every 4-d floating value is laid out channels-last as it is
+  /// made (Note [Channels-last tensors]), so the ops after it read that layout.
+  Run(const std::map<std::string, Tensor>& file, std::string prefix, dp::Device device, bool channels_last = false)
+      : file_(file), prefix_(std::move(prefix)), device_(device), channels_last_(channels_last) {}
 
   const Tensor& file_tensor(const std::string& name) const {
     auto it = file_.find(prefix_ + "." + name);
@@ -125,7 +128,10 @@ class Run {
     }
     DP_CHECK(w.size() >= 3 && w[1] == "=" && w[0] == "v" + std::to_string(values_.size()),
              "op_fuzz_replay: expected 'v", values_.size(), " = op ...', got '", text, "'");
-    values_.push_back(apply(w));
+    Tensor v = apply(w);
+    if (channels_last_ && v.dim() == 4 && dp::is_floating_point(v.dtype()))
+      v = v.contiguous(dp::MemoryFormat::ChannelsLast);
+    values_.push_back(v);
   }
 
   Tensor apply(std::vector<std::string> w) {
@@ -328,6 +334,7 @@ class Run {
   const std::map<std::string, Tensor>& file_;
   std::string prefix_;
   dp::Device device_;
+  bool channels_last_;
   std::vector<Tensor> values_;
   std::vector<Tensor> outs_;
   std::vector<std::pair<std::string, Tensor>> leaves_;
@@ -366,6 +373,33 @@ std::string compare(const std::string& what, const Tensor& got, const Tensor& wa
   return out.str();
 }
 
+/// "" when `got` and `want` (the same program's results) have the same bits, else what
+/// differs.
+std::string compare_bits(const std::string& what, const Tensor& got, const Tensor& want) {
+  if (got.defined() != want.defined()) return what + ": defined in one run only";
+  if (!got.defined()) return "";
+  if (got.shape() != want.shape() || got.dtype() != want.dtype()) return what + ": another shape or dtype";
+  const std::vector<float> g = got.to(dp::cpu(0)).to(dp::Dtype::Float32).to_vector();
+  const std::vector<float> e = want.to(dp::cpu(0)).to(dp::Dtype::Float32).to_vector();
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (std::memcmp(&g[i], &e[i], sizeof(float)) != 0) {
+      std::ostringstream out;
+      out << what << ": element " << i << " is " << g[i] << " with channels-last values, " << e[i] << " without";
+      return out.str();
+    }
+  }
+  return "";
+}
+
+// Note [Channels-last replay]
+// Every program runs a second time with each 4-d floating value laid out channels-last
+// as it is made (Run's channels_last), so every op of the program meets that layout as
+// an input — those that keep it, those that read NCHW, in-place writes into it, and
+// gradients through it. Its outputs and gradients must have the bits of the first run
+// (the layout changes where bytes lie, never a value: Note [Channels-last tensors]),
+// except in a program with a convolution or a batch norm, which compute in the layout
+// and sum in another order there: those must pass PyTorch's bounds as the first run
+// does.
 Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& name, const std::string& program,
                  dp::Device device, bool verbose) {
   Outcome res;
@@ -393,6 +427,27 @@ Outcome run_case(const std::map<std::string, Tensor>& file, const std::string& n
       }
     } catch (const std::exception& e) {
       problems.push_back(std::string("dp threw where PyTorch ran: ") + e.what());
+    }
+    if (problems.empty()) {  // Note [Channels-last replay]
+      Run cl(file, name, device, /*channels_last=*/true);
+      const bool in_layout = program.find(" conv2d") != std::string::npos ||
+                             program.find(" batch_norm") != std::string::npos;
+      try {
+        for (const auto& l : lines) cl.line(l);
+        cl.backward();
+        auto bound = [&](const std::string& n) { return static_cast<double>(run.file_tensor("bound." + n).item()); };
+        auto check = [&](const std::string& n, const Tensor& got, const Tensor& first) {
+          const std::string p = in_layout ? compare(n + " (channels-last)", got, run.file_tensor(n), bound(n))
+                                          : compare_bits(n, got, first);
+          if (!p.empty()) problems.push_back(p);
+        };
+        for (std::size_t k = 0; k < run.outs().size(); ++k)
+          check("out" + std::to_string(k), cl.outs()[k], run.outs()[k]);
+        for (std::size_t k = 0; k < run.leaves().size(); ++k)
+          check("grad." + run.leaves()[k].first, cl.leaves()[k].second.grad(), run.leaves()[k].second.grad());
+      } catch (const std::exception& e) {
+        problems.push_back(std::string("dp threw with channels-last values: ") + e.what());
+      }
     }
     if (!problems.empty() || verbose) {
       std::ostringstream out;

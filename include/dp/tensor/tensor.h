@@ -78,7 +78,8 @@ std::int64_t shape_numel(const Shape& shape);
 
 // Note [Contiguous tensors]
 // Every dp tensor is contiguous in row-major order: shape, dtype and an element offset
-// into its storage, no strides. Views exist where that layout allows one — reshape/view,
+// into its storage, no strides (one exception: a 4-d tensor may lie channels-last,
+// Note [Channels-last tensors]). Views exist where that layout allows one — reshape/view,
 // flatten, unsqueeze/squeeze, and narrow() along dim 0 (or after size-1 dims) — and share
 // storage as PyTorch's do. Everything PyTorch returns as a strided view is materialised
 // here: permute, transpose, t(), expand and narrow along a later dim each make a new
@@ -207,12 +208,53 @@ class Storage {
   bool released_ = false;
 };
 
+/// How a tensor's elements lie in its storage (Note [Channels-last tensors]).
+enum class MemoryFormat : std::uint8_t {
+  Contiguous = 0,    // row-major in the order of the shape's dims
+  ChannelsLast = 1,  // a 4-d [N, C, H, W] tensor laid out as N x H x W x C
+};
+const char* memory_format_name(MemoryFormat format);
+
+// Note [Channels-last tensors]
+// x.contiguous(dp::MemoryFormat::ChannelsLast) gives a 4-d tensor [N, C, H, W] whose
+// elements lie as N x H x W x C: a pixel's channels side by side, the layout that
+// oneDNN's AMX and cuDNN's tensor-core convolutions compute in (PyTorch's
+// torch.channels_last). Its shape, values, indexing and autograd are those of the
+// NCHW tensor it came from: only where the bytes lie differs, and results of every op
+// are the same values either way. Which ops keep the layout and which read NCHW:
+//  - elementwise ops whose operands all have it (relu, the scalar ops, casts, add and
+//    the other binary ops of same-shape operands), clone, detach, to(device) and
+//    narrow along dim 0 return channels-last results, computed over the bytes as they
+//    lie;
+//  - every other op reads the tensor as NCHW: the first such read makes an NCHW copy
+//    (one transposing pass) that the tensor keeps until its bytes are written, and the
+//    op returns contiguous results as it always does. So any op takes a channels-last
+//    tensor and gives the values it gives for the NCHW one, at the cost of that copy;
+//    reshape, view, flatten, unsqueeze and squeeze return contiguous tensors;
+//  - in-place writes: zero_ and fill_ write the layout; any other in-place op into a
+//    channels-last tensor is a dp::Error naming contiguous() (what it would write is
+//    NCHW, which the layout would not see).
+// contiguous() of a channels-last tensor is its NCHW copy (differentiable);
+// is_contiguous(format) and suggest_memory_format() answer as PyTorch's do. A tensor
+// whose two layouts are the same bytes (C == 1, or H == W == 1) is kept Contiguous.
+// Internally, code that reads or writes the bytes as they lie takes
+// detail::layout_data(t) (src/tensor/tensor_util.h); raw_data() and data<T>() give
+// the NCHW values of a channels-last tensor, so a kernel that knows nothing of layouts
+// reads the right values by construction.
+
 /// The shared state behind a Tensor handle (internal; reached through Tensor).
 struct TensorImpl {
   std::shared_ptr<Storage> storage;
   std::int64_t offset = 0;  // in elements
   Shape shape;
   Dtype dtype = Dtype::Float32;
+  /// Contiguous, or ChannelsLast for a 4-d tensor (Note [Channels-last tensors]).
+  MemoryFormat memory_format = MemoryFormat::Contiguous;
+  /// A channels-last tensor's NCHW copy and the storage version it was made at, made
+  /// by the first read as NCHW (Tensor::raw_data), under nchw_mutex.
+  std::mutex nchw_mutex;
+  std::shared_ptr<Storage> nchw_copy;
+  std::uint64_t nchw_version = 0;
   /// The op that made this tensor as a copy where PyTorch returns a view ("permute()",
   /// ...), or null: in-place writes into it are refused (Note [Writes into materialised views]).
   const char* copied_view = nullptr;
@@ -270,18 +312,25 @@ class Tensor {
   /// The same pointer, for writing into this tensor in place: checks the dtype, then
   /// bumps the storage version, so that copies keyed on it (DataParallel's replicas)
   /// see the write. Take it where the write is made (Note [Storage versions]).
+  /// A channels-last tensor is written through detail::mutable_layout_data instead: here
+  /// it is a dp::Error (Note [Channels-last tensors]).
   template <typename T>
   T* mutable_data() const {
     static_assert(!std::is_const_v<T>, "mutable_data is for writing; read through data<const T>()");
+    check_nchw_writable();
     T* p = data<T>();
     note_write();
     return p;
   }
   void* mutable_raw_data() const {
+    check_nchw_writable();
     void* p = raw_data();
     note_write();
     return p;
   }
+  /// Throws dp::Error for a channels-last tensor, whose bytes an NCHW write would miss
+  /// (Note [Channels-last tensors]); what the mutable accessors check first.
+  void check_nchw_writable() const;
   /// Moves the storage version for a write into this tensor's bytes (what mutable_data
   /// does): for writes made through data() where the version must move only once they
   /// are done (Note [Storage versions]).
@@ -358,12 +407,23 @@ class Tensor {
   Tensor permute(const std::vector<std::int64_t>& dims) const;
   /// Dims d0 and d1 swapped (torch.transpose; materialised as permute). Differentiable.
   Tensor transpose(std::int64_t d0, std::int64_t d1) const;
-  /// This tensor's data, which is always contiguous (Note [Contiguous tensors]): free, no
-  /// copy. On the result of permute, transpose, t(), expand or a later-dim narrow it is a
+  /// This tensor's data, which is contiguous (Note [Contiguous tensors]): free, no
+  /// copy; of a channels-last tensor, its NCHW copy. On the result of permute, transpose, t(), expand or a later-dim narrow it is a
   /// handle that may be written in place — the copy alone, as PyTorch's contiguous() of a
   /// strided view is (Note [Writes into materialised views]). Differentiable.
   ///   dp::Tensor y = x.t().contiguous();  y.mul_(2);   // x unchanged, as in PyTorch
   Tensor contiguous() const;
+  /// This tensor in `format` (Note [Channels-last tensors]): *this when it is already
+  /// laid out so, else a copy in that layout (one transposing pass). ChannelsLast takes
+  /// a 4-d tensor; Contiguous is contiguous(). Differentiable.
+  ///   dp::Tensor x_cl = x.contiguous(dp::MemoryFormat::ChannelsLast);
+  Tensor contiguous(MemoryFormat format) const;
+  /// True when the bytes lie in `format`'s order (both for a tensor whose two layouts
+  /// are the same bytes), as PyTorch's is_contiguous(memory_format).
+  bool is_contiguous(MemoryFormat format = MemoryFormat::Contiguous) const;
+  /// The layout the bytes lie in: ChannelsLast for a channels-last tensor, else
+  /// Contiguous (PyTorch's suggest_memory_format).
+  MemoryFormat suggest_memory_format() const;
   /// Broadcast to `shape` (torch.expand: size-1 dims grow, new leading dims are added,
   /// -1 keeps a size). Differentiable: the gradient sums over the broadcast dims.
   /// Materialised (Note [Contiguous tensors]); elementwise ops broadcast by themselves,

@@ -82,7 +82,7 @@ dnnl::engine& cpu_engine() {
 using ConvKind = ConvPass;
 
 struct ConvKey {
-  i64 dims[13];  // N C H W K R S stride_h stride_w pad_h pad_w P Q (of the chunk)
+  i64 dims[14];  // N C H W K R S stride_h stride_w pad_h pad_w P Q (of the chunk), channels_last
   ConvKind kind;
   bool bias;
   int slot;  // the chunk's index: every chunk has its own primitive, buffers and stream
@@ -287,9 +287,12 @@ ConvMds conv_mds(const Conv2dShape& s, ConvLayout layout, DType dtype) {
   ConvMds m;
   m.strides = {s.stride_h, s.stride_w};
   m.pad = {s.pad_h, s.pad_w};
-  m.src_user = memory::desc(src, dt, tag::nchw);
+  // Activations as they lie: NCHW, or N x H x W x C for a channels-last call (Note
+  // [Channels-last tensors]); oneDNN takes either as the user's layout.
+  const tag act = s.channels_last ? tag::nhwc : tag::nchw;
+  m.src_user = memory::desc(src, dt, act);
   m.wei_user = memory::desc(wei, dt, tag::oihw);
-  m.dst_user = memory::desc(dst, dt, tag::nchw);
+  m.dst_user = memory::desc(dst, dt, act);
   m.bias_md = memory::desc(bia, dt, tag::x);
   const bool plain = layout == ConvLayout::Plain;
   m.src_md = plain ? m.src_user : memory::desc(src, dt, tag::any);
@@ -409,7 +412,8 @@ void check_conv_shape(const Conv2dShape& s, const char* op) {
 /// The key of convolution `s` (a chunk's or a group's shape) in a ConvCache.
 ConvKey conv_key(const Conv2dShape& s, ConvKind kind, bool bias, int slot, ConvLayout layout, bool relu = false,
                  DType dtype = DType::F32) {
-  return ConvKey{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q},
+  return ConvKey{{s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q,
+                  s.channels_last ? 1 : 0},
                  kind, bias, slot, layout, relu, dtype};
 }
 
@@ -510,7 +514,8 @@ std::string choice_key(const Conv2dShape& s, ConvKind kind, bool bias, int threa
     << ",K" << s.K << ",R" << s.R << ",S" << s.S << ",st" << s.stride_h << "x" << s.stride_w
     << ",pad" << s.pad_h << "x" << s.pad_w << "|"
     << (kind == ConvKind::Forward ? "fwd" : kind == ConvKind::BackwardData ? "bwd-data" : "bwd-weight")
-    << (bias ? "+bias" : "") << (dtype == DType::BF16 ? "|bf16" : "");  // float32 keys as before
+    << (bias ? "+bias" : "") << (dtype == DType::BF16 ? "|bf16" : "")  // float32 keys as before
+    << (s.channels_last ? "|nhwc" : "");
   return k.str();
 }
 
@@ -1040,7 +1045,7 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
     std::lock_guard<std::mutex> lock(cache.mu);
     std::erase_if(cache.entries, [&](const auto& kv) {
       return kv.first.layout == loser && kv.first.kind == kind && kv.first.bias == bias &&
-             kv.first.dtype == buf.dtype && std::memcmp(kv.first.dims + 1, auto_key.dims + 1, sizeof(i64) * 12) == 0;
+             kv.first.dtype == buf.dtype && std::memcmp(kv.first.dims + 1, auto_key.dims + 1, sizeof(i64) * 13) == 0;
     });
     cache.chosen.emplace(auto_key, layout);
   }
@@ -1389,6 +1394,7 @@ std::uint64_t CpuBackend::shared_conv_backwards() { return shared_backwards.load
 
 void CpuBackend::conv2d_bf16(Device dev, const Conv2dArgs& a) {
   const Conv2dShape& s = a.s;
+  check_conv_pool_layout(s, a.pool.on);
   if (a.pool.on) {
     if (native_bf16_conv() && pools_in_one_pass(a)) {
       check_conv_shape(s, "conv2d_relu_maxpool2x2_forward");
@@ -1501,6 +1507,7 @@ void conv2d_kernel(CpuBackend& be, Device dev, const Conv2dArgs& a) {
   const auto* x = static_cast<const float*>(a.x);
   const auto* w = static_cast<const float*>(a.w);
   const auto* b = static_cast<const float*>(a.bias);
+  check_conv_pool_layout(a.s, a.pool.on);
   if (!a.pool.on) {
     if (a.relu) {
       be.conv2d_relu_forward(dev, a.s, x, w, b, static_cast<float*>(a.y));

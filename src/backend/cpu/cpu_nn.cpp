@@ -952,27 +952,185 @@ void bn_backward(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* gy, 
   });
 }
 
+// Note [Channels-last batch norm]
+// A channels-last input (N x HW x C: Note [Channels-last tensors]) is M = N·HW rows of C
+// values, a channel a column. Its statistics are column sums: each block of kBnRows rows
+// sums its rows into C double accumulators, a row at a time (a loop over the channels,
+// contiguous, that vectorises), and the blocks' sums are added in block order — an
+// order fixed by (M, C), so the result is reproducible and independent of the thread
+// count, but not the NCHW kernel's order: the last bits of the statistics differ from
+// the NCHW tensor's. Then the output, a row at a time, through the NCHW kernel's
+// expressions (16-bit values widened as loaded and rounded once as stored). The same
+// three passes over memory as the NCHW kernel; reading the rows as N·HW images of one
+// value per channel (as_nchw_rows) would stride through every row once per channel.
+
+constexpr i64 kBnRows = 64;  // rows per block of a channels-last batch norm's sums
+
+/// Per channel, f's sums over the M rows of C values: blocks of kBnRows rows in parallel,
+/// then in block order (Note [Channels-last batch norm]). f(row, acc) adds one row into
+/// the `sums` accumulator arrays at acc[0..sums*C).
+template <typename F>
+std::vector<double> bn_column_sums(CpuBackend& be, Device dev, i64 M, i64 C, int sums, F f) {
+  const i64 blocks = (M + kBnRows - 1) / kBnRows, width = sums * C;
+  std::vector<double> part(static_cast<std::size_t>(std::max<i64>(blocks, 1) * width), 0.0);
+  be.parallel_for(dev, blocks, plane_grain(kBnRows * C), [&](i64 b, i64 e) {
+    for (i64 k = b; k < e; ++k) {
+      double* __restrict acc = part.data() + k * width;
+      for (i64 r = k * kBnRows; r < std::min(M, (k + 1) * kBnRows); ++r) f(r, acc);
+    }
+  });
+  std::vector<double> total(static_cast<std::size_t>(width), 0.0);
+  for (i64 k = 0; k < blocks; ++k)
+    for (i64 j = 0; j < width; ++j) total[static_cast<std::size_t>(j)] += part[static_cast<std::size_t>(k * width + j)];
+  return total;
+}
+
+/// y's M rows of C values, y[r][c] = f(r, c): float32 stored directly, a 16-bit T
+/// rounded once each (Note [Batch norm in 16 bits]).
+template <typename T, typename F>
+void bn_store_rows(CpuBackend& be, Device dev, T* y, i64 M, i64 C, F f) {
+  be.parallel_for(dev, M, plane_grain(C), [&](i64 b, i64 e) {
+    std::vector<float> buf(static_cast<std::size_t>(std::is_same_v<T, float> ? 0 : C));
+    for (i64 r = b; r < e; ++r) {
+      T* __restrict out = y + r * C;
+      if constexpr (std::is_same_v<T, float>) {
+        for (i64 c = 0; c < C; ++c) out[c] = f(r, c);
+      } else {
+        for (i64 c = 0; c < C; ++c) buf[static_cast<std::size_t>(c)] = f(r, c);
+        round_to(buf.data(), out, C);
+      }
+    }
+  });
+}
+
+template <typename T>
+void bn_train_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
+                   float eps, float momentum, float* running_mean, float* running_var, T* y, float* save_mean,
+                   float* save_invstd) {
+  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_forward_train: expected non-negative sizes, got (",
+           N, ", ", C, ", ", HW, ")");
+  const i64 M = N * HW;  // rows, and values per channel
+  DP_CHECK(M > 0 || C == 0, "batchnorm_forward_train: expected at least one value per channel, "
+           "got N=", N, ", HW=", HW);
+  if (C == 0) return;
+  // Σ x, then Σ (x - mean)², as the NCHW kernel (two passes, no cancellation).
+  const std::vector<double> sum = bn_column_sums(be, dev, M, C, 1, [&](i64 r, double* __restrict acc) {
+    const T* __restrict row = x + r * C;
+    for (i64 c = 0; c < C; ++c) acc[c] += static_cast<double>(wide(row[c]));
+  });
+  std::vector<double> mean(static_cast<std::size_t>(C));
+  for (i64 c = 0; c < C; ++c) mean[static_cast<std::size_t>(c)] = sum[static_cast<std::size_t>(c)] / static_cast<double>(M);
+  const std::vector<double> sq = bn_column_sums(be, dev, M, C, 1, [&](i64 r, double* __restrict acc) {
+    const T* __restrict row = x + r * C;
+    for (i64 c = 0; c < C; ++c) {
+      const double d = static_cast<double>(wide(row[c])) - mean[static_cast<std::size_t>(c)];
+      acc[c] += d * d;
+    }
+  });
+  std::vector<float> scale(static_cast<std::size_t>(C)), shift(static_cast<std::size_t>(C));
+  for (i64 c = 0; c < C; ++c) {
+    const auto u = static_cast<std::size_t>(c);
+    const double var = sq[u] / static_cast<double>(M);
+    const double invstd = 1.0 / std::sqrt(var + static_cast<double>(eps));
+    if (save_mean) save_mean[c] = static_cast<float>(mean[u]);
+    if (save_invstd) save_invstd[c] = static_cast<float>(invstd);
+    if (running_mean) {
+      const double unbiased = M > 1 ? sq[u] / static_cast<double>(M - 1) : var;
+      running_mean[c] = static_cast<float>((1.0 - momentum) * running_mean[c] + momentum * mean[u]);
+      if (running_var)
+        running_var[c] = static_cast<float>((1.0 - momentum) * running_var[c] + momentum * unbiased);
+    }
+    const float g = gamma ? gamma[c] : 1.0f, bt = beta ? beta[c] : 0.0f;
+    scale[u] = g * static_cast<float>(invstd);
+    shift[u] = bt - static_cast<float>(mean[u]) * scale[u];
+  }
+  bn_store_rows(be, dev, y, M, C, [&](i64 r, i64 c) {
+    return wide(x[r * C + c]) * scale[static_cast<std::size_t>(c)] + shift[static_cast<std::size_t>(c)];
+  });
+}
+
+template <typename T>
+void bn_eval_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
+                  float eps, const float* running_mean, const float* running_var, T* y) {
+  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_forward_eval: expected non-negative sizes, got (",
+           N, ", ", C, ", ", HW, ")");
+  DP_CHECK((running_mean && running_var) || N * HW == 0,
+           "batchnorm_forward_eval: expected running_mean and running_var, got null");
+  if (N * HW == 0 || C == 0) return;
+  std::vector<float> scale(static_cast<std::size_t>(C)), shift(static_cast<std::size_t>(C));
+  for (i64 c = 0; c < C; ++c) {  // the NCHW kernel's expressions
+    const float invstd = 1.0f / std::sqrt(running_var[c] + eps);
+    scale[static_cast<std::size_t>(c)] = (gamma ? gamma[c] : 1.0f) * invstd;
+    shift[static_cast<std::size_t>(c)] = (beta ? beta[c] : 0.0f) - running_mean[c] * scale[static_cast<std::size_t>(c)];
+  }
+  bn_store_rows(be, dev, y, N * HW, C, [&](i64 r, i64 c) {
+    return wide(x[r * C + c]) * scale[static_cast<std::size_t>(c)] + shift[static_cast<std::size_t>(c)];
+  });
+}
+
+template <typename T>
+void bn_backward_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* gy, const T* x, const float* gamma,
+                      const float* save_mean, const float* save_invstd, T* gx, float* ggamma, float* gbeta) {
+  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_backward: expected non-negative sizes, got (",
+           N, ", ", C, ", ", HW, ")");
+  const i64 M = N * HW;
+  if (C == 0) return;
+  // Σ gy and Σ gy * (x - mean) per channel, side by side in one pass.
+  const std::vector<double> sums = bn_column_sums(be, dev, M, C, 2, [&](i64 r, double* __restrict acc) {
+    const T* __restrict g = gy + r * C;
+    const T* __restrict xr = x + r * C;
+    double* __restrict acc_xc = acc + C;
+    for (i64 c = 0; c < C; ++c) {
+      const float gv = wide(g[c]);
+      acc[c] += static_cast<double>(gv);
+      acc_xc[c] += static_cast<double>(gv) * static_cast<double>(wide(xr[c]) - save_mean[c]);
+    }
+  });
+  std::vector<float> k(static_cast<std::size_t>(C)), mean_gy(static_cast<std::size_t>(C)),
+      proj(static_cast<std::size_t>(C));
+  for (i64 c = 0; c < C; ++c) {
+    const auto u = static_cast<std::size_t>(c);
+    const double sum_gy = sums[u], sum_gy_xc = sums[static_cast<std::size_t>(C + c)];
+    const float invstd = save_invstd[c];
+    if (gbeta) gbeta[c] = static_cast<float>(sum_gy);
+    if (ggamma) ggamma[c] = static_cast<float>(sum_gy_xc * invstd);
+    k[u] = (gamma ? gamma[c] : 1.0f) * invstd;
+    mean_gy[u] = M > 0 ? static_cast<float>(sum_gy / static_cast<double>(M)) : 0.0f;
+    proj[u] = M > 0 ? static_cast<float>(sum_gy_xc / static_cast<double>(M)) * invstd * invstd : 0.0f;
+  }
+  if (!gx || M == 0) return;
+  bn_store_rows(be, dev, gx, M, C, [&](i64 r, i64 c) {
+    const auto u = static_cast<std::size_t>(c);
+    return k[u] * (wide(gy[r * C + c]) - mean_gy[u] - (wide(x[r * C + c]) - save_mean[c]) * proj[u]);
+  });
+}
+
 /// The kernel table's entries: a BatchNorm op over storage T (float32 statistics and
-/// parameters whatever T is; BatchNormTrainArgs in ops.h).
+/// parameters whatever T is; BatchNormTrainArgs in ops.h), channels-last or NCHW.
 template <typename T>
 void batch_norm_train_kernel(CpuBackend& be, Device dev, const BatchNormTrainArgs& a) {
   const auto f = [](const void* p) { return static_cast<const float*>(p); };
   const auto m = [](void* p) { return static_cast<float*>(p); };
-  bn_train(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.x), f(a.gamma), f(a.beta), a.eps, a.momentum,
-           m(a.running_mean), m(a.running_var), static_cast<T*>(a.y), m(a.save_mean), m(a.save_invstd));
+  (a.channels_last ? bn_train_nhwc<T> : bn_train<T>)(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.x), f(a.gamma),
+                                                     f(a.beta), a.eps, a.momentum, m(a.running_mean),
+                                                     m(a.running_var), static_cast<T*>(a.y), m(a.save_mean),
+                                                     m(a.save_invstd));
 }
 template <typename T>
 void batch_norm_eval_kernel(CpuBackend& be, Device dev, const BatchNormEvalArgs& a) {
   const auto f = [](const void* p) { return static_cast<const float*>(p); };
-  bn_eval(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.x), f(a.gamma), f(a.beta), a.eps, f(a.running_mean),
-          f(a.running_var), static_cast<T*>(a.y));
+  (a.channels_last ? bn_eval_nhwc<T> : bn_eval<T>)(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.x), f(a.gamma),
+                                                   f(a.beta), a.eps, f(a.running_mean), f(a.running_var),
+                                                   static_cast<T*>(a.y));
 }
 template <typename T>
 void batch_norm_backward_kernel(CpuBackend& be, Device dev, const BatchNormBackwardArgs& a) {
   const auto f = [](const void* p) { return static_cast<const float*>(p); };
   const auto m = [](void* p) { return static_cast<float*>(p); };
-  bn_backward(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.gy), static_cast<const T*>(a.x), f(a.gamma),
-              f(a.save_mean), f(a.save_invstd), static_cast<T*>(a.gx), m(a.ggamma), m(a.gbeta));
+  (a.channels_last ? bn_backward_nhwc<T> : bn_backward<T>)(be, dev, a.N, a.C, a.HW, static_cast<const T*>(a.gy),
+                                                           static_cast<const T*>(a.x), f(a.gamma), f(a.save_mean),
+                                                           f(a.save_invstd), static_cast<T*>(a.gx), m(a.ggamma),
+                                                           m(a.gbeta));
 }
 
 }  // namespace
@@ -1000,7 +1158,11 @@ void CpuBackend::batchnorm_backward(Device dev, i64 N, i64 C, i64 HW, const floa
 }
 
 void CpuBackend::register_batch_norm_kernels() {
-  // float32's are the method kernels (method_kernels.h); these are the 16-bit ones.
+  // Every dtype's: these replace float32's method kernels (method_kernels.h), which
+  // have no channels-last path (Note [Channels-last batch norm]).
+  register_typed<Op::BatchNormTrain, CpuBackend, &batch_norm_train_kernel<float>>(DType::F32);
+  register_typed<Op::BatchNormEval, CpuBackend, &batch_norm_eval_kernel<float>>(DType::F32);
+  register_typed<Op::BatchNormBackward, CpuBackend, &batch_norm_backward_kernel<float>>(DType::F32);
   register_typed<Op::BatchNormTrain, CpuBackend, &batch_norm_train_kernel<BFloat16>>(DType::BF16);
   register_typed<Op::BatchNormEval, CpuBackend, &batch_norm_eval_kernel<BFloat16>>(DType::BF16);
   register_typed<Op::BatchNormBackward, CpuBackend, &batch_norm_backward_kernel<BFloat16>>(DType::BF16);

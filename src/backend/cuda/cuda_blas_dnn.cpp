@@ -89,6 +89,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -115,10 +116,55 @@ int to_int(std::int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
-using ConvKey = std::array<std::int64_t, 13>;
+using ConvKey = std::array<std::int64_t, 14>;
 
 ConvKey key_of(const Conv2dShape& s) {
-  return {s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q};
+  return {s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.P, s.Q, s.channels_last ? 1 : 0};
+}
+
+// Note [Channels-last convolutions on CUDA]
+// A channels-last call (Conv2dShape::channels_last) describes x, y and their gradients
+// to cuDNN as NHWC, the layout its tensor-core kernels compute in, so cuDNN transposes
+// nothing. Its NHWC kernels want the filter in that layout too (K x R x S x C), while
+// the weight and its gradient stay KCRS as every other op reads them: the call makes a
+// K x R x S x C copy of the weight (a backward-weight pass writes one and transposes it
+// back), a pass over the weight's bytes, small beside the activations'. The per-channel
+// bias and its gradient run over rows of K values: an NHWC output is N·P·Q "images" of
+// K channels of one pixel each, which the NCHW channel kernels take as they are.
+
+/// Geometry of the per-channel kernels (bias, bias gradient) over a convolution's output.
+struct ChannelGeom {
+  std::int64_t n, c, hw;
+};
+ChannelGeom output_channels(const Conv2dShape& s) {
+  return s.channels_last ? ChannelGeom{s.N * s.P * s.Q, s.K, 1} : ChannelGeom{s.N, s.K, s.P * s.Q};
+}
+
+/// The K x C x R x S weight `w` (of `dt`) copied into or out of K x R x S x C (Note
+/// [Channels-last convolutions on CUDA]): into `to` when `to_krsc`, else back.
+void move_filter(CudaBackend& be, Device dev, DType dt, const Conv2dShape& s, const void* from, void* to,
+                 bool to_krsc) {
+  Indexer ix;
+  ix.ndim = 4;
+  const std::int64_t K = s.K, C = s.C, R = s.R, S = s.S;
+  const std::int64_t sizes_krsc[4] = {K, R, S, C}, strides_kcrs[4] = {C * R * S, S, 1, R * S};
+  const std::int64_t sizes_kcrs[4] = {K, C, R, S}, strides_krsc[4] = {R * S * C, 1, S * C, C};
+  for (int i = 0; i < 4; ++i) {
+    ix.sizes[i] = to_krsc ? sizes_krsc[i] : sizes_kcrs[i];
+    ix.strides_a[i] = ix.strides_b[i] = to_krsc ? strides_kcrs[i] : strides_krsc[i];
+  }
+  be.run<Op::StridedCopy>(dev, dt, {ix, from, to});
+}
+
+/// The weight as a plan's filter descriptor reads it: `w` itself, or for a
+/// channels-last call its K x R x S x C copy in `block`.
+const void* filter_of(CudaBackend& be, Device dev, DType dt, const Conv2dShape& s, const void* w,
+                      std::optional<CudaBackend::Scratch>& block) {
+  if (!s.channels_last) return w;
+  const std::size_t es = dt == DType::F32 ? 4 : 2;
+  block.emplace(be, dev.index, static_cast<std::size_t>(std::max<std::int64_t>(s.K * s.C * s.R * s.S, 1)) * es);
+  move_filter(be, dev, dt, s, w, block->get(), true);
+  return block->get();
 }
 
 /// cuDNN's element type of a floating dtype (Note [16-bit convolutions on CUDA]).
@@ -303,10 +349,12 @@ class ConvPlanCache {
     DP_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
     DP_CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
     DP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p->conv));
-    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, type,
+    // Note [Channels-last convolutions on CUDA]: the dims stay (N, C, H, W) either way.
+    const cudnnTensorFormat_t format = s.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, format, type,
                                               to_int(s.N, "N"), to_int(s.C, "C"),
                                               to_int(s.H, "H"), to_int(s.W, "W")));
-    DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, type, CUDNN_TENSOR_NCHW,
+    DP_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, type, format,
                                               to_int(s.K, "K"), to_int(s.C, "C"),
                                               to_int(s.R, "R"), to_int(s.S, "S")));
     // Sums in float32 for every dtype (Note [16-bit convolutions on CUDA]).
@@ -320,7 +368,7 @@ class ConvPlanCache {
     DP_CHECK(n == s.N && k == s.K && h == s.P && w == s.Q, "conv2d: output shape (", s.N, ", ",
              s.K, ", ", s.P, ", ", s.Q, ") does not match the geometry, which gives (", n, ", ",
              k, ", ", h, ", ", w, ")");
-    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, type, n, k, h, w));
+    DP_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, format, type, n, k, h, w));
     return p;
   }
 
@@ -472,12 +520,15 @@ void CudaBackend::conv_forward(Device dev, const Conv2dShape& s, const float* x,
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
   ConvPlan& p = plan_cache().get(dev.index, s, DType::F32, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  require_algo<cudnnConvolutionFwdAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, w, y);
+  std::optional<Scratch> krsc;
+  const void* filter = filter_of(*this, dev, DType::F32, s, w, krsc);
+  require_algo<cudnnConvolutionFwdAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, filter, y);
   Scratch ws(*this, dev.index, p.fwd.ws);
   const float one = 1.0f, zero = 0.0f;
-  DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, x, p.w, w, p.conv, p.fwd.algo, ws.get(),
+  DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, x, p.w, filter, p.conv, p.fwd.algo, ws.get(),
                                          p.fwd.ws, &zero, p.y, y));
-  cuda_kernels::bias_relu(compute, s.N, s.K, s.P * s.Q, bias, relu, y);
+  const ChannelGeom g = output_channels(s);
+  cuda_kernels::bias_relu(compute, g.n, g.c, g.hw, bias, relu, y);
 }
 
 void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const float* gy,
@@ -486,10 +537,12 @@ void CudaBackend::conv2d_backward_data(Device dev, const Conv2dShape& s, const f
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
   ConvPlan& p = plan_cache().get(dev.index, s, DType::F32, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  require_algo<cudnnConvolutionBwdDataAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, w, gy, gx);
+  std::optional<Scratch> krsc;
+  const void* filter = filter_of(*this, dev, DType::F32, s, w, krsc);
+  require_algo<cudnnConvolutionBwdDataAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, filter, gy, gx);
   Scratch ws(*this, dev.index, p.bwd_data.ws);
   const float one = 1.0f, zero = 0.0f;
-  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, w, p.y, gy, p.conv, p.bwd_data.algo,
+  DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, filter, p.y, gy, p.conv, p.bwd_data.algo,
                                               ws.get(), p.bwd_data.ws, &zero, p.x, gx));
 }
 
@@ -499,17 +552,25 @@ void CudaBackend::conv2d_backward_weight(Device dev, const Conv2dShape& s, const
   const bool tf32 = allow_tf32_conv(), benchmark = cudnn_benchmark();
   ConvPlan& p = plan_cache().get(dev.index, s, DType::F32, tf32, benchmark);
   auto h = cudnn(dev.index);  // serialises the use of this device's plans
-  require_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, gy, gw);
+  // A channels-last call's filter gradient is K x R x S x C, moved back to KCRS after
+  // (Note [Channels-last convolutions on CUDA]).
+  std::optional<Scratch> krsc;
+  if (s.channels_last)
+    krsc.emplace(*this, dev.index, static_cast<std::size_t>(std::max<std::int64_t>(s.K * s.C * s.R * s.S, 1)) * 4);
+  void* filter_grad = s.channels_last ? krsc->get() : gw;
+  require_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(*this, dev.index, h.get(), p, s, tf32, benchmark, x, gy,
+                                                    filter_grad);
   Scratch ws(*this, dev.index, p.bwd_filter.ws);
   const float one = 1.0f, zero = 0.0f;
   DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h.get(), &one, p.x, x, p.y, gy, p.conv,
                                                 p.bwd_filter.algo, ws.get(), p.bwd_filter.ws, &zero,
-                                                p.w, gw));
+                                                p.w, filter_grad));
+  if (s.channels_last) move_filter(*this, dev, DType::F32, s, filter_grad, gw, false);
   if (gbias) {  // dp's channel sums, not cudnnConvolutionBackwardBias (Note [Convolution bias gradient])
-    const std::int64_t HW = s.P * s.Q;
+    const ChannelGeom g = output_channels(s);
     Scratch parts(*this, dev.index,
-                  static_cast<std::size_t>(cuda_kernels::channel_sums_scratch(s.N, s.K, HW)) * sizeof(float));
-    cuda_kernels::channel_sums(compute, s.N, s.K, HW, gy, gbias, static_cast<float*>(parts.get()), DType::F32);
+                  static_cast<std::size_t>(cuda_kernels::channel_sums_scratch(g.n, g.c, g.hw)) * sizeof(float));
+    cuda_kernels::channel_sums(compute, g.n, g.c, g.hw, gy, gbias, static_cast<float*>(parts.get()), DType::F32);
   }
 }
 
@@ -619,6 +680,7 @@ void backward_weight_widened(CudaBackend& be, Device dev, DType dt, const Conv2d
 /// float32 max-pool of its widened values, rounded (exact).
 void forward_pooled(CudaBackend& be, Device dev, DType dt, const Conv2dArgs& a) {
   const Conv2dShape& s = a.s;
+  check_conv_pool_layout(s, true);
   const Pool2dShape& ps = a.pool.s;
   const i64 ny = output_numel(s), np = ps.N * ps.C * ps.P * ps.Q;
   CudaBackend::Scratch conv(be, dev.index, static_cast<std::size_t>(std::max<i64>(ny, 1)) * sizeof(std::uint16_t));
@@ -647,15 +709,18 @@ void conv2d_16bit(CudaBackend& be, Device dev, const Conv2dArgs& a) {
   bool native = false;
   {
     auto h = be.cudnn(dev.index);  // serialises the use of this device's plans
-    native = choose_algo<cudnnConvolutionFwdAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, a.x, a.w, a.y);
+    std::optional<CudaBackend::Scratch> krsc;
+    const void* filter = filter_of(be, dev, dt, s, a.w, krsc);  // Note [Channels-last convolutions on CUDA]
+    native = choose_algo<cudnnConvolutionFwdAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, a.x, filter, a.y);
     if (native) {
       // The bias is blended by cuDNN: y = conv + 1 · y (Note [16-bit convolutions on
       // CUDA]: rounded once or twice, per algorithm). Filled after the choice, which may
       // have written y.
-      if (a.bias) channel_fill(stream, s.N, s.K, s.P * s.Q, a.bias, a.y, dt);
+      const ChannelGeom g = output_channels(s);
+      if (a.bias) channel_fill(stream, g.n, g.c, g.hw, a.bias, a.y, dt);
       CudaBackend::Scratch ws(be, dev.index, p.fwd.ws);
       const float one = 1.0f, beta = a.bias ? 1.0f : 0.0f;
-      DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, a.x, p.w, a.w, p.conv, p.fwd.algo, ws.get(),
+      DP_CUDNN_CHECK(cudnnConvolutionForward(h.get(), &one, p.x, a.x, p.w, filter, p.conv, p.fwd.algo, ws.get(),
                                              p.fwd.ws, &beta, p.y, a.y));
     }
   }
@@ -676,11 +741,13 @@ void conv2d_backward_data_16bit(CudaBackend& be, Device dev, const Conv2dBackwar
   ConvPlan& p = plan_cache().get(dev.index, s, dt, false, benchmark);
   {
     auto h = be.cudnn(dev.index);  // serialises the use of this device's plans
-    if (choose_algo<cudnnConvolutionBwdDataAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, a.w, a.gy,
+    std::optional<CudaBackend::Scratch> krsc;
+    const void* filter = filter_of(be, dev, dt, s, a.w, krsc);  // Note [Channels-last convolutions on CUDA]
+    if (choose_algo<cudnnConvolutionBwdDataAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, filter, a.gy,
                                                          a.gx)) {
       CudaBackend::Scratch ws(be, dev.index, p.bwd_data.ws);
       const float one = 1.0f, zero = 0.0f;
-      DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, a.w, p.y, a.gy, p.conv, p.bwd_data.algo,
+      DP_CUDNN_CHECK(cudnnConvolutionBackwardData(h.get(), &one, p.w, filter, p.y, a.gy, p.conv, p.bwd_data.algo,
                                                   ws.get(), p.bwd_data.ws, &zero, p.x, a.gx));
       return;
     }
@@ -703,13 +770,18 @@ void conv2d_backward_weight_16bit(CudaBackend& be, Device dev, const Conv2dBackw
   bool native = false;
   {
     auto h = be.cudnn(dev.index);  // serialises the use of this device's plans
+    // Note [Channels-last convolutions on CUDA]: a K x R x S x C gradient, moved back after.
+    std::optional<CudaBackend::Scratch> krsc;
+    if (s.channels_last) krsc.emplace(be, dev.index, static_cast<std::size_t>(std::max<i64>(weight_numel(s), 1)) * 2);
+    void* filter_grad = s.channels_last ? krsc->get() : a.gw;
     native = choose_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(be, dev.index, h.get(), p, false, benchmark, a.x,
-                                                              a.gy, a.gw);
+                                                              a.gy, filter_grad);
     if (native) {
       CudaBackend::Scratch ws(be, dev.index, p.bwd_filter.ws);
       const float one = 1.0f, zero = 0.0f;
       DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h.get(), &one, p.x, a.x, p.y, a.gy, p.conv, p.bwd_filter.algo,
-                                                    ws.get(), p.bwd_filter.ws, &zero, p.w, a.gw));
+                                                    ws.get(), p.bwd_filter.ws, &zero, p.w, filter_grad));
+      if (s.channels_last) move_filter(be, dev, dt, s, filter_grad, a.gw, false);
     }
   }
   if (!native) {
@@ -717,9 +789,9 @@ void conv2d_backward_weight_16bit(CudaBackend& be, Device dev, const Conv2dBackw
     return;
   }
   if (a.gbias) {  // Note [Convolution bias gradient], over the 16-bit gy
-    const i64 HW = s.P * s.Q;
-    auto parts = float_block(be, dev, channel_sums_scratch(s.N, s.K, HW));
-    channel_sums(stream, s.N, s.K, HW, a.gy, a.gbias, f32(parts), dt);
+    const ChannelGeom g = output_channels(s);
+    auto parts = float_block(be, dev, channel_sums_scratch(g.n, g.c, g.hw));
+    channel_sums(stream, g.n, g.c, g.hw, a.gy, a.gbias, f32(parts), dt);
   }
 }
 

@@ -1339,7 +1339,10 @@ void layer_norm_backward_f32(CudaBackend& be, Device dev, const LayerNormBackwar
 }  // namespace table
 }  // namespace
 
-void batch_norm_train(CudaBackend& be, Device dev, const BatchNormTrainArgs& a, DType dtype) {
+// A channels-last batch norm runs as N·HW images of one value per channel (as_nchw_rows):
+// the same statistics over the same bytes.
+void batch_norm_train(CudaBackend& be, Device dev, const BatchNormTrainArgs& args, DType dtype) {
+  const BatchNormTrainArgs a = as_nchw_rows(args);
   cudaStream_t s = be.bind(dev);
   DP_CHECK(a.N > 0 && a.C > 0 && a.HW > 0, "batchnorm_forward_train: expected positive (N, C, HW), got (", a.N,
            ", ", a.C, ", ", a.HW, ")");
@@ -1355,13 +1358,15 @@ void batch_norm_train(CudaBackend& be, Device dev, const BatchNormTrainArgs& a, 
                           dtype);
 }
 
-void batch_norm_eval(CudaBackend& be, Device dev, const BatchNormEvalArgs& a, DType dtype) {
+void batch_norm_eval(CudaBackend& be, Device dev, const BatchNormEvalArgs& args, DType dtype) {
+  const BatchNormEvalArgs a = as_nchw_rows(args);
   const auto f = [](const void* p) { return static_cast<const float*>(p); };
   batchnorm_forward_eval(be.bind(dev), a.N, a.C, a.HW, a.x, f(a.gamma), f(a.beta), a.eps, f(a.running_mean),
                          f(a.running_var), a.y, dtype);
 }
 
-void batch_norm_backward(CudaBackend& be, Device dev, const BatchNormBackwardArgs& a, DType dtype) {
+void batch_norm_backward(CudaBackend& be, Device dev, const BatchNormBackwardArgs& args, DType dtype) {
+  const BatchNormBackwardArgs a = as_nchw_rows(args);
   cudaStream_t s = be.bind(dev);
   DP_CHECK(a.N > 0 && a.C > 0 && a.HW > 0, "batchnorm_backward: expected positive (N, C, HW), got (", a.N, ", ",
            a.C, ", ", a.HW, ")");
