@@ -18,7 +18,8 @@ contender and the ratio of medians dp / PyTorch's best setting (> 1: dp is faste
 --precision bf16` (forward and loss under dp::amp::autocast(bfloat16), float32 master
 weights); PyTorch runs gpu_step_torch.py --bf16 (forward and loss under
 torch.autocast("cuda", bfloat16), channels_last model and batches for cnn and
-resnet18) as three contenders: default, cudnn.benchmark, and torch.compile with
+resnet18; dp's batches for those two are channels-last too, `dp_vs_ddp --channels-last`,
+unless --dp-nchw) as three contenders: default, cudnn.benchmark, and torch.compile with
 cudnn.benchmark ("torch compile+benchmark", compiled in the warm-up steps). A compile
 that fails or takes longer than --compile-timeout seconds is reported as unavailable
 for that model (with its reason; any earlier rounds of it dropped) and not tried again;
@@ -84,6 +85,9 @@ def dp_step(a, model, extra_env=None):
            "--warmup", str(a.warmup), "--json"]
     if a.precision != "fp32":
         cmd += ["--precision", a.precision]
+    channels_last = a.precision == "bf16" and model in ("cnn", "resnet18") and not a.dp_nchw
+    if channels_last:
+        cmd += ["--channels-last"]  # as PyTorch's batches under --precision bf16
     recs = run_json(cmd, env)
     single = [r for r in recs if r.get("mode") == "single"]
     if single and single[0].get("device_kind") == "cpu":
@@ -94,6 +98,8 @@ def dp_step(a, model, extra_env=None):
              f"(got {[r.get('mode') for r in recs]}, device_kind {recs[0].get('device_kind') if recs else None})")
     if single[0].get("precision", "fp32") != a.precision:
         fail(f"{a.binary} ran {model} in {single[0].get('precision')}, not {a.precision}")
+    if bool(single[0].get("channels_last", False)) != channels_last:
+        fail(f"{a.binary} ran {model} with channels_last {single[0].get('channels_last')}, not {channels_last}")
     return single[0]["samples_per_s"]
 
 
@@ -116,6 +122,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--binary", required=True, help="samples/dp_vs_ddp/dp_vs_ddp of a CUDA build")
     ap.add_argument("--models", default="mlp,cnn,resnet18")
+    ap.add_argument("--dp-nchw", action="store_true",
+                    help="under --precision bf16, give dp NCHW batches (default: channels-last, as PyTorch's)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="fp32 (default) or bf16: autocast on both sides, PyTorch also channels_last and compiled")
     ap.add_argument("--rounds", type=int, default=3)

@@ -1321,7 +1321,7 @@ Tensor index_add(const Tensor& input, std::int64_t dim, const Tensor& index, con
 Tensor detail::log_sigmoid_raw(const Tensor& t) { return unary_raw("log_sigmoid", UnaryOp::LogSigmoid, t); }
 
 Tensor detail::index_add_in_range(const Tensor& input, std::int64_t d, const Tensor& index64, const Tensor& source) {
-  Tensor out = input.detach().clone();
+  Tensor out = detail::contiguous_copy(input);  // written below through data<float>()
   if (source.numel() > 0) {
     std::vector<std::int64_t> idx_strides(source.shape().size(), 0);
     idx_strides[d] = 1;

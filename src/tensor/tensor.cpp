@@ -296,6 +296,11 @@ MemoryFormat detail::elementwise_format(const Tensor& t, const Tensor& other) {
   return MemoryFormat::ChannelsLast;
 }
 
+Tensor detail::contiguous_copy(const Tensor& t) {
+  const Tensor d = t.detach();
+  return is_channels_last(checked(d.impl_ptr())) ? in_format(d, MemoryFormat::Contiguous) : d.clone();
+}
+
 Tensor detail::in_format(const Tensor& t, MemoryFormat format) {
   const auto& impl = checked(t.impl_ptr());
   if (format == MemoryFormat::ChannelsLast) {

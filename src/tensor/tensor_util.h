@@ -54,6 +54,11 @@ Tensor empty_in(const Shape& shape, TensorOptions opts, MemoryFormat format);
 MemoryFormat elementwise_format(const Tensor& t, const Tensor& other = Tensor());
 /// `t` laid out in `format` without autograd (contiguous(format) records it).
 Tensor in_format(const Tensor& t, MemoryFormat format);
+/// A new contiguous tensor of t's values, with storage of its own and no history: the
+/// copy to make for an output that code then writes through data<T>() or raw_data(),
+/// where clone() would keep a channels-last layout that such writes miss (Note
+/// [Channels-last tensors]).
+Tensor contiguous_copy(const Tensor& t);
 
 inline void check_defined(const char* op, const Tensor& t, const char* what = "input") {
   DP_CHECK(t.defined(), op, ": expected a defined ", what, " tensor, got an undefined one");

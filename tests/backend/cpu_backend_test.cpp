@@ -1774,6 +1774,24 @@ Bf16Conv run_bf16_conv(const Conv2dShape& s, const std::vector<BFloat16>& x, con
   return {widen(y), widen(y_relu), widen(gx), widen(gw), widen(gb)};
 }
 
+/// N images of C x HW values moved from NCHW into N x HW x C (`to_nhwc`) or back: the
+/// bytes of a channels-last call (Conv2dShape::channels_last).
+template <typename T>
+std::vector<T> relayout(const std::vector<T>& v, i64 N, i64 C, i64 HW, bool to_nhwc) {
+  std::vector<T> out(v.size());
+  for (i64 n = 0; n < N; ++n)
+    for (i64 c = 0; c < C; ++c)
+      for (i64 i = 0; i < HW; ++i) {
+        const auto nchw = static_cast<std::size_t>((n * C + c) * HW + i), nhwc = static_cast<std::size_t>((n * HW + i) * C + c);
+        if (to_nhwc) {
+          out[nhwc] = v[nchw];
+        } else {
+          out[nchw] = v[nhwc];
+        }
+      }
+  return out;
+}
+
 /// The float32 passes of `s` on the given (widened) values.
 Bf16Conv run_f32_conv(const Conv2dShape& s, const std::vector<float>& x, const std::vector<float>& w,
                       const std::vector<float>& b, const std::vector<float>& gy) {
@@ -1835,6 +1853,18 @@ void check_bf16_conv(const Conv2dShape& s, unsigned seed) {
   check_bf16_sum(got.gw, ref.gw, abs.gw, double(s.N * s.P * s.Q), "backward weight");
   check_bf16_sum(got.gb, ref.gb, abs.gb, double(s.N * s.P * s.Q), "backward bias");
   for (float v : got.y_relu) CHECK(!(v < 0.0f));
+  // The same passes on channels-last bytes (Note [Channels-last tensors]), read back as NCHW.
+  Conv2dShape cs = s;
+  cs.channels_last = true;
+  const i64 HW = s.H * s.W, PQ = s.P * s.Q;
+  const Bf16Conv cl = run_bf16_conv(cs, relayout(x, s.N, s.C, HW, true), w, b, relayout(gy, s.N, s.K, PQ, true));
+  check_bf16_sum(relayout(cl.y, s.N, s.K, PQ, false), ref.y, abs.y, double(s.C * s.R * s.S + 1), "channels-last forward");
+  check_bf16_sum(relayout(cl.y_relu, s.N, s.K, PQ, false), ref.y_relu, abs.y, double(s.C * s.R * s.S + 1),
+                 "channels-last forward + relu");
+  check_bf16_sum(relayout(cl.gx, s.N, s.C, HW, false), ref.gx, abs.gx, double(s.K * s.R * s.S),
+                 "channels-last backward data");
+  check_bf16_sum(cl.gw, ref.gw, abs.gw, double(s.N * s.P * s.Q), "channels-last backward weight");
+  check_bf16_sum(cl.gb, ref.gb, abs.gb, double(s.N * s.P * s.Q), "channels-last backward bias");
   // Deterministic run to run.
   const Bf16Conv again = run_bf16_conv(s, x, w, b, gy);
   CHECK(bitwise_equal(got.y, again.y));
@@ -1990,14 +2020,27 @@ TEST_CASE("conv scan: random float32 convolutions, both layouts, memory poisoned
       CAPTURE(int(layout)); CAPTURE(s.N); CAPTURE(s.C); CAPTURE(s.H); CAPTURE(s.W); CAPTURE(s.K); CAPTURE(s.R);
       CAPTURE(s.S); CAPTURE(s.stride_h); CAPTURE(s.stride_w); CAPTURE(s.pad_h); CAPTURE(s.pad_w);
       be().set_conv_layout(layout);
-      std::vector<float> y(gy.size()), gx(x.size()), gw(w.size()), gb(s.K);
-      be().conv2d_forward(dev0(), s, x.data(), w.data(), bias.data(), y.data());
-      be().conv2d_backward_data(dev0(), s, gy.data(), w.data(), gx.data());
-      be().conv2d_backward_weight(dev0(), s, x.data(), gy.data(), gw.data(), gb.data());
-      check(y, ref.y, ref.y_abs, double(s.C * s.R * s.S + 1), "forward");
-      check(gx, ref.gx, ref.gx_abs, double(s.K * s.R * s.S), "backward data");
-      check(gw, ref.gw, ref.gw_abs, double(s.N * s.P * s.Q), "backward weight");
-      check(gb, ref.gb, ref.gb_abs, double(s.N * s.P * s.Q), "backward bias");
+      for (bool channels_last : {false, true}) {  // Note [Channels-last tensors]
+        CAPTURE(channels_last);
+        Conv2dShape cs = s;
+        cs.channels_last = channels_last;
+        const i64 HW = s.H * s.W, PQ = s.P * s.Q;
+        auto in = [&](const std::vector<float>& v, i64 C, i64 hw) {
+          return channels_last ? relayout(v, s.N, C, hw, true) : v;
+        };
+        auto out = [&](const std::vector<float>& v, i64 C, i64 hw) {
+          return channels_last ? relayout(v, s.N, C, hw, false) : v;
+        };
+        const auto xs = in(x, s.C, HW), gys = in(gy, s.K, PQ);
+        std::vector<float> y(gy.size()), gx(x.size()), gw(w.size()), gb(s.K);
+        be().conv2d_forward(dev0(), cs, xs.data(), w.data(), bias.data(), y.data());
+        be().conv2d_backward_data(dev0(), cs, gys.data(), w.data(), gx.data());
+        be().conv2d_backward_weight(dev0(), cs, xs.data(), gys.data(), gw.data(), gb.data());
+        check(out(y, s.K, PQ), ref.y, ref.y_abs, double(s.C * s.R * s.S + 1), "forward");
+        check(out(gx, s.C, HW), ref.gx, ref.gx_abs, double(s.K * s.R * s.S), "backward data");
+        check(gw, ref.gw, ref.gw_abs, double(s.N * s.P * s.Q), "backward weight");
+        check(gb, ref.gb, ref.gb_abs, double(s.N * s.P * s.Q), "backward bias");
+      }
     }
   }
   dp::backend::Backend::set_poison_memory(false);

@@ -240,7 +240,11 @@ const char* memory_format_name(MemoryFormat format);
 // Internally, code that reads or writes the bytes as they lie takes
 // detail::layout_data(t) (src/tensor/tensor_util.h); raw_data() and data<T>() give
 // the NCHW values of a channels-last tensor, so a kernel that knows nothing of layouts
-// reads the right values by construction.
+// reads the right values by construction. What it writes must be a tensor it made
+// contiguous — empty(), zeros(), detail::contiguous_copy() — never a clone() or to() of
+// its input, which keep the layout: written through data<T>(), such a copy would take
+// the writes into its NCHW copy and lose them (index_add did, found by the op fuzzer's
+// channels-last replay in its first hunt).
 
 /// The shared state behind a Tensor handle (internal; reached through Tensor).
 struct TensorImpl {

@@ -76,6 +76,17 @@ void batch_norm_stats(DType dt, const void* x, std::int64_t N, std::int64_t HW, 
 void batch_norm_grad_sums(DType dt, const void* gy, const void* x, std::int64_t N, std::int64_t HW,
                           std::int64_t stride, float mean, double* sum_gy, double* sum_gy_xc);
 
+/// A channels-last batch norm's sums over rows [r0, r1) of C values of dtype dt (Note
+/// [Channels-last batch norm] in cpu_nn.cpp), into double accumulators a row at a time:
+/// what = 0: acc[c] += x; 1: acc[c] += (x − mean_d[c])²; 2: acc[c] += gy and acc[C + c]
+/// += gy (x − mean_f[c]). ISA clones with the same bits (cpu_norm_clones.cpp).
+void batch_norm_rows_sums(DType dt, int what, const void* x, const void* gy, std::int64_t r0, std::int64_t r1,
+                          std::int64_t C, const double* mean_d, const float* mean_f, double* acc);
+/// Its outputs over rows [r0, r1), each rounded once to dt: what = 0: out = x·a[c] + b[c];
+/// 1: out = a[c]·(gy − b[c] − (x − m[c])·p[c]).
+void batch_norm_rows_apply(DType dt, int what, const void* x, const void* gy, std::int64_t r0, std::int64_t r1,
+                           std::int64_t C, const float* a, const float* b, const float* m, const float* p, void* out);
+
 /// Whether unary_clone_f32 runs op: the ops whose functors are polynomials (Note
 /// [Vectorisable exp and tanh] in functors.h).
 constexpr bool has_unary_clone(UnaryOp op) {

@@ -296,7 +296,10 @@ ConvMds conv_mds(const Conv2dShape& s, ConvLayout layout, DType dtype) {
   m.bias_md = memory::desc(bia, dt, tag::x);
   const bool plain = layout == ConvLayout::Plain;
   m.src_md = plain ? m.src_user : memory::desc(src, dt, tag::any);
-  m.wei_md = plain ? m.wei_user : memory::desc(wei, dt, tag::any);
+  // A channels-last call's Plain layout is its own N x H x W x C activations with the
+  // weights in a layout of oneDNN's choosing: its NHWC kernels take no KCRS weights
+  // (with them oneDNN 2.6 runs its reference kernel, a thousand times slower).
+  m.wei_md = plain && !s.channels_last ? m.wei_user : memory::desc(wei, dt, tag::any);
   m.dst_md = plain ? m.dst_user : memory::desc(dst, dt, tag::any);
   return m;
 }
@@ -953,8 +956,11 @@ ConvKey auto_key_of(const Conv2dShape& s, ConvKind kind, bool bias, int threads,
 // runs in the Plain layout, whatever the layout asked for; oneDNN's own name for the
 // kernel decides, so other CPUs and dtypes are covered when they pick it. Such shapes
 // skip rows of the input (a kernel shorter than its stride), rare outside strided 1x1
-// convolutions. cpu_backend_test runs a sweep of them in the Blocked layout, every pass
-// against float32, with unwritten memory poisoned.
+// convolutions. A channels-last call's Plain layout runs that kernel too (its activations
+// are the kernel's own NHWC), so such a call convolves NCHW copies of its activations
+// instead (run_forward_through_nchw): two transposes, and the NCHW call's Plain kernel.
+// cpu_backend_test runs a sweep of them in the Blocked layout, every pass against
+// float32, with unwritten memory poisoned, NCHW and channels-last.
 bool blocked_forward_refused(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, DType dtype) {
   if (s.stride_h <= s.R || s.N < 1) return false;
   ConvCache& cache = *be.state(dev).conv;
@@ -1004,7 +1010,38 @@ ConvLayout known_layout(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKi
 /// Runs a convolution pass. ConvLayout::Auto resolves to the recorded choice, or
 /// measures both layouts on these buffers first (Note [CPU convolution: measured choice]).
 void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias,
-              const ConvBuffers& buf, bool relu = false) {
+              const ConvBuffers& buf, bool relu = false);
+
+/// A channels-last forward run on NCHW copies of its activations (Note [Blocked forward
+/// with a stride above the kernel]): x moved into NCHW, the NCHW forward, its output
+/// moved into y's N x H x W x C.
+void run_forward_through_nchw(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, const ConvBuffers& buf,
+                              bool relu) {
+  Conv2dShape plain = s;
+  plain.channels_last = false;
+  const int esize = buf.dtype == DType::F32 ? 4 : 2;
+  const OwnReorder in{.into = OwnReorder::Into::Nhwc, .N = s.N, .C = s.C, .HW = s.H * s.W, .esize = esize};
+  const OwnReorder out{.into = OwnReorder::Into::Nhwc, .N = s.N, .C = s.K, .HW = s.P * s.Q, .esize = esize};
+  std::vector<char> x(static_cast<std::size_t>(s.N * s.C * s.H * s.W * esize));
+  std::vector<char> y(static_cast<std::size_t>(s.N * s.K * s.P * s.Q * esize));
+  reorder_own(in, buf.x, x.data(), /*to_plain=*/true);
+  ConvBuffers b = buf;
+  b.x = x.data();
+  b.y = y.data();
+  run_conv(be, dev, plain, ConvKind::Forward, bias, b, relu);
+  reorder_own(out, y.data(), buf.y, /*to_plain=*/false);
+}
+
+void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias,
+              const ConvBuffers& buf, bool relu) {
+  // A channels-last forward whose Blocked kernel is refused has no kernel of its own
+  // layout to fall back on: its Plain one is that same kernel (Note [Blocked forward
+  // with a stride above the kernel]).
+  if (s.channels_last && kind == ConvKind::Forward && buf.pooled == nullptr &&
+      blocked_forward_refused(be, dev, s, bias, buf.dtype)) {
+    run_forward_through_nchw(be, dev, s, bias, buf, relu);
+    return;
+  }
   DeviceState& st = be.state(dev);
   const int threads = be.threads_per_device(dev);
   const int chunks = conv_chunks(s, threads);

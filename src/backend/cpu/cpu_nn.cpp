@@ -963,21 +963,23 @@ void bn_backward(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* gy, 
 // expressions (16-bit values widened as loaded and rounded once as stored). The same
 // three passes over memory as the NCHW kernel; reading the rows as N·HW images of one
 // value per channel (as_nchw_rows) would stride through every row once per channel.
+// The row loops are cpu_norm_clones.cpp's batch_norm_rows_sums and batch_norm_rows_apply,
+// with ISA clones (the same bits on every CPU): at the baseline's SSE width they took a
+// sixth of ResNet-18's channels-last bfloat16 step on the AMX Xeon.
 
 constexpr i64 kBnRows = 64;  // rows per block of a channels-last batch norm's sums
 
-/// Per channel, f's sums over the M rows of C values: blocks of kBnRows rows in parallel,
-/// then in block order (Note [Channels-last batch norm]). f(row, acc) adds one row into
-/// the `sums` accumulator arrays at acc[0..sums*C).
-template <typename F>
-std::vector<double> bn_column_sums(CpuBackend& be, Device dev, i64 M, i64 C, int sums, F f) {
+/// Per channel, the sums `what` of batch_norm_rows_sums over the M rows of C values:
+/// blocks of kBnRows rows in parallel, then in block order (Note [Channels-last batch
+/// norm]). `sums` accumulators a channel.
+std::vector<double> bn_column_sums(CpuBackend& be, Device dev, DType dt, int what, const void* x, const void* gy,
+                                   i64 M, i64 C, int sums, const double* mean_d, const float* mean_f) {
   const i64 blocks = (M + kBnRows - 1) / kBnRows, width = sums * C;
   std::vector<double> part(static_cast<std::size_t>(std::max<i64>(blocks, 1) * width), 0.0);
   be.parallel_for(dev, blocks, plane_grain(kBnRows * C), [&](i64 b, i64 e) {
-    for (i64 k = b; k < e; ++k) {
-      double* __restrict acc = part.data() + k * width;
-      for (i64 r = k * kBnRows; r < std::min(M, (k + 1) * kBnRows); ++r) f(r, acc);
-    }
+    for (i64 k = b; k < e; ++k)
+      batch_norm_rows_sums(dt, what, x, gy, k * kBnRows, std::min(M, (k + 1) * kBnRows), C, mean_d, mean_f,
+                           part.data() + k * width);
   });
   std::vector<double> total(static_cast<std::size_t>(width), 0.0);
   for (i64 k = 0; k < blocks; ++k)
@@ -985,21 +987,11 @@ std::vector<double> bn_column_sums(CpuBackend& be, Device dev, i64 M, i64 C, int
   return total;
 }
 
-/// y's M rows of C values, y[r][c] = f(r, c): float32 stored directly, a 16-bit T
-/// rounded once each (Note [Batch norm in 16 bits]).
-template <typename T, typename F>
-void bn_store_rows(CpuBackend& be, Device dev, T* y, i64 M, i64 C, F f) {
-  be.parallel_for(dev, M, plane_grain(C), [&](i64 b, i64 e) {
-    std::vector<float> buf(static_cast<std::size_t>(std::is_same_v<T, float> ? 0 : C));
-    for (i64 r = b; r < e; ++r) {
-      T* __restrict out = y + r * C;
-      if constexpr (std::is_same_v<T, float>) {
-        for (i64 c = 0; c < C; ++c) out[c] = f(r, c);
-      } else {
-        for (i64 c = 0; c < C; ++c) buf[static_cast<std::size_t>(c)] = f(r, c);
-        round_to(buf.data(), out, C);
-      }
-    }
+/// The M rows of batch_norm_rows_apply's output `what`, in parallel.
+void bn_apply_rows(CpuBackend& be, Device dev, DType dt, int what, const void* x, const void* gy, i64 M, i64 C,
+                   const float* a, const float* b, const float* m, const float* p, void* out) {
+  be.parallel_for(dev, M, plane_grain(C), [&](i64 r0, i64 r1) {
+    batch_norm_rows_apply(dt, what, x, gy, r0, r1, C, a, b, m, p, out);
   });
 }
 
@@ -1013,20 +1005,12 @@ void bn_train_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x,
   DP_CHECK(M > 0 || C == 0, "batchnorm_forward_train: expected at least one value per channel, "
            "got N=", N, ", HW=", HW);
   if (C == 0) return;
+  const DType dt = dtype_of<T>;
   // Σ x, then Σ (x - mean)², as the NCHW kernel (two passes, no cancellation).
-  const std::vector<double> sum = bn_column_sums(be, dev, M, C, 1, [&](i64 r, double* __restrict acc) {
-    const T* __restrict row = x + r * C;
-    for (i64 c = 0; c < C; ++c) acc[c] += static_cast<double>(wide(row[c]));
-  });
+  const std::vector<double> sum = bn_column_sums(be, dev, dt, 0, x, nullptr, M, C, 1, nullptr, nullptr);
   std::vector<double> mean(static_cast<std::size_t>(C));
   for (i64 c = 0; c < C; ++c) mean[static_cast<std::size_t>(c)] = sum[static_cast<std::size_t>(c)] / static_cast<double>(M);
-  const std::vector<double> sq = bn_column_sums(be, dev, M, C, 1, [&](i64 r, double* __restrict acc) {
-    const T* __restrict row = x + r * C;
-    for (i64 c = 0; c < C; ++c) {
-      const double d = static_cast<double>(wide(row[c])) - mean[static_cast<std::size_t>(c)];
-      acc[c] += d * d;
-    }
-  });
+  const std::vector<double> sq = bn_column_sums(be, dev, dt, 1, x, nullptr, M, C, 1, mean.data(), nullptr);
   std::vector<float> scale(static_cast<std::size_t>(C)), shift(static_cast<std::size_t>(C));
   for (i64 c = 0; c < C; ++c) {
     const auto u = static_cast<std::size_t>(c);
@@ -1044,9 +1028,7 @@ void bn_train_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x,
     scale[u] = g * static_cast<float>(invstd);
     shift[u] = bt - static_cast<float>(mean[u]) * scale[u];
   }
-  bn_store_rows(be, dev, y, M, C, [&](i64 r, i64 c) {
-    return wide(x[r * C + c]) * scale[static_cast<std::size_t>(c)] + shift[static_cast<std::size_t>(c)];
-  });
+  bn_apply_rows(be, dev, dt, 0, x, nullptr, M, C, scale.data(), shift.data(), nullptr, nullptr, y);
 }
 
 template <typename T>
@@ -1063,9 +1045,7 @@ void bn_eval_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, 
     scale[static_cast<std::size_t>(c)] = (gamma ? gamma[c] : 1.0f) * invstd;
     shift[static_cast<std::size_t>(c)] = (beta ? beta[c] : 0.0f) - running_mean[c] * scale[static_cast<std::size_t>(c)];
   }
-  bn_store_rows(be, dev, y, N * HW, C, [&](i64 r, i64 c) {
-    return wide(x[r * C + c]) * scale[static_cast<std::size_t>(c)] + shift[static_cast<std::size_t>(c)];
-  });
+  bn_apply_rows(be, dev, dtype_of<T>, 0, x, nullptr, N * HW, C, scale.data(), shift.data(), nullptr, nullptr, y);
 }
 
 template <typename T>
@@ -1076,16 +1056,8 @@ void bn_backward_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T*
   const i64 M = N * HW;
   if (C == 0) return;
   // Σ gy and Σ gy * (x - mean) per channel, side by side in one pass.
-  const std::vector<double> sums = bn_column_sums(be, dev, M, C, 2, [&](i64 r, double* __restrict acc) {
-    const T* __restrict g = gy + r * C;
-    const T* __restrict xr = x + r * C;
-    double* __restrict acc_xc = acc + C;
-    for (i64 c = 0; c < C; ++c) {
-      const float gv = wide(g[c]);
-      acc[c] += static_cast<double>(gv);
-      acc_xc[c] += static_cast<double>(gv) * static_cast<double>(wide(xr[c]) - save_mean[c]);
-    }
-  });
+  const std::vector<double> sums =
+      bn_column_sums(be, dev, dtype_of<T>, 2, x, gy, M, C, 2, nullptr, save_mean);
   std::vector<float> k(static_cast<std::size_t>(C)), mean_gy(static_cast<std::size_t>(C)),
       proj(static_cast<std::size_t>(C));
   for (i64 c = 0; c < C; ++c) {
@@ -1099,10 +1071,8 @@ void bn_backward_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T*
     proj[u] = M > 0 ? static_cast<float>(sum_gy_xc / static_cast<double>(M)) * invstd * invstd : 0.0f;
   }
   if (!gx || M == 0) return;
-  bn_store_rows(be, dev, gx, M, C, [&](i64 r, i64 c) {
-    const auto u = static_cast<std::size_t>(c);
-    return k[u] * (wide(gy[r * C + c]) - mean_gy[u] - (wide(x[r * C + c]) - save_mean[c]) * proj[u]);
-  });
+  // gx = k (gy - mean(gy) - (x - mean) proj), the NCHW kernel's expression.
+  bn_apply_rows(be, dev, dtype_of<T>, 1, x, gy, M, C, k.data(), mean_gy.data(), save_mean, proj.data(), gx);
 }
 
 /// The kernel table's entries: a BatchNorm op over storage T (float32 statistics and
