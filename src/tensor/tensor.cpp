@@ -938,7 +938,8 @@ Tensor& Tensor::copy_(const Tensor& src) {
   }
   // In this tensor's layout (Note [Channels-last tensors]).
   const Tensor bytes = detail::in_format(from, suggest_memory_format());
-  detail::copy_bytes(detail::mutable_layout_data(*this), device(), detail::layout_data(bytes), bytes.device(), nbytes());
+  detail::copy_bytes(detail::mutable_layout_data(*this), device(), detail::layout_data(bytes), bytes.device(),
+                     nbytes());
   if (record) {
     const Device from_device = from.device();
     detail::record_inplace("CopyBackwards", *this, from, [from_device](const Tensor& g) {
@@ -1029,7 +1030,8 @@ Tensor& write_op_result(Tensor& t, const char* op, const char* node, const Tenso
   DP_CHECK(r.shape() == t.shape(), op, ": internal: the result's shape ", shape_str(r.shape()), " is not the tensor's ",
            shape_str(t.shape()));
   const Tensor bytes = detail::in_format(r, t.suggest_memory_format());  // Note [Channels-last tensors]
-  detail::copy_bytes(detail::mutable_layout_data(t), t.device(), detail::layout_data(bytes), bytes.device(), t.nbytes());
+  detail::copy_bytes(detail::mutable_layout_data(t), t.device(), detail::layout_data(bytes), bytes.device(),
+                     t.nbytes());
   if (record) {
     auto pass = std::make_shared<autograd::LambdaNode>(
         node, [](const std::vector<Tensor>& g) { return std::vector<Tensor>{g.at(0)}; });

@@ -1782,7 +1782,8 @@ std::vector<T> relayout(const std::vector<T>& v, i64 N, i64 C, i64 HW, bool to_n
   for (i64 n = 0; n < N; ++n)
     for (i64 c = 0; c < C; ++c)
       for (i64 i = 0; i < HW; ++i) {
-        const auto nchw = static_cast<std::size_t>((n * C + c) * HW + i), nhwc = static_cast<std::size_t>((n * HW + i) * C + c);
+        const auto nchw = static_cast<std::size_t>((n * C + c) * HW + i);
+        const auto nhwc = static_cast<std::size_t>((n * HW + i) * C + c);
         if (to_nhwc) {
           out[nhwc] = v[nchw];
         } else {
@@ -1858,7 +1859,8 @@ void check_bf16_conv(const Conv2dShape& s, unsigned seed) {
   cs.channels_last = true;
   const i64 HW = s.H * s.W, PQ = s.P * s.Q;
   const Bf16Conv cl = run_bf16_conv(cs, relayout(x, s.N, s.C, HW, true), w, b, relayout(gy, s.N, s.K, PQ, true));
-  check_bf16_sum(relayout(cl.y, s.N, s.K, PQ, false), ref.y, abs.y, double(s.C * s.R * s.S + 1), "channels-last forward");
+  check_bf16_sum(relayout(cl.y, s.N, s.K, PQ, false), ref.y, abs.y, double(s.C * s.R * s.S + 1),
+                 "channels-last forward");
   check_bf16_sum(relayout(cl.y_relu, s.N, s.K, PQ, false), ref.y_relu, abs.y, double(s.C * s.R * s.S + 1),
                  "channels-last forward + relu");
   check_bf16_sum(relayout(cl.gx, s.N, s.C, HW, false), ref.gx, abs.gx, double(s.K * s.R * s.S),

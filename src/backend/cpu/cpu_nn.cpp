@@ -1009,7 +1009,8 @@ void bn_train_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x,
   // Σ x, then Σ (x - mean)², as the NCHW kernel (two passes, no cancellation).
   const std::vector<double> sum = bn_column_sums(be, dev, dt, 0, x, nullptr, M, C, 1, nullptr, nullptr);
   std::vector<double> mean(static_cast<std::size_t>(C));
-  for (i64 c = 0; c < C; ++c) mean[static_cast<std::size_t>(c)] = sum[static_cast<std::size_t>(c)] / static_cast<double>(M);
+  for (i64 c = 0; c < C; ++c)
+    mean[static_cast<std::size_t>(c)] = sum[static_cast<std::size_t>(c)] / static_cast<double>(M);
   const std::vector<double> sq = bn_column_sums(be, dev, dt, 1, x, nullptr, M, C, 1, mean.data(), nullptr);
   std::vector<float> scale(static_cast<std::size_t>(C)), shift(static_cast<std::size_t>(C));
   for (i64 c = 0; c < C; ++c) {
