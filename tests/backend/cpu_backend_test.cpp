@@ -2928,36 +2928,31 @@ TEST_CASE("channels-last batchnorm: the CPU's kernels and the N*HW-images readin
   };
   for (bool own : {true, false}) {
     CAPTURE(own);
+    auto call = [&](Op op, const void* args) {  // the CPU's own kernel, or the method kernel's N*HW reading
+      if (own) {
+        be().launch(op, DType::F32, dev0(), args);
+      } else {
+        method(op)(be(), dev0(), DType::F32, args);
+      }
+    };
     std::vector<float> rm(C, 0.1f), rv(C, 2.0f), y(x.size()), mean(C), invstd(C);
     const BatchNormTrainArgs train{N, C, HW, x.data(), gamma.data(), beta.data(), eps, mom, rm.data(), rv.data(),
                                    y.data(), mean.data(), invstd.data(), true};
-    if (own) {
-      be().run<Op::BatchNormTrain>(dev0(), DType::F32, train);
-    } else {
-      method(Op::BatchNormTrain)(be(), dev0(), DType::F32, &train);
-    }
+    call(Op::BatchNormTrain, &train);
     check_close(y, y_ref, 1e-5, 1e-5, "channels-last bn train y");
     check_close(rm, rm_ref, 1e-6, 0, "channels-last bn running_mean");
     check_close(rv, rv_ref, 1e-6, 0, "channels-last bn running_var");
     std::vector<float> gx(x.size()), gg(C), gb(C);
     const BatchNormBackwardArgs backward{N, C, HW, gy.data(), x.data(), gamma.data(), mean.data(), invstd.data(),
                                          gx.data(), gg.data(), gb.data(), true};
-    if (own) {
-      be().run<Op::BatchNormBackward>(dev0(), DType::F32, backward);
-    } else {
-      method(Op::BatchNormBackward)(be(), dev0(), DType::F32, &backward);
-    }
+    call(Op::BatchNormBackward, &backward);
     check_close(gx, gx_ref, 1e-4, 1e-5, "channels-last bn backward gx");
     check_close(gg, gg_ref, 1e-4, 1e-4, "channels-last bn backward ggamma");
     check_close(gb, gb_ref, 1e-5, 1e-4, "channels-last bn backward gbeta");
     std::vector<float> ye(x.size());
     const BatchNormEvalArgs eval{N, C, HW, x.data(), gamma.data(), beta.data(), eps, rm.data(), rv.data(), ye.data(),
                                  true};
-    if (own) {
-      be().run<Op::BatchNormEval>(dev0(), DType::F32, eval);
-    } else {
-      method(Op::BatchNormEval)(be(), dev0(), DType::F32, &eval);
-    }
+    call(Op::BatchNormEval, &eval);
     check_close(ye, ye_ref, 1e-5, 1e-5, "channels-last bn eval");
   }
 }
