@@ -311,6 +311,82 @@ TEST_CASE("optimizer parameter groups step the same in every design across proce
   check_tokens_everywhere<TiedGPT>(false, 2e-5, /*groups=*/true);
 }
 
+namespace {
+
+struct ImageRun {
+  std::vector<float> state;   // parameters and buffers
+  std::vector<float> params;  // parameters only
+  bool every_device_channels_last = false;  // every local device's first convolution computed channels-last
+};
+
+/// Three SGD steps (momentum 0.9) of SmallConvNet (mlp_fixture.h), with batch norm when
+/// `batch_norm`, on image batches laid out channels-last when `channels_last`: every
+/// process its rows of each global batch in `options`' design (null: one plain device
+/// on the whole batch).
+ImageRun train_images(const dp::DataParallelOptions* options, bool batch_norm, bool channels_last) {
+  auto net = std::make_shared<SmallConvNet>(options ? kSeed + static_cast<std::uint64_t>(dist::rank()) : kSeed,
+                                            batch_norm);
+  std::unique_ptr<dp::DataParallel> model;
+  if (options) model = std::make_unique<dp::DataParallel>(net, local_devices(), *options);
+  dp::optim::SGD opt(model ? model->parameters() : net->parameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int s = 0; s < 3; ++s) {
+    const std::int64_t rows = global_rows(s);
+    Batch b = make_image_batch(rows, 700 + static_cast<std::uint64_t>(s), channels_last);
+    opt.zero_grad();
+    if (!model) {
+      loss_fn(net->forward(b.x), b.y).backward();
+    } else {
+      const auto [lo, n] = my_rows(rows);
+      model->forward_backward(b.x.narrow(0, lo, n), b.y.narrow(0, lo, n), loss_fn);
+    }
+    opt.step();
+  }
+  ImageRun run{flat(net->state_dict()), {}, true};
+  for (const Tensor& p : net->parameters()) {
+    const std::vector<float> v = p.to_vector();
+    run.params.insert(run.params.end(), v.begin(), v.end());
+  }
+  std::vector<int> seen(static_cast<std::size_t>(options ? kLocal : 1), 0);
+  for (const auto& [device, format] : net->layouts) {
+    if (format != dp::MemoryFormat::ChannelsLast) run.every_device_channels_last = false;
+    if (device >= 0 && device < static_cast<int>(seen.size())) seen[static_cast<std::size_t>(device)] = 1;
+  }
+  for (int v : seen) run.every_device_channels_last = run.every_device_channels_last && v == 1;
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("channels-last batches train in every design across processes as one device, and as NCHW ones") {
+  // Without batch norm: one device's gradient of the global batch, to float rounding.
+  const ImageRun single = train_images(nullptr, false, true);
+  CHECK(single.every_device_channels_last);
+  std::vector<float> first;
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    const ImageRun cl = train_images(&d.options, false, true);
+    CHECK(cl.every_device_channels_last);
+    CHECK(max_diff(cl.state, single.state) < 2e-5);
+    CHECK(max_diff(cl.state, train_images(&d.options, false, false).state) < 2e-5);
+    CHECK(same_everywhere(cl.state));
+    if (first.empty()) first = cl.state;
+    else CHECK(max_diff(cl.state, first) < 1e-6);  // across processes Sharded agrees to float rounding
+  }
+  // With batch norm each device normalises its own rows: the same design with NCHW
+  // batches is the reference. Parameters agree on every process; the running
+  // statistics are each process's device 0's (by design), so only parameters compare.
+  first.clear();
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    const ImageRun cl = train_images(&d.options, true, true);
+    CHECK(cl.every_device_channels_last);
+    CHECK(max_diff(cl.params, train_images(&d.options, true, false).params) < 2e-5);
+    CHECK(same_everywhere(cl.params));
+    if (first.empty()) first = cl.params;
+    else CHECK(max_diff(cl.params, first) < 1e-6);
+  }
+}
+
 TEST_CASE("bfloat16 autocast reaches every worker of every process: a GPT in every design against one device") {
   // The shards' gradients are rounded to bfloat16 before they are summed: one device
   // agrees to bfloat16 rounding (Note [Autocast op policy]).

@@ -35,7 +35,8 @@
 // a gradient] in dp/optim/optimizer.h: not stepped after zero_grad), from a fifth;
 // .grad edits spelt set_grad and zero_grad(false) (set_to_none=False), from a sixth;
 // clip_grad_value_ from an eighth, parameters written in place between backward and
-// the step from a ninth —
+// the step from a ninth, the CNN turned into one of two convolutions whose batches are
+// channels-last (2 channels; Note [Channels-last tensors]) from a tenth —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too, 2 and 3 with every Linear a gather unit). The features added
 // after the first grammar (groups, the tied
@@ -146,7 +147,7 @@ dp::Tensor class_weights() { return dp::from_vector(std::vector<float>{1.0f, 2.0
 
 // ---- the grammar ----------------------------------------------------------------------------
 
-enum class Model { Mlp, MlpDropout, CnnBatchNorm, TiedMlp, Gpt, GptDropout };
+enum class Model { Mlp, MlpDropout, CnnBatchNorm, TiedMlp, Gpt, GptDropout, CnnChannelsLast };
 const char* model_name(Model m) {
   switch (m) {
     case Model::Mlp: return "Model::Mlp";
@@ -155,6 +156,7 @@ const char* model_name(Model m) {
     case Model::TiedMlp: return "Model::TiedMlp";
     case Model::Gpt: return "Model::Gpt";
     case Model::GptDropout: return "Model::GptDropout";
+    case Model::CnnChannelsLast: return "Model::CnnChannelsLast";
   }
   return "?";
 }
@@ -354,6 +356,11 @@ Program generate(std::uint64_t seed) {
   // projection or a decay by hand), which the step must read on every copy.
   std::mt19937_64 ninth(seed * 0xE7037ED1A0B428DBull + 31);
   for (StepSpec& st : p.steps) st.edit_params_late = std::uniform_real_distribution<double>(0, 1)(ninth) < 0.1;
+  // The tenth stream: channels-last batches through two convolutions and a batch norm
+  // (each design's scatter, replicas and gradients must carry the layout's values).
+  std::mt19937_64 tenth(seed * 0x2545F4914F6CDD1Dull + 37);
+  if (p.model == Model::CnnBatchNorm && std::uniform_real_distribution<double>(0, 1)(tenth) < 0.5)
+    p.model = Model::CnnChannelsLast;
   normalize(p);
   return p;
 }
@@ -476,6 +483,17 @@ std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed, bool 
       net->push_back(std::make_shared<dp::nn::Flatten>());
       net->push_back(std::make_shared<dp::nn::Linear>(3 * 4 * 4, kClasses, true, &gen));
       break;
+    case Model::CnnChannelsLast:
+      // Its batches are channels-last (make_batch): the convolutions, the batch norm and
+      // the ReLUs compute N x H x W x C, Flatten reads NCHW.
+      net->push_back(std::make_shared<dp::nn::Conv2d>(dp::nn::Conv2dOptions(2, 4, 3).bias(false), &gen));
+      net->push_back(std::make_shared<dp::nn::BatchNorm2d>(4));
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      net->push_back(std::make_shared<dp::nn::Conv2d>(dp::nn::Conv2dOptions(4, 3, 3), &gen));
+      net->push_back(std::make_shared<dp::nn::ReLU>());
+      net->push_back(std::make_shared<dp::nn::Flatten>());
+      net->push_back(std::make_shared<dp::nn::Linear>(3 * 2 * 2, kClasses, true, &gen));
+      break;
     case Model::Gpt:
     case Model::GptDropout: break;
   }
@@ -495,8 +513,10 @@ Batch make_batch(const Program& p, int id, int rows, int processes, int part) {
   dp::Generator gen(p.seed * 1000003 + static_cast<std::uint64_t>(id));
   const bool gpt = is_gpt(p.model);
   dp::Tensor x = p.model == Model::CnnBatchNorm ? dp::randn({global, 1, 6, 6}, gen, dp::cpu(0))
-                 : gpt                          ? dp::randint(0, kClasses, {global, kContext}, gen, dp::cpu(0))
-                                                : dp::randn({global, 6}, gen, dp::cpu(0));
+                 : p.model == Model::CnnChannelsLast
+                     ? dp::randn({global, 2, 6, 6}, gen, dp::cpu(0)).contiguous(dp::MemoryFormat::ChannelsLast)
+                 : gpt ? dp::randint(0, kClasses, {global, kContext}, gen, dp::cpu(0))
+                       : dp::randn({global, 6}, gen, dp::cpu(0));
   std::vector<std::int64_t> labels(static_cast<std::size_t>(global));
   for (std::int64_t i = 0; i < global; ++i)
     labels[static_cast<std::size_t>(i)] = static_cast<std::int64_t>((p.seed + 13 * id + 7 * i) % kClasses);
@@ -997,6 +1017,7 @@ std::optional<Finding> check(const Program& p, const std::string& only = "", boo
 std::string cpp(const Program& p, const std::string& spelling) {
   std::ostringstream os;
   os << "// Helpers (make_model, batch) as in tests/parallel/loop_fuzz.cpp; program seed " << p.seed << ".\n";
+  if (p.model == Model::CnnChannelsLast) os << "// batch(...).x is channels-last (dp::MemoryFormat::ChannelsLast).\n";
   os << "auto net = make_model(" << model_name(p.model) << ", " << p.seed
      << (p.poison_step >= 0 || p.side ? (p.poison_step >= 0 ? ", /*poisoned=*/true" : ", /*poisoned=*/false") : "")
      << (p.side ? ", /*side=*/true" : "") << ");\n";

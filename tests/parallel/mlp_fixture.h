@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -313,6 +314,49 @@ struct InplaceForward : dp::nn::Module {
   std::shared_ptr<dp::nn::Linear> fc1, fc2;
   dp::nn::Parameter bias, scale;
 };
+
+/// A small CNN for image batches in either layout: Conv2d(3, 8, 3, padding 1), a
+/// BatchNorm2d when `batch_norm`, ReLU, Conv2d(8, 6, 3, stride 2, padding 1), ReLU and a
+/// Linear head over the flattened 6 x 4 x 4. Input (B, 3, 8, 8). Records the layout of
+/// each device's first convolution output: channels-last batches must reach every
+/// worker channels-last (Note [Channels-last tensors]).
+struct SmallConvNet : dp::nn::Module {
+  SmallConvNet(std::uint64_t seed, bool batch_norm) {
+    dp::Generator gen(seed);
+    conv1 = register_module("conv1", std::make_shared<dp::nn::Conv2d>(dp::nn::Conv2dOptions(3, 8, 3).padding(1), &gen));
+    if (batch_norm) bn = register_module("bn", std::make_shared<dp::nn::BatchNorm2d>(8));
+    conv2 = register_module(
+        "conv2", std::make_shared<dp::nn::Conv2d>(dp::nn::Conv2dOptions(8, 6, 3).stride(2).padding(1), &gen));
+    fc = register_module("fc", std::make_shared<dp::nn::Linear>(6 * 4 * 4, 3, true, &gen));
+  }
+  dp::Tensor forward(const dp::Tensor& x) override {
+    dp::Tensor h = conv1->forward(x);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      layouts.emplace_back(x.device().index, h.suggest_memory_format());
+    }
+    if (bn) h = bn->forward(h);
+    h = conv2->forward(h.relu()).relu();
+    return fc->forward(h.reshape({h.size(0), 6 * 4 * 4}));
+  }
+  std::mutex mu;
+  std::vector<std::pair<int, dp::MemoryFormat>> layouts;  // (device index, conv1's output layout) per forward
+  std::shared_ptr<dp::nn::Conv2d> conv1, conv2;
+  std::shared_ptr<dp::nn::BatchNorm2d> bn;
+  std::shared_ptr<dp::nn::Linear> fc;
+};
+
+/// `rows` images (3 x 8 x 8) and labels for SmallConvNet, deterministic in (rows, seed),
+/// laid out channels-last when asked.
+inline Batch make_image_batch(std::int64_t rows, std::uint64_t seed, bool channels_last) {
+  dp::Generator gen(seed);
+  dp::Tensor x = dp::randn({rows, 3, 8, 8}, gen, dp::cpu(0));
+  if (channels_last) x = x.contiguous(dp::MemoryFormat::ChannelsLast);
+  std::vector<std::int64_t> labels(static_cast<std::size_t>(rows));
+  for (std::int64_t i = 0; i < rows; ++i)
+    labels[static_cast<std::size_t>(i)] = (i * 5 + static_cast<std::int64_t>(seed)) % 3;
+  return {x, dp::from_vector(labels, {rows}, dp::cpu(0))};
+}
 
 inline Batch make_token_batch(std::int64_t rows, std::uint64_t seed) {
   dp::Generator gen(seed);
