@@ -184,13 +184,18 @@ def main():
             d, z = ddp["memory_bytes"][k][1], zero3["memory_bytes"][k][1]
             check(abs(z - d / 2) <= 64 * 4, f"gpt: Sharded-3 device 1 {k} {z} bytes, expected half of DDP's {d}")
 
-    # --reduce-dtype bf16: every design on 2 devices moves half float32's gradient bytes.
-    def grad_bytes(extra):
-        r = subprocess.run([exe, "--model", "cnn", "--devices", "2", "--batch", "32", "--steps", "2", "--warmup",
-                            "1", "--stages", "1,2,3", "--json"] + extra, capture_output=True, text=True, timeout=300)
-        check(r.returncode == 0, f"--reduce-dtype run {extra} exited {r.returncode}: {r.stderr[-300:]}")
+    # Two steps of `model` on 2 devices with `extra` flags: the 2-device rows by (mode, stage).
+    def two_device_rows(model, batch, stages, extra):
+        r = subprocess.run([exe, "--model", model, "--devices", "2", "--batch", str(batch), "--steps", "2",
+                            "--warmup", "1", "--stages", stages, "--json"] + extra,
+                           capture_output=True, text=True, timeout=300)
+        check(r.returncode == 0, f"{model} run {extra} exited {r.returncode}: {r.stderr[-300:]}")
         out = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
         return {(o["mode"], o["shard_stage"]): o for o in out if o["devices"] == 2}
+
+    # --reduce-dtype bf16: every design on 2 devices moves half float32's gradient bytes.
+    def grad_bytes(extra):
+        return two_device_rows("cnn", 32, "1,2,3", extra)
     f32, b16 = grad_bytes([]), grad_bytes(["--reduce-dtype", "bf16"])
     check(len(f32) >= 5 and f32.keys() == b16.keys(), f"--reduce-dtype rows {sorted(f32)} vs {sorted(b16)}")
     for key, o in b16.items():
@@ -219,11 +224,7 @@ def main():
     # of the loss at 4 images a device), the last after three steps within what training
     # makes of such differences.
     def resnet_rows(extra):
-        r = subprocess.run([exe, "--model", "resnet18", "--devices", "2", "--batch", "8", "--steps", "2", "--warmup",
-                            "1", "--stages", "1,3", "--json"] + extra, capture_output=True, text=True, timeout=300)
-        check(r.returncode == 0, f"resnet18 run {extra} exited {r.returncode}: {r.stderr[-300:]}")
-        out = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
-        return {(o["mode"], o["shard_stage"]): o for o in out if o["devices"] == 2}
+        return two_device_rows("resnet18", 8, "1,3", extra)
     nchw, cl = resnet_rows([]), resnet_rows(["--channels-last"])
     check(len(cl) >= 4 and cl.keys() == nchw.keys() and all(o["channels_last"] for o in cl.values()),
           f"--channels-last rows {sorted(cl)} vs {sorted(nchw)}")

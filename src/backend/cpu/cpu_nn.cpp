@@ -861,15 +861,27 @@ inline float wide(T v) {
   return static_cast<float>(v);
 }
 
+// The batch norm kernels' argument checks, NCHW and channels-last alike.
+void check_bn_sizes(const char* op, i64 N, i64 C, i64 HW) {
+  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, op, ": expected non-negative sizes, got (", N, ", ", C, ", ", HW, ")");
+}
+void check_bn_train_sizes(i64 N, i64 C, i64 HW) {
+  check_bn_sizes("batchnorm_forward_train", N, C, HW);
+  DP_CHECK(N * HW > 0 || C == 0, "batchnorm_forward_train: expected at least one value per channel, got N=", N,
+           ", HW=", HW);
+}
+void check_bn_eval_args(i64 N, i64 C, i64 HW, const float* running_mean, const float* running_var) {
+  check_bn_sizes("batchnorm_forward_eval", N, C, HW);
+  DP_CHECK((running_mean && running_var) || N * HW == 0,
+           "batchnorm_forward_eval: expected running_mean and running_var, got null");
+}
+
 template <typename T>
 void bn_train(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
               float eps, float momentum, float* running_mean, float* running_var, T* y, float* save_mean,
               float* save_invstd) {
-  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_forward_train: expected non-negative sizes, got (",
-           N, ", ", C, ", ", HW, ")");
+  check_bn_train_sizes(N, C, HW);
   const i64 M = N * HW;  // values per channel
-  DP_CHECK(M > 0 || C == 0, "batchnorm_forward_train: expected at least one value per channel, "
-           "got N=", N, ", HW=", HW);
   be.parallel_for(dev, C, plane_grain(3 * M), [&](i64 b, i64 e) {
     std::vector<float> buf = bn_chunk<T>();
     for (i64 c = b; c < e; ++c) {
@@ -903,10 +915,7 @@ void bn_train(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, cons
 template <typename T>
 void bn_eval(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
              float eps, const float* running_mean, const float* running_var, T* y) {
-  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_forward_eval: expected non-negative sizes, got (",
-           N, ", ", C, ", ", HW, ")");
-  DP_CHECK((running_mean && running_var) || N * HW == 0,
-           "batchnorm_forward_eval: expected running_mean and running_var, got null");
+  check_bn_eval_args(N, C, HW, running_mean, running_var);
   // Parallel over N*C planes: eval has no reduction, and C alone may be small.
   be.parallel_for(dev, N * C, plane_grain(HW), [&](i64 b, i64 e) {
     std::vector<float> buf = bn_chunk<T>();
@@ -924,8 +933,7 @@ void bn_eval(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const
 template <typename T>
 void bn_backward(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* gy, const T* x, const float* gamma,
                  const float* save_mean, const float* save_invstd, T* gx, float* ggamma, float* gbeta) {
-  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_backward: expected non-negative sizes, got (",
-           N, ", ", C, ", ", HW, ")");
+  check_bn_sizes("batchnorm_backward", N, C, HW);
   const i64 M = N * HW;
   be.parallel_for(dev, C, plane_grain(3 * M), [&](i64 b, i64 e) {
     std::vector<float> buf = bn_chunk<T>();
@@ -999,11 +1007,8 @@ template <typename T>
 void bn_train_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
                    float eps, float momentum, float* running_mean, float* running_var, T* y, float* save_mean,
                    float* save_invstd) {
-  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_forward_train: expected non-negative sizes, got (",
-           N, ", ", C, ", ", HW, ")");
+  check_bn_train_sizes(N, C, HW);
   const i64 M = N * HW;  // rows, and values per channel
-  DP_CHECK(M > 0 || C == 0, "batchnorm_forward_train: expected at least one value per channel, "
-           "got N=", N, ", HW=", HW);
   if (C == 0) return;
   const DType dt = dtype_of<T>;
   // Σ x, then Σ (x - mean)², as the NCHW kernel (two passes, no cancellation).
@@ -1035,10 +1040,7 @@ void bn_train_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x,
 template <typename T>
 void bn_eval_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, const float* gamma, const float* beta,
                   float eps, const float* running_mean, const float* running_var, T* y) {
-  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_forward_eval: expected non-negative sizes, got (",
-           N, ", ", C, ", ", HW, ")");
-  DP_CHECK((running_mean && running_var) || N * HW == 0,
-           "batchnorm_forward_eval: expected running_mean and running_var, got null");
+  check_bn_eval_args(N, C, HW, running_mean, running_var);
   if (N * HW == 0 || C == 0) return;
   std::vector<float> scale(static_cast<std::size_t>(C)), shift(static_cast<std::size_t>(C));
   for (i64 c = 0; c < C; ++c) {  // the NCHW kernel's expressions
@@ -1052,8 +1054,7 @@ void bn_eval_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* x, 
 template <typename T>
 void bn_backward_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, const T* gy, const T* x, const float* gamma,
                       const float* save_mean, const float* save_invstd, T* gx, float* ggamma, float* gbeta) {
-  DP_CHECK(N >= 0 && C >= 0 && HW >= 0, "batchnorm_backward: expected non-negative sizes, got (",
-           N, ", ", C, ", ", HW, ")");
+  check_bn_sizes("batchnorm_backward", N, C, HW);
   const i64 M = N * HW;
   if (C == 0) return;
   // Σ gy and Σ gy * (x - mean) per channel, side by side in one pass.
