@@ -2886,7 +2886,7 @@ TEST_CASE("batchnorm train / eval / backward against double references") {
 
 TEST_CASE("channels-last batchnorm: the CPU's kernels and the N*HW-images reading agree with double references") {
   // Note [Channels-last batch norm]: the CPU's own kernels, and as_nchw_rows (what the
-  // method kernels and CUDA run), on the same N x HW x C bytes, every pass against double.
+  // method kernels run), on the same N x HW x C bytes, every pass against double.
   const i64 N = 6, C = 12, HW = 35, M = N * HW;
   auto x = random_vec(N * C * HW, 40, 1.0f, 3.0f);  // laid out N x HW x C
   auto gamma = random_vec(C, 41, 0.5f, 1.5f), beta = random_vec(C, 42), gy = random_vec(x.size(), 43);

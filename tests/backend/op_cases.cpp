@@ -203,9 +203,17 @@ Conv2dShape conv(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 stride_h, 
   s.Q = (W + 2 * pad_w - S) / stride_w + 1;
   return s;
 }
+/// conv(...) with x, y and their gradients N x H x W x C (Conv2dShape::channels_last).
+Conv2dShape conv_cl(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 stride_h, i64 stride_w, i64 pad_h,
+                    i64 pad_w) {
+  Conv2dShape s = conv(N, C, H, W, K, R, S, stride_h, stride_w, pad_h, pad_w);
+  s.channels_last = true;
+  return s;
+}
 std::string conv_name(const Conv2dShape& s) {
   return cat("N", s.N, " ", s.C, "->", s.K, " ", dims({s.H, s.W}), " k", dims({s.R, s.S}), " s",
-             dims({s.stride_h, s.stride_w}), " p", dims({s.pad_h, s.pad_w}));
+             dims({s.stride_h, s.stride_w}), " p", dims({s.pad_h, s.pad_w})) +
+         (s.channels_last ? " channels-last" : "");
 }
 
 Pool2dShape pool(i64 N, i64 C, i64 H, i64 W, i64 kh, i64 kw, i64 sh, i64 sw, i64 ph, i64 pw) {
@@ -849,7 +857,7 @@ void add_conv(Table& t, const Conv2dShape& s, bool bias = true) {
             be.run<Op::Conv2dBackward>(d, DType::F32, {s, gy, x, nullptr, nullptr, gw, nullptr});
           });
         });
-  if (bias && s.P >= 2 && s.Q >= 2) {
+  if (bias && s.P >= 2 && s.Q >= 2 && !s.channels_last) {  // pooled calls are NCHW (nn pools channels-last apart)
     const be::Pool2dShape ps{s.N, s.K, s.P, s.Q, 2, 2, 2, 2, 0, 0, s.P / 2, s.Q / 2};
     const i64 npool = s.N * s.K * ps.P * ps.Q;
     t.add(Kernel::Conv2dBackward, DType::F32, "conv2d_relu_maxpool2d_backward", conv_name(s),
@@ -1623,6 +1631,11 @@ void add_check_suite(Table& t) {
   add_conv(t, conv(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1));  // odd kernel, strides, padding
   add_conv(t, conv(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1), false);
   add_conv(t, conv(2, 3, 8, 8, 4, 3, 3, 1, 1, 1, 1));   // the CNN's 3x3 "same"
+  // Channels-last (CUDA: NHWC descriptors, a K x R x S x C filter, the bias gradient as
+  // column sums of N·P·Q rows, Note [Channels-last sums]).
+  add_conv(t, conv_cl(3, 5, 11, 9, 7, 3, 2, 2, 1, 1, 1));
+  add_conv(t, conv_cl(2, 16, 8, 8, 32, 3, 3, 1, 1, 1, 1));
+  add_conv_bf16(t, conv_cl(2, 16, 8, 8, 32, 3, 3, 1, 1, 1, 1));
   add_pool(t, pool(2, 3, 9, 8, 3, 2, 2, 2, 1, 1));  // padded, non-square window
   add_pool(t, pool(2, 3, 8, 8, 2, 2, 2, 2, 0, 0));  // the CNN's 2x2/2 (CPU: its own path)
   add_pool(t, pool(2, 3, 7, 9, 2, 2, 2, 2, 0, 0));  // 2x2/2 on odd sizes: the last row and column in no window
@@ -1655,10 +1668,15 @@ void add_check_suite(Table& t) {
   // N·HW >= 8192 with few channels: CUDA splits a channel's statistics and gradient
   // sums over several blocks (partial sums, then their sum), every dtype.
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) add_batchnorm(t, 2, 3, 8192, 0, dt);
-  // Channels-last (Note [Channels-last batch norm]; CUDA reads the bytes as N·HW images).
+  // Channels-last (Note [Channels-last batch norm]; on CUDA column sums of N·HW rows, Note
+  // [Channels-last sums]): packed loads (C a multiple of the lanes), several tiles of
+  // channels, lane by lane (3 or 13 channels, unaligned), and (N, C) inputs (HW = 1).
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     add_batchnorm(t, 4, 24, 49, 0, dt, true);
     add_batchnorm(t, 2, 3, 8192, 1, dt, true);
+    add_batchnorm(t, 3, 520, 9, 0, dt, true);
+    add_batchnorm(t, 2, 13, 300, 0, dt, true);
+    add_batchnorm(t, 600, 64, 1, 0, dt);
   }
   add_optim(t, kCheckN, true);
 }
@@ -1720,6 +1738,7 @@ void add_perf_suite(Table& t) {
   add_batchnorm(t, 256, 64, 1024);  // ResNet-18 (CIFAR) at batch 256: its first stage
   add_batchnorm(t, 256, 512, 16);   // and its last
   add_batchnorm(t, 64, 64, 1024, 0, DType::BF16);  // its first stage under autocast, at batch 64
+  add_batchnorm(t, 64, 64, 1024, 0, DType::BF16, true);  // ... channels-last
   add_optim(t, n, false);
 }
 

@@ -129,8 +129,9 @@ ConvKey key_of(const Conv2dShape& s) {
 // the weight and its gradient stay KCRS as every other op reads them: the call makes a
 // K x R x S x C copy of the weight (a backward-weight pass writes one and transposes it
 // back), a pass over the weight's bytes, small beside the activations'. The per-channel
-// bias and its gradient run over rows of K values: an NHWC output is N·P·Q "images" of
-// K channels of one pixel each, which the NCHW channel kernels take as they are.
+// bias and its gradient run over rows of K values: an NHWC output is N·P·Q rows of K
+// channels, (N·P·Q, K, 1) to the channel kernels, whose bias gradient then sums columns
+// (Note [Channels-last sums] in channels_last_sums.h).
 
 /// Geometry of the per-channel kernels (bias, bias gradient) over a convolution's output.
 struct ChannelGeom {

@@ -11,6 +11,7 @@
 // the normalisation in a separate grid over all elements.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -20,6 +21,7 @@
 #include "backend/cuda/cuda_half.cuh"
 #include "backend/cuda/cuda_kernels.h"
 #include "backend/cuda/cuda_register.h"
+#include "backend/channels_last_sums.h"
 #include "backend/elementwise_walk.h"
 #include "backend/functors.h"
 #include "backend/kernel_plan.h"
@@ -561,6 +563,76 @@ __global__ void bn_backward_finalize_kernel(i64 C, int S, const float* __restric
   }
 }
 
+// ---- kernels: channels-last batch norm (Note [Channels-last sums] in channels_last_sums.h) ----
+
+/// load_acc as a functor: a stored element widened to float.
+struct Widen {
+  template <typename T>
+  __device__ __forceinline__ float operator()(T v) const { return load_acc(v); }
+};
+
+/// Block (s, t) of plan p: part[k·C·S + c·S + s] = sum k of channel c over split s, for
+/// tile t's channels (K = 1: Σ x or Σ (x - mean)²; K = 2: Σ gy and Σ gy·xhat). `mean` and
+/// `invstd` (per channel) as the sums need them.
+template <nhwc::Sums S, int V, typename T>
+__global__ void __launch_bounds__(nhwc::kThreads)
+    bn_nhwc_partial_kernel(nhwc::Plan p, const T* __restrict__ x, const T* __restrict__ gy, bool packed,
+                           const float* __restrict__ mean, const float* __restrict__ invstd, float* __restrict__ part) {
+  constexpr int K = nhwc::kSums<S>;
+  __shared__ float shared[K][nhwc::kThreads * V];
+  const int split = static_cast<int>(blockIdx.x), g = static_cast<int>(threadIdx.x), r = static_cast<int>(threadIdx.y);
+  const i64 t = blockIdx.y;
+  const i64 c0 = p.first_channel(t, g);
+  nhwc::RowTerms<S, V, T, Widen> terms{x, gy, p.C, packed, {}, {}, Widen{}};
+  if constexpr (S != nhwc::Sums::X) {
+#pragma unroll
+    for (int l = 0; l < V; ++l) {
+      terms.mean[l] = c0 + l < p.C ? mean[c0 + l] : 0.0f;
+      if constexpr (S == nhwc::Sums::Backward) terms.invstd[l] = c0 + l < p.C ? invstd[c0 + l] : 0.0f;
+    }
+  }
+  float acc[K][V];
+  nhwc::thread_sums(p, split, t, g, r, terms, acc);
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int l = 0; l < V; ++l) shared[k][nhwc::slot(p, g, r, l)] = acc[k][l];
+  __syncthreads();
+  const int j = r * p.cols + g;  // this thread adds column j of the tile
+  const i64 c = t * p.width() + j;
+  if (j < p.width() && c < p.C) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) part[k * p.C * p.splits + c * p.splits + split] = nhwc::block_column(p, shared[k], j);
+  }
+}
+
+/// mean[c] = the S partial sums of channel c added in order, over `count` values: the
+/// bits bn_finalize_kernel then computes again.
+__global__ void bn_mean_kernel(i64 C, int S, float count, const float* __restrict__ part_sum,
+                               float* __restrict__ mean) {
+  for (i64 c = global_thread(); c < C; c += grid_stride()) mean[c] = sum_parts(part_sum + c * S, S) / count;
+}
+
+/// channel_map_kernel over a channels-last tensor: a pack of V adjacent elements holds V
+/// channels, (t mod C/V)·V onwards (C % V == 0), each lane its own channel's constants.
+template <int V, typename E, typename Op>
+__global__ void nhwc_channel_map_kernel(std::uint32_t packs, kernel_plan::FastDivider groups, const E* a,
+                                        const E* __restrict__ b, E* out, Op op) {
+  const std::uint32_t stride = gridDim.x * blockDim.x;  // packs + stride < 2^32: packs < 2^31
+  for (std::uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < packs; t += stride) {
+    const std::uint32_t c0 = groups.mod(t) * V;
+    const walk::Pack<E, V> pa = walk::load_pack<V>(a, t);
+    walk::Pack<E, V> pb{};
+    if constexpr (Op::kInputs == 2) pb = walk::load_pack<V>(b, t);
+    walk::Pack<E, V> r;
+#pragma unroll
+    for (int l = 0; l < V; ++l) {
+      r.v[l] = store_acc<E>(op.at(c0 + l)(load_acc(pa.v[l]), Op::kInputs == 2 ? load_acc(pb.v[l]) : 0.0f));
+    }
+    walk::store_pack<V>(out, t, r);
+  }
+}
+
 // ---- kernels: per-channel sums (a convolution's bias gradient) ----------------------------
 // Note [Convolution bias gradient]
 // gbias[c] = Σ_n Σ_hw gy[n, c, hw]: the batch-norm reduction's shape, so the same plan
@@ -1093,6 +1165,94 @@ void with_bn_storage(const char* op, DType dtype, F&& f) {
   });
 }
 
+// ---- channels-last batch norm: M = N·H·W rows of C channels (Note [Channels-last sums]) ----
+namespace {
+
+/// The plan of a channels-last reduction over storage T: the dtype's pack width of lanes.
+template <typename T>
+nhwc::Plan nhwc_plan_for(i64 M, i64 C) {
+  const nhwc::Plan p = nhwc::plan(M, C, walk::pack_lanes<T>);
+  DP_CHECK(p.tiles <= 65535, "batch_norm: ", C, " channels exceed a grid of channels-last tiles");
+  return p;
+}
+
+/// Launches the partial sums `S` of plan p into part (K·C·splits floats).
+template <nhwc::Sums S, typename T>
+void nhwc_partials(cudaStream_t stream, const nhwc::Plan& p, const T* x, const T* gy, const float* mean,
+                   const float* invstd, float* part) {
+  constexpr int V = walk::pack_lanes<T>;
+  const bool packed = p.C % V == 0 && walk::contiguous_lanes(V, x) == V &&
+                      (S != nhwc::Sums::Backward || walk::contiguous_lanes(V, gy) == V);
+  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.tiles));
+  const dim3 block(static_cast<unsigned>(p.cols), static_cast<unsigned>(p.rows));
+  bn_nhwc_partial_kernel<S, V, T><<<grid, block, 0, stream>>>(p, x, gy, packed, mean, invstd, part);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+/// out = op.at(c)(a, b) over M rows of C channels: packs of the dtype's lanes where C and
+/// the pointers allow, else channel_map's one element a thread (M images of 1 x C).
+template <typename E, typename Op>
+void nhwc_channel_map(cudaStream_t stream, i64 M, i64 C, const E* a, const E* b, E* out, const Op& op) {
+  constexpr int V = walk::pack_lanes<E>;
+  const bool vec = C % V == 0 && walk::contiguous_lanes(V, a, out) == V &&
+                   (Op::kInputs == 1 || walk::contiguous_lanes(V, b) == V);
+  const i64 packs = M * C / V;
+  if (!vec || !kernel_plan::fast_divisible(packs, C / V)) {
+    channel_map(stream, M, C, 1, a, b, out, op);
+    return;
+  }
+  const auto n = static_cast<std::uint32_t>(packs);
+  nhwc_channel_map_kernel<V><<<grid_for(packs), kBlock, 0, stream>>>(
+      n, kernel_plan::FastDivider(static_cast<std::uint32_t>(C / V)), a, b, out, op);
+  DP_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+i64 nhwc_forward_scratch(i64 M, i64 C) {
+  return 2 * C * nhwc_plan_for<T>(M, C).splits;
+}
+template <typename T>
+i64 nhwc_backward_scratch(i64 M, i64 C) {
+  return 2 * C + 2 * C * nhwc_plan_for<T>(M, C).splits;
+}
+
+/// The statistics (Σ x, then Σ (x - mean)² about the mean of the first sums) and y, as
+/// batchnorm_forward_train's split path: bn_finalize_kernel over the partials.
+template <typename T>
+void nhwc_forward_train(cudaStream_t stream, i64 M, i64 C, const T* x, const float* gamma, const float* beta,
+                        float eps, float momentum, float* running_mean, float* running_var, T* y, float* save_mean,
+                        float* save_invstd, float* scratch) {
+  const nhwc::Plan p = nhwc_plan_for<T>(M, C);
+  float* part_sum = scratch;
+  float* part_sq = scratch + C * p.splits;
+  nhwc_partials<nhwc::Sums::X>(stream, p, x, static_cast<const T*>(nullptr), nullptr, nullptr, part_sum);
+  bn_mean_kernel<<<grid_for(C), kBlock, 0, stream>>>(C, p.splits, static_cast<float>(M), part_sum, save_mean);
+  DP_CUDA_CHECK_LAUNCH();
+  nhwc_partials<nhwc::Sums::Centered>(stream, p, x, static_cast<const T*>(nullptr), save_mean, nullptr, part_sq);
+  bn_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(M, C, 1, p.splits, part_sum, part_sq, eps, momentum,
+                                                         running_mean, running_var, save_mean, save_invstd);
+  DP_CUDA_CHECK_LAUNCH();
+  nhwc_channel_map(stream, M, C, x, static_cast<const T*>(nullptr), y,
+                   BnApplyOp{save_mean, save_invstd, false, eps, gamma, beta});
+}
+
+/// Σ gy and Σ gy·xhat per channel (ggamma, gbeta), then gx, as batchnorm_backward.
+template <typename T>
+void nhwc_backward(cudaStream_t stream, i64 M, i64 C, const T* gy, const T* x, const float* gamma,
+                   const float* save_mean, const float* save_invstd, T* gx, float* ggamma, float* gbeta,
+                   float* scratch) {
+  const nhwc::Plan p = nhwc_plan_for<T>(M, C);
+  float* part = scratch + 2 * C;
+  nhwc_partials<nhwc::Sums::Backward>(stream, p, x, gy, save_mean, save_invstd, part);
+  bn_backward_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(C, p.splits, part, scratch, ggamma, gbeta);
+  DP_CUDA_CHECK_LAUNCH();
+  if (!gx) return;
+  nhwc_channel_map(stream, M, C, gy, x, gx,
+                   BnBackwardApplyOp{C, static_cast<float>(M), gamma, save_mean, save_invstd, scratch});
+}
+
+}  // namespace
+
 void batchnorm_forward_train(cudaStream_t stream, i64 N, i64 C, i64 HW, const void* x_raw,
                              const float* gamma, const float* beta, float eps, float momentum,
                              float* running_mean, float* running_var, void* y_raw, float* save_mean,
@@ -1133,6 +1293,10 @@ i64 batchnorm_forward_scratch(i64 N, i64 C, i64 HW) {
 }
 
 i64 channel_sums_scratch(i64 N, i64 C, i64 HW) {
+  if (HW == 1) {  // rows of C (Note [Channels-last sums]): the larger of the dtypes' plans
+    const i64 S = std::max(nhwc::plan(N, C, 4).splits, nhwc::plan(N, C, 8).splits);
+    return C * S;
+  }
   const int S = kernel_plan::bn_splits(N, C, HW);
   return S == 1 ? 0 : C * S;
 }
@@ -1148,13 +1312,22 @@ void channel_sums(cudaStream_t stream, i64 N, i64 C, i64 HW, const void* x, void
   }
   check_bn("channel_sums", N, C, HW);
   const int S = kernel_plan::bn_splits(N, C, HW);
-  DP_CHECK(S == 1 || scratch, "channel_sums: expected scratch of ", C * S, " floats for (N, C, HW) = (", N, ", ", C,
-           ", ", HW, "), got none");
+  DP_CHECK(S == 1 || HW == 1 || scratch, "channel_sums: expected scratch of ", C * S, " floats for (N, C, HW) = (",
+           N, ", ", C, ", ", HW, "), got none");
   visit_dtype(dtype, [&](auto zero) {
     using T = device_t<decltype(zero)>;
     if constexpr (std::is_same_v<T, float> || is_device_16bit<T>) {
       const auto* xt = static_cast<const T*>(x);
       auto* ot = static_cast<T*>(out);
+      if (HW == 1) {  // N rows of C: a channels-last convolution's bias gradient (Note [Channels-last sums])
+        DP_CHECK(scratch, "channel_sums: expected scratch of ", channel_sums_scratch(N, C, HW),
+                 " floats for (N, C, HW) = (", N, ", ", C, ", 1), got none");
+        const nhwc::Plan p = nhwc_plan_for<T>(N, C);
+        nhwc_partials<nhwc::Sums::X>(stream, p, xt, static_cast<const T*>(nullptr), nullptr, nullptr, scratch);
+        channel_sum_finalize_kernel<<<grid_for(C), kBlock, 0, stream>>>(C, p.splits, scratch, ot);
+        DP_CUDA_CHECK_LAUNCH();
+        return;
+      }
       if (S == 1) {
         channel_sum_kernel<<<static_cast<unsigned>(C), kStatBlock, 0, stream>>>(N, C, HW, xt, ot);
         DP_CUDA_CHECK_LAUNCH();
@@ -1339,10 +1512,53 @@ void layer_norm_backward_f32(CudaBackend& be, Device dev, const LayerNormBackwar
 }  // namespace table
 }  // namespace
 
-// A channels-last batch norm runs as N·HW images of one value per channel (as_nchw_rows):
-// the same statistics over the same bytes.
+namespace {
+
+void batch_norm_train_nhwc(CudaBackend& be, Device dev, const BatchNormTrainArgs& a, DType dtype) {
+  check_bn("batchnorm_forward_train", a.N, a.C, a.HW);
+  DP_CHECK(a.save_mean && a.save_invstd, "batchnorm_forward_train: save_mean and save_invstd are required");
+  DP_CHECK(!a.running_mean == !a.running_var,
+           "batchnorm_forward_train: expected both running_mean and running_var, or neither");
+  const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  const auto m = [](void* p) { return static_cast<float*>(p); };
+  cudaStream_t s = be.bind(dev);
+  const i64 M = a.N * a.HW;
+  with_bn_storage("batchnorm_forward_train", dtype, [&](auto zero) {
+    using T = decltype(zero);
+    // The partial sums, released once the kernels are enqueued (Note [Caching allocator streams]).
+    const auto bytes = static_cast<std::size_t>(nhwc_forward_scratch<T>(M, a.C)) * sizeof(float);
+    CudaBackend::Scratch parts(be, dev.index, bytes);
+    nhwc_forward_train(s, M, a.C, static_cast<const T*>(a.x), f(a.gamma), f(a.beta), a.eps, a.momentum,
+                       m(a.running_mean), m(a.running_var), static_cast<T*>(a.y), m(a.save_mean), m(a.save_invstd),
+                       static_cast<float*>(parts.get()));
+  });
+}
+
+void batch_norm_backward_nhwc(CudaBackend& be, Device dev, const BatchNormBackwardArgs& a, DType dtype) {
+  check_bn("batchnorm_backward", a.N, a.C, a.HW);
+  const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  const auto m = [](void* p) { return static_cast<float*>(p); };
+  cudaStream_t s = be.bind(dev);
+  const i64 M = a.N * a.HW;
+  with_bn_storage("batchnorm_backward", dtype, [&](auto zero) {
+    using T = decltype(zero);
+    const auto bytes = static_cast<std::size_t>(nhwc_backward_scratch<T>(M, a.C)) * sizeof(float);
+    CudaBackend::Scratch sums(be, dev.index, bytes);
+    nhwc_backward(s, M, a.C, static_cast<const T*>(a.gy), static_cast<const T*>(a.x), f(a.gamma), f(a.save_mean),
+                  f(a.save_invstd), static_cast<T*>(a.gx), m(a.ggamma), m(a.gbeta), static_cast<float*>(sums.get()));
+  });
+}
+
+}  // namespace
+
+// A channels-last batch norm, or one of (N, C) (HW = 1: the same bytes), sums the columns
+// of its M = N·HW rows (Note [Channels-last sums]); an NCHW one its channels' planes.
 void batch_norm_train(CudaBackend& be, Device dev, const BatchNormTrainArgs& args, DType dtype) {
-  const BatchNormTrainArgs a = as_nchw_rows(args);
+  if (args.channels_last || args.HW == 1) {
+    batch_norm_train_nhwc(be, dev, args, dtype);
+    return;
+  }
+  const BatchNormTrainArgs& a = args;
   cudaStream_t s = be.bind(dev);
   DP_CHECK(a.N > 0 && a.C > 0 && a.HW > 0, "batchnorm_forward_train: expected positive (N, C, HW), got (", a.N,
            ", ", a.C, ", ", a.HW, ")");
@@ -1359,14 +1575,30 @@ void batch_norm_train(CudaBackend& be, Device dev, const BatchNormTrainArgs& arg
 }
 
 void batch_norm_eval(CudaBackend& be, Device dev, const BatchNormEvalArgs& args, DType dtype) {
-  const BatchNormEvalArgs a = as_nchw_rows(args);
   const auto f = [](const void* p) { return static_cast<const float*>(p); };
+  if (args.channels_last || args.HW == 1) {
+    const BatchNormEvalArgs& a = args;
+    check_bn("batchnorm_forward_eval", a.N, a.C, a.HW);
+    DP_CHECK(a.running_mean && a.running_var, "batchnorm_forward_eval: running statistics are required");
+    with_bn_storage("batchnorm_forward_eval", dtype, [&](auto zero) {
+      using T = decltype(zero);
+      nhwc_channel_map(be.bind(dev), a.N * a.HW, a.C, static_cast<const T*>(a.x), static_cast<const T*>(nullptr),
+                       static_cast<T*>(a.y), BnApplyOp{f(a.running_mean), f(a.running_var), true, a.eps, f(a.gamma),
+                                                       f(a.beta)});
+    });
+    return;
+  }
+  const BatchNormEvalArgs& a = args;
   batchnorm_forward_eval(be.bind(dev), a.N, a.C, a.HW, a.x, f(a.gamma), f(a.beta), a.eps, f(a.running_mean),
                          f(a.running_var), a.y, dtype);
 }
 
 void batch_norm_backward(CudaBackend& be, Device dev, const BatchNormBackwardArgs& args, DType dtype) {
-  const BatchNormBackwardArgs a = as_nchw_rows(args);
+  if (args.channels_last || args.HW == 1) {
+    batch_norm_backward_nhwc(be, dev, args, dtype);
+    return;
+  }
+  const BatchNormBackwardArgs& a = args;
   cudaStream_t s = be.bind(dev);
   DP_CHECK(a.N > 0 && a.C > 0 && a.HW > 0, "batchnorm_backward: expected positive (N, C, HW), got (", a.N, ", ",
            a.C, ", ", a.HW, ")");
