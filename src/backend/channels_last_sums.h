@@ -36,9 +36,9 @@ namespace dp::backend::nhwc {
 // loads lane by lane — is a function of (M, C, dtype): the sums' bits are the same run to
 // run and GPU to GPU, though not the NCHW kernels' (another order).
 
-inline constexpr int kThreads = 256;                 // threads per block
-inline constexpr std::int64_t kTargetBlocks = 1024;  // ~8 per SM of an H100: loads in flight for the memory's speed
-inline constexpr int kMaxSplits = 1024;              // the finalize pass adds a channel's splits one by one
+inline constexpr int kThreads = 256;                // threads per block
+inline constexpr std::int64_t kTargetBlocks = 512;  // ~4 per SM of an H100, each thread 4 rows' loads in flight
+inline constexpr int kMaxSplits = 256;              // the finalize passes add a channel's splits one by one
 
 struct Plan {
   std::int64_t M = 0, C = 0;  // rows, channels
@@ -53,8 +53,12 @@ struct Plan {
   DP_HD int width() const { return cols * lanes; }
 };
 
-/// The plan for M rows of C channels, `lanes` channels a thread (a power of two, 1-8).
+/// The plan for M rows of C channels, `lanes` channels a thread (a power of two, 1-8:
+/// the 32 threads of the widest row then span at most kThreads channels, so that the
+/// block's threads can add one column each).
 inline Plan plan(std::int64_t M, std::int64_t C, int lanes) {
+  DP_CHECK(lanes >= 1 && lanes <= 8 && (lanes & (lanes - 1)) == 0,
+           "channels-last sums: expected 1, 2, 4 or 8 channels a thread, got ", lanes);
   Plan p;
   p.M = M;
   p.C = C;
@@ -141,6 +145,11 @@ DP_HD void thread_sums(const Plan& p, int s, std::int64_t t, int g, int r, const
   const std::int64_t c0 = p.first_channel(t, g);
   if (c0 >= p.C) return;
   const kernel_plan::Part part = kernel_plan::part_of(p.M, p.splits, s);
+  // Unrolled on the device so that four rows' loads are in flight before their adds
+  // (which stay in row order).
+#ifdef __CUDA_ARCH__
+#pragma unroll 4
+#endif
   for (std::int64_t row = part.begin + r; row < part.end; row += p.rows) terms(row, c0, acc);
 }
 

@@ -10,6 +10,8 @@
 #include <limits>
 #include <vector>
 
+#include "dp/core/error.h"
+
 namespace nhwc = dp::backend::nhwc;
 namespace kp = dp::backend::kernel_plan;
 
@@ -72,12 +74,16 @@ std::vector<std::vector<float>> simulate(std::int64_t M, std::int64_t C, const s
               shared[static_cast<std::size_t>(k * nhwc::kThreads * V + nhwc::slot(p, g, r, l))] = acc[k][l];
         }
       }
-      for (int j = 0; j < p.width(); ++j) {
-        const std::int64_t c = t * p.width() + j;
-        if (c >= C) continue;
-        for (int k = 0; k < K; ++k)
-          part[static_cast<std::size_t>(k * C * p.splits + c * p.splits + s)] =
-              nhwc::block_column(p, shared.data() + k * nhwc::kThreads * V, j);
+      // After the barrier: thread (g, r) adds column j = r·cols + g, as the kernel does.
+      for (int r = 0; r < p.rows; ++r) {
+        for (int g = 0; g < p.cols; ++g) {
+          const int j = r * p.cols + g;
+          const std::int64_t c = t * p.width() + j;
+          if (j >= p.width() || c >= C) continue;
+          for (int k = 0; k < K; ++k)
+            part[static_cast<std::size_t>(k * C * p.splits + c * p.splits + s)] =
+                nhwc::block_column(p, shared.data() + k * nhwc::kThreads * V, j);
+        }
       }
     }
   }
@@ -157,6 +163,9 @@ TEST_CASE("channels-last plan: thread shapes, tiles and splits for batch-norm sh
   CHECK(last.splits == 32 * 7 * 7 * 256 / kp::kMinPerSplit);
   // Float32: 4 lanes a thread.
   CHECK(nhwc::plan(1000, 64, 4).cols == 16);
+  // More than 8 lanes would leave a tile's columns past kThreads without a thread.
+  CHECK_THROWS_AS(nhwc::plan(100, 64, 16), dp::Error);
+  CHECK_THROWS_AS(nhwc::plan(100, 64, 3), dp::Error);
 }
 
 TEST_CASE("channels-last sums: every value counted once, in every plan shape, packed or lane by lane") {

@@ -1172,7 +1172,7 @@ namespace {
 template <typename T>
 nhwc::Plan nhwc_plan_for(i64 M, i64 C) {
   const nhwc::Plan p = nhwc::plan(M, C, walk::pack_lanes<T>);
-  DP_CHECK(p.tiles <= 65535, "batch_norm: ", C, " channels exceed a grid of channels-last tiles");
+  DP_CHECK(p.tiles <= 65535, "channels-last sums: ", C, " channels exceed a grid of tiles");
   return p;
 }
 
