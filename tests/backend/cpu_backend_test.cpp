@@ -1877,8 +1877,10 @@ void check_bf16_conv(const Conv2dShape& s, unsigned seed) {
 }  // namespace
 
 TEST_CASE("bf16 conv2d: oneDNN's bfloat16 passes within one rounding of float32's; the widening path bit for bit") {
-  // Note [bf16 convolutions through oneDNN].
-  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Auto}) {
+  // Note [bf16 convolutions through oneDNN]; Gemm: the channels-last backward-weight
+  // passes as one product (Note [Backward weight as one product]).
+  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Auto,
+                                 cpu::ConvLayout::Gemm}) {
     CAPTURE(int(layout));
     be().set_conv_layout(layout);
     check_bf16_conv(conv_shape(2, 3, 7, 9, 4, 3, 2, 2, 2, 1, 1), 60);      // stride 2, non-square
@@ -1902,7 +1904,7 @@ TEST_CASE("bf16 conv2d: images narrower than the stride, unwritten memory poison
   // scratchpads and outputs filled with NaN first, a pass that reads memory it never wrote
   // fails here on every run. A sweep of narrow images around W < stride_w, both layouts.
   dp::backend::Backend::set_poison_memory(true);
-  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked}) {
+  for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Gemm}) {
     CAPTURE(int(layout));
     be().set_conv_layout(layout);
     unsigned seed = 100;
@@ -1987,7 +1989,7 @@ TEST_CASE("conv scan: random bfloat16 convolutions, both layouts, memory poisone
   const int count = conv_scan_count();
   for (int i = 0; i < count; ++i) {
     const Conv2dShape s = scan_geometry(rng, i % 2 == 1);
-    for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked}) {
+    for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Gemm}) {
       CAPTURE(int(layout)); CAPTURE(s.N); CAPTURE(s.C); CAPTURE(s.H); CAPTURE(s.W); CAPTURE(s.K); CAPTURE(s.R);
       CAPTURE(s.S); CAPTURE(s.stride_h); CAPTURE(s.stride_w); CAPTURE(s.pad_h); CAPTURE(s.pad_w);
       be().set_conv_layout(layout);
@@ -2018,7 +2020,7 @@ TEST_CASE("conv scan: random float32 convolutions, both layouts, memory poisoned
     const auto x = random_vec(s.N * s.C * s.H * s.W, seed), w = random_vec(s.K * s.C * s.R * s.S, seed + 1);
     const auto bias = random_vec(s.K, seed + 2), gy = random_vec(s.N * s.K * s.P * s.Q, seed + 3);
     const NaiveConv ref = naive_conv(s, x, w, &bias, gy);
-    for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked}) {
+    for (cpu::ConvLayout layout : {cpu::ConvLayout::Plain, cpu::ConvLayout::Blocked, cpu::ConvLayout::Gemm}) {
       CAPTURE(int(layout)); CAPTURE(s.N); CAPTURE(s.C); CAPTURE(s.H); CAPTURE(s.W); CAPTURE(s.K); CAPTURE(s.R);
       CAPTURE(s.S); CAPTURE(s.stride_h); CAPTURE(s.stride_w); CAPTURE(s.pad_h); CAPTURE(s.pad_w);
       be().set_conv_layout(layout);

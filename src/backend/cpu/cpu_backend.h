@@ -41,6 +41,8 @@ enum class ConvLayout : std::uint8_t {
   Blocked,  // format_tag::any: oneDNN picks blocked layouts, we reorder in and out
   Auto,     // per shape, pass and thread count, the faster of the two, measured on first
             // use and recorded (Note [CPU convolution: measured choice]); the default
+  Gemm,     // a channels-last backward-weight pass as one matrix product over im2col rows
+            // (Note [Backward weight as one product]); forced, other passes run Blocked
 };
 
 /// The largest |v| of n floats as the bits of |v|, which order like |v| for finite
@@ -170,6 +172,15 @@ void transpose_copy(const std::uint16_t* src, std::int64_t lds, std::int64_t row
 /// L2] in cpu_gemm.cpp; for a B that reaches oneDNN untransposed, at a stride that is no
 /// multiple of 1024 floats). For tests.
 bool gemm_slabs_keep_bits(std::int64_t m, std::int64_t n);
+
+class CpuBackend;
+
+/// c (m x n, ldc floats apart) = a (m x k bfloat16, row-major) b (k x n bfloat16): oneDNN's
+/// bfloat16 matmul in slabs of rows (Note [bf16 GEMMs through oneDNN]), C in float32, not
+/// rounded. False, having done nothing, where this CPU has no such matmul.
+bool gemm_bf16_f32out(CpuBackend& be, Device dev, std::int64_t m, std::int64_t n, std::int64_t k,
+                      const std::uint16_t* a, std::int64_t lda, const std::uint16_t* b, std::int64_t ldb, float* c,
+                      std::int64_t ldc);
 
 /// oneDNN's name of the kernel a bfloat16 product of this shape runs on, with " (A
 /// copied untransposed)" where Note [bf16 GEMMs: a transposed A copied untransposed]

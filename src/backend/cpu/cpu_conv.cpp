@@ -505,6 +505,47 @@ std::string cpu_model() {
   return key.str();
 }
 
+// Note [Backward weight as one product]
+// oneDNN 2.6's backward-weight kernels for channels-last activations reduce over N·P·Q,
+// which at ResNet-18's last stages is a few hundred rows: on the AMX Xeon the
+// 512-channel 3x3 layer at 4x4 (32 images a chunk) took 15 ms a call in
+// jit:avx512_core_amx_bf16, 80 GFLOP/s against ~700 at 32x32, and those passes were half
+// of oneDNN's time in the channels-last bfloat16 ResNet-18 step. The pass is one product:
+// with col the N·P·Q x R·S·C matrix of the input's windows (im2col: row (n, p, q) holds
+// x[n, p·sh - ph + r, q·sw - pw + s, :] for each (r, s) in order, zeros outside the
+// image — runs of C contiguous values of an NHWC input), gW (K x R·S·C) = gyᵀ col, gy
+// being the N·P·Q x K matrix a channels-last gradient is. bfloat16: gy transposed
+// (transpose_copy) times col through oneDNN's bfloat16 matmul into a float32 C
+// (gemm_bf16_f32out, no rounding: the caller rounds gW once, as for oneDNN's kernels);
+// float32: the float32 GEMM with a transposed A. Then gW is moved into K x C x R x S and
+// the bias gradient is gy's column sums (in double, rows in order). The whole batch is
+// one product, no chunks; its order of sums is fixed by the shape and the device's
+// threads (the GEMM's slabs), so runs and designs stay bitwise alike. It is a third
+// candidate of the measured choice (Note [CPU convolution: measured choice]) for
+// channels-last backward-weight passes whose col fits kGemmColBytes, kept where it wins
+// clearly (as Plain must against the prior); elsewhere, and for every other pass, the two
+// layouts as before. set_conv_layout(Gemm) forces it where it applies (tests). Figures:
+// docs/benchmarks/kernel-notes.md, "Backward weight as one product" (the 4x4 layer's
+// pass 19.4 -> 4.3 ms; the step 1.26x).
+
+/// The largest im2col matrix a backward-weight product may take (Note [Backward weight
+/// as one product]); larger passes are oneDNN's.
+constexpr i64 kGemmColBytes = i64{64} << 20;
+
+/// Whether a bfloat16 product with a float32 C runs on oneDNN's matmul here.
+bool bf16_matmul_here() {
+  static const bool has = !bf16_gemm_kernel(16, 16, 16, 16, 16, 16, false, false).empty();
+  return has;
+}
+
+/// Whether a pass may run as one product (Note [Backward weight as one product]).
+bool gemm_backward_weight_eligible(const Conv2dShape& s, ConvKind kind, DType dtype) {
+  if (kind != ConvKind::BackwardWeight || !s.channels_last || s.N == 0) return false;
+  if (dtype != DType::F32 && !(dtype == DType::BF16 && bf16_matmul_here())) return false;
+  const i64 esize = dtype == DType::F32 ? 4 : 2;
+  return s.N * s.P * s.Q * s.R * s.S * s.C * esize <= kGemmColBytes;
+}
+
 /// The record key of one call: everything that decides which layout is faster.
 std::string choice_key(const Conv2dShape& s, ConvKind kind, bool bias, int threads, DType dtype) {
   static const std::string machine = [] {
@@ -518,7 +559,10 @@ std::string choice_key(const Conv2dShape& s, ConvKind kind, bool bias, int threa
     << ",pad" << s.pad_h << "x" << s.pad_w << "|"
     << (kind == ConvKind::Forward ? "fwd" : kind == ConvKind::BackwardData ? "bwd-data" : "bwd-weight")
     << (bias ? "+bias" : "") << (dtype == DType::BF16 ? "|bf16" : "")  // float32 keys as before
-    << (s.channels_last ? "|nhwc" : "");
+    << (s.channels_last ? "|nhwc" : "")
+    // Passes with a third candidate (Note [Backward weight as one product]): records made
+    // before it existed are not theirs.
+    << (gemm_backward_weight_eligible(s, kind, dtype) ? "|gemm" : "");
   return k.str();
 }
 
@@ -540,13 +584,14 @@ class LayoutChoices {
 
   /// Records `measured` for `key` unless a choice is already recorded (by another device
   /// of this process or another process): returns the choice that stands.
+  /// ms_gemm < 0: the product was not a candidate.
   ConvLayout record(const std::string& key, ConvLayout measured, double ms_plain,
-                    double ms_blocked) {
+                    double ms_blocked, double ms_gemm) {
     std::lock_guard<std::mutex> lock(mu_);
     load_once();
     if (auto it = map_.find(key); it != map_.end()) return it->second;
     ConvLayout chosen = measured;
-    if (!path_.empty()) chosen = append_to_file(key, measured, ms_plain, ms_blocked);
+    if (!path_.empty()) chosen = append_to_file(key, measured, ms_plain, ms_blocked, ms_gemm);
     map_.emplace(key, chosen);
     return chosen;
   }
@@ -572,6 +617,8 @@ class LayoutChoices {
       layout = ConvLayout::Plain;
     } else if (choice == "blocked") {
       layout = ConvLayout::Blocked;
+    } else if (choice == "gemm") {
+      layout = ConvLayout::Gemm;
     } else {
       return false;
     }
@@ -596,7 +643,7 @@ class LayoutChoices {
   /// key since), appends our line if it did not, returns the choice that stands. Any
   /// failure leaves the choice in this process only.
   ConvLayout append_to_file(const std::string& key, ConvLayout measured, double ms_plain,
-                            double ms_blocked) {
+                            double ms_blocked, double ms_gemm) {
     std::error_code ec;
     std::filesystem::create_directories(std::filesystem::path(path_).parent_path(), ec);
     const int fd = ::open(path_.c_str(), O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -616,8 +663,11 @@ class LayoutChoices {
         chosen = it->second;
       } else {
         std::ostringstream line;
-        line << key << ' ' << (measured == ConvLayout::Plain ? "plain" : "blocked") << " plain_ms="
-             << ms_plain << " blocked_ms=" << ms_blocked << '\n';
+        line << key << ' '
+             << (measured == ConvLayout::Plain ? "plain" : measured == ConvLayout::Gemm ? "gemm" : "blocked")
+             << " plain_ms=" << ms_plain << " blocked_ms=" << ms_blocked;
+        if (ms_gemm >= 0) line << " gemm_ms=" << ms_gemm;
+        line << '\n';
         const std::string l = line.str();
         if (::write(fd, l.data(), l.size()) != static_cast<ssize_t>(l.size())) warn_once("cannot write");
       }
@@ -984,6 +1034,98 @@ bool blocked_forward_refused(CpuBackend& be, Device dev, const Conv2dShape& s, b
   return refused;
 }
 
+/// A block of the device's memory for the duration of a call.
+struct DeviceBlock {
+  DeviceBlock(CpuBackend& be, Device dev, std::size_t bytes)
+      : be_(be), dev_(dev), bytes_(std::max<std::size_t>(bytes, 1)) {
+    ptr_ = be.allocate(dev, bytes_);
+  }
+  ~DeviceBlock() { be_.deallocate(dev_, ptr_, bytes_); }
+  DeviceBlock(const DeviceBlock&) = delete;
+  DeviceBlock& operator=(const DeviceBlock&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+
+ private:
+  CpuBackend& be_;
+  Device dev_;
+  std::size_t bytes_;
+  void* ptr_ = nullptr;
+};
+
+/// A channels-last backward-weight pass as one product (Note [Backward weight as one
+/// product]): buf.x (N x H x W x C) and buf.gy (N x P x Q x K) of buf.dtype into the
+/// float32 buf.gw (K x C x R x S) and, with `bias`, buf.gb (K).
+void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, const ConvBuffers& buf) {
+  const bool f32 = buf.dtype == DType::F32;
+  const i64 esize = f32 ? 4 : 2;
+  const i64 PQ = s.P * s.Q, M = s.N * PQ, RS = s.R * s.S, J = RS * s.C, K = s.K;
+  const auto* x = static_cast<const char*>(buf.x);
+  const std::size_t run = static_cast<std::size_t>(s.C * esize);  // one pixel's channels
+  // col (M x J): each row the windows of one output pixel, taps in (r, s) order.
+  DeviceBlock col(be, dev, static_cast<std::size_t>(M * J * esize));
+  be.parallel_for(dev, M, std::max<i64>(1, 4096 / std::max<i64>(1, J)), [&](i64 m0, i64 m1) {
+    for (i64 m = m0; m < m1; ++m) {
+      const i64 n = m / PQ, p = m % PQ / s.Q, q = m % s.Q;
+      char* row = col.as<char>() + m * J * esize;
+      for (i64 r = 0; r < s.R; ++r) {
+        const i64 h = p * s.stride_h - s.pad_h + r;
+        for (i64 t = 0; t < s.S; ++t) {
+          const i64 w = q * s.stride_w - s.pad_w + t;
+          char* dst = row + (r * s.S + t) * s.C * esize;
+          if (h < 0 || h >= s.H || w < 0 || w >= s.W) {
+            std::memset(dst, 0, run);  // +0 in float32 and bfloat16
+          } else {
+            std::memcpy(dst, x + ((n * s.H + h) * s.W + w) * s.C * esize, run);
+          }
+        }
+      }
+    }
+  });
+  // out (K x J, float32) = gyᵀ col.
+  DeviceBlock out(be, dev, static_cast<std::size_t>(K * J) * sizeof(float));
+  if (f32) {
+    be.gemm(dev, /*trans_a=*/true, /*trans_b=*/false, K, J, M, 1.0f, static_cast<const float*>(buf.gy), K,
+            col.as<const float>(), J, 0.0f, out.as<float>(), J);
+  } else {
+    const auto* gy = static_cast<const std::uint16_t*>(buf.gy);
+    DeviceBlock gyt(be, dev, static_cast<std::size_t>(K * M) * 2);  // K x M
+    be.parallel_for(dev, M, std::max<i64>(16, 16384 / std::max<i64>(1, K)), [&](i64 m0, i64 m1) {
+      transpose_copy(gy + m0 * K, K, m1 - m0, K, gyt.as<std::uint16_t>() + m0, M);
+    });
+    const bool ran = gemm_bf16_f32out(be, dev, K, J, M, gyt.as<const std::uint16_t>(), M,
+                                      col.as<const std::uint16_t>(), J, out.as<float>(), J);
+    DP_CHECK(ran, "conv2d_backward_weight on ", dev.str(), ": no bfloat16 matmul on this CPU for the product path");
+  }
+  // gW[k, c, r, s] = out[k, (r, s), c].
+  be.parallel_for(dev, K, 1, [&](i64 k0, i64 k1) {
+    for (i64 k = k0; k < k1; ++k) {
+      const float* o = out.as<const float>() + k * J;
+      float* g = buf.gw + k * J;
+      for (i64 rs = 0; rs < RS; ++rs)
+        for (i64 c = 0; c < s.C; ++c) g[c * RS + rs] = o[rs * s.C + c];
+    }
+  });
+  if (!bias) return;
+  // gb[k] = Σ over the M rows of gy[m, k], rows in order, in double; columns in blocks.
+  constexpr i64 kCols = 16;
+  be.parallel_for(dev, (K + kCols - 1) / kCols, 1, [&](i64 b0, i64 b1) {
+    for (i64 b = b0; b < b1; ++b) {
+      const i64 c0 = b * kCols, c1 = std::min(K, c0 + kCols);
+      double acc[kCols] = {};
+      for (i64 m = 0; m < M; ++m) {
+        for (i64 c = c0; c < c1; ++c) {
+          const i64 i = m * K + c;
+          acc[c - c0] += f32 ? static_cast<double>(static_cast<const float*>(buf.gy)[i])
+                             : static_cast<double>(static_cast<float>(
+                                   BFloat16::from_bits(static_cast<const std::uint16_t*>(buf.gy)[i])));
+        }
+      }
+      for (i64 c = c0; c < c1; ++c) buf.gb[c] = static_cast<float>(acc[c - c0]);
+    }
+  });
+}
+
 /// The layout a pass runs in without measuring: the Plain one where the Blocked one is
 /// refused (Note [Blocked forward with a stride above the kernel]), the forced one, the
 /// device's cached choice, or the record's (then cached); Auto when the pass has not
@@ -991,6 +1133,7 @@ bool blocked_forward_refused(CpuBackend& be, Device dev, const Conv2dShape& s, b
 ConvLayout known_layout(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias, DType dtype) {
   if (kind == ConvKind::Forward && blocked_forward_refused(be, dev, s, bias, dtype)) return ConvLayout::Plain;
   ConvLayout layout = be.conv_layout();
+  if (layout == ConvLayout::Gemm && !gemm_backward_weight_eligible(s, kind, dtype)) return ConvLayout::Blocked;
   if (layout != ConvLayout::Auto) return layout;
   const int threads = be.threads_per_device(dev);
   ConvCache& cache = *be.state(dev).conv;
@@ -1053,17 +1196,30 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
     using clock = std::chrono::steady_clock;
     auto time_one = [&](ConvLayout l) {
       const auto t0 = clock::now();
-      run_chunks(be, dev, cache, s, kind, bias, l, chunks, buf, relu);
+      if (l == ConvLayout::Gemm) {
+        backward_weight_gemm(be, dev, s, bias, buf);
+      } else {
+        run_chunks(be, dev, cache, s, kind, bias, l, chunks, buf, relu);
+      }
       return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     };
+    // Note [Backward weight as one product]: a third candidate where it applies.
+    const bool try_gemm = gemm_backward_weight_eligible(s, kind, buf.dtype);
     (void)time_one(ConvLayout::Plain);  // first runs build primitives and touch buffers
     (void)time_one(ConvLayout::Blocked);
-    double best_plain = 1e300, best_blocked = 1e300;
+    if (try_gemm) (void)time_one(ConvLayout::Gemm);
+    double best_plain = 1e300, best_blocked = 1e300, best_gemm = 1e300;
     int plain_wins = 0, blocked_wins = 0;  // clear wins within a back-to-back pair
+    double times[kTrials][3];
     for (int t = 0; t < kTrials; ++t) {
       const double p = time_one(ConvLayout::Plain), b = time_one(ConvLayout::Blocked);
+      const double g = try_gemm ? time_one(ConvLayout::Gemm) : 1e300;
+      times[t][0] = p;
+      times[t][1] = b;
+      times[t][2] = g;
       best_plain = std::min(best_plain, p);
       best_blocked = std::min(best_blocked, b);
+      best_gemm = std::min(best_gemm, g);
       plain_wins += p * kClearWin < b;
       blocked_wins += b * kClearWin < p;
     }
@@ -1073,18 +1229,28 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
     const bool prior_blocked = s.C >= kFewChannels || kind == ConvKind::BackwardWeight;
     const bool plain_clear = best_plain * kClearWin < best_blocked && 2 * plain_wins > kTrials;
     const bool blocked_clear = best_blocked * kClearWin < best_plain && 2 * blocked_wins > kTrials;
-    const ConvLayout measured = prior_blocked ? (plain_clear ? ConvLayout::Plain : ConvLayout::Blocked)
-                                              : (blocked_clear ? ConvLayout::Blocked : ConvLayout::Plain);
-    layout = LayoutChoices::get().record(record_key, measured, best_plain, best_blocked);
-    // The loser's primitives and their reorder buffers (tens of MB for a large
+    ConvLayout measured = prior_blocked ? (plain_clear ? ConvLayout::Plain : ConvLayout::Blocked)
+                                        : (blocked_clear ? ConvLayout::Blocked : ConvLayout::Plain);
+    if (try_gemm) {  // the product against the layout chosen so far, by the same rule
+      const int other = measured == ConvLayout::Plain ? 0 : 1;
+      int gemm_wins = 0;
+      for (const auto& pair : times) gemm_wins += pair[2] * kClearWin < pair[other];
+      if (best_gemm * kClearWin < (other == 0 ? best_plain : best_blocked) && 2 * gemm_wins > kTrials)
+        measured = ConvLayout::Gemm;
+    }
+    layout = LayoutChoices::get().record(record_key, measured, best_plain, best_blocked, try_gemm ? best_gemm : -1.0);
+    // The losers' primitives and their reorder buffers (tens of MB for a large
     // activation) would never run again.
-    const ConvLayout loser = layout == ConvLayout::Plain ? ConvLayout::Blocked : ConvLayout::Plain;
     std::lock_guard<std::mutex> lock(cache.mu);
     std::erase_if(cache.entries, [&](const auto& kv) {
-      return kv.first.layout == loser && kv.first.kind == kind && kv.first.bias == bias &&
+      return kv.first.layout != layout && kv.first.kind == kind && kv.first.bias == bias &&
              kv.first.dtype == buf.dtype && std::memcmp(kv.first.dims + 1, auto_key.dims + 1, sizeof(i64) * 13) == 0;
     });
     cache.chosen.emplace(auto_key, layout);
+  }
+  if (layout == ConvLayout::Gemm) {
+    backward_weight_gemm(be, dev, s, bias, buf);
+    return;
   }
   run_chunks(be, dev, cache, s, kind, bias, layout, chunks, buf, relu);
 }
@@ -1139,6 +1305,8 @@ bool run_backward_shared(CpuBackend& be, Device dev, const Conv2dShape& s, bool 
   const ConvLayout layout_w = want_gw ? known_layout(be, dev, s, ConvKind::BackwardWeight, bias, buf.dtype)
                                       : ConvLayout::Plain;
   if (layout_d == ConvLayout::Auto || layout_w == ConvLayout::Auto) return false;
+  // Note [Backward weight as one product]: no primitive to share gy with.
+  if (layout_w == ConvLayout::Gemm) return false;
   ConvCache& cache = *be.state(dev).conv;
   const int chunks = conv_chunks(s, be.threads_per_device(dev));
   struct Chunk {

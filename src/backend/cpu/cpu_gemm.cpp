@@ -459,7 +459,8 @@ struct Bf16GemmKey {
   i64 m, n, k, lda, ldb, ldc;
   bool ta, tb;
   float alpha, beta;
-  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, ta, tb, alpha, beta); }
+  bool f32_out = false;  // C in float32 (gemm_bf16_f32out), not rounded to bfloat16
+  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, ta, tb, alpha, beta, f32_out); }
   bool operator<(const Bf16GemmKey& o) const { return tie() < o.tie(); }
 };
 
@@ -478,7 +479,7 @@ std::shared_ptr<Bf16Gemm> make_bf16_gemm(const Bf16GemmKey& key) {
   using dt = dnnl::memory::data_type;
   const md a({key.m, key.k}, dt::bf16, key.ta ? dnnl::memory::dims{1, key.lda} : dnnl::memory::dims{key.lda, 1});
   const md b({key.k, key.n}, dt::bf16, key.tb ? dnnl::memory::dims{1, key.ldb} : dnnl::memory::dims{key.ldb, 1});
-  const md c({key.m, key.n}, dt::bf16, dnnl::memory::dims{key.ldc, 1});
+  const md c({key.m, key.n}, key.f32_out ? dt::f32 : dt::bf16, dnnl::memory::dims{key.ldc, 1});
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (key.alpha != 1.0f) attr.set_output_scales(0, {key.alpha});
@@ -520,6 +521,32 @@ bool has_bf16_matmul() {
   return has;
 }
 
+/// C = A B through g on this thread, with a block of the device's memory holding oneDNN's
+/// scratchpad (poisoned first: Note [Poisoned memory]) and `extra` bytes after it;
+/// prepare(extra) gives A's data (it may fill the extra bytes, or poison C).
+template <typename Prepare>
+void execute_bf16_gemm(CpuBackend& be, Device dev, const Bf16Gemm& g, std::size_t extra, Prepare&& prepare,
+                       const void* b, void* c) {
+  const std::size_t onednn_bytes = (g.scratch.get_size() + 63) / 64 * 64;
+  const std::size_t bytes = onednn_bytes + extra;
+  void* scratch = bytes > 0 ? be.allocate(dev, bytes) : nullptr;
+  try {
+    thread_local dnnl::stream stream(gemm_engine());
+    const void* a = prepare(static_cast<char*>(scratch) + onednn_bytes);
+    if (Backend::poison_memory() && onednn_bytes > 0) std::memset(scratch, 0xff, onednn_bytes);
+    dnnl::memory ma(g.a, gemm_engine(), const_cast<void*>(a));
+    dnnl::memory mb(g.b, gemm_engine(), const_cast<void*>(b));
+    dnnl::memory mc(g.c, gemm_engine(), c);
+    dnnl::memory ms(g.scratch, gemm_engine(), g.scratch.get_size() > 0 ? scratch : nullptr);
+    g.prim.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}});
+    stream.wait();
+  } catch (...) {
+    if (scratch) be.deallocate(dev, scratch, bytes);
+    throw;
+  }
+  if (scratch) be.deallocate(dev, scratch, bytes);
+}
+
 void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
   if (be.gemm_batched(dev, a, sizeof(BFloat16), [&](const GemmArgs& m) { gemm_bf16_onednn(be, dev, m); })) {
     return;
@@ -543,39 +570,44 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
     // Note [bf16 GEMMs: a transposed A copied untransposed]: the slab's hi - lo columns
     // of the k x m A, as hi - lo rows of k, in the scratch block after oneDNN's.
     const Bf16Gemm* g = found->untransposed ? found->untransposed.get() : found.get();
-    const std::size_t onednn_bytes = (g->scratch.get_size() + 63) / 64 * 64;
     const std::size_t copy_bytes = found->untransposed ? std::size_t(hi - lo) * std::size_t(a.k) * sizeof(BFloat16) : 0;
-    const std::size_t scratch_bytes = onednn_bytes + copy_bytes;
-    void* scratch = scratch_bytes > 0 ? be.allocate(dev, scratch_bytes) : nullptr;
-    try {
-      thread_local dnnl::stream stream(gemm_engine());
+    auto prepare = [&](void* extra) -> const void* {
+      if (Backend::poison_memory() && a.beta == 0.0f)  // Note [Poisoned memory]
+        for (i64 r = lo; r < hi; ++r) std::fill_n(pc + r * a.ldc, a.n, BFloat16::from_bits(0xffff));
       const BFloat16* as = a.trans_a ? pa + lo : pa + lo * a.lda;
-      if (copy_bytes > 0) {
-        auto* copy = reinterpret_cast<BFloat16*>(static_cast<char*>(scratch) + onednn_bytes);
-        transpose_copy(reinterpret_cast<const std::uint16_t*>(as), a.lda, a.k, hi - lo,
-                       reinterpret_cast<std::uint16_t*>(copy), a.k);
-        as = copy;
-      }
-      dnnl::memory ma(g->a, gemm_engine(), const_cast<BFloat16*>(as));
-      dnnl::memory mb(g->b, gemm_engine(), const_cast<BFloat16*>(pb));
-      dnnl::memory mc(g->c, gemm_engine(), pc + lo * a.ldc);
-      dnnl::memory ms(g->scratch, gemm_engine(), g->scratch.get_size() > 0 ? scratch : nullptr);
-      if (Backend::poison_memory()) {  // Note [Poisoned memory]
-        if (onednn_bytes > 0) std::memset(scratch, 0xff, onednn_bytes);
-        if (a.beta == 0.0f)
-          for (i64 r = lo; r < hi; ++r) std::fill_n(pc + r * a.ldc, a.n, BFloat16::from_bits(0xffff));
-      }
-      g->prim.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}});
-      stream.wait();
-    } catch (...) {
-      if (scratch) be.deallocate(dev, scratch, scratch_bytes);
-      throw;
-    }
-    if (scratch) be.deallocate(dev, scratch, scratch_bytes);
+      if (copy_bytes == 0) return as;
+      transpose_copy(reinterpret_cast<const std::uint16_t*>(as), a.lda, a.k, hi - lo,
+                     static_cast<std::uint16_t*>(extra), a.k);
+      return extra;
+    };
+    execute_bf16_gemm(be, dev, *g, copy_bytes, prepare, pb, pc + lo * a.ldc);
   });
 }
 
 }  // namespace
+
+bool gemm_bf16_f32out(CpuBackend& be, Device dev, i64 m, i64 n, i64 k, const std::uint16_t* a, i64 lda,
+                      const std::uint16_t* b, i64 ldb, float* c, i64 ldc) {
+  if (!has_bf16_matmul()) return false;
+  DP_CHECK(m >= 0 && n >= 0 && k >= 0, "gemm_bf16_f32out: expected m, n, k >= 0, got (", m, ", ", n, ", ", k, ")");
+  if (m == 0 || n == 0) return true;
+  if (k == 0) {
+    for (i64 r = 0; r < m; ++r) std::fill_n(c + r * ldc, n, 0.0f);
+    return true;
+  }
+  // Slabs of rows as gemm_bf16_onednn's (Note [bf16 GEMMs through oneDNN]).
+  const i64 chunks = std::clamp<i64>(m / 16, 1, be.threads_per_device(dev));
+  be.parallel_chunks(dev, chunks, [&](i64 ch) {
+    omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
+    const i64 lo = m * ch / chunks / 16 * 16, hi = ch + 1 == chunks ? m : m * (ch + 1) / chunks / 16 * 16;
+    if (hi <= lo) return;
+    const auto g = bf16_gemm({hi - lo, n, k, lda, ldb, ldc, false, false, 1.0f, 0.0f, true});
+    DP_CHECK(g != nullptr, "gemm on ", dev.str(), ": oneDNN has a bfloat16 matmul for one shape and not for (",
+             hi - lo, ", ", n, ", ", k, ") with a float32 C");
+    execute_bf16_gemm(be, dev, *g, 0, [&](void*) -> const void* { return a + lo * lda; }, b, c + lo * ldc);
+  });
+  return true;
+}
 
 bool gemm_slabs_keep_bits(i64 m, i64 n) {
   // Note [GEMM: column slabs that fit L2]: oneDNN 2.6's first test of its float32
