@@ -196,6 +196,7 @@ const char* layout_name(ConvLayout layout) {
     case ConvLayout::Plain: return "onednn-nchw";
     case ConvLayout::Blocked: return "onednn-blocked";
     case ConvLayout::Auto: return "auto (default)";
+    case ConvLayout::Gemm: return "im2col-product";
   }
   return "?";
 }

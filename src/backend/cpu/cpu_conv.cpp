@@ -520,16 +520,21 @@ std::string cpu_model() {
 // float32: the float32 GEMM with a transposed A. Then gW is moved into K x C x R x S and
 // the bias gradient is gy's column sums (in double, rows in order). The whole batch is
 // one product, no chunks; its order of sums is fixed by the shape and the device's
-// threads (the GEMM's slabs), so runs and designs stay bitwise alike. It is a third
-// candidate of the measured choice (Note [CPU convolution: measured choice]) for
-// channels-last backward-weight passes whose col fits kGemmColBytes, kept where it wins
-// clearly (as Plain must against the prior); elsewhere, and for every other pass, the two
-// layouts as before. set_conv_layout(Gemm) forces it where it applies (tests). Figures:
-// docs/benchmarks/kernel-notes.md, "Backward weight as one product" (the 4x4 layer's
-// pass 19.4 -> 4.3 ms; the step 1.26x).
+// threads (the GEMM's slabs), so runs and designs stay bitwise alike. The backward-data
+// pass of the same layers (7.4 ms a chunk at 4x4, 160 GFLOP/s) is the transposed product
+// and an im2col's adjoint: gcol (N·P·Q x R·S·C, float32) = gy W, W moved to K x R x S x C,
+// then each input pixel's channels the sum of the taps that read it, in (r, s) order,
+// rounded once. Both are a third candidate of the measured choice (Note [CPU convolution:
+// measured choice]) for channels-last passes whose matrix fits kGemmColBytes, kept where
+// they win clearly (as Plain must against the prior); elsewhere the two layouts as
+// before. The forward as a product (col Wᵀ, W's transpose through the matmul) lost to
+// oneDNN's brgconv at every ResNet-18 shape and is not a candidate. set_conv_layout(Gemm)
+// forces the product where it applies (tests). Figures: docs/benchmarks/kernel-notes.md,
+// "Backward weight as one product" (the 4x4 layer's passes 19.4 -> 4.3 ms and 7.7 -> 5.7
+// ms a batch; the step 1.30x).
 
-/// The largest im2col matrix a backward-weight product may take (Note [Backward weight
-/// as one product]); larger passes are oneDNN's.
+/// The largest matrix a product pass may take, col or gcol (Note [Backward weight as one
+/// product]); larger passes are oneDNN's.
 constexpr i64 kGemmColBytes = i64{64} << 20;
 
 /// Whether a bfloat16 product with a float32 C runs on oneDNN's matmul here.
@@ -538,11 +543,13 @@ bool bf16_matmul_here() {
   return has;
 }
 
-/// Whether a pass may run as one product (Note [Backward weight as one product]).
-bool gemm_backward_weight_eligible(const Conv2dShape& s, ConvKind kind, DType dtype) {
-  if (kind != ConvKind::BackwardWeight || !s.channels_last || s.N == 0) return false;
+/// Whether a pass may run as one product (Note [Backward weight as one product]): a
+/// channels-last backward-weight pass (its im2col matrix in x's dtype) or backward-data
+/// pass (its column gradient in float32) whose matrix fits kGemmColBytes.
+bool gemm_pass_eligible(const Conv2dShape& s, ConvKind kind, DType dtype) {
+  if (kind == ConvKind::Forward || !s.channels_last || s.N == 0) return false;
   if (dtype != DType::F32 && !(dtype == DType::BF16 && bf16_matmul_here())) return false;
-  const i64 esize = dtype == DType::F32 ? 4 : 2;
+  const i64 esize = dtype == DType::F32 || kind == ConvKind::BackwardData ? 4 : 2;
   return s.N * s.P * s.Q * s.R * s.S * s.C * esize <= kGemmColBytes;
 }
 
@@ -562,7 +569,7 @@ std::string choice_key(const Conv2dShape& s, ConvKind kind, bool bias, int threa
     << (s.channels_last ? "|nhwc" : "")
     // Passes with a third candidate (Note [Backward weight as one product]): records made
     // before it existed are not theirs.
-    << (gemm_backward_weight_eligible(s, kind, dtype) ? "|gemm" : "");
+    << (gemm_pass_eligible(s, kind, dtype) ? "|gemm" : "");
   return k.str();
 }
 
@@ -1056,18 +1063,16 @@ struct DeviceBlock {
 /// A channels-last backward-weight pass as one product (Note [Backward weight as one
 /// product]): buf.x (N x H x W x C) and buf.gy (N x P x Q x K) of buf.dtype into the
 /// float32 buf.gw (K x C x R x S) and, with `bias`, buf.gb (K).
-void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, const ConvBuffers& buf) {
-  const bool f32 = buf.dtype == DType::F32;
-  const i64 esize = f32 ? 4 : 2;
-  const i64 PQ = s.P * s.Q, M = s.N * PQ, RS = s.R * s.S, J = RS * s.C, K = s.K;
-  const auto* x = static_cast<const char*>(buf.x);
+/// col (N·P·Q x R·S·C, elements of esize bytes) of the N x H x W x C input x: each row
+/// the windows of one output pixel, taps in (r, s) order, zeros outside the image.
+void im2col(CpuBackend& be, Device dev, const Conv2dShape& s, const void* xv, i64 esize, char* col) {
+  const i64 PQ = s.P * s.Q, M = s.N * PQ, J = s.R * s.S * s.C;
+  const auto* x = static_cast<const char*>(xv);
   const std::size_t run = static_cast<std::size_t>(s.C * esize);  // one pixel's channels
-  // col (M x J): each row the windows of one output pixel, taps in (r, s) order.
-  DeviceBlock col(be, dev, static_cast<std::size_t>(M * J * esize));
   be.parallel_for(dev, M, std::max<i64>(1, 4096 / std::max<i64>(1, J)), [&](i64 m0, i64 m1) {
     for (i64 m = m0; m < m1; ++m) {
       const i64 n = m / PQ, p = m % PQ / s.Q, q = m % s.Q;
-      char* row = col.as<char>() + m * J * esize;
+      char* row = col + m * J * esize;
       for (i64 r = 0; r < s.R; ++r) {
         const i64 h = p * s.stride_h - s.pad_h + r;
         for (i64 t = 0; t < s.S; ++t) {
@@ -1082,6 +1087,14 @@ void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool
       }
     }
   });
+}
+
+void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, const ConvBuffers& buf) {
+  const bool f32 = buf.dtype == DType::F32;
+  const i64 esize = f32 ? 4 : 2;
+  const i64 M = s.N * s.P * s.Q, RS = s.R * s.S, J = RS * s.C, K = s.K;
+  DeviceBlock col(be, dev, static_cast<std::size_t>(M * J * esize));
+  im2col(be, dev, s, buf.x, esize, col.as<char>());
   // out (K x J, float32) = gyᵀ col.
   DeviceBlock out(be, dev, static_cast<std::size_t>(K * J) * sizeof(float));
   if (f32) {
@@ -1126,6 +1139,76 @@ void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool
   });
 }
 
+/// The K x C x R x S weight w (elements of esize bytes) as K x R x S x C, into out.
+void weight_krsc(CpuBackend& be, Device dev, const Conv2dShape& s, const void* w, i64 esize, char* out) {
+  const i64 RS = s.R * s.S, J = RS * s.C;
+  be.parallel_for(dev, s.K, 1, [&](i64 k0, i64 k1) {
+    for (i64 k = k0; k < k1; ++k)
+      for (i64 rs = 0; rs < RS; ++rs)
+        for (i64 c = 0; c < s.C; ++c)
+          std::memcpy(out + (k * J + rs * s.C + c) * esize, static_cast<const char*>(w) + (k * J + c * RS + rs) * esize,
+                      static_cast<std::size_t>(esize));
+  });
+}
+
+/// A channels-last backward-data pass as one product (Note [Backward weight as one
+/// product]): gcol (N·P·Q x R·S·C, float32) = gy (N·P·Q x K) W (K x R·S·C: the weight's
+/// K x C x R x S moved to K x R x S x C), then each input pixel's channels the sum of the
+/// taps that read it, in (r, s) order, rounded once into buf.gx (N x H x W x C).
+void backward_data_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, const ConvBuffers& buf) {
+  const bool f32 = buf.dtype == DType::F32;
+  const i64 esize = f32 ? 4 : 2;
+  const i64 PQ = s.P * s.Q, M = s.N * PQ, RS = s.R * s.S, J = RS * s.C, K = s.K;
+  // W as K x (r, s, c), in the weight's dtype.
+  DeviceBlock w(be, dev, static_cast<std::size_t>(K * J * esize));
+  weight_krsc(be, dev, s, buf.w, esize, w.as<char>());
+  DeviceBlock gcol(be, dev, static_cast<std::size_t>(M * J) * sizeof(float));
+  if (f32) {
+    be.gemm(dev, false, false, M, J, K, 1.0f, static_cast<const float*>(buf.gy), K, w.as<const float>(), J, 0.0f,
+            gcol.as<float>(), J);
+  } else {
+    const bool ran = gemm_bf16_f32out(be, dev, M, J, K, static_cast<const std::uint16_t*>(buf.gy), K,
+                                      w.as<const std::uint16_t>(), J, gcol.as<float>(), J);
+    DP_CHECK(ran, "conv2d_backward_data on ", dev.str(), ": no bfloat16 matmul on this CPU for the product path");
+  }
+  // col2im as a gather: input pixel (n, h, w) collects tap (r, s) of output pixel (p, q)
+  // where p·sh - ph + r = h and q·sw - pw + s = w.
+  const i64 HW = s.H * s.W;
+  be.parallel_for(dev, s.N * HW, std::max<i64>(1, 2048 / std::max<i64>(1, s.C * RS)), [&](i64 i0, i64 i1) {
+    std::vector<float> acc(static_cast<std::size_t>(s.C));
+    for (i64 i = i0; i < i1; ++i) {
+      const i64 n = i / HW, h = i % HW / s.W, x = i % s.W;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (i64 r = 0; r < s.R; ++r) {
+        const i64 ph = h + s.pad_h - r;
+        if (ph < 0 || ph % s.stride_h != 0 || ph / s.stride_h >= s.P) continue;
+        for (i64 t = 0; t < s.S; ++t) {
+          const i64 qw = x + s.pad_w - t;
+          if (qw < 0 || qw % s.stride_w != 0 || qw / s.stride_w >= s.Q) continue;
+          const float* g = gcol.as<const float>() + ((n * s.P + ph / s.stride_h) * s.Q + qw / s.stride_w) * J +
+                           (r * s.S + t) * s.C;
+          for (i64 c = 0; c < s.C; ++c) acc[static_cast<std::size_t>(c)] += g[c];
+        }
+      }
+      if (f32) {
+        std::memcpy(static_cast<float*>(buf.gx) + i * s.C, acc.data(), static_cast<std::size_t>(s.C) * sizeof(float));
+      } else {
+        auto* gx = static_cast<BFloat16*>(buf.gx) + i * s.C;
+        for (i64 c = 0; c < s.C; ++c) gx[c] = BFloat16(acc[static_cast<std::size_t>(c)]);
+      }
+    }
+  });
+}
+
+/// A pass as one product (Note [Backward weight as one product]).
+void run_gemm_pass(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias, const ConvBuffers& buf) {
+  if (kind == ConvKind::BackwardWeight) {
+    backward_weight_gemm(be, dev, s, bias, buf);
+  } else {
+    backward_data_gemm(be, dev, s, buf);
+  }
+}
+
 /// The layout a pass runs in without measuring: the Plain one where the Blocked one is
 /// refused (Note [Blocked forward with a stride above the kernel]), the forced one, the
 /// device's cached choice, or the record's (then cached); Auto when the pass has not
@@ -1133,7 +1216,7 @@ void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool
 ConvLayout known_layout(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, bool bias, DType dtype) {
   if (kind == ConvKind::Forward && blocked_forward_refused(be, dev, s, bias, dtype)) return ConvLayout::Plain;
   ConvLayout layout = be.conv_layout();
-  if (layout == ConvLayout::Gemm && !gemm_backward_weight_eligible(s, kind, dtype)) return ConvLayout::Blocked;
+  if (layout == ConvLayout::Gemm && !gemm_pass_eligible(s, kind, dtype)) return ConvLayout::Blocked;
   if (layout != ConvLayout::Auto) return layout;
   const int threads = be.threads_per_device(dev);
   ConvCache& cache = *be.state(dev).conv;
@@ -1197,14 +1280,14 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
     auto time_one = [&](ConvLayout l) {
       const auto t0 = clock::now();
       if (l == ConvLayout::Gemm) {
-        backward_weight_gemm(be, dev, s, bias, buf);
+        run_gemm_pass(be, dev, s, kind, bias, buf);
       } else {
         run_chunks(be, dev, cache, s, kind, bias, l, chunks, buf, relu);
       }
       return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     };
     // Note [Backward weight as one product]: a third candidate where it applies.
-    const bool try_gemm = gemm_backward_weight_eligible(s, kind, buf.dtype);
+    const bool try_gemm = gemm_pass_eligible(s, kind, buf.dtype);
     (void)time_one(ConvLayout::Plain);  // first runs build primitives and touch buffers
     (void)time_one(ConvLayout::Blocked);
     if (try_gemm) (void)time_one(ConvLayout::Gemm);
@@ -1249,7 +1332,7 @@ void run_conv(CpuBackend& be, Device dev, const Conv2dShape& s, ConvKind kind, b
     cache.chosen.emplace(auto_key, layout);
   }
   if (layout == ConvLayout::Gemm) {
-    backward_weight_gemm(be, dev, s, bias, buf);
+    run_gemm_pass(be, dev, s, kind, bias, buf);
     return;
   }
   run_chunks(be, dev, cache, s, kind, bias, layout, chunks, buf, relu);
@@ -1306,7 +1389,7 @@ bool run_backward_shared(CpuBackend& be, Device dev, const Conv2dShape& s, bool 
                                       : ConvLayout::Plain;
   if (layout_d == ConvLayout::Auto || layout_w == ConvLayout::Auto) return false;
   // Note [Backward weight as one product]: no primitive to share gy with.
-  if (layout_w == ConvLayout::Gemm) return false;
+  if (layout_d == ConvLayout::Gemm || layout_w == ConvLayout::Gemm) return false;
   ConvCache& cache = *be.state(dev).conv;
   const int chunks = conv_chunks(s, be.threads_per_device(dev));
   struct Chunk {
