@@ -110,3 +110,31 @@ TEST_CASE("matmul: bad shapes name both operands") {
   CHECK(dp_test::throws_with([] { (void)dp::matmul(dp::zeros({}), dp::zeros({2})); }, {"at least 1 dim"}));
   CHECK(dp_test::throws_with([] { (void)dp::matmul(dp::zeros({3}), dp::zeros({2})); }, {"(k 3 vs 2)"}));
 }
+
+TEST_CASE("bfloat16 matmul with an odd k: the products oneDNN 2.6's AMX kernel ran into SIGILL, right") {
+  // Note [bf16 GEMMs with an odd k on AMX] (src/backend/cpu/cpu_gemm.cpp): on the AMX Xeon
+  // these shapes killed the process; every CPU must give the definition's values, within
+  // a rounding of the bfloat16 output (the inputs hold bfloat16 values exactly).
+  struct Case {
+    std::int64_t m, k, n;
+  };
+  for (const Case c : {Case{8, 63, 336}, Case{1, 63, 80}, Case{24, 63, 1008}, Case{8, 4095, 80}, Case{17, 63, 112},
+                       Case{16, 63, 80}, Case{8, 65, 80}}) {
+    CAPTURE(c.m);
+    CAPTURE(c.k);
+    CAPTURE(c.n);
+    const Tensor a = values({c.m, c.k}, 31).to(dp::Dtype::BFloat16), b = values({c.k, c.n}, 32).to(dp::Dtype::BFloat16);
+    const std::vector<double> want = reference(a.to(dp::Dtype::Float32).to_vector(),
+                                               b.to(dp::Dtype::Float32).to_vector(), 1, c.m, c.k, c.n, false, false);
+    double scale = 0;
+    for (double v : want) scale = std::max(scale, std::fabs(v));
+    // One bfloat16 rounding of the result (2^-8 relative) plus float32 sums of k terms.
+    const double tol = std::ldexp(scale, -8) + static_cast<double>(c.k) * std::ldexp(1.0, -20);
+    CHECK(max_err(dp::matmul(a, b), want) <= tol);
+    // The same product with transposed operands (a's and b's transposes made contiguous
+    // first, then viewed back).
+    const Tensor at = a.transpose(0, 1).contiguous().transpose(0, 1);
+    const Tensor bt = b.transpose(0, 1).contiguous().transpose(0, 1);
+    CHECK(max_err(dp::matmul(at, bt), want) <= tol);
+  }
+}

@@ -41,7 +41,7 @@ enum class ConvLayout : std::uint8_t {
   Blocked,  // format_tag::any: oneDNN picks blocked layouts, we reorder in and out
   Auto,     // per shape, pass and thread count, the faster of the two, measured on first
             // use and recorded (Note [CPU convolution: measured choice]); the default
-  Gemm,     // a channels-last backward pass as one matrix product over im2col rows (Note
+  Gemm,     // a backward pass as one matrix product over im2col rows (Note
             // [Backward weight as one product]); forced, the passes it does not apply to run Blocked
 };
 

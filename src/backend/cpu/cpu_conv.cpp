@@ -56,6 +56,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -524,8 +525,10 @@ std::string cpu_model() {
 // pass of the same layers (7.4 ms a chunk at 4x4, 160 GFLOP/s) is the transposed product
 // and an im2col's adjoint: gcol (N·P·Q x R·S·C, float32) = gy W, W moved to K x R x S x C,
 // then each input pixel's channels the sum of the taps that read it, in (r, s) order,
-// rounded once. Both are a third candidate of the measured choice (Note [CPU convolution:
-// measured choice]) for channels-last passes whose matrix fits kGemmColBytes, kept where
+// rounded once. An NCHW call's activations are moved into N x H x W x C copies first (and
+// backward-data's gx back), transposes small beside the passes they replace at these
+// shapes. Both are a third candidate of the measured choice (Note [CPU convolution:
+// measured choice]) for backward passes whose matrix fits kGemmColBytes, kept where
 // they win clearly (as Plain must against the prior); elsewhere the two layouts as
 // before. The forward as a product (col Wᵀ, W's transpose through the matmul) lost to
 // oneDNN's brgconv at every ResNet-18 shape and is not a candidate. set_conv_layout(Gemm)
@@ -544,10 +547,10 @@ bool bf16_matmul_here() {
 }
 
 /// Whether a pass may run as one product (Note [Backward weight as one product]): a
-/// channels-last backward-weight pass (its im2col matrix in x's dtype) or backward-data
-/// pass (its column gradient in float32) whose matrix fits kGemmColBytes.
+/// backward-weight pass (its im2col matrix in x's dtype) or backward-data pass (its column
+/// gradient in float32) whose matrix fits kGemmColBytes.
 bool gemm_pass_eligible(const Conv2dShape& s, ConvKind kind, DType dtype) {
-  if (kind == ConvKind::Forward || !s.channels_last || s.N == 0) return false;
+  if (kind == ConvKind::Forward || s.N == 0) return false;
   if (dtype != DType::F32 && !(dtype == DType::BF16 && bf16_matmul_here())) return false;
   const i64 esize = dtype == DType::F32 || kind == ConvKind::BackwardData ? 4 : 2;
   return s.N * s.P * s.Q * s.R * s.S * s.C * esize <= kGemmColBytes;
@@ -1060,9 +1063,6 @@ struct DeviceBlock {
   void* ptr_ = nullptr;
 };
 
-/// A channels-last backward-weight pass as one product (Note [Backward weight as one
-/// product]): buf.x (N x H x W x C) and buf.gy (N x P x Q x K) of buf.dtype into the
-/// float32 buf.gw (K x C x R x S) and, with `bias`, buf.gb (K).
 /// col (N·P·Q x R·S·C, elements of esize bytes) of the N x H x W x C input x: each row
 /// the windows of one output pixel, taps in (r, s) order, zeros outside the image.
 void im2col(CpuBackend& be, Device dev, const Conv2dShape& s, const void* xv, i64 esize, char* col) {
@@ -1089,19 +1089,53 @@ void im2col(CpuBackend& be, Device dev, const Conv2dShape& s, const void* xv, i6
   });
 }
 
+/// An N x C x HW tensor moved into N x HW x C (to_nhwc) or back, images in parallel.
+void move_nhwc(CpuBackend& be, Device dev, i64 N, i64 C, i64 HW, i64 esize, const void* from, void* to,
+               bool to_nhwc) {
+  be.parallel_for(dev, N, 1, [&](i64 n0, i64 n1) {
+    const OwnReorder r{
+        .into = OwnReorder::Into::Nhwc, .N = n1 - n0, .C = C, .HW = HW, .esize = static_cast<int>(esize)};
+    const i64 at = n0 * C * HW * esize;
+    reorder_own(r, static_cast<const char*>(from) + at, static_cast<char*>(to) + at, /*to_plain=*/!to_nhwc);
+  });
+}
+
+/// The product passes' view of an activation: itself when the call is channels-last, else
+/// an N x HW x C copy of the NCHW tensor (moved in when `in`).
+class NhwcView {
+ public:
+  NhwcView(CpuBackend& be, Device dev, const Conv2dShape& s, i64 C, i64 HW, i64 esize, const void* data, bool in)
+      : data_(const_cast<void*>(data)) {
+    if (s.channels_last) return;
+    copy_.emplace(be, dev, static_cast<std::size_t>(s.N * C * HW * esize));
+    if (in) move_nhwc(be, dev, s.N, C, HW, esize, data, copy_->as<char>(), true);
+    data_ = copy_->as<char>();
+  }
+  void* get() const { return data_; }
+
+ private:
+  std::optional<DeviceBlock> copy_;
+  void* data_;
+};
+
+/// A backward-weight pass as one product (Note [Backward weight as one product]): buf.x
+/// and buf.gy of buf.dtype (channels-last, or NCHW moved into copies that are) into the
+/// float32 buf.gw (K x C x R x S) and, with `bias`, buf.gb (K).
 void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, const ConvBuffers& buf) {
   const bool f32 = buf.dtype == DType::F32;
   const i64 esize = f32 ? 4 : 2;
   const i64 M = s.N * s.P * s.Q, RS = s.R * s.S, J = RS * s.C, K = s.K;
+  const NhwcView x(be, dev, s, s.C, s.H * s.W, esize, buf.x, true);
+  const NhwcView gy_view(be, dev, s, K, s.P * s.Q, esize, buf.gy, true);
   DeviceBlock col(be, dev, static_cast<std::size_t>(M * J * esize));
-  im2col(be, dev, s, buf.x, esize, col.as<char>());
+  im2col(be, dev, s, x.get(), esize, col.as<char>());
   // out (K x J, float32) = gyᵀ col.
   DeviceBlock out(be, dev, static_cast<std::size_t>(K * J) * sizeof(float));
   if (f32) {
-    be.gemm(dev, /*trans_a=*/true, /*trans_b=*/false, K, J, M, 1.0f, static_cast<const float*>(buf.gy), K,
+    be.gemm(dev, /*trans_a=*/true, /*trans_b=*/false, K, J, M, 1.0f, static_cast<const float*>(gy_view.get()), K,
             col.as<const float>(), J, 0.0f, out.as<float>(), J);
   } else {
-    const auto* gy = static_cast<const std::uint16_t*>(buf.gy);
+    const auto* gy = static_cast<const std::uint16_t*>(gy_view.get());
     DeviceBlock gyt(be, dev, static_cast<std::size_t>(K * M) * 2);  // K x M
     be.parallel_for(dev, M, std::max<i64>(16, 16384 / std::max<i64>(1, K)), [&](i64 m0, i64 m1) {
       transpose_copy(gy + m0 * K, K, m1 - m0, K, gyt.as<std::uint16_t>() + m0, M);
@@ -1129,9 +1163,9 @@ void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool
       for (i64 m = 0; m < M; ++m) {
         for (i64 c = c0; c < c1; ++c) {
           const i64 i = m * K + c;
-          acc[c - c0] += f32 ? static_cast<double>(static_cast<const float*>(buf.gy)[i])
+          acc[c - c0] += f32 ? static_cast<double>(static_cast<const float*>(gy_view.get())[i])
                              : static_cast<double>(static_cast<float>(
-                                   BFloat16::from_bits(static_cast<const std::uint16_t*>(buf.gy)[i])));
+                                   BFloat16::from_bits(static_cast<const std::uint16_t*>(gy_view.get())[i])));
         }
       }
       for (i64 c = c0; c < c1; ++c) buf.gb[c] = static_cast<float>(acc[c - c0]);
@@ -1151,23 +1185,26 @@ void weight_krsc(CpuBackend& be, Device dev, const Conv2dShape& s, const void* w
   });
 }
 
-/// A channels-last backward-data pass as one product (Note [Backward weight as one
-/// product]): gcol (N·P·Q x R·S·C, float32) = gy (N·P·Q x K) W (K x R·S·C: the weight's
-/// K x C x R x S moved to K x R x S x C), then each input pixel's channels the sum of the
-/// taps that read it, in (r, s) order, rounded once into buf.gx (N x H x W x C).
+/// A backward-data pass as one product (Note [Backward weight as one product]): gcol
+/// (N·P·Q x R·S·C, float32) = gy (N·P·Q x K) W (K x R·S·C: the weight's K x C x R x S
+/// moved to K x R x S x C), then each input pixel's channels the sum of the taps that read
+/// it, in (r, s) order, rounded once into buf.gx (an NCHW call's gx through an N x H x W
+/// x C copy).
 void backward_data_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, const ConvBuffers& buf) {
   const bool f32 = buf.dtype == DType::F32;
   const i64 esize = f32 ? 4 : 2;
   const i64 PQ = s.P * s.Q, M = s.N * PQ, RS = s.R * s.S, J = RS * s.C, K = s.K;
+  const NhwcView gy_view(be, dev, s, K, PQ, esize, buf.gy, true);
+  const NhwcView gx_view(be, dev, s, s.C, s.H * s.W, esize, buf.gx, false);
   // W as K x (r, s, c), in the weight's dtype.
   DeviceBlock w(be, dev, static_cast<std::size_t>(K * J * esize));
   weight_krsc(be, dev, s, buf.w, esize, w.as<char>());
   DeviceBlock gcol(be, dev, static_cast<std::size_t>(M * J) * sizeof(float));
   if (f32) {
-    be.gemm(dev, false, false, M, J, K, 1.0f, static_cast<const float*>(buf.gy), K, w.as<const float>(), J, 0.0f,
+    be.gemm(dev, false, false, M, J, K, 1.0f, static_cast<const float*>(gy_view.get()), K, w.as<const float>(), J, 0.0f,
             gcol.as<float>(), J);
   } else {
-    const bool ran = gemm_bf16_f32out(be, dev, M, J, K, static_cast<const std::uint16_t*>(buf.gy), K,
+    const bool ran = gemm_bf16_f32out(be, dev, M, J, K, static_cast<const std::uint16_t*>(gy_view.get()), K,
                                       w.as<const std::uint16_t>(), J, gcol.as<float>(), J);
     DP_CHECK(ran, "conv2d_backward_data on ", dev.str(), ": no bfloat16 matmul on this CPU for the product path");
   }
@@ -1191,13 +1228,15 @@ void backward_data_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, const 
         }
       }
       if (f32) {
-        std::memcpy(static_cast<float*>(buf.gx) + i * s.C, acc.data(), static_cast<std::size_t>(s.C) * sizeof(float));
+        std::memcpy(static_cast<float*>(gx_view.get()) + i * s.C, acc.data(),
+                    static_cast<std::size_t>(s.C) * sizeof(float));
       } else {
-        auto* gx = static_cast<BFloat16*>(buf.gx) + i * s.C;
+        auto* gx = static_cast<BFloat16*>(gx_view.get()) + i * s.C;
         for (i64 c = 0; c < s.C; ++c) gx[c] = BFloat16(acc[static_cast<std::size_t>(c)]);
       }
     }
   });
+  if (!s.channels_last) move_nhwc(be, dev, s.N, s.C, s.H * s.W, esize, gx_view.get(), buf.gx, false);
 }
 
 /// A pass as one product (Note [Backward weight as one product]).

@@ -437,6 +437,19 @@ void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
 // no such matmul (AVX2-only CPUs), the widening path of Note [16-bit GEMMs on the CPU]
 // runs. float16 always takes the widening path: oneDNN 2.x has no float16 matmul on CPUs.
 //
+// Note [bf16 GEMMs with an odd k on AMX]
+// oneDNN 2.6's AMX matmul (brg:avx512_core_amx_bf16) runs some products whose k is odd
+// (bfloat16 pairs are its VNNI unit) into an AMX instruction with no tile configuration
+// loaded, and the process dies of SIGILL. On the AMX Xeon (family 6 model 167): k = 63
+// with n ≡ 16 (mod 32), n ≥ 80 and m not a multiple of 16, and k = 4095; other odd k up
+// to 301 and a sample up to 2047 ran (oneDNN issue 1661 reports k = 63, n = 80 on 2.7).
+// The convolution scans found it through the backward passes' products (Note [Backward
+// weight as one product]). Where the CPU's bfloat16 matmul is AMX's, a product with an
+// odd k runs on copies padded to k + 1: A with a zero column, B with a zero row, both
+// untransposed. The added products are +0, so C holds the same sums (their order is
+// oneDNN's for k + 1, fixed by the shape as before); the copies cost (m + n) k moves
+// against 2 m n k products.
+//
 // Note [bf16 GEMMs: a transposed A copied untransposed]
 // A Linear's weight gradient, dW = dYᵀ X, is a product whose A is transposed. oneDNN
 // 2.6's brgemm matmul (its AVX-512 bf16 and AMX kernels) takes no transposed A, so that
@@ -521,6 +534,60 @@ bool has_bf16_matmul() {
   return has;
 }
 
+/// Whether this CPU's bfloat16 matmul is AMX's (Note [bf16 GEMMs with an odd k on AMX]).
+bool bf16_matmul_is_amx() {
+  static const bool amx = [] {
+    const auto g = bf16_gemm(Bf16GemmKey{32, 32, 32, 32, 32, 32, false, false, 1.0f, 0.0f});
+    return g != nullptr && g->impl.find("amx") != std::string::npos;
+  }();
+  return amx;
+}
+
+/// A product's operands copied untransposed with k padded to k + 1 (a zero column of A,
+/// a zero row of B: Note [bf16 GEMMs with an odd k on AMX]), in the device's memory.
+class OddKPadding {
+ public:
+  OddKPadding(CpuBackend& be, Device dev, i64 m, i64 n, i64 k, const std::uint16_t* a, i64 lda, bool ta,
+              const std::uint16_t* b, i64 ldb, bool tb)
+      : be_(be), dev_(dev), bytes_(static_cast<std::size_t>((m + n) * (k + 1)) * sizeof(std::uint16_t)) {
+    block_ = static_cast<std::uint16_t*>(be.allocate(dev, bytes_));
+    a_ = block_;
+    b_ = block_ + m * (k + 1);
+    be.parallel_for(dev, m, std::max<i64>(1, 4096 / (k + 1)), [&](i64 r0, i64 r1) {
+      for (i64 i = r0; i < r1; ++i) {
+        std::uint16_t* row = a_ + i * (k + 1);
+        for (i64 j = 0; j < k; ++j) row[j] = ta ? a[j * lda + i] : a[i * lda + j];
+        row[k] = 0;  // +0
+      }
+    });
+    be.parallel_for(dev, k + 1, std::max<i64>(1, 4096 / std::max<i64>(n, 1)), [&](i64 r0, i64 r1) {
+      for (i64 j = r0; j < r1; ++j) {
+        std::uint16_t* row = b_ + j * n;
+        if (j == k) {
+          std::fill_n(row, n, std::uint16_t{0});
+        } else if (tb) {
+          for (i64 c = 0; c < n; ++c) row[c] = b[c * ldb + j];
+        } else {
+          std::memcpy(row, b + j * ldb, static_cast<std::size_t>(n) * sizeof(std::uint16_t));
+        }
+      }
+    });
+  }
+  ~OddKPadding() { be_.deallocate(dev_, block_, bytes_); }
+  OddKPadding(const OddKPadding&) = delete;
+  OddKPadding& operator=(const OddKPadding&) = delete;
+  const std::uint16_t* a() const { return a_; }
+  const std::uint16_t* b() const { return b_; }
+
+ private:
+  CpuBackend& be_;
+  Device dev_;
+  std::size_t bytes_;
+  std::uint16_t* block_ = nullptr;
+  std::uint16_t* a_ = nullptr;
+  std::uint16_t* b_ = nullptr;
+};
+
 /// C = A B through g on this thread, with a block of the device's memory holding oneDNN's
 /// scratchpad (poisoned first: Note [Poisoned memory]) and `extra` bytes after it;
 /// prepare(extra) gives A's data (it may fill the extra bytes, or poison C).
@@ -556,6 +623,19 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
     return;
   }
   DP_CHECK(a.epilogue.empty(), "gemm: a bfloat16 product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  if (a.k % 2 == 1 && bf16_matmul_is_amx()) {  // Note [bf16 GEMMs with an odd k on AMX]
+    const OddKPadding padded(be, dev, a.m, a.n, a.k, static_cast<const std::uint16_t*>(a.a), a.lda, a.trans_a,
+                             static_cast<const std::uint16_t*>(a.b), a.ldb, a.trans_b);
+    GemmArgs even = a;
+    even.a = padded.a();
+    even.b = padded.b();
+    even.k = a.k + 1;
+    even.lda = a.k + 1;
+    even.ldb = a.n;
+    even.trans_a = even.trans_b = false;
+    gemm_bf16_onednn(be, dev, even);
+    return;
+  }
   const i64 chunks = std::clamp<i64>(a.m / 16, 1, be.threads_per_device(dev));
   const auto* pa = static_cast<const BFloat16*>(a.a);
   const auto* pb = static_cast<const BFloat16*>(a.b);
@@ -594,6 +674,10 @@ bool gemm_bf16_f32out(CpuBackend& be, Device dev, i64 m, i64 n, i64 k, const std
   if (k == 0) {
     for (i64 r = 0; r < m; ++r) std::fill_n(c + r * ldc, n, 0.0f);
     return true;
+  }
+  if (k % 2 == 1 && bf16_matmul_is_amx()) {  // Note [bf16 GEMMs with an odd k on AMX]
+    const OddKPadding padded(be, dev, m, n, k, a, lda, false, b, ldb, false);
+    return gemm_bf16_f32out(be, dev, m, n, k + 1, padded.a(), k + 1, padded.b(), n, c, ldc);
   }
   // Slabs of rows as gemm_bf16_onednn's (Note [bf16 GEMMs through oneDNN]).
   const i64 chunks = std::clamp<i64>(m / 16, 1, be.threads_per_device(dev));
