@@ -6,7 +6,8 @@
 #
 # ASan+UBSan (build-asan): every suite but `cuda` (these builds have no CUDA backend,
 # so that suite could only skip). TSan (build-tsan): the runtime suites (--tsan-suites,
-# default: parallel comm autograd data optim nn). The library is built at -O1 (the
+# default: parallel comm autograd data optim nn, and `threads`: the tests elsewhere whose
+# threads share state, e.g. channels_last_test). The library is built at -O1 (the
 # level the sanitizers' authors recommend: fast enough, compiles a quarter faster than
 # -O2 under ASan+UBSan) with -g1 (line tables: full stack traces, a faster compile than
 # -g); test programs at -O0 (tests/meson.build). Only the test executables of the
@@ -28,7 +29,7 @@ usage: $0 [--only asan|tsan] [--tsan-suites "s1 s2 ..."] [--asan-suites "s1 ..."
           [--timeout-multiplier N] [--stress-configs N] [--jobs N]
   --only                run one sanitizer (default: both)
   --asan-suites         meson suites under ASan+UBSan (default: all but cuda)
-  --tsan-suites         meson suites under TSan (default: parallel comm autograd data optim nn)
+  --tsan-suites         meson suites under TSan (default: parallel comm autograd data optim nn threads)
   --timeout-multiplier  meson test timeout multiplier (default: 4; sanitizers are slow)
   --stress-configs      random configurations of stress_test (default: 300, its own default)
   --jobs                ninja -j (default: ninja's choice)
@@ -38,7 +39,7 @@ USAGE
 root="$(cd "$(dirname "$0")/.." && pwd)"
 only=""
 asan_suites=""
-tsan_suites="parallel comm autograd data optim nn"
+tsan_suites="parallel comm autograd data optim nn threads"
 mult=4
 stress=""
 jobs=()

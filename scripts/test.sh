@@ -32,7 +32,7 @@ scripts/install_check.sh
 if [[ -x scripts/sanitize.sh ]]; then
   step "sanitizers (ASan+UBSan, TSan)"
   # ASan+UBSan: every suite. TSan: the threaded runtime (parallel, comm, autograd,
-  # data, optim, nn) with DP_CPU_THREADS=1 (see docs/RELIABILITY.md).
+  # data, optim, nn, threads) with DP_CPU_THREADS=1 (see docs/RELIABILITY.md).
   scripts/sanitize.sh
 fi
 if [[ -x scripts/fuzz.sh ]]; then
