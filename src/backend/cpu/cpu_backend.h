@@ -175,6 +175,10 @@ bool gemm_slabs_keep_bits(std::int64_t m, std::int64_t n);
 
 class CpuBackend;
 
+/// Whether this CPU has oneDNN's bfloat16 matmul (probed once with a tiny product; Note
+/// [bf16 GEMMs through oneDNN] in cpu_gemm.cpp).
+bool has_bf16_matmul();
+
 /// c (m x n, ldc floats apart) = a (m x k bfloat16, row-major) b (k x n bfloat16): oneDNN's
 /// bfloat16 matmul in slabs of rows (Note [bf16 GEMMs through oneDNN]), C in float32, not
 /// rounded. False, having done nothing, where this CPU has no such matmul.

@@ -515,18 +515,18 @@ std::string cpu_model() {
 // with col the N·P·Q x R·S·C matrix of the input's windows (im2col: row (n, p, q) holds
 // x[n, p·sh - ph + r, q·sw - pw + s, :] for each (r, s) in order, zeros outside the
 // image — runs of C contiguous values of an NHWC input), gW (K x R·S·C) = gyᵀ col, gy
-// being the N·P·Q x K matrix a channels-last gradient is. bfloat16: gy transposed
-// (transpose_copy) times col through oneDNN's bfloat16 matmul into a float32 C
-// (gemm_bf16_f32out, no rounding: the caller rounds gW once, as for oneDNN's kernels);
-// float32: the float32 GEMM with a transposed A. Then gW is moved into K x C x R x S and
-// the bias gradient is gy's column sums (in double, rows in order). The whole batch is
+// being the N·P·Q x K matrix a channels-last gradient is: gyᵀ (transpose_copy; an NCHW
+// gradient's images are already K x P·Q) times col, bfloat16 through oneDNN's bfloat16
+// matmul into a float32 C (gemm_bf16_f32out, no rounding: the caller rounds gW once, as
+// for oneDNN's kernels), float32 through the float32 GEMM. Then gW is moved into K x C x
+// R x S and the bias gradient is gyᵀ's row sums (in double, in order). The whole batch is
 // one product, no chunks; its order of sums is fixed by the shape and the device's
 // threads (the GEMM's slabs), so runs and designs stay bitwise alike. The backward-data
 // pass of the same layers (7.4 ms a chunk at 4x4, 160 GFLOP/s) is the transposed product
 // and an im2col's adjoint: gcol (N·P·Q x R·S·C, float32) = gy W, W moved to K x R x S x C,
 // then each input pixel's channels the sum of the taps that read it, in (r, s) order,
-// rounded once. An NCHW call's activations are moved into N x H x W x C copies first (and
-// backward-data's gx back), transposes small beside the passes they replace at these
+// rounded once. An NCHW call's other activations are moved into N x H x W x C copies first
+// (and backward-data's gx back), transposes small beside the passes they replace at these
 // shapes. Both are a third candidate of the measured choice (Note [CPU convolution:
 // measured choice]) for backward passes whose matrix fits kGemmColBytes, kept where
 // they win clearly (as Plain must against the prior); elsewhere the two layouts as
@@ -540,18 +540,12 @@ std::string cpu_model() {
 /// product]); larger passes are oneDNN's.
 constexpr i64 kGemmColBytes = i64{64} << 20;
 
-/// Whether a bfloat16 product with a float32 C runs on oneDNN's matmul here.
-bool bf16_matmul_here() {
-  static const bool has = !bf16_gemm_kernel(16, 16, 16, 16, 16, 16, false, false).empty();
-  return has;
-}
-
 /// Whether a pass may run as one product (Note [Backward weight as one product]): a
 /// backward-weight pass (its im2col matrix in x's dtype) or backward-data pass (its column
 /// gradient in float32) whose matrix fits kGemmColBytes.
 bool gemm_pass_eligible(const Conv2dShape& s, ConvKind kind, DType dtype) {
   if (kind == ConvKind::Forward || s.N == 0) return false;
-  if (dtype != DType::F32 && !(dtype == DType::BF16 && bf16_matmul_here())) return false;
+  if (dtype != DType::F32 && !(dtype == DType::BF16 && has_bf16_matmul())) return false;
   const i64 esize = dtype == DType::F32 || kind == ConvKind::BackwardData ? 4 : 2;
   return s.N * s.P * s.Q * s.R * s.S * s.C * esize <= kGemmColBytes;
 }
@@ -1124,51 +1118,52 @@ class NhwcView {
 void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool bias, const ConvBuffers& buf) {
   const bool f32 = buf.dtype == DType::F32;
   const i64 esize = f32 ? 4 : 2;
-  const i64 M = s.N * s.P * s.Q, RS = s.R * s.S, J = RS * s.C, K = s.K;
+  const i64 PQ = s.P * s.Q, M = s.N * PQ, RS = s.R * s.S, J = RS * s.C, K = s.K;
   const NhwcView x(be, dev, s, s.C, s.H * s.W, esize, buf.x, true);
-  const NhwcView gy_view(be, dev, s, K, s.P * s.Q, esize, buf.gy, true);
   DeviceBlock col(be, dev, static_cast<std::size_t>(M * J * esize));
   im2col(be, dev, s, x.get(), esize, col.as<char>());
+  // gyᵀ (K x M): an N x P x Q x K gradient transposed, an NCHW one's images side by side.
+  DeviceBlock gyt(be, dev, static_cast<std::size_t>(K * M * esize));
+  if (s.channels_last) {
+    be.parallel_for(dev, M, std::max<i64>(16, 16384 / std::max<i64>(1, K)), [&](i64 m0, i64 m1) {
+      if (f32) {
+        transpose_copy(static_cast<const float*>(buf.gy) + m0 * K, K, m1 - m0, K, gyt.as<float>() + m0, M);
+      } else {
+        transpose_copy(static_cast<const std::uint16_t*>(buf.gy) + m0 * K, K, m1 - m0, K,
+                       gyt.as<std::uint16_t>() + m0, M);
+      }
+    });
+  } else {
+    be.parallel_for(dev, K, 1, [&](i64 k0, i64 k1) {
+      for (i64 k = k0; k < k1; ++k)
+        for (i64 n = 0; n < s.N; ++n)
+          std::memcpy(gyt.as<char>() + (k * M + n * PQ) * esize,
+                      static_cast<const char*>(buf.gy) + ((n * K + k) * PQ) * esize,
+                      static_cast<std::size_t>(PQ * esize));
+    });
+  }
   // out (K x J, float32) = gyᵀ col.
   DeviceBlock out(be, dev, static_cast<std::size_t>(K * J) * sizeof(float));
   if (f32) {
-    be.gemm(dev, /*trans_a=*/true, /*trans_b=*/false, K, J, M, 1.0f, static_cast<const float*>(gy_view.get()), K,
-            col.as<const float>(), J, 0.0f, out.as<float>(), J);
+    be.gemm(dev, false, false, K, J, M, 1.0f, gyt.as<const float>(), M, col.as<const float>(), J, 0.0f,
+            out.as<float>(), J);
   } else {
-    const auto* gy = static_cast<const std::uint16_t*>(gy_view.get());
-    DeviceBlock gyt(be, dev, static_cast<std::size_t>(K * M) * 2);  // K x M
-    be.parallel_for(dev, M, std::max<i64>(16, 16384 / std::max<i64>(1, K)), [&](i64 m0, i64 m1) {
-      transpose_copy(gy + m0 * K, K, m1 - m0, K, gyt.as<std::uint16_t>() + m0, M);
-    });
     const bool ran = gemm_bf16_f32out(be, dev, K, J, M, gyt.as<const std::uint16_t>(), M,
                                       col.as<const std::uint16_t>(), J, out.as<float>(), J);
     DP_CHECK(ran, "conv2d_backward_weight on ", dev.str(), ": no bfloat16 matmul on this CPU for the product path");
   }
-  // gW[k, c, r, s] = out[k, (r, s), c].
+  // gW[k, c, (r, s)] = out[k, (r, s), c]; gb[k] = gyᵀ's row k summed in order, in double.
   be.parallel_for(dev, K, 1, [&](i64 k0, i64 k1) {
     for (i64 k = k0; k < k1; ++k) {
-      const float* o = out.as<const float>() + k * J;
-      float* g = buf.gw + k * J;
-      for (i64 rs = 0; rs < RS; ++rs)
-        for (i64 c = 0; c < s.C; ++c) g[c * RS + rs] = o[rs * s.C + c];
-    }
-  });
-  if (!bias) return;
-  // gb[k] = Σ over the M rows of gy[m, k], rows in order, in double; columns in blocks.
-  constexpr i64 kCols = 16;
-  be.parallel_for(dev, (K + kCols - 1) / kCols, 1, [&](i64 b0, i64 b1) {
-    for (i64 b = b0; b < b1; ++b) {
-      const i64 c0 = b * kCols, c1 = std::min(K, c0 + kCols);
-      double acc[kCols] = {};
+      transpose_copy(out.as<const float>() + k * J, s.C, RS, s.C, buf.gw + k * J, RS);
+      if (!bias) continue;
+      double acc = 0;
       for (i64 m = 0; m < M; ++m) {
-        for (i64 c = c0; c < c1; ++c) {
-          const i64 i = m * K + c;
-          acc[c - c0] += f32 ? static_cast<double>(static_cast<const float*>(gy_view.get())[i])
-                             : static_cast<double>(static_cast<float>(
-                                   BFloat16::from_bits(static_cast<const std::uint16_t*>(gy_view.get())[i])));
-        }
+        const i64 i = k * M + m;
+        acc += f32 ? static_cast<double>(gyt.as<const float>()[i])
+                   : static_cast<double>(static_cast<float>(BFloat16::from_bits(gyt.as<const std::uint16_t>()[i])));
       }
-      for (i64 c = c0; c < c1; ++c) buf.gb[c] = static_cast<float>(acc[c - c0]);
+      buf.gb[k] = static_cast<float>(acc);
     }
   });
 }
@@ -1177,11 +1172,14 @@ void backward_weight_gemm(CpuBackend& be, Device dev, const Conv2dShape& s, bool
 void weight_krsc(CpuBackend& be, Device dev, const Conv2dShape& s, const void* w, i64 esize, char* out) {
   const i64 RS = s.R * s.S, J = RS * s.C;
   be.parallel_for(dev, s.K, 1, [&](i64 k0, i64 k1) {
-    for (i64 k = k0; k < k1; ++k)
-      for (i64 rs = 0; rs < RS; ++rs)
-        for (i64 c = 0; c < s.C; ++c)
-          std::memcpy(out + (k * J + rs * s.C + c) * esize, static_cast<const char*>(w) + (k * J + c * RS + rs) * esize,
-                      static_cast<std::size_t>(esize));
+    for (i64 k = k0; k < k1; ++k) {  // C x RS -> RS x C
+      if (esize == 4) {
+        transpose_copy(static_cast<const float*>(w) + k * J, RS, s.C, RS, reinterpret_cast<float*>(out) + k * J, s.C);
+      } else {
+        transpose_copy(static_cast<const std::uint16_t*>(w) + k * J, RS, s.C, RS,
+                       reinterpret_cast<std::uint16_t*>(out) + k * J, s.C);
+      }
+    }
   });
 }
 

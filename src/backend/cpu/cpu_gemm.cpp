@@ -528,11 +528,6 @@ std::shared_ptr<const Bf16Gemm> bf16_gemm(const Bf16GemmKey& key) {
   return entry;
 }
 
-/// Whether this CPU has oneDNN's bfloat16 matmul (probed once with a tiny product).
-bool has_bf16_matmul() {
-  static const bool has = bf16_gemm(Bf16GemmKey{2, 2, 2, 2, 2, 2, false, false, 1.0f, 0.0f}) != nullptr;
-  return has;
-}
 
 /// Whether this CPU's bfloat16 matmul is AMX's (Note [bf16 GEMMs with an odd k on AMX]).
 bool bf16_matmul_is_amx() {
@@ -665,6 +660,11 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
 }
 
 }  // namespace
+
+bool has_bf16_matmul() {
+  static const bool has = bf16_gemm(Bf16GemmKey{2, 2, 2, 2, 2, 2, false, false, 1.0f, 0.0f}) != nullptr;
+  return has;
+}
 
 bool gemm_bf16_f32out(CpuBackend& be, Device dev, i64 m, i64 n, i64 k, const std::uint16_t* a, i64 lda,
                       const std::uint16_t* b, i64 ldb, float* c, i64 ldc) {

@@ -1514,39 +1514,51 @@ void layer_norm_backward_f32(CudaBackend& be, Device dev, const LayerNormBackwar
 
 namespace {
 
-void batch_norm_train_nhwc(CudaBackend& be, Device dev, const BatchNormTrainArgs& a, DType dtype) {
-  check_bn("batchnorm_forward_train", a.N, a.C, a.HW);
-  DP_CHECK(a.save_mean && a.save_invstd, "batchnorm_forward_train: save_mean and save_invstd are required");
-  DP_CHECK(!a.running_mean == !a.running_var,
-           "batchnorm_forward_train: expected both running_mean and running_var, or neither");
-  const auto f = [](const void* p) { return static_cast<const float*>(p); };
-  const auto m = [](void* p) { return static_cast<float*>(p); };
+/// f(T{}, stream, M, scratch) for a channels-last batch norm `op` over storage T, with a
+/// float scratch block of scratch_floats(T{}) from the device's caching allocator,
+/// released once the kernels are enqueued (Note [Caching allocator streams]).
+template <typename Floats, typename F>
+void with_nhwc_scratch(CudaBackend& be, Device dev, const char* op, DType dtype, i64 N, i64 C, i64 HW,
+                       Floats&& scratch_floats, F&& f) {
+  check_bn(op, N, C, HW);
   cudaStream_t s = be.bind(dev);
-  const i64 M = a.N * a.HW;
-  with_bn_storage("batchnorm_forward_train", dtype, [&](auto zero) {
-    using T = decltype(zero);
-    // The partial sums, released once the kernels are enqueued (Note [Caching allocator streams]).
-    const auto bytes = static_cast<std::size_t>(nhwc_forward_scratch<T>(M, a.C)) * sizeof(float);
-    CudaBackend::Scratch parts(be, dev.index, bytes);
-    nhwc_forward_train(s, M, a.C, static_cast<const T*>(a.x), f(a.gamma), f(a.beta), a.eps, a.momentum,
-                       m(a.running_mean), m(a.running_var), static_cast<T*>(a.y), m(a.save_mean), m(a.save_invstd),
-                       static_cast<float*>(parts.get()));
+  with_bn_storage(op, dtype, [&](auto zero) {
+    const auto bytes = static_cast<std::size_t>(scratch_floats(zero)) * sizeof(float);
+    CudaBackend::Scratch scratch(be, dev.index, bytes);
+    f(zero, s, N * HW, static_cast<float*>(scratch.get()));
   });
 }
 
-void batch_norm_backward_nhwc(CudaBackend& be, Device dev, const BatchNormBackwardArgs& a, DType dtype) {
-  check_bn("batchnorm_backward", a.N, a.C, a.HW);
-  const auto f = [](const void* p) { return static_cast<const float*>(p); };
-  const auto m = [](void* p) { return static_cast<float*>(p); };
-  cudaStream_t s = be.bind(dev);
+const float* f32_in(const void* p) { return static_cast<const float*>(p); }
+float* f32_out(void* p) { return static_cast<float*>(p); }
+
+void batch_norm_train_nhwc(CudaBackend& be, Device dev, const BatchNormTrainArgs& a, DType dtype) {
+  DP_CHECK(a.save_mean && a.save_invstd, "batchnorm_forward_train: save_mean and save_invstd are required");
+  DP_CHECK(!a.running_mean == !a.running_var,
+           "batchnorm_forward_train: expected both running_mean and running_var, or neither");
   const i64 M = a.N * a.HW;
-  with_bn_storage("batchnorm_backward", dtype, [&](auto zero) {
-    using T = decltype(zero);
-    const auto bytes = static_cast<std::size_t>(nhwc_backward_scratch<T>(M, a.C)) * sizeof(float);
-    CudaBackend::Scratch sums(be, dev.index, bytes);
-    nhwc_backward(s, M, a.C, static_cast<const T*>(a.gy), static_cast<const T*>(a.x), f(a.gamma), f(a.save_mean),
-                  f(a.save_invstd), static_cast<T*>(a.gx), m(a.ggamma), m(a.gbeta), static_cast<float*>(sums.get()));
-  });
+  with_nhwc_scratch(
+      be, dev, "batchnorm_forward_train", dtype, a.N, a.C, a.HW,
+      [&](auto zero) { return nhwc_forward_scratch<decltype(zero)>(M, a.C); },
+      [&](auto zero, cudaStream_t s, i64 rows, float* scratch) {
+        using T = decltype(zero);
+        nhwc_forward_train(s, rows, a.C, static_cast<const T*>(a.x), f32_in(a.gamma), f32_in(a.beta), a.eps,
+                           a.momentum, f32_out(a.running_mean), f32_out(a.running_var), static_cast<T*>(a.y),
+                           f32_out(a.save_mean), f32_out(a.save_invstd), scratch);
+      });
+}
+
+void batch_norm_backward_nhwc(CudaBackend& be, Device dev, const BatchNormBackwardArgs& a, DType dtype) {
+  const i64 M = a.N * a.HW;
+  with_nhwc_scratch(
+      be, dev, "batchnorm_backward", dtype, a.N, a.C, a.HW,
+      [&](auto zero) { return nhwc_backward_scratch<decltype(zero)>(M, a.C); },
+      [&](auto zero, cudaStream_t s, i64 rows, float* scratch) {
+        using T = decltype(zero);
+        nhwc_backward(s, rows, a.C, static_cast<const T*>(a.gy), static_cast<const T*>(a.x), f32_in(a.gamma),
+                      f32_in(a.save_mean), f32_in(a.save_invstd), static_cast<T*>(a.gx), f32_out(a.ggamma),
+                      f32_out(a.gbeta), scratch);
+      });
 }
 
 }  // namespace
