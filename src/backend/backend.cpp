@@ -70,6 +70,33 @@ void check_gemm_batch(const GemmArgs& a) {
            " rows ", a.ldc, " apart (", c_span, " elements)");
 }
 
+// Note [Concurrent devices of live wrappers]
+// A DataParallel tells the backend how many of its devices work at once, and each CPU
+// device's arena takes that share of the cores (set_concurrent_devices). The count was
+// the last wrapper's word: its destructor set 1 while another wrapper over two devices
+// still trained, whose devices then ran with every core each — oversubscribed, and with
+// a thread count that picks other GEMM chunks and other convolution layouts (Note [CPU
+// convolution: measured choice] keys its choice by it), so other bits. Resuming into
+// fresh objects and then dropping the old ones did exactly that: the loop fuzzer's
+// program 9005 (DP on 2 devices, a channels-last CNN) differed from the same run
+// without the resume in the last bit of a bias. Now each wrapper holds its count for
+// its lifetime and the backend runs with the largest count held, 1 when none is.
+
+void Backend::hold_concurrent_devices(int count) {
+  DP_CHECK(count >= 1, "hold_concurrent_devices: expected a device count >= 1, got ", count);
+  std::lock_guard<std::mutex> lock(holds_mu_);
+  holds_.insert(count);
+  set_concurrent_devices(*holds_.rbegin());
+}
+
+void Backend::release_concurrent_devices(int count) {
+  std::lock_guard<std::mutex> lock(holds_mu_);
+  const auto it = holds_.find(count);
+  DP_CHECK(it != holds_.end(), "release_concurrent_devices: no wrapper holds ", count, " device(s)");
+  holds_.erase(it);
+  set_concurrent_devices(holds_.empty() ? 1 : *holds_.rbegin());
+}
+
 void Backend::gemm_epilogue_by_ops(Device dev, const GemmArgs& a) {
   DP_CHECK(a.epilogue.empty() || a.ldc == std::max<std::int64_t>(1, a.n),
            "gemm: an epilogue needs a contiguous C (ldc == n), got ldc=", a.ldc, " for n=", a.n);

@@ -20,6 +20,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -144,6 +146,12 @@ class Backend : public dp::detail::DeviceRuntime {
   /// the cores (CPU: sizes each device's task arena to max(1, cores / count)). Must
   /// not be called while a kernel runs on any of them.
   virtual void set_concurrent_devices(int count) = 0;
+  /// A wrapper over `count` devices of this type comes (hold) or goes (release): the
+  /// devices get set_concurrent_devices(the largest count held), or 1 once none is
+  /// held (Note [Concurrent devices of live wrappers]). Throws dp::Error for a count
+  /// below 1 or a release of a count not held.
+  void hold_concurrent_devices(int count);
+  void release_concurrent_devices(int count);
   /// Threads one kernel on `dev` may use now (CPU arena size; 0 = not meaningful).
   virtual int threads_per_device(Device dev) = 0;
   /// Runs host code f(begin, end) over disjoint ranges covering [0, n) with the host
@@ -348,6 +356,8 @@ class Backend : public dp::detail::DeviceRuntime {
 
  private:
   KernelFn kernels_[kOpCount][kDTypeCount] = {};
+  std::mutex holds_mu_;
+  std::multiset<int> holds_;  // the device counts of the live wrappers
 };
 
 // Note [Profiler ranges]

@@ -216,30 +216,36 @@ void DataParallel::init(std::vector<Device> devices) {
   buffers_ = net_->buffer_slots();
   for (auto& [name, t] : net_->named_parameters()) param_names_.push_back(name);
 
-  backend::get(devices_[0]).set_concurrent_devices(n);
-  recorder_ = std::make_unique<parallel::PhaseRecorder>(devices_);
-  const comm::CommOptions comm_options{.timeout = options_.collective_timeout};
-  comm_ = options_.span_processes ? comm::make_world_communicator(devices_, comm_options)
-                                  : comm::make_communicator(devices_, comm_options);
-  processes_ = comm_->world_size() / n;
-  process_ = comm_->first_rank() / n;
-  workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
-  fences_ = std::make_unique<backend::CopyFences>(devices_);
-  sync_processes();
-  design_ = parallel::make_design(*this);
-  for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!design_->persistent_replicas());
-  design_->lay_out();
-  design_->make_compute_copies();
-  design_->coalesce_buffers(buffers_);
-  design_->make_compute_buffers(buffers_);
-  design_->end_replicate();
-  design_->snapshot_grad_versions();
-  make_reducer();
-  grad_bytes_base_.assign(devices_.size(), 0);
-  gather_bytes_base_.assign(devices_.size(), 0);
-
-  executor_ = std::make_unique<Executor>(*this);
-  set_->set_executor(executor_.get());
+  // Note [Concurrent devices of live wrappers]: held from here, given back by the
+  // destructor, or below if construction fails.
+  backend::get(devices_[0]).hold_concurrent_devices(n);
+  try {
+    recorder_ = std::make_unique<parallel::PhaseRecorder>(devices_);
+    const comm::CommOptions comm_options{.timeout = options_.collective_timeout};
+    comm_ = options_.span_processes ? comm::make_world_communicator(devices_, comm_options)
+                                    : comm::make_communicator(devices_, comm_options);
+    processes_ = comm_->world_size() / n;
+    process_ = comm_->first_rank() / n;
+    workers_ = std::make_unique<parallel::WorkerPool>(devices_, "worker", /*caller_runs_rank0=*/true);
+    fences_ = std::make_unique<backend::CopyFences>(devices_);
+    sync_processes();
+    design_ = parallel::make_design(*this);
+    for (int r = 1; r < n; ++r) set_->add_copy(devices_[r], /*transient=*/!design_->persistent_replicas());
+    design_->lay_out();
+    design_->make_compute_copies();
+    design_->coalesce_buffers(buffers_);
+    design_->make_compute_buffers(buffers_);
+    design_->end_replicate();
+    design_->snapshot_grad_versions();
+    make_reducer();
+    grad_bytes_base_.assign(devices_.size(), 0);
+    gather_bytes_base_.assign(devices_.size(), 0);
+    executor_ = std::make_unique<Executor>(*this);
+    set_->set_executor(executor_.get());
+  } catch (...) {
+    backend::get(devices_[0]).release_concurrent_devices(n);
+    throw;
+  }
 }
 
 // Note [Across processes]
@@ -456,7 +462,7 @@ DataParallel::~DataParallel() {
       b->compute.clear();  // Note [Buffers in low precision]
       b->compute_reads.clear();
     }
-    backend::get(devices_[0]).set_concurrent_devices(1);
+    backend::get(devices_[0]).release_concurrent_devices(static_cast<int>(devices_.size()));
   } catch (const std::exception& e) {
     detail::log_warning(detail::str_cat("DataParallel: cleanup failed: ", e.what()));
   }

@@ -1,13 +1,16 @@
 // DataParallel in DP and DDP modes against plain single-device training.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <chrono>
 #include <future>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 
+#include "backend/backend.h"
 #include "dp/dp.h"
 #include "mlp_fixture.h"
 
@@ -369,6 +372,35 @@ TEST_CASE("the module is a plain single-device module again after DataParallel i
   CHECK(loss.item() > 0);
   dp::DataParallel again(net, {dp::cpu(0), dp::cpu(1)});
   CHECK(again(b.x).size(0) == 4);
+}
+
+TEST_CASE("each live DataParallel keeps its devices' share of the cores; one that goes leaves the others theirs") {
+  // Note [Concurrent devices of live wrappers]: a training resumed into fresh objects
+  // builds its wrapper before the old one goes. The old one's destructor used to give
+  // every device all the cores while the new one trained on two.
+  dp::backend::Backend& be = dp::backend::get(dp::cpu(0));
+  const int all = dp::hardware_concurrency(), half = std::max(1, all / 2), quarter = std::max(1, all / 4);
+  auto threads = [&] { return be.threads_per_device(dp::cpu(0)); };
+  const std::vector<dp::Device> two{dp::cpu(0), dp::cpu(1)};
+  auto old_model = std::make_unique<dp::DataParallel>(make_mlp(1), two);
+  CHECK(threads() == half);
+  auto resumed = std::make_unique<dp::DataParallel>(make_mlp(2), two);
+  old_model.reset();
+  CHECK(threads() == half);
+  {
+    dp::DataParallel wide(make_mlp(3), {dp::cpu(0), dp::cpu(1), dp::cpu(2), dp::cpu(3)});
+    CHECK(threads() == quarter);
+  }
+  CHECK(threads() == half);
+  Batch b = make_batch(4, 1);
+  CHECK((*resumed)(b.x).size(0) == 4);
+  resumed.reset();
+  CHECK(threads() == all);  // no wrapper: one device may use every core
+  // A wrapper refused at construction leaves the count as it was.
+  CHECK_THROWS_AS(dp::DataParallel(std::make_shared<dp::nn::Sequential>(), two), dp::Error);
+  CHECK(threads() == all);
+  CHECK_THROWS_AS(be.release_concurrent_devices(2), dp::Error);  // none held
+  CHECK_THROWS_AS(be.hold_concurrent_devices(0), dp::Error);
 }
 
 TEST_CASE("a module whose parameters another DataParallel trains is refused before anything moves") {
