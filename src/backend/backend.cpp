@@ -97,6 +97,16 @@ void Backend::release_concurrent_devices(int count) {
   set_concurrent_devices(holds_.empty() ? 1 : *holds_.rbegin());
 }
 
+void check_16bit_epilogue(DType dt, const GemmArgs& a) {
+  DP_CHECK(!a.epilogue.relu && a.epilogue.relu_y == nullptr, "gemm: a ", dtype_name(dt),
+           " product's epilogue is a bias only (ReLU is a separate op for 16-bit dtypes), got",
+           a.epilogue.relu ? " a ReLU" : "", a.epilogue.relu_y ? " a ReLU mask" : "");
+  DP_CHECK(a.epilogue.bias == nullptr || a.ldc == std::max<std::int64_t>(1, a.n),
+           "gemm: an epilogue needs a contiguous C (ldc == n), got ldc=", a.ldc, " for n=", a.n);
+  DP_CHECK(a.epilogue.bias == nullptr || a.beta == 0.0f, "gemm: a ", dtype_name(dt),
+           " product with a bias writes C (beta 0), got beta=", a.beta);
+}
+
 void Backend::gemm_epilogue_by_ops(Device dev, const GemmArgs& a) {
   DP_CHECK(a.epilogue.empty() || a.ldc == std::max<std::int64_t>(1, a.n),
            "gemm: an epilogue needs a contiguous C (ldc == n), got ldc=", a.ldc, " for n=", a.n);

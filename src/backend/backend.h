@@ -54,6 +54,10 @@ void check_conv_pool_layout(const Conv2dShape& s, bool pool);
 /// Throws dp::Error unless a's batch fields are valid (GemmArgs in ops.h): batch >= 0,
 /// non-negative strides, the Cs apart by at least one C, no epilogue on a batch.
 void check_gemm_batch(const GemmArgs& a);
+/// Throws dp::Error unless a 16-bit product's epilogue is a bias alone, written over a
+/// contiguous C (beta 0; Note [16-bit Linear: the bias in the one rounding] in src/tensor/ops.cpp: its ReLU
+/// is a separate op, which commutes with the rounding).
+void check_16bit_epilogue(DType dt, const GemmArgs& a);
 /// Matrix i of a batched `a` as a GemmArgs of its own (batch 1; GemmArgs in ops.h);
 /// `elem` is the dtype's size in bytes.
 inline GemmArgs gemm_matrix(const GemmArgs& a, std::size_t elem, std::int64_t i) {

@@ -848,25 +848,29 @@ namespace {
 
 // c (m×n) = op(a) * op(b) + beta * c for 2-d floating tensors of one dtype on one device
 // (no autograd); 16-bit products accumulate in float32 (Note [16-bit tensors]).
-void gemm_into(const Tensor& a, bool ta, const Tensor& b, bool tb, float beta, const Tensor& c, void* out) {
+void gemm_into(const Tensor& a, bool ta, const Tensor& b, bool tb, float beta, const Tensor& c, void* out,
+               const Tensor& bias = {}) {
   const std::int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
   const std::int64_t n = tb ? b.size(0) : b.size(1);
   DP_ASSERT(c.dim() == 2 && c.size(0) == m && c.size(1) == n && c.device() == a.device(), "gemm: output ",
             c.str(), " for a (", m, ", ", n, ") product");
   if (c.numel() == 0) return;
-  if (k == 0) {  // nothing to add; beta 0 overwrites
+  if (k == 0 && !bias.defined()) {  // nothing to add; beta 0 overwrites
     if (beta == 0.0f) be(a).run<Op::Fill>(a.device(), detail::kernel_dtype(c.dtype()), {out, c.numel(), 0.0f});
     return;
   }
+  const backend::GemmEpilogue ep{bias.defined() ? bias.raw_data() : nullptr};
   be(a).run<Op::Gemm>(
       a.device(), detail::kernel_dtype(a.dtype()),
-      {ta, tb, m, n, k, 1.0f, a.raw_data(), a.size(1), b.raw_data(), b.size(1), beta, out, n, {}});
+      {ta, tb, m, n, k, 1.0f, a.raw_data(), std::max<std::int64_t>(1, a.size(1)), b.raw_data(),
+       std::max<std::int64_t>(1, b.size(1)), beta, out, std::max<std::int64_t>(1, n), ep});
 }
 
-// c = op(a) * op(b), a fresh tensor.
-Tensor gemm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb) {
+// c = op(a) * op(b) (+ bias, a row of n in a's dtype, in the one rounding of a 16-bit
+// product: GemmEpilogue), a fresh tensor.
+Tensor gemm_raw(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& bias = {}) {
   Tensor c = empty({ta ? a.size(1) : a.size(0), tb ? b.size(0) : b.size(1)}, TensorOptions{a.dtype(), a.device()});
-  if (c.numel() > 0) gemm_into(a, ta, b, tb, 0.0f, c, c.raw_data());
+  if (c.numel() > 0) gemm_into(a, ta, b, tb, 0.0f, c, c.raw_data(), bias);
   return c;
 }
 
@@ -1024,8 +1028,27 @@ bool is_linear_relu_output(const Tensor& x) {
   return node != nullptr && x.impl()->autograd->output_nr == 0 && node->is(kLinearReluBackward);
 }
 
-// linear over 16-bit operands of one dtype: the product accumulates in float32 and rounds
-// once, then the bias is added (a second rounding) and the ReLU applied, each a plain op.
+// Note [16-bit Linear: the bias in the one rounding]
+// A bfloat16 or float16 linear forms each output as one float32 value — the products
+// summed in float32 plus the bias — and rounds it once (the Gemm op's GemmEpilogue bias:
+// oneDNN's matmul bias on the CPU, the widened float32 pass elsewhere, cuBLASLt's bias
+// epilogue on CUDA). That is PyTorch's: at::linear folds a 2-d or contiguous 3-d input
+// into addmm, whose CPU kernels (oneDNN with C filled with the bias and beta = 1, or its
+// own GEMM into that C) and CUDA kernel (cuBLASLt's CUBLASLT_EPILOGUE_BIAS) add the bias
+// to the float32 sum. PyTorch 2.15 on the CPU, F.linear over bfloat16 (64 x 96 times
+// 96 x 80): all 5120 outputs are the float32 product plus the bias rounded once but one
+// (an order of the sum), and 1516 differ from the product rounded, then the bias added
+// and rounded again, which is what dp computed before. One unit is not all: where the
+// bias cancels most of the product, the first rounding is a unit of the product, not of
+// the output — x = (1, 1), w = (1, 2^-8), b = -1 gives 2^-8 rounded once (PyTorch's
+// 0.00390625) and 0 rounded twice. The ReLU of linear_relu stays a separate op: rounding
+// is monotone and keeps 0, so it commutes with the ReLU and the bits are the fused ones.
+// The backward is unchanged: gx and gW are 16-bit products, the bias's gradient the
+// column sums of gy as a broadcast add's backward takes them (sum_to).
+
+// linear over 16-bit operands of one dtype (Note [16-bit Linear: the bias in the one
+// rounding]): each output is the float32 sum of the products and the bias, rounded once;
+// then the ReLU, a plain op (rounding and ReLU commute, so the bits are the fused ones).
 Tensor linear_16bit(const Tensor& x, const Tensor& w, const Tensor& b, bool relu) {
   const char* op = relu ? "linear_relu" : "linear";
   detail::check_floating(op, x);
@@ -1037,17 +1060,25 @@ Tensor linear_16bit(const Tensor& x, const Tensor& w, const Tensor& b, bool relu
   DP_CHECK(x.dim() == 2, op, ": expected input (B, in), got shape ", shape_str(x.shape()));
   DP_CHECK(w.dim() == 2 && w.size(1) == x.size(1), op, ": expected weight (out, in=", x.size(1), "), got ",
            shape_str(w.shape()), " for input ", shape_str(x.shape()));
-  Tensor out = gemm_raw(x, false, w, true);
-  const bool gx = x.requires_grad(), gw = w.requires_grad();
-  autograd::record("LinearBackward", {x, w}, out, {gw ? x : Tensor(), gx ? w : Tensor()}, [x, w, gx, gw](const std::vector<Tensor>& g) {
-    return std::vector<Tensor>{gx ? gemm_raw(g[0], false, w, false) : Tensor(),
-                               gw ? gemm_raw(g[0], true, x, false) : Tensor()};
-  });
+  detail::check_same_device(op, x, w);
   if (b.defined()) {
+    detail::check_same_device(op, x, b);
     DP_CHECK(b.dim() == 1 && b.size(0) == w.size(0), op, ": expected bias (", w.size(0), "), got ",
              shape_str(b.shape()));
-    out = add(out, b);
   }
+  Tensor out = gemm_raw(x, false, w, true, b);
+  const bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
+  std::vector<Tensor> inputs{x, w};
+  if (b.defined()) inputs.push_back(b);
+  autograd::record("LinearBackward", inputs, out, {gw ? x : Tensor(), gx ? w : Tensor()},
+                   [x, w, gx, gw, gb, has_b = b.defined(), bias_shape = b.defined() ? b.shape() : Shape{}](
+                       const std::vector<Tensor>& g) {
+                     std::vector<Tensor> r{gx ? gemm_raw(g[0], false, w, false) : Tensor(),
+                                           gw ? gemm_raw(g[0], true, x, false) : Tensor()};
+                     // The column sums, as a broadcast add's backward takes them.
+                     if (has_b) r.push_back(gb ? sum_to(g[0], bias_shape) : Tensor());
+                     return r;
+                   });
   return relu ? dp::relu(out) : out;
 }
 

@@ -24,6 +24,7 @@
 #include "backend/method_kernels.h"
 #include "dp/core/device.h"
 #include "dp/core/error.h"
+#include "test_errors.h"
 #include "test_scale.h"
 
 namespace {
@@ -1044,6 +1045,50 @@ TEST_CASE("gemm edge sizes: k = 0 scales C, m = 0 is a no-op, bad ld throws") {
   CHECK_THROWS_AS(be().gemm(dev0(), false, false, 2, 2, 3, 1.0f, c.data(), 2, c.data(), 2, 0.0f,
                             c.data(), 2),
                   dp::Error);
+}
+
+TEST_CASE("a 16-bit gemm's epilogue is a bias alone, over a contiguous C it writes: anything else refused by name") {
+  // Note [16-bit Linear: the bias in the one rounding]: the bias joins the product's one
+  // rounding; a ReLU (which commutes with it) stays a separate op.
+  for (const DType dt : {DType::BF16, DType::F16}) {
+    CAPTURE(dp::backend::dtype_name(dt));
+    const std::uint16_t one = dt == DType::BF16 ? dp::BFloat16(1.0f).bits : dp::Float16(1.0f).bits;
+    const std::uint16_t half = dt == DType::BF16 ? dp::BFloat16(-0.5f).bits : dp::Float16(-0.5f).bits;
+    std::vector<std::uint16_t> a(8, one), b(8, one), bias{half, one}, c(8, 0);
+    auto args = [&] {
+      return GemmArgs{false, false, 2, 2, 2, 1.0f, a.data(), 2, b.data(), 2, 0.0f, c.data(), 2, {bias.data()}};
+    };
+    be().run<Op::Gemm>(dev0(), dt, args());  // 2 + bias
+    auto value = [dt](std::uint16_t bits) {
+      return dt == DType::BF16 ? static_cast<float>(dp::BFloat16::from_bits(bits))
+                               : static_cast<float>(dp::Float16::from_bits(bits));
+    };
+    const float got[] = {value(c[0]), value(c[1]), value(c[3])};
+    CHECK(got[0] == 1.5f);
+    CHECK(got[1] == 3.0f);
+    CHECK(got[2] == 3.0f);
+    GemmArgs k0 = args();  // k = 0: the bias alone
+    k0.k = 0;
+    be().run<Op::Gemm>(dev0(), dt, k0);
+    CHECK(c[0] == half);
+    CHECK(c[1] == one);
+    GemmArgs bad = args();
+    bad.epilogue.relu = true;
+    CHECK(dp_test::throws_with([&] { be().run<Op::Gemm>(dev0(), dt, bad); },
+                      {"gemm: a ", dp::backend::dtype_name(dt), " product's epilogue is a bias only", "a ReLU"}));
+    bad = args();
+    bad.epilogue.relu_y = c.data();
+    CHECK(dp_test::throws_with([&] { be().run<Op::Gemm>(dev0(), dt, bad); },
+                               {"epilogue is a bias only", "a ReLU mask"}));
+    bad = args();
+    bad.ldc = 3;
+    CHECK(dp_test::throws_with([&] { be().run<Op::Gemm>(dev0(), dt, bad); },
+                      {"an epilogue needs a contiguous C (ldc == n), got ldc=3 for n=2"}));
+    bad = args();
+    bad.beta = 0.5f;
+    CHECK(dp_test::throws_with([&] { be().run<Op::Gemm>(dev0(), dt, bad); },
+                               {"with a bias writes C (beta 0), got beta=0.5"}));
+  }
 }
 
 TEST_CASE("batched gemm: each product's bits as its own call, shared B, gaps untouched; bad batches throw") {

@@ -1447,6 +1447,33 @@ void add_16bit(Table& t, DType dt, i64 n) {
             });
           });
   }
+  // A Linear's forward, y = x·wᵀ + b (Note [16-bit Linear: the bias in the one rounding]
+  // in src/tensor/ops.cpp), on values whose float32 sums are exact in any order: x in
+  // eighths and w in sixteenths of [-4, 4) and b in sixteenths of [-8, 8) (all exact in
+  // both 16-bit dtypes), so every product and partial sum is a multiple of 2^-7 below
+  // 2^10 in size, 17 bits. The sum plus the
+  // bias, rounded once, is then one value that every backend must give bit for bit,
+  // where rounding it before the bias moves it (most outputs need more than bfloat16's
+  // 8 bits). 40 x 80 x 63: two slabs of rows, and an odd k (Note [bf16 GEMMs with an odd
+  // k on AMX]); 5 x 24 x 16: one slab, 16-byte rows.
+  for (const auto& [m, nn, k] : {std::array<i64, 3>{40, 80, 63}, std::array<i64, 3>{5, 24, 16}}) {
+    t.add(Kernel::Gemm, dt, "gemm_" + tag, dims({m, nn, k}) + " NT + bias (a Linear)", kExact, 2.0 * m * nn * k,
+          k2 * (m * k + k * nn + m * nn + nn), [=](OpRun& r) {
+            auto scaled = [&r](i64 n, float lo, float hi, float unit) {
+              std::vector<float> v = r.host_uniform(n, lo, hi, true);
+              for (float& x : v) x *= unit;
+              return v;
+            };
+            const void* x = r.upload16(dt, scaled(m * k, -32, 32, 0x1p-3f));
+            const void* w = r.upload16(dt, scaled(nn * k, -64, 64, 0x1p-4f));
+            const void* bias = r.upload16(dt, scaled(nn, -128, 128, 0x1p-4f));
+            void* y = r.empty16(dt, m * nn);
+            r.output16("y", dt, y, m * nn);
+            r.set_call([=](Backend& be, Device d) {
+              be.run<Op::Gemm>(d, dt, {false, true, m, nn, k, 1.0f, x, k, w, k, 0.0f, y, nn, {bias}});
+            });
+          });
+  }
 }
 
 /// The three passes of a bfloat16 convolution (the CPU's: Note [bf16 convolutions

@@ -6,6 +6,8 @@
 // half_test.cpp checks bitwise against PyTorch.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -359,8 +361,9 @@ TEST_CASE("a 16-bit linear layer's forward and gradients") {
     const dp::Tensor b = b32.to(dt).set_requires_grad(true);
     const dp::Tensor y = dp::linear(x, w, b);
     CHECK(y.dtype() == dt);
-    // The product rounds once, the bias add once more.
-    const dp::Tensor want = dp::add(dp::matmul(x32, w32.t()).to(dt), b32.to(dt));
+    // The product plus the bias, rounded once (Note [16-bit Linear: the bias in the one
+    // rounding]).
+    const dp::Tensor want = dp::add(dp::matmul(x32, w32.t()), b32).to(dt);
     CHECK(within_one_ulp(y.to_vector(), want.to_vector(), dt));
     dp::sum(y).backward();
     CHECK(w.grad().dtype() == dt);
@@ -368,6 +371,74 @@ TEST_CASE("a 16-bit linear layer's forward and gradients") {
                          dt));  // column sums of x
     CHECK(same_floats(b.grad().to_vector(), std::vector<float>{5, 5, 5}));
     CHECK(within_one_ulp(x.grad().to_vector(), dp::matmul(dp::ones({5, 3}), w32).to(dt).to_vector(), dt));
+  }
+}
+
+TEST_CASE("a 16-bit linear adds its bias before its one rounding, as PyTorch's addmm; linear_relu clips that") {
+  // Note [16-bit Linear: the bias in the one rounding]. x = (1, 1), w = (1, u/2), b = -1,
+  // u the dtype's unit at 1: 1 + u/2 is a tie that rounds to 1, so rounding the product
+  // before the bias gives 0, rounding once gives u/2 (PyTorch 2.15's F.linear: 0.00390625
+  // in bfloat16, 0.00048828125 in float16).
+  for (Dtype dt : kHalfDtypes) {
+    CAPTURE(std::string(dp::dtype_name(dt)));
+    const float half_unit = dt == Dtype::BFloat16 ? 0x1p-8f : 0x1p-11f;
+    const dp::Tensor x = dp::from_vector(std::vector<float>{1, 1}, {1, 2}).to(dt);
+    const dp::Tensor w = dp::from_vector(std::vector<float>{1, half_unit}, {1, 2}).to(dt);
+    CHECK(same_floats(dp::linear(x, w, dp::from_vector(std::vector<float>{-1}, {1}).to(dt)).to_vector(),
+                      std::vector<float>{half_unit}));
+    CHECK(same_floats(dp::linear_relu(x, w, dp::from_vector(std::vector<float>{-1}, {1}).to(dt)).to_vector(),
+                      std::vector<float>{half_unit}));
+    CHECK(same_floats(dp::linear(x, dp::neg(w), dp::from_vector(std::vector<float>{1}, {1}).to(dt)).to_vector(),
+                      std::vector<float>{-half_unit}));
+    CHECK(same_floats(dp::linear_relu(x, dp::neg(w), dp::from_vector(std::vector<float>{1}, {1}).to(dt)).to_vector(),
+                      std::vector<float>{0}));
+  }
+  // Larger, on values whose float32 sums are exact in any order (x in eighths, w in
+  // sixteenths of [-4, 4), b in sixteenths of [-8, 8): every partial sum a multiple of
+  // 2^-7 below 2^10), so the sum plus the bias rounded once is one value, bit for bit:
+  // 40 x 63 times 63 x 80 runs in two slabs of rows and, on an AMX CPU, through the
+  // odd-k padding (Note [bf16 GEMMs with an odd k on AMX]); 5 x 16 times 16 x 24 in one.
+  for (Dtype dt : kHalfDtypes) {
+    for (const auto& [m, n, k] : {std::array<std::int64_t, 3>{40, 80, 63}, std::array<std::int64_t, 3>{5, 24, 16}}) {
+      CAPTURE(std::string(dp::dtype_name(dt)));
+      CAPTURE(k);
+      std::uint32_t seed = static_cast<std::uint32_t>(m * 7 + k);
+      auto grid = [&seed](std::int64_t count, int span, float unit) {
+        std::vector<float> v(static_cast<std::size_t>(count));
+        for (float& e : v) {
+          seed = seed * 1664525u + 1013904223u;
+          e = static_cast<float>(static_cast<int>(seed >> 8) % (2 * span) - span) * unit;
+        }
+        return v;
+      };
+      const std::vector<float> xs = grid(m * k, 32, 0x1p-3f), ws = grid(n * k, 64, 0x1p-4f), bs = grid(n, 128, 0x1p-4f);
+      std::vector<float> want(static_cast<std::size_t>(m * n)), want_relu(want.size());
+      int moved = 0;  // outputs where rounding the product first gives another value
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j) {
+          float sum = 0;  // exact
+          for (std::int64_t e = 0; e < k; ++e)
+            sum += xs[static_cast<std::size_t>(i * k + e)] * ws[static_cast<std::size_t>(j * k + e)];
+          const auto at = static_cast<std::size_t>(i * n + j);
+          want[at] = round16(sum + bs[static_cast<std::size_t>(j)], dt);
+          want_relu[at] = std::max(want[at], 0.0f);
+          moved += round16(round16(sum, dt) + bs[static_cast<std::size_t>(j)], dt) != want[at];
+        }
+      CHECK(moved > 0);  // the case tells the two apart (bfloat16: a third of the outputs)
+      const dp::Tensor x = dp::from_vector(xs, {m, k}).to(dt).set_requires_grad(true);
+      const dp::Tensor w = dp::from_vector(ws, {n, k}).to(dt).set_requires_grad(true);
+      const dp::Tensor b = dp::from_vector(bs, {n}).to(dt).set_requires_grad(true);
+      const dp::Tensor y = dp::linear(x, w, b);
+      CHECK(same_floats(y.to_vector(), want));
+      CHECK(same_floats(dp::linear_relu(x, w, b).to_vector(), want_relu));
+      // The bias's gradient is the column sums of gy, as a broadcast add's backward
+      // takes them; x's and w's are the 16-bit products of gy.
+      const dp::Tensor gy = dp::from_vector(grid(m * n, 8, 0.25f), {m, n}).to(dt);
+      dp::sum(dp::mul(y, gy)).backward();
+      CHECK(same_floats(b.grad().to_vector(), dp::sum(gy, 0, false).to_vector()));
+      CHECK(same_floats(x.grad().to_vector(), dp::matmul(gy, w.detach()).to_vector()));
+      CHECK(same_floats(w.grad().to_vector(), dp::matmul(gy.t(), x.detach()).to_vector()));
+    }
   }
 }
 

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -376,9 +377,11 @@ void CpuBackend::gemm_chunked(Device dev, bool trans_a, bool trans_b, i64 m, i64
 // float32 GEMM above (float32 accumulation) and rounds each element of C once: the
 // float32 product of the 16-bit values, rounded once, which is what a bf16 GEMM with
 // float32 accumulation (oneDNN's, cuBLAS's with CUBLAS_COMPUTE_32F) gives up to the
-// order of the sum. Any CPU runs it, with or without a bf16 ISA; it moves the 16-bit
-// bytes once more than a native kernel would and computes at float32 speed. The
-// widened copies are the device's memory while the call runs.
+// order of the sum; a bias (GemmEpilogue) is added to the float32 value before that
+// rounding (Note [16-bit Linear: the bias in the one rounding] in src/tensor/ops.cpp).
+// Any CPU runs it, with or without a bf16 ISA; it moves the 16-bit bytes once more than
+// a native kernel would and computes at float32 speed. The widened copies are the
+// device's memory while the call runs.
 
 namespace {
 
@@ -388,8 +391,7 @@ i64 span(i64 rows, i64 cols, i64 ld) { return rows == 0 || cols == 0 ? 0 : (rows
 template <typename T>
 void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
   if (be.gemm_batched(dev, a, sizeof(T), [&](const GemmArgs& m) { gemm_16bit<T>(be, dev, m); })) return;
-  DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dtype_of<T>),
-           " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  check_16bit_epilogue(dtype_of<T>, a);
   DP_CHECK(a.m >= 0 && a.n >= 0 && a.k >= 0, "gemm: expected non-negative m, n, k, got ", a.m, ", ", a.n, ", ", a.k);
   const i64 na = a.trans_a ? span(a.k, a.m, a.lda) : span(a.m, a.k, a.lda);
   const i64 nb = a.trans_b ? span(a.n, a.k, a.ldb) : span(a.k, a.n, a.ldb);
@@ -414,9 +416,15 @@ void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
   T* c = static_cast<T*>(a.c);
   const float* from = wc.get();
   const i64 n = a.n, ldc = a.ldc;
+  const T* bias = static_cast<const T*>(a.epilogue.bias);  // added before the one rounding
   be.parallel_for(dev, a.m, std::max<i64>(1, kSerialGrain / std::max<i64>(1, n)), [=](i64 lo, i64 hi) {
-    for (i64 r = lo; r < hi; ++r)
-      for (i64 j = 0; j < n; ++j) c[r * ldc + j] = T(from[r * ldc + j]);
+    for (i64 r = lo; r < hi; ++r) {
+      if (bias != nullptr) {
+        for (i64 j = 0; j < n; ++j) c[r * ldc + j] = T(from[r * ldc + j] + static_cast<float>(bias[j]));
+      } else {
+        for (i64 j = 0; j < n; ++j) c[r * ldc + j] = T(from[r * ldc + j]);
+      }
+    }
   });
 }
 
@@ -426,7 +434,8 @@ void gemm_16bit(CpuBackend& be, Device dev, const GemmArgs& a) {
 // Where oneDNN has a bfloat16 matmul for this CPU (avx512_bf16 or AMX natively; other
 // AVX-512 CPUs by its own emulation), a bfloat16 product is oneDNN's matmul primitive on
 // the 16-bit operands, accumulating in float32 and rounding C once, with beta through a
-// sum post-op (C's old value widened, added in float32, rounded once). C is cut into
+// sum post-op (C's old value widened, added in float32, rounded once) and a bias as the
+// primitive's own (widened and added before that rounding). C is cut into
 // slabs of rows, one single-threaded execution per task of the device's arena, as the
 // float32 GEMM is (Note [oneDNN in the device's arena]): every element is one dot product
 // over all of k. oneDNN may pick its kernel by the slab's shape, so a different thread
@@ -473,13 +482,14 @@ struct Bf16GemmKey {
   bool ta, tb;
   float alpha, beta;
   bool f32_out = false;  // C in float32 (gemm_bf16_f32out), not rounded to bfloat16
-  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, ta, tb, alpha, beta, f32_out); }
+  bool bias = false;     // a bfloat16 bias per column of C, added before C's rounding
+  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, ta, tb, alpha, beta, f32_out, bias); }
   bool operator<(const Bf16GemmKey& o) const { return tie() < o.tie(); }
 };
 
 struct Bf16Gemm {
   dnnl::matmul prim;
-  dnnl::memory::desc a, b, c, scratch;
+  dnnl::memory::desc a, b, c, scratch, bias;  // bias: empty without one
   std::string impl;  // oneDNN's name of the kernel it picked
   /// For a transposed A: the product of A's copy untransposed, where that runs a better
   /// kernel (Note [bf16 GEMMs: a transposed A copied untransposed]); else null.
@@ -501,9 +511,12 @@ std::shared_ptr<Bf16Gemm> make_bf16_gemm(const Bf16GemmKey& key) {
     ops.append_sum(key.beta);
     attr.set_post_ops(ops);
   }
+  const md bias = key.bias ? md({1, key.n}, dt::bf16, dnnl::memory::dims{key.n, 1}) : md();
   try {
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), attr, gemm_engine());
-    return std::make_shared<Bf16Gemm>(Bf16Gemm{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(), pd.impl_info_str(), nullptr});
+    const dnnl::matmul::desc desc = key.bias ? dnnl::matmul::desc(a, b, bias, c) : dnnl::matmul::desc(a, b, c);
+    const dnnl::matmul::primitive_desc pd(desc, attr, gemm_engine());
+    return std::make_shared<Bf16Gemm>(
+        Bf16Gemm{dnnl::matmul(pd), a, b, c, pd.scratchpad_desc(), bias, pd.impl_info_str(), nullptr});
   } catch (const dnnl::error&) {
     return nullptr;  // unimplemented on this CPU: the widening path
   }
@@ -588,7 +601,7 @@ class OddKPadding {
 /// prepare(extra) gives A's data (it may fill the extra bytes, or poison C).
 template <typename Prepare>
 void execute_bf16_gemm(CpuBackend& be, Device dev, const Bf16Gemm& g, std::size_t extra, Prepare&& prepare,
-                       const void* b, void* c) {
+                       const void* b, void* c, const void* bias = nullptr) {
   const std::size_t onednn_bytes = (g.scratch.get_size() + 63) / 64 * 64;
   const std::size_t bytes = onednn_bytes + extra;
   void* scratch = bytes > 0 ? be.allocate(dev, bytes) : nullptr;
@@ -600,7 +613,10 @@ void execute_bf16_gemm(CpuBackend& be, Device dev, const Bf16Gemm& g, std::size_
     dnnl::memory mb(g.b, gemm_engine(), const_cast<void*>(b));
     dnnl::memory mc(g.c, gemm_engine(), c);
     dnnl::memory ms(g.scratch, gemm_engine(), g.scratch.get_size() > 0 ? scratch : nullptr);
-    g.prim.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}});
+    std::unordered_map<int, dnnl::memory> args{
+        {DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}};
+    if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, dnnl::memory(g.bias, gemm_engine(), const_cast<void*>(bias)));
+    g.prim.execute(stream, args);
     stream.wait();
   } catch (...) {
     if (scratch) be.deallocate(dev, scratch, bytes);
@@ -617,7 +633,7 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
     gemm_16bit<BFloat16>(be, dev, a);
     return;
   }
-  DP_CHECK(a.epilogue.empty(), "gemm: a bfloat16 product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  check_16bit_epilogue(DType::BF16, a);
   if (a.k % 2 == 1 && bf16_matmul_is_amx()) {  // Note [bf16 GEMMs with an odd k on AMX]
     const OddKPadding padded(be, dev, a.m, a.n, a.k, static_cast<const std::uint16_t*>(a.a), a.lda, a.trans_a,
                              static_cast<const std::uint16_t*>(a.b), a.ldb, a.trans_b);
@@ -639,7 +655,8 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
     omp_set_num_threads(1);  // per thread: this thread's oneDNN calls make no team
     const i64 lo = a.m * ch / chunks / 16 * 16, hi = ch + 1 == chunks ? a.m : a.m * (ch + 1) / chunks / 16 * 16;
     if (hi <= lo) return;
-    const auto found = bf16_gemm({hi - lo, a.n, a.k, a.lda, a.ldb, a.ldc, a.trans_a, a.trans_b, a.alpha, a.beta});
+    const auto found = bf16_gemm({hi - lo, a.n, a.k, a.lda, a.ldb, a.ldc, a.trans_a, a.trans_b, a.alpha, a.beta,
+                                  false, a.epilogue.bias != nullptr});
     DP_CHECK(found != nullptr, "gemm on ", dev.str(), ": oneDNN has a bfloat16 matmul for one shape and not for (",
              hi - lo, ", ", a.n, ", ", a.k, ")");
     // Note [bf16 GEMMs: a transposed A copied untransposed]: the slab's hi - lo columns
@@ -655,7 +672,7 @@ void gemm_bf16_onednn(CpuBackend& be, Device dev, const GemmArgs& a) {
                      static_cast<std::uint16_t*>(extra), a.k);
       return extra;
     };
-    execute_bf16_gemm(be, dev, *g, copy_bytes, prepare, pb, pc + lo * a.ldc);
+    execute_bf16_gemm(be, dev, *g, copy_bytes, prepare, pb, pc + lo * a.ldc, a.epilogue.bias);
   });
 }
 

@@ -13,8 +13,13 @@
 // float32, each element of C rounded once to the 16-bit type — Note [16-bit GEMMs on the
 // CPU] up to the order of the sum. The handle's math mode forbids reduced-precision
 // reductions, so a split-K reduction sums in float32 too (cuBLAS allows 16-bit ones by
-// default). There is no epilogue: bias and ReLU are separate ops for 16-bit dtypes, as
-// on the CPU.
+// default). A bias (GemmEpilogue; a Linear's: Note [16-bit Linear: the bias in the one
+// rounding] in src/tensor/ops.cpp) joins that one rounding: C is first filled with the
+// bias of its column and the product adds into it with beta = 1, so cuBLAS forms
+// alpha · AB + C in float32 and rounds once — the bytes of the separate bias add it
+// replaces (a write of C, then a read with the GEMM's epilogue, against a read and a
+// write after it). cuBLASLt's CUBLASLT_EPILOGUE_BIAS, PyTorch's addmm path, would save
+// the fill too. ReLU stays a separate op for 16-bit dtypes, as on the CPU.
 //
 // Note [cuDNN algorithm choice]
 // Each convolution shape gets a plan — descriptors plus one algorithm per direction —
@@ -595,11 +600,23 @@ template <DType dt>
 void gemm_16bit(CudaBackend& be, Device dev, const GemmArgs& a) {
   static_assert(dt == DType::BF16 || dt == DType::F16, "gemm_16bit: a 16-bit dtype");
   constexpr cudaDataType_t type = dt == DType::BF16 ? CUDA_R_16BF : CUDA_R_16F;
-  DP_CHECK(a.epilogue.empty(), "gemm: a ", dtype_name(dt),
-           " product takes no epilogue (bias and ReLU are separate ops for 16-bit dtypes)");
+  check_16bit_epilogue(dt, a);
   check_gemm_batch(a);
   be.bind(dev);
   if (a.batch == 0 || !check_gemm(a.trans_a, a.trans_b, a.m, a.n, a.k, a.lda, a.ldb, a.ldc)) return;
+  float beta = a.beta;
+  if (a.epilogue.bias != nullptr) {
+    // Note [16-bit GEMMs on CUDA]: C starts as its columns' biases (a broadcast copy, 16
+    // bytes a thread), and the product adds into it with beta = 1.
+    Indexer rows;
+    rows.ndim = 2;
+    rows.sizes[0] = a.m;
+    rows.sizes[1] = a.n;
+    rows.strides_a[0] = 0;
+    rows.strides_a[1] = 1;
+    be.run<Op::StridedCopy>(dev, dt, {rows, a.epilogue.bias, a.c});
+    beta = 1.0f;
+  }
   auto h = be.cublas(dev.index);
   DP_CUBLAS_CHECK(cublasSetMathMode(
       h.get(), static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
@@ -608,12 +625,12 @@ void gemm_16bit(CudaBackend& be, Device dev, const GemmArgs& a) {
   const cublasOperation_t op_b = a.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = a.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (a.batch != 1) {
     DP_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(h.get(), op_b, op_a, a.n, a.m, a.k, &a.alpha, a.b, type, a.ldb,
-                                                  a.stride_b, a.a, type, a.lda, a.stride_a, &a.beta, a.c, type, a.ldc,
+                                                  a.stride_b, a.a, type, a.lda, a.stride_a, &beta, a.c, type, a.ldc,
                                                   a.stride_c, a.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return;
   }
   DP_CUBLAS_CHECK(cublasGemmEx_64(h.get(), op_b, op_a, a.n, a.m, a.k, &a.alpha, a.b, type, a.ldb, a.a, type, a.lda,
-                                  &a.beta, a.c, type, a.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                  &beta, a.c, type, a.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 // The 16-bit convolutions (Note [16-bit convolutions on CUDA]).
