@@ -62,7 +62,10 @@ constexpr bool is_floating_point(Dtype dtype) {
 // cancels for negative x; dp takes erfc(-x/√2) there, Note [Fused GELU]; 0.8 % on
 // 2026-11-29, when dp cancelled too) and tanh-gelu at 4 inputs (large negative x:
 // PyTorch's tanh reaches -1, giving -0). Sums, means and products of matrices accumulate in float32 and round once
-// at the end.
+// at the end, a Linear's or a convolution's bias inside that rounding: on inputs whose sums are exact in any order,
+// means, sums, products, linear, conv2d, softmax, layer and batch norm, mse_loss give PyTorch's bits, and
+// log_softmax and cross_entropy the float64 value rounded once where PyTorch rounds the log-softmax first
+// (scripts/make_half_ops_reference.py, half_tensor_test).
 // An op given float32 and 16-bit operands computes in float32 and returns float32 (the
 // wider dtype, as PyTorch promotes); two different 16-bit dtypes promote to float32 too.
 // Gradients have their tensor's dtype; to(dtype) between floating dtypes is
