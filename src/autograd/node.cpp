@@ -296,7 +296,7 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grad_outputs) {
       m.grad = g.detach().clone();  // own storage: g may be shared with other edges
     }
   }
-  for (auto& hook : m.post_accumulate_hooks) hook(leaf);
+  for (auto& hook : m.post_accumulate_hooks) hook.fn(leaf);
   return {};
 }
 
@@ -349,10 +349,19 @@ void record(const char* name, const std::vector<Tensor>& inputs, Tensor& output,
   connect(node, inputs, {&output});
 }
 
-void add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook) {
+std::uint64_t add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook) {
   DP_CHECK(t.defined() && t.is_leaf(), "post-accumulate hooks need a leaf tensor, got ",
            t.defined() ? t.str() : "an undefined tensor");
-  meta(t).post_accumulate_hooks.push_back(std::move(hook));
+  static std::atomic<std::uint64_t> next_id{1};
+  const std::uint64_t id = next_id.fetch_add(1, std::memory_order_relaxed);
+  meta(t).post_accumulate_hooks.push_back({id, std::move(hook)});
+  return id;
+}
+
+bool remove_post_accumulate_hook(const Tensor& t, std::uint64_t id) {
+  if (!t.defined() || !t.impl()->autograd) return false;
+  auto& hooks = t.impl()->autograd->post_accumulate_hooks;
+  return std::erase_if(hooks, [id](const AutogradMeta::PostAccumulateHook& h) { return h.id == id; }) > 0;
 }
 
 void clear_post_accumulate_hooks(const Tensor& t) {

@@ -444,9 +444,11 @@ void DataParallel::make_reducer() {
   for (auto& s : slots) layout.emplace_back(s->offset, s->copies[0].numel());
   reducer_->set_param_layout(std::move(layout));
   for (int r = 0; r < static_cast<int>(devices_.size()); ++r)
-    for (int i = 0; i < static_cast<int>(slots.size()); ++i)
-      autograd::add_post_accumulate_hook(
+    for (int i = 0; i < static_cast<int>(slots.size()); ++i) {
+      const std::uint64_t id = autograd::add_post_accumulate_hook(
           slots[i]->copies[r], [red = reducer_.get(), r, i](const Tensor& leaf) { red->grad_ready(r, i, leaf); });
+      if (r == 0) grad_hooks_.push_back(id);  // the replicas' go with them
+    }
 }
 
 DataParallel::~DataParallel() {
@@ -455,7 +457,10 @@ DataParallel::~DataParallel() {
     set_->set_executor(nullptr);
     executor_.reset();
     design_->release();
-    for (auto& s : set_->slots()) autograd::clear_post_accumulate_hooks(s->copies[0]);
+    // Only the reducer's hooks (slot i's is grad_hooks_[i]): a user's own stay.
+    const auto& slots = set_->slots();
+    for (std::size_t i = 0; i < grad_hooks_.size() && i < slots.size(); ++i)
+      autograd::remove_post_accumulate_hook(slots[i]->copies[0], grad_hooks_[i]);
     set_->drop_copies();
     for (auto& b : buffers_) {
       b->copies.resize(1);

@@ -408,9 +408,23 @@ TEST_CASE("post-accumulate hooks fire once per accumulation, after .grad is upda
   dp::sum(other * 2.0).backward();
   CHECK(calls == 2);
 
+  // One hook removed by its id, the other kept; a second removal does nothing.
+  int second = 0;
+  const std::uint64_t id = dp::autograd::add_post_accumulate_hook(x, [&second](const Tensor&) { ++second; });
+  dp::sum(x).backward();
+  CHECK(calls == 3);
+  CHECK(second == 1);
+  CHECK(dp::autograd::remove_post_accumulate_hook(x, id));
+  CHECK_FALSE(dp::autograd::remove_post_accumulate_hook(x, id));
+  CHECK_FALSE(dp::autograd::remove_post_accumulate_hook(other, id));
+  CHECK_FALSE(dp::autograd::remove_post_accumulate_hook(Tensor(), id));
+  dp::sum(x).backward();
+  CHECK(calls == 4);
+  CHECK(second == 1);
+
   dp::autograd::clear_post_accumulate_hooks(x);
   dp::sum(x).backward();
-  CHECK(calls == 2);
+  CHECK(calls == 4);
 
   Tensor y = x * 2.0;
   CHECK_THROWS_AS(dp::autograd::add_post_accumulate_hook(y, [](const Tensor&) {}), dp::Error);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "backend/backend.h"
+#include "dp/autograd/node.h"
 #include "dp/dp.h"
 #include "mlp_fixture.h"
 
@@ -401,6 +402,22 @@ TEST_CASE("each live DataParallel keeps its devices' share of the cores; one tha
   CHECK(threads() == all);
   CHECK_THROWS_AS(be.release_concurrent_devices(2), dp::Error);  // none held
   CHECK_THROWS_AS(be.hold_concurrent_devices(0), dp::Error);
+}
+
+TEST_CASE("a user's post-accumulate hook on a parameter outlives a DDP wrapper, whose own hooks go with it") {
+  auto net = make_mlp(4);
+  const Tensor p = net->parameters()[0];
+  int calls = 0;
+  dp::autograd::add_post_accumulate_hook(p, [&calls](const Tensor&) { ++calls; });
+  Batch b = make_batch(4, 2);
+  {
+    dp::DataParallel model(net, {dp::cpu(0), dp::cpu(1)}, {.mode = dp::Mode::DDP});
+    loss_fn(model(b.x), b.y).backward();
+    CHECK(calls == 1);  // device 0's accumulation, as PyTorch's DDP runs a user's hook
+  }
+  // The reducer is gone and so are its hooks; the user's fires on the plain module.
+  loss_fn(net->forward(b.x), b.y).backward();
+  CHECK(calls == 2);
 }
 
 TEST_CASE("a module whose parameters another DataParallel trains is refused before anything moves") {

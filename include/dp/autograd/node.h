@@ -179,8 +179,13 @@ struct AutogradMeta {
   std::shared_ptr<Node> grad_fn;
   int output_nr = 0;
   std::weak_ptr<Node> grad_accumulator;
-  /// Called after backward accumulated into this leaf's .grad (DDP's bucket hooks).
-  std::vector<std::function<void(const Tensor& leaf)>> post_accumulate_hooks;
+  /// Called after backward accumulated into this leaf's .grad (DDP's bucket hooks, a
+  /// user's), in the order added, each with the id add_post_accumulate_hook gave it.
+  struct PostAccumulateHook {
+    std::uint64_t id;
+    std::function<void(const Tensor& leaf)> fn;
+  };
+  std::vector<PostAccumulateHook> post_accumulate_hooks;
   /// .grad holds only +0 since a zero_grad (Note [Gradients added in place]), unless
   /// its storage's write epoch has moved from zeroed_epoch (Note [Gradients written
   /// over zeros]).
@@ -250,10 +255,15 @@ void bind_grad(const Tensor& t, const Tensor& g, bool pinned);
 /// g while the set holds the gradient released (bind_grad).
 bool assign_pinned_grad(const Tensor& t, const Tensor& g);
 
-/// Registers a hook run after a gradient is accumulated into leaf `t`. A leaf that does
-/// not require grad gets no gradient: its hooks run once it does (a frozen parameter
+/// Registers a hook run after a gradient is accumulated into leaf `t` (PyTorch's
+/// register_post_accumulate_grad_hook) and returns its id, which
+/// remove_post_accumulate_hook takes, as PyTorch's handle.remove(). A leaf that does not
+/// require grad gets no gradient: its hooks run once it does (a frozen parameter
 /// unfrozen, Note [Frozen parameters] in src/nn/parameter_set.cpp).
-void add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook);
+std::uint64_t add_post_accumulate_hook(const Tensor& t, std::function<void(const Tensor&)> hook);
+/// Removes the hook `id` of leaf `t`; false (nothing done) when t has no such hook.
+bool remove_post_accumulate_hook(const Tensor& t, std::uint64_t id);
+/// Removes every post-accumulate hook of `t`, the ones others added included.
 void clear_post_accumulate_hooks(const Tensor& t);
 
 /// The sequence number the next node made (on any thread) will get: nodes made after

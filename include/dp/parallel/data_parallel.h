@@ -502,6 +502,7 @@ class DataParallel {
   std::unique_ptr<comm::Communicator> comm_;
   std::unique_ptr<parallel::WorkerPool> workers_;
   std::unique_ptr<parallel::Reducer> reducer_;
+  std::vector<std::uint64_t> grad_hooks_;  // the reducer's post-accumulate hooks on device 0's parameters
   // Recorded at the start of every step's run; the workers' copies between devices
   // order after them (Note [Copy fences] in src/backend/backend.h).
   std::unique_ptr<backend::CopyFences> fences_;
