@@ -32,34 +32,88 @@ def grid(shape, salt, unit, span, dtype):
 
 parts = []
 for dtype, tag in [(torch.bfloat16, "bf16"), (torch.float16, "f16")]:
-    a = grid([6, 10], 1, 0.125, 32, dtype)
-    b = grid([6, 10], 2, 0.0625, 64, dtype)
-    c = grid([10], 3, 0.25, 16, dtype)
-    w = grid([4, 10], 5, 0.0625, 64, dtype)
-    bias = grid([4], 6, 0.0625, 128, dtype)
-    x4 = grid([2, 3, 5, 5], 7, 0.125, 32, dtype)
-    w4 = grid([4, 3, 3, 3], 8, 0.0625, 64, dtype)
-    b4 = grid([4], 9, 0.0625, 128, dtype)
-    lw = grid([10], 10, 0.0625, 64, dtype)
-    lb = grid([10], 11, 0.0625, 64, dtype)
-    gamma = grid([3], 12, 0.0625, 64, torch.float32)
-    beta = grid([3], 13, 0.0625, 64, torch.float32)
+    def leaf(t):
+        return t.detach().requires_grad_()
+    a = leaf(grid([6, 10], 1, 0.125, 32, dtype))
+    b = leaf(grid([6, 10], 2, 0.0625, 64, dtype))
+    c = leaf(grid([10], 3, 0.25, 16, dtype))
+    d = leaf(grid([6, 10], 4, 0.5, 3, dtype) + 3.0)
+    w = leaf(grid([4, 10], 5, 0.0625, 64, dtype))
+    bias = leaf(grid([4], 6, 0.0625, 128, dtype))
+    x4 = leaf(grid([2, 3, 5, 5], 7, 0.125, 32, dtype))
+    w4 = leaf(grid([4, 3, 3, 3], 8, 0.0625, 64, dtype))
+    b4 = leaf(grid([4], 9, 0.0625, 128, dtype))
+    lw = leaf(grid([10], 10, 0.0625, 64, dtype))
+    lb = leaf(grid([10], 11, 0.0625, 64, dtype))
+    gamma = leaf(grid([3], 12, 0.0625, 64, torch.float32))
+    beta = leaf(grid([3], 13, 0.0625, 64, torch.float32))
     target = torch.tensor([1, 3, 5, 7, 9, 0])
+    # name: (the op, its inputs whose gradients are recorded)
     pytorch = {
-        "mean": a.mean(), "mean0": a.mean(0), "mean1": a.mean(1), "sum": a.sum(), "sum1": a.sum(1),
-        "mul": a * b, "div": a / (grid([6, 10], 4, 0.5, 3, dtype) + 3.0), "mul_scalar": a * 0.3,
-        "div_scalar": a / 3.0, "bias_add": a + c, "linear": F.linear(a, w, bias), "matmul": a @ w.t(),
-        "conv2d": F.conv2d(x4, w4, b4, 1, 1), "softmax": F.softmax(a, 1), "layer_norm": F.layer_norm(a, [10], lw, lb),
-        "gelu_tanh": F.gelu(a, approximate="tanh"), "mse_loss": F.mse_loss(a, b), "exp": a.exp(),
-        "batch_norm": F.batch_norm(x4, None, None, gamma, beta, training=True),
+        "mean": (lambda: a.mean(), [a]), "mean0": (lambda: a.mean(0), [a]), "mean1": (lambda: a.mean(1), [a]),
+        "sum": (lambda: a.sum(), [a]), "sum1": (lambda: a.sum(1), [a]), "mul": (lambda: a * b, [a, b]),
+        "div": (lambda: a / d, [a, d]), "mul_scalar": (lambda: a * 0.3, [a]), "div_scalar": (lambda: a / 3.0, [a]),
+        "bias_add": (lambda: a + c, [a, c]), "linear": (lambda: F.linear(a, w, bias), [a, w, bias]),
+        "matmul": (lambda: a @ w.t(), [a, w]), "conv2d": (lambda: F.conv2d(x4, w4, b4, 1, 1), [x4, w4, b4]),
+        "softmax": (lambda: F.softmax(a, 1), [a]), "layer_norm": (lambda: F.layer_norm(a, [10], lw, lb), [a, lw, lb]),
+        "gelu_tanh": (lambda: F.gelu(a, approximate="tanh"), [a]), "mse_loss": (lambda: F.mse_loss(a, b), [a, b]),
+        "exp": (lambda: a.exp(), [a]),
+        "batch_norm": (lambda: F.batch_norm(x4, None, None, gamma, beta, training=True), [x4, gamma, beta]),
     }
     once = {  # the float64 value rounded once
-        "add_scalar": (a.double() + 0.3).to(dtype), "log_softmax": F.log_softmax(a.double(), 1).to(dtype),
-        "cross_entropy": F.cross_entropy(a.double(), target).to(dtype), "gelu": F.gelu(a.double()).to(dtype),
+        "add_scalar": lambda t: t + 0.3, "log_softmax": lambda t: F.log_softmax(t, 1),
+        "cross_entropy": lambda t: F.cross_entropy(t, target), "gelu": lambda t: F.gelu(t),
     }
-    for name, t in pytorch.items():
-        parts.append(floats(f"k{tag}_{name}", t.float(), f"PyTorch's {tag} {name}"))
-    for name, t in once.items():
-        parts.append(floats(f"k{tag}_{name}_once", t.float(), f"the float64 {name} rounded once to {tag}"))
+    for name, (op, inputs) in pytorch.items():
+        out = op()
+        parts.append(floats(f"k{tag}_{name}", out.float(), f"PyTorch's {tag} {name}"))
+        # The gradients of sum(out * g), g a grid in the output's dtype: the op's backward
+        # receives g exactly. PyTorch's, and the float64 ones rounded once to each
+        # input's dtype (the same op on the inputs' float64 values).
+        g = grid(list(out.shape), 14, 0.125, 16, out.dtype)
+        for t in inputs:
+            t.grad = None
+        (out * g).sum().backward()
+        for i, t in enumerate(inputs):
+            parts.append(floats(f"k{tag}_{name}_grad{i}", t.grad.float(),
+                                f"PyTorch's {tag} {name}: the gradient of its input {i}"))
+        saved = [t.detach().clone() for t in inputs]
+        wide = [leaf(t.detach().double()) for t in inputs]
+        with torch.no_grad():
+            for t, t64 in zip(inputs, wide):
+                t.data = t64.detach()
+        for t in inputs:
+            t.grad = None
+        out64 = op()
+        (out64 * g.double()).sum().backward()
+        for i, t in enumerate(inputs):
+            parts.append(floats(f"k{tag}_{name}_grad{i}_once", t.grad.to(saved[i].dtype).float(),
+                                f"the float64 {name}'s gradient of its input {i}, rounded once"))
+        with torch.no_grad():
+            for t, v in zip(inputs, saved):
+                t.data = v
+    for name, op in once.items():
+        parts.append(floats(f"k{tag}_{name}_once", op(a.detach().double()).to(dtype).float(),
+                            f"the float64 {name} rounded once to {tag}"))
+names = [line.split(" = ")[0].split()[-1] for part in parts for line in part.splitlines()
+         if line.startswith("inline const std::vector<float>")]
+entries = ",\n      ".join(f'{{"{n[1:]}", &{n}}}' for n in names)
+parts.append(f"""/// Every array above by its name without the k ("bf16_linear_grad0"); null for none.
+inline const std::vector<float>* find(const char* name) {{
+  struct Entry {{
+    const char* name;
+    const std::vector<float>* values;
+  }};
+  static const Entry all[] = {{
+      {entries}}};
+  for (const Entry& e : all) {{
+    const char* p = e.name;
+    const char* q = name;
+    while (*p != '\\0' && *p == *q) ++p, ++q;
+    if (*p == *q) return e.values;
+  }}
+  return nullptr;
+}}
+""")
 print(header("tests/tensor/half_ops_reference.h", "scripts/make_half_ops_reference.py", "dp_test::half_ops",
              torch.__version__, parts))

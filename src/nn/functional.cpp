@@ -1062,7 +1062,8 @@ Tensor mse_loss(const Tensor& a, const Tensor& b, Reduction reduction, double sc
   // PyTorch's op: (a − b)², and its backward norm·(a − b)·grad with norm = 2 / n for Mean
   // (2 otherwise) in that order, where autograd's chain through mean and square took
   // 2(a − b)·(grad / n): 865 of 3000 gradients of mean·0.7 differed from PyTorch 2.15's
-  // in the last bit. The target's gradient is the same with the sign turned, exactly.
+  // in the last bit. The target's gradient is PyTorch's too, norm·(b − a)·grad: the
+  // input's with the sign turned, except where a == b, whose +0 the turned sign made -0.
   Tensor d, out;
   {
     NoGradGuard no_grad;
@@ -1070,11 +1071,14 @@ Tensor mse_loss(const Tensor& a, const Tensor& b, Reduction reduction, double sc
     out = reduce_loss(mul(d, d), reduction, scale);
   }
   autograd::record("MseLossBackward", {a, b}, out, {a, b},
-                   [d, reduction, scale, n = static_cast<double>(a.numel())](const std::vector<Tensor>& g) {
+                   [d, ad = a.detach(), bd = b.detach(), ga_needed = a.requires_grad(),
+                    gb_needed = b.requires_grad(), reduction, scale,
+                    n = static_cast<double>(a.numel())](const std::vector<Tensor>& g) {
                      if (!g[0].defined()) return std::vector<Tensor>{Tensor(), Tensor()};
                      const Tensor up = unscaled(g[0], scale);
-                     const Tensor ga = mul(mul(d, reduction == Reduction::Mean ? 2.0 / n : 2.0), up);
-                     return std::vector<Tensor>{ga, neg(ga)};
+                     const double norm = reduction == Reduction::Mean ? 2.0 / n : 2.0;
+                     return std::vector<Tensor>{ga_needed ? mul(mul(d, norm), up) : Tensor(),
+                                                gb_needed ? mul(mul(sub(bd, ad), norm), up) : Tensor()};
                    });
   return out;
 }
@@ -1111,14 +1115,21 @@ Tensor smooth_l1_loss(const Tensor& a, const Tensor& b, Reduction reduction, dou
     const Tensor quadratic = div(mul(mul(z, 0.5), z), bf), linear = add(z, -0.5 * bf);
     out = reduce_loss(where(lt(z, bf), quadratic, linear), reduction, scale);
   }
+  // The target's gradient is PyTorch's too, the same with b − a for x: the input's with
+  // the sign turned, except where a == b (+0, where the turned sign gave -0).
   autograd::record("SmoothL1LossBackward", {a, b}, out, {a, b},
-                   [x, bf, reduction, scale, n = static_cast<double>(a.numel())](const std::vector<Tensor>& g) {
+                   [x, ad = a.detach(), bd = b.detach(), ga_needed = a.requires_grad(),
+                    gb_needed = b.requires_grad(), bf, reduction, scale,
+                    n = static_cast<double>(a.numel())](const std::vector<Tensor>& g) {
                      if (!g[0].defined()) return std::vector<Tensor>{Tensor(), Tensor()};
                      const Tensor up = unscaled(g[0], scale);
-                     const Tensor unit = add(mul(gt(x, 0.0), 2.0), -1.0);  // +1 where x > 0, else -1
-                     const Tensor s = where(ge(abs(x), bf), unit, div(x, bf));
-                     const Tensor ga = mul(reduction == Reduction::Mean ? mul(s, 1.0 / n) : s, up);
-                     return std::vector<Tensor>{ga, neg(ga)};
+                     auto grad = [&](const Tensor& diff) {
+                       const Tensor unit = add(mul(gt(diff, 0.0), 2.0), -1.0);  // +1 where diff > 0, else -1
+                       const Tensor s = where(ge(abs(diff), bf), unit, div(diff, bf));
+                       return mul(reduction == Reduction::Mean ? mul(s, 1.0 / n) : s, up);
+                     };
+                     return std::vector<Tensor>{ga_needed ? grad(x) : Tensor(),
+                                                gb_needed ? grad(sub(bd, ad)) : Tensor()};
                    });
   return out;
 }

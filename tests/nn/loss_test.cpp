@@ -436,6 +436,19 @@ TEST_CASE("mse_loss and smooth_l1_loss gradients are PyTorch 2.15's bits: its cl
     for (float g : w.grad) minus.push_back(-g);
     CHECK(y.grad().to_vector() == minus);  // the target's: the same, the sign turned
   }
+  // Where a == b the target's gradient is PyTorch's +0 (its formula with b − a), not the
+  // -0 of the input's +0 with its sign turned.
+  for (bool smooth : {false, true}) {
+    CAPTURE(smooth);
+    dp::Tensor x = dp::from_vector(F{1, 2}, {2}).set_requires_grad(true);
+    dp::Tensor y = dp::from_vector(F{1, 3}, {2}).set_requires_grad(true);
+    (smooth ? nn::smooth_l1_loss(x, y) : nn::mse_loss(x, y)).backward();
+    const F gx = x.grad().to_vector(), gy = y.grad().to_vector();
+    CHECK_FALSE(std::signbit(gx[0]));
+    CHECK_FALSE(std::signbit(gy[0]));
+    CHECK(gx[1] == (smooth ? -0.5f : -1.0f));
+    CHECK(gy[1] == (smooth ? 0.5f : 1.0f));
+  }
 }
 
 TEST_CASE_TEMPLATE("l1_loss and smooth_l1_loss gradients match central differences away from kinks", D,
