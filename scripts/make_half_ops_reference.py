@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes tests/tensor/half_ops_reference.h: PyTorch's bits for bfloat16 and float16 ops
+"""Writes tests/tensor/half_ops_reference.h: PyTorch's bits for bfloat16, float16 and float32 ops
 that sum, reduce or combine (means, products, a Linear's bias, a convolution's bias,
 softmax, layer norm, batch norm, losses), for tests/tensor/half_tensor_test.cpp.
 
@@ -31,7 +31,7 @@ def grid(shape, salt, unit, span, dtype):
 
 
 parts = []
-for dtype, tag in [(torch.bfloat16, "bf16"), (torch.float16, "f16")]:
+for dtype, tag in [(torch.bfloat16, "bf16"), (torch.float16, "f16"), (torch.float32, "f32")]:
     def leaf(t):
         return t.detach().requires_grad_()
     a = leaf(grid([6, 10], 1, 0.125, 32, dtype))
@@ -85,6 +85,8 @@ for dtype, tag in [(torch.bfloat16, "bf16"), (torch.float16, "f16")]:
         for t in inputs:
             t.grad = None
         out64 = op()
+        parts.append(floats(f"k{tag}_{name}_once", out64.detach().to(out.dtype).float(),
+                            f"the float64 {name} rounded once to {tag}"))
         (out64 * g.double()).sum().backward()
         for i, t in enumerate(inputs):
             parts.append(floats(f"k{tag}_{name}_grad{i}_once", t.grad.to(saved[i].dtype).float(),

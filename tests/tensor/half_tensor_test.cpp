@@ -443,7 +443,7 @@ TEST_CASE("a 16-bit linear adds its bias before its one rounding, as PyTorch's a
   }
 }
 
-TEST_CASE("16-bit sums, products, norms and losses: PyTorch's bits, or rounded once where it rounds twice") {
+TEST_CASE("sums, products, norms and losses in 16 bits and float32: PyTorch's bits, or rounded once") {
   // Inputs on grids whose float32 sums are exact in any order (half_ops_reference.h):
   // an op that accumulates in float32 and rounds once has one right answer, so dp's
   // order of summation cannot hide behind a tolerance (a Linear that rounded before its
@@ -464,8 +464,8 @@ TEST_CASE("16-bit sums, products, norms and losses: PyTorch's bits, or rounded o
     REQUIRE_MESSAGE(v != nullptr, name);
     return *v;
   };
-  for (Dtype dt : kHalfDtypes) {
-    const std::string tag = dt == Dtype::BFloat16 ? "bf16_" : "f16_";
+  for (Dtype dt : {Dtype::BFloat16, Dtype::Float16, Dtype::Float32}) {
+    const std::string tag = dt == Dtype::BFloat16 ? "bf16_" : dt == Dtype::Float16 ? "f16_" : "f32_";
     CAPTURE(tag);
     auto leaf = [](dp::Tensor t) { return t.set_requires_grad(true); };
     const dp::Tensor a = leaf(grid({6, 10}, 1, 0.125f, 32, dt)), b = leaf(grid({6, 10}, 2, 0.0625f, 64, dt));
@@ -483,11 +483,17 @@ TEST_CASE("16-bit sums, products, norms and losses: PyTorch's bits, or rounded o
     // mse_loss and float16's tanh-gelu: 12-38 of 60 of its values off that, dp's none);
     // 'U' within a unit of it, where both compose rounded ops (a divisor's gradient,
     // -g a / d^2) or sum a float32 gradient in another order (batch norm's weight).
+    // In float32 only exact sums are one value: where exp, erf, tanh or a square root
+    // enter (`approx`) float32's own roundings of them differ between libraries and
+    // cancel in outputs near 0, so float32 checks the other ops here, bit for bit, and
+    // leaves those to the golden tests' tolerances (and mse_loss, whose 16-bit gradients
+    // are held to the float64 ones here, to loss_test's PyTorch bits).
     struct Case {
       const char* name;
       std::function<dp::Tensor()> op;
       std::vector<dp::Tensor> inputs;
       const char* refs = "PPP";
+      bool approx = false;
     };
     const Case pytorch[] = {
         {"mean", [&] { return dp::mean(a); }, {a}},
@@ -503,16 +509,19 @@ TEST_CASE("16-bit sums, products, norms and losses: PyTorch's bits, or rounded o
         {"linear", [&] { return dp::linear(a, w, bias); }, {a, w, bias}},
         {"matmul", [&] { return dp::matmul(a, w.t()); }, {a, w}},
         {"conv2d", [&] { return dp::nn::conv2d(x4, w4, b4, 1, 1); }, {x4, w4, b4}},
-        {"softmax", [&] { return dp::nn::softmax(a, 1); }, {a}, "O"},
-        {"layer_norm", [&] { return dp::nn::layer_norm(a, {10}, lw, lb); }, {a, lw, lb}, "OOP"},
-        {"gelu_tanh", [&] { return dp::nn::gelu(a, "tanh"); }, {a}, "O"},
-        {"mse_loss", [&] { return dp::nn::mse_loss(a, b); }, {a, b}, "OO"},
-        {"exp", [&] { return dp::exp(a); }, {a}},
+        {"softmax", [&] { return dp::nn::softmax(a, 1); }, {a}, "O", true},
+        {"layer_norm", [&] { return dp::nn::layer_norm(a, {10}, lw, lb); }, {a, lw, lb}, "OOP", true},
+        {"gelu_tanh", [&] { return dp::nn::gelu(a, "tanh"); }, {a}, "O", true},
+        {"mse_loss", [&] { return dp::nn::mse_loss(a, b); }, {a, b}, "OO", true},
+        {"exp", [&] { return dp::exp(a); }, {a}, "P", true},
         {"batch_norm", [&] { return dp::nn::batch_norm(x4, gamma, beta, dp::Tensor(), dp::Tensor(), true); },
          {x4, gamma, beta},
-         "PUP"},
+         "PUP",
+         true},
     };
+    const bool wide = dt == Dtype::Float32;
     for (const Case& k : pytorch) {
+      if (wide && k.approx) continue;
       CAPTURE(std::string(k.name));
       for (const dp::Tensor& t : k.inputs) t.set_grad(dp::Tensor());
       const dp::Tensor out = k.op();
@@ -537,6 +546,7 @@ TEST_CASE("16-bit sums, products, norms and losses: PyTorch's bits, or rounded o
         {"cross_entropy", [&] { return dp::nn::cross_entropy(a, target); }},
         {"gelu", [&] { return dp::nn::gelu(a); }},
     };
+    if (wide) continue;  // each of these is a transcendental op
     for (const auto& [name, op] : once) {
       CAPTURE(std::string(name));
       CHECK(same_floats(op().to_vector(), want(tag + name + "_once")));
