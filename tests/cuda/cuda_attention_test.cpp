@@ -120,6 +120,7 @@ std::vector<Case> op_cases() {
       // tensor cores]), as do the unmasked cases above with head dims up to 64:
       {1, 3, 257, 257, 64, 64, true, Mask::None, 0.0f, std::nullopt},  // a GPT's: 5 tiles of 64
       {2, 2, 100, 70, 40, 24, false, Mask::None, 0.0f, 0.3f},          // padded head dims, a scale
+      {1, 2, 130, 50, 64, 32, true, Mask::None, 0.0f, std::nullopt},  // causal with more queries than keys
   };
 }
 

@@ -1258,7 +1258,10 @@ bool takes_tensor_cores(const Params& p, int gpu, std::initializer_list<const vo
     int major = 0, limit = 0;
     DP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, gpu));
     DP_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, gpu));
-    return major >= 8 && tc_smem_needed() <= static_cast<std::size_t>(limit);
+    // The kernels that will run: on mma fragments at most 37 KiB, the WMMA ones 79 KiB.
+    const std::size_t need =
+        wmma_kernels() ? tc_smem_needed() : std::max(mma_attention::kForwardSmem, kMmaBackwardSmem);
+    return major >= 8 && need <= static_cast<std::size_t>(limit);
   }
 }
 
