@@ -88,6 +88,21 @@ Node::Node() : sequence_nr(g_next_sequence_nr.fetch_add(1, std::memory_order_rel
 // unwritten since (Note [Refills are not writes] in src/parallel/shard_store.cpp),
 // and the deferred gathers of stages 1 and 2 (Note [Deferred gathers are not
 // writes]).
+// Note [Saved tensors and moved parameters]
+// A module's parameters live in storages of their own until something flattens them
+// (Note [Parameter sets]: the first parameters(), DataParallel, a move to a device),
+// which copies each into one flat buffer and points the parameter's handle there
+// (rebind). A node saved before that remembers the old storage and version, and backward
+// reads the saved handle, now on the new storage: a write after the flattening — a
+// weight scaled under NoGradGuard, an optimizer built on the new parameters() and
+// stepped — changed the values backward read, and the old storage, asked as above, had
+// seen no write. A Linear's input gradient came from twice its weight, silently, where
+// PyTorch says "modified by an inplace operation". So a rebinding tells the old storage
+// where those bytes went (Storage::note_move: the new storage and its version once the
+// whole flattening's copies are made, so that those copies, one per parameter and maybe
+// more than the writes a storage keeps exactly, never read as writes), and
+// written_since follows the bytes there. The move takes a version of the old storage,
+// so a view left on it and saved after the move is asked about the old bytes only.
 void Node::save_versions(std::initializer_list<Tensor> saved) {
   int i = 0;
   for (const Tensor& t : saved) {

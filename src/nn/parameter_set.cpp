@@ -37,9 +37,43 @@ const Tensor& compute_read(Parameter::Slot& slot, int r) {
   return read;
 }
 
+// A parameter's bytes moved to another storage by rebind: told to the old storage once
+// every copy into the new one is made (Moves::~Moves).
+struct Move {
+  std::shared_ptr<Storage> from;
+  std::size_t begin, end;
+  std::shared_ptr<Storage> to;
+  std::size_t to_begin;
+};
+
+// The moves of one rebinding pass. Note [Saved tensors and moved parameters] in
+// src/autograd/node.cpp: the new storage's version is taken after the pass's last copy,
+// so that its own copies (into other parameters' bytes, maybe past the writes a storage
+// keeps exactly) never count as writes.
+class Moves {
+ public:
+  Moves() = default;
+  Moves(const Moves&) = delete;
+  Moves& operator=(const Moves&) = delete;
+  ~Moves() {
+    for (Move& m : moves_) m.from->note_move(m.begin, m.end, m.to, m.to_begin, m.to->version());
+  }
+  void add(Move m) { moves_.push_back(std::move(m)); }
+
+ private:
+  std::vector<Move> moves_;
+};
+
 // Points `impl` at element `offset` of `buffer` without changing its handle identity,
-// so every existing Tensor handle of a parameter sees the flat storage.
-void rebind(TensorImpl& impl, const Tensor& buffer, std::int64_t offset) {
+// so every existing Tensor handle of a parameter sees the flat storage; the move goes
+// into `moves` (null: a gradient's, which no graph saves).
+void rebind(TensorImpl& impl, const Tensor& buffer, std::int64_t offset, Moves* moves = nullptr) {
+  const std::size_t esize = element_size(impl.dtype), bytes = static_cast<std::size_t>(shape_numel(impl.shape)) * esize;
+  if (moves != nullptr && impl.storage != nullptr && impl.storage != buffer.storage()) {
+    const std::size_t begin = static_cast<std::size_t>(impl.offset) * esize;
+    moves->add({impl.storage, begin, begin + bytes, buffer.storage(),
+                static_cast<std::size_t>(buffer.storage_offset() + offset) * esize});
+  }
   impl.storage = buffer.storage();
   impl.offset = buffer.storage_offset() + offset;
 }
@@ -102,10 +136,11 @@ ParameterSet::ParameterSet(std::vector<std::shared_ptr<Parameter::Slot>> slots, 
   primary.device = device;
   primary.data = empty({numel_}, device);
   primary.grad = zeros({numel_}, device);
+  Moves moves;
   for (auto& s : slots_) {
     Tensor& p = s->copies[0];
     primary.data.detach().narrow(0, s->offset, p.numel()).copy_(p.reshape({p.numel()}));
-    rebind(*p.impl(), primary.data, s->offset);
+    rebind(*p.impl(), primary.data, s->offset, &moves);
     Tensor g = view_of(primary.grad, s->offset, p.shape());
     // A backward before the first flattening (or into a child's earlier set) left a
     // gradient on the leaf: it moves into the flat buffer instead of being dropped.
@@ -186,9 +221,10 @@ void ParameterSet::pad_buffers(std::int64_t n) {
     Tensor data = zeros({n}, c.device), grad = zeros({n}, c.device);
     data.narrow(0, 0, c.data.numel()).copy_(c.data);
     if (c.grad.defined()) grad.narrow(0, 0, c.grad.numel()).copy_(c.grad);
+    Moves moves;
     for (auto& s : slots_) {
       const Tensor& p = s->copies[r];
-      rebind(*p.impl(), data, s->offset);
+      rebind(*p.impl(), data, s->offset, &moves);
       Tensor g = p.grad();
       if (g.defined()) rebind(*g.impl(), grad, s->offset);
     }
@@ -298,9 +334,10 @@ void ParameterSet::move_primary(Device device) {
   NoGradGuard no_grad;
   Tensor data = c.data.to(device);
   Tensor grad = c.grad.defined() ? c.grad.to(device) : Tensor();
+  Moves moves;
   for (auto& s : slots_) {
     Tensor& p = s->copies[0];
-    rebind(*p.impl(), data, s->offset);
+    rebind(*p.impl(), data, s->offset, &moves);
     Tensor g = p.grad();
     if (g.defined()) rebind(*g.impl(), grad, s->offset);
   }

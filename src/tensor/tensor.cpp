@@ -84,11 +84,30 @@ void Storage::bump_version(std::size_t begin, std::size_t end) {
 }
 
 bool Storage::written_since(std::uint64_t version, std::size_t begin, std::size_t end) const {
-  std::lock_guard<std::mutex> lock(writes_mutex_);
-  if (forgotten_ > version) return true;
-  for (const RangeWrite& w : writes_)
-    if (w.version > version && w.begin < end && begin < w.end) return true;
+  std::vector<Move> moved;  // the moves since `version` of bytes in range, asked below without this lock
+  {
+    std::lock_guard<std::mutex> lock(writes_mutex_);
+    if (forgotten_ > version) return true;
+    for (const RangeWrite& w : writes_)
+      if (w.version > version && w.begin < end && begin < w.end) return true;
+    for (const Move& m : moves_)
+      if (m.at > version && m.begin < end && begin < m.end) moved.push_back(m);
+  }
+  // Note [Saved tensors and moved parameters] in src/autograd/node.cpp.
+  for (const Move& m : moved) {
+    const std::size_t lo = std::max(begin, m.begin), hi = std::min(end, m.end);
+    if (m.to->written_since(m.to_version, m.to_begin + (lo - m.begin), m.to_begin + (hi - m.begin))) return true;
+  }
   return false;
+}
+
+void Storage::note_move(std::size_t begin, std::size_t end, std::shared_ptr<Storage> to, std::size_t to_begin,
+                        std::uint64_t to_version) {
+  // The move takes a version of its own (no write: nothing here changed), so that a tensor
+  // saved from these bytes after it (a view the rebinding left here) is not asked about `to`.
+  const std::uint64_t at = version_.fetch_add(1, std::memory_order_relaxed) + 1;
+  std::lock_guard<std::mutex> lock(writes_mutex_);
+  moves_.push_back({at, begin, end, std::move(to), to_begin, to_version});
 }
 
 void Tensor::note_write() const {

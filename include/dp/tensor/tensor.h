@@ -170,6 +170,13 @@ class Storage {
   /// older ones only that some range was written is kept, so it may say true for a
   /// range that was not. Writes made in an autograd::RefreshWriteScope are not counted.
   bool written_since(std::uint64_t version, std::size_t begin, std::size_t end) const;
+  /// Says that bytes [begin, end) of this storage were copied to `to` at byte to_begin,
+  /// and that the tensors viewing them here now view them there (a module's parameters
+  /// rebound into a flat buffer); `to_version` is to's version once the copies were made.
+  /// A tensor saved from these bytes before the move then asks `to` about writes since
+  /// (Note [Saved tensors and moved parameters] in src/autograd/node.cpp).
+  void note_move(std::size_t begin, std::size_t end, std::shared_ptr<Storage> to, std::size_t to_begin,
+                 std::uint64_t to_version);
   /// Says that a released storage was materialised and written again with exactly what
   /// it held when released (a re-gather from shards unwritten since): the writes since
   /// the release no longer count for written_since. Call once the refill is written;
@@ -203,6 +210,15 @@ class Storage {
   mutable std::mutex writes_mutex_;
   std::vector<RangeWrite> writes_;
   std::uint64_t forgotten_ = 0;
+  // note_move's records: at = this storage's version that the move took.
+  struct Move {
+    std::uint64_t at;
+    std::size_t begin, end;
+    std::shared_ptr<Storage> to;
+    std::size_t to_begin;
+    std::uint64_t to_version;
+  };
+  std::vector<Move> moves_;
   std::uint64_t version_at_release_ = 0;
   bool refill_pending_ = false;
   bool pinned_ = false;
