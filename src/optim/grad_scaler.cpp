@@ -38,6 +38,8 @@ Tensor GradScaler::scale(const Tensor& loss) const {
 void GradScaler::unscale_(optim::Optimizer& opt) {
   if (!enabled_) return;
   PerOptimizer& st = per_opt_[&opt];
+  DP_CHECK(!st.stepped, "GradScaler::unscale_: called after step() for this optimizer; unscale_ before step(), "
+           "once per optimizer per step");
   DP_CHECK(!st.unscaled, "GradScaler::unscale_: already called for this optimizer since the last update(); "
            "unscale_ once per optimizer per step");
   // In float32, as PyTorch's inv_scale = scale.double().reciprocal().float().
@@ -51,14 +53,23 @@ bool GradScaler::step(optim::Optimizer& opt) {
     opt.step();
     return true;
   }
+  // A second step before update() would step the optimizer twice on one gradient
+  // (PyTorch raises too).
+  DP_CHECK(!per_opt_[&opt].stepped, "GradScaler::step: already called for this optimizer since the last update(); "
+           "call update() after each step");
   if (!per_opt_[&opt].unscaled) unscale_(opt);
-  if (per_opt_[&opt].found_inf) return false;  // Note [One decision everywhere]
+  PerOptimizer& st = per_opt_[&opt];
+  st.stepped = true;
+  if (st.found_inf) return false;  // Note [One decision everywhere]
   opt.step();
   return true;
 }
 
 void GradScaler::update() {
   if (!enabled_) return;
+  DP_CHECK(!per_opt_.empty(), "GradScaler::update: no step(optimizer) or unscale_(optimizer) since the last "
+           "update(), so no check for infinities to decide the scale by; call update() once per step, after "
+           "scaler.step(optimizer)");
   bool found = false;
   for (const auto& [opt, st] : per_opt_) found = found || st.found_inf;
   if (found) {

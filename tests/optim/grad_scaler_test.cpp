@@ -118,7 +118,7 @@ TEST_CASE("GradScaler has PyTorch's defaults, scales the loss and grows and back
   CHECK_FALSE(same(net->state_dict(), params));
 }
 
-TEST_CASE("unscale_ before clipping; a second unscale_ in one step is an error") {
+TEST_CASE("unscale_ before clipping; a second unscale_ or step, or an update with nothing to go by, is an error") {
   auto net = std::make_shared<Poisonable>(2);
   dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
   dp::amp::GradScaler scaler({.init_scale = 256.0});
@@ -129,7 +129,25 @@ TEST_CASE("unscale_ before clipping; a second unscale_ in one step is an error")
   scaler.unscale_(opt);
   CHECK(net->fc2->weight().grad().to_vector()[0] == scaled / 256.0f);
   CHECK(dp_test::throws_with([&] { scaler.unscale_(opt); }, {"unscale_: already called for this optimizer"}));
+  const std::vector<float> before = flat(net->state_dict());
   CHECK(scaler.step(opt));  // does not unscale again
+  const std::vector<float> once = flat(net->state_dict());
+  CHECK(once != before);
+  // A second step on the same gradients would move the parameters again (PyTorch raises).
+  CHECK(dp_test::throws_with([&] { scaler.step(opt); }, {"step: already called for this optimizer"}));
+  CHECK(flat(net->state_dict()) == once);
+  CHECK(dp_test::throws_with([&] { scaler.unscale_(opt); }, {"unscale_: called after step()"}));
+  scaler.update();
+  const double scale = scaler.get_scale();
+  const std::int64_t tracker = scaler.growth_tracker();
+  // No step or unscale_ since: nothing to decide the scale by (PyTorch asserts).
+  CHECK(dp_test::throws_with([&] { scaler.update(); }, {"update: no step(optimizer) or unscale_(optimizer)"}));
+  CHECK(scaler.get_scale() == scale);
+  CHECK(scaler.growth_tracker() == tracker);
+  // The next step goes on as usual.
+  opt.zero_grad();
+  scaler.scale(loss_fn(net->forward(b.x), b.y)).backward();
+  CHECK(scaler.step(opt));
   scaler.update();
 }
 
@@ -238,8 +256,15 @@ TEST_CASE("forward_backward with a loss descriptor and a GradScaler: the scaled 
 
 TEST_CASE("GradScaler state: state_dict round trip, training checkpoints, bad input") {
   dp::amp::GradScaler a({.init_scale = 512.0, .growth_interval = 7});
-  a.update();
-  a.update();
+  auto net = std::make_shared<Poisonable>(4);
+  dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
+  for (int i = 0; i < 2; ++i) {  // two good steps
+    const Batch bt = make_batch(8, 30 + static_cast<std::uint64_t>(i));
+    opt.zero_grad();
+    a.scale(loss_fn(net->forward(bt.x), bt.y)).backward();
+    CHECK(a.step(opt));
+    a.update();
+  }
   dp::amp::GradScaler b;
   b.load_state_dict(a.state_dict());
   CHECK(b.get_scale() == 512.0);
@@ -247,8 +272,6 @@ TEST_CASE("GradScaler state: state_dict round trip, training checkpoints, bad in
   CHECK(dp::amp::GradScaler({.enabled = false}).state_dict().empty());
 
   const std::string path = (std::filesystem::temp_directory_path() / "dp_grad_scaler_ckpt.safetensors").string();
-  auto net = std::make_shared<Poisonable>(4);
-  dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
   dp::TrainingState st;
   st.scaler = &a;
   dp::save_training_checkpoint(path, *net, opt, st);

@@ -64,15 +64,18 @@ class GradScaler {
   /// loss times the current scale (loss itself when disabled). Differentiable.
   Tensor scale(const Tensor& loss) const;
   /// Divides the gradients `opt` will step by the scale, once per step (a second call
-  /// before update() is a dp::Error, as in PyTorch), and records whether any was
-  /// infinite or NaN (Note [One decision everywhere]).
+  /// before update(), or one after step(), is a dp::Error, as in PyTorch), and records
+  /// whether any was infinite or NaN (Note [One decision everywhere]).
   void unscale_(optim::Optimizer& opt);
   /// unscale_ (unless done), then opt.step() unless a gradient was infinite or NaN.
-  /// Returns whether it stepped.
+  /// Returns whether it stepped. Once per optimizer per update(): a second call before
+  /// update() is a dp::Error (it would step the same gradients twice), as in PyTorch.
   bool step(optim::Optimizer& opt);
   /// Ends the step: halves the scale (backoff_factor) when any optimizer's gradients
   /// overflowed, else counts a good step and grows the scale every growth_interval of
-  /// them. Forgets which optimizers were unscaled.
+  /// them. Forgets which optimizers were unscaled and stepped. With no step() or
+  /// unscale_() since the last update() there is nothing to decide by: a dp::Error, as
+  /// PyTorch's assertion.
   void update();
   /// Sets the scale (> 0) instead, as update(new_scale).
   void update(double new_scale);
@@ -94,6 +97,7 @@ class GradScaler {
   struct PerOptimizer {
     bool unscaled = false;
     bool found_inf = false;
+    bool stepped = false;  // step() ran (or skipped) since the last update()
   };
   double scale_;
   double growth_factor_, backoff_factor_;
