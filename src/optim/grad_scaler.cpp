@@ -53,12 +53,12 @@ bool GradScaler::step(optim::Optimizer& opt) {
     opt.step();
     return true;
   }
+  PerOptimizer& st = per_opt_[&opt];  // unscale_ finds the same entry
   // A second step before update() would step the optimizer twice on one gradient
   // (PyTorch raises too).
-  DP_CHECK(!per_opt_[&opt].stepped, "GradScaler::step: already called for this optimizer since the last update(); "
+  DP_CHECK(!st.stepped, "GradScaler::step: already called for this optimizer since the last update(); "
            "call update() after each step");
-  if (!per_opt_[&opt].unscaled) unscale_(opt);
-  PerOptimizer& st = per_opt_[&opt];
+  if (!st.unscaled) unscale_(opt);
   st.stepped = true;
   if (st.found_inf) return false;  // Note [One decision everywhere]
   opt.step();

@@ -1031,8 +1031,9 @@ bool is_linear_relu_output(const Tensor& x) {
 // Note [16-bit Linear: the bias in the one rounding]
 // A bfloat16 or float16 linear forms each output as one float32 value — the products
 // summed in float32 plus the bias — and rounds it once (the Gemm op's GemmEpilogue bias:
-// oneDNN's matmul bias on the CPU, the widened float32 pass elsewhere, cuBLASLt's bias
-// epilogue on CUDA). That is PyTorch's: at::linear folds a 2-d or contiguous 3-d input
+// oneDNN's matmul bias on the CPU, the widened float32 pass elsewhere, on CUDA C filled
+// with the bias and cuBLAS adding the product with beta = 1: Note [16-bit GEMMs on
+// CUDA]). That is PyTorch's: at::linear folds a 2-d or contiguous 3-d input
 // into addmm, whose CPU kernels (oneDNN with C filled with the bias and beta = 1, or its
 // own GEMM into that C) and CUDA kernel (cuBLASLt's CUBLASLT_EPILOGUE_BIAS) add the bias
 // to the float32 sum. PyTorch 2.15 on the CPU, F.linear over bfloat16 (64 x 96 times
