@@ -27,7 +27,10 @@
 //   it, oneDNN version, threads, shape, pass, bias, dtype) with the
 //   choice and both times; every later process on the machine reads the choice instead
 //   of measuring, so run N+1 computes bit for bit what run N did. Writers take an flock
-//   and re-read before appending, so concurrent processes agree on the first record.
+//   and read what other processes appended since their last look before appending, so
+//   concurrent processes agree on the first record. Only those new bytes are read: a
+//   record of many thousand shapes (a fuzzer's) costs each new key its own line, not
+//   the whole file again; a file that shrank or was replaced is read again whole;
 //   DP_CONV_LAYOUT_CACHE=<file> puts the file elsewhere, DP_CONV_LAYOUT_CACHE=off keeps
 //   choices in the process only (then only runs in one process are guaranteed equal);
 // - set_conv_layout(Plain | Blocked) (benchmarks, tests) bypasses the choice entirely.
@@ -59,6 +62,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -629,23 +633,54 @@ class LayoutChoices {
     return true;
   }
 
-  void read_all(std::istream& in) {
+  /// Takes every whole line of `text`, which starts at byte read_to_ of the file, and
+  /// moves read_to_ past the last of them. A line still being written (no newline yet:
+  /// load_once reads without the lock) is left for the next look.
+  void take_lines(std::string_view text) {
+    const std::size_t end = text.rfind('\n');
+    if (end == std::string_view::npos) return;
+    std::istringstream in{std::string(text.substr(0, end + 1))};
     std::string key;
     ConvLayout layout;
     for (std::string line; std::getline(in, line);)
       if (parse_line(line, key, layout)) map_.emplace(key, layout);  // first record stands
+    read_to_ += static_cast<std::int64_t>(end + 1);
+  }
+
+  /// Reads `fd` from read_to_ to its end (from 0 when the file is not the one read
+  /// before, or shrank) and takes its whole lines.
+  void read_new_lines(int fd) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) return;
+    if (st.st_dev != file_dev_ || st.st_ino != file_ino_ || st.st_size < read_to_) {
+      file_dev_ = st.st_dev;
+      file_ino_ = st.st_ino;
+      read_to_ = 0;
+    }
+    if (st.st_size == read_to_) return;
+    std::string text;
+    char buf[1 << 16];
+    for (off_t at = static_cast<off_t>(read_to_);;) {
+      const ssize_t n = ::pread(fd, buf, sizeof buf, at);
+      if (n <= 0) break;
+      text.append(buf, static_cast<std::size_t>(n));
+      at += n;
+    }
+    take_lines(text);
   }
 
   void load_once() {
     if (loaded_ || path_.empty()) return;
     loaded_ = true;
-    std::ifstream in(path_);
-    read_all(in);
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    read_new_lines(fd);
+    ::close(fd);
   }
 
-  /// Under an exclusive flock: re-reads the file (another process may have recorded the
-  /// key since), appends our line if it did not, returns the choice that stands. Any
-  /// failure leaves the choice in this process only.
+  /// Under an exclusive flock: reads what was appended since the last look (another
+  /// process may have recorded the key since), appends our line if it did not, returns
+  /// the choice that stands. Any failure leaves the choice in this process only.
   ConvLayout append_to_file(const std::string& key, ConvLayout measured, double ms_plain,
                             double ms_blocked, double ms_gemm) {
     std::error_code ec;
@@ -657,12 +692,7 @@ class LayoutChoices {
     }
     ConvLayout chosen = measured;
     if (::flock(fd, LOCK_EX) == 0) {
-      std::string text;
-      char buf[4096];
-      ::lseek(fd, 0, SEEK_SET);
-      for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) text.append(buf, static_cast<std::size_t>(n));
-      std::istringstream in(text);
-      read_all(in);
+      read_new_lines(fd);
       if (auto it = map_.find(key); it != map_.end()) {
         chosen = it->second;
       } else {
@@ -673,7 +703,12 @@ class LayoutChoices {
         if (ms_gemm >= 0) line << " gemm_ms=" << ms_gemm;
         line << '\n';
         const std::string l = line.str();
-        if (::write(fd, l.data(), l.size()) != static_cast<ssize_t>(l.size())) warn_once("cannot write");
+        if (::write(fd, l.data(), l.size()) != static_cast<ssize_t>(l.size())) {
+          warn_once("cannot write");
+        } else if (struct stat st {}; ::fstat(fd, &st) == 0 && st.st_ino == file_ino_ && st.st_dev == file_dev_ &&
+                   st.st_size == read_to_ + static_cast<std::int64_t>(l.size())) {
+          read_to_ = st.st_size;  // under the lock nothing else was written: our line is taken
+        }
       }
       ::flock(fd, LOCK_UN);
     } else {
@@ -697,6 +732,11 @@ class LayoutChoices {
   bool loaded_ = false;
   bool warned_ = false;
   std::unordered_map<std::string, ConvLayout> map_;
+  // How far the file has been read (the end of its last whole line taken), and which
+  // file that was.
+  std::int64_t read_to_ = 0;
+  dev_t file_dev_ = 0;
+  ino_t file_ino_ = 0;
 };
 
 
