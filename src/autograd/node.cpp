@@ -116,13 +116,24 @@ void Node::save_versions(std::initializer_list<Tensor> saved) {
 
 void Node::check_saved_versions() const {
   for (const SavedVersion& s : saved_versions_) {
-    DP_CHECK(!s.storage->written_since(s.version, s.begin, s.end), name(), ": saved tensor ", s.index, " (",
-             dtype_name(s.dtype), ", ", (s.end - s.begin) / element_size(s.dtype), " elements on ", s.storage->device(),
+    const Storage::WriteSince w = s.storage->find_write_since(s.version, s.begin, s.end);
+    if (!w.storage) continue;
+    // Where the bytes were moved (a module's parameters flattened after the forward), the
+    // versions that tell are the new storage's.
+    const std::string where =
+        w.storage == s.storage.get()
+            ? detail::str_cat("its storage was at version ", s.version, " then and is at version ",
+                              s.storage->version(), " now")
+            : detail::str_cat("its bytes have since been moved into another storage (a module's parameters "
+                              "flattened after the forward; Note [Saved tensors and moved parameters]), "
+                              "which was at version ", w.since, " after the move and is at version ",
+                              w.storage->version(), " now");
+    DP_FAIL(name(), ": saved tensor ", s.index, " (", dtype_name(s.dtype), ", ",
+             (s.end - s.begin) / element_size(s.dtype), " elements on ", s.storage->device(),
              "; an input or output of the forward, which its backward reads) was modified by an in-place "
-             "operation after the forward: its storage was at version ", s.version, " then and is at version ",
-             s.storage->version(), " now. The gradient would be computed from the new values. Make that write "
-             "out of place (y = y * 2 for y.mul_(2)), move it after backward(), or write into a clone() "
-             "(Note [Saved tensors and in-place writes])");
+             "operation after the forward: ", where, ". The gradient would be computed from the new values. "
+             "Make that write out of place (y = y * 2 for y.mul_(2)), move it after backward(), or write into a "
+             "clone() (Note [Saved tensors and in-place writes])");
   }
 }
 

@@ -83,22 +83,24 @@ void Storage::bump_version(std::size_t begin, std::size_t end) {
   writes_.push_back({v, begin, end});
 }
 
-bool Storage::written_since(std::uint64_t version, std::size_t begin, std::size_t end) const {
+Storage::WriteSince Storage::find_write_since(std::uint64_t version, std::size_t begin, std::size_t end) const {
   std::vector<Move> moved;  // the moves since `version` of bytes in range, asked below without this lock
   {
     std::lock_guard<std::mutex> lock(writes_mutex_);
-    if (forgotten_ > version) return true;
+    if (forgotten_ > version) return {this, version};
     for (const RangeWrite& w : writes_)
-      if (w.version > version && w.begin < end && begin < w.end) return true;
+      if (w.version > version && w.begin < end && begin < w.end) return {this, version};
     for (const Move& m : moves_)
       if (m.at > version && m.begin < end && begin < m.end) moved.push_back(m);
   }
   // Note [Saved tensors and moved parameters] in src/autograd/node.cpp.
   for (const Move& m : moved) {
     const std::size_t lo = std::max(begin, m.begin), hi = std::min(end, m.end);
-    if (m.to->written_since(m.to_version, m.to_begin + (lo - m.begin), m.to_begin + (hi - m.begin))) return true;
+    if (WriteSince w = m.to->find_write_since(m.to_version, m.to_begin + (lo - m.begin), m.to_begin + (hi - m.begin));
+        w.storage)
+      return w;
   }
-  return false;
+  return {};
 }
 
 void Storage::note_move(std::size_t begin, std::size_t end, std::shared_ptr<Storage> to, std::size_t to_begin,

@@ -384,6 +384,18 @@ TEST_CASE("parameters flattened after a forward: a write then is still caught, n
   plain.forward(x).sum().backward();
   CHECK(run(false) == x.grad().to_vector());
   CHECK_THROWS_WITH_AS(run(true), doctest::Contains("LinearBackward"), dp::Error);
+  // The message tells the move and quotes the versions of the storage that was written.
+  CHECK_THROWS_WITH_AS(run(true), doctest::Contains("moved into another storage"), dp::Error);
+  // A write into a storage that was not moved is told in that storage's versions.
+  dp::Generator gen2(4);
+  dp::nn::Linear kept(3, 2, true, &gen2);
+  (void)kept.parameters();
+  Tensor loss = kept.forward(x).sum();
+  {
+    dp::NoGradGuard no_grad;
+    kept.parameters()[0].mul_(2.0f);
+  }
+  CHECK_THROWS_WITH_AS(loss.backward(), doctest::Contains("its storage was at version"), dp::Error);
 }
 
 TEST_CASE("a flattening after a forward is not a write: many parameters, and a view left on the old storage") {

@@ -169,7 +169,17 @@ class Storage {
   /// and in-place writes] in src/autograd/node.cpp). Exact for the latest writes; of
   /// older ones only that some range was written is kept, so it may say true for a
   /// range that was not. Writes made in an autograd::RefreshWriteScope are not counted.
-  bool written_since(std::uint64_t version, std::size_t begin, std::size_t end) const;
+  bool written_since(std::uint64_t version, std::size_t begin, std::size_t end) const {
+    return find_write_since(version, begin, end).storage != nullptr;
+  }
+  /// Where written_since found its write: the storage written (this one, or one the
+  /// bytes were moved to: note_move) and its version the write is counted from; a null
+  /// storage when there was none.
+  struct WriteSince {
+    const Storage* storage = nullptr;
+    std::uint64_t since = 0;
+  };
+  WriteSince find_write_since(std::uint64_t version, std::size_t begin, std::size_t end) const;
   /// Says that bytes [begin, end) of this storage were copied to `to` at byte to_begin,
   /// and that the tensors viewing them here now view them there (a module's parameters
   /// rebound into a flat buffer); `to_version` is to's version once the copies were made.
