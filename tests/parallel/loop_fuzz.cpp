@@ -36,7 +36,12 @@
 // .grad edits spelt set_grad and zero_grad(false) (set_to_none=False), from a sixth;
 // clip_grad_value_ from an eighth, parameters written in place between backward and
 // the step from a ninth, the CNN turned into one of two convolutions whose batches are
-// channels-last (2 channels; Note [Channels-last tensors]) from a tenth —
+// channels-last (2 channels; Note [Channels-last tensors]) from a tenth, and from an
+// eleventh where the wrapper puts rows and outputs: explicit chunk_sizes (any device,
+// device 0 too, may get no rows; every batch then has their sum) and an output_device
+// other than 0; from a twelfth, an MLP of two inputs whose second, a gate on the
+// features that the loop trains by hand, every device receives whole
+// (dp::replicated: its gradient is the sum of the devices') —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too, 2 and 3 with every Linear a gather unit). The features added
 // after the first grammar (groups, the tied
@@ -217,6 +222,10 @@ struct Program {
   double init_scale = 65536.0;
   std::int64_t growth_interval = 2;
   int poison_step = -1;    // >= 0: one device's Poison gradient is infinite in that step
+  int output_device = 0;   // DataParallelOptions::output_device (the eleventh stream)
+  std::vector<std::int64_t> chunk_sizes;  // DataParallelOptions::chunk_sizes; every batch has their sum of rows
+  int eval_rows = 5;       // the rows of an evaluation's forward
+  bool gate = false;       // the MLPs' second input, a replicated gate trained by hand (the twelfth stream)
   std::vector<StepSpec> steps;
 };
 
@@ -361,6 +370,30 @@ Program generate(std::uint64_t seed) {
   std::mt19937_64 tenth(seed * 0x2545F4914F6CDD1Dull + 37);
   if (p.model == Model::CnnBatchNorm && std::uniform_real_distribution<double>(0, 1)(tenth) < 0.5)
     p.model = Model::CnnChannelsLast;
+  // The eleventh stream: where the wrapper puts rows and outputs. The gathered outputs
+  // (so the losses, and the start of backward) on another device than the one that
+  // reduces and steps; and explicit chunk_sizes, one row count per device, zeros
+  // allowed anywhere (device 0 included: it still reduces, steps and keeps the
+  // statistics), which fixes every batch's rows at their sum.
+  std::mt19937_64 eleventh(seed * 0x8CB92BA72F3D8DD7ull + 41);
+  auto eleventh_pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(eleventh); };
+  if (p.devices > 1 && eleventh_pick(0, 9) < 3) p.output_device = eleventh_pick(1, p.devices - 1);
+  if (p.devices > 1 && eleventh_pick(0, 3) == 0) {
+    const int rows = eleventh_pick(1, 13);
+    const bool empty_first = eleventh_pick(0, 2) == 0;  // device 0 gets no rows
+    p.chunk_sizes.assign(static_cast<std::size_t>(p.devices), 0);
+    for (int r = 0; r < rows; ++r) ++p.chunk_sizes[static_cast<std::size_t>(eleventh_pick(empty_first ? 1 : 0, p.devices - 1))];
+    for (StepSpec& st : p.steps)
+      for (Micro& mi : st.micros) mi.rows = rows;
+    p.eval_rows = rows;
+  }
+  // The twelfth stream: a replicated input that needs a gradient, the MLPs' gate (Gated).
+  // In one process (each process would sum its own devices' part: DDP leaves an input's
+  // gradient where it is) and without a scaler (the gate's gradient is not the
+  // optimizer's to unscale).
+  std::mt19937_64 twelfth(seed * 0xA0761D6478BD642Full + 43);
+  const bool mlp = p.model == Model::Mlp || p.model == Model::MlpDropout || p.model == Model::TiedMlp;
+  p.gate = mlp && !p.scaler && dp::dist::world_size() == 1 && std::uniform_int_distribution<int>(0, 3)(twelfth) == 0;
   normalize(p);
   return p;
 }
@@ -448,11 +481,31 @@ struct Gpt : dp::nn::Module {
   std::shared_ptr<Side> side;
 };
 
-std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed, bool poisoned = false, bool side = false) {
+/// A Sequential of two inputs, (x, gate): its layers run on x * gate, a (6) gate that
+/// DataParallel gives every device whole (dp::replicated). Called with x alone
+/// (forward_backward's path) it runs on x.
+struct Gated : dp::nn::Sequential {
+  using Sequential::forward;
+  dp::Tensor forward(const std::vector<dp::Tensor>& in) override {
+    if (in.size() == 1) return Sequential::forward(in[0]);
+    if (in.size() != 2) throw dp::Error("Gated takes (x) or (x, gate)");
+    return Sequential::forward(dp::mul(in[0], in[1]));
+  }
+};
+
+/// The gate's first values.
+dp::Tensor initial_gate(std::uint64_t seed) {
+  dp::Generator gen(seed * 977 + 3);
+  return dp::add(dp::mul(dp::randn({6}, gen, dp::cpu(0)), 0.1), 1.0);
+}
+
+std::shared_ptr<dp::nn::Module> make_model(Model kind, std::uint64_t seed, bool poisoned = false, bool side = false,
+                                           bool gated = false) {
   if (is_gpt(kind))
     return std::make_shared<Gpt>(seed, kind == Model::GptDropout ? 0.2 : 0.0, poisoned, side);
   dp::Generator gen(seed);
-  auto net = std::make_shared<dp::nn::Sequential>();
+  std::shared_ptr<dp::nn::Sequential> net =
+      gated ? std::make_shared<Gated>() : std::make_shared<dp::nn::Sequential>();
   switch (kind) {
     case Model::Mlp:
     case Model::MlpDropout:
@@ -585,9 +638,10 @@ std::vector<float> flat_state(dp::nn::Module& net, std::vector<std::string>* nam
   return out;
 }
 
+// The targets go where the outputs were gathered (output_device).
 dp::Tensor loss_of(const dp::Tensor& out, const dp::Tensor& y, int kind = 0) {
   const LossKind& k = kLosses[kind];
-  return dp::nn::cross_entropy(out, y,
+  return dp::nn::cross_entropy(out, y.to(out.device()),
                                dp::nn::CrossEntropyOptions{.weight = k.weighted ? class_weights().to(out.device()) : dp::Tensor(),
                                                            .ignore_index = k.ignore_index,
                                                            .reduction = k.reduction,
@@ -646,11 +700,13 @@ std::unique_ptr<dp::optim::Optimizer> make_optimizer(const Program& p, const dp:
 
 std::unique_ptr<Objects> build(const Program& p, const Design* design) {
   auto o = std::make_unique<Objects>();
-  o->net = make_model(p.model, p.seed, p.poison_step >= 0, p.side);
+  o->net = make_model(p.model, p.seed, p.poison_step >= 0, p.side, p.gate);
   std::vector<dp::Device> devices;
   for (int i = 0; i < p.devices; ++i) devices.push_back(dp::cpu(i));
   if (design) {
     dp::DataParallelOptions options = design->options;
+    options.output_device = p.output_device;
+    options.chunk_sizes = p.chunk_sizes;
     if (p.wire != dp::Dtype::Float32) options.mixed_precision.reduce_dtype = p.wire;
     if (p.param != dp::Dtype::Float32) {  // the wire as drawn, not param_dtype's default
       options.mixed_precision.param_dtype = p.param;
@@ -697,6 +753,11 @@ std::unique_ptr<Objects> resume(const Program& p, const Design* design, Objects&
 int poisoned_device(const Program& p, const StepSpec& st, bool wrapped) {
   if (!wrapped) return 0;
   if (dp::dist::rank() != dp::dist::world_size() - 1) return -1;
+  if (!p.chunk_sizes.empty()) {  // device 1 or the first after it with rows, else device 0
+    for (std::size_t d = 1; d < p.chunk_sizes.size(); ++d)
+      if (p.chunk_sizes[d] > 0) return static_cast<int>(d);
+    return 0;
+  }
   for (const Micro& mi : st.micros)
     if (p.devices > 1 && mi.rows > (mi.rows + p.devices - 1) / p.devices) return 1;
   return 0;
@@ -710,6 +771,9 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
   Trace trace;
   std::unique_ptr<Objects> cur = build(p, design);
   auto batch = [&](int id, int rows) { return make_batch(p, id, rows, dp::dist::world_size(), part); };
+  // The gate (p.gate): outside the objects a resume rebuilds, as a user's own tensor.
+  dp::Tensor gate;
+  if (p.gate) gate = initial_gate(p.seed).set_requires_grad(true);
   try {
     for (std::size_t step = 0; step < p.steps.size(); ++step) {
       const StepSpec& st = p.steps[step];
@@ -718,7 +782,10 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       dp::optim::Optimizer& opt = *cur->optimizer;
       dp::optim::StepLR& sched = *cur->sched;
       dp::nn::ParameterList params = model ? model->parameters() : net->parameters();
-      auto forward = [&](const dp::Tensor& x) { return model ? (*model)(x) : net->forward(x); };
+      auto forward = [&](const dp::Tensor& x) {
+        if (gate.defined()) return model ? (*model)(x, dp::replicated(gate)) : (*net)(x, gate);
+        return model ? (*model)(x) : net->forward(x);
+      };
       auto scale_params = [&] {  // in place, through parameters() (edit_params, edit_params_late)
         dp::NoGradGuard no_grad;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) t.mul_(0.98f);
@@ -728,6 +795,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       g_skip_side = p.side && st.skip_side;
       if (st.edit_params) scale_params();
       if (st.zero_grad) opt.zero_grad(/*set_to_none=*/!st.keep_zeros);
+      if (st.zero_grad && gate.defined()) gate.set_grad(dp::Tensor());
       auto* scaler = cur->scaler ? &*cur->scaler : nullptr;
       auto scaled = [&](const dp::Tensor& loss) { return scaler ? scaler->scale(loss) : loss; };
       g_poison_device = static_cast<int>(step) == p.poison_step ? poisoned_device(p, st, design != nullptr) : -1;
@@ -796,11 +864,15 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
         opt.step();
       }
       if (st.scheduler) sched.step();
+      if (gate.defined() && gate.grad().defined()) {  // SGD by hand
+        dp::NoGradGuard no_grad;
+        gate.sub_(gate.grad(), 0.05);
+      }
       if (st.evaluate) {
         net->train(false);
         {
           dp::NoGradGuard no_grad;
-          (void)forward(batch(900, 5).x);
+          (void)forward(batch(900, p.eval_rows).x);
         }
         net->train(true);
       }
@@ -816,6 +888,11 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       }
       const bool first = trace.names.empty();
       trace.states.push_back(flat_state(*net, first ? &trace.names : nullptr));
+      if (gate.defined()) {
+        const std::vector<float> g = gate.to_vector();
+        trace.states.back().insert(trace.states.back().end(), g.begin(), g.end());
+        for (std::size_t i = 0; first && i < g.size(); ++i) trace.names.push_back("gate[" + std::to_string(i) + "]");
+      }
       if (scaler) {  // the decisions: every design must skip and grow alike
         trace.states.back().push_back(static_cast<float>(scaler->get_scale()));
         trace.states.back().push_back(static_cast<float>(scaler->growth_tracker()));
@@ -1022,11 +1099,18 @@ std::string cpp(const Program& p, const std::string& spelling) {
      << (p.poison_step >= 0 || p.side ? (p.poison_step >= 0 ? ", /*poisoned=*/true" : ", /*poisoned=*/false") : "")
      << (p.side ? ", /*side=*/true" : "") << ");\n";
   os << "dp::DataParallelOptions options = " << spelling << ";\n";
+  if (p.output_device != 0) os << "options.output_device = " << p.output_device << ";\n";
+  if (!p.chunk_sizes.empty()) {
+    os << "options.chunk_sizes = {";
+    for (std::size_t i = 0; i < p.chunk_sizes.size(); ++i) os << (i ? ", " : "") << p.chunk_sizes[i];
+    os << "};\n";
+  }
   if (p.wire != dp::Dtype::Float32) os << "options.mixed_precision.reduce_dtype = " << wire_spelling(p.wire) << ";\n";
   if (p.param != dp::Dtype::Float32) {
     os << "options.mixed_precision.param_dtype = " << wire_spelling(p.param) << ";\n";
     if (p.wire == dp::Dtype::Float32) os << "options.mixed_precision.reduce_dtype = dp::Dtype::Float32;\n";
   }
+  if (p.gate) os << "dp::Tensor gate = initial_gate(" << p.seed << ").set_requires_grad(true);  // net is Gated\n";
   os << "dp::DataParallel model(net, {";
   for (int i = 0; i < p.devices; ++i) os << (i ? ", " : "") << "dp::cpu(" << i << ")";
   os << "}, options);\n";
@@ -1053,6 +1137,9 @@ std::string cpp(const Program& p, const std::string& spelling) {
   if (p.scaler)
     os << "dp::amp::GradScaler scaler({.init_scale = " << p.init_scale << ", .growth_interval = " << p.growth_interval
        << "});\n";
+  // Targets follow the outputs to output_device.
+  const std::string to_out = p.output_device != 0 ? ".to(model.output_device())" : "";
+  const std::string gate_in = p.gate ? ", dp::replicated(gate)" : "";
   // The module path's losses, scaled when the program has a scaler.
   auto scaled = [&](const std::string& loss) { return p.scaler ? "scaler.scale(" + loss + ")" : loss; };
   const bool freezes = std::any_of(p.steps.begin(), p.steps.end(), [](const StepSpec& t) { return t.freeze_first; });
@@ -1065,6 +1152,7 @@ std::string cpp(const Program& p, const std::string& spelling) {
     if (st.edit_params)
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }\n";
     if (st.zero_grad) os << (st.keep_zeros ? "opt.zero_grad(false);\n" : "opt.zero_grad();\n");
+    if (st.zero_grad && p.gate) os << "gate.set_grad(dp::Tensor());\n";
     if (static_cast<int>(s) == p.poison_step)
       os << "g_poison_device = " << poisoned_device(p, st, true) << ";  // Poison's gradient infinite there (this "
             "process) until the step's last backward\n";
@@ -1082,15 +1170,17 @@ std::string cpp(const Program& p, const std::string& spelling) {
       const std::string opts = mi.loss == 0 ? "" : std::string(", dp::nn::CrossEntropyOptions") + kLosses[mi.loss].spelling;
       for (int k = 0; k < mi.forwards; ++k) {
         os << "  auto b" << k << " = batch(" << mi.batch + k << ", " << mi.rows << ");\n";
-        os << "  auto o" << k << " = model(b" << k << ".x)" << (k + 1 == mi.forwards && mi.detach_last ? ".detach()" : "")
+        os << "  auto o" << k << " = model(b" << k << ".x" << gate_in << ")" << (k + 1 == mi.forwards && mi.detach_last ? ".detach()" : "")
            << ";\n";
         if (k == mi.eval_after)
-          os << "  { dp::NoGradGuard g; (void)model(batch(" << mi.batch + 3 << ", " << mi.rows << ").x); }\n";
-        losses.push_back("dp::nn::cross_entropy(o" + std::to_string(k) + ", b" + std::to_string(k) + ".y" + opts + ")");
+          os << "  { dp::NoGradGuard g; (void)model(batch(" << mi.batch + 3 << ", " << mi.rows << ").x" << gate_in
+             << "); }\n";
+        losses.push_back("dp::nn::cross_entropy(o" + std::to_string(k) + ", b" + std::to_string(k) + ".y" + to_out +
+                         opts + ")");
       }
       if (mi.reuse_first)
         losses.push_back("dp::nn::cross_entropy(o0, batch(" + std::to_string(mi.batch + 1) + ", " +
-                         std::to_string(mi.rows) + ").y" + opts + ")");
+                         std::to_string(mi.rows) + ").y" + to_out + opts + ")");
       const bool last_detached = mi.detach_last;
       if (mi.separate) {
         for (std::size_t i = 0; i < losses.size(); ++i)
@@ -1115,7 +1205,10 @@ std::string cpp(const Program& p, const std::string& spelling) {
       os << "dp::nn::utils::clip_grad_value_(model.parameters(), " << st.clip_value << ");\n";
     os << (p.scaler ? "scaler.step(opt);\nscaler.update();\n" : "opt.step();\n");
     if (st.scheduler) os << "sched.step();\n";
-    if (st.evaluate) os << "model.eval(); { dp::NoGradGuard g; (void)model(batch(900, 5).x); } model.train();\n";
+    if (p.gate) os << "if (gate.grad().defined()) { dp::NoGradGuard g; gate.sub_(gate.grad(), 0.05); }\n";
+    if (st.evaluate)
+      os << "model.eval(); { dp::NoGradGuard g; (void)model(batch(900, " << p.eval_rows << ").x" << gate_in
+         << "); } model.train();\n";
     if (st.resume)
       os << "// save_training_checkpoint (with the scheduler), then a fresh net, DataParallel, optimizer and "
             "scheduler built as above and load_training_checkpoint into them\n";
@@ -1181,12 +1274,14 @@ Program shrink(Program p, const std::string& design) {
         micro([](Micro& mi) { return std::exchange(mi.eval_after, -1) >= 0; });
         micro([](Micro& mi) { return std::exchange(mi.separate, false); });
         micro([](Micro& mi) { return std::exchange(mi.loss, 0) != 0; });
-        micro([](Micro& mi) { return mi.rows > 1 && (mi.rows = std::max(1, mi.rows / 2), true); });
+        if (p.chunk_sizes.empty())  // else every batch has their sum
+          micro([](Micro& mi) { return mi.rows > 1 && (mi.rows = std::max(1, mi.rows / 2), true); });
       }
     }
-    if (p.devices > 2) {
+    if (p.devices > 2 && p.chunk_sizes.empty()) {
       Program q = p;
       --q.devices;
+      q.output_device = std::min(q.output_device, q.devices - 1);
       candidates.push_back(q);
     }
     auto whole = [&](auto edit) {
@@ -1201,6 +1296,9 @@ Program shrink(Program p, const std::string& design) {
     whole([](Program& q) { return q.model == Model::GptDropout && (q.model = Model::Gpt, true); });
     whole([](Program& q) { return std::exchange(q.poison_step, -1) >= 0; });
     whole([](Program& q) { return std::exchange(q.side, false); });
+    whole([](Program& q) { return std::exchange(q.output_device, 0) != 0; });
+    whole([](Program& q) { return !std::exchange(q.chunk_sizes, {}).empty(); });
+    whole([](Program& q) { return std::exchange(q.gate, false); });
     whole([](Program& q) { return q.poison_step < 0 && std::exchange(q.scaler, false); });
     for (Program& q : candidates) normalize(q);
     for (const Program& q : candidates)
