@@ -303,9 +303,21 @@ void ParameterSet::zero_grad(bool set_to_none) {
     }
   }
   count_zero_grad();
+  drop_stray_grads(slots_);
   if (set_to_none) {
     collect_arrived_grads();  // marks of earlier backwards are spent too
     for (const auto& slot : slots_) slot->got_grad = false;
+  }
+}
+
+void ParameterSet::drop_stray_grads(const std::vector<std::shared_ptr<Parameter::Slot>>& slots) {
+  for (const auto& slot : slots) {
+    if (slot->is_buffer || slot->tied) continue;
+    for (std::size_t r = 0; r < slot->copies.size() && r < copies_.size(); ++r) {
+      const Tensor& p = slot->copies[r];
+      if (copies_[r].grad.defined() || !p.defined() || !p.grad().defined()) continue;
+      if (!autograd::grad_pinned(p)) autograd::bind_grad(p, Tensor(), /*pinned=*/true);
+    }
   }
 }
 

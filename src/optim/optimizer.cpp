@@ -616,6 +616,7 @@ void Optimizer::zero_grad(bool set_to_none) {
   std::int64_t zeroed = 0;
   for (const Range& range : flat_ranges_) zeroed += range.numel;
   if (zeroed == set->numel()) set->count_zero_grad();
+  set->drop_stray_grads(params_.slots());
   if (set_to_none) {  // Note [Parameters without a gradient]
     set->collect_arrived_grads();  // marks of earlier backwards are spent too
     for (const auto& slot : params_.slots()) slot->got_grad = false;

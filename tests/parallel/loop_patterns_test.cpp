@@ -236,6 +236,64 @@ TEST_CASE("an edit of .grad by hand, then clip_grad_norm_: DDP's replicas apply 
   CHECK_NOTHROW(opt.step());
 }
 
+// A forward through the module itself (net->forward(x), on device 0's parameters) whose
+// loss joins the wrapper's: PyTorch's DataParallel adds its gradient to device 0's, and
+// so do DP and DDP (DDP sends it to every replica as an edit by hand). Sharded reduces
+// only its own backward's gradients: stage 1 found the write, but stages 2 and 3 dropped
+// it, 0.09 off one device after one step. Now every stage refuses the step, and a
+// zero_grad() clears the gradient it refused.
+TEST_CASE("a forward through the module itself beside the wrapper's: DP and DDP count it, Sharded refuses") {
+  auto train = [](std::optional<dp::DataParallelOptions> options) {
+    auto net = std::make_shared<ThreeLinear>(13);
+    std::optional<dp::DataParallel> model;
+    if (options) model.emplace(net, cpus(2), *options);
+    dp::optim::SGD opt(net->parameters(), {.lr = 0.1, .momentum = 0.9});
+    for (std::uint64_t step = 0; step < 2; ++step) {
+      const Batch a = make_batch(7, step), b = make_batch(5, step + 50);
+      opt.zero_grad();
+      dp::Tensor out = model ? (*model)(a.x) : net->forward(a.x);
+      (loss_fn(out, a.y) + loss_fn(net->forward(b.x), b.y)).backward();
+      opt.step();
+    }
+    if (model && model->mode() == dp::Mode::DDP) model->check_replicas();  // throws on drift
+    return flat(net->state_dict());
+  };
+  const std::vector<float> single = train(std::nullopt);
+  for (const NamedDesign& d : designs_and_tiny_buckets()) {
+    CAPTURE(d.name);
+    if (d.options.mode != dp::Mode::Sharded) {
+      CHECK(max_diff(train(d.options), single) < kTolerance);
+      continue;
+    }
+    CHECK_THROWS_WITH_AS(train(d.options), doctest::Contains("the module itself"), dp::Error);
+    // Refused, then cleared by zero_grad: the wrapper's own step runs and is one device's.
+    auto net = std::make_shared<ThreeLinear>(13);
+    dp::DataParallel model(net, cpus(2), d.options);
+    dp::optim::SGD opt(net->parameters(), {.lr = 0.1});
+    const Batch a = make_batch(7, 1), b = make_batch(5, 2);
+    // Stage 3 may refuse earlier: the module's own parameters are released between the
+    // wrapper's uses (Note [Released storage]).
+    std::string refusal;
+    try {
+      (loss_fn(model(a.x), a.y) + loss_fn(net->forward(b.x), b.y)).backward();
+      opt.step();
+    } catch (const dp::Error& e) {
+      refusal = e.what();
+    }
+    CAPTURE(refusal);
+    CHECK((refusal.find("the module itself") != std::string::npos ||
+           (d.options.shard_stage == 3 && refusal.find("memory was released") != std::string::npos)));
+    auto ref = std::make_shared<ThreeLinear>(13);
+    dp::optim::SGD ref_opt(ref->parameters(), {.lr = 0.1});
+    opt.zero_grad();
+    loss_fn(model(a.x), a.y).backward();
+    CHECK_NOTHROW(opt.step());
+    loss_fn(ref->forward(a.x), a.y).backward();
+    ref_opt.step();
+    CHECK(max_diff(flat(net->state_dict()), flat(ref->state_dict())) < kTolerance);
+  }
+}
+
 // Note [Saved tensors and in-place writes]: an optimizer's step between a forward and
 // its backward writes the weights that forward's graph saved, on every device. Without
 // the check the backward would compute the earlier layers' gradients from the stepped

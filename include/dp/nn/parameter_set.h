@@ -241,6 +241,11 @@ class ParameterSet : public std::enable_shared_from_this<ParameterSet> {
   /// the gradient of its span the runtime keeps (Note [Copy spans]). `set_to_none`
   /// also clears every slot's got_grad (Note [Parameters without a gradient]).
   void zero_grad(bool set_to_none = true);
+  /// Drops the .grad a backward gave a parameter of `slots` on a copy whose gradient
+  /// buffer a runtime released (Sharded stages 2 and 3): no range takes such a gradient
+  /// (a forward through the module itself, outside the runtime), and the runtime refuses
+  /// a step or backward while one is there; zero_grad clears it.
+  void drop_stray_grads(const std::vector<std::shared_ptr<Parameter::Slot>>& slots);
   /// Moves the marks of the gradients that arrived in every copy's leaves since the last
   /// call into their slots' got_grad (Note [Parameters without a gradient]).
   void collect_arrived_grads();

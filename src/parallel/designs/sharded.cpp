@@ -264,14 +264,36 @@ void ShardedDesign::note_grad_edits() {
   edited_zero_grad_count_ = set().zero_grad_count();
 }
 
+// Stages 2 and 3 keep no gradient on device 0's parameters outside a no_sync pass's
+// buffer (Note [Detached gradients]): the workers' backward sends each one straight to
+// its owners. A .grad there came from a backward the wrapper did not run — a forward
+// through the module itself (net->forward(x), not model(x)) whose loss joined the
+// wrapper's — and no range would ever take it: the step would drop it, silently. DP
+// and DDP add it to device 0's gradient as PyTorch's DataParallel does (DDP sends it
+// to every replica as an edit by hand, Note [Gradient edits]).
+void ShardedDesign::check_no_stray_grads(const char* what) const {
+  if (!store_ || !store_->shards_grads() || set().copy(0).grad.defined()) return;
+  for (const auto& slot : set().slots()) {
+    if (slot->is_buffer || slot->tied || slot->copies.empty()) continue;
+    DP_CHECK(!slot->copies[0].grad().defined(), "DataParallel (Sharded stage ", stage_, "): ", what,
+             " with a gradient on parameter '", slot->name, "' that DataParallel's backward did not make: a "
+             "forward through the module itself (net->forward(x) rather than model(x)) reached backward. The "
+             "sharded gradients are the reduced sums of the wrapper's own backward, so it would be dropped. Run "
+             "every forward through the DataParallel, or use Mode::DP or Mode::DDP (they add it to device 0's "
+             "gradient); opt.zero_grad() clears it");
+  }
+}
+
 void ShardedDesign::check_grads_unedited(const char* what) {
+  check_no_stray_grads(what);
   note_grad_edits();
   if (grads_edited_by_hand_ && set().zero_grad_count() != edited_zero_grad_count_) grads_edited_by_hand_ = false;
   DP_CHECK(!grads_edited_by_hand_, "DataParallel (Sharded): ", what,
-           " after the gradients were edited through parameters() by hand: device 0 holds the summed "
+           " after the gradients were edited through parameters() by hand, or written by a backward through "
+           "the module itself (net->forward(x) rather than model(x)): device 0 holds the summed "
            "gradient of its own range only (zeros elsewhere), so the edit cannot reach the ranges the other "
            "devices own; use dp::nn::utils::clip_grad_norm_ / clip_grad_value_ (they act on every range), "
-           "scale the loss instead, or use Mode::DDP");
+           "scale the loss instead, run every forward through the DataParallel, or use Mode::DDP");
 }
 
 // ---- the optimizer step (Note [Sharded step]) ------------------------------------------------

@@ -72,6 +72,7 @@ class ShardedDesign final : public Design {
   bool sums_in_dp_order() const;
   void note_grad_edits();
   void check_grads_unedited(const char* what);
+  void check_no_stray_grads(const char* what) const;
   void gather_params(int rank);
   void refresh_compute_ranges();
 
