@@ -80,7 +80,14 @@ class DataParallel::Step {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
     if (kind_.replicate || kind_.gather || kind_.refresh) sync_params_ = design().begin_replicate();
     if (kind_.replicate) dp_.set_->follow_primary_requires_grad();  // Note [Frozen parameters]
-    design().begin_step(kind_, sync_params_);
+    if (kind_.backward) {
+      // Sharded refuses a backward after an edit it cannot take (Note [Refusals across
+      // processes]); DP and DDP refuse one that would forget edits that differ.
+      dp_.agree_across_processes("a backward", [&] { design().begin_step(kind_, sync_params_); });
+      if (design().carries_combined_grads()) dp_.check_grad_edits_agree("a backward");
+    } else {
+      design().begin_step(kind_, sync_params_);
+    }
     if (kind_.backward) {
       design().forget_combined_grads();
       dp_.reducer_->prepare(design().syncs_backward());
@@ -376,7 +383,81 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 // workers would (no worker runs between steps; on CUDA each call enqueues on the
 // copy's device's stream, the one its worker uses), under the same busy check. The
 // gradient versions are snapshotted as after any update of every copy.
+// Note [Refusals across processes]
+// Every process of a job runs the same loop, so each reaches the same collectives in
+// the same order. A refusal that one process makes alone, from its own state, breaks
+// that: it leaves, and the others wait in the step's first collective until
+// collective_timeout ends the job (an edit by hand in one process, refused by Sharded
+// there only; or DDP broadcasting an edited gradient where one process saw an edit and
+// another did not). So:
+// - a check that may refuse on local state (Design::check_step, a Sharded backward's
+//   begin_step) runs before any collective of the step, through
+//   agree_across_processes: the processes exchange whether they refused (one host
+//   all-reduce), and if one did, every one throws — its own error, or one naming the
+//   process that refused;
+// - DDP sends an edited gradient to its replicas within the process only (Note
+//   [Gradient edits]), a decision each process takes alone;
+// - DP and DDP step every process's device 0 with the gradient it holds, equal in every
+//   process after a backward. An edit since — by hand, or a forward through the module
+//   itself whose backward added to device 0 — may differ between the processes: DP's
+//   processes would step apart, silently, and a second backward without zero_grad()
+//   would keep process 0's edit alone (Note [Accumulating after a combined backward]).
+//   So an edit is noted before every update of every copy hides it in its snapshot
+//   (Design::note_device0_edits), and at the step, and before such a backward, the
+//   processes agree on whether any edited; if one did, device 0's gradients are
+//   compared with process 0's (a broadcast, only then) and differing ones are refused
+//   in every process, naming the cause. Equal edits (the same scaling everywhere) pass.
+//   A whole zero_grad() clears the noted edit.
+void DataParallel::agree_across_processes(const char* what, const std::function<void()>& check) {
+  if (processes_ <= 1) {
+    check();
+    return;
+  }
+  std::exception_ptr refused;
+  try {
+    check();
+  } catch (const Error&) {
+    refused = std::current_exception();
+  }
+  const std::int64_t first = dist::all_reduce(static_cast<std::int64_t>(refused ? process_ : processes_), dist::Op::Min);
+  if (refused) std::rethrow_exception(refused);
+  DP_CHECK(first == processes_, "DataParallel: ", what, " refused by process ", first,
+           " of the job (its error says why); every process refuses it, so that none waits in a collective the "
+           "others left (Note [Refusals across processes])");
+}
+
+void DataParallel::check_grad_edits_agree(const char* what) {
+  if (processes_ <= 1 || options_.mode == Mode::Sharded) return;  // Sharded refuses edits itself
+  design_->note_device0_edits();
+  const bool edited = dist::all_reduce(static_cast<std::int64_t>(design_->device0_edited() ? 1 : 0), dist::Op::Max) != 0;
+  if (!edited) return;
+  comm::Communicator* across = comm_->peers(0);
+  DP_ASSERT(across != nullptr, "DataParallel: no communicator between the processes' device 0s");
+  bool same;
+  {
+    NoGradGuard no_grad;
+    const Tensor& mine = set_->copy(0).grad;
+    Tensor first = mine.clone();
+    across->broadcast(process_, first, 0);
+    same = equal(first, mine);
+  }
+  const std::int64_t differ = dist::all_reduce(static_cast<std::int64_t>(same ? 0 : 1), dist::Op::Max);
+  DP_CHECK(differ == 0, "DataParallel (", mode_name(options_.mode), "): ", what, " after device 0's gradients were "
+           "edited since the backward — by hand through parameters(), or by a backward through the module itself "
+           "(net->forward(x) rather than model(x)) — and differ between the processes now: each process would "
+           "step other gradients", options_.mode == Mode::DP ? " and the processes' parameters would part" : "",
+           ". Make the same edit in every process, edit before the backward (edits made then are summed over the "
+           "processes), or run every forward through the DataParallel; zero_grad() discards the edit (Note "
+           "[Refusals across processes])");
+  design_->forget_device0_edits();  // equal everywhere: nothing left to check
+}
+
 void DataParallel::run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn) {
+  if (processes_ > 1) design_->note_device0_edits();  // before this update's snapshot hides it
+  if (update) {
+    agree_across_processes("opt.step()", [&] { design_->check_step(); });
+    check_grad_edits_agree("opt.step()");
+  }
   const parallel::UpdatePlan plan = design_->plan_update(update);
   if (small && !plan.broadcast_grads && !plan.refresh_params) {
     DP_CHECK(!busy_, "DataParallel: an update of every copy called while another step runs (from inside a worker?)");
@@ -387,7 +468,6 @@ void DataParallel::run_on_copies(int copies, bool update, bool small, const std:
   DP_CHECK(!(update && design_->persistent_replicas() && world_devices() > 1 && !require_sync_),
            "DataParallel: opt.step() inside no_sync(): each replica holds only its own accumulated "
            "gradient until the first backward after the guard combines them; step after that backward");
-  if (update) design_->check_step();
   int ranks = 0;
   for (int r = 0; r < copies; ++r)
     if (!set_->copy(r).transient) ranks = r + 1;

@@ -417,6 +417,20 @@ void Design::snapshot_grad_versions() {
   }
 }
 
+void Design::note_device0_edits() {
+  const Tensor& g = set().copy(0).grad;  // undefined while released (Sharded stages 2 and 3)
+  if (!g.defined() || grad_base_.empty() || g.storage()->version() == grad_base_[0]) return;
+  if (set().zero_grad_count() != snapshot_zero_grad_count_) return;  // zeroed since: nothing edited stands
+  device0_edited_ = true;
+  device0_edited_count_ = set().zero_grad_count();
+}
+
+bool Design::device0_edited() const { return device0_edited_ && set().zero_grad_count() == device0_edited_count_; }
+
+bool Design::carries_combined_grads() const {
+  return combined_ && set().zero_grad_count() == combined_zero_grad_count_;
+}
+
 bool Design::grads_edited_unequally() const {
   const std::uint64_t moved0 = set().copy(0).grad.storage()->version() - grad_base_[0];
   for (int r = 1; r < set().num_copies(); ++r)

@@ -142,6 +142,15 @@ class Design {
   virtual void finish_update(const UpdatePlan& /*plan*/) {}
   /// The gradients' storage versions now (Note [Gradient edits]).
   void snapshot_grad_versions();
+  /// Notes an edit of device 0's gradients since the last snapshot (by hand, or a
+  /// backward the wrapper did not run); it stands until a zero_grad of the whole set or
+  /// forget_device0_edits() (Note [Refusals across processes]).
+  void note_device0_edits();
+  bool device0_edited() const;
+  void forget_device0_edits() { device0_edited_ = false; }
+  /// Whether the next backward starts from the last one's combined sum, which it
+  /// forgets on every copy but one (Note [Accumulating after a combined backward]).
+  bool carries_combined_grads() const;
 
   // ---- what the accessors report -----------------------------------------------------
   /// check_replicas(): whether copies r > 0 are meant to equal device 0's.
@@ -235,6 +244,8 @@ class Design {
     std::uint64_t version = 0;      // its storage version then
   };
   std::vector<ComputeBase> compute_base_;      // per copy (Note [Parameters in low precision])
+  bool device0_edited_ = false;                // note_device0_edits(), while the set's
+  std::uint64_t device0_edited_count_ = 0;     // zero_grad_count() is this
   std::vector<Tensor> buffer_flat_;            // per device: every float32 buffer (Note [Coalesced buffers])
   // Note [Buffers in low precision]: the buffers kept in buffer_dtype and, per device,
   // each one's storage version after the last cast (the copies are in Slot::compute).

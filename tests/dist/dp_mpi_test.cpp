@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -1051,6 +1052,100 @@ TEST_CASE("a training checkpoint with Dropout resumes with the uninterrupted run
     }
     dist::barrier();
     if (dist::is_main()) std::remove(alone_path.c_str());
+  }
+}
+
+namespace {
+
+/// Whether `v` is, bit for bit, what process 0 holds.
+bool same_as_process_0(const std::vector<float>& v) {
+  const std::vector<float> first = dist::broadcast_object(v, 0);
+  const std::int64_t differ = first.size() != v.size() || std::memcmp(first.data(), v.data(), v.size() * sizeof(float)) != 0;
+  return dist::all_reduce(differ, dist::Op::Max) == 0;
+}
+
+/// What one step of `options` across processes does when `edit` (run on this process
+/// after the backward, then `tail`) edits the gradients: the step's error, or "".
+/// Then zero_grad and a plain step: every process must hold process 0's parameters.
+std::string step_after(const dp::DataParallelOptions& options, const std::function<void(dp::nn::Module&)>& edit,
+                       const std::function<void(dp::DataParallel&, const Batch&)>& tail = {}) {
+  dp::DataParallelOptions o = options;
+  o.collective_timeout = std::chrono::seconds(30);  // a hang ends the test, not the suite's budget
+  auto net = make_mlp(kSeed);
+  dp::DataParallel model(net, local_devices(), o);
+  dp::optim::SGD opt(model.parameters(), {.lr = 0.1});
+  const std::int64_t global = global_rows(0);
+  const Batch b = make_batch(global, 77);
+  const auto [lo, n] = my_rows(global);
+  const Batch mine{b.x.narrow(0, lo, n), b.y.narrow(0, lo, n)};
+  std::string error;
+  try {
+    opt.zero_grad();
+    loss_fn(model(mine.x), mine.y).backward();
+    edit(*net);
+    if (tail) tail(model, mine);
+    opt.step();
+  } catch (const dp::Error& e) {
+    error = e.what();
+  }
+  opt.zero_grad();
+  loss_fn(model(mine.x), mine.y).backward();
+  opt.step();
+  CHECK(same_as_process_0(flat(net->state_dict())));
+  if (options.mode == dp::Mode::DDP) CHECK_NOTHROW(model.check_replicas());
+  return error;
+}
+
+void scale_grads(dp::nn::Module& net, float by) {
+  dp::NoGradGuard no_grad;
+  for (dp::Tensor p : net.parameters()) p.grad().mul_(by);
+}
+
+}  // namespace
+
+// Note [Refusals across processes]: an edit of device 0's gradients made in one process
+// only used to part DP's processes silently (2.1 apart in a probe) and to hang DDP's
+// (one process broadcast the edited gradient, the others waited elsewhere until
+// collective_timeout); Sharded refused in that process only, and the others hung.
+TEST_CASE("an edit of the gradients in one process only is refused in every process; equal edits pass") {
+  if (!dist::is_distributed()) return;
+  const bool last = dist::rank() == dist::world_size() - 1;
+  for (const Design& d : designs()) {
+    if (d.options.shard_stage.value_or(1) > 1) continue;  // stages 2-3 keep no .grad to edit (refused apart)
+    CAPTURE(d.name);
+    const std::string alone = step_after(d.options, [&](dp::nn::Module& net) {
+      if (last) scale_grads(net, 2.0f);
+    });
+    CAPTURE(alone);
+    if (d.options.mode == dp::Mode::Sharded) {
+      CHECK(alone.find(last ? "edited through parameters() by hand" : "refused by process") != std::string::npos);
+    } else {
+      CHECK(alone.find("differ between the processes") != std::string::npos);
+      // The same edit everywhere is a legitimate one: the step takes it.
+      CHECK(step_after(d.options, [](dp::nn::Module& net) { scale_grads(net, 0.5f); }).empty());
+      // An edit in one process, then a second backward without zero_grad: the sums of
+      // the first are forgotten on every process but process 0, and its edit with them.
+      const std::string carried = step_after(
+          d.options, [&](dp::nn::Module& net) { if (last) scale_grads(net, 2.0f); },
+          [](dp::DataParallel& model, const Batch& mine) { loss_fn(model(mine.x), mine.y).backward(); });
+      CAPTURE(carried);
+      CHECK(carried.find("a backward after device 0's gradients were edited") != std::string::npos);
+    }
+  }
+  // A forward through the module itself in one process only, in every design.
+  for (const Design& d : designs()) {
+    CAPTURE(d.name);
+    if (d.options.shard_stage == 3) continue;  // its parameters are released between the wrapper's uses
+    const std::int64_t global = global_rows(1);
+    const Batch extra = make_batch(global, 78);
+    CHECK(step_after(d.options, [](dp::nn::Module&) {}).empty());  // nothing edited: the step runs
+    const std::string alone = step_after(d.options, [&](dp::nn::Module& net) {
+      if (last) loss_fn(net.forward(extra.x), extra.y).backward();
+    });
+    CAPTURE(alone);
+    const bool sharded = d.options.mode == dp::Mode::Sharded;
+    CHECK(alone.find(sharded && !last ? "refused by process" : sharded ? "the module itself" : "differ between the processes") !=
+          std::string::npos);
   }
 }
 

@@ -484,6 +484,12 @@ class DataParallel {
   /// [Scatter backward]).
   static std::vector<Tensor> input_gradients(const InputGrads& input_grads);
   void run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn);
+  /// Runs `check` (which may refuse `what` on this process's own state) so that every
+  /// process refuses if one does (Note [Refusals across processes]).
+  void agree_across_processes(const char* what, const std::function<void()>& check);
+  /// Across processes: refuses `what` when device 0's gradients were edited since the
+  /// backward and differ between the processes (Note [Refusals across processes]).
+  void check_grad_edits_agree(const char* what);
   void abort_step(int rank, const std::exception_ptr& error);
   void check_finite(int rank, const Tensor& grad, std::int64_t offset);
 

@@ -53,7 +53,8 @@ class DDPDesign final : public Design {
       params_comm().broadcast(rank, set().copy(rank).data, 0);
     }
     PhaseTimer t(recorder(), rank, Phase::Step);
-    if (plan.broadcast_grads) comm().broadcast(rank, set().copy(rank).grad, 0);
+    // Within the process: each process decides alone (Note [Refusals across processes]).
+    if (plan.broadcast_grads) comm().local().broadcast(rank, set().copy(rank).grad, 0);
     update();
   }
 
