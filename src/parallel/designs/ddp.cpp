@@ -18,8 +18,9 @@ namespace {
 // copy 0's moved by a different amount than a replica's since the gradients were
 // last synchronised, the next update of every copy — the optimizer step, or a clip or
 // zero_grad before it — first broadcasts device 0's gradient buffer to every replica
-// (one call over the buffer, only then), so every replica applies the gradient the
-// user sees. (Only at the step, as it once was, an edit followed by clip_grad_norm_
+// of its process (one call over the buffer, only then), so every replica applies the
+// gradient the user sees; across processes the edits must be equal (Note [Refusals
+// across processes] in src/parallel/data_parallel.cpp). (Only at the step, as it once was, an edit followed by clip_grad_norm_
 // escaped: the clip scaled each copy's own gradient, and the versions it snapshotted
 // after its update moved equally from then on — replicas drifted, silently.) A step inside no_sync() would apply unequal
 // local gradients: it is refused.
