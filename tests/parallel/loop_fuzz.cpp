@@ -41,7 +41,10 @@
 // device 0 too, may get no rows; every batch then has their sum) and an output_device
 // other than 0; from a twelfth, an MLP of two inputs whose second, a gate on the
 // features that the loop trains by hand, every device receives whole
-// (dp::replicated: its gradient is the sum of the devices') —
+// (dp::replicated: its gradient is the sum of the devices'); from a thirteenth, a
+// forward through the module itself (net->forward, device 0's parameters) whose loss
+// joins the micro-batch's, which DP and DDP add to device 0's gradient as PyTorch's
+// DataParallel does and Sharded must refuse (in one process) —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too, 2 and 3 with every Linear a gather unit). The features added
 // after the first grammar (groups, the tied
@@ -181,6 +184,7 @@ struct Micro {
   int loss = 0;               // kLosses[loss]: the reduction, class weights, ignore_index, smoothing
   int rows = 4;               // per process
   int batch = 0;              // the first batch id; forward k uses batch + k
+  bool bare = false;          // a forward through the module itself joins the losses (the thirteenth stream)
 };
 
 struct StepSpec {
@@ -394,6 +398,14 @@ Program generate(std::uint64_t seed) {
   std::mt19937_64 twelfth(seed * 0xA0761D6478BD642Full + 43);
   const bool mlp = p.model == Model::Mlp || p.model == Model::MlpDropout || p.model == Model::TiedMlp;
   p.gate = mlp && !p.scaler && dp::dist::world_size() == 1 && std::uniform_int_distribution<int>(0, 3)(twelfth) == 0;
+  // The thirteenth stream: a forward through the module itself beside the wrapper's. In
+  // one process: across processes each process's module loss is over its own rows, which
+  // one device on the global batch cannot compute (dp_mpi_test checks the refusals).
+  std::mt19937_64 thirteenth(seed * 0xE220A8397B1DCDAFull + 47);
+  for (StepSpec& st : p.steps)
+    for (Micro& mi : st.micros)
+      mi.bare = !mi.forward_backward && dp::dist::world_size() == 1 &&
+                std::uniform_real_distribution<double>(0, 1)(thirteenth) < 0.08;
   normalize(p);
   return p;
 }
@@ -828,6 +840,10 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
           losses.push_back(loss_of(out, b.y, mi.loss));
         }
         if (mi.reuse_first) losses.push_back(loss_of(first_out, batch(mi.batch + 1, mi.rows).y, mi.loss));
+        if (mi.bare) {  // the module itself, on device 0's parameters
+          const Batch b = batch(mi.batch + 5, mi.rows);
+          losses.push_back(loss_of(net->forward(b.x), b.y, mi.loss).to(losses.front().device()));
+        }
         if (mi.separate) {
           for (auto& l : losses)
             if (l.requires_grad()) scaled(l).backward();
@@ -940,6 +956,13 @@ bool single_comparable(const Program& p) {
          p.devices * dp::dist::world_size() == 1;
 }
 
+bool uses_bare(const Program& p) {
+  for (const StepSpec& st : p.steps)
+    for (const Micro& mi : st.micros)
+      if (mi.bare) return true;
+  return false;
+}
+
 bool uses_no_sync(const Program& p) {
   for (const StepSpec& st : p.steps)
     for (const Micro& mi : st.micros)
@@ -954,6 +977,11 @@ bool expected_refusal(const Program& p, const Design& d, const std::string& what
   // Sharded keeps no whole gradient on device 0: stages 2 and 3 no .grad at all, stage 1
   // its own range's; an edit by hand is refused (Note [Gradient edits]).
   const bool sharded = d.options.mode == dp::Mode::Sharded && p.devices * dp::dist::world_size() > 1;
+  // A forward through the module itself: Sharded keeps no gradient it could add to (stage
+  // 3 may not even hold the module's parameters then).
+  if (uses_bare(p) && sharded &&
+      (what.find("the module itself") != std::string::npos || what.find("memory was released") != std::string::npos))
+    return true;
   return sharded && (what.find("no .grad to edit by hand") != std::string::npos ||
                      what.find("edited through parameters() by hand") != std::string::npos ||
                      what.find("gradient is sharded over the devices") != std::string::npos);
@@ -1181,6 +1209,11 @@ std::string cpp(const Program& p, const std::string& spelling) {
       if (mi.reuse_first)
         losses.push_back("dp::nn::cross_entropy(o0, batch(" + std::to_string(mi.batch + 1) + ", " +
                          std::to_string(mi.rows) + ").y" + to_out + opts + ")");
+      if (mi.bare) {
+        os << "  auto bare = batch(" << mi.batch + 5 << ", " << mi.rows << ");  // through the module itself\n";
+        losses.push_back("dp::nn::cross_entropy(net->forward(bare.x), bare.y" + opts + ")" +
+                         (p.output_device != 0 ? ".to(model.output_device())" : ""));
+      }
       const bool last_detached = mi.detach_last;
       if (mi.separate) {
         for (std::size_t i = 0; i < losses.size(); ++i)
@@ -1273,6 +1306,7 @@ Program shrink(Program p, const std::string& design) {
         micro([](Micro& mi) { return std::exchange(mi.detach_last, false); });
         micro([](Micro& mi) { return std::exchange(mi.eval_after, -1) >= 0; });
         micro([](Micro& mi) { return std::exchange(mi.separate, false); });
+        micro([](Micro& mi) { return std::exchange(mi.bare, false); });
         micro([](Micro& mi) { return std::exchange(mi.loss, 0) != 0; });
         if (p.chunk_sizes.empty())  // else every batch has their sum
           micro([](Micro& mi) { return mi.rows > 1 && (mi.rows = std::max(1, mi.rows / 2), true); });
