@@ -80,14 +80,15 @@ class DataParallel::Step {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
     if (kind_.replicate || kind_.gather || kind_.refresh) sync_params_ = design().begin_replicate();
     if (kind_.replicate) dp_.set_->follow_primary_requires_grad();  // Note [Frozen parameters]
-    if (kind_.backward) {
+    if (kind_.backward && dp_.options_.mode == Mode::Sharded) {
       // Sharded refuses a backward after an edit it cannot take (Note [Refusals across
-      // processes]); DP and DDP refuse one that would forget edits that differ.
+      // processes]).
       dp_.agree_across_processes("a backward", [&] { design().begin_step(kind_, sync_params_); });
-      if (design().carries_combined_grads()) dp_.check_grad_edits_agree("a backward");
     } else {
       design().begin_step(kind_, sync_params_);
     }
+    // DP and DDP refuse one that would forget edits that differ between the processes.
+    if (kind_.backward && design().carries_combined_grads()) dp_.check_grad_edits_agree("a backward");
     if (kind_.backward) {
       design().forget_combined_grads();
       dp_.reducer_->prepare(design().syncs_backward());
@@ -393,8 +394,8 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 // - a check that may refuse on local state (Design::check_step, a Sharded backward's
 //   begin_step) runs before any collective of the step, through
 //   agree_across_processes: the processes exchange whether they refused (one host
-//   all-reduce), and if one did, every one throws — its own error, or one naming the
-//   process that refused;
+//   all-reduce of an integer: at each Sharded step and backward), and if one did, every
+//   one throws — its own error, or one naming the process that refused;
 // - DDP sends an edited gradient to its replicas within the process only (Note
 //   [Gradient edits]), a decision each process takes alone;
 // - DP and DDP step every process's device 0 with the gradient it holds, equal in every
@@ -404,7 +405,7 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 //   would keep process 0's edit alone (Note [Accumulating after a combined backward]).
 //   So an edit is noted before every update of every copy hides it in its snapshot
 //   (Design::note_device0_edits), and at the step, and before such a backward, the
-//   processes agree on whether any edited; if one did, device 0's gradients are
+//   processes agree on whether any edited (one host all-reduce of an integer); if one did, device 0's gradients are
 //   compared with process 0's (a broadcast, only then) and differing ones are refused
 //   in every process, naming the cause. Equal edits (the same scaling everywhere) pass.
 //   A whole zero_grad() clears the noted edit.
@@ -454,9 +455,13 @@ void DataParallel::check_grad_edits_agree(const char* what) {
 
 void DataParallel::run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn) {
   if (processes_ > 1) design_->note_device0_edits();  // before this update's snapshot hides it
-  if (update) {
-    agree_across_processes("opt.step()", [&] { design_->check_step(); });
-    check_grad_edits_agree("opt.step()");
+  if (update) {  // one host all-reduce of an integer across processes: Sharded's refusal or DP's and DDP's edits
+    if (options_.mode == Mode::Sharded) {
+      agree_across_processes("opt.step()", [&] { design_->check_step(); });
+    } else {
+      design_->check_step();
+      check_grad_edits_agree("opt.step()");
+    }
   }
   const parallel::UpdatePlan plan = design_->plan_update(update);
   if (small && !plan.broadcast_grads && !plan.refresh_params) {
