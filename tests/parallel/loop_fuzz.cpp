@@ -44,7 +44,8 @@
 // (dp::replicated: its gradient is the sum of the devices'); from a thirteenth, a
 // forward through the module itself (net->forward, device 0's parameters) whose loss
 // joins the micro-batch's, which DP and DDP add to device 0's gradient as PyTorch's
-// DataParallel does and Sharded must refuse (in one process) —
+// DataParallel does and Sharded must refuse (in one process); from a fourteenth, the
+// state_dict scaled and loaded back through the module itself rather than the wrapper —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too, 2 and 3 with every Linear a gather unit). The features added
 // after the first grammar (groups, the tied
@@ -200,6 +201,7 @@ struct StepSpec {
   bool scheduler = false;     // StepLR(step_size 1, gamma 0.5) steps after opt.step()
   bool evaluate = false;      // eval(), a no_grad forward, train() after the step
   bool reload = false;        // state_dict() scaled by 0.99, loaded back, after the step
+  bool reload_net = false;    // ... through the module (net->state_dict()) rather than the wrapper (the fourteenth stream)
   bool resume = false;        // a training checkpoint saved, loaded into fresh objects
   bool momentum_to_half = false;  // the last group's momentum (Adam: beta1) set to 0.5 first
   bool unscale = false;       // with a scaler: scaler.unscale_(opt) before the step even without clipping
@@ -406,6 +408,9 @@ Program generate(std::uint64_t seed) {
     for (Micro& mi : st.micros)
       mi.bare = !mi.forward_backward && dp::dist::world_size() == 1 &&
                 std::uniform_real_distribution<double>(0, 1)(thirteenth) < 0.08;
+  // The fourteenth stream: a reload through the module itself.
+  std::mt19937_64 fourteenth(seed * 0x9FB21C651E98DF25ull + 53);
+  for (StepSpec& st : p.steps) st.reload_net = std::uniform_int_distribution<int>(0, 1)(fourteenth) == 1;
   normalize(p);
   return p;
 }
@@ -893,10 +898,11 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
         net->train(true);
       }
       if (st.reload) {
-        dp::nn::StateDict sd = model ? model->state_dict() : net->state_dict();
+        const bool wrapper = model && !st.reload_net;
+        dp::nn::StateDict sd = wrapper ? model->state_dict() : net->state_dict();
         dp::nn::StateDict scaled;
         for (auto& [name, t] : sd) scaled.emplace_back(name, t.dtype() == dp::Dtype::Float32 ? dp::mul(t, 0.99) : t.clone());
-        if (model) {
+        if (wrapper) {
           model->load_state_dict(scaled);
         } else {
           net->load_state_dict(scaled);
@@ -1245,9 +1251,11 @@ std::string cpp(const Program& p, const std::string& spelling) {
     if (st.resume)
       os << "// save_training_checkpoint (with the scheduler), then a fresh net, DataParallel, optimizer and "
             "scheduler built as above and load_training_checkpoint into them\n";
-    if (st.reload)
-      os << "{ dp::nn::StateDict sd; for (auto& [n, t] : model.state_dict()) sd.emplace_back(n, t.dtype() == "
-            "dp::Dtype::Float32 ? dp::mul(t, 0.99) : t.clone()); model.load_state_dict(sd); }\n";
+    if (st.reload) {
+      const std::string who = st.reload_net ? "net->" : "model.";
+      os << "{ dp::nn::StateDict sd; for (auto& [n, t] : " << who << "state_dict()) sd.emplace_back(n, t.dtype() == "
+         << "dp::Dtype::Float32 ? dp::mul(t, 0.99) : t.clone()); " << who << "load_state_dict(sd); }\n";
+    }
   }
   return os.str();
 }
