@@ -45,7 +45,9 @@
 // forward through the module itself (net->forward, device 0's parameters) whose loss
 // joins the micro-batch's, which DP and DDP add to device 0's gradient as PyTorch's
 // DataParallel does and Sharded must refuse (in one process); from a fourteenth, the
-// state_dict scaled and loaded back through the module itself rather than the wrapper —
+// state_dict scaled and loaded back through the module itself rather than the wrapper;
+// from a fifteenth, the optimizer built on the module's own parameters() before the
+// wrapper exists —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too, 2 and 3 with every Linear a gather unit). The features added
 // after the first grammar (groups, the tied
@@ -232,6 +234,7 @@ struct Program {
   std::vector<std::int64_t> chunk_sizes;  // DataParallelOptions::chunk_sizes; every batch has their sum of rows
   int eval_rows = 5;       // the rows of an evaluation's forward
   bool gate = false;       // the MLPs' second input, a replicated gate trained by hand (the twelfth stream)
+  bool optimizer_first = false;  // the optimizer built on net->parameters() before the wrapper (the fifteenth)
   std::vector<StepSpec> steps;
 };
 
@@ -411,6 +414,9 @@ Program generate(std::uint64_t seed) {
   // The fourteenth stream: a reload through the module itself.
   std::mt19937_64 fourteenth(seed * 0x9FB21C651E98DF25ull + 53);
   for (StepSpec& st : p.steps) st.reload_net = std::uniform_int_distribution<int>(0, 1)(fourteenth) == 1;
+  // The fifteenth stream: the optimizer made before the wrapper, on the module's list.
+  std::mt19937_64 fifteenth(seed * 0xC4CEB9FE1A85EC53ull + 59);
+  p.optimizer_first = std::uniform_int_distribution<int>(0, 3)(fifteenth) == 0;
   normalize(p);
   return p;
 }
@@ -720,6 +726,7 @@ std::unique_ptr<Objects> build(const Program& p, const Design* design) {
   o->net = make_model(p.model, p.seed, p.poison_step >= 0, p.side, p.gate);
   std::vector<dp::Device> devices;
   for (int i = 0; i < p.devices; ++i) devices.push_back(dp::cpu(i));
+  if (design && p.optimizer_first) o->optimizer = make_optimizer(p, o->net->parameters());
   if (design) {
     dp::DataParallelOptions options = design->options;
     options.output_device = p.output_device;
@@ -731,7 +738,7 @@ std::unique_ptr<Objects> build(const Program& p, const Design* design) {
     }
     o->model.emplace(o->net, devices, options);
   }
-  o->optimizer = make_optimizer(p, o->model ? o->model->parameters() : o->net->parameters());
+  if (!o->optimizer) o->optimizer = make_optimizer(p, o->model ? o->model->parameters() : o->net->parameters());
   o->sched = std::make_unique<dp::optim::StepLR>(*o->optimizer, dp::optim::StepLROptions{.step_size = 1, .gamma = 0.5});
   if (p.scaler) o->scaler.emplace(dp::amp::GradScalerOptions{.init_scale = p.init_scale, .growth_interval = p.growth_interval});
   return o;
@@ -1148,10 +1155,11 @@ std::string cpp(const Program& p, const std::string& spelling) {
   os << "dp::DataParallel model(net, {";
   for (int i = 0; i < p.devices; ++i) os << (i ? ", " : "") << "dp::cpu(" << i << ")";
   os << "}, options);\n";
-  std::string params = "model.parameters()";
+  std::string params = p.optimizer_first ? "net->parameters()" : "model.parameters()";
+  if (p.optimizer_first) os << "// the optimizer below is built before `model`, on net->parameters()\n";
   if (p.groups) {
-    os << "auto matrices = model.parameters().filter([](const dp::Tensor& t) { return t.dim() >= 2; });\n"
-          "auto rest = model.parameters().filter([](const dp::Tensor& t) { return t.dim() < 2; });\n";
+    os << "auto matrices = " << params << ".filter([](const dp::Tensor& t) { return t.dim() >= 2; });\n"
+       << "auto rest = " << params << ".filter([](const dp::Tensor& t) { return t.dim() < 2; });\n";
     params = "{{matrices}, {rest, {.lr = " + std::to_string(p.lr / 2) +
              (p.optim == Optim::Sgd ? ", .momentum = 0.0, .dampening = 0.25" : "") + ", .weight_decay = 0.0" +
              (p.optim == Optim::Sgd ? ", .nesterov = false" : "") + "}}}";
@@ -1341,6 +1349,7 @@ Program shrink(Program p, const std::string& design) {
     whole([](Program& q) { return std::exchange(q.output_device, 0) != 0; });
     whole([](Program& q) { return !std::exchange(q.chunk_sizes, {}).empty(); });
     whole([](Program& q) { return std::exchange(q.gate, false); });
+    whole([](Program& q) { return std::exchange(q.optimizer_first, false); });
     whole([](Program& q) { return q.poison_step < 0 && std::exchange(q.scaler, false); });
     for (Program& q : candidates) normalize(q);
     for (const Program& q : candidates)
