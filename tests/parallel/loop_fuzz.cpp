@@ -38,7 +38,8 @@
 // the step from a ninth, the CNN turned into one of two convolutions whose batches are
 // channels-last (2 channels; Note [Channels-last tensors]) from a tenth, and from an
 // eleventh where the wrapper puts rows and outputs: explicit chunk_sizes (any device,
-// device 0 too, may get no rows; every batch then has their sum) and an output_device
+// device 0 too, may get no rows, and a list may stop before the empty devices at its
+// end; every batch then has their sum) and an output_device
 // other than 0; from a twelfth, an MLP of two inputs whose second, a gate on the
 // features that the loop trains by hand, every device receives whole
 // (dp::replicated: its gradient is the sum of the devices'); from a thirteenth, a
@@ -392,6 +393,9 @@ Program generate(std::uint64_t seed) {
     const bool empty_first = eleventh_pick(0, 2) == 0;  // device 0 gets no rows
     p.chunk_sizes.assign(static_cast<std::size_t>(p.devices), 0);
     for (int r = 0; r < rows; ++r) ++p.chunk_sizes[static_cast<std::size_t>(eleventh_pick(empty_first ? 1 : 0, p.devices - 1))];
+    // A list may stop before the devices it leaves empty ("at most one per device").
+    if (eleventh_pick(0, 1) == 0)
+      while (p.chunk_sizes.size() > 1 && p.chunk_sizes.back() == 0) p.chunk_sizes.pop_back();
     for (StepSpec& st : p.steps)
       for (Micro& mi : st.micros) mi.rows = rows;
     p.eval_rows = rows;
