@@ -48,7 +48,9 @@
 // DataParallel does and Sharded must refuse (in one process); from a fourteenth, the
 // state_dict scaled and loaded back through the module itself rather than the wrapper;
 // from a fifteenth, the optimizer built on the module's own parameters() before the
-// wrapper exists —
+// wrapper exists; and under mpirun, from a sixteenth, the .grad edits made by the last
+// process alone, which every design must refuse in every process (Note [Refusals across
+// processes]: the job must neither hang nor part) —
 // and run on one device and in DP, DDP and Sharded stages 1-3 (1 and 2 with the
 // deferred gather too, 2 and 3 with every Linear a gather unit). The features added
 // after the first grammar (groups, the tied
@@ -198,6 +200,7 @@ struct StepSpec {
   bool edit_grads = false;    // every .grad halved by hand before clipping and the step
   bool edit_params_late = false;  // parameters scaled in place between backward and the step (the ninth stream)
   bool set_grads = false;     // ... spelt p.set_grad(p.grad() * 0.5), PyTorch's p.grad = ..., not in place
+  bool edit_one_process = false;  // ... by the last process alone (the sixteenth stream, under mpirun)
   bool keep_zeros = false;    // zero_grad(false): PyTorch's set_to_none=False
   double clip = 0;            // > 0: clip_grad_norm_(params, clip) before the step
   double clip_value = 0;      // > 0: clip_grad_value_(params, clip_value) after it (the eighth stream)
@@ -421,6 +424,13 @@ Program generate(std::uint64_t seed) {
   // The fifteenth stream: the optimizer made before the wrapper, on the module's list.
   std::mt19937_64 fifteenth(seed * 0xC4CEB9FE1A85EC53ull + 59);
   p.optimizer_first = std::uniform_int_distribution<int>(0, 3)(fifteenth) == 0;
+  // The sixteenth stream: across processes, .grad edited in place by the last process only.
+  std::mt19937_64 sixteenth(seed * 0xD2B74407B1CE6E93ull + 61);
+  for (StepSpec& st : p.steps)
+    if (st.edit_grads && dp::dist::world_size() > 1 && std::uniform_int_distribution<int>(0, 1)(sixteenth) == 1) {
+      st.edit_one_process = true;
+      st.set_grads = false;  // set_grad refuses on stages 2-3 where it runs: in place, checked everywhere
+    }
   normalize(p);
   return p;
 }
@@ -873,6 +883,9 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
       if (st.edit_params_late) scale_params();
       if (st.edit_grads) {
         dp::NoGradGuard no_grad;
+        // The edit itself by this process? Every process when not edit_one_process; the
+        // reference (no wrapper) always.
+        const bool here = !design || !st.edit_one_process || dp::dist::rank() == dp::dist::world_size() - 1;
         for (dp::Tensor t : (model ? model->parameters() : net->parameters())) {
           dp::Tensor g = t.grad();
           // Stages 2 and 3 keep no .grad between backward and step (documented): a
@@ -883,7 +896,7 @@ Trace run(const Program& p, const Design* design, bool resumes = true) {
             continue;
           }
           if (!g.defined()) throw dp::Error("no .grad to edit by hand (Sharded stage 2 and 3 keep none)");
-          g.mul_(0.5f);
+          if (here) g.mul_(0.5f);
         }
       }
       if (scaler && (st.clip > 0 || st.clip_value > 0 || st.unscale)) scaler->unscale_(opt);
@@ -973,6 +986,10 @@ bool single_comparable(const Program& p) {
          p.devices * dp::dist::world_size() == 1;
 }
 
+bool edits_one_process(const Program& p) {
+  return std::any_of(p.steps.begin(), p.steps.end(), [](const StepSpec& st) { return st.edit_one_process; });
+}
+
 bool uses_bare(const Program& p) {
   for (const StepSpec& st : p.steps)
     for (const Micro& mi : st.micros)
@@ -996,6 +1013,11 @@ bool expected_refusal(const Program& p, const Design& d, const std::string& what
   const bool sharded = d.options.mode == dp::Mode::Sharded && p.devices * dp::dist::world_size() > 1;
   // A forward through the module itself: Sharded keeps no gradient it could add to (stage
   // 3 may not even hold the module's parameters then).
+  // .grad edited by one process only: refused in every process, by the process that
+  // saw it and by the others naming it (Note [Refusals across processes]).
+  if (edits_one_process(p) && (what.find("differ between the processes") != std::string::npos ||
+                               what.find("refused by process") != std::string::npos))
+    return true;
   if (uses_bare(p) && sharded &&
       (what.find("the module itself") != std::string::npos || what.find("memory was released") != std::string::npos))
     return true;
@@ -1246,6 +1268,7 @@ std::string cpp(const Program& p, const std::string& spelling) {
     }
     if (st.edit_params_late)
       os << "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.mul_(0.98f); }  // after backward\n";
+    if (st.edit_one_process) os << "// the edit below: by the last process only\n";
     if (st.edit_grads)
       os << (st.set_grads ? "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.set_grad(t.grad() * 0.5); }\n"
                           : "{ dp::NoGradGuard g; for (dp::Tensor t : model.parameters()) t.grad().mul_(0.5f); }\n");
