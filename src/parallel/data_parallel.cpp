@@ -80,7 +80,7 @@ class DataParallel::Step {
     DP_CHECK(!dp_.busy_, "DataParallel: ", what, " called while another step runs (from inside a worker?)");
     if (kind_.replicate || kind_.gather || kind_.refresh) sync_params_ = design().begin_replicate();
     if (kind_.replicate) dp_.set_->follow_primary_requires_grad();  // Note [Frozen parameters]
-    if (kind_.backward && dp_.options_.mode == Mode::Sharded) {
+    if (kind_.backward && design().refuses_grad_edits()) {
       // Sharded refuses a backward after an edit it cannot take (Note [Refusals across
       // processes]).
       dp_.agree_across_processes("a backward", [&] { design().begin_step(kind_, sync_params_); });
@@ -377,13 +377,6 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
   return processes_ > 1 ? dist::all_reduce(rows, dist::Op::Sum) : rows;
 }
 
-// Note [Small work inline]
-// Zeroing the gradients of a small model (the ToyModel's 165 parameters: 660 bytes a
-// copy) takes far less than a hand-over to every worker and back. Such work comes as
-// CopyWork::SmallGradients, and the calling thread does every copy's itself, as the
-// workers would (no worker runs between steps; on CUDA each call enqueues on the
-// copy's device's stream, the one its worker uses), under the same busy check. The
-// gradient versions are snapshotted as after any update of every copy.
 // Note [Refusals across processes]
 // Every process of a job runs the same loop, so each reaches the same collectives in
 // the same order. A refusal that one process makes alone, from its own state, breaks
@@ -405,9 +398,9 @@ std::int64_t DataParallel::global_rows(std::int64_t rows) const {
 //   would keep process 0's edit alone (Note [Accumulating after a combined backward]).
 //   So an edit is noted before every update of every copy hides it in its snapshot
 //   (Design::note_device0_edits), and at the step, and before such a backward, the
-//   processes agree on whether any edited (one host all-reduce of an integer); if one did, device 0's gradients are
-//   compared with process 0's (a broadcast, only then) and differing ones are refused
-//   in every process, naming the cause. Equal edits (the same scaling everywhere) pass.
+//   processes agree on whether any edited (one host all-reduce of an integer); if one
+//   did, device 0's gradients are compared with process 0's (a broadcast, only then)
+//   and differing ones are refused in every process, naming the cause. Equal edits (the same scaling everywhere) pass.
 //   A whole zero_grad() clears the noted edit.
 void DataParallel::agree_across_processes(const char* what, const std::function<void()>& check) {
   if (processes_ <= 1) {
@@ -420,7 +413,8 @@ void DataParallel::agree_across_processes(const char* what, const std::function<
   } catch (const Error&) {
     refused = std::current_exception();
   }
-  const std::int64_t first = dist::all_reduce(static_cast<std::int64_t>(refused ? process_ : processes_), dist::Op::Min);
+  const std::int64_t mine = refused ? process_ : processes_;
+  const std::int64_t first = dist::all_reduce(mine, dist::Op::Min);
   if (refused) std::rethrow_exception(refused);
   DP_CHECK(first == processes_, "DataParallel: ", what, " refused by process ", first,
            " of the job (its error says why); every process refuses it, so that none waits in a collective the "
@@ -428,9 +422,10 @@ void DataParallel::agree_across_processes(const char* what, const std::function<
 }
 
 void DataParallel::check_grad_edits_agree(const char* what) {
-  if (processes_ <= 1 || options_.mode == Mode::Sharded) return;  // Sharded refuses edits itself
+  if (processes_ <= 1 || design_->refuses_grad_edits()) return;
   design_->note_device0_edits();
-  const bool edited = dist::all_reduce(static_cast<std::int64_t>(design_->device0_edited() ? 1 : 0), dist::Op::Max) != 0;
+  const std::int64_t edited_here = design_->device0_edited() ? 1 : 0;
+  const bool edited = dist::all_reduce(edited_here, dist::Op::Max) != 0;
   if (!edited) return;
   comm::Communicator* across = comm_->peers(0);
   DP_ASSERT(across != nullptr, "DataParallel: no communicator between the processes' device 0s");
@@ -453,10 +448,17 @@ void DataParallel::check_grad_edits_agree(const char* what) {
   design_->forget_device0_edits();  // equal everywhere: nothing left to check
 }
 
+// Note [Small work inline]
+// Zeroing the gradients of a small model (the ToyModel's 165 parameters: 660 bytes a
+// copy) takes far less than a hand-over to every worker and back. Such work comes as
+// CopyWork::SmallGradients, and the calling thread does every copy's itself, as the
+// workers would (no worker runs between steps; on CUDA each call enqueues on the
+// copy's device's stream, the one its worker uses), under the same busy check. The
+// gradient versions are snapshotted as after any update of every copy.
 void DataParallel::run_on_copies(int copies, bool update, bool small, const std::function<void(int)>& fn) {
   if (processes_ > 1) design_->note_device0_edits();  // before this update's snapshot hides it
   if (update) {  // one host all-reduce of an integer across processes: Sharded's refusal or DP's and DDP's edits
-    if (options_.mode == Mode::Sharded) {
+    if (design_->refuses_grad_edits()) {
       agree_across_processes("opt.step()", [&] { design_->check_step(); });
     } else {
       design_->check_step();

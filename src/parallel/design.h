@@ -136,6 +136,9 @@ class Design {
   virtual UpdatePlan plan_update(bool /*step*/) { return {}; }
   /// Before an optimizer step's workers run: throws when the step must be refused.
   virtual void check_step() {}
+  /// Whether the design refuses edits of device 0's gradients itself (check_step, and a
+  /// backward's begin_step) rather than taking them (Note [Refusals across processes]).
+  virtual bool refuses_grad_edits() const { return false; }
   /// Worker `rank`: the optimizer's update of its copy, `update`, with what the plan adds.
   virtual void run_update(int rank, const UpdatePlan& plan, bool sync_params, const std::function<void()>& update);
   /// After every worker's update returned.

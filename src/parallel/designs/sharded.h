@@ -36,6 +36,7 @@ class ShardedDesign final : public Design {
 
   UpdatePlan plan_update(bool step) override;
   void check_step() override { check_grads_unedited("opt.step()"); }
+  bool refuses_grad_edits() const override { return true; }
   void run_update(int rank, const UpdatePlan& plan, bool sync_params, const std::function<void()>& update) override;
   void finish_update(const UpdatePlan& plan) override;
 
